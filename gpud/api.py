@@ -1,0 +1,459 @@
+"""The HTTP/JSON API on the Unix socket (docs/api.md).
+
+Every route is authorized from the peer's credentials (SO_PEERCRED): reads for anyone who can
+open the socket, mutations for uid 0 or the admin group. A route is a mutation unless it is
+registered as a read; nothing is public except on the optional metrics listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import math
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpud.config import MAX_MIB, _reason
+from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.service import LedgerService, check_serve_name
+from gpud.store import EventQuery
+from gpud.views import DrawSource, ledger_view, serve_view, serves_view
+
+log = logging.getLogger("gpud.api")
+
+BODY_LIMIT = 64 * 1024
+CONFIG_BODY_LIMIT = 1024 * 1024
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+M = TypeVar("M", bound=BaseModel)
+Access = Literal["read", "admin", "public"]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+
+def peer_of(request: web.Request) -> Peer | None:
+    """The credentials of the process at the other end of a Unix socket; None over TCP."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    groups: set[int] = {gid}
+    try:
+        data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups.update(struct.unpack(f"{len(data) // 4}I", data))
+    except OSError:
+        pass
+    return Peer(pid, uid, gid, frozenset(groups))
+
+
+def admin_gid(group: str) -> int | None:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+def may_mutate(peer: Peer | None, admin_group_gid: int | None) -> bool:
+    if peer is None:
+        return False
+    return peer.uid == 0 or (admin_group_gid is not None and admin_group_gid in peer.groups)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class AdmitBody(_Wire):
+    mib: int = Field(gt=0, le=MAX_MIB)
+    role: str | None = None
+
+
+class ReleaseBody(_Wire):
+    stop: bool = False
+
+
+class ConfigBody(_Wire):
+    config: str = Field(max_length=CONFIG_BODY_LIMIT)
+    source: str | None = None
+
+
+class Supervisor(Protocol):
+    async def start(self, serve: str, uid: int | None) -> None: ...
+    async def stop(self, serve: str, uid: int | None, *, release: bool = False) -> None: ...
+    async def restart(self, serve: str, uid: int | None) -> None: ...
+
+
+class Calibrations(Protocol):
+    def calibration_of(self, serve: str) -> tuple[str, str | None]: ...
+
+
+class Api:
+    def __init__(self, svc: LedgerService, *, draws: DrawSource | None = None,
+                 supervisor: Supervisor | None = None,
+                 calibrations: Calibrations | None = None,
+                 metrics: Callable[[], str] | None = None,
+                 reload: Callable[[int | None], Awaitable[dict[str, Any]]] | None = None,
+                 extra_routes: Callable[[Api], None] | None = None) -> None:
+        self.svc = svc
+        self.draws = draws
+        self.supervisor = supervisor
+        self.calibrations = calibrations
+        self.metrics = metrics
+        self.reload_hook = reload
+        self.admin_gid = admin_gid(svc.config.daemon.admin_group)
+        self._access: dict[str, Access] = {}
+        self.app = web.Application(middlewares=[self._errors, self._authorize],
+                                   client_max_size=CONFIG_BODY_LIMIT)
+        self.route("GET", "/v1/status", self.status, "read")
+        self.route("GET", "/v1/ledger", self.ledger, "read")
+        self.route("GET", "/v1/serves", self.serves, "read")
+        self.route("GET", "/v1/serves/{name}", self.serve, "read")
+        self.route("GET", "/v1/events", self.events, "read")
+        self.route("GET", "/v1/openapi.json", self.openapi, "read")
+        self.route("GET", "/metrics", self.metrics_text, "read")
+        self.route("POST", "/v1/serves/{name}/admit", self.admit)
+        self.route("POST", "/v1/serves/{name}/release", self.release)
+        self.route("POST", "/v1/serves/{name}/start", self.start)
+        self.route("POST", "/v1/serves/{name}/stop", self.stop)
+        self.route("POST", "/v1/serves/{name}/restart", self.restart)
+        self.route("POST", "/v1/reload", self.reload)
+        if extra_routes:
+            extra_routes(self)
+
+    def route(self, method: str, path: str, handler: Handler, access: Access = "admin") -> None:
+        """Register a route. Anything not registered as "read" or "public" needs an admin."""
+        self.app.router.add_route(method, path, handler)
+        self._access[f"{method} {path}"] = access
+
+    # ---- middlewares -----------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GpudError as exc:
+            if exc.http_status >= 500:
+                log.error("%s %s: %s", request.method, request.path, exc.message)
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(PayloadTooLarge(
+                f"request body over the limit of {exc.max_size} bytes",
+                {"limit": exc.max_size}))
+        except web.HTTPNotFound:
+            return error_response(NotFound(f"no such route: {request.method} {request.path}"))
+        except web.HTTPMethodNotAllowed as exc:
+            err = BadRequest(f"method {request.method} not allowed on {request.path}",
+                             {"allowed": sorted(exc.allowed_methods)})
+            resp = error_response(err)
+            resp.set_status(405)
+            return resp
+        except web.HTTPException:
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # the one place a bug becomes a 500 instead of a dead daemon
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(GpudError(f"internal error: {type(exc).__name__}"))
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        info = request.match_info.route.resource
+        key = f"{request.method} {info.canonical}" if info else ""
+        access = self._access.get(key, "admin")
+        peer = peer_of(request)
+        request["peer"] = peer
+        if access == "public":
+            return await handler(request)
+        if peer is None and request.transport is not None:
+            # The TCP metrics listener: only /metrics, nothing else.
+            if key == "GET /metrics":
+                return await handler(request)
+            raise Forbidden("only /metrics is served on the TCP listener")
+        if access == "admin" and not may_mutate(peer, self.admin_gid):
+            group = self.svc.config.daemon.admin_group
+            uid = peer.uid if peer else None
+            log.warning("refused %s %s from uid %s", request.method, request.path, uid,
+                        extra={"journal": {"GPUD_EVENT": "forbidden", "GPUD_UID": uid}})
+            raise Forbidden(
+                f"uid {uid} may read but not change the ledger: mutations need root or "
+                f"membership of group {group!r}",
+                {"uid": uid, "admin_group": group},
+            )
+        return await handler(request)
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def observation_status(self) -> dict[str, Any]:
+        obs = self.svc.observer
+        status = getattr(obs, "status", None)
+        if callable(status):
+            return dict(status())
+        return {"backend": "none", "available": False, "simulated": False,
+                "reason": "no observation backend configured"}
+
+    async def status(self, request: web.Request) -> web.Response:
+        return json_response(self.svc.status_view(self.observation_status()))
+
+    async def ledger(self, request: web.Request) -> web.Response:
+        return json_response(ledger_view(self.svc, self.draws))
+
+    def _calibrations(self) -> dict[str, tuple[str, str | None]]:
+        if self.calibrations is None:
+            return {}
+        return {n: self.calibrations.calibration_of(n) for n in self.svc.known_serves()}
+
+    async def serves(self, request: web.Request) -> web.Response:
+        return json_response(serves_view(self.svc, self.draws, self._calibrations()))
+
+    def _known(self, request: web.Request) -> str:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        if name not in self.svc.known_serves():
+            raise NotFound(f"unknown serve {name!r}", {"serve": name})
+        return name
+
+    async def serve(self, request: web.Request) -> web.Response:
+        name = self._known(request)
+        cal = self.calibrations.calibration_of(name) if self.calibrations else ("uncalibrated", None)
+        return json_response(serve_view(self.svc, name, self.draws, cal))
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        unknown = set(q) - {"serve", "role", "kind", "since", "limit", "follow", "after"}
+        if unknown:
+            raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        limit = _int_param(q.get("limit"), "limit", 100, 1, 10000)
+        after = _int_param(q.get("after"), "after", 0, 0, 2**62) if "after" in q else None
+        query = EventQuery(
+            serves=q.getall("serve", []), roles=q.getall("role", []), kinds=q.getall("kind", []),
+            since=parse_since(q["since"]) if "since" in q else None, after_id=after, limit=limit,
+        )
+        if q.get("follow") not in (None, "", "0", "false"):
+            return await self._follow(request, query)
+        events = await self.svc.events(query)
+        return json_response({"events": [e.to_json() for e in events]})
+
+    async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:
+        """NDJSON: the matching backlog (up to `limit`), then each new event as it happens."""
+        sub = self.svc.subscribe(query)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        try:
+            last = 0
+            for ev in await self.svc.events(query):
+                last = ev.id or last
+                await resp.write(json.dumps(ev.to_json()).encode() + b"\n")
+            while True:
+                try:
+                    ev = await asyncio.wait_for(sub.queue.get(), timeout=15)
+                except TimeoutError:
+                    await resp.write(b"\n")  # keepalive: notices a client that went away
+                    continue
+                if ev is None:
+                    break
+                if ev.id is not None and ev.id <= last:
+                    continue
+                await resp.write(json.dumps(ev.to_json()).encode() + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.svc.unsubscribe(sub)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from gpud.openapi import document
+
+        return json_response(document())
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            raise Unavailable("metrics are not set up in this gpud")
+        return web.Response(text=self.metrics(),
+                            content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    # ---- mutations -------------------------------------------------------------------------
+
+    @staticmethod
+    def _uid(request: web.Request) -> int | None:
+        peer: Peer | None = request.get("peer")
+        return peer.uid if peer else None
+
+    async def admit(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        body = await read_model(request, AdmitBody)
+        admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
+        f = admission.figures
+        return json_response({
+            "serve": name,
+            "role": admission.reservation.role,
+            "mib": admission.reservation.mib,
+            "replaced_mib": admission.replaced_mib,
+            "check": admission.check,
+            "note": admission.note,
+            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+        })
+
+    async def release(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        body = await read_model(request, ReleaseBody, empty_ok=True)
+        uid = self._uid(request)
+        if body.stop and self.supervisor is not None:
+            held = self.svc.ledger.reservations.get(name)
+            await self.supervisor.stop(name, uid, release=True)
+            if held is None:
+                raise NotFound(f"serve {name!r} holds no reservation", {"serve": name})
+            res = held
+        else:
+            res = await self.svc.release(name, uid=uid)
+        f = self.svc.ledger.figures(res.role)
+        return json_response({
+            "serve": name, "role": res.role, "released_mib": res.mib,
+            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+        })
+
+    def _need_supervisor(self) -> Supervisor:
+        if self.supervisor is None:
+            available, why = self.svc.launching()
+            raise Unavailable(f"launching is unavailable: {why}")
+        return self.supervisor
+
+    async def _lifecycle(self, request: web.Request, action: str) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        await read_model(request, _Empty, empty_ok=True)
+        sup = self._need_supervisor()
+        uid = self._uid(request)
+        if action == "start":
+            await sup.start(name, uid)
+        elif action == "stop":
+            await sup.stop(name, uid)
+        else:
+            await sup.restart(name, uid)
+        cal = self.calibrations.calibration_of(name) if self.calibrations else ("uncalibrated", None)
+        return json_response(serve_view(self.svc, name, self.draws, cal))
+
+    async def start(self, request: web.Request) -> web.Response:
+        return await self._lifecycle(request, "start")
+
+    async def stop(self, request: web.Request) -> web.Response:
+        return await self._lifecycle(request, "stop")
+
+    async def restart(self, request: web.Request) -> web.Response:
+        return await self._lifecycle(request, "restart")
+
+    async def reload(self, request: web.Request) -> web.Response:
+        await read_model(request, _Empty, empty_ok=True)
+        if self.reload_hook is None:
+            raise Unavailable("this gpud was started without a config file to reload")
+        return json_response(await self.reload_hook(self._uid(request)))
+
+
+class _Empty(_Wire):
+    pass
+
+
+def error_response(exc: GpudError) -> web.Response:
+    return json_response(exc.to_json(), status=exc.http_status)
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, allow_nan=False), status=status,
+                        content_type="application/json")
+
+
+def _no_constants(name: str) -> Any:
+    raise BadRequest(f"invalid JSON: {name} is not a number JSON allows")
+
+
+async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
+                              f"of {limit} bytes", {"limit": limit})
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes", {"limit": limit})
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise BadRequest("request body is empty: a JSON object is required")
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except UnicodeDecodeError as exc:
+        raise BadRequest("invalid JSON: not UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:
+        raise BadRequest("invalid JSON: nested too deeply") from exc
+
+
+async def read_model(request: web.Request, model: type[M], *,
+                                   empty_ok: bool = False, limit: int = BODY_LIMIT) -> M:
+    data = await read_json(request, limit, empty_ok=empty_ok)
+    if not isinstance(data, dict):
+        raise BadRequest(f"request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {_wire_reason(e)}"
+                    for e in exc.errors()]
+        raise BadRequest("; ".join(problems), {"problems": problems}) from exc
+
+
+def _wire_reason(err: Any) -> str:
+    if err["type"] == "int_type" and err["loc"] == ("mib",):
+        value = err.get("input")
+        shown = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else value
+        return f"must be a positive integer number of MiB, got {shown}"
+    return _reason(err)
+
+
+def _int_param(value: str | None, name: str, default: int, low: int, high: int) -> int:
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise BadRequest(f"{name}: must be an integer, got {value[:50]!r}") from exc
+    if not low <= number <= high:
+        raise BadRequest(f"{name}: must be between {low} and {high}")
+    return number
+
+
+def parse_since(value: str) -> float:
+    """Epoch seconds or ISO 8601 (a naive time is local time, like journalctl's --since)."""
+    try:
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError as exc:
+        raise BadRequest(f"since: not epoch seconds or ISO 8601: {value[:50]!r}") from exc

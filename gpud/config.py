@@ -1,0 +1,309 @@
+"""``serves.toml``: frozen, strict models whose key names are the interface.
+
+Loading fails loudly: every problem is reported as ``key.path: reason`` (``serves.ocr.vram_mib:
+must be > 0``), all of them at once. A resident set that does not fit is NOT a config error: it is
+an admission outcome, decided by the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import string
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gpud.errors import ConfigError
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+NAME_RE = re.compile(NAME_PATTERN)
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
+MAX_MIB = 2**31 - 1
+
+PLACEHOLDERS = frozenset({"port", "gpu_memory_utilization", "device_index", "vram_mib"})
+# gpud pins the serve to its device itself; a serve's environment may not override that.
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+
+
+def check_name(kind: str, name: str) -> str:
+    """Serve and role names become systemd unit names and URL path segments."""
+    if not NAME_RE.fullmatch(name):
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise ValueError(f"invalid {kind} name {shown!r}: must match {NAME_PATTERN}")
+    return name
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class DaemonConfig(_Model):
+    socket: str = "/run/gpud/gpud.sock"
+    state_dir: str = "/var/lib/gpud"
+    admission: Literal["strict", "ledger"] = "strict"
+    admin_group: str = "gpud-admin"
+    socket_group: str = "gpud"
+    observe_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    health_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    # A running serve turns `failed` after this many health checks in a row fail.
+    health_failures: int = Field(default=3, ge=1, le=1000)
+    crash_loop_restarts: int = Field(default=5, ge=1, le=1000)
+    crash_loop_window_s: float = Field(default=60.0, gt=0)
+    overdraw_tolerance_mib: int = Field(default=256, ge=0, le=MAX_MIB)
+    # After a stop, the next start on that device waits at most this long for NVML to show the
+    # memory back (vLLM frees its memory some seconds after the process is told to stop).
+    memory_return_timeout_s: float = Field(default=60.0, ge=0)
+    vllm_executable: str = "vllm"
+    config_backups: int = Field(default=10, ge=1, le=1000)
+    metrics_listen: str | None = None
+
+
+class RoleConfig(_Model):
+    device: str = Field(min_length=1)
+    capacity_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    reserve_mib: int = Field(default=0, ge=0, le=MAX_MIB)
+    note: str | None = None
+
+
+class VllmConfig(_Model):
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    executable: str | None = None
+
+
+class ServeConfig(_Model):
+    role: str
+    vram_mib: int = Field(gt=0, le=MAX_MIB)
+    resident: bool = False
+    priority: int = Field(default=100, ge=0, le=1_000_000)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    health_path: str = "/health"
+    vllm: VllmConfig | None = None
+    command: list[str] | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    start_timeout_s: float = Field(default=900.0, gt=0)
+    stop_timeout_s: float = Field(default=30.0, gt=0)
+    restart: Literal["no", "on-failure", "always"] = "on-failure"
+    restart_sec: float = Field(default=2.0, ge=0)
+
+    @model_validator(mode="after")
+    def _how_to_run(self) -> ServeConfig:
+        if (self.vllm is None) == (self.command is None):
+            raise ValueError("give exactly one of a [vllm] table or a command")
+        if self.command is not None and not self.command:
+            raise ValueError("command: must not be empty")
+        if not self.health_path.startswith("/"):
+            raise ValueError("health_path: must start with '/'")
+        return self
+
+
+class SimulatedDevice(_Model):
+    uuid: str = Field(min_length=1)
+    total_mib: int = Field(gt=0, le=MAX_MIB)
+    index: int | None = Field(default=None, ge=0)
+    pci_bus_id: str | None = None
+    name: str | None = None
+
+
+class SimulationConfig(_Model):
+    state_file: str = "/run/gpud/sim.json"
+    devices: list[SimulatedDevice] = Field(min_length=1)
+
+
+class Config(_Model):
+    daemon: DaemonConfig = DaemonConfig()
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    serves: dict[str, ServeConfig] = Field(default_factory=dict)
+    simulation: SimulationConfig | None = None
+
+    def role_of(self, serve: str) -> str | None:
+        spec = self.serves.get(serve)
+        return spec.role if spec else None
+
+
+def _reason(err: Mapping[str, Any]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    simple = {
+        "missing": "required",
+        "extra_forbidden": "unknown key",
+        "int_type": "must be an integer",
+        "float_type": "must be a number",
+        "string_type": "must be a string",
+        "bool_type": "must be true or false",
+        "dict_type": "must be a table",
+        "model_type": "must be a table",
+        "tuple_type": "must be an array",
+        "list_type": "must be an array",
+    }
+    if kind in simple:
+        return simple[kind]
+    if kind == "greater_than":
+        return f"must be > {ctx['gt']}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx['ge']}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx['le']}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return str(err["msg"])
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    # pydantic puts "function-after[...]" or the union member name into loc for some models.
+    parts = [str(p) for p in loc if not str(p).startswith("function-")]
+    return ".".join(parts) if parts else "(top level)"
+
+
+def _semantic_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
+    for name in cfg.roles:
+        try:
+            check_name("role", name)
+        except ValueError as exc:
+            problems.append(f"roles.{name}: {exc}")
+    for name, role in cfg.roles.items():
+        if role.capacity_mib is not None and role.reserve_mib >= role.capacity_mib:
+            problems.append(
+                f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity_mib "
+                f"{role.capacity_mib}"
+            )
+    ports: dict[int, str] = {}
+    for name, serve in cfg.serves.items():
+        try:
+            check_name("serve", name)
+        except ValueError as exc:
+            problems.append(f"serves.{name}: {exc}")
+        role = cfg.roles.get(serve.role)
+        if role is None:
+            known = ", ".join(sorted(cfg.roles)) or "none"
+            problems.append(f"serves.{name}.role: unknown role {serve.role!r} (roles: {known})")
+        elif role.capacity_mib is not None and serve.vram_mib > role.capacity_mib:
+            problems.append(
+                f"serves.{name}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} "
+                f"capacity_mib {role.capacity_mib}"
+            )
+        if serve.port is not None:
+            if serve.port in ports:
+                problems.append(
+                    f"serves.{name}.port: {serve.port} is already used by serve {ports[serve.port]!r}"
+                )
+            else:
+                ports[serve.port] = name
+        for key, value in serve.environment.items():
+            if not ENV_NAME_RE.fullmatch(key):
+                problems.append(f"serves.{name}.environment.{key}: not a valid variable name")
+            elif key in RESERVED_ENV:
+                problems.append(f"serves.{name}.environment.{key}: set by gpud, may not be overridden")
+            if "\0" in value or "\n" in value:
+                problems.append(f"serves.{name}.environment.{key}: must not contain NUL or newline")
+        for i, arg in enumerate(serve.command or ()):
+            problem = _placeholder_problem(arg)
+            if problem:
+                problems.append(f"serves.{name}.command[{i}]: {problem}")
+            if "\0" in arg:
+                problems.append(f"serves.{name}.command[{i}]: must not contain NUL")
+    if cfg.simulation is not None:
+        seen: set[str] = set()
+        for i, dev in enumerate(cfg.simulation.devices):
+            if dev.uuid in seen:
+                problems.append(f"simulation.devices[{i}].uuid: duplicate {dev.uuid!r}")
+            seen.add(dev.uuid)
+    return problems
+
+
+def _placeholder_problem(arg: str) -> str | None:
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
+    except ValueError as exc:
+        return f"bad placeholder syntax ({exc}); write literal braces as {{{{ and }}}}"
+    unknown = [f for f in fields if f not in PLACEHOLDERS]
+    if unknown:
+        allowed = ", ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
+        return f"unknown placeholder {{{unknown[0]}}} (allowed: {allowed})"
+    return None
+
+
+def parse_config(text: str, source: str) -> Config:
+    """Parse and validate config text. Raises ConfigError naming every problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, [f"TOML syntax: {exc}"]) from exc
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{_key_path(e['loc'])}: {_reason(e)}" for e in exc.errors()]
+        raise ConfigError(source, problems) from exc
+    problems = _semantic_problems(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def read_config_text(path: Path, *, require_private: bool | None = None) -> str:
+    """Read a config file, refusing one that others could have written.
+
+    Serve commands come only from this file and run as root's transient units, so when gpud runs
+    as root a config writable by group or others would hand root to whoever can write it.
+    """
+    source = str(path)
+    if require_private is None:
+        require_private = os.geteuid() == 0
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(source, ["not a regular file"])
+        if require_private and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                source,
+                [f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                 f"run `chmod go-w {source}`"],
+            )
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ConfigError(source, ["file not found"]) from exc
+    except PermissionError as exc:
+        raise ConfigError(source, ["permission denied"]) from exc
+    except OSError as exc:
+        raise ConfigError(source, [f"cannot read: {exc.strerror}"]) from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [f"not UTF-8 (byte {exc.start})"]) from exc
+
+
+def load_config(path: Path, *, require_private: bool | None = None) -> Config:
+    return parse_config(read_config_text(path, require_private=require_private), str(path))
+
+
+def summary(cfg: Config) -> str:
+    """The lines `gpud --check-config` prints for a valid config."""
+    lines = [f"admission {cfg.daemon.admission}; socket {cfg.daemon.socket}; "
+             f"state {cfg.daemon.state_dir}"]
+    for rname, role in sorted(cfg.roles.items()):
+        cap = f"{role.capacity_mib} MiB" if role.capacity_mib else "device total"
+        lines.append(f"role {rname!r} on {role.device}: capacity {cap}, reserve {role.reserve_mib} MiB")
+        serves = sorted(
+            ((s.priority, n, s) for n, s in cfg.serves.items() if s.role == rname),
+            key=lambda t: (t[0], t[1]),
+        )
+        for _, sname, s in serves:
+            flags = "resident" if s.resident else "on demand"
+            lines.append(f"  {sname} {s.vram_mib} MiB ({flags}, priority {s.priority})")
+    if cfg.simulation:
+        devs = ", ".join(f"{d.uuid} {d.total_mib} MiB" for d in cfg.simulation.devices)
+        lines.append(f"simulated devices: {devs}")
+    return "\n".join(lines)

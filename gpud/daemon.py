@@ -1,0 +1,333 @@
+"""gpud's process: arguments, lifecycle, the socket, signals and sd_notify.
+
+Resources are entered in order and left in reverse (an AsyncExitStack): store, observer, bus,
+API listener, supervisor. SIGTERM/SIGINT set an event; SIGHUP reloads the config. Stopping gpud
+never stops the serves: they are systemd units of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gpud import __version__
+from gpud.api import Api
+from gpud.config import Config, load_config, summary
+from gpud.errors import ConfigError, GpudError
+from gpud.journal import setup_logging
+from gpud.service import LedgerService, resolve_budgets
+from gpud.store import Store
+
+log = logging.getLogger("gpud")
+
+SD_LISTEN_FDS_START = 3
+
+
+class SocketInUse(GpudError):
+    code = "socket-in-use"
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket systemd passed us (gpud.socket), if any."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    try:
+        count = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return None
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    if count < 1:
+        return None
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock.setblocking(False)
+    return sock
+
+
+def bind_unix_socket(path: Path, group: str | None) -> socket.socket:
+    """Bind the API socket: refuse when another gpud answers on it, replace a stale one only
+    when nothing answers, mode 0660 and group `group` when it exists."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket: refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # stale: nothing listens
+        except OSError as exc:
+            raise SocketInUse(f"cannot tell whether {path} is in use: {exc.strerror}") from exc
+        else:
+            raise SocketInUse(f"another gpud is already answering on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o117)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    if group:
+        with contextlib.suppress(KeyError, PermissionError):
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class Notifier:
+    """sd_notify, when systemd asked for it (NOTIFY_SOCKET); silent otherwise."""
+
+    def __init__(self) -> None:
+        self._notifier: Any = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            import sdnotify
+
+            self._notifier = sdnotify.SystemdNotifier()
+
+    def __call__(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+
+def watchdog_interval() -> float | None:
+    usec = os.environ.get("WATCHDOG_USEC")
+    if not usec or os.environ.get("WATCHDOG_PID", str(os.getpid())) != str(os.getpid()):
+        return None
+    try:
+        return int(usec) / 1e6 / 2
+    except ValueError:
+        return None
+
+
+class Daemon:
+    def __init__(self, config: Config, *, config_path: Path | None,
+                 notify: Callable[[str], None] | None = None,
+                 overrides: dict[str, Any] | None = None) -> None:
+        self.overrides = overrides or {}
+        self.config = apply_overrides(config, self.overrides)
+        self.config_path = config_path
+        self.notify = notify or Notifier()
+        self.stopping = asyncio.Event()
+        self.svc: LedgerService | None = None
+        self.api: Api | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._sighup()))
+        async with AsyncExitStack() as stack:
+            cfg = self.config
+            store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
+            stack.callback(store.close)
+            observer = await self._observer(stack)
+            svc = LedgerService(cfg, store, config_path=self.config_path, observer=observer)
+            self.svc = svc
+            svc.load()
+            stack.callback(svc.close)
+            supervisor = await self._supervisor(stack, svc)
+            self.api = Api(svc, draws=observer, supervisor=supervisor,
+                           calibrations=getattr(observer, "calibrations", None),
+                           metrics=self._metrics(svc, observer, supervisor),
+                           reload=self.reload)
+            await self._listen(stack, self.api.app)
+            if supervisor is not None:
+                await supervisor.reconcile()
+            svc.ready = True
+            self.notify(f"READY=1\nSTATUS={svc.summary()}")
+            log.info("gpud %s ready: %s", __version__, svc.summary())
+            interval = watchdog_interval()
+            if interval:
+                stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
+            if supervisor is not None:
+                stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
+            await self.stopping.wait()
+            self.notify("STOPPING=1")
+            log.info("gpud stopping; serves keep running")
+
+    async def _observer(self, stack: AsyncExitStack) -> Any:
+        try:
+            from gpud.observer import make_observer
+        except ImportError:
+            return None
+        observer = make_observer(self.config)
+        await stack.enter_async_context(observer)
+        return observer
+
+    async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService) -> Any:
+        try:
+            from gpud.supervisor import make_supervisor
+        except ImportError:
+            return None
+        supervisor = make_supervisor(svc, self.config, notify=self.notify)
+        await stack.enter_async_context(supervisor)
+        return supervisor
+
+    def _metrics(self, svc: LedgerService, observer: Any, supervisor: Any) -> Any:
+        try:
+            from gpud.metrics import render
+        except ImportError:
+            return None
+        return lambda: render(svc, observer, supervisor)
+
+    async def _boot(self, supervisor: Any) -> None:
+        await supervisor.boot()
+        if self.svc is not None:
+            self.notify(f"STATUS={self.svc.summary()}")
+
+    async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        sock = inherited_socket()
+        path = Path(self.config.daemon.socket)
+        if sock is None:
+            sock = bind_unix_socket(path, self.config.daemon.socket_group)
+            stack.callback(_unlink_if_ours, path, os.stat(path).st_ino)
+        site = web.SockSite(runner, sock)
+        await site.start()
+        listen = self.config.daemon.metrics_listen
+        if listen:
+            host, _, port = listen.rpartition(":")
+            await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+            log.info("metrics on http://%s/metrics", listen)
+        log.info("listening on %s", path if sock.family == socket.AF_UNIX else sock)
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def _sighup(self) -> None:
+        try:
+            await self.reload(None)
+        except GpudError as exc:
+            log.error("reload refused, keeping the running config: %s", exc.message)
+
+    async def reload(self, uid: int | None) -> dict[str, Any]:
+        if self.config_path is None or self.svc is None:
+            raise GpudError("no config file to reload")
+        self.notify("RELOADING=1")
+        try:
+            cfg = apply_overrides(load_config(self.config_path), self.overrides)
+            over = await self.svc.reload(cfg, source=str(self.config_path), uid=uid)
+            self.config = cfg
+            if self.api is not None:
+                from gpud.api import admin_gid
+
+                self.api.admin_gid = admin_gid(cfg.daemon.admin_group)
+            return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}
+        finally:
+            self.notify(f"READY=1\nSTATUS={self.svc.summary()}")
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _unlink_if_ours(path: Path, inode: int) -> None:
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """--socket and --state-dir win over the file, also across reloads."""
+    if not overrides:
+        return cfg
+    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=overrides)})
+
+
+def check_config(path: Path) -> int:
+    try:
+        cfg = load_config(path)
+        totals = {}
+        if cfg.simulation:
+            for i, dev in enumerate(cfg.simulation.devices):
+                totals[dev.uuid] = dev.total_mib
+                totals[str(dev.index if dev.index is not None else i)] = dev.total_mib
+        resolve_budgets(cfg, totals.get)
+    except ConfigError as exc:
+        print(exc.message, file=sys.stderr)
+        return 2
+    print(f"{path}: ok")
+    print(summary(cfg))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gpud",
+        description="gpud: the GPU-memory ledger of this host. Admits or denies reservations "
+                    "with a reason, launches serves as systemd units, and reports on a Unix "
+                    "socket (see gpuctl).",
+    )
+    parser.add_argument("--config", type=Path, default=Path("/etc/gpud/serves.toml"),
+                        help="serves.toml to run with (default: %(default)s)")
+    parser.add_argument("--socket", help="API socket path (overrides daemon.socket)")
+    parser.add_argument("--state-dir", help="state directory (overrides daemon.state_dir)")
+    parser.add_argument("--check-config", type=Path, metavar="PATH",
+                        help="validate PATH, print a summary or the errors (exit 2), and exit")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-target", default="auto", choices=["auto", "journal", "stderr"])
+    parser.add_argument("--version", action="version", version=f"gpud {__version__}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.check_config is not None:
+        return check_config(args.check_config)
+    setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        log.error("%s", exc.message)
+        print(f"gpud: {exc.message}", file=sys.stderr)
+        return 2
+    overrides: dict[str, Any] = {}
+    if args.socket:
+        overrides["socket"] = args.socket
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
+    try:
+        asyncio.run(Daemon(cfg, config_path=args.config, overrides=overrides).run())
+    except ConfigError as exc:
+        print(f"gpud: {exc.message}", file=sys.stderr)
+        return 2
+    except GpudError as exc:
+        log.error("gpud cannot run: %s", exc.message)
+        print(f"gpud: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            print(f"gpud: permission denied: {exc.filename or exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

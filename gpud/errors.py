@@ -1,0 +1,116 @@
+"""The one error tree of gpud.
+
+Every error a client can see is a ``GpudError``: it carries a stable ``code`` (the JSON
+``error.code``), the HTTP status the API answers with and the exit code gpuctl uses. Foreign
+exceptions (sqlite3, D-Bus, NVML, pydantic, OS errors) are mapped at the edge that meets them
+with ``raise ... from exc``; nothing above the adapters catches a foreign exception.
+
+    GpudError                    500  exit 1
+    +-- BadRequest               400  exit 2   malformed or invalid input
+    |   +-- ConfigError          400  exit 2   a config file that cannot be used
+    +-- Forbidden                403  exit 1   the peer may not change the ledger
+    +-- NotFound                 404  exit 2   unknown serve or role
+    +-- PayloadTooLarge          413  exit 2   request body over the limit
+    +-- Refused                  409  exit 1   an expected refusal: the answer, not a fault
+    |   +-- Denied               409  exit 1   admission denied (bound, need, free, shortfall)
+    |   +-- Conflict             409  exit 1   the request contradicts the current state
+    +-- Unavailable              503  exit 1   a backend (system bus, observation, store) is down
+    +-- StoreError               500  exit 1   the durable store failed; nothing was changed
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class GpudError(Exception):
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    exit_code: ClassVar[int] = 1
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details or {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class BadRequest(GpudError):
+    code = "bad-request"
+    http_status = 400
+    exit_code = 2
+
+
+class ConfigError(BadRequest):
+    """A config that cannot be used. ``problems`` holds one "key.path: reason" line each."""
+
+    code = "config-invalid"
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: invalid config\n{lines}", {"source": source, "problems": problems})
+        self.source = source
+        self.problems = problems
+
+
+class Forbidden(GpudError):
+    code = "forbidden"
+    http_status = 403
+    exit_code = 1
+
+
+class NotFound(GpudError):
+    code = "not-found"
+    http_status = 404
+    exit_code = 2
+
+
+class PayloadTooLarge(GpudError):
+    code = "payload-too-large"
+    http_status = 413
+    exit_code = 2
+
+
+class Refused(GpudError):
+    """An expected refusal. Logged as a warning, never as an error."""
+
+    code = "refused"
+    http_status = 409
+    exit_code = 1
+
+
+class Denied(Refused):
+    code = "denied"
+
+
+class Conflict(Refused):
+    code = "conflict"
+
+
+class Unavailable(GpudError):
+    code = "unavailable"
+    http_status = 503
+    exit_code = 1
+
+
+class StoreError(GpudError):
+    code = "store-failed"
+    http_status = 500
+    exit_code = 1
+
+
+ALL_ERRORS: tuple[type[GpudError], ...] = (
+    GpudError,
+    BadRequest,
+    ConfigError,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    Refused,
+    Denied,
+    Conflict,
+    Unavailable,
+    StoreError,
+)

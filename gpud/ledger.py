@@ -1,0 +1,288 @@
+"""The ledger and its arithmetic: values in, values out. No I/O, no clock, no asyncio.
+
+Per role::
+
+    committed   = sum of reservations on the role
+    ledger_free = capacity - reserve - committed
+
+Per device, when observation is available::
+
+    managed_draw    = draw of processes inside gpud's serve units
+    non_ledger_draw = used - managed_draw
+    reserve_excess  = non_ledger_draw - reserve
+    pending         = sum over reservations not yet drawing of max(0, mib - observed)
+    effective_free  = min(ledger_free, physical_free - pending)
+
+A serve's own reservation is replaced on re-admission, never added to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Bound = Literal["ledger", "physical"]
+Check = Literal["ledger", "strict"]
+
+# States whose reservation is not yet (fully) drawing: their shortfall is "pending" memory that
+# physical free cannot give to anyone else.
+PENDING_STATES = frozenset({"admitted", "starting"})
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    serve: str
+    role: str
+    mib: int
+    since: float
+    by_uid: int | None = None
+    external: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RoleBudget:
+    name: str
+    device: str
+    capacity_mib: int
+    reserve_mib: int
+    note: str | None = None
+    # A role that holds reservations but is gone from the config: capacity 0, so everything on it
+    # shows as over-committed instead of vanishing.
+    missing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RoleFigures:
+    role: str
+    capacity_mib: int
+    reserve_mib: int
+    committed_mib: int
+
+    @property
+    def free_mib(self) -> int:
+        return self.capacity_mib - self.reserve_mib - self.committed_mib
+
+    @property
+    def over_committed(self) -> bool:
+        return self.free_mib < 0
+
+    def line(self) -> str:
+        return (
+            f"gpu_role '{self.role}': capacity {self.capacity_mib} MiB, reserve "
+            f"{self.reserve_mib} MiB, committed {self.committed_mib} MiB, free {self.free_mib} MiB"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    serve: str
+    role: str
+    bound: Bound
+    need_mib: int
+    free_mib: int
+
+    @property
+    def shortfall_mib(self) -> int:
+        return self.need_mib - self.free_mib
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"{self.bound} bound: need {self.need_mib} MiB, free {self.free_mib} MiB, "
+            f"short {self.shortfall_mib} MiB"
+        )
+
+    @property
+    def message(self) -> str:
+        return f"{self.serve} denied on {self.role}: {self.reason}"
+
+    def details(self) -> dict[str, int | str]:
+        return {
+            "serve": self.serve,
+            "role": self.role,
+            "bound": self.bound,
+            "need_mib": self.need_mib,
+            "free_mib": self.free_mib,
+            "shortfall_mib": self.shortfall_mib,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalView:
+    """What the observer says about the device a role sits on, for one admission."""
+
+    physical_free_mib: int
+    pending_mib: int
+    # The serve's own observed draw (already on the device, counted in "used") and its own
+    # pending share: both come back to it when its reservation is replaced.
+    own_observed_mib: int = 0
+    own_pending_mib: int = 0
+
+    def free_for_serve(self) -> int:
+        return (self.physical_free_mib - (self.pending_mib - self.own_pending_mib)
+                + self.own_observed_mib)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    reservation: Reservation
+    replaced_mib: int | None
+    figures: RoleFigures
+    check: Check
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Ledger:
+    roles: Mapping[str, RoleBudget]
+    reservations: Mapping[str, Reservation] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, roles: Iterable[RoleBudget], reservations: Iterable[Reservation]) -> Ledger:
+        """A ledger over the configured roles; roles only the reservations still name are kept
+        as `missing` (capacity 0) so those reservations show up as over-committed."""
+        by_name = {r.name: r for r in roles}
+        held = {r.serve: r for r in reservations}
+        for res in held.values():
+            if res.role not in by_name:
+                by_name[res.role] = RoleBudget(res.role, "", 0, 0, missing=True)
+        return cls(by_name, held)
+
+    def on_role(self, role: str) -> list[Reservation]:
+        return sorted(
+            (r for r in self.reservations.values() if r.role == role),
+            key=lambda r: (r.since, r.serve),
+        )
+
+    def figures(self, role: str, *, excluding: str | None = None) -> RoleFigures:
+        budget = self.roles[role]
+        committed = sum(
+            r.mib for r in self.reservations.values() if r.role == role and r.serve != excluding
+        )
+        return RoleFigures(role, budget.capacity_mib, budget.reserve_mib, committed)
+
+    def over_committed(self) -> list[RoleFigures]:
+        return [f for f in (self.figures(name) for name in sorted(self.roles)) if f.over_committed]
+
+    def decide(
+        self,
+        serve: str,
+        role: str,
+        mib: int,
+        *,
+        since: float,
+        by_uid: int | None,
+        external: bool = False,
+        physical: PhysicalView | None = None,
+        check: Check = "ledger",
+        note: str | None = None,
+    ) -> tuple[Ledger, Admission] | Denial:
+        """Admit `mib` for `serve` on `role`, or say which bound refused it.
+
+        With `physical` given (strict admission with observation available) the serve must also
+        fit in what the device physically has free, less memory promised to serves that are not
+        drawing yet.
+        """
+        if mib <= 0:
+            raise ValueError("mib must be positive")
+        previous = self.reservations.get(serve)
+        ledger_free = self.figures(role, excluding=serve).free_mib
+        if mib > ledger_free:
+            return Denial(serve, role, "ledger", mib, ledger_free)
+        if physical is not None:
+            physical_free = physical.free_for_serve()
+            if mib > physical_free:
+                return Denial(serve, role, "physical", mib, physical_free)
+        reservation = Reservation(serve, role, mib, since, by_uid, external)
+        held = dict(self.reservations)
+        held[serve] = reservation
+        after = replace(self, reservations=held)
+        replaced = previous.mib if previous is not None else None
+        return after, Admission(reservation, replaced, after.figures(role), check, note)
+
+    def release(self, serve: str) -> tuple[Ledger, Reservation]:
+        held = dict(self.reservations)
+        reservation = held.pop(serve)
+        return replace(self, reservations=held), reservation
+
+    def with_roles(self, roles: Iterable[RoleBudget]) -> Ledger:
+        return Ledger.build(roles, self.reservations.values())
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceDraw:
+    """One device's observed memory split by who draws it. All MiB."""
+
+    total_mib: int
+    used_mib: int
+    physical_free_mib: int
+    managed_draw_mib: int
+    reserve_mib: int
+    pending_mib: int
+    by_serve: Mapping[str, int]
+
+    @property
+    def non_ledger_draw_mib(self) -> int:
+        return self.used_mib - self.managed_draw_mib
+
+    @property
+    def reserve_excess_mib(self) -> int:
+        return self.non_ledger_draw_mib - self.reserve_mib
+
+    def effective_free(self, ledger_free_mib: int) -> int:
+        return min(ledger_free_mib, self.physical_free_mib - self.pending_mib)
+
+
+def serve_draws(processes: Iterable[tuple[int, int | None]], owners: Mapping[int, str]) -> dict[str, int]:
+    """MiB per serve from (pid, mib) pairs and pid → serve attribution. A process whose draw the
+    driver could not report counts as unattributed (it stays in `used`, so in non-ledger draw)."""
+    draws: dict[str, int] = {}
+    for pid, mib in processes:
+        serve = owners.get(pid)
+        if serve is not None and mib is not None:
+            draws[serve] = draws.get(serve, 0) + mib
+    return draws
+
+
+def device_draw(
+    *,
+    total_mib: int,
+    used_mib: int,
+    free_mib: int,
+    draws: Mapping[str, int],
+    reservations: Iterable[Reservation],
+    states: Mapping[str, str],
+    reserve_mib: int,
+) -> DeviceDraw:
+    """Split one device's draw. `reservations` are those on the roles of this device; `draws`
+    are the observed MiB per serve on it."""
+    pending = 0
+    for res in reservations:
+        if states.get(res.serve, "admitted") in PENDING_STATES:
+            pending += max(0, res.mib - draws.get(res.serve, 0))
+    return DeviceDraw(
+        total_mib=total_mib,
+        used_mib=used_mib,
+        physical_free_mib=free_mib,
+        managed_draw_mib=sum(draws.values()),
+        reserve_mib=reserve_mib,
+        pending_mib=pending,
+        by_serve=dict(draws),
+    )
+
+
+def pending_share(res: Reservation | None, state: str | None, observed: int) -> int:
+    if res is None or (state or "admitted") not in PENDING_STATES:
+        return 0
+    return max(0, res.mib - observed)
+
+
+def gpu_memory_utilization(vram_mib: int, total_mib: int) -> str:
+    """vLLM's --gpu-memory-utilization is a fraction of the device TOTAL. Floor to 4 decimals so
+    util x total never exceeds the reservation (14336 / 32607 -> 0.4396)."""
+    if total_mib <= 0:
+        raise ValueError("total_mib must be positive")
+    ten_thousandths = (vram_mib * 10_000) // total_mib
+    ten_thousandths = min(ten_thousandths, 10_000)
+    return f"{ten_thousandths // 10_000}.{ten_thousandths % 10_000:04d}"

@@ -1,0 +1,417 @@
+"""The ledger service: owns the in-memory ledger and serve states, and commits every change to
+the store before anyone is told it happened.
+
+Mutations are serialized by one asyncio lock: the decision is made on the current ledger, the
+transaction commits (in the store's worker thread), and only then the in-memory ledger moves on.
+A failed commit leaves memory as it was. Everything the service needs from outside (store,
+clock, observer) is passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpud import __version__
+from gpud.config import Config, ServeConfig, check_name
+from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
+from gpud.ledger import Admission, Denial, Ledger, PhysicalView, Reservation, RoleBudget
+from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
+
+log = logging.getLogger("gpud")
+
+# Serve states (DESIGN.md "Words").
+DECLARED = "declared"
+ADMITTED = "admitted"
+STARTING = "starting"
+RUNNING = "running"
+STOPPING = "stopping"
+DENIED = "denied"
+FAILED = "failed"
+EXTERNAL = "external"
+STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL)
+# States in which a live process may hold the reservation's memory.
+LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
+
+
+class Observer(Protocol):
+    """What the service asks of observation (see gpud.observer)."""
+
+    @property
+    def available(self) -> bool: ...
+
+    def physical_view(self, device: str, serve: str, ledger: Ledger,
+                      states: Mapping[str, str]) -> PhysicalView | None: ...
+
+    def device_total(self, device: str) -> int | None: ...
+
+
+@dataclass
+class ServeRecord:
+    state: str = DECLARED
+    reason: str | None = None
+    updated: float = 0.0
+    main_pid: int | None = None
+    n_restarts: int = 0
+
+
+def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None]) -> list[RoleBudget]:
+    """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
+    the device, never higher."""
+    problems: list[str] = []
+    budgets: list[RoleBudget] = []
+    for name, role in sorted(cfg.roles.items()):
+        total = device_total(role.device)
+        capacity = role.capacity_mib
+        if capacity is None:
+            if total is None:
+                problems.append(
+                    f"roles.{name}.capacity_mib: required, since the total of device "
+                    f"{role.device!r} cannot be observed"
+                )
+                continue
+            capacity = total
+        elif total is not None and capacity > total:
+            problems.append(
+                f"roles.{name}.capacity_mib: {capacity} exceeds device {role.device!r} total "
+                f"{total} MiB"
+            )
+            continue
+        if role.reserve_mib >= capacity:
+            problems.append(f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity {capacity}")
+            continue
+        budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
+    for sname, serve in cfg.serves.items():
+        budget = next((b for b in budgets if b.name == serve.role), None)
+        if budget and serve.vram_mib > budget.capacity_mib:
+            problems.append(
+                f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} capacity "
+                f"{budget.capacity_mib}"
+            )
+    if problems:
+        raise ConfigError("config", problems)
+    return budgets
+
+
+@dataclass
+class Subscription:
+    query: EventQuery
+    queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(1000))
+
+
+class LedgerService:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        *,
+        config_path: Path | None = None,
+        observer: Observer | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.store = store
+        self.observer = observer
+        self.clock = clock
+        self.started_at = clock()
+        self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
+        self._subscribers: list[Subscription] = []
+        self.records: dict[str, ServeRecord] = {}
+        self.ledger = Ledger({}, {})
+        self.ready = False
+        # Set by the supervisor: whether launching works and why not.
+        self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
+            False, "launching is not set up in this gpud")
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the ledger from the store against the current config. Reservations that no
+        longer fit are kept and reported as over-committed, never dropped."""
+        budgets = resolve_budgets(self.config, self._device_total)
+        self.ledger = Ledger.build(budgets, self.store.reservations())
+        for row in self.store.serve_states():
+            self.records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
+        for res in self.ledger.reservations.values():
+            rec = self.records.setdefault(res.serve, ServeRecord(ADMITTED))
+            if rec.state in (DECLARED, DENIED):
+                rec.state = EXTERNAL if res.external else ADMITTED
+        for over in self.ledger.over_committed():
+            log.warning(
+                "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
+                extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
+            )
+
+    def close(self) -> None:
+        for sub in self._subscribers:
+            sub.queue.put_nowait(None)
+        self._executor.shutdown(wait=True)
+
+    def _device_total(self, device: str) -> int | None:
+        return self.observer.device_total(device) if self.observer else None
+
+    # ---- the write path --------------------------------------------------------------------
+
+    def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
+              mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
+        return Event(kind, message, self.clock(), serve, role, mib, uid, details)
+
+    async def commit(self, changes: Changes) -> list[Event]:
+        """Commit in the store's thread. Callers hold the lock and only then change memory."""
+        loop = asyncio.get_running_loop()
+        stored = await loop.run_in_executor(self._executor, self.store.commit, changes)
+        for row in changes.states:
+            rec = self.records.setdefault(row.serve, ServeRecord())
+            rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
+        for ev in stored:
+            self._announce(ev)
+        return stored
+
+    def _announce(self, ev: Event) -> None:
+        level = logging.WARNING if ev.kind in {"deny", "crash-loop", "overdraw",
+                                               "reserve-exceeded", "over-committed"} else logging.INFO
+        fields = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
+                  "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
+        for key, value in ev.details.items():
+            if isinstance(value, int | float | str):
+                fields[f"GPUD_{key.upper()}"] = value
+        log.log(level, ev.message, extra={"journal": fields})
+        for sub in list(self._subscribers):
+            if _matches(sub.query, ev):
+                try:
+                    sub.queue.put_nowait(ev)
+                except asyncio.QueueFull:
+                    # A follower that does not read is cut off rather than growing memory.
+                    self._subscribers.remove(sub)
+                    sub.queue = asyncio.Queue(1)
+                    sub.queue.put_nowait(None)
+
+    async def record(self, ev: Event, *, state: ServeStateRow | None = None) -> Event:
+        """Store one event (and optionally a serve state) outside any ledger change."""
+        async with self._lock:
+            changes = Changes(events=[ev], states=[state] if state else [])
+            return (await self.commit(changes))[0]
+
+    def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
+        return ServeStateRow(serve, state, reason, self.clock())
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def serve_role(self, serve: str, role: str | None) -> tuple[str, bool]:
+        """The role an admission is for, and whether the reservation is external."""
+        spec = self.config.serves.get(serve)
+        if spec is not None:
+            if role is not None and role != spec.role:
+                raise BadRequest(
+                    f"serve {serve!r} is configured on role {spec.role!r}, not {role!r}",
+                    {"serve": serve, "role": role, "configured_role": spec.role},
+                )
+            return spec.role, False
+        if role is None:
+            raise NotFound(
+                f"unknown serve {serve!r}: not in the config; to reserve memory for a process "
+                f"gpud does not launch, give its role (gpuctl admit {serve} MIB --role ROLE)",
+                {"serve": serve},
+            )
+        check_role_name(role)
+        if role not in self.ledger.roles or self.ledger.roles[role].missing:
+            raise NotFound(f"unknown role {role!r}", {"role": role, "roles": sorted(self.config.roles)})
+        return role, True
+
+    def _physical(self, role: str, serve: str) -> tuple[PhysicalView | None, str, str | None]:
+        if self.config.daemon.admission == "ledger":
+            return None, "ledger", None
+        obs = self.observer
+        device = self.ledger.roles[role].device
+        view = obs.physical_view(device, serve, self.ledger, self.states()) if obs else None
+        if view is None:
+            return None, "ledger", (
+                "observation unavailable: strict admission fell back to the ledger bound")
+        return view, "strict", None
+
+    async def admit(self, serve: str, mib: int, *, role: str | None = None,
+                    uid: int | None = None, state: str | None = None) -> Admission:
+        check_serve_name(serve)
+        async with self._lock:
+            return await self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+
+    async def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
+                            state: str | None) -> Admission:
+        role_name, external = self.serve_role(serve, role)
+        physical, check, note = self._physical(role_name, serve)
+        outcome = self.ledger.decide(
+            serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
+            physical=physical, check=check, note=note,
+        )
+        if isinstance(outcome, Denial):
+            await self._deny(outcome, uid, check, note)
+            raise Denied(outcome.message, {**outcome.details(), "check": check, "note": note})
+        ledger, admission = outcome
+        current = self.records.get(serve, ServeRecord()).state
+        new_state = state or (EXTERNAL if external else
+                              current if current in LIVE_STATES else ADMITTED)
+        figures = admission.figures
+        verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
+        ev = self.event(
+            "admit",
+            f"{serve} admitted on {role_name}: {mib} MiB ({verb}); {figures.line()}",
+            serve=serve, role=role_name, mib=mib, uid=uid, check=check,
+            replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
+            committed_mib=figures.committed_mib,
+        )
+        await self.commit(Changes(put=[admission.reservation],
+                                  states=[self.state_row(serve, new_state)], events=[ev]))
+        self.ledger = ledger
+        return admission
+
+    async def _deny(self, denial: Denial, uid: int | None, check: str, note: str | None) -> None:
+        ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
+                        mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
+                        need_mib=denial.need_mib, free_mib=denial.free_mib,
+                        shortfall_mib=denial.shortfall_mib)
+        # A serve that is running keeps its state: only its re-admission was refused.
+        current = self.records.get(denial.serve, ServeRecord()).state
+        states = [] if current in LIVE_STATES else [
+            self.state_row(denial.serve, DENIED, denial.reason)]
+        await self.commit(Changes(states=states, events=[ev]))
+
+    async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
+                      next_state: str | None = None, allow_live: bool = False) -> Reservation:
+        check_serve_name(serve)
+        async with self._lock:
+            return await self._release_locked(serve, uid=uid, reason=reason,
+                                              next_state=next_state, allow_live=allow_live)
+
+    async def _release_locked(self, serve: str, *, uid: int | None, reason: str,
+                              next_state: str | None, allow_live: bool) -> Reservation:
+        if serve not in self.ledger.reservations:
+            if serve in self.config.serves or serve in self.records:
+                raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
+            raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
+        state = self.records.get(serve, ServeRecord()).state
+        if state in LIVE_STATES and not allow_live:
+            raise Conflict(
+                f"serve {serve!r} is {state}: its process may still hold the memory; stop it in "
+                f"the same request (gpuctl release {serve} --stop)",
+                {"serve": serve, "state": state},
+            )
+        ledger, res = self.ledger.release(serve)
+        figures = ledger.figures(res.role)
+        ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
+                        f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
+                        free_mib=figures.free_mib)
+        after = next_state or (DECLARED if serve in self.config.serves else DECLARED)
+        await self.commit(Changes(delete=[serve], states=[self.state_row(serve, after)],
+                                  events=[ev]))
+        self.ledger = ledger
+        return res
+
+    # ---- reload ----------------------------------------------------------------------------
+
+    async def reload(self, cfg: Config, *, source: str, uid: int | None = None) -> list[str]:
+        """Swap in a new config. Returns the roles it leaves over-committed."""
+        budgets = resolve_budgets(cfg, self._device_total)
+        async with self._lock:
+            ledger = self.ledger.with_roles(budgets)
+            over = [f.role for f in ledger.over_committed()]
+            ev = self.event("reload", f"config reloaded from {source}"
+                            + (f"; over-committed: {', '.join(over)}" if over else ""),
+                            uid=uid, over_committed=",".join(over))
+            await self.commit(Changes(events=[ev]))
+            self.config = cfg
+            self.ledger = ledger
+            return over
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def states(self) -> dict[str, str]:
+        return {name: rec.state for name, rec in self.records.items()}
+
+    def state_of(self, serve: str) -> str:
+        rec = self.records.get(serve)
+        return rec.state if rec else DECLARED
+
+    def known_serves(self) -> list[str]:
+        names = set(self.config.serves) | set(self.ledger.reservations)
+        names |= {n for n, r in self.records.items() if r.state != DECLARED}
+        return sorted(names)
+
+    def serve_spec(self, serve: str) -> ServeConfig | None:
+        return self.config.serves.get(serve)
+
+    async def events(self, query: EventQuery) -> list[Event]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.store.events, query)
+
+    def subscribe(self, query: EventQuery) -> Subscription:
+        sub = Subscription(query)
+        self._subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if sub in self._subscribers:
+            self._subscribers.remove(sub)
+
+    def summary(self) -> str:
+        parts = []
+        for name in sorted(self.ledger.roles):
+            f = self.ledger.figures(name)
+            parts.append(f"{name} {f.committed_mib}/{f.capacity_mib - f.reserve_mib} MiB committed "
+                         f"(free {f.free_mib})")
+        counts: dict[str, int] = {}
+        for serve in self.known_serves():
+            state = self.state_of(serve)
+            counts[state] = counts.get(state, 0) + 1
+        serves = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return "; ".join(parts) + f"; {sum(counts.values())} serves: {serves or 'none'}"
+
+    def status_view(self, observation: Mapping[str, Any]) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for serve in self.known_serves():
+            state = self.state_of(serve)
+            counts[state] = counts.get(state, 0) + 1
+        available, why = self.launching()
+        return {
+            "version": __version__,
+            "config": str(self.config_path) if self.config_path else None,
+            "admission": self.config.daemon.admission,
+            "started_at": self.started_at,
+            "ready": self.ready,
+            "launching": {"available": available, "reason": why},
+            "observation": dict(observation),
+            "serve_states": counts,
+            "over_committed": [f.role for f in self.ledger.over_committed()],
+            "summary": self.summary(),
+        }
+
+
+def _matches(query: EventQuery, ev: Event) -> bool:
+    return ((not query.serves or ev.serve in query.serves)
+            and (not query.roles or ev.role in query.roles)
+            and (not query.kinds or ev.kind in query.kinds)
+            and (query.since is None or ev.ts >= query.since))
+
+
+def check_serve_name(name: str) -> None:
+    try:
+        check_name("serve", name)
+    except ValueError as exc:
+        raise BadRequest(str(exc), {"serve": name[:300]}) from exc
+
+
+def check_role_name(name: str) -> None:
+    try:
+        check_name("role", name)
+    except ValueError as exc:
+        raise BadRequest(str(exc), {"role": name[:300]}) from exc
+
+
+__all__ = ["GpudError", "LedgerService", "ServeRecord", "resolve_budgets"]

@@ -1,0 +1,280 @@
+"""The durable store: SQLite in the state directory.
+
+WAL with synchronous=FULL, one transaction per mutation: a change is acknowledged only after its
+transaction commits, so a crash at any moment leaves either all of a mutation or none of it.
+Every sqlite3 error is mapped to StoreError here; nothing above sees sqlite3.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpud.errors import StoreError
+from gpud.ledger import Reservation
+
+SCHEMA_VERSION = 2
+
+# Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE reservations (
+        serve    TEXT PRIMARY KEY,
+        role     TEXT NOT NULL,
+        mib      INTEGER NOT NULL CHECK (mib > 0),
+        since    REAL NOT NULL,
+        by_uid   INTEGER,
+        external INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE serve_states (
+        serve   TEXT PRIMARY KEY,
+        state   TEXT NOT NULL,
+        reason  TEXT,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE events (
+        id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts      REAL NOT NULL,
+        kind    TEXT NOT NULL,
+        serve   TEXT,
+        role    TEXT,
+        mib     INTEGER,
+        uid     INTEGER,
+        message TEXT NOT NULL,
+        details TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX events_serve ON events (serve, id);
+    CREATE INDEX events_ts ON events (ts);
+    """,
+    """
+    CREATE TABLE calibrations (
+        serve        TEXT NOT NULL,
+        fingerprint  TEXT NOT NULL,
+        ts           REAL NOT NULL,
+        window_s     REAL NOT NULL,
+        samples      INTEGER NOT NULL,
+        steady_mib   INTEGER NOT NULL,
+        peak_mib     INTEGER NOT NULL,
+        recommended_mib INTEGER NOT NULL,
+        PRIMARY KEY (serve, fingerprint)
+    );
+    """,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: str
+    message: str
+    ts: float
+    serve: str | None = None
+    role: str | None = None
+    mib: int | None = None
+    uid: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "ts": self.ts,
+            "kind": self.kind,
+            "serve": self.serve,
+            "role": self.role,
+            "mib": self.mib,
+            "uid": self.uid,
+            "message": self.message,
+            "details": self.details,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ServeStateRow:
+    serve: str
+    state: str
+    reason: str | None
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    serve: str
+    fingerprint: str
+    ts: float
+    window_s: float
+    samples: int
+    steady_mib: int
+    peak_mib: int
+    recommended_mib: int
+
+
+@dataclass(slots=True)
+class Changes:
+    """Everything one mutation writes, committed in a single transaction."""
+
+    put: list[Reservation] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    states: list[ServeStateRow] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    calibrations: list[Calibration] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EventQuery:
+    serves: Sequence[str] = ()
+    roles: Sequence[str] = ()
+    kinds: Sequence[str] = ()
+    since: float | None = None
+    after_id: int | None = None
+    limit: int = 100
+
+
+class Store:
+    """One connection, used from one thread at a time (gpud runs it in a single worker)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"cannot open the store {path}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"the store {self.path} has schema version {version}, newer than this gpud "
+                f"({SCHEMA_VERSION}): refusing to touch it"
+            )
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            with self._transaction() as db:
+                for statement in MIGRATIONS[target - 1].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version={target}")
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def commit(self, changes: Changes) -> list[Event]:
+        """Write all of `changes` or none of them. Returns the events with their ids."""
+        try:
+            with self._transaction() as db:
+                for res in changes.put:
+                    db.execute(
+                        "INSERT INTO reservations (serve, role, mib, since, by_uid, external) "
+                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (serve) DO UPDATE SET "
+                        "role=excluded.role, mib=excluded.mib, since=excluded.since, "
+                        "by_uid=excluded.by_uid, external=excluded.external",
+                        (res.serve, res.role, res.mib, res.since, res.by_uid, int(res.external)),
+                    )
+                for serve in changes.delete:
+                    db.execute("DELETE FROM reservations WHERE serve = ?", (serve,))
+                for st in changes.states:
+                    db.execute(
+                        "INSERT INTO serve_states (serve, state, reason, updated) VALUES (?,?,?,?) "
+                        "ON CONFLICT (serve) DO UPDATE SET state=excluded.state, "
+                        "reason=excluded.reason, updated=excluded.updated",
+                        (st.serve, st.state, st.reason, st.updated),
+                    )
+                for cal in changes.calibrations:
+                    db.execute(
+                        "INSERT OR REPLACE INTO calibrations VALUES (?,?,?,?,?,?,?,?)",
+                        (cal.serve, cal.fingerprint, cal.ts, cal.window_s, cal.samples,
+                         cal.steady_mib, cal.peak_mib, cal.recommended_mib),
+                    )
+                stored: list[Event] = []
+                for ev in changes.events:
+                    cur = db.execute(
+                        "INSERT INTO events (ts, kind, serve, role, mib, uid, message, details) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (ev.ts, ev.kind, ev.serve, ev.role, ev.mib, ev.uid, ev.message,
+                         json.dumps(ev.details, sort_keys=True)),
+                    )
+                    stored.append(_with_id(ev, cur.lastrowid))
+                return stored
+        except sqlite3.Error as exc:
+            raise StoreError(f"the store could not commit the change: {exc}") from exc
+
+    def reservations(self) -> list[Reservation]:
+        rows = self._read(
+            "SELECT serve, role, mib, since, by_uid, external FROM reservations ORDER BY since"
+        )
+        return [Reservation(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
+
+    def serve_states(self) -> list[ServeStateRow]:
+        rows = self._read("SELECT serve, state, reason, updated FROM serve_states")
+        return [ServeStateRow(*r) for r in rows]
+
+    def calibrations(self) -> list[Calibration]:
+        rows = self._read("SELECT * FROM calibrations ORDER BY ts")
+        return [Calibration(*r) for r in rows]
+
+    def events(self, query: EventQuery) -> list[Event]:
+        where: list[str] = []
+        args: list[Any] = []
+        for column, values in (("serve", query.serves), ("role", query.roles),
+                               ("kind", query.kinds)):
+            if values:
+                where.append(f"{column} IN ({','.join('?' * len(values))})")
+                args.extend(values)
+        if query.since is not None:
+            where.append("ts >= ?")
+            args.append(query.since)
+        if query.after_id is not None:
+            where.append("id > ?")
+            args.append(query.after_id)
+        sql = "SELECT id, ts, kind, serve, role, mib, uid, message, details FROM events"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        # The newest `limit` matches, returned oldest first.
+        sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT ?) ORDER BY id"
+        args.append(query.limit)
+        return [
+            Event(kind=r[2], message=r[7], ts=r[1], serve=r[3], role=r[4], mib=r[5], uid=r[6],
+                  details=json.loads(r[8]), id=r[0])
+            for r in self._read(sql, args)
+        ]
+
+    def integrity_check(self) -> str:
+        return str(self._read("PRAGMA integrity_check")[0][0])
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            with self._lock:
+                return list(self._db.execute(sql, args).fetchall())
+        except sqlite3.Error as exc:
+            raise StoreError(f"the store could not be read: {exc}") from exc
+
+
+def _with_id(ev: Event, event_id: int | None) -> Event:
+    return Event(ev.kind, ev.message, ev.ts, ev.serve, ev.role, ev.mib, ev.uid, ev.details, event_id)
