@@ -403,9 +403,11 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
             return {}
         raise BadRequest("request body is empty: a JSON object is required")
     try:
-        return json.loads(raw, parse_constant=_no_constants)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BadRequest("invalid JSON: not UTF-8") from exc
+        raise BadRequest(f"invalid JSON: not UTF-8 (byte {exc.start})") from exc
+    try:
+        return json.loads(text, parse_constant=_no_constants)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
     except RecursionError as exc:

@@ -1,0 +1,178 @@
+"""Shared test helpers: a real gpud process on a real Unix socket, and a raw HTTP client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The seed's T015 ledger: reserve 7168, fast 18432 + embeddings 3200 + reranker 3456 = 25088
+# committed, free 351; ocr 5120 does not fit.
+T015 = """
+[daemon]
+admission = "ledger"
+
+[roles.dark-fast]
+device = "0"
+capacity_mib = 32607
+reserve_mib = 7168
+
+[serves.fast]
+role = "dark-fast"
+vram_mib = 18432
+resident = true
+priority = 10
+port = 30001
+[serves.fast.vllm]
+model = "google/gemma-4-E4B-it"
+
+[serves.embeddings]
+role = "dark-fast"
+vram_mib = 3200
+resident = true
+priority = 20
+port = 30003
+command = ["/bin/true"]
+
+[serves.reranker]
+role = "dark-fast"
+vram_mib = 3456
+resident = true
+priority = 30
+port = 30004
+command = ["/bin/true"]
+
+[serves.ocr]
+role = "dark-fast"
+vram_mib = 5120
+resident = true
+priority = 40
+port = 30007
+command = ["/bin/true", "--port", "{port}"]
+"""
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 10) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    raw: bytes
+
+
+def call(sock: str | Path, method: str, path: str, body: Any = None, *,
+         raw: bytes | None = None, headers: dict[str, str] | None = None) -> Reply:
+    conn = UnixHTTPConnection(str(sock))
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers=headers or {})
+        resp = conn.getresponse()
+        payload = resp.read()
+    finally:
+        conn.close()
+    try:
+        parsed = json.loads(payload) if payload else None
+    except ValueError:
+        parsed = None
+    return Reply(resp.status, parsed, payload)
+
+
+@dataclass
+class GpudProcess:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    state_dir: Path
+    config: Path
+    log: Path
+
+    def call(self, method: str, path: str, body: Any = None, **kw: Any) -> Reply:
+        return call(self.socket, method, path, body, **kw)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def write_config(directory: Path, text: str, name: str = "serves.toml") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    path.chmod(0o600)
+    return path
+
+
+def start_gpud(tmp: Path, config_text: str, *, wait: bool = True, extra: list[str] | None = None,
+               state_dir: Path | None = None, sock: Path | None = None) -> GpudProcess:
+    cfg = write_config(tmp, config_text)
+    sock = sock or tmp / "gpud.sock"
+    state = state_dir or tmp / "state"
+    log = tmp / f"gpud-{time.monotonic_ns()}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for var in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "JOURNAL_STREAM"):
+        env.pop(var, None)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpud.daemon", "--config", str(cfg), "--socket", str(sock),
+             "--state-dir", str(state), "--log-target", "stderr", *(extra or [])],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
+    gp = GpudProcess(proc, sock, state, cfg, log)
+    if wait:
+        wait_ready(gp)
+    return gp
+
+
+def wait_ready(gp: GpudProcess, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gp.proc.poll() is not None:
+            raise AssertionError(f"gpud exited {gp.proc.returncode}:\n{gp.output()}")
+        try:
+            if gp.call("GET", "/v1/status").body.get("ready"):
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"gpud not ready in {timeout}s:\n{gp.output()}")
+
+
+@pytest.fixture
+def gpud_t015(tmp_path: Path) -> Iterator[GpudProcess]:
+    gp = start_gpud(tmp_path, T015)
+    yield gp
+    gp.stop()

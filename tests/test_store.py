@@ -1,0 +1,85 @@
+"""The SQLite store: real files, real transactions."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gpud.errors import StoreError
+from gpud.ledger import Reservation
+from gpud.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
+
+
+def test_fresh_store_is_migrated_and_wal(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    assert store.schema_version == SCHEMA_VERSION
+    db = sqlite3.connect(tmp_path / "s.db")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+
+
+def test_commit_is_all_or_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.commit(Changes(put=[Reservation("a", "r", 100, 1.0)],
+                         events=[Event("admit", "a admitted", 1.0, "a", "r", 100)]))
+    bad = Changes(put=[Reservation("b", "r", 200, 2.0), Reservation("c", "r", 0, 2.0)],
+                  delete=["a"], events=[Event("admit", "b", 2.0, "b")])
+    with pytest.raises(StoreError, match="could not commit"):
+        store.commit(bad)
+    assert [r.serve for r in store.reservations()] == ["a"]
+    assert [e.kind for e in store.events(EventQuery())] == ["admit"]
+    assert store.integrity_check() == "ok"
+
+
+def test_survives_reopen(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.commit(Changes(put=[Reservation("a", "r", 100, 1.0, 0, True)],
+                         states=[ServeStateRow("a", "external", None, 1.0)]))
+    store.close()
+    again = Store(tmp_path / "s.db")
+    assert again.reservations() == [Reservation("a", "r", 100, 1.0, 0, True)]
+    assert again.serve_states()[0].state == "external"
+
+
+def test_newer_schema_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match="newer than this gpud"):
+        Store(path)
+
+
+def test_migrates_from_version_1(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    db = sqlite3.connect(path)
+    from gpud.store import MIGRATIONS
+
+    db.executescript(MIGRATIONS[0] + "; PRAGMA user_version=1;")
+    db.execute("INSERT INTO reservations VALUES ('a', 'r', 5, 1.0, 0, 0)")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.schema_version == SCHEMA_VERSION
+    assert store.reservations()[0].mib == 5
+    assert store.calibrations() == []
+
+
+def test_event_query_filters(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    evs = [Event("admit", "x", float(i), serve="ocr" if i % 2 else "fast", role="r") for i in range(10)]
+    store.commit(Changes(events=evs))
+    got = store.events(EventQuery(serves=["ocr"], since=4.0))
+    assert [e.ts for e in got] == [5.0, 7.0, 9.0]
+    newest = store.events(EventQuery(limit=2))
+    assert [e.ts for e in newest] == [8.0, 9.0]
+    assert store.events(EventQuery(kinds=["deny"])) == []
+
+
+def test_unwritable_state_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StoreError, match="cannot open the store"):
+        Store(blocker / "sub" / "s.db")
