@@ -1,0 +1,91 @@
+"""Which serve a process belongs to, from its cgroup.
+
+gpud launches each serve as the systemd unit ``gpud-serve-NAME.service``; every process the serve
+starts (vLLM's engine core, a container's payload) stays in that unit's cgroup or below it, so
+``/proc/PID/cgroup`` names the serve:
+
+    0::/gpud.slice/gpud-serve-fast.service                         (cgroup v2)
+    0::/gpud.slice/gpud-serve-ocr.service/libpod-payload-3f2a...   (podman --cgroups=split)
+    1:name=systemd:/gpud.slice/gpud-serve-fast.service             (v1 / hybrid)
+
+The first path component that is such a unit names the serve. A unit under a user manager
+(``.../user@1000.service/...``) is not one of gpud's (gpud launches on the system bus), and an
+unprivileged user could name a unit anything: such processes stay unattributed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+PROC_ROOT = Path("/proc")
+SERVE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_UNIT = re.compile(r"^gpud-serve-(.+)\.service$")
+_USER_MANAGER = re.compile(r"^user@[0-9]+\.service$")
+
+
+def unit_name(serve: str) -> str:
+    """The systemd unit of a serve: ``gpud-serve-NAME.service``."""
+    if not SERVE_NAME.match(serve):
+        raise ValueError(f"invalid serve name {serve!r}")
+    return f"gpud-serve-{serve}.service"
+
+
+def serve_of_cgroup_path(path: str) -> str | None:
+    """The serve whose unit holds ``path`` (a cgroup path such as ``/gpud.slice/...``), or None."""
+    for part in path.split("/"):
+        if _USER_MANAGER.match(part):
+            return None
+        match = _UNIT.match(part)
+        if match is not None:
+            name = match.group(1)
+            return name if SERVE_NAME.match(name) else None
+    return None
+
+
+def serve_of_cgroup_file(text: str) -> str | None:
+    """The serve named by the content of a ``/proc/PID/cgroup`` file, or None.
+
+    The unified (v2) line ``0::PATH`` is preferred, then v1's ``name=systemd`` line (the one
+    systemd manages on hybrid and legacy hosts), then any other v1 controller line.
+    """
+    unified: list[str] = []
+    systemd: list[str] = []
+    others: list[str] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            unified.append(path)
+        elif "name=systemd" in controllers.split(","):
+            systemd.append(path)
+        else:
+            others.append(path)
+    for path in (*unified, *systemd, *others):
+        name = serve_of_cgroup_path(path)
+        if name is not None:
+            return name
+    return None
+
+
+def serve_of_pid(pid: int, proc_root: Path = PROC_ROOT) -> str | None:
+    """The serve process ``pid`` belongs to; None when it belongs to none or is gone."""
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        # Gone (ENOENT, or ESRCH while reading a dying process) or unreadable: not attributable.
+        return None
+    return serve_of_cgroup_file(text)
+
+
+def attribute(pids: Iterable[int], proc_root: Path = PROC_ROOT) -> dict[int, str]:
+    """The serve of each PID that belongs to one; PIDs of no serve (or gone) are left out."""
+    found: dict[int, str] = {}
+    for pid in pids:
+        name = serve_of_pid(pid, proc_root)
+        if name is not None:
+            found[pid] = name
+    return found

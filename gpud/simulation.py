@@ -1,0 +1,423 @@
+"""A stand-in for NVML on machines without a GPU.
+
+Two sources make up what the simulated devices hold, both re-read at every ``sample``:
+
+- the **state file** (JSON, may be rewritten at any time by a test or an operator): the draw
+  nobody declared, and devices to report as lost::
+
+      {"external": [{"device": "GPU-sim-0", "label": "display", "mib": 5837},
+                    {"device": "GPU-sim-0", "label": "stt", "mib": 900, "pid": 4242}],
+       "lost": ["GPU-sim-1"]}
+
+  External draw is not a process (like a desktop display) unless the entry carries ``"pid"``: then
+  it is also reported as that process's draw (a sidecar). A missing file means no external draw
+  and no lost device.
+- the **procs directory** (``state_file.parent / "sim-procs"`` unless given): stand-in serves
+  register their own live processes there, one ``<pid>.json`` each
+  (``{"pid": 1234, "device": "GPU-sim-0", "mib": 14336}``), written atomically with
+  ``register_process``. A file whose process is gone (or whose PID now belongs to a different
+  process) is ignored and removed.
+
+A device's used = registered draws + external draws on it; free = max(0, total - used).
+
+A broken state file (bad JSON, wrong shape, unknown device) is never half-applied: the last good
+state stays in force and the observation stays available, with ``reason`` saying the file is
+broken. Dropping the external draw instead would make admission optimistic. When no good state
+was ever read, nothing is known about the external draw, so the observation is unavailable
+(strict admission then falls back to the ledger bound and says so).
+
+This module uses the standard library only: the stand-in serve imports ``register_process``
+without pulling in the daemon's dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from gpud.observation import BackendName, DeviceSample, Observation, ProcessDraw
+
+log = logging.getLogger(__name__)
+
+# What a stand-in serve reads from its environment (set by whoever launches it).
+GPUD_SIM_PROCS_DIR = "GPUD_SIM_PROCS_DIR"
+GPUD_SIM_DEVICE = "GPUD_SIM_DEVICE"
+GPUD_SIM_TOTAL_MIB = "GPUD_SIM_TOTAL_MIB"
+
+PROCS_DIR_NAME = "sim-procs"
+DEFAULT_NAME = "Simulated GPU"
+LOST_PROBLEM = "simulated: device lost"
+
+_PROC_FILE = re.compile(r"^([0-9]+)\.json$")
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedDevice:
+    uuid: str
+    total_mib: int
+    index: int | None = None  # default: position in the device list
+    pci_bus_id: str | None = None  # default: 00000000:<index+1>:00.0
+    name: str | None = None  # default: "Simulated GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalDraw:
+    device: str
+    label: str
+    mib: int
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationState:
+    """What the state file says."""
+
+    external: tuple[ExternalDraw, ...] = ()
+    lost: frozenset[str] = frozenset()
+
+
+class StateFileError(ValueError):
+    """The state file cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    pid: int
+    device: str
+    mib: int
+
+
+class SimulatedBackend:
+    name: BackendName = "simulated"
+
+    def __init__(
+        self,
+        devices: Sequence[SimulatedDevice],
+        state_file: Path,
+        procs_dir: Path | None = None,
+        *,
+        proc_root: Path = Path("/proc"),
+        remove_dead: bool = True,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._devices = tuple(_resolve(position, dev) for position, dev in enumerate(devices))
+        uuids = [dev.uuid for dev in self._devices]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError(f"simulated devices: duplicate uuid in {uuids}")
+        indexes = [dev.index for dev in self._devices]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"simulated devices: duplicate index in {indexes}")
+        self.state_file = state_file
+        self.procs_dir = procs_dir if procs_dir is not None else state_file.parent / PROCS_DIR_NAME
+        self._proc_root = proc_root
+        self._remove_dead = remove_dead
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._last_good: SimulationState | None = None
+        self._last_problem: str | None = None
+
+    @property
+    def devices(self) -> tuple[SimulatedDevice, ...]:
+        return self._devices
+
+    def environment_for(self, device_uuid: str) -> dict[str, str]:
+        """The environment a stand-in serve on ``device_uuid`` needs to register its draw."""
+        for dev in self._devices:
+            if dev.uuid == device_uuid:
+                return standin_environment(self.procs_dir, dev.uuid, dev.total_mib)
+        raise KeyError(device_uuid)
+
+    def sample(self) -> Observation:
+        with self._lock:
+            notes: list[str] = []
+            state = self._read_state(notes)
+            taken_at = self._wall_clock()
+            if state is None:
+                return Observation(
+                    backend="simulated",
+                    available=False,
+                    reason="; ".join(notes),
+                    devices=(),
+                    taken_at=taken_at,
+                )
+            registered = self._read_registrations(notes)
+            devices = tuple(self._device_sample(dev, state, registered) for dev in self._devices)
+            return Observation(
+                backend="simulated",
+                available=True,
+                reason="; ".join(notes) or None,
+                devices=devices,
+                taken_at=taken_at,
+            )
+
+    def close(self) -> None:
+        pass
+
+    def _read_state(self, notes: list[str]) -> SimulationState | None:
+        """The state in force: this read, else the last good one (with a note), else None."""
+        try:
+            text = self.state_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            state: SimulationState | None = SimulationState()
+            problem = None
+        except OSError as exc:
+            state, problem = None, f"cannot read: {exc.strerror or exc}"
+        else:
+            try:
+                state = parse_state(text, {dev.uuid for dev in self._devices})
+                problem = None
+            except StateFileError as exc:
+                state, problem = None, str(exc)
+        if problem != self._last_problem:
+            if problem is None:
+                log.info("simulation state file %s is readable again", self.state_file)
+            else:
+                log.warning("simulation state file %s is broken: %s", self.state_file, problem)
+            self._last_problem = problem
+        if state is not None:
+            self._last_good = state
+            return state
+        if self._last_good is None:
+            notes.append(
+                f"simulation state file {self.state_file} is broken ({problem}) and no good "
+                "state was read before: external draw unknown"
+            )
+            return None
+        notes.append(
+            f"simulation state file {self.state_file} is broken ({problem}): "
+            "using the last good state"
+        )
+        return self._last_good
+
+    def _read_registrations(self, notes: list[str]) -> list[_Registered]:
+        try:
+            entries = sorted(self.procs_dir.iterdir())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            notes.append(f"simulation procs dir {self.procs_dir} unreadable: {exc.strerror or exc}")
+            return []
+        known = {dev.uuid for dev in self._devices}
+        found: list[_Registered] = []
+        for path in entries:
+            match = _PROC_FILE.match(path.name)
+            if match is None:
+                continue  # temporaries of register_process, strays
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                continue  # unregistered while we looked
+            except (OSError, ValueError) as exc:
+                notes.append(f"{path.name}: unreadable ({exc})")
+                continue
+            try:
+                entry, starttime = _parse_registration(data, int(match.group(1)))
+            except StateFileError as exc:
+                notes.append(f"{path.name}: {exc}")
+                continue
+            if not _alive(self._proc_root, entry.pid, starttime):
+                if self._remove_dead:
+                    path.unlink(missing_ok=True)
+                continue
+            if entry.device not in known:
+                notes.append(f"{path.name}: unknown device {entry.device!r}")
+                continue
+            found.append(entry)
+        return found
+
+    def _device_sample(
+        self, dev: SimulatedDevice, state: SimulationState, registered: list[_Registered]
+    ) -> DeviceSample:
+        index = dev.index if dev.index is not None else 0
+        bus_id = dev.pci_bus_id if dev.pci_bus_id is not None else ""
+        name = dev.name if dev.name is not None else DEFAULT_NAME
+        if dev.uuid in state.lost:
+            return DeviceSample(
+                uuid=dev.uuid,
+                index=index,
+                pci_bus_id=bus_id,
+                name=name,
+                total_mib=None,
+                used_mib=None,
+                free_mib=None,
+                processes=None,
+                healthy=False,
+                problem=LOST_PROBLEM,
+            )
+        draws: dict[int, int] = {}
+        used = 0
+        for reg in registered:
+            if reg.device == dev.uuid:
+                used += reg.mib
+                draws[reg.pid] = draws.get(reg.pid, 0) + reg.mib
+        for ext in state.external:
+            if ext.device == dev.uuid:
+                used += ext.mib
+                if ext.pid is not None:
+                    draws[ext.pid] = draws.get(ext.pid, 0) + ext.mib
+        return DeviceSample(
+            uuid=dev.uuid,
+            index=index,
+            pci_bus_id=bus_id,
+            name=name,
+            total_mib=dev.total_mib,
+            used_mib=used,
+            free_mib=max(0, dev.total_mib - used),
+            processes=tuple(ProcessDraw(pid, mib) for pid, mib in sorted(draws.items())),
+        )
+
+
+def _resolve(position: int, dev: SimulatedDevice) -> SimulatedDevice:
+    if dev.total_mib < 0:
+        raise ValueError(f"simulated device {dev.uuid}: total_mib must be >= 0")
+    index = dev.index if dev.index is not None else position
+    bus_id = dev.pci_bus_id if dev.pci_bus_id is not None else f"00000000:{index + 1:02x}:00.0"
+    name = dev.name if dev.name else DEFAULT_NAME
+    return SimulatedDevice(
+        uuid=dev.uuid, total_mib=dev.total_mib, index=index, pci_bus_id=bus_id, name=name
+    )
+
+
+def parse_state(text: str, known_devices: set[str] | frozenset[str]) -> SimulationState:
+    """The state file's content, checked whole; ``StateFileError`` names the first problem."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise StateFileError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise StateFileError("top level must be an object")
+    unknown = set(data) - {"external", "lost"}
+    if unknown:
+        raise StateFileError(f"unknown keys {sorted(unknown)} (allowed: external, lost)")
+    raw_external = data.get("external", [])
+    if not isinstance(raw_external, list):
+        raise StateFileError("external: must be a list")
+    external: list[ExternalDraw] = []
+    for position, item in enumerate(raw_external):
+        where = f"external[{position}]"
+        if not isinstance(item, dict):
+            raise StateFileError(f"{where}: must be an object")
+        extra = set(item) - {"device", "label", "mib", "pid"}
+        if extra:
+            raise StateFileError(f"{where}: unknown keys {sorted(extra)}")
+        device = item.get("device")
+        if not isinstance(device, str) or device not in known_devices:
+            raise StateFileError(f"{where}.device: {device!r} is not a simulated device")
+        label = item.get("label", "external")
+        if not isinstance(label, str):
+            raise StateFileError(f"{where}.label: must be a string")
+        mib = item.get("mib")
+        if not _is_int(mib) or mib < 0:
+            raise StateFileError(f"{where}.mib: must be an integer >= 0, not {mib!r}")
+        pid = item.get("pid")
+        if pid is not None and (not _is_int(pid) or pid <= 0):
+            raise StateFileError(f"{where}.pid: must be a positive integer, not {pid!r}")
+        external.append(ExternalDraw(device=device, label=label, mib=mib, pid=pid))
+    raw_lost = data.get("lost", [])
+    if not isinstance(raw_lost, list):
+        raise StateFileError("lost: must be a list")
+    for item in raw_lost:
+        if not isinstance(item, str) or item not in known_devices:
+            raise StateFileError(f"lost: {item!r} is not a simulated device")
+    return SimulationState(external=tuple(external), lost=frozenset(raw_lost))
+
+
+def _parse_registration(data: Any, file_pid: int) -> tuple[_Registered, int | None]:
+    if not isinstance(data, dict):
+        raise StateFileError("must be an object")
+    pid, device, mib = data.get("pid"), data.get("device"), data.get("mib")
+    if not _is_int(pid) or pid != file_pid:
+        raise StateFileError(f"pid {pid!r} does not match the file name")
+    if not isinstance(device, str):
+        raise StateFileError("device: must be a string")
+    if not _is_int(mib) or mib < 0:
+        raise StateFileError(f"mib: must be an integer >= 0, not {mib!r}")
+    starttime = data.get("starttime")
+    return _Registered(pid=pid, device=device, mib=mib), starttime if _is_int(starttime) else None
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _proc_stat(proc_root: Path, pid: int) -> tuple[str, int] | None:
+    """(state, starttime) from /proc/PID/stat, None when the process is gone."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(")") + 1 :].split()
+    try:
+        return fields[0], int(fields[19])  # field 3: state, field 22: starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def _alive(proc_root: Path, pid: int, starttime: int | None) -> bool:
+    stat = _proc_stat(proc_root, pid)
+    if stat is None:
+        return False
+    state, started = stat
+    if state in ("Z", "X"):
+        return False
+    # A recorded start time that differs: the PID was reused by another process.
+    return starttime is None or starttime == started
+
+
+# ---- used by stand-in serves (standard library only) -------------------------------------
+
+
+def standin_environment(procs_dir: Path, device_uuid: str, total_mib: int) -> dict[str, str]:
+    return {
+        GPUD_SIM_PROCS_DIR: str(procs_dir),
+        GPUD_SIM_DEVICE: device_uuid,
+        GPUD_SIM_TOTAL_MIB: str(total_mib),
+    }
+
+
+def register_process(
+    procs_dir: Path, pid: int, device: str, mib: int, *, proc_root: Path = Path("/proc")
+) -> Path:
+    """Record (or update) that ``pid`` draws ``mib`` on ``device``; atomic (tmp + rename)."""
+    if mib < 0:
+        raise ValueError("mib must be >= 0")
+    procs_dir = Path(procs_dir)
+    procs_dir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"pid": pid, "device": device, "mib": mib}
+    stat = _proc_stat(proc_root, pid)
+    if stat is not None:
+        record["starttime"] = stat[1]
+    target = procs_dir / f"{pid}.json"
+    fd, tmp = tempfile.mkstemp(prefix=f".{pid}.", suffix=".tmp", dir=procs_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def unregister_process(procs_dir: Path, pid: int) -> None:
+    (Path(procs_dir) / f"{pid}.json").unlink(missing_ok=True)
+
+
+def register_self(mib: int, environ: Mapping[str, str] | None = None) -> Path | None:
+    """For a stand-in serve: register this process from ``GPUD_SIM_*``; None when not set."""
+    env = os.environ if environ is None else environ
+    procs_dir, device = env.get(GPUD_SIM_PROCS_DIR), env.get(GPUD_SIM_DEVICE)
+    if not procs_dir or not device:
+        return None
+    return register_process(Path(procs_dir), os.getpid(), device, mib)

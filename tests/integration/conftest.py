@@ -1,0 +1,52 @@
+"""Fixtures for tests that need a real systemd: one disposable sandbox for the whole session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    # `pytest` (unlike `python3 -m pytest`) does not put the repository root on sys.path
+    sys.path.insert(0, str(REPO))
+
+from tools.sandbox import SYSTEMD, Sandbox  # noqa: E402
+
+
+def sandbox_unavailable() -> str | None:
+    """Why a sandbox cannot boot here, or None when it can."""
+    if os.geteuid() != 0:
+        return "the systemd sandbox needs root (namespaces, mounts, cgroups)"
+    if not Path(SYSTEMD).exists():
+        return f"no systemd at {SYSTEMD}"
+    for tool in ("unshare", "nsenter", "setpriv", "pivot_root"):
+        if shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin") is None:
+            return f"{tool} (util-linux) is missing"
+    return None
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> Iterator[Sandbox]:
+    """A booted sandbox shared by the session; powered off at its end, whatever the tests did.
+
+    Tests leave it as they found it: what they start they stop, what they install they remove.
+    """
+    reason = sandbox_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    sbx = Sandbox(name="gpud-test")
+    try:
+        sbx.boot()
+        yield sbx
+    finally:
+        sbx.poweroff()
