@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpud.config import MAX_MIB, _reason
 from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.service import LedgerService, check_serve_name
-from gpud.store import EventQuery
+from gpud.store import Event, EventQuery
 from gpud.views import DrawSource, ledger_view, serve_view, serves_view
 
 log = logging.getLogger("gpud.api")
@@ -154,10 +154,10 @@ class Api:
             if exc.http_status >= 500:
                 log.error("%s %s: %s", request.method, request.path, exc.message)
             return error_response(exc)
-        except web.HTTPRequestEntityTooLarge as exc:
+        except web.HTTPRequestEntityTooLarge:
             return error_response(PayloadTooLarge(
-                f"request body over the limit of {exc.max_size} bytes",
-                {"limit": exc.max_size}))
+                f"request body over the limit of {CONFIG_BODY_LIMIT} bytes",
+                {"limit": CONFIG_BODY_LIMIT}))
         except web.HTTPNotFound:
             return error_response(NotFound(f"no such route: {request.method} {request.path}"))
         except web.HTTPMethodNotAllowed as exc:
@@ -264,15 +264,15 @@ class Api:
                 await resp.write(json.dumps(ev.to_json()).encode() + b"\n")
             while True:
                 try:
-                    ev = await asyncio.wait_for(sub.queue.get(), timeout=15)
+                    item: Event | None = await asyncio.wait_for(sub.queue.get(), timeout=15)
                 except TimeoutError:
                     await resp.write(b"\n")  # keepalive: notices a client that went away
                     continue
-                if ev is None:
+                if item is None:
                     break
-                if ev.id is not None and ev.id <= last:
+                if item.id is not None and item.id <= last:
                     continue
-                await resp.write(json.dumps(ev.to_json()).encode() + b"\n")
+                await resp.write(json.dumps(item.to_json()).encode() + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
@@ -339,7 +339,7 @@ class Api:
 
     def _need_supervisor(self) -> Supervisor:
         if self.supervisor is None:
-            available, why = self.svc.launching()
+            _, why = self.svc.launching()
             raise Unavailable(f"launching is unavailable: {why}")
         return self.supervisor
 

@@ -186,14 +186,14 @@ def _semantic_problems(cfg: Config) -> list[str]:
             check_name("serve", name)
         except ValueError as exc:
             problems.append(f"serves.{name}: {exc}")
-        role = cfg.roles.get(serve.role)
-        if role is None:
+        target = cfg.roles.get(serve.role)
+        if target is None:
             known = ", ".join(sorted(cfg.roles)) or "none"
             problems.append(f"serves.{name}.role: unknown role {serve.role!r} (roles: {known})")
-        elif role.capacity_mib is not None and serve.vram_mib > role.capacity_mib:
+        elif target.capacity_mib is not None and serve.vram_mib > target.capacity_mib:
             problems.append(
                 f"serves.{name}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} "
-                f"capacity_mib {role.capacity_mib}"
+                f"capacity_mib {target.capacity_mib}"
             )
         if serve.port is not None:
             if serve.port in ports:

@@ -26,12 +26,16 @@ from typing import Any
 from aiohttp import web
 
 from gpud import __version__
+from gpud.alerts import Alerts
 from gpud.api import Api
 from gpud.config import Config, load_config, summary
 from gpud.errors import ConfigError, GpudError
 from gpud.journal import setup_logging
+from gpud.metrics import render
+from gpud.observer import Observer, make_observer
 from gpud.service import LedgerService, resolve_budgets
 from gpud.store import Store
+from gpud.supervisor import Supervisor, make_supervisor
 
 log = logging.getLogger("gpud")
 
@@ -144,49 +148,51 @@ class Daemon:
             self.svc = svc
             svc.load()
             stack.callback(svc.close)
-            supervisor = await self._supervisor(stack, svc)
+            alerts = Alerts(svc, observer)
+            observer.listen(alerts)
+            supervisor = await self._supervisor(stack, svc, observer)
             self.api = Api(svc, draws=observer, supervisor=supervisor,
                            calibrations=getattr(observer, "calibrations", None),
                            metrics=self._metrics(svc, observer, supervisor),
                            reload=self.reload)
             await self._listen(stack, self.api.app)
-            if supervisor is not None:
-                await supervisor.reconcile()
+            await supervisor.reconcile()
+            if observer.latest is not None:
+                await alerts(observer.latest)
             svc.ready = True
             self.notify(f"READY=1\nSTATUS={svc.summary()}")
             log.info("gpud %s ready: %s", __version__, svc.summary())
             interval = watchdog_interval()
             if interval:
                 stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
-            if supervisor is not None:
-                stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
+            stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")
 
-    async def _observer(self, stack: AsyncExitStack) -> Any:
-        try:
-            from gpud.observer import make_observer
-        except ImportError:
-            return None
+    async def _observer(self, stack: AsyncExitStack) -> Observer:
         observer = make_observer(self.config)
         await stack.enter_async_context(observer)
+        status = observer.status()
+        if status["available"]:
+            log.info("observing %d device(s) through %s%s", len(status["devices"]),
+                     status["backend"], " (simulated)" if status["simulated"] else "")
+        else:
+            log.warning("observation unavailable (%s): strict admission falls back to the "
+                        "ledger bound", status["reason"])
         return observer
 
-    async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService) -> Any:
-        try:
-            from gpud.supervisor import make_supervisor
-        except ImportError:
-            return None
-        supervisor = make_supervisor(svc, self.config, notify=self.notify)
+    async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
+                          observer: Observer) -> Supervisor:
+        supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify)
         await stack.enter_async_context(supervisor)
+        available, why = supervisor.launching()
+        if not available:
+            log.warning("launching unavailable (%s): the ledger works, starts answer 503", why)
         return supervisor
 
-    def _metrics(self, svc: LedgerService, observer: Any, supervisor: Any) -> Any:
-        try:
-            from gpud.metrics import render
-        except ImportError:
-            return None
+    def _metrics(self, svc: LedgerService, observer: Observer,
+                 supervisor: Supervisor) -> Callable[[], str]:
         return lambda: render(svc, observer, supervisor)
 
     async def _boot(self, supervisor: Any) -> None:
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         overrides["state_dir"] = args.state_dir
     try:
-        asyncio.run(Daemon(cfg, config_path=args.config, overrides=overrides).run())
+        asyncio.run(Daemon(cfg, config_path=args.config.resolve(), overrides=overrides).run())
     except ConfigError as exc:
         print(f"gpud: {exc.message}", file=sys.stderr)
         return 2

@@ -108,12 +108,12 @@ def setup_logging(level: int = logging.INFO, *, target: str = "auto") -> None:
     use_journal = target == "journal" or (
         target == "auto" and stderr_is_journal() and os.path.exists(JOURNAL_SOCKET)
     )
-    handler: logging.Handler
+    chosen: logging.Handler
     if use_journal:
-        handler = JournalHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        chosen = JournalHandler()
+        chosen.setFormatter(logging.Formatter("%(message)s"))
     else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(FieldsFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
+        chosen = logging.StreamHandler(sys.stderr)
+        chosen.setFormatter(FieldsFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(chosen)
     root.setLevel(level)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
-from gpud.ledger import Admission, Denial, Ledger, PhysicalView, Reservation, RoleBudget
+from gpud.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
 log = logging.getLogger("gpud")
@@ -124,6 +124,7 @@ class LedgerService:
         self._lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
         self._subscribers: list[Subscription] = []
+        self.counters: dict[str, int] = {}
         self.records: dict[str, ServeRecord] = {}
         self.ledger = Ledger({}, {})
         self.ready = False
@@ -176,9 +177,10 @@ class LedgerService:
         return stored
 
     def _announce(self, ev: Event) -> None:
+        self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
         level = logging.WARNING if ev.kind in {"deny", "crash-loop", "overdraw",
                                                "reserve-exceeded", "over-committed"} else logging.INFO
-        fields = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
+        fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
                   "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
         for key, value in ev.details.items():
             if isinstance(value, int | float | str):
@@ -226,7 +228,7 @@ class LedgerService:
             raise NotFound(f"unknown role {role!r}", {"role": role, "roles": sorted(self.config.roles)})
         return role, True
 
-    def _physical(self, role: str, serve: str) -> tuple[PhysicalView | None, str, str | None]:
+    def _physical(self, role: str, serve: str) -> tuple[PhysicalView | None, Check, str | None]:
         if self.config.daemon.admission == "ledger":
             return None, "ledger", None
         obs = self.observer
@@ -272,7 +274,7 @@ class LedgerService:
         self.ledger = ledger
         return admission
 
-    async def _deny(self, denial: Denial, uid: int | None, check: str, note: str | None) -> None:
+    async def _deny(self, denial: Denial, uid: int | None, check: Check, note: str | None) -> None:
         ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
@@ -284,14 +286,33 @@ class LedgerService:
         await self.commit(Changes(states=states, events=[ev]))
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
-                      next_state: str | None = None, allow_live: bool = False) -> Reservation:
+                      next_state: str = DECLARED, state_reason: str | None = None,
+                      allow_live: bool = False) -> Reservation:
+        """Release a reservation. A serve whose process may still hold the memory is refused
+        unless the caller (the supervisor, after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
             return await self._release_locked(serve, uid=uid, reason=reason,
-                                              next_state=next_state, allow_live=allow_live)
+                                              next_state=next_state, state_reason=state_reason,
+                                              allow_live=allow_live)
+
+    async def adopt(self, serve: str, role: str, mib: int) -> Reservation:
+        """Record the reservation of a unit found running: its memory is already in use, so it
+        is kept even when it does not fit (the role then shows as over-committed)."""
+        async with self._lock:
+            res = Reservation(serve, role, mib, self.clock(), None, False)
+            ledger = Ledger(self.ledger.roles, {**self.ledger.reservations, serve: res})
+            figures = ledger.figures(role)
+            ev = self.event("admit", f"{serve} re-admitted on {role} for its running unit: "
+                            f"{mib} MiB; {figures.line()}", serve=serve, role=role, mib=mib,
+                            adopted=True, free_mib=figures.free_mib)
+            await self.commit(Changes(put=[res], events=[ev]))
+            self.ledger = ledger
+            return res
 
     async def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                              next_state: str | None, allow_live: bool) -> Reservation:
+                              next_state: str, state_reason: str | None,
+                              allow_live: bool) -> Reservation:
         if serve not in self.ledger.reservations:
             if serve in self.config.serves or serve in self.records:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
@@ -308,8 +329,8 @@ class LedgerService:
         ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
                         f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib)
-        after = next_state or (DECLARED if serve in self.config.serves else DECLARED)
-        await self.commit(Changes(delete=[serve], states=[self.state_row(serve, after)],
+        await self.commit(Changes(delete=[serve],
+                                  states=[self.state_row(serve, next_state, state_reason)],
                                   events=[ev]))
         self.ledger = ledger
         return res

@@ -1,0 +1,79 @@
+"""Events from observation: reserve-exceeded / reserve-ok per device, overdraw per serve.
+
+Each fires once per crossing (gpud.observer.Crossings), not once per poll.
+"""
+
+from __future__ import annotations
+
+from gpud.ledger import DeviceDraw
+from gpud.observation import Observation
+from gpud.observer import Crossings, Observer, all_draws, overdraws
+from gpud.service import LIVE_STATES, LedgerService
+
+
+class Alerts:
+    def __init__(self, svc: LedgerService, observer: Observer) -> None:
+        self.svc = svc
+        self.observer = observer
+        self.reserve = Crossings()
+        self.overdraw = Crossings()
+
+    async def __call__(self, obs: Observation) -> None:
+        if not obs.available:
+            return
+        await self._reserve(obs)
+        await self._overdraw()
+
+    async def _reserve(self, obs: Observation) -> None:
+        ledger, states = self.svc.ledger, self.svc.states()
+        excess: dict[str, int] = {}
+        figures: dict[str, tuple[str, DeviceDraw]] = {}
+        for dev in obs.devices:
+            roles = [n for n, b in ledger.roles.items() if not b.missing
+                     and (d := self.observer.device(b.device)) is not None and d.uuid == dev.uuid]
+            if not roles:
+                continue
+            draw = self.observer.draw_for(dev.uuid, ledger, states)
+            if draw is None:
+                continue
+            excess[dev.uuid] = draw.reserve_excess_mib
+            figures[dev.uuid] = (",".join(sorted(roles)), draw)
+        rose, fell = self.reserve.update(excess)
+        tag = " (simulated)" if self.observer.simulated else ""
+        for uuid in rose:
+            names, draw = figures[uuid]
+            await self.svc.record(self.svc.event(
+                "reserve-exceeded",
+                f"non-ledger draw on {names}{tag} is {draw.non_ledger_draw_mib} MiB, above the "
+                f"reserve of {draw.reserve_mib} MiB: ledger free is optimistic by "
+                f"{draw.reserve_excess_mib} MiB",
+                role=names, mib=draw.reserve_excess_mib, device=uuid,
+                non_ledger_draw_mib=draw.non_ledger_draw_mib, reserve_mib=draw.reserve_mib,
+                simulated=self.observer.simulated))
+        for uuid in fell:
+            if uuid not in figures:
+                continue
+            names, draw = figures[uuid]
+            await self.svc.record(self.svc.event(
+                "reserve-ok",
+                f"non-ledger draw on {names}{tag} is back within the reserve: "
+                f"{draw.non_ledger_draw_mib} of {draw.reserve_mib} MiB",
+                role=names, mib=draw.non_ledger_draw_mib, device=uuid,
+                reserve_mib=draw.reserve_mib, simulated=self.observer.simulated))
+
+    async def _overdraw(self) -> None:
+        tolerance = self.svc.config.daemon.overdraw_tolerance_mib
+        observed = all_draws(self.observer.draws.values())
+        reserved = {s: r.mib for s, r in self.svc.ledger.reservations.items()
+                    if self.svc.state_of(s) in LIVE_STATES}
+        over = overdraws(observed, reserved, tolerance)
+        rose, _ = self.overdraw.update(over)
+        for serve in rose:
+            res = self.svc.ledger.reservations[serve]
+            await self.svc.record(self.svc.event(
+                "overdraw",
+                f"{serve} draws {observed.get(serve, 0)} MiB, over its reservation of {res.mib} "
+                f"MiB plus the tolerance of {tolerance} MiB",
+                serve=serve, role=res.role, mib=observed.get(serve, 0),
+                reservation_mib=res.mib, tolerance_mib=tolerance,
+                over_mib=observed.get(serve, 0) - res.mib))

@@ -1,0 +1,110 @@
+"""Prometheus text exposition of the ledger, observation and serve states.
+
+Names are `gpud_*`; labels follow DCGM's exporter (`gpu`, `UUID`) plus `role` and `serve`, so a
+dashboard can join gpud's figures with DCGM's on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpud.observer import Observer
+from gpud.service import STATES, LedgerService
+
+COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
+           "reserve-exceeded", "exit", "unhealthy", "reload")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+    return "{" + inner + "}" if inner else ""
+
+
+class _Family:
+    def __init__(self, name: str, kind: str, help_text: str) -> None:
+        self.name, self.kind, self.help = name, kind, help_text
+        self.samples: list[tuple[str, float]] = []
+
+    def add(self, value: float, **labels: str) -> None:
+        self.samples.append((_labels(labels.items()), value))
+
+    def render(self) -> str:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        suffix = "_total" if self.kind == "counter" else ""
+        lines += [f"{self.name}{suffix}{labels} {value:g}" for labels, value in self.samples]
+        return "\n".join(lines)
+
+
+def render(svc: LedgerService, observer: Observer | None, supervisor: object = None) -> str:
+    del supervisor
+    fams: dict[str, _Family] = {}
+
+    def fam(name: str, kind: str, help_text: str) -> _Family:
+        return fams.setdefault(name, _Family(name, kind, help_text))
+
+    ledger, states = svc.ledger, svc.states()
+    for name in sorted(ledger.roles):
+        budget = ledger.roles[name]
+        figures = ledger.figures(name)
+        dev = observer.device(budget.device) if observer else None
+        base = {"role": name, "gpu": str(dev.index) if dev else budget.device,
+                "UUID": dev.uuid if dev else ""}
+        fam("gpud_role_capacity_mib", "gauge", "Role capacity in MiB").add(figures.capacity_mib, **base)
+        fam("gpud_role_reserve_mib", "gauge", "Headroom for draw the ledger does not manage"
+            ).add(figures.reserve_mib, **base)
+        fam("gpud_role_committed_mib", "gauge", "Sum of reservations on the role"
+            ).add(figures.committed_mib, **base)
+        fam("gpud_role_ledger_free_mib", "gauge", "capacity - reserve - committed"
+            ).add(figures.free_mib, **base)
+        draw = observer.draw_for(budget.device, ledger, states) if observer and not budget.missing \
+            else None
+        if draw is not None:
+            fam("gpud_role_used_mib", "gauge", "Device memory used (NVML)").add(draw.used_mib, **base)
+            fam("gpud_role_managed_draw_mib", "gauge", "Draw of processes in gpud's serve units"
+                ).add(draw.managed_draw_mib, **base)
+            fam("gpud_role_non_ledger_draw_mib", "gauge", "used - managed draw"
+                ).add(draw.non_ledger_draw_mib, **base)
+            fam("gpud_role_reserve_excess_mib", "gauge", "non-ledger draw - reserve"
+                ).add(draw.reserve_excess_mib, **base)
+            fam("gpud_role_physical_free_mib", "gauge", "Device memory free (NVML)"
+                ).add(draw.physical_free_mib, **base)
+            fam("gpud_role_pending_mib", "gauge", "Reserved memory not yet drawn"
+                ).add(draw.pending_mib, **base)
+            fam("gpud_role_effective_free_mib", "gauge", "min(ledger free, physical free - pending)"
+                ).add(draw.effective_free(figures.free_mib), **base)
+    for serve in svc.known_serves():
+        res = ledger.reservations.get(serve)
+        spec = svc.serve_spec(serve)
+        role = res.role if res else (spec.role if spec else "")
+        labels = {"serve": serve, "role": role}
+        fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
+            ).add(res.mib if res else 0, **labels)
+        observed = observer.observed_mib(serve) if observer else None
+        if observed is not None:
+            fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
+                ).add(observed, **labels)
+        current = svc.state_of(serve)
+        state_fam = fam("gpud_serve_state", "gauge", "1 for the serve's current state")
+        for state in STATES:
+            state_fam.add(1 if state == current else 0, **labels, state=state)
+        cal = getattr(observer, "calibrations", None) if observer else None
+        if cal is not None:
+            fam("gpud_serve_calibrated", "gauge", "1 when a calibration matches the fingerprint"
+                ).add(1 if cal.calibration_of(serve)[0] == "calibrated" else 0, **labels)
+    for kind in COUNTED:
+        fam("gpud_events", "counter", "Events recorded since gpud started, by kind"
+            ).add(svc.counters.get(kind, 0), kind=kind)
+    obs_ok = bool(observer and observer.available)
+    fam("gpud_observation_available", "gauge", "1 when observation works").add(1 if obs_ok else 0,
+        backend=observer.backend.name if observer else "none")
+    if observer is not None:
+        fam("gpud_observation_sample_seconds", "gauge", "Duration of the last observation sample"
+            ).add(observer.sample_seconds)
+    available, _ = svc.launching()
+    fam("gpud_launching_available", "gauge", "1 when the system bus is reachable"
+        ).add(1 if available else 0)
+    return "\n".join(f.render() for f in fams.values()) + "\n"

@@ -1,0 +1,503 @@
+"""Serves under systemd: launch, adopt, boot the resident set, watch health and crash loops.
+
+Starts are serialized per device: vLLM instances that profile memory at the same time on one GPU
+mis-size each other, so one serve is started, waited on until healthy (or its timeout), and only
+then the next; different devices proceed in parallel. Unit state comes from D-Bus signals
+(gpud.units), health from polling each serve's health endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from gpud.config import Config, ServeConfig
+from gpud.errors import Conflict, GpudError, NotFound, Unavailable
+from gpud.launch import serve_argv
+from gpud.observer import Observer
+from gpud.service import (
+    ADMITTED,
+    DECLARED,
+    EXTERNAL,
+    FAILED,
+    LIVE_STATES,
+    RUNNING,
+    STARTING,
+    STOPPING,
+    LedgerService,
+    check_serve_name,
+)
+from gpud.unit_properties import UnitSpec
+from gpud.units import SystemdUnits, UnitState
+
+log = logging.getLogger("gpud.supervisor")
+
+ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
+# How often a starting serve's health endpoint is asked while gpud waits on it.
+START_POLL_S = 0.1
+UNIT_JOB_TIMEOUT_S = 60.0
+
+
+def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
+                    notify: Callable[[str], None]) -> Supervisor:
+    return Supervisor(svc, SystemdUnits(), observer, notify=notify)
+
+
+class Supervisor:
+    def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
+                 notify: Callable[[str], None] = lambda _m: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.svc = svc
+        self.units = units
+        self.observer = observer
+        self.notify = notify
+        self.clock = clock
+        self._device_locks: dict[str, asyncio.Lock] = {}
+        self._serve_locks: dict[str, asyncio.Lock] = {}
+        self._launching: set[str] = set()
+        self._stopping: set[str] = set()
+        self._returning: dict[str, set[str]] = {}
+        self._last: dict[str, UnitState] = {}
+        self._restarts: dict[str, deque[float]] = {}
+        self._health_failures: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
+        self._http: aiohttp.ClientSession | None = None
+        self.booted = asyncio.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Supervisor:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        self.units.watch(self._unit_events.put_nowait, self._unit_events.put_nowait)
+        await self.units.connect()
+        self.svc.launching = self.launching
+        self._spawn(self._unit_loop())
+        self._spawn(self._health_loop())
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.units.close()
+        if self._http is not None:
+            await self._http.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def launching(self) -> tuple[bool, str | None]:
+        if self.units.available:
+            return True, None
+        return False, f"system bus: {self.units.reason}"
+
+    def _need_bus(self) -> None:
+        if not self.units.available:
+            raise Unavailable(f"launching is unavailable: system bus: {self.units.reason}",
+                              {"reason": self.units.reason})
+
+    # ---- reconciliation and boot -----------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Adopt running gpud-serve-* units (never a second copy), keep their reservations, and
+        mark serves that died while gpud was away."""
+        if not self.units.available:
+            log.warning("reconciliation skipped: system bus unavailable (%s)", self.units.reason)
+            return
+        live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
+        for serve, st in sorted(live.items()):
+            self._last[serve] = st
+            spec = self.svc.serve_spec(serve)
+            rec_state = self.svc.state_of(serve)
+            res = self.svc.ledger.reservations.get(serve)
+            if res is None:
+                mib = spec.vram_mib if spec else None
+                role = spec.role if spec else None
+                if mib is None or role is None:
+                    log.warning("unit of %s runs but the serve is not in the config: left alone",
+                                serve)
+                    continue
+                await self.svc.adopt(serve, role, mib)
+            state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
+            rec = self.svc.records.get(serve)
+            if rec is not None:
+                rec.main_pid = st.main_pid or None
+                rec.n_restarts = st.n_restarts
+            await self.svc.record(self.svc.event(
+                "adopt", f"{serve}: adopted running unit {st.unit} (MainPID {st.main_pid})",
+                serve=serve, role=spec.role if spec else None,
+                mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
+                state=self.svc.state_row(serve, state))
+        for serve, rec in list(self.svc.records.items()):
+            if rec.state in LIVE_STATES and serve not in live:
+                await self._ended(serve, "its unit ended while gpud was not running")
+
+    async def boot(self) -> None:
+        """Start the resident set: by priority, serialized per device, devices in parallel."""
+        try:
+            if not self.units.available:
+                log.warning("resident set not started: launching unavailable (%s)",
+                            self.units.reason)
+                return
+            by_device: dict[str, list[str]] = {}
+            order = sorted((s.priority, name) for name, s in self.svc.config.serves.items()
+                           if s.resident)
+            for _, name in order:
+                by_device.setdefault(self._device_key(name), []).append(name)
+            await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
+        finally:
+            self.booted.set()
+            log.info("resident set done: %s", self.svc.summary())
+
+    async def _boot_device(self, names: list[str]) -> None:
+        for name in names:
+            if self.svc.state_of(name) in LIVE_STATES or name in self._launching:
+                continue
+            try:
+                await self.start(name, None, wait=True)
+            except GpudError as exc:
+                log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
+                        "boot: %s not started: %s", name, exc.message)
+            self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
+
+    # ---- start / stop ----------------------------------------------------------------------
+
+    def _spec(self, serve: str) -> ServeConfig:
+        check_serve_name(serve)
+        spec = self.svc.serve_spec(serve)
+        if spec is None:
+            if serve in self.svc.ledger.reservations:
+                raise Conflict(f"serve {serve!r} is an external reservation: gpud does not "
+                               "launch it", {"serve": serve})
+            raise NotFound(f"unknown serve {serve!r}: not in the config", {"serve": serve})
+        return spec
+
+    def _device_key(self, serve: str) -> str:
+        spec = self.svc.serve_spec(serve)
+        ref = self.svc.ledger.roles[spec.role].device if spec else ""
+        dev = self.observer.device(ref)
+        return dev.uuid if dev else ref
+
+    def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
+        return table.setdefault(key, asyncio.Lock())
+
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False) -> None:
+        """Admit the serve at its vram_mib if it holds no reservation, then launch it. Returns
+        once admitted (the launch goes on in the background) unless `wait`."""
+        spec = self._spec(serve)
+        self._need_bus()
+        async with self._lock(self._serve_locks, serve):
+            state = self.svc.state_of(serve)
+            if state in LIVE_STATES or serve in self._launching:
+                raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
+                                                                        "state": state})
+            await self._memory_back(self._device_key(serve))
+            if serve not in self.svc.ledger.reservations:
+                await self.svc.admit(serve, spec.vram_mib, uid=uid)
+            self._launching.add(serve)
+        task = self._spawn(self._launch(serve, uid))
+        if wait:
+            await task
+
+    async def _launch(self, serve: str, uid: int | None) -> None:
+        spec = self._spec(serve)
+        try:
+            async with self._lock(self._device_locks, self._device_key(serve)):
+                unit_spec = self._unit_spec(serve, spec)
+                try:
+                    state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
+                except GpudError as exc:
+                    await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
+                    return
+                self._last[serve] = state
+                rec = self.svc.records.get(serve)
+                if rec is not None:
+                    rec.main_pid = state.main_pid or None
+                    rec.n_restarts = 0
+                self._restarts.pop(serve, None)
+                await self.svc.record(self.svc.event(
+                    "start", f"{serve}: started {state.unit} (MainPID {state.main_pid}): "
+                    f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
+                    mib=self.svc.ledger.reservations[serve].mib if serve in
+                    self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid),
+                    state=self.svc.state_row(serve, STARTING))
+                await self._await_healthy(serve, spec)
+        finally:
+            self._launching.discard(serve)
+
+    def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
+        role = self.svc.ledger.roles[spec.role]
+        dev = self.observer.device(role.device)
+        index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
+        if index is None:
+            raise Unavailable(f"cannot resolve device {role.device!r} of role {spec.role!r} to "
+                              "an index: observation unavailable", {"device": role.device})
+        total = dev.total_mib if dev and dev.total_mib else role.capacity_mib
+        res = self.svc.ledger.reservations.get(serve)
+        argv = serve_argv(spec, total_mib=total, device_index=index,
+                          vllm_executable=self.svc.config.daemon.vllm_executable,
+                          vram_mib=res.mib if res else None)
+        if not argv[0].startswith("/"):
+            found = shutil.which(argv[0])
+            if found is None:
+                raise Unavailable(f"serve {serve}: executable {argv[0]!r} not found in PATH",
+                                  {"serve": serve, "executable": argv[0]})
+            argv[0] = found
+        env = dict(spec.environment)
+        environment_for = getattr(self.observer.backend, "environment_for", None)
+        if dev is not None and callable(environment_for):
+            env.update(environment_for(dev.uuid))
+        daemon = self.svc.config.daemon
+        return UnitSpec(
+            serve=serve, argv=tuple(argv), device_index=index,
+            description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
+            environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
+            # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
+            # one that notices, says why, and decides about the reservation.
+            start_limit_burst=daemon.crash_loop_restarts + 3,
+            start_limit_interval_sec=daemon.crash_loop_window_s,
+            timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
+        )
+
+    async def _await_healthy(self, serve: str, spec: ServeConfig) -> None:
+        deadline = self.clock() + spec.start_timeout_s
+        while self.clock() < deadline:
+            state = self.svc.state_of(serve)
+            if state != STARTING:
+                return  # failed, stopped or promoted elsewhere
+            if await self._healthy(spec):
+                await self._promote(serve)
+                return
+            await asyncio.sleep(START_POLL_S)
+        await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
+                                  f"{spec.start_timeout_s:g} s", kind="unhealthy", stop=True)
+
+    async def _healthy(self, spec: ServeConfig) -> bool:
+        if spec.port is None:
+            return True  # nothing to ask: an active unit is all there is
+        assert self._http is not None
+        try:
+            async with self._http.get(f"http://127.0.0.1:{spec.port}{spec.health_path}") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def _promote(self, serve: str) -> None:
+        self._health_failures.pop(serve, None)
+        res = self.svc.ledger.reservations.get(serve)
+        await self.svc.record(self.svc.event(
+            "healthy", f"{serve}: healthy", serve=serve, role=res.role if res else None,
+            mib=res.mib if res else None), state=self.svc.state_row(serve, RUNNING))
+
+    async def stop(self, serve: str, uid: int | None, *, release: bool = True,
+                   keep_reservation: bool = False) -> None:
+        """Stop the unit and release the reservation (kept only for a restart)."""
+        spec = self._spec(serve)
+        state = self.svc.state_of(serve)
+        if state in LIVE_STATES or serve in self._launching:
+            self._need_bus()
+        async with self._lock(self._serve_locks, serve):
+            self._stopping.add(serve)
+            try:
+                res = self.svc.ledger.reservations.get(serve)
+                await self.svc.record(self.svc.event(
+                    "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
+                    mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
+                if self.units.available:
+                    await self.units.stop(serve, spec.stop_timeout_s + 15)
+                    await self.units.reset_failed(serve)
+                self._returning.setdefault(self._device_key(serve), set()).add(serve)
+                if res is not None and not keep_reservation:
+                    await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
+                                           next_state=DECLARED)
+                else:
+                    await self.svc.record(self.svc.event(
+                        "exit", f"{serve}: stopped", serve=serve, role=spec.role),
+                        state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+            finally:
+                self._stopping.discard(serve)
+                self._last.pop(serve, None)
+
+    async def restart(self, serve: str, uid: int | None) -> None:
+        await self.stop(serve, uid, keep_reservation=True)
+        await self.start(serve, uid)
+
+    async def _memory_back(self, device: str) -> None:
+        """After a stop, wait (bounded) until observation no longer sees the stopped serves'
+        memory on the device, so the next admission and vLLM's own check see it free."""
+        waiting = self._returning.get(device)
+        if not waiting:
+            return
+        deadline = self.clock() + self.svc.config.daemon.memory_return_timeout_s
+        while self.clock() < deadline and self.observer.available:
+            held = waiting & set(self.observer.draws.get(device, {}))
+            if not held:
+                break
+            await self.observer.next_sample(1.0)
+        else:
+            if self.observer.available:
+                log.warning("memory of %s on %s not back after %.0f s; going on", sorted(waiting),
+                            device, self.svc.config.daemon.memory_return_timeout_s)
+        self._returning.pop(device, None)
+
+    # ---- failures --------------------------------------------------------------------------
+
+    async def _failed(self, serve: str, reason: str, *, kind: str, stop: bool = False,
+                      **details: Any) -> None:
+        """A serve ends `failed`. A resident serve keeps its reservation (it is meant to run);
+        any other releases it. The event says which."""
+        spec = self.svc.serve_spec(serve)
+        resident = bool(spec and spec.resident)
+        if stop and self.units.available:
+            self._stopping.add(serve)
+            try:
+                await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
+                await self.units.reset_failed(serve)
+            except GpudError as exc:
+                log.error("could not stop %s: %s", serve, exc.message)
+            finally:
+                self._stopping.discard(serve)
+        res = self.svc.ledger.reservations.get(serve)
+        policy = "kept (resident)" if resident else "released"
+        if res is None:
+            policy = "none held"
+        await self.svc.record(self.svc.event(
+            kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
+            role=spec.role if spec else None, mib=res.mib if res else None,
+            reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason))
+        if res is not None and not resident:
+            await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
+                                   next_state=FAILED, state_reason=reason)
+        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+
+    async def _ended(self, serve: str, reason: str) -> None:
+        await self._failed(serve, reason, kind="exit")
+
+    # ---- unit state from D-Bus signals -----------------------------------------------------
+
+    async def _unit_loop(self) -> None:
+        while True:
+            item = await self._unit_events.get()
+            try:
+                if isinstance(item, list):
+                    await self._resync(item)
+                else:
+                    await self._on_unit(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("handling a unit state change failed")
+
+    async def _resync(self, states: list[UnitState]) -> None:
+        live = {s.serve for s in states if s.active_state in ACTIVE}
+        for st in states:
+            await self._on_unit(st)
+        for serve, rec in list(self.svc.records.items()):
+            if rec.state in LIVE_STATES and serve not in live and serve not in self._stopping:
+                await self._ended(serve, "its unit is gone (seen after the bus came back)")
+
+    async def _on_unit(self, st: UnitState) -> None:
+        serve = st.serve
+        prev = self._last.get(serve)
+        self._last[serve] = st
+        if serve in self._stopping:
+            return
+        rec = self.svc.records.get(serve)
+        state = rec.state if rec else DECLARED
+        if rec is not None and st.main_pid:
+            rec.main_pid = st.main_pid
+        if prev is not None and st.n_restarts > prev.n_restarts and state != FAILED:
+            if rec is not None:
+                rec.n_restarts = st.n_restarts
+            if await self._restarted(serve, st, st.n_restarts - prev.n_restarts):
+                return
+        if st.sub_state == "auto-restart" and (prev is None or prev.sub_state != "auto-restart"):
+            if state in (RUNNING, STARTING):
+                await self.svc.record(self.svc.event(
+                    "exit", f"{serve}: process exited ({_how(st)}); systemd restarts it",
+                    serve=serve, exit_status=st.exec_main_status, result=st.result),
+                    state=self.svc.state_row(serve, STARTING, "restarting"))
+            return
+        if st.active_state in ("failed", "inactive") and state in (RUNNING, STARTING):
+            if serve in self._launching and st.active_state == "inactive" and prev is None:
+                return
+            reason = f"exited ({_how(st)}, result {st.result})"
+            if st.result == "start-limit-hit":
+                reason = "crash-loop: systemd's start limit was hit"
+            await self._failed(serve, reason, kind="exit", exit_status=st.exec_main_status)
+            return
+        if st.active_state == "active" and state == STARTING and serve not in self._launching:
+            self._spawn(self._watch_restart(serve))
+
+    async def _watch_restart(self, serve: str) -> None:
+        spec = self.svc.serve_spec(serve)
+        if spec is not None:
+            await self._await_healthy(serve, spec)
+
+    async def _restarted(self, serve: str, st: UnitState, count: int) -> bool:
+        """Record a restart; True when it made a crash loop (the unit is then stopped)."""
+        daemon = self.svc.config.daemon
+        now = self.clock()
+        times = self._restarts.setdefault(serve, deque())
+        for _ in range(count):
+            times.append(now)
+        while times and now - times[0] > daemon.crash_loop_window_s:
+            times.popleft()
+        await self.svc.record(self.svc.event(
+            "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, MainPID "
+            f"{st.main_pid})", serve=serve, n_restarts=st.n_restarts, main_pid=st.main_pid))
+        if len(times) > daemon.crash_loop_restarts:
+            reason = (f"crash-loop: {len(times)} restarts in {daemon.crash_loop_window_s:g} s "
+                      f"(limit {daemon.crash_loop_restarts})")
+            self._restarts.pop(serve, None)
+            await self._failed(serve, reason, kind="crash-loop", stop=True,
+                               n_restarts=st.n_restarts)
+            return True
+        return False
+
+    # ---- health of running serves ----------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        interval = self.svc.config.daemon.health_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            for serve, rec in list(self.svc.records.items()):
+                if rec.state != RUNNING or serve in self._stopping:
+                    continue
+                spec = self.svc.serve_spec(serve)
+                if spec is None:
+                    continue
+                with contextlib.suppress(asyncio.CancelledError):
+                    ok = await self._healthy(spec)
+                if ok:
+                    self._health_failures.pop(serve, None)
+                    continue
+                fails = self._health_failures.get(serve, 0) + 1
+                self._health_failures[serve] = fails
+                if fails >= self.svc.config.daemon.health_failures:
+                    self._health_failures.pop(serve, None)
+                    await self._failed(serve, f"unhealthy: {fails} health checks in a row "
+                                              f"failed on {spec.health_path}", kind="unhealthy")
+
+
+def _how(st: UnitState) -> str:
+    if st.exec_main_code in (2, 3):
+        return f"killed by signal {st.exec_main_status}"
+    return f"status {st.exec_main_status}"
+
+
+__all__ = ["EXTERNAL", "Supervisor", "make_supervisor"]
