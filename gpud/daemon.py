@@ -311,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         log.error("%s", exc.message)
-        print(f"gpud: {exc.message}", file=sys.stderr)
         return 2
     overrides: dict[str, Any] = {}
     if args.socket:

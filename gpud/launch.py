@@ -58,6 +58,21 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
     return command_argv(serve, util=util, device_index=device_index)
 
 
+# What systemd 252 alters in an ExecStart= argument when it re-reads a transient unit.
+ALTERED_BY_RELOAD = ("$", ";")
+
+
+def through_shim(argv: list[str], python: str, systemd_version: int | None) -> list[str]:
+    """The argv to hand systemd: the command itself, or (when an argument would not survive a
+    daemon-reload on this systemd) the command wrapped for gpud.execv."""
+    fragile = any(ch in arg for arg in argv for ch in ALTERED_BY_RELOAD)
+    if not fragile or (systemd_version is not None and systemd_version > 252):
+        return argv
+    from gpud.execv import encode
+
+    return [python, "-I", "-m", "gpud.execv", encode(argv)]
+
+
 def fingerprint(serve: ServeConfig) -> str:
     """A hash of what defines a serve's memory behaviour: model, revision, quantization,
     max_model_len and the command. A changed serve no longer matches its calibration."""

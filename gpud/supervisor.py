@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import aiohttp
 
 from gpud.config import Config, ServeConfig
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
-from gpud.launch import serve_argv
+from gpud.launch import serve_argv, through_shim
 from gpud.observer import Observer
 from gpud.service import (
     ADMITTED,
@@ -69,6 +70,7 @@ class Supervisor:
         self._last: dict[str, UnitState] = {}
         self._restarts: dict[str, deque[float]] = {}
         self._health_failures: dict[str, int] = {}
+        self._exit_seen: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
         self._http: aiohttp.ClientSession | None = None
@@ -257,6 +259,7 @@ class Supervisor:
                 raise Unavailable(f"serve {serve}: executable {argv[0]!r} not found in PATH",
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
+        argv = through_shim(argv, sys.executable, self.units.systemd_version)
         env = dict(spec.environment)
         environment_for = getattr(self.observer.backend, "environment_for", None)
         if dev is not None and callable(environment_for):
@@ -425,23 +428,51 @@ class Supervisor:
                 rec.n_restarts = st.n_restarts
             if await self._restarted(serve, st, st.n_restarts - prev.n_restarts):
                 return
-        if st.sub_state == "auto-restart" and (prev is None or prev.sub_state != "auto-restart"):
-            if state in (RUNNING, STARTING):
+        ended = st.active_state in ("failed", "inactive") or st.sub_state == "auto-restart"
+        if ended and state in (RUNNING, STARTING):
+            if serve in self._launching and st.active_state == "inactive" and prev is None:
+                return
+            if st.result == "start-limit-hit":
+                await self._failed(serve, "crash-loop: systemd's start limit was hit", kind="exit",
+                                   exit_status=st.exec_main_status)
+                return
+            if self._exit_seen.get(serve) == st.invocation_id:
+                return  # the same exit, seen again on its way through systemd's restart states
+            self._exit_seen[serve] = st.invocation_id
+            if self._will_restart(serve, st):
+                # systemd passes through failed, auto-restart and inactive before the restart:
+                # whether the serve is gone for good is known only once the restart did or did
+                # not come.
                 await self.svc.record(self.svc.event(
                     "exit", f"{serve}: process exited ({_how(st)}); systemd restarts it",
                     serve=serve, exit_status=st.exec_main_status, result=st.result),
                     state=self.svc.state_row(serve, STARTING, "restarting"))
-            return
-        if st.active_state in ("failed", "inactive") and state in (RUNNING, STARTING):
-            if serve in self._launching and st.active_state == "inactive" and prev is None:
+                self._spawn(self._confirm_restart(serve, st.invocation_id))
                 return
-            reason = f"exited ({_how(st)}, result {st.result})"
-            if st.result == "start-limit-hit":
-                reason = "crash-loop: systemd's start limit was hit"
-            await self._failed(serve, reason, kind="exit", exit_status=st.exec_main_status)
+            await self._failed(serve, f"exited ({_how(st)}, result {st.result})", kind="exit",
+                               exit_status=st.exec_main_status)
             return
         if st.active_state == "active" and state == STARTING and serve not in self._launching:
             self._spawn(self._watch_restart(serve))
+
+    def _will_restart(self, serve: str, st: UnitState) -> bool:
+        spec = self.svc.serve_spec(serve)
+        if spec is None or spec.restart == "no":
+            return False
+        return spec.restart == "always" or st.result != "success"
+
+    async def _confirm_restart(self, serve: str, invocation: str) -> None:
+        spec = self.svc.serve_spec(serve)
+        await asyncio.sleep((spec.restart_sec if spec else 2.0) + 5.0)
+        if self.svc.state_of(serve) != STARTING or serve in self._stopping:
+            return
+        last = self._last.get(serve)
+        if last is not None and last.invocation_id != invocation and last.active_state in ACTIVE:
+            return
+        fresh = await self.units.state(serve)
+        if fresh is not None and fresh.active_state in ACTIVE:
+            return
+        await self._failed(serve, "exited and systemd did not restart it", kind="exit")
 
     async def _watch_restart(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)

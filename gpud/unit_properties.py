@@ -1,0 +1,295 @@
+"""The typed table of the properties gpud gives a serve's transient systemd unit.
+
+Each property systemd accepts in ``StartTransientUnit`` is a name, a D-Bus signature and a value
+in systemd's own units. ``PROPERTIES`` maps every name gpud sends to its signature and to the
+converter that turns gpud's value (seconds, a mapping, an argv) into the wire value, so seconds
+become microseconds, and a literal argv becomes ExecStart syntax, in exactly one place.
+``build_properties`` is pure: a ``UnitSpec`` (and the systemd version, for what differs between
+versions) in, the ``a(sv)`` list out. The exact encoding is pinned by
+``tests/test_unit_properties.py``.
+
+Decisions worth knowing (measured on systemd 252, Debian 12):
+
+- The command travels as ``ExecStart`` (``a(sasb)``: path, argv, ignore-failure) with every
+  ``$`` doubled. systemd expands ``$VAR``/``${VAR}`` in ExecStart arguments when it executes
+  them and turns ``$$`` into ``$``, so ``$HOME`` reaches the process literally. Commands given
+  over D-Bus get no ``%`` specifier expansion (only unit files do) and no shell: ``;``, quotes
+  and spaces are plain bytes of one argument.
+- Not ``ExecStartEx`` with the ``no-env-expand`` flag, although 252 accepts it: systemd 252
+  writes the transient unit file (``/run/systemd/transient/UNIT``) with an ``ExecStartEx=`` line
+  that its own unit-file parser does not know. After any ``systemctl daemon-reload`` (package
+  upgrades run one) the unit is ``bad-setting`` with no command: still running, but the next
+  Restart= fails and the unit is gone. (Current systemd writes ``ExecStart=:...`` instead.)
+- Even ``ExecStart=`` does not survive that file round trip intact on 252: an argument holding
+  ``$`` or ``;`` comes back altered (``\\$``, ``\\;``). On systemd <= 252 (and when the version is
+  unknown) such arguments are refused rather than silently changed at the first restart after
+  a daemon-reload.
+- ``RestartSteps=``/``RestartMaxDelaySec=`` (exponential restart backoff) exist only since
+  systemd 254; 252 refuses the whole unit with "Cannot set property RestartSteps, or unknown
+  property". They are sent only when the caller says systemd is new enough.
+- ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes CUDA's device numbering the same as NVML's (by PCI bus
+  id), so ``CUDA_VISIBLE_DEVICES=<NVML index>`` pins the serve to the device the ledger charged.
+  A serve's own environment may therefore not set either variable.
+- ``KillMode=mixed``: SIGTERM to the main process only (vLLM's API server shuts its engine
+  core down itself), SIGKILL to the whole cgroup once ``TimeoutStopUSec`` passes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final, Literal
+
+import dbus_fast
+
+from gpud.errors import BadRequest
+
+SERVE_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+UNIT_PREFIX: Final = "gpud-serve-"
+UNIT_SUFFIX: Final = ".service"
+SLICE: Final = "gpud.slice"
+
+# The first systemd with RestartSteps= and RestartMaxDelaySec= (NEWS for v254).
+RESTART_BACKOFF_SINCE: Final = 254
+# The newest systemd seen to alter '$' and ';' in ExecStart= arguments across daemon-reload.
+EXEC_ROUND_TRIP_BROKEN_UNTIL: Final = 252
+EXEC_ROUND_TRIP_BROKEN_CHARS: Final = ("$", ";")
+
+# Variables gpud sets itself; a serve's environment may not override them.
+PINNED_ENVIRONMENT: Final = frozenset({"CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"})
+
+_ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# systemd's USEC_INFINITY: "no limit" for any *USec property.
+USEC_INFINITY: Final = 2**64 - 1
+_UINT32_MAX: Final = 2**32 - 1
+
+Restart = Literal["no", "on-failure", "always"]
+
+
+def unit_name(serve: str) -> str:
+    """``gpud-serve-NAME.service`` for a valid serve name."""
+    _check_serve(serve)
+    return f"{UNIT_PREFIX}{serve}{UNIT_SUFFIX}"
+
+
+def serve_of_unit(unit: str) -> str | None:
+    """The serve a unit name belongs to, or None for any unit gpud does not own."""
+    if not (unit.startswith(UNIT_PREFIX) and unit.endswith(UNIT_SUFFIX)):
+        return None
+    serve = unit[len(UNIT_PREFIX) : -len(UNIT_SUFFIX)]
+    return serve if SERVE_NAME.match(serve) else None
+
+
+def _check_serve(serve: str) -> None:
+    if not SERVE_NAME.match(serve):
+        raise BadRequest(
+            f"invalid serve name {serve!r}: must match {SERVE_NAME.pattern}",
+            {"serve": serve},
+        )
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """Everything gpud decides about one serve's unit; validated again here on purpose."""
+
+    serve: str
+    argv: tuple[str, ...]
+    device_index: int
+    description: str
+    environment: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    user: str | None = None
+    restart: Restart = "on-failure"
+    restart_sec: float = 5.0
+    # Backoff (systemd >= 254 only): restart delay grows from restart_sec to
+    # restart_max_delay_sec in restart_steps steps. Left out on older systemd.
+    restart_steps: int | None = None
+    restart_max_delay_sec: float | None = None
+    start_limit_burst: int = 5
+    start_limit_interval_sec: float = 600.0
+    timeout_start_sec: float = 90.0
+    timeout_stop_sec: float = 90.0
+    working_directory: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_serve(self.serve)
+        if not self.argv or not self.argv[0].startswith("/"):
+            raise BadRequest(
+                f"serve {self.serve}: the command must start with an absolute path",
+                {"serve": self.serve, "argv": list(self.argv)},
+            )
+        for arg in self.argv:
+            if "\0" in arg:
+                raise BadRequest(f"serve {self.serve}: NUL in a command argument")
+        if self.device_index < 0:
+            raise BadRequest(f"serve {self.serve}: negative device index {self.device_index}")
+        for name, value in self.environment.items():
+            if not _ENV_NAME.match(name) or "\0" in value:
+                raise BadRequest(
+                    f"serve {self.serve}: invalid environment variable {name!r}",
+                    {"serve": self.serve, "variable": name},
+                )
+            if name in PINNED_ENVIRONMENT:
+                raise BadRequest(
+                    f"serve {self.serve}: environment may not set {name}: gpud pins the device itself",
+                    {"serve": self.serve, "variable": name},
+                )
+        if self.working_directory is not None and not self.working_directory.startswith("/"):
+            raise BadRequest(f"serve {self.serve}: working_directory must be an absolute path")
+        if (self.restart_steps is None) != (self.restart_max_delay_sec is None):
+            raise BadRequest(f"serve {self.serve}: restart_steps and restart_max_delay_sec go together")
+        # A copy nobody can change behind the frozen dataclass's back.
+        object.__setattr__(self, "environment", MappingProxyType(dict(self.environment)))
+
+    @property
+    def unit(self) -> str:
+        return unit_name(self.serve)
+
+
+# --- converters: gpud's value -> the D-Bus value systemd expects -------------------------------
+
+
+def _string(value: str) -> str:
+    return value
+
+
+def _uint32(value: int) -> int:
+    if not 0 <= value <= _UINT32_MAX:
+        raise BadRequest(f"{value} is out of range for a 32-bit unsigned property")
+    return value
+
+
+def _usec(seconds: float) -> int:
+    """Seconds (may be fractional; ``inf`` means no limit) to systemd's microseconds."""
+    if math.isinf(seconds) and seconds > 0:
+        return USEC_INFINITY
+    if math.isnan(seconds) or seconds < 0:
+        raise BadRequest(f"invalid duration {seconds!r} s")
+    return min(round(seconds * 1_000_000), USEC_INFINITY - 1)
+
+
+def _exec_literal(argv: tuple[str, ...]) -> list[tuple[str, list[str], bool]]:
+    """One command whose arguments reach the process byte for byte: ``$`` becomes ``$$``,
+    which systemd's variable expansion turns back into ``$``; ignore-failure is off."""
+    return [(argv[0], [arg.replace("$", "$$") for arg in argv], False)]
+
+
+def _environment(assignments: Mapping[str, str]) -> list[str]:
+    return [f"{name}={value}" for name, value in assignments.items()]
+
+
+@dataclass(frozen=True)
+class PropertyType:
+    signature: str
+    convert: Callable[[Any], Any]
+
+
+def _p(signature: str, convert: Callable[[Any], Any]) -> PropertyType:
+    return PropertyType(signature, convert)
+
+
+# name -> (signature, converter). Only names listed here can be sent.
+PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
+    {
+        "Description": _p("s", _string),
+        "Type": _p("s", _string),
+        "ExecStart": _p("a(sasb)", _exec_literal),
+        "Slice": _p("s", _string),
+        "Environment": _p("as", _environment),
+        "User": _p("s", _string),
+        "WorkingDirectory": _p("s", _string),
+        "Restart": _p("s", _string),
+        "RestartUSec": _p("t", _usec),
+        "RestartSteps": _p("u", _uint32),
+        "RestartMaxDelayUSec": _p("t", _usec),
+        "StartLimitBurst": _p("u", _uint32),
+        "StartLimitIntervalUSec": _p("t", _usec),
+        "TimeoutStartUSec": _p("t", _usec),
+        "TimeoutStopUSec": _p("t", _usec),
+        "KillMode": _p("s", _string),
+        "CollectMode": _p("s", _string),
+        "SyslogIdentifier": _p("s", _string),
+        "StandardInput": _p("s", _string),
+        "StandardOutput": _p("s", _string),
+        "StandardError": _p("s", _string),
+    }
+)
+
+
+def encode(name: str, value: Any) -> tuple[str, dbus_fast.Variant]:
+    """One ``(name, Variant)`` pair through the table; Variant checks value against signature."""
+    prop = PROPERTIES[name]
+    return name, dbus_fast.Variant(prop.signature, prop.convert(value))
+
+
+def build_properties(
+    spec: UnitSpec, systemd_version: int | None = None
+) -> list[tuple[str, dbus_fast.Variant]]:
+    """The ``a(sv)`` properties of ``spec``'s transient unit, in a stable order.
+
+    ``systemd_version`` (the major number) decides whether properties newer than 252 are sent
+    and whether arguments that 252 alters across daemon-reload are refused; None means
+    "unknown" and is treated as 252.
+    """
+    unit = spec.unit
+    if systemd_version is None or systemd_version <= EXEC_ROUND_TRIP_BROKEN_UNTIL:
+        _refuse_altered_arguments(spec, systemd_version)
+    environment = {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": str(spec.device_index),
+        **spec.environment,
+    }
+    values: list[tuple[str, Any]] = [
+        ("Description", spec.description),
+        ("Type", "exec"),
+        ("ExecStart", spec.argv),
+        ("Slice", SLICE),
+        ("Environment", environment),
+    ]
+    if spec.user is not None:
+        values.append(("User", spec.user))
+    if spec.working_directory is not None:
+        values.append(("WorkingDirectory", spec.working_directory))
+    values += [
+        ("Restart", spec.restart),
+        ("RestartUSec", spec.restart_sec),
+    ]
+    if (
+        spec.restart_steps is not None
+        and spec.restart_max_delay_sec is not None
+        and systemd_version is not None
+        and systemd_version >= RESTART_BACKOFF_SINCE
+    ):
+        values += [
+            ("RestartSteps", spec.restart_steps),
+            ("RestartMaxDelayUSec", spec.restart_max_delay_sec),
+        ]
+    values += [
+        ("StartLimitBurst", spec.start_limit_burst),
+        ("StartLimitIntervalUSec", spec.start_limit_interval_sec),
+        ("TimeoutStartUSec", spec.timeout_start_sec),
+        ("TimeoutStopUSec", spec.timeout_stop_sec),
+        ("KillMode", "mixed"),
+        ("CollectMode", "inactive-or-failed"),
+        ("SyslogIdentifier", unit.removesuffix(UNIT_SUFFIX)),
+        ("StandardInput", "null"),
+        ("StandardOutput", "journal"),
+        ("StandardError", "journal"),
+    ]
+    return [encode(name, value) for name, value in values]
+
+
+def _refuse_altered_arguments(spec: UnitSpec, systemd_version: int | None) -> None:
+    for position, arg in enumerate(spec.argv):
+        bad = [ch for ch in EXEC_ROUND_TRIP_BROKEN_CHARS if ch in arg]
+        if bad:
+            version = "an unknown systemd" if systemd_version is None else (f"systemd {systemd_version}")
+            raise BadRequest(
+                f"serve {spec.serve}: command argument {position} ({arg!r}) contains "
+                f"{' and '.join(repr(ch) for ch in bad)}, which {version} alters when it "
+                "reloads the unit (daemon-reload); the serve would restart with a different "
+                "command",
+                {"serve": spec.serve, "argument": position, "characters": bad},
+            )

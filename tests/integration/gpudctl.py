@@ -1,0 +1,110 @@
+"""Drive a gpud installed in the sandbox: configure, (re)start, call its API, read systemd."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Reply, call
+from tools.sandbox import Sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+STANDIN = [PY, "-m", "gpud.standin"]
+
+
+def standin(*args: str) -> str:
+    """A TOML array for a stand-in serve command."""
+    return json.dumps([*STANDIN, "--port", "{port}", "--gpu-memory-utilization",
+                       "{gpu_memory_utilization}", *args])
+
+
+def sim_config(roles: str, serves: str, *, devices: int = 1, daemon: str = "",
+               total_mib: int = 32607) -> str:
+    devs = "".join(f'[[simulation.devices]]\nuuid = "GPU-sim-{i}"\ntotal_mib = {total_mib}\n'
+                   for i in range(devices))
+    return (f"[daemon]\nhealth_interval_s = 0.5\nobserve_interval_s = 0.5\n{daemon}\n"
+            f"{textwrap.dedent(roles)}\n{textwrap.dedent(serves)}\n"
+            f'[simulation]\nstate_file = "/run/gpud/sim.json"\n{devs}')
+
+
+class SandboxGpud:
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sb = sandbox
+
+    @property
+    def socket(self) -> Path:
+        return self.sb.host_path("/run/gpud/gpud.sock")
+
+    def reset(self) -> None:
+        """No gpud, no serve units, no state: every test starts from nothing."""
+        self.sb.run(["systemctl", "stop", "gpud.service"], check=False)
+        self.sb.run("systemctl stop 'gpud-serve-*' ; systemctl reset-failed 'gpud-serve-*'; "
+                    "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs", check=False)
+
+    def configure(self, config: str, *, external: list[dict[str, Any]] | None = None,
+                  start: bool = True) -> None:
+        self.reset()
+        self.sb.install_gpud(REPO, config)
+        self.sb.run(["mkdir", "-p", "/run/gpud"])
+        self.set_external(external or [])
+        if start:
+            self.start()
+
+    def set_external(self, external: list[dict[str, Any]]) -> None:
+        self.sb.write_file("/run/gpud/sim.json", json.dumps({"external": external}))
+
+    def start(self) -> None:
+        result = self.sb.run(["systemctl", "start", "gpud.service"], timeout=60, check=False)
+        if result.returncode != 0:
+            raise AssertionError("gpud did not start:\n" + self.journal_tail())
+
+    def journal_tail(self, lines: int = 40) -> str:
+        return str(self.sb.run(f"journalctl -u gpud -u 'gpud-serve-*' --no-pager | tail -{lines}",
+                               check=False).stdout)
+
+    def call(self, method: str, path: str, body: Any = None) -> Reply:
+        return call(self.socket, method, path, body)
+
+    def get(self, path: str) -> Any:
+        reply = self.call("GET", path)
+        assert reply.status == 200, reply.raw
+        return reply.body
+
+    def serve(self, name: str) -> dict[str, Any]:
+        return dict(self.get(f"/v1/serves/{name}"))
+
+    def events(self, **query: str) -> list[dict[str, Any]]:
+        qs = "&".join(f"{k}={v}" for k, v in query.items())
+        return list(self.get(f"/v1/events?limit=10000&{qs}")["events"])
+
+    def wait_state(self, name: str, *states: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            last = self.serve(name)
+            if last["state"] in states:
+                return last
+            time.sleep(0.1)
+        raise AssertionError(f"{name} not in {states} after {timeout} s: {last}\n"
+                             + self.journal_tail())
+
+    def wait_event(self, kind: str, timeout: float = 20, **match: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for ev in self.events(kind=kind, **match):
+                return ev
+            time.sleep(0.1)
+        raise AssertionError(f"no {kind} event {match} after {timeout} s")
+
+    def unit_prop(self, unit: str, prop: str) -> str:
+        return self.sb.run(["systemctl", "show", "-p", prop, "--value", unit]).stdout.strip()
+
+    def serve_units(self) -> list[str]:
+        out = self.sb.run(["systemctl", "list-units", "gpud-serve-*", "--no-legend", "--plain",
+                           "--state=active"]).stdout
+        return sorted(line.split()[0] for line in out.splitlines() if line.strip())

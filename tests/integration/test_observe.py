@@ -1,0 +1,97 @@
+"""Observation under real systemd with the simulated GPU: the seed's honesty note computed by
+gpud itself, strict admission's physical bound, and overdraw events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.gpudctl import SandboxGpud, sim_config, standin
+from tools.sandbox import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+T011_ROLE = """
+[roles.dark-fast]
+device = "GPU-sim-0"
+reserve_mib = 4608
+note = "display + voice STT/TTS sidecars draw ~5.7 GiB"
+"""
+DISPLAY = [{"device": "GPU-sim-0", "label": "display+sidecars", "mib": 5837}]
+
+
+@pytest.fixture
+def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
+    ctl = SandboxGpud(sandbox)
+    yield ctl
+    ctl.reset()
+
+
+def t011_serves() -> str:
+    out = []
+    for prio, (name, mib, port, extra) in enumerate((
+            ("fast", 14336, 30001, ()), ("embeddings", 3200, 30003, ()),
+            ("reranker", 3456, 30004, ()), ("ocr", 5120, 30007, ("--draw-in-child",)))):
+        out.append(f'[serves.{name}]\nrole = "dark-fast"\nvram_mib = {mib}\nresident = true\n'
+                   f"priority = {(prio + 1) * 10}\nport = {port}\ncommand = {standin(*extra)}\n")
+    return "\n".join(out)
+
+
+def test_t011_honesty_note_and_one_reserve_exceeded(gpud: SandboxGpud) -> None:
+    gpud.configure(sim_config(T011_ROLE, t011_serves()), external=DISPLAY)
+    for name in ("fast", "embeddings", "reranker", "ocr"):
+        gpud.wait_state(name, "running")
+    role = gpud.get("/v1/ledger")["roles"][0]
+    assert (role["committed_mib"], role["free_mib"]) == (26112, 1887)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        obs = gpud.get("/v1/ledger")["roles"][0]["observed"]
+        if obs and obs["managed_draw_mib"] > 26000:
+            break
+        time.sleep(0.2)
+    assert obs["simulated"] is True
+    assert obs["non_ledger_draw_mib"] == 5837
+    assert obs["reserve_excess_mib"] == 1229
+    # Each stand-in draws floor(util x total): at most its reservation, close to it.
+    assert 26100 <= obs["managed_draw_mib"] <= 26112
+    # ocr's memory sits in a child process: attributed through the unit's cgroup.
+    assert gpud.serve("ocr")["observed_mib"] >= 5100
+    time.sleep(2)  # several polls: the crossing is reported once, not once per poll
+    exceeded = gpud.events(kind="reserve-exceeded")
+    assert len(exceeded) == 1
+    assert exceeded[0]["mib"] == 1229 and "optimistic by 1229 MiB" in exceeded[0]["message"]
+    # Back under the reserve: one reserve-ok.
+    gpud.set_external([{"device": "GPU-sim-0", "label": "display", "mib": 3000}])
+    gpud.wait_event("reserve-ok")
+    assert len(gpud.events(kind="reserve-exceeded")) == 1
+    journal = gpud.sb.wait_journal("GPUD_EVENT=reserve-exceeded", unit="gpud.service")
+    assert journal[0]["GPUD_NON_LEDGER_DRAW_MIB"] == "5837"
+
+
+def test_physical_bound_denies_what_the_ledger_would_admit(gpud: SandboxGpud) -> None:
+    serves = f'[serves.big]\nrole = "dark-fast"\nvram_mib = 8000\nport = 30030\ncommand = {standin()}\n'
+    external = [{"device": "GPU-sim-0", "label": "someone else", "mib": 27000}]
+    gpud.configure(sim_config(T011_ROLE, serves), external=external)
+    reply = gpud.call("POST", "/v1/serves/big/start", {})
+    assert reply.status == 409, reply.raw
+    details = reply.body["error"]["details"]
+    assert details["bound"] == "physical" and details["check"] == "strict"
+    assert details["need_mib"] == 8000 and details["free_mib"] == 32607 - 27000
+    assert details["shortfall_mib"] == 8000 - 5607
+    assert "gpud-serve-big.service" not in gpud.serve_units()
+    # The ledger alone would have admitted it.
+    assert gpud.get("/v1/ledger")["roles"][0]["free_mib"] == 27999
+
+
+def test_overdraw_reported_once(gpud: SandboxGpud) -> None:
+    serves = (f'[serves.greedy]\nrole = "dark-fast"\nvram_mib = 4000\nport = 30031\n'
+              f'command = {standin("--overdraw-pct", "20")}\n')
+    gpud.configure(sim_config(T011_ROLE, serves, daemon="overdraw_tolerance_mib = 256"))
+    assert gpud.call("POST", "/v1/serves/greedy/start", {}).status == 200
+    gpud.wait_state("greedy", "running")
+    ev = gpud.wait_event("overdraw", serve="greedy")
+    assert ev["details"]["reservation_mib"] == 4000 and ev["mib"] >= 4700
+    time.sleep(2)
+    assert len(gpud.events(kind="overdraw")) == 1

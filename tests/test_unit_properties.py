@@ -1,0 +1,481 @@
+"""The exact D-Bus encoding of a serve's transient unit, and the pure helpers of gpud.units.
+
+The golden lists below are the wire format: a change to one of them is a change of what gpud
+asks systemd for, and must be deliberate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from typing import Any
+
+import pytest
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast._private.unmarshaller import Unmarshaller
+from dbus_fast.errors import AuthError, DBusError
+
+from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
+from gpud.unit_properties import (
+    PROPERTIES,
+    USEC_INFINITY,
+    UnitSpec,
+    build_properties,
+    encode,
+    serve_of_unit,
+    unit_name,
+)
+from gpud.units import (
+    _DBUS_ERRORS,
+    MANAGER_IFACE,
+    MANAGER_PATH,
+    JobFailed,
+    SystemdUnits,
+    UnitState,
+    _JobWatch,
+    _state_from,
+    bus_path_escape,
+    bus_path_unescape,
+    map_error,
+    systemd_major,
+    unit_of_path,
+    unit_path,
+)
+
+# Quotes, a specifier, spaces, a backslash, a tab: all must reach the process as they are.
+HOSTILE = "a b \"c\" 'd' %n \\x\ty"
+
+SPEC = UnitSpec(
+    serve="ocr",
+    argv=("/opt/serves/bin/ocr-serve", "--port", "30007", "--label", HOSTILE),
+    environment={"HF_HOME": "/var/lib/gpud/hf", "NOTE": "$HOME; %n"},
+    device_index=1,
+    user="gpud-serve",
+    description="gpud serve ocr",
+    restart_sec=2.5,
+    start_limit_burst=5,
+    start_limit_interval_sec=600,
+    timeout_start_sec=90,
+    timeout_stop_sec=30.0,
+    working_directory="/var/lib/gpud",
+)
+
+
+def _triples(props: list[tuple[str, Variant]]) -> list[tuple[str, str, Any]]:
+    return [(name, v.signature, v.value) for name, v in props]
+
+
+GOLDEN_252: list[tuple[str, str, Any]] = [
+    ("Description", "s", "gpud serve ocr"),
+    ("Type", "s", "exec"),
+    (
+        "ExecStart",
+        "a(sasb)",
+        [
+            (
+                "/opt/serves/bin/ocr-serve",
+                ["/opt/serves/bin/ocr-serve", "--port", "30007", "--label", HOSTILE],
+                False,
+            )
+        ],
+    ),
+    ("Slice", "s", "gpud.slice"),
+    (
+        "Environment",
+        "as",
+        [
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES=1",
+            "HF_HOME=/var/lib/gpud/hf",
+            # Environment= values are never $-expanded by systemd: they travel as they are.
+            "NOTE=$HOME; %n",
+        ],
+    ),
+    ("User", "s", "gpud-serve"),
+    ("WorkingDirectory", "s", "/var/lib/gpud"),
+    ("Restart", "s", "on-failure"),
+    ("RestartUSec", "t", 2_500_000),
+    ("StartLimitBurst", "u", 5),
+    ("StartLimitIntervalUSec", "t", 600_000_000),
+    ("TimeoutStartUSec", "t", 90_000_000),
+    ("TimeoutStopUSec", "t", 30_000_000),
+    ("KillMode", "s", "mixed"),
+    ("CollectMode", "s", "inactive-or-failed"),
+    ("SyslogIdentifier", "s", "gpud-serve-ocr"),
+    ("StandardInput", "s", "null"),
+    ("StandardOutput", "s", "journal"),
+    ("StandardError", "s", "journal"),
+]
+
+
+def test_golden_encoding_systemd_252() -> None:
+    assert _triples(build_properties(SPEC, 252)) == GOLDEN_252
+    # an unknown version is treated as the oldest supported one
+    assert _triples(build_properties(SPEC, None)) == GOLDEN_252
+
+
+def test_golden_encoding_newer_systemd_doubles_dollars_and_adds_backoff() -> None:
+    spec = UnitSpec(
+        serve="fast",
+        argv=("/usr/bin/vllm", "serve", "$HOME", ";", "${X:-y}", "100%"),
+        device_index=0,
+        description="gpud serve fast",
+        restart="always",
+        restart_sec=0.1,
+        restart_steps=5,
+        restart_max_delay_sec=60,
+        timeout_stop_sec=math.inf,
+    )
+    assert _triples(build_properties(spec, 256)) == [
+        ("Description", "s", "gpud serve fast"),
+        ("Type", "s", "exec"),
+        (
+            "ExecStart",
+            "a(sasb)",
+            [
+                (
+                    "/usr/bin/vllm",
+                    # systemd turns $$ back into $ when it executes: the process sees "$HOME"
+                    ["/usr/bin/vllm", "serve", "$$HOME", ";", "$${X:-y}", "100%"],
+                    False,
+                )
+            ],
+        ),
+        ("Slice", "s", "gpud.slice"),
+        ("Environment", "as", ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0"]),
+        ("Restart", "s", "always"),
+        ("RestartUSec", "t", 100_000),
+        ("RestartSteps", "u", 5),
+        ("RestartMaxDelayUSec", "t", 60_000_000),
+        ("StartLimitBurst", "u", 5),
+        ("StartLimitIntervalUSec", "t", 600_000_000),
+        ("TimeoutStartUSec", "t", 90_000_000),
+        ("TimeoutStopUSec", "t", USEC_INFINITY),
+        ("KillMode", "s", "mixed"),
+        ("CollectMode", "s", "inactive-or-failed"),
+        ("SyslogIdentifier", "s", "gpud-serve-fast"),
+        ("StandardInput", "s", "null"),
+        ("StandardOutput", "s", "journal"),
+        ("StandardError", "s", "journal"),
+    ]
+
+
+def test_backoff_is_left_out_before_systemd_254() -> None:
+    spec = UnitSpec(
+        serve="x",
+        argv=("/bin/true",),
+        device_index=0,
+        description="x",
+        restart_steps=3,
+        restart_max_delay_sec=30,
+    )
+    for version in (None, 252, 253):
+        names = [name for name, _ in build_properties(spec, version)]
+        assert "RestartSteps" not in names and "RestartMaxDelayUSec" not in names
+    names = [name for name, _ in build_properties(spec, 254)]
+    assert "RestartSteps" in names and "RestartMaxDelayUSec" in names
+
+
+@pytest.mark.parametrize("arg", ["$HOME", "a;b", ";", "${X}", "$"])
+@pytest.mark.parametrize("version", [None, 250, 252])
+def test_arguments_252_would_alter_on_reload_are_refused(arg: str, version: int | None) -> None:
+    spec = UnitSpec(serve="x", argv=("/bin/echo", arg), device_index=0, description="x")
+    with pytest.raises(BadRequest, match="daemon-reload") as info:
+        build_properties(spec, version)
+    assert info.value.details["argument"] == 1
+
+
+def _round_trip(message: Message) -> Message:
+    """The message as the receiving end reads it off the wire (dbus-fast's own unmarshaller)."""
+    reader = Unmarshaller(io.BytesIO(message._marshall(False)))  # type: ignore[arg-type]
+    reader.unmarshall()
+    assert reader.message is not None
+    return reader.message
+
+
+# One sample gpud value per table entry: a new entry without one fails here.
+SAMPLES: dict[str, Any] = {
+    "Description": "d",
+    "Type": "exec",
+    "ExecStart": ("/bin/x", "a$b", ""),
+    "Slice": "gpud.slice",
+    "Environment": {"A": "1", "B": ""},
+    "User": "u",
+    "WorkingDirectory": "/",
+    "Restart": "no",
+    "RestartUSec": 0.25,
+    "RestartSteps": 10,
+    "RestartMaxDelayUSec": math.inf,
+    "StartLimitBurst": 0,
+    "StartLimitIntervalUSec": 0,
+    "TimeoutStartUSec": 1e-6,
+    "TimeoutStopUSec": 3600,
+    "KillMode": "mixed",
+    "CollectMode": "inactive-or-failed",
+    "SyslogIdentifier": "gpud-serve-x",
+    "StandardInput": "null",
+    "StandardOutput": "journal",
+    "StandardError": "journal",
+}
+
+
+def test_every_table_entry_has_a_sample() -> None:
+    assert set(SAMPLES) == set(PROPERTIES)
+
+
+@pytest.mark.parametrize("name", sorted(PROPERTIES))
+def test_converter_output_matches_its_signature(name: str) -> None:
+    # Variant() verifies the value against the signature; then the real marshaller, both ways:
+    # what comes back from the wire (structs as tuples, arrays as lists) equals what was sent.
+    _, variant = encode(name, SAMPLES[name])
+    message = Message(
+        destination=MANAGER_IFACE.rsplit(".", 1)[0],
+        path=MANAGER_PATH,
+        interface=MANAGER_IFACE,
+        member="StartTransientUnit",
+        signature="ssa(sv)a(sa(sv))",
+        body=["x.service", "fail", [(name, variant)], []],
+        serial=1,
+    )
+    (back_name, back_variant) = _round_trip(message).body[2][0]
+    assert back_name == name
+    assert back_variant.signature == PROPERTIES[name].signature
+    assert back_variant.value == variant.value
+
+
+def test_whole_property_list_marshals() -> None:
+    props = build_properties(SPEC, 252)
+    message = Message(
+        destination="org.freedesktop.systemd1",
+        path=MANAGER_PATH,
+        interface=MANAGER_IFACE,
+        member="StartTransientUnit",
+        signature="ssa(sv)a(sa(sv))",
+        body=[SPEC.unit, "fail", props, []],
+        serial=1,
+    )
+    assert _triples(_round_trip(message).body[2]) == GOLDEN_252
+
+
+@pytest.mark.parametrize(
+    ("seconds", "usec"),
+    [(0, 0), (0.1, 100_000), (1e-7, 0), (2.5, 2_500_000), (math.inf, USEC_INFINITY)],
+)
+def test_seconds_become_microseconds(seconds: float, usec: int) -> None:
+    assert encode("TimeoutStopUSec", seconds)[1].value == usec
+
+
+@pytest.mark.parametrize("seconds", [-1, math.nan, -math.inf])
+def test_invalid_durations_are_refused(seconds: float) -> None:
+    with pytest.raises(BadRequest):
+        encode("RestartUSec", seconds)
+
+
+def test_uint32_range_is_checked() -> None:
+    with pytest.raises(BadRequest):
+        encode("StartLimitBurst", 2**32)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"serve": "Bad"}, "invalid serve name"),
+        ({"serve": "-x"}, "invalid serve name"),
+        ({"serve": "a" * 64}, "invalid serve name"),
+        ({"serve": "x.y"}, "invalid serve name"),
+        ({"argv": ()}, "absolute path"),
+        ({"argv": ("vllm", "serve")}, "absolute path"),
+        ({"argv": ("/bin/x", "a\0b")}, "NUL"),
+        ({"device_index": -1}, "negative device index"),
+        ({"environment": {"CUDA_VISIBLE_DEVICES": "0,1"}}, "pins the device"),
+        ({"environment": {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}}, "pins the device"),
+        ({"environment": {"A-B": "1"}}, "invalid environment variable"),
+        ({"environment": {"A": "x\0y"}}, "invalid environment variable"),
+        ({"working_directory": "relative"}, "absolute path"),
+        ({"restart_steps": 3}, "go together"),
+    ],
+)
+def test_unit_spec_refuses_what_systemd_or_gpud_cannot_use(changes: dict[str, Any], match: str) -> None:
+    fields: dict[str, Any] = {
+        "serve": "x",
+        "argv": ("/bin/true",),
+        "device_index": 0,
+        "description": "x",
+    }
+    fields.update(changes)
+    with pytest.raises(BadRequest, match=match):
+        UnitSpec(**fields)
+
+
+def test_unit_spec_environment_is_a_frozen_copy() -> None:
+    env = {"A": "1"}
+    spec = UnitSpec(serve="x", argv=("/bin/true",), device_index=0, description="x", environment=env)
+    env["A"] = "2"
+    assert spec.environment["A"] == "1"
+    with pytest.raises(TypeError):
+        spec.environment["A"] = "3"  # type: ignore[index]
+
+
+def test_unit_names() -> None:
+    assert unit_name("ocr") == "gpud-serve-ocr.service"
+    assert serve_of_unit("gpud-serve-ocr.service") == "ocr"
+    assert serve_of_unit("gpud-serve-a_b-c.service") == "a_b-c"
+    for other in ("gpud.service", "gpud-serve-.service", "gpud-serve-X.service", "ocr.service"):
+        assert serve_of_unit(other) is None
+    with pytest.raises(BadRequest):
+        unit_name("../x")
+
+
+# --- pure helpers of gpud.units -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("unit", "label"),
+    [
+        ("gpud-serve-x.service", "gpud_2dserve_2dx_2eservice"),
+        ("gpud-serve-a_b.service", "gpud_2dserve_2da_5fb_2eservice"),
+        ("gpud-serve-0.service", "gpud_2dserve_2d0_2eservice"),
+        ("0day.service", "_30day_2eservice"),
+        ("", "_"),
+    ],
+)
+def test_object_path_labels_escape_like_systemd(unit: str, label: str) -> None:
+    assert bus_path_escape(unit) == label
+    assert bus_path_unescape(label) == unit
+    assert unit_of_path(unit_path(unit)) == unit
+
+
+def test_unit_of_path_ignores_other_objects() -> None:
+    assert unit_of_path("/org/freedesktop/systemd1") is None
+    assert unit_of_path("/org/freedesktop/systemd1/job/12") is None
+    assert unit_of_path("/org/freedesktop/systemd1/unit/") is None
+
+
+@pytest.mark.parametrize(
+    ("version", "major"), [("252.38-1~deb12u1", 252), ("v256.4", 256), ("257", 257), ("", None)]
+)
+def test_systemd_major(version: str, major: int | None) -> None:
+    assert systemd_major(version) == major
+
+
+@pytest.mark.parametrize("name", sorted(_DBUS_ERRORS))
+def test_every_mapped_dbus_error_becomes_its_gpud_error(name: str) -> None:
+    exc = DBusError(name, "text from systemd")
+    mapped = map_error(exc, "start gpud-serve-x.service")
+    assert type(mapped) is _DBUS_ERRORS[name]
+    assert mapped.details["dbus_error"] == name
+    assert mapped.message.startswith("start gpud-serve-x.service: ")
+
+
+def test_the_important_dbus_errors_map_as_documented() -> None:
+    assert _DBUS_ERRORS["org.freedesktop.systemd1.UnitExists"] is Conflict
+    assert _DBUS_ERRORS["org.freedesktop.systemd1.NoSuchUnit"] is NotFound
+    assert _DBUS_ERRORS["org.freedesktop.DBus.Error.AccessDenied"] is Unavailable
+    assert _DBUS_ERRORS["org.freedesktop.DBus.Error.PropertyReadOnly"] is BadRequest
+
+
+def test_unknown_dbus_errors_and_connection_errors() -> None:
+    unknown = map_error(DBusError("org.example.Weird", "odd"), "x")
+    assert type(unknown) is GpudError
+    assert unknown.details == {"dbus_error": "org.example.Weird"}
+    for exc in (
+        ConnectionRefusedError(111, "refused"),
+        FileNotFoundError(2, "no socket"),
+        EOFError(),
+        TimeoutError(),
+        AuthError("rejected"),
+    ):
+        assert type(map_error(exc, "x")) is Unavailable
+    with pytest.raises(TypeError):
+        map_error(ValueError("a bug, not a bus failure"), "x")
+
+
+def test_job_failed_is_a_gpud_error() -> None:
+    assert issubclass(JobFailed, GpudError)
+    assert JobFailed("x").to_json()["error"]["code"] == "unit-job-failed"
+
+
+FULL_PROPS: dict[str, Any] = {
+    "LoadState": "loaded",
+    "ActiveState": "active",
+    "SubState": "running",
+    "InvocationID": bytes(range(16)),
+    "Result": "success",
+    "NRestarts": 2,
+    "MainPID": 4242,
+    "ExecMainStatus": 0,
+    "ExecMainCode": 0,
+    "ControlGroup": "/gpud.slice/gpud-serve-x.service",
+}
+
+
+def test_state_from_properties() -> None:
+    assert _state_from("gpud-serve-x.service", FULL_PROPS) == UnitState(
+        serve="x",
+        unit="gpud-serve-x.service",
+        active_state="active",
+        sub_state="running",
+        result="success",
+        n_restarts=2,
+        main_pid=4242,
+        exec_main_status=0,
+        invocation_id="000102030405060708090a0b0c0d0e0f",
+        control_group="/gpud.slice/gpud-serve-x.service",
+        exec_main_code=0,
+        load_state="loaded",
+    )
+    partial = dict(FULL_PROPS)
+    del partial["ControlGroup"]
+    assert _state_from("gpud-serve-x.service", partial) is None
+    assert _state_from("other.service", FULL_PROPS) is None
+
+
+def _signal(sender: str, member: str, signature: str, body: list[Any], **kw: Any) -> Message:
+    return Message(
+        message_type=MessageType.SIGNAL,
+        sender=sender,
+        member=member,
+        signature=signature,
+        body=body,
+        **kw,
+    )
+
+
+async def test_job_removed_only_counts_from_systemd() -> None:
+    units = SystemdUnits()
+    units._systemd_owner = ":1.1"
+    async with units._watch_jobs("gpud-serve-x.service") as watch:
+        job = "/org/freedesktop/systemd1/job/7"
+        body = [7, job, "gpud-serve-x.service", "done"]
+        manager = {"path": MANAGER_PATH, "interface": MANAGER_IFACE}
+        # a unicast signal forged by another peer on the bus is ignored
+        units._on_message(_signal(":1.99", "JobRemoved", "uoss", body, **manager))
+        assert watch.results == {}
+        units._on_message(_signal(":1.1", "JobRemoved", "uoss", body, **manager))
+        assert await asyncio.wait_for(watch.wait(job), 1) == "done"
+    assert units._job_watches == {}
+
+
+async def test_job_watch_fails_when_the_bus_goes() -> None:
+    watch = _JobWatch("gpud-serve-x.service")
+    waiter = asyncio.ensure_future(watch.wait("/org/freedesktop/systemd1/job/1"))
+    await asyncio.sleep(0)
+    watch.fail(Unavailable("gone"))
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(waiter, 1)
+
+
+async def test_unconnected_adapter_is_unavailable_not_crashing() -> None:
+    units = SystemdUnits("unix:path=/nonexistent/gpud-test-bus", reconnect_delays=(30,))
+    await units.connect()
+    try:
+        assert not units.available
+        assert units.reason is not None and "system bus" in units.reason
+        spec = UnitSpec(serve="x", argv=("/bin/true",), device_index=0, description="x")
+        with pytest.raises(Unavailable):
+            await units.start(spec, timeout=1)
+        with pytest.raises(Unavailable):
+            await units.list_serves()
+    finally:
+        await units.close()
