@@ -1,0 +1,452 @@
+"""The stand-in serve: pure parts in-process, behaviour through real processes on real ports."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpud import simulation, standin
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "GPU-sim-0"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie counts: it holds no memory and its parent is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+class Standin:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def request(
+        self, method: str, path: str, body: Any = None, conn: http.client.HTTPConnection | None = None
+    ) -> tuple[int, http.client.HTTPResponse, bytes]:
+        own = conn is None
+        c = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {} if data is None else {"Content-Type": "application/json"}
+            c.request(method, path, body=data, headers=headers)
+            resp = c.getresponse()
+            payload = resp.read()
+        finally:
+            if own:
+                c.close()
+        return resp.status, resp, payload
+
+    def get_json(self, path: str) -> Any:
+        status, _, payload = self.request("GET", path)
+        assert status == 200, (status, payload)
+        return json.loads(payload)
+
+    def health(self) -> tuple[int, str]:
+        status, resp, payload = self.request("GET", "/health")
+        assert payload == b""
+        return status, resp.getheader("X-Gpud-Standin-State") or ""
+
+    def listening(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"stand-in exited {self.proc.returncode}:\n{self.output()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def wait_exit(self, timeout: float = 5.0) -> int:
+        return self.proc.wait(timeout)
+
+
+Start = Callable[..., Standin]
+
+
+@pytest.fixture
+def procs_dir(tmp_path: Path) -> Path:
+    return tmp_path / "sim-procs"
+
+
+@pytest.fixture
+def start(tmp_path: Path, procs_dir: Path) -> Iterator[Start]:
+    started: list[Standin] = []
+
+    def _start(
+        *args: str,
+        port: int | None = None,
+        sim: bool = False,
+        total_mib: int | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> Standin:
+        port = free_port() if port is None else port
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUD_SIM_")}
+        if sim:
+            full_env |= simulation.standin_environment(procs_dir, DEVICE, total_mib or 0)
+        elif total_mib is not None:
+            full_env[standin.GPUD_SIM_TOTAL_MIB] = str(total_mib)
+        full_env |= env or {}
+        log = tmp_path / f"standin-{len(started)}.log"
+        argv = [sys.executable, "-m", "gpud.standin", *args]
+        if "--port" not in args:
+            argv += ["--port", str(port)]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, stdin=subprocess.DEVNULL
+            )
+        s = Standin(proc, port, log)
+        started.append(s)
+        if wait:
+            wait_until(s.listening, what=f"stand-in on port {port}")
+        return s
+
+    yield _start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.proc.wait(5)
+    # Draw children exit on EOF of their parent's pipe: wait for them before tmp_path goes.
+    leftover = list(registrations(procs_dir))
+    wait_until(lambda: all(gone(pid) for pid in leftover), what=f"draw children {leftover}")
+
+
+def registrations(procs_dir: Path) -> dict[int, dict[str, Any]]:
+    if not procs_dir.exists():
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for path in procs_dir.glob("*.json"):
+        with contextlib.suppress(FileNotFoundError):  # unregistered while listing
+            out[int(path.stem)] = json.loads(path.read_text())
+    return out
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("draw_mib", "util", "total", "overdraw", "expected"),
+    [
+        (None, "0.4396", 32607, "0", 14334),  # gpud's util for 14336 of 32607: never above
+        (None, "0.29", 100, "0", 29),  # 0.29 * 100 is 28.999999999999996 in binary floats
+        (None, "0.5", 1000, "10", 550),
+        (None, "0.9", 0, "0", 0),  # no total known: nothing drawn
+        (100, "0.9", 32607, "50", 150),  # --draw-mib wins over util x total
+        (1000, "0.9", 0, "12.5", 1125),
+    ],
+)
+def test_compute_draw_mib(draw_mib: int | None, util: str, total: int, overdraw: str, expected: int) -> None:
+    got = standin.compute_draw_mib(
+        draw_mib=draw_mib, utilization=Fraction(util), total_mib=total, overdraw_pct=Fraction(overdraw)
+    )
+    assert got == expected
+
+
+def test_health_schedule() -> None:
+    opts = standin.parse_args(["--startup-delay", "2", "--unhealthy-after", "5"])
+    assert [standin.health_at(opts, t) for t in (0, 1.99, 2, 4.99, 5, 100)] == [
+        standin.Health(503, "loading"),
+        standin.Health(503, "loading"),
+        standin.Health(200, "ready"),
+        standin.Health(200, "ready"),
+        standin.Health(503, "unhealthy"),
+        standin.Health(503, "unhealthy"),
+    ]
+    never = standin.parse_args(["--never-healthy"])
+    assert standin.health_at(never, 1e9) == standin.Health(503, "never-healthy")
+
+
+def test_parse_vllm_shaped_argv() -> None:
+    opts = standin.parse_args(
+        ["serve", "org/model", "--revision", "56e30bf6", "--port", "30001", "--gpu-memory-utilization",
+         "0.4396", "--max-model-len", "32768", "--quantization", "fp8", "--whatever", "x",
+         "--enforce-eager", "--gpu", "0.5", "--tensor-parallel-size=1"]
+    )  # fmt: skip
+    assert opts.model == "org/model"
+    assert opts.served_model_names == ("org/model",)
+    assert (opts.port, opts.max_model_len) == (30001, 32768)
+    assert opts.gpu_memory_utilization == Fraction("0.4396")
+    # No abbreviations: --gpu is somebody else's flag, not --gpu-memory-utilization.
+    assert opts.unknown_args == (
+        "--revision", "56e30bf6", "--quantization", "fp8", "--whatever", "x",
+        "--enforce-eager", "--gpu", "0.5", "--tensor-parallel-size=1",
+    )  # fmt: skip
+    assert standin.parse_args([]).model == "standin"
+    assert standin.parse_args(["--model", "m", "--served-model-name", "a", "b"]).served_model_names == (
+        "a",
+        "b",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--gpu-memory-utilization", "-0.1"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--gpu-memory-utilization", "nan"],
+        ["--startup-delay", "-1"],
+        ["--startup-delay", "inf"],
+        ["--exit-code", "256"],
+        ["--port", "70000"],
+        ["--overdraw-pct", "-5"],
+    ],
+)
+def test_bad_known_options_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        standin.parse_args(argv)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_env_names_match_the_simulation() -> None:
+    assert standin.GPUD_SIM_PROCS_DIR == simulation.GPUD_SIM_PROCS_DIR
+    assert standin.GPUD_SIM_DEVICE == simulation.GPUD_SIM_DEVICE
+    assert standin.GPUD_SIM_TOTAL_MIB == simulation.GPUD_SIM_TOTAL_MIB
+
+
+def _parse(raw: bytes) -> tuple[standin.Request, bool] | None:
+    return standin._read_request(io.BufferedReader(io.BytesIO(raw)))
+
+
+def test_http_request_parsing() -> None:
+    parsed = _parse(b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+    assert parsed is not None
+    req, keep_alive = parsed
+    assert (req.method, req.path, req.body, keep_alive) == ("POST", "/v1/completions", b"{}", True)
+    assert req.headers["host"] == "a"
+    closing = _parse(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert closing is not None and closing[1] is False
+    http10 = _parse(b"GET /health HTTP/1.0\r\n\r\n")
+    assert http10 is not None and http10[1] is False
+    assert _parse(b"") is None
+    for raw, status in [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET / SPDY/3\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nno colon\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 501),
+        (b"POST / HTTP/1.1\r\nContent-Length: 9999999\r\n\r\n", 413),
+    ]:
+        with pytest.raises(standin._BadRequest) as exc:
+            _parse(raw)
+        assert exc.value.status == status, raw
+
+
+# ---- real processes --------------------------------------------------------------------------
+
+
+def test_health_loading_then_ready_then_unhealthy(start: Start) -> None:
+    s = start("--startup-delay", "0.8", "--unhealthy-after", "1.6")
+    seen: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        h = s.health()
+        if not seen or seen[-1] != h:
+            seen.append(h)
+        if h[1] == "unhealthy":
+            break
+        time.sleep(0.02)
+    assert seen == [(503, "loading"), (200, "ready"), (503, "unhealthy")]
+    assert s.proc.poll() is None  # unhealthy, yet alive
+    out = s.output()
+    assert "STAND-IN" in out.splitlines()[0]
+    assert "loading done: /health answers 200" in out
+
+
+def test_models_shape_headers_and_echo(start: Start) -> None:
+    s = start("serve", "org/model", "--served-model-name", "a", "b", "--max-model-len", "1234")
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    try:  # one keep-alive connection throughout
+        status, resp, payload = s.request("GET", "/v1/models", conn=conn)
+        assert status == 200
+        assert resp.getheader("X-Gpud-Standin") == "1"
+        assert (resp.getheader("Server") or "").startswith("gpud-standin/")
+        models = json.loads(payload)
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == ["a", "b"]
+        for card in models["data"]:
+            assert card["object"] == "model"
+            assert card["owned_by"] == "gpud-standin"
+            assert card["root"] == "org/model"
+            assert card["max_model_len"] == 1234
+            assert isinstance(card["created"], int)
+        status, _, payload = s.request("POST", "/v1/completions", {"model": "b", "prompt": "hi"}, conn=conn)
+        assert status == 200
+        body = json.loads(payload)
+        assert body["object"] == "text_completion" and body["model"] == "b"
+        assert body["choices"][0]["text"].endswith("hi")
+        chat = {"model": "a", "messages": [{"role": "user", "content": "hello"}]}
+        status, _, payload = s.request("POST", "/v1/chat/completions", chat, conn=conn)
+        assert status == 200
+        assert json.loads(payload)["choices"][0]["message"]["content"].endswith("hello")
+        status, _, payload = s.request("POST", "/v1/completions", {"model": "zz", "prompt": ""}, conn=conn)
+        assert status == 404 and json.loads(payload)["type"] == "NotFoundError"
+        assert s.request("GET", "/nope", conn=conn)[0] == 404
+        assert s.request("POST", "/health", conn=conn)[0] == 405
+        assert s.request("GET", "/standin/argv", conn=conn)[0] == 404  # only with --echo-argv
+    finally:
+        conn.close()
+
+
+def test_crash_after_exits_with_the_code(start: Start, procs_dir: Path) -> None:
+    s = start("--crash-after", "0.4", "--exit-code", "7", "--draw-mib", "100", sim=True)
+    assert s.health()[0] == 200
+    wait_until(lambda: s.pid in registrations(procs_dir), what="registration")
+    assert s.wait_exit() == 7
+    assert registrations(procs_dir) == {}
+    assert "simulated crash" in s.output()
+
+
+def test_crash_at_once(start: Start) -> None:
+    s = start("--crash-after", "0", "--exit-code", "3", wait=False)
+    assert s.wait_exit() == 3
+    assert "listening" not in s.output()
+
+
+def test_never_healthy(start: Start) -> None:
+    s = start("--never-healthy")
+    for _ in range(5):
+        assert s.health() == (503, "never-healthy")
+        time.sleep(0.05)
+    assert s.get_json("/v1/models")["data"][0]["owned_by"] == "gpud-standin"
+
+
+def test_registration_appears_and_goes_on_sigterm(start: Start, procs_dir: Path) -> None:
+    s = start("--gpu-memory-utilization", "0.4396", sim=True, total_mib=32607)
+    wait_until(lambda: s.pid in registrations(procs_dir), what="registration")
+    reg = registrations(procs_dir)[s.pid]
+    assert (reg["pid"], reg["device"], reg["mib"]) == (s.pid, DEVICE, 14334)
+    assert s.get_json("/standin/state")["draw_pid"] == s.pid
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit() == 0
+    assert list(procs_dir.iterdir()) == []  # no file, no temporary left behind
+
+
+def test_overdraw_pct(start: Start, procs_dir: Path) -> None:
+    s = start("--gpu-memory-utilization", "0.5", "--overdraw-pct", "10", sim=True, total_mib=1000)
+    wait_until(lambda: s.pid in registrations(procs_dir), what="registration")
+    assert registrations(procs_dir)[s.pid]["mib"] == 550
+
+
+def test_draw_after(start: Start, procs_dir: Path) -> None:
+    s = start("--draw-mib", "64", "--draw-after-s", "0.6", sim=True)
+    assert s.pid not in registrations(procs_dir)
+    wait_until(lambda: s.pid in registrations(procs_dir), what="late registration")
+
+
+def test_draw_in_child_registers_the_child_and_dies_with_the_parent(start: Start, procs_dir: Path) -> None:
+    s = start("--draw-in-child", "--draw-mib", "1000", sim=True)
+    wait_until(lambda: len(registrations(procs_dir)) == 1, what="child registration")
+    (child,) = registrations(procs_dir)
+    assert child != s.pid
+    reg = registrations(procs_dir)[child]
+    assert (reg["pid"], reg["device"], reg["mib"]) == (child, DEVICE, 1000)
+    with open(f"/proc/{child}/status") as f:
+        assert f"PPid:\t{s.pid}\n" in f.read()
+    assert s.get_json("/standin/state")["draw_pid"] == child
+    s.proc.send_signal(signal.SIGKILL)
+    s.wait_exit()
+    wait_until(lambda: gone(child), what="the child's death")
+    wait_until(lambda: registrations(procs_dir) == {}, what="the child's unregistration")
+
+
+def test_draw_child_stops_with_a_clean_parent_exit(start: Start, procs_dir: Path) -> None:
+    s = start("--draw-in-child", "--draw-mib", "10", sim=True)
+    wait_until(lambda: len(registrations(procs_dir)) == 1, what="child registration")
+    (child,) = registrations(procs_dir)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit() == 0
+    assert gone(child)
+    assert registrations(procs_dir) == {}
+
+
+def test_unknown_vllm_flags_are_accepted(start: Start) -> None:
+    s = start(
+        "serve", "org/model", "--revision", "r1", "--gpu-memory-utilization", "0.5",
+        "--max-model-len", "2048", "--quantization", "fp8", "--whatever", "x", "--enforce-eager",
+    )  # fmt: skip
+    card = s.get_json("/v1/models")["data"][0]
+    assert (card["id"], card["max_model_len"]) == ("org/model", 2048)
+    assert 'ignoring unknown vLLM-style arguments: ["--revision", "r1", "--quantization"' in s.output()
+
+
+def test_echo_argv_round_trips_hostile_strings(start: Start) -> None:
+    hostile = [
+        "$HOME", "${HOME}", "a;b", "%n", "%%", "with space", "\"double\" 'single'", "back\\slash",
+        "`id`", "$(id)", "ünï\u00e7ødé", "tab\there", "new\nline", "--x=$HOME;%n",
+    ]  # fmt: skip
+    args = ["--echo-argv", "--note", *hostile]
+    env = {"HOME": "/home/it's here", "CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    s = start(*args, env=env)
+    served = s.get_json("/standin/argv")
+    assert served["pid"] == s.pid
+    assert served["argv"][1:] == [*args, "--port", str(s.port)]
+    assert served["cmdline"][-len(hostile) - 2 : -2] == hostile
+    assert served["env"] == env
+    (line,) = [ln for ln in s.output().splitlines() if " argv-echo " in ln]
+    assert json.loads(line.split(" argv-echo ", 1)[1]) == served
+
+
+def test_ignore_sigterm_then_sigint(start: Start) -> None:
+    s = start("--ignore-sigterm")
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert s.proc.poll() is None
+    assert s.health()[0] == 200
+    s.proc.send_signal(signal.SIGINT)
+    assert s.wait_exit() == 0
+    assert "SIGTERM received and ignored" in s.output()
+
+
+def test_port_in_use_exits_1(start: Start) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        s = start(port=taken.getsockname()[1], wait=False)
+        assert s.wait_exit() == 1
+    assert "cannot listen" in s.output()
