@@ -105,6 +105,14 @@ class Supervisor(Protocol):
 class Calibrations(Protocol):
     def calibration_of(self, serve: str) -> tuple[str, str | None]: ...
 
+    def view(self, serve: str) -> dict[str, Any]: ...
+
+    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]: ...
+
+
+class CalibrateBody(_Wire):
+    window_s: float = Field(default=600.0, ge=1, le=86400)
+
 
 class Api:
     def __init__(self, svc: LedgerService, *, draws: DrawSource | None = None,
@@ -136,6 +144,8 @@ class Api:
         self.route("POST", "/v1/serves/{name}/stop", self.stop)
         self.route("POST", "/v1/serves/{name}/restart", self.restart)
         self.route("POST", "/v1/reload", self.reload)
+        self.route("GET", "/v1/serves/{name}/calibration", self.calibration, "read")
+        self.route("POST", "/v1/serves/{name}/calibrate", self.calibrate)
         if extra_routes:
             extra_routes(self)
 
@@ -366,6 +376,21 @@ class Api:
 
     async def restart(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "restart")
+
+    def _calibrator(self) -> Calibrations:
+        if self.calibrations is None:
+            raise Unavailable("calibration is not set up in this gpud")
+        return self.calibrations
+
+    async def calibration(self, request: web.Request) -> web.Response:
+        name = self._known(request)
+        return json_response(self._calibrator().view(name))
+
+    async def calibrate(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        body = await read_model(request, CalibrateBody, empty_ok=True)
+        return json_response(self._calibrator().start(name, body.window_s, self._uid(request)))
 
     async def reload(self, request: web.Request) -> web.Response:
         await read_model(request, _Empty, empty_ok=True)

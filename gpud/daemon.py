@@ -28,6 +28,7 @@ from aiohttp import web
 from gpud import __version__
 from gpud.alerts import Alerts
 from gpud.api import Api
+from gpud.calibration import Calibrator
 from gpud.config import Config, load_config, summary
 from gpud.errors import ConfigError, GpudError
 from gpud.journal import setup_logging
@@ -151,9 +152,11 @@ class Daemon:
             alerts = Alerts(svc, observer)
             observer.listen(alerts)
             supervisor = await self._supervisor(stack, svc, observer)
-            self.api = Api(svc, draws=observer, supervisor=supervisor,
-                           calibrations=getattr(observer, "calibrations", None),
-                           metrics=self._metrics(svc, observer, supervisor),
+            calibrator = Calibrator(svc, observer)
+            calibrator.load()
+            stack.push_async_callback(calibrator.close)
+            self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
+                           metrics=lambda: render(svc, observer, calibrator),
                            reload=self.reload)
             await self._listen(stack, self.api.app)
             await supervisor.reconcile()
@@ -190,10 +193,6 @@ class Daemon:
         if not available:
             log.warning("launching unavailable (%s): the ledger works, starts answer 503", why)
         return supervisor
-
-    def _metrics(self, svc: LedgerService, observer: Observer,
-                 supervisor: Supervisor) -> Callable[[], str]:
-        return lambda: render(svc, observer, supervisor)
 
     async def _boot(self, supervisor: Any) -> None:
         await supervisor.boot()

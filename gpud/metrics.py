@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gpud.calibration import Calibrator
 from gpud.observer import Observer
 from gpud.service import STATES, LedgerService
 
@@ -39,8 +40,7 @@ class _Family:
         return "\n".join(lines)
 
 
-def render(svc: LedgerService, observer: Observer | None, supervisor: object = None) -> str:
-    del supervisor
+def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None) -> str:
     fams: dict[str, _Family] = {}
 
     def fam(name: str, kind: str, help_text: str) -> _Family:
@@ -91,10 +91,9 @@ def render(svc: LedgerService, observer: Observer | None, supervisor: object = N
         state_fam = fam("gpud_serve_state", "gauge", "1 for the serve's current state")
         for state in STATES:
             state_fam.add(1 if state == current else 0, **labels, state=state)
-        cal = getattr(observer, "calibrations", None) if observer else None
-        if cal is not None:
+        if calibrator is not None and spec is not None:
             fam("gpud_serve_calibrated", "gauge", "1 when a calibration matches the fingerprint"
-                ).add(1 if cal.calibration_of(serve)[0] == "calibrated" else 0, **labels)
+                ).add(1 if calibrator.calibration_of(serve)[0] == "calibrated" else 0, **labels)
     for kind in COUNTED:
         fam("gpud_events", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)

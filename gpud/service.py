@@ -151,6 +151,11 @@ class LedgerService:
                 extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
             )
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held for every change of the ledger; commit() callers must hold it."""
+        return self._lock
+
     def close(self) -> None:
         for sub in self._subscribers:
             sub.queue.put_nowait(None)

@@ -95,3 +95,47 @@ def test_overdraw_reported_once(gpud: SandboxGpud) -> None:
     assert ev["details"]["reservation_mib"] == 4000 and ev["mib"] >= 4700
     time.sleep(2)
     assert len(gpud.events(kind="overdraw")) == 1
+
+
+def test_calibration_bound_to_fingerprint(gpud: SandboxGpud) -> None:
+    serves = (f'[serves.emb]\nrole = "dark-fast"\nvram_mib = 3200\nport = 30032\n'
+              f'command = {standin()}\n')
+    config = sim_config(T011_ROLE, serves)
+    gpud.configure(config)
+    assert gpud.serve("emb")["calibration"] == "uncalibrated"
+    reply = gpud.call("POST", "/v1/serves/emb/calibrate", {"window_s": 1})
+    assert reply.status == 409  # not running: nothing to measure
+    assert gpud.call("POST", "/v1/serves/emb/start", {}).status == 200
+    gpud.wait_state("emb", "running")
+    reply = gpud.call("POST", "/v1/serves/emb/calibrate", {"window_s": 2})
+    assert reply.status == 200, reply.raw
+    assert gpud.call("POST", "/v1/serves/emb/calibrate", {"window_s": 2}).status == 409
+    ev = gpud.wait_event("calibrate", serve="emb")
+    view = gpud.get("/v1/serves/emb/calibration")
+    record = view["record"]
+    assert view["status"] == "calibrated" and record["current"] is True
+    draw = 3200 * 32607 // 32607  # the stand-in draws floor(util x total) <= its reservation
+    assert draw - 10 <= record["peak_mib"] <= draw
+    assert record["recommended_mib"] == 3584  # peak + 256, rounded up to 256
+    assert ev["mib"] == 3584
+    assert gpud.serve("emb")["calibration"] == "calibrated"
+    # A changed serve (its command) no longer matches: stale. SIGHUP reloads the config.
+    gpud.sb.write_file("/etc/gpud/serves.toml",
+                       config.replace(standin(), standin("--max-model-len", "8192")), mode=0o600)
+    gpud.sb.run(["systemctl", "reload", "gpud.service"])
+    gpud.wait_event("reload")
+    assert gpud.serve("emb")["calibration"] == "stale"
+
+
+def test_bad_config_on_reload_keeps_the_running_one(gpud: SandboxGpud) -> None:
+    serves = f'[serves.one]\nrole = "dark-fast"\nvram_mib = 1000\ncommand = {standin()}\n'
+    gpud.configure(sim_config(T011_ROLE, serves))
+    gpud.sb.write_file("/etc/gpud/serves.toml", "[roles.broken\n", mode=0o600)
+    gpud.sb.run(["systemctl", "reload", "gpud.service"])
+    deadline = time.monotonic() + 10
+    while "reload refused" not in gpud.journal_tail() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "reload refused, keeping the running config" in gpud.journal_tail()
+    assert "TOML syntax" in gpud.journal_tail()
+    assert gpud.get("/v1/status")["ready"] is True
+    assert gpud.serve("one")["vram_mib"] == 1000

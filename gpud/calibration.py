@@ -1,0 +1,162 @@
+"""Calibration: measure a running serve's steady and peak draw over a window and recommend a
+reservation, bound to the serve's fingerprint (gpud.launch.fingerprint) so that a changed serve
+(new model, revision, quantization, command, max_model_len) shows as `stale`, not calibrated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.errors import Conflict, NotFound, Unavailable
+from gpud.launch import fingerprint
+from gpud.observer import Observer
+from gpud.service import RUNNING, LedgerService
+from gpud.store import Calibration, Changes
+
+log = logging.getLogger("gpud.calibration")
+
+ROUND_MIB = 256
+
+
+def recommend(samples: list[int], *, margin_pct: float = 5.0,
+              min_margin_mib: int = 256) -> tuple[int, int, int]:
+    """(steady, peak, recommended) from draw samples in MiB. Steady is the median; the
+    recommendation is the peak plus a margin (a percentage, at least `min_margin_mib`), rounded
+    up to 256 MiB."""
+    if not samples:
+        raise ValueError("no samples")
+    steady = int(statistics.median(samples))
+    peak = max(samples)
+    margin = max(min_margin_mib, math.ceil(peak * margin_pct / 100))
+    recommended = math.ceil((peak + margin) / ROUND_MIB) * ROUND_MIB
+    return steady, peak, recommended
+
+
+@dataclass
+class Run:
+    serve: str
+    fingerprint: str
+    window_s: float
+    started: float
+    samples: list[int] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    error: str | None = None
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {"serve": self.serve, "fingerprint": self.fingerprint, "running": True,
+                "window_s": self.window_s, "elapsed_s": round(now - self.started, 1),
+                "samples": len(self.samples),
+                "peak_mib": max(self.samples) if self.samples else None}
+
+
+class Calibrator:
+    def __init__(self, svc: LedgerService, observer: Observer, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.svc = svc
+        self.observer = observer
+        self.clock = clock
+        self.runs: dict[str, Run] = {}
+        self._records: dict[tuple[str, str], Calibration] = {}
+
+    def load(self) -> None:
+        self._records = {(c.serve, c.fingerprint): c for c in self.svc.store.calibrations()}
+
+    async def close(self) -> None:
+        tasks = [r.task for r in self.runs.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def fingerprint_of(self, serve: str) -> str | None:
+        spec = self.svc.serve_spec(serve)
+        return fingerprint(spec) if spec else None
+
+    def calibration_of(self, serve: str) -> tuple[str, str | None]:
+        """("calibrated" | "stale" | "uncalibrated", fingerprint)."""
+        fp = self.fingerprint_of(serve)
+        if fp is not None and (serve, fp) in self._records:
+            return "calibrated", fp
+        if any(s == serve for s, _ in self._records):
+            return "stale", fp
+        return "uncalibrated", fp
+
+    def record_of(self, serve: str) -> Calibration | None:
+        fp = self.fingerprint_of(serve)
+        return self._records.get((serve, fp)) if fp else None
+
+    def view(self, serve: str) -> dict[str, Any]:
+        status, fp = self.calibration_of(serve)
+        out: dict[str, Any] = {"serve": serve, "status": status, "fingerprint": fp,
+                               "running": None, "record": None}
+        run = self.runs.get(serve)
+        if run is not None:
+            out["running"] = run.to_json(self.clock())
+        rec = self.record_of(serve) or max(
+            (c for (s, _), c in self._records.items() if s == serve), key=lambda c: c.ts,
+            default=None)
+        if rec is not None:
+            out["record"] = {"fingerprint": rec.fingerprint, "ts": rec.ts,
+                             "window_s": rec.window_s, "samples": rec.samples,
+                             "steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
+                             "recommended_mib": rec.recommended_mib,
+                             "current": rec.fingerprint == fp}
+        return out
+
+    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]:
+        spec = self.svc.serve_spec(serve)
+        if spec is None:
+            raise NotFound(f"unknown serve {serve!r}: only configured serves are calibrated",
+                           {"serve": serve})
+        if serve in self.runs:
+            raise Conflict(f"{serve} is already being calibrated", {"serve": serve})
+        if self.svc.state_of(serve) != RUNNING:
+            raise Conflict(f"{serve} is {self.svc.state_of(serve)}: calibration measures a "
+                           "running serve", {"serve": serve, "state": self.svc.state_of(serve)})
+        if not self.observer.available:
+            raise Unavailable("observation unavailable: nothing to measure with")
+        run = Run(serve, fingerprint(spec), window_s, self.clock())
+        self.runs[serve] = run
+        run.task = asyncio.get_running_loop().create_task(self._measure(run, uid))
+        return run.to_json(self.clock())
+
+    async def _measure(self, run: Run, uid: int | None) -> None:
+        try:
+            deadline = time.monotonic() + run.window_s
+            while time.monotonic() < deadline:
+                await self.observer.next_sample(self.observer.interval * 2 + 1)
+                if self.svc.state_of(run.serve) != RUNNING:
+                    raise Conflict(f"{run.serve} stopped running during calibration")
+                mib = self.observer.observed_mib(run.serve)
+                if mib is not None:
+                    run.samples.append(mib)
+            if not run.samples:
+                raise Unavailable("no samples: observation gave nothing for the serve")
+            steady, peak, recommended = recommend(run.samples)
+            cal = Calibration(run.serve, run.fingerprint, self.clock(), run.window_s,
+                              len(run.samples), steady, peak, recommended)
+            spec = self.svc.serve_spec(run.serve)
+            reserved = spec.vram_mib if spec else None
+            ev = self.svc.event(
+                "calibrate", f"{run.serve} calibrated over {run.window_s:g} s: steady "
+                f"{steady} MiB, peak {peak} MiB, recommended {recommended} MiB (configured "
+                f"{reserved} MiB)", serve=run.serve, mib=recommended, uid=uid,
+                fingerprint=run.fingerprint, steady_mib=steady, peak_mib=peak,
+                samples=len(run.samples))
+            async with self.svc.lock:
+                await self.svc.commit(Changes(calibrations=[cal], events=[ev]))
+            self._records[(cal.serve, cal.fingerprint)] = cal
+        except Exception as exc:  # reported in the event log; the daemon goes on
+            message = getattr(exc, "message", str(exc))
+            log.warning("calibration of %s failed: %s", run.serve, message)
+            await self.svc.record(self.svc.event(
+                "calibrate", f"{run.serve}: calibration failed: {message}", serve=run.serve,
+                uid=uid, failed=True))
+        finally:
+            self.runs.pop(run.serve, None)
