@@ -84,7 +84,7 @@ def test_fingerprint_follows_what_defines_the_serve() -> None:
 ])
 def test_recommendation(samples: list[int], expected: tuple[int, int, int]) -> None:
     assert recommend(samples) == expected
-    steady, peak, rec = recommend(samples)
+    _steady, peak, rec = recommend(samples)
     assert rec % 256 == 0 and rec >= peak + 256
 
 
