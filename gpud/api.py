@@ -25,8 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
 from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
-from gpud.store import Event, EventQuery
+from gpud.store import EVENT_KINDS, Event, EventQuery
 from gpud.views import DrawSource, ledger_view, serve_view, serves_view
 
 log = logging.getLogger("gpud.api")
@@ -120,6 +121,7 @@ class Api:
                  calibrations: Calibrations | None = None,
                  metrics: Callable[[], str] | None = None,
                  reload: Callable[[int | None], Awaitable[dict[str, Any]]] | None = None,
+                 rebalancer: Rebalancer | None = None,
                  extra_routes: Callable[[Api], None] | None = None) -> None:
         self.svc = svc
         self.draws = draws
@@ -127,6 +129,7 @@ class Api:
         self.calibrations = calibrations
         self.metrics = metrics
         self.reload_hook = reload
+        self.rebalancer = rebalancer
         self.admin_gid = admin_gid(svc.config.daemon.admin_group)
         self._access: dict[str, Access] = {}
         self.app = web.Application(middlewares=[self._errors, self._authorize],
@@ -144,6 +147,8 @@ class Api:
         self.route("POST", "/v1/serves/{name}/stop", self.stop)
         self.route("POST", "/v1/serves/{name}/restart", self.restart)
         self.route("POST", "/v1/reload", self.reload)
+        self.route("POST", "/v1/plan", self.plan, "read")  # computes, changes nothing
+        self.route("POST", "/v1/apply", self.apply)
         self.route("GET", "/v1/serves/{name}/calibration", self.calibration, "read")
         self.route("POST", "/v1/serves/{name}/calibrate", self.calibrate)
         if extra_routes:
@@ -251,6 +256,10 @@ class Api:
         unknown = set(q) - {"serve", "role", "kind", "since", "limit", "follow", "after"}
         if unknown:
             raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        bad_kinds = sorted(set(q.getall("kind", [])) - set(EVENT_KINDS))
+        if bad_kinds:
+            raise BadRequest(f"unknown event kind {bad_kinds[0]!r}",
+                             {"kinds": list(EVENT_KINDS)})
         limit = _int_param(q.get("limit"), "limit", 100, 1, 10000)
         after = _int_param(q.get("after"), "after", 0, 0, 2**62) if "after" in q else None
         query = EventQuery(
@@ -391,6 +400,38 @@ class Api:
         check_serve_name(name)
         body = await read_model(request, CalibrateBody, empty_ok=True)
         return json_response(self._calibrator().start(name, body.window_s, self._uid(request)))
+
+    def _rebalancer(self) -> Rebalancer:
+        if self.rebalancer is None:
+            raise Unavailable("rebalancing is not set up in this gpud")
+        return self.rebalancer
+
+    async def plan(self, request: web.Request) -> web.Response:
+        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+        plan = self._rebalancer().plan(body.config, body.source or "(request)")
+        return json_response(plan.to_json())
+
+    async def apply(self, request: web.Request) -> web.StreamResponse:
+        """NDJSON: one line per step as it happens, then the result line."""
+        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+        rebalancer = self._rebalancer()
+        source = body.source or "(request)"
+        rebalancer.plan(body.config, source)  # bad input is a 400 before anything streams
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+
+        async def emit(line: dict[str, Any]) -> None:
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(json.dumps(line).encode() + b"\n")
+
+        try:
+            result = await rebalancer.apply(body.config, source, self._uid(request), emit)
+        except GpudError as exc:
+            result = {"result": "refused", **exc.to_json()}
+        await emit(result)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
 
     async def reload(self, request: web.Request) -> web.Response:
         await read_model(request, _Empty, empty_ok=True)

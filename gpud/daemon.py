@@ -34,6 +34,7 @@ from gpud.errors import ConfigError, GpudError
 from gpud.journal import setup_logging
 from gpud.metrics import render
 from gpud.observer import Observer, make_observer
+from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, resolve_budgets
 from gpud.store import Store
 from gpud.supervisor import Supervisor, make_supervisor
@@ -157,7 +158,10 @@ class Daemon:
             stack.push_async_callback(calibrator.close)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator),
-                           reload=self.reload)
+                           reload=self.reload,
+                           rebalancer=Rebalancer(svc, supervisor, observer,
+                                                 config_path=self.config_path,
+                                                 reload=self.reload))
             await self._listen(stack, self.api.app)
             await supervisor.reconcile()
             if observer.latest is not None:

@@ -59,7 +59,8 @@ LIFECYCLE_TIMEOUT = 600.0
 STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external")
 EVENT_KINDS = (
     "admit", "deny", "release", "start", "healthy", "exit", "restart", "crash-loop", "stop",
-    "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt", "over-committed",
+    "unhealthy", "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt",
+    "over-committed", "calibrate", "apply",
 )
 
 _MAX_HEADER_LINE = 65536
@@ -407,14 +408,17 @@ class Client:
                            EXIT_REFUSED, {"status": resp.status})
         return doc
 
-    def stream(self, target: str) -> Iterator[Doc]:
-        """GET an NDJSON stream: one decoded object per line, blank keepalive lines skipped.
+    def stream(self, target: str, method: str = "GET", body: Doc | None = None) -> Iterator[Doc]:
+        """An NDJSON stream: one decoded object per line, blank keepalive lines skipped.
 
         Returns when the daemon ends the stream; a stream gpuctl did not end itself means the
         daemon went away, which the caller reports.
         """
+        import json
+
         wait = self.timeout if self.timeout is not None else READ_TIMEOUT
-        resp = open_request(self.socket_path, "GET", target, None, wait)
+        data = None if body is None else json.dumps(body).encode()
+        resp = open_request(self.socket_path, method, target, data, wait)
         try:
             if not 200 <= resp.status < 300:
                 raise api_error(resp.status, resp.reason, resp.read())
@@ -985,6 +989,138 @@ def run_reload(ctl: Ctl, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def configure_config_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="NEW.toml", help="the serves.toml to plan or apply")
+
+
+def _config_body(path: str) -> Doc:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(2 * 1024 * 1024)
+    except OSError as exc:
+        raise usage_error(f"cannot read {path}: {exc.strerror or exc}", file=path) from exc
+    except UnicodeDecodeError as exc:
+        raise usage_error(f"{path} is not UTF-8 text", file=path) from exc
+    return {"config": text, "source": os.path.abspath(path)}
+
+
+def _arrow(before: Any, after: Any) -> str:
+    b = "-" if before is None else str(before)
+    a = "-" if after is None else str(after)
+    return b if b == a else f"{b} -> {a}"
+
+
+def format_plan(doc: Doc) -> str:
+    lines = [f"plan: {doc.get('source')} against the running config"]
+    for role in doc.get("roles", []):
+        before, after = role.get("before") or {}, role.get("after") or {}
+        lines.append(f"role '{role.get('name')}':")
+        for key in ("capacity_mib", "reserve_mib", "committed_mib", "free_mib"):
+            label = key.replace("_mib", "")
+            lines.append(f"  {label:<10} {_arrow(before.get(key), after.get(key))} MiB")
+    rows = [("SERVE", "ROLE", "MIB", "UTIL", "STATE", "CHANGE", "RESTART")]
+    for s in doc.get("serves", []):
+        rows.append((str(s.get("name")), _arrow(s.get("role_before"), s.get("role_after")),
+                     _arrow(s.get("mib_before"), s.get("mib_after")),
+                     _arrow(s.get("util_before"), s.get("util_after")),
+                     _arrow(s.get("state_before"), s.get("state_after")),
+                     str(s.get("change")), "yes" if s.get("restart") else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    restart = doc.get("restart") or []
+    lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
+    if doc.get("resident_fits"):
+        lines.append("resident set: fits, every resident serve is admitted")
+    else:
+        for d in doc.get("denied", []):
+            lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
+                         f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
+                         f"short {d.get('shortfall_mib')} MiB")
+    return "\n".join(lines)
+
+
+def run_plan(ctl: Ctl, args: argparse.Namespace) -> int:
+    doc = ctl.client.call("POST", "/v1/plan", _config_body(args.file), MUTATION_TIMEOUT)
+    ctl.emit(doc, format_plan)
+    return EXIT_OK if doc.get("resident_fits") else EXIT_REFUSED
+
+
+def run_apply(ctl: Ctl, args: argparse.Namespace) -> int:
+    final: Doc = {}
+    for line in ctl.client.stream("/v1/apply", "POST", _config_body(args.file)):
+        if "result" in line:
+            final = line
+            break
+        if ctl.as_json:
+            print(dump_json(line, compact=True), file=ctl.out, flush=True)
+        else:
+            mark = "ok  " if line.get("ok") else "FAIL"
+            print(f"[{mark}] {line.get('step')}: {line.get('message')}", file=ctl.out, flush=True)
+    if not final:
+        raise CtlError("unreachable", "gpud ended the apply stream without a result: check "
+                       "`gpuctl events --kind apply`", EXIT_UNREACHABLE)
+    if ctl.as_json:
+        print(dump_json(final, compact=True), file=ctl.out, flush=True)
+    elif final.get("result") == "applied":
+        print(f"applied: {final.get('summary')}", file=ctl.out)
+    elif final.get("result") == "rolled-back":
+        print(f"rolled back: {final.get('error')}; {final.get('summary')}", file=ctl.err)
+    else:
+        err = final.get("error") or {}
+        print(f"gpuctl: {err.get('message', final)}", file=ctl.err)
+    return EXIT_OK if final.get("result") == "applied" else EXIT_REFUSED
+
+
+def configure_calibrate(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--window", default="10m", metavar="T",
+                   help="how long to sample the serve's draw: 90s, 10m, 1h (default 10m)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="start the calibration and return; see `gpuctl calibrate NAME --status`")
+    p.add_argument("--status", action="store_true", help="show the serve's calibration only")
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise usage_error(f"--window: not a duration: {text!r} (say 90s, 10m or 1h)") from None
+
+
+def format_calibration(doc: Doc) -> str:
+    rec = doc.get("record")
+    lines = [f"{doc.get('serve')}: {doc.get('status')} (fingerprint {doc.get('fingerprint')})"]
+    run = doc.get("running")
+    if run:
+        lines.append(f"  measuring: {run.get('elapsed_s')} of {run.get('window_s')} s, "
+                     f"{run.get('samples')} samples, peak {run.get('peak_mib')} MiB")
+    if rec:
+        current = "" if rec.get("current") else " (for an older fingerprint: stale)"
+        lines.append(f"  steady {rec.get('steady_mib')} MiB, peak {rec.get('peak_mib')} MiB over "
+                     f"{rec.get('window_s')} s ({rec.get('samples')} samples): recommended "
+                     f"vram_mib = {rec.get('recommended_mib')}{current}")
+    return "\n".join(lines)
+
+
+def run_calibrate(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    path = serve_path(args.name, "calibration")
+    if not args.status:
+        ctl.client.call("POST", serve_path(args.name, "calibrate"),
+                        {"window_s": _duration(args.window)}, MUTATION_TIMEOUT)
+        if not args.no_wait:
+            while (doc := ctl.client.call("GET", path)).get("running"):
+                if not ctl.as_json:
+                    print(format_calibration(doc).splitlines()[-1], file=ctl.err, flush=True)
+                time.sleep(min(5.0, max(0.5, _duration(args.window) / 10)))
+    ctl.emit(ctl.client.call("GET", path), format_calibration)
+    return EXIT_OK
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "status", "the daemon in a few lines",
@@ -1049,10 +1185,11 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl start ocr",
         _name_arg, _lifecycle("start")),
     Command(
-        "stop", "stop a serve's unit, keeping its reservation",
-        "Stop serve NAME's unit. Its reservation stays (see release).\n\n"
-        "Needs root or the admin group.",
-        "  gpuctl stop ocr\n  gpuctl release ocr       # then give its memory back",
+        "stop", "stop a serve's unit and release its reservation",
+        "Stop serve NAME's unit (SIGTERM to its main process, SIGKILL to what is left after its "
+        "stop timeout) and release its reservation. The next start on that device waits until "
+        "the device shows the memory back.\n\nNeeds root or the admin group.",
+        "  gpuctl stop ocr",
         _name_arg, _lifecycle("stop")),
     Command(
         "restart", "restart a serve's unit",
@@ -1069,6 +1206,36 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl events --since 2026-07-13T03:00 --limit 20\n"
         "  gpuctl events --follow --kind overdraw,reserve-exceeded",
         configure_events, run_events),
+    Command(
+        "plan", "what a new serves.toml would do to the ledger",
+        "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
+        "role capacity, reserve, committed and free before -> after; per serve its reservation, "
+        "--gpu-memory-utilization and state before -> after, what changed and whether it must "
+        "restart; and whether the full resident set is admitted. Exits 1 when it does not fit, "
+        "naming the shortfall.\n\nReadable by anyone who can open the socket.",
+        "  gpuctl plan /etc/gpud/serves.new.toml",
+        configure_config_file, run_plan),
+    Command(
+        "apply", "rebalance to a new serves.toml, rolling back on failure",
+        "Validate NEW.toml (refused, nothing changed, when the resident set does not fit), back "
+        "up the current config (timestamped, the last daemon.config_backups kept, under "
+        "backups/ beside it), write NEW.toml over it atomically, reload, then per device stop "
+        "serves that left, restart changed serves shrinking ones before growing ones, start "
+        "resident serves that now fit, and wait for their health. If a step fails the old "
+        "config is written back and the touched serves are restored. Each step is printed as "
+        "it happens and logged as an `apply` event. Exit 1 when refused or rolled back.\n\n"
+        "Needs root or the admin group.",
+        "  gpuctl plan new.toml && gpuctl apply new.toml",
+        configure_config_file, run_apply),
+    Command(
+        "calibrate", "measure a serve's real draw and recommend a reservation",
+        "Sample the draw of running serve NAME over --window (default 10m) and store its steady "
+        "(median) and peak MiB and a recommended vram_mib (peak plus max(256 MiB, 5%), rounded "
+        "up to 256 MiB), bound to the serve's fingerprint (model, revision, quantization, "
+        "max_model_len, command): when any of those change the calibration shows as stale.\n\n"
+        "Starting one needs root or the admin group; --status is readable by anyone.",
+        "  gpuctl calibrate fast --window 10m\n  gpuctl calibrate fast --status",
+        configure_calibrate, run_calibrate),
     Command(
         "reload", "re-read serves.toml",
         "Make gpud re-read its config file. Reservations are never dropped silently: a role the "

@@ -194,6 +194,9 @@ class Ledger:
             physical_free = physical.free_for_serve()
             if mib > physical_free:
                 return Denial(serve, role, "physical", mib, physical_free)
+        # A replaced reservation keeps its place (its original since) in the role's listing.
+        if previous is not None and previous.role == role:
+            since = previous.since
         reservation = Reservation(serve, role, mib, since, by_uid, external)
         held = dict(self.reservations)
         held[serve] = reservation

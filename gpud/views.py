@@ -109,4 +109,4 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))
-    return {"serves": views}
+    return {"simulated": bool(draws and draws.simulated), "serves": views}

@@ -44,7 +44,8 @@ class SandboxGpud:
         """No gpud, no serve units, no state: every test starts from nothing."""
         self.sb.run(["systemctl", "stop", "gpud.service"], check=False)
         self.sb.run("systemctl stop 'gpud-serve-*' ; systemctl reset-failed 'gpud-serve-*'; "
-                    "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs", check=False)
+                    "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs /etc/gpud/backups",
+                    check=False)
 
     def configure(self, config: str, *, external: list[dict[str, Any]] | None = None,
                   start: bool = True) -> None:

@@ -1,0 +1,192 @@
+"""Rebalance plans: the ledger a new config would give, computed from values only.
+
+A plan is the seed's "What changed" table made by gpud: per role before/after (capacity,
+reserve, committed, free), per serve before/after (MiB, util, fingerprint, state), the serves
+that must restart, and whether the full resident set is admitted under the new config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.config import Config, ServeConfig
+from gpud.launch import fingerprint
+from gpud.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
+
+# Fields of a serve that do not change how its process runs: a change of only these needs no
+# restart.
+NO_RESTART_FIELDS = frozenset({"resident", "priority", "start_timeout_s"})
+LIVE = frozenset({"starting", "running"})
+
+
+@dataclass(frozen=True)
+class ServeChange:
+    name: str
+    role_before: str | None
+    role_after: str | None
+    mib_before: int | None  # the reservation held now (None: none)
+    mib_after: int | None  # the reservation it would hold (None: none)
+    util_before: str | None
+    util_after: str | None
+    fingerprint_before: str | None
+    fingerprint_after: str | None
+    state_before: str
+    state_after: str
+    change: str  # unchanged, resized, changed, added, removed
+    restart: bool
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    roles: list[tuple[str, RoleFigures | None, RoleFigures | None]]
+    serves: list[ServeChange]
+    denied: list[Denial]
+    source: str
+    after: Ledger = field(repr=False)
+
+    @property
+    def resident_fits(self) -> bool:
+        return not self.denied
+
+    @property
+    def restart(self) -> list[str]:
+        return [s.name for s in self.serves if s.restart]
+
+    def to_json(self) -> dict[str, Any]:
+        def fig(f: RoleFigures | None) -> dict[str, int] | None:
+            if f is None:
+                return None
+            return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+                    "committed_mib": f.committed_mib, "free_mib": f.free_mib}
+
+        return {
+            "source": self.source,
+            "roles": [{"name": n, "before": fig(b), "after": fig(a)} for n, b, a in self.roles],
+            "serves": [s.to_json() for s in self.serves],
+            "restart": self.restart,
+            "resident_fits": self.resident_fits,
+            "denied": [d.details() | {"reason": d.reason} for d in self.denied],
+        }
+
+
+def _util(mib: int | None, total: int | None) -> str | None:
+    return gpu_memory_utilization(mib, total) if mib and total else None
+
+
+def _runs_differently(old: ServeConfig, new: ServeConfig) -> bool:
+    a = old.model_dump(exclude=set(NO_RESTART_FIELDS))
+    b = new.model_dump(exclude=set(NO_RESTART_FIELDS))
+    return a != b
+
+
+def make_plan(
+    *,
+    old: Config,
+    new: Config,
+    ledger: Ledger,
+    new_budgets: list[RoleBudget],
+    states: Mapping[str, str],
+    totals: Mapping[str, int | None],
+    source: str,
+) -> Plan:
+    """What applying `new` would do to `ledger` (held under `old`).
+
+    Held reservations of serves that stay are resized to their new vram_mib; those of serves
+    that leave the config are released; external ones are kept. Then every resident serve that
+    holds nothing is admitted in priority order against the ledger bound; the ones that do not
+    fit are the plan's denials.
+    """
+    after = Ledger.build(new_budgets, [])
+    held = dict(ledger.reservations)
+    changes: list[ServeChange] = []
+    denied: list[Denial] = []
+
+    def device_total(role: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
+        if role is None or role not in budgets:
+            return None
+        b = budgets[role]
+        return totals.get(b.device) or b.capacity_mib
+
+    # Reservations that stay (resized), in the order they were made.
+    for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
+        spec = new.serves.get(res.serve)
+        if res.external:
+            if res.role in after.roles:
+                after = Ledger(after.roles, {**after.reservations, res.serve: res})
+            continue
+        if spec is None:
+            continue
+        moved = Reservation(res.serve, spec.role, spec.vram_mib, res.since, res.by_uid, False)
+        if spec.role in after.roles:
+            after = Ledger(after.roles, {**after.reservations, res.serve: moved})
+    # Resident serves holding nothing: admitted by priority, like the boot would.
+    for _, name in sorted((s.priority, n) for n, s in new.serves.items() if s.resident):
+        spec = new.serves[name]
+        if name in after.reservations or spec.role not in after.roles:
+            continue
+        outcome = after.decide(name, spec.role, spec.vram_mib, since=0.0, by_uid=None)
+        if isinstance(outcome, Denial):
+            denied.append(outcome)
+        else:
+            after = outcome[0]
+    # Over-commit left by resized reservations is a denial too: the set does not fit.
+    for figures in after.over_committed():
+        denied.append(Denial("(resized reservations)", figures.role, "ledger",
+                             figures.committed_mib,
+                             figures.capacity_mib - figures.reserve_mib))
+
+    new_budget_map = dict(after.roles)
+    names = sorted(set(old.serves) | set(new.serves) | set(held))
+    for name in names:
+        before_spec, after_spec = old.serves.get(name), new.serves.get(name)
+        cur = held.get(name)
+        if cur is not None and cur.external:
+            continue
+        res_after = after.reservations.get(name)
+        state = states.get(name, "declared")
+        was_denied = any(d.serve == name for d in denied)
+        if after_spec is None:
+            change, state_after = "removed", "removed"
+        elif before_spec is None:
+            change = "added"
+            state_after = "denied" if was_denied else ("admitted" if res_after else "declared")
+        else:
+            resized = (cur.mib if cur else before_spec.vram_mib) != after_spec.vram_mib
+            differs = _runs_differently(before_spec, after_spec)
+            change = "changed" if differs and not resized else "resized" if resized else (
+                "unchanged")
+            if was_denied:
+                state_after = "denied"
+            elif res_after is not None and state not in LIVE and after_spec.resident:
+                state_after = "admitted"
+            else:
+                state_after = state if state != "denied" or res_after is None else "admitted"
+        running = state in LIVE
+        restart = running and after_spec is not None and before_spec is not None and (
+            _runs_differently(before_spec, after_spec)
+            or (cur is not None and res_after is not None and cur.mib != res_after.mib))
+        role_before = before_spec.role if before_spec else (cur.role if cur else None)
+        role_after = after_spec.role if after_spec else None
+        changes.append(ServeChange(
+            name=name, role_before=role_before, role_after=role_after,
+            mib_before=cur.mib if cur else None,
+            mib_after=res_after.mib if res_after else None,
+            util_before=_util(cur.mib if cur else None, device_total(role_before, ledger.roles)),
+            util_after=_util(res_after.mib if res_after else (
+                after_spec.vram_mib if after_spec else None),
+                device_total(role_after, new_budget_map)),
+            fingerprint_before=fingerprint(before_spec) if before_spec else None,
+            fingerprint_after=fingerprint(after_spec) if after_spec else None,
+            state_before=state, state_after=state_after, change=change, restart=restart,
+            reason=next((d.reason for d in denied if d.serve == name), None),
+        ))
+    role_names = sorted(set(ledger.roles) | set(after.roles))
+    roles = [(n, ledger.figures(n) if n in ledger.roles else None,
+              after.figures(n) if n in after.roles else None) for n in role_names]
+    return Plan(roles, changes, denied, source, after)

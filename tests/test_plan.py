@@ -1,0 +1,79 @@
+"""Rebalance plans from values: the seed's T015 -> T011 change."""
+
+from __future__ import annotations
+
+from gpud import gpuctl
+from gpud.config import parse_config
+from gpud.ledger import Ledger, Reservation
+from gpud.plan import make_plan
+from gpud.service import resolve_budgets
+from gpud.store import EVENT_KINDS
+from tests.conftest import REPO
+
+T011 = (REPO / "etc" / "serves.toml").read_text()
+# The record's "before": reserve 7168, fast 18432 on the bf16 checkpoint, ocr as it is.
+T015_SEED = (T011.replace("reserve_mib = 4608", "reserve_mib = 7168")
+             .replace("vram_mib = 14336", "vram_mib = 18432")
+             .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"\nrevision = "56e30bf6"\n'
+                      'quantization = "fp8"', 'model = "google/gemma-4-E4B-it"'))
+
+
+def t015_world() -> tuple:  # type: ignore[type-arg]
+    old = parse_config(T015_SEED, "t015")
+    assert old.serves["fast"].vllm.quantization is None  # type: ignore[union-attr]
+    ledger = Ledger.build(resolve_budgets(old, lambda _d: None), [
+        Reservation("fast", "dark-fast", 18432, 1.0),
+        Reservation("embeddings", "dark-fast", 3200, 2.0),
+        Reservation("reranker", "dark-fast", 3456, 3.0),
+    ])
+    states = {"fast": "running", "embeddings": "running", "reranker": "running", "ocr": "denied"}
+    return old, ledger, states
+
+
+def plan_to(text: str):  # type: ignore[no-untyped-def]
+    old, ledger, states = t015_world()
+    new = parse_config(text, "new.toml")
+    return make_plan(old=old, new=new, ledger=ledger,
+                     new_budgets=resolve_budgets(new, lambda _d: None), states=states,
+                     totals={"0": 32607}, source="new.toml")
+
+
+def test_seed_t015_to_t011() -> None:
+    plan = plan_to(T011)
+    (name, before, after), = plan.roles
+    assert name == "dark-fast"
+    assert (before.reserve_mib, after.reserve_mib) == (7168, 4608)
+    assert (before.committed_mib, after.committed_mib) == (25088, 26112)
+    assert (before.free_mib, after.free_mib) == (351, 1887)
+    serves = {s.name: s for s in plan.serves}
+    fast = serves["fast"]
+    assert (fast.mib_before, fast.mib_after) == (18432, 14336)
+    assert (fast.util_before, fast.util_after) == ("0.5652", "0.4396")
+    assert fast.restart and fast.change == "resized"
+    assert fast.fingerprint_before != fast.fingerprint_after  # new checkpoint
+    ocr = serves["ocr"]
+    assert (ocr.state_before, ocr.state_after) == ("denied", "admitted")
+    assert (ocr.mib_before, ocr.mib_after) == (None, 5120)
+    assert not ocr.restart
+    assert plan.resident_fits and plan.restart == ["fast"]
+    assert plan.to_json()["roles"][0]["after"]["free_mib"] == 1887
+
+
+def test_plan_that_does_not_fit_names_the_shortfall() -> None:
+    plan = plan_to(T011.replace("vram_mib = 5120", "vram_mib = 9000"))
+    assert not plan.resident_fits
+    (denial,) = plan.denied
+    assert (denial.serve, denial.need_mib, denial.free_mib, denial.shortfall_mib) == (
+        "ocr", 9000, 7007, 1993)
+    assert plan.to_json()["denied"][0]["shortfall_mib"] == 1993
+
+
+def test_unchanged_config_plans_nothing() -> None:
+    plan = plan_to(T015_SEED)
+    assert plan.restart == []
+    assert {s.change for s in plan.serves} == {"unchanged"}
+    assert not plan.resident_fits  # T015's ocr still does not fit
+
+
+def test_gpuctl_knows_every_event_kind() -> None:
+    assert gpuctl.EVENT_KINDS == EVENT_KINDS
