@@ -15,6 +15,7 @@ with ``raise ... from exc``; nothing above the adapters catches a foreign except
     |   +-- Denied               409  exit 1   admission denied (bound, need, free, shortfall)
     |   +-- Conflict             409  exit 1   the request contradicts the current state
     +-- Unavailable              503  exit 1   a backend (system bus, observation, store) is down
+    +-- JobFailed                500  exit 1   a systemd job for a serve's unit did not finish "done"
     +-- StoreError               500  exit 1   the durable store failed; nothing was changed
 """
 
@@ -95,6 +96,15 @@ class Unavailable(GpudError):
     exit_code = 1
 
 
+class JobFailed(GpudError):
+    """A systemd job for a serve's unit finished with a result other than ``done``
+    (``details["result"]``: failed, dependency, timeout, canceled, ... or ``wait-timeout``)."""
+
+    code = "unit-job-failed"
+    http_status = 500
+    exit_code = 1
+
+
 class StoreError(GpudError):
     code = "store-failed"
     http_status = 500
@@ -112,5 +122,6 @@ ALL_ERRORS: tuple[type[GpudError], ...] = (
     Denied,
     Conflict,
     Unavailable,
+    JobFailed,
     StoreError,
 )

@@ -64,6 +64,11 @@ ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1
 ADMITTED = _obj({"serve": _STR, "role": _STR, "mib": _INT, "replaced_mib": _NINT,
                  "check": {"enum": ["ledger", "strict"]}, "note": _NSTR,
                  "figures": _ref("Figures")})
+CONFIG_BODY = _obj({"config": {"type": "string", "maxLength": 1024 * 1024},
+                    "source": {"type": ["string", "null"]}}, ["config"], extra=False)
+PLAN = _obj({"source": _STR, "roles": {"type": "array"}, "serves": {"type": "array"},
+             "restart": {"type": "array", "items": _STR}, "resident_fits": _BOOL,
+             "denied": {"type": "array"}})
 RELEASED = _obj({"serve": _STR, "role": _STR, "released_mib": _INT, "figures": _ref("Figures")})
 
 NAME_PARAM = {"name": "name", "in": "path", "required": True,
@@ -105,7 +110,7 @@ def document() -> dict[str, Any]:
                                        "admission": _STR, "simulated": _BOOL,
                                        "roles": {"type": "array", "items": _ref("Role")}}))}},
             "/v1/serves": {"get": {"summary": "All serves", "responses": _answers(_obj({
-                "serves": {"type": "array", "items": _ref("Serve")}}))}},
+                "simulated": _BOOL, "serves": {"type": "array", "items": _ref("Serve")}}))}},
             "/v1/serves/{name}": {"get": {"summary": "One serve", "parameters": [NAME_PARAM],
                                           "responses": _answers(_ref("Serve"), 400, 404)}},
             "/v1/serves/{name}/admit": _post("Reserve memory for a serve", _ref("Admitted"),
@@ -121,6 +126,25 @@ def document() -> dict[str, Any]:
                                                404, 409, 500, 503),
             "/v1/reload": _post("Reload the config file", {"type": "object"}, empty, 500, 503,
                                 name=False),
+            "/v1/plan": _post("The ledger a new config would give (changes nothing)",
+                              _ref("Plan"), CONFIG_BODY, 500, 503, name=False),
+            "/v1/apply": {"post": {
+                "summary": "Rebalance to a new config; NDJSON steps, then a result line",
+                "requestBody": {"required": True,
+                                "content": {"application/json": {"schema": CONFIG_BODY}}},
+                "responses": {
+                    "200": {"description": "steps as they happen, then the result",
+                            "content": {"application/x-ndjson": {"schema": {"type": "object"}}}},
+                    **{str(c): {"description": "error", "content": {"application/json": {
+                        "schema": _ref("Error")}}} for c in (400, 403, 409, 413, 500, 503)}}}},
+            "/v1/serves/{name}/calibrate": _post(
+                "Measure a running serve's draw over a window", {"type": "object"},
+                _obj({"window_s": {"type": "number", "minimum": 1, "maximum": 86400}}, [],
+                     extra=False), 404, 409, 500, 503),
+            "/v1/serves/{name}/calibration": {"get": {
+                "summary": "A serve's calibration: status, record, measurement in progress",
+                "parameters": [NAME_PARAM],
+                "responses": _answers({"type": "object"}, 400, 404)}},
             "/v1/events": {"get": {
                 "summary": "Stored events, oldest first; follow=1 streams NDJSON",
                 "parameters": [
@@ -144,6 +168,6 @@ def document() -> dict[str, Any]:
         "components": {"schemas": {
             "Figures": FIGURES, "Observed": OBSERVED, "Reservation": RESERVATION,
             "Role": ROLE, "Serve": SERVE, "Event": EVENT, "Error": ERROR, "Status": STATUS,
-            "Admitted": ADMITTED, "Released": RELEASED,
+            "Admitted": ADMITTED, "Released": RELEASED, "Plan": PLAN,
         }},
     }

@@ -46,6 +46,7 @@ from gpud.errors import (
     BadRequest,
     Conflict,
     GpudError,
+    JobFailed,
     NotFound,
     Unavailable,
 )
@@ -102,18 +103,6 @@ STATE_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
     }
 )
 _INTERFACES: Final = (UNIT_IFACE, SERVICE_IFACE)
-
-
-class JobFailed(GpudError):
-    """A systemd job for a serve's unit finished with a result other than ``done``.
-
-    ``details["result"]`` is systemd's job result (``failed``, ``dependency``, ``timeout``,
-    ``canceled``, ``skipped``, ...) or ``wait-timeout`` when gpud stopped waiting first.
-    """
-
-    code = "unit-job-failed"
-    http_status = 500
-    exit_code = 1
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""The one error tree: every class documented, every foreign error mapped at its edge."""
+
+from __future__ import annotations
+
+import inspect
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gpud import errors
+from gpud.errors import ALL_ERRORS, GpudError, StoreError
+from gpud.store import Changes, Event, Store
+from gpud.units import map_error
+
+
+def test_every_error_class_is_listed_and_documented() -> None:
+    defined = {obj for _, obj in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(obj, GpudError)}
+    assert defined == set(ALL_ERRORS)
+    doc = errors.__doc__ or ""
+    for cls in ALL_ERRORS:
+        assert cls.__name__ in doc, cls
+        assert 400 <= cls.http_status < 600 and cls.exit_code in (1, 2)
+
+
+def test_codes_are_unique() -> None:
+    codes = [cls.code for cls in ALL_ERRORS]
+    assert len(codes) == len(set(codes))
+
+
+def test_json_shape() -> None:
+    assert StoreError("x", {"a": 1}).to_json() == {
+        "error": {"code": "store-failed", "message": "x", "details": {"a": 1}}}
+
+
+def test_sqlite_errors_become_store_errors(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store._db.execute("DROP TABLE events")  # a broken store
+    with pytest.raises(StoreError) as info:
+        store.commit(Changes(events=[Event("admit", "m", 0.0)]))
+    assert isinstance(info.value.__cause__, sqlite3.Error)
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("org.freedesktop.systemd1.UnitExists", errors.Conflict),
+    ("org.freedesktop.systemd1.NoSuchUnit", errors.NotFound),
+    ("org.freedesktop.DBus.Error.AccessDenied", errors.Unavailable),
+    ("org.freedesktop.DBus.Error.InvalidArgs", errors.BadRequest),
+])
+def test_dbus_errors_mapped(name: str, cls: type[GpudError]) -> None:
+    from dbus_fast.errors import DBusError
+
+    mapped = map_error(DBusError(name, "text"), "start x")
+    assert isinstance(mapped, cls)
