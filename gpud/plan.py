@@ -34,7 +34,7 @@ class ServeChange:
     fingerprint_after: str | None
     state_before: str
     state_after: str
-    change: str  # unchanged, resized, changed, added, removed
+    change: str  # unchanged, resized, changed, "changed, resized", added, removed
     restart: bool
     reason: str | None = None
 
@@ -159,8 +159,8 @@ def make_plan(
         else:
             resized = (cur.mib if cur else before_spec.vram_mib) != after_spec.vram_mib
             differs = _runs_differently(before_spec, after_spec)
-            change = "changed" if differs and not resized else "resized" if resized else (
-                "unchanged")
+            change = ("changed, resized" if differs and resized else "changed" if differs
+                      else "resized" if resized else "unchanged")
             if was_denied:
                 state_after = "denied"
             elif res_after is not None and state not in LIVE and after_spec.resident:

@@ -32,6 +32,10 @@ Emit = Callable[[dict[str, Any]], Awaitable[None]]
 Reload = Callable[[int | None], Awaitable[dict[str, Any]]]
 
 
+def _mib(value: int | None) -> str:
+    return "none" if value is None else f"{value} MiB"
+
+
 def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
     """Write, fsync, rename over, fsync the directory: a crash leaves the old or the new file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -125,8 +129,8 @@ class Rebalancer:
                 done.append((action, change))  # before: a half-done step is undone too
                 await self._do(action, change, uid)
                 await self._step(emit, action, f"{change.name}: {action} done "
-                                 f"({change.mib_before} -> {change.mib_after} MiB)", uid=uid,
-                                 serve=change.name)
+                                 f"({_mib(change.mib_before)} -> {_mib(change.mib_after)})",
+                                 uid=uid, serve=change.name)
             summary = self.svc.summary()
             await self._step(emit, "verify", f"all changed serves healthy; {summary}", uid=uid)
             return {"result": "applied", "backup": str(saved), "summary": summary}

@@ -285,8 +285,10 @@ class LedgerService:
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
                         shortfall_mib=denial.shortfall_mib)
         # A serve that is running keeps its state: only its re-admission was refused.
+        # An external name that holds nothing is not remembered as a serve for a failed ask.
         current = self.records.get(denial.serve, ServeRecord()).state
-        states = [] if current in LIVE_STATES else [
+        known = denial.serve in self.config.serves or denial.serve in self.ledger.reservations
+        states = [] if current in LIVE_STATES or not known else [
             self.state_row(denial.serve, DENIED, denial.reason)]
         await self.commit(Changes(states=states, events=[ev]))
 

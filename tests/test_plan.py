@@ -49,7 +49,7 @@ def test_seed_t015_to_t011() -> None:
     fast = serves["fast"]
     assert (fast.mib_before, fast.mib_after) == (18432, 14336)
     assert (fast.util_before, fast.util_after) == ("0.5652", "0.4396")
-    assert fast.restart and fast.change == "resized"
+    assert fast.restart and fast.change == "changed, resized"
     assert fast.fingerprint_before != fast.fingerprint_after  # new checkpoint
     ocr = serves["ocr"]
     assert (ocr.state_before, ocr.state_after) == ("denied", "admitted")

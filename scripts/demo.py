@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""The whole of gpud in one command, on a machine without a GPU and without systemd as PID 1.
+
+Boots a disposable systemd (tools/sandbox.py: its own namespaces over an overlay of /, never the
+host's), installs gpud and its units into it, and replays the seed record (T011): the dark-fast
+resident set on a simulated 32607 MiB GPU with 5.7 GiB of draw nobody declared, first as it was
+(reserve 7168, fast 18432: ocr denied), then the rebalance planned and applied in two commands.
+The serves are stand-ins that speak vLLM's /health and /v1/models; the config is
+etc/serves.toml, with `vllm` and the OCR binary pointing at the stand-in. Powers the sandbox off
+at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools.sandbox import Sandbox  # noqa: E402
+
+PY = sys.executable
+SIM = """
+[simulation]
+state_file = "/run/gpud/sim.json"
+[[simulation.devices]]
+uuid = "GPU-sim-3f6c"
+total_mib = 32607
+"""
+# What the record's host drew outside the ledger: the desktop display and the voice sidecars.
+EXTERNAL = {"external": [{"device": "GPU-sim-3f6c", "label": "display", "mib": 1450},
+                         {"device": "GPU-sim-3f6c", "label": "voice STT/TTS sidecars",
+                          "mib": 4387}]}
+STANDIN = f'#!/bin/sh\nexec {PY} -m gpud.standin --startup-delay 1 "$@"\n'
+
+
+def configs() -> tuple[str, str]:
+    """(before, after): etc/serves.toml made to run on the simulated GPU with stand-ins."""
+    t011 = (REPO / "etc" / "serves.toml").read_text()
+    t011 = t011.replace('device = "0"', 'device = "GPU-sim-3f6c"')
+    t011 = t011.replace('admin_group = "gpud-admin"',
+                        'admin_group = "gpud-admin"\nvllm_executable = "/usr/local/bin/vllm"\n'
+                        "health_interval_s = 1.0")
+    t011 += SIM
+    t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
+            .replace("vram_mib = 14336", "vram_mib = 18432")
+            .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"\nrevision = "56e30bf6"\n'
+                     'quantization = "fp8"', 'model = "google/gemma-4-E4B-it"'))
+    return t015, t011
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", action="store_true",
+                        help="leave the sandbox running (python3 tools/sandbox.py --name "
+                             "gpud-demo shell / poweroff)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    before, after = configs()
+    sb = Sandbox(name="gpud-demo", detached=args.keep)
+
+    def sh(title: str, command: str) -> None:
+        print(f"\n$ {title}", flush=True)
+        result = sb.run(command, check=False, timeout=300,
+                        env={"GPUD_SOCKET": "/run/gpud/gpud.sock"})
+        print((result.stdout + result.stderr).rstrip(), flush=True)
+
+    try:
+        print("== booting a disposable systemd (overlay of /, own namespaces) ==", flush=True)
+        sb.boot()
+        sb.install_gpud(REPO, before)
+        sb.write_file("/usr/local/bin/vllm", STANDIN, mode=0o755)
+        sb.write_file("/opt/serves/bin/ocr-serve", STANDIN, mode=0o755)
+        sb.write_file("/usr/local/bin/gpuctl", f'#!/bin/sh\nexec {PY} -m gpud.gpuctl "$@"\n',
+                      mode=0o755)
+        sb.run(["mkdir", "-p", "/run/gpud"])
+        sb.write_file("/run/gpud/sim.json", json.dumps(EXTERNAL))
+        print("\n== T015: the resident set as it was (reserve 7168, fast 18432) ==", flush=True)
+        sh("systemctl start gpud", "systemctl start gpud && systemctl status gpud --no-pager "
+           "-n 0 | sed -n '1,8p'")
+        wait_boot(sb)
+        sh("gpuctl serves", "gpuctl serves")
+        sh("gpuctl ledger", "gpuctl ledger")
+        sh("journalctl -u gpud GPUD_SERVE=ocr  # why was ocr denied?",
+           "journalctl -u gpud GPUD_SERVE=ocr -o cat --no-pager")
+        sb.write_file("/etc/gpud/serves.new.toml", after, mode=0o600)
+        print("\n== the rebalance: reserve 4608, fast on the FP8 checkpoint at 14336 ==",
+              flush=True)
+        sh("gpuctl plan /etc/gpud/serves.new.toml", "gpuctl plan /etc/gpud/serves.new.toml")
+        sh("gpuctl apply /etc/gpud/serves.new.toml", "gpuctl apply /etc/gpud/serves.new.toml")
+        sh("gpuctl ledger", "gpuctl ledger")
+        sh("systemctl list-units 'gpud-serve-*'",
+           "systemctl list-units 'gpud-serve-*' --no-pager --no-legend")
+        sh("curl -s --unix-socket /run/gpud/gpud.sock http://localhost/metrics | grep role_",
+           "curl -s --unix-socket /run/gpud/gpud.sock http://localhost/metrics "
+           "| grep -E '^gpud_role_(committed|ledger_free|non_ledger_draw|reserve_excess)'")
+        sh("gpuctl events --kind reserve-exceeded,deny,apply --limit 8",
+           "gpuctl events --kind reserve-exceeded,deny,apply --limit 8")
+    finally:
+        if not args.keep:
+            sb.poweroff()
+            print("\n== sandbox powered off ==")
+        else:
+            print(f"\n== sandbox left running: python3 tools/sandbox.py --name {sb.name} "
+                  "poweroff ==")
+    print(f"demo wall time: {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def wait_boot(sb: Sandbox, timeout: float = 60) -> None:
+    """Until the resident set has settled (every resident serve running or denied)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = sb.run(f"{PY} -m gpud.gpuctl --socket /run/gpud/gpud.sock serves --json",
+                     check=False).stdout
+        try:
+            serves = json.loads(out)["serves"]
+        except (ValueError, KeyError):
+            serves = []
+        if serves and all(s["state"] in ("running", "denied", "failed") for s in serves):
+            return
+        time.sleep(0.5)
+    print("(the resident set did not settle in time)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
