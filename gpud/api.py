@@ -203,6 +203,10 @@ class Api:
             if key == "GET /metrics":
                 return await handler(request)
             raise Forbidden("only /metrics is served on the TCP listener")
+        if access == "admin" and not self.svc.ready:
+            # Before reconciliation a change could race the adoption of running units.
+            raise Unavailable("gpud is starting (reconciling running serves): try again in a "
+                              "moment", {"retry": True})
         if access == "admin" and not may_mutate(peer, self.admin_gid):
             group = self.svc.config.daemon.admin_group
             uid = peer.uid if peer else None

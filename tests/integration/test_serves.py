@@ -168,3 +168,45 @@ def test_stop_releases_and_unfit_start_launches_nothing(gpud: SandboxGpud) -> No
     # Now ocr fits: start admits and launches it.
     assert gpud.call("POST", "/v1/serves/ocr/start", {}).status == 200
     gpud.wait_state("ocr", "running")
+
+
+def test_running_serve_turns_failed_when_health_fails(gpud: SandboxGpud) -> None:
+    serves = (f'[serves.wobbly]\nrole = "dark-fast"\nvram_mib = 1000\nresident = true\n'
+              f'port = 30013\ncommand = {standin("--unhealthy-after", "3")}\n')
+    gpud.configure(sim_config(DARK_FAST, serves, daemon="health_failures = 2"))
+    gpud.wait_state("wobbly", "running")
+    failed = gpud.wait_state("wobbly", "failed", timeout=20)
+    assert failed["reason"].startswith("unhealthy: 2 health checks in a row failed")
+    # A resident serve keeps its reservation when it fails; the event says so.
+    assert failed["reserved_mib"] == 1000
+    ev = gpud.events(kind="unhealthy", serve="wobbly")
+    assert len(ev) == 1 and ev[0]["details"]["reservation"] == "kept (resident)"
+
+
+def test_socket_activation_and_memory_back_after_stop(gpud: SandboxGpud) -> None:
+    """gpud.socket holds the socket; gpud takes it from LISTEN_FDS when started by it."""
+    serves = (f'[serves.one]\nrole = "dark-fast"\nvram_mib = 2000\nport = 30014\n'
+              f'stop_timeout_s = 5\ncommand = {standin("--draw-in-child")}\n')
+    gpud.configure(sim_config(DARK_FAST, serves), start=False)
+    gpud.sb.run(["systemctl", "start", "gpud.socket"])
+    try:
+        assert gpud.unit_prop("gpud.service", "ActiveState") == "inactive"
+        # The first connection starts gpud (socket activation).
+        assert gpud.get("/v1/status")["version"]
+        deadline = time.monotonic() + 20
+        while not gpud.get("/v1/status")["ready"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gpud.unit_prop("gpud.service", "ActiveState") == "active"
+        mode = gpud.sb.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud.sock"]).stdout.split()
+        assert mode == ["660", "root", "gpud"]
+        assert gpud.call("POST", "/v1/serves/one/start", {}).status == 200
+        gpud.wait_state("one", "running")
+        assert gpud.call("POST", "/v1/serves/one/stop", {}).status == 200
+        assert gpud.serve("one")["reserved_mib"] is None
+        # Start again at once: gpud waits until observation shows the memory back.
+        assert gpud.call("POST", "/v1/serves/one/start", {}).status == 200
+        gpud.wait_state("one", "running")
+        starts = gpud.events(kind="start", serve="one")
+        assert len(starts) == 2
+    finally:
+        gpud.sb.run(["systemctl", "stop", "gpud.socket"], check=False)
