@@ -1,0 +1,104 @@
+"""/metrics parsed by Prometheus' own parser; its figures equal /v1/ledger's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import GpudProcess, start_gpud
+
+
+def sim_config(tmp: Path, port: int | None = None) -> str:
+    (tmp / "sim.json").write_text(json.dumps(
+        {"external": [{"device": "GPU-sim-0", "label": "display", "mib": 5837}]}))
+    listen = f'metrics_listen = "127.0.0.1:{port}"\n' if port else ""
+    return f"""
+[daemon]
+observe_interval_s = 0.2
+{listen}
+[roles.dark-fast]
+device = "GPU-sim-0"
+reserve_mib = 4608
+[serves.fast]
+role = "dark-fast"
+vram_mib = 14336
+command = ["/bin/true"]
+[simulation]
+state_file = "{tmp / 'sim.json'}"
+[[simulation.devices]]
+uuid = "GPU-sim-0"
+total_mib = 32607
+"""
+
+
+def samples(gp: GpudProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    reply = gp.call("GET", "/metrics")
+    assert reply.status == 200
+    out = {}
+    for family in text_string_to_metric_families(reply.raw.decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
+    gp = start_gpud(tmp_path, sim_config(tmp_path))
+    try:
+        assert gp.call("POST", "/v1/serves/fast/admit", {"mib": 14336}).status == 200
+        assert gp.call("POST", "/v1/serves/side/admit", {"mib": 1000, "role": "dark-fast"}).status == 200
+        assert gp.call("POST", "/v1/serves/big/admit", {"mib": 99999, "role": "dark-fast"}).status == 409
+        role = gp.call("GET", "/v1/ledger").body["roles"][0]
+        got = samples(gp)
+        labels = frozenset({("role", "dark-fast"), ("gpu", "0"), ("UUID", "GPU-sim-0")})
+        for metric, key in (("gpud_role_capacity_mib", "capacity_mib"),
+                            ("gpud_role_reserve_mib", "reserve_mib"),
+                            ("gpud_role_committed_mib", "committed_mib"),
+                            ("gpud_role_ledger_free_mib", "free_mib")):
+            assert got[(metric, labels)] == role[key], metric
+        obs = role["observed"]
+        for metric, key in (("gpud_role_used_mib", "used_mib"),
+                            ("gpud_role_managed_draw_mib", "managed_draw_mib"),
+                            ("gpud_role_non_ledger_draw_mib", "non_ledger_draw_mib"),
+                            ("gpud_role_reserve_excess_mib", "reserve_excess_mib"),
+                            ("gpud_role_effective_free_mib", "effective_free_mib")):
+            assert got[(metric, labels)] == obs[key], metric
+        assert got[("gpud_role_reserve_excess_mib", labels)] == 1229
+        fast = frozenset({("serve", "fast"), ("role", "dark-fast")})
+        assert got[("gpud_serve_reservation_mib", fast)] == 14336
+        assert got[("gpud_serve_state", fast | {("state", "admitted")})] == 1
+        assert got[("gpud_serve_state", fast | {("state", "running")})] == 0
+        assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == 2
+        assert got[("gpud_events_total", frozenset({("kind", "deny")}))] == 1
+        assert got[("gpud_observation_available", frozenset({("backend", "simulated")}))] == 1
+    finally:
+        gp.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_tcp_listener_serves_only_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    gp = start_gpud(tmp_path, sim_config(tmp_path, port))
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert b"gpud_role_committed_mib" in resp.read()
+        for method, path in (("GET", "/v1/ledger"), ("POST", "/v1/serves/fast/admit")):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                         data=b'{"mib": 1}' if method == "POST" else None)
+            try:
+                urllib.request.urlopen(req, timeout=5)
+                raise AssertionError(f"{method} {path} answered on TCP")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 403
+        assert gp.call("GET", "/v1/ledger").body["roles"][0]["committed_mib"] == 0
+    finally:
+        gp.stop()
