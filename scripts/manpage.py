@@ -46,7 +46,7 @@ def render() -> str:
     ]
     for cmd in gpuctl.COMMANDS:
         sub = gpuctl.build_parser(cmd.name)
-        for action in sub._subparsers._group_actions if sub._subparsers else []:  # noqa: SLF001
+        for action in sub._subparsers._group_actions if sub._subparsers else []:
             choice = getattr(action, "choices", {}).get(cmd.name)
             if choice is not None:
                 parts += [f".SS {cmd.name}", ".nf", roff(choice.format_help()), ".fi"]
