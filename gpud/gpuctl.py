@@ -917,11 +917,28 @@ def run_release(ctl: Ctl, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def configure_start(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once launched instead of waiting until the serve's health "
+                        "endpoint answers 200 (or it fails)")
+
+
+SETTLED = ("running", "failed", "denied", "declared")
+
+
 def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
     def run(ctl: Ctl, args: argparse.Namespace) -> int:
+        import time
+
         doc = ctl.client.call("POST", serve_path(args.name, action), {}, LIFECYCLE_TIMEOUT)
+        if action != "stop" and not getattr(args, "no_wait", True):
+            deadline = time.monotonic() + (ctl.client.timeout or LIFECYCLE_TIMEOUT)
+            while doc.get("state") not in SETTLED and time.monotonic() < deadline:
+                time.sleep(0.25)
+                doc = ctl.client.call("GET", serve_path(args.name))
         ctl.emit(doc, format_lifecycle)
-        return EXIT_OK
+        return EXIT_REFUSED if action != "stop" and doc.get("state") == "failed" else EXIT_OK
 
     return run
 
@@ -1179,11 +1196,12 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "start", "admit (if needed) and launch a serve",
         "Admit serve NAME at its configured vram_mib if it holds no reservation (a denial exits "
-        "1 with the reason), then launch its transient unit gpud-serve-NAME.service. Prints "
-        "the serve's state afterwards (starting until its health endpoint answers 200). Exits "
-        "1 when launching is unavailable (no system bus).\n\nNeeds root or the admin group.",
-        "  gpuctl start ocr",
-        _name_arg, _lifecycle("start")),
+        "1 with the reason), then launch its transient unit gpud-serve-NAME.service and wait "
+        "until its health endpoint answers 200 (--no-wait: return once launched). Exits 1 when "
+        "the serve fails to become healthy, or when launching is unavailable (no system bus)."
+        "\n\nNeeds root or the admin group.",
+        "  gpuctl start ocr\n  gpuctl start ocr --no-wait",
+        configure_start, _lifecycle("start")),
     Command(
         "stop", "stop a serve's unit and release its reservation",
         "Stop serve NAME's unit (SIGTERM to its main process, SIGKILL to what is left after its "
@@ -1193,10 +1211,10 @@ COMMANDS: tuple[Command, ...] = (
         _name_arg, _lifecycle("stop")),
     Command(
         "restart", "restart a serve's unit",
-        "Restart serve NAME's unit under its current reservation.\n\n"
-        "Needs root or the admin group.",
+        "Restart serve NAME's unit under its current reservation and wait until it is healthy "
+        "again (--no-wait: return once launched).\n\nNeeds root or the admin group.",
         "  gpuctl restart fast",
-        _name_arg, _lifecycle("restart")),
+        configure_start, _lifecycle("restart")),
     Command(
         "events", "what happened: admissions, denials, starts, exits, overdraws",
         "Show stored events, oldest first: the newest --limit that match. Each line: local "

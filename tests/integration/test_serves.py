@@ -203,9 +203,16 @@ def test_socket_activation_and_memory_back_after_stop(gpud: SandboxGpud) -> None
         gpud.wait_state("one", "running")
         assert gpud.call("POST", "/v1/serves/one/stop", {}).status == 200
         assert gpud.serve("one")["reserved_mib"] is None
-        # Start again at once: gpud waits until observation shows the memory back.
-        assert gpud.call("POST", "/v1/serves/one/start", {}).status == 200
-        gpud.wait_state("one", "running")
+        # Start again at once: gpud waits until observation shows the memory back. gpuctl
+        # start waits until the serve is healthy.
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud.socket),
+                              "start", "one"], capture_output=True, text=True, check=False,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("one: running on dark-fast")
         starts = gpud.events(kind="start", serve="one")
         assert len(starts) == 2
     finally:
