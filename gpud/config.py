@@ -226,9 +226,15 @@ def _semantic_problems(cfg: Config) -> list[str]:
 
 def _placeholder_problem(arg: str) -> str | None:
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
+        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(arg)
+                  if f is not None]
     except ValueError as exc:
         return f"bad placeholder syntax ({exc}); write literal braces as {{{{ and }}}}"
+    fields = [f for f, _, _ in parsed]
+    for f, spec, conv in parsed:
+        if spec or conv:
+            return (f"placeholder {{{f}}} may not carry a conversion or format spec "
+                    f"(write {{{f}}} alone)")
     unknown = [f for f in fields if f not in PLACEHOLDERS]
     if unknown:
         allowed = ", ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
@@ -242,8 +248,12 @@ def parse_config(text: str, source: str) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, [f"TOML syntax: {exc}"]) from exc
+    except RecursionError as exc:
+        raise ConfigError(source, ["TOML syntax: nested too deeply"]) from exc
     try:
         cfg = Config.model_validate(data)
+    except RecursionError as exc:
+        raise ConfigError(source, ["nested too deeply"]) from exc
     except ValidationError as exc:
         problems = [f"{_key_path(e['loc'])}: {_reason(e)}" for e in exc.errors()]
         raise ConfigError(source, problems) from exc

@@ -14,6 +14,7 @@ import errno
 import grp
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -30,6 +31,7 @@ from gpud.alerts import Alerts
 from gpud.api import Api
 from gpud.calibration import Calibrator
 from gpud.config import Config, load_config, summary
+from gpud.connguard import GuardedSockSite, Limiter
 from gpud.errors import ConfigError, GpudError
 from gpud.journal import setup_logging
 from gpud.metrics import render
@@ -163,6 +165,7 @@ class Daemon:
                                                  config_path=self.config_path,
                                                  reload=self.reload))
             await self._listen(stack, self.api.app)
+            stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
             if observer.latest is not None:
                 await alerts(observer.latest)
@@ -204,7 +207,8 @@ class Daemon:
             self.notify(f"STATUS={self.svc.summary()}")
 
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         sock = inherited_socket()
@@ -212,7 +216,7 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(path, self.config.daemon.socket_group)
             stack.callback(_unlink_if_ours, path, os.stat(path).st_ino)
-        site = web.SockSite(runner, sock)
+        site = GuardedSockSite(runner, sock, Limiter())
         await site.start()
         listen = self.config.daemon.metrics_listen
         if listen:
@@ -305,11 +309,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def raise_nofile_limit() -> None:
+    """Lift the soft descriptor limit to the hard one (systemd's default soft limit is 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check_config is not None:
         return check_config(args.check_config)
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
+    raise_nofile_limit()
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:

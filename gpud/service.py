@@ -10,6 +10,7 @@ clock, observer) is passed in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -156,9 +157,15 @@ class LedgerService:
         """Held for every change of the ledger; commit() callers must hold it."""
         return self._lock
 
-    def close(self) -> None:
+    def end_streams(self) -> None:
+        """End every event stream (gpud is stopping)."""
         for sub in self._subscribers:
-            sub.queue.put_nowait(None)
+            with contextlib.suppress(asyncio.QueueFull):
+                sub.queue.put_nowait(None)
+        self._subscribers.clear()
+
+    def close(self) -> None:
+        self.end_streams()
         self._executor.shutdown(wait=True)
 
     def _device_total(self, device: str) -> int | None:
@@ -288,7 +295,10 @@ class LedgerService:
         # An external name that holds nothing is not remembered as a serve for a failed ask.
         current = self.records.get(denial.serve, ServeRecord()).state
         known = denial.serve in self.config.serves or denial.serve in self.ledger.reservations
-        states = [] if current in LIVE_STATES or not known else [
+        # A serve that holds a reservation keeps its state (and its pending share): only this
+        # re-admission was refused.
+        holds = denial.serve in self.ledger.reservations
+        states = [] if current in LIVE_STATES or not known or holds else [
             self.state_row(denial.serve, DENIED, denial.reason)]
         await self.commit(Changes(states=states, events=[ev]))
 

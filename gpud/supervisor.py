@@ -144,6 +144,8 @@ class Supervisor:
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
                 state=self.svc.state_row(serve, state))
+            if state == STARTING:
+                self._spawn(self._watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live:
                 await self._ended(serve, "its unit ended while gpud was not running")
