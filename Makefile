@@ -2,7 +2,7 @@
 # `make test` runs every check CI runs.
 PY ?= python3
 
-.PHONY: setup demo run test lint unit bench clean
+.PHONY: setup demo run test lint unit bench deb clean
 
 setup:
 	scripts/setup
@@ -25,6 +25,9 @@ test: setup lint
 
 bench: setup
 	$(PY) bench/run.py
+
+deb:
+	packaging/build-deb
 
 clean:
 	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

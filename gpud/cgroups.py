@@ -16,7 +16,8 @@ unprivileged user could name a unit anything: such processes stay unattributed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 PROC_ROOT = Path("/proc")
@@ -89,3 +90,35 @@ def attribute(pids: Iterable[int], proc_root: Path = PROC_ROOT) -> dict[int, str
         if name is not None:
             found[pid] = name
     return found
+
+
+class CachedAttribution:
+    """attribute() with memory: a PID's serve is read once and trusted for `ttl` seconds.
+
+    A process does not leave its unit's cgroup, and observation runs every second: re-reading
+    /proc/PID/cgroup for every GPU process at every sample is most of a sample's cost. A PID
+    that disappears from the sample is forgotten, so a reused PID is read afresh; within `ttl`
+    a PID reused between two samples could keep its old attribution, at worst for `ttl`.
+    """
+
+    def __init__(self, proc_root: Path = PROC_ROOT, ttl: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proc_root = proc_root
+        self.ttl = ttl
+        self.clock = clock
+        self._known: dict[int, tuple[str | None, float]] = {}
+
+    def __call__(self, pids: Iterable[int]) -> dict[int, str]:
+        now = self.clock()
+        wanted = set(pids)
+        for pid in set(self._known) - wanted:
+            del self._known[pid]
+        found: dict[int, str] = {}
+        for pid in wanted:
+            cached = self._known.get(pid)
+            if cached is None or now - cached[1] >= self.ttl:
+                cached = (serve_of_pid(pid, self.proc_root), now)
+                self._known[pid] = cached
+            if cached[0] is not None:
+                found[pid] = cached[0]
+        return found

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gpud.cgroups import attribute
+from gpud.cgroups import CachedAttribution
 from gpud.config import Config
 from gpud.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
 from gpud.observation import DeviceSample, Observation, ObservationBackend, find_device
@@ -71,6 +71,7 @@ class Observer:
         self.interval = interval
         self.proc_root = proc_root
         self.clock = clock
+        self._attribute = CachedAttribution(proc_root)
         self.latest: Observation | None = None
         self.owners: dict[int, str] = {}
         self.draws: dict[str, dict[str, int]] = {}  # device uuid -> serve -> MiB
@@ -123,7 +124,7 @@ class Observer:
         start = time.perf_counter()
         obs = self.backend.sample()
         pids = {p.pid for d in obs.devices for p in (d.processes or ())}
-        owners = attribute(pids, self.proc_root)
+        owners = self._attribute(pids)
         return obs, owners, time.perf_counter() - start
 
     async def sample(self) -> Observation:

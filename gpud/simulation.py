@@ -54,6 +54,9 @@ GPUD_SIM_DEVICE = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB = "GPUD_SIM_TOTAL_MIB"
 
 PROCS_DIR_NAME = "sim-procs"
+# A cached registration's process is fully checked (zombie, PID reuse) this often; in between,
+# only that /proc/PID still exists.
+FULL_CHECK_S = 10.0
 DEFAULT_NAME = "Simulated GPU"
 LOST_PROBLEM = "simulated: device lost"
 
@@ -124,6 +127,10 @@ class SimulatedBackend:
         self._lock = threading.Lock()
         self._last_good: SimulationState | None = None
         self._last_problem: str | None = None
+        # Registrations parsed before, by file name: (mtime_ns, size) -> entry, start time and
+        # when its process was last fully checked. Saves a JSON parse and a /proc/PID/stat read
+        # per process per sample (observation runs every second).
+        self._parsed: dict[str, tuple[tuple[int, int], _Registered, int | None, float]] = {}
 
     @property
     def devices(self) -> tuple[SimulatedDevice, ...]:
@@ -208,23 +215,46 @@ class SimulatedBackend:
             return []
         known = {dev.uuid for dev in self._devices}
         found: list[_Registered] = []
+        now = time.monotonic()
+        seen: set[str] = set()
         for path in entries:
             match = _PROC_FILE.match(path.name)
             if match is None:
                 continue  # temporaries of register_process, strays
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                st = path.stat()
             except FileNotFoundError:
                 continue  # unregistered while we looked
-            except (OSError, ValueError) as exc:
+            except OSError as exc:
                 notes.append(f"{path.name}: unreadable ({exc})")
                 continue
-            try:
-                entry, starttime = _parse_registration(data, int(match.group(1)))
-            except StateFileError as exc:
-                notes.append(f"{path.name}: {exc}")
-                continue
+            seen.add(path.name)
+            version = (st.st_mtime_ns, st.st_size)
+            cached = self._parsed.get(path.name)
+            if cached is not None and cached[0] == version:
+                _, entry, starttime, checked = cached
+                if now - checked < FULL_CHECK_S:
+                    if (self._proc_root / str(entry.pid)).exists():
+                        if entry.device in known:
+                            found.append(entry)
+                        continue
+                    starttime = -1  # gone: the full check below says so
+            else:
+                try:
+                    data = json.loads(path.read_text(encoding="utf-8"))
+                except FileNotFoundError:
+                    continue  # unregistered while we looked
+                except (OSError, ValueError) as exc:
+                    notes.append(f"{path.name}: unreadable ({exc})")
+                    continue
+                try:
+                    entry, starttime = _parse_registration(data, int(match.group(1)))
+                except StateFileError as exc:
+                    notes.append(f"{path.name}: {exc}")
+                    continue
+            self._parsed[path.name] = (version, entry, starttime, now)
             if not _alive(self._proc_root, entry.pid, starttime):
+                self._parsed.pop(path.name, None)
                 if self._remove_dead:
                     path.unlink(missing_ok=True)
                 continue
@@ -232,6 +262,8 @@ class SimulatedBackend:
                 notes.append(f"{path.name}: unknown device {entry.device!r}")
                 continue
             found.append(entry)
+        for name in set(self._parsed) - seen:
+            del self._parsed[name]
         return found
 
     def _device_sample(

@@ -43,8 +43,12 @@ from gpud.units import SystemdUnits, UnitState
 log = logging.getLogger("gpud.supervisor")
 
 ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
-# How often a starting serve's health endpoint is asked while gpud waits on it.
-START_POLL_S = 0.1
+# How often a starting serve's health endpoint is asked while gpud waits on it: soon at first
+# (a small serve is up in a fraction of a second, and the next start on the device waits for
+# it), then less and less often (vLLM loading weights takes minutes).
+START_POLL_FIRST_S = 0.02
+START_POLL_FAST_FOR_S = 3.0
+START_POLL_MAX_S = 1.0
 UNIT_JOB_TIMEOUT_S = 60.0
 
 
@@ -279,7 +283,9 @@ class Supervisor:
         )
 
     async def _await_healthy(self, serve: str, spec: ServeConfig) -> None:
-        deadline = self.clock() + spec.start_timeout_s
+        started = self.clock()
+        deadline = started + spec.start_timeout_s
+        pause = START_POLL_FIRST_S
         while self.clock() < deadline:
             state = self.svc.state_of(serve)
             if state != STARTING:
@@ -287,7 +293,9 @@ class Supervisor:
             if await self._healthy(spec):
                 await self._promote(serve)
                 return
-            await asyncio.sleep(START_POLL_S)
+            await asyncio.sleep(pause)
+            if self.clock() - started > START_POLL_FAST_FOR_S:
+                pause = min(START_POLL_MAX_S, pause * 1.5)
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
                                   f"{spec.start_timeout_s:g} s", kind="unhealthy", stop=True)
 

@@ -110,3 +110,22 @@ def test_own_process_real_proc() -> None:
     own = serve_of_pid(os.getpid())
     assert own is None or isinstance(own, str)
     assert attribute([os.getpid()]) == ({} if own is None else {os.getpid(): own})
+
+
+def test_cached_attribution_reads_once_per_ttl(tmp_path: Path) -> None:
+    from gpud.cgroups import CachedAttribution
+
+    now = [0.0]
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/gpud.slice/gpud-serve-a.service\n")
+    cache = CachedAttribution(proc, ttl=10, clock=lambda: now[0])
+    assert cache([7]) == {7: "a"}
+    (proc / "7" / "cgroup").write_text("0::/gpud.slice/gpud-serve-b.service\n")
+    now[0] = 5
+    assert cache([7]) == {7: "a"}  # trusted within the ttl
+    now[0] = 11
+    assert cache([7]) == {7: "b"}  # read again after it
+    (proc / "7" / "cgroup").write_text("0::/system.slice/x.service\n")
+    assert cache([]) == {}  # a PID that left the sample is forgotten...
+    assert cache([7]) == {}  # ...and read afresh when it comes back

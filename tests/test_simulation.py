@@ -260,3 +260,24 @@ def test_is_an_observation_backend(state_file: Path) -> None:
     sim: ObservationBackend = SimulatedBackend(DEVICES, state_file)
     assert sim.name == "simulated"
     sim.close()
+
+
+def test_registration_cache_follows_changes_and_deaths(tmp_path: Path) -> None:
+    import subprocess
+
+    from gpud.simulation import SimulatedBackend, SimulatedDevice, register_process
+
+    backend = SimulatedBackend([SimulatedDevice("GPU-sim-0", 10000)], tmp_path / "sim.json")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        register_process(backend.procs_dir, child.pid, "GPU-sim-0", 100)
+        assert backend.sample().devices[0].used_mib == 100
+        assert backend.sample().devices[0].used_mib == 100  # cached
+        register_process(backend.procs_dir, child.pid, "GPU-sim-0", 300)
+        assert backend.sample().devices[0].used_mib == 300  # the file changed: read again
+        child.kill()
+        child.wait()
+        assert backend.sample().devices[0].used_mib == 0  # gone: dropped at once
+    finally:
+        child.kill()
+        child.wait()
