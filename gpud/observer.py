@@ -196,6 +196,10 @@ class Observer:
         if dev is None or not dev.healthy or dev.total_mib is None or dev.used_mib is None \
                 or dev.free_mib is None:
             return None
+        if dev.processes is None:
+            # The driver would not list processes: nothing can be attributed, and calling all
+            # of "used" non-ledger draw would raise false alarms. No split rather than a wrong one.
+            return None
         roles = self._roles_on(ref, ledger)
         reservations = [r for r in ledger.reservations.values() if r.role in roles]
         return device_draw(

@@ -142,7 +142,12 @@ def make_plan(
                              figures.capacity_mib - figures.reserve_mib))
 
     new_budget_map = dict(after.roles)
-    names = sorted(set(old.serves) | set(new.serves) | set(held))
+
+    def order(name: str) -> tuple[str, int, str]:
+        spec = new.serves.get(name) or old.serves.get(name)
+        return (spec.role if spec else "", spec.priority if spec else 1 << 30, name)
+
+    names = sorted(set(old.serves) | set(new.serves) | set(held), key=order)
     for name in names:
         before_spec, after_spec = old.serves.get(name), new.serves.get(name)
         cur = held.get(name)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpud.ledger import serve_draws
 from gpud.nvml import NvmlBackend
 from gpud.observation import DeviceSample, find_device
 
@@ -129,6 +130,14 @@ def test_allocating_processes_are_seen(gpu: tuple[NvmlBackend, DeviceSample]) ->
         assert total_alloc <= rise <= total_alloc + CONTEXT_TOLERANCE_MIB * len(children), (
             f"used rose by {rise} MiB for {total_alloc} MiB allocated"
         )
+        # The ledger's split: the first child stands for a serve (attributed), the second for
+        # draw nobody declared. Non-ledger draw moves by the second one's draw, not the first's.
+        managed = serve_draws(((p.pid, p.mib) for p in dev.processes), {children[0].pid: "a"})
+        assert managed == {"a": draws[children[0].pid]}
+        non_ledger_moved = (dev.used_mib - managed["a"]) - before.used_mib
+        second = draws[children[1].pid]
+        assert second is not None
+        assert abs(non_ledger_moved - second) <= 256, (non_ledger_moved, second)
     finally:
         for child in children:
             if child.stdin is not None:
