@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name
-from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
+from gpud.errors import BadRequest, ConfigError, Conflict, Denied, NotFound
 from gpud.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
@@ -451,5 +451,3 @@ def check_role_name(name: str) -> None:
     except ValueError as exc:
         raise BadRequest(str(exc), {"role": name[:300]}) from exc
 
-
-__all__ = ["GpudError", "LedgerService", "ServeRecord", "resolve_budgets"]

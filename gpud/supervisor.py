@@ -28,7 +28,6 @@ from gpud.observer import Observer
 from gpud.service import (
     ADMITTED,
     DECLARED,
-    EXTERNAL,
     FAILED,
     LIVE_STATES,
     RUNNING,
@@ -540,5 +539,3 @@ def _how(st: UnitState) -> str:
         return f"killed by signal {st.exec_main_status}"
     return f"status {st.exec_main_status}"
 
-
-__all__ = ["EXTERNAL", "Supervisor", "make_supervisor"]
