@@ -129,7 +129,9 @@ class LedgerService:
         self.records: dict[str, ServeRecord] = {}
         self.ledger = Ledger({}, {})
         self.ready = False
-        # Set by the supervisor: whether launching works and why not.
+        # Set by the supervisor: whether a serve's launch is under way (its unit may be about
+        # to run), and whether launching works and why not.
+        self.busy: Callable[[str], bool] = lambda _serve: False
         self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
             False, "launching is not set up in this gpud")
 
@@ -335,6 +337,8 @@ class LedgerService:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
             raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
         state = self.records.get(serve, ServeRecord()).state
+        if self.busy(serve) and not allow_live:
+            state = STARTING
         if state in LIVE_STATES and not allow_live:
             raise Conflict(
                 f"serve {serve!r} is {state}: its process may still hold the memory; stop it in "

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from gpud.config import Config, ServeConfig
-from gpud.errors import Conflict, GpudError, NotFound, Unavailable
+from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.launch import serve_argv, through_shim
 from gpud.observer import Observer
 from gpud.service import (
@@ -68,6 +68,7 @@ class Supervisor:
         self._device_locks: dict[str, asyncio.Lock] = {}
         self._serve_locks: dict[str, asyncio.Lock] = {}
         self._launching: set[str] = set()
+        self._launch_tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()
         self._returning: dict[str, set[str]] = {}
         self._last: dict[str, UnitState] = {}
@@ -86,6 +87,7 @@ class Supervisor:
         self.units.watch(self._unit_events.put_nowait, self._unit_events.put_nowait)
         await self.units.connect()
         self.svc.launching = self.launching
+        self.svc.busy = self._launching.__contains__
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -163,8 +165,17 @@ class Supervisor:
             by_device: dict[str, list[str]] = {}
             order = sorted((s.priority, name) for name, s in self.svc.config.serves.items()
                            if s.resident)
+            # Admission first, in priority order over all devices: the whole set's outcome is in
+            # the ledger at once (denials with their reasons), and starts need not wait on it.
             for _, name in order:
-                by_device.setdefault(self._device_key(name), []).append(name)
+                if self.svc.state_of(name) in LIVE_STATES or name in self.svc.ledger.reservations:
+                    continue
+                with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
+                    await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
+            self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
+            for _, name in order:
+                if name in self.svc.ledger.reservations:
+                    by_device.setdefault(self._device_key(name), []).append(name)
             await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
         finally:
             self.booted.set()
@@ -216,9 +227,11 @@ class Supervisor:
             if serve not in self.svc.ledger.reservations:
                 await self.svc.admit(serve, spec.vram_mib, uid=uid)
             self._launching.add(serve)
-        task = self._spawn(self._launch(serve, uid))
+            task = self._spawn(self._launch(serve, uid))
+            self._launch_tasks[serve] = task
         if wait:
-            await task
+            # Not `await task`: a stop that cancels the launch must not cancel this caller.
+            await asyncio.wait({task})
 
     async def _launch(self, serve: str, uid: int | None) -> None:
         spec = self._spec(serve)
@@ -245,6 +258,8 @@ class Supervisor:
                 await self._await_healthy(serve, spec)
         finally:
             self._launching.discard(serve)
+            if self._launch_tasks.get(serve) is asyncio.current_task():
+                del self._launch_tasks[serve]
 
     def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
         role = self.svc.ledger.roles[spec.role]
@@ -325,6 +340,12 @@ class Supervisor:
         async with self._lock(self._serve_locks, serve):
             self._stopping.add(serve)
             try:
+                launch = self._launch_tasks.get(serve)
+                if launch is not None and not launch.done():
+                    # Queued behind another start on the device, or starting: it must not go on
+                    # to run a unit whose reservation this stop releases.
+                    launch.cancel()
+                    await asyncio.wait({launch})
                 res = self.svc.ledger.reservations.get(serve)
                 await self.svc.record(self.svc.event(
                     "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
@@ -512,26 +533,30 @@ class Supervisor:
     # ---- health of running serves ----------------------------------------------------------
 
     async def _health_loop(self) -> None:
-        interval = self.svc.config.daemon.health_interval_s
         while True:
-            await asyncio.sleep(interval)
-            for serve, rec in list(self.svc.records.items()):
-                if rec.state != RUNNING or serve in self._stopping:
-                    continue
-                spec = self.svc.serve_spec(serve)
-                if spec is None:
-                    continue
-                with contextlib.suppress(asyncio.CancelledError):
-                    ok = await self._healthy(spec)
-                if ok:
-                    self._health_failures.pop(serve, None)
-                    continue
-                fails = self._health_failures.get(serve, 0) + 1
-                self._health_failures[serve] = fails
-                if fails >= self.svc.config.daemon.health_failures:
-                    self._health_failures.pop(serve, None)
-                    await self._failed(serve, f"unhealthy: {fails} health checks in a row "
-                                              f"failed on {spec.health_path}", kind="unhealthy")
+            await asyncio.sleep(self.svc.config.daemon.health_interval_s)
+            try:
+                await self._check_running()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed store write must not end health checking for good
+                log.exception("health check round failed; next round in %.1f s",
+                              self.svc.config.daemon.health_interval_s)
+
+    async def _check_running(self) -> None:
+        for serve, rec in list(self.svc.records.items()):
+            spec = self.svc.serve_spec(serve)
+            if rec.state != RUNNING or serve in self._stopping or spec is None:
+                continue
+            if await self._healthy(spec):
+                self._health_failures.pop(serve, None)
+                continue
+            fails = self._health_failures.get(serve, 0) + 1
+            self._health_failures[serve] = fails
+            if fails >= self.svc.config.daemon.health_failures:
+                self._health_failures.pop(serve, None)
+                await self._failed(serve, f"unhealthy: {fails} health checks in a row failed "
+                                          f"on {spec.health_path}", kind="unhealthy")
 
 
 def _how(st: UnitState) -> str:

@@ -1,0 +1,472 @@
+"""Campaign 3a: hostile input against the served OpenAPI document. Requests generated from the
+document that gpud itself serves at /v1/openapi.json (valid ones, and ones broken on purpose:
+wrong types, extra keys, hostile names, arbitrary JSON and bytes) go to a real gpud. Every answer:
+
+- is never a 5xx, except a 503 `unavailable` where the document declares it (launching without
+  a system bus);
+- has a status the document declares for the operation;
+- is JSON matching the document's schema for that status (errors: exactly the one error shape).
+
+Afterwards gpud is alive, its ledger figures hold and its store passes integrity_check.
+
+Two generators: a focused one written here with hypothesis from the document's schemas (always
+runs), and schemathesis over the same document (runs when schemathesis is installed). Short
+forms in the default run; long forms: ``python3 -m pytest -m slow tests/campaigns -k api``
+(GPUD_CAMPAIGN_EXAMPLES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+
+from tests.campaigns.conftest import check_ledger_figures, knob, read_store, rss_kib
+from tests.campaigns.test_config_fuzz import TOMLISH
+from tests.conftest import T015, GpudProcess, UnixHTTPConnection, start_gpud
+
+KNOWN_NAMES = ["fast", "embeddings", "reranker", "ocr", "sidecar", "nope", "0", "a_b-c"]
+FUZZ_CONFIG = T015 + '\n[roles.spare]\ndevice = "1"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+
+
+@pytest.fixture(scope="module")
+def fuzz_gpud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpudProcess]:
+    gp = start_gpud(tmp_path_factory.mktemp("fuzz"), FUZZ_CONFIG)
+    yield gp
+    gp.stop()
+
+
+def schema_errors(value: Any, schema: dict[str, Any], doc: dict[str, Any],
+                  where: str = "") -> list[str]:
+    """Where VALUE breaks SCHEMA: the JSON Schema (2020-12) subset gpud's document uses, checked
+    here so the campaign needs no validator package."""
+    if "$ref" in schema:
+        return schema_errors(value, doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]],
+                             doc, where)
+    if "oneOf" in schema:
+        matching = [s for s in schema["oneOf"] if not schema_errors(value, s, doc, where)]
+        return [] if len(matching) == 1 else [f"{where or '/'}: {len(matching)} of oneOf match"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{where or '/'}: {value!r} not one of {schema['enum']}"]
+    types = schema.get("type")
+    if types is not None:
+        allowed = types if isinstance(types, list) else [types]
+        kinds = {"null": value is None, "boolean": isinstance(value, bool),
+                 "integer": isinstance(value, int) and not isinstance(value, bool),
+                 "number": isinstance(value, int | float) and not isinstance(value, bool),
+                 "string": isinstance(value, str), "array": isinstance(value, list),
+                 "object": isinstance(value, dict)}
+        if not any(kinds[t] for t in allowed):
+            return [f"{where or '/'}: {type(value).__name__} is not {types}"]
+    errors: list[str] = []
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        errors += [f"{where}/{k}: required" for k in schema.get("required", []) if k not in value]
+        extra = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in props:
+                errors += schema_errors(item, props[key], doc, f"{where}/{key}")
+            elif extra is False:
+                errors.append(f"{where}/{key}: not allowed")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, doc, f"{where}/{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], doc, f"{where}/{i}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{where or '/'}: {value} < {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            errors.append(f"{where or '/'}: {value} > {schema['maximum']}")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        errors.append(f"{where or '/'}: {value!r} does not match {schema['pattern']}")
+    return errors
+
+
+class Conformance:
+    """Checks answers against the document gpud serves."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.seen: dict[tuple[str, str, int], int] = {}
+
+    def check(self, method: str, template: str, status: int, ctype: str, raw: bytes) -> list[str]:
+        self.seen[(method, template, status)] = self.seen.get((method, template, status), 0) + 1
+        where = f"{method.upper()} {template} -> {status}"
+        problems = []
+        responses = self.doc["paths"][template][method]["responses"]
+        if status >= 500 and not (status == 503 and "503" in responses):
+            problems.append(f"{where}: server error")
+        body: Any = None
+        if ctype.startswith("application/json"):
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                return [*problems, f"{where}: body is not JSON: {raw[:200]!r}"]
+        if status >= 400:
+            if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(
+                    body["error"], dict) or set(body["error"]) != {"code", "message", "details"}:
+                return [*problems, f"{where}: not the error shape: {raw[:300]!r}"]
+            if status == 503 and body["error"]["code"] != "unavailable":
+                problems.append(f"{where}: 503 with code {body['error']['code']}")
+        if str(status) not in responses:
+            # a hostile name that is not a path segment of the template is routed elsewhere:
+            # 404 (no such route) and 405 are the router's answers, in the error shape
+            if status not in (404, 405):
+                problems.append(f"{where}: status not declared in the document")
+            return problems
+        content = responses[str(status)].get("content", {})
+        if "application/json" in content:
+            if not ctype.startswith("application/json"):
+                return [*problems, f"{where}: content type {ctype}, declared JSON"]
+            errors = schema_errors(body, content["application/json"]["schema"], self.doc)
+            problems += [f"{where}: {e}" for e in errors[:3]]
+        elif "text/plain" in content and not ctype.startswith("text/plain"):
+            problems.append(f"{where}: content type {ctype}, declared text/plain")
+        return problems
+
+
+def send(sock: Path, method: str, path: str, body: bytes | None,
+         headers: dict[str, str]) -> tuple[int, str, bytes]:
+    conn = UnixHTTPConnection(str(sock), timeout=30)
+    try:
+        conn.request(method.upper(), path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+# ---- the focused generator: JSON Schema -> hypothesis -------------------------------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def from_schema(schema: dict[str, Any], doc: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
+    """Values valid against SCHEMA (the subset of JSON Schema gpud's document uses)."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return from_schema(doc["components"]["schemas"][name], doc, depth)
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "oneOf" in schema:
+        return st.one_of(*[from_schema(s, doc, depth + 1) for s in schema["oneOf"]])
+    types = schema.get("type", "object")
+    if isinstance(types, list):
+        return st.one_of(*[from_schema({**schema, "type": t}, doc, depth) for t in types])
+    if types == "null":
+        return st.none()
+    if types == "boolean":
+        return st.booleans()
+    if types == "integer":
+        return st.integers(min_value=schema.get("minimum"), max_value=schema.get("maximum"))
+    if types == "number":
+        return st.floats(allow_nan=False, allow_infinity=False)
+    if types == "string":
+        if "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True)
+        return st.text(max_size=20)
+    if types == "array":
+        return st.lists(from_schema(schema.get("items", {}), doc, depth + 1), max_size=3)
+    props = schema.get("properties", {})
+    required = schema.get("required", [])
+    return st.fixed_dictionaries(
+        {k: from_schema(v, doc, depth + 1) for k, v in props.items() if k in required},
+        optional={k: from_schema(v, doc, depth + 1) for k, v in props.items() if k not in required})
+
+
+def mutated(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Valid values, and values broken on purpose."""
+    return st.one_of(
+        valid, valid,
+        valid.flatmap(lambda v: st.dictionaries(st.text(min_size=1, max_size=6), JSON_VALUES,
+                                                min_size=1, max_size=2).map(
+            lambda extra: {**extra, **v} if isinstance(v, dict) else extra)),
+        valid.flatmap(lambda v: st.sampled_from(sorted(v)).flatmap(
+            lambda k: JSON_VALUES.map(lambda x: {**v, k: x})) if isinstance(v, dict) and v else st.just(v)),
+        JSON_VALUES,
+    )
+
+
+NAME_TEXT = st.one_of(st.sampled_from(KNOWN_NAMES), st.from_regex(r"[a-z0-9][a-z0-9_-]{0,62}", fullmatch=True),
+                      st.text(min_size=1, max_size=80),
+                      st.sampled_from(["..", "%2e%2e", "a/b", "Fast", "x" * 64, "-x", "%00", "é"]))
+
+
+@st.composite
+def requests_from(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[str, str, str, bytes | None, dict[str, str]]:
+    """(method, template, path with query, body, headers) for one operation of the document."""
+    ops = [(p, m) for p, item in doc["paths"].items() for m in item]
+    template, method = draw(st.sampled_from(ops))
+    op = doc["paths"][template][method]
+    path = template
+    query: list[tuple[str, str]] = []
+    for param in op.get("parameters", []):
+        if param["in"] == "path":
+            name = draw(NAME_TEXT)
+            path = path.replace("{" + param["name"] + "}", quote(name, safe=""))
+        elif draw(st.booleans()):
+            value = draw(st.one_of(from_schema(param["schema"], doc), st.text(max_size=12),
+                                   st.integers(-(2**64), 2**64), st.sampled_from(["nan", "inf", "", "1e400"])))
+            query.append((param["name"], str(value)))
+    if draw(st.integers(0, 9)) == 0:
+        query.append((draw(st.text(min_size=1, max_size=8).filter(lambda k: k != "follow")),
+                      draw(st.text(max_size=8))))
+    if query:
+        path += "?" + urlencode(query)
+    headers = {"Content-Type": draw(st.sampled_from(["application/json"] * 4 + ["text/plain", "x/y"]))}
+    body: bytes | None = None
+    if method == "post":
+        schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+        kind = draw(st.integers(0, 9))
+        if kind == 0:
+            body = None
+        elif kind == 1:
+            body = draw(st.binary(max_size=200))
+        elif kind == 2 and template in ("/v1/plan", "/v1/apply"):
+            # hostile config text, from the config campaign's generator
+            body = json.dumps({"config": draw(TOMLISH)}).encode()
+        elif schema is not None:
+            body = json.dumps(draw(mutated(from_schema(schema, doc)))).encode()
+        else:
+            body = json.dumps(draw(JSON_VALUES)).encode()
+    return method, template, path, body, headers
+
+
+def fuzz(gp: GpudProcess, examples: int) -> None:
+    doc = gp.call("GET", "/v1/openapi.json").body
+    conformance = Conformance(doc)
+    rss0 = rss_kib(gp.proc.pid)
+    problems: list[str] = []
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(requests_from(doc))
+    def one(req: tuple[str, str, str, bytes | None, dict[str, str]]) -> None:
+        method, template, path, body, headers = req
+        try:
+            status, ctype, raw = send(gp.socket, method, path, body, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            problems.append(f"{method} {path}: no answer: {exc!r}")
+            return
+        found = conformance.check(method, template, status, ctype, raw)
+        problems.extend(f"{p} (request: {method.upper()} {path} {body[:120] if body else body!r})"
+                        for p in found)
+
+    one()
+    assert gp.alive(), gp.output()[-3000:]
+    assert not problems, "\n".join(dict.fromkeys(problems[:20]))
+    ledger = gp.call("GET", "/v1/ledger").body
+    assert not check_ledger_figures(ledger)
+    assert read_store(gp.state_dir).integrity == "ok"
+    statuses = sorted({s for (_, _, s) in conformance.seen})
+    growth = rss_kib(gp.proc.pid) - rss0
+    print(f"api fuzz: {examples} requests, statuses {statuses}, "
+          f"{len({(m, t) for (m, t, _) in conformance.seen})} operations, RSS +{growth} KiB")
+    assert 200 in statuses and 400 in statuses, statuses
+    assert growth < 64 * 1024, f"gpud's RSS grew by {growth} KiB over {examples} requests"
+
+
+def test_api_fuzz_short(fuzz_gpud: GpudProcess) -> None:
+    fuzz(fuzz_gpud, 300)
+
+
+@pytest.mark.slow
+def test_api_fuzz_long(fuzz_gpud: GpudProcess) -> None:
+    fuzz(fuzz_gpud, knob("EXAMPLES", 5000))
+
+
+def test_conformance_checker_catches_a_bad_answer(fuzz_gpud: GpudProcess) -> None:
+    """The checker is not vacuous: answers that break the document are reported."""
+    c = Conformance(fuzz_gpud.call("GET", "/v1/openapi.json").body)
+    assert c.check("get", "/v1/ledger", 500, "application/json",
+                   b'{"error": {"code": "internal", "message": "x", "details": {}}}')
+    assert c.check("get", "/v1/ledger", 200, "application/json", b'{"roles": 5}')
+    assert c.check("post", "/v1/serves/{name}/admit", 409, "application/json", b'{"error": "x"}')
+    assert c.check("get", "/v1/serves/{name}", 200, "application/json", b'{"name": "x"}')
+    assert not c.check("get", "/v1/ledger", 200, "application/json",
+                       json.dumps(fuzz_gpud.call("GET", "/v1/ledger").body).encode())
+    serve = fuzz_gpud.call("GET", "/v1/serves/ocr").body
+    assert not c.check("get", "/v1/serves/{name}", 200, "application/json", json.dumps(serve).encode())
+    for broken in ({**serve, "state": "bogus"}, {**serve, "vram_mib": "5120"},
+                   {k: v for k, v in serve.items() if k != "port"}):
+        assert c.check("get", "/v1/serves/{name}", 200, "application/json", json.dumps(broken).encode())
+
+
+# ---- schemathesis over the same document ---------------------------------------------------------
+
+
+def schemathesis_operation(gp: GpudProcess, conformance: Conformance, op: Any, template: str,
+                           method: str, mode: Any, examples: int, problems: list[str]) -> int:
+    """Send EXAMPLES schemathesis cases of one operation in one generation mode; returns how
+    many were answered."""
+    sent = 0
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(op.as_strategy(generation_mode=mode))
+    def one(case: Any) -> None:
+        nonlocal sent
+        path = case.formatted_path
+        if case.query:
+            path += "?" + urlencode({k: v if isinstance(v, str) else json.dumps(v)
+                                     for k, v in case.query.items()})
+        body = None
+        if isinstance(case.body, bytes | bytearray):
+            body = bytes(case.body)
+        elif type(case.body).__name__ != "NotSet":
+            body = json.dumps(case.body, default=str).encode()
+        headers = {k: str(v) for k, v in (case.headers or {}).items()
+                   if re.fullmatch(r"[!-9;-~]+", k) and "\n" not in str(v)}
+        headers.setdefault("Content-Type", case.media_type or "application/json")
+        try:
+            status, ctype, raw = send(gp.socket, method, quote(path, safe="/?=&%"), body, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            problems.append(f"{method} {path}: no answer: {exc!r}")
+            return
+        sent += 1
+        found = conformance.check(method, template, status, ctype, raw)
+        problems.extend(f"{p} ({mode.value}: {method.upper()} {path} {body!r:.150})" for p in found)
+
+    with contextlib.suppress(Unsatisfiable):  # nothing to break in an operation without inputs
+        one()
+    return sent
+
+
+def schemathesis_fuzz(gp: GpudProcess, examples_per_operation: int) -> None:
+    schemathesis = pytest.importorskip(
+        "schemathesis", reason="schemathesis is not installed (pip install 'schemathesis>=4.0')")
+    from schemathesis import GenerationMode
+
+    doc = gp.call("GET", "/v1/openapi.json").body
+    conformance = Conformance(doc)
+    schema = schemathesis.openapi.from_dict(doc)
+    problems: list[str] = []
+    sent = 0
+    for template, item in doc["paths"].items():
+        for method, spec in item.items():
+            if template == "/v1/events":
+                continue  # covered by the focused generator (schemathesis could add follow=1)
+            has_inputs = "parameters" in spec or "requestBody" in spec
+            for mode in GenerationMode if has_inputs else [GenerationMode.POSITIVE]:
+                sent += schemathesis_operation(gp, conformance, schema[template][method.upper()],
+                                               template, method, mode, examples_per_operation,
+                                               problems)
+    assert gp.alive(), gp.output()[-3000:]
+    assert not problems, "\n".join(dict.fromkeys(problems[:20]))
+    assert not check_ledger_figures(gp.call("GET", "/v1/ledger").body)
+    assert read_store(gp.state_dir).integrity == "ok"
+    print(f"schemathesis: {sent} requests over {len(doc['paths'])} paths, "
+          f"statuses {sorted({s for (_, _, s) in conformance.seen})}")
+
+
+def test_schemathesis_short(fuzz_gpud: GpudProcess) -> None:
+    schemathesis_fuzz(fuzz_gpud, 8)
+
+
+@pytest.mark.slow
+def test_schemathesis_long(fuzz_gpud: GpudProcess) -> None:
+    schemathesis_fuzz(fuzz_gpud, max(1, knob("EXAMPLES", 5000) // 20))
+
+
+def test_undocumented_methods_and_routes(fuzz_gpud: GpudProcess) -> None:
+    """Methods and paths the document does not have: 404 / 405 in the error shape, never 5xx."""
+    doc = fuzz_gpud.call("GET", "/v1/openapi.json").body
+    problems = []
+    paths = [p.replace("{name}", "ocr") for p in doc["paths"]]
+    paths += ["/", "/v1", "/v2/ledger", "/v1/serves/ocr/admit/x", "/v1/%00", "/v1/../etc/passwd",
+              "/v1/serves//admit", "/metrics/x", "/" + "a" * 5000]
+    for path in paths:
+        for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"):
+            documented = path in doc["paths"] or any(
+                p.replace("{name}", "ocr") == path and method.lower() in item
+                for p, item in doc["paths"].items())
+            if documented and method.lower() in doc["paths"].get(path, {method.lower(): 1}):
+                continue
+            status, ctype, raw = send(fuzz_gpud.socket, method, path, None, {})
+            if status >= 500 or (status < 400 and method != "HEAD"):
+                problems.append(f"{method} {path[:60]}: {status}")
+            elif method != "HEAD" and status != 200:
+                body = json.loads(raw) if ctype.startswith("application/json") else None
+                if not isinstance(body, dict) or set(body.get("error", {})) != {
+                        "code", "message", "details"}:
+                    problems.append(f"{method} {path[:60]}: {status} not in the error shape: {raw[:100]!r}")
+    assert fuzz_gpud.alive()
+    assert not problems, "\n".join(problems[:20])
+
+
+MALFORMED = {
+    "bad-method": b"FOO /v1/status HTTP/1.1\r\nHost: x\r\n\r\n",
+    "bad-version": b"GET /v1/status HTTP/9.9\r\nHost: x\r\n\r\n",
+    "binary-request-line": b"\x00\x01\x02\r\n\r\n",
+    "header-over-8k": b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 9000 + b"\r\n\r\n",
+    "header-without-colon": b"GET /v1/status HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+    "bad-chunk-size": (b"POST /v1/serves/ocr/admit HTTP/1.1\r\nHost: x\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n"),
+    "length-and-chunked": (b"POST /v1/serves/ocr/admit HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+    "negative-length": b"POST /v1/serves/ocr/admit HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    "url-over-8k": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "200-headers": (b"GET /v1/status HTTP/1.1\r\nHost: x\r\n"
+                    + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n"),
+}
+
+
+def raw_exchange(sock: Path, raw: bytes) -> tuple[int, bytes, bytes]:
+    """(status, head, body) of the answer to RAW bytes."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(str(sock))
+        s.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < 20:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1]) if head.startswith(b"HTTP/") else 0
+    return status, head, body
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_http_refused_safely(fuzz_gpud: GpudProcess, name: str) -> None:
+    status, _, _ = raw_exchange(fuzz_gpud.socket, MALFORMED[name])
+    assert 400 <= status < 500, status
+    assert fuzz_gpud.call("GET", "/v1/status").status == 200
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "gpud bug (minor): requests the HTTP parser refuses (bad method or version, a header over "
+    "8 KiB, bad chunking, ...) are answered by aiohttp's own text/plain 400, not in gpud's one "
+    "JSON error shape"))
+def test_malformed_http_answers_in_the_error_shape(fuzz_gpud: GpudProcess) -> None:
+    problems = []
+    for name, raw in MALFORMED.items():
+        status, _head, body = raw_exchange(fuzz_gpud.socket, raw)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or set(parsed.get("error", {})) != {"code", "message", "details"}:
+            problems.append(f"{name}: {status} {body[:60]!r}")
+    assert not problems, "\n".join(problems)
