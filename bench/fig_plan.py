@@ -1,12 +1,9 @@
-"""Figure 6: `gpuctl plan NEW.toml` on a config of 8 roles x 64 serves.
+"""Figure 6: `gpuctl plan NEW.toml` on a config of 8 roles x 64 serves (512 serves).
 
-PLACEHOLDER (for the lead): written while the plan endpoint was being built. This probes
-`POST /v1/plan` on a gpud running the 8 x 64 config (64 serves, 8 per role, all resident); while
-that answers 404 the figure prints "plan: not measured (no plan endpoint yet)". Once it answers
-anything else, `_measure` times `gpuctl plan NEW.toml` (NEW grows every other serve from 4096 to
-8192 MiB, so half the serves change) against `python3 -c pass` the way figure 1 does, and the
-endpoint alone (raw HTTP, no process start). No target was set for plan: PLAN_TARGET_RATIO is a
-guess to be replaced.
+Times `POST /v1/plan` on a gpud running the 8 x 64 config (all resident) with NEW growing every
+other serve from 4096 to 8192 MiB, so half the serves change: the endpoint alone (raw HTTP, the
+time in the daemon; target under 100 ms), and `gpuctl plan NEW.toml` as a whole against
+`python3 -c pass` the way figure 1 does.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from bench.common import PY, FigureResult, Row, call, median, spread, start_gpud
 from bench.fig_startup import _spawn_time, console_script, environments
 
 ROLES = 8
-SERVES = 64  # 64 serves in all, 8 per role; make it 64 per role if that was meant
-PLAN_TARGET_RATIO = 2.5  # PLACEHOLDER: no target was set for plan yet
+SERVES = ROLES * 64
+PLAN_TARGET_MS = 100.0  # in the daemon
 
 
 def big_config(grow: bool) -> str:
@@ -99,7 +96,11 @@ def _measure(fig: FigureResult, sock: Path, new: Path, quick: bool) -> None:
     fig.note(f"POST /v1/plan alone (raw HTTP) ms: {spread(endpoint_ms)}")
     ratio = median(times["gpuctl plan"]) / median(times["python3 -c pass"])
     fig.raw = {"ms": times, "endpoint_ms": endpoint_ms}
-    fig.rows.append(Row("6. gpuctl plan (8 roles x 64 serves) / python3 -c pass",
-                        f"{ratio:.2f}x ({median(times['gpuctl plan']):.0f} ms; endpoint "
-                        f"{median(endpoint_ms):.0f} ms)",
-                        f"<= {PLAN_TARGET_RATIO}x (placeholder)", "placeholder"))
+    in_daemon = median(endpoint_ms)
+    verdict = "ok" if in_daemon < PLAN_TARGET_MS else "MISS"
+    fig.rows.append(Row("6. plan in the daemon (8 roles x 64 serves)",
+                        f"{in_daemon:.0f} ms (p99 {sorted(endpoint_ms)[-1]:.0f} ms)",
+                        f"< {PLAN_TARGET_MS:.0f} ms",
+                        f"{in_daemon / PLAN_TARGET_MS:.2f}x target, {verdict}"))
+    fig.rows.append(Row("6. gpuctl plan, whole command / python3 -c pass",
+                        f"{ratio:.2f}x ({median(times['gpuctl plan']):.0f} ms)", "(info)", "info"))

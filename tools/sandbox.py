@@ -151,6 +151,14 @@ for d in /dev/nvidia*; do
     if [ -d "$d" ]; then mkdir -p "$r$d"; else touch "$r$d"; fi
     mount --rbind "$d" "$r$d"
 done
+# Host directories the overlay cannot show (under /tmp or /run, which are fresh here, or on
+# another file system): bound at the same path, e.g. a repository checked out under /tmp.
+printf '%s\n' "${GPUD_SANDBOX_BINDS:-}" | while IFS= read -r b; do
+    [ -n "$b" ] || continue
+    mkdir -p "$r$b"
+    mount --rbind "$b" "$r$b"
+done
+unset GPUD_SANDBOX_BINDS
 for u in "$@"; do ln -sfn /dev/null "$r/etc/systemd/system/$u"; done
 mkdir -p "$r/etc/systemd/journald.conf.d"
 printf '[Journal]\nStorage=volatile\n' > "$r/etc/systemd/journald.conf.d/gpud-sandbox.conf"
@@ -162,6 +170,21 @@ umount -l .
 cd /
 exec /lib/systemd/systemd --system --unit=multi-user.target
 """
+
+
+# Mounted afresh inside the sandbox: what the host has there is not seen through the overlay.
+FRESH_MOUNTS = (Path("/tmp"), Path("/run"), Path("/dev"), Path("/proc"), Path("/sys"))
+
+
+def needs_bind(path: Path) -> bool:
+    """Whether a host directory would be missing inside (the overlay shows / only)."""
+    path = path.resolve()
+    if any(path == m or m in path.parents for m in FRESH_MOUNTS):
+        return True
+    try:
+        return os.stat(path).st_dev != os.stat("/").st_dev
+    except OSError:
+        return False
 
 
 class SandboxError(RuntimeError):
@@ -200,8 +223,10 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def _children_of(pid: int) -> list[int]:
-    children = []
+def _processes_where(field: int, value: int) -> list[int]:
+    """PIDs whose /proc/PID/stat field (counted after the command name: 1 = ppid, 2 = pgrp)
+    equals value."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -209,23 +234,17 @@ def _children_of(pid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            children.append(int(entry))
-    return children
+        if int(stat[stat.rindex(")") + 2 :].split()[field]) == value:
+            found.append(int(entry))
+    return found
+
+
+def _children_of(pid: int) -> list[int]:
+    return _processes_where(1, pid)
 
 
 def _process_group(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
-            members.append(int(entry))
-    return members
+    return _processes_where(2, pgid)
 
 
 def host_cgroup_base() -> Path:
@@ -355,9 +374,14 @@ class Sandbox:
         *,
         name: str = "gpud-sbx",
         detached: bool = False,
+        binds: Sequence[Path] = (),
     ) -> None:
         self.name = name
         self.detached = detached
+        # This checkout and the interpreter's prefix must be visible inside: bound in when the
+        # overlay of / would not show them.
+        wanted = [*binds, Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()]
+        self.binds = sorted({p for p in wanted if needs_bind(p)})
         if workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=DEFAULT_WORKDIR_BASE))
             self._owns_workdir = True
@@ -447,7 +471,8 @@ class Sandbox:
             stdin=subprocess.DEVNULL,
             stdout=self._console,
             stderr=subprocess.STDOUT,
-            env={"container": CONTAINER_NAME, "PATH": INSIDE_PATH, "LANG": "C.UTF-8"},
+            env={"container": CONTAINER_NAME, "PATH": INSIDE_PATH, "LANG": "C.UTF-8",
+                 "GPUD_SANDBOX_BINDS": "\n".join(str(b) for b in self.binds)},
             start_new_session=self.detached,
         )
         with _LIVE_LOCK:
