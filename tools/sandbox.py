@@ -837,13 +837,18 @@ class Sandbox:
             self.run(["groupadd", "--force", "--system", group])
         python = _systemd_quote(sys.executable)
         pythonpath = _systemd_quote(f"PYTHONPATH={repo}")
+        tmp = Path("/tmp")
+        # gpud.service has PrivateTmp=yes: a checkout bound in under /tmp would vanish for it.
+        private_tmp = ("PrivateTmp=no\n" if any(tmp in p.parents for p in
+                                                (repo, Path(sys.prefix).resolve())) else "")
         self.write_file(
             "/etc/systemd/system/gpud.service.d/sandbox.conf",
             "# written by tools/sandbox.py: the host's interpreter runs the repo's gpud\n"
             "[Service]\n"
             "ExecStart=\n"
             f"ExecStart={python} -m gpud.daemon --config /etc/gpud/serves.toml\n"
-            f"Environment={pythonpath} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1\n",
+            f"Environment={pythonpath} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1\n"
+            + private_tmp,
         )
         self.run(["systemctl", "daemon-reload"])
 
