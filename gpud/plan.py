@@ -114,17 +114,17 @@ def make_plan(
         return totals.get(b.device) or b.capacity_mib
 
     # Reservations that stay (resized), in the order they were made.
+    kept: dict[str, Reservation] = {}
     for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
         spec = new.serves.get(res.serve)
         if res.external:
             if res.role in after.roles:
-                after = Ledger(after.roles, {**after.reservations, res.serve: res})
+                kept[res.serve] = res
             continue
-        if spec is None:
-            continue
-        moved = Reservation(res.serve, spec.role, spec.vram_mib, res.since, res.by_uid, False)
-        if spec.role in after.roles:
-            after = Ledger(after.roles, {**after.reservations, res.serve: moved})
+        if spec is not None and spec.role in after.roles:
+            kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
+                                          res.by_uid, False)
+    after = Ledger(after.roles, kept)
     # Resident serves holding nothing: admitted by priority, like the boot would.
     for _, name in sorted((s.priority, n) for n, s in new.serves.items() if s.resident):
         spec = new.serves[name]
@@ -142,6 +142,7 @@ def make_plan(
                              figures.capacity_mib - figures.reserve_mib))
 
     new_budget_map = dict(after.roles)
+    denied_by = {d.serve: d for d in denied}
 
     def order(name: str) -> tuple[str, int, str]:
         spec = new.serves.get(name) or old.serves.get(name)
@@ -155,7 +156,7 @@ def make_plan(
             continue
         res_after = after.reservations.get(name)
         state = states.get(name, "declared")
-        was_denied = any(d.serve == name for d in denied)
+        was_denied = name in denied_by
         if after_spec is None:
             change, state_after = "removed", "removed"
         elif before_spec is None:
@@ -189,7 +190,7 @@ def make_plan(
             fingerprint_before=fingerprint(before_spec) if before_spec else None,
             fingerprint_after=fingerprint(after_spec) if after_spec else None,
             state_before=state, state_after=state_after, change=change, restart=restart,
-            reason=next((d.reason for d in denied if d.serve == name), None),
+            reason=denied_by[name].reason if was_denied else None,
         ))
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,

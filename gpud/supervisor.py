@@ -255,7 +255,11 @@ class Supervisor:
                     mib=self.svc.ledger.reservations[serve].mib if serve in
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid),
                     state=self.svc.state_row(serve, STARTING))
-                await self._await_healthy(serve, spec)
+                healthy = await self._await_healthy(serve, spec, promote=False)
+            # Recorded after the device is free: the next start there need not wait on the
+            # write (the serve is healthy either way).
+            if healthy and self.svc.state_of(serve) == STARTING:
+                await self._promote(serve)
         finally:
             self._launching.discard(serve)
             if self._launch_tasks.get(serve) is asyncio.current_task():
@@ -296,22 +300,27 @@ class Supervisor:
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
         )
 
-    async def _await_healthy(self, serve: str, spec: ServeConfig) -> None:
+    async def _await_healthy(self, serve: str, spec: ServeConfig, *,
+                             promote: bool = True) -> bool:
+        """Poll until health answers 200 (True; recorded as running when `promote`), or the
+        start timeout (the serve fails), or the serve left `starting` some other way."""
         started = self.clock()
         deadline = started + spec.start_timeout_s
         pause = START_POLL_FIRST_S
         while self.clock() < deadline:
             state = self.svc.state_of(serve)
             if state != STARTING:
-                return  # failed, stopped or promoted elsewhere
+                return False  # failed, stopped or promoted elsewhere
             if await self._healthy(spec):
-                await self._promote(serve)
-                return
+                if promote:
+                    await self._promote(serve)
+                return True
             await asyncio.sleep(pause)
             if self.clock() - started > START_POLL_FAST_FOR_S:
                 pause = min(START_POLL_MAX_S, pause * 1.5)
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
                                   f"{spec.start_timeout_s:g} s", kind="unhealthy", stop=True)
+        return False
 
     async def _healthy(self, spec: ServeConfig) -> bool:
         if spec.port is None:
