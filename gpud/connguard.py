@@ -9,13 +9,14 @@ new connection is closed at once. Root is never capped.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import struct
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("gpud.api")
 
@@ -100,6 +101,25 @@ class _Guarded(asyncio.Protocol):
             self._inner.resume_writing()
 
 
+class JsonErrorHandler(RequestHandler):
+    """aiohttp's protocol, but its own answers to requests it cannot parse (bad method, an
+    8 KiB header, broken chunking) use gpud's one error shape instead of text/plain."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; refuses once output began
+        code = "bad-request" if status < 500 else "internal"
+        text = (f"malformed HTTP request: {message or exc or 'unreadable'}" if status < 500
+                else "internal error")
+        resp = web.Response(status=status, content_type="application/json",
+                            text=json.dumps({"error": {"code": code, "message": text,
+                                                       "details": {}}}))
+        resp.force_close()
+        return resp
+
+
 class GuardedSockSite(web.SockSite):
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, limiter: Limiter) -> None:
         # On stop, open requests get 3 s to finish (followers end at once: see daemon.py).
@@ -110,6 +130,10 @@ class GuardedSockSite(web.SockSite):
         await web.BaseSite.start(self)
         server = self._runner.server
         assert server is not None
-        factory: Callable[[], asyncio.Protocol] = lambda: _Guarded(server(), self.limiter)  # noqa: E731
-        self._server = await asyncio.get_running_loop().create_server(
-            factory, sock=self._sock, backlog=self._backlog)
+        loop = asyncio.get_running_loop()
+        kwargs = server._kwargs  # what web.Server.__call__ would pass
+
+        def factory() -> asyncio.Protocol:
+            return _Guarded(JsonErrorHandler(server, loop=loop, **kwargs), self.limiter)
+
+        self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)
