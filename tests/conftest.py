@@ -142,7 +142,9 @@ def start_gpud(tmp: Path, config_text: str, *, wait: bool = True, extra: list[st
     sock = sock or tmp / "gpud.sock"
     state = state_dir or tmp / "state"
     log = tmp / f"gpud-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # No system bus for these: gpud's launching is unavailable (the sandbox tests have one).
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               DBUS_SYSTEM_BUS_ADDRESS=f"unix:path={tmp}/no-system-bus")
     for var in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "JOURNAL_STREAM"):
         env.pop(var, None)
     with log.open("wb") as out:

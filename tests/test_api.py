@@ -160,10 +160,15 @@ def test_unknown_serve_and_route(gpud_t015: GpudProcess) -> None:
 
 
 def test_launching_unavailable_is_503(gpud_t015: GpudProcess) -> None:
+    # conftest gives gpud a system bus address where nothing listens.
     reply = gpud_t015.call("POST", "/v1/serves/fast/start", {})
-    if reply.status == 503:  # no system bus here
-        assert reply.body["error"]["code"] == "unavailable"
-        assert "launching is unavailable" in reply.body["error"]["message"]
+    assert reply.status == 503
+    assert reply.body["error"]["code"] == "unavailable"
+    assert "launching is unavailable" in reply.body["error"]["message"]
+    status = gpud_t015.call("GET", "/v1/status").body
+    assert status["launching"]["available"] is False and status["launching"]["reason"]
+    # The ledger works all the same.
+    assert gpud_t015.call("POST", "/v1/serves/fast/admit", {"mib": 100}).status == 200
     assert gpud_t015.alive()
 
 
