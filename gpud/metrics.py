@@ -53,29 +53,28 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
         dev = observer.device(budget.device) if observer else None
         base = {"role": name, "gpu": str(dev.index) if dev else budget.device,
                 "UUID": dev.uuid if dev else ""}
-        fam("gpud_role_capacity_mib", "gauge", "Role capacity in MiB").add(figures.capacity_mib, **base)
-        fam("gpud_role_reserve_mib", "gauge", "Headroom for draw the ledger does not manage"
-            ).add(figures.reserve_mib, **base)
-        fam("gpud_role_committed_mib", "gauge", "Sum of reservations on the role"
-            ).add(figures.committed_mib, **base)
-        fam("gpud_role_ledger_free_mib", "gauge", "capacity - reserve - committed"
-            ).add(figures.free_mib, **base)
+        for metric, help_text, value in (
+            ("capacity_mib", "Role capacity in MiB", figures.capacity_mib),
+            ("reserve_mib", "Headroom for draw the ledger does not manage", figures.reserve_mib),
+            ("committed_mib", "Sum of reservations on the role", figures.committed_mib),
+            ("ledger_free_mib", "capacity - reserve - committed", figures.free_mib),
+        ):
+            fam(f"gpud_role_{metric}", "gauge", help_text).add(value, **base)
         draw = observer.draw_for(budget.device, ledger, states) if observer and not budget.missing \
             else None
-        if draw is not None:
-            fam("gpud_role_used_mib", "gauge", "Device memory used (NVML)").add(draw.used_mib, **base)
-            fam("gpud_role_managed_draw_mib", "gauge", "Draw of processes in gpud's serve units"
-                ).add(draw.managed_draw_mib, **base)
-            fam("gpud_role_non_ledger_draw_mib", "gauge", "used - managed draw"
-                ).add(draw.non_ledger_draw_mib, **base)
-            fam("gpud_role_reserve_excess_mib", "gauge", "non-ledger draw - reserve"
-                ).add(draw.reserve_excess_mib, **base)
-            fam("gpud_role_physical_free_mib", "gauge", "Device memory free (NVML)"
-                ).add(draw.physical_free_mib, **base)
-            fam("gpud_role_pending_mib", "gauge", "Reserved memory not yet drawn"
-                ).add(draw.pending_mib, **base)
-            fam("gpud_role_effective_free_mib", "gauge", "min(ledger free, physical free - pending)"
-                ).add(draw.effective_free(figures.free_mib), **base)
+        if draw is None:
+            continue
+        for metric, help_text, value in (
+            ("used_mib", "Device memory used (NVML)", draw.used_mib),
+            ("managed_draw_mib", "Draw of processes in gpud's serve units", draw.managed_draw_mib),
+            ("non_ledger_draw_mib", "used - managed draw", draw.non_ledger_draw_mib),
+            ("reserve_excess_mib", "non-ledger draw - reserve", draw.reserve_excess_mib),
+            ("physical_free_mib", "Device memory free (NVML)", draw.physical_free_mib),
+            ("pending_mib", "Reserved memory not yet drawn", draw.pending_mib),
+            ("effective_free_mib", "min(ledger free, physical free - pending)",
+             draw.effective_free(figures.free_mib)),
+        ):
+            fam(f"gpud_role_{metric}", "gauge", help_text).add(value, **base)
     for serve in svc.known_serves():
         res = ledger.reservations.get(serve)
         spec = svc.serve_spec(serve)
