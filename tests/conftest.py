@@ -155,7 +155,11 @@ def start_gpud(tmp: Path, config_text: str, *, wait: bool = True, extra: list[st
         )
     gp = GpudProcess(proc, sock, state, cfg, log)
     if wait:
-        wait_ready(gp)
+        try:
+            wait_ready(gp)
+        except BaseException:
+            gp.stop(signal.SIGKILL)  # a gpud that never got ready must not outlive the test
+            raise
     return gp
 
 
