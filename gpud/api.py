@@ -24,7 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
-from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import EVENT_KINDS, Event, EventQuery
@@ -99,7 +99,7 @@ class ConfigBody(_Wire):
 
 class Supervisor(Protocol):
     async def start(self, serve: str, uid: int | None) -> None: ...
-    async def stop(self, serve: str, uid: int | None, *, release: bool = False) -> None: ...
+    async def stop(self, serve: str, uid: int | None) -> None: ...
     async def restart(self, serve: str, uid: int | None) -> None: ...
 
 
@@ -345,13 +345,14 @@ class Api:
         check_serve_name(name)
         body = await read_model(request, ReleaseBody, empty_ok=True)
         uid = self._uid(request)
-        if body.stop and self.supervisor is not None:
-            held = self.svc.ledger.reservations.get(name)
-            await self.supervisor.stop(name, uid, release=True)
+        held = self.svc.ledger.reservations.get(name)
+        if body.stop and self.supervisor is not None and self.svc.serve_spec(name) is not None:
+            # Checked before the stop: a serve that holds nothing is not stopped by a release.
             if held is None:
-                raise NotFound(f"serve {name!r} holds no reservation", {"serve": name})
+                raise Conflict(f"serve {name!r} holds no reservation", {"serve": name})
+            await self.supervisor.stop(name, uid)
             res = held
-        else:
+        else:  # nothing of gpud's to stop (or no supervisor): the plain, guarded release
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
         return json_response({

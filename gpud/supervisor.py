@@ -339,7 +339,7 @@ class Supervisor:
             "healthy", f"{serve}: healthy", serve=serve, role=res.role if res else None,
             mib=res.mib if res else None), state=self.svc.state_row(serve, RUNNING))
 
-    async def stop(self, serve: str, uid: int | None, *, release: bool = True,
+    async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False) -> None:
         """Stop the unit and release the reservation (kept only for a restart)."""
         spec = self._spec(serve)

@@ -308,3 +308,14 @@ def test_concurrent_admissions_never_over_commit(tmp_path: Path) -> None:
         assert role["committed_mib"] == 27990 and role["free_mib"] == 9
     finally:
         gp.stop()
+
+
+def test_release_with_stop_of_what_gpud_does_not_run(gpud_t015: GpudProcess) -> None:
+    # An external reservation has no unit of gpud's: --stop releases it all the same.
+    assert admit(gpud_t015, "sidecar", 300, role="dark-fast")[0] == 200
+    reply = gpud_t015.call("POST", "/v1/serves/sidecar/release", {"stop": True})
+    assert reply.status == 200 and reply.body["released_mib"] == 300
+    # A configured serve holding nothing: refused before anything is stopped.
+    reply = gpud_t015.call("POST", "/v1/serves/ocr/release", {"stop": True})
+    assert reply.status == 409 and "holds no reservation" in reply.body["error"]["message"]
+    assert [e["kind"] for e in gpud_t015.call("GET", "/v1/events?serve=ocr").body["events"]] == []
