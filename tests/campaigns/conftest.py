@@ -391,15 +391,6 @@ def chunks(seq: list[Any], n: int) -> list[list[Any]]:
 def campaign_sandbox() -> Iterator[Any]:
     """A disposable systemd sandbox of the campaigns' own (tools/sandbox.py), powered off at the
     end of the session whatever happened."""
-    from tests.integration.conftest import sandbox_unavailable
-    from tools.sandbox import Sandbox
+    from tests.integration.conftest import booted_sandbox
 
-    reason = sandbox_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    sbx = Sandbox(name="gpud-campaign")
-    try:
-        sbx.boot()
-        yield sbx
-    finally:
-        sbx.poweroff()
+    yield from booted_sandbox("gpud-campaign")

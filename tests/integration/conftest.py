@@ -41,13 +41,19 @@ def sandbox() -> Iterator[Sandbox]:
 
     Tests leave it as they found it: what they start they stop, what they install they remove.
     """
+    yield from booted_sandbox("gpud-test")
+
+
+def booted_sandbox(name: str) -> Iterator[Sandbox]:
+    """Boot a sandbox for a session fixture and always power it off. Where one cannot boot,
+    skip, except in CI, which must run these against real systemd: a skip there would count
+    as a pass."""
     reason = sandbox_unavailable()
     if reason is not None:
         if os.environ.get("CI"):
-            # CI must run these against real systemd: a skip there would count as a pass.
             pytest.fail(f"the systemd sandbox cannot run in CI: {reason}")
         pytest.skip(reason)
-    sbx = Sandbox(name="gpud-test")
+    sbx = Sandbox(name=name)
     try:
         sbx.boot()
         yield sbx
