@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
+from gpud.core.authority import needs_root
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
@@ -153,6 +154,10 @@ class Api:
         self.route("POST", "/v1/serves/{name}/calibrate", self.calibrate)
         if extra_routes:
             extra_routes(self)
+
+    def config_changed(self) -> None:
+        """The config in force changed (reload): the admin group may be another one."""
+        self.admin_gid = admin_gid(self.svc.config.daemon.admin_group)
 
     def route(self, method: str, path: str, handler: Handler, access: Access = "admin") -> None:
         """Register a route. Anything not registered as "read" or "public" needs an admin."""
@@ -421,7 +426,18 @@ class Api:
         body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
         rebalancer = self._rebalancer()
         source = body.source or "(request)"
-        rebalancer.plan(body.config, source)  # bad input is a 400 before anything streams
+        uid = self._uid(request)
+        # Bad input (400), a change only root may make (403) and an apply that cannot begin
+        # (409) are answered before anything streams.
+        cfg = rebalancer.parse(body.config, source)
+        if uid != 0:
+            paths = needs_root(self.svc.config, cfg)
+            if paths:
+                raise Forbidden(
+                    f"uid {uid} may change figures only; this change needs root: "
+                    f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
+                    {"uid": uid, "needs_root": paths})
+        rebalancer.check_can_begin()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
 
@@ -430,9 +446,12 @@ class Api:
                 await resp.write(json.dumps(line).encode() + b"\n")
 
         try:
-            result = await rebalancer.apply(body.config, source, self._uid(request), emit)
+            result = await rebalancer.apply(body.config, source, uid, emit)
         except GpudError as exc:
             result = {"result": "refused", **exc.to_json()}
+        except Exception as exc:  # the stream has begun: its last line says what went wrong
+            log.exception("apply failed")
+            result = {"result": "failed", **GpudError(f"apply failed: {exc}").to_json()}
         await emit(result)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()

@@ -61,6 +61,8 @@ class DaemonConfig(_Model):
     memory_return_timeout_s: float = Field(default=60.0, ge=0)
     vllm_executable: str = "vllm"
     config_backups: int = Field(default=10, ge=1, le=1000)
+    # Events kept in the store (the newest); older ones are pruned in batches.
+    events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
     metrics_listen: str | None = None
 
 

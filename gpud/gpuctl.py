@@ -23,6 +23,7 @@ calibrate) is a new row with its ``configure`` and ``run`` functions.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -56,7 +57,8 @@ READ_TIMEOUT = 30.0
 MUTATION_TIMEOUT = 120.0
 LIFECYCLE_TIMEOUT = 600.0
 
-STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external")
+STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external",
+          "orphan")
 EVENT_KINDS = (
     "admit", "deny", "release", "start", "healthy", "exit", "restart", "crash-loop", "stop",
     "unhealthy", "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt",
@@ -1053,13 +1055,18 @@ def format_plan(doc: Doc) -> str:
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
+    stop_first = doc.get("stop_first") or []
+    if stop_first:
+        lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
+    for b in doc.get("blocked") or []:
+        lines.append(f"BLOCKED: {b.get('message')}")
     return "\n".join(lines)
 
 
 def run_plan(ctl: Ctl, args: argparse.Namespace) -> int:
     doc = ctl.client.call("POST", "/v1/plan", _config_body(args.file), MUTATION_TIMEOUT)
     ctl.emit(doc, format_plan)
-    return EXIT_OK if doc.get("resident_fits") else EXIT_REFUSED
+    return EXIT_OK if doc.get("resident_fits") and not doc.get("blocked") else EXIT_REFUSED
 
 
 def run_apply(ctl: Ctl, args: argparse.Namespace) -> int:
@@ -1100,11 +1107,13 @@ def configure_calibrate(p: argparse.ArgumentParser) -> None:
 def _duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600}
     try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = (float(text[:-1]) * units[text[-1]] if text and text[-1] in units
+                   else float(text))
     except ValueError:
         raise usage_error(f"--window: not a duration: {text!r} (say 90s, 10m or 1h)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise usage_error(f"--window: must be a positive, finite duration: {text!r}")
+    return seconds
 
 
 def format_calibration(doc: Doc) -> str:
@@ -1170,7 +1179,8 @@ COMMANDS: tuple[Command, ...] = (
         "reservation), sorted by role, priority and name: state, configured vram_mib, "
         "reserved MiB, resident, priority, port, main PID and calibration; then the reason of "
         "each denied or failed serve. With NAME, every field of that serve.\n\n"
-        "States: declared, admitted, starting, running, stopping, denied, failed, external.",
+        "States: declared, admitted, starting, running, stopping, denied, failed, external, "
+        "orphan.",
         "  gpuctl serves\n  gpuctl serves ocr\n  gpuctl serves --names",
         configure_serves, run_serves),
     Command(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.config import Config, ServeConfig
+from gpud.core.transition import Blocker, Refusal, transition
 from gpud.launch import fingerprint
 from gpud.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 
@@ -49,10 +50,18 @@ class Plan:
     denied: list[Denial]
     source: str
     after: Ledger = field(repr=False)
+    # What stands in the way of the change (see gpud.core.transition); empty when nothing does.
+    blocked: tuple[Blocker, ...] = ()
+    # Live serves that leave the config or move to another role: their units stop first.
+    stop_first: tuple[str, ...] = ()
 
     @property
     def resident_fits(self) -> bool:
         return not self.denied
+
+    @property
+    def ok(self) -> bool:
+        return self.resident_fits and not self.blocked
 
     @property
     def restart(self) -> list[str]:
@@ -72,6 +81,8 @@ class Plan:
             "restart": self.restart,
             "resident_fits": self.resident_fits,
             "denied": [d.details() | {"reason": d.reason} for d in self.denied],
+            "blocked": [b.to_json() for b in self.blocked],
+            "stop_first": list(self.stop_first),
         }
 
 
@@ -195,4 +206,8 @@ def make_plan(
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
               after.figures(n) if n in after.roles else None) for n in role_names]
-    return Plan(roles, changes, denied, source, after)
+    decided = transition(old=old, new=new, ledger=ledger, budgets=new_budgets, states=states,
+                         may_stop=True)
+    if isinstance(decided, Refusal):
+        return Plan(roles, changes, denied, source, after, blocked=decided.blockers)
+    return Plan(roles, changes, denied, source, after, stop_first=decided.stop)

@@ -13,19 +13,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from gpud import __version__
-from gpud.config import Config, ServeConfig, check_name
-from gpud.errors import BadRequest, ConfigError, Conflict, Denied, NotFound
+from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core.transition import Refusal, Transition, transition
+from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
 from gpud.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
 log = logging.getLogger("gpud")
+
+# Events are pruned down to `daemon.events_keep` after every this many new ones.
+PRUNE_BATCH = 1000
 
 # Serve states (DESIGN.md "Words").
 DECLARED = "declared"
@@ -36,7 +40,9 @@ STOPPING = "stopping"
 DENIED = "denied"
 FAILED = "failed"
 EXTERNAL = "external"
-STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL)
+# A unit of gpud's found running for a serve the config does not name: gpud can stop it.
+ORPHAN = "orphan"
+STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN)
 # States in which a live process may hold the reservation's memory.
 LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
 
@@ -52,6 +58,8 @@ class Observer(Protocol):
 
     def device_total(self, device: str) -> int | None: ...
 
+    def present_devices(self) -> list[str] | None: ...
+
 
 @dataclass
 class ServeRecord:
@@ -62,13 +70,19 @@ class ServeRecord:
     n_restarts: int = 0
 
 
-def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None]) -> list[RoleBudget]:
+def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
+                    devices: Sequence[str] | None = None) -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
-    the device, never higher."""
+    the device, never higher. `devices`, when observation sees any, lists what it sees: a role
+    on a device not among them is an error."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
     for name, role in sorted(cfg.roles.items()):
         total = device_total(role.device)
+        if devices is not None and total is None:
+            problems.append(f"roles.{name}.device: no device {role.device!r} on this host "
+                            f"(present: {', '.join(devices) or 'none'})")
+            continue
         capacity = role.capacity_mib
         if capacity is None:
             if total is None:
@@ -115,8 +129,16 @@ class LedgerService:
         config_path: Path | None = None,
         observer: Observer | None = None,
         clock: Callable[[], float] = time.time,
+        config_text: str | None = None,
+        overrides: Callable[[Config], Config] = lambda cfg: cfg,
     ) -> None:
         self.config = config
+        # The text the running config came from, kept in the store: the next start decides the
+        # file it finds against it.
+        self.config_text = config_text
+        self.overrides = overrides
+        # Why the config file on disk is not the one in force (a refused change), if it is not.
+        self.config_refused: str | None = None
         self.config_path = config_path
         self.store = store
         self.observer = observer
@@ -126,6 +148,7 @@ class LedgerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
         self._subscribers: list[Subscription] = []
         self.counters: dict[str, int] = {}
+        self._since_prune = PRUNE_BATCH  # the first commit prunes what an earlier run left
         self.records: dict[str, ServeRecord] = {}
         self.ledger = Ledger({}, {})
         self.ready = False
@@ -138,21 +161,88 @@ class LedgerService:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the ledger from the store against the current config. Reservations that no
-        longer fit are kept and reported as over-committed, never dropped."""
-        budgets = resolve_budgets(self.config, self._device_total)
-        self.ledger = Ledger.build(budgets, self.store.reservations())
+        """Load the ledger from the store and decide the config against it, as a reload would:
+        a change the ledger cannot follow (made to the file while gpud was away) is refused,
+        and gpud goes on with the config it last ran with, saying why."""
+        held = self.store.reservations()
         for row in self.store.serve_states():
             self.records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
+        stored = self._stored_config()
+        try:
+            roles = resolve_budgets(stored or self.config, self._device_total, self._devices())
+        except ConfigError:
+            if stored is None:
+                raise
+            stored = None  # it does not fit this host any more: decide against the file alone
+            roles = resolve_budgets(self.config, self._device_total, self._devices())
+        before = stored or self.config
+        self.ledger = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
             rec = self.records.setdefault(res.serve, ServeRecord(ADMITTED))
             if rec.state in (DECLARED, DENIED):
                 rec.state = EXTERNAL if res.external else ADMITTED
+        outcome = self._decide(before, self.config)
+        if isinstance(outcome, Refusal):
+            if stored is not None:
+                self.config_refused = f"refused at start: {outcome.message}"
+                log.error("the config file was changed while gpud was away in a way the ledger "
+                          "cannot follow; running the config it last ran with: %s",
+                          outcome.message)
+                self.config = stored
+                self.config_text = self.store.meta("config")
+            else:
+                log.error("the ledger does not fit the config: %s", outcome.message)
+        else:
+            self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
+            self._moved_on(outcome)
         for over in self.ledger.over_committed():
             log.warning(
                 "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
                 extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
             )
+
+    def _stored_config(self) -> Config | None:
+        text = self.store.meta("config")
+        if text is None:
+            return None
+        try:
+            return self.overrides(parse_config(text, "the config gpud last ran with"))
+        except ConfigError as exc:
+            log.warning("the stored config cannot be read (%s); deciding against the file alone",
+                        exc.message)
+            return None
+
+    def _devices(self) -> list[str] | None:
+        return self.observer.present_devices() if self.observer else None
+
+    def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
+        budgets = resolve_budgets(new, self._device_total, self._devices())
+        return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
+                          states=self.states(), may_stop=may_stop)
+
+    def decide(self, new: Config, *, may_stop: bool) -> Transition | Refusal:
+        """What changing to `new` would do (see gpud.core.transition)."""
+        return self._decide(self.config, new, may_stop=may_stop)
+
+    def _transition_changes(self, t: Transition, source: str, uid: int | None) -> Changes:
+        changes = Changes(meta={"config": self.config_text} if self.config_text else {})
+        for serve in t.released:
+            res = self.ledger.reservations[serve]
+            figures = t.ledger.figures(res.role) if res.role in t.ledger.roles else None
+            changes.delete.append(serve)
+            changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
+            changes.events.append(self.event(
+                "release", f"{serve} released {res.mib} MiB on {res.role} ({source}: the serve "
+                f"left the config or its role)" + (f"; {figures.line()}" if figures else ""),
+                serve=serve, role=res.role, mib=res.mib, uid=uid))
+        return changes
+
+    def _moved_on(self, t: Transition) -> None:
+        self.ledger = t.ledger
+        for serve in t.released:
+            rec = self.records.get(serve)
+            if rec is not None:
+                rec.state, rec.reason = DECLARED, None
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -183,12 +273,27 @@ class LedgerService:
         """Commit in the store's thread. Callers hold the lock and only then change memory."""
         loop = asyncio.get_running_loop()
         stored = await loop.run_in_executor(self._executor, self.store.commit, changes)
+        self._since_prune += len(stored)
+        if self._since_prune >= PRUNE_BATCH:
+            # Queued behind this commit in the store's thread; nobody waits on it.
+            self._since_prune = 0
+            loop.run_in_executor(self._executor, self._prune)
         for row in changes.states:
             rec = self.records.setdefault(row.serve, ServeRecord())
             rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
         for ev in stored:
             self._announce(ev)
         return stored
+
+    def _prune(self) -> None:
+        try:
+            gone = self.store.prune_events(self.config.daemon.events_keep)
+        except GpudError as exc:
+            log.warning("pruning old events failed: %s", exc.message)
+            return
+        if gone:
+            log.info("pruned %d old events (keeping the newest %d)", gone,
+                     self.config.daemon.events_keep)
 
     def _announce(self, ev: Event) -> None:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
@@ -209,6 +314,10 @@ class LedgerService:
                     self._subscribers.remove(sub)
                     sub.queue = asyncio.Queue(1)
                     sub.queue.put_nowait(None)
+
+    async def put_meta(self, key: str, value: str | None) -> None:
+        async with self._lock:
+            await self.commit(Changes(meta={key: value}))
 
     async def record(self, ev: Event, *, state: ServeStateRow | None = None) -> Event:
         """Store one event (and optionally a serve state) outside any ledger change."""
@@ -358,18 +467,35 @@ class LedgerService:
 
     # ---- reload ----------------------------------------------------------------------------
 
-    async def reload(self, cfg: Config, *, source: str, uid: int | None = None) -> list[str]:
-        """Swap in a new config. Returns the roles it leaves over-committed."""
-        budgets = resolve_budgets(cfg, self._device_total)
+    async def reload(self, cfg: Config, text: str, *, source: str,
+                     uid: int | None = None) -> list[str]:
+        """Swap in a new config, decided against the ledger in one step: reservations of serves
+        that left it are released in the same transaction; a change the ledger cannot follow
+        (a live serve removed, a held role removed, a role over-committed) is refused whole.
+        Returns the roles that stay over-committed (adopted units)."""
         async with self._lock:
-            ledger = self.ledger.with_roles(budgets)
-            over = [f.role for f in ledger.over_committed()]
-            ev = self.event("reload", f"config reloaded from {source}"
-                            + (f"; over-committed: {', '.join(over)}" if over else ""),
-                            uid=uid, over_committed=",".join(over))
-            await self.commit(Changes(events=[ev]))
+            outcome = self.decide(cfg, may_stop=False)
+            if isinstance(outcome, Refusal):
+                raise Conflict(f"config change refused, nothing changed: {outcome.message}",
+                               {"blockers": [b.to_json() for b in outcome.blockers]})
+            previous = self.config_text
+            self.config_text = text
+            changes = self._transition_changes(outcome, f"reload from {source}", uid)
+            over = [f.role for f in outcome.ledger.over_committed()]
+            released = ", ".join(outcome.released)
+            changes.events.append(self.event(
+                "reload", f"config reloaded from {source}"
+                + (f"; released: {released}" if released else "")
+                + (f"; over-committed: {', '.join(over)}" if over else ""),
+                uid=uid, over_committed=",".join(over), released=released))
+            try:
+                await self.commit(changes)
+            except BaseException:
+                self.config_text = previous
+                raise
             self.config = cfg
-            self.ledger = ledger
+            self.config_refused = None
+            self._moved_on(outcome)
             return over
 
     # ---- reads -----------------------------------------------------------------------------
@@ -431,8 +557,24 @@ class LedgerService:
             "observation": dict(observation),
             "serve_states": counts,
             "over_committed": [f.role for f in self.ledger.over_committed()],
+            "config_file": self.config_file_status(),
             "summary": self.summary(),
         }
+
+    def config_file_status(self) -> dict[str, Any]:
+        """Whether the config file on disk is the config in force, and why not."""
+        if self.config_path is None:
+            return {"differs": False, "reason": None}
+        try:
+            on_disk: str | None = self.config_path.read_text()
+        except (OSError, UnicodeDecodeError):
+            on_disk = None
+        differs = self.config_text is not None and on_disk != self.config_text
+        reason = self.config_refused if differs else None
+        if differs and reason is None:
+            reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
+                      "would do" if on_disk is not None else "the file cannot be read")
+        return {"differs": differs, "reason": reason}
 
 
 def _matches(query: EventQuery, ev: Event) -> bool:
