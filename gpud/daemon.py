@@ -38,7 +38,7 @@ from gpud.journal import setup_logging
 from gpud.metrics import render
 from gpud.observation import normalize_bus_id
 from gpud.observer import Observer, make_observer
-from gpud.rebalance import Rebalancer, recover
+from gpud.rebalance import Rebalancer, Recovery
 from gpud.service import LedgerService, resolve_budgets
 from gpud.store import Store
 from gpud.supervisor import Supervisor, make_supervisor
@@ -180,7 +180,8 @@ class Daemon:
                                 overrides=lambda c: apply_overrides(c, self.overrides))
             self.svc = svc
             stack.callback(svc.close)
-            if await recover(svc, self.config_path) is not None and self.config_path is not None:
+            recovery = Recovery(svc, self.config_path)
+            if recovery.prepare() and self.config_path is not None:
                 self.config_text = read_config_text(self.config_path)
                 svc.config = apply_overrides(parse_config(self.config_text,
                                                           str(self.config_path)), self.overrides)
@@ -202,6 +203,7 @@ class Daemon:
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
+            await recovery.finish(supervisor, self._apply_reload)
             if svc.config_refused is not None:
                 # Serves found dead at reconciliation may no longer stand in the way.
                 with contextlib.suppress(GpudError):

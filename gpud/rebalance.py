@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -25,9 +24,11 @@ from typing import Any
 
 from gpud.config import Config, parse_config
 from gpud.errors import Conflict, Denied, GpudError, StoreError
+from gpud.files import write_atomically
 from gpud.observer import Observer
 from gpud.plan import Plan, ServeChange, make_plan
 from gpud.service import LIVE_STATES, RUNNING, LedgerService, resolve_budgets
+from gpud.store import Changes
 from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud.rebalance")
@@ -41,32 +42,6 @@ JOURNAL = "apply"
 
 def _mib(value: int | None) -> str:
     return "none" if value is None else f"{value} MiB"
-
-
-def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write, fsync, rename over, fsync the directory: a crash leaves the old or the new file,
-    and a failure (a full disk) leaves the old file and no temporary one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.fchmod(fd, mode)
-            data = text.encode()
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise GpudError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def backup(path: Path, keep: int, now: float) -> Path:
@@ -312,40 +287,80 @@ class Rebalancer:
             await self.supervisor.start(name, uid, wait=True)
 
 
-async def recover(svc: LedgerService, config_path: Path | None) -> str | None:
-    """At start: an apply that gpud did not live to finish left its record in the store. Put the
-    old config file back (unless the file changed since), and say what was left half done.
-    Returns the message recorded, if there was anything to recover."""
-    raw = svc.store.meta(JOURNAL)
-    if raw is None or config_path is None:
-        return None
-    try:
-        record = json.loads(raw)
-        old, new, done = str(record["old"]), str(record["new"]), list(record.get("done", []))
-    except (ValueError, KeyError, TypeError):
-        await svc.put_meta(JOURNAL, None)
-        return None
-    touched = ", ".join(f"{a} {n}" for a, n in done) or "none"
-    try:
-        on_disk: str | None = config_path.read_text()
-    except OSError:
-        on_disk = None
-    if on_disk == new:
+class Recovery:
+    """An apply that gpud did not live to finish left its record in the store. Before the
+    ledger loads, the old config file goes back (unless the file changed since); once the units
+    are reconciled, serves the apply started are stopped, the old config is reloaded, and serves
+    it restarted are restarted on their old settings. The outcome is one `apply` event."""
+
+    def __init__(self, svc: LedgerService, config_path: Path | None) -> None:
+        self.svc = svc
+        self.config_path = config_path
+        self.record: dict[str, Any] | None = None
+        self.outcome = ""
+
+    def prepare(self) -> bool:
+        """Put the old file back; True when there was an apply to recover."""
+        raw = self.svc.store.meta(JOURNAL)
+        if raw is None or self.config_path is None:
+            return False
         try:
-            write_atomically(config_path, old)
-            outcome = "the old config was written back"
-        except GpudError as exc:
-            outcome = f"the old config could NOT be written back ({exc.message})"
-    elif on_disk == old:
-        outcome = "the config file still held the old config"
-    else:
-        outcome = (f"{config_path} changed since the apply began: left as it is, not written "
-                   "over")
-    message = (f"apply interrupted (gpud stopped during it): {outcome}; steps done: {touched}; "
-               "serves it restarted may run their new settings until restarted "
-               "(gpuctl restart NAME)")
-    log.warning("%s", message)
-    await svc.put_meta(JOURNAL, None)
-    with contextlib.suppress(StoreError):
-        await svc.record(svc.event("apply", message, step="recover", ok=False))
-    return message
+            record = json.loads(raw)
+            old, new = str(record["old"]), str(record["new"])
+            record["done"] = [(str(a), str(n)) for a, n in record.get("done", [])]
+        except (ValueError, KeyError, TypeError):
+            self.svc.store.commit(Changes(meta={JOURNAL: None}))
+            return False
+        self.record = record
+        try:
+            on_disk: str | None = self.config_path.read_text()
+        except OSError:
+            on_disk = None
+        if on_disk == new:
+            try:
+                write_atomically(self.config_path, old)
+                self.outcome = "the old config was written back"
+            except GpudError as exc:
+                self.outcome = f"the old config could NOT be written back ({exc.message})"
+        elif on_disk == old:
+            self.outcome = "the config file still held the old config"
+        else:
+            self.outcome = (f"{self.config_path} changed since the apply began: left as it is, "
+                            "not written over")
+        return True
+
+    async def finish(self, supervisor: Supervisor, reload: Reload) -> str | None:
+        if self.record is None or self.config_path is None:
+            return None
+        done: list[tuple[str, str]] = self.record["done"]
+        notes: list[str] = []
+        for action, name in reversed(done):
+            if action == "start" and self.svc.state_of(name) in LIVE_STATES:
+                try:
+                    await supervisor.stop(name, None)
+                    notes.append(f"stopped {name}")
+                except GpudError as exc:
+                    notes.append(f"could not stop {name}: {exc.message}")
+        try:
+            text = self.config_path.read_text()
+            if text != self.svc.config_text:
+                await reload(None, text)
+            notes.append("old config reloaded")
+        except (OSError, GpudError) as exc:
+            notes.append(f"old config not reloaded: {getattr(exc, 'message', exc)}")
+        for action, name in done:
+            if action == "restart" and self.svc.serve_spec(name) is not None:
+                try:
+                    await supervisor.stop(name, None, keep_reservation=True)
+                    await supervisor.start(name, None)
+                    notes.append(f"restarted {name} on its old settings")
+                except GpudError as exc:
+                    notes.append(f"could not restart {name}: {exc.message}")
+        steps = ", ".join(f"{a} {n}" for a, n in done) or "none"
+        message = (f"apply interrupted (gpud stopped during it): {self.outcome}; steps it had "
+                   f"done: {steps}; recovery: {'; '.join(notes)}")
+        log.warning("%s", message)
+        await self.svc.put_meta(JOURNAL, None)
+        with contextlib.suppress(StoreError):
+            await self.svc.record(self.svc.event("apply", message, step="recover", ok=False))
+        return message

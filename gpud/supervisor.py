@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +25,7 @@ import aiohttp
 
 from gpud.config import Config, ServeConfig
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
+from gpud.files import write_atomically
 from gpud.launch import serve_argv, through_shim
 from gpud.observer import Observer
 from gpud.service import (
@@ -37,7 +40,7 @@ from gpud.service import (
     LedgerService,
     check_serve_name,
 )
-from gpud.unit_properties import UnitSpec
+from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits, UnitState
 
 log = logging.getLogger("gpud.supervisor")
@@ -309,13 +312,14 @@ class Supervisor:
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
-        env = dict(spec.environment)
+        env: dict[str, str] = {}
         environment_for = getattr(self.observer.backend, "environment_for", None)
-        if dev is not None and callable(environment_for):
+        if callable(environment_for):
             env.update(environment_for(dev.uuid))
         daemon = self.svc.config.daemon
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
+            environment_file=self._environment_file(serve, spec.environment),
             description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
@@ -324,6 +328,24 @@ class Supervisor:
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
         )
+
+    def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:
+        """Write the serve's own environment where only root reads it (state_dir/env)."""
+        if not environment:
+            return None
+        folder = Path(self.svc.config.daemon.state_dir) / "env"
+        path = folder / f"{serve}.env"
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
+        except OSError as exc:
+            raise Unavailable(f"serve {serve}: cannot make {folder}: {exc.strerror or exc}",
+                              {"serve": serve}) from exc
+        try:
+            write_atomically(path, environment_file_text(environment))
+        except GpudError as exc:
+            raise Unavailable(f"serve {serve}: {exc.message}", {"serve": serve}) from exc
+        return str(path)
 
     async def _await_healthy(self, serve: str, spec: ServeConfig, *,
                              promote: bool = True) -> bool:

@@ -20,7 +20,7 @@ FIGURES = re.compile(
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
+    if isinstance(value, dict):  # an empty table has no paths: what it gains is named
         for key, item in value.items():
             _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
     else:
@@ -28,7 +28,7 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def changed_paths(old: Config, new: Config) -> list[str]:
-    """Every key path whose value differs; a table present on one side only is one path."""
+    """Every key path whose value differs (leaves: tables are walked into)."""
     before: dict[str, Any] = {}
     after: dict[str, Any] = {}
     _flatten(old.model_dump(), "", before)
