@@ -557,9 +557,13 @@ def format_status(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
     when = local_time(started, tz) if isinstance(started, (int, float)) else "-"
     over = doc.get("over_committed") or []
     names = [o if isinstance(o, str) else str(o.get("role") or o.get("name")) for o in over]
+    file = doc.get("config_file") or {}
+    config = _dash(doc.get("config"))
+    if file.get("differs"):
+        config += f" (!! the file on disk is not the config in force: {file.get('reason')})"
     rows = [
         ("version", _dash(doc.get("version"))),
-        ("config", _dash(doc.get("config"))),
+        ("config", config),
         ("started", when + ("" if doc.get("ready", True) else " (not ready yet)")),
         ("admission", _dash(doc.get("admission"))),
         ("launching", launch),

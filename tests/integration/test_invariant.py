@@ -186,3 +186,68 @@ def test_apply_while_the_resident_set_boots_is_refused(gpud: SandboxGpud, tmp_pa
     assert out.returncode == 1
     assert "the resident set is still starting" in out.stderr and "late" in out.stderr
     assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == cfg
+
+
+def test_a_failed_serve_shows_no_stale_pid_and_restarts_name_no_pid_zero(
+        gpud: SandboxGpud) -> None:
+    crashing = serve("crash", 30150, 500, "--crash-after", "0.5",
+                     extra="restart_sec = 0.2\n")
+    gpud.configure(sim_config(ROLE, crashing, daemon="crash_loop_restarts = 2"))
+    failed = gpud.wait_state("crash", "failed", timeout=60)
+    assert failed["main_pid"] is None
+    restarts = gpud.events(kind="restart", serve="crash")
+    assert restarts and not any("MainPID 0" in e["message"] for e in restarts)
+
+
+def test_apply_on_a_full_config_directory_ends_its_stream_with_one_error_line(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(KEEP, start=False)
+    # /etc/gpud on a tiny file system (mounted before gpud starts, so its namespace has it),
+    # filled up: the backup and the write have no room.
+    gpud.sb.run("cp /etc/gpud/serves.toml /run/serves.toml && "
+                "mount -t tmpfs -o size=64k tmpfs /etc/gpud && "
+                "cp /run/serves.toml /etc/gpud/serves.toml && chmod 600 /etc/gpud/serves.toml && "
+                "(dd if=/dev/zero of=/etc/gpud/filler bs=4k 2>/dev/null || true)")
+    try:
+        gpud.start()
+        gpud.wait_state("keep", "running")
+        pid = gpud.serve("keep")["main_pid"]
+        new = tmp_path / "new.toml"
+        new.write_text(KEEP.replace("vram_mib = 2000", "vram_mib = 1800"))
+        out = gpuctl(gpud, "apply", str(new), "--json")
+        assert out.returncode == 1
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert lines[-1]["result"] == "rolled-back"
+        assert "No space left on device" in lines[-1]["error"]
+        assert all("step" in line for line in lines[:-1])
+        listing = gpud.sb.run(["ls", "-a", "/etc/gpud"]).stdout.split()
+        assert not [name for name in listing if name.endswith(".tmp")], listing
+        assert gpud.sb.run(["cat", "/etc/gpud/serves.toml"]).stdout == KEEP
+        assert gpud.serve("keep")["main_pid"] == pid and committed(gpud) == 2000
+    finally:
+        gpud.sb.run(["systemctl", "stop", "gpud.service"], check=False)
+        gpud.sb.run(["umount", "/etc/gpud"], check=False)
+
+
+def test_a_rollback_never_writes_over_a_file_changed_during_the_apply(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(KEEP)
+    gpud.wait_state("keep", "running")
+    sick = KEEP + "\n" + serve("sick", 30160, 500, "--never-healthy",
+                               extra="start_timeout_s = 4\n")
+    new = tmp_path / "sick.toml"
+    new.write_text(sick)
+    result: list[subprocess.CompletedProcess[str]] = []
+    applying = threading.Thread(target=lambda: result.append(gpuctl(gpud, "apply", str(new))))
+    applying.start()
+    deadline = time.monotonic() + 60
+    while gpud.call("GET", "/v1/serves/sick").status == 404 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    operators = KEEP.replace("reserve_mib = 1000", "reserve_mib = 1100")
+    gpud.sb.write_file("/etc/gpud/serves.toml", operators, mode=0o600)  # by hand, meanwhile
+    applying.join(120)
+    [out] = result
+    assert out.returncode == 1
+    assert "changed on disk since the apply began: not written over" in out.stdout
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == operators
+    assert "gpud-serve-sick.service" not in gpud.serve_units()
