@@ -58,7 +58,8 @@ STATUS = _obj({"version": _STR, "config": _NSTR, "admission": {"enum": ["strict"
                "observation": {"type": "object"},
                "serve_states": {"type": "object", "additionalProperties": _INT},
                "over_committed": {"type": "array", "items": _STR},
-               "config_file": _obj({"differs": _BOOL, "reason": _NSTR}), "summary": _STR})
+               "config_file": _obj({"differs": _BOOL, "reason": _NSTR}),
+               "store_transactions": _INT, "summary": _STR})
 ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
                    "role": {"type": ["string", "null"], "pattern": NAME_PATTERN}},
                   ["mib"], extra=False)

@@ -115,6 +115,13 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
 
 
 @dataclass
+class _Pending:
+    changes: Changes
+    ledger: Ledger | None
+    future: asyncio.Future[list[Event]]
+
+
+@dataclass
 class Subscription:
     query: EventQuery
     queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(1000))
@@ -150,7 +157,14 @@ class LedgerService:
         self.counters: dict[str, int] = {}
         self._since_prune = PRUNE_BATCH  # the first commit prunes what an earlier run left
         self.records: dict[str, ServeRecord] = {}
+        # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
+        # made, some of them still on their way to the store.
         self.ledger = Ledger({}, {})
+        self._decided = self.ledger
+        self._decided_states: dict[str, str] = {}
+        self._queue: list[_Pending] = []
+        self._committer: asyncio.Task[None] | None = None
+        self.commits = 0  # transactions written (one fsync each)
         self.ready = False
         # Set by the supervisor: whether a serve's launch is under way (its unit may be about
         # to run), and whether launching works and why not.
@@ -176,7 +190,7 @@ class LedgerService:
             stored = None  # it does not fit this host any more: decide against the file alone
             roles = resolve_budgets(self.config, self._device_total, self._devices())
         before = stored or self.config
-        self.ledger = Ledger.build(roles, held)
+        self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
             rec = self.records.setdefault(res.serve, ServeRecord(ADMITTED))
             if rec.state in (DECLARED, DENIED):
@@ -238,7 +252,7 @@ class LedgerService:
         return changes
 
     def _moved_on(self, t: Transition) -> None:
-        self.ledger = t.ledger
+        self.ledger = self._decided = t.ledger
         for serve in t.released:
             rec = self.records.get(serve)
             if rec is not None:
@@ -269,21 +283,77 @@ class LedgerService:
               mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
         return Event(kind, message, self.clock(), serve, role, mib, uid, details)
 
-    async def commit(self, changes: Changes) -> list[Event]:
-        """Commit in the store's thread. Callers hold the lock and only then change memory."""
-        loop = asyncio.get_running_loop()
-        stored = await loop.run_in_executor(self._executor, self.store.commit, changes)
-        self._since_prune += len(stored)
-        if self._since_prune >= PRUNE_BATCH:
-            # Queued behind this commit in the store's thread; nobody waits on it.
-            self._since_prune = 0
-            loop.run_in_executor(self._executor, self._prune)
+    def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:
+        """Queue a decided change for the next group commit. Callers hold the lock: `ledger`
+        (the ledger with this change) is what the next decision is made on at once; readers
+        see it, and the caller is answered, only once the transaction holding it is durable.
+        Every change decided while one transaction is being written goes into the next one."""
+        future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(changes, ledger, future))
+        if ledger is not None:
+            self._decided = ledger
         for row in changes.states:
-            rec = self.records.setdefault(row.serve, ServeRecord())
-            rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
-        for ev in stored:
-            self._announce(ev)
-        return stored
+            self._decided_states[row.serve] = row.state
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.get_running_loop().create_task(self._commit_loop())
+        return future
+
+    async def commit(self, changes: Changes, ledger: Ledger | None = None) -> list[Event]:
+        """Submit and wait until durable (see `submit`)."""
+        return await self.submit(changes, ledger)
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                stored = await loop.run_in_executor(
+                    self._executor, self.store.commit_many, [p.changes for p in batch])
+            except BaseException as exc:
+                # Nothing of this batch is durable, and what was decided after it rests on it:
+                # every waiter hears the failure, and decisions start again from the store.
+                failed, self._queue = batch + self._queue, []
+                self._decided, self._decided_states = self.ledger, {}
+                for p in failed:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self.commits += 1
+            for p, events in zip(batch, stored, strict=True):
+                for row in p.changes.states:
+                    rec = self.records.setdefault(row.serve, ServeRecord())
+                    rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
+                if p.ledger is not None:
+                    self.ledger = p.ledger
+                for ev in events:
+                    try:
+                        self._announce(ev)
+                    except Exception:  # the change is durable: its caller is answered anyway
+                        log.exception("announcing event %s failed", ev.id)
+                self._since_prune += len(events)
+                if not p.future.done():
+                    p.future.set_result(events)
+            self._decided_states = {row.serve: row.state for p in self._queue
+                                    for row in p.changes.states}
+            if self._since_prune >= PRUNE_BATCH:
+                # Queued behind this commit in the store's thread; nobody waits on it.
+                self._since_prune = 0
+                loop.run_in_executor(self._executor, self._prune)
+
+    async def drain(self) -> None:
+        """Wait until every submitted change is committed (or has failed)."""
+        while self._committer is not None and not self._committer.done():
+            await asyncio.wait({self._committer})
+
+    def _decided_state(self, serve: str) -> str:
+        """A serve's state with the decided but not yet committed changes."""
+        state = self._decided_states.get(serve)
+        if state is not None:
+            return state
+        rec = self.records.get(serve)
+        return rec.state if rec else DECLARED
 
     def _prune(self) -> None:
         try:
@@ -317,13 +387,14 @@ class LedgerService:
 
     async def put_meta(self, key: str, value: str | None) -> None:
         async with self._lock:
-            await self.commit(Changes(meta={key: value}))
+            done = self.submit(Changes(meta={key: value}))
+        await done
 
     async def record(self, ev: Event, *, state: ServeStateRow | None = None) -> Event:
         """Store one event (and optionally a serve state) outside any ledger change."""
         async with self._lock:
-            changes = Changes(events=[ev], states=[state] if state else [])
-            return (await self.commit(changes))[0]
+            done = self.submit(Changes(events=[ev], states=[state] if state else []))
+        return (await done)[0]
 
     def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
         return ServeStateRow(serve, state, reason, self.clock())
@@ -355,8 +426,9 @@ class LedgerService:
         if self.config.daemon.admission == "ledger":
             return None, "ledger", None
         obs = self.observer
-        device = self.ledger.roles[role].device
-        view = obs.physical_view(device, serve, self.ledger, self.states()) if obs else None
+        device = self._decided.roles[role].device
+        decided_states = {**self.states(), **self._decided_states}
+        view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
         if view is None:
             return None, "ledger", (
                 "observation unavailable: strict admission fell back to the ledger bound")
@@ -366,21 +438,28 @@ class LedgerService:
                     uid: int | None = None, state: str | None = None) -> Admission:
         check_serve_name(serve)
         async with self._lock:
-            return await self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+        admission, done = decided
+        await done  # durable; a denial is answered only once what it was decided on is, too
+        if isinstance(admission, Denied):
+            raise admission
+        return admission
 
-    async def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                            state: str | None) -> Admission:
+    def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
+                      state: str | None) -> tuple[Admission | Denied,
+                                                  asyncio.Future[list[Event]]]:
         role_name, external = self.serve_role(serve, role)
         physical, check, note = self._physical(role_name, serve)
-        outcome = self.ledger.decide(
+        outcome = self._decided.decide(
             serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
         if isinstance(outcome, Denial):
-            await self._deny(outcome, uid, check, note)
-            raise Denied(outcome.message, {**outcome.details(), "check": check, "note": note})
+            done = self._deny(outcome, uid, check, note)
+            return Denied(outcome.message, {**outcome.details(), "check": check,
+                                            "note": note}), done
         ledger, admission = outcome
-        current = self.records.get(serve, ServeRecord()).state
+        current = self._decided_state(serve)
         new_state = state or (EXTERNAL if external else
                               current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
@@ -392,26 +471,26 @@ class LedgerService:
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
             committed_mib=figures.committed_mib,
         )
-        await self.commit(Changes(put=[admission.reservation],
-                                  states=[self.state_row(serve, new_state)], events=[ev]))
-        self.ledger = ledger
-        return admission
+        done = self.submit(Changes(put=[admission.reservation],
+                                   states=[self.state_row(serve, new_state)], events=[ev]), ledger)
+        return admission, done
 
-    async def _deny(self, denial: Denial, uid: int | None, check: Check, note: str | None) -> None:
+    def _deny(self, denial: Denial, uid: int | None, check: Check,
+              note: str | None) -> asyncio.Future[list[Event]]:
         ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
                         shortfall_mib=denial.shortfall_mib)
         # A serve that is running keeps its state: only its re-admission was refused.
         # An external name that holds nothing is not remembered as a serve for a failed ask.
-        current = self.records.get(denial.serve, ServeRecord()).state
-        known = denial.serve in self.config.serves or denial.serve in self.ledger.reservations
+        current = self._decided_state(denial.serve)
+        known = denial.serve in self.config.serves or denial.serve in self._decided.reservations
         # A serve that holds a reservation keeps its state (and its pending share): only this
         # re-admission was refused.
-        holds = denial.serve in self.ledger.reservations
+        holds = denial.serve in self._decided.reservations
         states = [] if current in LIVE_STATES or not known or holds else [
             self.state_row(denial.serve, DENIED, denial.reason)]
-        await self.commit(Changes(states=states, events=[ev]))
+        return self.submit(Changes(states=states, events=[ev]))
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
                       next_state: str = DECLARED, state_reason: str | None = None,
@@ -420,32 +499,34 @@ class LedgerService:
         unless the caller (the supervisor, after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
-            return await self._release_locked(serve, uid=uid, reason=reason,
-                                              next_state=next_state, state_reason=state_reason,
-                                              allow_live=allow_live)
+            res, done = self._release_locked(serve, uid=uid, reason=reason,
+                                             next_state=next_state, state_reason=state_reason,
+                                             allow_live=allow_live)
+        await done
+        return res
 
     async def adopt(self, serve: str, role: str, mib: int) -> Reservation:
         """Record the reservation of a unit found running: its memory is already in use, so it
         is kept even when it does not fit (the role then shows as over-committed)."""
         async with self._lock:
             res = Reservation(serve, role, mib, self.clock(), None, False)
-            ledger = Ledger(self.ledger.roles, {**self.ledger.reservations, serve: res})
+            ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             figures = ledger.figures(role)
             ev = self.event("admit", f"{serve} re-admitted on {role} for its running unit: "
                             f"{mib} MiB; {figures.line()}", serve=serve, role=role, mib=mib,
                             adopted=True, free_mib=figures.free_mib)
-            await self.commit(Changes(put=[res], events=[ev]))
-            self.ledger = ledger
-            return res
+            done = self.submit(Changes(put=[res], events=[ev]), ledger)
+        await done
+        return res
 
-    async def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                              next_state: str, state_reason: str | None,
-                              allow_live: bool) -> Reservation:
-        if serve not in self.ledger.reservations:
+    def _release_locked(self, serve: str, *, uid: int | None, reason: str,
+                        next_state: str, state_reason: str | None,
+                        allow_live: bool) -> tuple[Reservation, asyncio.Future[list[Event]]]:
+        if serve not in self._decided.reservations:
             if serve in self.config.serves or serve in self.records:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
             raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
-        state = self.records.get(serve, ServeRecord()).state
+        state = self._decided_state(serve)
         if self.busy(serve) and not allow_live:
             state = STARTING
         if state in LIVE_STATES and not allow_live:
@@ -454,16 +535,15 @@ class LedgerService:
                 f"the same request (gpuctl release {serve} --stop)",
                 {"serve": serve, "state": state},
             )
-        ledger, res = self.ledger.release(serve)
+        ledger, res = self._decided.release(serve)
         figures = ledger.figures(res.role)
         ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
                         f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib)
-        await self.commit(Changes(delete=[serve],
-                                  states=[self.state_row(serve, next_state, state_reason)],
-                                  events=[ev]))
-        self.ledger = ledger
-        return res
+        done = self.submit(Changes(delete=[serve],
+                                   states=[self.state_row(serve, next_state, state_reason)],
+                                   events=[ev]), ledger)
+        return res, done
 
     # ---- reload ----------------------------------------------------------------------------
 
@@ -474,6 +554,7 @@ class LedgerService:
         (a live serve removed, a held role removed, a role over-committed) is refused whole.
         Returns the roles that stay over-committed (adopted units)."""
         async with self._lock:
+            await self.drain()  # decided on what is durable, with nothing on its way
             outcome = self.decide(cfg, may_stop=False)
             if isinstance(outcome, Refusal):
                 raise Conflict(f"config change refused, nothing changed: {outcome.message}",
@@ -489,7 +570,7 @@ class LedgerService:
                 + (f"; over-committed: {', '.join(over)}" if over else ""),
                 uid=uid, over_committed=",".join(over), released=released))
             try:
-                await self.commit(changes)
+                await self.commit(changes, outcome.ledger)
             except BaseException:
                 self.config_text = previous
                 raise
@@ -558,6 +639,7 @@ class LedgerService:
             "serve_states": counts,
             "over_committed": [f.role for f in self.ledger.over_committed()],
             "config_file": self.config_file_status(),
+            "store_transactions": self.commits,
             "summary": self.summary(),
         }
 
