@@ -485,9 +485,16 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
                               f"of {limit} bytes", {"limit": limit})
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes", {"limit": limit})
+    # read(n) gives what has arrived, up to n bytes: a large body comes in several pieces.
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
+                                  {"limit": limit})
+    raw = b"".join(chunks)
     if not raw.strip():
         if empty_ok:
             return {}

@@ -91,9 +91,10 @@ def _util(mib: int | None, total: int | None) -> str | None:
 
 
 def _runs_differently(old: ServeConfig, new: ServeConfig) -> bool:
-    a = old.model_dump(exclude=set(NO_RESTART_FIELDS))
-    b = new.model_dump(exclude=set(NO_RESTART_FIELDS))
-    return a != b
+    if old == new:
+        return False
+    return any(value != getattr(new, name) for name, value in old.__dict__.items()
+               if name not in NO_RESTART_FIELDS)
 
 
 def make_plan(
@@ -137,15 +138,11 @@ def make_plan(
                                           res.by_uid, False)
     after = Ledger(after.roles, kept)
     # Resident serves holding nothing: admitted by priority, like the boot would.
-    for _, name in sorted((s.priority, n) for n, s in new.serves.items() if s.resident):
-        spec = new.serves[name]
-        if name in after.reservations or spec.role not in after.roles:
-            continue
-        outcome = after.decide(name, spec.role, spec.vram_mib, since=0.0, by_uid=None)
-        if isinstance(outcome, Denial):
-            denied.append(outcome)
-        else:
-            after = outcome[0]
+    wanted = [(name, spec.role, spec.vram_mib) for _, name, spec in
+              sorted((s.priority, n, s) for n, s in new.serves.items() if s.resident)
+              if name not in after.reservations and spec.role in after.roles]
+    after, refused = after.admit_in_order(wanted, since=0.0)
+    denied.extend(refused)
     # Over-commit left by resized reservations is a denial too: the set does not fit.
     for figures in after.over_committed():
         denied.append(Denial("(resized reservations)", figures.role, "ledger",

@@ -218,3 +218,14 @@ def test_calibrate_window_must_be_finite(gpud_t015: GpudProcess) -> None:
     assert out.returncode == 2
     assert "--window: must be a positive, finite duration" in out.stderr
 
+
+
+def test_a_config_of_4096_serves_arrives_whole(two_roles: GpudProcess) -> None:
+    """A body larger than one socket read (here about 400 KB) is read to its end."""
+    serves = "".join(f'[serves.s{i}]\nrole = "r2"\nvram_mib = 2\nport = {20000 + i}\n'
+                     f'command = ["/bin/true", "--port", "{{port}}"]\n' for i in range(4096))
+    text = TWO_ROLES + serves
+    assert len(text) > 300_000
+    reply = two_roles.call("POST", "/v1/plan", {"config": text})
+    assert reply.status == 200, reply.body
+    assert len(reply.body["serves"]) == 4097
