@@ -23,25 +23,20 @@ import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Any
 
 from gpud import __version__
-from gpud.alerts import Alerts
-from gpud.api import Api
-from gpud.calibration import Calibrator
 from gpud.config import Config, parse_config, read_config_text, summary
-from gpud.connguard import GuardedSockSite, Limiter
 from gpud.errors import ConfigError, Conflict, GpudError
-from gpud.journal import setup_logging
-from gpud.metrics import render
 from gpud.observation import normalize_bus_id
-from gpud.observer import Observer, make_observer
-from gpud.rebalance import Rebalancer, Recovery
 from gpud.service import LedgerService, resolve_budgets
-from gpud.store import Store
-from gpud.supervisor import Supervisor, make_supervisor
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gpud.api import Api
+    from gpud.observer import Observer
+    from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud")
 
@@ -165,6 +160,15 @@ class Daemon:
         self.api: Api | None = None
 
     async def run(self) -> None:
+        # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
+        # costs about 130 ms, its client and TLS set-up included).
+        from gpud.alerts import Alerts
+        from gpud.api import Api
+        from gpud.calibration import Calibrator
+        from gpud.metrics import render
+        from gpud.rebalance import Rebalancer, Recovery
+        from gpud.store import Store
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -222,6 +226,8 @@ class Daemon:
             log.info("gpud stopping; serves keep running")
 
     async def _observer(self, stack: AsyncExitStack) -> Observer:
+        from gpud.observer import make_observer
+
         observer = make_observer(self.config)
         await stack.enter_async_context(observer)
         status = observer.status()
@@ -235,6 +241,8 @@ class Daemon:
 
     async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
                           observer: Observer) -> Supervisor:
+        from gpud.supervisor import make_supervisor
+
         supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify)
         await stack.enter_async_context(supervisor)
         available, why = supervisor.launching()
@@ -248,6 +256,10 @@ class Daemon:
             self.notify(f"STATUS={self.svc.summary()}")
 
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
+        from aiohttp import web
+
+        from gpud.connguard import GuardedSockSite, Limiter
+
         # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
         await runner.setup()
@@ -381,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check_config is not None:
         return check_config(args.check_config)
+    from gpud.journal import setup_logging
+
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
     raise_nofile_limit()
     try:

@@ -178,7 +178,10 @@ def test_launching_unavailable_is_503(gpud_t015: GpudProcess) -> None:
     reply = gpud_t015.call("POST", "/v1/serves/fast/start", {})
     assert reply.status == 503
     assert reply.body["error"]["code"] == "unavailable"
-    assert "launching is unavailable" in reply.body["error"]["message"]
+    message = reply.body["error"]["message"]
+    # The reason the README promises: the system bus, and why it cannot be reached.
+    assert message.startswith("launching is unavailable: system bus: "), message
+    assert "no-system-bus" in message or "No such file" in message, message
     status = gpud_t015.call("GET", "/v1/status").body
     assert status["launching"]["available"] is False and status["launching"]["reason"]
     # The ledger works all the same.
