@@ -850,6 +850,14 @@ class Sandbox:
             f"Environment={pythonpath} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1\n"
             + private_tmp,
         )
+        # Serves started from the repo (the stand-ins: python -m gpud.standin) import the repo's
+        # gpud too, not whatever checkout the interpreter has installed: a drop-in for every
+        # unit named gpud-serve-* (systemd applies "gpud-serve-.service.d" by prefix).
+        self.write_file(
+            "/etc/systemd/system/gpud-serve-.service.d/sandbox.conf",
+            "# written by tools/sandbox.py: serves import the repo's gpud\n"
+            f"[Service]\nEnvironment={pythonpath}\n",
+        )
         self.run(["systemctl", "daemon-reload"])
 
 
