@@ -301,8 +301,8 @@ class Api:
                 if item.id is not None and item.id <= last:
                     continue
                 await resp.write(json.dumps(item.to_json()).encode() + b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:
+            pass  # the follower went away; a cancellation goes on up (gpud is stopping)
         finally:
             self.svc.unsubscribe(sub)
         with contextlib.suppress(ConnectionResetError):

@@ -158,6 +158,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
+        self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
@@ -172,7 +173,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._sighup()))
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         async with AsyncExitStack() as stack:
             cfg = self.config
             stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
@@ -282,6 +283,12 @@ class Daemon:
         while True:
             self.notify("WATCHDOG=1")
             await asyncio.sleep(interval)
+
+    def _on_sighup(self) -> None:
+        # The task is kept until it is done: the loop holds only a weak reference to it.
+        task = asyncio.get_running_loop().create_task(self._sighup())
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
 
     async def _sighup(self) -> None:
         try:

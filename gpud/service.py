@@ -31,7 +31,7 @@ log = logging.getLogger("gpud")
 # Events are pruned down to `daemon.events_keep` after every this many new ones.
 PRUNE_BATCH = 1000
 
-# Serve states (DESIGN.md "Words").
+# Serve states (README.md and docs/api.md describe each).
 DECLARED = "declared"
 ADMITTED = "admitted"
 STARTING = "starting"
