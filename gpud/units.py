@@ -1,7 +1,8 @@
 """The adapter to systemd's service manager: serves as transient units, over the system bus.
 
 All D-Bus traffic goes through ``SystemdUnits._call`` and every D-Bus or connection error
-becomes a gpud error in ``map_error`` (the one choke point for dbus-fast: nothing above it sees a dbus-fast error).
+becomes a gpud error in ``map_error``: the one choke point for dbus-fast, nothing above it
+sees a dbus-fast error.
 
 Calls are raw ``dbus_fast.Message`` objects with explicit signatures, not proxy objects:
 systemd's Manager introspection is ~100 KiB of XML that a proxy would fetch and parse before
