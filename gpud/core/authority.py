@@ -45,17 +45,16 @@ def needs_root(old: Config, new: Config) -> list[str]:
     found: set[str] = set()
     removed = set(old.serves) - set(new.serves)
     for path in changed_paths(old, new):
-        parts = path.split(".")
-        if parts[0] == "serves" and len(parts) > 1 and parts[1] in removed:
+        # Paths under serves and roles are at least three deep: serves.NAME.KEY.
+        section, _, rest = path.partition(".")
+        name = rest.partition(".")[0]
+        if section == "serves" and name in removed:
             continue  # removing a serve is the admin group's to do
-        if parts[0] == "serves" and len(parts) > 1 and parts[1] not in old.serves:
-            found.add(f"serves.{parts[1]}")  # adding a serve decides what runs
-            continue
-        if parts[0] == "roles" and len(parts) > 1 and (
-                parts[1] not in old.roles or parts[1] not in new.roles):
-            found.add(f"roles.{parts[1]}")
-            continue
-        if not FIGURES.fullmatch(path):
+        if section == "serves" and name not in old.serves:
+            found.add(f"serves.{name}")  # adding a serve decides what runs
+        elif section == "roles" and (name not in old.roles or name not in new.roles):
+            found.add(f"roles.{name}")
+        elif not FIGURES.fullmatch(path):
             found.add(path)
     return sorted(found)
 

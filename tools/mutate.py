@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Mutation testing of gpud's pure core: change one thing at a time, run the unit tests, count
+the changes they notice.
+
+    python3 tools/mutate.py                      # every module in MODULES, its tests
+    python3 tools/mutate.py gpud/ledger.py       # one module
+    python3 tools/mutate.py --list gpud/plan.py  # the mutants, without running anything
+
+A mutant is one of: a comparison flipped (< <=, > >=, == !=, in / not in), + and - swapped,
+an integer constant moved by one, min and max swapped, and / or swapped, a condition negated,
+a statement replaced by `pass`. Each mutant's module is served to a fresh test run (a forked
+child, through an import hook: the file on disk is never touched); the mutant is killed when the
+tests fail, survives when they pass, and counts as killed when they run past the timeout.
+
+Mutants known to be equivalent (no test can tell them apart from the original) are listed in
+tools/mutants-equivalent.txt as `module:line:description  # why`; they are left out of the
+score. Exit status 1 when a module scores under --min (default 85%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib.abc
+import importlib.util
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[1]
+# module file -> the unit tests that should notice a change in it
+MODULES: dict[str, tuple[str, ...]] = {
+    "gpud/ledger.py": ("tests/test_ledger.py", "tests/test_transition.py", "tests/test_plan.py"),
+    "gpud/plan.py": ("tests/test_plan.py",),
+    "gpud/core/transition.py": ("tests/test_transition.py",),
+    "gpud/core/authority.py": ("tests/test_authority.py",),
+}
+EQUIVALENT = REPO / "tools" / "mutants-equivalent.txt"
+
+SWAP_CMP: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In,
+}
+SWAP_BIN: dict[type[ast.operator], type[ast.operator]] = {ast.Add: ast.Sub, ast.Sub: ast.Add}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    line: int
+    description: str
+    tree: ast.Module
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.line}:{self.description}"
+
+
+def _sites(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
+    """(node, what is done to it) for every place a mutation applies."""
+    docstrings = {id(n.body[0]) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)
+                  and isinstance(n.body[0].value, ast.Constant)}
+    in_function = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for stmt in ast.walk(fn):
+                in_function.add(id(stmt))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                if type(op) in SWAP_CMP:
+                    yield node, f"cmp{i}"
+        elif isinstance(node, ast.BinOp) and type(node.op) in SWAP_BIN:
+            yield node, "binop"
+        elif isinstance(node, ast.AugAssign) and type(node.op) in SWAP_BIN:
+            yield node, "augop"
+        elif (isinstance(node, ast.Constant) and type(node.value) is int
+              and not isinstance(node.value, bool)):
+            yield node, "const+1"
+            yield node, "const-1"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("min", "max")):
+            yield node, "minmax"
+        elif isinstance(node, ast.BoolOp):
+            yield node, "andor"
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            yield node, "negate"
+        if (isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return,
+                              ast.Raise))
+                and id(node) in in_function and id(node) not in docstrings):
+            yield node, "delete"
+
+
+def _apply(node: ast.AST, what: str) -> str:
+    """Mutate `node` in place; returns the description."""
+    if what.startswith("cmp"):
+        assert isinstance(node, ast.Compare)
+        i = int(what[3:])
+        old = type(node.ops[i])
+        node.ops[i] = SWAP_CMP[old]()
+        return f"{old.__name__} -> {SWAP_CMP[old].__name__}"
+    if what in ("binop", "augop"):
+        assert isinstance(node, (ast.BinOp, ast.AugAssign))
+        old_op = type(node.op)
+        node.op = SWAP_BIN[old_op]()
+        return f"{old_op.__name__} -> {SWAP_BIN[old_op].__name__}"
+    if what in ("const+1", "const-1"):
+        assert isinstance(node, ast.Constant)
+        before = node.value
+        node.value = before + (1 if what == "const+1" else -1)
+        return f"{before} -> {node.value}"
+    if what == "minmax":
+        assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        before_name = node.func.id
+        node.func.id = "max" if before_name == "min" else "min"
+        return f"{before_name} -> {node.func.id}"
+    if what == "andor":
+        assert isinstance(node, ast.BoolOp)
+        swapped = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        desc = f"{type(node.op).__name__} -> {type(swapped).__name__}"
+        node.op = swapped
+        return desc
+    if what == "negate":
+        assert isinstance(node, (ast.If, ast.While, ast.IfExp))
+        node.test = ast.UnaryOp(ast.Not(), node.test)
+        return "condition negated"
+    if what == "delete":
+        return f"{type(node).__name__} deleted"
+    raise ValueError(what)
+
+
+def mutants(module: str) -> list[Mutant]:
+    source = (REPO / module).read_text()
+    original = ast.parse(source)
+    count = sum(1 for _ in _sites(original))
+    found: list[Mutant] = []
+    for index in range(count):
+        tree = copy.deepcopy(original)
+        node, what = list(_sites(tree))[index]
+        line = getattr(node, "lineno", 0)
+        description = _apply(node, what)
+        if what == "delete":
+            tree = _DeleteOne(node).visit(tree)
+        ast.fix_missing_locations(tree)
+        found.append(Mutant(module, line, description, tree))
+    return found
+
+
+class _DeleteOne(ast.NodeTransformer):
+    def __init__(self, target: ast.AST) -> None:
+        self.target = target
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        for _field, value in ast.iter_fields(node):
+            if isinstance(value, list) and self.target in value:
+                value[value.index(self.target)] = ast.copy_location(ast.Pass(), self.target)
+        return super().generic_visit(node)
+
+
+class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, name: str, path: Path, code: object) -> None:
+        self.name, self.path, self.code = name, path, code
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin=str(self.path))
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__file__ = str(self.path)
+        exec(self.code, module.__dict__)  # the mutant under test
+
+
+def _preload() -> None:
+    """Import in the parent what every child needs and no mutant changes, so each fork starts
+    warm: pytest, pydantic and gpud's config models (none of them a mutant). Not pytest plugins
+    such as hypothesis: imported before pytest starts, they cannot be rewritten, and the
+    warning saying so is an error here."""
+    import pytest  # noqa: F401
+
+    import gpud.config  # noqa: F401
+
+
+def _run(mutant: Mutant, tests: Sequence[str], timeout: float) -> str:
+    """'killed', 'survived' or 'timeout', from a forked child running the tests."""
+    import pytest
+
+    name = mutant.module.removesuffix(".py").replace("/", ".")
+    code = compile(mutant.tree, str(REPO / mutant.module), "exec")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            sys.meta_path.insert(0, _MutantFinder(name, REPO / mutant.module, code))
+            status = pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])
+            os._exit(0 if status == 0 else 1)
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout"
+
+
+def equivalent() -> set[str]:
+    if not EQUIVALENT.exists():
+        return set()
+    keys = set()
+    for line in EQUIVALENT.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            keys.add(line)
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help=f"module files (default: {', '.join(MODULES)})")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--min", type=float, default=85.0, help="lowest passing score, percent")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    args = parser.parse_args(argv)
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    known = equivalent()
+    if not args.list:
+        _preload()
+    failed = False
+    for module in args.modules or list(MODULES):
+        found = mutants(module)
+        if args.list:
+            for m in found:
+                print(m.key)
+            continue
+        tests = MODULES.get(module)
+        if tests is None:
+            parser.error(f"{module}: not one of {', '.join(MODULES)}")
+        counted = [m for m in found if m.key not in known]
+        unchanged = Mutant(module, 0, "unchanged", ast.parse((REPO / module).read_text()))
+        if _run(unchanged, tests, args.timeout) != "survived":
+            print(f"{module}: its tests fail on the unchanged module through this runner: "
+                  "no score", file=sys.stderr)
+            failed = True
+            continue
+        survivors = []
+        started = time.monotonic()
+        for m in counted:
+            if _run(m, tests, args.timeout) == "survived":
+                survivors.append(m)
+        killed = len(counted) - len(survivors)
+        score = 100.0 * killed / len(counted) if counted else 100.0
+        print(f"{module}: {killed}/{len(counted)} killed, {score:.1f}% "
+              f"({len(found) - len(counted)} equivalent left out; "
+              f"{time.monotonic() - started:.0f} s)", flush=True)
+        for m in survivors:
+            print(f"  survived: {m.key}", flush=True)
+        failed |= score < args.min
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
