@@ -47,7 +47,9 @@ HOSTILE_STRINGS = st.sampled_from(["", "strict", "ledger", "0", "GPU-sim-0", "da
 
 
 def toml_string(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
+    # JSON escapes the C0 controls; TOML forbids DEL (U+007F) unescaped too, and the parser
+    # refuses it (older tomllib builds let it through).
+    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def scalar_text() -> st.SearchStrategy[str]:
