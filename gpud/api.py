@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import EVENT_KINDS, Event, EventQuery
@@ -312,9 +313,10 @@ class Api:
     async def metrics_text(self, request: web.Request) -> web.Response:
         if self.metrics is None:
             raise Unavailable("metrics are not set up in this gpud")
-        return web.Response(text=self.metrics(),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        # the exposition format's version is part of the content type Prometheus negotiates
+        return web.Response(body=self.metrics().encode(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE,
+                                     "X-Content-Type-Options": "nosniff"})
 
     # ---- mutations -------------------------------------------------------------------------
 
