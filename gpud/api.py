@@ -167,7 +167,10 @@ class Api:
         try:
             return await handler(request)
         except GpudError as exc:
-            if exc.http_status >= 500:
+            if isinstance(exc, Unavailable):
+                # a state of the host (no system bus, no NVML), answered as designed: not a fault
+                log.warning("%s %s: %s", request.method, request.path, exc.message)
+            elif exc.http_status >= 500:
                 log.error("%s %s: %s", request.method, request.path, exc.message)
             return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
