@@ -138,6 +138,19 @@ def interpreter_dirs() -> list[Path]:
     return sorted(dirs)
 
 
+# What gpud.service's PrivateTmp=yes replaces with empty directories of its own.
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+
+
+def hidden_by_private_tmp(paths: Sequence[Path]) -> bool:
+    """Whether gpud.service would not see one of PATHS (a checkout, an interpreter).
+
+    PrivateTmp=yes gives the unit fresh /tmp and /var/tmp; ProtectHome=read-only and
+    ProtectSystem=full leave home, /srv and /opt readable, which is all gpud needs of them.
+    """
+    return any(h == p or h in p.parents for h in PRIVATE_TMP for p in map(Path, paths))
+
+
 class SandboxError(RuntimeError):
     """The sandbox could not be booted, reached, or powered off."""
 
@@ -789,12 +802,7 @@ class Sandbox:
             self.run(["groupadd", "--force", "--system", group])
         python = _systemd_quote(sys.executable)
         pythonpath = _systemd_quote(f"PYTHONPATH={repo}")
-        # gpud.service has PrivateTmp=yes, which gives it fresh /tmp and /var/tmp: a checkout (or
-        # an interpreter) under either would vanish for it. ProtectHome=read-only and
-        # ProtectSystem=full leave home, /srv and /opt readable, which is all gpud needs of them.
-        hidden = (Path("/tmp"), Path("/var/tmp"))
-        private_tmp = ("PrivateTmp=no\n" if any(h == p or h in p.parents for h in hidden
-                                                 for p in (repo, *interpreter_dirs())) else "")
+        private_tmp = "PrivateTmp=no\n" if hidden_by_private_tmp([repo, *interpreter_dirs()]) else ""
         self.write_file(
             "/etc/systemd/system/gpud.service.d/sandbox.conf",
             "# written by tools/sandbox.py: the host's interpreter runs the repo's gpud\n"
