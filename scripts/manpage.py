@@ -143,10 +143,10 @@ def render_gpuctl() -> str:
               "[\\fB\\-\\-socket\\fR \\fIPATH\\fR] [\\fB\\-\\-json\\fR] [\\fB\\-\\-timeout\\fR "
               "\\fIS\\fR] \\fICOMMAND\\fR [\\fIARGS\\fR]",
               ".SH DESCRIPTION", *paragraphs(gpuctl.DESCRIPTION, first=True)]
-    parts += [".PP", "Commands:", ".PP", ".RS 4"]
+    parts += [".PP", "Commands:", ".RS 4", ".PD 0"]
     for cmd in gpuctl.COMMANDS:
         parts += [".TP 12", f"\\fB{cmd.name}\\fR", esc(cmd.summary)]
-    parts += [".RE", ".SH OPTIONS",
+    parts += [".PD", ".RE", ".SH OPTIONS",
               "These may be given before or after \\fICOMMAND\\fR."]
     for action in parser._actions:
         if action.option_strings:
