@@ -3,7 +3,7 @@
 # (made by scripts/setup), never in the system's interpreter.
 PY := .venv/bin/python
 
-.PHONY: setup demo run test lint unit bench deb clean distclean
+.PHONY: setup demo run test lint unit bench deb docs clean distclean
 
 setup:
 	scripts/setup
@@ -26,6 +26,12 @@ test: setup lint
 
 bench: setup
 	$(PY) bench/run.py
+
+# gpuctl(1), gpud(8) and the bash/zsh completion are generated from the parsers; tests fail when
+# they are stale
+docs: setup
+	$(PY) scripts/manpage.py
+	$(PY) scripts/completion.py
 
 deb: setup
 	PYTHON=$(PY) packaging/build-deb
