@@ -123,6 +123,7 @@ def run(quick: bool) -> FigureResult:
     finally:
         daemon.stop()
         _cleanup(tmp)
+    _gpud_start(fig, quick, median(times[PASS]))
     base = times[PASS]
     fig.note(f"{rounds} interleaved rounds (+{warmup} warm-up), interpreter {PY}, "
              f"console script {script}; bytecode cached (PYTHONPYCACHEPREFIX) unless said")
@@ -144,6 +145,38 @@ def run(quick: bool) -> FigureResult:
             verdict="info" if info else verdict(ratio, TARGET_RATIO),
         ))
     return fig
+
+
+def _gpud_start(fig: FigureResult, quick: bool, bare_ms: float) -> None:
+    """gpud's own start: spawn -> the first answer on its socket, and `gpud --check-config`,
+    beside the bare interpreter measured in the same run."""
+    first: list[float] = []
+    check: list[float] = []
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for _ in range(3 if quick else 10):
+            tmp = temp_dir("first-answer")
+            try:
+                t = time.perf_counter()
+                daemon = start_gpud(tmp, CONFIG)
+                first.append((time.perf_counter() - t) * 1000)
+                daemon.stop()
+                env, _ = environments(tmp)
+                check.append(_spawn_time([PY, "-m", "gpud.daemon", "--check-config",
+                                          str(tmp / "serves.toml")], env, devnull) * 1000)
+            finally:
+                _cleanup(tmp)
+    finally:
+        os.close(devnull)
+    fig.note(f"gpud spawn -> first ready answer on its socket ms: {spread(first)}")
+    fig.note(f"gpud --check-config ms: {spread(check)}")
+    fig.raw.update({"first_answer_ms": first, "check_config_ms": check})
+    fig.rows.append(Row("1. gpud spawn -> first answer / python3 -c pass",
+                        f"{median(first) / bare_ms:.2f}x ({median(first):.0f} ms)", "(info)",
+                        "info"))
+    fig.rows.append(Row("1. gpud --check-config / python3 -c pass",
+                        f"{median(check) / bare_ms:.2f}x ({median(check):.0f} ms)", "(info)",
+                        "info"))
 
 
 def _cleanup(tmp: Path) -> None:

@@ -27,6 +27,7 @@ from tools.sandbox import SYSTEMD, Sandbox
 DEVICES = 2
 SERVES = 8
 STARTUP_DELAY_S = 0.5
+TARGET_WORK_MS = 75.0  # per serve, once gpud runs
 TARGET_BOOT_MS = 150.0
 TARGET_DETECT_S = 1.0
 KILL = ("import os, sys, time\n"
@@ -144,6 +145,9 @@ class Bench:
         return {
             "total_s": total,
             "per_serve_ms": (total - chain) / SERVES * 1000,
+            # Without gpud's own start (interpreter, imports, reconciliation): what each serve
+            # adds once gpud runs.
+            "per_serve_work_ms": (total - (min(start.values()) - t0) - chain) / SERVES * 1000,
             "to_gpud_started_s": started_at - t0,
             "to_first_start_s": min(start.values()) - t0,
             "launch_to_healthy_minus_delay_ms": [x * 1000 for x in launch],
@@ -253,10 +257,18 @@ def run(quick: bool, only: set[str]) -> list[FigureResult]:
                       f"{median(alone) * (SERVES // DEVICES) / SERVES:.0f} ms of the "
                       f"{median(per):.0f} ms (the longest chain starts {SERVES // DEVICES} of them "
                       "one after the other)")
+        work = [r["per_serve_work_ms"] for r in boot_runs]
+        boot_fig.note(f"per serve without gpud's own start (first serve start -> last healthy, "
+                      f"minus the chain, / {SERVES}): {spread(work, '{:.0f}')} ms")
         boot_fig.raw = {"runs": boot_runs, "standin_alone_ms": alone}
         boot_fig.rows.append(Row(f"4. boot overhead per serve (N={SERVES}, {DEVICES} devices)",
                                  f"{median(per):.0f} ms (range {min(per):.0f}-{max(per):.0f})",
                                  f"<= {TARGET_BOOT_MS:g} ms", verdict(median(per), TARGET_BOOT_MS)))
+        boot_fig.rows.append(Row("4. gpud's own start (systemctl start -> first serve start)",
+                                 f"{median(to_first):.0f} ms", "(info)", "info"))
+        boot_fig.rows.append(Row("4. per-serve work, gpud's own start apart",
+                                 f"{median(work):.0f} ms (range {min(work):.0f}-{max(work):.0f})",
+                                 f"<= {TARGET_WORK_MS:g} ms", verdict(median(work), TARGET_WORK_MS)))
     if kill_runs:
         first = [r["first_s"] * 1000 for r in kill_runs]
         exits = [r["exit_s"] * 1000 for r in kill_runs if "exit_s" in r]

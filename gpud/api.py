@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
+from gpud.core.authority import needs_root
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
@@ -154,6 +155,10 @@ class Api:
         self.route("POST", "/v1/serves/{name}/calibrate", self.calibrate)
         if extra_routes:
             extra_routes(self)
+
+    def config_changed(self) -> None:
+        """The config in force changed (reload): the admin group may be another one."""
+        self.admin_gid = admin_gid(self.svc.config.daemon.admin_group)
 
     def route(self, method: str, path: str, handler: Handler, access: Access = "admin") -> None:
         """Register a route. Anything not registered as "read" or "public" needs an admin."""
@@ -426,7 +431,18 @@ class Api:
         body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
         rebalancer = self._rebalancer()
         source = body.source or "(request)"
-        rebalancer.plan(body.config, source)  # bad input is a 400 before anything streams
+        uid = self._uid(request)
+        # Bad input (400), a change only root may make (403) and an apply that cannot begin
+        # (409) are answered before anything streams.
+        cfg = rebalancer.parse(body.config, source)
+        if uid != 0:
+            paths = needs_root(self.svc.config, cfg)
+            if paths:
+                raise Forbidden(
+                    f"uid {uid} may change figures only; this change needs root: "
+                    f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
+                    {"uid": uid, "needs_root": paths})
+        rebalancer.check_can_begin()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
 
@@ -435,9 +451,12 @@ class Api:
                 await resp.write(json.dumps(line).encode() + b"\n")
 
         try:
-            result = await rebalancer.apply(body.config, source, self._uid(request), emit)
+            result = await rebalancer.apply(body.config, source, uid, emit)
         except GpudError as exc:
             result = {"result": "refused", **exc.to_json()}
+        except Exception as exc:  # the stream has begun: its last line says what went wrong
+            log.exception("apply failed")
+            result = {"result": "failed", **GpudError(f"apply failed: {exc}").to_json()}
         await emit(result)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
@@ -471,9 +490,16 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
                               f"of {limit} bytes", {"limit": limit})
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes", {"limit": limit})
+    # read(n) gives what has arrived, up to n bytes: a large body comes in several pieces.
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
+                                  {"limit": limit})
+    raw = b"".join(chunks)
     if not raw.strip():
         if empty_ok:
             return {}

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import fcntl
 import grp
 import logging
 import os
@@ -22,24 +23,20 @@ import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Any
 
 from gpud import __version__
-from gpud.alerts import Alerts
-from gpud.api import Api
-from gpud.calibration import Calibrator
-from gpud.config import Config, load_config, summary
-from gpud.connguard import GuardedSockSite, Limiter
-from gpud.errors import ConfigError, GpudError
-from gpud.journal import setup_logging
-from gpud.metrics import render
-from gpud.observer import Observer, make_observer
-from gpud.rebalance import Rebalancer
+from gpud.config import Config, parse_config, read_config_text, summary
+from gpud.errors import ConfigError, Conflict, GpudError
+from gpud.observation import normalize_bus_id
 from gpud.service import LedgerService, resolve_budgets
-from gpud.store import Store
-from gpud.supervisor import Supervisor, make_supervisor
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gpud.api import Api
+    from gpud.observer import Observer
+    from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud")
 
@@ -48,6 +45,28 @@ SD_LISTEN_FDS_START = 3
 
 class SocketInUse(GpudError):
     code = "socket-in-use"
+
+
+class StateDirInUse(GpudError):
+    code = "state-dir-in-use"
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Take the state directory for this gpud's whole life (one writer per ledger): an
+    exclusive lock on `gpud.lock`, which holds the owner's PID. Returns the open descriptor."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    path = state_dir / "gpud.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirInUse(f"the state directory {state_dir} is in use by another gpud "
+                            f"(pid {holder}): one gpud per ledger") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def inherited_socket() -> socket.socket | None:
@@ -129,9 +148,11 @@ def watchdog_interval() -> float | None:
 class Daemon:
     def __init__(self, config: Config, *, config_path: Path | None,
                  notify: Callable[[str], None] | None = None,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None,
+                 config_text: str | None = None) -> None:
         self.overrides = overrides or {}
         self.config = apply_overrides(config, self.overrides)
+        self.config_text = config_text
         self.config_path = config_path
         self.notify = notify or Notifier()
         self.stopping = asyncio.Event()
@@ -139,19 +160,38 @@ class Daemon:
         self.api: Api | None = None
 
     async def run(self) -> None:
+        # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
+        # costs about 130 ms, its client and TLS set-up included).
+        from gpud.alerts import Alerts
+        from gpud.api import Api
+        from gpud.calibration import Calibrator
+        from gpud.metrics import render
+        from gpud.rebalance import Rebalancer, Recovery
+        from gpud.store import Store
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._sighup()))
         async with AsyncExitStack() as stack:
             cfg = self.config
+            stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
             store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
             stack.callback(store.close)
             observer = await self._observer(stack)
-            svc = LedgerService(cfg, store, config_path=self.config_path, observer=observer)
+            svc = LedgerService(cfg, store, config_path=self.config_path, observer=observer,
+                                config_text=self.config_text,
+                                overrides=lambda c: apply_overrides(c, self.overrides))
             self.svc = svc
-            svc.load()
             stack.callback(svc.close)
+            recovery = Recovery(svc, self.config_path)
+            if recovery.prepare() and self.config_path is not None:
+                self.config_text = read_config_text(self.config_path)
+                svc.config = apply_overrides(parse_config(self.config_text,
+                                                          str(self.config_path)), self.overrides)
+                svc.config_text = self.config_text
+            svc.load()
+            self.config = svc.config
             alerts = Alerts(svc, observer)
             observer.listen(alerts)
             supervisor = await self._supervisor(stack, svc, observer)
@@ -163,10 +203,15 @@ class Daemon:
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
-                                                 reload=self.reload))
+                                                 reload=self._apply_reload))
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
+            await recovery.finish(supervisor, self._apply_reload)
+            if svc.config_refused is not None:
+                # Serves found dead at reconciliation may no longer stand in the way.
+                with contextlib.suppress(GpudError):
+                    await self.reload(None)
             if observer.latest is not None:
                 await alerts(observer.latest)
             svc.ready = True
@@ -181,6 +226,8 @@ class Daemon:
             log.info("gpud stopping; serves keep running")
 
     async def _observer(self, stack: AsyncExitStack) -> Observer:
+        from gpud.observer import make_observer
+
         observer = make_observer(self.config)
         await stack.enter_async_context(observer)
         status = observer.status()
@@ -194,6 +241,8 @@ class Daemon:
 
     async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
                           observer: Observer) -> Supervisor:
+        from gpud.supervisor import make_supervisor
+
         supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify)
         await stack.enter_async_context(supervisor)
         available, why = supervisor.launching()
@@ -207,6 +256,10 @@ class Daemon:
             self.notify(f"STATUS={self.svc.summary()}")
 
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
+        from aiohttp import web
+
+        from gpud.connguard import GuardedSockSite, Limiter
+
         # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
         await runner.setup()
@@ -236,21 +289,33 @@ class Daemon:
         except GpudError as exc:
             log.error("reload refused, keeping the running config: %s", exc.message)
 
-    async def reload(self, uid: int | None) -> dict[str, Any]:
+    async def reload(self, uid: int | None, text: str | None = None, *,
+                     during_apply: bool = False) -> dict[str, Any]:
+        """Read the config file (or take `text`, which apply has just written there) and decide
+        it against the ledger. Refused while an apply is under way, except by that apply."""
         if self.config_path is None or self.svc is None:
             raise GpudError("no config file to reload")
+        if self.applying() and not during_apply:
+            raise Conflict("an apply is in progress: reload refused (the apply reloads itself)")
         self.notify("RELOADING=1")
         try:
-            cfg = apply_overrides(load_config(self.config_path), self.overrides)
-            over = await self.svc.reload(cfg, source=str(self.config_path), uid=uid)
+            if text is None:
+                text = read_config_text(self.config_path)
+            cfg = apply_overrides(parse_config(text, str(self.config_path)), self.overrides)
+            over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
             if self.api is not None:
-                from gpud.api import admin_gid
-
-                self.api.admin_gid = admin_gid(cfg.daemon.admin_group)
+                self.api.config_changed()
             return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}
         finally:
             self.notify(f"READY=1\nSTATUS={self.svc.summary()}")
+
+    async def _apply_reload(self, uid: int | None, text: str) -> dict[str, Any]:
+        return await self.reload(uid, text, during_apply=True)
+
+    def applying(self) -> bool:
+        return self.api is not None and self.api.rebalancer is not None and \
+            self.api.rebalancer.busy
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
@@ -274,13 +339,20 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
 
 def check_config(path: Path) -> int:
     try:
-        cfg = load_config(path)
+        cfg = parse_config(read_config_text(path), str(path))
         totals = {}
+        devices = None
         if cfg.simulation:
+            devices = []
             for i, dev in enumerate(cfg.simulation.devices):
+                index = dev.index if dev.index is not None else i
                 totals[dev.uuid] = dev.total_mib
-                totals[str(dev.index if dev.index is not None else i)] = dev.total_mib
-        resolve_budgets(cfg, totals.get)
+                totals[str(index)] = dev.total_mib
+                if dev.pci_bus_id:
+                    totals[normalize_bus_id(dev.pci_bus_id)] = dev.total_mib
+                devices.append(f"{dev.uuid} (index {index})")
+        resolve_budgets(cfg, lambda ref: totals.get(ref) or totals.get(normalize_bus_id(ref)),
+                        devices)
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2
@@ -329,10 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check_config is not None:
         return check_config(args.check_config)
+    from gpud.journal import setup_logging
+
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
     raise_nofile_limit()
     try:
-        cfg = load_config(args.config)
+        text = read_config_text(args.config)
+        cfg = parse_config(text, str(args.config))
     except ConfigError as exc:
         log.error("%s", exc.message)
         return 2
@@ -342,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         overrides["state_dir"] = args.state_dir
     try:
-        asyncio.run(Daemon(cfg, config_path=args.config.resolve(), overrides=overrides).run())
+        asyncio.run(Daemon(cfg, config_path=args.config.resolve(), overrides=overrides,
+                           config_text=text).run())
     except ConfigError as exc:
         print(f"gpud: {exc.message}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ calibrate) is a new row with its ``configure`` and ``run`` functions.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -56,7 +57,8 @@ READ_TIMEOUT = 30.0
 MUTATION_TIMEOUT = 120.0
 LIFECYCLE_TIMEOUT = 600.0
 
-STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external")
+STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external",
+          "orphan")
 EVENT_KINDS = (
     "admit", "deny", "release", "start", "healthy", "exit", "restart", "crash-loop", "stop",
     "unhealthy", "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt",
@@ -555,9 +557,13 @@ def format_status(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
     when = local_time(started, tz) if isinstance(started, (int, float)) else "-"
     over = doc.get("over_committed") or []
     names = [o if isinstance(o, str) else str(o.get("role") or o.get("name")) for o in over]
+    file = doc.get("config_file") or {}
+    config = _dash(doc.get("config"))
+    if file.get("differs"):
+        config += f" (!! the file on disk is not the config in force: {file.get('reason')})"
     rows = [
         ("version", _dash(doc.get("version"))),
-        ("config", _dash(doc.get("config"))),
+        ("config", config),
         ("started", when + ("" if doc.get("ready", True) else " (not ready yet)")),
         ("admission", _dash(doc.get("admission"))),
         ("launching", launch),
@@ -1053,13 +1059,18 @@ def format_plan(doc: Doc) -> str:
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
+    stop_first = doc.get("stop_first") or []
+    if stop_first:
+        lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
+    for b in doc.get("blocked") or []:
+        lines.append(f"BLOCKED: {b.get('message')}")
     return "\n".join(lines)
 
 
 def run_plan(ctl: Ctl, args: argparse.Namespace) -> int:
     doc = ctl.client.call("POST", "/v1/plan", _config_body(args.file), MUTATION_TIMEOUT)
     ctl.emit(doc, format_plan)
-    return EXIT_OK if doc.get("resident_fits") else EXIT_REFUSED
+    return EXIT_OK if doc.get("resident_fits") and not doc.get("blocked") else EXIT_REFUSED
 
 
 def run_apply(ctl: Ctl, args: argparse.Namespace) -> int:
@@ -1100,11 +1111,13 @@ def configure_calibrate(p: argparse.ArgumentParser) -> None:
 def _duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600}
     try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = (float(text[:-1]) * units[text[-1]] if text and text[-1] in units
+                   else float(text))
     except ValueError:
         raise usage_error(f"--window: not a duration: {text!r} (say 90s, 10m or 1h)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise usage_error(f"--window: must be a positive, finite duration: {text!r}")
+    return seconds
 
 
 def format_calibration(doc: Doc) -> str:
@@ -1170,7 +1183,8 @@ COMMANDS: tuple[Command, ...] = (
         "reservation), sorted by role, priority and name: state, configured vram_mib, "
         "reserved MiB, resident, priority, port, main PID and calibration; then the reason of "
         "each denied or failed serve. With NAME, every field of that serve.\n\n"
-        "States: declared, admitted, starting, running, stopping, denied, failed, external.",
+        "States: declared, admitted, starting, running, stopping, denied, failed, external, "
+        "orphan.",
         "  gpuctl serves\n  gpuctl serves ocr\n  gpuctl serves --names",
         configure_serves, run_serves),
     Command(

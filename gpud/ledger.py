@@ -204,6 +204,28 @@ class Ledger:
         replaced = previous.mib if previous is not None else None
         return after, Admission(reservation, replaced, after.figures(role), check, note)
 
+    def admit_in_order(self, wanted: Iterable[tuple[str, str, int]], *,
+                       since: float) -> tuple[Ledger, list[Denial]]:
+        """Admit (serve, role, mib) one after another against the ledger bound, as that many
+        `decide` calls would, for serves that hold nothing yet; in one pass (a boot or a plan of
+        thousands of serves). Returns the ledger after and the denials."""
+        held = dict(self.reservations)
+        committed = {name: self.figures(name).committed_mib for name in self.roles}
+        denials: list[Denial] = []
+        for serve, role, mib in wanted:
+            if mib <= 0:
+                raise ValueError("mib must be positive")
+            if serve in held:
+                raise ValueError(f"{serve} already holds a reservation")
+            budget = self.roles[role]
+            free = budget.capacity_mib - budget.reserve_mib - committed[role]
+            if mib > free:
+                denials.append(Denial(serve, role, "ledger", mib, free))
+                continue
+            held[serve] = Reservation(serve, role, mib, since, None, False)
+            committed[role] += mib
+        return replace(self, reservations=held), denials
+
     def release(self, serve: str) -> tuple[Ledger, Reservation]:
         held = dict(self.reservations)
         reservation = held.pop(serve)

@@ -161,6 +161,12 @@ class Observer:
         dev = self.device(ref)
         return dev.total_mib if dev else None
 
+    def present_devices(self) -> list[str] | None:
+        """The devices observation sees, for messages; None when it sees nothing at all."""
+        if self.latest is None or not self.latest.available:
+            return None
+        return [f"{d.uuid} (index {d.index})" for d in self.latest.devices]
+
     def device_index(self, ref: str) -> int | None:
         dev = self.device(ref)
         if dev is not None:

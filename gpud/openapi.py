@@ -44,7 +44,7 @@ ROLE = _obj({"name": _STR, "device": _STR, "note": _NSTR, "missing": _BOOL,
              "observed": {"oneOf": [_ref("Observed"), {"type": "null"}]}})
 SERVE = _obj({"name": _STR, "role": _NSTR, "configured": _BOOL, "external": _BOOL,
               "state": {"enum": ["declared", "admitted", "starting", "running", "stopping",
-                                 "denied", "failed", "external"]},
+                                 "denied", "failed", "external", "orphan"]},
               "reason": _NSTR, "vram_mib": _NINT, "reserved_mib": _NINT, "resident": _BOOL,
               "priority": _NINT, "port": _NINT, "unit": _NSTR, "main_pid": _NINT,
               "n_restarts": _INT, "observed_mib": _NINT, "calibration": _STR,
@@ -57,7 +57,9 @@ STATUS = _obj({"version": _STR, "config": _NSTR, "admission": {"enum": ["strict"
                "launching": _obj({"available": _BOOL, "reason": _NSTR}),
                "observation": {"type": "object"},
                "serve_states": {"type": "object", "additionalProperties": _INT},
-               "over_committed": {"type": "array", "items": _STR}, "summary": _STR})
+               "over_committed": {"type": "array", "items": _STR},
+               "config_file": _obj({"differs": _BOOL, "reason": _NSTR}),
+               "store_transactions": _INT, "summary": _STR})
 ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
                    "role": {"type": ["string", "null"], "pattern": NAME_PATTERN}},
                   ["mib"], extra=False)
@@ -68,7 +70,11 @@ CONFIG_BODY = _obj({"config": {"type": "string", "maxLength": 1024 * 1024},
                     "source": {"type": ["string", "null"]}}, ["config"], extra=False)
 PLAN = _obj({"source": _STR, "roles": {"type": "array"}, "serves": {"type": "array"},
              "restart": {"type": "array", "items": _STR}, "resident_fits": _BOOL,
-             "denied": {"type": "array"}})
+             "denied": {"type": "array"},
+             "blocked": {"type": "array", "items": _obj({"what": _STR, "role": _NSTR,
+                                                         "mib": _NINT, "reason": _STR,
+                                                         "message": _STR})},
+             "stop_first": {"type": "array", "items": _STR}})
 RELEASED = _obj({"serve": _STR, "role": _STR, "released_mib": _INT, "figures": _ref("Figures")})
 
 NAME_PARAM = {"name": "name", "in": "path", "required": True,

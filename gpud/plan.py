@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.config import Config, ServeConfig
+from gpud.core.transition import Blocker, Refusal, transition
 from gpud.launch import fingerprint
 from gpud.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 
@@ -49,10 +50,18 @@ class Plan:
     denied: list[Denial]
     source: str
     after: Ledger = field(repr=False)
+    # What stands in the way of the change (see gpud.core.transition); empty when nothing does.
+    blocked: tuple[Blocker, ...] = ()
+    # Live serves that leave the config or move to another role: their units stop first.
+    stop_first: tuple[str, ...] = ()
 
     @property
     def resident_fits(self) -> bool:
         return not self.denied
+
+    @property
+    def ok(self) -> bool:
+        return self.resident_fits and not self.blocked
 
     @property
     def restart(self) -> list[str]:
@@ -72,6 +81,8 @@ class Plan:
             "restart": self.restart,
             "resident_fits": self.resident_fits,
             "denied": [d.details() | {"reason": d.reason} for d in self.denied],
+            "blocked": [b.to_json() for b in self.blocked],
+            "stop_first": list(self.stop_first),
         }
 
 
@@ -80,9 +91,10 @@ def _util(mib: int | None, total: int | None) -> str | None:
 
 
 def _runs_differently(old: ServeConfig, new: ServeConfig) -> bool:
-    a = old.model_dump(exclude=set(NO_RESTART_FIELDS))
-    b = new.model_dump(exclude=set(NO_RESTART_FIELDS))
-    return a != b
+    if old == new:
+        return False
+    return any(value != getattr(new, name) for name, value in old.__dict__.items()
+               if name not in NO_RESTART_FIELDS)
 
 
 def make_plan(
@@ -126,15 +138,11 @@ def make_plan(
                                           res.by_uid, False)
     after = Ledger(after.roles, kept)
     # Resident serves holding nothing: admitted by priority, like the boot would.
-    for _, name in sorted((s.priority, n) for n, s in new.serves.items() if s.resident):
-        spec = new.serves[name]
-        if name in after.reservations or spec.role not in after.roles:
-            continue
-        outcome = after.decide(name, spec.role, spec.vram_mib, since=0.0, by_uid=None)
-        if isinstance(outcome, Denial):
-            denied.append(outcome)
-        else:
-            after = outcome[0]
+    wanted = [(name, spec.role, spec.vram_mib) for _, name, spec in
+              sorted((s.priority, n, s) for n, s in new.serves.items() if s.resident)
+              if name not in after.reservations and spec.role in after.roles]
+    after, refused = after.admit_in_order(wanted, since=0.0)
+    denied.extend(refused)
     # Over-commit left by resized reservations is a denial too: the set does not fit.
     for figures in after.over_committed():
         denied.append(Denial("(resized reservations)", figures.role, "ledger",
@@ -195,4 +203,8 @@ def make_plan(
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
               after.figures(n) if n in after.roles else None) for n in role_names]
-    return Plan(roles, changes, denied, source, after)
+    decided = transition(old=old, new=new, ledger=ledger, budgets=new_budgets, states=states,
+                         may_stop=True)
+    if isinstance(decided, Refusal):
+        return Plan(roles, changes, denied, source, after, blocked=decided.blockers)
+    return Plan(roles, changes, denied, source, after, stop_first=decided.stop)

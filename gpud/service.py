@@ -13,19 +13,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from gpud import __version__
-from gpud.config import Config, ServeConfig, check_name
-from gpud.errors import BadRequest, ConfigError, Conflict, Denied, NotFound
+from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core.transition import Refusal, Transition, transition
+from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
 from gpud.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
 log = logging.getLogger("gpud")
+
+# Events are pruned down to `daemon.events_keep` after every this many new ones.
+PRUNE_BATCH = 1000
 
 # Serve states (DESIGN.md "Words").
 DECLARED = "declared"
@@ -36,7 +40,9 @@ STOPPING = "stopping"
 DENIED = "denied"
 FAILED = "failed"
 EXTERNAL = "external"
-STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL)
+# A unit of gpud's found running for a serve the config does not name: gpud can stop it.
+ORPHAN = "orphan"
+STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN)
 # States in which a live process may hold the reservation's memory.
 LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
 
@@ -52,6 +58,8 @@ class Observer(Protocol):
 
     def device_total(self, device: str) -> int | None: ...
 
+    def present_devices(self) -> list[str] | None: ...
+
 
 @dataclass
 class ServeRecord:
@@ -62,13 +70,19 @@ class ServeRecord:
     n_restarts: int = 0
 
 
-def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None]) -> list[RoleBudget]:
+def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
+                    devices: Sequence[str] | None = None) -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
-    the device, never higher."""
+    the device, never higher. `devices`, when observation sees any, lists what it sees: a role
+    on a device not among them is an error."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
     for name, role in sorted(cfg.roles.items()):
         total = device_total(role.device)
+        if devices is not None and total is None:
+            problems.append(f"roles.{name}.device: no device {role.device!r} on this host "
+                            f"(present: {', '.join(devices) or 'none'})")
+            continue
         capacity = role.capacity_mib
         if capacity is None:
             if total is None:
@@ -101,6 +115,13 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None]) -> l
 
 
 @dataclass
+class _Pending:
+    changes: Changes
+    ledger: Ledger | None
+    future: asyncio.Future[list[Event]]
+
+
+@dataclass
 class Subscription:
     query: EventQuery
     queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(1000))
@@ -115,8 +136,16 @@ class LedgerService:
         config_path: Path | None = None,
         observer: Observer | None = None,
         clock: Callable[[], float] = time.time,
+        config_text: str | None = None,
+        overrides: Callable[[Config], Config] = lambda cfg: cfg,
     ) -> None:
         self.config = config
+        # The text the running config came from, kept in the store: the next start decides the
+        # file it finds against it.
+        self.config_text = config_text
+        self.overrides = overrides
+        # Why the config file on disk is not the one in force (a refused change), if it is not.
+        self.config_refused: str | None = None
         self.config_path = config_path
         self.store = store
         self.observer = observer
@@ -126,8 +155,16 @@ class LedgerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
         self._subscribers: list[Subscription] = []
         self.counters: dict[str, int] = {}
+        self._since_prune = PRUNE_BATCH  # the first commit prunes what an earlier run left
         self.records: dict[str, ServeRecord] = {}
+        # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
+        # made, some of them still on their way to the store.
         self.ledger = Ledger({}, {})
+        self._decided = self.ledger
+        self._decided_states: dict[str, str] = {}
+        self._queue: list[_Pending] = []
+        self._committer: asyncio.Task[None] | None = None
+        self.commits = 0  # transactions written (one fsync each)
         self.ready = False
         # Set by the supervisor: whether a serve's launch is under way (its unit may be about
         # to run), and whether launching works and why not.
@@ -138,21 +175,88 @@ class LedgerService:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the ledger from the store against the current config. Reservations that no
-        longer fit are kept and reported as over-committed, never dropped."""
-        budgets = resolve_budgets(self.config, self._device_total)
-        self.ledger = Ledger.build(budgets, self.store.reservations())
+        """Load the ledger from the store and decide the config against it, as a reload would:
+        a change the ledger cannot follow (made to the file while gpud was away) is refused,
+        and gpud goes on with the config it last ran with, saying why."""
+        held = self.store.reservations()
         for row in self.store.serve_states():
             self.records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
+        stored = self._stored_config()
+        try:
+            roles = resolve_budgets(stored or self.config, self._device_total, self._devices())
+        except ConfigError:
+            if stored is None:
+                raise
+            stored = None  # it does not fit this host any more: decide against the file alone
+            roles = resolve_budgets(self.config, self._device_total, self._devices())
+        before = stored or self.config
+        self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
             rec = self.records.setdefault(res.serve, ServeRecord(ADMITTED))
             if rec.state in (DECLARED, DENIED):
                 rec.state = EXTERNAL if res.external else ADMITTED
+        outcome = self._decide(before, self.config)
+        if isinstance(outcome, Refusal):
+            if stored is not None:
+                self.config_refused = f"refused at start: {outcome.message}"
+                log.error("the config file was changed while gpud was away in a way the ledger "
+                          "cannot follow; running the config it last ran with: %s",
+                          outcome.message)
+                self.config = stored
+                self.config_text = self.store.meta("config")
+            else:
+                log.error("the ledger does not fit the config: %s", outcome.message)
+        else:
+            self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
+            self._moved_on(outcome)
         for over in self.ledger.over_committed():
             log.warning(
                 "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
                 extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
             )
+
+    def _stored_config(self) -> Config | None:
+        text = self.store.meta("config")
+        if text is None:
+            return None
+        try:
+            return self.overrides(parse_config(text, "the config gpud last ran with"))
+        except ConfigError as exc:
+            log.warning("the stored config cannot be read (%s); deciding against the file alone",
+                        exc.message)
+            return None
+
+    def _devices(self) -> list[str] | None:
+        return self.observer.present_devices() if self.observer else None
+
+    def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
+        budgets = resolve_budgets(new, self._device_total, self._devices())
+        return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
+                          states=self.states(), may_stop=may_stop)
+
+    def decide(self, new: Config, *, may_stop: bool) -> Transition | Refusal:
+        """What changing to `new` would do (see gpud.core.transition)."""
+        return self._decide(self.config, new, may_stop=may_stop)
+
+    def _transition_changes(self, t: Transition, source: str, uid: int | None) -> Changes:
+        changes = Changes(meta={"config": self.config_text} if self.config_text else {})
+        for serve in t.released:
+            res = self.ledger.reservations[serve]
+            figures = t.ledger.figures(res.role) if res.role in t.ledger.roles else None
+            changes.delete.append(serve)
+            changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
+            changes.events.append(self.event(
+                "release", f"{serve} released {res.mib} MiB on {res.role} ({source}: the serve "
+                f"left the config or its role)" + (f"; {figures.line()}" if figures else ""),
+                serve=serve, role=res.role, mib=res.mib, uid=uid))
+        return changes
+
+    def _moved_on(self, t: Transition) -> None:
+        self.ledger = self._decided = t.ledger
+        for serve in t.released:
+            rec = self.records.get(serve)
+            if rec is not None:
+                rec.state, rec.reason = DECLARED, None
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -179,16 +283,87 @@ class LedgerService:
               mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
         return Event(kind, message, self.clock(), serve, role, mib, uid, details)
 
-    async def commit(self, changes: Changes) -> list[Event]:
-        """Commit in the store's thread. Callers hold the lock and only then change memory."""
-        loop = asyncio.get_running_loop()
-        stored = await loop.run_in_executor(self._executor, self.store.commit, changes)
+    def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:
+        """Queue a decided change for the next group commit. Callers hold the lock: `ledger`
+        (the ledger with this change) is what the next decision is made on at once; readers
+        see it, and the caller is answered, only once the transaction holding it is durable.
+        Every change decided while one transaction is being written goes into the next one."""
+        future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(changes, ledger, future))
+        if ledger is not None:
+            self._decided = ledger
         for row in changes.states:
-            rec = self.records.setdefault(row.serve, ServeRecord())
-            rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
-        for ev in stored:
-            self._announce(ev)
-        return stored
+            self._decided_states[row.serve] = row.state
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.get_running_loop().create_task(self._commit_loop())
+        return future
+
+    async def commit(self, changes: Changes, ledger: Ledger | None = None) -> list[Event]:
+        """Submit and wait until durable (see `submit`)."""
+        return await self.submit(changes, ledger)
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                stored = await loop.run_in_executor(
+                    self._executor, self.store.commit_many, [p.changes for p in batch])
+            except BaseException as exc:
+                # Nothing of this batch is durable, and what was decided after it rests on it:
+                # every waiter hears the failure, and decisions start again from the store.
+                failed, self._queue = batch + self._queue, []
+                self._decided, self._decided_states = self.ledger, {}
+                for p in failed:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self.commits += 1
+            for p, events in zip(batch, stored, strict=True):
+                for row in p.changes.states:
+                    rec = self.records.setdefault(row.serve, ServeRecord())
+                    rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
+                if p.ledger is not None:
+                    self.ledger = p.ledger
+                for ev in events:
+                    try:
+                        self._announce(ev)
+                    except Exception:  # the change is durable: its caller is answered anyway
+                        log.exception("announcing event %s failed", ev.id)
+                self._since_prune += len(events)
+                if not p.future.done():
+                    p.future.set_result(events)
+            self._decided_states = {row.serve: row.state for p in self._queue
+                                    for row in p.changes.states}
+            if self._since_prune >= PRUNE_BATCH:
+                # Queued behind this commit in the store's thread; nobody waits on it.
+                self._since_prune = 0
+                loop.run_in_executor(self._executor, self._prune)
+
+    async def drain(self) -> None:
+        """Wait until every submitted change is committed (or has failed)."""
+        while self._committer is not None and not self._committer.done():
+            await asyncio.wait({self._committer})
+
+    def _decided_state(self, serve: str) -> str:
+        """A serve's state with the decided but not yet committed changes."""
+        state = self._decided_states.get(serve)
+        if state is not None:
+            return state
+        rec = self.records.get(serve)
+        return rec.state if rec else DECLARED
+
+    def _prune(self) -> None:
+        try:
+            gone = self.store.prune_events(self.config.daemon.events_keep)
+        except GpudError as exc:
+            log.warning("pruning old events failed: %s", exc.message)
+            return
+        if gone:
+            log.info("pruned %d old events (keeping the newest %d)", gone,
+                     self.config.daemon.events_keep)
 
     def _announce(self, ev: Event) -> None:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
@@ -210,11 +385,16 @@ class LedgerService:
                     sub.queue = asyncio.Queue(1)
                     sub.queue.put_nowait(None)
 
+    async def put_meta(self, key: str, value: str | None) -> None:
+        async with self._lock:
+            done = self.submit(Changes(meta={key: value}))
+        await done
+
     async def record(self, ev: Event, *, state: ServeStateRow | None = None) -> Event:
         """Store one event (and optionally a serve state) outside any ledger change."""
         async with self._lock:
-            changes = Changes(events=[ev], states=[state] if state else [])
-            return (await self.commit(changes))[0]
+            done = self.submit(Changes(events=[ev], states=[state] if state else []))
+        return (await done)[0]
 
     def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
         return ServeStateRow(serve, state, reason, self.clock())
@@ -246,8 +426,9 @@ class LedgerService:
         if self.config.daemon.admission == "ledger":
             return None, "ledger", None
         obs = self.observer
-        device = self.ledger.roles[role].device
-        view = obs.physical_view(device, serve, self.ledger, self.states()) if obs else None
+        device = self._decided.roles[role].device
+        decided_states = {**self.states(), **self._decided_states}
+        view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
         if view is None:
             return None, "ledger", (
                 "observation unavailable: strict admission fell back to the ledger bound")
@@ -257,21 +438,28 @@ class LedgerService:
                     uid: int | None = None, state: str | None = None) -> Admission:
         check_serve_name(serve)
         async with self._lock:
-            return await self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+        admission, done = decided
+        await done  # durable; a denial is answered only once what it was decided on is, too
+        if isinstance(admission, Denied):
+            raise admission
+        return admission
 
-    async def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                            state: str | None) -> Admission:
+    def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
+                      state: str | None) -> tuple[Admission | Denied,
+                                                  asyncio.Future[list[Event]]]:
         role_name, external = self.serve_role(serve, role)
         physical, check, note = self._physical(role_name, serve)
-        outcome = self.ledger.decide(
+        outcome = self._decided.decide(
             serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
         if isinstance(outcome, Denial):
-            await self._deny(outcome, uid, check, note)
-            raise Denied(outcome.message, {**outcome.details(), "check": check, "note": note})
+            done = self._deny(outcome, uid, check, note)
+            return Denied(outcome.message, {**outcome.details(), "check": check,
+                                            "note": note}), done
         ledger, admission = outcome
-        current = self.records.get(serve, ServeRecord()).state
+        current = self._decided_state(serve)
         new_state = state or (EXTERNAL if external else
                               current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
@@ -283,26 +471,26 @@ class LedgerService:
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
             committed_mib=figures.committed_mib,
         )
-        await self.commit(Changes(put=[admission.reservation],
-                                  states=[self.state_row(serve, new_state)], events=[ev]))
-        self.ledger = ledger
-        return admission
+        done = self.submit(Changes(put=[admission.reservation],
+                                   states=[self.state_row(serve, new_state)], events=[ev]), ledger)
+        return admission, done
 
-    async def _deny(self, denial: Denial, uid: int | None, check: Check, note: str | None) -> None:
+    def _deny(self, denial: Denial, uid: int | None, check: Check,
+              note: str | None) -> asyncio.Future[list[Event]]:
         ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
                         shortfall_mib=denial.shortfall_mib)
         # A serve that is running keeps its state: only its re-admission was refused.
         # An external name that holds nothing is not remembered as a serve for a failed ask.
-        current = self.records.get(denial.serve, ServeRecord()).state
-        known = denial.serve in self.config.serves or denial.serve in self.ledger.reservations
+        current = self._decided_state(denial.serve)
+        known = denial.serve in self.config.serves or denial.serve in self._decided.reservations
         # A serve that holds a reservation keeps its state (and its pending share): only this
         # re-admission was refused.
-        holds = denial.serve in self.ledger.reservations
+        holds = denial.serve in self._decided.reservations
         states = [] if current in LIVE_STATES or not known or holds else [
             self.state_row(denial.serve, DENIED, denial.reason)]
-        await self.commit(Changes(states=states, events=[ev]))
+        return self.submit(Changes(states=states, events=[ev]))
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
                       next_state: str = DECLARED, state_reason: str | None = None,
@@ -311,32 +499,34 @@ class LedgerService:
         unless the caller (the supervisor, after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
-            return await self._release_locked(serve, uid=uid, reason=reason,
-                                              next_state=next_state, state_reason=state_reason,
-                                              allow_live=allow_live)
+            res, done = self._release_locked(serve, uid=uid, reason=reason,
+                                             next_state=next_state, state_reason=state_reason,
+                                             allow_live=allow_live)
+        await done
+        return res
 
     async def adopt(self, serve: str, role: str, mib: int) -> Reservation:
         """Record the reservation of a unit found running: its memory is already in use, so it
         is kept even when it does not fit (the role then shows as over-committed)."""
         async with self._lock:
             res = Reservation(serve, role, mib, self.clock(), None, False)
-            ledger = Ledger(self.ledger.roles, {**self.ledger.reservations, serve: res})
+            ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             figures = ledger.figures(role)
             ev = self.event("admit", f"{serve} re-admitted on {role} for its running unit: "
                             f"{mib} MiB; {figures.line()}", serve=serve, role=role, mib=mib,
                             adopted=True, free_mib=figures.free_mib)
-            await self.commit(Changes(put=[res], events=[ev]))
-            self.ledger = ledger
-            return res
+            done = self.submit(Changes(put=[res], events=[ev]), ledger)
+        await done
+        return res
 
-    async def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                              next_state: str, state_reason: str | None,
-                              allow_live: bool) -> Reservation:
-        if serve not in self.ledger.reservations:
+    def _release_locked(self, serve: str, *, uid: int | None, reason: str,
+                        next_state: str, state_reason: str | None,
+                        allow_live: bool) -> tuple[Reservation, asyncio.Future[list[Event]]]:
+        if serve not in self._decided.reservations:
             if serve in self.config.serves or serve in self.records:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
             raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
-        state = self.records.get(serve, ServeRecord()).state
+        state = self._decided_state(serve)
         if self.busy(serve) and not allow_live:
             state = STARTING
         if state in LIVE_STATES and not allow_live:
@@ -345,31 +535,48 @@ class LedgerService:
                 f"the same request (gpuctl release {serve} --stop)",
                 {"serve": serve, "state": state},
             )
-        ledger, res = self.ledger.release(serve)
+        ledger, res = self._decided.release(serve)
         figures = ledger.figures(res.role)
         ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
                         f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib)
-        await self.commit(Changes(delete=[serve],
-                                  states=[self.state_row(serve, next_state, state_reason)],
-                                  events=[ev]))
-        self.ledger = ledger
-        return res
+        done = self.submit(Changes(delete=[serve],
+                                   states=[self.state_row(serve, next_state, state_reason)],
+                                   events=[ev]), ledger)
+        return res, done
 
     # ---- reload ----------------------------------------------------------------------------
 
-    async def reload(self, cfg: Config, *, source: str, uid: int | None = None) -> list[str]:
-        """Swap in a new config. Returns the roles it leaves over-committed."""
-        budgets = resolve_budgets(cfg, self._device_total)
+    async def reload(self, cfg: Config, text: str, *, source: str,
+                     uid: int | None = None) -> list[str]:
+        """Swap in a new config, decided against the ledger in one step: reservations of serves
+        that left it are released in the same transaction; a change the ledger cannot follow
+        (a live serve removed, a held role removed, a role over-committed) is refused whole.
+        Returns the roles that stay over-committed (adopted units)."""
         async with self._lock:
-            ledger = self.ledger.with_roles(budgets)
-            over = [f.role for f in ledger.over_committed()]
-            ev = self.event("reload", f"config reloaded from {source}"
-                            + (f"; over-committed: {', '.join(over)}" if over else ""),
-                            uid=uid, over_committed=",".join(over))
-            await self.commit(Changes(events=[ev]))
+            await self.drain()  # decided on what is durable, with nothing on its way
+            outcome = self.decide(cfg, may_stop=False)
+            if isinstance(outcome, Refusal):
+                raise Conflict(f"config change refused, nothing changed: {outcome.message}",
+                               {"blockers": [b.to_json() for b in outcome.blockers]})
+            previous = self.config_text
+            self.config_text = text
+            changes = self._transition_changes(outcome, f"reload from {source}", uid)
+            over = [f.role for f in outcome.ledger.over_committed()]
+            released = ", ".join(outcome.released)
+            changes.events.append(self.event(
+                "reload", f"config reloaded from {source}"
+                + (f"; released: {released}" if released else "")
+                + (f"; over-committed: {', '.join(over)}" if over else ""),
+                uid=uid, over_committed=",".join(over), released=released))
+            try:
+                await self.commit(changes, outcome.ledger)
+            except BaseException:
+                self.config_text = previous
+                raise
             self.config = cfg
-            self.ledger = ledger
+            self.config_refused = None
+            self._moved_on(outcome)
             return over
 
     # ---- reads -----------------------------------------------------------------------------
@@ -431,8 +638,25 @@ class LedgerService:
             "observation": dict(observation),
             "serve_states": counts,
             "over_committed": [f.role for f in self.ledger.over_committed()],
+            "config_file": self.config_file_status(),
+            "store_transactions": self.commits,
             "summary": self.summary(),
         }
+
+    def config_file_status(self) -> dict[str, Any]:
+        """Whether the config file on disk is the config in force, and why not."""
+        if self.config_path is None:
+            return {"differs": False, "reason": None}
+        try:
+            on_disk: str | None = self.config_path.read_text()
+        except (OSError, UnicodeDecodeError):
+            on_disk = None
+        differs = self.config_text is not None and on_disk != self.config_text
+        reason = self.config_refused if differs else None
+        if differs and reason is None:
+            reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
+                      "would do" if on_disk is not None else "the file cannot be read")
+        return {"differs": differs, "reason": reason}
 
 
 def _matches(query: EventQuery, ev: Event) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from gpud.errors import StoreError
 from gpud.ledger import Reservation
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Every kind of event gpud records (docs/api.md).
 EVENT_KINDS = (
@@ -70,6 +70,12 @@ MIGRATIONS: tuple[str, ...] = (
         peak_mib     INTEGER NOT NULL,
         recommended_mib INTEGER NOT NULL,
         PRIMARY KEY (serve, fingerprint)
+    );
+    """,
+    """
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
     );
     """,
 )
@@ -130,6 +136,9 @@ class Changes:
     states: list[ServeStateRow] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     calibrations: list[Calibration] = field(default_factory=list)
+    # Named values kept beside the ledger (the running config, an apply in progress); None
+    # deletes the key.
+    meta: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,43 +203,58 @@ class Store:
 
     def commit(self, changes: Changes) -> list[Event]:
         """Write all of `changes` or none of them. Returns the events with their ids."""
+        return self.commit_many([changes])[0]
+
+    def commit_many(self, batch: Sequence[Changes]) -> list[list[Event]]:
+        """Write every one of `batch`, in order, in one transaction (one fsync), or none of
+        them. Returns each one's events with their ids."""
         try:
             with self._transaction() as db:
-                for res in changes.put:
-                    db.execute(
-                        "INSERT INTO reservations (serve, role, mib, since, by_uid, external) "
-                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (serve) DO UPDATE SET "
-                        "role=excluded.role, mib=excluded.mib, since=excluded.since, "
-                        "by_uid=excluded.by_uid, external=excluded.external",
-                        (res.serve, res.role, res.mib, res.since, res.by_uid, int(res.external)),
-                    )
-                for serve in changes.delete:
-                    db.execute("DELETE FROM reservations WHERE serve = ?", (serve,))
-                for st in changes.states:
-                    db.execute(
-                        "INSERT INTO serve_states (serve, state, reason, updated) VALUES (?,?,?,?) "
-                        "ON CONFLICT (serve) DO UPDATE SET state=excluded.state, "
-                        "reason=excluded.reason, updated=excluded.updated",
-                        (st.serve, st.state, st.reason, st.updated),
-                    )
-                for cal in changes.calibrations:
-                    db.execute(
-                        "INSERT OR REPLACE INTO calibrations VALUES (?,?,?,?,?,?,?,?)",
-                        (cal.serve, cal.fingerprint, cal.ts, cal.window_s, cal.samples,
-                         cal.steady_mib, cal.peak_mib, cal.recommended_mib),
-                    )
-                stored: list[Event] = []
-                for ev in changes.events:
-                    cur = db.execute(
-                        "INSERT INTO events (ts, kind, serve, role, mib, uid, message, details) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (ev.ts, ev.kind, ev.serve, ev.role, ev.mib, ev.uid, ev.message,
-                         json.dumps(ev.details, sort_keys=True)),
-                    )
-                    stored.append(_with_id(ev, cur.lastrowid))
-                return stored
+                return [self._write(db, changes) for changes in batch]
         except sqlite3.Error as exc:
             raise StoreError(f"the store could not commit the change: {exc}") from exc
+
+    @staticmethod
+    def _write(db: sqlite3.Connection, changes: Changes) -> list[Event]:
+        for res in changes.put:
+            db.execute(
+                "INSERT INTO reservations (serve, role, mib, since, by_uid, external) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (serve) DO UPDATE SET "
+                "role=excluded.role, mib=excluded.mib, since=excluded.since, "
+                "by_uid=excluded.by_uid, external=excluded.external",
+                (res.serve, res.role, res.mib, res.since, res.by_uid, int(res.external)),
+            )
+        for serve in changes.delete:
+            db.execute("DELETE FROM reservations WHERE serve = ?", (serve,))
+        for st in changes.states:
+            db.execute(
+                "INSERT INTO serve_states (serve, state, reason, updated) VALUES (?,?,?,?) "
+                "ON CONFLICT (serve) DO UPDATE SET state=excluded.state, "
+                "reason=excluded.reason, updated=excluded.updated",
+                (st.serve, st.state, st.reason, st.updated),
+            )
+        for cal in changes.calibrations:
+            db.execute(
+                "INSERT OR REPLACE INTO calibrations VALUES (?,?,?,?,?,?,?,?)",
+                (cal.serve, cal.fingerprint, cal.ts, cal.window_s, cal.samples,
+                 cal.steady_mib, cal.peak_mib, cal.recommended_mib),
+            )
+        for key, value in changes.meta.items():
+            if value is None:
+                db.execute("DELETE FROM meta WHERE key = ?", (key,))
+            else:
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                           (key, value))
+        stored: list[Event] = []
+        for ev in changes.events:
+            cur = db.execute(
+                "INSERT INTO events (ts, kind, serve, role, mib, uid, message, details) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (ev.ts, ev.kind, ev.serve, ev.role, ev.mib, ev.uid, ev.message,
+                 json.dumps(ev.details, sort_keys=True)),
+            )
+            stored.append(_with_id(ev, cur.lastrowid))
+        return stored
 
     def reservations(self) -> list[Reservation]:
         rows = self._read(
@@ -271,6 +295,20 @@ class Store:
                   details=json.loads(r[8]), id=r[0])
             for r in self._read(sql, args)
         ]
+
+    def meta(self, key: str) -> str | None:
+        rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def prune_events(self, keep: int) -> int:
+        """Delete all but the newest `keep` events; returns how many went."""
+        try:
+            with self._transaction() as db:
+                cur = db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?",
+                                 (keep,))
+                return int(cur.rowcount)
+        except sqlite3.Error as exc:
+            raise StoreError(f"the store could not prune events: {exc}") from exc
 
     def integrity_check(self) -> str:
         return str(self._read("PRAGMA integrity_check")[0][0])

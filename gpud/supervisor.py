@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +25,7 @@ import aiohttp
 
 from gpud.config import Config, ServeConfig
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
+from gpud.files import write_atomically
 from gpud.launch import serve_argv, through_shim
 from gpud.observer import Observer
 from gpud.service import (
@@ -30,13 +33,14 @@ from gpud.service import (
     DECLARED,
     FAILED,
     LIVE_STATES,
+    ORPHAN,
     RUNNING,
     STARTING,
     STOPPING,
     LedgerService,
     check_serve_name,
 )
-from gpud.unit_properties import UnitSpec
+from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits, UnitState
 
 log = logging.getLogger("gpud.supervisor")
@@ -131,21 +135,27 @@ class Supervisor:
             spec = self.svc.serve_spec(serve)
             rec_state = self.svc.state_of(serve)
             res = self.svc.ledger.reservations.get(serve)
+            if spec is None:
+                # Not gpud's to run any more, still gpud's to stop: an orphan, said loudly.
+                reason = f"its unit {st.unit} runs but the config does not name the serve"
+                log.warning("%s: %s; gpuctl stop %s stops it", serve, reason, serve)
+                await self.svc.record(self.svc.event(
+                    "adopt", f"{serve}: {reason}: adopted as an orphan ({_pid(st.main_pid)}); "
+                    f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
+                    orphan=True), state=self.svc.state_row(serve, ORPHAN, reason))
+                rec = self.svc.records.get(serve)
+                if rec is not None:
+                    rec.main_pid = st.main_pid or None
+                continue
             if res is None:
-                mib = spec.vram_mib if spec else None
-                role = spec.role if spec else None
-                if mib is None or role is None:
-                    log.warning("unit of %s runs but the serve is not in the config: left alone",
-                                serve)
-                    continue
-                await self.svc.adopt(serve, role, mib)
+                await self.svc.adopt(serve, spec.role, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
             rec = self.svc.records.get(serve)
             if rec is not None:
                 rec.main_pid = st.main_pid or None
                 rec.n_restarts = st.n_restarts
             await self.svc.record(self.svc.event(
-                "adopt", f"{serve}: adopted running unit {st.unit} (MainPID {st.main_pid})",
+                "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
                 state=self.svc.state_row(serve, state))
@@ -223,21 +233,32 @@ class Supervisor:
             if state in LIVE_STATES or serve in self._launching:
                 raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
                                                                         "state": state})
+            held = self.svc.ledger.reservations.get(serve)
+            if held is not None and (held.external or held.role != spec.role):
+                raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role {held.role!r} but "
+                               f"is configured on {spec.role!r}: release it first",
+                               {"serve": serve, "role": held.role, "configured_role": spec.role})
             await self._memory_back(self._device_key(serve))
-            if serve not in self.svc.ledger.reservations:
+            if held is None:
                 await self.svc.admit(serve, spec.vram_mib, uid=uid)
+            try:
+                unit_spec = self._unit_spec(serve, spec)
+            except GpudError as exc:
+                # Refused before systemd is asked: the serve fails with the reason, now.
+                await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
+                raise Conflict(f"serve {serve!r} cannot be launched: {exc.message}",
+                               {"serve": serve, **exc.details}) from exc
             self._launching.add(serve)
-            task = self._spawn(self._launch(serve, uid))
+            task = self._spawn(self._launch(serve, uid, unit_spec))
             self._launch_tasks[serve] = task
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
 
-    async def _launch(self, serve: str, uid: int | None) -> None:
+    async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
         try:
             async with self._lock(self._device_locks, self._device_key(serve)):
-                unit_spec = self._unit_spec(serve, spec)
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -250,7 +271,7 @@ class Supervisor:
                     rec.n_restarts = 0
                 self._restarts.pop(serve, None)
                 await self.svc.record(self.svc.event(
-                    "start", f"{serve}: started {state.unit} (MainPID {state.main_pid}): "
+                    "start", f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
                     mib=self.svc.ledger.reservations[serve].mib if serve in
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid),
@@ -268,10 +289,17 @@ class Supervisor:
     def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
         role = self.svc.ledger.roles[spec.role]
         dev = self.observer.device(role.device)
-        index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
-        if index is None:
-            raise Unavailable(f"cannot resolve device {role.device!r} of role {spec.role!r} to "
-                              "an index: observation unavailable", {"device": role.device})
+        if dev is None:
+            # Without observation gpud cannot tell that the device exists: CUDA_VISIBLE_DEVICES
+            # naming a device that is not there would hand the serve another GPU, or none.
+            present = self.observer.present_devices()
+            why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
+                   if present is not None else
+                   f"observation is unavailable, so gpud cannot tell that device "
+                   f"{role.device!r} exists")
+            raise Unavailable(f"role {spec.role!r}: {why}", {"device": role.device,
+                                                             "role": spec.role})
+        index = dev.index
         total = dev.total_mib if dev and dev.total_mib else role.capacity_mib
         res = self.svc.ledger.reservations.get(serve)
         argv = serve_argv(spec, total_mib=total, device_index=index,
@@ -284,13 +312,14 @@ class Supervisor:
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
-        env = dict(spec.environment)
+        env: dict[str, str] = {}
         environment_for = getattr(self.observer.backend, "environment_for", None)
-        if dev is not None and callable(environment_for):
+        if callable(environment_for):
             env.update(environment_for(dev.uuid))
         daemon = self.svc.config.daemon
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
+            environment_file=self._environment_file(serve, spec.environment),
             description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
@@ -299,6 +328,24 @@ class Supervisor:
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
         )
+
+    def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:
+        """Write the serve's own environment where only root reads it (state_dir/env)."""
+        if not environment:
+            return None
+        folder = Path(self.svc.config.daemon.state_dir) / "env"
+        path = folder / f"{serve}.env"
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
+        except OSError as exc:
+            raise Unavailable(f"serve {serve}: cannot make {folder}: {exc.strerror or exc}",
+                              {"serve": serve}) from exc
+        try:
+            write_atomically(path, environment_file_text(environment))
+        except GpudError as exc:
+            raise Unavailable(f"serve {serve}: {exc.message}", {"serve": serve}) from exc
+        return str(path)
 
     async def _await_healthy(self, serve: str, spec: ServeConfig, *,
                              promote: bool = True) -> bool:
@@ -342,6 +389,10 @@ class Supervisor:
     async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False) -> None:
         """Stop the unit and release the reservation (kept only for a restart)."""
+        check_serve_name(serve)
+        if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
+            await self._stop_orphan(serve, uid)
+            return
         spec = self._spec(serve)
         state = self.svc.state_of(serve)
         if state in LIVE_STATES or serve in self._launching:
@@ -370,6 +421,20 @@ class Supervisor:
                     await self.svc.record(self.svc.event(
                         "exit", f"{serve}: stopped", serve=serve, role=spec.role),
                         state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+            finally:
+                self._stopping.discard(serve)
+                self._last.pop(serve, None)
+
+    async def _stop_orphan(self, serve: str, uid: int | None) -> None:
+        self._need_bus()
+        async with self._lock(self._serve_locks, serve):
+            self._stopping.add(serve)
+            try:
+                await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
+                await self.units.reset_failed(serve)
+                await self.svc.record(self.svc.event(
+                    "stop", f"{serve}: orphan unit stopped", serve=serve, uid=uid),
+                    state=self.svc.state_row(serve, DECLARED))
             finally:
                 self._stopping.discard(serve)
                 self._last.pop(serve, None)
@@ -468,6 +533,11 @@ class Supervisor:
             if await self._restarted(serve, st, st.n_restarts - prev.n_restarts):
                 return
         ended = st.active_state in ("failed", "inactive") or st.sub_state == "auto-restart"
+        if ended and state == ORPHAN and st.sub_state != "auto-restart":
+            await self.svc.record(self.svc.event(
+                "exit", f"{serve}: orphan unit ended ({_how(st)})", serve=serve),
+                state=self.svc.state_row(serve, DECLARED))
+            return
         if ended and state in (RUNNING, STARTING):
             if serve in self._launching and st.active_state == "inactive" and prev is None:
                 return
@@ -528,8 +598,9 @@ class Supervisor:
         while times and now - times[0] > daemon.crash_loop_window_s:
             times.popleft()
         await self.svc.record(self.svc.event(
-            "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, MainPID "
-            f"{st.main_pid})", serve=serve, n_restarts=st.n_restarts, main_pid=st.main_pid))
+            "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
+            f"{_pid(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
+            main_pid=st.main_pid or None))
         if len(times) > daemon.crash_loop_restarts:
             reason = (f"crash-loop: {len(times)} restarts in {daemon.crash_loop_window_s:g} s "
                       f"(limit {daemon.crash_loop_restarts})")
@@ -566,6 +637,11 @@ class Supervisor:
                 self._health_failures.pop(serve, None)
                 await self._failed(serve, f"unhealthy: {fails} health checks in a row failed "
                                           f"on {spec.health_path}", kind="unhealthy")
+
+
+def _pid(main_pid: int) -> str:
+    # MainPID is 0 between a unit's processes (a restart on its way): no PID to name yet.
+    return f"MainPID {main_pid}" if main_pid else "no MainPID yet"
 
 
 def _how(st: UnitState) -> str:

@@ -112,6 +112,9 @@ class UnitSpec:
     timeout_start_sec: float = 90.0
     timeout_stop_sec: float = 90.0
     working_directory: str | None = None
+    # A root-only file holding the serve's own environment (tokens live there): sent as
+    # EnvironmentFiles=, so `systemctl show -p Environment` does not show it to every user.
+    environment_file: str | None = None
 
     def __post_init__(self) -> None:
         _check_serve(self.serve)
@@ -180,6 +183,20 @@ def _environment(assignments: Mapping[str, str]) -> list[str]:
     return [f"{name}={value}" for name, value in assignments.items()]
 
 
+def environment_file_text(assignments: Mapping[str, str]) -> str:
+    """`assignments` in systemd's environment-file syntax, each value reaching the process as
+    it is: single-quoted (literal) where it can be, else double-quoted with the four characters
+    systemd unescapes there (backslash, double quote, backtick, dollar) escaped."""
+    lines = []
+    for name, value in assignments.items():
+        if "'" not in value:
+            lines.append(f"{name}='{value}'")
+        else:
+            escaped = "".join("\\" + ch if ch in '\\"`$' else ch for ch in value)
+            lines.append(f'{name}="{escaped}"')
+    return "".join(line + "\n" for line in lines)
+
+
 @dataclass(frozen=True)
 class PropertyType:
     signature: str
@@ -198,6 +215,7 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "ExecStart": _p("a(sasb)", _exec_literal),
         "Slice": _p("s", _string),
         "Environment": _p("as", _environment),
+        "EnvironmentFiles": _p("a(sb)", lambda path: [(_string(path), False)]),
         "User": _p("s", _string),
         "WorkingDirectory": _p("s", _string),
         "Restart": _p("s", _string),
@@ -239,7 +257,7 @@ def build_properties(
     environment = {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": str(spec.device_index),
-        **spec.environment,
+        **({} if spec.environment_file else spec.environment),
     }
     values: list[tuple[str, Any]] = [
         ("Description", spec.description),
@@ -248,6 +266,8 @@ def build_properties(
         ("Slice", SLICE),
         ("Environment", environment),
     ]
+    if spec.environment_file is not None:
+        values.append(("EnvironmentFiles", spec.environment_file))
     if spec.user is not None:
         values.append(("User", spec.user))
     if spec.working_directory is not None:

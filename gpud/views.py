@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from gpud.ledger import DeviceDraw, Ledger, Reservation
-from gpud.service import LedgerService
+from gpud.service import LIVE_STATES, ORPHAN, LedgerService
 
 
 class DrawSource(Protocol):
@@ -81,20 +81,24 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
     role = spec.role if spec else (res.role if res else None)
+    state = rec.state if rec else "declared"
+    # A PID is shown only while a process of the unit may run: a failed or stopped serve's
+    # last PID may belong to another process by now.
+    has_unit = state in LIVE_STATES or state == ORPHAN
     return {
         "name": name,
         "role": role,
         "configured": spec is not None,
         "external": bool(res and res.external),
-        "state": rec.state if rec else "declared",
+        "state": state,
         "reason": rec.reason if rec else None,
         "vram_mib": spec.vram_mib if spec else None,
         "reserved_mib": res.mib if res else None,
         "resident": bool(spec and spec.resident),
         "priority": spec.priority if spec else None,
         "port": spec.port if spec else None,
-        "unit": f"gpud-serve-{name}.service" if spec else None,
-        "main_pid": rec.main_pid if rec else None,
+        "unit": f"gpud-serve-{name}.service" if spec or state == ORPHAN else None,
+        "main_pid": rec.main_pid if rec and has_unit else None,
         "n_restarts": rec.n_restarts if rec else 0,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],

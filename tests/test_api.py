@@ -57,15 +57,29 @@ def test_ledger_survives_restart_and_changed_config(tmp_path: Path) -> None:
     fill_t015(gp)
     before = ledger_of(gp)["reservations"]
     assert gp.stop() == 0
-    # The same store under a config whose capacity shrank: nothing dropped, over-committed shown.
+    # The same store under a config whose capacity shrank below what is held: the change is
+    # refused (the ledger would over-commit), gpud runs the config it last ran with and says so.
     gp = start_gpud(tmp_path, T015.replace("capacity_mib = 32607", "capacity_mib = 30000"),
                     state_dir=tmp_path / "state")
     try:
         role = ledger_of(gp)
         assert role["reservations"] == before
-        assert role["over_committed"] is True and role["free_mib"] == 30000 - 7168 - 25088
-        assert gp.call("GET", "/v1/status").body["over_committed"] == ["dark-fast"]
-        assert "over-committed" in gp.output()
+        assert role["over_committed"] is False and role["free_mib"] == 351
+        status = gp.call("GET", "/v1/status").body
+        assert status["over_committed"] == []
+        assert status["config_file"]["differs"] is True
+        reason = status["config_file"]["reason"]
+        assert reason.startswith("refused at start: roles.dark-fast: committed 25088 MiB")
+        assert "exceed capacity - reserve = 22832 MiB" in reason
+    finally:
+        gp.stop()
+    # A change the ledger can follow is taken at the next start, and the file is in force again.
+    gp = start_gpud(tmp_path, T015.replace("capacity_mib = 32607", "capacity_mib = 32500"),
+                    state_dir=tmp_path / "state")
+    try:
+        assert ledger_of(gp)["free_mib"] == 351 - 107
+        assert gp.call("GET", "/v1/status").body["config_file"] == {"differs": False,
+                                                                   "reason": None}
     finally:
         gp.stop()
 
@@ -164,7 +178,10 @@ def test_launching_unavailable_is_503(gpud_t015: GpudProcess) -> None:
     reply = gpud_t015.call("POST", "/v1/serves/fast/start", {})
     assert reply.status == 503
     assert reply.body["error"]["code"] == "unavailable"
-    assert "launching is unavailable" in reply.body["error"]["message"]
+    message = reply.body["error"]["message"]
+    # The reason the README promises: the system bus, and why it cannot be reached.
+    assert message.startswith("launching is unavailable: system bus: "), message
+    assert "no-system-bus" in message or "No such file" in message, message
     status = gpud_t015.call("GET", "/v1/status").body
     assert status["launching"]["available"] is False and status["launching"]["reason"]
     # The ledger works all the same.

@@ -235,6 +235,15 @@ def test_status_observation_unavailable_over_committed_not_ready() -> None:
     assert rows["started"].strip().endswith("(not ready yet)")
 
 
+def test_status_says_when_the_file_on_disk_is_not_the_config_in_force() -> None:
+    doc = dict(STATUS, config_file={"differs": True, "reason": "refused at start: x"})
+    rows = dict(line.split(":", 1) for line in format_status(doc, UTC).splitlines())
+    assert rows["config"].strip() == ("/etc/gpud/serves.toml (!! the file on disk is not the "
+                                      "config in force: refused at start: x)")
+    doc = dict(STATUS, config_file={"differs": False, "reason": None})
+    assert format_status(doc, UTC) == format_status(STATUS, UTC)
+
+
 def test_serves_table_and_reasons() -> None:
     text = format_serves({"serves": [SERVE_FAST, SERVE_OCR]})
     assert text == """\

@@ -160,3 +160,23 @@ def test_no_sequence_over_commits(ops: list[tuple[str, str, int]], capacity: int
         committed = sum(r.mib for r in ledger.reservations.values())
         assert committed <= capacity - reserve
         assert ledger.figures("r").free_mib >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(1, 3000)), max_size=30),
+       st.integers(0, 5000))
+def test_admit_in_order_is_decide_one_after_another(wanted: list[tuple[str, int]],
+                                                    reserve: int) -> None:
+    roles = [RoleBudget("a", "0", 8000, reserve), RoleBudget("b", "1", 4000, 0)]
+    start = Ledger.build(roles, [Reservation("held", "a", 500, 0.0)])
+    items = [(f"s{i}", role, mib) for i, (role, mib) in enumerate(wanted)]
+    batch, denied = start.admit_in_order(items, since=0.0)
+    one_by_one, expected = start, []
+    for serve, role, mib in items:
+        outcome = one_by_one.decide(serve, role, mib, since=0.0, by_uid=None)
+        if isinstance(outcome, Denial):
+            expected.append(outcome)
+        else:
+            one_by_one = outcome[0]
+    assert denied == expected
+    assert batch.reservations == one_by_one.reservations

@@ -23,6 +23,7 @@ from gpud.unit_properties import (
     UnitSpec,
     build_properties,
     encode,
+    environment_file_text,
     serve_of_unit,
     unit_name,
 )
@@ -115,6 +116,24 @@ def test_golden_encoding_systemd_252() -> None:
     assert _triples(build_properties(SPEC, None)) == GOLDEN_252
 
 
+def test_an_environment_file_carries_the_serves_own_variables() -> None:
+    spec = UnitSpec(serve="ocr", argv=("/bin/x",), device_index=1, description="d",
+                    environment={"HF_TOKEN": "secret"},
+                    environment_file="/var/lib/gpud/env/ocr.env")
+    props = dict((name, (sig, value)) for name, sig, value in _triples(build_properties(spec)))
+    assert props["Environment"] == ("as", ["CUDA_DEVICE_ORDER=PCI_BUS_ID",
+                                           "CUDA_VISIBLE_DEVICES=1"])
+    assert props["EnvironmentFiles"] == ("a(sb)", [("/var/lib/gpud/env/ocr.env", False)])
+    assert "secret" not in repr(props)
+
+
+def test_environment_file_text_quotes_for_systemds_parser() -> None:
+    text = environment_file_text({"A": "x y $HOME", "B": "it's \"q\" \\ $X `c`", "C": ""})
+    assert text == ("A='x y $HOME'\n"
+                    'B="it\'s \\"q\\" \\\\ \\$X \\`c\\`"\n'
+                    "C=''\n")
+
+
 def test_golden_encoding_newer_systemd_doubles_dollars_and_adds_backoff() -> None:
     spec = UnitSpec(
         serve="fast",
@@ -201,6 +220,7 @@ SAMPLES: dict[str, Any] = {
     "ExecStart": ("/bin/x", "a$b", ""),
     "Slice": "gpud.slice",
     "Environment": {"A": "1", "B": ""},
+    "EnvironmentFiles": "/var/lib/gpud/env/x.env",
     "User": "u",
     "WorkingDirectory": "/",
     "Restart": "no",

@@ -230,6 +230,47 @@ def test_structured_documents_long(doc: dict[str, Any]) -> None:
     check_document(doc)
 
 
+@st.composite
+def valid_documents(draw: st.DrawFn) -> dict[str, Any]:
+    """Configs that must load: valid names, roles that serves name, figures that fit, distinct
+    ports, placeholders gpud knows."""
+    name = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,12}", fullmatch=True)
+    roles: dict[str, Any] = {}
+    for role in draw(st.lists(name, min_size=1, max_size=3, unique=True)):
+        capacity = draw(st.integers(2, 2**20))
+        roles[role] = {"device": draw(st.sampled_from(["0", "1", "GPU-x"])),
+                       "capacity_mib": capacity,
+                       "reserve_mib": draw(st.integers(0, capacity - 1))}
+    serves: dict[str, Any] = {}
+    ports = iter(draw(st.lists(st.integers(1, 65535), min_size=4, max_size=4, unique=True)))
+    for serve in draw(st.lists(name, max_size=4, unique=True)):
+        role = draw(st.sampled_from(sorted(roles)))
+        spec: dict[str, Any] = {"role": role,
+                                "vram_mib": draw(st.integers(1, roles[role]["capacity_mib"])),
+                                "resident": draw(st.booleans()),
+                                "priority": draw(st.integers(0, 1_000_000)),
+                                "port": next(ports)}
+        if draw(st.booleans()):
+            spec["command"] = ["/bin/true", draw(st.sampled_from(
+                ["{port}", "{gpu_memory_utilization}", "{device_index}", "{vram_mib}", "x"]))]
+        else:
+            spec["vllm"] = {"model": draw(st.text(min_size=1, max_size=10).filter(
+                lambda t: "\0" not in t))}
+        serves[serve] = spec
+    return {"roles": roles, "serves": serves}
+
+
+@examples(300)
+@given(valid_documents())
+def test_valid_documents_load_as_written(doc: dict[str, Any]) -> None:
+    """A loader that refuses everything fails here: every valid document loads, unchanged."""
+    cfg = parse_config(to_toml(doc), "valid.toml")
+    assert {n: r.capacity_mib for n, r in cfg.roles.items()} == {
+        n: r["capacity_mib"] for n, r in doc["roles"].items()}
+    assert {n: (s.role, s.vram_mib, s.port) for n, s in cfg.serves.items()} == {
+        n: (s["role"], s["vram_mib"], s["port"]) for n, s in doc["serves"].items()}
+
+
 def test_a_valid_document_is_accepted() -> None:
     """The generators are not only producing refusals: the same writer yields a valid config."""
     doc = {"roles": {"dark-fast": {"device": "0", "capacity_mib": 32607, "reserve_mib": 4608}},

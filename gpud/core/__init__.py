@@ -1,0 +1,1 @@
+"""gpud's pure core: decisions from values to values. No I/O, no clock, no asyncio."""

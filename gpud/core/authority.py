@@ -1,0 +1,63 @@
+"""Who may make a config change: what runs, as whom or where needs root; figures do not.
+
+Serves run as root-started systemd units, so a change to a command, a model, an environment, a
+user, a device, a port or any [daemon] key hands out root. The admin group may change figures
+only (capacity, reserve, reservations, residency, priority, notes) and remove serves.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gpud.config import Config
+
+# Key paths the admin group may change, as patterns over dotted paths.
+FIGURES = re.compile(
+    r"roles\.[^.]+\.(capacity_mib|reserve_mib|note)"
+    r"|serves\.[^.]+\.(vram_mib|resident|priority)"
+)
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):  # an empty table has no paths: what it gains is named
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+
+
+def changed_paths(old: Config, new: Config) -> list[str]:
+    """Every key path whose value differs (leaves: tables are walked into)."""
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    _flatten(old.model_dump(), "", before)
+    _flatten(new.model_dump(), "", after)
+    paths: set[str] = set()
+    for path in before.keys() | after.keys():
+        if before.get(path, _ABSENT) != after.get(path, _ABSENT):
+            paths.add(path)
+    return sorted(paths)
+
+
+def needs_root(old: Config, new: Config) -> list[str]:
+    """The key paths of the change that only root may make; [] when the admin group may."""
+    found: set[str] = set()
+    removed = set(old.serves) - set(new.serves)
+    for path in changed_paths(old, new):
+        parts = path.split(".")
+        if parts[0] == "serves" and len(parts) > 1 and parts[1] in removed:
+            continue  # removing a serve is the admin group's to do
+        if parts[0] == "serves" and len(parts) > 1 and parts[1] not in old.serves:
+            found.add(f"serves.{parts[1]}")  # adding a serve decides what runs
+            continue
+        if parts[0] == "roles" and len(parts) > 1 and (
+                parts[1] not in old.roles or parts[1] not in new.roles):
+            found.add(f"roles.{parts[1]}")
+            continue
+        if not FIGURES.fullmatch(path):
+            found.add(path)
+    return sorted(found)
+
+
+_ABSENT = object()

@@ -1,0 +1,186 @@
+"""The ledger invariant, and the one function that decides every config change against it.
+
+After every change (admit, release, start, stop, adopt, boot, reload, apply) these hold:
+
+- every role's committed <= capacity - reserve, except over-commit left by reservations adopted
+  from running units (a role may stay over-committed, never become more so);
+- every reservation sits on a role that exists, and a configured serve's reservation sits on its
+  configured role;
+- no serve is starting or running without a reservation.
+
+`transition` takes the config in force, the new one, the ledger and the serve states, and returns
+either the change (reservations to release, live serves whose units must stop first, the ledger
+after) or a refusal naming every reservation in the way. Values in, values out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gpud.config import Config
+from gpud.ledger import Ledger, Reservation, RoleBudget
+
+# States in which a live process may hold a reservation's memory.
+LIVE = frozenset({"starting", "running", "stopping"})
+# States that must hold a reservation (a stopping serve gives its back once its unit is gone).
+HOLDING = frozenset({"starting", "running"})
+# A unit found running for a serve the config does not name.
+ORPHAN = "orphan"
+
+# [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
+RESTART_ONLY_KEYS = ("socket", "state_dir")
+
+
+@dataclass(frozen=True, slots=True)
+class Blocker:
+    """One thing that stands in the way of a config change."""
+
+    what: str  # a serve name, or a config key path
+    reason: str
+    role: str | None = None
+    mib: int | None = None
+
+    @property
+    def message(self) -> str:
+        held = f" ({self.mib} MiB on {self.role})" if self.role is not None else ""
+        return f"{self.what}{held}: {self.reason}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"what": self.what, "role": self.role, "mib": self.mib, "reason": self.reason,
+                "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    blockers: tuple[Blocker, ...]
+
+    @property
+    def message(self) -> str:
+        return "; ".join(b.message for b in self.blockers)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What a config change does to the ledger: `stop` are live serves whose units stop first
+    (their reservations are released with them), `release` reservations of serves that are not
+    live. `ledger` is the ledger after, under the new roles."""
+
+    ledger: Ledger
+    release: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        return self.stop + self.release
+
+
+def transition(
+    *,
+    old: Config,
+    new: Config,
+    ledger: Ledger,
+    budgets: Iterable[RoleBudget],
+    states: Mapping[str, str],
+    may_stop: bool,
+) -> Transition | Refusal:
+    """Decide a change from `old` to `new` (with `budgets`, the new roles resolved).
+
+    A serve that leaves the config, or moves to another role, gives up its reservation: released
+    when it is not live; when it is live its unit must stop first, which only `apply` does
+    (`may_stop`); a plain reload is refused. An external reservation stays where it is: a role it
+    sits on may not be removed, and a serve of its name may not be configured. A role the change
+    would over-commit (beyond what it already was) is refused, naming what it holds.
+    """
+    blockers: list[Blocker] = []
+    for key in RESTART_ONLY_KEYS:
+        before, after = getattr(old.daemon, key), getattr(new.daemon, key)
+        if before != after:
+            blockers.append(Blocker(f"daemon.{key}", f"{before!r} -> {after!r} takes effect only "
+                                    "when gpud restarts: restart gpud instead"))
+    roles = {b.name: b for b in budgets}
+    kept: dict[str, Reservation] = {}
+    release: list[str] = []
+    stop: list[str] = []
+    for res in sorted(ledger.reservations.values(), key=lambda r: (r.since, r.serve)):
+        spec = new.serves.get(res.serve)
+        live = states.get(res.serve) in LIVE
+        if res.external:
+            if spec is not None:
+                blockers.append(_blocker(res, "holds an external reservation; release it "
+                                              "before configuring a serve of that name"))
+            elif res.role not in roles:
+                blockers.append(_blocker(res, f"external reservation on role {res.role!r}, which "
+                                              "the change removes; release it first"))
+            else:
+                kept[res.serve] = res
+            continue
+        if spec is not None and spec.role == res.role and res.role in roles:
+            kept[res.serve] = res
+            continue
+        why = ("leaves the config" if spec is None
+               else f"moves to role {spec.role!r}")
+        if not live:
+            release.append(res.serve)
+        elif may_stop:
+            stop.append(res.serve)
+        else:
+            blockers.append(_blocker(res, f"is {states[res.serve]} and {why}: stop it first "
+                                          "(gpuctl stop), or use gpuctl apply"))
+    for serve, state in sorted(states.items()):
+        if serve not in new.serves or serve in ledger.reservations:
+            continue
+        if state in HOLDING:
+            blockers.append(Blocker(serve, f"is {state} without a reservation"))
+        elif state == ORPHAN:
+            blockers.append(Blocker(serve, "an orphan unit of that name runs: stop it first "
+                                           "(gpuctl stop)"))
+    after = Ledger(roles, kept)
+    for name in sorted(roles):
+        figures = after.figures(name)
+        if figures.free_mib >= 0:
+            continue
+        before = ledger.figures(name).free_mib if name in ledger.roles else 0
+        if name in ledger.roles and not ledger.roles[name].missing and figures.free_mib >= before:
+            continue  # over-committed already (adopted units), and no worse
+        held = ", ".join(f"{r.serve} {r.mib} MiB" for r in after.on_role(name))
+        blockers.append(Blocker(f"roles.{name}", f"committed {figures.committed_mib} MiB would "
+                                f"exceed capacity - reserve = "
+                                f"{figures.capacity_mib - figures.reserve_mib} MiB (held: {held})"))
+    if blockers:
+        return Refusal(tuple(blockers))
+    return Transition(after, tuple(release), tuple(stop))
+
+
+def _blocker(res: Reservation, reason: str) -> Blocker:
+    return Blocker(res.serve, reason, res.role, res.mib)
+
+
+def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
+               adopted_over: Mapping[str, int] | None = None) -> list[str]:
+    """What is false about (config, ledger, states) against the invariant; [] when it holds.
+    `adopted_over` gives, per role, how far adopted units may leave it over-committed."""
+    problems: list[str] = []
+    allowance = adopted_over or {}
+    for res in ledger.reservations.values():
+        budget = ledger.roles.get(res.role)
+        if budget is None or budget.missing or res.role not in config.roles:
+            problems.append(f"{res.serve}: reservation on role {res.role!r}, which is not "
+                            "configured")
+    for name, budget in ledger.roles.items():
+        figures = ledger.figures(name)
+        if not budget.missing and name in config.roles and \
+                figures.free_mib < -allowance.get(name, 0):
+            problems.append(f"role {name!r}: committed {figures.committed_mib} > capacity "
+                            f"{figures.capacity_mib} - reserve {figures.reserve_mib}")
+    for res in ledger.reservations.values():
+        spec = config.serves.get(res.serve)
+        if res.external and spec is not None:
+            problems.append(f"{res.serve}: external reservation under a configured serve's name")
+        if spec is not None and spec.role != res.role:
+            problems.append(f"{res.serve}: reservation on {res.role!r}, configured on "
+                            f"{spec.role!r}")
+    for serve, state in states.items():
+        if state in HOLDING and serve not in ledger.reservations:
+            problems.append(f"{serve}: {state} without a reservation")
+    return problems

@@ -1,0 +1,253 @@
+"""The ledger invariant under real systemd: config changes that remove running serves, units the
+config no longer names, launches that fail before systemd is asked, interrupted applies, and a
+serve's environment kept from other users."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
+from tools.sandbox import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+ROLE = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+
+
+def serve(name: str, port: int, mib: int = 2000, *args: str, resident: bool = True,
+          extra: str = "") -> str:
+    return (f'[serves.{name}]\nrole = "r"\nvram_mib = {mib}\nresident = {str(resident).lower()}\n'
+            f"port = {port}\ncommand = {standin(*args)}\n{extra}")
+
+
+BOTH = sim_config(ROLE, serve("keep", 30101) + "\n" + serve("gone", 30102))
+KEEP = sim_config(ROLE, serve("keep", 30101))
+
+
+@pytest.fixture
+def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
+    ctl = SandboxGpud(sandbox)
+    yield ctl
+    ctl.reset()
+
+
+def gpuctl(gpud: SandboxGpud, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud.socket),
+                           *args], capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          check=False)
+
+
+def committed(gpud: SandboxGpud) -> int:
+    return int(gpud.get("/v1/ledger")["roles"][0]["committed_mib"])
+
+
+def test_apply_that_removes_a_running_serve_stops_it_first_and_releases_it(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(BOTH)
+    gpud.wait_state("keep", "running")
+    gpud.wait_state("gone", "running")
+    new = tmp_path / "keep.toml"
+    new.write_text(KEEP)
+    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    assert plan["stop_first"] == ["gone"] and plan["blocked"] == []
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    steps = [line.split("]")[1].split(":")[0].strip() for line in applied.stdout.splitlines()
+             if line.startswith("[")]
+    assert steps.index("stop") < steps.index("write") < steps.index("reload")
+    assert "gpud-serve-gone.service" not in gpud.serve_units()
+    assert committed(gpud) == 2000
+    assert gpud.call("GET", "/v1/serves/gone").status == 404
+
+
+def test_reload_that_removes_a_running_serve_is_refused_and_stop_still_works(
+        gpud: SandboxGpud) -> None:
+    gpud.configure(BOTH)
+    gpud.wait_state("gone", "running")
+    gpud.sb.write_file("/etc/gpud/serves.toml", KEEP, mode=0o600)
+    refused = gpuctl(gpud, "reload")
+    assert refused.returncode == 1
+    assert "gone (2000 MiB on r): is running and leaves the config: stop it first" \
+        in refused.stderr
+    assert gpud.get("/v1/status")["config_file"]["differs"] is True
+    stopped = gpuctl(gpud, "stop", "gone")
+    assert stopped.returncode == 0, stopped.stderr
+    assert committed(gpud) == 2000
+    assert gpuctl(gpud, "reload").returncode == 0
+    assert gpud.get("/v1/status")["config_file"] == {"differs": False, "reason": None}
+    # SIGHUP takes the same path: refused changes leave the config in force.
+    gpud.sb.write_file("/etc/gpud/serves.toml", sim_config(ROLE, ""), mode=0o600)
+    gpud.sb.run(["systemctl", "kill", "-s", "HUP", "gpud.service"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "refused" not in gpud.journal_tail(80):
+        time.sleep(0.1)
+    assert "reload refused" in gpud.journal_tail(80)
+    assert gpud.serve("keep")["state"] == "running" and committed(gpud) == 2000
+
+
+def test_a_unit_the_config_no_longer_names_is_an_orphan_that_gpuctl_stops(
+        gpud: SandboxGpud) -> None:
+    gpud.configure(BOTH)
+    gpud.wait_state("gone", "running")
+    # gpud and its state gone while the serve runs on; it comes back with a config without it.
+    gpud.sb.run(["systemctl", "stop", "gpud.service"])
+    gpud.sb.run(["rm", "-rf", "/var/lib/gpud"])
+    gpud.sb.write_file("/etc/gpud/serves.toml", KEEP, mode=0o600)
+    gpud.start()
+    orphan = gpud.wait_state("gone", "orphan")
+    assert "the config does not name the serve" in orphan["reason"]
+    assert "gpud-serve-gone.service" in gpud.serve_units()
+    stopped = gpuctl(gpud, "stop", "gone")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "gpud-serve-gone.service" not in gpud.serve_units()
+    assert gpud.serve("keep")["state"] == "running"
+
+
+def test_a_launch_that_fails_before_systemd_is_asked_fails_the_serve_at_once(
+        gpud: SandboxGpud) -> None:
+    cfg = sim_config(ROLE, '[serves.v]\nrole = "r"\nvram_mib = 3000\nport = 30110\n'
+                           '[serves.v.vllm]\nmodel = "m"\n',
+                     daemon='vllm_executable = "vllm-not-installed"')
+    gpud.configure(cfg)
+    began = time.monotonic()
+    out = gpuctl(gpud, "start", "v", timeout=60)
+    assert time.monotonic() - began < 10
+    assert out.returncode == 1
+    assert "'vllm-not-installed' not found in PATH" in out.stderr
+    v = gpud.serve("v")
+    assert v["state"] == "failed" and "vllm-not-installed" in v["reason"]
+    assert v["reserved_mib"] is None and committed(gpud) == 0
+    assert "Task exception was never retrieved" not in gpud.journal_tail(200)
+
+
+def test_a_serves_environment_reaches_it_but_not_systemctl_show(gpud: SandboxGpud) -> None:
+    secret = "hf_s3cr3t $HOME ${X} 'q' \"dq\" `b` \\ end"
+    extra = f"environment = {{ HF_TOKEN = {json.dumps(secret)} }}\n"
+    gpud.configure(sim_config(ROLE, serve("tok", 30120, extra=extra)))
+    pid = gpud.wait_state("tok", "running")["main_pid"]
+    shown = gpud.sb.run(["systemctl", "show", "gpud-serve-tok.service"]).stdout
+    assert "s3cr3t" not in shown
+    environ = gpud.sb.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\0")
+    assert f"HF_TOKEN={secret}" in environ
+    listing = gpud.sb.run(["stat", "-c", "%a %U", "/var/lib/gpud/env",
+                           "/var/lib/gpud/env/tok.env"]).stdout.split("\n")
+    assert listing[:2] == ["700 root", "600 root"]
+
+
+def test_an_apply_cut_short_by_a_crash_is_rolled_back_at_the_next_start(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(KEEP)
+    gpud.wait_state("keep", "running")
+    slow = KEEP + "\n" + serve("slow", 30130, 1000, "--startup-delay", "30")
+    new = tmp_path / "slow.toml"
+    new.write_text(slow)
+    applying = threading.Thread(target=gpuctl, args=(gpud, "apply", str(new)), daemon=True)
+    applying.start()
+    deadline = time.monotonic() + 60
+    while gpud.call("GET", "/v1/serves/slow").status == 404 and time.monotonic() < deadline:
+        time.sleep(0.05)  # known once the apply has reloaded
+    gpud.wait_state("slow", "starting")
+    assert gpud.call("POST", "/v1/reload", {}).status == 409  # not during an apply
+    gpud.sb.run(["systemctl", "kill", "-s", "KILL", "gpud.service"])
+    applying.join(30)
+    gpud.sb.run(["systemctl", "reset-failed", "gpud.service"], check=False)
+    gpud.start()
+    deadline = time.monotonic() + 60
+    recovered: list[dict] = []
+    while not recovered and time.monotonic() < deadline:
+        recovered = [e for e in gpud.events(kind="apply") if e["details"].get("step") == "recover"]
+        time.sleep(0.1)
+    assert recovered, gpud.journal_tail()
+    ev = recovered[0]
+    assert "apply interrupted" in ev["message"]
+    assert "the old config was written back" in ev["message"]
+    assert "stopped slow" in ev["message"] and "old config reloaded" in ev["message"]
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == KEEP
+    assert gpud.get("/v1/status")["config_file"] == {"differs": False, "reason": None}
+    assert "gpud-serve-slow.service" not in gpud.serve_units()
+    assert gpud.serve("keep")["state"] == "running" and committed(gpud) == 2000
+
+
+def test_apply_while_the_resident_set_boots_is_refused(gpud: SandboxGpud, tmp_path: Path) -> None:
+    cfg = sim_config(ROLE, serve("late", 30140, 1000, "--startup-delay", "20"))
+    gpud.configure(cfg)
+    gpud.wait_state("late", "starting")
+    new = tmp_path / "new.toml"
+    new.write_text(cfg.replace("vram_mib = 1000", "vram_mib = 900"))
+    out = gpuctl(gpud, "apply", str(new))
+    assert out.returncode == 1
+    assert "the resident set is still starting" in out.stderr and "late" in out.stderr
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == cfg
+
+
+def test_a_failed_serve_shows_no_stale_pid_and_restarts_name_no_pid_zero(
+        gpud: SandboxGpud) -> None:
+    crashing = serve("crash", 30150, 500, "--crash-after", "0.5",
+                     extra="restart_sec = 0.2\n")
+    gpud.configure(sim_config(ROLE, crashing, daemon="crash_loop_restarts = 2"))
+    failed = gpud.wait_state("crash", "failed", timeout=60)
+    assert failed["main_pid"] is None
+    restarts = gpud.events(kind="restart", serve="crash")
+    assert restarts and not any("MainPID 0" in e["message"] for e in restarts)
+
+
+def test_apply_on_a_full_config_directory_ends_its_stream_with_one_error_line(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(KEEP, start=False)
+    # /etc/gpud on a tiny file system (mounted before gpud starts, so its namespace has it),
+    # filled up: the backup and the write have no room.
+    gpud.sb.run("cp /etc/gpud/serves.toml /run/serves.toml && "
+                "mount -t tmpfs -o size=64k tmpfs /etc/gpud && "
+                "cp /run/serves.toml /etc/gpud/serves.toml && chmod 600 /etc/gpud/serves.toml && "
+                "(dd if=/dev/zero of=/etc/gpud/filler bs=4k 2>/dev/null || true)")
+    try:
+        gpud.start()
+        gpud.wait_state("keep", "running")
+        pid = gpud.serve("keep")["main_pid"]
+        new = tmp_path / "new.toml"
+        new.write_text(KEEP.replace("vram_mib = 2000", "vram_mib = 1800"))
+        out = gpuctl(gpud, "apply", str(new), "--json")
+        assert out.returncode == 1
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert lines[-1]["result"] == "rolled-back"
+        assert "No space left on device" in lines[-1]["error"]
+        assert all("step" in line for line in lines[:-1])
+        listing = gpud.sb.run(["ls", "-a", "/etc/gpud"]).stdout.split()
+        assert not [name for name in listing if name.endswith(".tmp")], listing
+        assert gpud.sb.run(["cat", "/etc/gpud/serves.toml"]).stdout == KEEP
+        assert gpud.serve("keep")["main_pid"] == pid and committed(gpud) == 2000
+    finally:
+        gpud.sb.run(["systemctl", "stop", "gpud.service"], check=False)
+        gpud.sb.run(["umount", "/etc/gpud"], check=False)
+
+
+def test_a_rollback_never_writes_over_a_file_changed_during_the_apply(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(KEEP)
+    gpud.wait_state("keep", "running")
+    sick = KEEP + "\n" + serve("sick", 30160, 500, "--never-healthy",
+                               extra="start_timeout_s = 4\n")
+    new = tmp_path / "sick.toml"
+    new.write_text(sick)
+    result: list[subprocess.CompletedProcess[str]] = []
+    applying = threading.Thread(target=lambda: result.append(gpuctl(gpud, "apply", str(new))))
+    applying.start()
+    deadline = time.monotonic() + 60
+    while gpud.call("GET", "/v1/serves/sick").status == 404 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    operators = KEEP.replace("reserve_mib = 1000", "reserve_mib = 1100")
+    gpud.sb.write_file("/etc/gpud/serves.toml", operators, mode=0o600)  # by hand, meanwhile
+    applying.join(120)
+    [out] = result
+    assert out.returncode == 1
+    assert "changed on disk since the apply began: not written over" in out.stdout
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == operators
+    assert "gpud-serve-sick.service" not in gpud.serve_units()

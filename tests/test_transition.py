@@ -1,0 +1,238 @@
+"""The ledger invariant and the config-change decision: table cases, and a property over random
+sequences of admissions, releases, starts, stops and config changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from gpud.config import Config
+from gpud.core.transition import Refusal, Transition, transition, violations
+from gpud.ledger import Denial, Ledger, Reservation, RoleBudget
+
+
+def config(roles: dict[str, tuple[int, int]], serves: dict[str, tuple[str, int]],
+           **daemon: Any) -> Config:
+    return Config.model_validate({
+        "daemon": daemon,
+        "roles": {n: {"device": "0", "capacity_mib": c, "reserve_mib": r}
+                  for n, (c, r) in roles.items()},
+        "serves": {n: {"role": role, "vram_mib": mib, "command": ["/bin/true"]}
+                   for n, (role, mib) in serves.items()},
+    })
+
+
+def budgets(cfg: Config) -> list[RoleBudget]:
+    return [RoleBudget(n, r.device, r.capacity_mib or 0, r.reserve_mib)
+            for n, r in sorted(cfg.roles.items())]
+
+
+def res(serve: str, role: str, mib: int, *, external: bool = False) -> Reservation:
+    return Reservation(serve, role, mib, 0.0, 0, external)
+
+
+def decide(old: Config, new: Config, held: list[Reservation], states: dict[str, str], *,
+           may_stop: bool = False) -> Transition | Refusal:
+    ledger = Ledger.build(budgets(old), held)
+    return transition(old=old, new=new, ledger=ledger, budgets=budgets(new), states=states,
+                      may_stop=may_stop)
+
+
+OLD = config({"a": (1000, 100), "b": (1000, 0)}, {"x": ("a", 300), "y": ("a", 200)})
+
+
+def refused(outcome: Transition | Refusal) -> list[str]:
+    assert isinstance(outcome, Refusal), outcome
+    return [b.message for b in outcome.blockers]
+
+
+def test_removed_serve_not_running_is_released() -> None:
+    new = config({"a": (1000, 100), "b": (1000, 0)}, {"y": ("a", 200)})
+    out = decide(OLD, new, [res("x", "a", 300)], {"x": "admitted"})
+    assert isinstance(out, Transition)
+    assert out.release == ("x",) and out.stop == ()
+    assert "x" not in out.ledger.reservations
+
+
+def test_removed_running_serve_refuses_a_reload_and_is_stopped_first_by_apply() -> None:
+    new = config({"a": (1000, 100), "b": (1000, 0)}, {"y": ("a", 200)})
+    held, states = [res("x", "a", 300)], {"x": "running"}
+    [message] = refused(decide(OLD, new, held, states))
+    assert message == ("x (300 MiB on a): is running and leaves the config: stop it first "
+                       "(gpuctl stop), or use gpuctl apply")
+    out = decide(OLD, new, held, states, may_stop=True)
+    assert isinstance(out, Transition) and out.stop == ("x",) and out.release == ()
+
+
+def test_serve_moved_to_another_role_gives_up_its_old_reservation() -> None:
+    new = config({"a": (1000, 100), "b": (1000, 0)}, {"x": ("b", 300), "y": ("a", 200)})
+    out = decide(OLD, new, [res("x", "a", 300)], {"x": "admitted"})
+    assert isinstance(out, Transition) and out.release == ("x",)
+    [message] = refused(decide(OLD, new, [res("x", "a", 300)], {"x": "starting"}))
+    assert "moves to role 'b'" in message
+
+
+def test_role_removed_under_an_external_reservation_is_refused() -> None:
+    new = config({"a": (1000, 100)}, {"x": ("a", 300), "y": ("a", 200)})
+    [message] = refused(decide(OLD, new, [res("ext", "b", 54, external=True)], {}))
+    assert message.startswith("ext (54 MiB on b): external reservation on role 'b'")
+
+
+def test_configuring_a_serve_under_an_external_reservations_name_is_refused() -> None:
+    new = config({"a": (1000, 100), "b": (1000, 0)}, {"x": ("a", 300), "ext": ("b", 10)})
+    [message] = refused(decide(OLD, new, [res("ext", "a", 54, external=True)], {}))
+    assert "holds an external reservation" in message
+
+
+def test_over_commit_is_refused_naming_what_the_role_holds() -> None:
+    new = config({"a": (500, 100), "b": (1000, 0)}, {"x": ("a", 300), "y": ("a", 200)})
+    held = [res("x", "a", 300), res("y", "a", 200)]
+    [message] = refused(decide(OLD, new, held, {}))
+    assert message == ("roles.a: committed 500 MiB would exceed capacity - reserve = 400 MiB "
+                       "(held: x 300 MiB, y 200 MiB)")
+    # Exactly full is not over-committed.
+    exact = config({"a": (600, 100), "b": (1000, 0)}, {"x": ("a", 300), "y": ("a", 200)})
+    assert isinstance(decide(OLD, exact, held, {}), Transition)
+
+
+def test_a_role_over_committed_by_adopted_units_may_stay_so_but_not_grow_worse() -> None:
+    held = [res("x", "a", 800), res("y", "a", 300)]  # adopted: 1100 on 900
+    same = decide(OLD, OLD, held, {"x": "running", "y": "running"})
+    assert isinstance(same, Transition)
+    worse = config({"a": (1000, 101), "b": (1000, 0)}, {"x": ("a", 300), "y": ("a", 200)})
+    assert refused(decide(OLD, worse, held, {"x": "running", "y": "running"}))
+
+
+def test_restart_only_daemon_keys_are_refused() -> None:
+    new = OLD.model_copy(update={"daemon": OLD.daemon.model_copy(
+        update={"state_dir": "/elsewhere", "socket": "/run/other.sock"})})
+    messages = refused(decide(OLD, new, [], {}))
+    assert [m.split(":")[0] for m in messages] == ["daemon.socket", "daemon.state_dir"]
+    assert "restart gpud" in messages[0]
+
+
+def test_orphan_unit_blocks_configuring_its_name_again() -> None:
+    [message] = refused(decide(OLD, OLD, [], {"x": "orphan"}))
+    assert message.startswith("x: an orphan unit")
+
+
+def test_violations_names_each_broken_clause() -> None:
+    ledger = Ledger.build(budgets(OLD), [res("x", "b", 300), res("ext", "gone", 5, external=True),
+                                         res("y", "a", 1200)])
+    found = violations(OLD, ledger, {"z": "running"})
+    assert "x: reservation on 'b', configured on 'a'" in found
+    assert "ext: reservation on role 'gone', which is not configured" in found
+    assert "role 'a': committed 1200 > capacity 1000 - reserve 100" in found
+    assert "z: running without a reservation" in found
+    assert violations(OLD, Ledger.build(budgets(OLD), [res("x", "a", 300)]),
+                      {"x": "running"}) == []
+
+
+# ---- the property ----------------------------------------------------------------------------
+
+ROLES = ("r0", "r1", "r2")
+SERVES = ("s0", "s1", "s2", "s3")
+EXTERNAL = ("e0", "e1")
+LIVE = {"starting", "running"}
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    roles = {}
+    for name in draw(st.lists(st.sampled_from(ROLES), min_size=1, unique=True)):
+        capacity = draw(st.integers(200, 2000))
+        roles[name] = (capacity, draw(st.integers(0, capacity - 1)))
+    serves = {}
+    for name in draw(st.lists(st.sampled_from(SERVES), unique=True)):
+        role = draw(st.sampled_from(sorted(roles)))
+        serves[name] = (role, draw(st.integers(1, roles[role][0])))
+    return config(roles, serves)
+
+
+class LedgerWorld(RuleBasedStateMachine):
+    """What the service and supervisor do, on values: every change goes through the ledger's
+    decide/release or through `transition`, and the invariant holds after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = config({"r0": (1000, 100)}, {"s0": ("r0", 300)})
+        self.ledger = Ledger.build(budgets(self.config), [])
+        self.states: dict[str, str] = {}
+
+    def _admit(self, serve: str, role: str, mib: int, external: bool) -> bool:
+        out = self.ledger.decide(serve, role, mib, since=0.0, by_uid=0, external=external)
+        if isinstance(out, Denial):
+            return False
+        self.ledger = out[0]
+        return True
+
+    @rule(serve=st.sampled_from(SERVES), mib=st.integers(1, 2000))
+    def admit(self, serve: str, mib: int) -> None:
+        spec = self.config.serves.get(serve)
+        if spec is not None and self._admit(serve, spec.role, mib, False) \
+                and self.states.get(serve) not in LIVE:
+            self.states[serve] = "admitted"
+
+    @rule(name=st.sampled_from(EXTERNAL), role=st.sampled_from(ROLES), mib=st.integers(1, 800))
+    def admit_external(self, name: str, role: str, mib: int) -> None:
+        held = self.ledger.reservations.get(name)
+        if role in self.config.roles and name not in self.config.serves and (
+                held is None or held.role == role) and self._admit(name, role, mib, True):
+            self.states[name] = "external"
+
+    @rule(serve=st.sampled_from(SERVES + EXTERNAL))
+    def release(self, serve: str) -> None:
+        if serve in self.ledger.reservations and self.states.get(serve) not in LIVE:
+            self.ledger = self.ledger.release(serve)[0]
+            self.states[serve] = "declared"
+
+    @rule(serve=st.sampled_from(SERVES))
+    def start(self, serve: str) -> None:
+        spec = self.config.serves.get(serve)
+        if spec is None or self.states.get(serve) in LIVE:
+            return
+        held = self.ledger.reservations.get(serve)
+        if held is None and not self._admit(serve, spec.role, spec.vram_mib, False):
+            return
+        self.states[serve] = "running"
+
+    @rule(serve=st.sampled_from(SERVES))
+    def stop(self, serve: str) -> None:
+        if self.states.get(serve) in LIVE and serve in self.config.serves:
+            self.ledger = self.ledger.release(serve)[0]
+            self.states[serve] = "declared"
+
+    @rule(new=configs(), may_stop=st.booleans())
+    def change_config(self, new: Config, may_stop: bool) -> None:
+        out = transition(old=self.config, new=new, ledger=self.ledger, budgets=budgets(new),
+                         states=self.states, may_stop=may_stop)
+        if isinstance(out, Refusal):
+            assert out.blockers  # a refusal always says what stands in the way
+            return
+        for serve in out.stop:  # stopped, then released
+            assert may_stop and self.states[serve] in LIVE
+            self.states[serve] = "declared"
+        for serve in out.release:  # released as they are: a live unit would go on running
+            if self.states.get(serve) not in LIVE:
+                self.states[serve] = "declared"
+        kept = set(self.ledger.reservations) - set(out.released)
+        assert set(out.ledger.reservations) == kept  # nothing else is dropped
+        self.config, self.ledger = new, out.ledger
+
+    @invariant()
+    def holds(self) -> None:
+        assert violations(self.config, self.ledger, self.states) == []
+
+
+TestLedgerWorld = LedgerWorld.TestCase
+TestLedgerWorld.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("serves", [{}, {"x": ("a", 300)}])
+def test_a_change_with_nothing_held_is_never_refused(serves: dict[str, tuple[str, int]]) -> None:
+    new = config({"a": (400, 0)}, serves)
+    assert isinstance(decide(OLD, new, [], {}), Transition)
