@@ -27,11 +27,12 @@ test: setup lint
 bench: setup
 	$(PY) bench/run.py
 
-# gpuctl(1), gpud(8) and the bash/zsh completion are generated from the parsers; tests fail when
-# they are stale
+# gpuctl(1), gpud(8), the bash/zsh completion and the dashboard's state panel are generated from
+# gpud's own tables; tests fail when they are stale
 docs: setup
 	$(PY) scripts/manpage.py
 	$(PY) scripts/completion.py
+	$(PY) scripts/dashboard.py
 
 deb: setup
 	PYTHON=$(PY) packaging/build-deb

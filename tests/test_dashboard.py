@@ -36,6 +36,13 @@ def panels() -> dict[str, dict[str, Any]]:
     return {p["title"]: p for p in dashboard()["panels"]}
 
 
+def test_dashboard_is_current() -> None:
+    """The serve-state panel is written from gpud's STATES (scripts/dashboard.py)."""
+    result = subprocess.run([sys.executable, "scripts/dashboard.py", "--check"], cwd=REPO,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
 def test_dashboard_queries_exported_metrics(tmp_path: Path) -> None:
     exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\b(gpud_[a-z_]+)", e)}
