@@ -1,8 +1,9 @@
 # gpud: `make demo` shows the whole thing in a disposable systemd sandbox with a simulated GPU;
-# `make test` runs every check CI runs.
-PY ?= python3
+# `make test` runs every check CI runs. Everything runs in the project's virtualenv, .venv/
+# (made by scripts/setup), never in the system's interpreter.
+PY := .venv/bin/python
 
-.PHONY: setup demo run test lint unit bench deb clean
+.PHONY: setup demo run test lint unit bench deb docs clean distclean
 
 setup:
 	scripts/setup
@@ -13,11 +14,11 @@ demo: setup
 run: setup
 	$(PY) -m gpud.daemon --config etc/serves.toml --socket /run/gpud/gpud.sock --state-dir /var/lib/gpud
 
-lint:
+lint: setup
 	$(PY) -m ruff check gpud tests tools bench scripts
 	$(PY) -m mypy
 
-unit:
+unit: setup
 	$(PY) -m pytest -m 'not sandbox and not slow'
 
 test: setup lint
@@ -26,8 +27,18 @@ test: setup lint
 bench: setup
 	$(PY) bench/run.py
 
-deb:
-	packaging/build-deb
+# gpuctl(1), gpud(8), the bash/zsh completion and the dashboard's state panel are generated from
+# gpud's own tables; tests fail when they are stale
+docs: setup
+	$(PY) scripts/manpage.py
+	$(PY) scripts/completion.py
+	$(PY) scripts/dashboard.py
+
+deb: setup
+	PYTHON=$(PY) packaging/build-deb
 
 clean:
 	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+distclean: clean
+	rm -rf .venv

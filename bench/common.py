@@ -24,8 +24,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 # The interpreter running the suite; `python3` on PATH may be a shim (pyenv) that costs more than
-# the program it starts, so every figure names the real binary.
-PY = os.path.realpath(sys.executable)
+# the program it starts, so every figure names the real binary. In a virtualenv (the project's
+# .venv) that is the venv's own python, a symlink: resolving it would leave the venv's packages.
+PY = sys.executable if sys.prefix != sys.base_prefix else os.path.realpath(sys.executable)
 # Temp dirs go to /var/tmp: the same disk as a real /var/lib/gpud (the ledger fsyncs), never a tmpfs.
 TMP_BASE = Path("/var/tmp")
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpud.config import MAX_MIB, _reason
 from gpud.core.authority import needs_root
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import EVENT_KINDS, Event, EventQuery
@@ -171,7 +172,10 @@ class Api:
         try:
             return await handler(request)
         except GpudError as exc:
-            if exc.http_status >= 500:
+            if isinstance(exc, Unavailable):
+                # a state of the host (no system bus, no NVML), answered as designed: not a fault
+                log.warning("%s %s: %s", request.method, request.path, exc.message)
+            elif exc.http_status >= 500:
                 log.error("%s %s: %s", request.method, request.path, exc.message)
             return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
@@ -317,9 +321,10 @@ class Api:
     async def metrics_text(self, request: web.Request) -> web.Response:
         if self.metrics is None:
             raise Unavailable("metrics are not set up in this gpud")
-        return web.Response(text=self.metrics(),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        # the exposition format's version is part of the content type Prometheus negotiates
+        return web.Response(body=self.metrics().encode(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE,
+                                     "X-Content-Type-Options": "nosniff"})
 
     # ---- mutations -------------------------------------------------------------------------
 

@@ -368,7 +368,8 @@ def check_config(path: Path) -> int:
     return 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """gpud's command line (also the source of gpud(8): scripts/manpage.py)."""
     parser = argparse.ArgumentParser(
         prog="gpud",
         description="gpud: the GPU-memory ledger of this host. Admits or denies reservations "
@@ -382,10 +383,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-config", type=Path, metavar="PATH",
                         help="validate PATH, print a summary or the errors (exit 2), and exit")
     parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-target", default="auto", choices=["auto", "journal", "stderr"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="least severe messages logged (default: %(default)s)")
+    parser.add_argument("--log-target", default="auto", choices=["auto", "journal", "stderr"],
+                        help="journald with structured fields, or stderr; auto: journald when "
+                             "stderr is connected to the journal (default: %(default)s)")
     parser.add_argument("--version", action="version", version=f"gpud {__version__}")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def raise_nofile_limit() -> None:

@@ -1,7 +1,12 @@
-"""Prometheus text exposition of the ledger, observation and serve states.
+"""Prometheus text exposition (format 0.0.4) of the ledger, observation and serve states.
 
-Names are `gpud_*`; labels follow DCGM's exporter (`gpu`, `UUID`) plus `role` and `serve`, so a
-dashboard can join gpud's figures with DCGM's on the device.
+Names are `gpud_*`, in MiB (`_mib`) as DCGM's framebuffer fields are. Labels follow DCGM's
+exporter so a dashboard can join gpud's figures with DCGM's on the device:
+
+- `gpud_device_*`: one series per physical device (labels `gpu`, `UUID`, `pci_bus_id`), so a
+  sum by `gpu` counts a device once however many roles share it;
+- `gpud_role_*`: the ledger of one role (labels `role`, `gpu`, `UUID`);
+- `gpud_serve_*`: one serve (labels `serve`, `role`, `gpu`, `UUID`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from collections.abc import Iterable
 from gpud.calibration import Calibrator
 from gpud.observer import Observer
 from gpud.service import STATES, LedgerService
+
+# Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
            "reserve-exceeded", "exit", "unhealthy", "reload")
@@ -34,9 +42,10 @@ class _Family:
         self.samples.append((_labels(labels.items()), value))
 
     def render(self) -> str:
+        # In the 0.0.4 text format HELP and TYPE name the samples exactly: a counter's family is
+        # its `_total` name (promtool rejects `# TYPE x counter` above `x_total` samples).
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        suffix = "_total" if self.kind == "counter" else ""
-        lines += [f"{self.name}{suffix}{labels} {value:g}" for labels, value in self.samples]
+        lines += [f"{self.name}{labels} {value:g}" for labels, value in self.samples]
         return "\n".join(lines)
 
 
@@ -47,12 +56,44 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
         return fams.setdefault(name, _Family(name, kind, help_text))
 
     ledger, states = svc.ledger, svc.states()
+    latest = observer.latest if observer is not None else None
+    if observer is not None and latest is not None and latest.available:
+        for sample in latest.devices:
+            # DCGM's join labels, spelled as DCGM spells them. Its `modelName` is not repeated on
+            # every series: promtool's lint rejects camelCase label names, so the model rides on
+            # gpud_device_info as `model_name` (or comes from DCGM by group_left on UUID).
+            labels = {"gpu": str(sample.index), "UUID": sample.uuid, "pci_bus_id": sample.pci_bus_id}
+            fam("gpud_device_info", "gauge", "1 for each observed device; model_name as NVML names it"
+                ).add(1, **labels, model_name=sample.name)
+            if sample.total_mib is not None:
+                fam("gpud_device_total_mib", "gauge", "Device memory total (NVML)"
+                    ).add(sample.total_mib, **labels)
+            draw = observer.draw_for(sample.uuid, ledger, states)
+            if draw is None:
+                continue
+            for metric, help_text, value in (
+                ("used_mib", "Device memory used (NVML)", draw.used_mib),
+                ("physical_free_mib", "Device memory free (NVML)", draw.physical_free_mib),
+                ("managed_draw_mib", "Draw of processes in gpud's serve units", draw.managed_draw_mib),
+                ("non_ledger_draw_mib", "used - managed draw", draw.non_ledger_draw_mib),
+                ("reserve_excess_mib", "non-ledger draw - the reserves of the device's roles",
+                 draw.reserve_excess_mib),
+                ("pending_mib", "Reserved memory not yet drawn", draw.pending_mib),
+            ):
+                fam(f"gpud_device_{metric}", "gauge", help_text).add(value, **labels)
+    role_labels: dict[str, dict[str, str]] = {}
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]
         figures = ledger.figures(name)
         dev = observer.device(budget.device) if observer else None
-        base = {"role": name, "gpu": str(dev.index) if dev else budget.device,
-                "UUID": dev.uuid if dev else ""}
+        if dev is not None:
+            where = {"gpu": str(dev.index), "UUID": dev.uuid}
+        else:
+            # not observed: what the config says, in the label it fits
+            ref = budget.device
+            where = {"gpu": ref if ref.isdigit() else "", "UUID": ref if ref.startswith("GPU-") else ""}
+        role_labels[name] = where
+        base = {"role": name, **where}
         for metric, help_text, value in (
             ("capacity_mib", "Role capacity in MiB", figures.capacity_mib),
             ("reserve_mib", "Headroom for draw the ledger does not manage", figures.reserve_mib),
@@ -64,22 +105,13 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
             else None
         if draw is None:
             continue
-        for metric, help_text, value in (
-            ("used_mib", "Device memory used (NVML)", draw.used_mib),
-            ("managed_draw_mib", "Draw of processes in gpud's serve units", draw.managed_draw_mib),
-            ("non_ledger_draw_mib", "used - managed draw", draw.non_ledger_draw_mib),
-            ("reserve_excess_mib", "non-ledger draw - reserve", draw.reserve_excess_mib),
-            ("physical_free_mib", "Device memory free (NVML)", draw.physical_free_mib),
-            ("pending_mib", "Reserved memory not yet drawn", draw.pending_mib),
-            ("effective_free_mib", "min(ledger free, physical free - pending)",
-             draw.effective_free(figures.free_mib)),
-        ):
-            fam(f"gpud_role_{metric}", "gauge", help_text).add(value, **base)
+        fam("gpud_role_effective_free_mib", "gauge", "min(ledger free, physical free - pending)"
+            ).add(draw.effective_free(figures.free_mib), **base)
     for serve in svc.known_serves():
         res = ledger.reservations.get(serve)
         spec = svc.serve_spec(serve)
         role = res.role if res else (spec.role if spec else "")
-        labels = {"serve": serve, "role": role}
+        labels = {"serve": serve, "role": role, **role_labels.get(role, {"gpu": "", "UUID": ""})}
         fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
             ).add(res.mib if res else 0, **labels)
         observed = observer.observed_mib(serve) if observer else None
@@ -94,7 +126,7 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
             fam("gpud_serve_calibrated", "gauge", "1 when a calibration matches the fingerprint"
                 ).add(1 if calibrator.calibration_of(serve)[0] == "calibrated" else 0, **labels)
     for kind in COUNTED:
-        fam("gpud_events", "counter", "Events recorded since gpud started, by kind"
+        fam("gpud_events_total", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)
     obs_ok = bool(observer and observer.available)
     fam("gpud_observation_available", "gauge", "1 when observation works").add(1 if obs_ok else 0,

@@ -95,9 +95,9 @@ def main() -> int:
         sh("gpuctl ledger", "gpuctl ledger")
         sh("systemctl list-units 'gpud-serve-*'",
            "systemctl list-units 'gpud-serve-*' --no-pager --no-legend")
-        sh("curl -s --unix-socket /run/gpud/gpud.sock http://localhost/metrics | grep role_",
+        sh("curl -s --unix-socket /run/gpud/gpud.sock http://localhost/metrics | grep -E ...",
            "curl -s --unix-socket /run/gpud/gpud.sock http://localhost/metrics "
-           "| grep -E '^gpud_role_(committed|ledger_free|non_ledger_draw|reserve_excess)'")
+           "| grep -E '^gpud_(role_(committed|ledger_free)|device_(non_ledger_draw|reserve_excess))_mib'")
         sh("gpuctl events --kind reserve-exceeded,deny,apply --limit 8",
            "gpuctl events --kind reserve-exceeded,deny,apply --limit 8")
     finally:

@@ -53,3 +53,19 @@ def test_dbus_errors_mapped(name: str, cls: type[GpudError]) -> None:
 
     mapped = map_error(DBusError(name, "text"), "start x")
     assert isinstance(mapped, cls)
+
+
+def test_expected_503_logs_a_warning_not_an_error(tmp_path: Path) -> None:
+    """`start` without a system bus answers 503 as designed: a warning in the log, no ERROR."""
+    from tests.conftest import T015, start_gpud
+
+    gp = start_gpud(tmp_path, T015)
+    try:
+        reply = gp.call("POST", "/v1/serves/fast/start")
+        assert reply.status == 503, reply.body
+        assert reply.body["error"]["code"] == "unavailable"
+    finally:
+        gp.stop()
+    lines = [line for line in gp.output().splitlines() if "/v1/serves/fast/start" in line]
+    assert lines and all(" WARNING " in line for line in lines), lines
+    assert " ERROR " not in gp.output(), gp.output()

@@ -1,13 +1,18 @@
-"""/metrics parsed by Prometheus' own parser; its figures equal /v1/ledger's."""
+"""/metrics parsed by Prometheus' own parser and linted by promtool; its figures equal /v1/ledger's."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import GpudProcess, start_gpud
@@ -24,6 +29,10 @@ observe_interval_s = 0.2
 [roles.dark-fast]
 device = "GPU-sim-0"
 reserve_mib = 4608
+[roles.dark-side]
+device = "0"
+capacity_mib = 4096
+reserve_mib = 0
 [serves.fast]
 role = "dark-fast"
 vram_mib = 14336
@@ -46,13 +55,17 @@ def samples(gp: GpudProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
     return out
 
 
+DEVICE = frozenset({("gpu", "0"), ("UUID", "GPU-sim-0"), ("pci_bus_id", "00000000:01:00.0")})
+
+
 def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
     gp = start_gpud(tmp_path, sim_config(tmp_path))
     try:
         assert gp.call("POST", "/v1/serves/fast/admit", {"mib": 14336}).status == 200
         assert gp.call("POST", "/v1/serves/side/admit", {"mib": 1000, "role": "dark-fast"}).status == 200
         assert gp.call("POST", "/v1/serves/big/admit", {"mib": 99999, "role": "dark-fast"}).status == 409
-        role = gp.call("GET", "/v1/ledger").body["roles"][0]
+        roles = {r["name"]: r for r in gp.call("GET", "/v1/ledger").body["roles"]}
+        role = roles["dark-fast"]
         got = samples(gp)
         labels = frozenset({("role", "dark-fast"), ("gpu", "0"), ("UUID", "GPU-sim-0")})
         for metric, key in (("gpud_role_capacity_mib", "capacity_mib"),
@@ -61,22 +74,60 @@ def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
                             ("gpud_role_ledger_free_mib", "free_mib")):
             assert got[(metric, labels)] == role[key], metric
         obs = role["observed"]
-        for metric, key in (("gpud_role_used_mib", "used_mib"),
-                            ("gpud_role_managed_draw_mib", "managed_draw_mib"),
-                            ("gpud_role_non_ledger_draw_mib", "non_ledger_draw_mib"),
-                            ("gpud_role_reserve_excess_mib", "reserve_excess_mib"),
-                            ("gpud_role_effective_free_mib", "effective_free_mib")):
-            assert got[(metric, labels)] == obs[key], metric
-        assert got[("gpud_role_reserve_excess_mib", labels)] == 1229
-        fast = frozenset({("serve", "fast"), ("role", "dark-fast")})
+        assert got[("gpud_role_effective_free_mib", labels)] == obs["effective_free_mib"]
+        # Device figures: one series per device, with DCGM's labels, although two roles share it
+        # (a sum by gpu must not count the device twice).
+        for metric, key in (("gpud_device_used_mib", "used_mib"),
+                            ("gpud_device_managed_draw_mib", "managed_draw_mib"),
+                            ("gpud_device_non_ledger_draw_mib", "non_ledger_draw_mib"),
+                            ("gpud_device_physical_free_mib", "physical_free_mib")):
+            assert got[(metric, DEVICE)] == obs[key], metric
+            assert [k for k in got if k[0] == metric] == [(metric, DEVICE)], metric
+        assert got[("gpud_device_total_mib", DEVICE)] == 32607
+        assert got[("gpud_device_reserve_excess_mib", DEVICE)] == 1229
+        assert got[("gpud_device_info", DEVICE | {("model_name", "Simulated GPU")})] == 1
+        assert not any(k[0].startswith("gpud_role_") and k[0].endswith(("used_mib", "non_ledger_draw_mib"))
+                       for k in got)
+        # serve series carry the device of their role, to join with DCGM's per-GPU series
+        fast = frozenset({("serve", "fast"), ("role", "dark-fast"), ("gpu", "0"), ("UUID", "GPU-sim-0")})
         assert got[("gpud_serve_reservation_mib", fast)] == 14336
         assert got[("gpud_serve_state", fast | {("state", "admitted")})] == 1
         assert got[("gpud_serve_state", fast | {("state", "running")})] == 0
         assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == 2
         assert got[("gpud_events_total", frozenset({("kind", "deny")}))] == 1
         assert got[("gpud_observation_available", frozenset({("backend", "simulated")}))] == 1
+        # every metric that is a quantity of memory says its unit
+        for name, _ in got:
+            if name.startswith(("gpud_device_", "gpud_role_")) and name != "gpud_device_info":
+                assert name.endswith("_mib"), name
     finally:
         gp.stop()
+
+
+def promtool() -> str:
+    """promtool, from the project's .venv (scripts/setup unpacks it from Debian's prometheus)."""
+    found = shutil.which("promtool", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing: scripts/setup installs it into .venv/bin")
+        pytest.skip("promtool is missing: run scripts/setup")
+    return found
+
+
+def test_promtool_accepts_live_metrics(tmp_path: Path) -> None:
+    tool = promtool()
+    gp = start_gpud(tmp_path, sim_config(tmp_path))
+    try:
+        assert gp.call("POST", "/v1/serves/fast/admit", {"mib": 14336}).status == 200
+        assert gp.call("POST", "/v1/serves/big/admit", {"mib": 99999, "role": "dark-fast"}).status == 409
+        text = gp.call("GET", "/metrics").raw
+    finally:
+        gp.stop()
+    assert b"# TYPE gpud_events_total counter" in text
+    result = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+    assert not (result.stdout + result.stderr).strip(), (result.stdout + result.stderr).decode()
 
 
 def free_port() -> int:
@@ -91,6 +142,8 @@ def test_tcp_listener_serves_only_metrics(tmp_path: Path) -> None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             assert b"gpud_role_committed_mib" in resp.read()
+            # the exposition format Prometheus negotiates, by its version
+            assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         for method, path in (("GET", "/v1/ledger"), ("POST", "/v1/serves/fast/admit")):
             req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
                                          data=b'{"mib": 1}' if method == "POST" else None)

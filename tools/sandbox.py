@@ -110,66 +110,9 @@ MASKED_UNITS: tuple[str, ...] = (
     "systemd-ask-password-wall.path",
 )
 
-# Runs as PID 1 of the new namespaces and ends by exec'ing systemd. $1 is an empty directory on
-# the host that becomes the tmpfs holding the overlay's upper layer; every mount below exists
-# only in the sandbox's mount namespace.
-BOOT_SCRIPT = r"""
-set -eu
-mnt=$1; hostname=$2; shift 2
-mount -t tmpfs -o mode=0755 gpud-sandbox "$mnt"
-mkdir "$mnt/upper" "$mnt/work" "$mnt/root"
-mount -t overlay -o "lowerdir=/,upperdir=$mnt/upper,workdir=$mnt/work" gpud-sandbox "$mnt/root"
-r=$mnt/root
-mount -t proc -o nosuid,nodev,noexec proc "$r/proc"
-for p in sys sysrq-trigger; do
-    [ -e "$r/proc/$p" ] || continue
-    mount --bind "$r/proc/$p" "$r/proc/$p"
-    mount -o remount,bind,ro "$r/proc/$p"
-done
-mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$r/sys"
-mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 "$r/sys/fs/cgroup"
-mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$r/run"
-mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$r/tmp"
-mount -t tmpfs -o mode=0755,nosuid,size=4m tmpfs "$r/dev"
-for n in null:1:3 zero:1:5 full:1:7 random:1:8 urandom:1:9 tty:5:0; do
-    IFS=: read -r name major minor <<EOF
-$n
-EOF
-    mknod -m 0666 "$r/dev/$name" c "$major" "$minor"
-done
-mkdir -m 0755 "$r/dev/pts"
-mkdir -m 1777 "$r/dev/shm"
-mount -t devpts -o newinstance,ptmxmode=0666,mode=0620,gid=5 devpts "$r/dev/pts"
-mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$r/dev/shm"
-ln -s pts/ptmx "$r/dev/ptmx"
-ln -s /proc/self/fd "$r/dev/fd"
-ln -s /proc/self/fd/0 "$r/dev/stdin"
-ln -s /proc/self/fd/1 "$r/dev/stdout"
-ln -s /proc/self/fd/2 "$r/dev/stderr"
-for d in /dev/nvidia*; do
-    [ -e "$d" ] || continue
-    if [ -d "$d" ]; then mkdir -p "$r$d"; else touch "$r$d"; fi
-    mount --rbind "$d" "$r$d"
-done
-# Host directories the overlay cannot show (under /tmp or /run, which are fresh here, or on
-# another file system): bound at the same path, e.g. a repository checked out under /tmp.
-printf '%s\n' "${GPUD_SANDBOX_BINDS:-}" | while IFS= read -r b; do
-    [ -n "$b" ] || continue
-    mkdir -p "$r$b"
-    mount --rbind "$b" "$r$b"
-done
-unset GPUD_SANDBOX_BINDS
-for u in "$@"; do ln -sfn /dev/null "$r/etc/systemd/system/$u"; done
-mkdir -p "$r/etc/systemd/journald.conf.d"
-printf '[Journal]\nStorage=volatile\n' > "$r/etc/systemd/journald.conf.d/gpud-sandbox.conf"
-printf '%s\n' "$hostname" > "$r/etc/hostname"
-hostname "$hostname"
-cd "$r"
-pivot_root . .
-umount -l .
-cd /
-exec /lib/systemd/systemd --system --unit=multi-user.target
-"""
+# Runs as PID 1 of the new namespaces and ends by exec'ing systemd (a file of its own, so that
+# shellcheck reads it).
+BOOT_SCRIPT = Path(__file__).resolve().with_name("sandbox-boot.sh")
 
 
 # Mounted afresh inside the sandbox: what the host has there is not seen through the overlay.
@@ -185,6 +128,27 @@ def needs_bind(path: Path) -> bool:
         return os.stat(path).st_dev != os.stat("/").st_dev
     except OSError:
         return False
+
+
+def interpreter_dirs() -> list[Path]:
+    """Where the running interpreter lives: its prefix (a virtualenv, e.g. the project's .venv)
+    and, for a venv, the base installation its ``bin/python`` symlinks into."""
+    dirs = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+            Path(os.path.realpath(sys.executable)).parent}
+    return sorted(dirs)
+
+
+# What gpud.service's PrivateTmp=yes replaces with empty directories of its own.
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+
+
+def hidden_by_private_tmp(paths: Sequence[Path]) -> bool:
+    """Whether gpud.service would not see one of PATHS (a checkout, an interpreter).
+
+    PrivateTmp=yes gives the unit fresh /tmp and /var/tmp; ProtectHome=read-only and
+    ProtectSystem=full leave home, /srv and /opt readable, which is all gpud needs of them.
+    """
+    return any(h == p or h in p.parents for h in PRIVATE_TMP for p in map(Path, paths))
 
 
 class SandboxError(RuntimeError):
@@ -378,9 +342,10 @@ class Sandbox:
     ) -> None:
         self.name = name
         self.detached = detached
-        # This checkout and the interpreter's prefix must be visible inside: bound in when the
-        # overlay of / would not show them.
-        wanted = [*binds, Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()]
+        # This checkout, the interpreter's prefix (the project's .venv) and the base interpreter
+        # that venv's python links to must be visible inside: bound in when the overlay of /
+        # would not show them.
+        wanted = [*binds, Path(__file__).resolve().parents[1], *interpreter_dirs()]
         self.binds = sorted({p for p in wanted if needs_bind(p)})
         if workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=DEFAULT_WORKDIR_BASE))
@@ -454,7 +419,7 @@ class Sandbox:
             _tool("unshare"),
             "--pid", "--mount", "--net", "--uts", "--ipc", "--cgroup",
             "--propagation", "private", "--fork", "--kill-child=SIGKILL",
-            "--", "/bin/sh", "-c", BOOT_SCRIPT, "gpud-sandbox-boot",
+            "--", "/bin/sh", str(BOOT_SCRIPT),
             str(mnt), self.name, *MASKED_UNITS,
         ]  # fmt: skip
         if not self.detached:
@@ -826,7 +791,7 @@ class Sandbox:
         if not units:
             raise SandboxError(f"no units in {repo / 'units'}")
         # the overlay shows only the host's root file system, not what is mounted elsewhere
-        for needed in (repo / "gpud", Path(sys.executable)):
+        for needed in (repo / "gpud", Path(sys.executable), Path(os.path.realpath(sys.executable))):
             if not self.host_path(str(needed)).exists():
                 raise SandboxError(f"{needed} is not visible inside the sandbox (another mount?)")
         for unit in units:
@@ -837,10 +802,7 @@ class Sandbox:
             self.run(["groupadd", "--force", "--system", group])
         python = _systemd_quote(sys.executable)
         pythonpath = _systemd_quote(f"PYTHONPATH={repo}")
-        tmp = Path("/tmp")
-        # gpud.service has PrivateTmp=yes: a checkout bound in under /tmp would vanish for it.
-        private_tmp = ("PrivateTmp=no\n" if any(tmp in p.parents for p in
-                                                (repo, Path(sys.prefix).resolve())) else "")
+        private_tmp = "PrivateTmp=no\n" if hidden_by_private_tmp([repo, *interpreter_dirs()]) else ""
         self.write_file(
             "/etc/systemd/system/gpud.service.d/sandbox.conf",
             "# written by tools/sandbox.py: the host's interpreter runs the repo's gpud\n"

@@ -32,11 +32,13 @@ ASIDE = "/var/tmp/gpud-test-package.aside"
 # Other tests install units/ into /etc/systemd/system (tools/sandbox.py install_gpud) and leave
 # them, with their drop-ins and /etc/gpud, for the next test: they would shadow the package's
 # units and config. They are moved aside while the package is installed and put back after.
+# So is a /usr/sbin/policy-rc.d that the host's image may have (container images ship one that
+# refuses every action): a booted Debian host has none, and deb-systemd-invoke obeys it.
 SET_ASIDE = r"""
 set -e
 aside=$1
 for p in $(find /etc/systemd/system -maxdepth 2 -name 'gpud.*' -prune) \
-         /etc/gpud /var/lib/gpud /run/gpud /opt/gpud; do
+         /etc/gpud /var/lib/gpud /run/gpud /opt/gpud /usr/sbin/policy-rc.d; do
     [ -e "$p" ] || [ -L "$p" ] || continue
     mkdir -p "$aside$(dirname "$p")"
     mv "$p" "$aside$p"
@@ -47,23 +49,35 @@ systemctl daemon-reload
 
 
 @pytest.fixture(scope="module")
-def deb(sandbox: Sandbox, repo_root: Path) -> Path:
-    """The package: GPUD_DEB, or built once for this module by packaging/build-deb."""
+def deb(sandbox: Sandbox, repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package: GPUD_DEB, or built once for this module by packaging/build-deb.
+
+    Built with OUT_DIR outside the checkout (nothing may land in the checkout's build/ then),
+    keeping the wheel cache in build/ so that a rebuild needs no network.
+    """
     prebuilt = os.environ.get("GPUD_DEB")
     if prebuilt:
         return Path(prebuilt)
     for tool in ("dpkg-deb", "/usr/bin/python3"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is missing: the package is built for Debian's python3 with dpkg-deb")
+    out_dir = tmp_path_factory.mktemp("deb")
+    cache = repo_root / "build"
+    before = set(cache.glob("*")) if cache.exists() else set()
     started = time.monotonic()
     result = subprocess.run(
         [str(repo_root / "packaging" / "build-deb")],
         capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "OUT_DIR": str(out_dir), "DEB_CACHE_DIR": str(cache)},
     )  # fmt: skip
     if result.returncode != 0:
         pytest.fail(f"packaging/build-deb failed ({result.returncode}):\n{result.stderr[-6000:]}")
     path = Path(result.stdout.strip().splitlines()[-1])
     assert path.is_file(), result.stdout
+    assert path.parent == out_dir
+    # only the caches may appear in the checkout's build/, never the package's own files
+    added = {p.name for p in set(cache.glob("*")) - before}
+    assert all(n == "wheelhouse" or n.startswith("buildenv-") for n in added), added
     print(f"built {path.name} in {time.monotonic() - started:.1f} s")
     return path
 
@@ -77,6 +91,14 @@ def _purge(sandbox: Sandbox) -> None:
     installed = _sh(sandbox, "dpkg-query -W -f '${Status}' gpud").stdout
     if "installed" in installed or "config-files" in installed:
         sandbox.run(["dpkg", "--purge", "gpud"], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=120)
+
+
+WANTS_BEFORE: set[str] = set()
+
+
+def _wants_dirs(sandbox: Sandbox) -> set[str]:
+    out = _sh(sandbox, "find /etc/systemd/system -maxdepth 1 -name '*.wants' -type d").stdout
+    return set(out.split())
 
 
 def _gpud_units(sandbox: Sandbox) -> set[str]:
@@ -97,6 +119,8 @@ def installed(sandbox: Sandbox, deb: Path) -> Iterator[set[str]]:
     assert _sh(sandbox, "dpkg-query -W gpud").returncode != 0, "gpud is already installed in the sandbox"
     groups_before = {g for g in GROUPS if _sh(sandbox, f"getent group {g}").returncode == 0}
     units_before = _gpud_units(sandbox)
+    WANTS_BEFORE.clear()
+    WANTS_BEFORE.update(_wants_dirs(sandbox))
     moved: list[str] = []
     try:
         moved = sandbox.run(["/bin/sh", "-c", SET_ASIDE, "sh", ASIDE]).stdout.split()
@@ -229,6 +253,48 @@ def test_enable_now_brings_gpud_up_from_the_package(sandbox: Sandbox, installed:
         assert stop.returncode == 0, stop.stderr
 
 
+def test_a_unit_of_the_same_name_is_reported(sandbox: Sandbox, installed: set[str]) -> None:
+    """Another gpud's unit in /etc/systemd/system would override the package's: postinst says so."""
+    foreign = "/etc/systemd/system/gpud.service"
+    assert not sandbox.host_path(foreign).exists()
+    sandbox.write_file(foreign, "[Service]\nExecStart=/usr/local/bin/gpud run\n")
+    try:
+        again = sandbox.run(["dpkg", "-i", INSIDE_DEB], env={"DEBIAN_FRONTEND": "noninteractive"},
+                            timeout=120)
+        assert f"{foreign} exists and overrides this package's" in again.stderr, again.stderr
+    finally:
+        sandbox.run(["rm", "-f", foreign])
+        sandbox.run(["systemctl", "daemon-reload"])
+
+
+def test_dpkg_refuses_another_package_shipping_gpud(sandbox: Sandbox, installed: set[str],
+                                                    tmp_path: Path) -> None:
+    """A package that ships /usr/bin/gpud too (another gpud) is refused, not overwriting ours."""
+    root = tmp_path / "other"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "usr" / "bin" / "gpud").write_text("#!/bin/sh\necho another gpud\n")
+    (root / "usr" / "bin" / "gpud").chmod(0o755)
+    (root / "DEBIAN" / "control").write_text(
+        "Package: other-gpud\nVersion: 1.0\nArchitecture: all\nMaintainer: nobody <n@gpud.invalid>\n"
+        "Description: a test package shipping /usr/bin/gpud\n")
+    other = tmp_path / "other-gpud.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(other)],
+                   capture_output=True, check=True)
+    inside = "/var/tmp/gpud-test-other.deb"
+    shutil.copyfile(other, sandbox.host_path(inside))
+    try:
+        result = _sh(sandbox, f"dpkg -i {inside}")
+        assert result.returncode != 0
+        assert "trying to overwrite '/usr/bin/gpud', which is also in package gpud" in result.stderr, \
+            result.stderr
+        target = sandbox.run(["readlink", "-f", "/usr/bin/gpud"]).stdout.strip()
+        assert target == f"{PREFIX}/bin/gpud"
+    finally:
+        _sh(sandbox, "dpkg --purge other-gpud")
+        sandbox.run(["rm", "-f", inside])
+
+
 def test_purge_leaves_nothing_behind(sandbox: Sandbox, installed: set[str]) -> None:
     _purge(sandbox)
     assert _sh(sandbox, "dpkg-query -W gpud").returncode != 0
@@ -238,6 +304,9 @@ def test_purge_leaves_nothing_behind(sandbox: Sandbox, installed: set[str]) -> N
     assert [p for p in paths if sandbox.host_path(p).exists()] == []
     wants = _sh(sandbox, "ls /etc/systemd/system/*.wants/ | grep -x 'gpud.*'").stdout
     assert wants == ""
+    # nor the directories enabling made (sockets.target.wants/ was left empty once)
+    assert _wants_dirs(sandbox) <= WANTS_BEFORE, _wants_dirs(sandbox) - WANTS_BEFORE
+    assert not sandbox.host_path("/var/lib/systemd/deb-systemd-helper-enabled/gpud.service.dsh-also").exists()
     # no gpud unit left loaded: not gpud itself, not a serve it launched from the example config
     assert _gpud_units(sandbox) <= installed
 
@@ -253,3 +322,23 @@ def test_control_fields(deb: Path, repo_root: Path) -> None:
         assert needed in depends
     conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], capture_output=True, text=True)
     assert conffiles.stdout.split() == ["/etc/gpud/serves.toml"]
+
+
+def test_lintian_clean(deb: Path) -> None:
+    """No error and no warning; overrides only those /opt/gpud's venv design implies."""
+    lintian = shutil.which("lintian")
+    if lintian is None:
+        if os.environ.get("CI"):
+            pytest.fail("lintian is missing: scripts/setup installs it")
+        pytest.skip("lintian is missing: run scripts/setup")
+    result = subprocess.run([lintian, "--show-overrides", str(deb)], capture_output=True, text=True,
+                            timeout=300, check=False)
+    tags = [line for line in result.stdout.splitlines() if line[:2] in ("E:", "W:")]
+    assert tags == [], "\n".join(tags)
+    overridden = {line.split()[2] for line in result.stdout.splitlines() if line.startswith("O:")}
+    assert overridden <= {"dir-or-file-in-opt", "wrong-path-for-interpreter"}, overridden
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True,
+                             check=True).stdout
+    for unwanted in ("__pycache__", ".pyc", "/gpud/standin.py", "site-packages/example.py"):
+        assert unwanted not in listing, unwanted
+    assert "./usr/share/man/man8/gpud.8.gz" in listing

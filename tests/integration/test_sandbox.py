@@ -182,6 +182,9 @@ def test_install_gpud_layout(sandbox: Sandbox, installed_units: None, repo_root:
 def test_units_verify_as_shipped(sandbox: Sandbox, installed_units: None, repo_root: Path) -> None:
     # the shipped ExecStart=/usr/bin/gpud must exist for verify; the overlay takes the stub
     sandbox.write_file("/usr/bin/gpud", "#!/bin/sh\nexit 0\n", mode=0o755)
+    # Documentation=man:gpud(8) man:gpuctl(1): verify looks the pages up, as the package ships them
+    for page, section in (("gpud.8", 8), ("gpuctl.1", 1)):
+        sandbox.write_file(f"/usr/share/man/man{section}/{page}", (repo_root / "docs" / page).read_text())
     for unit in sorted((repo_root / "units").iterdir()):
         sandbox.write_file(f"/tmp/verify/{unit.name}", unit.read_text())
     verify = sandbox.run(

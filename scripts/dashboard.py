@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Write the parts of packaging/grafana/gpud-dashboard.json that follow gpud's vocabulary.
+
+    python3 scripts/dashboard.py            # rewrite them
+    python3 scripts/dashboard.py --check    # exit 1 when the dashboard is out of date
+
+The "Serve states" panel turns gpud_serve_state (1 for the current state) into the index of the
+state in gpud.service.STATES, and its value mappings name each index: both are written from
+STATES here, so a new state cannot leave the panel showing a bare number.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gpud.service import STATES  # noqa: E402
+
+DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
+# Grafana's named colours; a state not listed here shows in the text colour
+COLOURS = {"declared": "text", "admitted": "blue", "starting": "yellow", "running": "green",
+           "stopping": "purple", "denied": "orange", "failed": "red", "external": "light-blue",
+           "orphan": "dark-red"}
+
+
+def state_query() -> str:
+    parts = [f'(gpud_serve_state{{role=~"$role",state="{s}"}} == 1) * {i}' for i, s in enumerate(STATES)]
+    return "max by (serve) (" + " or ".join(parts) + ")"
+
+
+def render(dash: dict[str, Any]) -> str:
+    panel = next(p for p in dash["panels"] if p["title"] == "Serve states")
+    panel["targets"] = [{"expr": state_query(), "legendFormat": "{{serve}}", "refId": "A",
+                         "format": "time_series"}]
+    panel["fieldConfig"]["defaults"]["mappings"] = [{"type": "value", "options": {
+        str(i): {"text": s, "color": COLOURS.get(s, "text"), "index": i} for i, s in enumerate(STATES)}}]
+    return json.dumps(dash, indent=2) + "\n"
+
+
+def main() -> int:
+    current = DASHBOARD.read_text()
+    text = render(json.loads(current))
+    if "--check" in sys.argv:
+        if text != current:
+            print(f"{DASHBOARD} is out of date: run python3 scripts/dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    DASHBOARD.write_text(text)
+    print(f"wrote {DASHBOARD}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
