@@ -3,7 +3,7 @@
 # (made by scripts/setup), never in the system's interpreter.
 PY := .venv/bin/python
 
-.PHONY: setup demo run test lint unit bench deb docs clean distclean
+.PHONY: setup demo run test lint unit bench mutation deb docs clean distclean
 
 setup:
 	scripts/setup
@@ -26,6 +26,10 @@ test: setup lint
 
 bench: setup
 	$(PY) bench/run.py
+
+# Mutation score of the pure core, per module (tools/mutate.py; not part of `make test`).
+mutation: setup
+	$(PY) tools/mutate.py
 
 # gpuctl(1), gpud(8), the bash/zsh completion and the dashboard's state panel are generated from
 # gpud's own tables; tests fail when they are stale
