@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 # module file -> the unit tests that should notice a change in it
@@ -113,7 +113,7 @@ def _apply(node: ast.AST, what: str) -> str:
         node.op = SWAP_BIN[old_op]()
         return f"{old_op.__name__} -> {SWAP_BIN[old_op].__name__}"
     if what in ("const+1", "const-1"):
-        assert isinstance(node, ast.Constant)
+        assert isinstance(node, ast.Constant) and isinstance(node.value, int)
         before = node.value
         node.value = before + (1 if what == "const+1" else -1)
         return f"{before} -> {node.value}"
@@ -166,7 +166,7 @@ class _DeleteOne(ast.NodeTransformer):
 
 
 class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, name: str, path: Path, code: object) -> None:
+    def __init__(self, name: str, path: Path, code: CodeType) -> None:
         self.name, self.path, self.code = name, path, code
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
