@@ -48,8 +48,8 @@ def configs() -> tuple[str, str]:
     t011 += SIM
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
-            .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"\nrevision = "56e30bf6"\n'
-                     'quantization = "fp8"', 'model = "google/gemma-4-E4B-it"'))
+            .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"',
+                     'model = "google/gemma-4-E4B-it"'))
     return t015, t011
 
 

@@ -9,9 +9,18 @@ import sys
 import pytest
 
 from gpud.calibration import recommend
-from gpud.config import parse_config
+from gpud.config import ServeConfig, parse_config
+from gpud.errors import Refused, Unavailable
 from gpud.execv import decode, encode
-from gpud.launch import fingerprint, serve_argv, through_shim
+from gpud.launch import (
+    fingerprint,
+    serve_argv,
+    serve_environment,
+    stop_budget,
+    through_shim,
+    vllm_environment,
+)
+from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
 from tests.conftest import REPO
 
 
@@ -19,21 +28,95 @@ def example_serves():  # type: ignore[no-untyped-def]
     return parse_config((REPO / "etc" / "serves.toml").read_text(), "etc/serves.toml").serves
 
 
+def _passes_the_flag_table(argv: list[str]) -> list[str]:
+    assert argv[1] == "serve"
+    return [p.message for p in check_serve_args(argv[2:], load_table(DEFAULT_VERSION))]
+
+
 def test_vllm_argv_golden() -> None:
     argv = serve_argv(example_serves()["fast"], total_mib=32607, device_index=0,
                       vllm_executable="/opt/vllm/bin/vllm")
     assert argv == [
         "/opt/vllm/bin/vllm", "serve", "leon-se/gemma-4-E4B-it-FP8-Dynamic",
-        "--revision", "56e30bf6", "--port", "30001", "--gpu-memory-utilization", "0.4396",
-        "--max-model-len", "32768", "--quantization", "fp8",
+        "--host", "127.0.0.1", "--port", "30001", "--gpu-memory-utilization", "0.4396",
+        "--max-model-len", "32768", "--shutdown-timeout", "20",
     ]
+    assert _passes_the_flag_table(argv) == []
+
+
+def test_vllm_argv_with_every_key_passes_the_table() -> None:
+    serve = ServeConfig.model_validate({
+        "role": "r", "vram_mib": 8192, "port": 30009, "stop_timeout_s": 12.0,
+        "vllm": {"model": "org/m", "revision": "a" * 40, "quantization": "awq",
+                 "max_model_len": 8192, "host": "::1", "kv_cache_mib": 2048,
+                 "extra_args": ["--served-model-name", "m", "m2", "--enforce-eager",
+                                "--compilation-config.cudagraph_mode", "NONE"]}})
+    argv = serve_argv(serve, total_mib=81559, device_index=0, vllm_executable="vllm")
+    assert argv == [
+        "vllm", "serve", "org/m", "--revision", "a" * 40, "--host", "::1", "--port", "30009",
+        "--gpu-memory-utilization", "0.1004", "--max-model-len", "8192", "--quantization", "awq",
+        "--kv-cache-memory-bytes", str(2048 << 20), "--shutdown-timeout", "4",
+        "--served-model-name", "m", "m2", "--enforce-eager",
+        "--compilation-config.cudagraph_mode", "NONE",
+    ]
+    assert _passes_the_flag_table(argv) == []
+
+
+def test_every_example_vllm_argv_passes_the_table() -> None:
+    serves = example_serves()
+    checked = 0
+    for name, serve in serves.items():
+        if serve.vllm is not None:
+            argv = serve_argv(serve, total_mib=32607, device_index=0, vllm_executable="vllm",
+                              name=name)
+            assert _passes_the_flag_table(argv) == [], name
+            checked += 1
+    assert checked == 3
 
 
 def test_vllm_argv_uses_the_current_reservation_and_extra_args() -> None:
     argv = serve_argv(example_serves()["embeddings"], total_mib=32607, device_index=0,
                       vllm_executable="vllm", vram_mib=4096)
-    assert argv == ["vllm", "serve", "BAAI/bge-m3", "--port", "30003",
-                    "--gpu-memory-utilization", "0.1256", "--task", "embed"]
+    assert argv == ["vllm", "serve", "BAAI/bge-m3", "--host", "127.0.0.1", "--port", "30003",
+                    "--gpu-memory-utilization", "0.1256", "--shutdown-timeout", "20",
+                    "--runner", "pooling"]
+
+
+def test_no_guessed_utilization() -> None:
+    serves = example_serves()
+    with pytest.raises(Unavailable, match="device total is unknown"):
+        serve_argv(serves["fast"], total_mib=None, device_index=0, vllm_executable="vllm",
+                   name="fast")
+    with pytest.raises(Refused, match=r"0\.0000.*reserve at least 9 MiB"):
+        serve_argv(serves["fast"], total_mib=81559, device_index=0, vllm_executable="vllm",
+                   vram_mib=8, name="fast")
+    # A command that does not ask for the utilization needs no total.
+    plain = serves["ocr"].model_copy(update={"command": ["/bin/x", "--port", "{port}"]})
+    assert serve_argv(plain, total_mib=None, device_index=0, vllm_executable="vllm") == [
+        "/bin/x", "--port", "30007"]
+    with pytest.raises(Unavailable):
+        serve_argv(serves["ocr"], total_mib=None, device_index=0, vllm_executable="vllm")
+
+
+@pytest.mark.parametrize(("stop_s", "drain", "worker"), [
+    (30.0, 20, 5), (15.0, 5, 5), (14.9, 6, 4), (10.0, 4, 3), (3.0, 1, 1), (1.0, 0, 1),
+    (0.5, 0, 1),
+])
+def test_graceful_stop_fits_in_stop_timeout(stop_s: float, drain: int, worker: int) -> None:
+    assert stop_budget(stop_s) == (drain, worker)
+    # A drain leaves the engine its window and one spare before systemd's SIGKILL.
+    assert drain == 0 or drain + 2 * worker <= stop_s
+
+
+def test_vllm_environment() -> None:
+    fast = example_serves()["fast"].model_copy(update={"start_timeout_s": 1200.5})
+    assert vllm_environment(fast) == {
+        "VLLM_ENGINE_READY_TIMEOUT_S": "1201", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5",
+        "VLLM_NO_USAGE_STATS": "1"}
+    mine = fast.model_copy(update={"environment": {"VLLM_NO_USAGE_STATS": "0", "HF_HOME": "/h"}})
+    env = serve_environment(mine)
+    assert env["VLLM_NO_USAGE_STATS"] == "0" and env["HF_HOME"] == "/h"
+    assert serve_environment(example_serves()["ocr"]) == {}
 
 
 def test_command_placeholders() -> None:
@@ -68,8 +151,8 @@ def test_fingerprint_follows_what_defines_the_serve() -> None:
     fast = serves["fast"]
     same = fast.model_copy(update={"vram_mib": 10000, "priority": 1, "port": 1234})
     assert fingerprint(same) == fingerprint(fast)  # reservation and placement are not identity
-    for change in ({"revision": "ffffffff"}, {"quantization": None}, {"max_model_len": 8192},
-                   {"model": "other/model"}):
+    for change in ({"revision": "f" * 40}, {"quantization": "fp8"}, {"max_model_len": 8192},
+                   {"model": "other/model"}, {"kv_cache_mib": 1024}):
         changed = fast.model_copy(update={"vllm": fast.vllm.model_copy(update=change)})
         assert fingerprint(changed) != fingerprint(fast), change
     ocr = serves["ocr"]
