@@ -23,7 +23,7 @@ import aiohttp
 
 from gpud.config import Config, ServeConfig
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
-from gpud.launch import serve_argv, through_shim
+from gpud.launch import serve_argv, serve_environment, through_shim
 from gpud.observer import Observer
 from gpud.service import (
     ADMITTED,
@@ -237,7 +237,11 @@ class Supervisor:
         spec = self._spec(serve)
         try:
             async with self._lock(self._device_locks, self._device_key(serve)):
-                unit_spec = self._unit_spec(serve, spec)
+                try:
+                    unit_spec = self._unit_spec(serve, spec)
+                except GpudError as exc:  # e.g. no device total to compute the utilization
+                    await self._failed(serve, f"launch refused: {exc.message}", kind="exit")
+                    return
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -272,11 +276,13 @@ class Supervisor:
         if index is None:
             raise Unavailable(f"cannot resolve device {role.device!r} of role {spec.role!r} to "
                               "an index: observation unavailable", {"device": role.device})
-        total = dev.total_mib if dev and dev.total_mib else role.capacity_mib
+        # The device's own total, never the role's capacity: utilization is a fraction of the
+        # total, and a guess would let util x total pass the reservation.
+        total = dev.total_mib if dev and dev.total_mib else None
         res = self.svc.ledger.reservations.get(serve)
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
-                          vram_mib=res.mib if res else None)
+                          vram_mib=res.mib if res else None, name=serve)
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:
@@ -284,7 +290,7 @@ class Supervisor:
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
-        env = dict(spec.environment)
+        env = serve_environment(spec)
         environment_for = getattr(self.observer.backend, "environment_for", None)
         if dev is not None and callable(environment_for):
             env.update(environment_for(dev.uuid))
