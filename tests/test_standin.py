@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from gpud import simulation, standin
+from gpud import simulation
+from gpud.testing import standin
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "GPU-sim-0"
@@ -133,7 +134,7 @@ def start(tmp_path: Path, procs_dir: Path) -> Iterator[Start]:
             full_env[standin.GPUD_SIM_TOTAL_MIB] = str(total_mib)
         full_env |= env or {}
         log = tmp_path / f"standin-{len(started)}.log"
-        argv = [sys.executable, "-m", "gpud.standin", *args]
+        argv = [sys.executable, "-m", "gpud.testing.standin", *args]
         if "--port" not in args:
             argv += ["--port", str(port)]
         with log.open("wb") as out:

@@ -14,7 +14,7 @@ from tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-STANDIN = [PY, "-m", "gpud.standin"]
+STANDIN = [PY, "-m", "gpud.testing.standin"]
 
 
 def standin(*args: str) -> str:

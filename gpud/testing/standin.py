@@ -1,8 +1,8 @@
 """A stand-in for a vLLM OpenAI server, for tests and demos on machines without a GPU.
 
-Run as ``python -m gpud.standin`` with a ``vllm serve``-shaped argv::
+Run as ``python -m gpud.testing.standin`` with a ``vllm serve``-shaped argv::
 
-    python -m gpud.standin serve MODEL --port 30001 --gpu-memory-utilization 0.4396 \\
+    python -m gpud.testing.standin serve MODEL --port 30001 --gpu-memory-utilization 0.4396 \\
         --max-model-len 32768 --quantization fp8 --startup-delay 2
 
 It answers what gpud looks at: ``GET /health`` (503 while "loading", 200 with an empty body
@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown vLLM flag must never be taken for a prefix of ours
     # (``--gpu`` is not ``--gpu-memory-utilization``).
     p = argparse.ArgumentParser(
-        prog="python -m gpud.standin",
+        prog="python -m gpud.testing.standin",
         allow_abbrev=False,
         description="A stand-in for a vLLM OpenAI server (no model, no GPU) for gpud's tests. "
         "Usage: [serve [MODEL]] [options]; unknown vLLM-style options are accepted and ignored.",
@@ -638,7 +638,7 @@ class _DrawChild:
         read_fd, self._write_fd = os.pipe()  # both close-on-exec; read_fd is passed explicitly
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpud.standin", DRAW_CHILD_TOKEN, str(mib), str(read_fd)],
+                [sys.executable, "-m", "gpud.testing.standin", DRAW_CHILD_TOKEN, str(mib), str(read_fd)],
                 pass_fds=(read_fd,),
                 stdin=subprocess.DEVNULL,
             )
