@@ -35,7 +35,10 @@ total_mib = 32607
 EXTERNAL = {"external": [{"device": "GPU-sim-3f6c", "label": "display", "mib": 1450},
                          {"device": "GPU-sim-3f6c", "label": "voice STT/TTS sidecars",
                           "mib": 4387}]}
-STANDIN = f'#!/bin/sh\nexec {PY} -m gpud.testing.standin --startup-delay 1 "$@"\n'
+# PYTHONPATH: the serve units run from /, where `import gpud` would find whichever checkout the
+# interpreter has installed, not this one.
+STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin --startup-delay 1 '
+           '"$@"\n')
 
 
 def configs() -> tuple[str, str]:
