@@ -30,7 +30,7 @@ from gpud import __version__
 from gpud.alerts import Alerts
 from gpud.api import Api
 from gpud.calibration import Calibrator
-from gpud.config import Config, load_config, summary
+from gpud.config import Config, device_totals, load_config, summary
 from gpud.connguard import GuardedSockSite, Limiter
 from gpud.errors import ConfigError, GpudError
 from gpud.journal import setup_logging
@@ -272,21 +272,44 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=overrides)})
 
 
-def check_config(path: Path) -> int:
+def check_config(path: Path, *, show_commands: bool = False) -> int:
     try:
         cfg = load_config(path)
-        totals = {}
-        if cfg.simulation:
-            for i, dev in enumerate(cfg.simulation.devices):
-                totals[dev.uuid] = dev.total_mib
-                totals[str(dev.index if dev.index is not None else i)] = dev.total_mib
-        resolve_budgets(cfg, totals.get)
+        resolve_budgets(cfg, device_totals(cfg).get)
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2
     print(f"{path}: ok")
     print(summary(cfg))
+    if show_commands:
+        print("\n".join(_commands(cfg)))
     return 0
+
+
+def _commands(cfg: Config) -> list[str]:
+    """--show-commands: the device totals come from the simulation table, else NVML."""
+    from gpud.launch import show_commands
+    from gpud.observation import DeviceSample
+
+    if cfg.simulation is not None:
+        from gpud.simulation import SimulatedBackend, SimulatedDevice
+
+        sim = SimulatedBackend([SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name)
+                                for d in cfg.simulation.devices], Path(cfg.simulation.state_file))
+        devices = tuple(DeviceSample(d.uuid, d.index if d.index is not None else i,
+                                     d.pci_bus_id or "", d.name or "", d.total_mib, None, None)
+                        for i, d in enumerate(sim.devices))
+        return show_commands(cfg, devices, "the simulation table (no real GPU)",
+                             sim.environment_for)
+    from gpud.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        obs = backend.sample()
+    finally:
+        backend.close()
+    source = "NVML" if obs.available else f"NVML: unavailable ({obs.reason})"
+    return show_commands(cfg, obs.devices if obs.available else (), source)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -302,6 +325,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--state-dir", help="state directory (overrides daemon.state_dir)")
     parser.add_argument("--check-config", type=Path, metavar="PATH",
                         help="validate PATH, print a summary or the errors (exit 2), and exit")
+    parser.add_argument("--show-commands", action="store_true",
+                        help="with --check-config: print each serve's environment and argv as "
+                             "gpud would launch it, from the device totals it knows")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-target", default="auto", choices=["auto", "journal", "stderr"])
@@ -319,8 +345,11 @@ def raise_nofile_limit() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.show_commands and args.check_config is None:
+        print("gpud: --show-commands needs --check-config PATH", file=sys.stderr)
+        return 2
     if args.check_config is not None:
-        return check_config(args.check_config)
+        return check_config(args.check_config, show_commands=args.show_commands)
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
     raise_nofile_limit()
     try:

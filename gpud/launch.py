@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+import shlex
+from collections.abc import Callable, Mapping
 
-from gpud.config import ServeConfig
-from gpud.errors import Refused, Unavailable
+from gpud.config import Config, ServeConfig
+from gpud.errors import GpudError, Refused, Unavailable
 from gpud.ledger import gpu_memory_utilization
+from gpud.observation import DeviceSample, find_device
 
 # vLLM binds every interface unless told (vllm/entrypoints/launchers/launcher.py: setup_server
 # binds `args.host or ""`); gpud's health checks go to loopback, so that is the default.
@@ -152,6 +154,39 @@ def serve_environment(serve: ServeConfig) -> dict[str, str]:
     CUDA_VISIBLE_DEVICES, the simulation's variables)."""
     base = vllm_environment(serve) if serve.vllm is not None else {}
     return {**base, **serve.environment}
+
+
+def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
+                  extra_env: Callable[[str], Mapping[str, str]] | None = None) -> list[str]:
+    """What `gpud --check-config FILE --show-commands` prints: per serve, the environment and
+    argv gpud would launch, from the device totals known (`source`: NVML or the simulation),
+    or why it would refuse."""
+    lines = [f"device totals from {source}:"]
+    lines += [f"  {d.index}: {d.uuid} {d.total_mib} MiB" for d in devices] or ["  none known"]
+    for name, serve in sorted(cfg.serves.items(), key=lambda kv: (kv[1].priority, kv[0])):
+        role = cfg.roles[serve.role]
+        dev = find_device(devices, role.device)
+        index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
+        where = (f"device {dev.index} ({dev.uuid}, {dev.total_mib} MiB)" if dev
+                 else f"device {role.device!r} (total unknown)")
+        lines.append(f"serve {name}: role {serve.role}, {where}, {serve.vram_mib} MiB")
+        if index is None:
+            lines.append(f"  refused: device {role.device!r} cannot be resolved to an index")
+            continue
+        try:
+            argv = serve_argv(serve, total_mib=dev.total_mib if dev else None, device_index=index,
+                              vllm_executable=cfg.daemon.vllm_executable, name=name)
+        except GpudError as exc:
+            lines.append(f"  refused: {exc.message}")
+            continue
+        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index),
+               **serve_environment(serve)}
+        if dev is not None and extra_env is not None:
+            env.update(extra_env(dev.uuid))
+        lines.append("  environment: " + " ".join(
+            shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
+        lines.append(f"  argv: {shlex.join(argv)}")
+    return lines
 
 
 # What systemd 252 alters in an ExecStart= argument when it re-reads a transient unit.

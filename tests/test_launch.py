@@ -174,3 +174,48 @@ def test_recommendation(samples: list[int], expected: tuple[int, int, int]) -> N
 def test_recommendation_needs_samples() -> None:
     with pytest.raises(ValueError):
         recommend([])
+
+
+def _check_config(tmp_path, text: str, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    path = tmp_path / "serves.toml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "gpud.daemon", "--check-config", str(path), *args],
+                          capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
+
+
+def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "GPU-sim-0"')
+    text += '[simulation]\nstate_file = "/nonexistent/sim.json"\n[[simulation.devices]]\n' \
+            'uuid = "GPU-sim-0"\ntotal_mib = 32607\n'
+    done = _check_config(tmp_path, text, "--show-commands")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert "device totals from the simulation table (no real GPU):" in out
+    at = out.index("serve fast: role dark-fast, device 0 (GPU-sim-0, 32607 MiB), 14336 MiB")
+    env, argv = out[at + 1], out[at + 2]
+    for pair in ("CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0",
+                 "VLLM_ENGINE_READY_TIMEOUT_S=900", "VLLM_NO_USAGE_STATS=1",
+                 "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=5"):
+        assert pair in env.split(), pair
+    assert argv == ("  argv: vllm serve leon-se/gemma-4-E4B-it-FP8-Dynamic --host 127.0.0.1 --port "
+                    "30001 --gpu-memory-utilization 0.4396 --max-model-len 32768 "
+                    "--shutdown-timeout 20")
+
+
+def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "7"')
+    done = _check_config(tmp_path, text, "--show-commands")
+    assert done.returncode == 0, done.stderr
+    assert "  refused: serve fast: the device total is unknown" in done.stdout
+    assert "argv:" not in done.stdout
+
+
+def test_check_config_names_the_removed_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('"--runner", "pooling"', '"--task", "embed"')
+    done = _check_config(tmp_path, text)
+    assert done.returncode == 2
+    assert ("serves.embeddings.vllm.extra_args[0]: --task was removed (not an option of vLLM "
+            "0.33.0); use --runner pooling") in done.stderr
+    assert _check_config(tmp_path, "", "--show-commands").returncode == 0
+    assert subprocess.run([sys.executable, "-m", "gpud.daemon", "--show-commands"], cwd=REPO,
+                          capture_output=True, check=False).returncode == 2

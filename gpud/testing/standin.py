@@ -846,14 +846,19 @@ class _EngineChild:
 
         cmd_read, self._cmd_write = os.pipe()  # both close-on-exec; passed explicitly
         self.ready_fd, ready_write = os.pipe()
+        # argv[0] is the title vLLM's engine process carries (setproctitle). Python finds its
+        # own library from argv[0], which no longer names it: PYTHONHOME and PYTHONPATH give the
+        # child the parent's library and module path instead.
+        env = dict(os.environ, PYTHONHOME=f"{sys.base_prefix}:{sys.base_exec_prefix}",
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.proc = subprocess.Popen(
-                # argv[0] is the title vLLM's engine process carries (setproctitle)
                 [ENGINE_TITLE, "-m", "gpud.testing.standin", DRAW_CHILD_TOKEN, json.dumps(spec),
                  str(cmd_read), str(ready_write)],
                 executable=sys.executable,
                 pass_fds=(cmd_read, ready_write),
                 stdin=subprocess.DEVNULL,
+                env=env,
             )
         finally:
             os.close(cmd_read)
