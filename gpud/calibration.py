@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.errors import Conflict, NotFound, Unavailable
-from gpud.launch import fingerprint, utilization
+from gpud.launch import fingerprint, utilization, vllm_budget_mib
 from gpud.observer import Observer
 from gpud.service import RUNNING, LedgerService
 from gpud.store import Calibration, Changes
@@ -149,9 +149,10 @@ class Calibrator:
         total = self.observer.device_total(role.device) if role else None
         figures["context_mib"] = None
         if res is not None and total and spec.vllm.kv_cache_mib is None \
-                and res.mib * 10_000 >= total:
-            budget = budget_mib(utilization(serve, res.mib, total), total)
+                and vllm_budget_mib(spec, res.mib) * 10_000 >= total:
+            budget = budget_mib(utilization(serve, vllm_budget_mib(spec, res.mib), total), total)
             figures["budget_mib"] = budget
+            # The budget already leaves vllm.context_mib out: what is beyond it is all context.
             figures["context_mib"] = context_mib(steady_mib, budget)
         return figures
 

@@ -85,6 +85,9 @@ class VllmConfig(_Model):
     host: str | None = Field(default=None, min_length=1)
     # --kv-cache-memory-bytes: the KV cache sized exactly, no KV profiling.
     kv_cache_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # What vLLM draws beyond its budget (CUDA context, NCCL, cuBLAS: measured by `gpuctl
+    # calibrate`). The reservation covers it: util = floor((vram_mib - context_mib) / total).
+    context_mib: int = Field(default=0, ge=0, le=MAX_MIB)
 
 
 class ServeConfig(_Model):
@@ -248,7 +251,13 @@ def _vllm_problems(cfg: Config) -> list[str]:
     """What vLLM would refuse, found before anything is launched: every vllm serve's argv
     against the flag table of daemon.vllm_version, and utilizations that floor to 0."""
     # Imported here: gpud.launch imports this module.
-    from gpud.launch import GPUD_SET_OPTIONS, uses_utilization, vllm_arg_parts, vllm_environment
+    from gpud.launch import (
+        GPUD_SET_OPTIONS,
+        uses_utilization,
+        vllm_arg_parts,
+        vllm_budget_mib,
+        vllm_environment,
+    )
     from gpud.ledger import gpu_memory_utilization
     from gpud.vllm_flags import check_serve_args, load_table
 
@@ -265,11 +274,12 @@ def _vllm_problems(cfg: Config) -> list[str]:
         role = cfg.roles.get(serve.role)
         if role is None or not uses_utilization(serve):
             continue
-        # util = floor(vram / total): 0 whenever vram x 10000 < total, and capacity <= total.
+        # util = floor(budget / total): 0 whenever budget x 10000 < total, and capacity <= total.
         total = totals.get(role.device)
         bound = total or role.capacity_mib
-        if bound and serve.vram_mib * 10_000 < bound:
-            util = gpu_memory_utilization(serve.vram_mib, total) if total else "0.0000"
+        budget = vllm_budget_mib(serve, serve.vram_mib)
+        if bound and budget > 0 and budget * 10_000 < bound:
+            util = gpu_memory_utilization(budget, total) if total else "0.0000"
             problems.append(
                 f"serves.{name}.vram_mib: {serve.vram_mib} MiB is --gpu-memory-utilization "
                 f"{util} of {'the device total' if total else 'at most'} {bound} MiB; vLLM "
@@ -280,9 +290,13 @@ def _vllm_problems(cfg: Config) -> list[str]:
         if v.revision is not None and _ABBREVIATED_SHA.fullmatch(v.revision):
             problems.append(f"serves.{name}.vllm.revision: {v.revision!r} is an abbreviated "
                             "commit; pin the full 40-hex SHA (the model cache is keyed by it)")
-        if v.kv_cache_mib is not None and v.kv_cache_mib >= serve.vram_mib:
-            problems.append(f"serves.{name}.vllm.kv_cache_mib: {v.kv_cache_mib} must be below "
-                            f"vram_mib {serve.vram_mib} (weights and context need room too)")
+        if v.context_mib >= serve.vram_mib:
+            problems.append(f"serves.{name}.vllm.context_mib: {v.context_mib} must be below "
+                            f"vram_mib {serve.vram_mib}")
+        elif v.kv_cache_mib is not None and v.kv_cache_mib + v.context_mib >= serve.vram_mib:
+            problems.append(f"serves.{name}.vllm.kv_cache_mib: {v.kv_cache_mib} (+ context_mib "
+                            f"{v.context_mib}) must be below vram_mib {serve.vram_mib} (the "
+                            "weights need room too)")
         for i, arg in enumerate(v.extra_args):
             key = GPUD_SET_OPTIONS.get(_option_name(arg))
             if key is not None:

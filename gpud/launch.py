@@ -139,10 +139,21 @@ def utilization(name: str, mib: int, total_mib: int | None, *, needed: bool = Tr
     return util
 
 
+def vllm_budget_mib(serve: ServeConfig, reservation_mib: int) -> int:
+    """What gpud hands vLLM as its budget (util x total) out of a reservation: all of it but the
+    context vLLM draws beyond its budget (vllm.context_mib), so that a healthy vLLM stays
+    inside its reservation and never reads as an overdraw."""
+    context = serve.vllm.context_mib if serve.vllm is not None else 0
+    return reservation_mib - context
+
+
 def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?") -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's)."""
-    mib = vram_mib if vram_mib is not None else serve.vram_mib
+    mib = vllm_budget_mib(serve, vram_mib if vram_mib is not None else serve.vram_mib)
+    if mib <= 0:
+        raise Refused(f"serve {name}: its reservation does not cover its vllm.context_mib",
+                      {"serve": name})
     util = utilization(name, mib, total_mib, needed=uses_utilization(serve))
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util)

@@ -187,7 +187,8 @@ model = "BAAI/bge-m3"
     ('quantization = "fp9"', "serves.emb.vllm.quantization: --quantization 'fp9': not one of"),
     ('revision = "56e30bf6"', "serves.emb.vllm.revision: '56e30bf6' is an abbreviated commit; pin "
      "the full 40-hex SHA"),
-    ("kv_cache_mib = 3200", "serves.emb.vllm.kv_cache_mib: 3200 must be below vram_mib 3200"),
+    ("kv_cache_mib = 3200", "serves.emb.vllm.kv_cache_mib: 3200 (+ context_mib 0) must be below "
+     "vram_mib 3200"),
     ("kv_cache_mib = 0", "serves.emb.vllm.kv_cache_mib: must be > 0"),
     ('host = ""', "serves.emb.vllm.host: String should have at least 1 character"),
 ])
@@ -228,3 +229,13 @@ def test_unknown_vllm_version() -> None:
     found = problems("[daemon]\nvllm_version = \"0.1.0\"\n" + BASE + VLLM_SERVE)
     assert found == ["daemon.vllm_version: no vllm serve flag table for vLLM '0.1.0' (there are: "
                      "0.33.0; write one with scripts/vllm-flags VERSION)"]
+
+
+def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:
+    assert problems(BASE + VLLM_SERVE + "context_mib = 3200") == [
+        "serves.emb.vllm.context_mib: 3200 must be below vram_mib 3200"]
+    assert problems(BASE + VLLM_SERVE + "context_mib = 400\nkv_cache_mib = 2800") == [
+        "serves.emb.vllm.kv_cache_mib: 2800 (+ context_mib 400) must be below vram_mib 3200 "
+        "(the weights need room too)"]
+    ok = parse_config(BASE + VLLM_SERVE + "context_mib = 400\nkv_cache_mib = 1024", "t")
+    assert ok.serves["emb"].vllm.context_mib == 400

@@ -219,3 +219,18 @@ def test_check_config_names_the_removed_option(tmp_path) -> None:  # type: ignor
     assert _check_config(tmp_path, "", "--show-commands").returncode == 0
     assert subprocess.run([sys.executable, "-m", "gpud.daemon", "--show-commands"], cwd=REPO,
                           capture_output=True, check=False).returncode == 2
+
+
+def test_context_mib_keeps_util_x_total_plus_context_inside_the_reservation() -> None:
+    fast = example_serves()["fast"]
+    ctx = fast.model_copy(update={"vllm": fast.vllm.model_copy(update={"context_mib": 400})})
+    argv = serve_argv(ctx, total_mib=32607, device_index=0, vllm_executable="vllm")
+    util = argv[argv.index("--gpu-memory-utilization") + 1]
+    assert util == "0.4273"  # floor((14336 - 400) / 32607, 4 decimals)
+    budget = 4273 * 32607 // 10_000
+    # All of the reservation, never more (4 decimals of util: 3.3 MiB of 32607, plus a floor).
+    assert 0 <= 14336 - (budget + 400) < 32607 / 10_000 + 1
+    assert fingerprint(ctx) == fingerprint(fast)  # a sizing figure, not what the serve is
+    tiny = ctx.model_copy(update={"vram_mib": 400})
+    with pytest.raises(Refused, match=r"does not cover its vllm\.context_mib"):
+        serve_argv(tiny, total_mib=32607, device_index=0, vllm_executable="vllm")
