@@ -37,8 +37,9 @@ EXTERNAL = {"external": [{"device": "GPU-sim-3f6c", "label": "display", "mib": 1
                           "mib": 4387}]}
 # PYTHONPATH: the serve units run from /, where `import gpud` would find whichever checkout the
 # interpreter has installed, not this one.
-STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin --startup-delay 1 '
-           '"$@"\n')
+# The stand-in's own option after "$@": a vllm argv starts with `serve MODEL`.
+STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin "$@" '
+           '--startup-delay 1\n')
 
 
 def configs() -> tuple[str, str]:
