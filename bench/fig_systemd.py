@@ -73,7 +73,9 @@ def config() -> str:
     lines = ["[daemon]", "crash_loop_restarts = 1000", "crash_loop_window_s = 60", ""]
     for d in range(DEVICES):
         lines += [f"[roles.dev{d}]", f'device = "GPU-sim-{d}"', "reserve_mib = 0", ""]
-    command = json.dumps([PY, "-m", "gpud.testing.standin", "--port", "{port}", "--gpu-memory-utilization",
+    # PYTHONPATH: a serve unit runs from /, where `import gpud` finds the interpreter's checkout.
+    command = json.dumps(["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin",
+                          "--port", "{port}", "--gpu-memory-utilization",
                           "{gpu_memory_utilization}", "--startup-delay", str(STARTUP_DELAY_S)])
     for k in range(SERVES):
         lines += [f"[serves.s{k}]", f'role = "dev{k % DEVICES}"', "vram_mib = 2000",
