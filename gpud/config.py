@@ -23,6 +23,9 @@ from gpud.errors import ConfigError
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 NAME_RE = re.compile(NAME_PATTERN)
 _ABBREVIATED_SHA = re.compile(r"[0-9a-f]{7,39}")
+# Where a vLLM bound to this host answers on 127.0.0.1 (gpud's health checks): loopback itself,
+# or every interface ("::" is dual-stack: vLLM does not set IPV6_V6ONLY).
+HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
 MAX_MIB = 2**31 - 1
@@ -287,6 +290,10 @@ def _vllm_problems(cfg: Config) -> list[str]:
     for name, serve in vllm_serves.items():
         v = serve.vllm
         assert v is not None
+        if v.host is not None and v.host not in HEALTH_REACHABLE_HOSTS:
+            problems.append(f"serves.{name}.vllm.host: {v.host!r} is not reached by gpud's "
+                            f"health checks (http://127.0.0.1:PORT): use one of "
+                            f"{', '.join(sorted(HEALTH_REACHABLE_HOSTS))}")
         if v.revision is not None and _ABBREVIATED_SHA.fullmatch(v.revision):
             problems.append(f"serves.{name}.vllm.revision: {v.revision!r} is an abbreviated "
                             "commit; pin the full 40-hex SHA (the model cache is keyed by it)")

@@ -191,6 +191,7 @@ model = "BAAI/bge-m3"
      "vram_mib 3200"),
     ("kv_cache_mib = 0", "serves.emb.vllm.kv_cache_mib: must be > 0"),
     ('host = ""', "serves.emb.vllm.host: String should have at least 1 character"),
+    ('host = "::1"', "serves.emb.vllm.host: '::1' is not reached by gpud's health checks"),
 ])
 def test_vllm_serve_problems_name_their_key(extra: str, expected: str) -> None:
     found = problems(BASE + VLLM_SERVE + extra)

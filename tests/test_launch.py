@@ -48,12 +48,12 @@ def test_vllm_argv_with_every_key_passes_the_table() -> None:
     serve = ServeConfig.model_validate({
         "role": "r", "vram_mib": 8192, "port": 30009, "stop_timeout_s": 12.0,
         "vllm": {"model": "org/m", "revision": "a" * 40, "quantization": "awq",
-                 "max_model_len": 8192, "host": "::1", "kv_cache_mib": 2048,
+                 "max_model_len": 8192, "host": "::", "kv_cache_mib": 2048,
                  "extra_args": ["--served-model-name", "m", "m2", "--enforce-eager",
                                 "--compilation-config.cudagraph_mode", "NONE"]}})
     argv = serve_argv(serve, total_mib=81559, device_index=0, vllm_executable="vllm")
     assert argv == [
-        "vllm", "serve", "org/m", "--revision", "a" * 40, "--host", "::1", "--port", "30009",
+        "vllm", "serve", "org/m", "--revision", "a" * 40, "--host", "::", "--port", "30009",
         "--gpu-memory-utilization", "0.1004", "--max-model-len", "8192", "--quantization", "awq",
         "--kv-cache-memory-bytes", str(2048 << 20), "--shutdown-timeout", "4",
         "--served-model-name", "m", "m2", "--enforce-eager",
