@@ -1,5 +1,5 @@
 """Figures 4 and 5, under real systemd in the disposable sandbox (tools/sandbox.py), with stand-in
-serves (`python -m gpud.standin`) on a simulated GPU.
+serves (`python -m gpud.testing.standin`) on a simulated GPU.
 
 4. Boot overhead per serve: 8 resident stand-ins, 4 per device on 2 simulated devices, each with
    a configured `--startup-delay`. From `systemctl start gpud` (the time `date` prints inside the
@@ -44,7 +44,7 @@ for _ in range(int(sys.argv[1])):
     probe = socket.socket(); probe.bind(("127.0.0.1", 0)); port = probe.getsockname()[1]; probe.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUD_SIM_")}
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "gpud.standin", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "--port", str(port),
                              "--gpu-memory-utilization", "0.05"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while time.monotonic() - t0 < 20:
@@ -74,7 +74,9 @@ def config() -> str:
     lines = ["[daemon]", "crash_loop_restarts = 1000", "crash_loop_window_s = 60", ""]
     for d in range(DEVICES):
         lines += [f"[roles.dev{d}]", f'device = "GPU-sim-{d}"', "reserve_mib = 0", ""]
-    command = json.dumps([PY, "-m", "gpud.standin", "--port", "{port}", "--gpu-memory-utilization",
+    # PYTHONPATH: a serve unit runs from /, where `import gpud` finds the interpreter's checkout.
+    command = json.dumps(["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin",
+                          "--port", "{port}", "--gpu-memory-utilization",
                           "{gpu_memory_utilization}", "--startup-delay", str(STARTUP_DELAY_S)])
     for k in range(SERVES):
         lines += [f"[serves.s{k}]", f'role = "dev{k % DEVICES}"', "vram_mib = 2000",

@@ -1,6 +1,10 @@
 """Calibration: measure a running serve's steady and peak draw over a window and recommend a
 reservation, bound to the serve's fingerprint (gpud.launch.fingerprint) so that a changed serve
 (new model, revision, quantization, command, max_model_len) shows as `stale`, not calibrated.
+
+For a vllm serve it also reads vLLM's own account from the serve's journal (gpud.vllm_log:
+weights, KV cache, CUDA graphs and vLLM's recommended --kv-cache-memory) and the context: what
+NVML shows beyond vLLM's budget (util x total), which the reservation must include.
 """
 
 from __future__ import annotations
@@ -10,15 +14,16 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.errors import Conflict, NotFound, Unavailable
-from gpud.launch import fingerprint
+from gpud.launch import fingerprint, utilization, vllm_budget_mib
 from gpud.observer import Observer
 from gpud.service import RUNNING, LedgerService
 from gpud.store import Calibration, Changes
+from gpud.vllm_log import budget_mib, context_mib, parse_memory_lines
 
 log = logging.getLogger("gpud.calibration")
 
@@ -56,14 +61,35 @@ class Run:
                 "peak_mib": max(self.samples) if self.samples else None}
 
 
+JournalReader = Callable[[str], Awaitable[list[str]]]
+
+
+async def read_unit_journal(unit: str) -> list[str]:
+    """The messages of `unit` in this boot, oldest first ([] when journalctl cannot say)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "20000", "-u", unit,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    except (OSError, TimeoutError) as exc:
+        log.warning("cannot read the journal of %s: %s", unit, exc)
+        return []
+    return out.decode("utf-8", "replace").splitlines()
+
+
 class Calibrator:
     def __init__(self, svc: LedgerService, observer: Observer, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 journal: JournalReader = read_unit_journal) -> None:
         self.svc = svc
         self.observer = observer
         self.clock = clock
+        self.journal = journal
         self.runs: dict[str, Run] = {}
         self._records: dict[tuple[str, str], Calibration] = {}
+        # vLLM's own figures beside the measured ones, by (serve, fingerprint). Kept in memory
+        # and in the calibrate event's details (not in the calibrations table).
+        self._vllm: dict[tuple[str, str], dict[str, Any]] = {}
 
     def load(self) -> None:
         self._records = {(c.serve, c.fingerprint): c for c in self.svc.store.calibrations()}
@@ -107,7 +133,28 @@ class Calibrator:
                              "steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
                              "recommended_mib": rec.recommended_mib,
                              "current": rec.fingerprint == fp}
+            out["vllm"] = self._vllm.get((serve, rec.fingerprint))
         return out
+
+    async def vllm_figures(self, serve: str, steady_mib: int) -> dict[str, Any] | None:
+        """vLLM's start-up memory lines from the serve's journal, and the context: the steady
+        draw beyond vLLM's budget (util x total of the current reservation)."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None or spec.vllm is None:
+            return None
+        figures: dict[str, Any] = parse_memory_lines(
+            await self.journal(f"gpud-serve-{serve}.service")).to_json()
+        res = self.svc.ledger.reservations.get(serve)
+        role = self.svc.ledger.roles.get(spec.role)
+        total = self.observer.device_total(role.device) if role else None
+        figures["context_mib"] = None
+        if res is not None and total and spec.vllm.kv_cache_mib is None \
+                and vllm_budget_mib(spec, res.mib) * 10_000 >= total:
+            budget = budget_mib(utilization(serve, vllm_budget_mib(spec, res.mib), total), total)
+            figures["budget_mib"] = budget
+            # The budget already leaves vllm.context_mib out: what is beyond it is all context.
+            figures["context_mib"] = context_mib(steady_mib, budget)
+        return figures
 
     def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]:
         spec = self.svc.serve_spec(serve)
@@ -143,15 +190,24 @@ class Calibrator:
                               len(run.samples), steady, peak, recommended)
             spec = self.svc.serve_spec(run.serve)
             reserved = spec.vram_mib if spec else None
+            vllm = await self.vllm_figures(run.serve, steady)
+            said = ""
+            if vllm is not None and vllm.get("weights_mib") is not None:
+                said = (f"; vLLM: weights {vllm['weights_mib']} MiB, KV cache "
+                        f"{vllm['kv_cache_mib']} MiB, CUDA graphs {vllm['cudagraph_mib']} MiB, "
+                        f"context {vllm['context_mib']} MiB")
             ev = self.svc.event(
                 "calibrate", f"{run.serve} calibrated over {run.window_s:g} s: steady "
                 f"{steady} MiB, peak {peak} MiB, recommended {recommended} MiB (configured "
-                f"{reserved} MiB)", serve=run.serve, mib=recommended, uid=uid,
+                f"{reserved} MiB){said}", serve=run.serve, mib=recommended, uid=uid,
                 fingerprint=run.fingerprint, steady_mib=steady, peak_mib=peak,
-                samples=len(run.samples))
+                samples=len(run.samples),
+                **{f"vllm_{k}": v for k, v in (vllm or {}).items()})
             async with self.svc.lock:
                 await self.svc.commit(Changes(calibrations=[cal], events=[ev]))
             self._records[(cal.serve, cal.fingerprint)] = cal
+            if vllm is not None:
+                self._vllm[(cal.serve, cal.fingerprint)] = vllm
         except Exception as exc:  # reported in the event log; the daemon goes on
             message = getattr(exc, "message", str(exc))
             log.warning("calibration of %s failed: %s", run.serve, message)

@@ -26,6 +26,10 @@ from gpud.errors import ConfigError
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 NAME_RE = re.compile(NAME_PATTERN)
+_ABBREVIATED_SHA = re.compile(r"[0-9a-f]{7,39}")
+# Where a vLLM bound to this host answers on 127.0.0.1 (gpud's health checks): loopback itself,
+# or every interface ("::" is dual-stack: vLLM does not set IPV6_V6ONLY).
+HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
 MAX_MIB = 2**31 - 1
@@ -64,6 +68,8 @@ class DaemonConfig(_Model):
     # memory back (vLLM frees its memory some seconds after the process is told to stop).
     memory_return_timeout_s: float = Field(default=60.0, ge=0)
     vllm_executable: str = "vllm"
+    # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
+    vllm_version: str = "0.33.0"
     config_backups: int = Field(default=10, ge=1, le=1000)
     # Events kept in the store (the newest); older ones are pruned in batches.
     events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
@@ -84,6 +90,13 @@ class VllmConfig(_Model):
     max_model_len: int | None = Field(default=None, gt=0)
     extra_args: list[str] = Field(default_factory=list)
     executable: str | None = None
+    # --host; gpud's health checks go to 127.0.0.1, the default.
+    host: str | None = Field(default=None, min_length=1)
+    # --kv-cache-memory-bytes: the KV cache sized exactly, no KV profiling.
+    kv_cache_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # What vLLM draws beyond its budget (CUDA context, NCCL, cuBLAS: measured by `gpuctl
+    # calibrate`). The reservation covers it: util = floor((vram_mib - context_mib) / total).
+    context_mib: int = Field(default=0, ge=0, le=MAX_MIB)
 
 
 class ServeConfig(_Model):
@@ -221,6 +234,7 @@ def _semantic_problems(cfg: Config) -> list[str]:
                 problems.append(f"serves.{name}.command[{i}]: {problem}")
             if "\0" in arg:
                 problems.append(f"serves.{name}.command[{i}]: must not contain NUL")
+    problems += _vllm_problems(cfg)
     if cfg.simulation is not None:
         seen: set[str] = set()
         for i, dev in enumerate(cfg.simulation.devices):
@@ -228,6 +242,100 @@ def _semantic_problems(cfg: Config) -> list[str]:
                 problems.append(f"simulation.devices[{i}].uuid: duplicate {dev.uuid!r}")
             seen.add(dev.uuid)
     return problems
+
+
+def device_totals(cfg: Config) -> dict[str, int]:
+    """Device totals the config itself knows: the simulated devices, by UUID and by index."""
+    totals: dict[str, int] = {}
+    if cfg.simulation:
+        for i, dev in enumerate(cfg.simulation.devices):
+            totals[dev.uuid] = dev.total_mib
+            totals[str(dev.index if dev.index is not None else i)] = dev.total_mib
+            if dev.pci_bus_id:
+                totals[dev.pci_bus_id] = dev.total_mib
+    return totals
+
+
+def _vllm_problems(cfg: Config) -> list[str]:
+    """What vLLM would refuse, found before anything is launched: every vllm serve's argv
+    against the flag table of daemon.vllm_version, and utilizations that floor to 0."""
+    # Imported here: gpud.launch imports this module.
+    from gpud.launch import (
+        GPUD_SET_OPTIONS,
+        uses_utilization,
+        vllm_arg_parts,
+        vllm_budget_mib,
+        vllm_environment,
+    )
+    from gpud.ledger import gpu_memory_utilization
+    from gpud.vllm_flags import check_serve_args, load_table
+
+    problems: list[str] = []
+    vllm_serves = {n: s for n, s in cfg.serves.items() if s.vllm is not None}
+    try:
+        table = load_table(cfg.daemon.vllm_version)
+    except KeyError as exc:
+        if vllm_serves:
+            problems.append(f"daemon.vllm_version: {exc.args[0]}")
+        table = None
+    totals = device_totals(cfg)
+    for name, serve in cfg.serves.items():
+        role = cfg.roles.get(serve.role)
+        if role is None or not uses_utilization(serve):
+            continue
+        # util = floor(budget / total): 0 whenever budget x 10000 < total, and capacity <= total.
+        total = totals.get(role.device)
+        bound = total or role.capacity_mib
+        budget = vllm_budget_mib(serve, serve.vram_mib)
+        if bound and budget > 0 and budget * 10_000 < bound:
+            util = gpu_memory_utilization(budget, total) if total else "0.0000"
+            problems.append(
+                f"serves.{name}.vram_mib: {serve.vram_mib} MiB is --gpu-memory-utilization "
+                f"{util} of {'the device total' if total else 'at most'} {bound} MiB; vLLM "
+                "requires > 0")
+    for name, serve in vllm_serves.items():
+        v = serve.vllm
+        assert v is not None
+        if v.host is not None and v.host not in HEALTH_REACHABLE_HOSTS:
+            problems.append(f"serves.{name}.vllm.host: {v.host!r} is not reached by gpud's "
+                            f"health checks (http://127.0.0.1:PORT): use one of "
+                            f"{', '.join(sorted(HEALTH_REACHABLE_HOSTS))}")
+        if v.revision is not None and _ABBREVIATED_SHA.fullmatch(v.revision):
+            problems.append(f"serves.{name}.vllm.revision: {v.revision!r} is an abbreviated "
+                            "commit; pin the full 40-hex SHA (the model cache is keyed by it)")
+        if v.context_mib >= serve.vram_mib:
+            problems.append(f"serves.{name}.vllm.context_mib: {v.context_mib} must be below "
+                            f"vram_mib {serve.vram_mib}")
+        elif v.kv_cache_mib is not None and v.kv_cache_mib + v.context_mib >= serve.vram_mib:
+            problems.append(f"serves.{name}.vllm.kv_cache_mib: {v.kv_cache_mib} (+ context_mib "
+                            f"{v.context_mib}) must be below vram_mib {serve.vram_mib} (the "
+                            "weights need room too)")
+        for i, arg in enumerate(v.extra_args):
+            key = GPUD_SET_OPTIONS.get(_option_name(arg))
+            if key is not None:
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {_option_name(arg)} is "
+                                f"set by gpud from serves.{name}.{key}: set that instead")
+        env = vllm_environment(serve) | serve.environment
+        ready = env["VLLM_ENGINE_READY_TIMEOUT_S"]
+        if not ready.isdigit() or int(ready) < serve.start_timeout_s:
+            problems.append(
+                f"serves.{name}.environment.VLLM_ENGINE_READY_TIMEOUT_S: {ready!r} must be a "
+                f"whole number of seconds >= start_timeout_s {serve.start_timeout_s:g} (vLLM "
+                "would give up on its engine before gpud does)")
+        if table is None:
+            continue
+        parts = vllm_arg_parts(serve, executable=cfg.daemon.vllm_executable, util="0.5000")
+        args = parts[2:]  # after `vllm serve`
+        for problem in check_serve_args([a for a, _ in args], table):
+            problems.append(f"serves.{name}.{args[problem.index][1]}: {problem.message}")
+    return problems
+
+
+def _option_name(arg: str) -> str:
+    name = arg.partition("=")[0]
+    if name.startswith("--"):
+        return "--" + name[2:].partition(".")[0].replace("_", "-")
+    return name
 
 
 def _placeholder_problem(arg: str) -> str | None:

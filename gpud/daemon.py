@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import __version__
-from gpud.config import Config, parse_config, read_config_text, summary
+from gpud.config import Config, device_totals, parse_config, read_config_text, summary
 from gpud.errors import ConfigError, Conflict, GpudError
 from gpud.observation import normalize_bus_id
 from gpud.service import LedgerService, resolve_budgets
@@ -344,28 +344,48 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=overrides)})
 
 
-def check_config(path: Path) -> int:
+def check_config(path: Path, *, show_commands: bool = False) -> int:
     try:
         cfg = parse_config(read_config_text(path), str(path))
-        totals = {}
-        devices = None
-        if cfg.simulation:
-            devices = []
-            for i, dev in enumerate(cfg.simulation.devices):
-                index = dev.index if dev.index is not None else i
-                totals[dev.uuid] = dev.total_mib
-                totals[str(index)] = dev.total_mib
-                if dev.pci_bus_id:
-                    totals[normalize_bus_id(dev.pci_bus_id)] = dev.total_mib
-                devices.append(f"{dev.uuid} (index {index})")
-        resolve_budgets(cfg, lambda ref: totals.get(ref) or totals.get(normalize_bus_id(ref)),
+        known = {normalize_bus_id(k) if ":" in k else k: v for k, v in device_totals(cfg).items()}
+        devices = ([f"{d.uuid} (index {d.index if d.index is not None else i})"
+                    for i, d in enumerate(cfg.simulation.devices)] if cfg.simulation else None)
+        resolve_budgets(cfg, lambda ref: known.get(normalize_bus_id(ref) if ":" in ref else ref),
                         devices)
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2
     print(f"{path}: ok")
     print(summary(cfg))
+    if show_commands:
+        print("\n".join(_commands(cfg)))
     return 0
+
+
+def _commands(cfg: Config) -> list[str]:
+    """--show-commands: the device totals come from the simulation table, else NVML."""
+    from gpud.launch import show_commands
+    from gpud.observation import DeviceSample
+
+    if cfg.simulation is not None:
+        from gpud.simulation import SimulatedBackend, SimulatedDevice
+
+        sim = SimulatedBackend([SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name)
+                                for d in cfg.simulation.devices], Path(cfg.simulation.state_file))
+        devices = tuple(DeviceSample(d.uuid, d.index if d.index is not None else i,
+                                     d.pci_bus_id or "", d.name or "", d.total_mib, None, None)
+                        for i, d in enumerate(sim.devices))
+        return show_commands(cfg, devices, "the simulation table (no real GPU)",
+                             sim.environment_for)
+    from gpud.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        obs = backend.sample()
+    finally:
+        backend.close()
+    source = "NVML" if obs.available else f"NVML: unavailable ({obs.reason})"
+    return show_commands(cfg, obs.devices if obs.available else (), source)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dir", help="state directory (overrides daemon.state_dir)")
     parser.add_argument("--check-config", type=Path, metavar="PATH",
                         help="validate PATH, print a summary or the errors (exit 2), and exit")
+    parser.add_argument("--show-commands", action="store_true",
+                        help="with --check-config: print each serve's environment and argv as "
+                             "gpud would launch it, from the device totals it knows")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="least severe messages logged (default: %(default)s)")
@@ -406,8 +429,11 @@ def raise_nofile_limit() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.show_commands and args.check_config is None:
+        print("gpud: --show-commands needs --check-config PATH", file=sys.stderr)
+        return 2
     if args.check_config is not None:
-        return check_config(args.check_config)
+        return check_config(args.check_config, show_commands=args.show_commands)
     from gpud.journal import setup_logging
 
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)

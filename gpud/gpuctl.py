@@ -1132,6 +1132,15 @@ def format_calibration(doc: Doc) -> str:
         lines.append(f"  steady {rec.get('steady_mib')} MiB, peak {rec.get('peak_mib')} MiB over "
                      f"{rec.get('window_s')} s ({rec.get('samples')} samples): recommended "
                      f"vram_mib = {rec.get('recommended_mib')}{current}")
+    vllm = doc.get("vllm")
+    if vllm:
+        # vLLM's own start-up account, from the serve's journal (gpud.vllm_log)
+        lines.append(f"  vLLM says: weights {vllm.get('weights_mib')} MiB, KV cache "
+                     f"{vllm.get('kv_cache_mib')} MiB, CUDA graphs {vllm.get('cudagraph_mib')} MiB; "
+                     f"context beyond its budget {vllm.get('context_mib')} MiB")
+        if vllm.get("recommended_kv_cache_mib"):
+            lines.append(f"  vLLM recommends --kv-cache-memory={vllm.get('recommended_kv_cache_bytes')}: "
+                         f"kv_cache_mib = {vllm.get('recommended_kv_cache_mib')}")
     return "\n".join(lines)
 
 

@@ -8,29 +8,95 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import math
+import shlex
+from collections.abc import Callable, Mapping
 
-from gpud.config import ServeConfig
+from gpud.config import Config, ServeConfig
+from gpud.errors import GpudError, Refused, Unavailable
 from gpud.ledger import gpu_memory_utilization
+from gpud.observation import DeviceSample, find_device
+
+# vLLM binds every interface unless told (vllm/entrypoints/launchers/launcher.py: setup_server
+# binds `args.host or ""`); gpud's health checks go to loopback, so that is the default.
+DEFAULT_HOST = "127.0.0.1"
+MIB = 1 << 20
+
+# Options gpud sets from the serve's keys: an extra_args copy would silently win (argparse keeps
+# the last), so it is refused, naming the key to set instead.
+GPUD_SET_OPTIONS: Mapping[str, str] = {
+    "--revision": "vllm.revision",
+    "--host": "vllm.host",
+    "--port": "port",
+    "--gpu-memory-utilization": "vram_mib",
+    "--device-memory-utilization": "vram_mib",
+    "--max-model-len": "vllm.max_model_len",
+    "--quantization": "vllm.quantization",
+    "-q": "vllm.quantization",
+    "--kv-cache-memory-bytes": "vllm.kv_cache_mib",
+    "--shutdown-timeout": "stop_timeout_s",
+}
 
 
-def vllm_argv(serve: ServeConfig, *, executable: str, util: str) -> list[str]:
-    """`vllm serve MODEL --revision R --port P --gpu-memory-utilization U --max-model-len N
-    [--quantization Q] [extra_args...]` (pinned by a golden test)."""
+def stop_budget(stop_timeout_s: float) -> tuple[int, int]:
+    """(drain, worker) seconds for a graceful vLLM stop inside systemd's TimeoutStopSec.
+
+    On SIGTERM vLLM's API server lets in-flight requests finish for `--shutdown-timeout` seconds
+    (0, its default, aborts them: vllm/entrypoints/launchers/launcher.py: handle_shutdown), then
+    its process manager gives the engine `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (default 5) to
+    release the GPU before killing it (vllm/v1/engine/utils.py:
+    get_engine_process_shutdown_timeout). Both fit in stop_timeout_s with one worker window
+    spare, so systemd's SIGKILL never lands on an engine still freeing memory.
+    """
+    seconds = math.floor(stop_timeout_s)
+    worker = 5 if seconds >= 15 else max(1, seconds // 3)
+    return max(0, seconds - 2 * worker), worker
+
+
+def vllm_environment(serve: ServeConfig) -> dict[str, str]:
+    """What gpud sets in a vllm serve's environment (the serve's own `environment` wins)."""
+    _drain, worker = stop_budget(serve.stop_timeout_s)
+    return {
+        # vLLM waits this long for its engine to come up (vllm/envs.py, default 600 s): never
+        # less than gpud waits for the serve, or vLLM gives up on a slow load gpud allows.
+        "VLLM_ENGINE_READY_TIMEOUT_S": str(math.ceil(serve.start_timeout_s)),
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(worker),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+
+
+def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str) -> list[tuple[str, str]]:
+    """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
+    from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
+    [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
+    [extra_args...]` (pinned by a golden test and checked against the flag table)."""
     v = serve.vllm
     if v is None:
         raise ValueError("not a vllm serve")
-    argv = [v.executable or executable, "serve", v.model]
+    parts = [(v.executable or executable, "vllm.executable"), ("serve", "vllm"),
+             (v.model, "vllm.model")]
     if v.revision:
-        argv += ["--revision", v.revision]
+        parts += [("--revision", "vllm.revision"), (v.revision, "vllm.revision")]
+    parts += [("--host", "vllm.host"), (v.host or DEFAULT_HOST, "vllm.host")]
     if serve.port is not None:
-        argv += ["--port", str(serve.port)]
-    argv += ["--gpu-memory-utilization", util]
+        parts += [("--port", "port"), (str(serve.port), "port")]
+    parts += [("--gpu-memory-utilization", "vram_mib"), (util, "vram_mib")]
     if v.max_model_len is not None:
-        argv += ["--max-model-len", str(v.max_model_len)]
+        parts += [("--max-model-len", "vllm.max_model_len"),
+                  (str(v.max_model_len), "vllm.max_model_len")]
     if v.quantization:
-        argv += ["--quantization", v.quantization]
-    return argv + list(v.extra_args)
+        parts += [("--quantization", "vllm.quantization"), (v.quantization, "vllm.quantization")]
+    if v.kv_cache_mib is not None:
+        parts += [("--kv-cache-memory-bytes", "vllm.kv_cache_mib"),
+                  (str(v.kv_cache_mib * MIB), "vllm.kv_cache_mib")]
+    drain, _worker = stop_budget(serve.stop_timeout_s)
+    parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
+    parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
+    return parts
+
+
+def vllm_argv(serve: ServeConfig, *, executable: str, util: str) -> list[str]:
+    return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util)]
 
 
 def command_argv(serve: ServeConfig, *, util: str, device_index: int) -> list[str]:
@@ -47,15 +113,91 @@ def command_argv(serve: ServeConfig, *, util: str, device_index: int) -> list[st
     return [arg.format_map(values) for arg in serve.command]
 
 
+def uses_utilization(serve: ServeConfig) -> bool:
+    return serve.vllm is not None or any(
+        "{gpu_memory_utilization}" in arg for arg in serve.command or ())
+
+
+def utilization(name: str, mib: int, total_mib: int | None, *, needed: bool = True) -> str:
+    """util = floor(vram / device total, 4 decimals), so util x total never exceeds the
+    reservation. Never a guess: an unknown total or a util that floors to 0 (vLLM requires
+    > 0: vllm/config/cache.py CacheConfig.gpu_memory_utilization) refuses the launch."""
+    if not total_mib:
+        if not needed:
+            return ""
+        raise Unavailable(
+            f"serve {name}: the device total is unknown (no NVML and no simulated device for "
+            "its role), so gpud cannot compute --gpu-memory-utilization; it will not guess",
+            {"serve": name})
+    util = gpu_memory_utilization(mib, total_mib)
+    if needed and util == "0.0000":
+        raise Refused(
+            f"serve {name}: {mib} MiB of a {total_mib} MiB device is "
+            "--gpu-memory-utilization 0.0000, which vLLM refuses (it must be > 0); reserve at "
+            f"least {math.ceil(total_mib / 10_000)} MiB",
+            {"serve": name, "mib": mib, "total_mib": total_mib})
+    return util
+
+
+def vllm_budget_mib(serve: ServeConfig, reservation_mib: int) -> int:
+    """What gpud hands vLLM as its budget (util x total) out of a reservation: all of it but the
+    context vLLM draws beyond its budget (vllm.context_mib), so that a healthy vLLM stays
+    inside its reservation and never reads as an overdraw."""
+    context = serve.vllm.context_mib if serve.vllm is not None else 0
+    return reservation_mib - context
+
+
 def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
-               vllm_executable: str, vram_mib: int | None = None) -> list[str]:
-    """The argv of a serve. `vram_mib` is its current reservation (default: the config's);
-    util = floor(vram / device total, 4 decimals), so util x total never exceeds it."""
-    mib = vram_mib if vram_mib is not None else serve.vram_mib
-    util = gpu_memory_utilization(mib, total_mib) if total_mib else "0.9000"
+               vllm_executable: str, vram_mib: int | None = None, name: str = "?") -> list[str]:
+    """The argv of a serve. `vram_mib` is its current reservation (default: the config's)."""
+    mib = vllm_budget_mib(serve, vram_mib if vram_mib is not None else serve.vram_mib)
+    if mib <= 0:
+        raise Refused(f"serve {name}: its reservation does not cover its vllm.context_mib",
+                      {"serve": name})
+    util = utilization(name, mib, total_mib, needed=uses_utilization(serve))
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util)
     return command_argv(serve, util=util, device_index=device_index)
+
+
+def serve_environment(serve: ServeConfig) -> dict[str, str]:
+    """The serve's environment as gpud launches it, less what gpud adds per device (its
+    CUDA_VISIBLE_DEVICES, the simulation's variables)."""
+    base = vllm_environment(serve) if serve.vllm is not None else {}
+    return {**base, **serve.environment}
+
+
+def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
+                  extra_env: Callable[[str], Mapping[str, str]] | None = None) -> list[str]:
+    """What `gpud --check-config FILE --show-commands` prints: per serve, the environment and
+    argv gpud would launch, from the device totals known (`source`: NVML or the simulation),
+    or why it would refuse."""
+    lines = [f"device totals from {source}:"]
+    lines += [f"  {d.index}: {d.uuid} {d.total_mib} MiB" for d in devices] or ["  none known"]
+    for name, serve in sorted(cfg.serves.items(), key=lambda kv: (kv[1].priority, kv[0])):
+        role = cfg.roles[serve.role]
+        dev = find_device(devices, role.device)
+        index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
+        where = (f"device {dev.index} ({dev.uuid}, {dev.total_mib} MiB)" if dev
+                 else f"device {role.device!r} (total unknown)")
+        lines.append(f"serve {name}: role {serve.role}, {where}, {serve.vram_mib} MiB")
+        if index is None:
+            lines.append(f"  refused: device {role.device!r} cannot be resolved to an index")
+            continue
+        try:
+            argv = serve_argv(serve, total_mib=dev.total_mib if dev else None, device_index=index,
+                              vllm_executable=cfg.daemon.vllm_executable, name=name)
+        except GpudError as exc:
+            lines.append(f"  refused: {exc.message}")
+            continue
+        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index),
+               **serve_environment(serve)}
+        if dev is not None and extra_env is not None:
+            env.update(extra_env(dev.uuid))
+        lines.append("  environment: " + " ".join(
+            shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
+        lines.append(f"  argv: {shlex.join(argv)}")
+    return lines
 
 
 # What systemd 252 alters in an ExecStart= argument when it re-reads a transient unit.
@@ -77,7 +219,7 @@ def fingerprint(serve: ServeConfig) -> str:
     """A hash of what defines a serve's memory behaviour: model, revision, quantization,
     max_model_len and the command. A changed serve no longer matches its calibration."""
     v = serve.vllm
-    what = {
+    what: dict[str, object] = {
         "model": v.model if v else None,
         "revision": v.revision if v else None,
         "quantization": v.quantization if v else None,
@@ -85,4 +227,7 @@ def fingerprint(serve: ServeConfig) -> str:
         "extra_args": list(v.extra_args) if v else None,
         "command": list(serve.command) if serve.command else None,
     }
+    if v is not None and v.kv_cache_mib is not None:
+        # Only when set, so that the serves that never had it keep their calibrations.
+        what["kv_cache_mib"] = v.kv_cache_mib
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -26,7 +26,7 @@ import aiohttp
 from gpud.config import Config, ServeConfig
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
-from gpud.launch import serve_argv, through_shim
+from gpud.launch import serve_argv, serve_environment, through_shim
 from gpud.observer import Observer
 from gpud.service import (
     ADMITTED,
@@ -300,11 +300,13 @@ class Supervisor:
             raise Unavailable(f"role {spec.role!r}: {why}", {"device": role.device,
                                                              "role": spec.role})
         index = dev.index
-        total = dev.total_mib if dev and dev.total_mib else role.capacity_mib
+        # The device's own total, never the role's capacity: utilization is a fraction of the
+        # total, and a guess would let util x total pass the reservation.
+        total = dev.total_mib or None
         res = self.svc.ledger.reservations.get(serve)
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
-                          vram_mib=res.mib if res else None)
+                          vram_mib=res.mib if res else None, name=serve)
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:
@@ -312,7 +314,9 @@ class Supervisor:
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
-        env: dict[str, str] = {}
+        # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
+        # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
+        env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
         environment_for = getattr(self.observer.backend, "environment_for", None)
         if callable(environment_for):
             env.update(environment_for(dev.uuid))

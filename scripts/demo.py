@@ -35,7 +35,11 @@ total_mib = 32607
 EXTERNAL = {"external": [{"device": "GPU-sim-3f6c", "label": "display", "mib": 1450},
                          {"device": "GPU-sim-3f6c", "label": "voice STT/TTS sidecars",
                           "mib": 4387}]}
-STANDIN = f'#!/bin/sh\nexec {PY} -m gpud.standin --startup-delay 1 "$@"\n'
+# PYTHONPATH: the serve units run from /, where `import gpud` would find whichever checkout the
+# interpreter has installed, not this one.
+# The stand-in's own option after "$@": a vllm argv starts with `serve MODEL`.
+STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin "$@" '
+           '--startup-delay 1\n')
 
 
 def configs() -> tuple[str, str]:
@@ -48,8 +52,8 @@ def configs() -> tuple[str, str]:
     t011 += SIM
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
-            .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"\nrevision = "56e30bf6"\n'
-                     'quantization = "fp8"', 'model = "google/gemma-4-E4B-it"'))
+            .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"',
+                     'model = "google/gemma-4-E4B-it"'))
     return t015, t011
 
 

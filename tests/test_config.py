@@ -160,3 +160,83 @@ def test_check_config_cli(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 2
     assert "serves.ocr.vram_mib: must be > 0" in out.stderr
+
+
+VLLM_SERVE = """
+[serves.emb]
+role = "gpu"
+vram_mib = 3200
+port = 30003
+[serves.emb.vllm]
+model = "BAAI/bge-m3"
+"""
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ('extra_args = ["--task", "embed"]',
+     "serves.emb.vllm.extra_args[0]: --task was removed (not an option of vLLM 0.33.0); use "
+     "--runner pooling"),
+    ('extra_args = ["--runner", "pooling", "--swap-space", "4"]',
+     "serves.emb.vllm.extra_args[2]: --swap-space was removed"),
+    ('extra_args = ["--port", "1"]',
+     "serves.emb.vllm.extra_args[0]: --port is set by gpud from serves.emb.port: set that instead"),
+    ('extra_args = ["--gpu_memory_utilization=0.5"]',
+     "serves.emb.vllm.extra_args[0]: --gpu-memory-utilization is set by gpud from serves.emb.vram_mib"),
+    ('extra_args = ["--host", "0.0.0.0"]', "serves.emb.vllm.extra_args[0]: --host is set by gpud from "
+     "serves.emb.vllm.host"),
+    ('quantization = "fp9"', "serves.emb.vllm.quantization: --quantization 'fp9': not one of"),
+    ('revision = "56e30bf6"', "serves.emb.vllm.revision: '56e30bf6' is an abbreviated commit; pin "
+     "the full 40-hex SHA"),
+    ("kv_cache_mib = 3200", "serves.emb.vllm.kv_cache_mib: 3200 (+ context_mib 0) must be below "
+     "vram_mib 3200"),
+    ("kv_cache_mib = 0", "serves.emb.vllm.kv_cache_mib: must be > 0"),
+    ('host = ""', "serves.emb.vllm.host: String should have at least 1 character"),
+    ('host = "::1"', "serves.emb.vllm.host: '::1' is not reached by gpud's health checks"),
+])
+def test_vllm_serve_problems_name_their_key(extra: str, expected: str) -> None:
+    found = problems(BASE + VLLM_SERVE + extra)
+    assert len(found) == 1, found
+    assert found[0].startswith(expected), found
+
+
+def test_vllm_engine_ready_timeout_must_cover_the_start_timeout() -> None:
+    text = BASE + VLLM_SERVE.replace("port = 30003", "port = 30003\nstart_timeout_s = 900")
+    text += '[serves.emb.environment]\nVLLM_ENGINE_READY_TIMEOUT_S = "600"\n'
+    assert problems(text) == [
+        "serves.emb.environment.VLLM_ENGINE_READY_TIMEOUT_S: '600' must be a whole number of "
+        "seconds >= start_timeout_s 900 (vLLM would give up on its engine before gpud does)"]
+    ok = parse_config(text.replace('"600"', '"900"'), "t")
+    assert ok.serves["emb"].environment["VLLM_ENGINE_READY_TIMEOUT_S"] == "900"
+
+
+def test_a_utilization_that_floors_to_zero_is_a_config_error_when_the_total_is_known() -> None:
+    tiny = VLLM_SERVE.replace("vram_mib = 3200", "vram_mib = 3")
+    assert problems(BASE + tiny) == [
+        "serves.emb.vram_mib: 3 MiB is --gpu-memory-utilization 0.0000 of at most 32607 MiB; "
+        "vLLM requires > 0"]
+    sim = ('[simulation]\n[[simulation.devices]]\nuuid = "GPU-sim-0"\ntotal_mib = 81559\n')
+    no_capacity = BASE.replace("capacity_mib = 32607\nreserve_mib = 4608\n", "")
+    assert problems(no_capacity + tiny.replace("vram_mib = 3", "vram_mib = 8") + sim) == [
+        "serves.emb.vram_mib: 8 MiB is --gpu-memory-utilization 0.0000 of the device total "
+        "81559 MiB; vLLM requires > 0"]
+    # The total unknown (no capacity, no simulated device): decided at launch, not here.
+    assert parse_config(no_capacity + tiny, "t").serves["emb"].vram_mib == 3
+    # A command that asks for the utilization is held to the same rule.
+    cmd = '[serves.x]\nrole = "gpu"\nvram_mib = 1\ncommand = ["/bin/x", "{gpu_memory_utilization}"]\n'
+    assert problems(BASE + cmd)[0].startswith("serves.x.vram_mib: 1 MiB is --gpu-memory-utilization")
+
+
+def test_unknown_vllm_version() -> None:
+    found = problems("[daemon]\nvllm_version = \"0.1.0\"\n" + BASE + VLLM_SERVE)
+    assert found == ["daemon.vllm_version: no vllm serve flag table for vLLM '0.1.0' (there are: "
+                     "0.33.0; write one with scripts/vllm-flags VERSION)"]
+
+
+def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:
+    assert problems(BASE + VLLM_SERVE + "context_mib = 3200") == [
+        "serves.emb.vllm.context_mib: 3200 must be below vram_mib 3200"]
+    assert problems(BASE + VLLM_SERVE + "context_mib = 400\nkv_cache_mib = 2800") == [
+        "serves.emb.vllm.kv_cache_mib: 2800 (+ context_mib 400) must be below vram_mib 3200 "
+        "(the weights need room too)"]
+    ok = parse_config(BASE + VLLM_SERVE + "context_mib = 400\nkv_cache_mib = 1024", "t")
+    assert ok.serves["emb"].vllm.context_mib == 400

@@ -9,9 +9,18 @@ import sys
 import pytest
 
 from gpud.calibration import recommend
-from gpud.config import parse_config
+from gpud.config import ServeConfig, parse_config
+from gpud.errors import Refused, Unavailable
 from gpud.execv import decode, encode
-from gpud.launch import fingerprint, serve_argv, through_shim
+from gpud.launch import (
+    fingerprint,
+    serve_argv,
+    serve_environment,
+    stop_budget,
+    through_shim,
+    vllm_environment,
+)
+from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
 from tests.conftest import REPO
 
 
@@ -19,21 +28,95 @@ def example_serves():  # type: ignore[no-untyped-def]
     return parse_config((REPO / "etc" / "serves.toml").read_text(), "etc/serves.toml").serves
 
 
+def _passes_the_flag_table(argv: list[str]) -> list[str]:
+    assert argv[1] == "serve"
+    return [p.message for p in check_serve_args(argv[2:], load_table(DEFAULT_VERSION))]
+
+
 def test_vllm_argv_golden() -> None:
     argv = serve_argv(example_serves()["fast"], total_mib=32607, device_index=0,
                       vllm_executable="/opt/vllm/bin/vllm")
     assert argv == [
         "/opt/vllm/bin/vllm", "serve", "leon-se/gemma-4-E4B-it-FP8-Dynamic",
-        "--revision", "56e30bf6", "--port", "30001", "--gpu-memory-utilization", "0.4396",
-        "--max-model-len", "32768", "--quantization", "fp8",
+        "--host", "127.0.0.1", "--port", "30001", "--gpu-memory-utilization", "0.4396",
+        "--max-model-len", "32768", "--shutdown-timeout", "20",
     ]
+    assert _passes_the_flag_table(argv) == []
+
+
+def test_vllm_argv_with_every_key_passes_the_table() -> None:
+    serve = ServeConfig.model_validate({
+        "role": "r", "vram_mib": 8192, "port": 30009, "stop_timeout_s": 12.0,
+        "vllm": {"model": "org/m", "revision": "a" * 40, "quantization": "awq",
+                 "max_model_len": 8192, "host": "::", "kv_cache_mib": 2048,
+                 "extra_args": ["--served-model-name", "m", "m2", "--enforce-eager",
+                                "--compilation-config.cudagraph_mode", "NONE"]}})
+    argv = serve_argv(serve, total_mib=81559, device_index=0, vllm_executable="vllm")
+    assert argv == [
+        "vllm", "serve", "org/m", "--revision", "a" * 40, "--host", "::", "--port", "30009",
+        "--gpu-memory-utilization", "0.1004", "--max-model-len", "8192", "--quantization", "awq",
+        "--kv-cache-memory-bytes", str(2048 << 20), "--shutdown-timeout", "4",
+        "--served-model-name", "m", "m2", "--enforce-eager",
+        "--compilation-config.cudagraph_mode", "NONE",
+    ]
+    assert _passes_the_flag_table(argv) == []
+
+
+def test_every_example_vllm_argv_passes_the_table() -> None:
+    serves = example_serves()
+    checked = 0
+    for name, serve in serves.items():
+        if serve.vllm is not None:
+            argv = serve_argv(serve, total_mib=32607, device_index=0, vllm_executable="vllm",
+                              name=name)
+            assert _passes_the_flag_table(argv) == [], name
+            checked += 1
+    assert checked == 3
 
 
 def test_vllm_argv_uses_the_current_reservation_and_extra_args() -> None:
     argv = serve_argv(example_serves()["embeddings"], total_mib=32607, device_index=0,
                       vllm_executable="vllm", vram_mib=4096)
-    assert argv == ["vllm", "serve", "BAAI/bge-m3", "--port", "30003",
-                    "--gpu-memory-utilization", "0.1256", "--task", "embed"]
+    assert argv == ["vllm", "serve", "BAAI/bge-m3", "--host", "127.0.0.1", "--port", "30003",
+                    "--gpu-memory-utilization", "0.1256", "--shutdown-timeout", "20",
+                    "--runner", "pooling"]
+
+
+def test_no_guessed_utilization() -> None:
+    serves = example_serves()
+    with pytest.raises(Unavailable, match="device total is unknown"):
+        serve_argv(serves["fast"], total_mib=None, device_index=0, vllm_executable="vllm",
+                   name="fast")
+    with pytest.raises(Refused, match=r"0\.0000.*reserve at least 9 MiB"):
+        serve_argv(serves["fast"], total_mib=81559, device_index=0, vllm_executable="vllm",
+                   vram_mib=8, name="fast")
+    # A command that does not ask for the utilization needs no total.
+    plain = serves["ocr"].model_copy(update={"command": ["/bin/x", "--port", "{port}"]})
+    assert serve_argv(plain, total_mib=None, device_index=0, vllm_executable="vllm") == [
+        "/bin/x", "--port", "30007"]
+    with pytest.raises(Unavailable):
+        serve_argv(serves["ocr"], total_mib=None, device_index=0, vllm_executable="vllm")
+
+
+@pytest.mark.parametrize(("stop_s", "drain", "worker"), [
+    (30.0, 20, 5), (15.0, 5, 5), (14.9, 6, 4), (10.0, 4, 3), (3.0, 1, 1), (1.0, 0, 1),
+    (0.5, 0, 1),
+])
+def test_graceful_stop_fits_in_stop_timeout(stop_s: float, drain: int, worker: int) -> None:
+    assert stop_budget(stop_s) == (drain, worker)
+    # A drain leaves the engine its window and one spare before systemd's SIGKILL.
+    assert drain == 0 or drain + 2 * worker <= stop_s
+
+
+def test_vllm_environment() -> None:
+    fast = example_serves()["fast"].model_copy(update={"start_timeout_s": 1200.5})
+    assert vllm_environment(fast) == {
+        "VLLM_ENGINE_READY_TIMEOUT_S": "1201", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5",
+        "VLLM_NO_USAGE_STATS": "1"}
+    mine = fast.model_copy(update={"environment": {"VLLM_NO_USAGE_STATS": "0", "HF_HOME": "/h"}})
+    env = serve_environment(mine)
+    assert env["VLLM_NO_USAGE_STATS"] == "0" and env["HF_HOME"] == "/h"
+    assert serve_environment(example_serves()["ocr"]) == {}
 
 
 def test_command_placeholders() -> None:
@@ -68,8 +151,8 @@ def test_fingerprint_follows_what_defines_the_serve() -> None:
     fast = serves["fast"]
     same = fast.model_copy(update={"vram_mib": 10000, "priority": 1, "port": 1234})
     assert fingerprint(same) == fingerprint(fast)  # reservation and placement are not identity
-    for change in ({"revision": "ffffffff"}, {"quantization": None}, {"max_model_len": 8192},
-                   {"model": "other/model"}):
+    for change in ({"revision": "f" * 40}, {"quantization": "fp8"}, {"max_model_len": 8192},
+                   {"model": "other/model"}, {"kv_cache_mib": 1024}):
         changed = fast.model_copy(update={"vllm": fast.vllm.model_copy(update=change)})
         assert fingerprint(changed) != fingerprint(fast), change
     ocr = serves["ocr"]
@@ -91,3 +174,63 @@ def test_recommendation(samples: list[int], expected: tuple[int, int, int]) -> N
 def test_recommendation_needs_samples() -> None:
     with pytest.raises(ValueError):
         recommend([])
+
+
+def _check_config(tmp_path, text: str, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    path = tmp_path / "serves.toml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "gpud.daemon", "--check-config", str(path), *args],
+                          capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
+
+
+def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "GPU-sim-0"')
+    text += '[simulation]\nstate_file = "/nonexistent/sim.json"\n[[simulation.devices]]\n' \
+            'uuid = "GPU-sim-0"\ntotal_mib = 32607\n'
+    done = _check_config(tmp_path, text, "--show-commands")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert "device totals from the simulation table (no real GPU):" in out
+    at = out.index("serve fast: role dark-fast, device 0 (GPU-sim-0, 32607 MiB), 14336 MiB")
+    env, argv = out[at + 1], out[at + 2]
+    for pair in ("CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0",
+                 "VLLM_ENGINE_READY_TIMEOUT_S=900", "VLLM_NO_USAGE_STATS=1",
+                 "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=5"):
+        assert pair in env.split(), pair
+    assert argv == ("  argv: vllm serve leon-se/gemma-4-E4B-it-FP8-Dynamic --host 127.0.0.1 --port "
+                    "30001 --gpu-memory-utilization 0.4396 --max-model-len 32768 "
+                    "--shutdown-timeout 20")
+
+
+def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "7"')
+    done = _check_config(tmp_path, text, "--show-commands")
+    assert done.returncode == 0, done.stderr
+    assert "  refused: serve fast: the device total is unknown" in done.stdout
+    assert "argv:" not in done.stdout
+
+
+def test_check_config_names_the_removed_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text().replace('"--runner", "pooling"', '"--task", "embed"')
+    done = _check_config(tmp_path, text)
+    assert done.returncode == 2
+    assert ("serves.embeddings.vllm.extra_args[0]: --task was removed (not an option of vLLM "
+            "0.33.0); use --runner pooling") in done.stderr
+    assert _check_config(tmp_path, "", "--show-commands").returncode == 0
+    assert subprocess.run([sys.executable, "-m", "gpud.daemon", "--show-commands"], cwd=REPO,
+                          capture_output=True, check=False).returncode == 2
+
+
+def test_context_mib_keeps_util_x_total_plus_context_inside_the_reservation() -> None:
+    fast = example_serves()["fast"]
+    ctx = fast.model_copy(update={"vllm": fast.vllm.model_copy(update={"context_mib": 400})})
+    argv = serve_argv(ctx, total_mib=32607, device_index=0, vllm_executable="vllm")
+    util = argv[argv.index("--gpu-memory-utilization") + 1]
+    assert util == "0.4273"  # floor((14336 - 400) / 32607, 4 decimals)
+    budget = 4273 * 32607 // 10_000
+    # All of the reservation, never more (4 decimals of util: 3.3 MiB of 32607, plus a floor).
+    assert 0 <= 14336 - (budget + 400) < 32607 / 10_000 + 1
+    assert fingerprint(ctx) == fingerprint(fast)  # a sizing figure, not what the serve is
+    tiny = ctx.model_copy(update={"vram_mib": 400})
+    with pytest.raises(Refused, match=r"does not cover its vllm\.context_mib"):
+        serve_argv(tiny, total_mib=32607, device_index=0, vllm_executable="vllm")

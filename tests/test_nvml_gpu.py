@@ -6,6 +6,7 @@ says why ("no NVML device: <reason>", or that torch is missing).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import select
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,146 @@ def test_allocating_processes_are_seen(gpu: tuple[NvmlBackend, DeviceSample]) ->
         time.sleep(0.5)
         after = device_now(backend, uuid)
     assert not {p.pid for p in after.processes or ()} & {c.pid for c in children}
+
+
+# ---- real cgroups -----------------------------------------------------------------------------
+
+CGROUP_PARENT = "gpud-gpu-check.slice"
+CGROUP_SERVE = "gpucheck"
+
+
+def _cgroup2_root() -> str | None:
+    """A writable cgroup v2 hierarchy: /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified."""
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if os.path.exists(f"{root}/cgroup.procs") and os.path.exists(f"{root}/cgroup.controllers") \
+                and os.access(root, os.W_OK):
+            return root
+    return None
+
+
+def test_a_torch_process_in_a_serve_cgroup_is_attributed(
+        gpu: tuple[NvmlBackend, DeviceSample]) -> None:
+    """gpud attributes by /proc/PID/cgroup: a real allocating process placed in a real cgroup
+    named like a serve's unit is that serve's draw, and only its draw leaves non-ledger draw."""
+    from gpud.cgroups import attribute
+
+    backend, first = gpu
+    root = _cgroup2_root()
+    if root is None:
+        pytest.skip("no writable cgroup v2 hierarchy (run as root on a cgroup v2 host)")
+    unit_dir = f"{root}/{CGROUP_PARENT}/gpud-serve-{CGROUP_SERVE}.service"
+    os.makedirs(unit_dir, exist_ok=True)
+    env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=first.uuid)
+    before = device_now(backend, first.uuid)
+    # The child joins the cgroup before it touches CUDA (python reads stdin first).
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); exec(sys.argv.pop(1))", CHILD,
+         "2048"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with open(f"{unit_dir}/cgroup.procs", "w") as f:
+            f.write(str(child.pid))
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        ready, _, _ = select.select([child.stdout], [], [], READY_TIMEOUT_S)
+        assert ready and child.stdout.readline().strip() == "ready"
+        assert attribute([child.pid]) == {child.pid: CGROUP_SERVE}
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        dev = device_now(backend, first.uuid)
+        while child.pid not in {p.pid for p in dev.processes or ()}:
+            assert time.monotonic() < deadline, f"NVML lists {dev.processes}"
+            time.sleep(0.5)
+            dev = device_now(backend, first.uuid)
+        assert dev.processes is not None and dev.used_mib is not None
+        owners = attribute(p.pid for p in dev.processes)
+        managed = serve_draws(((p.pid, p.mib) for p in dev.processes), owners)
+        assert 2048 <= managed[CGROUP_SERVE] <= 2048 + CONTEXT_TOLERANCE_MIB
+        assert before.used_mib is not None
+        # Non-ledger draw did not move by the serve's allocation.
+        assert abs((dev.used_mib - managed[CGROUP_SERVE]) - before.used_mib) <= 256
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        for d in (unit_dir, f"{root}/{CGROUP_PARENT}"):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+# ---- a real vllm serve ------------------------------------------------------------------------
+
+
+def test_a_real_vllm_serve_behaves_as_gpud_expects(
+        gpu: tuple[NvmlBackend, DeviceSample], tmp_path: Path) -> None:
+    """Where vLLM and a local model are present (GPUD_TEST_VLLM_MODEL=/path/to/model): the argv
+    and environment gpud builds start a real `vllm serve`; it refuses connections while loading,
+    answers /health 200 once loaded, its memory sits in a VLLM::EngineCore child, its draw is
+    util x total plus a context, and its memory lines read back through gpud.vllm_log. (Run
+    directly, not in a systemd unit: the unit path is what the sandbox tests cover.)"""
+    import socket
+    import urllib.request
+
+    from gpud.config import ServeConfig
+    from gpud.launch import serve_argv, serve_environment
+    from gpud.vllm_log import parse_memory_lines
+
+    backend, first = gpu
+    model = os.environ.get("GPUD_TEST_VLLM_MODEL")
+    if not model or not os.path.isdir(model):
+        pytest.skip("set GPUD_TEST_VLLM_MODEL to a local model directory to start a real vLLM")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not importable in this interpreter")
+    assert first.total_mib is not None
+    port = 30999
+    serve = ServeConfig.model_validate({
+        "role": "gpu", "vram_mib": min(first.total_mib // 4, 24576), "port": port,
+        "vllm": {"model": model, "max_model_len": 2048, "extra_args": ["--enforce-eager"]}})
+    argv = serve_argv(serve, total_mib=first.total_mib, device_index=first.index,
+                      vllm_executable=os.path.join(os.path.dirname(sys.executable), "vllm"))
+    env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(first.index),
+               HF_HUB_OFFLINE="1", **serve_environment(serve))
+    log = tmp_path / "vllm.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + serve.start_timeout_s
+        refused_while_loading = False
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "vLLM did not become healthy"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError as exc:
+                if isinstance(getattr(exc, "reason", exc), ConnectionRefusedError):
+                    refused_while_loading = True
+            time.sleep(1)
+        assert refused_while_loading, "no refused connection was seen while loading"
+        dev = device_now(backend, first.uuid)
+        titles = {}
+        for p in dev.processes or ():
+            with contextlib.suppress(OSError), open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                titles[p.pid] = f.read().split(b"\0")[0].decode()
+        engines = [pid for pid, title in titles.items() if title.startswith("VLLM::EngineCore")]
+        assert engines and proc.pid not in {p.pid for p in dev.processes or ()}, titles
+        util = float(argv[argv.index("--gpu-memory-utilization") + 1])
+        drawn = sum(p.mib or 0 for p in dev.processes or () if p.pid in engines)
+        assert util * first.total_mib <= drawn, (drawn, util)
+        print(f"vLLM context beyond util x total: {drawn - util * first.total_mib:.0f} MiB")
+        got = parse_memory_lines(log.read_text().splitlines())
+        assert got.weights_mib and got.kv_cache_mib, log.read_text()[-4000:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=serve.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with socket.socket() as s:  # the port is free again
+            s.bind(("127.0.0.1", port))

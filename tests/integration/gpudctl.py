@@ -14,7 +14,9 @@ from tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-STANDIN = [PY, "-m", "gpud.standin"]
+# PYTHONPATH: a serve unit runs from /, where `import gpud` would find whichever checkout the
+# interpreter has installed, not this one.
+STANDIN = ["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin"]
 
 
 def standin(*args: str) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
 from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
@@ -139,3 +139,29 @@ def test_bad_config_on_reload_keeps_the_running_one(gpud: SandboxGpud) -> None:
     assert "TOML syntax" in gpud.journal_tail()
     assert gpud.get("/v1/status")["ready"] is True
     assert gpud.serve("one")["vram_mib"] == 1000
+
+
+def test_vllm_serve_calibration_reads_vllms_own_lines(gpud: SandboxGpud) -> None:
+    """A vllm serve (the stand-in as `vllm`, with a context beyond util x total): gpud launches
+    the argv the flag table passes, and calibration puts vLLM's journal lines beside NVML's."""
+    wrapper = "/usr/local/bin/vllm-standin"
+    serves = ('[serves.gen]\nrole = "dark-fast"\nvram_mib = 8192\nport = 30033\n'
+              '[serves.gen.vllm]\nmodel = "org/gen"\nmax_model_len = 4096\n')
+    config = sim_config(T011_ROLE, serves, daemon=f'vllm_executable = "{wrapper}"')
+    gpud.configure(config, start=False)
+    # The stand-in's own --context-mib: vLLM's CUDA context lies outside its budget.
+    gpud.sb.write_file(wrapper, f'#!/bin/sh\nexec {" ".join(STANDIN)} "$@" --context-mib 300\n',
+                       mode=0o755)
+    gpud.start()
+    assert gpud.call("POST", "/v1/serves/gen/start", {}).status == 200
+    gpud.wait_state("gen", "running")
+    assert gpud.call("POST", "/v1/serves/gen/calibrate", {"window_s": 2}).status == 200
+    gpud.wait_event("calibrate", serve="gen")
+    view = gpud.get("/v1/serves/gen/calibration")
+    budget = 8192 * 10_000 // 32607 * 32607 // 10_000  # floor(util x total), util = 0.2512
+    vllm = view["vllm"]
+    assert vllm["budget_mib"] == budget
+    assert vllm["context_mib"] == 300  # the steady draw beyond vLLM's budget
+    assert vllm["weights_mib"] == pytest.approx(budget * 3 // 5, abs=6)  # GiB with 2 decimals
+    assert vllm["recommended_kv_cache_bytes"] > 0
+    assert view["record"]["steady_mib"] == budget + 300

@@ -76,7 +76,7 @@ def test_arguments_reach_the_process_literally(gpud: SandboxGpud) -> None:
     # "{{x}}" is the config's escape for literal braces (placeholders use {port} etc).
     hostile = ["$HOME", "a;b", "%n", "two words", "it's \"quoted\"", "$(id)", "`id`", "{{x}}"]
     expected = [*hostile[:-1], "{x}"]
-    cmd = standin("--echo-argv")[:-1] + ", " + ", ".join(
+    cmd = standin("--echo-argv", "--note")[:-1] + ", " + ", ".join(
         '"' + h.replace("\\", "\\\\").replace('"', '\\"') + '"' for h in hostile) + "]"
     serves = f'[serves.lit]\nrole = "dark-fast"\nvram_mib = 1000\nport = 30010\ncommand = {cmd}\n'
     gpud.configure(sim_config(DARK_FAST, serves))

@@ -1,26 +1,46 @@
-"""A stand-in for a vLLM OpenAI server, for tests and demos on machines without a GPU.
+"""A stand-in for a vLLM 0.33 OpenAI server, for tests and demos on machines without a GPU.
 
-Run as ``python -m gpud.standin`` with a ``vllm serve``-shaped argv::
+Not part of the shipped daemon (gpud.testing is left out of the package). Run as
+``python -m gpud.testing.standin`` with a ``vllm serve``-shaped argv::
 
-    python -m gpud.standin serve MODEL --port 30001 --gpu-memory-utilization 0.4396 \\
-        --max-model-len 32768 --quantization fp8 --startup-delay 2
+    python -m gpud.testing.standin serve MODEL --host 127.0.0.1 --port 30001 \\
+        --gpu-memory-utilization 0.4396 --max-model-len 32768 --startup-delay 2
 
-It answers what gpud looks at: ``GET /health`` (503 while "loading", 200 with an empty body
-after, like vLLM), ``GET /v1/models`` (vLLM's ``ModelList`` shape) and a tiny echo on
-``POST /v1/completions`` and ``/v1/chat/completions``. It never pretends to be real: its
-startup line says "stand-in", ``/v1/models`` says ``"owned_by": "gpud-standin"`` and every
-response carries ``X-Gpud-Standin: 1``.
+It starts the way vLLM 0.33 does (each point checked in vLLM's source; see the notes at the
+functions that do it):
 
-Simulated memory draw: ``--draw-mib N``, else ``floor(util x GPUD_SIM_TOTAL_MIB)``, times
-``1 + overdraw_pct/100``. When ``GPUD_SIM_PROCS_DIR`` and ``GPUD_SIM_DEVICE`` are set, the process
-holding the draw (this one, or with ``--draw-in-child`` a child it spawns, as vLLM's engine
-core holds the memory) registers ``PROCS_DIR/PID.json`` = ``{"pid", "device", "mib", ...}``
-through ``gpud.simulation.register_process`` (atomic) and removes it when it exits (SIGTERM,
-SIGINT, SIGHUP, crash, normal exit; after a SIGKILL the simulation drops the file of a dead PID).
-The simulated observation backend reads these files as NVML's per-process list.
+- an option the flag table of vLLM 0.33 (gpud/data) does not know exits 2, as argparse does
+  (so does an abbreviation, which vLLM's argparse would take and gpud's config refuses);
+  options it knows are accepted and ignored;
+- the port is bound at once but not listened on until the model has "loaded": while loading, a
+  connection is refused (never a 503);
+- the GPU memory is held by an engine child titled ``VLLM::EngineCore`` (argv[0] and comm),
+  which logs vLLM's start-up memory lines (``Model loading took X GiB memory ...``,
+  ``Available KV cache memory: Y GiB``, ``Estimated CUDA graph memory: Z GiB total`` and the
+  ``--kv-cache-memory=N`` recommendation) and then tells the server it is ready;
+- ready: ``GET /health`` 200 with an empty body, ``GET /v1/models`` with the served names;
+- the engine child dies: ``/health`` answers 503, and the server exits (status 1) after
+  ``--exit-after-engine-death`` seconds (vLLM's watchdog: 5);
+- with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2``, ``POST /wake_up``,
+  ``GET /is_sleeping``; asleep, the engine's draw drops to the context (``--context-mib``).
 
-Fault injection: ``--crash-after S [--exit-code C]``, ``--never-healthy``, ``--unhealthy-after S``,
-``--ignore-sigterm``. Unknown (vLLM) flags are accepted and logged.
+It never pretends to be real: its first line says "STAND-IN", ``/v1/models`` says
+``"owned_by": "gpud-standin"`` and every response carries ``X-Gpud-Standin: 1``. Unlike vLLM it
+binds 127.0.0.1 without ``--host`` (tests must not listen beyond loopback).
+
+Simulated memory: the budget is ``floor(util x GPUD_SIM_TOTAL_MIB)``, split into weights, peak
+activation, CUDA graphs and KV cache as vLLM reports them; with ``--kv-cache-memory-bytes`` the
+KV cache is that size instead and the budget is what the parts add up to. The engine draws the
+budget plus ``--context-mib`` (the CUDA context vLLM's budget does not count), times
+``1 + overdraw_pct/100``; ``--draw-mib N`` replaces all of it. When ``GPUD_SIM_PROCS_DIR`` and
+``GPUD_SIM_DEVICE`` are set, the engine child registers ``PROCS_DIR/PID.json`` through
+``gpud.simulation.register_process`` (atomic) and removes it when it exits; after a SIGKILL the
+simulation drops the file of a dead PID. The simulated observation backend reads these files as
+NVML's per-process list.
+
+Fault injection: ``--crash-after S [--exit-code C]`` (the server process), ``--engine-dies-after
+S`` (the engine child; vLLM's 503-then-exit follows), ``--never-healthy`` (never finishes
+loading), ``--unhealthy-after S`` (503 with everything alive), ``--ignore-sigterm``.
 
 Standard library only, and not even ``http.server``: it pulls in ``http.client`` and ``ssl``
 (measured here: some 25 ms of imports and 6 MiB of RSS per process, more than the rest of this
@@ -32,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import itertools
 import json
@@ -61,10 +82,20 @@ GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB: Final = "GPUD_SIM_TOTAL_MIB"
 
 ECHO_ENV: Final = ("HOME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-# First argv word of the internal draw-holding child; never part of a vllm-shaped argv.
+# First argv word of the internal engine child; never part of a vllm-shaped argv.
 DRAW_CHILD_TOKEN: Final = "__gpud_standin_draw_child__"
+# vllm/utils/system_utils.py set_process_title: f"{VLLM_PROCESS_NAME_PREFIX}::{name}", prefix
+# "VLLM", name "EngineCore" (vllm/v1/engine/core.py run_engine_core).
+ENGINE_TITLE: Final = "VLLM::EngineCore"
+DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # vllm/envs.py: bool(int(...)), default 0
+VLLM_VERSION_ENV: Final = "GPUD_STANDIN_VLLM_VERSION"  # which flag table (default: gpud's)
 
-DEFAULT_UTILIZATION: Final = Fraction(9, 10)  # vLLM's default
+DEFAULT_UTILIZATION: Final = Fraction(92, 100)  # vllm/config/cache.py: CacheConfig default
+# vllm/entrypoints/launchers/launcher.py watchdog_loop: VLLM_WATCHDOG_TIME_S
+ENGINE_DEATH_EXIT_S: Final = 5.0
+# vllm/v1/worker/gpu_worker.py: the buffer left out of the --kv-cache-memory recommendation
+REDUNDANCY_BUFFER_MIB: Final = 150
+MIB: Final = 1 << 20
 DEFAULT_MAX_MODEL_LEN: Final = 4096
 MAX_BODY: Final = 1 << 20
 MAX_HEADERS: Final = 100
@@ -109,18 +140,23 @@ class Options(NamedTuple):
     served_model_names: tuple[str, ...]
     max_model_len: int
     gpu_memory_utilization: Fraction
+    kv_cache_memory_bytes: int | None
+    enable_sleep_mode: bool
     draw_mib: int | None
+    weights_mib: int | None
+    context_mib: int
     overdraw_pct: Fraction
     draw_after_s: float
-    draw_in_child: bool
     startup_delay_s: float
     crash_after_s: float | None
     exit_code: int
     never_healthy: bool
     unhealthy_after_s: float | None
+    engine_dies_after_s: float | None
+    exit_after_engine_death_s: float
     ignore_sigterm: bool
     echo_argv: bool
-    unknown_args: tuple[str, ...]
+    vllm_args: tuple[str, ...]  # vLLM options the flag table knows: accepted, ignored
 
 
 def compute_draw_mib(
@@ -130,7 +166,7 @@ def compute_draw_mib(
     total_mib: int,
     overdraw_pct: Fraction,
 ) -> int:
-    """MiB the stand-in registers.
+    """MiB of a budget of ``util x total`` with its overdraw (``--draw-mib`` wins).
 
     Exact rational arithmetic: gpud passes ``util = floor(vram / total, 4 decimals)`` so that
     ``util x total <= vram``; binary floats would land one MiB off on some of those products.
@@ -139,16 +175,86 @@ def compute_draw_mib(
     return math.floor(base * (1 + overdraw_pct / 100))
 
 
+class MemoryPlan(NamedTuple):
+    """What the engine holds, in MiB, in the parts vLLM logs at start."""
+
+    requested: int  # util x total: vLLM's budget
+    weights: int
+    activation: int
+    cudagraph: int
+    kv_cache: int
+    context: int  # outside vLLM's budget: CUDA context, NCCL and cuBLAS handles
+    draw: int  # what NVML would show for the engine process
+    recommended_kv_bytes: int | None  # vLLM's --kv-cache-memory=N to fit the budget
+
+
+def memory_plan(opts: Options, total_mib: int) -> MemoryPlan:
+    requested = math.floor(opts.gpu_memory_utilization * total_mib)
+    weights = opts.weights_mib if opts.weights_mib is not None else requested * 3 // 5
+    activation = requested // 50
+    cudagraph = min(512, requested // 20)
+    recommended: int | None = None
+    if opts.kv_cache_memory_bytes is not None:
+        # vLLM sizes the KV cache as told and skips KV profiling (and the recommendation).
+        kv = math.ceil(opts.kv_cache_memory_bytes / MIB)
+        budget = weights + activation + cudagraph + kv
+    else:
+        kv = max(0, requested - weights - activation - cudagraph)
+        budget = requested
+        recommended = (requested - weights - activation - cudagraph - REDUNDANCY_BUFFER_MIB) * MIB
+    if opts.draw_mib is not None:
+        draw = compute_draw_mib(draw_mib=opts.draw_mib, utilization=opts.gpu_memory_utilization,
+                                total_mib=total_mib, overdraw_pct=opts.overdraw_pct)
+    else:
+        draw = math.floor((budget + opts.context_mib) * (1 + opts.overdraw_pct / 100))
+    return MemoryPlan(requested, weights, activation, cudagraph, kv, opts.context_mib, draw,
+                      recommended)
+
+
+def _gib(mib: int) -> str:
+    # vllm/utils/mem_utils.py format_gib: str(round(bytes / GiB, 2))
+    return f"{round(mib * MIB / (1 << 30), 2)}"
+
+
+def memory_log_lines(plan: MemoryPlan, opts: Options, total_mib: int,
+                     load_s: float) -> list[str]:
+    """vLLM's start-up memory lines, worded as vLLM 0.33 words them."""
+    lines = [
+        # vllm/v1/worker/gpu_model_runner.py load_model
+        f"Model loading took {_gib(plan.weights)} GiB memory and {load_s:.6f} seconds",
+        # vllm/v1/worker/gpu_model_runner.py profile_cudagraph_memory
+        f"Estimated CUDA graph memory: {plan.cudagraph / 1024:.2f} GiB total",
+        # vllm/v1/worker/gpu_worker.py determine_available_memory
+        f"Available KV cache memory: {_gib(plan.kv_cache)} GiB",
+    ]
+    if plan.recommended_kv_bytes is not None:
+        # vllm/v1/worker/gpu_worker.py compile_or_warm_up_model, when KV memory was profiled
+        non_kv = plan.weights + plan.activation + plan.cudagraph
+        to_gpu = (total_mib - non_kv - REDUNDANCY_BUFFER_MIB) * MIB
+        to_req = plan.recommended_kv_bytes
+        lines.append(
+            f"Free memory on device ({_gib(total_mib)}/{_gib(total_mib)} GiB) on startup. "
+            f"Desired GPU memory utilization is ({float(opts.gpu_memory_utilization)}, "
+            f"{_gib(plan.requested)} GiB). Actual usage is {_gib(plan.weights)} GiB for consumed "
+            f"memory (weights + non-torch), {_gib(plan.activation)} GiB for peak activation, and "
+            f"{_gib(plan.cudagraph)} GiB for CUDAGraph memory. Replace gpu_memory_utilization "
+            f"config with `--kv-cache-memory={to_req}` ({_gib(to_req // MIB)} GiB) to fit into "
+            f"requested memory, or `--kv-cache-memory={to_gpu}` ({_gib(to_gpu // MIB)} GiB) to "
+            f"fully utilize gpu memory. Current kv cache memory in use is "
+            f"{_gib(plan.kv_cache)} GiB.")
+    return lines
+
+
 class Health(NamedTuple):
     status: int  # 200 or 503
-    state: str  # loading | ready | never-healthy | unhealthy
+    state: str  # ready | unhealthy | engine-dead
 
 
-def health_at(opts: Options, elapsed_s: float) -> Health:
-    if opts.never_healthy:
-        return Health(503, "never-healthy")
-    if elapsed_s < opts.startup_delay_s:
-        return Health(503, "loading")
+def health_at(opts: Options, elapsed_s: float, *, engine_dead: bool = False) -> Health:
+    """/health of a listening stand-in (it listens only once loaded). vLLM's /health is 503
+    exactly when the engine is dead (vllm/entrypoints/serve/instrumentator/health.py)."""
+    if engine_dead:
+        return Health(503, "engine-dead")
     if opts.unhealthy_after_s is not None and elapsed_s >= opts.unhealthy_after_s:
         return Health(503, "unhealthy")
     return Health(200, "ready")
@@ -164,7 +270,8 @@ def _fraction(text: str) -> Fraction:
 
 def _utilization(text: str) -> Fraction:
     value = _fraction(text)
-    # 0 is accepted: gpud's floor(vram / total, 4 decimals) is 0.0000 for a tiny reservation.
+    # 0 parses (vLLM's parser takes any float) and is refused at start, as vLLM's CacheConfig
+    # does (gt=0): see main.
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -215,10 +322,11 @@ def _parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown vLLM flag must never be taken for a prefix of ours
     # (``--gpu`` is not ``--gpu-memory-utilization``).
     p = argparse.ArgumentParser(
-        prog="python -m gpud.standin",
+        prog="python -m gpud.testing.standin",
         allow_abbrev=False,
-        description="A stand-in for a vLLM OpenAI server (no model, no GPU) for gpud's tests. "
-        "Usage: [serve [MODEL]] [options]; unknown vLLM-style options are accepted and ignored.",
+        description="A stand-in for a vLLM 0.33 OpenAI server (no model, no GPU) for gpud's "
+        "tests. Usage: [serve [MODEL]] [options]; vLLM options its flag table knows are "
+        "accepted and ignored, others exit 2.",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (logged)")
@@ -232,41 +340,63 @@ def _parser() -> argparse.ArgumentParser:
         metavar="U",
         help="fraction of the device TOTAL (env GPUD_SIM_TOTAL_MIB) to draw, like vLLM",
     )
+    p.add_argument("--kv-cache-memory-bytes", type=_non_negative_int, default=None, metavar="B")
+    p.add_argument("--enable-sleep-mode", action="store_true")
     sim = p.add_argument_group("simulation")
     sim.add_argument("--draw-mib", type=_non_negative_int, default=None, metavar="N")
+    sim.add_argument("--weights-mib", type=_non_negative_int, default=None, metavar="N",
+                     help="of the budget (default 3/5)")
+    sim.add_argument("--context-mib", type=_non_negative_int, default=0, metavar="N",
+                     help="drawn beyond util x total, as vLLM's CUDA context is")
     sim.add_argument("--overdraw-pct", type=_non_negative_fraction, default=Fraction(0), metavar="P")
     sim.add_argument("--draw-after-s", type=_seconds, default=0.0, metavar="S")
-    sim.add_argument(
-        "--draw-in-child",
-        action="store_true",
-        help="a child process holds (registers) the draw, as vLLM's engine core does",
-    )
-    sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S")
+    sim.add_argument("--draw-in-child", action="store_true",
+                     help="accepted for older commands: the engine child always holds the draw")
+    sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S",
+                     help="the model's load time: no listening socket until it is over")
     faults = p.add_argument_group("fault injection")
     faults.add_argument("--crash-after", type=_seconds, default=None, metavar="S")
     faults.add_argument(
         "--exit-code", type=_exit_code, default=1, metavar="C", help="with --crash-after (default 1)"
     )
-    faults.add_argument("--never-healthy", action="store_true")
-    faults.add_argument("--unhealthy-after", type=_seconds, default=None, metavar="S")
+    faults.add_argument("--never-healthy", action="store_true", help="never finishes loading")
+    faults.add_argument("--unhealthy-after", type=_seconds, default=None, metavar="S",
+                        help="/health 503 from S on, with the engine alive")
+    faults.add_argument("--engine-dies-after", type=_seconds, default=None, metavar="S",
+                        help="the engine child exits at S: 503, then the server exits")
+    faults.add_argument("--exit-after-engine-death", type=_seconds, default=ENGINE_DEATH_EXIT_S,
+                        metavar="S", help="vLLM's watchdog period (default %(default)s)")
     faults.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument(
         "--echo-argv",
         action="store_true",
         help="print argv and selected env as JSON at start and serve them at /standin/argv",
     )
+    p.add_argument("--note", nargs=argparse.REMAINDER, default=[], metavar="ARG",
+                   help="the rest of the argv, kept verbatim and ignored (for --echo-argv)")
     return p
 
 
 def parse_args(argv: Sequence[str]) -> Options:
-    """Parse a ``vllm serve``-shaped argv; exits 2 with usage on a bad known option."""
+    """Parse a ``vllm serve``-shaped argv; exits 2 with usage on a bad known option and, like
+    vLLM's own parser, on an option vLLM does not know."""
     args = list(argv)
     positional_model: str | None = None
     if args and args[0] == "serve":
         args.pop(0)
         if args and not args[0].startswith("-"):
             positional_model = args.pop(0)
-    ns, unknown = _parser().parse_known_args(args)
+    parser = _parser()
+    ns, rest = parser.parse_known_args(args)
+    problems = _vllm_problems(rest)
+    if problems:
+        # argparse's words (vllm/utils/argparse_utils.py FlexibleArgumentParser.error adds the
+        # --task hint to them), then what the flag table says about each.
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        raise SystemExit(2)
     model: str = positional_model or ns.model or "standin"
     served = tuple(ns.served_model_name) if ns.served_model_name else (model,)
     return Options(
@@ -276,19 +406,36 @@ def parse_args(argv: Sequence[str]) -> Options:
         served_model_names=served,
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_sleep_mode=ns.enable_sleep_mode,
         draw_mib=ns.draw_mib,
+        weights_mib=ns.weights_mib,
+        context_mib=ns.context_mib,
         overdraw_pct=ns.overdraw_pct,
         draw_after_s=ns.draw_after_s,
-        draw_in_child=ns.draw_in_child,
         startup_delay_s=ns.startup_delay,
         crash_after_s=ns.crash_after,
         exit_code=ns.exit_code,
         never_healthy=ns.never_healthy,
         unhealthy_after_s=ns.unhealthy_after,
+        engine_dies_after_s=ns.engine_dies_after,
+        exit_after_engine_death_s=ns.exit_after_engine_death,
         ignore_sigterm=ns.ignore_sigterm,
         echo_argv=ns.echo_argv,
-        unknown_args=tuple(unknown),
+        vllm_args=tuple(rest),
     )
+
+
+def _vllm_problems(rest: Sequence[str]) -> list[str]:
+    """What vLLM's parser would refuse among the arguments the stand-in does not use itself:
+    the flag table of GPUD_STANDIN_VLLM_VERSION (default: the one gpud checks configs with)."""
+    if not rest:
+        return []
+    from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
+
+    table = load_table(os.environ.get(VLLM_VERSION_ENV) or DEFAULT_VERSION)
+    # A stray positional is checked as vLLM would: after the model, there is none.
+    return [p.message for p in check_serve_args(["MODEL", *rest], table)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +493,7 @@ class Request(NamedTuple):
     path: str
     headers: dict[str, str]
     body: bytes
+    query: str = ""
 
 
 class Response(NamedTuple):
@@ -400,8 +548,8 @@ def _read_request(rfile: io.BufferedIOBase) -> tuple[Request, bool] | None:
         return None
     connection = headers.get("connection", "").lower()
     keep_alive = version == "HTTP/1.1" and "close" not in connection
-    path = target.split("?", 1)[0]
-    return Request(method, path, headers, body), keep_alive
+    path, _, query = target.partition("?")
+    return Request(method, path, headers, body, query), keep_alive
 
 
 def _encode_response(resp: Response, *, keep_alive: bool, head: bool) -> bytes:
@@ -464,7 +612,16 @@ class _Server(socketserver.ThreadingTCPServer):
 
     def __init__(self, address: tuple[str, int], app: App) -> None:
         self.app = app
-        super().__init__(address, _Handler)
+        # Bound now, listening only once loaded (server_activate): vLLM binds its port before
+        # the engine starts and serves HTTP after it is ready
+        # (vllm/entrypoints/launchers/launcher.py setup_server, create_server_socket), so a
+        # connection during the load is refused.
+        super().__init__(address, _Handler, bind_and_activate=False)
+        try:
+            self.server_bind()
+        except BaseException:
+            self.server_close()
+            raise
 
 
 class _Server6(_Server):
@@ -485,6 +642,10 @@ class App:
         # Written by the main thread, read by request threads (single attribute stores).
         self.draw_pid: int | None = None
         self.registration: str | None = None
+        self.engine_dead = False
+        self.sleep_level: int | None = None
+        # Set by the main process: tells the engine child to sleep (level) or wake (None).
+        self.on_sleep: Callable[[int | None], None] | None = None
         self._ids = itertools.count(1)
         Route = tuple[tuple[str, ...], Callable[[Request], Response]]
         self._routes: dict[str, Route] = {
@@ -498,6 +659,13 @@ class App:
         }
         if echo is not None:
             self._routes["/standin/argv"] = (("GET", "HEAD"), lambda _req: _json(200, echo))
+        if dev_mode(os.environ):
+            # vllm/entrypoints/launchers/api_server/routers.py registers the dev routers, the
+            # sleep ones among them (vllm/entrypoints/serve/dev/sleep/api_router.py), only
+            # when VLLM_SERVER_DEV_MODE is set.
+            self._routes["/sleep"] = (("POST",), self._sleep)
+            self._routes["/wake_up"] = (("POST",), self._wake_up)
+            self._routes["/is_sleeping"] = (("GET",), self._is_sleeping)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started_monotonic
@@ -511,10 +679,41 @@ class App:
             return _json(405, {"detail": "Method Not Allowed"}, (("Allow", ", ".join(methods)),))
         return handler(req)
 
+    def health(self) -> Health:
+        return health_at(self.opts, self.elapsed(), engine_dead=self.engine_dead)
+
     def _health(self, _req: Request) -> Response:
         # vLLM answers an empty body either way; the state name travels in a header.
-        h = health_at(self.opts, self.elapsed())
+        h = self.health()
         return Response(h.status, headers=(("X-Gpud-Standin-State", h.state),))
+
+    def _sleep(self, req: Request) -> Response:
+        level_text = "1"
+        for item in req.query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "level":
+                level_text = value
+        if not (level_text.isascii() and level_text.isdigit() and int(level_text) <= 2):
+            # FastAPI's answer to Query(ge=0, le=2)
+            return _json(422, {"detail": [{"loc": ["query", "level"], "msg":
+                                           "Input should be 0, 1 or 2", "input": level_text}]})
+        if not self.opts.enable_sleep_mode:
+            return _openai_error(500, "InternalServerError",
+                                 "sleep mode is not enabled: start with --enable-sleep-mode")
+        level = int(level_text)
+        self.sleep_level = level
+        if self.on_sleep is not None:
+            self.on_sleep(level)
+        return _json(200, {"status": "sleeping", "level": level})
+
+    def _wake_up(self, _req: Request) -> Response:
+        if self.sleep_level is not None and self.on_sleep is not None:
+            self.on_sleep(None)
+        self.sleep_level = None
+        return _json(200, {"status": "awake", "tags": None})
+
+    def _is_sleeping(self, _req: Request) -> Response:
+        return _json(200, {"is_sleeping": self.sleep_level is not None})
 
     def _version(self, _req: Request) -> Response:
         return _json(200, {"version": f"{PROGRAM}-{VERSION}"})
@@ -536,7 +735,7 @@ class App:
         return _json(200, {"object": "list", "data": cards})
 
     def _state(self, _req: Request) -> Response:
-        h = health_at(self.opts, self.elapsed())
+        h = self.health()
         return _json(
             200,
             {
@@ -548,6 +747,7 @@ class App:
                 "draw_mib": self.draw_mib,
                 "draw_pid": self.draw_pid,
                 "registration": self.registration,
+                "sleep_level": self.sleep_level,
                 "model": self.opts.model,
                 "served_model_names": list(self.opts.served_model_names),
             },
@@ -560,7 +760,7 @@ class App:
         return self._generate(req, chat=True)
 
     def _generate(self, req: Request, *, chat: bool) -> Response:
-        if health_at(self.opts, self.elapsed()).status != 200:
+        if self.health().status != 200:
             return _openai_error(503, "ServiceUnavailableError", "the stand-in is not ready")
         try:
             payload = json.loads(req.body or b"{}")
@@ -620,33 +820,58 @@ def _openai_error(status: int, kind: str, message: str) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------
-# The draw-holding child (--draw-in-child).
+# The engine child: holds the draw, logs vLLM's memory lines, says when it is ready.
 
 
-class _DrawChild:
-    """vLLM's memory sits in its engine-core child: gpud must attribute by cgroup, not PID.
+def dev_mode(env: Mapping[str, str]) -> bool:
+    try:
+        return bool(int(env.get(DEV_MODE_ENV, "0") or "0"))
+    except ValueError:
+        return False
 
-    The child watches the read end of a pipe whose only write end the parent holds: when the
-    parent dies, by any signal including SIGKILL, the kernel closes it and the child sees EOF,
-    unregisters and exits. (No PR_SET_PDEATHSIG: it fires on the death of the forking *thread*
-    and would need ctypes.)
+
+class _EngineChild:
+    """vLLM's memory sits in its engine-core child (VLLM::EngineCore): gpud must attribute by
+    cgroup, not PID.
+
+    Two pipes: the parent's commands (a byte each: ``1``/``2``/``0`` sleep at that level, ``w``
+    wake, ``x`` die) reach the child's stdin-like read end, whose only write end the parent
+    holds, so when the parent dies by any signal, SIGKILL included, the child sees EOF,
+    unregisters and exits (no PR_SET_PDEATHSIG: it fires on the death of the forking *thread*
+    and would need ctypes). The child writes ``r`` on the other pipe once "loaded".
     """
 
-    def __init__(self, mib: int) -> None:
+    def __init__(self, spec: dict[str, Any]) -> None:
         import subprocess
 
-        read_fd, self._write_fd = os.pipe()  # both close-on-exec; read_fd is passed explicitly
+        cmd_read, self._cmd_write = os.pipe()  # both close-on-exec; passed explicitly
+        self.ready_fd, ready_write = os.pipe()
+        # argv[0] is the title vLLM's engine process carries (setproctitle). Python finds its
+        # own library from argv[0], which no longer names it: PYTHONHOME and PYTHONPATH give the
+        # child the parent's library and module path instead.
+        env = dict(os.environ, PYTHONHOME=f"{sys.base_prefix}:{sys.base_exec_prefix}",
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpud.standin", DRAW_CHILD_TOKEN, str(mib), str(read_fd)],
-                pass_fds=(read_fd,),
+                [ENGINE_TITLE, "-m", "gpud.testing.standin", DRAW_CHILD_TOKEN, json.dumps(spec),
+                 str(cmd_read), str(ready_write)],
+                executable=sys.executable,
+                pass_fds=(cmd_read, ready_write),
                 stdin=subprocess.DEVNULL,
+                env=env,
             )
         finally:
-            os.close(read_fd)
+            os.close(cmd_read)
+            os.close(ready_write)
         self.pid = self.proc.pid
         self.pidfd: int | None = os.pidfd_open(self.pid)
         self.reaped = False
+
+    def send(self, command: bytes) -> None:
+        if self._cmd_write >= 0:
+            # OSError: the child is gone; its death is seen through the pidfd.
+            with contextlib.suppress(OSError):
+                os.write(self._cmd_write, command)
 
     def reap(self) -> int:
         """Collect the exited child (its pidfd was readable); returns its status."""
@@ -656,9 +881,9 @@ class _DrawChild:
         return code
 
     def stop(self) -> None:
-        if self._write_fd >= 0:
-            os.close(self._write_fd)  # EOF: the child unregisters and exits
-            self._write_fd = -1
+        if self._cmd_write >= 0:
+            os.close(self._cmd_write)  # EOF: the child unregisters and exits
+            self._cmd_write = -1
         if not self.reaped:
             import subprocess
 
@@ -669,6 +894,9 @@ class _DrawChild:
                 self.proc.wait()
             self.reaped = True
         self._close_pidfd()
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
 
     def _close_pidfd(self) -> None:
         if self.pidfd is not None:
@@ -676,8 +904,21 @@ class _DrawChild:
             self.pidfd = None
 
 
+def _set_comm(title: str) -> None:
+    # What setproctitle does besides argv: the kernel's comm (15 bytes kept: VLLM::EngineCor).
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(title)
+
+
+def _engine_log(message: str) -> None:
+    # vLLM prefixes what its engine process logs with "(EngineCore pid=N)".
+    print(f"(EngineCore pid={os.getpid()}) INFO {message}", file=sys.stdout, flush=True)
+
+
 def _draw_child_main(args: Sequence[str]) -> int:
-    mib, watch_fd = int(args[0]), int(args[1])
+    spec = json.loads(args[0])
+    cmd_fd, ready_fd = int(args[1]), int(args[2])
+    _set_comm(ENGINE_TITLE)
     # Ctrl-C and hangups reach the whole process group: the parent decides, the child follows
     # through EOF on its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -685,19 +926,59 @@ def _draw_child_main(args: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, _exit_zero)
     target = sim_target_from_env(os.environ)
     pid = os.getpid()
+    draw, asleep = int(spec["draw"]), int(spec["asleep"])
+    started = time.monotonic()
+    # (when, what): the draw appears during the load; the load ends at startup_delay.
+    schedule = sorted([(float(spec["draw_after_s"]), "draw")]
+                      + ([] if spec["never_ready"] else [(float(spec["startup_delay_s"]), "ready")])
+                      + ([] if spec["dies_after_s"] is None else [(float(spec["dies_after_s"]), "die")]))
+    registered = False
+    code = 0
     try:
-        if target is not None:
-            path = register(target, pid, mib)
-            _log(f"draw child of pid {os.getppid()}: registered {mib} MiB at {path}")
-        else:
-            _log(f"draw child of pid {os.getppid()}: holding {mib} MiB (simulation env unset)")
-        while os.read(watch_fd, 64):  # returns b"" once the parent is gone
-            pass
-        _log("draw child: parent gone, exiting")
+        while True:
+            now = time.monotonic() - started
+            while schedule and schedule[0][0] <= now:
+                _, what = schedule.pop(0)
+                if what == "draw":
+                    registered = _hold(target, pid, draw)
+                elif what == "ready":
+                    for line in spec["log_lines"]:
+                        _engine_log(line)
+                    os.write(ready_fd, b"r")
+                elif what == "die":
+                    print(f"(EngineCore pid={pid}) ERROR simulated engine death "
+                          "(--engine-dies-after)", file=sys.stderr, flush=True)
+                    return 1
+            timeout = max(0.0, schedule[0][0] - now) if schedule else None
+            readable, _, _ = select.select([cmd_fd], [], [], timeout)
+            if not readable:
+                continue
+            data = os.read(cmd_fd, 64)
+            if not data:
+                _log("engine child: parent gone, exiting")
+                return code
+            for command in data:
+                if command in b"12":
+                    registered = _hold(target, pid, asleep)
+                    _engine_log(f"sleep level {chr(command)}: holding {asleep} MiB")
+                elif command == ord("w"):
+                    registered = _hold(target, pid, draw)
+                    _engine_log(f"woken up: holding {draw} MiB")
+                elif command == ord("x"):
+                    return 1
     finally:
-        if target is not None:
+        if target is not None and registered:
             unregister(target, pid)
-    return 0
+    return code
+
+
+def _hold(target: SimTarget | None, pid: int, mib: int) -> bool:
+    if target is None:
+        _engine_log(f"holding {mib} MiB (simulation env unset: not registered)")
+        return False
+    path = register(target, pid, mib)
+    _engine_log(f"registered {mib} MiB at {path}")
+    return True
 
 
 def _exit_zero(_signum: int, _frame: FrameType | None) -> None:
@@ -764,29 +1045,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _draw_child_main(args[1:])
 
     opts = parse_args(args)
+    if opts.gpu_memory_utilization == 0:
+        # vllm/config/cache.py: gpu_memory_utilization Field(gt=0, le=1), checked when vLLM
+        # builds its config (a pydantic ValidationError, exit status 1).
+        print(f"{PROGRAM}: gpu_memory_utilization: Input should be greater than 0 "
+              "[type=greater_than, input_value=0.0]", file=sys.stderr)
+        return 1
     try:
         total_mib = sim_total_from_env(os.environ)
     except ValueError as exc:
         print(f"{PROGRAM}: bad {GPUD_SIM_TOTAL_MIB}: {exc}", file=sys.stderr)
         return 2
-    draw_mib = compute_draw_mib(
-        draw_mib=opts.draw_mib,
-        utilization=opts.gpu_memory_utilization,
-        total_mib=total_mib,
-        overdraw_pct=opts.overdraw_pct,
-    )
+    plan = memory_plan(opts, total_mib)
     target = sim_target_from_env(os.environ)
     _log(
         f"{PROGRAM} {VERSION}: a STAND-IN for a vLLM OpenAI server (no model, no GPU); "
         f"model={opts.model!r} served={list(opts.served_model_names)} "
         f"host={opts.host} port={opts.port} "
         f"gpu_memory_utilization={float(opts.gpu_memory_utilization)} "
-        f"draw={draw_mib} MiB (total {total_mib} MiB, overdraw {float(opts.overdraw_pct)}%) "
-        f"holder={'child' if opts.draw_in_child else 'self'} "
-        f"registration={'off' if target is None else target.procs_dir}"
+        f"draw={plan.draw} MiB (total {total_mib} MiB, context {plan.context} MiB, overdraw "
+        f"{float(opts.overdraw_pct)}%) registration={'off' if target is None else target.procs_dir}"
     )
-    if opts.unknown_args:
-        _log(f"ignoring unknown vLLM-style arguments: {json.dumps(list(opts.unknown_args))}")
+    if opts.vllm_args:
+        _log(f"vLLM options accepted and ignored: {json.dumps(list(opts.vllm_args))}")
     if target is None and (os.environ.get(GPUD_SIM_PROCS_DIR) or os.environ.get(GPUD_SIM_DEVICE)):
         _warn(f"set both {GPUD_SIM_PROCS_DIR} and {GPUD_SIM_DEVICE} to register the draw")
     echo = _echo_payload(args) if opts.echo_argv else None
@@ -796,18 +1077,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROGRAM}: simulated crash at start, exit code {opts.exit_code}", file=sys.stderr)
         return opts.exit_code
 
-    process = _MainProcess(opts, App(opts, draw_mib=draw_mib, echo=echo), target)
+    app = App(opts, draw_mib=plan.draw, echo=echo)
     try:
-        server = _bind(opts, process.app)
+        server = _bind(opts, app)
     except OSError as exc:
         print(f"{PROGRAM}: cannot listen on {opts.host}:{opts.port}: {exc}", file=sys.stderr)
         return 1
-    host, port = server.socket.getsockname()[:2]
-    # serve_forever wakes every poll_interval only to look for a shutdown request; none comes
-    # (the process exits under the daemon thread), so a long interval keeps idle CPU at zero.
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 3600.0}, daemon=True).start()
-    url_host = f"[{host}]" if ":" in host else host
-    _log(f"listening on http://{url_host}:{port} (stand-in)")
+    process = _MainProcess(opts, app, server, plan, total_mib)
     try:
         return process.run()
     finally:
@@ -815,41 +1091,82 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _MainProcess:
-    """The main thread's schedule (draw, logged health transitions, crash) and its signals."""
+    """The main thread: the engine child, listening once it is ready, signals, the crash and
+    the engine's death."""
 
-    def __init__(self, opts: Options, app: App, target: SimTarget | None) -> None:
+    def __init__(self, opts: Options, app: App, server: _Server, plan: MemoryPlan,
+                 total_mib: int) -> None:
         self.opts = opts
         self.app = app
-        self.target = target
+        self.server = server
+        self.plan = plan
+        self.total_mib = total_mib
         self.signals = _Signals()
-        self.child: _DrawChild | None = None
+        self.child: _EngineChild | None = None
+        self.listening = False
+
+    def _start_engine(self) -> None:
+        opts, plan = self.opts, self.plan
+        spec = {
+            "draw": plan.draw,
+            "asleep": plan.context,
+            "draw_after_s": min(opts.draw_after_s, opts.startup_delay_s)
+            if not opts.never_healthy else opts.draw_after_s,
+            "startup_delay_s": opts.startup_delay_s,
+            "never_ready": opts.never_healthy,
+            "dies_after_s": opts.engine_dies_after_s,
+            "log_lines": memory_log_lines(plan, opts, self.total_mib, opts.startup_delay_s),
+        }
+        self.child = _EngineChild(spec)
+        self.app.draw_pid = self.child.pid
+        target = sim_target_from_env(os.environ)
+        if target is not None:
+            self.app.registration = os.path.join(target.procs_dir, f"{self.child.pid}.json")
+        child = self.child
+        self.app.on_sleep = lambda level: child.send(b"w" if level is None else
+                                                     (b"0" if level == 0 else str(level).encode()))
+        _log(f"engine {ENGINE_TITLE} pid {child.pid}: loading, draw {plan.draw} MiB")
+
+    def _listen(self) -> None:
+        self.server.server_activate()
+        # serve_forever wakes every poll_interval only to look for a shutdown request; none
+        # comes (the process exits under the daemon thread), so a long interval keeps idle CPU
+        # at zero.
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 3600.0},
+                         daemon=True).start()
+        self.listening = True
+        host, port = self.server.socket.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        # vllm/entrypoints/launchers/api_server/entry.py: "Starting vLLM server on %s"
+        _log(f"Starting vLLM server on http://{url_host}:{port} (stand-in)")
+        _log("loading done: /health answers 200")
 
     def run(self) -> int:
         opts = self.opts
-        schedule: list[tuple[float, str]] = [(opts.draw_after_s, "draw")]
-        if not opts.never_healthy:
-            schedule.append((opts.startup_delay_s, "healthy"))
-            if opts.unhealthy_after_s is not None:
-                schedule.append((opts.unhealthy_after_s, "unhealthy"))
+        self._start_engine()
+        schedule: list[tuple[float, str]] = []
+        if opts.unhealthy_after_s is not None:
+            schedule.append((opts.unhealthy_after_s, "unhealthy"))
         if opts.crash_after_s is not None:
             schedule.append((opts.crash_after_s, "crash"))
         schedule.sort(key=lambda item: item[0])
+        exit_at: float | None = None
         while True:
             while self.signals.pending:
                 signum = self.signals.pending.popleft()
                 if signum == signal.SIGTERM and opts.ignore_sigterm:
                     _warn("SIGTERM received and ignored (--ignore-sigterm)")
                     continue
-                _log(f"{signal.Signals(signum).name} received: unregistering and exiting")
+                _log(f"{signal.Signals(signum).name} received: [shutdown] API server: shutdown "
+                     "triggered; stopping the engine")
                 return 0
             now = self.app.elapsed()
+            if exit_at is not None and now >= exit_at:
+                _warn("engine dead: the API server exits")
+                return 1
             while schedule and schedule[0][0] <= now:
                 _, what = schedule.pop(0)
-                if what == "draw":
-                    self._start_draw()
-                elif what == "healthy" and health_at(opts, now).status == 200:
-                    _log("loading done: /health answers 200")
-                elif what == "unhealthy":
+                if what == "unhealthy":
                     _warn("turning unhealthy: /health answers 503 (--unhealthy-after)")
                 elif what == "crash":
                     print(
@@ -858,49 +1175,50 @@ class _MainProcess:
                         flush=True,
                     )
                     return opts.exit_code
-            fds = [self.signals.read_fd]
             child = self.child
+            fds = [self.signals.read_fd]
             if child is not None and child.pidfd is not None:
                 fds.append(child.pidfd)
-            timeout = max(0.0, schedule[0][0] - self.app.elapsed()) if schedule else None
+            if child is not None and child.ready_fd >= 0 and not self.listening:
+                fds.append(child.ready_fd)
+            deadlines = [t for t, _ in schedule[:1]] + ([exit_at] if exit_at is not None else [])
+            timeout = max(0.0, min(deadlines) - self.app.elapsed()) if deadlines else None
             ready, _, _ = select.select(fds, [], [], timeout)
             if self.signals.read_fd in ready:
                 self.signals.drain_wakeups()
+            if child is not None and child.ready_fd in ready and not self.listening:
+                if os.read(child.ready_fd, 1):
+                    self._listen()
+                else:  # EOF: the child died before it was ready (seen through its pidfd)
+                    os.close(child.ready_fd)
+                    child.ready_fd = -1
             if child is not None and child.pidfd is not None and child.pidfd in ready:
                 status = child.reap()
-                self._unregister_if_present(child.pid)
                 self.app.draw_pid = None
                 self.app.registration = None
-                _warn(f"draw child {child.pid} exited (status {status}); its draw is gone")
-
-    def _start_draw(self) -> None:
-        app, target = self.app, self.target
-        if self.opts.draw_in_child:
-            self.child = _DrawChild(app.draw_mib)
-            app.draw_pid = self.child.pid
-            if target is not None:
-                app.registration = os.path.join(target.procs_dir, f"{self.child.pid}.json")
-            _log(f"draw of {app.draw_mib} MiB held by child pid {self.child.pid}")
-            return
-        app.draw_pid = os.getpid()
-        if target is not None:
-            app.registration = register(target, os.getpid(), app.draw_mib)
-            _log(f"registered draw of {app.draw_mib} MiB on {target.device} at {app.registration}")
-        else:
-            _log(f"drawing {app.draw_mib} MiB (simulation env unset: not registered)")
+                self._unregister_if_present(child.pid)
+                if not self.listening:
+                    # vLLM: "Engine core initialization failed", and the server never starts
+                    print(f"{PROGRAM}: engine core initialization failed (status {status})",
+                          file=sys.stderr, flush=True)
+                    return 1
+                self.app.engine_dead = True
+                exit_at = self.app.elapsed() + opts.exit_after_engine_death_s
+                _warn(f"engine {child.pid} died (status {status}): /health answers 503; exiting "
+                      f"in {opts.exit_after_engine_death_s:g} s")
 
     def cleanup(self) -> None:
-        self._unregister_if_present(os.getpid())
         if self.child is not None:
             self.child.stop()
             # The child removes its own file; this covers a child that was killed.
             self._unregister_if_present(self.child.pid)
         self.app.registration = None
+        self.server.server_close()
 
     def _unregister_if_present(self, pid: int) -> None:
         # Checked first so that a process that never registered exits without importing
         # gpud.simulation.
-        target = self.target
+        target = sim_target_from_env(os.environ)
         if target is not None and os.path.exists(os.path.join(target.procs_dir, f"{pid}.json")):
             unregister(target, pid)
 

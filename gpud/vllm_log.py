@@ -1,0 +1,90 @@
+"""vLLM's own account of its memory, read from the lines it logs at start. Pure: lines in, figures
+out.
+
+vLLM 0.33 logs, from its engine process (the wording is vLLM's; where each line is built):
+
+- ``Model loading took X GiB memory and T seconds`` (vllm/v1/worker/gpu_model_runner.py,
+  load_model; X is ``format_gib``: bytes / GiB rounded to 2 decimals)
+- ``Estimated CUDA graph memory: Z GiB total`` (gpu_model_runner.py, profile_cudagraph_memory)
+- ``Available KV cache memory: Y GiB`` (vllm/v1/worker/gpu_worker.py,
+  determine_available_memory)
+- ``... Replace gpu_memory_utilization config with `--kv-cache-memory=N` (G GiB) to fit into
+  requested memory, or `--kv-cache-memory=M` ...`` (gpu_worker.py, compile_or_warm_up_model;
+  only when the KV cache was profiled, i.e. without --kv-cache-memory-bytes). N is in bytes.
+
+A journal line carries prefixes (``(EngineCore pid=N) INFO 12-01 07:00:00 [gpu_worker.py:773]``)
+that vary between versions and deployments, so each figure is searched for anywhere in a line,
+and a later start's line replaces an earlier one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+MIB = 1 << 20
+_GIB_IN_MIB = 1024
+
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_WEIGHTS = re.compile(rf"Model loading took {_NUMBER} GiB memory")
+_KV = re.compile(rf"Available KV cache memory: {_NUMBER} GiB")
+_GRAPH = re.compile(rf"Estimated CUDA graph memory: {_NUMBER} GiB total")
+_RECOMMENDED = re.compile(r"Replace gpu_memory_utilization config with `--kv-cache-memory=(-?\d+)`")
+
+
+@dataclass(frozen=True)
+class VllmMemory:
+    """In MiB (vLLM's GiB figures have 2 decimals: about 10 MiB of rounding)."""
+
+    weights_mib: int | None = None
+    kv_cache_mib: int | None = None
+    cudagraph_mib: int | None = None
+    # vLLM's own recommendation to fit its requested budget: --kv-cache-memory-bytes N
+    recommended_kv_cache_bytes: int | None = None
+
+    @property
+    def found(self) -> bool:
+        return any(v is not None for v in asdict(self).values())
+
+    @property
+    def recommended_kv_cache_mib(self) -> int | None:
+        """The recommendation as a `kv_cache_mib` (rounded down: never above vLLM's figure)."""
+        b = self.recommended_kv_cache_bytes
+        return b // MIB if b is not None and b > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "recommended_kv_cache_mib": self.recommended_kv_cache_mib}
+
+
+def _mib(gib_text: str) -> int:
+    return round(float(gib_text) * _GIB_IN_MIB)
+
+
+def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
+    """The figures of the last start found in `lines` (oldest first)."""
+    weights = kv = graph = recommended = None
+    for line in lines:
+        if (m := _WEIGHTS.search(line)) is not None:
+            # A new start: what an earlier start said no longer holds.
+            weights, kv, graph, recommended = _mib(m.group(1)), None, None, None
+        elif (m := _KV.search(line)) is not None:
+            kv = _mib(m.group(1))
+        elif (m := _GRAPH.search(line)) is not None:
+            graph = _mib(m.group(1))
+        elif (m := _RECOMMENDED.search(line)) is not None:
+            recommended = int(m.group(1))
+    return VllmMemory(weights, kv, graph, recommended)
+
+
+def context_mib(steady_mib: int, budget_mib: int) -> int:
+    """What NVML shows beyond vLLM's budget (util x total): the CUDA context, NCCL and cuBLAS
+    handles, which vLLM's budget does not count (it is measured after they exist)."""
+    return max(0, steady_mib - budget_mib)
+
+
+def budget_mib(util: str, total_mib: int) -> int:
+    return math.floor(Fraction(util) * total_mib)
