@@ -258,6 +258,9 @@ def valid_documents(draw: st.DrawFn) -> dict[str, Any]:
         else:
             spec["vllm"] = {"model": draw(st.text(min_size=1, max_size=10).filter(
                 lambda t: "\0" not in t))}
+            # vLLM refuses a utilization of 0.0000: at least 1/10000 of the total.
+            capacity = roles[role]["capacity_mib"]
+            spec["vram_mib"] = max(spec["vram_mib"], capacity // 10_000 + 1)
         serves[serve] = spec
     return {"roles": roles, "serves": serves}
 
