@@ -5,10 +5,11 @@ Each fires once per crossing (gpud.observer.Crossings), not once per poll.
 
 from __future__ import annotations
 
-from gpud.ledger import DeviceDraw
-from gpud.observation import Observation
+from gpud.core.ledger import DeviceDraw
+from gpud.core.observation import Observation
+from gpud.core.vocab import LIVE_STATES
 from gpud.observer import Crossings, Observer, all_draws, overdraws
-from gpud.service import LIVE_STATES, LedgerService
+from gpud.service import LedgerService
 
 
 class Alerts:

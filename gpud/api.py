@@ -25,11 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
 from gpud.core.authority import needs_root
+from gpud.core.vocab import EVENT_KINDS
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
-from gpud.store import EVENT_KINDS, Event, EventQuery
+from gpud.store import Event, EventQuery
 from gpud.views import DrawSource, ledger_view, serve_view, serves_view
 
 log = logging.getLogger("gpud.api")

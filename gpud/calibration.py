@@ -1,5 +1,5 @@
 """Calibration: measure a running serve's steady and peak draw over a window and recommend a
-reservation, bound to the serve's fingerprint (gpud.launch.fingerprint) so that a changed serve
+reservation, bound to the serve's fingerprint (gpud.core.launch.fingerprint) so that a changed serve
 (new model, revision, quantization, command, max_model_len) shows as `stale`, not calibrated.
 
 For a vllm serve it also reads vLLM's own account from the serve's journal (gpud.vllm_log:
@@ -18,10 +18,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpud.core.launch import fingerprint, utilization, vllm_budget_mib
+from gpud.core.vocab import RUNNING
 from gpud.errors import Conflict, NotFound, Unavailable
-from gpud.launch import fingerprint, utilization, vllm_budget_mib
 from gpud.observer import Observer
-from gpud.service import RUNNING, LedgerService
+from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
 from gpud.vllm_log import budget_mib, context_mib, parse_memory_lines
 

@@ -20,15 +20,16 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from gpud.core.vocab import NAME_RE
+
 PROC_ROOT = Path("/proc")
-SERVE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _UNIT = re.compile(r"^gpud-serve-(.+)\.service$")
 _USER_MANAGER = re.compile(r"^user@[0-9]+\.service$")
 
 
 def unit_name(serve: str) -> str:
     """The systemd unit of a serve: ``gpud-serve-NAME.service``."""
-    if not SERVE_NAME.match(serve):
+    if not NAME_RE.match(serve):
         raise ValueError(f"invalid serve name {serve!r}")
     return f"gpud-serve-{serve}.service"
 
@@ -41,7 +42,7 @@ def serve_of_cgroup_path(path: str) -> str | None:
         match = _UNIT.match(part)
         if match is not None:
             name = match.group(1)
-            return name if SERVE_NAME.match(name) else None
+            return name if NAME_RE.match(name) else None
     return None
 
 

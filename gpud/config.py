@@ -22,15 +22,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 
-NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-NAME_RE = re.compile(NAME_PATTERN)
 _ABBREVIATED_SHA = re.compile(r"[0-9a-f]{7,39}")
 # Where a vLLM bound to this host answers on 127.0.0.1 (gpud's health checks): loopback itself,
 # or every interface ("::" is dual-stack: vLLM does not set IPV6_V6ONLY).
 HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
 MAX_MIB = 2**31 - 1
 
@@ -259,15 +257,15 @@ def device_totals(cfg: Config) -> dict[str, int]:
 def _vllm_problems(cfg: Config) -> list[str]:
     """What vLLM would refuse, found before anything is launched: every vllm serve's argv
     against the flag table of daemon.vllm_version, and utilizations that floor to 0."""
-    # Imported here: gpud.launch imports this module.
-    from gpud.launch import (
+    # Imported here: gpud.core.launch imports this module.
+    from gpud.core.launch import (
         GPUD_SET_OPTIONS,
         uses_utilization,
         vllm_arg_parts,
         vllm_budget_mib,
         vllm_environment,
     )
-    from gpud.ledger import gpu_memory_utilization
+    from gpud.core.ledger import gpu_memory_utilization
     from gpud.vllm_flags import check_serve_args, load_table
 
     problems: list[str] = []

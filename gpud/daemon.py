@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpud import __version__
 from gpud.config import Config, device_totals, parse_config, read_config_text, summary
+from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
-from gpud.observation import normalize_bus_id
 from gpud.service import LedgerService, resolve_budgets
 
 if TYPE_CHECKING:
@@ -364,8 +364,8 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
 
 def _commands(cfg: Config) -> list[str]:
     """--show-commands: the device totals come from the simulation table, else NVML."""
-    from gpud.launch import show_commands
-    from gpud.observation import DeviceSample
+    from gpud.core.launch import show_commands
+    from gpud.core.observation import DeviceSample
 
     if cfg.simulation is not None:
         from gpud.simulation import SimulatedBackend, SimulatedDevice

@@ -9,22 +9,10 @@ so systemd's MainPID and the cgroup are the serve's.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import sys
 
-
-def encode(argv: list[str]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(argv).encode()).decode().rstrip("=")
-
-
-def decode(text: str) -> list[str]:
-    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    argv = json.loads(raw)
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise ValueError("not an argv")
-    return argv
+from gpud.core.argv64 import decode
 
 
 def main() -> None:

@@ -57,13 +57,7 @@ READ_TIMEOUT = 30.0
 MUTATION_TIMEOUT = 120.0
 LIFECYCLE_TIMEOUT = 600.0
 
-STATES = ("declared", "admitted", "starting", "running", "stopping", "denied", "failed", "external",
-          "orphan")
-EVENT_KINDS = (
-    "admit", "deny", "release", "start", "healthy", "exit", "restart", "crash-loop", "stop",
-    "unhealthy", "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt",
-    "over-committed", "calibrate", "apply",
-)
+from gpud.core.vocab import EVENT_KINDS, STATES  # noqa: E402 - defined once, stdlib only
 
 _MAX_HEADER_LINE = 65536
 _MAX_HEADERS = 100

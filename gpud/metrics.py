@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.calibration import Calibrator
+from gpud.core.vocab import STATES
 from gpud.observer import Observer
-from gpud.service import STATES, LedgerService
+from gpud.service import LedgerService
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpud.observation import BackendName, DeviceSample, Observation, ProcessDraw
+from gpud.core.observation import BackendName, DeviceSample, Observation, ProcessDraw
 
 log = logging.getLogger(__name__)
 

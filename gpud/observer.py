@@ -1,7 +1,7 @@
 """Observation in the daemon: samples a backend off the event loop, attributes processes to
 serves through their cgroup, and answers the ledger's questions about physical memory.
 
-The arithmetic lives in gpud.ledger (device_draw); this module only gathers the inputs and keeps
+The arithmetic lives in gpud.core.ledger (device_draw); this module only gathers the inputs and keeps
 the latest answer. Threshold events (reserve-exceeded / reserve-ok, overdraw) fire once per
 crossing, not once per poll.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 from gpud.cgroups import CachedAttribution
 from gpud.config import Config
-from gpud.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
-from gpud.observation import DeviceSample, Observation, ObservationBackend, find_device
+from gpud.core.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
+from gpud.core.observation import DeviceSample, Observation, ObservationBackend, find_device
 
 log = logging.getLogger("gpud.observer")
 

@@ -6,7 +6,7 @@ from functools import cache
 from typing import Any
 
 from gpud import __version__
-from gpud.config import NAME_PATTERN
+from gpud.core.vocab import NAME_PATTERN
 
 _INT = {"type": "integer"}
 _NINT = {"type": ["integer", "null"]}

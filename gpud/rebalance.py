@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from gpud.config import Config, parse_config
+from gpud.core.plan import Plan, ServeChange, make_plan
+from gpud.core.vocab import LIVE_STATES, RUNNING
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
-from gpud.plan import Plan, ServeChange, make_plan
-from gpud.service import LIVE_STATES, RUNNING, LedgerService, resolve_budgets
+from gpud.service import LedgerService, resolve_budgets
 from gpud.store import Changes
 from gpud.supervisor import Supervisor
 

@@ -21,9 +21,17 @@ from typing import Any, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    DENIED,
+    EXTERNAL,
+    LIVE_STATES,
+    STARTING,
+)
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
-from gpud.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
 log = logging.getLogger("gpud")
@@ -31,20 +39,6 @@ log = logging.getLogger("gpud")
 # Events are pruned down to `daemon.events_keep` after every this many new ones.
 PRUNE_BATCH = 1000
 
-# Serve states (README.md and docs/api.md describe each).
-DECLARED = "declared"
-ADMITTED = "admitted"
-STARTING = "starting"
-RUNNING = "running"
-STOPPING = "stopping"
-DENIED = "denied"
-FAILED = "failed"
-EXTERNAL = "external"
-# A unit of gpud's found running for a serve the config does not name: gpud can stop it.
-ORPHAN = "orphan"
-STATES = (DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN)
-# States in which a live process may hold the reservation's memory.
-LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
 
 
 class Observer(Protocol):

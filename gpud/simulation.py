@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from gpud.observation import BackendName, DeviceSample, Observation, ProcessDraw
+from gpud.core.observation import BackendName, DeviceSample, Observation, ProcessDraw
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpud.core.ledger import Reservation
 from gpud.errors import StoreError
-from gpud.ledger import Reservation
 
 SCHEMA_VERSION = 3
 
-# Every kind of event gpud records (docs/api.md).
-EVENT_KINDS = (
-    "admit", "deny", "release", "start", "healthy", "exit", "restart", "crash-loop", "stop",
-    "unhealthy", "overdraw", "reserve-exceeded", "reserve-ok", "reload", "adopt",
-    "over-committed", "calibrate", "apply",
-)
 
 # Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
 MIGRATIONS: tuple[str, ...] = (

@@ -24,22 +24,12 @@ from typing import Any
 import aiohttp
 
 from gpud.config import Config, ServeConfig
+from gpud.core.launch import serve_argv, serve_environment, through_shim
+from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
-from gpud.launch import serve_argv, serve_environment, through_shim
 from gpud.observer import Observer
-from gpud.service import (
-    ADMITTED,
-    DECLARED,
-    FAILED,
-    LIVE_STATES,
-    ORPHAN,
-    RUNNING,
-    STARTING,
-    STOPPING,
-    LedgerService,
-    check_serve_name,
-)
+from gpud.service import LedgerService, check_serve_name
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits, UnitState
 

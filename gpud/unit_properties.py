@@ -37,7 +37,6 @@ Decisions worth knowing (measured on systemd 252, Debian 12):
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -45,9 +44,9 @@ from typing import Any, Final, Literal
 
 import dbus_fast
 
+from gpud.core.vocab import ENV_NAME_RE, NAME_RE
 from gpud.errors import BadRequest
 
-SERVE_NAME: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 UNIT_PREFIX: Final = "gpud-serve-"
 UNIT_SUFFIX: Final = ".service"
 SLICE: Final = "gpud.slice"
@@ -61,7 +60,6 @@ EXEC_ROUND_TRIP_BROKEN_CHARS: Final = ("$", ";")
 # Variables gpud sets itself; a serve's environment may not override them.
 PINNED_ENVIRONMENT: Final = frozenset({"CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"})
 
-_ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # systemd's USEC_INFINITY: "no limit" for any *USec property.
 USEC_INFINITY: Final = 2**64 - 1
 _UINT32_MAX: Final = 2**32 - 1
@@ -80,13 +78,13 @@ def serve_of_unit(unit: str) -> str | None:
     if not (unit.startswith(UNIT_PREFIX) and unit.endswith(UNIT_SUFFIX)):
         return None
     serve = unit[len(UNIT_PREFIX) : -len(UNIT_SUFFIX)]
-    return serve if SERVE_NAME.match(serve) else None
+    return serve if NAME_RE.match(serve) else None
 
 
 def _check_serve(serve: str) -> None:
-    if not SERVE_NAME.match(serve):
+    if not NAME_RE.match(serve):
         raise BadRequest(
-            f"invalid serve name {serve!r}: must match {SERVE_NAME.pattern}",
+            f"invalid serve name {serve!r}: must match {NAME_RE.pattern}",
             {"serve": serve},
         )
 
@@ -129,7 +127,7 @@ class UnitSpec:
         if self.device_index < 0:
             raise BadRequest(f"serve {self.serve}: negative device index {self.device_index}")
         for name, value in self.environment.items():
-            if not _ENV_NAME.match(name) or "\0" in value:
+            if not ENV_NAME_RE.match(name) or "\0" in value:
                 raise BadRequest(
                     f"serve {self.serve}: invalid environment variable {name!r}",
                     {"serve": self.serve, "variable": name},

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from gpud.ledger import DeviceDraw, Ledger, Reservation
-from gpud.service import LIVE_STATES, ORPHAN, LedgerService
+from gpud.core.ledger import DeviceDraw, Ledger, Reservation
+from gpud.core.vocab import LIVE_STATES, ORPHAN
+from gpud.service import LedgerService
 
 
 class DrawSource(Protocol):

@@ -19,7 +19,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud.service import STATES  # noqa: E402
+from gpud.core.vocab import STATES  # noqa: E402
 
 DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
 # Grafana's named colours; a state not listed here shows in the text colour

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpud.service import STATES
+from gpud.core.vocab import STATES
 from tests.conftest import REPO, start_gpud
 from tests.test_metrics import free_port, sim_config
 

@@ -10,9 +10,8 @@ import pytest
 
 from gpud.calibration import recommend
 from gpud.config import ServeConfig, parse_config
-from gpud.errors import Refused, Unavailable
-from gpud.execv import decode, encode
-from gpud.launch import (
+from gpud.core.argv64 import decode, encode
+from gpud.core.launch import (
     fingerprint,
     serve_argv,
     serve_environment,
@@ -20,6 +19,7 @@ from gpud.launch import (
     through_shim,
     vllm_environment,
 )
+from gpud.errors import Refused, Unavailable
 from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
 from tests.conftest import REPO
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.ledger import (
+from gpud.core.ledger import (
     Denial,
     Ledger,
     PhysicalView,

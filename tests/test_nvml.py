@@ -10,8 +10,8 @@ from typing import Any
 import pynvml
 import pytest
 
+from gpud.core.observation import ObservationBackend, ProcessDraw
 from gpud.nvml import VALUE_NOT_AVAILABLE, NvmlBackend
-from gpud.observation import ObservationBackend, ProcessDraw
 
 MIB = 2**20
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from gpud.ledger import serve_draws
+from gpud.core.ledger import serve_draws
+from gpud.core.observation import DeviceSample, find_device
 from gpud.nvml import NvmlBackend
-from gpud.observation import DeviceSample, find_device
 
 pytestmark = pytest.mark.gpu
 
@@ -246,7 +246,7 @@ def test_a_real_vllm_serve_behaves_as_gpud_expects(
     import urllib.request
 
     from gpud.config import ServeConfig
-    from gpud.launch import serve_argv, serve_environment
+    from gpud.core.launch import serve_argv, serve_environment
     from gpud.vllm_log import parse_memory_lines
 
     backend, first = gpu

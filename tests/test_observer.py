@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpud.ledger import Ledger, Reservation, RoleBudget
-from gpud.observation import DeviceSample, Observation, ProcessDraw
+from gpud.core.ledger import Ledger, Reservation, RoleBudget
+from gpud.core.observation import DeviceSample, Observation, ProcessDraw
 from gpud.observer import Crossings, Observer
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from gpud import gpuctl
 from gpud.config import parse_config
-from gpud.ledger import Ledger, Reservation
-from gpud.plan import make_plan
+from gpud.core.ledger import Ledger, Reservation
+from gpud.core.plan import make_plan
 from gpud.service import resolve_budgets
-from gpud.store import EVENT_KINDS
 from tests.conftest import REPO
 
 T011 = (REPO / "etc" / "serves.toml").read_text()
@@ -73,7 +71,3 @@ def test_unchanged_config_plans_nothing() -> None:
     assert plan.restart == []
     assert {s.change for s in plan.serves} == {"unchanged"}
     assert not plan.resident_fits  # T015's ocr still does not fit
-
-
-def test_gpuctl_knows_every_event_kind() -> None:
-    assert gpuctl.EVENT_KINDS == EVENT_KINDS

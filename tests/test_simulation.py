@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.observation import ObservationBackend, ProcessDraw, find_device
+from gpud.core.observation import ObservationBackend, ProcessDraw, find_device
 from gpud.simulation import (
     GPUD_SIM_DEVICE,
     GPUD_SIM_PROCS_DIR,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gpud.core.ledger import Reservation
 from gpud.errors import StoreError
-from gpud.ledger import Reservation
 from gpud.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
 
 

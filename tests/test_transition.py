@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpud.config import Config
+from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition, violations
-from gpud.ledger import Denial, Ledger, Reservation, RoleBudget
 
 
 def config(roles: dict[str, tuple[int, int]], serves: dict[str, tuple[str, int]],

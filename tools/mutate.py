@@ -3,8 +3,8 @@
 the changes they notice.
 
     python3 tools/mutate.py                      # every module in MODULES, its tests
-    python3 tools/mutate.py gpud/ledger.py       # one module
-    python3 tools/mutate.py --list gpud/plan.py  # the mutants, without running anything
+    python3 tools/mutate.py gpud/core/ledger.py       # one module
+    python3 tools/mutate.py --list gpud/core/plan.py  # the mutants, without running anything
 
 A mutant is one of: a comparison flipped (< <=, > >=, == !=, in / not in), + and - swapped,
 an integer constant moved by one, min and max swapped, and / or swapped, a condition negated,
@@ -36,8 +36,8 @@ from types import CodeType, ModuleType
 REPO = Path(__file__).resolve().parents[1]
 # module file -> the unit tests that should notice a change in it
 MODULES: dict[str, tuple[str, ...]] = {
-    "gpud/ledger.py": ("tests/test_ledger.py", "tests/test_transition.py", "tests/test_plan.py"),
-    "gpud/plan.py": ("tests/test_plan.py",),
+    "gpud/core/ledger.py": ("tests/test_ledger.py", "tests/test_transition.py", "tests/test_plan.py"),
+    "gpud/core/plan.py": ("tests/test_plan.py",),
     "gpud/core/transition.py": ("tests/test_transition.py",),
     "gpud/core/authority.py": ("tests/test_authority.py",),
 }

@@ -19,14 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpud.config import Config
-from gpud.ledger import Ledger, Reservation, RoleBudget
-
-# States in which a live process may hold a reservation's memory.
-LIVE = frozenset({"starting", "running", "stopping"})
-# States that must hold a reservation (a stopping serve gives its back once its unit is gone).
-HOLDING = frozenset({"starting", "running"})
-# A unit found running for a serve the config does not name.
-ORPHAN = "orphan"
+from gpud.core.ledger import Ledger, Reservation, RoleBudget
+from gpud.core.vocab import HOLDING_STATES as HOLDING
+from gpud.core.vocab import LIVE_STATES as LIVE
+from gpud.core.vocab import ORPHAN
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")

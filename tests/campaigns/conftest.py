@@ -2,7 +2,7 @@
 
 A campaign drives a REAL gpud (tests.conftest.start_gpud, or gpud under real systemd in the
 sandbox) with many clients, checks invariants while it runs, and checks the end state against a
-replay of what was acknowledged, done with the pure ledger core (gpud.ledger.Ledger).
+replay of what was acknowledged, done with the pure ledger core (gpud.core.ledger.Ledger).
 
 Each campaign has a short form in the default run and a long form marked ``slow``
 (``python3 -m pytest -m slow tests/campaigns``), sized by the GPUD_CAMPAIGN_* variables
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from gpud.ledger import Denial, Ledger, Reservation, RoleBudget
+from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget
 from tests.conftest import UnixHTTPConnection
 
 SEED = int(os.environ.get("GPUD_CAMPAIGN_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)

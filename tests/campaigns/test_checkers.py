@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpud.ledger import RoleBudget
+from gpud.core.ledger import RoleBudget
 from tests.campaigns.conftest import (
     Op,
     Replay,

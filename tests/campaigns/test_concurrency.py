@@ -1,7 +1,7 @@
 """Campaign 1: concurrency. Many clients admit and release at random over many serves and roles
 while a sampler reads /v1/ledger: committed never exceeds capacity - reserve in any snapshot,
 every snapshot is a state of the commit order, the commit order respects real time, and the
-final ledger is the replay (gpud.ledger.Ledger) of exactly the acknowledged operations.
+final ledger is the replay (gpud.core.ledger.Ledger) of exactly the acknowledged operations.
 
 Short form in the default run; long form: ``python3 -m pytest -m slow tests/campaigns -k
 concurrency`` (GPUD_CAMPAIGN_CLIENTS, GPUD_CAMPAIGN_OPS).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.ledger import RoleBudget
+from gpud.core.ledger import RoleBudget
 from tests.campaigns.conftest import (
     Client,
     MibSource,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpud.config import Config, parse_config
+from gpud.core.launch import command_argv
 from gpud.errors import ConfigError
-from gpud.launch import command_argv
 from tests.campaigns.conftest import knob
 
 TABLES = ["daemon", "roles.r", "roles.dark-fast", "roles.Bad", "serves.s", "serves.ocr",

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpud.ledger import RoleBudget
+from gpud.core.ledger import RoleBudget
 from tests.campaigns.conftest import (
     Client,
     MibSource,

@@ -22,12 +22,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from gpud.core.vocab import PENDING_STATES
+
 Bound = Literal["ledger", "physical"]
 Check = Literal["ledger", "strict"]
 
-# States whose reservation is not yet (fully) drawing: their shortfall is "pending" memory that
-# physical free cannot give to anyone else.
-PENDING_STATES = frozenset({"admitted", "starting"})
 
 
 @dataclass(frozen=True, slots=True)

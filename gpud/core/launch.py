@@ -13,9 +13,10 @@ import shlex
 from collections.abc import Callable, Mapping
 
 from gpud.config import Config, ServeConfig
+from gpud.core.argv64 import encode
+from gpud.core.ledger import gpu_memory_utilization
+from gpud.core.observation import DeviceSample, find_device
 from gpud.errors import GpudError, Refused, Unavailable
-from gpud.ledger import gpu_memory_utilization
-from gpud.observation import DeviceSample, find_device
 
 # vLLM binds every interface unless told (vllm/entrypoints/launchers/launcher.py: setup_server
 # binds `args.host or ""`); gpud's health checks go to loopback, so that is the default.
@@ -210,8 +211,6 @@ def through_shim(argv: list[str], python: str, systemd_version: int | None) -> l
     fragile = any(ch in arg for arg in argv for ch in ALTERED_BY_RELOAD)
     if not fragile or (systemd_version is not None and systemd_version > 252):
         return argv
-    from gpud.execv import encode
-
     return [python, "-I", "-m", "gpud.execv", encode(argv)]
 
 

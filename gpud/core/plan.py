@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.config import Config, ServeConfig
+from gpud.core.launch import fingerprint
+from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
-from gpud.launch import fingerprint
-from gpud.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
+from gpud.core.vocab import HOLDING_STATES
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
 NO_RESTART_FIELDS = frozenset({"resident", "priority", "start_timeout_s"})
-LIVE = frozenset({"starting", "running"})
+# A serve in these runs now: a change to how it runs means a restart.
+LIVE = HOLDING_STATES
 
 
 @dataclass(frozen=True)

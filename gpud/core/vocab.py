@@ -1,0 +1,64 @@
+"""gpud's vocabulary: the words it acts on, defined once, standard library only (gpuctl imports
+this module, and it costs it nothing).
+
+Members are `StrEnum`s: they compare equal to, and serialize as, the plain strings the API,
+the store and journald carry.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+
+class ServeState(StrEnum):
+    DECLARED = "declared"  # configured, no reservation
+    ADMITTED = "admitted"  # reserved, not launched
+    STARTING = "starting"  # unit started, health not yet 200
+    RUNNING = "running"  # healthy
+    STOPPING = "stopping"
+    DENIED = "denied"  # the last admission failed, with its reason
+    FAILED = "failed"  # exited, unhealthy or crash-looping, with the reason
+    EXTERNAL = "external"  # a reservation for a process gpud did not launch
+    ORPHAN = "orphan"  # a unit of gpud's that runs for a serve the config does not name
+
+
+DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN = ServeState
+STATES: tuple[ServeState, ...] = tuple(ServeState)
+# A process of the serve may hold memory in these.
+LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
+# These must hold a reservation (a stopping serve gives its back once its unit is gone).
+HOLDING_STATES = frozenset({STARTING, RUNNING})
+# Reserved but not (fully) drawing yet: the shortfall is "pending" memory that physical free
+# cannot give to anyone else.
+PENDING_STATES = frozenset({ADMITTED, STARTING})
+
+
+class EventKind(StrEnum):
+    ADMIT = "admit"
+    DENY = "deny"
+    RELEASE = "release"
+    START = "start"
+    HEALTHY = "healthy"
+    EXIT = "exit"
+    RESTART = "restart"
+    CRASH_LOOP = "crash-loop"
+    STOP = "stop"
+    UNHEALTHY = "unhealthy"
+    OVERDRAW = "overdraw"
+    RESERVE_EXCEEDED = "reserve-exceeded"
+    RESERVE_OK = "reserve-ok"
+    RELOAD = "reload"
+    ADOPT = "adopt"
+    OVER_COMMITTED = "over-committed"
+    CALIBRATE = "calibrate"
+    APPLY = "apply"
+
+
+EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)
+
+# Serve and role names become systemd unit names and URL path segments.
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+NAME_RE = re.compile(NAME_PATTERN)
+# Environment variable names a serve may set.
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
