@@ -109,6 +109,8 @@ class Supervisor(Protocol):
 class Calibrations(Protocol):
     def calibration_of(self, serve: str) -> tuple[str, str | None]: ...
 
+    def summary_of(self, serve: str) -> dict[str, Any] | None: ...
+
     def view(self, serve: str) -> dict[str, Any]: ...
 
     def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]: ...
@@ -251,7 +253,15 @@ class Api:
         return {n: self.calibrations.calibration_of(n) for n in self.svc.known_serves()}
 
     async def serves(self, request: web.Request) -> web.Response:
-        return json_response(serves_view(self.svc, self.draws, self._calibrations()))
+        summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
+                     if self.calibrations else {})
+        return json_response(serves_view(self.svc, self.draws, self._calibrations(), summaries))
+
+    def _serve_view(self, name: str) -> dict[str, Any]:
+        if self.calibrations is None:
+            return serve_view(self.svc, name, self.draws)
+        return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
+                          self.calibrations.summary_of(name))
 
     def _known(self, request: web.Request) -> str:
         name = request.match_info["name"]
@@ -261,9 +271,7 @@ class Api:
         return name
 
     async def serve(self, request: web.Request) -> web.Response:
-        name = self._known(request)
-        cal = self.calibrations.calibration_of(name) if self.calibrations else ("uncalibrated", None)
-        return json_response(serve_view(self.svc, name, self.draws, cal))
+        return json_response(self._serve_view(self._known(request)))
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         q = request.query
@@ -390,8 +398,7 @@ class Api:
             await sup.stop(name, uid)
         else:
             await sup.restart(name, uid)
-        cal = self.calibrations.calibration_of(name) if self.calibrations else ("uncalibrated", None)
-        return json_response(serve_view(self.svc, name, self.draws, cal))
+        return json_response(self._serve_view(name))
 
     async def start(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "start")

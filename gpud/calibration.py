@@ -88,9 +88,6 @@ class Calibrator:
         self.journal = journal
         self.runs: dict[str, Run] = {}
         self._records: dict[tuple[str, str], Calibration] = {}
-        # vLLM's own figures beside the measured ones, by (serve, fingerprint). Kept in memory
-        # and in the calibrate event's details (not in the calibrations table).
-        self._vllm: dict[tuple[str, str], dict[str, Any]] = {}
 
     def load(self) -> None:
         self._records = {(c.serve, c.fingerprint): c for c in self.svc.store.calibrations()}
@@ -118,6 +115,35 @@ class Calibrator:
         fp = self.fingerprint_of(serve)
         return self._records.get((serve, fp)) if fp else None
 
+    def summary_of(self, serve: str) -> dict[str, Any] | None:
+        """The current calibration in brief, for `gpuctl serves NAME`: the measured figures,
+        the recommended reservation and vLLM's own account (None when not calibrated)."""
+        rec = self.record_of(serve)
+        if rec is None:
+            return None
+        return {"steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
+                "recommended_mib": rec.recommended_mib, "vllm": rec.vllm}
+
+    def sizing_problem(self, serve: str) -> str | None:
+        """A vllm serve that sizes its KV cache itself (kv_cache_mib) must fit what its current
+        calibration says it holds beside it: weights + CUDA graphs + context + KV <= vram_mib.
+        Why not, or None (also when there is nothing calibrated to go by)."""
+        spec = self.svc.serve_spec(serve)
+        rec = self.record_of(serve)
+        if spec is None or spec.vllm is None or spec.vllm.kv_cache_mib is None or rec is None \
+                or not rec.vllm or rec.vllm.get("weights_mib") is None:
+            return None
+        weights = int(rec.vllm["weights_mib"])
+        graphs = int(rec.vllm.get("cudagraph_mib") or 0)
+        measured = rec.vllm.get("context_mib")
+        context = int(measured if measured is not None else spec.vllm.context_mib or 0)
+        need = weights + graphs + context + spec.vllm.kv_cache_mib
+        if need <= spec.vram_mib:
+            return None
+        return (f"calibrated need {need} MiB (weights {weights} + CUDA graphs {graphs} + context "
+                f"{context} + kv_cache_mib {spec.vllm.kv_cache_mib}) exceeds vram_mib "
+                f"{spec.vram_mib}: vLLM would draw past its reservation")
+
     def view(self, serve: str) -> dict[str, Any]:
         status, fp = self.calibration_of(serve)
         out: dict[str, Any] = {"serve": serve, "status": status, "fingerprint": fp,
@@ -134,7 +160,7 @@ class Calibrator:
                              "steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
                              "recommended_mib": rec.recommended_mib,
                              "current": rec.fingerprint == fp}
-            out["vllm"] = self._vllm.get((serve, rec.fingerprint))
+            out["vllm"] = rec.vllm
         return out
 
     async def vllm_figures(self, serve: str, steady_mib: int) -> dict[str, Any] | None:
@@ -187,11 +213,11 @@ class Calibrator:
             if not run.samples:
                 raise Unavailable("no samples: observation gave nothing for the serve")
             steady, peak, recommended = recommend(run.samples)
-            cal = Calibration(run.serve, run.fingerprint, self.clock(), run.window_s,
-                              len(run.samples), steady, peak, recommended)
             spec = self.svc.serve_spec(run.serve)
             reserved = spec.vram_mib if spec else None
             vllm = await self.vllm_figures(run.serve, steady)
+            cal = Calibration(run.serve, run.fingerprint, self.clock(), run.window_s,
+                              len(run.samples), steady, peak, recommended, vllm)
             said = ""
             if vllm is not None and vllm.get("weights_mib") is not None:
                 said = (f"; vLLM: weights {vllm['weights_mib']} MiB, KV cache "
@@ -207,8 +233,6 @@ class Calibrator:
             async with self.svc.lock:
                 await self.svc.commit(Changes(calibrations=[cal], events=[ev]))
             self._records[(cal.serve, cal.fingerprint)] = cal
-            if vllm is not None:
-                self._vllm[(cal.serve, cal.fingerprint)] = vllm
         except Exception as exc:  # reported in the event log; the daemon goes on
             message = getattr(exc, "message", str(exc))
             log.warning("calibration of %s failed: %s", run.serve, message)

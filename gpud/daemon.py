@@ -198,6 +198,7 @@ class Daemon:
             supervisor = await self._supervisor(stack, svc, observer)
             calibrator = Calibrator(svc, observer)
             calibrator.load()
+            supervisor.sizing = calibrator.sizing_problem
             stack.push_async_callback(calibrator.close)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator),

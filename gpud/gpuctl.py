@@ -620,12 +620,29 @@ def format_serve(serve: Doc) -> str:
     for label, key in _SERVE_FIELDS:
         value = serve.get(key)
         rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
-    known = {key for _, key in _SERVE_FIELDS}
+    known = {key for _, key in _SERVE_FIELDS} | {"calibrated"}
+    rows.append(("calibrated", _calibrated(serve.get("calibrated"))))
     rows += [(k, _dash(v)) for k, v in sorted(serve.items()) if k not in known and k != "simulated"]
     text = _block(rows)
     if serve.get("simulated"):
         text += "\nobservation: SIMULATED (no real GPU behind observed figures)"
     return text
+
+
+def _calibrated(brief: Any) -> str:
+    """The current calibration in one line, vLLM's own account beside the measured figures."""
+    if not isinstance(brief, dict):
+        return "-"
+    line = (f"steady {_mib(brief.get('steady_mib'))}, peak {_mib(brief.get('peak_mib'))}, "
+            f"recommended reservation {_mib(brief.get('recommended_mib'))}")
+    vllm = brief.get("vllm")
+    if isinstance(vllm, dict) and vllm.get("weights_mib") is not None:
+        line += (f"; vLLM: weights {_mib(vllm.get('weights_mib'))}, KV cache "
+                 f"{_mib(vllm.get('kv_cache_mib'))}, CUDA graphs {_mib(vllm.get('cudagraph_mib'))}, "
+                 f"context {_mib(vllm.get('context_mib'))}")
+        if vllm.get("recommended_kv_cache_mib") is not None:
+            line += f", recommends kv_cache_mib = {vllm['recommended_kv_cache_mib']}"
+    return line
 
 
 def format_admit(doc: Doc) -> str:

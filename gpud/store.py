@@ -19,7 +19,7 @@ from typing import Any
 from gpud.core.ledger import Reservation
 from gpud.errors import StoreError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 # Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
@@ -72,6 +72,9 @@ MIGRATIONS: tuple[str, ...] = (
         value TEXT NOT NULL
     );
     """,
+    """
+    ALTER TABLE calibrations ADD COLUMN vllm TEXT;
+    """,
 )
 
 
@@ -119,6 +122,9 @@ class Calibration:
     steady_mib: int
     peak_mib: int
     recommended_mib: int
+    # A vllm serve's own account of its memory (weights, KV cache, CUDA graphs, context), as
+    # read from its start-up lines: gpud.vllm_log; None for other serves.
+    vllm: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -229,9 +235,10 @@ class Store:
             )
         for cal in changes.calibrations:
             db.execute(
-                "INSERT OR REPLACE INTO calibrations VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO calibrations VALUES (?,?,?,?,?,?,?,?,?)",
                 (cal.serve, cal.fingerprint, cal.ts, cal.window_s, cal.samples,
-                 cal.steady_mib, cal.peak_mib, cal.recommended_mib),
+                 cal.steady_mib, cal.peak_mib, cal.recommended_mib,
+                 None if cal.vllm is None else json.dumps(cal.vllm, sort_keys=True)),
             )
         for key, value in changes.meta.items():
             if value is None:
@@ -261,8 +268,10 @@ class Store:
         return [ServeStateRow(*r) for r in rows]
 
     def calibrations(self) -> list[Calibration]:
-        rows = self._read("SELECT * FROM calibrations ORDER BY ts")
-        return [Calibration(*r) for r in rows]
+        rows = self._read("SELECT serve, fingerprint, ts, window_s, samples, steady_mib, "
+                          "peak_mib, recommended_mib, vllm FROM calibrations ORDER BY ts")
+        return [Calibration(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
+                            None if r[8] is None else json.loads(r[8])) for r in rows]
 
     def events(self, query: EventQuery) -> list[Event]:
         where: list[str] = []

@@ -73,6 +73,9 @@ class Supervisor:
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
         self._http: aiohttp.ClientSession | None = None
         self.booted = asyncio.Event()
+        # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
+        # the daemon: Calibrator.sizing_problem).
+        self.sizing: Callable[[str], str | None] = lambda _serve: None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -223,6 +226,9 @@ class Supervisor:
             if state in LIVE_STATES or serve in self._launching:
                 raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
                                                                         "state": state})
+            problem = self.sizing(serve)
+            if problem is not None:
+                raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
             held = self.svc.ledger.reservations.get(serve)
             if held is not None and (held.external or held.role != spec.role):
                 raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role {held.role!r} but "

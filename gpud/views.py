@@ -77,7 +77,8 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
 
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
-               calibration: tuple[str, str | None] = ("uncalibrated", None)) -> dict[str, Any]:
+               calibration: tuple[str, str | None] = ("uncalibrated", None),
+               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -104,13 +105,18 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],
         "fingerprint": calibration[1],
+        # The current calibration: measured steady/peak, the recommended reservation, and a
+        # vllm serve's own account (weights, KV cache, CUDA graphs, context).
+        "calibrated": calibrated,
     }
 
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
-                calibrations: dict[str, tuple[str, str | None]] | None = None) -> dict[str, Any]:
+                calibrations: dict[str, tuple[str, str | None]] | None = None,
+                summaries: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
     cal = calibrations or {}
-    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)))
+    brief = summaries or {}
+    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

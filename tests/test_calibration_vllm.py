@@ -1,0 +1,82 @@
+"""vLLM's own account kept with a calibration: stored (and migrated), shown in a serve's view,
+and used to refuse a start whose kv_cache_mib cannot fit beside what the serve holds."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from gpud.calibration import Calibrator
+from gpud.config import parse_config
+from gpud.core.launch import fingerprint
+from gpud.gpuctl import format_serve
+from gpud.service import LedgerService
+from gpud.store import MIGRATIONS, Calibration, Changes, Store
+
+CONFIG = """
+[daemon]
+admission = "ledger"
+[roles.r]
+device = "0"
+capacity_mib = 40000
+[serves.v]
+role = "r"
+vram_mib = 20000
+port = 30001
+[serves.v.vllm]
+model = "m"
+kv_cache_mib = 8000
+"""
+VLLM = {"weights_mib": 9000, "kv_cache_mib": 8000, "cudagraph_mib": 600, "context_mib": 700,
+        "recommended_kv_cache_bytes": None, "recommended_kv_cache_mib": None}
+
+
+class NoObserver:
+    def device_total(self, device: str) -> int | None:
+        return None
+
+
+def calibrator(tmp_path: Path, config: str = CONFIG, vllm: dict | None = VLLM) -> Calibrator:
+    cfg = parse_config(config, "test")
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(cfg, store)
+    svc.load()
+    store.commit(Changes(calibrations=[Calibration(
+        "v", fingerprint(cfg.serves["v"]), 1.0, 60.0, 60, 17500, 17900, 18400, vllm)]))
+    cal = Calibrator(svc, NoObserver())  # type: ignore[arg-type]
+    cal.load()
+    return cal
+
+
+def test_vllm_figures_survive_a_reopen_and_a_migration(tmp_path: Path) -> None:
+    calibrator(tmp_path).svc.store.close()
+    assert Store(tmp_path / "gpud.sqlite3").calibrations()[0].vllm == VLLM
+    old = tmp_path / "v3.db"
+    db = sqlite3.connect(old)
+    db.executescript(";".join(MIGRATIONS[:3]) + "; PRAGMA user_version=3;")
+    db.execute("INSERT INTO calibrations VALUES ('v', 'f', 1.0, 60.0, 60, 1, 2, 3)")
+    db.commit()
+    db.close()
+    [migrated] = Store(old).calibrations()
+    assert (migrated.recommended_mib, migrated.vllm) == (3, None)
+
+
+def test_a_kv_cache_that_cannot_fit_beside_the_weights_is_named(tmp_path: Path) -> None:
+    cal = calibrator(tmp_path)
+    assert cal.sizing_problem("v") is None  # 9000 + 600 + 700 + 8000 = 18300 <= 20000
+    tight = calibrator(tmp_path / "x", CONFIG.replace("kv_cache_mib = 8000",
+                                                      "kv_cache_mib = 9800"))
+    assert tight.sizing_problem("v") == (
+        "calibrated need 20100 MiB (weights 9000 + CUDA graphs 600 + context 700 + kv_cache_mib "
+        "9800) exceeds vram_mib 20000: vLLM would draw past its reservation")
+    assert calibrator(tmp_path / "y", vllm=None).sizing_problem("v") is None
+
+
+def test_the_serve_view_shows_vllms_account_beside_the_measured_figures(tmp_path: Path) -> None:
+    brief = calibrator(tmp_path).summary_of("v")
+    assert brief == {"steady_mib": 17500, "peak_mib": 17900, "recommended_mib": 18400,
+                     "vllm": VLLM}
+    text = format_serve({"name": "v", "calibrated": brief})
+    assert ("calibrated:  steady 17500 MiB, peak 17900 MiB, recommended reservation 18400 MiB; "
+            "vLLM: weights 9000 MiB, KV cache 8000 MiB, CUDA graphs 600 MiB, context 700 MiB"
+            in text), text
