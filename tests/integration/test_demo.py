@@ -1,0 +1,43 @@
+"""`make demo`, the README's first command, end to end: the seed's T015 host booted in a
+disposable systemd, ocr denied for the seed's reason, then the T011 rebalance in two commands.
+Checked against the record's own figures, so the demo cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.sandbox
+
+# (what the demo must print, why it is the seed's)
+SEED_LINES = [
+    ("ocr (denied): ledger bound: need 5120 MiB, free 351 MiB, short 4769 MiB",
+     "T015: ocr 5120 denied, 351 free, short 4769"),
+    ("gpu_role 'dark-fast': capacity 32607 MiB, reserve 7168 MiB, committed 25088 MiB, "
+     "free 351 MiB", "T015's ledger line"),
+    ("non-ledger draw 5837 MiB (reserve 7168 MiB)", "the display and sidecars' 5837 MiB"),
+    ("free       351 -> 1887 MiB", "the plan's before and after"),
+    ("0.5652 -> 0.4396", "fast's utilization, floored (14336 / 32607)"),
+    ("gpu_role 'dark-fast': capacity 32607 MiB, reserve 4608 MiB, committed 26112 MiB, "
+     "free 1887 MiB", "T011's ledger line"),
+    ("ledger free is optimistic by 1229 MiB: non-ledger draw exceeds the reserve",
+     "the honesty note: 5837 - 4608"),
+    ("applied: dark-fast 26112/27999 MiB committed (free 1887); 4 serves: 4 running",
+     "apply's result"),
+]
+
+
+def test_make_demo_replays_the_seed_record() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "demo"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    missing = [f"{why}: {line!r}" for line, why in SEED_LINES if line not in text]
+    assert not missing, "\n".join(missing) + "\n" + text[-4000:]
+    assert "sandbox powered off" in text
