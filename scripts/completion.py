@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpud import gpuctl  # noqa: E402
+from tools.generated import write_or_check  # noqa: E402
 
 BASH = REPO / "contrib" / "completion" / "gpuctl.bash"
 ZSH = REPO / "contrib" / "completion" / "_gpuctl"
@@ -369,16 +370,7 @@ def render_zsh() -> str:
 
 
 def main() -> int:
-    outputs = {BASH: render_bash(), ZSH: render_zsh()}
-    if "--check" in sys.argv:
-        stale = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
-        for path in stale:
-            print(f"{path} is out of date: run python3 scripts/completion.py", file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in outputs.items():
-        path.write_text(text)
-        print(f"wrote {path}")
-    return 0
+    return write_or_check({BASH: render_bash(), ZSH: render_zsh()}, "scripts/completion.py")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpud.core.vocab import STATES  # noqa: E402
+from tools.generated import write_or_check  # noqa: E402
 
 DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
 # Grafana's named colours; a state not listed here shows in the text colour
@@ -43,16 +44,8 @@ def render(dash: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    current = DASHBOARD.read_text()
-    text = render(json.loads(current))
-    if "--check" in sys.argv:
-        if text != current:
-            print(f"{DASHBOARD} is out of date: run python3 scripts/dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    DASHBOARD.write_text(text)
-    print(f"wrote {DASHBOARD}")
-    return 0
+    return write_or_check({DASHBOARD: render(json.loads(DASHBOARD.read_text()))},
+                          "scripts/dashboard.py")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from gpud import __version__, daemon, gpuctl  # noqa: E402
 from gpud.config import DaemonConfig, RoleConfig, ServeConfig  # noqa: E402
+from tools.generated import write_or_check  # noqa: E402
 
 # The date in .TH: when the pages' content last changed in substance. Bump it with them.
 DATE = "2026-12-01"
@@ -302,16 +303,7 @@ def render_gpud() -> str:
 
 
 def main() -> int:
-    pages = {GPUCTL: render_gpuctl(), GPUD: render_gpud()}
-    if "--check" in sys.argv:
-        stale = [p for p, text in pages.items() if not p.exists() or p.read_text() != text]
-        for path in stale:
-            print(f"{path} is out of date: run python3 scripts/manpage.py", file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in pages.items():
-        path.write_text(text)
-        print(f"wrote {path}")
-    return 0
+    return write_or_check({GPUCTL: render_gpuctl(), GPUD: render_gpud()}, "scripts/manpage.py")
 
 
 if __name__ == "__main__":
