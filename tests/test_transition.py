@@ -107,6 +107,27 @@ def test_a_role_over_committed_by_adopted_units_may_stay_so_but_not_grow_worse()
     assert refused(decide(OLD, worse, held, {"x": "running", "y": "running"}))
 
 
+def test_over_commit_by_one_mib_is_refused_and_a_refusal_says_everything() -> None:
+    new = config({"a": (599, 100), "b": (1000, 0)}, {"x": ("a", 300), "y": ("a", 200)})
+    out = decide(OLD, new, [res("x", "a", 300), res("y", "a", 200)], {})
+    assert isinstance(out, Refusal)
+    [blocker] = out.blockers
+    assert blocker.to_json() == {"what": "roles.a", "role": None, "mib": None,
+                                 "reason": blocker.reason, "message": blocker.message}
+    assert out.message == blocker.message
+    two = decide(OLD, config({"a": (1000, 100)}, {}),
+                 [res("x", "a", 300), res("ext", "b", 5, external=True)], {"x": "running"})
+    assert isinstance(two, Refusal) and len(two.blockers) == 2
+    assert two.message == "; ".join(b.message for b in two.blockers)
+    assert {b.what: b.to_json()["mib"] for b in two.blockers} == {"x": 300, "ext": 5}
+
+
+def test_a_live_serve_without_a_reservation_blocks_any_change() -> None:
+    [message] = refused(decide(OLD, OLD, [], {"x": "running"}))
+    assert message == "x: is running without a reservation"
+    assert isinstance(decide(OLD, OLD, [], {"x": "stopping"}), Transition)
+
+
 def test_restart_only_daemon_keys_are_refused() -> None:
     new = OLD.model_copy(update={"daemon": OLD.daemon.model_copy(
         update={"state_dir": "/elsewhere", "socket": "/run/other.sock"})})
@@ -130,6 +151,11 @@ def test_violations_names_each_broken_clause() -> None:
     assert "z: running without a reservation" in found
     assert violations(OLD, Ledger.build(budgets(OLD), [res("x", "a", 300)]),
                       {"x": "running"}) == []
+    full = Ledger.build(budgets(OLD), [res("x", "a", 900)])  # exactly capacity - reserve
+    assert violations(OLD, full, {"x": "running"}) == []
+    named = Ledger.build(budgets(OLD), [res("x", "a", 300, external=True)])
+    assert violations(OLD, named, {}) == ["x: external reservation under a configured serve's "
+                                          "name"]
 
 
 # ---- the property ----------------------------------------------------------------------------

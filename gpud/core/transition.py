@@ -136,8 +136,8 @@ def transition(
         figures = after.figures(name)
         if figures.free_mib >= 0:
             continue
-        before = ledger.figures(name).free_mib if name in ledger.roles else 0
-        if name in ledger.roles and not ledger.roles[name].missing and figures.free_mib >= before:
+        if name in ledger.roles and not ledger.roles[name].missing \
+                and figures.free_mib >= ledger.figures(name).free_mib:
             continue  # over-committed already (adopted units), and no worse
         held = ", ".join(f"{r.serve} {r.mib} MiB" for r in after.on_role(name))
         blockers.append(Blocker(f"roles.{name}", f"committed {figures.committed_mib} MiB would "
