@@ -44,6 +44,7 @@ from typing import Any, Final, Literal
 
 import dbus_fast
 
+from gpud.core.launch import ALTERED_BY_RELOAD, reload_alters_arguments
 from gpud.core.vocab import ENV_NAME_RE, NAME_RE
 from gpud.errors import BadRequest
 
@@ -54,8 +55,6 @@ SLICE: Final = "gpud.slice"
 # The first systemd with RestartSteps= and RestartMaxDelaySec= (NEWS for v254).
 RESTART_BACKOFF_SINCE: Final = 254
 # The newest systemd seen to alter '$' and ';' in ExecStart= arguments across daemon-reload.
-EXEC_ROUND_TRIP_BROKEN_UNTIL: Final = 252
-EXEC_ROUND_TRIP_BROKEN_CHARS: Final = ("$", ";")
 
 # Variables gpud sets itself; a serve's environment may not override them.
 PINNED_ENVIRONMENT: Final = frozenset({"CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"})
@@ -250,7 +249,7 @@ def build_properties(
     "unknown" and is treated as 252.
     """
     unit = spec.unit
-    if systemd_version is None or systemd_version <= EXEC_ROUND_TRIP_BROKEN_UNTIL:
+    if reload_alters_arguments(systemd_version):
         _refuse_altered_arguments(spec, systemd_version)
     environment = {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -301,7 +300,7 @@ def build_properties(
 
 def _refuse_altered_arguments(spec: UnitSpec, systemd_version: int | None) -> None:
     for position, arg in enumerate(spec.argv):
-        bad = [ch for ch in EXEC_ROUND_TRIP_BROKEN_CHARS if ch in arg]
+        bad = [ch for ch in ALTERED_BY_RELOAD if ch in arg]
         if bad:
             version = "an unknown systemd" if systemd_version is None else (f"systemd {systemd_version}")
             raise BadRequest(

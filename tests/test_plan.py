@@ -71,3 +71,15 @@ def test_unchanged_config_plans_nothing() -> None:
     assert plan.restart == []
     assert {s.change for s in plan.serves} == {"unchanged"}
     assert not plan.resident_fits  # T015's ocr still does not fit
+
+
+def test_resized_reservations_that_over_commit_block_the_plan_by_role() -> None:
+    # fast grows from 18432 to 25000 while it runs: 25000 + 3200 + 3456 = 31656 > 25439.
+    plan = plan_to(T015_SEED.replace("vram_mib = 18432", "vram_mib = 25000"))
+    assert not plan.ok
+    [blocker] = plan.blocked
+    assert blocker.what == "roles.dark-fast"
+    assert blocker.reason == ("the resized reservations commit 31656 MiB, over capacity - "
+                              "reserve = 25439 MiB (held: fast 25000 MiB, embeddings 3200 MiB, "
+                              "reranker 3456 MiB)")
+    assert all(not d.serve.startswith("(") for d in plan.denied)  # no sentinel serve names

@@ -201,15 +201,23 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
     return lines
 
 
-# What systemd 252 alters in an ExecStart= argument when it re-reads a transient unit.
+# systemd up to 252 writes a transient unit to /run/systemd/transient and re-reads it at every
+# daemon-reload, altering these characters in ExecStart= arguments (`$` -> `\$`, `;` -> `\;`).
 ALTERED_BY_RELOAD = ("$", ";")
+RELOAD_ALTERS_UNTIL = 252
+
+
+def reload_alters_arguments(systemd_version: int | None) -> bool:
+    """Whether this systemd (its major version; None: unknown, taken as the oldest supported)
+    would alter ALTERED_BY_RELOAD in a transient unit's arguments across a daemon-reload."""
+    return systemd_version is None or systemd_version <= RELOAD_ALTERS_UNTIL
 
 
 def through_shim(argv: list[str], python: str, systemd_version: int | None) -> list[str]:
     """The argv to hand systemd: the command itself, or (when an argument would not survive a
     daemon-reload on this systemd) the command wrapped for gpud.execv."""
     fragile = any(ch in arg for arg in argv for ch in ALTERED_BY_RELOAD)
-    if not fragile or (systemd_version is not None and systemd_version > 252):
+    if not fragile or not reload_alters_arguments(systemd_version):
         return argv
     return [python, "-I", "-m", "gpud.execv", encode(argv)]
 

@@ -145,11 +145,11 @@ def make_plan(
               if name not in after.reservations and spec.role in after.roles]
     after, refused = after.admit_in_order(wanted, since=0.0)
     denied.extend(refused)
-    # Over-commit left by resized reservations is a denial too: the set does not fit.
-    for figures in after.over_committed():
-        denied.append(Denial("(resized reservations)", figures.role, "ledger",
-                             figures.committed_mib,
-                             figures.capacity_mib - figures.reserve_mib))
+    # Over-commit left by resized reservations blocks the change: the set does not fit.
+    over = [Blocker(f"roles.{f.role}", f"the resized reservations commit {f.committed_mib} "
+                       f"MiB, over capacity - reserve = {f.capacity_mib - f.reserve_mib} MiB "
+                       f"(held: {', '.join(f'{r.serve} {r.mib} MiB' for r in after.on_role(f.role))})")
+               for f in after.over_committed()]
 
     new_budget_map = dict(after.roles)
     denied_by = {d.serve: d for d in denied}
@@ -208,5 +208,7 @@ def make_plan(
     decided = transition(old=old, new=new, ledger=ledger, budgets=new_budgets, states=states,
                          may_stop=True)
     if isinstance(decided, Refusal):
-        return Plan(roles, changes, denied, source, after, blocked=decided.blockers)
-    return Plan(roles, changes, denied, source, after, stop_first=decided.stop)
+        return Plan(roles, changes, denied, source, after,
+                    blocked=decided.blockers + tuple(over))
+    return Plan(roles, changes, denied, source, after, blocked=tuple(over),
+                stop_first=decided.stop)
