@@ -23,11 +23,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from gpud.core.vocab import EXIT_CODES
+
 
 class GpudError(Exception):
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
-    exit_code: ClassVar[int] = 1
+    # From the one table gpuctl reads too (gpud.core.vocab.EXIT_CODES); a code of the daemon's
+    # own that never crosses the API keeps its parent's.
+    exit_code: ClassVar[int] = EXIT_CODES["internal"]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.exit_code = EXIT_CODES.get(cls.code, cls.exit_code)
 
     def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -41,7 +49,6 @@ class GpudError(Exception):
 class BadRequest(GpudError):
     code = "bad-request"
     http_status = 400
-    exit_code = 2
 
 
 class ConfigError(BadRequest):
@@ -59,19 +66,16 @@ class ConfigError(BadRequest):
 class Forbidden(GpudError):
     code = "forbidden"
     http_status = 403
-    exit_code = 1
 
 
 class NotFound(GpudError):
     code = "not-found"
     http_status = 404
-    exit_code = 2
 
 
 class PayloadTooLarge(GpudError):
     code = "payload-too-large"
     http_status = 413
-    exit_code = 2
 
 
 class Refused(GpudError):
@@ -79,7 +83,6 @@ class Refused(GpudError):
 
     code = "refused"
     http_status = 409
-    exit_code = 1
 
 
 class Denied(Refused):
@@ -93,7 +96,6 @@ class Conflict(Refused):
 class Unavailable(GpudError):
     code = "unavailable"
     http_status = 503
-    exit_code = 1
 
 
 class JobFailed(GpudError):
@@ -102,13 +104,11 @@ class JobFailed(GpudError):
 
     code = "unit-job-failed"
     http_status = 500
-    exit_code = 1
 
 
 class StoreError(GpudError):
     code = "store-failed"
     http_status = 500
-    exit_code = 1
 
 
 ALL_ERRORS: tuple[type[GpudError], ...] = (

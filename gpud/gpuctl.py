@@ -57,7 +57,7 @@ READ_TIMEOUT = 30.0
 MUTATION_TIMEOUT = 120.0
 LIFECYCLE_TIMEOUT = 600.0
 
-from gpud.core.vocab import EVENT_KINDS, STATES  # noqa: E402 - defined once, stdlib only
+from gpud.core.vocab import EVENT_KINDS, EXIT_CODES, STATES  # noqa: E402 - defined once
 
 _MAX_HEADER_LINE = 65536
 _MAX_HEADERS = 100
@@ -92,7 +92,7 @@ def usage_error(message: str, **details: Any) -> CtlError:
 
 
 def exit_code_for_status(status: int) -> int:
-    """The exit code for an HTTP status, per the table in docs/api.md."""
+    """The exit code for an HTTP status, for an answer without a known error.code."""
     if 200 <= status < 300:
         return EXIT_OK
     if status in (403, 409, 429):
@@ -114,7 +114,10 @@ def api_error(status: int, reason: str, body: bytes) -> CtlError:
     err = doc.get("error") if isinstance(doc, dict) else None
     if isinstance(err, dict) and isinstance(err.get("message"), str):
         details = err.get("details")
-        return CtlError(str(err.get("code") or "error"), err["message"], exit_code,
+        code = str(err.get("code") or "error")
+        # The daemon's error code decides, from the table its error tree is built on; the HTTP
+        # status only for a code this gpuctl does not know.
+        return CtlError(code, err["message"], EXIT_CODES.get(code, exit_code),
                         details if isinstance(details, dict) else {}, status)
     text = body.decode("utf-8", "replace").strip()[:200]
     message = f"gpud answered HTTP {status} {reason}".rstrip() + (f": {text}" if text else "")

@@ -69,3 +69,25 @@ def test_expected_503_logs_a_warning_not_an_error(tmp_path: Path) -> None:
     lines = [line for line in gp.output().splitlines() if "/v1/serves/fast/start" in line]
     assert lines and all(" WARNING " in line for line in lines), lines
     assert " ERROR " not in gp.output(), gp.output()
+
+
+def test_every_error_code_has_one_exit_code_shared_with_gpuctl() -> None:
+    """gpuctl exits by the daemon's error.code, from the same table the error tree reads."""
+    from gpud import gpuctl
+    from gpud.core.vocab import EXIT_CODES
+
+    classes = [GpudError, *_all_subclasses(GpudError)]
+    for cls in classes:
+        if cls.code in EXIT_CODES:
+            assert cls.exit_code == EXIT_CODES[cls.code], cls
+    api_codes = {c.code for c in classes if c.__module__ == "gpud.errors"}
+    assert api_codes <= set(EXIT_CODES)
+    body = b'{"error": {"code": "not-found", "message": "x", "details": {}}}'
+    assert gpuctl.api_error(409, "", body).exit_code == 2  # the code decides, not the status
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_all_subclasses(sub)]
+    return out

@@ -62,3 +62,21 @@ NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 NAME_RE = re.compile(NAME_PATTERN)
 # Environment variable names a serve may set.
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# gpuctl's exit code for each error.code the daemon answers with (docs/api.md): 2 for bad input,
+# 1 for a refusal or a fault. The error tree (gpud.errors) takes its exit codes from here.
+EXIT_CODES: dict[str, int] = {
+    "internal": 1,
+    "bad-request": 2,
+    "config-invalid": 2,
+    "forbidden": 1,
+    "not-found": 2,
+    "payload-too-large": 2,
+    "refused": 1,
+    "denied": 1,
+    "conflict": 1,
+    "unavailable": 1,
+    "unit-job-failed": 1,
+    "store-failed": 1,
+}
