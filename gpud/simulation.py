@@ -172,6 +172,8 @@ class SimulatedBackend:
 
     def _read_state(self, notes: list[str]) -> SimulationState | None:
         """The state in force: this read, else the last good one (with a note), else None."""
+        state: SimulationState | None
+        problem: str | None
         try:
             text = self.state_file.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -179,8 +181,7 @@ class SimulatedBackend:
             # nothing about the draw, and reading it as zero would make admission optimistic.
             state, problem = None, "missing"
         except OSError as exc:
-            state: SimulationState | None = None
-            problem = f"cannot read: {exc.strerror or exc}"
+            state, problem = None, f"cannot read: {exc.strerror or exc}"
         else:
             try:
                 state = parse_state(text, {dev.uuid for dev in self._devices})
