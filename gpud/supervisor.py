@@ -53,6 +53,10 @@ HEALTH_CONCURRENCY = 64
 # The reason a serve stopped by an operator's `systemctl stop` keeps: boot does not start it
 # again until someone asks (gpuctl start).
 OUTSIDE_STOP = "stopped (outside gpud)"
+# A serve's own listener, once found, is trusted this long for the same main process before
+# /proc is read again (reading /proc/net/tcp at every check of every serve would not be cheap
+# on a host with many connections). A foreign holder is looked up again at every check.
+PORT_RECHECK_S = 10.0
 
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
@@ -80,9 +84,8 @@ class Supervisor:
         self._health_failures: dict[str, int] = {}
         self._checks: dict[str, asyncio.Task[None]] = {}
         self._health_slots = asyncio.Semaphore(HEALTH_CONCURRENCY)
-        # Per serve: the listening socket inodes last looked at, and who held them (None: the
-        # serve's own unit).
-        self._port_owner: dict[str, tuple[frozenset[int], str | None]] = {}
+        # Per serve: the main PID and time its own listener was last confirmed.
+        self._port_owner: dict[str, tuple[int, float]] = {}
         # Stops in progress, by serve: a start on the same device waits for them.
         self._stop_done: dict[str, asyncio.Event] = {}
         self._watching: set[str] = set()
@@ -429,17 +432,19 @@ class Supervisor:
 
     async def _foreign_holder(self, serve: str, port: int) -> str | None:
         """Who other than the serve's own unit listens on its port (None: the serve itself, or
-        nobody can tell). Looked up again only when the listening socket changed."""
-        inodes = ports.listening_inodes(port)
-        if inodes is None or not inodes:
-            return None  # no /proc/net/tcp, or the listener closed since it answered
-        cached = self._port_owner.get(serve)
-        if cached is not None and cached[0] == inodes:
-            return cached[1]
+        nobody can tell). The serve's own listener is trusted for PORT_RECHECK_S."""
         last = self._last.get(serve)
+        pid = last.main_pid if last is not None else 0
+        cached = self._port_owner.get(serve)
+        if cached is not None and pid and cached[0] == pid \
+                and self.clock() - cached[1] < PORT_RECHECK_S:
+            return None
         group = last.control_group if last is not None else ""
-        holder = await asyncio.to_thread(_foreign, serve, inodes, group)
-        self._port_owner[serve] = (inodes, holder)
+        holder = await asyncio.to_thread(_foreign, serve, port, group)
+        if holder is None and pid:
+            self._port_owner[serve] = (pid, self.clock())
+        else:
+            self._port_owner.pop(serve, None)
         return holder
 
     async def _port_free(self, serve: str, spec: ServeConfig) -> None:
@@ -912,9 +917,12 @@ class Supervisor:
             log.exception("health check of %s failed", serve)
 
 
-def _foreign(serve: str, inodes: frozenset[int], control_group: str) -> str | None:
-    """Who holds the listening sockets `inodes`, when it is not the serve's own unit (blocking:
-    reads /proc; the serve's own cgroup is looked at first, every process only otherwise)."""
+def _foreign(serve: str, port: int, control_group: str) -> str | None:
+    """Who listens on `port`, when it is not the serve's own unit (blocking: reads /proc; the
+    serve's own cgroup is looked at first, every process only otherwise)."""
+    inodes = ports.listening_inodes(port)
+    if not inodes:
+        return None  # no /proc/net/tcp, or the listener closed since it answered
     own = ports.cgroup_pids(control_group) if control_group else None
     if own is not None and any(h.serve == serve for h in ports.holders(inodes, own)):
         return None
