@@ -75,3 +75,42 @@ async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
     assert "not back after 0.3 s" in caplog.text
     # the stop still in progress stays known: a later start waits for it again
     assert sup._returning["GPU-a"] == {"old"}
+
+
+class CountingSupervisor(Supervisor):
+    """Health answers from a table instead of HTTP: `hang` never answers."""
+
+    def __init__(self, svc: Any, hang: set[str]) -> None:
+        super().__init__(svc, cast(Any, None), cast(Any, StuckObserver()))
+        self.hang = hang
+        self.asked: dict[str, int] = {}
+        self.release = asyncio.Event()
+
+    async def _probe(self, serve: str, spec: Any) -> Any:
+        from gpud.health import Answer, Probe
+
+        self.asked[serve] = self.asked.get(serve, 0) + 1
+        if serve in self.hang:
+            await self.release.wait()
+        return Answer(Probe.OK, "200")
+
+
+async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> None:
+    from gpud.config import ServeConfig
+    from gpud.service import RUNNING, ServeRecord
+
+    spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
+    records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
+    svc = SimpleNamespace(config=Config(), records=records, serve_spec=lambda _n: spec,
+                          state_of=lambda n: records[n].state)
+    sup = CountingSupervisor(svc, hang={"hung"})
+    for _ in range(3):  # three rounds while hung's first check is still in flight
+        await sup._check_running()
+        await asyncio.sleep(0.01)
+    assert sup.asked == {"hung": 1, "quick": 3}
+    sup.release.set()
+    await asyncio.sleep(0.01)
+    await sup._check_running()
+    await asyncio.sleep(0.01)
+    assert sup.asked["hung"] == 2
+    await asyncio.gather(*sup._tasks)
