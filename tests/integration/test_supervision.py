@@ -177,6 +177,35 @@ def test_failed_while_bus_down_comes_back_and_is_reread_from_systemd(gpud: Sandb
     assert gpud.serve("busy")["state"] == "running"
 
 
+def test_failed_serve_restarted_while_bus_down_is_starting_once_the_bus_is_back(
+        gpud: SandboxGpud) -> None:
+    """Restarted by systemd while the bus was down, still not answering 200: when the bus
+    returns the unit is read again, and the serve is `starting`, not `failed` with the old
+    reason; it is `running` once its health answers."""
+    serves = serve_toml("later", "dark-fast", 30232, healthserve("later"), restart_sec=0.2)
+    gpud.configure(sim_config(DARK_FAST, serves, daemon="health_failures = 2"))
+    assert gpud.call("POST", "/v1/serves/later/start", {}).status == 200
+    gpud.wait_state("later", "running")
+    try:
+        gpud.sb.run(["systemctl", "stop", "dbus.socket", "dbus.service"], timeout=60)
+        wait_for("launching unavailable", lambda: not gpud.get("/v1/status")["launching"][
+            "available"], gpud=gpud)
+        control(gpud, "later", "sick")
+        gpud.wait_state("later", "failed", timeout=30)
+        gpud.sb.run(["kill", "-9", gpud.unit_prop("gpud-serve-later.service", "MainPID")])
+        wait_for("systemd restarted it", lambda: gpud.unit_prop(
+            "gpud-serve-later.service", "NRestarts") == "1", gpud=gpud)
+    finally:
+        gpud.sb.run(["systemctl", "start", "dbus.socket", "dbus.service"], timeout=60)
+    again = gpud.wait_state("later", "starting", timeout=30)
+    assert again["reason"] == "re-read after the bus came back", again
+    assert again["reserved_mib"] == 1000
+    assert [e for e in gpud.events(kind="restart", serve="later")
+            if "re-read from systemd" in e["message"]]
+    control(gpud, "later", "sick", on=False)
+    gpud.wait_state("later", "running", timeout=30)
+
+
 # ---- 3. a start waits for a stop in progress on its device -------------------------------------
 
 
