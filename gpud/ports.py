@@ -1,18 +1,25 @@
-"""Who holds a TCP port: listening sockets from /proc/net/tcp{,6}, their holders from /proc/PID/fd.
+"""Who holds a TCP port, and in which unit.
 
 A serve's health answer proves something only when it comes from the serve: another process on
-its port (a stale copy, an unrelated server started by hand) answers 200 just as well. The
-kernel lists each listening socket with its inode; a process holds the socket when one of its
-descriptors links to ``socket:[INODE]``; the process's cgroup names its unit (gpud.cgroups).
+its port (a stale copy, an unrelated server started by hand) answers 200 just as well.
 
-Reading every process's descriptors is the expensive part, so callers pass the PIDs to look at
-first (those of the serve's own cgroup) and cache the answer per socket inode: a listener keeps
-its inode for as long as it listens.
+First choice, the kernel's socket diagnostics (``NETLINK_SOCK_DIAG``, what ``ss`` uses): each
+listening socket comes with the id of the cgroup it was created in (``INET_DIAG_CGROUP_ID``,
+Linux 5.7+), which is the inode of that cgroup's directory under /sys/fs/cgroup: the serve's own
+unit, or someone else's. This needs no right over other processes, which matters because gpud
+runs with a small capability bounding set (no CAP_SYS_PTRACE, so it may not read the descriptors
+of a root serve that holds more capabilities than it does).
+
+Fallback (no netlink, no cgroup ids): /proc/net/tcp{,6} gives each listening socket's inode, and
+a process holds it when one of its descriptors links to ``socket:[INODE]``; the process's cgroup
+names its unit (gpud.cgroups).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,8 @@ class Holder:
     serve: str | None
 
     def describe(self) -> str:
+        if not self.pid:
+            return f"a socket left in {self.unit or 'an unknown cgroup'} (no process in it)"
         return f"PID {self.pid} ({self.unit or 'no unit'})"
 
 
@@ -133,3 +142,108 @@ def cgroup_pids(control_group: str, cgroup_root: Path = CGROUP_ROOT) -> list[int
             continue
         pids.extend(int(p) for p in text.split() if p.isdigit())
     return pids
+
+
+# ---- socket diagnostics over netlink ----------------------------------------------------------
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST_DUMP = 0x301
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+INET_DIAG_CGROUP_ID = 21
+_NLMSG = struct.Struct("=IHHII")
+_REQ = struct.Struct("=BBBBI48x")  # inet_diag_req_v2: family, protocol, ext, pad, states, id
+_MSG_LEN = 72  # inet_diag_msg
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket: its inode, owner uid and the cgroup it was created in."""
+
+    inode: int
+    uid: int
+    cgroup_id: int | None
+
+
+def listeners(port: int) -> list[Listener] | None:
+    """The sockets listening on ``port`` (IPv4 and IPv6), from the kernel's socket diagnostics;
+    None when those cannot be asked or carry no cgroup ids (then use the /proc fallback)."""
+    found: list[Listener] = []
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
+                nl.settimeout(2.0)
+                request = _REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << 10)  # TCP_LISTEN
+                nl.send(_NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY,
+                                    NLM_F_REQUEST_DUMP, 1, 0) + request)
+                found.extend(_read_dump(nl, port))
+        except OSError:
+            return None
+    if any(item.cgroup_id is None for item in found):
+        return None  # a kernel without INET_DIAG_CGROUP_ID
+    return found
+
+
+def _read_dump(nl: socket.socket, port: int) -> list[Listener]:
+    out: list[Listener] = []
+    while True:
+        data = nl.recv(65536)
+        offset = 0
+        while offset + _NLMSG.size <= len(data):
+            length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, offset)
+            if kind == NLMSG_DONE:
+                return out
+            if kind == NLMSG_ERROR or length < _NLMSG.size:
+                raise OSError("socket diagnostics answered with an error")
+            body = data[offset + _NLMSG.size: offset + length]
+            if len(body) >= _MSG_LEN and struct.unpack_from(">H", body, 4)[0] == port:
+                uid, inode = struct.unpack_from("=II", body, 64)
+                out.append(Listener(inode, uid, _cgroup_attr(body)))
+            offset += (length + 3) & ~3
+        if not data:
+            return out
+
+
+def _cgroup_attr(body: bytes) -> int | None:
+    at = _MSG_LEN
+    while at + 4 <= len(body):
+        length, kind = struct.unpack_from("=HH", body, at)
+        if length < 4:
+            break
+        if kind == INET_DIAG_CGROUP_ID and length >= 12:
+            return int(struct.unpack_from("=Q", body, at + 4)[0])
+        at += (length + 3) & ~3
+    return None
+
+
+def cgroup_ids(control_group: str, cgroup_root: Path = CGROUP_ROOT) -> set[int]:
+    """The ids (directory inodes) of a unit's cgroup and every cgroup below it."""
+    top = cgroup_root / control_group.lstrip("/")
+    ids: set[int] = set()
+    if not control_group.startswith("/") or not top.is_dir():
+        return ids
+    for directory, _dirs, _files in os.walk(top):
+        try:
+            ids.add(os.stat(directory).st_ino)
+        except OSError:
+            continue
+    return ids
+
+
+def cgroup_holders(cgroup_id: int, cgroup_root: Path = CGROUP_ROOT) -> list[Holder]:
+    """The processes of the cgroup with this id, with its unit: who holds a foreign socket."""
+    for directory, _dirs, _files in os.walk(cgroup_root):
+        try:
+            if os.stat(directory).st_ino != cgroup_id:
+                continue
+        except OSError:
+            continue
+        path = "/" + os.path.relpath(directory, cgroup_root)
+        unit = unit_of_cgroup_file(f"0::{path}\n")
+        serve = serve_of_cgroup_file(f"0::{path}\n")
+        try:
+            pids = [int(p) for p in Path(directory, "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            pids = []
+        return [Holder(pid, unit, serve) for pid in sorted(pids)] or [Holder(0, unit, serve)]
+    return []

@@ -452,10 +452,9 @@ class Supervisor:
         be that process's."""
         if spec.port is None:
             return
-        inodes = ports.listening_inodes(spec.port)
-        if not inodes:
+        held = await asyncio.to_thread(_holders, spec.port)
+        if held is None:
             return
-        held = await asyncio.to_thread(ports.holders, inodes)
         who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
         raise Conflict(f"serve {serve!r}: port {spec.port} is already held by {who}; not started",
                        {"serve": serve, "port": spec.port,
@@ -917,19 +916,45 @@ class Supervisor:
             log.exception("health check of %s failed", serve)
 
 
+def _holders(port: int) -> list[ports.Holder] | None:
+    """Who listens on `port` (None: nobody); blocking."""
+    found = ports.listeners(port)
+    if found is not None:
+        if not found:
+            return None
+        held: list[ports.Holder] = []
+        for cgroup in sorted({item.cgroup_id for item in found if item.cgroup_id is not None}):
+            held.extend(ports.cgroup_holders(cgroup))
+        return held
+    inodes = ports.listening_inodes(port)
+    return ports.holders(inodes) if inodes else None
+
+
 def _foreign(serve: str, port: int, control_group: str) -> str | None:
-    """Who listens on `port`, when it is not the serve's own unit (blocking: reads /proc; the
-    serve's own cgroup is looked at first, every process only otherwise)."""
+    """Who listens on `port`, when it is not the serve's own unit (blocking). Socket
+    diagnostics name each listener's cgroup; without them /proc is read (the serve's own
+    cgroup first, every process only otherwise)."""
+    found = ports.listeners(port)
+    if found is not None:
+        if not found:
+            return None  # the listener closed since it answered
+        own = ports.cgroup_ids(control_group) if control_group else set()
+        if any(item.cgroup_id in own for item in found):
+            return None
+        held = _holders(port) or []
+        if any(h.serve == serve for h in held):
+            return None
+        return ", ".join(h.describe() for h in held) or "a process gpud cannot see"
     inodes = ports.listening_inodes(port)
     if not inodes:
         return None  # no /proc/net/tcp, or the listener closed since it answered
-    own = ports.cgroup_pids(control_group) if control_group else None
-    if own is not None and any(h.serve == serve for h in ports.holders(inodes, own)):
+    pids = ports.cgroup_pids(control_group) if control_group else None
+    if pids is not None and any(h.serve == serve for h in ports.holders(inodes, pids)):
         return None
-    held = ports.holders(inodes)
-    if any(h.serve == serve for h in held):
+    everyone = ports.holders(inodes)
+    if any(h.serve == serve for h in everyone):
         return None
-    return ", ".join(h.describe() for h in held) or "a process gpud cannot see"
+    return ", ".join(h.describe() for h in everyone) or "a process gpud cannot see"
 
 
 def _pid(main_pid: int) -> str:

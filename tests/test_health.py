@@ -94,3 +94,21 @@ def test_holder_of_a_real_listening_socket() -> None:
         found = ports.holders(inodes)
         assert os.getpid() in [h.pid for h in found]
     assert ports.listening_inodes(port) == frozenset()
+
+
+def test_socket_diagnostics_name_the_listeners_cgroup() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        found = ports.listeners(port)
+        if found is None:
+            pytest.skip("no NETLINK_SOCK_DIAG with cgroup ids on this kernel")
+        assert [item.inode for item in found] == sorted(ports.listening_inodes(port) or ())
+        assert found[0].uid == os.geteuid() and found[0].cgroup_id is not None
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        unified = [line.split("::", 1)[1] for line in own if line.startswith("0::")]
+        if unified and ports.cgroup_ids(unified[0]):
+            # the socket's cgroup is this process's cgroup (a directory's inode is its id)
+            assert found[0].cgroup_id in ports.cgroup_ids(unified[0])
+    assert ports.listeners(port) == []
