@@ -97,7 +97,8 @@ class CountingSupervisor(Supervisor):
 
 async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> None:
     from gpud.config import ServeConfig
-    from gpud.service import RUNNING, ServeRecord
+    from gpud.core.vocab import RUNNING
+    from gpud.service import ServeRecord
 
     spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
     records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
