@@ -18,12 +18,38 @@ class Alerts:
         self.observer = observer
         self.reserve = Crossings()
         self.overdraw = Crossings()
+        self.lost: dict[str, str] = {}  # device uuid -> problem
 
     async def __call__(self, obs: Observation) -> None:
         if not obs.available:
             return
+        await self._devices(obs)
         await self._reserve(obs)
         await self._overdraw()
+
+    async def _devices(self, obs: Observation) -> None:
+        """device-lost when a device turns unreadable, device-back when it reads again; each
+        names the roles and serves on it."""
+        now = {d.uuid: d.problem or "device unhealthy" for d in obs.devices if not d.healthy}
+        ledger = self.svc.ledger
+        for uuid in sorted(now.keys() ^ self.lost.keys()):
+            roles = sorted(n for n, b in ledger.roles.items() if not b.missing
+                           and (d := self.observer.device(b.device)) is not None
+                           and d.uuid == uuid)
+            serves = sorted(s for s, r in ledger.reservations.items() if r.role in roles)
+            live = [s for s in serves if self.svc.state_of(s) in LIVE_STATES]
+            on = f"roles {', '.join(roles) or 'none'}; serves {', '.join(serves) or 'none'}"
+            if uuid in now:
+                await self.svc.record(self.svc.event(
+                    "device-lost", f"device {uuid} lost ({now[uuid]}): admissions and starts on "
+                    f"it are denied; {on}" + (f"; running: {', '.join(live)}" if live else ""),
+                    role=",".join(roles) or None, device=uuid, problem=now[uuid],
+                    serves=",".join(serves)))
+            else:
+                await self.svc.record(self.svc.event(
+                    "device-back", f"device {uuid} is readable again (was: {self.lost[uuid]}); "
+                    f"{on}", role=",".join(roles) or None, device=uuid, serves=",".join(serves)))
+        self.lost = now
 
     async def _reserve(self, obs: Observation) -> None:
         ledger, states = self.svc.ledger, self.svc.states()

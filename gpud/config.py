@@ -61,6 +61,9 @@ class DaemonConfig(_Model):
     health_failures: int = Field(default=3, ge=1, le=1000)
     crash_loop_restarts: int = Field(default=5, ge=1, le=1000)
     crash_loop_window_s: float = Field(default=60.0, gt=0)
+    # A resident serve whose unit an operator stopped by hand (`systemctl stop`) keeps its
+    # reservation when true; by default it is released, as `gpuctl stop` releases it.
+    keep_resident_on_outside_stop: bool = False
     overdraw_tolerance_mib: int = Field(default=256, ge=0, le=MAX_MIB)
     # After a stop, the next start on that device waits at most this long for NVML to show the
     # memory back (vLLM frees its memory some seconds after the process is told to stop).

@@ -542,7 +542,9 @@ def format_status(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
     obs = doc.get("observation") or {}
     backend = obs.get("backend") or "none"
     if obs.get("available"):
-        observation = backend
+        # Available but with a caveat (a simulation state file missing or broken: the last
+        # good state is in force): said, not hidden.
+        observation = backend + (f"; {obs['reason']}" if obs.get("reason") else "")
     else:
         observation = f"UNAVAILABLE ({backend})" + (f": {obs['reason']}" if obs.get("reason")
                                                     else "")
@@ -598,9 +600,13 @@ def format_serves(doc: Doc) -> str:
     if not serves:
         return "no serves"
     rows = [[_dash(s.get(key)) for _, key, _ in _SERVE_COLUMNS] for s in serves]
+    for row, s in zip(rows, serves, strict=True):
+        if s.get("device_lost"):
+            row[2] += " (DEVICE LOST)"
     text = format_table([h for h, _, _ in _SERVE_COLUMNS], rows, [r for _, _, r in _SERVE_COLUMNS])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
                for s in serves if s.get("reason")]
+    reasons += [f"{s.get('name')}: {s['device_lost']}" for s in serves if s.get("device_lost")]
     if reasons:
         text += "\n\n" + "\n".join(reasons)
     if doc.get("simulated"):
@@ -611,6 +617,7 @@ def format_serves(doc: Doc) -> str:
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
+    ("device lost", "device_lost"),
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),

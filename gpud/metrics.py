@@ -119,6 +119,8 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
         if observed is not None:
             fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
                 ).add(observed, **labels)
+        fam("gpud_serve_device_lost", "gauge", "1 when the device of the serve's role is lost"
+            ).add(1 if role and svc.lost_device(role) else 0, **labels)
         current = svc.state_of(serve)
         state_fam = fam("gpud_serve_state", "gauge", "1 for the serve's current state")
         for state in STATES:

@@ -114,6 +114,9 @@ class NvmlBackend:
         self._logged_absent: set[tuple[str, str]] = set()
         # Last identity read per index, so a device that is lost later is still named.
         self._identities: dict[int, _Identity] = {}
+        # Every device read once, by UUID, and the ones no longer listed (with the reason).
+        self._seen: dict[str, _Identity] = {}
+        self._vanished: dict[str, str] = {}
         # Last problem logged per index: a broken device is logged when it breaks, not per sample.
         self._problems: dict[int, str] = {}
 
@@ -262,7 +265,26 @@ class NvmlBackend:
             count = self._call(lambda: nvml.nvmlDeviceGetCount())
         except (_Missing, _Absent, _DeviceFailure) as exc:
             raise _LibraryFailure(f"cannot count devices: {exc}") from exc
-        return tuple(self._sample_device(int(index)) for index in range(int(count)))
+        samples = [self._sample_device(int(index)) for index in range(int(count))]
+        # A device that fell off the bus (Xid 79) may vanish from the count instead of
+        # answering GPU_IS_LOST: one seen before is still reported, as lost, not forgotten
+        # (a role naming it would otherwise just stop matching anything).
+        listed = {d.uuid for d in samples}
+        for uuid, identity in sorted(self._seen.items()):
+            if uuid in listed:
+                continue
+            problem = "nvml: device no longer listed by the driver (fell off the bus?)"
+            if self._vanished.get(uuid) != problem:
+                self._vanished[uuid] = problem
+                log.warning("NVML: device %s (index %d) %s", uuid, identity.index, problem[6:])
+            samples.append(DeviceSample(
+                uuid=uuid, index=identity.index, pci_bus_id=identity.pci_bus_id,
+                name=identity.name, total_mib=None, used_mib=None, free_mib=None,
+                processes=None, healthy=False, problem=problem))
+        for uuid in listed & self._vanished.keys():
+            log.info("NVML: device %s listed again", uuid)
+            del self._vanished[uuid]
+        return tuple(samples)
 
     def _sample_device(self, index: int) -> DeviceSample:
         """One device; a ``_DeviceFailure`` anywhere makes just this device unhealthy."""
@@ -274,6 +296,7 @@ class NvmlBackend:
             handle = self._call(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
             identity = self._read_identity(index, handle, identity)
             self._identities[index] = identity
+            self._seen[identity.uuid] = identity
             total, used, free = self._read_memory(handle, identity.uuid)
             processes = self._read_processes(handle, identity.uuid)
         except (_Missing, _Absent, _DeviceFailure) as exc:

@@ -157,6 +157,14 @@ class Observer:
             return None
         return find_device(self.latest.devices, ref)
 
+    def device_problem(self, ref: str) -> str | None:
+        """Why the device is lost or unreadable (NVML or the simulation says so), else None.
+        None too while observation is unavailable: then nothing is known either way."""
+        dev = self.device(ref)
+        if dev is None or dev.healthy:
+            return None
+        return dev.problem or "device unhealthy"
+
     def device_total(self, ref: str) -> int | None:
         dev = self.device(ref)
         return dev.total_mib if dev else None

@@ -48,7 +48,7 @@ SERVE = _obj({"name": _STR, "role": _NSTR, "configured": _BOOL, "external": _BOO
               "reason": _NSTR, "vram_mib": _NINT, "reserved_mib": _NINT, "resident": _BOOL,
               "priority": _NINT, "port": _NINT, "unit": _NSTR, "main_pid": _NINT,
               "n_restarts": _INT, "observed_mib": _NINT, "calibration": _STR,
-              "fingerprint": _NSTR,
+              "fingerprint": _NSTR, "device_lost": _NSTR,
               "calibrated": {"oneOf": [_obj({"steady_mib": _INT, "peak_mib": _INT,
                                              "recommended_mib": _INT,
                                              "vllm": {"type": ["object", "null"]}}),

@@ -443,6 +443,9 @@ class LedgerService:
                       state: str | None) -> tuple[Admission | Denied,
                                                   asyncio.Future[list[Event]]]:
         role_name, external = self.serve_role(serve, role)
+        lost = self.lost_device(role_name)
+        if lost is not None:
+            return self._deny_on_lost_device(serve, role_name, mib, uid, lost)
         physical, check, note = self._physical(role_name, serve)
         outcome = self._decided.decide(
             serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
@@ -468,6 +471,27 @@ class LedgerService:
         done = self.submit(Changes(put=[admission.reservation],
                                    states=[self.state_row(serve, new_state)], events=[ev]), ledger)
         return admission, done
+
+    def lost_device(self, role: str) -> str | None:
+        """Why the role's device cannot take memory now (observation reports it lost), else
+        None. Its free figures mean nothing then: the ledger bound is no fallback."""
+        budget = self.ledger.roles.get(role)
+        problem = getattr(self.observer, "device_problem", None)
+        if budget is None or budget.missing or not callable(problem):
+            return None
+        why = problem(budget.device)
+        return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
+
+    def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
+                             lost: str) -> tuple[Denied, asyncio.Future[list[Event]]]:
+        """The denial (recorded, with the reason) of an admission on a role whose device is
+        lost."""
+        message = f"{serve} denied on {role}: {lost}"
+        ev = self.event("deny", message, serve=serve, role=role, mib=mib, uid=uid,
+                        check="device", bound="device", need_mib=mib)
+        return Denied(message, {"serve": serve, "role": role, "bound": "device",
+                                "need_mib": mib, "device": self.ledger.roles[role].device,
+                                "check": "device"}), self.submit(Changes(events=[ev]))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None) -> asyncio.Future[list[Event]]:

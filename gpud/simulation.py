@@ -10,8 +10,8 @@ Two sources make up what the simulated devices hold, both re-read at every ``sam
        "lost": ["GPU-sim-1"]}
 
   External draw is not a process (like a desktop display) unless the entry carries ``"pid"``: then
-  it is also reported as that process's draw (a sidecar). A missing file means no external draw
-  and no lost device.
+  it is also reported as that process's draw (a sidecar). ``{}`` means no external draw and no
+  lost device.
 - the **procs directory** (``state_file.parent / "sim-procs"`` unless given): stand-in serves
   register their own live processes there, one ``<pid>.json`` each
   (``{"pid": 1234, "device": "GPU-sim-0", "mib": 14336}``), written atomically with
@@ -20,9 +20,10 @@ Two sources make up what the simulated devices hold, both re-read at every ``sam
 
 A device's used = registered draws + external draws on it; free = max(0, total - used).
 
-A broken state file (bad JSON, wrong shape, unknown device) is never half-applied: the last good
-state stays in force and the observation stays available, with ``reason`` saying the file is
-broken. Dropping the external draw instead would make admission optimistic. When no good state
+A broken state file (bad JSON, wrong shape, unknown device) or a missing one is never
+half-applied: the last good state stays in force and the observation stays available, with
+``reason`` saying the file is broken or missing (``gpuctl status`` shows it). Dropping the external
+draw instead would make admission optimistic. When no good state
 was ever read, nothing is known about the external draw, so the observation is unavailable
 (strict admission then falls back to the ledger bound and says so).
 
@@ -171,11 +172,14 @@ class SimulatedBackend:
 
     def _read_state(self, notes: list[str]) -> SimulationState | None:
         """The state in force: this read, else the last good one (with a note), else None."""
+        state: SimulationState | None
+        problem: str | None
         try:
             text = self.state_file.read_text(encoding="utf-8")
         except FileNotFoundError:
-            state: SimulationState | None = SimulationState()
-            problem = None
+            # Not "no external draw": a file deleted by mistake (or not written yet) says
+            # nothing about the draw, and reading it as zero would make admission optimistic.
+            state, problem = None, "missing"
         except OSError as exc:
             state, problem = None, f"cannot read: {exc.strerror or exc}"
         else:
@@ -188,19 +192,19 @@ class SimulatedBackend:
             if problem is None:
                 log.info("simulation state file %s is readable again", self.state_file)
             else:
-                log.warning("simulation state file %s is broken: %s", self.state_file, problem)
+                log.warning("simulation state file %s is %s", self.state_file, _what(problem))
             self._last_problem = problem
         if state is not None:
             self._last_good = state
             return state
         if self._last_good is None:
             notes.append(
-                f"simulation state file {self.state_file} is broken ({problem}) and no good "
+                f"simulation state file {self.state_file} is {_what(problem)} and no good "
                 "state was read before: external draw unknown"
             )
             return None
         notes.append(
-            f"simulation state file {self.state_file} is broken ({problem}): "
+            f"simulation state file {self.state_file} is {_what(problem)}: "
             "using the last good state"
         )
         return self._last_good
@@ -306,6 +310,10 @@ class SimulatedBackend:
             free_mib=max(0, dev.total_mib - used),
             processes=tuple(ProcessDraw(pid, mib) for pid, mib in sorted(draws.items())),
         )
+
+
+def _what(problem: str | None) -> str:
+    return "missing" if problem == "missing" else f"broken ({problem})"
 
 
 def _resolve(position: int, dev: SimulatedDevice) -> SimulatedDevice:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -23,11 +24,13 @@ from typing import Any
 
 import aiohttp
 
+from gpud import ports
 from gpud.config import Config, ServeConfig
 from gpud.core.launch import serve_argv, serve_environment, through_shim
 from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
+from gpud.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
 from gpud.unit_properties import UnitSpec, environment_file_text
@@ -43,6 +46,17 @@ START_POLL_FIRST_S = 0.02
 START_POLL_FAST_FOR_S = 3.0
 START_POLL_MAX_S = 1.0
 UNIT_JOB_TIMEOUT_S = 60.0
+# Health checks of running serves in flight at once. Each has its own timeout, so a round costs
+# one timeout however many serves are slow or hung; the bound keeps a host with hundreds of
+# serves from opening hundreds of connections at once.
+HEALTH_CONCURRENCY = 64
+# The reason a serve stopped by an operator's `systemctl stop` keeps: boot does not start it
+# again until someone asks (gpuctl start).
+OUTSIDE_STOP = "stopped (outside gpud)"
+# A serve's own listener, once found, is trusted this long for the same main process before
+# /proc is read again (reading /proc/net/tcp at every check of every serve would not be cheap
+# on a host with many connections). A foreign holder is looked up again at every check.
+PORT_RECHECK_S = 10.0
 
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
@@ -68,6 +82,13 @@ class Supervisor:
         self._last: dict[str, UnitState] = {}
         self._restarts: dict[str, deque[float]] = {}
         self._health_failures: dict[str, int] = {}
+        self._checks: dict[str, asyncio.Task[None]] = {}
+        self._health_slots = asyncio.Semaphore(HEALTH_CONCURRENCY)
+        # Per serve: the main PID and time its own listener was last confirmed.
+        self._port_owner: dict[str, tuple[int, float]] = {}
+        # Stops in progress, by serve: a start on the same device waits for them.
+        self._stop_done: dict[str, asyncio.Event] = {}
+        self._watching: set[str] = set()
         self._exit_seen: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
@@ -173,16 +194,27 @@ class Supervisor:
             for _, name in order:
                 if self.svc.state_of(name) in LIVE_STATES or name in self.svc.ledger.reservations:
                     continue
+                if self._stopped_outside(name):
+                    continue
                 with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
                     await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
             self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
             for _, name in order:
-                if name in self.svc.ledger.reservations:
+                if name in self.svc.ledger.reservations and not self._stopped_outside(name):
                     by_device.setdefault(self._device_key(name), []).append(name)
             await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
         finally:
             self.booted.set()
             log.info("resident set done: %s", self.svc.summary())
+
+    def _stopped_outside(self, serve: str) -> bool:
+        """An operator stopped the serve's unit by hand: it stays down until asked."""
+        rec = self.svc.records.get(serve)
+        if rec is not None and rec.state not in LIVE_STATES and rec.reason == OUTSIDE_STOP:
+            log.info("boot: %s not started: %s; gpuctl start %s starts it", serve, OUTSIDE_STOP,
+                     serve)
+            return True
+        return False
 
     async def _boot_device(self, names: list[str]) -> None:
         for name in names:
@@ -234,6 +266,11 @@ class Supervisor:
                 raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role {held.role!r} but "
                                f"is configured on {spec.role!r}: release it first",
                                {"serve": serve, "role": held.role, "configured_role": spec.role})
+            lost = self.svc.lost_device(spec.role)
+            if lost is not None:
+                raise Denied(f"serve {serve!r} not started: {lost}",
+                             {"serve": serve, "role": spec.role, "bound": "device"})
+            await self._port_free(serve, spec)
             await self._memory_back(self._device_key(serve))
             if held is None:
                 await self.svc.admit(serve, spec.vram_mib, uid=uid)
@@ -255,6 +292,7 @@ class Supervisor:
         spec = self._spec(serve)
         try:
             async with self._lock(self._device_locks, self._device_key(serve)):
+                await self._memory_back(self._device_key(serve))  # a stop begun while queued
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -354,37 +392,89 @@ class Supervisor:
         started = self.clock()
         deadline = started + spec.start_timeout_s
         pause = START_POLL_FIRST_S
+        foreign: str | None = None
         while self.clock() < deadline:
             state = self.svc.state_of(serve)
             if state != STARTING:
                 return False  # failed, stopped or promoted elsewhere
-            if await self._healthy(spec):
+            # vLLM listens only once loaded: a refused connection means "loading" until the
+            # start timeout, as does a 503 or an answer from someone else's socket.
+            answer = await self._probe(serve, spec)
+            if healthy_at_start(answer):
                 if promote:
                     await self._promote(serve)
                 return True
+            if answer.probe is Probe.FOREIGN:
+                foreign = answer.detail
             await asyncio.sleep(pause)
             if self.clock() - started > START_POLL_FAST_FOR_S:
                 pause = min(START_POLL_MAX_S, pause * 1.5)
+        why = f"; {foreign}" if foreign else ""
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
-                                  f"{spec.start_timeout_s:g} s", kind="unhealthy", stop=True)
+                                  f"{spec.start_timeout_s:g} s{why}", kind="unhealthy", stop=True)
         return False
 
-    async def _healthy(self, spec: ServeConfig) -> bool:
+    async def _probe(self, serve: str, spec: ServeConfig) -> Answer:
+        """Ask the serve's health endpoint once (on the session's 2 s timeout)."""
         if spec.port is None:
-            return True  # nothing to ask: an active unit is all there is
+            return Answer(Probe.OK, "no port: an active unit is all there is")
         assert self._http is not None
         try:
             async with self._http.get(f"http://127.0.0.1:{spec.port}{spec.health_path}") as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+                status = resp.status
+        except aiohttp.ClientConnectorError as exc:
+            return Answer(Probe.REFUSED, f"cannot connect ({exc.os_error.strerror or exc})")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return Answer(Probe.FAILED, str(exc) or type(exc).__name__)
+        if status == 503:
+            return Answer(Probe.ENGINE_DEAD, "503")
+        if status != 200:
+            return Answer(Probe.FAILED, f"status {status}")
+        holder = await self._foreign_holder(serve, spec.port)
+        if holder is not None:
+            return Answer(Probe.FOREIGN, f"port {spec.port} is held by {holder}, not by the "
+                                         f"serve's unit")
+        return Answer(Probe.OK, "200")
 
-    async def _promote(self, serve: str) -> None:
+    async def _foreign_holder(self, serve: str, port: int) -> str | None:
+        """Who other than the serve's own unit listens on its port (None: the serve itself, or
+        nobody can tell). The serve's own listener is trusted for PORT_RECHECK_S."""
+        last = self._last.get(serve)
+        pid = last.main_pid if last is not None else 0
+        cached = self._port_owner.get(serve)
+        if cached is not None and pid and cached[0] == pid \
+                and self.clock() - cached[1] < PORT_RECHECK_S:
+            return None
+        group = last.control_group if last is not None else ""
+        holder = await asyncio.to_thread(_foreign, serve, port, group)
+        if holder is None and pid:
+            self._port_owner[serve] = (pid, self.clock())
+        else:
+            self._port_owner.pop(serve, None)
+        return holder
+
+    async def _port_free(self, serve: str, spec: ServeConfig) -> None:
+        """Refuse to start a serve whose port another process holds: its health answers would
+        be that process's."""
+        if spec.port is None:
+            return
+        held = await asyncio.to_thread(_holders, spec.port)
+        if held is None:
+            return
+        who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
+        raise Conflict(f"serve {serve!r}: port {spec.port} is already held by {who}; not started",
+                       {"serve": serve, "port": spec.port,
+                        "holders": [{"pid": h.pid, "unit": h.unit} for h in held]})
+
+    async def _promote(self, serve: str, *, was_failed: str | None = None) -> None:
         self._health_failures.pop(serve, None)
         res = self.svc.ledger.reservations.get(serve)
+        message = (f"{serve}: healthy again (was failed: {was_failed})" if was_failed
+                   else f"{serve}: healthy")
         await self.svc.record(self.svc.event(
-            "healthy", f"{serve}: healthy", serve=serve, role=res.role if res else None,
-            mib=res.mib if res else None), state=self.svc.state_row(serve, RUNNING))
+            "healthy", message, serve=serve, role=res.role if res else None,
+            mib=res.mib if res else None, recovered=was_failed is not None),
+            state=self.svc.state_row(serve, RUNNING))
 
     async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False) -> None:
@@ -399,6 +489,11 @@ class Supervisor:
             self._need_bus()
         async with self._lock(self._serve_locks, serve):
             self._stopping.add(serve)
+            # A start on the device from now on waits for this stop and for the memory to come
+            # back (a serve ignoring SIGTERM takes its stop timeout to go).
+            device = self._device_key(serve)
+            self._stop_done[serve] = asyncio.Event()
+            self._returning.setdefault(device, set()).add(serve)
             try:
                 launch = self._launch_tasks.get(serve)
                 if launch is not None and not launch.done():
@@ -413,7 +508,6 @@ class Supervisor:
                 if self.units.available:
                     await self.units.stop(serve, spec.stop_timeout_s + 15)
                     await self.units.reset_failed(serve)
-                self._returning.setdefault(self._device_key(serve), set()).add(serve)
                 if res is not None and not keep_reservation:
                     await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
                                            next_state=DECLARED)
@@ -423,7 +517,9 @@ class Supervisor:
                         state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
             finally:
                 self._stopping.discard(serve)
+                self._stop_done.pop(serve).set()
                 self._last.pop(serve, None)
+                self._port_owner.pop(serve, None)
 
     async def _stop_orphan(self, serve: str, uid: int | None) -> None:
         self._need_bus()
@@ -444,55 +540,150 @@ class Supervisor:
         await self.start(serve, uid)
 
     async def _memory_back(self, device: str) -> None:
-        """After a stop, wait (bounded) until observation no longer sees the stopped serves'
-        memory on the device, so the next admission and vLLM's own check see it free."""
-        waiting = self._returning.get(device)
-        if not waiting:
+        """Before a start: wait (bounded by memory_return_timeout_s) until the stops in progress
+        on the device have ended and observation no longer sees the stopped serves' memory
+        there, so the next admission and vLLM's own check see it free."""
+        waiting = set(self._returning.get(device, ()))
+        timeout = self.svc.config.daemon.memory_return_timeout_s
+        if not waiting or timeout <= 0:
             return
-        deadline = self.clock() + self.svc.config.daemon.memory_return_timeout_s
-        while self.clock() < deadline and self.observer.available:
+        deadline = self.clock() + timeout
+        held: set[str] = set()
+        while (left := deadline - self.clock()) > 0:
+            stopping = [self._stop_done[s] for s in sorted(waiting) if s in self._stop_done]
+            if stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping[0].wait(), left)
+                continue
+            if not self.observer.available:
+                break
             held = waiting & set(self.observer.draws.get(device, {}))
             if not held:
                 break
-            await self.observer.next_sample(1.0)
+            await self.observer.next_sample(min(1.0, left))
         else:
-            if self.observer.available:
-                log.warning("memory of %s on %s not back after %.0f s; going on", sorted(waiting),
-                            device, self.svc.config.daemon.memory_return_timeout_s)
-        self._returning.pop(device, None)
+            still = sorted(held | {s for s in waiting if s in self._stop_done})
+            log.warning("memory of %s on %s not back after %g s; starting anyway", still,
+                        device, timeout, extra={"journal": {
+                            "GPUD_EVENT": "memory-not-back", "GPUD_SERVES": ",".join(still)}})
+        left_over = self._returning.get(device)
+        if left_over is not None:
+            left_over.difference_update(waiting - set(self._stop_done))
+            if not left_over:
+                del self._returning[device]
 
     # ---- failures --------------------------------------------------------------------------
 
     async def _failed(self, serve: str, reason: str, *, kind: str, stop: bool = False,
                       **details: Any) -> None:
-        """A serve ends `failed`. A resident serve keeps its reservation (it is meant to run);
+        """A serve ends `failed`. With `stop` its unit is stopped first. A serve whose unit may
+        still be active (the stop failed, the bus is down) keeps its reservation: its process
+        may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
         any other releases it. The event says which."""
         spec = self.svc.serve_spec(serve)
         resident = bool(spec and spec.resident)
-        if stop and self.units.available:
-            self._stopping.add(serve)
-            try:
-                await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
-                await self.units.reset_failed(serve)
-            except GpudError as exc:
-                log.error("could not stop %s: %s", serve, exc.message)
-            finally:
-                self._stopping.discard(serve)
+        still_active = not stop and self._unit_active(serve)
+        if stop:
+            still_active = True
+            if self.units.available:
+                self._stopping.add(serve)
+                try:
+                    await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
+                    await self.units.reset_failed(serve)
+                    still_active = False
+                except GpudError as exc:
+                    log.error("could not stop %s: %s", serve, exc.message)
+                finally:
+                    self._stopping.discard(serve)
+            else:
+                reason += f"; not stopped: system bus unavailable ({self.units.reason})"
         res = self.svc.ledger.reservations.get(serve)
         policy = "kept (resident)" if resident else "released"
+        if still_active and not resident:
+            policy = "kept (its unit may still be active)"
         if res is None:
             policy = "none held"
         await self.svc.record(self.svc.event(
             kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None,
             reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason))
-        if res is not None and not resident:
+        if res is not None and not resident and not still_active:
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
                                    next_state=FAILED, state_reason=reason)
         self._returning.setdefault(self._device_key(serve), set()).add(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
         await self._failed(serve, reason, kind="exit")
+
+    def _unit_active(self, serve: str) -> bool:
+        last = self._last.get(serve)
+        return last is not None and last.active_state in ACTIVE
+
+    async def _unhealthy(self, serve: str, spec: ServeConfig, reason: str) -> None:
+        """A running serve failed its health checks. It is restarted through its unit (counted
+        toward the crash-loop limit, reservation kept) unless its restart policy is "no" or the
+        crash-loop limit is reached: then it is stopped and `failed`. Never left running as
+        `failed` while its reservation is gone."""
+        res = self.svc.ledger.reservations.get(serve)
+        if spec.restart == "no" or not self.units.available:
+            await self._failed(serve, reason, kind="unhealthy", stop=True)
+            return
+        loop = self._count_restarts(serve, 1)
+        if loop is not None:
+            await self._failed(serve, f"{loop}; last: {reason}", kind="crash-loop", stop=True)
+            return
+        await self.svc.record(self.svc.event(
+            "unhealthy", f"{serve}: {reason}; restarting it through its unit (reservation kept)",
+            serve=serve, role=spec.role, mib=res.mib if res else None,
+            reservation="kept (restarting)" if res else "none held"),
+            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"))
+        self._stopping.add(serve)
+        try:
+            fresh = await self.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
+        except GpudError as exc:
+            self._stopping.discard(serve)
+            await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
+                               kind="unhealthy", stop=True)
+            return
+        finally:
+            self._stopping.discard(serve)
+        self._port_owner.pop(serve, None)
+        if fresh is None or fresh.active_state not in ACTIVE:
+            await self._failed(serve, f"{reason}; its unit did not come back after the restart",
+                               kind="exit")
+            return
+        self._last[serve] = fresh
+        rec = self.svc.records.get(serve)
+        if rec is not None:
+            rec.main_pid = fresh.main_pid or None
+        await self.svc.record(self.svc.event(
+            "restart", f"{serve}: restarted through its unit after failing its health checks "
+            f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
+        await self._watch_restart(serve)
+
+    async def _outside_stop(self, serve: str, st: UnitState) -> None:
+        """An operator stopped the unit (`systemctl stop`): recorded as such, not as a failure.
+        The reservation goes as with `gpuctl stop`, unless the serve is resident and
+        daemon.keep_resident_on_outside_stop; boot does not start it again until asked."""
+        spec = self.svc.serve_spec(serve)
+        keep = bool(spec and spec.resident
+                    and self.svc.config.daemon.keep_resident_on_outside_stop)
+        res = self.svc.ledger.reservations.get(serve)
+        policy = "none held" if res is None else "kept (resident)" if keep else "released"
+        await self.svc.record(self.svc.event(
+            "exit", f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
+            f"not start ({_how(st)}, result {st.result}); reservation {policy}", serve=serve,
+            role=spec.role if spec else None, mib=res.mib if res else None, reservation=policy,
+            outside=True, exit_status=st.exec_main_status),
+            # "stopping" until the release below is committed too: never "declared" while a
+            # reservation is still held.
+            state=self.svc.state_row(serve, STOPPING if res is not None and not keep
+                                     else ADMITTED if res else DECLARED, OUTSIDE_STOP))
+        if res is not None and not keep:
+            await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
+                                   next_state=DECLARED, state_reason=OUTSIDE_STOP)
+        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+        self._port_owner.pop(serve, None)
 
     # ---- unit state from D-Bus signals -----------------------------------------------------
 
@@ -510,9 +701,21 @@ class Supervisor:
                 log.exception("handling a unit state change failed")
 
     async def _resync(self, states: list[UnitState]) -> None:
+        """After a bus reconnect: the state is re-read from systemd, not kept from before."""
         live = {s.serve for s in states if s.active_state in ACTIVE}
         for st in states:
             await self._on_unit(st)
+            rec = self.svc.records.get(st.serve)
+            if (rec is not None and rec.state == FAILED and st.active_state in ACTIVE
+                    and st.serve not in self._stopping and self.svc.serve_spec(st.serve)):
+                # Marked failed while the bus was down (it could not be stopped or restarted),
+                # and its unit runs: it is starting again until its health says otherwise.
+                await self.svc.record(self.svc.event(
+                    "restart", f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
+                    f"after the bus came back; was failed: {rec.reason})", serve=st.serve,
+                    main_pid=st.main_pid, n_restarts=st.n_restarts),
+                    state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"))
+                self._spawn(self._watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live and serve not in self._stopping:
                 await self._ended(serve, "its unit is gone (seen after the bus came back)")
@@ -537,6 +740,21 @@ class Supervisor:
             await self.svc.record(self.svc.event(
                 "exit", f"{serve}: orphan unit ended ({_how(st)})", serve=serve),
                 state=self.svc.state_row(serve, DECLARED))
+            return
+        if ended and state == FAILED and serve in self.svc.ledger.reservations:
+            spec = self.svc.serve_spec(serve)
+            if spec is not None and not spec.resident and st.sub_state != "auto-restart":
+                # Kept while its unit was still active (the stop had failed): gone now.
+                await self.svc.release(serve, reason="failed, and its unit has now ended",
+                                       allow_live=True, next_state=FAILED,
+                                       state_reason=rec.reason if rec else None)
+            return
+        if ended and state in (RUNNING, STARTING) and st.stopped_by_job \
+                and serve not in self._launching and st.sub_state != "auto-restart" \
+                and not await self.units.shutting_down():
+            # (At a host shutdown systemd stops every unit: that is no operator's choice, and
+            # the resident set must come back at the next boot.)
+            await self._outside_stop(serve, st)
             return
         if ended and state in (RUNNING, STARTING):
             if serve in self._launching and st.active_state == "inactive" and prev is None:
@@ -563,6 +781,10 @@ class Supervisor:
             return
         if st.active_state == "active" and state == STARTING and serve not in self._launching:
             self._spawn(self._watch_restart(serve))
+        elif (st.active_state == "active" and state not in LIVE_STATES and state != FAILED
+              and serve not in self._launching and prev is not None
+              and prev.active_state not in ACTIVE):
+            await self._adopt_outside_start(serve, st)
 
     def _will_restart(self, serve: str, st: UnitState) -> bool:
         spec = self.svc.serve_spec(serve)
@@ -584,12 +806,20 @@ class Supervisor:
         await self._failed(serve, "exited and systemd did not restart it", kind="exit")
 
     async def _watch_restart(self, serve: str) -> None:
+        """Wait for a serve that is starting again to answer (one watcher per serve: the
+        unit's signals and gpud's own restart both ask for one)."""
         spec = self.svc.serve_spec(serve)
-        if spec is not None:
+        if spec is None or serve in self._watching:
+            return
+        self._watching.add(serve)
+        try:
             await self._await_healthy(serve, spec)
+        finally:
+            self._watching.discard(serve)
 
-    async def _restarted(self, serve: str, st: UnitState, count: int) -> bool:
-        """Record a restart; True when it made a crash loop (the unit is then stopped)."""
+    def _count_restarts(self, serve: str, count: int) -> str | None:
+        """Count restarts (systemd's or gpud's) in the crash-loop window; the crash-loop reason
+        once there are more than daemon.crash_loop_restarts in it."""
         daemon = self.svc.config.daemon
         now = self.clock()
         times = self._restarts.setdefault(serve, deque())
@@ -597,18 +827,39 @@ class Supervisor:
             times.append(now)
         while times and now - times[0] > daemon.crash_loop_window_s:
             times.popleft()
+        if len(times) > daemon.crash_loop_restarts:
+            self._restarts.pop(serve, None)
+            return (f"crash-loop: {len(times)} restarts in {daemon.crash_loop_window_s:g} s "
+                    f"(limit {daemon.crash_loop_restarts})")
+        return None
+
+    async def _restarted(self, serve: str, st: UnitState, count: int) -> bool:
+        """Record a restart; True when it made a crash loop (the unit is then stopped)."""
+        loop = self._count_restarts(serve, count)
         await self.svc.record(self.svc.event(
             "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
             f"{_pid(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
             main_pid=st.main_pid or None))
-        if len(times) > daemon.crash_loop_restarts:
-            reason = (f"crash-loop: {len(times)} restarts in {daemon.crash_loop_window_s:g} s "
-                      f"(limit {daemon.crash_loop_restarts})")
-            self._restarts.pop(serve, None)
-            await self._failed(serve, reason, kind="crash-loop", stop=True,
+        if loop is not None:
+            await self._failed(serve, loop, kind="crash-loop", stop=True,
                                n_restarts=st.n_restarts)
             return True
         return False
+
+    async def _adopt_outside_start(self, serve: str, st: UnitState) -> None:
+        """The unit runs again though gpud did not start it (`systemctl start` or `restart` by
+        hand): it holds memory, so it gets its reservation back, as at adoption."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None:
+            return
+        if serve not in self.svc.ledger.reservations:
+            await self.svc.adopt(serve, spec.role, spec.vram_mib)
+        await self.svc.record(self.svc.event(
+            "adopt", f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
+            f"{st.main_pid}): adopted", serve=serve, role=spec.role,
+            mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
+            state=self.svc.state_row(serve, STARTING))
+        self._spawn(self._watch_restart(serve))
 
     # ---- health of running serves ----------------------------------------------------------
 
@@ -624,19 +875,92 @@ class Supervisor:
                               self.svc.config.daemon.health_interval_s)
 
     async def _check_running(self) -> None:
+        """Begin this round's checks: one per running serve (and per failed serve whose unit is
+        still active, which may come back), none for a serve whose last check is still in
+        flight. Checks run concurrently, each on its own timeout: a slow or hung serve delays
+        no other serve's verdict."""
         for serve, rec in list(self.svc.records.items()):
             spec = self.svc.serve_spec(serve)
-            if rec.state != RUNNING or serve in self._stopping or spec is None:
+            if serve in self._checks or serve in self._stopping or spec is None:
                 continue
-            if await self._healthy(spec):
-                self._health_failures.pop(serve, None)
-                continue
-            fails = self._health_failures.get(serve, 0) + 1
-            self._health_failures[serve] = fails
-            if fails >= self.svc.config.daemon.health_failures:
-                self._health_failures.pop(serve, None)
-                await self._failed(serve, f"unhealthy: {fails} health checks in a row failed "
-                                          f"on {spec.health_path}", kind="unhealthy")
+            if rec.state == RUNNING or (rec.state == FAILED and self._unit_active(serve)):
+                task = self._spawn(self._check_one(serve, spec))
+                self._checks[serve] = task
+                task.add_done_callback(functools.partial(self._check_done, serve))
+
+    def _check_done(self, serve: str, _task: asyncio.Task[None]) -> None:
+        self._checks.pop(serve, None)
+
+    async def _check_one(self, serve: str, spec: ServeConfig) -> None:
+        try:
+            async with self._health_slots:
+                answer = await self._probe(serve, spec)
+            state = self.svc.state_of(serve)
+            if serve in self._stopping:
+                return
+            if state == FAILED:
+                if answer.probe is Probe.OK and self._unit_active(serve):
+                    rec = self.svc.records.get(serve)
+                    await self._promote(serve, was_failed=rec.reason if rec else "?")
+                return
+            if state != RUNNING:
+                return
+            verdict = judge_running(answer, self._health_failures.get(serve, 0),
+                                    self.svc.config.daemon.health_failures,
+                                    vllm=spec.vllm is not None, health_path=spec.health_path)
+            if verdict.unhealthy is None:
+                if verdict.failures:
+                    self._health_failures[serve] = verdict.failures
+                else:
+                    self._health_failures.pop(serve, None)
+                return
+            self._health_failures.pop(serve, None)
+            await self._unhealthy(serve, spec, verdict.unhealthy)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a failed store write must not end checking this serve for good
+            log.exception("health check of %s failed", serve)
+
+
+def _holders(port: int) -> list[ports.Holder] | None:
+    """Who listens on `port` (None: nobody); blocking."""
+    found = ports.listeners(port)
+    if found is not None:
+        if not found:
+            return None
+        held: list[ports.Holder] = []
+        for cgroup in sorted({item.cgroup_id for item in found if item.cgroup_id is not None}):
+            held.extend(ports.cgroup_holders(cgroup))
+        return held
+    inodes = ports.listening_inodes(port)
+    return ports.holders(inodes) if inodes else None
+
+
+def _foreign(serve: str, port: int, control_group: str) -> str | None:
+    """Who listens on `port`, when it is not the serve's own unit (blocking). Socket
+    diagnostics name each listener's cgroup; without them /proc is read (the serve's own
+    cgroup first, every process only otherwise)."""
+    found = ports.listeners(port)
+    if found is not None:
+        if not found:
+            return None  # the listener closed since it answered
+        own = ports.cgroup_ids(control_group) if control_group else set()
+        if any(item.cgroup_id in own for item in found):
+            return None
+        held = _holders(port) or []
+        if any(h.serve == serve for h in held):
+            return None
+        return ", ".join(h.describe() for h in held) or "a process gpud cannot see"
+    inodes = ports.listening_inodes(port)
+    if not inodes:
+        return None  # no /proc/net/tcp, or the listener closed since it answered
+    pids = ports.cgroup_pids(control_group) if control_group else None
+    if pids is not None and any(h.serve == serve for h in ports.holders(inodes, pids)):
+        return None
+    everyone = ports.holders(inodes)
+    if any(h.serve == serve for h in everyone):
+        return None
+    return ", ".join(h.describe() for h in everyone) or "a process gpud cannot see"
 
 
 def _pid(main_pid: int) -> str:

@@ -101,6 +101,11 @@ STATE_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         "ExecMainCode": (SERVICE_IFACE, "i"),
         # Sent in no PropertiesChanged signal: fetched with the rest, again per invocation.
         "ControlGroup": (SERVICE_IFACE, "s"),
+        # When the unit left "active" and when its main process exited (µs, realtime): a unit
+        # stopped by a job left active before its process exited; a process that exited by
+        # itself did so first. That tells an operator's `systemctl stop` from an exit.
+        "ActiveExitTimestamp": (UNIT_IFACE, "t"),
+        "ExecMainExitTimestamp": (SERVICE_IFACE, "t"),
     }
 )
 _INTERFACES: Final = (UNIT_IFACE, SERVICE_IFACE)
@@ -123,6 +128,14 @@ class UnitState:
     # "loaded"; "bad-setting" when systemd could not re-read the unit (it keeps running, but
     # cannot be restarted).
     load_state: str = "loaded"
+    active_exit_us: int = 0
+    exec_main_exit_us: int = 0
+
+    @property
+    def stopped_by_job(self) -> bool:
+        """The unit left "active" before its main process exited: a stop job (or a restart
+        job) ended it, not the process by itself."""
+        return 0 < self.active_exit_us < self.exec_main_exit_us
 
 
 # --- object path labels ---------------------------------------------------------------------
@@ -418,6 +431,42 @@ class SystemdUnits:
                 f"stop {unit}: systemd job finished with result {result!r}",
                 {"unit": unit, "serve": serve, "result": result},
             )
+
+    async def restart(self, serve: str, timeout: float) -> UnitState | None:
+        """Restart a serve's unit (stop, then start the same unit) and wait for the job; the
+        fresh state, None when the unit is gone."""
+        unit = unit_name(serve)
+        async with self._watch_jobs(unit) as jobs:
+            (job,) = await self._call(
+                MANAGER_PATH,
+                MANAGER_IFACE,
+                "RestartUnit",
+                "ss",
+                [unit, "replace"],
+                action=f"restart {unit}",
+            )
+            result = await self._wait_job(jobs, job, timeout, f"restart {unit}")
+        if result != "done":
+            raise JobFailed(
+                f"restart {unit}: systemd job finished with result {result!r}",
+                {"unit": unit, "serve": serve, "result": result},
+            )
+        return await self.state(serve)
+
+    async def shutting_down(self) -> bool:
+        """Whether systemd is stopping the system (SystemState "stopping"); False when unknown."""
+        try:
+            (state,) = await self._call(
+                MANAGER_PATH,
+                PROPERTIES_IFACE,
+                "Get",
+                "ss",
+                [MANAGER_IFACE, "SystemState"],
+                action="read the system state",
+            )
+        except GpudError:
+            return False
+        return bool(state.value == "stopping")
 
     async def _discard(self, serve: str, timeout: float) -> None:
         try:
@@ -841,4 +890,6 @@ def _state_from(unit: str, props: Mapping[str, Any]) -> UnitState | None:
         control_group=props["ControlGroup"],
         exec_main_code=props["ExecMainCode"],
         load_state=props["LoadState"],
+        active_exit_us=props["ActiveExitTimestamp"],
+        exec_main_exit_us=props["ExecMainExitTimestamp"],
     )

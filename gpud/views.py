@@ -101,6 +101,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "port": spec.port if spec else None,
         "unit": f"gpud-serve-{name}.service" if spec or state == ORPHAN else None,
         "main_pid": rec.main_pid if rec and has_unit else None,
+        # The device of the serve's role is lost (NVML or the simulation says so): whatever
+        # the state says, the serve's memory and health are in doubt.
+        "device_lost": svc.lost_device(role) if role else None,
         "n_restarts": rec.n_restarts if rec else 0,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],

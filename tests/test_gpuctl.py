@@ -244,6 +244,22 @@ def test_status_says_when_the_file_on_disk_is_not_the_config_in_force() -> None:
     assert format_status(doc, UTC) == format_status(STATUS, UTC)
 
 
+def test_status_says_why_observation_runs_on_the_last_good_state() -> None:
+    reason = ("simulation state file /run/gpud/sim.json is missing: using the last good state")
+    doc = dict(STATUS, observation={"backend": "simulated", "available": True,
+                                    "simulated": True, "reason": reason})
+    rows = dict(line.split(":", 1) for line in format_status(doc, UTC).splitlines())
+    assert rows["observation"].strip() == (
+        f"simulated; {reason} (SIMULATED: no real GPU behind these figures)")
+
+
+def test_serves_table_marks_a_lost_device() -> None:
+    lost = dict(SERVE_FAST, device_lost="device 'GPU-sim-1' of role 'dark-fast' is lost: x")
+    text = format_serves({"serves": [lost]})
+    assert " running (DEVICE LOST) " in text.splitlines()[1]
+    assert text.splitlines()[-1] == f"fast: {lost['device_lost']}"
+
+
 def test_serves_table_and_reasons() -> None:
     text = format_serves({"serves": [SERVE_FAST, SERVE_OCR]})
     assert text == """\

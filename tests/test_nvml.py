@@ -434,6 +434,21 @@ def test_device_lost_before_ever_read_keeps_its_index() -> None:
     assert good.healthy and good.uuid == "GPU-bbbb"
 
 
+def test_device_that_vanishes_from_the_count_is_reported_lost() -> None:
+    devices = two_devices()
+    driver = FakeDriver(devices)
+    nvml, _ = backend(driver)
+    assert [d.healthy for d in nvml.sample().devices] == [True, True]
+    gone = devices.pop(1)  # fell off the bus: the driver lists one device
+    good, lost = nvml.sample().devices
+    assert good.healthy and good.uuid == "GPU-aaaa"
+    assert (lost.uuid, lost.index, lost.healthy) == ("GPU-bbbb", 1, False)
+    assert lost.problem is not None and "no longer listed" in lost.problem
+    assert (lost.total_mib, lost.used_mib, lost.free_mib, lost.processes) == (None,) * 4
+    devices.append(gone)
+    assert [d.healthy for d in nvml.sample().devices] == [True, True]
+
+
 def test_close_shuts_down_only_when_initialized() -> None:
     driver = FakeDriver(two_devices())
     nvml, _ = backend(driver)

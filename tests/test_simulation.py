@@ -32,7 +32,9 @@ DEVICES = [
 
 @pytest.fixture
 def state_file(tmp_path: Path) -> Path:
-    return tmp_path / "sim.json"
+    path = tmp_path / "sim.json"
+    path.write_text("{}")  # a missing file is a different case (unknown draw)
+    return path
 
 
 @pytest.fixture
@@ -52,8 +54,15 @@ def dead_pid() -> int:
     return child.pid
 
 
+def test_missing_file_from_the_start_is_unknown_draw(sim: SimulatedBackend,
+                                                     state_file: Path) -> None:
+    state_file.unlink()
+    obs = sim.sample()
+    assert not obs.available and obs.devices == ()
+    assert obs.reason is not None and "is missing and no good state was read before" in obs.reason
+
+
 def test_defaults_and_empty_state(sim: SimulatedBackend, state_file: Path) -> None:
-    assert not state_file.exists()
     obs = sim.sample()
     assert obs.available and obs.reason is None and obs.simulated and obs.taken_at == 7.0
     first, second = obs.devices
@@ -67,6 +76,7 @@ def test_defaults_and_empty_state(sim: SimulatedBackend, state_file: Path) -> No
 
 def test_explicit_identity(tmp_path: Path) -> None:
     dev = SimulatedDevice(uuid="GPU-x", total_mib=100, index=3, pci_bus_id="00000000:81:00.0")
+    write_state(tmp_path / "s.json", {})
     sample = SimulatedBackend([dev], tmp_path / "s.json").sample().devices[0]
     assert (sample.index, sample.pci_bus_id) == (3, "00000000:81:00.0")
 
@@ -96,8 +106,11 @@ def test_external_draw_changed_between_samples_is_seen(
     first, second = sim.sample().devices
     assert first.used_mib == 4000
     assert (second.used_mib, second.free_mib) == (20000, 0)  # free never negative
+    # A deleted file is not "no external draw": the last good state stays, and the reason says so.
     state_file.unlink()
-    assert sim.sample().devices[0].used_mib == 0
+    obs = sim.sample()
+    assert obs.available and obs.devices[0].used_mib == 4000
+    assert obs.reason is not None and "is missing: using the last good state" in obs.reason
 
 
 def test_external_with_pid_is_a_process(sim: SimulatedBackend, state_file: Path) -> None:
@@ -267,6 +280,7 @@ def test_registration_cache_follows_changes_and_deaths(tmp_path: Path) -> None:
 
     from gpud.simulation import SimulatedBackend, SimulatedDevice, register_process
 
+    (tmp_path / "sim.json").write_text("{}")
     backend = SimulatedBackend([SimulatedDevice("GPU-sim-0", 10000)], tmp_path / "sim.json")
     child = subprocess.Popen(["sleep", "30"])
     try:

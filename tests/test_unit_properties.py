@@ -427,6 +427,8 @@ FULL_PROPS: dict[str, Any] = {
     "ExecMainStatus": 0,
     "ExecMainCode": 0,
     "ControlGroup": "/gpud.slice/gpud-serve-x.service",
+    "ActiveExitTimestamp": 1_000_000,
+    "ExecMainExitTimestamp": 1_250_000,
 }
 
 
@@ -444,11 +446,22 @@ def test_state_from_properties() -> None:
         control_group="/gpud.slice/gpud-serve-x.service",
         exec_main_code=0,
         load_state="loaded",
+        active_exit_us=1_000_000,
+        exec_main_exit_us=1_250_000,
     )
     partial = dict(FULL_PROPS)
     del partial["ControlGroup"]
     assert _state_from("gpud-serve-x.service", partial) is None
     assert _state_from("other.service", FULL_PROPS) is None
+
+
+def test_stopped_by_job_from_the_order_of_exits() -> None:
+    stopped = _state_from("gpud-serve-x.service", FULL_PROPS)
+    assert stopped is not None and stopped.stopped_by_job  # left active, then the process ended
+    exited = _state_from("gpud-serve-x.service", {**FULL_PROPS, "ActiveExitTimestamp": 1_250_010})
+    assert exited is not None and not exited.stopped_by_job  # the process ended, then the unit
+    never = _state_from("gpud-serve-x.service", {**FULL_PROPS, "ActiveExitTimestamp": 0})
+    assert never is not None and not never.stopped_by_job
 
 
 def _signal(sender: str, member: str, signature: str, body: list[Any], **kw: Any) -> Message:

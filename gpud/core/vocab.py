@@ -53,6 +53,8 @@ class EventKind(StrEnum):
     OVER_COMMITTED = "over-committed"
     CALIBRATE = "calibrate"
     APPLY = "apply"
+    DEVICE_LOST = "device-lost"  # NVML or the simulation reports a device unreadable
+    DEVICE_BACK = "device-back"
 
 
 EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)

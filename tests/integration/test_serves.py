@@ -170,16 +170,24 @@ def test_stop_releases_and_unfit_start_launches_nothing(gpud: SandboxGpud) -> No
     gpud.wait_state("ocr", "running")
 
 
-def test_running_serve_turns_failed_when_health_fails(gpud: SandboxGpud) -> None:
+def test_running_serve_that_fails_health_is_restarted_then_crash_loops(gpud: SandboxGpud) -> None:
     serves = (f'[serves.wobbly]\nrole = "dark-fast"\nvram_mib = 1000\nresident = true\n'
               f'port = 30013\ncommand = {standin("--unhealthy-after", "3")}\n')
-    gpud.configure(sim_config(DARK_FAST, serves, daemon="health_failures = 2"))
+    gpud.configure(sim_config(DARK_FAST, serves, daemon="health_failures = 2\n"
+                                                       "crash_loop_restarts = 1\n"
+                                                       "crash_loop_window_s = 60"))
     gpud.wait_state("wobbly", "running")
-    failed = gpud.wait_state("wobbly", "failed", timeout=20)
-    assert failed["reason"].startswith("unhealthy: 2 health checks in a row failed")
+    # Unhealthy: restarted through its unit (not left running as `failed`), reservation kept.
+    first = gpud.wait_event("unhealthy", serve="wobbly")
+    assert first["message"].startswith("wobbly: unhealthy: 2 health checks in a row failed")
+    assert first["details"]["reservation"] == "kept (restarting)"
+    # Unhealthy again within the window: a crash loop; the unit is stopped.
+    failed = gpud.wait_state("wobbly", "failed", timeout=30)
+    assert failed["reason"].startswith("crash-loop: 2 restarts"), failed
     # A resident serve keeps its reservation when it fails; the event says so.
     assert failed["reserved_mib"] == 1000
-    ev = gpud.events(kind="unhealthy", serve="wobbly")
+    assert "gpud-serve-wobbly.service" not in gpud.serve_units()
+    ev = gpud.events(kind="crash-loop", serve="wobbly")
     assert len(ev) == 1 and ev[0]["details"]["reservation"] == "kept (resident)"
 
 

@@ -1,0 +1,117 @@
+"""The supervisor's waits, with fakes for observation (no systemd needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from gpud.config import Config, DaemonConfig
+from gpud.supervisor import Supervisor
+
+
+class StuckObserver:
+    """Observation that keeps reporting the stopped serve's draw on the device."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.draws = {"GPU-a": {"old": 2900}}
+        self.samples = 0
+
+    async def next_sample(self, timeout: float) -> None:
+        self.samples += 1
+        await asyncio.sleep(min(timeout, 0.05))
+
+
+def supervisor(timeout_s: float, observer: Any) -> Supervisor:
+    svc = SimpleNamespace(config=Config(daemon=DaemonConfig(memory_return_timeout_s=timeout_s)))
+    return Supervisor(cast(Any, svc), cast(Any, None), cast(Any, observer))
+
+
+async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptureFixture) -> None:
+    observer = StuckObserver()
+    sup = supervisor(0.4, observer)
+    sup._returning["GPU-a"] = {"old"}
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
+        await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
+    took = time.monotonic() - t0
+    assert 0.4 <= took < 3, took
+    assert observer.samples >= 2  # it waited on observation, not on a clock alone
+    assert "memory of ['old'] on GPU-a not back after 0.4 s; starting anyway" in caplog.text
+    assert "GPU-a" not in sup._returning  # given up on: the next start does not wait again
+
+
+async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
+    observer = StuckObserver()
+    observer.draws = {"GPU-a": {}}  # nothing observed: only the stop in progress holds it up
+    sup = supervisor(30, observer)
+    done = asyncio.Event()
+    sup._stop_done["old"] = done
+    sup._returning["GPU-a"] = {"old"}
+    waiter = asyncio.ensure_future(sup._memory_back("GPU-a"))
+    await asyncio.sleep(0.3)
+    assert not waiter.done(), "a start went ahead while a stop on its device was in progress"
+    del sup._stop_done["old"]
+    done.set()
+    await asyncio.wait_for(waiter, 5)
+    assert "GPU-a" not in sup._returning
+
+
+async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sup = supervisor(0.3, StuckObserver())
+    sup._stop_done["old"] = asyncio.Event()  # never set
+    sup._returning["GPU-a"] = {"old"}
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
+        await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
+    assert 0.3 <= time.monotonic() - t0 < 3
+    assert "not back after 0.3 s" in caplog.text
+    # the stop still in progress stays known: a later start waits for it again
+    assert sup._returning["GPU-a"] == {"old"}
+
+
+class CountingSupervisor(Supervisor):
+    """Health answers from a table instead of HTTP: `hang` never answers."""
+
+    def __init__(self, svc: Any, hang: set[str]) -> None:
+        super().__init__(svc, cast(Any, None), cast(Any, StuckObserver()))
+        self.hang = hang
+        self.asked: dict[str, int] = {}
+        self.release = asyncio.Event()
+
+    async def _probe(self, serve: str, spec: Any) -> Any:
+        from gpud.health import Answer, Probe
+
+        self.asked[serve] = self.asked.get(serve, 0) + 1
+        if serve in self.hang:
+            await self.release.wait()
+        return Answer(Probe.OK, "200")
+
+
+async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> None:
+    from gpud.config import ServeConfig
+    from gpud.core.vocab import RUNNING
+    from gpud.service import ServeRecord
+
+    spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
+    records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
+    svc = SimpleNamespace(config=Config(), records=records, serve_spec=lambda _n: spec,
+                          state_of=lambda n: records[n].state)
+    sup = CountingSupervisor(svc, hang={"hung"})
+    for _ in range(3):  # three rounds while hung's first check is still in flight
+        await sup._check_running()
+        await asyncio.sleep(0.01)
+    assert sup.asked == {"hung": 1, "quick": 3}
+    sup.release.set()
+    await asyncio.sleep(0.01)
+    await sup._check_running()
+    await asyncio.sleep(0.01)
+    assert sup.asked["hung"] == 2
+    await asyncio.gather(*sup._tasks)
