@@ -26,11 +26,11 @@ import aiohttp
 
 from gpud import ports
 from gpud.config import Config, ServeConfig
+from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.core.launch import serve_argv, serve_environment, through_shim
 from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
-from gpud.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
 from gpud.unit_properties import UnitSpec, environment_file_text

@@ -1,4 +1,4 @@
-"""What a health answer means (gpud.health), and who holds a port (gpud.ports)."""
+"""What a health answer means (gpud.core.health), and who holds a port (gpud.ports)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpud import ports
-from gpud.health import Answer, Probe, Verdict, healthy_at_start, judge_running
+from gpud.core.health import Answer, Probe, Verdict, healthy_at_start, judge_running
 
 OK = Answer(Probe.OK, "200")
 REFUSED = Answer(Probe.REFUSED, "cannot connect (Connection refused)")

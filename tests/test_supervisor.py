@@ -87,7 +87,7 @@ class CountingSupervisor(Supervisor):
         self.release = asyncio.Event()
 
     async def _probe(self, serve: str, spec: Any) -> Any:
-        from gpud.health import Answer, Probe
+        from gpud.core.health import Answer, Probe
 
         self.asked[serve] = self.asked.get(serve, 0) + 1
         if serve in self.hang:

@@ -1,10 +1,11 @@
 """What a health answer means: pure decisions, no I/O (the supervisor asks, this module judges).
 
-vLLM 0.33 (DESIGN.md): its HTTP server does not listen until the model has loaded, so during a
-start a refused connection means "still loading", until the start timeout; `/health` answers 200
-when ready and 503 once the engine died, and the server then exits within about 5 s. So for a
-vLLM serve that has been healthy, one 503 is a verdict, not a blip. A serve given by `command`
-may be anything: there only `health_failures` failed checks in a row are.
+vLLM 0.33 (its source: entrypoints/launchers/launcher.py, serve/instrumentator/health.py): its
+HTTP server does not listen until the model has loaded, so during a start a refused connection
+means "still loading", until the start timeout; `/health` answers 200 when ready and 503 once
+the engine died, and the server then exits within about 5 s. So for a vLLM serve that has been
+healthy, one 503 is a verdict, not a blip. A serve given by `command` may be anything: there
+only `health_failures` failed checks in a row are.
 
 An answer counts only when it comes from the serve's own process: a 200 from a socket held by
 another process (gpud.ports) is `FOREIGN`, a failure like any other.
