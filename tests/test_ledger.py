@@ -180,3 +180,79 @@ def test_admit_in_order_is_decide_one_after_another(wanted: list[tuple[str, int]
             one_by_one = outcome[0]
     assert denied == expected
     assert batch.reservations == one_by_one.reservations
+
+
+# ---- edges the mutation run found untested -----------------------------------------------------
+
+
+def test_over_committed_starts_below_zero_free() -> None:
+    from gpud.core.ledger import RoleFigures
+
+    assert not RoleFigures("r", 1000, 100, 900).over_committed  # exactly full
+    assert RoleFigures("r", 1000, 100, 901).over_committed
+
+
+def test_physical_view_gives_back_the_serves_own_draw_and_pending() -> None:
+    view = PhysicalView(physical_free_mib=1000, pending_mib=300, own_observed_mib=100,
+                        own_pending_mib=200)
+    assert view.free_for_serve() == 1000 - (300 - 200) + 100
+
+
+def test_decide_refuses_nonpositive_mib_and_keeps_the_place_of_a_replaced_reservation() -> None:
+    ledger = Ledger.build([DARK_FAST, RoleBudget("other", "1", 10000, 0)], [])
+    with pytest.raises(ValueError, match="positive"):
+        ledger.decide("x", "dark-fast", 0, since=1.0, by_uid=0)
+    first = ledger.decide("x", "dark-fast", 1, since=1.0, by_uid=0)
+    assert not isinstance(first, Denial)
+    again = first[0].decide("x", "dark-fast", 2, since=5.0, by_uid=0)
+    assert not isinstance(again, Denial) and again[1].reservation.since == 1.0
+    moved = first[0].decide("x", "other", 2, since=5.0, by_uid=0)
+    assert not isinstance(moved, Denial) and moved[1].reservation.since == 5.0
+
+
+def test_admit_in_order_admits_what_fits_exactly_and_refuses_bad_requests() -> None:
+    ledger = Ledger.build([RoleBudget("r", "0", 1000, 100)], [Reservation("held", "r", 100, 0.0)])
+    after, denied = ledger.admit_in_order([("a", "r", 800), ("b", "r", 1)], since=0.0)
+    assert set(after.reservations) == {"held", "a"}  # 100 + 800 = 900: exactly full
+    assert [(d.serve, d.free_mib) for d in denied] == [("b", 0)]
+    with pytest.raises(ValueError, match="positive"):
+        ledger.admit_in_order([("a", "r", 0)], since=0.0)
+    with pytest.raises(ValueError, match="already holds"):
+        ledger.admit_in_order([("held", "r", 1)], since=0.0)
+
+
+def test_effective_free_takes_pending_off_physical_free() -> None:
+    draw = device_draw(total_mib=32607, used_mib=20000, free_mib=12607, draws={"a": 1000},
+                       reservations=[Reservation("a", "r", 3000, 0.0),
+                                     Reservation("b", "r", 500, 0.0),
+                                     Reservation("c", "r", 400, 0.0)],
+                       states={"a": "starting", "c": "running"}, reserve_mib=0)
+    # a: 3000 reserved, 1000 drawn -> 2000 pending; b (no state: admitted) 500; c running: 0
+    assert draw.pending_mib == 2500
+    assert draw.effective_free(99999) == 12607 - 2500
+    assert draw.effective_free(100) == 100
+    over = device_draw(total_mib=1000, used_mib=900, free_mib=100, draws={"a": 900},
+                       reservations=[Reservation("a", "r", 500, 0.0)], states={"a": "starting"},
+                       reserve_mib=0)
+    assert over.pending_mib == 0  # drawing past its reservation is not negative pending
+
+
+def test_pending_share() -> None:
+    from gpud.core.ledger import pending_share
+
+    res = Reservation("a", "r", 3000, 0.0)
+    assert pending_share(None, "admitted", 0) == 0
+    assert pending_share(res, "running", 0) == 0
+    assert pending_share(res, "starting", 1000) == 2000
+    assert pending_share(res, None, 1000) == 2000  # no state yet: admitted
+    assert pending_share(res, "admitted", 5000) == 0
+
+
+def test_utilization_edges() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        gpu_memory_utilization(1, 0)
+    assert gpu_memory_utilization(1, 1) == "1.0000"
+    assert gpu_memory_utilization(40000, 32607) == "1.0000"  # clamped, never above 1
+    assert gpu_memory_utilization(32607, 32607) == "1.0000"
+    assert gpu_memory_utilization(32606, 32607) == "0.9999"
+    assert gpu_memory_utilization(4, 10000) == "0.0004"
