@@ -248,12 +248,29 @@ def _tree(path: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
+# What a systemd booted over the host would write in the host's /run (the host runs none, so
+# nothing else touches these): compared before and after, not the whole of /run, where any
+# process of the host may come and go.
+SYSTEMD_RUN = ("systemd", "log", "dbus", "user", "udev", "tmpfiles.d", "nologin", "utmp")
+
+
+def _systemd_run_trees() -> dict[str, tuple[int, int]]:
+    found: dict[str, tuple[int, int]] = {}
+    for name in SYSTEMD_RUN:
+        path = Path("/run") / name
+        if path.exists():
+            st = path.lstat()
+            found[str(path)] = (st.st_size, st.st_mtime_ns)
+            found.update(_tree(path))
+    return found
+
+
 def test_lifecycle_leaves_host_untouched(sandbox: Sandbox) -> None:
     """A second sandbox beside the session's: boots, is independent, powers off without a trace."""
     marker = Path("/tmp") / f"gpud-sandbox-marker-{uuid.uuid4().hex[:8]}"
     marker.write_text("must survive the sandbox's systemd-tmpfiles\n")
     journal_before = _tree(Path("/var/log/journal"))
-    run_before = _tree(Path("/run"))
+    run_before = _systemd_run_trees()
     try:
         second = Sandbox(name="gpud-test-2")
         with second:
@@ -278,7 +295,7 @@ def test_lifecycle_leaves_host_untouched(sandbox: Sandbox) -> None:
         assert not cgroup.exists()
         assert marker.read_text().startswith("must survive")
         assert _tree(Path("/var/log/journal")) == journal_before
-        assert _tree(Path("/run")) == run_before
+        assert _systemd_run_trees() == run_before
     finally:
         marker.unlink(missing_ok=True)
 
