@@ -114,7 +114,11 @@ def run_campaign(tmp: Path, idle: int, partial: int, slow: int, hold_s: float) -
                "fds_after": fds2 - fds0}
     print(f"connections campaign: {summary}")
     assert held_fds - fds0 >= (idle + partial) * 0.9, "the idle connections never reached gpud"
-    assert latencies[-1] < 2.0, f"an ordinary client waited {latencies[-1]:.2f} s: {summary}"
+    # Starvation would show as waits of the keep-alive timeout (15 s) or longer; on 2 loaded
+    # cores a lone scheduling hiccup may reach a second, which is not what this looks for.
+    p99 = latencies[int(len(latencies) * 0.99)]
+    assert p99 < 1.0, f"ordinary clients waited {p99:.2f} s at p99: {summary}"
+    assert latencies[-1] < 5.0, f"an ordinary client waited {latencies[-1]:.2f} s: {summary}"
     # a few KiB per connection at most
     assert rss1 - rss0 < 16 * 1024 + 16 * (idle + partial + slow), summary
     assert fds2 <= fds0 + 2, f"gpud still holds {fds2 - fds0} descriptors more than before"
