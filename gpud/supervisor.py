@@ -18,6 +18,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,17 +29,33 @@ from gpud import ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.core.launch import serve_argv, serve_environment, through_shim
+from gpud.core.unitstate import (
+    ACTIVE,
+    Action,
+    AdoptOutsideStart,
+    AskShutdown,
+    CountRestarts,
+    Fail,
+    OrphanEnded,
+    OutsideStop,
+    ReleaseEnded,
+    Restarting,
+    SeenExit,
+    ServeRuntime,
+    UnitState,
+    WatchRestart,
+    on_unit,
+)
 from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
 from gpud.unit_properties import UnitSpec, environment_file_text
-from gpud.units import SystemdUnits, UnitState
+from gpud.units import SystemdUnits
 
 log = logging.getLogger("gpud.supervisor")
 
-ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
 # How often a starting serve's health endpoint is asked while gpud waits on it: soon at first
 # (a small serve is up in a fraction of a second, and the next start on the device waits for
 # it), then less and less often (vLLM loading weights takes minutes).
@@ -672,7 +689,7 @@ class Supervisor:
         policy = "none held" if res is None else "kept (resident)" if keep else "released"
         await self.svc.record(self.svc.event(
             "exit", f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
-            f"not start ({_how(st)}, result {st.result}); reservation {policy}", serve=serve,
+            f"not start ({st.how}, result {st.result}); reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None, reservation=policy,
             outside=True, exit_status=st.exec_main_status),
             # "stopping" until the release below is committed too: never "declared" while a
@@ -721,76 +738,59 @@ class Supervisor:
                 await self._ended(serve, "its unit is gone (seen after the bus came back)")
 
     async def _on_unit(self, st: UnitState) -> None:
+        """Carry out what the change of a serve's unit means (gpud.core.unitstate.on_unit)."""
         serve = st.serve
         prev = self._last.get(serve)
         self._last[serve] = st
-        if serve in self._stopping:
-            return
         rec = self.svc.records.get(serve)
-        state = rec.state if rec else DECLARED
-        if rec is not None and st.main_pid:
+        if rec is not None and st.main_pid and serve not in self._stopping:
             rec.main_pid = st.main_pid
-        if prev is not None and st.n_restarts > prev.n_restarts and state != FAILED:
+        spec = self.svc.serve_spec(serve)
+        rt = ServeRuntime(state=rec.state if rec else DECLARED,
+                          holds=serve in self.svc.ledger.reservations, configured=spec is not None,
+                          resident=bool(spec and spec.resident),
+                          restart=spec.restart if spec else "no",
+                          launching=serve in self._launching, stopping=serve in self._stopping,
+                          prev=prev, exit_seen=self._exit_seen.get(serve))
+        actions = on_unit(rt, st)
+        if actions and isinstance(actions[-1], AskShutdown):
+            actions = on_unit(replace(rt, shutting_down=await self.units.shutting_down()), st)
+        for action in actions:
+            if not await self._carry_out(serve, st, action):
+                return
+
+    async def _carry_out(self, serve: str, st: UnitState, action: Action) -> bool:
+        """One action of on_unit; False when the rest is not to be done (a crash loop)."""
+        rec = self.svc.records.get(serve)
+        if isinstance(action, CountRestarts):
             if rec is not None:
                 rec.n_restarts = st.n_restarts
-            if await self._restarted(serve, st, st.n_restarts - prev.n_restarts):
-                return
-        ended = st.active_state in ("failed", "inactive") or st.sub_state == "auto-restart"
-        if ended and state == ORPHAN and st.sub_state != "auto-restart":
+            return not await self._restarted(serve, st, action.count)
+        if isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(
-                "exit", f"{serve}: orphan unit ended ({_how(st)})", serve=serve),
+                "exit", f"{serve}: orphan unit ended ({action.how})", serve=serve),
                 state=self.svc.state_row(serve, DECLARED))
-            return
-        if ended and state == FAILED and serve in self.svc.ledger.reservations:
-            spec = self.svc.serve_spec(serve)
-            if spec is not None and not spec.resident and st.sub_state != "auto-restart":
-                # Kept while its unit was still active (the stop had failed): gone now.
-                await self.svc.release(serve, reason="failed, and its unit has now ended",
-                                       allow_live=True, next_state=FAILED,
-                                       state_reason=rec.reason if rec else None)
-            return
-        if ended and state in (RUNNING, STARTING) and st.stopped_by_job \
-                and serve not in self._launching and st.sub_state != "auto-restart" \
-                and not await self.units.shutting_down():
-            # (At a host shutdown systemd stops every unit: that is no operator's choice, and
-            # the resident set must come back at the next boot.)
+        elif isinstance(action, ReleaseEnded):
+            await self.svc.release(serve, reason="failed, and its unit has now ended",
+                                   allow_live=True, next_state=FAILED,
+                                   state_reason=rec.reason if rec else None)
+        elif isinstance(action, OutsideStop):
             await self._outside_stop(serve, st)
-            return
-        if ended and state in (RUNNING, STARTING):
-            if serve in self._launching and st.active_state == "inactive" and prev is None:
-                return
-            if st.result == "start-limit-hit":
-                await self._failed(serve, "crash-loop: systemd's start limit was hit", kind="exit",
-                                   exit_status=st.exec_main_status)
-                return
-            if self._exit_seen.get(serve) == st.invocation_id:
-                return  # the same exit, seen again on its way through systemd's restart states
-            self._exit_seen[serve] = st.invocation_id
-            if self._will_restart(serve, st):
-                # systemd passes through failed, auto-restart and inactive before the restart:
-                # whether the serve is gone for good is known only once the restart did or did
-                # not come.
-                await self.svc.record(self.svc.event(
-                    "exit", f"{serve}: process exited ({_how(st)}); systemd restarts it",
-                    serve=serve, exit_status=st.exec_main_status, result=st.result),
-                    state=self.svc.state_row(serve, STARTING, "restarting"))
-                self._spawn(self._confirm_restart(serve, st.invocation_id))
-                return
-            await self._failed(serve, f"exited ({_how(st)}, result {st.result})", kind="exit",
-                               exit_status=st.exec_main_status)
-            return
-        if st.active_state == "active" and state == STARTING and serve not in self._launching:
+        elif isinstance(action, SeenExit):
+            self._exit_seen[serve] = action.invocation
+        elif isinstance(action, Restarting):
+            await self.svc.record(self.svc.event(
+                "exit", f"{serve}: process exited ({action.how}); systemd restarts it",
+                serve=serve, exit_status=st.exec_main_status, result=st.result),
+                state=self.svc.state_row(serve, STARTING, "restarting"))
+            self._spawn(self._confirm_restart(serve, action.invocation))
+        elif isinstance(action, Fail):
+            await self._failed(serve, action.reason, kind="exit", exit_status=st.exec_main_status)
+        elif isinstance(action, WatchRestart):
             self._spawn(self._watch_restart(serve))
-        elif (st.active_state == "active" and state not in LIVE_STATES and state != FAILED
-              and serve not in self._launching and prev is not None
-              and prev.active_state not in ACTIVE):
+        elif isinstance(action, AdoptOutsideStart):
             await self._adopt_outside_start(serve, st)
-
-    def _will_restart(self, serve: str, st: UnitState) -> bool:
-        spec = self.svc.serve_spec(serve)
-        if spec is None or spec.restart == "no":
-            return False
-        return spec.restart == "always" or st.result != "success"
+        return True
 
     async def _confirm_restart(self, serve: str, invocation: str) -> None:
         spec = self.svc.serve_spec(serve)
@@ -967,9 +967,4 @@ def _pid(main_pid: int) -> str:
     # MainPID is 0 between a unit's processes (a restart on its way): no PID to name yet.
     return f"MainPID {main_pid}" if main_pid else "no MainPID yet"
 
-
-def _how(st: UnitState) -> str:
-    if st.exec_main_code in (2, 3):
-        return f"killed by signal {st.exec_main_status}"
-    return f"status {st.exec_main_status}"
 

@@ -43,6 +43,7 @@ import dbus_fast.aio
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.errors import AuthError, DBusError, InvalidAddressError
 
+from gpud.core.unitstate import UnitState
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -109,33 +110,6 @@ STATE_PROPERTIES: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
     }
 )
 _INTERFACES: Final = (UNIT_IFACE, SERVICE_IFACE)
-
-
-@dataclass(frozen=True)
-class UnitState:
-    serve: str
-    unit: str
-    active_state: str
-    sub_state: str
-    result: str
-    n_restarts: int
-    main_pid: int
-    exec_main_status: int
-    invocation_id: str
-    control_group: str
-    # CLD_EXITED (1): exec_main_status is an exit status; CLD_KILLED/CLD_DUMPED (2/3): a signal.
-    exec_main_code: int = 0
-    # "loaded"; "bad-setting" when systemd could not re-read the unit (it keeps running, but
-    # cannot be restarted).
-    load_state: str = "loaded"
-    active_exit_us: int = 0
-    exec_main_exit_us: int = 0
-
-    @property
-    def stopped_by_job(self) -> bool:
-        """The unit left "active" before its main process exited: a stop job (or a restart
-        job) ended it, not the process by itself."""
-        return 0 < self.active_exit_us < self.exec_main_exit_us
 
 
 # --- object path labels ---------------------------------------------------------------------

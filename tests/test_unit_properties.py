@@ -16,6 +16,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast._private.unmarshaller import Unmarshaller
 from dbus_fast.errors import AuthError, DBusError
 
+from gpud.core.unitstate import UnitState
 from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
 from gpud.unit_properties import (
     PROPERTIES,
@@ -33,7 +34,6 @@ from gpud.units import (
     MANAGER_PATH,
     JobFailed,
     SystemdUnits,
-    UnitState,
     _JobWatch,
     _state_from,
     bus_path_escape,

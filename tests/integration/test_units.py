@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from gpud.core.unitstate import UnitState  # noqa: E402
 from gpud.errors import BadRequest, Conflict, GpudError  # noqa: E402
 from gpud.unit_properties import UnitSpec  # noqa: E402
-from gpud.units import JobFailed, SystemdUnits, UnitState  # noqa: E402
+from gpud.units import JobFailed, SystemdUnits  # noqa: E402
 from tools.sandbox import Sandbox  # noqa: E402
 
 pytestmark = pytest.mark.sandbox

@@ -1,0 +1,92 @@
+"""The serve state machine as data: what a change of a serve's unit means, from a table."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpud.core.unitstate import (
+    AdoptOutsideStart,
+    AskShutdown,
+    CountRestarts,
+    Fail,
+    OrphanEnded,
+    OutsideStop,
+    ReleaseEnded,
+    Restarting,
+    SeenExit,
+    ServeRuntime,
+    UnitState,
+    WatchRestart,
+    on_unit,
+    will_restart,
+)
+
+
+def unit(active: str = "active", sub: str = "running", result: str = "success",
+         restarts: int = 0, invocation: str = "i1", code: int = 1, status: int = 0,
+         stopped_by_job: bool = False) -> UnitState:
+    exits = (100, 200) if stopped_by_job else (200, 100)
+    return UnitState("s", "gpud-serve-s.service", active, sub, result, restarts, 42, status,
+                     invocation, "/gpud.slice/gpud-serve-s.service", code,
+                     active_exit_us=exits[0], exec_main_exit_us=exits[1])
+
+
+RUNNING_UNIT = unit()
+RT = ServeRuntime(state="running", holds=True, configured=True, resident=False,
+                  restart="on-failure", launching=False, stopping=False, prev=RUNNING_UNIT,
+                  exit_seen=None)
+
+CASES = [
+    # (what happened, runtime changes, unit, actions)
+    ("gpud's own stop", {"stopping": True}, unit("inactive", "dead"), []),
+    ("crash: systemd restarts it", {}, unit("failed", "failed", "exit-code", status=1),
+     [SeenExit("i1"), Restarting("status 1", "i1")]),
+    ("the same exit seen again", {"exit_seen": "i1"}, unit("inactive", "dead", "exit-code"), []),
+    ("killed, restart=no", {"restart": "no"}, unit("failed", "failed", "signal", code=2, status=9),
+     [SeenExit("i1"), Fail("exited (killed by signal 9, result signal)")]),
+    ("clean exit, on-failure", {}, unit("inactive", "dead"),
+     [SeenExit("i1"), Fail("exited (status 0, result success)")]),
+    ("clean exit, always", {"restart": "always"}, unit("inactive", "dead"),
+     [SeenExit("i1"), Restarting("status 0", "i1")]),
+    ("start limit hit", {}, unit("failed", "failed", "start-limit-hit"),
+     [Fail("crash-loop: systemd's start limit was hit")]),
+    ("restarted twice by systemd", {}, unit(restarts=2), [CountRestarts(2)]),
+    ("restarted, and exited again", {}, unit("activating", "auto-restart", "exit-code",
+                                            restarts=1, status=3),
+     [CountRestarts(1), SeenExit("i1"), Restarting("status 3", "i1")]),
+    ("failed: restarts are not counted", {"state": "failed", "holds": False}, unit(restarts=3), []),
+    ("stopped by hand: ask about a shutdown first", {},
+     unit("inactive", "dead", stopped_by_job=True), [AskShutdown()]),
+    ("stopped by hand, no shutdown", {"shutting_down": False},
+     unit("inactive", "dead", stopped_by_job=True), [OutsideStop()]),
+    ("stopped at a host shutdown: an exit", {"shutting_down": True},
+     unit("inactive", "dead", stopped_by_job=True), [SeenExit("i1"), Fail(
+         "exited (status 0, result success)")]),
+    ("a launch's own first inactive", {"launching": True, "prev": None, "state": "starting"},
+     unit("inactive", "dead"), []),
+    ("orphan ended", {"state": "orphan", "holds": False}, unit("inactive", "dead"),
+     [OrphanEnded("status 0")]),
+    ("orphan in auto-restart", {"state": "orphan", "holds": False},
+     unit("activating", "auto-restart"), []),
+    ("failed unit, finally gone", {"state": "failed"}, unit("inactive", "dead"), [ReleaseEnded()]),
+    ("failed resident unit gone: kept", {"state": "failed", "resident": True},
+     unit("inactive", "dead"), []),
+    ("active again while starting", {"state": "starting"}, unit(), [WatchRestart()]),
+    ("started by hand after gpud's stop", {"state": "declared", "holds": False,
+                                           "prev": unit("inactive", "dead")}, unit(),
+     [AdoptOutsideStart()]),
+    ("active, unknown before", {"state": "declared", "holds": False, "prev": None}, unit(), []),
+]
+
+
+@pytest.mark.parametrize("what, changes, st, expected", CASES, ids=[c[0] for c in CASES])
+def test_on_unit(what: str, changes: dict, st: UnitState, expected: list) -> None:
+    assert on_unit(replace(RT, **changes), st) == expected
+
+
+def test_will_restart_follows_systemds_restart_setting() -> None:
+    ok, bad = unit("inactive", "dead"), unit("failed", "failed", "exit-code")
+    assert [will_restart(r, u) for r in ("no", "on-failure", "always") for u in (ok, bad)] == [
+        False, False, False, True, True, True]
