@@ -1,0 +1,150 @@
+"""Plans from values, case by case: every kind of change a serve can go through, and the plan's
+own figures (found wanting by the mutation run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpud.config import Config
+from gpud.core.ledger import Ledger, Reservation, RoleBudget
+from gpud.core.plan import Plan, make_plan
+
+
+def config(roles: dict[str, tuple[int, int]], serves: dict[str, dict[str, Any]]) -> Config:
+    return Config.model_validate({
+        "roles": {n: {"device": str(i), "capacity_mib": c, "reserve_mib": r}
+                  for i, (n, (c, r)) in enumerate(sorted(roles.items()))},
+        "serves": {n: {"command": ["/bin/true"], **s} for n, s in serves.items()},
+    })
+
+
+def budgets(cfg: Config) -> list[RoleBudget]:
+    return [RoleBudget(n, r.device, r.capacity_mib or 0, r.reserve_mib)
+            for n, r in sorted(cfg.roles.items())]
+
+
+ROLES = {"a": (10000, 0), "b": (4000, 0)}
+OLD = config(ROLES, {
+    "run": {"role": "a", "vram_mib": 3000, "resident": True, "priority": 2},
+    "idle": {"role": "a", "vram_mib": 1000, "priority": 3},
+    "gone": {"role": "a", "vram_mib": 500, "resident": True, "priority": 4},
+    "mover": {"role": "a", "vram_mib": 700, "resident": True, "priority": 5},
+})
+HELD = [Reservation("run", "a", 3000, 1.0), Reservation("idle", "a", 1000, 2.0),
+        Reservation("gone", "a", 500, 3.0), Reservation("mover", "a", 700, 4.0),
+        Reservation("ext", "b", 100, 5.0, external=True)]
+STATES = {"run": "running", "idle": "admitted", "gone": "admitted", "mover": "running",
+          "ext": "external"}
+
+
+def plan(new: Config, states: dict[str, str] | None = None,
+         totals: dict[str, int | None] | None = None) -> Plan:
+    ledger = Ledger.build(budgets(OLD), HELD)
+    return make_plan(old=OLD, new=new, ledger=ledger, new_budgets=budgets(new),
+                     states=STATES if states is None else states,
+                     totals={"0": 20000, "1": 8000} if totals is None else totals, source="t")
+
+
+NEW = config(ROLES, {
+    "run": {"role": "a", "vram_mib": 2000, "resident": True, "priority": 2},  # resized
+    "idle": {"role": "a", "vram_mib": 1000, "priority": 1},  # priority only
+    "mover": {"role": "b", "vram_mib": 700, "resident": True, "priority": 5},  # another role
+    "fresh": {"role": "b", "vram_mib": 600, "resident": True, "priority": 9},  # added, fits
+    "big": {"role": "b", "vram_mib": 3900, "resident": True, "priority": 10},  # added, too big
+    "lazy": {"role": "a", "vram_mib": 100, "priority": 11},  # added, not resident
+})
+
+
+def by_name(p: Plan) -> dict[str, Any]:
+    return {s.name: s for s in p.serves}
+
+
+def test_every_kind_of_change() -> None:
+    p = plan(NEW)
+    s = by_name(p)
+    assert "ext" not in s  # external reservations are not serves of the plan
+    # A new vram_mib is a new --gpu-memory-utilization: the serve runs differently, too.
+    assert (s["run"].change, s["run"].restart, s["run"].mib_after) == (
+        "changed, resized", True, 2000)
+    assert (s["idle"].change, s["idle"].restart) == ("unchanged", False)  # priority: no restart
+    assert (s["gone"].change, s["gone"].state_after, s["gone"].mib_after) == (
+        "removed", "removed", None)
+    assert (s["mover"].role_before, s["mover"].role_after, s["mover"].change) == ("a", "b",
+                                                                                    "changed")
+    assert s["mover"].restart and p.stop_first == ("mover",)
+    assert (s["fresh"].change, s["fresh"].state_after, s["fresh"].mib_after) == (
+        "added", "admitted", 600)
+    assert (s["big"].state_after, s["big"].reason) == (
+        "denied", "ledger bound: need 3900 MiB, free 2600 MiB, short 1300 MiB")
+    assert (s["lazy"].state_after, s["lazy"].mib_after, s["lazy"].util_after) == (
+        "declared", None, "0.0050")  # util of its vram_mib on a 20000 MiB device
+    assert not p.resident_fits and not p.ok and p.blocked == ()
+    assert p.restart == ["run", "mover"]
+
+
+def test_order_is_role_then_priority_then_name() -> None:
+    # by the new config's role and priority, a removed serve by its old ones
+    assert [c.name for c in plan(NEW).serves] == ["idle", "run", "gone", "lazy", "mover", "fresh",
+                                                  "big"]
+
+
+def test_role_figures_before_and_after() -> None:
+    p = plan(NEW)
+    figures = {n: (b.committed_mib if b else None, a.committed_mib if a else None)
+               for n, b, a in p.roles}
+    # a: run 3000 + idle 1000 + gone 500 + mover 700 -> run 2000 + idle 1000
+    # b: ext 100 -> ext 100 + mover 700 + fresh 600
+    assert figures == {"a": (5200, 3000), "b": (100, 1400)}
+    doc = p.to_json()
+    assert doc["roles"][0] == {"name": "a", "before": {"capacity_mib": 10000, "reserve_mib": 0,
+                                                       "committed_mib": 5200, "free_mib": 4800},
+                               "after": {"capacity_mib": 10000, "reserve_mib": 0,
+                                         "committed_mib": 3000, "free_mib": 7000}}
+    assert doc["restart"] == ["run", "mover"] and doc["stop_first"] == ["mover"]
+    assert doc["denied"][0]["serve"] == "big" and doc["denied"][0]["reason"].startswith("ledger")
+    assert {s["name"] for s in doc["serves"]} == set(by_name(p))
+
+
+def test_utilization_uses_the_device_total_or_the_capacity() -> None:
+    s = by_name(plan(NEW))
+    assert (s["run"].util_before, s["run"].util_after) == ("0.1500", "0.1000")  # of 20000
+    unknown = by_name(plan(NEW, totals={}))
+    assert unknown["run"].util_after == "0.2000"  # no total known: of the capacity, 10000
+
+
+def test_nothing_running_means_nothing_restarts() -> None:
+    idle = {name: "admitted" for name in STATES} | {"ext": "external"}
+    p = plan(NEW, states=idle)
+    assert p.restart == [] and p.stop_first == ()
+    assert by_name(p)["run"].state_after == "admitted"  # resident and resized: admitted again
+
+
+def test_a_denied_serve_that_now_fits_is_admitted_and_one_still_too_big_stays_denied() -> None:
+    states = dict(STATES, run="denied")
+    held = [r for r in HELD if r.serve != "run"]
+    ledger = Ledger.build(budgets(OLD), held)
+    p = make_plan(old=OLD, new=NEW, ledger=ledger, new_budgets=budgets(NEW), states=states,
+                  totals={"0": 20000, "1": 8000}, source="t")
+    run = by_name(p)["run"]
+    assert (run.state_before, run.state_after, run.mib_before, run.mib_after) == (
+        "denied", "admitted", None, 2000)
+    assert not run.restart
+
+
+def test_changed_and_resized_together() -> None:
+    new = config(ROLES, {"run": {"role": "a", "vram_mib": 2500, "resident": True, "priority": 2,
+                                 "command": ["/bin/false"]}})
+    run = by_name(plan(new))["run"]
+    assert run.change == "changed, resized" and run.restart
+    assert run.fingerprint_before != run.fingerprint_after
+
+
+def test_a_reservation_made_by_hand_at_another_size_is_resized() -> None:
+    held = [Reservation("run", "a", 2500, 1.0)]  # gpuctl admit run 2500; the config says 3000
+    ledger = Ledger.build(budgets(OLD), held)
+    p = make_plan(old=OLD, new=OLD, ledger=ledger, new_budgets=budgets(OLD),
+                  states={"run": "running"}, totals={"0": 20000}, source="t")
+    run = by_name(p)["run"]
+    assert (run.change, run.mib_before, run.mib_after, run.restart) == ("resized", 2500, 3000,
+                                                                        True)
+    assert by_name(p)["idle"].change == "unchanged" and not by_name(p)["idle"].restart
