@@ -15,6 +15,7 @@ if str(REPO) not in sys.path:
     # `pytest` (unlike `python3 -m pytest`) does not put the repository root on sys.path
     sys.path.insert(0, str(REPO))
 
+from tests.integration.gpudctl import SandboxGpud  # noqa: E402
 from tools.sandbox import SYSTEMD, Sandbox  # noqa: E402
 
 
@@ -59,3 +60,11 @@ def booted_sandbox(name: str) -> Iterator[Sandbox]:
         yield sbx
     finally:
         sbx.poweroff()
+
+
+@pytest.fixture
+def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
+    """A gpud to configure in the session's sandbox; no gpud, serve or state left after."""
+    ctl = SandboxGpud(sandbox)
+    yield ctl
+    ctl.reset()

@@ -9,13 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
-from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -30,13 +28,6 @@ def serve(name: str, port: int, mib: int = 2000, *args: str, resident: bool = Tr
 
 BOTH = sim_config(ROLE, serve("keep", 30101) + "\n" + serve("gone", 30102))
 KEEP = sim_config(ROLE, serve("keep", 30101))
-
-
-@pytest.fixture
-def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
-    ctl = SandboxGpud(sandbox)
-    yield ctl
-    ctl.reset()
 
 
 def gpuctl(gpud: SandboxGpud, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -4,12 +4,10 @@ gpud itself, strict admission's physical bound, and overdraw events."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
-from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -20,13 +18,6 @@ reserve_mib = 4608
 note = "display + voice STT/TTS sidecars draw ~5.7 GiB"
 """
 DISPLAY = [{"device": "GPU-sim-0", "label": "display+sidecars", "mib": 5837}]
-
-
-@pytest.fixture
-def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
-    ctl = SandboxGpud(sandbox)
-    yield ctl
-    ctl.reset()
 
 
 def t011_serves() -> str:

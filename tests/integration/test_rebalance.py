@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
-from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -33,13 +31,6 @@ def serves(fast_mib: int, fast_args: tuple[str, ...] = (), extra: str = "") -> s
 
 T015 = sim_config(dark_fast(7168), serves(18432, ("--model", "gemma-4-E4B-it-bf16")))
 T011 = sim_config(dark_fast(4608), serves(14336, ("--model", "gemma-4-E4B-it-FP8-Dynamic")))
-
-
-@pytest.fixture
-def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
-    ctl = SandboxGpud(sandbox)
-    yield ctl
-    ctl.reset()
 
 
 def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:

@@ -4,12 +4,10 @@ crash loops, per-device serialization, stop/release. Stand-in serves, simulated 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin
-from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -18,13 +16,6 @@ DARK_FAST = """
 device = "GPU-sim-0"
 reserve_mib = 7168
 """
-
-
-@pytest.fixture
-def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
-    ctl = SandboxGpud(sandbox)
-    yield ctl
-    ctl.reset()
 
 
 def t015_serves(**extra: str) -> str:

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from tests.integration.gpudctl import PY, REPO, SandboxGpud, sim_config, standin
-from tools.sandbox import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -28,12 +27,11 @@ reserve_mib = 7168
 
 
 @pytest.fixture
-def gpud(sandbox: Sandbox) -> Iterator[SandboxGpud]:
-    ctl = SandboxGpud(sandbox)
-    sandbox.run(["rm", "-rf", CONTROL])
-    yield ctl
-    ctl.reset()
-    sandbox.run(["rm", "-rf", CONTROL])
+def gpud(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+    """The shared fixture, with the health servers' control files cleared before and after."""
+    gpud.sb.run(["rm", "-rf", CONTROL])
+    yield gpud
+    gpud.sb.run(["rm", "-rf", CONTROL])
 
 
 def healthserve(name: str, *args: str) -> str:
