@@ -20,8 +20,6 @@ from gpud.core.vocab import HOLDING_STATES
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
 NO_RESTART_FIELDS = frozenset({"resident", "priority", "start_timeout_s"})
-# A serve in these runs now: a change to how it runs means a restart.
-LIVE = HOLDING_STATES
 
 
 @dataclass(frozen=True)
@@ -179,11 +177,11 @@ def make_plan(
                       else "resized" if resized else "unchanged")
             if was_denied:
                 state_after = "denied"
-            elif res_after is not None and state not in LIVE and after_spec.resident:
+            elif res_after is not None and state not in HOLDING_STATES and after_spec.resident:
                 state_after = "admitted"
             else:
                 state_after = state if state != "denied" or res_after is None else "admitted"
-        running = state in LIVE
+        running = state in HOLDING_STATES  # runs now: a change to how it runs restarts it
         restart = running and after_spec is not None and before_spec is not None and (
             _runs_differently(before_spec, after_spec)
             or (cur is not None and res_after is not None and cur.mib != res_after.mib))

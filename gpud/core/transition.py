@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 from gpud.config import Config
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.vocab import HOLDING_STATES as HOLDING
-from gpud.core.vocab import LIVE_STATES as LIVE
-from gpud.core.vocab import ORPHAN
+from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")
@@ -100,7 +98,7 @@ def transition(
     stop: list[str] = []
     for res in sorted(ledger.reservations.values(), key=lambda r: (r.since, r.serve)):
         spec = new.serves.get(res.serve)
-        live = states.get(res.serve) in LIVE
+        live = states.get(res.serve) in LIVE_STATES
         if res.external:
             if spec is not None:
                 blockers.append(_blocker(res, "holds an external reservation; release it "
@@ -126,7 +124,7 @@ def transition(
     for serve, state in sorted(states.items()):
         if serve not in new.serves or serve in ledger.reservations:
             continue
-        if state in HOLDING:
+        if state in HOLDING_STATES:
             blockers.append(Blocker(serve, f"is {state} without a reservation"))
         elif state == ORPHAN:
             blockers.append(Blocker(serve, "an orphan unit of that name runs: stop it first "
@@ -177,6 +175,6 @@ def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
             problems.append(f"{res.serve}: reservation on {res.role!r}, configured on "
                             f"{spec.role!r}")
     for serve, state in states.items():
-        if state in HOLDING and serve not in ledger.reservations:
+        if state in HOLDING_STATES and serve not in ledger.reservations:
             problems.append(f"{serve}: {state} without a reservation")
     return problems
