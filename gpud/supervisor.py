@@ -518,6 +518,10 @@ class Supervisor:
                     # to run a unit whose reservation this stop releases.
                     launch.cancel()
                     await asyncio.wait({launch})
+                    # A launch cancelled before it began never ran its own clean-up.
+                    self._launching.discard(serve)
+                    if self._launch_tasks.get(serve) is launch:
+                        del self._launch_tasks[serve]
                 res = self.svc.ledger.reservations.get(serve)
                 await self.svc.record(self.svc.event(
                     "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
@@ -735,6 +739,8 @@ class Supervisor:
                 self._spawn(self._watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live and serve not in self._stopping:
+                # systemd has no unit of it: what was last seen of the unit is past.
+                self._last.pop(serve, None)
                 await self._ended(serve, "its unit is gone (seen after the bus came back)")
 
     async def _on_unit(self, st: UnitState) -> None:

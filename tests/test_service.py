@@ -133,7 +133,7 @@ def stored_states(svc: LedgerService) -> dict[str, str]:
 
 
 def kinds(svc: LedgerService) -> list[str]:
-    return [e.kind for e in reversed(svc.store.events(EventQuery(limit=1000)))]
+    return [e.kind for e in svc.store.events(EventQuery(limit=1000))]
 
 
 # ---- resolve_budgets ------------------------------------------------------------------------
