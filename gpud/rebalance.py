@@ -47,10 +47,12 @@ def _mib(value: int | None) -> str:
 
 def backup(path: Path, keep: int, now: float) -> Path:
     folder = path.parent / "backups"
-    folder.mkdir(mode=0o700, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(now)) + f".{int(now * 1e6) % 10**6:06d}"
     target = folder / f"{path.name}.{stamp}"
     try:
+        # Inside the try: a folder that cannot be made (a file in its place) is a refusal of
+        # the apply like any other, rolled back, not a foreign error past the apply's journal.
+        folder.mkdir(mode=0o700, exist_ok=True)
         shutil.copy2(path, target)
     except OSError as exc:
         with contextlib.suppress(OSError):

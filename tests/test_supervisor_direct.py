@@ -1,8 +1,5 @@
-"""The supervisor's decisions without a daemon or systemd: a real ledger service on a real
-SQLite store, a real observer over the simulated backend, and a fake of the unit manager's
-interface (what gpud.units.SystemdUnits offers), since these tests are of the orchestration,
-not of systemd (tests/integration has that). Unit signals are handed in the way the unit
-manager hands them; every wait is on an event the service records."""
+"""The supervisor's decisions without a daemon or systemd (the rig: tests/rig.py): start,
+stop, reconciliation, boot, unit signals, resync after a bus reconnect, and health."""
 
 from __future__ import annotations
 
@@ -11,11 +8,10 @@ import json
 import logging
 import socket
 import stat
-import textwrap
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -25,12 +21,9 @@ from gpud.core.health import Answer, Probe
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
-from gpud.observer import Observer
-from gpud.service import LedgerService, ServeRecord
-from gpud.simulation import SimulatedBackend, SimulatedDevice
-from gpud.store import Event, EventQuery, Store
+from gpud.service import ServeRecord
 from gpud.supervisor import OUTSIDE_STOP, Supervisor
-from gpud.unit_properties import UnitSpec
+from tests.rig import Clock, Rig, entered, make_rig, unit
 
 CONFIG = """
 [daemon]
@@ -78,224 +71,18 @@ priority = 20
 command = ["/bin/true", "big"]
 """
 
-WAIT_S = 10.0
-
-
-def unit(serve: str, active: str = "active", sub: str = "running", *, result: str = "success",
-         restarts: int = 0, pid: int = 4242, invocation: str = "inv-1", status: int = 0,
-         stopped_by_job: bool = False) -> UnitState:
-    exits = (100, 200) if stopped_by_job else (0, 0)
-    return UnitState(serve, f"gpud-serve-{serve}.service", active, sub, result, restarts, pid,
-                     status, invocation, f"/gpud.slice/gpud-serve-{serve}.service", 1,
-                     active_exit_us=exits[0], exec_main_exit_us=exits[1])
-
-
-class FakeUnits:
-    """The unit manager's interface, with systemd's answers chosen by the test."""
-
-    def __init__(self) -> None:
-        self.available = True
-        self.reason: str | None = None
-        self.systemd_version: int | None = 252
-        self.live: dict[str, UnitState] = {}
-        self.started: list[UnitSpec] = []
-        self.stopped: list[str] = []
-        self.reset: list[str] = []
-        self.restarted: list[str] = []
-        self.fail_start: Exception | None = None
-        self.fail_stop: Exception | None = None
-        self.fail_restart: Exception | None = None
-        self.restart_comes_back = True
-        self.start_gate: asyncio.Event | None = None
-        self.shutdown = False
-        self.connected = self.closed = False
-        self._on_state: Callable[[Any], None] | None = None
-        self._on_resync: Callable[[Any], None] | None = None
-        self._pid = 1000
-
-    def watch(self, callback: Callable[[Any], None],
-              on_resync: Callable[[Any], None] | None = None) -> None:
-        self._on_state, self._on_resync = callback, on_resync
-
-    async def connect(self) -> None:
-        self.connected = True
-
-    async def close(self) -> None:
-        self.closed = True
-
-    async def start(self, spec: UnitSpec, timeout: float) -> UnitState:
-        self.started.append(spec)
-        if self.start_gate is not None:
-            await self.start_gate.wait()
-        if self.fail_start is not None:
-            raise self.fail_start
-        self._pid += 1
-        st = unit(spec.serve, pid=self._pid, invocation=f"inv-{self._pid}")
-        self.live[spec.serve] = st
-        return st
-
-    async def stop(self, serve: str, timeout: float) -> None:
-        self.stopped.append(serve)
-        if self.fail_stop is not None:
-            raise self.fail_stop
-        self.live.pop(serve, None)
-
-    async def reset_failed(self, serve: str) -> None:
-        self.reset.append(serve)
-
-    async def restart(self, serve: str, timeout: float) -> UnitState | None:
-        self.restarted.append(serve)
-        if self.fail_restart is not None:
-            raise self.fail_restart
-        if not self.restart_comes_back:
-            self.live.pop(serve, None)
-            return None
-        self._pid += 1
-        st = unit(serve, pid=self._pid, invocation=f"inv-{self._pid}", restarts=0)
-        self.live[serve] = st
-        return st
-
-    async def shutting_down(self) -> bool:
-        return self.shutdown
-
-    async def list_serves(self) -> list[UnitState]:
-        return list(self.live.values())
-
-    async def state(self, serve: str) -> UnitState | None:
-        return self.live.get(serve)
-
-    def emit(self, st: UnitState) -> None:
-        assert self._on_state is not None
-        self._on_state(st)
-
-    def resync(self, states: list[UnitState]) -> None:
-        assert self._on_resync is not None
-        self._on_resync(states)
-
-
-class ScriptedSupervisor(Supervisor):
-    """Health answers from the test (a serve without an answer is healthy): the health
-    endpoint's HTTP is tested on its own below, against a real socket."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.answers: dict[str, Callable[[], Answer]] = {}
-        self.asked: dict[str, int] = {}
-
-    async def _probe(self, serve: str, spec: Any) -> Answer:
-        self.asked[serve] = self.asked.get(serve, 0) + 1
-        answer = self.answers.get(serve)
-        return answer() if answer else Answer(Probe.OK, "200")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class Rig:
-    tmp: Path
-    svc: LedgerService
-    units: FakeUnits
-    sup: ScriptedSupervisor
-    observer: Observer
-    notes: list[str] = field(default_factory=list)
-
-    def events(self, **query: Any) -> list[Event]:
-        return self.svc.store.events(EventQuery(limit=1000, **query))
-
-    def kinds(self, serve: str) -> list[str]:
-        return [e.kind for e in self.events(serves=[serve])]
-
-    def held(self) -> dict[str, int]:
-        return {r.serve: r.mib for r in self.svc.store.reservations()}
-
-    def state(self, serve: str) -> str:
-        rows = {r.serve: r for r in self.svc.store.serve_states()}
-        return rows[serve].state if serve in rows else DECLARED
-
-    def reason(self, serve: str) -> str | None:
-        rows = {r.serve: r for r in self.svc.store.serve_states()}
-        return rows[serve].reason if serve in rows else None
-
-    async def wait_for(self, kind: str, serve: str, *, after: int = 0,
-                       match: str = "") -> Event:
-        """The next `kind` event of `serve` (with `match` in its message) after event id
-        `after`, once it is durable (its commit is what wakes us: the service's event
-        stream)."""
-        sub = self.svc.subscribe(EventQuery(serves=[serve], kinds=[kind]))
-
-        def wanted(ev: Event) -> bool:
-            return ev.id is not None and ev.id > after and match in ev.message
-
-        try:
-            for ev in self.events(serves=[serve], kinds=[kind]):
-                if wanted(ev):
-                    return ev
-            while True:
-                item = await asyncio.wait_for(sub.queue.get(), WAIT_S)
-                assert item is not None, "the event stream ended"
-                if wanted(item):
-                    return item
-        finally:
-            self.svc.unsubscribe(sub)
-
-    def last_id(self) -> int:
-        evs = self.events()
-        return evs[-1].id or 0 if evs else 0
-
-
-async def make_rig(tmp: Path, *, health: float = 3600, extra: str = "",
-                   clock: Callable[[], float] | None = None, observed: bool = True,
-                   before: Callable[[Store], None] | None = None) -> Rig:
-    text = CONFIG.format(tmp=tmp, health=health) + textwrap.dedent(extra)
-    if not observed:
-        text = text.replace('capacity_mib = 1000', 'capacity_mib = 1000')
-    state_file = tmp / "sim.json"
-    if observed:
-        state_file.write_text("{}")
-    (tmp / "sim-procs").mkdir(exist_ok=True)
-    observer = Observer(SimulatedBackend([SimulatedDevice("GPU-sim-0", 2000)], state_file))
-    await observer.sample()
-    store = Store(tmp / "gpud.sqlite3")
-    if before is not None:
-        before(store)
-    svc = LedgerService(parse_config(text, "test"), store, observer=observer, config_text=text)
-    svc.load()
-    units = FakeUnits()
-    notes: list[str] = []
-    kwargs: dict[str, Any] = {"notify": notes.append}
-    if clock is not None:
-        kwargs["clock"] = clock
-    sup = ScriptedSupervisor(svc, cast(Any, units), observer, **kwargs)
-    return Rig(tmp, svc, units, sup, observer, notes)
-
-
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    r = await make_rig(tmp_path)
-    async with r.sup:
+    r = await make_rig(tmp_path, CONFIG)
+    async for _ in entered(r):
         yield r
-    r.svc.close()
-    r.svc.store.close()
-
-
-async def entered(r: Rig) -> AsyncIterator[Rig]:
-    async with r.sup:
-        yield r
-    r.svc.close()
-    r.svc.store.close()
 
 
 # ---- lifecycle ------------------------------------------------------------------------------
 
 
 async def test_entering_connects_and_sets_the_services_hooks(tmp_path: Path) -> None:
-    r = await make_rig(tmp_path)
+    r = await make_rig(tmp_path, CONFIG)
     assert r.svc.launching() == (False, "launching is not set up in this gpud")
     async with r.sup:
         assert r.units.connected
@@ -436,7 +223,7 @@ async def test_a_relative_executable_is_found_in_path(rig: Rig) -> None:
 
 
 async def test_without_observation_no_device_is_handed_out(tmp_path: Path) -> None:
-    r = await make_rig(tmp_path, observed=False)
+    r = await make_rig(tmp_path, CONFIG, observed=False)
     async for _ in entered(r):
         with pytest.raises(Conflict, match="observation is unavailable, so gpud cannot tell "
                                            "that device 'GPU-sim-0' exists"):
@@ -459,7 +246,7 @@ async def test_a_unit_that_systemd_will_not_start_fails_the_serve(rig: Rig, serv
 
 async def test_a_serve_that_never_answers_fails_at_its_start_timeout(tmp_path: Path) -> None:
     clock = Clock()
-    r = await make_rig(tmp_path, clock=clock, extra="")
+    r = await make_rig(tmp_path, CONFIG, clock=clock, extra="")
     text = (r.svc.config_text or "").replace('restart = "no"', 'restart = "no"\nstart_timeout_s = 5')
     await r.svc.reload(parse_config(text, "t"), text, source="t")
 
@@ -479,7 +266,7 @@ async def test_a_serve_that_never_answers_fails_at_its_start_timeout(tmp_path: P
 
 async def test_a_foreign_answer_is_named_when_the_start_times_out(tmp_path: Path) -> None:
     clock = Clock()
-    r = await make_rig(tmp_path, clock=clock)
+    r = await make_rig(tmp_path, CONFIG, clock=clock)
     text = (r.svc.config_text or "").replace('restart = "no"', 'restart = "no"\nstart_timeout_s = 2')
     await r.svc.reload(parse_config(text, "t"), text, source="t")
 
@@ -496,7 +283,7 @@ async def test_a_foreign_answer_is_named_when_the_start_times_out(tmp_path: Path
 
 async def test_a_failed_stop_at_the_start_timeout_keeps_the_reservation(tmp_path: Path) -> None:
     clock = Clock()
-    r = await make_rig(tmp_path, clock=clock)
+    r = await make_rig(tmp_path, CONFIG, clock=clock)
     text = (r.svc.config_text or "").replace('restart = "no"', 'restart = "no"\nstart_timeout_s = 1')
     await r.svc.reload(parse_config(text, "t"), text, source="t")
 
@@ -744,7 +531,7 @@ async def test_systemds_start_limit_is_a_crash_loop(rig: Rig) -> None:
 ])
 async def test_an_operators_stop_is_recorded_as_such(tmp_path: Path, serve: str, keep: bool,
                                                      policy: str, after: dict[str, int]) -> None:
-    r = await make_rig(tmp_path)
+    r = await make_rig(tmp_path, CONFIG)
     text = (r.svc.config_text or "").replace(
         "memory_return_timeout_s = 0",
         f"memory_return_timeout_s = 0\nkeep_resident_on_outside_stop = {str(keep).lower()}")
@@ -862,7 +649,7 @@ async def test_resync_fails_a_live_serve_whose_unit_is_gone(rig: Rig) -> None:
 
 @pytest.fixture
 async def checked(tmp_path: Path) -> AsyncIterator[Rig]:
-    r = await make_rig(tmp_path, health=0.01)
+    r = await make_rig(tmp_path, CONFIG, health=0.01)
     async for _ in entered(r):
         yield r
 
@@ -937,7 +724,7 @@ async def test_a_unit_that_does_not_come_back_after_the_restart(checked: Rig) ->
 
 
 async def test_repeated_unhealthy_restarts_are_a_crash_loop(tmp_path: Path) -> None:
-    r = await make_rig(tmp_path, health=0.01)
+    r = await make_rig(tmp_path, CONFIG, health=0.01)
     text = (r.svc.config_text or "").replace("crash_loop_restarts = 2", "crash_loop_restarts = 1")
     await r.svc.reload(parse_config(text, "t"), text, source="t")
     async for _ in entered(r):
