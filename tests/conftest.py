@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 # Skips CI accepts, each with why; any other skip in CI (CI=true) fails the run, so nothing
 # passes there by not running.
@@ -43,6 +45,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The examples hypothesis found, the failing ones above all, replayed first by the next run. In
+# CI (CI=true) they go where CI keeps them, beside the checkout's other artifacts
+# (.ci/artifacts/, ignored by git); elsewhere hypothesis keeps them in .hypothesis/.
+HYPOTHESIS_DB = Path(os.environ.get("GPUD_HYPOTHESIS_DB") or REPO / ".ci" / "artifacts" / "hypothesis")
+settings.register_profile("ci", database=DirectoryBasedExampleDatabase(HYPOTHESIS_DB),
+                          print_blob=True)
+if os.environ.get("CI") == "true":
+    HYPOTHESIS_DB.mkdir(parents=True, exist_ok=True)
+    settings.load_profile("ci")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    database = settings().database
+    where = getattr(database, "path", None)
+    shown = str(Path(where).resolve()) if where is not None else repr(database)
+    terminalreporter.write_line(f"hypothesis example database: {shown}")
 
 # The seed's T015 ledger: reserve 7168, fast 18432 + embeddings 3200 + reranker 3456 = 25088
 # committed, free 351; ocr 5120 does not fit.

@@ -48,6 +48,12 @@ def seed_note() -> str:
     return f"(rerun with GPUD_CAMPAIGN_SEED={SEED})"
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The seed of this run's campaigns, pass or fail: a run that only fails later (CI's next
+    run, on another seed) can still be compared with this one."""
+    terminalreporter.write_line(f"campaign seed: GPUD_CAMPAIGN_SEED={SEED}")
+
+
 # ---- a client that keeps its connection and measures each call ---------------------------------
 
 

@@ -28,11 +28,11 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from tests.campaigns.conftest import check_ledger_figures, knob, read_store, rss_kib
+from tests.campaigns.conftest import SEED, check_ledger_figures, knob, read_store, rss_kib
 from tests.campaigns.test_config_fuzz import TOMLISH
 from tests.conftest import T015, GpudProcess, UnixHTTPConnection, start_gpud
 
@@ -255,8 +255,8 @@ def fuzz(gp: GpudProcess, examples: int) -> None:
     rss0 = rss_kib(gp.proc.pid)
     problems: list[str] = []
 
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @seed(SEED)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(requests_from(doc))
     def one(req: tuple[str, str, str, bytes | None, dict[str, str]]) -> None:
         method, template, path, body, headers = req
@@ -327,8 +327,8 @@ def schemathesis_operation(gp: GpudProcess, conformance: Conformance, op: Any, t
     many were answered."""
     sent = 0
 
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @seed(SEED)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(op.as_strategy(generation_mode=mode))
     def one(case: Any) -> None:
         nonlocal sent

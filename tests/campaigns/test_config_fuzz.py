@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from gpud.config import Config, parse_config
 from gpud.core.launch import command_argv
 from gpud.errors import ConfigError
-from tests.campaigns.conftest import knob
+from tests.campaigns.conftest import SEED, knob
 
 TABLES = ["daemon", "roles.r", "roles.dark-fast", "roles.Bad", "serves.s", "serves.ocr",
           "serves.s.vllm", "serves.s.environment", "serves.ocr.vllm", "simulation", "x",
@@ -185,12 +186,15 @@ def parse_only_config_errors(text: str) -> Config | None:
         return None
 
 
-def examples(short: int) -> settings:
-    return settings(max_examples=short, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def examples(short: int) -> Callable[[Any], Any]:
+    """`short` examples, from the campaign's seed (GPUD_CAMPAIGN_SEED replays them), kept in
+    the example database of the run's hypothesis profile (tests/conftest.py)."""
+    chosen = settings(max_examples=short, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return lambda test: seed(SEED)(chosen(test))
 
 
-def long_examples() -> settings:
+def long_examples() -> Callable[[Any], Any]:
     return examples(knob("EXAMPLES", 5000))
 
 
@@ -258,7 +262,9 @@ def valid_documents(draw: st.DrawFn) -> dict[str, Any]:
         else:
             spec["vllm"] = {"model": draw(st.text(min_size=1, max_size=10).filter(
                 lambda t: "\0" not in t))}
-            # vLLM refuses a utilization of 0.0000: at least 1/10000 of the total.
+        if "vllm" in spec or "{gpu_memory_utilization}" in spec["command"]:
+            # A utilization of 0.0000 is refused (vLLM's own bound, and gpud's for a command
+            # that is handed one): at least 1/10000 of the total.
             capacity = roles[role]["capacity_mib"]
             spec["vram_mib"] = max(spec["vram_mib"], capacity // 10_000 + 1)
         serves[serve] = spec
