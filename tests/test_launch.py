@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -12,13 +13,18 @@ from gpud.calibration import recommend
 from gpud.config import ServeConfig, parse_config
 from gpud.core.argv64 import decode, encode
 from gpud.core.launch import (
+    command_argv,
     fingerprint,
+    reload_alters_arguments,
     serve_argv,
     serve_environment,
+    show_commands,
     stop_budget,
     through_shim,
+    vllm_argv,
     vllm_environment,
 )
+from gpud.core.observation import DeviceSample
 from gpud.errors import Refused, Unavailable
 from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
 from tests.conftest import REPO
@@ -234,3 +240,121 @@ def test_context_mib_keeps_util_x_total_plus_context_inside_the_reservation() ->
     tiny = ctx.model_copy(update={"vram_mib": 400})
     with pytest.raises(Refused, match=r"does not cover its vllm\.context_mib"):
         serve_argv(tiny, total_mib=32607, device_index=0, vllm_executable="vllm")
+
+
+# ---- in-process: show_commands, the refusals and the figures at their edges ------------------
+
+
+def _config(text: str):  # type: ignore[no-untyped-def]
+    return parse_config(textwrap.dedent(text), "t.toml")
+
+
+SHOW = """
+[roles.r]
+device = "GPU-a"
+capacity_mib = 20000
+[roles.idx]
+device = "7"
+capacity_mib = 1000
+[roles.lost]
+device = "GPU-nowhere"
+capacity_mib = 1000
+[serves.late]
+role = "r"
+vram_mib = 2000
+priority = 1
+command = ["/bin/s", "{gpu_memory_utilization}", "{device_index}"]
+environment = { A = "x y" }
+[serves.early]
+role = "idx"
+vram_mib = 100
+priority = 0
+command = ["/bin/e", "{port}"]
+port = 9
+[serves.b-same]
+role = "lost"
+vram_mib = 100
+priority = 1
+command = ["/bin/b"]
+[serves.a-same]
+role = "r"
+vram_mib = 2
+priority = 1
+command = ["/bin/a", "{gpu_memory_utilization}"]
+"""
+
+
+def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
+    dev = DeviceSample("GPU-a", 3, "00000000:03:00.0", "GPU", 30000, 0, 30000)
+    seen: list[str] = []
+
+    def extra(uuid: str) -> dict[str, str]:
+        seen.append(uuid)
+        return {"SIM": uuid}
+
+    lines = show_commands(_config(SHOW), (dev,), "NVML", extra)
+    assert lines == [
+        "device totals from NVML:",
+        "  3: GPU-a 30000 MiB",
+        "serve early: role idx, device '7' (total unknown), 100 MiB",
+        "  environment: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=7",
+        "  argv: /bin/e 9",
+        "serve a-same: role r, device 3 (GPU-a, 30000 MiB), 2 MiB",
+        "  refused: serve a-same: 2 MiB of a 30000 MiB device is --gpu-memory-utilization "
+        "0.0000, which vLLM refuses (it must be > 0); reserve at least 3 MiB",
+        "serve b-same: role lost, device 'GPU-nowhere' (total unknown), 100 MiB",
+        "  refused: device 'GPU-nowhere' cannot be resolved to an index",
+        "serve late: role r, device 3 (GPU-a, 30000 MiB), 2000 MiB",
+        "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 SIM=GPU-a",
+        "  argv: /bin/s 0.0666 3",
+    ]
+    assert seen == ["GPU-a"]  # asked only for a device it knows
+
+
+def test_show_commands_without_devices() -> None:
+    lines = show_commands(_config('[roles.r]\ndevice = "0"\ncapacity_mib = 10\n'), (), "NVML")
+    assert lines == ["device totals from NVML:", "  none known"]
+
+
+@pytest.mark.parametrize(("total", "least"), [(10_001, 2), (19_999, 2), (30_001, 4)])
+def test_the_least_reservation_named_is_exact(total: int, least: int) -> None:
+    """util = floor(mib / total, 4 decimals) > 0 exactly when mib >= total / 10000."""
+    serve = ServeConfig(role="r", vram_mib=least, command=["/x", "{gpu_memory_utilization}"])
+    with pytest.raises(Refused, match=f"reserve at least {least} MiB"):
+        serve_argv(serve, total_mib=total, device_index=0, vllm_executable="v",
+                   vram_mib=least - 1)
+    assert serve_argv(serve, total_mib=total, device_index=0, vllm_executable="v") == [
+        "/x", "0.0001"]
+
+
+def test_a_command_serve_hands_out_its_whole_reservation() -> None:
+    serve = ServeConfig(role="r", vram_mib=5000, command=["/x", "{gpu_memory_utilization}"])
+    assert serve_argv(serve, total_mib=10_000, device_index=0, vllm_executable="v") == [
+        "/x", "0.5000"]
+
+
+def test_a_budget_of_one_mib_is_still_a_budget() -> None:
+    fast = example_serves()["fast"]
+    ctx = fast.model_copy(update={"vram_mib": 1001,
+                                  "vllm": fast.vllm.model_copy(update={"context_mib": 1000})})
+    argv = serve_argv(ctx, total_mib=10_000, device_index=0, vllm_executable="vllm")
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.0001"
+
+
+def test_argv_builders_refuse_the_other_kind_of_serve() -> None:
+    serves = example_serves()
+    with pytest.raises(ValueError, match="not a vllm serve"):
+        vllm_argv(serves["ocr"], executable="v", util="0.1")
+    with pytest.raises(ValueError, match="not a command serve"):
+        command_argv(serves["fast"], util="0.1", device_index=0)
+
+
+def test_systemd_253_keeps_arguments_across_a_reload() -> None:
+    assert reload_alters_arguments(252) and reload_alters_arguments(None)
+    assert not reload_alters_arguments(253)
+    assert through_shim(["/bin/x", "$A"], "/py", 253) == ["/bin/x", "$A"]
+
+
+def test_a_fingerprint_is_16_hex_digits() -> None:
+    fp = fingerprint(example_serves()["fast"])
+    assert len(fp) == 16 and int(fp, 16) >= 0
