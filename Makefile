@@ -3,7 +3,7 @@
 # (made by scripts/setup), never in the system's interpreter.
 PY := .venv/bin/python
 
-.PHONY: setup demo run test lint unit bench mutation deb docs clean distclean
+.PHONY: setup demo run test lint unit bench mutation coverage deb docs clean distclean
 
 setup:
 	scripts/setup
@@ -31,6 +31,18 @@ bench: setup
 mutation: setup
 	$(PY) tools/mutate.py
 
+# Line coverage of gpud by the tests, the daemons and clients they start included (not part of
+# `make test`; [tool.coverage] in pyproject.toml). TESTS picks what runs: the default is the
+# unit tests; TESTS=tests measures everything, sandbox included; the direct tests of the service,
+# supervisor and rebalance alone:
+#   make coverage TESTS="tests/test_service.py tests/test_supervisor_direct.py tests/test_rebalance_direct.py"
+TESTS ?= -m 'not sandbox and not slow'
+coverage: setup
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest $(TESTS)
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report
+
 # gpuctl(1), gpud(8), the bash/zsh completion and the dashboard's state panel are generated from
 # gpud's own tables; tests fail when they are stale
 docs: setup
@@ -42,7 +54,7 @@ deb: setup
 	PYTHON=$(PY) packaging/build-deb
 
 clean:
-	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .coverage .coverage.*
 
 distclean: clean
 	rm -rf .venv
