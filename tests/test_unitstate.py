@@ -90,3 +90,37 @@ def test_will_restart_follows_systemds_restart_setting() -> None:
     ok, bad = unit("inactive", "dead"), unit("failed", "failed", "exit-code")
     assert [will_restart(r, u) for r in ("no", "on-failure", "always") for u in (ok, bad)] == [
         False, False, False, True, True, True]
+
+
+def test_a_restart_count_is_the_difference_since_last_seen() -> None:
+    rt = replace(RT, prev=unit(restarts=2))
+    assert on_unit(rt, unit(restarts=3)) == [CountRestarts(1)]
+
+
+@pytest.mark.parametrize(("active_exit_us", "exec_main_exit_us", "by_job"), [
+    (100, 200, True),   # left active before its process exited: a stop job ended it
+    (1, 2, True),       # the earliest timestamps are timestamps too
+    (200, 100, False),  # the process exited first: the unit followed it
+    (150, 150, False),  # together: the process's exit ended the unit
+    (0, 200, False),    # never left active (0: systemd has no such timestamp)
+])
+def test_stopped_by_job_from_the_timestamps(active_exit_us: int, exec_main_exit_us: int,
+                                            by_job: bool) -> None:
+    st = replace(unit(), active_exit_us=active_exit_us, exec_main_exit_us=exec_main_exit_us)
+    assert st.stopped_by_job is by_job
+
+
+@pytest.mark.parametrize(("code", "how"), [
+    (1, "status 9"), (2, "killed by signal 9"), (3, "killed by signal 9"), (4, "status 9")])
+def test_how_a_process_ended(code: int, how: str) -> None:
+    """CLD_EXITED (1): an exit status; CLD_KILLED (2) and CLD_DUMPED (3): a signal."""
+    assert replace(unit(), exec_main_code=code, exec_main_status=9).how == how
+
+
+def test_a_unit_state_without_exit_details_knows_none() -> None:
+    """Fields systemd did not report read as 0 ("no such value"): not a stop job, no signal."""
+    st = UnitState("s", "gpud-serve-s.service", "active", "running", "success", 0, 42, 0, "i",
+                   "/g")
+    assert (st.exec_main_code, st.active_exit_us, st.exec_main_exit_us) == (0, 0, 0)
+    assert st.load_state == "loaded"
+    assert not st.stopped_by_job and st.how == "status 0"
