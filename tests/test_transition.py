@@ -153,6 +153,13 @@ def test_violations_names_each_broken_clause() -> None:
                       {"x": "running"}) == []
     full = Ledger.build(budgets(OLD), [res("x", "a", 900)])  # exactly capacity - reserve
     assert violations(OLD, full, {"x": "running"}) == []
+    over_by_one = Ledger.build(budgets(OLD), [res("x", "a", 901)])
+    assert violations(OLD, over_by_one, {"x": "running"}) == [
+        "role 'a': committed 901 > capacity 1000 - reserve 100"]
+    # adopted units may leave a role over by as much as they hold, and no more
+    assert violations(OLD, over_by_one, {"x": "running"}, adopted_over={"a": 1}) == []
+    assert violations(OLD, Ledger.build(budgets(OLD), [res("x", "a", 902)]), {"x": "running"},
+                      adopted_over={"a": 1}) != []
     named = Ledger.build(budgets(OLD), [res("x", "a", 300, external=True)])
     assert violations(OLD, named, {}) == ["x: external reservation under a configured serve's "
                                           "name"]
