@@ -148,3 +148,89 @@ def test_a_reservation_made_by_hand_at_another_size_is_resized() -> None:
     assert (run.change, run.mib_before, run.mib_after, run.restart) == ("resized", 2500, 3000,
                                                                         True)
     assert by_name(p)["idle"].change == "unchanged" and not by_name(p)["idle"].restart
+
+
+# ---- the state each staying serve is shown in after the change -------------------------------
+
+
+STAYING = config(ROLES, {
+    "res-big": {"role": "a", "vram_mib": 500, "resident": True, "priority": 0},
+    "res-run": {"role": "a", "vram_mib": 1000, "resident": True, "priority": 1},
+    "nr-run": {"role": "a", "vram_mib": 1000, "priority": 2},
+    "res-new": {"role": "a", "vram_mib": 1000, "resident": True, "priority": 3},
+    "nr-decl": {"role": "a", "vram_mib": 500, "priority": 4},
+    "nr-denied": {"role": "a", "vram_mib": 500, "priority": 5},
+    "nr-held-denied": {"role": "a", "vram_mib": 500, "priority": 6},
+})
+STAYING_HELD = [Reservation("res-run", "a", 1000, 1.0), Reservation("nr-run", "a", 1000, 2.0),
+                Reservation("nr-held-denied", "a", 500, 3.0)]
+STAYING_STATES = {"res-big": "declared", "res-run": "running", "nr-run": "running",
+                  "res-new": "declared", "nr-decl": "declared", "nr-denied": "denied",
+                  "nr-held-denied": "denied"}
+
+
+def staying_plan(new: Config) -> Plan:
+    return make_plan(old=STAYING, new=new, ledger=Ledger.build(budgets(STAYING), STAYING_HELD),
+                     new_budgets=budgets(new), states=STAYING_STATES, totals={"0": 20000},
+                     source="t")
+
+
+def test_the_state_after_of_each_staying_serve() -> None:
+    specs = {n: {"role": s.role, "vram_mib": s.vram_mib, "resident": s.resident,
+                 "priority": s.priority} for n, s in STAYING.serves.items()}
+    specs["res-big"]["vram_mib"] = 8000  # 2500 held + 8000 > 10000: denied
+    p = staying_plan(config(ROLES, specs))
+    after = {c.name: c.state_after for c in p.serves}
+    assert after == {
+        "res-big": "denied",         # resident, does not fit
+        "res-run": "running",        # resident and running: it keeps running
+        "nr-run": "running",
+        "res-new": "admitted",       # resident, holds nothing, fits: admitted by the plan
+        "nr-decl": "declared",       # not resident, holds nothing: nothing changes
+        "nr-denied": "denied",       # not resident, denied before, holds nothing
+        "nr-held-denied": "admitted",  # denied once, but it holds its reservation
+    }
+    assert p.serves[0].name == "res-big"  # first in order: its assignment is its own
+    assert by_name(p)["res-big"].reason is not None
+    assert p.ok is False and p.resident_fits is False
+
+
+def test_an_applicable_plan_is_ok() -> None:
+    p = staying_plan(STAYING)
+    assert p.ok is True and p.resident_fits is True and p.blocked == ()
+
+
+def test_a_change_the_ledger_cannot_follow_blocks_the_plan_with_the_overcommit_too() -> None:
+    new = config(ROLES, {
+        "run": {"role": "a", "vram_mib": 9000, "resident": True, "priority": 2},
+        "idle": {"role": "a", "vram_mib": 2000, "priority": 3},
+        "ext": {"role": "b", "vram_mib": 100},  # the external reservation's name
+    })
+    p = plan(new)
+    messages = [b.message for b in p.blocked]
+    assert messages[0].startswith("ext (100 MiB on b): holds an external reservation")
+    assert messages[-1].startswith("roles.a: the resized reservations commit 11000 MiB")
+    assert len(messages) == 2
+    assert p.ok is False and p.stop_first == ()
+
+
+def test_a_role_only_before_or_only_after_has_no_figures_there() -> None:
+    cfg = Config.model_validate({
+        "roles": {"a": {"device": "0", "capacity_mib": 10000}, "b": {"device": "1",
+                                                                    "capacity_mib": 4000},
+                  "c": {"device": "2", "capacity_mib": 500}},
+        "serves": {"run": {"command": ["/bin/true"], "role": "a", "vram_mib": 3000,
+                           "resident": True, "priority": 2}}})
+    doc = plan(cfg).to_json()
+    roles = {r["name"]: r for r in doc["roles"]}
+    assert roles["c"]["before"] is None
+    assert roles["c"]["after"] == {"capacity_mib": 500, "reserve_mib": 0, "committed_mib": 0,
+                                   "free_mib": 500}
+
+
+def test_a_serve_on_a_role_its_ledger_does_not_know_has_no_utilization() -> None:
+    old = config(dict(ROLES, z=(100, 0)), {"lost": {"role": "z", "vram_mib": 50}})
+    p = make_plan(old=old, new=old, ledger=Ledger.build(budgets(OLD), []),
+                  new_budgets=budgets(old), states={}, totals={}, source="t")
+    lost = by_name(p)["lost"]
+    assert (lost.role_before, lost.util_before, lost.util_after) == ("z", None, "0.5000")
