@@ -4,6 +4,12 @@ The argv itself is pure (gpud.core.launch.container_argv). Here: before a contai
 starts, its image must be present (``podman image exists``): gpud never pulls on its own, so a
 missing image is a start failure that says so, unless the serve sets ``pull = "missing"``, and
 then the pull is an event of its own before the start.
+
+podman does not run inside gpud's own process tree: gpud.service is sandboxed (/etc read-only,
+no network beyond loopback, no new namespaces, a system-call filter), and podman needs to write
+its store and locks (/etc/containers/networks, /var/lib/containers), and a pull needs the
+registry. Each podman command runs as a transient unit of its own (`systemd-run --wait --pipe`,
+over the system bus gpud uses anyway), with its output piped back and its exit status returned.
 """
 
 from __future__ import annotations
@@ -33,9 +39,18 @@ def podman_path(engine: str = "podman") -> str | None:
     return shutil.which(engine)
 
 
-async def _run(argv: list[str], timeout: float) -> tuple[int, str]:
+def outside_gpud(argv: list[str], what: str) -> list[str]:
+    """`argv` as a transient unit of its own, outside gpud.service's sandbox (see above)."""
+    runner = shutil.which("systemd-run")
+    if runner is None:
+        return argv
+    return [runner, "--quiet", "--wait", "--pipe", "--collect", "--service-type=exec",
+            f"--description=gpud: {what}", "--property=TimeoutStopSec=10", *argv]
+
+
+async def _run(argv: list[str], timeout: float, what: str = "podman") -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *outside_gpud(argv, what), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
@@ -53,7 +68,8 @@ async def ensure_image(serve: str, c: ContainerConfig,
     podman = podman_path(c.engine)
     if podman is None:
         return Outcome(False, f"{c.engine} is not installed (not found in PATH)")
-    rc, out = await _run([podman, "image", "exists", c.image], QUERY_TIMEOUT_S)
+    rc, out = await _run([podman, "image", "exists", c.image], QUERY_TIMEOUT_S,
+                         f"is image {c.image} present (serve {serve})")
     if rc == 0:
         return Outcome(True, "present")
     if rc != 1:
@@ -64,7 +80,8 @@ async def ensure_image(serve: str, c: ContainerConfig,
                               f"serves.{serve}.container.pull = \"missing\"")
     await say(f"{serve}: image {c.image} is not present locally; pulling it "
               f"(serves.{serve}.container.pull = \"missing\")")
-    rc, out = await _run([podman, "pull", c.image], PULL_TIMEOUT_S)
+    rc, out = await _run([podman, "pull", c.image], PULL_TIMEOUT_S,
+                         f"pull image {c.image} (serve {serve})")
     if rc != 0:
         return Outcome(False, f"pulling image {c.image} failed ({rc}): {out[-400:]}")
     await say(f"{serve}: pulled image {c.image}")

@@ -265,7 +265,7 @@ class SimulatedBackend:
                     notes.append(f"{path.name}: {exc}")
                     continue
                 if match.group(2) is not None:
-                    host_pid = self._host_pid(int(match.group(2)), entry.pid)
+                    host_pid = self._host_pid(int(match.group(2)), entry.pid, starttime)
                     if host_pid is None:  # its namespace is gone: so is the process
                         self._parsed.pop(path.name, None)
                         if self._remove_dead:
@@ -286,22 +286,29 @@ class SimulatedBackend:
             del self._parsed[name]
         return found
 
-    def _host_pid(self, pidns: int, pid: int) -> int | None:
+    def _host_pid(self, pidns: int, pid: int, starttime: int | None) -> int | None:
         """The PID, as this /proc numbers it, of the process that is `pid` in the PID namespace
-        `pidns` (a container's): NVML reports host PIDs, so the simulation does too. Found by the
-        namespace's inode (/proc/P/ns/pid) and the last NSpid of /proc/P/status."""
+        `pidns` (a container's): NVML reports host PIDs, so the simulation does too. Found by
+        the last NSpid of /proc/P/status and the start time in /proc/P/stat (both readable by
+        anyone; /proc/P/ns/pid is not: reading it takes ptrace access, which gpud.service does
+        not have to a container's processes)."""
         if _pid_namespace(self._proc_root, "self") == pidns:
             return pid
         for entry in self._proc_root.iterdir():
-            if not entry.name.isdigit() or _pid_namespace(self._proc_root, entry.name) != pidns:
+            if not entry.name.isdigit():
                 continue
             try:
                 status = (entry / "status").read_text(encoding="ascii", errors="replace")
             except OSError:
                 continue
             for line in status.splitlines():
-                if line.startswith("NSpid:") and line.split()[-1] == str(pid):
-                    return int(entry.name)
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    if len(ids) > 1 and ids[-1] == str(pid):
+                        stat = _proc_stat(self._proc_root, int(entry.name))
+                        if stat is not None and starttime in (None, stat[1]):
+                            return int(entry.name)
+                    break
         return None
 
     def _device_sample(

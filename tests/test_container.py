@@ -214,19 +214,20 @@ def test_container_processes_are_told_apart(text: str, serve: str | None,
     assert (found[0] if found else None) == container
 
 
-def _fake_proc(root: Path, pid: str, pidns: int, nspid: str | None = None) -> None:
+def _fake_proc(root: Path, pid: str, pidns: int, nspid: str | None = None,
+               started: int = 777) -> None:
     (root / pid / "ns").mkdir(parents=True)
     # readlink of /proc/P/ns/pid gives "pid:[INODE]": a dangling symlink reads the same
     os.symlink(f"pid:[{pidns}]", root / pid / "ns" / "pid")
     (root / pid / "status").write_text(f"Name:\tx\nNSpid:\t{pid}\t{nspid or pid}\n")
-    (root / pid / "stat").write_text(f"{pid} (x) S " + " ".join(["0"] * 18) + " 777 0\n")
+    (root / pid / "stat").write_text(f"{pid} (x) S " + " ".join(["0"] * 18) + f" {started} 0\n")
 
 
 def test_a_containers_registration_is_reported_by_host_pid(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     _fake_proc(proc, "self", 100)
     _fake_proc(proc, "4242", 200, nspid="2")   # PID 2 inside the container
-    _fake_proc(proc, "4243", 300, nspid="2")   # another container's PID 2
+    _fake_proc(proc, "4243", 300, nspid="2", started=555)   # another container's PID 2
     procs = tmp_path / "sim-procs"
     inside = tmp_path / "inside"               # the container's own /proc
     _fake_proc(inside, "2", 200)
@@ -235,6 +236,9 @@ def test_a_containers_registration_is_reported_by_host_pid(tmp_path: Path) -> No
     # the same PID in the host's namespace keeps the plain name
     assert register_process(procs, 4243, "GPU-sim-0", 10, proc_root=proc,
                             host_pidns=300).name == "4243.json"
+    # gpud.service cannot read a container process's /proc/P/ns/pid (no ptrace access): the
+    # host PID is found from what anyone can read
+    os.unlink(proc / "4242" / "ns" / "pid")
     (tmp_path / "sim.json").write_text("{}")
     sim = SimulatedBackend([SimulatedDevice("GPU-sim-0", 32607)], tmp_path / "sim.json",
                            procs_dir=procs, proc_root=proc)
