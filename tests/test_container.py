@@ -245,3 +245,14 @@ def test_a_containers_registration_is_reported_by_host_pid(tmp_path: Path) -> No
     obs = sim.sample()
     assert obs.devices[0].processes == (ProcessDraw(4242, 7000), ProcessDraw(4243, 10))
     assert sim.environment_for("GPU-sim-0")["GPUD_SIM_PIDNS"] == "100"
+
+
+def test_what_a_container_runs_needs_root() -> None:
+    from gpud.core.authority import needs_root
+
+    old = parse_config(_toml({"role": "r", "vram_mib": 1024, "vllm": {"model": "m"},
+                              "container": {"image": DIGEST}}), "t")
+    new = parse_config(_toml({"role": "r", "vram_mib": 2048, "vllm": {"model": "m"},
+                              "container": {"image": DIGEST.replace("0123", "4567"),
+                                            "volumes": ["/:/host:rw"]}}), "t")
+    assert needs_root(old, new) == ["serves.s.container.image", "serves.s.container.volumes"]
