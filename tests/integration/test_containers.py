@@ -27,6 +27,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,16 +133,21 @@ def _configure(gpud: SandboxGpud, config: str) -> None:
     gpud.start()
 
 
-def _wait_draw(gpud: SandboxGpud, serve: str, at_least: int, timeout: float = 20) -> dict:  # type: ignore[type-arg]
+def _wait_draw(gpud: SandboxGpud, serve: str, at_least: int,
+               timeout: float = 20) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
-    last: dict = {}  # type: ignore[type-arg]
+    last: dict[str, Any] = {}
     while time.monotonic() < deadline:
         last = gpud.serve(serve)
         if (last.get("observed_mib") or 0) >= at_least:
             return last
         time.sleep(0.2)
+    inside = gpud.sb.run(["podman", "exec", f"gpud-serve-{serve}", "python3", "-c",
+                          "import os; print(sorted(os.environ), os.listdir(os.environ"
+                          "['GPUD_SIM_PROCS_DIR']))"], check=False)
     raise AssertionError(f"{serve} draws {last.get('observed_mib')} MiB\n{gpud.journal_tail()}\n"
-                         + gpud.sb.run(f"ls -la {PROCS}; podman exec gpud-serve-{serve} python3 -c 'import os; print(dict(os.environ))'; podman exec gpud-serve-{serve} python3 -c 'import os; print(os.listdir(\"/run/gpud/sim-procs\"))'", check=False).stdout)
+                         f"registered: {gpud.sb.run(['ls', PROCS], check=False).stdout}\n"
+                         f"inside: {inside.stdout}{inside.stderr}")
 
 
 def _payload_pids(gpud: SandboxGpud, unit: str) -> list[int]:
