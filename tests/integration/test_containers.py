@@ -236,3 +236,16 @@ def test_a_container_outside_the_unit_raises_an_event(gpud: SandboxGpud) -> None
     assert "counted as non-ledger draw" in ev["message"]
     time.sleep(1.5)  # several polls: reported once per process
     assert len(gpud.events(kind="container-outside-unit")) == 1
+
+
+def test_a_host_without_a_cdi_spec_is_told_so_at_start(gpud: SandboxGpud) -> None:
+    _configure(gpud, _config(_image_ref(gpud.sb), name="nocdi", port=30053))
+    gpud.sb.run(["mv", "/etc/cdi/gpud-sim.json", "/run/gpud-sim.json.away"])
+    try:
+        reply = gpud.call("POST", "/v1/serves/nocdi/start", {})
+        assert reply.status == 409, reply.raw
+        assert "no CDI spec offers nvidia.com/gpu devices" in reply.body["error"]["message"]
+        assert "nvidia-ctk cdi generate" in gpud.serve("nocdi")["reason"]
+        assert gpud.serve_units() == []
+    finally:
+        gpud.sb.run(["mv", "/run/gpud-sim.json.away", "/etc/cdi/gpud-sim.json"])
