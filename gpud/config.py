@@ -295,7 +295,11 @@ def _container_problems(c: ContainerConfig) -> list[str]:
         problem = _volume_problem(volume)
         if problem:
             problems.append(f"volumes[{i}]: {problem}")
-    if c.shm_size is not None and not SHM_SIZE_RE.fullmatch(c.shm_size):
+    if c.shm_size is not None and c.ipc == "host":
+        # podman 4.3.1: "cannot set shmsize when running in the host IPC Namespace"
+        problems.append("shm_size: not with ipc = \"host\": the container shares the host's "
+                        "/dev/shm, whose size podman cannot set")
+    elif c.shm_size is not None and not SHM_SIZE_RE.fullmatch(c.shm_size):
         problems.append(f"shm_size: {c.shm_size!r} must be a number with an optional unit "
                         "(b, k, m or g), e.g. \"16g\"")
     return problems

@@ -91,6 +91,7 @@ def test_podman_argv_publishes_on_the_serves_host() -> None:
     ({"volumes": ["/a:rel"]}, {}, "the destination must be an absolute path"),
     ({"volumes": ["/a:/b:bogus"]}, {}, "unknown option 'bogus'"),
     ({"shm_size": "lots"}, {}, "shm_size: 'lots' must be a number"),
+    ({"shm_size": "16g", "ipc": "host"}, {}, "shm_size: not with ipc = \"host\""),
     ({"engine": "docker"}, {}, "container.engine: must be one of"),
     ({"pull": "always"}, {}, "container.pull: must be one of"),
     ({"image": "-it"}, {}, "is not an image reference"),
