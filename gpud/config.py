@@ -149,6 +149,9 @@ class ServeConfig(_Model):
             if self.command is not None:
                 raise ValueError("a container serve has no command: what follows the image is "
                                  "container.args (or the [vllm] table's argv)")
+            if self.vllm is not None and self.vllm.executable is not None:
+                raise ValueError("vllm.executable: not with a container: the image's entrypoint "
+                                 "(vllm serve) runs vLLM")
             if self.vllm is not None and self.container.args is not None:
                 raise ValueError("container.args: with a [vllm] table what follows the image is "
                                  "the table's argv; give one of them")

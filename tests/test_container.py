@@ -96,6 +96,7 @@ def test_podman_argv_publishes_on_the_serves_host() -> None:
     ({"pull": "always"}, {}, "container.pull: must be one of"),
     ({"image": "-it"}, {}, "is not an image reference"),
     ({}, {"command": ["/bin/x"]}, "a container serve has no command"),
+    ({}, {"vllm": {"model": "m", "executable": "/opt/vllm"}}, "vllm.executable: not with a"),
 ])
 def test_container_config_problems(container: dict[str, Any], extra: dict[str, Any],
                                    problem: str) -> None:
