@@ -308,7 +308,7 @@ def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
         "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 SIM=GPU-a",
         "  argv: /bin/s 0.0666 3",
     ]
-    assert seen == ["GPU-a"]  # asked only for a device it knows
+    assert set(seen) == {"GPU-a"}  # asked only about a device it knows
 
 
 def test_show_commands_without_devices() -> None:
