@@ -40,7 +40,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "gpud/core/plan.py": ("tests/test_plan.py", "tests/test_plan_cases.py"),
     "gpud/core/transition.py": ("tests/test_transition.py",),
     "gpud/core/authority.py": ("tests/test_authority.py",),
-    "gpud/core/launch.py": ("tests/test_launch.py", "tests/test_vllm_flags.py"),
+    "gpud/core/launch.py": ("tests/test_launch.py", "tests/test_vllm_flags.py",
+                            "tests/test_container.py"),
     "gpud/core/health.py": ("tests/test_health.py",),
     "gpud/core/unitstate.py": ("tests/test_unitstate.py",),
 }
