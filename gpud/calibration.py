@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpud.core import answers
 from gpud.core.launch import fingerprint, utilization, vllm_budget_mib
 from gpud.core.vocab import RUNNING
 from gpud.errors import Conflict, NotFound, Unavailable
@@ -55,7 +56,7 @@ class Run:
     task: asyncio.Task[None] | None = None
     error: str | None = None
 
-    def to_json(self, now: float) -> dict[str, Any]:
+    def to_json(self, now: float) -> answers.CalibrationRun:
         return {"serve": self.serve, "fingerprint": self.fingerprint, "running": True,
                 "window_s": self.window_s, "elapsed_s": round(now - self.started, 1),
                 "samples": len(self.samples),
@@ -102,7 +103,7 @@ class Calibrator:
         spec = self.svc.serve_spec(serve)
         return fingerprint(spec) if spec else None
 
-    def calibration_of(self, serve: str) -> tuple[str, str | None]:
+    def calibration_of(self, serve: str) -> tuple[answers.CalibrationStatus, str | None]:
         """("calibrated" | "stale" | "uncalibrated", fingerprint)."""
         fp = self.fingerprint_of(serve)
         if fp is not None and (serve, fp) in self._records:
@@ -115,7 +116,7 @@ class Calibrator:
         fp = self.fingerprint_of(serve)
         return self._records.get((serve, fp)) if fp else None
 
-    def summary_of(self, serve: str) -> dict[str, Any] | None:
+    def summary_of(self, serve: str) -> answers.Calibrated | None:
         """The current calibration in brief, for `gpuctl serves NAME`: the measured figures,
         the recommended reservation and vLLM's own account (None when not calibrated)."""
         rec = self.record_of(serve)
@@ -144,9 +145,9 @@ class Calibrator:
                 f"{context} + kv_cache_mib {spec.vllm.kv_cache_mib}) exceeds vram_mib "
                 f"{spec.vram_mib}: vLLM would draw past its reservation")
 
-    def view(self, serve: str) -> dict[str, Any]:
+    def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)
-        out: dict[str, Any] = {"serve": serve, "status": status, "fingerprint": fp,
+        out: answers.Calibration = {"serve": serve, "status": status, "fingerprint": fp,
                                "running": None, "record": None}
         run = self.runs.get(serve)
         if run is not None:
@@ -183,7 +184,7 @@ class Calibrator:
             figures["context_mib"] = context_mib(steady_mib, budget)
         return figures
 
-    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]:
+    def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun:
         spec = self.svc.serve_spec(serve)
         if spec is None:
             raise NotFound(f"unknown serve {serve!r}: only configured serves are calibrated",

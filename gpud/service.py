@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core import answers
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition
 from gpud.core.vocab import (
@@ -640,7 +641,7 @@ class LedgerService:
         serves = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         return "; ".join(parts) + f"; {sum(counts.values())} serves: {serves or 'none'}"
 
-    def status_view(self, observation: Mapping[str, Any]) -> dict[str, Any]:
+    def status_view(self, observation: answers.Observation) -> answers.Status:
         counts: dict[str, int] = {}
         for serve in self.known_serves():
             state = self.state_of(serve)
@@ -653,7 +654,7 @@ class LedgerService:
             "started_at": self.started_at,
             "ready": self.ready,
             "launching": {"available": available, "reason": why},
-            "observation": dict(observation),
+            "observation": observation,
             "serve_states": counts,
             "over_committed": [f.role for f in self.ledger.over_committed()],
             "config_file": self.config_file_status(),
@@ -661,7 +662,7 @@ class LedgerService:
             "summary": self.summary(),
         }
 
-    def config_file_status(self) -> dict[str, Any]:
+    def config_file_status(self) -> answers.ConfigFile:
         """Whether the config file on disk is the config in force, and why not."""
         if self.config_path is None:
             return {"differs": False, "reason": None}
