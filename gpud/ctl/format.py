@@ -82,7 +82,10 @@ def format_role(role: Doc) -> list[str]:
         lines.append(f"  !! OVER-COMMITTED{by}: committed exceeds capacity minus reserve; "
                      "reservations are kept, release or shrink a serve")
     if role.get("missing"):
-        lines.append(f"  !! device {role.get('device')} is missing")
+        # A role the config no longer has, kept because reservations still name it (its
+        # device is empty and its capacity 0: there is no device to name).
+        lines.append(f"  !! role '{role.get('name')}' is not in the config: its reservations "
+                     "are kept; release them or restore the role")
     lines += [format_reservation(r) for r in role.get("reservations") or []]
     observed = role.get("observed")
     if observed:
