@@ -191,6 +191,41 @@ def test_the_canned_answers_are_what_gpud_answers(name: str, schema: str, doc: A
     assert schema_errors(doc, {"$ref": f"#/components/schemas/{schema}"}, DOC) == [], name
 
 
+def _fields_read(path: Path) -> set[str]:
+    """The keys a module reads from JSON: ``x.get("key")`` and ``x["key"]`` with a literal."""
+    import ast
+
+    keys = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get" and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            keys.add(node.args[0].value)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+              and isinstance(node.slice.value, str)):
+            keys.add(node.slice.value)
+    return keys
+
+
+def test_every_field_gpuctl_reads_is_one_gpud_answers_with() -> None:
+    """A formatter that reads a field no answer has prints '-' forever: caught here."""
+    from dataclasses import fields
+
+    from gpud.vllm_log import VllmMemory
+
+    answered = {k for schema in DOC["components"]["schemas"].values()
+                for k in schema.get("properties", {})}
+    # free-form objects of the answers: an error's details (a denial's figures, a config's
+    # problems) and vLLM's own account of a calibrated serve (gpud.calibration.vllm_figures)
+    details = {"bound", "need_mib", "free_mib", "shortfall_mib", "problems", "role", "serve"}
+    vllm = {f.name for f in fields(VllmMemory)} | {"recommended_kv_cache_mib", "context_mib",
+                                                   "budget_mib"}
+    read = set()
+    for module in ("format.py", "commands.py"):
+        read |= _fields_read(REPO / "gpud" / "ctl" / module)
+    assert read - answered - details - vllm == set()
+
+
 def test_a_canned_answer_lacking_a_field_is_caught() -> None:
     role = copy.deepcopy(LEDGER_T011)
     del role["roles"][0]["missing"]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any
 
+    from gpud.core import answers
     from gpud.ctl.errors import CtlError
 
     Doc = dict[str, Any]
@@ -41,7 +42,7 @@ def local_time(ts: float, tz: datetime.tzinfo | None = None) -> str:
     return moment.astimezone(tz).isoformat(timespec="seconds")
 
 
-def format_reservation(res: Doc) -> str:
+def format_reservation(res: answers.Reservation) -> str:
     """``  fast 14336 MiB (resident, running)``, as in the seed record."""
     state = res.get("state") or "?"
     if res.get("external"):
@@ -53,7 +54,7 @@ def format_reservation(res: Doc) -> str:
     return f"  {res.get('serve')} {res.get('mib')} MiB ({flags})"
 
 
-def format_observed(obs: Doc, reserve_mib: Any) -> list[str]:
+def format_observed(obs: answers.Observed, reserve_mib: Any) -> list[str]:
     label = "observed (simulated)" if obs.get("simulated") else "observed"
     reserve = obs.get("reserve_mib", reserve_mib)
     pending = obs.get("pending_mib") or 0
@@ -71,7 +72,7 @@ def format_observed(obs: Doc, reserve_mib: Any) -> list[str]:
     return lines
 
 
-def format_role(role: Doc) -> list[str]:
+def format_role(role: answers.Role) -> list[str]:
     """One role of ``GET /v1/ledger``: the seed's gpu_role line, its reservations, observation."""
     lines = [f"gpu_role '{role.get('name')}': capacity {_mib(role.get('capacity_mib'))}, "
              f"reserve {_mib(role.get('reserve_mib'))}, "
@@ -93,14 +94,14 @@ def format_role(role: Doc) -> list[str]:
     return lines
 
 
-def format_ledger(doc: Doc) -> str:
+def format_ledger(doc: answers.Ledger) -> str:
     """``GET /v1/ledger`` as the seed record writes a ledger."""
     roles = doc.get("roles") or []
     blocks = ["\n".join(format_role(r)) for r in roles]
     if not roles:
         blocks.append("no roles configured")
     text = "\n\n".join(blocks)
-    shown = any((r.get("observed") or {}).get("simulated") for r in roles)
+    shown = any((obs := r.get("observed")) is not None and obs.get("simulated") for r in roles)
     if doc.get("simulated") and not shown:
         text += "\nobservation: SIMULATED (no real GPU behind these figures)"
     return text
@@ -117,7 +118,7 @@ def _block(rows: Sequence[tuple[str, str]]) -> str:
     return "\n".join(f"{k + ':':<{width}}{v}".rstrip() for k, v in rows)
 
 
-def format_status(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
+def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str:
     """``GET /v1/status`` as a short block."""
     launching = doc.get("launching") or {}
     if launching.get("available"):
@@ -179,7 +180,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
-def format_serves(doc: Doc) -> str:
+def format_serves(doc: answers.Serves) -> str:
     """``GET /v1/serves``: a table, then the reason of each serve that has one."""
     serves = doc.get("serves") or []
     if not serves:
@@ -209,11 +210,12 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
 )
 
 
-def format_serve(serve: Doc) -> str:
+def format_serve(serve: answers.Serve) -> str:
     """``GET /v1/serves/{name}``: one ``key: value`` line per field; unknown fields at the end."""
     rows = []
+    fields: dict[str, Any] = dict(serve)
     for label, key in _SERVE_FIELDS:
-        value = serve.get(key)
+        value = fields.get(key)
         rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
     known = {key for _, key in _SERVE_FIELDS} | {"calibrated"}
     rows.append(("calibrated", _calibrated(serve.get("calibrated"))))
@@ -240,7 +242,7 @@ def _calibrated(brief: Any) -> str:
     return line
 
 
-def format_admit(doc: Doc) -> str:
+def format_admit(doc: answers.Admitted) -> str:
     """``admitted fast: 14336 MiB on dark-fast (was 18432); dark-fast free 1887 MiB``."""
     role = doc.get("role")
     was = doc.get("replaced_mib")
@@ -253,7 +255,7 @@ def format_admit(doc: Doc) -> str:
     return line
 
 
-def format_release(doc: Doc, stopped: bool = False) -> str:
+def format_release(doc: answers.Released, stopped: bool = False) -> str:
     """``released ocr: 5120 MiB on dark-fast; dark-fast free 7007 MiB``."""
     role = doc.get("role")
     figures = doc.get("figures") or {}
@@ -262,14 +264,15 @@ def format_release(doc: Doc, stopped: bool = False) -> str:
             f"{role} free {_mib(figures.get('free_mib'))}")
 
 
-def format_lifecycle(serve: Doc) -> str:
+def format_lifecycle(serve: answers.Serve) -> str:
     """The Serve that start, stop and restart answer with, in one line."""
     facts = []
     if serve.get("reserved_mib") is not None:
         facts.append(f"reserved {serve['reserved_mib']} MiB")
+    fields: dict[str, Any] = dict(serve)
     for label, key in (("port", "port"), ("pid", "main_pid"), ("unit", "unit")):
-        if serve.get(key) is not None:
-            facts.append(f"{label} {serve[key]}")
+        if fields.get(key) is not None:
+            facts.append(f"{label} {fields[key]}")
     line = (f"{serve.get('name')}: {serve.get('state')} on {_dash(serve.get('role'))}"
             + (f" ({', '.join(facts)})" if facts else ""))
     if serve.get("reason"):
@@ -277,11 +280,11 @@ def format_lifecycle(serve: Doc) -> str:
     return line
 
 
-def format_reload(doc: Doc) -> str:
+def format_reload(doc: answers.Reloaded) -> str:
     return "reloaded" + (f": {doc['summary']}" if doc.get("summary") else "")
 
 
-def format_event(ev: Doc, tz: datetime.tzinfo | None = None) -> str:
+def format_event(ev: answers.Event, tz: datetime.tzinfo | None = None) -> str:
     """One event: local ISO time, kind, serve, role, MiB, message."""
     ts = ev.get("ts")
     when = local_time(ts, tz) if isinstance(ts, (int, float)) else "-"
@@ -291,7 +294,7 @@ def format_event(ev: Doc, tz: datetime.tzinfo | None = None) -> str:
             f"{_dash(ev.get('role')):<12} {mib:>10}  {message}").rstrip()
 
 
-def format_events(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
+def format_events(doc: answers.Events, tz: datetime.tzinfo | None = None) -> str:
     return "\n".join(format_event(ev, tz) for ev in doc.get("events") or [])
 
 
@@ -326,10 +329,11 @@ def _arrow(before: Any, after: Any) -> str:
     return b if b == a else f"{b} -> {a}"
 
 
-def format_plan(doc: Doc) -> str:
+def format_plan(doc: answers.Plan) -> str:
     lines = [f"plan: {doc.get('source')} against the running config"]
     for role in doc.get("roles", []):
-        before, after = role.get("before") or {}, role.get("after") or {}
+        before: dict[str, Any] = dict(role.get("before") or {})
+        after: dict[str, Any] = dict(role.get("after") or {})
         lines.append(f"role '{role.get('name')}':")
         for key in ("capacity_mib", "reserve_mib", "committed_mib", "free_mib"):
             label = key.replace("_mib", "")
@@ -361,7 +365,7 @@ def format_plan(doc: Doc) -> str:
 
 
 
-def format_calibration(doc: Doc) -> str:
+def format_calibration(doc: answers.Calibration) -> str:
     rec = doc.get("record")
     lines = [f"{doc.get('serve')}: {doc.get('status')} (fingerprint {doc.get('fingerprint')})"]
     run = doc.get("running")
