@@ -2,8 +2,8 @@
 gpud serves at /v1/openapi.json, whose answer schemas come from gpud.core.answers.
 
 Start, restart and calibrate answer 200 only with a system bus and a running serve: here they
-answer their documented errors (their 200 answer is a Serve or CalibrationRun, the schemas the
-other routes' answers are held to)."""
+answer their documented errors; tests/integration/test_api_schema.py holds their 200 answers
+(and a running serve's, a calibration's) to the same document under real systemd."""
 
 from __future__ import annotations
 
