@@ -21,7 +21,7 @@ from typing import Any
 from gpud.core import answers
 from gpud.core.launch import fingerprint, utilization, vllm_budget_mib
 from gpud.core.vocab import RUNNING
-from gpud.errors import Conflict, NotFound, Unavailable
+from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
 from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
@@ -199,12 +199,14 @@ class Calibrator:
         run = Run(serve, fingerprint(spec), window_s, self.clock())
         self.runs[serve] = run
         run.task = asyncio.get_running_loop().create_task(self._measure(run, uid))
+        run.task.add_done_callback(lambda task: _report_crash(run.serve, task))
         return run.to_json(self.clock())
 
     async def _measure(self, run: Run, uid: int | None) -> None:
         try:
-            deadline = time.monotonic() + run.window_s
-            while time.monotonic() < deadline:
+            # The window on the injected clock, the one run.started and elapsed_s are read on.
+            deadline = run.started + run.window_s
+            while self.clock() < deadline:
                 await self.observer.next_sample(self.observer.interval * 2 + 1)
                 if self.svc.state_of(run.serve) != RUNNING:
                     raise Conflict(f"{run.serve} stopped running during calibration")
@@ -234,11 +236,24 @@ class Calibrator:
             async with self.svc.lock:
                 await self.svc.commit(Changes(calibrations=[cal], events=[ev]))
             self._records[(cal.serve, cal.fingerprint)] = cal
-        except Exception as exc:  # reported in the event log; the daemon goes on
-            message = getattr(exc, "message", str(exc))
+        except GpudError as exc:
+            # What can fail: the serve stopped running (Conflict), observation gave nothing
+            # (Unavailable), the store did not take the record (StoreError). Reported in the
+            # event log; the daemon goes on. Anything else is a fault: see _report_crash.
+            message = exc.message
             log.warning("calibration of %s failed: %s", run.serve, message)
             await self.svc.record(self.svc.event(
                 "calibrate", f"{run.serve}: calibration failed: {message}", serve=run.serve,
                 uid=uid, failed=True))
         finally:
             self.runs.pop(run.serve, None)
+
+
+def _report_crash(serve: str, task: asyncio.Task[None]) -> None:
+    """A measurement that ended on an exception other than GpudError is a fault of gpud: logged
+    with its traceback, not passed off as a calibration that failed for a reason."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("calibration of %s crashed: %s", serve, exc, exc_info=exc)
