@@ -1025,7 +1025,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 
 HEAVY = {"http.client", "email", "ssl", "urllib", "urllib.parse", "typing", "dataclasses",
          "inspect", "asyncio", "pydantic", "aiohttp", "dbus_fast", "pynvml", "sqlite3",
-         "gpud.config", "gpud.errors", "gpud.api", "logging", "subprocess", "tomllib"}
+         "gpud.config", "gpud.errors", "gpud.api", "logging", "subprocess", "tomllib",
+         "gpud.core.answers", "typing_extensions", "gpud.openapi"}
 
 
 def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:
