@@ -56,6 +56,7 @@ from gpud.ctl.format import (
     format_serve,
     format_serves,
     format_status,
+    local_time,
 )
 from gpud.ctl.main import main
 from gpud.openapi import document
@@ -459,6 +460,26 @@ NOW = 1_800_000_000.0
 ])
 def test_parse_since(text: str, expected: float) -> None:
     assert parse_since(text, NOW) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "America/St_Johns", "Asia/Kolkata",
+                                  "Africa/Monrovia"])
+@given(st.floats(min_value=-2e9, max_value=4e9))
+def test_local_time_is_datetimes_local_iso_8601(zone: str, ts: float) -> None:
+    import time as time_module
+
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = zone
+    time_module.tzset()
+    try:
+        expected = datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+        assert local_time(ts) == expected
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time_module.tzset()
 
 
 def test_parse_since_naive_is_local_time() -> None:
