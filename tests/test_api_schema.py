@@ -8,6 +8,7 @@ answer their documented errors; tests/integration/test_api_schema.py holds their
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpud.openapi import document
-from tests.conftest import GpudProcess, start_gpud
+from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.schema import answer_errors, schema_errors
 
 CONFIG = """
@@ -171,6 +172,15 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
                  "/v1/serves/{name}/calibrate"}
     ok = {t for _, t, s in check.seen if s == 200}
     assert {t for _, t in routes} - ok == needs_bus
+
+
+def test_every_field_of_every_answer_is_named_in_the_api_page() -> None:
+    """docs/api.md is prose by hand: it names every field the document says an answer has."""
+    text = (REPO / "docs" / "api.md").read_text()
+    unnamed = {f"{name}.{field}" for name, schema in document()["components"]["schemas"].items()
+               for field in schema.get("properties", {})
+               if not re.search(rf"\b{re.escape(field)}\b", text)}
+    assert unnamed == set()
 
 
 @pytest.mark.parametrize(("change", "problem"), [
