@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
 from gpud.core.vocab import LIVE_STATES, ORPHAN
 from gpud.service import LedgerService
@@ -20,7 +21,7 @@ class DrawSource(Protocol):
     def observed_mib(self, serve: str) -> int | None: ...
 
 
-def reservation_view(svc: LedgerService, res: Reservation) -> dict[str, Any]:
+def reservation_view(svc: LedgerService, res: Reservation) -> answers.Reservation:
     spec = svc.serve_spec(res.serve)
     return {
         "serve": res.serve,
@@ -34,14 +35,14 @@ def reservation_view(svc: LedgerService, res: Reservation) -> dict[str, Any]:
     }
 
 
-def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
+def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
     ledger = svc.ledger
     states = svc.states()
-    roles = []
+    roles: list[answers.Role] = []
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]
         figures = ledger.figures(name)
-        observed = None
+        observed: answers.Observed | None = None
         draw = draws.draw_for(budget.device, ledger, states) if draws and not budget.missing else None
         if draw is not None and draws is not None:
             observed = {
@@ -77,8 +78,8 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
 
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
-               calibration: tuple[str, str | None] = ("uncalibrated", None),
-               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+               calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
+               calibrated: answers.Calibrated | None = None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -115,8 +116,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
 
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
-                calibrations: dict[str, tuple[str, str | None]] | None = None,
-                summaries: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
+                summaries: dict[str, answers.Calibrated | None] | None = None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))
