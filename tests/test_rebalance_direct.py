@@ -136,7 +136,7 @@ async def test_an_apply_waits_for_the_resident_set(tmp_path: Path) -> None:
                                            r"\(starting: a\)") as err:
             rb.check_can_begin()
         assert err.value.details == {"starting": ["a"]}
-        r.svc.records.clear()
+        await r.svc.release("a")
         with pytest.raises(Conflict, match=r"\(starting: none yet\)"):
             rb.check_can_begin()
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from gpud.config import Config, parse_config
-from gpud.core.ledger import Ledger, Reservation
+from gpud.core.ledger import Reservation
 from gpud.core.transition import Refusal, Transition
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, EXTERNAL, FAILED, RUNNING, STARTING
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
-from gpud.service import LedgerService, ServeRecord, resolve_budgets
+from gpud.service import LedgerService, resolve_budgets
 from gpud.simulation import SimulatedBackend, SimulatedDevice
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
@@ -546,7 +546,8 @@ async def test_releasing_what_is_not_held(world: World) -> None:
         await svc.release("zz")
     with pytest.raises(BadRequest):
         await svc.release("../x")
-    svc.records["gone"] = ServeRecord(FAILED)
+    await svc.record(svc.event("exit", "gone failed", serve="gone"),
+                     state=svc.state_row("gone", FAILED))
     with pytest.raises(Conflict):
         await svc.release("gone")
 
@@ -785,13 +786,11 @@ async def test_reload_names_roles_that_stay_over_committed(world: World) -> None
     assert svc.config_refused is None
 
 
-def test_decide_asks_the_core(world: World) -> None:
+async def test_decide_asks_the_core(world: World) -> None:
     svc = world.service()
     same = svc.decide(svc.config, may_stop=False)
     assert isinstance(same, Transition) and same.released == ()
-    svc.records["b"] = ServeRecord(RUNNING)
-    svc.ledger = svc._decided = Ledger(svc.ledger.roles,
-                                       {"b": Reservation("b", "r", 500, 1.0)})
+    await svc.admit("b", 500, state=RUNNING)
     without_b = cfg(ROLES.split("[serves.b]")[0])
     assert isinstance(svc.decide(without_b, may_stop=False), Refusal)
     stop = svc.decide(without_b, may_stop=True)
@@ -855,8 +854,9 @@ def test_without_config_text_the_file_never_differs(world: World) -> None:
     assert svc.config_file_status() == {"differs": False, "reason": None}
 
 
-def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
+async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     svc = world.service()
-    svc.records["old"] = ServeRecord(DECLARED)
-    svc.records["broken"] = ServeRecord(FAILED)
+    await svc.record(svc.event("x", "old", serve="old"), state=svc.state_row("old", DECLARED))
+    await svc.record(svc.event("x", "broken", serve="broken"),
+                     state=svc.state_row("broken", FAILED))
     assert svc.known_serves() == ["a", "b", "broken"]

@@ -21,7 +21,6 @@ from gpud.core.health import Answer, Probe
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
-from gpud.service import ServeRecord
 from gpud.supervisor import OUTSIDE_STOP, Supervisor
 from tests.rig import Clock, Rig, entered, make_rig, unit
 
@@ -339,7 +338,8 @@ async def test_stop_keeping_the_reservation(rig: Rig) -> None:
 
 
 async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
-    rig.svc.records["b"] = ServeRecord(FAILED)
+    await rig.svc.record(rig.svc.event("exit", "b failed", serve="b"),
+                         state=rig.svc.state_row("b", FAILED))
     rig.units.available = False  # not live: no unit to stop, no bus needed
     await rig.sup.stop("b", None)
     assert rig.units.stopped == []
@@ -355,8 +355,13 @@ async def test_stopping_a_live_serve_needs_the_bus(rig: Rig) -> None:
     assert rig.state("a") == RUNNING
 
 
+async def orphan(rig: Rig, serve: str) -> None:
+    await rig.svc.record(rig.svc.event("adopt", f"{serve}: an orphan", serve=serve),
+                         state=rig.svc.state_row(serve, ORPHAN))
+
+
 async def test_stop_of_an_orphan(rig: Rig) -> None:
-    rig.svc.records["stray"] = ServeRecord(ORPHAN)
+    await orphan(rig, "stray")
     await rig.sup.stop("stray", None)
     assert rig.units.stopped == ["stray"]
     assert rig.state("stray") == DECLARED
@@ -604,7 +609,7 @@ async def test_a_failing_unit_signal_is_logged_and_the_next_one_is_heard(
 
     real = rig.sup._failed
     rig.sup._failed = broken  # type: ignore[method-assign]
-    rig.svc.records["stray"] = ServeRecord(ORPHAN)
+    await orphan(rig, "stray")
     mark = rig.last_id()
     with caplog.at_level(logging.ERROR, "gpud.supervisor"):
         rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="exit-code"))
