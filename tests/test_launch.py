@@ -14,6 +14,7 @@ from gpud.config import ServeConfig, parse_config
 from gpud.core.argv64 import decode, encode
 from gpud.core.launch import (
     command_argv,
+    container_argv,
     fingerprint,
     reload_alters_arguments,
     serve_argv,
@@ -358,3 +359,40 @@ def test_systemd_253_keeps_arguments_across_a_reload() -> None:
 def test_a_fingerprint_is_16_hex_digits() -> None:
     fp = fingerprint(example_serves()["fast"])
     assert len(fp) == 16 and int(fp, 16) >= 0
+
+
+IMAGE = "docker.io/vllm/vllm-openai@sha256:" + "0123456789abcdef" * 4
+
+
+def _container(**container: object) -> ServeConfig:
+    return ServeConfig.model_validate({"role": "r", "vram_mib": 1000, "port": 30001,
+                                       "command": None,
+                                       "container": {"image": IMAGE, **container}})
+
+
+def test_show_commands_names_the_container_device_by_its_uuid() -> None:
+    cfg = _config(f"""
+        [roles.r]
+        device = "GPU-a"
+        capacity_mib = 10000
+        [serves.s]
+        role = "r"
+        vram_mib = 1000
+        [serves.s.container]
+        image = "{IMAGE}"
+        args = ["--x"]
+        """)
+    dev = DeviceSample("GPU-a", 2, "", "", 10000, None, None)
+    lines = show_commands(cfg, (dev,), "NVML", cdi_names={"GPU-a"})
+    [argv] = [line for line in lines if line.startswith("  argv: ")]
+    assert "--device=nvidia.com/gpu=GPU-a" in argv.split()
+
+
+def test_container_argv_refuses_a_serve_without_a_container() -> None:
+    with pytest.raises(ValueError, match="not a container serve"):
+        container_argv("s", example_serves()["ocr"], [], devices=[], forward_env=[])
+
+
+def test_a_container_serves_fingerprint_follows_its_args() -> None:
+    assert fingerprint(_container(args=["--a"])) != fingerprint(_container(args=["--b"]))
+    assert fingerprint(_container(args=["--a"])) == fingerprint(_container(args=["--a"]))
