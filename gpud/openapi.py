@@ -6,7 +6,7 @@ from functools import cache
 from typing import Any
 
 from gpud import __version__
-from gpud.core.vocab import NAME_PATTERN
+from gpud.core.vocab import NAME_PATTERN, STATES
 
 _INT = {"type": "integer"}
 _NINT = {"type": ["integer", "null"]}
@@ -43,8 +43,8 @@ ROLE = _obj({"name": _STR, "device": _STR, "note": _NSTR, "missing": _BOOL,
              "reservations": {"type": "array", "items": _ref("Reservation")},
              "observed": {"oneOf": [_ref("Observed"), {"type": "null"}]}})
 SERVE = _obj({"name": _STR, "role": _NSTR, "configured": _BOOL, "external": _BOOL,
-              "state": {"enum": ["declared", "admitted", "starting", "running", "stopping",
-                                 "denied", "failed", "external", "orphan"]},
+              "state": {"enum": list(STATES)},
+              "sleep_level": _INT, "parked_host_mib": _NINT,
               "reason": _NSTR, "vram_mib": _NINT, "reserved_mib": _NINT, "resident": _BOOL,
               "priority": _NINT, "port": _NINT, "unit": _NSTR, "main_pid": _NINT,
               "n_restarts": _INT, "observed_mib": _NINT, "calibration": _STR,
@@ -65,8 +65,12 @@ STATUS = _obj({"version": _STR, "config": _NSTR, "admission": {"enum": ["strict"
                "config_file": _obj({"differs": _BOOL, "reason": _NSTR}),
                "store_transactions": _INT, "summary": _STR})
 ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-                   "role": {"type": ["string", "null"], "pattern": NAME_PATTERN}},
+                   "role": {"type": ["string", "null"], "pattern": NAME_PATTERN},
+                   "preempt": _BOOL, "dry_run": _BOOL},
                   ["mib"], extra=False)
+START_BODY = _obj({"preempt": _BOOL, "dry_run": _BOOL}, [], extra=False)
+SLEEP_BODY = _obj({"level": {"type": ["integer", "null"], "minimum": 1, "maximum": 2}}, [],
+                  extra=False)
 ADMITTED = _obj({"serve": _STR, "role": _STR, "mib": _INT, "replaced_mib": _NINT,
                  "check": {"enum": ["ledger", "strict"]}, "note": _NSTR,
                  "figures": _ref("Figures")})
@@ -128,8 +132,15 @@ def document() -> dict[str, Any]:
             "/v1/serves/{name}/release": _post(
                 "Release a serve's reservation", _ref("Released"),
                 _obj({"stop": _BOOL}, [], extra=False), 404, 409, 500, 503),
-            "/v1/serves/{name}/start": _post("Admit if needed, then launch", _ref("Serve"),
-                                             empty, 404, 409, 500, 503),
+            "/v1/serves/{name}/start": _post(
+                "Admit if needed (with preempt: putting lower priorities to sleep), then launch",
+                _ref("Serve"), START_BODY, 404, 409, 500, 503),
+            "/v1/serves/{name}/sleep": _post(
+                "Put a running serve to sleep (vLLM sleep mode); its reservation shrinks",
+                _ref("Serve"), SLEEP_BODY, 404, 409, 500, 503),
+            "/v1/serves/{name}/wake": _post(
+                "Wake a sleeping serve (admitted at its vram_mib first)", _ref("Serve"), empty,
+                404, 409, 500, 503),
             "/v1/serves/{name}/stop": _post("Stop a serve and release it", _ref("Serve"),
                                             empty, 404, 409, 500, 503),
             "/v1/serves/{name}/restart": _post("Restart a serve", _ref("Serve"), empty,

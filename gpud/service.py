@@ -165,6 +165,9 @@ class LedgerService:
         self.busy: Callable[[str], bool] = lambda _serve: False
         self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
             False, "launching is not set up in this gpud")
+        # Told (by the supervisor) of each role on which a durable change gave memory back:
+        # sleeping serves there may wake.
+        self.freed: Callable[[str], None] = lambda _role: None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -320,7 +323,10 @@ class LedgerService:
                     rec = self.records.setdefault(row.serve, ServeRecord())
                     rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
                 if p.ledger is not None:
+                    freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
+                    for role in freed:
+                        self.freed(role)
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -429,10 +435,19 @@ class LedgerService:
         return view, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
-                    uid: int | None = None, state: str | None = None) -> Admission:
+                    uid: int | None = None, state: str | None = None,
+                    event: tuple[str, str, dict[str, Any]] | None = None,
+                    shrink: bool = False, state_reason: str | None = None,
+                    meta: dict[str, str | None] | None = None) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
+        the event in the same transaction. `shrink` (a serve put to sleep) is decided on the
+        ledger bound alone and never refused for a smaller reservation; `event` replaces the
+        "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
-            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
+                                         event=event, shrink=shrink,
+                                         state_reason=state_reason, meta=meta)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
         if isinstance(admission, Denied):
@@ -440,17 +455,27 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: str | None) -> tuple[Admission | Denied,
-                                                  asyncio.Future[list[Event]]]:
+                      state: str | None, event: tuple[str, str, dict[str, Any]] | None = None,
+                      shrink: bool = False, state_reason: str | None = None,
+                      meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
+                                                     asyncio.Future[list[Event]]]:
         role_name, external = self.serve_role(serve, role)
         lost = self.lost_device(role_name)
-        if lost is not None:
+        if lost is not None and not shrink:
             return self._deny_on_lost_device(serve, role_name, mib, uid, lost)
-        physical, check, note = self._physical(role_name, serve)
+        physical, check, note = (None, "ledger", None) if shrink else self._physical(role_name,
+                                                                                     serve)
         outcome = self._decided.decide(
             serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
+        held = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and held is not None and mib <= held.mib:
+            # A shrink makes no role fuller: on a role over-committed by adopted units it is
+            # made all the same (the ledger bound would refuse any size there).
+            res = Reservation(serve, role_name, mib, held.since, uid, external)
+            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
+            outcome = after, Admission(res, held.mib, after.figures(role_name), "ledger", note)
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note)
             return Denied(outcome.message, {**outcome.details(), "check": check,
@@ -461,16 +486,28 @@ class LedgerService:
                               current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
+        kind, message, details = event or (
+            "admit", f"{serve} admitted on {role_name}: {mib} MiB ({verb})", {})
         ev = self.event(
-            "admit",
-            f"{serve} admitted on {role_name}: {mib} MiB ({verb}); {figures.line()}",
+            kind, f"{message}; {figures.line()}",
             serve=serve, role=role_name, mib=mib, uid=uid, check=check,
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
-            committed_mib=figures.committed_mib,
+            committed_mib=figures.committed_mib, **details,
         )
         done = self.submit(Changes(put=[admission.reservation],
-                                   states=[self.state_row(serve, new_state)], events=[ev]), ledger)
+                                   states=[self.state_row(serve, new_state, state_reason)],
+                                   events=[ev], meta=dict(meta or {})), ledger)
         return admission, done
+
+    def free_for(self, serve: str, role: str) -> int:
+        """What an admission of `serve` on `role` could get now (its own reservation counted
+        back in): the ledger bound and, in strict admission, the physical one. Decides
+        nothing."""
+        free = self._decided.figures(role, excluding=serve).free_mib
+        physical, _check, _note = self._physical(role, serve)
+        if physical is not None:
+            free = min(free, physical.free_for_serve())
+        return free
 
     def lost_device(self, role: str) -> str | None:
         """Why the role's device cannot take memory now (observation reports it lost), else
@@ -675,6 +712,21 @@ class LedgerService:
             reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
                       "would do" if on_disk is not None else "the file cannot be read")
         return {"differs": differs, "reason": reason}
+
+
+def _freed_roles(before: Ledger, changes: Changes) -> list[str]:
+    """The roles on which `changes` (made on `before`) release or shrink a reservation; in
+    the size of the change, not of the ledger (a commit may carry thousands of admissions)."""
+    roles: set[str] = set()
+    for serve in changes.delete:
+        res = before.reservations.get(serve)
+        if res is not None:
+            roles.add(res.role)
+    for put in changes.put:
+        res = before.reservations.get(put.serve)
+        if res is not None and (put.mib < res.mib or put.role != res.role):
+            roles.add(res.role)
+    return sorted(roles)
 
 
 def _matches(query: EventQuery, ev: Event) -> bool:

@@ -46,11 +46,23 @@ from gpud.core.unitstate import (
     WatchRestart,
     on_unit,
 )
-from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    FAILED,
+    LIVE_STATES,
+    ORPHAN,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    STOPPING,
+)
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
+from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
+from gpud.sleeping import Sleeps
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
 
@@ -114,6 +126,7 @@ class Supervisor:
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
+        self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -123,6 +136,7 @@ class Supervisor:
         await self.units.connect()
         self.svc.launching = self.launching
         self.svc.busy = self._launching.__contains__
+        self.svc.freed = self.sleeps.freed
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -141,6 +155,24 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # What gpud.sleeping uses of the supervisor.
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None
+        return self._http
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self._spawn(coro)
+
+    def spec_of(self, serve: str) -> ServeConfig:
+        return self._spec(serve)
+
+    def serve_lock(self, serve: str) -> asyncio.Lock:
+        return self._lock(self._serve_locks, serve)
+
+    def busy(self, serve: str) -> bool:
+        return serve in self._launching or serve in self._stopping
 
     def launching(self) -> tuple[bool, str | None]:
         if self.units.available:
@@ -181,6 +213,9 @@ class Supervisor:
             if res is None:
                 await self.svc.adopt(serve, spec.role, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
+            if rec_state == SLEEPING:
+                # Asked, not assumed: asleep it keeps its sleep reservation unchanged.
+                state = await self.sleeps.adopt(serve, spec)
             rec = self.svc.records.get(serve)
             if rec is not None:
                 rec.main_pid = st.main_pid or None
@@ -214,7 +249,11 @@ class Supervisor:
                 if self._stopped_outside(name):
                     continue
                 with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
-                    await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
+                    if self.svc.config.daemon.preempt_at_boot:
+                        await self.sleeps.admit_preempting(
+                            name, self.svc.config.serves[name].vram_mib, None)
+                    else:
+                        await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
             self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
             for _, name in order:
                 if name in self.svc.ledger.reservations and not self._stopped_outside(name):
@@ -265,16 +304,21 @@ class Supervisor:
     def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
         return table.setdefault(key, asyncio.Lock())
 
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False) -> None:
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None:
         """Admit the serve at its vram_mib if it holds no reservation, then launch it. Returns
-        once admitted (the launch goes on in the background) unless `wait`."""
+        once admitted (the launch goes on in the background) unless `wait`. With `preempt`,
+        serves of lower priority on its role are put to sleep (or stopped) to make room; the
+        plan carried out is returned."""
         spec = self._spec(serve)
         self._need_bus()
+        carried: dict[str, Any] | None = None
         async with self._lock(self._serve_locks, serve):
             state = self.svc.state_of(serve)
             if state in LIVE_STATES or serve in self._launching:
-                raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
-                                                                        "state": state})
+                hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
+                raise Conflict(f"serve {serve!r} is already {state}{hint}",
+                               {"serve": serve, "state": state})
             problem = self.sizing(serve)
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
@@ -289,8 +333,14 @@ class Supervisor:
                              {"serve": serve, "role": spec.role, "bound": "device"})
             await self._port_free(serve, spec)
             await self._memory_back(self._device_key(serve))
-            if held is None:
-                await self.svc.admit(serve, spec.vram_mib, uid=uid)
+            if held is None and preempt:
+                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid)
+            elif held is None:
+                try:
+                    await self.svc.admit(serve, spec.vram_mib, uid=uid)
+                except Denied as exc:
+                    would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
+                    raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
                 unit_spec = self._unit_spec(serve, spec)
             except GpudError as exc:
@@ -304,6 +354,7 @@ class Supervisor:
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
+        return carried
 
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
@@ -598,7 +649,9 @@ class Supervisor:
         may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
         any other releases it. The event says which."""
         spec = self.svc.serve_spec(serve)
-        resident = bool(spec and spec.resident)
+        # A serve that was asleep holds its sleep reservation, not what it starts with: kept,
+        # a later start would launch it on too little.
+        resident = bool(spec and spec.resident) and self.svc.state_of(serve) != SLEEPING
         still_active = not stop and self._unit_active(serve)
         if stop:
             still_active = True
@@ -785,7 +838,8 @@ class Supervisor:
                 state=self.svc.state_row(serve, STARTING, "restarting"))
             self._spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self._failed(serve, action.reason, kind="exit", exit_status=st.exec_main_status)
+            await self._failed(serve, action.reason, kind="exit", stop=action.stop,
+                               exit_status=st.exec_main_status)
         elif isinstance(action, WatchRestart):
             self._spawn(self._watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
