@@ -21,9 +21,8 @@ from gpud.service import LedgerService
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw", "sleep", "wake",
-           "preempt",
-           "reserve-exceeded", "exit", "unhealthy", "reload")
+COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
+           "reserve-exceeded", "exit", "unhealthy", "reload", "sleep", "wake", "preempt")
 
 
 def _escape(value: str) -> str:
