@@ -216,3 +216,30 @@ def test_concurrent_preempting_starts_on_one_role(gpud: SandboxGpud) -> None:
     assert held["lo"] == 800 and held["mid"] == 12000
     sleeps = [e["serve"] for e in gpud.events(kind="sleep")]
     assert sorted(sleeps) == sorted(set(sleeps))  # no serve put to sleep twice
+
+
+def test_gpuctl_sleep_wake_and_start_preempt(gpud: SandboxGpud) -> None:
+    from tests.integration.test_invariant import gpuctl
+
+    gpud.configure(two_sleepers())
+    running(gpud, "lo", "mid")
+    denied = gpuctl(gpud, "start", "hi")
+    assert denied.returncode == 1, denied.stderr
+    assert "with --preempt gpud would: put to sleep lo (priority 50)" in denied.stderr
+    dry = gpuctl(gpud, "start", "hi", "--preempt", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[0].startswith("preempt for hi (priority 10): need 16000 MiB")
+    assert "  1. put to sleep lo (priority 50): frees 11200 MiB; undo: wake" in dry.stdout
+    assert dry.stdout.rstrip().endswith("dry run: nothing changed")
+    started = gpuctl(gpud, "start", "hi", "--preempt")
+    assert started.returncode == 0, started.stderr
+    assert "1. put to sleep lo" in started.stdout and "hi: running" in started.stdout
+    table = gpuctl(gpud, "serves").stdout
+    assert "lo (sleeping): asleep (level 1, preempted by hi); 12000 MiB parked in host RAM" \
+        in table, table
+    # no room to wake lo while hi runs: denied, still asleep
+    woken = gpuctl(gpud, "wake", "lo")
+    assert woken.returncode == 1 and "denied" in woken.stderr, woken.stderr
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert gpuctl(gpud, "sleep", "mid", "--level", "2").returncode == 0
+    assert gpud.serve("mid")["reserved_mib"] == 800
