@@ -447,10 +447,19 @@ class Sleeps:
 
     # ---- adoption after a restart ------------------------------------------------------------
 
-    async def adopt(self, serve: str, spec: ServeConfig) -> str:
-        """A serve recorded asleep whose unit runs: asleep still (its reservation unchanged),
-        or awake again (re-admitted at vram_mib, as a unit found running, then starting)."""
+    async def adopt(self, serve: str, spec: ServeConfig, recorded: str) -> str:
+        """The state of a serve found running after a restart, recorded `recorded` (sleeping,
+        or running with a sleep_level): asleep it stays so, its reservation unchanged (a gpud
+        stopped between vLLM's sleep and the shrink kept the full one: more than it holds,
+        never less). A serve recorded asleep that is awake again is re-admitted at vram_mib,
+        as a unit found running, and starts over."""
         asleep = await self.is_sleeping(serve, spec)
+        if recorded == RUNNING:
+            if asleep:
+                log.warning("%s is asleep though recorded running: adopted asleep at its "
+                            "reservation", serve)
+                return SLEEPING
+            return RUNNING
         if asleep:
             return SLEEPING
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "

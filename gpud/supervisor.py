@@ -213,9 +213,9 @@ class Supervisor:
             if res is None:
                 await self.svc.adopt(serve, spec.role, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
-            if rec_state == SLEEPING:
-                # Asked, not assumed: asleep it keeps its sleep reservation unchanged.
-                state = await self.sleeps.adopt(serve, spec)
+            if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
+                # Asked, not assumed: asleep it keeps its reservation unchanged.
+                state = await self.sleeps.adopt(serve, spec, rec_state)
             rec = self.svc.records.get(serve)
             if rec is not None:
                 rec.main_pid = st.main_pid or None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Reply
-from tests.integration.gpudctl import SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
 
 pytestmark = pytest.mark.sandbox
 
@@ -243,3 +243,22 @@ def test_gpuctl_sleep_wake_and_start_preempt(gpud: SandboxGpud) -> None:
     assert gpud.serve("lo")["state"] == "sleeping"
     assert gpuctl(gpud, "sleep", "mid", "--level", "2").returncode == 0
     assert gpud.serve("mid")["reserved_mib"] == 800
+
+
+def test_boot_preemption_puts_lower_priorities_to_sleep(gpud: SandboxGpud) -> None:
+    daemon = "preempt_at_boot = true"
+    gpud.configure(two_sleepers(daemon=daemon))
+    running(gpud, "lo", "mid")
+    gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
+    # hi becomes resident while gpud is away; lo and mid keep running
+    config = two_sleepers(daemon=daemon).replace(
+        'priority = 10\nport = 30103\n', 'priority = 10\nport = 30103\nresident = true\n')
+    assert "resident = true" in config
+    gpud.sb.install_gpud(REPO, config)
+    gpud.start()
+    gpud.wait_state("hi", "running")
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert gpud.serve("mid")["state"] == "running"
+    assert reserved(gpud) == {"lo": 800, "mid": 12000, "hi": 16000}
+    preempt = gpud.events(kind="preempt")
+    assert [(e["serve"], e["details"]["preempted_by"]) for e in preempt] == [("lo", "hi")]
