@@ -212,6 +212,8 @@ class Sleeps:
             parked = self._host_weights(serve) if level == 1 else 0
             if level == 1:
                 self._check_host_ram(serve, parked)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
             await self._post(serve, spec, f"/sleep?level={level}")
             try:
                 await self._confirm(serve, spec, asleep=True)
@@ -219,7 +221,12 @@ class Sleeps:
                 with contextlib.suppress(GpudError):
                     await self._post(serve, spec, "/wake_up")
                 raise
+            asleep_at = loop.time()
             seen = await self._draw_down(serve, target)
+            # The serve's own time (its answer to /sleep and the confirmation), and how long
+            # observation took to show its memory back: gpud's overhead is the rest.
+            serve_ms = round((asleep_at - began) * 1000, 1)
+            draw_ms = round((loop.time() - asleep_at) * 1000, 1)
             if target is None:
                 target = (seen or 0) + self.svc.config.daemon.overdraw_tolerance_mib
             if seen is not None and seen > target:
@@ -239,11 +246,12 @@ class Sleeps:
                 state_reason=f"asleep (level {level}, {why})",
                 event=("sleep", message, {"level": level, "from_mib": res.mib,
                                           "parked_host_mib": parked, "observed_mib": seen,
+                                          "serve_ms": serve_ms, "draw_ms": draw_ms,
                                           **({"preempted_by": preempted_by}
                                              if preempted_by else {})}),
                 meta={meta_key(serve): json.dumps(note)})
         return {"serve": serve, "level": level, "from_mib": res.mib, "sleep_mib": target,
-                "parked_host_mib": parked}
+                "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
         available = self.host_memory()
@@ -435,6 +443,9 @@ class Sleeps:
             (spec.priority, name) for name, spec in self.svc.config.serves.items()
             if spec.role == role and self.svc.state_of(name) == SLEEPING
             and self.note(name).get("preempted_by"))
+        if sleepers:
+            # what a stop released shows as free on the device only once its process is gone
+            await self.sup.memory_back_for(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
             if self.svc.free_for(name, role) < spec.vram_mib:

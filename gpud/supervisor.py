@@ -171,6 +171,11 @@ class Supervisor:
     def serve_lock(self, serve: str) -> asyncio.Lock:
         return self._lock(self._serve_locks, serve)
 
+    async def memory_back_for(self, serve: str) -> None:
+        """Wait (bounded) until the stops in progress on the serve's device are done and their
+        memory shows as free (as a start does first)."""
+        await self._memory_back(self._device_key(serve))
+
     def busy(self, serve: str) -> bool:
         return serve in self._launching or serve in self._stopping
 
