@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from gpud import ports
+from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.core.launch import serve_argv, serve_environment, through_shim
@@ -366,6 +366,12 @@ class Supervisor:
         try:
             async with self._lock(self._device_locks, self._device_key(serve)):
                 await self._memory_back(self._device_key(serve))  # a stop begun while queued
+                if spec.container is not None:
+                    image = await containers.ensure_image(serve, spec.container, functools.partial(
+                        self._say, serve, spec.role, "pull"))
+                    if not image.ok:
+                        await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
+                        return
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -411,9 +417,18 @@ class Supervisor:
         # total, and a guess would let util x total pass the reservation.
         total = dev.total_mib or None
         res = self.svc.ledger.reservations.get(serve)
+        # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
+        # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
+        env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
+        environment_for = getattr(self.observer.backend, "environment_for", None)
+        if callable(environment_for):
+            env.update(environment_for(dev.uuid))
+        cdi = (containers.cdi_devices(serve, dev.uuid, index) if spec.container is not None
+               else [])
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
-                          vram_mib=res.mib if res else None, name=serve)
+                          vram_mib=res.mib if res else None, name=serve,
+                          cdi_devices=cdi, forward_env=[*env, *spec.environment])
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:
@@ -421,12 +436,6 @@ class Supervisor:
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
-        # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
-        # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
-        env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
-        environment_for = getattr(self.observer.backend, "environment_for", None)
-        if callable(environment_for):
-            env.update(environment_for(dev.uuid))
         daemon = self.svc.config.daemon
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
@@ -438,7 +447,11 @@ class Supervisor:
             start_limit_burst=daemon.crash_loop_restarts + 3,
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
+            container=spec.container is not None,
         )
+
+    async def _say(self, serve: str, role: str, kind: str, message: str) -> None:
+        await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
 
     def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:
         """Write the serve's own environment where only root reads it (state_dir/env)."""

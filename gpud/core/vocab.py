@@ -68,6 +68,10 @@ class EventKind(StrEnum):
     SLEEP = "sleep"  # a serve put to sleep, its reservation shrunk in the same transaction
     WAKE = "wake"
     PREEMPT = "preempt"  # a plan to make room for a serve by putting lower ones to sleep
+    PULL = "pull"  # a container serve's image pulled before its start (pull = "missing")
+    # GPU memory held by a container process outside every serve unit (an engine that does not
+    # keep its containers in the unit's cgroup): counted as non-ledger draw, and said so
+    CONTAINER_OUTSIDE_UNIT = "container-outside-unit"
 
 
 EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)
