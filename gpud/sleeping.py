@@ -96,6 +96,12 @@ class Sleeps:
                            + self.svc.config.daemon.overdraw_tolerance_mib)
         return None
 
+    def awake_mib(self, serve: str, spec: ServeConfig) -> int:
+        """What a serve wakes to: the reservation it had awake (its launch was sized on it),
+        its vram_mib unless it was admitted at another size."""
+        mib = self.note(serve).get("awake_mib")
+        return mib if isinstance(mib, int) and mib > 0 else spec.vram_mib
+
     def _host_weights(self, serve: str) -> int:
         """What a level-1 sleep parks in host RAM: the calibrated weights, else the
         reservation (all of it could be weights)."""
@@ -281,9 +287,10 @@ class Sleeps:
                 raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
                                                                            "state": state})
             asleep = self.svc.ledger.reservations[serve].mib
+            awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
-            await self.svc.admit(serve, spec.vram_mib, uid=uid, state=SLEEPING, event=(
-                "admit", f"{serve} re-admitted to wake: {spec.vram_mib} MiB (was {asleep} MiB "
+            await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=(
+                "admit", f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
                 "asleep)", {"waking": True}))
             loop = asyncio.get_running_loop()
             began = loop.time()
@@ -298,12 +305,12 @@ class Sleeps:
                 raise
             took = loop.time() - began
             await self.svc.record(self.svc.event(
-                "wake", f"{serve} awake ({by}): {spec.vram_mib} MiB; the serve took "
-                f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=spec.vram_mib, uid=uid,
+                "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
+                f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1)),
                 state=self.svc.state_row(serve, RUNNING))
             await self.svc.put_meta(meta_key(serve), None)
-        return {"serve": serve, "mib": spec.vram_mib, "serve_ms": round(took * 1000, 1)}
+        return {"serve": serve, "mib": awake, "serve_ms": round(took * 1000, 1)}
 
     # ---- preemption --------------------------------------------------------------------------
 
@@ -448,7 +455,7 @@ class Sleeps:
             await self.sup.memory_back_for(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
-            if self.svc.free_for(name, role) < spec.vram_mib:
+            if self.svc.free_for(name, role) < self.awake_mib(name, spec):
                 return  # by priority: a lower one does not jump the queue
             try:
                 await self.wake(name, None, locked=True, by="wake-back: memory released")
@@ -474,7 +481,7 @@ class Sleeps:
         if asleep:
             return SLEEPING
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
-                    "awake at %d MiB", serve, asleep, spec.vram_mib)
-        await self.svc.adopt(serve, spec.role, spec.vram_mib)
+                    "awake at %d MiB", serve, asleep, self.awake_mib(serve, spec))
+        await self.svc.adopt(serve, spec.role, self.awake_mib(serve, spec))
         await self.svc.put_meta(meta_key(serve), None)
         return STARTING

@@ -229,7 +229,9 @@ class Supervisor:
                 "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
-                state=self.svc.state_row(serve, state))
+                # asleep, it keeps the reason it sleeps (who preempted it)
+                state=self.svc.state_row(serve, state, rec.reason if rec is not None
+                                         and state == SLEEPING else None))
             if state == STARTING:
                 self._spawn(self._watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):

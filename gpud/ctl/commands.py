@@ -320,11 +320,14 @@ def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
         plan = format_preemption(doc) if body else ""
         if plan and not ctl.as_json:
             print(plan, file=ctl.out, flush=True)
+        carried = doc.get("preemption")
         if action != "stop" and not getattr(args, "no_wait", True):
             deadline = time.monotonic() + (ctl.client.timeout or LIFECYCLE_TIMEOUT)
             while doc.get("state") not in SETTLED and time.monotonic() < deadline:
                 time.sleep(0.25)
                 doc = ctl.client.call("GET", serve_path(args.name))
+        if body and ctl.as_json:
+            doc = {**doc, "preemption": carried}  # the plan carried out, with the final view
         ctl.emit(doc, format_lifecycle)
         return EXIT_REFUSED if action != "stop" and doc.get("state") == "failed" else EXIT_OK
 
