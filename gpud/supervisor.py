@@ -441,7 +441,10 @@ class Supervisor:
         daemon = self.svc.config.daemon
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
-            environment_file=self._environment_file(serve, spec.environment),
+            # With a file, Environment= carries only the device pinning (unit_properties): what
+            # gpud sets goes into the file too, the serve's own values after it (they win).
+            environment_file=self._environment_file(
+                serve, {**env, **spec.environment} if spec.environment else {}),
             description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the

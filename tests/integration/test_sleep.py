@@ -24,14 +24,19 @@ reserve_mib = 1000
 
 
 def serve(name: str, mib: int, priority: int, port: int, *, level: int = 0,
-          sleeps: bool = True, context: int = 200, extra: str = "") -> str:
-    args = ["--context-mib", str(context)] + (["--enable-sleep-mode"] if sleeps else [])
+          sleeps: bool = True, context: int = 200, sleep_mib: int | None = 800,
+          asleep: int = 800) -> str:
+    # asleep, the stand-in draws `asleep` MiB: its sleep_mib
+    args = ["--context-mib", str(context), "--asleep-mib", str(asleep)]
+    args += ["--enable-sleep-mode"] if sleeps else []
     out = (f'[serves.{name}]\nrole = "r"\nvram_mib = {mib}\npriority = {priority}\n'
            f"port = {port}\ncommand = {standin(*args)}\n"
            'environment = { VLLM_SERVER_DEV_MODE = "1" }\n')
     if level:
-        out += f"sleep_level = {level}\nsleep_mib = 800\n"
-    return out + extra
+        out += f"sleep_level = {level}\n"
+    if level and sleep_mib is not None:
+        out += f"sleep_mib = {sleep_mib}\n"
+    return out
 
 
 def two_sleepers(*, mid_sleeps: bool = True, daemon: str = "") -> str:
@@ -74,6 +79,9 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     assert reserved(gpud) == {"lo": 800}
     entry = gpud.sb.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=sleep", unit="gpud.service")[0]
     assert entry["GPUD_MIB"] == "800" and entry["GPUD_FROM_MIB"] == "12000"
+    # observation saw the stand-in's draw drop to its sleep draw (a serve with an environment
+    # table gets gpud's environment too: the simulation's registration among it)
+    assert entry["GPUD_OBSERVED_MIB"] == "800"
     metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
                            "http://localhost/metrics"]).stdout
     lines = [line for line in metrics.splitlines() if line.startswith("gpud_serve_state{")
@@ -262,3 +270,20 @@ def test_boot_preemption_puts_lower_priorities_to_sleep(gpud: SandboxGpud) -> No
     assert reserved(gpud) == {"lo": 800, "mid": 12000, "hi": 16000}
     preempt = gpud.events(kind="preempt")
     assert [(e["serve"], e["details"]["preempted_by"]) for e in preempt] == [("lo", "hi")]
+
+
+def test_sleep_mib_measured_when_not_configured(gpud: SandboxGpud) -> None:
+    config = sim_config(ROLE, serve("meas", 12000, 50, 30106, level=2, sleep_mib=None,
+                                    asleep=600))
+    gpud.configure(config)
+    running(gpud, "meas")
+    reply = gpud.call("POST", "/v1/serves/meas/sleep", {})
+    assert reply.status == 200, reply.raw
+    # measured after the sleep (600 MiB) plus the overdraw tolerance (256)
+    assert reply.body["reserved_mib"] == 856
+    ev = gpud.events(kind="sleep", serve="meas")[-1]
+    assert ev["details"]["observed_mib"] == 600
+    assert gpud.call("POST", "/v1/serves/meas/wake", {}).status == 200
+    # the next sleep goes by the measurement kept in the store
+    reply = gpud.call("POST", "/v1/serves/meas/sleep", {})
+    assert reply.status == 200 and reply.body["reserved_mib"] == 856
