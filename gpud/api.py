@@ -26,7 +26,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpud.config import MAX_MIB, _reason
 from gpud.core.authority import needs_root
 from gpud.core.vocab import EVENT_KINDS
-from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.errors import (
+    BadRequest,
+    Conflict,
+    Denied,
+    Forbidden,
+    GpudError,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+)
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
@@ -118,6 +127,7 @@ class SleepControl(Protocol):
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
                                dry_run: bool = False) -> dict[str, Any]: ...
     def parked_mib(self, serve: str) -> int | None: ...
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
 
 
 class Supervisor(Protocol):
@@ -386,7 +396,15 @@ class Api:
         body = await read_model(request, AdmitBody)
         if body.preempt:
             return await self._admit_preempting(name, body, self._uid(request))
-        admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
+        try:
+            admission = await self.svc.admit(name, body.mib, role=body.role,
+                                             uid=self._uid(request))
+        except Denied as exc:
+            if self.supervisor is None or self.svc.serve_spec(name) is None \
+                    or exc.details.get("bound") == "device":
+                raise
+            would, details = self.supervisor.sleeps.what_preemption_would_do(name, body.mib)
+            raise Denied(exc.message + would, {**exc.details, **details}) from exc
         f = admission.figures
         return json_response({
             "serve": name,

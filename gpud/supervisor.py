@@ -346,6 +346,8 @@ class Supervisor:
                 try:
                     await self.svc.admit(serve, spec.vram_mib, uid=uid)
                 except Denied as exc:
+                    if exc.details.get("bound") == "device":
+                        raise
                     would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
                     raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:

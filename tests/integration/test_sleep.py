@@ -126,6 +126,10 @@ def test_preempt_one_then_wake_back_after_stop(gpud: SandboxGpud) -> None:
     reply = gpud.call("POST", "/v1/serves/hi/start", {})
     assert reply.status == 409, reply.raw
     assert "with --preempt gpud would: put to sleep lo" in reply.body["error"]["message"]
+    reply = gpud.call("POST", "/v1/serves/hi/admit", {"mib": 16000})
+    assert reply.status == 409, reply.raw
+    assert "with --preempt gpud would: put to sleep lo" in reply.body["error"]["message"]
+    assert reply.body["error"]["details"]["preemption"]["steps"][0]["serve"] == "lo"
     # the dry run shows the plan and changes nothing
     reply = gpud.call("POST", "/v1/serves/hi/start", {"preempt": True, "dry_run": True})
     assert reply.status == 200, reply.raw
@@ -287,3 +291,29 @@ def test_sleep_mib_measured_when_not_configured(gpud: SandboxGpud) -> None:
     # the next sleep goes by the measurement kept in the store
     reply = gpud.call("POST", "/v1/serves/meas/sleep", {})
     assert reply.status == 200 and reply.body["reserved_mib"] == 856
+
+
+def test_preemptible_stop_and_admit_with_preempt(gpud: SandboxGpud) -> None:
+    config = sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)
+                        + serve("st", 12000, 60, 30107) + 'preemptible = "stop"\n'
+                        + serve("hi", 16000, 10, 30103))
+    gpud.configure(config)
+    running(gpud, "lo", "st")
+    # admit alone (no launch) with preempt: st, the least important, is stopped
+    reply = gpud.call("POST", "/v1/serves/hi/admit", {"mib": 16000, "dry_run": True,
+                                                       "preempt": True})
+    assert reply.status == 200 and reply.body["fits"] is True, reply.raw
+    assert [(s["serve"], s["action"]) for s in reply.body["preemption"]["steps"]] == [
+        ("st", "stop")]
+    reply = gpud.call("POST", "/v1/serves/hi/admit", {"mib": 16000, "preempt": True})
+    assert reply.status == 200, reply.raw
+    assert reply.body["mib"] == 16000 and reply.body["figures"]["free_mib"] == 3607
+    assert gpud.serve("st")["state"] == "declared"
+    assert "gpud-serve-st.service" not in gpud.serve_units()
+    assert reserved(gpud) == {"lo": 12000, "hi": 16000}
+    ev = gpud.events(kind="preempt")[-1]
+    assert (ev["serve"], ev["details"]["action"], ev["details"]["preempted_by"]) == (
+        "st", "stop", "hi")
+    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
+                           "http://localhost/metrics"]).stdout
+    assert "gpud_preemptions_total 1" in metrics.splitlines()
