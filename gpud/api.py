@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
+from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.vocab import EVENT_KINDS
 from gpud.errors import (
@@ -140,13 +141,13 @@ class Supervisor(Protocol):
 
 
 class Calibrations(Protocol):
-    def calibration_of(self, serve: str) -> tuple[str, str | None]: ...
+    def calibration_of(self, serve: str) -> tuple[answers.CalibrationStatus, str | None]: ...
 
-    def summary_of(self, serve: str) -> dict[str, Any] | None: ...
+    def summary_of(self, serve: str) -> answers.Calibrated | None: ...
 
-    def view(self, serve: str) -> dict[str, Any]: ...
+    def view(self, serve: str) -> answers.Calibration: ...
 
-    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]: ...
+    def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun: ...
 
 
 class CalibrateBody(_Wire):
@@ -158,7 +159,7 @@ class Api:
                  supervisor: Supervisor | None = None,
                  calibrations: Calibrations | None = None,
                  metrics: Callable[[], str] | None = None,
-                 reload: Callable[[int | None], Awaitable[dict[str, Any]]] | None = None,
+                 reload: Callable[[int | None], Awaitable[answers.Reloaded]] | None = None,
                  rebalancer: Rebalancer | None = None,
                  extra_routes: Callable[[Api], None] | None = None) -> None:
         self.svc = svc
@@ -268,11 +269,11 @@ class Api:
 
     # ---- reads -----------------------------------------------------------------------------
 
-    def observation_status(self) -> dict[str, Any]:
+    def observation_status(self) -> answers.Observation:
         obs = self.svc.observer
         status = getattr(obs, "status", None)
         if callable(status):
-            return dict(status())
+            return status()  # type: ignore[no-any-return]
         return {"backend": "none", "available": False, "simulated": False,
                 "reason": "no observation backend configured"}
 
@@ -282,7 +283,7 @@ class Api:
     async def ledger(self, request: web.Request) -> web.Response:
         return json_response(ledger_view(self.svc, self.draws))
 
-    def _calibrations(self) -> dict[str, tuple[str, str | None]]:
+    def _calibrations(self) -> dict[str, tuple[answers.CalibrationStatus, str | None]]:
         if self.calibrations is None:
             return {}
         return {n: self.calibrations.calibration_of(n) for n in self.svc.known_serves()}
@@ -290,26 +291,18 @@ class Api:
     async def serves(self, request: web.Request) -> web.Response:
         summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
                      if self.calibrations else {})
-        view = serves_view(self.svc, self.draws, self._calibrations(), summaries)
-        for item in view["serves"]:
-            self._sleep_fields(item)
-        return json_response(view)
+        return json_response(serves_view(self.svc, self.draws, self._calibrations(),
+                                         summaries, self._parked))
 
-    def _serve_view(self, name: str) -> dict[str, Any]:
+    def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
-            return self._sleep_fields(serve_view(self.svc, name, self.draws))
-        return self._sleep_fields(serve_view(
-            self.svc, name, self.draws, self.calibrations.calibration_of(name),
-            self.calibrations.summary_of(name)))
+            return serve_view(self.svc, name, self.draws, parked=self._parked)
+        return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
+                          self.calibrations.summary_of(name), self._parked)
 
-    def _sleep_fields(self, view: dict[str, Any]) -> dict[str, Any]:
-        """A serve's sleep level and, asleep at level 1, the host RAM its weights are parked in."""
-        spec = self.svc.serve_spec(view["name"])
-        view["sleep_level"] = spec.sleep_level if spec else 0
-        view["parked_host_mib"] = (self.supervisor.sleeps.parked_mib(view["name"])
-                                   if self.supervisor is not None and view["state"] == "sleeping"
-                                   else None)
-        return view
+    def _parked(self, serve: str) -> int | None:
+        """Host RAM a sleeping serve's weights are parked in (level 1)."""
+        return self.supervisor.sleeps.parked_mib(serve) if self.supervisor is not None else None
 
     def _known(self, request: web.Request) -> str:
         name = request.match_info["name"]
@@ -339,7 +332,8 @@ class Api:
         if q.get("follow") not in (None, "", "0", "false"):
             return await self._follow(request, query)
         events = await self.svc.events(query)
-        return json_response({"events": [e.to_json() for e in events]})
+        answer: answers.Events = {"events": [e.to_json() for e in events]}
+        return json_response(answer)
 
     async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:
         """NDJSON: the matching backlog (up to `limit`), then each new event as it happens."""
@@ -406,7 +400,7 @@ class Api:
             would, details = self.supervisor.sleeps.what_preemption_would_do(name, body.mib)
             raise Denied(exc.message + would, {**exc.details, **details}) from exc
         f = admission.figures
-        return json_response({
+        answer: answers.Admitted = {
             "serve": name,
             "role": admission.reservation.role,
             "mib": admission.reservation.mib,
@@ -415,7 +409,8 @@ class Api:
             "note": admission.note,
             "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
                         "committed_mib": f.committed_mib, "free_mib": f.free_mib},
-        })
+        }
+        return json_response(answer)
 
     async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
         if body.role is not None and self.svc.serve_spec(name) is not None:
@@ -465,11 +460,12 @@ class Api:
         else:  # nothing of gpud's to stop (or no supervisor): the plain, guarded release
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
-        return json_response({
+        answer: answers.Released = {
             "serve": name, "role": res.role, "released_mib": res.mib,
             "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
                         "committed_mib": f.committed_mib, "free_mib": f.free_mib},
-        })
+        }
+        return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
         if self.supervisor is None:
@@ -555,17 +551,19 @@ class Api:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
 
-        async def emit(line: dict[str, Any]) -> None:
+        async def emit(line: answers.ApplyStep | answers.ApplyResult) -> None:
             with contextlib.suppress(ConnectionResetError):
                 await resp.write(json.dumps(line).encode() + b"\n")
 
+        result: answers.ApplyResult
         try:
             result = await rebalancer.apply(body.config, source, uid, emit)
         except GpudError as exc:
-            result = {"result": "refused", **exc.to_json()}
+            result = {"result": "refused", "error": exc.to_json()["error"]}
         except Exception as exc:  # the stream has begun: its last line says what went wrong
             log.exception("apply failed")
-            result = {"result": "failed", **GpudError(f"apply failed: {exc}").to_json()}
+            result = {"result": "failed",
+                      "error": GpudError(f"apply failed: {exc}").to_json()["error"]}
         await emit(result)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()

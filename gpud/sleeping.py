@@ -256,7 +256,7 @@ class Sleeps:
                                           **({"preempted_by": preempted_by}
                                              if preempted_by else {})}),
                 meta={meta_key(serve): json.dumps(note)})
-        return {"serve": serve, "level": level, "from_mib": res.mib, "sleep_mib": target,
+        return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
@@ -310,7 +310,7 @@ class Sleeps:
                 by=by, serve_ms=round(took * 1000, 1)),
                 state=self.svc.state_row(serve, RUNNING))
             await self.svc.put_meta(meta_key(serve), None)
-        return {"serve": serve, "mib": awake, "serve_ms": round(took * 1000, 1)}
+        return {"mib": awake, "serve_ms": round(took * 1000, 1)}
 
     # ---- preemption --------------------------------------------------------------------------
 
@@ -338,12 +338,12 @@ class Sleeps:
                                self.candidates(serve, spec.role))
 
     def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]:
-        """For a denial without --preempt: what a preemption would do."""
+        """For a denial without --preempt: what a preemption would do, when it could."""
         if self.svc.serve_spec(serve) is None:
             return "", {}
         plan = self.plan(serve, mib)
-        if isinstance(plan, NoPlan):
-            return f"; no preemption can make room: {plan.reason}", {"preemption": plan.to_json()}
+        if isinstance(plan, NoPlan) or not plan.steps:
+            return "", {}  # nothing a preemption could do: the denial as it always was
         steps = "; ".join(s.line() for s in plan.steps)
         return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
 
@@ -393,6 +393,9 @@ class Sleeps:
                     break
                 done.append(step)
             if failure is None:
+                if any(step.action == "stop" for step in done):
+                    # a stopped serve's memory shows as free once its process is gone
+                    await self.sup.memory_back_for(serve)
                 try:
                     await self.svc.admit(serve, mib, uid=uid)
                     return {"preemption": plan.to_json()}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
+from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import LIVE_STATES, ORPHAN
+from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING
 from gpud.service import LedgerService
 
 
@@ -20,7 +22,7 @@ class DrawSource(Protocol):
     def observed_mib(self, serve: str) -> int | None: ...
 
 
-def reservation_view(svc: LedgerService, res: Reservation) -> dict[str, Any]:
+def reservation_view(svc: LedgerService, res: Reservation) -> answers.Reservation:
     spec = svc.serve_spec(res.serve)
     return {
         "serve": res.serve,
@@ -34,14 +36,14 @@ def reservation_view(svc: LedgerService, res: Reservation) -> dict[str, Any]:
     }
 
 
-def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
+def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
     ledger = svc.ledger
     states = svc.states()
-    roles = []
+    roles: list[answers.Role] = []
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]
         figures = ledger.figures(name)
-        observed = None
+        observed: answers.Observed | None = None
         draw = draws.draw_for(budget.device, ledger, states) if draws and not budget.missing else None
         if draw is not None and draws is not None:
             observed = {
@@ -77,8 +79,9 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
 
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
-               calibration: tuple[str, str | None] = ("uncalibrated", None),
-               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+               calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
+               calibrated: answers.Calibrated | None = None,
+               parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -111,15 +114,19 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # The current calibration: measured steady/peak, the recommended reservation, and a
         # vllm serve's own account (weights, KV cache, CUDA graphs, context).
         "calibrated": calibrated,
+        "sleep_level": spec.sleep_level if spec else 0,
+        # asleep at level 1: the host RAM its weights are parked in (gpud.sleeping)
+        "parked_host_mib": parked(name) if state == SLEEPING else None,
     }
 
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
-                calibrations: dict[str, tuple[str, str | None]] | None = None,
-                summaries: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
+                summaries: dict[str, answers.Calibrated | None] | None = None,
+                parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
-    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))
+    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from gpud.core import answers
 from gpud.core.vocab import PENDING_STATES
 
 Bound = Literal["ledger", "physical"]
@@ -105,6 +106,11 @@ class Denial:
             "free_mib": self.free_mib,
             "shortfall_mib": self.shortfall_mib,
         }
+
+    def to_json(self) -> answers.PlanDenied:
+        return {"serve": self.serve, "role": self.role, "bound": self.bound,
+                "need_mib": self.need_mib, "free_mib": self.free_mib,
+                "shortfall_mib": self.shortfall_mib, "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True)

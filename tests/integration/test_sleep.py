@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from gpud.openapi import document
 from tests.conftest import Reply
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
+from tests.schema import answer_errors
 
 pytestmark = pytest.mark.sandbox
 
@@ -46,6 +48,16 @@ def two_sleepers(*, mid_sleeps: bool = True, daemon: str = "") -> str:
                       + serve("hi2", 16000, 20, 30105), daemon=daemon)
 
 
+def checked(gpud: SandboxGpud, template: str, name: str, body: Any = None,
+            status: int = 200) -> Any:
+    """A POST whose answer is held to the served document."""
+    reply = gpud.call("POST", template.replace("{name}", name), body or {})
+    assert reply.status == status, reply.raw
+    errors = answer_errors(document(), "POST", template, reply.status, reply.body)
+    assert not errors, errors
+    return reply.body
+
+
 def running(gpud: SandboxGpud, *names: str) -> None:
     for name in names:
         reply = gpud.call("POST", f"/v1/serves/{name}/start", {})
@@ -68,9 +80,7 @@ def standin_state(gpud: SandboxGpud, port: int) -> dict[str, Any]:
 def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     gpud.configure(two_sleepers())
     running(gpud, "lo")
-    reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
-    assert reply.status == 200, reply.raw
-    view = reply.body
+    view = checked(gpud, "/v1/serves/{name}/sleep", "lo")
     assert view["state"] == "sleeping"
     assert view["reserved_mib"] == 800
     assert view["parked_host_mib"] == 12000  # uncalibrated: its reservation
@@ -89,9 +99,8 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     assert len(lines) == 1 and 'state="sleeping"' in lines[0], lines
     # sleeping twice, or waking a running serve, is a conflict
     assert gpud.call("POST", "/v1/serves/lo/sleep", {}).status == 409
-    reply = gpud.call("POST", "/v1/serves/lo/wake", {})
-    assert reply.status == 200, reply.raw
-    assert reply.body["state"] == "running" and reply.body["reserved_mib"] == 12000
+    woken = checked(gpud, "/v1/serves/{name}/wake", "lo")
+    assert woken["state"] == "running" and woken["reserved_mib"] == 12000
     assert standin_state(gpud, 30101)["sleep_level"] is None
     assert gpud.call("POST", "/v1/serves/lo/wake", {}).status == 409
     kinds = [e["kind"] for e in gpud.events(serve="lo") if e["kind"] in ("sleep", "wake")]
@@ -131,13 +140,11 @@ def test_preempt_one_then_wake_back_after_stop(gpud: SandboxGpud) -> None:
     assert "with --preempt gpud would: put to sleep lo" in reply.body["error"]["message"]
     assert reply.body["error"]["details"]["preemption"]["steps"][0]["serve"] == "lo"
     # the dry run shows the plan and changes nothing
-    reply = gpud.call("POST", "/v1/serves/hi/start", {"preempt": True, "dry_run": True})
-    assert reply.status == 200, reply.raw
-    assert [s["serve"] for s in reply.body["preemption"]["steps"]] == ["lo"]
+    dry = checked(gpud, "/v1/serves/{name}/start", "hi", {"preempt": True, "dry_run": True})
+    assert [s["serve"] for s in dry["preemption"]["steps"]] == ["lo"]
     assert reserved(gpud) == {"lo": 12000, "mid": 12000}
-    reply = gpud.call("POST", "/v1/serves/hi/start", {"preempt": True})
-    assert reply.status == 200, reply.raw
-    assert [s["serve"] for s in reply.body["preemption"]["steps"]] == ["lo"]
+    started = checked(gpud, "/v1/serves/{name}/start", "hi", {"preempt": True})
+    assert [s["serve"] for s in started["preemption"]["steps"]] == ["lo"]
     gpud.wait_state("hi", "running")
     assert reserved(gpud) == {"lo": 800, "mid": 12000, "hi": 16000}
     assert gpud.serve("lo")["state"] == "sleeping"
@@ -169,9 +176,8 @@ def test_failed_preemption_restores_everything(gpud: SandboxGpud) -> None:
     # /sleep fails after lo was already put to sleep.
     gpud.configure(two_sleepers(mid_sleeps=False))
     running(gpud, "lo", "mid")
-    reply = gpud.call("POST", "/v1/serves/big/start", {"preempt": True})
-    assert reply.status == 409, reply.raw
-    message = reply.body["error"]["message"]
+    failed = checked(gpud, "/v1/serves/{name}/start", "big", {"preempt": True}, status=409)
+    message = failed["error"]["message"]
     assert "mid could not be preempted" in message and "undone: wake lo" in message, message
     assert gpud.serve("lo")["state"] == "running"
     assert gpud.serve("mid")["state"] == "running"
@@ -300,14 +306,12 @@ def test_preemptible_stop_and_admit_with_preempt(gpud: SandboxGpud) -> None:
     gpud.configure(config)
     running(gpud, "lo", "st")
     # admit alone (no launch) with preempt: st, the least important, is stopped
-    reply = gpud.call("POST", "/v1/serves/hi/admit", {"mib": 16000, "dry_run": True,
-                                                       "preempt": True})
-    assert reply.status == 200 and reply.body["fits"] is True, reply.raw
-    assert [(s["serve"], s["action"]) for s in reply.body["preemption"]["steps"]] == [
-        ("st", "stop")]
-    reply = gpud.call("POST", "/v1/serves/hi/admit", {"mib": 16000, "preempt": True})
-    assert reply.status == 200, reply.raw
-    assert reply.body["mib"] == 16000 and reply.body["figures"]["free_mib"] == 3607
+    dry = checked(gpud, "/v1/serves/{name}/admit", "hi", {"mib": 16000, "dry_run": True,
+                                                            "preempt": True})
+    assert dry["fits"] is True
+    assert [(s["serve"], s["action"]) for s in dry["preemption"]["steps"]] == [("st", "stop")]
+    admitted = checked(gpud, "/v1/serves/{name}/admit", "hi", {"mib": 16000, "preempt": True})
+    assert admitted["mib"] == 16000 and admitted["figures"]["free_mib"] == 3607
     assert gpud.serve("st")["state"] == "declared"
     assert "gpud-serve-st.service" not in gpud.serve_units()
     assert reserved(gpud) == {"lo": 12000, "hi": 16000}
