@@ -679,7 +679,8 @@ class LedgerService:
 
 def _matches(query: EventQuery, ev: Event) -> bool:
     return ((not query.serves or ev.serve in query.serves)
-            and (not query.roles or ev.role in query.roles)
+            and (not query.roles or ev.role in query.roles
+                 or any(r in query.roles for r in ev.details.get("roles") or ()))
             and (not query.kinds or ev.kind in query.kinds)
             and (query.since is None or ev.ts >= query.since))
 
