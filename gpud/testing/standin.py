@@ -80,6 +80,7 @@ STANDIN_HEADER: Final = "X-Gpud-Standin"
 GPUD_SIM_PROCS_DIR: Final = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB: Final = "GPUD_SIM_TOTAL_MIB"
+GPUD_SIM_DEVICES: Final = "GPUD_SIM_DEVICES"
 
 ECHO_ENV: Final = ("HOME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 # First argv word of the internal engine child; never part of a vllm-shaped argv.
@@ -445,13 +446,17 @@ def _vllm_problems(rest: Sequence[str]) -> list[str]:
 class SimTarget(NamedTuple):
     procs_dir: str
     device: str
+    # A tensor-parallel stand-in: the other devices it draws on (GPUD_SIM_DEVICES), the same
+    # MiB on each, as vLLM's workers draw one share per GPU.
+    also: tuple[str, ...] = ()
 
 
 def sim_target_from_env(env: Mapping[str, str]) -> SimTarget | None:
     procs_dir = env.get(GPUD_SIM_PROCS_DIR, "")
     device = env.get(GPUD_SIM_DEVICE, "")
+    every = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d]
     if procs_dir and device:
-        return SimTarget(procs_dir, device)
+        return SimTarget(procs_dir, device, tuple(d for d in every if d != device))
     return None
 
 
@@ -473,7 +478,8 @@ def register(target: SimTarget, pid: int, mib: int) -> str:
 
     from gpud.simulation import register_process
 
-    return str(register_process(Path(target.procs_dir), pid, target.device, mib))
+    return str(register_process(Path(target.procs_dir), pid, target.device, mib,
+                                also=target.also))
 
 
 def unregister(target: SimTarget, pid: int) -> None:
