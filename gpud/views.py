@@ -20,11 +20,20 @@ class DrawSource(Protocol):
     def observed_mib(self, serve: str) -> int | None: ...
 
 
-def reservation_view(svc: LedgerService, res: Reservation) -> dict[str, Any]:
+def reservation_view(svc: LedgerService, res: Reservation,
+                     on_role: str | None = None) -> dict[str, Any]:
+    """A reservation as listed under `on_role` (default: its first role). One on several roles
+    says which part this is (`part` "1/2") and every role; a single-role one stays as it was."""
     spec = svc.serve_spec(res.serve)
+    role = on_role or res.role
+    multi: dict[str, Any] = {}
+    if res.extra_roles:
+        multi = {"roles": list(res.all_roles),
+                 "part": f"{res.all_roles.index(role) + 1}/{len(res.all_roles)}"}
     return {
         "serve": res.serve,
-        "role": res.role,
+        "role": role,
+        **multi,
         "mib": res.mib,
         "since": res.since,
         "by_uid": res.by_uid,
@@ -66,7 +75,7 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
             "committed_mib": figures.committed_mib,
             "free_mib": figures.free_mib,
             "over_committed": figures.over_committed,
-            "reservations": [reservation_view(svc, r) for r in ledger.on_role(name)],
+            "reservations": [reservation_view(svc, r, name) for r in ledger.on_role(name)],
             "observed": observed,
         })
     return {
@@ -83,13 +92,19 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
     role = spec.role if spec else (res.role if res else None)
+    roles = spec.all_roles if spec else (res.all_roles if res else ())
     state = rec.state if rec else "declared"
     # A PID is shown only while a process of the unit may run: a failed or stopped serve's
     # last PID may belong to another process by now.
     has_unit = state in LIVE_STATES or state == ORPHAN
+    multi: dict[str, Any] = {}
+    if len(roles) > 1:
+        lost = [why for r in roles if (why := svc.lost_device(r))]
+        multi = {"roles": list(roles), "device_lost": "; ".join(lost) or None}
     return {
         "name": name,
         "role": role,
+        **({"roles": multi["roles"]} if multi else {}),
         "configured": spec is not None,
         "external": bool(res and res.external),
         "state": state,
@@ -103,7 +118,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "main_pid": rec.main_pid if rec and has_unit else None,
         # The device of the serve's role is lost (NVML or the simulation says so): whatever
         # the state says, the serve's memory and health are in doubt.
-        "device_lost": svc.lost_device(role) if role else None,
+        "device_lost": (multi["device_lost"] if multi
+                        else svc.lost_device(role) if role else None),
         "n_restarts": rec.n_restarts if rec else 0,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],
