@@ -197,7 +197,7 @@ def serve_environment(serve: ServeConfig) -> dict[str, str]:
 
 
 def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
-                  extra_env: Callable[[str], Mapping[str, str]] | None = None) -> list[str]:
+                  extra_env: Callable[..., Mapping[str, str]] | None = None) -> list[str]:
     """What `gpud --check-config FILE --show-commands` prints: per serve, the environment and
     argv gpud would launch, from the device totals known (`source`: NVML or the simulation),
     or why it would refuse."""
@@ -232,9 +232,9 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
             continue
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_devices(indexes),
                **serve_environment(serve)}
-        first = found[0][1]
-        if first is not None and extra_env is not None:
-            env.update(extra_env(first.uuid))
+        seen = [dev for _, dev, _, _ in found if dev is not None]
+        if len(seen) == len(found) and extra_env is not None:
+            env.update(extra_env(*(dev.uuid for dev in seen)))
         lines.append("  environment: " + " ".join(
             shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
         lines.append(f"  argv: {shlex.join(argv)}")
