@@ -92,8 +92,8 @@ def run(quick: bool) -> FigureResult:
         commands: dict[str, tuple[list[str], dict[str, str]]] = {
             PASS: ([PY, "-c", "pass"], cached),
             "gpuctl status (console script)": ([str(script), "--socket", sock, "status"], cached),
-            "python3 -m gpud.gpuctl status": (
-                [PY, "-m", "gpud.gpuctl", "--socket", sock, "status"], cached),
+            "python3 -m gpud.ctl status": (
+                [PY, "-m", "gpud.ctl", "--socket", sock, "status"], cached),
         }
         if os.environ.get("PYTHONDONTWRITEBYTECODE"):
             commands[AS_IS] = ([str(script), "--socket", sock, "status"], as_is)

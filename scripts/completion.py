@@ -4,8 +4,8 @@
     python3 scripts/completion.py            # rewrite contrib/completion/{gpuctl.bash,_gpuctl}
     python3 scripts/completion.py --check    # exit 1 when either is out of date
 
-Every command, its summary and every option come from ``gpuctl.build_parser()`` (built from the
-``COMMANDS`` table), the event kinds from ``gpuctl.EVENT_KINDS``. What completes an option's
+Every command, its summary and every option come from ``gpud.ctl.main.build_parser()`` (built from the
+``COMMANDS`` table), the event kinds from ``gpud.core.vocab.EVENT_KINDS``. What completes an option's
 value or a positional argument is chosen here by its ``dest`` in ``COMPLETERS``: a new option
 whose dest is not there stops the generator, so nobody adds one without deciding.
 """
@@ -23,7 +23,9 @@ os.environ["COLUMNS"] = "80"
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud import gpuctl  # noqa: E402
+from gpud.core.vocab import EVENT_KINDS  # noqa: E402
+from gpud.ctl.commands import COMMANDS  # noqa: E402
+from gpud.ctl.main import build_parser  # noqa: E402
 from tools.generated import write_or_check  # noqa: E402
 
 BASH = REPO / "contrib" / "completion" / "gpuctl.bash"
@@ -115,10 +117,10 @@ def _options(parser: argparse.ArgumentParser) -> tuple[tuple[Option, ...], tuple
 
 def commands() -> tuple[tuple[Option, ...], tuple[Cmd, ...]]:
     """The top level's options and every command, as gpuctl's parser has them."""
-    top = gpuctl.build_parser()
+    top = build_parser()
     top_options, _ = _options(top)
     subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-    summaries = {cmd.name: cmd.summary for cmd in gpuctl.COMMANDS}
+    summaries = {cmd.name: cmd.summary for cmd in COMMANDS}
     cmds = []
     for name, parser in subs.choices.items():
         options, positionals = _options(parser)
@@ -238,7 +240,7 @@ def render_bash() -> str:
     parts = [
         BASH_HEAD,
         f'_gpuctl_commands="{" ".join(c.name for c in cmds)}"',
-        f'_gpuctl_kinds="{" ".join(gpuctl.EVENT_KINDS)}"',
+        f'_gpuctl_kinds="{" ".join(EVENT_KINDS)}"',
         f'_gpuctl_since="{SINCE_HINTS}"',
         "# options that take one or more values",
         f'_gpuctl_many="{" ".join(sorted(many))}"',
@@ -310,7 +312,7 @@ def _zsh_help(text: str) -> str:
 
 def _zsh_action(completer: str, many: bool) -> str:
     if completer == "kind":
-        kinds = " ".join(gpuctl.EVENT_KINDS)
+        kinds = " ".join(EVENT_KINDS)
         # comma-separated (K1,K2) as gpuctl accepts them, or one per word
         return f"_sequence compadd - {kinds}"
     return {

@@ -79,7 +79,7 @@ def main() -> int:
         sb.install_gpud(REPO, before)
         sb.write_file("/usr/local/bin/vllm", STANDIN, mode=0o755)
         sb.write_file("/opt/serves/bin/ocr-serve", STANDIN, mode=0o755)
-        sb.write_file("/usr/local/bin/gpuctl", f'#!/bin/sh\nexec {PY} -m gpud.gpuctl "$@"\n',
+        sb.write_file("/usr/local/bin/gpuctl", f'#!/bin/sh\nexec {PY} -m gpud.ctl "$@"\n',
                       mode=0o755)
         sb.run(["mkdir", "-p", "/run/gpud"])
         sb.write_file("/run/gpud/sim.json", json.dumps(EXTERNAL))
@@ -119,7 +119,7 @@ def wait_boot(sb: Sandbox, timeout: float = 60) -> None:
     """Until the resident set has settled (every resident serve running or denied)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = sb.run(f"{PY} -m gpud.gpuctl --socket /run/gpud/gpud.sock serves --json",
+        out = sb.run(f"{PY} -m gpud.ctl --socket /run/gpud/gpud.sock serves --json",
                      check=False).stdout
         try:
             serves = json.loads(out)["serves"]

@@ -24,8 +24,10 @@ os.environ["COLUMNS"] = "72"
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud import __version__, daemon, gpuctl  # noqa: E402
+from gpud import __version__, daemon  # noqa: E402
 from gpud.config import DaemonConfig, RoleConfig, ServeConfig  # noqa: E402
+from gpud.ctl import commands as ctl_commands  # noqa: E402
+from gpud.ctl import main as ctl_main  # noqa: E402
 from tools.generated import write_or_check  # noqa: E402
 
 # The date in .TH: when the pages' content last changed in substance. Bump it with them.
@@ -137,15 +139,15 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 
 def render_gpuctl() -> str:
-    parser = gpuctl.build_parser()
+    parser = ctl_main.build_parser()
     commands = subparsers(parser)
     parts = header("gpuctl", 1, "the command-line client of gpud, the GPU-memory ledger of this host")
     parts += [".SH SYNOPSIS", ".B gpuctl",
               "[\\fB\\-\\-socket\\fR \\fIPATH\\fR] [\\fB\\-\\-json\\fR] [\\fB\\-\\-timeout\\fR "
               "\\fIS\\fR] \\fICOMMAND\\fR [\\fIARGS\\fR]",
-              ".SH DESCRIPTION", *paragraphs(gpuctl.DESCRIPTION, first=True)]
+              ".SH DESCRIPTION", *paragraphs(ctl_main.DESCRIPTION, first=True)]
     parts += [".PP", "Commands:", ".RS 4", ".PD 0"]
-    for cmd in gpuctl.COMMANDS:
+    for cmd in ctl_commands.COMMANDS:
         parts += [".TP 12", f"\\fB{cmd.name}\\fR", esc(cmd.summary)]
     parts += [".PD", ".RE", ".SH OPTIONS",
               "These may be given before or after \\fICOMMAND\\fR."]
@@ -153,7 +155,7 @@ def render_gpuctl() -> str:
         if action.option_strings:
             parts += option_entry(action)
     parts.append(".SH COMMANDS")
-    for cmd in gpuctl.COMMANDS:
+    for cmd in ctl_commands.COMMANDS:
         sub = commands[cmd.name]
         parts += [f".SS {cmd.name}", *usage(sub), *paragraphs(cmd.description)]
         own = [a for a in sub._actions if not set(a.option_strings) & COMMON]
@@ -173,12 +175,12 @@ def render_gpuctl() -> str:
         ".TP", "2", "usage or bad input (also an unknown serve or role)",
         ".TP", "3", "gpud cannot be reached (not running, or no permission on its socket)",
         ".SH ENVIRONMENT",
-        ".TP", f"\\fB{gpuctl.SOCKET_ENV}\\fR",
+        ".TP", f"\\fB{ctl_main.SOCKET_ENV}\\fR",
         f"gpud's socket when \\fB\\-\\-socket\\fR is not given (default: "
-        f"\\fI{esc(gpuctl.DEFAULT_SOCKET)}\\fR).",
+        f"\\fI{esc(ctl_main.DEFAULT_SOCKET)}\\fR).",
         ".TP", "\\fBCOLUMNS\\fR", "The width help texts and tables are laid out for.",
         ".SH FILES",
-        ".TP", f"\\fI{esc(gpuctl.DEFAULT_SOCKET)}\\fR",
+        ".TP", f"\\fI{esc(ctl_main.DEFAULT_SOCKET)}\\fR",
         "gpud's API socket (mode 0660, group \\fBgpud\\fR): members of group \\fBgpud\\fR may "
         "read; root and the configured admin group (\\fBgpud\\-admin\\fR) may change the ledger.",
         ".TP", "\\fI/etc/gpud/serves.toml\\fR",

@@ -9,7 +9,7 @@ from pathlib import Path
 from gpud.calibration import Calibrator
 from gpud.config import parse_config
 from gpud.core.launch import fingerprint
-from gpud.gpuctl import format_serve
+from gpud.ctl.format import format_serve
 from gpud.service import LedgerService
 from gpud.store import MIGRATIONS, Calibration, Changes, Store
 

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-from gpud import gpuctl
+from gpud.core.vocab import EVENT_KINDS
+from gpud.ctl.commands import COMMANDS
+from gpud.ctl.main import build_parser
 from tests.conftest import REPO
 
 BASH = REPO / "contrib" / "completion" / "gpuctl.bash"
@@ -34,7 +36,7 @@ def shell(name: str) -> str:
 
 
 def parser_tree() -> tuple[set[str], dict[str, argparse.ArgumentParser]]:
-    top = gpuctl.build_parser()
+    top = build_parser()
     subs = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     top_options = {s for a in top._actions for s in a.option_strings}
     return top_options, dict(subs.choices)
@@ -91,8 +93,8 @@ def test_bash_offers_every_command_and_option() -> None:
     assert got["gpuctl -"] == top_options
     for name, sub in commands.items():
         assert got[f"gpuctl {name} -"] == options_of(sub), name
-    assert got["gpuctl events --kind "] == set(gpuctl.EVENT_KINDS)
-    assert got["gpuctl events --kind deny "] == set(gpuctl.EVENT_KINDS)
+    assert got["gpuctl events --kind "] == set(EVENT_KINDS)
+    assert got["gpuctl events --kind deny "] == set(EVENT_KINDS)
     assert got["gpuctl --socket /x st"] == {"status", "start", "stop"}
 
 
@@ -115,9 +117,9 @@ def test_zsh_describes_every_command_and_option() -> None:
         capture_output=True, text=True, timeout=60, check=True).stdout
     top_specs, _, described_text = out.partition("== commands\n")
     described = described_text.splitlines()
-    expected = [f"{c.name}:{c.summary}" for c in gpuctl.COMMANDS]
+    expected = [f"{c.name}:{c.summary}" for c in COMMANDS]
     assert [d.replace("\\:", ":") for d in described] == expected
-    assert {c.name for c in gpuctl.COMMANDS} == set(commands)
+    assert {c.name for c in COMMANDS} == set(commands)
     top_options, _ = parser_tree()
     assert {m.group(1) for s in top_specs.splitlines() if (m := SPEC_OPTION.match(s))} == top_options
     # each command: state "argument" with words=(COMMAND) hands _arguments the command's specs
@@ -136,4 +138,4 @@ def test_zsh_describes_every_command_and_option() -> None:
         assert len([s for s in specs if re.match(r"^\d+:", s)]) == len(positionals), (name, specs)
         if name == "events":
             kind = next(s for s in specs if s.startswith("*--kind="))
-            assert set(kind.split("compadd - ", 1)[1].split()) == set(gpuctl.EVENT_KINDS)
+            assert set(kind.split("compadd - ", 1)[1].split()) == set(EVENT_KINDS)

@@ -73,8 +73,8 @@ def test_expected_503_logs_a_warning_not_an_error(tmp_path: Path) -> None:
 
 def test_every_error_code_has_one_exit_code_shared_with_gpuctl() -> None:
     """gpuctl exits by the daemon's error.code, from the same table the error tree reads."""
-    from gpud import gpuctl
     from gpud.core.vocab import EXIT_CODES
+    from gpud.ctl.errors import api_error
 
     classes = [GpudError, *_all_subclasses(GpudError)]
     for cls in classes:
@@ -83,7 +83,7 @@ def test_every_error_code_has_one_exit_code_shared_with_gpuctl() -> None:
     api_codes = {c.code for c in classes if c.__module__ == "gpud.errors"}
     assert api_codes <= set(EXIT_CODES)
     body = b'{"error": {"code": "not-found", "message": "x", "details": {}}}'
-    assert gpuctl.api_error(409, "", body).exit_code == 2  # the code decides, not the status
+    assert api_error(409, "", body).exit_code == 2  # the code decides, not the status
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -25,17 +25,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpud import gpuctl
-from gpud.gpuctl import (
+from gpud.ctl import commands
+from gpud.ctl import main as ctl_main
+from gpud.ctl.client import Client, MemoryTransport, quote_segment
+from gpud.ctl.commands import COMMANDS, Ctl, parse_mib, parse_since
+from gpud.ctl.errors import (
+    EXIT_BROKEN_PIPE,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    Client,
-    Ctl,
     CtlError,
     api_error,
     exit_code_for_status,
+    unreachable_error,
+)
+from gpud.ctl.format import (
     format_admit,
     format_error,
     format_event,
@@ -46,12 +51,8 @@ from gpud.gpuctl import (
     format_serve,
     format_serves,
     format_status,
-    main,
-    parse_mib,
-    parse_since,
-    quote_segment,
-    unreachable_error,
 )
+from gpud.ctl.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_RUNNING = ("gpuctl: gpud is not running at {}: start it with `systemctl start gpud` or "
@@ -401,7 +402,7 @@ def test_unreachable_error_mapping() -> None:
 
 
 def test_socket_resolution() -> None:
-    resolve = gpuctl.resolve_socket
+    resolve = ctl_main.resolve_socket
     assert resolve("/a.sock", {"GPUD_SOCKET": "/b.sock"}) == "/a.sock"
     assert resolve(None, {"GPUD_SOCKET": "/b.sock"}) == "/b.sock"
     assert resolve(None, {"GPUD_SOCKET": ""}) == "/run/gpud/gpud.sock"
@@ -495,6 +496,18 @@ def ctl(server: FakeGpud, *argv: str) -> int:
     return main(["--socket", server.server_address, *argv])  # type: ignore[list-item]
 
 
+# ---- the same commands through the in-memory transport: what is asked, what is printed --------
+
+
+@pytest.fixture
+def memory() -> MemoryTransport:
+    return MemoryTransport("/run/gpud/gpud.sock")
+
+
+def run(transport: MemoryTransport, *argv: str) -> int:
+    return main(list(argv), transport=transport)
+
+
 def test_status_end_to_end(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
     gpud.answer("GET", "/v1/status", 200, STATUS)
     assert ctl(gpud, "status") == EXIT_OK
@@ -507,17 +520,17 @@ def test_status_end_to_end(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -
     assert req.headers["user-agent"].startswith("gpuctl/")
 
 
-def test_ledger_end_to_end(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("GET", "/v1/ledger", 200, LEDGER_T011)
-    assert ctl(gpud, "ledger") == EXIT_OK
+def test_ledger_end_to_end(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("GET", "/v1/ledger", 200, LEDGER_T011)
+    assert run(memory, "ledger") == EXIT_OK
     assert capsys.readouterr().out == SEED_LEDGER + "\n"
 
 
 @pytest.mark.parametrize("argv", [["--json", "ledger"], ["ledger", "--json"]])
-def test_json_output_in_either_position(gpud: FakeGpud, capsys: pytest.CaptureFixture[str],
+def test_json_output_in_either_position(memory: MemoryTransport, capsys: pytest.CaptureFixture[str],
                                         argv: list[str]) -> None:
-    gpud.answer("GET", "/v1/ledger", 200, LEDGER_T011)
-    assert ctl(gpud, *argv) == EXIT_OK
+    memory.answer("GET", "/v1/ledger", 200, LEDGER_T011)
+    assert run(memory, *argv) == EXIT_OK
     out = capsys.readouterr().out
     assert json.loads(out) == LEDGER_T011
     assert out == json.dumps(LEDGER_T011, indent=2, sort_keys=True) + "\n"
@@ -545,15 +558,15 @@ def test_admit_sends_post_with_mib(gpud: FakeGpud, capsys: pytest.CaptureFixture
     assert req.headers["content-type"] == "application/json"
 
 
-def test_admit_external_with_role(gpud: FakeGpud) -> None:
-    gpud.answer("POST", "/v1/serves/sidecar/admit", 200, dict(ADMITTED, serve="sidecar"))
-    assert ctl(gpud, "admit", "sidecar", "2048", "--role", "dark-fast") == EXIT_OK
-    assert gpud.last.json() == {"mib": 2048, "role": "dark-fast"}
+def test_admit_external_with_role(memory: MemoryTransport) -> None:
+    memory.answer("POST", "/v1/serves/sidecar/admit", 200, dict(ADMITTED, serve="sidecar"))
+    assert run(memory, "admit", "sidecar", "2048", "--role", "dark-fast") == EXIT_OK
+    assert memory.last.json() == {"mib": 2048, "role": "dark-fast"}
 
 
-def test_admit_denied(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("POST", "/v1/serves/ocr/admit", 409, DENIED)
-    assert ctl(gpud, "admit", "ocr", "5120") == EXIT_REFUSED
+def test_admit_denied(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("POST", "/v1/serves/ocr/admit", 409, DENIED)
+    assert run(memory, "admit", "ocr", "5120") == EXIT_REFUSED
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
@@ -562,9 +575,9 @@ def test_admit_denied(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> Non
         "gpuctl: need 5120 MiB, free 351 MiB, shortfall 4769 MiB (ledger bound on dark-fast)"]
 
 
-def test_admit_denied_json(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("POST", "/v1/serves/ocr/admit", 409, DENIED)
-    assert ctl(gpud, "admit", "ocr", "5120", "--json") == EXIT_REFUSED
+def test_admit_denied_json(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("POST", "/v1/serves/ocr/admit", 409, DENIED)
+    assert run(memory, "admit", "ocr", "5120", "--json") == EXIT_REFUSED
     captured = capsys.readouterr()
     assert json.loads(captured.out) == DENIED
     assert captured.err == ""
@@ -593,63 +606,62 @@ def test_hostile_names_reach_the_daemon_encoded(gpud: FakeGpud, name: str, quote
     (500, "store-failed", EXIT_REFUSED), (500, "internal", EXIT_REFUSED),
     (503, "unavailable", EXIT_REFUSED),
 ])
-def test_exit_code_per_http_status(gpud: FakeGpud, capsys: pytest.CaptureFixture[str],
+def test_exit_code_per_http_status(memory: MemoryTransport, capsys: pytest.CaptureFixture[str],
                                    status: int, code: str, exit_code: int) -> None:
-    gpud.answer("POST", "/v1/serves/ocr/start", status, error_body(code, f"{code} happened"))
-    assert ctl(gpud, "start", "ocr") == exit_code
+    memory.answer("POST", "/v1/serves/ocr/start", status, error_body(code, f"{code} happened"))
+    assert run(memory, "start", "ocr") == exit_code
     assert capsys.readouterr().err.startswith(f"gpuctl: {code} happened")
-    assert ctl(gpud, "--json", "start", "ocr") == exit_code
+    assert run(memory, "--json", "start", "ocr") == exit_code
     assert json.loads(capsys.readouterr().out)["error"]["code"] == code
 
 
-def test_release(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
+def test_release(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
     released = {"serve": "ocr", "role": "dark-fast", "released_mib": 5120,
                 "figures": dict(ADMITTED["figures"], free_mib=7007)}
-    gpud.answer("POST", "/v1/serves/ocr/release", 200, released)
-    assert ctl(gpud, "release", "ocr") == EXIT_OK
-    assert gpud.last.json() == {"stop": False}
-    assert ctl(gpud, "release", "ocr", "--stop") == EXIT_OK
-    assert gpud.last.json() == {"stop": True}
+    memory.answer("POST", "/v1/serves/ocr/release", 200, released)
+    assert run(memory, "release", "ocr") == EXIT_OK
+    assert memory.last.json() == {"stop": False}
+    assert run(memory, "release", "ocr", "--stop") == EXIT_OK
+    assert memory.last.json() == {"stop": True}
     assert capsys.readouterr().out.splitlines() == [
         "released ocr: 5120 MiB on dark-fast; dark-fast free 7007 MiB",
         "stopped and released ocr: 5120 MiB on dark-fast; dark-fast free 7007 MiB"]
 
 
 @pytest.mark.parametrize("action", ["start", "stop", "restart"])
-def test_lifecycle(gpud: FakeGpud, capsys: pytest.CaptureFixture[str], action: str) -> None:
-    gpud.answer("POST", f"/v1/serves/fast/{action}", 200, SERVE_FAST)
-    assert ctl(gpud, action, "fast") == EXIT_OK
-    assert (gpud.last.method, gpud.last.json()) == ("POST", {})
+def test_lifecycle(memory: MemoryTransport, capsys: pytest.CaptureFixture[str], action: str) -> None:
+    memory.answer("POST", f"/v1/serves/fast/{action}", 200, SERVE_FAST)
+    assert run(memory, action, "fast") == EXIT_OK
+    assert (memory.last.method, memory.last.json()) == ("POST", {})
     assert capsys.readouterr().out.startswith("fast: running on dark-fast (reserved 14336 MiB")
 
 
-def test_reload(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("POST", "/v1/reload", 200, {"reloaded": True, "summary": "dark-fast ok"})
-    assert ctl(gpud, "reload") == EXIT_OK
+def test_reload(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("POST", "/v1/reload", 200, {"reloaded": True, "summary": "dark-fast ok"})
+    assert run(memory, "reload") == EXIT_OK
     assert capsys.readouterr().out == "reloaded: dark-fast ok\n"
 
 
-def test_serves_list_one_and_names(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("GET", "/v1/serves", 200, {"serves": [SERVE_FAST, SERVE_OCR]})
-    gpud.answer("GET", "/v1/serves/ocr", 200, SERVE_OCR)
-    assert ctl(gpud, "serves") == EXIT_OK
+def test_serves_list_one_and_names(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("GET", "/v1/serves", 200, {"serves": [SERVE_FAST, SERVE_OCR]})
+    memory.answer("GET", "/v1/serves/ocr", 200, SERVE_OCR)
+    assert run(memory, "serves") == EXIT_OK
     assert capsys.readouterr().out.startswith("NAME  ROLE       STATE")
-    assert ctl(gpud, "serves", "ocr") == EXIT_OK
+    assert run(memory, "serves", "ocr") == EXIT_OK
     assert capsys.readouterr().out.startswith("name:        ocr\n")
-    assert ctl(gpud, "serves", "--names") == EXIT_OK
+    assert run(memory, "serves", "--names") == EXIT_OK
     assert capsys.readouterr().out == "fast\nocr\n"
-    assert ctl(gpud, "serves", "nope") == EXIT_USAGE  # the fake's 404 not-found
+    assert run(memory, "serves", "nope") == EXIT_USAGE  # the fake's 404 not-found
 
 
-def test_events_query(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
-    gpud.answer("GET", "/v1/events", 200, {"events": [EVENT_DENY, EVENT_RELOAD]})
+def test_events_query(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("GET", "/v1/events", 200, {"events": [EVENT_DENY, EVENT_RELOAD]})
     before = time.time()
-    assert ctl(gpud, "events", "--serve", "ocr", "--role", "dark-fast", "--kind", "deny,admit",
+    assert run(memory, "events", "--serve", "ocr", "--role", "dark-fast", "--kind", "deny,admit",
                "--kind", "stop", "--since", "10m", "--limit", "5") == EXIT_OK
     after = time.time()
-    path, _, query = gpud.last.path.partition("?")
-    assert path == "/v1/events"
-    params = urllib.parse.parse_qsl(query)
+    assert memory.last.path == "/v1/events"
+    params = urllib.parse.parse_qsl(memory.last.query)
     since = float(dict(params)["since"])
     assert before - 600 - 0.01 <= since <= after - 600 + 0.01
     assert [p for p in params if p[0] != "since"] == [
@@ -658,8 +670,8 @@ def test_events_query(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> Non
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     assert " deny             ocr " in lines[0]
-    assert ctl(gpud, "events") == EXIT_OK
-    assert gpud.last.path == "/v1/events"
+    assert run(memory, "events") == EXIT_OK
+    assert memory.last.target == "/v1/events"
 
 
 @pytest.mark.parametrize("argv", [
@@ -667,10 +679,10 @@ def test_events_query(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> Non
     ["admit", "ocr"], ["events", "--since", "soon"], ["events", "--limit", "0"],
     ["ledger", "--interval", "0"], ["frobnicate"], [], ["release"],
 ])
-def test_usage_errors_send_nothing(gpud: FakeGpud, capsys: pytest.CaptureFixture[str],
+def test_usage_errors_send_nothing(memory: MemoryTransport, capsys: pytest.CaptureFixture[str],
                                    argv: list[str]) -> None:
-    assert ctl(gpud, *argv) == EXIT_USAGE
-    assert gpud.requests == []
+    assert run(memory, *argv) == EXIT_USAGE
+    assert memory.requests == []
     assert capsys.readouterr().err
 
 
@@ -748,8 +760,8 @@ class _InterruptedClient(Client):
 
 
 def test_events_follow_ctrl_c_is_a_clean_end(capsys: pytest.CaptureFixture[str]) -> None:
-    c = Ctl(_InterruptedClient("/nowhere"), False, sys.stdout, sys.stderr)
-    assert gpuctl.follow_events(c, []) == EXIT_OK
+    c = Ctl(_InterruptedClient(MemoryTransport()), False, sys.stdout, sys.stderr)
+    assert commands.follow_events(c, []) == EXIT_OK
     assert capsys.readouterr().out.count("\n") == 1
 
 
@@ -790,7 +802,7 @@ def test_reader_that_goes_away(gpud: FakeGpud, monkeypatch: pytest.MonkeyPatch) 
     os.close(read_end)
     with os.fdopen(write_end, "w") as pipe:
         monkeypatch.setattr(sys, "stdout", pipe)
-        assert ctl(gpud, "events") == gpuctl.EXIT_BROKEN_PIPE
+        assert ctl(gpud, "events") == EXIT_BROKEN_PIPE
 
 
 # ---- a daemon that cannot be reached -----------------------------------------------------------
@@ -868,7 +880,7 @@ def test_help_for_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == EXIT_OK
     top = capsys.readouterr().out
     assert "gpuctl admit ocr 5120" in top and "exit status:" in top
-    for cmd in gpuctl.COMMANDS:
+    for cmd in COMMANDS:
         assert main([cmd.name, "--help"]) == EXIT_OK
         text = capsys.readouterr().out
         assert f"usage: gpuctl {cmd.name}" in text
@@ -884,13 +896,13 @@ def test_help_for_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     (["--sock", "/x", "status"], None), (["bogus"], None), ([], None), (["--json"], None),
 ])
 def test_command_named(argv: list[str], command: str | None) -> None:
-    assert gpuctl.command_named(argv) == command
+    assert ctl_main.command_named(argv) == command
 
 
 _IMPORT_PROBE = """
 import sys
 before = set(sys.modules)
-from gpud.gpuctl import main
+from gpud.ctl.main import main
 for argv in (["--help"], ["admit", "--help"], ["--socket", sys.argv[1], "--json", "status"],
              ["--socket", sys.argv[1], "events", "--since", "2h"]):
     main(argv)
@@ -907,7 +919,7 @@ def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:
                            cwd=REPO, capture_output=True, text=True, check=True)
     loaded = set(probe.stdout.splitlines()[-1].split())
     assert loaded & HEAVY == set()
-    assert "gpud.gpuctl" in loaded
+    assert "gpud.ctl.main" in loaded
 
 
 @pytest.mark.slow
@@ -916,7 +928,7 @@ def test_startup_time(gpud: FakeGpud) -> None:
     gpud.answer("GET", "/v1/status", 200, STATUS)
     env = dict(os.environ, GPUD_SOCKET=str(gpud.server_address))
     base_cmd = [sys.executable, "-c", "pass"]
-    ctl_cmd = [sys.executable, "-m", "gpud.gpuctl", "status"]
+    ctl_cmd = [sys.executable, "-m", "gpud.ctl", "status"]
     base: list[float] = []
     run: list[float] = []
     for _ in range(40):
@@ -940,7 +952,7 @@ def gpuctl_on_path(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / "gpuctl"
-    exe.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m gpud.gpuctl "$@"\n')
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m gpud.ctl "$@"\n')
     exe.chmod(0o755)
     return bin_dir
 

@@ -12,7 +12,7 @@ from tests.conftest import REPO, GpudProcess
 
 
 def gpuctl(gp: GpudProcess, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gp.socket),
+    return subprocess.Popen([sys.executable, "-m", "gpud.ctl", "--socket", str(gp.socket),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO)
 

@@ -71,7 +71,7 @@ def test_removing_a_role_under_an_external_reservation_is_refused_by_plan_and_ap
     assert [b["what"] for b in plan["blocked"]] == ["router"]
     new = tmp_path / "new.toml"
     new.write_text(without_r2)
-    shown = subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gp.socket),
+    shown = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gp.socket),
                             "plan", str(new)], capture_output=True, text=True, cwd=REPO,
                            check=False)
     assert shown.returncode == 1
@@ -212,7 +212,7 @@ def test_a_role_on_a_device_the_simulation_lacks_is_a_config_error(tmp_path: Pat
 
 
 def test_calibrate_window_must_be_finite(gpud_t015: GpudProcess) -> None:
-    out = subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud_t015.socket),
+    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud_t015.socket),
                           "calibrate", "fast", "--window", "1e400"], capture_output=True,
                          text=True, cwd=REPO, check=False)
     assert out.returncode == 2

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpud import daemon, gpuctl
+from gpud import daemon
+from gpud.ctl.commands import COMMANDS
+from gpud.ctl.main import build_parser
 from tests.conftest import REPO
 
 PAGES = (REPO / "docs" / "gpuctl.1", REPO / "docs" / "gpud.8")
@@ -53,9 +55,9 @@ def test_mandoc_lint_clean_and_80_columns(page: Path) -> None:
 
 def test_gpuctl_page_covers_every_command_and_option() -> None:
     page = PAGES[0].read_text()
-    for cmd in gpuctl.COMMANDS:
+    for cmd in COMMANDS:
         assert f".SS {cmd.name}\n" in page
-        sub = gpuctl.build_parser(cmd.name)
+        sub = build_parser(cmd.name)
         for action in sub._actions:
             for option in action.option_strings:
                 assert f"\\fB{option.replace('-', chr(92) + '-')}\\fR" in page, option

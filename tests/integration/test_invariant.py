@@ -31,7 +31,7 @@ KEEP = sim_config(ROLE, serve("keep", 30101))
 
 
 def gpuctl(gpud: SandboxGpud, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud.socket),
+    return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
                            *args], capture_output=True, text=True, cwd=REPO, timeout=timeout,
                           check=False)
 

@@ -34,7 +34,7 @@ T011 = sim_config(dark_fast(4608), serves(14336, ("--model", "gemma-4-E4B-it-FP8
 
 
 def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud.socket),
+    return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
                            *args], capture_output=True, text=True, cwd=REPO, timeout=300,
                           check=False)
 

@@ -207,7 +207,7 @@ def test_socket_activation_and_memory_back_after_stop(gpud: SandboxGpud) -> None
         import subprocess
         import sys
 
-        out = subprocess.run([sys.executable, "-m", "gpud.gpuctl", "--socket", str(gpud.socket),
+        out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
                               "start", "one"], capture_output=True, text=True, check=False,
                              timeout=120)
         assert out.returncode == 0, out.stderr

@@ -1,0 +1,7 @@
+"""``python -m gpud.ctl``: gpuctl."""
+
+import sys
+
+from gpud.ctl.main import main
+
+sys.exit(main())

@@ -1,0 +1,553 @@
+"""gpuctl's commands: one ``Command`` row in ``COMMANDS`` each, with its help texts, how it reads
+its arguments (``configure``) and what it does (``run``).
+
+The parser (gpud.ctl.main), the man page (scripts/manpage.py) and the shell completion
+(scripts/completion.py) are all built from ``COMMANDS``: a new command is a new row with its
+``configure`` and ``run`` functions, and ``make docs``. ``parse_since`` and ``parse_mib`` are pure.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpud.ctl.client import LIFECYCLE_TIMEOUT, MUTATION_TIMEOUT, query_string, quote_segment
+from gpud.ctl.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, CtlError, usage_error
+from gpud.ctl.format import (
+    dump_json,
+    format_admit,
+    format_calibration,
+    format_event,
+    format_events,
+    format_ledger,
+    format_lifecycle,
+    format_plan,
+    format_release,
+    format_reload,
+    format_serve,
+    format_serves,
+    format_status,
+    local_time,
+)
+
+# Not ``typing.TYPE_CHECKING``: importing typing costs startup time. mypy treats any name
+# TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+    from typing import Any, TextIO
+
+    from gpud.ctl.client import Client
+
+    Doc = dict[str, Any]
+
+from gpud.core.vocab import EVENT_KINDS  # noqa: E402 - defined once
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: ISO 8601 (naive is local time), epoch seconds, or an age like 10m, 2h, 1h30m.
+
+    Returns epoch seconds; raises CtlError (exit 2) for anything else.
+    """
+    import re
+
+    value = text.strip()
+    if re.fullmatch(r"(?:\d+(?:\.\d+)?[smhdw])+", value):
+        age = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhdw])", value))
+        return now - age
+    if re.fullmatch(r"\d+(?:\.\d+)?", value):
+        return float(value)
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except (ValueError, OverflowError, OSError):
+        raise usage_error(
+            f"--since {text!r}: use ISO 8601 (2026-07-13T03:00), epoch seconds (1783911600) "
+            "or an age (90s, 10m, 2h, 3d, 1h30m)", since=text) from None
+
+
+def parse_mib(text: str) -> int:
+    """A reservation size: a positive integer number of MiB (the daemon is the authority)."""
+    value = text.strip()
+    if not (value.isascii() and value.isdigit()) or int(value) <= 0:
+        raise usage_error(f"MIB must be a positive integer number of MiB, got {text!r}",
+                          mib=text)
+    return int(value)
+
+
+def serve_path(name: str, action: str = "") -> str:
+    if not name:
+        raise usage_error("the serve name must not be empty")
+    return f"/v1/serves/{quote_segment(name)}" + (f"/{action}" if action else "")
+
+
+def _epoch_text(ts: float) -> str:
+    return f"{ts:.3f}".rstrip("0").rstrip(".")
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+class Ctl:
+    """What a command runs with: the client, the output mode and the streams."""
+
+    def __init__(self, client: Client, as_json: bool, out: TextIO, err: TextIO) -> None:
+        self.client = client
+        self.as_json = as_json
+        self.out = out
+        self.err = err
+        # follow and watch print one compact JSON document per line (NDJSON), errors included
+        self.ndjson = False
+
+    def emit(self, doc: Doc, human: Callable[[Doc], str]) -> None:
+        text = dump_json(doc) if self.as_json else human(doc)
+        if text:
+            print(text, file=self.out, flush=True)
+
+
+class Command:
+    """One subcommand: its help texts, how it reads its arguments and what it does."""
+
+    def __init__(self, name: str, summary: str, description: str, examples: str,
+                 configure: Callable[[argparse.ArgumentParser], None],
+                 run: Callable[[Ctl, argparse.Namespace], int]) -> None:
+        self.name = name
+        self.summary = summary
+        self.description = description
+        self.examples = examples
+        self.configure = configure
+        self.run = run
+
+
+def _no_args(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="the serve, as named in serves.toml")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def run_status(ctl: Ctl, args: argparse.Namespace) -> int:
+    ctl.emit(ctl.client.call("GET", "/v1/status"), format_status)
+    return EXIT_OK
+
+
+def configure_ledger(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watch", action="store_true",
+                   help="redraw the ledger every --interval seconds until Ctrl-C (exit 0); "
+                        "exit 3 when gpud goes away. When output is not a terminal, print only "
+                        "when the ledger changed (with --json: one compact JSON line each)")
+    p.add_argument("--interval", type=positive_float, default=2.0, metavar="S",
+                   help="seconds between reads with --watch (default: 2)")
+
+
+def run_ledger(ctl: Ctl, args: argparse.Namespace) -> int:
+    if args.watch:
+        return watch_ledger(ctl, args.interval)
+    ctl.emit(ctl.client.call("GET", "/v1/ledger"), format_ledger)
+    return EXIT_OK
+
+
+def watch_ledger(ctl: Ctl, interval: float) -> int:
+    import time
+
+    tty = ctl.out.isatty()
+    ctl.ndjson = True
+    last = None
+    try:
+        while True:
+            doc = ctl.client.call("GET", "/v1/ledger")
+            text = dump_json(doc, compact=True) if ctl.as_json else format_ledger(doc)
+            if tty:
+                stamp = local_time(time.time())
+                ctl.out.write(f"\x1b[H\x1b[2J{stamp}  gpuctl ledger --watch "
+                              f"(every {interval:g} s, Ctrl-C to stop)\n\n{text}\n")
+                ctl.out.flush()
+            elif text != last:
+                if not ctl.as_json and last is not None:
+                    print(f"\n-- {local_time(time.time())}", file=ctl.out)
+                print(text, file=ctl.out, flush=True)
+            last = text
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def configure_serves(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", nargs="?",
+                   help="show this serve alone, one field per line")
+    p.add_argument("--names", action="store_true",
+                   help="print only the serve names, one per line (for scripts and completion)")
+
+
+def run_serves(ctl: Ctl, args: argparse.Namespace) -> int:
+    if args.name is not None:
+        ctl.emit(ctl.client.call("GET", serve_path(args.name)), format_serve)
+        return EXIT_OK
+    doc = ctl.client.call("GET", "/v1/serves")
+    if args.names and not ctl.as_json:
+        ctl.emit(doc, lambda d: "\n".join(str(s.get("name")) for s in d.get("serves") or []))
+    else:
+        ctl.emit(doc, format_serves)
+    return EXIT_OK
+
+
+def configure_admit(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("mib", metavar="MIB",
+                   help="the reservation in MiB, a positive integer; replaces the serve's own "
+                        "reservation, it is not added to it")
+    p.add_argument("--role", metavar="ROLE",
+                   help="the role to reserve on: required for a serve serves.toml does not "
+                        "declare (an external reservation), must match the configured role "
+                        "otherwise")
+
+
+def run_admit(ctl: Ctl, args: argparse.Namespace) -> int:
+    mib = parse_mib(args.mib)
+    path = serve_path(args.name, "admit")
+    body: Doc = {"mib": mib}
+    if args.role is not None:
+        body["role"] = args.role
+    ctl.emit(ctl.client.call("POST", path, body, MUTATION_TIMEOUT), format_admit)
+    return EXIT_OK
+
+
+def configure_release(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--stop", action="store_true",
+                   help="stop the serve's unit first; without it, releasing a serve whose unit "
+                        "is live is refused (exit 1), since its memory is still held")
+
+
+def run_release(ctl: Ctl, args: argparse.Namespace) -> int:
+    doc = ctl.client.call("POST", serve_path(args.name, "release"), {"stop": bool(args.stop)},
+                          LIFECYCLE_TIMEOUT if args.stop else MUTATION_TIMEOUT)
+    ctl.emit(doc, lambda d: format_release(d, stopped=bool(args.stop)))
+    return EXIT_OK
+
+
+def configure_start(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once launched instead of waiting until the serve's health "
+                        "endpoint answers 200 (or it fails)")
+
+
+SETTLED = ("running", "failed", "denied", "declared")
+
+
+def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
+    def run(ctl: Ctl, args: argparse.Namespace) -> int:
+        import time
+
+        doc = ctl.client.call("POST", serve_path(args.name, action), {}, LIFECYCLE_TIMEOUT)
+        if action != "stop" and not getattr(args, "no_wait", True):
+            deadline = time.monotonic() + (ctl.client.timeout or LIFECYCLE_TIMEOUT)
+            while doc.get("state") not in SETTLED and time.monotonic() < deadline:
+                time.sleep(0.25)
+                doc = ctl.client.call("GET", serve_path(args.name))
+        ctl.emit(doc, format_lifecycle)
+        return EXIT_REFUSED if action != "stop" and doc.get("state") == "failed" else EXIT_OK
+
+    return run
+
+
+def configure_events(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve", action="append", metavar="S",
+                   help="only events of this serve (may be repeated)")
+    p.add_argument("--role", action="append", metavar="R",
+                   help="only events on this role (may be repeated)")
+    p.add_argument("--kind", action="extend", nargs="+", metavar="K",
+                   help="only events of these kinds (repeat, list, or comma-separate): "
+                        + ", ".join(EVENT_KINDS))
+    p.add_argument("--since", metavar="T",
+                   help="only events at or after T: ISO 8601 (2026-07-13T03:00, local time "
+                        "unless an offset is given), epoch seconds, or an age such as 90s, 10m, "
+                        "2h, 3d or 1h30m")
+    p.add_argument("--limit", type=_positive_int, metavar="N",
+                   help="at most the N newest matching events (daemon default 100, max 10000)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="after the matching events, print each new one as it happens, until "
+                        "Ctrl-C (exit 0); exit 3 when gpud goes away. With --json: one compact "
+                        "JSON object per line (NDJSON)")
+
+
+def events_query(args: argparse.Namespace, now: float) -> list[tuple[str, str]]:
+    params: list[tuple[str, str]] = []
+    params += [("serve", s) for s in args.serve or []]
+    params += [("role", r) for r in args.role or []]
+    for group in args.kind or []:
+        params += [("kind", k) for k in group.split(",") if k]
+    if args.since is not None:
+        params.append(("since", _epoch_text(parse_since(args.since, now))))
+    if args.limit is not None:
+        params.append(("limit", str(args.limit)))
+    return params
+
+
+def run_events(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    params = events_query(args, time.time())
+    if args.follow:
+        return follow_events(ctl, params)
+    target = "/v1/events" + ("?" + query_string(params) if params else "")
+    ctl.emit(ctl.client.call("GET", target), format_events)
+    return EXIT_OK
+
+
+def follow_events(ctl: Ctl, params: list[tuple[str, str]]) -> int:
+    target = "/v1/events?" + query_string([*params, ("follow", "1")])
+    ctl.ndjson = True
+    try:
+        for ev in ctl.client.stream(target):
+            text = dump_json(ev, compact=True) if ctl.as_json else format_event(ev)
+            print(text, file=ctl.out, flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    raise CtlError("unreachable", f"gpud at {ctl.client.address} ended the event stream "
+                   "(stopped or restarting?)", EXIT_UNREACHABLE,
+                   {"socket": ctl.client.address})
+
+
+def run_reload(ctl: Ctl, args: argparse.Namespace) -> int:
+    ctl.emit(ctl.client.call("POST", "/v1/reload", {}, MUTATION_TIMEOUT), format_reload)
+    return EXIT_OK
+
+
+def configure_config_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="NEW.toml", help="the serves.toml to plan or apply")
+
+
+def _config_body(path: str) -> Doc:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(2 * 1024 * 1024)
+    except OSError as exc:
+        raise usage_error(f"cannot read {path}: {exc.strerror or exc}", file=path) from exc
+    except UnicodeDecodeError as exc:
+        raise usage_error(f"{path} is not UTF-8 text", file=path) from exc
+    return {"config": text, "source": os.path.abspath(path)}
+
+
+
+def run_plan(ctl: Ctl, args: argparse.Namespace) -> int:
+    doc = ctl.client.call("POST", "/v1/plan", _config_body(args.file), MUTATION_TIMEOUT)
+    ctl.emit(doc, format_plan)
+    return EXIT_OK if doc.get("resident_fits") and not doc.get("blocked") else EXIT_REFUSED
+
+
+def run_apply(ctl: Ctl, args: argparse.Namespace) -> int:
+    final: Doc = {}
+    for line in ctl.client.stream("/v1/apply", "POST", _config_body(args.file)):
+        if "result" in line:
+            final = line
+            break
+        if ctl.as_json:
+            print(dump_json(line, compact=True), file=ctl.out, flush=True)
+        else:
+            mark = "ok  " if line.get("ok") else "FAIL"
+            print(f"[{mark}] {line.get('step')}: {line.get('message')}", file=ctl.out, flush=True)
+    if not final:
+        raise CtlError("unreachable", "gpud ended the apply stream without a result: check "
+                       "`gpuctl events --kind apply`", EXIT_UNREACHABLE)
+    if ctl.as_json:
+        print(dump_json(final, compact=True), file=ctl.out, flush=True)
+    elif final.get("result") == "applied":
+        print(f"applied: {final.get('summary')}", file=ctl.out)
+    elif final.get("result") == "rolled-back":
+        print(f"rolled back: {final.get('error')}; {final.get('summary')}", file=ctl.err)
+    else:
+        err = final.get("error") or {}
+        print(f"gpuctl: {err.get('message', final)}", file=ctl.err)
+    return EXIT_OK if final.get("result") == "applied" else EXIT_REFUSED
+
+
+def configure_calibrate(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--window", default="10m", metavar="T",
+                   help="how long to sample the serve's draw: 90s, 10m, 1h (default 10m)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="start the calibration and return; see `gpuctl calibrate NAME --status`")
+    p.add_argument("--status", action="store_true", help="show the serve's calibration only")
+
+
+def _duration(text: str) -> float:
+    import math
+
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        seconds = (float(text[:-1]) * units[text[-1]] if text and text[-1] in units
+                   else float(text))
+    except ValueError:
+        raise usage_error(f"--window: not a duration: {text!r} (say 90s, 10m or 1h)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise usage_error(f"--window: must be a positive, finite duration: {text!r}")
+    return seconds
+
+
+
+def run_calibrate(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    path = serve_path(args.name, "calibration")
+    if not args.status:
+        ctl.client.call("POST", serve_path(args.name, "calibrate"),
+                        {"window_s": _duration(args.window)}, MUTATION_TIMEOUT)
+        if not args.no_wait:
+            while (doc := ctl.client.call("GET", path)).get("running"):
+                if not ctl.as_json:
+                    print(format_calibration(doc).splitlines()[-1], file=ctl.err, flush=True)
+                time.sleep(min(5.0, max(0.5, _duration(args.window) / 10)))
+    ctl.emit(ctl.client.call("GET", path), format_calibration)
+    return EXIT_OK
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "status", "the daemon in a few lines",
+        "Show gpud's version, config file, admission mode, whether launching (the system bus) "
+        "and observation (NVML, or the simulated backend) are available and why not, how many "
+        "serves are in each state, which roles are over-committed, and the ledger summary.\n\n"
+        "Readable by anyone who can open the socket (group gpud).",
+        "  gpuctl status\n  gpuctl status --json | jq .observation",
+        _no_args, run_status),
+    Command(
+        "ledger", "the GPU-memory ledger of every role",
+        "Show each role as the operator's record writes it: capacity, reserve, committed and "
+        "free MiB (free = capacity - reserve - committed), then one line per reservation, then, "
+        "when observation is available, what the device really draws: used, the draw the ledger "
+        "does not manage (display, sidecars) against the reserve, physical free and the "
+        "effective free that strict admission uses. A role whose non-ledger draw exceeds its "
+        "reserve is flagged (its ledger free figure is optimistic); an over-committed role "
+        "(free below zero after a config change) is flagged loudly. Figures from the simulated "
+        "backend are marked (simulated).",
+        "  gpuctl ledger\n"
+        "      gpu_role 'dark-fast': capacity 32607 MiB, reserve 4608 MiB, committed 26112 MiB,"
+        " free 1887 MiB\n"
+        "        fast 14336 MiB (resident, running)\n"
+        "        ...\n"
+        "  gpuctl ledger --watch --interval 5",
+        configure_ledger, run_ledger),
+    Command(
+        "serves", "the serves and their states",
+        "Without NAME, a table of every serve gpud knows (configured or holding an external "
+        "reservation), sorted by role, priority and name: state, configured vram_mib, "
+        "reserved MiB, resident, priority, port, main PID and calibration; then the reason of "
+        "each denied or failed serve. With NAME, every field of that serve.\n\n"
+        "States: declared, admitted, starting, running, stopping, denied, failed, external, "
+        "orphan.",
+        "  gpuctl serves\n  gpuctl serves ocr\n  gpuctl serves --names",
+        configure_serves, run_serves),
+    Command(
+        "admit", "reserve MiB for a serve on its role",
+        "Ask the ledger for MIB MiB for serve NAME. The serve's own current reservation is "
+        "replaced, not added to. It is admitted iff MIB fits the role's free figure (ledger "
+        "mode) or the smaller of that and the observed free memory (strict mode, the default); "
+        "a denial says which bound failed, the need, the free figure and the shortfall, and "
+        "exits 1. Admitting does not start the serve (see start).\n\n"
+        "Needs root or the admin group.",
+        "  gpuctl admit ocr 5120\n"
+        "  gpuctl admit fast 14336\n"
+        "      admitted fast: 14336 MiB on dark-fast (was 18432); dark-fast free 1887 MiB\n"
+        "  gpuctl admit sidecar 2048 --role dark-fast      # a process gpud does not launch",
+        configure_admit, run_admit),
+    Command(
+        "release", "give a serve's reservation back",
+        "Drop serve NAME's reservation. gpud never releases memory a live process still "
+        "holds: releasing a serve whose unit is live is refused (exit 1) unless --stop stops "
+        "it in the same request.\n\nNeeds root or the admin group.",
+        "  gpuctl release ocr\n  gpuctl release ocr --stop",
+        configure_release, run_release),
+    Command(
+        "start", "admit (if needed) and launch a serve",
+        "Admit serve NAME at its configured vram_mib if it holds no reservation (a denial exits "
+        "1 with the reason), then launch its transient unit gpud-serve-NAME.service and wait "
+        "until its health endpoint answers 200 (--no-wait: return once launched). Exits 1 when "
+        "the serve fails to become healthy, or when launching is unavailable (no system bus)."
+        "\n\nNeeds root or the admin group.",
+        "  gpuctl start ocr\n  gpuctl start ocr --no-wait",
+        configure_start, _lifecycle("start")),
+    Command(
+        "stop", "stop a serve's unit and release its reservation",
+        "Stop serve NAME's unit (SIGTERM to its main process, SIGKILL to what is left after its "
+        "stop timeout) and release its reservation. The next start on that device waits until "
+        "the device shows the memory back.\n\nNeeds root or the admin group.",
+        "  gpuctl stop ocr",
+        _name_arg, _lifecycle("stop")),
+    Command(
+        "restart", "restart a serve's unit",
+        "Restart serve NAME's unit under its current reservation and wait until it is healthy "
+        "again (--no-wait: return once launched).\n\nNeeds root or the admin group.",
+        "  gpuctl restart fast",
+        configure_start, _lifecycle("restart")),
+    Command(
+        "events", "what happened: admissions, denials, starts, exits, overdraws",
+        "Show stored events, oldest first: the newest --limit that match. Each line: local "
+        "time (ISO 8601), kind, serve, role, MiB, message. --json gives each event's details "
+        "too.\n\nKinds: " + ", ".join(EVENT_KINDS) + ".",
+        "  gpuctl events --serve ocr --kind deny --since 2h\n"
+        "  gpuctl events --since 2026-07-13T03:00 --limit 20\n"
+        "  gpuctl events --follow --kind overdraw,reserve-exceeded",
+        configure_events, run_events),
+    Command(
+        "plan", "what a new serves.toml would do to the ledger",
+        "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
+        "role capacity, reserve, committed and free before -> after; per serve its reservation, "
+        "--gpu-memory-utilization and state before -> after, what changed and whether it must "
+        "restart; and whether the full resident set is admitted. Exits 1 when it does not fit, "
+        "naming the shortfall.\n\nReadable by anyone who can open the socket.",
+        "  gpuctl plan /etc/gpud/serves.new.toml",
+        configure_config_file, run_plan),
+    Command(
+        "apply", "rebalance to a new serves.toml, rolling back on failure",
+        "Validate NEW.toml (refused, nothing changed, when the resident set does not fit), back "
+        "up the current config (timestamped, the last daemon.config_backups kept, under "
+        "backups/ beside it), write NEW.toml over it atomically, reload, then per device stop "
+        "serves that left, restart changed serves shrinking ones before growing ones, start "
+        "resident serves that now fit, and wait for their health. If a step fails the old "
+        "config is written back and the touched serves are restored. Each step is printed as "
+        "it happens and logged as an `apply` event. Exit 1 when refused or rolled back.\n\n"
+        "Needs root or the admin group.",
+        "  gpuctl plan new.toml && gpuctl apply new.toml",
+        configure_config_file, run_apply),
+    Command(
+        "calibrate", "measure a serve's real draw and recommend a reservation",
+        "Sample the draw of running serve NAME over --window (default 10m) and store its steady "
+        "(median) and peak MiB and a recommended vram_mib (peak plus max(256 MiB, 5%), rounded "
+        "up to 256 MiB), bound to the serve's fingerprint (model, revision, quantization, "
+        "max_model_len, command): when any of those change the calibration shows as stale.\n\n"
+        "Starting one needs root or the admin group; --status is readable by anyone.",
+        "  gpuctl calibrate fast --window 10m\n  gpuctl calibrate fast --status",
+        configure_calibrate, run_calibrate),
+    Command(
+        "reload", "re-read serves.toml",
+        "Make gpud re-read its config file. Reservations are never dropped silently: a role the "
+        "new config leaves over-committed is reported as such.\n\nNeeds root or the admin group.",
+        "  gpuctl reload",
+        _no_args, run_reload),
+)

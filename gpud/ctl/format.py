@@ -1,0 +1,383 @@
+"""gpuctl's formatters: pure functions from a decoded JSON answer (docs/api.md) to text.
+
+No I/O here and no clock: ``local_time`` takes the time zone it is given (local by default).
+Each ``format_*`` says which answer it reads.
+"""
+
+from __future__ import annotations
+
+# Not ``typing.TYPE_CHECKING``: importing typing costs startup time. mypy treats any name
+# TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import datetime
+    from collections.abc import Sequence
+    from typing import Any
+
+    from gpud.ctl.errors import CtlError
+
+    Doc = dict[str, Any]
+
+from gpud.core.vocab import STATES  # noqa: E402 - defined once
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value} MiB"
+
+
+def _dash(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def local_time(ts: float, tz: datetime.tzinfo | None = None) -> str:
+    """ISO 8601 with the UTC offset, in local time unless ``tz`` is given."""
+    from datetime import datetime
+
+    moment = datetime.fromtimestamp(ts, tz) if tz is not None else datetime.fromtimestamp(ts)
+    return moment.astimezone(tz).isoformat(timespec="seconds")
+
+
+def format_reservation(res: Doc) -> str:
+    """``  fast 14336 MiB (resident, running)``, as in the seed record."""
+    state = res.get("state") or "?"
+    if res.get("external"):
+        flags = "external"
+    elif res.get("resident"):
+        flags = f"resident, {state}"
+    else:
+        flags = state
+    return f"  {res.get('serve')} {res.get('mib')} MiB ({flags})"
+
+
+def format_observed(obs: Doc, reserve_mib: Any) -> list[str]:
+    label = "observed (simulated)" if obs.get("simulated") else "observed"
+    reserve = obs.get("reserve_mib", reserve_mib)
+    pending = obs.get("pending_mib") or 0
+    line = (f"  {label}: used {_mib(obs.get('used_mib'))}, "
+            f"non-ledger draw {_mib(obs.get('non_ledger_draw_mib'))} (reserve {_mib(reserve)}), "
+            f"physical free {_mib(obs.get('physical_free_mib'))}, ")
+    if pending:
+        line += f"pending {pending} MiB, "
+    line += f"effective free {_mib(obs.get('effective_free_mib'))}"
+    lines = [line]
+    excess = obs.get("reserve_excess_mib") or 0
+    if excess > 0:
+        lines.append(f"  ledger free is optimistic by {excess} MiB: "
+                     "non-ledger draw exceeds the reserve")
+    return lines
+
+
+def format_role(role: Doc) -> list[str]:
+    """One role of ``GET /v1/ledger``: the seed's gpu_role line, its reservations, observation."""
+    lines = [f"gpu_role '{role.get('name')}': capacity {_mib(role.get('capacity_mib'))}, "
+             f"reserve {_mib(role.get('reserve_mib'))}, "
+             f"committed {_mib(role.get('committed_mib'))}, free {_mib(role.get('free_mib'))}"]
+    if role.get("over_committed"):
+        free = role.get("free_mib")
+        by = f" by {-free} MiB" if isinstance(free, int) and free < 0 else ""
+        lines.append(f"  !! OVER-COMMITTED{by}: committed exceeds capacity minus reserve; "
+                     "reservations are kept, release or shrink a serve")
+    if role.get("missing"):
+        lines.append(f"  !! device {role.get('device')} is missing")
+    lines += [format_reservation(r) for r in role.get("reservations") or []]
+    observed = role.get("observed")
+    if observed:
+        lines += format_observed(observed, role.get("reserve_mib"))
+    return lines
+
+
+def format_ledger(doc: Doc) -> str:
+    """``GET /v1/ledger`` as the seed record writes a ledger."""
+    roles = doc.get("roles") or []
+    blocks = ["\n".join(format_role(r)) for r in roles]
+    if not roles:
+        blocks.append("no roles configured")
+    text = "\n\n".join(blocks)
+    shown = any((r.get("observed") or {}).get("simulated") for r in roles)
+    if doc.get("simulated") and not shown:
+        text += "\nobservation: SIMULATED (no real GPU behind these figures)"
+    return text
+
+
+def _counts(counts: Doc) -> str:
+    order = [s for s in STATES if s in counts] + sorted(s for s in counts if s not in STATES)
+    parts = [f"{counts[s]} {s}" for s in order if counts[s]]
+    return ", ".join(parts) if parts else "none"
+
+
+def _block(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join(f"{k + ':':<{width}}{v}".rstrip() for k, v in rows)
+
+
+def format_status(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
+    """``GET /v1/status`` as a short block."""
+    launching = doc.get("launching") or {}
+    if launching.get("available"):
+        launch = "available"
+    else:
+        launch = "UNAVAILABLE" + (f": {launching['reason']}" if launching.get("reason") else "")
+    obs = doc.get("observation") or {}
+    backend = obs.get("backend") or "none"
+    if obs.get("available"):
+        # Available but with a caveat (a simulation state file missing or broken: the last
+        # good state is in force): said, not hidden.
+        observation = backend + (f"; {obs['reason']}" if obs.get("reason") else "")
+    else:
+        observation = f"UNAVAILABLE ({backend})" + (f": {obs['reason']}" if obs.get("reason")
+                                                    else "")
+        if doc.get("admission") == "strict":
+            observation += "; strict admission falls back to the ledger bound"
+    if obs.get("simulated"):
+        observation += " (SIMULATED: no real GPU behind these figures)"
+    started = doc.get("started_at")
+    when = local_time(started, tz) if isinstance(started, (int, float)) else "-"
+    over = doc.get("over_committed") or []
+    names = [o if isinstance(o, str) else str(o.get("role") or o.get("name")) for o in over]
+    file = doc.get("config_file") or {}
+    config = _dash(doc.get("config"))
+    if file.get("differs"):
+        config += f" (!! the file on disk is not the config in force: {file.get('reason')})"
+    rows = [
+        ("version", _dash(doc.get("version"))),
+        ("config", config),
+        ("started", when + ("" if doc.get("ready", True) else " (not ready yet)")),
+        ("admission", _dash(doc.get("admission"))),
+        ("launching", launch),
+        ("observation", observation),
+        ("serves", _counts(doc.get("serve_states") or {})),
+        ("over-committed", ("!! " + ", ".join(names)) if names else "none"),
+        ("summary", _dash(doc.get("summary"))),
+    ]
+    return _block(rows)
+
+
+_SERVE_COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    # (header, key, right-aligned)
+    ("NAME", "name", False), ("ROLE", "role", False), ("STATE", "state", False),
+    ("VRAM", "vram_mib", True), ("RESERVED", "reserved_mib", True),
+    ("RESIDENT", "resident", False), ("PRIO", "priority", True), ("PORT", "port", True),
+    ("PID", "main_pid", True), ("CALIBRATION", "calibration", False),
+)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+                 right: Sequence[bool]) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = zip(cells, widths, right, strict=True)
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in padded).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def format_serves(doc: Doc) -> str:
+    """``GET /v1/serves``: a table, then the reason of each serve that has one."""
+    serves = doc.get("serves") or []
+    if not serves:
+        return "no serves"
+    rows = [[_dash(s.get(key)) for _, key, _ in _SERVE_COLUMNS] for s in serves]
+    for row, s in zip(rows, serves, strict=True):
+        if s.get("device_lost"):
+            row[2] += " (DEVICE LOST)"
+    text = format_table([h for h, _, _ in _SERVE_COLUMNS], rows, [r for _, _, r in _SERVE_COLUMNS])
+    reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
+               for s in serves if s.get("reason")]
+    reasons += [f"{s.get('name')}: {s['device_lost']}" for s in serves if s.get("device_lost")]
+    if reasons:
+        text += "\n\n" + "\n".join(reasons)
+    if doc.get("simulated"):
+        text += "\nobservation: SIMULATED (no real GPU behind observed figures)"
+    return text
+
+
+_SERVE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
+    ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
+    ("device lost", "device_lost"),
+    ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
+    ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
+    ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
+)
+
+
+def format_serve(serve: Doc) -> str:
+    """``GET /v1/serves/{name}``: one ``key: value`` line per field; unknown fields at the end."""
+    rows = []
+    for label, key in _SERVE_FIELDS:
+        value = serve.get(key)
+        rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
+    known = {key for _, key in _SERVE_FIELDS} | {"calibrated"}
+    rows.append(("calibrated", _calibrated(serve.get("calibrated"))))
+    rows += [(k, _dash(v)) for k, v in sorted(serve.items()) if k not in known and k != "simulated"]
+    text = _block(rows)
+    if serve.get("simulated"):
+        text += "\nobservation: SIMULATED (no real GPU behind observed figures)"
+    return text
+
+
+def _calibrated(brief: Any) -> str:
+    """The current calibration in one line, vLLM's own account beside the measured figures."""
+    if not isinstance(brief, dict):
+        return "-"
+    line = (f"steady {_mib(brief.get('steady_mib'))}, peak {_mib(brief.get('peak_mib'))}, "
+            f"recommended reservation {_mib(brief.get('recommended_mib'))}")
+    vllm = brief.get("vllm")
+    if isinstance(vllm, dict) and vllm.get("weights_mib") is not None:
+        line += (f"; vLLM: weights {_mib(vllm.get('weights_mib'))}, KV cache "
+                 f"{_mib(vllm.get('kv_cache_mib'))}, CUDA graphs {_mib(vllm.get('cudagraph_mib'))}, "
+                 f"context {_mib(vllm.get('context_mib'))}")
+        if vllm.get("recommended_kv_cache_mib") is not None:
+            line += f", recommends kv_cache_mib = {vllm['recommended_kv_cache_mib']}"
+    return line
+
+
+def format_admit(doc: Doc) -> str:
+    """``admitted fast: 14336 MiB on dark-fast (was 18432); dark-fast free 1887 MiB``."""
+    role = doc.get("role")
+    was = doc.get("replaced_mib")
+    figures = doc.get("figures") or {}
+    line = (f"admitted {doc.get('serve')}: {doc.get('mib')} MiB on {role}"
+            + (f" (was {was})" if was else "")
+            + f"; {role} free {_mib(figures.get('free_mib'))}")
+    if doc.get("note"):
+        line += f"\nnote: {doc['note']}"
+    return line
+
+
+def format_release(doc: Doc, stopped: bool = False) -> str:
+    """``released ocr: 5120 MiB on dark-fast; dark-fast free 7007 MiB``."""
+    role = doc.get("role")
+    figures = doc.get("figures") or {}
+    verb = "stopped and released" if stopped else "released"
+    return (f"{verb} {doc.get('serve')}: {_mib(doc.get('released_mib'))} on {role}; "
+            f"{role} free {_mib(figures.get('free_mib'))}")
+
+
+def format_lifecycle(serve: Doc) -> str:
+    """The Serve that start, stop and restart answer with, in one line."""
+    facts = []
+    if serve.get("reserved_mib") is not None:
+        facts.append(f"reserved {serve['reserved_mib']} MiB")
+    for label, key in (("port", "port"), ("pid", "main_pid"), ("unit", "unit")):
+        if serve.get(key) is not None:
+            facts.append(f"{label} {serve[key]}")
+    line = (f"{serve.get('name')}: {serve.get('state')} on {_dash(serve.get('role'))}"
+            + (f" ({', '.join(facts)})" if facts else ""))
+    if serve.get("reason"):
+        line += f"\nreason: {serve['reason']}"
+    return line
+
+
+def format_reload(doc: Doc) -> str:
+    return "reloaded" + (f": {doc['summary']}" if doc.get("summary") else "")
+
+
+def format_event(ev: Doc, tz: datetime.tzinfo | None = None) -> str:
+    """One event: local ISO time, kind, serve, role, MiB, message."""
+    ts = ev.get("ts")
+    when = local_time(ts, tz) if isinstance(ts, (int, float)) else "-"
+    mib = _mib(ev.get("mib"))
+    message = " ".join(str(ev.get("message") or "").split())
+    return (f"{when} {_dash(ev.get('kind')):<16} {_dash(ev.get('serve')):<12} "
+            f"{_dash(ev.get('role')):<12} {mib:>10}  {message}").rstrip()
+
+
+def format_events(doc: Doc, tz: datetime.tzinfo | None = None) -> str:
+    return "\n".join(format_event(ev, tz) for ev in doc.get("events") or [])
+
+
+def format_error(err: CtlError) -> str:
+    """``gpuctl: <message>``, and for a denial the figures from its details."""
+    lines = [f"gpuctl: {err.message}"]
+    d = err.details
+    if err.code == "denied" and "need_mib" in d:
+        bound = f" ({d['bound']} bound on {d.get('role')})" if d.get("bound") else ""
+        lines.append(f"gpuctl: need {_mib(d.get('need_mib'))}, free {_mib(d.get('free_mib'))}, "
+                     f"shortfall {_mib(d.get('shortfall_mib'))}{bound}")
+    problems = d.get("problems")
+    if isinstance(problems, list) and len(problems) > 1:
+        lines += [f"gpuctl:   {p}" for p in problems]
+    if err.code == "forbidden":
+        lines.append("gpuctl: changes need root or the admin group named by daemon.admin_group")
+    return "\n".join(lines)
+
+
+def dump_json(doc: Any, compact: bool = False) -> str:
+    import json
+
+    if compact:
+        return json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(doc, sort_keys=True, ensure_ascii=False, indent=2)
+
+
+
+def _arrow(before: Any, after: Any) -> str:
+    b = "-" if before is None else str(before)
+    a = "-" if after is None else str(after)
+    return b if b == a else f"{b} -> {a}"
+
+
+def format_plan(doc: Doc) -> str:
+    lines = [f"plan: {doc.get('source')} against the running config"]
+    for role in doc.get("roles", []):
+        before, after = role.get("before") or {}, role.get("after") or {}
+        lines.append(f"role '{role.get('name')}':")
+        for key in ("capacity_mib", "reserve_mib", "committed_mib", "free_mib"):
+            label = key.replace("_mib", "")
+            lines.append(f"  {label:<10} {_arrow(before.get(key), after.get(key))} MiB")
+    rows = [("SERVE", "ROLE", "MIB", "UTIL", "STATE", "CHANGE", "RESTART")]
+    for s in doc.get("serves", []):
+        rows.append((str(s.get("name")), _arrow(s.get("role_before"), s.get("role_after")),
+                     _arrow(s.get("mib_before"), s.get("mib_after")),
+                     _arrow(s.get("util_before"), s.get("util_after")),
+                     _arrow(s.get("state_before"), s.get("state_after")),
+                     str(s.get("change")), "yes" if s.get("restart") else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    restart = doc.get("restart") or []
+    lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
+    if doc.get("resident_fits"):
+        lines.append("resident set: fits, every resident serve is admitted")
+    else:
+        for d in doc.get("denied", []):
+            lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
+                         f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
+                         f"short {d.get('shortfall_mib')} MiB")
+    stop_first = doc.get("stop_first") or []
+    if stop_first:
+        lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
+    for b in doc.get("blocked") or []:
+        lines.append(f"BLOCKED: {b.get('message')}")
+    return "\n".join(lines)
+
+
+
+def format_calibration(doc: Doc) -> str:
+    rec = doc.get("record")
+    lines = [f"{doc.get('serve')}: {doc.get('status')} (fingerprint {doc.get('fingerprint')})"]
+    run = doc.get("running")
+    if run:
+        lines.append(f"  measuring: {run.get('elapsed_s')} of {run.get('window_s')} s, "
+                     f"{run.get('samples')} samples, peak {run.get('peak_mib')} MiB")
+    if rec:
+        current = "" if rec.get("current") else " (for an older fingerprint: stale)"
+        lines.append(f"  steady {rec.get('steady_mib')} MiB, peak {rec.get('peak_mib')} MiB over "
+                     f"{rec.get('window_s')} s ({rec.get('samples')} samples): recommended "
+                     f"vram_mib = {rec.get('recommended_mib')}{current}")
+    vllm = doc.get("vllm")
+    if vllm:
+        # vLLM's own start-up account, from the serve's journal (gpud.vllm_log)
+        lines.append(f"  vLLM says: weights {vllm.get('weights_mib')} MiB, KV cache "
+                     f"{vllm.get('kv_cache_mib')} MiB, CUDA graphs {vllm.get('cudagraph_mib')} MiB; "
+                     f"context beyond its budget {vllm.get('context_mib')} MiB")
+        if vllm.get("recommended_kv_cache_mib"):
+            lines.append(f"  vLLM recommends --kv-cache-memory={vllm.get('recommended_kv_cache_bytes')}: "
+                         f"kv_cache_mib = {vllm.get('recommended_kv_cache_mib')}")
+    return "\n".join(lines)
+
