@@ -5,11 +5,13 @@ one role to two and back, events and metrics per device."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import GpudProcess, start_gpud
+from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.test_invariant_api import apply
 
 
@@ -172,3 +174,43 @@ def test_metrics_carry_one_series_per_device(two: GpudProcess) -> None:
     assert len(series) == 2
     assert any('role="g0"' in s and 'UUID="GPU-sim-0"' in s for s in series), series
     assert any('role="g1"' in s and 'UUID="GPU-sim-1"' in s for s in series), series
+
+
+def gpuctl(gp: GpudProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gp.socket), *args],
+                          capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
+
+
+def test_gpuctl_admits_lists_and_releases_a_serve_on_two_roles(two: GpudProcess) -> None:
+    done = gpuctl(two, "admit", "big", "20000")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("admitted big: 20000 MiB on each of g0, g1; g0 free 19960 "
+                                   "MiB, g1 free 19960 MiB")
+    ledger = gpuctl(two, "ledger").stdout.splitlines()
+    at0 = ledger.index("gpu_role 'g0': capacity 40960 MiB, reserve 1000 MiB, committed 20000 "
+                       "MiB, free 19960 MiB")
+    assert ledger[at0 + 1] == "  big 20000 MiB (admitted; 1/2 of g0, g1)"
+    at1 = ledger.index("gpu_role 'g1': capacity 40960 MiB, reserve 1000 MiB, committed 20000 "
+                       "MiB, free 19960 MiB")
+    assert ledger[at1 + 1] == "  big 20000 MiB (admitted; 2/2 of g0, g1)"
+    serves = gpuctl(two, "serves").stdout.splitlines()
+    big = next(line for line in serves if line.startswith("big "))
+    assert big.split()[:3] == ["big", "g0,g1", "admitted"]
+    small = next(line for line in serves if line.startswith("small "))
+    assert small.split()[:3] == ["small", "g1", "declared"]  # a single-role serve as before
+    denied = gpuctl(two, "admit", "small", "25000")
+    assert denied.returncode == 1
+    released = gpuctl(two, "release", "big")
+    assert released.returncode == 0, released.stderr
+    assert released.stdout.strip() == ("released big: 20000 MiB on each of g0, g1; g0 free "
+                                       "39960 MiB, g1 free 39960 MiB")
+
+
+def test_gpuctl_names_each_role_of_a_denial(two: GpudProcess) -> None:
+    assert gpuctl(two, "admit", "small", "15000").returncode == 0
+    assert gpuctl(two, "admit", "other", "25000", "--role", "g0").returncode == 0
+    done = gpuctl(two, "admit", "big", "30000")
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[1:] == [
+        "gpuctl: need 30000 MiB, free 14960 MiB, shortfall 15040 MiB (ledger bound on g0)",
+        "gpuctl: need 30000 MiB, free 24960 MiB, shortfall 5040 MiB (ledger bound on g1)"]
