@@ -3,6 +3,7 @@ and environment, --show-commands, and the simulated stand-in's draw on several d
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -265,3 +266,33 @@ def test_a_registration_on_several_devices_draws_on_each(tmp_path: Path) -> None
     env = backend.environment_for("GPU-sim-1", "GPU-sim-3")
     assert env["GPUD_SIM_DEVICES"] == "GPU-sim-1,GPU-sim-3"
     assert "GPUD_SIM_DEVICES" not in backend.environment_for("GPU-sim-1")
+
+
+def test_the_standin_registers_its_draw_on_every_device_it_is_given(tmp_path: Path) -> None:
+    from gpud import simulation
+    from gpud.testing import standin as standin_mod
+    from tests.test_standin import free_port, registrations, wait_until
+
+    assert standin_mod.GPUD_SIM_DEVICES == simulation.GPUD_SIM_DEVICES
+    procs = tmp_path / "procs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUD_SIM_")}
+    env |= simulation.standin_environment(procs, "GPU-sim-1", 40960, ["GPU-sim-3"])
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "--port", str(port),
+                             "--gpu-memory-utilization", "0.5"], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(registrations(procs)) == 1, what="the engine's draw")
+        (record,) = registrations(procs).values()
+        assert (record["device"], record["also_devices"], record["mib"]) == \
+            ("GPU-sim-1", ["GPU-sim-3"], 20480)
+        backend = SimulatedBackend([SimulatedDevice(f"GPU-sim-{i}", 40960) for i in range(4)],
+                                   tmp_path / "sim.json", procs_dir=procs)
+        (tmp_path / "sim.json").write_text("{}")
+        used = {d.uuid: d.used_mib for d in backend.sample().devices}
+        assert used == {"GPU-sim-0": 0, "GPU-sim-1": 20480, "GPU-sim-2": 0, "GPU-sim-3": 20480}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert registrations(procs) == {}  # gone from every device with the process
