@@ -296,3 +296,23 @@ def test_the_standin_registers_its_draw_on_every_device_it_is_given(tmp_path: Pa
         proc.terminate()
         proc.wait(10)
     assert registrations(procs) == {}  # gone from every device with the process
+
+
+def test_the_fingerprint_follows_the_number_of_devices_only_when_there_are_several() -> None:
+    from gpud.core.launch import fingerprint
+
+    cfg = parse_config(FOUR + BIG + '[serves.one]\nrole = "d2"\nvram_mib = 1000\n'
+                       '[serves.one.vllm]\nmodel = "org/big"\n'
+                       '[serves.three]\nroles = ["d0", "d1", "d2"]\nvram_mib = 1000\n'
+                       '[serves.three.vllm]\nmodel = "org/big"\n', "t.toml")
+    prints = {n: fingerprint(s) for n, s in cfg.serves.items()}
+    assert len(set(prints.values())) == 3
+    # A serve on one device keeps the fingerprint it always had (its calibrations stay valid):
+    # the hash of the same keys as before serves could span devices.
+    import hashlib
+    import json
+
+    before = {"model": "org/big", "revision": None, "quantization": None, "max_model_len": None,
+              "extra_args": [], "command": None}
+    assert prints["one"] == hashlib.sha256(
+        json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]

@@ -277,4 +277,9 @@ def fingerprint(serve: ServeConfig) -> str:
     if v is not None and v.kv_cache_mib is not None:
         # Only when set, so that the serves that never had it keep their calibrations.
         what["kv_cache_mib"] = v.kv_cache_mib
+    if len(serve.all_roles) > 1:
+        # Over N devices each holds its share of the weights: a calibration made on another
+        # number of devices says nothing about the draw per device. (Only when > 1: serves on
+        # one device keep their calibrations.)
+        what["devices"] = len(serve.all_roles)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
