@@ -382,11 +382,16 @@ def _vllm_problems(cfg: Config) -> list[str]:
 
 
 TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel-size", "-tp")
+# vLLM's world size is pipeline x tensor parallel, and data parallel runs that many engines of it
+# (vllm/config/parallel.py: ParallelConfig.__post_init__): gpud gives a serve one device per role
+# and the tensor-parallel size over them, so the other sizes must stay 1.
+OTHER_PARALLEL_OPTIONS = ("--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
 
 
 def tensor_parallel_problems(serve: ServeConfig) -> list[tuple[int, str]]:
     """An explicit --tensor-parallel-size (or -tp) in extra_args that disagrees with the number
-    of roles: gpud passes the number of roles itself, and argparse would keep the last one."""
+    of roles: gpud passes the number of roles itself, and argparse would keep the last one. A
+    pipeline- or data-parallel size other than 1 would want more devices than the serve has."""
     v = serve.vllm
     if v is None:
         return []
@@ -394,11 +399,17 @@ def tensor_parallel_problems(serve: ServeConfig) -> list[tuple[int, str]]:
     problems: list[tuple[int, str]] = []
     for i, arg in enumerate(v.extra_args):
         name, eq, value = arg.partition("=")
-        if _option_name(name) not in TENSOR_PARALLEL_OPTIONS:
+        option = _option_name(name)
+        if option not in TENSOR_PARALLEL_OPTIONS + OTHER_PARALLEL_OPTIONS:
             continue
         if not eq:
             value = v.extra_args[i + 1] if i + 1 < len(v.extra_args) else ""
-        if value.strip() != str(want):
+        if option in OTHER_PARALLEL_OPTIONS:
+            if value.strip() != "1":
+                problems.append((i, f"{name} {value or '(no value)'}: gpud runs the serve on "
+                                    f"its {want} role(s), one device each, tensor parallel "
+                                    "over them; other parallel sizes must stay 1"))
+        elif value.strip() != str(want):
             problems.append((i, f"{name} {value or '(no value)'} disagrees with the serve's "
                                 f"{want} role(s): gpud passes --tensor-parallel-size {want} "
                                 "(one device per role); drop it or change the roles"))

@@ -98,6 +98,14 @@ def test_an_explicit_tensor_parallel_size_that_disagrees_is_a_config_error(extra
                "2 role(s)" in p for p in found), found
 
 
+@pytest.mark.parametrize("extra", ['["-pp", "2"]', '["--data-parallel-size=2"]'])
+def test_other_parallel_sizes_than_1_are_a_config_error(extra: str) -> None:
+    found = problems(FOUR + BIG + f"extra_args = {extra}\n")
+    assert any(p.startswith("serves.big.vllm.extra_args[0]: ") and "other parallel sizes must "
+               "stay 1" in p for p in found), found
+    assert parse_config(FOUR + BIG + 'extra_args = ["-pp", "1"]\n', "t.toml")
+
+
 def test_an_explicit_tensor_parallel_size_that_agrees_is_accepted() -> None:
     cfg = parse_config(FOUR + BIG + 'extra_args = ["-tp", "2"]\n', "t.toml")
     assert cfg.serves["big"].vllm is not None
