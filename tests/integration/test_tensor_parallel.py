@@ -5,12 +5,15 @@ attributed per device, overdraw is judged per device, and adoption keeps the who
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
 
 pytestmark = pytest.mark.sandbox
 
@@ -127,3 +130,35 @@ def test_gpud_restart_adopts_the_whole_reservation(gpud: SandboxGpud) -> None:
     assert [(x["serve"], x["mib"], x["part"]) for x in roles["g0"]["reservations"]] == \
         [("big", 20000, "2/2")]
     assert len(gpud.events(kind="start", serve="big")) == 1  # never started a second time
+
+
+def test_apply_moves_a_running_serve_from_one_device_to_two_and_back(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    def with_roles(where: str) -> str:
+        serve = (f'[serves.big]\n{where}\nvram_mib = 12000\nresident = true\nport = 30200\n'
+                 f"command = {standin('--echo-argv')}\n")
+        return sim_config(ROLES, serve, devices=2, total_mib=TOTAL)
+
+    one, two = with_roles('role = "g0"'), with_roles('roles = ["g0", "g1"]')
+    gpud.configure(one)
+    gpud.wait_state("big", "running")
+
+    def visible() -> str:
+        echo = gpud.sb.run(["curl", "-s", "http://127.0.0.1:30200/standin/argv"]).stdout
+        return str(json.loads(echo)["env"]["CUDA_VISIBLE_DEVICES"])
+
+    def committed() -> dict[str, int]:
+        return {r["name"]: r["committed_mib"] for r in gpud.get("/v1/ledger")["roles"]}
+
+    assert visible() == "0" and committed() == {"g0": 12000, "g1": 0}
+    for text, devices, held in ((two, "0,1", {"g0": 12000, "g1": 12000}),
+                                (one, "0", {"g0": 12000, "g1": 0})):
+        new = tmp_path / "new.toml"
+        new.write_text(text)
+        applied = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket",
+                                  str(gpud.socket), "apply", str(new)], capture_output=True,
+                                 text=True, cwd=REPO, timeout=300, check=False)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        gpud.wait_state("big", "running")
+        assert visible() == devices
+        assert committed() == held
