@@ -277,6 +277,14 @@ class LedgerService:
 
     def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
               mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
+        if serve is not None and "roles" not in details:
+            # Every event of a serve on several roles names them all (details.roles, journald
+            # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
+            spec = self.config.serves.get(serve)
+            held = self._decided.reservations.get(serve)
+            roles = spec.all_roles if spec is not None else held.all_roles if held else ()
+            if len(roles) > 1:
+                details["roles"] = list(roles)
         return Event(kind, message, self.clock(), serve, role, mib, uid, details)
 
     def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:

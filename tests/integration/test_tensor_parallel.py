@@ -73,6 +73,12 @@ def test_a_two_device_serve_runs_on_both_and_its_draw_is_attributed_per_device(
     observed = [line for line in metrics.splitlines()
                 if line.startswith("gpud_serve_observed_mib{") and 'serve="big"' in line]
     assert len(observed) == 2 and all(line.endswith(f" {draw}") for line in observed), observed
+    # Every event of the serve names both roles, and is found by either.
+    for kind in ("admit", "start", "healthy"):
+        (ev,) = gpud.events(kind=kind, serve="big")
+        assert ev["details"]["roles"] == ["g1", "g0"], ev
+    assert {e["kind"] for e in gpud.events(serve="big", role="g0")} >= {"admit", "start",
+                                                                        "healthy"}
     assert gpud.call("POST", "/v1/serves/big/stop", {}).status == 200
     gpud.wait_state("big", "declared")
     assert {r["name"]: r["committed_mib"] for r in gpud.get("/v1/ledger")["roles"]} == \
