@@ -324,3 +324,42 @@ def test_the_fingerprint_follows_the_number_of_devices_only_when_there_are_sever
               "extra_args": [], "command": None}
     assert prints["one"] == hashlib.sha256(
         json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- plans ---------------------------------------------------------------------------------------
+
+
+def test_a_plan_moves_a_running_serve_from_one_role_to_two_and_sizes_it_on_the_smallest() -> None:
+    from gpud.config import Config
+    from gpud.core.ledger import Ledger, RoleBudget
+    from gpud.core.plan import make_plan
+
+    def cfg(serves: dict[str, dict[str, object]]) -> Config:
+        return Config.model_validate({
+            "roles": {"a": {"device": "0", "capacity_mib": 40000},
+                      "b": {"device": "1", "capacity_mib": 20000, "reserve_mib": 2000}},
+            "serves": {n: {"command": ["/bin/true"], **s} for n, s in serves.items()}})
+
+    old = cfg({"big": {"role": "a", "vram_mib": 10000, "resident": True},
+               "side": {"role": "b", "vram_mib": 9000, "resident": True}})
+    new = cfg({"big": {"roles": ["a", "b"], "vram_mib": 10000, "resident": True},
+               "side": {"role": "b", "vram_mib": 9000, "resident": True}})
+    budgets = [RoleBudget("a", "0", 40000, 0), RoleBudget("b", "1", 20000, 2000)]
+    held = Ledger.build(budgets, [Reservation("big", "a", 10000, 1.0),
+                                  Reservation("side", "b", 9000, 2.0)])
+    states = {"big": "running", "side": "running"}
+    plan = make_plan(old=old, new=new, ledger=held, new_budgets=budgets, states=states,
+                     totals={"0": 40000, "1": 20000}, source="t")
+    big = next(s for s in plan.serves if s.name == "big")
+    assert (big.role_before, big.role_after, big.restart) == ("a", "a+b", True)
+    # Against the smallest total (20000), not the first device's 40000.
+    assert (big.util_before, big.util_after) == ("0.2500", "0.5000")
+    assert plan.stop_first == ("big",)
+    # b: side 9000 + big 10000 = 19000 > 20000 - 2000: the move does not fit there.
+    assert [b.what for b in plan.blocked] == ["roles.b"]
+    smaller = cfg({"big": {"roles": ["a", "b"], "vram_mib": 9000, "resident": True},
+                   "side": {"role": "b", "vram_mib": 9000, "resident": True}})
+    plan = make_plan(old=old, new=smaller, ledger=held, new_budgets=budgets, states=states,
+                     totals={"0": 40000, "1": 20000}, source="t")
+    assert plan.ok, plan.blocked
+    assert {n: f.committed_mib for n, _, f in plan.roles if f} == {"a": 9000, "b": 18000}
