@@ -82,7 +82,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str) -> list[tu
     if serve.port is not None:
         parts += [("--port", "port"), (str(serve.port), "port")]
     parts += [("--gpu-memory-utilization", "vram_mib"), (util, "vram_mib")]
-    if len(serve.all_roles) > 1:
+    if serve.roles is not None and len(serve.roles) > 1:
         # One GPU per role (vllm/engine/arg_utils.py: EngineArgs.add_cli_args, parallel group:
         # "--tensor-parallel-size", "-tp"); vLLM's utilization is per GPU.
         parts += [("--tensor-parallel-size", "roles"), (str(len(serve.all_roles)), "roles")]
@@ -277,7 +277,7 @@ def fingerprint(serve: ServeConfig) -> str:
     if v is not None and v.kv_cache_mib is not None:
         # Only when set, so that the serves that never had it keep their calibrations.
         what["kv_cache_mib"] = v.kv_cache_mib
-    if len(serve.all_roles) > 1:
+    if serve.roles is not None and len(serve.roles) > 1:
         # Over N devices each holds its share of the weights: a calibration made on another
         # number of devices says nothing about the draw per device. (Only when > 1: serves on
         # one device keep their calibrations.)

@@ -204,8 +204,10 @@ class Ledger:
 
     def figures(self, role: str, *, excluding: str | None = None) -> RoleFigures:
         budget = self.roles[role]
+        # Inline rather than r.on(role): this runs for every reservation of every role of a plan.
         committed = sum(
-            r.mib for r in self.reservations.values() if r.on(role) and r.serve != excluding
+            r.mib for r in self.reservations.values()
+            if (r.role == role or role in r.extra_roles) and r.serve != excluding
         )
         return RoleFigures(role, budget.capacity_mib, budget.reserve_mib, committed)
 

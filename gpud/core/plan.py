@@ -126,6 +126,11 @@ def make_plan(
 
     def device_total(roles: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
         """The total the utilization is computed against: the smallest of the roles' devices."""
+        if roles is not None and "+" not in roles:  # one role: the common case, kept cheap
+            if roles not in budgets:
+                return None
+            b = budgets[roles]
+            return totals.get(b.device) or b.capacity_mib
         if roles is None or any(r not in budgets for r in roles.split("+")):
             return None
         found = [totals.get(budgets[r].device) or budgets[r].capacity_mib
