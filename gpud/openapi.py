@@ -35,8 +35,14 @@ OBSERVED = _obj({k: _INT for k in (
     "total_mib", "used_mib", "physical_free_mib", "managed_draw_mib", "non_ledger_draw_mib",
     "reserve_mib", "reserve_excess_mib", "pending_mib", "effective_free_mib")} | {
     "simulated": _BOOL})
+# A serve on several roles (devices): every role, and which part of it this listing is ("1/2").
+_ROLES = {"type": "array", "items": _STR, "minItems": 2}
+_RESERVATION_REQUIRED = ["serve", "role", "mib", "since", "by_uid", "state", "resident",
+                         "external"]
 RESERVATION = _obj({"serve": _STR, "role": _STR, "mib": _INT, "since": _NUM, "by_uid": _NINT,
-                    "state": _STR, "resident": _BOOL, "external": _BOOL})
+                    "state": _STR, "resident": _BOOL, "external": _BOOL,
+                    "roles": _ROLES, "part": {"type": "string", "pattern": "^[0-9]+/[0-9]+$"}},
+                   _RESERVATION_REQUIRED)
 ROLE = _obj({"name": _STR, "device": _STR, "note": _NSTR, "missing": _BOOL,
              "capacity_mib": _INT, "reserve_mib": _INT, "committed_mib": _INT, "free_mib": _INT,
              "over_committed": _BOOL,
@@ -53,6 +59,7 @@ SERVE = _obj({"name": _STR, "role": _NSTR, "configured": _BOOL, "external": _BOO
                                              "recommended_mib": _INT,
                                              "vllm": {"type": ["object", "null"]}}),
                                        {"type": "null"}]}})
+SERVE["properties"]["roles"] = _ROLES  # only for a serve on several roles: not required
 EVENT = _obj({"id": _INT, "ts": _NUM, "kind": _STR, "serve": _NSTR, "role": _NSTR,
               "mib": _NINT, "uid": _NINT, "message": _STR, "details": {"type": "object"}})
 ERROR = _obj({"error": _obj({"code": _STR, "message": _STR, "details": {"type": "object"}})})
@@ -69,7 +76,9 @@ ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1
                   ["mib"], extra=False)
 ADMITTED = _obj({"serve": _STR, "role": _STR, "mib": _INT, "replaced_mib": _NINT,
                  "check": {"enum": ["ledger", "strict"]}, "note": _NSTR,
-                 "figures": _ref("Figures")})
+                 "figures": _ref("Figures"), "roles": _ROLES,
+                 "figures_by_role": {"type": "object", "additionalProperties": _ref("Figures")}},
+                ["serve", "role", "mib", "replaced_mib", "check", "note", "figures"])
 CONFIG_BODY = _obj({"config": {"type": "string", "maxLength": 1024 * 1024},
                     "source": {"type": ["string", "null"]}}, ["config"], extra=False)
 PLAN = _obj({"source": _STR, "roles": {"type": "array"}, "serves": {"type": "array"},
@@ -79,7 +88,10 @@ PLAN = _obj({"source": _STR, "roles": {"type": "array"}, "serves": {"type": "arr
                                                          "mib": _NINT, "reason": _STR,
                                                          "message": _STR})},
              "stop_first": {"type": "array", "items": _STR}})
-RELEASED = _obj({"serve": _STR, "role": _STR, "released_mib": _INT, "figures": _ref("Figures")})
+RELEASED = _obj({"serve": _STR, "role": _STR, "released_mib": _INT, "figures": _ref("Figures"),
+                 "roles": _ROLES,
+                 "figures_by_role": {"type": "object", "additionalProperties": _ref("Figures")}},
+                ["serve", "role", "released_mib", "figures"])
 
 NAME_PARAM = {"name": "name", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": NAME_PATTERN}}

@@ -214,3 +214,26 @@ def test_gpuctl_names_each_role_of_a_denial(two: GpudProcess) -> None:
     assert done.stderr.splitlines()[1:] == [
         "gpuctl: need 30000 MiB, free 14960 MiB, shortfall 15040 MiB (ledger bound on g0)",
         "gpuctl: need 30000 MiB, free 24960 MiB, shortfall 5040 MiB (ledger bound on g1)"]
+
+
+def test_answers_about_a_serve_on_two_roles_match_the_served_document(two: GpudProcess) -> None:
+    from tests.campaigns.test_api_fuzz import Conformance
+
+    doc = two.call("GET", "/v1/openapi.json").body
+    check = Conformance(doc)
+    problems: list[str] = []
+    for method, path, template, body in (
+            ("post", "/v1/serves/big/admit", "/v1/serves/{name}/admit", {"mib": 20000}),
+            ("get", "/v1/ledger", "/v1/ledger", None),
+            ("get", "/v1/serves", "/v1/serves", None),
+            ("get", "/v1/serves/big", "/v1/serves/{name}", None),
+            ("post", "/v1/serves/small/admit", "/v1/serves/{name}/admit", {"mib": 25000}),
+            ("post", "/v1/serves/big/release", "/v1/serves/{name}/release", {})):
+        reply = two.call(method.upper(), path, body)
+        problems += check.check(method, template, reply.status, "application/json", reply.raw)
+        if template == "/v1/ledger":
+            # the document says what the extra keys are, and checks them
+            assert any(r.get("part") == "2/2" for role in reply.body["roles"]
+                       for r in role["reservations"])
+    assert problems == []
+    assert doc["components"]["schemas"]["Reservation"]["properties"]["part"]["pattern"]
