@@ -418,11 +418,15 @@ class LedgerService:
         spec = self.config.serves.get(serve)
         if spec is not None:
             if role is not None and role not in spec.all_roles:
+                if spec.extra_roles:
+                    raise BadRequest(
+                        f"serve {serve!r} is configured on roles {', '.join(spec.all_roles)}, "
+                        f"not {role!r}",
+                        {"serve": serve, "role": role, "configured_role": spec.role,
+                         "configured_roles": list(spec.all_roles)})
                 raise BadRequest(
-                    f"serve {serve!r} is configured on role {', '.join(spec.all_roles)!r}, "
-                    f"not {role!r}",
-                    {"serve": serve, "role": role, "configured_role": spec.role,
-                     "configured_roles": list(spec.all_roles)},
+                    f"serve {serve!r} is configured on role {spec.role!r}, not {role!r}",
+                    {"serve": serve, "role": role, "configured_role": spec.role},
                 )
             return spec.all_roles, False
         if role is None:
