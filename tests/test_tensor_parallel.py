@@ -363,3 +363,46 @@ def test_a_plan_moves_a_running_serve_from_one_role_to_two_and_sizes_it_on_the_s
                      totals={"0": 40000, "1": 20000}, source="t")
     assert plan.ok, plan.blocked
     assert {n: f.committed_mib for n, _, f in plan.roles if f} == {"a": 9000, "b": 18000}
+
+
+# ---- the service: a failed transaction leaves the serve's reservation as it was ---------------
+
+
+def test_a_failed_commit_of_a_two_role_admission_or_release_changes_nothing(
+        tmp_path: Path) -> None:
+    import asyncio
+
+    from gpud.service import LedgerService
+    from tests.test_group_commit import GatedStore
+
+    text = ('[daemon]\nadmission = "ledger"\n[roles.a]\ndevice = "0"\ncapacity_mib = 1000\n'
+            '[roles.b]\ndevice = "1"\ncapacity_mib = 1000\n'
+            '[serves.big]\nroles = ["a", "b"]\nvram_mib = 600\ncommand = ["/bin/true"]\n')
+    store = GatedStore(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "t"), store)
+    svc.load()
+
+    def committed() -> tuple[int, int]:
+        return svc.ledger.figures("a").committed_mib, svc.ledger.figures("b").committed_mib
+
+    async def run() -> None:
+        store.fail_next = True
+        with pytest.raises(StoreError):
+            await svc.admit("big", 600)
+        assert committed() == (0, 0) and store.reservations() == []
+        await svc.admit("big", 600)
+        assert committed() == (600, 600)
+        store.fail_next = True
+        with pytest.raises(StoreError):
+            await svc.release("big")
+        assert committed() == (600, 600)
+        assert [r.all_roles for r in store.reservations()] == [("a", "b")]
+        # the next decision starts from what is durable: the release goes through whole
+        await svc.release("big")
+        assert committed() == (0, 0) and store.reservations() == []
+
+    try:
+        asyncio.run(run())
+    finally:
+        svc.close()
+        store.close()
