@@ -19,6 +19,7 @@ class Alerts:
         self.reserve = Crossings()
         self.overdraw = Crossings()
         self.lost: dict[str, str] = {}  # device uuid -> problem
+        self.strays: set[int] = set()  # PIDs already reported as container-outside-unit
 
     async def __call__(self, obs: Observation) -> None:
         if not obs.available:
@@ -26,6 +27,28 @@ class Alerts:
         await self._devices(obs)
         await self._reserve(obs)
         await self._overdraw()
+        await self._container_strays(obs)
+
+    async def _container_strays(self, obs: Observation) -> None:
+        """container-outside-unit, once per process: a container's process draws GPU memory
+        from outside every serve unit (an engine that keeps its containers in a cgroup of its
+        own, as docker does, or podman without --cgroups=split), so that memory counts as
+        non-ledger draw although a container runs it."""
+        strays = self.observer.strays
+        for dev in obs.devices:
+            for proc in dev.processes or ():
+                found = strays.get(proc.pid)
+                if found is None or proc.pid in self.strays:
+                    continue
+                container, path = found
+                await self.svc.record(self.svc.event(
+                    "container-outside-unit",
+                    f"pid {proc.pid} of container {container} draws {proc.mib} MiB on "
+                    f"{dev.uuid} from outside every serve unit (cgroup {path}): counted as "
+                    "non-ledger draw, not as a serve's; gpud runs its container serves with "
+                    "podman --cgroups=split inside their unit", pid=proc.pid,
+                    container=container, cgroup=path, device=dev.uuid, mib_drawn=proc.mib))
+        self.strays = set(strays)
 
     async def _devices(self, obs: Observation) -> None:
         """device-lost when a device turns unreadable, device-back when it reads again; each

@@ -73,6 +73,41 @@ def serve_of_cgroup_file(text: str) -> str | None:
     return None
 
 
+# A container's cgroup as the common engines name it: podman (``libpod-ID.scope`` under
+# machine.slice, ``libpod-payload-ID`` with --cgroups=split), docker (``docker-ID.scope``, or
+# ``/docker/ID`` with cgroupfs), containerd and CRI-O.
+_CONTAINER = re.compile(
+    r"^(libpod-payload-|libpod-|docker-|cri-containerd-|crio-)([0-9a-f]{64})(?:\.scope)?$")
+
+
+def container_of_cgroup_file(text: str) -> tuple[str, str] | None:
+    """(container, cgroup path) when the ``/proc/PID/cgroup`` content puts the process in a
+    container's cgroup (``container``: the engine's prefix and the ID's first 12 characters,
+    ``libpod-3f2a1b4c5d6e``); None otherwise. Says nothing about whether a serve unit holds it:
+    ask serve_of_cgroup_file first."""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        components = parts[2].split("/")
+        for i, part in enumerate(components):
+            match = _CONTAINER.match(part)
+            if match is not None:
+                return f"{match.group(1)}{match.group(2)[:12]}", parts[2]
+            if part == "docker" and i + 1 < len(components) and re.fullmatch(
+                    r"[0-9a-f]{64}", components[i + 1]):
+                return f"docker-{components[i + 1][:12]}", parts[2]
+    return None
+
+
+def container_of_pid(pid: int, proc_root: Path = PROC_ROOT) -> tuple[str, str] | None:
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return container_of_cgroup_file(text)
+
+
 def serve_of_pid(pid: int, proc_root: Path = PROC_ROOT) -> str | None:
     """The serve process ``pid`` belongs to; None when it belongs to none or is gone."""
     try:

@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
@@ -101,6 +109,32 @@ class VllmConfig(_Model):
     context_mib: int = Field(default=0, ge=0, le=MAX_MIB)
 
 
+# An image reference pinned to its content: NAME@sha256:<64 hex>.
+IMAGE_DIGEST_RE = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+# podman's --shm-size: a number and an optional unit (b, k, m, g).
+SHM_SIZE_RE = re.compile(r"^[0-9]+[bkmgBKMG]?$")
+# A volume: SOURCE:DEST[:OPTIONS]; SOURCE an absolute host path or a named volume.
+_VOLUME_OPTIONS = frozenset({"ro", "rw", "z", "Z", "U", "O", "noexec", "exec", "nosuid", "suid",
+                             "nodev", "dev", "rbind", "bind", "private", "rprivate", "shared",
+                             "rshared", "slave", "rslave", "copy", "nocopy"})
+
+
+class ContainerConfig(_Model):
+    """Where a serve runs: an image, through podman (the way quadlet runs one), never pulled
+    unless `pull = "missing"`. With a [vllm] table the image's entrypoint is `vllm serve` (as in
+    vLLM's own vllm/vllm-openai image) and what follows the image is that table's argv."""
+
+    image: str = Field(min_length=1)
+    # docker is not offered: its containers live in dockerd's cgroup, not the unit's, so their
+    # draw could not be attributed to the serve.
+    engine: Literal["podman"] = "podman"
+    args: list[str] | None = None
+    volumes: list[str] = Field(default_factory=list)
+    shm_size: str | None = None
+    ipc: Literal["host"] | None = None
+    pull: Literal["never", "missing"] = "never"
+
+
 class ServeConfig(_Model):
     # `role`, or `roles` for a serve on several devices (tensor parallel): exactly one of the
     # two is written. With `roles`, `role` is the first of them (filled in on load) and
@@ -114,6 +148,7 @@ class ServeConfig(_Model):
     health_path: str = "/health"
     vllm: VllmConfig | None = None
     command: list[str] | None = None
+    container: ContainerConfig | None = None
     environment: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
     start_timeout_s: float = Field(default=900.0, gt=0)
@@ -135,6 +170,14 @@ class ServeConfig(_Model):
             raise ValueError("roles: must name at least one role")
         return data
 
+    @model_serializer(mode="wrap")
+    def _dump_as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Dumped as written: `roles` for a serve on several roles (its `role` is derived), and
+        # `role` alone otherwise (as before `roles` existed), so a dump validates again.
+        data: dict[str, Any] = handler(self)
+        data.pop("role" if self.roles else "roles", None)
+        return data
+
     @property
     def all_roles(self) -> tuple[str, ...]:
         """The roles the serve reserves on, in order (one per device it runs on)."""
@@ -146,7 +189,17 @@ class ServeConfig(_Model):
 
     @model_validator(mode="after")
     def _how_to_run(self) -> ServeConfig:
-        if (self.vllm is None) == (self.command is None):
+        if self.container is not None:
+            if self.command is not None:
+                raise ValueError("a container serve has no command: what follows the image is "
+                                 "container.args (or the [vllm] table's argv)")
+            if self.vllm is not None and self.vllm.executable is not None:
+                raise ValueError("vllm.executable: not with a container: the image's entrypoint "
+                                 "(vllm serve) runs vLLM")
+            if self.vllm is not None and self.container.args is not None:
+                raise ValueError("container.args: with a [vllm] table what follows the image is "
+                                 "the table's argv; give one of them")
+        elif (self.vllm is None) == (self.command is None):
             raise ValueError("give exactly one of a [vllm] table or a command")
         if self.command is not None and not self.command:
             raise ValueError("command: must not be empty")
@@ -279,6 +332,8 @@ def _semantic_problems(cfg: Config) -> list[str]:
                 problems.append(f"serves.{name}.command[{i}]: {problem}")
             if "\0" in arg:
                 problems.append(f"serves.{name}.command[{i}]: must not contain NUL")
+        if serve.container is not None:
+            problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
     if cfg.simulation is not None:
         seen: set[str] = set()
@@ -287,6 +342,56 @@ def _semantic_problems(cfg: Config) -> list[str]:
                 problems.append(f"simulation.devices[{i}].uuid: duplicate {dev.uuid!r}")
             seen.add(dev.uuid)
     return problems
+
+
+def _container_problems(c: ContainerConfig) -> list[str]:
+    problems: list[str] = []
+    if c.image.startswith("-") or any(ch.isspace() or ch == "\0" for ch in c.image):
+        problems.append(f"image: {c.image!r} is not an image reference")
+    for i, arg in enumerate(c.args or ()):
+        problem = _placeholder_problem(arg)
+        if problem:
+            problems.append(f"args[{i}]: {problem}")
+        if "\0" in arg:
+            problems.append(f"args[{i}]: must not contain NUL")
+    for i, volume in enumerate(c.volumes):
+        problem = _volume_problem(volume)
+        if problem:
+            problems.append(f"volumes[{i}]: {problem}")
+    if c.shm_size is not None and c.ipc == "host":
+        # podman 4.3.1: "cannot set shmsize when running in the host IPC Namespace"
+        problems.append("shm_size: not with ipc = \"host\": the container shares the host's "
+                        "/dev/shm, whose size podman cannot set")
+    elif c.shm_size is not None and not SHM_SIZE_RE.fullmatch(c.shm_size):
+        problems.append(f"shm_size: {c.shm_size!r} must be a number with an optional unit "
+                        "(b, k, m or g), e.g. \"16g\"")
+    return problems
+
+
+def _volume_problem(volume: str) -> str | None:
+    parts = volume.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+        return f"{volume!r} must be SOURCE:DESTINATION[:OPTIONS]"
+    if not parts[1].startswith("/"):
+        return f"{volume!r}: the destination must be an absolute path"
+    if "\0" in volume or "," in parts[0]:
+        return f"{volume!r}: the source must not contain NUL or ','"
+    unknown = [o for o in (parts[2].split(",") if len(parts) == 3 else ()) if o not in _VOLUME_OPTIONS]
+    if unknown:
+        return f"{volume!r}: unknown option {unknown[0]!r}"
+    return None
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What `gpud --check-config` warns about in a valid config (nothing it refuses)."""
+    warnings: list[str] = []
+    for name, serve in sorted(cfg.serves.items()):
+        c = serve.container
+        if c is not None and not IMAGE_DIGEST_RE.fullmatch(c.image):
+            warnings.append(f"serves.{name}.container.image: {c.image!r} is not pinned to a "
+                            "digest (NAME@sha256:...): the image a tag names can change under "
+                            "the same config, and its calibration with it")
+    return warnings
 
 
 def device_totals(cfg: Config) -> dict[str, int]:

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import __version__
-from gpud.config import Config, device_totals, parse_config, read_config_text, summary
+from gpud.config import (
+    Config,
+    config_warnings,
+    device_totals,
+    parse_config,
+    read_config_text,
+    summary,
+)
 from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
 from gpud.service import LedgerService, resolve_budgets
@@ -358,13 +365,34 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
         return 2
     print(f"{path}: ok")
     print(summary(cfg))
+    for warning in _warnings(cfg):
+        print(f"warning: {warning}")
     if show_commands:
         print("\n".join(_commands(cfg)))
     return 0
 
 
+def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str]:
+    """What --check-config warns about: images not pinned, container serves on a host whose
+    CDI specs offer no GPU."""
+    from gpud import cdi
+
+    found = config_warnings(cfg)
+    engines = sorted({s.container.engine for s in cfg.serves.values() if s.container})
+    if engines:
+        import shutil
+
+        found += [f"{e} is not installed (not found in PATH): the container serves cannot start"
+                  for e in engines if shutil.which(e) is None]
+        names, _read = cdi.gpu_names(cdi.SPEC_DIRS if cdi_dirs is None else cdi_dirs)
+        if not names:
+            found.append(f"container serves: {cdi.missing_spec_message()}")
+    return found
+
+
 def _commands(cfg: Config) -> list[str]:
     """--show-commands: the device totals come from the simulation table, else NVML."""
+    from gpud import cdi
     from gpud.core.launch import show_commands
     from gpud.core.observation import DeviceSample
 
@@ -377,7 +405,7 @@ def _commands(cfg: Config) -> list[str]:
                                      d.pci_bus_id or "", d.name or "", d.total_mib, None, None)
                         for i, d in enumerate(sim.devices))
         return show_commands(cfg, devices, "the simulation table (no real GPU)",
-                             sim.environment_for)
+                             sim.environment_for, cdi.gpu_names()[0])
     from gpud.nvml import NvmlBackend
 
     backend = NvmlBackend()
@@ -386,7 +414,8 @@ def _commands(cfg: Config) -> list[str]:
     finally:
         backend.close()
     source = "NVML" if obs.available else f"NVML: unavailable ({obs.reason})"
-    return show_commands(cfg, obs.devices if obs.available else (), source)
+    return show_commands(cfg, obs.devices if obs.available else (), source,
+                         cdi_names=cdi.gpu_names()[0])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gpud.cgroups import CachedAttribution
+from gpud.cgroups import CachedAttribution, container_of_pid
 from gpud.config import Config
 from gpud.core.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
 from gpud.core.observation import DeviceSample, Observation, ObservationBackend, find_device
@@ -76,6 +76,10 @@ class Observer:
         self.owners: dict[int, str] = {}
         self.draws: dict[str, dict[str, int]] = {}  # device uuid -> serve -> MiB
         self.sample_seconds = 0.0
+        # GPU processes in a container's cgroup that no serve unit holds: pid -> (container,
+        # cgroup path); read once per PID (a process does not leave its container)
+        self.strays: dict[int, tuple[str, str]] = {}
+        self._stray_seen: dict[int, tuple[str, str] | None] = {}
         self._listeners: list[Callable[[Observation], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._sampled = asyncio.Event()
@@ -125,6 +129,12 @@ class Observer:
         obs = self.backend.sample()
         pids = {p.pid for d in obs.devices for p in (d.processes or ())}
         owners = self._attribute(pids)
+        unowned = pids - owners.keys()
+        for pid in set(self._stray_seen) - unowned:
+            del self._stray_seen[pid]
+        for pid in unowned - self._stray_seen.keys():
+            self._stray_seen[pid] = container_of_pid(pid, self.proc_root)
+        self.strays = {pid: c for pid, c in self._stray_seen.items() if c is not None}
         return obs, owners, time.perf_counter() - start
 
     async def sample(self) -> Observation:

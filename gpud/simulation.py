@@ -56,6 +56,9 @@ GPUD_SIM_TOTAL_MIB = "GPUD_SIM_TOTAL_MIB"
 # A serve on several devices: all of them, comma-separated, GPUD_SIM_DEVICE first. The stand-in
 # registers its draw on each (vLLM's tensor-parallel workers hold the same share on every GPU).
 GPUD_SIM_DEVICES = "GPUD_SIM_DEVICES"
+# gpud's own PID namespace: a stand-in in another one (a container) names its registration with
+# its own namespace, and the simulation finds the host PID that NVML would report.
+GPUD_SIM_PIDNS = "GPUD_SIM_PIDNS"
 
 PROCS_DIR_NAME = "sim-procs"
 # A cached registration's process is fully checked (zombie, PID reuse) this often; in between,
@@ -64,7 +67,8 @@ FULL_CHECK_S = 10.0
 DEFAULT_NAME = "Simulated GPU"
 LOST_PROBLEM = "simulated: device lost"
 
-_PROC_FILE = re.compile(r"^([0-9]+)\.json$")
+# PID.json, or PID.nsINODE.json from a process in another PID namespace (a container's).
+_PROC_FILE = re.compile(r"^([0-9]+)(?:\.ns([0-9]+))?\.json$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +158,11 @@ class SimulatedBackend:
             if uuid not in by_uuid:
                 raise KeyError(uuid)
         total = min(by_uuid[u].total_mib for u in (device_uuid, *also))
-        return standin_environment(self.procs_dir, device_uuid, total, also)
+        env = standin_environment(self.procs_dir, device_uuid, total, also)
+        pidns = _pid_namespace(self._proc_root, "self")
+        if pidns is not None:
+            env[GPUD_SIM_PIDNS] = str(pidns)
+        return env
 
     def sample(self) -> Observation:
         with self._lock:
@@ -268,6 +276,14 @@ class SimulatedBackend:
                 except StateFileError as exc:
                     notes.append(f"{path.name}: {exc}")
                     continue
+                if match.group(2) is not None:
+                    host_pid = self._host_pid(int(match.group(2)), entry.pid, starttime)
+                    if host_pid is None:  # its namespace is gone: so is the process
+                        self._parsed.pop(path.name, None)
+                        if self._remove_dead:
+                            path.unlink(missing_ok=True)
+                        continue
+                    entry = _Registered(pid=host_pid, device=entry.device, mib=entry.mib)
             self._parsed[path.name] = (version, entry, starttime, now)
             if not _alive(self._proc_root, entry.pid, starttime):
                 self._parsed.pop(path.name, None)
@@ -282,6 +298,31 @@ class SimulatedBackend:
         for name in set(self._parsed) - seen:
             del self._parsed[name]
         return found
+
+    def _host_pid(self, pidns: int, pid: int, starttime: int | None) -> int | None:
+        """The PID, as this /proc numbers it, of the process that is `pid` in the PID namespace
+        `pidns` (a container's): NVML reports host PIDs, so the simulation does too. Found by
+        the last NSpid of /proc/P/status and the start time in /proc/P/stat (both readable by
+        anyone; /proc/P/ns/pid is not: reading it takes ptrace access, which gpud.service does
+        not have to a container's processes)."""
+        if _pid_namespace(self._proc_root, "self") == pidns:
+            return pid
+        for entry in self._proc_root.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text(encoding="ascii", errors="replace")
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    if len(ids) > 1 and ids[-1] == str(pid):
+                        stat = _proc_stat(self._proc_root, int(entry.name))
+                        if stat is not None and starttime in (None, stat[1]):
+                            return int(entry.name)
+                    break
+        return None
 
     def _device_sample(
         self, dev: SimulatedDevice, state: SimulationState, registered: list[_Registered]
@@ -420,6 +461,16 @@ def _proc_stat(proc_root: Path, pid: int) -> tuple[str, int] | None:
         return None
 
 
+def _pid_namespace(proc_root: Path, pid: str) -> int | None:
+    """The inode of PID's PID namespace (``pid:[4026531836]``), or None once it is gone."""
+    try:
+        link = os.readlink(proc_root / pid / "ns" / "pid")
+    except OSError:
+        return None
+    inner = link.partition("[")[2].rstrip("]")
+    return int(inner) if inner.isdigit() else None
+
+
 def _alive(proc_root: Path, pid: int, starttime: int | None) -> bool:
     stat = _proc_stat(proc_root, pid)
     if stat is None:
@@ -448,10 +499,12 @@ def standin_environment(procs_dir: Path, device_uuid: str, total_mib: int,
 
 def register_process(
     procs_dir: Path, pid: int, device: str, mib: int, *, proc_root: Path = Path("/proc"),
-    also: Sequence[str] = (),
+    host_pidns: int | None = None, also: Sequence[str] = (),
 ) -> Path:
     """Record (or update) that ``pid`` draws ``mib`` on ``device`` (and on each of ``also``);
-    atomic (tmp + rename)."""
+    atomic (tmp + rename). ``host_pidns``: the simulation's PID namespace (GPUD_SIM_PIDNS); a
+    ``pid`` in another one is recorded with its own namespace, so that the simulation reports
+    the host PID."""
     if mib < 0:
         raise ValueError("mib must be >= 0")
     procs_dir = Path(procs_dir)
@@ -462,7 +515,11 @@ def register_process(
     stat = _proc_stat(proc_root, pid)
     if stat is not None:
         record["starttime"] = stat[1]
-    target = procs_dir / f"{pid}.json"
+    # Named with its PID namespace: a process in a container registers the PID it sees, which
+    # the simulation turns into the host's (two containers' PIDs may be the same number).
+    pidns = _pid_namespace(proc_root, str(pid))
+    foreign = host_pidns is not None and pidns is not None and pidns != host_pidns
+    target = procs_dir / (f"{pid}.ns{pidns}.json" if foreign else f"{pid}.json")
     fd, tmp = tempfile.mkstemp(prefix=f".{pid}.", suffix=".tmp", dir=procs_dir)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -475,7 +532,10 @@ def register_process(
     return target
 
 
-def unregister_process(procs_dir: Path, pid: int) -> None:
+def unregister_process(procs_dir: Path, pid: int, *, proc_root: Path = Path("/proc")) -> None:
+    pidns = _pid_namespace(proc_root, str(pid))
+    if pidns is not None:
+        (Path(procs_dir) / f"{pid}.ns{pidns}.json").unlink(missing_ok=True)
     (Path(procs_dir) / f"{pid}.json").unlink(missing_ok=True)
 
 
@@ -485,4 +545,7 @@ def register_self(mib: int, environ: Mapping[str, str] | None = None) -> Path | 
     procs_dir, device = env.get(GPUD_SIM_PROCS_DIR), env.get(GPUD_SIM_DEVICE)
     if not procs_dir or not device:
         return None
-    return register_process(Path(procs_dir), os.getpid(), device, mib)
+    pidns = env.get(GPUD_SIM_PIDNS, "")
+    also = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d and d != device]
+    return register_process(Path(procs_dir), os.getpid(), device, mib,
+                            host_pidns=int(pidns) if pidns.isdigit() else None, also=also)

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from gpud import ports
+from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.core.launch import serve_argv, serve_environment, smallest_total, through_shim
@@ -340,6 +340,12 @@ class Supervisor:
                     await held_devices.enter_async_context(
                         self._lock(self._device_locks, device))
                 await self._memory_back_all(serve)  # a stop begun while queued
+                if spec.container is not None:
+                    image = await containers.ensure_image(serve, spec.container, functools.partial(
+                        self._say, serve, spec.role, "pull"))
+                    if not image.ok:
+                        await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
+                        return
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -392,17 +398,6 @@ class Supervisor:
         # the smallest total: util x total then stays within the reservation on each.
         total = smallest_total([d.total_mib for d in devs])
         res = self.svc.ledger.reservations.get(serve)
-        argv = serve_argv(spec, total_mib=total, device_index=index,
-                          vllm_executable=self.svc.config.daemon.vllm_executable,
-                          vram_mib=res.mib if res else None, name=serve,
-                          device_indexes=indexes)
-        if not argv[0].startswith("/"):
-            found = shutil.which(argv[0])
-            if found is None:
-                raise Unavailable(f"serve {serve}: executable {argv[0]!r} not found in PATH",
-                                  {"serve": serve, "executable": argv[0]})
-            argv[0] = found
-        argv = through_shim(argv, sys.executable, self.units.systemd_version)
         # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
         # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
         env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
@@ -410,6 +405,21 @@ class Supervisor:
         if callable(environment_for):
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
+        # A container gets every device of the serve through CDI, in the order of its roles.
+        cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
+               if spec.container is not None else [])
+        argv = serve_argv(spec, total_mib=total, device_index=index,
+                          vllm_executable=self.svc.config.daemon.vllm_executable,
+                          vram_mib=res.mib if res else None, name=serve,
+                          device_indexes=indexes,
+                          cdi_devices=cdi, forward_env=[*env, *spec.environment])
+        if not argv[0].startswith("/"):
+            found = shutil.which(argv[0])
+            if found is None:
+                raise Unavailable(f"serve {serve}: executable {argv[0]!r} not found in PATH",
+                                  {"serve": serve, "executable": argv[0]})
+            argv[0] = found
+        argv = through_shim(argv, sys.executable, self.units.systemd_version)
         daemon = self.svc.config.daemon
         mib = res.mib if res else spec.vram_mib
         return UnitSpec(
@@ -424,7 +434,11 @@ class Supervisor:
             start_limit_burst=daemon.crash_loop_restarts + 3,
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
+            container=spec.container is not None,
         )
+
+    async def _say(self, serve: str, role: str, kind: str, message: str) -> None:
+        await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
 
     def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:
         """Write the serve's own environment where only root reads it (state_dir/env)."""

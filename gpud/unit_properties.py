@@ -32,6 +32,10 @@ Decisions worth knowing (measured on systemd 252, Debian 12):
   A serve's own environment may therefore not set either variable.
 - ``KillMode=mixed``: SIGTERM to the main process only (vLLM's API server shuts its engine
   core down itself), SIGKILL to the whole cgroup once ``TimeoutStopUSec`` passes.
+- A container serve (``podman run ... -d``, as quadlet writes it) is ``Type=notify`` with
+  ``NotifyAccess=all`` and ``Delegate=yes``: conmon becomes the main PID and sends READY=1 once
+  the container runs; on stop systemd's SIGTERM reaches conmon, which hands it to the container
+  (measured on podman 4.3.1: the payload got SIGTERM and shut down gracefully).
 """
 
 from __future__ import annotations
@@ -115,6 +119,10 @@ class UnitSpec:
     # A root-only file holding the serve's own environment (tokens live there): sent as
     # EnvironmentFiles=, so `systemctl show -p Environment` does not show it to every user.
     environment_file: str | None = None
+    # `podman run` the way quadlet runs it: Type=notify with NotifyAccess=all (conmon sends
+    # MAINPID= and READY=1, --sdnotify=conmon) and Delegate=yes (podman makes the payload's
+    # sub-cgroup below the unit's, --cgroups=split).
+    container: bool = False
 
     def __post_init__(self) -> None:
         _check_serve(self.serve)
@@ -217,6 +225,8 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
     {
         "Description": _p("s", _string),
         "Type": _p("s", _string),
+        "NotifyAccess": _p("s", _string),
+        "Delegate": _p("b", bool),
         "ExecStart": _p("a(sasb)", _exec_literal),
         "Slice": _p("s", _string),
         "Environment": _p("as", _environment),
@@ -267,11 +277,13 @@ def build_properties(
     }
     values: list[tuple[str, Any]] = [
         ("Description", spec.description),
-        ("Type", "exec"),
+        ("Type", "notify" if spec.container else "exec"),
         ("ExecStart", spec.argv),
         ("Slice", SLICE),
         ("Environment", environment),
     ]
+    if spec.container:
+        values += [("NotifyAccess", "all"), ("Delegate", True)]
     if spec.environment_file is not None:
         values.append(("EnvironmentFiles", spec.environment_file))
     if spec.user is not None:

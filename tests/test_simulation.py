@@ -14,6 +14,7 @@ import pytest
 from gpud.core.observation import ObservationBackend, ProcessDraw, find_device
 from gpud.simulation import (
     GPUD_SIM_DEVICE,
+    GPUD_SIM_PIDNS,
     GPUD_SIM_PROCS_DIR,
     GPUD_SIM_TOTAL_MIB,
     LOST_PROBLEM,
@@ -254,6 +255,7 @@ def test_environment_and_register_self(sim: SimulatedBackend) -> None:
         GPUD_SIM_PROCS_DIR: str(sim.procs_dir),
         GPUD_SIM_DEVICE: "GPU-sim-1",
         GPUD_SIM_TOTAL_MIB: "16384",
+        GPUD_SIM_PIDNS: os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]"),
     }
     assert register_self(100, environ={}) is None
     assert register_self(3000, environ=env) == sim.procs_dir / f"{os.getpid()}.json"

@@ -406,3 +406,17 @@ def test_a_failed_commit_of_a_two_role_admission_or_release_changes_nothing(
     finally:
         svc.close()
         store.close()
+
+
+def test_a_serve_dumps_as_written_and_moving_it_to_more_devices_needs_root() -> None:
+    from gpud.core.authority import needs_root
+
+    one = parse_config(FOUR + BIG.replace('roles = ["d0", "d1"]', 'role = "d0"'), "t.toml")
+    two = parse_config(FOUR + BIG, "t.toml")
+    assert "roles" not in one.model_dump()["serves"]["big"]  # as before roles existed
+    dumped = two.model_dump()["serves"]["big"]
+    assert "role" not in dumped and dumped["roles"] == ["d0", "d1"]
+    assert type(two).model_validate(two.model_dump()) == two
+    assert needs_root(one, two) and needs_root(two, one)
+    more = parse_config(FOUR + BIG.replace("vram_mib = 30000", "vram_mib = 31000"), "t.toml")
+    assert needs_root(two, more) == []  # a figure: the admin group may change it

@@ -217,6 +217,8 @@ def _round_trip(message: Message) -> Message:
 SAMPLES: dict[str, Any] = {
     "Description": "d",
     "Type": "exec",
+    "NotifyAccess": "all",
+    "Delegate": True,
     "ExecStart": ("/bin/x", "a$b", ""),
     "Slice": "gpud.slice",
     "Environment": {"A": "1", "B": ""},

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
@@ -66,7 +66,8 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
     }
 
 
-def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str) -> list[tuple[str, str]]:
+def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
+                   host: str | None = None) -> list[tuple[str, str]]:
     """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
     from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
     [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
@@ -78,7 +79,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str) -> list[tu
              (v.model, "vllm.model")]
     if v.revision:
         parts += [("--revision", "vllm.revision"), (v.revision, "vllm.revision")]
-    parts += [("--host", "vllm.host"), (v.host or DEFAULT_HOST, "vllm.host")]
+    parts += [("--host", "vllm.host"), (host or v.host or DEFAULT_HOST, "vllm.host")]
     if serve.port is not None:
         parts += [("--port", "port"), (str(serve.port), "port")]
     parts += [("--gpu-memory-utilization", "vram_mib"), (util, "vram_mib")]
@@ -100,8 +101,23 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str) -> list[tu
     return parts
 
 
-def vllm_argv(serve: ServeConfig, *, executable: str, util: str) -> list[str]:
-    return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util)]
+def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
+              host: str | None = None) -> list[str]:
+    return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util,
+                                                host=host)]
+
+
+def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int,
+          device_indexes: Sequence[int] | None = None) -> list[str]:
+    indexes = list(device_indexes) if device_indexes is not None else [device_index]
+    values: Mapping[str, object] = {
+        "port": serve.port if serve.port is not None else "",
+        "gpu_memory_utilization": util,
+        "device_index": device_index,
+        "device_indexes": visible_devices(indexes),
+        "vram_mib": serve.vram_mib,
+    }
+    return [arg.format_map(values) for arg in args]
 
 
 def command_argv(serve: ServeConfig, *, util: str, device_index: int,
@@ -111,20 +127,85 @@ def command_argv(serve: ServeConfig, *, util: str, device_index: int,
     first device, `{device_indexes}` all of them, comma-separated (CUDA_VISIBLE_DEVICES form)."""
     if serve.command is None:
         raise ValueError("not a command serve")
-    indexes = list(device_indexes) if device_indexes is not None else [device_index]
-    values: Mapping[str, object] = {
-        "port": serve.port if serve.port is not None else "",
-        "gpu_memory_utilization": util,
-        "device_index": device_index,
-        "device_indexes": visible_devices(indexes),
-        "vram_mib": serve.vram_mib,
-    }
-    return [arg.format_map(values) for arg in serve.command]
+    return _fill(serve.command, serve, util=util, device_index=device_index,
+                 device_indexes=device_indexes)
 
 
 def uses_utilization(serve: ServeConfig) -> bool:
-    return serve.vllm is not None or any(
-        "{gpu_memory_utilization}" in arg for arg in serve.command or ())
+    args = [*(serve.command or ()), *((serve.container.args or ()) if serve.container else ())]
+    return serve.vllm is not None or any("{gpu_memory_utilization}" in arg for arg in args)
+
+
+# --- containers: podman run the way quadlet writes it ------------------------------------------
+
+# What quadlet puts in every ExecStart (podman's pkg/systemd/quadlet/quadlet.go): the container
+# named after the unit and replaced if a stale one holds the name, removed when it exits; its
+# payload in a sub-cgroup of the unit's own cgroup (--cgroups=split: ".../gpud-serve-NAME.service/
+# libpod-payload-ID"), so NVML's host PIDs still name the serve; conmon as the unit's main PID,
+# READY=1 once the container runs (--sdnotify=conmon, with Type=notify and NotifyAccess=all);
+# detached, since conmon, not podman, stays with the container.
+PODMAN_RUN: tuple[str, ...] = ("run", "--rm", "--replace")
+PODMAN_UNIT_FLAGS: tuple[str, ...] = ("--cgroups=split", "--sdnotify=conmon", "-d")
+# vLLM's image (vllm/vllm-openai) has ENTRYPOINT ["vllm", "serve"]: what follows the image is
+# the model and the options. Inside the container's own network namespace vLLM listens on every
+# interface; the host side of the published port is the serve's host (127.0.0.1 by default).
+CONTAINER_LISTEN = "0.0.0.0"
+CDI_GPU_KIND = "nvidia.com/gpu"
+# Set by gpud for the host's view of the devices: inside, CDI has left only the serve's own.
+HOST_ONLY_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+
+
+def container_name(name: str) -> str:
+    """The container of serve NAME is named like its unit, so both find each other."""
+    return f"gpud-serve-{name}"
+
+
+def cdi_device_name(uuid: str, index: int, known: Iterable[str] | None) -> str | None:
+    """The name under which a CDI spec offers a device: its UUID, else its index (nvidia-ctk
+    cdi generate names devices by index, by UUID or both: --device-name-strategy). `known`: the
+    names the host's specs define (None: not read; the UUID, else the index). None when the
+    specs do not offer it."""
+    if known is None:
+        return uuid or str(index)
+    names = set(known)
+    for candidate in (uuid, str(index)):
+        if candidate and candidate in names:
+            return candidate
+    return None
+
+
+def _publish_host(serve: ServeConfig) -> str:
+    host = (serve.vllm.host if serve.vllm is not None else None) or DEFAULT_HOST
+    return f"[{host}]" if ":" in host else host
+
+
+def container_argv(name: str, serve: ServeConfig, inner: Sequence[str], *,
+                   devices: Sequence[str], forward_env: Iterable[str],
+                   executable: str = "podman") -> list[str]:
+    """`podman run ...` for a container serve: `inner` is what follows the image, `devices` the
+    CDI names of the serve's devices (one `--device nvidia.com/gpu=NAME` each), `forward_env` the
+    variables the unit holds that the container gets (by name only: podman takes the value from
+    its own environment, so a secret never appears in the argv or in `systemctl show`)."""
+    c = serve.container
+    if c is None:
+        raise ValueError("not a container serve")
+    argv = [executable, *PODMAN_RUN, "--name", container_name(name), *PODMAN_UNIT_FLAGS,
+            f"--pull={c.pull}"]
+    argv += [f"--device={CDI_GPU_KIND}={d}" for d in devices]
+    if serve.port is not None:
+        argv.append(f"--publish={_publish_host(serve)}:{serve.port}:{serve.port}")
+    if c.ipc is not None:
+        argv.append(f"--ipc={c.ipc}")
+    if c.shm_size is not None:
+        argv.append(f"--shm-size={c.shm_size}")
+    for volume in c.volumes:
+        # read-only unless the volume says rw
+        opts = volume.split(":")[2].split(",") if volume.count(":") == 2 else []
+        argv.append(f"--volume={volume}" if "ro" in opts or "rw" in opts
+                    else f"--volume={volume}{',' if opts else ':'}ro")
+    argv += [f"--env={k}" for k in sorted(set(forward_env) - HOST_ONLY_ENV)]
+    argv.append(f"--stop-timeout={math.ceil(serve.stop_timeout_s)}")
+    return [*argv, c.image, *inner]
 
 
 def utilization(name: str, mib: int, total_mib: int | None, *, needed: bool = True) -> str:
@@ -174,15 +255,27 @@ def smallest_total(totals: Sequence[int | None]) -> int | None:
 
 def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
-               device_indexes: Sequence[int] | None = None) -> list[str]:
+               device_indexes: Sequence[int] | None = None,
+               cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = ()) -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
     A serve on several devices gives `total_mib` as the smallest of their totals and
-    `device_indexes` in the order of its roles."""
+    `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
+    `forward_env` as container_argv takes them."""
     mib = vllm_budget_mib(serve, vram_mib if vram_mib is not None else serve.vram_mib)
     if mib <= 0:
         raise Refused(f"serve {name}: its reservation does not cover its vllm.context_mib",
                       {"serve": name})
     util = utilization(name, mib, total_mib, needed=uses_utilization(serve))
+    if serve.container is not None:
+        if serve.vllm is not None:
+            inner = vllm_argv(serve, executable=vllm_executable, util=util,
+                              host=CONTAINER_LISTEN)[2:]  # the image's entrypoint: vllm serve
+        else:
+            # Inside, the serve's devices are numbered from 0 (CDI injected only them).
+            inside = range(len(device_indexes)) if device_indexes else None
+            inner = _fill(serve.container.args or (), serve, util=util, device_index=0,
+                          device_indexes=inside)
+        return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env)
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util)
     return command_argv(serve, util=util, device_index=device_index,
@@ -197,10 +290,12 @@ def serve_environment(serve: ServeConfig) -> dict[str, str]:
 
 
 def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
-                  extra_env: Callable[..., Mapping[str, str]] | None = None) -> list[str]:
+                  extra_env: Callable[..., Mapping[str, str]] | None = None,
+                  cdi_names: Iterable[str] | None = None) -> list[str]:
     """What `gpud --check-config FILE --show-commands` prints: per serve, the environment and
     argv gpud would launch, from the device totals known (`source`: NVML or the simulation),
-    or why it would refuse."""
+    or why it would refuse. `cdi_names`: the GPU names the host's CDI specs offer (None: none
+    read)."""
     lines = [f"device totals from {source}:"]
     lines += [f"  {d.index}: {d.uuid} {d.total_mib} MiB" for d in devices] or ["  none known"]
     for name, serve in sorted(cfg.serves.items(), key=lambda kv: (kv[1].priority, kv[0])):
@@ -223,18 +318,32 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
             continue
         indexes = [index for _, _, index, _ in found if index is not None]
         total = smallest_total([dev.total_mib if dev else None for _, dev, _, _ in found])
-        try:
-            argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
-                              vllm_executable=cfg.daemon.vllm_executable, name=name,
-                              device_indexes=indexes)
-        except GpudError as exc:
-            lines.append(f"  refused: {exc.message}")
-            continue
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_devices(indexes),
                **serve_environment(serve)}
         seen = [dev for _, dev, _, _ in found if dev is not None]
         if len(seen) == len(found) and extra_env is not None:
             env.update(extra_env(*(dev.uuid for dev in seen)))
+        cdi: list[str] = []
+        if serve.container is not None:
+            for _, dev, index, _ in found:
+                assert index is not None
+                cdi_name = cdi_device_name(dev.uuid if dev else "", index, cdi_names)
+                if cdi_name is None:
+                    lines.append(f"  refused: no CDI spec offers "
+                                 f"{CDI_GPU_KIND}={dev.uuid if dev else index} (or index "
+                                 f"{index}): run `nvidia-ctk cdi generate --output="
+                                 "/etc/cdi/nvidia.yaml`")
+                    break
+                cdi.append(cdi_name)
+            if len(cdi) != len(found):
+                continue
+        try:
+            argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
+                              vllm_executable=cfg.daemon.vllm_executable, name=name,
+                              device_indexes=indexes, cdi_devices=cdi, forward_env=env)
+        except GpudError as exc:
+            lines.append(f"  refused: {exc.message}")
+            continue
         lines.append("  environment: " + " ".join(
             shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
         lines.append(f"  argv: {shlex.join(argv)}")
@@ -264,7 +373,8 @@ def through_shim(argv: list[str], python: str, systemd_version: int | None) -> l
 
 def fingerprint(serve: ServeConfig) -> str:
     """A hash of what defines a serve's memory behaviour: model, revision, quantization,
-    max_model_len and the command. A changed serve no longer matches its calibration."""
+    max_model_len, the command, and a container's image and args. A changed serve no longer
+    matches its calibration."""
     v = serve.vllm
     what: dict[str, object] = {
         "model": v.model if v else None,
@@ -274,6 +384,11 @@ def fingerprint(serve: ServeConfig) -> str:
         "extra_args": list(v.extra_args) if v else None,
         "command": list(serve.command) if serve.command else None,
     }
+    if serve.container is not None:
+        # Only for container serves, so that the others keep their calibrations. A new image
+        # is a new serve: its vLLM, CUDA and kernels may draw differently.
+        what["image"] = serve.container.image
+        what["container_args"] = serve.container.args
     if v is not None and v.kv_cache_mib is not None:
         # Only when set, so that the serves that never had it keep their calibrations.
         what["kv_cache_mib"] = v.kv_cache_mib

@@ -55,6 +55,10 @@ class EventKind(StrEnum):
     APPLY = "apply"
     DEVICE_LOST = "device-lost"  # NVML or the simulation reports a device unreadable
     DEVICE_BACK = "device-back"
+    PULL = "pull"  # a container serve's image pulled before its start (pull = "missing")
+    # GPU memory held by a container process outside every serve unit (an engine that does not
+    # keep its containers in the unit's cgroup): counted as non-ledger draw, and said so
+    CONTAINER_OUTSIDE_UNIT = "container-outside-unit"
 
 
 EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)

@@ -81,6 +81,11 @@ GPUD_SIM_PROCS_DIR: Final = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB: Final = "GPUD_SIM_TOTAL_MIB"
 GPUD_SIM_DEVICES: Final = "GPUD_SIM_DEVICES"
+GPUD_SIM_PIDNS: Final = "GPUD_SIM_PIDNS"
+# Set inside a container by the CDI spec of simulated devices: a directory holding one device
+# node per device the container was given, named by UUID (as /dev/nvidiaN are for real GPUs).
+# Its first device is the one the serve draws on, as CUDA's device 0 is.
+GPUD_SIM_DEVICES_DIR: Final = "GPUD_SIM_DEVICES_DIR"
 
 ECHO_ENV: Final = ("HOME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 # First argv word of the internal engine child; never part of a vllm-shaped argv.
@@ -446,17 +451,36 @@ def _vllm_problems(rest: Sequence[str]) -> list[str]:
 class SimTarget(NamedTuple):
     procs_dir: str
     device: str
+    host_pidns: int | None = None
     # A tensor-parallel stand-in: the other devices it draws on (GPUD_SIM_DEVICES), the same
     # MiB on each, as vLLM's workers draw one share per GPU.
     also: tuple[str, ...] = ()
+
+
+def visible_devices(env: Mapping[str, str]) -> list[str] | None:
+    """The simulated devices a container was given (GPUD_SIM_DEVICES_DIR), None outside one."""
+    folder = env.get(GPUD_SIM_DEVICES_DIR, "")
+    if not folder:
+        return None
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
 
 
 def sim_target_from_env(env: Mapping[str, str]) -> SimTarget | None:
     procs_dir = env.get(GPUD_SIM_PROCS_DIR, "")
     device = env.get(GPUD_SIM_DEVICE, "")
     every = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d]
+    visible = visible_devices(env)
+    if visible is not None:
+        # In a container the devices are what it was given, whatever the unit's variables say.
+        device = visible[0] if visible else ""
+        every = visible
+    pidns = env.get(GPUD_SIM_PIDNS, "")
     if procs_dir and device:
-        return SimTarget(procs_dir, device, tuple(d for d in every if d != device))
+        return SimTarget(procs_dir, device, int(pidns) if pidns.isdigit() else None,
+                         tuple(d for d in every if d != device))
     return None
 
 
@@ -479,7 +503,7 @@ def register(target: SimTarget, pid: int, mib: int) -> str:
     from gpud.simulation import register_process
 
     return str(register_process(Path(target.procs_dir), pid, target.device, mib,
-                                also=target.also))
+                                host_pidns=target.host_pidns, also=target.also))
 
 
 def unregister(target: SimTarget, pid: int) -> None:
@@ -1007,6 +1031,7 @@ def _echo_payload(args: Sequence[str]) -> dict[str, Any]:
         "argv": [sys.argv[0], *args],
         "cmdline": cmdline,
         "env": {name: os.environ.get(name) for name in ECHO_ENV},
+        "visible_devices": visible_devices(os.environ),
     }
 
 
