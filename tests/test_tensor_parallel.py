@@ -420,3 +420,30 @@ def test_a_serve_dumps_as_written_and_moving_it_to_more_devices_needs_root() -> 
     assert needs_root(one, two) and needs_root(two, one)
     more = parse_config(FOUR + BIG.replace("vram_mib = 30000", "vram_mib = 31000"), "t.toml")
     assert needs_root(two, more) == []  # a figure: the admin group may change it
+
+
+# ---- container serves on several devices -----------------------------------------------------
+
+
+def test_a_container_serve_on_two_roles_gets_both_devices_and_the_tensor_parallel_size() -> None:
+    from gpud.config import ServeConfig
+
+    image = "docker.io/vllm/vllm-openai@sha256:" + "0123456789abcdef" * 4
+    vllm = ServeConfig.model_validate({
+        "roles": ["a", "b"], "vram_mib": 20000, "port": 30001,
+        "vllm": {"model": "org/big"}, "container": {"image": image}})
+    argv = serve_argv(vllm, total_mib=40960, device_index=2, device_indexes=[2, 3],
+                      vllm_executable="vllm", name="big", cdi_devices=["GPU-a", "GPU-b"],
+                      forward_env=["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"])
+    assert [a for a in argv if a.startswith("--device=")] == [
+        "--device=nvidia.com/gpu=GPU-a", "--device=nvidia.com/gpu=GPU-b"]
+    assert not any(a.startswith("--env=CUDA_") for a in argv)  # CDI numbers them inside
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    args = ServeConfig.model_validate({
+        "roles": ["a", "b"], "vram_mib": 20000, "port": 30002,
+        "container": {"image": image, "args": ["--gpus", "{device_indexes}", "--first",
+                                               "{device_index}"]}})
+    argv = serve_argv(args, total_mib=40960, device_index=2, device_indexes=[2, 3],
+                      vllm_executable="vllm", name="c", cdi_devices=["2", "3"])
+    # Inside the container its devices are numbered from 0, in the order of its roles.
+    assert argv[-4:] == ["--gpus", "0,1", "--first", "0"]
