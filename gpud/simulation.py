@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -283,7 +283,7 @@ class SimulatedBackend:
                         if self._remove_dead:
                             path.unlink(missing_ok=True)
                         continue
-                    entry = _Registered(pid=host_pid, device=entry.device, mib=entry.mib)
+                    entry = replace(entry, pid=host_pid)  # every device kept
             self._parsed[path.name] = (version, entry, starttime, now)
             if not _alive(self._proc_root, entry.pid, starttime):
                 self._parsed.pop(path.name, None)
