@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpud.config import MAX_MIB, _reason
+from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.ledger import RoleFigures
 from gpud.core.vocab import EVENT_KINDS
@@ -108,13 +109,13 @@ class Supervisor(Protocol):
 
 
 class Calibrations(Protocol):
-    def calibration_of(self, serve: str) -> tuple[str, str | None]: ...
+    def calibration_of(self, serve: str) -> tuple[answers.CalibrationStatus, str | None]: ...
 
-    def summary_of(self, serve: str) -> dict[str, Any] | None: ...
+    def summary_of(self, serve: str) -> answers.Calibrated | None: ...
 
-    def view(self, serve: str) -> dict[str, Any]: ...
+    def view(self, serve: str) -> answers.Calibration: ...
 
-    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]: ...
+    def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun: ...
 
 
 class CalibrateBody(_Wire):
@@ -126,7 +127,7 @@ class Api:
                  supervisor: Supervisor | None = None,
                  calibrations: Calibrations | None = None,
                  metrics: Callable[[], str] | None = None,
-                 reload: Callable[[int | None], Awaitable[dict[str, Any]]] | None = None,
+                 reload: Callable[[int | None], Awaitable[answers.Reloaded]] | None = None,
                  rebalancer: Rebalancer | None = None,
                  extra_routes: Callable[[Api], None] | None = None) -> None:
         self.svc = svc
@@ -234,11 +235,11 @@ class Api:
 
     # ---- reads -----------------------------------------------------------------------------
 
-    def observation_status(self) -> dict[str, Any]:
+    def observation_status(self) -> answers.Observation:
         obs = self.svc.observer
         status = getattr(obs, "status", None)
         if callable(status):
-            return dict(status())
+            return status()  # type: ignore[no-any-return]
         return {"backend": "none", "available": False, "simulated": False,
                 "reason": "no observation backend configured"}
 
@@ -248,7 +249,7 @@ class Api:
     async def ledger(self, request: web.Request) -> web.Response:
         return json_response(ledger_view(self.svc, self.draws))
 
-    def _calibrations(self) -> dict[str, tuple[str, str | None]]:
+    def _calibrations(self) -> dict[str, tuple[answers.CalibrationStatus, str | None]]:
         if self.calibrations is None:
             return {}
         return {n: self.calibrations.calibration_of(n) for n in self.svc.known_serves()}
@@ -258,7 +259,7 @@ class Api:
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(), summaries))
 
-    def _serve_view(self, name: str) -> dict[str, Any]:
+    def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
@@ -292,7 +293,8 @@ class Api:
         if q.get("follow") not in (None, "", "0", "false"):
             return await self._follow(request, query)
         events = await self.svc.events(query)
-        return json_response({"events": [e.to_json() for e in events]})
+        answer: answers.Events = {"events": [e.to_json() for e in events]}
+        return json_response(answer)
 
     async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:
         """NDJSON: the matching backlog (up to `limit`), then each new event as it happens."""
@@ -350,20 +352,19 @@ class Api:
         admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
         f = admission.figures
         res = admission.reservation
-        multi: dict[str, Any] = {}
-        if res.extra_roles:  # a serve on several roles: the figures of each
-            multi = {"roles": list(res.all_roles),
-                     "figures_by_role": {g.role: _figures(g) for g in admission.all_figures}}
-        return json_response({
+        answer: answers.Admitted = {
             "serve": name,
             "role": res.role,
-            **multi,
             "mib": res.mib,
             "replaced_mib": admission.replaced_mib,
             "check": admission.check,
             "note": admission.note,
             "figures": _figures(f),
-        })
+        }
+        if res.extra_roles:  # a serve on several roles: the figures of each
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {g.role: _figures(g) for g in admission.all_figures}
+        return json_response(answer)
 
     async def release(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -380,15 +381,14 @@ class Api:
         else:  # nothing of gpud's to stop (or no supervisor): the plain, guarded release
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
-        multi: dict[str, Any] = {}
+        answer: answers.Released = {
+            "serve": name, "role": res.role, "released_mib": res.mib, "figures": _figures(f),
+        }
         if res.extra_roles:
-            multi = {"roles": list(res.all_roles),
-                     "figures_by_role": {r: _figures(self.svc.ledger.figures(r))
-                                         for r in res.all_roles}}
-        return json_response({
-            "serve": name, "role": res.role, **multi, "released_mib": res.mib,
-            "figures": _figures(f),
-        })
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
+                                         for r in res.all_roles}
+        return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
         if self.supervisor is None:
@@ -464,17 +464,19 @@ class Api:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
 
-        async def emit(line: dict[str, Any]) -> None:
+        async def emit(line: answers.ApplyStep | answers.ApplyResult) -> None:
             with contextlib.suppress(ConnectionResetError):
                 await resp.write(json.dumps(line).encode() + b"\n")
 
+        result: answers.ApplyResult
         try:
             result = await rebalancer.apply(body.config, source, uid, emit)
         except GpudError as exc:
-            result = {"result": "refused", **exc.to_json()}
+            result = {"result": "refused", "error": exc.to_json()["error"]}
         except Exception as exc:  # the stream has begun: its last line says what went wrong
             log.exception("apply failed")
-            result = {"result": "failed", **GpudError(f"apply failed: {exc}").to_json()}
+            result = {"result": "failed",
+                      "error": GpudError(f"apply failed: {exc}").to_json()["error"]}
         await emit(result)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
@@ -581,6 +583,6 @@ def parse_since(value: str) -> float:
         raise BadRequest(f"since: not epoch seconds or ISO 8601: {value[:50]!r}") from exc
 
 
-def _figures(f: RoleFigures) -> dict[str, int]:
+def _figures(f: RoleFigures) -> answers.Figures:
     return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
             "committed_mib": f.committed_mib, "free_mib": f.free_mib}

@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpud.core import answers
 from gpud.core.launch import fingerprint, smallest_total, utilization, vllm_budget_mib
 from gpud.core.vocab import RUNNING
-from gpud.errors import Conflict, NotFound, Unavailable
+from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
 from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
@@ -55,7 +56,7 @@ class Run:
     task: asyncio.Task[None] | None = None
     error: str | None = None
 
-    def to_json(self, now: float) -> dict[str, Any]:
+    def to_json(self, now: float) -> answers.CalibrationRun:
         return {"serve": self.serve, "fingerprint": self.fingerprint, "running": True,
                 "window_s": self.window_s, "elapsed_s": round(now - self.started, 1),
                 "samples": len(self.samples),
@@ -102,7 +103,7 @@ class Calibrator:
         spec = self.svc.serve_spec(serve)
         return fingerprint(spec) if spec else None
 
-    def calibration_of(self, serve: str) -> tuple[str, str | None]:
+    def calibration_of(self, serve: str) -> tuple[answers.CalibrationStatus, str | None]:
         """("calibrated" | "stale" | "uncalibrated", fingerprint)."""
         fp = self.fingerprint_of(serve)
         if fp is not None and (serve, fp) in self._records:
@@ -115,7 +116,7 @@ class Calibrator:
         fp = self.fingerprint_of(serve)
         return self._records.get((serve, fp)) if fp else None
 
-    def summary_of(self, serve: str) -> dict[str, Any] | None:
+    def summary_of(self, serve: str) -> answers.Calibrated | None:
         """The current calibration in brief, for `gpuctl serves NAME`: the measured figures,
         the recommended reservation and vLLM's own account (None when not calibrated)."""
         rec = self.record_of(serve)
@@ -144,9 +145,9 @@ class Calibrator:
                 f"{context} + kv_cache_mib {spec.vllm.kv_cache_mib}) exceeds vram_mib "
                 f"{spec.vram_mib}: vLLM would draw past its reservation")
 
-    def view(self, serve: str) -> dict[str, Any]:
+    def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)
-        out: dict[str, Any] = {"serve": serve, "status": status, "fingerprint": fp,
+        out: answers.Calibration = {"serve": serve, "status": status, "fingerprint": fp,
                                "running": None, "record": None}
         run = self.runs.get(serve)
         if run is not None:
@@ -193,7 +194,7 @@ class Calibrator:
             return None if per is None else max(per.values(), default=0)
         return self.observer.observed_mib(serve)
 
-    def start(self, serve: str, window_s: float, uid: int | None) -> dict[str, Any]:
+    def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun:
         spec = self.svc.serve_spec(serve)
         if spec is None:
             raise NotFound(f"unknown serve {serve!r}: only configured serves are calibrated",
@@ -208,12 +209,14 @@ class Calibrator:
         run = Run(serve, fingerprint(spec), window_s, self.clock())
         self.runs[serve] = run
         run.task = asyncio.get_running_loop().create_task(self._measure(run, uid))
+        run.task.add_done_callback(lambda task: _report_crash(run.serve, task))
         return run.to_json(self.clock())
 
     async def _measure(self, run: Run, uid: int | None) -> None:
         try:
-            deadline = time.monotonic() + run.window_s
-            while time.monotonic() < deadline:
+            # The window on the injected clock, the one run.started and elapsed_s are read on.
+            deadline = run.started + run.window_s
+            while self.clock() < deadline:
                 await self.observer.next_sample(self.observer.interval * 2 + 1)
                 if self.svc.state_of(run.serve) != RUNNING:
                     raise Conflict(f"{run.serve} stopped running during calibration")
@@ -243,11 +246,24 @@ class Calibrator:
             async with self.svc.lock:
                 await self.svc.commit(Changes(calibrations=[cal], events=[ev]))
             self._records[(cal.serve, cal.fingerprint)] = cal
-        except Exception as exc:  # reported in the event log; the daemon goes on
-            message = getattr(exc, "message", str(exc))
+        except GpudError as exc:
+            # What can fail: the serve stopped running (Conflict), observation gave nothing
+            # (Unavailable), the store did not take the record (StoreError). Reported in the
+            # event log; the daemon goes on. Anything else is a fault: see _report_crash.
+            message = exc.message
             log.warning("calibration of %s failed: %s", run.serve, message)
             await self.svc.record(self.svc.event(
                 "calibrate", f"{run.serve}: calibration failed: {message}", serve=run.serve,
                 uid=uid, failed=True))
         finally:
             self.runs.pop(run.serve, None)
+
+
+def _report_crash(serve: str, task: asyncio.Task[None]) -> None:
+    """A measurement that ended on an exception other than GpudError is a fault of gpud: logged
+    with its traceback, not passed off as a calibration that failed for a reason."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("calibration of %s crashed: %s", serve, exc, exc_info=exc)

@@ -34,6 +34,7 @@ from gpud.config import (
     read_config_text,
     summary,
 )
+from gpud.core import answers
 from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
 from gpud.service import LedgerService, resolve_budgets
@@ -305,7 +306,7 @@ class Daemon:
             log.error("reload refused, keeping the running config: %s", exc.message)
 
     async def reload(self, uid: int | None, text: str | None = None, *,
-                     during_apply: bool = False) -> dict[str, Any]:
+                     during_apply: bool = False) -> answers.Reloaded:
         """Read the config file (or take `text`, which apply has just written there) and decide
         it against the ledger. Refused while an apply is under way, except by that apply."""
         if self.config_path is None or self.svc is None:
@@ -325,7 +326,7 @@ class Daemon:
         finally:
             self.notify(f"READY=1\nSTATUS={self.svc.summary()}")
 
-    async def _apply_reload(self, uid: int | None, text: str) -> dict[str, Any]:
+    async def _apply_reload(self, uid: int | None, text: str) -> answers.Reloaded:
         return await self.reload(uid, text, during_apply=True)
 
     def applying(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from gpud.core import answers
 from gpud.core.vocab import EXIT_CODES
 
 
@@ -42,7 +43,7 @@ class GpudError(Exception):
         self.message = message
         self.details: dict[str, Any] = details or {}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> answers.Error:
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
 

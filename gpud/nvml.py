@@ -13,7 +13,9 @@ Every NVML call goes through one choke point, ``NvmlBackend._call``, which sorts
   every ``retry_s`` seconds.
 
 Versioned calls are probed once, newest first (processes v3 → v2 → unversioned, memory v2 → v1),
-and the first one that exists is remembered.
+and the first one that exists is remembered. Whether the binding has a function or constant is
+asked explicitly (``getattr`` on the module, once per name and init), never read from an
+``AttributeError``: one raised inside a call is a fault and propagates.
 
 Sampling blocks (NVML calls into the driver); callers run ``sample`` in a worker thread. A lock
 makes concurrent ``sample``/``close`` calls safe.
@@ -76,8 +78,22 @@ class _Identity:
     name: str
 
 
-# One way of making a versioned query: a label for the log and the call itself.
-_Variant = tuple[str, Callable[[], Any]]
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """One way of making a versioned query: a pynvml function, its arguments, and the pynvml
+    constants it takes as keywords (``version=nvmlMemory_v2``)."""
+
+    function: str
+    args: tuple[Any, ...] = ()
+    constants: tuple[tuple[str, str], ...] = ()  # (keyword, constant name)
+
+    @property
+    def label(self) -> str:
+        keywords = ", ".join(f"{k}={c}" for k, c in self.constants)
+        return f"{self.function}({keywords})" if keywords else self.function
 
 
 class NvmlBackend:
@@ -111,6 +127,8 @@ class NvmlBackend:
         self._unavailable_reason: str | None = self._import_error
         # capability -> index of the first variant that exists; len(variants): none exists.
         self._probed: dict[str, int] = {}
+        # pynvml name -> the module's attribute, or _ABSENT: asked once per init.
+        self._names: dict[str, Any] = {}
         self._logged_absent: set[tuple[str, str]] = set()
         # Last identity read per index, so a device that is lost later is still named.
         self._identities: dict[int, _Identity] = {}
@@ -133,15 +151,32 @@ class NvmlBackend:
                 return True
         return False
 
+    def _name(self, name: str) -> Any:
+        """The binding's function or constant ``name``; raises _Missing when this nvidia-ml-py
+        has none by that name (an older binding)."""
+        value = self._names.get(name)
+        if value is None:
+            value = self._names[name] = getattr(self._nvml, name, _ABSENT)
+        if value is _ABSENT:
+            raise _Missing(f"nvidia-ml-py has no {name}")
+        return value
+
+    def _bind(self, variant: _Variant) -> Callable[[], Any]:
+        """The call ``variant`` makes; raises _Missing when the binding lacks its function or
+        one of its constants."""
+        func = self._name(variant.function)
+        keywords = {k: self._name(c) for k, c in variant.constants}
+        return lambda: func(*variant.args, **keywords)
+
+    def _fn(self, function: str, *args: Any) -> Callable[[], Any]:
+        return self._bind(_Variant(function, args))
+
     def _call(self, func: Callable[[], Any]) -> Any:
         """Run one NVML call; sort what it raises into the kinds described above."""
         nvml_error = self._error_class("NVMLError")
         mismatch = self._error_class("NVMLLibraryMismatchError")
         try:
             return func()
-        except AttributeError as exc:
-            # The binding itself lacks the function or constant (an older nvidia-ml-py).
-            raise _Missing(str(exc)) from exc
         except Exception as exc:
             if mismatch is not None and isinstance(exc, mismatch):
                 raise _Missing(str(exc)) from exc
@@ -160,9 +195,9 @@ class NvmlBackend:
         """The first variant that exists, probed once and remembered. ``None``: not supported."""
         start = self._probed.get(capability, 0)
         for position in range(start, len(variants)):
-            label, func = variants[position]
+            label = variants[position].label
             try:
-                value = self._call(func)
+                value = self._call(self._bind(variants[position]))
             except _Missing as exc:
                 log.debug("NVML: %s is missing (%s), trying the next variant", label, exc)
                 continue
@@ -212,7 +247,7 @@ class NvmlBackend:
                 return
             self._initialized = False
             try:
-                self._call(lambda: self._nvml.nvmlShutdown())
+                self._call(self._fn("nvmlShutdown"))
             except (_Missing, _Absent, _DeviceFailure, _LibraryFailure) as exc:
                 log.warning("NVML: nvmlShutdown failed: %s", exc)
 
@@ -235,7 +270,7 @@ class NvmlBackend:
             return False
         self._last_init_attempt = now
         try:
-            self._call(lambda: self._nvml.nvmlInit())
+            self._call(self._fn("nvmlInit"))
         except (_Missing, _Absent, _DeviceFailure, _LibraryFailure) as exc:
             reason = f"NVML init failed: {exc}"
             if reason != self._unavailable_reason:
@@ -248,6 +283,7 @@ class NvmlBackend:
         self._unavailable_reason = None
         # A new init may meet a different driver (upgraded while NVML was gone): probe again.
         self._probed.clear()
+        self._names.clear()
         return True
 
     def _lose_library(self, why: str) -> None:
@@ -257,12 +293,11 @@ class NvmlBackend:
         self._initialized = False
         self._last_init_attempt = None
         with contextlib.suppress(_Missing, _Absent, _DeviceFailure, _LibraryFailure):
-            self._call(lambda: self._nvml.nvmlShutdown())
+            self._call(self._fn("nvmlShutdown"))
 
     def _sample_devices(self) -> tuple[DeviceSample, ...]:
-        nvml = self._nvml
         try:
-            count = self._call(lambda: nvml.nvmlDeviceGetCount())
+            count = self._call(self._fn("nvmlDeviceGetCount"))
         except (_Missing, _Absent, _DeviceFailure) as exc:
             raise _LibraryFailure(f"cannot count devices: {exc}") from exc
         samples = [self._sample_device(int(index)) for index in range(int(count))]
@@ -288,12 +323,11 @@ class NvmlBackend:
 
     def _sample_device(self, index: int) -> DeviceSample:
         """One device; a ``_DeviceFailure`` anywhere makes just this device unhealthy."""
-        nvml = self._nvml
         identity = self._identities.get(index) or _Identity(
             uuid=f"unknown-gpu-{index}", index=index, pci_bus_id="", name="unknown GPU"
         )
         try:
-            handle = self._call(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
+            handle = self._call(self._fn("nvmlDeviceGetHandleByIndex", index))
             identity = self._read_identity(index, handle, identity)
             self._identities[index] = identity
             self._seen[identity.uuid] = identity
@@ -330,18 +364,11 @@ class NvmlBackend:
         )
 
     def _read_identity(self, index: int, handle: Any, known: _Identity) -> _Identity:
-        nvml = self._nvml
         where = f"device {index}"
-        uuid = self._query(
-            "uuid", where, [("nvmlDeviceGetUUID", lambda: nvml.nvmlDeviceGetUUID(handle))]
-        )
+        uuid = self._query("uuid", where, [_Variant("nvmlDeviceGetUUID", (handle,))])
         where = _text(uuid) if uuid is not None else where
-        pci = self._query(
-            "pci-info", where, [("nvmlDeviceGetPciInfo", lambda: nvml.nvmlDeviceGetPciInfo(handle))]
-        )
-        name = self._query(
-            "name", where, [("nvmlDeviceGetName", lambda: nvml.nvmlDeviceGetName(handle))]
-        )
+        pci = self._query("pci-info", where, [_Variant("nvmlDeviceGetPciInfo", (handle,))])
+        name = self._query("name", where, [_Variant("nvmlDeviceGetName", (handle,))])
         bus_id = getattr(pci, "busId", None) if pci is not None else None
         return _Identity(
             uuid=_text(uuid) if uuid is not None else known.uuid,
@@ -351,16 +378,12 @@ class NvmlBackend:
         )
 
     def _read_memory(self, handle: Any, uuid: str) -> tuple[int | None, int | None, int | None]:
-        nvml = self._nvml
         memory = self._query(
             "memory",
             uuid,
             [
-                (
-                    "nvmlDeviceGetMemoryInfo(version=nvmlMemory_v2)",
-                    lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2),
-                ),
-                ("nvmlDeviceGetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)),
+                _Variant("nvmlDeviceGetMemoryInfo", (handle,), (("version", "nvmlMemory_v2"),)),
+                _Variant("nvmlDeviceGetMemoryInfo", (handle,)),
             ],
         )
         if memory is None:
@@ -392,21 +415,12 @@ class NvmlBackend:
         return tuple(ProcessDraw(pid, mib) for pid, mib in sorted(draws.items()))
 
     def _read_process_list(self, kind: str, handle: Any, uuid: str) -> list[Any] | None:
-        nvml = self._nvml
         base = "nvmlDeviceGetComputeRunningProcesses"
         if kind == "graphics":
             base = "nvmlDeviceGetGraphicsRunningProcesses"
-        variants: list[_Variant] = [
-            (f"{base}{suffix}", _bound(nvml, f"{base}{suffix}", handle))
-            for suffix in ("_v3", "_v2", "")
-        ]
+        variants = [_Variant(f"{base}{suffix}", (handle,)) for suffix in ("_v3", "_v2", "")]
         result = self._query(f"{kind}-processes", uuid, variants)
         return None if result is None else list(result)
-
-
-def _bound(nvml: Any, function: str, handle: Any) -> Callable[[], Any]:
-    # getattr inside the call, so a binding without the function raises AttributeError in _call.
-    return lambda: getattr(nvml, function)(handle)
 
 
 def _describe(exc: BaseException) -> str:

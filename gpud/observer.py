@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from gpud.cgroups import CachedAttribution, container_of_pid
 from gpud.config import Config
+from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
 from gpud.core.observation import DeviceSample, Observation, ObservationBackend, find_device
 
@@ -191,7 +191,7 @@ class Observer:
             return dev.index
         return int(ref) if ref.isdigit() else None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> answers.Observation:
         obs = self.latest
         devices = []
         for d in obs.devices if obs else ():

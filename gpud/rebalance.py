@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.config import Config, parse_config
+from gpud.core import answers
 from gpud.core.plan import Plan, ServeChange, make_plan
 from gpud.core.vocab import LIVE_STATES, RUNNING
 from gpud.errors import Conflict, Denied, GpudError, StoreError
@@ -34,9 +35,9 @@ from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud.rebalance")
 
-Emit = Callable[[dict[str, Any]], Awaitable[None]]
+Emit = Callable[[answers.ApplyStep | answers.ApplyResult], Awaitable[None]]
 # reload(uid, text): decide `text` (just written to the config file) against the ledger.
-Reload = Callable[[int | None, str], Awaitable[dict[str, Any]]]
+Reload = Callable[[int | None, str], Awaitable[answers.Reloaded]]
 # The store's key for an apply under way: its intent and the steps done so far.
 JOURNAL = "apply"
 
@@ -104,7 +105,8 @@ class Rebalancer:
                            f"(starting: {', '.join(starting) or 'none yet'})",
                            {"starting": starting})
 
-    async def apply(self, text: str, source: str, uid: int | None, emit: Emit) -> dict[str, Any]:
+    async def apply(self, text: str, source: str, uid: int | None,
+                    emit: Emit) -> answers.ApplyResult:
         self.check_can_begin()
         self._busy = True
         try:
@@ -113,15 +115,22 @@ class Rebalancer:
             self._busy = False
 
     async def _step(self, emit: Emit, step: str, message: str, ok: bool = True,
-                    uid: int | None = None, **details: Any) -> None:
-        await emit({"step": step, "ok": ok, "message": message, **details})
+                    uid: int | None = None, *, path: str | None = None,
+                    serve: str | None = None) -> None:
+        line: answers.ApplyStep = {"step": step, "ok": ok, "message": message}
+        if path is not None:
+            line["path"] = path
+        if serve is not None:
+            line["serve"] = serve
+        await emit(line)
         await self.svc.record(self.svc.event("apply", f"apply {step}: {message}", uid=uid,
                                              step=step, ok=ok))
 
     async def _journal(self, record: dict[str, Any] | None) -> None:
         await self.svc.put_meta(JOURNAL, None if record is None else json.dumps(record))
 
-    async def _apply(self, text: str, source: str, uid: int | None, emit: Emit) -> dict[str, Any]:
+    async def _apply(self, text: str, source: str, uid: int | None,
+                     emit: Emit) -> answers.ApplyResult:
         assert self.config_path is not None
         plan = self._plan(self.parse(text, source), source)
         if plan.blocked:
@@ -251,9 +260,9 @@ class Rebalancer:
             await self._undo(emit, change.name, uid, self._undo_change(change, before, uid))
 
     async def _say(self, emit: Emit, step: str, message: str, uid: int | None, *,
-                   ok: bool = True, **details: Any) -> None:
+                   ok: bool = True, serve: str | None = None) -> None:
         with contextlib.suppress(GpudError):
-            await self._step(emit, step, message, ok=ok, uid=uid, **details)
+            await self._step(emit, step, message, ok=ok, uid=uid, serve=serve)
 
     async def _undo(self, emit: Emit, name: str, uid: int | None, work: Awaitable[None]) -> None:
         try:

@@ -15,12 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core import answers
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition
 from gpud.core.vocab import (
@@ -55,8 +57,12 @@ class Observer(Protocol):
     def present_devices(self) -> list[str] | None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeRecord:
+    """A serve's state as last committed, with what systemd last said of its unit (main PID,
+    restart count: memory only, read from systemd again at adoption). Only LedgerService
+    changes them, each change a new record."""
+
     state: str = DECLARED
     reason: str | None = None
     updated: float = 0.0
@@ -151,7 +157,7 @@ class LedgerService:
         self._subscribers: list[Subscription] = []
         self.counters: dict[str, int] = {}
         self._since_prune = PRUNE_BATCH  # the first commit prunes what an earlier run left
-        self.records: dict[str, ServeRecord] = {}
+        self._records: dict[str, ServeRecord] = {}
         # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
         # made, some of them still on their way to the store.
         self.ledger = Ledger({}, {})
@@ -175,7 +181,7 @@ class LedgerService:
         and gpud goes on with the config it last ran with, saying why."""
         held = self.store.reservations()
         for row in self.store.serve_states():
-            self.records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
+            self._records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices())
@@ -187,9 +193,11 @@ class LedgerService:
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
-            rec = self.records.setdefault(res.serve, ServeRecord(ADMITTED))
-            if rec.state in (DECLARED, DENIED):
-                rec.state = EXTERNAL if res.external else ADMITTED
+            rec = self._records.get(res.serve)
+            if rec is None:
+                self._records[res.serve] = ServeRecord(ADMITTED)
+            elif rec.state in (DECLARED, DENIED):
+                self._records[res.serve] = replace(rec, state=EXTERNAL if res.external else ADMITTED)
         outcome = self._decide(before, self.config)
         if isinstance(outcome, Refusal):
             if stored is not None:
@@ -250,9 +258,28 @@ class LedgerService:
     def _moved_on(self, t: Transition) -> None:
         self.ledger = self._decided = t.ledger
         for serve in t.released:
-            rec = self.records.get(serve)
+            rec = self._records.get(serve)
             if rec is not None:
-                rec.state, rec.reason = DECLARED, None
+                self._records[serve] = replace(rec, state=DECLARED, reason=None)
+
+    @property
+    def records(self) -> Mapping[str, ServeRecord]:
+        """Every serve's record, read-only: only this service changes them (states through
+        committed changes, the unit's PID and restart count through the two methods below)."""
+        return MappingProxyType(self._records)
+
+    def set_main_pid(self, serve: str, pid: int | None) -> None:
+        """The main PID of the serve's unit as systemd last said it (None: none, or not one
+        to show). A serve without a record is left alone."""
+        rec = self._records.get(serve)
+        if rec is not None and rec.main_pid != pid:
+            self._records[serve] = replace(rec, main_pid=pid)
+
+    def set_restart_count(self, serve: str, n_restarts: int) -> None:
+        """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch."""
+        rec = self._records.get(serve)
+        if rec is not None and rec.n_restarts != n_restarts:
+            self._records[serve] = replace(rec, n_restarts=n_restarts)
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -327,8 +354,9 @@ class LedgerService:
             self.commits += 1
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
-                    rec = self.records.setdefault(row.serve, ServeRecord())
-                    rec.state, rec.reason, rec.updated = row.state, row.reason, row.updated
+                    rec = self._records.get(row.serve, ServeRecord())
+                    self._records[row.serve] = replace(rec, state=row.state, reason=row.reason,
+                                                       updated=row.updated)
                 if p.ledger is not None:
                     self.ledger = p.ledger
                 for ev in events:
@@ -356,7 +384,7 @@ class LedgerService:
         state = self._decided_states.get(serve)
         if state is not None:
             return state
-        rec = self.records.get(serve)
+        rec = self._records.get(serve)
         return rec.state if rec else DECLARED
 
     def _prune(self) -> None:
@@ -581,7 +609,7 @@ class LedgerService:
                         next_state: str, state_reason: str | None,
                         allow_live: bool) -> tuple[Reservation, asyncio.Future[list[Event]]]:
         if serve not in self._decided.reservations:
-            if serve in self.config.serves or serve in self.records:
+            if serve in self.config.serves or serve in self._records:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
             raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
         state = self._decided_state(serve)
@@ -642,15 +670,15 @@ class LedgerService:
     # ---- reads -----------------------------------------------------------------------------
 
     def states(self) -> dict[str, str]:
-        return {name: rec.state for name, rec in self.records.items()}
+        return {name: rec.state for name, rec in self._records.items()}
 
     def state_of(self, serve: str) -> str:
-        rec = self.records.get(serve)
+        rec = self._records.get(serve)
         return rec.state if rec else DECLARED
 
     def known_serves(self) -> list[str]:
         names = set(self.config.serves) | set(self.ledger.reservations)
-        names |= {n for n, r in self.records.items() if r.state != DECLARED}
+        names |= {n for n, r in self._records.items() if r.state != DECLARED}
         return sorted(names)
 
     def serve_spec(self, serve: str) -> ServeConfig | None:
@@ -682,7 +710,7 @@ class LedgerService:
         serves = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         return "; ".join(parts) + f"; {sum(counts.values())} serves: {serves or 'none'}"
 
-    def status_view(self, observation: Mapping[str, Any]) -> dict[str, Any]:
+    def status_view(self, observation: answers.Observation) -> answers.Status:
         counts: dict[str, int] = {}
         for serve in self.known_serves():
             state = self.state_of(serve)
@@ -695,7 +723,7 @@ class LedgerService:
             "started_at": self.started_at,
             "ready": self.ready,
             "launching": {"available": available, "reason": why},
-            "observation": dict(observation),
+            "observation": observation,
             "serve_states": counts,
             "over_committed": [f.role for f in self.ledger.over_committed()],
             "config_file": self.config_file_status(),
@@ -703,7 +731,7 @@ class LedgerService:
             "summary": self.summary(),
         }
 
-    def config_file_status(self) -> dict[str, Any]:
+    def config_file_status(self) -> answers.ConfigFile:
         """Whether the config file on disk is the config in force, and why not."""
         if self.config_path is None:
             return {"differs": False, "reason": None}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpud.core import answers
 from gpud.core.ledger import Reservation
 from gpud.errors import StoreError
 
@@ -110,7 +111,7 @@ class Event:
     details: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> answers.Event:
         return {
             "id": self.id,
             "ts": self.ts,

@@ -174,17 +174,13 @@ class Supervisor:
                     "adopt", f"{serve}: {reason}: adopted as an orphan ({_pid(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
                     orphan=True), state=self.svc.state_row(serve, ORPHAN, reason))
-                rec = self.svc.records.get(serve)
-                if rec is not None:
-                    rec.main_pid = st.main_pid or None
+                self.svc.set_main_pid(serve, st.main_pid or None)
                 continue
             if res is None:
                 await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
-            rec = self.svc.records.get(serve)
-            if rec is not None:
-                rec.main_pid = st.main_pid or None
-                rec.n_restarts = st.n_restarts
+            self.svc.set_main_pid(serve, st.main_pid or None)
+            self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
                 "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
@@ -352,10 +348,8 @@ class Supervisor:
                     await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
                     return
                 self._last[serve] = state
-                rec = self.svc.records.get(serve)
-                if rec is not None:
-                    rec.main_pid = state.main_pid or None
-                    rec.n_restarts = 0
+                self.svc.set_main_pid(serve, state.main_pid or None)
+                self.svc.set_restart_count(serve, 0)
                 self._restarts.pop(serve, None)
                 await self.svc.record(self.svc.event(
                     "start", f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
@@ -725,9 +719,7 @@ class Supervisor:
                                kind="exit")
             return
         self._last[serve] = fresh
-        rec = self.svc.records.get(serve)
-        if rec is not None:
-            rec.main_pid = fresh.main_pid or None
+        self.svc.set_main_pid(serve, fresh.main_pid or None)
         await self.svc.record(self.svc.event(
             "restart", f"{serve}: restarted through its unit after failing its health checks "
             f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
@@ -797,9 +789,9 @@ class Supervisor:
         serve = st.serve
         prev = self._last.get(serve)
         self._last[serve] = st
+        if st.main_pid and serve not in self._stopping:
+            self.svc.set_main_pid(serve, st.main_pid)
         rec = self.svc.records.get(serve)
-        if rec is not None and st.main_pid and serve not in self._stopping:
-            rec.main_pid = st.main_pid
         spec = self.svc.serve_spec(serve)
         rt = ServeRuntime(state=rec.state if rec else DECLARED,
                           holds=serve in self.svc.ledger.reservations, configured=spec is not None,
@@ -818,8 +810,7 @@ class Supervisor:
         """One action of on_unit; False when the rest is not to be done (a crash loop)."""
         rec = self.svc.records.get(serve)
         if isinstance(action, CountRestarts):
-            if rec is not None:
-                rec.n_restarts = st.n_restarts
+            self.svc.set_restart_count(serve, st.n_restarts)
             return not await self._restarted(serve, st, action.count)
         if isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
 from gpud.core.vocab import LIVE_STATES, ORPHAN
 from gpud.service import LedgerService
@@ -21,19 +22,14 @@ class DrawSource(Protocol):
 
 
 def reservation_view(svc: LedgerService, res: Reservation,
-                     on_role: str | None = None) -> dict[str, Any]:
+                     on_role: str | None = None) -> answers.Reservation:
     """A reservation as listed under `on_role` (default: its first role). One on several roles
     says which part this is (`part` "1/2") and every role; a single-role one stays as it was."""
     spec = svc.serve_spec(res.serve)
     role = on_role or res.role
-    multi: dict[str, Any] = {}
-    if res.extra_roles:
-        multi = {"roles": list(res.all_roles),
-                 "part": f"{res.all_roles.index(role) + 1}/{len(res.all_roles)}"}
-    return {
+    out: answers.Reservation = {
         "serve": res.serve,
         "role": role,
-        **multi,
         "mib": res.mib,
         "since": res.since,
         "by_uid": res.by_uid,
@@ -41,16 +37,20 @@ def reservation_view(svc: LedgerService, res: Reservation,
         "resident": bool(spec and spec.resident),
         "external": res.external,
     }
+    if res.extra_roles:
+        out["roles"] = list(res.all_roles)
+        out["part"] = f"{res.all_roles.index(role) + 1}/{len(res.all_roles)}"
+    return out
 
 
-def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
+def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
     ledger = svc.ledger
     states = svc.states()
-    roles = []
+    roles: list[answers.Role] = []
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]
         figures = ledger.figures(name)
-        observed = None
+        observed: answers.Observed | None = None
         draw = draws.draw_for(budget.device, ledger, states) if draws and not budget.missing else None
         if draw is not None and draws is not None:
             observed = {
@@ -86,8 +86,8 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> dict[str, Any]:
 
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
-               calibration: tuple[str, str | None] = ("uncalibrated", None),
-               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+               calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
+               calibrated: answers.Calibrated | None = None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -97,14 +97,13 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     # A PID is shown only while a process of the unit may run: a failed or stopped serve's
     # last PID may belong to another process by now.
     has_unit = state in LIVE_STATES or state == ORPHAN
-    multi: dict[str, Any] = {}
-    if len(roles) > 1:
-        lost = [why for r in roles if (why := svc.lost_device(r))]
-        multi = {"roles": list(roles), "device_lost": "; ".join(lost) or None}
-    return {
+    if len(roles) > 1:  # on several devices: lost when any of them is
+        device_lost = "; ".join(why for r in roles if (why := svc.lost_device(r))) or None
+    else:
+        device_lost = svc.lost_device(role) if role else None
+    out: answers.Serve = {
         "name": name,
         "role": role,
-        **({"roles": multi["roles"]} if multi else {}),
         "configured": spec is not None,
         "external": bool(res and res.external),
         "state": state,
@@ -118,8 +117,7 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "main_pid": rec.main_pid if rec and has_unit else None,
         # The device of the serve's role is lost (NVML or the simulation says so): whatever
         # the state says, the serve's memory and health are in doubt.
-        "device_lost": (multi["device_lost"] if multi
-                        else svc.lost_device(role) if role else None),
+        "device_lost": device_lost,
         "n_restarts": rec.n_restarts if rec else 0,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],
@@ -128,11 +126,14 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # vllm serve's own account (weights, KV cache, CUDA graphs, context).
         "calibrated": calibrated,
     }
+    if len(roles) > 1:
+        out["roles"] = list(roles)
+    return out
 
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
-                calibrations: dict[str, tuple[str, str | None]] | None = None,
-                summaries: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
+                summaries: dict[str, answers.Calibrated | None] | None = None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))

@@ -1,5 +1,9 @@
 """gpuctl: formatting against the documented answers, argument parsing, exit codes, and the
-whole client end to end against a real HTTP server on a Unix socket that returns canned JSON."""
+whole client end to end against a real HTTP server on a Unix socket that returns canned JSON.
+
+The canned answers are gpud's answers: each is held to the OpenAPI document gpud serves (from
+gpud.core.answers), as a constant and again whenever the fake server or the in-memory transport
+answers with one, so a canned answer cannot lack a field the real one has."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import errno
 import http.server
 import json
 import os
+import re
 import socket
 import socketserver
 import statistics
@@ -51,8 +56,11 @@ from gpud.ctl.format import (
     format_serve,
     format_serves,
     format_status,
+    local_time,
 )
 from gpud.ctl.main import main
+from gpud.openapi import document
+from tests.schema import answer_errors, schema_errors
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_RUNNING = ("gpuctl: gpud is not running at {}: start it with `systemctl start gpud` or "
@@ -75,7 +83,7 @@ LEDGER_T011: dict[str, Any] = {
     "roles": [{
         "name": "dark-fast", "device": "GPU-3f6c", "note": "display + voice sidecars",
         "capacity_mib": 32607, "reserve_mib": 4608, "committed_mib": 26112, "free_mib": 1887,
-        "over_committed": False,
+        "missing": False, "over_committed": False,
         "reservations": [reservation("fast", 14336, T0), reservation("embeddings", 3200, T0 + 1),
                          reservation("reranker", 3456, T0 + 2), reservation("ocr", 5120, T0 + 3)],
         "observed": None,
@@ -91,7 +99,8 @@ gpu_role 'dark-fast': capacity 32607 MiB, reserve 4608 MiB, committed 26112 MiB,
 
 OBSERVED_SIM: dict[str, Any] = {
     "simulated": True, "total_mib": 32607, "used_mib": 30000, "physical_free_mib": 2607,
-    "managed_draw_mib": 24163, "non_ledger_draw_mib": 5837, "reserve_excess_mib": 1229,
+    "managed_draw_mib": 24163, "non_ledger_draw_mib": 5837, "reserve_mib": 4608,
+    "reserve_excess_mib": 1229,
     "pending_mib": 0, "effective_free_mib": 1887,
 }
 
@@ -102,6 +111,7 @@ STATUS: dict[str, Any] = {
     "observation": {"backend": "simulated", "available": True, "reason": None, "simulated": True},
     "serve_states": {"running": 3, "denied": 1},
     "over_committed": [],
+    "config_file": {"differs": False, "reason": None}, "store_transactions": 12,
     "summary": "dark-fast 26112/27999 MiB committed (free 1887); 4 serves: 4 running",
 }
 
@@ -111,6 +121,7 @@ SERVE_OCR: dict[str, Any] = {
     "vram_mib": 5120, "reserved_mib": None, "resident": True, "priority": 40, "port": 30007,
     "unit": "gpud-serve-ocr.service", "main_pid": None, "n_restarts": 0,
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
+    "device_lost": None, "calibrated": None,
 }
 
 SERVE_FAST: dict[str, Any] = dict(
@@ -144,6 +155,85 @@ EVENT_RELOAD: dict[str, Any] = {
 
 def error_body(code: str, message: str, **details: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "details": details}}
+
+
+RELOADED: dict[str, Any] = {"reloaded": True, "over_committed": [], "summary": "dark-fast ok"}
+RELEASED: dict[str, Any] = {"serve": "ocr", "role": "dark-fast", "released_mib": 5120,
+                            "figures": dict(ADMITTED["figures"], free_mib=7007)}
+
+# ---- the canned answers are gpud's answers ----------------------------------------------------
+
+DOC = document()
+_TEMPLATES = [(re.compile("^" + re.sub(r"\{[^}]+\}", "[^/?]+", t) + "$"), t) for t in DOC["paths"]]
+
+
+def answer_problems(method: str, target: str, status: int, doc: Any) -> list[str]:
+    """Where a canned answer to ``method target`` differs from what the document declares.
+    Bytes are sent as they are, to test answers that are not JSON: not checked."""
+    if isinstance(doc, bytes):
+        return []
+    path = target.split("?", 1)[0]
+    template = next((t for rx, t in _TEMPLATES if rx.match(path)), None)
+    if template is None:
+        return [f"{method} {path}: no such route in gpud's document"]
+    return [e for d in (doc if isinstance(doc, list) else [doc])
+            for e in answer_errors(DOC, method, template, status, d)]
+
+
+@pytest.mark.parametrize(("name", "schema", "doc"), [
+    ("LEDGER_T011", "Ledger", LEDGER_T011), ("OBSERVED_SIM", "Observed", OBSERVED_SIM),
+    ("STATUS", "Status", STATUS), ("SERVE_OCR", "Serve", SERVE_OCR),
+    ("SERVE_FAST", "Serve", SERVE_FAST), ("ADMITTED", "Admitted", ADMITTED),
+    ("DENIED", "Error", DENIED), ("EVENT_DENY", "Event", EVENT_DENY),
+    ("EVENT_RELOAD", "Event", EVENT_RELOAD), ("RELOADED", "Reloaded", RELOADED),
+    ("RELEASED", "Released", RELEASED),
+])
+def test_the_canned_answers_are_what_gpud_answers(name: str, schema: str, doc: Any) -> None:
+    assert schema_errors(doc, {"$ref": f"#/components/schemas/{schema}"}, DOC) == [], name
+
+
+def _fields_read(path: Path) -> set[str]:
+    """The keys a module reads from JSON: ``x.get("key")`` and ``x["key"]`` with a literal."""
+    import ast
+
+    keys = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get" and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            keys.add(node.args[0].value)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+              and isinstance(node.slice.value, str)):
+            keys.add(node.slice.value)
+    return keys
+
+
+def test_every_field_gpuctl_reads_is_one_gpud_answers_with() -> None:
+    """A formatter that reads a field no answer has prints '-' forever: caught here."""
+    from dataclasses import fields
+
+    from gpud.vllm_log import VllmMemory
+
+    answered = {k for schema in DOC["components"]["schemas"].values()
+                for k in schema.get("properties", {})}
+    # free-form objects of the answers: an error's details (a denial's figures, a config's
+    # problems) and vLLM's own account of a calibrated serve (gpud.calibration.vllm_figures)
+    details = {"bound", "need_mib", "free_mib", "shortfall_mib", "problems", "role", "serve"}
+    vllm = {f.name for f in fields(VllmMemory)} | {"recommended_kv_cache_mib", "context_mib",
+                                                   "budget_mib"}
+    read = set()
+    for module in ("format.py", "commands.py"):
+        read |= _fields_read(REPO / "gpud" / "ctl" / module)
+    assert read - answered - details - vllm == set()
+
+
+def test_a_canned_answer_lacking_a_field_is_caught() -> None:
+    role = copy.deepcopy(LEDGER_T011)
+    del role["roles"][0]["missing"]
+    assert answer_problems("GET", "/v1/ledger", 200, role) == [
+        "GET /v1/ledger -> 200: /roles/0/missing: required"]
+    assert answer_problems("GET", "/v1/nothing", 200, {}) == [
+        "GET /v1/nothing: no such route in gpud's document"]
 
 
 # ---- pure formatting ---------------------------------------------------------------------------
@@ -188,6 +278,24 @@ def test_ledger_flags_an_over_committed_role_and_keeps_its_reservations() -> Non
     assert lines[1].startswith("  !! OVER-COMMITTED by 2129 MiB")
     assert lines[2] == "  fast 17792 MiB (resident, running)"
     assert len(lines) == 6
+
+
+def test_ledger_flags_a_role_the_config_no_longer_has() -> None:
+    """A role kept only because reservations still name it: no device, capacity 0."""
+    doc = {"admission": "ledger", "simulated": False, "roles": [{
+        "name": "spare", "device": "", "note": None, "missing": True, "capacity_mib": 0,
+        "reserve_mib": 0, "committed_mib": 1024, "free_mib": -1024, "over_committed": True,
+        "reservations": [reservation("sidecar", 1024, T0, role="spare", state="external",
+                                     resident=False, external=True)],
+        "observed": None}]}
+    assert answer_problems("GET", "/v1/ledger", 200, doc) == []
+    assert format_ledger(doc).splitlines() == [
+        "gpu_role 'spare': capacity 0 MiB, reserve 0 MiB, committed 1024 MiB, free -1024 MiB",
+        "  !! OVER-COMMITTED by 1024 MiB: committed exceeds capacity minus reserve; "
+        "reservations are kept, release or shrink a serve",
+        "  !! role 'spare' is not in the config: its reservations are kept; release them or "
+        "restore the role",
+        "  sidecar 1024 MiB (external)"]
 
 
 def test_reservation_flags_external_and_not_resident() -> None:
@@ -262,7 +370,7 @@ def test_serves_table_marks_a_lost_device() -> None:
 
 
 def test_serves_table_and_reasons() -> None:
-    text = format_serves({"serves": [SERVE_FAST, SERVE_OCR]})
+    text = format_serves({"simulated": False, "serves": [SERVE_FAST, SERVE_OCR]})
     assert text == """\
 NAME  ROLE       STATE     VRAM  RESERVED  RESIDENT  PRIO   PORT   PID  CALIBRATION
 fast  dark-fast  running  14336     14336  yes         10  30001  4242  uncalibrated
@@ -352,6 +460,26 @@ NOW = 1_800_000_000.0
 ])
 def test_parse_since(text: str, expected: float) -> None:
     assert parse_since(text, NOW) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "America/St_Johns", "Asia/Kolkata",
+                                  "Africa/Monrovia"])
+@given(st.floats(min_value=-2e9, max_value=4e9))
+def test_local_time_is_datetimes_local_iso_8601(zone: str, ts: float) -> None:
+    import time as time_module
+
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = zone
+    time_module.tzset()
+    try:
+        expected = datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+        assert local_time(ts) == expected
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time_module.tzset()
 
 
 def test_parse_since_naive_is_local_time() -> None:
@@ -447,6 +575,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, doc = reply
+        self.server.problems += answer_problems(self.command, self.path, status, doc)
         data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -464,6 +593,7 @@ class FakeGpud(socketserver.UnixStreamServer):
     def __init__(self, path: str) -> None:
         self.requests: list[Request] = []
         self.routes: dict[tuple[str, str], Route] = {}
+        self.problems: list[str] = []  # canned answers that are not what gpud answers
         super().__init__(path, Handler)
 
     def answer(self, method: str, path: str, status: int, doc: Any) -> None:
@@ -490,6 +620,7 @@ def gpud(sock_dir: Path) -> Iterator[FakeGpud]:
         server.shutdown()
         thread.join()
         server.server_close()
+    assert server.problems == []
 
 
 def ctl(server: FakeGpud, *argv: str) -> int:
@@ -501,7 +632,13 @@ def ctl(server: FakeGpud, *argv: str) -> int:
 
 @pytest.fixture
 def memory() -> MemoryTransport:
-    return MemoryTransport("/run/gpud/gpud.sock")
+    """An in-memory gpud whose every answer is held to gpud's document."""
+
+    def check(req: Any, status: int, doc: Any) -> None:
+        problems = answer_problems(req.method, req.target, status, doc)
+        assert problems == [], problems
+
+    return MemoryTransport("/run/gpud/gpud.sock", check=check)
 
 
 def run(transport: MemoryTransport, *argv: str) -> int:
@@ -616,9 +753,7 @@ def test_exit_code_per_http_status(memory: MemoryTransport, capsys: pytest.Captu
 
 
 def test_release(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
-    released = {"serve": "ocr", "role": "dark-fast", "released_mib": 5120,
-                "figures": dict(ADMITTED["figures"], free_mib=7007)}
-    memory.answer("POST", "/v1/serves/ocr/release", 200, released)
+    memory.answer("POST", "/v1/serves/ocr/release", 200, RELEASED)
     assert run(memory, "release", "ocr") == EXIT_OK
     assert memory.last.json() == {"stop": False}
     assert run(memory, "release", "ocr", "--stop") == EXIT_OK
@@ -637,13 +772,13 @@ def test_lifecycle(memory: MemoryTransport, capsys: pytest.CaptureFixture[str], 
 
 
 def test_reload(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
-    memory.answer("POST", "/v1/reload", 200, {"reloaded": True, "summary": "dark-fast ok"})
+    memory.answer("POST", "/v1/reload", 200, RELOADED)
     assert run(memory, "reload") == EXIT_OK
     assert capsys.readouterr().out == "reloaded: dark-fast ok\n"
 
 
 def test_serves_list_one_and_names(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
-    memory.answer("GET", "/v1/serves", 200, {"serves": [SERVE_FAST, SERVE_OCR]})
+    memory.answer("GET", "/v1/serves", 200, {"simulated": False, "serves": [SERVE_FAST, SERVE_OCR]})
     memory.answer("GET", "/v1/serves/ocr", 200, SERVE_OCR)
     assert run(memory, "serves") == EXIT_OK
     assert capsys.readouterr().out.startswith("NAME  ROLE       STATE")
@@ -911,7 +1046,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 
 HEAVY = {"http.client", "email", "ssl", "urllib", "urllib.parse", "typing", "dataclasses",
          "inspect", "asyncio", "pydantic", "aiohttp", "dbus_fast", "pynvml", "sqlite3",
-         "gpud.config", "gpud.errors", "gpud.api", "logging", "subprocess", "tomllib"}
+         "gpud.config", "gpud.errors", "gpud.api", "logging", "subprocess", "tomllib",
+         "gpud.core.answers", "typing_extensions", "gpud.openapi"}
 
 
 def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:
@@ -920,6 +1056,17 @@ def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:
     loaded = set(probe.stdout.splitlines()[-1].split())
     assert loaded & HEAVY == set()
     assert "gpud.ctl.main" in loaded
+
+
+def test_the_former_module_runs_old_console_scripts_and_nothing_else_uses_it() -> None:
+    from gpud import gpuctl as former
+
+    assert former.main is main
+    users = [str(p.relative_to(REPO)) for d in ("gpud", "scripts", "tools", "bench", "packaging")
+             for p in (REPO / d).rglob("*") if p.is_file() and p.suffix in ("", ".py", ".sh")
+             and p.name != "gpuctl.py" and "gpud.gpuctl" in p.read_text(errors="replace")]
+    assert users == []
+    assert 'gpuctl = "gpud.ctl.main:main"' in (REPO / "pyproject.toml").read_text()
 
 
 @pytest.mark.slow
@@ -973,7 +1120,7 @@ def bash_complete(line: str, env: dict[str, str]) -> list[str]:
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="no bash")
 def test_bash_completion(gpud: FakeGpud, gpuctl_on_path: Path) -> None:
-    gpud.answer("GET", "/v1/serves", 200, {"serves": [SERVE_FAST, SERVE_OCR]})
+    gpud.answer("GET", "/v1/serves", 200, {"simulated": False, "serves": [SERVE_FAST, SERVE_OCR]})
     gpud.answer("GET", "/v1/ledger", 200, LEDGER_T011)
     env = dict(os.environ, PATH=f"{gpuctl_on_path}:{os.environ['PATH']}",
                GPUD_SOCKET=str(gpud.server_address))

@@ -474,6 +474,43 @@ def test_foreign_exceptions_are_not_swallowed() -> None:
         nvml.sample()
 
 
+@pytest.mark.parametrize("function", ["nvmlDeviceGetComputeRunningProcesses_v3",
+                                      "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUUID"])
+def test_an_attribute_error_inside_a_call_is_a_fault_not_not_supported(
+        function: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A binding that has the function but fails inside it with AttributeError (a typo in it,
+    or in gpud) propagates: only a name the module lacks, asked with getattr, is 'missing'."""
+    driver = FakeDriver(two_devices())
+    module = driver.module()
+
+    def typo(*args: Any, **kwargs: Any) -> Any:
+        return args[0].totl  # AttributeError, from inside the call
+
+    setattr(module, function, typo)
+    nvml = NvmlBackend(nvml=module)
+    with caplog.at_level(logging.DEBUG, logger="gpud.nvml"), pytest.raises(AttributeError):
+        nvml.sample()
+    assert not [r for r in caplog.records if "not supported" in r.getMessage()
+                or "is missing" in r.getMessage()]
+
+
+def test_a_name_the_binding_lacks_is_asked_once_per_init() -> None:
+    driver = FakeDriver(two_devices())
+    module = driver.module(without=("nvmlDeviceGetComputeRunningProcesses_v3",))
+    asked: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            asked.append(name)
+            return getattr(module, name)
+
+    nvml = NvmlBackend(nvml=Counting())
+    for _ in range(3):
+        assert nvml.sample().devices[0].processes is not None
+    assert asked.count("nvmlDeviceGetComputeRunningProcesses_v3") == 1
+    assert asked.count("nvmlDeviceGetComputeRunningProcesses_v2") == 1
+
+
 def test_is_an_observation_backend() -> None:
     nvml: ObservationBackend = NvmlBackend(nvml=FakeDriver([]).module())
     assert nvml.name == "nvml"

@@ -236,4 +236,12 @@ def test_answers_about_a_serve_on_two_roles_match_the_served_document(two: GpudP
             assert any(r.get("part") == "2/2" for role in reply.body["roles"]
                        for r in role["reservations"])
     assert problems == []
-    assert doc["components"]["schemas"]["Reservation"]["properties"]["part"]["pattern"]
+    schemas = doc["components"]["schemas"]
+    # Declared (answers hold exactly the fields described), and optional: single-role answers
+    # do not carry them.
+    for name, keys in (("Reservation", {"roles", "part"}), ("Serve", {"roles"}),
+                       ("Admitted", {"roles", "figures_by_role"}),
+                       ("Released", {"roles", "figures_by_role"}), ("PlanDenied", {"lacking"})):
+        assert schemas[name]["additionalProperties"] is False
+        assert keys <= set(schemas[name]["properties"]), name
+        assert not keys & set(schemas[name]["required"]), name

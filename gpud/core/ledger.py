@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from gpud.core import answers
 from gpud.core.vocab import PENDING_STATES
 
 Bound = Literal["ledger", "physical"]
@@ -141,6 +142,17 @@ class Denial:
             "free_mib": self.free_mib,
             "shortfall_mib": self.shortfall_mib,
         }
+        if self.more:
+            out["lacking"] = [{"role": d.role, "bound": d.bound, "need_mib": d.need_mib,
+                               "free_mib": d.free_mib, "shortfall_mib": d.shortfall_mib}
+                              for d in self.lacking]
+        return out
+
+    def to_json(self) -> answers.PlanDenied:
+        out: answers.PlanDenied = {
+            "serve": self.serve, "role": self.role, "bound": self.bound,
+            "need_mib": self.need_mib, "free_mib": self.free_mib,
+            "shortfall_mib": self.shortfall_mib, "reason": self.reason}
         if self.more:
             out["lacking"] = [{"role": d.role, "bound": d.bound, "need_mib": d.need_mib,
                                "free_mib": d.free_mib, "shortfall_mib": d.shortfall_mib}

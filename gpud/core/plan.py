@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpud.config import Config, ServeConfig
+from gpud.core import answers
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
@@ -39,8 +39,14 @@ class ServeChange:
     restart: bool
     reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    def to_json(self) -> answers.PlanServe:
+        return {"name": self.name, "role_before": self.role_before, "role_after": self.role_after,
+                "mib_before": self.mib_before, "mib_after": self.mib_after,
+                "util_before": self.util_before, "util_after": self.util_after,
+                "fingerprint_before": self.fingerprint_before,
+                "fingerprint_after": self.fingerprint_after, "state_before": self.state_before,
+                "state_after": self.state_after, "change": self.change, "restart": self.restart,
+                "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,8 @@ class Plan:
     def restart(self) -> list[str]:
         return [s.name for s in self.serves if s.restart]
 
-    def to_json(self) -> dict[str, Any]:
-        def fig(f: RoleFigures | None) -> dict[str, int] | None:
+    def to_json(self) -> answers.Plan:
+        def fig(f: RoleFigures | None) -> answers.Figures | None:
             if f is None:
                 return None
             return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
@@ -80,7 +86,7 @@ class Plan:
             "serves": [s.to_json() for s in self.serves],
             "restart": self.restart,
             "resident_fits": self.resident_fits,
-            "denied": [d.details() | {"reason": d.reason} for d in self.denied],
+            "denied": [d.to_json() for d in self.denied],
             "blocked": [b.to_json() for b in self.blocked],
             "stop_first": list(self.stop_first),
         }

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpud.config import Config
+from gpud.core import answers
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN
 
@@ -41,7 +42,7 @@ class Blocker:
         held = f" ({self.mib} MiB on {self.role})" if self.role is not None else ""
         return f"{self.what}{held}: {self.reason}"
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> answers.Blocker:
         return {"what": self.what, "role": self.role, "mib": self.mib, "reason": self.reason,
                 "message": self.message}
 

@@ -405,8 +405,11 @@ class Client:
         return self.transport.address
 
     def call(self, method: str, target: str, body: Doc | None = None,
-             timeout: float = READ_TIMEOUT) -> Doc:
-        """One request; the decoded JSON object on 2xx, else raises CtlError."""
+             timeout: float = READ_TIMEOUT) -> Any:
+        """One request; the decoded JSON object on 2xx, else raises CtlError.
+
+        Typed Any: the answer is the route's (gpud.core.answers), which the formatter that
+        reads it is typed with."""
         import json
 
         data = None if body is None else json.dumps(body).encode()
@@ -430,7 +433,7 @@ class Client:
                            EXIT_REFUSED, {"status": resp.status})
         return doc
 
-    def stream(self, target: str, method: str = "GET", body: Doc | None = None) -> Iterator[Doc]:
+    def stream(self, target: str, method: str = "GET", body: Doc | None = None) -> Iterator[Any]:
         """An NDJSON stream: one decoded object per line, blank keepalive lines skipped.
 
         Returns when the daemon ends the stream; a stream gpuctl did not end itself means the

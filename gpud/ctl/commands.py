@@ -102,7 +102,7 @@ class Ctl:
         # follow and watch print one compact JSON document per line (NDJSON), errors included
         self.ndjson = False
 
-    def emit(self, doc: Doc, human: Callable[[Doc], str]) -> None:
+    def emit(self, doc: Any, human: Callable[[Any], str]) -> None:
         text = dump_json(doc) if self.as_json else human(doc)
         if text:
             print(text, file=self.out, flush=True)

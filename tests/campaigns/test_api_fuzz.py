@@ -35,6 +35,7 @@ from hypothesis.errors import Unsatisfiable
 from tests.campaigns.conftest import check_ledger_figures, knob, read_store, rss_kib
 from tests.campaigns.test_config_fuzz import TOMLISH
 from tests.conftest import T015, GpudProcess, UnixHTTPConnection, start_gpud
+from tests.schema import schema_errors
 
 KNOWN_NAMES = ["fast", "embeddings", "reranker", "ocr", "sidecar", "nope", "0", "a_b-c"]
 FUZZ_CONFIG = T015 + '\n[roles.spare]\ndevice = "1"\ncapacity_mib = 1000\nreserve_mib = 0\n'
@@ -45,53 +46,6 @@ def fuzz_gpud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpudProcess]
     gp = start_gpud(tmp_path_factory.mktemp("fuzz"), FUZZ_CONFIG)
     yield gp
     gp.stop()
-
-
-def schema_errors(value: Any, schema: dict[str, Any], doc: dict[str, Any],
-                  where: str = "") -> list[str]:
-    """Where VALUE breaks SCHEMA: the JSON Schema (2020-12) subset gpud's document uses, checked
-    here so the campaign needs no validator package."""
-    if "$ref" in schema:
-        return schema_errors(value, doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]],
-                             doc, where)
-    if "oneOf" in schema:
-        matching = [s for s in schema["oneOf"] if not schema_errors(value, s, doc, where)]
-        return [] if len(matching) == 1 else [f"{where or '/'}: {len(matching)} of oneOf match"]
-    if "enum" in schema and value not in schema["enum"]:
-        return [f"{where or '/'}: {value!r} not one of {schema['enum']}"]
-    types = schema.get("type")
-    if types is not None:
-        allowed = types if isinstance(types, list) else [types]
-        kinds = {"null": value is None, "boolean": isinstance(value, bool),
-                 "integer": isinstance(value, int) and not isinstance(value, bool),
-                 "number": isinstance(value, int | float) and not isinstance(value, bool),
-                 "string": isinstance(value, str), "array": isinstance(value, list),
-                 "object": isinstance(value, dict)}
-        if not any(kinds[t] for t in allowed):
-            return [f"{where or '/'}: {type(value).__name__} is not {types}"]
-    errors: list[str] = []
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        errors += [f"{where}/{k}: required" for k in schema.get("required", []) if k not in value]
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            if key in props:
-                errors += schema_errors(item, props[key], doc, f"{where}/{key}")
-            elif extra is False:
-                errors.append(f"{where}/{key}: not allowed")
-            elif isinstance(extra, dict):
-                errors += schema_errors(item, extra, doc, f"{where}/{key}")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            errors += schema_errors(item, schema["items"], doc, f"{where}/{i}")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            errors.append(f"{where or '/'}: {value} < {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errors.append(f"{where or '/'}: {value} > {schema['maximum']}")
-    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
-        errors.append(f"{where or '/'}: {value!r} does not match {schema['pattern']}")
-    return errors
 
 
 class Conformance:

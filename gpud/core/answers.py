@@ -1,0 +1,366 @@
+"""The answers of gpud's API, described once.
+
+Each JSON object a route answers with is a TypedDict here. The code that builds an answer is
+typed with it (mypy checks every key and value), gpud.openapi generates the served document's
+schemas from these types, and tests hold live answers and gpuctl's canned ones to that document.
+gpuctl reads the same names for its type checks only: nothing here is imported when it runs.
+
+``typing_extensions.TypedDict``, not ``typing.TypedDict``: pydantic builds a schema from a
+TypedDict only of that kind on Python below 3.12 (pydantic's own requirement; it depends on
+typing_extensions itself). Which strings a state or an event kind may be comes from
+gpud.core.vocab; gpud.openapi puts those lists into the document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired
+
+from typing_extensions import TypedDict
+
+Admission = Literal["strict", "ledger"]
+CalibrationStatus = Literal["calibrated", "stale", "uncalibrated"]
+
+
+class Figures(TypedDict):
+    """A role's ledger figures: free = capacity - reserve - committed."""
+
+    capacity_mib: int
+    reserve_mib: int
+    committed_mib: int
+    free_mib: int
+
+
+class Observed(TypedDict):
+    """What the device of a role really draws (NVML or the simulated backend)."""
+
+    simulated: bool
+    total_mib: int
+    used_mib: int
+    physical_free_mib: int
+    managed_draw_mib: int
+    non_ledger_draw_mib: int
+    reserve_mib: int
+    reserve_excess_mib: int
+    pending_mib: int
+    effective_free_mib: int
+
+
+class Reservation(TypedDict):
+    """One reservation as listed under one role. A serve on several roles is listed under each,
+    with all of them in ``roles`` and which one this is in ``part`` ("1/2"); a single-role
+    serve's listing has neither."""
+
+    serve: str
+    role: str
+    roles: NotRequired[list[str]]
+    part: NotRequired[str]
+    mib: int
+    since: float
+    by_uid: int | None
+    state: str  # one of gpud.core.vocab.STATES
+    resident: bool
+    external: bool
+
+
+class Role(TypedDict):
+    """One role of the ledger. ``missing``: the config no longer has this role, and
+    reservations still name it (kept, shown over-committed, with an empty ``device``)."""
+
+    name: str
+    device: str
+    note: str | None
+    missing: bool
+    capacity_mib: int
+    reserve_mib: int
+    committed_mib: int
+    free_mib: int
+    over_committed: bool
+    reservations: list[Reservation]
+    observed: Observed | None
+
+
+class Ledger(TypedDict):
+    """GET /v1/ledger."""
+
+    admission: Admission
+    simulated: bool
+    roles: list[Role]
+
+
+class Calibrated(TypedDict):
+    """A serve's current calibration in brief; ``vllm``: vLLM's own start-up account."""
+
+    steady_mib: int
+    peak_mib: int
+    recommended_mib: int
+    vllm: dict[str, Any] | None
+
+
+class Serve(TypedDict):
+    """GET /v1/serves/{name}, and what start, stop and restart answer with."""
+
+    name: str
+    role: str | None
+    roles: NotRequired[list[str]]  # a serve on several roles (devices): all of them, in order
+    configured: bool
+    external: bool
+    state: str  # one of gpud.core.vocab.STATES
+    reason: str | None
+    vram_mib: int | None
+    reserved_mib: int | None
+    resident: bool
+    priority: int | None
+    port: int | None
+    unit: str | None
+    main_pid: int | None
+    device_lost: str | None
+    n_restarts: int
+    observed_mib: int | None
+    calibration: CalibrationStatus
+    fingerprint: str | None
+    calibrated: Calibrated | None
+
+
+class Serves(TypedDict):
+    """GET /v1/serves."""
+
+    simulated: bool
+    serves: list[Serve]
+
+
+class Event(TypedDict):
+    id: int | None
+    ts: float
+    kind: str  # one of gpud.core.vocab.EVENT_KINDS
+    serve: str | None
+    role: str | None
+    mib: int | None
+    uid: int | None
+    message: str
+    details: dict[str, Any]
+
+
+class Events(TypedDict):
+    """GET /v1/events (with follow=1: one Event per NDJSON line instead)."""
+
+    events: list[Event]
+
+
+class Launching(TypedDict):
+    available: bool
+    reason: str | None
+
+
+class Observation(TypedDict):
+    """The observation backend's state; ``devices`` as it last saw them."""
+
+    backend: str
+    simulated: bool
+    available: bool
+    reason: str | None
+    taken_at: NotRequired[float | None]
+    sample_ms: NotRequired[float]
+    devices: NotRequired[list[dict[str, Any]]]
+
+
+class ConfigFile(TypedDict):
+    """Whether the config file on disk is the config in force, and why not."""
+
+    differs: bool
+    reason: str | None
+
+
+class Status(TypedDict):
+    """GET /v1/status."""
+
+    version: str
+    config: str | None
+    admission: Admission
+    started_at: float
+    ready: bool
+    launching: Launching
+    observation: Observation
+    serve_states: dict[str, int]
+    over_committed: list[str]
+    config_file: ConfigFile
+    store_transactions: int
+    summary: str
+
+
+class Admitted(TypedDict):
+    """POST /v1/serves/{name}/admit."""
+
+    serve: str
+    role: str
+    # A serve on several roles: all of them, and the figures of each (``figures``: the first's).
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
+    mib: int
+    replaced_mib: int | None
+    check: Literal["ledger", "strict"]
+    note: str | None
+    figures: Figures
+
+
+class Released(TypedDict):
+    """POST /v1/serves/{name}/release."""
+
+    serve: str
+    role: str
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
+    released_mib: int
+    figures: Figures
+
+
+class Reloaded(TypedDict):
+    """POST /v1/reload."""
+
+    reloaded: bool
+    over_committed: list[str]
+    summary: str
+
+
+class PlanRole(TypedDict):
+    name: str
+    before: Figures | None
+    after: Figures | None
+
+
+class PlanServe(TypedDict):
+    name: str
+    role_before: str | None
+    role_after: str | None
+    mib_before: int | None
+    mib_after: int | None
+    util_before: str | None
+    util_after: str | None
+    fingerprint_before: str | None
+    fingerprint_after: str | None
+    state_before: str
+    state_after: str
+    change: str  # unchanged, resized, changed, "changed, resized", added, removed
+    restart: bool
+    reason: str | None
+
+
+class Shortage(TypedDict):
+    """One role a serve on several roles lacks room on."""
+
+    role: str
+    bound: str
+    need_mib: int
+    free_mib: int
+    shortfall_mib: int
+
+
+class PlanDenied(TypedDict):
+    """A denial: the first role lacking room; a serve on several roles with more than one
+    lacking lists each in ``lacking``."""
+
+    serve: str
+    role: str
+    bound: str
+    need_mib: int
+    free_mib: int
+    shortfall_mib: int
+    reason: str
+    lacking: NotRequired[list[Shortage]]
+
+
+class Blocker(TypedDict):
+    """What stands in the way of a config change."""
+
+    what: str
+    role: str | None
+    mib: int | None
+    reason: str
+    message: str
+
+
+class Plan(TypedDict):
+    """POST /v1/plan."""
+
+    source: str
+    roles: list[PlanRole]
+    serves: list[PlanServe]
+    restart: list[str]
+    resident_fits: bool
+    denied: list[PlanDenied]
+    blocked: list[Blocker]
+    stop_first: list[str]
+
+
+class CalibrationRun(TypedDict):
+    """A calibration in progress (and POST /v1/serves/{name}/calibrate's answer)."""
+
+    serve: str
+    fingerprint: str
+    running: bool
+    window_s: float
+    elapsed_s: float
+    samples: int
+    peak_mib: int | None
+
+
+class CalibrationRecord(TypedDict):
+    fingerprint: str
+    ts: float
+    window_s: float
+    samples: int
+    steady_mib: int
+    peak_mib: int
+    recommended_mib: int
+    current: bool
+
+
+class Calibration(TypedDict):
+    """GET /v1/serves/{name}/calibration."""
+
+    serve: str
+    status: CalibrationStatus
+    fingerprint: str | None
+    running: CalibrationRun | None
+    record: CalibrationRecord | None
+    vllm: NotRequired[dict[str, Any] | None]
+
+
+class ApplyStep(TypedDict):
+    """POST /v1/apply: one NDJSON line per step as it happens."""
+
+    step: str
+    ok: bool
+    message: str
+    path: NotRequired[str]  # backup: where the old config was saved
+    serve: NotRequired[str]  # the serve a stop, restart, start or rollback step is about
+
+
+class ApplyResult(TypedDict):
+    """POST /v1/apply: the last NDJSON line. ``error`` is the message of what failed for a
+    rolled-back apply, gpud's error object for a refused or failed one."""
+
+    result: Literal["applied", "rolled-back", "refused", "failed"]
+    summary: NotRequired[str]
+    backup: NotRequired[str | None]
+    error: NotRequired[str | ErrorBody]
+
+
+class ErrorBody(TypedDict):
+    code: str
+    message: str
+    details: dict[str, Any]
+
+
+class Error(TypedDict):
+    """Every error: one shape."""
+
+    error: ErrorBody
+
+
+# The component schemas of the served document, by name.
+COMPONENTS: tuple[type, ...] = (
+    Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
+    PlanServe, Shortage, PlanDenied, Blocker, Plan, CalibrationRun, CalibrationRecord, Calibration,
+    ApplyStep, ApplyResult, ErrorBody, Error,
+)
