@@ -62,7 +62,9 @@ class Sleeps:
         self.host_memory = host_memory
         # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
         self.weights: Callable[[str], int | None] = lambda _serve: None
-        self._role_locks: dict[str, asyncio.Lock] = {}
+        # One lock for every preemption and wake-back: a serve on several roles takes part in
+        # each of them, and one lock cannot be taken in two orders.
+        self._coordination = asyncio.Lock()
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
 
@@ -118,8 +120,8 @@ class Sleeps:
                            "are HTTP", {})
         return f"http://127.0.0.1:{spec.port}{path}"
 
-    def _role_lock(self, role: str) -> asyncio.Lock:
-        return self._role_locks.setdefault(role, asyncio.Lock())
+    def _role_lock(self, _role: str) -> asyncio.Lock:
+        return self._coordination
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
@@ -319,7 +321,7 @@ class Sleeps:
         for res in self.svc.ledger.on_role(role):
             name = res.serve
             spec = self.svc.serve_spec(name)
-            if name == serve or spec is None or res.external or spec.role != role:
+            if name == serve or spec is None or res.external or role not in spec.all_roles:
                 continue
             if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
                 continue
@@ -332,10 +334,11 @@ class Sleeps:
         return out
 
     def plan(self, serve: str, mib: int) -> Plan | NoPlan:
+        """The plan on the serve's role; for a serve on several roles, on the one with the
+        least room (a shortfall on another is then a denial after the plan, undone)."""
         spec = self.sup.spec_of(serve)
-        free = self.svc.free_for(serve, spec.role)
-        return plan_preemption(serve, spec.priority, mib, free,
-                               self.candidates(serve, spec.role))
+        free, role = min((self.svc.free_for(serve, r), r) for r in spec.all_roles)
+        return plan_preemption(serve, spec.priority, mib, free, self.candidates(serve, role))
 
     def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]:
         """For a denial without --preempt: what a preemption would do, when it could."""
@@ -451,14 +454,15 @@ class Sleeps:
     async def _wake_fitting(self, role: str) -> None:
         sleepers = sorted(
             (spec.priority, name) for name, spec in self.svc.config.serves.items()
-            if spec.role == role and self.svc.state_of(name) == SLEEPING
+            if role in spec.all_roles and self.svc.state_of(name) == SLEEPING
             and self.note(name).get("preempted_by"))
         if sleepers:
             # what a stop released shows as free on the device only once its process is gone
             await self.sup.memory_back_for(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
-            if self.svc.free_for(name, role) < self.awake_mib(name, spec):
+            awake = self.awake_mib(name, spec)
+            if any(self.svc.free_for(name, r) < awake for r in spec.all_roles):
                 return  # by priority: a lower one does not jump the queue
             try:
                 await self.wake(name, None, locked=True, by="wake-back: memory released")
@@ -485,6 +489,6 @@ class Sleeps:
             return SLEEPING
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
                     "awake at %d MiB", serve, asleep, self.awake_mib(serve, spec))
-        await self.svc.adopt(serve, spec.role, self.awake_mib(serve, spec))
+        await self.svc.adopt(serve, spec.all_roles, self.awake_mib(serve, spec))
         await self.svc.put_meta(meta_key(serve), None)
         return STARTING
