@@ -270,6 +270,10 @@ class Supervisor:
         finally:
             self.booted.set()
             log.info("resident set done: %s", self.svc.summary())
+            # Serves a preemption put to sleep before this gpud started (one cut short by its
+            # stop, say) wake now if they fit, as after any release.
+            for role in sorted(self.svc.ledger.roles):
+                self.sleeps.freed(role)
 
     def _stopped_outside(self, serve: str) -> bool:
         """An operator stopped the serve's unit by hand: it stays down until asked."""

@@ -321,3 +321,22 @@ def test_preemptible_stop_and_admit_with_preempt(gpud: SandboxGpud) -> None:
     metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
                            "http://localhost/metrics"]).stdout
     assert "gpud_preemptions_total 1" in metrics.splitlines()
+
+
+def test_preempted_serve_wakes_after_a_restart_once_its_preempter_is_gone(
+        gpud: SandboxGpud) -> None:
+    gpud.configure(two_sleepers())
+    running(gpud, "lo", "mid")
+    assert gpud.call("POST", "/v1/serves/hi/start", {"preempt": True}).status == 200
+    gpud.wait_state("hi", "running")
+    assert gpud.serve("lo")["state"] == "sleeping"
+    gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
+    gpud.sb.run(["systemctl", "stop", "gpud-serve-hi.service"], timeout=60)
+    gpud.start()
+    # hi's unit ended while gpud was away: its reservation goes, and lo fits again
+    view = gpud.wait_state("lo", "running")
+    assert view["reserved_mib"] == 12000
+    assert gpud.serve("hi")["state"] in ("failed", "declared")
+    assert reserved(gpud) == {"lo": 12000, "mid": 12000}
+    woken = [e for e in gpud.events(kind="wake", serve="lo")]
+    assert woken and woken[-1]["details"]["by"] == "wake-back: memory released"
