@@ -15,7 +15,7 @@ from gpud.core import answers
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
-from gpud.core.vocab import HOLDING_STATES
+from gpud.core.vocab import HOLDING_STATES, SLEEPING
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
@@ -152,6 +152,11 @@ def make_plan(
                 kept[res.serve] = res
             continue
         if spec is not None and all(r in after.roles for r in spec.all_roles):
+            if states.get(res.serve) == SLEEPING and spec.all_roles == res.all_roles:
+                # Asleep it holds its sleep reservation, and it stays asleep: its wake is
+                # re-admitted then (strict bound), at what its process was launched with.
+                kept[res.serve] = res
+                continue
             kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
                                           res.by_uid, False, spec.extra_roles)
     after = Ledger(after.roles, kept)
@@ -183,6 +188,9 @@ def make_plan(
             continue
         res_after = after.reservations.get(name)
         state = states.get(name, "declared")
+        asleep = state == SLEEPING and cur is not None
+        # The figure a sleeping serve's process was launched with (its util), not its sleep one.
+        launched = before_spec.vram_mib if before_spec else cur.mib if cur else None
         was_denied = name in denied_by
         if after_spec is None:
             change, state_after = "removed", "removed"
@@ -190,7 +198,9 @@ def make_plan(
             change = "added"
             state_after = "denied" if was_denied else ("admitted" if res_after else "declared")
         else:
-            resized = (cur.mib if cur else before_spec.vram_mib) != after_spec.vram_mib
+            # A sleeping serve holds its sleep reservation: resized is of what it wakes to.
+            awake = before_spec.vram_mib if asleep or cur is None else cur.mib
+            resized = awake != after_spec.vram_mib
             differs = _runs_differently(before_spec, after_spec)
             change = ("changed, resized" if differs and resized else "changed" if differs
                       else "resized" if resized else "unchanged")
@@ -204,6 +214,13 @@ def make_plan(
         restart = running and after_spec is not None and before_spec is not None and (
             _runs_differently(before_spec, after_spec)
             or (cur is not None and res_after is not None and cur.mib != res_after.mib))
+        reason = denied_by[name].reason if was_denied else None
+        if asleep and restart and cur is not None and res_after is cur:
+            # Not restarted (that would wake it at full size, behind the ledger's back): the
+            # change to how it runs takes effect at its next start.
+            restart = False
+            reason = ("sleeping: not restarted; the change takes effect when it is next "
+                      "started (it wakes as it was launched)")
         role_before = (_roles(before_spec.all_roles) if before_spec
                        else (_roles(cur.all_roles) if cur else None))
         role_after = _roles(after_spec.all_roles) if after_spec else None
@@ -211,14 +228,16 @@ def make_plan(
             name=name, role_before=role_before, role_after=role_after,
             mib_before=cur.mib if cur else None,
             mib_after=res_after.mib if res_after else None,
-            util_before=_util(cur.mib if cur else None, device_total(role_before, ledger.roles)),
-            util_after=_util(res_after.mib if res_after else (
+            util_before=_util(launched if asleep else cur.mib if cur else None,
+                              device_total(role_before, ledger.roles)),
+            util_after=_util(launched if asleep and res_after is cur else
+                             res_after.mib if res_after else (
                 after_spec.vram_mib if after_spec else None),
                 device_total(role_after, new_budget_map)),
             fingerprint_before=fingerprint(before_spec) if before_spec else None,
             fingerprint_after=fingerprint(after_spec) if after_spec else None,
             state_before=state, state_after=state_after, change=change, restart=restart,
-            reason=denied_by[name].reason if was_denied else None,
+            reason=reason,
         ))
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
