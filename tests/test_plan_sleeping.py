@@ -91,3 +91,28 @@ def test_transition_keeps_the_sleep_reservation_and_the_invariant() -> None:
     assert isinstance(t, Transition)
     assert t.ledger.reservations["small"].mib == 1000
     assert violations(new, t.ledger, states) == []
+
+
+def test_a_change_that_leaves_a_sleeping_serve_unable_to_wake_is_refused() -> None:
+    old, ledger, states = world()
+    for change, said in ((("sleep_level = 1", "sleep_level = 0"), ("sleep_mib = 1000", "")),
+                         "sleep_level is removed"), \
+                        ((("port = 8002", "port = 8003"),), "port changes (8002 -> 8003"):
+        text = BASE
+        for a, b in change:
+            text = text.replace(a, b)
+        new = parse_config(text, "new")
+        for may_stop in (False, True):
+            t = transition(old=old, new=new, ledger=ledger,
+                           budgets=resolve_budgets(new, lambda _d: None), states=states,
+                           may_stop=may_stop)
+            assert not isinstance(t, Transition), (said, may_stop)
+            (blocker,) = t.blockers
+            assert blocker.what == "small" and said in blocker.reason
+            assert "gpuctl wake" in blocker.reason
+    # Awake, the same changes are a plain reload (they take effect at its next start).
+    awake = {"small": "running", "big": "running"}
+    new = parse_config(BASE.replace("port = 8002", "port = 8003"), "new")
+    assert isinstance(transition(old=old, new=new, ledger=ledger,
+                                 budgets=resolve_budgets(new, lambda _d: None), states=awake,
+                                 may_stop=False), Transition)

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpud.config import Config
+from gpud.config import Config, ServeConfig
 from gpud.core import answers
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN
+from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")
@@ -117,6 +117,8 @@ def transition(
         if spec is not None and spec.all_roles == res.all_roles \
                 and all(r in roles for r in res.all_roles):
             kept[res.serve] = res
+            if states.get(res.serve) == SLEEPING:
+                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec))
             continue
         why = ("leaves the config" if spec is None
                else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
@@ -151,6 +153,23 @@ def transition(
     if blockers:
         return Refusal(tuple(blockers))
     return Transition(after, tuple(release), tuple(stop))
+
+
+def _unwakeable(res: Reservation, before: ServeConfig | None,
+                after: ServeConfig) -> list[Blocker]:
+    """A sleeping serve keeps its sleep reservation through a change, and is woken later
+    through its sleep endpoints, at the port its process listens on: a change that takes either
+    away would leave it asleep for good, holding memory no one could get back."""
+    lost: list[str] = []
+    if not after.sleep_level:
+        lost.append("its sleep_level is removed")
+    if before is not None and after.port != before.port:
+        lost.append(f"its port changes ({before.port} -> {after.port}; its process listens on "
+                    f"{before.port})")
+    if not lost:
+        return []
+    return [_blocker(res, f"is sleeping and {' and '.join(lost)}: it could not be woken; wake "
+                          "it (gpuctl wake) or stop it first")]
 
 
 def _blocker(res: Reservation, reason: str) -> Blocker:
