@@ -27,7 +27,7 @@ import aiohttp
 
 from gpud.config import ServeConfig
 from gpud.core.launch import fingerprint
-from gpud.core.preempt import Candidate, NoPlan, Plan, Step, plan_preemption
+from gpud.core.preempt import Candidate, NoPlan, Plan, Step, plan_on_roles
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
 
@@ -316,29 +316,37 @@ class Sleeps:
 
     # ---- preemption --------------------------------------------------------------------------
 
-    def candidates(self, serve: str, role: str) -> list[Candidate]:
+    def candidates(self, serve: str, roles: tuple[str, ...]) -> list[Candidate]:
+        """The running serves on any of `roles` that a preemption could put to sleep or stop,
+        each with every role it holds its reservation on (it frees memory on each)."""
         out: list[Candidate] = []
-        for res in self.svc.ledger.on_role(role):
-            name = res.serve
-            spec = self.svc.serve_spec(name)
-            if name == serve or spec is None or res.external or role not in spec.all_roles:
-                continue
-            if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
-                continue
-            if spec.preemptible == "stop":
-                out.append(Candidate(name, spec.priority, res.mib, "stop", 0))
-            elif spec.sleep_level:
-                keeps = self.sleep_mib(name, spec)
-                if keeps is not None:
-                    out.append(Candidate(name, spec.priority, res.mib, "sleep", keeps))
+        seen: set[str] = set()
+        for role in roles:
+            for res in self.svc.ledger.on_role(role):
+                name = res.serve
+                spec = self.svc.serve_spec(name)
+                if name == serve or name in seen or spec is None or res.external \
+                        or spec.all_roles != res.all_roles:
+                    continue
+                seen.add(name)
+                if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
+                    continue
+                if spec.preemptible == "stop":
+                    out.append(Candidate(name, spec.priority, res.mib, "stop", 0, res.all_roles))
+                elif spec.sleep_level:
+                    keeps = self.sleep_mib(name, spec)
+                    if keeps is not None:
+                        out.append(Candidate(name, spec.priority, res.mib, "sleep", keeps,
+                                             res.all_roles))
         return out
 
     def plan(self, serve: str, mib: int) -> Plan | NoPlan:
-        """The plan on the serve's role; for a serve on several roles, on the one with the
-        least room (a shortfall on another is then a denial after the plan, undone)."""
+        """The plan on every role of the serve (victims on any of them; one on several frees
+        on each)."""
         spec = self.sup.spec_of(serve)
-        free, role = min((self.svc.free_for(serve, r), r) for r in spec.all_roles)
-        return plan_preemption(serve, spec.priority, mib, free, self.candidates(serve, role))
+        free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
+        return plan_on_roles(serve, spec.priority, mib, free,
+                             self.candidates(serve, spec.all_roles))
 
     def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]:
         """For a denial without --preempt: what a preemption would do, when it could."""
@@ -383,7 +391,7 @@ class Sleeps:
             for step in plan.steps:
                 await self.svc.record(self.svc.event(
                     "preempt", f"{step.serve} preempted by {serve}: {step.line()}",
-                    serve=step.serve, role=spec.role, mib=step.frees_mib, uid=uid,
+                    serve=step.serve, role=(step.roles or spec.all_roles)[0], mib=step.frees_mib, uid=uid,
                     preempted_by=serve, action=step.action, priority=step.priority,
                     by_priority=spec.priority))
                 try:

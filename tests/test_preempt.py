@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.core.preempt import Candidate, NoPlan, Plan, plan_preemption
+from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles, plan_preemption
 
 
 def c(serve: str, priority: int, held: int, action: str = "sleep", keeps: int = 0) -> Candidate:
@@ -104,3 +104,93 @@ def test_properties(cands: list[Candidate], priority: int, need: int, free: int)
     assert out.free_after_mib >= need  # after the plan it fits
     assert len(out.steps) == best  # the fewest
     assert all(s.frees_mib == by_name[s.serve].frees_mib for s in out.steps)
+
+
+# ---- a serve on several roles ----------------------------------------------------------------
+
+def cr(serve: str, priority: int, held: int, roles: tuple[str, ...], action: str = "sleep",
+       keeps: int = 0) -> Candidate:
+    return Candidate(serve, priority, held, action, keeps, roles)  # type: ignore[arg-type]
+
+
+def test_on_several_roles_victims_on_each_role_are_taken() -> None:
+    # hi needs 6000 on a and on b: short 4000 on a, 5000 on b; lo-a is only on a, lo-b only on b
+    plan = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
+                         [cr("lo-a", 50, 5000, ("a",)), cr("lo-b", 60, 5000, ("b",))])
+    assert isinstance(plan, Plan)
+    assert sorted(s.serve for s in plan.steps) == ["lo-a", "lo-b"]
+    assert {r.role: r.free_after_mib for r in plan.roles} == {"a": 7000, "b": 6000}
+    assert plan.free_after_mib == 6000 and plan.free_mib == 1000
+    assert "on each of its roles" in plan.lines()[0]
+    assert plan.to_json()["roles"] == [r.to_json() for r in plan.roles]
+
+
+def test_a_victim_on_both_roles_frees_on_each_and_is_fewest() -> None:
+    plan = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
+                         [cr("lo-a", 90, 5000, ("a",)), cr("lo-b", 90, 5000, ("b",)),
+                          cr("tp", 50, 5000, ("a", "b"), keeps=0)])
+    assert isinstance(plan, Plan)
+    assert [(s.serve, s.roles) for s in plan.steps] == [("tp", ("a", "b"))]
+    assert "on each of a, b" in plan.steps[0].line()
+
+
+def test_a_role_no_preemption_can_help_is_named() -> None:
+    out = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
+                        [cr("lo-a", 50, 5000, ("a",)), cr("same-b", 10, 9000, ("b",))])
+    assert isinstance(out, NoPlan)
+    assert out.role == "b" and "on role 'b'" in out.reason
+    assert out.to_json()["role"] == "b"
+
+
+def test_on_several_roles_that_fit_nothing_to_do() -> None:
+    plan = plan_on_roles("hi", 10, 1000, {"a": 2000, "b": 1000}, [cr("lo", 50, 5000, ("a",))])
+    assert isinstance(plan, Plan) and plan.steps == ()
+
+
+role_candidates = st.lists(
+    st.builds(Candidate, serve=st.sampled_from("abcdefgh"), priority=st.integers(0, 5),
+              held_mib=st.integers(1, 40), action=st.sampled_from(["sleep", "stop"]),
+              keeps_mib=st.integers(0, 10),
+              roles=st.sampled_from([("x",), ("y",), ("z",), ("x", "y"), ("y", "z"),
+                                     ("x", "z"), ("x", "y", "z")])),
+    max_size=7, unique_by=lambda x: x.serve)
+
+
+@settings(max_examples=400, deadline=None)
+@given(role_candidates, st.integers(0, 5), st.integers(1, 90),
+       st.dictionaries(st.sampled_from("xyz"), st.integers(-20, 60), min_size=1))
+def test_properties_on_several_roles(cands: list[Candidate], priority: int, need: int,
+                                     free: dict[str, int]) -> None:
+    out = plan_on_roles("hi", priority, need, free, cands)
+    eligible = [x for x in cands if x.priority > priority and x.frees_mib > 0]
+
+    def fits(combo: tuple[Candidate, ...]) -> bool:
+        return all(room + sum(x.frees_mib for x in combo if role in x.roles) >= need
+                   for role, room in free.items())
+
+    best: int | None = None
+    for k in range(len(eligible) + 1):
+        if any(fits(combo) for combo in itertools.combinations(eligible, k)):
+            best = k
+            break
+    if isinstance(out, NoPlan):
+        assert best is None, f"a plan of {best} existed"
+        assert out.role is None or out.role in free
+        return
+    by_name = {x.serve: x for x in cands}
+    chosen = tuple(by_name[s.serve] for s in out.steps)
+    assert len({s.serve for s in out.steps}) == len(out.steps)  # no serve twice
+    assert all(x.priority > priority for x in chosen)  # never equal or higher
+    assert fits(chosen)  # after the plan it fits on every role
+    assert len(chosen) == best  # the fewest overall
+    # among the covering sets of that size, the least important first (as on one role)
+    if len(free) > 1:
+        order = sorted(eligible, key=lambda x: (-x.priority, -x.frees_mib, x.serve))
+        first = next(combo for combo in itertools.combinations(order, best) if fits(combo))
+        assert [x.serve for x in chosen] == [x.serve for x in first]
+    assert out.free_after_mib >= need
+    for room in out.roles:  # what the plan says it frees, role by role, is what it frees
+        assert room.free_after_mib == free[room.role] + sum(
+            x.frees_mib for x in chosen if room.role in x.roles)
+    assert all(s.roles == tuple(r for r in free if r in by_name[s.serve].roles)
+               for s in out.steps) or len(free) == 1

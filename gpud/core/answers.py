@@ -129,6 +129,13 @@ class PreemptionStep(TypedDict):
     frees_mib: int
     priority: int
     undo: Literal["wake", "start"]
+    roles: NotRequired[list[str]]  # a plan on several roles: those it frees frees_mib on, each
+
+
+class PreemptionRoom(TypedDict):
+    role: str
+    free_mib: int
+    free_after_mib: int
 
 
 class PreemptionPlan(TypedDict):
@@ -142,6 +149,8 @@ class PreemptionPlan(TypedDict):
     free_after_mib: int
     steps: list[PreemptionStep]
     lines: list[str]
+    # A serve on several roles: each of them (free_mib, free_after_mib: the least of them).
+    roles: NotRequired[list[PreemptionRoom]]
 
 
 class PreemptionRefused(TypedDict):
@@ -153,6 +162,7 @@ class PreemptionRefused(TypedDict):
     free_mib: int
     could_free_mib: int
     reason: str
+    role: NotRequired[str]  # a serve on several roles: the role no preemption makes room on
 
 
 class Started(Serve):

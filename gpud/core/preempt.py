@@ -11,11 +11,17 @@ victims can do, so the smallest k whose largest frees cover the shortfall is the
 possible. Among the sets of that size that cover it, the least important serves are taken
 (the largest priority numbers first). Steps run in the plan's order; each has its undo (wake
 or start), run in reverse order when the serve still does not fit.
+
+A serve on several roles (tensor parallel) must fit on every one of them: `plan_on_roles` takes
+what it lacks on each, and victims on any of its roles; a victim on several of them frees its
+reservation on each (it is one value, shrunk or released on every role at once). The fewest
+victims that cover every role are found by a search in the least-important-first order, so
+among the sets of that size the one taken is the same the single-role rule would take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,10 +38,16 @@ class Candidate:
     action: Action
     # What it keeps after the step: its sleep reservation, or 0 when stopped.
     keeps_mib: int = 0
+    # The roles it holds `held_mib` on, each (a serve on several devices); empty: the one role
+    # a plan is made on.
+    roles: tuple[str, ...] = ()
 
     @property
     def frees_mib(self) -> int:
         return max(0, self.held_mib - self.keeps_mib)
+
+    def on(self, role: str) -> bool:
+        return not self.roles or role in self.roles
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,8 @@ class Step:
     action: Action
     frees_mib: int
     priority: int
+    # In a plan on several roles: those of the plan this step frees `frees_mib` on, each.
+    roles: tuple[str, ...] = ()
 
     @property
     def undo(self) -> Literal["wake", "start"]:
@@ -51,12 +65,31 @@ class Step:
 
     def line(self) -> str:
         verb = "put to sleep" if self.action == "sleep" else "stop"
-        return (f"{verb} {self.serve} (priority {self.priority}): frees {self.frees_mib} MiB; "
-                f"undo: {self.undo}")
+        where = f" on each of {', '.join(self.roles)}" if len(self.roles) > 1 else (
+            f" on {self.roles[0]}" if self.roles else "")
+        return (f"{verb} {self.serve} (priority {self.priority}): frees {self.frees_mib} MiB"
+                f"{where}; undo: {self.undo}")
 
     def to_json(self) -> dict[str, object]:
-        return {"serve": self.serve, "action": self.action, "frees_mib": self.frees_mib,
-                "priority": self.priority, "undo": self.undo}
+        out: dict[str, object] = {"serve": self.serve, "action": self.action,
+                                  "frees_mib": self.frees_mib, "priority": self.priority,
+                                  "undo": self.undo}
+        if self.roles:
+            out["roles"] = list(self.roles)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RoleRoom:
+    """One role of a plan on several roles: what the serve gets there now, and after."""
+
+    role: str
+    free_mib: int
+    free_after_mib: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"role": self.role, "free_mib": self.free_mib,
+                "free_after_mib": self.free_after_mib}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +99,8 @@ class Plan:
     need_mib: int
     free_mib: int
     steps: tuple[Step, ...]
+    # A plan on several roles: each of them (free_mib is then the least of their frees).
+    roles: tuple[RoleRoom, ...] = ()
 
     @property
     def frees_mib(self) -> int:
@@ -73,18 +108,32 @@ class Plan:
 
     @property
     def free_after_mib(self) -> int:
+        if self.roles:
+            return min(r.free_after_mib for r in self.roles)
         return self.free_mib + self.frees_mib
 
     def lines(self) -> list[str]:
-        head = (f"preempt for {self.serve} (priority {self.priority}): need {self.need_mib} MiB, "
-                f"free {self.free_mib} MiB, short {self.need_mib - self.free_mib} MiB")
-        tail = f"after: free {self.free_after_mib} MiB, {self.serve} fits"
+        if self.roles:
+            rooms = ", ".join(f"{r.role} {r.free_mib}" for r in self.roles)
+            head = (f"preempt for {self.serve} (priority {self.priority}): need "
+                    f"{self.need_mib} MiB on each of its roles, free {rooms} MiB")
+            after = ", ".join(f"{r.role} {r.free_after_mib}" for r in self.roles)
+            tail = f"after: free {after} MiB, {self.serve} fits"
+        else:
+            head = (f"preempt for {self.serve} (priority {self.priority}): need "
+                    f"{self.need_mib} MiB, free {self.free_mib} MiB, short "
+                    f"{self.need_mib - self.free_mib} MiB")
+            tail = f"after: free {self.free_after_mib} MiB, {self.serve} fits"
         return [head, *(f"  {i}. {s.line()}" for i, s in enumerate(self.steps, 1)), tail]
 
     def to_json(self) -> dict[str, object]:
-        return {"serve": self.serve, "priority": self.priority, "need_mib": self.need_mib,
-                "free_mib": self.free_mib, "free_after_mib": self.free_after_mib,
-                "steps": [s.to_json() for s in self.steps], "lines": self.lines()}
+        out: dict[str, object] = {
+            "serve": self.serve, "priority": self.priority, "need_mib": self.need_mib,
+            "free_mib": self.free_mib, "free_after_mib": self.free_after_mib,
+            "steps": [s.to_json() for s in self.steps], "lines": self.lines()}
+        if self.roles:
+            out["roles"] = [r.to_json() for r in self.roles]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +144,19 @@ class NoPlan:
     need_mib: int
     free_mib: int
     reason: str
-    # What the eligible serves could free together.
+    # What the eligible serves could free together (on the role that lacks most, for a serve
+    # on several roles).
     could_free_mib: int = 0
+    # For a serve on several roles: the role no preemption can make room on.
+    role: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"serve": self.serve, "need_mib": self.need_mib, "free_mib": self.free_mib,
-                "could_free_mib": self.could_free_mib, "reason": self.reason}
+        out: dict[str, object] = {"serve": self.serve, "need_mib": self.need_mib,
+                                  "free_mib": self.free_mib,
+                                  "could_free_mib": self.could_free_mib, "reason": self.reason}
+        if self.role is not None:
+            out["role"] = self.role
+        return out
 
 
 def plan_preemption(serve: str, priority: int, need_mib: int, free_mib: int,
@@ -158,3 +214,91 @@ def _fewest(eligible: Sequence[Candidate], short: int) -> list[Candidate]:
         else:  # pragma: no cover - k was chosen so that the largest frees always complete it
             raise AssertionError("no completion of the preemption plan")
     return chosen
+
+
+def plan_on_roles(serve: str, priority: int, need_mib: int, free: Mapping[str, int],
+                  candidates: Iterable[Candidate]) -> Plan | NoPlan:
+    """The fewest serves of lower priority whose steps make room for `serve` on EVERY role of
+    `free` (role -> what the serve would get there now, its own reservation counted back in),
+    or why there are none. A candidate frees its `frees_mib` on each of its roles; one on none of
+    the roles that lack room is no victim. On one role this is `plan_preemption`."""
+    if need_mib <= 0:
+        raise ValueError("need_mib must be positive")
+    if not free:
+        raise ValueError("a plan needs at least one role")
+    if len(free) == 1:
+        (role, room), = free.items()
+        return plan_preemption(serve, priority, need_mib, room,
+                               [c for c in candidates if c.on(role)])
+    short = {role: need_mib - room for role, room in free.items() if need_mib > room}
+    least = min(free.values())
+    if not short:
+        return Plan(serve, priority, need_mib, least, (), _rooms(free, ()))
+    eligible = sorted((c for c in candidates
+                       if c.serve != serve and c.priority > priority and c.frees_mib > 0
+                       and any(c.on(r) for r in short)), key=_least_important)
+    for role in sorted(short, key=lambda r: (-short[r], r)):
+        could = sum(c.frees_mib for c in eligible if c.on(role))
+        if could < short[role]:
+            on_role = [c.serve for c in eligible if c.on(role)]
+            reason = (f"on role {role!r}: no serve of lower priority than {priority} can be put "
+                      "to sleep or stopped" if not on_role else
+                      f"on role {role!r}: the serves of lower priority ({', '.join(on_role)}) "
+                      f"free {could} MiB together, {short[role]} MiB are needed")
+            return NoPlan(serve, need_mib, least, reason, could, role)
+    chosen = _fewest_on_roles(eligible, short)
+    steps = tuple(Step(c.serve, c.action, c.frees_mib, c.priority,
+                       tuple(r for r in free if c.on(r))) for c in chosen)
+    return Plan(serve, priority, need_mib, least, steps, _rooms(free, chosen))
+
+
+def _rooms(free: Mapping[str, int], chosen: Sequence[Candidate]) -> tuple[RoleRoom, ...]:
+    return tuple(RoleRoom(role, room, room + sum(c.frees_mib for c in chosen if c.on(role)))
+                 for role, room in free.items())
+
+
+def _fewest_on_roles(eligible: Sequence[Candidate], short: Mapping[str, int]) -> list[Candidate]:
+    """The first set, in the order of `eligible` (least important first), of the smallest size
+    that covers every role's shortfall: a depth-first search by size, pruned where the largest
+    frees left on some role could not make up what it still lacks."""
+    n = len(eligible)
+    # On each role, what the candidates from index i on free, largest first (for the bound).
+    tails = {role: [sorted((c.frees_mib for c in eligible[i:] if c.on(role)), reverse=True)
+                    for i in range(n + 1)] for role in short}
+    lower = max(_fewest_count(tails[role][0], need) for role, need in short.items())
+
+    def search(start: int, slots: int, need: dict[str, int],
+               picked: list[Candidate]) -> list[Candidate] | None:
+        if all(v <= 0 for v in need.values()):
+            return list(picked)
+        if slots == 0:
+            return None
+        for role, lack in need.items():
+            if lack > 0 and sum(tails[role][start][:slots]) < lack:
+                return None
+        for i in range(start, n):
+            c = eligible[i]
+            if not any(lack > 0 and c.on(role) for role, lack in need.items()):
+                continue  # frees nothing where room is still lacking
+            picked.append(c)
+            found = search(i + 1, slots - 1,
+                           {r: v - (c.frees_mib if c.on(r) else 0) for r, v in need.items()},
+                           picked)
+            picked.pop()
+            if found is not None:
+                return found
+        return None
+
+    for k in range(lower, n + 1):
+        found = search(0, k, dict(short), [])
+        if found is not None:
+            return found
+    raise AssertionError("no completion of the preemption plan")  # pragma: no cover
+
+
+def _fewest_count(frees: Sequence[int], need: int) -> int:
+    k, total = 0, 0
+    while total < need:
+        total += frees[k]
+        k += 1
+    return k

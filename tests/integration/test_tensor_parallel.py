@@ -168,3 +168,39 @@ def test_apply_moves_a_running_serve_from_one_device_to_two_and_back(
         gpud.wait_state("big", "running")
         assert visible() == devices
         assert committed() == held
+
+
+def sleeper(name: str, role: str, port: int) -> str:
+    """A serve of low priority on one device that sleeps (level 2) down to 800 MiB."""
+    return (f'[serves.{name}]\nrole = "{role}"\nvram_mib = 30000\npriority = 50\n'
+            f"port = {port}\nsleep_level = 2\nsleep_mib = 800\nresident = false\n"
+            'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+            f"command = {standin('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
+
+
+def test_a_preemption_for_a_serve_on_two_devices_makes_room_on_both(gpud: SandboxGpud) -> None:
+    # big needs 20000 MiB on g1 and on g0; each holds a 30000 MiB sleeper of lower priority:
+    # one victim on each device, both put to sleep, big admitted on both.
+    gpud.configure(sim_config(ROLES, big(priority=10) + sleeper("lo0", "g0", 30210)
+                              + sleeper("lo1", "g1", 30211), devices=2, total_mib=TOTAL))
+    for name in ("lo0", "lo1"):
+        assert gpud.call("POST", f"/v1/serves/{name}/start", {}).status == 200
+    for name in ("lo0", "lo1"):
+        gpud.wait_state(name, "running")
+    dry = gpud.call("POST", "/v1/serves/big/start", {"preempt": True, "dry_run": True})
+    assert dry.status == 200, dry.raw
+    plan = dry.body["preemption"]
+    assert sorted(s["serve"] for s in plan["steps"]) == ["lo0", "lo1"], plan
+    assert {r["role"]: r["free_after_mib"] for r in plan["roles"]} == {"g0": 39160,
+                                                                     "g1": 39160}
+    reply = gpud.call("POST", "/v1/serves/big/start", {"preempt": True})
+    assert reply.status == 200, reply.raw
+    gpud.wait_state("big", "running")
+    assert gpud.serve("lo0")["state"] == gpud.serve("lo1")["state"] == "sleeping"
+    held = {r["name"]: sorted((x["serve"], x["mib"]) for x in r["reservations"])
+            for r in gpud.get("/v1/ledger")["roles"]}
+    assert held == {"g0": [("big", 20000), ("lo0", 800)], "g1": [("big", 20000), ("lo1", 800)]}
+    # Gone again, its victims wake back on both devices.
+    assert gpud.call("POST", "/v1/serves/big/stop", {}).status == 200
+    for name in ("lo0", "lo1"):
+        gpud.wait_state(name, "running", timeout=30)
