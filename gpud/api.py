@@ -424,14 +424,17 @@ class Api:
         if body.dry_run:
             return json_response({"serve": name, **carried})
         res = self.svc.ledger.reservations[name]
-        f = self.svc.ledger.figures(res.role)
-        return json_response({
+        answer: answers.Admitted = {
             "serve": name, "role": res.role, "mib": res.mib, "replaced_mib": None,
             "check": self.svc.config.daemon.admission, "note": None,
-            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "figures": _figures(self.svc.ledger.figures(res.role)),
             "preemption": carried.get("preemption"),
-        })
+        }
+        if res.extra_roles:  # as a plain admission answers: the figures of each role
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
+                                         for r in res.all_roles}
+        return json_response(answer)
 
     async def sleep(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]

@@ -204,3 +204,10 @@ def test_a_preemption_for_a_serve_on_two_devices_makes_room_on_both(gpud: Sandbo
     assert gpud.call("POST", "/v1/serves/big/stop", {}).status == 200
     for name in ("lo0", "lo1"):
         gpud.wait_state(name, "running", timeout=30)
+    # A reservation alone, with preempt: the same plan, and the answer names both roles.
+    reply = gpud.call("POST", "/v1/serves/big/admit", {"mib": 20000, "preempt": True})
+    assert reply.status == 200, reply.raw
+    assert reply.body["roles"] == ["g1", "g0"]
+    assert {r: f["committed_mib"] for r, f in reply.body["figures_by_role"].items()} == \
+        {"g0": 20800, "g1": 20800}
+    assert sorted(s["serve"] for s in reply.body["preemption"]["steps"]) == ["lo0", "lo1"]
