@@ -4,6 +4,7 @@ not its vram_mib, and an apply does not wake it behind the ledger's back."""
 from __future__ import annotations
 
 from gpud.config import Config, parse_config
+from gpud.ctl.format import format_plan
 from gpud.core.ledger import Ledger, Reservation
 from gpud.core.plan import Plan, make_plan
 from gpud.core.transition import Transition, transition, violations
@@ -116,3 +117,10 @@ def test_a_change_that_leaves_a_sleeping_serve_unable_to_wake_is_refused() -> No
     assert isinstance(transition(old=old, new=new, ledger=ledger,
                                  budgets=resolve_budgets(new, lambda _d: None), states=awake,
                                  may_stop=False), Transition)
+
+
+def test_gpuctl_plan_says_why_a_sleeping_serve_is_not_restarted() -> None:
+    text = format_plan(plan_to(BASE.replace("vram_mib = 8000", "vram_mib = 7000")).to_json())
+    assert "must restart: none" in text
+    assert "small: sleeping: not restarted" in text
+    assert "BLOCKED" not in text

@@ -438,6 +438,9 @@ def format_plan(doc: answers.Plan) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
+    for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
+        if s.get("reason") and s.get("state_after") != "denied":
+            lines.append(f"{s.get('name')}: {s.get('reason')}")
     if doc.get("resident_fits"):
         lines.append("resident set: fits, every resident serve is admitted")
     else:
