@@ -4,10 +4,10 @@ not its vram_mib, and an apply does not wake it behind the ledger's back."""
 from __future__ import annotations
 
 from gpud.config import Config, parse_config
-from gpud.ctl.format import format_plan
 from gpud.core.ledger import Ledger, Reservation
 from gpud.core.plan import Plan, make_plan
 from gpud.core.transition import Transition, transition, violations
+from gpud.ctl.format import format_plan
 from gpud.service import resolve_budgets
 
 BASE = """
