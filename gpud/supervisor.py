@@ -62,7 +62,7 @@ from gpud.files import write_atomically
 from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
-from gpud.sleeping import Sleeps
+from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
 
@@ -615,7 +615,9 @@ class Supervisor:
 
     async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False) -> None:
-        """Stop the unit and release the reservation (kept only for a restart)."""
+        """Stop the unit and release the reservation (kept only for a restart, and not for a
+        sleeping serve: asleep it holds its sleep reservation, which no launch may be sized on;
+        its restart is admitted again at vram_mib)."""
         check_serve_name(serve)
         if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
             await self._stop_orphan(serve, uid)
@@ -638,15 +640,18 @@ class Supervisor:
                     launch.cancel()
                     await asyncio.wait({launch})
                 res = self.svc.ledger.reservations.get(serve)
+                asleep = self.svc.state_of(serve) == SLEEPING
                 await self.svc.record(self.svc.event(
                     "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
                     mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
                     await self.units.stop(serve, spec.stop_timeout_s + 15)
                     await self.units.reset_failed(serve)
-                if res is not None and not keep_reservation:
+                if res is not None and (not keep_reservation or asleep):
                     await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
                                            next_state=DECLARED)
+                    if asleep:  # what its sleep noted (level, awake size) is over
+                        await self.svc.put_meta(meta_key(serve), None)
                 else:
                     await self.svc.record(self.svc.event(
                         "exit", f"{serve}: stopped", serve=serve, role=spec.role),

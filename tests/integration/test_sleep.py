@@ -340,3 +340,21 @@ def test_preempted_serve_wakes_after_a_restart_once_its_preempter_is_gone(
     assert reserved(gpud) == {"lo": 12000, "mid": 12000}
     woken = [e for e in gpud.events(kind="wake", serve="lo")]
     assert woken and woken[-1]["details"]["by"] == "wake-back: memory released"
+
+
+def test_restart_of_a_sleeping_serve_starts_it_at_its_vram_mib(gpud: SandboxGpud) -> None:
+    # A restart keeps a reservation the launch is sized on; asleep that is its sleep one (800
+    # MiB), which must not size the new process: it is admitted again at vram_mib.
+    gpud.configure(two_sleepers())
+    running(gpud, "lo")
+    checked(gpud, "/v1/serves/{name}/sleep", "lo")
+    assert reserved(gpud) == {"lo": 800}
+    reply = gpud.call("POST", "/v1/serves/lo/restart", {})
+    assert reply.status == 200, reply.raw
+    gpud.wait_state("lo", "running")
+    assert reserved(gpud) == {"lo": 12000}
+    assert gpud.serve("lo")["parked_host_mib"] is None
+    # asleep again, it is noted afresh (not what the earlier sleep noted)
+    checked(gpud, "/v1/serves/{name}/sleep", "lo")
+    woken = checked(gpud, "/v1/serves/{name}/wake", "lo")
+    assert woken["reserved_mib"] == 12000
