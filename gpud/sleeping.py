@@ -27,6 +27,7 @@ import aiohttp
 
 from gpud.config import ServeConfig
 from gpud.core.launch import fingerprint
+from gpud.core.ledger import sleep_reservation
 from gpud.core.preempt import Candidate, NoPlan, Plan, Step, plan_on_roles
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
@@ -217,6 +218,14 @@ class Sleeps:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
                               f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
                               "needs observation)", {"serve": serve})
+            if target is None:
+                await self.sup.observer.sample()  # what it draws awake, now
+            awake_seen = self.sup.observer.observed_mib(serve)
+            if target is None and not awake_seen:
+                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
+                              f"attributes none of its memory to it ({awake_seen} MiB seen "
+                              f"awake), so its sleep draw cannot be measured (set serves."
+                              f"{serve}.sleep_mib)", {"serve": serve})
             parked = self._host_weights(serve) if level == 1 else 0
             if level == 1:
                 self._check_host_ram(serve, parked)
@@ -235,13 +244,11 @@ class Sleeps:
             # observation took to show its memory back: gpud's overhead is the rest.
             serve_ms = round((asleep_at - began) * 1000, 1)
             draw_ms = round((loop.time() - asleep_at) * 1000, 1)
-            if target is None:
-                target = (seen or 0) + self.svc.config.daemon.overdraw_tolerance_mib
-            if seen is not None and seen > target:
-                # Never less than it holds: the ledger must not say memory is free that is not.
-                target = seen + self.svc.config.daemon.overdraw_tolerance_mib
-            target = max(1, min(target, res.mib))
-            if seen is not None:
+            # Never less than it holds: the ledger must not say memory is free that is not.
+            target = sleep_reservation(
+                res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
+                tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
+            if seen is not None and awake_seen:
                 await self.svc.put_meta(measured_key(serve), json.dumps(
                     {"fingerprint": fingerprint(spec), "mib": seen}))
             why = f"preempted by {preempted_by}" if preempted_by else "put to sleep"

@@ -15,6 +15,7 @@ from gpud.core.ledger import (
     device_draw,
     gpu_memory_utilization,
     serve_draws,
+    sleep_reservation,
 )
 
 DARK_FAST = RoleBudget("dark-fast", "0", 32607, 7168)
@@ -372,3 +373,20 @@ def test_multi_role_admit_in_order_is_decide_one_after_another(
         assert figures.free_mib >= 0
         assert figures.committed_mib == sum(r.mib for r in batch.reservations.values()
                                             if name in r.all_roles)
+
+
+@pytest.mark.parametrize(("configured", "awake", "asleep", "expected"), [
+    (800, 12000, 700, 800),  # its sleep_mib
+    (800, 12000, 1500, 1756),  # seen holding more asleep: that, plus the tolerance
+    (800, None, None, 800),  # no observation: its sleep_mib
+    (None, 12000, 700, 956),  # measured: seen asleep plus the tolerance
+    (None, 12000, 0, 256),  # seen drawing awake, nothing asleep: a real 0
+    (None, 0, 0, 12000),  # none of its memory attributed to it: nothing is known freed
+    (None, None, None, 12000),  # no figure, no observation: keeps all it held
+    (800, 0, 0, 800),  # unattributed, with a figure: the figure
+    (20000, 12000, 700, 12000),  # never more than it held
+])
+def test_sleep_reservation(configured: int | None, awake: int | None, asleep: int | None,
+                           expected: int) -> None:
+    assert sleep_reservation(12000, configured_mib=configured, awake_seen_mib=awake,
+                             asleep_seen_mib=asleep, tolerance_mib=256) == expected

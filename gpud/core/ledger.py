@@ -383,6 +383,26 @@ def pending_share(res: Reservation | None, state: str | None, observed: int) -> 
     return max(0, res.mib - observed)
 
 
+def sleep_reservation(held_mib: int, *, configured_mib: int | None, awake_seen_mib: int | None,
+                      asleep_seen_mib: int | None, tolerance_mib: int) -> int:
+    """What a serve put to sleep keeps reserved, never more than it held.
+
+    Its sleep figure (`configured_mib`: serves.NAME.sleep_mib, or the draw measured after an
+    earlier sleep), but never less than observation sees it hold asleep (plus the tolerance);
+    without a figure, what it is seen to hold asleep plus the tolerance. A draw of 0 MiB is
+    evidence only when observation saw the serve draw while awake: a serve none of whose memory
+    is attributed to it (a driver that reports no per-process figure, a process outside its
+    unit) is seen at 0 awake and asleep alike, and then, without a figure, it keeps all it held:
+    the ledger does not call memory free that no one saw freed."""
+    seen = asleep_seen_mib if awake_seen_mib else None
+    if configured_mib is None and seen is None:
+        return held_mib
+    target = configured_mib if configured_mib is not None else (seen or 0) + tolerance_mib
+    if seen is not None and seen > target:
+        target = seen + tolerance_mib
+    return max(1, min(target, held_mib))
+
+
 def gpu_memory_utilization(vram_mib: int, total_mib: int) -> str:
     """vLLM's --gpu-memory-utilization is a fraction of the device TOTAL. Floor to 4 decimals so
     util x total never exceeds the reservation (14336 / 32607 -> 0.4396)."""
