@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpud.config import MAX_MIB, _reason
 from gpud.core import answers
@@ -97,17 +97,27 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class AdmitBody(_Wire):
-    mib: int = Field(gt=0, le=MAX_MIB)
-    role: str | None = None
+class _Preempting(_Wire):
     # Put serves of lower priority on the role to sleep (or stop them) when it does not fit.
     preempt: bool = False
-    dry_run: bool = False
-
-
-class StartBody(_Wire):
-    preempt: bool = False
     dry_run: bool = False  # with preempt: the plan only, nothing started or put to sleep
+
+    @model_validator(mode="after")
+    def _dry_run_with_preempt(self) -> _Preempting:
+        # A dry run of nothing else would be carried out for real: refused instead.
+        if self.dry_run and not self.preempt:
+            raise ValueError("dry_run goes with preempt (the dry run is of a preemption's plan); "
+                             "without preempt nothing can be dry run")
+        return self
+
+
+class AdmitBody(_Preempting):
+    mib: int = Field(gt=0, le=MAX_MIB)
+    role: str | None = None
+
+
+class StartBody(_Preempting):
+    pass
 
 
 class SleepBody(_Wire):

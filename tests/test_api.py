@@ -121,6 +121,8 @@ BAD_BODIES = [
     (json.dumps({"mib": 2**70}).encode(), 400, "mib: must be <= 2147483647"),
     (b'{"mib": 5, "evil": 1}', 400, "evil: unknown key"),
     (b'{"mib": 5, "role": 7}', 400, "role: must be a string"),
+    # a dry run without preempt would have been an admission carried out
+    (b'{"mib": 5, "dry_run": true}', 400, "dry_run goes with preempt"),
     (b"", 400, "body is empty"),
     (b"\xff\xfe", 400, "not UTF-8"),
     (b"[" * 100000 + b"]" * 100000, 413, "over the limit"),
