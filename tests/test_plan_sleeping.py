@@ -124,3 +124,23 @@ def test_gpuctl_plan_says_why_a_sleeping_serve_is_not_restarted() -> None:
     assert "must restart: none" in text
     assert "small: sleeping: not restarted" in text
     assert "BLOCKED" not in text
+
+
+def test_a_role_cut_below_what_a_sleeping_serve_wakes_to_is_refused() -> None:
+    old, ledger, states = world()
+    # 7000 MiB committed (6000 + its 1000 asleep) fits in 7500; its 8000 awake never would
+    new = parse_config(BASE.replace("capacity_mib = 10000", "capacity_mib = 10000\nreserve_mib = 2500",
+                                    1), "new")
+    t = transition(old=old, new=new, ledger=ledger, budgets=resolve_budgets(new, lambda _d: None),
+                   states=states, may_stop=True)
+    assert not isinstance(t, Transition)
+    (blocker,) = t.blockers
+    assert blocker.what == "small"
+    assert "role 'a' would hold 7500 MiB at most" in blocker.reason
+    assert "8000 MiB it wakes to" in blocker.reason
+    # cut to what it still wakes in: a change like any other
+    new = parse_config(BASE.replace("capacity_mib = 10000", "capacity_mib = 10000\nreserve_mib = 2000",
+                                    1), "new")
+    assert isinstance(transition(old=old, new=new, ledger=ledger,
+                                 budgets=resolve_budgets(new, lambda _d: None), states=states,
+                                 may_stop=True), Transition)

@@ -118,7 +118,7 @@ def transition(
                 and all(r in roles for r in res.all_roles):
             kept[res.serve] = res
             if states.get(res.serve) == SLEEPING:
-                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec))
+                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec, roles))
             continue
         why = ("leaves the config" if spec is None
                else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
@@ -155,17 +155,24 @@ def transition(
     return Transition(after, tuple(release), tuple(stop))
 
 
-def _unwakeable(res: Reservation, before: ServeConfig | None,
-                after: ServeConfig) -> list[Blocker]:
+def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig,
+                roles: Mapping[str, RoleBudget]) -> list[Blocker]:
     """A sleeping serve keeps its sleep reservation through a change, and is woken later
-    through its sleep endpoints, at the port its process listens on: a change that takes either
-    away would leave it asleep for good, holding memory no one could get back."""
+    through its sleep endpoints, at the port its process listens on, to the size its process was
+    launched with (its vram_mib before the change): a change that takes any of these away would
+    leave it asleep for good, holding memory no one could get back."""
     lost: list[str] = []
     if not after.sleep_level:
         lost.append("its sleep_level is removed")
     if before is not None and after.port != before.port:
         lost.append(f"its port changes ({before.port} -> {after.port}; its process listens on "
                     f"{before.port})")
+    awake = (before or after).vram_mib
+    for name in res.all_roles:
+        room = roles[name].capacity_mib - roles[name].reserve_mib
+        if awake > room:
+            lost.append(f"role {name!r} would hold {room} MiB at most (capacity - reserve), "
+                        f"less than the {awake} MiB it wakes to")
     if not lost:
         return []
     return [_blocker(res, f"is sleeping and {' and '.join(lost)}: it could not be woken; wake "
