@@ -118,7 +118,8 @@ def transition(
                 and all(r in roles for r in res.all_roles):
             kept[res.serve] = res
             if states.get(res.serve) == SLEEPING:
-                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec, roles))
+                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec, roles,
+                                            ledger.roles))
             continue
         why = ("leaves the config" if spec is None
                else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
@@ -156,7 +157,8 @@ def transition(
 
 
 def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig,
-                roles: Mapping[str, RoleBudget]) -> list[Blocker]:
+                roles: Mapping[str, RoleBudget],
+                were: Mapping[str, RoleBudget]) -> list[Blocker]:
     """A sleeping serve keeps its sleep reservation through a change, and is woken later
     through its sleep endpoints, at the port its process listens on, to the size its process was
     launched with (its vram_mib before the change): a change that takes any of these away would
@@ -170,7 +172,9 @@ def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig
     awake = (before or after).vram_mib
     for name in res.all_roles:
         room = roles[name].capacity_mib - roles[name].reserve_mib
-        if awake > room:
+        was = were.get(name)
+        had = was.capacity_mib - was.reserve_mib if was is not None and not was.missing else None
+        if awake > room and (had is None or awake <= had):  # made so by this change
             lost.append(f"role {name!r} would hold {room} MiB at most (capacity - reserve), "
                         f"less than the {awake} MiB it wakes to")
     if not lost:
