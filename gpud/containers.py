@@ -10,11 +10,19 @@ no network beyond loopback, no new namespaces, a system-call filter), and podman
 its store and locks (/etc/containers/networks, /var/lib/containers), and a pull needs the
 registry. Each podman command runs as a transient unit of its own (`systemd-run --wait --pipe`,
 over the system bus gpud uses anyway), with its output piped back and its exit status returned.
+Each such unit has a name gpud gives it (``gpud-image-SERVE-XXXXXX.service``): ending the
+``systemd-run`` client does not end the unit it started, so a pull that times out, or whose serve
+is stopped meanwhile, is ended by stopping that unit by name (``systemctl stop``).
+
+The image check and the pull run before the serve takes its devices' start locks (the serve is
+``admitted`` meanwhile, its reservation held): a pull of gigabytes holds up no other start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,9 +32,12 @@ from gpud.config import ContainerConfig
 from gpud.core.launch import CDI_GPU_KIND, cdi_device_name
 from gpud.errors import Unavailable
 
-# A pull of a vLLM image is gigabytes; a start waits for it under the device's start lock.
+# A pull of a vLLM image is gigabytes; only the start of the serve pulling waits for it.
 PULL_TIMEOUT_S = 3600.0
 QUERY_TIMEOUT_S = 60.0
+# Stopping a podman unit: its TimeoutStopSec (10 s, below) and systemd's SIGKILL after it.
+UNIT_STOP_TIMEOUT_S = 30.0
+UNIT_PREFIX = "gpud-image-"
 
 
 @dataclass(frozen=True)
@@ -39,25 +50,56 @@ def podman_path(engine: str = "podman") -> str | None:
     return shutil.which(engine)
 
 
-def outside_gpud(argv: list[str], what: str) -> list[str]:
-    """`argv` as a transient unit of its own, outside gpud.service's sandbox (see above)."""
+def unit_for(serve: str) -> str:
+    """A fresh name for one podman command of the serve's (unique: a unit of a command before,
+    not yet collected, or left by a gpud that died mid-pull, never clashes with it)."""
+    return f"{UNIT_PREFIX}{serve}-{secrets.token_hex(3)}.service"
+
+
+def outside_gpud(argv: list[str], what: str, unit: str | None = None) -> list[str]:
+    """`argv` as a transient unit of its own (named `unit`), outside gpud.service's sandbox."""
     runner = shutil.which("systemd-run")
     if runner is None:
         return argv
-    return [runner, "--quiet", "--wait", "--pipe", "--collect", "--service-type=exec",
+    named = [f"--unit={unit}"] if unit is not None else []
+    return [runner, "--quiet", "--wait", "--pipe", "--collect", "--service-type=exec", *named,
             f"--description=gpud: {what}", "--property=TimeoutStopSec=10", *argv]
 
 
-async def _run(argv: list[str], timeout: float, what: str = "podman") -> tuple[int, str]:
+async def _end(proc: asyncio.subprocess.Process, unit: str | None) -> None:
+    """End a podman command cut short: its unit first (the client's end would leave it), then
+    the client."""
+    systemctl = shutil.which("systemctl") if unit is not None else None
+    if systemctl is not None and unit is not None:
+        stopper = await asyncio.create_subprocess_exec(
+            systemctl, "stop", "--", unit, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            await asyncio.wait_for(stopper.wait(), UNIT_STOP_TIMEOUT_S)
+        except TimeoutError:
+            stopper.kill()
+            await stopper.wait()
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    await proc.wait()
+
+
+async def _run(argv: list[str], timeout: float, what: str = "podman",
+               unit: str | None = None) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        *outside_gpud(argv, what), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        *outside_gpud(argv, what, unit), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        await _end(proc, unit)
         return 124, f"timed out after {timeout:g} s"
+    except asyncio.CancelledError:
+        # The serve was stopped meanwhile: its pull must not go on (shielded, so that the stop,
+        # which waits for this task, returns once the unit is gone).
+        await asyncio.shield(_end(proc, unit))
+        raise
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
@@ -69,7 +111,7 @@ async def ensure_image(serve: str, c: ContainerConfig,
     if podman is None:
         return Outcome(False, f"{c.engine} is not installed (not found in PATH)")
     rc, out = await _run([podman, "image", "exists", c.image], QUERY_TIMEOUT_S,
-                         f"is image {c.image} present (serve {serve})")
+                         f"is image {c.image} present (serve {serve})", unit_for(serve))
     if rc == 0:
         return Outcome(True, "present")
     if rc != 1:
@@ -78,10 +120,11 @@ async def ensure_image(serve: str, c: ContainerConfig,
         return Outcome(False, f"image {c.image} is not present locally; gpud never pulls on "
                               f"its own: run `{c.engine} pull {c.image}`, or set "
                               f"serves.{serve}.container.pull = \"missing\"")
+    unit = unit_for(serve)
     await say(f"{serve}: image {c.image} is not present locally; pulling it "
-              f"(serves.{serve}.container.pull = \"missing\")")
+              f"(serves.{serve}.container.pull = \"missing\") in unit {unit}")
     rc, out = await _run([podman, "pull", c.image], PULL_TIMEOUT_S,
-                         f"pull image {c.image} (serve {serve})")
+                         f"pull image {c.image} (serve {serve})", unit)
     if rc != 0:
         return Outcome(False, f"pulling image {c.image} failed ({rc}): {out[-400:]}")
     await say(f"{serve}: pulled image {c.image}")
