@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import shutil
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,8 @@ QUERY_TIMEOUT_S = 60.0
 # Stopping a podman unit: its TimeoutStopSec (10 s, below) and systemd's SIGKILL after it.
 UNIT_STOP_TIMEOUT_S = 30.0
 UNIT_PREFIX = "gpud-image-"
+
+log = logging.getLogger("gpud.containers")
 
 
 @dataclass(frozen=True)
@@ -66,23 +69,36 @@ def outside_gpud(argv: list[str], what: str, unit: str | None = None) -> list[st
             f"--description=gpud: {what}", "--property=TimeoutStopSec=10", *argv]
 
 
-async def _end(proc: asyncio.subprocess.Process, unit: str | None) -> None:
+async def _end(proc: asyncio.subprocess.Process, unit: str | None) -> str | None:
     """End a podman command cut short: its unit first (the client's end would leave it), then
-    the client."""
+    the client. What went wrong, None when nothing of the command is left."""
+    problem = None
     systemctl = shutil.which("systemctl") if unit is not None else None
     if systemctl is not None and unit is not None:
         stopper = await asyncio.create_subprocess_exec(
             systemctl, "stop", "--", unit, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
-            await asyncio.wait_for(stopper.wait(), UNIT_STOP_TIMEOUT_S)
+            _, err = await asyncio.wait_for(stopper.communicate(), UNIT_STOP_TIMEOUT_S)
+            if stopper.returncode:
+                problem = (f"`systemctl stop {unit}` failed ({stopper.returncode}): "
+                           f"{err.decode(errors='replace').strip()[-200:]}")
         except TimeoutError:
             stopper.kill()
             await stopper.wait()
+            problem = f"`systemctl stop {unit}` did not end in {UNIT_STOP_TIMEOUT_S:g} s"
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-    await proc.wait()
+    # The client's pipes close once the unit's process is gone (systemd-run --pipe hands them to
+    # it): a unit that could not be stopped would hold this wait forever.
+    try:
+        await asyncio.wait_for(proc.wait(), UNIT_STOP_TIMEOUT_S)
+    except TimeoutError:
+        problem = problem or f"unit {unit} still holds the command's output"
+    if problem is not None:
+        log.warning("a podman command cut short may still run: %s", problem)
+    return problem
 
 
 async def _run(argv: list[str], timeout: float, what: str = "podman",
@@ -93,8 +109,8 @@ async def _run(argv: list[str], timeout: float, what: str = "podman",
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
-        await _end(proc, unit)
-        return 124, f"timed out after {timeout:g} s"
+        problem = await _end(proc, unit)
+        return 124, f"timed out after {timeout:g} s" + (f"; {problem}" if problem else "")
     except asyncio.CancelledError:
         # The serve was stopped meanwhile: its pull must not go on (shielded, so that the stop,
         # which waits for this task, returns once the unit is gone).
