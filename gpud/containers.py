@@ -150,13 +150,16 @@ async def ensure_image(serve: str, c: ContainerConfig,
 def cdi_devices(serve: str, uuid: str, index: int) -> list[str]:
     """The CDI names of the serve's devices (one today), from the host's specs; Unavailable
     when no spec offers the device."""
-    names, read = cdi.gpu_names()
+    specs = cdi.scan()
+    names, read = specs.names, specs.read
     if not read or not names:
-        raise Unavailable(f"serve {serve}: {cdi.missing_spec_message()}", {"serve": serve})
+        raise Unavailable(f"serve {serve}: {cdi.missing_spec_message(problems=specs.problems)}",
+                          {"serve": serve})
     found = cdi_device_name(uuid, index, names)
     if found is None:
         raise Unavailable(
             f"serve {serve}: the CDI specs ({', '.join(read)}) offer no {CDI_GPU_KIND} named "
             f"{uuid!r} or {str(index)!r} (they offer: {', '.join(sorted(names))}); regenerate "
-            "them with `nvidia-ctk cdi generate`", {"serve": serve, "device": uuid})
+            f"them with `nvidia-ctk cdi generate`{cdi.unread_message(specs.problems)}",
+            {"serve": serve, "device": uuid})
     return [found]
