@@ -150,7 +150,7 @@ class Rebalancer:
         old_text = self.svc.config_text or self.config_path.read_text()
         journal: dict[str, Any] = {"old": old_text, "new": text, "source": source,
                                    "uid": uid, "done": [],
-                                   "steps": [a.message for a in steps]}
+                                   "steps": [a.to_json() for a in steps]}
         await self._journal(journal)  # before anything is touched: a crash is found at start
         run = _Run(emit, uid, journal)
         try:

@@ -16,6 +16,7 @@ from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.plan import Plan, make_plan
 from gpud.core.transition import Refusal, transition
 from gpud.core.vocab import LIVE_STATES
+from gpud.ctl.format import format_plan
 
 ROLES = {"a": (10000, 0), "b": (4000, 0)}
 
@@ -128,6 +129,28 @@ def test_the_plan_answer_carries_the_steps_and_none_when_refused() -> None:
                  "message": "gone: start back to running (none -> 500 MiB)"}}
     too_big = plan_of(old, config({"big": run("b", 5000)}), {"gone": "running"})
     assert not too_big.resident_fits and too_big.to_json()["steps"] == []
+
+
+def test_gpuctl_plan_prints_the_steps_after_the_table() -> None:
+    old = config({"gone": run("a", 500), "keep": run("a", 1000)})
+    text = format_plan(plan_of(old, config({"keep": run("a", 2000)}),
+                               {"gone": "running", "keep": "running"}).to_json())
+    lines = text.splitlines()
+    at = lines.index("steps (what apply does, in order; undo on failure):")
+    # the existing lines stay, before the steps
+    assert {"must restart: keep", "stop first (leave the config or their role): gone"} <= set(
+        lines[:at])
+    assert lines[at + 1:] == [
+        "   1. back up the config file",
+        "   2. gone: stop (500 MiB -> none)   [undo: gone: start back to running "
+        "(none -> 500 MiB)]",
+        "   3. write the new config file   [undo: write the old config back (unless changed "
+        "on disk) and reload it]",
+        "   4. reload the config   [undo: write the old config back (unless changed on disk) "
+        "and reload it]",
+        "   5. keep: restart (1000 MiB -> 2000 MiB)   [undo: keep: restart back to running "
+        "(2000 MiB -> 1000 MiB)]",
+        "   6. verify the changed serves are healthy"]
 
 
 # ---- the order of a rollback ---------------------------------------------------------------
