@@ -1,14 +1,15 @@
 """`gpuctl plan` and `gpuctl apply`: the seed's hand-made rebalance as two commands.
 
 apply: validate and plan (refused, nothing touched, when the resident set would not fit or the
-ledger invariant cannot hold, see gpud.core.transition), record the apply's intent in the store,
-back up the config (timestamped, the last N kept), stop live serves that leave the config or
-their role (while their spec is still in force), write the new file atomically, reload, restart
-changed serves shrinking ones before growing ones (so a device is never over-committed on the
-way), start resident serves that now fit, and verify their health. If a step fails, what was done
-is undone in reverse and every serve is brought back to the state it had; a config file changed
-on disk meanwhile is never written over. Each step is reported as it happens and logged as an
-event; a gpud that died during an apply finds its record at the next start (`recover`).
+ledger invariant cannot hold, see gpud.core.transition), then compute the whole apply as a list
+of steps, each with its undo (gpud.core.actions: back up, stop live serves that leave the config
+or their role, write, reload, restart shrinking before growing, start by priority, verify; the
+list `gpuctl plan` shows), record the apply's intent and its steps in the store, and carry the
+steps out one by one, journaling each. If a step fails, the undo of the steps done is carried
+out (gpud.core.actions.rollback) and every serve is brought back to the state it had; a config
+file changed on disk meanwhile is never written over. Each step is reported as it happens and
+logged as an event; a gpud that died during an apply finds its record at the next start
+(`recover`).
 """
 
 from __future__ import annotations
