@@ -196,7 +196,7 @@ class Rebalancer:
             await self._step(emit, "verify", f"all changed serves healthy; {run.summary}",
                              uid=uid)
         else:
-            assert action.serve is not None
+            assert action.kind in ("stop", "restart", "start") and action.serve is not None
             run.journal["done"] = serve_steps(run.done)
             await self._journal(run.journal)
             await self._do(action, uid)
