@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpud.config import MAX_MIB, _reason
 from gpud.core import answers
 from gpud.core.authority import needs_root
+from gpud.core.ledger import RoleFigures
 from gpud.core.vocab import EVENT_KINDS
 from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
 from gpud.metrics import METRICS_CONTENT_TYPE
@@ -350,16 +351,19 @@ class Api:
         body = await read_model(request, AdmitBody)
         admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
         f = admission.figures
+        res = admission.reservation
         answer: answers.Admitted = {
             "serve": name,
-            "role": admission.reservation.role,
-            "mib": admission.reservation.mib,
+            "role": res.role,
+            "mib": res.mib,
             "replaced_mib": admission.replaced_mib,
             "check": admission.check,
             "note": admission.note,
-            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "figures": _figures(f),
         }
+        if res.extra_roles:  # a serve on several roles: the figures of each
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {g.role: _figures(g) for g in admission.all_figures}
         return json_response(answer)
 
     async def release(self, request: web.Request) -> web.Response:
@@ -378,10 +382,12 @@ class Api:
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
         answer: answers.Released = {
-            "serve": name, "role": res.role, "released_mib": res.mib,
-            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "serve": name, "role": res.role, "released_mib": res.mib, "figures": _figures(f),
         }
+        if res.extra_roles:
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
+                                         for r in res.all_roles}
         return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
@@ -575,3 +581,8 @@ def parse_since(value: str) -> float:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
         raise BadRequest(f"since: not epoch seconds or ISO 8601: {value[:50]!r}") from exc
+
+
+def _figures(f: RoleFigures) -> answers.Figures:
+    return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+            "committed_mib": f.committed_mib, "free_mib": f.free_mib}

@@ -113,14 +113,33 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
         spec = svc.serve_spec(serve)
         role = res.role if res else (spec.role if spec else "")
         labels = {"serve": serve, "role": role, **role_labels.get(role, {"gpu": "", "UUID": ""})}
-        fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
-            ).add(res.mib if res else 0, **labels)
-        observed = observer.observed_mib(serve) if observer else None
-        if observed is not None:
-            fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
-                ).add(observed, **labels)
-        fam("gpud_serve_device_lost", "gauge", "1 when the device of the serve's role is lost"
-            ).add(1 if role and svc.lost_device(role) else 0, **labels)
+        roles = res.all_roles if res else (spec.all_roles if spec else ())
+        if len(roles) > 1:
+            # A serve on several devices: one series per device (its reservation is on each,
+            # its draw there is that of its processes on that device).
+            by_device = observer.observed_by_device(serve) if observer else None
+            for name in roles:
+                where = role_labels.get(name, {"gpu": "", "UUID": ""})
+                one = {"serve": serve, "role": name, **where}
+                fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
+                    ).add(res.mib if res else 0, **one)
+                if by_device is not None and observer is not None:
+                    held = ledger.roles.get(name)
+                    dev = observer.device(held.device) if held else None
+                    fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
+                        ).add(by_device.get(dev.uuid, 0) if dev else 0, **one)
+                fam("gpud_serve_device_lost", "gauge",
+                    "1 when the device of the serve's role is lost"
+                    ).add(1 if svc.lost_device(name) else 0, **one)
+        else:
+            fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
+                ).add(res.mib if res else 0, **labels)
+            observed = observer.observed_mib(serve) if observer else None
+            if observed is not None:
+                fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
+                    ).add(observed, **labels)
+            fam("gpud_serve_device_lost", "gauge", "1 when the device of the serve's role is lost"
+                ).add(1 if role and svc.lost_device(role) else 0, **labels)
         current = svc.state_of(serve)
         state_fam = fam("gpud_serve_state", "gauge", "1 for the serve's current state")
         for state in STATES:

@@ -103,12 +103,13 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
             continue
         budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
     for sname, serve in cfg.serves.items():
-        budget = next((b for b in budgets if b.name == serve.role), None)
-        if budget and serve.vram_mib > budget.capacity_mib:
-            problems.append(
-                f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} capacity "
-                f"{budget.capacity_mib}"
-            )
+        for role_name in serve.all_roles:
+            budget = next((b for b in budgets if b.name == role_name), None)
+            if budget and serve.vram_mib > budget.capacity_mib:
+                problems.append(
+                    f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {role_name!r} "
+                    f"capacity {budget.capacity_mib}"
+                )
     if problems:
         raise ConfigError("config", problems)
     return budgets
@@ -244,13 +245,14 @@ class LedgerService:
         changes = Changes(meta={"config": self.config_text} if self.config_text else {})
         for serve in t.released:
             res = self.ledger.reservations[serve]
-            figures = t.ledger.figures(res.role) if res.role in t.ledger.roles else None
+            figures = [t.ledger.figures(r) for r in res.all_roles if r in t.ledger.roles]
             changes.delete.append(serve)
             changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
             changes.events.append(self.event(
-                "release", f"{serve} released {res.mib} MiB on {res.role} ({source}: the serve "
-                f"left the config or its role)" + (f"; {figures.line()}" if figures else ""),
-                serve=serve, role=res.role, mib=res.mib, uid=uid))
+                "release", f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
+                f"serve left the config or its role)"
+                + "".join(f"; {f.line()}" for f in figures),
+                serve=serve, role=res.role, mib=res.mib, uid=uid, **roles_detail(res)))
         return changes
 
     def _moved_on(self, t: Transition) -> None:
@@ -302,6 +304,14 @@ class LedgerService:
 
     def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
               mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
+        if serve is not None and "roles" not in details:
+            # Every event of a serve on several roles names them all (details.roles, journald
+            # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
+            spec = self.config.serves.get(serve)
+            held = self._decided.reservations.get(serve)
+            roles = spec.all_roles if spec is not None else held.all_roles if held else ()
+            if len(roles) > 1:
+                details["roles"] = list(roles)
         return Event(kind, message, self.clock(), serve, role, mib, uid, details)
 
     def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:
@@ -396,6 +406,8 @@ class LedgerService:
         for key, value in ev.details.items():
             if isinstance(value, int | float | str):
                 fields[f"GPUD_{key.upper()}"] = value
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                fields[f"GPUD_{key.upper()}"] = ",".join(value)  # GPUD_ROLES=left,right
         log.log(level, ev.message, extra={"journal": fields})
         for sub in list(self._subscribers):
             if _matches(sub.query, ev):
@@ -424,15 +436,27 @@ class LedgerService:
     # ---- admission -------------------------------------------------------------------------
 
     def serve_role(self, serve: str, role: str | None) -> tuple[str, bool]:
-        """The role an admission is for, and whether the reservation is external."""
+        """The (first) role an admission is for, and whether the reservation is external."""
+        roles, external = self.serve_roles(serve, role)
+        return roles[0], external
+
+    def serve_roles(self, serve: str, role: str | None) -> tuple[tuple[str, ...], bool]:
+        """The roles an admission is for (a configured serve's, all of them), and whether the
+        reservation is external."""
         spec = self.config.serves.get(serve)
         if spec is not None:
-            if role is not None and role != spec.role:
+            if role is not None and role not in spec.all_roles:
+                if spec.extra_roles:
+                    raise BadRequest(
+                        f"serve {serve!r} is configured on roles {', '.join(spec.all_roles)}, "
+                        f"not {role!r}",
+                        {"serve": serve, "role": role, "configured_role": spec.role,
+                         "configured_roles": list(spec.all_roles)})
                 raise BadRequest(
                     f"serve {serve!r} is configured on role {spec.role!r}, not {role!r}",
                     {"serve": serve, "role": role, "configured_role": spec.role},
                 )
-            return spec.role, False
+            return spec.all_roles, False
         if role is None:
             raise NotFound(
                 f"unknown serve {serve!r}: not in the config; to reserve memory for a process "
@@ -442,19 +466,25 @@ class LedgerService:
         check_role_name(role)
         if role not in self.ledger.roles or self.ledger.roles[role].missing:
             raise NotFound(f"unknown role {role!r}", {"role": role, "roles": sorted(self.config.roles)})
-        return role, True
+        return (role,), True
 
-    def _physical(self, role: str, serve: str) -> tuple[PhysicalView | None, Check, str | None]:
+    def _physical(self, roles: tuple[str, ...], serve: str
+                  ) -> tuple[dict[str, PhysicalView] | None, Check, str | None]:
+        """Strict admission's physical view of every device the serve would use, or the ledger
+        bound alone (saying why) when one of them cannot be observed."""
         if self.config.daemon.admission == "ledger":
             return None, "ledger", None
         obs = self.observer
-        device = self._decided.roles[role].device
         decided_states = {**self.states(), **self._decided_states}
-        view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
-        if view is None:
-            return None, "ledger", (
-                "observation unavailable: strict admission fell back to the ledger bound")
-        return view, "strict", None
+        views: dict[str, PhysicalView] = {}
+        for role in roles:
+            device = self._decided.roles[role].device
+            view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
+            if view is None:
+                return None, "ledger", (
+                    "observation unavailable: strict admission fell back to the ledger bound")
+            views[role] = view
+        return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
                     uid: int | None = None, state: str | None = None) -> Admission:
@@ -470,17 +500,19 @@ class LedgerService:
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
                       state: str | None) -> tuple[Admission | Denied,
                                                   asyncio.Future[list[Event]]]:
-        role_name, external = self.serve_role(serve, role)
-        lost = self.lost_device(role_name)
-        if lost is not None:
-            return self._deny_on_lost_device(serve, role_name, mib, uid, lost)
-        physical, check, note = self._physical(role_name, serve)
+        roles, external = self.serve_roles(serve, role)
+        role_name = roles[0]
+        for name in roles:
+            lost = self.lost_device(name)
+            if lost is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, lost)
+        physical, check, note = self._physical(roles, serve)
         outcome = self._decided.decide(
-            serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
+            serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
         if isinstance(outcome, Denial):
-            done = self._deny(outcome, uid, check, note)
+            done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
                                             "note": note}), done
         ledger, admission = outcome
@@ -489,12 +521,14 @@ class LedgerService:
                               current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
+        each = " on each" if len(roles) > 1 else ""
         ev = self.event(
             "admit",
-            f"{serve} admitted on {role_name}: {mib} MiB ({verb}); {figures.line()}",
+            f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} ({verb}); "
+            + "; ".join(f.line() for f in admission.all_figures),
             serve=serve, role=role_name, mib=mib, uid=uid, check=check,
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
-            committed_mib=figures.committed_mib,
+            committed_mib=figures.committed_mib, **roles_detail(admission.reservation),
         )
         done = self.submit(Changes(put=[admission.reservation],
                                    states=[self.state_row(serve, new_state)], events=[ev]), ledger)
@@ -522,11 +556,13 @@ class LedgerService:
                                 "check": "device"}), self.submit(Changes(events=[ev]))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
-              note: str | None) -> asyncio.Future[list[Event]]:
+              note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
         ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
-                        shortfall_mib=denial.shortfall_mib)
+                        shortfall_mib=denial.shortfall_mib,
+                        **({"roles": list(roles)} if len(roles) > 1 else {}),
+                        **({"lacking": denial.details()["lacking"]} if denial.more else {}))
         # A serve that is running keeps its state: only its re-admission was refused.
         # An external name that holds nothing is not remembered as a serve for a failed ask.
         current = self._decided_state(denial.serve)
@@ -551,16 +587,20 @@ class LedgerService:
         await done
         return res
 
-    async def adopt(self, serve: str, role: str, mib: int) -> Reservation:
+    async def adopt(self, serve: str, role: str | Sequence[str], mib: int) -> Reservation:
         """Record the reservation of a unit found running: its memory is already in use, so it
-        is kept even when it does not fit (the role then shows as over-committed)."""
+        is kept even when it does not fit (the role then shows as over-committed). A serve on
+        several roles is adopted on all of them at once."""
+        roles = (role,) if isinstance(role, str) else tuple(role)
         async with self._lock:
-            res = Reservation(serve, role, mib, self.clock(), None, False)
+            res = Reservation(serve, roles[0], mib, self.clock(), None, False, roles[1:])
             ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
-            figures = ledger.figures(role)
-            ev = self.event("admit", f"{serve} re-admitted on {role} for its running unit: "
-                            f"{mib} MiB; {figures.line()}", serve=serve, role=role, mib=mib,
-                            adopted=True, free_mib=figures.free_mib)
+            figures = ledger.figures(roles[0])
+            ev = self.event("admit", f"{serve} re-admitted on {on_roles(res)} for its running "
+                            f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
+                            + "; ".join(ledger.figures(r).line() for r in roles),
+                            serve=serve, role=roles[0], mib=mib,
+                            adopted=True, free_mib=figures.free_mib, **roles_detail(res))
             done = self.submit(Changes(put=[res], events=[ev]), ledger)
         await done
         return res
@@ -583,9 +623,11 @@ class LedgerService:
             )
         ledger, res = self._decided.release(serve)
         figures = ledger.figures(res.role)
-        ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
-                        f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
-                        free_mib=figures.free_mib)
+        ev = self.event("release", f"{serve} released {res.mib} MiB"
+                        f"{' on each of' if res.extra_roles else ' on'} {on_roles(res)} "
+                        f"({reason}); " + "; ".join(ledger.figures(r).line() for r in res.all_roles),
+                        serve=serve, role=res.role, mib=res.mib, uid=uid,
+                        free_mib=figures.free_mib, **roles_detail(res))
         done = self.submit(Changes(delete=[serve],
                                    states=[self.state_row(serve, next_state, state_reason)],
                                    events=[ev]), ledger)
@@ -707,9 +749,21 @@ class LedgerService:
 
 def _matches(query: EventQuery, ev: Event) -> bool:
     return ((not query.serves or ev.serve in query.serves)
-            and (not query.roles or ev.role in query.roles)
+            and (not query.roles or ev.role in query.roles
+                 or any(r in query.roles for r in ev.details.get("roles") or ()))
             and (not query.kinds or ev.kind in query.kinds)
             and (query.since is None or ev.ts >= query.since))
+
+
+def on_roles(res: Reservation) -> str:
+    """The roles of a reservation for a message: `dark-fast`, or `left, right`."""
+    return res.roles_text
+
+
+def roles_detail(res: Reservation) -> dict[str, Any]:
+    """An event's `roles` detail (every role, for a serve on several), nothing for one role: a
+    single-role serve's events stay as they were."""
+    return {"roles": list(res.all_roles)} if res.extra_roles else {}
 
 
 def check_serve_name(name: str) -> None:

@@ -28,7 +28,7 @@ import aiohttp
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
-from gpud.core.launch import serve_argv, serve_environment, through_shim
+from gpud.core.launch import serve_argv, serve_environment, smallest_total, through_shim
 from gpud.core.unitstate import (
     ACTIVE,
     Action,
@@ -177,7 +177,7 @@ class Supervisor:
                 self.svc.set_main_pid(serve, st.main_pid or None)
                 continue
             if res is None:
-                await self.svc.adopt(serve, spec.role, spec.vram_mib)
+                await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
@@ -214,6 +214,8 @@ class Supervisor:
             self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
             for _, name in order:
                 if name in self.svc.ledger.reservations and not self._stopped_outside(name):
+                    # A serve on several devices goes in the queue of its first; its launch
+                    # waits for every one of them (see _launch).
                     by_device.setdefault(self._device_key(name), []).append(name)
             await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
         finally:
@@ -253,10 +255,30 @@ class Supervisor:
         return spec
 
     def _device_key(self, serve: str) -> str:
+        return self._device_keys(serve)[0]
+
+    def _device_keys(self, serve: str) -> list[str]:
+        """The devices the serve runs on (one per role), as UUIDs where observation knows them."""
         spec = self.svc.serve_spec(serve)
-        ref = self.svc.ledger.roles[spec.role].device if spec else ""
-        dev = self.observer.device(ref)
-        return dev.uuid if dev else ref
+        if spec is None:
+            return [""]
+        keys: list[str] = []
+        for role in spec.all_roles:
+            budget = self.svc.ledger.roles.get(role)
+            ref = budget.device if budget else ""
+            dev = self.observer.device(ref)
+            keys.append(dev.uuid if dev else ref)
+        return keys
+
+    async def _memory_back_all(self, serve: str) -> None:
+        for device in self._device_keys(serve):
+            await self._memory_back(device)
+
+    def _returning_on(self, serve: str) -> None:
+        """The serve is stopping or ended: the next start on any of its devices waits for its
+        memory to come back there."""
+        for device in self._device_keys(serve):
+            self._returning.setdefault(device, set()).add(serve)
 
     def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
         return table.setdefault(key, asyncio.Lock())
@@ -275,16 +297,19 @@ class Supervisor:
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
             held = self.svc.ledger.reservations.get(serve)
-            if held is not None and (held.external or held.role != spec.role):
-                raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role {held.role!r} but "
-                               f"is configured on {spec.role!r}: release it first",
+            if held is not None and (held.external or held.all_roles != spec.all_roles):
+                configured = ", ".join(spec.all_roles)
+                raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role "
+                               f"{held.roles_text!r} but is configured on {configured!r}: "
+                               "release it first",
                                {"serve": serve, "role": held.role, "configured_role": spec.role})
-            lost = self.svc.lost_device(spec.role)
-            if lost is not None:
-                raise Denied(f"serve {serve!r} not started: {lost}",
-                             {"serve": serve, "role": spec.role, "bound": "device"})
+            for role in spec.all_roles:
+                lost = self.svc.lost_device(role)
+                if lost is not None:
+                    raise Denied(f"serve {serve!r} not started: {lost}",
+                                 {"serve": serve, "role": role, "bound": "device"})
             await self._port_free(serve, spec)
-            await self._memory_back(self._device_key(serve))
+            await self._memory_back_all(serve)
             if held is None:
                 await self.svc.admit(serve, spec.vram_mib, uid=uid)
             try:
@@ -304,8 +329,13 @@ class Supervisor:
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
         try:
-            async with self._lock(self._device_locks, self._device_key(serve)):
-                await self._memory_back(self._device_key(serve))  # a stop begun while queued
+            async with contextlib.AsyncExitStack() as held_devices:
+                # Serialized starts: the serve holds every device it uses while it loads, taken
+                # in one order (sorted) so that two serves sharing devices never deadlock.
+                for device in sorted(set(self._device_keys(serve))):
+                    await held_devices.enter_async_context(
+                        self._lock(self._device_locks, device))
+                await self._memory_back_all(serve)  # a stop begun while queued
                 if spec.container is not None:
                     image = await containers.ensure_image(serve, spec.container, functools.partial(
                         self._say, serve, spec.role, "pull"))
@@ -338,34 +368,44 @@ class Supervisor:
                 del self._launch_tasks[serve]
 
     def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
-        role = self.svc.ledger.roles[spec.role]
-        dev = self.observer.device(role.device)
-        if dev is None:
-            # Without observation gpud cannot tell that the device exists: CUDA_VISIBLE_DEVICES
-            # naming a device that is not there would hand the serve another GPU, or none.
-            present = self.observer.present_devices()
-            why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
-                   if present is not None else
-                   f"observation is unavailable, so gpud cannot tell that device "
-                   f"{role.device!r} exists")
-            raise Unavailable(f"role {spec.role!r}: {why}", {"device": role.device,
-                                                             "role": spec.role})
+        devs = []
+        for role_name in spec.all_roles:
+            role = self.svc.ledger.roles[role_name]
+            dev = self.observer.device(role.device)
+            if dev is None:
+                # Without observation gpud cannot tell that the device exists:
+                # CUDA_VISIBLE_DEVICES naming a device that is not there would hand the serve
+                # another GPU, or none.
+                present = self.observer.present_devices()
+                why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
+                       if present is not None else
+                       f"observation is unavailable, so gpud cannot tell that device "
+                       f"{role.device!r} exists")
+                raise Unavailable(f"role {role_name!r}: {why}", {"device": role.device,
+                                                                 "role": role_name})
+            devs.append(dev)
+        dev = devs[0]
         index = dev.index
+        indexes = [d.index for d in devs]
         # The device's own total, never the role's capacity: utilization is a fraction of the
-        # total, and a guess would let util x total pass the reservation.
-        total = dev.total_mib or None
+        # total, and a guess would let util x total pass the reservation. On several devices,
+        # the smallest total: util x total then stays within the reservation on each.
+        total = smallest_total([d.total_mib for d in devs])
         res = self.svc.ledger.reservations.get(serve)
         # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
         # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
         env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
         environment_for = getattr(self.observer.backend, "environment_for", None)
         if callable(environment_for):
-            env.update(environment_for(dev.uuid))
-        cdi = (containers.cdi_devices(serve, dev.uuid, index) if spec.container is not None
-               else [])
+            # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
+            env.update(environment_for(*(d.uuid for d in devs)))
+        # A container gets every device of the serve through CDI, in the order of its roles.
+        cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
+               if spec.container is not None else [])
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
                           vram_mib=res.mib if res else None, name=serve,
+                          device_indexes=indexes,
                           cdi_devices=cdi, forward_env=[*env, *spec.environment])
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
@@ -375,10 +415,13 @@ class Supervisor:
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
         daemon = self.svc.config.daemon
+        mib = res.mib if res else spec.vram_mib
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
+            device_indexes=tuple(indexes) if len(indexes) > 1 else (),
             environment_file=self._environment_file(serve, spec.environment),
-            description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
+            description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
+                         f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
@@ -515,9 +558,8 @@ class Supervisor:
             self._stopping.add(serve)
             # A start on the device from now on waits for this stop and for the memory to come
             # back (a serve ignoring SIGTERM takes its stop timeout to go).
-            device = self._device_key(serve)
             self._stop_done[serve] = asyncio.Event()
-            self._returning.setdefault(device, set()).add(serve)
+            self._returning_on(serve)
             try:
                 launch = self._launch_tasks.get(serve)
                 if launch is not None and not launch.done():
@@ -634,7 +676,7 @@ class Supervisor:
         if res is not None and not resident and not still_active:
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
                                    next_state=FAILED, state_reason=reason)
-        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+        self._returning_on(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
         await self._failed(serve, reason, kind="exit")
@@ -704,7 +746,7 @@ class Supervisor:
         if res is not None and not keep:
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
                                    next_state=DECLARED, state_reason=OUTSIDE_STOP)
-        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+        self._returning_on(serve)
         self._port_owner.pop(serve, None)
 
     # ---- unit state from D-Bus signals -----------------------------------------------------
@@ -857,7 +899,7 @@ class Supervisor:
         if spec is None:
             return
         if serve not in self.svc.ledger.reservations:
-            await self.svc.adopt(serve, spec.role, spec.vram_mib)
+            await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
         await self.svc.record(self.svc.event(
             "adopt", f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,

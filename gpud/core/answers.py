@@ -46,8 +46,14 @@ class Observed(TypedDict):
 
 
 class Reservation(TypedDict):
+    """One reservation as listed under one role. A serve on several roles is listed under each,
+    with all of them in ``roles`` and which one this is in ``part`` ("1/2"); a single-role
+    serve's listing has neither."""
+
     serve: str
     role: str
+    roles: NotRequired[list[str]]
+    part: NotRequired[str]
     mib: int
     since: float
     by_uid: int | None
@@ -95,6 +101,7 @@ class Serve(TypedDict):
 
     name: str
     role: str | None
+    roles: NotRequired[list[str]]  # a serve on several roles (devices): all of them, in order
     configured: bool
     external: bool
     state: str  # one of gpud.core.vocab.STATES
@@ -185,6 +192,9 @@ class Admitted(TypedDict):
 
     serve: str
     role: str
+    # A serve on several roles: all of them, and the figures of each (``figures``: the first's).
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
     mib: int
     replaced_mib: int | None
     check: Literal["ledger", "strict"]
@@ -197,6 +207,8 @@ class Released(TypedDict):
 
     serve: str
     role: str
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
     released_mib: int
     figures: Figures
 
@@ -232,7 +244,20 @@ class PlanServe(TypedDict):
     reason: str | None
 
 
+class Shortage(TypedDict):
+    """One role a serve on several roles lacks room on."""
+
+    role: str
+    bound: str
+    need_mib: int
+    free_mib: int
+    shortfall_mib: int
+
+
 class PlanDenied(TypedDict):
+    """A denial: the first role lacking room; a serve on several roles with more than one
+    lacking lists each in ``lacking``."""
+
     serve: str
     role: str
     bound: str
@@ -240,6 +265,7 @@ class PlanDenied(TypedDict):
     free_mib: int
     shortfall_mib: int
     reason: str
+    lacking: NotRequired[list[Shortage]]
 
 
 class Blocker(TypedDict):
@@ -363,6 +389,6 @@ class Error(TypedDict):
 COMPONENTS: tuple[type, ...] = (
     Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
-    PlanServe, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun, CalibrationRecord,
-    Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
+    PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
+    CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
 )

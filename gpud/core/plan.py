@@ -93,6 +93,11 @@ class Plan:
         }
 
 
+def _roles(roles: tuple[str, ...]) -> str:
+    """A serve's roles as one plan cell: the role, or the roles joined with '+'."""
+    return "+".join(roles)
+
+
 def _util(mib: int | None, total: int | None) -> str | None:
     return gpu_memory_utilization(mib, total) if mib and total else None
 
@@ -126,28 +131,36 @@ def make_plan(
     changes: list[ServeChange] = []
     denied: list[Denial] = []
 
-    def device_total(role: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
-        if role is None or role not in budgets:
+    def device_total(roles: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
+        """The total the utilization is computed against: the smallest of the roles' devices."""
+        if roles is not None and "+" not in roles:  # one role: the common case, kept cheap
+            if roles not in budgets:
+                return None
+            b = budgets[roles]
+            return totals.get(b.device) or b.capacity_mib
+        if roles is None or any(r not in budgets for r in roles.split("+")):
             return None
-        b = budgets[role]
-        return totals.get(b.device) or b.capacity_mib
+        found = [totals.get(budgets[r].device) or budgets[r].capacity_mib
+                 for r in roles.split("+")]
+        return min(found) if all(found) else None
 
     # Reservations that stay (resized), in the order they were made.
     kept: dict[str, Reservation] = {}
     for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
         spec = new.serves.get(res.serve)
         if res.external:
-            if res.role in after.roles:
+            if all(r in after.roles for r in res.all_roles):
                 kept[res.serve] = res
             continue
-        if spec is not None and spec.role in after.roles:
+        if spec is not None and all(r in after.roles for r in spec.all_roles):
             kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
-                                          res.by_uid, False)
+                                          res.by_uid, False, spec.extra_roles)
     after = Ledger(after.roles, kept)
     # Resident serves holding nothing: admitted by priority, like the boot would.
-    wanted = [(name, spec.role, spec.vram_mib) for _, name, spec in
+    wanted = [(name, spec.all_roles, spec.vram_mib) for _, name, spec in
               sorted((s.priority, n, s) for n, s in new.serves.items() if s.resident)
-              if name not in after.reservations and spec.role in after.roles]
+              if name not in after.reservations
+              and all(r in after.roles for r in spec.all_roles)]
     after, refused = after.admit_in_order(wanted, since=0.0)
     denied.extend(refused)
     # Over-commit left by resized reservations blocks the change: the set does not fit.
@@ -192,8 +205,9 @@ def make_plan(
         restart = running and after_spec is not None and before_spec is not None and (
             _runs_differently(before_spec, after_spec)
             or (cur is not None and res_after is not None and cur.mib != res_after.mib))
-        role_before = before_spec.role if before_spec else (cur.role if cur else None)
-        role_after = after_spec.role if after_spec else None
+        role_before = (_roles(before_spec.all_roles) if before_spec
+                       else (_roles(cur.all_roles) if cur else None))
+        role_after = _roles(after_spec.all_roles) if after_spec else None
         changes.append(ServeChange(
             name=name, role_before=role_before, role_after=role_after,
             mib_before=cur.mib if cur else None,

@@ -80,6 +80,7 @@ STANDIN_HEADER: Final = "X-Gpud-Standin"
 GPUD_SIM_PROCS_DIR: Final = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB: Final = "GPUD_SIM_TOTAL_MIB"
+GPUD_SIM_DEVICES: Final = "GPUD_SIM_DEVICES"
 GPUD_SIM_PIDNS: Final = "GPUD_SIM_PIDNS"
 # Set inside a container by the CDI spec of simulated devices: a directory holding one device
 # node per device the container was given, named by UUID (as /dev/nvidiaN are for real GPUs).
@@ -451,6 +452,9 @@ class SimTarget(NamedTuple):
     procs_dir: str
     device: str
     host_pidns: int | None = None
+    # A tensor-parallel stand-in: the other devices it draws on (GPUD_SIM_DEVICES), the same
+    # MiB on each, as vLLM's workers draw one share per GPU.
+    also: tuple[str, ...] = ()
 
 
 def visible_devices(env: Mapping[str, str]) -> list[str] | None:
@@ -467,13 +471,16 @@ def visible_devices(env: Mapping[str, str]) -> list[str] | None:
 def sim_target_from_env(env: Mapping[str, str]) -> SimTarget | None:
     procs_dir = env.get(GPUD_SIM_PROCS_DIR, "")
     device = env.get(GPUD_SIM_DEVICE, "")
+    every = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d]
     visible = visible_devices(env)
     if visible is not None:
-        # In a container the device is what it was given, whatever the unit's variables say.
+        # In a container the devices are what it was given, whatever the unit's variables say.
         device = visible[0] if visible else ""
+        every = visible
     pidns = env.get(GPUD_SIM_PIDNS, "")
     if procs_dir and device:
-        return SimTarget(procs_dir, device, int(pidns) if pidns.isdigit() else None)
+        return SimTarget(procs_dir, device, int(pidns) if pidns.isdigit() else None,
+                         tuple(d for d in every if d != device))
     return None
 
 
@@ -496,7 +503,7 @@ def register(target: SimTarget, pid: int, mib: int) -> str:
     from gpud.simulation import register_process
 
     return str(register_process(Path(target.procs_dir), pid, target.device, mib,
-                                host_pidns=target.host_pidns))
+                                host_pidns=target.host_pidns, also=target.also))
 
 
 def unregister(target: SimTarget, pid: int) -> None:

@@ -57,7 +57,10 @@ import json, sqlite3, sys
 db = sqlite3.connect(sys.argv[1], timeout=30)
 print(json.dumps({
     "integrity": db.execute("PRAGMA integrity_check").fetchone()[0],
-    "reservations": {r[0]: [r[1], r[2]] for r in db.execute("SELECT serve, role, mib FROM reservations")},
+    # one row per (serve, role): a serve on several roles joined with '+' (MiB -1 if they differ)
+    "reservations": {r[0]: [r[1], r[2] if r[2] == r[3] else -1] for r in db.execute(
+        "SELECT serve, group_concat(role, '+'), min(mib), max(mib) FROM (SELECT * FROM "
+        "reservations ORDER BY serve, position) GROUP BY serve")},
     "states": dict(db.execute("SELECT serve, state FROM serve_states").fetchall()),
     "events": [{"id": r[0], "ts": r[1], "kind": r[2], "serve": r[3], "role": r[4], "mib": r[5],
                 "uid": r[6], "details": json.loads(r[7])}
@@ -77,8 +80,10 @@ def sandbox_store(gpud: SandboxGpud) -> dict[str, Any]:
 # ---- 1. concurrency with real units ------------------------------------------------------------
 
 SANDBOX_ROLES = {"dark-fast": ("GPU-sim-0", 32607, 7168), "other": ("GPU-sim-1", 24000, 0)}
-UNIT_SERVES = {f"u{i}": ("dark-fast" if i % 2 else "other", 1000 + 500 * i, 30100 + i)
-               for i in range(6)}
+UNIT_SERVES: dict[str, tuple[str | tuple[str, ...], int, int]] = {
+    f"u{i}": ("dark-fast" if i % 2 else "other", 1000 + 500 * i, 30100 + i) for i in range(6)}
+# A serve on both devices: its unit sees both, its start holds both, it is reserved on both.
+UNIT_SERVES["tp0"] = (("dark-fast", "other"), 2000, 30110)
 SANDBOX_EXTERNAL = ["ext0", "ext1", "ext2", "ext3"]
 
 
@@ -86,7 +91,9 @@ def sandbox_concurrency_config() -> str:
     roles = "".join(f'[roles.{n}]\ndevice = "{d}"\ncapacity_mib = {c}\nreserve_mib = {r}\n'
                     for n, (d, c, r) in SANDBOX_ROLES.items())
     serves = "".join(
-        f'[serves.{n}]\nrole = "{role}"\nvram_mib = {mib}\nport = {port}\nrestart_sec = 0.2\n'
+        f'[serves.{n}]\n'
+        + (f'role = "{role}"' if isinstance(role, str) else f"roles = {json.dumps(role)}")
+        + f"\nvram_mib = {mib}\nport = {port}\nrestart_sec = 0.2\n"
         f"stop_timeout_s = 5\ncommand = {standin()}\n"
         for n, (role, mib, port) in UNIT_SERVES.items())
     # ledger admission: the stand-ins really draw (simulated) memory, and the replay on the
@@ -238,6 +245,8 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
     summary = {"clients": clients, "ops": len(ops), "seconds": round(elapsed, 1),
                "starts_ok": sum(op.kind == "start" and op.status == 200 for op in ops),
                "stops_ok": sum(op.kind == "stop" and op.status == 200 for op in ops),
+               "two_device_starts_ok": sum(op.kind == "start" and op.status == 200
+                                           and op.serve == "tp0" for op in ops),
                "admits_ok": sum(op.kind == "admit" and op.status == 200 for op in ops),
                "denied": sum(op.kind in ("admit", "start") and op.status == 409
                              and op.body["error"]["code"] == "denied" for op in ops),
