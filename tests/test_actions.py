@@ -35,7 +35,8 @@ def budgets(cfg: Config) -> list[RoleBudget]:
 
 
 def held_by(cfg: Config, states: dict[str, str]) -> list[Reservation]:
-    return [Reservation(n, cfg.serves[n].role, cfg.serves[n].vram_mib, float(i))
+    return [Reservation(n, cfg.serves[n].role, cfg.serves[n].vram_mib, float(i),
+                        extra_roles=cfg.serves[n].extra_roles)
             for i, n in enumerate(sorted(states)) if states[n] in ("running", "admitted")]
 
 
@@ -153,6 +154,14 @@ def test_gpuctl_plan_prints_the_steps_after_the_table() -> None:
         "   6. verify the changed serves are healthy"]
 
 
+def test_a_serve_moving_from_one_role_to_two_stops_first_and_starts_on_both() -> None:
+    old = config({"tp": run("a", 700)})
+    new = config({"tp": {"roles": ["a", "b"], "vram_mib": 700, "resident": True}})
+    steps = actions(plan_of(old, new, {"tp": "running"}))
+    assert kinds(steps) == ["backup", "stop tp", "write", "reload", "start tp", "verify"]
+    assert steps[1].undo == Action("start", "old", "tp", 700, 700, "running", rollback=True)
+
+
 # ---- the order of a rollback ---------------------------------------------------------------
 
 def test_a_rollback_stops_what_started_then_restores_then_brings_back_the_rest() -> None:
@@ -186,7 +195,7 @@ class Model:
     def reserve(self, serve: str, mib: int) -> None:
         spec = self.cfg.serves[serve]
         held = dict(self.ledger.reservations)
-        held[serve] = Reservation(serve, spec.role, mib, 0.0)
+        held[serve] = Reservation(serve, spec.role, mib, 0.0, extra_roles=spec.extra_roles)
         self.ledger = Ledger(self.ledger.roles, held)
         if self.states.get(serve) not in LIVE_STATES:
             self.states[serve] = "admitted"
@@ -205,7 +214,7 @@ class Model:
     def start(self, serve: str) -> None:
         spec = self.cfg.serves[serve]
         held = self.ledger.reservations.get(serve)
-        assert held is None or held.role == spec.role, "start refused: held on another role"
+        assert held is None or held.all_roles == spec.all_roles, "start refused: held elsewhere"
         if held is None:
             self.reserve(serve, spec.vram_mib)
         self.states[serve] = "running"
@@ -254,15 +263,15 @@ class Model:
         if u.state_after in LIVE_STATES:
             self.start(u.serve)
 
-    def held(self) -> dict[str, tuple[str, int]]:
-        return {n: (r.role, r.mib) for n, r in self.ledger.reservations.items()}
+    def held(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        return {n: (r.all_roles, r.mib) for n, r in self.ledger.reservations.items()}
 
     def live(self) -> set[str]:
         return {n for n, s in self.states.items() if s in LIVE_STATES}
 
 
 NAMES = ("s0", "s1", "s2", "s3")
-spec = st.fixed_dictionaries({"role": st.sampled_from(["a", "b"]),
+spec = st.fixed_dictionaries({"roles": st.sampled_from([["a"], ["b"], ["a", "b"]]),
                               "vram_mib": st.sampled_from([500, 1000, 1500]),
                               "resident": st.booleans(), "priority": st.integers(0, 3),
                               "command": st.sampled_from([["/bin/true"], ["/bin/true", "--x"]])})
