@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # gpud.core.plan puts these steps into its answer
     from gpud.core.plan import Plan, ServeChange
 
 Kind = Literal["backup", "stop", "write", "reload", "restart", "start", "verify", "restore"]
-# The config a step runs under: "new" once the new config is reloaded, "old" before (and again
-# after a rollback's restore).
+# The config in force while a step runs: "old" until the reload ("new" for the reload itself,
+# which puts it in force), "new" after it, "old" again after a rollback's restore.
 Under = Literal["old", "new"]
 
 
