@@ -28,7 +28,16 @@ from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.ledger import RoleFigures
 from gpud.core.vocab import EVENT_KINDS
-from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.errors import (
+    BadRequest,
+    Conflict,
+    Denied,
+    Forbidden,
+    GpudError,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+)
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
@@ -91,6 +100,18 @@ class _Wire(BaseModel):
 class AdmitBody(_Wire):
     mib: int = Field(gt=0, le=MAX_MIB)
     role: str | None = None
+    # Put serves of lower priority on the role to sleep (or stop them) when it does not fit.
+    preempt: bool = False
+    dry_run: bool = False
+
+
+class StartBody(_Wire):
+    preempt: bool = False
+    dry_run: bool = False  # with preempt: the plan only, nothing started or put to sleep
+
+
+class SleepBody(_Wire):
+    level: int | None = Field(default=None, ge=1, le=2)
 
 
 class ReleaseBody(_Wire):
@@ -102,8 +123,20 @@ class ConfigBody(_Wire):
     source: str | None = None
 
 
+class SleepControl(Protocol):
+    async def sleep(self, serve: str, uid: int | None, level: int | None = None) -> dict[str, Any]: ...
+    async def wake(self, serve: str, uid: int | None) -> dict[str, Any]: ...
+    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
+                               dry_run: bool = False) -> dict[str, Any]: ...
+    def parked_mib(self, serve: str) -> int | None: ...
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
+
+
 class Supervisor(Protocol):
-    async def start(self, serve: str, uid: int | None) -> None: ...
+    @property
+    def sleeps(self) -> SleepControl: ...
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None: ...
     async def stop(self, serve: str, uid: int | None) -> None: ...
     async def restart(self, serve: str, uid: int | None) -> None: ...
 
@@ -153,6 +186,8 @@ class Api:
         self.route("POST", "/v1/serves/{name}/start", self.start)
         self.route("POST", "/v1/serves/{name}/stop", self.stop)
         self.route("POST", "/v1/serves/{name}/restart", self.restart)
+        self.route("POST", "/v1/serves/{name}/sleep", self.sleep)
+        self.route("POST", "/v1/serves/{name}/wake", self.wake)
         self.route("POST", "/v1/reload", self.reload)
         self.route("POST", "/v1/plan", self.plan, "read")  # computes, changes nothing
         self.route("POST", "/v1/apply", self.apply)
@@ -257,13 +292,18 @@ class Api:
     async def serves(self, request: web.Request) -> web.Response:
         summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
                      if self.calibrations else {})
-        return json_response(serves_view(self.svc, self.draws, self._calibrations(), summaries))
+        return json_response(serves_view(self.svc, self.draws, self._calibrations(),
+                                         summaries, self._parked))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
-            return serve_view(self.svc, name, self.draws)
+            return serve_view(self.svc, name, self.draws, parked=self._parked)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
-                          self.calibrations.summary_of(name))
+                          self.calibrations.summary_of(name), self._parked)
+
+    def _parked(self, serve: str) -> int | None:
+        """Host RAM a sleeping serve's weights are parked in (level 1)."""
+        return self.supervisor.sleeps.parked_mib(serve) if self.supervisor is not None else None
 
     def _known(self, request: web.Request) -> str:
         name = request.match_info["name"]
@@ -349,7 +389,17 @@ class Api:
         name = request.match_info["name"]
         check_serve_name(name)
         body = await read_model(request, AdmitBody)
-        admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
+        if body.preempt:
+            return await self._admit_preempting(name, body, self._uid(request))
+        try:
+            admission = await self.svc.admit(name, body.mib, role=body.role,
+                                             uid=self._uid(request))
+        except Denied as exc:
+            if self.supervisor is None or self.svc.serve_spec(name) is None \
+                    or exc.details.get("bound") == "device":
+                raise
+            would, details = self.supervisor.sleeps.what_preemption_would_do(name, body.mib)
+            raise Denied(exc.message + would, {**exc.details, **details}) from exc
         f = admission.figures
         res = admission.reservation
         answer: answers.Admitted = {
@@ -365,6 +415,39 @@ class Api:
             answer["roles"] = list(res.all_roles)
             answer["figures_by_role"] = {g.role: _figures(g) for g in admission.all_figures}
         return json_response(answer)
+
+    async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
+        if body.role is not None and self.svc.serve_spec(name) is not None:
+            self.svc.serve_role(name, body.role)  # the same check as a plain admission
+        sup = self._need_supervisor()
+        carried = await sup.sleeps.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
+        if body.dry_run:
+            return json_response({"serve": name, **carried})
+        res = self.svc.ledger.reservations[name]
+        f = self.svc.ledger.figures(res.role)
+        return json_response({
+            "serve": name, "role": res.role, "mib": res.mib, "replaced_mib": None,
+            "check": self.svc.config.daemon.admission, "note": None,
+            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "preemption": carried.get("preemption"),
+        })
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        body = await read_model(request, SleepBody, empty_ok=True)
+        sup = self._need_supervisor()
+        done = await sup.sleeps.sleep(name, self._uid(request), body.level)
+        return json_response({**self._serve_view(name), "sleep": done})
+
+    async def wake(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        await read_model(request, _Empty, empty_ok=True)
+        sup = self._need_supervisor()
+        done = await sup.sleeps.wake(name, self._uid(request))
+        return json_response({**self._serve_view(name), "wake": done})
 
     async def release(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -399,11 +482,21 @@ class Api:
     async def _lifecycle(self, request: web.Request, action: str) -> web.Response:
         name = request.match_info["name"]
         check_serve_name(name)
-        await read_model(request, _Empty, empty_ok=True)
+        body = await read_model(request, StartBody if action == "start" else _Empty,
+                                empty_ok=True)
         sup = self._need_supervisor()
         uid = self._uid(request)
-        if action == "start":
-            await sup.start(name, uid)
+        if isinstance(body, StartBody) and body.preempt and body.dry_run:
+            spec = self.svc.serve_spec(name)
+            if spec is None:
+                raise NotFound(f"unknown serve {name!r}: not in the config", {"serve": name})
+            plan = await sup.sleeps.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
+            return json_response({**self._serve_view(name), **plan})
+        if isinstance(body, StartBody):
+            carried = await sup.start(name, uid, preempt=body.preempt)
+            if body.preempt:
+                return json_response({**self._serve_view(name),
+                                      "preemption": (carried or {}).get("preemption")})
         elif action == "stop":
             await sup.stop(name, uid)
         else:

@@ -125,6 +125,14 @@ class Calibrator:
         return {"steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
                 "recommended_mib": rec.recommended_mib, "vllm": rec.vllm}
 
+    def weights_mib(self, serve: str) -> int | None:
+        """The weights the current calibration measured (vLLM's account), if any: what a
+        level-1 sleep parks in host RAM."""
+        rec = self.record_of(serve)
+        if rec is None or not rec.vllm or rec.vllm.get("weights_mib") is None:
+            return None
+        return int(rec.vllm["weights_mib"])
+
     def sizing_problem(self, serve: str) -> str | None:
         """A vllm serve that sizes its KV cache itself (kv_cache_mib) must fit what its current
         calibration says it holds beside it: weights + CUDA graphs + context + KV <= vram_mib.

@@ -84,6 +84,14 @@ class DaemonConfig(_Model):
     # Events kept in the store (the newest); older ones are pruned in batches.
     events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
     metrics_listen: str | None = None
+    # Sleeping serves put to sleep by a preemption wake by priority, while they fit, when
+    # memory is released on their role.
+    auto_wake: bool = True
+    # A resident serve of higher priority may put lower ones to sleep at boot.
+    preempt_at_boot: bool = False
+    # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
+    # plus this much.
+    sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
 
 
 class RoleConfig(_Model):
@@ -155,6 +163,14 @@ class ServeConfig(_Model):
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart: Literal["no", "on-failure", "always"] = "on-failure"
     restart_sec: float = Field(default=2.0, ge=0)
+    # vLLM's sleep mode: 1 parks the weights in host RAM, 2 drops them; 0 never sleeps.
+    sleep_level: Literal[0, 1, 2] = 0
+    # The reservation kept while asleep (CUDA context and what vLLM keeps). Unset: measured
+    # after the first sleep (plus daemon.overdraw_tolerance_mib); a first sleep needs it.
+    sleep_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # What a preemption by a serve of higher priority does to this one: "sleep" (the default
+    # with a sleep_level) or "stop"; without either it is never preempted.
+    preemptible: Literal["sleep", "stop"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -201,6 +217,10 @@ class ServeConfig(_Model):
                                  "the table's argv; give one of them")
         elif (self.vllm is None) == (self.command is None):
             raise ValueError("give exactly one of a [vllm] table or a command")
+        if self.sleep_mib is not None and self.sleep_mib >= self.vram_mib:
+            raise ValueError(f"sleep_mib: {self.sleep_mib} must be below vram_mib {self.vram_mib}")
+        if self.preemptible == "sleep" and not self.sleep_level:
+            raise ValueError('preemptible: "sleep" needs a sleep_level of 1 or 2')
         if self.command is not None and not self.command:
             raise ValueError("command: must not be empty")
         if not self.health_path.startswith("/"):
@@ -335,6 +355,14 @@ def _semantic_problems(cfg: Config) -> list[str]:
         if serve.container is not None:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
+    for name, serve in cfg.serves.items():
+        host = serve.vllm.host if serve.vllm is not None else None
+        if serve.sleep_level and host not in (None, "127.0.0.1"):
+            # VLLM_SERVER_DEV_MODE exposes /sleep, /wake_up and more (collective_rpc): those
+            # must not face the network.
+            problems.append(f"serves.{name}.vllm.host: a serve with sleep_level binds "
+                            f"127.0.0.1 (its dev endpoints must not face the network), "
+                            f"not {host!r}")
     if cfg.simulation is not None:
         seen: set[str] = set()
         for i, dev in enumerate(cfg.simulation.devices):

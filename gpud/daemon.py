@@ -207,6 +207,7 @@ class Daemon:
             calibrator = Calibrator(svc, observer)
             calibrator.load()
             supervisor.sizing = calibrator.sizing_problem
+            supervisor.sleeps.weights = calibrator.weights_mib
             stack.push_async_callback(calibrator.close)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator),

@@ -22,7 +22,7 @@ from gpud.service import LedgerService
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
-           "reserve-exceeded", "exit", "unhealthy", "reload")
+           "reserve-exceeded", "exit", "unhealthy", "reload", "sleep", "wake", "preempt")
 
 
 def _escape(value: str) -> str:
@@ -150,6 +150,8 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
     for kind in COUNTED:
         fam("gpud_events_total", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)
+    fam("gpud_preemptions_total", "counter", "Serves put to sleep or stopped by a preemption "
+        "since gpud started").add(svc.counters.get("preempt", 0))
     obs_ok = bool(observer and observer.available)
     fam("gpud_observation_available", "gauge", "1 when observation works").add(1 if obs_ok else 0,
         backend=observer.backend.name if observer else "none")

@@ -172,6 +172,9 @@ class LedgerService:
         self.busy: Callable[[str], bool] = lambda _serve: False
         self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
             False, "launching is not set up in this gpud")
+        # Told (by the supervisor) of each role on which a durable change gave memory back:
+        # sleeping serves there may wake.
+        self.freed: Callable[[str], None] = lambda _role: None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -358,7 +361,10 @@ class LedgerService:
                     self._records[row.serve] = replace(rec, state=row.state, reason=row.reason,
                                                        updated=row.updated)
                 if p.ledger is not None:
+                    freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
+                    for role in freed:
+                        self.freed(role)
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -487,10 +493,19 @@ class LedgerService:
         return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
-                    uid: int | None = None, state: str | None = None) -> Admission:
+                    uid: int | None = None, state: str | None = None,
+                    event: tuple[str, str, dict[str, Any]] | None = None,
+                    shrink: bool = False, state_reason: str | None = None,
+                    meta: dict[str, str | None] | None = None) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
+        the event in the same transaction. `shrink` (a serve put to sleep) is decided on the
+        ledger bound alone and never refused for a smaller reservation; `event` replaces the
+        "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
-            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
+                                         event=event, shrink=shrink,
+                                         state_reason=state_reason, meta=meta)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
         if isinstance(admission, Denied):
@@ -498,19 +513,30 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: str | None) -> tuple[Admission | Denied,
-                                                  asyncio.Future[list[Event]]]:
+                      state: str | None, event: tuple[str, str, dict[str, Any]] | None = None,
+                      shrink: bool = False, state_reason: str | None = None,
+                      meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
+                                                     asyncio.Future[list[Event]]]:
         roles, external = self.serve_roles(serve, role)
         role_name = roles[0]
-        for name in roles:
+        for name in roles if not shrink else ():
             lost = self.lost_device(name)
             if lost is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
-        physical, check, note = self._physical(roles, serve)
+        physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
+                                                                                     serve)
         outcome = self._decided.decide(
             serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
+        held = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and held is not None and mib <= held.mib:
+            # A shrink makes no role fuller: on a role over-committed by adopted units it is
+            # made all the same (the ledger bound would refuse any size there).
+            res = Reservation(serve, role_name, mib, held.since, uid, external, roles[1:])
+            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
+            shrunk = tuple(after.figures(name) for name in roles)
+            outcome = after, Admission(res, held.mib, shrunk[0], "ledger", note, shrunk[1:])
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
@@ -522,17 +548,30 @@ class LedgerService:
         figures = admission.figures
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
         each = " on each" if len(roles) > 1 else ""
+        kind, message, details = event or (
+            "admit", f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} "
+            f"({verb})", {})
         ev = self.event(
-            "admit",
-            f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} ({verb}); "
-            + "; ".join(f.line() for f in admission.all_figures),
+            kind, f"{message}; " + "; ".join(f.line() for f in admission.all_figures),
             serve=serve, role=role_name, mib=mib, uid=uid, check=check,
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
             committed_mib=figures.committed_mib, **roles_detail(admission.reservation),
+            **details,
         )
         done = self.submit(Changes(put=[admission.reservation],
-                                   states=[self.state_row(serve, new_state)], events=[ev]), ledger)
+                                   states=[self.state_row(serve, new_state, state_reason)],
+                                   events=[ev], meta=dict(meta or {})), ledger)
         return admission, done
+
+    def free_for(self, serve: str, role: str) -> int:
+        """What an admission of `serve` on `role` could get now (its own reservation counted
+        back in): the ledger bound and, in strict admission, the physical one. Decides
+        nothing."""
+        free = self._decided.figures(role, excluding=serve).free_mib
+        physical, _check, _note = self._physical((role,), serve)
+        if physical is not None and role in physical:
+            free = min(free, physical[role].free_for_serve())
+        return free
 
     def lost_device(self, role: str) -> str | None:
         """Why the role's device cannot take memory now (observation reports it lost), else
@@ -745,6 +784,22 @@ class LedgerService:
             reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
                       "would do" if on_disk is not None else "the file cannot be read")
         return {"differs": differs, "reason": reason}
+
+
+def _freed_roles(before: Ledger, changes: Changes) -> list[str]:
+    """The roles on which `changes` (made on `before`) release or shrink a reservation; in
+    the size of the change, not of the ledger (a commit may carry thousands of admissions)."""
+    roles: set[str] = set()
+    for serve in changes.delete:
+        res = before.reservations.get(serve)
+        if res is not None:
+            roles.update(res.all_roles)
+    for put in changes.put:
+        res = before.reservations.get(put.serve)
+        if res is not None:
+            kept = set(put.all_roles) if put.mib >= res.mib else set()
+            roles.update(r for r in res.all_roles if r not in kept)
+    return sorted(roles)
 
 
 def _matches(query: EventQuery, ev: Event) -> bool:

@@ -7,11 +7,12 @@ Two sources make up what the simulated devices hold, both re-read at every ``sam
 
       {"external": [{"device": "GPU-sim-0", "label": "display", "mib": 5837},
                     {"device": "GPU-sim-0", "label": "stt", "mib": 900, "pid": 4242}],
-       "lost": ["GPU-sim-1"]}
+       "lost": ["GPU-sim-1"], "mem_available_mib": 65536}
 
   External draw is not a process (like a desktop display) unless the entry carries ``"pid"``: then
   it is also reported as that process's draw (a sidecar). ``{}`` means no external draw and no
-  lost device.
+  lost device. ``mem_available_mib``, when given, is the host's MemAvailable as gpud sees it
+  (what a level-1 sleep parks weights in), instead of ``/proc/meminfo``.
 - the **procs directory** (``state_file.parent / "sim-procs"`` unless given): stand-in serves
   register their own live processes there, one ``<pid>.json`` each
   (``{"pid": 1234, "device": "GPU-sim-0", "mib": 14336}``), written atomically with
@@ -94,6 +95,7 @@ class SimulationState:
 
     external: tuple[ExternalDraw, ...] = ()
     lost: frozenset[str] = frozenset()
+    mem_available_mib: int | None = None
 
 
 class StateFileError(ValueError):
@@ -189,6 +191,12 @@ class SimulatedBackend:
 
     def close(self) -> None:
         pass
+
+    def mem_available_mib(self) -> int | None:
+        """The host's MemAvailable the state file sets, if it sets one (else /proc/meminfo's
+        is the host's)."""
+        state = self._read_state([])
+        return state.mem_available_mib if state is not None else None
 
     def _read_state(self, notes: list[str]) -> SimulationState | None:
         """The state in force: this read, else the last good one (with a note), else None."""
@@ -389,9 +397,13 @@ def parse_state(text: str, known_devices: set[str] | frozenset[str]) -> Simulati
         raise StateFileError(f"not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise StateFileError("top level must be an object")
-    unknown = set(data) - {"external", "lost"}
+    unknown = set(data) - {"external", "lost", "mem_available_mib"}
     if unknown:
-        raise StateFileError(f"unknown keys {sorted(unknown)} (allowed: external, lost)")
+        raise StateFileError(f"unknown keys {sorted(unknown)} (allowed: external, lost, "
+                             "mem_available_mib)")
+    host_mib = data.get("mem_available_mib")
+    if host_mib is not None and (not _is_int(host_mib) or host_mib < 0):
+        raise StateFileError(f"mem_available_mib: must be an integer >= 0, not {host_mib!r}")
     raw_external = data.get("external", [])
     if not isinstance(raw_external, list):
         raise StateFileError("external: must be a list")
@@ -422,7 +434,8 @@ def parse_state(text: str, known_devices: set[str] | frozenset[str]) -> Simulati
     for item in raw_lost:
         if not isinstance(item, str) or item not in known_devices:
             raise StateFileError(f"lost: {item!r} is not a simulated device")
-    return SimulationState(external=tuple(external), lost=frozenset(raw_lost))
+    return SimulationState(external=tuple(external), lost=frozenset(raw_lost),
+                           mem_available_mib=host_mib)
 
 
 def _parse_registration(data: Any, file_pid: int) -> tuple[_Registered, int | None]:

@@ -46,11 +46,23 @@ from gpud.core.unitstate import (
     WatchRestart,
     on_unit,
 )
-from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    FAILED,
+    LIVE_STATES,
+    ORPHAN,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    STOPPING,
+)
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
+from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
+from gpud.sleeping import Sleeps
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
 
@@ -114,6 +126,7 @@ class Supervisor:
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
+        self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -123,6 +136,7 @@ class Supervisor:
         await self.units.connect()
         self.svc.launching = self.launching
         self.svc.busy = self._launching.__contains__
+        self.svc.freed = self.sleeps.freed
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -141,6 +155,29 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # What gpud.sleeping uses of the supervisor.
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None
+        return self._http
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self._spawn(coro)
+
+    def spec_of(self, serve: str) -> ServeConfig:
+        return self._spec(serve)
+
+    def serve_lock(self, serve: str) -> asyncio.Lock:
+        return self._lock(self._serve_locks, serve)
+
+    async def memory_back_for(self, serve: str) -> None:
+        """Wait (bounded) until the stops in progress on the serve's devices are done and their
+        memory shows as free (as a start does first)."""
+        await self._memory_back_all(serve)
+
+    def busy(self, serve: str) -> bool:
+        return serve in self._launching or serve in self._stopping
 
     def launching(self) -> tuple[bool, str | None]:
         if self.units.available:
@@ -179,18 +216,26 @@ class Supervisor:
             if res is None:
                 await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
+            if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
+                # Asked, not assumed: asleep it keeps its reservation unchanged.
+                state = await self.sleeps.adopt(serve, spec, rec_state)
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
                 "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
-                state=self.svc.state_row(serve, state))
+                # asleep, it keeps the reason it sleeps (who preempted it)
+                state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)))
             if state == STARTING:
                 self._spawn(self._watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live:
                 await self._ended(serve, "its unit ended while gpud was not running")
+
+    def _sleep_reason(self, serve: str, state: str) -> str | None:
+        rec = self.svc.records.get(serve)
+        return rec.reason if rec is not None and state == SLEEPING else None
 
     async def boot(self) -> None:
         """Start the resident set: by priority, serialized per device, devices in parallel."""
@@ -210,7 +255,11 @@ class Supervisor:
                 if self._stopped_outside(name):
                     continue
                 with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
-                    await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
+                    if self.svc.config.daemon.preempt_at_boot:
+                        await self.sleeps.admit_preempting(
+                            name, self.svc.config.serves[name].vram_mib, None)
+                    else:
+                        await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
             self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
             for _, name in order:
                 if name in self.svc.ledger.reservations and not self._stopped_outside(name):
@@ -221,6 +270,10 @@ class Supervisor:
         finally:
             self.booted.set()
             log.info("resident set done: %s", self.svc.summary())
+            # Serves a preemption put to sleep before this gpud started (one cut short by its
+            # stop, say) wake now if they fit, as after any release.
+            for role in sorted(self.svc.ledger.roles):
+                self.sleeps.freed(role)
 
     def _stopped_outside(self, serve: str) -> bool:
         """An operator stopped the serve's unit by hand: it stays down until asked."""
@@ -283,16 +336,21 @@ class Supervisor:
     def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
         return table.setdefault(key, asyncio.Lock())
 
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False) -> None:
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None:
         """Admit the serve at its vram_mib if it holds no reservation, then launch it. Returns
-        once admitted (the launch goes on in the background) unless `wait`."""
+        once admitted (the launch goes on in the background) unless `wait`. With `preempt`,
+        serves of lower priority on its role are put to sleep (or stopped) to make room; the
+        plan carried out is returned."""
         spec = self._spec(serve)
         self._need_bus()
+        carried: dict[str, Any] | None = None
         async with self._lock(self._serve_locks, serve):
             state = self.svc.state_of(serve)
             if state in LIVE_STATES or serve in self._launching:
-                raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
-                                                                        "state": state})
+                hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
+                raise Conflict(f"serve {serve!r} is already {state}{hint}",
+                               {"serve": serve, "state": state})
             problem = self.sizing(serve)
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
@@ -310,8 +368,16 @@ class Supervisor:
                                  {"serve": serve, "role": role, "bound": "device"})
             await self._port_free(serve, spec)
             await self._memory_back_all(serve)
-            if held is None:
-                await self.svc.admit(serve, spec.vram_mib, uid=uid)
+            if held is None and preempt:
+                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid)
+            elif held is None:
+                try:
+                    await self.svc.admit(serve, spec.vram_mib, uid=uid)
+                except Denied as exc:
+                    if exc.details.get("bound") == "device":
+                        raise
+                    would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
+                    raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
                 unit_spec = self._unit_spec(serve, spec)
             except GpudError as exc:
@@ -325,6 +391,7 @@ class Supervisor:
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
+        return carried
 
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
@@ -419,7 +486,10 @@ class Supervisor:
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
             device_indexes=tuple(indexes) if len(indexes) > 1 else (),
-            environment_file=self._environment_file(serve, spec.environment),
+            # With a file, Environment= carries only the device pinning (unit_properties): what
+            # gpud sets goes into the file too, the serve's own values after it (they win).
+            environment_file=self._environment_file(
+                serve, {**env, **spec.environment} if spec.environment else {}),
             description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
                          f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
@@ -647,7 +717,9 @@ class Supervisor:
         may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
         any other releases it. The event says which."""
         spec = self.svc.serve_spec(serve)
-        resident = bool(spec and spec.resident)
+        # A serve that was asleep holds its sleep reservation, not what it starts with: kept,
+        # a later start would launch it on too little.
+        resident = bool(spec and spec.resident) and self.svc.state_of(serve) != SLEEPING
         still_active = not stop and self._unit_active(serve)
         if stop:
             still_active = True
@@ -831,7 +903,8 @@ class Supervisor:
                 state=self.svc.state_row(serve, STARTING, "restarting"))
             self._spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self._failed(serve, action.reason, kind="exit", exit_status=st.exec_main_status)
+            await self._failed(serve, action.reason, kind="exit", stop=action.stop,
+                               exit_status=st.exec_main_status)
         elif isinstance(action, WatchRestart):
             self._spawn(self._watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import LIVE_STATES, ORPHAN
+from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING
 from gpud.service import LedgerService
 
 
@@ -87,7 +88,8 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
-               calibrated: answers.Calibrated | None = None) -> answers.Serve:
+               calibrated: answers.Calibrated | None = None,
+               parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -125,6 +127,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # The current calibration: measured steady/peak, the recommended reservation, and a
         # vllm serve's own account (weights, KV cache, CUDA graphs, context).
         "calibrated": calibrated,
+        "sleep_level": spec.sleep_level if spec else 0,
+        # asleep at level 1: the host RAM its weights are parked in (gpud.sleeping)
+        "parked_host_mib": parked(name) if state == SLEEPING else None,
     }
     if len(roles) > 1:
         out["roles"] = list(roles)
@@ -133,10 +138,11 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
                 calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
-                summaries: dict[str, answers.Calibrated | None] | None = None) -> answers.Serves:
+                summaries: dict[str, answers.Calibrated | None] | None = None,
+                parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
-    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))
+    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

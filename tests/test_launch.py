@@ -234,3 +234,12 @@ def test_context_mib_keeps_util_x_total_plus_context_inside_the_reservation() ->
     tiny = ctx.model_copy(update={"vram_mib": 400})
     with pytest.raises(Refused, match=r"does not cover its vllm\.context_mib"):
         serve_argv(tiny, total_mib=32607, device_index=0, vllm_executable="vllm")
+
+
+def test_a_sleeping_vllm_serve_gets_sleep_mode_and_dev_mode() -> None:
+    fast = example_serves()["fast"].model_copy(update={"sleep_level": 1})
+    argv = serve_argv(fast, total_mib=32607, device_index=0, vllm_executable="vllm")
+    assert argv[-1] == "--enable-sleep-mode"
+    assert _passes_the_flag_table(argv) == []
+    assert vllm_environment(fast)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(example_serves()["fast"])

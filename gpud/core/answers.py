@@ -119,6 +119,84 @@ class Serve(TypedDict):
     calibration: CalibrationStatus
     fingerprint: str | None
     calibrated: Calibrated | None
+    sleep_level: int  # 0: never sleeps
+    parked_host_mib: int | None  # asleep at level 1: host RAM its weights are parked in
+
+
+class PreemptionStep(TypedDict):
+    serve: str
+    action: Literal["sleep", "stop"]
+    frees_mib: int
+    priority: int
+    undo: Literal["wake", "start"]
+
+
+class PreemptionPlan(TypedDict):
+    """The fewest serves of lower priority to put to sleep (or stop), in order; ``lines`` as
+    gpuctl prints them."""
+
+    serve: str
+    priority: int
+    need_mib: int
+    free_mib: int
+    free_after_mib: int
+    steps: list[PreemptionStep]
+    lines: list[str]
+
+
+class PreemptionRefused(TypedDict):
+    """Why no preemption can make room; ``could_free_mib``: what the eligible serves free
+    together."""
+
+    serve: str
+    need_mib: int
+    free_mib: int
+    could_free_mib: int
+    reason: str
+
+
+class Started(Serve):
+    """POST /v1/serves/{name}/start: the Serve; with preempt, the plan carried out (null: it
+    fitted without one); with preempt and dry_run, the plan only and whether it fits."""
+
+    preemption: NotRequired[PreemptionPlan | PreemptionRefused | None]
+    dry_run: NotRequired[bool]
+    fits: NotRequired[bool]
+
+
+class PreemptionDryRun(TypedDict):
+    """POST /v1/serves/{name}/admit with preempt and dry_run."""
+
+    serve: str
+    dry_run: bool
+    fits: bool
+    preemption: PreemptionPlan | PreemptionRefused
+
+
+class SleepDone(TypedDict):
+    level: int
+    from_mib: int
+    sleep_mib: int
+    parked_host_mib: int
+    serve_ms: float  # the serve's own answer to /sleep and its confirmation
+    draw_ms: float  # observation showing the memory back
+
+
+class Slept(Serve):
+    """POST /v1/serves/{name}/sleep."""
+
+    sleep: SleepDone
+
+
+class WakeDone(TypedDict):
+    mib: int
+    serve_ms: float  # the serve's own answer to /wake_up and its confirmation
+
+
+class Woken(Serve):
+    """POST /v1/serves/{name}/wake."""
+
+    wake: WakeDone
 
 
 class Serves(TypedDict):
@@ -200,6 +278,7 @@ class Admitted(TypedDict):
     check: Literal["ledger", "strict"]
     note: str | None
     figures: Figures
+    preemption: NotRequired[PreemptionPlan | None]  # with preempt: the plan carried out
 
 
 class Released(TypedDict):
@@ -388,6 +467,8 @@ class Error(TypedDict):
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
     Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
+    Slept, WakeDone, Woken,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
     PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
     CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,

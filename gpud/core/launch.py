@@ -36,6 +36,7 @@ GPUD_SET_OPTIONS: Mapping[str, str] = {
     "-q": "vllm.quantization",
     "--kv-cache-memory-bytes": "vllm.kv_cache_mib",
     "--shutdown-timeout": "stop_timeout_s",
+    "--enable-sleep-mode": "sleep_level",
 }
 
 
@@ -63,6 +64,10 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
         "VLLM_ENGINE_READY_TIMEOUT_S": str(math.ceil(serve.start_timeout_s)),
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(worker),
         "VLLM_NO_USAGE_STATS": "1",
+        # vLLM registers /sleep, /wake_up and /is_sleeping only in dev mode (vllm/envs.py;
+        # vllm/entrypoints/serve/__init__.py register_vllm_dev_api_routers); a serve that
+        # sleeps binds 127.0.0.1 (config check), so they never face the network.
+        **({"VLLM_SERVER_DEV_MODE": "1"} if serve.sleep_level else {}),
     }
 
 
@@ -97,6 +102,8 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                   (str(v.kv_cache_mib * MIB), "vllm.kv_cache_mib")]
     drain, _worker = stop_budget(serve.stop_timeout_s)
     parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
+    if serve.sleep_level:
+        parts += [("--enable-sleep-mode", "sleep_level")]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 

@@ -216,6 +216,8 @@ def format_serves(doc: answers.Serves) -> str:
             row[2] += " (DEVICE LOST)"
     text = format_table([h for h, _, _ in _SERVE_COLUMNS], rows, [r for _, _, r in _SERVE_COLUMNS])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
+               + (f"; {s['parked_host_mib']} MiB parked in host RAM"
+                  if s.get("parked_host_mib") else "")
                for s in serves if s.get("reason")]
     reasons += [f"{s.get('name')}: {s['device_lost']}" for s in serves if s.get("device_lost")]
     if reasons:
@@ -232,6 +234,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
+    ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"),
 )
 
 
@@ -292,6 +295,38 @@ def format_admit(doc: answers.Admitted) -> str:
                 + f"; {role} free {_mib(figures.get('free_mib'))}")
     if doc.get("note"):
         line += f"\nnote: {doc['note']}"
+    return line
+
+
+def format_preemption(doc: answers.Started | answers.Admitted | answers.PreemptionDryRun | Doc
+                      ) -> str:
+    """The plan of a preemption, `gpuctl plan`-style, as the daemon wrote it; "" without one
+    (start and admit with preempt, and their dry runs)."""
+    plan = doc.get("preemption")
+    if not isinstance(plan, dict):
+        return ""
+    lines = plan.get("lines")
+    if isinstance(lines, list):
+        text = "\n".join(str(line) for line in lines)
+    else:
+        text = f"no preemption can make room for {doc.get('serve')}: {plan.get('reason')}"
+    if doc.get("dry_run"):
+        text += "\ndry run: nothing changed"
+    return text
+
+
+def format_sleep(serve: answers.Slept | answers.Woken) -> str:
+    """What sleep and wake answer: the serve in one line, and what the step did."""
+    line = format_lifecycle(serve)
+    done = serve.get("sleep")
+    if isinstance(done, dict):
+        line += (f"\nasleep at level {done.get('level')}: {_mib(done.get('from_mib'))} -> "
+                 f"{_mib(done.get('sleep_mib'))}"
+                 + (f", {_mib(done.get('parked_host_mib'))} parked in host RAM"
+                    if done.get("parked_host_mib") else ""))
+    woke = serve.get("wake")
+    if isinstance(woke, dict):
+        line += f"\nawake: {_mib(woke.get('mib'))} (the serve took {woke.get('serve_ms')} ms)"
     return line
 
 
@@ -357,6 +392,9 @@ def format_error(err: CtlError) -> str:
         bound = f" ({d['bound']} bound on {d.get('role')})" if d.get("bound") else ""
         lines.append(f"gpuctl: need {_mib(d.get('need_mib'))}, free {_mib(d.get('free_mib'))}, "
                      f"shortfall {_mib(d.get('shortfall_mib'))}{bound}")
+    plan = d.get("preemption")
+    if isinstance(plan, dict) and isinstance(plan.get("lines"), list):
+        lines += [f"gpuctl: {line}" for line in plan["lines"]]
     problems = d.get("problems")
     if isinstance(problems, list) and len(problems) > 1:
         lines += [f"gpuctl:   {p}" for p in problems]

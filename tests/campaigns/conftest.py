@@ -183,7 +183,7 @@ def role_key(res: Reservation) -> str:
 
 
 def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
-    """Replay the stored admit / deny / release events, in commit order, on the pure Ledger:
+    """Replay the stored admit / deny / release / sleep events, in commit order, on the pure Ledger:
     every admit must be admitted there too with the same figures, every deny denied with the
     same free figure, every release must release what was held."""
     ledger = Ledger.build(budgets, [])
@@ -219,6 +219,21 @@ def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
                     out.problems.append(f"event {ev['id']}: deny {serve}: gpud free "
                                         f"{det.get('free_mib')}, replay {outcome.free_mib}")
                 continue
+        elif kind == "sleep":
+            # a serve put to sleep: its reservation shrinks, on the ledger bound alone
+            held = ledger.reservations.get(serve)
+            if held is None or held.role != role or mib > held.mib:
+                out.problems.append(f"event {ev['id']}: {serve} asleep at {mib} MiB on {role}, "
+                                    f"but the replay holds {held}")
+                continue
+            shrunk = {**ledger.reservations, serve: Reservation(serve, role, mib, held.since,
+                                                                extra_roles=held.extra_roles)}
+            ledger = Ledger.build(ledger.roles.values(), shrunk.values())
+            figures = ledger.figures(role)
+            if (det.get("free_mib"), det.get("committed_mib")) != (figures.free_mib,
+                                                                   figures.committed_mib):
+                out.problems.append(f"event {ev['id']}: sleep {serve} {mib}: gpud said free "
+                                    f"{det.get('free_mib')}, replay {figures.free_mib}")
         elif kind == "release":
             held = ledger.reservations.get(serve)
             if held is None or (held.role, held.mib) != (role, mib):
