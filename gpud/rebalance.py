@@ -33,6 +33,7 @@ from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
 from gpud.service import LedgerService, resolve_budgets
+from gpud.steps import Halt, carry_out, undo_all
 from gpud.store import Changes
 from gpud.supervisor import Supervisor
 
@@ -159,8 +160,8 @@ class Rebalancer:
                              f"restart: {', '.join(plan.restart) or 'none'}"
                              + (f"; stop first: {', '.join(plan.stop_first)}"
                                 if plan.stop_first else ""), uid=uid)
-            for action in steps:
-                await self._carry_out(run, action, text)
+            await carry_out(steps, lambda action: self._carry_out(run, action, text), run.done,
+                            count_begun=True)
             await self._journal(None)
             return {"result": "applied", "backup": str(run.saved), "summary": run.summary}
         except GpudError as exc:
@@ -178,7 +179,6 @@ class Rebalancer:
         half-done step is undone too) and reported."""
         assert self.config_path is not None
         emit, uid = run.emit, run.uid
-        run.done.append(action)
         if action.kind == "backup":
             run.saved = backup(self.config_path, self.svc.config.daemon.config_backups,
                                time.time())
@@ -227,15 +227,17 @@ class Rebalancer:
         back (unless the file changed on disk meanwhile) and reloaded, then restarted and
         stopped serves come back with their old figures. A restore that cannot be done ends
         the rollback there: the serves stay as they are."""
-        for undo in rollback(done):
+        async def do(undo: Action) -> None:
             if undo.kind == "restore":
                 if not await self._restore(old_text, new_text, uid, emit):
-                    return
-                continue
+                    raise Halt
+                return
             assert undo.serve is not None
             work = self._undo_start(undo, uid) if undo.kind == "stop" else \
                 self._undo_change(undo, uid)
             await self._undo(emit, undo.serve, uid, work)
+
+        await undo_all(rollback(done), do)
 
     async def _restore(self, old_text: str, new_text: str, uid: int | None,
                        emit: Emit) -> bool:

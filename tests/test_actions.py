@@ -11,9 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpud.config import Config
-from gpud.core.actions import Action, actions, rollback, serve_steps
+from gpud.core.actions import (
+    Action,
+    actions,
+    preemption,
+    rollback,
+    serve_steps,
+    undo_in_reverse,
+)
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.plan import Plan, make_plan
+from gpud.core.preempt import Candidate, plan_preemption
+from gpud.core.preempt import Plan as PreemptPlan
 from gpud.core.transition import Refusal, transition
 from gpud.core.vocab import LIVE_STATES
 from gpud.ctl.format import format_plan
@@ -310,3 +319,18 @@ def test_the_rollback_of_the_steps_done_gives_the_ledger_back(
             assert m.cfg == old
             assert m.held() == want, (failed_at, half_done, kinds(steps))
             assert m.live() == start.live(), (failed_at, half_done, kinds(steps))
+
+
+# ---- a preemption's steps, the same values -------------------------------------------------
+
+def test_a_preemption_is_steps_undone_latest_first() -> None:
+    p = plan_preemption("hi", 10, 9000, 0, [
+        Candidate("a", 60, 5000, "sleep", 500), Candidate("b", 70, 5000, "stop")])
+    assert isinstance(p, PreemptPlan)
+    steps = preemption(p)
+    assert kinds(steps) == ["stop b", "sleep a"]
+    assert [a.undo for a in steps] == [Action("start", "new", "b", rollback=True),
+                                       Action("wake", "new", "a", rollback=True)]
+    assert kinds(undo_in_reverse(steps)) == ["wake a", "start b"]
+    assert kinds(undo_in_reverse(steps[:1])) == ["start b"]
+    assert [a.message for a in steps] == ["b: stop", "a: sleep"]

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Literal
 from gpud.core import answers
 
 if TYPE_CHECKING:  # gpud.core.plan puts these steps into its answer
+    from gpud.core import preempt
     from gpud.core.plan import Plan, ServeChange
 
-Kind = Literal["backup", "stop", "write", "reload", "restart", "start", "verify", "restore"]
+Kind = Literal["backup", "stop", "write", "reload", "restart", "start", "verify", "restore",
+               "sleep", "wake"]
 # The config in force while a step runs: "old" until the reload ("new" for the reload itself,
 # which puts it in force), "new" after it, "old" again after a rollback's restore.
 Under = Literal["old", "new"]
@@ -61,10 +63,11 @@ class Action:
                     "verify": "verify the changed serves are healthy",
                     "restore": "write the old config back (unless changed on disk) and reload it",
                     }.get(self.kind, self.kind)
-        figures = f"{_mib(self.mib_before)} -> {_mib(self.mib_after)}"
-        if self.rollback:
-            return f"{self.serve}: {self.kind} back to {self.state_after} ({figures})"
-        return f"{self.serve}: {self.kind} ({figures})"
+        figures = ("" if self.mib_before is None and self.mib_after is None
+                   else f" ({_mib(self.mib_before)} -> {_mib(self.mib_after)})")
+        if self.rollback and self.state_after is not None:
+            return f"{self.serve}: {self.kind} back to {self.state_after}{figures}"
+        return f"{self.serve}: {self.kind}{figures}"
 
     def undo_json(self) -> answers.PlanUndo:
         return {"kind": self.kind, "under": self.under, "serve": self.serve,
@@ -140,6 +143,19 @@ def rollback(done: Sequence[Action]) -> list[Action]:
     undos = [a.undo for a in reversed(done) if a.undo is not None and a.undo.kind != "restore"]
     return ([u for u in undos if u.under == "new"] + [RESTORE]
             + [u for u in undos if u.under == "old"])
+
+
+def undo_in_reverse(done: Sequence[Action]) -> list[Action]:
+    """The undo of the steps `done`, latest first: a rollback where every step runs under the
+    same config (a preemption's)."""
+    return [a.undo for a in reversed(done) if a.undo is not None]
+
+
+def preemption(plan: preempt.Plan) -> list[Action]:
+    """The steps of a preemption (gpud.core.preempt), in its order: each serve put to sleep or
+    stopped, its undo a wake or a start. Undone latest first (`undo_in_reverse`)."""
+    return [Action(s.action, "new", s.serve,
+                   undo=Action(s.undo, "new", s.serve, rollback=True)) for s in plan.steps]
 
 
 def serve_steps(steps: Iterable[Action]) -> list[tuple[str, str]]:
