@@ -119,6 +119,27 @@ async def _run(argv: list[str], timeout: float, what: str = "podman",
     return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
+async def stop_leftovers() -> str | None:
+    """Stop the podman commands' units a gpud that ended mid-pull left running (nothing waits
+    for them any more; a start pulls afresh). What went wrong, None when nothing did."""
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        return None
+    proc = await asyncio.create_subprocess_exec(
+        systemctl, "stop", "--", f"{UNIT_PREFIX}*.service", stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), UNIT_STOP_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"`systemctl stop {UNIT_PREFIX}*.service` did not end in {UNIT_STOP_TIMEOUT_S:g} s"
+    if proc.returncode:
+        return (f"`systemctl stop {UNIT_PREFIX}*.service` failed ({proc.returncode}): "
+                f"{err.decode(errors='replace').strip()[-200:]}")
+    return None
+
+
 async def ensure_image(serve: str, c: ContainerConfig,
                        say: Callable[[str], Awaitable[None]]) -> Outcome:
     """Whether the serve's image is present (pulled first when `pull = "missing"`; `say`

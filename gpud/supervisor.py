@@ -197,6 +197,11 @@ class Supervisor:
         if not self.units.available:
             log.warning("reconciliation skipped: system bus unavailable (%s)", self.units.reason)
             return
+        if any(spec.container is not None for spec in self.svc.config.serves.values()):
+            # A pull a gpud that ended mid-start left: nothing waits for it any more.
+            problem = await containers.stop_leftovers()
+            if problem is not None:
+                log.warning("image pulls left by an earlier gpud may still run: %s", problem)
         live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
         for serve, st in sorted(live.items()):
             self._last[serve] = st

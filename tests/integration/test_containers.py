@@ -323,3 +323,15 @@ def test_a_podman_command_that_times_out_leaves_no_unit(podman_sandbox: Sandbox)
     assert podman_sandbox.run(["systemctl", "show", "-p", "LoadState", "--value", unit]
                               ).stdout.strip() == "not-found"
     assert podman_sandbox.run(["pgrep", "-f", "/bin/sleep 600"], check=False).returncode == 1
+
+
+def test_a_pull_left_by_an_earlier_gpud_is_stopped_at_boot(gpud: SandboxGpud) -> None:
+    left = "gpud-image-kept-0a1b2c.service"
+    gpud.configure(_config(_image_ref(gpud.sb), name="kept", port=30056), start=False)
+    gpud.sb.run(["systemd-run", f"--unit={left}", "--collect", "/bin/sleep", "600"])
+    assert gpud.sb.run(["systemctl", "is-active", left], check=False).stdout.strip() == "active"
+    gpud.sb.run(["mkdir", "-p", PROCS])
+    gpud.start()
+    assert gpud.sb.run(["systemctl", "show", "-p", "LoadState", "--value", left]
+                       ).stdout.strip() == "not-found"
+    assert "may still run" not in gpud.journal_tail(200)
