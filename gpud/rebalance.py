@@ -1,14 +1,15 @@
 """`gpuctl plan` and `gpuctl apply`: the seed's hand-made rebalance as two commands.
 
 apply: validate and plan (refused, nothing touched, when the resident set would not fit or the
-ledger invariant cannot hold, see gpud.core.transition), record the apply's intent in the store,
-back up the config (timestamped, the last N kept), stop live serves that leave the config or
-their role (while their spec is still in force), write the new file atomically, reload, restart
-changed serves shrinking ones before growing ones (so a device is never over-committed on the
-way), start resident serves that now fit, and verify their health. If a step fails, what was done
-is undone in reverse and every serve is brought back to the state it had; a config file changed
-on disk meanwhile is never written over. Each step is reported as it happens and logged as an
-event; a gpud that died during an apply finds its record at the next start (`recover`).
+ledger invariant cannot hold, see gpud.core.transition), then compute the whole apply as a list
+of steps, each with its undo (gpud.core.actions: back up, stop live serves that leave the config
+or their role, write, reload, restart shrinking before growing, start by priority, verify; the
+list `gpuctl plan` shows), record the apply's intent and its steps in the store, and carry the
+steps out one by one, journaling each. If a step fails, the undo of the steps done is carried
+out (gpud.core.actions.rollback) and every serve is brought back to the state it had; a config
+file changed on disk meanwhile is never written over. Each step is reported as it happens and
+logged as an event; a gpud that died during an apply finds its record at the next start
+(`recover`).
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpud.config import Config, parse_config
 from gpud.core import answers
-from gpud.core.plan import Plan, ServeChange, make_plan
-from gpud.core.vocab import LIVE_STATES, RUNNING
+from gpud.core.actions import Action, actions, rollback, serve_steps
+from gpud.core.plan import Plan, make_plan
+from gpud.core.vocab import DECLARED, LIVE_STATES, RUNNING
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
 from gpud.service import LedgerService, resolve_budgets
+from gpud.steps import Halt, carry_out, undo_all
 from gpud.store import Changes
 from gpud.supervisor import Supervisor
 
@@ -144,94 +148,100 @@ class Rebalancer:
             await self._step(emit, "validate", f"refused: {d.message}", ok=False, uid=uid)
             raise Denied(f"apply refused, nothing changed: the resident set does not fit: "
                          f"{d.message}", {"plan": plan.to_json()})
+        steps = actions(plan)  # the whole apply, decided before anything is touched
         old_text = self.svc.config_text or self.config_path.read_text()
-        before = {n: self.svc.state_of(n) for n in self.svc.known_serves()}
         journal: dict[str, Any] = {"old": old_text, "new": text, "source": source,
-                                   "uid": uid, "done": []}
+                                   "uid": uid, "done": [],
+                                   "steps": [a.to_json() for a in steps]}
         await self._journal(journal)  # before anything is touched: a crash is found at start
-        done: list[tuple[str, ServeChange]] = []
-        saved: Path | None = None
+        run = _Run(emit, uid, journal)
         try:
             await self._step(emit, "validate", f"{source} is valid; the resident set fits; "
                              f"restart: {', '.join(plan.restart) or 'none'}"
                              + (f"; stop first: {', '.join(plan.stop_first)}"
                                 if plan.stop_first else ""), uid=uid)
-            saved = backup(self.config_path, self.svc.config.daemon.config_backups, time.time())
-            await self._step(emit, "backup", f"saved {saved}", uid=uid, path=str(saved))
-            changes = {c.name: c for c in plan.serves}
-            for name in plan.stop_first:
-                await self._do_step(emit, journal, done, "stop", changes[name], uid)
-            write_atomically(self.config_path, text)
-            journal["written"] = True
-            await self._journal(journal)
-            await self._step(emit, "write", f"wrote {self.config_path}", uid=uid)
-            await self.reload(uid, text)
-            await self._step(emit, "reload", "config reloaded", uid=uid)
-            for action, change in self._actions(plan):
-                await self._do_step(emit, journal, done, action, change, uid)
-            summary = self.svc.summary()
-            await self._step(emit, "verify", f"all changed serves healthy; {summary}", uid=uid)
+            await carry_out(steps, lambda action: self._carry_out(run, action, text), run.done,
+                            count_begun=True)
             await self._journal(None)
-            return {"result": "applied", "backup": str(saved), "summary": summary}
+            return {"result": "applied", "backup": str(run.saved), "summary": run.summary}
         except GpudError as exc:
             with contextlib.suppress(GpudError):
                 await self._step(emit, "failed", exc.message, ok=False, uid=uid)
-            await self._rollback(old_text, text, done, before, uid, emit)
+            await self._rollback(old_text, text, run.done, uid, emit)
             with contextlib.suppress(GpudError):
                 await self._journal(None)
             return {"result": "rolled-back", "error": exc.message,
-                    "backup": str(saved) if saved else None, "summary": self.svc.summary()}
+                    "backup": str(run.saved) if run.saved else None,
+                    "summary": self.svc.summary()}
 
-    async def _do_step(self, emit: Emit, journal: dict[str, Any],
-                       done: list[tuple[str, ServeChange]], action: str, change: ServeChange,
-                       uid: int | None) -> None:
-        done.append((action, change))  # before: a half-done step is undone too
-        journal["done"].append([action, change.name])
-        await self._journal(journal)
-        await self._do(action, change, uid)
-        await self._step(emit, action, f"{change.name}: {action} done "
-                         f"({_mib(change.mib_before)} -> {_mib(change.mib_after)})",
-                         uid=uid, serve=change.name)
+    async def _carry_out(self, run: _Run, action: Action, text: str) -> None:
+        """One step of the apply: done, journaled (a step about a serve before it begins: a
+        half-done step is undone too) and reported."""
+        assert self.config_path is not None
+        emit, uid = run.emit, run.uid
+        if action.kind == "backup":
+            run.saved = backup(self.config_path, self.svc.config.daemon.config_backups,
+                               time.time())
+            await self._step(emit, "backup", f"saved {run.saved}", uid=uid, path=str(run.saved))
+        elif action.kind == "write":
+            write_atomically(self.config_path, text)
+            run.journal["written"] = True
+            await self._journal(run.journal)
+            await self._step(emit, "write", f"wrote {self.config_path}", uid=uid)
+        elif action.kind == "reload":
+            await self.reload(uid, text)
+            await self._step(emit, "reload", "config reloaded", uid=uid)
+        elif action.kind == "verify":
+            run.summary = self.svc.summary()
+            await self._step(emit, "verify", f"all changed serves healthy; {run.summary}",
+                             uid=uid)
+        else:
+            assert action.kind in ("stop", "restart", "start") and action.serve is not None
+            run.journal["done"] = serve_steps(run.done)
+            await self._journal(run.journal)
+            await self._do(action, uid)
+            await self._step(emit, action.kind, f"{action.serve}: {action.kind} done "
+                             f"({_mib(action.mib_before)} -> {_mib(action.mib_after)})",
+                             uid=uid, serve=action.serve)
 
-    def _actions(self, plan: Plan) -> list[tuple[str, ServeChange]]:
-        """After the reload: restarts shrinking before growing, then starts by priority
-        (serves that moved to another role start there again)."""
-        moved = set(plan.stop_first)
-        restarts = sorted((c for c in plan.serves if c.restart and c.name not in moved),
-                          key=lambda c: ((c.mib_after or 0) - (c.mib_before or 0), c.name))
-        new_cfg_priority = {c.name: i for i, c in enumerate(plan.serves)}
-        starts = [("start", c) for c in plan.serves
-                  if (c.state_after == "admitted" and c.state_before not in ("starting", "running"))
-                  or (c.name in moved and c.role_after is not None)]
-        starts.sort(key=lambda a: new_cfg_priority[a[1].name])
-        return [("restart", c) for c in restarts] + starts
-
-    async def _do(self, action: str, change: ServeChange, uid: int | None) -> None:
-        name = change.name
-        if action == "stop":
+    async def _do(self, action: Action, uid: int | None) -> None:
+        name = action.serve
+        assert name is not None
+        if action.kind == "stop":
             await self.supervisor.stop(name, uid)
             return
-        if action == "restart":
+        if action.kind == "restart":
             await self.supervisor.stop(name, uid, keep_reservation=True)
-            if change.mib_after is not None:
-                await self.svc.admit(name, change.mib_after, uid=uid)
+            if action.mib_after is not None:
+                await self.svc.admit(name, action.mib_after, uid=uid)
         await self.supervisor.start(name, uid, wait=True)
         if self.svc.state_of(name) != RUNNING:
             rec = self.svc.records.get(name)
             raise GpudError(f"{name} did not become healthy: "
                             f"{rec.reason if rec and rec.reason else self.svc.state_of(name)}")
 
-    async def _rollback(self, old_text: str, new_text: str, done: list[tuple[str, ServeChange]],
-                        before: dict[str, str], uid: int | None, emit: Emit) -> None:
-        """Undo in reverse, each serve back to the state it had before the apply: serves the
-        apply started go first (they may not exist in the old config), then the old config is
-        written back (unless the file changed on disk meanwhile) and reloaded, then restarted
-        and stopped serves come back with their old figures."""
+    async def _rollback(self, old_text: str, new_text: str, done: list[Action],
+                        uid: int | None, emit: Emit) -> None:
+        """Carry out the undo of the steps done (gpud.core.actions.rollback): serves the apply
+        started go first (they may not exist in the old config), then the old config is written
+        back (unless the file changed on disk meanwhile) and reloaded, then restarted and
+        stopped serves come back with their old figures. A restore that cannot be done ends
+        the rollback there: the serves stay as they are."""
+        async def do(undo: Action) -> None:
+            if undo.kind == "restore":
+                if not await self._restore(old_text, new_text, uid, emit):
+                    raise Halt
+                return
+            assert undo.serve is not None
+            work = self._undo_start(undo, uid) if undo.kind == "stop" else \
+                self._undo_change(undo, uid)
+            await self._undo(emit, undo.serve, uid, work)
+
+        await undo_all(rollback(done), do)
+
+    async def _restore(self, old_text: str, new_text: str, uid: int | None,
+                       emit: Emit) -> bool:
         assert self.config_path is not None
-        started = [c for a, c in done if a == "start"]
-        others = [(a, c) for a, c in reversed(done) if a != "start"]
-        for change in reversed(started):
-            await self._undo(emit, change.name, uid, self._undo_start(change, before, uid))
         try:
             on_disk = self.config_path.read_text()
         except OSError as exc:
@@ -242,22 +252,21 @@ class Rebalancer:
             except GpudError as exc:
                 await self._say(emit, "rollback", f"old config NOT written back: {exc.message}",
                                 uid, ok=False)
-                return
+                return False
         elif on_disk != old_text:
             await self._say(emit, "rollback", f"{self.config_path} changed on disk since the "
                             "apply began: not written over; the serves stay as they are now",
                             uid, ok=False)
-            return
+            return False
         try:
             if self.svc.config_text != old_text:
                 await self.reload(uid, old_text)
         except GpudError as exc:
             await self._say(emit, "rollback", f"old config written back but not reloaded: "
                             f"{exc.message}", uid, ok=False)
-            return
+            return False
         await self._say(emit, "rollback", "old config written back and reloaded", uid)
-        for _action, change in others:
-            await self._undo(emit, change.name, uid, self._undo_change(change, before, uid))
+        return True
 
     async def _say(self, emit: Emit, step: str, message: str, uid: int | None, *,
                    ok: bool = True, serve: str | None = None) -> None:
@@ -273,28 +282,44 @@ class Rebalancer:
             await self._say(emit, "rollback", f"{name}: could not be restored: {exc.message}",
                             uid, ok=False, serve=name)
 
-    async def _undo_start(self, change: ServeChange, before: dict[str, str],
-                          uid: int | None) -> None:
-        name = change.name
+    async def _undo_start(self, undo: Action, uid: int | None) -> None:
+        """Undo of a start: stopped again under the new config; a reservation the serve did not
+        hold before the apply is released, the serve back to the state it had."""
+        name = undo.serve
+        assert name is not None
         if self.svc.serve_spec(name) is not None:
             with contextlib.suppress(GpudError):
                 await self.supervisor.stop(name, uid, keep_reservation=True)
         held = self.svc.ledger.reservations.get(name)
-        if held is not None and change.mib_before is None:
+        if held is not None and undo.mib_after is None:
             await self.svc.release(name, uid=uid, reason="rollback", allow_live=True,
-                                   next_state=before.get(name, "declared"))
+                                   next_state=undo.state_after or DECLARED)
 
-    async def _undo_change(self, change: ServeChange, before: dict[str, str],
-                           uid: int | None) -> None:
-        name = change.name
+    async def _undo_change(self, undo: Action, uid: int | None) -> None:
+        """Undo of a stop or a restart, under the old config: the old figures back, and the
+        serve running again if it was live."""
+        name = undo.serve
+        assert name is not None
         if self.svc.serve_spec(name) is None:
             return
         with contextlib.suppress(GpudError):
             await self.supervisor.stop(name, uid, keep_reservation=True)
-        if change.mib_before is not None:
-            await self.svc.admit(name, change.mib_before, uid=uid)
-        if before.get(name) in LIVE_STATES:
+        if undo.mib_after is not None:
+            await self.svc.admit(name, undo.mib_after, uid=uid)
+        if undo.state_after in LIVE_STATES:
             await self.supervisor.start(name, uid, wait=True)
+
+
+@dataclass
+class _Run:
+    """An apply under way: where it reports, the steps done, what it saved."""
+
+    emit: Emit
+    uid: int | None
+    journal: dict[str, Any]
+    done: list[Action] = field(default_factory=list)
+    saved: Path | None = None
+    summary: str = ""
 
 
 class Recovery:

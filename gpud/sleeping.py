@@ -8,9 +8,10 @@ vLLM registers them in dev mode: vllm/entrypoints/serve/dev/sleep/api_router.py 
 the `level` query parameter, default 1; `/wake_up`; `/is_sleeping`); vLLM's own FIXME there says
 the answer to /sleep may come before the sleep is done, hence the confirmation.
 
-Preemption (gpud/core/preempt.py plans it) runs under the role's lock: the plan's steps in order,
-each an event, then the admission; when that is still refused, every step is undone in reverse
-order and the denial says why. Wake-back (after memory is released on a role) takes the same
+Preemption (gpud/core/preempt.py plans it) runs under the role's lock: the plan's steps in order
+(as gpud.core.actions steps, through gpud.steps, the executor apply uses too), each an event,
+then the admission; when that is still refused, every step done is undone in reverse order and
+the denial says why. Wake-back (after memory is released on a role) takes the same
 lock, so it never wakes a serve a preemption in progress has just put to sleep.
 """
 
@@ -26,16 +27,26 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from gpud.config import ServeConfig
+from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
-from gpud.core.preempt import Candidate, NoPlan, Plan, Step, plan_on_roles
+from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.steps import carry_out, undo_all
 
 if TYPE_CHECKING:
     from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud.sleeping")
+
+
+class _NotPreempted(Exception):
+    """A serve of a preemption's steps could not be put to sleep or stopped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 # A level-1 sleep copies the weights to host RAM: seconds for a large model.
 SLEEP_REQUEST_TIMEOUT_S = 300.0
@@ -393,25 +404,34 @@ class Sleeps:
                         raise
             for line in plan.lines():
                 log.info("%s", line)
-            done: list[Step] = []
-            failure: str | None = None
-            for step in plan.steps:
+            steps = {s.serve: s for s in plan.steps}
+
+            async def do(action: Action) -> None:
+                assert action.serve is not None
+                step = steps[action.serve]
                 await self.svc.record(self.svc.event(
                     "preempt", f"{step.serve} preempted by {serve}: {step.line()}",
-                    serve=step.serve, role=(step.roles or spec.all_roles)[0], mib=step.frees_mib, uid=uid,
+                    serve=step.serve, role=(step.roles or spec.all_roles)[0],
+                    mib=step.frees_mib, uid=uid,
                     preempted_by=serve, action=step.action, priority=step.priority,
                     by_priority=spec.priority))
                 try:
-                    if step.action == "sleep":
+                    if action.kind == "sleep":
                         await self.sleep(step.serve, uid, preempted_by=serve)
                     else:
                         await self.sup.stop(step.serve, uid)
                 except GpudError as exc:
-                    failure = f"{step.serve} could not be preempted: {exc.message}"
-                    break
-                done.append(step)
+                    raise _NotPreempted(f"{step.serve} could not be preempted: "
+                                        f"{exc.message}") from exc
+
+            done: list[Action] = []
+            failure: str | None = None
+            try:
+                await carry_out(preemption(plan), do, done, count_begun=False)
+            except _NotPreempted as exc:
+                failure = exc.message
             if failure is None:
-                if any(step.action == "stop" for step in done):
+                if any(action.kind == "stop" for action in done):
                     # a stopped serve's memory shows as free once its process is gone
                     await self.sup.memory_back_for(serve)
                 try:
@@ -424,21 +444,23 @@ class Sleeps:
                          {"serve": serve, "role": spec.role, "need_mib": mib,
                           "preemption": plan.to_json(), "undone": undone})
 
-    async def _undo(self, done: list[Step], uid: int | None, serve: str) -> str:
-        said: list[str] = []
-        for step in reversed(done):
+    async def _undo(self, done: list[Action], uid: int | None, serve: str) -> str:
+        async def do(undo: Action) -> None:
+            assert undo.serve is not None
             try:
-                if step.undo == "wake":
-                    await self.wake(step.serve, uid, locked=True,
+                if undo.kind == "wake":
+                    await self.wake(undo.serve, uid, locked=True,
                                     by=f"undo of the preemption by {serve}")
                 else:
-                    await self.sup.start(step.serve, uid)
-                said.append(f"{step.undo} {step.serve}")
+                    await self.sup.start(undo.serve, uid)
             except GpudError as exc:
-                log.error("undoing the preemption of %s by %s failed: %s", step.serve, serve,
+                log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
                           exc.message)
-                said.append(f"{step.undo} {step.serve} FAILED ({exc.message})")
-        return ", ".join(said)
+                raise
+
+        tried = await undo_all(undo_in_reverse(done), do)
+        return ", ".join(f"{u.kind} {u.serve}" + (f" FAILED ({exc.message})" if exc else "")
+                         for u, exc in tried)
 
     # ---- wake-back ---------------------------------------------------------------------------
 

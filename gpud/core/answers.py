@@ -367,8 +367,35 @@ class Blocker(TypedDict):
     message: str
 
 
+class PlanUndo(TypedDict):
+    """What brings one step of an apply back. ``under``: the config it runs under (``old``
+    after a rollback's restore); ``state_after``: the state the serve goes back to."""
+
+    kind: str  # stop, start, restart, restore
+    under: Literal["old", "new"]
+    serve: str | None
+    mib_before: int | None
+    mib_after: int | None
+    state_after: str | None
+    message: str
+
+
+class PlanStep(TypedDict):
+    """One step of an apply, in order (see gpud.core.actions). ``mib_before``/``mib_after``:
+    the serve's reservation before and after it; ``undo``: null when nothing to bring back."""
+
+    kind: str  # backup, stop, write, reload, restart, start, verify
+    under: Literal["old", "new"]
+    serve: str | None
+    mib_before: int | None
+    mib_after: int | None
+    message: str
+    undo: PlanUndo | None
+
+
 class Plan(TypedDict):
-    """POST /v1/plan."""
+    """POST /v1/plan. ``steps``: what an apply of it does, in order (empty when the plan is
+    refused: blocked, or the resident set does not fit)."""
 
     source: str
     roles: list[PlanRole]
@@ -378,6 +405,7 @@ class Plan(TypedDict):
     denied: list[PlanDenied]
     blocked: list[Blocker]
     stop_first: list[str]
+    steps: list[PlanStep]
 
 
 class CalibrationRun(TypedDict):
@@ -452,6 +480,6 @@ COMPONENTS: tuple[type, ...] = (
     PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
     Slept, WakeDone, Woken,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
-    PlanServe, Shortage, PlanDenied, Blocker, Plan, CalibrationRun, CalibrationRecord, Calibration,
-    ApplyStep, ApplyResult, ErrorBody, Error,
+    PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
+    CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
 )

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpud.config import Config, ServeConfig
-from gpud.core import answers
+from gpud.core import actions, answers
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
@@ -89,6 +89,7 @@ class Plan:
             "denied": [d.to_json() for d in self.denied],
             "blocked": [b.to_json() for b in self.blocked],
             "stop_first": list(self.stop_first),
+            "steps": [a.to_json() for a in actions.actions(self)] if self.ok else [],
         }
 
 

@@ -453,6 +453,13 @@ def format_plan(doc: answers.Plan) -> str:
         lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
     for b in doc.get("blocked") or []:
         lines.append(f"BLOCKED: {b.get('message')}")
+    steps = doc.get("steps") or []
+    if steps:
+        lines.append("steps (what apply does, in order; undo on failure):")
+        for i, step in enumerate(steps, 1):
+            undo = step.get("undo")
+            lines.append(f"  {i:>2}. {step.get('message')}"
+                         + (f"   [undo: {undo.get('message')}]" if undo else ""))
     return "\n".join(lines)
 
 

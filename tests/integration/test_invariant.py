@@ -54,6 +54,9 @@ def test_apply_that_removes_a_running_serve_stops_it_first_and_releases_it(
     steps = [line.split("]")[1].split(":")[0].strip() for line in applied.stdout.splitlines()
              if line.startswith("[")]
     assert steps.index("stop") < steps.index("write") < steps.index("reload")
+    # what the apply did is the plan's list of steps, in its order
+    assert steps == ["validate"] + [s["kind"] for s in plan["steps"]]
+    assert [(s["kind"], s["serve"]) for s in plan["steps"] if s["serve"]] == [("stop", "gone")]
     assert "gpud-serve-gone.service" not in gpud.serve_units()
     assert committed(gpud) == 2000
     assert gpud.call("GET", "/v1/serves/gone").status == 404
