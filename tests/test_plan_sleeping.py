@@ -144,3 +144,13 @@ def test_a_role_cut_below_what_a_sleeping_serve_wakes_to_is_refused() -> None:
     assert isinstance(transition(old=old, new=new, ledger=ledger,
                                  budgets=resolve_budgets(new, lambda _d: None), states=states,
                                  may_stop=True), Transition)
+
+
+def test_the_undo_of_stopping_a_sleeping_serve_starts_it_awake_at_its_vram_mib() -> None:
+    from gpud.core.actions import Action, actions
+
+    steps = actions(plan_to(BASE.split("[serves.small]")[0]))
+    (stop,) = [a for a in steps if a.kind == "stop"]
+    assert (stop.serve, stop.mib_before, stop.mib_after) == ("small", 1000, None)
+    # not its 1000 MiB asleep, nor "back to sleeping": the start admits its vram_mib again
+    assert stop.undo == Action("start", "old", "small", None, None, "running", rollback=True)

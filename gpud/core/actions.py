@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from gpud.core import answers
+from gpud.core.vocab import RUNNING, SLEEPING
 
 if TYPE_CHECKING:  # gpud.core.plan puts these steps into its answer
     from gpud.core import preempt
@@ -95,6 +96,12 @@ def _serve_action(kind: Kind, change: ServeChange) -> Action:
         # under the new config, where it exists, and what the apply gave it released.
         undo = Action("stop", "new", change.name, change.mib_after, change.mib_before,
                       change.state_before, rollback=True)
+    elif kind == "stop" and change.state_before == SLEEPING:
+        # A sleep cannot be given back: the serve stopped asleep starts again awake under the
+        # old config, admitted there at its vram_mib (its sleep reservation would size its
+        # launch on the memory it kept asleep).
+        undo = Action("start", "old", change.name, change.mib_after, None, RUNNING,
+                      rollback=True)
     else:
         # A stop or a restart: under the old config, after its reload, the serve gets its old
         # figures back, and runs again if it ran.
