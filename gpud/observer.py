@@ -252,6 +252,14 @@ class Observer:
                 total = (total or 0) + per_device[serve]
         return total if total is not None else 0
 
+    def observed_each_mib(self, serve: str) -> int | None:
+        """The most the serve draws on any one of its devices: what a reservation (held the
+        same on each of its roles) must cover. For a serve on one device, its draw there."""
+        by_device = self.observed_by_device(serve)
+        if by_device is None:
+            return None
+        return max(by_device.values(), default=0)
+
     def observed_by_device(self, serve: str) -> dict[str, int] | None:
         """The serve's draw on each device it draws on (device UUID -> MiB); None while
         observation is unavailable."""

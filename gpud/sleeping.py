@@ -181,7 +181,8 @@ class Sleeps:
 
     async def _draw_down(self, serve: str, at_most: int | None) -> int | None:
         """After the sleep: wait (bounded) until observation shows the serve at `at_most` or
-        less, so the next admission sees the memory back. Returns its observed draw."""
+        less on each of its devices, so the next admission sees the memory back. Returns its
+        observed draw: the most on any one device (its reservation is held on each)."""
         obs = self.sup.observer
         if not obs.available:
             return None
@@ -191,7 +192,7 @@ class Sleeps:
         last: int | None = None
         while True:
             await obs.sample()
-            seen = obs.observed_mib(serve)
+            seen = obs.observed_each_mib(serve)
             if at_most is None:
                 if seen is not None and seen == last:
                     return seen  # steady over two samples: what it keeps asleep
@@ -231,7 +232,7 @@ class Sleeps:
                               "needs observation)", {"serve": serve})
             if target is None:
                 await self.sup.observer.sample()  # what it draws awake, now
-            awake_seen = self.sup.observer.observed_mib(serve)
+            awake_seen = self.sup.observer.observed_each_mib(serve)
             if target is None and not awake_seen:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
                               f"attributes none of its memory to it ({awake_seen} MiB seen "

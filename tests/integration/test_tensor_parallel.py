@@ -211,3 +211,45 @@ def test_a_preemption_for_a_serve_on_two_devices_makes_room_on_both(gpud: Sandbo
     assert {r: f["committed_mib"] for r, f in reply.body["figures_by_role"].items()} == \
         {"g0": 20800, "g1": 20800}
     assert sorted(s["serve"] for s in reply.body["preemption"]["steps"]) == ["lo0", "lo1"]
+
+
+def test_a_sleeping_serve_on_two_devices_across_gpud_kills(gpud: SandboxGpud) -> None:
+    # Asleep, its reservation shrinks on both devices at once; gpud killed (-9) while it sleeps,
+    # and killed between vLLM's sleep and the shrink, adopts it asleep on both, whole.
+    tp = ('[serves.tp]\nroles = ["g1", "g0"]\nvram_mib = 20000\nport = 30220\nsleep_level = 1\n'
+          'sleep_mib = 800\nenvironment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+          f"command = {standin('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
+    gpud.configure(sim_config(ROLES, tp, devices=2, total_mib=TOTAL))
+
+    def held() -> dict[str, list[tuple[str, int]]]:
+        return {r["name"]: [(x["serve"], x["mib"]) for x in r["reservations"]]
+                for r in gpud.get("/v1/ledger")["roles"]}
+
+    def kill_gpud() -> None:
+        gpud.sb.run(["systemctl", "kill", "--signal=KILL", "gpud.service"], timeout=60)
+        gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60, check=False)
+
+    assert gpud.call("POST", "/v1/serves/tp/start", {}).status == 200
+    gpud.wait_state("tp", "running")
+    try:
+        assert gpud.call("POST", "/v1/serves/tp/sleep", {}).status == 200
+    except TimeoutError:
+        raise AssertionError(gpud.journal_tail(60)) from None
+    assert held() == {"g0": [("tp", 800)], "g1": [("tp", 800)]}
+    kill_gpud()
+    gpud.start()
+    assert gpud.wait_state("tp", "sleeping")["reserved_mib"] == 800
+    assert held() == {"g0": [("tp", 800)], "g1": [("tp", 800)]}
+    reply = gpud.call("POST", "/v1/serves/tp/wake", {})
+    assert reply.status == 200, reply.raw
+    assert held() == {"g0": [("tp", 20000)], "g1": [("tp", 20000)]}
+    # Between vLLM's sleep and the shrink: gpud gone, the serve asleep, recorded running.
+    kill_gpud()
+    gpud.sb.run(["curl", "-s", "-X", "POST", "http://127.0.0.1:30220/sleep?level=1"])
+    gpud.start()
+    assert gpud.wait_state("tp", "sleeping")["reserved_mib"] == 20000  # more, never less
+    assert held() == {"g0": [("tp", 20000)], "g1": [("tp", 20000)]}
+    reply = gpud.call("POST", "/v1/serves/tp/wake", {})
+    assert reply.status == 200, reply.raw
+    assert gpud.serve("tp")["state"] == "running"
+    assert held() == {"g0": [("tp", 20000)], "g1": [("tp", 20000)]}
