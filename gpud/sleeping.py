@@ -118,13 +118,15 @@ class Sleeps:
 
     def _host_weights(self, serve: str) -> int:
         """What a level-1 sleep parks in host RAM: the calibrated weights, else the
-        reservation (all of it could be weights)."""
-        weights = self.weights(serve)
-        if weights is not None:
-            return weights
+        reservation (all of it could be weights); on several devices, that of each device
+        times their number (each of vLLM's workers backs up its own shard in CPU memory)."""
         res = self.svc.ledger.reservations.get(serve)
         spec = self.svc.serve_spec(serve)
-        return res.mib if res else spec.vram_mib if spec else 0
+        devices = len(res.all_roles) if res else len(spec.all_roles) if spec else 1
+        weights = self.weights(serve)  # per device, as calibration measures a serve
+        if weights is not None:
+            return weights * devices
+        return (res.mib if res else spec.vram_mib if spec else 0) * devices
 
     def _url(self, spec: ServeConfig, path: str) -> str:
         if spec.port is None:

@@ -231,10 +231,20 @@ def test_a_sleeping_serve_on_two_devices_across_gpud_kills(gpud: SandboxGpud) ->
 
     assert gpud.call("POST", "/v1/serves/tp/start", {}).status == 200
     gpud.wait_state("tp", "running")
+    # level 1: each of its two workers backs up its shard in host RAM, 2 x 20000 MiB
+    gpud.sb.write_file("/run/gpud/sim.json", json.dumps({"external": [],
+                                                         "mem_available_mib": 30000}))
+    short = gpud.call("POST", "/v1/serves/tp/sleep", {})
+    assert short.status == 409 and short.body["error"]["details"]["need_mib"] == 41024, short.raw
+    gpud.sb.write_file("/run/gpud/sim.json", json.dumps({"external": [],
+                                                         "mem_available_mib": 60000}))
     try:
-        assert gpud.call("POST", "/v1/serves/tp/sleep", {}).status == 200
+        slept = gpud.call("POST", "/v1/serves/tp/sleep", {})
     except TimeoutError:
         raise AssertionError(gpud.journal_tail(60)) from None
+    assert slept.status == 200, slept.raw
+    assert slept.body["parked_host_mib"] == 40000
+    assert slept.body["sleep"]["draw_ms"] < 5000  # its draw judged per device, not summed
     assert held() == {"g0": [("tp", 800)], "g1": [("tp", 800)]}
     kill_gpud()
     gpud.start()
