@@ -427,7 +427,14 @@ class Api:
         return json_response(answer)
 
     async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
-        if body.role is not None and self.svc.serve_spec(name) is not None:
+        if self.svc.serve_spec(name) is None:
+            held = self.svc.ledger.reservations.get(name)
+            what = "holds an external reservation" if held is not None and held.external \
+                else "is not in the config"
+            raise BadRequest(f"serve {name!r} {what}: a preemption makes room only for a serve "
+                             "gpud launches (admit without preempt to reserve memory for a "
+                             "process gpud does not launch)", {"serve": name})
+        if body.role is not None:
             self.svc.serve_role(name, body.role)  # the same check as a plain admission
         sup = self._need_supervisor()
         carried = await sup.sleeps.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
