@@ -168,13 +168,6 @@ def test_an_apply_cut_short_by_a_crash_is_rolled_back_at_the_next_start(
         time.sleep(0.1)
     assert recovered, gpud.journal_tail()
     ev = recovered[0]
-    assert "apply interrupted" in ev["message"], ev["message"]
-    # the rollback of a failed apply, over the steps it had begun
-    assert "old config written back and reloaded" in ev["message"], ev["message"]
-    assert "slow: back to declared" in ev["message"], ev["message"]
-    assert "grow: back to running (1000 MiB)" in ev["message"], ev["message"]
-    assert "gone: back to running (500 MiB)" in ev["message"], ev["message"]
-    assert "FAILED" not in ev["message"], ev["message"]
     assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
     assert gpud.get("/v1/status")["config_file"] == {"differs": False, "reason": None}
     assert "gpud-serve-slow.service" not in gpud.serve_units()
@@ -184,6 +177,13 @@ def test_an_apply_cut_short_by_a_crash_is_rolled_back_at_the_next_start(
     assert held(gpud) == {"keep": 2000, "gone": 500, "grow": 1000}
     argv = gpud.sb.run(["cat", f"/proc/{gpud.serve('grow')['main_pid']}/cmdline"]).stdout
     assert gpu_memory_utilization(1000, 32607) in argv.split("\0")  # its old figures
+    assert "apply interrupted" in ev["message"], ev["message"]
+    # the rollback of a failed apply, over the steps it had begun
+    assert "old config written back and reloaded" in ev["message"], ev["message"]
+    assert "slow: back to declared" in ev["message"], ev["message"]
+    assert "grow: back to running (1000 MiB)" in ev["message"], ev["message"]
+    assert "gone: back to running (500 MiB)" in ev["message"], ev["message"]
+    assert "FAILED" not in ev["message"], ev["message"]
     assert len([e for e in gpud.events(kind="apply") if e["details"].get("step") == "recover"]) == 1
 
 
@@ -210,15 +210,16 @@ def test_apply_resizes_an_admitted_serve_to_the_size_its_plan_shows(
     plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
     lazy = next(s for s in plan["serves"] if s["name"] == "lazy")
     assert (lazy["mib_before"], lazy["mib_after"]) == (600, 800)
-    assert [(s["kind"], s["serve"], s["mib_before"], s["mib_after"]) for s in plan["steps"]
-            if s["serve"]] == [("resize", "lazy", 600, 800), ("start", "lazy", 800, 800)]
     applied = gpuctl(gpud, "apply", str(new))
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
     # the ledger after the apply is the plan's
     assert held(gpud) == {s["name"]: s["mib_after"] for s in plan["serves"]
                           if s["mib_after"] is not None} == {"keep": 2000, "lazy": 800}
     assert gpud.serve("lazy")["state"] == "running"
+    # and the steps say how: resized before it starts
+    assert [(s["kind"], s["serve"], s["mib_before"], s["mib_after"]) for s in plan["steps"]
+            if s["serve"]] == [("resize", "lazy", 600, 800), ("start", "lazy", 800, 800)]
+    assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
 
 
 def test_a_rolled_back_apply_gives_admitted_serves_their_reservations_back(
@@ -236,19 +237,20 @@ def test_a_rolled_back_apply_gives_admitted_serves_their_reservations_back(
                               + serve("sick", 30173, 500, "--never-healthy",
                                       extra="start_timeout_s = 3\n")))
     plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
-    assert [(s["kind"], s["serve"]) for s in plan["steps"] if s["serve"]][:2] == [
-        ("release", "idle"), ("resize", "lazy")]
     applied = gpuctl(gpud, "apply", str(new))
     assert applied.returncode == 1, applied.stdout
     assert "rolled back: sick did not become healthy" in applied.stderr
-    assert "idle: release done (700 MiB -> none)" in applied.stdout
-    assert "idle: back to admitted (700 MiB)" in applied.stdout
-    assert "lazy: back to admitted (600 MiB)" in applied.stdout
     assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
     assert held(gpud) == {"keep": 2000, "idle": 700, "lazy": 600}
     assert {n: gpud.serve(n)["state"] for n in ("keep", "idle", "lazy")} == {
         "keep": "running", "idle": "admitted", "lazy": "admitted"}
     assert "gpud-serve-sick.service" not in gpud.serve_units()
+    # the steps that changed them, and their undo
+    assert [(s["kind"], s["serve"]) for s in plan["steps"] if s["serve"]][:2] == [
+        ("release", "idle"), ("resize", "lazy")]
+    assert "idle: release done (700 MiB -> none)" in applied.stdout
+    assert "idle: back to admitted (700 MiB)" in applied.stdout
+    assert "lazy: back to admitted (600 MiB)" in applied.stdout
 
 
 def test_apply_while_the_resident_set_boots_is_refused(gpud: SandboxGpud, tmp_path: Path) -> None:
