@@ -3,13 +3,14 @@
 apply: validate and plan (refused, nothing touched, when the resident set would not fit or the
 ledger invariant cannot hold, see gpud.core.transition), then compute the whole apply as a list
 of steps, each with its undo (gpud.core.actions: back up, stop live serves that leave the config
-or their role, write, reload, restart shrinking before growing, start by priority, verify; the
-list `gpuctl plan` shows), record the apply's intent and its steps in the store, and carry the
-steps out one by one, journaling each. If a step fails, the undo of the steps done is carried
-out (gpud.core.actions.rollback) and every serve is brought back to the state it had; a config
-file changed on disk meanwhile is never written over. Each step is reported as it happens and
-logged as an event; a gpud that died during an apply finds its record at the next start
-(`recover`).
+or their role, release admitted ones that do, write, reload, restart and resize shrinking before
+growing, start by priority, verify; the list `gpuctl plan` shows), record the apply's intent and
+its steps in the store, and carry the steps out one by one, journaling each before it begins.
+If a step fails, the undo of the steps done is carried out (gpud.core.actions.rollback,
+`Undoer`) and every serve is brought back to the state and reservation it had; a config file
+changed on disk meanwhile is never written over. Each step is reported as it happens and logged
+as an event; a gpud that died during an apply finds its record at the next start and runs the
+same rollback over the steps begun (`Recovery`).
 """
 
 from __future__ import annotations
