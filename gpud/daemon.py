@@ -388,8 +388,9 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
 
         found += [f"{e} is not installed (not found in PATH): the container serves cannot start"
                   for e in engines if shutil.which(e) is None]
-        names, _read = cdi.gpu_names(cdi.SPEC_DIRS if cdi_dirs is None else cdi_dirs)
-        if not names:
+        specs = cdi.scan(cdi.SPEC_DIRS if cdi_dirs is None else cdi_dirs)
+        found += [f"container serves: CDI spec {problem}" for problem in specs.problems]
+        if not specs.names:
             found.append(f"container serves: {cdi.missing_spec_message()}")
     return found
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.calibration import Calibrator
-from gpud.core.vocab import STATES
+from gpud.core.vocab import EVENT_KINDS, STATES
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
-           "reserve-exceeded", "exit", "unhealthy", "reload", "sleep", "wake", "preempt")
+# Every kind of event gpud records has its series, from its first scrape (a counter that appears
+# only once its first event happens loses that first increase to rate()).
+COUNTED: tuple[str, ...] = tuple(str(kind) for kind in EVENT_KINDS)
 
 
 def _escape(value: str) -> str:

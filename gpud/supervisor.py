@@ -197,6 +197,11 @@ class Supervisor:
         if not self.units.available:
             log.warning("reconciliation skipped: system bus unavailable (%s)", self.units.reason)
             return
+        if any(spec.container is not None for spec in self.svc.config.serves.values()):
+            # A pull a gpud that ended mid-start left: nothing waits for it any more.
+            problem = await containers.stop_leftovers()
+            if problem is not None:
+                log.warning("image pulls left by an earlier gpud may still run: %s", problem)
         live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
         for serve, st in sorted(live.items()):
             self._last[serve] = st
@@ -396,6 +401,15 @@ class Supervisor:
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
         try:
+            if spec.container is not None:
+                # Before the start locks: a pull (up to an hour) holds up no other start on the
+                # serve's devices; the serve stays admitted, its reservation held, and a stop
+                # meanwhile cancels this task, which ends the pull's unit.
+                image = await containers.ensure_image(serve, spec.container, functools.partial(
+                    self._say, serve, spec.role, "pull"))
+                if not image.ok:
+                    await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
+                    return
             async with contextlib.AsyncExitStack() as held_devices:
                 # Serialized starts: the serve holds every device it uses while it loads, taken
                 # in one order (sorted) so that two serves sharing devices never deadlock.
@@ -403,12 +417,6 @@ class Supervisor:
                     await held_devices.enter_async_context(
                         self._lock(self._device_locks, device))
                 await self._memory_back_all(serve)  # a stop begun while queued
-                if spec.container is not None:
-                    image = await containers.ensure_image(serve, spec.container, functools.partial(
-                        self._say, serve, spec.role, "pull"))
-                    if not image.ok:
-                        await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
-                        return
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
