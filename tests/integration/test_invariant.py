@@ -253,6 +253,40 @@ def test_a_rolled_back_apply_gives_admitted_serves_their_reservations_back(
     assert "lazy: back to admitted (600 MiB)" in applied.stdout
 
 
+def test_a_rollback_says_so_when_a_released_reservation_no_longer_fits(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    old = sim_config(ROLE, serve("keep", 30101) + "\n"
+                     + serve("idle", 30174, 700, resident=False))
+    gpud.configure(old)
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, idle=700)
+    new = tmp_path / "new.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("sick", 30175, 300, "--never-healthy",
+                                      extra="start_timeout_s = 6\n")))
+    result: list[subprocess.CompletedProcess[str]] = []
+    applying = threading.Thread(target=lambda: result.append(gpuctl(gpud, "apply", str(new))))
+    applying.start()
+    deadline = time.monotonic() + 60
+    while gpud.call("GET", "/v1/serves/sick").status == 404 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gpud.wait_state("sick", "starting")
+    # meanwhile an external reservation takes all that is free: idle's 700 MiB are gone
+    free = int(gpud.get("/v1/ledger")["roles"][0]["free_mib"])
+    reply = gpud.call("POST", "/v1/serves/ext/admit", {"mib": free, "role": "r"})
+    assert reply.status == 200, reply.body
+    applying.join(120)
+    [out] = result
+    assert out.returncode == 1, out.stdout
+    assert "[FAIL] rollback: idle: could not be restored: idle denied on r" in out.stdout, \
+        out.stdout
+    role = gpud.get("/v1/ledger")["roles"][0]
+    assert {r["serve"]: r["mib"] for r in role["reservations"]} == {"keep": 2000, "ext": free}
+    assert role["free_mib"] == 300 and not role["over_committed"]
+    assert gpud.serve("idle")["state"] in ("declared", "denied")
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
+
+
 def test_apply_while_the_resident_set_boots_is_refused(gpud: SandboxGpud, tmp_path: Path) -> None:
     cfg = sim_config(ROLE, serve("late", 30140, 1000, "--startup-delay", "20"))
     gpud.configure(cfg)
