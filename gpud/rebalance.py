@@ -411,7 +411,7 @@ class Recovery:
             old, new = str(record["old"]), str(record["new"])
             steps = [Action.from_json(doc) for doc in record["steps"]]
             begun = record.get("begun")
-            count = len(steps) if begun is None else int(begun)
+            count = _begun(steps, record) if begun is None else int(begun)
             self.svc.overrides(parse_config(old, "the config before the apply"))
             self.svc.overrides(parse_config(new, "the config of the apply"))
         except (ValueError, KeyError, TypeError, AttributeError, GpudError) as exc:
@@ -443,3 +443,14 @@ class Recovery:
         with contextlib.suppress(StoreError):
             await self.svc.record(self.svc.event("apply", message, step="recover", ok=False))
         return message
+
+
+def _begun(steps: list[Action], record: dict[str, Any]) -> int:
+    """How many steps had begun, from a record that does not say (an older gpud's): up to the
+    last serve step it journaled, or to the reload once the file was written."""
+    done = {(str(kind), str(name)) for kind, name in record.get("done", [])}
+    count = 1
+    for i, step in enumerate(steps):
+        if (step.kind, step.serve) in done or (record.get("written") and step.kind == "reload"):
+            count = max(count, i + 1)
+    return count
