@@ -222,6 +222,30 @@ def test_apply_resizes_an_admitted_serve_to_the_size_its_plan_shows(
     assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
 
 
+def test_a_resize_that_does_not_fit_fails_the_apply_and_rolls_it_back(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    old = sim_config(ROLE, serve("keep", 30101) + "\n"
+                     + serve("lazy", 30176, 600, resident=False))
+    gpud.configure(old)
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, lazy=600)
+    # memory drawn outside the ledger: the ledger would take 800 MiB for lazy, the device not
+    gpud.set_external([{"device": "GPU-sim-0", "label": "someone else", "mib": 32607 - 2700}])
+    gpud.wait_event("reserve-exceeded")
+    new = tmp_path / "new.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("lazy", 30176, 800, resident=False)))
+    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    assert plan["resident_fits"] and [s["kind"] for s in plan["steps"]][3] == "resize"
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 1, applied.stdout
+    assert "rolled back: lazy denied on r" in applied.stderr, applied.stderr
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
+    assert held(gpud) == {"keep": 2000, "lazy": 600}
+    assert gpud.serve("lazy")["state"] == "admitted"
+    assert "gpud-serve-lazy.service" not in gpud.serve_units()
+
+
 def test_a_rolled_back_apply_gives_admitted_serves_their_reservations_back(
         gpud: SandboxGpud, tmp_path: Path) -> None:
     old = sim_config(ROLE, serve("keep", 30101) + "\n"
