@@ -194,8 +194,10 @@ class Daemon:
             self.svc = svc
             stack.callback(svc.close)
             recovery = Recovery(svc, self.config_path)
-            if recovery.prepare() and self.config_path is not None:
-                self.config_text = read_config_text(self.config_path)
+            if recovery.prepare() and recovery.text is not None:
+                # Started under the config in force when the apply was cut short: its rollback
+                # (recovery.finish) goes from there, as a failed apply's would.
+                self.config_text = recovery.text
                 svc.config = apply_overrides(parse_config(self.config_text,
                                                           str(self.config_path)), self.overrides)
                 svc.config_text = self.config_text

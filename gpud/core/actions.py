@@ -1,10 +1,12 @@
 """What an apply does, as a list of values: the plan's steps, in order, each with its undo.
 
 `actions(plan)` is the whole of an apply before any of it happens: back up the config, stop the
-live serves that leave the config or their role (while their spec is still in force), write the
-new file, reload it, restart changed serves shrinking ones before growing ones (so a device is
-never over-committed on the way), start resident serves that now fit by the new config's
-priority (a serve that moved to another role starts there again), verify. `gpuctl plan` shows
+live serves that leave the config or their role (while their spec is still in force), release
+the reservations of the serves that leave it or their role without running (admitted only),
+write the new file, reload it, restart changed serves and resize the reservations of serves
+that hold one without running, shrinking ones before growing ones (so a device is never
+over-committed on the way), start resident serves that now fit by the new config's priority (a
+serve that moved to another role starts there again), verify. `gpuctl plan` shows
 this list; gpud.rebalance carries it out step by step and journals each one.
 
 Every step that changes a serve has its undo. `rollback(done)` is the undo of the steps done (a
@@ -12,8 +14,9 @@ step counts as done once it began: a half-done step is undone too), in the order
 runs them: the undos that run under the new config first (serves the apply started are
 stopped, latest first: they may not exist in the old config), then the return to the old config
 (`restore`: the old file written back, never over a file changed on disk, and reloaded), then
-the undos that run under the old config, latest first (restarted and stopped serves come back
-with their old figures, after the reload that gives them their old spec). The return to the old
+the undos that run under the old config, latest first (restarted, resized, stopped and
+released serves come back with their old figures, after the reload that gives them their old
+spec; each through the service's admission, which refuses what no longer fits). The return to the old
 config is part of every rollback: it writes only when the file holds the new text and reloads
 only when the config in force is not the old one.
 
@@ -22,9 +25,9 @@ Values in, values out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpud.core import answers
 from gpud.core.vocab import RUNNING, SLEEPING
@@ -33,8 +36,10 @@ if TYPE_CHECKING:  # gpud.core.plan puts these steps into its answer
     from gpud.core import preempt
     from gpud.core.plan import Plan, ServeChange
 
-Kind = Literal["backup", "stop", "write", "reload", "restart", "start", "verify", "restore",
-               "sleep", "wake"]
+Kind = Literal["backup", "stop", "release", "write", "reload", "restart", "resize", "start",
+               "verify", "restore", "admit", "sleep", "wake"]
+KINDS: tuple[Kind, ...] = ("backup", "stop", "release", "write", "reload", "restart", "resize",
+                           "start", "verify", "restore", "admit", "sleep", "wake")
 # The config in force while a step runs: "old" until the reload ("new" for the reload itself,
 # which puts it in force), "new" after it, "old" again after a rollback's restore.
 Under = Literal["old", "new"]
@@ -81,6 +86,46 @@ class Action:
                 "message": self.message,
                 "undo": None if self.undo is None else self.undo.undo_json()}
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Action:
+        """The step `to_json` wrote (the journal of an apply keeps its steps so): ValueError
+        when it is not one."""
+        undo = doc.get("undo")
+        return cls(_kind(doc.get("kind")), _under(doc.get("under")), _name(doc.get("serve")),
+                   _int(doc.get("mib_before")), _int(doc.get("mib_after")),
+                   undo=None if undo is None else cls(
+                       _kind(undo.get("kind")), _under(undo.get("under")),
+                       _name(undo.get("serve")), _int(undo.get("mib_before")),
+                       _int(undo.get("mib_after")), _name(undo.get("state_after")),
+                       rollback=True))
+
+
+def _kind(value: object) -> Kind:
+    for kind in KINDS:
+        if value == kind:
+            return kind
+    raise ValueError(f"not a kind of step: {value!r}")
+
+
+def _under(value: object) -> Under:
+    if value == "old":
+        return "old"
+    if value == "new":
+        return "new"
+    raise ValueError(f"not a config a step runs under: {value!r}")
+
+
+def _name(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"not a name: {value!r}")
+
+
+def _int(value: object) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"not a size in MiB: {value!r}")
+
 
 def _mib(value: int | None) -> str:
     return "none" if value is None else f"{value} MiB"
@@ -90,11 +135,23 @@ RESTORE = Action("restore", "old", rollback=True)
 
 
 def _serve_action(kind: Kind, change: ServeChange) -> Action:
-    under: Under = "old" if kind == "stop" else "new"
+    under: Under = "old" if kind in ("stop", "release") else "new"
     if kind == "start":
         # A serve the apply starts (or started again on the role it moved to): stopped again
-        # under the new config, where it exists, and what the apply gave it released.
-        undo = Action("stop", "new", change.name, change.mib_after, change.mib_before,
+        # under the new config, where it exists, and what the apply gave it released. A serve
+        # resized before its start holds its new size when it starts; the resize's own undo
+        # gives it its old one.
+        held = change.mib_after if resized(change) else change.mib_before
+        undo = Action("stop", "new", change.name, change.mib_after, held, change.state_before,
+                      rollback=True)
+        return Action(kind, under, change.name, held, change.mib_after, undo=undo)
+    if kind == "release":
+        # Its reservation released under the old config (it is not live): re-admitted at its
+        # old size under the old config, by the admission that refuses what does not fit.
+        undo = Action("admit", "old", change.name, None, change.mib_before, change.state_before,
+                      rollback=True)
+    elif kind == "resize":
+        undo = Action("resize", "old", change.name, change.mib_after, change.mib_before,
                       change.state_before, rollback=True)
     elif kind == "stop" and change.state_before == SLEEPING:
         # A sleep cannot be given back: the serve stopped asleep starts again awake under the
@@ -115,10 +172,26 @@ def stop_first(plan: Plan) -> list[ServeChange]:
     return [changes[n] for n in plan.stop_first]
 
 
+def release_first(plan: Plan) -> list[ServeChange]:
+    """Serves that hold a reservation without running and leave the config or their role: the
+    transition releases them (gpud.core.transition), here a step of its own, with its undo."""
+    changes = {c.name: c for c in plan.serves}
+    return [changes[n] for n in plan.release_first if n in changes]
+
+
+def resized(change: ServeChange) -> bool:
+    """A reservation kept by the reload whose size the new config changes, on a serve that is
+    not restarted (admitted, not running): the reload keeps its old size and a start admits
+    only a serve that holds nothing, so a step of its own resizes it."""
+    return (change.mib_before is not None and change.mib_after is not None
+            and change.mib_before != change.mib_after and not change.restart
+            and change.role_before == change.role_after)
+
+
 def restarts(plan: Plan) -> list[ServeChange]:
-    """Restarts after the reload, shrinking before growing (then by name)."""
-    moved = set(plan.stop_first)
-    return sorted((c for c in plan.serves if c.restart and c.name not in moved),
+    """Restarts and resizes after the reload, shrinking before growing (then by name)."""
+    first = set(plan.stop_first) | set(plan.release_first)
+    return sorted((c for c in plan.serves if (c.restart or resized(c)) and c.name not in first),
                   key=lambda c: ((c.mib_after or 0) - (c.mib_before or 0), c.name))
 
 
@@ -138,8 +211,9 @@ def actions(plan: Plan) -> list[Action]:
     set fits)."""
     steps = [Action("backup", "old")]
     steps += [_serve_action("stop", c) for c in stop_first(plan)]
+    steps += [_serve_action("release", c) for c in release_first(plan)]
     steps += [Action("write", "old", undo=RESTORE), Action("reload", "new", undo=RESTORE)]
-    steps += [_serve_action("restart", c) for c in restarts(plan)]
+    steps += [_serve_action("restart" if c.restart else "resize", c) for c in restarts(plan)]
     steps += [_serve_action("start", c) for c in starts(plan)]
     steps.append(Action("verify", "new"))
     return steps

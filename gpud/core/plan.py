@@ -60,6 +60,9 @@ class Plan:
     blocked: tuple[Blocker, ...] = ()
     # Live serves that leave the config or move to another role: their units stop first.
     stop_first: tuple[str, ...] = ()
+    # Serves that hold a reservation without running and leave the config or their role: their
+    # reservations are released before the new config is written (the reload would).
+    release_first: tuple[str, ...] = ()
 
     @property
     def resident_fits(self) -> bool:
@@ -249,4 +252,4 @@ def make_plan(
         return Plan(roles, changes, denied, source, after,
                     blocked=decided.blockers + tuple(over))
     return Plan(roles, changes, denied, source, after, blocked=tuple(over),
-                stop_first=decided.stop)
+                stop_first=decided.stop, release_first=decided.release)

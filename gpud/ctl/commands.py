@@ -607,11 +607,16 @@ COMMANDS: tuple[Command, ...] = (
         "apply", "rebalance to a new serves.toml, rolling back on failure",
         "Validate NEW.toml (refused, nothing changed, when the resident set does not fit), back "
         "up the current config (timestamped, the last daemon.config_backups kept, under "
-        "backups/ beside it), write NEW.toml over it atomically, reload, then per device stop "
-        "serves that left, restart changed serves shrinking ones before growing ones, start "
-        "resident serves that now fit, and wait for their health. If a step fails the old "
-        "config is written back and the touched serves are restored. Each step is printed as "
-        "it happens and logged as an `apply` event. Exit 1 when refused or rolled back.\n\n"
+        "backups/ beside it), stop the live serves that leave the config or their role and "
+        "release the reservations of admitted ones that do, write NEW.toml over it "
+        "atomically, reload, then restart changed serves and resize the reservations of "
+        "admitted ones whose vram_mib changes, shrinking ones before growing ones, start "
+        "resident serves that now fit, and wait for their health: the steps gpuctl plan "
+        "shows. If a step fails the old config is written back and the touched serves get "
+        "their state and reservation back (a re-admission that no longer fits is said so, "
+        "never over-committed); a gpud that dies during an apply does the same at its next "
+        "start. Each step is printed as it happens and logged as an `apply` event. Exit 1 "
+        "when refused or rolled back.\n\n"
         "Needs root or the admin group.",
         "  gpuctl plan new.toml && gpuctl apply new.toml",
         configure_config_file, run_apply),
