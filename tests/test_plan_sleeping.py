@@ -72,6 +72,8 @@ def test_a_change_while_asleep_keeps_the_sleep_reservation_and_says_why() -> Non
         assert small.mib_after == 1000 and not small.restart, new
         assert small.change != "unchanged", new
         assert small.reason is not None and "sleeping" in small.reason, new
+        from gpud.core.actions import actions
+        assert [a.kind for a in actions(plan) if a.serve == "small"] == [], new
         assert plan.after.figures("a").committed_mib == 7000
 
 
