@@ -4,11 +4,13 @@ force over every subset."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpud.core import preempt
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles, plan_preemption
 
 
@@ -194,3 +196,50 @@ def test_properties_on_several_roles(cands: list[Candidate], priority: int, need
             x.frees_mib for x in chosen if room.role in x.roles)
     assert all(s.roles == tuple(r for r in free if r in by_name[s.serve].roles)
                for s in out.steps) or len(free) == 1
+
+
+def _crowd(seed: int, n: int = 64) -> tuple[list[Candidate], int]:
+    """`n` serves of about 1 GiB each on two roles (or both), and a need that only many of
+    them cover: the exact search over such a crowd is exponential."""
+    rng = random.Random(seed)
+    cands = [Candidate(f"s{i}", 10 + i, rng.randint(900, 1100), "sleep", 0,
+                       rng.choice([("a",), ("b",), ("a", "b")])) for i in range(n)]
+    totals = [sum(c.frees_mib for c in cands if c.on(r)) for r in ("a", "b")]
+    return cands, int(min(totals) * rng.uniform(0.5, 0.99))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_crowd_on_two_roles_gets_a_plan_within_the_search_budget(seed: int) -> None:
+    cands, need = _crowd(seed)
+    out = plan_on_roles("hi", 1, need, {"a": 0, "b": 0}, cands)
+    assert isinstance(out, Plan)
+    chosen = [c for c in cands if c.serve in {s.serve for s in out.steps}]
+    for role in ("a", "b"):
+        assert sum(c.frees_mib for c in chosen if c.on(role)) >= need
+    # no victim the others cover without
+    for c in chosen:
+        others = [o for o in chosen if o is not c]
+        assert any(sum(o.frees_mib for o in others if o.on(r)) < need for r in ("a", "b"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(role_candidates, st.integers(0, 5), st.integers(1, 90),
+       st.dictionaries(st.sampled_from("xyz"), st.integers(-20, 60), min_size=2))
+def test_past_the_search_budget_the_plan_still_covers_every_role(
+        cands: list[Candidate], priority: int, need: int, free: dict[str, int]) -> None:
+    exact = plan_on_roles("hi", priority, need, free, cands)
+    old = preempt.SEARCH_BUDGET
+    preempt.SEARCH_BUDGET = 0
+    try:
+        greedy = plan_on_roles("hi", priority, need, free, cands)
+    finally:
+        preempt.SEARCH_BUDGET = old
+    assert isinstance(greedy, NoPlan) == isinstance(exact, NoPlan)
+    if isinstance(greedy, NoPlan) or isinstance(exact, NoPlan):
+        return
+    by_name = {x.serve: x for x in cands}
+    chosen = [by_name[s.serve] for s in greedy.steps]
+    assert all(x.priority > priority for x in chosen)
+    assert all(room + sum(x.frees_mib for x in chosen if x.on(role)) >= need
+               for role, room in free.items())
+    assert len(chosen) >= len(exact.steps)  # the exact search is the fewest

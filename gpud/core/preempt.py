@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Action = Literal["sleep", "stop"]
+# Steps of the exact search for a plan over several roles (see _fewest_on_roles).
+SEARCH_BUDGET = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +262,14 @@ def _rooms(free: Mapping[str, int], chosen: Sequence[Candidate]) -> tuple[RoleRo
 def _fewest_on_roles(eligible: Sequence[Candidate], short: Mapping[str, int]) -> list[Candidate]:
     """The first set, in the order of `eligible` (least important first), of the smallest size
     that covers every role's shortfall: a depth-first search by size, pruned where the largest
-    frees left on some role could not make up what it still lacks."""
+    frees left on some role could not make up what it still lacks.
+
+    Covering several roles at once is a set-cover problem: the exact search can take time
+    exponential in the number of candidates. It is given SEARCH_BUDGET steps; past them the
+    plan is `_greedy_cover`'s, which still covers every role with serves of lower priority
+    only and holds no victim it could do without, but may not be the fewest."""
     n = len(eligible)
+    budget = [SEARCH_BUDGET]
     # On each role, what the candidates from index i on free, largest first (for the bound).
     tails = {role: [sorted((c.frees_mib for c in eligible[i:] if c.on(role)), reverse=True)
                     for i in range(n + 1)] for role in short}
@@ -273,6 +281,9 @@ def _fewest_on_roles(eligible: Sequence[Candidate], short: Mapping[str, int]) ->
             return list(picked)
         if slots == 0:
             return None
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _OutOfBudget
         for role, lack in need.items():
             if lack > 0 and sum(tails[role][start][:slots]) < lack:
                 return None
@@ -289,11 +300,40 @@ def _fewest_on_roles(eligible: Sequence[Candidate], short: Mapping[str, int]) ->
                 return found
         return None
 
-    for k in range(lower, n + 1):
-        found = search(0, k, dict(short), [])
-        if found is not None:
-            return found
+    try:
+        for k in range(lower, n + 1):
+            found = search(0, k, dict(short), [])
+            if found is not None:
+                return found
+    except _OutOfBudget:
+        return _greedy_cover(eligible, short)
     raise AssertionError("no completion of the preemption plan")  # pragma: no cover
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+def _greedy_cover(eligible: Sequence[Candidate], short: Mapping[str, int]) -> list[Candidate]:
+    """A cover of every role's shortfall found greedily: each time the candidate that makes up
+    the most of what is still lacking (the least important first among equals), then, the most
+    important first, every victim the others cover without is dropped. The candidates must
+    cover every shortfall together (the caller checks)."""
+    need = dict(short)
+    order = {c.serve: i for i, c in enumerate(eligible)}
+    rest = list(eligible)
+    picked: list[Candidate] = []
+    while any(v > 0 for v in need.values()):
+        best = max(rest, key=lambda c: (sum(min(c.frees_mib, v) for r, v in need.items()
+                                            if v > 0 and c.on(r)), -order[c.serve]))
+        rest.remove(best)
+        picked.append(best)
+        need = {r: v - (best.frees_mib if best.on(r) else 0) for r, v in need.items()}
+    for c in sorted(picked, key=lambda c: -order[c.serve]):
+        others = [o for o in picked if o is not c]
+        if all(sum(o.frees_mib for o in others if o.on(r)) >= lack for r, lack in short.items()):
+            picked = others
+    return sorted(picked, key=lambda c: order[c.serve])
 
 
 def _fewest_count(frees: Sequence[int], need: int) -> int:
