@@ -3,7 +3,7 @@
 
     python3 bench/run.py                # everything; writes bench/RESULTS.md
     python3 bench/run.py --quick        # a short smoke run (< 1 min)
-    python3 bench/run.py --only boot    # one figure (repeatable; names or numbers 1-6)
+    python3 bench/run.py --only boot    # one figure (repeatable; names or numbers 1-7)
 
 See bench/README.md for what each figure means and how it is measured. Benchmarks are not
 tests: nothing here runs under pytest, and a missed target is reported, not failed on.
@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import fig_admissions, fig_idle, fig_plan, fig_startup, fig_systemd  # noqa: E402
+from bench import fig_admissions, fig_idle, fig_plan, fig_sleep, fig_startup, fig_systemd  # noqa: E402
 from bench.common import FigureResult, Row, loadavg, machine  # noqa: E402
 
-FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan")
+FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt")
 RESULTS = REPO / "bench" / "RESULTS.md"
 
 
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short smoke run (< 1 min), fewer repeats")
     p.add_argument("--only", action="append", metavar="NAME",
-                   help=f"only this figure: {', '.join(FIGURES)} or 1-6 (may be repeated)")
+                   help=f"only this figure: {', '.join(FIGURES)} or 1-{len(FIGURES)} (may be repeated)")
     p.add_argument("--results", type=Path, default=None,
                    help="write the results here (default: bench/RESULTS.md, written only by a "
                         "full run of every figure)")
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         ("idle", lambda: [fig_idle.run(args.quick)]),
         ("boot+detection", lambda: fig_systemd.run(args.quick, args.only_set)),
         ("plan", lambda: [fig_plan.run(args.quick)]),
+        ("preempt", lambda: [fig_sleep.run(args.quick)]),
     ]
     figs: list[FigureResult] = []
     failed = False

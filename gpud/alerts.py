@@ -59,7 +59,8 @@ class Alerts:
             roles = sorted(n for n, b in ledger.roles.items() if not b.missing
                            and (d := self.observer.device(b.device)) is not None
                            and d.uuid == uuid)
-            serves = sorted(s for s, r in ledger.reservations.items() if r.role in roles)
+            serves = sorted(s for s, r in ledger.reservations.items()
+                            if any(r.on(role) for role in roles))
             live = [s for s in serves if self.svc.state_of(s) in LIVE_STATES]
             on = f"roles {', '.join(roles) or 'none'}; serves {', '.join(serves) or 'none'}"
             if uuid in now:
@@ -116,9 +117,39 @@ class Alerts:
         observed = all_draws(self.observer.draws.values())
         reserved = {s: r.mib for s, r in self.svc.ledger.reservations.items()
                     if self.svc.state_of(s) in LIVE_STATES}
+        # A serve on several devices is judged on each: its reservation is per device, and
+        # its draw there is that of its processes on that device (vLLM: one worker per GPU).
+        per_device: dict[str, tuple[str, str, int]] = {}  # key -> (serve, role, MiB drawn)
+        for serve in list(reserved):
+            res = self.svc.ledger.reservations[serve]
+            if not res.extra_roles:
+                continue
+            del reserved[serve]
+            for role in res.all_roles:
+                budget = self.svc.ledger.roles.get(role)
+                dev = self.observer.device(budget.device) if budget else None
+                if dev is None:
+                    continue
+                key = f"{serve}@{role}"
+                drawn = self.observer.draws.get(dev.uuid, {}).get(serve, 0)
+                per_device[key] = (serve, role, drawn)
+                observed[key] = drawn
+                reserved[key] = res.mib
         over = overdraws(observed, reserved, tolerance)
         rose, _ = self.overdraw.update(over)
-        for serve in rose:
+        for key in rose:
+            if key in per_device:
+                serve, role, drawn = per_device[key]
+                res = self.svc.ledger.reservations[serve]
+                await self.svc.record(self.svc.event(
+                    "overdraw",
+                    f"{serve} draws {drawn} MiB on {role}, over its reservation there of "
+                    f"{res.mib} MiB plus the tolerance of {tolerance} MiB",
+                    serve=serve, role=role, mib=drawn, reservation_mib=res.mib,
+                    tolerance_mib=tolerance, over_mib=drawn - res.mib,
+                    roles=list(res.all_roles)))
+                continue
+            serve = key
             res = self.svc.ledger.reservations[serve]
             await self.svc.record(self.svc.event(
                 "overdraw",

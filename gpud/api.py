@@ -21,13 +21,23 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpud.config import MAX_MIB, _reason
 from gpud.core import answers
 from gpud.core.authority import needs_root
+from gpud.core.ledger import RoleFigures
 from gpud.core.vocab import EVENT_KINDS
-from gpud.errors import BadRequest, Conflict, Forbidden, GpudError, NotFound, PayloadTooLarge, Unavailable
+from gpud.errors import (
+    BadRequest,
+    Conflict,
+    Denied,
+    Forbidden,
+    GpudError,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+)
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
@@ -87,9 +97,31 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class AdmitBody(_Wire):
+class _Preempting(_Wire):
+    # Put serves of lower priority on the role to sleep (or stop them) when it does not fit.
+    preempt: bool = False
+    dry_run: bool = False  # with preempt: the plan only, nothing started or put to sleep
+
+    @model_validator(mode="after")
+    def _dry_run_with_preempt(self) -> _Preempting:
+        # A dry run of nothing else would be carried out for real: refused instead.
+        if self.dry_run and not self.preempt:
+            raise ValueError("dry_run goes with preempt (the dry run is of a preemption's plan); "
+                             "without preempt nothing can be dry run")
+        return self
+
+
+class AdmitBody(_Preempting):
     mib: int = Field(gt=0, le=MAX_MIB)
     role: str | None = None
+
+
+class StartBody(_Preempting):
+    pass
+
+
+class SleepBody(_Wire):
+    level: int | None = Field(default=None, ge=1, le=2)
 
 
 class ReleaseBody(_Wire):
@@ -101,8 +133,20 @@ class ConfigBody(_Wire):
     source: str | None = None
 
 
+class SleepControl(Protocol):
+    async def sleep(self, serve: str, uid: int | None, level: int | None = None) -> dict[str, Any]: ...
+    async def wake(self, serve: str, uid: int | None) -> dict[str, Any]: ...
+    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
+                               dry_run: bool = False) -> dict[str, Any]: ...
+    def parked_mib(self, serve: str) -> int | None: ...
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
+
+
 class Supervisor(Protocol):
-    async def start(self, serve: str, uid: int | None) -> None: ...
+    @property
+    def sleeps(self) -> SleepControl: ...
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None: ...
     async def stop(self, serve: str, uid: int | None) -> None: ...
     async def restart(self, serve: str, uid: int | None) -> None: ...
 
@@ -152,6 +196,8 @@ class Api:
         self.route("POST", "/v1/serves/{name}/start", self.start)
         self.route("POST", "/v1/serves/{name}/stop", self.stop)
         self.route("POST", "/v1/serves/{name}/restart", self.restart)
+        self.route("POST", "/v1/serves/{name}/sleep", self.sleep)
+        self.route("POST", "/v1/serves/{name}/wake", self.wake)
         self.route("POST", "/v1/reload", self.reload)
         self.route("POST", "/v1/plan", self.plan, "read")  # computes, changes nothing
         self.route("POST", "/v1/apply", self.apply)
@@ -256,13 +302,18 @@ class Api:
     async def serves(self, request: web.Request) -> web.Response:
         summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
                      if self.calibrations else {})
-        return json_response(serves_view(self.svc, self.draws, self._calibrations(), summaries))
+        return json_response(serves_view(self.svc, self.draws, self._calibrations(),
+                                         summaries, self._parked))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
-            return serve_view(self.svc, name, self.draws)
+            return serve_view(self.svc, name, self.draws, parked=self._parked)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
-                          self.calibrations.summary_of(name))
+                          self.calibrations.summary_of(name), self._parked)
+
+    def _parked(self, serve: str) -> int | None:
+        """Host RAM a sleeping serve's weights are parked in (level 1)."""
+        return self.supervisor.sleeps.parked_mib(serve) if self.supervisor is not None else None
 
     def _known(self, request: web.Request) -> str:
         name = request.match_info["name"]
@@ -348,19 +399,75 @@ class Api:
         name = request.match_info["name"]
         check_serve_name(name)
         body = await read_model(request, AdmitBody)
-        admission = await self.svc.admit(name, body.mib, role=body.role, uid=self._uid(request))
+        if body.preempt:
+            return await self._admit_preempting(name, body, self._uid(request))
+        try:
+            admission = await self.svc.admit(name, body.mib, role=body.role,
+                                             uid=self._uid(request))
+        except Denied as exc:
+            if self.supervisor is None or self.svc.serve_spec(name) is None \
+                    or exc.details.get("bound") == "device":
+                raise
+            would, details = self.supervisor.sleeps.what_preemption_would_do(name, body.mib)
+            raise Denied(exc.message + would, {**exc.details, **details}) from exc
         f = admission.figures
+        res = admission.reservation
         answer: answers.Admitted = {
             "serve": name,
-            "role": admission.reservation.role,
-            "mib": admission.reservation.mib,
+            "role": res.role,
+            "mib": res.mib,
             "replaced_mib": admission.replaced_mib,
             "check": admission.check,
             "note": admission.note,
-            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "figures": _figures(f),
         }
+        if res.extra_roles:  # a serve on several roles: the figures of each
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {g.role: _figures(g) for g in admission.all_figures}
         return json_response(answer)
+
+    async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
+        if self.svc.serve_spec(name) is None:
+            held = self.svc.ledger.reservations.get(name)
+            what = "holds an external reservation" if held is not None and held.external \
+                else "is not in the config"
+            raise BadRequest(f"serve {name!r} {what}: a preemption makes room only for a serve "
+                             "gpud launches (admit without preempt to reserve memory for a "
+                             "process gpud does not launch)", {"serve": name})
+        if body.role is not None:
+            self.svc.serve_role(name, body.role)  # the same check as a plain admission
+        sup = self._need_supervisor()
+        carried = await sup.sleeps.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
+        if body.dry_run:
+            return json_response({"serve": name, **carried})
+        res = self.svc.ledger.reservations[name]
+        answer: answers.Admitted = {
+            "serve": name, "role": res.role, "mib": res.mib, "replaced_mib": None,
+            "check": self.svc.config.daemon.admission, "note": None,
+            "figures": _figures(self.svc.ledger.figures(res.role)),
+            "preemption": carried.get("preemption"),
+        }
+        if res.extra_roles:  # as a plain admission answers: the figures of each role
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
+                                         for r in res.all_roles}
+        return json_response(answer)
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        body = await read_model(request, SleepBody, empty_ok=True)
+        sup = self._need_supervisor()
+        done = await sup.sleeps.sleep(name, self._uid(request), body.level)
+        return json_response({**self._serve_view(name), "sleep": done})
+
+    async def wake(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        check_serve_name(name)
+        await read_model(request, _Empty, empty_ok=True)
+        sup = self._need_supervisor()
+        done = await sup.sleeps.wake(name, self._uid(request))
+        return json_response({**self._serve_view(name), "wake": done})
 
     async def release(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -378,10 +485,12 @@ class Api:
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
         answer: answers.Released = {
-            "serve": name, "role": res.role, "released_mib": res.mib,
-            "figures": {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-                        "committed_mib": f.committed_mib, "free_mib": f.free_mib},
+            "serve": name, "role": res.role, "released_mib": res.mib, "figures": _figures(f),
         }
+        if res.extra_roles:
+            answer["roles"] = list(res.all_roles)
+            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
+                                         for r in res.all_roles}
         return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
@@ -393,11 +502,21 @@ class Api:
     async def _lifecycle(self, request: web.Request, action: str) -> web.Response:
         name = request.match_info["name"]
         check_serve_name(name)
-        await read_model(request, _Empty, empty_ok=True)
+        body = await read_model(request, StartBody if action == "start" else _Empty,
+                                empty_ok=True)
         sup = self._need_supervisor()
         uid = self._uid(request)
-        if action == "start":
-            await sup.start(name, uid)
+        if isinstance(body, StartBody) and body.preempt and body.dry_run:
+            spec = self.svc.serve_spec(name)
+            if spec is None:
+                raise NotFound(f"unknown serve {name!r}: not in the config", {"serve": name})
+            plan = await sup.sleeps.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
+            return json_response({**self._serve_view(name), **plan})
+        if isinstance(body, StartBody):
+            carried = await sup.start(name, uid, preempt=body.preempt)
+            if body.preempt:
+                return json_response({**self._serve_view(name),
+                                      "preemption": (carried or {}).get("preemption")})
         elif action == "stop":
             await sup.stop(name, uid)
         else:
@@ -575,3 +694,8 @@ def parse_since(value: str) -> float:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
         raise BadRequest(f"since: not epoch seconds or ISO 8601: {value[:50]!r}") from exc
+
+
+def _figures(f: RoleFigures) -> answers.Figures:
+    return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+            "committed_mib": f.committed_mib, "free_mib": f.free_mib}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.core import answers
-from gpud.core.launch import fingerprint, utilization, vllm_budget_mib
+from gpud.core.launch import fingerprint, smallest_total, utilization, vllm_budget_mib
 from gpud.core.vocab import RUNNING
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
@@ -125,6 +125,14 @@ class Calibrator:
         return {"steady_mib": rec.steady_mib, "peak_mib": rec.peak_mib,
                 "recommended_mib": rec.recommended_mib, "vllm": rec.vllm}
 
+    def weights_mib(self, serve: str) -> int | None:
+        """The weights the current calibration measured (vLLM's account), if any: what a
+        level-1 sleep parks in host RAM."""
+        rec = self.record_of(serve)
+        if rec is None or not rec.vllm or rec.vllm.get("weights_mib") is None:
+            return None
+        return int(rec.vllm["weights_mib"])
+
     def sizing_problem(self, serve: str) -> str | None:
         """A vllm serve that sizes its KV cache itself (kv_cache_mib) must fit what its current
         calibration says it holds beside it: weights + CUDA graphs + context + KV <= vram_mib.
@@ -173,8 +181,9 @@ class Calibrator:
         figures: dict[str, Any] = parse_memory_lines(
             await self.journal(f"gpud-serve-{serve}.service")).to_json()
         res = self.svc.ledger.reservations.get(serve)
-        role = self.svc.ledger.roles.get(spec.role)
-        total = self.observer.device_total(role.device) if role else None
+        roles = [self.svc.ledger.roles.get(r) for r in spec.all_roles]
+        totals = [self.observer.device_total(r.device) if r else None for r in roles]
+        total = smallest_total(totals)
         figures["context_mib"] = None
         if res is not None and total and spec.vllm.kv_cache_mib is None \
                 and vllm_budget_mib(spec, res.mib) * 10_000 >= total:
@@ -183,6 +192,15 @@ class Calibrator:
             # The budget already leaves vllm.context_mib out: what is beyond it is all context.
             figures["context_mib"] = context_mib(steady_mib, budget)
         return figures
+
+    def _sample(self, serve: str) -> int | None:
+        """The serve's draw for calibration: on one device, its draw; on several, the largest
+        of its per-device draws (its reservation is per device, the same on each)."""
+        spec = self.svc.serve_spec(serve)
+        if spec is not None and spec.extra_roles:
+            per = self.observer.observed_by_device(serve)
+            return None if per is None else max(per.values(), default=0)
+        return self.observer.observed_mib(serve)
 
     def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun:
         spec = self.svc.serve_spec(serve)
@@ -210,7 +228,7 @@ class Calibrator:
                 await self.observer.next_sample(self.observer.interval * 2 + 1)
                 if self.svc.state_of(run.serve) != RUNNING:
                     raise Conflict(f"{run.serve} stopped running during calibration")
-                mib = self.observer.observed_mib(run.serve)
+                mib = self._sample(run.serve)
                 if mib is not None:
                     run.samples.append(mib)
             if not run.samples:

@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
@@ -32,7 +40,8 @@ HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
 MAX_MIB = 2**31 - 1
 
-PLACEHOLDERS = frozenset({"port", "gpu_memory_utilization", "device_index", "vram_mib"})
+PLACEHOLDERS = frozenset({"port", "gpu_memory_utilization", "device_index", "device_indexes",
+                          "vram_mib"})
 # gpud pins the serve to its device itself; a serve's environment may not override that.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 
@@ -75,6 +84,14 @@ class DaemonConfig(_Model):
     # Events kept in the store (the newest); older ones are pruned in batches.
     events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
     metrics_listen: str | None = None
+    # Sleeping serves put to sleep by a preemption wake by priority, while they fit, when
+    # memory is released on their role.
+    auto_wake: bool = True
+    # A resident serve of higher priority may put lower ones to sleep at boot.
+    preempt_at_boot: bool = False
+    # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
+    # plus this much.
+    sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
 
 
 class RoleConfig(_Model):
@@ -127,7 +144,11 @@ class ContainerConfig(_Model):
 
 
 class ServeConfig(_Model):
+    # `role`, or `roles` for a serve on several devices (tensor parallel): exactly one of the
+    # two is written. With `roles`, `role` is the first of them (filled in on load) and
+    # `vram_mib` is the reservation on EACH role.
     role: str
+    roles: list[str] | None = None
     vram_mib: int = Field(gt=0, le=MAX_MIB)
     resident: bool = False
     priority: int = Field(default=100, ge=0, le=1_000_000)
@@ -142,6 +163,45 @@ class ServeConfig(_Model):
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart: Literal["no", "on-failure", "always"] = "on-failure"
     restart_sec: float = Field(default=2.0, ge=0)
+    # vLLM's sleep mode: 1 parks the weights in host RAM, 2 drops them; 0 never sleeps.
+    sleep_level: Literal[0, 1, 2] = 0
+    # The reservation kept while asleep (CUDA context and what vLLM keeps). Unset: measured
+    # after the first sleep (plus daemon.overdraw_tolerance_mib); a first sleep needs it.
+    sleep_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # What a preemption by a serve of higher priority does to this one: "sleep" (the default
+    # with a sleep_level) or "stop"; without either it is never preempted.
+    preemptible: Literal["sleep", "stop"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_of_role_or_roles(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "roles" not in data:
+            return data
+        if "role" in data:
+            raise ValueError("give exactly one of role or roles")
+        roles = data["roles"]
+        if isinstance(roles, list) and roles and isinstance(roles[0], str):
+            return {**data, "role": roles[0]}
+        if isinstance(roles, list) and not roles:
+            raise ValueError("roles: must name at least one role")
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump_as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Dumped as written: `roles` for a serve on several roles (its `role` is derived), and
+        # `role` alone otherwise (as before `roles` existed), so a dump validates again.
+        data: dict[str, Any] = handler(self)
+        data.pop("role" if self.roles else "roles", None)
+        return data
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        """The roles the serve reserves on, in order (one per device it runs on)."""
+        return tuple(self.roles) if self.roles else (self.role,)
+
+    @property
+    def extra_roles(self) -> tuple[str, ...]:
+        return self.all_roles[1:]
 
     @model_validator(mode="after")
     def _how_to_run(self) -> ServeConfig:
@@ -157,6 +217,10 @@ class ServeConfig(_Model):
                                  "the table's argv; give one of them")
         elif (self.vllm is None) == (self.command is None):
             raise ValueError("give exactly one of a [vllm] table or a command")
+        if self.sleep_mib is not None and self.sleep_mib >= self.vram_mib:
+            raise ValueError(f"sleep_mib: {self.sleep_mib} must be below vram_mib {self.vram_mib}")
+        if self.preemptible == "sleep" and not self.sleep_level:
+            raise ValueError('preemptible: "sleep" needs a sleep_level of 1 or 2')
         if self.command is not None and not self.command:
             raise ValueError("command: must not be empty")
         if not self.health_path.startswith("/"):
@@ -186,6 +250,10 @@ class Config(_Model):
     def role_of(self, serve: str) -> str | None:
         spec = self.serves.get(serve)
         return spec.role if spec else None
+
+    def roles_of(self, serve: str) -> tuple[str, ...]:
+        spec = self.serves.get(serve)
+        return spec.all_roles if spec else ()
 
 
 def _reason(err: Mapping[str, Any]) -> str:
@@ -243,15 +311,27 @@ def _semantic_problems(cfg: Config) -> list[str]:
             check_name("serve", name)
         except ValueError as exc:
             problems.append(f"serves.{name}: {exc}")
-        target = cfg.roles.get(serve.role)
-        if target is None:
-            known = ", ".join(sorted(cfg.roles)) or "none"
-            problems.append(f"serves.{name}.role: unknown role {serve.role!r} (roles: {known})")
-        elif target.capacity_mib is not None and serve.vram_mib > target.capacity_mib:
-            problems.append(
-                f"serves.{name}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} "
-                f"capacity_mib {target.capacity_mib}"
-            )
+        devices: dict[str, str] = {}
+        for i, role_name in enumerate(serve.all_roles):
+            where = f"serves.{name}.roles[{i}]" if serve.roles else f"serves.{name}.role"
+            if role_name in serve.all_roles[:i]:
+                problems.append(f"{where}: role {role_name!r} is named twice")
+                continue
+            target = cfg.roles.get(role_name)
+            if target is None:
+                known = ", ".join(sorted(cfg.roles)) or "none"
+                problems.append(f"{where}: unknown role {role_name!r} (roles: {known})")
+                continue
+            if target.device in devices:
+                problems.append(f"{where}: role {role_name!r} is on device {target.device!r}, "
+                                f"like role {devices[target.device]!r}: each role of a serve "
+                                "must be on a different device")
+            devices.setdefault(target.device, role_name)
+            if target.capacity_mib is not None and serve.vram_mib > target.capacity_mib:
+                problems.append(
+                    f"serves.{name}.vram_mib: {serve.vram_mib} exceeds role {role_name!r} "
+                    f"capacity_mib {target.capacity_mib}"
+                )
         if serve.port is not None:
             if serve.port in ports:
                 problems.append(
@@ -275,6 +355,14 @@ def _semantic_problems(cfg: Config) -> list[str]:
         if serve.container is not None:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
+    for name, serve in cfg.serves.items():
+        host = serve.vllm.host if serve.vllm is not None else None
+        if serve.sleep_level and host not in (None, "127.0.0.1"):
+            # VLLM_SERVER_DEV_MODE exposes /sleep, /wake_up and more (collective_rpc): those
+            # must not face the network.
+            problems.append(f"serves.{name}.vllm.host: a serve with sleep_level binds "
+                            f"127.0.0.1 (its dev endpoints must not face the network), "
+                            f"not {host!r}")
     if cfg.simulation is not None:
         seen: set[str] = set()
         for i, dev in enumerate(cfg.simulation.devices):
@@ -370,12 +458,15 @@ def _vllm_problems(cfg: Config) -> list[str]:
         table = None
     totals = device_totals(cfg)
     for name, serve in cfg.serves.items():
-        role = cfg.roles.get(serve.role)
-        if role is None or not uses_utilization(serve):
+        roles = [cfg.roles.get(r) for r in serve.all_roles]
+        if any(r is None for r in roles) or not uses_utilization(serve):
             continue
         # util = floor(budget / total): 0 whenever budget x 10000 < total, and capacity <= total.
-        total = totals.get(role.device)
-        bound = total or role.capacity_mib
+        # On several devices it is computed against the smallest total (the largest figure).
+        known = [t for r in roles if r is not None and (t := totals.get(r.device))]
+        total = min(known) if len(known) == len(roles) else None
+        caps = [r.capacity_mib for r in roles if r is not None and r.capacity_mib]
+        bound = total or (max(caps) if caps else None)
         budget = vllm_budget_mib(serve, serve.vram_mib)
         if bound and budget > 0 and budget * 10_000 < bound:
             util = gpu_memory_utilization(budget, total) if total else "0.0000"
@@ -400,6 +491,8 @@ def _vllm_problems(cfg: Config) -> list[str]:
             problems.append(f"serves.{name}.vllm.kv_cache_mib: {v.kv_cache_mib} (+ context_mib "
                             f"{v.context_mib}) must be below vram_mib {serve.vram_mib} (the "
                             "weights need room too)")
+        for i, why in tensor_parallel_problems(serve):
+            problems.append(f"serves.{name}.vllm.extra_args[{i}]: {why}")
         for i, arg in enumerate(v.extra_args):
             key = GPUD_SET_OPTIONS.get(_option_name(arg))
             if key is not None:
@@ -418,6 +511,41 @@ def _vllm_problems(cfg: Config) -> list[str]:
         args = parts[2:]  # after `vllm serve`
         for problem in check_serve_args([a for a, _ in args], table):
             problems.append(f"serves.{name}.{args[problem.index][1]}: {problem.message}")
+    return problems
+
+
+TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel-size", "-tp")
+# vLLM's world size is pipeline x tensor parallel, and data parallel runs that many engines of it
+# (vllm/config/parallel.py: ParallelConfig.__post_init__): gpud gives a serve one device per role
+# and the tensor-parallel size over them, so the other sizes must stay 1.
+OTHER_PARALLEL_OPTIONS = ("--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+
+
+def tensor_parallel_problems(serve: ServeConfig) -> list[tuple[int, str]]:
+    """An explicit --tensor-parallel-size (or -tp) in extra_args that disagrees with the number
+    of roles: gpud passes the number of roles itself, and argparse would keep the last one. A
+    pipeline- or data-parallel size other than 1 would want more devices than the serve has."""
+    v = serve.vllm
+    if v is None:
+        return []
+    want = len(serve.all_roles)
+    problems: list[tuple[int, str]] = []
+    for i, arg in enumerate(v.extra_args):
+        name, eq, value = arg.partition("=")
+        option = _option_name(name)
+        if option not in TENSOR_PARALLEL_OPTIONS + OTHER_PARALLEL_OPTIONS:
+            continue
+        if not eq:
+            value = v.extra_args[i + 1] if i + 1 < len(v.extra_args) else ""
+        if option in OTHER_PARALLEL_OPTIONS:
+            if value.strip() != "1":
+                problems.append((i, f"{name} {value or '(no value)'}: gpud runs the serve on "
+                                    f"its {want} role(s), one device each, tensor parallel "
+                                    "over them; other parallel sizes must stay 1"))
+        elif value.strip() != str(want):
+            problems.append((i, f"{name} {value or '(no value)'} disagrees with the serve's "
+                                f"{want} role(s): gpud passes --tensor-parallel-size {want} "
+                                "(one device per role); drop it or change the roles"))
     return problems
 
 
@@ -511,12 +639,16 @@ def summary(cfg: Config) -> str:
         cap = f"{role.capacity_mib} MiB" if role.capacity_mib else "device total"
         lines.append(f"role {rname!r} on {role.device}: capacity {cap}, reserve {role.reserve_mib} MiB")
         serves = sorted(
-            ((s.priority, n, s) for n, s in cfg.serves.items() if s.role == rname),
+            ((s.priority, n, s) for n, s in cfg.serves.items() if rname in s.all_roles),
             key=lambda t: (t[0], t[1]),
         )
         for _, sname, s in serves:
             flags = "resident" if s.resident else "on demand"
-            lines.append(f"  {sname} {s.vram_mib} MiB ({flags}, priority {s.priority})")
+            part = ""
+            if s.roles and len(s.all_roles) > 1:
+                part = (f"; {s.all_roles.index(rname) + 1}/{len(s.all_roles)} of "
+                        f"{', '.join(s.all_roles)}")
+            lines.append(f"  {sname} {s.vram_mib} MiB ({flags}, priority {s.priority}{part})")
     if cfg.simulation:
         devs = ", ".join(f"{d.uuid} {d.total_mib} MiB" for d in cfg.simulation.devices)
         lines.append(f"simulated devices: {devs}")

@@ -194,8 +194,10 @@ class Daemon:
             self.svc = svc
             stack.callback(svc.close)
             recovery = Recovery(svc, self.config_path)
-            if recovery.prepare() and self.config_path is not None:
-                self.config_text = read_config_text(self.config_path)
+            if recovery.prepare() and recovery.text is not None:
+                # Started under the config in force when the apply was cut short: its rollback
+                # (recovery.finish) goes from there, as a failed apply's would.
+                self.config_text = recovery.text
                 svc.config = apply_overrides(parse_config(self.config_text,
                                                           str(self.config_path)), self.overrides)
                 svc.config_text = self.config_text
@@ -207,6 +209,7 @@ class Daemon:
             calibrator = Calibrator(svc, observer)
             calibrator.load()
             supervisor.sizing = calibrator.sizing_problem
+            supervisor.sleeps.weights = calibrator.weights_mib
             stack.push_async_callback(calibrator.close)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator),
@@ -385,8 +388,9 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
 
         found += [f"{e} is not installed (not found in PATH): the container serves cannot start"
                   for e in engines if shutil.which(e) is None]
-        names, _read = cdi.gpu_names(cdi.SPEC_DIRS if cdi_dirs is None else cdi_dirs)
-        if not names:
+        specs = cdi.scan(cdi.SPEC_DIRS if cdi_dirs is None else cdi_dirs)
+        found += [f"container serves: CDI spec {problem}" for problem in specs.problems]
+        if not specs.names:
             found.append(f"container serves: {cdi.missing_spec_message()}")
     return found
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpud.calibration import Calibrator
-from gpud.core.vocab import STATES
+from gpud.core.vocab import EVENT_KINDS, STATES
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-COUNTED = ("admit", "deny", "release", "start", "restart", "crash-loop", "overdraw",
-           "reserve-exceeded", "exit", "unhealthy", "reload")
+# Every kind of event gpud records has its series, from its first scrape (a counter that appears
+# only once its first event happens loses that first increase to rate()).
+COUNTED: tuple[str, ...] = tuple(str(kind) for kind in EVENT_KINDS)
 
 
 def _escape(value: str) -> str:
@@ -113,14 +114,33 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
         spec = svc.serve_spec(serve)
         role = res.role if res else (spec.role if spec else "")
         labels = {"serve": serve, "role": role, **role_labels.get(role, {"gpu": "", "UUID": ""})}
-        fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
-            ).add(res.mib if res else 0, **labels)
-        observed = observer.observed_mib(serve) if observer else None
-        if observed is not None:
-            fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
-                ).add(observed, **labels)
-        fam("gpud_serve_device_lost", "gauge", "1 when the device of the serve's role is lost"
-            ).add(1 if role and svc.lost_device(role) else 0, **labels)
+        roles = res.all_roles if res else (spec.all_roles if spec else ())
+        if len(roles) > 1:
+            # A serve on several devices: one series per device (its reservation is on each,
+            # its draw there is that of its processes on that device).
+            by_device = observer.observed_by_device(serve) if observer else None
+            for name in roles:
+                where = role_labels.get(name, {"gpu": "", "UUID": ""})
+                one = {"serve": serve, "role": name, **where}
+                fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
+                    ).add(res.mib if res else 0, **one)
+                if by_device is not None and observer is not None:
+                    held = ledger.roles.get(name)
+                    dev = observer.device(held.device) if held else None
+                    fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
+                        ).add(by_device.get(dev.uuid, 0) if dev else 0, **one)
+                fam("gpud_serve_device_lost", "gauge",
+                    "1 when the device of the serve's role is lost"
+                    ).add(1 if svc.lost_device(name) else 0, **one)
+        else:
+            fam("gpud_serve_reservation_mib", "gauge", "The serve's reservation (0: none)"
+                ).add(res.mib if res else 0, **labels)
+            observed = observer.observed_mib(serve) if observer else None
+            if observed is not None:
+                fam("gpud_serve_observed_mib", "gauge", "Memory observed in the serve's unit"
+                    ).add(observed, **labels)
+            fam("gpud_serve_device_lost", "gauge", "1 when the device of the serve's role is lost"
+                ).add(1 if role and svc.lost_device(role) else 0, **labels)
         current = svc.state_of(serve)
         state_fam = fam("gpud_serve_state", "gauge", "1 for the serve's current state")
         for state in STATES:
@@ -131,6 +151,8 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
     for kind in COUNTED:
         fam("gpud_events_total", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)
+    fam("gpud_preemptions_total", "counter", "Serves put to sleep or stopped by a preemption "
+        "since gpud started").add(svc.counters.get("preempt", 0))
     obs_ok = bool(observer and observer.available)
     fam("gpud_observation_available", "gauge", "1 when observation works").add(1 if obs_ok else 0,
         backend=observer.backend.name if observer else "none")

@@ -225,7 +225,8 @@ class Observer:
             # of "used" non-ledger draw would raise false alarms. No split rather than a wrong one.
             return None
         roles = self._roles_on(ref, ledger)
-        reservations = [r for r in ledger.reservations.values() if r.role in roles]
+        reservations = [r for r in ledger.reservations.values()
+                        if any(r.on(role) for role in roles)]
         return device_draw(
             total_mib=dev.total_mib, used_mib=dev.used_mib, free_mib=dev.free_mib,
             draws=self.draws.get(dev.uuid, {}), reservations=reservations, states=states,
@@ -250,6 +251,21 @@ class Observer:
             if serve in per_device:
                 total = (total or 0) + per_device[serve]
         return total if total is not None else 0
+
+    def observed_each_mib(self, serve: str) -> int | None:
+        """The most the serve draws on any one of its devices: what a reservation (held the
+        same on each of its roles) must cover. For a serve on one device, its draw there."""
+        by_device = self.observed_by_device(serve)
+        if by_device is None:
+            return None
+        return max(by_device.values(), default=0)
+
+    def observed_by_device(self, serve: str) -> dict[str, int] | None:
+        """The serve's draw on each device it draws on (device UUID -> MiB); None while
+        observation is unavailable."""
+        if not self.available:
+            return None
+        return {uuid: per[serve] for uuid, per in self.draws.items() if serve in per}
 
     def serve_pids(self, serve: str) -> list[int]:
         return sorted(pid for pid, s in self.owners.items() if s == serve)

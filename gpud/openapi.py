@@ -46,6 +46,9 @@ class _Schemas(GenerateJsonSchema):
 _ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("Reservation", "state"): STATES,
     ("Serve", "state"): STATES,
+    ("Started", "state"): STATES,
+    ("Slept", "state"): STATES,
+    ("Woken", "state"): STATES,
     ("Event", "kind"): EVENT_KINDS,
 }
 
@@ -67,8 +70,12 @@ def component_schemas() -> dict[str, Any]:
 
 
 ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-                   "role": {"type": ["string", "null"], "pattern": NAME_PATTERN}},
+                   "role": {"type": ["string", "null"], "pattern": NAME_PATTERN},
+                   "preempt": _BOOL, "dry_run": _BOOL},
                   ["mib"], extra=False)
+START_BODY = _obj({"preempt": _BOOL, "dry_run": _BOOL}, [], extra=False)
+SLEEP_BODY = _obj({"level": {"type": ["integer", "null"], "minimum": 1, "maximum": 2}}, [],
+                  extra=False)
 CONFIG_BODY = _obj({"config": {"type": "string", "maxLength": 1024 * 1024},
                     "source": {"type": ["string", "null"]}}, ["config"], extra=False)
 
@@ -111,13 +118,22 @@ def document() -> dict[str, Any]:
             "/v1/serves": {"get": {"summary": "All serves", "responses": _answers(_ref("Serves"))}},
             "/v1/serves/{name}": {"get": {"summary": "One serve", "parameters": [NAME_PARAM],
                                           "responses": _answers(_ref("Serve"), 400, 404)}},
-            "/v1/serves/{name}/admit": _post("Reserve memory for a serve", _ref("Admitted"),
-                                             ADMIT_BODY, 404, 409, 500, 503),
+            "/v1/serves/{name}/admit": _post(
+                "Reserve memory for a serve (with preempt: putting lower priorities to sleep)",
+                {"anyOf": [_ref("Admitted"), _ref("PreemptionDryRun")]}, ADMIT_BODY,
+                404, 409, 500, 503),
             "/v1/serves/{name}/release": _post(
                 "Release a serve's reservation", _ref("Released"),
                 _obj({"stop": _BOOL}, [], extra=False), 404, 409, 500, 503),
-            "/v1/serves/{name}/start": _post("Admit if needed, then launch", _ref("Serve"),
-                                             empty, 404, 409, 500, 503),
+            "/v1/serves/{name}/start": _post(
+                "Admit if needed (with preempt: putting lower priorities to sleep), then launch",
+                _ref("Started"), START_BODY, 404, 409, 500, 503),
+            "/v1/serves/{name}/sleep": _post(
+                "Put a running serve to sleep (vLLM sleep mode); its reservation shrinks",
+                _ref("Slept"), SLEEP_BODY, 404, 409, 500, 503),
+            "/v1/serves/{name}/wake": _post(
+                "Wake a sleeping serve (admitted at its awake size first)", _ref("Woken"), empty,
+                404, 409, 500, 503),
             "/v1/serves/{name}/stop": _post("Stop a serve and release it", _ref("Serve"),
                                             empty, 404, 409, 500, 503),
             "/v1/serves/{name}/restart": _post("Restart a serve", _ref("Serve"), empty,

@@ -1,14 +1,16 @@
 """`gpuctl plan` and `gpuctl apply`: the seed's hand-made rebalance as two commands.
 
 apply: validate and plan (refused, nothing touched, when the resident set would not fit or the
-ledger invariant cannot hold, see gpud.core.transition), record the apply's intent in the store,
-back up the config (timestamped, the last N kept), stop live serves that leave the config or
-their role (while their spec is still in force), write the new file atomically, reload, restart
-changed serves shrinking ones before growing ones (so a device is never over-committed on the
-way), start resident serves that now fit, and verify their health. If a step fails, what was done
-is undone in reverse and every serve is brought back to the state it had; a config file changed
-on disk meanwhile is never written over. Each step is reported as it happens and logged as an
-event; a gpud that died during an apply finds its record at the next start (`recover`).
+ledger invariant cannot hold, see gpud.core.transition), then compute the whole apply as a list
+of steps, each with its undo (gpud.core.actions: back up, stop live serves that leave the config
+or their role, release admitted ones that do, write, reload, restart and resize shrinking before
+growing, start by priority, verify; the list `gpuctl plan` shows), record the apply's intent and
+its steps in the store, and carry the steps out one by one, journaling each before it begins.
+If a step fails, the undo of the steps done is carried out (gpud.core.actions.rollback,
+`Undoer`) and every serve is brought back to the state and reservation it had; a config file
+changed on disk meanwhile is never written over. Each step is reported as it happens and logged
+as an event; a gpud that died during an apply finds its record at the next start and runs the
+same rollback over the steps begun (`Recovery`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpud.config import Config, parse_config
 from gpud.core import answers
-from gpud.core.plan import Plan, ServeChange, make_plan
-from gpud.core.vocab import LIVE_STATES, RUNNING
+from gpud.core.actions import Action, actions, rollback, serve_steps
+from gpud.core.plan import Plan, make_plan
+from gpud.core.vocab import DECLARED, LIVE_STATES, RUNNING
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
 from gpud.service import LedgerService, resolve_budgets
+from gpud.steps import Halt, carry_out, undo_all
 from gpud.store import Changes
 from gpud.supervisor import Supervisor
 
@@ -146,233 +151,308 @@ class Rebalancer:
             await self._step(emit, "validate", f"refused: {d.message}", ok=False, uid=uid)
             raise Denied(f"apply refused, nothing changed: the resident set does not fit: "
                          f"{d.message}", {"plan": plan.to_json()})
+        steps = actions(plan)  # the whole apply, decided before anything is touched
         old_text = self.svc.config_text or self.config_path.read_text()
-        before = {n: self.svc.state_of(n) for n in self.svc.known_serves()}
         journal: dict[str, Any] = {"old": old_text, "new": text, "source": source,
-                                   "uid": uid, "done": []}
+                                   "uid": uid, "done": [],
+                                   "steps": [a.to_json() for a in steps]}
         await self._journal(journal)  # before anything is touched: a crash is found at start
-        done: list[tuple[str, ServeChange]] = []
-        saved: Path | None = None
+        run = _Run(emit, uid, journal)
         try:
             await self._step(emit, "validate", f"{source} is valid; the resident set fits; "
                              f"restart: {', '.join(plan.restart) or 'none'}"
                              + (f"; stop first: {', '.join(plan.stop_first)}"
                                 if plan.stop_first else ""), uid=uid)
-            saved = backup(self.config_path, self.svc.config.daemon.config_backups, time.time())
-            await self._step(emit, "backup", f"saved {saved}", uid=uid, path=str(saved))
-            changes = {c.name: c for c in plan.serves}
-            for name in plan.stop_first:
-                await self._do_step(emit, journal, done, "stop", changes[name], uid)
-            write_atomically(self.config_path, text)
-            journal["written"] = True
-            await self._journal(journal)
-            await self._step(emit, "write", f"wrote {self.config_path}", uid=uid)
-            await self.reload(uid, text)
-            await self._step(emit, "reload", "config reloaded", uid=uid)
-            for action, change in self._actions(plan):
-                await self._do_step(emit, journal, done, action, change, uid)
-            summary = self.svc.summary()
-            await self._step(emit, "verify", f"all changed serves healthy; {summary}", uid=uid)
+            await carry_out(steps, lambda action: self._carry_out(run, action, text), run.done,
+                            count_begun=True)
             await self._journal(None)
-            return {"result": "applied", "backup": str(saved), "summary": summary}
+            return {"result": "applied", "backup": str(run.saved), "summary": run.summary}
         except GpudError as exc:
             with contextlib.suppress(GpudError):
                 await self._step(emit, "failed", exc.message, ok=False, uid=uid)
-            await self._rollback(old_text, text, done, before, uid, emit)
+            await self._rollback(old_text, text, run.done, uid, emit)
             with contextlib.suppress(GpudError):
                 await self._journal(None)
             return {"result": "rolled-back", "error": exc.message,
-                    "backup": str(saved) if saved else None, "summary": self.svc.summary()}
+                    "backup": str(run.saved) if run.saved else None,
+                    "summary": self.svc.summary()}
 
-    async def _do_step(self, emit: Emit, journal: dict[str, Any],
-                       done: list[tuple[str, ServeChange]], action: str, change: ServeChange,
-                       uid: int | None) -> None:
-        done.append((action, change))  # before: a half-done step is undone too
-        journal["done"].append([action, change.name])
-        await self._journal(journal)
-        await self._do(action, change, uid)
-        await self._step(emit, action, f"{change.name}: {action} done "
-                         f"({_mib(change.mib_before)} -> {_mib(change.mib_after)})",
-                         uid=uid, serve=change.name)
+    async def _carry_out(self, run: _Run, action: Action, text: str) -> None:
+        """One step of the apply: done, journaled (a step about a serve before it begins: a
+        half-done step is undone too) and reported."""
+        assert self.config_path is not None
+        emit, uid = run.emit, run.uid
+        # The steps begun, before this one begins: gpud's next start undoes them if it dies.
+        run.journal["begun"] = len(run.done)
+        run.journal["done"] = serve_steps(run.done)
+        await self._journal(run.journal)
+        if action.kind == "backup":
+            run.saved = backup(self.config_path, self.svc.config.daemon.config_backups,
+                               time.time())
+            await self._step(emit, "backup", f"saved {run.saved}", uid=uid, path=str(run.saved))
+        elif action.kind == "write":
+            write_atomically(self.config_path, text)
+            run.journal["written"] = True
+            await self._journal(run.journal)
+            await self._step(emit, "write", f"wrote {self.config_path}", uid=uid)
+        elif action.kind == "reload":
+            await self.reload(uid, text)
+            await self._step(emit, "reload", "config reloaded", uid=uid)
+        elif action.kind == "verify":
+            run.summary = self.svc.summary()
+            await self._step(emit, "verify", f"all changed serves healthy; {run.summary}",
+                             uid=uid)
+        else:
+            assert action.kind in ("stop", "release", "restart", "resize", "start")
+            assert action.serve is not None
+            await self._do(action, uid)
+            await self._step(emit, action.kind, f"{action.serve}: {action.kind} done "
+                             f"({_mib(action.mib_before)} -> {_mib(action.mib_after)})",
+                             uid=uid, serve=action.serve)
 
-    def _actions(self, plan: Plan) -> list[tuple[str, ServeChange]]:
-        """After the reload: restarts shrinking before growing, then starts by priority
-        (serves that moved to another role start there again)."""
-        moved = set(plan.stop_first)
-        restarts = sorted((c for c in plan.serves if c.restart and c.name not in moved),
-                          key=lambda c: ((c.mib_after or 0) - (c.mib_before or 0), c.name))
-        new_cfg_priority = {c.name: i for i, c in enumerate(plan.serves)}
-        starts = [("start", c) for c in plan.serves
-                  if (c.state_after == "admitted" and c.state_before not in ("starting", "running"))
-                  or (c.name in moved and c.role_after is not None)]
-        starts.sort(key=lambda a: new_cfg_priority[a[1].name])
-        return [("restart", c) for c in restarts] + starts
-
-    async def _do(self, action: str, change: ServeChange, uid: int | None) -> None:
-        name = change.name
-        if action == "stop":
+    async def _do(self, action: Action, uid: int | None) -> None:
+        name = action.serve
+        assert name is not None
+        if action.kind == "stop":
             await self.supervisor.stop(name, uid)
             return
-        if action == "restart":
+        if action.kind == "release":
+            # Not live (a live one is stopped instead): the service refuses it if it started
+            # since the plan was made, and the apply is rolled back.
+            await self.svc.release(name, uid=uid, reason="apply: the serve leaves the config "
+                                   "or its role")
+            return
+        if action.kind == "resize":
+            # Decided against the ledger like any admission: one that does not fit fails the
+            # apply, which is rolled back.
+            assert action.mib_after is not None
+            await self.svc.admit(name, action.mib_after, uid=uid)
+            return
+        if action.kind == "restart":
             await self.supervisor.stop(name, uid, keep_reservation=True)
-            if change.mib_after is not None:
-                await self.svc.admit(name, change.mib_after, uid=uid)
+            if action.mib_after is not None:
+                await self.svc.admit(name, action.mib_after, uid=uid)
         await self.supervisor.start(name, uid, wait=True)
         if self.svc.state_of(name) != RUNNING:
             rec = self.svc.records.get(name)
             raise GpudError(f"{name} did not become healthy: "
                             f"{rec.reason if rec and rec.reason else self.svc.state_of(name)}")
 
-    async def _rollback(self, old_text: str, new_text: str, done: list[tuple[str, ServeChange]],
-                        before: dict[str, str], uid: int | None, emit: Emit) -> None:
-        """Undo in reverse, each serve back to the state it had before the apply: serves the
-        apply started go first (they may not exist in the old config), then the old config is
-        written back (unless the file changed on disk meanwhile) and reloaded, then restarted
-        and stopped serves come back with their old figures."""
-        assert self.config_path is not None
-        started = [c for a, c in done if a == "start"]
-        others = [(a, c) for a, c in reversed(done) if a != "start"]
-        for change in reversed(started):
-            await self._undo(emit, change.name, uid, self._undo_start(change, before, uid))
-        try:
-            on_disk = self.config_path.read_text()
-        except OSError as exc:
-            on_disk = f"(unreadable: {exc})"
-        if on_disk == new_text:
-            try:
-                write_atomically(self.config_path, old_text)
-            except GpudError as exc:
-                await self._say(emit, "rollback", f"old config NOT written back: {exc.message}",
-                                uid, ok=False)
-                return
-        elif on_disk != old_text:
-            await self._say(emit, "rollback", f"{self.config_path} changed on disk since the "
-                            "apply began: not written over; the serves stay as they are now",
-                            uid, ok=False)
-            return
-        try:
-            if self.svc.config_text != old_text:
-                await self.reload(uid, old_text)
-        except GpudError as exc:
-            await self._say(emit, "rollback", f"old config written back but not reloaded: "
-                            f"{exc.message}", uid, ok=False)
-            return
-        await self._say(emit, "rollback", "old config written back and reloaded", uid)
-        for _action, change in others:
-            await self._undo(emit, change.name, uid, self._undo_change(change, before, uid))
+    async def _rollback(self, old_text: str, new_text: str, done: list[Action],
+                        uid: int | None, emit: Emit) -> None:
+        async def say(message: str, ok: bool, serve: str | None) -> None:
+            await self._say(emit, "rollback", message, uid, ok=ok, serve=serve)
+
+        await Undoer(self.svc, self.supervisor, self.config_path, self.reload,
+                     say).run(old_text, new_text, done, uid)
 
     async def _say(self, emit: Emit, step: str, message: str, uid: int | None, *,
                    ok: bool = True, serve: str | None = None) -> None:
         with contextlib.suppress(GpudError):
             await self._step(emit, step, message, ok=ok, uid=uid, serve=serve)
 
-    async def _undo(self, emit: Emit, name: str, uid: int | None, work: Awaitable[None]) -> None:
+
+# What a rollback says of each undo: (message, ok, serve).
+Say = Callable[[str, bool, str | None], Awaitable[None]]
+
+
+class Undoer:
+    """The undo of an apply's steps done (gpud.core.actions.rollback), carried out: by a failed
+    apply, and by gpud's next start after one it did not live to finish (`Recovery`), so both
+    end the same way."""
+
+    def __init__(self, svc: LedgerService, supervisor: Supervisor, config_path: Path | None,
+                 reload: Reload, say: Say) -> None:
+        self.svc = svc
+        self.supervisor = supervisor
+        self.config_path = config_path
+        self.reload = reload
+        self.say = say
+
+    async def run(self, old_text: str, new_text: str, done: list[Action],
+                  uid: int | None) -> None:
+        """Serves the apply started go first (they may not exist in the old config), then the
+        old config is written back (unless the file changed on disk meanwhile) and reloaded,
+        then restarted, resized, stopped and released serves come back with their old figures,
+        each through the service's admission (what no longer fits is said, never
+        over-committed). A restore that cannot be done ends the rollback there: the serves
+        stay as they are."""
+        async def do(undo: Action) -> None:
+            if undo.kind == "restore":
+                if not await self._restore(old_text, new_text, uid):
+                    raise Halt
+                return
+            assert undo.serve is not None
+            if undo.kind == "stop":
+                work = self._undo_start(undo, uid)
+            elif undo.kind in ("admit", "resize"):
+                work = self._undo_reservation(undo, uid)
+            else:
+                work = self._undo_change(undo, uid)
+            await self._undo(undo.serve, work)
+
+        await undo_all(rollback(done), do)
+
+    async def _restore(self, old_text: str, new_text: str, uid: int | None) -> bool:
+        assert self.config_path is not None
+        try:
+            on_disk = self.config_path.read_text()
+        except OSError as exc:
+            on_disk = f"(unreadable: {exc})"
+        wrote = False
+        if on_disk == new_text and new_text != old_text:
+            try:
+                write_atomically(self.config_path, old_text)
+                wrote = True
+            except GpudError as exc:
+                await self.say(f"old config NOT written back: {exc.message}", False, None)
+                return False
+        elif on_disk != old_text:
+            await self.say(f"{self.config_path} changed on disk since the apply began: not "
+                           "written over; the serves stay as they are now", False, None)
+            return False
+        reloaded = False
+        try:
+            if self.svc.config_text != old_text:
+                await self.reload(uid, old_text)
+                reloaded = True
+        except GpudError as exc:
+            await self.say(f"old config {'written back' if wrote else 'on disk'} but not "
+                           f"reloaded: {exc.message}", False, None)
+            return False
+        await self.say("old config " + ("written back and reloaded" if wrote and reloaded
+                                        else "written back" if wrote
+                                        else "reloaded" if reloaded else "still in force"),
+                       True, None)
+        return True
+
+    async def _undo(self, name: str, work: Awaitable[None]) -> None:
         try:
             await work
-            await self._say(emit, "rollback", f"{name}: back to {self.svc.state_of(name)}", uid,
-                            serve=name)
+            held = self.svc.ledger.reservations.get(name)
+            await self.say(f"{name}: back to {self.svc.state_of(name)}"
+                           + (f" ({held.mib} MiB)" if held is not None else ""), True, name)
         except GpudError as exc:
-            await self._say(emit, "rollback", f"{name}: could not be restored: {exc.message}",
-                            uid, ok=False, serve=name)
+            await self.say(f"{name}: could not be restored: {exc.message}", False, name)
 
-    async def _undo_start(self, change: ServeChange, before: dict[str, str],
-                          uid: int | None) -> None:
-        name = change.name
+    async def _undo_start(self, undo: Action, uid: int | None) -> None:
+        """Undo of a start: stopped again under the new config; a reservation the serve did not
+        hold before the apply is released, the serve back to the state it had."""
+        name = undo.serve
+        assert name is not None
         if self.svc.serve_spec(name) is not None:
             with contextlib.suppress(GpudError):
                 await self.supervisor.stop(name, uid, keep_reservation=True)
         held = self.svc.ledger.reservations.get(name)
-        if held is not None and change.mib_before is None:
+        if held is not None and undo.mib_after is None:
             await self.svc.release(name, uid=uid, reason="rollback", allow_live=True,
-                                   next_state=before.get(name, "declared"))
+                                   next_state=undo.state_after or DECLARED)
 
-    async def _undo_change(self, change: ServeChange, before: dict[str, str],
-                           uid: int | None) -> None:
-        name = change.name
+    async def _undo_reservation(self, undo: Action, uid: int | None) -> None:
+        """Undo of a release or a resize, under the old config: the old reservation back
+        through the service's admission, which refuses it (said so, nothing over-committed)
+        when it no longer fits."""
+        name = undo.serve
+        assert name is not None and undo.mib_after is not None
+        if self.svc.serve_spec(name) is None:
+            return
+        await self.svc.admit(name, undo.mib_after, uid=uid)
+
+    async def _undo_change(self, undo: Action, uid: int | None) -> None:
+        """Undo of a stop or a restart, under the old config: the old figures back, and the
+        serve running again if it was live."""
+        name = undo.serve
+        assert name is not None
         if self.svc.serve_spec(name) is None:
             return
         with contextlib.suppress(GpudError):
             await self.supervisor.stop(name, uid, keep_reservation=True)
-        if change.mib_before is not None:
-            await self.svc.admit(name, change.mib_before, uid=uid)
-        if before.get(name) in LIVE_STATES:
+        if undo.mib_after is not None:
+            await self.svc.admit(name, undo.mib_after, uid=uid)
+        if undo.state_after in LIVE_STATES:
             await self.supervisor.start(name, uid, wait=True)
 
 
+@dataclass
+class _Run:
+    """An apply under way: where it reports, the steps done, what it saved."""
+
+    emit: Emit
+    uid: int | None
+    journal: dict[str, Any]
+    done: list[Action] = field(default_factory=list)
+    saved: Path | None = None
+    summary: str = ""
+
+
 class Recovery:
-    """An apply that gpud did not live to finish left its record in the store. Before the
-    ledger loads, the old config file goes back (unless the file changed since); once the units
-    are reconciled, serves the apply started are stopped, the old config is reloaded, and serves
-    it restarted are restarted on their old settings. The outcome is one `apply` event."""
+    """An apply that gpud did not live to finish left its record in the store: its old and new
+    config, its steps and how many of them had begun. gpud starts again under the config that
+    was in force when it died (the stored one, old or new), and once the units are reconciled
+    the undo of the steps begun is carried out exactly as a failed apply's rollback
+    (gpud.core.actions.rollback, `Undoer`): serves it started stopped, the old config written
+    back (never over a file changed on disk) and reloaded, restarted, resized, stopped and
+    released serves back with their old figures. The outcome is one `apply` event."""
 
     def __init__(self, svc: LedgerService, config_path: Path | None) -> None:
         self.svc = svc
         self.config_path = config_path
         self.record: dict[str, Any] | None = None
-        self.outcome = ""
+        self.begun: list[Action] = []
+        # The config text in force when gpud died: gpud starts under it.
+        self.text: str | None = None
 
     def prepare(self) -> bool:
-        """Put the old file back; True when there was an apply to recover."""
+        """Read the record; True when there was an apply to recover (`text`: the config to
+        start under)."""
         raw = self.svc.store.meta(JOURNAL)
         if raw is None or self.config_path is None:
             return False
         try:
             record = json.loads(raw)
             old, new = str(record["old"]), str(record["new"])
-            record["done"] = [(str(a), str(n)) for a, n in record.get("done", [])]
-        except (ValueError, KeyError, TypeError):
+            steps = [Action.from_json(doc) for doc in record["steps"]]
+            begun = record.get("begun")
+            count = _begun(steps, record) if begun is None else int(begun)
+            self.svc.overrides(parse_config(old, "the config before the apply"))
+            self.svc.overrides(parse_config(new, "the config of the apply"))
+        except (ValueError, KeyError, TypeError, AttributeError, GpudError) as exc:
+            log.error("the record of an interrupted apply cannot be read (%s): dropped", exc)
             self.svc.store.commit(Changes(meta={JOURNAL: None}))
             return False
         self.record = record
-        try:
-            on_disk: str | None = self.config_path.read_text()
-        except OSError:
-            on_disk = None
-        if on_disk == new:
-            try:
-                write_atomically(self.config_path, old)
-                self.outcome = "the old config was written back"
-            except GpudError as exc:
-                self.outcome = f"the old config could NOT be written back ({exc.message})"
-        elif on_disk == old:
-            self.outcome = "the config file still held the old config"
-        else:
-            self.outcome = (f"{self.config_path} changed since the apply began: left as it is, "
-                            "not written over")
+        self.begun = steps[:max(0, count)]
+        # The reload of the apply commits the config with the ledger it gives: the stored one
+        # says which was in force.
+        self.text = new if self.svc.store.meta("config") == new else old
         return True
 
     async def finish(self, supervisor: Supervisor, reload: Reload) -> str | None:
         if self.record is None or self.config_path is None:
             return None
-        done: list[tuple[str, str]] = self.record["done"]
         notes: list[str] = []
-        for action, name in reversed(done):
-            if action == "start" and self.svc.state_of(name) in LIVE_STATES:
-                try:
-                    await supervisor.stop(name, None)
-                    notes.append(f"stopped {name}")
-                except GpudError as exc:
-                    notes.append(f"could not stop {name}: {exc.message}")
-        try:
-            text = self.config_path.read_text()
-            if text != self.svc.config_text:
-                await reload(None, text)
-            notes.append("old config reloaded")
-        except (OSError, GpudError) as exc:
-            notes.append(f"old config not reloaded: {getattr(exc, 'message', exc)}")
-        for action, name in done:
-            if action == "restart" and self.svc.serve_spec(name) is not None:
-                try:
-                    await supervisor.stop(name, None, keep_reservation=True)
-                    await supervisor.start(name, None)
-                    notes.append(f"restarted {name} on its old settings")
-                except GpudError as exc:
-                    notes.append(f"could not restart {name}: {exc.message}")
-        steps = ", ".join(f"{a} {n}" for a, n in done) or "none"
-        message = (f"apply interrupted (gpud stopped during it): {self.outcome}; steps it had "
-                   f"done: {steps}; recovery: {'; '.join(notes)}")
+
+        async def say(message: str, ok: bool, _serve: str | None) -> None:
+            notes.append(message if ok else f"FAILED: {message}")
+
+        await Undoer(self.svc, supervisor, self.config_path, reload, say).run(
+            str(self.record["old"]), str(self.record["new"]), self.begun, None)
+        steps = ", ".join(a.message for a in self.begun) or "none"
+        message = (f"apply interrupted (gpud stopped during it), rolled back as a failed one "
+                   f"would be; steps it had begun: {steps}; rollback: {'; '.join(notes)}")
         log.warning("%s", message)
         await self.svc.put_meta(JOURNAL, None)
         with contextlib.suppress(StoreError):
             await self.svc.record(self.svc.event("apply", message, step="recover", ok=False))
         return message
+
+
+def _begun(steps: list[Action], record: dict[str, Any]) -> int:
+    """How many steps had begun, from a record that does not say (an older gpud's): up to the
+    last serve step it journaled, or to the reload once the file was written."""
+    done = {(str(kind), str(name)) for kind, name in record.get("done", [])}
+    count = 1
+    for i, step in enumerate(steps):
+        if (step.kind, step.serve) in done or (record.get("written") and step.kind == "reload"):
+            count = max(count, i + 1)
+    return count

@@ -103,12 +103,13 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
             continue
         budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
     for sname, serve in cfg.serves.items():
-        budget = next((b for b in budgets if b.name == serve.role), None)
-        if budget and serve.vram_mib > budget.capacity_mib:
-            problems.append(
-                f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {serve.role!r} capacity "
-                f"{budget.capacity_mib}"
-            )
+        for role_name in serve.all_roles:
+            budget = next((b for b in budgets if b.name == role_name), None)
+            if budget and serve.vram_mib > budget.capacity_mib:
+                problems.append(
+                    f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {role_name!r} "
+                    f"capacity {budget.capacity_mib}"
+                )
     if problems:
         raise ConfigError("config", problems)
     return budgets
@@ -171,6 +172,9 @@ class LedgerService:
         self.busy: Callable[[str], bool] = lambda _serve: False
         self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
             False, "launching is not set up in this gpud")
+        # Told (by the supervisor) of each role on which a durable change gave memory back:
+        # sleeping serves there may wake.
+        self.freed: Callable[[str], None] = lambda _role: None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -244,13 +248,14 @@ class LedgerService:
         changes = Changes(meta={"config": self.config_text} if self.config_text else {})
         for serve in t.released:
             res = self.ledger.reservations[serve]
-            figures = t.ledger.figures(res.role) if res.role in t.ledger.roles else None
+            figures = [t.ledger.figures(r) for r in res.all_roles if r in t.ledger.roles]
             changes.delete.append(serve)
             changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
             changes.events.append(self.event(
-                "release", f"{serve} released {res.mib} MiB on {res.role} ({source}: the serve "
-                f"left the config or its role)" + (f"; {figures.line()}" if figures else ""),
-                serve=serve, role=res.role, mib=res.mib, uid=uid))
+                "release", f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
+                f"serve left the config or its role)"
+                + "".join(f"; {f.line()}" for f in figures),
+                serve=serve, role=res.role, mib=res.mib, uid=uid, **roles_detail(res)))
         return changes
 
     def _moved_on(self, t: Transition) -> None:
@@ -302,6 +307,14 @@ class LedgerService:
 
     def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
               mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
+        if serve is not None and "roles" not in details:
+            # Every event of a serve on several roles names them all (details.roles, journald
+            # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
+            spec = self.config.serves.get(serve)
+            held = self._decided.reservations.get(serve)
+            roles = spec.all_roles if spec is not None else held.all_roles if held else ()
+            if len(roles) > 1:
+                details["roles"] = list(roles)
         return Event(kind, message, self.clock(), serve, role, mib, uid, details)
 
     def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:
@@ -348,7 +361,10 @@ class LedgerService:
                     self._records[row.serve] = replace(rec, state=row.state, reason=row.reason,
                                                        updated=row.updated)
                 if p.ledger is not None:
+                    freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
+                    for role in freed:
+                        self.freed(role)
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -396,6 +412,8 @@ class LedgerService:
         for key, value in ev.details.items():
             if isinstance(value, int | float | str):
                 fields[f"GPUD_{key.upper()}"] = value
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                fields[f"GPUD_{key.upper()}"] = ",".join(value)  # GPUD_ROLES=left,right
         log.log(level, ev.message, extra={"journal": fields})
         for sub in list(self._subscribers):
             if _matches(sub.query, ev):
@@ -424,15 +442,27 @@ class LedgerService:
     # ---- admission -------------------------------------------------------------------------
 
     def serve_role(self, serve: str, role: str | None) -> tuple[str, bool]:
-        """The role an admission is for, and whether the reservation is external."""
+        """The (first) role an admission is for, and whether the reservation is external."""
+        roles, external = self.serve_roles(serve, role)
+        return roles[0], external
+
+    def serve_roles(self, serve: str, role: str | None) -> tuple[tuple[str, ...], bool]:
+        """The roles an admission is for (a configured serve's, all of them), and whether the
+        reservation is external."""
         spec = self.config.serves.get(serve)
         if spec is not None:
-            if role is not None and role != spec.role:
+            if role is not None and role not in spec.all_roles:
+                if spec.extra_roles:
+                    raise BadRequest(
+                        f"serve {serve!r} is configured on roles {', '.join(spec.all_roles)}, "
+                        f"not {role!r}",
+                        {"serve": serve, "role": role, "configured_role": spec.role,
+                         "configured_roles": list(spec.all_roles)})
                 raise BadRequest(
                     f"serve {serve!r} is configured on role {spec.role!r}, not {role!r}",
                     {"serve": serve, "role": role, "configured_role": spec.role},
                 )
-            return spec.role, False
+            return spec.all_roles, False
         if role is None:
             raise NotFound(
                 f"unknown serve {serve!r}: not in the config; to reserve memory for a process "
@@ -442,25 +472,40 @@ class LedgerService:
         check_role_name(role)
         if role not in self.ledger.roles or self.ledger.roles[role].missing:
             raise NotFound(f"unknown role {role!r}", {"role": role, "roles": sorted(self.config.roles)})
-        return role, True
+        return (role,), True
 
-    def _physical(self, role: str, serve: str) -> tuple[PhysicalView | None, Check, str | None]:
+    def _physical(self, roles: tuple[str, ...], serve: str
+                  ) -> tuple[dict[str, PhysicalView] | None, Check, str | None]:
+        """Strict admission's physical view of every device the serve would use, or the ledger
+        bound alone (saying why) when one of them cannot be observed."""
         if self.config.daemon.admission == "ledger":
             return None, "ledger", None
         obs = self.observer
-        device = self._decided.roles[role].device
         decided_states = {**self.states(), **self._decided_states}
-        view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
-        if view is None:
-            return None, "ledger", (
-                "observation unavailable: strict admission fell back to the ledger bound")
-        return view, "strict", None
+        views: dict[str, PhysicalView] = {}
+        for role in roles:
+            device = self._decided.roles[role].device
+            view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
+            if view is None:
+                return None, "ledger", (
+                    "observation unavailable: strict admission fell back to the ledger bound")
+            views[role] = view
+        return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
-                    uid: int | None = None, state: str | None = None) -> Admission:
+                    uid: int | None = None, state: str | None = None,
+                    event: tuple[str, str, dict[str, Any]] | None = None,
+                    shrink: bool = False, state_reason: str | None = None,
+                    meta: dict[str, str | None] | None = None) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
+        the event in the same transaction. `shrink` (a serve put to sleep) is decided on the
+        ledger bound alone and never refused for a smaller reservation; `event` replaces the
+        "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
-            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state)
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
+                                         event=event, shrink=shrink,
+                                         state_reason=state_reason, meta=meta)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
         if isinstance(admission, Denied):
@@ -468,19 +513,32 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: str | None) -> tuple[Admission | Denied,
-                                                  asyncio.Future[list[Event]]]:
-        role_name, external = self.serve_role(serve, role)
-        lost = self.lost_device(role_name)
-        if lost is not None:
-            return self._deny_on_lost_device(serve, role_name, mib, uid, lost)
-        physical, check, note = self._physical(role_name, serve)
+                      state: str | None, event: tuple[str, str, dict[str, Any]] | None = None,
+                      shrink: bool = False, state_reason: str | None = None,
+                      meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
+                                                     asyncio.Future[list[Event]]]:
+        roles, external = self.serve_roles(serve, role)
+        role_name = roles[0]
+        for name in roles if not shrink else ():
+            lost = self.lost_device(name)
+            if lost is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, lost)
+        physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
+                                                                                     serve)
         outcome = self._decided.decide(
-            serve, role_name, mib, since=self.clock(), by_uid=uid, external=external,
+            serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
+        held = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and held is not None and mib <= held.mib:
+            # A shrink makes no role fuller: on a role over-committed by adopted units it is
+            # made all the same (the ledger bound would refuse any size there).
+            res = Reservation(serve, role_name, mib, held.since, uid, external, roles[1:])
+            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
+            shrunk = tuple(after.figures(name) for name in roles)
+            outcome = after, Admission(res, held.mib, shrunk[0], "ledger", note, shrunk[1:])
         if isinstance(outcome, Denial):
-            done = self._deny(outcome, uid, check, note)
+            done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
                                             "note": note}), done
         ledger, admission = outcome
@@ -489,16 +547,31 @@ class LedgerService:
                               current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
+        each = " on each" if len(roles) > 1 else ""
+        kind, message, details = event or (
+            "admit", f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} "
+            f"({verb})", {})
         ev = self.event(
-            "admit",
-            f"{serve} admitted on {role_name}: {mib} MiB ({verb}); {figures.line()}",
+            kind, f"{message}; " + "; ".join(f.line() for f in admission.all_figures),
             serve=serve, role=role_name, mib=mib, uid=uid, check=check,
             replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
-            committed_mib=figures.committed_mib,
+            committed_mib=figures.committed_mib, **roles_detail(admission.reservation),
+            **details,
         )
         done = self.submit(Changes(put=[admission.reservation],
-                                   states=[self.state_row(serve, new_state)], events=[ev]), ledger)
+                                   states=[self.state_row(serve, new_state, state_reason)],
+                                   events=[ev], meta=dict(meta or {})), ledger)
         return admission, done
+
+    def free_for(self, serve: str, role: str) -> int:
+        """What an admission of `serve` on `role` could get now (its own reservation counted
+        back in): the ledger bound and, in strict admission, the physical one. Decides
+        nothing."""
+        free = self._decided.figures(role, excluding=serve).free_mib
+        physical, _check, _note = self._physical((role,), serve)
+        if physical is not None and role in physical:
+            free = min(free, physical[role].free_for_serve())
+        return free
 
     def lost_device(self, role: str) -> str | None:
         """Why the role's device cannot take memory now (observation reports it lost), else
@@ -522,11 +595,13 @@ class LedgerService:
                                 "check": "device"}), self.submit(Changes(events=[ev]))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
-              note: str | None) -> asyncio.Future[list[Event]]:
+              note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
         ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
-                        shortfall_mib=denial.shortfall_mib)
+                        shortfall_mib=denial.shortfall_mib,
+                        **({"roles": list(roles)} if len(roles) > 1 else {}),
+                        **({"lacking": denial.details()["lacking"]} if denial.more else {}))
         # A serve that is running keeps its state: only its re-admission was refused.
         # An external name that holds nothing is not remembered as a serve for a failed ask.
         current = self._decided_state(denial.serve)
@@ -551,16 +626,20 @@ class LedgerService:
         await done
         return res
 
-    async def adopt(self, serve: str, role: str, mib: int) -> Reservation:
+    async def adopt(self, serve: str, role: str | Sequence[str], mib: int) -> Reservation:
         """Record the reservation of a unit found running: its memory is already in use, so it
-        is kept even when it does not fit (the role then shows as over-committed)."""
+        is kept even when it does not fit (the role then shows as over-committed). A serve on
+        several roles is adopted on all of them at once."""
+        roles = (role,) if isinstance(role, str) else tuple(role)
         async with self._lock:
-            res = Reservation(serve, role, mib, self.clock(), None, False)
+            res = Reservation(serve, roles[0], mib, self.clock(), None, False, roles[1:])
             ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
-            figures = ledger.figures(role)
-            ev = self.event("admit", f"{serve} re-admitted on {role} for its running unit: "
-                            f"{mib} MiB; {figures.line()}", serve=serve, role=role, mib=mib,
-                            adopted=True, free_mib=figures.free_mib)
+            figures = ledger.figures(roles[0])
+            ev = self.event("admit", f"{serve} re-admitted on {on_roles(res)} for its running "
+                            f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
+                            + "; ".join(ledger.figures(r).line() for r in roles),
+                            serve=serve, role=roles[0], mib=mib,
+                            adopted=True, free_mib=figures.free_mib, **roles_detail(res))
             done = self.submit(Changes(put=[res], events=[ev]), ledger)
         await done
         return res
@@ -583,9 +662,11 @@ class LedgerService:
             )
         ledger, res = self._decided.release(serve)
         figures = ledger.figures(res.role)
-        ev = self.event("release", f"{serve} released {res.mib} MiB on {res.role} ({reason}); "
-                        f"{figures.line()}", serve=serve, role=res.role, mib=res.mib, uid=uid,
-                        free_mib=figures.free_mib)
+        ev = self.event("release", f"{serve} released {res.mib} MiB"
+                        f"{' on each of' if res.extra_roles else ' on'} {on_roles(res)} "
+                        f"({reason}); " + "; ".join(ledger.figures(r).line() for r in res.all_roles),
+                        serve=serve, role=res.role, mib=res.mib, uid=uid,
+                        free_mib=figures.free_mib, **roles_detail(res))
         done = self.submit(Changes(delete=[serve],
                                    states=[self.state_row(serve, next_state, state_reason)],
                                    events=[ev]), ledger)
@@ -705,11 +786,39 @@ class LedgerService:
         return {"differs": differs, "reason": reason}
 
 
+def _freed_roles(before: Ledger, changes: Changes) -> list[str]:
+    """The roles on which `changes` (made on `before`) release or shrink a reservation; in
+    the size of the change, not of the ledger (a commit may carry thousands of admissions)."""
+    roles: set[str] = set()
+    for serve in changes.delete:
+        res = before.reservations.get(serve)
+        if res is not None:
+            roles.update(res.all_roles)
+    for put in changes.put:
+        res = before.reservations.get(put.serve)
+        if res is not None:
+            kept = set(put.all_roles) if put.mib >= res.mib else set()
+            roles.update(r for r in res.all_roles if r not in kept)
+    return sorted(roles)
+
+
 def _matches(query: EventQuery, ev: Event) -> bool:
     return ((not query.serves or ev.serve in query.serves)
-            and (not query.roles or ev.role in query.roles)
+            and (not query.roles or ev.role in query.roles
+                 or any(r in query.roles for r in ev.details.get("roles") or ()))
             and (not query.kinds or ev.kind in query.kinds)
             and (query.since is None or ev.ts >= query.since))
+
+
+def on_roles(res: Reservation) -> str:
+    """The roles of a reservation for a message: `dark-fast`, or `left, right`."""
+    return res.roles_text
+
+
+def roles_detail(res: Reservation) -> dict[str, Any]:
+    """An event's `roles` detail (every role, for a serve on several), nothing for one role: a
+    single-role serve's events stay as they were."""
+    return {"roles": list(res.all_roles)} if res.extra_roles else {}
 
 
 def check_serve_name(name: str) -> None:

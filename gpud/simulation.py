@@ -7,11 +7,12 @@ Two sources make up what the simulated devices hold, both re-read at every ``sam
 
       {"external": [{"device": "GPU-sim-0", "label": "display", "mib": 5837},
                     {"device": "GPU-sim-0", "label": "stt", "mib": 900, "pid": 4242}],
-       "lost": ["GPU-sim-1"]}
+       "lost": ["GPU-sim-1"], "mem_available_mib": 65536}
 
   External draw is not a process (like a desktop display) unless the entry carries ``"pid"``: then
   it is also reported as that process's draw (a sidecar). ``{}`` means no external draw and no
-  lost device.
+  lost device. ``mem_available_mib``, when given, is the host's MemAvailable as gpud sees it
+  (what a level-1 sleep parks weights in), instead of ``/proc/meminfo``.
 - the **procs directory** (``state_file.parent / "sim-procs"`` unless given): stand-in serves
   register their own live processes there, one ``<pid>.json`` each
   (``{"pid": 1234, "device": "GPU-sim-0", "mib": 14336}``), written atomically with
@@ -41,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 GPUD_SIM_PROCS_DIR = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB = "GPUD_SIM_TOTAL_MIB"
+# A serve on several devices: all of them, comma-separated, GPUD_SIM_DEVICE first. The stand-in
+# registers its draw on each (vLLM's tensor-parallel workers hold the same share on every GPU).
+GPUD_SIM_DEVICES = "GPUD_SIM_DEVICES"
 # gpud's own PID namespace: a stand-in in another one (a container) names its registration with
 # its own namespace, and the simulation finds the host PID that NVML would report.
 GPUD_SIM_PIDNS = "GPUD_SIM_PIDNS"
@@ -91,6 +95,7 @@ class SimulationState:
 
     external: tuple[ExternalDraw, ...] = ()
     lost: frozenset[str] = frozenset()
+    mem_available_mib: int | None = None
 
 
 class StateFileError(ValueError):
@@ -102,6 +107,11 @@ class _Registered:
     pid: int
     device: str
     mib: int
+    # Further devices the process draws `mib` on, too (a stand-in for a tensor-parallel serve).
+    also: tuple[str, ...] = ()
+
+    def draws_on(self, uuid: str) -> bool:
+        return uuid == self.device or uuid in self.also
 
 
 class SimulatedBackend:
@@ -141,16 +151,20 @@ class SimulatedBackend:
     def devices(self) -> tuple[SimulatedDevice, ...]:
         return self._devices
 
-    def environment_for(self, device_uuid: str) -> dict[str, str]:
-        """The environment a stand-in serve on ``device_uuid`` needs to register its draw."""
-        for dev in self._devices:
-            if dev.uuid == device_uuid:
-                env = standin_environment(self.procs_dir, dev.uuid, dev.total_mib)
-                pidns = _pid_namespace(self._proc_root, "self")
-                if pidns is not None:
-                    env[GPUD_SIM_PIDNS] = str(pidns)
-                return env
-        raise KeyError(device_uuid)
+    def environment_for(self, device_uuid: str, *also: str) -> dict[str, str]:
+        """The environment a stand-in serve on ``device_uuid`` (and on each of ``also``, a
+        serve on several devices) needs to register its draw. GPUD_SIM_TOTAL_MIB is the
+        smallest total, the one gpud computed the utilization against."""
+        by_uuid = {dev.uuid: dev for dev in self._devices}
+        for uuid in (device_uuid, *also):
+            if uuid not in by_uuid:
+                raise KeyError(uuid)
+        total = min(by_uuid[u].total_mib for u in (device_uuid, *also))
+        env = standin_environment(self.procs_dir, device_uuid, total, also)
+        pidns = _pid_namespace(self._proc_root, "self")
+        if pidns is not None:
+            env[GPUD_SIM_PIDNS] = str(pidns)
+        return env
 
     def sample(self) -> Observation:
         with self._lock:
@@ -177,6 +191,12 @@ class SimulatedBackend:
 
     def close(self) -> None:
         pass
+
+    def mem_available_mib(self) -> int | None:
+        """The host's MemAvailable the state file sets, if it sets one (else /proc/meminfo's
+        is the host's)."""
+        state = self._read_state([])
+        return state.mem_available_mib if state is not None else None
 
     def _read_state(self, notes: list[str]) -> SimulationState | None:
         """The state in force: this read, else the last good one (with a note), else None."""
@@ -247,7 +267,7 @@ class SimulatedBackend:
                 _, entry, starttime, checked = cached
                 if now - checked < FULL_CHECK_S:
                     if (self._proc_root / str(entry.pid)).exists():
-                        if entry.device in known:
+                        if entry.device in known and known.issuperset(entry.also):
                             found.append(entry)
                         continue
                     starttime = -1  # gone: the full check below says so
@@ -271,15 +291,16 @@ class SimulatedBackend:
                         if self._remove_dead:
                             path.unlink(missing_ok=True)
                         continue
-                    entry = _Registered(pid=host_pid, device=entry.device, mib=entry.mib)
+                    entry = replace(entry, pid=host_pid)  # every device kept
             self._parsed[path.name] = (version, entry, starttime, now)
             if not _alive(self._proc_root, entry.pid, starttime):
                 self._parsed.pop(path.name, None)
                 if self._remove_dead:
                     path.unlink(missing_ok=True)
                 continue
-            if entry.device not in known:
-                notes.append(f"{path.name}: unknown device {entry.device!r}")
+            unknown = [d for d in (entry.device, *entry.also) if d not in known]
+            if unknown:
+                notes.append(f"{path.name}: unknown device {unknown[0]!r}")
                 continue
             found.append(entry)
         for name in set(self._parsed) - seen:
@@ -333,7 +354,7 @@ class SimulatedBackend:
         draws: dict[int, int] = {}
         used = 0
         for reg in registered:
-            if reg.device == dev.uuid:
+            if reg.draws_on(dev.uuid):
                 used += reg.mib
                 draws[reg.pid] = draws.get(reg.pid, 0) + reg.mib
         for ext in state.external:
@@ -376,9 +397,13 @@ def parse_state(text: str, known_devices: set[str] | frozenset[str]) -> Simulati
         raise StateFileError(f"not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise StateFileError("top level must be an object")
-    unknown = set(data) - {"external", "lost"}
+    unknown = set(data) - {"external", "lost", "mem_available_mib"}
     if unknown:
-        raise StateFileError(f"unknown keys {sorted(unknown)} (allowed: external, lost)")
+        raise StateFileError(f"unknown keys {sorted(unknown)} (allowed: external, lost, "
+                             "mem_available_mib)")
+    host_mib = data.get("mem_available_mib")
+    if host_mib is not None and (not _is_int(host_mib) or host_mib < 0):
+        raise StateFileError(f"mem_available_mib: must be an integer >= 0, not {host_mib!r}")
     raw_external = data.get("external", [])
     if not isinstance(raw_external, list):
         raise StateFileError("external: must be a list")
@@ -409,7 +434,8 @@ def parse_state(text: str, known_devices: set[str] | frozenset[str]) -> Simulati
     for item in raw_lost:
         if not isinstance(item, str) or item not in known_devices:
             raise StateFileError(f"lost: {item!r} is not a simulated device")
-    return SimulationState(external=tuple(external), lost=frozenset(raw_lost))
+    return SimulationState(external=tuple(external), lost=frozenset(raw_lost),
+                           mem_available_mib=host_mib)
 
 
 def _parse_registration(data: Any, file_pid: int) -> tuple[_Registered, int | None]:
@@ -422,8 +448,12 @@ def _parse_registration(data: Any, file_pid: int) -> tuple[_Registered, int | No
         raise StateFileError("device: must be a string")
     if not _is_int(mib) or mib < 0:
         raise StateFileError(f"mib: must be an integer >= 0, not {mib!r}")
+    also = data.get("also_devices", [])
+    if not isinstance(also, list) or not all(isinstance(d, str) for d in also):
+        raise StateFileError("also_devices: must be an array of strings")
     starttime = data.get("starttime")
-    return _Registered(pid=pid, device=device, mib=mib), starttime if _is_int(starttime) else None
+    return (_Registered(pid=pid, device=device, mib=mib, also=tuple(also)),
+            starttime if _is_int(starttime) else None)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -468,26 +498,33 @@ def _alive(proc_root: Path, pid: int, starttime: int | None) -> bool:
 # ---- used by stand-in serves (standard library only) -------------------------------------
 
 
-def standin_environment(procs_dir: Path, device_uuid: str, total_mib: int) -> dict[str, str]:
-    return {
+def standin_environment(procs_dir: Path, device_uuid: str, total_mib: int,
+                        also: Sequence[str] = ()) -> dict[str, str]:
+    env = {
         GPUD_SIM_PROCS_DIR: str(procs_dir),
         GPUD_SIM_DEVICE: device_uuid,
         GPUD_SIM_TOTAL_MIB: str(total_mib),
     }
+    if also:
+        env[GPUD_SIM_DEVICES] = ",".join((device_uuid, *also))
+    return env
 
 
 def register_process(
     procs_dir: Path, pid: int, device: str, mib: int, *, proc_root: Path = Path("/proc"),
-    host_pidns: int | None = None,
+    host_pidns: int | None = None, also: Sequence[str] = (),
 ) -> Path:
-    """Record (or update) that ``pid`` draws ``mib`` on ``device``; atomic (tmp + rename).
-    ``host_pidns``: the simulation's PID namespace (GPUD_SIM_PIDNS); a ``pid`` in another one
-    is recorded with its own namespace, so that the simulation reports the host PID."""
+    """Record (or update) that ``pid`` draws ``mib`` on ``device`` (and on each of ``also``);
+    atomic (tmp + rename). ``host_pidns``: the simulation's PID namespace (GPUD_SIM_PIDNS); a
+    ``pid`` in another one is recorded with its own namespace, so that the simulation reports
+    the host PID."""
     if mib < 0:
         raise ValueError("mib must be >= 0")
     procs_dir = Path(procs_dir)
     procs_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"pid": pid, "device": device, "mib": mib}
+    if also:
+        record["also_devices"] = list(also)
     stat = _proc_stat(proc_root, pid)
     if stat is not None:
         record["starttime"] = stat[1]
@@ -522,5 +559,6 @@ def register_self(mib: int, environ: Mapping[str, str] | None = None) -> Path | 
     if not procs_dir or not device:
         return None
     pidns = env.get(GPUD_SIM_PIDNS, "")
+    also = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d and d != device]
     return register_process(Path(procs_dir), os.getpid(), device, mib,
-                            host_pidns=int(pidns) if pidns.isdigit() else None)
+                            host_pidns=int(pidns) if pidns.isdigit() else None, also=also)

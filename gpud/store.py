@@ -20,7 +20,7 @@ from gpud.core import answers
 from gpud.core.ledger import Reservation
 from gpud.errors import StoreError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 # Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
@@ -75,6 +75,26 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     """
     ALTER TABLE calibrations ADD COLUMN vllm TEXT;
+    """,
+    # A reservation per (serve, role): a serve on several devices holds one row on each of its
+    # roles, all written and deleted in the same transaction. `position` keeps the roles' order
+    # (the first role first); existing rows become position 0.
+    """
+    CREATE TABLE reservations_by_role (
+        serve    TEXT NOT NULL,
+        role     TEXT NOT NULL,
+        position INTEGER NOT NULL DEFAULT 0 CHECK (position >= 0),
+        mib      INTEGER NOT NULL CHECK (mib > 0),
+        since    REAL NOT NULL,
+        by_uid   INTEGER,
+        external INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (serve, role),
+        UNIQUE (serve, position)
+    );
+    INSERT INTO reservations_by_role (serve, role, position, mib, since, by_uid, external)
+        SELECT serve, role, 0, mib, since, by_uid, external FROM reservations;
+    DROP TABLE reservations;
+    ALTER TABLE reservations_by_role RENAME TO reservations;
     """,
 )
 
@@ -218,12 +238,14 @@ class Store:
     @staticmethod
     def _write(db: sqlite3.Connection, changes: Changes) -> list[Event]:
         for res in changes.put:
-            db.execute(
-                "INSERT INTO reservations (serve, role, mib, since, by_uid, external) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (serve) DO UPDATE SET "
-                "role=excluded.role, mib=excluded.mib, since=excluded.since, "
-                "by_uid=excluded.by_uid, external=excluded.external",
-                (res.serve, res.role, res.mib, res.since, res.by_uid, int(res.external)),
+            # The serve's rows are replaced whole: a reservation that moves from two roles to
+            # one leaves nothing behind on the other.
+            db.execute("DELETE FROM reservations WHERE serve = ?", (res.serve,))
+            db.executemany(
+                "INSERT INTO reservations (serve, role, position, mib, since, by_uid, external) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(res.serve, role, position, res.mib, res.since, res.by_uid, int(res.external))
+                 for position, role in enumerate(res.all_roles)],
             )
         for serve in changes.delete:
             db.execute("DELETE FROM reservations WHERE serve = ?", (serve,))
@@ -259,10 +281,24 @@ class Store:
         return stored
 
     def reservations(self) -> list[Reservation]:
+        """One Reservation per serve, its rows (one per role) joined in their order. Rows of one
+        serve that disagree (which no write makes) are refused, not guessed at."""
         rows = self._read(
-            "SELECT serve, role, mib, since, by_uid, external FROM reservations ORDER BY since"
+            "SELECT serve, role, mib, since, by_uid, external FROM reservations "
+            "ORDER BY since, serve, position"
         )
-        return [Reservation(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
+        by_serve: dict[str, list[tuple[Any, ...]]] = {}
+        for r in rows:
+            by_serve.setdefault(r[0], []).append(r)
+        out: list[Reservation] = []
+        for serve, mine in by_serve.items():
+            first = mine[0]
+            if any(r[2:] != first[2:] for r in mine):
+                raise StoreError(f"the store {self.path} holds reservation rows of serve "
+                                 f"{serve!r} that disagree (MiB, since, uid or kind)")
+            out.append(Reservation(serve, first[1], first[2], first[3], first[4], bool(first[5]),
+                                   tuple(r[1] for r in mine[1:])))
+        return out
 
     def serve_states(self) -> list[ServeStateRow]:
         rows = self._read("SELECT serve, state, reason, updated FROM serve_states")
@@ -277,11 +313,18 @@ class Store:
     def events(self, query: EventQuery) -> list[Event]:
         where: list[str] = []
         args: list[Any] = []
-        for column, values in (("serve", query.serves), ("role", query.roles),
-                               ("kind", query.kinds)):
+        for column, values in (("serve", query.serves), ("kind", query.kinds)):
             if values:
                 where.append(f"{column} IN ({','.join('?' * len(values))})")
                 args.extend(values)
+        if query.roles:
+            # An event of a serve on several roles names the first in `role` and all of them
+            # in details.roles: it is found by any of them.
+            marks = ",".join("?" * len(query.roles))
+            where.append(f"(role IN ({marks}) OR EXISTS (SELECT 1 FROM json_each(details, "
+                         f"'$.roles') WHERE value IN ({marks})))")
+            args.extend(query.roles)
+            args.extend(query.roles)
         if query.since is not None:
             where.append("ts >= ?")
             args.append(query.since)

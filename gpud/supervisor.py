@@ -28,7 +28,7 @@ import aiohttp
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
-from gpud.core.launch import serve_argv, serve_environment, through_shim
+from gpud.core.launch import serve_argv, serve_environment, smallest_total, through_shim
 from gpud.core.unitstate import (
     ACTIVE,
     Action,
@@ -46,11 +46,23 @@ from gpud.core.unitstate import (
     WatchRestart,
     on_unit,
 )
-from gpud.core.vocab import ADMITTED, DECLARED, FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, STOPPING
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    FAILED,
+    LIVE_STATES,
+    ORPHAN,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    STOPPING,
+)
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
+from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
+from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
 
@@ -114,6 +126,7 @@ class Supervisor:
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
+        self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -123,6 +136,7 @@ class Supervisor:
         await self.units.connect()
         self.svc.launching = self.launching
         self.svc.busy = self._launching.__contains__
+        self.svc.freed = self.sleeps.freed
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -142,6 +156,29 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # What gpud.sleeping uses of the supervisor.
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None
+        return self._http
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self._spawn(coro)
+
+    def spec_of(self, serve: str) -> ServeConfig:
+        return self._spec(serve)
+
+    def serve_lock(self, serve: str) -> asyncio.Lock:
+        return self._lock(self._serve_locks, serve)
+
+    async def memory_back_for(self, serve: str) -> None:
+        """Wait (bounded) until the stops in progress on the serve's devices are done and their
+        memory shows as free (as a start does first)."""
+        await self._memory_back_all(serve)
+
+    def busy(self, serve: str) -> bool:
+        return serve in self._launching or serve in self._stopping
+
     def launching(self) -> tuple[bool, str | None]:
         if self.units.available:
             return True, None
@@ -160,6 +197,11 @@ class Supervisor:
         if not self.units.available:
             log.warning("reconciliation skipped: system bus unavailable (%s)", self.units.reason)
             return
+        if any(spec.container is not None for spec in self.svc.config.serves.values()):
+            # A pull a gpud that ended mid-start left: nothing waits for it any more.
+            problem = await containers.stop_leftovers()
+            if problem is not None:
+                log.warning("image pulls left by an earlier gpud may still run: %s", problem)
         live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
         for serve, st in sorted(live.items()):
             self._last[serve] = st
@@ -177,20 +219,28 @@ class Supervisor:
                 self.svc.set_main_pid(serve, st.main_pid or None)
                 continue
             if res is None:
-                await self.svc.adopt(serve, spec.role, spec.vram_mib)
+                await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
+            if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
+                # Asked, not assumed: asleep it keeps its reservation unchanged.
+                state = await self.sleeps.adopt(serve, spec, rec_state)
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
                 "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
-                state=self.svc.state_row(serve, state))
+                # asleep, it keeps the reason it sleeps (who preempted it)
+                state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)))
             if state == STARTING:
                 self._spawn(self._watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live:
                 await self._ended(serve, "its unit ended while gpud was not running")
+
+    def _sleep_reason(self, serve: str, state: str) -> str | None:
+        rec = self.svc.records.get(serve)
+        return rec.reason if rec is not None and state == SLEEPING else None
 
     async def boot(self) -> None:
         """Start the resident set: by priority, serialized per device, devices in parallel."""
@@ -210,15 +260,25 @@ class Supervisor:
                 if self._stopped_outside(name):
                     continue
                 with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
-                    await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
+                    if self.svc.config.daemon.preempt_at_boot:
+                        await self.sleeps.admit_preempting(
+                            name, self.svc.config.serves[name].vram_mib, None)
+                    else:
+                        await self.svc.admit(name, self.svc.config.serves[name].vram_mib)
             self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
             for _, name in order:
                 if name in self.svc.ledger.reservations and not self._stopped_outside(name):
+                    # A serve on several devices goes in the queue of its first; its launch
+                    # waits for every one of them (see _launch).
                     by_device.setdefault(self._device_key(name), []).append(name)
             await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
         finally:
             self.booted.set()
             log.info("resident set done: %s", self.svc.summary())
+            # Serves a preemption put to sleep before this gpud started (one cut short by its
+            # stop, say) wake now if they fit, as after any release.
+            for role in sorted(self.svc.ledger.roles):
+                self.sleeps.freed(role)
 
     def _stopped_outside(self, serve: str) -> bool:
         """An operator stopped the serve's unit by hand: it stays down until asked."""
@@ -253,40 +313,76 @@ class Supervisor:
         return spec
 
     def _device_key(self, serve: str) -> str:
+        return self._device_keys(serve)[0]
+
+    def _device_keys(self, serve: str) -> list[str]:
+        """The devices the serve runs on (one per role), as UUIDs where observation knows them."""
         spec = self.svc.serve_spec(serve)
-        ref = self.svc.ledger.roles[spec.role].device if spec else ""
-        dev = self.observer.device(ref)
-        return dev.uuid if dev else ref
+        if spec is None:
+            return [""]
+        keys: list[str] = []
+        for role in spec.all_roles:
+            budget = self.svc.ledger.roles.get(role)
+            ref = budget.device if budget else ""
+            dev = self.observer.device(ref)
+            keys.append(dev.uuid if dev else ref)
+        return keys
+
+    async def _memory_back_all(self, serve: str) -> None:
+        for device in self._device_keys(serve):
+            await self._memory_back(device)
+
+    def _returning_on(self, serve: str) -> None:
+        """The serve is stopping or ended: the next start on any of its devices waits for its
+        memory to come back there."""
+        for device in self._device_keys(serve):
+            self._returning.setdefault(device, set()).add(serve)
 
     def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
         return table.setdefault(key, asyncio.Lock())
 
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False) -> None:
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None:
         """Admit the serve at its vram_mib if it holds no reservation, then launch it. Returns
-        once admitted (the launch goes on in the background) unless `wait`."""
+        once admitted (the launch goes on in the background) unless `wait`. With `preempt`,
+        serves of lower priority on its role are put to sleep (or stopped) to make room; the
+        plan carried out is returned."""
         spec = self._spec(serve)
         self._need_bus()
+        carried: dict[str, Any] | None = None
         async with self._lock(self._serve_locks, serve):
             state = self.svc.state_of(serve)
             if state in LIVE_STATES or serve in self._launching:
-                raise Conflict(f"serve {serve!r} is already {state}", {"serve": serve,
-                                                                        "state": state})
+                hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
+                raise Conflict(f"serve {serve!r} is already {state}{hint}",
+                               {"serve": serve, "state": state})
             problem = self.sizing(serve)
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
             held = self.svc.ledger.reservations.get(serve)
-            if held is not None and (held.external or held.role != spec.role):
-                raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role {held.role!r} but "
-                               f"is configured on {spec.role!r}: release it first",
+            if held is not None and (held.external or held.all_roles != spec.all_roles):
+                configured = ", ".join(spec.all_roles)
+                raise Conflict(f"serve {serve!r} holds {held.mib} MiB on role "
+                               f"{held.roles_text!r} but is configured on {configured!r}: "
+                               "release it first",
                                {"serve": serve, "role": held.role, "configured_role": spec.role})
-            lost = self.svc.lost_device(spec.role)
-            if lost is not None:
-                raise Denied(f"serve {serve!r} not started: {lost}",
-                             {"serve": serve, "role": spec.role, "bound": "device"})
+            for role in spec.all_roles:
+                lost = self.svc.lost_device(role)
+                if lost is not None:
+                    raise Denied(f"serve {serve!r} not started: {lost}",
+                                 {"serve": serve, "role": role, "bound": "device"})
             await self._port_free(serve, spec)
-            await self._memory_back(self._device_key(serve))
-            if held is None:
-                await self.svc.admit(serve, spec.vram_mib, uid=uid)
+            await self._memory_back_all(serve)
+            if held is None and preempt:
+                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid)
+            elif held is None:
+                try:
+                    await self.svc.admit(serve, spec.vram_mib, uid=uid)
+                except Denied as exc:
+                    if exc.details.get("bound") == "device":
+                        raise
+                    would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
+                    raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
                 unit_spec = self._unit_spec(serve, spec)
             except GpudError as exc:
@@ -300,18 +396,27 @@ class Supervisor:
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
+        return carried
 
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
         spec = self._spec(serve)
         try:
-            async with self._lock(self._device_locks, self._device_key(serve)):
-                await self._memory_back(self._device_key(serve))  # a stop begun while queued
-                if spec.container is not None:
-                    image = await containers.ensure_image(serve, spec.container, functools.partial(
-                        self._say, serve, spec.role, "pull"))
-                    if not image.ok:
-                        await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
-                        return
+            if spec.container is not None:
+                # Before the start locks: a pull (up to an hour) holds up no other start on the
+                # serve's devices; the serve stays admitted, its reservation held, and a stop
+                # meanwhile cancels this task, which ends the pull's unit.
+                image = await containers.ensure_image(serve, spec.container, functools.partial(
+                    self._say, serve, spec.role, "pull"))
+                if not image.ok:
+                    await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
+                    return
+            async with contextlib.AsyncExitStack() as held_devices:
+                # Serialized starts: the serve holds every device it uses while it loads, taken
+                # in one order (sorted) so that two serves sharing devices never deadlock.
+                for device in sorted(set(self._device_keys(serve))):
+                    await held_devices.enter_async_context(
+                        self._lock(self._device_locks, device))
+                await self._memory_back_all(serve)  # a stop begun while queued
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
@@ -338,34 +443,44 @@ class Supervisor:
                 del self._launch_tasks[serve]
 
     def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
-        role = self.svc.ledger.roles[spec.role]
-        dev = self.observer.device(role.device)
-        if dev is None:
-            # Without observation gpud cannot tell that the device exists: CUDA_VISIBLE_DEVICES
-            # naming a device that is not there would hand the serve another GPU, or none.
-            present = self.observer.present_devices()
-            why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
-                   if present is not None else
-                   f"observation is unavailable, so gpud cannot tell that device "
-                   f"{role.device!r} exists")
-            raise Unavailable(f"role {spec.role!r}: {why}", {"device": role.device,
-                                                             "role": spec.role})
+        devs = []
+        for role_name in spec.all_roles:
+            role = self.svc.ledger.roles[role_name]
+            dev = self.observer.device(role.device)
+            if dev is None:
+                # Without observation gpud cannot tell that the device exists:
+                # CUDA_VISIBLE_DEVICES naming a device that is not there would hand the serve
+                # another GPU, or none.
+                present = self.observer.present_devices()
+                why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
+                       if present is not None else
+                       f"observation is unavailable, so gpud cannot tell that device "
+                       f"{role.device!r} exists")
+                raise Unavailable(f"role {role_name!r}: {why}", {"device": role.device,
+                                                                 "role": role_name})
+            devs.append(dev)
+        dev = devs[0]
         index = dev.index
+        indexes = [d.index for d in devs]
         # The device's own total, never the role's capacity: utilization is a fraction of the
-        # total, and a guess would let util x total pass the reservation.
-        total = dev.total_mib or None
+        # total, and a guess would let util x total pass the reservation. On several devices,
+        # the smallest total: util x total then stays within the reservation on each.
+        total = smallest_total([d.total_mib for d in devs])
         res = self.svc.ledger.reservations.get(serve)
         # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
         # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
         env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
         environment_for = getattr(self.observer.backend, "environment_for", None)
         if callable(environment_for):
-            env.update(environment_for(dev.uuid))
-        cdi = (containers.cdi_devices(serve, dev.uuid, index) if spec.container is not None
-               else [])
+            # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
+            env.update(environment_for(*(d.uuid for d in devs)))
+        # A container gets every device of the serve through CDI, in the order of its roles.
+        cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
+               if spec.container is not None else [])
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
                           vram_mib=res.mib if res else None, name=serve,
+                          device_indexes=indexes,
                           cdi_devices=cdi, forward_env=[*env, *spec.environment])
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
@@ -375,10 +490,16 @@ class Supervisor:
             argv[0] = found
         argv = through_shim(argv, sys.executable, self.units.systemd_version)
         daemon = self.svc.config.daemon
+        mib = res.mib if res else spec.vram_mib
         return UnitSpec(
             serve=serve, argv=tuple(argv), device_index=index,
-            environment_file=self._environment_file(serve, spec.environment),
-            description=f"gpud serve {serve} ({spec.role}, {res.mib if res else spec.vram_mib} MiB)",
+            device_indexes=tuple(indexes) if len(indexes) > 1 else (),
+            # With a file, Environment= carries only the device pinning (unit_properties): what
+            # gpud sets goes into the file too, the serve's own values after it (they win).
+            environment_file=self._environment_file(
+                serve, {**env, **spec.environment} if spec.environment else {}),
+            description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
+                         f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
             environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
@@ -502,7 +623,9 @@ class Supervisor:
 
     async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False) -> None:
-        """Stop the unit and release the reservation (kept only for a restart)."""
+        """Stop the unit and release the reservation (kept only for a restart, and not for a
+        sleeping serve: asleep it holds its sleep reservation, which no launch may be sized on;
+        its restart is admitted again at vram_mib)."""
         check_serve_name(serve)
         if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
             await self._stop_orphan(serve, uid)
@@ -515,9 +638,8 @@ class Supervisor:
             self._stopping.add(serve)
             # A start on the device from now on waits for this stop and for the memory to come
             # back (a serve ignoring SIGTERM takes its stop timeout to go).
-            device = self._device_key(serve)
             self._stop_done[serve] = asyncio.Event()
-            self._returning.setdefault(device, set()).add(serve)
+            self._returning_on(serve)
             try:
                 launch = self._launch_tasks.get(serve)
                 if launch is not None and not launch.done():
@@ -530,15 +652,18 @@ class Supervisor:
                     if self._launch_tasks.get(serve) is launch:
                         del self._launch_tasks[serve]
                 res = self.svc.ledger.reservations.get(serve)
+                asleep = self.svc.state_of(serve) == SLEEPING
                 await self.svc.record(self.svc.event(
                     "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
                     mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
                     await self.units.stop(serve, spec.stop_timeout_s + 15)
                     await self.units.reset_failed(serve)
-                if res is not None and not keep_reservation:
+                if res is not None and (not keep_reservation or asleep):
                     await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
                                            next_state=DECLARED)
+                    if asleep:  # what its sleep noted (level, awake size) is over
+                        await self.svc.put_meta(meta_key(serve), None)
                 else:
                     await self.svc.record(self.svc.event(
                         "exit", f"{serve}: stopped", serve=serve, role=spec.role),
@@ -609,7 +734,9 @@ class Supervisor:
         may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
         any other releases it. The event says which."""
         spec = self.svc.serve_spec(serve)
-        resident = bool(spec and spec.resident)
+        # A serve that was asleep holds its sleep reservation, not what it starts with: kept,
+        # a later start would launch it on too little.
+        resident = bool(spec and spec.resident) and self.svc.state_of(serve) != SLEEPING
         still_active = not stop and self._unit_active(serve)
         if stop:
             still_active = True
@@ -638,7 +765,7 @@ class Supervisor:
         if res is not None and not resident and not still_active:
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
                                    next_state=FAILED, state_reason=reason)
-        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+        self._returning_on(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
         await self._failed(serve, reason, kind="exit")
@@ -708,7 +835,7 @@ class Supervisor:
         if res is not None and not keep:
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
                                    next_state=DECLARED, state_reason=OUTSIDE_STOP)
-        self._returning.setdefault(self._device_key(serve), set()).add(serve)
+        self._returning_on(serve)
         self._port_owner.pop(serve, None)
 
     # ---- unit state from D-Bus signals -----------------------------------------------------
@@ -795,7 +922,8 @@ class Supervisor:
                 state=self.svc.state_row(serve, STARTING, "restarting"))
             self._spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self._failed(serve, action.reason, kind="exit", exit_status=st.exec_main_status)
+            await self._failed(serve, action.reason, kind="exit", stop=action.stop,
+                               exit_status=st.exec_main_status)
         elif isinstance(action, WatchRestart):
             self._spawn(self._watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
@@ -863,7 +991,7 @@ class Supervisor:
         if spec is None:
             return
         if serve not in self.svc.ledger.reservations:
-            await self.svc.adopt(serve, spec.role, spec.vram_mib)
+            await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
         await self.svc.record(self.svc.event(
             "adopt", f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,

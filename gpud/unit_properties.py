@@ -100,6 +100,9 @@ class UnitSpec:
     argv: tuple[str, ...]
     device_index: int
     description: str
+    # A serve on several devices (tensor parallel): every index, the first being device_index,
+    # in the order of its roles. Empty: device_index alone.
+    device_indexes: tuple[int, ...] = ()
     environment: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     user: str | None = None
     restart: Restart = "on-failure"
@@ -133,6 +136,11 @@ class UnitSpec:
                 raise BadRequest(f"serve {self.serve}: NUL in a command argument")
         if self.device_index < 0:
             raise BadRequest(f"serve {self.serve}: negative device index {self.device_index}")
+        if self.device_indexes and (self.device_indexes[0] != self.device_index
+                                    or len(set(self.device_indexes)) != len(self.device_indexes)
+                                    or min(self.device_indexes) < 0):
+            raise BadRequest(f"serve {self.serve}: device indexes {list(self.device_indexes)} "
+                             f"must be distinct, >= 0 and start with {self.device_index}")
         for name, value in self.environment.items():
             if not ENV_NAME_RE.match(name) or "\0" in value:
                 raise BadRequest(
@@ -263,7 +271,8 @@ def build_properties(
         _refuse_altered_arguments(spec, systemd_version)
     environment = {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": str(spec.device_index),
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.device_indexes
+                                         or (spec.device_index,)),
         **({} if spec.environment_file else spec.environment),
     }
     values: list[tuple[str, Any]] = [

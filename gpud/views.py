@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import LIVE_STATES, ORPHAN
+from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING
 from gpud.service import LedgerService
 
 
@@ -21,11 +22,15 @@ class DrawSource(Protocol):
     def observed_mib(self, serve: str) -> int | None: ...
 
 
-def reservation_view(svc: LedgerService, res: Reservation) -> answers.Reservation:
+def reservation_view(svc: LedgerService, res: Reservation,
+                     on_role: str | None = None) -> answers.Reservation:
+    """A reservation as listed under `on_role` (default: its first role). One on several roles
+    says which part this is (`part` "1/2") and every role; a single-role one stays as it was."""
     spec = svc.serve_spec(res.serve)
-    return {
+    role = on_role or res.role
+    out: answers.Reservation = {
         "serve": res.serve,
-        "role": res.role,
+        "role": role,
         "mib": res.mib,
         "since": res.since,
         "by_uid": res.by_uid,
@@ -33,6 +38,10 @@ def reservation_view(svc: LedgerService, res: Reservation) -> answers.Reservatio
         "resident": bool(spec and spec.resident),
         "external": res.external,
     }
+    if res.extra_roles:
+        out["roles"] = list(res.all_roles)
+        out["part"] = f"{res.all_roles.index(role) + 1}/{len(res.all_roles)}"
+    return out
 
 
 def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
@@ -67,7 +76,7 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
             "committed_mib": figures.committed_mib,
             "free_mib": figures.free_mib,
             "over_committed": figures.over_committed,
-            "reservations": [reservation_view(svc, r) for r in ledger.on_role(name)],
+            "reservations": [reservation_view(svc, r, name) for r in ledger.on_role(name)],
             "observed": observed,
         })
     return {
@@ -79,16 +88,22 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
 
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
-               calibrated: answers.Calibrated | None = None) -> answers.Serve:
+               calibrated: answers.Calibrated | None = None,
+               parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
     role = spec.role if spec else (res.role if res else None)
+    roles = spec.all_roles if spec else (res.all_roles if res else ())
     state = rec.state if rec else "declared"
     # A PID is shown only while a process of the unit may run: a failed or stopped serve's
     # last PID may belong to another process by now.
     has_unit = state in LIVE_STATES or state == ORPHAN
-    return {
+    if len(roles) > 1:  # on several devices: lost when any of them is
+        device_lost = "; ".join(why for r in roles if (why := svc.lost_device(r))) or None
+    else:
+        device_lost = svc.lost_device(role) if role else None
+    out: answers.Serve = {
         "name": name,
         "role": role,
         "configured": spec is not None,
@@ -104,7 +119,7 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "main_pid": rec.main_pid if rec and has_unit else None,
         # The device of the serve's role is lost (NVML or the simulation says so): whatever
         # the state says, the serve's memory and health are in doubt.
-        "device_lost": svc.lost_device(role) if role else None,
+        "device_lost": device_lost,
         "n_restarts": rec.n_restarts if rec else 0,
         "observed_mib": draws.observed_mib(name) if draws else None,
         "calibration": calibration[0],
@@ -112,15 +127,22 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # The current calibration: measured steady/peak, the recommended reservation, and a
         # vllm serve's own account (weights, KV cache, CUDA graphs, context).
         "calibrated": calibrated,
+        "sleep_level": spec.sleep_level if spec else 0,
+        # asleep at level 1: the host RAM its weights are parked in (gpud.sleeping)
+        "parked_host_mib": parked(name) if state == SLEEPING else None,
     }
+    if len(roles) > 1:
+        out["roles"] = list(roles)
+    return out
 
 
 def serves_view(svc: LedgerService, draws: DrawSource | None,
                 calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
-                summaries: dict[str, answers.Calibrated | None] | None = None) -> answers.Serves:
+                summaries: dict[str, answers.Calibrated | None] | None = None,
+                parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
-    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n))
+    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

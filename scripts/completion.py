@@ -46,6 +46,7 @@ COMPLETERS = {
     "interval": "none",
     "limit": "none",
     "window": "none",
+    "level": "none",  # 1 or 2
 }
 SINCE_HINTS = "10m 1h 2h 1d 7d"
 

@@ -26,7 +26,7 @@ DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
 # Grafana's named colours; a state not listed here shows in the text colour
 COLOURS = {"declared": "text", "admitted": "blue", "starting": "yellow", "running": "green",
            "stopping": "purple", "denied": "orange", "failed": "red", "external": "light-blue",
-           "orphan": "dark-red"}
+           "orphan": "dark-red", "sleeping": "dark-blue"}
 
 
 def state_query() -> str:

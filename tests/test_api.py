@@ -121,6 +121,8 @@ BAD_BODIES = [
     (json.dumps({"mib": 2**70}).encode(), 400, "mib: must be <= 2147483647"),
     (b'{"mib": 5, "evil": 1}', 400, "evil: unknown key"),
     (b'{"mib": 5, "role": 7}', 400, "role: must be a string"),
+    # a dry run without preempt would have been an admission carried out
+    (b'{"mib": 5, "dry_run": true}', 400, "dry_run goes with preempt"),
     (b"", 400, "body is empty"),
     (b"\xff\xfe", 400, "not UTF-8"),
     (b"[" * 100000 + b"]" * 100000, 413, "over the limit"),
@@ -336,3 +338,22 @@ def test_release_with_stop_of_what_gpud_does_not_run(gpud_t015: GpudProcess) -> 
     reply = gpud_t015.call("POST", "/v1/serves/ocr/release", {"stop": True})
     assert reply.status == 409 and "holds no reservation" in reply.body["error"]["message"]
     assert [e["kind"] for e in gpud_t015.call("GET", "/v1/events?serve=ocr").body["events"]] == []
+
+
+def test_preempt_only_for_configured_serves(gpud_t015: GpudProcess) -> None:
+    before = ledger_of(gpud_t015)
+    for name in ("sidecar", "fresh"):
+        reply = gpud_t015.call("POST", f"/v1/serves/{name}/admit",
+                               {"mib": 300, "role": "dark-fast", "preempt": True})
+        assert reply.status == 400, reply.raw
+        assert "a preemption makes room only for a serve gpud launches" in \
+            reply.body["error"]["message"]
+        assert ledger_of(gpud_t015) == before
+        status, _ = admit(gpud_t015, "sidecar", 300, role="dark-fast")
+        assert status == 200
+        before = ledger_of(gpud_t015)
+    reply = gpud_t015.call("POST", "/v1/serves/sidecar/admit",
+                           {"mib": 400, "preempt": True})
+    assert reply.status == 400 and "holds an external reservation" in \
+        reply.body["error"]["message"], reply.raw
+    assert ledger_of(gpud_t015) == before

@@ -135,6 +135,9 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     for action in ("start", "restart"):  # no system bus here: launching unavailable
         check("POST", f"/v1/serves/{{name}}/{action}", f"/v1/serves/fast/{action}", {},
               status=503)
+    # nothing runs without a bus: nothing to put to sleep or wake
+    check("POST", "/v1/serves/{name}/sleep", "/v1/serves/fast/sleep", {}, status=409)
+    check("POST", "/v1/serves/{name}/wake", "/v1/serves/fast/wake", {}, status=409)
     stopped = check("POST", "/v1/serves/{name}/stop", "/v1/serves/fast/stop", {})
     assert (stopped["state"], stopped["reserved_mib"]) == ("declared", None)  # and released
     check("POST", "/v1/serves/{name}/admit", "/v1/serves/fast/admit", {"mib": 14336})
@@ -169,7 +172,8 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     routes = {(m.upper(), p) for p, ops in check.doc["paths"].items() for m in ops}
     assert routes == {(m, t) for m, t, _ in check.seen}
     needs_bus = {"/v1/serves/{name}/start", "/v1/serves/{name}/restart",
-                 "/v1/serves/{name}/calibrate"}
+                 "/v1/serves/{name}/calibrate", "/v1/serves/{name}/sleep",
+                 "/v1/serves/{name}/wake"}
     ok = {t for _, t, s in check.seen if s == 200}
     assert {t for _, t in routes} - ok == needs_bus
 
@@ -188,7 +192,7 @@ def test_every_field_of_every_answer_is_named_in_the_api_page() -> None:
     (lambda d: d.update(colour="blue"), "/colour: not allowed"),
     (lambda d: d.update(capacity_mib="32607"), "/capacity_mib: str is not integer"),
     (lambda d: d.update(note=3), "/note: int is not"),
-    (lambda d: d["reservations"][0].update(state="sleeping"), "not one of"),
+    (lambda d: d["reservations"][0].update(state="hibernating"), "not one of"),
 ])
 def test_the_checker_finds_what_breaks_the_schema(change: Any, problem: str) -> None:
     doc = document()

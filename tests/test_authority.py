@@ -78,3 +78,49 @@ def test_a_mixed_change_names_only_the_root_parts() -> None:
     new = BASE.replace("vram_mib = 1000", "vram_mib = 800").replace('model = "m"',
                                                                     'model = "n"')
     assert paths(new) == ["serves.b.vllm.model"]
+
+
+CONTAINED = BASE + """
+[roles.q]
+device = "1"
+capacity_mib = 10000
+
+[serves.c]
+role = "r"
+vram_mib = 2000
+port = 30003
+sleep_level = 1
+sleep_mib = 300
+[serves.c.container]
+image = "registry.example/vllm:1"
+volumes = ["/srv/models:/models:ro"]
+"""
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    # a serve's sleep reservation is a figure
+    ("sleep_mib = 300", "sleep_mib = 400", []),
+    # how it runs (vLLM's --enable-sleep-mode, the dev endpoints), and whether others may stop it
+    ("sleep_level = 1", "sleep_level = 2", ["serves.c.sleep_level"]),
+    ("sleep_mib = 300", 'sleep_mib = 300\npreemptible = "stop"', ["serves.c.preemptible"]),
+    # where it runs: every device of a serve on several
+    ('role = "r"\nvram_mib = 2000', 'roles = ["r", "q"]\nvram_mib = 2000',
+     ["serves.c.role", "serves.c.roles"]),
+    # what the container is: its image, what it mounts, its IPC namespace, its pulls
+    ('image = "registry.example/vllm:1"', 'image = "evil/vllm:1"', ["serves.c.container.image"]),
+    ('"/srv/models:/models:ro"', '"/:/host"', ["serves.c.container.volumes"]),
+    ('volumes = ["/srv/models:/models:ro"]', 'volumes = ["/srv/models:/models:ro"]\nipc = "host"',
+     ["serves.c.container.ipc"]),
+    ('volumes = ["/srv/models:/models:ro"]', 'volumes = ["/srv/models:/models:ro"]\n'
+     'pull = "missing"', ["serves.c.container.pull"]),
+    # the daemon's keys of sleep and preemption
+    ("[roles.r]", "[daemon]\nauto_wake = false\n\n[roles.r]", ["daemon.auto_wake"]),
+    ("[roles.r]", "[daemon]\npreempt_at_boot = true\n\n[roles.r]", ["daemon.preempt_at_boot"]),
+    ("[roles.r]", "[daemon]\nsleep_host_margin_mib = 0\n\n[roles.r]",
+     ["daemon.sleep_host_margin_mib"]),
+])
+def test_the_keys_of_sleep_roles_and_containers(old: str, new: str,
+                                                expected: list[str]) -> None:
+    assert old in CONTAINED
+    assert needs_root(parse_config(CONTAINED, "old"),
+                      parse_config(CONTAINED.replace(old, new, 1), "new")) == expected

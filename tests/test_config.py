@@ -240,3 +240,32 @@ def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:
         "(the weights need room too)"]
     ok = parse_config(BASE + VLLM_SERVE + "context_mib = 400\nkv_cache_mib = 1024", "t")
     assert ok.serves["emb"].vllm.context_mib == 400
+
+
+@pytest.mark.parametrize(("snippet", "expected"), [
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\nsleep_level = 3',
+     "serves.s.sleep_level"),
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\nsleep_level = 1\n'
+     'sleep_mib = 5120', "sleep_mib: 5120 must be below vram_mib 5120"),
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\npreemptible = "sleep"',
+     'preemptible: "sleep" needs a sleep_level of 1 or 2'),
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\npreemptible = "kill"\ncommand = ["x"]',
+     "serves.s.preemptible"),
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\nsleep_level = 1\n[serves.s.vllm]\n'
+     'model = "m"\nhost = "0.0.0.0"', "serves.s.vllm.host: a serve with sleep_level binds "
+     "127.0.0.1"),
+])
+def test_sleep_keys_refused(snippet: str, expected: str) -> None:
+    found = problems(BASE + snippet)
+    assert any(expected in p for p in found), found
+
+
+def test_sleep_keys_and_their_defaults() -> None:
+    cfg = parse_config(BASE + '[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\n'
+                       'sleep_level = 2\nsleep_mib = 600\npreemptible = "stop"\n', "t")
+    s = cfg.serves["s"]
+    assert (s.sleep_level, s.sleep_mib, s.preemptible) == (2, 600, "stop")
+    plain = parse_config(BASE + '[serves.p]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\n',
+                         "t").serves["p"]
+    assert (plain.sleep_level, plain.sleep_mib, plain.preemptible) == (0, None, None)
+    assert cfg.daemon.auto_wake is True and cfg.daemon.preempt_at_boot is False

@@ -121,7 +121,7 @@ SERVE_OCR: dict[str, Any] = {
     "vram_mib": 5120, "reserved_mib": None, "resident": True, "priority": 40, "port": 30007,
     "unit": "gpud-serve-ocr.service", "main_pid": None, "n_restarts": 0,
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
-    "device_lost": None, "calibrated": None,
+    "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
 }
 
 SERVE_FAST: dict[str, Any] = dict(
@@ -1186,3 +1186,30 @@ def test_the_seed_rebalance_against_a_real_gpud(gpud_t015: Any,
     assert run("admit", "no/such", "5")[0] == EXIT_USAGE
     assert run("serves", "nope")[0] == EXIT_USAGE
     assert run("release", "ocr")[0] == EXIT_OK
+
+
+def test_preemption_plan_and_sleep_lines() -> None:
+    from gpud.core.preempt import Candidate, plan_preemption
+    from gpud.ctl.format import format_preemption, format_sleep
+
+    plan = plan_preemption("hi", 10, 16000, 7607, [Candidate("lo", 50, 12000, "sleep", 800)])
+    doc = {"serve": "hi", "preemption": plan.to_json(), "dry_run": True, "fits": True}
+    assert format_preemption(doc).splitlines() == [
+        "preempt for hi (priority 10): need 16000 MiB, free 7607 MiB, short 8393 MiB",
+        "  1. put to sleep lo (priority 50): frees 11200 MiB; undo: wake",
+        "after: free 18807 MiB, hi fits",
+        "dry run: nothing changed"]
+    refused = {"serve": "hi", "preemption": {"reason": "nothing lower"}}
+    assert format_preemption(refused) == "no preemption can make room for hi: nothing lower"
+    assert format_preemption({"serve": "hi"}) == ""
+    asleep = dict(SERVE_FAST, state="sleeping", reserved_mib=800,
+                  sleep={"level": 1, "from_mib": 14336, "sleep_mib": 800,
+                         "parked_host_mib": 14336})
+    assert format_sleep(asleep).splitlines()[1] == (
+        "asleep at level 1: 14336 MiB -> 800 MiB, 14336 MiB parked in host RAM")
+    woke = dict(SERVE_FAST, wake={"mib": 14336, "serve_ms": 12.5})
+    assert format_sleep(woke).splitlines()[1] == "awake: 14336 MiB (the serve took 12.5 ms)"
+    table = format_serves({"serves": [dict(SERVE_OCR, state="sleeping", reason="asleep (level "
+                                           "1, put to sleep)", parked_host_mib=5000)]})
+    assert table.splitlines()[-1] == ("ocr (sleeping): asleep (level 1, put to sleep); 5000 MiB "
+                                      "parked in host RAM")

@@ -396,3 +396,12 @@ def test_container_argv_refuses_a_serve_without_a_container() -> None:
 def test_a_container_serves_fingerprint_follows_its_args() -> None:
     assert fingerprint(_container(args=["--a"])) != fingerprint(_container(args=["--b"]))
     assert fingerprint(_container(args=["--a"])) == fingerprint(_container(args=["--a"]))
+
+
+def test_a_sleeping_vllm_serve_gets_sleep_mode_and_dev_mode() -> None:
+    fast = example_serves()["fast"].model_copy(update={"sleep_level": 1})
+    argv = serve_argv(fast, total_mib=32607, device_index=0, vllm_executable="vllm")
+    assert argv[-1] == "--enable-sleep-mode"
+    assert _passes_the_flag_table(argv) == []
+    assert vllm_environment(fast)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(example_serves()["fast"])

@@ -15,6 +15,7 @@ from gpud.core.ledger import (
     device_draw,
     gpu_memory_utilization,
     serve_draws,
+    sleep_reservation,
 )
 
 DARK_FAST = RoleBudget("dark-fast", "0", 32607, 7168)
@@ -256,3 +257,136 @@ def test_utilization_edges() -> None:
     assert gpu_memory_utilization(32607, 32607) == "1.0000"
     assert gpu_memory_utilization(32606, 32607) == "0.9999"
     assert gpu_memory_utilization(4, 10000) == "0.0004"
+
+
+# ---- serves on several roles (tensor parallel): all or none ------------------------------------
+
+LEFT, RIGHT = RoleBudget("left", "0", 40000, 1000), RoleBudget("right", "1", 40000, 4000)
+
+
+def two_devices(*held: Reservation) -> Ledger:
+    return Ledger.build([LEFT, RIGHT], list(held))
+
+
+def test_a_two_role_admission_reserves_on_both_roles() -> None:
+    outcome = two_devices().decide("big", ("left", "right"), 30000, since=1.0, by_uid=0)
+    assert not isinstance(outcome, Denial), outcome
+    ledger, admission = outcome
+    assert ledger.reservations["big"].all_roles == ("left", "right")
+    assert [f.line() for f in admission.all_figures] == [
+        "gpu_role 'left': capacity 40000 MiB, reserve 1000 MiB, committed 30000 MiB, "
+        "free 9000 MiB",
+        "gpu_role 'right': capacity 40000 MiB, reserve 4000 MiB, committed 30000 MiB, "
+        "free 6000 MiB"]
+    assert [r.serve for r in ledger.on_role("right")] == ["big"]
+
+
+def test_one_role_lacking_room_denies_the_whole_admission_and_reserves_nothing() -> None:
+    ledger = two_devices(Reservation("small", "right", 10000, 0.0))
+    denial = ledger.decide("big", ("left", "right"), 30000, since=1.0, by_uid=0)
+    assert isinstance(denial, Denial)
+    assert [(d.role, d.bound, d.need_mib, d.free_mib, d.shortfall_mib) for d in denial.lacking] \
+        == [("right", "ledger", 30000, 26000, 4000)]
+    # Only one role lacks room: the message is the single-role one, naming it.
+    assert denial.message == ("big denied on right: ledger bound: need 30000 MiB, free 26000 "
+                              "MiB, short 4000 MiB")
+    assert "big" not in ledger.reservations
+    assert ledger.figures("left").committed_mib == 0
+
+
+def test_a_denial_names_every_role_that_lacks_room() -> None:
+    ledger = two_devices(Reservation("a", "left", 20000, 0.0), Reservation("b", "right", 20000, 0.0))
+    denial = ledger.decide("big", ("left", "right"), 30000, since=1.0, by_uid=0)
+    assert isinstance(denial, Denial)
+    assert denial.message == (
+        "big denied (nothing reserved; lacking room on left, right): on left: ledger bound: "
+        "need 30000 MiB, free 19000 MiB, short 11000 MiB; on right: ledger bound: need 30000 "
+        "MiB, free 16000 MiB, short 14000 MiB")
+    assert denial.details()["lacking"] == [
+        {"role": "left", "bound": "ledger", "need_mib": 30000, "free_mib": 19000,
+         "shortfall_mib": 11000},
+        {"role": "right", "bound": "ledger", "need_mib": 30000, "free_mib": 16000,
+         "shortfall_mib": 14000}]
+
+
+def test_strict_admission_checks_the_physical_bound_of_every_device() -> None:
+    views = {"left": PhysicalView(39000, 0), "right": PhysicalView(29000, 0)}
+    denial = two_devices().decide("big", ("left", "right"), 30000, since=0.0, by_uid=0,
+                                  physical=views, check="strict")
+    assert isinstance(denial, Denial)
+    assert [(d.role, d.bound, d.free_mib) for d in denial.lacking] == [("right", "physical",
+                                                                         29000)]
+    # A device that cannot be seen is no bound (the service falls back to the ledger, saying so).
+    outcome = two_devices().decide("big", ("left", "right"), 30000, since=0.0, by_uid=0,
+                                   physical={"left": PhysicalView(39000, 0)})
+    assert not isinstance(outcome, Denial)
+
+
+def test_a_replaced_two_role_reservation_is_replaced_on_both_and_release_frees_both() -> None:
+    ledger = two_devices(Reservation("big", "left", 30000, 5.0, 0, False, ("right",)))
+    outcome = ledger.decide("big", ("left", "right"), 35000, since=9.0, by_uid=0)
+    assert not isinstance(outcome, Denial)
+    after, admission = outcome
+    assert admission.replaced_mib == 30000 and after.reservations["big"].since == 5.0
+    assert (after.figures("left").committed_mib, after.figures("right").committed_mib) == \
+        (35000, 35000)
+    # Too big for right (36000 free): nothing moves, the old reservation stays on both.
+    assert isinstance(after.decide("big", ("left", "right"), 36001, since=9.0, by_uid=0), Denial)
+    released, res = after.release("big")
+    assert res.all_roles == ("left", "right")
+    assert released.figures("left").committed_mib == released.figures("right").committed_mib == 0
+
+
+def test_decide_refuses_a_role_named_twice() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        two_devices().decide("big", ("left", "left"), 1, since=0.0, by_uid=0)
+
+
+def test_a_missing_role_of_a_two_role_reservation_shows_up_as_over_committed() -> None:
+    ledger = Ledger.build([LEFT], [Reservation("big", "left", 100, 0.0, None, False, ("gone",))])
+    assert ledger.roles["gone"].missing
+    assert [f.role for f in ledger.over_committed()] == ["gone"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([("a",), ("b",), ("a", "b"), ("b", "a"), ("c", "a", "b")]),
+                          st.integers(1, 3000)), max_size=30),
+       st.integers(0, 5000))
+def test_multi_role_admit_in_order_is_decide_one_after_another(
+        wanted: list[tuple[tuple[str, ...], int]], reserve: int) -> None:
+    roles = [RoleBudget("a", "0", 8000, reserve), RoleBudget("b", "1", 4000, 0),
+             RoleBudget("c", "2", 6000, 0)]
+    start = Ledger.build(roles, [Reservation("held", "a", 500, 0.0, None, False, ("c",))])
+    items = [(f"s{i}", on, mib) for i, (on, mib) in enumerate(wanted)]
+    batch, denied = start.admit_in_order(items, since=0.0)
+    one_by_one, expected = start, []
+    for serve, on, mib in items:
+        outcome = one_by_one.decide(serve, on, mib, since=0.0, by_uid=None)
+        if isinstance(outcome, Denial):
+            expected.append(outcome)
+        else:
+            one_by_one = outcome[0]
+    assert denied == expected
+    assert batch.reservations == one_by_one.reservations
+    for name in ("a", "b", "c"):  # never over-committed, and every serve counted on each role
+        figures = batch.figures(name)
+        assert figures.free_mib >= 0
+        assert figures.committed_mib == sum(r.mib for r in batch.reservations.values()
+                                            if name in r.all_roles)
+
+
+@pytest.mark.parametrize(("configured", "awake", "asleep", "expected"), [
+    (800, 12000, 700, 800),  # its sleep_mib
+    (800, 12000, 1500, 1756),  # seen holding more asleep: that, plus the tolerance
+    (800, None, None, 800),  # no observation: its sleep_mib
+    (None, 12000, 700, 956),  # measured: seen asleep plus the tolerance
+    (None, 12000, 0, 256),  # seen drawing awake, nothing asleep: a real 0
+    (None, 0, 0, 12000),  # none of its memory attributed to it: nothing is known freed
+    (None, None, None, 12000),  # no figure, no observation: keeps all it held
+    (800, 0, 0, 800),  # unattributed, with a figure: the figure
+    (20000, 12000, 700, 12000),  # never more than it held
+])
+def test_sleep_reservation(configured: int | None, awake: int | None, asleep: int | None,
+                           expected: int) -> None:
+    assert sleep_reservation(12000, configured_mib=configured, awake_seen_mib=awake,
+                             asleep_seen_mib=asleep, tolerance_mib=256) == expected

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpud.core.vocab import EventKind
 from tests.conftest import GpudProcess, start_gpud
 
 
@@ -95,6 +96,12 @@ def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
         assert got[("gpud_serve_state", fast | {("state", "running")})] == 0
         assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == 2
         assert got[("gpud_events_total", frozenset({("kind", "deny")}))] == 1
+        # every kind of event in gpud's vocabulary has its series (0 until it happens), and
+        # nothing else is counted
+        counted = {dict(labels)["kind"] for name, labels in got if name == "gpud_events_total"}
+        assert counted == {str(kind) for kind in EventKind}, counted ^ {str(k) for k in EventKind}
+        for kind in ("pull", "container-outside-unit", "device-lost", "calibrate", "apply"):
+            assert got[("gpud_events_total", frozenset({("kind", kind)}))] == 0, kind
         assert got[("gpud_observation_available", frozenset({("backend", "simulated")}))] == 1
         # every metric that is a quantity of memory says its unit
         for name, _ in got:

@@ -297,3 +297,13 @@ def test_registration_cache_follows_changes_and_deaths(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_mem_available_from_the_state_file(sim: SimulatedBackend, state_file: Path) -> None:
+    assert sim.mem_available_mib() is None  # not set: the host's own
+    write_state(state_file, {"mem_available_mib": 4096})
+    assert sim.mem_available_mib() == 4096
+    write_state(state_file, {"mem_available_mib": -1})
+    obs = sim.sample()
+    assert obs.reason is not None and "mem_available_mib: must be an integer >= 0" in obs.reason
+    assert sim.mem_available_mib() == 4096  # the last good state stays in force

@@ -447,6 +447,17 @@ def test_sleep_endpoints_in_dev_mode(start: Start, procs_dir: Path) -> None:
     assert off.request("POST", "/sleep?level=1")[0] == 500  # no --enable-sleep-mode
 
 
+def test_asleep_mib_is_the_draw_asleep(start: Start, procs_dir: Path) -> None:
+    s = start("--enable-sleep-mode", "--draw-mib", "900", "--context-mib", "300",
+              "--asleep-mib", "450", sim=True, env={"VLLM_SERVER_DEV_MODE": "1"})
+    child = engine_pid(s)
+    wait_until(lambda: registrations(procs_dir).get(child, {}).get("mib") == 900, what="draw")
+    assert s.request("POST", "/sleep?level=2")[0] == 200
+    wait_until(lambda: registrations(procs_dir)[child]["mib"] == 450, what="asleep: --asleep-mib")
+    assert s.request("POST", "/wake_up")[0] == 200
+    wait_until(lambda: registrations(procs_dir)[child]["mib"] == 900, what="awake again")
+
+
 def test_crash_after_exits_with_the_code(start: Start, procs_dir: Path) -> None:
     s = start("--crash-after", "0.4", "--exit-code", "7", "--draw-mib", "100", sim=True)
     assert s.health()[0] == 200

@@ -15,13 +15,15 @@ from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition, violations
 
 
-def config(roles: dict[str, tuple[int, int]], serves: dict[str, tuple[str, int]],
-           **daemon: Any) -> Config:
+def config(roles: dict[str, tuple[int, int]],
+           serves: dict[str, tuple[str | tuple[str, ...], int]], **daemon: Any) -> Config:
+    """Roles on devices of their own; a serve on one role (a name) or on several (a tuple)."""
     return Config.model_validate({
         "daemon": daemon,
-        "roles": {n: {"device": "0", "capacity_mib": c, "reserve_mib": r}
-                  for n, (c, r) in roles.items()},
-        "serves": {n: {"role": role, "vram_mib": mib, "command": ["/bin/true"]}
+        "roles": {n: {"device": str(i), "capacity_mib": c, "reserve_mib": r}
+                  for i, (n, (c, r)) in enumerate(roles.items())},
+        "serves": {n: {**({"role": role} if isinstance(role, str) else {"roles": list(role)}),
+                       "vram_mib": mib, "command": ["/bin/true"]}
                    for n, (role, mib) in serves.items()},
     })
 
@@ -31,8 +33,10 @@ def budgets(cfg: Config) -> list[RoleBudget]:
             for n, r in sorted(cfg.roles.items())]
 
 
-def res(serve: str, role: str, mib: int, *, external: bool = False) -> Reservation:
-    return Reservation(serve, role, mib, 0.0, 0, external)
+def res(serve: str, role: str | tuple[str, ...], mib: int, *,
+        external: bool = False) -> Reservation:
+    roles = (role,) if isinstance(role, str) else role
+    return Reservation(serve, roles[0], mib, 0.0, 0, external, roles[1:])
 
 
 def decide(old: Config, new: Config, held: list[Reservation], states: dict[str, str], *,
@@ -179,10 +183,13 @@ def configs(draw: st.DrawFn) -> Config:
     for name in draw(st.lists(st.sampled_from(ROLES), min_size=1, unique=True)):
         capacity = draw(st.integers(200, 2000))
         roles[name] = (capacity, draw(st.integers(0, capacity - 1)))
-    serves = {}
+    serves: dict[str, tuple[str | tuple[str, ...], int]] = {}
     for name in draw(st.lists(st.sampled_from(SERVES), unique=True)):
-        role = draw(st.sampled_from(sorted(roles)))
-        serves[name] = (role, draw(st.integers(1, roles[role][0])))
+        # One role, or (tensor parallel) several, each on a device of its own.
+        on = draw(st.lists(st.sampled_from(sorted(roles)), min_size=1, max_size=len(roles),
+                           unique=True))
+        cap = min(roles[r][0] for r in on)
+        serves[name] = (on[0] if len(on) == 1 else tuple(on), draw(st.integers(1, cap)))
     return config(roles, serves)
 
 
@@ -196,7 +203,7 @@ class LedgerWorld(RuleBasedStateMachine):
         self.ledger = Ledger.build(budgets(self.config), [])
         self.states: dict[str, str] = {}
 
-    def _admit(self, serve: str, role: str, mib: int, external: bool) -> bool:
+    def _admit(self, serve: str, role: str | tuple[str, ...], mib: int, external: bool) -> bool:
         out = self.ledger.decide(serve, role, mib, since=0.0, by_uid=0, external=external)
         if isinstance(out, Denial):
             return False
@@ -206,7 +213,7 @@ class LedgerWorld(RuleBasedStateMachine):
     @rule(serve=st.sampled_from(SERVES), mib=st.integers(1, 2000))
     def admit(self, serve: str, mib: int) -> None:
         spec = self.config.serves.get(serve)
-        if spec is not None and self._admit(serve, spec.role, mib, False) \
+        if spec is not None and self._admit(serve, spec.all_roles, mib, False) \
                 and self.states.get(serve) not in LIVE:
             self.states[serve] = "admitted"
 
@@ -229,7 +236,7 @@ class LedgerWorld(RuleBasedStateMachine):
         if spec is None or self.states.get(serve) in LIVE:
             return
         held = self.ledger.reservations.get(serve)
-        if held is None and not self._admit(serve, spec.role, spec.vram_mib, False):
+        if held is None and not self._admit(serve, spec.all_roles, spec.vram_mib, False):
             return
         self.states[serve] = "running"
 
@@ -260,6 +267,18 @@ class LedgerWorld(RuleBasedStateMachine):
     def holds(self) -> None:
         assert violations(self.config, self.ledger, self.states) == []
 
+    @invariant()
+    def never_half_reserved(self) -> None:
+        # A serve on several roles holds the same MiB on every one of them, or nothing: each
+        # role's committed figure counts it exactly once.
+        for name in self.ledger.roles:
+            on = [r for r in self.ledger.reservations.values() if name in r.all_roles]
+            assert self.ledger.figures(name).committed_mib == sum(r.mib for r in on)
+        for r in self.ledger.reservations.values():
+            spec = self.config.serves.get(r.serve)
+            if spec is not None:
+                assert r.all_roles == spec.all_roles
+
 
 TestLedgerWorld = LedgerWorld.TestCase
 TestLedgerWorld.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
@@ -269,3 +288,58 @@ TestLedgerWorld.settings = settings(max_examples=150, stateful_step_count=30, de
 def test_a_change_with_nothing_held_is_never_refused(serves: dict[str, tuple[str, int]]) -> None:
     new = config({"a": (400, 0)}, serves)
     assert isinstance(decide(OLD, new, [], {}), Transition)
+
+
+# ---- serves on several roles -------------------------------------------------------------------
+
+TP_OLD = config({"a": (1000, 100), "b": (1000, 0)}, {"big": (("a", "b"), 300)})
+
+
+def test_a_serve_on_two_roles_keeps_its_reservation_when_its_roles_stay() -> None:
+    out = decide(TP_OLD, TP_OLD, [res("big", ("a", "b"), 300)], {"big": "running"})
+    assert isinstance(out, Transition) and out.released == ()
+    assert out.ledger.figures("a").committed_mib == 300
+    assert out.ledger.figures("b").committed_mib == 300
+
+
+def test_a_serve_moving_from_two_roles_to_one_gives_up_the_whole_reservation() -> None:
+    new = config({"a": (1000, 100), "b": (1000, 0)}, {"big": ("a", 300)})
+    out = decide(TP_OLD, new, [res("big", ("a", "b"), 300)], {"big": "admitted"})
+    assert isinstance(out, Transition) and out.release == ("big",)
+    assert out.ledger.figures("a").committed_mib == 0
+    assert out.ledger.figures("b").committed_mib == 0
+    live = decide(TP_OLD, new, [res("big", ("a", "b"), 300)], {"big": "running"})
+    assert refused(live) == ["big (300 MiB on a, b): is running and moves to role 'a': stop it "
+                             "first (gpuctl stop), or use gpuctl apply"]
+    applied = decide(TP_OLD, new, [res("big", ("a", "b"), 300)], {"big": "running"},
+                     may_stop=True)
+    assert isinstance(applied, Transition) and applied.stop == ("big",)
+
+
+def test_a_serve_moving_from_one_role_to_two_moves_and_a_reordering_counts_as_a_move() -> None:
+    one = config({"a": (1000, 100), "b": (1000, 0)}, {"big": ("a", 300)})
+    out = decide(one, TP_OLD, [res("big", "a", 300)], {"big": "admitted"})
+    assert isinstance(out, Transition) and out.release == ("big",)
+    swapped = config({"a": (1000, 100), "b": (1000, 0)}, {"big": (("b", "a"), 300)})
+    out = decide(TP_OLD, swapped, [res("big", ("a", "b"), 300)], {"big": "admitted"})
+    assert isinstance(out, Transition) and out.release == ("big",)  # device order changes
+
+
+def test_removing_one_role_of_a_two_role_reservation_is_refused_or_moves_it_whole() -> None:
+    new = config({"a": (1000, 100)}, {"big": ("a", 300)})
+    out = decide(TP_OLD, new, [res("big", ("a", "b"), 300)], {"big": "admitted"})
+    assert isinstance(out, Transition) and out.release == ("big",)
+    assert "big" not in out.ledger.reservations
+
+
+def test_over_commit_on_either_role_of_a_two_role_serve_is_refused() -> None:
+    small_b = config({"a": (1000, 100), "b": (250, 0)}, {"big": (("a", "b"), 300)})
+    assert refused(decide(TP_OLD, small_b, [res("big", ("a", "b"), 300)], {})) == [
+        "roles.b: committed 300 MiB would exceed capacity - reserve = 250 MiB "
+        "(held: big 300 MiB)"]
+
+
+def test_violations_name_a_half_reserved_serve() -> None:
+    half = Ledger.build(budgets(TP_OLD), [res("big", "a", 300)])
+    assert violations(TP_OLD, half, {"big": "admitted"}) == [
+        "big: reservation on 'a', configured on 'a, b'"]

@@ -78,6 +78,15 @@ CASES = [
                                            "prev": unit("inactive", "dead")}, unit(),
      [AdoptOutsideStart()]),
     ("active, unknown before", {"state": "declared", "holds": False, "prev": None}, unit(), []),
+    ("died asleep: stopped before systemd brings it back at full size", {"state": "sleeping"},
+     unit("failed", "failed", "exit-code", status=1),
+     [SeenExit("i1"), Fail("exited while asleep (status 1, result exit-code)", stop=True)]),
+    ("died asleep, restart=no", {"state": "sleeping", "restart": "no"},
+     unit("inactive", "dead"),
+     [SeenExit("i1"), Fail("exited while asleep (status 0, result success)", stop=True)]),
+    ("asleep, stopped by hand", {"state": "sleeping", "shutting_down": False},
+     unit("inactive", "dead", stopped_by_job=True), [OutsideStop()]),
+    ("asleep and active: nothing to do", {"state": "sleeping"}, unit(), []),
 ]
 
 

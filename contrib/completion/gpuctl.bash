@@ -9,8 +9,8 @@
 # over the socket named on the command line (--socket), else $GPUD_SOCKET, else the default;
 # when gpud cannot be reached there is simply nothing to offer.
 
-_gpuctl_commands="status ledger serves admit release start stop restart events plan apply calibrate reload"
-_gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back pull container-outside-unit"
+_gpuctl_commands="status ledger serves admit release start sleep wake stop restart events plan apply calibrate reload"
+_gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit"
 _gpuctl_since="10m 1h 2h 1d 7d"
 # options that take one or more values
 _gpuctl_many="--kind"
@@ -22,9 +22,11 @@ _gpuctl_options() {
         status) echo "-h --help --socket --json --timeout" ;;
         ledger) echo "-h --help --watch --interval --socket --json --timeout" ;;
         serves) echo "-h --help --names --socket --json --timeout" ;;
-        admit) echo "-h --help --role --socket --json --timeout" ;;
+        admit) echo "-h --help --role --preempt --dry-run --socket --json --timeout" ;;
         release) echo "-h --help --stop --socket --json --timeout" ;;
-        start) echo "-h --help --no-wait --socket --json --timeout" ;;
+        start) echo "-h --help --no-wait --preempt --dry-run --socket --json --timeout" ;;
+        sleep) echo "-h --help --level --socket --json --timeout" ;;
+        wake) echo "-h --help --socket --json --timeout" ;;
         stop) echo "-h --help --socket --json --timeout" ;;
         restart) echo "-h --help --no-wait --socket --json --timeout" ;;
         events) echo "-h --help --serve --role --kind --since --limit -f --follow --socket --json --timeout" ;;
@@ -54,6 +56,11 @@ _gpuctl_option_value() {
         "release:--timeout") echo none ;;
         "start:--socket") echo file ;;
         "start:--timeout") echo none ;;
+        "sleep:--level") echo none ;;
+        "sleep:--socket") echo file ;;
+        "sleep:--timeout") echo none ;;
+        "wake:--socket") echo file ;;
+        "wake:--timeout") echo none ;;
         "stop:--socket") echo file ;;
         "stop:--timeout") echo none ;;
         "restart:--socket") echo file ;;
@@ -85,6 +92,8 @@ _gpuctl_positional() {
         "admit:1") echo none ;;
         "release:0") echo serve ;;
         "start:0") echo serve ;;
+        "sleep:0") echo serve ;;
+        "wake:0") echo serve ;;
         "stop:0") echo serve ;;
         "restart:0") echo serve ;;
         "plan:0") echo toml ;;

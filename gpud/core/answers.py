@@ -46,8 +46,14 @@ class Observed(TypedDict):
 
 
 class Reservation(TypedDict):
+    """One reservation as listed under one role. A serve on several roles is listed under each,
+    with all of them in ``roles`` and which one this is in ``part`` ("1/2"); a single-role
+    serve's listing has neither."""
+
     serve: str
     role: str
+    roles: NotRequired[list[str]]
+    part: NotRequired[str]
     mib: int
     since: float
     by_uid: int | None
@@ -95,6 +101,7 @@ class Serve(TypedDict):
 
     name: str
     role: str | None
+    roles: NotRequired[list[str]]  # a serve on several roles (devices): all of them, in order
     configured: bool
     external: bool
     state: str  # one of gpud.core.vocab.STATES
@@ -112,6 +119,94 @@ class Serve(TypedDict):
     calibration: CalibrationStatus
     fingerprint: str | None
     calibrated: Calibrated | None
+    sleep_level: int  # 0: never sleeps
+    parked_host_mib: int | None  # asleep at level 1: host RAM its weights are parked in
+
+
+class PreemptionStep(TypedDict):
+    serve: str
+    action: Literal["sleep", "stop"]
+    frees_mib: int
+    priority: int
+    undo: Literal["wake", "start"]
+    roles: NotRequired[list[str]]  # a plan on several roles: those it frees frees_mib on, each
+
+
+class PreemptionRoom(TypedDict):
+    role: str
+    free_mib: int
+    free_after_mib: int
+
+
+class PreemptionPlan(TypedDict):
+    """The fewest serves of lower priority to put to sleep (or stop), in order; ``lines`` as
+    gpuctl prints them."""
+
+    serve: str
+    priority: int
+    need_mib: int
+    free_mib: int
+    free_after_mib: int
+    steps: list[PreemptionStep]
+    lines: list[str]
+    # A serve on several roles: each of them (free_mib, free_after_mib: the least of them).
+    roles: NotRequired[list[PreemptionRoom]]
+
+
+class PreemptionRefused(TypedDict):
+    """Why no preemption can make room; ``could_free_mib``: what the eligible serves free
+    together."""
+
+    serve: str
+    need_mib: int
+    free_mib: int
+    could_free_mib: int
+    reason: str
+    role: NotRequired[str]  # a serve on several roles: the role no preemption makes room on
+
+
+class Started(Serve):
+    """POST /v1/serves/{name}/start: the Serve; with preempt, the plan carried out (null: it
+    fitted without one); with preempt and dry_run, the plan only and whether it fits."""
+
+    preemption: NotRequired[PreemptionPlan | PreemptionRefused | None]
+    dry_run: NotRequired[bool]
+    fits: NotRequired[bool]
+
+
+class PreemptionDryRun(TypedDict):
+    """POST /v1/serves/{name}/admit with preempt and dry_run."""
+
+    serve: str
+    dry_run: bool
+    fits: bool
+    preemption: PreemptionPlan | PreemptionRefused
+
+
+class SleepDone(TypedDict):
+    level: int
+    from_mib: int
+    sleep_mib: int
+    parked_host_mib: int
+    serve_ms: float  # the serve's own answer to /sleep and its confirmation
+    draw_ms: float  # observation showing the memory back
+
+
+class Slept(Serve):
+    """POST /v1/serves/{name}/sleep."""
+
+    sleep: SleepDone
+
+
+class WakeDone(TypedDict):
+    mib: int
+    serve_ms: float  # the serve's own answer to /wake_up and its confirmation
+
+
+class Woken(Serve):
+    """POST /v1/serves/{name}/wake."""
+
+    wake: WakeDone
 
 
 class Serves(TypedDict):
@@ -185,11 +280,15 @@ class Admitted(TypedDict):
 
     serve: str
     role: str
+    # A serve on several roles: all of them, and the figures of each (``figures``: the first's).
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
     mib: int
     replaced_mib: int | None
     check: Literal["ledger", "strict"]
     note: str | None
     figures: Figures
+    preemption: NotRequired[PreemptionPlan | None]  # with preempt: the plan carried out
 
 
 class Released(TypedDict):
@@ -197,6 +296,8 @@ class Released(TypedDict):
 
     serve: str
     role: str
+    roles: NotRequired[list[str]]
+    figures_by_role: NotRequired[dict[str, Figures]]
     released_mib: int
     figures: Figures
 
@@ -232,7 +333,20 @@ class PlanServe(TypedDict):
     reason: str | None
 
 
+class Shortage(TypedDict):
+    """One role a serve on several roles lacks room on."""
+
+    role: str
+    bound: str
+    need_mib: int
+    free_mib: int
+    shortfall_mib: int
+
+
 class PlanDenied(TypedDict):
+    """A denial: the first role lacking room; a serve on several roles with more than one
+    lacking lists each in ``lacking``."""
+
     serve: str
     role: str
     bound: str
@@ -240,6 +354,7 @@ class PlanDenied(TypedDict):
     free_mib: int
     shortfall_mib: int
     reason: str
+    lacking: NotRequired[list[Shortage]]
 
 
 class Blocker(TypedDict):
@@ -252,8 +367,35 @@ class Blocker(TypedDict):
     message: str
 
 
+class PlanUndo(TypedDict):
+    """What brings one step of an apply back. ``under``: the config it runs under (``old``
+    after a rollback's restore); ``state_after``: the state the serve goes back to."""
+
+    kind: str  # stop, start, restart, restore
+    under: Literal["old", "new"]
+    serve: str | None
+    mib_before: int | None
+    mib_after: int | None
+    state_after: str | None
+    message: str
+
+
+class PlanStep(TypedDict):
+    """One step of an apply, in order (see gpud.core.actions). ``mib_before``/``mib_after``:
+    the serve's reservation before and after it; ``undo``: null when nothing to bring back."""
+
+    kind: str  # backup, stop, write, reload, restart, start, verify
+    under: Literal["old", "new"]
+    serve: str | None
+    mib_before: int | None
+    mib_after: int | None
+    message: str
+    undo: PlanUndo | None
+
+
 class Plan(TypedDict):
-    """POST /v1/plan."""
+    """POST /v1/plan. ``steps``: what an apply of it does, in order (empty when the plan is
+    refused: blocked, or the resident set does not fit)."""
 
     source: str
     roles: list[PlanRole]
@@ -263,6 +405,7 @@ class Plan(TypedDict):
     denied: list[PlanDenied]
     blocked: list[Blocker]
     stop_first: list[str]
+    steps: list[PlanStep]
 
 
 class CalibrationRun(TypedDict):
@@ -334,7 +477,9 @@ class Error(TypedDict):
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
     Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
+    Slept, WakeDone, Woken,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
-    PlanServe, PlanDenied, Blocker, Plan, CalibrationRun, CalibrationRecord, Calibration,
-    ApplyStep, ApplyResult, ErrorBody, Error,
+    PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
+    CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
 )

@@ -15,7 +15,7 @@ from gpud.config import Config
 # Key paths the admin group may change, as patterns over dotted paths.
 FIGURES = re.compile(
     r"roles\.[^.]+\.(capacity_mib|reserve_mib|note)"
-    r"|serves\.[^.]+\.(vram_mib|resident|priority)"
+    r"|serves\.[^.]+\.(vram_mib|resident|priority|sleep_mib)"
 )
 
 

@@ -36,6 +36,7 @@ GPUD_SET_OPTIONS: Mapping[str, str] = {
     "-q": "vllm.quantization",
     "--kv-cache-memory-bytes": "vllm.kv_cache_mib",
     "--shutdown-timeout": "stop_timeout_s",
+    "--enable-sleep-mode": "sleep_level",
 }
 
 
@@ -63,6 +64,10 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
         "VLLM_ENGINE_READY_TIMEOUT_S": str(math.ceil(serve.start_timeout_s)),
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(worker),
         "VLLM_NO_USAGE_STATS": "1",
+        # vLLM registers /sleep, /wake_up and /is_sleeping only in dev mode (vllm/envs.py;
+        # vllm/entrypoints/serve/__init__.py register_vllm_dev_api_routers); a serve that
+        # sleeps binds 127.0.0.1 (config check), so they never face the network.
+        **({"VLLM_SERVER_DEV_MODE": "1"} if serve.sleep_level else {}),
     }
 
 
@@ -83,6 +88,10 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
     if serve.port is not None:
         parts += [("--port", "port"), (str(serve.port), "port")]
     parts += [("--gpu-memory-utilization", "vram_mib"), (util, "vram_mib")]
+    if serve.roles is not None and len(serve.roles) > 1:
+        # One GPU per role (vllm/engine/arg_utils.py: EngineArgs.add_cli_args, parallel group:
+        # "--tensor-parallel-size", "-tp"); vLLM's utilization is per GPU.
+        parts += [("--tensor-parallel-size", "roles"), (str(len(serve.all_roles)), "roles")]
     if v.max_model_len is not None:
         parts += [("--max-model-len", "vllm.max_model_len"),
                   (str(v.max_model_len), "vllm.max_model_len")]
@@ -93,6 +102,8 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                   (str(v.kv_cache_mib * MIB), "vllm.kv_cache_mib")]
     drain, _worker = stop_budget(serve.stop_timeout_s)
     parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
+    if serve.sleep_level:
+        parts += [("--enable-sleep-mode", "sleep_level")]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 
@@ -103,22 +114,28 @@ def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
                                                 host=host)]
 
 
-def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int) -> list[str]:
+def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int,
+          device_indexes: Sequence[int] | None = None) -> list[str]:
+    indexes = list(device_indexes) if device_indexes is not None else [device_index]
     values: Mapping[str, object] = {
         "port": serve.port if serve.port is not None else "",
         "gpu_memory_utilization": util,
         "device_index": device_index,
+        "device_indexes": visible_devices(indexes),
         "vram_mib": serve.vram_mib,
     }
     return [arg.format_map(values) for arg in args]
 
 
-def command_argv(serve: ServeConfig, *, util: str, device_index: int) -> list[str]:
+def command_argv(serve: ServeConfig, *, util: str, device_index: int,
+                 device_indexes: Sequence[int] | None = None) -> list[str]:
     """An explicit command with its placeholders filled. Each argument is formatted on its own,
-    so a value can never split into two arguments or reach a shell."""
+    so a value can never split into two arguments or reach a shell. `{device_index}` is the
+    first device, `{device_indexes}` all of them, comma-separated (CUDA_VISIBLE_DEVICES form)."""
     if serve.command is None:
         raise ValueError("not a command serve")
-    return _fill(serve.command, serve, util=util, device_index=device_index)
+    return _fill(serve.command, serve, util=util, device_index=device_index,
+                 device_indexes=device_indexes)
 
 
 def uses_utilization(serve: ServeConfig) -> bool:
@@ -227,11 +244,30 @@ def vllm_budget_mib(serve: ServeConfig, reservation_mib: int) -> int:
     return reservation_mib - context
 
 
+def visible_devices(indexes: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for the devices of a serve, in the order of its roles. With
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA numbers devices as NVML does (the CUDA Programming Guide,
+    "CUDA Environment Variables": a comma-separated sequence, enumerated in that order)."""
+    return ",".join(str(i) for i in indexes)
+
+
+def smallest_total(totals: Sequence[int | None]) -> int | None:
+    """The device total a serve on several devices computes its utilization against: the
+    smallest, so util x total stays within the reservation on every device; None when one of
+    them is unknown."""
+    if not totals or any(not t for t in totals):
+        return None
+    return min(t for t in totals if t)
+
+
 def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
+               device_indexes: Sequence[int] | None = None,
                cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = ()) -> list[str]:
-    """The argv of a serve. `vram_mib` is its current reservation (default: the config's); for
-    a container serve, `cdi_devices` and `forward_env` as container_argv takes them."""
+    """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
+    A serve on several devices gives `total_mib` as the smallest of their totals and
+    `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
+    `forward_env` as container_argv takes them."""
     mib = vllm_budget_mib(serve, vram_mib if vram_mib is not None else serve.vram_mib)
     if mib <= 0:
         raise Refused(f"serve {name}: its reservation does not cover its vllm.context_mib",
@@ -243,11 +279,14 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                               host=CONTAINER_LISTEN)[2:]  # the image's entrypoint: vllm serve
         else:
             # Inside, the serve's devices are numbered from 0 (CDI injected only them).
-            inner = _fill(serve.container.args or (), serve, util=util, device_index=0)
+            inside = range(len(device_indexes)) if device_indexes else None
+            inner = _fill(serve.container.args or (), serve, util=util, device_index=0,
+                          device_indexes=inside)
         return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env)
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util)
-    return command_argv(serve, util=util, device_index=device_index)
+    return command_argv(serve, util=util, device_index=device_index,
+                        device_indexes=device_indexes)
 
 
 def serve_environment(serve: ServeConfig) -> dict[str, str]:
@@ -258,7 +297,7 @@ def serve_environment(serve: ServeConfig) -> dict[str, str]:
 
 
 def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
-                  extra_env: Callable[[str], Mapping[str, str]] | None = None,
+                  extra_env: Callable[..., Mapping[str, str]] | None = None,
                   cdi_names: Iterable[str] | None = None) -> list[str]:
     """What `gpud --check-config FILE --show-commands` prints: per serve, the environment and
     argv gpud would launch, from the device totals known (`source`: NVML or the simulation),
@@ -267,32 +306,48 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
     lines = [f"device totals from {source}:"]
     lines += [f"  {d.index}: {d.uuid} {d.total_mib} MiB" for d in devices] or ["  none known"]
     for name, serve in sorted(cfg.serves.items(), key=lambda kv: (kv[1].priority, kv[0])):
-        role = cfg.roles[serve.role]
-        dev = find_device(devices, role.device)
-        index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
-        where = (f"device {dev.index} ({dev.uuid}, {dev.total_mib} MiB)" if dev
-                 else f"device {role.device!r} (total unknown)")
-        lines.append(f"serve {name}: role {serve.role}, {where}, {serve.vram_mib} MiB")
-        if index is None:
-            lines.append(f"  refused: device {role.device!r} cannot be resolved to an index")
+        found: list[tuple[str, DeviceSample | None, int | None, str]] = []
+        for role_name in serve.all_roles:
+            role = cfg.roles[role_name]
+            dev = find_device(devices, role.device)
+            index = dev.index if dev else (int(role.device) if role.device.isdigit() else None)
+            where = (f"device {dev.index} ({dev.uuid}, {dev.total_mib} MiB)" if dev
+                     else f"device {role.device!r} (total unknown)")
+            found.append((role.device, dev, index, where))
+        if len(found) == 1:
+            lines.append(f"serve {name}: role {serve.role}, {found[0][3]}, {serve.vram_mib} MiB")
+        else:
+            lines.append(f"serve {name}: roles {', '.join(serve.all_roles)}, devices "
+                         f"{'; '.join(w for _, _, _, w in found)}, {serve.vram_mib} MiB on each")
+        unresolved = [ref for ref, _, index, _ in found if index is None]
+        if unresolved:
+            lines.append(f"  refused: device {unresolved[0]!r} cannot be resolved to an index")
             continue
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(index),
+        indexes = [index for _, _, index, _ in found if index is not None]
+        total = smallest_total([dev.total_mib if dev else None for _, dev, _, _ in found])
+        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_devices(indexes),
                **serve_environment(serve)}
-        if dev is not None and extra_env is not None:
-            env.update(extra_env(dev.uuid))
+        seen = [dev for _, dev, _, _ in found if dev is not None]
+        if len(seen) == len(found) and extra_env is not None:
+            env.update(extra_env(*(dev.uuid for dev in seen)))
         cdi: list[str] = []
         if serve.container is not None:
-            found = cdi_device_name(dev.uuid if dev else "", index, cdi_names)
-            if found is None:
-                lines.append(f"  refused: no CDI spec offers {CDI_GPU_KIND}={dev.uuid if dev else index}"
-                             f" (or index {index}): run `nvidia-ctk cdi generate --output="
-                             "/etc/cdi/nvidia.yaml`")
+            for _, dev, index, _ in found:
+                assert index is not None
+                cdi_name = cdi_device_name(dev.uuid if dev else "", index, cdi_names)
+                if cdi_name is None:
+                    lines.append(f"  refused: no CDI spec offers "
+                                 f"{CDI_GPU_KIND}={dev.uuid if dev else index} (or index "
+                                 f"{index}): run `nvidia-ctk cdi generate --output="
+                                 "/etc/cdi/nvidia.yaml`")
+                    break
+                cdi.append(cdi_name)
+            if len(cdi) != len(found):
                 continue
-            cdi = [found]
         try:
-            argv = serve_argv(serve, total_mib=dev.total_mib if dev else None, device_index=index,
+            argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
                               vllm_executable=cfg.daemon.vllm_executable, name=name,
-                              cdi_devices=cdi, forward_env=env)
+                              device_indexes=indexes, cdi_devices=cdi, forward_env=env)
         except GpudError as exc:
             lines.append(f"  refused: {exc.message}")
             continue
@@ -344,4 +399,9 @@ def fingerprint(serve: ServeConfig) -> str:
     if v is not None and v.kv_cache_mib is not None:
         # Only when set, so that the serves that never had it keep their calibrations.
         what["kv_cache_mib"] = v.kv_cache_mib
+    if serve.roles is not None and len(serve.roles) > 1:
+        # Over N devices each holds its share of the weights: a calibration made on another
+        # number of devices says nothing about the draw per device. (Only when > 1: serves on
+        # one device keep their calibrations.)
+        what["devices"] = len(serve.all_roles)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -14,11 +14,15 @@ Per device, when observation is available::
     effective_free  = min(ledger_free, physical_free - pending)
 
 A serve's own reservation is replaced on re-admission, never added to.
+
+A serve may hold its reservation on several roles at once (tensor parallel: one role per device),
+the same MiB on each. Such a reservation is one value: it is made on every role or on none, and
+released, replaced and moved as one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -32,12 +36,27 @@ Check = Literal["ledger", "strict"]
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
+    """`mib` reserved for `serve` on `role` and on each of `extra_roles` (a serve on several
+    devices: its first role, then the others in the order configured)."""
+
     serve: str
     role: str
     mib: int
     since: float
     by_uid: int | None = None
     external: bool = False
+    extra_roles: tuple[str, ...] = ()
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        return (self.role, *self.extra_roles)
+
+    def on(self, role: str) -> bool:
+        return role == self.role or role in self.extra_roles
+
+    @property
+    def roles_text(self) -> str:
+        return ", ".join(self.all_roles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,29 +95,46 @@ class RoleFigures:
 
 @dataclass(frozen=True, slots=True)
 class Denial:
+    """A refused admission: the first role that lacks room, and in `more` every other role of
+    the same serve that lacks room too (a serve on several roles is admitted on all or none)."""
+
     serve: str
     role: str
     bound: Bound
     need_mib: int
     free_mib: int
+    more: tuple[Denial, ...] = ()
 
     @property
     def shortfall_mib(self) -> int:
         return self.need_mib - self.free_mib
 
     @property
-    def reason(self) -> str:
+    def lacking(self) -> tuple[Denial, ...]:
+        """One denial per role that lacks room, the first one first."""
+        return (replace(self, more=()), *self.more)
+
+    def _own_reason(self) -> str:
         return (
             f"{self.bound} bound: need {self.need_mib} MiB, free {self.free_mib} MiB, "
             f"short {self.shortfall_mib} MiB"
         )
 
     @property
-    def message(self) -> str:
-        return f"{self.serve} denied on {self.role}: {self.reason}"
+    def reason(self) -> str:
+        if not self.more:
+            return self._own_reason()
+        return "; ".join(f"on {d.role}: {d._own_reason()}" for d in self.lacking)
 
-    def details(self) -> dict[str, int | str]:
-        return {
+    @property
+    def message(self) -> str:
+        if not self.more:
+            return f"{self.serve} denied on {self.role}: {self.reason}"
+        roles = ", ".join(d.role for d in self.lacking)
+        return f"{self.serve} denied (nothing reserved; lacking room on {roles}): {self.reason}"
+
+    def details(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "serve": self.serve,
             "role": self.role,
             "bound": self.bound,
@@ -106,11 +142,22 @@ class Denial:
             "free_mib": self.free_mib,
             "shortfall_mib": self.shortfall_mib,
         }
+        if self.more:
+            out["lacking"] = [{"role": d.role, "bound": d.bound, "need_mib": d.need_mib,
+                               "free_mib": d.free_mib, "shortfall_mib": d.shortfall_mib}
+                              for d in self.lacking]
+        return out
 
     def to_json(self) -> answers.PlanDenied:
-        return {"serve": self.serve, "role": self.role, "bound": self.bound,
-                "need_mib": self.need_mib, "free_mib": self.free_mib,
-                "shortfall_mib": self.shortfall_mib, "reason": self.reason}
+        out: answers.PlanDenied = {
+            "serve": self.serve, "role": self.role, "bound": self.bound,
+            "need_mib": self.need_mib, "free_mib": self.free_mib,
+            "shortfall_mib": self.shortfall_mib, "reason": self.reason}
+        if self.more:
+            out["lacking"] = [{"role": d.role, "bound": d.bound, "need_mib": d.need_mib,
+                               "free_mib": d.free_mib, "shortfall_mib": d.shortfall_mib}
+                              for d in self.lacking]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +180,15 @@ class PhysicalView:
 class Admission:
     reservation: Reservation
     replaced_mib: int | None
-    figures: RoleFigures
+    figures: RoleFigures  # of the reservation's first role
     check: Check
     note: str | None = None
+    # The figures of its other roles (a serve on several devices), in order.
+    more_figures: tuple[RoleFigures, ...] = ()
+
+    @property
+    def all_figures(self) -> tuple[RoleFigures, ...]:
+        return (self.figures, *self.more_figures)
 
 
 @dataclass(frozen=True)
@@ -150,20 +203,23 @@ class Ledger:
         by_name = {r.name: r for r in roles}
         held = {r.serve: r for r in reservations}
         for res in held.values():
-            if res.role not in by_name:
-                by_name[res.role] = RoleBudget(res.role, "", 0, 0, missing=True)
+            for role in res.all_roles:
+                if role not in by_name:
+                    by_name[role] = RoleBudget(role, "", 0, 0, missing=True)
         return cls(by_name, held)
 
     def on_role(self, role: str) -> list[Reservation]:
         return sorted(
-            (r for r in self.reservations.values() if r.role == role),
+            (r for r in self.reservations.values() if r.on(role)),
             key=lambda r: (r.since, r.serve),
         )
 
     def figures(self, role: str, *, excluding: str | None = None) -> RoleFigures:
         budget = self.roles[role]
+        # Inline rather than r.on(role): this runs for every reservation of every role of a plan.
         committed = sum(
-            r.mib for r in self.reservations.values() if r.role == role and r.serve != excluding
+            r.mib for r in self.reservations.values()
+            if (r.role == role or role in r.extra_roles) and r.serve != excluding
         )
         return RoleFigures(role, budget.capacity_mib, budget.reserve_mib, committed)
 
@@ -173,47 +229,60 @@ class Ledger:
     def decide(
         self,
         serve: str,
-        role: str,
+        role: str | Sequence[str],
         mib: int,
         *,
         since: float,
         by_uid: int | None,
         external: bool = False,
-        physical: PhysicalView | None = None,
+        physical: PhysicalView | Mapping[str, PhysicalView] | None = None,
         check: Check = "ledger",
         note: str | None = None,
     ) -> tuple[Ledger, Admission] | Denial:
-        """Admit `mib` for `serve` on `role`, or say which bound refused it.
+        """Admit `mib` for `serve` on `role` (or on each of several roles, all or none), or say
+        which bound refused it on every role that lacks room.
 
-        With `physical` given (strict admission with observation available) the serve must also
-        fit in what the device physically has free, less memory promised to serves that are not
-        drawing yet.
+        With `physical` given (strict admission with observation available; per role for a serve
+        on several roles) the serve must also fit in what each device physically has free, less
+        memory promised to serves that are not drawing yet.
         """
         if mib <= 0:
             raise ValueError("mib must be positive")
+        roles = (role,) if isinstance(role, str) else tuple(role)
+        if not roles or len(set(roles)) != len(roles):
+            raise ValueError(f"roles must be distinct and at least one: {roles!r}")
         previous = self.reservations.get(serve)
-        ledger_free = self.figures(role, excluding=serve).free_mib
-        if mib > ledger_free:
-            return Denial(serve, role, "ledger", mib, ledger_free)
-        if physical is not None:
-            physical_free = physical.free_for_serve()
-            if mib > physical_free:
-                return Denial(serve, role, "physical", mib, physical_free)
+        lacking: list[Denial] = []
+        for name in roles:
+            ledger_free = self.figures(name, excluding=serve).free_mib
+            if mib > ledger_free:
+                lacking.append(Denial(serve, name, "ledger", mib, ledger_free))
+                continue
+            view = (physical if isinstance(physical, PhysicalView) or physical is None
+                    else physical.get(name))
+            if view is not None:
+                physical_free = view.free_for_serve()
+                if mib > physical_free:
+                    lacking.append(Denial(serve, name, "physical", mib, physical_free))
+        if lacking:
+            return replace(lacking[0], more=tuple(lacking[1:]))
         # A replaced reservation keeps its place (its original since) in the role's listing.
-        if previous is not None and previous.role == role:
+        if previous is not None and previous.role == roles[0]:
             since = previous.since
-        reservation = Reservation(serve, role, mib, since, by_uid, external)
+        reservation = Reservation(serve, roles[0], mib, since, by_uid, external, roles[1:])
         held = dict(self.reservations)
         held[serve] = reservation
         after = replace(self, reservations=held)
         replaced = previous.mib if previous is not None else None
-        return after, Admission(reservation, replaced, after.figures(role), check, note)
+        figures = tuple(after.figures(name) for name in roles)
+        return after, Admission(reservation, replaced, figures[0], check, note, figures[1:])
 
-    def admit_in_order(self, wanted: Iterable[tuple[str, str, int]], *,
+    def admit_in_order(self, wanted: Iterable[tuple[str, str | Sequence[str], int]], *,
                        since: float) -> tuple[Ledger, list[Denial]]:
-        """Admit (serve, role, mib) one after another against the ledger bound, as that many
-        `decide` calls would, for serves that hold nothing yet; in one pass (a boot or a plan of
-        thousands of serves). Returns the ledger after and the denials."""
+        """Admit (serve, role or roles, mib) one after another against the ledger bound, as that
+        many `decide` calls would, for serves that hold nothing yet; in one pass (a boot or a
+        plan of thousands of serves). A serve on several roles is admitted on all or on none.
+        Returns the ledger after and the denials."""
         held = dict(self.reservations)
         committed = {name: self.figures(name).committed_mib for name in self.roles}
         denials: list[Denial] = []
@@ -222,13 +291,19 @@ class Ledger:
                 raise ValueError("mib must be positive")
             if serve in held:
                 raise ValueError(f"{serve} already holds a reservation")
-            budget = self.roles[role]
-            free = budget.capacity_mib - budget.reserve_mib - committed[role]
-            if mib > free:
-                denials.append(Denial(serve, role, "ledger", mib, free))
+            roles = (role,) if isinstance(role, str) else tuple(role)
+            lacking: list[Denial] = []
+            for name in roles:
+                budget = self.roles[name]
+                free = budget.capacity_mib - budget.reserve_mib - committed[name]
+                if mib > free:
+                    lacking.append(Denial(serve, name, "ledger", mib, free))
+            if lacking:
+                denials.append(replace(lacking[0], more=tuple(lacking[1:])))
                 continue
-            held[serve] = Reservation(serve, role, mib, since, None, False)
-            committed[role] += mib
+            held[serve] = Reservation(serve, roles[0], mib, since, None, False, roles[1:])
+            for name in roles:
+                committed[name] += mib
         return replace(self, reservations=held), denials
 
     def release(self, serve: str) -> tuple[Ledger, Reservation]:
@@ -306,6 +381,26 @@ def pending_share(res: Reservation | None, state: str | None, observed: int) -> 
     if res is None or (state or "admitted") not in PENDING_STATES:
         return 0
     return max(0, res.mib - observed)
+
+
+def sleep_reservation(held_mib: int, *, configured_mib: int | None, awake_seen_mib: int | None,
+                      asleep_seen_mib: int | None, tolerance_mib: int) -> int:
+    """What a serve put to sleep keeps reserved, never more than it held.
+
+    Its sleep figure (`configured_mib`: serves.NAME.sleep_mib, or the draw measured after an
+    earlier sleep), but never less than observation sees it hold asleep (plus the tolerance);
+    without a figure, what it is seen to hold asleep plus the tolerance. A draw of 0 MiB is
+    evidence only when observation saw the serve draw while awake: a serve none of whose memory
+    is attributed to it (a driver that reports no per-process figure, a process outside its
+    unit) is seen at 0 awake and asleep alike, and then, without a figure, it keeps all it held:
+    the ledger does not call memory free that no one saw freed."""
+    seen = asleep_seen_mib if awake_seen_mib else None
+    if configured_mib is None and seen is None:
+        return held_mib
+    target = configured_mib if configured_mib is not None else (seen or 0) + tolerance_mib
+    if seen is not None and seen > target:
+        target = seen + tolerance_mib
+    return max(1, min(target, held_mib))
 
 
 def gpu_memory_utilization(vram_mib: int, total_mib: int) -> str:

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpud.config import Config, ServeConfig
-from gpud.core import answers
+from gpud.core import actions, answers
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
-from gpud.core.vocab import HOLDING_STATES
+from gpud.core.vocab import HOLDING_STATES, SLEEPING
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
@@ -60,6 +60,9 @@ class Plan:
     blocked: tuple[Blocker, ...] = ()
     # Live serves that leave the config or move to another role: their units stop first.
     stop_first: tuple[str, ...] = ()
+    # Serves that hold a reservation without running and leave the config or their role: their
+    # reservations are released before the new config is written (the reload would).
+    release_first: tuple[str, ...] = ()
 
     @property
     def resident_fits(self) -> bool:
@@ -89,7 +92,13 @@ class Plan:
             "denied": [d.to_json() for d in self.denied],
             "blocked": [b.to_json() for b in self.blocked],
             "stop_first": list(self.stop_first),
+            "steps": [a.to_json() for a in actions.actions(self)] if self.ok else [],
         }
+
+
+def _roles(roles: tuple[str, ...]) -> str:
+    """A serve's roles as one plan cell: the role, or the roles joined with '+'."""
+    return "+".join(roles)
 
 
 def _util(mib: int | None, total: int | None) -> str | None:
@@ -125,28 +134,41 @@ def make_plan(
     changes: list[ServeChange] = []
     denied: list[Denial] = []
 
-    def device_total(role: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
-        if role is None or role not in budgets:
+    def device_total(roles: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
+        """The total the utilization is computed against: the smallest of the roles' devices."""
+        if roles is not None and "+" not in roles:  # one role: the common case, kept cheap
+            if roles not in budgets:
+                return None
+            b = budgets[roles]
+            return totals.get(b.device) or b.capacity_mib
+        if roles is None or any(r not in budgets for r in roles.split("+")):
             return None
-        b = budgets[role]
-        return totals.get(b.device) or b.capacity_mib
+        found = [totals.get(budgets[r].device) or budgets[r].capacity_mib
+                 for r in roles.split("+")]
+        return min(found) if all(found) else None
 
     # Reservations that stay (resized), in the order they were made.
     kept: dict[str, Reservation] = {}
     for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
         spec = new.serves.get(res.serve)
         if res.external:
-            if res.role in after.roles:
+            if all(r in after.roles for r in res.all_roles):
                 kept[res.serve] = res
             continue
-        if spec is not None and spec.role in after.roles:
+        if spec is not None and all(r in after.roles for r in spec.all_roles):
+            if states.get(res.serve) == SLEEPING and spec.all_roles == res.all_roles:
+                # Asleep it holds its sleep reservation, and it stays asleep: its wake is
+                # re-admitted then (strict bound), at what its process was launched with.
+                kept[res.serve] = res
+                continue
             kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
-                                          res.by_uid, False)
+                                          res.by_uid, False, spec.extra_roles)
     after = Ledger(after.roles, kept)
     # Resident serves holding nothing: admitted by priority, like the boot would.
-    wanted = [(name, spec.role, spec.vram_mib) for _, name, spec in
+    wanted = [(name, spec.all_roles, spec.vram_mib) for _, name, spec in
               sorted((s.priority, n, s) for n, s in new.serves.items() if s.resident)
-              if name not in after.reservations and spec.role in after.roles]
+              if name not in after.reservations
+              and all(r in after.roles for r in spec.all_roles)]
     after, refused = after.admit_in_order(wanted, since=0.0)
     denied.extend(refused)
     # Over-commit left by resized reservations blocks the change: the set does not fit.
@@ -170,6 +192,9 @@ def make_plan(
             continue
         res_after = after.reservations.get(name)
         state = states.get(name, "declared")
+        asleep = state == SLEEPING and cur is not None
+        # The figure a sleeping serve's process was launched with (its util), not its sleep one.
+        launched = before_spec.vram_mib if before_spec else cur.mib if cur else None
         was_denied = name in denied_by
         if after_spec is None:
             change, state_after = "removed", "removed"
@@ -177,7 +202,9 @@ def make_plan(
             change = "added"
             state_after = "denied" if was_denied else ("admitted" if res_after else "declared")
         else:
-            resized = (cur.mib if cur else before_spec.vram_mib) != after_spec.vram_mib
+            # A sleeping serve holds its sleep reservation: resized is of what it wakes to.
+            awake = before_spec.vram_mib if asleep or cur is None else cur.mib
+            resized = awake != after_spec.vram_mib
             differs = _runs_differently(before_spec, after_spec)
             change = ("changed, resized" if differs and resized else "changed" if differs
                       else "resized" if resized else "unchanged")
@@ -191,20 +218,30 @@ def make_plan(
         restart = running and after_spec is not None and before_spec is not None and (
             _runs_differently(before_spec, after_spec)
             or (cur is not None and res_after is not None and cur.mib != res_after.mib))
-        role_before = before_spec.role if before_spec else (cur.role if cur else None)
-        role_after = after_spec.role if after_spec else None
+        reason = denied_by[name].reason if was_denied else None
+        if asleep and restart and cur is not None and res_after is cur:
+            # Not restarted (that would wake it at full size, behind the ledger's back): the
+            # change to how it runs takes effect at its next start.
+            restart = False
+            reason = ("sleeping: not restarted; the change takes effect when it is next "
+                      "started (it wakes as it was launched)")
+        role_before = (_roles(before_spec.all_roles) if before_spec
+                       else (_roles(cur.all_roles) if cur else None))
+        role_after = _roles(after_spec.all_roles) if after_spec else None
         changes.append(ServeChange(
             name=name, role_before=role_before, role_after=role_after,
             mib_before=cur.mib if cur else None,
             mib_after=res_after.mib if res_after else None,
-            util_before=_util(cur.mib if cur else None, device_total(role_before, ledger.roles)),
-            util_after=_util(res_after.mib if res_after else (
+            util_before=_util(launched if asleep else cur.mib if cur else None,
+                              device_total(role_before, ledger.roles)),
+            util_after=_util(launched if asleep and res_after is cur else
+                             res_after.mib if res_after else (
                 after_spec.vram_mib if after_spec else None),
                 device_total(role_after, new_budget_map)),
             fingerprint_before=fingerprint(before_spec) if before_spec else None,
             fingerprint_after=fingerprint(after_spec) if after_spec else None,
             state_before=state, state_after=state_after, change=change, restart=restart,
-            reason=denied_by[name].reason if was_denied else None,
+            reason=reason,
         ))
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
@@ -215,4 +252,4 @@ def make_plan(
         return Plan(roles, changes, denied, source, after,
                     blocked=decided.blockers + tuple(over))
     return Plan(roles, changes, denied, source, after, blocked=tuple(over),
-                stop_first=decided.stop)
+                stop_first=decided.stop, release_first=decided.release)

@@ -4,8 +4,9 @@ After every change (admit, release, start, stop, adopt, boot, reload, apply) the
 
 - every role's committed <= capacity - reserve, except over-commit left by reservations adopted
   from running units (a role may stay over-committed, never become more so);
-- every reservation sits on a role that exists, and a configured serve's reservation sits on its
-  configured role;
+- every reservation sits on roles that exist, and a configured serve's reservation sits on its
+  configured role(s), all of them (a serve on several devices is never half-reserved: its
+  reservation is one value, made, moved and released on every role at once);
 - no serve is starting or running without a reservation.
 
 `transition` takes the config in force, the new one, the ledger and the serve states, and returns
@@ -18,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpud.config import Config
+from gpud.config import Config, ServeConfig
 from gpud.core import answers
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN
+from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")
@@ -104,17 +105,25 @@ def transition(
             if spec is not None:
                 blockers.append(_blocker(res, "holds an external reservation; release it "
                                               "before configuring a serve of that name"))
-            elif res.role not in roles:
-                blockers.append(_blocker(res, f"external reservation on role {res.role!r}, which "
+            elif any(r not in roles for r in res.all_roles):
+                gone = next(r for r in res.all_roles if r not in roles)
+                blockers.append(_blocker(res, f"external reservation on role {gone!r}, which "
                                               "the change removes; release it first"))
             else:
                 kept[res.serve] = res
             continue
-        if spec is not None and spec.role == res.role and res.role in roles:
+        # A serve on several roles keeps its reservation only on exactly the same roles: a
+        # change of any of them moves the whole reservation (it is one, held on each).
+        if spec is not None and spec.all_roles == res.all_roles \
+                and all(r in roles for r in res.all_roles):
             kept[res.serve] = res
+            if states.get(res.serve) == SLEEPING:
+                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec, roles,
+                                            ledger.roles))
             continue
         why = ("leaves the config" if spec is None
-               else f"moves to role {spec.role!r}")
+               else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
+               else f"moves to roles {', '.join(spec.all_roles)}")
         if not live:
             release.append(res.serve)
         elif may_stop:
@@ -147,8 +156,35 @@ def transition(
     return Transition(after, tuple(release), tuple(stop))
 
 
+def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig,
+                roles: Mapping[str, RoleBudget],
+                were: Mapping[str, RoleBudget]) -> list[Blocker]:
+    """A sleeping serve keeps its sleep reservation through a change, and is woken later
+    through its sleep endpoints, at the port its process listens on, to the size its process was
+    launched with (its vram_mib before the change): a change that takes any of these away would
+    leave it asleep for good, holding memory no one could get back."""
+    lost: list[str] = []
+    if not after.sleep_level:
+        lost.append("its sleep_level is removed")
+    if before is not None and after.port != before.port:
+        lost.append(f"its port changes ({before.port} -> {after.port}; its process listens on "
+                    f"{before.port})")
+    awake = (before or after).vram_mib
+    for name in res.all_roles:
+        room = roles[name].capacity_mib - roles[name].reserve_mib
+        was = were.get(name)
+        had = was.capacity_mib - was.reserve_mib if was is not None and not was.missing else None
+        if awake > room and (had is None or awake <= had):  # made so by this change
+            lost.append(f"role {name!r} would hold {room} MiB at most (capacity - reserve), "
+                        f"less than the {awake} MiB it wakes to")
+    if not lost:
+        return []
+    return [_blocker(res, f"is sleeping and {' and '.join(lost)}: it could not be woken; wake "
+                          "it (gpuctl wake) or stop it first")]
+
+
 def _blocker(res: Reservation, reason: str) -> Blocker:
-    return Blocker(res.serve, reason, res.role, res.mib)
+    return Blocker(res.serve, reason, res.roles_text, res.mib)
 
 
 def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
@@ -158,10 +194,13 @@ def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
     problems: list[str] = []
     allowance = adopted_over or {}
     for res in ledger.reservations.values():
-        budget = ledger.roles.get(res.role)
-        if budget is None or budget.missing or res.role not in config.roles:
-            problems.append(f"{res.serve}: reservation on role {res.role!r}, which is not "
-                            "configured")
+        for role in res.all_roles:
+            budget = ledger.roles.get(role)
+            if budget is None or budget.missing or role not in config.roles:
+                problems.append(f"{res.serve}: reservation on role {role!r}, which is not "
+                                "configured")
+        if len(set(res.all_roles)) != len(res.all_roles):
+            problems.append(f"{res.serve}: reservation names a role twice: {res.roles_text}")
     for name, budget in ledger.roles.items():
         figures = ledger.figures(name)
         if not budget.missing and name in config.roles and \
@@ -172,9 +211,9 @@ def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
         spec = config.serves.get(res.serve)
         if res.external and spec is not None:
             problems.append(f"{res.serve}: external reservation under a configured serve's name")
-        if spec is not None and spec.role != res.role:
-            problems.append(f"{res.serve}: reservation on {res.role!r}, configured on "
-                            f"{spec.role!r}")
+        if spec is not None and spec.all_roles != res.all_roles:
+            problems.append(f"{res.serve}: reservation on {res.roles_text!r}, configured on "
+                            f"{', '.join(spec.all_roles)!r}")
     for serve, state in states.items():
         if state in HOLDING_STATES and serve not in ledger.reservations:
             problems.append(f"{serve}: {state} without a reservation")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpud.core.vocab import FAILED, LIVE_STATES, ORPHAN, RUNNING, STARTING, ServeState
+from gpud.core.vocab import FAILED, LIVE_STATES, ORPHAN, RUNNING, SLEEPING, STARTING, ServeState
 
 # systemd's ActiveState values in which the unit's processes may run.
 ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
@@ -112,6 +112,9 @@ class Restarting:
 @dataclass(frozen=True)
 class Fail:
     reason: str
+    # Stop the unit first: a serve that died asleep must not come back through systemd's
+    # restart at its full size while its reservation is its sleep reservation.
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
         if rt.configured and not rt.resident and not restarting:
             actions.append(ReleaseEnded())
         return actions
-    if st.ended and state in (RUNNING, STARTING):
+    if st.ended and state in (RUNNING, STARTING, SLEEPING):
         if st.stopped_by_job and not rt.launching and not restarting:
             if rt.shutting_down is None:
                 return [*actions, AskShutdown()]
@@ -165,6 +168,9 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
         if rt.exit_seen == st.invocation_id:
             return actions  # the same exit, seen again on its way through the restart states
         actions.append(SeenExit(st.invocation_id))
+        if state == SLEEPING:
+            return [*actions, Fail(f"exited while asleep ({st.how}, result {st.result})",
+                                   stop=True)]
         if will_restart(rt.restart, st):
             # systemd passes through failed, auto-restart and inactive before the restart:
             # whether the serve is gone for good is known only once the restart did or did not

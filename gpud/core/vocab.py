@@ -21,17 +21,27 @@ class ServeState(StrEnum):
     FAILED = "failed"  # exited, unhealthy or crash-looping, with the reason
     EXTERNAL = "external"  # a reservation for a process gpud did not launch
     ORPHAN = "orphan"  # a unit of gpud's that runs for a serve the config does not name
+    SLEEPING = "sleeping"  # its unit runs, vLLM's sleep mode holds it at its sleep reservation
 
 
-DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN = ServeState
+(DECLARED, ADMITTED, STARTING, RUNNING, STOPPING, DENIED, FAILED, EXTERNAL, ORPHAN,
+ SLEEPING) = ServeState
 STATES: tuple[ServeState, ...] = tuple(ServeState)
 # A process of the serve may hold memory in these.
-LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
+LIVE_STATES = frozenset({STARTING, RUNNING, STOPPING, SLEEPING})
 # These must hold a reservation (a stopping serve gives its back once its unit is gone).
-HOLDING_STATES = frozenset({STARTING, RUNNING})
+HOLDING_STATES = frozenset({STARTING, RUNNING, SLEEPING})
 # Reserved but not (fully) drawing yet: the shortfall is "pending" memory that physical free
-# cannot give to anyone else.
-PENDING_STATES = frozenset({ADMITTED, STARTING})
+# cannot give to anyone else. A sleeping serve is one of them: asleep it may draw less than its
+# sleep reservation, and while it wakes it holds its full reservation before drawing it.
+PENDING_STATES = frozenset({ADMITTED, STARTING, SLEEPING})
+
+
+class SleepAction(StrEnum):
+    """What a preemption does to a serve of lower priority (`serves.NAME.preemptible`)."""
+
+    SLEEP = "sleep"  # vLLM's sleep mode: its reservation shrinks to sleep_mib
+    STOP = "stop"  # its unit is stopped and its reservation released
 
 
 class EventKind(StrEnum):
@@ -55,6 +65,9 @@ class EventKind(StrEnum):
     APPLY = "apply"
     DEVICE_LOST = "device-lost"  # NVML or the simulation reports a device unreadable
     DEVICE_BACK = "device-back"
+    SLEEP = "sleep"  # a serve put to sleep, its reservation shrunk in the same transaction
+    WAKE = "wake"
+    PREEMPT = "preempt"  # a plan to make room for a serve by putting lower ones to sleep
     PULL = "pull"  # a container serve's image pulled before its start (pull = "missing")
     # GPU memory held by a container process outside every serve unit (an engine that does not
     # keep its containers in the unit's cgroup): counted as non-ledger draw, and said so

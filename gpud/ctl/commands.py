@@ -21,10 +21,12 @@ from gpud.ctl.format import (
     format_ledger,
     format_lifecycle,
     format_plan,
+    format_preemption,
     format_release,
     format_reload,
     format_serve,
     format_serves,
+    format_sleep,
     format_status,
     local_time,
 )
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import EVENT_KINDS  # noqa: E402 - defined once
+from gpud.core.vocab import EVENT_KINDS, STATES  # noqa: E402 - defined once
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -224,15 +226,36 @@ def configure_admit(p: argparse.ArgumentParser) -> None:
                    help="the role to reserve on: required for a serve serves.toml does not "
                         "declare (an external reservation), must match the configured role "
                         "otherwise")
+    _preempt_args(p)
+
+
+def _preempt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preempt", action="store_true",
+                   help="when it does not fit, put serves of lower priority on its role to sleep "
+                        "(or stop those with preemptible = \"stop\"); the plan is printed first")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --preempt: print the plan and change nothing (exit 1 when no "
+                        "preemption can make room)")
+
+
+def _preempt_body(args: argparse.Namespace) -> Doc:
+    if args.dry_run and not args.preempt:
+        raise usage_error("--dry-run goes with --preempt")
+    return {"preempt": True, "dry_run": bool(args.dry_run)} if args.preempt else {}
 
 
 def run_admit(ctl: Ctl, args: argparse.Namespace) -> int:
     mib = parse_mib(args.mib)
     path = serve_path(args.name, "admit")
-    body: Doc = {"mib": mib}
+    body: Doc = {"mib": mib, **_preempt_body(args)}
     if args.role is not None:
         body["role"] = args.role
-    ctl.emit(ctl.client.call("POST", path, body, MUTATION_TIMEOUT), format_admit)
+    doc = ctl.client.call("POST", path, body, LIFECYCLE_TIMEOUT if args.preempt else
+                          MUTATION_TIMEOUT)
+    if args.dry_run:
+        ctl.emit(doc, format_preemption)
+        return EXIT_OK if doc.get("fits") else EXIT_REFUSED
+    ctl.emit(doc, lambda d: "\n".join(filter(None, [format_preemption(d), format_admit(d)])))
     return EXIT_OK
 
 
@@ -257,6 +280,31 @@ def configure_start(p: argparse.ArgumentParser) -> None:
                         "endpoint answers 200 (or it fails)")
 
 
+def configure_start_preempt(p: argparse.ArgumentParser) -> None:
+    configure_start(p)
+    _preempt_args(p)
+
+
+def configure_sleep(p: argparse.ArgumentParser) -> None:
+    _name_arg(p)
+    p.add_argument("--level", type=int, choices=(1, 2), metavar="N",
+                   help="1 parks the weights in host RAM, 2 drops them (default: the serve's "
+                        "sleep_level)")
+
+
+def run_sleep(ctl: Ctl, args: argparse.Namespace) -> int:
+    body: Doc = {} if args.level is None else {"level": args.level}
+    ctl.emit(ctl.client.call("POST", serve_path(args.name, "sleep"), body, LIFECYCLE_TIMEOUT),
+             format_sleep)
+    return EXIT_OK
+
+
+def run_wake(ctl: Ctl, args: argparse.Namespace) -> int:
+    ctl.emit(ctl.client.call("POST", serve_path(args.name, "wake"), {}, LIFECYCLE_TIMEOUT),
+             format_sleep)
+    return EXIT_OK
+
+
 SETTLED = ("running", "failed", "denied", "declared")
 
 
@@ -264,12 +312,22 @@ def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
     def run(ctl: Ctl, args: argparse.Namespace) -> int:
         import time
 
-        doc = ctl.client.call("POST", serve_path(args.name, action), {}, LIFECYCLE_TIMEOUT)
+        body = _preempt_body(args) if action == "start" else {}
+        doc = ctl.client.call("POST", serve_path(args.name, action), body, LIFECYCLE_TIMEOUT)
+        if body.get("dry_run"):
+            ctl.emit(doc, format_preemption)
+            return EXIT_OK if doc.get("fits") else EXIT_REFUSED
+        plan = format_preemption(doc) if body else ""
+        if plan and not ctl.as_json:
+            print(plan, file=ctl.out, flush=True)
+        carried = doc.get("preemption")
         if action != "stop" and not getattr(args, "no_wait", True):
             deadline = time.monotonic() + (ctl.client.timeout or LIFECYCLE_TIMEOUT)
             while doc.get("state") not in SETTLED and time.monotonic() < deadline:
                 time.sleep(0.25)
                 doc = ctl.client.call("GET", serve_path(args.name))
+        if body and ctl.as_json:
+            doc = {**doc, "preemption": carried}  # the plan carried out, with the final view
         ctl.emit(doc, format_lifecycle)
         return EXIT_REFUSED if action != "stop" and doc.get("state") == "failed" else EXIT_OK
 
@@ -459,8 +517,7 @@ COMMANDS: tuple[Command, ...] = (
         "reservation), sorted by role, priority and name: state, configured vram_mib, "
         "reserved MiB, resident, priority, port, main PID and calibration; then the reason of "
         "each denied or failed serve. With NAME, every field of that serve.\n\n"
-        "States: declared, admitted, starting, running, stopping, denied, failed, external, "
-        "orphan.",
+        "States: " + ", ".join(STATES) + ".",
         "  gpuctl serves\n  gpuctl serves ocr\n  gpuctl serves --names",
         configure_serves, run_serves),
     Command(
@@ -489,9 +546,32 @@ COMMANDS: tuple[Command, ...] = (
         "1 with the reason), then launch its transient unit gpud-serve-NAME.service and wait "
         "until its health endpoint answers 200 (--no-wait: return once launched). Exits 1 when "
         "the serve fails to become healthy, or when launching is unavailable (no system bus)."
-        "\n\nNeeds root or the admin group.",
-        "  gpuctl start ocr\n  gpuctl start ocr --no-wait",
-        configure_start, _lifecycle("start")),
+        "\n\nWith --preempt, a serve that does not fit puts the fewest serves of lower priority "
+        "(a larger priority number) on its role to sleep, or stops those with preemptible = "
+        "\"stop\"; equal or higher priority is never touched. The plan is printed first "
+        "(--dry-run: only the plan), carried out in order, each step an event; if the serve "
+        "still does not fit, every step is undone and the denial says why. Without --preempt "
+        "a denial names what a preemption would do.\n\nNeeds root or the admin group.",
+        "  gpuctl start ocr\n  gpuctl start ocr --no-wait\n"
+        "  gpuctl start hi --preempt --dry-run\n  gpuctl start hi --preempt",
+        configure_start_preempt, _lifecycle("start")),
+    Command(
+        "sleep", "put a running serve to sleep (vLLM sleep mode)",
+        "Ask serve NAME (a vllm serve with sleep_level, or a command that speaks vLLM's sleep "
+        "endpoints) to sleep: POST /sleep?level=N, confirmed with GET /is_sleeping, then its "
+        "reservation shrinks to its sleep_mib in the same transaction as its state. Level 1 "
+        "parks the weights in host RAM and is refused when MemAvailable cannot hold them plus "
+        "daemon.sleep_host_margin_mib; level 2 drops them.\n\nNeeds root or the admin group.",
+        "  gpuctl sleep lo\n  gpuctl sleep lo --level 2",
+        configure_sleep, run_sleep),
+    Command(
+        "wake", "wake a sleeping serve",
+        "Admit serve NAME at its vram_mib again (strict admission: the physical bound counts), "
+        "then POST /wake_up and wait until it says it is awake. A wake that does not fit is "
+        "denied with the usual reason (exit 1) and the serve stays asleep.\n\nNeeds root or "
+        "the admin group.",
+        "  gpuctl wake lo",
+        _name_arg, run_wake),
     Command(
         "stop", "stop a serve's unit and release its reservation",
         "Stop serve NAME's unit (SIGTERM to its main process, SIGKILL to what is left after its "
@@ -527,11 +607,16 @@ COMMANDS: tuple[Command, ...] = (
         "apply", "rebalance to a new serves.toml, rolling back on failure",
         "Validate NEW.toml (refused, nothing changed, when the resident set does not fit), back "
         "up the current config (timestamped, the last daemon.config_backups kept, under "
-        "backups/ beside it), write NEW.toml over it atomically, reload, then per device stop "
-        "serves that left, restart changed serves shrinking ones before growing ones, start "
-        "resident serves that now fit, and wait for their health. If a step fails the old "
-        "config is written back and the touched serves are restored. Each step is printed as "
-        "it happens and logged as an `apply` event. Exit 1 when refused or rolled back.\n\n"
+        "backups/ beside it), stop the live serves that leave the config or their role and "
+        "release the reservations of admitted ones that do, write NEW.toml over it "
+        "atomically, reload, then restart changed serves and resize the reservations of "
+        "admitted ones whose vram_mib changes, shrinking ones before growing ones, start "
+        "resident serves that now fit, and wait for their health: the steps gpuctl plan "
+        "shows. If a step fails the old config is written back and the touched serves get "
+        "their state and reservation back (a re-admission that no longer fits is said so, "
+        "never over-committed); a gpud that dies during an apply does the same at its next "
+        "start. Each step is printed as it happens and logged as an `apply` event. Exit 1 "
+        "when refused or rolled back.\n\n"
         "Needs root or the admin group.",
         "  gpuctl plan new.toml && gpuctl apply new.toml",
         configure_config_file, run_apply),

@@ -72,6 +72,8 @@ def format_reservation(res: answers.Reservation) -> str:
         flags = f"resident, {state}"
     else:
         flags = state
+    if res.get("part"):  # a serve on several roles: which of its parts this role holds
+        flags += f"; {res['part']} of {', '.join(res.get('roles') or [])}"
     return f"  {res.get('serve')} {res.get('mib')} MiB ({flags})"
 
 
@@ -208,10 +210,14 @@ def format_serves(doc: answers.Serves) -> str:
         return "no serves"
     rows = [[_dash(s.get(key)) for _, key, _ in _SERVE_COLUMNS] for s in serves]
     for row, s in zip(rows, serves, strict=True):
+        if s.get("roles"):  # on several roles (devices): all of them
+            row[1] = ",".join(s["roles"])
         if s.get("device_lost"):
             row[2] += " (DEVICE LOST)"
     text = format_table([h for h, _, _ in _SERVE_COLUMNS], rows, [r for _, _, r in _SERVE_COLUMNS])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
+               + (f"; {s['parked_host_mib']} MiB parked in host RAM"
+                  if s.get("parked_host_mib") else "")
                for s in serves if s.get("reason")]
     reasons += [f"{s.get('name')}: {s['device_lost']}" for s in serves if s.get("device_lost")]
     if reasons:
@@ -228,6 +234,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
+    ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"),
 )
 
 
@@ -238,7 +245,9 @@ def format_serve(serve: answers.Serve) -> str:
     for label, key in _SERVE_FIELDS:
         value = fields.get(key)
         rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
-    known = {key for _, key in _SERVE_FIELDS} | {"calibrated"}
+        if key == "role" and serve.get("roles"):
+            rows.append(("roles", ", ".join(serve["roles"])))
+    known = {key for _, key in _SERVE_FIELDS} | {"calibrated", "roles"}
     rows.append(("calibrated", _calibrated(serve.get("calibrated"))))
     rows += [(k, _dash(v)) for k, v in sorted(serve.items()) if k not in known and k != "simulated"]
     text = _block(rows)
@@ -263,16 +272,61 @@ def _calibrated(brief: Any) -> str:
     return line
 
 
+def _free_by_role(doc: answers.Admitted | answers.Released) -> str:
+    """``left free 9000 MiB, right free 6000 MiB`` for a serve on several roles."""
+    by_role = doc.get("figures_by_role") or {}
+    free = {r: f.get("free_mib") for r, f in by_role.items()}
+    return ", ".join(f"{r} free {_mib(free.get(r))}" for r in doc.get("roles") or [])
+
+
 def format_admit(doc: answers.Admitted) -> str:
-    """``admitted fast: 14336 MiB on dark-fast (was 18432); dark-fast free 1887 MiB``."""
+    """``admitted fast: 14336 MiB on dark-fast (was 18432); dark-fast free 1887 MiB``; a serve
+    on several roles: ``admitted big: 30000 MiB on each of left, right; left free ...``."""
     role = doc.get("role")
     was = doc.get("replaced_mib")
     figures = doc.get("figures") or {}
-    line = (f"admitted {doc.get('serve')}: {doc.get('mib')} MiB on {role}"
-            + (f" (was {was})" if was else "")
-            + f"; {role} free {_mib(figures.get('free_mib'))}")
+    if doc.get("roles"):
+        line = (f"admitted {doc.get('serve')}: {doc.get('mib')} MiB on each of "
+                f"{', '.join(doc['roles'])}" + (f" (was {was})" if was else "")
+                + f"; {_free_by_role(doc)}")
+    else:
+        line = (f"admitted {doc.get('serve')}: {doc.get('mib')} MiB on {role}"
+                + (f" (was {was})" if was else "")
+                + f"; {role} free {_mib(figures.get('free_mib'))}")
     if doc.get("note"):
         line += f"\nnote: {doc['note']}"
+    return line
+
+
+def format_preemption(doc: answers.Started | answers.Admitted | answers.PreemptionDryRun | Doc
+                      ) -> str:
+    """The plan of a preemption, `gpuctl plan`-style, as the daemon wrote it; "" without one
+    (start and admit with preempt, and their dry runs)."""
+    plan = doc.get("preemption")
+    if not isinstance(plan, dict):
+        return ""
+    lines = plan.get("lines")
+    if isinstance(lines, list):
+        text = "\n".join(str(line) for line in lines)
+    else:
+        text = f"no preemption can make room for {doc.get('serve')}: {plan.get('reason')}"
+    if doc.get("dry_run"):
+        text += "\ndry run: nothing changed"
+    return text
+
+
+def format_sleep(serve: answers.Slept | answers.Woken) -> str:
+    """What sleep and wake answer: the serve in one line, and what the step did."""
+    line = format_lifecycle(serve)
+    done = serve.get("sleep")
+    if isinstance(done, dict):
+        line += (f"\nasleep at level {done.get('level')}: {_mib(done.get('from_mib'))} -> "
+                 f"{_mib(done.get('sleep_mib'))}"
+                 + (f", {_mib(done.get('parked_host_mib'))} parked in host RAM"
+                    if done.get("parked_host_mib") else ""))
+    woke = serve.get("wake")
+    if isinstance(woke, dict):
+        line += f"\nawake: {_mib(woke.get('mib'))} (the serve took {woke.get('serve_ms')} ms)"
     return line
 
 
@@ -281,6 +335,9 @@ def format_release(doc: answers.Released, stopped: bool = False) -> str:
     role = doc.get("role")
     figures = doc.get("figures") or {}
     verb = "stopped and released" if stopped else "released"
+    if doc.get("roles"):
+        return (f"{verb} {doc.get('serve')}: {_mib(doc.get('released_mib'))} on each of "
+                f"{', '.join(doc['roles'])}; {_free_by_role(doc)}")
     return (f"{verb} {doc.get('serve')}: {_mib(doc.get('released_mib'))} on {role}; "
             f"{role} free {_mib(figures.get('free_mib'))}")
 
@@ -294,7 +351,8 @@ def format_lifecycle(serve: answers.Serve) -> str:
     for label, key in (("port", "port"), ("pid", "main_pid"), ("unit", "unit")):
         if fields.get(key) is not None:
             facts.append(f"{label} {fields[key]}")
-    line = (f"{serve.get('name')}: {serve.get('state')} on {_dash(serve.get('role'))}"
+    where = ", ".join(serve["roles"]) if serve.get("roles") else _dash(serve.get("role"))
+    line = (f"{serve.get('name')}: {serve.get('state')} on {where}"
             + (f" ({', '.join(facts)})" if facts else ""))
     if serve.get("reason"):
         line += f"\nreason: {serve['reason']}"
@@ -323,10 +381,20 @@ def format_error(err: CtlError) -> str:
     """``gpuctl: <message>``, and for a denial the figures from its details."""
     lines = [f"gpuctl: {err.message}"]
     d = err.details
-    if err.code == "denied" and "need_mib" in d:
+    lacking = d.get("lacking")
+    if err.code == "denied" and isinstance(lacking, list):
+        # A serve on several roles: every role that lacks room; nothing was reserved.
+        for one in lacking:
+            lines.append(f"gpuctl: need {_mib(one.get('need_mib'))}, free "
+                         f"{_mib(one.get('free_mib'))}, shortfall {_mib(one.get('shortfall_mib'))}"
+                         f" ({one.get('bound')} bound on {one.get('role')})")
+    elif err.code == "denied" and "need_mib" in d:
         bound = f" ({d['bound']} bound on {d.get('role')})" if d.get("bound") else ""
         lines.append(f"gpuctl: need {_mib(d.get('need_mib'))}, free {_mib(d.get('free_mib'))}, "
                      f"shortfall {_mib(d.get('shortfall_mib'))}{bound}")
+    plan = d.get("preemption")
+    if isinstance(plan, dict) and isinstance(plan.get("lines"), list):
+        lines += [f"gpuctl: {line}" for line in plan["lines"]]
     problems = d.get("problems")
     if isinstance(problems, list) and len(problems) > 1:
         lines += [f"gpuctl:   {p}" for p in problems]
@@ -370,6 +438,9 @@ def format_plan(doc: answers.Plan) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
+    for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
+        if s.get("reason") and s.get("state_after") != "denied":
+            lines.append(f"{s.get('name')}: {s.get('reason')}")
     if doc.get("resident_fits"):
         lines.append("resident set: fits, every resident serve is admitted")
     else:
@@ -382,6 +453,13 @@ def format_plan(doc: answers.Plan) -> str:
         lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
     for b in doc.get("blocked") or []:
         lines.append(f"BLOCKED: {b.get('message')}")
+    steps = doc.get("steps") or []
+    if steps:
+        lines.append("steps (what apply does, in order; undo on failure):")
+        for i, step in enumerate(steps, 1):
+            undo = step.get("undo")
+            lines.append(f"  {i:>2}. {step.get('message')}"
+                         + (f"   [undo: {undo.get('message')}]" if undo else ""))
     return "\n".join(lines)
 
 

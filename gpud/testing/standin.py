@@ -22,7 +22,8 @@ functions that do it):
 - the engine child dies: ``/health`` answers 503, and the server exits (status 1) after
   ``--exit-after-engine-death`` seconds (vLLM's watchdog: 5);
 - with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2``, ``POST /wake_up``,
-  ``GET /is_sleeping``; asleep, the engine's draw drops to the context (``--context-mib``).
+  ``GET /is_sleeping``; asleep, the engine's draw drops to the context (``--context-mib``), or
+  to ``--asleep-mib`` when given (what a serve's ``sleep_mib`` stands for).
 
 It never pretends to be real: its first line says "STAND-IN", ``/v1/models`` says
 ``"owned_by": "gpud-standin"`` and every response carries ``X-Gpud-Standin: 1``. Unlike vLLM it
@@ -80,6 +81,7 @@ STANDIN_HEADER: Final = "X-Gpud-Standin"
 GPUD_SIM_PROCS_DIR: Final = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
 GPUD_SIM_TOTAL_MIB: Final = "GPUD_SIM_TOTAL_MIB"
+GPUD_SIM_DEVICES: Final = "GPUD_SIM_DEVICES"
 GPUD_SIM_PIDNS: Final = "GPUD_SIM_PIDNS"
 # Set inside a container by the CDI spec of simulated devices: a directory holding one device
 # node per device the container was given, named by UUID (as /dev/nvidiaN are for real GPUs).
@@ -150,6 +152,7 @@ class Options(NamedTuple):
     draw_mib: int | None
     weights_mib: int | None
     context_mib: int
+    asleep_mib: int | None
     overdraw_pct: Fraction
     draw_after_s: float
     startup_delay_s: float
@@ -353,6 +356,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="of the budget (default 3/5)")
     sim.add_argument("--context-mib", type=_non_negative_int, default=0, metavar="N",
                      help="drawn beyond util x total, as vLLM's CUDA context is")
+    sim.add_argument("--asleep-mib", type=_non_negative_int, default=None, metavar="N",
+                     help="drawn while asleep (default: the context)")
     sim.add_argument("--overdraw-pct", type=_non_negative_fraction, default=Fraction(0), metavar="P")
     sim.add_argument("--draw-after-s", type=_seconds, default=0.0, metavar="S")
     sim.add_argument("--draw-in-child", action="store_true",
@@ -416,6 +421,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         draw_mib=ns.draw_mib,
         weights_mib=ns.weights_mib,
         context_mib=ns.context_mib,
+        asleep_mib=ns.asleep_mib,
         overdraw_pct=ns.overdraw_pct,
         draw_after_s=ns.draw_after_s,
         startup_delay_s=ns.startup_delay,
@@ -451,6 +457,9 @@ class SimTarget(NamedTuple):
     procs_dir: str
     device: str
     host_pidns: int | None = None
+    # A tensor-parallel stand-in: the other devices it draws on (GPUD_SIM_DEVICES), the same
+    # MiB on each, as vLLM's workers draw one share per GPU.
+    also: tuple[str, ...] = ()
 
 
 def visible_devices(env: Mapping[str, str]) -> list[str] | None:
@@ -467,13 +476,16 @@ def visible_devices(env: Mapping[str, str]) -> list[str] | None:
 def sim_target_from_env(env: Mapping[str, str]) -> SimTarget | None:
     procs_dir = env.get(GPUD_SIM_PROCS_DIR, "")
     device = env.get(GPUD_SIM_DEVICE, "")
+    every = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d]
     visible = visible_devices(env)
     if visible is not None:
-        # In a container the device is what it was given, whatever the unit's variables say.
+        # In a container the devices are what it was given, whatever the unit's variables say.
         device = visible[0] if visible else ""
+        every = visible
     pidns = env.get(GPUD_SIM_PIDNS, "")
     if procs_dir and device:
-        return SimTarget(procs_dir, device, int(pidns) if pidns.isdigit() else None)
+        return SimTarget(procs_dir, device, int(pidns) if pidns.isdigit() else None,
+                         tuple(d for d in every if d != device))
     return None
 
 
@@ -496,7 +508,7 @@ def register(target: SimTarget, pid: int, mib: int) -> str:
     from gpud.simulation import register_process
 
     return str(register_process(Path(target.procs_dir), pid, target.device, mib,
-                                host_pidns=target.host_pidns))
+                                host_pidns=target.host_pidns, also=target.also))
 
 
 def unregister(target: SimTarget, pid: int) -> None:
@@ -1133,7 +1145,7 @@ class _MainProcess:
         opts, plan = self.opts, self.plan
         spec = {
             "draw": plan.draw,
-            "asleep": plan.context,
+            "asleep": plan.context if opts.asleep_mib is None else opts.asleep_mib,
             "draw_after_s": min(opts.draw_after_s, opts.startup_delay_s)
             if not opts.never_healthy else opts.draw_after_s,
             "startup_delay_s": opts.startup_delay_s,

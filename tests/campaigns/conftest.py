@@ -150,8 +150,17 @@ def read_store(state_dir: Path) -> StoreDump:
             for r in db.execute("SELECT id, ts, kind, serve, role, mib, uid, details FROM events "
                                 "ORDER BY id")
         ]
-        reservations = {r[0]: (r[1], r[2]) for r in
-                        db.execute("SELECT serve, role, mib FROM reservations")}
+        # A serve on several roles is one row per role: read back as one entry, its roles
+        # joined with '+'. Rows of one serve that disagree on MiB (a half-written reservation)
+        # read as MiB -1, which no replay holds.
+        rows: dict[str, tuple[list[str], set[int]]] = {}
+        for serve, role, mib in db.execute(
+                "SELECT serve, role, mib FROM reservations ORDER BY serve, position"):
+            roles, mibs = rows.setdefault(serve, ([], set()))
+            roles.append(role)
+            mibs.add(mib)
+        reservations = {serve: ("+".join(roles), mibs.pop() if len(mibs) == 1 else -1)
+                        for serve, (roles, mibs) in rows.items()}
         states = dict(db.execute("SELECT serve, state FROM serve_states").fetchall())
     finally:
         db.close()
@@ -174,20 +183,28 @@ def fingerprint(reservations: dict[str, tuple[str, int]]) -> frozenset[tuple[str
     return frozenset((serve, role, mib) for serve, (role, mib) in reservations.items())
 
 
+def role_key(res: Reservation) -> str:
+    """A reservation's roles as one key: the role, or (a serve on several) them joined by '+'."""
+    return "+".join(res.all_roles)
+
+
 def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
-    """Replay the stored admit / deny / release events, in commit order, on the pure Ledger:
+    """Replay the stored admit / deny / release / sleep events, in commit order, on the pure Ledger:
     every admit must be admitted there too with the same figures, every deny denied with the
     same free figure, every release must release what was held."""
     ledger = Ledger.build(budgets, [])
     out = Replay(ledger, [fingerprint({})])
     for ev in events:
         kind, serve, role, mib, det = ev["kind"], ev["serve"], ev["role"], ev["mib"], ev["details"]
+        # A serve on several roles: its events name the first in `role`, all in details.roles.
+        roles = tuple(det.get("roles") or (role,))
         if kind == "admit" and det.get("adopted"):
             # a running unit found at boot keeps its memory, fitting or not
-            held = {**ledger.reservations, serve: Reservation(serve, role, mib, ev["ts"])}
+            held = {**ledger.reservations,
+                    serve: Reservation(serve, roles[0], mib, ev["ts"], None, False, roles[1:])}
             ledger = Ledger.build(ledger.roles.values(), held.values())
         elif kind in ("admit", "deny"):
-            outcome = ledger.decide(serve, role, mib, since=ev["ts"], by_uid=ev["uid"])
+            outcome = ledger.decide(serve, roles, mib, since=ev["ts"], by_uid=ev["uid"])
             if kind == "admit":
                 if isinstance(outcome, Denial):
                     out.problems.append(f"event {ev['id']}: {serve} {mib} MiB admitted by gpud, "
@@ -208,6 +225,21 @@ def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
                     out.problems.append(f"event {ev['id']}: deny {serve}: gpud free "
                                         f"{det.get('free_mib')}, replay {outcome.free_mib}")
                 continue
+        elif kind == "sleep":
+            # a serve put to sleep: its reservation shrinks, on the ledger bound alone
+            held = ledger.reservations.get(serve)
+            if held is None or held.role != role or mib > held.mib:
+                out.problems.append(f"event {ev['id']}: {serve} asleep at {mib} MiB on {role}, "
+                                    f"but the replay holds {held}")
+                continue
+            shrunk = {**ledger.reservations, serve: Reservation(serve, role, mib, held.since,
+                                                                extra_roles=held.extra_roles)}
+            ledger = Ledger.build(ledger.roles.values(), shrunk.values())
+            figures = ledger.figures(role)
+            if (det.get("free_mib"), det.get("committed_mib")) != (figures.free_mib,
+                                                                   figures.committed_mib):
+                out.problems.append(f"event {ev['id']}: sleep {serve} {mib}: gpud said free "
+                                    f"{det.get('free_mib')}, replay {figures.free_mib}")
         elif kind == "release":
             held = ledger.reservations.get(serve)
             if held is None or (held.role, held.mib) != (role, mib):
@@ -218,18 +250,32 @@ def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
         else:
             continue
         out.event_index[ev["id"]] = len(out.states)
-        out.states.append(fingerprint({s: (r.role, r.mib) for s, r in ledger.reservations.items()}))
+        out.states.append(fingerprint({s: (role_key(r), r.mib)
+                                       for s, r in ledger.reservations.items()}))
     out.ledger = ledger
     return out
 
 
 def ledger_reservations(ledger_json: dict[str, Any]) -> dict[str, tuple[str, int]]:
-    return {r["serve"]: (r["role"], r["mib"]) for role in ledger_json["roles"]
-            for r in role["reservations"]}
+    """serve -> (roles key, MiB) from /v1/ledger; a serve on several roles is listed under each
+    and must be listed under every one of its roles with the same MiB (else MiB -1)."""
+    out: dict[str, tuple[str, int]] = {}
+    seen: dict[str, list[tuple[str, int]]] = {}
+    for role in ledger_json["roles"]:
+        for r in role["reservations"]:
+            key = "+".join(r.get("roles") or [r["role"]])
+            seen.setdefault(r["serve"], []).append((role["name"], r["mib"]))
+            out[r["serve"]] = (key, r["mib"])
+    for serve, (key, mib) in out.items():
+        listed = seen[serve]
+        if sorted(name for name, _ in listed) != sorted(key.split("+")) or \
+                any(m != mib for _, m in listed):
+            out[serve] = (key, -1)
+    return out
 
 
 def replay_reservations(rep: Replay) -> dict[str, tuple[str, int]]:
-    return {s: (r.role, r.mib) for s, r in rep.ledger.reservations.items()}
+    return {s: (role_key(r), r.mib) for s, r in rep.ledger.reservations.items()}
 
 
 def check_ledger_figures(ledger_json: dict[str, Any]) -> list[str]:

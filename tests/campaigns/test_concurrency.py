@@ -40,7 +40,10 @@ from tests.conftest import GpudProcess, start_gpud
 # ledger must decide every admission exactly as gpud did.
 ROLES = {"alpha": ("GPU-sim-0", 400_000, 10_000), "beta": ("GPU-sim-0", 300_000, 0),
          "gamma": ("GPU-sim-1", 500_000, 50_000)}
-CONFIGURED = {f"c{i:02d}": list(ROLES)[i % 3] for i in range(18)}
+CONFIGURED: dict[str, str | tuple[str, ...]] = {f"c{i:02d}": list(ROLES)[i % 3]
+                                                 for i in range(18)}
+# Serves on two devices (tensor parallel): admitted on both roles or on neither.
+CONFIGURED |= {f"t{i:02d}": (("alpha", "gamma"), ("gamma", "beta"))[i % 2] for i in range(6)}
 EXTERNAL = [f"x{i:02d}" for i in range(18)]
 MIB_RANGE = (1, 200_000)
 
@@ -52,7 +55,8 @@ def campaign_config(tmp: Path) -> str:
     for name, (dev, cap, reserve) in ROLES.items():
         lines.append(f'[roles.{name}]\ndevice = "{dev}"\ncapacity_mib = {cap}\nreserve_mib = {reserve}\n')
     for name, role in CONFIGURED.items():
-        lines.append(f'[serves.{name}]\nrole = "{role}"\nvram_mib = 1000\ncommand = ["/bin/true"]\n')
+        where = f'role = "{role}"' if isinstance(role, str) else f"roles = {json.dumps(role)}"
+        lines.append(f'[serves.{name}]\n{where}\nvram_mib = 1000\ncommand = ["/bin/true"]\n')
     lines.append(f'[simulation]\nstate_file = "{sim}"\n'
                  '[[simulation.devices]]\nuuid = "GPU-sim-0"\ntotal_mib = 700000\n'
                  '[[simulation.devices]]\nuuid = "GPU-sim-1"\ntotal_mib = 500000\n')
@@ -78,8 +82,13 @@ def next_op(r, mibs: MibSource) -> Op:
     # refused before any decision: a configured serve on the wrong role, an unknown role
     if r.random() < 0.5:
         serve = r.choice(list(CONFIGURED))
-        return Op("bad-admit", serve, mibs.next(), next(x for x in ROLES if x != CONFIGURED[serve]))
+        return Op("bad-admit", serve, mibs.next(), next(x for x in ROLES
+                                                         if x not in _roles(CONFIGURED[serve])))
     return Op("bad-admit", r.choice(EXTERNAL), mibs.next(), "no-such-role")
+
+
+def _roles(role: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (role,) if isinstance(role, str) else role
 
 
 def perform(client: Client, op: Op) -> None:
@@ -190,11 +199,16 @@ def run_campaign(tmp: Path, clients: int, ops_per_client: int) -> dict[str, obje
         "denied": sum(1 for op in ops if op.kind == "admit" and op.status == 409),
         "released": sum(1 for op in ops if op.kind == "release" and op.status == 200),
         "release_refused": sum(1 for op in ops if op.kind == "release" and op.status == 409),
+        "multi_role_admitted": sum(1 for op in ops if op.kind == "admit" and op.status == 200
+                                   and not isinstance(CONFIGURED.get(op.serve, ""), str)),
+        "multi_role_denied": sum(1 for op in ops if op.kind == "admit" and op.status == 409
+                                 and not isinstance(CONFIGURED.get(op.serve, ""), str)),
         "violations": 0,
     }
     print(f"concurrency campaign: {summary} {seed_note()}")
-    # the campaign must have exercised every outcome
+    # the campaign must have exercised every outcome, serves on two devices included
     assert summary["admitted"] and summary["denied"] and summary["released"], summary
+    assert summary["multi_role_admitted"] and summary["multi_role_denied"], summary
     return summary
 
 

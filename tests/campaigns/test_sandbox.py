@@ -57,7 +57,10 @@ import json, sqlite3, sys
 db = sqlite3.connect(sys.argv[1], timeout=30)
 print(json.dumps({
     "integrity": db.execute("PRAGMA integrity_check").fetchone()[0],
-    "reservations": {r[0]: [r[1], r[2]] for r in db.execute("SELECT serve, role, mib FROM reservations")},
+    # one row per (serve, role): a serve on several roles joined with '+' (MiB -1 if they differ)
+    "reservations": {r[0]: [r[1], r[2] if r[2] == r[3] else -1] for r in db.execute(
+        "SELECT serve, group_concat(role, '+'), min(mib), max(mib) FROM (SELECT * FROM "
+        "reservations ORDER BY serve, position) GROUP BY serve")},
     "states": dict(db.execute("SELECT serve, state FROM serve_states").fetchall()),
     "events": [{"id": r[0], "ts": r[1], "kind": r[2], "serve": r[3], "role": r[4], "mib": r[5],
                 "uid": r[6], "details": json.loads(r[7])}
@@ -77,8 +80,12 @@ def sandbox_store(gpud: SandboxGpud) -> dict[str, Any]:
 # ---- 1. concurrency with real units ------------------------------------------------------------
 
 SANDBOX_ROLES = {"dark-fast": ("GPU-sim-0", 32607, 7168), "other": ("GPU-sim-1", 24000, 0)}
-UNIT_SERVES = {f"u{i}": ("dark-fast" if i % 2 else "other", 1000 + 500 * i, 30100 + i)
-               for i in range(6)}
+UNIT_SERVES: dict[str, tuple[str | tuple[str, ...], int, int]] = {
+    f"u{i}": ("dark-fast" if i % 2 else "other", 1000 + 500 * i, 30100 + i) for i in range(6)}
+# A serve on both devices: its unit sees both, its start holds both, it is reserved on both.
+UNIT_SERVES["tp0"] = (("dark-fast", "other"), 2000, 30110)
+# States in which a serve's unit runs (and it holds a reservation).
+UNIT_STATES = ("starting", "running", "sleeping")
 SANDBOX_EXTERNAL = ["ext0", "ext1", "ext2", "ext3"]
 
 
@@ -86,9 +93,15 @@ def sandbox_concurrency_config() -> str:
     roles = "".join(f'[roles.{n}]\ndevice = "{d}"\ncapacity_mib = {c}\nreserve_mib = {r}\n'
                     for n, (d, c, r) in SANDBOX_ROLES.items())
     serves = "".join(
-        f'[serves.{n}]\nrole = "{role}"\nvram_mib = {mib}\nport = {port}\nrestart_sec = 0.2\n'
-        f"stop_timeout_s = 5\ncommand = {standin()}\n"
-        for n, (role, mib, port) in UNIT_SERVES.items())
+        f'[serves.{n}]\n'
+        + (f'role = "{role}"' if isinstance(role, str) else f"roles = {json.dumps(role)}")
+        + f"\nvram_mib = {mib}\nport = {port}\nrestart_sec = 0.2\n"
+        f"stop_timeout_s = 5\ncommand = {standin('--enable-sleep-mode')}\n"
+        # every serve sleeps (level 2: no host RAM needed), the larger ones first in
+        # priority: their starts with preempt put smaller ones to sleep
+        f"sleep_level = 2\nsleep_mib = 300\npriority = {10 * (len(UNIT_SERVES) - i)}\n"
+        'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+        for i, (n, (role, mib, port)) in enumerate(UNIT_SERVES.items()))
     # ledger admission: the stand-ins really draw (simulated) memory, and the replay on the
     # pure ledger checks the ledger bound
     return sim_config(roles, serves, devices=2, daemon='admission = "ledger"\n'
@@ -97,7 +110,12 @@ def sandbox_concurrency_config() -> str:
 
 def sandbox_next_op(r: Any, mibs: MibSource) -> Op:
     roll = r.random()
+    if roll < 0.1:
+        return Op(r.choice(["sleep", "wake"]), r.choice(list(UNIT_SERVES)))
     if roll < 0.2:
+        # the largest serves come first in priority: they have serves to preempt
+        return Op("start-preempt", r.choice(list(UNIT_SERVES)[-2:]))
+    if roll < 0.3:
         return Op("start", r.choice(list(UNIT_SERVES)))
     if roll < 0.35:
         return Op("stop", r.choice(list(UNIT_SERVES)))
@@ -111,9 +129,12 @@ def sandbox_perform(client: Client, op: Op) -> None:
     body: dict[str, Any] = {}
     if op.kind == "admit":
         body = {"mib": op.mib, "role": op.role}
+    action = op.kind
+    if op.kind == "start-preempt":
+        action, body = "start", {"preempt": True}
     op.t_send = time.monotonic()
     try:
-        op.status, op.body = client.request("POST", f"/v1/serves/{op.serve}/{op.kind}", body)
+        op.status, op.body = client.request("POST", f"/v1/serves/{op.serve}/{action}", body)
     except OSError as exc:
         op.body = repr(exc)
         return
@@ -121,7 +142,26 @@ def sandbox_perform(client: Client, op: Op) -> None:
 
 
 SANDBOX_EXPECTED = {"start": {200, 409}, "stop": {200, 409}, "admit": {200, 409},
-                    "release": {200, 404, 409}}
+                    "release": {200, 404, 409}, "sleep": {200, 409}, "wake": {200, 409},
+                    "start-preempt": {200, 409}}
+
+
+def sleep_problems(events: list[dict[str, Any]]) -> list[str]:
+    """No serve put to sleep twice: between two sleeps of a serve it woke, or its reservation
+    went (stopped, failed)."""
+    problems = []
+    asleep: dict[str, int] = {}
+    for ev in events:
+        serve = ev["serve"]
+        if ev["kind"] == "sleep" and not ev["details"].get("wake_failed"):
+            if serve in asleep:
+                problems.append(f"event {ev['id']}: {serve} put to sleep again, asleep since "
+                                f"event {asleep[serve]}")
+            asleep[serve] = ev["id"]
+        elif ev["kind"] in ("wake", "release") or (ev["kind"] == "admit"
+                                                   and ev["details"].get("adopted")):
+            asleep.pop(serve, None)
+    return problems
 
 
 def settle(client: Client, serve: str, timeout: float = 30) -> None:
@@ -134,16 +174,41 @@ def settle(client: Client, serve: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def preempt_next_op(r: Any, _mibs: MibSource) -> Op:
+    """Preemption's own mix: the serves only, on roles the fixed external reservations leave
+    tight, so that starts with preempt put others to sleep while they are started, stopped,
+    put to sleep and woken by other clients."""
+    roll = r.random()
+    kind = ("start-preempt" if roll < 0.35 else "stop" if roll < 0.55 else "sleep"
+            if roll < 0.75 else "wake" if roll < 0.9 else "start")
+    return Op(kind, r.choice(list(UNIT_SERVES)))
+
+
+# What preemption's mix leaves of each role: dark-fast 3439 MiB free for u1, u3, u5 (7500
+# MiB), other 5000 MiB for u0, u2, u4 (6000 MiB).
+PREEMPT_EXTERNAL = (("ext0", "dark-fast", 22_000), ("ext2", "other", 19_000))
+
+
 def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int, *,
-                            racy: bool) -> dict[str, Any]:
+                            racy: bool, preempt: bool = False) -> dict[str, Any]:
     """RACY: start and stop of one serve race freely. Otherwise the clients take a per-serve
     lock around a start and the wait for it to settle, so a stop never overtakes a launch in
-    flight (test_stop_or_release_during_launch pins that race, a known bug)."""
+    flight (test_stop_or_release_during_launch pins that race, a known bug). PREEMPT: the
+    preemption mix (preempt_next_op)."""
     gpud.configure(sandbox_concurrency_config())
     # external reservations: unique figures (each matched to its one event), of a size that
     # fits now and then
     mibs = MibSource(rng("sandbox-mib"), 1, 30_000)
     per_client: list[list[Op]] = [[] for _ in range(clients)]
+    next_op = preempt_next_op if preempt else sandbox_next_op
+    if preempt:
+        prelude = Client(gpud.socket, timeout=30)
+        for serve, role, mib in PREEMPT_EXTERNAL:
+            op = Op("admit", serve, mib, role)
+            sandbox_perform(prelude, op)
+            assert op.status == 200, op.body
+            per_client[0].append(op)
+        prelude.close()
     sampler = Sampler(gpud.socket, interval=0.02)
     barrier = threading.Barrier(clients)
     serve_locks = {name: threading.Lock() for name in UNIT_SERVES}
@@ -153,11 +218,11 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
         client = Client(gpud.socket, timeout=120)
         barrier.wait()
         for _ in range(ops_per_client):
-            op = sandbox_next_op(r, mibs)
+            op = next_op(r, mibs)
             if op.serve in serve_locks and not racy:
                 with serve_locks[op.serve]:
                     sandbox_perform(client, op)
-                    if op.kind == "start" and op.status == 200:
+                    if op.kind in ("start", "start-preempt") and op.status == 200:
                         settle(client, op.serve)
             else:
                 sandbox_perform(client, op)
@@ -194,6 +259,7 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
     budgets = [RoleBudget(n, d, c, r) for n, (d, c, r) in SANDBOX_ROLES.items()]
     rep = replay(store["events"], budgets)
     problems += rep.problems[:10]
+    problems += sleep_problems(store["events"])[:10]
     # the external reservations' operations carry unique figures: each is matched to its event,
     # and nothing else touched them
     ext_ops = [op for op in ops if op.serve in SANDBOX_EXTERNAL]
@@ -221,7 +287,7 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
         state = serves[name]["state"]
         history = ", ".join([f"{e['kind']}({e['mib']})" for e in store["events"]
                              if e["serve"] == name][-8:])
-        if (name in live) != (state == "running"):
+        if (name in live) != (state in ("running", "sleeping")):
             problems.append(f"{name}: state {state}, unit {'active' if name in live else 'gone'}; "
                             f"its last events: {history}")
         if name in live and serves[name]["reserved_mib"] is None:
@@ -236,19 +302,39 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
             problems.append(f"{unit}: MainPID {pids}, {procs.strip()} stand-in processes")
     assert not problems, "\n".join(problems) + "\n" + seed_note() + "\n" + gpud.journal_tail(30)
     summary = {"clients": clients, "ops": len(ops), "seconds": round(elapsed, 1),
-               "starts_ok": sum(op.kind == "start" and op.status == 200 for op in ops),
+               "starts_ok": sum(op.kind in ("start", "start-preempt") and op.status == 200
+                                for op in ops),
                "stops_ok": sum(op.kind == "stop" and op.status == 200 for op in ops),
+               "two_device_starts_ok": sum(op.kind == "start" and op.status == 200
+                                           and op.serve == "tp0" for op in ops),
                "admits_ok": sum(op.kind == "admit" and op.status == 200 for op in ops),
+               "slept": sum(op.kind == "sleep" and op.status == 200 for op in ops),
+               "woken": sum(op.kind == "wake" and op.status == 200 for op in ops),
+               "preempted": sum(e["kind"] == "preempt" for e in store["events"]),
                "denied": sum(op.kind in ("admit", "start") and op.status == 409
                              and op.body["error"]["code"] == "denied" for op in ops),
                "snapshots": len(sampler.snapshots), "units_at_end": len(units), "violations": 0}
     print(f"sandbox concurrency campaign: {summary} {seed_note()}")
     assert summary["starts_ok"] and summary["stops_ok"], summary
+    if preempt:
+        assert summary["preempted"] and summary["slept"], summary
     return summary
 
 
 def test_sandbox_concurrency_short(gpud: SandboxGpud) -> None:
     run_sandbox_concurrency(gpud, clients=8, ops_per_client=20, racy=False)
+
+
+def test_sandbox_preemption_concurrency_short(gpud: SandboxGpud) -> None:
+    run_sandbox_concurrency(gpud, clients=8, ops_per_client=25, racy=False, preempt=True)
+
+
+@pytest.mark.slow
+def test_sandbox_preemption_concurrency_long(gpud: SandboxGpud) -> None:
+    clients = max(16, knob("CLIENTS", 32))
+    total = knob("SANDBOX_OPS", 5_000)
+    run_sandbox_concurrency(gpud, clients=clients, ops_per_client=max(1, -(-total // clients)),
+                            racy=False, preempt=True)
 
 
 @pytest.mark.slow
@@ -545,10 +631,10 @@ def units_problems(gpud: SandboxGpud, cycle: int) -> list[str]:
     live = {u.removeprefix("gpud-serve-").removesuffix(".service") for u in units}
     for name in UNIT_SERVES:
         s = serves[name]
-        if name in live and (s["state"] not in ("starting", "running") or s["reserved_mib"] is None):
+        if name in live and (s["state"] not in UNIT_STATES or s["reserved_mib"] is None):
             problems.append(f"kill {cycle}: orphaned unit of {name}: state {s['state']}, "
                             f"reserved {s['reserved_mib']}")
-        if name not in live and s["state"] in ("starting", "running"):
+        if name not in live and s["state"] in UNIT_STATES:
             problems.append(f"kill {cycle}: {name} says {s['state']} but has no unit")
     standins = gpud.sb.run("pgrep -f '[g]pud.standin' || true").stdout.split()
     if len(standins) != len(units):
@@ -574,7 +660,7 @@ def run_sandbox_crash(gpud: SandboxGpud, kills: int, clients: int) -> dict[str, 
             if op.serve in serve_locks:
                 with serve_locks[op.serve]:
                     sandbox_perform(client, op)
-                    if op.kind == "start" and op.status == 200:
+                    if op.kind in ("start", "start-preempt") and op.status == 200:
                         with contextlib.suppress(OSError):
                             settle(client, op.serve, timeout=5)
             else:
@@ -605,6 +691,7 @@ def run_sandbox_crash(gpud: SandboxGpud, kills: int, clients: int) -> dict[str, 
             problems.append(f"kill {cycle}: integrity_check: {store['integrity']}")
         rep = replay(store["events"], budgets)
         problems += [f"kill {cycle}: {p}" for p in rep.problems[:5]]
+        problems += [f"kill {cycle}: {p}" for p in sleep_problems(store["events"])[:5]]
         if store["reservations"] != replay_reservations(rep):
             problems.append(f"kill {cycle}: reservations are not the replay of the stored events")
         if ledger_reservations(gpud.get("/v1/ledger")) != store["reservations"]:
@@ -617,6 +704,7 @@ def run_sandbox_crash(gpud: SandboxGpud, kills: int, clients: int) -> dict[str, 
             break
     summary = {"kills": kills, "ops": len(ops), "acknowledged": sum(op.acked for op in ops),
                "starts_ok": sum(op.kind == "start" and op.status == 200 for op in ops),
+               "slept": sum(op.kind == "sleep" and op.status == 200 for op in ops),
                "adopted": sum(e["kind"] == "adopt" for e in sandbox_store(gpud)["events"]),
                "seconds": round(time.monotonic() - t0, 1), "violations": len(problems)}
     assert not problems, "\n".join(problems) + "\n" + seed_note() + "\n" + gpud.journal_tail(40)

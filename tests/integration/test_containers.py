@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import booted_sandbox
-from tests.integration.gpudctl import SandboxGpud, sim_config
+from tests.integration.gpudctl import PY, SandboxGpud, sim_config
 from tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -249,3 +250,88 @@ def test_a_host_without_a_cdi_spec_is_told_so_at_start(gpud: SandboxGpud) -> Non
         assert gpud.serve_units() == []
     finally:
         gpud.sb.run(["mv", "/run/gpud-sim.json.away", "/etc/cdi/gpud-sim.json"])
+
+
+# `podman` as gpud finds it first on PATH (/usr/local/bin before /usr/bin): the real one, except
+# that image localhost/slow:1 is missing and its pull stalls (its PID written down).
+SLOW_PODMAN = """#!/bin/sh
+case "$*" in
+    "image exists localhost/slow:1") exit 1 ;;
+    "pull localhost/slow:1") echo $$ > /run/gpud-slow-pull.pid; exec sleep 600 ;;
+esac
+exec /usr/bin/podman "$@"
+"""
+
+
+def test_a_slow_pull_holds_up_no_other_start_and_a_stop_ends_it(gpud: SandboxGpud) -> None:
+    roles = '[roles.one]\ndevice = "GPU-sim-1"\nreserve_mib = 1000\n'
+    serves = ""
+    for name, port, image, pull in (("slowpull", 30054, "localhost/slow:1", "missing"),
+                                     ("quick", 30055, _image_ref(gpud.sb), "never")):
+        serves += (f'[serves.{name}]\nrole = "one"\nvram_mib = 8000\nport = {port}\n'
+                   f'stop_timeout_s = 20\n[serves.{name}.vllm]\nmodel = "org/{name}"\n'
+                   f'max_model_len = 4096\n[serves.{name}.container]\nimage = "{image}"\n'
+                   f'pull = "{pull}"\nvolumes = ["{PROCS}:{PROCS}:rw"]\n')
+    gpud.sb.write_file("/usr/local/bin/podman", SLOW_PODMAN, mode=0o755)
+    try:
+        _configure(gpud, sim_config(roles, serves, devices=2))
+        assert gpud.call("POST", "/v1/serves/slowpull/start", {}).status == 200
+        pulling = gpud.wait_event("pull", timeout=30, serve="slowpull")
+        found = re.search(r"in unit (gpud-image-slowpull-[0-9a-f]+\.service)", pulling["message"])
+        assert found is not None, pulling
+        unit = found.group(1)
+        deadline = time.monotonic() + 20
+        while gpud.sb.run(["test", "-s", "/run/gpud-slow-pull.pid"], check=False).returncode:
+            assert time.monotonic() < deadline, gpud.journal_tail()
+            time.sleep(0.1)
+        pid = gpud.sb.run(["cat", "/run/gpud-slow-pull.pid"]).stdout.strip()
+        assert gpud.sb.run(["systemctl", "is-active", unit], check=False).stdout.strip() == "active"
+        # The pull holds its reservation and no lock of the device: the other serve there starts.
+        assert gpud.serve("slowpull")["state"] == "admitted"
+        assert gpud.serve("slowpull")["reserved_mib"] == 8000
+        assert gpud.call("POST", "/v1/serves/quick/start", {}).status == 200
+        gpud.wait_state("quick", "running", timeout=60)
+        assert gpud.serve("slowpull")["state"] == "admitted"
+        # A stop during the pull ends it: its unit is stopped by name, nothing of it is left.
+        assert gpud.call("POST", "/v1/serves/slowpull/stop", {}).status == 200
+        assert gpud.serve("slowpull")["state"] == "declared"
+        assert gpud.sb.run(["systemctl", "show", "-p", "LoadState", "--value", unit]
+                           ).stdout.strip() == "not-found"
+        assert gpud.sb.run(["systemctl", "list-units", "--all", "--plain", "--no-legend",
+                            "gpud-image-*"]).stdout.strip() == ""
+        assert gpud.sb.run(["kill", "-0", pid], check=False).returncode != 0
+        assert gpud.events(kind="start", serve="slowpull") == []
+        assert gpud.serve("quick")["state"] == "running"
+        assert gpud.call("POST", "/v1/serves/quick/stop", {}).status == 200
+    finally:
+        gpud.sb.run(["rm", "-f", "/usr/local/bin/podman", "/run/gpud-slow-pull.pid"])
+
+
+def test_a_podman_command_that_times_out_leaves_no_unit(podman_sandbox: Sandbox) -> None:
+    # gpud's own helper, run under the sandbox's systemd with a one-second limit: the command's
+    # unit is stopped by name, not only its systemd-run client killed.
+    script = (
+        "import asyncio, sys\n"
+        "from gpud import containers\n"
+        "unit = containers.unit_for('late')\n"
+        "print(unit)\n"
+        "print(asyncio.run(containers._run(['/bin/sleep', '600'], 1.0, 'sleeps', unit)))\n")
+    out = podman_sandbox.run([PY, "-c", script], env={"PYTHONPATH": str(REPO)}, timeout=60).stdout
+    unit, outcome = out.splitlines()
+    assert outcome == "(124, 'timed out after 1 s')"
+    assert unit.startswith("gpud-image-late-")
+    assert podman_sandbox.run(["systemctl", "show", "-p", "LoadState", "--value", unit]
+                              ).stdout.strip() == "not-found"
+    assert podman_sandbox.run(["pgrep", "-f", "/bin/sleep 600"], check=False).returncode == 1
+
+
+def test_a_pull_left_by_an_earlier_gpud_is_stopped_at_boot(gpud: SandboxGpud) -> None:
+    left = "gpud-image-kept-0a1b2c.service"
+    gpud.configure(_config(_image_ref(gpud.sb), name="kept", port=30056), start=False)
+    gpud.sb.run(["systemd-run", f"--unit={left}", "--collect", "/bin/sleep", "600"])
+    assert gpud.sb.run(["systemctl", "is-active", left], check=False).stdout.strip() == "active"
+    gpud.sb.run(["mkdir", "-p", PROCS])
+    gpud.start()
+    assert gpud.sb.run(["systemctl", "show", "-p", "LoadState", "--value", left]
+                       ).stdout.strip() == "not-found"
+    assert "may still run" not in gpud.journal_tail(200)

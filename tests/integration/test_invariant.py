@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpud.core.ledger import gpu_memory_utilization
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
 
 pytestmark = pytest.mark.sandbox
@@ -54,6 +55,9 @@ def test_apply_that_removes_a_running_serve_stops_it_first_and_releases_it(
     steps = [line.split("]")[1].split(":")[0].strip() for line in applied.stdout.splitlines()
              if line.startswith("[")]
     assert steps.index("stop") < steps.index("write") < steps.index("reload")
+    # what the apply did is the plan's list of steps, in its order
+    assert steps == ["validate"] + [s["kind"] for s in plan["steps"]]
+    assert [(s["kind"], s["serve"]) for s in plan["steps"] if s["serve"]] == [("stop", "gone")]
     assert "gpud-serve-gone.service" not in gpud.serve_units()
     assert committed(gpud) == 2000
     assert gpud.call("GET", "/v1/serves/gone").status == 404
@@ -135,9 +139,13 @@ def test_a_serves_environment_reaches_it_but_not_systemctl_show(gpud: SandboxGpu
 
 def test_an_apply_cut_short_by_a_crash_is_rolled_back_at_the_next_start(
         gpud: SandboxGpud, tmp_path: Path) -> None:
-    gpud.configure(KEEP)
-    gpud.wait_state("keep", "running")
-    slow = KEEP + "\n" + serve("slow", 30130, 1000, "--startup-delay", "30")
+    old = KEEP + "\n" + serve("gone", 30131, 500) + "\n" + serve("grow", 30132, 1000)
+    gpud.configure(old)
+    for name in ("keep", "gone", "grow"):
+        gpud.wait_state(name, "running")
+    # gone is stopped first, grow restarted bigger, then slow starts and gpud dies
+    slow = (KEEP + "\n" + serve("grow", 30132, 1200) + "\n"
+            + serve("slow", 30130, 1000, "--startup-delay", "30"))
     new = tmp_path / "slow.toml"
     new.write_text(slow)
     applying = threading.Thread(target=gpuctl, args=(gpud, "apply", str(new)), daemon=True)
@@ -145,26 +153,162 @@ def test_an_apply_cut_short_by_a_crash_is_rolled_back_at_the_next_start(
     deadline = time.monotonic() + 60
     while gpud.call("GET", "/v1/serves/slow").status == 404 and time.monotonic() < deadline:
         time.sleep(0.05)  # known once the apply has reloaded
-    gpud.wait_state("slow", "starting")
+    gpud.wait_state("slow", "starting", timeout=60)
     assert gpud.call("POST", "/v1/reload", {}).status == 409  # not during an apply
+    assert "gpud-serve-gone.service" not in gpud.serve_units()
+    assert gpud.serve("grow")["reserved_mib"] == 1200
     gpud.sb.run(["systemctl", "kill", "-s", "KILL", "gpud.service"])
     applying.join(30)
     gpud.sb.run(["systemctl", "reset-failed", "gpud.service"], check=False)
     gpud.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     recovered: list[dict] = []
     while not recovered and time.monotonic() < deadline:
         recovered = [e for e in gpud.events(kind="apply") if e["details"].get("step") == "recover"]
         time.sleep(0.1)
     assert recovered, gpud.journal_tail()
     ev = recovered[0]
-    assert "apply interrupted" in ev["message"]
-    assert "the old config was written back" in ev["message"]
-    assert "stopped slow" in ev["message"] and "old config reloaded" in ev["message"]
-    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == KEEP
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
     assert gpud.get("/v1/status")["config_file"] == {"differs": False, "reason": None}
     assert "gpud-serve-slow.service" not in gpud.serve_units()
-    assert gpud.serve("keep")["state"] == "running" and committed(gpud) == 2000
+    assert "gpud-serve-gone.service" in gpud.serve_units()
+    assert {n: gpud.serve(n)["state"] for n in ("keep", "gone", "grow")} == {
+        "keep": "running", "gone": "running", "grow": "running"}
+    assert held(gpud) == {"keep": 2000, "gone": 500, "grow": 1000}
+    argv = gpud.sb.run(["cat", f"/proc/{gpud.serve('grow')['main_pid']}/cmdline"]).stdout
+    assert gpu_memory_utilization(1000, 32607) in argv.split("\0")  # its old figures
+    assert "apply interrupted" in ev["message"], ev["message"]
+    # the rollback of a failed apply, over the steps it had begun
+    assert "old config written back and reloaded" in ev["message"], ev["message"]
+    assert "slow: back to declared" in ev["message"], ev["message"]
+    assert "grow: back to running (1000 MiB)" in ev["message"], ev["message"]
+    assert "gone: back to running (500 MiB)" in ev["message"], ev["message"]
+    assert "FAILED" not in ev["message"], ev["message"]
+    assert len([e for e in gpud.events(kind="apply") if e["details"].get("step") == "recover"]) == 1
+
+
+def held(gpud: SandboxGpud) -> dict[str, int]:
+    return {r["serve"]: r["mib"] for r in gpud.get("/v1/ledger")["roles"][0]["reservations"]}
+
+
+def admitted_idle(gpud: SandboxGpud, **serves: int) -> None:
+    for name, mib in serves.items():
+        reply = gpud.call("POST", f"/v1/serves/{name}/admit", {"mib": mib})
+        assert reply.status == 200, reply.body
+        assert gpud.serve(name)["state"] == "admitted"
+
+
+def test_apply_resizes_an_admitted_serve_to_the_size_its_plan_shows(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    gpud.configure(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("lazy", 30170, 600, resident=False)))
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, lazy=600)
+    new = tmp_path / "lazy.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("lazy", 30170, 800, resident=False)))
+    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    lazy = next(s for s in plan["serves"] if s["name"] == "lazy")
+    assert (lazy["mib_before"], lazy["mib_after"]) == (600, 800)
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    # the ledger after the apply is the plan's
+    assert held(gpud) == {s["name"]: s["mib_after"] for s in plan["serves"]
+                          if s["mib_after"] is not None} == {"keep": 2000, "lazy": 800}
+    assert gpud.serve("lazy")["state"] == "running"
+    # and the steps say how: resized before it starts
+    assert [(s["kind"], s["serve"], s["mib_before"], s["mib_after"]) for s in plan["steps"]
+            if s["serve"]] == [("resize", "lazy", 600, 800), ("start", "lazy", 800, 800)]
+    assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
+
+
+def test_a_resize_that_does_not_fit_fails_the_apply_and_rolls_it_back(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    old = sim_config(ROLE, serve("keep", 30101) + "\n"
+                     + serve("lazy", 30176, 600, resident=False))
+    gpud.configure(old)
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, lazy=600)
+    # memory drawn outside the ledger: the ledger would take 800 MiB for lazy, the device not
+    gpud.set_external([{"device": "GPU-sim-0", "label": "someone else", "mib": 32607 - 2700}])
+    gpud.wait_event("reserve-exceeded")
+    new = tmp_path / "new.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("lazy", 30176, 800, resident=False)))
+    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    assert plan["resident_fits"] and [s["kind"] for s in plan["steps"]][3] == "resize"
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 1, applied.stdout
+    assert "rolled back: lazy denied on r" in applied.stderr, applied.stderr
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
+    assert held(gpud) == {"keep": 2000, "lazy": 600}
+    assert gpud.serve("lazy")["state"] == "admitted"
+    assert "gpud-serve-lazy.service" not in gpud.serve_units()
+
+
+def test_a_rolled_back_apply_gives_admitted_serves_their_reservations_back(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    old = sim_config(ROLE, serve("keep", 30101) + "\n"
+                     + serve("idle", 30171, 700, resident=False) + "\n"
+                     + serve("lazy", 30172, 600, resident=False))
+    gpud.configure(old)
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, idle=700, lazy=600)
+    # idle leaves the config, lazy grows, and a new serve never turns healthy
+    new = tmp_path / "new.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("lazy", 30172, 800, resident=False) + "\n"
+                              + serve("sick", 30173, 500, "--never-healthy",
+                                      extra="start_timeout_s = 3\n")))
+    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 1, applied.stdout
+    assert "rolled back: sick did not become healthy" in applied.stderr
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
+    assert held(gpud) == {"keep": 2000, "idle": 700, "lazy": 600}
+    assert {n: gpud.serve(n)["state"] for n in ("keep", "idle", "lazy")} == {
+        "keep": "running", "idle": "admitted", "lazy": "admitted"}
+    assert "gpud-serve-sick.service" not in gpud.serve_units()
+    # the steps that changed them, and their undo
+    assert [(s["kind"], s["serve"]) for s in plan["steps"] if s["serve"]][:2] == [
+        ("release", "idle"), ("resize", "lazy")]
+    assert "idle: release done (700 MiB -> none)" in applied.stdout
+    assert "idle: back to admitted (700 MiB)" in applied.stdout
+    assert "lazy: back to admitted (600 MiB)" in applied.stdout
+
+
+def test_a_rollback_says_so_when_a_released_reservation_no_longer_fits(
+        gpud: SandboxGpud, tmp_path: Path) -> None:
+    old = sim_config(ROLE, serve("keep", 30101) + "\n"
+                     + serve("idle", 30174, 700, resident=False))
+    gpud.configure(old)
+    gpud.wait_state("keep", "running")
+    admitted_idle(gpud, idle=700)
+    new = tmp_path / "new.toml"
+    new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
+                              + serve("sick", 30175, 300, "--never-healthy",
+                                      extra="start_timeout_s = 6\n")))
+    result: list[subprocess.CompletedProcess[str]] = []
+    applying = threading.Thread(target=lambda: result.append(gpuctl(gpud, "apply", str(new))))
+    applying.start()
+    deadline = time.monotonic() + 60
+    while gpud.call("GET", "/v1/serves/sick").status == 404 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gpud.wait_state("sick", "starting")
+    # meanwhile an external reservation takes all that is free: idle's 700 MiB are gone
+    free = int(gpud.get("/v1/ledger")["roles"][0]["free_mib"])
+    reply = gpud.call("POST", "/v1/serves/ext/admit", {"mib": free, "role": "r"})
+    assert reply.status == 200, reply.body
+    applying.join(120)
+    [out] = result
+    assert out.returncode == 1, out.stdout
+    assert "[FAIL] rollback: idle: could not be restored: idle denied on r" in out.stdout, \
+        out.stdout
+    role = gpud.get("/v1/ledger")["roles"][0]
+    assert {r["serve"]: r["mib"] for r in role["reservations"]} == {"keep": 2000, "ext": free}
+    assert role["free_mib"] == 300 and not role["over_committed"]
+    assert gpud.serve("idle")["state"] in ("declared", "denied")
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
 
 
 def test_apply_while_the_resident_set_boots_is_refused(gpud: SandboxGpud, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ rebalance in two commands, and a rollback when the new serve never becomes healt
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,13 @@ def test_plan_and_apply_t015_to_t011(gpud: SandboxGpud, tmp_path: Path) -> None:
              if line.startswith("[")]
     assert steps[:4] == ["validate", "backup", "write", "reload"]
     assert steps.index("restart") < steps.index("start") < steps.index("verify")
+    # the apply did the plan's steps, the ones gpuctl plan showed, in their order
+    assert steps == ["validate"] + [s["kind"] for s in doc["steps"]]
+    planned = [f"{s['kind']} {s['serve']}" for s in doc["steps"] if s["serve"]]
+    done = [f"{m[1]} {m[2]}" for m in re.finditer(r"\] (\w+): (\S+): \1 done \(",
+                                                   applied.stdout)]
+    assert done == planned and planned
+    assert "steps (what apply does, in order; undo on failure):" in human
     for name in ("fast", "embeddings", "reranker", "ocr"):
         assert gpud.serve(name)["state"] == "running"
     assert gpud.serve("fast")["main_pid"] != old_fast_pid

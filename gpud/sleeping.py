@@ -1,0 +1,534 @@
+"""Sleeping serves: vLLM's sleep mode under the ledger, and preemption by priority.
+
+A serve with `sleep_level` is put to sleep with `POST /sleep?level=N`, confirmed with
+`GET /is_sleeping` (`{"is_sleeping": true}`), and only then its reservation shrinks to its sleep
+reservation, in the same transaction as its state (`sleeping`) and the `sleep` event. A wake is
+admitted first (strict admission: the physical bound counts), then `POST /wake_up`. Endpoints as
+vLLM registers them in dev mode: vllm/entrypoints/serve/dev/sleep/api_router.py (`/sleep` reads
+the `level` query parameter, default 1; `/wake_up`; `/is_sleeping`); vLLM's own FIXME there says
+the answer to /sleep may come before the sleep is done, hence the confirmation.
+
+Preemption (gpud/core/preempt.py plans it) runs under the role's lock: the plan's steps in order
+(as gpud.core.actions steps, through gpud.steps, the executor apply uses too), each an event,
+then the admission; when that is still refused, every step done is undone in reverse order and
+the denial says why. Wake-back (after memory is released on a role) takes the same
+lock, so it never wakes a serve a preemption in progress has just put to sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gpud.config import ServeConfig
+from gpud.core.actions import Action, preemption, undo_in_reverse
+from gpud.core.launch import fingerprint
+from gpud.core.ledger import sleep_reservation
+from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.vocab import RUNNING, SLEEPING, STARTING
+from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.steps import carry_out, undo_all
+
+if TYPE_CHECKING:
+    from gpud.supervisor import Supervisor
+
+log = logging.getLogger("gpud.sleeping")
+
+
+class _NotPreempted(Exception):
+    """A serve of a preemption's steps could not be put to sleep or stopped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+# A level-1 sleep copies the weights to host RAM: seconds for a large model.
+SLEEP_REQUEST_TIMEOUT_S = 300.0
+CONFIRM_TIMEOUT_S = 60.0
+# After vLLM says it sleeps, how long gpud waits for observation to show the memory back.
+DRAW_TIMEOUT_S = 10.0
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.25
+
+
+def meta_key(serve: str) -> str:
+    """The store's note on a sleeping serve: level, who preempted it, host RAM parked."""
+    return f"sleep:{serve}"
+
+
+def measured_key(serve: str) -> str:
+    """The sleep draw measured after a serve's sleep (with its fingerprint)."""
+    return f"sleep-measured:{serve}"
+
+
+class Sleeps:
+    def __init__(self, sup: Supervisor, *, host_memory: Callable[[], int | None]) -> None:
+        self.sup = sup
+        self.svc = sup.svc
+        self.host_memory = host_memory
+        # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
+        self.weights: Callable[[str], int | None] = lambda _serve: None
+        # One lock for every preemption and wake-back: a serve on several roles takes part in
+        # each of them, and one lock cannot be taken in two orders.
+        self._coordination = asyncio.Lock()
+        self._wake_back: dict[str, asyncio.Task[None]] = {}
+        self._wake_again: set[str] = set()
+
+    # ---- facts about a serve ---------------------------------------------------------------
+
+    def note(self, serve: str) -> dict[str, Any]:
+        text = self.svc.store.meta(meta_key(serve)) if serve in self.svc.records else None
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            value = {}
+        return value if isinstance(value, dict) else {}
+
+    def parked_mib(self, serve: str) -> int | None:
+        """Host RAM a sleeping serve's weights are parked in (level 1), else None."""
+        if self.svc.state_of(serve) != SLEEPING:
+            return None
+        parked = self.note(serve).get("parked_host_mib")
+        return parked if isinstance(parked, int) else None
+
+    def sleep_mib(self, serve: str, spec: ServeConfig) -> int | None:
+        """The reservation kept asleep: serves.NAME.sleep_mib, else the draw measured after an
+        earlier sleep of the same serve (fingerprint) plus the overdraw tolerance."""
+        if spec.sleep_mib is not None:
+            return spec.sleep_mib
+        text = self.svc.store.meta(measured_key(serve))
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            rec = json.loads(text or "")
+            if rec["fingerprint"] == fingerprint(spec):
+                return min(spec.vram_mib, int(rec["mib"])
+                           + self.svc.config.daemon.overdraw_tolerance_mib)
+        return None
+
+    def awake_mib(self, serve: str, spec: ServeConfig) -> int:
+        """What a serve wakes to: the reservation it had awake (its launch was sized on it),
+        its vram_mib unless it was admitted at another size."""
+        mib = self.note(serve).get("awake_mib")
+        return mib if isinstance(mib, int) and mib > 0 else spec.vram_mib
+
+    def _host_weights(self, serve: str) -> int:
+        """What a level-1 sleep parks in host RAM: the calibrated weights, else the
+        reservation (all of it could be weights); on several devices, that of each device
+        times their number (each of vLLM's workers backs up its own shard in CPU memory)."""
+        res = self.svc.ledger.reservations.get(serve)
+        spec = self.svc.serve_spec(serve)
+        devices = len(res.all_roles) if res else len(spec.all_roles) if spec else 1
+        weights = self.weights(serve)  # per device, as calibration measures a serve
+        if weights is not None:
+            return weights * devices
+        return (res.mib if res else spec.vram_mib if spec else 0) * devices
+
+    def _url(self, spec: ServeConfig, path: str) -> str:
+        if spec.port is None:
+            raise Conflict("a serve without a port cannot be put to sleep: its sleep endpoints "
+                           "are HTTP", {})
+        return f"http://127.0.0.1:{spec.port}{path}"
+
+    def _role_lock(self, _role: str) -> asyncio.Lock:
+        return self._coordination
+
+    # ---- HTTP to the serve -----------------------------------------------------------------
+
+    async def _post(self, serve: str, spec: ServeConfig, path: str) -> None:
+        http = self.sup.http
+        timeout = aiohttp.ClientTimeout(total=SLEEP_REQUEST_TIMEOUT_S)
+        try:
+            async with http.post(self._url(spec, path), timeout=timeout) as resp:
+                if resp.status != 200:
+                    body = (await resp.text())[:300]
+                    raise Conflict(f"serve {serve!r} answered {resp.status} to POST {path}: "
+                                   f"{body}", {"serve": serve, "status": resp.status})
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise Unavailable(f"serve {serve!r}: POST {path} failed: {exc or type(exc).__name__}",
+                              {"serve": serve}) from exc
+
+    async def is_sleeping(self, serve: str, spec: ServeConfig) -> bool | None:
+        """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
+        that."""
+        try:
+            async with self.sup.http.get(self._url(spec, "/is_sleeping")) as resp:
+                if resp.status != 200:
+                    return None
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, GpudError):
+            return None
+        value = body.get("is_sleeping") if isinstance(body, dict) else None
+        return value if isinstance(value, bool) else None
+
+    async def _confirm(self, serve: str, spec: ServeConfig, asleep: bool) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONFIRM_TIMEOUT_S
+        pause = POLL_FIRST_S
+        while True:
+            answer = await self.is_sleeping(serve, spec)
+            if answer is asleep:
+                return
+            if loop.time() > deadline:
+                said = "no answer" if answer is None else f"is_sleeping {answer}"
+                raise Unavailable(f"serve {serve!r} did not confirm it is "
+                                  f"{'asleep' if asleep else 'awake'} within "
+                                  f"{CONFIRM_TIMEOUT_S:g} s ({said})", {"serve": serve})
+            await asyncio.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 2)
+
+    async def _draw_down(self, serve: str, at_most: int | None) -> int | None:
+        """After the sleep: wait (bounded) until observation shows the serve at `at_most` or
+        less on each of its devices, so the next admission sees the memory back. Returns its
+        observed draw: the most on any one device (its reservation is held on each)."""
+        obs = self.sup.observer
+        if not obs.available:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAW_TIMEOUT_S
+        pause = POLL_FIRST_S
+        last: int | None = None
+        while True:
+            await obs.sample()
+            seen = obs.observed_each_mib(serve)
+            if at_most is None:
+                if seen is not None and seen == last:
+                    return seen  # steady over two samples: what it keeps asleep
+                last = seen
+            elif seen is None or seen <= at_most:
+                return seen
+            if loop.time() > deadline:
+                return seen
+            await asyncio.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 2)
+
+    # ---- sleep and wake ----------------------------------------------------------------------
+
+    def _sleeper(self, serve: str) -> ServeConfig:
+        spec = self.sup.spec_of(serve)
+        if not spec.sleep_level:
+            raise Conflict(f"serve {serve!r} has no sleep_level: it does not sleep "
+                           f"(set serves.{serve}.sleep_level = 1 or 2)", {"serve": serve})
+        return spec
+
+    async def sleep(self, serve: str, uid: int | None, level: int | None = None, *,
+                    preempted_by: str | None = None) -> dict[str, Any]:
+        spec = self._sleeper(serve)
+        level = level or spec.sleep_level
+        if level not in (1, 2):
+            raise Refused(f"sleep level must be 1 or 2, not {level}", {"level": level})
+        async with self.sup.serve_lock(serve):
+            state = self.svc.state_of(serve)
+            if state != RUNNING or self.sup.busy(serve):
+                raise Conflict(f"serve {serve!r} is {state}: only a running serve is put to "
+                               "sleep", {"serve": serve, "state": state})
+            res = self.svc.ledger.reservations[serve]
+            target = self.sleep_mib(serve, spec)
+            if target is None and not self.sup.observer.available:
+                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
+                              f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
+                              "needs observation)", {"serve": serve})
+            if target is None:
+                await self.sup.observer.sample()  # what it draws awake, now
+            awake_seen = self.sup.observer.observed_each_mib(serve)
+            if target is None and not awake_seen:
+                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
+                              f"attributes none of its memory to it ({awake_seen} MiB seen "
+                              f"awake), so its sleep draw cannot be measured (set serves."
+                              f"{serve}.sleep_mib)", {"serve": serve})
+            parked = self._host_weights(serve) if level == 1 else 0
+            if level == 1:
+                self._check_host_ram(serve, parked)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await self._post(serve, spec, f"/sleep?level={level}")
+            try:
+                await self._confirm(serve, spec, asleep=True)
+            except GpudError:
+                with contextlib.suppress(GpudError):
+                    await self._post(serve, spec, "/wake_up")
+                raise
+            asleep_at = loop.time()
+            seen = await self._draw_down(serve, target)
+            # The serve's own time (its answer to /sleep and the confirmation), and how long
+            # observation took to show its memory back: gpud's overhead is the rest.
+            serve_ms = round((asleep_at - began) * 1000, 1)
+            draw_ms = round((loop.time() - asleep_at) * 1000, 1)
+            # Never less than it holds: the ledger must not say memory is free that is not.
+            target = sleep_reservation(
+                res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
+                tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
+            if seen is not None and awake_seen:
+                await self.svc.put_meta(measured_key(serve), json.dumps(
+                    {"fingerprint": fingerprint(spec), "mib": seen}))
+            why = f"preempted by {preempted_by}" if preempted_by else "put to sleep"
+            note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
+                    "awake_mib": res.mib}
+            message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
+                       f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
+            await self.svc.admit(
+                serve, target, uid=uid, state=SLEEPING, shrink=True,
+                state_reason=f"asleep (level {level}, {why})",
+                event=("sleep", message, {"level": level, "from_mib": res.mib,
+                                          "parked_host_mib": parked, "observed_mib": seen,
+                                          "serve_ms": serve_ms, "draw_ms": draw_ms,
+                                          **({"preempted_by": preempted_by}
+                                             if preempted_by else {})}),
+                meta={meta_key(serve): json.dumps(note)})
+        return {"level": level, "from_mib": res.mib, "sleep_mib": target,
+                "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
+
+    def _check_host_ram(self, serve: str, parked: int) -> None:
+        available = self.host_memory()
+        margin = self.svc.config.daemon.sleep_host_margin_mib
+        if available is None:
+            raise Refused(f"serve {serve!r} not put to sleep at level 1: MemAvailable cannot be "
+                          "read (level 1 parks the weights in host RAM; level 2 needs none)",
+                          {"serve": serve})
+        if available < parked + margin:
+            raise Refused(
+                f"serve {serve!r} not put to sleep at level 1: host RAM: its weights "
+                f"({parked} MiB) plus the margin ({margin} MiB) need {parked + margin} MiB, "
+                f"MemAvailable is {available} MiB, short {parked + margin - available} MiB "
+                "(level 2 parks nothing)",
+                {"serve": serve, "bound": "host-ram", "need_mib": parked + margin,
+                 "free_mib": available})
+
+    async def wake(self, serve: str, uid: int | None, *, locked: bool = False,
+                   by: str = "gpuctl wake") -> dict[str, Any]:
+        spec = self._sleeper(serve)
+        async with contextlib.AsyncExitStack() as stack:
+            if not locked:
+                await stack.enter_async_context(self._role_lock(spec.role))
+            await stack.enter_async_context(self.sup.serve_lock(serve))
+            state = self.svc.state_of(serve)
+            if state != SLEEPING:
+                raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
+                                                                           "state": state})
+            asleep = self.svc.ledger.reservations[serve].mib
+            awake = self.awake_mib(serve, spec)
+            # Denied: it stays asleep, the denial recorded with its reason.
+            await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=(
+                "admit", f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
+                "asleep)", {"waking": True}))
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            try:
+                await self._post(serve, spec, "/wake_up")
+                await self._confirm(serve, spec, asleep=False)
+            except GpudError as exc:
+                # Still asleep as far as anyone can tell: back to its sleep reservation.
+                await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True, event=(
+                    "sleep", f"{serve} did not wake ({exc.message}): back to {asleep} MiB",
+                    {"wake_failed": True}))
+                raise
+            took = loop.time() - began
+            await self.svc.record(self.svc.event(
+                "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
+                f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=awake, uid=uid,
+                by=by, serve_ms=round(took * 1000, 1)),
+                state=self.svc.state_row(serve, RUNNING))
+            await self.svc.put_meta(meta_key(serve), None)
+        return {"mib": awake, "serve_ms": round(took * 1000, 1)}
+
+    # ---- preemption --------------------------------------------------------------------------
+
+    def candidates(self, serve: str, roles: tuple[str, ...]) -> list[Candidate]:
+        """The running serves on any of `roles` that a preemption could put to sleep or stop,
+        each with every role it holds its reservation on (it frees memory on each)."""
+        out: list[Candidate] = []
+        seen: set[str] = set()
+        for role in roles:
+            for res in self.svc.ledger.on_role(role):
+                name = res.serve
+                spec = self.svc.serve_spec(name)
+                if name == serve or name in seen or spec is None or res.external \
+                        or spec.all_roles != res.all_roles:
+                    continue
+                seen.add(name)
+                if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
+                    continue
+                if spec.preemptible == "stop":
+                    out.append(Candidate(name, spec.priority, res.mib, "stop", 0, res.all_roles))
+                elif spec.sleep_level:
+                    keeps = self.sleep_mib(name, spec)
+                    if keeps is not None:
+                        out.append(Candidate(name, spec.priority, res.mib, "sleep", keeps,
+                                             res.all_roles))
+        return out
+
+    def plan(self, serve: str, mib: int) -> Plan | NoPlan:
+        """The plan on every role of the serve (victims on any of them; one on several frees
+        on each)."""
+        spec = self.sup.spec_of(serve)
+        free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
+        return plan_on_roles(serve, spec.priority, mib, free,
+                             self.candidates(serve, spec.all_roles))
+
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]:
+        """For a denial without --preempt: what a preemption would do, when it could."""
+        if self.svc.serve_spec(serve) is None:
+            return "", {}
+        plan = self.plan(serve, mib)
+        if isinstance(plan, NoPlan) or not plan.steps:
+            return "", {}  # nothing a preemption could do: the denial as it always was
+        steps = "; ".join(s.line() for s in plan.steps)
+        return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
+
+    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
+                               dry_run: bool = False) -> dict[str, Any]:
+        """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
+        not fit. Returns the plan carried out (or, with `dry_run`, the plan alone)."""
+        spec = self.sup.spec_of(serve)
+        async with self._role_lock(spec.role):
+            plan = self.plan(serve, mib)
+            if isinstance(plan, NoPlan):
+                if dry_run:
+                    return {"dry_run": True, "preemption": plan.to_json(), "fits": False}
+                try:
+                    await self.svc.admit(serve, mib, uid=uid)
+                except Denied as exc:
+                    raise Denied(f"{exc.message}; no preemption can make room: {plan.reason}",
+                                 {**exc.details, "preemption": plan.to_json()}) from exc
+                return {"preemption": None}
+            if dry_run:
+                return {"dry_run": True, "preemption": plan.to_json(), "fits": True}
+            if not plan.steps:
+                try:
+                    await self.svc.admit(serve, mib, uid=uid)
+                    return {"preemption": None}
+                except Denied:
+                    plan = self.plan(serve, mib)  # decided again below, as any plan
+                    if isinstance(plan, NoPlan) or not plan.steps:
+                        raise
+            for line in plan.lines():
+                log.info("%s", line)
+            steps = {s.serve: s for s in plan.steps}
+
+            async def do(action: Action) -> None:
+                assert action.serve is not None
+                step = steps[action.serve]
+                await self.svc.record(self.svc.event(
+                    "preempt", f"{step.serve} preempted by {serve}: {step.line()}",
+                    serve=step.serve, role=(step.roles or spec.all_roles)[0],
+                    mib=step.frees_mib, uid=uid,
+                    preempted_by=serve, action=step.action, priority=step.priority,
+                    by_priority=spec.priority))
+                try:
+                    if action.kind == "sleep":
+                        await self.sleep(step.serve, uid, preempted_by=serve)
+                    else:
+                        await self.sup.stop(step.serve, uid)
+                except GpudError as exc:
+                    raise _NotPreempted(f"{step.serve} could not be preempted: "
+                                        f"{exc.message}") from exc
+
+            done: list[Action] = []
+            failure: str | None = None
+            try:
+                await carry_out(preemption(plan), do, done, count_begun=False)
+            except _NotPreempted as exc:
+                failure = exc.message
+            if failure is None:
+                if any(action.kind == "stop" for action in done):
+                    # a stopped serve's memory shows as free once its process is gone
+                    await self.sup.memory_back_for(serve)
+                try:
+                    await self.svc.admit(serve, mib, uid=uid)
+                    return {"preemption": plan.to_json()}
+                except Denied as exc:
+                    failure = f"still does not fit after the preemption: {exc.message}"
+            undone = await self._undo(done, uid, serve)
+            raise Denied(f"{serve} not admitted: {failure}; undone: {undone or 'nothing'}",
+                         {"serve": serve, "role": spec.role, "need_mib": mib,
+                          "preemption": plan.to_json(), "undone": undone})
+
+    async def _undo(self, done: list[Action], uid: int | None, serve: str) -> str:
+        async def do(undo: Action) -> None:
+            assert undo.serve is not None
+            try:
+                if undo.kind == "wake":
+                    await self.wake(undo.serve, uid, locked=True,
+                                    by=f"undo of the preemption by {serve}")
+                else:
+                    await self.sup.start(undo.serve, uid)
+            except GpudError as exc:
+                log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
+                          exc.message)
+                raise
+
+        tried = await undo_all(undo_in_reverse(done), do)
+        return ", ".join(f"{u.kind} {u.serve}" + (f" FAILED ({exc.message})" if exc else "")
+                         for u, exc in tried)
+
+    # ---- wake-back ---------------------------------------------------------------------------
+
+    def freed(self, role: str) -> None:
+        """Memory was released on `role`: wake its preempted serves by priority while they fit
+        (unless daemon.auto_wake is off)."""
+        if not self.svc.config.daemon.auto_wake:
+            return
+        task = self._wake_back.get(role)
+        if task is not None and not task.done():
+            self._wake_again.add(role)
+            return
+        self._wake_back[role] = self.sup.spawn(self._wake_back_role(role))
+
+    async def _wake_back_role(self, role: str) -> None:
+        while True:
+            self._wake_again.discard(role)
+            try:
+                async with self._role_lock(role):
+                    await self._wake_fitting(role)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("waking serves back on %s failed", role)
+            if role not in self._wake_again:
+                return
+
+    async def _wake_fitting(self, role: str) -> None:
+        sleepers = sorted(
+            (spec.priority, name) for name, spec in self.svc.config.serves.items()
+            if role in spec.all_roles and self.svc.state_of(name) == SLEEPING
+            and self.note(name).get("preempted_by"))
+        if sleepers:
+            # what a stop released shows as free on the device only once its process is gone
+            await self.sup.memory_back_for(sleepers[0][1])
+        for _, name in sleepers:
+            spec = self.svc.config.serves[name]
+            awake = self.awake_mib(name, spec)
+            if any(self.svc.free_for(name, r) < awake for r in spec.all_roles):
+                return  # by priority: a lower one does not jump the queue
+            try:
+                await self.wake(name, None, locked=True, by="wake-back: memory released")
+            except GpudError as exc:
+                log.warning("wake-back of %s: %s", name, exc.message)
+                return
+
+    # ---- adoption after a restart ------------------------------------------------------------
+
+    async def adopt(self, serve: str, spec: ServeConfig, recorded: str) -> str:
+        """The state of a serve found running after a restart, recorded `recorded` (sleeping,
+        or running with a sleep_level): asleep it stays so, its reservation unchanged (a gpud
+        stopped between vLLM's sleep and the shrink kept the full one: more than it holds,
+        never less). A serve recorded asleep that is awake again is re-admitted at vram_mib,
+        as a unit found running, and starts over."""
+        asleep = await self.is_sleeping(serve, spec)
+        if recorded == RUNNING:
+            if asleep:
+                log.warning("%s is asleep though recorded running: adopted asleep at its "
+                            "reservation", serve)
+                return SLEEPING
+            return RUNNING
+        if asleep:
+            return SLEEPING
+        log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
+                    "awake at %d MiB", serve, asleep, self.awake_mib(serve, spec))
+        await self.svc.adopt(serve, spec.all_roles, self.awake_mib(serve, spec))
+        await self.svc.put_meta(meta_key(serve), None)
+        return STARTING

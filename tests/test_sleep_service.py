@@ -1,0 +1,126 @@
+"""The ledger service's side of sleep, on a real SQLite store: the shrink and its state, event
+and note in one transaction, a shrink never refused, the roles a change frees."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.config import parse_config
+from gpud.core.ledger import Reservation
+from gpud.errors import Denied
+from gpud.service import LedgerService
+from gpud.store import Changes, EventQuery, Store
+
+CONFIG = """
+[daemon]
+admission = "ledger"
+[roles.r]
+device = "0"
+capacity_mib = 10000
+[serves.lo]
+role = "r"
+vram_mib = 6000
+sleep_level = 1
+sleep_mib = 500
+command = ["x"]
+[serves.hi]
+role = "r"
+vram_mib = 7000
+command = ["x"]
+"""
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[LedgerService]:
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(CONFIG, "test"), store)
+    svc.load()
+    yield svc
+    svc.close()
+    store.close()
+
+
+async def test_shrink_with_its_state_event_and_note_in_one_transaction(
+        service: LedgerService) -> None:
+    freed: list[str] = []
+    service.freed = freed.append
+    await service.admit("lo", 6000, state="running")
+    with pytest.raises(Denied):
+        await service.admit("hi", 7000)
+    before = service.commits
+    await service.admit("lo", 500, state="sleeping", shrink=True,
+                        state_reason="asleep (level 1, put to sleep)",
+                        event=("sleep", "lo asleep", {"from_mib": 6000}),
+                        meta={"sleep:lo": json.dumps({"level": 1})})
+    assert service.commits == before + 1
+    store = service.store
+    assert {r.serve: r.mib for r in store.reservations()} == {"lo": 500}
+    row = next(r for r in store.serve_states() if r.serve == "lo")
+    assert (row.state, row.reason) == ("sleeping", "asleep (level 1, put to sleep)")
+    ev = store.events(EventQuery(kinds=["sleep"]))[-1]
+    assert ev.mib == 500 and ev.details["from_mib"] == 6000
+    assert ev.details["free_mib"] == 9500 and ev.message.startswith("lo asleep; gpu_role 'r'")
+    assert store.meta("sleep:lo") == '{"level": 1}'
+    assert freed == ["r"]  # told once the shrink is durable
+    await service.admit("hi", 7000)  # now it fits
+    assert freed == ["r"]  # a growth frees nothing
+
+
+async def test_a_shrink_is_made_on_an_over_committed_role(service: LedgerService) -> None:
+    # adopted units over-commit the role: any admission there is refused, a shrink is not
+    await service.adopt("lo", "r", 6000)
+    await service.adopt("hi", "r", 7000)
+    assert service.ledger.figures("r").free_mib == -3000
+    with pytest.raises(Denied):
+        await service.admit("lo", 6000)
+    admission = await service.admit("lo", 500, state="sleeping", shrink=True)
+    assert admission.reservation.mib == 500 and admission.replaced_mib == 6000
+    assert service.ledger.figures("r").free_mib == 2500
+
+
+async def test_free_for_counts_the_serves_own_reservation_back(service: LedgerService) -> None:
+    assert service.free_for("lo", "r") == 10000
+    await service.admit("lo", 6000)
+    assert service.free_for("hi", "r") == 4000
+    assert service.free_for("lo", "r") == 10000
+
+
+def test_freed_roles_in_the_size_of_the_change() -> None:
+    from gpud.core.ledger import Ledger, RoleBudget
+    from gpud.service import _freed_roles
+
+    ledger = Ledger.build([RoleBudget("r", "0", 100, 0), RoleBudget("s", "0", 100, 0)],
+                          [Reservation("a", "r", 50, 0.0), Reservation("b", "s", 20, 0.0)])
+    assert _freed_roles(ledger, Changes(delete=["a"])) == ["r"]
+    assert _freed_roles(ledger, Changes(put=[Reservation("b", "s", 10, 0.0)])) == ["s"]
+    assert _freed_roles(ledger, Changes(put=[Reservation("b", "s", 30, 0.0)])) == []
+    assert _freed_roles(ledger, Changes(put=[Reservation("b", "r", 20, 0.0)])) == ["s"]
+    assert _freed_roles(ledger, Changes(put=[Reservation("new", "r", 5, 0.0)])) == []
+
+
+def test_wake_back_follows_auto_wake() -> None:
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from gpud.sleeping import Sleeps
+
+    for auto_wake, spawned in ((False, 0), (True, 1)):
+        cfg = parse_config(CONFIG.replace('admission = "ledger"', 'admission = "ledger"\n'
+                                          f"auto_wake = {str(auto_wake).lower()}"), "t")
+        started: list[Any] = []
+
+        def spawn(coro: Any, started: list[Any] = started) -> Any:
+            started.append(coro)
+            coro.close()
+            return SimpleNamespace(done=lambda: False)
+
+        sup = SimpleNamespace(svc=SimpleNamespace(config=cfg), spawn=spawn)
+        sleeps = Sleeps(cast(Any, sup), host_memory=lambda: None)
+        sleeps.freed("r")
+        sleeps.freed("r")  # while one runs: it goes round once more, no second task
+        assert len(started) == spawned
+        assert ("r" in sleeps._wake_again) == auto_wake
