@@ -90,7 +90,8 @@ class Rebalancer:
         return self._plan(self.parse(text, source), source)
 
     def _plan(self, cfg: Config, source: str) -> Plan:
-        budgets = resolve_budgets(cfg, self.observer.device_total, self.observer.present_devices())
+        budgets = resolve_budgets(cfg, self.observer.device_total, self.observer.present_devices(),
+                                  self.observer.device_problem)
         totals = {b.device: self.observer.device_total(b.device) for b in budgets}
         totals.update({b.device: self.observer.device_total(b.device)
                        for b in self.svc.ledger.roles.values()})

@@ -56,6 +56,8 @@ class Observer(Protocol):
 
     def present_devices(self) -> list[str] | None: ...
 
+    def device_problem(self, ref: str) -> str | None: ...
+
 
 @dataclass(frozen=True)
 class ServeRecord:
@@ -71,24 +73,28 @@ class ServeRecord:
 
 
 def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
-                    devices: Sequence[str] | None = None) -> list[RoleBudget]:
+                    devices: Sequence[str] | None = None,
+                    device_problem: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
     the device, never higher. `devices`, when observation sees any, lists what it sees: a role
-    on a device not among them is an error."""
+    on a device not among them is an error. `device_problem` says why a device that is there
+    cannot be read (lost, reset required): its total is unknown, not its presence."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
     for name, role in sorted(cfg.roles.items()):
         total = device_total(role.device)
-        if devices is not None and total is None:
+        problem = device_problem(role.device) if device_problem else None
+        if devices is not None and total is None and problem is None:
             problems.append(f"roles.{name}.device: no device {role.device!r} on this host "
                             f"(present: {', '.join(devices) or 'none'})")
             continue
         capacity = role.capacity_mib
         if capacity is None:
             if total is None:
+                why = f"cannot be read ({problem})" if problem else "cannot be observed"
                 problems.append(
                     f"roles.{name}.capacity_mib: required, since the total of device "
-                    f"{role.device!r} cannot be observed"
+                    f"{role.device!r} {why}"
                 )
                 continue
             capacity = total
@@ -187,12 +193,14 @@ class LedgerService:
             self._records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
         stored = self._stored_config()
         try:
-            roles = resolve_budgets(stored or self.config, self._device_total, self._devices())
+            roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
+                                    self._device_problem)
         except ConfigError:
             if stored is None:
                 raise
             stored = None  # it does not fit this host any more: decide against the file alone
-            roles = resolve_budgets(self.config, self._device_total, self._devices())
+            roles = resolve_budgets(self.config, self._device_total, self._devices(),
+                                    self._device_problem)
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
@@ -236,7 +244,7 @@ class LedgerService:
         return self.observer.present_devices() if self.observer else None
 
     def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
-        budgets = resolve_budgets(new, self._device_total, self._devices())
+        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem)
         return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
                           states=self.states(), may_stop=may_stop)
 
@@ -302,6 +310,9 @@ class LedgerService:
 
     def _device_total(self, device: str) -> int | None:
         return self.observer.device_total(device) if self.observer else None
+
+    def _device_problem(self, device: str) -> str | None:
+        return self.observer.device_problem(device) if self.observer else None
 
     # ---- the write path --------------------------------------------------------------------
 

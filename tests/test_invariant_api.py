@@ -119,7 +119,7 @@ def test_a_removed_serve_gives_back_what_it_held(two_roles: GpudProcess) -> None
     assert ledger_of(gp, "r1")["free_mib"] == 10000
     released = gp.call("GET", "/v1/events?kind=release").body["events"]
     assert [e["serve"] for e in released] == ["a"]
-    assert "left the config" in released[0]["message"]
+    assert "the serve leaves the config" in released[0]["message"]  # the apply's release step
 
 
 def test_a_second_gpud_on_the_same_state_directory_exits_naming_the_holder(

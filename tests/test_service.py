@@ -177,6 +177,19 @@ def test_a_role_that_cannot_be_resolved_is_named(text: str, totals: dict[str, in
     assert err.value.problems == [problem]
 
 
+def test_a_lost_device_is_there_its_total_unknown() -> None:
+    """A device observation sees but cannot read (lost, reset required) is not "no device on
+    this host": a role with its capacity set resolves; one without is told why it needs it."""
+    lost = {"GPU-0": "GPU is lost"}.get
+    c = cfg('[roles.r]\ndevice = "GPU-0"\ncapacity_mib = 4096\n')
+    [budget] = resolve_budgets(c, {}.get, ["GPU-0 (index 0)"], lost)
+    assert budget.capacity_mib == 4096
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(cfg('[roles.r]\ndevice = "GPU-0"\n'), {}.get, ["GPU-0 (index 0)"], lost)
+    assert err.value.problems == ["roles.r.capacity_mib: required, since the total of device "
+                                  "'GPU-0' cannot be read (GPU is lost)"]
+
+
 def test_every_problem_is_named_at_once() -> None:
     c = cfg('[roles.a]\ndevice = "0"\n[roles.b]\ndevice = "1"\nreserve_mib = 5\n')
     with pytest.raises(ConfigError) as err:

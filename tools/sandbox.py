@@ -753,8 +753,11 @@ class Sandbox:
             tmp.unlink(missing_ok=True)
             raise
 
-    def journal(self, *matches: str, unit: str | None = None) -> list[dict[str, str]]:
-        """Entries of the sandbox's journal: ``journalctl -o json [-u UNIT] [FIELD=value...]``.
+    def journal(self, *matches: str, unit: str | None = None,
+                since: float | None = None) -> list[dict[str, str]]:
+        """Entries of the sandbox's journal: ``journalctl -o json [-u UNIT] [FIELD=value...]``,
+        only those logged at or after ``since`` (a ``time.time()``: the sandbox shares the
+        host's clock) when given.
 
         Binary field values are decoded as UTF-8; a field sent several times in one entry has
         its values joined with newlines.
@@ -762,17 +765,20 @@ class Sandbox:
         argv = ["journalctl", "-q", "-o", "json", "--no-pager"]
         if unit is not None:
             argv += ["-u", unit]
+        if since is not None:
+            argv.append(f"--since=@{since:.6f}")
         argv += list(matches)
         result = self.run(argv, timeout=30)
         return [_journal_entry(json.loads(line)) for line in result.stdout.splitlines() if line]
 
     def wait_journal(
-        self, *matches: str, unit: str | None = None, timeout: float = 10
+        self, *matches: str, unit: str | None = None, timeout: float = 10,
+        since: float | None = None,
     ) -> list[dict[str, str]]:
         """``journal`` polled until it has at least one entry (journald files asynchronously)."""
         deadline = time.monotonic() + timeout
         while True:
-            entries = self.journal(*matches, unit=unit)
+            entries = self.journal(*matches, unit=unit, since=since)
             if entries or time.monotonic() > deadline:
                 return entries
             time.sleep(0.1)

@@ -37,6 +37,9 @@ def sim_config(roles: str, serves: str, *, devices: int = 1, daemon: str = "",
 class SandboxGpud:
     def __init__(self, sandbox: Sandbox) -> None:
         self.sb = sandbox
+        # When this test's gpud was set up: the sandbox's journal outlives each test's gpud,
+        # so what a test reads of it starts here.
+        self.since = time.time()
 
     @property
     def socket(self) -> Path:
@@ -44,6 +47,7 @@ class SandboxGpud:
 
     def reset(self) -> None:
         """No gpud, no serve units, no state: every test starts from nothing."""
+        self.since = time.time()
         self.sb.run(["systemctl", "stop", "gpud.service"], check=False)
         self.sb.run("systemctl stop 'gpud-serve-*' ; systemctl reset-failed 'gpud-serve-*'; "
                     "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs /etc/gpud/backups",
@@ -57,6 +61,11 @@ class SandboxGpud:
         self.set_external(external or [])
         if start:
             self.start()
+
+    def wait_journal(self, *matches: str, unit: str | None = "gpud.service",
+                     timeout: float = 10) -> list[dict[str, str]]:
+        """The journal's entries matching ``matches`` since this test's gpud was set up."""
+        return self.sb.wait_journal(*matches, unit=unit, timeout=timeout, since=self.since)
 
     def set_external(self, external: list[dict[str, Any]]) -> None:
         self.sb.write_file("/run/gpud/sim.json", json.dumps({"external": external}))

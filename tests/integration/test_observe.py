@@ -57,7 +57,7 @@ def test_t011_honesty_note_and_one_reserve_exceeded(gpud: SandboxGpud) -> None:
     gpud.set_external([{"device": "GPU-sim-0", "label": "display", "mib": 3000}])
     gpud.wait_event("reserve-ok")
     assert len(gpud.events(kind="reserve-exceeded")) == 1
-    journal = gpud.sb.wait_journal("GPUD_EVENT=reserve-exceeded", unit="gpud.service")
+    journal = gpud.wait_journal("GPUD_EVENT=reserve-exceeded", unit="gpud.service")
     assert journal[0]["GPUD_NON_LEDGER_DRAW_MIB"] == "5837"
 
 

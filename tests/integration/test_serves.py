@@ -36,7 +36,7 @@ def test_resident_set_fourth_denied(gpud: SandboxGpud) -> None:
     assert ocr["reason"] == "ledger bound: need 5120 MiB, free 351 MiB, short 4769 MiB"
     assert gpud.serve_units() == ["gpud-serve-embeddings.service", "gpud-serve-fast.service",
                                   "gpud-serve-reranker.service"]
-    entries = gpud.sb.wait_journal("GPUD_SERVE=ocr", "GPUD_EVENT=deny", unit="gpud.service")
+    entries = gpud.wait_journal("GPUD_SERVE=ocr", "GPUD_EVENT=deny", unit="gpud.service")
     assert entries[0]["GPUD_NEED_MIB"] == "5120"
     assert entries[0]["GPUD_FREE_MIB"] == "351"
     assert entries[0]["GPUD_SHORTFALL_MIB"] == "4769"

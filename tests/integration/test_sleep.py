@@ -87,7 +87,7 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     assert view["sleep"]["level"] == 1
     assert standin_state(gpud, 30101)["sleep_level"] == 1
     assert reserved(gpud) == {"lo": 800}
-    entry = gpud.sb.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=sleep", unit="gpud.service")[0]
+    entry = gpud.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=sleep", unit="gpud.service")[0]
     assert entry["GPUD_MIB"] == "800" and entry["GPUD_FROM_MIB"] == "12000"
     # observation saw the stand-in's draw drop to its sleep draw (a serve with an environment
     # table gets gpud's environment too: the simulation's registration among it)
@@ -148,7 +148,7 @@ def test_preempt_one_then_wake_back_after_stop(gpud: SandboxGpud) -> None:
     gpud.wait_state("hi", "running")
     assert reserved(gpud) == {"lo": 800, "mid": 12000, "hi": 16000}
     assert gpud.serve("lo")["state"] == "sleeping"
-    entry = gpud.sb.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=preempt", unit="gpud.service")[0]
+    entry = gpud.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=preempt", unit="gpud.service")[0]
     assert entry["GPUD_PREEMPTED_BY"] == "hi"
     # hi stops: lo wakes back
     assert gpud.call("POST", "/v1/serves/hi/stop", {}).status == 200
