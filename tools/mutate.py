@@ -37,8 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 # module file -> the unit tests that should notice a change in it
 MODULES: dict[str, tuple[str, ...]] = {
     "gpud/core/ledger.py": ("tests/test_ledger.py", "tests/test_transition.py", "tests/test_plan.py"),
-    "gpud/core/plan.py": ("tests/test_plan.py", "tests/test_plan_cases.py"),
-    "gpud/core/transition.py": ("tests/test_transition.py",),
+    "gpud/core/plan.py": ("tests/test_plan.py", "tests/test_plan_cases.py",
+                          "tests/test_plan_sleeping.py"),
+    "gpud/core/transition.py": ("tests/test_transition.py", "tests/test_plan_sleeping.py"),
+    "gpud/core/preempt.py": ("tests/test_preempt.py",),
+    "gpud/core/actions.py": ("tests/test_actions.py",),
     "gpud/core/authority.py": ("tests/test_authority.py",),
     "gpud/core/launch.py": ("tests/test_launch.py", "tests/test_vllm_flags.py",
                             "tests/test_container.py"),
