@@ -137,6 +137,12 @@ class Sleeps:
     def _role_lock(self, _role: str) -> asyncio.Lock:
         return self._coordination
 
+    @property
+    def coordination(self) -> asyncio.Lock:
+        """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
+        lock, never after one."""
+        return self._coordination
+
     # ---- HTTP to the serve -----------------------------------------------------------------
 
     async def _post(self, serve: str, spec: ServeConfig, path: str) -> None:
@@ -380,11 +386,14 @@ class Sleeps:
         return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
 
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
-                               dry_run: bool = False) -> dict[str, Any]:
+                               dry_run: bool = False, locked: bool = False) -> dict[str, Any]:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
-        not fit. Returns the plan carried out (or, with `dry_run`, the plan alone)."""
+        not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
+        the caller holds `coordination` already."""
         spec = self.sup.spec_of(serve)
-        async with self._role_lock(spec.role):
+        async with contextlib.AsyncExitStack() as stack:
+            if not locked:
+                await stack.enter_async_context(self._role_lock(spec.role))
             plan = self.plan(serve, mib)
             if isinstance(plan, NoPlan):
                 if dry_run:

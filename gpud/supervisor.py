@@ -350,7 +350,13 @@ class Supervisor:
         spec = self._spec(serve)
         self._need_bus()
         carried: dict[str, Any] | None = None
-        async with self._lock(self._serve_locks, serve):
+        async with contextlib.AsyncExitStack() as locks:
+            # One lock order everywhere: preemption's (sleeps.coordination) before a serve's.
+            # A wake or wake-back holds the first and waits for the serve's; a start that took
+            # them the other way round deadlocked with it.
+            if preempt:
+                await locks.enter_async_context(self.sleeps.coordination)
+            await locks.enter_async_context(self._lock(self._serve_locks, serve))
             state = self.svc.state_of(serve)
             if state in LIVE_STATES or serve in self._launching:
                 hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
@@ -374,7 +380,8 @@ class Supervisor:
             await self._port_free(serve, spec)
             await self._memory_back_all(serve)
             if held is None and preempt:
-                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid)
+                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid,
+                                                             locked=True)
             elif held is None:
                 try:
                     await self.svc.admit(serve, spec.vram_mib, uid=uid)

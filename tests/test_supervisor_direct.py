@@ -828,3 +828,21 @@ async def test_health_of_a_port_nobody_listens_on(rig: Rig) -> None:
         answer = await Supervisor._probe(rig.sup, "a", spec)
     assert answer.probe is Probe.REFUSED
     assert answer.detail.startswith("cannot connect")
+
+
+async def test_a_start_with_preempt_takes_the_preemption_lock_before_the_serves(rig: Rig) -> None:
+    """One lock order: a wake (or wake-back) holds preemption's lock and then waits for the
+    serve's; a start with preempt that held the serve's lock while waiting for preemption's
+    deadlocked with it (every later request of either kind hung)."""
+    coordination = rig.sup.sleeps.coordination
+    await coordination.acquire()
+    task = asyncio.ensure_future(rig.sup.start("a", None, preempt=True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    try:
+        assert not task.done()
+        assert not rig.sup.serve_lock("a").locked()  # free for a wake holding the other lock
+    finally:
+        coordination.release()
+    await asyncio.wait_for(task, 10)
+    assert rig.held() == {"a": 300}
