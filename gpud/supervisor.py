@@ -42,6 +42,7 @@ from gpud.core.unitstate import (
     Restarting,
     SeenExit,
     ServeRuntime,
+    StopEnded,
     UnitState,
     WatchRestart,
     on_unit,
@@ -641,6 +642,7 @@ class Supervisor:
         state = self.svc.state_of(serve)
         if state in LIVE_STATES or serve in self._launching:
             self._need_bus()
+        failed: GpudError | None = None
         async with self._lock(self._serve_locks, serve):
             self._stopping.add(serve)
             # A start on the device from now on waits for this stop and for the memory to come
@@ -664,22 +666,57 @@ class Supervisor:
                     "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
                     mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
-                    await self.units.stop(serve, spec.stop_timeout_s + 15)
-                    await self.units.reset_failed(serve)
-                if res is not None and (not keep_reservation or asleep):
-                    await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
-                                           next_state=DECLARED)
-                    if asleep:  # what its sleep noted (level, awake size) is over
-                        await self.svc.put_meta(meta_key(serve), None)
+                    try:
+                        await self.units.stop(serve, spec.stop_timeout_s + 15)
+                        await self.units.reset_failed(serve)
+                    except GpudError as exc:
+                        if not await self._unit_ended(serve):
+                            failed = exc
+                if failed is None:
+                    await self._stopped(serve, uid, keep=keep_reservation and not asleep)
                 else:
                     await self.svc.record(self.svc.event(
-                        "exit", f"{serve}: stopped", serve=serve, role=spec.role),
-                        state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+                        "stop", f"{serve}: the stop failed ({failed.message}) and its unit has "
+                        "not ended: it stays stopping, its reservation held, until the unit ends "
+                        "(gpuctl stop tries again)", serve=serve, role=spec.role,
+                        mib=res.mib if res else None, uid=uid, ok=False),
+                        state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"))
             finally:
                 self._stopping.discard(serve)
                 self._stop_done.pop(serve).set()
                 self._last.pop(serve, None)
                 self._port_owner.pop(serve, None)
+        if failed is not None:
+            # Its unit's end, had it come while the stop was under way, went unheeded: read once
+            # more. Later ends complete the stop through the unit's signal (StopEnded).
+            if self.svc.state_of(serve) == STOPPING and await self._unit_ended(serve):
+                await self._stopped(serve, uid, keep=False)
+            raise failed
+
+    async def _unit_ended(self, serve: str) -> bool:
+        """The serve's unit is gone or has ended, as systemd says now (False when it cannot be
+        read)."""
+        try:
+            st = await self.units.state(serve)
+        except GpudError:
+            return False
+        return st is None or (st.ended and st.sub_state != "auto-restart")
+
+    async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
+        """A stop's end: the unit has ended; its reservation released (unless `keep`: a restart
+        keeps it), and what a sleep noted of it (level, awake size) is over."""
+        spec = self.svc.serve_spec(serve)
+        role = spec.role if spec else None
+        res = self.svc.ledger.reservations.get(serve)
+        if res is not None and not keep:
+            await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
+                                   next_state=DECLARED)
+        else:
+            await self.svc.record(self.svc.event(
+                "exit", f"{serve}: stopped", serve=serve, role=role),
+                state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+        if self.svc.store.meta(meta_key(serve)) is not None:
+            await self.svc.put_meta(meta_key(serve), None)
 
     async def _stop_orphan(self, serve: str, uid: int | None) -> None:
         self._need_bus()
@@ -918,6 +955,11 @@ class Supervisor:
             await self.svc.release(serve, reason="failed, and its unit has now ended",
                                    allow_live=True, next_state=FAILED,
                                    state_reason=rec.reason if rec else None)
+        elif isinstance(action, StopEnded):
+            await self.svc.record(self.svc.event(
+                "exit", f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
+                "gave up waiting: the stop is complete", serve=serve, exit_status=st.exec_main_status))
+            await self._stopped(serve, None, keep=False)
         elif isinstance(action, OutsideStop):
             await self._outside_stop(serve, st)
         elif isinstance(action, SeenExit):

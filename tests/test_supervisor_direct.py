@@ -19,7 +19,7 @@ from aiohttp import web
 from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
 from gpud.core.unitstate import UnitState
-from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING
+from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
 from gpud.supervisor import OUTSIDE_STOP, Supervisor
 from tests.rig import Clock, Rig, entered, make_rig, unit
@@ -344,6 +344,56 @@ async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
     await rig.sup.stop("b", None)
     assert rig.units.stopped == []
     assert rig.state("b") == DECLARED
+
+
+async def test_a_failed_stop_stays_stopping_until_the_unit_ends(rig: Rig) -> None:
+    st = (await rig.sup.start("a", None, wait=True), rig.units.live["a"])[1]
+    rig.units.fail_stop = JobFailed("stop gpud-serve-a.service: timed out")
+    with pytest.raises(JobFailed):
+        await rig.sup.stop("a", 3)
+    # Its unit still runs: the memory may still be held, so is the reservation.
+    assert rig.held() == {"a": 300}
+    assert rig.state("a") == STOPPING
+    assert rig.reason("a") == "stop failed: stop gpud-serve-a.service: timed out"
+    failed = rig.events(kinds=["stop"])[-1]
+    assert failed.details["ok"] is False and "stays stopping" in failed.message
+    mark = rig.last_id()
+    rig.units.live.pop("a")
+    rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="timeout"))
+    ev = await rig.wait_for("release", "a", after=mark)
+    assert "stopped" in ev.message
+    assert rig.held() == {} and rig.state("a") == DECLARED
+    assert "since its stop gave up waiting" in rig.events(kinds=["exit"])[-1].message
+
+
+async def test_a_failed_stop_whose_unit_ended_all_the_same_completes(rig: Rig) -> None:
+    await rig.sup.start("a", None, wait=True)
+    rig.units.fail_stop = JobFailed("stop job finished with result 'canceled'")
+    rig.units.live.pop("a")  # systemd says: no such unit any more
+    await rig.sup.stop("a", None)
+    assert rig.held() == {} and rig.state("a") == DECLARED
+    assert rig.kinds("a")[-2:] == ["stop", "release"]
+
+
+async def test_a_failed_stop_whose_unit_ended_meanwhile_completes(rig: Rig) -> None:
+    """The unit's end comes while the stop is under way (its signal unheeded), after the first
+    look: the stop's last look finds it."""
+    await rig.sup.start("a", None, wait=True)
+    rig.units.fail_stop = JobFailed("no")
+    looks = 0
+    real_state = rig.units.state
+
+    async def state(serve: str) -> UnitState | None:
+        nonlocal looks
+        looks += 1
+        if looks == 2:
+            rig.units.live.pop(serve, None)
+        return await real_state(serve)
+
+    rig.units.state = state  # type: ignore[method-assign]
+    with pytest.raises(JobFailed):
+        await rig.sup.stop("a", None)
+    assert rig.held() == {} and rig.state("a") == DECLARED
 
 
 async def test_stopping_a_live_serve_needs_the_bus(rig: Rig) -> None:

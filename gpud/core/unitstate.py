@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpud.core.vocab import FAILED, LIVE_STATES, ORPHAN, RUNNING, SLEEPING, STARTING, ServeState
+from gpud.core.vocab import (
+    FAILED,
+    LIVE_STATES,
+    ORPHAN,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    STOPPING,
+    ServeState,
+)
 
 # systemd's ActiveState values in which the unit's processes may run.
 ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
@@ -92,6 +101,14 @@ class ReleaseEnded:
 
 
 @dataclass(frozen=True)
+class StopEnded:
+    """gpud's stop gave up waiting (its job failed or timed out) and left the serve stopping,
+    its reservation held: the unit has ended since, and the stop is complete."""
+
+    how: str
+
+
+@dataclass(frozen=True)
 class OutsideStop:
     """Someone stopped the unit by hand: the operator's stop."""
 
@@ -127,8 +144,8 @@ class AdoptOutsideStart:
     """Started by hand while gpud had it stopped: adopt it."""
 
 
-Action = (CountRestarts | AskShutdown | OrphanEnded | ReleaseEnded | OutsideStop | SeenExit
-          | Restarting | Fail | WatchRestart | AdoptOutsideStart)
+Action = (CountRestarts | AskShutdown | OrphanEnded | ReleaseEnded | StopEnded | OutsideStop
+          | SeenExit | Restarting | Fail | WatchRestart | AdoptOutsideStart)
 
 
 def will_restart(restart: str, unit: UnitState) -> bool:
@@ -153,6 +170,8 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
         if rt.configured and not rt.resident and not restarting:
             actions.append(ReleaseEnded())
         return actions
+    if st.ended and state == STOPPING and not restarting:
+        return [*actions, StopEnded(st.how)]
     if st.ended and state in (RUNNING, STARTING, SLEEPING):
         if st.stopped_by_job and not rt.launching and not restarting:
             if rt.shutting_down is None:
