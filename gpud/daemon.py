@@ -164,6 +164,8 @@ class Daemon:
         self.config_path = config_path
         self.notify = notify or Notifier()
         self.stopping = asyncio.Event()
+        # Set once reconciliation and the recovery of an apply cut short are done.
+        self.ready = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
         self._signal_tasks: set[asyncio.Task[None]] = set()
@@ -228,6 +230,7 @@ class Daemon:
             if observer.latest is not None:
                 await alerts(observer.latest)
             svc.ready = True
+            self.ready.set()
             self.notify(f"READY=1\nSTATUS={svc.summary()}")
             log.info("gpud %s ready: %s", __version__, svc.summary())
             interval = watchdog_interval()
@@ -303,6 +306,12 @@ class Daemon:
         task.add_done_callback(self._signal_tasks.discard)
 
     async def _sighup(self) -> None:
+        # Not before gpud is ready: a reload during reconciliation or during the rollback of an
+        # apply cut short would decide the file against a ledger still being put right. It
+        # waits, and is not lost.
+        if not self.ready.is_set():
+            log.info("SIGHUP during start-up: the reload waits until gpud is ready")
+            await self.ready.wait()
         try:
             await self.reload(None)
         except GpudError as exc:
