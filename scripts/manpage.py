@@ -258,7 +258,8 @@ def render_gpud() -> str:
         "of their own and keep running; the next gpud adopts them.",
         ".TP", "\\fBSIGHUP\\fR",
         "Re-read the configuration (systemctl reload gpud). A configuration that is invalid, or "
-        "whose reservations cannot hold, is refused whole and the running one is kept.",
+        "whose reservations cannot hold, is refused whole and the running one is kept. A SIGHUP "
+        "during start-up waits until gpud is ready.",
         ".SH SOCKET",
         "The API listens on \\fBdaemon.socket\\fR (default \\fI/run/gpud/gpud.sock\\fR), mode 0660, "
         "group \\fBdaemon.socket_group\\fR (\\fBgpud\\fR). Under gpud.socket it takes the listening "
