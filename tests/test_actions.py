@@ -128,6 +128,33 @@ def test_an_admitted_serve_that_is_not_running_is_started_not_restarted() -> Non
     assert kinds(actions(p)) == ["backup", "write", "reload", "start idle", "verify"]
 
 
+def test_a_serve_only_admitted_is_not_started_unless_resident() -> None:
+    old = config({"lazy": {"role": "a", "vram_mib": 1000}, "idle": run("a", 500)})
+    new = config({"lazy": {"role": "a", "vram_mib": 1000}, "idle": run("a", 500),
+                  "fresh": run("b", 100)})
+    p = plan_of(old, new, {"lazy": "admitted", "idle": "admitted"})
+    assert kinds(actions(p)) == ["backup", "write", "reload", "start idle", "start fresh",
+                                 "verify"]
+    [lazy] = [c for c in p.serves if c.name == "lazy"]
+    assert (lazy.state_after, lazy.mib_after, lazy.resident) == ("admitted", 1000, False)
+
+
+def test_a_serve_only_admitted_that_moves_role_is_released_not_started() -> None:
+    old = config({"lazy": {"role": "a", "vram_mib": 1000}})
+    new = config({"lazy": {"role": "b", "vram_mib": 1000}})
+    p = plan_of(old, new, {"lazy": "admitted"})
+    assert kinds(actions(p)) == ["backup", "release lazy", "write", "reload", "verify"]
+    [lazy] = p.serves
+    assert (lazy.state_after, lazy.mib_after) == ("declared", None)
+    assert p.after.reservations == {}
+    # resident, it is started on its new role
+    moved = plan_of(config({"lazy": run("a", 1000)}), config({"lazy": run("b", 1000)}),
+                    {"lazy": "admitted"})
+    assert kinds(actions(moved)) == ["backup", "release lazy", "write", "reload", "start lazy",
+                                     "verify"]
+    assert moved.after.reservations["lazy"].role == "b"
+
+
 def test_the_plan_answer_carries_the_steps_and_none_when_refused() -> None:
     old = config({"gone": run("a", 500)})
     doc = plan_of(old, config({}), {"gone": "running"}).to_json()

@@ -225,6 +225,33 @@ async def test_a_live_serve_that_leaves_is_stopped_first(ap: Apply) -> None:
     assert r.held() == {"a": 300, "b": 200}
 
 
+async def test_an_apply_leaves_a_serve_that_is_only_admitted_as_it_is(ap: Apply) -> None:
+    """c is not resident and holds an admission (gpuctl admit): an apply that does not change
+    it does not start it; one that moves it to another role releases its admission and starts
+    nothing, as its plan says."""
+    r = ap.rig
+    await r.svc.admit("c", 100)
+    new = resized(ap.old).split("[serves.d]")[0]  # a and b restart; c stays as it is
+    new += '\n[serves.c]\nrole = "r"\nvram_mib = 100\ncommand = ["/bin/true", "c"]\n'
+    result = await ap.run(new)
+    assert result["result"] == "applied"
+    assert [s.get("serve") for s in ap.steps if s["step"] in ("restart", "start")] == ["b", "a"]
+    assert "c" not in [u.serve for u in r.units.started]
+    assert r.state("c") == "admitted" and r.held() == {"a": 350, "b": 150, "c": 100}
+
+    ap.steps.clear()
+    moved = new.replace('[serves.c]\nrole = "r"', '[serves.c]\nrole = "s"') + \
+        '\n[roles.s]\ndevice = "GPU-sim-0"\ncapacity_mib = 500\n'
+    plan = ap.rebalancer.plan(moved, "moved.toml").to_json()
+    [c] = [s for s in plan["serves"] if s["name"] == "c"]
+    assert (c["state_after"], c["mib_after"]) == ("declared", None)
+    result = await ap.run(moved)
+    assert result["result"] == "applied"
+    assert ap.names() == ["validate", "backup", "release", "write", "reload", "verify"]
+    assert "c" not in [u.serve for u in r.units.started]
+    assert r.state("c") == "declared" and r.held() == {"a": 350, "b": 150}
+
+
 async def test_backups_beyond_the_limit_are_removed(ap: Apply) -> None:
     times = [1_000_000.0, 1_000_001.0, 1_000_002.0]
     made = [backup(ap.path, 2, t) for t in times]

@@ -197,11 +197,13 @@ def restarts(plan: Plan) -> list[ServeChange]:
 
 def starts(plan: Plan) -> list[ServeChange]:
     """Starts after the restarts, in the new config's priority order: resident serves admitted
-    that do not run yet, and serves that moved to another role."""
+    that do not run yet, and serves that moved to another role. A serve that is not resident and
+    holds an admission only (gpuctl admit) stays admitted: an apply does not start it."""
     moved = set(plan.stop_first)
     order = {c.name: i for i, c in enumerate(plan.serves)}
     chosen = [c for c in plan.serves
-              if (c.state_after == "admitted" and c.state_before not in ("starting", "running"))
+              if (c.state_after == "admitted" and c.resident
+                  and c.state_before not in ("starting", "running"))
               or (c.name in moved and c.role_after is not None)]
     return sorted(chosen, key=lambda c: order[c.name])
 

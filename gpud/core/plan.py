@@ -15,7 +15,7 @@ from gpud.core import actions, answers
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
-from gpud.core.vocab import HOLDING_STATES, SLEEPING
+from gpud.core.vocab import ADMITTED, HOLDING_STATES, SLEEPING
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
@@ -38,6 +38,7 @@ class ServeChange:
     change: str  # unchanged, resized, changed, "changed, resized", added, removed
     restart: bool
     reason: str | None = None
+    resident: bool = False  # by the new config (a serve it removes: False)
 
     def to_json(self) -> answers.PlanServe:
         return {"name": self.name, "role_before": self.role_before, "role_after": self.role_after,
@@ -156,6 +157,11 @@ def make_plan(
                 kept[res.serve] = res
             continue
         if spec is not None and all(r in after.roles for r in spec.all_roles):
+            if (spec.all_roles != res.all_roles and not spec.resident
+                    and states.get(res.serve) == ADMITTED):
+                # Admitted only, and it leaves its role: its admission is released, and
+                # nothing starts or admits it on the new one (it is not resident).
+                continue
             if states.get(res.serve) == SLEEPING and spec.all_roles == res.all_roles:
                 # Asleep it holds its sleep reservation, and it stays asleep: its wake is
                 # re-admitted then (strict bound), at what its process was launched with.
@@ -212,6 +218,8 @@ def make_plan(
                 state_after = "denied"
             elif res_after is not None and state not in HOLDING_STATES and after_spec.resident:
                 state_after = "admitted"
+            elif res_after is None and state == ADMITTED:
+                state_after = "declared"  # its admission released, nothing admits it again
             else:
                 state_after = state if state != "denied" or res_after is None else "admitted"
         running = state in HOLDING_STATES  # runs now: a change to how it runs restarts it
@@ -241,7 +249,7 @@ def make_plan(
             fingerprint_before=fingerprint(before_spec) if before_spec else None,
             fingerprint_after=fingerprint(after_spec) if after_spec else None,
             state_before=state, state_after=state_after, change=change, restart=restart,
-            reason=reason,
+            reason=reason, resident=bool(after_spec and after_spec.resident),
         ))
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
