@@ -4,6 +4,7 @@ that the rollback of the steps done, wherever the apply failed, gives the ledger
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,58 @@ def test_restarts_shrink_before_they_grow_whatever_their_names() -> None:
     # the undo of a restart runs under the old config, with the old figures
     assert steps[5].undo == Action("restart", "old", "aaa", 3000, 1000, "running",
                                    rollback=True)
+
+
+def test_restarts_are_ordered_by_how_much_they_grow_not_by_either_size() -> None:
+    # by growth: big shrinks (-1000) before small grows (+1000), though big is the larger
+    # before and after
+    old = config({"big": run("a", 4000), "small": run("a", 1000)})
+    new = config({"big": run("a", 3000), "small": run("a", 2000)})
+    p = plan_of(old, new, {"big": "running", "small": "running"})
+    assert kinds(actions(p))[3:5] == ["restart big", "restart small"]
+    # and a small shrink (-500) before a large serve's growth (+1000)
+    old = config({"big": run("a", 4000), "small": run("a", 1000)})
+    new = config({"big": run("a", 5000), "small": run("a", 500)})
+    p = plan_of(old, new, {"big": "running", "small": "running"})
+    assert kinds(actions(p))[3:5] == ["restart small", "restart big"]
+
+
+def test_a_sleeping_serve_removed_is_stopped_and_its_undo_starts_it_awake() -> None:
+    nap = {"role": "a", "vram_mib": 3000, "port": 8001, "sleep_level": 1, "sleep_mib": 500}
+    old = config({"nap": nap})
+    ledger = Ledger.build(budgets(old), [Reservation("nap", "a", 500, 1.0)])
+    p = make_plan(old=old, new=config({}), ledger=ledger, new_budgets=budgets(old),
+                  states={"nap": "sleeping"}, totals={"0": 20000, "1": 8000}, source="t")
+    steps = actions(p)
+    assert kinds(steps) == ["backup", "stop nap", "write", "reload", "verify"]
+    # asleep it cannot be given back its sleep: it starts again awake, admitted at its vram_mib
+    assert steps[1].undo == Action("start", "old", "nap", None, None, "running", rollback=True)
+    assert steps[1].undo.message == "nap: start back to running"
+
+
+def test_an_undo_without_a_state_to_go_back_to_says_only_its_kind() -> None:
+    plan = plan_preemption("hi", 1, 500, 0, [Candidate("lo", 5, 1000, "sleep", 100)])
+    assert isinstance(plan, PreemptPlan)
+    [step] = preemption(plan)
+    assert step.undo is not None and step.undo.message == "lo: wake"
+    assert Action("start", "new", "x", None, 5).message == "x: start (none -> 5 MiB)"
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("under", "later", "not a config a step runs under: 'later'"),
+    ("serve", 7, "not a name: 7"),
+    ("mib_before", "500", "not a size in MiB: '500'"),
+    ("mib_after", True, "not a size in MiB: True"),
+    ("mib_after", 1.5, "not a size in MiB: 1.5"),
+])
+def test_a_step_that_is_not_one_is_refused_when_read_back(field: str, value: object,
+                                                          said: str) -> None:
+    doc = Action("start", "new", "x", 1, 2, undo=Action(
+        "stop", "new", "x", 2, 1, "running", rollback=True)).to_json()
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Action.from_json({**doc, field: value})
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Action.from_json({**doc, "undo": {**doc["undo"], field: value}})
 
 
 def test_a_new_resident_serve_starts_and_its_undo_releases_what_it_was_given() -> None:

@@ -4,9 +4,9 @@ not its vram_mib, and an apply does not wake it behind the ledger's back."""
 from __future__ import annotations
 
 from gpud.config import Config, parse_config
-from gpud.core.ledger import Ledger, Reservation
+from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.plan import Plan, make_plan
-from gpud.core.transition import Transition, transition, violations
+from gpud.core.transition import Refusal, Transition, transition, violations
 from gpud.ctl.format import format_plan
 from gpud.service import resolve_budgets
 
@@ -156,3 +156,50 @@ def test_the_undo_of_stopping_a_sleeping_serve_starts_it_awake_at_its_vram_mib()
     assert (stop.serve, stop.mib_before, stop.mib_after) == ("small", 1000, None)
     # not its 1000 MiB asleep, nor "back to sleeping": the start admits its vram_mib again
     assert stop.undo == Action("start", "old", "small", None, None, "running", rollback=True)
+
+
+def _shrink(capacity: int, *, was: tuple[int, int] = (10000, 0), reserve: int = 0,
+            vram: str = "vram_mib = 3000", missing: bool = False) -> Transition | Refusal:
+    """The transition of world() to a config whose role a has `capacity` (and the sleeping
+    serve small `vram`: less than the 8000 MiB it was launched with), from a ledger whose role a had `was` (capacity, reserve)."""
+    old, ledger, _ = world()
+    states = {"small": "sleeping"}  # alone on role a
+    held = Ledger(
+        {**ledger.roles, "a": RoleBudget("a", "0", was[0], was[1], missing=missing)},
+        {"small": ledger.reservations["small"]})
+    new = parse_config(BASE.replace("capacity_mib = 10000\n[roles.b]",
+                                    f"capacity_mib = {capacity}\nreserve_mib = {reserve}\n"
+                                    "[roles.b]").replace("vram_mib = 8000", vram), "new")
+    return transition(old=old, new=new, ledger=held, budgets=resolve_budgets(new, lambda _d: None),
+                      states=states, may_stop=True)
+
+
+def test_a_role_shrunk_below_what_a_sleeping_serve_wakes_to_is_refused() -> None:
+    # small wakes to 8000 MiB (what it was launched with), whatever the new config says of it
+    for capacity, reserve, vram in ((7999, 0, "vram_mib = 3000"), (9000, 1001, "vram_mib = 3000"),
+                                    (7000, 0, "vram_mib = 6000")):
+        t = _shrink(capacity, reserve=reserve, vram=vram)
+        assert isinstance(t, Refusal), (capacity, reserve, vram)
+        (blocker,) = [b for b in t.blockers if b.what == "small"]
+        assert f"would hold {capacity - reserve} MiB at most" in blocker.reason
+        assert "less than the 8000 MiB it wakes to" in blocker.reason
+    assert isinstance(_shrink(8000), Transition)  # exactly enough room
+    assert isinstance(_shrink(9000, reserve=1000), Transition)
+
+
+def test_only_a_change_that_makes_a_sleeping_serve_unwakeable_is_refused() -> None:
+    # The role already had less room than small wakes to (capacity 12000, reserve 5000: 7000):
+    # a further shrink is not what keeps it asleep.
+    assert isinstance(_shrink(6500, was=(12000, 5000)), Transition)
+    # It had exactly the room (8000), and the change takes it away.
+    assert isinstance(_shrink(7999, was=(8000, 0)), Refusal)
+    # A role whose device was missing (its room unknown) counts as made so by this change.
+    t = _shrink(7000, was=(0, 0), missing=True)
+    assert isinstance(t, Refusal) and any(b.what == "small" for b in t.blockers)
+
+
+def test_a_reservation_naming_a_role_twice_is_a_violation() -> None:
+    old, ledger, states = world()
+    twice = Ledger(ledger.roles, {**ledger.reservations, "big": Reservation(
+        "big", "a", 6000, 2.0, extra_roles=("a",))})
+    assert "big: reservation names a role twice: a, a" in violations(old, twice, states)
