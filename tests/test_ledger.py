@@ -307,6 +307,11 @@ def test_a_denial_names_every_role_that_lacks_room() -> None:
          "shortfall_mib": 11000},
         {"role": "right", "bound": "ledger", "need_mib": 30000, "free_mib": 16000,
          "shortfall_mib": 14000}]
+    # a plan's denial says the same
+    assert denial.to_json()["lacking"] == denial.details()["lacking"]
+    single = two_devices().decide("big", ("left",), 50000, since=1.0, by_uid=0)
+    assert isinstance(single, Denial)
+    assert "lacking" not in single.to_json() and "lacking" not in single.details()
 
 
 def test_strict_admission_checks_the_physical_bound_of_every_device() -> None:
@@ -385,6 +390,9 @@ def test_multi_role_admit_in_order_is_decide_one_after_another(
     (None, None, None, 12000),  # no figure, no observation: keeps all it held
     (800, 0, 0, 800),  # unattributed, with a figure: the figure
     (20000, 12000, 700, 12000),  # never more than it held
+    (800, 12000, 800, 800),  # seen holding just its sleep_mib: that, not more
+    (1, 12000, 0, 1),  # a figure of 1 MiB
+    (0, None, None, 1),  # never nothing: a sleeping serve holds a reservation
 ])
 def test_sleep_reservation(configured: int | None, awake: int | None, asleep: int | None,
                            expected: int) -> None:

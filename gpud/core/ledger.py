@@ -395,11 +395,14 @@ def sleep_reservation(held_mib: int, *, configured_mib: int | None, awake_seen_m
     unit) is seen at 0 awake and asleep alike, and then, without a figure, it keeps all it held:
     the ledger does not call memory free that no one saw freed."""
     seen = asleep_seen_mib if awake_seen_mib else None
-    if configured_mib is None and seen is None:
-        return held_mib
-    target = configured_mib if configured_mib is not None else (seen or 0) + tolerance_mib
-    if seen is not None and seen > target:
+    if seen is None:
+        if configured_mib is None:
+            return held_mib
+        target = configured_mib
+    elif configured_mib is None or seen > configured_mib:
         target = seen + tolerance_mib
+    else:
+        target = configured_mib
     return max(1, min(target, held_mib))
 
 
