@@ -133,9 +133,8 @@ def test_a_restart_reads_both_rows_back(tmp_path: Path) -> None:
 
 
 def test_plan_and_apply_move_a_serve_from_one_role_to_four_and_back(tmp_path: Path) -> None:
-    # Not resident, and holding nothing when applied: without a system bus apply cannot start
-    # serves (an admitted serve that moves is started again on its new roles; the sandbox
-    # tests do that).
+    # Not resident: an apply starts it nowhere. Admitted only, its admission is released as it
+    # moves (the plan says so); released first, it is admitted on its new roles after the apply.
     one = '[serves.big]\nrole = "g2"\nvram_mib = 20000\ncommand = ["/bin/true"]\n'
     four = '[serves.big]\nroles = ["g0", "g1", "g2", "g3"]\nvram_mib = 20000\n' \
         'command = ["/bin/true"]\n'
@@ -146,9 +145,12 @@ def test_plan_and_apply_move_a_serve_from_one_role_to_four_and_back(tmp_path: Pa
                                                            serves=four)}).body
         big = next(s for s in plan["serves"] if s["name"] == "big")
         assert (big["role_before"], big["role_after"]) == ("g2", "g0+g1+g2+g3")
+        assert (big["state_after"], big["mib_after"]) == ("declared", None)
         assert [(r["name"], r["after"]["committed_mib"]) for r in plan["roles"]] == [
-            ("g0", 20000), ("g1", 20000), ("g2", 20000), ("g3", 20000)]
+            ("g0", 0), ("g1", 0), ("g2", 0), ("g3", 0)]
         assert plan["blocked"] == []
+        assert [s["kind"] for s in plan["steps"]] == ["backup", "release", "write", "reload",
+                                                      "verify"]
         assert gp.call("POST", "/v1/serves/big/release", {}).status == 200
         lines = apply(gp, host(tmp_path, 4, admission="ledger", serves=four))
         assert lines[-1]["result"] == "applied", lines
