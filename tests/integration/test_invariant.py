@@ -215,10 +215,13 @@ def test_apply_resizes_an_admitted_serve_to_the_size_its_plan_shows(
     # the ledger after the apply is the plan's
     assert held(gpud) == {s["name"]: s["mib_after"] for s in plan["serves"]
                           if s["mib_after"] is not None} == {"keep": 2000, "lazy": 800}
-    assert gpud.serve("lazy")["state"] == "running"
-    # and the steps say how: resized before it starts
+    # not resident: resized, still only admitted (an apply starts no serve that is not
+    # resident)
+    assert gpud.serve("lazy")["state"] == "admitted"
+    assert "gpud-serve-lazy.service" not in gpud.serve_units()
+    # and the steps say how
     assert [(s["kind"], s["serve"], s["mib_before"], s["mib_after"]) for s in plan["steps"]
-            if s["serve"]] == [("resize", "lazy", 600, 800), ("start", "lazy", 800, 800)]
+            if s["serve"]] == [("resize", "lazy", 600, 800)]
     assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
 
 
