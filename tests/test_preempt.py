@@ -243,3 +243,131 @@ def test_past_the_search_budget_the_plan_still_covers_every_role(
     assert all(room + sum(x.frees_mib for x in chosen if x.on(role)) >= need
                for role, room in free.items())
     assert len(chosen) >= len(exact.steps)  # the exact search is the fewest
+
+
+# ---- what a plan says, and the edges of eligibility ------------------------------------------
+
+def test_a_candidate_frees_what_it_does_not_keep_and_never_less_than_nothing() -> None:
+    assert Candidate("s", 5, 1000, "stop").frees_mib == 1000  # stopped, it keeps nothing
+    assert c("s", 5, 1000, keeps=1000).frees_mib == 0
+    assert c("s", 5, 1000, keeps=1500).frees_mib == 0
+
+
+def test_a_step_and_a_plan_say_what_they_do() -> None:
+    plan = plan_preemption("hi", 10, 9000, 1000, [c("a", 60, 5000, keeps=500),
+                                                   c("b", 70, 4000, "stop")])
+    assert isinstance(plan, Plan)
+    assert plan.lines() == [
+        "preempt for hi (priority 10): need 9000 MiB, free 1000 MiB, short 8000 MiB",
+        "  1. stop b (priority 70): frees 4000 MiB; undo: start",
+        "  2. put to sleep a (priority 60): frees 4500 MiB; undo: wake",
+        "after: free 9500 MiB, hi fits"]
+    assert plan.to_json()["steps"] == [
+        {"serve": "b", "action": "stop", "frees_mib": 4000, "priority": 70, "undo": "start"},
+        {"serve": "a", "action": "sleep", "frees_mib": 4500, "priority": 60, "undo": "wake"}]
+    assert "roles" not in plan.to_json()
+    one = preempt.Step("t", "sleep", 100, 50, ("a",))
+    assert one.line() == "put to sleep t (priority 50): frees 100 MiB on a; undo: wake"
+    assert one.to_json()["roles"] == ["a"]
+    assert preempt.RoleRoom("a", 5, 10).to_json() == {"role": "a", "free_mib": 5,
+                                                      "free_after_mib": 10}
+
+
+def test_what_frees_nothing_or_is_not_of_lower_priority_is_no_victim() -> None:
+    out = plan_preemption("hi", 10, 2000, 0, [c("hi", 90, 5000), c("empty", 90, 500, keeps=500),
+                                               c("same", 10, 5000)])
+    assert isinstance(out, NoPlan)
+    assert out.reason == ("no serve of lower priority than 10 on the role can be put to sleep "
+                          "or stopped")
+    assert out.could_free_mib == 0
+    out = plan_preemption("hi", 10, 2000, 0, [c("empty", 90, 500, keeps=500), c("a", 60, 1000)])
+    assert isinstance(out, NoPlan) and "(a) free 1000 MiB together" in out.reason
+    # one MiB freed is one MiB
+    plan = plan_preemption("hi", 10, 2000, 1999, [c("tiny", 90, 1)])
+    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["tiny"]
+
+
+def test_on_several_roles_the_need_and_the_roles_are_checked() -> None:
+    with pytest.raises(ValueError, match="need_mib must be positive"):
+        plan_on_roles("hi", 10, 0, {"a": 0, "b": 0}, [])
+    with pytest.raises(ValueError, match="at least one role"):
+        plan_on_roles("hi", 10, 100, {}, [])
+
+
+def test_on_one_role_a_plan_on_roles_is_the_single_role_plan() -> None:
+    cands = [cr("lo", 50, 5000, ("a",)), cr("elsewhere", 90, 5000, ("b",))]
+    plan = plan_on_roles("hi", 10, 6000, {"a": 2000}, cands)
+    assert plan == plan_preemption("hi", 10, 6000, 2000, cands[:1])
+    assert isinstance(plan, Plan) and plan.roles == () and "roles" not in plan.to_json()
+
+
+def test_on_several_roles_what_frees_nothing_is_not_named() -> None:
+    out = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
+                        [cr("lo-a", 50, 5000, ("a",)), cr("empty-b", 90, 500, ("b",), keeps=500),
+                         cr("lo-b", 60, 1000, ("b",))])
+    assert isinstance(out, NoPlan)
+    assert out.reason == ("on role 'b': the serves of lower priority (lo-b) free 1000 MiB "
+                          "together, 5000 MiB are needed")
+    out = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
+                        [cr("lo-a", 50, 5000, ("a",)), cr("empty-b", 90, 500, ("b",), keeps=500)])
+    assert isinstance(out, NoPlan)
+    assert out.reason == ("on role 'b': no serve of lower priority than 10 can be put to sleep "
+                          "or stopped")
+
+
+def test_on_several_roles_one_mib_freed_is_one_mib() -> None:
+    plan = plan_on_roles("hi", 10, 1000, {"a": 999, "b": 1000}, [cr("tiny", 90, 1, ("a",))])
+    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["tiny"]
+
+
+def test_a_victim_on_other_roles_frees_nothing_on_this_one() -> None:
+    # x frees all of a and nothing on b: b needs 1000 more, which lo (999) cannot give
+    plan = plan_on_roles("hi", 10, 1000, {"a": 0, "b": 0},
+                         [cr("x", 90, 1000, ("a",)), cr("lo", 80, 999, ("b",)),
+                          cr("big", 70, 1000, ("b",))])
+    assert isinstance(plan, Plan)
+    assert [s.serve for s in plan.steps] == ["x", "big"]
+
+
+def test_the_exact_search_finds_fewer_victims_than_the_greedy_cover() -> None:
+    cands = [cr("s0", 13, 12, ("y",)), cr("s1", 10, 8, ("x",)), cr("s2", 11, 5, ("x", "y")),
+             cr("s3", 12, 2, ("x", "y"))]
+    plan = plan_on_roles("hi", 1, 8, {"x": 0, "y": 2}, cands)
+    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["s0", "s1"]
+    old = preempt.SEARCH_BUDGET
+    preempt.SEARCH_BUDGET = 0
+    try:
+        greedy = plan_on_roles("hi", 1, 8, {"x": 0, "y": 2}, cands)
+    finally:
+        preempt.SEARCH_BUDGET = old
+    assert isinstance(greedy, Plan) and len(greedy.steps) == 3
+
+
+def _g(serve: str, frees: int, roles: str) -> Candidate:
+    return Candidate(serve, 10, frees, "sleep", 0, tuple(roles))
+
+
+@pytest.mark.parametrize(("short", "cands", "chosen"), [
+    # the candidate that makes up most of what is lacking first, counting on each role at most
+    # what that role still lacks
+    ({"x": 10, "y": 1, "z": 2},
+     [_g("s0", 10, "xz"), _g("s1", 8, "xyz"), _g("s2", 7, "xy"), _g("s3", 11, "xz"),
+      _g("s4", 2, "y"), _g("s5", 3, "y")], ["s0", "s1"]),
+    ({"x": 1, "y": 8, "z": 2},
+     [_g("s0", 2, "z"), _g("s1", 8, "y"), _g("s2", 9, "xy"), _g("s3", 6, "xyz"),
+      _g("s4", 4, "xyz")], ["s0", "s2"]),
+    # only what it frees on the roles still lacking counts
+    ({"x": 3, "y": 15, "z": 8},
+     [_g("s0", 7, "yz"), _g("s1", 6, "xz"), _g("s2", 12, "x"), _g("s3", 10, "yz"),
+      _g("s4", 6, "xyz"), _g("s5", 2, "xyz")], ["s3", "s4"]),
+    ({"x": 3, "y": 1, "z": 14},
+     [_g("s0", 8, "y"), _g("s1", 11, "xyz"), _g("s2", 8, "xyz"), _g("s3", 12, "xz"),
+      _g("s4", 2, "xy")], ["s1", "s2"]),
+    # a victim the others cover without is dropped, also when they cover exactly
+    ({"x": 8, "y": 15, "z": 13},
+     [_g("s0", 3, "z"), _g("s1", 6, "xyz"), _g("s2", 12, "xz"), _g("s3", 3, "yz"),
+      _g("s4", 3, "x"), _g("s5", 6, "xyz")], ["s1", "s3", "s5"]),
+])
+def test_the_greedy_cover_picks_by_what_is_still_lacking(
+        short: dict[str, int], cands: list[Candidate], chosen: list[str]) -> None:
+    assert [x.serve for x in preempt._greedy_cover(cands, short)] == chosen
