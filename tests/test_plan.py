@@ -83,3 +83,48 @@ def test_resized_reservations_that_over_commit_block_the_plan_by_role() -> None:
                               "reserve = 25439 MiB (held: fast 25000 MiB, embeddings 3200 MiB, "
                               "reranker 3456 MiB)")
     assert all(not d.serve.startswith("(") for d in plan.denied)  # no sentinel serve names
+
+
+ROLES_AB = """
+[roles.a]
+device = "0"
+capacity_mib = 10000
+[roles.b]
+device = "1"
+capacity_mib = 10000
+"""
+
+
+def _serve(name: str, role: str, mib: int, *, resident: bool) -> str:
+    return (f'[serves.{name}]\nrole = "{role}"\nvram_mib = {mib}\ncommand = ["/bin/true"]\n'
+            f"resident = {'true' if resident else 'false'}\n")
+
+
+def test_a_serve_only_admitted_keeps_its_admission_unless_it_moves_and_is_not_resident() -> None:
+    old = parse_config(ROLES_AB + _serve("lazy", "a", 1000, resident=False)
+                       + _serve("res", "a", 2000, resident=True)
+                       + _serve("live", "a", 3000, resident=False), "old")
+    ledger = Ledger.build(resolve_budgets(old, lambda _d: None), [
+        Reservation("lazy", "a", 1000, 1.0), Reservation("res", "a", 2000, 2.0),
+        Reservation("live", "a", 3000, 3.0)])
+    states = {"lazy": "admitted", "res": "admitted", "live": "running"}
+
+    def plan(text: str):  # type: ignore[no-untyped-def]
+        new = parse_config(ROLES_AB + text, "new")
+        return make_plan(old=old, new=new, ledger=ledger,
+                         new_budgets=resolve_budgets(new, lambda _d: None), states=states,
+                         totals={}, source="new")
+
+    same = plan(_serve("lazy", "a", 1000, resident=False) + _serve("res", "a", 2000, resident=True)
+                + _serve("live", "a", 3000, resident=False))
+    got = {s.name: (s.state_after, s.mib_after, s.resident) for s in same.serves}
+    assert got == {"lazy": ("admitted", 1000, False), "res": ("admitted", 2000, True),
+                   "live": ("running", 3000, False)}
+    moved = plan(_serve("lazy", "b", 1000, resident=False) + _serve("res", "b", 2000, resident=True)
+                 + _serve("live", "b", 3000, resident=False))
+    got = {s.name: (s.state_after, s.mib_after) for s in moved.serves}
+    # lazy's admission is released as it moves; res (resident) and live (running) hold on b
+    assert got == {"lazy": ("declared", None), "res": ("admitted", 2000),
+                   "live": ("running", 3000)}
+    assert {n: r.role for n, r in moved.after.reservations.items()} == {"res": "b", "live": "b"}
+    assert moved.release_first == ("lazy", "res") and moved.stop_first == ("live",)
