@@ -128,3 +128,52 @@ def test_a_serve_only_admitted_keeps_its_admission_unless_it_moves_and_is_not_re
                    "live": ("running", 3000)}
     assert {n: r.role for n, r in moved.after.reservations.items()} == {"res": "b", "live": "b"}
     assert moved.release_first == ("lazy", "res") and moved.stop_first == ("live",)
+
+
+TWO_DEVICES = """
+[roles.a]
+device = "0"
+capacity_mib = 10000
+[roles.b]
+device = "1"
+capacity_mib = 8000
+"""
+TP = '[serves.tp]\nroles = ["a", "b"]\nvram_mib = 4000\ncommand = ["/bin/true"]\nresident = true\n'
+ONE = '[serves.one]\nrole = "b"\nvram_mib = 2000\ncommand = ["/bin/true"]\nresident = true\n'
+
+
+def test_a_serve_on_several_roles_is_sized_on_its_smallest_device() -> None:
+    old = parse_config(TWO_DEVICES + TP + ONE, "old")
+    budgets = resolve_budgets(old, lambda _d: None)
+    ledger = Ledger.build(budgets, [Reservation("tp", "a", 4000, 1.0, extra_roles=("b",)),
+                                    Reservation("one", "b", 2000, 2.0)])
+    states = {"tp": "running", "one": "running"}
+
+    def utils(totals: dict[str, int | None], new_text: str) -> dict[str, tuple[str | None, ...]]:
+        new = parse_config(new_text, "new")
+        plan = make_plan(old=old, new=new, ledger=ledger, states=states, totals=totals,
+                         new_budgets=resolve_budgets(new, lambda _d: None), source="new")
+        return {s.name: (s.util_before, s.util_after) for s in plan.serves}
+
+    # against the devices' totals (b's, 16000 MiB, is the smaller), else the roles' capacities
+    assert utils({"0": 20000, "1": 16000}, TWO_DEVICES + TP + ONE) == {
+        "tp": ("0.2500", "0.2500"), "one": ("0.1250", "0.1250")}
+    assert utils({}, TWO_DEVICES + TP + ONE) == {"tp": ("0.5000", "0.5000"),
+                                                 "one": ("0.2500", "0.2500")}
+    assert utils({"0": 12000}, TWO_DEVICES + TP + ONE)["tp"] == ("0.5000", "0.5000")
+    # removed: no figure after
+    assert utils({"0": 20000, "1": 16000}, TWO_DEVICES + ONE)["tp"] == ("0.2500", None)
+
+
+def test_a_plan_that_is_refused_has_no_steps() -> None:
+    old = parse_config(TWO_DEVICES + ONE, "old")
+    ledger = Ledger.build(resolve_budgets(old, lambda _d: None),
+                          [Reservation("one", "b", 2000, 1.0)])
+    two = ONE.replace("serves.one", "serves.two")
+    for text, ok in ((ONE.replace("2000", "3000"), True),
+                     (ONE.replace("2000", "9000") + two, False)):  # the resident set does not fit
+        new = parse_config(TWO_DEVICES.replace("8000", "10000") + text, "new")
+        plan = make_plan(old=old, new=new, ledger=ledger, states={"one": "running"}, totals={},
+                         new_budgets=resolve_budgets(new, lambda _d: None), source="new")
+        doc = plan.to_json()
+        assert plan.ok is ok and bool(doc["steps"]) is ok
