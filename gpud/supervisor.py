@@ -700,7 +700,7 @@ class Supervisor:
             st = await self.units.state(serve)
         except GpudError:
             return False
-        return st is None or (st.ended and st.sub_state != "auto-restart")
+        return st is None or st.gone
 
     async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
         """A stop's end: the unit has ended; its reservation released (unless `keep`: a restart

@@ -347,7 +347,8 @@ async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
 
 
 async def test_a_failed_stop_stays_stopping_until_the_unit_ends(rig: Rig) -> None:
-    st = (await rig.sup.start("a", None, wait=True), rig.units.live["a"])[1]
+    await rig.sup.start("a", None, wait=True)
+    st = rig.units.live["a"]
     rig.units.fail_stop = JobFailed("stop gpud-serve-a.service: timed out")
     with pytest.raises(JobFailed):
         await rig.sup.stop("a", 3)
@@ -361,7 +362,7 @@ async def test_a_failed_stop_stays_stopping_until_the_unit_ends(rig: Rig) -> Non
     rig.units.live.pop("a")
     rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="timeout"))
     ev = await rig.wait_for("release", "a", after=mark)
-    assert "stopped" in ev.message
+    assert ev.message.startswith("a released 300 MiB on r (stopped); ")
     assert rig.held() == {} and rig.state("a") == DECLARED
     assert "since its stop gave up waiting" in rig.events(kinds=["exit"])[-1].message
 

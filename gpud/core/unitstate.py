@@ -55,6 +55,11 @@ class UnitState:
         return self.active_state in ("failed", "inactive") or self.sub_state == "auto-restart"
 
     @property
+    def gone(self) -> bool:
+        """Its process is gone and systemd is not restarting it."""
+        return self.ended and self.sub_state != "auto-restart"
+
+    @property
     def how(self) -> str:
         if self.exec_main_code in (2, 3):
             return f"killed by signal {self.exec_main_status}"
@@ -170,7 +175,7 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
         if rt.configured and not rt.resident and not restarting:
             actions.append(ReleaseEnded())
         return actions
-    if st.ended and state == STOPPING and not restarting:
+    if st.gone and state == STOPPING:
         return [*actions, StopEnded(st.how)]
     if st.ended and state in (RUNNING, STARTING, SLEEPING):
         if st.stopped_by_job and not rt.launching and not restarting:
