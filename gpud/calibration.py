@@ -20,7 +20,7 @@ from typing import Any
 
 from gpud.core import answers
 from gpud.core.launch import fingerprint, smallest_total, utilization, vllm_budget_mib
-from gpud.core.vocab import RUNNING
+from gpud.core.vocab import RUNNING, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -179,7 +179,7 @@ class Calibrator:
         if spec is None or spec.vllm is None:
             return None
         figures: dict[str, Any] = parse_memory_lines(
-            await self.journal(f"gpud-serve-{serve}.service")).to_json()
+            await self.journal(serve_unit(serve))).to_json()
         res = self.svc.ledger.reservations.get(serve)
         roles = [self.svc.ledger.roles.get(r) for r in spec.all_roles]
         totals = [self.observer.device_total(r.device) if r else None for r in roles]

@@ -20,18 +20,10 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gpud.core.vocab import NAME_RE
+from gpud.core.vocab import SERVE_UNIT_PREFIX, SERVE_UNIT_SUFFIX, serve_of_unit
 
 PROC_ROOT = Path("/proc")
-_UNIT = re.compile(r"^gpud-serve-(.+)\.service$")
 _USER_MANAGER = re.compile(r"^user@[0-9]+\.service$")
-
-
-def unit_name(serve: str) -> str:
-    """The systemd unit of a serve: ``gpud-serve-NAME.service``."""
-    if not NAME_RE.match(serve):
-        raise ValueError(f"invalid serve name {serve!r}")
-    return f"gpud-serve-{serve}.service"
 
 
 def serve_of_cgroup_path(path: str) -> str | None:
@@ -39,10 +31,8 @@ def serve_of_cgroup_path(path: str) -> str | None:
     for part in path.split("/"):
         if _USER_MANAGER.match(part):
             return None
-        match = _UNIT.match(part)
-        if match is not None:
-            name = match.group(1)
-            return name if NAME_RE.match(name) else None
+        if part.startswith(SERVE_UNIT_PREFIX) and part.endswith(SERVE_UNIT_SUFFIX):
+            return serve_of_unit(part)
     return None
 
 
@@ -118,18 +108,9 @@ def serve_of_pid(pid: int, proc_root: Path = PROC_ROOT) -> str | None:
     return serve_of_cgroup_file(text)
 
 
-def attribute(pids: Iterable[int], proc_root: Path = PROC_ROOT) -> dict[int, str]:
-    """The serve of each PID that belongs to one; PIDs of no serve (or gone) are left out."""
-    found: dict[int, str] = {}
-    for pid in pids:
-        name = serve_of_pid(pid, proc_root)
-        if name is not None:
-            found[pid] = name
-    return found
-
-
 class CachedAttribution:
-    """attribute() with memory: a PID's serve is read once and trusted for `ttl` seconds.
+    """The serve of each PID that belongs to one (PIDs of no serve, or gone, are left out),
+    with memory: a PID's serve is read once and trusted for `ttl` seconds.
 
     A process does not leave its unit's cgroup, and observation runs every second: re-reading
     /proc/PID/cgroup for every GPU process at every sample is most of a sample's cost. A PID

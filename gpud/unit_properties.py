@@ -49,11 +49,17 @@ from typing import Any, Final, Literal
 import dbus_fast
 
 from gpud.core.launch import ALTERED_BY_RELOAD, reload_alters_arguments
-from gpud.core.vocab import ENV_NAME_RE, NAME_RE
+from gpud.core.vocab import (
+    ENV_NAME_RE,
+    NAME_RE,
+    SERVE_UNIT_PREFIX,
+    SERVE_UNIT_SUFFIX,
+    serve_unit,
+)
 from gpud.errors import BadRequest
 
-UNIT_PREFIX: Final = "gpud-serve-"
-UNIT_SUFFIX: Final = ".service"
+UNIT_PREFIX: Final = SERVE_UNIT_PREFIX
+UNIT_SUFFIX: Final = SERVE_UNIT_SUFFIX
 SLICE: Final = "gpud.slice"
 
 # The first systemd with RestartSteps= and RestartMaxDelaySec= (NEWS for v254).
@@ -71,17 +77,9 @@ Restart = Literal["no", "on-failure", "always"]
 
 
 def unit_name(serve: str) -> str:
-    """``gpud-serve-NAME.service`` for a valid serve name."""
+    """The unit of a serve (``gpud-serve-NAME.service``); BadRequest for an invalid name."""
     _check_serve(serve)
-    return f"{UNIT_PREFIX}{serve}{UNIT_SUFFIX}"
-
-
-def serve_of_unit(unit: str) -> str | None:
-    """The serve a unit name belongs to, or None for any unit gpud does not own."""
-    if not (unit.startswith(UNIT_PREFIX) and unit.endswith(UNIT_SUFFIX)):
-        return None
-    serve = unit[len(UNIT_PREFIX) : -len(UNIT_SUFFIX)]
-    return serve if NAME_RE.match(serve) else None
+    return serve_unit(serve)
 
 
 def _check_serve(serve: str) -> None:

@@ -44,6 +44,7 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.errors import AuthError, DBusError, InvalidAddressError
 
 from gpud.core.unitstate import UnitState
+from gpud.core.vocab import serve_of_unit
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -57,7 +58,6 @@ from gpud.unit_properties import (
     UNIT_SUFFIX,
     UnitSpec,
     build_properties,
-    serve_of_unit,
     unit_name,
 )
 

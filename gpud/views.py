@@ -7,7 +7,7 @@ from typing import Protocol
 
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING
+from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING, serve_unit
 from gpud.service import LedgerService
 
 
@@ -115,7 +115,7 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "resident": bool(spec and spec.resident),
         "priority": spec.priority if spec else None,
         "port": spec.port if spec else None,
-        "unit": f"gpud-serve-{name}.service" if spec or state == ORPHAN else None,
+        "unit": serve_unit(name) if spec or state == ORPHAN else None,
         "main_pid": rec.main_pid if rec and has_unit else None,
         # The device of the serve's role is lost (NVML or the simulation says so): whatever
         # the state says, the serve's memory and health are in doubt.

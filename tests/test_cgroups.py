@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from gpud.cgroups import (
-    attribute,
+    CachedAttribution,
     serve_of_cgroup_file,
     serve_of_cgroup_path,
     serve_of_pid,
-    unit_name,
 )
 
 CGROUP_FILES = {
@@ -56,7 +55,7 @@ def proc_root(tmp_path: Path) -> Path:
 
 def test_attribute_fake_tree(proc_root: Path) -> None:
     pids = [*CGROUP_FILES, 999]  # 999 vanished
-    assert attribute(pids, proc_root) == {
+    assert CachedAttribution(proc_root)(pids) == {
         100: "fast",
         101: "fast",
         102: "ocr",
@@ -98,23 +97,15 @@ def test_unified_line_preferred() -> None:
     assert serve_of_cgroup_file(text) == "new"
 
 
-def test_unit_name() -> None:
-    assert unit_name("ocr") == "gpud-serve-ocr.service"
-    with pytest.raises(ValueError):
-        unit_name("Bad Name")
-
-
 def test_own_process_real_proc() -> None:
     text = Path("/proc/self/cgroup").read_text()
     serve_of_cgroup_file(text)  # parses without error
     own = serve_of_pid(os.getpid())
     assert own is None or isinstance(own, str)
-    assert attribute([os.getpid()]) == ({} if own is None else {os.getpid(): own})
+    assert CachedAttribution()([os.getpid()]) == ({} if own is None else {os.getpid(): own})
 
 
 def test_cached_attribution_reads_once_per_ttl(tmp_path: Path) -> None:
-    from gpud.cgroups import CachedAttribution
-
     now = [0.0]
     proc = tmp_path / "proc"
     (proc / "7").mkdir(parents=True)

@@ -182,7 +182,7 @@ def test_a_torch_process_in_a_serve_cgroup_is_attributed(
         gpu: tuple[NvmlBackend, DeviceSample]) -> None:
     """gpud attributes by /proc/PID/cgroup: a real allocating process placed in a real cgroup
     named like a serve's unit is that serve's draw, and only its draw leaves non-ledger draw."""
-    from gpud.cgroups import attribute
+    from gpud.cgroups import CachedAttribution
 
     backend, first = gpu
     root = _cgroup2_root()
@@ -205,6 +205,7 @@ def test_a_torch_process_in_a_serve_cgroup_is_attributed(
         child.stdin.flush()
         ready, _, _ = select.select([child.stdout], [], [], READY_TIMEOUT_S)
         assert ready and child.stdout.readline().strip() == "ready"
+        attribute = CachedAttribution(ttl=0)
         assert attribute([child.pid]) == {child.pid: CGROUP_SERVE}
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         dev = device_now(backend, first.uuid)

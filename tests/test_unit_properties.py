@@ -6,9 +6,11 @@ asks systemd for, and must be deliberate.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from dbus_fast._private.unmarshaller import Unmarshaller
 from dbus_fast.errors import AuthError, DBusError
 
 from gpud.core.unitstate import UnitState
+from gpud.core.vocab import serve_of_unit, serve_unit
 from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
 from gpud.unit_properties import (
     PROPERTIES,
@@ -25,7 +28,6 @@ from gpud.unit_properties import (
     build_properties,
     encode,
     environment_file_text,
-    serve_of_unit,
     unit_name,
 )
 from gpud.units import (
@@ -347,6 +349,34 @@ def test_unit_names() -> None:
         assert serve_of_unit(other) is None
     with pytest.raises(BadRequest):
         unit_name("../x")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes of a module, its classes and functions."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def test_only_vocab_spells_a_serve_unit() -> None:
+    """gpud.core.vocab.serve_unit is the one place that writes a serve's unit name out: no
+    string in gpud's code (docstrings and comments aside) holds its prefix."""
+    root = Path(__file__).resolve().parent.parent / "gpud"
+    spelt: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "core" / "vocab.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _docstrings(tree)
+        spelt += [f"{path.relative_to(root.parent)}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and "gpud-serve-" in node.value and id(node) not in docs]
+    assert spelt == []
+    assert serve_unit("ocr") == unit_name("ocr") == "gpud-serve-ocr.service"
 
 
 # --- pure helpers of gpud.units -------------------------------------------------------------

@@ -16,6 +16,7 @@ from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
+from gpud.core.vocab import SERVE_UNIT_SUFFIX, serve_unit
 from gpud.errors import GpudError, Refused, Unavailable
 
 # vLLM binds every interface unless told (vllm/entrypoints/launchers/launcher.py: setup_server
@@ -164,7 +165,7 @@ HOST_ONLY_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 
 def container_name(name: str) -> str:
     """The container of serve NAME is named like its unit, so both find each other."""
-    return f"gpud-serve-{name}"
+    return serve_unit(name).removesuffix(SERVE_UNIT_SUFFIX)
 
 
 def cdi_device_name(uuid: str, index: int, known: Iterable[str] | None) -> str | None:

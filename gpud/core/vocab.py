@@ -82,6 +82,25 @@ NAME_RE = re.compile(NAME_PATTERN)
 # Environment variable names a serve may set.
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+# A serve's systemd unit is SERVE_UNIT_PREFIX + NAME + SERVE_UNIT_SUFFIX; serve_unit spells it,
+# serve_of_unit reads it back, and nothing else in gpud writes the name out.
+SERVE_UNIT_PREFIX = "gpud-serve-"
+SERVE_UNIT_SUFFIX = ".service"
+
+
+def serve_unit(name: str) -> str:
+    """The systemd unit of serve NAME: ``gpud-serve-NAME.service``. Does not check the name
+    (the callers that take one from outside check it against NAME_RE first)."""
+    return f"{SERVE_UNIT_PREFIX}{name}{SERVE_UNIT_SUFFIX}"
+
+
+def serve_of_unit(unit: str) -> str | None:
+    """The serve a unit name belongs to, or None for any unit gpud does not own."""
+    if not (unit.startswith(SERVE_UNIT_PREFIX) and unit.endswith(SERVE_UNIT_SUFFIX)):
+        return None
+    name = unit[len(SERVE_UNIT_PREFIX) : -len(SERVE_UNIT_SUFFIX)]
+    return name if NAME_RE.match(name) else None
+
 
 # gpuctl's exit code for each error.code the daemon answers with (docs/api.md): 2 for bad input,
 # 1 for a refusal or a fault. The error tree (gpud.errors) takes its exit codes from here.

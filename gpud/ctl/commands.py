@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import EVENT_KINDS, STATES  # noqa: E402 - defined once
+from gpud.core.vocab import EVENT_KINDS, STATES, serve_unit  # noqa: E402 - defined once
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -543,7 +543,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "start", "admit (if needed) and launch a serve",
         "Admit serve NAME at its configured vram_mib if it holds no reservation (a denial exits "
-        "1 with the reason), then launch its transient unit gpud-serve-NAME.service and wait "
+        f"1 with the reason), then launch its transient unit {serve_unit('NAME')} and wait "
         "until its health endpoint answers 200 (--no-wait: return once launched). Exits 1 when "
         "the serve fails to become healthy, or when launching is unavailable (no system bus)."
         "\n\nWith --preempt, a serve that does not fit puts the fewest serves of lower priority "
