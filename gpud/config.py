@@ -247,13 +247,6 @@ class Config(_Model):
     serves: dict[str, ServeConfig] = Field(default_factory=dict)
     simulation: SimulationConfig | None = None
 
-    def role_of(self, serve: str) -> str | None:
-        spec = self.serves.get(serve)
-        return spec.role if spec else None
-
-    def roles_of(self, serve: str) -> tuple[str, ...]:
-        spec = self.serves.get(serve)
-        return spec.all_roles if spec else ()
 
 
 def _reason(err: Mapping[str, Any]) -> str:

@@ -267,9 +267,6 @@ class Observer:
             return None
         return {uuid: per[serve] for uuid, per in self.draws.items() if serve in per}
 
-    def serve_pids(self, serve: str) -> list[int]:
-        return sorted(pid for pid, s in self.owners.items() if s == serve)
-
 
 def overdraws(observed: Mapping[str, int], reserved: Mapping[str, int],
               tolerance_mib: int) -> dict[str, int]:

@@ -41,7 +41,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -550,15 +550,3 @@ def unregister_process(procs_dir: Path, pid: int, *, proc_root: Path = Path("/pr
     if pidns is not None:
         (Path(procs_dir) / f"{pid}.ns{pidns}.json").unlink(missing_ok=True)
     (Path(procs_dir) / f"{pid}.json").unlink(missing_ok=True)
-
-
-def register_self(mib: int, environ: Mapping[str, str] | None = None) -> Path | None:
-    """For a stand-in serve: register this process from ``GPUD_SIM_*``; None when not set."""
-    env = os.environ if environ is None else environ
-    procs_dir, device = env.get(GPUD_SIM_PROCS_DIR), env.get(GPUD_SIM_DEVICE)
-    if not procs_dir or not device:
-        return None
-    pidns = env.get(GPUD_SIM_PIDNS, "")
-    also = [d for d in env.get(GPUD_SIM_DEVICES, "").split(",") if d and d != device]
-    return register_process(Path(procs_dir), os.getpid(), device, mib,
-                            host_pidns=int(pidns) if pidns.isdigit() else None, also=also)

@@ -217,11 +217,6 @@ class Store:
                         db.execute(statement)
                 db.execute(f"PRAGMA user_version={target}")
 
-    @property
-    def schema_version(self) -> int:
-        with self._lock:
-            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
-
     def commit(self, changes: Changes) -> list[Event]:
         """Write all of `changes` or none of them. Returns the events with their ids."""
         return self.commit_many([changes])[0]

@@ -146,10 +146,6 @@ def bus_path_unescape(label: str) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def unit_path(unit: str) -> str:
-    return UNIT_PATH_PREFIX + bus_path_escape(unit)
-
-
 def unit_of_path(path: str) -> str | None:
     if not path.startswith(UNIT_PATH_PREFIX):
         return None

@@ -47,7 +47,7 @@ def test_seed_t015_ocr_denied_with_shortfall() -> None:
 
 
 def test_seed_t011_rebalance() -> None:
-    ledger = t015().with_roles([RoleBudget("dark-fast", "0", 32607, 4608)])
+    ledger = Ledger.build([RoleBudget("dark-fast", "0", 32607, 4608)], t015().reservations.values())
     ledger = admit(ledger, "fast", 14336)  # replaces 18432, not added to it
     ledger = admit(ledger, "ocr", 5120)
     figures = ledger.figures("dark-fast")
@@ -92,7 +92,7 @@ def test_missing_role_keeps_reservations_as_over_committed() -> None:
 
 
 def test_changed_config_reports_over_commit_and_keeps_reservations() -> None:
-    ledger = t015().with_roles([RoleBudget("dark-fast", "0", 20000, 7168)])
+    ledger = Ledger.build([RoleBudget("dark-fast", "0", 20000, 7168)], t015().reservations.values())
     assert len(ledger.reservations) == 3
     assert ledger.over_committed()[0].free_mib == 20000 - 7168 - 25088
 

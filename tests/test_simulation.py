@@ -21,7 +21,6 @@ from gpud.simulation import (
     SimulatedBackend,
     SimulatedDevice,
     register_process,
-    register_self,
     unregister_process,
 )
 
@@ -249,7 +248,7 @@ def test_broken_state_without_good_one_is_unavailable(
     assert obs.reason is not None and "broken" in obs.reason
 
 
-def test_environment_and_register_self(sim: SimulatedBackend) -> None:
+def test_environment_registers_on_its_device(sim: SimulatedBackend) -> None:
     env = sim.environment_for("GPU-sim-1")
     assert env == {
         GPUD_SIM_PROCS_DIR: str(sim.procs_dir),
@@ -257,8 +256,9 @@ def test_environment_and_register_self(sim: SimulatedBackend) -> None:
         GPUD_SIM_TOTAL_MIB: "16384",
         GPUD_SIM_PIDNS: os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]"),
     }
-    assert register_self(100, environ={}) is None
-    assert register_self(3000, environ=env) == sim.procs_dir / f"{os.getpid()}.json"
+    assert register_process(Path(env[GPUD_SIM_PROCS_DIR]), os.getpid(), env[GPUD_SIM_DEVICE],
+                            3000, host_pidns=int(env[GPUD_SIM_PIDNS])) == (
+        sim.procs_dir / f"{os.getpid()}.json")
     assert sim.sample().devices[1].processes == (ProcessDraw(os.getpid(), 3000),)
 
 

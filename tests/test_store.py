@@ -12,10 +12,19 @@ from gpud.errors import StoreError
 from gpud.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
 
 
+def schema_version(path: Path) -> int:
+    """The schema version SQLite holds for the store at `path` (PRAGMA user_version)."""
+    db = sqlite3.connect(path)
+    try:
+        return int(db.execute("PRAGMA user_version").fetchone()[0])
+    finally:
+        db.close()
+
+
 def test_fresh_store_is_migrated_and_wal(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.db")
-    assert store.schema_version == SCHEMA_VERSION
     db = sqlite3.connect(tmp_path / "s.db")
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     store.close()
 
@@ -62,7 +71,7 @@ def test_migrates_from_version_1(tmp_path: Path) -> None:
     db.commit()
     db.close()
     store = Store(path)
-    assert store.schema_version == SCHEMA_VERSION
+    assert schema_version(path) == SCHEMA_VERSION
     assert store.reservations()[0].mib == 5
     assert store.calibrations() == []
 

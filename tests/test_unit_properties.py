@@ -34,6 +34,7 @@ from gpud.units import (
     _DBUS_ERRORS,
     MANAGER_IFACE,
     MANAGER_PATH,
+    UNIT_PATH_PREFIX,
     JobFailed,
     SystemdUnits,
     _JobWatch,
@@ -43,7 +44,6 @@ from gpud.units import (
     map_error,
     systemd_major,
     unit_of_path,
-    unit_path,
 )
 
 # Quotes, a specifier, spaces, a backslash, a tab: all must reach the process as they are.
@@ -395,7 +395,7 @@ def test_only_vocab_spells_a_serve_unit() -> None:
 def test_object_path_labels_escape_like_systemd(unit: str, label: str) -> None:
     assert bus_path_escape(unit) == label
     assert bus_path_unescape(label) == unit
-    assert unit_of_path(unit_path(unit)) == unit
+    assert unit_of_path(UNIT_PATH_PREFIX + label) == unit
 
 
 def test_unit_of_path_ignores_other_objects() -> None:

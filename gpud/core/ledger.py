@@ -311,9 +311,6 @@ class Ledger:
         reservation = held.pop(serve)
         return replace(self, reservations=held), reservation
 
-    def with_roles(self, roles: Iterable[RoleBudget]) -> Ledger:
-        return Ledger.build(roles, self.reservations.values())
-
 
 @dataclass(frozen=True, slots=True)
 class DeviceDraw:
