@@ -32,10 +32,14 @@ def test_a_member_cannot_lock_out_root() -> None:
     tmp.chmod(0o755)
     gp = start_gpud(tmp, T015)
     gp.socket.chmod(0o666)
-    read, write = os.pipe()
+    # Two pipes: the child says when its connections are open and how many gpud closed; the
+    # parent says when to count and when to let go.
+    up_read, up_write = os.pipe()
+    down_read, down_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child, as nobody: open 80 connections and hold them
-        os.close(read)
+        os.close(up_read)
+        os.close(down_write)
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
@@ -44,29 +48,35 @@ def test_a_member_cannot_lock_out_root() -> None:
             s = socket.socket(socket.AF_UNIX)
             s.connect(str(gp.socket))
             held.append(s)
-        # Wait (bounded) until gpud has closed what is over the cap, then a little longer to
-        # see that it closes nothing more: synchronized on what happens, not on a sleep.
+        os.write(up_write, b"open\n")
+        os.read(down_read, 1)  # root has been answered: gpud accepted all 80 before it
+        # Every connection over the cap was closed when gpud accepted it, so before root's
+        # answer: wait (bounded) until those are seen, then take whatever else is closed.
         gone: set[int] = set()
         deadline = time.monotonic() + 20
-        settle: float | None = None
-        while time.monotonic() < deadline:
+        while True:
+            timeout = 0.0 if len(gone) >= 80 - 64 or time.monotonic() > deadline else 0.2
             readable, _, _ = select.select([s for s in held if s.fileno() not in gone], [], [],
-                                           0.2)
+                                           timeout)
             gone |= {s.fileno() for s in readable if s.recv(1) == b""}
-            if len(gone) >= 80 - 64 and settle is None:
-                settle = time.monotonic() + 1.0
-            if settle is not None and time.monotonic() > settle:
+            if timeout == 0.0:
                 break
-        os.write(write, str(len(gone)).encode())
-        time.sleep(2)
+        os.write(up_write, str(len(gone)).encode())
+        os.read(down_read, 1)  # held until the parent is done
         os._exit(0)
-    os.close(write)
+    os.close(up_write)
+    os.close(down_read)
     try:
-        closed = int(os.read(read, 100) or b"-1")
-        # The cap (64) held: the rest were closed at once; root is still served meanwhile.
-        assert closed == 80 - 64
+        assert os.read(up_read, 100) == b"open\n"
+        # Root is served while the member holds its 64 (its connections came first).
         assert gp.call("GET", "/v1/status").status == 200
+        os.write(down_write, b"c")
+        closed = int(os.read(up_read, 100) or b"-1")
+        # The cap (64) held: the rest were closed at once.
+        assert closed == 80 - 64
         assert "refusing more" in gp.output()
     finally:
+        os.close(down_write)
         os.waitpid(pid, 0)
+        os.close(up_read)
         gp.stop()

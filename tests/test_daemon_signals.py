@@ -9,6 +9,7 @@ from typing import Any
 from gpud.config import parse_config
 from gpud.core import answers
 from gpud.daemon import Daemon
+from tests.waiting import until, waiters
 
 CONFIG = """
 [daemon]
@@ -30,8 +31,7 @@ async def test_a_sighup_during_start_up_reloads_once_gpud_is_ready(tmp_path: Pat
 
     daemon.reload = reload  # type: ignore[method-assign]
     daemon._on_sighup()
-    for _ in range(20):  # the loop runs the signal's task as far as it goes
-        await asyncio.sleep(0)
+    await until(lambda: waiters(daemon.ready) == 1, what="the signal's reload waiting")
     assert reloads == []  # reconciliation (and an apply's recovery) still under way
     daemon.ready.set()
     await asyncio.gather(*daemon._signal_tasks)

@@ -921,12 +921,17 @@ def test_ledger_watch_prints_changes_and_exits_3_when_gpud_goes(
 
 
 def test_timeout(gpud: FakeGpud, capsys: pytest.CaptureFixture[str]) -> None:
+    given_up = threading.Event()
+
     def slow(h: Handler) -> Reply:
-        time.sleep(0.5)
+        given_up.wait(10)  # answers only once gpuctl has given up on it
         return 200, STATUS
 
     gpud.routes[("GET", "/v1/status")] = slow
-    assert ctl(gpud, "--timeout", "0.1", "status") == EXIT_REFUSED
+    try:
+        assert ctl(gpud, "--timeout", "0.1", "status") == EXIT_REFUSED
+    finally:
+        given_up.set()
     assert "did not answer within 0.1 s" in capsys.readouterr().err
 
 

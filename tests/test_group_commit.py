@@ -15,6 +15,7 @@ from gpud.config import parse_config
 from gpud.errors import Denied, StoreError
 from gpud.service import LedgerService
 from gpud.store import Changes, Event, Store
+from tests.waiting import until
 
 CONFIG = """
 [daemon]
@@ -73,7 +74,7 @@ async def test_admissions_made_during_one_write_share_the_next(service: LedgerSe
     answered: list[str] = []
     for task in rest:
         task.add_done_callback(lambda t: answered.append(t.result().reservation.serve))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(service._queue) == 8, what="the eight decided, queued for the next")
     assert not first.done() and answered == []  # nothing answered before it is durable
     assert service.ledger.reservations == {}  # nor shown
     store.gate.set()
@@ -90,7 +91,7 @@ async def test_a_denial_waits_for_the_admission_it_was_decided_on(service: Ledge
     big = asyncio.create_task(service.admit("big", 900, role="r"))
     await asyncio.to_thread(store.entered.wait, 5)
     denied = asyncio.create_task(service.admit("late", 200, role="r"))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(service._queue) == 1, what="the denial decided, queued")
     assert not denied.done()  # it was denied because of `big`, which is not durable yet
     store.gate.set()
     await big
@@ -110,7 +111,7 @@ async def test_a_failed_write_fails_every_change_that_rests_on_it(service: Ledge
     first = asyncio.create_task(service.admit("a", 100, role="r"))
     await asyncio.to_thread(store.entered.wait, 5)
     second = asyncio.create_task(service.release("kept"))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(service._queue) == 1, what="the release decided, queued")
     store.gate.set()
     results = await asyncio.gather(first, second, return_exceptions=True)
     assert all(isinstance(r, StoreError) for r in results), results

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import textwrap
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,14 @@ class FailingStore(Store):
         self.fail_next = 0
         self.fail_prune = False
         self.pruned: list[int] = []
+        # Cleared by a test: a transaction waits for it (entered is set once one does).
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
 
     def commit_many(self, batch: Sequence[Changes]) -> list[list[Event]]:
+        self.entered.set()
+        self.gate.wait(10)
         if self.fail_next:
             self.fail_next -= 1
             raise StoreError("the store could not commit the change: disk I/O error")
@@ -588,11 +595,14 @@ async def test_every_change_queued_behind_a_failed_one_fails_too(world: World) -
     store = svc.store
     assert isinstance(store, FailingStore)
     store.fail_next = 1
+    store.gate.clear()
     async with svc.lock:
         first = svc.submit(Changes(events=[svc.event("x", "one")]))
-    await asyncio.sleep(0)  # the commit loop has taken the first into its batch
+    # The commit loop has taken the first into its batch, which is being written.
+    await asyncio.to_thread(store.entered.wait, 5)
     async with svc.lock:
         second = svc.submit(Changes(events=[svc.event("x", "two")]))
+    store.gate.set()
     results = await asyncio.gather(first, second, return_exceptions=True)
     assert isinstance(results[0], StoreError)
     assert all(isinstance(r, StoreError) for r in results), results

@@ -21,6 +21,7 @@ import pytest
 
 from gpud import simulation
 from gpud.testing import standin
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "GPU-sim-0"
@@ -34,15 +35,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def gone(pid: int) -> bool:
@@ -480,10 +472,15 @@ def test_zero_utilization_is_refused_like_vllm(start: Start) -> None:
 
 
 def test_never_healthy_never_listens(start: Start, procs_dir: Path) -> None:
-    s = start("--never-healthy", "--draw-mib", "10", sim=True, wait=False)
+    # The draw comes 0.2 s in, after the load would have ended (--startup-delay 0): by then a
+    # stand-in that became healthy listens.
+    s = start("--never-healthy", "--draw-mib", "10", "--draw-after-s", "0.2", sim=True,
+              wait=False)
     wait_until(lambda: len(registrations(procs_dir)) == 1, what="the draw during the load")
-    time.sleep(0.5)
     assert not s.listening()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit() == 0
+    assert "Starting vLLM server" not in s.output()
 
 
 def test_registration_appears_and_goes_on_sigterm(start: Start, procs_dir: Path) -> None:
@@ -505,11 +502,13 @@ def test_context_and_overdraw(start: Start, procs_dir: Path) -> None:
 
 
 def test_draw_after(start: Start, procs_dir: Path) -> None:
+    began = time.time()
     s = start("--draw-mib", "64", "--draw-after-s", "0.6", "--startup-delay", "0.8", sim=True,
               wait=False)
-    time.sleep(0.2)
-    assert registrations(procs_dir) == {}
     wait_until(lambda: len(registrations(procs_dir)) == 1, what="late registration")
+    (registration,) = procs_dir.glob("*.json")
+    # Written 0.6 s after the engine began (the clock's resolution aside), whenever it is seen.
+    assert registration.stat().st_mtime - began >= 0.6 - 0.01
     wait_until(s.listening, what="listening")
 
 
@@ -559,12 +558,11 @@ def test_echo_argv_round_trips_hostile_strings(start: Start) -> None:
 def test_ignore_sigterm_then_sigint(start: Start) -> None:
     s = start("--ignore-sigterm")
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_until(lambda: "SIGTERM received and ignored" in s.output(), what="the SIGTERM ignored")
     assert s.proc.poll() is None
     assert s.health()[0] == 200
     s.proc.send_signal(signal.SIGINT)
     assert s.wait_exit() == 0
-    assert "SIGTERM received and ignored" in s.output()
 
 
 def test_port_in_use_exits_1(start: Start) -> None:

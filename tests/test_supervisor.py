@@ -12,6 +12,7 @@ import pytest
 
 from gpud.config import Config, DaemonConfig
 from gpud.supervisor import Supervisor
+from tests.waiting import until, waiters
 
 
 class StuckObserver:
@@ -55,7 +56,7 @@ async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
     sup._stop_done["old"] = done
     sup._returning["GPU-a"] = {"old"}
     waiter = asyncio.ensure_future(sup._memory_back("GPU-a"))
-    await asyncio.sleep(0.3)
+    await until(lambda: waiters(done) == 1, what="the start waiting on the stop")
     assert not waiter.done(), "a start went ahead while a stop on its device was in progress"
     del sup._stop_done["old"]
     done.set()
@@ -105,13 +106,14 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     svc = SimpleNamespace(config=Config(), records=records, serve_spec=lambda _n: spec,
                           state_of=lambda n: records[n].state)
     sup = CountingSupervisor(svc, hang={"hung"})
-    for _ in range(3):  # three rounds while hung's first check is still in flight
+    for rounds in range(1, 4):  # three rounds while hung's first check is still in flight
         await sup._check_running()
-        await asyncio.sleep(0.01)
-    assert sup.asked == {"hung": 1, "quick": 3}
+        # This round's check of quick has ended: hung's, begun with the first, had its turn.
+        await until(lambda: "quick" not in sup._checks, what="quick's check")
+        assert sup.asked == {"hung": 1, "quick": rounds}
     sup.release.set()
-    await asyncio.sleep(0.01)
+    await until(lambda: "hung" not in sup._checks, what="hung's check, released")
     await sup._check_running()
-    await asyncio.sleep(0.01)
-    assert sup.asked["hung"] == 2
+    await until(lambda: not sup._checks, what="the fourth round's checks")
+    assert sup.asked == {"hung": 2, "quick": 4}
     await asyncio.gather(*sup._tasks)

@@ -23,6 +23,7 @@ from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING,
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
 from gpud.supervisor import OUTSIDE_STOP, Supervisor
 from tests.rig import Clock, Rig, entered, make_rig, unit
+from tests.waiting import until, waiters
 
 CONFIG = """
 [daemon]
@@ -427,7 +428,7 @@ async def test_a_stop_cancels_a_launch_queued_behind_another(rig: Rig) -> None:
     assert rig.held() == {"a": 300}
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
-    await asyncio.sleep(0)
+    # The stop waited for c's cancelled launch to end: nothing is left that could start it.
     assert [s.serve for s in rig.units.started] == ["a"]  # c's unit never started
     assert rig.state("c") == DECLARED
     assert not rig.svc.busy("c")
@@ -888,8 +889,7 @@ async def test_a_start_with_preempt_takes_the_preemption_lock_before_the_serves(
     coordination = rig.sup.sleeps.coordination
     await coordination.acquire()
     task = asyncio.ensure_future(rig.sup.start("a", None, preempt=True))
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await until(lambda: waiters(coordination) == 1, what="the start waiting for preemption's lock")
     try:
         assert not task.done()
         assert not rig.sup.serve_lock("a").locked()  # free for a wake holding the other lock

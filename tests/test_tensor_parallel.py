@@ -279,7 +279,8 @@ def test_a_registration_on_several_devices_draws_on_each(tmp_path: Path) -> None
 def test_the_standin_registers_its_draw_on_every_device_it_is_given(tmp_path: Path) -> None:
     from gpud import simulation
     from gpud.testing import standin as standin_mod
-    from tests.test_standin import free_port, registrations, wait_until
+    from tests.test_standin import free_port, registrations
+    from tests.waiting import wait_until
 
     assert standin_mod.GPUD_SIM_DEVICES == simulation.GPUD_SIM_DEVICES
     procs = tmp_path / "procs"

@@ -45,6 +45,7 @@ from gpud.units import (
     systemd_major,
     unit_of_path,
 )
+from tests.waiting import until, waiters
 
 # Quotes, a specifier, spaces, a backslash, a tab: all must reach the process as they are.
 HOSTILE = "a b \"c\" 'd' %n \\x\ty"
@@ -525,7 +526,7 @@ async def test_job_removed_only_counts_from_systemd() -> None:
 async def test_job_watch_fails_when_the_bus_goes() -> None:
     watch = _JobWatch("gpud-serve-x.service")
     waiter = asyncio.ensure_future(watch.wait("/org/freedesktop/systemd1/job/1"))
-    await asyncio.sleep(0)
+    await until(lambda: waiters(watch.changed) == 1, what="the job's waiter")
     watch.fail(Unavailable("gone"))
     with pytest.raises(Unavailable):
         await asyncio.wait_for(waiter, 1)
