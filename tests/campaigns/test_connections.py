@@ -80,8 +80,10 @@ def run_campaign(tmp: Path, idle: int, partial: int, slow: int, hold_s: float) -
             if i >= idle:
                 s.sendall(b"GET /v1/ledger HTTP/1.1\r\nHost: x\r\nX-Half: ")
             conns.append(s)
-        # gpud holds them all (it may close idle ones after a while: measured now)
-        time.sleep(0.3)
+        # gpud holds them all (it may close idle ones after a while: measured now). It accepts
+        # connections in the order they came: once it answers one made after them, it has
+        # accepted every one of them.
+        timed_calls(gp, 1)
         held_fds = open_fds(gp.proc.pid)
         deadline = time.monotonic() + hold_s
         latencies: list[float] = []
@@ -155,7 +157,7 @@ def test_fd_exhaustion_under_the_default_limit(tmp_path: Path) -> None:
                 conns.append(connect_raw(gp.socket, timeout=0.5))
             except OSError:
                 refused += 1
-        time.sleep(0.5)
+        # The client's connection comes after all of them, which gpud must get through first.
         client = Client(gp.socket, timeout=3)
         try:
             status, _ = client.request("GET", "/v1/status")

@@ -359,6 +359,8 @@ def test_stop_or_release_during_launch(gpud: SandboxGpud, action: str) -> None:
     serves = (f'[serves.slow]\nrole = "dark-fast"\nvram_mib = 1000\nport = 30121\n'
               f'command = {standin("--startup-delay", "2")}\n'
               f'[serves.queued]\nrole = "dark-fast"\nvram_mib = 1000\nport = 30122\n'
+              f"command = {standin()}\n"
+              f'[serves.after]\nrole = "dark-fast"\nvram_mib = 1000\nport = 30123\n'
               f"command = {standin()}\n")
     gpud.configure(sim_config(DARK_FAST, serves))
     assert gpud.call("POST", "/v1/serves/slow/start", {}).status == 200
@@ -368,7 +370,10 @@ def test_stop_or_release_during_launch(gpud: SandboxGpud, action: str) -> None:
     reply = gpud.call("POST", f"/v1/serves/queued/{action}", {})
     assert reply.status in (200, 409), reply.body
     gpud.wait_state("slow", "running")
-    time.sleep(1.5)
+    # Starts on a device take their turns in order: once a serve started after slow is running,
+    # queued's launch, had it gone on, has had its turn (its unit started, and healthy).
+    assert gpud.call("POST", "/v1/serves/after/start", {}).status == 200
+    gpud.wait_state("after", "running")
     queued = gpud.serve("queued")
     active = "gpud-serve-queued.service" in gpud.serve_units()
     held = queued["reserved_mib"] is not None

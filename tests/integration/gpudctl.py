@@ -113,6 +113,24 @@ class SandboxGpud:
             time.sleep(0.1)
         raise AssertionError(f"no {kind} event {match} after {timeout} s")
 
+    def wait_polls(self, count: int = 3, timeout: float = 20) -> None:
+        """Until observation has taken `count` samples after this call: gpud reacts to each
+        sample (alerts, events) before it takes the next, so every sample but the last one seen
+        has been acted on. What a test asserts did not happen "over several polls" is then
+        certain for `count - 1` polls."""
+        def taken_at() -> float | None:
+            at = self.get("/v1/status")["observation"].get("taken_at")
+            return float(at) if at is not None else None
+
+        seen = {taken_at()}
+        deadline = time.monotonic() + timeout
+        while len(seen) <= count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"observation took {len(seen) - 1} of {count} samples in "
+                                     f"{timeout} s\n" + self.journal_tail())
+            time.sleep(0.05)
+            seen.add(taken_at())
+
     def unit_prop(self, unit: str, prop: str) -> str:
         return self.sb.run(["systemctl", "show", "-p", prop, "--value", unit]).stdout.strip()
 

@@ -235,7 +235,7 @@ def test_a_container_outside_the_unit_raises_an_event(gpud: SandboxGpud) -> None
     assert "libpod-" in ev["details"]["container"]
     assert ev["details"]["device"] == "GPU-sim-0"
     assert "counted as non-ledger draw" in ev["message"]
-    time.sleep(1.5)  # several polls: reported once per process
+    gpud.wait_polls(3)  # reported once per process, not once per poll
     assert len(gpud.events(kind="container-outside-unit")) == 1
 
 

@@ -49,7 +49,7 @@ def test_t011_honesty_note_and_one_reserve_exceeded(gpud: SandboxGpud) -> None:
     assert 26100 <= obs["managed_draw_mib"] <= 26112
     # ocr's memory sits in a child process: attributed through the unit's cgroup.
     assert gpud.serve("ocr")["observed_mib"] >= 5100
-    time.sleep(2)  # several polls: the crossing is reported once, not once per poll
+    gpud.wait_polls(3)  # the crossing is reported once, not once per poll
     exceeded = gpud.events(kind="reserve-exceeded")
     assert len(exceeded) == 1
     assert exceeded[0]["mib"] == 1229 and "optimistic by 1229 MiB" in exceeded[0]["message"]
@@ -84,7 +84,7 @@ def test_overdraw_reported_once(gpud: SandboxGpud) -> None:
     gpud.wait_state("greedy", "running")
     ev = gpud.wait_event("overdraw", serve="greedy")
     assert ev["details"]["reservation_mib"] == 4000 and ev["mib"] >= 4700
-    time.sleep(2)
+    gpud.wait_polls(3)
     assert len(gpud.events(kind="overdraw")) == 1
 
 

@@ -229,7 +229,10 @@ def test_start_waits_for_a_stop_in_progress_on_its_device(gpud: SandboxGpud) -> 
     stopper.start()
     try:
         gpud.wait_state("stubborn", "stopping", timeout=10)
-        time.sleep(0.3)  # the reported case: a start 0.3 s after the stop request
+        # The reported case: a start while systemd waits for the process to go after its
+        # SIGTERM (ignored), the memory still held.
+        wait_for("the SIGTERM sent", lambda: gpud.unit_prop(
+            "gpud-serve-stubborn.service", "SubState") == "stop-sigterm", gpud=gpud)
         reply = gpud.call("POST", "/v1/serves/next/start", {})
         assert reply.status == 200, reply.raw
     finally:
