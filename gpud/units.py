@@ -17,8 +17,11 @@ Signals, not polling:
   before the method call, so a job that finishes before the reply is read is not missed.
 - ``PropertiesChanged`` on ``/org/freedesktop/systemd1/unit/*`` drives ``watch`` callbacks.
   systemd sends one signal per interface (Service, then Unit); signals read in one batch are
-  coalesced into one callback. Properties a signal does not carry (never seen, invalidated, or
-  a new invocation) are fetched once with ``GetAll``.
+  coalesced into one callback, but never across a change: a signal that would overwrite a
+  value not yet reported (a process's exit, then its restart, read together on a loaded host)
+  or that begins a new invocation first has the state so far reported. Properties a signal
+  does not carry (never seen, invalidated, or a new invocation) are fetched once with
+  ``GetAll``.
 - Signals are accepted only from the current owner of ``org.freedesktop.systemd1``: the bus
   delivers unicast signals from anybody, and a forged ``JobRemoved`` must not end a wait.
 
@@ -252,6 +255,8 @@ class _Tracked:
     props: dict[str, Any] = field(default_factory=dict)
     fetching: bool = False
     touched: set[str] = field(default_factory=set)
+    # Properties changed since the last callback: what the next one reports.
+    pending: set[str] = field(default_factory=set)
     emitted: UnitState | None = None
 
 
@@ -724,15 +729,22 @@ class SystemdUnits:
         if interface not in _INTERFACES:
             return
         tracked = self._tracked.setdefault(unit, _Tracked())
-        new_invocation = False
-        for name, variant in changed.items():
-            spec = STATE_PROPERTIES.get(name)
-            if spec is None or spec[0] != interface or variant.signature != spec[1]:
-                continue
-            if name == "InvocationID" and tracked.props.get(name) not in (None, variant.value):
-                new_invocation = True
-            tracked.props[name] = variant.value
+        values = {name: variant.value for name, variant in changed.items()
+                  if STATE_PROPERTIES.get(name) == (interface, variant.signature)}
+        invocation = tracked.props.get("InvocationID")
+        new_invocation = invocation is not None and values.get("InvocationID",
+                                                                invocation) != invocation
+        if unit in self._dirty and (new_invocation or any(
+                tracked.props.get(name) != value for name, value in values.items()
+                if name in tracked.pending)):
+            # The state read so far is one of its own (a process's exit before its restart):
+            # reported before this signal changes it.
+            self._dirty.discard(unit)
+            self._flush_unit(unit)
+        for name, value in values.items():
+            tracked.props[name] = value
             tracked.touched.add(name)
+            tracked.pending.add(name)
         for name in invalidated:
             if name in STATE_PROPERTIES:
                 tracked.props.pop(name, None)
@@ -781,6 +793,7 @@ class SystemdUnits:
         tracked = self._tracked.get(unit)
         if tracked is None or tracked.fetching:  # the fetch marks it dirty again
             return
+        tracked.pending.clear()
         state = _state_from(unit, tracked.props)
         if state is None or state == tracked.emitted:
             return

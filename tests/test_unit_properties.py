@@ -34,11 +34,15 @@ from gpud.units import (
     _DBUS_ERRORS,
     MANAGER_IFACE,
     MANAGER_PATH,
+    PROPERTIES_IFACE,
+    SERVICE_IFACE,
+    UNIT_IFACE,
     UNIT_PATH_PREFIX,
     JobFailed,
     SystemdUnits,
     _JobWatch,
     _state_from,
+    _Tracked,
     bus_path_escape,
     bus_path_unescape,
     map_error,
@@ -521,6 +525,40 @@ async def test_job_removed_only_counts_from_systemd() -> None:
         units._on_message(_signal(":1.1", "JobRemoved", "uoss", body, **manager))
         assert await asyncio.wait_for(watch.wait(job), 1) == "done"
     assert units._job_watches == {}
+
+
+def _changed(interface: str, **values: Variant) -> Message:
+    return _signal(":1.1", "PropertiesChanged", "sa{sv}as", [interface, values, []],
+                   path=UNIT_PATH_PREFIX + bus_path_escape("gpud-serve-x.service"),
+                   interface=PROPERTIES_IFACE)
+
+
+async def test_a_watch_reports_an_exit_read_together_with_the_restart() -> None:
+    """A loaded host reads a kill's signals and the restart's in one batch: the watch reports
+    the crash (result signal, status 9) before the restart, not only the restarted state; the
+    two halves of one change (Service, then Unit) stay one callback."""
+    units = SystemdUnits()
+    units._systemd_owner = ":1.1"
+    units._tracked["gpud-serve-x.service"] = _Tracked(props=dict(FULL_PROPS))
+    seen: list[UnitState] = []
+    units.watch(seen.append)
+    for message in (
+        # the kill: the process ended by signal 9, systemd waits RestartSec
+        _changed(SERVICE_IFACE, Result=Variant("s", "signal"), MainPID=Variant("u", 0),
+                 ExecMainStatus=Variant("i", 9), ExecMainCode=Variant("i", 2)),
+        _changed(UNIT_IFACE, ActiveState=Variant("s", "activating"),
+                 SubState=Variant("s", "auto-restart")),
+        # the restart, read in the same batch
+        _changed(SERVICE_IFACE, Result=Variant("s", "success"), MainPID=Variant("u", 4343),
+                 ExecMainStatus=Variant("i", 0), ExecMainCode=Variant("i", 0),
+                 NRestarts=Variant("u", 3)),
+        _changed(UNIT_IFACE, ActiveState=Variant("s", "active"), SubState=Variant("s", "running")),
+    ):
+        units._on_message(message)
+    await until(lambda: seen and seen[-1].sub_state == "running", what="the restarted state")
+    assert [(s.sub_state, s.result, s.exec_main_status, s.main_pid, s.n_restarts)
+            for s in seen] == [("auto-restart", "signal", 9, 0, 2),
+                               ("running", "success", 0, 4343, 3)]
 
 
 async def test_job_watch_fails_when_the_bus_goes() -> None:
