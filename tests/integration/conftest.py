@@ -31,6 +31,17 @@ def sandbox_unavailable() -> str | None:
     return None
 
 
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The folder is the tier: every test here needs the sandbox (`pytest -m sandbox`)."""
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.sandbox)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin
 from tests.schema import answer_errors
-
-pytestmark = pytest.mark.sandbox
 
 ROLE = """
 [roles.dark-fast]

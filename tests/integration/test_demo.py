@@ -8,11 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
-
-pytestmark = pytest.mark.sandbox
 
 # (what the demo must print, why it is the seed's)
 SEED_LINES = [

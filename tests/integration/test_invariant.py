@@ -11,12 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from gpud.core.ledger import gpu_memory_utilization
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
-
-pytestmark = pytest.mark.sandbox
 
 ROLE = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
 

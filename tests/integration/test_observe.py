@@ -9,8 +9,6 @@ import pytest
 
 from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
 
-pytestmark = pytest.mark.sandbox
-
 T011_ROLE = """
 [roles.dark-fast]
 device = "GPU-sim-0"

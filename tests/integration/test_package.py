@@ -22,8 +22,6 @@ import pytest
 
 from tools.sandbox import Sandbox
 
-pytestmark = pytest.mark.sandbox
-
 PREFIX = "/opt/gpud"
 UNITS = ("gpud.service", "gpud.socket", "gpud.slice")
 GROUPS = ("gpud", "gpud-admin")

@@ -9,11 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
-
-pytestmark = pytest.mark.sandbox
 
 
 def dark_fast(reserve: int) -> str:

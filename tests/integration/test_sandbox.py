@@ -15,8 +15,6 @@ import pytest
 
 from tools.sandbox import CGROUP_PREFIX, Sandbox, SandboxCommandError
 
-pytestmark = pytest.mark.sandbox
-
 
 def _wait_main_pid(sandbox: Sandbox, unit: str, timeout: float = 10) -> int:
     deadline = time.monotonic() + timeout

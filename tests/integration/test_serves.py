@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin
-
-pytestmark = pytest.mark.sandbox
 
 DARK_FAST = """
 [roles.dark-fast]

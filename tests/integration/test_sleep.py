@@ -8,14 +8,10 @@ import json
 import threading
 from typing import Any
 
-import pytest
-
 from gpud.openapi import document
 from tests.conftest import Reply
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
 from tests.schema import answer_errors
-
-pytestmark = pytest.mark.sandbox
 
 ROLE = """
 [roles.r]

@@ -14,8 +14,6 @@ import pytest
 
 from tests.integration.gpudctl import PY, REPO, SandboxGpud, sim_config, standin
 
-pytestmark = pytest.mark.sandbox
-
 HEALTHSERVE = str(REPO / "tests" / "integration" / "healthserve.py")
 CONTROL = "/run/gpud-test"
 

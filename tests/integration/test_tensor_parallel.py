@@ -11,11 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
-
-pytestmark = pytest.mark.sandbox
 
 ROLES = """
 [roles.g0]

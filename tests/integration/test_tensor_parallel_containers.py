@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tests.integration.gpudctl import SandboxGpud, sim_config
 from tests.integration.test_containers import (  # noqa: F401 (fixtures)
     PROCS,
@@ -16,8 +14,6 @@ from tests.integration.test_containers import (  # noqa: F401 (fixtures)
     gpud,
     podman_sandbox,
 )
-
-pytestmark = pytest.mark.sandbox
 
 
 def test_a_container_serve_on_two_devices_gets_both_and_draws_on_each(gpud: SandboxGpud) -> None:  # noqa: F811

@@ -18,8 +18,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -29,8 +27,6 @@ from gpud.errors import BadRequest, Conflict, GpudError  # noqa: E402
 from gpud.unit_properties import UnitSpec  # noqa: E402
 from gpud.units import JobFailed, SystemdUnits  # noqa: E402
 from tools.sandbox import Sandbox  # noqa: E402
-
-pytestmark = pytest.mark.sandbox
 
 # The serve stand-in: appends its argv (after the output path) and a few environment variables
 # as one JSON line to the file named by argv[1], then sleeps. No '$' and no ';' in it: those are
