@@ -19,7 +19,7 @@ lint: setup
 	$(PY) -m mypy
 
 unit: setup
-	$(PY) -m pytest -m 'not sandbox and not slow'
+	$(PY) -m pytest -m 'not sandbox and not slow and not build'
 
 test: setup lint
 	$(PY) -m pytest

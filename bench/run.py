@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -28,6 +29,11 @@ from bench.common import FigureResult, Row, loadavg, machine  # noqa: E402
 
 FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt")
 RESULTS = REPO / "bench" / "RESULTS.md"
+README = REPO / "README.md"
+# The README's table of figures lies between these lines, written from RESULTS.md by a full run
+# (tests/test_bench_results.py fails when it says anything else).
+README_BEGIN = "<!-- figures: written by bench/run.py from bench/RESULTS.md; do not edit -->"
+README_END = "<!-- /figures -->"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,6 +95,34 @@ def markdown(info: dict[str, str], figs: list[FigureResult], args: argparse.Name
     return "\n".join(out)
 
 
+def readme_figures(results: str) -> str:
+    """The README's block of figures: RESULTS.md's table (figure, measured, target) and the
+    commit and machine it was measured on."""
+    info = dict(re.findall(r"^- (nproc|cpu|python|commit|date|run): (.*)$", results, flags=re.M))
+    section = results.split("\n## Figures\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line[2:-2].split(" | ") for line in section.splitlines()
+            if line.startswith("| ") and line.endswith(" |")
+            and not line.startswith(("| figure |", "| --- |"))]
+    python = info.get("python", "?").split(" (", 1)[0]
+    out = [README_BEGIN,
+           f"Measured at commit {info.get('commit', '?')} ({info.get('date', '?')}), "
+           f"{info.get('nproc', '?')} x {info.get('cpu', '?')}, Python {python}; "
+           "every line and its spread are in `bench/RESULTS.md`.", "",
+           "| figure | measured | target | verdict |", "| --- | --- | --- | --- |"]
+    out += [f"| {' | '.join(cells)} |" for cells in rows]
+    out.append(README_END)
+    return "\n".join(out)
+
+
+def write_readme(results: str, readme: Path = README) -> None:
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise SystemExit(f"{readme}: no {README_BEGIN!r} ... {README_END!r} block to write into")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(head + readme_figures(results) + tail)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -140,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if target is not None:
         target.write_text(markdown(info, figs, args, elapsed) + "\n")
         print(f"\nwritten to {target}")
+        if target == RESULTS:
+            write_readme(target.read_text())
+            print(f"and its figures to {README}")
     else:
         print("\n(not written to bench/RESULTS.md: a --quick or --only run; --results PATH writes it)")
     if args.json is not None:

@@ -464,7 +464,7 @@ class Api:
     async def wake(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         check_serve_name(name)
-        await read_model(request, _Empty, empty_ok=True)
+        await read_model(request, EmptyBody, empty_ok=True)
         sup = self._need_supervisor()
         done = await sup.sleeps.wake(name, self._uid(request))
         return json_response({**self._serve_view(name), "wake": done})
@@ -502,7 +502,7 @@ class Api:
     async def _lifecycle(self, request: web.Request, action: str) -> web.Response:
         name = request.match_info["name"]
         check_serve_name(name)
-        body = await read_model(request, StartBody if action == "start" else _Empty,
+        body = await read_model(request, StartBody if action == "start" else EmptyBody,
                                 empty_ok=True)
         sup = self._need_supervisor()
         uid = self._uid(request)
@@ -596,13 +596,13 @@ class Api:
         return resp
 
     async def reload(self, request: web.Request) -> web.Response:
-        await read_model(request, _Empty, empty_ok=True)
+        await read_model(request, EmptyBody, empty_ok=True)
         if self.reload_hook is None:
             raise Unavailable("this gpud was started without a config file to reload")
         return json_response(await self.reload_hook(self._uid(request)))
 
 
-class _Empty(_Wire):
+class EmptyBody(_Wire):
     pass
 
 

@@ -7,24 +7,24 @@ YAML files with a ``kind`` (``nvidia.com/gpu``) and ``devices``, each with a ``n
 UUID or both: ``--device-name-strategy``, plus ``all``). A host without one cannot give a
 container a GPU: gpud says so at ``--check-config`` and refuses the start.
 
-gpud carries no YAML parser (its dependencies are fixed). A JSON spec (``.json``, or a ``.yaml``
-whose text is JSON, which YAML reads as it is) is parsed whole. A YAML spec is read for what
-gpud needs of it, its top-level ``kind`` and the ``name`` of each item of its top-level
-``devices`` sequence, in the block layout nvidia-ctk writes (one document, ``---`` first,
-sequences indented by four or at their key's column, ``name: "0"`` quoted where YAML needs it,
-``containerEdits`` beside it; NVIDIA/nvidia-container-toolkit,
-cmd/nvidia-ctk/cdi/generate/generate_test.go). YAML it cannot read with certainty (flow style,
-several documents, anchors, tags, block scalars, tabs, an item without a name, a name CDI does
-not allow) is refused with the file and line named, never guessed at.
+A spec is read as podman's CDI library reads it (tags.cncf.io/container-device-interface,
+pkg/cdi/spec.go: ParseSpec, sigs.k8s.io/yaml's UnmarshalStrict): any YAML, flow style, anchors
+and aliases included, of which the first document is the spec; JSON is YAML. PyYAML's safe loader
+reads it (no tags that make objects), refusing a key given twice as the strict unmarshal does.
+What is wrong (not YAML, no ``kind``, a device without a ``name`` string, a name CDI does not
+allow) is said with the file and, for YAML, the line.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 SPEC_DIRS: tuple[Path, ...] = (Path("/etc/cdi"), Path("/var/run/cdi"))
 GPU_KIND = "nvidia.com/gpu"
@@ -33,9 +33,6 @@ SUFFIXES = (".json", ".yaml", ".yml")
 # A CDI device name: letters, digits, then `_`, `-`, `.` and `:` between (cncf-tags/
 # container-device-interface, pkg/parser/parser.go: ValidateDeviceName).
 DEVICE_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
-_KEY = r"(?:[A-Za-z_][A-Za-z0-9_-]*|\"[A-Za-z_][A-Za-z0-9_-]*\"|'[A-Za-z_][A-Za-z0-9_-]*')"
-_MAPPING = re.compile(rf"^({_KEY})\s*:(?:\s+(.*))?$")
-_ITEM = re.compile(r"^-(?:\s+(.*))?$")
 
 
 class SpecError(ValueError):
@@ -51,183 +48,72 @@ class Scan:
     problems: list[str] = field(default_factory=list)  # "PATH: why" for each one not read
 
 
-def _uncomment(text: str) -> str:
-    """The line without its comment (`#` at its start or after a blank, outside quotes)."""
-    quote = None
-    for i, ch in enumerate(text):
-        if quote is not None:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"" and (i == 0 or text[i - 1] in " \t:-[{,"):
-            quote = ch
-        elif ch == "#" and (i == 0 or text[i - 1] in " \t"):
-            return text[:i].rstrip()
-    return text.rstrip()
-
-
-def _key(raw: str) -> str:
-    return raw[1:-1] if raw[0] in "'\"" else raw
-
-
-def _scalar(text: str, line: int, what: str) -> str:
-    """A YAML scalar as nvidia-ctk writes one: plain, single- or double-quoted."""
-    text = text.strip()
-    if not text:
-        raise SpecError(f"line {line}: {what} has no value")
-    if text[0] == '"':
-        try:
-            value = json.loads(text)  # YAML's double-quoted escapes are JSON's, for a name
-        except ValueError as exc:
-            raise SpecError(f"line {line}: {what} {text} is not a string gpud can read") from exc
-        if not isinstance(value, str):
-            raise SpecError(f"line {line}: {what} {text} is not a string")
-        return value
-    if text[0] == "'":
-        if len(text) < 2 or text[-1] != "'" or "'" in text[1:-1].replace("''", ""):
-            raise SpecError(f"line {line}: {what} {text} is not a string gpud can read")
-        return text[1:-1].replace("''", "'")
-    if text[0] in "[{&*!|>%@`":
-        raise SpecError(f"line {line}: {what} {text!r} is YAML gpud does not read (flow "
-                        "style, an anchor, alias, tag or block scalar)")
-    return text
-
-
-def _device_names(names: list[tuple[int, str]]) -> list[str]:
-    for line, name in names:
-        if not DEVICE_NAME_RE.match(name):
-            where = f"line {line}: " if line else ""
-            raise SpecError(f"{where}device name {name!r} is not a CDI device name (letters, "
+def _device_names(names: list[str]) -> list[str]:
+    for name in names:
+        if not DEVICE_NAME_RE.fullmatch(name):  # `$` alone would let "a\n" through
+            raise SpecError(f"device name {name!r} is not a CDI device name (letters, "
                             "digits, and _ - . : between them)")
-    return [name for _, name in names]
+    return names
 
 
-def _parse_json(text: str) -> tuple[str, list[str]]:
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (safe_load keeps the
+    last silently; CDI's strict unmarshal refuses it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: what it merges in may be overridden here
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # a key YAML allows and no CDI field is: the mapping says what it is
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} a second time", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load(text: str, is_json: bool) -> object:
+    if is_json:
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise SpecError(f"not valid JSON: {exc}") from exc
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise SpecError(f"not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SpecError("not a JSON object")
-    kind = data.get("kind")
-    if not isinstance(kind, str) or not kind:
-        raise SpecError("no \"kind\" string")
-    devices = data.get("devices", [])
-    if not isinstance(devices, list):
-        raise SpecError("\"devices\" is not a list")
-    names: list[tuple[int, str]] = []
-    for i, device in enumerate(devices):
-        if not isinstance(device, dict) or not isinstance(device.get("name"), str):
-            raise SpecError(f"devices[{i}] has no \"name\" string")
-        names.append((0, device["name"]))
-    return kind, _device_names(names)
-
-
-def _parse_yaml(text: str) -> tuple[str, list[str]]:
-    kind: str | None = None
-    names: list[tuple[int, str]] = []
-    seen_top: set[str] = set()
-    started = False  # a document has begun (`---` or its first key)
-    in_devices = False
-    item_col: int | None = None  # the column of the devices' `-`
-    key_col: int | None = None  # the column of the current item's keys
-    item_line = 0
-    item_keys: set[str] = set()
-
-    def end_item() -> None:
-        if item_line and "name" not in item_keys:
-            raise SpecError(f"line {item_line}: a device has no name")
-
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.lstrip(" ")
-        if stripped.startswith("\t"):
-            raise SpecError(f"line {number}: a tab in the indentation (YAML forbids it)")
-        line = _uncomment(raw)
-        if not line.strip():
-            continue
-        col = len(line) - len(line.lstrip(" "))
-        body = line.strip()
-        if col == 0 and body.startswith("%"):
-            if started:
-                raise SpecError(f"line {number}: a YAML directive inside the document")
-            continue
-        if col == 0 and (body == "---" or body.startswith("--- ")):
-            if started:
-                raise SpecError(f"line {number}: a second YAML document (a spec is one)")
-            started = True
-            if body != "---":
-                raise SpecError(f"line {number}: content after `---` on its line")
-            continue
-        if col == 0 and body == "...":
-            break
-        started = True
-        item = _ITEM.match(body)
-        if in_devices and item is not None and (item_col is None or col == item_col):
-            end_item()
-            item_col, item_line, item_keys = col, number, set()
-            rest = item.group(1)
-            if rest is None:
-                key_col = None  # the item's keys begin on the next line
-                continue
-            key_col = col + (len(body) - len(rest))
-            pair = _MAPPING.match(rest)
-            if pair is None:
-                raise SpecError(f"line {number}: a device that is not a mapping ({rest!r})")
-            key = _key(pair.group(1))
-            item_keys.add(key)
-            if key == "name":
-                names.append((number, _scalar(pair.group(2) or "", number, "the name")))
-            continue
-        if col == 0:
-            if item is not None:
-                raise SpecError(f"line {number}: a sequence at the top (a spec is a mapping)")
-            pair = _MAPPING.match(body)
-            if pair is None:
-                raise SpecError(f"line {number}: {body[:40]!r} is not a `key: value` line")
-            end_item()
-            item_line = 0
-            key, value = _key(pair.group(1)), (pair.group(2) or "").strip()
-            if key in seen_top:
-                raise SpecError(f"line {number}: {key!r} a second time")
-            seen_top.add(key)
-            in_devices, item_col, key_col = key == "devices", None, None
-            if key == "kind":
-                kind = _scalar(value, number, "kind")
-            elif key == "devices" and value not in ("", "[]"):
-                raise SpecError(f"line {number}: devices in flow style ({value[:40]!r}); gpud "
-                                "reads the block style nvidia-ctk writes, or JSON")
-            continue
-        if not in_devices:
-            continue  # inside another top-level key (containerEdits, annotations, ...)
-        if item_col is None or col <= item_col:
-            raise SpecError(f"line {number}: {body[:40]!r} is not an item of devices")
-        if key_col is None:
-            key_col = col  # `-` alone on its line: this is the item's first key
-        if col < key_col:
-            raise SpecError(f"line {number}: {body[:40]!r} is indented between the device's "
-                            "`-` and its keys")
-        if col > key_col:
-            continue  # inside one of the item's keys (containerEdits, annotations, ...)
-        pair = _MAPPING.match(body)
-        if pair is None:
-            raise SpecError(f"line {number}: {body[:40]!r} is not a `key: value` line")
-        key = _key(pair.group(1))
-        if key in item_keys:
-            raise SpecError(f"line {number}: the device has {key!r} a second time")
-        item_keys.add(key)
-        if key == "name":
-            names.append((number, _scalar(pair.group(2) or "", number, "the name")))
-    end_item()
-    if kind is None:
-        raise SpecError("no top-level kind")
-    return kind, _device_names(names)
+        # the first document is the spec, as CDI's own parser reads it
+        return next(iter(yaml.load_all(text, Loader=_Loader)), None)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise SpecError(f"{where}not valid YAML: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise SpecError(f"not valid YAML: {exc}") from exc
 
 
 def parse_spec(text: str, filename: str) -> tuple[str, list[str]]:
     """(kind, device names) of one spec file's text. Raises SpecError saying why not."""
     text = text.removeprefix("\ufeff")
-    if filename.endswith(".json") or text.lstrip().startswith("{"):
-        return _parse_json(text)
-    return _parse_yaml(text)
+    data = _load(text, filename.endswith(".json"))
+    if not isinstance(data, dict):
+        raise SpecError("the spec is not a mapping (an object with kind and devices)")
+    kind = data.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise SpecError("no \"kind\" string")
+    devices = data.get("devices")
+    if devices is None:
+        devices = []
+    if not isinstance(devices, list):
+        raise SpecError("\"devices\" is not a list")
+    names: list[str] = []
+    for i, device in enumerate(devices):
+        name = device.get("name") if isinstance(device, dict) else None
+        if not isinstance(name, str):
+            hint = f" ({name!r} unquoted is not a string in YAML)" if name is not None else ""
+            raise SpecError(f"devices[{i}] has no \"name\" string{hint}")
+        names.append(name)
+    return kind, _device_names(names)
 
 
 def scan(dirs: Iterable[Path] = SPEC_DIRS, kind: str = GPU_KIND) -> Scan:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -80,8 +81,12 @@ class DaemonConfig(_Model):
     vllm_executable: str = "vllm"
     # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
     vllm_version: str = "0.33.0"
-    config_backups: int = Field(default=10, ge=1, le=1000)
-    # Events kept in the store (the newest); older ones are pruned in batches.
+    # Backups of the config file an apply keeps (the newest) under backups/ beside it; older
+    # ones are removed. Its former name, config_backups, is still read.
+    backups_keep: int = Field(default=10, ge=1, le=1000,
+                              validation_alias=AliasChoices("backups_keep", "config_backups"))
+    # Events kept in the store (the newest); older ones are pruned in batches of a twentieth of
+    # it, so the store holds at most about 5% more (service.prune_batch).
     events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
     metrics_listen: str | None = None
     # Sleeping serves put to sleep by a preemption wake by priority, while they fit, when

@@ -7,18 +7,27 @@ exporter so a dashboard can join gpud's figures with DCGM's on the device:
   sum by `gpu` counts a device once however many roles share it;
 - `gpud_role_*`: the ledger of one role (labels `role`, `gpu`, `UUID`);
 - `gpud_serve_*`: one serve (labels `serve`, `role`, `gpu`, `UUID`).
+
+The text is written by prometheus_client, Prometheus' reference client: `GpudCollector` yields
+its metric families and `generate_latest` formats them, exactly (`repr` of the float: a counter
+of 12,345,678 reads `1.2345678e+07`, never the six digits `{:g}` kept) and escaped as the format
+says.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 
 from gpud.calibration import Calibrator
 from gpud.core.vocab import EVENT_KINDS, STATES
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
-# Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect.
+# Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect, and
+# what generate_latest writes (prometheus_client's CONTENT_TYPE_PLAIN_0_0_4).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Every kind of event gpud records has its series, from its first scrape (a counter that appears
@@ -26,32 +35,39 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 COUNTED: tuple[str, ...] = tuple(str(kind) for kind in EVENT_KINDS)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
-    return "{" + inner + "}" if inner else ""
-
-
 class _Family:
+    """One metric family; NAME is the samples' name (a counter's ends in `_total`)."""
+
     def __init__(self, name: str, kind: str, help_text: str) -> None:
-        self.name, self.kind, self.help = name, kind, help_text
-        self.samples: list[tuple[str, float]] = []
+        # prometheus_client names a counter's family without `_total` and writes it back in the
+        # 0.0.4 text (`# TYPE gpud_events_total counter`, as promtool wants it)
+        self.metric = Metric(name.removesuffix("_total") if kind == "counter" else name,
+                             help_text, kind)  # fmt: skip
+        self.name = name
 
     def add(self, value: float, **labels: str) -> None:
-        self.samples.append((_labels(labels.items()), value))
+        self.metric.add_sample(self.name, labels, float(value))
 
-    def render(self) -> str:
-        # In the 0.0.4 text format HELP and TYPE name the samples exactly: a counter's family is
-        # its `_total` name (promtool rejects `# TYPE x counter` above `x_total` samples).
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        lines += [f"{self.name}{labels} {value:g}" for labels, value in self.samples]
-        return "\n".join(lines)
+
+class GpudCollector:
+    """prometheus_client's Collector of gpud's figures, read afresh at each `collect`."""
+
+    def __init__(self, svc: LedgerService, observer: Observer | None,
+                 calibrator: Calibrator | None = None) -> None:
+        self.svc, self.observer, self.calibrator = svc, observer, calibrator
+
+    def collect(self) -> Iterator[Metric]:
+        for family in _families(self.svc, self.observer, self.calibrator).values():
+            yield family.metric
 
 
 def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None) -> str:
+    """The 0.0.4 text exposition of what `GpudCollector` collects now."""
+    return generate_latest(GpudCollector(svc, observer, calibrator)).decode()
+
+
+def _families(svc: LedgerService, observer: Observer | None,
+              calibrator: Calibrator | None) -> dict[str, _Family]:
     fams: dict[str, _Family] = {}
 
     def fam(name: str, kind: str, help_text: str) -> _Family:
@@ -162,4 +178,4 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
     available, _ = svc.launching()
     fam("gpud_launching_available", "gauge", "1 when the system bus is reachable"
         ).add(1 if available else 0)
-    return "\n".join(f.render() for f in fams.values()) + "\n"
+    return fams

@@ -1,31 +1,31 @@
 """The OpenAPI 3.1 document gpud serves at /v1/openapi.json (docs/api.md in prose).
 
-The answers' schemas are generated from their types in gpud.core.answers; the request bodies and
-parameters are described here."""
+The answers' schemas are generated from their types in gpud.core.answers, the request bodies'
+from the pydantic models gpud.api validates them with; the parameters are described here.
+tests/test_api_schema.py holds the document to the routes the app registers."""
 
 from __future__ import annotations
 
 from functools import cache
 from typing import Any
 
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
 from gpud import __version__
+from gpud.api import (
+    AdmitBody,
+    CalibrateBody,
+    ConfigBody,
+    EmptyBody,
+    ReleaseBody,
+    SleepBody,
+    StartBody,
+)
 from gpud.core import answers
 from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, STATES
 
 _STR = {"type": "string"}
-_BOOL = {"type": "boolean"}
-
-
-def _obj(props: dict[str, Any], required: list[str] | None = None, *,
-         extra: bool = True) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": props,
-                              "required": required if required is not None else list(props)}
-    if not extra:
-        schema["additionalProperties"] = False
-    return schema
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -69,15 +69,19 @@ def component_schemas() -> dict[str, Any]:
     return defs
 
 
-ADMIT_BODY = _obj({"mib": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-                   "role": {"type": ["string", "null"], "pattern": NAME_PATTERN},
-                   "preempt": _BOOL, "dry_run": _BOOL},
-                  ["mib"], extra=False)
-START_BODY = _obj({"preempt": _BOOL, "dry_run": _BOOL}, [], extra=False)
-SLEEP_BODY = _obj({"level": {"type": ["integer", "null"], "minimum": 1, "maximum": 2}}, [],
-                  extra=False)
-CONFIG_BODY = _obj({"config": {"type": "string", "maxLength": 1024 * 1024},
-                    "source": {"type": ["string", "null"]}}, ["config"], extra=False)
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A request body's schema, as the model that validates it says (extra="forbid" becomes
+    additionalProperties false). What a model checks beyond its fields (AdmitBody's dry_run goes
+    with preempt) is said in docs/api.md."""
+    schema = model.model_json_schema(ref_template=REF, schema_generator=_Schemas)
+    schema.pop("title", None)
+    return schema
+
+
+ADMIT_BODY = body_schema(AdmitBody)
+START_BODY = body_schema(StartBody)
+SLEEP_BODY = body_schema(SleepBody)
+CONFIG_BODY = body_schema(ConfigBody)
 
 NAME_PARAM = {"name": "name", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": NAME_PATTERN}}
@@ -105,7 +109,7 @@ def _post(summary: str, ok: dict[str, Any], body: dict[str, Any] | None, *errors
 
 @cache
 def document() -> dict[str, Any]:
-    empty = _obj({}, [], extra=False)
+    empty = body_schema(EmptyBody)
     return {
         "openapi": "3.1.0",
         "info": {"title": "gpud", "version": __version__,
@@ -124,7 +128,7 @@ def document() -> dict[str, Any]:
                 404, 409, 500, 503),
             "/v1/serves/{name}/release": _post(
                 "Release a serve's reservation", _ref("Released"),
-                _obj({"stop": _BOOL}, [], extra=False), 404, 409, 500, 503),
+                body_schema(ReleaseBody), 404, 409, 500, 503),
             "/v1/serves/{name}/start": _post(
                 "Admit if needed (with preempt: putting lower priorities to sleep), then launch",
                 _ref("Started"), START_BODY, 404, 409, 500, 503),
@@ -154,8 +158,7 @@ def document() -> dict[str, Any]:
                         "schema": _ref("Error")}}} for c in (400, 403, 409, 413, 500, 503)}}}},
             "/v1/serves/{name}/calibrate": _post(
                 "Measure a running serve's draw over a window", _ref("CalibrationRun"),
-                _obj({"window_s": {"type": "number", "minimum": 1, "maximum": 86400}}, [],
-                     extra=False), 404, 409, 500, 503),
+                body_schema(CalibrateBody), 404, 409, 500, 503),
             "/v1/serves/{name}/calibration": {"get": {
                 "summary": "A serve's calibration: status, record, measurement in progress",
                 "parameters": [NAME_PARAM],

@@ -154,6 +154,10 @@ class Rebalancer:
                          f"{d.message}", {"plan": plan.to_json()})
         steps = actions(plan)  # the whole apply, decided before anything is touched
         old_text = self.svc.config_text or self.config_path.read_text()
+        if text == old_text and self._file_text() == text:
+            # Nothing changes: gpud runs this text and the file holds it. No backup (ten no-op
+            # applies pushed every earlier backup out) and no write of the same bytes.
+            steps = [a for a in steps if a.kind not in ("backup", "write")]
         journal: dict[str, Any] = {"old": old_text, "new": text, "source": source,
                                    "uid": uid, "done": [],
                                    "steps": [a.to_json() for a in steps]}
@@ -167,7 +171,8 @@ class Rebalancer:
             await carry_out(steps, lambda action: self._carry_out(run, action, text), run.done,
                             count_begun=True)
             await self._journal(None)
-            return {"result": "applied", "backup": str(run.saved), "summary": run.summary}
+            return {"result": "applied", "backup": str(run.saved) if run.saved else None,
+                    "summary": run.summary}
         except GpudError as exc:
             with contextlib.suppress(GpudError):
                 await self._step(emit, "failed", exc.message, ok=False, uid=uid)
@@ -177,6 +182,13 @@ class Rebalancer:
             return {"result": "rolled-back", "error": exc.message,
                     "backup": str(run.saved) if run.saved else None,
                     "summary": self.svc.summary()}
+
+    def _file_text(self) -> str | None:
+        assert self.config_path is not None
+        try:
+            return self.config_path.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
 
     async def _carry_out(self, run: _Run, action: Action, text: str) -> None:
         """One step of the apply: done, journaled (a step about a serve before it begins: a
@@ -188,7 +200,7 @@ class Rebalancer:
         run.journal["done"] = serve_steps(run.done)
         await self._journal(run.journal)
         if action.kind == "backup":
-            run.saved = backup(self.config_path, self.svc.config.daemon.config_backups,
+            run.saved = backup(self.config_path, self.svc.config.daemon.backups_keep,
                                time.time())
             await self._step(emit, "backup", f"saved {run.saved}", uid=uid, path=str(run.saved))
         elif action.kind == "write":

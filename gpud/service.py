@@ -32,14 +32,18 @@ from gpud.core.vocab import (
     EXTERNAL,
     LIVE_STATES,
     STARTING,
+    WARNING_KINDS,
 )
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
 log = logging.getLogger("gpud")
 
-# Events are pruned down to `daemon.events_keep` after every this many new ones.
-PRUNE_BATCH = 1000
+def prune_batch(keep: int) -> int:
+    """Events are pruned down to `daemon.events_keep` after every this many new ones: a
+    twentieth of it, so the store holds at most about 5% more than the setting (plus the events
+    of one group commit). A fixed batch of 1000 kept 1,499 of an events_keep of 500."""
+    return max(1, keep // 20)
 
 
 
@@ -162,7 +166,8 @@ class LedgerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
         self._subscribers: list[Subscription] = []
         self.counters: dict[str, int] = {}
-        self._since_prune = PRUNE_BATCH  # the first commit prunes what an earlier run left
+        # the first commit prunes what an earlier run left
+        self._since_prune = prune_batch(self.config.daemon.events_keep)
         self._records: dict[str, ServeRecord] = {}
         # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
         # made, some of them still on their way to the store.
@@ -386,7 +391,7 @@ class LedgerService:
                     p.future.set_result(events)
             self._decided_states = {row.serve: row.state for p in self._queue
                                     for row in p.changes.states}
-            if self._since_prune >= PRUNE_BATCH:
+            if self._since_prune >= prune_batch(self.config.daemon.events_keep):
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
@@ -416,8 +421,7 @@ class LedgerService:
 
     def _announce(self, ev: Event) -> None:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
-        level = logging.WARNING if ev.kind in {"deny", "crash-loop", "overdraw",
-                                               "reserve-exceeded", "over-committed"} else logging.INFO
+        level = logging.WARNING if ev.kind in WARNING_KINDS else logging.INFO
         fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
                   "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
         for key, value in ev.details.items():

@@ -6,7 +6,8 @@
 
 The "Serve states" panel turns gpud_serve_state (1 for the current state) into the index of the
 state in gpud.service.STATES, and its value mappings name each index: both are written from
-STATES here, so a new state cannot leave the panel showing a bare number.
+STATES here, so a new state cannot leave the panel showing a bare number. The "Events per
+minute" panel's kinds are gpud.core.vocab.WATCHED_KINDS.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud.core.vocab import STATES  # noqa: E402
+from gpud.core.vocab import STATES, WATCHED_KINDS  # noqa: E402
 from tools.generated import write_or_check  # noqa: E402
 
 DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
@@ -34,12 +35,19 @@ def state_query() -> str:
     return "max by (serve) (" + " or ".join(parts) + ")"
 
 
+def events_query() -> str:
+    kinds = "|".join(str(k) for k in WATCHED_KINDS)
+    return f'sum by (kind) (rate(gpud_events_total{{kind=~"{kinds}"}}[5m])) * 60'
+
+
 def render(dash: dict[str, Any]) -> str:
     panel = next(p for p in dash["panels"] if p["title"] == "Serve states")
     panel["targets"] = [{"expr": state_query(), "legendFormat": "{{serve}}", "refId": "A",
                          "format": "time_series"}]
     panel["fieldConfig"]["defaults"]["mappings"] = [{"type": "value", "options": {
         str(i): {"text": s, "color": COLOURS.get(s, "text"), "index": i} for i, s in enumerate(STATES)}}]
+    events = next(p for p in dash["panels"] if p["title"] == "Events per minute")
+    events["targets"] = [{"expr": events_query(), "legendFormat": "{{kind}}", "refId": "A"}]
     return json.dumps(dash, indent=2) + "\n"
 
 

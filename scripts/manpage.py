@@ -251,6 +251,12 @@ def render_gpud() -> str:
     parts += [".SS [daemon]", *_keys(DaemonConfig),
               ".SS [roles.NAME]", *_keys(RoleConfig),
               ".SS [serves.NAME]", *_keys(ServeConfig)]
+    parts += paragraphs(
+        "History is kept as configured: the store keeps the newest daemon.events_keep events "
+        "(pruned after every twentieth of it, so at most about 5% more), and an apply keeps the "
+        "newest daemon.backups_keep backups of the config file under backups/ beside it (its "
+        "former name config_backups is still read). An apply that changes nothing (the text "
+        "gpud runs, which the file already holds) writes no backup.")
     parts += [
         ".SH SIGNALS",
         ".TP", "\\fBSIGTERM\\fR, \\fBSIGINT\\fR",

@@ -15,7 +15,11 @@ from typing import Any
 
 import pytest
 
-from gpud.openapi import document
+from gpud.api import AdmitBody, Api
+from gpud.config import parse_config
+from gpud.openapi import body_schema, document
+from gpud.service import LedgerService
+from gpud.store import Store
 from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.schema import answer_errors, schema_errors
 
@@ -206,3 +210,66 @@ def test_the_checker_finds_what_breaks_the_schema(change: Any, problem: str) -> 
     change(role)
     errors = schema_errors(role, ref, doc)
     assert errors and problem in errors[0], errors
+
+
+def _api(tmp_path: Path, extra_routes: Any = None) -> tuple[Api, Store]:
+    text = '[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "test"), store, config_text=text)
+    return Api(svc, extra_routes=extra_routes), store
+
+
+def registered(api: Api) -> set[tuple[str, str]]:
+    """(METHOD, path template) of every route the aiohttp app has."""
+    return {(r.method, r.resource.canonical) for r in api.app.router.routes() if r.resource}
+
+
+def documented(doc: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+
+
+def test_every_registered_route_is_in_the_document(tmp_path: Path) -> None:
+    api, store = _api(tmp_path)
+    try:
+        routes = registered(api)
+    finally:
+        store.close()
+    doc = document()
+    assert routes == documented(doc), (routes ^ documented(doc))
+    # and every POST says its body, generated from the model that validates it
+    for method, path in routes:
+        if method == "POST":
+            body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            assert body["schema"]["additionalProperties"] is False, path
+    admit = doc["paths"]["/v1/serves/{name}/admit"]["post"]["requestBody"]["content"]
+    assert admit["application/json"]["schema"] == body_schema(AdmitBody)
+    assert body_schema(AdmitBody)["required"] == ["mib"]
+
+
+def test_a_route_added_without_its_schema_is_found(tmp_path: Path) -> None:
+    async def handler(request: Any) -> Any:
+        raise AssertionError("not called")
+
+    api, store = _api(tmp_path, extra_routes=lambda a: a.route("POST", "/v1/serves/{name}/x", handler))
+    try:
+        assert registered(api) - documented(document()) == {("POST", "/v1/serves/{name}/x")}
+    finally:
+        store.close()
+
+
+def test_methods_the_document_leaves_out_answer_405(gp: GpudProcess) -> None:
+    """On every documented path the methods it does not document answer 405 in the error shape,
+    naming the documented ones as allowed; the documented ones never do."""
+    doc = gp.call("GET", "/v1/openapi.json").body
+    for template, ops in doc["paths"].items():
+        path = template.replace("{name}", "fast")
+        allowed = sorted(m.upper() for m in ops)
+        for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+            reply = gp.call(method, path, {} if method != "GET" else None)
+            if method in allowed:
+                assert reply.status != 405, (method, path)
+                continue
+            assert reply.status == 405, (method, path, reply.status)
+            error = {"$ref": "#/components/schemas/Error"}
+            assert schema_errors(reply.body, error, doc) == [], reply.body
+            assert reply.body["error"]["details"]["allowed"] == allowed, (method, path)

@@ -269,3 +269,24 @@ def test_sleep_keys_and_their_defaults() -> None:
                          "t").serves["p"]
     assert (plain.sleep_level, plain.sleep_mib, plain.preemptible) == (0, None, None)
     assert cfg.daemon.auto_wake is True and cfg.daemon.preempt_at_boot is False
+
+
+def test_history_keys_and_their_defaults() -> None:
+    daemon = parse_config("", "t").daemon
+    assert (daemon.backups_keep, daemon.events_keep) == (10, 100_000)
+    daemon = parse_config("[daemon]\nbackups_keep = 3\nevents_keep = 500\n", "t").daemon
+    assert (daemon.backups_keep, daemon.events_keep) == (3, 500)
+    # its former name is still read
+    assert parse_config("[daemon]\nconfig_backups = 4\n", "t").daemon.backups_keep == 4
+
+
+@pytest.mark.parametrize(("snippet", "expected"), [
+    ("[daemon]\nbackups_keep = 0", "daemon.backups_keep: must be >= 1"),
+    ("[daemon]\nbackups_keep = 1001", "daemon.backups_keep: must be <= 1000"),
+    ("[daemon]\nconfig_backups = 0", "daemon.config_backups: must be >= 1"),
+    ("[daemon]\nbackups_keep = 2\nconfig_backups = 3", "daemon.config_backups: unknown key"),
+    ("[daemon]\nevents_keep = 99", "daemon.events_keep: must be >= 100"),
+])
+def test_history_keys_refused(snippet: str, expected: str) -> None:
+    found = problems(snippet)
+    assert any(expected in p for p in found), found

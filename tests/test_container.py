@@ -255,20 +255,78 @@ def test_cdi_spec_in_nvidia_ctks_layout() -> None:
         ("k/x #y", ["a"])
 
 
+# Valid YAML that nvidia-ctk does not write but a hand-edited or another tool's spec may hold;
+# podman's CDI library reads all of it, so gpud must too.
+FLOW_STYLE_YAML = """\
+{cdiVersion: 0.5.0, kind: nvidia.com/gpu,
+ devices: [{name: '0', containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}},
+           {name: all, containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}}],
+ containerEdits: {env: [NVIDIA_VISIBLE_DEVICES=void]}}
+"""
+ANCHORS_YAML = """\
+---
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+    - &gpu0
+      name: "0"
+      containerEdits: &edits0
+        deviceNodes:
+            - path: /dev/nvidia0
+    - <<: *gpu0
+      name: GPU-3f6c1111-2222-3333-4444-555566667777
+    - name: all
+      containerEdits:
+        <<: *edits0
+        env: [A=1]
+"""
+MULTI_DOCUMENT_YAML = """\
+%YAML 1.1
+---
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+    - name: "1"
+      containerEdits: {deviceNodes: [{path: /dev/nvidia1}]}
+---
+# a second document: CDI's parser reads the first, and so does gpud
+kind: vendor.com/other
+devices: [{name: x}]
+"""
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    (FLOW_STYLE_YAML, ["0", "all"]),
+    (ANCHORS_YAML, ["0", "GPU-3f6c1111-2222-3333-4444-555566667777", "all"]),
+    (MULTI_DOCUMENT_YAML, ["1"]),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: |-\n    a\n", ["a"]),
+], ids=["flow-style", "anchors", "multi-document", "block-scalar"])
+def test_cdi_yaml_beyond_nvidia_ctks_layout_is_read(text: str, names: list[str]) -> None:
+    assert cdi.parse_spec(text, "nvidia.yaml") == ("nvidia.com/gpu", names)
+
+
+def test_cdi_flow_style_spec_offers_its_gpus(tmp_path: Path) -> None:
+    (tmp_path / "nvidia.yaml").write_text(FLOW_STYLE_YAML)
+    found = cdi.scan((tmp_path,))
+    assert (found.names, found.problems) == ({"0", "all"}, [])
+
+
 @pytest.mark.parametrize(("text", "why"), [
-    ("kind: nvidia.com/gpu\ndevices: [{name: '0'}]\n", "devices in flow style"),
-    ("---\nkind: nvidia.com/gpu\ndevices:\n- name: a\n---\nkind: x/y\n", "second YAML document"),
-    ("kind: nvidia.com/gpu\ndevices:\n- name: &n a\n", "anchor"),
-    ("kind: nvidia.com/gpu\ndevices:\n- name: |\n    a\n", "block scalar"),
-    ("kind: nvidia.com/gpu\ndevices:\n\t- name: a\n", "tab in the indentation"),
-    ("kind: nvidia.com/gpu\ndevices:\n- containerEdits:\n    env: []\n", "line 3: a device has no name"),
+    ("kind: nvidia.com/gpu\ndevices: [{name: '0'}\n", "line 3: not valid YAML"),
+    ("kind: nvidia.com/gpu\ndevices:\n\t- name: a\n", "line 3: not valid YAML"),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: *nowhere\n", "line 3: not valid YAML"),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: !!python/name:os.system a\n", "not valid YAML"),
+    ("kind: nvidia.com/gpu\ndevices:\n- containerEdits:\n    env: []\n", 'devices[0] has no "name" string'),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: 0\n", "(0 unquoted is not a string in YAML)"),
     ("kind: nvidia.com/gpu\ndevices:\n- name: a b\n", "not a CDI device name"),
-    ("kind: nvidia.com/gpu\ndevices:\n- name: a\n  name: b\n", "'name' a second time"),
-    ("kind: nvidia.com/gpu\ndevices:\n    - name: a\n  - name: b\n", "line 4"),
-    ("kind: nvidia.com/gpu\nkind: x/y\n", "'kind' a second time"),
-    ("devices:\n- name: a\n", "no top-level kind"),
-    ("- kind: nvidia.com/gpu\n", "a sequence at the top"),
-    ("kind nvidia.com/gpu\n", "line 1"),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: |\n    a\n", "not a CDI device name"),
+    ("kind: nvidia.com/gpu\ndevices:\n- name: a\n  name: b\n", "line 4: not valid YAML: 'name' a second time"),
+    ("kind: nvidia.com/gpu\nkind: x/y\n", "line 2: not valid YAML: 'kind' a second time"),
+    ("kind: nvidia.com/gpu\ndevices: {a: 1}\n", '"devices" is not a list'),
+    ("devices:\n- name: a\n", 'no "kind" string'),
+    ("- kind: nvidia.com/gpu\n", "not a mapping"),
+    ("kind nvidia.com/gpu\n", "not a mapping"),
+    ("", "not a mapping"),
 ])
 def test_cdi_yaml_gpud_cannot_read_is_refused_with_its_line(text: str, why: str) -> None:
     with pytest.raises(cdi.SpecError, match=re.escape(why)):
@@ -276,7 +334,7 @@ def test_cdi_yaml_gpud_cannot_read_is_refused_with_its_line(text: str, why: str)
 
 
 @pytest.mark.parametrize(("text", "why"), [
-    ("{", "not valid JSON"), ("[]", "not a JSON object"), ('{"devices": []}', '"kind"'),
+    ("{", "not valid JSON"), ("[]", "not a mapping"), ('{"devices": []}', '"kind"'),
     ('{"kind": "nvidia.com/gpu", "devices": {}}', '"devices" is not a list'),
     ('{"kind": "nvidia.com/gpu", "devices": [{"nam": "0"}]}', 'devices[0] has no "name"'),
     ('{"kind": "nvidia.com/gpu", "devices": [{"name": "-x"}]}', "not a CDI device name"),
@@ -287,16 +345,15 @@ def test_cdi_json_gpud_cannot_read_is_refused(text: str, why: str) -> None:
 
 
 def test_an_unreadable_spec_is_named_where_gpud_reports_cdi(tmp_path: Path) -> None:
-    (tmp_path / "nvidia.yaml").write_text("kind: nvidia.com/gpu\ndevices: [{name: '0'}]\n")
+    (tmp_path / "nvidia.yaml").write_text("kind: nvidia.com/gpu\ndevices: [{name: '0'}\n")
     found = cdi.scan((tmp_path,))
     assert found.names == set() and found.read == []
-    assert found.problems == [f"{tmp_path / 'nvidia.yaml'}: line 2: devices in flow style "
-                              "(\"[{name: '0'}]\"); gpud reads the block style nvidia-ctk "
-                              "writes, or JSON"]
+    assert found.problems == [f"{tmp_path / 'nvidia.yaml'}: line 3: not valid YAML: expected ',' "
+                              "or ']', but got '<stream end>'"]
     cfg = parse_config(_toml({"role": "r", "vram_mib": 1024, "vllm": {"model": "m"},
                               "container": {"image": DIGEST}}), "t")
     warned = _warnings(cfg, (tmp_path,))
-    assert any(str(tmp_path / "nvidia.yaml") in w and "flow style" in w for w in warned), warned
+    assert any(str(tmp_path / "nvidia.yaml") in w and "not valid YAML" in w for w in warned), warned
     assert any("no CDI spec offers nvidia.com/gpu" in w for w in warned), warned
     # beside a spec that reads, the one that does not is still said
     (tmp_path / "other.json").write_text(json.dumps({"kind": "nvidia.com/gpu",

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpud.core.vocab import STATES
+from gpud.core.vocab import STATES, WARNING_KINDS, WATCHED_KINDS, EventKind
 from tests.conftest import REPO, start_gpud
 from tests.test_metrics import free_port, sim_config
 
@@ -182,3 +182,14 @@ def test_every_panel_against_a_real_prometheus(scraped: Prometheus) -> None:
             legend = re.sub(r"\{\{(\w+)\}\}", lambda m: r["metric"][m.group(1)], target["legendFormat"])  # noqa: B023
             shown[legend] = words[f"{value(r):g}"]
     assert shown == {"observation (simulated)": "available", "launching (system bus)": "unavailable"}
+
+
+def test_the_events_panel_shows_the_watched_kinds_of_the_vocabulary() -> None:
+    """Its kinds come from gpud.core.vocab (scripts/dashboard.py); every warning is among them."""
+    (target,) = panels()["Events per minute"]["targets"]
+    listed = re.search(r'kind=~"([^"]+)"', target["expr"])
+    assert listed is not None, target["expr"]
+    kinds = listed.group(1).split("|")
+    assert kinds == [str(k) for k in WATCHED_KINDS]
+    assert set(kinds) <= {str(k) for k in EventKind}
+    assert {str(k) for k in WARNING_KINDS} <= set(kinds)

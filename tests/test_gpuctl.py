@@ -1063,17 +1063,6 @@ def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:
     assert "gpud.ctl.main" in loaded
 
 
-def test_the_former_module_runs_old_console_scripts_and_nothing_else_uses_it() -> None:
-    from gpud import gpuctl as former
-
-    assert former.main is main
-    users = [str(p.relative_to(REPO)) for d in ("gpud", "scripts", "tools", "bench", "packaging")
-             for p in (REPO / d).rglob("*") if p.is_file() and p.suffix in ("", ".py", ".sh")
-             and p.name != "gpuctl.py" and "gpud.gpuctl" in p.read_text(errors="replace")]
-    assert users == []
-    assert 'gpuctl = "gpud.ctl.main:main"' in (REPO / "pyproject.toml").read_text()
-
-
 @pytest.mark.slow
 def test_startup_time(gpud: FakeGpud) -> None:
     """`gpuctl status` against a live socket within 2.5x `python3 -c pass` (median of 40)."""

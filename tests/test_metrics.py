@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpud.config import parse_config
 from gpud.core.vocab import EventKind
+from gpud.metrics import render
+from gpud.observer import Observer
+from gpud.service import LedgerService
+from gpud.simulation import SimulatedBackend, SimulatedDevice
+from gpud.store import Store
 from tests.conftest import GpudProcess, start_gpud
 
 
@@ -162,3 +168,43 @@ def test_tcp_listener_serves_only_metrics(tmp_path: Path) -> None:
         assert gp.call("GET", "/v1/ledger").body["roles"][0]["committed_mib"] == 0
     finally:
         gp.stop()
+
+
+# A device total the size of a byte count (80 GiB in bytes, as an exporter of bytes would show),
+# and a counter past 10^7: `{:g}` wrote both with six significant digits.
+HUGE_TOTAL = 85_899_345_927
+BIG_COUNT = 12_345_679
+
+
+async def test_exact_figures_past_six_digits(tmp_path: Path) -> None:
+    (tmp_path / "sim.json").write_text("{}")
+    (tmp_path / "sim-procs").mkdir()
+    observer = Observer(SimulatedBackend((SimulatedDevice("GPU-sim-0", HUGE_TOTAL),),
+                                         tmp_path / "sim.json"))  # fmt: skip
+    await observer.sample()
+    text = '[roles.big]\ndevice = "GPU-sim-0"\nreserve_mib = 1\n'
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "test"), store, observer=observer, config_text=text)
+    try:
+        svc.load()
+        svc.counters[str(EventKind.ADMIT)] = BIG_COUNT
+        svc.counters["preempt"] = 10**7
+        exposed = render(svc, observer)
+    finally:
+        svc.close()
+        store.close()
+    got = {(s.name, frozenset(s.labels.items())): s.value
+           for f in text_string_to_metric_families(exposed) for s in f.samples}
+    role = frozenset({("role", "big"), ("gpu", "0"), ("UUID", "GPU-sim-0")})
+    assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == BIG_COUNT
+    assert got[("gpud_preemptions_total", frozenset())] == 10**7
+    assert got[("gpud_role_capacity_mib", role)] == HUGE_TOTAL
+    assert got[("gpud_role_ledger_free_mib", role)] == HUGE_TOTAL - 1
+    assert got[("gpud_device_total_mib", DEVICE)] == HUGE_TOTAL
+    # as Prometheus' own client writes them: every digit kept
+    assert 'gpud_events_total{kind="admit"} 1.2345679e+07\n' in exposed
+    assert "gpud_role_capacity_mib{UUID=\"GPU-sim-0\",gpu=\"0\",role=\"big\"} 8.5899345927e+10\n" in exposed
+    result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
+                            capture_output=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+    assert not (result.stdout + result.stderr).strip(), (result.stdout + result.stderr).decode()

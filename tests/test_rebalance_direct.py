@@ -25,7 +25,7 @@ admission = "ledger"
 state_dir = "{tmp}"
 health_interval_s = {health}
 memory_return_timeout_s = 0
-config_backups = 2
+backups_keep = 2
 
 [roles.r]
 device = "GPU-sim-0"
@@ -211,6 +211,32 @@ async def test_apply_restarts_shrinking_before_growing_then_starts(ap: Apply) ->
     assert set(r.svc.config.serves) == {"a", "b", "d"}
     assert result["summary"] == r.svc.summary()
     assert {e.uid for e in r.events(kinds=["apply"])} == {4}
+
+
+async def test_an_apply_that_changes_nothing_writes_no_backup(ap: Apply) -> None:
+    """Ten no-op applies used to write ten backups, pushing every earlier one out."""
+    first = await ap.run(resized(ap.old))
+    assert first["result"] == "applied" and first["backup"] is not None
+    kept = sorted((ap.path.parent / "backups").iterdir())
+    before = ap.path.stat().st_mtime_ns
+    for _ in range(3):
+        ap.steps.clear()
+        result = await ap.run(resized(ap.old))
+        assert result["result"] == "applied" and result["backup"] is None, result
+        assert "backup" not in ap.names() and "write" not in ap.names(), ap.names()
+    assert sorted((ap.path.parent / "backups").iterdir()) == kept
+    assert ap.path.stat().st_mtime_ns == before  # not written again either
+    # a change writes a backup again, of what was there
+    ap.steps.clear()
+    changed = await ap.run(ap.old)
+    assert "backup" in ap.names() and Path(changed["backup"]).read_text() == resized(ap.old)
+
+
+async def test_backups_keep_prunes_the_backups_of_applies(ap: Apply) -> None:
+    assert ap.rig.svc.config.daemon.backups_keep == 2
+    texts = [resized(ap.old), ap.old, resized(ap.old)]
+    saved = [(await ap.run(text))["backup"] for text in texts]
+    assert sorted(str(p) for p in (ap.path.parent / "backups").iterdir()) == sorted(saved[1:])
 
 
 async def test_a_live_serve_that_leaves_is_stopped_first(ap: Apply) -> None:

@@ -22,7 +22,7 @@ from gpud.core.transition import Refusal, Transition
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, EXTERNAL, FAILED, RUNNING, STARTING
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
-from gpud.service import LedgerService, resolve_budgets
+from gpud.service import LedgerService, prune_batch, resolve_budgets
 from gpud.simulation import SimulatedBackend, SimulatedDevice
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
@@ -630,10 +630,18 @@ async def test_events_are_pruned_after_a_batch(world: World,
     assert isinstance(store, FailingStore)
     store.pruned.clear()
     svc._since_prune = 0
-    for i in range(150):
+    assert prune_batch(100) == 5
+    for i in range(146):
         await svc.record(svc.event("note", f"n{i}"))
+    await svc.drain()
+    await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
+    assert store.pruned and set(store.pruned) == {100}
+    store.pruned.clear()
+    svc._since_prune = 0
+    for i in range(4):
+        await svc.record(svc.event("note", f"m{i}"))
     assert store.pruned == []  # under a batch: not pruned yet
-    svc._since_prune = 999
+    svc._since_prune = 4
     with caplog.at_level(logging.INFO, "gpud"):
         await svc.record(svc.event("note", "last"))
         await svc.drain()
@@ -641,7 +649,22 @@ async def test_events_are_pruned_after_a_batch(world: World,
     assert store.pruned == [100]
     assert svc._since_prune == 0
     assert len(store.events(EventQuery(limit=1000))) == 100
-    assert "pruned 51 old events (keeping the newest 100)" in caplog.text
+    assert "old events (keeping the newest 100)" in caplog.text
+
+
+@pytest.mark.parametrize("keep", [100, 500, 2000])
+async def test_events_kept_stay_within_a_tenth_of_events_keep(world: World, keep: int) -> None:
+    """events_keep = 500 kept 1,499 events when pruning went by batches of 1000. Recorded 25 at
+    a time (group commits of several events), counted once each prune has run."""
+    svc = world.service(ROLES.replace("events_keep = 100", f"events_keep = {keep}"))
+    counts = []
+    for burst in range(2 * keep // 25 + 20):
+        await asyncio.gather(*(svc.record(svc.event("note", f"n{burst}.{i}")) for i in range(25)))
+        await svc.drain()
+        await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
+        counts.append(len(svc.store.events(EventQuery(limit=100_000))))
+    assert counts[-1] >= keep
+    assert max(counts) <= keep * 1.1, (keep, max(counts))
 
 
 async def test_a_failed_prune_is_a_warning(world: World, caplog: pytest.LogCaptureFixture) -> None:

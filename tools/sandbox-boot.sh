@@ -48,6 +48,13 @@ printf '%s\n' "${GPUD_SANDBOX_BINDS:-}" | while IFS= read -r b; do
     mount --rbind "$b" "$r$b"
 done
 unset GPUD_SANDBOX_BINDS
+# Files laid over the root as if the host had them (Sandbox(root_files=...)): only the overlay's
+# upper layer is written. The directories that exist keep their modes and owners (a 0700 temporary
+# directory copied onto / would lock every service user out).
+if [ -n "${GPUD_SANDBOX_ROOT_FILES:-}" ]; then
+    tar -C "$GPUD_SANDBOX_ROOT_FILES" -cf - . | tar -C "$r" -xf - --no-overwrite-dir
+fi
+unset GPUD_SANDBOX_ROOT_FILES
 for u in "$@"; do ln -sfn /dev/null "$r/etc/systemd/system/$u"; done
 mkdir -p "$r/etc/systemd/journald.conf.d"
 printf '[Journal]\nStorage=volatile\n' > "$r/etc/systemd/journald.conf.d/gpud-sandbox.conf"

@@ -20,6 +20,9 @@ Why each piece is there:
   only the pseudo devices (plus /dev/nvidia* when the host has them): systemd skips what a
   container must not do to its host (load kernel modules, apply sysctls, fsck, move pstore).
 - ``MASKED_UNITS``: what would still reach the network or the host, or only makes boot slow.
+- Failed units of the host's own (``openipmi.service`` finds no ``/proc/modules`` in a
+  container; any unit the host enables may fail here): named on stderr and tolerated
+  (``foreign_failures``); a failed unit of gpud's or one the sandbox needs refuses the boot.
 - The safety net: PID 1 is started under ``unshare --kill-child`` whose own parent-death signal is
   SIGKILL, so even a ``kill -9`` of the Python process that booted it ends the sandbox; an atexit
   hook and SIGTERM/SIGHUP handlers power it off on an ordinary exit.
@@ -109,6 +112,22 @@ MASKED_UNITS: tuple[str, ...] = (
     "systemd-ask-password-console.path",
     "systemd-ask-password-wall.path",
 )
+
+# A failure of one of these, or of a unit of gpud's (gpud.*, gpud-serve-*), refuses the boot: the
+# sandbox is no use without its bus and its journal. Any other failed unit is the host's own.
+ESSENTIAL_UNITS: frozenset[str] = frozenset({
+    "dbus.service",
+    "dbus.socket",
+    "systemd-journald.service",
+    "systemd-journald.socket",
+    "systemd-journald-dev-log.socket",
+})
+
+
+def is_foreign_unit(unit: str) -> bool:
+    """A unit the sandbox may boot without: neither gpud's nor one of ``ESSENTIAL_UNITS``."""
+    return unit not in ESSENTIAL_UNITS and not unit.startswith(("gpud.", "gpud-"))
+
 
 # Runs as PID 1 of the new namespaces and ends by exec'ing systemd (a file of its own, so that
 # shellcheck reads it).
@@ -339,9 +358,15 @@ class Sandbox:
         name: str = "gpud-sbx",
         detached: bool = False,
         binds: Sequence[Path] = (),
+        root_files: Path | None = None,
     ) -> None:
         self.name = name
         self.detached = detached
+        # A host directory whose tree is copied over the sandbox's / before systemd starts (into
+        # the overlay's upper layer: the host's own files are untouched), as if the host had it.
+        self.root_files = None if root_files is None else Path(root_files).resolve()
+        # Units of the host's that failed at boot and were tolerated (see is_foreign_unit).
+        self.foreign_failures: tuple[str, ...] = ()
         # This checkout, the interpreter's prefix (the project's .venv) and the base interpreter
         # that venv's python links to must be visible inside: bound in when the overlay of /
         # would not show them.
@@ -386,8 +411,10 @@ class Sandbox:
     def boot(self, timeout: float = 60) -> None:
         """Boot and wait until ``systemctl is-system-running`` says ``running``.
 
-        On ``degraded`` (or any failure to get there) the failed units and their logs are printed
-        to stderr, the sandbox is powered off and ``SandboxError`` is raised.
+        ``degraded`` only by failed units of the host's own (``is_foreign_unit``) is tolerated:
+        they are named on stderr and kept in ``foreign_failures``. On any other ``degraded`` (or
+        any failure to get there) the failed units and their logs are printed to stderr, the
+        sandbox is powered off and ``SandboxError`` is raised.
         """
         if self._pid is not None:
             raise SandboxError(f"sandbox {self.name} is already booted")
@@ -401,6 +428,13 @@ class Sandbox:
                     print(self._diagnostics(), file=sys.stderr)
             self.poweroff(timeout=5)
             raise
+        if state == "degraded":
+            failed = self._failed_units()
+            if failed and all(is_foreign_unit(u) for u in failed):
+                self.foreign_failures = tuple(failed)
+                print(f"sandbox {self.name}: booted degraded by units of the host's own that fail "
+                      f"here, not gpud's; tolerated: {', '.join(failed)}", file=sys.stderr)
+                return
         if state != "running":
             report = self._diagnostics()
             print(report, file=sys.stderr)
@@ -437,7 +471,8 @@ class Sandbox:
             stdout=self._console,
             stderr=subprocess.STDOUT,
             env={"container": CONTAINER_NAME, "PATH": INSIDE_PATH, "LANG": "C.UTF-8",
-                 "GPUD_SANDBOX_BINDS": "\n".join(str(b) for b in self.binds)},
+                 "GPUD_SANDBOX_BINDS": "\n".join(str(b) for b in self.binds),
+                 "GPUD_SANDBOX_ROOT_FILES": str(self.root_files or "")},
             start_new_session=self.detached,
         )
         with _LIVE_LOCK:
@@ -481,6 +516,11 @@ class Sandbox:
                 return state
             # "offline": PID 1 does not listen on its private socket yet
             time.sleep(0.05)
+
+    def _failed_units(self) -> list[str]:
+        failed = self.run(["systemctl", "list-units", "--failed", "--no-legend", "--plain"],
+                          timeout=10)  # fmt: skip
+        return sorted(line.split()[0] for line in failed.stdout.splitlines() if line.split())
 
     def _diagnostics(self) -> str:
         parts = [f"sandbox {self.name} (pid {self._pid}, workdir {self.workdir})"]

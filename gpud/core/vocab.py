@@ -75,6 +75,17 @@ class EventKind(StrEnum):
 
 
 EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)
+# Logged as warnings: something was refused or is wrong.
+WARNING_KINDS: frozenset[EventKind] = frozenset({
+    EventKind.DENY, EventKind.CRASH_LOOP, EventKind.OVERDRAW, EventKind.RESERVE_EXCEEDED,
+    EventKind.OVER_COMMITTED})
+# The kinds whose rate the Grafana dashboard's "Events per minute" panel shows
+# (scripts/dashboard.py): the warnings, and what happens to serves without an operator's command.
+WATCHED_KINDS: tuple[EventKind, ...] = tuple(
+    k for k in EVENT_KINDS
+    if k in WARNING_KINDS or k in {EventKind.EXIT, EventKind.RESTART, EventKind.UNHEALTHY,
+                                   EventKind.SLEEP, EventKind.WAKE, EventKind.PREEMPT,
+                                   EventKind.DEVICE_LOST, EventKind.CONTAINER_OUTSIDE_UNIT})
 
 # Serve and role names become systemd unit names and URL path segments.
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"

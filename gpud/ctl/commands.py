@@ -606,7 +606,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "apply", "rebalance to a new serves.toml, rolling back on failure",
         "Validate NEW.toml (refused, nothing changed, when the resident set does not fit), back "
-        "up the current config (timestamped, the last daemon.config_backups kept, under "
+        "up the current config (timestamped, the last daemon.backups_keep kept, under "
         "backups/ beside it), stop the live serves that leave the config or their role and "
         "release the reservations of admitted ones that do, write NEW.toml over it "
         "atomically, reload, then restart changed serves and resize the reservations of "

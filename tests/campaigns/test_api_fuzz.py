@@ -119,8 +119,9 @@ def from_schema(schema: dict[str, Any], doc: dict[str, Any], depth: int = 0) -> 
         return from_schema(doc["components"]["schemas"][name], doc, depth)
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
-    if "oneOf" in schema:
-        return st.one_of(*[from_schema(s, doc, depth + 1) for s in schema["oneOf"]])
+    for alternatives in ("oneOf", "anyOf"):  # anyOf: pydantic's `X | None`
+        if alternatives in schema:
+            return st.one_of(*[from_schema(s, doc, depth + 1) for s in schema[alternatives]])
     types = schema.get("type", "object")
     if isinstance(types, list):
         return st.one_of(*[from_schema({**schema, "type": t}, doc, depth) for t in types])
@@ -129,7 +130,9 @@ def from_schema(schema: dict[str, Any], doc: dict[str, Any], depth: int = 0) -> 
     if types == "boolean":
         return st.booleans()
     if types == "integer":
-        return st.integers(min_value=schema.get("minimum"), max_value=schema.get("maximum"))
+        low = schema.get("minimum", schema["exclusiveMinimum"] + 1 if "exclusiveMinimum" in schema
+                         else None)
+        return st.integers(min_value=low, max_value=schema.get("maximum"))
     if types == "number":
         return st.floats(allow_nan=False, allow_infinity=False)
     if types == "string":

@@ -29,7 +29,7 @@ TABLES = ["daemon", "roles.r", "roles.dark-fast", "roles.Bad", "serves.s", "serv
 ARRAY_TABLES = ["simulation.devices", "serves.s.vllm.extra_args", "roles", "daemon.x"]
 KEYS = ["socket", "state_dir", "admission", "admin_group", "socket_group", "observe_interval_s",
         "health_interval_s", "health_failures", "crash_loop_restarts", "crash_loop_window_s",
-        "overdraw_tolerance_mib", "memory_return_timeout_s", "vllm_executable", "config_backups",
+        "overdraw_tolerance_mib", "memory_return_timeout_s", "vllm_executable", "backups_keep", "config_backups",
         "metrics_listen", "device", "capacity_mib", "reserve_mib", "note", "role", "vram_mib",
         "resident", "priority", "port", "health_path", "command", "environment", "user",
         "start_timeout_s", "stop_timeout_s", "restart", "restart_sec", "model", "revision",
@@ -146,7 +146,7 @@ DAEMON = optional_fields({
     "observe_interval_s": SECONDS, "health_interval_s": SECONDS,
     "health_failures": st.integers(-2, 2000), "crash_loop_restarts": st.integers(-2, 2000),
     "crash_loop_window_s": SECONDS, "overdraw_tolerance_mib": MIB,
-    "memory_return_timeout_s": SECONDS, "config_backups": st.integers(-1, 2000),
+    "memory_return_timeout_s": SECONDS, "backups_keep": st.integers(-1, 2000),
     "metrics_listen": st.sampled_from(["127.0.0.1:9400", ":x", "", "9400"]),
 })
 ROLE = optional_fields({"device": st.sampled_from(["0", "GPU-sim-0", "", "0000:01:00.0"]),

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.conftest import Reply, call
 from tools.sandbox import Sandbox
 
@@ -130,6 +132,13 @@ class SandboxGpud:
                                      f"{timeout} s\n" + self.journal_tail())
             time.sleep(0.05)
             seen.add(taken_at())
+
+    def metrics(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """The samples named NAME of /metrics, as Prometheus' own parser reads them."""
+        text = self.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
+                            "http://localhost/metrics"]).stdout  # fmt: skip
+        return [(s.labels, s.value) for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == name]  # fmt: skip
 
     def unit_prop(self, unit: str, prop: str) -> str:
         return self.sb.run(["systemctl", "show", "-p", prop, "--value", unit]).stdout.strip()

@@ -88,11 +88,9 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     # observation saw the stand-in's draw drop to its sleep draw (a serve with an environment
     # table gets gpud's environment too: the simulation's registration among it)
     assert entry["GPUD_OBSERVED_MIB"] == "800"
-    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
-                           "http://localhost/metrics"]).stdout
-    lines = [line for line in metrics.splitlines() if line.startswith("gpud_serve_state{")
-             and 'serve="lo"' in line and line.endswith(" 1")]
-    assert len(lines) == 1 and 'state="sleeping"' in lines[0], lines
+    lines = [labels for labels, value in gpud.metrics("gpud_serve_state")
+             if labels["serve"] == "lo" and value == 1]
+    assert len(lines) == 1 and lines[0]["state"] == "sleeping", lines
     # sleeping twice, or waking a running serve, is a conflict
     assert gpud.call("POST", "/v1/serves/lo/sleep", {}).status == 409
     woken = checked(gpud, "/v1/serves/{name}/wake", "lo")
@@ -314,9 +312,7 @@ def test_preemptible_stop_and_admit_with_preempt(gpud: SandboxGpud) -> None:
     ev = gpud.events(kind="preempt")[-1]
     assert (ev["serve"], ev["details"]["action"], ev["details"]["preempted_by"]) == (
         "st", "stop", "hi")
-    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
-                           "http://localhost/metrics"]).stdout
-    assert "gpud_preemptions_total 1" in metrics.splitlines()
+    assert gpud.metrics("gpud_preemptions_total") == [({}, 1)]
 
 
 def test_preempted_serve_wakes_after_a_restart_once_its_preempter_is_gone(

@@ -351,11 +351,8 @@ def test_lost_device_denies_admissions_and_starts_and_marks_its_serves(gpud: San
     reply = gpud.call("POST", "/v1/serves/later/start", {})
     assert reply.status == 409 and "lost" in reply.body["error"]["message"], reply.raw
     assert "gpud-serve-later.service" not in gpud.serve_units()
-    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
-                           "http://localhost/metrics"]).stdout
-    lost_lines = {line.split("{")[1].split(",")[0]: line.rsplit(" ", 1)[1]
-                  for line in metrics.splitlines() if line.startswith("gpud_serve_device_lost{")}
-    assert lost_lines['serve="up"'] == "1" and lost_lines['serve="elsewhere"'] == "0", lost_lines
+    lost = {labels["serve"]: value for labels, value in gpud.metrics("gpud_serve_device_lost")}
+    assert lost["up"] == 1 and lost["elsewhere"] == 0, lost
     # the other device is untouched
     assert gpud.call("POST", "/v1/serves/elsewhere/admit", {"mib": 1000}).status == 200
     gpud.sb.write_file("/run/gpud/sim.json", json.dumps({"external": []}))

@@ -64,11 +64,9 @@ def test_a_two_device_serve_runs_on_both_and_its_draw_is_attributed_per_device(
     assert [(x["serve"], x["part"]) for x in ledger["g0"]["reservations"]] == [("big", "2/2")]
     # Nothing of it counts as non-ledger draw on either device.
     assert all(r["observed"]["non_ledger_draw_mib"] == 0 for r in ledger.values())
-    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
-                           "http://localhost/metrics"]).stdout
-    observed = [line for line in metrics.splitlines()
-                if line.startswith("gpud_serve_observed_mib{") and 'serve="big"' in line]
-    assert len(observed) == 2 and all(line.endswith(f" {draw}") for line in observed), observed
+    observed = [value for labels, value in gpud.metrics("gpud_serve_observed_mib")
+                if labels["serve"] == "big"]
+    assert observed == [draw, draw], observed
     # Every event of the serve names both roles, and is found by either.
     for kind in ("admit", "start", "healthy"):
         (ev,) = gpud.events(kind=kind, serve="big")
