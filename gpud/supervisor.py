@@ -28,7 +28,13 @@ import aiohttp
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
-from gpud.core.launch import serve_argv, serve_environment, smallest_total, through_shim
+from gpud.core.launch import (
+    serve_argv,
+    serve_environment,
+    smallest_total,
+    through_shim,
+    unit_restart,
+)
 from gpud.core.unitstate import (
     ACTIVE,
     Action,
@@ -508,7 +514,7 @@ class Supervisor:
                 serve, {**env, **spec.environment} if spec.environment else {}),
             description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
                          f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
-            environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
+            environment=env, user=spec.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
             start_limit_burst=daemon.crash_loop_restarts + 3,
@@ -931,7 +937,7 @@ class Supervisor:
         rt = ServeRuntime(state=rec.state if rec else DECLARED,
                           holds=serve in self.svc.ledger.reservations, configured=spec is not None,
                           resident=bool(spec and spec.resident),
-                          restart=spec.restart if spec else "no",
+                          restart=unit_restart(spec) if spec else "no",
                           launching=serve in self._launching, stopping=serve in self._stopping,
                           prev=prev, exit_seen=self._exit_seen.get(serve))
         actions = on_unit(rt, st)

@@ -372,7 +372,7 @@ def test_engine_death_is_503_then_exit(start: Start, procs_dir: Path) -> None:
     os.kill(child, signal.SIGKILL)
     wait_until(lambda: s.health() == (503, "engine-dead"), what="503 after the engine died")
     died = time.monotonic()
-    assert s.wait_exit(5) == 1
+    assert s.wait_exit(5) == 0  # vLLM's server exits cleanly after its engine died
     assert 0.3 < time.monotonic() - died < 3
     assert registrations(procs_dir) == {}
     assert "died" in s.output() and "the API server exits" in s.output()
@@ -381,7 +381,7 @@ def test_engine_death_is_503_then_exit(start: Start, procs_dir: Path) -> None:
 def test_engine_dies_after(start: Start) -> None:
     s = start("--engine-dies-after", "0.5", "--exit-after-engine-death", "0.3")
     assert s.health() == (200, "ready")
-    assert s.wait_exit(5) == 1
+    assert s.wait_exit(5) == 0
     assert "simulated engine death" in s.output()
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
@@ -69,6 +70,18 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
         # sleeps binds 127.0.0.1 (config check), so they never face the network.
         **({"VLLM_SERVER_DEV_MODE": "1"} if serve.sleep_level else {}),
     }
+
+
+def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
+    """The unit's Restart= for the serve's restart policy. A vllm serve's "on-failure" is
+    "always": after its engine dies vLLM's API server exits with status 0 (seen on real vLLM:
+    EngineDeadError logged, then a clean exit), which Restart=on-failure takes as a clean exit
+    and does not restart, leaving the serve exited and its reservation held. systemd never
+    restarts a unit its own stop job ended (systemd.service(5), Restart=), so gpud's stops stay
+    stops."""
+    if serve.vllm is not None and serve.restart == "on-failure":
+        return "always"
+    return serve.restart
 
 
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,

@@ -19,7 +19,8 @@ functions that do it):
   ``Available KV cache memory: Y GiB``, ``Estimated CUDA graph memory: Z GiB total`` and the
   ``--kv-cache-memory=N`` recommendation) and then tells the server it is ready;
 - ready: ``GET /health`` 200 with an empty body, ``GET /v1/models`` with the served names;
-- the engine child dies: ``/health`` answers 503, and the server exits (status 1) after
+- the engine child dies: ``/health`` answers 503, and the server exits with status 0 (as
+  vLLM's does: its watchdog sets uvicorn's ``should_exit``, a clean shutdown) after
   ``--exit-after-engine-death`` seconds (vLLM's watchdog: 5);
 - with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2``, ``POST /wake_up``,
   ``GET /is_sleeping``; asleep, the engine's draw drops to the context (``--context-mib``), or
@@ -1198,8 +1199,11 @@ class _MainProcess:
                 return 0
             now = self.app.elapsed()
             if exit_at is not None and now >= exit_at:
-                _warn("engine dead: the API server exits")
-                return 1
+                # vllm/entrypoints/launchers/launcher.py terminate_if_errored: the watchdog
+                # sets uvicorn's should_exit, and the server shuts down cleanly: status 0
+                # (seen on real vLLM). Restart=on-failure takes that for a clean exit.
+                _warn("engine dead: the API server exits (status 0)")
+                return 0
             while schedule and schedule[0][0] <= now:
                 _, what = schedule.pop(0)
                 if what == "unhealthy":
