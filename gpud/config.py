@@ -440,6 +440,8 @@ def _vllm_problems(cfg: Config) -> list[str]:
     # Imported here: gpud.core.launch imports this module.
     from gpud.core.launch import (
         GPUD_SET_OPTIONS,
+        NO_HTTP_OPTIONS,
+        SLEEP_OFF_OPTIONS,
         uses_utilization,
         vllm_arg_parts,
         vllm_budget_mib,
@@ -494,10 +496,18 @@ def _vllm_problems(cfg: Config) -> list[str]:
         for i, why in tensor_parallel_problems(serve):
             problems.append(f"serves.{name}.vllm.extra_args[{i}]: {why}")
         for i, arg in enumerate(v.extra_args):
-            key = GPUD_SET_OPTIONS.get(_option_name(arg))
+            option = _option_name(arg)
+            key = GPUD_SET_OPTIONS.get(option)
             if key is not None:
-                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {_option_name(arg)} is "
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} is "
                                 f"set by gpud from serves.{name}.{key}: set that instead")
+            elif option in SLEEP_OFF_OPTIONS and serve.sleep_level:
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} turns off the "
+                                f"sleep mode serves.{name}.sleep_level = {serve.sleep_level} "
+                                "needs: drop it, or set sleep_level = 0")
+            elif option in NO_HTTP_OPTIONS:
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} "
+                                f"{NO_HTTP_OPTIONS[option]}: gpud cannot watch such a serve")
         env = vllm_environment(serve) | serve.environment
         ready = env["VLLM_ENGINE_READY_TIMEOUT_S"]
         if not ready.isdigit() or int(ready) < serve.start_timeout_s:
