@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -72,6 +72,7 @@ from gpud.service import LedgerService, check_serve_name
 from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
+from gpud.vllm_log import exit_reason
 
 log = logging.getLogger("gpud.supervisor")
 
@@ -95,6 +96,28 @@ OUTSIDE_STOP = "stopped (outside gpud)"
 PORT_RECHECK_S = 10.0
 
 
+async def read_exit_lines(unit: str, invocation: str | None) -> list[str]:
+    """The last lines of `unit` (of its `invocation`, when known) in the journal, oldest first
+    ([] when journalctl cannot say).
+    `--sync` first: a serve's last words may still be on their way to journald when systemd
+    reports its exit."""
+    try:
+        sync = await asyncio.create_subprocess_exec(
+            "journalctl", "--sync", stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        await asyncio.wait_for(sync.wait(), 5)
+        # what the serve's process wrote in this run of the unit alone, where it is known
+        match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+        proc = await asyncio.create_subprocess_exec(
+            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "60", *match,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    except (OSError, TimeoutError) as exc:
+        log.warning("cannot read the journal of %s: %s", unit, exc)
+        return []
+    return out.decode("utf-8", "replace").splitlines()
+
+
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None]) -> Supervisor:
     return Supervisor(svc, SystemdUnits(), observer, notify=notify)
@@ -103,12 +126,16 @@ def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
 class Supervisor:
     def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
                  notify: Callable[[str], None] = lambda _m: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
+                 ) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
         self.notify = notify
         self.clock = clock
+        # The last lines of a serve's unit, read when it exits: why it said it did.
+        self.journal = journal
         self._device_locks: dict[str, asyncio.Lock] = {}
         self._serve_locks: dict[str, asyncio.Lock] = {}
         self._launching: set[str] = set()
@@ -802,6 +829,12 @@ class Supervisor:
                     self._stopping.discard(serve)
             else:
                 reason += f"; not stopped: system bus unavailable ({self.units.reason})"
+        if kind in ("exit", "crash-loop"):
+            last = self._last.get(serve)
+            said = exit_reason(await self.journal(f"gpud-serve-{serve}.service",
+                                                  last.invocation_id if last else None))
+            if said is not None:
+                reason += f"; its log: {said}"
         res = self.svc.ledger.reservations.get(serve)
         policy = "kept (resident)" if resident else "released"
         if still_active and not resident:
