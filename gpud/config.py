@@ -234,6 +234,9 @@ class SimulatedDevice(_Model):
     index: int | None = Field(default=None, ge=0)
     pci_bus_id: str | None = None
     name: str | None = None
+    # What the simulated NVML says of each process's memory: "reported", "not-available"
+    # (WDDM) or "none" (no process listed, as WSL2 shows it).
+    process_memory: Literal["reported", "not-available", "none"] = "reported"
 
 
 class SimulationConfig(_Model):
