@@ -447,6 +447,41 @@ def test_sleep_endpoints_in_dev_mode(start: Start, procs_dir: Path) -> None:
     assert off.request("POST", "/sleep?level=1")[0] == 500  # no --enable-sleep-mode
 
 
+def test_level_two_loses_the_weights_until_reloaded(start: Start) -> None:
+    s = start("--enable-sleep-mode", env={"VLLM_SERVER_DEV_MODE": "1"})
+
+    def weights() -> str:
+        return str(s.get_json("/standin/state")["weights"])
+
+    def completion() -> str:
+        status, _, payload = s.request("POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 200
+        return str(json.loads(payload)["choices"][0]["text"])
+
+    # a bare wake after level 2: awake, "healthy", answering from uninitialised weights
+    assert s.request("POST", "/sleep?level=2&mode=abort")[0] == 200
+    assert weights() == "discarded"
+    assert s.request("POST", "/wake_up")[0] == 200
+    assert s.get_json("/is_sleeping") == {"is_sleeping": False}
+    assert weights() == "uninitialised" and "garbage" in completion()
+    # vLLM's restore: weights' memory, reload in place, then the KV cache
+    assert s.request("POST", "/sleep?level=2")[0] == 200
+    status, _, payload = s.request("POST", "/wake_up?tags=weights")
+    assert (status, json.loads(payload)) == (200, {"status": "sleeping", "tags": ["weights"]})
+    assert s.get_json("/is_sleeping") == {"is_sleeping": True}
+    status, _, payload = s.request("POST", "/collective_rpc", {"method": "reload_weights"})
+    assert (status, json.loads(payload)) == (200, {"results": [None]})
+    status, _, payload = s.request("POST", "/wake_up?tags=kv_cache")
+    assert (status, json.loads(payload)) == (200, {"status": "awake", "tags": ["kv_cache"]})
+    assert weights() == "loaded" and "garbage" not in completion()
+    # level 1 keeps them (parked in host RAM); a reload while they sleep is refused
+    assert s.request("POST", "/sleep?level=1")[0] == 200
+    assert s.request("POST", "/collective_rpc", {"method": "reload_weights"})[0] == 500
+    assert s.request("POST", "/wake_up")[0] == 200 and weights() == "loaded"
+    assert s.request("POST", "/sleep?level=1&mode=later")[0] == 422
+    assert s.request("POST", "/collective_rpc", {"nomethod": 1})[0] == 400
+
+
 def test_asleep_mib_is_the_draw_asleep(start: Start, procs_dir: Path) -> None:
     s = start("--enable-sleep-mode", "--draw-mib", "900", "--context-mib", "300",
               "--asleep-mib", "450", sim=True, env={"VLLM_SERVER_DEV_MODE": "1"})
