@@ -422,6 +422,14 @@ def config_warnings(cfg: Config) -> list[str]:
             warnings.append(f"serves.{name}.container.image: {c.image!r} is not pinned to a "
                             "digest (NAME@sha256:...): the image a tag names can change under "
                             "the same config, and its calibration with it")
+        if c is not None and len(serve.all_roles) > 1 and c.ipc is None and c.shm_size is None:
+            # vLLM's docs, "Deploying with Docker": PyTorch shares data between the tensor
+            # parallel workers through shared memory; a container's /dev/shm is 64 MiB unless
+            # given more (podman run --shm-size) or the host's (--ipc=host).
+            warnings.append(f"serves.{name}.container: tensor parallel over "
+                            f"{len(serve.all_roles)} devices in a container with podman's 64 MiB "
+                            "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
+                            "= \"host\"")
     return warnings
 
 
