@@ -78,6 +78,11 @@ class DaemonConfig(_Model):
     # memory back (vLLM frees its memory some seconds after the process is told to stop).
     memory_return_timeout_s: float = Field(default=60.0, ge=0)
     vllm_executable: str = "vllm"
+    # What a vllm serve without a vllm.context_mib needs free beyond its reservation to start:
+    # vLLM checks free >= util x total after its CUDA context, NCCL and cuBLAS exist (a few
+    # hundred MiB per device; ~500 MiB is the CUDA context alone on recent drivers). Strict
+    # admission asks for it; `gpuctl calibrate` measures a serve's own (vllm.context_mib).
+    vllm_start_context_mib: int = Field(default=512, ge=0, le=MAX_MIB)
     # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
     vllm_version: str = "0.33.0"
     config_backups: int = Field(default=10, ge=1, le=1000)

@@ -170,6 +170,10 @@ class PhysicalView:
     # pending share: both come back to it when its reservation is replaced.
     own_observed_mib: int = 0
     own_pending_mib: int = 0
+    # What the serve needs free beyond its reservation to pass its own start check: vLLM
+    # checks free >= util x total after its CUDA context exists, so a reservation that leaves
+    # no room for that context (vllm.context_mib = 0) needs the context free besides.
+    start_headroom_mib: int = 0
 
     def free_for_serve(self) -> int:
         return (self.physical_free_mib - (self.pending_mib - self.own_pending_mib)
@@ -262,8 +266,9 @@ class Ledger:
                     else physical.get(name))
             if view is not None:
                 physical_free = view.free_for_serve()
-                if mib > physical_free:
-                    lacking.append(Denial(serve, name, "physical", mib, physical_free))
+                if mib + view.start_headroom_mib > physical_free:
+                    lacking.append(Denial(serve, name, "physical",
+                                          mib + view.start_headroom_mib, physical_free))
         if lacking:
             return replace(lacking[0], more=tuple(lacking[1:]))
         # A replaced reservation keeps its place (its original since) in the role's listing.
