@@ -93,9 +93,10 @@ class Alerts:
         tag = " (simulated)" if self.observer.simulated else ""
         for uuid in rose:
             names, draw = figures[uuid]
+            est = " (estimated: no per-process memory)" if draw.estimated else ""
             await self.svc.record(self.svc.event(
                 "reserve-exceeded",
-                f"non-ledger draw on {names}{tag} is {draw.non_ledger_draw_mib} MiB, above the "
+                f"non-ledger draw on {names}{tag}{est} is {draw.non_ledger_draw_mib} MiB, above the "
                 f"reserve of {draw.reserve_mib} MiB: ledger free is optimistic by "
                 f"{draw.reserve_excess_mib} MiB",
                 role=names, mib=draw.reserve_excess_mib, device=uuid,

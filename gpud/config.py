@@ -79,6 +79,11 @@ class DaemonConfig(_Model):
     # memory back (vLLM frees its memory some seconds after the process is told to stop).
     memory_return_timeout_s: float = Field(default=60.0, ge=0)
     vllm_executable: str = "vllm"
+    # What a vllm serve without a vllm.context_mib needs free beyond its reservation to start:
+    # vLLM checks free >= util x total after its CUDA context, NCCL and cuBLAS exist (a few
+    # hundred MiB per device; ~500 MiB is the CUDA context alone on recent drivers). Strict
+    # admission asks for it; `gpuctl calibrate` measures a serve's own (vllm.context_mib).
+    vllm_start_context_mib: int = Field(default=512, ge=0, le=MAX_MIB)
     # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
     vllm_version: str = "0.33.0"
     # Backups of the config file an apply keeps (the newest) under backups/ beside it; older
@@ -239,6 +244,9 @@ class SimulatedDevice(_Model):
     index: int | None = Field(default=None, ge=0)
     pci_bus_id: str | None = None
     name: str | None = None
+    # What the simulated NVML says of each process's memory: "reported", "not-available"
+    # (WDDM) or "none" (no process listed, as WSL2 shows it).
+    process_memory: Literal["reported", "not-available", "none"] = "reported"
 
 
 class SimulationConfig(_Model):
@@ -417,6 +425,14 @@ def config_warnings(cfg: Config) -> list[str]:
             warnings.append(f"serves.{name}.container.image: {c.image!r} is not pinned to a "
                             "digest (NAME@sha256:...): the image a tag names can change under "
                             "the same config, and its calibration with it")
+        if c is not None and len(serve.all_roles) > 1 and c.ipc is None and c.shm_size is None:
+            # vLLM's docs, "Deploying with Docker": PyTorch shares data between the tensor
+            # parallel workers through shared memory; a container's /dev/shm is 64 MiB unless
+            # given more (podman run --shm-size) or the host's (--ipc=host).
+            warnings.append(f"serves.{name}.container: tensor parallel over "
+                            f"{len(serve.all_roles)} devices in a container with podman's 64 MiB "
+                            "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
+                            "= \"host\"")
     return warnings
 
 
@@ -438,6 +454,8 @@ def _vllm_problems(cfg: Config) -> list[str]:
     # Imported here: gpud.core.launch imports this module.
     from gpud.core.launch import (
         GPUD_SET_OPTIONS,
+        NO_HTTP_OPTIONS,
+        SLEEP_OFF_OPTIONS,
         uses_utilization,
         vllm_arg_parts,
         vllm_budget_mib,
@@ -492,10 +510,18 @@ def _vllm_problems(cfg: Config) -> list[str]:
         for i, why in tensor_parallel_problems(serve):
             problems.append(f"serves.{name}.vllm.extra_args[{i}]: {why}")
         for i, arg in enumerate(v.extra_args):
-            key = GPUD_SET_OPTIONS.get(_option_name(arg))
+            option = _option_name(arg)
+            key = GPUD_SET_OPTIONS.get(option)
             if key is not None:
-                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {_option_name(arg)} is "
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} is "
                                 f"set by gpud from serves.{name}.{key}: set that instead")
+            elif option in SLEEP_OFF_OPTIONS and serve.sleep_level:
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} turns off the "
+                                f"sleep mode serves.{name}.sleep_level = {serve.sleep_level} "
+                                "needs: drop it, or set sleep_level = 0")
+            elif option in NO_HTTP_OPTIONS:
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {option} "
+                                f"{NO_HTTP_OPTIONS[option]}: gpud cannot watch such a serve")
         env = vllm_environment(serve) | serve.environment
         ready = env["VLLM_ENGINE_READY_TIMEOUT_S"]
         if not ready.isdigit() or int(ready) < serve.start_timeout_s:

@@ -99,6 +99,9 @@ def _families(svc: LedgerService, observer: Observer | None,
                 ("pending_mib", "Reserved memory not yet drawn", draw.pending_mib),
             ):
                 fam(f"gpud_device_{metric}", "gauge", help_text).add(value, **labels)
+            fam("gpud_draw_estimated", "gauge", "1 when the driver reports no per-process memory "
+                "(WDDM): managed and non-ledger draw are estimated from the reservations"
+                ).add(int(draw.estimated), **labels)
     role_labels: dict[str, dict[str, str]] = {}
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]

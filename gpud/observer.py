@@ -21,7 +21,15 @@ from types import TracebackType
 from gpud.cgroups import CachedAttribution, container_of_pid
 from gpud.config import Config
 from gpud.core import answers
-from gpud.core.ledger import DeviceDraw, Ledger, PhysicalView, device_draw, pending_share, serve_draws
+from gpud.core.ledger import (
+    DRAWING_STATES,
+    DeviceDraw,
+    Ledger,
+    PhysicalView,
+    device_draw,
+    pending_share,
+    serve_draws,
+)
 from gpud.core.observation import DeviceSample, Observation, ObservationBackend, find_device
 
 log = logging.getLogger("gpud.observer")
@@ -35,7 +43,8 @@ def make_backend(cfg: Config) -> ObservationBackend:
     if cfg.simulation is not None:
         from gpud.simulation import SimulatedBackend, SimulatedDevice
 
-        devices = [SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name)
+        devices = [SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name,
+                                   d.process_memory)
                    for d in cfg.simulation.devices]
         return SimulatedBackend(devices, Path(cfg.simulation.state_file))
     from gpud.nvml import NvmlBackend
@@ -231,6 +240,8 @@ class Observer:
             total_mib=dev.total_mib, used_mib=dev.used_mib, free_mib=dev.free_mib,
             draws=self.draws.get(dev.uuid, {}), reservations=reservations, states=states,
             reserve_mib=sum(ledger.roles[r].reserve_mib for r in roles),
+            per_process=reports_process_memory(dev, serves_draw=any(
+                states.get(r.serve) in DRAWING_STATES for r in reservations)),
         )
 
     def physical_view(self, ref: str, serve: str, ledger: Ledger,
@@ -266,6 +277,19 @@ class Observer:
         if not self.available:
             return None
         return {uuid: per[serve] for uuid, per in self.draws.items() if serve in per}
+
+
+def reports_process_memory(dev: DeviceSample, *, serves_draw: bool) -> bool:
+    """Whether the driver says what each process on the device holds. Under WDDM (a Windows
+    desktop's GPU, WSL2 among them) NVML reports NVML_VALUE_NOT_AVAILABLE as every process's
+    usedGpuMemory ("Windows KMD manages all the memory and not the NVIDIA driver": NVML API
+    reference, nvmlProcessInfo_t), or lists no process at all. A list whose processes all lack
+    a figure is that; so is an empty list while serves of the device run (`serves_draw`): a
+    running serve's engine would be listed."""
+    procs = dev.processes
+    if procs is None or any(p.mib is not None for p in procs):
+        return True
+    return not (procs or serves_draw)
 
 
 def overdraws(observed: Mapping[str, int], reserved: Mapping[str, int],

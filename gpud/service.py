@@ -498,13 +498,19 @@ class LedgerService:
         obs = self.observer
         decided_states = {**self.states(), **self._decided_states}
         views: dict[str, PhysicalView] = {}
+        spec = self.serve_spec(serve)
+        # vLLM's start check counts its CUDA context as used: a reservation that leaves no room
+        # for it (vllm.context_mib unset) is admitted only with that much more free.
+        headroom = (self.config.daemon.vllm_start_context_mib
+                    if spec is not None and spec.vllm is not None and not spec.vllm.context_mib
+                    else 0)
         for role in roles:
             device = self._decided.roles[role].device
             view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
             if view is None:
                 return None, "ledger", (
                     "observation unavailable: strict admission fell back to the ledger bound")
-            views[role] = view
+            views[role] = replace(view, start_headroom_mib=headroom) if headroom else view
         return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,

@@ -79,6 +79,10 @@ class SimulatedDevice:
     index: int | None = None  # default: position in the device list
     pci_bus_id: str | None = None  # default: 00000000:<index+1>:00.0
     name: str | None = None  # default: "Simulated GPU"
+    # What NVML says of each process's memory: "reported"; "not-available" (WDDM: every
+    # process listed, its usedGpuMemory NVML_VALUE_NOT_AVAILABLE); "none" (WSL2: no process
+    # listed at all). Device totals and used memory are reported either way.
+    process_memory: str = "reported"
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,8 +374,18 @@ class SimulatedBackend:
             total_mib=dev.total_mib,
             used_mib=used,
             free_mib=max(0, dev.total_mib - used),
-            processes=tuple(ProcessDraw(pid, mib) for pid, mib in sorted(draws.items())),
+            processes=_as_reported(dev.process_memory, draws),
         )
+
+
+PROCESS_MEMORY = ("reported", "not-available", "none")
+
+
+def _as_reported(process_memory: str, draws: dict[int, int]) -> tuple[ProcessDraw, ...]:
+    if process_memory == "none":
+        return ()
+    return tuple(ProcessDraw(pid, mib if process_memory == "reported" else None)
+                 for pid, mib in sorted(draws.items()))
 
 
 def _what(problem: str | None) -> str:
@@ -384,8 +398,12 @@ def _resolve(position: int, dev: SimulatedDevice) -> SimulatedDevice:
     index = dev.index if dev.index is not None else position
     bus_id = dev.pci_bus_id if dev.pci_bus_id is not None else f"00000000:{index + 1:02x}:00.0"
     name = dev.name if dev.name else DEFAULT_NAME
+    if dev.process_memory not in PROCESS_MEMORY:
+        raise ValueError(f"simulated device {dev.uuid}: process_memory must be one of "
+                         f"{', '.join(PROCESS_MEMORY)}, not {dev.process_memory!r}")
     return SimulatedDevice(
-        uuid=dev.uuid, total_mib=dev.total_mib, index=index, pci_bus_id=bus_id, name=name
+        uuid=dev.uuid, total_mib=dev.total_mib, index=index, pci_bus_id=bus_id, name=name,
+        process_memory=dev.process_memory,
     )
 
 

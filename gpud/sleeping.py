@@ -145,15 +145,16 @@ class Sleeps:
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
-    async def _post(self, serve: str, spec: ServeConfig, path: str) -> None:
+    async def _post(self, serve: str, spec: ServeConfig, path: str,
+                    body: dict[str, Any] | None = None) -> None:
         http = self.sup.http
         timeout = aiohttp.ClientTimeout(total=SLEEP_REQUEST_TIMEOUT_S)
         try:
-            async with http.post(self._url(spec, path), timeout=timeout) as resp:
+            async with http.post(self._url(spec, path), json=body, timeout=timeout) as resp:
                 if resp.status != 200:
-                    body = (await resp.text())[:300]
+                    said = (await resp.text())[:300]
                     raise Conflict(f"serve {serve!r} answered {resp.status} to POST {path}: "
-                                   f"{body}", {"serve": serve, "status": resp.status})
+                                   f"{said}", {"serve": serve, "status": resp.status})
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise Unavailable(f"serve {serve!r}: POST {path} failed: {exc or type(exc).__name__}",
                               {"serve": serve}) from exc
@@ -251,7 +252,12 @@ class Sleeps:
                 self._check_host_ram(serve, parked)
             loop = asyncio.get_running_loop()
             began = loop.time()
-            await self._post(serve, spec, f"/sleep?level={level}")
+            # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
+            # requests end at once with an error their clients can retry elsewhere, where
+            # "wait" would hold the sleep (and a preemption's waiting serve) for as long as
+            # its longest request, and "keep" would freeze them until a wake nobody has
+            # promised. Requests arriving while it sleeps queue (all modes).
+            await self._post(serve, spec, f"/sleep?level={level}&mode=abort")
             try:
                 await self._confirm(serve, spec, asleep=True)
             except GpudError:
@@ -287,6 +293,18 @@ class Sleeps:
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
+
+    async def _wake_up(self, serve: str, spec: ServeConfig) -> None:
+        """Level 1: `POST /wake_up` (the weights come back from host RAM). Level 2 discarded
+        them: a bare wake would answer from uninitialised memory, so the weights' memory comes
+        back first, then the weights are loaded again in place, then the KV cache (vLLM's own
+        restore: docs/features/sleep_mode.md, "Online Serving", level 2)."""
+        if self.note(serve).get("level") != 2:
+            await self._post(serve, spec, "/wake_up")
+            return
+        await self._post(serve, spec, "/wake_up?tags=weights")
+        await self._post(serve, spec, "/collective_rpc", {"method": "reload_weights"})
+        await self._post(serve, spec, "/wake_up?tags=kv_cache")
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
         available = self.host_memory()
@@ -324,7 +342,7 @@ class Sleeps:
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                await self._post(serve, spec, "/wake_up")
+                await self._wake_up(serve, spec)
                 await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
                 # Still asleep as far as anyone can tell: back to its sleep reservation.

@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -28,7 +28,13 @@ import aiohttp
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
-from gpud.core.launch import serve_argv, serve_environment, smallest_total, through_shim
+from gpud.core.launch import (
+    serve_argv,
+    serve_environment,
+    smallest_total,
+    through_shim,
+    unit_restart,
+)
 from gpud.core.unitstate import (
     ACTIVE,
     Action,
@@ -66,6 +72,7 @@ from gpud.service import LedgerService, check_serve_name
 from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
 from gpud.units import SystemdUnits
+from gpud.vllm_log import exit_reason
 
 log = logging.getLogger("gpud.supervisor")
 
@@ -89,6 +96,28 @@ OUTSIDE_STOP = "stopped (outside gpud)"
 PORT_RECHECK_S = 10.0
 
 
+async def read_exit_lines(unit: str, invocation: str | None) -> list[str]:
+    """The last lines of `unit` (of its `invocation`, when known) in the journal, oldest first
+    ([] when journalctl cannot say).
+    `--sync` first: a serve's last words may still be on their way to journald when systemd
+    reports its exit."""
+    try:
+        sync = await asyncio.create_subprocess_exec(
+            "journalctl", "--sync", stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        await asyncio.wait_for(sync.wait(), 5)
+        # what the serve's process wrote in this run of the unit alone, where it is known
+        match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+        proc = await asyncio.create_subprocess_exec(
+            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "60", *match,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    except (OSError, TimeoutError) as exc:
+        log.warning("cannot read the journal of %s: %s", unit, exc)
+        return []
+    return out.decode("utf-8", "replace").splitlines()
+
+
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None]) -> Supervisor:
     return Supervisor(svc, SystemdUnits(), observer, notify=notify)
@@ -97,12 +126,16 @@ def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
 class Supervisor:
     def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
                  notify: Callable[[str], None] = lambda _m: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
+                 ) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
         self.notify = notify
         self.clock = clock
+        # The last lines of a serve's unit, read when it exits: why it said it did.
+        self.journal = journal
         self._device_locks: dict[str, asyncio.Lock] = {}
         self._serve_locks: dict[str, asyncio.Lock] = {}
         self._launching: set[str] = set()
@@ -508,7 +541,7 @@ class Supervisor:
                 serve, {**env, **spec.environment} if spec.environment else {}),
             description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
                          f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
-            environment=env, user=spec.user, restart=spec.restart, restart_sec=spec.restart_sec,
+            environment=env, user=spec.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
             start_limit_burst=daemon.crash_loop_restarts + 3,
@@ -796,6 +829,12 @@ class Supervisor:
                     self._stopping.discard(serve)
             else:
                 reason += f"; not stopped: system bus unavailable ({self.units.reason})"
+        if kind in ("exit", "crash-loop"):
+            last = self._last.get(serve)
+            said = exit_reason(await self.journal(f"gpud-serve-{serve}.service",
+                                                  last.invocation_id if last else None))
+            if said is not None:
+                reason += f"; its log: {said}"
         res = self.svc.ledger.reservations.get(serve)
         policy = "kept (resident)" if resident else "released"
         if still_active and not resident:
@@ -931,7 +970,7 @@ class Supervisor:
         rt = ServeRuntime(state=rec.state if rec else DECLARED,
                           holds=serve in self.svc.ledger.reservations, configured=spec is not None,
                           resident=bool(spec and spec.resident),
-                          restart=spec.restart if spec else "no",
+                          restart=unit_restart(spec) if spec else "no",
                           launching=serve in self._launching, stopping=serve in self._stopping,
                           prev=prev, exit_seen=self._exit_seen.get(serve))
         actions = on_unit(rt, st)

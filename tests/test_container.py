@@ -131,6 +131,18 @@ def test_an_image_by_tag_is_a_warning_not_an_error() -> None:
     assert config_warnings(pinned) == []
 
 
+def test_a_tensor_parallel_container_without_shared_memory_is_warned_about() -> None:
+    base = ("[roles.a]\ndevice = \"0\"\ncapacity_mib = 32607\n"
+            "[roles.b]\ndevice = \"1\"\ncapacity_mib = 32607\n"
+            "[serves.s]\nroles = [\"a\", \"b\"]\nvram_mib = 8000\nport = 30001\n"
+            f"[serves.s.vllm]\nmodel = \"m\"\n[serves.s.container]\nimage = \"{DIGEST}\"\n")
+    assert config_warnings(parse_config(base, "t")) == [
+        "serves.s.container: tensor parallel over 2 devices in a container with podman's 64 MiB "
+        "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc = \"host\""]
+    assert config_warnings(parse_config(base + 'shm_size = "16g"\n', "t")) == []
+    assert config_warnings(parse_config(base + 'ipc = "host"\n', "t")) == []
+
+
 def test_check_config_says_when_no_cdi_spec_offers_a_gpu(tmp_path: Path) -> None:
     cfg = parse_config(_toml({"role": "r", "vram_mib": 1024, "vllm": {"model": "m"},
                               "container": {"image": DIGEST}}), "t")

@@ -101,7 +101,7 @@ OBSERVED_SIM: dict[str, Any] = {
     "simulated": True, "total_mib": 32607, "used_mib": 30000, "physical_free_mib": 2607,
     "managed_draw_mib": 24163, "non_ledger_draw_mib": 5837, "reserve_mib": 4608,
     "reserve_excess_mib": 1229,
-    "pending_mib": 0, "effective_free_mib": 1887,
+    "pending_mib": 0, "effective_free_mib": 1887, "estimated": False,
 }
 
 STATUS: dict[str, Any] = {
@@ -261,6 +261,15 @@ def test_ledger_observed_real_backend_pending_and_no_excess() -> None:
     assert lines[-1] == ("  observed: used 30000 MiB, non-ledger draw 5837 MiB (reserve 4608 MiB),"
                          " physical free 2607 MiB, pending 512 MiB, effective free 1887 MiB")
     assert "simulated" not in format_ledger(doc).lower()
+
+
+def test_ledger_says_when_the_split_is_estimated() -> None:
+    doc = copy.deepcopy(LEDGER_T011)
+    doc["roles"][0]["observed"] = dict(OBSERVED_SIM, simulated=False, estimated=True)
+    assert format_ledger(doc).splitlines()[-2:] == [
+        "  the split is estimated: the driver reports no per-process memory (WDDM); running "
+        "serves are counted at their reservations",
+        "  ledger free is optimistic by 1229 MiB: non-ledger draw exceeds the reserve"]
 
 
 def test_ledger_says_simulated_even_without_observed_figures() -> None:

@@ -22,6 +22,7 @@ from gpud.core.launch import (
     show_commands,
     stop_budget,
     through_shim,
+    unit_restart,
     vllm_argv,
     vllm_environment,
 )
@@ -405,3 +406,39 @@ def test_a_sleeping_vllm_serve_gets_sleep_mode_and_dev_mode() -> None:
     assert _passes_the_flag_table(argv) == []
     assert vllm_environment(fast)["VLLM_SERVER_DEV_MODE"] == "1"
     assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(example_serves()["fast"])
+
+
+def test_a_vllm_serves_unit_restarts_always() -> None:
+    # vLLM exits 0 after its engine died: on-failure would not restart it
+    serves = parse_config(textwrap.dedent("""
+        [roles.r]
+        device = "0"
+        capacity_mib = 1000
+        [serves.v]
+        role = "r"
+        vram_mib = 100
+        port = 30001
+        [serves.v.vllm]
+        model = "m"
+        [serves.never]
+        role = "r"
+        vram_mib = 100
+        port = 30002
+        restart = "no"
+        [serves.never.vllm]
+        model = "m"
+        [serves.c]
+        role = "r"
+        vram_mib = 100
+        command = ["/bin/serve"]
+        """), "t").serves
+    assert unit_restart(serves["v"]) == "always"
+    assert unit_restart(serves["never"]) == "no"
+    assert unit_restart(serves["c"]) == "on-failure"
+
+
+def test_a_vllm_serve_without_a_port_is_not_launched() -> None:
+    serve = ServeConfig.model_validate({"role": "r", "vram_mib": 1000, "vllm": {"model": "m"}})
+    with pytest.raises(Refused, match=r"serve x: a vllm serve needs a port \(serves.x.port\): "
+                                      "without --port vLLM binds 8000"):
+        serve_argv(serve, total_mib=32607, device_index=0, vllm_executable="vllm", name="x")

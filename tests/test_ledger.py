@@ -78,6 +78,16 @@ def test_physical_bound_named() -> None:
     assert (denial.bound, denial.free_mib, denial.shortfall_mib) == ("physical", 2000, 3120)
 
 
+def test_a_start_headroom_is_needed_free_beyond_the_reservation() -> None:
+    ledger = Ledger.build([RoleBudget("r", "0", 32607, 0)], [])
+    view = PhysicalView(physical_free_mib=5120, pending_mib=0, start_headroom_mib=512)
+    denial = ledger.decide("ocr", "r", 5120, since=0, by_uid=0, physical=view, check="strict")
+    assert isinstance(denial, Denial)
+    assert denial.reason == "physical bound: need 5632 MiB, free 5120 MiB, short 512 MiB"
+    fits = ledger.decide("ocr", "r", 4608, since=0, by_uid=0, physical=view, check="strict")
+    assert not isinstance(fits, Denial) and fits[1].reservation.mib == 4608  # not more
+
+
 def test_physical_counts_the_serves_own_draw_back() -> None:
     ledger = Ledger.build([RoleBudget("r", "0", 32607, 0)], [Reservation("a", "r", 1000, 0)])
     view = PhysicalView(physical_free_mib=100, pending_mib=0, own_observed_mib=1000)

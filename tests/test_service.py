@@ -469,6 +469,45 @@ async def test_strict_admission_uses_observation(world: World) -> None:
     assert ev.details["check"] == "strict"
 
 
+VLLM_ON_SIM = """
+[daemon]
+admission = "strict"
+vllm_start_context_mib = 300
+
+[roles.r]
+device = "GPU-sim-0"
+
+[serves.v]
+role = "r"
+vram_mib = 1500
+port = 30001
+[serves.v.vllm]
+model = "m"
+"""
+
+
+async def test_strict_admission_leaves_room_for_vllms_own_start_check(world: World) -> None:
+    # 2000 MiB device, 400 MiB drawn by the display: 1600 free. vLLM checks free >= util x
+    # total after its CUDA context exists: with no vllm.context_mib in its reservation, 1500
+    # MiB would fail that check at start; admission asks for the context besides.
+    obs = await world.simulated(state={"external": [
+        {"device": "GPU-sim-0", "label": "display", "mib": 400}]})
+    svc = world.service(VLLM_ON_SIM, observer=obs)
+    with pytest.raises(Denied) as err:
+        await svc.admit("v", 1500)
+    assert err.value.details["bound"] == "physical"
+    assert "need 1800 MiB, free 1600 MiB, short 200 MiB" in err.value.message
+    assert (await svc.admit("v", 1300)).reservation.mib == 1300
+
+
+async def test_a_reservation_that_covers_vllms_context_needs_no_more(world: World) -> None:
+    obs = await world.simulated(state={"external": [
+        {"device": "GPU-sim-0", "label": "display", "mib": 400}]})
+    covered = VLLM_ON_SIM.replace('model = "m"', 'model = "m"\ncontext_mib = 300')
+    svc = world.service(covered, observer=obs)
+    assert (await svc.admit("v", 1500)).reservation.mib == 1500
+
+
 async def test_strict_admission_without_observation_falls_back_and_says_so(world: World) -> None:
     svc = world.service(ROLES.replace('admission = "ledger"', 'admission = "strict"'))
     await svc.admit("a", 300)

@@ -307,3 +307,28 @@ def test_mem_available_from_the_state_file(sim: SimulatedBackend, state_file: Pa
     obs = sim.sample()
     assert obs.reason is not None and "mem_available_mib: must be an integer >= 0" in obs.reason
     assert sim.mem_available_mib() == 4096  # the last good state stays in force
+
+
+@pytest.mark.parametrize(("process_memory", "processes"), [
+    ("reported", (ProcessDraw(4242, 900),)),
+    # WDDM: every process listed, its memory NVML_VALUE_NOT_AVAILABLE
+    ("not-available", (ProcessDraw(4242, None),)),
+    # WSL2: no process listed at all
+    ("none", ()),
+])
+def test_a_device_that_reports_no_process_memory(state_file: Path, process_memory: str,
+                                                 processes: tuple[ProcessDraw, ...]) -> None:
+    sim = SimulatedBackend([SimulatedDevice("GPU-sim-0", 32607, process_memory=process_memory)],
+                           state_file)
+    write_state(state_file, {"external": [
+        {"device": "GPU-sim-0", "label": "display", "mib": 1000},
+        {"device": "GPU-sim-0", "label": "stt", "mib": 900, "pid": 4242}]})
+    dev = sim.sample().devices[0]
+    assert (dev.used_mib, dev.free_mib) == (1900, 32607 - 1900)  # totals as ever
+    assert dev.processes == processes
+
+
+def test_an_unknown_process_memory_mode_is_refused(state_file: Path) -> None:
+    with pytest.raises(ValueError, match="process_memory must be one of reported, "
+                                         "not-available, none, not 'some'"):
+        SimulatedBackend([SimulatedDevice("GPU-sim-0", 100, process_memory="some")], state_file)

@@ -364,7 +364,7 @@ def test_engine_death_is_503_then_exit(start: Start, procs_dir: Path) -> None:
     os.kill(child, signal.SIGKILL)
     wait_until(lambda: s.health() == (503, "engine-dead"), what="503 after the engine died")
     died = time.monotonic()
-    assert s.wait_exit(5) == 1
+    assert s.wait_exit(5) == 0  # vLLM's server exits cleanly after its engine died
     assert 0.3 < time.monotonic() - died < 3
     assert registrations(procs_dir) == {}
     assert "died" in s.output() and "the API server exits" in s.output()
@@ -373,7 +373,7 @@ def test_engine_death_is_503_then_exit(start: Start, procs_dir: Path) -> None:
 def test_engine_dies_after(start: Start) -> None:
     s = start("--engine-dies-after", "0.5", "--exit-after-engine-death", "0.3")
     assert s.health() == (200, "ready")
-    assert s.wait_exit(5) == 1
+    assert s.wait_exit(5) == 0
     assert "simulated engine death" in s.output()
 
 
@@ -437,6 +437,41 @@ def test_sleep_endpoints_in_dev_mode(start: Start, procs_dir: Path) -> None:
     assert s.request("POST", "/sleep?level=3")[0] == 422
     off = start("--draw-mib", "10", env={"VLLM_SERVER_DEV_MODE": "1"})
     assert off.request("POST", "/sleep?level=1")[0] == 500  # no --enable-sleep-mode
+
+
+def test_level_two_loses_the_weights_until_reloaded(start: Start) -> None:
+    s = start("--enable-sleep-mode", env={"VLLM_SERVER_DEV_MODE": "1"})
+
+    def weights() -> str:
+        return str(s.get_json("/standin/state")["weights"])
+
+    def completion() -> str:
+        status, _, payload = s.request("POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 200
+        return str(json.loads(payload)["choices"][0]["text"])
+
+    # a bare wake after level 2: awake, "healthy", answering from uninitialised weights
+    assert s.request("POST", "/sleep?level=2&mode=abort")[0] == 200
+    assert weights() == "discarded"
+    assert s.request("POST", "/wake_up")[0] == 200
+    assert s.get_json("/is_sleeping") == {"is_sleeping": False}
+    assert weights() == "uninitialised" and "garbage" in completion()
+    # vLLM's restore: weights' memory, reload in place, then the KV cache
+    assert s.request("POST", "/sleep?level=2")[0] == 200
+    status, _, payload = s.request("POST", "/wake_up?tags=weights")
+    assert (status, json.loads(payload)) == (200, {"status": "sleeping", "tags": ["weights"]})
+    assert s.get_json("/is_sleeping") == {"is_sleeping": True}
+    status, _, payload = s.request("POST", "/collective_rpc", {"method": "reload_weights"})
+    assert (status, json.loads(payload)) == (200, {"results": [None]})
+    status, _, payload = s.request("POST", "/wake_up?tags=kv_cache")
+    assert (status, json.loads(payload)) == (200, {"status": "awake", "tags": ["kv_cache"]})
+    assert weights() == "loaded" and "garbage" not in completion()
+    # level 1 keeps them (parked in host RAM); a reload while they sleep is refused
+    assert s.request("POST", "/sleep?level=1")[0] == 200
+    assert s.request("POST", "/collective_rpc", {"method": "reload_weights"})[0] == 500
+    assert s.request("POST", "/wake_up")[0] == 200 and weights() == "loaded"
+    assert s.request("POST", "/sleep?level=1&mode=later")[0] == 422
+    assert s.request("POST", "/collective_rpc", {"nomethod": 1})[0] == 400
 
 
 def test_asleep_mib_is_the_draw_asleep(start: Start, procs_dir: Path) -> None:

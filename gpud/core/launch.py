@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
@@ -38,6 +39,21 @@ GPUD_SET_OPTIONS: Mapping[str, str] = {
     "--kv-cache-memory-bytes": "vllm.kv_cache_mib",
     "--shutdown-timeout": "stop_timeout_s",
     "--enable-sleep-mode": "sleep_level",
+}
+
+# Options that would turn off what a serve's sleep_level turns on: refused when it has one
+# (vLLM's --enable-sleep-mode is a BooleanOptionalAction: vllm/engine/arg_utils.py:379).
+SLEEP_OFF_OPTIONS = ("--disable-sleep-mode", "--no-enable-sleep-mode")
+
+# Options that take away the HTTP server gpud watches on the serve's port (vLLM 0.32.0:
+# vllm/entrypoints/launchers/cli_args.py:435 --headless, :456 --grpc; launcher.py:394 --uds):
+# the serve would never answer gpud's health checks, or (with --uds) answer none on its port.
+NO_HTTP_OPTIONS: Mapping[str, str] = {
+    "--uds": "serves vLLM's API on a Unix socket, not on the serve's port, where gpud polls "
+             "/health",
+    "--headless": "starts no API server (the engine alone): there is no /health to poll",
+    "--grpc": "serves gRPC on the port instead of the HTTP OpenAI server: there is no /health "
+              "to poll",
 }
 
 
@@ -70,6 +86,18 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
         # sleeps binds 127.0.0.1 (config check), so they never face the network.
         **({"VLLM_SERVER_DEV_MODE": "1"} if serve.sleep_level else {}),
     }
+
+
+def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
+    """The unit's Restart= for the serve's restart policy. A vllm serve's "on-failure" is
+    "always": after its engine dies vLLM's API server exits with status 0 (seen on real vLLM:
+    EngineDeadError logged, then a clean exit), which Restart=on-failure takes as a clean exit
+    and does not restart, leaving the serve exited and its reservation held. systemd never
+    restarts a unit its own stop job ended (systemd.service(5), Restart=), so gpud's stops stay
+    stops."""
+    if serve.vllm is not None and serve.restart == "on-failure":
+        return "always"
+    return serve.restart
 
 
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
@@ -269,6 +297,12 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
     A serve on several devices gives `total_mib` as the smallest of their totals and
     `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
     `forward_env` as container_argv takes them."""
+    if serve.vllm is not None and serve.port is None:
+        # vLLM's --port defaults to 8000 (vllm/entrypoints/launchers/cli_args.py:285 of 0.32.0):
+        # gpud would poll whatever answers there, and call the serve healthy at once
+        raise Refused(f"serve {name}: a vllm serve needs a port (serves.{name}.port): without "
+                      "--port vLLM binds 8000, where gpud's health checks would find whatever "
+                      "answers there", {"serve": name})
     mib = vllm_budget_mib(serve, vram_mib if vram_mib is not None else serve.vram_mib)
     if mib <= 0:
         raise Refused(f"serve {name}: its reservation does not cover its vllm.context_mib",

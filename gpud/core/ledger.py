@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from gpud.core import answers
-from gpud.core.vocab import PENDING_STATES
+from gpud.core.vocab import PENDING_STATES, RUNNING, SLEEPING, STOPPING
 
 Bound = Literal["ledger", "physical"]
 Check = Literal["ledger", "strict"]
@@ -170,6 +170,10 @@ class PhysicalView:
     # pending share: both come back to it when its reservation is replaced.
     own_observed_mib: int = 0
     own_pending_mib: int = 0
+    # What the serve needs free beyond its reservation to pass its own start check: vLLM
+    # checks free >= util x total after its CUDA context exists, so a reservation that leaves
+    # no room for that context (vllm.context_mib = 0) needs the context free besides.
+    start_headroom_mib: int = 0
 
     def free_for_serve(self) -> int:
         return (self.physical_free_mib - (self.pending_mib - self.own_pending_mib)
@@ -262,8 +266,9 @@ class Ledger:
                     else physical.get(name))
             if view is not None:
                 physical_free = view.free_for_serve()
-                if mib > physical_free:
-                    lacking.append(Denial(serve, name, "physical", mib, physical_free))
+                if mib + view.start_headroom_mib > physical_free:
+                    lacking.append(Denial(serve, name, "physical",
+                                          mib + view.start_headroom_mib, physical_free))
         if lacking:
             return replace(lacking[0], more=tuple(lacking[1:]))
         # A replaced reservation keeps its place (its original since) in the role's listing.
@@ -323,6 +328,9 @@ class DeviceDraw:
     reserve_mib: int
     pending_mib: int
     by_serve: Mapping[str, int]
+    # The driver reports no per-process memory (WDDM: NVML_VALUE_NOT_AVAILABLE for every
+    # process; WSL2: no processes at all): the serves' draw is their reservations, an estimate.
+    estimated: bool = False
 
     @property
     def non_ledger_draw_mib(self) -> int:
@@ -347,6 +355,25 @@ def serve_draws(processes: Iterable[tuple[int, int | None]], owners: Mapping[int
     return draws
 
 
+# Serves whose memory is in use by now: what an estimate attributes their reservation to.
+DRAWING_STATES = frozenset({RUNNING, STOPPING, SLEEPING})
+
+
+def estimated_draws(reservations: Iterable[Reservation], states: Mapping[str, str],
+                    used_mib: int) -> dict[str, int]:
+    """Where the driver reports no per-process memory: each serve that runs (or sleeps, or is
+    stopping) draws its reservation, never more in all than the device's used memory. Serves
+    still starting draw nothing yet (they stay pending, as when nothing is seen of them)."""
+    draws: dict[str, int] = {}
+    left = used_mib
+    for res in sorted(reservations, key=lambda r: r.serve):
+        if states.get(res.serve) in DRAWING_STATES:
+            mib = max(0, min(res.mib, left))
+            draws[res.serve] = mib
+            left -= mib
+    return draws
+
+
 def device_draw(
     *,
     total_mib: int,
@@ -356,9 +383,14 @@ def device_draw(
     reservations: Iterable[Reservation],
     states: Mapping[str, str],
     reserve_mib: int,
+    per_process: bool = True,
 ) -> DeviceDraw:
     """Split one device's draw. `reservations` are those on the roles of this device; `draws`
-    are the observed MiB per serve on it."""
+    are the observed MiB per serve on it. Without `per_process` figures from the driver the
+    draws are estimated from the reservations (estimated_draws) and the split says so."""
+    reservations = list(reservations)
+    if not per_process:
+        draws = estimated_draws(reservations, states, used_mib)
     pending = 0
     for res in reservations:
         if states.get(res.serve, "admitted") in PENDING_STATES:
@@ -371,6 +403,7 @@ def device_draw(
         reserve_mib=reserve_mib,
         pending_mib=pending,
         by_serve=dict(draws),
+        estimated=not per_process,
     )
 
 

@@ -88,6 +88,9 @@ def format_observed(obs: answers.Observed, reserve_mib: Any) -> list[str]:
         line += f"pending {pending} MiB, "
     line += f"effective free {_mib(obs.get('effective_free_mib'))}"
     lines = [line]
+    if obs.get("estimated"):
+        lines.append("  the split is estimated: the driver reports no per-process memory "
+                     "(WDDM); running serves are counted at their reservations")
     excess = obs.get("reserve_excess_mib") or 0
     if excess > 0:
         lines.append(f"  ledger free is optimistic by {excess} MiB: "

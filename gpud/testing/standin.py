@@ -19,11 +19,16 @@ functions that do it):
   ``Available KV cache memory: Y GiB``, ``Estimated CUDA graph memory: Z GiB total`` and the
   ``--kv-cache-memory=N`` recommendation) and then tells the server it is ready;
 - ready: ``GET /health`` 200 with an empty body, ``GET /v1/models`` with the served names;
-- the engine child dies: ``/health`` answers 503, and the server exits (status 1) after
+- the engine child dies: ``/health`` answers 503, and the server exits with status 0 (as
+  vLLM's does: its watchdog sets uvicorn's ``should_exit``, a clean shutdown) after
   ``--exit-after-engine-death`` seconds (vLLM's watchdog: 5);
-- with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2``, ``POST /wake_up``,
-  ``GET /is_sleeping``; asleep, the engine's draw drops to the context (``--context-mib``), or
-  to ``--asleep-mib`` when given (what a serve's ``sleep_mib`` stands for).
+- with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2[&mode=abort|wait|keep]``,
+  ``POST /wake_up[?tags=weights|kv_cache]``, ``GET /is_sleeping``, ``POST /collective_rpc``
+  (``reload_weights`` only); level 2 discards the weights: a wake without ``reload_weights``
+  leaves them uninitialised (``/standin/state`` says ``"weights": "uninitialised"``, completions
+  say their answer is garbage), as real vLLM's would be; asleep, the engine's draw drops to
+  the context (``--context-mib``), or to ``--asleep-mib`` when given (what a serve's
+  ``sleep_mib`` stands for).
 
 It never pretends to be real: its first line says "STAND-IN", ``/v1/models`` says
 ``"owned_by": "gpud-standin"`` and every response carries ``X-Gpud-Standin: 1``. Unlike vLLM it
@@ -94,6 +99,8 @@ DRAW_CHILD_TOKEN: Final = "__gpud_standin_draw_child__"
 # vllm/utils/system_utils.py set_process_title: f"{VLLM_PROCESS_NAME_PREFIX}::{name}", prefix
 # "VLLM", name "EngineCore" (vllm/v1/engine/core.py run_engine_core).
 ENGINE_TITLE: Final = "VLLM::EngineCore"
+# vllm/v1/engine/__init__.py: PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: Final = ("abort", "wait", "keep")
 DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # vllm/envs.py: bool(int(...)), default 0
 VLLM_VERSION_ENV: Final = "GPUD_STANDIN_VLLM_VERSION"  # which flag table (default: gpud's)
 
@@ -679,6 +686,11 @@ class App:
         self.registration: str | None = None
         self.engine_dead = False
         self.sleep_level: int | None = None
+        self.sleep_mode: str | None = None
+        self.sleeping_tags: set[str] = set()
+        # "loaded"; "discarded" by a level-2 sleep; "uninitialised" when woken without a
+        # reload (real vLLM then answers from garbage weights)
+        self.weights = "loaded"
         # Set by the main process: tells the engine child to sleep (level) or wake (None).
         self.on_sleep: Callable[[int | None], None] | None = None
         self._ids = itertools.count(1)
@@ -701,6 +713,7 @@ class App:
             self._routes["/sleep"] = (("POST",), self._sleep)
             self._routes["/wake_up"] = (("POST",), self._wake_up)
             self._routes["/is_sleeping"] = (("GET",), self._is_sleeping)
+            self._routes["/collective_rpc"] = (("POST",), self._collective_rpc)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started_monotonic
@@ -723,29 +736,75 @@ class App:
         return Response(h.status, headers=(("X-Gpud-Standin-State", h.state),))
 
     def _sleep(self, req: Request) -> Response:
-        level_text = "1"
+        level_text, mode = "1", "abort"
         for item in req.query.split("&"):
             key, _, value = item.partition("=")
             if key == "level":
                 level_text = value
+            elif key == "mode":
+                mode = value
         if not (level_text.isascii() and level_text.isdigit() and int(level_text) <= 2):
             # FastAPI's answer to Query(ge=0, le=2)
             return _json(422, {"detail": [{"loc": ["query", "level"], "msg":
                                            "Input should be 0, 1 or 2", "input": level_text}]})
+        if mode not in PAUSE_MODES:
+            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
+                                           "Input should be 'abort', 'wait' or 'keep'",
+                                           "input": mode}]})
         if not self.opts.enable_sleep_mode:
             return _openai_error(500, "InternalServerError",
                                  "sleep mode is not enabled: start with --enable-sleep-mode")
         level = int(level_text)
         self.sleep_level = level
+        self.sleep_mode = mode
+        # level 1 parks the weights in host RAM and drops the KV cache; level 2 drops both
+        # (vLLM's docs/features/sleep_mode.md, "Sleep levels"); level 0 only pauses.
+        self.sleeping_tags = {"weights", "kv_cache"} if level else set()
+        if level == 2:
+            self.weights = "discarded"
         if self.on_sleep is not None:
             self.on_sleep(level)
         return _json(200, {"status": "sleeping", "level": level})
 
-    def _wake_up(self, _req: Request) -> Response:
-        if self.sleep_level is not None and self.on_sleep is not None:
-            self.on_sleep(None)
-        self.sleep_level = None
-        return _json(200, {"status": "awake", "tags": None})
+    def _wake_up(self, req: Request) -> Response:
+        # vllm/entrypoints/serve/dev/sleep/api_router.py wake_up: repeated `tags`, none = all;
+        # the answer says "awake" once no tag sleeps, else "sleeping".
+        tags = [v for k, _, v in (i.partition("=") for i in req.query.split("&") if i)
+                if k == "tags"]
+        unknown = [t for t in tags if t not in ("weights", "kv_cache")]
+        if unknown:
+            return _openai_error(500, "InternalServerError", f"unknown memory tags {unknown}")
+        waking = set(tags) if tags else set(self.sleeping_tags)
+        if "weights" in waking and "weights" in self.sleeping_tags and self.weights == "discarded":
+            # level 2 dropped them: their memory comes back, their content does not (vLLM's
+            # restore reloads them: collective_rpc reload_weights)
+            self.weights = "uninitialised"
+        self.sleeping_tags -= waking
+        if not self.sleeping_tags:
+            if self.sleep_level is not None and self.on_sleep is not None:
+                self.on_sleep(None)
+            self.sleep_level = None
+        return _json(200, {"status": "sleeping" if self.sleep_level is not None else "awake",
+                           "tags": tags or None})
+
+    def _collective_rpc(self, req: Request) -> Response:
+        # vllm/entrypoints/serve/dev/rpc/api_router.py: {"method": ...} run on every worker
+        try:
+            payload = json.loads(req.body or b"{}")
+        except ValueError:
+            return _json(400, {"detail": "JSON decode error"})
+        method = payload.get("method") if isinstance(payload, dict) else None
+        if method is None:
+            return _json(400, {"detail": "Missing 'method' in request body"})
+        if method != "reload_weights":
+            return _openai_error(500, "InternalServerError",
+                                 f"the stand-in's workers have no method {method!r}")
+        if "weights" in self.sleeping_tags:
+            return _openai_error(500, "InternalServerError",
+                                 "reload_weights while the weights sleep: wake_up?tags=weights "
+                                 "first")
+        self.weights = "loaded"
+        return _json(200, {"results": [None]})
 
     def _is_sleeping(self, _req: Request) -> Response:
         return _json(200, {"is_sleeping": self.sleep_level is not None})
@@ -783,6 +842,8 @@ class App:
                 "draw_pid": self.draw_pid,
                 "registration": self.registration,
                 "sleep_level": self.sleep_level,
+                "sleep_mode": self.sleep_mode,
+                "weights": self.weights,
                 "model": self.opts.model,
                 "served_model_names": list(self.opts.served_model_names),
             },
@@ -809,6 +870,8 @@ class App:
         if payload.get("stream"):
             return _openai_error(400, "BadRequestError", "the stand-in does not stream")
         text = f"[{PROGRAM} echo] {_prompt_text(payload, chat=chat)}"
+        if self.weights != "loaded":
+            text = f"[{PROGRAM}: weights {self.weights}, the answer is garbage]"
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         if chat:
             choice: dict[str, Any] = {
@@ -1198,8 +1261,11 @@ class _MainProcess:
                 return 0
             now = self.app.elapsed()
             if exit_at is not None and now >= exit_at:
-                _warn("engine dead: the API server exits")
-                return 1
+                # vllm/entrypoints/launchers/launcher.py terminate_if_errored: the watchdog
+                # sets uvicorn's should_exit, and the server shuts down cleanly: status 0
+                # (seen on real vLLM). Restart=on-failure takes that for a clean exit.
+                _warn("engine dead: the API server exits (status 0)")
+                return 0
             while schedule and schedule[0][0] <= now:
                 _, what = schedule.pop(0)
                 if what == "unhealthy":

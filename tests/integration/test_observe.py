@@ -3,11 +3,13 @@ gpud itself, strict admission's physical bound, and overdraw events."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import REPO, STANDIN, SandboxGpud, sim_config, standin
 
 T011_ROLE = """
 [roles.dark-fast]
@@ -57,6 +59,42 @@ def test_t011_honesty_note_and_one_reserve_exceeded(gpud: SandboxGpud) -> None:
     assert len(gpud.events(kind="reserve-exceeded")) == 1
     journal = gpud.wait_journal("GPUD_EVENT=reserve-exceeded", unit="gpud.service")
     assert journal[0]["GPUD_NON_LEDGER_DRAW_MIB"] == "5837"
+
+
+def test_no_per_process_memory_the_split_is_estimated_and_no_false_excess(
+        gpud: SandboxGpud) -> None:
+    # The seed's host under WDDM: NVML lists the serves' processes but no memory for any. The
+    # display draws 3000 MiB, within the 4608 reserve: were the serves' 26 GiB called
+    # non-ledger, reserve-exceeded would fire for draw that is the ledger's own.
+    config = sim_config(T011_ROLE, t011_serves()).replace(
+        "total_mib = 32607\n", 'total_mib = 32607\nprocess_memory = "not-available"\n')
+    gpud.configure(config, external=[{"device": "GPU-sim-0", "label": "display", "mib": 3000}])
+    for name in ("fast", "embeddings", "reranker", "ocr"):
+        gpud.wait_state(name, "running")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        obs = gpud.get("/v1/ledger")["roles"][0]["observed"]
+        if obs and obs["used_mib"] > 29000:
+            break
+        time.sleep(0.2)
+    assert obs["estimated"] is True
+    assert obs["managed_draw_mib"] == 26112  # the running serves at their reservations
+    assert obs["non_ledger_draw_mib"] == obs["used_mib"] - 26112 <= 3000
+    assert obs["reserve_excess_mib"] < 0
+    # strict admission keeps the device's real free memory
+    assert obs["physical_free_mib"] == 32607 - obs["used_mib"]
+    time.sleep(2)  # several polls
+    assert gpud.events(kind="reserve-exceeded") == []
+    assert gpud.events(kind="overdraw") == []
+    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                          "ledger"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "the split is estimated: the driver reports no per-process memory" in out.stdout
+    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
+                           "http://localhost/metrics"]).stdout
+    assert [line for line in metrics.splitlines() if line.startswith("gpud_draw_estimated{")
+            ] == ['gpud_draw_estimated{gpu="0",UUID="GPU-sim-0",pci_bus_id="00000000:01:00.0"} 1']
 
 
 def test_physical_bound_denies_what_the_ledger_would_admit(gpud: SandboxGpud) -> None:

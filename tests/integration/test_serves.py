@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from tests.integration.gpudctl import SandboxGpud, sim_config, standin
+
+from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
 
 DARK_FAST = """
 [roles.dark-fast]
@@ -212,3 +213,28 @@ def test_socket_activation_and_memory_back_after_stop(gpud: SandboxGpud) -> None
         assert len(starts) == 2
     finally:
         gpud.sb.run(["systemctl", "stop", "gpud.socket"], check=False)
+
+
+def test_a_vllm_serve_whose_engine_died_is_restarted_after_its_exit_0(gpud: SandboxGpud) -> None:
+    # vLLM's server exits 0 once its engine died: Restart=on-failure took that for a clean
+    # exit and left the serve exited, its reservation held. Here the exit comes before any
+    # health check sees the 503 (--exit-after-engine-death 0): the unit restarts it (always).
+    wrapper = "/usr/local/bin/vllm-standin-dies"
+    serves = ('[serves.gen]\nrole = "dark-fast"\nvram_mib = 4096\nport = 30034\n'
+              'restart_sec = 0.2\n[serves.gen.vllm]\nmodel = "org/gen"\n')
+    gpud.configure(sim_config(DARK_FAST, serves, daemon=f'vllm_executable = "{wrapper}"\n'
+                              "health_failures = 100"), start=False)
+    gpud.sb.write_file(wrapper, f'#!/bin/sh\nexec {" ".join(STANDIN)} "$@" '
+                                "--exit-after-engine-death 0\n", mode=0o755)
+    gpud.start()
+    assert gpud.call("POST", "/v1/serves/gen/start", {}).status == 200
+    gpud.wait_state("gen", "running")
+    assert gpud.unit_prop("gpud-serve-gen.service", "Restart") == "always"
+    pid = gpud.unit_prop("gpud-serve-gen.service", "MainPID")
+    engine = gpud.sb.run(["pgrep", "-P", pid, "-x", "VLLM::EngineCor"]).stdout.split()
+    assert len(engine) == 1
+    gpud.sb.run(["kill", "-9", engine[0]])
+    gpud.wait_event("restart", serve="gen")
+    view = gpud.wait_state("gen", "running")
+    assert view["main_pid"] != int(pid) and view["reserved_mib"] == 4096
+    assert gpud.unit_prop("gpud-serve-gen.service", "NRestarts") == "1"

@@ -105,6 +105,24 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     assert reply.status == 409 and "no sleep_level" in reply.body["error"]["message"]
 
 
+def test_a_level_two_wake_reloads_the_weights(gpud: SandboxGpud) -> None:
+    # level 2 discards the weights: a bare /wake_up would leave the serve "healthy" on
+    # uninitialised memory (the stand-in says so, as real vLLM's answers would show)
+    gpud.configure(two_sleepers())
+    running(gpud, "mid")
+    assert checked(gpud, "/v1/serves/{name}/sleep", "mid")["sleep"]["level"] == 2
+    state = standin_state(gpud, 30102)
+    assert (state["sleep_level"], state["weights"], state["sleep_mode"]) == (2, "discarded",
+                                                                            "abort")
+    woken = checked(gpud, "/v1/serves/{name}/wake", "mid")
+    assert woken["state"] == "running"
+    state = standin_state(gpud, 30102)
+    assert (state["sleep_level"], state["weights"]) == (None, "loaded")
+    out = gpud.sb.run(["curl", "-s", "http://127.0.0.1:30102/v1/completions", "-H",
+                       "content-type: application/json", "-d", '{"prompt": "hi"}']).stdout
+    assert "garbage" not in out and "hi" in out, out
+
+
 def test_host_ram_too_small_for_level_one(gpud: SandboxGpud) -> None:
     gpud.configure(two_sleepers())
     gpud.sb.write_file("/run/gpud/sim.json", json.dumps({"external": [],
