@@ -1,5 +1,6 @@
 """The test folders are the tiers: `pytest -m sandbox` selects tests/integration, all of it, and
-the campaigns that drive gpud under the sandbox's systemd; nothing else needs it."""
+the campaigns that drive gpud under the sandbox's systemd, and the real-vLLM tier (tests/vllm) where
+it runs real vLLM under it; nothing else needs it."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def collected(*args: str) -> set[str]:
 def test_sandbox_selects_the_integration_folder_and_the_sandbox_campaigns() -> None:
     # Every test in tests/integration carries the marker (its conftest gives it)...
     assert collected("-m", "not sandbox", "tests/integration") == set()
-    # ... and elsewhere only campaigns say they need it (collecting the whole tree to show it
+    # ... and elsewhere only campaigns and the real-vLLM tier say they need it (collecting the whole tree to show it
     # would cost more than the rest of this file).
     marked = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
               if "pytest.mark.sandbox" in p.read_text() and "integration" not in p.parts
               and p != Path(__file__).resolve()}
-    assert marked and all(f.startswith("tests/campaigns/") for f in marked), sorted(marked)
+    assert marked and all(f.startswith(("tests/campaigns/", "tests/vllm/")) for f in marked), sorted(marked)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-
 from tests.integration.gpudctl import STANDIN, SandboxGpud, sim_config, standin
 
 DARK_FAST = """
