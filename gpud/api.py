@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gpud import bounded
 from gpud.config import MAX_MIB, _reason
 from gpud.core import answers
 from gpud.core.authority import needs_root
@@ -615,10 +616,6 @@ def json_response(data: Any, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
-def _no_constants(name: str) -> Any:
-    raise BadRequest(f"invalid JSON: {name} is not a number JSON allows")
-
-
 async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
@@ -642,11 +639,13 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     except UnicodeDecodeError as exc:
         raise BadRequest(f"invalid JSON: not UTF-8 (byte {exc.start})") from exc
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return bounded.parse_json(text)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except RecursionError as exc:
-        raise BadRequest("invalid JSON: nested too deeply") from exc
+    except bounded.SyntaxProblem as exc:
+        raise BadRequest(f"invalid JSON: {exc}") from exc
+    except bounded.OutOfBounds as exc:
+        raise BadRequest(f"{exc.path}: {exc.reason}", {"path": exc.path}) from exc
 
 
 async def read_model(request: web.Request, model: type[M], *,

@@ -11,11 +11,6 @@ import os
 import re
 import stat
 import string
-
-try:  # the compiled build of the parser tomllib was made from: about 3x faster on big configs
-    import tomli as toml
-except ImportError:  # pragma: no cover - the same parser, pure Python
-    import tomllib as toml  # type: ignore[no-redef]
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from gpud import bounded
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 
@@ -577,11 +573,11 @@ def _placeholder_problem(arg: str) -> str | None:
 def parse_config(text: str, source: str) -> Config:
     """Parse and validate config text. Raises ConfigError naming every problem."""
     try:
-        data = toml.loads(text)
-    except toml.TOMLDecodeError as exc:
+        data = bounded.parse_toml(text)
+    except bounded.TOMLDecodeError as exc:
         raise ConfigError(source, [f"TOML syntax: {exc}"]) from exc
-    except RecursionError as exc:
-        raise ConfigError(source, ["TOML syntax: nested too deeply"]) from exc
+    except bounded.OutOfBounds as exc:
+        raise ConfigError(source, [f"{exc.path}: {exc.reason}"]) from exc
     try:
         cfg = Config.model_validate(data)
     except RecursionError as exc:

@@ -163,6 +163,28 @@ NAME_TEXT = st.one_of(st.sampled_from(KNOWN_NAMES), st.from_regex(r"[a-z0-9][a-z
                       st.sampled_from(["..", "%2e%2e", "a/b", "Fast", "x" * 64, "-x", "%00", "é"]))
 
 
+def _nested(depth: int, inner: str) -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+# Bodies the parsers themselves choke on: a decimal number of more digits than Python's int()
+# converts (4300), nesting deeper than json's recursion or gpud's MAX_DEPTH, the same inside a
+# config's TOML, and a float that overflows to infinity.
+OUT_OF_BOUNDS = st.one_of(
+    st.builds(lambda n, sign, key: f'{{"{key}": {sign}{"9" * n}}}'.encode(),
+              st.integers(4301, 20000), st.sampled_from(["", "-"]),
+              st.sampled_from(["mib", "n", "config", "level", "window_s"])),
+    st.builds(lambda d: f'{{"mib": {_nested(d, "1")}}}'.encode(), st.integers(33, 5000)),
+    st.builds(lambda d: _nested(d, "").encode(), st.integers(33, 100_000)),
+    st.builds(lambda d: ('{"a": ' + "[" * d).encode(), st.integers(33, 100_000)),
+    st.builds(lambda n: json.dumps({"config": f"[roles.r]\ndevice = \"0\"\nreserve_mib = "
+                                               f"{'9' * n}\n"}).encode(), st.integers(4301, 9000)),
+    st.builds(lambda d: json.dumps({"config": f"a = {_nested(d, '1')}"}).encode(),
+              st.integers(33, 3000)),
+    st.just(b'{"mib": 1e999, "window_s": -1e999}'),
+)
+
+
 @st.composite
 def requests_from(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[str, str, str, bytes | None, dict[str, str]]:
     """(method, template, path with query, body, headers) for one operation of the document."""
@@ -193,6 +215,8 @@ def requests_from(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[str, str, str, 
             body = None
         elif kind == 1:
             body = draw(st.binary(max_size=200))
+        elif kind == 3:
+            body = draw(OUT_OF_BOUNDS)
         elif kind == 2 and template in ("/v1/plan", "/v1/apply"):
             # hostile config text, from the config campaign's generator
             body = json.dumps({"config": draw(TOMLISH)}).encode()
@@ -244,6 +268,42 @@ def test_api_fuzz_short(fuzz_gpud: GpudProcess) -> None:
 @pytest.mark.slow
 def test_api_fuzz_long(fuzz_gpud: GpudProcess) -> None:
     fuzz(fuzz_gpud, knob("EXAMPLES", 5000))
+
+
+OUT_OF_BOUNDS_EXAMPLES = {
+    "huge-integer": b'{"config": "", "n": ' + b"9" * 4301 + b"}",
+    "huge-negative": b'{"mib": -' + b"9" * 20000 + b"}",
+    "deep-nesting": b'{"mib": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    "deeper-than-max-depth": b'{"mib": ' + b"[" * 40 + b"]" * 40 + b"}",
+    "deep-unclosed": b"[" * 200_000,
+    "infinite-float": b'{"mib": 1e999}',
+    "toml-huge-integer": json.dumps({"config": FUZZ_CONFIG.replace(
+        "vram_mib = 5120", "vram_mib = " + "9" * 5000)}).encode(),
+    "toml-deep": json.dumps({"config": "a = " + "[" * 2000 + "]" * 2000}).encode(),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_BOUNDS_EXAMPLES))
+def test_out_of_bounds_bodies_on_every_post_route(fuzz_gpud: GpudProcess, name: str) -> None:
+    """The issue's report: a huge integer made every POST route answer 500. Each route of the
+    document answers such a body 4xx in the error shape (a 400 names the offending value)."""
+    doc = fuzz_gpud.call("GET", "/v1/openapi.json").body
+    conformance = Conformance(doc)
+    problems = []
+    for template, item in doc["paths"].items():
+        if "post" not in item:
+            continue
+        path = template.replace("{name}", "ocr")
+        status, ctype, raw = send(fuzz_gpud.socket, "post", path, OUT_OF_BOUNDS_EXAMPLES[name],
+                                  {"Content-Type": "application/json"})
+        problems += conformance.check("post", template, status, ctype, raw)
+        if not 400 <= status < 500:
+            problems.append(f"POST {path}: {status} {raw[:200]!r}")
+        elif status == 400 and b"path" not in raw \
+                and b"problems" not in raw:
+            problems.append(f"POST {path}: 400 without the offending path: {raw[:200]!r}")
+    assert fuzz_gpud.alive()
+    assert not problems, "\n".join(problems)
 
 
 def test_conformance_checker_catches_a_bad_answer(tmp_path: Path) -> None:
