@@ -40,6 +40,7 @@ from gpud.errors import (
     Unavailable,
 )
 from gpud.metrics import METRICS_CONTENT_TYPE
+from gpud.offload import Offload
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import Event, EventQuery
@@ -173,7 +174,8 @@ class Api:
                  metrics: Callable[[], str] | None = None,
                  reload: Callable[[int | None], Awaitable[answers.Reloaded]] | None = None,
                  rebalancer: Rebalancer | None = None,
-                 extra_routes: Callable[[Api], None] | None = None) -> None:
+                 extra_routes: Callable[[Api], None] | None = None,
+                 offload: Offload | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -181,6 +183,8 @@ class Api:
         self.metrics = metrics
         self.reload_hook = reload
         self.rebalancer = rebalancer
+        # parsing and planning configs: off the loop, at most a few per peer at a time
+        self.offload = offload if offload is not None else Offload()
         self.admin_gid = admin_gid(svc.config.daemon.admin_group)
         self._access: dict[str, Access] = {}
         self.app = web.Application(middlewares=[self._errors, self._authorize],
@@ -554,26 +558,30 @@ class Api:
         return self.rebalancer
 
     async def plan(self, request: web.Request) -> web.Response:
-        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
-        plan = self._rebalancer().plan(body.config, body.source or "(request)")
-        return json_response(plan.to_json())
+        rebalancer = self._rebalancer()
+        # The peer's slot is taken before its body is read: one request too many costs nothing.
+        async with self.offload.slot(self._uid(request), "plan"):
+            body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+            text = await rebalancer.plan_json(body.config, body.source or "(request)")
+        return web.Response(text=text, content_type="application/json")
 
     async def apply(self, request: web.Request) -> web.StreamResponse:
         """NDJSON: one line per step as it happens, then the result line."""
-        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
         rebalancer = self._rebalancer()
-        source = body.source or "(request)"
         uid = self._uid(request)
-        # Bad input (400), a change only root may make (403) and an apply that cannot begin
-        # (409) are answered before anything streams.
-        cfg = rebalancer.parse(body.config, source)
-        if uid != 0:
-            paths = needs_root(self.svc.config, cfg)
-            if paths:
-                raise Forbidden(
-                    f"uid {uid} may change figures only; this change needs root: "
-                    f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
-                    {"uid": uid, "needs_root": paths})
+        async with self.offload.slot(uid, "apply"):
+            body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+            source = body.source or "(request)"
+            # Bad input (400), a change only root may make (403) and an apply that cannot
+            # begin (409) are answered before anything streams.
+            cfg = await self.offload.run(rebalancer.parse, body.config, source)
+            if uid != 0:
+                paths = await self.offload.run(needs_root, self.svc.config, cfg)
+                if paths:
+                    raise Forbidden(
+                        f"uid {uid} may change figures only; this change needs root: "
+                        f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
+                        {"uid": uid, "needs_root": paths})
         rebalancer.check_can_begin()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
@@ -584,7 +592,7 @@ class Api:
 
         result: answers.ApplyResult
         try:
-            result = await rebalancer.apply(body.config, source, uid, emit)
+            result = await rebalancer.apply(body.config, source, uid, emit, cfg)
         except GpudError as exc:
             result = {"result": "refused", "error": exc.to_json()["error"]}
         except Exception as exc:  # the stream has begun: its last line says what went wrong
@@ -597,10 +605,12 @@ class Api:
         return resp
 
     async def reload(self, request: web.Request) -> web.Response:
-        await read_model(request, _Empty, empty_ok=True)
-        if self.reload_hook is None:
-            raise Unavailable("this gpud was started without a config file to reload")
-        return json_response(await self.reload_hook(self._uid(request)))
+        uid = self._uid(request)
+        async with self.offload.slot(uid, "reload"):
+            await read_model(request, _Empty, empty_ok=True)
+            if self.reload_hook is None:
+                raise Unavailable("this gpud was started without a config file to reload")
+            return json_response(await self.reload_hook(uid))
 
 
 class _Empty(_Wire):

@@ -37,6 +37,7 @@ from gpud.config import (
 from gpud.core import answers
 from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
+from gpud.offload import INLINE_ENV, Offload
 from gpud.service import LedgerService, resolve_budgets
 
 if TYPE_CHECKING:
@@ -168,6 +169,9 @@ class Daemon:
         self.ready = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
+        # Parsing and planning configs off the event loop (gpud.offload); GPUD_EXPENSIVE_INLINE=1
+        # keeps them on it, as before, for the benchmark that compares the two.
+        self.offload = Offload(inline=os.environ.get(INLINE_ENV) == "1")
         self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -187,6 +191,7 @@ class Daemon:
         async with AsyncExitStack() as stack:
             cfg = self.config
             stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
+            stack.callback(self.offload.close)
             store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
             stack.callback(store.close)
             observer = await self._observer(stack)
@@ -218,7 +223,9 @@ class Daemon:
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
-                                                 reload=self._apply_reload))
+                                                 reload=self._apply_reload,
+                                                 offload=self.offload),
+                           offload=self.offload)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
@@ -329,7 +336,9 @@ class Daemon:
         try:
             if text is None:
                 text = read_config_text(self.config_path)
-            cfg = apply_overrides(parse_config(text, str(self.config_path)), self.overrides)
+            # in a worker thread: a config of 1 MiB takes the better part of a second
+            parsed = await self.offload.run(parse_config, text, str(self.config_path))
+            cfg = apply_overrides(parsed, self.overrides)
             over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
             if self.api is not None:
