@@ -627,6 +627,13 @@ def load_config(path: Path, *, require_private: bool | None = None) -> Config:
     return parse_config(read_config_text(path, require_private=require_private), str(path))
 
 
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """--socket and --state-dir win over the file, also across reloads."""
+    if not overrides:
+        return cfg
+    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=dict(overrides))})
+
+
 def summary(cfg: Config) -> str:
     """The lines `gpud --check-config` prints for a valid config."""
     lines = [f"admission {cfg.daemon.admission}; socket {cfg.daemon.socket}; "

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from gpud import __version__
 from gpud.config import (
     Config,
+    apply_overrides,
     config_warnings,
     device_totals,
     parse_config,
@@ -224,7 +225,8 @@ class Daemon:
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
                                                  reload=self._apply_reload,
-                                                 offload=self.offload),
+                                                 offload=self.offload,
+                                                 overrides=self.overrides),
                            offload=self.offload)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
@@ -365,13 +367,6 @@ def _unlink_if_ours(path: Path, inode: int) -> None:
     with contextlib.suppress(OSError):
         if os.stat(path).st_ino == inode:
             path.unlink()
-
-
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """--socket and --state-dir win over the file, also across reloads."""
-    if not overrides:
-        return cfg
-    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=overrides)})
 
 
 def check_config(path: Path, *, show_commands: bool = False) -> int:

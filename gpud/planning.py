@@ -1,16 +1,17 @@
 """A plan of a config text made from values alone, so that it can be made in a worker process
 (gpud.offload): nothing here reads the service, the observer or the clock.
 
-The daemon's --socket and --state-dir overrides are not applied to the parsed config here: a
-plan reads no [daemon] key, so they change nothing in it.
+The daemon's --socket and --state-dir overrides travel in the inputs as data and are applied to
+the parsed config here, as the service applies them to any config it takes.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from gpud.config import Config, parse_config
+from gpud.config import Config, apply_overrides, parse_config
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
 from gpud.core.plan import Plan, make_plan
@@ -27,6 +28,7 @@ class PlanInputs:
     ledger: Ledger
     states: dict[str, str]
     devices: DeviceView
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
@@ -40,5 +42,5 @@ def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
 
 def plan_json(text: str, source: str, inputs: PlanInputs) -> str:
     """The plan of `text` as the JSON text POST /v1/plan answers (ConfigError when invalid)."""
-    plan = plan_of(parse_config(text, source), source, inputs)
+    plan = plan_of(apply_overrides(parse_config(text, source), inputs.overrides), source, inputs)
     return json.dumps(plan.to_json(), allow_nan=False)

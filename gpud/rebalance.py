@@ -73,13 +73,17 @@ def backup(path: Path, keep: int, now: float) -> Path:
 
 class Rebalancer:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, observer: Observer, *,
-                 config_path: Path | None, reload: Reload, offload: Offload = INLINE) -> None:
+                 config_path: Path | None, reload: Reload, offload: Offload = INLINE,
+                 overrides: dict[str, Any] | None = None) -> None:
         self.svc = svc
         self.supervisor = supervisor
         self.observer = observer
         self.config_path = config_path
         self.reload = reload
         self.offload = offload
+        # the daemon's --socket/--state-dir (as svc.overrides applies them): a plan made in a
+        # worker process applies them itself
+        self.overrides = dict(overrides or {})
         self._busy = False
 
     @property
@@ -95,7 +99,7 @@ class Rebalancer:
     def inputs(self) -> PlanInputs:
         """On the event loop: what a plan is made against (values only)."""
         return PlanInputs(self.svc.config, self.svc.ledger, self.svc.states(),
-                          self.observer.view())
+                          self.observer.view(), self.overrides)
 
     async def plan_json(self, text: str, source: str) -> str:
         """The plan of `text`, as the JSON text POST /v1/plan answers: parsed, planned and
