@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpud import bounded
 from gpud.config import MAX_MIB, _reason
+from gpud.connguard import Guarded
 from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.ledger import RoleFigures
@@ -37,6 +38,7 @@ from gpud.errors import (
     GpudError,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unavailable,
 )
 from gpud.metrics import METRICS_CONTENT_TYPE
@@ -224,8 +226,25 @@ class Api:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # The connection's deadline (gpud.connguard): the body must arrive by it (read_json).
+        transport = request.transport
+        guard = transport.get_protocol() if transport is not None else None
+        if not isinstance(guard, Guarded):
+            return await self._answer(request, handler)
+        request["deadline"] = guard.request_began()
+        try:
+            return await self._answer(request, handler)
+        finally:
+            guard.request_done()
+
+    async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except RequestTimeout as exc:
+            log.warning("%s %s: %s", request.method, request.path, exc.message)
+            resp = error_response(exc)
+            resp.force_close()  # what is left of the body is not read
+            return resp
         except GpudError as exc:
             if isinstance(exc, Unavailable):
                 # a state of the host (no system bus, no NVML), answered as designed: not a fault
@@ -633,12 +652,20 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     # read(n) gives what has arrived, up to n bytes: a large body comes in several pieces.
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(limit + 1 - size):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
-                                  {"limit": limit})
+    deadline: float | None = request.get("deadline")
+    try:
+        async with asyncio.timeout_at(deadline):
+            while chunk := await request.content.read(limit + 1 - size):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
+                                          {"limit": limit})
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"the request body did not arrive in time ({size} bytes by the deadline, "
+            "daemon.request_read_timeout_s after its first byte)",
+            {"received_bytes": size}) from exc
     raw = b"".join(chunks)
     if not raw.strip():
         if empty_ok:

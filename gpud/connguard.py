@@ -1,9 +1,16 @@
-"""A cap on the connections each non-root peer may hold open on the API socket.
+"""A cap on the connections each non-root peer may hold open on the API socket, and a deadline
+for every peer's requests to arrive.
 
 Anyone in group `gpud` may open the socket. Without a cap, one member holding idle or
 slowly-dribbled connections could use up gpud's descriptors and lock everyone out, root
 included. Each connection's peer uid is read (SO_PEERCRED) when it is accepted; past the cap the
 new connection is closed at once. Root is never capped.
+
+The deadline (daemon.request_read_timeout_s) runs from a request's first byte: its headers must
+have arrived by then, or the connection is closed (aiohttp has no such timeout of its own: its
+keep-alive timeout only runs between requests); the API reads its body against the same
+deadline and answers 408 `request-timeout` past it (gpud.api.read_json). For every peer, root
+included: one byte a second would otherwise hold a connection, and what it holds, indefinitely.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -62,14 +70,24 @@ def peer_uid(transport: asyncio.BaseTransport) -> int | None:
     return int(struct.unpack("3i", raw)[1])
 
 
-class _Guarded(asyncio.Protocol):
-    """Wraps aiohttp's protocol: counts the connection against its peer, or closes it."""
+class Guarded(asyncio.Protocol):
+    """Wraps aiohttp's protocol: counts the connection against its peer, or closes it; closes it
+    too when a request's headers have not arrived `read_timeout()` seconds after its first
+    byte. The API tells it when a request's handler begins (`request_began`, which answers the
+    deadline its body must arrive by) and ends (`request_done`)."""
 
-    def __init__(self, inner: Any, limiter: Limiter) -> None:
+    def __init__(self, inner: Any, limiter: Limiter,
+                 read_timeout: Callable[[], float] | None = None) -> None:
         self._inner = inner
         self._limiter = limiter
+        self._read_timeout = read_timeout
         self._uid: int | None = None
         self._counted = False
+        self._transport: asyncio.BaseTransport | None = None
+        self._deadline: float | None = None  # loop time; None: no request is arriving
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_handler = False
+        self._more = False  # bytes of a further request came while a handler ran
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._uid = peer_uid(transport)
@@ -77,17 +95,59 @@ class _Guarded(asyncio.Protocol):
             transport.close()
             return
         self._counted = True
+        self._transport = transport
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
         if self._counted:
             self._counted = False
             self._limiter.release(self._uid)
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._counted:
-            self._inner.data_received(data)
+        if not self._counted:
+            return
+        if self._in_handler:
+            self._more = True
+        elif self._deadline is None:
+            self._start_timer()
+        self._inner.data_received(data)
+
+    def _start_timer(self) -> None:
+        if self._read_timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + self._read_timeout()
+        self._timer = loop.call_at(self._deadline, self._expired)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        log.warning("uid %s sent no whole request headers within %g s: connection closed",
+                    self._uid, self._read_timeout() if self._read_timeout else 0)
+        if self._transport is not None:
+            self._transport.close()
+
+    def request_began(self) -> float | None:
+        """A request's headers are in and its handler begins: the loop time its body must have
+        arrived by (None: no deadline)."""
+        self._stop_timer()
+        self._in_handler = True
+        deadline, self._deadline = self._deadline, None
+        if deadline is None and self._read_timeout is not None:  # it came in one piece
+            deadline = asyncio.get_running_loop().time() + self._read_timeout()
+        return deadline
+
+    def request_done(self) -> None:
+        self._in_handler = False
+        if self._more:  # the next request began arriving meanwhile: its deadline runs from now
+            self._more = False
+            self._start_timer()
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._counted else None
@@ -121,10 +181,12 @@ class JsonErrorHandler(RequestHandler):
 
 
 class GuardedSockSite(web.SockSite):
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, limiter: Limiter) -> None:
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, limiter: Limiter,
+                 read_timeout: Callable[[], float] | None = None) -> None:
         # On stop, open requests get 3 s to finish (followers end at once: see daemon.py).
         super().__init__(runner, sock, shutdown_timeout=3.0)
         self.limiter = limiter
+        self.read_timeout = read_timeout
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -134,6 +196,7 @@ class GuardedSockSite(web.SockSite):
         kwargs = server._kwargs  # what web.Server.__call__ would pass
 
         def factory() -> asyncio.Protocol:
-            return _Guarded(JsonErrorHandler(server, loop=loop, **kwargs), self.limiter)
+            return Guarded(JsonErrorHandler(server, loop=loop, **kwargs), self.limiter,
+                            self.read_timeout)
 
         self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)

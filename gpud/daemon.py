@@ -294,7 +294,8 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(path, self.config.daemon.socket_group)
             stack.callback(_unlink_if_ours, path, os.stat(path).st_ino)
-        site = GuardedSockSite(runner, sock, Limiter())
+        site = GuardedSockSite(runner, sock, Limiter(),
+                               lambda: self.config.daemon.request_read_timeout_s)
         await site.start()
         listen = self.config.daemon.metrics_listen
         if listen:

@@ -94,7 +94,7 @@ def _answers(ok: dict[str, Any], *errors: int) -> dict[str, Any]:
 
 def _post(summary: str, ok: dict[str, Any], body: dict[str, Any] | None, *errors: int,
           name: bool = True) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, 400, 413, *errors)}
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, 400, 408, 413, *errors)}
     if name:
         op["parameters"] = [NAME_PARAM]
     if body is not None:
@@ -151,7 +151,8 @@ def document() -> dict[str, Any]:
                             "content": {"application/x-ndjson": {"schema": {"anyOf": [
                                 _ref("ApplyStep"), _ref("ApplyResult")]}}}},
                     **{str(c): {"description": "error", "content": {"application/json": {
-                        "schema": _ref("Error")}}} for c in (400, 403, 409, 413, 429, 500, 503)}}}},
+                        "schema": _ref("Error")}}} for c in (400, 403, 408, 409, 413, 429, 500,
+                                                               503)}}}},
             "/v1/serves/{name}/calibrate": _post(
                 "Measure a running serve's draw over a window", _ref("CalibrationRun"),
                 _obj({"window_s": {"type": "number", "minimum": 1, "maximum": 86400}}, [],

@@ -22,6 +22,8 @@ import http.client
 import json
 import re
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -304,6 +306,90 @@ def test_out_of_bounds_bodies_on_every_post_route(fuzz_gpud: GpudProcess, name: 
             problems.append(f"POST {path}: 400 without the offending path: {raw[:200]!r}")
     assert fuzz_gpud.alive()
     assert not problems, "\n".join(problems)
+
+
+SLOW_DEADLINE_S = 1.0
+
+
+def _slow_request(sock: Path, head: bytes, body: bytes, results: dict[str, bytes],
+                  key: str) -> None:
+    """HEAD at once, then BODY a byte every tenth of the deadline; what gpud answered (b"":
+    it closed the connection) into results[key]."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10 * SLOW_DEADLINE_S)
+    answer = b""
+    try:
+        s.connect(str(sock))
+        s.sendall(head)
+        until = time.monotonic() + 4 * SLOW_DEADLINE_S
+        for byte in body:
+            if time.monotonic() > until:
+                break
+            try:
+                s.send(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(SLOW_DEADLINE_S / 10)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    except TimeoutError:
+        answer = b"(kept open past the deadline)"
+    finally:
+        s.close()
+    results[key] = answer
+
+
+def test_slow_bodies_and_headers_on_every_route(tmp_path: Path) -> None:
+    """A body or headers sent a byte at a time, to every route of the document: each is cut at
+    daemon.request_read_timeout_s, a body with a 408 in the error shape (or the connection
+    closed), never a 5xx, never kept open. All at once, as one peer (root) could."""
+    gp = start_gpud(tmp_path, FUZZ_CONFIG.replace(
+        "[daemon]", f"[daemon]\nrequest_read_timeout_s = {SLOW_DEADLINE_S}"))
+    try:
+        doc = gp.call("GET", "/v1/openapi.json").body
+        conformance = Conformance(doc)
+        results: dict[str, bytes] = {}
+        threads = []
+        body = json.dumps({"config": FUZZ_CONFIG}).encode()
+        for template, item in doc["paths"].items():
+            path = template.replace("{name}", "ocr").encode()
+            for method in item:
+                head = (method.upper().encode() + b" " + path + b" HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                        % len(body))
+                threads.append(threading.Thread(target=_slow_request, args=(
+                    gp.socket, head, body, results, f"{method} {template} body")))
+            threads.append(threading.Thread(target=_slow_request, args=(
+                gp.socket, b"", b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 200,
+                results, f"get {template} headers")))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        problems = []
+        for key, answer in sorted(results.items()):
+            method, template, _what = key.split(" ")
+            if answer == b"":
+                continue  # closed at the deadline
+            if not answer.startswith(b"HTTP/1.1 "):
+                problems.append(f"{key}: {answer[:100]!r}")
+                continue
+            head, _, raw = answer.partition(b"\r\n\r\n")
+            status = int(head.split(b" ")[1])
+            ctype = next((line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-type")), "")
+            problems += conformance.check(method, template, status, ctype, raw)
+            # 429: plan, apply and reload take the peer's slot before reading the body, and
+            # these dribblers hold three of them at once
+            if status not in (408, 429) and not (status == 200 and method == "get"):
+                problems.append(f"{key}: {status} {raw[:200]!r}")
+        assert gp.alive()
+        assert gp.call("GET", "/v1/status").status == 200
+        assert not problems, "\n".join(problems)
+        assert any(a.startswith(b"HTTP/1.1 408") for a in results.values())
+    finally:
+        gp.stop()
 
 
 def test_conformance_checker_catches_a_bad_answer(tmp_path: Path) -> None:
