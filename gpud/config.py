@@ -88,8 +88,9 @@ class DaemonConfig(_Model):
     # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
     # plus this much.
     sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
-    # A request's headers and body must have arrived this long after its first byte (every
-    # peer, root included): past it the connection is closed, or the body answered 408.
+    # A request's headers must have arrived this long after its first byte, its body this long
+    # after its handling began (every peer, root included): past it the connection is closed,
+    # or the body answered 408 (gpud.connguard).
     request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
 
 

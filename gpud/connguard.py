@@ -8,9 +8,10 @@ new connection is closed at once. Root is never capped.
 
 The deadline (daemon.request_read_timeout_s) runs from a request's first byte: its headers must
 have arrived by then, or the connection is closed (aiohttp has no such timeout of its own: its
-keep-alive timeout only runs between requests); the API reads its body against the same
-deadline and answers 408 `request-timeout` past it (gpud.api.read_json). For every peer, root
-included: one byte a second would otherwise hold a connection, and what it holds, indefinitely.
+keep-alive timeout only runs between requests); the API reads its body within as long again
+from the moment its handler begins, and answers 408 `request-timeout` past it
+(gpud.api.read_json). For every peer, root included: one byte a second would otherwise hold a
+connection, and what it holds, indefinitely.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from aiohttp.web_protocol import RequestHandler
 log = logging.getLogger("gpud.api")
 
 DEFAULT_PER_UID = 64
+# A deadline whose timer ran this much late found the loop busy (with other requests), not the
+# peer slow: the peer is given that time again.
+LATE_S = 0.25
 
 
 class Limiter:
@@ -74,7 +78,8 @@ class Guarded(asyncio.Protocol):
     """Wraps aiohttp's protocol: counts the connection against its peer, or closes it; closes it
     too when a request's headers have not arrived `read_timeout()` seconds after its first
     byte. The API tells it when a request's handler begins (`request_began`, which answers the
-    deadline its body must arrive by) and ends (`request_done`)."""
+    deadline its body must arrive by: from then, so that time the daemon took to get to the
+    request is not counted against the peer) and ends (`request_done`)."""
 
     def __init__(self, inner: Any, limiter: Limiter,
                  read_timeout: Callable[[], float] | None = None) -> None:
@@ -84,10 +89,10 @@ class Guarded(asyncio.Protocol):
         self._uid: int | None = None
         self._counted = False
         self._transport: asyncio.BaseTransport | None = None
-        self._deadline: float | None = None  # loop time; None: no request is arriving
         self._timer: asyncio.TimerHandle | None = None
-        self._in_handler = False
-        self._more = False  # bytes of a further request came while a handler ran
+        # a request's headers are in and it is not answered yet: what arrives is its body (or
+        # the next request, pipelined), the handler's to bound
+        self._open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._uid = peer_uid(transport)
@@ -108,18 +113,22 @@ class Guarded(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._counted:
             return
-        if self._in_handler:
-            self._more = True
-        elif self._deadline is None:
+        if not self._open and self._timer is None:
             self._start_timer()
+        before = self._heads()
         self._inner.data_received(data)
+        if self._heads() > before:  # aiohttp parsed a request's headers
+            self._stop_timer()
+            self._open = True
 
-    def _start_timer(self) -> None:
+    def _heads(self) -> int:
+        return int(getattr(self._inner, "heads_parsed", 0))
+
+    def _start_timer(self, seconds: float | None = None) -> None:
         if self._read_timeout is None:
             return
         loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + self._read_timeout()
-        self._timer = loop.call_at(self._deadline, self._expired)
+        self._timer = loop.call_later(seconds or self._read_timeout(), self._expired)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -127,27 +136,28 @@ class Guarded(asyncio.Protocol):
             self._timer = None
 
     def _expired(self) -> None:
-        self._timer = None
+        timer, self._timer = self._timer, None
+        late = asyncio.get_running_loop().time() - timer.when() if timer is not None else 0.0
+        if late >= LATE_S:  # the loop was busy past the deadline: that time is not the peer's
+            self._start_timer(late)
+            return
         log.warning("uid %s sent no whole request headers within %g s: connection closed",
                     self._uid, self._read_timeout() if self._read_timeout else 0)
         if self._transport is not None:
             self._transport.close()
 
     def request_began(self) -> float | None:
-        """A request's headers are in and its handler begins: the loop time its body must have
-        arrived by (None: no deadline)."""
+        """A request's handler begins: the loop time its body must have arrived by (None: no
+        deadline)."""
         self._stop_timer()
-        self._in_handler = True
-        deadline, self._deadline = self._deadline, None
-        if deadline is None and self._read_timeout is not None:  # it came in one piece
-            deadline = asyncio.get_running_loop().time() + self._read_timeout()
-        return deadline
+        self._open = True
+        if self._read_timeout is None:
+            return None
+        return asyncio.get_running_loop().time() + self._read_timeout()
 
     def request_done(self) -> None:
-        self._in_handler = False
-        if self._more:  # the next request began arriving meanwhile: its deadline runs from now
-            self._more = False
-            self._start_timer()
+        # What arrives from now on is a new request: its first byte starts its deadline.
+        self._open = False
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._counted else None
@@ -166,6 +176,12 @@ class JsonErrorHandler(RequestHandler):
     8 KiB header, broken chunking) use gpud's one error shape instead of text/plain."""
 
     __slots__ = ()
+
+    @property
+    def heads_parsed(self) -> int:
+        """How many requests' headers aiohttp has parsed on this connection (its own count:
+        RequestHandler.data_received adds one per message its parser gives)."""
+        return int(self._request_count)
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

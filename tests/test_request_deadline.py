@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import T015, GpudProcess, start_gpud
+from bench.fig_flood import flood_config
+from tests.conftest import T015, GpudProcess, call, start_gpud
 
 DEADLINE_S = 1.0
 CONFIG = T015.replace('admission = "ledger"',
@@ -106,3 +108,29 @@ def test_the_deadline_does_not_run_between_requests(gpud: GpudProcess) -> None:
             time.sleep(DEADLINE_S * 1.5)  # idle past the deadline
     finally:
         s.close()
+
+
+def test_time_the_daemon_takes_to_get_to_a_request_is_not_the_peers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sent whole, on time, while the loop is busy (here: plans made on the loop, as
+    GPUD_EXPENSIVE_INLINE=1 makes them, one after the other for longer than the deadline) are
+    answered, not cut with a 408: the time the loop spent elsewhere is not the peer's."""
+    monkeypatch.setenv("GPUD_EXPENSIVE_INLINE", "1")
+    gp = start_gpud(tmp_path, CONFIG)
+    try:
+        big = json.dumps({"config": flood_config(11_000), "source": "big"}).encode()
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            call(gp.socket, "POST", "/v1/plan", raw=big).status)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started = time.monotonic()
+        small = call(gp.socket, "POST", "/v1/serves/ocr/admit", {"mib": 1000})
+        waited = time.monotonic() - started
+        for t in threads:
+            t.join()
+    finally:
+        gp.stop()
+    assert answers == [200] * 4
+    assert small.status == 200, small.body
+    assert waited > DEADLINE_S, waited  # it did wait behind the plans longer than the deadline
