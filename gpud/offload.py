@@ -110,7 +110,12 @@ class Offload:
             # inherit a lock held by another thread
             self._processes = ProcessPoolExecutor(
                 self._workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_die_with, initargs=(os.getpid(),))
+                initializer=_worker_start, initargs=(os.getpid(),))
+            for _ in range(self._workers - 1):
+                # every worker starts now, not the second one at the second plan: starting one
+                # (an interpreter, pydantic, gpud's config models) takes the better part of a
+                # second, which a plan would wait for
+                self._processes.submit(_started)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._processes, functools.partial(fn, *args))
@@ -133,13 +138,19 @@ INLINE = Offload(inline=True)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with(parent: int) -> None:
+def _worker_start(parent: int) -> None:
     """In each worker process: end when gpud ends, however it ends. A worker waits on a queue
     whose write end it holds itself, so it would never see gpud go (SIGKILL, the watchdog), and
-    gpud.service's KillMode=process leaves the rest of the cgroup alone."""
+    gpud.service's KillMode=process leaves the rest of the cgroup alone. Then load what a plan
+    needs, before the first plan."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # gone before the line above
         os._exit(0)
+    import gpud.planning  # noqa: F401 - imported for its cost, paid here
+
+
+def _started() -> None:
+    """Nothing: submitted so that the pool starts its workers."""
