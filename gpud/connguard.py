@@ -10,8 +10,8 @@ The deadline (daemon.request_read_timeout_s) runs from a request's first byte: i
 have arrived by then, or the connection is closed (aiohttp has no such timeout of its own: its
 keep-alive timeout only runs between requests); the API reads its body within as long again
 from the moment its handler begins, and answers 408 `request-timeout` past it
-(gpud.api.read_json). For every peer, root included: one byte a second would otherwise hold a
-connection, and what it holds, indefinitely.
+(gpud.api.read_json). For every peer, root included, and on the metrics listener too: one byte
+a second would otherwise hold a connection, and what it holds, indefinitely.
 """
 
 from __future__ import annotations
@@ -196,6 +196,19 @@ class JsonErrorHandler(RequestHandler):
         return resp
 
 
+def _guarded(runner: web.BaseRunner, limiter: Limiter,
+             read_timeout: Callable[[], float] | None) -> Callable[[], asyncio.Protocol]:
+    server = runner.server
+    assert server is not None
+    loop = asyncio.get_running_loop()
+    kwargs = server._kwargs  # what web.Server.__call__ would pass
+
+    def factory() -> asyncio.Protocol:
+        return Guarded(JsonErrorHandler(server, loop=loop, **kwargs), limiter, read_timeout)
+
+    return factory
+
+
 class GuardedSockSite(web.SockSite):
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, limiter: Limiter,
                  read_timeout: Callable[[], float] | None = None) -> None:
@@ -206,13 +219,25 @@ class GuardedSockSite(web.SockSite):
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
         loop = asyncio.get_running_loop()
-        kwargs = server._kwargs  # what web.Server.__call__ would pass
+        self._server = await loop.create_server(
+            _guarded(self._runner, self.limiter, self.read_timeout), sock=self._sock,
+            backlog=self._backlog)
 
-        def factory() -> asyncio.Protocol:
-            return Guarded(JsonErrorHandler(server, loop=loop, **kwargs), self.limiter,
-                            self.read_timeout)
 
-        self._server = await loop.create_server(factory, sock=self._sock, backlog=self._backlog)
+class GuardedTCPSite(web.TCPSite):
+    """The metrics listener (daemon.metrics_listen): the same request deadline (its peers have
+    no uid: they are not capped)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int,
+                 read_timeout: Callable[[], float] | None = None) -> None:
+        super().__init__(runner, host, port, shutdown_timeout=3.0)
+        self.read_timeout = read_timeout
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            _guarded(self._runner, Limiter(), self.read_timeout), self._host, self._port,
+            backlog=self._backlog, reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)

@@ -283,7 +283,7 @@ class Daemon:
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
         from aiohttp import web
 
-        from gpud.connguard import GuardedSockSite, Limiter
+        from gpud.connguard import GuardedSockSite, GuardedTCPSite, Limiter
 
         # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
@@ -300,7 +300,8 @@ class Daemon:
         listen = self.config.daemon.metrics_listen
         if listen:
             host, _, port = listen.rpartition(":")
-            await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+            await GuardedTCPSite(runner, host or "127.0.0.1", int(port),
+                                 lambda: self.config.daemon.request_read_timeout_s).start()
             log.info("metrics on http://%s/metrics", listen)
         log.info("listening on %s", path if sock.family == socket.AF_UNIX else sock)
 

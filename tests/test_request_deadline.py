@@ -134,3 +134,24 @@ def test_time_the_daemon_takes_to_get_to_a_request_is_not_the_peers(
     assert answers == [200] * 4
     assert small.status == 200, small.body
     assert waited > DEADLINE_S, waited  # it did wait behind the plans longer than the deadline
+
+
+def test_the_metrics_listener_has_the_deadline_too(tmp_path: Path) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    gp = start_gpud(tmp_path, CONFIG.replace(
+        "[daemon]", f'[daemon]\nmetrics_listen = "127.0.0.1:{port}"'))
+    s = socket.create_connection(("127.0.0.1", port), timeout=10 * DEADLINE_S)
+    try:
+        started = time.monotonic()
+        _dribble(s, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200,
+                 started + 3 * DEADLINE_S)
+        answer = _answer(s)
+        took = time.monotonic() - started
+    finally:
+        s.close()
+        gp.stop()
+    assert answer == b""
+    assert DEADLINE_S * 0.9 <= took < 3 * DEADLINE_S, took
