@@ -30,9 +30,10 @@ from aiohttp.web_protocol import RequestHandler
 log = logging.getLogger("gpud.api")
 
 DEFAULT_PER_UID = 64
-# A deadline whose timer ran this much late found the loop busy (with other requests), not the
-# peer slow: the peer is given that time again.
-LATE_S = 0.25
+# A deadline whose timer ran this much late (it runs a millisecond late at most when the loop is
+# free) found the loop busy with other requests, not the peer slow: the peer is given that time
+# again.
+LATE_S = 0.05
 
 
 class Limiter:
