@@ -171,16 +171,20 @@ def temp_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"gpud-bench-{prefix}.", dir=TMP_BASE))
 
 
-def start_gpud(directory: Path, config_text: str, timeout: float = 30) -> Daemon:
-    """gpud in the foreground on DIRECTORY/gpud.sock, its state in DIRECTORY/state; ready on return."""
+def start_gpud(directory: Path, config_text: str, timeout: float = 30,
+               env: dict[str, str] | None = None) -> Daemon:
+    """gpud in the foreground on DIRECTORY/gpud.sock, its state in DIRECTORY/state; ready on
+    return. `env`: more environment for it."""
     cfg = directory / "serves.toml"
     cfg.write_text(config_text)
     cfg.chmod(0o600)
     sock = directory / "gpud.sock"
     log = directory / "gpud.log"
+    more = env or {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for var in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "JOURNAL_STREAM", "WATCHDOG_USEC"):
         env.pop(var, None)
+    env.update(more)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [PY, "-m", "gpud.daemon", "--config", str(cfg), "--socket", str(sock),

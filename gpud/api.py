@@ -23,7 +23,9 @@ from typing import Any, Literal, Protocol, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gpud import bounded, connguard
 from gpud.config import MAX_MIB, _reason
+from gpud.connguard import Guarded
 from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.ledger import RoleFigures
@@ -36,9 +38,11 @@ from gpud.errors import (
     GpudError,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unavailable,
 )
 from gpud.metrics import METRICS_CONTENT_TYPE
+from gpud.offload import Offload
 from gpud.rebalance import Rebalancer
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import Event, EventQuery
@@ -172,7 +176,8 @@ class Api:
                  metrics: Callable[[], str] | None = None,
                  reload: Callable[[int | None], Awaitable[answers.Reloaded]] | None = None,
                  rebalancer: Rebalancer | None = None,
-                 extra_routes: Callable[[Api], None] | None = None) -> None:
+                 extra_routes: Callable[[Api], None] | None = None,
+                 offload: Offload | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -180,6 +185,8 @@ class Api:
         self.metrics = metrics
         self.reload_hook = reload
         self.rebalancer = rebalancer
+        # parsing and planning configs: off the loop, at most a few per peer at a time
+        self.offload = offload if offload is not None else Offload()
         self.admin_gid = admin_gid(svc.config.daemon.admin_group)
         self._access: dict[str, Access] = {}
         self.app = web.Application(middlewares=[self._errors, self._authorize],
@@ -219,8 +226,25 @@ class Api:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # The connection's deadline (gpud.connguard): the body must arrive by it (read_json).
+        transport = request.transport
+        guard = transport.get_protocol() if transport is not None else None
+        if not isinstance(guard, Guarded):
+            return await self._answer(request, handler)
+        request["deadline"] = guard.request_began()
+        try:
+            return await self._answer(request, handler)
+        finally:
+            guard.request_done()
+
+    async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except RequestTimeout as exc:
+            log.warning("%s %s: %s", request.method, request.path, exc.message)
+            resp = error_response(exc)
+            resp.force_close()  # what is left of the body is not read
+            return resp
         except GpudError as exc:
             if isinstance(exc, Unavailable):
                 # a state of the host (no system bus, no NVML), answered as designed: not a fault
@@ -553,26 +577,30 @@ class Api:
         return self.rebalancer
 
     async def plan(self, request: web.Request) -> web.Response:
-        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
-        plan = self._rebalancer().plan(body.config, body.source or "(request)")
-        return json_response(plan.to_json())
+        rebalancer = self._rebalancer()
+        # The peer's slot is taken before its body is read: one request too many costs nothing.
+        async with self.offload.slot(self._uid(request), "plan"):
+            body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+            text = await rebalancer.plan_json(body.config, body.source or "(request)")
+        return web.Response(text=text, content_type="application/json")
 
     async def apply(self, request: web.Request) -> web.StreamResponse:
         """NDJSON: one line per step as it happens, then the result line."""
-        body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
         rebalancer = self._rebalancer()
-        source = body.source or "(request)"
         uid = self._uid(request)
-        # Bad input (400), a change only root may make (403) and an apply that cannot begin
-        # (409) are answered before anything streams.
-        cfg = rebalancer.parse(body.config, source)
-        if uid != 0:
-            paths = needs_root(self.svc.config, cfg)
-            if paths:
-                raise Forbidden(
-                    f"uid {uid} may change figures only; this change needs root: "
-                    f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
-                    {"uid": uid, "needs_root": paths})
+        async with self.offload.slot(uid, "apply"):
+            body = await read_model(request, ConfigBody, limit=CONFIG_BODY_LIMIT)
+            source = body.source or "(request)"
+            # Bad input (400), a change only root may make (403) and an apply that cannot
+            # begin (409) are answered before anything streams.
+            cfg = await self.offload.run(rebalancer.parse, body.config, source)
+            if uid != 0:
+                paths = await self.offload.run(needs_root, self.svc.config, cfg)
+                if paths:
+                    raise Forbidden(
+                        f"uid {uid} may change figures only; this change needs root: "
+                        f"{', '.join(paths[:20])}" + (" ..." if len(paths) > 20 else ""),
+                        {"uid": uid, "needs_root": paths})
         rebalancer.check_can_begin()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
@@ -583,7 +611,7 @@ class Api:
 
         result: answers.ApplyResult
         try:
-            result = await rebalancer.apply(body.config, source, uid, emit)
+            result = await rebalancer.apply(body.config, source, uid, emit, cfg)
         except GpudError as exc:
             result = {"result": "refused", "error": exc.to_json()["error"]}
         except Exception as exc:  # the stream has begun: its last line says what went wrong
@@ -596,10 +624,12 @@ class Api:
         return resp
 
     async def reload(self, request: web.Request) -> web.Response:
-        await read_model(request, EmptyBody, empty_ok=True)
-        if self.reload_hook is None:
-            raise Unavailable("this gpud was started without a config file to reload")
-        return json_response(await self.reload_hook(self._uid(request)))
+        uid = self._uid(request)
+        async with self.offload.slot(uid, "reload"):
+            await read_model(request, EmptyBody, empty_ok=True)
+            if self.reload_hook is None:
+                raise Unavailable("this gpud was started without a config file to reload")
+            return json_response(await self.reload_hook(uid))
 
 
 class EmptyBody(_Wire):
@@ -615,10 +645,6 @@ def json_response(data: Any, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
-def _no_constants(name: str) -> Any:
-    raise BadRequest(f"invalid JSON: {name} is not a number JSON allows")
-
-
 async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
@@ -626,12 +652,26 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     # read(n) gives what has arrived, up to n bytes: a large body comes in several pieces.
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(limit + 1 - size):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
-                                  {"limit": limit})
+    deadline: float | None = request.get("deadline")
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                while chunk := await request.content.read(limit + 1 - size):
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
+                                              {"limit": limit})
+            break
+        except TimeoutError as exc:
+            late = loop.time() - deadline if deadline is not None else 0.0
+            if late < connguard.LATE_S:
+                raise RequestTimeout(
+                    f"the request body did not arrive in time ({size} bytes within "
+                    "daemon.request_read_timeout_s of the start of its handling)",
+                    {"received_bytes": size}) from exc
+            deadline = loop.time() + late  # the loop was busy past it: that time is not the peer's
     raw = b"".join(chunks)
     if not raw.strip():
         if empty_ok:
@@ -642,11 +682,13 @@ async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: 
     except UnicodeDecodeError as exc:
         raise BadRequest(f"invalid JSON: not UTF-8 (byte {exc.start})") from exc
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return bounded.parse_json(text)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except RecursionError as exc:
-        raise BadRequest("invalid JSON: nested too deeply") from exc
+    except bounded.SyntaxProblem as exc:
+        raise BadRequest(f"invalid JSON: {exc}") from exc
+    except bounded.OutOfBounds as exc:
+        raise BadRequest(f"{exc.path}: {exc.reason}", {"path": exc.path}) from exc
 
 
 async def read_model(request: web.Request, model: type[M], *,

@@ -11,11 +11,6 @@ import os
 import re
 import stat
 import string
-
-try:  # the compiled build of the parser tomllib was made from: about 3x faster on big configs
-    import tomli as toml
-except ImportError:  # pragma: no cover - the same parser, pure Python
-    import tomllib as toml  # type: ignore[no-redef]
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from gpud import bounded
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 
@@ -102,6 +98,10 @@ class DaemonConfig(_Model):
     # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
     # plus this much.
     sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
+    # A request's headers must have arrived this long after its first byte, its body this long
+    # after its handling began (every peer, root included): past it the connection is closed,
+    # or the body answered 408 (gpud.connguard).
+    request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
 
 
 class RoleConfig(_Model):
@@ -601,11 +601,11 @@ def _placeholder_problem(arg: str) -> str | None:
 def parse_config(text: str, source: str) -> Config:
     """Parse and validate config text. Raises ConfigError naming every problem."""
     try:
-        data = toml.loads(text)
-    except toml.TOMLDecodeError as exc:
+        data = bounded.parse_toml(text)
+    except bounded.TOMLDecodeError as exc:
         raise ConfigError(source, [f"TOML syntax: {exc}"]) from exc
-    except RecursionError as exc:
-        raise ConfigError(source, ["TOML syntax: nested too deeply"]) from exc
+    except bounded.OutOfBounds as exc:
+        raise ConfigError(source, [f"{exc.path}: {exc.reason}"]) from exc
     try:
         cfg = Config.model_validate(data)
     except RecursionError as exc:
@@ -653,6 +653,13 @@ def read_config_text(path: Path, *, require_private: bool | None = None) -> str:
 
 def load_config(path: Path, *, require_private: bool | None = None) -> Config:
     return parse_config(read_config_text(path, require_private=require_private), str(path))
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """--socket and --state-dir win over the file, also across reloads."""
+    if not overrides:
+        return cfg
+    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=dict(overrides))})
 
 
 def summary(cfg: Config) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from gpud import __version__
 from gpud.config import (
     Config,
+    apply_overrides,
     config_warnings,
     device_totals,
     parse_config,
@@ -37,6 +38,7 @@ from gpud.config import (
 from gpud.core import answers
 from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
+from gpud.offload import INLINE_ENV, Offload
 from gpud.service import LedgerService, resolve_budgets
 
 if TYPE_CHECKING:
@@ -168,6 +170,9 @@ class Daemon:
         self.ready = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
+        # Parsing and planning configs off the event loop (gpud.offload); GPUD_EXPENSIVE_INLINE=1
+        # keeps them on it, as before, for the benchmark that compares the two.
+        self.offload = Offload(inline=os.environ.get(INLINE_ENV) == "1")
         self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -187,6 +192,7 @@ class Daemon:
         async with AsyncExitStack() as stack:
             cfg = self.config
             stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
+            stack.callback(self.offload.close)
             store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
             stack.callback(store.close)
             observer = await self._observer(stack)
@@ -218,7 +224,10 @@ class Daemon:
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
-                                                 reload=self._apply_reload))
+                                                 reload=self._apply_reload,
+                                                 offload=self.offload,
+                                                 overrides=self.overrides),
+                           offload=self.offload)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
@@ -274,7 +283,7 @@ class Daemon:
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
         from aiohttp import web
 
-        from gpud.connguard import GuardedSockSite, Limiter
+        from gpud.connguard import GuardedSockSite, GuardedTCPSite, Limiter
 
         # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
@@ -285,12 +294,14 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(path, self.config.daemon.socket_group)
             stack.callback(_unlink_if_ours, path, os.stat(path).st_ino)
-        site = GuardedSockSite(runner, sock, Limiter())
+        site = GuardedSockSite(runner, sock, Limiter(),
+                               lambda: self.config.daemon.request_read_timeout_s)
         await site.start()
         listen = self.config.daemon.metrics_listen
         if listen:
             host, _, port = listen.rpartition(":")
-            await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+            await GuardedTCPSite(runner, host or "127.0.0.1", int(port),
+                                 lambda: self.config.daemon.request_read_timeout_s).start()
             log.info("metrics on http://%s/metrics", listen)
         log.info("listening on %s", path if sock.family == socket.AF_UNIX else sock)
 
@@ -329,7 +340,9 @@ class Daemon:
         try:
             if text is None:
                 text = read_config_text(self.config_path)
-            cfg = apply_overrides(parse_config(text, str(self.config_path)), self.overrides)
+            # in a worker thread: a config of 1 MiB takes the better part of a second
+            parsed = await self.offload.run(parse_config, text, str(self.config_path))
+            cfg = apply_overrides(parsed, self.overrides)
             over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
             if self.api is not None:
@@ -356,13 +369,6 @@ def _unlink_if_ours(path: Path, inode: int) -> None:
     with contextlib.suppress(OSError):
         if os.stat(path).st_ino == inode:
             path.unlink()
-
-
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """--socket and --state-dir win over the file, also across reloads."""
-    if not overrides:
-        return cfg
-    return cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=overrides)})
 
 
 def check_config(path: Path, *, show_commands: bool = False) -> int:

@@ -11,6 +11,9 @@ with ``raise ... from exc``; nothing above the adapters catches a foreign except
     +-- Forbidden                403  exit 1   the peer may not change the ledger
     +-- NotFound                 404  exit 2   unknown serve or role
     +-- PayloadTooLarge          413  exit 2   request body over the limit
+    +-- RequestTimeout           408  exit 1   the request's body did not arrive by its deadline
+    +-- TooManyRequests          429  exit 1   the peer has as many expensive requests under way
+                                               as it may (plan, apply, reload): retry later
     +-- Refused                  409  exit 1   an expected refusal: the answer, not a fault
     |   +-- Denied               409  exit 1   admission denied (bound, need, free, shortfall)
     |   +-- Conflict             409  exit 1   the request contradicts the current state
@@ -46,6 +49,18 @@ class GpudError(Exception):
     def to_json(self) -> answers.Error:
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole, subclass attributes included (a plan is made in a worker process and
+        # its refusal comes back this way): the default would call cls(message) alone.
+        return (_rebuilt, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[GpudError], message: str, state: dict[str, Any]) -> GpudError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
 
 class BadRequest(GpudError):
     code = "bad-request"
@@ -77,6 +92,16 @@ class NotFound(GpudError):
 class PayloadTooLarge(GpudError):
     code = "payload-too-large"
     http_status = 413
+
+
+class RequestTimeout(GpudError):
+    code = "request-timeout"
+    http_status = 408
+
+
+class TooManyRequests(GpudError):
+    code = "too-many-requests"
+    http_status = 429
 
 
 class Refused(GpudError):
@@ -119,6 +144,8 @@ ALL_ERRORS: tuple[type[GpudError], ...] = (
     Forbidden,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
+    TooManyRequests,
     Refused,
     Denied,
     Conflict,

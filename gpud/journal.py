@@ -15,6 +15,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from gpud.core.text import printable
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 _PRIORITY = {
@@ -55,7 +57,8 @@ class JournalHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             fields: dict[str, object] = {
-                "MESSAGE": self.format(record),
+                # what a peer wrote (a source label, a serve name) shown, never obeyed
+                "MESSAGE": printable(self.format(record)),
                 "PRIORITY": _PRIORITY.get(record.levelno, 6),
                 "SYSLOG_IDENTIFIER": self.identifier,
                 "CODE_FILE": record.pathname,
@@ -86,7 +89,7 @@ class FieldsFormatter(logging.Formatter):
         if isinstance(extra, Mapping) and extra:
             pairs = " ".join(f"{k}={v}" for k, v in extra.items() if v is not None)
             text = f"{text} [{pairs}]"
-        return text
+        return printable(text)
 
 
 def stderr_is_journal() -> bool:

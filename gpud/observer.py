@@ -30,7 +30,12 @@ from gpud.core.ledger import (
     pending_share,
     serve_draws,
 )
-from gpud.core.observation import DeviceSample, Observation, ObservationBackend, find_device
+from gpud.core.observation import (
+    DeviceSample,
+    DeviceView,
+    Observation,
+    ObservationBackend,
+)
 
 log = logging.getLogger("gpud.observer")
 
@@ -171,28 +176,21 @@ class Observer:
 
     # ---- questions the ledger asks ---------------------------------------------------------
 
+    def view(self) -> DeviceView:
+        """The latest sample's answers, as a value (see DeviceView)."""
+        return DeviceView(self.latest)
+
     def device(self, ref: str) -> DeviceSample | None:
-        if self.latest is None or not self.latest.available:
-            return None
-        return find_device(self.latest.devices, ref)
+        return self.view().device(ref)
 
     def device_problem(self, ref: str) -> str | None:
-        """Why the device is lost or unreadable (NVML or the simulation says so), else None.
-        None too while observation is unavailable: then nothing is known either way."""
-        dev = self.device(ref)
-        if dev is None or dev.healthy:
-            return None
-        return dev.problem or "device unhealthy"
+        return self.view().device_problem(ref)
 
     def device_total(self, ref: str) -> int | None:
-        dev = self.device(ref)
-        return dev.total_mib if dev else None
+        return self.view().device_total(ref)
 
     def present_devices(self) -> list[str] | None:
-        """The devices observation sees, for messages; None when it sees nothing at all."""
-        if self.latest is None or not self.latest.available:
-            return None
-        return [f"{d.uuid} (index {d.index})" for d in self.latest.devices]
+        return self.view().present_devices()
 
     def device_index(self, ref: str) -> int | None:
         dev = self.device(ref)

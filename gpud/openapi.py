@@ -98,7 +98,7 @@ def _answers(ok: dict[str, Any], *errors: int) -> dict[str, Any]:
 
 def _post(summary: str, ok: dict[str, Any], body: dict[str, Any] | None, *errors: int,
           name: bool = True) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, 400, 413, *errors)}
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, 400, 408, 413, *errors)}
     if name:
         op["parameters"] = [NAME_PARAM]
     if body is not None:
@@ -142,10 +142,10 @@ def document() -> dict[str, Any]:
                                             empty, 404, 409, 500, 503),
             "/v1/serves/{name}/restart": _post("Restart a serve", _ref("Serve"), empty,
                                                404, 409, 500, 503),
-            "/v1/reload": _post("Reload the config file", _ref("Reloaded"), empty, 500, 503,
+            "/v1/reload": _post("Reload the config file", _ref("Reloaded"), empty, 429, 500, 503,
                                 name=False),
             "/v1/plan": _post("The ledger a new config would give (changes nothing)",
-                              _ref("Plan"), CONFIG_BODY, 500, 503, name=False),
+                              _ref("Plan"), CONFIG_BODY, 429, 500, 503, name=False),
             "/v1/apply": {"post": {
                 "summary": "Rebalance to a new config; NDJSON steps, then a result line",
                 "requestBody": {"required": True,
@@ -155,7 +155,8 @@ def document() -> dict[str, Any]:
                             "content": {"application/x-ndjson": {"schema": {"anyOf": [
                                 _ref("ApplyStep"), _ref("ApplyResult")]}}}},
                     **{str(c): {"description": "error", "content": {"application/json": {
-                        "schema": _ref("Error")}}} for c in (400, 403, 409, 413, 500, 503)}}}},
+                        "schema": _ref("Error")}}} for c in (400, 403, 408, 409, 413, 429, 500,
+                                                               503)}}}},
             "/v1/serves/{name}/calibrate": _post(
                 "Measure a running serve's draw over a window", _ref("CalibrationRun"),
                 body_schema(CalibrateBody), 404, 409, 500, 503),

@@ -28,12 +28,14 @@ from typing import Any
 from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
-from gpud.core.plan import Plan, make_plan
+from gpud.core.plan import Plan
 from gpud.core.vocab import DECLARED, LIVE_STATES, RUNNING
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
-from gpud.service import LedgerService, resolve_budgets
+from gpud.offload import INLINE, Offload
+from gpud.planning import PlanInputs, plan_json, plan_of
+from gpud.service import LedgerService
 from gpud.steps import Halt, carry_out, undo_all
 from gpud.store import Changes
 from gpud.supervisor import Supervisor
@@ -71,12 +73,17 @@ def backup(path: Path, keep: int, now: float) -> Path:
 
 class Rebalancer:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, observer: Observer, *,
-                 config_path: Path | None, reload: Reload) -> None:
+                 config_path: Path | None, reload: Reload, offload: Offload = INLINE,
+                 overrides: dict[str, Any] | None = None) -> None:
         self.svc = svc
         self.supervisor = supervisor
         self.observer = observer
         self.config_path = config_path
         self.reload = reload
+        self.offload = offload
+        # the daemon's --socket/--state-dir (as svc.overrides applies them): a plan made in a
+        # worker process applies them itself
+        self.overrides = dict(overrides or {})
         self._busy = False
 
     @property
@@ -87,17 +94,17 @@ class Rebalancer:
         return self.svc.overrides(parse_config(text, source))
 
     def plan(self, text: str, source: str) -> Plan:
-        return self._plan(self.parse(text, source), source)
+        return plan_of(self.parse(text, source), source, self.inputs())
 
-    def _plan(self, cfg: Config, source: str) -> Plan:
-        budgets = resolve_budgets(cfg, self.observer.device_total, self.observer.present_devices(),
-                                  self.observer.device_problem)
-        totals = {b.device: self.observer.device_total(b.device) for b in budgets}
-        totals.update({b.device: self.observer.device_total(b.device)
-                       for b in self.svc.ledger.roles.values()})
-        return make_plan(old=self.svc.config, new=cfg, ledger=self.svc.ledger,
-                         new_budgets=budgets, states=self.svc.states(), totals=totals,
-                         source=source)
+    def inputs(self) -> PlanInputs:
+        """On the event loop: what a plan is made against (values only)."""
+        return PlanInputs(self.svc.config, self.svc.ledger, self.svc.states(),
+                          self.observer.view(), self.overrides)
+
+    async def plan_json(self, text: str, source: str) -> str:
+        """The plan of `text`, as the JSON text POST /v1/plan answers: parsed, planned and
+        written in a worker process (gpud.offload)."""
+        return await self.offload.in_process(plan_json, text, source, self.inputs())
 
     def check_can_begin(self) -> None:
         """An apply begins only when nothing else is changing the serves: not during another
@@ -114,11 +121,12 @@ class Rebalancer:
                            {"starting": starting})
 
     async def apply(self, text: str, source: str, uid: int | None,
-                    emit: Emit) -> answers.ApplyResult:
+                    emit: Emit, cfg: Config | None = None) -> answers.ApplyResult:
+        """`cfg`: `text` already parsed (by self.parse), when the caller has it."""
         self.check_can_begin()
         self._busy = True
         try:
-            return await self._apply(text, source, uid, emit)
+            return await self._apply(text, source, uid, emit, cfg)
         finally:
             self._busy = False
 
@@ -138,9 +146,11 @@ class Rebalancer:
         await self.svc.put_meta(JOURNAL, None if record is None else json.dumps(record))
 
     async def _apply(self, text: str, source: str, uid: int | None,
-                     emit: Emit) -> answers.ApplyResult:
+                     emit: Emit, cfg: Config | None) -> answers.ApplyResult:
         assert self.config_path is not None
-        plan = self._plan(self.parse(text, source), source)
+        if cfg is None:
+            cfg = await self.offload.run(self.parse, text, source)
+        plan = await self.offload.run(plan_of, cfg, source, self.inputs())
         if plan.blocked:
             message = "; ".join(b.message for b in plan.blocked)
             await self._step(emit, "validate", f"refused: {message}", ok=False, uid=uid)

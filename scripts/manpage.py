@@ -273,6 +273,10 @@ def render_gpud() -> str:
         "the peer's credentials (SO_PEERCRED): anyone who can open the socket may read; changes "
         "need uid 0 or \\fBdaemon.admin_group\\fR. "
         "\\fBcurl \\-\\-unix\\-socket /run/gpud/gpud.sock http://localhost/v1/ledger\\fR works. "
+        "A request's headers must arrive within \\fBdaemon.request_read_timeout_s\\fR "
+        "(10 s) of its first byte and its body within as long of the start of its handling, "
+        "whoever the peer: later headers close the connection, a later body is answered 408. "
+        "Each peer may have 2 plans, applies or reloads under way; one more is answered 429. "
         "\\fBdaemon.metrics_listen\\fR (e.g. 127.0.0.1:9835) adds a TCP listener that serves only "
         "/metrics (Prometheus text).",
         ".SH EXIT STATUS",

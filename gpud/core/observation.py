@@ -93,3 +93,34 @@ def find_device(devices: tuple[DeviceSample, ...], ref: str) -> DeviceSample | N
             if dev.index == int(ref):
                 return dev
     return None
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """The questions a ledger asks about devices, answered from one sample (None: nothing
+    observed yet). A value: a plan made in another process reads the same answers."""
+
+    latest: Observation | None
+
+    def device(self, ref: str) -> DeviceSample | None:
+        if self.latest is None or not self.latest.available:
+            return None
+        return find_device(self.latest.devices, ref)
+
+    def device_problem(self, ref: str) -> str | None:
+        """Why the device is lost or unreadable (NVML or the simulation says so), else None.
+        None too while observation is unavailable: then nothing is known either way."""
+        dev = self.device(ref)
+        if dev is None or dev.healthy:
+            return None
+        return dev.problem or "device unhealthy"
+
+    def device_total(self, ref: str) -> int | None:
+        dev = self.device(ref)
+        return dev.total_mib if dev else None
+
+    def present_devices(self) -> list[str] | None:
+        """The devices observation sees, for messages; None when it sees nothing at all."""
+        if self.latest is None or not self.latest.available:
+            return None
+        return [f"{d.uuid} (index {d.index})" for d in self.latest.devices]

@@ -122,6 +122,8 @@ EXIT_CODES: dict[str, int] = {
     "forbidden": 1,
     "not-found": 2,
     "payload-too-large": 2,
+    "request-timeout": 1,
+    "too-many-requests": 1,
     "refused": 1,
     "denied": 1,
     "conflict": 1,

@@ -185,7 +185,9 @@ def watch_ledger(ctl: Ctl, interval: float) -> int:
             text = dump_json(doc, compact=True) if ctl.as_json else format_ledger(doc)
             if tty:
                 stamp = local_time(time.time())
-                ctl.out.write(f"\x1b[H\x1b[2J{stamp}  gpuctl ledger --watch "
+                # gpuctl's own control sequence, past the escaping of peer text
+                getattr(ctl.out, "unescaped", ctl.out).write("\x1b[H\x1b[2J")
+                ctl.out.write(f"{stamp}  gpuctl ledger --watch "
                               f"(every {interval:g} s, Ctrl-C to stop)\n\n{text}\n")
                 ctl.out.flush()
             elif text != last:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from gpud.core.text import printable
 from gpud.ctl.client import Client, UnixTransport
 from gpud.ctl.commands import COMMANDS, Ctl, positive_float
 from gpud.ctl.errors import (
@@ -31,6 +32,29 @@ if TYPE_CHECKING:
     from typing import Any
 
     from gpud.ctl.client import Transport
+
+class Escaped:
+    """A text stream whose every write passes through gpud.core.text.printable: what gpuctl
+    prints holds text that came from peers (serve names in errors, an apply's source label,
+    event messages), and no control character of theirs reaches the terminal. gpuctl's own
+    control sequences (ledger --watch clears the screen) go to `unescaped`."""
+
+    def __init__(self, stream: Any, *, json: bool = False) -> None:
+        self.unescaped = stream
+        self.json = json
+
+    def write(self, text: str) -> int:
+        return int(self.unescaped.write(printable(text, json=self.json)))
+
+    def flush(self) -> None:
+        self.unescaped.flush()
+
+    def isatty(self) -> bool:
+        return bool(self.unescaped.isatty())
+
+    def fileno(self) -> int:
+        return int(self.unescaped.fileno())
+
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 SOCKET_ENV = "GPUD_SOCKET"
@@ -182,8 +206,9 @@ def main(argv: list[str] | None = None, transport: Transport | None = None) -> i
     not used).
     """
     args_in = sys.argv[1:] if argv is None else list(argv)
-    out, err = sys.stdout, sys.stderr
     wants_json = "--json" in args_in
+    out: Any = Escaped(sys.stdout, json=wants_json)
+    err: Any = Escaped(sys.stderr)
     try:
         try:
             args = build_parser(command_named(args_in)).parse_args(args_in)
@@ -197,6 +222,7 @@ def main(argv: list[str] | None = None, transport: Transport | None = None) -> i
         if transport is None:
             transport = UnixTransport(resolve_socket(args.socket, os.environ))
         client = Client(transport, args.timeout)
+        out.json = bool(args.json)
         ctl = Ctl(client, bool(args.json), out, err)
         try:
             code: int = args.run(ctl, args)

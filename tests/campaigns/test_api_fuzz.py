@@ -22,6 +22,8 @@ import http.client
 import json
 import re
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,28 @@ NAME_TEXT = st.one_of(st.sampled_from(KNOWN_NAMES), st.from_regex(r"[a-z0-9][a-z
                       st.sampled_from(["..", "%2e%2e", "a/b", "Fast", "x" * 64, "-x", "%00", "é"]))
 
 
+def _nested(depth: int, inner: str) -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+# Bodies the parsers themselves choke on: a decimal number of more digits than Python's int()
+# converts (4300), nesting deeper than json's recursion or gpud's MAX_DEPTH, the same inside a
+# config's TOML, and a float that overflows to infinity.
+OUT_OF_BOUNDS = st.one_of(
+    st.builds(lambda n, sign, key: f'{{"{key}": {sign}{"9" * n}}}'.encode(),
+              st.integers(4301, 20000), st.sampled_from(["", "-"]),
+              st.sampled_from(["mib", "n", "config", "level", "window_s"])),
+    st.builds(lambda d: f'{{"mib": {_nested(d, "1")}}}'.encode(), st.integers(33, 5000)),
+    st.builds(lambda d: _nested(d, "").encode(), st.integers(33, 100_000)),
+    st.builds(lambda d: ('{"a": ' + "[" * d).encode(), st.integers(33, 100_000)),
+    st.builds(lambda n: json.dumps({"config": f"[roles.r]\ndevice = \"0\"\nreserve_mib = "
+                                               f"{'9' * n}\n"}).encode(), st.integers(4301, 9000)),
+    st.builds(lambda d: json.dumps({"config": f"a = {_nested(d, '1')}"}).encode(),
+              st.integers(33, 3000)),
+    st.just(b'{"mib": 1e999, "window_s": -1e999}'),
+)
+
+
 @st.composite
 def requests_from(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[str, str, str, bytes | None, dict[str, str]]:
     """(method, template, path with query, body, headers) for one operation of the document."""
@@ -196,6 +220,8 @@ def requests_from(draw: st.DrawFn, doc: dict[str, Any]) -> tuple[str, str, str, 
             body = None
         elif kind == 1:
             body = draw(st.binary(max_size=200))
+        elif kind == 3:
+            body = draw(OUT_OF_BOUNDS)
         elif kind == 2 and template in ("/v1/plan", "/v1/apply"):
             # hostile config text, from the config campaign's generator
             body = json.dumps({"config": draw(TOMLISH)}).encode()
@@ -247,6 +273,126 @@ def test_api_fuzz_short(fuzz_gpud: GpudProcess) -> None:
 @pytest.mark.slow
 def test_api_fuzz_long(fuzz_gpud: GpudProcess) -> None:
     fuzz(fuzz_gpud, knob("EXAMPLES", 5000))
+
+
+OUT_OF_BOUNDS_EXAMPLES = {
+    "huge-integer": b'{"config": "", "n": ' + b"9" * 4301 + b"}",
+    "huge-negative": b'{"mib": -' + b"9" * 20000 + b"}",
+    "deep-nesting": b'{"mib": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    "deeper-than-max-depth": b'{"mib": ' + b"[" * 40 + b"]" * 40 + b"}",
+    "deep-unclosed": b"[" * 200_000,
+    "infinite-float": b'{"mib": 1e999}',
+    "toml-huge-integer": json.dumps({"config": FUZZ_CONFIG.replace(
+        "vram_mib = 5120", "vram_mib = " + "9" * 5000)}).encode(),
+    "toml-deep": json.dumps({"config": "a = " + "[" * 2000 + "]" * 2000}).encode(),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_BOUNDS_EXAMPLES))
+def test_out_of_bounds_bodies_on_every_post_route(fuzz_gpud: GpudProcess, name: str) -> None:
+    """The issue's report: a huge integer made every POST route answer 500. Each route of the
+    document answers such a body 4xx in the error shape (a 400 names the offending value)."""
+    doc = fuzz_gpud.call("GET", "/v1/openapi.json").body
+    conformance = Conformance(doc)
+    problems = []
+    for template, item in doc["paths"].items():
+        if "post" not in item:
+            continue
+        path = template.replace("{name}", "ocr")
+        status, ctype, raw = send(fuzz_gpud.socket, "post", path, OUT_OF_BOUNDS_EXAMPLES[name],
+                                  {"Content-Type": "application/json"})
+        problems += conformance.check("post", template, status, ctype, raw)
+        if not 400 <= status < 500:
+            problems.append(f"POST {path}: {status} {raw[:200]!r}")
+        elif status == 400 and b"path" not in raw \
+                and b"problems" not in raw:
+            problems.append(f"POST {path}: 400 without the offending path: {raw[:200]!r}")
+    assert fuzz_gpud.alive()
+    assert not problems, "\n".join(problems)
+
+
+SLOW_DEADLINE_S = 1.0
+
+
+def _slow_request(sock: Path, head: bytes, body: bytes, results: dict[str, bytes],
+                  key: str) -> None:
+    """HEAD at once, then BODY a byte every tenth of the deadline; what gpud answered (b"":
+    it closed the connection) into results[key]."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10 * SLOW_DEADLINE_S)
+    answer = b""
+    try:
+        s.connect(str(sock))
+        s.sendall(head)
+        until = time.monotonic() + 4 * SLOW_DEADLINE_S
+        for byte in body:
+            if time.monotonic() > until:
+                break
+            try:
+                s.send(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(SLOW_DEADLINE_S / 10)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    except TimeoutError:
+        answer = b"(kept open past the deadline)"
+    finally:
+        s.close()
+    results[key] = answer
+
+
+def test_slow_bodies_and_headers_on_every_route(tmp_path: Path) -> None:
+    """A body or headers sent a byte at a time, to every route of the document: each is cut at
+    daemon.request_read_timeout_s, a body with a 408 in the error shape (or the connection
+    closed), never a 5xx, never kept open. All at once, as one peer (root) could."""
+    gp = start_gpud(tmp_path, FUZZ_CONFIG.replace(
+        "[daemon]", f"[daemon]\nrequest_read_timeout_s = {SLOW_DEADLINE_S}"))
+    try:
+        doc = gp.call("GET", "/v1/openapi.json").body
+        conformance = Conformance(doc)
+        results: dict[str, bytes] = {}
+        threads = []
+        body = json.dumps({"config": FUZZ_CONFIG}).encode()
+        for template, item in doc["paths"].items():
+            path = template.replace("{name}", "ocr").encode()
+            for method in item:
+                head = (method.upper().encode() + b" " + path + b" HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                        % len(body))
+                threads.append(threading.Thread(target=_slow_request, args=(
+                    gp.socket, head, body, results, f"{method} {template} body")))
+            threads.append(threading.Thread(target=_slow_request, args=(
+                gp.socket, b"", b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 200,
+                results, f"get {template} headers")))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        problems = []
+        for key, answer in sorted(results.items()):
+            method, template, _what = key.split(" ")
+            if answer == b"":
+                continue  # closed at the deadline
+            if not answer.startswith(b"HTTP/1.1 "):
+                problems.append(f"{key}: {answer[:100]!r}")
+                continue
+            head, _, raw = answer.partition(b"\r\n\r\n")
+            status = int(head.split(b" ")[1])
+            ctype = next((line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-type")), "")
+            problems += conformance.check(method, template, status, ctype, raw)
+            # 429: plan, apply and reload take the peer's slot before reading the body, and
+            # these dribblers hold three of them at once
+            if status not in (408, 429) and not (status == 200 and method == "get"):
+                problems.append(f"{key}: {status} {raw[:200]!r}")
+        assert gp.alive()
+        assert gp.call("GET", "/v1/status").status == 200
+        assert not problems, "\n".join(problems)
+        assert any(a.startswith(b"HTTP/1.1 408") for a in results.values())
+    finally:
+        gp.stop()
 
 
 def test_conformance_checker_catches_a_bad_answer(tmp_path: Path) -> None:

@@ -1,0 +1,46 @@
+"""A plan of a config text made from values alone, so that it can be made in a worker process
+(gpud.offload): nothing here reads the service, the observer or the clock.
+
+The daemon's --socket and --state-dir overrides travel in the inputs as data and are applied to
+the parsed config here, as the service applies them to any config it takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.config import Config, apply_overrides, parse_config
+from gpud.core.ledger import Ledger
+from gpud.core.observation import DeviceView
+from gpud.core.plan import Plan, make_plan
+from gpud.service import resolve_budgets
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan is made against, taken on the event loop: the config in force and the ledger
+    (immutable values, replaced whole, never changed in place), a copy of the serve states and
+    the devices as the latest sample saw them."""
+
+    config: Config
+    ledger: Ledger
+    states: dict[str, str]
+    devices: DeviceView
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
+    dev = inputs.devices
+    budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem)
+    totals = {b.device: dev.device_total(b.device) for b in budgets}
+    totals.update({b.device: dev.device_total(b.device) for b in inputs.ledger.roles.values()})
+    return make_plan(old=inputs.config, new=cfg, ledger=inputs.ledger, new_budgets=budgets,
+                     states=inputs.states, totals=totals, source=source)
+
+
+def plan_json(text: str, source: str, inputs: PlanInputs) -> str:
+    """The plan of `text` as the JSON text POST /v1/plan answers (ConfigError when invalid)."""
+    plan = plan_of(apply_overrides(parse_config(text, source), inputs.overrides), source, inputs)
+    return json.dumps(plan.to_json(), allow_nan=False)
