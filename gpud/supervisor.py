@@ -63,6 +63,7 @@ from gpud.core.vocab import (
     SLEEPING,
     STARTING,
     STOPPING,
+    serve_unit,
 )
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
@@ -831,7 +832,7 @@ class Supervisor:
                 reason += f"; not stopped: system bus unavailable ({self.units.reason})"
         if kind in ("exit", "crash-loop"):
             last = self._last.get(serve)
-            said = exit_reason(await self.journal(f"gpud-serve-{serve}.service",
+            said = exit_reason(await self.journal(serve_unit(serve),
                                                   last.invocation_id if last else None))
             if said is not None:
                 reason += f"; its log: {said}"
