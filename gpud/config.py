@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
+from gpud.core.front import path_problem
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 
@@ -41,7 +43,7 @@ HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
 MAX_MIB = 2**31 - 1
 
 PLACEHOLDERS = frozenset({"port", "gpu_memory_utilization", "device_index", "device_indexes",
-                          "vram_mib"})
+                          "vram_mib", "socket"})
 # gpud pins the serve to its device itself; a serve's environment may not override that.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 
@@ -92,6 +94,14 @@ class DaemonConfig(_Model):
     # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
     # plus this much.
     sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
+    # The front (gpud/front.py) of serves with `front = true`: the nginx it runs, the user it
+    # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
+    # sockets and its own config live.
+    front_nginx: str = "/usr/sbin/nginx"
+    front_user: str = "gpud-front"
+    front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
+    serve_socket_dir: str = "/run/gpud/serves"
+    front_dir: str = "/run/gpud/front"
 
 
 class RoleConfig(_Model):
@@ -171,6 +181,9 @@ class ServeConfig(_Model):
     # What a preemption by a serve of higher priority does to this one: "sleep" (the default
     # with a sleep_level) or "stop"; without either it is never preempted.
     preemptible: Literal["sleep", "stop"] | None = None
+    # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
+    # socket only root and the front may reach ({socket} in a command).
+    front: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -225,6 +238,14 @@ class ServeConfig(_Model):
             raise ValueError("command: must not be empty")
         if not self.health_path.startswith("/"):
             raise ValueError("health_path: must start with '/'")
+        if self.front and self.port is None:
+            raise ValueError("front: a fronted serve needs the port its front listens on")
+        if self.front and self.container is not None:
+            raise ValueError("front: container serves publish their own port; not fronted yet")
+        if self.front and self.command is not None \
+                and not any("{socket}" in arg for arg in self.command):
+            raise ValueError("front: a fronted command serve must listen on {socket} "
+                             "(its port is the front's)")
         return self
 
 
@@ -348,6 +369,9 @@ def _semantic_problems(cfg: Config) -> list[str]:
         if serve.container is not None:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
+    problems += [f"daemon.front_paths[{i}]: {problem}"
+                 for i, path in enumerate(cfg.daemon.front_paths)
+                 if (problem := path_problem(path)) is not None]
     for name, serve in cfg.serves.items():
         host = serve.vllm.host if serve.vllm is not None else None
         if serve.sleep_level and host not in (None, "127.0.0.1"):

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gpud.api import Api
+    from gpud.front import Front
     from gpud.observer import Observer
     from gpud.supervisor import Supervisor
 
@@ -168,6 +169,7 @@ class Daemon:
         self.ready = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
+        self.front: Front | None = None
         self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -176,6 +178,7 @@ class Daemon:
         from gpud.alerts import Alerts
         from gpud.api import Api
         from gpud.calibration import Calibrator
+        from gpud.front import Front
         from gpud.metrics import render
         from gpud.rebalance import Rebalancer, Recovery
         from gpud.store import Store
@@ -222,6 +225,8 @@ class Daemon:
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
+            self.front = Front(supervisor.units)
+            await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
             if svc.config_refused is not None:
                 # Serves found dead at reconciliation may no longer stand in the way.
@@ -332,6 +337,8 @@ class Daemon:
             cfg = apply_overrides(parse_config(text, str(self.config_path)), self.overrides)
             over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
+            if self.front is not None:
+                await self.front.sync_logged(cfg)
             if self.api is not None:
                 self.api.config_changed()
             return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}
