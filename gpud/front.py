@@ -8,11 +8,14 @@ workers take the new config, the old ones finish their requests and exit). nginx
 config it has when a new one does not load; the text comes from ``gpud.core.front.render``,
 whose output is checked with ``nginx -t`` in the tests.
 
-Who may reach a fronted serve: its socket lies in ``daemon.serve_socket_dir``, mode 02750,
-owned by root and the front user's group (setgid: the socket is bound in that group), and
-the serve runs with UMask=0007, so the socket is 0770 root:FRONT. Other local users get
-EACCES at the directory; root (gpud, for its health checks and sleep calls) and the front's
-workers connect.
+Who may reach a fronted serve: its socket lies in ``daemon.serve_socket_dir``, mode 0750,
+owned by root and the front user's group, so other local users get EACCES at the directory.
+The serve binds its socket with UMask=0007 (0770, its own user and group); gpud gives the
+socket to the front's group before each health check (``open_to_front``: a chown of the
+group, which gpud's CAP_CHOWN allows; a setgid directory would do it without gpud, but
+gpud.service's RestrictSUIDSGID=yes refuses to make one). Until then the front answers 503,
+and the serve is not "running" before a health check passed. Root (gpud, for its health
+checks and sleep calls) and the front's workers connect.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ from gpud.units import SystemdUnits
 log = logging.getLogger(__name__)
 
 FRONT_UNIT: Final = "gpud-front.service"
-SOCKET_DIR_MODE: Final = 0o2750
+SOCKET_DIR_MODE: Final = 0o750
+SOCKET_MODE: Final = 0o660
 # A fronted serve's mask: its socket (bound 0777 & ~umask) is then writable by the group.
 SERVE_UMASK: Final = 0o007
 START_TIMEOUT_S: Final = 30.0
-NGINX_TEMP_DIRS: Final = ("body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 def fronted(cfg: Config) -> dict[str, int]:
@@ -91,6 +94,24 @@ def prepare_socket_dir(d: DaemonConfig) -> str:
     return d.serve_socket_dir
 
 
+def open_to_front(d: DaemonConfig, serve: str) -> None:
+    """Give a fronted serve's socket, once it is bound, to the front's group (0660)."""
+    path = socket_path(d.serve_socket_dir, serve)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            return
+        _uid, gid = _front_ids(d)
+        if st.st_gid != gid:
+            os.chown(path, -1, gid)
+        if stat.S_IMODE(st.st_mode) & SOCKET_MODE != SOCKET_MODE:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | SOCKET_MODE)
+    except FileNotFoundError:
+        return
+    except (OSError, GpudError) as exc:
+        log.warning("serve %s: cannot give its socket to the front: %s", serve, exc)
+
+
 def nginx_argv(d: DaemonConfig) -> tuple[str, ...]:
     front = d.front_dir.rstrip("/")
     return (d.front_nginx, "-c", f"{front}/nginx.conf", "-p", f"{front}/run/")
@@ -129,10 +150,9 @@ class Front:
         front = Path(d.front_dir)
         try:
             _directory(front, 0o755, 0, 0)
-            run = front / "run"
-            _directory(run, 0o700, uid, gid)
-            for name in NGINX_TEMP_DIRS:
-                _directory(run / name, 0o700, uid, gid)
+            # The front's own: nginx makes its temporary directories in it at start (gpud,
+            # root without CAP_DAC_OVERRIDE, could not enter them to check).
+            _directory(front / "run", 0o700, uid, gid)
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc

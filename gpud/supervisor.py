@@ -61,7 +61,7 @@ from gpud.core.vocab import (
 )
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
-from gpud.front import SERVE_UMASK, SocketSessions, prepare_socket_dir
+from gpud.front import SERVE_UMASK, SocketSessions, open_to_front, prepare_socket_dir
 from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
@@ -588,6 +588,8 @@ class Supervisor:
         assert self._http is not None
         url = (f"http://localhost{spec.health_path}" if spec.front else
                f"http://127.0.0.1:{spec.port}{spec.health_path}")
+        if spec.front:
+            open_to_front(self.svc.config.daemon, serve)
         try:
             async with self.serve_http(serve, spec).get(url) as resp:
                 status = resp.status
