@@ -184,6 +184,10 @@ class ServeConfig(_Model):
     # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
     # socket only root and the front may reach ({socket} in a command).
     front: bool = False
+    # Not started at boot: the first request to its front admits it (strictly; through the
+    # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
+    on_demand: bool = False
+    preempt: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -240,6 +244,13 @@ class ServeConfig(_Model):
             raise ValueError("health_path: must start with '/'")
         if self.front and self.port is None:
             raise ValueError("front: a fronted serve needs the port its front listens on")
+        if self.on_demand and not self.front:
+            raise ValueError("on_demand: needs front = true (its first request comes through "
+                             "the front)")
+        if self.on_demand and self.resident:
+            raise ValueError("on_demand: a resident serve starts at boot; give one of the two")
+        if self.preempt and not self.on_demand:
+            raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
         if self.front and self.container is not None:
             raise ValueError("front: container serves publish their own port; not fronted yet")
         if self.front and self.command is not None \

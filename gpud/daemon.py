@@ -180,6 +180,7 @@ class Daemon:
         from gpud.calibration import Calibrator
         from gpud.front import Front
         from gpud.metrics import render
+        from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
         from gpud.store import Store
 
@@ -216,7 +217,9 @@ class Daemon:
             supervisor.sizing = calibrator.sizing_problem
             supervisor.sleeps.weights = calibrator.weights_mib
             stack.push_async_callback(calibrator.close)
+            on_demand = OnDemand(svc, supervisor)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
+                           extra_routes=on_demand.routes,
                            metrics=lambda: render(svc, observer, calibrator),
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pwd
 import signal
@@ -47,6 +48,7 @@ SOCKET_MODE: Final = 0o660
 # A fronted serve's mask: its socket (bound 0777 & ~umask) is then writable by the group.
 SERVE_UMASK: Final = 0o007
 START_TIMEOUT_S: Final = 30.0
+ENSURE_MARGIN_S: Final = 5
 
 
 def fronted(cfg: Config) -> dict[str, int]:
@@ -57,9 +59,14 @@ def fronted(cfg: Config) -> dict[str, int]:
 def front_config(cfg: Config) -> FrontConfig:
     d = cfg.daemon
     return FrontConfig(
-        serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name))
+        serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
+                                # the front waits a little longer than gpud does
+                                ensure_timeout_s=(math.ceil(cfg.serves[name].start_timeout_s)
+                                                  + ENSURE_MARGIN_S
+                                                  if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items())),
-        paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run")
+        paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
+        gpud_socket=d.socket)
 
 
 def _front_ids(d: DaemonConfig) -> tuple[int, int]:

@@ -92,6 +92,42 @@ def test_golden_config() -> None:
     assert render(cfg) == GOLDEN
 
 
+ON_DEMAND = """\
+        location ^~ /v1/ {
+            auth_request /.gpud-ensure;
+            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;
+            auth_request_set $gpud_retry $upstream_http_retry_after;
+            proxy_pass http://serve_od;
+        }
+        location = /.gpud-ensure {
+            internal;
+            proxy_pass http://gpud_api/v1/serves/od/ensure;
+            proxy_method POST;
+            proxy_pass_request_body off;
+            proxy_set_header Content-Length "";
+            proxy_read_timeout 65s;
+        }
+        error_page 403 = @refused;
+        error_page 500 = @direct;
+        location @refused {
+            add_header Retry-After $gpud_retry always;
+            return 503 $gpud_reason;
+        }
+        location @direct {
+            proxy_pass http://serve_od;
+        }
+"""
+
+
+def test_an_on_demand_serve_asks_gpud_first() -> None:
+    text = render(FrontConfig(serves=(FrontServe("od", 30001, "/s/od.sock", 65),),
+                              paths=("/v1/",), gpud_socket="/run/gpud/gpud.sock"))
+    assert ON_DEMAND in text
+    assert "    upstream gpud_api {\n        server unix:/run/gpud/gpud.sock;\n    }\n" in text
+    plain = render(FrontConfig(serves=(FrontServe("p", 30001, "/s/p.sock"),)))
+    assert "auth_request" not in plain and "gpud_api" not in plain
+
+
 def test_servers_come_in_port_order_whatever_the_input_order() -> None:
     a, b = FrontServe("a", 30002, "/s/a.sock"), FrontServe("b", 30001, "/s/b.sock")
     assert render(FrontConfig(serves=(a, b))) == render(FrontConfig(serves=(b, a)))
@@ -130,6 +166,14 @@ vram_mib = 1000
 port = 30002
 front = true
 command = ["/bin/serve", "--uds", "{socket}"]
+[serves.od]
+role = "r"
+vram_mib = 1000
+port = 30004
+front = true
+on_demand = true
+start_timeout_s = 99.5
+vllm = { model = "m" }
 [serves.plain]
 role = "r"
 vram_mib = 1000
@@ -142,6 +186,7 @@ def test_fronted_serves_listen_on_their_socket_and_the_front_on_their_port() -> 
     cfg = parse_config(TOML, "t.toml")
     front = front_config(cfg)
     assert front.serves == (FrontServe("chat", 30001, "/run/x/serves/chat.sock"),
+                            FrontServe("od", 30004, "/run/x/serves/od.sock", 105),
                             FrontServe("tool", 30002, "/run/x/serves/tool.sock"))
     assert front.paths == DEFAULT_PATHS
     assert front.run_dir == "/run/x/front/run"
@@ -177,6 +222,18 @@ def test_a_fronted_serve_that_cannot_be_fronted_is_refused(change: str, error: s
         base += 'command = ["/bin/serve", "--uds", "{socket}"]\n'
     with pytest.raises(ConfigError, match=error.replace("{", r"\{").replace("}", r"\}")):
         parse_config(base, "t.toml")
+
+
+@pytest.mark.parametrize(("lines", "error"), [
+    ("on_demand = true\n", "on_demand: needs front = true"),
+    ("front = true\non_demand = true\nresident = true\n", "give one of the two"),
+    ("front = true\npreempt = true\n", "preempt: says how an on_demand serve"),
+])
+def test_on_demand_needs_a_front_and_no_boot(lines: str, error: str) -> None:
+    text = TOML.split("[serves.chat]")[0] + (
+        '[serves.x]\nrole = "r"\nvram_mib = 1\nport = 1\nvllm = { model = "m" }\n' + lines)
+    with pytest.raises(ConfigError, match=error):
+        parse_config(text, "t.toml")
 
 
 def test_a_bad_allow_list_entry_names_its_key() -> None:
@@ -257,7 +314,7 @@ def test_the_config_is_valid_for_nginx(tmp_path: Path) -> None:
     run.mkdir()
     conf = tmp_path / "nginx.conf"
     conf.write_text(render(FrontConfig(serves=(FrontServe("a", 30001, "/s/a.sock"),
-                                               FrontServe("b-c", 30002, "/s/b-c.sock")),
+                                               FrontServe("b-c", 30002, "/s/b-c.sock", 900)),
                                        run_dir=str(run))))
     result = subprocess.run([str(NGINX), "-t", "-c", str(conf), "-p", f"{run}/"],
                             capture_output=True, text=True, check=False)

@@ -50,11 +50,14 @@ def path_problem(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class FrontServe:
-    """One fronted serve: its name, the port clients use, the socket it listens on."""
+    """One fronted serve: its name, the port clients use, the socket it listens on. An
+    on-demand one (``ensure_timeout_s`` set) asks gpud before each request to have it up,
+    waiting at most that long."""
 
     name: str
     port: int
     socket: str
+    ensure_timeout_s: int | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.fullmatch(self.name):
@@ -75,12 +78,16 @@ class FrontConfig:
     paths: tuple[str, ...] = DEFAULT_PATHS
     run_dir: str = "/run/gpud/front"
     listen: str = "127.0.0.1"
+    # gpud's API socket: where on-demand serves are ensured
+    gpud_socket: str = "/run/gpud/gpud.sock"
 
     def __post_init__(self) -> None:
         for path in self.paths:
             problem = path_problem(path)
             if problem:
                 raise ValueError(f"front: paths: {problem}")
+        if not PATH_RE.fullmatch(self.gpud_socket):
+            raise ValueError(f"front: gpud_socket {self.gpud_socket!r} is not a plain path")
         if not PATH_RE.fullmatch(self.run_dir):
             raise ValueError(f"front: run_dir {self.run_dir!r} is not a plain absolute path")
         ports = [s.port for s in self.serves]
@@ -88,15 +95,55 @@ class FrontConfig:
             raise ValueError("front: two serves on one port")
 
 
-def _locations(upstream: str, paths: Sequence[str]) -> list[str]:
+# The internal location of an on-demand serve's check with gpud (no client can name it:
+# `internal`), and gpud's upstream.
+ENSURE_LOCATION: Final = "/.gpud-ensure"
+GPUD_UPSTREAM: Final = "gpud_api"
+# A denied admission's answer, when gpud gives no Retry-After.
+RETRY_AFTER_S: Final = 30
+
+
+def _locations(upstream: str, paths: Sequence[str], on_demand: bool) -> list[str]:
     lines = []
     for path in paths:
         # "^~" on a prefix: no regex location can take it over; "=" on an exact path.
         match = f"^~ {path}" if path.endswith("/") else f"= {path}"
-        lines += [f"        location {match} {{",
-                  f"            proxy_pass http://{upstream};",
+        lines.append(f"        location {match} {{")
+        if on_demand:
+            lines += [f"            auth_request {ENSURE_LOCATION};",
+                      "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
+                      "            auth_request_set $gpud_retry $upstream_http_retry_after;"]
+        lines += [f"            proxy_pass http://{upstream};",
                   "        }"]
     return lines
+
+
+def _on_demand(serve: FrontServe, upstream: str) -> list[str]:
+    """gpud answers 204 once the serve is up, 403 with X-Gpud-Reason and Retry-After when it
+    is refused; nginx's auth_request takes 2xx as yes, 401/403 as no and anything else (gpud
+    down: no connection) as an error, 500. A refusal answers 503 with the reason; an error
+    goes to the serve directly, so a serve that is awake answers as before while gpud is down
+    and one that is not answers 503 (@down)."""
+    timeout = serve.ensure_timeout_s
+    return [
+        f"        location = {ENSURE_LOCATION} {{",
+        "            internal;",
+        f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
+        "            proxy_method POST;",
+        "            proxy_pass_request_body off;",
+        '            proxy_set_header Content-Length "";',
+        f"            proxy_read_timeout {timeout}s;",
+        "        }",
+        "        error_page 403 = @refused;",
+        "        error_page 500 = @direct;",
+        "        location @refused {",
+        "            add_header Retry-After $gpud_retry always;",
+        "            return 503 $gpud_reason;",
+        "        }",
+        "        location @direct {",
+        f"            proxy_pass http://{upstream};",
+        "        }",
+    ]
 
 
 def render(cfg: FrontConfig) -> str:
@@ -132,6 +179,12 @@ def render(cfg: FrontConfig) -> str:
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
     ]
+    if any(s.ensure_timeout_s is not None for s in cfg.serves):
+        out += ["",
+                "    # gpud's API (on-demand serves)",
+                f"    upstream {GPUD_UPSTREAM} {{",
+                f"        server unix:{cfg.gpud_socket};",
+                "    }"]
     for serve in sorted(cfg.serves, key=lambda s: s.port):
         upstream = f"serve_{serve.name.replace('-', '_')}"
         out += [
@@ -145,7 +198,8 @@ def render(cfg: FrontConfig) -> str:
             f"        listen {cfg.listen}:{serve.port};",
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
-            *_locations(upstream, cfg.paths),
+            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
+            *(_on_demand(serve, upstream) if serve.ensure_timeout_s is not None else []),
             "        location / {",
             "            return 404;",
             "        }",

@@ -16,16 +16,27 @@ from tests.waiting import wait_until
 PORT = 30181
 SOCKET = "/run/gpud/serves/chat.sock"
 USER = "gpud-front-client"  # a local user who is not in group gpud nor the front's group
+READER = "gpud-front-reader"  # in group gpud: may read gpud's API
+
+
+def standin_uds(*args: str) -> str:
+    return json.dumps([*STANDIN, "serve", "m", "--uds", "{socket}",
+                       "--gpu-memory-utilization", "{gpu_memory_utilization}", *args])
 
 
 def front_config() -> str:
-    command = json.dumps([*STANDIN, "serve", "m", "--uds", "{socket}",
-                          "--gpu-memory-utilization", "{gpu_memory_utilization}",
-                          "--enable-sleep-mode", "--context-mib", "200", "--asleep-mib", "800",
-                          "--token-interval-s", "0.2"])
+    command = standin_uds("--enable-sleep-mode", "--context-mib", "200", "--asleep-mib", "800",
+                          "--token-interval-s", "0.2")
     serve = (f'[serves.chat]\nrole = "r"\nvram_mib = 12000\nport = {PORT}\nfront = true\n'
              f"sleep_level = 1\nsleep_mib = 800\ncommand = {command}\n"
              'environment = { VLLM_SERVER_DEV_MODE = "1" }\n')
+    # on demand: one that fits (loading takes a second, so the first requests all wait for
+    # it), one that does not while chat runs (capacity 32607 - reserve 1000 - chat's 12000)
+    serve += (f'[serves.od]\nrole = "r"\nvram_mib = 8000\nport = {PORT + 1}\nfront = true\n'
+              f"on_demand = true\nstart_timeout_s = 60\n"
+              f"command = {standin_uds('--startup-delay', '1')}\n")
+    serve += (f'[serves.huge]\nrole = "r"\nvram_mib = 30000\nport = {PORT + 2}\n'
+              f"front = true\non_demand = true\ncommand = {standin_uds()}\n")
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
     return sim_config(role, serve, daemon=f'front_nginx = "{REPO}/.venv/bin/nginx"\n')
 
@@ -33,11 +44,14 @@ def front_config() -> str:
 @pytest.fixture
 def fronted(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     sb = gpud.sb
-    sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-            "gpud-front"], check=False)
-    sb.run(["useradd", "--no-create-home", USER], check=False)
     try:
-        gpud.configure(front_config())
+        gpud.configure(front_config(), start=False)
+        # The front's user: in group gpud, whose members may open gpud's socket (the
+        # on-demand check); a client who is neither.
+        sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                "--groups", "gpud", "gpud-front"], check=False)
+        sb.run(["useradd", "--no-create-home", USER], check=False)
+        gpud.start()
         yield gpud
     finally:
         gpud.reset()
@@ -107,3 +121,43 @@ def test_only_the_client_api_reaches_a_fronted_serve(fronted: SandboxGpud) -> No
     gpud.wait_state("chat", "running")
     assert gpud.unit_prop("gpud-front.service", "MainPID") == pid
     assert curl(gpud, base + "/v1/models").startswith("200")
+
+
+def test_an_on_demand_serve_starts_on_its_first_requests(fronted: SandboxGpud) -> None:
+    gpud = fronted
+    wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
+    assert gpud.serve("od")["state"] == "declared"  # not started at boot
+    url = f"http://127.0.0.1:{PORT + 1}/v1/models"
+    # ten at once, as the client user
+    out = gpud.sb.run(
+        "for i in $(seq 10); do curl -s -o /dev/null -w '%{http_code}\\n' " + url + " & done; wait",
+        user=USER, timeout=90).stdout.split()
+    assert out == ["200"] * 10, out
+    assert gpud.serve("od")["state"] == "running"
+    starts = gpud.events(kind="start", serve="od")
+    assert len(starts) == 1, starts
+    # once running, requests go straight through
+    assert curl(gpud, url).startswith("200")
+
+
+def test_a_refused_on_demand_serve_answers_503_with_the_reason(fronted: SandboxGpud) -> None:
+    gpud = fronted
+    wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
+    assert gpud.call("POST", "/v1/serves/chat/start", {}).status == 200
+    out = gpud.sb.run(["curl", "-s", "-i", f"http://127.0.0.1:{PORT + 2}/v1/models"],
+                      user=USER, timeout=30).stdout
+    head, _, body = out.replace("\r\n", "\n").partition("\n\n")
+    assert head.startswith("HTTP/1.1 503"), out
+    assert "Retry-After: 30" in head, head
+    error = json.loads(body)["error"]
+    assert error["code"] == "denied" and "30000" in error["message"], error
+    assert gpud.serve("huge")["state"] == "denied"
+    # Nobody else may ask gpud to start it, not even a reader of gpud's socket.
+    gpud.sb.run(["useradd", "--no-create-home", "--groups", "gpud", READER], check=False)
+    try:
+        reply = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock", "-X", "POST",
+                             "http://localhost/v1/serves/od/ensure"], user=READER, check=False)
+    finally:
+        gpud.sb.run(["userdel", READER], check=False)
+    assert json.loads(reply.stdout)["error"]["code"] == "forbidden", reply.stdout
+    assert gpud.serve("od")["state"] == "declared"
