@@ -109,6 +109,7 @@ ON_DEMAND = """\
         }
         error_page 403 = @refused;
         error_page 500 = @direct;
+        recursive_error_pages on;
         location @refused {
             add_header Retry-After $gpud_retry always;
             return 503 $gpud_reason;

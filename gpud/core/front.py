@@ -136,6 +136,8 @@ def _on_demand(serve: FrontServe, upstream: str) -> list[str]:
         "        }",
         "        error_page 403 = @refused;",
         "        error_page 500 = @direct;",
+        # @direct's 502 (the serve not up either) goes on to @down
+        "        recursive_error_pages on;",
         "        location @refused {",
         "            add_header Retry-After $gpud_retry always;",
         "            return 503 $gpud_reason;",

@@ -33,8 +33,9 @@ def front_config() -> str:
     # on demand: one that fits (loading takes a second, so the first requests all wait for
     # it), one that does not while chat runs (capacity 32607 - reserve 1000 - chat's 12000)
     serve += (f'[serves.od]\nrole = "r"\nvram_mib = 8000\nport = {PORT + 1}\nfront = true\n'
-              f"on_demand = true\nstart_timeout_s = 60\n"
-              f"command = {standin_uds('--startup-delay', '1')}\n")
+              f"on_demand = true\nstart_timeout_s = 60\nsleep_level = 1\nsleep_mib = 800\n"
+              'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+              f"command = {standin_uds('--startup-delay', '1', '--enable-sleep-mode')}\n")
     serve += (f'[serves.huge]\nrole = "r"\nvram_mib = 30000\nport = {PORT + 2}\n'
               f"front = true\non_demand = true\ncommand = {standin_uds()}\n")
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
@@ -138,6 +139,16 @@ def test_an_on_demand_serve_starts_on_its_first_requests(fronted: SandboxGpud) -
     assert len(starts) == 1, starts
     # once running, requests go straight through
     assert curl(gpud, url).startswith("200")
+    # asleep, the next request wakes it
+    assert gpud.call("POST", "/v1/serves/od/sleep", {}).status == 200
+    assert gpud.serve("od")["state"] == "sleeping"
+    assert curl(gpud, url).startswith("200")
+    assert gpud.serve("od")["state"] == "running"
+    assert len(gpud.events(kind="wake", serve="od")) == 1
+    # gpud down: the awake serve answers as before, one not up answers 503
+    gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
+    assert curl(gpud, url).startswith("200")
+    assert curl(gpud, f"http://127.0.0.1:{PORT + 2}/v1/models").startswith("503")
 
 
 def test_a_refused_on_demand_serve_answers_503_with_the_reason(fronted: SandboxGpud) -> None:
