@@ -626,6 +626,13 @@ class _Handler(socketserver.StreamRequestHandler):
     timeout = KEEPALIVE_TIMEOUT_S
     server: _Server | _UnixServer
 
+    def setup(self) -> None:
+        # asyncio, and so vLLM's uvicorn, sets TCP_NODELAY on every TCP connection (Python 3.7
+        # and later): a streamed token is sent at once, not held by Nagle's algorithm.
+        if self.request.family != socket.AF_UNIX:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
     def handle(self) -> None:
         app = self.server.app
         while True:
