@@ -188,6 +188,10 @@ class ServeConfig(_Model):
     # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
     on_demand: bool = False
     preempt: bool = False
+    # An on-demand serve without a request through its front for this long is put to sleep
+    # (its sleep_level) / stopped.
+    idle_sleep_s: float | None = Field(default=None, gt=0)
+    idle_stop_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -249,6 +253,11 @@ class ServeConfig(_Model):
                              "the front)")
         if self.on_demand and self.resident:
             raise ValueError("on_demand: a resident serve starts at boot; give one of the two")
+        if (self.idle_sleep_s is not None or self.idle_stop_s is not None) and not self.on_demand:
+            raise ValueError("idle_sleep_s, idle_stop_s: activity is what passes through an "
+                             "on_demand serve's front; needs on_demand")
+        if self.idle_sleep_s is not None and not self.sleep_level:
+            raise ValueError("idle_sleep_s: needs a sleep_level of 1 or 2")
         if self.preempt and not self.on_demand:
             raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
         if self.front and self.container is not None:

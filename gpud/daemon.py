@@ -245,6 +245,7 @@ class Daemon:
             if interval:
                 stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
+            stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")

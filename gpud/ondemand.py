@@ -17,11 +17,13 @@ import asyncio
 import json
 import logging
 import pwd
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gpud.core.front import RETRY_AFTER_S
+from gpud.core.front import RETRY_AFTER_S, idle_action
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING
 from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, Unavailable
 from gpud.service import LedgerService, check_serve_name
@@ -35,13 +37,19 @@ log = logging.getLogger(__name__)
 
 # How often a start or wake in progress is looked at until the serve is running.
 POLL_S = 0.005
+# How often idle serves are looked for.
+IDLE_CHECK_S = 0.5
 
 
 class OnDemand:
-    def __init__(self, svc: LedgerService, supervisor: Supervisor) -> None:
+    def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.svc = svc
         self.sup = supervisor
+        self.clock = clock
         self._pending: dict[str, asyncio.Task[None]] = {}
+        # The last request through each on-demand serve's front (the clock's time).
+        self.last_activity: dict[str, float] = {}
 
     def routes(self, api: Api) -> None:
         api.route("POST", "/v1/serves/{name}/ensure", self.ensure, "public")
@@ -64,8 +72,10 @@ class OnDemand:
         spec = self.svc.serve_spec(name)
         if spec is None or not spec.on_demand:
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
+        self.last_activity[name] = self.clock()
         try:
             await self.up(name, spec)
+            self.last_activity[name] = self.clock()
         except (Forbidden, BadRequest, NotFound):
             raise
         except GpudError as exc:
@@ -113,3 +123,40 @@ class OnDemand:
             reason = rec.reason if rec is not None else None
             raise Unavailable(f"serve {name!r} is {state}" + (f": {reason}" if reason else ""),
                               {"serve": name, "state": state})
+
+    # ---- idle ------------------------------------------------------------------------------
+
+    async def idle_loop(self) -> None:
+        """Put to sleep or stop the on-demand serves idle past idle_sleep_s / idle_stop_s."""
+        while True:
+            await asyncio.sleep(IDLE_CHECK_S)
+            for name, spec in self.svc.config.serves.items():
+                if spec.on_demand and name not in self._pending:
+                    await self._idle_check(name, spec)
+
+    async def _idle_check(self, name: str, spec: ServeConfig) -> None:
+        state = self.svc.state_of(name)
+        now = self.clock()
+        if state not in (RUNNING, SLEEPING):
+            if state not in LIVE_STATES:
+                self.last_activity.pop(name, None)
+            return
+        # A serve running without a request seen (started by hand, or before gpud started)
+        # is idle from when it is first seen.
+        last = self.last_activity.setdefault(name, now)
+        action = idle_action(state, now - last, idle_sleep_s=spec.idle_sleep_s,
+                             idle_stop_s=spec.idle_stop_s, sleep_level=spec.sleep_level)
+        if action is None:
+            return
+        idle = now - last
+        # The sleep or stop records its own event (kind sleep / stop, by gpud: uid none).
+        log.info("on-demand %s idle for %.1f s without a request through its front: %s",
+                 name, idle, action)
+        try:
+            if action == "sleep":
+                await self.sup.sleeps.sleep(name, None)
+            else:
+                await self.sup.stop(name, None)
+                self.last_activity.pop(name, None)
+        except GpudError as exc:
+            log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)

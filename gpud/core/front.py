@@ -212,3 +212,18 @@ def render(cfg: FrontConfig) -> str:
         ]
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def idle_action(state: str, idle_for_s: float, *, idle_sleep_s: float | None,
+                idle_stop_s: float | None, sleep_level: int) -> str | None:
+    """What an on-demand serve idle for `idle_for_s` (no request through its front) is due:
+    "stop" once past idle_stop_s (running or asleep), "sleep" once a running one with a
+    sleep_level is past idle_sleep_s, else None."""
+    if state not in ("running", "sleeping"):
+        return None
+    if idle_stop_s is not None and idle_for_s >= idle_stop_s:
+        return "stop"
+    if state == "running" and sleep_level and idle_sleep_s is not None \
+            and idle_for_s >= idle_sleep_s:
+        return "sleep"
+    return None

@@ -38,6 +38,11 @@ def front_config() -> str:
               f"command = {standin_uds('--startup-delay', '1', '--enable-sleep-mode')}\n")
     serve += (f'[serves.huge]\nrole = "r"\nvram_mib = 30000\nport = {PORT + 2}\n'
               f"front = true\non_demand = true\ncommand = {standin_uds()}\n")
+    # idle: asleep after 2 s without a request, stopped after 4 s
+    serve += (f'[serves.idler]\nrole = "r"\nvram_mib = 4000\nport = {PORT + 3}\nfront = true\n'
+              "on_demand = true\nsleep_level = 1\nsleep_mib = 800\nidle_sleep_s = 2\n"
+              'idle_stop_s = 4\nenvironment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+              f"command = {standin_uds('--enable-sleep-mode')}\n")
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
     return sim_config(role, serve, daemon=f'front_nginx = "{REPO}/.venv/bin/nginx"\n')
 
@@ -172,3 +177,19 @@ def test_a_refused_on_demand_serve_answers_503_with_the_reason(fronted: SandboxG
         gpud.sb.run(["userdel", READER], check=False)
     assert json.loads(reply.stdout)["error"]["code"] == "forbidden", reply.stdout
     assert gpud.serve("od")["state"] == "declared"
+
+
+def test_idle_sleep_and_stop_fire_at_their_times(fronted: SandboxGpud) -> None:
+    gpud = fronted
+    wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
+    url = f"http://127.0.0.1:{PORT + 3}/v1/models"
+    assert curl(gpud, url).startswith("200")
+    answered = time.time()
+    asleep = gpud.wait_event("sleep", timeout=20, serve="idler")
+    stopped = gpud.wait_event("stop", timeout=20, serve="idler")
+    # within the 0.5 s of gpud's check (and a second of slack on a loaded host)
+    assert 2.0 <= asleep["ts"] - answered < 3.5, (asleep, answered)
+    assert 4.0 <= stopped["ts"] - answered < 5.5, (stopped, answered)
+    gpud.wait_state("idler", "declared", "admitted")
+    # and the next request brings it back
+    assert curl(gpud, url).startswith("200")
