@@ -14,6 +14,7 @@ listener, where no peer is known.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import pwd
@@ -41,6 +42,16 @@ POLL_S = 0.005
 IDLE_CHECK_S = 0.5
 
 
+@functools.lru_cache(maxsize=8)
+def _uid_of(user: str) -> int | None:
+    """The front user's uid, looked up once per name: every request to an on-demand serve
+    asks, and a read of the passwd database each time would add to its latency."""
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
+
+
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -56,11 +67,7 @@ class OnDemand:
 
     def _authorize(self, peer: Peer | None) -> None:
         user = self.svc.config.daemon.front_user
-        try:
-            front_uid = pwd.getpwnam(user).pw_uid
-        except KeyError:
-            front_uid = None
-        if peer is None or peer.uid not in (0, front_uid):
+        if peer is None or peer.uid not in (0, _uid_of(user)):
             uid = peer.uid if peer else None
             raise Forbidden(f"uid {uid}: only the front ({user}) and root may ensure a serve",
                             {"uid": uid})
