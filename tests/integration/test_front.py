@@ -193,3 +193,23 @@ def test_idle_sleep_and_stop_fire_at_their_times(fronted: SandboxGpud) -> None:
     gpud.wait_state("idler", "declared", "admitted")
     # and the next request brings it back
     assert curl(gpud, url).startswith("200")
+
+
+def test_a_gpud_restart_cuts_no_stream(fronted: SandboxGpud) -> None:
+    gpud = fronted
+    wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
+    assert gpud.call("POST", "/v1/serves/chat/start", {}).status == 200
+    gpud.wait_state("chat", "running")
+    body = json.dumps({"prompt": "a b", "max_tokens": 40, "stream": True})  # 40 x 0.2 s
+    script = (
+        "rm -rf /tmp/streams; mkdir /tmp/streams; "
+        f"for i in $(seq 64); do curl -sN -d '{body}' http://127.0.0.1:{PORT}/v1/completions"
+        " > /tmp/streams/$i & done; "
+        # every stream has its first token, then gpud restarts under them
+        "until [ $(find /tmp/streams -type f -size +0 | wc -l) -eq 64 ]; do sleep 0.05; done; "
+        "systemctl restart gpud.service; "
+        "echo done-before-restart-ended $(grep -l '\\[DONE\\]' /tmp/streams/* | wc -l); "
+        "wait; echo complete $(grep -l 'data: \\[DONE\\]' /tmp/streams/* | wc -l)")
+    out = gpud.sb.run(["bash", "-c", script], timeout=120).stdout.split()
+    assert out == ["done-before-restart-ended", "0", "complete", "64"], out
+    gpud.wait_state("chat", "running")
