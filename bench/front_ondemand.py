@@ -1,7 +1,8 @@
 """What the on-demand check costs an awake serve: p50 latency of GET /v1/models through the
 front of a fronted serve and of an on-demand one (each request first asks gpud, auth_request),
 both running, under real systemd in the sandbox (root; booted as gpud-odbench, powered off at
-the end). Five rounds of 300 sequential requests on one keep-alive connection each.
+the end). Five rounds of 300 sequential requests on one keep-alive connection each. Then the
+first request to the on-demand serve asleep, five times.
 
     .venv/bin/python bench/front_ondemand.py
 """
@@ -45,6 +46,16 @@ try:
             res[name].append(float(out))
     for k, v in res.items():
         print(k, "p50 ms per round:", [round(x, 3) for x in v], "median", round(statistics.median(v), 3))
+    # A sleeping on-demand serve's first request: the whole wait, of which the stand-in's own
+    # wake is a few milliseconds (a pipe write to its engine child): an upper bound of gpud's
+    # share (request in to wake sent, healthy to forwarded) plus that wake.
+    waits = []
+    for _ in range(5):
+        assert g.call("POST", "/v1/serves/od/sleep", {}).status == 200
+        out = sb.run([sys.executable, "-c", SNIPPET, str(PORT + 1), "1"]).stdout
+        waits.append(float(out))
+    print("first request to a sleeping serve, ms:", [round(x, 1) for x in waits], "median",
+          round(statistics.median(waits), 1))
 finally:
     sb.run("systemctl stop gpud gpud-front 'gpud-serve-*'", check=False)
     sb.poweroff()
