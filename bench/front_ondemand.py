@@ -39,7 +39,7 @@ try:
     g.wait_state("chat", "running")
     sb.run(["curl", "-s", f"http://127.0.0.1:{PORT + 1}/v1/models"], timeout=60)
     g.wait_state("od", "running")
-    res = {"fronted": [], "on_demand": []}
+    res: dict[str, list[float]] = {"fronted": [], "on_demand": []}
     for _ in range(5):
         for name, port in (("fronted", PORT), ("on_demand", PORT + 1)):
             out = sb.run([sys.executable, "-c", SNIPPET, str(port), "300"]).stdout
@@ -49,7 +49,7 @@ try:
     # A sleeping on-demand serve's first request: the whole wait, of which the stand-in's own
     # wake is a few milliseconds (a pipe write to its engine child): an upper bound of gpud's
     # share (request in to wake sent, healthy to forwarded) plus that wake.
-    waits = []
+    waits: list[float] = []
     for _ in range(5):
         assert g.call("POST", "/v1/serves/od/sleep", {}).status == 200
         out = sb.run([sys.executable, "-c", SNIPPET, str(PORT + 1), "1"]).stdout

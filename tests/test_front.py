@@ -27,7 +27,8 @@ from gpud.core.front import (
     render,
     socket_path,
 )
-from gpud.core.launch import serve_argv
+from gpud.core.launch import serve_argv, show_commands
+from gpud.core.observation import DeviceSample
 from gpud.errors import ConfigError
 from gpud.front import front_config, nginx_argv
 from tests.waiting import wait_until
@@ -392,3 +393,13 @@ def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: flo
                      level: int, action: str | None) -> None:
     assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
                        sleep_level=level) == action
+
+
+def test_show_commands_shows_a_fronted_serve_on_its_socket() -> None:
+    cfg = parse_config(TOML, "t.toml")
+    devices = (DeviceSample("GPU-0", 0, "", "", 32607, None, None),)
+    argv = [line for line in show_commands(cfg, devices, "test") if line.startswith("  argv: ")]
+    assert "  argv: vllm serve m --uds /run/x/serves/chat.sock --gpu-memory-utilization" \
+        in argv[0], argv
+    assert any("--host 127.0.0.1 --port 30003" in line for line in argv), argv  # as before
+    assert "  argv: /bin/serve --uds /run/x/serves/tool.sock" in argv, argv

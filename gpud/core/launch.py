@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
+from gpud.core.front import socket_path
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
 from gpud.core.vocab import SERVE_UNIT_SUFFIX, serve_unit
@@ -355,7 +356,9 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
         try:
             argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
                               vllm_executable=cfg.daemon.vllm_executable, name=name,
-                              device_indexes=indexes, cdi_devices=cdi, forward_env=env)
+                              device_indexes=indexes, cdi_devices=cdi, forward_env=env,
+                              socket=(socket_path(cfg.daemon.serve_socket_dir, name)
+                                      if serve.front else None))
         except GpudError as exc:
             lines.append(f"  refused: {exc.message}")
             continue
