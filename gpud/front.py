@@ -101,6 +101,9 @@ def prepare_socket_dir(d: DaemonConfig) -> str:
     return d.serve_socket_dir
 
 
+_SAID: set[str] = set()
+
+
 def open_to_front(d: DaemonConfig, serve: str) -> None:
     """Give a fronted serve's socket, once it is bound, to the front's group (0660)."""
     path = socket_path(d.serve_socket_dir, serve)
@@ -116,7 +119,11 @@ def open_to_front(d: DaemonConfig, serve: str) -> None:
     except FileNotFoundError:
         return
     except (OSError, GpudError) as exc:
-        log.warning("serve %s: cannot give its socket to the front: %s", serve, exc)
+        # Once per serve and reason: this runs before every health check.
+        said = f"{serve}: {exc}"
+        if said not in _SAID:
+            _SAID.add(said)
+            log.warning("serve %s: cannot give its socket to the front: %s", serve, exc)
 
 
 def nginx_argv(d: DaemonConfig) -> tuple[str, ...]:
