@@ -256,6 +256,29 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "StandardInput": _p("s", _string),
         "StandardOutput": _p("s", _string),
         "StandardError": _p("s", _string),
+        # Sandboxing (the front's unit, gpud/front.py)
+        "NoNewPrivileges": _p("b", bool),
+        "ProtectSystem": _p("s", _string),
+        "ProtectHome": _p("s", _string),
+        "ReadWritePaths": _p("as", list),
+        "PrivateTmp": _p("b", bool),
+        "PrivateDevices": _p("b", bool),
+        "ProtectKernelTunables": _p("b", bool),
+        "ProtectKernelModules": _p("b", bool),
+        "ProtectKernelLogs": _p("b", bool),
+        "ProtectControlGroups": _p("b", bool),
+        "ProtectClock": _p("b", bool),
+        "ProtectHostname": _p("b", bool),
+        "ProtectProc": _p("s", _string),
+        "RestrictRealtime": _p("b", bool),
+        "RestrictSUIDSGID": _p("b", bool),
+        "LockPersonality": _p("b", bool),
+        # bitmask of capabilities; 0: none
+        "CapabilityBoundingSet": _p("t", int),
+        "SystemCallArchitectures": _p("as", list),
+        # (allow-list?, names): an allow-list of address families / system call groups
+        "RestrictAddressFamilies": _p("(bas)", lambda names: (True, list(names))),
+        "SystemCallFilter": _p("(bas)", lambda names: (True, list(names))),
     }
 )
 
