@@ -456,6 +456,11 @@ def config_warnings(cfg: Config) -> list[str]:
             warnings.append(f"serves.{name}.container.image: {c.image!r} is not pinned to a "
                             "digest (NAME@sha256:...): the image a tag names can change under "
                             "the same config, and its calibration with it")
+        if serve.sleep_level and not serve.front and serve.port is not None:
+            warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
+                            "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
+                            f"local user on port {serve.port}: front = true answers them 404 "
+                            "(docs/front.md)")
     return warnings
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.config import parse_config
+from gpud.config import config_warnings, parse_config
 from gpud.core.front import (
     DEFAULT_PATHS,
     FrontConfig,
@@ -403,3 +403,11 @@ def test_show_commands_shows_a_fronted_serve_on_its_socket() -> None:
         in argv[0], argv
     assert any("--host 127.0.0.1 --port 30003" in line for line in argv), argv  # as before
     assert "  argv: /bin/serve --uds /run/x/serves/tool.sock" in argv, argv
+
+
+def test_a_sleep_serve_without_a_front_is_warned_about() -> None:
+    text = TOML.replace('[serves.plain]\nrole = "r"\n', '[serves.plain]\nrole = "r"\nsleep_level = 1\n')
+    warnings = config_warnings(parse_config(text, "t.toml"))
+    assert [w.split(":")[0] for w in warnings] == ["serves.plain.front"], warnings
+    assert "port 30003" in warnings[0]
+    assert config_warnings(parse_config(TOML, "t.toml")) == []
