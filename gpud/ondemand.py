@@ -81,6 +81,10 @@ class OnDemand:
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
         self.last_activity[name] = self.clock()
         try:
+            if not self.svc.ready and self.svc.state_of(name) != RUNNING:
+                # Before reconciliation a start could race the adoption of running units.
+                raise Unavailable("gpud is starting (reconciling running serves)",
+                                  {"serve": name, "retry": True})
             await self.up(name, spec)
             self.last_activity[name] = self.clock()
         except (Forbidden, BadRequest, NotFound):
