@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 from gpud import bounded
+from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
+from gpud.core.front import path_problem
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 
@@ -38,7 +40,7 @@ HEALTH_REACHABLE_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::"})
 MAX_MIB = 2**31 - 1
 
 PLACEHOLDERS = frozenset({"port", "gpu_memory_utilization", "device_index", "device_indexes",
-                          "vram_mib"})
+                          "vram_mib", "socket"})
 # gpud pins the serve to its device itself; a serve's environment may not override that.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
 
@@ -102,6 +104,14 @@ class DaemonConfig(_Model):
     # after its handling began (every peer, root included): past it the connection is closed,
     # or the body answered 408 (gpud.connguard).
     request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # The front (gpud/front.py) of serves with `front = true`: the nginx it runs, the user it
+    # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
+    # sockets and its own config live.
+    front_nginx: str = "/usr/sbin/nginx"
+    front_user: str = "gpud-front"
+    front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
+    serve_socket_dir: str = "/run/gpud/serves"
+    front_dir: str = "/run/gpud/front"
 
 
 class RoleConfig(_Model):
@@ -181,6 +191,17 @@ class ServeConfig(_Model):
     # What a preemption by a serve of higher priority does to this one: "sleep" (the default
     # with a sleep_level) or "stop"; without either it is never preempted.
     preemptible: Literal["sleep", "stop"] | None = None
+    # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
+    # socket only root and the front may reach ({socket} in a command).
+    front: bool = False
+    # Not started at boot: the first request to its front admits it (strictly; through the
+    # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
+    on_demand: bool = False
+    preempt: bool = False
+    # An on-demand serve without a request through its front for this long is put to sleep
+    # (its sleep_level) / stopped.
+    idle_sleep_s: float | None = Field(default=None, gt=0)
+    idle_stop_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -235,6 +256,26 @@ class ServeConfig(_Model):
             raise ValueError("command: must not be empty")
         if not self.health_path.startswith("/"):
             raise ValueError("health_path: must start with '/'")
+        if self.front and self.port is None:
+            raise ValueError("front: a fronted serve needs the port its front listens on")
+        if self.on_demand and not self.front:
+            raise ValueError("on_demand: needs front = true (its first request comes through "
+                             "the front)")
+        if self.on_demand and self.resident:
+            raise ValueError("on_demand: a resident serve starts at boot; give one of the two")
+        if (self.idle_sleep_s is not None or self.idle_stop_s is not None) and not self.on_demand:
+            raise ValueError("idle_sleep_s, idle_stop_s: activity is what passes through an "
+                             "on_demand serve's front; needs on_demand")
+        if self.idle_sleep_s is not None and not self.sleep_level:
+            raise ValueError("idle_sleep_s: needs a sleep_level of 1 or 2")
+        if self.preempt and not self.on_demand:
+            raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
+        if self.front and self.container is not None:
+            raise ValueError("front: container serves publish their own port; not fronted yet")
+        if self.front and self.command is not None \
+                and not any("{socket}" in arg for arg in self.command):
+            raise ValueError("front: a fronted command serve must listen on {socket} "
+                             "(its port is the front's)")
         return self
 
 
@@ -361,6 +402,9 @@ def _semantic_problems(cfg: Config) -> list[str]:
         if serve.container is not None:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
+    problems += [f"daemon.front_paths[{i}]: {problem}"
+                 for i, path in enumerate(cfg.daemon.front_paths)
+                 if (problem := path_problem(path)) is not None]
     for name, serve in cfg.serves.items():
         host = serve.vllm.host if serve.vllm is not None else None
         if serve.sleep_level and host not in (None, "127.0.0.1"):
@@ -433,6 +477,11 @@ def config_warnings(cfg: Config) -> list[str]:
                             f"{len(serve.all_roles)} devices in a container with podman's 64 MiB "
                             "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
                             "= \"host\"")
+        if serve.sleep_level and not serve.front and serve.port is not None:
+            warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
+                            "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
+                            f"local user on port {serve.port}: front = true answers them 404 "
+                            "(docs/front.md)")
     return warnings
 
 

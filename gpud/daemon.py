@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gpud.api import Api
+    from gpud.front import Front
     from gpud.observer import Observer
     from gpud.supervisor import Supervisor
 
@@ -173,6 +174,7 @@ class Daemon:
         # Parsing and planning configs off the event loop (gpud.offload); GPUD_EXPENSIVE_INLINE=1
         # keeps them on it, as before, for the benchmark that compares the two.
         self.offload = Offload(inline=os.environ.get(INLINE_ENV) == "1")
+        self.front: Front | None = None
         self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -181,7 +183,9 @@ class Daemon:
         from gpud.alerts import Alerts
         from gpud.api import Api
         from gpud.calibration import Calibrator
+        from gpud.front import Front
         from gpud.metrics import render
+        from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
         from gpud.store import Store
 
@@ -219,7 +223,9 @@ class Daemon:
             supervisor.sizing = calibrator.sizing_problem
             supervisor.sleeps.weights = calibrator.weights_mib
             stack.push_async_callback(calibrator.close)
+            on_demand = OnDemand(svc, supervisor)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
+                           extra_routes=on_demand.routes,
                            metrics=lambda: render(svc, observer, calibrator),
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
@@ -231,6 +237,8 @@ class Daemon:
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
+            self.front = Front(supervisor.units)
+            await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
             if svc.config_refused is not None:
                 # Serves found dead at reconciliation may no longer stand in the way.
@@ -246,6 +254,7 @@ class Daemon:
             if interval:
                 stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
+            stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")
@@ -345,6 +354,8 @@ class Daemon:
             cfg = apply_overrides(parsed, self.overrides)
             over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
+            if self.front is not None:
+                await self.front.sync_logged(cfg)
             if self.api is not None:
                 self.api.config_changed()
             return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}

@@ -128,7 +128,9 @@ class Sleeps:
             return weights * devices
         return (res.mib if res else spec.vram_mib if spec else 0) * devices
 
-    def _url(self, spec: ServeConfig, path: str) -> str:
+    def _url(self, serve: str, spec: ServeConfig, path: str) -> str:
+        if spec.front:
+            return f"http://localhost{path}"  # over the serve's socket (Supervisor.serve_http)
         if spec.port is None:
             raise Conflict("a serve without a port cannot be put to sleep: its sleep endpoints "
                            "are HTTP", {})
@@ -147,10 +149,11 @@ class Sleeps:
 
     async def _post(self, serve: str, spec: ServeConfig, path: str,
                     body: dict[str, Any] | None = None) -> None:
-        http = self.sup.http
+        http = self.sup.serve_http(serve, spec)
         timeout = aiohttp.ClientTimeout(total=SLEEP_REQUEST_TIMEOUT_S)
         try:
-            async with http.post(self._url(spec, path), json=body, timeout=timeout) as resp:
+            async with http.post(self._url(serve, spec, path), json=body,
+                                 timeout=timeout) as resp:
                 if resp.status != 200:
                     said = (await resp.text())[:300]
                     raise Conflict(f"serve {serve!r} answered {resp.status} to POST {path}: "
@@ -163,7 +166,8 @@ class Sleeps:
         """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
         that."""
         try:
-            async with self.sup.http.get(self._url(spec, "/is_sleeping")) as resp:
+            async with self.sup.serve_http(serve, spec).get(
+                    self._url(serve, spec, "/is_sleeping")) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)

@@ -27,6 +27,7 @@ import aiohttp
 
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
+from gpud.core.front import socket_path
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
 from gpud.core.launch import (
     serve_argv,
@@ -67,6 +68,7 @@ from gpud.core.vocab import (
 )
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
+from gpud.front import SERVE_UMASK, SocketSessions, open_to_front, prepare_socket_dir
 from gpud.hostmem import host_memory
 from gpud.observer import Observer
 from gpud.service import LedgerService, check_serve_name
@@ -157,6 +159,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
         self._http: aiohttp.ClientSession | None = None
+        self._sockets = SocketSessions()
         self.booted = asyncio.Event()
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
@@ -184,6 +187,7 @@ class Supervisor:
         await self.units.close()
         if self._http is not None:
             await self._http.close()
+        await self._sockets.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -196,6 +200,13 @@ class Supervisor:
     def http(self) -> aiohttp.ClientSession:
         assert self._http is not None
         return self._http
+
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
+        """The client of a serve's own listener: its Unix socket when it is fronted."""
+        if spec.front:
+            return self._sockets.session(
+                socket_path(self.svc.config.daemon.serve_socket_dir, serve))
+        return self.http
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         return self._spawn(coro)
@@ -519,11 +530,13 @@ class Supervisor:
         # A container gets every device of the serve through CDI, in the order of its roles.
         cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
                if spec.container is not None else [])
+        sock = (socket_path(prepare_socket_dir(self.svc.config.daemon), serve)
+                if spec.front else None)
         argv = serve_argv(spec, total_mib=total, device_index=index,
                           vllm_executable=self.svc.config.daemon.vllm_executable,
                           vram_mib=res.mib if res else None, name=serve,
                           device_indexes=indexes,
-                          cdi_devices=cdi, forward_env=[*env, *spec.environment])
+                          cdi_devices=cdi, forward_env=[*env, *spec.environment], socket=sock)
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:
@@ -549,6 +562,7 @@ class Supervisor:
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
             container=spec.container is not None,
+            umask=SERVE_UMASK if sock else None, socket=sock,
         )
 
     async def _say(self, serve: str, role: str, kind: str, message: str) -> None:
@@ -606,8 +620,12 @@ class Supervisor:
         if spec.port is None:
             return Answer(Probe.OK, "no port: an active unit is all there is")
         assert self._http is not None
+        url = (f"http://localhost{spec.health_path}" if spec.front else
+               f"http://127.0.0.1:{spec.port}{spec.health_path}")
+        if spec.front:
+            open_to_front(self.svc.config.daemon, serve)
         try:
-            async with self._http.get(f"http://127.0.0.1:{spec.port}{spec.health_path}") as resp:
+            async with self.serve_http(serve, spec).get(url) as resp:
                 status = resp.status
         except aiohttp.ClientConnectorError as exc:
             return Answer(Probe.REFUSED, f"cannot connect ({exc.os_error.strerror or exc})")
@@ -617,7 +635,8 @@ class Supervisor:
             return Answer(Probe.ENGINE_DEAD, "503")
         if status != 200:
             return Answer(Probe.FAILED, f"status {status}")
-        holder = await self._foreign_holder(serve, spec.port)
+        # A fronted serve's port is the front's; its socket only root and the front reach.
+        holder = None if spec.front else await self._foreign_holder(serve, spec.port)
         if holder is not None:
             return Answer(Probe.FOREIGN, f"port {spec.port} is held by {holder}, not by the "
                                          f"serve's unit")
@@ -643,7 +662,7 @@ class Supervisor:
     async def _port_free(self, serve: str, spec: ServeConfig) -> None:
         """Refuse to start a serve whose port another process holds: its health answers would
         be that process's."""
-        if spec.port is None:
+        if spec.port is None or spec.front:
             return
         held = await asyncio.to_thread(_holders, spec.port)
         if held is None:

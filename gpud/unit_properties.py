@@ -121,6 +121,13 @@ class UnitSpec:
     # MAINPID= and READY=1, --sdnotify=conmon) and Delegate=yes (podman makes the payload's
     # sub-cgroup below the unit's, --cgroups=split).
     container: bool = False
+    # The serve's file mode creation mask: a fronted serve's socket must be writable by the
+    # front's group (connect(2) needs write permission on a socket), and vLLM binds it with
+    # whatever mask it has (0o007).
+    umask: int | None = None
+    # A fronted serve's Unix socket: removed before each start (vLLM's bind fails on a stale
+    # one, and systemd's own restarts of the unit do not pass through gpud).
+    socket: str | None = None
 
     def __post_init__(self) -> None:
         _check_serve(self.serve)
@@ -150,6 +157,8 @@ class UnitSpec:
                     f"serve {self.serve}: environment may not set {name}: gpud pins the device itself",
                     {"serve": self.serve, "variable": name},
                 )
+        if self.socket is not None and not self.socket.startswith("/"):
+            raise BadRequest(f"serve {self.serve}: socket must be an absolute path")
         if self.working_directory is not None and not self.working_directory.startswith("/"):
             raise BadRequest(f"serve {self.serve}: working_directory must be an absolute path")
         if (self.restart_steps is None) != (self.restart_max_delay_sec is None):
@@ -226,10 +235,12 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "NotifyAccess": _p("s", _string),
         "Delegate": _p("b", bool),
         "ExecStart": _p("a(sasb)", _exec_literal),
+        "ExecStartPre": _p("a(sasb)", _exec_literal),
         "Slice": _p("s", _string),
         "Environment": _p("as", _environment),
         "EnvironmentFiles": _p("a(sb)", lambda path: [(_string(path), False)]),
         "User": _p("s", _string),
+        "UMask": _p("u", _uint32),
         "WorkingDirectory": _p("s", _string),
         "Restart": _p("s", _string),
         "RestartUSec": _p("t", _usec),
@@ -245,6 +256,29 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "StandardInput": _p("s", _string),
         "StandardOutput": _p("s", _string),
         "StandardError": _p("s", _string),
+        # Sandboxing (the front's unit, gpud/front.py)
+        "NoNewPrivileges": _p("b", bool),
+        "ProtectSystem": _p("s", _string),
+        "ProtectHome": _p("s", _string),
+        "ReadWritePaths": _p("as", list),
+        "PrivateTmp": _p("b", bool),
+        "PrivateDevices": _p("b", bool),
+        "ProtectKernelTunables": _p("b", bool),
+        "ProtectKernelModules": _p("b", bool),
+        "ProtectKernelLogs": _p("b", bool),
+        "ProtectControlGroups": _p("b", bool),
+        "ProtectClock": _p("b", bool),
+        "ProtectHostname": _p("b", bool),
+        "ProtectProc": _p("s", _string),
+        "RestrictRealtime": _p("b", bool),
+        "RestrictSUIDSGID": _p("b", bool),
+        "LockPersonality": _p("b", bool),
+        # bitmask of capabilities; 0: none
+        "CapabilityBoundingSet": _p("t", int),
+        "SystemCallArchitectures": _p("as", list),
+        # (allow-list?, names): an allow-list of address families / system call groups
+        "RestrictAddressFamilies": _p("(bas)", lambda names: (True, list(names))),
+        "SystemCallFilter": _p("(bas)", lambda names: (True, list(names))),
     }
 )
 
@@ -288,6 +322,10 @@ def build_properties(
         values.append(("User", spec.user))
     if spec.working_directory is not None:
         values.append(("WorkingDirectory", spec.working_directory))
+    if spec.umask is not None:
+        values.append(("UMask", spec.umask))
+    if spec.socket is not None:
+        values.append(("ExecStartPre", ("/bin/rm", "-f", "--", spec.socket)))
     values += [
         ("Restart", spec.restart),
         ("RestartUSec", spec.restart_sec),

@@ -494,6 +494,42 @@ class SystemdUnits:
             return None
         return await self._fetch(unit, path)
 
+    # --- units that are not serves (the front) ----------------------------------------------
+
+    async def active_state(self, unit: str) -> str | None:
+        """ActiveState of any unit; None when it is not loaded."""
+        try:
+            (path,) = await self._call(
+                MANAGER_PATH, MANAGER_IFACE, "GetUnit", "s", [unit], action=f"state of {unit}"
+            )
+        except NotFound:
+            return None
+        (value,) = await self._call(path, PROPERTIES_IFACE, "Get", "ss", [UNIT_IFACE, "ActiveState"],
+                                    action=f"state of {unit}")
+        return str(value.value)
+
+    async def start_transient(self, unit: str, properties: list[tuple[str, Variant]],
+                              timeout: float) -> None:
+        """Start UNIT, not a serve's, as a transient unit and wait for its start job."""
+        async with self._watch_jobs(unit) as jobs:
+            (job,) = await self._call(MANAGER_PATH, MANAGER_IFACE, "StartTransientUnit",
+                                      "ssa(sv)a(sa(sv))", [unit, "fail", properties, []],
+                                      action=f"start {unit}")
+            result = await self._wait_job(jobs, job, timeout, f"start {unit}")
+        if result != "done":
+            raise JobFailed(f"start {unit}: systemd job finished with result {result!r} "
+                            f"(see journalctl -u {unit})", {"unit": unit, "result": result})
+
+    async def kill_main(self, unit: str, signal: int) -> None:
+        """Send SIGNAL to UNIT's main process (nginx reloads its config on SIGHUP)."""
+        await self._call(MANAGER_PATH, MANAGER_IFACE, "KillUnit", "ssi", [unit, "main", signal],
+                         action=f"signal {unit}")
+
+    async def reset_failed_unit(self, unit: str) -> None:
+        with contextlib.suppress(NotFound):
+            await self._call(MANAGER_PATH, MANAGER_IFACE, "ResetFailedUnit", "s", [unit],
+                             action=f"reset-failed {unit}")
+
     # --- the choke point --------------------------------------------------------------------
 
     async def _call(

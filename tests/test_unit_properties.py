@@ -246,6 +246,28 @@ SAMPLES: dict[str, Any] = {
     "StandardInput": "null",
     "StandardOutput": "journal",
     "StandardError": "journal",
+    "UMask": 0o007,
+    "ExecStartPre": ("/bin/rm", "-f", "--", "/run/gpud/serves/x.sock"),
+    "NoNewPrivileges": True,
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "ReadWritePaths": ["/run/gpud/front/run"],
+    "PrivateTmp": True,
+    "PrivateDevices": True,
+    "ProtectKernelTunables": True,
+    "ProtectKernelModules": True,
+    "ProtectKernelLogs": True,
+    "ProtectControlGroups": True,
+    "ProtectClock": True,
+    "ProtectHostname": True,
+    "ProtectProc": "invisible",
+    "RestrictRealtime": True,
+    "RestrictSUIDSGID": True,
+    "LockPersonality": True,
+    "CapabilityBoundingSet": 0,
+    "SystemCallArchitectures": ["native"],
+    "RestrictAddressFamilies": ["AF_UNIX", "AF_INET"],
+    "SystemCallFilter": ["@system-service"],
 }
 
 
@@ -583,3 +605,13 @@ async def test_unconnected_adapter_is_unavailable_not_crashing() -> None:
             await units.list_serves()
     finally:
         await units.close()
+
+
+def test_a_fronted_serve_gets_its_mask_and_a_fresh_socket() -> None:
+    spec = UnitSpec(serve="ocr", argv=("/usr/bin/vllm", "serve", "m"), device_index=0,
+                    description="d", umask=0o007, socket="/run/gpud/serves/ocr.sock")
+    props = {n: (sig, v) for n, sig, v in _triples(build_properties(spec, 252))}
+    assert props["UMask"] == ("u", 0o007)
+    assert props["ExecStartPre"] == ("a(sasb)", [
+        ("/bin/rm", ["/bin/rm", "-f", "--", "/run/gpud/serves/ocr.sock"], False)])
+    assert not {"UMask", "ExecStartPre"} & {n for n, _s, _v in _triples(build_properties(SPEC, 252))}

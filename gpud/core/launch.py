@@ -15,6 +15,7 @@ from typing import Literal
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
+from gpud.core.front import socket_path
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
 from gpud.core.vocab import SERVE_UNIT_SUFFIX, serve_unit
@@ -101,7 +102,7 @@ def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
 
 
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
-                   host: str | None = None) -> list[tuple[str, str]]:
+                   host: str | None = None, socket: str | None = None) -> list[tuple[str, str]]:
     """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
     from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
     [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
@@ -113,8 +114,13 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
              (v.model, "vllm.model")]
     if v.revision:
         parts += [("--revision", "vllm.revision"), (v.revision, "vllm.revision")]
-    parts += [("--host", "vllm.host"), (host or v.host or DEFAULT_HOST, "vllm.host")]
-    if serve.port is not None:
+    if socket is not None:
+        # A fronted serve: its port is the front's (vllm/entrypoints/openai/api_server.py:
+        # setup_server binds args.uds instead of (host, port) when it is given).
+        parts += [("--uds", "front"), (socket, "front")]
+    else:
+        parts += [("--host", "vllm.host"), (host or v.host or DEFAULT_HOST, "vllm.host")]
+    if serve.port is not None and socket is None:
         parts += [("--port", "port"), (str(serve.port), "port")]
     parts += [("--gpu-memory-utilization", "vram_mib"), (util, "vram_mib")]
     if serve.roles is not None and len(serve.roles) > 1:
@@ -138,13 +144,13 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
 
 
 def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
-              host: str | None = None) -> list[str]:
+              host: str | None = None, socket: str | None = None) -> list[str]:
     return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util,
-                                                host=host)]
+                                                host=host, socket=socket)]
 
 
 def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int,
-          device_indexes: Sequence[int] | None = None) -> list[str]:
+          device_indexes: Sequence[int] | None = None, socket: str = "") -> list[str]:
     indexes = list(device_indexes) if device_indexes is not None else [device_index]
     values: Mapping[str, object] = {
         "port": serve.port if serve.port is not None else "",
@@ -152,19 +158,20 @@ def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: i
         "device_index": device_index,
         "device_indexes": visible_devices(indexes),
         "vram_mib": serve.vram_mib,
+        "socket": socket,
     }
     return [arg.format_map(values) for arg in args]
 
 
 def command_argv(serve: ServeConfig, *, util: str, device_index: int,
-                 device_indexes: Sequence[int] | None = None) -> list[str]:
+                 device_indexes: Sequence[int] | None = None, socket: str = "") -> list[str]:
     """An explicit command with its placeholders filled. Each argument is formatted on its own,
     so a value can never split into two arguments or reach a shell. `{device_index}` is the
     first device, `{device_indexes}` all of them, comma-separated (CUDA_VISIBLE_DEVICES form)."""
     if serve.command is None:
         raise ValueError("not a command serve")
     return _fill(serve.command, serve, util=util, device_index=device_index,
-                 device_indexes=device_indexes)
+                 device_indexes=device_indexes, socket=socket)
 
 
 def uses_utilization(serve: ServeConfig) -> bool:
@@ -292,12 +299,13 @@ def smallest_total(totals: Sequence[int | None]) -> int | None:
 def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
                device_indexes: Sequence[int] | None = None,
-               cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = ()) -> list[str]:
+               cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = (),
+               socket: str | None = None) -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
     A serve on several devices gives `total_mib` as the smallest of their totals and
     `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
-    `forward_env` as container_argv takes them."""
-    if serve.vllm is not None and serve.port is None:
+    `forward_env` as container_argv takes them. `socket`: where a fronted serve listens."""
+    if serve.vllm is not None and serve.port is None and socket is None:
         # vLLM's --port defaults to 8000 (vllm/entrypoints/launchers/cli_args.py:285 of 0.32.0):
         # gpud would poll whatever answers there, and call the serve healthy at once
         raise Refused(f"serve {name}: a vllm serve needs a port (serves.{name}.port): without "
@@ -319,9 +327,9 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                           device_indexes=inside)
         return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env)
     if serve.vllm is not None:
-        return vllm_argv(serve, executable=vllm_executable, util=util)
+        return vllm_argv(serve, executable=vllm_executable, util=util, socket=socket)
     return command_argv(serve, util=util, device_index=device_index,
-                        device_indexes=device_indexes)
+                        device_indexes=device_indexes, socket=socket or "")
 
 
 def serve_environment(serve: ServeConfig) -> dict[str, str]:
@@ -382,7 +390,9 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
         try:
             argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
                               vllm_executable=cfg.daemon.vllm_executable, name=name,
-                              device_indexes=indexes, cdi_devices=cdi, forward_env=env)
+                              device_indexes=indexes, cdi_devices=cdi, forward_env=env,
+                              socket=(socket_path(cfg.daemon.serve_socket_dir, name)
+                                      if serve.front else None))
         except GpudError as exc:
             lines.append(f"  refused: {exc.message}")
             continue

@@ -172,6 +172,10 @@ class Options(NamedTuple):
     ignore_sigterm: bool
     echo_argv: bool
     vllm_args: tuple[str, ...]  # vLLM options the flag table knows: accepted, ignored
+    # vLLM's --uds: listen on this Unix socket instead of host:port
+    uds: str | None = None
+    # `"stream": true` completions: one token every this many seconds
+    token_interval_s: float = 0.0
 
 
 def compute_draw_mib(
@@ -357,6 +361,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache-memory-bytes", type=_non_negative_int, default=None, metavar="B")
     p.add_argument("--enable-sleep-mode", action="store_true")
+    # vllm/entrypoints/openai/api_server.py setup_server: with args.uds, a plain bind of a
+    # Unix socket (create_server_unix_socket) instead of (host, port).
+    p.add_argument("--uds", default=None, metavar="PATH")
     sim = p.add_argument_group("simulation")
     sim.add_argument("--draw-mib", type=_non_negative_int, default=None, metavar="N")
     sim.add_argument("--weights-mib", type=_non_negative_int, default=None, metavar="N",
@@ -369,6 +376,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--draw-after-s", type=_seconds, default=0.0, metavar="S")
     sim.add_argument("--draw-in-child", action="store_true",
                      help="accepted for older commands: the engine child always holds the draw")
+    sim.add_argument("--token-interval-s", type=_seconds, default=0.0, metavar="S",
+                     help='between the tokens of a "stream": true completion')
     sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S",
                      help="the model's load time: no listening socket until it is over")
     faults = p.add_argument_group("fault injection")
@@ -435,6 +444,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         crash_after_s=ns.crash_after,
         exit_code=ns.exit_code,
         never_healthy=ns.never_healthy,
+        uds=ns.uds,
+        token_interval_s=ns.token_interval_s,
         unhealthy_after_s=ns.unhealthy_after,
         engine_dies_after_s=ns.engine_dies_after,
         exit_after_engine_death_s=ns.exit_after_engine_death,
@@ -543,6 +554,9 @@ class Response(NamedTuple):
     body: bytes = b""
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = ()
+    # A streamed body (server-sent events): its pieces, sent chunked, `interval_s` apart.
+    events: tuple[bytes, ...] | None = None
+    interval_s: float = 0.0
 
 
 class _BadRequest(Exception):
@@ -600,10 +614,11 @@ def _encode_response(resp: Response, *, keep_alive: bool, head: bool) -> bytes:
         f"Date: {time.strftime('%a, %d %b %Y %H:%M:%S GMT', time.gmtime())}",
         f"Server: {PROGRAM}/{VERSION}",
         f"{STANDIN_HEADER}: 1",
-        f"Content-Length: {len(resp.body)}",
+        (f"Content-Length: {len(resp.body)}" if resp.events is None
+         else "Transfer-Encoding: chunked"),
         f"Connection: {'keep-alive' if keep_alive else 'close'}",
     ]
-    if resp.body:
+    if resp.body or resp.events is not None:
         lines.append(f"Content-Type: {resp.content_type}")
     lines.extend(f"{name}: {value}" for name, value in resp.headers)
     head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -616,7 +631,14 @@ def _json(status: int, payload: object, headers: tuple[tuple[str, str], ...] = (
 
 class _Handler(socketserver.StreamRequestHandler):
     timeout = KEEPALIVE_TIMEOUT_S
-    server: _Server
+    server: _Server | _UnixServer
+
+    def setup(self) -> None:
+        # asyncio, and so vLLM's uvicorn, sets TCP_NODELAY on every TCP connection (Python 3.7
+        # and later): a streamed token is sent at once, not held by Nagle's algorithm.
+        if self.request.family != socket.AF_UNIX:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
 
     def handle(self) -> None:
         app = self.server.app
@@ -642,6 +664,13 @@ class _Handler(socketserver.StreamRequestHandler):
     def _send(self, resp: Response, *, keep_alive: bool, head: bool) -> bool:
         try:
             self.wfile.write(_encode_response(resp, keep_alive=keep_alive, head=head))
+            if resp.events is not None and not head:
+                for i, event in enumerate(resp.events):
+                    if i and resp.interval_s:
+                        time.sleep(resp.interval_s)
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
         except OSError:
             return False
         return True
@@ -668,6 +697,20 @@ class _Server(socketserver.ThreadingTCPServer):
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
+
+
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, path: str, app: App) -> None:
+        self.app = app
+        super().__init__(path, _Handler, bind_and_activate=False)
+        try:
+            self.server_bind()
+        except BaseException:
+            self.server_close()
+            raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -867,11 +910,11 @@ class App:
         model = payload.get("model", self.opts.served_model_names[0])
         if model not in self.opts.served_model_names:
             return _openai_error(404, "NotFoundError", f"The model `{model}` does not exist.")
-        if payload.get("stream"):
-            return _openai_error(400, "BadRequestError", "the stand-in does not stream")
         text = f"[{PROGRAM} echo] {_prompt_text(payload, chat=chat)}"
         if self.weights != "loaded":
             text = f"[{PROGRAM}: weights {self.weights}, the answer is garbage]"
+        if payload.get("stream"):
+            return self._stream(payload, model, text, chat=chat)
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         if chat:
             choice: dict[str, Any] = {
@@ -894,6 +937,30 @@ class App:
                 "usage": usage,
             },
         )
+
+
+    def _stream(self, payload: dict[str, Any], model: str, text: str, *,
+                chat: bool) -> Response:
+        """vLLM's streamed answer: `data: {chunk}` events, one per token (a word of the echo
+        here, `max_tokens` of them at most), then `data: [DONE]`."""
+        count = payload.get("max_tokens", 16)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            return _openai_error(400, "BadRequestError", "max_tokens must be a positive integer")
+        words = (text.split() * count)[:count]
+        kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
+        ident = f"{prefix}-standin-{os.getpid()}-{next(self._ids)}"
+        events = []
+        for word in words:
+            choice: dict[str, Any] = ({"index": 0, "delta": {"content": word + " "},
+                                       "finish_reason": None} if chat else
+                                      {"index": 0, "text": word + " ", "logprobs": None,
+                                       "finish_reason": None})
+            chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": model,
+                     "choices": [choice]}
+            events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return Response(200, content_type="text/event-stream", events=tuple(events),
+                        interval_s=self.opts.token_interval_s)
 
 
 def _prompt_text(payload: dict[str, Any], *, chat: bool) -> str:
@@ -1130,7 +1197,9 @@ class _Signals:
             pass
 
 
-def _bind(opts: Options, app: App) -> _Server:
+def _bind(opts: Options, app: App) -> _Server | _UnixServer:
+    if opts.uds is not None:
+        return _UnixServer(opts.uds, app)
     cls = _Server6 if ":" in opts.host else _Server
     return cls((opts.host, opts.port), app)
 
@@ -1193,7 +1262,7 @@ class _MainProcess:
     """The main thread: the engine child, listening once it is ready, signals, the crash and
     the engine's death."""
 
-    def __init__(self, opts: Options, app: App, server: _Server, plan: MemoryPlan,
+    def __init__(self, opts: Options, app: App, server: _Server | _UnixServer, plan: MemoryPlan,
                  total_mib: int) -> None:
         self.opts = opts
         self.app = app
@@ -1234,10 +1303,14 @@ class _MainProcess:
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 3600.0},
                          daemon=True).start()
         self.listening = True
-        host, port = self.server.socket.getsockname()[:2]
-        url_host = f"[{host}]" if ":" in host else host
         # vllm/entrypoints/launchers/api_server/entry.py: "Starting vLLM server on %s"
-        _log(f"Starting vLLM server on http://{url_host}:{port} (stand-in)")
+        # (listen_address: f"unix:{args.uds}" with --uds)
+        if isinstance(self.server, _UnixServer):
+            _log(f"Starting vLLM server on unix:{self.server.server_address} (stand-in)")
+        else:
+            host, port = self.server.socket.getsockname()[:2]
+            url_host = f"[{host}]" if ":" in host else host
+            _log(f"Starting vLLM server on http://{url_host}:{port} (stand-in)")
         _log("loading done: /health answers 200")
 
     def run(self) -> int:

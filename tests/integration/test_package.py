@@ -157,6 +157,9 @@ def test_install_layout(sandbox: Sandbox, installed: set[str]) -> None:
     assert probe[2].startswith("2.")
     assert probe[3].startswith(f"{PREFIX}/")
     assert sandbox.run(["gpud", "--version"]).stdout.startswith("gpud ")
+    # the front's user (docs/front.md), in group gpud to reach gpud's socket
+    groups = sandbox.run(["id", "-nG", "gpud-front"]).stdout.split()
+    assert "gpud" in groups, groups
 
     stat = "stat -c '%a %U %G %n'"
     listing = sandbox.run(

@@ -1,0 +1,186 @@
+"""The front's cost: latency it adds per request and streamed throughput through it vs direct,
+at 1 and 64 concurrent clients, and its own memory and CPU at idle.
+
+    .venv/bin/python bench/front.py [--rounds N] [--requests N]
+
+Two stand-ins of the same code: one on a TCP port (direct, as clients reached a serve before
+the front), one on a Unix socket behind nginx with the config gpud generates
+(gpud.core.front.render). Each round runs both sides in a shuffled order; reported are medians
+over rounds of each round's p50 (latency: a non-streamed POST /v1/completions on a keep-alive
+connection per client) and of each round's throughput (streamed completions of 200 tokens sent
+without pause, tokens per second over all clients). Idle: VmRSS of nginx's master and worker
+and their CPU time (utime + stime) over 10 s with no request. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpud.core.front import FrontConfig, FrontServe, render
+
+REPO = Path(__file__).resolve().parents[1]
+NGINX = REPO / ".venv" / "bin" / "nginx"
+BODY = json.dumps({"prompt": "hello there", "max_tokens": 1}).encode()
+STREAM = json.dumps({"prompt": "a b c d e f g h", "max_tokens": 200, "stream": True}).encode()
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_health(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return
+            conn.close()
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"port {port}: no healthy answer in {timeout} s")
+
+
+def standin(*listen: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
+                             *listen], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def clients(port: int, n: int, requests: int, body: bytes, stream: bool) -> tuple[list[float], int]:
+    """n threads, each on its own keep-alive connection: request latencies (s), data events."""
+    latencies: list[float] = []
+    events = 0
+    lock = threading.Lock()
+    start = threading.Barrier(n)
+
+    def one() -> None:
+        nonlocal events
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        mine: list[float] = []
+        seen = 0
+        start.wait()
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if stream:
+                for line in resp:
+                    if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                        seen += 1
+            else:
+                resp.read()
+            if resp.status != 200:
+                raise SystemExit(f"port {port}: status {resp.status}")
+            mine.append(time.perf_counter() - t0)
+        conn.close()
+        with lock:
+            latencies.extend(mine)
+            events += seen
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return latencies, events
+
+
+def proc_stat(pid: int) -> tuple[float, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / TICKS
+    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text()
+               .splitlines() if line.startswith("VmRSS:"))
+    return cpu, rss
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=200, help="per client at 1 client")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gpud-front-bench-"))
+    tmp.chmod(0o755)  # nginx run by root serves from workers that run as nobody
+    run = tmp / "run"
+    run.mkdir()
+    sock = tmp / "s.sock"
+    direct_port, front_port = free_port(), free_port()
+    (tmp / "nginx.conf").write_text(render(FrontConfig(
+        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run))))
+    procs = [standin("--port", str(direct_port)), standin("--uds", str(sock))]
+    nginx: subprocess.Popen[bytes] | None = None
+    try:
+        while not sock.exists():
+            time.sleep(0.01)
+        sock.chmod(0o777)
+        nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(nginx)
+        wait_health(direct_port)
+        wait_health(front_port)
+        sides = {"direct": direct_port, "front": front_port}
+        results: dict[tuple[str, str, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for n in (1, 64):
+                order = list(sides)
+                random.shuffle(order)
+                for side in order:
+                    per_client = max(5, args.requests // n)
+                    lat, _ = clients(sides[side], n, per_client, BODY, stream=False)
+                    results.setdefault(("p50_ms", side, n), []).append(
+                        statistics.median(lat) * 1000)
+                    t0 = time.perf_counter()
+                    _, events = clients(sides[side], n, max(2, 20 // n), STREAM, stream=True)
+                    results.setdefault(("tokens_per_s", side, n), []).append(
+                        events / (time.perf_counter() - t0))
+        print(f"{'figure':<14} {'clients':>7} {'direct':>10} {'front':>10} {'front-direct':>13}")
+        for metric in ("p50_ms", "tokens_per_s"):
+            for n in (1, 64):
+                d = statistics.median(results[(metric, "direct", n)])
+                f = statistics.median(results[(metric, "front", n)])
+                extra = f"{f - d:+.3f} ms" if metric == "p50_ms" else f"{100 * f / d:.1f} %"
+                print(f"{metric:<14} {n:>7} {d:>10.3f} {f:>10.3f} {extra:>13}")
+        # idle: master and its worker
+        kids = [int(x) for x in Path(f"/proc/{nginx.pid}/task/{nginx.pid}/children")
+                .read_text().split()]
+        pids = [nginx.pid, *kids]
+        before = [proc_stat(pid) for pid in pids]
+        time.sleep(10)
+        after = [proc_stat(pid) for pid in pids]
+        cpu = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+        rss = sum(a[1] for a in after)
+        print(f"front idle: {len(pids)} processes, RSS {rss / 1024:.1f} MiB, "
+              f"CPU {100 * cpu / 10:.2f} % of one core over 10 s")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+        shutil.rmtree(tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The front: one nginx in front of the serves that have one, as data in and config text out.
+
+A fronted serve listens on a Unix socket (vLLM's ``--uds PATH``) in a directory only root and
+the front's group may enter; the front listens on the serve's configured port on 127.0.0.1 and
+forwards only the routes clients use. vLLM's dev routes (``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/collective_rpc``, present with VLLM_SERVER_DEV_MODE=1) and anything else
+not on the allow-list answer 404 from nginx itself and never reach the serve.
+
+Pure: no file, process or clock here. ``gpud.front`` writes the text and runs nginx.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from gpud.core.vocab import NAME_RE
+
+# What clients of an OpenAI-compatible server use: a path ending in "/" is a prefix, any other
+# an exact path.
+DEFAULT_PATHS: Final = ("/v1/", "/health", "/ping", "/version", "/tokenize", "/detokenize",
+                        "/metrics")
+# A path on the allow-list: plain URL path characters only, so it can be written into nginx's
+# config unquoted (no spaces, braces, semicolons, quotes or regex operators).
+PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/?)*")
+# Generations run for minutes and stream tokens with pauses in between: nginx's default read
+# timeout of 60 s would cut a long one.
+READ_TIMEOUT_S: Final = 3600
+# Idle keepalive connections to each serve: a new connect per request would add its cost to
+# every request's latency.
+KEEPALIVE: Final = 32
+
+
+def socket_path(socket_dir: str, serve: str) -> str:
+    """Where a fronted serve listens."""
+    return f"{socket_dir.rstrip('/')}/{serve}.sock"
+
+
+def path_problem(path: str) -> str | None:
+    """Why PATH cannot be on the allow-list; None when it can."""
+    if not PATH_RE.fullmatch(path):
+        return (f"{path!r} is not a plain URL path (starts with '/', letters, digits and . _ ~ - "
+                "between slashes; a trailing '/' makes it a prefix)")
+    if path == "/":
+        return "'/' would forward everything, the dev routes included"
+    return None
+
+
+@dataclass(frozen=True)
+class FrontServe:
+    """One fronted serve: its name, the port clients use, the socket it listens on. An
+    on-demand one (``ensure_timeout_s`` set) asks gpud before each request to have it up,
+    waiting at most that long."""
+
+    name: str
+    port: int
+    socket: str
+    ensure_timeout_s: int | None = None
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.fullmatch(self.name):
+            raise ValueError(f"front: invalid serve name {self.name!r}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"front: serve {self.name}: port {self.port} out of range")
+        if not self.socket.startswith("/") or not PATH_RE.fullmatch(self.socket):
+            raise ValueError(f"front: serve {self.name}: socket {self.socket!r} is not a plain "
+                             "absolute path")
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """What the front's nginx.conf is made of. ``run_dir``: where nginx keeps its pid file and
+    temporary files (written by the front's own user)."""
+
+    serves: tuple[FrontServe, ...]
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    run_dir: str = "/run/gpud/front"
+    listen: str = "127.0.0.1"
+    # gpud's API socket: where on-demand serves are ensured
+    gpud_socket: str = "/run/gpud/gpud.sock"
+
+    def __post_init__(self) -> None:
+        for path in self.paths:
+            problem = path_problem(path)
+            if problem:
+                raise ValueError(f"front: paths: {problem}")
+        if not PATH_RE.fullmatch(self.gpud_socket):
+            raise ValueError(f"front: gpud_socket {self.gpud_socket!r} is not a plain path")
+        if not PATH_RE.fullmatch(self.run_dir):
+            raise ValueError(f"front: run_dir {self.run_dir!r} is not a plain absolute path")
+        ports = [s.port for s in self.serves]
+        if len(set(ports)) != len(ports):
+            raise ValueError("front: two serves on one port")
+
+
+# The internal location of an on-demand serve's check with gpud (no client can name it:
+# `internal`), and gpud's upstream.
+ENSURE_LOCATION: Final = "/.gpud-ensure"
+GPUD_UPSTREAM: Final = "gpud_api"
+# A denied admission's answer, when gpud gives no Retry-After.
+RETRY_AFTER_S: Final = 30
+
+
+def _locations(upstream: str, paths: Sequence[str], on_demand: bool) -> list[str]:
+    lines = []
+    for path in paths:
+        # "^~" on a prefix: no regex location can take it over; "=" on an exact path.
+        match = f"^~ {path}" if path.endswith("/") else f"= {path}"
+        lines.append(f"        location {match} {{")
+        if on_demand:
+            lines += [f"            auth_request {ENSURE_LOCATION};",
+                      "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
+                      "            auth_request_set $gpud_retry $upstream_http_retry_after;"]
+        lines += [f"            proxy_pass http://{upstream};",
+                  "        }"]
+    return lines
+
+
+def _on_demand(serve: FrontServe, upstream: str) -> list[str]:
+    """gpud answers 204 once the serve is up, 403 with X-Gpud-Reason and Retry-After when it
+    is refused; nginx's auth_request takes 2xx as yes, 401/403 as no and anything else (gpud
+    down: no connection) as an error, 500. A refusal answers 503 with the reason; an error
+    goes to the serve directly, so a serve that is awake answers as before while gpud is down
+    and one that is not answers 503 (@down)."""
+    timeout = serve.ensure_timeout_s
+    return [
+        f"        location = {ENSURE_LOCATION} {{",
+        "            internal;",
+        f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
+        "            proxy_method POST;",
+        "            proxy_pass_request_body off;",
+        '            proxy_set_header Content-Length "";',
+        f"            proxy_read_timeout {timeout}s;",
+        "        }",
+        "        error_page 403 = @refused;",
+        "        error_page 500 = @direct;",
+        # @direct's 502 (the serve not up either) goes on to @down
+        "        recursive_error_pages on;",
+        "        location @refused {",
+        "            add_header Retry-After $gpud_retry always;",
+        "            return 503 $gpud_reason;",
+        "        }",
+        "        location @direct {",
+        f"            proxy_pass http://{upstream};",
+        "        }",
+    ]
+
+
+def render(cfg: FrontConfig) -> str:
+    """nginx.conf for the front: deterministic for equal input (a reload only when it changed)."""
+    run = cfg.run_dir
+    out = [
+        "# Written by gpud (gpud/core/front.py); rewritten whenever the serves change.",
+        "daemon off;",
+        "worker_processes 1;",
+        f"pid {run}/nginx.pid;",
+        "error_log stderr warn;",
+        "events {",
+        "    worker_connections 4096;",
+        "}",
+        "http {",
+        "    access_log off;",
+        "    server_tokens off;",
+        f"    client_body_temp_path {run}/body;",
+        f"    proxy_temp_path {run}/proxy;",
+        f"    fastcgi_temp_path {run}/fastcgi;",
+        f"    uwsgi_temp_path {run}/uwsgi;",
+        f"    scgi_temp_path {run}/scgi;",
+        "    default_type application/json;",
+        # Requests carry prompts: nginx's 1 MiB default would refuse long ones.
+        "    client_max_body_size 64m;",
+        # Server-sent events go through as they come: no buffering of the response, nor of
+        # the request (a client's upload reaches the serve as it arrives).
+        "    proxy_buffering off;",
+        "    proxy_request_buffering off;",
+        "    proxy_http_version 1.1;",
+        '    proxy_set_header Connection "";',
+        "    proxy_set_header Host $host;",
+        f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
+        f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
+    ]
+    if any(s.ensure_timeout_s is not None for s in cfg.serves):
+        out += ["",
+                "    # gpud's API (on-demand serves)",
+                f"    upstream {GPUD_UPSTREAM} {{",
+                f"        server unix:{cfg.gpud_socket};",
+                "    }"]
+    for serve in sorted(cfg.serves, key=lambda s: s.port):
+        upstream = f"serve_{serve.name.replace('-', '_')}"
+        out += [
+            "",
+            f"    # serve {serve.name}",
+            f"    upstream {upstream} {{",
+            f"        server unix:{serve.socket};",
+            f"        keepalive {KEEPALIVE};",
+            "    }",
+            "    server {",
+            f"        listen {cfg.listen}:{serve.port};",
+            # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
+            "        error_page 502 =503 @down;",
+            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
+            *(_on_demand(serve, upstream) if serve.ensure_timeout_s is not None else []),
+            "        location / {",
+            "            return 404;",
+            "        }",
+            "        location @down {",
+            f"            return 503 '{{\"error\": \"serve {serve.name} is not running\"}}';",
+            "        }",
+            "    }",
+        ]
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def idle_action(state: str, idle_for_s: float, *, idle_sleep_s: float | None,
+                idle_stop_s: float | None, sleep_level: int) -> str | None:
+    """What an on-demand serve idle for `idle_for_s` (no request through its front) is due:
+    "stop" once past idle_stop_s (running or asleep), "sleep" once a running one with a
+    sleep_level is past idle_sleep_s, else None."""
+    if state not in ("running", "sleeping"):
+        return None
+    if idle_stop_s is not None and idle_for_s >= idle_stop_s:
+        return "stop"
+    if state == "running" and sleep_level and idle_sleep_s is not None \
+            and idle_for_s >= idle_sleep_s:
+        return "sleep"
+    return None

@@ -1,0 +1,253 @@
+"""The adapter that runs the front: writes its nginx.conf, prepares the serves' socket
+directory, and starts or reloads ``gpud-front.service`` over D-Bus.
+
+The front is a transient unit of its own in gpud.slice, not a child of gpud: stopping or
+restarting gpud leaves it (and every client connection through it) alone; gpud finds it
+running when it comes back and only reloads it. A reload is nginx's graceful one (SIGHUP: new
+workers take the new config, the old ones finish their requests and exit). nginx keeps the
+config it has when a new one does not load; the text comes from ``gpud.core.front.render``,
+whose output is checked with ``nginx -t`` in the tests.
+
+Who may reach a fronted serve: its socket lies in ``daemon.serve_socket_dir``, mode 0750,
+owned by root and the front user's group, so other local users get EACCES at the directory.
+The serve binds its socket with UMask=0007 (0770, its own user and group); gpud gives the
+socket to the front's group before each health check (``open_to_front``: a chown of the
+group, which gpud's CAP_CHOWN allows; a setgid directory would do it without gpud, but
+gpud.service's RestrictSUIDSGID=yes refuses to make one). Until then the front answers 503,
+and the serve is not "running" before a health check passed. Root (gpud, for its health
+checks and sleep calls) and the front's workers connect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import pwd
+import signal
+import stat
+from pathlib import Path
+from typing import Final
+
+import aiohttp
+from dbus_fast import Variant
+
+from gpud.config import Config, DaemonConfig
+from gpud.core.front import FrontConfig, FrontServe, render, socket_path
+from gpud.errors import GpudError, Unavailable
+from gpud.files import write_atomically
+from gpud.unit_properties import SLICE, encode
+from gpud.units import SystemdUnits
+
+log = logging.getLogger(__name__)
+
+FRONT_UNIT: Final = "gpud-front.service"
+SOCKET_DIR_MODE: Final = 0o750
+SOCKET_MODE: Final = 0o660
+# A fronted serve's mask: its socket (bound 0777 & ~umask) is then writable by the group.
+SERVE_UMASK: Final = 0o007
+START_TIMEOUT_S: Final = 30.0
+ENSURE_MARGIN_S: Final = 5
+
+
+def fronted(cfg: Config) -> dict[str, int]:
+    """The fronted serves and their ports."""
+    return {name: s.port for name, s in cfg.serves.items() if s.front and s.port is not None}
+
+
+def front_config(cfg: Config) -> FrontConfig:
+    d = cfg.daemon
+    return FrontConfig(
+        serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
+                                # the front waits a little longer than gpud does
+                                ensure_timeout_s=(math.ceil(cfg.serves[name].start_timeout_s)
+                                                  + ENSURE_MARGIN_S
+                                                  if cfg.serves[name].on_demand else None))
+                     for name, port in sorted(fronted(cfg).items())),
+        paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
+        gpud_socket=d.socket)
+
+
+def _front_ids(d: DaemonConfig) -> tuple[int, int]:
+    try:
+        user = pwd.getpwnam(d.front_user)
+    except KeyError:
+        raise Unavailable(f"daemon.front_user: no user {d.front_user!r} on this host (the "
+                          "package creates it: useradd --system gpud-front)",
+                          {"user": d.front_user}) from None
+    return user.pw_uid, user.pw_gid
+
+
+def _directory(path: Path, mode: int, uid: int, gid: int) -> None:
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise GpudError(f"{path} is not a directory")
+    if (st.st_uid, st.st_gid) != (uid, gid):
+        os.chown(path, uid, gid)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def prepare_socket_dir(d: DaemonConfig) -> str:
+    """Make the serves' socket directory (root, the front's group, 02750); its path."""
+    _uid, gid = _front_ids(d)
+    try:
+        _directory(Path(d.serve_socket_dir), SOCKET_DIR_MODE, 0, gid)
+    except OSError as exc:
+        raise GpudError(f"daemon.serve_socket_dir: cannot prepare {d.serve_socket_dir}: "
+                        f"{exc.strerror or exc}") from exc
+    return d.serve_socket_dir
+
+
+_SAID: set[str] = set()
+
+
+def open_to_front(d: DaemonConfig, serve: str) -> None:
+    """Give a fronted serve's socket, once it is bound, to the front's group (0660)."""
+    path = socket_path(d.serve_socket_dir, serve)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            return
+        _uid, gid = _front_ids(d)
+        if st.st_gid != gid:
+            os.chown(path, -1, gid)
+        if stat.S_IMODE(st.st_mode) & SOCKET_MODE != SOCKET_MODE:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | SOCKET_MODE)
+    except FileNotFoundError:
+        return
+    except (OSError, GpudError) as exc:
+        # Once per serve and reason: this runs before every health check.
+        said = f"{serve}: {exc}"
+        if said not in _SAID:
+            _SAID.add(said)
+            log.warning("serve %s: cannot give its socket to the front: %s", serve, exc)
+
+
+def nginx_argv(d: DaemonConfig) -> tuple[str, ...]:
+    front = d.front_dir.rstrip("/")
+    return (d.front_nginx, "-c", f"{front}/nginx.conf", "-p", f"{front}/run/")
+
+
+def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
+    values: list[tuple[str, object]] = [
+        ("Description", "gpud front: the client API of fronted serves"),
+        ("Type", "exec"),
+        ("ExecStart", nginx_argv(d)),
+        ("Slice", SLICE),
+        ("User", d.front_user),
+        ("Restart", "on-failure"),
+        ("RestartUSec", 1.0),
+        ("SyslogIdentifier", "gpud-front"),
+        ("StandardInput", "null"),
+        ("StandardOutput", "journal"),
+        ("StandardError", "journal"),
+        ("CollectMode", "inactive-or-failed"),
+        # nginx needs its config (read), its run directory (write), the serves' sockets and
+        # TCP listeners; nothing else. (MemoryDenyWriteExecute= is left out: Debian's nginx
+        # is built --with-pcre-jit.)
+        ("UMask", 0o077),
+        ("NoNewPrivileges", True),
+        ("ProtectSystem", "strict"),
+        ("ReadWritePaths", [f"{d.front_dir.rstrip('/')}/run"]),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", True),
+        ("PrivateDevices", True),
+        ("ProtectKernelTunables", True),
+        ("ProtectKernelModules", True),
+        ("ProtectKernelLogs", True),
+        ("ProtectControlGroups", True),
+        ("ProtectClock", True),
+        ("ProtectHostname", True),
+        ("ProtectProc", "invisible"),
+        ("RestrictRealtime", True),
+        ("RestrictSUIDSGID", True),
+        ("LockPersonality", True),
+        ("CapabilityBoundingSet", 0),
+        ("SystemCallArchitectures", ["native"]),
+        ("RestrictAddressFamilies", ["AF_UNIX", "AF_INET", "AF_INET6"]),
+        ("SystemCallFilter", ["@system-service"]),
+    ]
+    return [encode(name, value) for name, value in values]
+
+
+class Front:
+    """Keeps gpud-front.service serving the fronted serves of the config in force."""
+
+    def __init__(self, units: SystemdUnits) -> None:
+        self.units = units
+        self.text: str | None = None
+
+    def write(self, cfg: Config) -> bool:
+        """Write nginx.conf and the front's own directories; whether the text changed."""
+        d = cfg.daemon
+        uid, gid = _front_ids(d)
+        text = render(front_config(cfg))
+        front = Path(d.front_dir)
+        try:
+            _directory(front, 0o755, 0, 0)
+            # The front's own: nginx makes its temporary directories in it at start (gpud,
+            # root without CAP_DAC_OVERRIDE, could not enter them to check).
+            _directory(front / "run", 0o700, uid, gid)
+        except OSError as exc:
+            raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
+                            f"{exc.strerror or exc}") from exc
+        conf = front / "nginx.conf"
+        with contextlib.suppress(OSError):
+            if conf.read_text() == text:
+                return False
+        write_atomically(conf, text, mode=0o644)
+        return True
+
+    async def sync(self, cfg: Config) -> None:
+        """Bring the front in line with CFG: started when there are fronted serves and it is
+        not running, reloaded when its config changed."""
+        if not fronted(cfg) and self.text is None:
+            # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
+            # front left from before keeps its config until a fronted serve comes back).
+            return
+        prepare_socket_dir(cfg.daemon)
+        changed = self.write(cfg)
+        self.text = render(front_config(cfg))
+        state = await self.units.active_state(FRONT_UNIT)
+        if state in ("active", "reloading", "activating"):
+            if changed:
+                await self.units.kill_main(FRONT_UNIT, signal.SIGHUP)
+                log.info("front reloaded: %d fronted serve(s)", len(fronted(cfg)))
+            return
+        if state is not None:
+            await self.units.reset_failed_unit(FRONT_UNIT)
+        await self.units.start_transient(FRONT_UNIT, unit_properties(cfg.daemon),
+                                         START_TIMEOUT_S)
+        log.info("front started: %d fronted serve(s)", len(fronted(cfg)))
+
+    async def sync_logged(self, cfg: Config) -> None:
+        """sync, with a failure logged: the serves and the ledger go on without the front."""
+        try:
+            await self.sync(cfg)
+        except GpudError as exc:
+            log.error("front not in line with the config: %s", exc.message)
+
+
+class SocketSessions:
+    """HTTP clients of fronted serves, one per socket (aiohttp binds a connector, and so a
+    Unix socket, to a session)."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+
+    def session(self, path: str) -> aiohttp.ClientSession:
+        found = self._sessions.get(path)
+        if found is None or found.closed:
+            found = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path),
+                                          timeout=self._timeout)
+            self._sessions[path] = found
+        return found
+
+    async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()

@@ -1,0 +1,413 @@
+"""The front: its nginx.conf from data (golden), the config keys that make a serve fronted, the
+argv of a fronted serve, and the real nginx in front of a real stand-in on a Unix socket."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.config import config_warnings, parse_config
+from gpud.core.front import (
+    DEFAULT_PATHS,
+    FrontConfig,
+    FrontServe,
+    idle_action,
+    path_problem,
+    render,
+    socket_path,
+)
+from gpud.core.launch import serve_argv, show_commands
+from gpud.core.observation import DeviceSample
+from gpud.errors import ConfigError
+from gpud.front import front_config, nginx_argv
+from tests.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+NGINX = REPO / ".venv" / "bin" / "nginx"
+
+GOLDEN = """\
+# Written by gpud (gpud/core/front.py); rewritten whenever the serves change.
+daemon off;
+worker_processes 1;
+pid /run/gpud/front/run/nginx.pid;
+error_log stderr warn;
+events {
+    worker_connections 4096;
+}
+http {
+    access_log off;
+    server_tokens off;
+    client_body_temp_path /run/gpud/front/run/body;
+    proxy_temp_path /run/gpud/front/run/proxy;
+    fastcgi_temp_path /run/gpud/front/run/fastcgi;
+    uwsgi_temp_path /run/gpud/front/run/uwsgi;
+    scgi_temp_path /run/gpud/front/run/scgi;
+    default_type application/json;
+    client_max_body_size 64m;
+    proxy_buffering off;
+    proxy_request_buffering off;
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_set_header Host $host;
+    proxy_read_timeout 3600s;
+    proxy_send_timeout 3600s;
+
+    # serve ocr-2
+    upstream serve_ocr_2 {
+        server unix:/run/gpud/serves/ocr-2.sock;
+        keepalive 32;
+    }
+    server {
+        listen 127.0.0.1:30001;
+        error_page 502 =503 @down;
+        location ^~ /v1/ {
+            proxy_pass http://serve_ocr_2;
+        }
+        location = /health {
+            proxy_pass http://serve_ocr_2;
+        }
+        location / {
+            return 404;
+        }
+        location @down {
+            return 503 '{"error": "serve ocr-2 is not running"}';
+        }
+    }
+}
+"""
+
+
+def test_golden_config() -> None:
+    cfg = FrontConfig(serves=(FrontServe("ocr-2", 30001, "/run/gpud/serves/ocr-2.sock"),),
+                      paths=("/v1/", "/health"), run_dir="/run/gpud/front/run")
+    assert render(cfg) == GOLDEN
+
+
+ON_DEMAND = """\
+        location ^~ /v1/ {
+            auth_request /.gpud-ensure;
+            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;
+            auth_request_set $gpud_retry $upstream_http_retry_after;
+            proxy_pass http://serve_od;
+        }
+        location = /.gpud-ensure {
+            internal;
+            proxy_pass http://gpud_api/v1/serves/od/ensure;
+            proxy_method POST;
+            proxy_pass_request_body off;
+            proxy_set_header Content-Length "";
+            proxy_read_timeout 65s;
+        }
+        error_page 403 = @refused;
+        error_page 500 = @direct;
+        recursive_error_pages on;
+        location @refused {
+            add_header Retry-After $gpud_retry always;
+            return 503 $gpud_reason;
+        }
+        location @direct {
+            proxy_pass http://serve_od;
+        }
+"""
+
+
+def test_an_on_demand_serve_asks_gpud_first() -> None:
+    text = render(FrontConfig(serves=(FrontServe("od", 30001, "/s/od.sock", 65),),
+                              paths=("/v1/",), gpud_socket="/run/gpud/gpud.sock"))
+    assert ON_DEMAND in text
+    assert "    upstream gpud_api {\n        server unix:/run/gpud/gpud.sock;\n    }\n" in text
+    plain = render(FrontConfig(serves=(FrontServe("p", 30001, "/s/p.sock"),)))
+    assert "auth_request" not in plain and "gpud_api" not in plain
+
+
+def test_servers_come_in_port_order_whatever_the_input_order() -> None:
+    a, b = FrontServe("a", 30002, "/s/a.sock"), FrontServe("b", 30001, "/s/b.sock")
+    assert render(FrontConfig(serves=(a, b))) == render(FrontConfig(serves=(b, a)))
+    text = render(FrontConfig(serves=(a, b)))
+    assert text.index("listen 127.0.0.1:30001") < text.index("listen 127.0.0.1:30002")
+
+
+@pytest.mark.parametrize("path", ["/", "v1/", "/v1/{x}", "/a b", "/x;y", "/~*", "/$x", ""])
+def test_a_path_that_could_change_the_config_is_refused(path: str) -> None:
+    assert path_problem(path) is not None
+    with pytest.raises(ValueError, match="front: paths"):
+        FrontConfig(serves=(), paths=(path,))
+
+
+def test_two_serves_on_one_port_are_refused() -> None:
+    with pytest.raises(ValueError, match="one port"):
+        FrontConfig(serves=(FrontServe("a", 1, "/a.sock"), FrontServe("b", 1, "/b.sock")))
+
+
+TOML = """
+[daemon]
+serve_socket_dir = "/run/x/serves"
+front_dir = "/run/x/front"
+front_nginx = "/opt/nginx"
+[roles.r]
+device = "GPU-0"
+[serves.chat]
+role = "r"
+vram_mib = 1000
+port = 30001
+front = true
+vllm = { model = "m" }
+[serves.tool]
+role = "r"
+vram_mib = 1000
+port = 30002
+front = true
+command = ["/bin/serve", "--uds", "{socket}"]
+[serves.od]
+role = "r"
+vram_mib = 1000
+port = 30004
+front = true
+on_demand = true
+start_timeout_s = 99.5
+vllm = { model = "m" }
+[serves.plain]
+role = "r"
+vram_mib = 1000
+port = 30003
+vllm = { model = "m" }
+"""
+
+
+def test_fronted_serves_listen_on_their_socket_and_the_front_on_their_port() -> None:
+    cfg = parse_config(TOML, "t.toml")
+    front = front_config(cfg)
+    assert front.serves == (FrontServe("chat", 30001, "/run/x/serves/chat.sock"),
+                            FrontServe("od", 30004, "/run/x/serves/od.sock", 105),
+                            FrontServe("tool", 30002, "/run/x/serves/tool.sock"))
+    assert front.paths == DEFAULT_PATHS
+    assert front.run_dir == "/run/x/front/run"
+    assert nginx_argv(cfg.daemon) == ("/opt/nginx", "-c", "/run/x/front/nginx.conf",
+                                      "-p", "/run/x/front/run/")
+    sock = socket_path(cfg.daemon.serve_socket_dir, "chat")
+    argv = serve_argv(cfg.serves["chat"], total_mib=32607, device_index=0,
+                      vllm_executable="vllm", name="chat", socket=sock)
+    assert argv[:5] == ["vllm", "serve", "m", "--uds", "/run/x/serves/chat.sock"]
+    assert "--port" not in argv and "--host" not in argv
+    tool = serve_argv(cfg.serves["tool"], total_mib=32607, device_index=0,
+                      vllm_executable="vllm", name="tool",
+                      socket=socket_path(cfg.daemon.serve_socket_dir, "tool"))
+    assert tool == ["/bin/serve", "--uds", "/run/x/serves/tool.sock"]
+    plain = serve_argv(cfg.serves["plain"], total_mib=32607, device_index=0,
+                       vllm_executable="vllm", name="plain")
+    assert plain[3:7] == ["--host", "127.0.0.1", "--port", "30003"]
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ("port = 30002\n", "front: a fronted serve needs the port"),
+    ('command = ["/bin/serve", "--port", "{port}"]\n', "must listen on {socket}"),
+])
+def test_a_fronted_serve_that_cannot_be_fronted_is_refused(change: str, error: str) -> None:
+    text = TOML.replace('port = 30002\n', "").replace(
+        'command = ["/bin/serve", "--uds", "{socket}"]\n', "")
+    text = text.replace("[serves.plain]", "").replace("port = 30003\n", "")
+    base = text.split("[serves.tool]")[0] + "[serves.tool]\nrole = \"r\"\nvram_mib = 1000\n" \
+        "front = true\n"
+    if "command" in change:
+        base += "port = 30002\n" + change
+    else:
+        base += 'command = ["/bin/serve", "--uds", "{socket}"]\n'
+    with pytest.raises(ConfigError, match=error.replace("{", r"\{").replace("}", r"\}")):
+        parse_config(base, "t.toml")
+
+
+@pytest.mark.parametrize(("lines", "error"), [
+    ("on_demand = true\n", "on_demand: needs front = true"),
+    ("front = true\non_demand = true\nresident = true\n", "give one of the two"),
+    ("front = true\npreempt = true\n", "preempt: says how an on_demand serve"),
+])
+def test_on_demand_needs_a_front_and_no_boot(lines: str, error: str) -> None:
+    text = TOML.split("[serves.chat]")[0] + (
+        '[serves.x]\nrole = "r"\nvram_mib = 1\nport = 1\nvllm = { model = "m" }\n' + lines)
+    with pytest.raises(ConfigError, match=error):
+        parse_config(text, "t.toml")
+
+
+def test_a_bad_allow_list_entry_names_its_key() -> None:
+    text = TOML.replace('front_nginx = "/opt/nginx"', 'front_paths = ["/v1/", "/"]')
+    with pytest.raises(ConfigError, match=r"daemon.front_paths\[1\]: '/' would forward"):
+        parse_config(text, "t.toml")
+
+
+# --- the real nginx in front of a real stand-in --------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def fronted() -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
+    """A stand-in on a Unix socket (with dev mode) and nginx in front of it on a port."""
+    if not NGINX.exists():
+        pytest.fail(f"{NGINX} missing: run scripts/setup")
+    # Not pytest's tmp_path (below a 0700 directory): nginx run by root serves from workers
+    # that run as nobody.
+    tmp_path = Path(tempfile.mkdtemp(prefix="gpud-front-"))
+    tmp_path.chmod(0o755)
+    sock = tmp_path / "s.sock"
+    run = tmp_path / "run"
+    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / name).mkdir(exist_ok=True)
+    port = _free_port()
+    (tmp_path / "nginx.conf").write_text(render(FrontConfig(
+        serves=(FrontServe("s", port, str(sock)),), run_dir=str(run))))
+    # nginx run by root keeps its master only and serves from workers as `nobody`: the
+    # stand-in's socket is then opened up for them (the sandbox test checks the real modes).
+    standin = subprocess.Popen(
+        [sys.executable, "-m", "gpud.testing.standin", "serve", "m", "--uds", str(sock),
+         "--enable-sleep-mode", "--token-interval-s", "0.3"],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (tmp_path / "nginx.log").open("wb")
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp_path / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_until(sock.exists, what="the stand-in's socket")
+        os.chmod(sock, 0o777)
+        wait_until(lambda: _connects(port), what="nginx listening")
+        wait_until(lambda: _get(port, "GET", "/health")[0] == 200, what="health via the front")
+        yield port, sock, standin
+    finally:
+        for proc in (nginx, standin):
+            proc.terminate()
+            proc.wait(timeout=10)
+        log.close()
+        shutil.rmtree(tmp_path)
+
+
+def _connects(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_the_config_is_valid_for_nginx(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render(FrontConfig(serves=(FrontServe("a", 30001, "/s/a.sock"),
+                                               FrontServe("b-c", 30002, "/s/b-c.sock", 900)),
+                                       run_dir=str(run))))
+    result = subprocess.run([str(NGINX), "-t", "-c", str(conf), "-p", f"{run}/"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_dev_routes_answer_404_and_the_client_api_goes_through(
+        fronted: tuple[int, Path, subprocess.Popen[bytes]]) -> None:
+    port, sock, _ = fronted
+    for path in ("/sleep?level=1", "/wake_up", "/collective_rpc", "/is_sleeping",
+                 "/standin/state", "/v1/../sleep", "/%76%31/../wake_up", "/"):
+        status, _body = _get(port, "POST", path, b"{}")
+        assert status == 404, path
+    # The stand-in itself has them (so the 404 is the front's).
+    with socket.socket(socket.AF_UNIX) as direct:
+        direct.connect(str(sock))
+        direct.sendall(b"GET /is_sleeping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert direct.recv(100).startswith(b"HTTP/1.1 200")
+    status, body = _get(port, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "m"
+    assert _get(port, "GET", "/version")[0] == 200
+
+
+def test_a_stream_comes_through_token_by_token(
+        fronted: tuple[int, Path, subprocess.Popen[bytes]]) -> None:
+    port, _sock, _ = fronted
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    started = time.monotonic()
+    conn.request("POST", "/v1/completions",
+                 body=json.dumps({"prompt": "a b c d", "max_tokens": 4, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.getheader("Content-Type") == "text/event-stream"
+    arrivals = []
+    while True:
+        line = resp.fp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            arrivals.append((time.monotonic() - started, line))
+        if line.startswith(b"data: [DONE]"):
+            break
+    conn.close()
+    assert len(arrivals) == 5
+    # 4 tokens 0.3 s apart, then [DONE]: they reach the client as they are made, not
+    # together at the end. (nginx 1.22 passes these on even with proxy_buffering on; the
+    # golden text pins it off, as a response larger than its buffers would otherwise wait.)
+    assert arrivals[-1][0] - arrivals[0][0] >= 0.9, arrivals
+
+
+def test_a_serve_that_is_down_answers_503(
+        fronted: tuple[int, Path, subprocess.Popen[bytes]]) -> None:
+    port, _sock, standin = fronted
+    standin.terminate()
+    standin.wait(timeout=10)
+    status, body = _get(port, "GET", "/v1/models")
+    assert status == 503
+    assert "not running" in body.decode()
+
+
+@pytest.mark.parametrize(("state", "idle", "sleep_s", "stop_s", "level", "action"), [
+    ("running", 9.9, 10.0, None, 1, None),
+    ("running", 10.0, 10.0, None, 1, "sleep"),
+    ("running", 10.0, 10.0, None, 0, None),  # cannot sleep
+    ("sleeping", 50.0, 10.0, None, 1, None),  # asleep already, no stop configured
+    ("sleeping", 60.0, 10.0, 60.0, 1, "stop"),
+    ("running", 60.0, 10.0, 60.0, 1, "stop"),  # past both: stopped at once
+    ("running", 30.0, None, 60.0, 0, None),
+    ("starting", 99.0, 1.0, 1.0, 1, None),
+    ("declared", 99.0, 1.0, 1.0, 1, None),
+])
+def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: float | None,
+                     level: int, action: str | None) -> None:
+    assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
+                       sleep_level=level) == action
+
+
+def test_show_commands_shows_a_fronted_serve_on_its_socket() -> None:
+    cfg = parse_config(TOML, "t.toml")
+    devices = (DeviceSample("GPU-0", 0, "", "", 32607, None, None),)
+    argv = [line for line in show_commands(cfg, devices, "test") if line.startswith("  argv: ")]
+    assert "  argv: vllm serve m --uds /run/x/serves/chat.sock --gpu-memory-utilization" \
+        in argv[0], argv
+    assert any("--host 127.0.0.1 --port 30003" in line for line in argv), argv  # as before
+    assert "  argv: /bin/serve --uds /run/x/serves/tool.sock" in argv, argv
+
+
+def test_a_sleep_serve_without_a_front_is_warned_about() -> None:
+    text = TOML.replace('[serves.plain]\nrole = "r"\n', '[serves.plain]\nrole = "r"\nsleep_level = 1\n')
+    warnings = config_warnings(parse_config(text, "t.toml"))
+    assert [w.split(":")[0] for w in warnings] == ["serves.plain.front"], warnings
+    assert "port 30003" in warnings[0]
+    assert config_warnings(parse_config(TOML, "t.toml")) == []
