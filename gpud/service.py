@@ -181,6 +181,9 @@ class LedgerService:
         # Told (by the supervisor) of each role on which a durable change gave memory back:
         # sleeping serves there may wake.
         self.freed: Callable[[str], None] = lambda _role: None
+        # Roles on which no admission is granted for now, by who holds them (a serve whose
+        # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
+        self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -450,6 +453,23 @@ class LedgerService:
     def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
         return ServeStateRow(serve, state, reason, self.clock())
 
+    # ---- holds -----------------------------------------------------------------------------
+
+    def hold(self, key: str, roles: Sequence[str], why: str) -> None:
+        """Refuse admissions on `roles` until `lift(key)`; the admissions of the serve named
+        `key` itself (the one putting its reservation right) go through."""
+        self._holds[key] = (tuple(roles), why)
+
+    def lift(self, key: str) -> None:
+        self._holds.pop(key, None)
+
+    def held(self, role: str, serve: str) -> str | None:
+        """Why admissions of `serve` on `role` are refused for now, else None."""
+        for key, (roles, why) in self._holds.items():
+            if key != serve and role in roles:
+                return why
+        return None
+
     # ---- admission -------------------------------------------------------------------------
 
     def serve_role(self, serve: str, role: str | None) -> tuple[str, bool]:
@@ -534,6 +554,9 @@ class LedgerService:
             lost = self.lost_device(name)
             if lost is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
+            why = self.held(name, serve)
+            if why is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, why, bound="held")
         physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
                                                                                      serve)
         outcome = self._decided.decide(
@@ -595,15 +618,16 @@ class LedgerService:
         return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
 
     def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
-                             lost: str) -> tuple[Denied, asyncio.Future[list[Event]]]:
+                             lost: str, *, bound: str = "device"
+                             ) -> tuple[Denied, asyncio.Future[list[Event]]]:
         """The denial (recorded, with the reason) of an admission on a role whose device is
-        lost."""
+        lost, or (`bound` "held") on which admissions are held."""
         message = f"{serve} denied on {role}: {lost}"
         ev = self.event("deny", message, serve=serve, role=role, mib=mib, uid=uid,
-                        check="device", bound="device", need_mib=mib)
-        return Denied(message, {"serve": serve, "role": role, "bound": "device",
+                        check=bound, bound=bound, need_mib=mib)
+        return Denied(message, {"serve": serve, "role": role, "bound": bound,
                                 "need_mib": mib, "device": self.ledger.roles[role].device,
-                                "check": "device"}), self.submit(Changes(events=[ev]))
+                                "check": bound}), self.submit(Changes(events=[ev]))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:

@@ -51,6 +51,9 @@ class _NotPreempted(Exception):
 # A level-1 sleep copies the weights to host RAM: seconds for a large model.
 SLEEP_REQUEST_TIMEOUT_S = 300.0
 CONFIRM_TIMEOUT_S = 60.0
+# GET /is_sleeping answers from the API server at once (no engine work): a serve that does not
+# answer within this is "no answer", never waited on.
+IS_SLEEPING_TIMEOUT_S = 2.0
 # After vLLM says it sleeps, how long gpud waits for observation to show the memory back.
 DRAW_TIMEOUT_S = 10.0
 POLL_FIRST_S = 0.005
@@ -162,7 +165,8 @@ class Sleeps:
         """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
         that."""
         try:
-            async with self.sup.http.get(self._url(spec, "/is_sleeping")) as resp:
+            async with self.sup.http.get(self._url(spec, "/is_sleeping"), timeout=aiohttp.ClientTimeout(
+                    total=IS_SLEEPING_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)
@@ -170,6 +174,12 @@ class Sleeps:
             return None
         value = body.get("is_sleeping") if isinstance(body, dict) else None
         return value if isinstance(value, bool) else None
+
+    async def ask_to_sleep(self, serve: str, spec: ServeConfig, level: int) -> None:
+        """POST /sleep?level=N and wait until the serve confirms it (the ledger untouched:
+        the caller holds the serve's lock and knows what it reserves)."""
+        await self._post(serve, spec, f"/sleep?level={level}")
+        await self._confirm(serve, spec, asleep=True)
 
     async def _confirm(self, serve: str, spec: ServeConfig, asleep: bool) -> None:
         loop = asyncio.get_running_loop()

@@ -62,6 +62,7 @@ from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
 from gpud.hostmem import host_memory
 from gpud.observer import Observer
+from gpud.reconciling import Reconciler
 from gpud.service import LedgerService, check_serve_name
 from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
@@ -128,6 +129,7 @@ class Supervisor:
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
         self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
+        self.reconciler = Reconciler(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -138,6 +140,7 @@ class Supervisor:
         self.svc.launching = self.launching
         self.svc.busy = self._launching.__contains__
         self.svc.freed = self.sleeps.freed
+        self.observer.listen(self._on_observation)
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -1062,18 +1065,29 @@ class Supervisor:
                               self.svc.config.daemon.health_interval_s)
 
     async def _check_running(self) -> None:
-        """Begin this round's checks: one per running serve (and per failed serve whose unit is
-        still active, which may come back), none for a serve whose last check is still in
-        flight. Checks run concurrently, each on its own timeout: a slow or hung serve delays
-        no other serve's verdict."""
+        """Begin this round's checks: one per running or sleeping serve (and per failed serve
+        whose unit is still active, which may come back), none for a serve whose last check is
+        still in flight. Checks run concurrently, each on its own timeout: a slow or hung serve
+        delays no other serve's verdict."""
         for serve, rec in list(self.svc.records.items()):
-            spec = self.svc.serve_spec(serve)
-            if serve in self._checks or serve in self._stopping or spec is None:
-                continue
-            if rec.state == RUNNING or (rec.state == FAILED and self._unit_active(serve)):
-                task = self._spawn(self._check_one(serve, spec))
-                self._checks[serve] = task
-                task.add_done_callback(functools.partial(self._check_done, serve))
+            if rec.state in (RUNNING, SLEEPING) or (rec.state == FAILED
+                                                     and self._unit_active(serve)):
+                self._begin_check(serve)
+
+    def _begin_check(self, serve: str) -> None:
+        spec = self.svc.serve_spec(serve)
+        if serve in self._checks or serve in self._stopping or spec is None:
+            return
+        task = self._spawn(self._check_one(serve, spec))
+        self._checks[serve] = task
+        task.add_done_callback(functools.partial(self._check_done, serve))
+
+    async def _on_observation(self, _obs: Any) -> None:
+        """A sleeping serve drawing over its reservation may have been woken outside gpud:
+        it is checked now, not at the next round."""
+        for serve, rec in list(self.svc.records.items()):
+            if rec.state == SLEEPING and self.reconciler.overdrawn(serve):
+                self._begin_check(serve)
 
     def _check_done(self, serve: str, _task: asyncio.Task[None]) -> None:
         self._checks.pop(serve, None)
@@ -1090,7 +1104,7 @@ class Supervisor:
                     rec = self.svc.records.get(serve)
                     await self._promote(serve, was_failed=rec.reason if rec else "?")
                 return
-            if state != RUNNING:
+            if state not in (RUNNING, SLEEPING):
                 return
             verdict = judge_running(answer, self._health_failures.get(serve, 0),
                                     self.svc.config.daemon.health_failures,
@@ -1100,8 +1114,15 @@ class Supervisor:
                     self._health_failures[serve] = verdict.failures
                 else:
                     self._health_failures.pop(serve, None)
+                    # What it says it is, against the ledger (woken or slept outside gpud).
+                    await self.reconciler.check(serve, spec)
                 return
             self._health_failures.pop(serve, None)
+            if state == SLEEPING:
+                # Restarted, it would load at its full size on its sleep reservation.
+                await self._failed(serve, f"{verdict.unhealthy} while asleep", kind="unhealthy",
+                                   stop=True)
+                return
             await self._unhealthy(serve, spec, verdict.unhealthy)
         except asyncio.CancelledError:
             raise

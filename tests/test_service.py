@@ -873,3 +873,18 @@ async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     await svc.record(svc.event("x", "broken", serve="broken"),
                      state=svc.state_row("broken", FAILED))
     assert svc.known_serves() == ["a", "b", "broken"]
+
+
+async def test_admissions_on_a_held_role_are_denied_but_for_the_holder(world: World) -> None:
+    svc = world.service()
+    svc.hold("a", ["r"], "reconciling: a says is_sleeping false")
+    with pytest.raises(Denied) as err:
+        await svc.admit("b", 500, uid=4)
+    assert err.value.message == "b denied on r: reconciling: a says is_sleeping false"
+    assert err.value.details["bound"] == "held"
+    assert svc.held("r", "b") == "reconciling: a says is_sleeping false"
+    assert svc.held("r", "a") is None and svc.held("other", "b") is None
+    await svc.admit("a", 300)  # the serve putting its own reservation right
+    svc.lift("a")
+    await svc.admit("b", 500)
+    assert held(svc) == {"a": 300, "b": 500}
