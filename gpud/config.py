@@ -434,6 +434,18 @@ def device_totals(cfg: Config) -> dict[str, int]:
     return totals
 
 
+def device_ids(cfg: Config) -> dict[str, str]:
+    """The UUID of each simulated device, by UUID, index and bus id (which name one device)."""
+    ids: dict[str, str] = {}
+    if cfg.simulation:
+        for i, dev in enumerate(cfg.simulation.devices):
+            ids[dev.uuid] = dev.uuid
+            ids[str(dev.index if dev.index is not None else i)] = dev.uuid
+            if dev.pci_bus_id:
+                ids[dev.pci_bus_id] = dev.uuid
+    return ids
+
+
 def _vllm_problems(cfg: Config) -> list[str]:
     """What vLLM would refuse, found before anything is launched: every vllm serve's argv
     against the flag table of daemon.vllm_version, and utilizations that floor to 0."""

@@ -91,7 +91,7 @@ class Rebalancer:
 
     def _plan(self, cfg: Config, source: str) -> Plan:
         budgets = resolve_budgets(cfg, self.observer.device_total, self.observer.present_devices(),
-                                  self.observer.device_problem)
+                                  self.observer.device_problem, self.svc._device_id)
         totals = {b.device: self.observer.device_total(b.device) for b in budgets}
         totals.update({b.device: self.observer.device_total(b.device)
                        for b in self.svc.ledger.roles.values()})

@@ -74,13 +74,22 @@ class ServeRecord:
 
 def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
                     devices: Sequence[str] | None = None,
-                    device_problem: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
+                    device_problem: Callable[[str], str | None] | None = None,
+                    device_id: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
     the device, never higher. `devices`, when observation sees any, lists what it sees: a role
     on a device not among them is an error. `device_problem` says why a device that is there
-    cannot be read (lost, reset required): its total is unknown, not its presence."""
+    cannot be read (lost, reset required): its total is unknown, not its presence.
+
+    The device is the physical bound: roles on one device partition it, their capacities
+    together never more than its total (a role whose capacity defaults to the total leaves no
+    room for another role there). `device_id` tells which references name the same device
+    (an index, a bus id and a UUID may); without it only equal references do. Where no total
+    can be known (no observation, no simulation) the sum cannot be checked: it is checked
+    when gpud starts on the host."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
+    defaulted: set[str] = set()
     for name, role in sorted(cfg.roles.items()):
         total = device_total(role.device)
         problem = device_problem(role.device) if device_problem else None
@@ -98,6 +107,7 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
                 )
                 continue
             capacity = total
+            defaulted.add(name)
         elif total is not None and capacity > total:
             problems.append(
                 f"roles.{name}.capacity_mib: {capacity} exceeds device {role.device!r} total "
@@ -108,7 +118,35 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
             problems.append(f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity {capacity}")
             continue
         budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
+    def same(ref: str) -> str:
+        return (device_id(ref) if device_id is not None else None) or ref
+
+    on_device: dict[str, list[RoleBudget]] = {}
+    for budget in budgets:
+        on_device.setdefault(same(budget.device), []).append(budget)
+    for group in on_device.values():
+        total = device_total(group[0].device)
+        held = sum(b.capacity_mib for b in group)
+        if len(group) > 1 and total is not None and held > total:
+            names = [b.name for b in group]
+            at = next((n for n in names if n in defaulted), names[-1])
+            problems.append(
+                f"roles.{at}.capacity_mib: roles {', '.join(names)} are on one device "
+                f"({', '.join(sorted({b.device for b in group}))}, total {total} MiB) and "
+                f"together hold {held} MiB: roles on a device partition it (a capacity_mib "
+                f"not set is the whole device); set capacity_mib on each so that they add up "
+                f"to {total} MiB at most")
     for sname, serve in cfg.serves.items():
+        seen: dict[str, str] = {}
+        for i, role_name in enumerate(serve.all_roles):
+            ref = cfg.roles[role_name].device if role_name in cfg.roles else None
+            if ref is not None and len(serve.all_roles) > 1:
+                other = seen.setdefault(same(ref), role_name)
+                if other != role_name:
+                    problems.append(
+                        f"serves.{sname}.roles[{i}]: role {role_name!r} is on the same device "
+                        f"as role {other!r} ({cfg.roles[other].device!r} and {ref!r} are one "
+                        "device): each role of a serve must be on a different device")
         for role_name in serve.all_roles:
             budget = next((b for b in budgets if b.name == role_name), None)
             if budget and serve.vram_mib > budget.capacity_mib:
@@ -197,13 +235,13 @@ class LedgerService:
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
-                                    self._device_problem)
+                                    self._device_problem, self._device_id)
         except ConfigError:
             if stored is None:
                 raise
             stored = None  # it does not fit this host any more: decide against the file alone
             roles = resolve_budgets(self.config, self._device_total, self._devices(),
-                                    self._device_problem)
+                                    self._device_problem, self._device_id)
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
@@ -247,7 +285,8 @@ class LedgerService:
         return self.observer.present_devices() if self.observer else None
 
     def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
-        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem)
+        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem,
+                                  self._device_id)
         return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
                           states=self.states(), may_stop=may_stop)
 
@@ -316,6 +355,13 @@ class LedgerService:
 
     def _device_problem(self, device: str) -> str | None:
         return self.observer.device_problem(device) if self.observer else None
+
+    def _device_id(self, device: str) -> str | None:
+        """The UUID of the device a reference names, where observation knows it."""
+        find = getattr(self.observer, "device", None)
+        dev = find(device) if callable(find) else None
+        uuid = getattr(dev, "uuid", None)
+        return uuid if isinstance(uuid, str) else None
 
     # ---- the write path --------------------------------------------------------------------
 

@@ -204,6 +204,63 @@ def test_a_serve_fitting_its_role_exactly_passes() -> None:
     assert [b.name for b in resolve_budgets(c, lambda _d: None)] == ["r"]
 
 
+THREE_ON_ONE = """
+[roles.a]
+device = "1"
+[roles.a2]
+device = "GPU-one"
+capacity_mib = 10000
+[roles.a3]
+device = "0000:01:00.0"
+capacity_mib = 10000
+"""
+ONE = {"1": "GPU-one", "GPU-one": "GPU-one", "0000:01:00.0": "GPU-one"}
+
+
+def test_roles_on_one_device_may_not_hold_more_than_it() -> None:
+    """The issue's case: a (whole device), a2 and a3 (10000 MiB each) on one 32607 MiB device,
+    named three ways: refused at the role whose capacity is the whole device."""
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(cfg(THREE_ON_ONE), lambda _ref: 32607, None, None, ONE.get)
+    assert err.value.problems == [
+        "roles.a.capacity_mib: roles a, a2, a3 are on one device (0000:01:00.0, 1, GPU-one, "
+        "total 32607 MiB) and together hold 52607 MiB: roles on a device partition it (a "
+        "capacity_mib not set is the whole device); set capacity_mib on each so that they add "
+        "up to 32607 MiB at most"]
+    # partitioned, they pass; on devices of their own, too
+    parted = THREE_ON_ONE.replace('device = "1"\n', 'device = "1"\ncapacity_mib = 12607\n')
+    assert len(resolve_budgets(cfg(parted), lambda _ref: 32607, None, None, ONE.get)) == 3
+    assert len(resolve_budgets(cfg(THREE_ON_ONE), lambda _ref: 32607, None, None,
+                               lambda ref: ref)) == 3
+    # without identities only equal references are one device
+    same = cfg('[roles.a]\ndevice = "0"\n[roles.b]\ndevice = "0"\ncapacity_mib = 10\n')
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(same, lambda _ref: 100)
+    assert err.value.problems[0].startswith("roles.a.capacity_mib: roles a, b are on one device")
+
+
+def test_a_serve_on_two_roles_of_one_device_is_refused() -> None:
+    text = THREE_ON_ONE.replace('device = "1"\n', 'device = "1"\ncapacity_mib = 12607\n') + (
+        '[serves.tp]\nroles = ["a2", "a3"]\nvram_mib = 5000\ncommand = ["/bin/true"]\n')
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(cfg(text), lambda _ref: 32607, None, None, ONE.get)
+    assert err.value.problems == [
+        "serves.tp.roles[1]: role 'a3' is on the same device as role 'a2' ('GPU-one' and "
+        "'0000:01:00.0' are one device): each role of a serve must be on a different device"]
+
+
+def test_check_config_knows_simulated_devices_by_every_name(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    from gpud.daemon import check_config
+    path = tmp_path / "serves.toml"
+    path.write_text(THREE_ON_ONE.replace("GPU-one", "GPU-sim-0").replace(
+        "0000:01:00.0", "1") + '[simulation]\nstate_file = "/nonexistent"\n'
+        '[[simulation.devices]]\nuuid = "GPU-sim-0"\ntotal_mib = 32607\nindex = 1\n')
+    assert check_config(path) == 2
+    assert "roles.a.capacity_mib: roles a, a2, a3 are on one device" in capsys.readouterr().err
+
+
 # ---- load -----------------------------------------------------------------------------------
 
 
