@@ -122,8 +122,8 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
         return (device_id(ref) if device_id is not None else None) or ref
 
     on_device: dict[str, list[RoleBudget]] = {}
-    for budget in budgets:
-        on_device.setdefault(same(budget.device), []).append(budget)
+    for resolved in budgets:
+        on_device.setdefault(same(resolved.device), []).append(resolved)
     for group in on_device.values():
         total = device_total(group[0].device)
         held = sum(b.capacity_mib for b in group)
