@@ -24,7 +24,7 @@ from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
-from gpud.core.transition import Refusal, Transition, transition
+from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -40,6 +40,8 @@ log = logging.getLogger("gpud")
 
 # Events are pruned down to `daemon.events_keep` after every this many new ones.
 PRUNE_BATCH = 1000
+# The key of the hold on admissions while the invariant does not hold (not a serve name).
+INVARIANT_HOLD = ":invariant"
 
 
 
@@ -222,6 +224,11 @@ class LedgerService:
         # Roles on which no admission is granted for now, by who holds them (a serve whose
         # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
         self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
+        # The invariant, evaluated after every commit: what was last found false, how often it
+        # was found false, and how far adopted units may leave each role over-committed.
+        self.violations: list[str] = []
+        self.invariant_violations = 0
+        self._adopted_over: dict[str, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -265,6 +272,7 @@ class LedgerService:
             self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
             self._moved_on(outcome)
         for over in self.ledger.over_committed():
+            self._adopted_over[over.role] = -over.free_mib  # units found running: allowed
             log.warning(
                 "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
                 extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
@@ -435,10 +443,41 @@ class LedgerService:
                     p.future.set_result(events)
             self._decided_states = {row.serve: row.state for p in self._queue
                                     for row in p.changes.states}
+            self._check_invariant()
             if self._since_prune >= PRUNE_BATCH:
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
+
+    def _check_invariant(self) -> None:
+        """The invariant against what is durable now. Found false: an `invariant` event with
+        the violations (journal at error level), the count behind
+        gpud_invariant_violations_total, and admissions held on the roles concerned until it
+        holds again."""
+        for role, allowed in list(self._adopted_over.items()):
+            budget = self.ledger.roles.get(role)
+            over = -self.ledger.figures(role).free_mib if budget is not None else 0
+            if min(allowed, over) > 0:
+                self._adopted_over[role] = min(allowed, over)  # drains, never grows back
+            else:
+                del self._adopted_over[role]
+        found = violated(self.config, self.ledger, self.states(), adopted_over=self._adopted_over)
+        texts = sorted({text for _roles, text in found})
+        if texts == self.violations:
+            return
+        new = [t for t in texts if t not in self.violations]
+        self.violations = texts
+        if texts:
+            self.invariant_violations += len(new)
+            roles = sorted({r for rs, _ in found for r in rs})
+            self.hold(INVARIANT_HOLD, roles, "the invariant does not hold: " + "; ".join(texts))
+            ev = self.event("invariant", "the invariant does not hold: " + "; ".join(texts)
+                            + (f"; admissions on {', '.join(roles)} are refused until it holds"
+                               if roles else ""), violations=texts, roles=roles, holds=False)
+        else:
+            self.lift(INVARIANT_HOLD)
+            ev = self.event("invariant", "the invariant holds again", violations=[], holds=True)
+        self.submit(Changes(events=[ev]))
 
     async def drain(self) -> None:
         """Wait until every submitted change is committed (or has failed)."""
@@ -467,6 +506,8 @@ class LedgerService:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
         level = logging.WARNING if ev.kind in {"deny", "crash-loop", "overdraw",
                                                "reserve-exceeded", "over-committed"} else logging.INFO
+        if ev.kind == "invariant" and not ev.details.get("holds"):
+            level = logging.ERROR
         fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
                   "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
         for key, value in ev.details.items():
@@ -716,6 +757,10 @@ class LedgerService:
             res = Reservation(serve, roles[0], mib, self.clock(), None, False, roles[1:])
             ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             figures = ledger.figures(roles[0])
+            for name in roles:
+                over = -ledger.figures(name).free_mib
+                if over > 0:  # its memory is in use already: the invariant allows it
+                    self._adopted_over[name] = max(self._adopted_over.get(name, 0), over)
             ev = self.event("admit", f"{serve} re-admitted on {on_roles(res)} for its running "
                             f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
                             + "; ".join(ledger.figures(r).line() for r in roles),
@@ -785,6 +830,8 @@ class LedgerService:
             self.config = cfg
             self.config_refused = None
             self._moved_on(outcome)
+            for role in over:  # adopted units keep it over-committed, as they did
+                self._adopted_over[role] = -self.ledger.figures(role).free_mib
             return over
 
     # ---- reads -----------------------------------------------------------------------------
