@@ -92,6 +92,11 @@ class DaemonConfig(_Model):
     # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
     # plus this much.
     sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
+    # Every request gpud makes to a serve is bounded: POST /sleep (a level-1 sleep copies the
+    # weights to host RAM, seconds for a large model) within sleep_timeout_s, a wake's requests
+    # within wake_timeout_s; past it the sleep or wake fails (a wake: see docs/sleep.md).
+    sleep_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    wake_timeout_s: float = Field(default=300.0, gt=0, le=3600)
 
 
 class RoleConfig(_Model):

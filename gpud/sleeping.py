@@ -33,6 +33,7 @@ from gpud.core.ledger import sleep_reservation
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.locks import Rank, Taken
 from gpud.steps import carry_out, undo_all
 
 if TYPE_CHECKING:
@@ -48,8 +49,6 @@ class _NotPreempted(Exception):
         super().__init__(message)
         self.message = message
 
-# A level-1 sleep copies the weights to host RAM: seconds for a large model.
-SLEEP_REQUEST_TIMEOUT_S = 300.0
 CONFIRM_TIMEOUT_S = 60.0
 # GET /is_sleeping answers from the API server at once (no engine work): a serve that does not
 # answer within this is "no answer", never waited on.
@@ -77,9 +76,7 @@ class Sleeps:
         self.host_memory = host_memory
         # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
         self.weights: Callable[[str], int | None] = lambda _serve: None
-        # One lock for every preemption and wake-back: a serve on several roles takes part in
-        # each of them, and one lock cannot be taken in two orders.
-        self._coordination = asyncio.Lock()
+        # Every preemption and wake-back holds the supervisor's coordination lock (gpud.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
 
@@ -137,27 +134,37 @@ class Sleeps:
                            "are HTTP", {})
         return f"http://127.0.0.1:{spec.port}{path}"
 
-    def _role_lock(self, _role: str) -> asyncio.Lock:
-        return self._coordination
+    def _role_lock(self, _role: str) -> Taken:
+        return self.sup.locks.coordination()
 
     @property
     def coordination(self) -> asyncio.Lock:
         """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
-        lock, never after one."""
-        return self._coordination
+        lock, never after one (gpud.locks)."""
+        return self.sup.locks.lock(Rank.COORDINATION)
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
-    async def _post(self, serve: str, spec: ServeConfig, path: str) -> None:
+    async def _post(self, serve: str, spec: ServeConfig, path: str,
+                    timeout_s: float | None = None) -> None:
+        """POST to the serve, bounded: daemon.sleep_timeout_s for /sleep, wake_timeout_s for
+        everything else (a wake's requests); past it, Unavailable with `no_answer`."""
         http = self.sup.http
-        timeout = aiohttp.ClientTimeout(total=SLEEP_REQUEST_TIMEOUT_S)
+        daemon = self.svc.config.daemon
+        if timeout_s is None:
+            timeout_s = daemon.sleep_timeout_s if path.startswith("/sleep") else \
+                daemon.wake_timeout_s
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with http.post(self._url(spec, path), timeout=timeout) as resp:
                 if resp.status != 200:
                     body = (await resp.text())[:300]
                     raise Conflict(f"serve {serve!r} answered {resp.status} to POST {path}: "
                                    f"{body}", {"serve": serve, "status": resp.status})
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError as exc:
+            raise Unavailable(f"serve {serve!r}: POST {path} got no answer within "
+                              f"{timeout_s:g} s", {"serve": serve, "no_answer": True}) from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise Unavailable(f"serve {serve!r}: POST {path} failed: {exc or type(exc).__name__}",
                               {"serve": serve}) from exc
 
@@ -260,16 +267,23 @@ class Sleeps:
             if level == 1:
                 self._check_host_ram(serve, parked)
             loop = asyncio.get_running_loop()
-            began = loop.time()
-            await self._post(serve, spec, f"/sleep?level={level}")
-            try:
-                await self._confirm(serve, spec, asleep=True)
-            except GpudError:
-                with contextlib.suppress(GpudError):
-                    await self._post(serve, spec, "/wake_up")
-                raise
-            asleep_at = loop.time()
-            seen = await self._draw_down(serve, target)
+            asked = await self._process(serve)
+            async with self.sup.device_locks(serve):  # its memory changes: no start's window
+                began = loop.time()
+                await self._post(serve, spec, f"/sleep?level={level}")
+                try:
+                    await self._confirm(serve, spec, asleep=True)
+                except GpudError:
+                    with contextlib.suppress(GpudError):
+                        await self._post(serve, spec, "/wake_up")
+                    raise
+                asleep_at = loop.time()
+                seen = await self._draw_down(serve, target)
+            now = await self._process(serve)
+            if asked is None or now != asked:
+                # The process asked is not the serve's any more (restarted meanwhile): the new
+                # one is awake and loads at its full size, which it still holds.
+                await self._restarted_in_sleep(serve, spec, asked, now)
             # The serve's own time (its answer to /sleep and the confirmation), and how long
             # observation took to show its memory back: gpud's overhead is the rest.
             serve_ms = round((asleep_at - began) * 1000, 1)
@@ -297,6 +311,34 @@ class Sleeps:
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
+
+    async def _process(self, serve: str) -> tuple[int, str] | None:
+        """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
+        has none or it cannot be read."""
+        try:
+            st = await self.sup.units.state(serve)
+        except GpudError:
+            return None
+        if st is None or not st.main_pid or st.gone:
+            return None
+        return st.main_pid, st.invocation_id
+
+    async def _restarted_in_sleep(self, serve: str, spec: ServeConfig,
+                                  asked: tuple[int, str] | None,
+                                  now: tuple[int, str] | None) -> None:
+        def who(p: tuple[int, str] | None) -> str:
+            return f"MainPID {p[0]}, invocation {p[1][:12]}" if p else "no process"
+
+        res = self.svc.ledger.reservations.get(serve)
+        reason = (f"restarted while it was put to sleep (asked {who(asked)}, now {who(now)}): "
+                  "awake at its full size")
+        await self.svc.record(self.svc.event(
+            "restart", f"{serve}: {reason}; the sleep is not committed, reservation "
+            f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
+            mib=res.mib if res else None, main_pid=now[0] if now else None),
+            state=self.svc.state_row(serve, STARTING, reason))
+        self.sup.spawn(self.sup.watch_restart(serve))
+        raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
         available = self.host_memory()
@@ -334,10 +376,16 @@ class Sleeps:
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                await self._post(serve, spec, "/wake_up")
-                await self._confirm(serve, spec, asleep=False)
+                async with self.sup.device_locks(serve):  # its memory grows: no start's window
+                    await self._post(serve, spec, "/wake_up")
+                    await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
-                # Still asleep as far as anyone can tell: back to its sleep reservation.
+                if await self.is_sleeping(serve, spec) is not True:
+                    # No answer: it may be waking, or half awake. It keeps its full
+                    # reservation and is restarted or stopped, as its restart policy says.
+                    await self.sup.wake_failed(serve, spec, f"the wake failed: {exc.message}")
+                    raise
+                # Still asleep, as it says: back to its sleep reservation.
                 await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True, event=(
                     "sleep", f"{serve} did not wake ({exc.message}): back to {asleep} MiB",
                     {"wake_failed": True}))
@@ -402,7 +450,7 @@ class Sleeps:
         the caller holds `coordination` already."""
         spec = self.sup.spec_of(serve)
         async with contextlib.AsyncExitStack() as stack:
-            if not locked:
+            if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
                 await stack.enter_async_context(self._role_lock(spec.role))
             plan = self.plan(serve, mib)
             if isinstance(plan, NoPlan):
