@@ -897,3 +897,51 @@ async def test_a_start_with_preempt_takes_the_preemption_lock_before_the_serves(
         coordination.release()
     await asyncio.wait_for(task, 10)
     assert rig.held() == {"a": 300}
+
+
+# ---- a sleep commits only for the process it asked -------------------------------------------
+
+
+async def test_a_sleep_answered_by_a_process_since_replaced_is_not_committed(
+        tmp_path: Path) -> None:
+    """The old process answers /sleep and is gone; the unit's MainPID and InvocationID are the
+    new (awake) process's: the serve keeps its full reservation and starts over."""
+    asleep = {"now": False}
+    rig_box: list[Rig] = []
+
+    async def sleep(_request: web.Request) -> web.Response:
+        asleep["now"] = True
+        rig = rig_box[0]
+        rig.units.live["s"] = unit("s", pid=5151, invocation="inv-new")  # restarted meanwhile
+        return web.json_response({})
+
+    async def is_sleeping(_request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": asleep["now"]})
+
+    app = web.Application()
+    app.router.add_post("/sleep", sleep)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    extra = (f'[serves.s]\nrole = "r"\nvram_mib = 500\nport = {port}\nsleep_level = 2\n'
+             'sleep_mib = 100\ncommand = ["/bin/true", "s"]\n')
+    r = await make_rig(tmp_path, CONFIG, extra=extra)
+    rig_box.append(r)
+    try:
+        async for _ in entered(r):
+            # running under its unit (the port is this test's: no start, which would see it
+            # held by another process)
+            r.units.live["s"] = unit("s", pid=4242, invocation="inv-1")
+            await r.svc.admit("s", 500, state=RUNNING)
+            with pytest.raises(Conflict, match="restarted while it was put to sleep"):
+                await r.sup.sleeps.sleep("s", None)
+            assert r.held() == {"s": 500}
+            assert r.state("s") in (STARTING, RUNNING)  # starts over, awake, at its full size
+            [ev] = [e for e in r.events(serves=["s"]) if e.kind == "restart"]
+            assert "MainPID 5151" in ev.message and "the sleep is not committed" in ev.message
+            assert not [e for e in r.events(serves=["s"]) if e.kind == "sleep"]
+    finally:
+        await runner.cleanup()
