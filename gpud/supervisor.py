@@ -565,6 +565,14 @@ class Supervisor:
             await asyncio.sleep(pause)
             if self.clock() - started > START_POLL_FAST_FOR_S:
                 pause = min(START_POLL_MAX_S, pause * 1.5)
+        if foreign is None and spec.port is not None:
+            # Someone else's listener that does not answer 200 (taken during a restart
+            # window, say): named all the same.
+            last = self._last.get(serve)
+            holder = await asyncio.to_thread(_foreign, serve, spec.port,
+                                             last.control_group if last else "")
+            if holder is not None:
+                foreign = f"port {spec.port} is held by {holder}, not by the serve's unit"
         why = f"; {foreign}" if foreign else ""
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
                                   f"{spec.start_timeout_s:g} s{why}", kind="unhealthy", stop=True)
@@ -618,6 +626,10 @@ class Supervisor:
         if held is None:
             return
         who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
+        await self.svc.record(self.svc.event(
+            "start", f"{serve}: not started: port {spec.port} is already held by {who}",
+            serve=serve, role=spec.role, ok=False, port=spec.port,
+            holders=[h.describe() for h in held]))
         raise Conflict(f"serve {serve!r}: port {spec.port} is already held by {who}; not started",
                        {"serve": serve, "port": spec.port,
                         "holders": [{"pid": h.pid, "unit": h.unit} for h in held]})

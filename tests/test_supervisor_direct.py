@@ -313,6 +313,40 @@ async def test_a_serve_whose_port_is_held_is_not_started(rig: Rig) -> None:
         assert err.value.details["port"] == port and err.value.details["holders"]
     assert rig.held() == {}
     assert rig.units.started == []
+    [ev] = [e for e in rig.events(serves=["b"]) if e.kind == "start"]
+    assert ev.details["ok"] is False and ev.details["port"] == port
+    assert ev.message.startswith(f"b: not started: port {port} is already held by")
+
+
+async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
+        tmp_path: Path) -> None:
+    """A listener that is not the serve's and answers no 200 (refused or failing health
+    answers all along): the failure names who holds the port."""
+    clock = Clock()
+    r = await make_rig(tmp_path, CONFIG, clock=clock)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        text = (r.svc.config_text or "").replace(
+            'restart = "no"', f'restart = "no"\nstart_timeout_s = 2\nport = {port}')
+        await r.svc.reload(parse_config(text, "t"), text, source="t")
+
+        def failing() -> Answer:
+            clock.now += 1.0
+            return Answer(Probe.FAILED, "status 404")
+
+        r.sup.answers["b"] = failing
+        async for _ in entered(r):
+            r.sup.units.available = True
+            await r.svc.admit("b", 400)
+            unit_spec = r.sup._unit_spec("b", r.svc.config.serves["b"])
+            r.sup._launching.add("b")
+            await r.sup._launch("b", None, unit_spec)  # the port was free when it was asked
+            reason = r.reason("b") or ""
+            assert reason.startswith(f"unhealthy: no 200 from /health within 2 s; port {port} is "
+                                     "held by "), reason
+            assert reason.endswith("not by the serve's unit"), reason
 
 
 # ---- stop -----------------------------------------------------------------------------------
