@@ -31,6 +31,7 @@ from gpud.core.vocab import (
     DENIED,
     EXTERNAL,
     LIVE_STATES,
+    ORPHAN,
     STARTING,
 )
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
@@ -844,8 +845,12 @@ class LedgerService:
         return rec.state if rec else DECLARED
 
     def known_serves(self) -> list[str]:
+        """The configured serves, those holding memory, and those whose unit may still run
+        (an orphan, a removed serve still stopping). A serve the config no longer names that
+        holds nothing is not listed: its history stays in the events."""
         names = set(self.config.serves) | set(self.ledger.reservations)
-        names |= {n for n, r in self._records.items() if r.state != DECLARED}
+        names |= {n for n, r in self._records.items()
+                  if r.state in LIVE_STATES or r.state == ORPHAN}
         return sorted(names)
 
     def serve_spec(self, serve: str) -> ServeConfig | None:

@@ -18,7 +18,16 @@ import pytest
 from gpud.config import Config, parse_config
 from gpud.core.ledger import Reservation
 from gpud.core.transition import Refusal, Transition
-from gpud.core.vocab import ADMITTED, DECLARED, DENIED, EXTERNAL, FAILED, RUNNING, STARTING
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    DENIED,
+    EXTERNAL,
+    FAILED,
+    RUNNING,
+    STARTING,
+    STOPPING,
+)
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
 from gpud.service import LedgerService, resolve_budgets
@@ -284,7 +293,7 @@ def test_load_restores_reservations_and_states_from_the_store(world: World) -> N
     assert svc.state_of("a") == RUNNING
     assert svc.state_of("x") == EXTERNAL  # held, so not "declared"
     assert svc.records["gone"].reason == "old"
-    assert svc.known_serves() == ["a", "b", "gone", "x"]
+    assert svc.known_serves() == ["a", "b", "x"]  # gone: not configured, holding nothing
 
 
 def test_a_held_serve_recorded_declared_or_denied_is_admitted_again(world: World) -> None:
@@ -931,7 +940,10 @@ async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     await svc.record(svc.event("x", "old", serve="old"), state=svc.state_row("old", DECLARED))
     await svc.record(svc.event("x", "broken", serve="broken"),
                      state=svc.state_row("broken", FAILED))
-    assert svc.known_serves() == ["a", "b", "broken"]
+    await svc.record(svc.event("x", "leaving", serve="leaving"),
+                     state=svc.state_row("leaving", STOPPING))
+    # not configured, holding nothing: listed only while its unit may still run
+    assert svc.known_serves() == ["a", "b", "leaving"]
 
 
 async def test_admissions_on_a_held_role_are_denied_but_for_the_holder(world: World) -> None:
@@ -989,3 +1001,15 @@ async def test_adopted_over_commitment_is_no_violation_and_it_drains(world: Worl
     await svc.release("a", allow_live=True)
     await svc.drain()
     assert svc.violations == [] and svc.invariant_violations == 0
+
+
+async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World) -> None:
+    svc = world.service()
+    with pytest.raises(Denied):
+        await svc.admit("b", 5000)  # denied: its state says so, with the reason
+    await svc.record(svc.event("x", "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
+    assert svc.known_serves() == ["a", "b"]
+    new_text = ROLES.split("[serves.a]")[0]
+    await svc.reload(cfg(new_text), new_text, source="test.toml")
+    assert svc.known_serves() == []  # their history stays in the events
+    assert [e.kind for e in await svc.events(EventQuery(serves=["b"]))] == ["deny"]
