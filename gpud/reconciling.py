@@ -97,10 +97,14 @@ class Reconciler:
     async def _admit_awake(self, serve: str, spec: ServeConfig, said: bool | None,
                            awake: int) -> None:
         asleep = self.svc.ledger.reservations[serve].mib
+        why = f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)})"
+        # An admission like any (its own event), then the wake, as gpud's own wake says both.
         await self.svc.admit(serve, awake, state=RUNNING, event=(
-            "wake", f"{serve} was woken outside gpud ({_said(said)}, "
-            f"{self._seen(serve)}): re-admitted awake at {awake} MiB (was {asleep} MiB "
-            "asleep)", {"outside": True, "from_mib": asleep}))
+            "admit", f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
+            {"outside": True, "waking": True}))
+        await self.svc.record(self.svc.event(
+            "wake", f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
+            role=spec.role, mib=awake, outside=True, from_mib=asleep))
         await self.svc.put_meta(meta_key(serve), None)
 
     async def _sleep_again(self, serve: str, spec: ServeConfig, said: bool | None,
