@@ -102,3 +102,15 @@ def test_a_neighbours_sleep_waits_for_a_slow_start_on_its_device(gpud: SandboxGp
     slept = gpud.events(serve="lo", kind="sleep")[0]["ts"]
     assert slept - started >= 2.9, (started, slept)
     assert gpud.serve("slow")["state"] == "running"
+
+
+def test_a_sleeping_serve_is_health_checked_too(gpud: SandboxGpud) -> None:
+    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)))
+    running(gpud, "lo")
+    checked(gpud, "/v1/serves/{name}/sleep", "lo")
+    stop_process(gpud, "lo")
+    # restarted, it would load at its full size on its sleep reservation: stopped and failed
+    view = gpud.wait_state("lo", "failed", timeout=30)
+    assert "while asleep" in view["reason"], view
+    assert reserved(gpud) == {}
+    assert "gpud-serve-lo.service" not in gpud.serve_units()
