@@ -434,6 +434,8 @@ class LedgerService:
                     self.ledger = p.ledger
                     for role in freed:
                         self.freed(role)
+                    if freed:
+                        self._clear_denials(freed)
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -449,6 +451,20 @@ class LedgerService:
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
+
+    def _clear_denials(self, roles: Sequence[str]) -> None:
+        """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
+        denied: its reason is not true any more (it goes back to declared, unreserved)."""
+        rows = []
+        for name, spec in self.config.serves.items():
+            rec = self._records.get(name)
+            if rec is None or rec.state != DENIED or self._decided_state(name) != DENIED \
+                    or not any(r in roles for r in spec.all_roles):
+                continue
+            if all(self.free_for(name, r) >= spec.vram_mib for r in spec.all_roles):
+                rows.append(self.state_row(name, DECLARED))
+        if rows:
+            self.submit(Changes(states=rows))
 
     def _check_invariant(self) -> None:
         """The invariant against what is durable now. Found false: an `invariant` event with

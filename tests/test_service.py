@@ -1013,3 +1013,17 @@ async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World)
     await svc.reload(cfg(new_text), new_text, source="test.toml")
     assert svc.known_serves() == []  # their history stays in the events
     assert [e.kind for e in await svc.events(EventQuery(serves=["b"]))] == ["deny"]
+
+
+async def test_a_denial_no_longer_true_is_cleared(world: World) -> None:
+    svc = world.service()
+    await svc.admit("b", 700)
+    with pytest.raises(Denied):
+        await svc.admit("a", 300)  # free 200: short 100
+    assert svc.state_of("a") == DENIED and "short" in (svc.records["a"].reason or "")
+    await svc.admit("b", 650)  # a shrink, still no room for a's 300
+    await svc.drain()
+    assert svc.state_of("a") == DENIED
+    await svc.release("b")
+    await svc.drain()
+    assert svc.state_of("a") == DECLARED and svc.records["a"].reason is None
