@@ -268,6 +268,10 @@ class Sleeps:
                 self._check_host_ram(serve, parked)
             loop = asyncio.get_running_loop()
             asked = await self._process(serve)
+            if asked is None:
+                raise Unavailable(f"serve {serve!r} not put to sleep: systemd names no process "
+                                  "of its unit now, so a sleep could not be told apart from a "
+                                  "restart", {"serve": serve})
             async with self.sup.device_locks(serve):  # its memory changes: no start's window
                 began = loop.time()
                 await self._post(serve, spec, f"/sleep?level={level}")
@@ -280,7 +284,7 @@ class Sleeps:
                 asleep_at = loop.time()
                 seen = await self._draw_down(serve, target)
             now = await self._process(serve)
-            if asked is None or now != asked:
+            if now != asked:
                 # The process asked is not the serve's any more (restarted meanwhile): the new
                 # one is awake and loads at its full size, which it still holds.
                 await self._restarted_in_sleep(serve, spec, asked, now)
@@ -380,16 +384,19 @@ class Sleeps:
                     await self._post(serve, spec, "/wake_up")
                     await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
-                if await self.is_sleeping(serve, spec) is not True:
+                said = await self.is_sleeping(serve, spec)
+                if said is None:
                     # No answer: it may be waking, or half awake. It keeps its full
                     # reservation and is restarted or stopped, as its restart policy says.
                     await self.sup.wake_failed(serve, spec, f"the wake failed: {exc.message}")
                     raise
-                # Still asleep, as it says: back to its sleep reservation.
-                await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True, event=(
-                    "sleep", f"{serve} did not wake ({exc.message}): back to {asleep} MiB",
-                    {"wake_failed": True}))
-                raise
+                if said:
+                    # Still asleep, as it says: back to its sleep reservation.
+                    await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True,
+                                         event=("sleep", f"{serve} did not wake ({exc.message})"
+                                                f": back to {asleep} MiB", {"wake_failed": True}))
+                    raise
+                # awake after all (it says so): the wake is done
             took = loop.time() - began
             await self.svc.record(self.svc.event(
                 "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
