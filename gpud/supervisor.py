@@ -658,6 +658,12 @@ class Supervisor:
         if state in LIVE_STATES or serve in self._launching:
             self._need_bus()
         failed: GpudError | None = None
+        check = self._checks.get(serve)
+        if check is not None and check is not asyncio.current_task() and not check.done():
+            # A health check restarting the serve holds its lock while the new process loads
+            # (minutes for vLLM): a stop does not wait for that, it ends it.
+            check.cancel()
+            await asyncio.wait({check})
         async with self.serve_lock(serve):
             self._stopping.add(serve)
             # A start on the device from now on waits for this stop and for the memory to come

@@ -979,3 +979,18 @@ async def test_a_sleep_answered_by_a_process_since_replaced_is_not_committed(
             assert not [e for e in r.events(serves=["s"]) if e.kind == "sleep"]
     finally:
         await runner.cleanup()
+
+
+async def test_the_health_restart_holds_the_serves_lock_and_a_stop_ends_it(checked: Rig) -> None:
+    """The health check's restart is a lifecycle action like any: under the serve's lock (no
+    sleep, wake or start of it meanwhile), its devices held while the new process loads; a
+    stop does not wait for the new process, it ends the restart."""
+    r = checked
+    await running(r, "a")
+    mark = r.last_id()
+    r.sup.answers["a"] = failing()  # never healthy again: the restarted process loads forever
+    await r.wait_for("restart", "a", after=mark)
+    assert r.sup.serve_lock("a").locked() and r.sup.device_locks("a").locked()
+    await asyncio.wait_for(r.sup.stop("a", None), 5)
+    assert r.state("a") == DECLARED and r.held() == {}
+    assert not r.sup.serve_lock("a").locked() and not r.sup.device_locks("a").locked()
