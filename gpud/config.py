@@ -112,6 +112,11 @@ class DaemonConfig(_Model):
     front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
     serve_socket_dir: str = "/run/gpud/serves"
     front_dir: str = "/run/gpud/front"
+    # Every request gpud makes to a serve is bounded: POST /sleep (a level-1 sleep copies the
+    # weights to host RAM, seconds for a large model) within sleep_timeout_s, a wake's requests
+    # within wake_timeout_s; past it the sleep or wake fails (a wake: see docs/sleep.md).
+    sleep_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    wake_timeout_s: float = Field(default=300.0, gt=0, le=3600)
 
 
 class RoleConfig(_Model):
@@ -495,6 +500,18 @@ def device_totals(cfg: Config) -> dict[str, int]:
             if dev.pci_bus_id:
                 totals[dev.pci_bus_id] = dev.total_mib
     return totals
+
+
+def device_ids(cfg: Config) -> dict[str, str]:
+    """The UUID of each simulated device, by UUID, index and bus id (which name one device)."""
+    ids: dict[str, str] = {}
+    if cfg.simulation:
+        for i, dev in enumerate(cfg.simulation.devices):
+            ids[dev.uuid] = dev.uuid
+            ids[str(dev.index if dev.index is not None else i)] = dev.uuid
+            if dev.pci_bus_id:
+                ids[dev.pci_bus_id] = dev.uuid
+    return ids
 
 
 def _vllm_problems(cfg: Config) -> list[str]:

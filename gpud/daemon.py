@@ -30,6 +30,7 @@ from gpud.config import (
     Config,
     apply_overrides,
     config_warnings,
+    device_ids,
     device_totals,
     parse_config,
     read_config_text,
@@ -388,8 +389,10 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
         known = {normalize_bus_id(k) if ":" in k else k: v for k, v in device_totals(cfg).items()}
         devices = ([f"{d.uuid} (index {d.index if d.index is not None else i})"
                     for i, d in enumerate(cfg.simulation.devices)] if cfg.simulation else None)
+        ids = {normalize_bus_id(k) if ":" in k else k: v for k, v in device_ids(cfg).items()}
         resolve_budgets(cfg, lambda ref: known.get(normalize_bus_id(ref) if ":" in ref else ref),
-                        devices)
+                        devices, None,
+                        lambda ref: ids.get(normalize_bus_id(ref) if ":" in ref else ref))
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2

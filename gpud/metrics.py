@@ -170,6 +170,9 @@ def _families(svc: LedgerService, observer: Observer | None,
     for kind in COUNTED:
         fam("gpud_events_total", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)
+    fam("gpud_invariant_violations_total", "counter", "Violations of the ledger's invariant "
+        "found after a commit since gpud started (0 unless something is wrong)"
+        ).add(svc.invariant_violations)
     fam("gpud_preemptions_total", "counter", "Serves put to sleep or stopped by a preemption "
         "since gpud started").add(svc.counters.get("preempt", 0))
     obs_ok = bool(observer and observer.available)

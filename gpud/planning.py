@@ -33,7 +33,8 @@ class PlanInputs:
 
 def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
     dev = inputs.devices
-    budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem)
+    budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem,
+                              dev.device_uuid)
     totals = {b.device: dev.device_total(b.device) for b in budgets}
     totals.update({b.device: dev.device_total(b.device) for b in inputs.ledger.roles.values()})
     return make_plan(old=inputs.config, new=cfg, ledger=inputs.ledger, new_budgets=budgets,

@@ -24,13 +24,14 @@ from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
-from gpud.core.transition import Refusal, Transition, transition
+from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
     DENIED,
     EXTERNAL,
     LIVE_STATES,
+    ORPHAN,
     STARTING,
     WARNING_KINDS,
 )
@@ -44,6 +45,10 @@ def prune_batch(keep: int) -> int:
     twentieth of it, so the store holds at most about 5% more than the setting (plus the events
     of one group commit). A fixed batch of 1000 kept 1,499 of an events_keep of 500."""
     return max(1, keep // 20)
+
+
+# The key of the hold on admissions while the invariant does not hold (not a serve name).
+INVARIANT_HOLD = ":invariant"
 
 
 
@@ -78,13 +83,22 @@ class ServeRecord:
 
 def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
                     devices: Sequence[str] | None = None,
-                    device_problem: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
+                    device_problem: Callable[[str], str | None] | None = None,
+                    device_id: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
     the device, never higher. `devices`, when observation sees any, lists what it sees: a role
     on a device not among them is an error. `device_problem` says why a device that is there
-    cannot be read (lost, reset required): its total is unknown, not its presence."""
+    cannot be read (lost, reset required): its total is unknown, not its presence.
+
+    The device is the physical bound: roles on one device partition it, their capacities
+    together never more than its total (a role whose capacity defaults to the total leaves no
+    room for another role there). `device_id` tells which references name the same device
+    (an index, a bus id and a UUID may); without it only equal references do. Where no total
+    can be known (no observation, no simulation) the sum cannot be checked: it is checked
+    when gpud starts on the host."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
+    defaulted: set[str] = set()
     for name, role in sorted(cfg.roles.items()):
         total = device_total(role.device)
         problem = device_problem(role.device) if device_problem else None
@@ -102,6 +116,7 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
                 )
                 continue
             capacity = total
+            defaulted.add(name)
         elif total is not None and capacity > total:
             problems.append(
                 f"roles.{name}.capacity_mib: {capacity} exceeds device {role.device!r} total "
@@ -112,7 +127,35 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
             problems.append(f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity {capacity}")
             continue
         budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
+    def same(ref: str) -> str:
+        return (device_id(ref) if device_id is not None else None) or ref
+
+    on_device: dict[str, list[RoleBudget]] = {}
+    for resolved in budgets:
+        on_device.setdefault(same(resolved.device), []).append(resolved)
+    for group in on_device.values():
+        total = device_total(group[0].device)
+        held = sum(b.capacity_mib for b in group)
+        if len(group) > 1 and total is not None and held > total:
+            names = [b.name for b in group]
+            at = next((n for n in names if n in defaulted), names[-1])
+            problems.append(
+                f"roles.{at}.capacity_mib: roles {', '.join(names)} are on one device "
+                f"({', '.join(sorted({b.device for b in group}))}, total {total} MiB) and "
+                f"together hold {held} MiB: roles on a device partition it (a capacity_mib "
+                f"not set is the whole device); set capacity_mib on each so that they add up "
+                f"to {total} MiB at most")
     for sname, serve in cfg.serves.items():
+        seen: dict[str, str] = {}
+        for i, role_name in enumerate(serve.all_roles):
+            ref = cfg.roles[role_name].device if role_name in cfg.roles else None
+            if ref is not None and len(serve.all_roles) > 1:
+                other = seen.setdefault(same(ref), role_name)
+                if other != role_name:
+                    problems.append(
+                        f"serves.{sname}.roles[{i}]: role {role_name!r} is on the same device "
+                        f"as role {other!r} ({cfg.roles[other].device!r} and {ref!r} are one "
+                        "device): each role of a serve must be on a different device")
         for role_name in serve.all_roles:
             budget = next((b for b in budgets if b.name == role_name), None)
             if budget and serve.vram_mib > budget.capacity_mib:
@@ -186,6 +229,14 @@ class LedgerService:
         # Told (by the supervisor) of each role on which a durable change gave memory back:
         # sleeping serves there may wake.
         self.freed: Callable[[str], None] = lambda _role: None
+        # Roles on which no admission is granted for now, by who holds them (a serve whose
+        # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
+        self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
+        # The invariant, evaluated after every commit: what was last found false, how often it
+        # was found false, and how far adopted units may leave each role over-committed.
+        self.violations: list[str] = []
+        self.invariant_violations = 0
+        self._adopted_over: dict[str, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -199,13 +250,13 @@ class LedgerService:
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
-                                    self._device_problem)
+                                    self._device_problem, self._device_id)
         except ConfigError:
             if stored is None:
                 raise
             stored = None  # it does not fit this host any more: decide against the file alone
             roles = resolve_budgets(self.config, self._device_total, self._devices(),
-                                    self._device_problem)
+                                    self._device_problem, self._device_id)
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
@@ -229,6 +280,7 @@ class LedgerService:
             self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
             self._moved_on(outcome)
         for over in self.ledger.over_committed():
+            self._adopted_over[over.role] = -over.free_mib  # units found running: allowed
             log.warning(
                 "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
                 extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
@@ -249,7 +301,8 @@ class LedgerService:
         return self.observer.present_devices() if self.observer else None
 
     def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
-        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem)
+        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem,
+                                  self._device_id)
         return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
                           states=self.states(), may_stop=may_stop)
 
@@ -319,6 +372,13 @@ class LedgerService:
     def _device_problem(self, device: str) -> str | None:
         return self.observer.device_problem(device) if self.observer else None
 
+    def _device_id(self, device: str) -> str | None:
+        """The UUID of the device a reference names, where observation knows it."""
+        find = getattr(self.observer, "device", None)
+        dev = find(device) if callable(find) else None
+        uuid = getattr(dev, "uuid", None)
+        return uuid if isinstance(uuid, str) else None
+
     # ---- the write path --------------------------------------------------------------------
 
     def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
@@ -381,6 +441,8 @@ class LedgerService:
                     self.ledger = p.ledger
                     for role in freed:
                         self.freed(role)
+                    if freed:
+                        self._clear_denials(freed)
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -391,10 +453,55 @@ class LedgerService:
                     p.future.set_result(events)
             self._decided_states = {row.serve: row.state for p in self._queue
                                     for row in p.changes.states}
+            self._check_invariant()
             if self._since_prune >= prune_batch(self.config.daemon.events_keep):
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
+
+    def _clear_denials(self, roles: Sequence[str]) -> None:
+        """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
+        denied: its reason is not true any more (it goes back to declared, unreserved)."""
+        rows = []
+        for name, spec in self.config.serves.items():
+            rec = self._records.get(name)
+            if rec is None or rec.state != DENIED or self._decided_state(name) != DENIED \
+                    or not any(r in roles for r in spec.all_roles):
+                continue
+            if all(self.free_for(name, r) >= spec.vram_mib for r in spec.all_roles):
+                rows.append(self.state_row(name, DECLARED))
+        if rows:
+            self.submit(Changes(states=rows))
+
+    def _check_invariant(self) -> None:
+        """The invariant against what is durable now. Found false: an `invariant` event with
+        the violations (journal at error level), the count behind
+        gpud_invariant_violations_total, and admissions held on the roles concerned until it
+        holds again."""
+        for role, allowed in list(self._adopted_over.items()):
+            budget = self.ledger.roles.get(role)
+            over = -self.ledger.figures(role).free_mib if budget is not None else 0
+            if min(allowed, over) > 0:
+                self._adopted_over[role] = min(allowed, over)  # drains, never grows back
+            else:
+                del self._adopted_over[role]
+        found = violated(self.config, self.ledger, self.states(), adopted_over=self._adopted_over)
+        texts = sorted({text for _roles, text in found})
+        if texts == self.violations:
+            return
+        new = [t for t in texts if t not in self.violations]
+        self.violations = texts
+        if texts:
+            self.invariant_violations += len(new)
+            roles = sorted({r for rs, _ in found for r in rs})
+            self.hold(INVARIANT_HOLD, roles, "the invariant does not hold: " + "; ".join(texts))
+            ev = self.event("invariant", "the invariant does not hold: " + "; ".join(texts)
+                            + (f"; admissions on {', '.join(roles)} are refused until it holds"
+                               if roles else ""), violations=texts, roles=roles, holds=False)
+        else:
+            self.lift(INVARIANT_HOLD)
+            ev = self.event("invariant", "the invariant holds again", violations=[], holds=True)
+        self.submit(Changes(events=[ev]))
 
     async def drain(self) -> None:
         """Wait until every submitted change is committed (or has failed)."""
@@ -422,6 +529,8 @@ class LedgerService:
     def _announce(self, ev: Event) -> None:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
         level = logging.WARNING if ev.kind in WARNING_KINDS else logging.INFO
+        if ev.kind == "invariant" and not ev.details.get("holds"):
+            level = logging.ERROR
         fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
                   "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
         for key, value in ev.details.items():
@@ -453,6 +562,23 @@ class LedgerService:
 
     def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
         return ServeStateRow(serve, state, reason, self.clock())
+
+    # ---- holds -----------------------------------------------------------------------------
+
+    def hold(self, key: str, roles: Sequence[str], why: str) -> None:
+        """Refuse admissions on `roles` until `lift(key)`; the admissions of the serve named
+        `key` itself (the one putting its reservation right) go through."""
+        self._holds[key] = (tuple(roles), why)
+
+    def lift(self, key: str) -> None:
+        self._holds.pop(key, None)
+
+    def held(self, role: str, serve: str) -> str | None:
+        """Why admissions of `serve` on `role` are refused for now, else None."""
+        for key, (roles, why) in self._holds.items():
+            if key != serve and role in roles:
+                return why
+        return None
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -544,6 +670,9 @@ class LedgerService:
             lost = self.lost_device(name)
             if lost is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
+            why = self.held(name, serve)
+            if why is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, why, bound="held")
         physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
                                                                                      serve)
         outcome = self._decided.decide(
@@ -605,15 +734,16 @@ class LedgerService:
         return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
 
     def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
-                             lost: str) -> tuple[Denied, asyncio.Future[list[Event]]]:
+                             lost: str, *, bound: str = "device"
+                             ) -> tuple[Denied, asyncio.Future[list[Event]]]:
         """The denial (recorded, with the reason) of an admission on a role whose device is
-        lost."""
+        lost, or (`bound` "held") on which admissions are held."""
         message = f"{serve} denied on {role}: {lost}"
         ev = self.event("deny", message, serve=serve, role=role, mib=mib, uid=uid,
-                        check="device", bound="device", need_mib=mib)
-        return Denied(message, {"serve": serve, "role": role, "bound": "device",
+                        check=bound, bound=bound, need_mib=mib)
+        return Denied(message, {"serve": serve, "role": role, "bound": bound,
                                 "need_mib": mib, "device": self.ledger.roles[role].device,
-                                "check": "device"}), self.submit(Changes(events=[ev]))
+                                "check": bound}), self.submit(Changes(events=[ev]))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
@@ -656,6 +786,10 @@ class LedgerService:
             res = Reservation(serve, roles[0], mib, self.clock(), None, False, roles[1:])
             ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             figures = ledger.figures(roles[0])
+            for name in roles:
+                over = -ledger.figures(name).free_mib
+                if over > 0:  # its memory is in use already: the invariant allows it
+                    self._adopted_over[name] = max(self._adopted_over.get(name, 0), over)
             ev = self.event("admit", f"{serve} re-admitted on {on_roles(res)} for its running "
                             f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
                             + "; ".join(ledger.figures(r).line() for r in roles),
@@ -725,6 +859,8 @@ class LedgerService:
             self.config = cfg
             self.config_refused = None
             self._moved_on(outcome)
+            for role in over:  # adopted units keep it over-committed, as they did
+                self._adopted_over[role] = -self.ledger.figures(role).free_mib
             return over
 
     # ---- reads -----------------------------------------------------------------------------
@@ -737,8 +873,12 @@ class LedgerService:
         return rec.state if rec else DECLARED
 
     def known_serves(self) -> list[str]:
+        """The configured serves, those holding memory, and those whose unit may still run
+        (an orphan, a removed serve still stopping). A serve the config no longer names that
+        holds nothing is not listed: its history stays in the events."""
         names = set(self.config.serves) | set(self.ledger.reservations)
-        names |= {n for n, r in self._records.items() if r.state != DECLARED}
+        names |= {n for n, r in self._records.items()
+                  if r.state in LIVE_STATES or r.state == ORPHAN}
         return sorted(names)
 
     def serve_spec(self, serve: str) -> ServeConfig | None:

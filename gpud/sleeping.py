@@ -33,6 +33,7 @@ from gpud.core.ledger import sleep_reservation
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.locks import Rank, Taken
 from gpud.steps import carry_out, undo_all
 
 if TYPE_CHECKING:
@@ -48,9 +49,10 @@ class _NotPreempted(Exception):
         super().__init__(message)
         self.message = message
 
-# A level-1 sleep copies the weights to host RAM: seconds for a large model.
-SLEEP_REQUEST_TIMEOUT_S = 300.0
 CONFIRM_TIMEOUT_S = 60.0
+# GET /is_sleeping answers from the API server at once (no engine work): a serve that does not
+# answer within this is "no answer", never waited on.
+IS_SLEEPING_TIMEOUT_S = 2.0
 # After vLLM says it sleeps, how long gpud waits for observation to show the memory back.
 DRAW_TIMEOUT_S = 10.0
 POLL_FIRST_S = 0.005
@@ -74,9 +76,7 @@ class Sleeps:
         self.host_memory = host_memory
         # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
         self.weights: Callable[[str], int | None] = lambda _serve: None
-        # One lock for every preemption and wake-back: a serve on several roles takes part in
-        # each of them, and one lock cannot be taken in two orders.
-        self._coordination = asyncio.Lock()
+        # Every preemption and wake-back holds the supervisor's coordination lock (gpud.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
 
@@ -136,21 +136,27 @@ class Sleeps:
                            "are HTTP", {})
         return f"http://127.0.0.1:{spec.port}{path}"
 
-    def _role_lock(self, _role: str) -> asyncio.Lock:
-        return self._coordination
+    def _role_lock(self, _role: str) -> Taken:
+        return self.sup.locks.coordination()
 
     @property
     def coordination(self) -> asyncio.Lock:
         """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
-        lock, never after one."""
-        return self._coordination
+        lock, never after one (gpud.locks)."""
+        return self.sup.locks.lock(Rank.COORDINATION)
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
     async def _post(self, serve: str, spec: ServeConfig, path: str,
-                    body: dict[str, Any] | None = None) -> None:
+                    body: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
+        """POST to the serve, bounded: daemon.sleep_timeout_s for /sleep, wake_timeout_s for
+        everything else (a wake's requests); past it, Unavailable with `no_answer`."""
         http = self.sup.serve_http(serve, spec)
-        timeout = aiohttp.ClientTimeout(total=SLEEP_REQUEST_TIMEOUT_S)
+        daemon = self.svc.config.daemon
+        if timeout_s is None:
+            timeout_s = daemon.sleep_timeout_s if path.startswith("/sleep") else \
+                daemon.wake_timeout_s
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with http.post(self._url(serve, spec, path), json=body,
                                  timeout=timeout) as resp:
@@ -158,7 +164,10 @@ class Sleeps:
                     said = (await resp.text())[:300]
                     raise Conflict(f"serve {serve!r} answered {resp.status} to POST {path}: "
                                    f"{said}", {"serve": serve, "status": resp.status})
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError as exc:
+            raise Unavailable(f"serve {serve!r}: POST {path} got no answer within "
+                              f"{timeout_s:g} s", {"serve": serve, "no_answer": True}) from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise Unavailable(f"serve {serve!r}: POST {path} failed: {exc or type(exc).__name__}",
                               {"serve": serve}) from exc
 
@@ -167,7 +176,8 @@ class Sleeps:
         that."""
         try:
             async with self.sup.serve_http(serve, spec).get(
-                    self._url(serve, spec, "/is_sleeping")) as resp:
+                    self._url(serve, spec, "/is_sleeping"),
+                    timeout=aiohttp.ClientTimeout(total=IS_SLEEPING_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)
@@ -175,6 +185,12 @@ class Sleeps:
             return None
         value = body.get("is_sleeping") if isinstance(body, dict) else None
         return value if isinstance(value, bool) else None
+
+    async def ask_to_sleep(self, serve: str, spec: ServeConfig, level: int) -> None:
+        """POST /sleep?level=N and wait until the serve confirms it (the ledger untouched:
+        the caller holds the serve's lock and knows what it reserves)."""
+        await self._post(serve, spec, f"/sleep?level={level}")
+        await self._confirm(serve, spec, asleep=True)
 
     async def _confirm(self, serve: str, spec: ServeConfig, asleep: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -255,21 +271,32 @@ class Sleeps:
             if level == 1:
                 self._check_host_ram(serve, parked)
             loop = asyncio.get_running_loop()
-            began = loop.time()
-            # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
-            # requests end at once with an error their clients can retry elsewhere, where
-            # "wait" would hold the sleep (and a preemption's waiting serve) for as long as
-            # its longest request, and "keep" would freeze them until a wake nobody has
-            # promised. Requests arriving while it sleeps queue (all modes).
-            await self._post(serve, spec, f"/sleep?level={level}&mode=abort")
-            try:
-                await self._confirm(serve, spec, asleep=True)
-            except GpudError:
-                with contextlib.suppress(GpudError):
-                    await self._post(serve, spec, "/wake_up")
-                raise
-            asleep_at = loop.time()
-            seen = await self._draw_down(serve, target)
+            asked = await self._process(serve)
+            if asked is None:
+                raise Unavailable(f"serve {serve!r} not put to sleep: systemd names no process "
+                                  "of its unit now, so a sleep could not be told apart from a "
+                                  "restart", {"serve": serve})
+            async with self.sup.device_locks(serve):  # its memory changes: no start's window
+                began = loop.time()
+                # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
+                # requests end at once with an error their clients can retry elsewhere, where
+                # "wait" would hold the sleep (and a preemption's waiting serve) for as long as
+                # its longest request, and "keep" would freeze them until a wake nobody has
+                # promised. Requests arriving while it sleeps queue (all modes).
+                await self._post(serve, spec, f"/sleep?level={level}&mode=abort")
+                try:
+                    await self._confirm(serve, spec, asleep=True)
+                except GpudError:
+                    with contextlib.suppress(GpudError):
+                        await self._post(serve, spec, "/wake_up")
+                    raise
+                asleep_at = loop.time()
+                seen = await self._draw_down(serve, target)
+            now = await self._process(serve)
+            if now != asked:
+                # The process asked is not the serve's any more (restarted meanwhile): the new
+                # one is awake and loads at its full size, which it still holds.
+                await self._restarted_in_sleep(serve, spec, asked, now)
             # The serve's own time (its answer to /sleep and the confirmation), and how long
             # observation took to show its memory back: gpud's overhead is the rest.
             serve_ms = round((asleep_at - began) * 1000, 1)
@@ -310,6 +337,34 @@ class Sleeps:
         await self._post(serve, spec, "/collective_rpc", {"method": "reload_weights"})
         await self._post(serve, spec, "/wake_up?tags=kv_cache")
 
+    async def _process(self, serve: str) -> tuple[int, str] | None:
+        """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
+        has none or it cannot be read."""
+        try:
+            st = await self.sup.units.state(serve)
+        except GpudError:
+            return None
+        if st is None or not st.main_pid or st.gone:
+            return None
+        return st.main_pid, st.invocation_id
+
+    async def _restarted_in_sleep(self, serve: str, spec: ServeConfig,
+                                  asked: tuple[int, str] | None,
+                                  now: tuple[int, str] | None) -> None:
+        def who(p: tuple[int, str] | None) -> str:
+            return f"MainPID {p[0]}, invocation {p[1][:12]}" if p else "no process"
+
+        res = self.svc.ledger.reservations.get(serve)
+        reason = (f"restarted while it was put to sleep (asked {who(asked)}, now {who(now)}): "
+                  "awake at its full size")
+        await self.svc.record(self.svc.event(
+            "restart", f"{serve}: {reason}; the sleep is not committed, reservation "
+            f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
+            mib=res.mib if res else None, main_pid=now[0] if now else None),
+            state=self.svc.state_row(serve, STARTING, reason))
+        self.sup.spawn(self.sup.watch_restart(serve))
+        raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
+
     def _check_host_ram(self, serve: str, parked: int) -> None:
         available = self.host_memory()
         margin = self.svc.config.daemon.sleep_host_margin_mib
@@ -346,14 +401,23 @@ class Sleeps:
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                await self._wake_up(serve, spec)
-                await self._confirm(serve, spec, asleep=False)
+                async with self.sup.device_locks(serve):  # its memory grows: no start's window
+                    await self._wake_up(serve, spec)
+                    await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
-                # Still asleep as far as anyone can tell: back to its sleep reservation.
-                await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True, event=(
-                    "sleep", f"{serve} did not wake ({exc.message}): back to {asleep} MiB",
-                    {"wake_failed": True}))
-                raise
+                said = await self.is_sleeping(serve, spec)
+                if said is None:
+                    # No answer: it may be waking, or half awake. It keeps its full
+                    # reservation and is restarted or stopped, as its restart policy says.
+                    await self.sup.wake_failed(serve, spec, f"the wake failed: {exc.message}")
+                    raise
+                if said:
+                    # Still asleep, as it says: back to its sleep reservation.
+                    await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True,
+                                         event=("sleep", f"{serve} did not wake ({exc.message})"
+                                                f": back to {asleep} MiB", {"wake_failed": True}))
+                    raise
+                # awake after all (it says so): the wake is done
             took = loop.time() - began
             await self.svc.record(self.svc.event(
                 "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
@@ -414,7 +478,7 @@ class Sleeps:
         the caller holds `coordination` already."""
         spec = self.sup.spec_of(serve)
         async with contextlib.AsyncExitStack() as stack:
-            if not locked:
+            if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
                 await stack.enter_async_context(self._role_lock(spec.role))
             plan = self.plan(serve, mib)
             if isinstance(plan, NoPlan):

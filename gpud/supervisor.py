@@ -70,7 +70,9 @@ from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
 from gpud.files import write_atomically
 from gpud.front import SERVE_UMASK, SocketSessions, open_to_front, prepare_socket_dir
 from gpud.hostmem import host_memory
+from gpud.locks import Locks, Taken
 from gpud.observer import Observer
+from gpud.reconciling import Reconciler
 from gpud.service import LedgerService, check_serve_name
 from gpud.sleeping import Sleeps, meta_key
 from gpud.unit_properties import UnitSpec, environment_file_text
@@ -139,8 +141,8 @@ class Supervisor:
         self.clock = clock
         # The last lines of a serve's unit, read when it exits: why it said it did.
         self.journal = journal
-        self._device_locks: dict[str, asyncio.Lock] = {}
-        self._serve_locks: dict[str, asyncio.Lock] = {}
+        # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
+        self.locks = Locks()
         self._launching: set[str] = set()
         self._launch_tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[str] = set()
@@ -165,6 +167,7 @@ class Supervisor:
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
         self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
+        self.reconciler = Reconciler(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Supervisor:
         self.svc.launching = self.launching
         self.svc.busy = self._launching.__contains__
         self.svc.freed = self.sleeps.freed
+        self.observer.listen(self._on_observation)
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
         return self
@@ -214,8 +218,13 @@ class Supervisor:
     def spec_of(self, serve: str) -> ServeConfig:
         return self._spec(serve)
 
-    def serve_lock(self, serve: str) -> asyncio.Lock:
-        return self._lock(self._serve_locks, serve)
+    def serve_lock(self, serve: str) -> Taken:
+        return self.locks.serve(serve)
+
+    def device_locks(self, serve: str) -> Taken:
+        """The locks of every device the serve uses: held for the part of an action that
+        changes their memory."""
+        return self.locks.devices(self._device_keys(serve))
 
     async def memory_back_for(self, serve: str) -> None:
         """Wait (bounded) until the stops in progress on the serve's devices are done and their
@@ -384,9 +393,6 @@ class Supervisor:
         for device in self._device_keys(serve):
             self._returning.setdefault(device, set()).add(serve)
 
-    def _lock(self, table: dict[str, asyncio.Lock], key: str) -> asyncio.Lock:
-        return table.setdefault(key, asyncio.Lock())
-
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None:
         """Admit the serve at its vram_mib if it holds no reservation, then launch it. Returns
@@ -397,12 +403,11 @@ class Supervisor:
         self._need_bus()
         carried: dict[str, Any] | None = None
         async with contextlib.AsyncExitStack() as locks:
-            # One lock order everywhere: preemption's (sleeps.coordination) before a serve's.
-            # A wake or wake-back holds the first and waits for the serve's; a start that took
-            # them the other way round deadlocked with it.
+            # One lock order everywhere (gpud.locks): preemption's coordination before a
+            # serve's, a serve's before its devices'.
             if preempt:
-                await locks.enter_async_context(self.sleeps.coordination)
-            await locks.enter_async_context(self._lock(self._serve_locks, serve))
+                await locks.enter_async_context(self.locks.coordination())
+            await locks.enter_async_context(self.serve_lock(serve))
             state = self.svc.state_of(serve)
             if state in LIVE_STATES or serve in self._launching:
                 hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
@@ -463,12 +468,10 @@ class Supervisor:
                 if not image.ok:
                     await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
                     return
-            async with contextlib.AsyncExitStack() as held_devices:
-                # Serialized starts: the serve holds every device it uses while it loads, taken
-                # in one order (sorted) so that two serves sharing devices never deadlock.
-                for device in sorted(set(self._device_keys(serve))):
-                    await held_devices.enter_async_context(
-                        self._lock(self._device_locks, device))
+            # Serialized starts: the serve holds every device it uses while it loads (no
+            # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
+            # once in one order so that two serves sharing devices never deadlock.
+            async with self.device_locks(serve):
                 await self._memory_back_all(serve)  # a stop begun while queued
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
@@ -610,6 +613,14 @@ class Supervisor:
             await asyncio.sleep(pause)
             if self.clock() - started > START_POLL_FAST_FOR_S:
                 pause = min(START_POLL_MAX_S, pause * 1.5)
+        if foreign is None and spec.port is not None:
+            # Someone else's listener that does not answer 200 (taken during a restart
+            # window, say): named all the same.
+            last = self._last.get(serve)
+            holder = await asyncio.to_thread(_foreign, serve, spec.port,
+                                             last.control_group if last else "")
+            if holder is not None:
+                foreign = f"port {spec.port} is held by {holder}, not by the serve's unit"
         why = f"; {foreign}" if foreign else ""
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
                                   f"{spec.start_timeout_s:g} s{why}", kind="unhealthy", stop=True)
@@ -668,6 +679,10 @@ class Supervisor:
         if held is None:
             return
         who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
+        await self.svc.record(self.svc.event(
+            "start", f"{serve}: not started: port {spec.port} is already held by {who}",
+            serve=serve, role=spec.role, ok=False, port=spec.port,
+            holders=[h.describe() for h in held]))
         raise Conflict(f"serve {serve!r}: port {spec.port} is already held by {who}; not started",
                        {"serve": serve, "port": spec.port,
                         "holders": [{"pid": h.pid, "unit": h.unit} for h in held]})
@@ -696,7 +711,13 @@ class Supervisor:
         if state in LIVE_STATES or serve in self._launching:
             self._need_bus()
         failed: GpudError | None = None
-        async with self._lock(self._serve_locks, serve):
+        check = self._checks.get(serve)
+        if check is not None and check is not asyncio.current_task() and not check.done():
+            # A health check restarting the serve holds its lock while the new process loads
+            # (minutes for vLLM): a stop does not wait for that, it ends it.
+            check.cancel()
+            await asyncio.wait({check})
+        async with self.serve_lock(serve):
             self._stopping.add(serve)
             # A start on the device from now on waits for this stop and for the memory to come
             # back (a serve ignoring SIGTERM takes its stop timeout to go).
@@ -720,7 +741,11 @@ class Supervisor:
                     mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
                     try:
-                        await self.units.stop(serve, spec.stop_timeout_s + 15)
+                        async with contextlib.AsyncExitStack() as memory:
+                            if self._unit_active(serve) or state in LIVE_STATES:
+                                # its memory comes back: not inside a neighbour's start window
+                                await memory.enter_async_context(self.device_locks(serve))
+                            await self.units.stop(serve, spec.stop_timeout_s + 15)
                         await self.units.reset_failed(serve)
                     except GpudError as exc:
                         if not await self._unit_ended(serve):
@@ -773,7 +798,7 @@ class Supervisor:
 
     async def _stop_orphan(self, serve: str, uid: int | None) -> None:
         self._need_bus()
-        async with self._lock(self._serve_locks, serve):
+        async with self.serve_lock(serve):
             self._stopping.add(serve)
             try:
                 await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
@@ -895,27 +920,56 @@ class Supervisor:
             serve=serve, role=spec.role, mib=res.mib if res else None,
             reservation="kept (restarting)" if res else "none held"),
             state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"))
-        self._stopping.add(serve)
-        try:
-            fresh = await self.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
-        except GpudError as exc:
-            self._stopping.discard(serve)
-            await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
-                               kind="unhealthy", stop=True)
-            return
-        finally:
-            self._stopping.discard(serve)
-        self._port_owner.pop(serve, None)
-        if fresh is None or fresh.active_state not in ACTIVE:
-            await self._failed(serve, f"{reason}; its unit did not come back after the restart",
-                               kind="exit")
-            return
-        self._last[serve] = fresh
-        self.svc.set_main_pid(serve, fresh.main_pid or None)
+        # Its devices are held from the stop of the old process to the health of the new one,
+        # as for a start: the new process loads and profiles alone on them.
+        async with self.device_locks(serve):
+            self._stopping.add(serve)
+            try:
+                fresh = await self.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
+            except GpudError as exc:
+                self._stopping.discard(serve)
+                await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
+                                   kind="unhealthy", stop=True)
+                return
+            finally:
+                self._stopping.discard(serve)
+            self._port_owner.pop(serve, None)
+            if fresh is None or fresh.active_state not in ACTIVE:
+                await self._failed(serve, f"{reason}; its unit did not come back after the "
+                                   "restart", kind="exit")
+                return
+            self._last[serve] = fresh
+            self.svc.set_main_pid(serve, fresh.main_pid or None)
+            await self.svc.record(self.svc.event(
+                "restart", f"{serve}: restarted through its unit after failing its health checks "
+                f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
+            await self._watch_restart(serve)
+
+    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None:
+        """A wake got no answer (the caller holds the serve's lock): the serve may be half
+        awake, so it keeps the full reservation its wake was admitted at, and is restarted
+        through its unit (its restart policy allowing) or stopped and failed, in the
+        background: the caller is answered now."""
+        res = self.svc.ledger.reservations.get(serve)
+        restart = spec.restart != "no" and self.units.available
+        what = "restarted through its unit" if restart else "stopped"
         await self.svc.record(self.svc.event(
-            "restart", f"{serve}: restarted through its unit after failing its health checks "
-            f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
-        await self._watch_restart(serve)
+            "unhealthy", f"{serve}: {reason}; it keeps its full reservation "
+            f"({res.mib if res else 0} MiB) and is {what}", serve=serve, role=spec.role,
+            mib=res.mib if res else None, wake_failed=True),
+            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}") if restart
+            else None)
+        self._spawn(self._after_failed_wake(serve, spec, reason, restart))
+
+    async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,
+                                 restart: bool) -> None:
+        async with self.serve_lock(serve):
+            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or serve in self._stopping:
+                return  # stopped or restarted meanwhile
+            if restart:
+                await self._unhealthy(serve, spec, reason)
+            else:
+                await self._failed(serve, reason, kind="unhealthy", stop=True)
 
     async def _outside_stop(self, serve: str, st: UnitState) -> None:
         """An operator stopped the unit (`systemctl stop`): recorded as such, not as a failure.
@@ -1051,6 +1105,10 @@ class Supervisor:
             return
         await self._failed(serve, "exited and systemd did not restart it", kind="exit")
 
+    async def watch_restart(self, serve: str) -> None:
+        """Wait for a serve that is starting again to answer (see _watch_restart)."""
+        await self._watch_restart(serve)
+
     async def _watch_restart(self, serve: str) -> None:
         """Wait for a serve that is starting again to answer (one watcher per serve: the
         unit's signals and gpud's own restart both ask for one)."""
@@ -1121,18 +1179,29 @@ class Supervisor:
                               self.svc.config.daemon.health_interval_s)
 
     async def _check_running(self) -> None:
-        """Begin this round's checks: one per running serve (and per failed serve whose unit is
-        still active, which may come back), none for a serve whose last check is still in
-        flight. Checks run concurrently, each on its own timeout: a slow or hung serve delays
-        no other serve's verdict."""
+        """Begin this round's checks: one per running or sleeping serve (and per failed serve
+        whose unit is still active, which may come back), none for a serve whose last check is
+        still in flight. Checks run concurrently, each on its own timeout: a slow or hung serve
+        delays no other serve's verdict."""
         for serve, rec in list(self.svc.records.items()):
-            spec = self.svc.serve_spec(serve)
-            if serve in self._checks or serve in self._stopping or spec is None:
-                continue
-            if rec.state == RUNNING or (rec.state == FAILED and self._unit_active(serve)):
-                task = self._spawn(self._check_one(serve, spec))
-                self._checks[serve] = task
-                task.add_done_callback(functools.partial(self._check_done, serve))
+            if rec.state in (RUNNING, SLEEPING) or (rec.state == FAILED
+                                                     and self._unit_active(serve)):
+                self._begin_check(serve)
+
+    def _begin_check(self, serve: str) -> None:
+        spec = self.svc.serve_spec(serve)
+        if serve in self._checks or serve in self._stopping or spec is None:
+            return
+        task = self._spawn(self._check_one(serve, spec))
+        self._checks[serve] = task
+        task.add_done_callback(functools.partial(self._check_done, serve))
+
+    async def _on_observation(self, _obs: Any) -> None:
+        """A sleeping serve drawing over its reservation may have been woken outside gpud:
+        it is checked now, not at the next round."""
+        for serve, rec in list(self.svc.records.items()):
+            if rec.state == SLEEPING and self.reconciler.overdrawn(serve):
+                self._begin_check(serve)
 
     def _check_done(self, serve: str, _task: asyncio.Task[None]) -> None:
         self._checks.pop(serve, None)
@@ -1142,14 +1211,14 @@ class Supervisor:
             async with self._health_slots:
                 answer = await self._probe(serve, spec)
             state = self.svc.state_of(serve)
-            if serve in self._stopping:
-                return
+            if serve in self._stopping or self.serve_lock(serve).locked():
+                return  # a lifecycle action of the serve is under way: it decides, not this
             if state == FAILED:
                 if answer.probe is Probe.OK and self._unit_active(serve):
                     rec = self.svc.records.get(serve)
                     await self._promote(serve, was_failed=rec.reason if rec else "?")
                 return
-            if state != RUNNING:
+            if state not in (RUNNING, SLEEPING):
                 return
             verdict = judge_running(answer, self._health_failures.get(serve, 0),
                                     self.svc.config.daemon.health_failures,
@@ -1159,9 +1228,19 @@ class Supervisor:
                     self._health_failures[serve] = verdict.failures
                 else:
                     self._health_failures.pop(serve, None)
+                    # What it says it is, against the ledger (woken or slept outside gpud).
+                    await self.reconciler.check(serve, spec)
                 return
             self._health_failures.pop(serve, None)
-            await self._unhealthy(serve, spec, verdict.unhealthy)
+            async with self.serve_lock(serve):  # a restart is a lifecycle action like any
+                if self.svc.state_of(serve) != state or serve in self._stopping:
+                    return
+                if state == SLEEPING:
+                    # Restarted, it would load at its full size on its sleep reservation.
+                    await self._failed(serve, f"{verdict.unhealthy} while asleep",
+                                       kind="unhealthy", stop=True)
+                    return
+                await self._unhealthy(serve, spec, verdict.unhealthy)
         except asyncio.CancelledError:
             raise
         except Exception:  # a failed store write must not end checking this serve for good

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gpud.core import answers
@@ -134,6 +134,24 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     }
     if len(roles) > 1:
         out["roles"] = list(roles)
+        out["observed_by_role"] = _observed_by_role(svc, name, roles, draws)
+    return out
+
+
+def _observed_by_role(svc: LedgerService, name: str, roles: Sequence[str],
+                      draws: DrawSource | None) -> dict[str, int] | None:
+    """What a serve on several devices draws on each of its roles' devices (None without
+    observation)."""
+    by_device = getattr(draws, "observed_by_device", None)
+    find = getattr(draws, "device", None)
+    seen = by_device(name) if callable(by_device) else None
+    if seen is None or not callable(find):
+        return None
+    out: dict[str, int] = {}
+    for role in roles:
+        budget = svc.ledger.roles.get(role)
+        dev = find(budget.device) if budget is not None else None
+        out[role] = seen.get(dev.uuid, 0) if dev is not None else 0
     return out
 
 

@@ -30,6 +30,7 @@ observe_interval_s = 0.2
 
 [roles.dark-fast]
 device = "GPU-sim-0"
+capacity_mib = 28511  # the device, less dark-side
 reserve_mib = 4608
 note = "display + voice sidecars"
 
@@ -156,7 +157,7 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     plan = check("POST", "/v1/plan", body={"config": grown, "source": "grown.toml"})
     assert plan["serves"] and plan["roles"] and plan["resident_fits"]
     too_big = text.replace("vram_mib = 5120\nresident = false",
-                           "vram_mib = 30000\nresident = true")
+                           "vram_mib = 27000\nresident = true")
     plan = check("POST", "/v1/plan", body={"config": too_big, "source": "big.toml"})
     assert plan["denied"] and not plan["resident_fits"]
     check("POST", "/v1/plan", body={"config": "[roles.x]\ndevice = 5"}, status=400)

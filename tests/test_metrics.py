@@ -35,6 +35,7 @@ observe_interval_s = 0.2
 {listen}
 [roles.dark-fast]
 device = "GPU-sim-0"
+capacity_mib = 28511  # the device, less dark-side
 reserve_mib = 4608
 [roles.dark-side]
 device = "0"
@@ -102,6 +103,7 @@ def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
         assert got[("gpud_serve_state", fast | {("state", "running")})] == 0
         assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == 2
         assert got[("gpud_events_total", frozenset({("kind", "deny")}))] == 1
+        assert got[("gpud_invariant_violations_total", frozenset())] == 0
         # every kind of event in gpud's vocabulary has its series (0 until it happens), and
         # nothing else is counted
         counted = {dict(labels)["kind"] for name, labels in got if name == "gpud_events_total"}

@@ -371,3 +371,10 @@ def _g(serve: str, frees: int, roles: str) -> Candidate:
 def test_the_greedy_cover_picks_by_what_is_still_lacking(
         short: dict[str, int], cands: list[Candidate], chosen: list[str]) -> None:
     assert [x.serve for x in preempt._greedy_cover(cands, short)] == chosen
+
+
+def test_a_plan_that_fits_already_says_so() -> None:
+    plan = plan_on_roles("hi", 10, 1000, {"r": 3807}, [])
+    assert isinstance(plan, Plan) and not plan.steps
+    assert plan.lines()[0] == ("preempt for hi (priority 10): need 1000 MiB, free 3807 MiB, it "
+                               "fits already: nothing to preempt")

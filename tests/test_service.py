@@ -19,7 +19,16 @@ import pytest
 from gpud.config import Config, parse_config
 from gpud.core.ledger import Reservation
 from gpud.core.transition import Refusal, Transition
-from gpud.core.vocab import ADMITTED, DECLARED, DENIED, EXTERNAL, FAILED, RUNNING, STARTING
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    DENIED,
+    EXTERNAL,
+    FAILED,
+    RUNNING,
+    STARTING,
+    STOPPING,
+)
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
 from gpud.service import LedgerService, prune_batch, resolve_budgets
@@ -211,6 +220,63 @@ def test_a_serve_fitting_its_role_exactly_passes() -> None:
     assert [b.name for b in resolve_budgets(c, lambda _d: None)] == ["r"]
 
 
+THREE_ON_ONE = """
+[roles.a]
+device = "1"
+[roles.a2]
+device = "GPU-one"
+capacity_mib = 10000
+[roles.a3]
+device = "0000:01:00.0"
+capacity_mib = 10000
+"""
+ONE = {"1": "GPU-one", "GPU-one": "GPU-one", "0000:01:00.0": "GPU-one"}
+
+
+def test_roles_on_one_device_may_not_hold_more_than_it() -> None:
+    """The issue's case: a (whole device), a2 and a3 (10000 MiB each) on one 32607 MiB device,
+    named three ways: refused at the role whose capacity is the whole device."""
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(cfg(THREE_ON_ONE), lambda _ref: 32607, None, None, ONE.get)
+    assert err.value.problems == [
+        "roles.a.capacity_mib: roles a, a2, a3 are on one device (0000:01:00.0, 1, GPU-one, "
+        "total 32607 MiB) and together hold 52607 MiB: roles on a device partition it (a "
+        "capacity_mib not set is the whole device); set capacity_mib on each so that they add "
+        "up to 32607 MiB at most"]
+    # partitioned, they pass; on devices of their own, too
+    parted = THREE_ON_ONE.replace('device = "1"\n', 'device = "1"\ncapacity_mib = 12607\n')
+    assert len(resolve_budgets(cfg(parted), lambda _ref: 32607, None, None, ONE.get)) == 3
+    assert len(resolve_budgets(cfg(THREE_ON_ONE), lambda _ref: 32607, None, None,
+                               lambda ref: ref)) == 3
+    # without identities only equal references are one device
+    same = cfg('[roles.a]\ndevice = "0"\n[roles.b]\ndevice = "0"\ncapacity_mib = 10\n')
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(same, lambda _ref: 100)
+    assert err.value.problems[0].startswith("roles.a.capacity_mib: roles a, b are on one device")
+
+
+def test_a_serve_on_two_roles_of_one_device_is_refused() -> None:
+    text = THREE_ON_ONE.replace('device = "1"\n', 'device = "1"\ncapacity_mib = 12607\n') + (
+        '[serves.tp]\nroles = ["a2", "a3"]\nvram_mib = 5000\ncommand = ["/bin/true"]\n')
+    with pytest.raises(ConfigError) as err:
+        resolve_budgets(cfg(text), lambda _ref: 32607, None, None, ONE.get)
+    assert err.value.problems == [
+        "serves.tp.roles[1]: role 'a3' is on the same device as role 'a2' ('GPU-one' and "
+        "'0000:01:00.0' are one device): each role of a serve must be on a different device"]
+
+
+def test_check_config_knows_simulated_devices_by_every_name(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    from gpud.daemon import check_config
+    path = tmp_path / "serves.toml"
+    path.write_text(THREE_ON_ONE.replace("GPU-one", "GPU-sim-0").replace(
+        "0000:01:00.0", "1") + '[simulation]\nstate_file = "/nonexistent"\n'
+        '[[simulation.devices]]\nuuid = "GPU-sim-0"\ntotal_mib = 32607\nindex = 1\n')
+    assert check_config(path) == 2
+    assert "roles.a.capacity_mib: roles a, a2, a3 are on one device" in capsys.readouterr().err
+
+
 # ---- load -----------------------------------------------------------------------------------
 
 
@@ -234,7 +300,7 @@ def test_load_restores_reservations_and_states_from_the_store(world: World) -> N
     assert svc.state_of("a") == RUNNING
     assert svc.state_of("x") == EXTERNAL  # held, so not "declared"
     assert svc.records["gone"].reason == "old"
-    assert svc.known_serves() == ["a", "b", "gone", "x"]
+    assert svc.known_serves() == ["a", "b", "x"]  # gone: not configured, holding nothing
 
 
 def test_a_held_serve_recorded_declared_or_denied_is_admitted_again(world: World) -> None:
@@ -406,10 +472,12 @@ async def test_a_denied_readmission_of_a_holder_keeps_its_state(world: World) ->
 async def test_a_denied_running_serve_keeps_running(world: World) -> None:
     svc = world.service()
     await svc.admit("b", 500)
+    await svc.admit("a", 300)
     await svc.record(svc.event("x", "x", serve="a"), state=svc.state_row("a", RUNNING))
-    with pytest.raises(Denied):
+    with pytest.raises(Denied) as err:
         await svc.admit("a", 401)
-    assert svc.state_of("a") == RUNNING
+    assert err.value.details["bound"] == "ledger"
+    assert svc.state_of("a") == RUNNING and svc.invariant_violations == 0
 
 
 async def test_a_denied_external_name_is_not_remembered(world: World) -> None:
@@ -944,4 +1012,90 @@ async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     await svc.record(svc.event("x", "old", serve="old"), state=svc.state_row("old", DECLARED))
     await svc.record(svc.event("x", "broken", serve="broken"),
                      state=svc.state_row("broken", FAILED))
-    assert svc.known_serves() == ["a", "b", "broken"]
+    await svc.record(svc.event("x", "leaving", serve="leaving"),
+                     state=svc.state_row("leaving", STOPPING))
+    # not configured, holding nothing: listed only while its unit may still run
+    assert svc.known_serves() == ["a", "b", "leaving"]
+
+
+async def test_admissions_on_a_held_role_are_denied_but_for_the_holder(world: World) -> None:
+    svc = world.service()
+    svc.hold("a", ["r"], "reconciling: a says is_sleeping false")
+    with pytest.raises(Denied) as err:
+        await svc.admit("b", 500, uid=4)
+    assert err.value.message == "b denied on r: reconciling: a says is_sleeping false"
+    assert err.value.details["bound"] == "held"
+    assert svc.held("r", "b") == "reconciling: a says is_sleeping false"
+    assert svc.held("r", "a") is None and svc.held("other", "b") is None
+    await svc.admit("a", 300)  # the serve putting its own reservation right
+    svc.lift("a")
+    await svc.admit("b", 500)
+    assert held(svc) == {"a": 300, "b": 500}
+
+
+async def test_the_invariant_is_evaluated_after_every_commit(world: World,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    svc = world.service()
+    await svc.admit("b", 500)
+    assert svc.violations == [] and svc.invariant_violations == 0
+    # a bug elsewhere: a serve recorded starting without a reservation
+    with caplog.at_level(logging.ERROR, logger="gpud"):
+        await svc.record(svc.event("start", "a: started"), state=svc.state_row("a", STARTING))
+        await svc.drain()
+    assert svc.violations == ["a: starting without a reservation"]
+    assert svc.invariant_violations == 1
+    [ev] = await svc.events(EventQuery(kinds=["invariant"]))
+    assert ev.details["violations"] == ["a: starting without a reservation"]
+    assert ev.details["roles"] == ["r"] and ev.details["holds"] is False
+    assert "refused until it holds" in ev.message
+    assert any(r.levelno == logging.ERROR and "invariant does not hold" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(Denied) as err:
+        await svc.admit("b", 400)
+    assert "the invariant does not hold: a: starting without a reservation" in err.value.message
+    await svc.release("b", allow_live=True)  # what gives memory back still goes
+    # put right: admissions are granted again, and it is said
+    await svc.record(svc.event("exit", "a: gone"), state=svc.state_row("a", DECLARED))
+    await svc.drain()
+    assert svc.violations == [] and svc.invariant_violations == 1
+    evs = await svc.events(EventQuery(kinds=["invariant"]))
+    assert [e.details["holds"] for e in evs] == [False, True]
+    await svc.admit("b", 400)
+
+
+async def test_adopted_over_commitment_is_no_violation_and_it_drains(world: World) -> None:
+    svc = world.service()
+    await svc.admit("b", 500)
+    await svc.adopt("a", "r", 600)  # 1100 > 900: units found running
+    await svc.drain()
+    assert svc.violations == []
+    await svc.release("a", allow_live=True)
+    await svc.drain()
+    assert svc.violations == [] and svc.invariant_violations == 0
+
+
+async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World) -> None:
+    svc = world.service()
+    with pytest.raises(Denied):
+        await svc.admit("b", 5000)  # denied: its state says so, with the reason
+    await svc.record(svc.event("x", "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
+    assert svc.known_serves() == ["a", "b"]
+    new_text = ROLES.split("[serves.a]")[0]
+    await svc.reload(cfg(new_text), new_text, source="test.toml")
+    assert svc.known_serves() == []  # their history stays in the events
+    assert [e.kind for e in await svc.events(EventQuery(serves=["b"]))] == ["deny"]
+
+
+async def test_a_denial_no_longer_true_is_cleared(world: World) -> None:
+    svc = world.service()
+    await svc.admit("b", 700)
+    with pytest.raises(Denied):
+        await svc.admit("a", 300)  # free 200: short 100
+    assert svc.state_of("a") == DENIED and "short" in (svc.records["a"].reason or "")
+    await svc.admit("b", 650)  # a shrink, still no room for a's 300
+    await svc.drain()
+    assert svc.state_of("a") == DENIED
+    await svc.release("b")
+    await svc.drain()
+    assert svc.state_of("a") == DECLARED and svc.records["a"].reason is None

@@ -314,6 +314,40 @@ async def test_a_serve_whose_port_is_held_is_not_started(rig: Rig) -> None:
         assert err.value.details["port"] == port and err.value.details["holders"]
     assert rig.held() == {}
     assert rig.units.started == []
+    [ev] = [e for e in rig.events(serves=["b"]) if e.kind == "start"]
+    assert ev.details["ok"] is False and ev.details["port"] == port
+    assert ev.message.startswith(f"b: not started: port {port} is already held by")
+
+
+async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
+        tmp_path: Path) -> None:
+    """A listener that is not the serve's and answers no 200 (refused or failing health
+    answers all along): the failure names who holds the port."""
+    clock = Clock()
+    r = await make_rig(tmp_path, CONFIG, clock=clock)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        text = (r.svc.config_text or "").replace(
+            'restart = "no"', f'restart = "no"\nstart_timeout_s = 2\nport = {port}')
+        await r.svc.reload(parse_config(text, "t"), text, source="t")
+
+        def failing() -> Answer:
+            clock.now += 1.0
+            return Answer(Probe.FAILED, "status 404")
+
+        r.sup.answers["b"] = failing
+        async for _ in entered(r):
+            r.sup.units.available = True
+            await r.svc.admit("b", 400)
+            unit_spec = r.sup._unit_spec("b", r.svc.config.serves["b"])
+            r.sup._launching.add("b")
+            await r.sup._launch("b", None, unit_spec)  # the port was free when it was asked
+            reason = r.reason("b") or ""
+            assert reason.startswith(f"unhealthy: no 200 from /health within 2 s; port {port} is "
+                                     "held by "), reason
+            assert reason.endswith("not by the serve's unit"), reason
 
 
 # ---- stop -----------------------------------------------------------------------------------
@@ -918,3 +952,66 @@ async def test_a_start_with_preempt_takes_the_preemption_lock_before_the_serves(
         coordination.release()
     await asyncio.wait_for(task, 10)
     assert rig.held() == {"a": 300}
+
+
+# ---- a sleep commits only for the process it asked -------------------------------------------
+
+
+async def test_a_sleep_answered_by_a_process_since_replaced_is_not_committed(
+        tmp_path: Path) -> None:
+    """The old process answers /sleep and is gone; the unit's MainPID and InvocationID are the
+    new (awake) process's: the serve keeps its full reservation and starts over."""
+    asleep = {"now": False}
+    rig_box: list[Rig] = []
+
+    async def sleep(_request: web.Request) -> web.Response:
+        asleep["now"] = True
+        rig = rig_box[0]
+        rig.units.live["s"] = unit("s", pid=5151, invocation="inv-new")  # restarted meanwhile
+        return web.json_response({})
+
+    async def is_sleeping(_request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": asleep["now"]})
+
+    app = web.Application()
+    app.router.add_post("/sleep", sleep)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    extra = (f'[serves.s]\nrole = "r"\nvram_mib = 500\nport = {port}\nsleep_level = 2\n'
+             'sleep_mib = 100\ncommand = ["/bin/true", "s"]\n')
+    r = await make_rig(tmp_path, CONFIG, extra=extra)
+    rig_box.append(r)
+    try:
+        async for _ in entered(r):
+            # running under its unit (the port is this test's: no start, which would see it
+            # held by another process)
+            r.units.live["s"] = unit("s", pid=4242, invocation="inv-1")
+            await r.svc.admit("s", 500, state=RUNNING)
+            with pytest.raises(Conflict, match="restarted while it was put to sleep"):
+                await r.sup.sleeps.sleep("s", None)
+            assert r.held() == {"s": 500}
+            assert r.state("s") in (STARTING, RUNNING)  # starts over, awake, at its full size
+            [ev] = [e for e in r.events(serves=["s"]) if e.kind == "restart"]
+            assert "MainPID 5151" in ev.message and "the sleep is not committed" in ev.message
+            assert not [e for e in r.events(serves=["s"]) if e.kind == "sleep"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_health_restart_holds_the_serves_lock_and_a_stop_ends_it(checked: Rig) -> None:
+    """The health check's restart is a lifecycle action like any: under the serve's lock (no
+    sleep, wake or start of it meanwhile), its devices held while the new process loads; a
+    stop does not wait for the new process, it ends the restart."""
+    r = checked
+    await running(r, "a")
+    mark = r.last_id()
+    r.sup.answers["a"] = failing()  # never healthy again: the restarted process loads forever
+    await r.wait_for("restart", "a", after=mark)
+    assert r.sup.serve_lock("a").locked() and r.sup.device_locks("a").locked()
+    await asyncio.wait_for(r.sup.stop("a", None), 5)
+    assert r.state("a") == DECLARED and r.held() == {}
+    assert not r.sup.serve_lock("a").locked() and not r.sup.device_locks("a").locked()

@@ -55,6 +55,8 @@ def test_admission_reserves_on_every_role_and_the_ledger_lists_each_part(two: Gp
     assert listed(two) == {"g0": [("big", 20000, "1/2")], "g1": [("big", 20000, "2/2")]}
     serve = two.call("GET", "/v1/serves/big").body
     assert serve["roles"] == ["g0", "g1"] and serve["reserved_mib"] == 20000
+    # what it draws on each device, beside the reservation held on each (nothing yet)
+    assert serve["observed_by_role"] == {"g0": 0, "g1": 0}
 
 
 def test_one_role_lacking_room_denies_it_all_and_nothing_is_reserved_anywhere(
@@ -241,7 +243,7 @@ def test_answers_about_a_serve_on_two_roles_match_the_served_document(two: GpudP
     schemas = doc["components"]["schemas"]
     # Declared (answers hold exactly the fields described), and optional: single-role answers
     # do not carry them.
-    for name, keys in (("Reservation", {"roles", "part"}), ("Serve", {"roles"}),
+    for name, keys in (("Reservation", {"roles", "part"}), ("Serve", {"roles", "observed_by_role"}),
                        ("Admitted", {"roles", "figures_by_role"}),
                        ("Released", {"roles", "figures_by_role"}), ("PlanDenied", {"lacking"})):
         assert schemas[name]["additionalProperties"] is False

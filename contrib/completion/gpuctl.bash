@@ -10,7 +10,7 @@
 # when gpud cannot be reached there is simply nothing to offer.
 
 _gpuctl_commands="status ledger serves admit release start sleep wake stop restart events plan apply calibrate reload"
-_gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit"
+_gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit invariant"
 _gpuctl_since="10m 1h 2h 1d 7d"
 # options that take one or more values
 _gpuctl_many="--kind"

@@ -119,6 +119,9 @@ class Serve(TypedDict):
     device_lost: str | None
     n_restarts: int
     observed_mib: int | None
+    # A serve on several roles (devices): what it draws on each role's device, beside its
+    # reservation there (reserved_mib, held on each); observed_mib is their sum.
+    observed_by_role: NotRequired[dict[str, int] | None]
     calibration: CalibrationStatus
     fingerprint: str | None
     calibrated: Calibrated | None

@@ -107,6 +107,11 @@ class DeviceView:
             return None
         return find_device(self.latest.devices, ref)
 
+    def device_uuid(self, ref: str) -> str | None:
+        """The UUID of the device a reference names (index, bus id or UUID), where observed."""
+        dev = self.device(ref)
+        return dev.uuid if dev is not None else None
+
     def device_problem(self, ref: str) -> str | None:
         """Why the device is lost or unreadable (NVML or the simulation says so), else None.
         None too while observation is unavailable: then nothing is known either way."""

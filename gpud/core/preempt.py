@@ -123,8 +123,8 @@ class Plan:
             tail = f"after: free {after} MiB, {self.serve} fits"
         else:
             head = (f"preempt for {self.serve} (priority {self.priority}): need "
-                    f"{self.need_mib} MiB, free {self.free_mib} MiB, short "
-                    f"{self.need_mib - self.free_mib} MiB")
+                    f"{self.need_mib} MiB, free {self.free_mib} MiB, " + (_short(self) if self.steps
+                    else "it fits already: nothing to preempt"))
             tail = f"after: free {self.free_after_mib} MiB, {self.serve} fits"
         return [head, *(f"  {i}. {s.line()}" for i, s in enumerate(self.steps, 1)), tail]
 
@@ -342,3 +342,7 @@ def _fewest_count(frees: Sequence[int], need: int) -> int:
         total += frees[k]
         k += 1
     return k
+
+
+def _short(plan: Plan) -> str:
+    return f"short {plan.need_mib - plan.free_mib} MiB"

@@ -191,30 +191,45 @@ def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
                adopted_over: Mapping[str, int] | None = None) -> list[str]:
     """What is false about (config, ledger, states) against the invariant; [] when it holds.
     `adopted_over` gives, per role, how far adopted units may leave it over-committed."""
-    problems: list[str] = []
+    return [text for _roles, text in violated(config, ledger, states, adopted_over=adopted_over)]
+
+
+def violated(config: Config, ledger: Ledger, states: Mapping[str, str], *,
+             adopted_over: Mapping[str, int] | None = None) -> list[tuple[tuple[str, ...], str]]:
+    """`violations`, each with the roles it concerns; one pass over the reservations (gpud
+    evaluates it after every commit)."""
+    problems: list[tuple[tuple[str, ...], str]] = []
     allowance = adopted_over or {}
+    committed: dict[str, int] = {}
     for res in ledger.reservations.values():
+        for role in set(res.all_roles):
+            committed[role] = committed.get(role, 0) + res.mib
         for role in res.all_roles:
             budget = ledger.roles.get(role)
             if budget is None or budget.missing or role not in config.roles:
-                problems.append(f"{res.serve}: reservation on role {role!r}, which is not "
-                                "configured")
+                problems.append(((role,), f"{res.serve}: reservation on role {role!r}, which is "
+                                 "not configured"))
         if len(set(res.all_roles)) != len(res.all_roles):
-            problems.append(f"{res.serve}: reservation names a role twice: {res.roles_text}")
+            problems.append((res.all_roles, f"{res.serve}: reservation names a role twice: "
+                             f"{res.roles_text}"))
     for name, budget in ledger.roles.items():
-        figures = ledger.figures(name)
+        held = committed.get(name, 0)
         if not budget.missing and name in config.roles and \
-                figures.free_mib < -allowance.get(name, 0):
-            problems.append(f"role {name!r}: committed {figures.committed_mib} > capacity "
-                            f"{figures.capacity_mib} - reserve {figures.reserve_mib}")
+                budget.capacity_mib - budget.reserve_mib - held < -allowance.get(name, 0):
+            problems.append(((name,), f"role {name!r}: committed {held} > capacity "
+                             f"{budget.capacity_mib} - reserve {budget.reserve_mib}"))
     for res in ledger.reservations.values():
         spec = config.serves.get(res.serve)
         if res.external and spec is not None:
-            problems.append(f"{res.serve}: external reservation under a configured serve's name")
+            problems.append((res.all_roles, f"{res.serve}: external reservation under a "
+                             "configured serve's name"))
         if spec is not None and spec.all_roles != res.all_roles:
-            problems.append(f"{res.serve}: reservation on {res.roles_text!r}, configured on "
-                            f"{', '.join(spec.all_roles)!r}")
+            problems.append((res.all_roles + spec.all_roles,
+                             f"{res.serve}: reservation on {res.roles_text!r}, configured on "
+                             f"{', '.join(spec.all_roles)!r}"))
     for serve, state in states.items():
         if state in HOLDING_STATES and serve not in ledger.reservations:
-            problems.append(f"{serve}: {state} without a reservation")
+            spec = config.serves.get(serve)
+            problems.append((spec.all_roles if spec else (), f"{serve}: {state} without a "
+                             "reservation"))
     return problems

@@ -72,6 +72,8 @@ class EventKind(StrEnum):
     # GPU memory held by a container process outside every serve unit (an engine that does not
     # keep its containers in the unit's cgroup): counted as non-ledger draw, and said so
     CONTAINER_OUTSIDE_UNIT = "container-outside-unit"
+    # The invariant (gpud.core.transition.violations) found false after a commit, or true again
+    INVARIANT = "invariant"
 
 
 EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)

@@ -250,7 +250,11 @@ def format_serve(serve: answers.Serve) -> str:
         rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
         if key == "role" and serve.get("roles"):
             rows.append(("roles", ", ".join(serve["roles"])))
-    known = {key for _, key in _SERVE_FIELDS} | {"calibrated", "roles"}
+        if key == "observed_mib" and serve.get("observed_by_role"):
+            # per device, beside the reservation held on each
+            rows.append(("observed each", ", ".join(
+                f"{r} {mib} MiB" for r, mib in (serve.get("observed_by_role") or {}).items())))
+    known = {key for _, key in _SERVE_FIELDS} | {"calibrated", "roles", "observed_by_role"}
     rows.append(("calibrated", _calibrated(serve.get("calibrated"))))
     rows += [(k, _dash(v)) for k, v in sorted(serve.items()) if k not in known and k != "simulated"]
     text = _block(rows)

@@ -446,3 +446,19 @@ def campaign_sandbox() -> Iterator[Any]:
     from tests.integration.conftest import booted_sandbox
 
     yield from booted_sandbox("gpud-campaign")
+
+
+def invariant_violations(metrics_text: bytes | str) -> int:
+    """gpud_invariant_violations_total from a /metrics answer (gpud's own evaluation of the
+    invariant after every commit)."""
+    text = metrics_text.decode() if isinstance(metrics_text, bytes) else metrics_text
+    for line in text.splitlines():
+        if line.startswith("gpud_invariant_violations_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no gpud_invariant_violations_total in /metrics")
+
+
+def invariant_events(events: list[dict[str, Any]]) -> list[str]:
+    """What gpud's stored `invariant` events said (none while the invariant holds)."""
+    return [e["message"] for e in events if e["kind"] == "invariant"]
+

@@ -28,6 +28,7 @@ from tests.campaigns.conftest import (
     MibSource,
     Op,
     check_ledger_figures,
+    invariant_events,
     knob,
     ledger_reservations,
     match_acks,
@@ -86,6 +87,7 @@ def check_after_kill(state_dir: Path, ops: list[Op], cycle: int) -> tuple[list[s
                         f"{sorted(diff)[:6]}")
     _, ack_problems = match_acks(ops, store.events)
     problems += [f"kill {cycle}: {p}" for p in ack_problems[:10]]
+    problems += [f"kill {cycle}: {p}" for p in invariant_events(store.events)[:5]]
     # an acknowledged admit's reservation is still held unless a later stored event replaced or
     # released it: the replay already says so; here the states must agree with the ledger
     for serve in [*CONFIGURED, *EXTERNAL]:

@@ -29,6 +29,8 @@ from tests.campaigns.conftest import (
     Sampler,
     check_ledger_figures,
     check_real_time_order,
+    invariant_events,
+    invariant_violations,
     knob,
     ledger_reservations,
     match_acks,
@@ -180,8 +182,43 @@ def preempt_next_op(r: Any, _mibs: MibSource) -> Op:
     put to sleep and woken by other clients."""
     roll = r.random()
     kind = ("start-preempt" if roll < 0.35 else "stop" if roll < 0.55 else "sleep"
-            if roll < 0.75 else "wake" if roll < 0.9 else "start")
+            if roll < 0.75 else "wake" if roll < 0.85 else "outside-wake" if roll < 0.9
+            else "outside-sleep" if roll < 0.93 else "start")
     return Op(kind, r.choice(list(UNIT_SERVES)))
+
+
+def outside_perform(gpud: SandboxGpud, op: Op) -> None:
+    """The world acting behind gpud's back: a local user with no gpud group wakes or puts to
+    sleep a serve straight on its port (vLLM's dev endpoints have no authentication)."""
+    port = UNIT_SERVES[op.serve][2]
+    path = "/wake_up" if op.kind == "outside-wake" else "/sleep?level=2"
+    op.t_send = time.monotonic()
+    out = gpud.sb.run(["curl", "-s", "-m", "10", "-o", "/dev/null", "-w", "%{http_code}", "-X",
+                       "POST", f"http://127.0.0.1:{port}{path}"], user="nobody", check=False)
+    op.status = int(out.stdout.strip() or 0)  # 0: nothing listens (not running)
+    op.t_reply = time.monotonic()
+
+
+def reconciled(gpud: SandboxGpud, timeout: float = 30) -> list[str]:
+    """Wait (bounded) until every serve gpud shows running or sleeping is so by its own
+    word; what still disagrees at the end."""
+    deadline = time.monotonic() + timeout
+    disagree: list[str] = []
+    while time.monotonic() < deadline:
+        disagree = []
+        for s in gpud.get("/v1/serves")["serves"]:
+            if s["name"] not in UNIT_SERVES or s["state"] not in ("running", "sleeping"):
+                continue
+            port = UNIT_SERVES[s["name"]][2]
+            out = gpud.sb.run(["curl", "-s", "-m", "5", f"http://127.0.0.1:{port}/is_sleeping"],
+                              check=False).stdout
+            said = '"is_sleeping": true' in out or '"is_sleeping":true' in out
+            if said != (s["state"] == "sleeping"):
+                disagree.append(f"{s['name']}: gpud says {s['state']}, it says {out!r}")
+        if not disagree:
+            return []
+        time.sleep(0.2)
+    return disagree
 
 
 # What preemption's mix leaves of each role: dark-fast 3439 MiB free for u1, u3, u5 (7500
@@ -226,7 +263,9 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
         barrier.wait()
         for _ in range(ops_per_client):
             op = next_op(r, mibs)
-            if op.serve in serve_locks and not racy:
+            if op.kind.startswith("outside-"):
+                outside_perform(gpud, op)
+            elif op.serve in serve_locks and not racy:
                 with serve_locks[op.serve]:
                     sandbox_perform(client, op)
                     if op.kind in ("start", "start-preempt") and op.status == 200:
@@ -255,10 +294,15 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
     finally:
         sampler.stop()
     ops = [op for per in per_client for op in per]
-    problems: list[str] = []
+    problems: list[str] = reconciled(gpud)[:5] if preempt else []
     problems += [f"no reply to {op.kind} {op.serve}: {op.body}" for op in ops if not op.acked][:5]
     problems += [f"{op.kind} {op.serve}: {op.status} {op.body}" for op in ops
-                 if op.acked and op.status not in SANDBOX_EXPECTED[op.kind]][:5]
+                 if op.acked and not op.kind.startswith("outside-")
+                 and op.status not in SANDBOX_EXPECTED[op.kind]][:5]
+    # gpud's own evaluation of the invariant after every commit found nothing either
+    counted = invariant_violations(gpud.call("GET", "/metrics").raw)
+    if counted:
+        problems.append(f"gpud_invariant_violations_total is {counted}")
     ledger = gpud.get("/v1/ledger")
     serves = {s["name"]: s for s in gpud.get("/v1/serves")["serves"]}
     units = gpud.serve_units()
@@ -267,6 +311,7 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
     rep = replay(store["events"], budgets)
     problems += rep.problems[:10]
     problems += sleep_problems(store["events"])[:10]
+    problems += invariant_events(store["events"])[:5]
     # the external reservations' operations carry unique figures: each is matched to its event,
     # and nothing else touched them
     ext_ops = [op for op in ops if op.serve in SANDBOX_EXTERNAL]
@@ -320,7 +365,10 @@ def run_sandbox_concurrency(gpud: SandboxGpud, clients: int, ops_per_client: int
                "preempted": sum(e["kind"] == "preempt" for e in store["events"]),
                "denied": sum(op.kind in ("admit", "start") and op.status == 409
                              and op.body["error"]["code"] == "denied" for op in ops),
-               "snapshots": len(sampler.snapshots), "units_at_end": len(units), "violations": 0}
+               "outside": sum(op.kind.startswith("outside-") and op.status == 200
+                              for op in ops),
+               "snapshots": len(sampler.snapshots), "units_at_end": len(units), "violations": 0,
+               "invariant_violations_total": counted}
     print(f"sandbox concurrency campaign: {summary} {seed_note()}")
     assert summary["starts_ok"] and summary["stops_ok"], summary
     if preempt:
@@ -704,6 +752,7 @@ def run_sandbox_crash(gpud: SandboxGpud, kills: int, clients: int) -> dict[str, 
         rep = replay(store["events"], budgets)
         problems += [f"kill {cycle}: {p}" for p in rep.problems[:5]]
         problems += [f"kill {cycle}: {p}" for p in sleep_problems(store["events"])[:5]]
+        problems += [f"kill {cycle}: {p}" for p in invariant_events(store["events"])[:5]]
         if store["reservations"] != replay_reservations(rep):
             problems.append(f"kill {cycle}: reservations are not the replay of the stored events")
         if ledger_reservations(gpud.get("/v1/ledger")) != store["reservations"]:

@@ -1,0 +1,148 @@
+"""The ledger against what a sleep-capable serve says it is (gpud.core.reconcile decides).
+
+vLLM's `/wake_up` and `/sleep` answer anyone who reaches the port, so a serve can be woken or put
+to sleep behind gpud's back. At every health check of such a serve (running or sleeping), and
+when observation sees a sleeping serve draw over its reservation, gpud asks `GET /is_sleeping`;
+when the answer disagrees with the ledger, admissions on the serve's roles are held (no one is
+admitted on figures that are false) while the serve's lock is taken, the question asked again,
+and the ledger put right: a serve woken outside gpud is admitted at its full size if it fits,
+else put back to sleep (or stopped, when it is preempted by stopping); a serve put to sleep
+outside gpud keeps its full reservation and is shown sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from gpud.config import ServeConfig
+from gpud.core.reconcile import Reconcile, disagrees, reconcile
+from gpud.core.vocab import RUNNING, SLEEPING
+from gpud.errors import Denied, GpudError
+from gpud.sleeping import meta_key
+
+if TYPE_CHECKING:
+    from gpud.supervisor import Supervisor
+
+log = logging.getLogger("gpud.reconcile")
+
+
+def _said(value: bool | None) -> str:
+    return "no answer to GET /is_sleeping" if value is None else f"is_sleeping {str(value).lower()}"
+
+
+class Reconciler:
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.svc = sup.svc
+        self.sleeps = sup.sleeps
+
+    def overdrawn(self, serve: str) -> bool:
+        """Observation sees the serve draw over its reservation plus the tolerance."""
+        res = self.svc.ledger.reservations.get(serve)
+        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        return (res is not None and seen is not None
+                and seen > res.mib + self.svc.config.daemon.overdraw_tolerance_mib)
+
+    async def check(self, serve: str, spec: ServeConfig) -> Reconcile:
+        """Ask the serve what it is and put the ledger right if it disagrees; what was done."""
+        if not spec.sleep_level or spec.port is None:
+            return Reconcile.AGREE
+        said = await self.sleeps.is_sleeping(serve, spec)
+        recorded = self.svc.state_of(serve)
+        if not disagrees(recorded, said, overdrawn=self.overdrawn(serve)):
+            return Reconcile.AGREE
+        lock = self.sup.serve_lock(serve)
+        if lock.locked():
+            return Reconcile.AGREE  # a sleep, wake or stop is under way: the next check asks
+        roles = spec.all_roles
+        self.svc.hold(serve, roles, f"reconciling: {serve} says {_said(said)}, the ledger holds "
+                      f"it {recorded}; admissions on {', '.join(roles)} wait until it is "
+                      "put right")
+        stop = False
+        try:
+            async with lock:
+                if self.sup.busy(serve):
+                    return Reconcile.AGREE
+                recorded = self.svc.state_of(serve)
+                said = await self.sleeps.is_sleeping(serve, spec)
+                over = self.overdrawn(serve)
+                awake = self.sleeps.awake_mib(serve, spec)
+                fits = all(self.svc.free_for(serve, r) >= awake for r in roles)
+                decision = reconcile(recorded, said, overdrawn=over, awake_fits=fits,
+                                     preemptible=spec.preemptible)
+                if decision is Reconcile.ADMIT_AWAKE:
+                    try:
+                        await self._admit_awake(serve, spec, said, awake)
+                    except Denied as exc:  # the figures moved since: as if it did not fit
+                        log.warning("%s: woken outside gpud, not re-admitted: %s", serve,
+                                    exc.message)
+                        decision = (Reconcile.STOP if spec.preemptible == "stop"
+                                    else Reconcile.SLEEP_AGAIN)
+                if decision is Reconcile.SLEEP_AGAIN:
+                    stop = not await self._sleep_again(serve, spec, said, awake)
+                elif decision is Reconcile.STOP:
+                    await self._say(serve, spec, said, awake, "stopped (it is preempted by "
+                                    "stopping)", outside=True)
+                    stop = True
+                elif decision is Reconcile.SHOW_ASLEEP:
+                    await self._show_asleep(serve, spec)
+            if stop:
+                await self.sup.stop(serve, None)
+            return decision
+        finally:
+            self.svc.lift(serve)
+
+    async def _admit_awake(self, serve: str, spec: ServeConfig, said: bool | None,
+                           awake: int) -> None:
+        asleep = self.svc.ledger.reservations[serve].mib
+        why = f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)})"
+        # An admission like any (its own event), then the wake, as gpud's own wake says both.
+        await self.svc.admit(serve, awake, state=RUNNING, event=(
+            "admit", f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
+            {"outside": True, "waking": True}))
+        await self.svc.record(self.svc.event(
+            "wake", f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
+            role=spec.role, mib=awake, outside=True, from_mib=asleep))
+        await self.svc.put_meta(meta_key(serve), None)
+
+    async def _sleep_again(self, serve: str, spec: ServeConfig, said: bool | None,
+                           awake: int) -> bool:
+        """Put it back to sleep at the level it slept at; False when it would not."""
+        level = self.sleeps.note(serve).get("level") or spec.sleep_level
+        await self._say(serve, spec, said, awake, f"put back to sleep (level {level})",
+                        outside=True)
+        try:
+            await self.sleeps.ask_to_sleep(serve, spec, int(level))
+        except GpudError as exc:
+            log.error("%s: woken outside gpud and could not be put back to sleep (%s): "
+                      "stopping it", serve, exc.message)
+            return False
+        return True
+
+    async def _say(self, serve: str, spec: ServeConfig, said: bool | None, awake: int,
+                   what: str, *, outside: bool) -> None:
+        res = self.svc.ledger.reservations.get(serve)
+        free = min(self.svc.free_for(serve, r) for r in spec.all_roles)
+        await self.svc.record(self.svc.event(
+            "wake", f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
+            f"does not fit awake ({awake} MiB, {free} MiB free for it): {what}",
+            serve=serve, role=spec.role, mib=res.mib if res else None, outside=outside,
+            awake_mib=awake, free_mib=free))
+
+    async def _show_asleep(self, serve: str, spec: ServeConfig) -> None:
+        res = self.svc.ledger.reservations[serve]
+        note = {"level": None, "preempted_by": None, "parked_host_mib": 0,
+                "awake_mib": res.mib, "outside": True}
+        reason = "asleep (put to sleep outside gpud; reservation kept)"
+        await self.svc.admit(serve, res.mib, state=SLEEPING, shrink=True, state_reason=reason,
+                             event=("sleep", f"{serve} was put to sleep outside gpud "
+                                    f"(is_sleeping true, {self._seen(serve)}): shown sleeping, "
+                                    f"its reservation of {res.mib} MiB kept",
+                                    {"outside": True, "from_mib": res.mib}),
+                             meta={meta_key(serve): json.dumps(note)})
+
+    def _seen(self, serve: str) -> str:
+        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        return "draw not observed" if seen is None else f"{seen} MiB drawn"
