@@ -138,6 +138,22 @@ def command_argv(serve: ServeConfig, *, util: str, device_index: int,
                  device_indexes=device_indexes)
 
 
+def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
+    """Whether the serve's start may share its devices with other such starts, and why (said in
+    the boot's events and `gpuctl plan`). A vllm serve sized in bytes (vllm.kv_cache_mib →
+    --kv-cache-memory-bytes) skips vLLM's memory profiling (vllm/v1/worker/gpu_worker.py,
+    Worker.determine_available_memory), so a neighbour loading at the same time cannot shrink
+    its KV cache; anything else profiles or is not known not to, and starts alone (vLLM
+    #55827)."""
+    if serve.vllm is None:
+        return False, "starts alone: not a vllm serve, its sizing unknown to gpud"
+    if serve.vllm.kv_cache_mib is None:
+        return False, ("starts alone: its KV cache is sized by profiling (no vllm.kv_cache_mib), "
+                       "which a neighbour loading at the same time would corrupt")
+    return True, (f"starts with its device's other exactly sized serves: KV cache "
+                  f"{serve.vllm.kv_cache_mib} MiB (--kv-cache-memory-bytes), no profiling")
+
+
 def uses_utilization(serve: ServeConfig) -> bool:
     args = [*(serve.command or ()), *((serve.container.args or ()) if serve.container else ())]
     return serve.vllm is not None or any("{gpu_memory_utilization}" in arg for arg in args)
