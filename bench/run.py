@@ -3,7 +3,7 @@
 
     python3 bench/run.py                # everything; writes bench/RESULTS.md
     python3 bench/run.py --quick        # a short smoke run (< 1 min)
-    python3 bench/run.py --only boot    # one figure (repeatable; names or numbers 1-7)
+    python3 bench/run.py --only boot    # one figure (repeatable; names or numbers 1-8)
 
 See bench/README.md for what each figure means and how it is measured. Benchmarks are not
 tests: nothing here runs under pytest, and a missed target is reported, not failed on.
@@ -23,10 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import fig_admissions, fig_idle, fig_plan, fig_sleep, fig_startup, fig_systemd  # noqa: E402
+from bench import (  # noqa: E402
+    fig_admissions,
+    fig_idle,
+    fig_parallel,
+    fig_plan,
+    fig_sleep,
+    fig_startup,
+    fig_systemd,
+)
 from bench.common import FigureResult, Row, loadavg, machine  # noqa: E402
 
-FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt")
+FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt", "parallel")
 RESULTS = REPO / "bench" / "RESULTS.md"
 
 
@@ -103,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         ("boot+detection", lambda: fig_systemd.run(args.quick, args.only_set)),
         ("plan", lambda: [fig_plan.run(args.quick)]),
         ("preempt", lambda: [fig_sleep.run(args.quick)]),
+        ("parallel", lambda: [fig_parallel.run(args.quick)]),
     ]
     figs: list[FigureResult] = []
     failed = False
