@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.core import answers
-from gpud.core.launch import fingerprint, smallest_total, utilization, vllm_budget_mib
+from gpud.core.launch import (
+    fingerprint,
+    kv_cache_fit_mib,
+    smallest_total,
+    utilization,
+    vllm_budget_mib,
+)
 from gpud.core.vocab import RUNNING
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
@@ -155,6 +161,7 @@ class Calibrator:
 
     def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)
+        spec = self.svc.serve_spec(serve)
         out: answers.Calibration = {"serve": serve, "status": status, "fingerprint": fp,
                                "running": None, "record": None}
         run = self.runs.get(serve)
@@ -170,6 +177,10 @@ class Calibrator:
                              "recommended_mib": rec.recommended_mib,
                              "current": rec.fingerprint == fp}
             out["vllm"] = rec.vllm
+            if rec.vllm and spec is not None:
+                # the figure for vllm.kv_cache_mib (exactly sized: starts beside its neighbours)
+                fit, how = kv_cache_fit_mib(spec.vram_mib, rec.vllm)
+                out["vllm"] = {**rec.vllm, "kv_cache_fit_mib": fit, "kv_cache_fit": how}
         return out
 
     async def vllm_figures(self, serve: str, steady_mib: int) -> dict[str, Any] | None:

@@ -80,3 +80,30 @@ def test_the_serve_view_shows_vllms_account_beside_the_measured_figures(tmp_path
     assert ("calibrated:  steady 17500 MiB, peak 17900 MiB, recommended reservation 18400 MiB; "
             "vLLM: weights 9000 MiB, KV cache 8000 MiB, CUDA graphs 600 MiB, context 700 MiB"
             in text), text
+
+
+def test_a_util_sized_calibration_gives_the_kv_cache_that_fits_exactly(tmp_path: Path) -> None:
+    """From a util-sized start's figures: vram_mib less the context, less what vLLM's budget
+    held besides its KV cache (budget - its own recommendation), less the margin."""
+    from gpud.ctl.format import format_calibration
+
+    util_sized = CONFIG.replace("kv_cache_mib = 8000\n", "")
+    figures = {**VLLM, "budget_mib": 19000, "kv_cache_mib": 9200, "context_mib": 700,
+               "recommended_kv_cache_mib": 9000}
+    view = calibrator(tmp_path, util_sized, figures).view("v")
+    vllm = view.get("vllm") or {}
+    # 20000 - 700 - (19000 - 9000) - max(64, 2% of 20000)
+    assert vllm["kv_cache_fit_mib"] == 20000 - 700 - 10000 - 400
+    text = format_calibration(view)
+    assert "KV cache to fit the reservation exactly: 8900 MiB (vram_mib 20000 - context 700 - " \
+        "weights, activation peak and CUDA graphs 10000 - margin 400); in [serves.v.vllm]: " \
+        "kv_cache_mib = 8900" in text, text
+
+
+def test_an_exactly_sized_calibration_says_why_it_gives_no_figure(tmp_path: Path) -> None:
+    from gpud.ctl.format import format_calibration
+
+    view = calibrator(tmp_path).view("v")  # sized in bytes: no budget to go by
+    assert (view.get("vllm") or {})["kv_cache_fit_mib"] is None
+    assert "KV cache to fit the reservation exactly: no figure: the calibration needs a " \
+        "util-sized start's vLLM lines" in format_calibration(view)

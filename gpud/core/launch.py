@@ -138,6 +138,36 @@ def command_argv(serve: ServeConfig, *, util: str, device_index: int,
                  device_indexes=device_indexes)
 
 
+KV_MARGIN_PCT = 2  # of the reservation, at least KV_MARGIN_MIN_MIB
+KV_MARGIN_MIN_MIB = 64
+
+
+def kv_cache_fit_mib(vram_mib: int, vllm: Mapping[str, object]) -> tuple[int | None, str]:
+    """The KV cache (MiB) that fits the reservation with the serve sized exactly, from a
+    calibration's vLLM figures (a util-sized start's: gpud.vllm_log), and how it was found, or
+    None and why not. vram_mib less the context beyond vLLM's budget, less what the budget held
+    besides the KV cache (weights, activation peak, CUDA graphs: the budget less vLLM's own
+    --kv-cache-memory recommendation, which keeps its buffer, or less the KV cache it sized),
+    less a margin (KV_MARGIN_PCT of the reservation, at least KV_MARGIN_MIN_MIB)."""
+    def num(key: str) -> int | None:
+        value = vllm.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    budget, context = num("budget_mib"), num("context_mib")
+    kv = num("recommended_kv_cache_mib") or num("kv_cache_mib")
+    if budget is None or context is None or kv is None:
+        return None, ("no figure: the calibration needs a util-sized start's vLLM lines "
+                      "(its budget, KV cache and context)")
+    non_kv = budget - kv
+    margin = max(KV_MARGIN_MIN_MIB, vram_mib * KV_MARGIN_PCT // 100)
+    fit = vram_mib - context - non_kv - margin
+    how = (f"vram_mib {vram_mib} - context {context} - weights, activation peak and CUDA graphs "
+           f"{non_kv} - margin {margin}")
+    if fit <= 0:
+        return None, f"no room for a KV cache: {how} = {fit} MiB"
+    return fit, how
+
+
 def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
     """Whether the serve's start may share its devices with other such starts, and why (said in
     the boot's events and `gpuctl plan`). A vllm serve sized in bytes (vllm.kv_cache_mib →

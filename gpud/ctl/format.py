@@ -485,5 +485,12 @@ def format_calibration(doc: answers.Calibration) -> str:
         if vllm.get("recommended_kv_cache_mib"):
             lines.append(f"  vLLM recommends --kv-cache-memory={vllm.get('recommended_kv_cache_bytes')}: "
                          f"kv_cache_mib = {vllm.get('recommended_kv_cache_mib')}")
+        if vllm.get("kv_cache_fit_mib"):
+            # sized in bytes, the serve skips vLLM's profiling and starts beside its neighbours
+            lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit_mib')} "
+                         f"MiB ({vllm.get('kv_cache_fit')}); in [serves.{doc.get('serve')}.vllm]: "
+                         f"kv_cache_mib = {vllm.get('kv_cache_fit_mib')}")
+        elif vllm.get("kv_cache_fit"):
+            lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit')}")
     return "\n".join(lines)
 
