@@ -28,7 +28,14 @@ import aiohttp
 from gpud import containers, ports
 from gpud.config import Config, ServeConfig
 from gpud.core.health import Answer, Probe, healthy_at_start, judge_running
-from gpud.core.launch import serve_argv, serve_environment, smallest_total, start_sharing, through_shim
+from gpud.core.launch import (
+    serve_argv,
+    serve_environment,
+    smallest_total,
+    start_sharing,
+    through_shim,
+    with_kv_cache,
+)
 from gpud.core.unitstate import (
     ACTIVE,
     Action,
@@ -129,6 +136,9 @@ class Supervisor:
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
+        # The KV cache a serve's calibration gives (kv_cache_mib = "calibrated"; set by the
+        # daemon: Calibrator.kv_cache_figure).
+        self.kv_figure: Callable[[str], int | None] = lambda _serve: None
         self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
         self.reconciler = Reconciler(self)
 
@@ -304,7 +314,8 @@ class Supervisor:
         queued first come first served, run the exactly sized ones together and each
         util-sized one alone between them (gpud.locks, gpud.core.launch.start_sharing)."""
         log.info("boot on %s: %s", self._device_key(names[0]) or "the device", "; ".join(
-            f"{name} {start_sharing(self._spec(name))[1]}" for name in names))
+            f"{name} {start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))[1]}"
+            for name in names))
         launches: list[asyncio.Task[Any]] = []
         for name in names:
             if self.svc.state_of(name) in LIVE_STATES or name in self._launching:
@@ -411,7 +422,7 @@ class Supervisor:
                     would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
                     raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
-                unit_spec = self._unit_spec(serve, spec)
+                unit_spec = self._unit_spec(serve, with_kv_cache(spec, self.kv_figure(serve)))
             except GpudError as exc:
                 # Refused before systemd is asked: the serve fails with the reason, now.
                 await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
@@ -441,7 +452,7 @@ class Supervisor:
             # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
             # once in one order so that two serves sharing devices never deadlock.
             # A start that does not profile shares them with other such starts (gpud.locks).
-            shared, why = start_sharing(spec)
+            shared, why = start_sharing(with_kv_cache(spec, self.kv_figure(serve)))
             async with self.device_locks(serve, shared=shared):
                 await self._memory_back_all(serve)  # a stop begun while queued
                 try:

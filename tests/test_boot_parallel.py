@@ -94,3 +94,22 @@ async def test_a_util_sized_serve_starts_alone_in_its_priority_place(tmp_path: P
         u = next(e for e in r.events(kinds=["start"]) if e.serve == "u")
         assert u.details["device_lock"] == "exclusive"
         assert "sized by profiling" in u.details["device_lock_why"]
+
+
+async def test_kv_cache_calibrated_uses_the_calibrations_figure_or_starts_alone(
+        tmp_path: Path) -> None:
+    spec = [("c1", 10, True), ("c2", 20, True)]
+    text = serves(spec).replace("kv_cache_mib = 100", 'kv_cache_mib = "calibrated"')
+    r = await make_rig(tmp_path, CONFIG, extra=text)
+    r.sup.kv_figure = lambda serve: 96 if serve == "c1" else None  # c2 not calibrated
+    async for _ in entered(r):
+        await r.sup.boot()
+        argv = {s.serve: s.argv for s in r.units.started}
+        assert "--kv-cache-memory-bytes" in argv["c1"]
+        assert argv["c1"][argv["c1"].index("--kv-cache-memory-bytes") + 1] == str(96 << 20)
+        assert "--kv-cache-memory-bytes" not in argv["c2"]
+        ev = {e.serve: e.details for e in r.events(kinds=["start"])}
+        assert ev["c1"]["device_lock"] == "shared"
+        assert ev["c2"]["device_lock"] == "exclusive"
+        assert ev["c2"]["device_lock_why"].startswith(
+            'starts alone: kv_cache_mib = "calibrated" but no calibration gives a figure yet')

@@ -97,7 +97,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                   (str(v.max_model_len), "vllm.max_model_len")]
     if v.quantization:
         parts += [("--quantization", "vllm.quantization"), (v.quantization, "vllm.quantization")]
-    if v.kv_cache_mib is not None:
+    if isinstance(v.kv_cache_mib, int):  # "calibrated": resolved by with_kv_cache, or none
         parts += [("--kv-cache-memory-bytes", "vllm.kv_cache_mib"),
                   (str(v.kv_cache_mib * MIB), "vllm.kv_cache_mib")]
     drain, _worker = stop_budget(serve.stop_timeout_s)
@@ -168,6 +168,15 @@ def kv_cache_fit_mib(vram_mib: int, vllm: Mapping[str, object]) -> tuple[int | N
     return fit, how
 
 
+def with_kv_cache(serve: ServeConfig, figure_mib: int | None) -> ServeConfig:
+    """A serve with kv_cache_mib = "calibrated" as it starts: sized by its calibration's figure
+    (kv_cache_fit_mib) when there is one, else unchanged (sized by profiling)."""
+    v = serve.vllm
+    if v is None or v.kv_cache_mib != "calibrated" or figure_mib is None:
+        return serve
+    return serve.model_copy(update={"vllm": v.model_copy(update={"kv_cache_mib": figure_mib})})
+
+
 def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
     """Whether the serve's start may share its devices with other such starts, and why (said in
     the boot's events and `gpuctl plan`). A vllm serve sized in bytes (vllm.kv_cache_mib →
@@ -177,6 +186,9 @@ def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
     #55827)."""
     if serve.vllm is None:
         return False, "starts alone: not a vllm serve, its sizing unknown to gpud"
+    if serve.vllm.kv_cache_mib == "calibrated":
+        return False, ('starts alone: kv_cache_mib = "calibrated" but no calibration gives a '
+                       "figure yet (gpuctl calibrate NAME): sized by profiling until then")
     if serve.vllm.kv_cache_mib is None:
         return False, ("starts alone: its KV cache is sized by profiling (no vllm.kv_cache_mib), "
                        "which a neighbour loading at the same time would corrupt")
