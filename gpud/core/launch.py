@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from gpud.config import Config, ServeConfig
 from gpud.core.argv64 import encode
@@ -194,6 +195,41 @@ def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
                        "which a neighbour loading at the same time would corrupt")
     return True, (f"starts with its device's other exactly sized serves: KV cache "
                   f"{serve.vllm.kv_cache_mib} MiB (--kv-cache-memory-bytes), no profiling")
+
+
+@dataclass(frozen=True)
+class BootStep:
+    """One step of a device's boot: serves that start together (exactly sized), or one alone."""
+
+    device: str
+    serves: tuple[str, ...]
+    together: bool
+    why: str
+
+
+def boot_steps(serves: Mapping[str, ServeConfig], device_of: Callable[[str], str]) -> list[BootStep]:
+    """The boot of `serves` (those that start), per device in priority order: each util-sized
+    serve alone, each run of exactly sized ones between them together (start_sharing; the
+    device locks of gpud.locks do this at boot)."""
+    steps: list[BootStep] = []
+    open_run: dict[str, int] = {}  # device -> index in steps of its current run of together
+    for _prio, name in sorted((s.priority, n) for n, s in serves.items()):
+        device = device_of(name)
+        shared, why = start_sharing(serves[name])
+        at = open_run.get(device)
+        if shared and at is not None:
+            step = steps[at]
+            steps[at] = BootStep(device, (*step.serves, name), True,
+                                 "exactly sized (--kv-cache-memory-bytes): no profiling")
+            continue
+        steps.append(BootStep(device, (name,), shared,
+                              "exactly sized (--kv-cache-memory-bytes): no profiling" if shared
+                              else why))
+        if shared:
+            open_run[device] = len(steps) - 1
+        else:
+            open_run.pop(device, None)
+    return steps
 
 
 def uses_utilization(serve: ServeConfig) -> bool:

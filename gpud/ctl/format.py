@@ -448,6 +448,10 @@ def format_plan(doc: answers.Plan) -> str:
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
+    for boot in doc.get("boot") or []:  # what the boot serializes on each device, and why
+        how = "together" if boot.get("together") else "alone"
+        lines.append(f"boot on {boot.get('device')}: {', '.join(boot.get('serves') or [])} "
+                     f"{how}: {boot.get('why')}")
     stop_first = doc.get("stop_first") or []
     if stop_first:
         lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
