@@ -28,6 +28,7 @@ from bench import (  # noqa: E402
     fig_admissions,
     fig_flood,
     fig_idle,
+    fig_parallel,
     fig_plan,
     fig_sleep,
     fig_startup,
@@ -35,7 +36,8 @@ from bench import (  # noqa: E402
 )
 from bench.common import FigureResult, Row, loadavg, machine  # noqa: E402
 
-FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt", "flood")
+FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt", "flood",
+           "parallel")
 RESULTS = REPO / "bench" / "RESULTS.md"
 README = REPO / "README.md"
 # The README's table of figures lies between these lines, written from RESULTS.md by a full run
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ("plan", lambda: [fig_plan.run(args.quick)]),
         ("preempt", lambda: [fig_sleep.run(args.quick)]),
         ("flood", lambda: [fig_flood.run(args.quick)]),
+        ("parallel", lambda: [fig_parallel.run(args.quick)]),
     ]
     figs: list[FigureResult] = []
     failed = False

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.core import answers
-from gpud.core.launch import fingerprint, smallest_total, utilization, vllm_budget_mib
+from gpud.core.launch import (
+    fingerprint,
+    kv_cache_fit_mib,
+    smallest_total,
+    utilization,
+    vllm_budget_mib,
+)
 from gpud.core.vocab import RUNNING, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
@@ -139,8 +145,8 @@ class Calibrator:
         Why not, or None (also when there is nothing calibrated to go by)."""
         spec = self.svc.serve_spec(serve)
         rec = self.record_of(serve)
-        if spec is None or spec.vllm is None or spec.vllm.kv_cache_mib is None or rec is None \
-                or not rec.vllm or rec.vllm.get("weights_mib") is None:
+        if spec is None or spec.vllm is None or not isinstance(spec.vllm.kv_cache_mib, int) \
+                or rec is None or not rec.vllm or rec.vllm.get("weights_mib") is None:
             return None
         weights = int(rec.vllm["weights_mib"])
         graphs = int(rec.vllm.get("cudagraph_mib") or 0)
@@ -153,8 +159,18 @@ class Calibrator:
                 f"{context} + kv_cache_mib {spec.vllm.kv_cache_mib}) exceeds vram_mib "
                 f"{spec.vram_mib}: vLLM would draw past its reservation")
 
+    def kv_cache_figure(self, serve: str) -> int | None:
+        """The KV cache (MiB) the serve's current calibration gives (kv_cache_mib =
+        "calibrated"), or None."""
+        spec = self.svc.serve_spec(serve)
+        rec = self.record_of(serve)
+        if spec is None or rec is None or not rec.vllm:
+            return None
+        return kv_cache_fit_mib(spec.vram_mib, rec.vllm)[0]
+
     def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)
+        spec = self.svc.serve_spec(serve)
         out: answers.Calibration = {"serve": serve, "status": status, "fingerprint": fp,
                                "running": None, "record": None}
         run = self.runs.get(serve)
@@ -170,6 +186,10 @@ class Calibrator:
                              "recommended_mib": rec.recommended_mib,
                              "current": rec.fingerprint == fp}
             out["vllm"] = rec.vllm
+            if rec.vllm and spec is not None:
+                # the figure for vllm.kv_cache_mib (exactly sized: starts beside its neighbours)
+                fit, how = kv_cache_fit_mib(spec.vram_mib, rec.vllm)
+                out["vllm"] = {**rec.vllm, "kv_cache_fit_mib": fit, "kv_cache_fit": how}
         return out
 
     async def vllm_figures(self, serve: str, steady_mib: int) -> dict[str, Any] | None:
@@ -185,7 +205,7 @@ class Calibrator:
         totals = [self.observer.device_total(r.device) if r else None for r in roles]
         total = smallest_total(totals)
         figures["context_mib"] = None
-        if res is not None and total and spec.vllm.kv_cache_mib is None \
+        if res is not None and total and not isinstance(spec.vllm.kv_cache_mib, int) \
                 and vllm_budget_mib(spec, res.mib) * 10_000 >= total:
             budget = budget_mib(utilization(serve, vllm_budget_mib(spec, res.mib), total), total)
             figures["budget_mib"] = budget

@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -135,8 +136,24 @@ class VllmConfig(_Model):
     executable: str | None = None
     # --host; gpud's health checks go to 127.0.0.1, the default.
     host: str | None = Field(default=None, min_length=1)
-    # --kv-cache-memory-bytes: the KV cache sized exactly, no KV profiling.
-    kv_cache_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # --kv-cache-memory-bytes: the KV cache sized exactly, no KV profiling (the serve starts
+    # beside its device's other exactly sized serves); "calibrated": the figure of the serve's
+    # current calibration (gpuctl calibrate NAME), util-sized and alone until there is one.
+    kv_cache_mib: int | Literal["calibrated"] | None = None
+    @field_validator("kv_cache_mib", mode="before")
+    @classmethod
+    def _mib_or_calibrated(cls, value: Any) -> Any:
+        # one problem named at the key, not one per member of the union
+        if value is None or value == "calibrated":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError('must be a figure in MiB (an integer) or "calibrated"')
+        if value <= 0:
+            raise ValueError("must be > 0")
+        if value > MAX_MIB:
+            raise ValueError(f"must be <= {MAX_MIB}")
+        return value
+
     # What vLLM draws beyond its budget (CUDA context, NCCL, cuBLAS: measured by `gpuctl
     # calibrate`). The reservation covers it: util = floor((vram_mib - context_mib) / total).
     context_mib: int = Field(default=0, ge=0, le=MAX_MIB)
@@ -569,7 +586,7 @@ def _vllm_problems(cfg: Config) -> list[str]:
         if v.context_mib >= serve.vram_mib:
             problems.append(f"serves.{name}.vllm.context_mib: {v.context_mib} must be below "
                             f"vram_mib {serve.vram_mib}")
-        elif v.kv_cache_mib is not None and v.kv_cache_mib + v.context_mib >= serve.vram_mib:
+        elif isinstance(v.kv_cache_mib, int) and v.kv_cache_mib + v.context_mib >= serve.vram_mib:
             problems.append(f"serves.{name}.vllm.kv_cache_mib: {v.kv_cache_mib} (+ context_mib "
                             f"{v.context_mib}) must be below vram_mib {serve.vram_mib} (the "
                             "weights need room too)")

@@ -222,6 +222,7 @@ class Daemon:
             calibrator = Calibrator(svc, observer)
             calibrator.load()
             supervisor.sizing = calibrator.sizing_problem
+            supervisor.kv_figure = calibrator.kv_cache_figure
             supervisor.sleeps.weights = calibrator.weights_mib
             stack.push_async_callback(calibrator.close)
             on_demand = OnDemand(svc, supervisor)

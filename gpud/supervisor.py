@@ -33,8 +33,10 @@ from gpud.core.launch import (
     serve_argv,
     serve_environment,
     smallest_total,
+    start_sharing,
     through_shim,
     unit_restart,
+    with_kv_cache,
 )
 from gpud.core.unitstate import (
     ACTIVE,
@@ -166,6 +168,9 @@ class Supervisor:
         # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
         # the daemon: Calibrator.sizing_problem).
         self.sizing: Callable[[str], str | None] = lambda _serve: None
+        # The KV cache a serve's calibration gives (kv_cache_mib = "calibrated"; set by the
+        # daemon: Calibrator.kv_cache_figure).
+        self.kv_figure: Callable[[str], int | None] = lambda _serve: None
         self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
         self.reconciler = Reconciler(self)
 
@@ -221,10 +226,10 @@ class Supervisor:
     def serve_lock(self, serve: str) -> Taken:
         return self.locks.serve(serve)
 
-    def device_locks(self, serve: str) -> Taken:
+    def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
         """The locks of every device the serve uses: held for the part of an action that
-        changes their memory."""
-        return self.locks.devices(self._device_keys(serve))
+        changes their memory; `shared` by a start that does not profile (gpud.locks)."""
+        return self.locks.devices(self._device_keys(serve), shared=shared)
 
     async def memory_back_for(self, serve: str) -> None:
         """Wait (bounded) until the stops in progress on the serve's devices are done and their
@@ -345,15 +350,30 @@ class Supervisor:
         return False
 
     async def _boot_device(self, names: list[str]) -> None:
+        """Every serve of the device launched in priority order at once: their device locks,
+        queued first come first served, run the exactly sized ones together and each
+        util-sized one alone between them (gpud.locks, gpud.core.launch.start_sharing)."""
+        log.info("boot on %s: %s", self._device_key(names[0]) or "the device", "; ".join(
+            f"{name} {start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))[1]}"
+            for name in names))
+        launches: list[asyncio.Task[Any]] = []
         for name in names:
             if self.svc.state_of(name) in LIVE_STATES or name in self._launching:
                 continue
             try:
-                await self.start(name, None, wait=True)
+                await self.start(name, None)
             except GpudError as exc:
                 log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
                         "boot: %s not started: %s", name, exc.message)
-            self.notify(f"STATUS=starting resident set: {self.svc.summary()}")
+                continue
+            task = self._launch_tasks.get(name)
+            if task is not None:
+                task.add_done_callback(lambda _t: self.notify(
+                    f"STATUS=starting resident set: {self.svc.summary()}"))
+                launches.append(task)
+        if launches:
+            # Not gathered: a stop that cancels a launch must not cancel the boot.
+            await asyncio.wait(launches)
 
     # ---- start / stop ----------------------------------------------------------------------
 
@@ -442,7 +462,7 @@ class Supervisor:
                     would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
                     raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
-                unit_spec = self._unit_spec(serve, spec)
+                unit_spec = self._unit_spec(serve, with_kv_cache(spec, self.kv_figure(serve)))
             except GpudError as exc:
                 # Refused before systemd is asked: the serve fails with the reason, now.
                 await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
@@ -471,7 +491,9 @@ class Supervisor:
             # Serialized starts: the serve holds every device it uses while it loads (no
             # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
             # once in one order so that two serves sharing devices never deadlock.
-            async with self.device_locks(serve):
+            # A start that does not profile shares them with other such starts (gpud.locks).
+            shared, why = start_sharing(with_kv_cache(spec, self.kv_figure(serve)))
+            async with self.device_locks(serve, shared=shared):
                 await self._memory_back_all(serve)  # a stop begun while queued
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
@@ -486,7 +508,8 @@ class Supervisor:
                     "start", f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
                     mib=self.svc.ledger.reservations[serve].mib if serve in
-                    self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid),
+                    self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid,
+                    device_lock="shared" if shared else "exclusive", device_lock_why=why),
                     state=self.svc.state_row(serve, STARTING))
                 healthy = await self._await_healthy(serve, spec, promote=False)
             # Recorded after the device is free: the next start there need not wait on the

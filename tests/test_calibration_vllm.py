@@ -107,3 +107,30 @@ async def test_the_v2_runners_graph_pool_counts_for_a_kv_cache_mib_serve(tmp_pat
     assert fitted.sizing_problem("v") == (
         "calibrated need 20083 MiB (weights 11766 + CUDA graphs 317 + context 0 + kv_cache_mib "
         "8000) exceeds vram_mib 20000: vLLM would draw past its reservation")
+
+
+def test_a_util_sized_calibration_gives_the_kv_cache_that_fits_exactly(tmp_path: Path) -> None:
+    """From a util-sized start's figures: vram_mib less the context, less what vLLM's budget
+    held besides its KV cache (budget - its own recommendation), less the margin."""
+    from gpud.ctl.format import format_calibration
+
+    util_sized = CONFIG.replace("kv_cache_mib = 8000\n", "")
+    figures = {**VLLM, "budget_mib": 19000, "kv_cache_mib": 9200, "context_mib": 700,
+               "recommended_kv_cache_mib": 9000}
+    view = calibrator(tmp_path, util_sized, figures).view("v")
+    vllm = view.get("vllm") or {}
+    # 20000 - 700 - (19000 - 9000) - max(64, 2% of 20000)
+    assert vllm["kv_cache_fit_mib"] == 20000 - 700 - 10000 - 400
+    text = format_calibration(view)
+    assert "KV cache to fit the reservation exactly: 8900 MiB (vram_mib 20000 - context 700 - " \
+        "weights, activation peak and CUDA graphs 10000 - margin 400); in [serves.v.vllm]: " \
+        "kv_cache_mib = 8900" in text, text
+
+
+def test_an_exactly_sized_calibration_says_why_it_gives_no_figure(tmp_path: Path) -> None:
+    from gpud.ctl.format import format_calibration
+
+    view = calibrator(tmp_path).view("v")  # sized in bytes: no budget to go by
+    assert (view.get("vllm") or {})["kv_cache_fit_mib"] is None
+    assert "KV cache to fit the reservation exactly: no figure: the calibration needs a " \
+        "util-sized start's vLLM lines" in format_calibration(view)

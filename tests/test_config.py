@@ -266,6 +266,16 @@ def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:
     assert ok.serves["emb"].vllm.context_mib == 400
 
 
+def test_kv_cache_mib_is_mib_or_calibrated() -> None:
+    ok = parse_config(BASE + VLLM_SERVE + 'kv_cache_mib = "calibrated"', "t")
+    assert ok.serves["emb"].vllm is not None and ok.serves["emb"].vllm.kv_cache_mib == "calibrated"
+    found = problems(BASE + VLLM_SERVE + 'kv_cache_mib = "auto"')
+    assert any(p.startswith("serves.emb.vllm.kv_cache_mib") and "calibrated" in p
+               for p in found), found
+    assert any(p.startswith("serves.emb.vllm.kv_cache_mib") for p in
+               problems(BASE + VLLM_SERVE + "kv_cache_mib = 0")), found
+
+
 @pytest.mark.parametrize(("snippet", "expected"), [
     ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\nsleep_level = 3',
      "serves.s.sleep_level"),

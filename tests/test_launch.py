@@ -442,3 +442,19 @@ def test_a_vllm_serve_without_a_port_is_not_launched() -> None:
     with pytest.raises(Refused, match=r"serve x: a vllm serve needs a port \(serves.x.port\): "
                                       "without --port vLLM binds 8000"):
         serve_argv(serve, total_mib=32607, device_index=0, vllm_executable="vllm", name="x")
+
+
+def test_kv_cache_fit_mib() -> None:
+    from gpud.core.launch import kv_cache_fit_mib
+
+    figures = {"budget_mib": 8000, "context_mib": 500, "kv_cache_mib": 3000}
+    assert kv_cache_fit_mib(10000, figures) == (
+        10000 - 500 - 5000 - 200,
+        "vram_mib 10000 - context 500 - weights, activation peak and CUDA graphs 5000 - "
+        "margin 200")
+    # vLLM's own recommendation, when it gave one, wins over the KV cache it sized
+    assert kv_cache_fit_mib(10000, {**figures, "recommended_kv_cache_mib": 2800})[0] == 4100
+    assert kv_cache_fit_mib(1000, figures) == (
+        None, "no room for a KV cache: vram_mib 1000 - context 500 - weights, activation peak "
+        "and CUDA graphs 5000 - margin 64 = -4564 MiB")
+    assert kv_cache_fit_mib(10000, {"kv_cache_mib": 3000})[0] is None

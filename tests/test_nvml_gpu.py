@@ -305,3 +305,77 @@ def test_a_real_vllm_serve_behaves_as_gpud_expects(
             proc.wait()
         with socket.socket() as s:  # the port is free again
             s.bind(("127.0.0.1", port))
+
+
+def test_real_vllm_serves_sized_exactly_start_together(
+        gpu: tuple[NvmlBackend, DeviceSample], tmp_path: Path) -> None:
+    """Where vLLM and a local model are present (GPUD_TEST_VLLM_MODEL): four `vllm serve`s with
+    the argv gpud builds for kv_cache_mib (--kv-cache-memory-bytes) started at once on one GPU,
+    as gpud's boot starts them, all come up; each says it skipped memory profiling
+    (vllm/v1/worker/gpu_worker.py, Worker.determine_available_memory) and none reads a KV
+    cache but its own; the four up in <= 1.3 x the slowest one's own start."""
+    import urllib.request
+
+    from gpud.config import ServeConfig
+    from gpud.core.launch import serve_argv, serve_environment
+
+    _backend, first = gpu
+    model = os.environ.get("GPUD_TEST_VLLM_MODEL")
+    if not model or not os.path.isdir(model):
+        pytest.skip("set GPUD_TEST_VLLM_MODEL to a local model directory to start a real vLLM")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not importable in this interpreter")
+    assert first.total_mib is not None
+    vram = min(first.total_mib // 5, 24576)
+    kv_mib = 1024
+    procs: list[tuple[subprocess.Popen[bytes], int, Path, float]] = []
+    try:
+        t0 = time.monotonic()
+        for i in range(4):
+            port = 30990 + i
+            serve = ServeConfig.model_validate({
+                "role": "gpu", "vram_mib": vram, "port": port,
+                "vllm": {"model": model, "max_model_len": 2048, "kv_cache_mib": kv_mib,
+                         "extra_args": ["--enforce-eager"]}})
+            argv = serve_argv(serve, total_mib=first.total_mib, device_index=first.index,
+                              vllm_executable=os.path.join(os.path.dirname(sys.executable), "vllm"))
+            assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(kv_mib << 20)
+            env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                       CUDA_VISIBLE_DEVICES=str(first.index), HF_HUB_OFFLINE="1",
+                       **serve_environment(serve))
+            log = tmp_path / f"vllm-{i}.log"
+            with log.open("w") as out:
+                procs.append((subprocess.Popen(argv, env=env, stdout=out,
+                                               stderr=subprocess.STDOUT), port, log,
+                              time.monotonic()))
+        up: dict[int, float] = {}
+        deadline = time.monotonic() + 900
+        while len(up) < len(procs):
+            assert time.monotonic() < deadline, "not all vLLMs became healthy"
+            for proc, port, log, _started in procs:
+                assert proc.poll() is None, log.read_text()[-4000:]
+                if port in up:
+                    continue
+                with contextlib.suppress(OSError), urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        up[port] = time.monotonic()
+            time.sleep(0.5)
+        wall = max(up.values()) - t0
+        own = [up[port] - started for _p, port, _l, started in procs]
+        print(f"four exactly sized vLLMs together: wall {wall:.1f} s, own starts "
+              + ", ".join(f"{x:.1f}" for x in own) + " s")
+        for _proc, _port, log, _started in procs:
+            text = log.read_text()
+            assert "skipped memory profiling" in text, text[-4000:]
+            assert "No available memory for the cache blocks" not in text
+        assert wall <= 1.3 * max(own), (wall, own)
+    finally:
+        for proc, _port, _log, _started in procs:
+            proc.terminate()
+        for proc, _port, _log, _started in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -177,3 +177,22 @@ def test_a_plan_that_is_refused_has_no_steps() -> None:
                          new_budgets=resolve_budgets(new, lambda _d: None), source="new")
         doc = plan.to_json()
         assert plan.ok is ok and bool(doc["steps"]) is ok
+
+
+def test_the_plan_says_what_the_boot_starts_together_and_what_alone() -> None:
+    """The seed's resident set with fast and embeddings sized in bytes."""
+    from gpud.ctl.format import format_plan
+
+    text = (T011.replace("max_model_len = 32768", "max_model_len = 32768\nkv_cache_mib = 2048")
+            .replace('model = "BAAI/bge-m3"', 'model = "BAAI/bge-m3"\nkv_cache_mib = 512'))
+    plan = plan_to(text)
+    steps = [(b.device, b.serves, b.together) for b in plan.boot]
+    # fast and embeddings (exactly sized) together; reranker (profiles) alone; ocr (a command
+    # serve: its sizing unknown) alone
+    assert steps == [("0", ("fast", "embeddings"), True), ("0", ("reranker",), False),
+                     ("0", ("ocr",), False)]
+    out = format_plan(plan.to_json())
+    assert "boot on 0: fast, embeddings together: exactly sized (--kv-cache-memory-bytes): no " \
+        "profiling" in out
+    assert "boot on 0: reranker alone: starts alone: its KV cache is sized by profiling" in out
+    assert "boot on 0: ocr alone: starts alone: not a vllm serve" in out

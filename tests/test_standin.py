@@ -526,7 +526,7 @@ def test_registration_appears_and_goes_on_sigterm(start: Start, procs_dir: Path)
     s.proc.send_signal(signal.SIGTERM)
     assert s.wait_exit() == 0
     assert gone(child)
-    assert list(procs_dir.iterdir()) == []  # no file, no temporary left behind
+    assert list(procs_dir.iterdir()) == [], list(procs_dir.rglob("*"))  # no file, no temporary left behind
 
 
 def test_context_and_overdraw(start: Start, procs_dir: Path) -> None:
@@ -607,3 +607,40 @@ def test_port_in_use_exits_1(start: Start) -> None:
         s = start(port=taken.getsockname()[1], wait=False)
         assert s.wait_exit() == 1
     assert "cannot listen" in s.output()
+
+
+def test_profile_overlaps() -> None:
+    mine = {"devices": ["d0"], "start": 10.0, "end": 20.0}
+    assert standin.profile_overlaps(mine, {"devices": ["d0"], "start": 15.0, "end": 30.0},
+                                    alive=False)
+    assert standin.profile_overlaps(mine, {"devices": ["d1", "d0"], "start": 1.0, "end": None},
+                                    alive=True)  # still loading
+    assert not standin.profile_overlaps(mine, {"devices": ["d0"], "start": 1.0, "end": None},
+                                        alive=False)  # killed while loading: gone
+    assert not standin.profile_overlaps(mine, {"devices": ["d0"], "start": 1.0, "end": 9.0},
+                                        alive=True)  # done before
+    assert not standin.profile_overlaps(mine, {"devices": ["d1"], "start": 15.0, "end": 16.0},
+                                        alive=True)  # another device
+
+
+def test_util_sized_engines_loading_together_mis_size_byte_sized_ones_do_not(
+        start: Start, procs_dir: Path) -> None:
+    """vLLM #55827: two engines profiling at once on one GPU count each other's loading as
+    their own; sized by --kv-cache-memory-bytes they skip the profiling."""
+    util = ("--gpu-memory-utilization", "0.3", "--startup-delay", "1.0")
+    a = start(*util, sim=True, total_mib=10000, wait=False)
+    b = start(*util, sim=True, total_mib=10000, wait=False)
+    assert a.wait_exit(10) == 1 and b.wait_exit(10) == 1
+    for s in (a, b):
+        assert "ValueError: No available memory for the cache blocks." in s.output()
+        assert "Available KV cache memory: -" in s.output()
+        assert "Starting vLLM server" not in s.output()
+    exact = (*util, "--kv-cache-memory-bytes", str(512 * 1024 * 1024))
+    c = start(*exact, sim=True, total_mib=10000, wait=False)
+    d = start(*exact, sim=True, total_mib=10000, wait=False)
+    wait_until(c.listening, 10, what="c")
+    wait_until(d.listening, 10, what="d")
+    # One alone, after them, loads fine.
+    e = start(*util, sim=True, total_mib=10000, wait=False)
+    wait_until(e.listening, 10, what="e")
+    assert "No available memory" not in e.output()

@@ -349,6 +349,15 @@ class Shortage(TypedDict):
     shortfall_mib: int
 
 
+class PlanBoot(TypedDict):
+    """One step of a device's boot in a plan: serves started together, or one alone, and why."""
+
+    device: str
+    serves: list[str]
+    together: bool
+    why: str
+
+
 class PlanDenied(TypedDict):
     """A denial: the first role lacking room; a serve on several roles with more than one
     lacking lists each in ``lacking``."""
@@ -412,6 +421,7 @@ class Plan(TypedDict):
     blocked: list[Blocker]
     stop_first: list[str]
     steps: list[PlanStep]
+    boot: NotRequired[list[PlanBoot]]
 
 
 class CalibrationRun(TypedDict):

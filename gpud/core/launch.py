@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from gpud.config import Config, ServeConfig
@@ -132,7 +133,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                   (str(v.max_model_len), "vllm.max_model_len")]
     if v.quantization:
         parts += [("--quantization", "vllm.quantization"), (v.quantization, "vllm.quantization")]
-    if v.kv_cache_mib is not None:
+    if isinstance(v.kv_cache_mib, int):  # "calibrated": resolved by with_kv_cache, or none
         parts += [("--kv-cache-memory-bytes", "vllm.kv_cache_mib"),
                   (str(v.kv_cache_mib * MIB), "vllm.kv_cache_mib")]
     drain, _worker = stop_budget(serve.stop_timeout_s)
@@ -172,6 +173,99 @@ def command_argv(serve: ServeConfig, *, util: str, device_index: int,
         raise ValueError("not a command serve")
     return _fill(serve.command, serve, util=util, device_index=device_index,
                  device_indexes=device_indexes, socket=socket)
+
+
+KV_MARGIN_PCT = 2  # of the reservation, at least KV_MARGIN_MIN_MIB
+KV_MARGIN_MIN_MIB = 64
+
+
+def kv_cache_fit_mib(vram_mib: int, vllm: Mapping[str, object]) -> tuple[int | None, str]:
+    """The KV cache (MiB) that fits the reservation with the serve sized exactly, from a
+    calibration's vLLM figures (a util-sized start's: gpud.vllm_log), and how it was found, or
+    None and why not. vram_mib less the context beyond vLLM's budget, less what the budget held
+    besides the KV cache (weights, activation peak, CUDA graphs: the budget less vLLM's own
+    --kv-cache-memory recommendation, which keeps its buffer, or less the KV cache it sized),
+    less a margin (KV_MARGIN_PCT of the reservation, at least KV_MARGIN_MIN_MIB)."""
+    def num(key: str) -> int | None:
+        value = vllm.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    budget, context = num("budget_mib"), num("context_mib")
+    kv = num("recommended_kv_cache_mib") or num("kv_cache_mib")
+    if budget is None or context is None or kv is None:
+        return None, ("no figure: the calibration needs a util-sized start's vLLM lines "
+                      "(its budget, KV cache and context)")
+    non_kv = budget - kv
+    margin = max(KV_MARGIN_MIN_MIB, vram_mib * KV_MARGIN_PCT // 100)
+    fit = vram_mib - context - non_kv - margin
+    how = (f"vram_mib {vram_mib} - context {context} - weights, activation peak and CUDA graphs "
+           f"{non_kv} - margin {margin}")
+    if fit <= 0:
+        return None, f"no room for a KV cache: {how} = {fit} MiB"
+    return fit, how
+
+
+def with_kv_cache(serve: ServeConfig, figure_mib: int | None) -> ServeConfig:
+    """A serve with kv_cache_mib = "calibrated" as it starts: sized by its calibration's figure
+    (kv_cache_fit_mib) when there is one, else unchanged (sized by profiling)."""
+    v = serve.vllm
+    if v is None or v.kv_cache_mib != "calibrated" or figure_mib is None:
+        return serve
+    return serve.model_copy(update={"vllm": v.model_copy(update={"kv_cache_mib": figure_mib})})
+
+
+def start_sharing(serve: ServeConfig) -> tuple[bool, str]:
+    """Whether the serve's start may share its devices with other such starts, and why (said in
+    the boot's events and `gpuctl plan`). A vllm serve sized in bytes (vllm.kv_cache_mib →
+    --kv-cache-memory-bytes) skips vLLM's memory profiling (vllm/v1/worker/gpu_worker.py,
+    Worker.determine_available_memory), so a neighbour loading at the same time cannot shrink
+    its KV cache; anything else profiles or is not known not to, and starts alone (vLLM
+    #55827)."""
+    if serve.vllm is None:
+        return False, "starts alone: not a vllm serve, its sizing unknown to gpud"
+    if serve.vllm.kv_cache_mib == "calibrated":
+        return False, ('starts alone: kv_cache_mib = "calibrated" but no calibration gives a '
+                       "figure yet (gpuctl calibrate NAME): sized by profiling until then")
+    if serve.vllm.kv_cache_mib is None:
+        return False, ("starts alone: its KV cache is sized by profiling (no vllm.kv_cache_mib), "
+                       "which a neighbour loading at the same time would corrupt")
+    return True, (f"starts with its device's other exactly sized serves: KV cache "
+                  f"{serve.vllm.kv_cache_mib} MiB (--kv-cache-memory-bytes), no profiling")
+
+
+@dataclass(frozen=True)
+class BootStep:
+    """One step of a device's boot: serves that start together (exactly sized), or one alone."""
+
+    device: str
+    serves: tuple[str, ...]
+    together: bool
+    why: str
+
+
+def boot_steps(serves: Mapping[str, ServeConfig], device_of: Callable[[str], str]) -> list[BootStep]:
+    """The boot of `serves` (those that start), per device in priority order: each util-sized
+    serve alone, each run of exactly sized ones between them together (start_sharing; the
+    device locks of gpud.locks do this at boot)."""
+    steps: list[BootStep] = []
+    open_run: dict[str, int] = {}  # device -> index in steps of its current run of together
+    for _prio, name in sorted((s.priority, n) for n, s in serves.items()):
+        device = device_of(name)
+        shared, why = start_sharing(serves[name])
+        at = open_run.get(device)
+        if shared and at is not None:
+            step = steps[at]
+            steps[at] = BootStep(device, (*step.serves, name), True,
+                                 "exactly sized (--kv-cache-memory-bytes): no profiling")
+            continue
+        steps.append(BootStep(device, (name,), shared,
+                              "exactly sized (--kv-cache-memory-bytes): no profiling" if shared
+                              else why))
+        if shared:
+            open_run[device] = len(steps) - 1
+        else:
+            open_run.pop(device, None)
+    return steps
 
 
 def uses_utilization(serve: ServeConfig) -> bool:

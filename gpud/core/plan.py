@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from gpud.config import Config, ServeConfig
 from gpud.core import actions, answers
-from gpud.core.launch import fingerprint
+from gpud.core.launch import BootStep, boot_steps, fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
 from gpud.core.vocab import ADMITTED, HOLDING_STATES, SLEEPING
@@ -64,6 +64,8 @@ class Plan:
     # Serves that hold a reservation without running and leave the config or their role: their
     # reservations are released before the new config is written (the reload would).
     release_first: tuple[str, ...] = ()
+    # The boot of the resident set under the new config, per device (gpud.core.launch).
+    boot: tuple[BootStep, ...] = ()
 
     @property
     def resident_fits(self) -> bool:
@@ -94,6 +96,8 @@ class Plan:
             "blocked": [b.to_json() for b in self.blocked],
             "stop_first": list(self.stop_first),
             "steps": [a.to_json() for a in actions.actions(self)] if self.ok else [],
+            "boot": [{"device": b.device, "serves": list(b.serves), "together": b.together,
+                      "why": b.why} for b in self.boot],
         }
 
 
@@ -184,6 +188,10 @@ def make_plan(
                for f in after.over_committed()]
 
     new_budget_map = dict(after.roles)
+    boot = tuple(boot_steps(
+        {n: s for n, s in new.serves.items() if s.resident and n in after.reservations},
+        lambda n: new_budget_map[new.serves[n].role].device
+        if new.serves[n].role in new_budget_map else ""))
     denied_by = {d.serve: d for d in denied}
 
     def order(name: str) -> tuple[str, int, str]:
@@ -258,6 +266,6 @@ def make_plan(
                          may_stop=True)
     if isinstance(decided, Refusal):
         return Plan(roles, changes, denied, source, after,
-                    blocked=decided.blockers + tuple(over))
+                    blocked=decided.blockers + tuple(over), boot=boot)
     return Plan(roles, changes, denied, source, after, blocked=tuple(over),
-                stop_first=decided.stop, release_first=decided.release)
+                stop_first=decided.stop, release_first=decided.release, boot=boot)

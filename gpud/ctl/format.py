@@ -455,6 +455,10 @@ def format_plan(doc: answers.Plan) -> str:
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
+    for boot in doc.get("boot") or []:  # what the boot serializes on each device, and why
+        how = "together" if boot.get("together") else "alone"
+        lines.append(f"boot on {boot.get('device')}: {', '.join(boot.get('serves') or [])} "
+                     f"{how}: {boot.get('why')}")
     stop_first = doc.get("stop_first") or []
     if stop_first:
         lines.append(f"stop first (leave the config or their role): {', '.join(stop_first)}")
@@ -492,5 +496,12 @@ def format_calibration(doc: answers.Calibration) -> str:
         if vllm.get("recommended_kv_cache_mib"):
             lines.append(f"  vLLM recommends --kv-cache-memory={vllm.get('recommended_kv_cache_bytes')}: "
                          f"kv_cache_mib = {vllm.get('recommended_kv_cache_mib')}")
+        if vllm.get("kv_cache_fit_mib"):
+            # sized in bytes, the serve skips vLLM's profiling and starts beside its neighbours
+            lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit_mib')} "
+                         f"MiB ({vllm.get('kv_cache_fit')}); in [serves.{doc.get('serve')}.vllm]: "
+                         f"kv_cache_mib = {vllm.get('kv_cache_fit_mib')}")
+        elif vllm.get("kv_cache_fit"):
+            lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit')}")
     return "\n".join(lines)
 

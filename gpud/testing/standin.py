@@ -1099,6 +1099,7 @@ def _draw_child_main(args: Sequence[str]) -> int:
                       + ([] if spec["dies_after_s"] is None else [(float(spec["dies_after_s"]), "die")]))
     registered = False
     code = 0
+    loading = _loading_begin(target, pid, draw)
     try:
         while True:
             now = time.monotonic() - started
@@ -1107,6 +1108,9 @@ def _draw_child_main(args: Sequence[str]) -> int:
                 if what == "draw":
                     registered = _hold(target, pid, draw)
                 elif what == "ready":
+                    others = _loading_end(loading, profiles=bool(spec.get("profiles")))
+                    if others:
+                        return _mis_sized(int(spec["kv_cache"]), others)
                     for line in spec["log_lines"]:
                         _engine_log(line)
                     os.write(ready_fd, b"r")
@@ -1132,9 +1136,141 @@ def _draw_child_main(args: Sequence[str]) -> int:
                 elif command == ord("x"):
                     return 1
     finally:
+        _loading_gone(loading)
         if target is not None and registered:
             unregister(target, pid)
     return code
+
+
+# The hazard of vLLM #55827: an engine sizing its KV cache by profiling (vllm/v1/worker/
+# gpu_worker.py, Worker.determine_available_memory: requested memory minus what it measured
+# besides the KV cache) counts a neighbour loading on its GPU at the same time as its own, and
+# its KV cache shrinks or goes negative; one sized by --kv-cache-memory-bytes skips that
+# profiling. Each engine child on a simulated device notes its load window in
+# PROCS_DIR/loading/PID.json while it lives (the simulation reads only PID.json files there, not
+# this folder); a profiling one whose window met another's on one of its devices fails as vLLM
+# fails on a negative figure (vLLM runs on with a KV cache that only shrank: here both fail).
+LOADING_DIR: Final = "loading"
+
+
+class _Loading(NamedTuple):
+    path: str
+    record: dict[str, Any]
+
+
+def _loading_begin(target: SimTarget | None, pid: int, draw: int) -> _Loading | None:
+    if target is None:
+        return None
+    folder = os.path.join(target.procs_dir, LOADING_DIR)
+    os.makedirs(folder, exist_ok=True)
+    loading = _Loading(os.path.join(folder, f"{pid}.json"),
+                       {"pid": pid, "devices": [target.device, *target.also], "draw": draw,
+                        "start": time.time(), "end": None})
+    _write_loading(loading)
+    # Whoever is loading there now is disturbed by this load even if this one is gone when it
+    # looks (a failed neighbour exits at once): said in PID.disturbed, which it reads.
+    for other in _others(loading):
+        if other.get("end") is None and _alive(int(other.get("pid", 0))) \
+                and set(other.get("devices", ())) & set(loading.record["devices"]):
+            # ... and this one by it, even if it is gone by the end of this load
+            with contextlib.suppress(OSError), open(_disturbed(loading), "a") as f:
+                f.write(f"{other['pid']} {other.get('draw', 0)}\n")
+            with contextlib.suppress(OSError), \
+                    open(os.path.join(folder, f"{other['pid']}.disturbed"), "a") as f:
+                f.write(f"{pid} {draw}\n")
+    return loading
+
+
+def _others(loading: _Loading) -> list[dict[str, Any]]:
+    folder = os.path.dirname(loading.path)
+    found: list[dict[str, Any]] = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json") or name == os.path.basename(loading.path):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                found.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def _write_loading(loading: _Loading) -> None:
+    tmp = f"{loading.path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(loading.record, f)
+    os.replace(tmp, loading.path)
+
+
+def _loading_end(loading: _Loading | None, *, profiles: bool) -> list[dict[str, Any]]:
+    """Close the load window; for a profiling engine, the neighbours whose windows met it."""
+    if loading is None or loading.record["end"] is not None:
+        return []
+    loading.record["end"] = time.time()
+    _write_loading(loading)
+    if not profiles:
+        return []
+    found = [o for o in _others(loading)
+             if profile_overlaps(loading.record, o, alive=_alive(int(o.get("pid", 0))))]
+    seen = {int(o.get("pid", 0)) for o in found}
+    with contextlib.suppress(OSError), open(_disturbed(loading)) as f:
+        for line in f:
+            pid, draw = (int(x) for x in line.split())
+            if pid not in seen:
+                seen.add(pid)
+                found.append({"pid": pid, "draw": draw})
+    return found
+
+
+def _disturbed(loading: _Loading) -> str:
+    return loading.path.removesuffix(".json") + ".disturbed"
+
+
+def _loading_gone(loading: _Loading | None) -> None:
+    """The engine exits: its note goes, and the folder with the last one."""
+    if loading is None:
+        return
+    for path in (loading.path, _disturbed(loading)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(loading.path))
+
+
+def profile_overlaps(mine: dict[str, Any], other: dict[str, Any], *, alive: bool) -> bool:
+    """Whether `other`'s load window met `mine` on a device of both (an open window counts
+    while its process lives)."""
+    if not set(mine["devices"]) & set(other.get("devices", ())):
+        return False
+    end = other.get("end")
+    if end is None and not alive:
+        return False
+    return bool(other["start"] <= mine["end"] and (end is None or end >= mine["start"]))
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mis_sized(kv_mib: int, others: list[dict[str, Any]]) -> int:
+    """Fail as vLLM does when its profiled KV cache is negative (vllm/v1/core/kv_cache_utils.py,
+    check_enough_kv_cache_memory)."""
+    kv = kv_mib - sum(int(o.get("draw", 0)) for o in others)
+    _engine_log(f"Available KV cache memory: {kv / 1024:.2f} GiB")
+    pids = ", ".join(str(o.get("pid")) for o in others)
+    print(f"(EngineCore pid={os.getpid()}) ERROR ValueError: No available memory for the cache "
+          "blocks. Try increasing `gpu_memory_utilization` when initializing the engine. "
+          f"(STAND-IN: profiled while {pids} loaded on its device: vLLM #55827)",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def _hold(target: SimTarget | None, pid: int, mib: int) -> bool:
@@ -1284,6 +1420,10 @@ class _MainProcess:
             "never_ready": opts.never_healthy,
             "dies_after_s": opts.engine_dies_after_s,
             "log_lines": memory_log_lines(plan, opts, self.total_mib, opts.startup_delay_s),
+            # Sized by profiling (no --kv-cache-memory-bytes): a neighbour loading meanwhile
+            # mis-sizes it (see _profile_overlaps).
+            "profiles": opts.kv_cache_memory_bytes is None and opts.draw_mib is None,
+            "kv_cache": plan.kv_cache,
         }
         self.child = _EngineChild(spec)
         self.app.draw_pid = self.child.pid
@@ -1396,6 +1536,8 @@ class _MainProcess:
         target = sim_target_from_env(os.environ)
         if target is not None and os.path.exists(os.path.join(target.procs_dir, f"{pid}.json")):
             unregister(target, pid)
+        if target is not None:  # a killed engine's note of its load window
+            _loading_gone(_Loading(os.path.join(target.procs_dir, LOADING_DIR, f"{pid}.json"), {}))
 
 
 if __name__ == "__main__":
