@@ -507,28 +507,25 @@ def config_warnings(cfg: Config) -> list[str]:
     return warnings
 
 
-def device_totals(cfg: Config) -> dict[str, int]:
-    """Device totals the config itself knows: the simulated devices, by UUID and by index."""
-    totals: dict[str, int] = {}
+def _simulated_refs(cfg: Config) -> list[tuple[str, SimulatedDevice]]:
+    """Each simulated device under every reference that names it: UUID, index, bus id."""
+    refs: list[tuple[str, SimulatedDevice]] = []
     if cfg.simulation:
         for i, dev in enumerate(cfg.simulation.devices):
-            totals[dev.uuid] = dev.total_mib
-            totals[str(dev.index if dev.index is not None else i)] = dev.total_mib
+            refs += [(dev.uuid, dev), (str(dev.index if dev.index is not None else i), dev)]
             if dev.pci_bus_id:
-                totals[dev.pci_bus_id] = dev.total_mib
-    return totals
+                refs.append((dev.pci_bus_id, dev))
+    return refs
+
+
+def device_totals(cfg: Config) -> dict[str, int]:
+    """Device totals the config itself knows: the simulated devices, by UUID and by index."""
+    return {ref: dev.total_mib for ref, dev in _simulated_refs(cfg)}
 
 
 def device_ids(cfg: Config) -> dict[str, str]:
     """The UUID of each simulated device, by UUID, index and bus id (which name one device)."""
-    ids: dict[str, str] = {}
-    if cfg.simulation:
-        for i, dev in enumerate(cfg.simulation.devices):
-            ids[dev.uuid] = dev.uuid
-            ids[str(dev.index if dev.index is not None else i)] = dev.uuid
-            if dev.pci_bus_id:
-                ids[dev.pci_bus_id] = dev.uuid
-    return ids
+    return {ref: dev.uuid for ref, dev in _simulated_refs(cfg)}
 
 
 def _vllm_problems(cfg: Config) -> list[str]:
