@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration.gpudctl import SandboxGpud
-from tests.integration.test_front import PORT, front_config
+from tests.integration.test_front import PORT, front_config, install_front
 from tests.waiting import wait_until
 from tools.sandbox import Sandbox
 
@@ -32,7 +32,7 @@ sb.boot()
 try:
     g = SandboxGpud(sb)
     g.configure(front_config(), start=False)
-    sb.run(["useradd", "--system", "--no-create-home", "--groups", "gpud", "gpud-front"], check=False)
+    install_front(sb)
     g.start()
     wait_until(lambda: g.unit_prop("gpud-front.service", "ActiveState") == "active", timeout=30)
     assert g.call("POST", "/v1/serves/chat/start", {}).status == 200

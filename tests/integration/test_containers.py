@@ -180,7 +180,8 @@ def test_container_serve_sees_its_device_and_is_measured_through_the_unit(
     assert obs["managed_draw_mib"] == view["observed_mib"]
     assert obs["non_ledger_draw_mib"] == 0
     payload = _payload_pids(gpud, unit)
-    registered = gpud.sb.run(f"ls {PROCS}").stdout.split()
+    # the registrations (files; the stand-ins' load windows are kept in a folder beside them)
+    registered = gpud.sb.run(f"find {PROCS} -maxdepth 1 -type f -printf '%f\\n'").stdout.split()
     assert registered and all(".ns" in name for name in registered), registered
     main_pid = int(gpud.unit_prop(unit, "MainPID"))
     assert main_pid not in payload  # conmon is the main PID; vLLM's processes are below it

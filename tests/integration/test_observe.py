@@ -83,7 +83,7 @@ def test_no_per_process_memory_the_split_is_estimated_and_no_false_excess(
     assert obs["reserve_excess_mib"] < 0
     # strict admission keeps the device's real free memory
     assert obs["physical_free_mib"] == 32607 - obs["used_mib"]
-    time.sleep(2)  # several polls
+    gpud.wait_polls()
     assert gpud.events(kind="reserve-exceeded") == []
     assert gpud.events(kind="overdraw") == []
     out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
@@ -91,10 +91,8 @@ def test_no_per_process_memory_the_split_is_estimated_and_no_false_excess(
                          check=False)
     assert out.returncode == 0, out.stderr
     assert "the split is estimated: the driver reports no per-process memory" in out.stdout
-    metrics = gpud.sb.run(["curl", "-s", "--unix-socket", "/run/gpud/gpud.sock",
-                           "http://localhost/metrics"]).stdout
-    assert [line for line in metrics.splitlines() if line.startswith("gpud_draw_estimated{")
-            ] == ['gpud_draw_estimated{gpu="0",UUID="GPU-sim-0",pci_bus_id="00000000:01:00.0"} 1']
+    assert gpud.metrics("gpud_draw_estimated") == [
+        ({"gpu": "0", "UUID": "GPU-sim-0", "pci_bus_id": "00000000:01:00.0"}, 1.0)]
 
 
 def test_physical_bound_denies_what_the_ledger_would_admit(gpud: SandboxGpud) -> None:
