@@ -111,8 +111,8 @@ def test_the_engines_processes_are_the_units(gpud: SandboxGpud) -> None:
     comms = sorted(procs.values())
     assert "VLLM::EngineCor" in comms and "VLLM::Worker" in comms, procs
     # gpud's own attribution (by /proc/PID/cgroup) names the serve for each of them
-    code = ("import json, sys; from gpud.cgroups import attribute; "
-            "print(json.dumps(attribute([int(p) for p in sys.argv[1:]])))")
+    code = ("import json, sys; from gpud.cgroups import CachedAttribution; "
+            "print(json.dumps(CachedAttribution()([int(p) for p in sys.argv[1:]])))")
     out = gpud.sb.run([sys.executable, "-c", code, *map(str, procs)],
                       env={"PYTHONPATH": str(REPO)}).stdout
     import json
