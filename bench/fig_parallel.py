@@ -115,7 +115,7 @@ def run(quick: bool) -> FigureResult:
     reason = sandbox_unavailable()
     if reason is not None:
         fig.problem(f"not measured: {reason}")
-        fig.rows.append(Row("8. parallel boot", "not measured", "", f"skipped: {reason}"))
+        fig.rows.append(Row("9. parallel boot", "not measured", "", f"skipped: {reason}"))
         return fig
     scale = 0.5 if quick else 1.0
     sb = Sandbox(name="gpud-bench-parallel")
@@ -144,26 +144,26 @@ def run(quick: bool) -> FigureResult:
     ex, ut, mx = results["exact"], results["util"], results["mixed"]
     slowest = max(ex["own_s"].values())
     ratio = ex["wall_s"] / slowest
-    fig.rows.append(Row("8. exact: boot wall / slowest own start",
+    fig.rows.append(Row("9. exact: boot wall / slowest own start",
                         f"{ratio:.2f}x ({ex['wall_s']:.2f} s / {slowest:.2f} s)",
                         f"<= {TARGET_RATIO}x", verdict(ratio, TARGET_RATIO)))
-    fig.rows.append(Row("8. util (today): boot wall / sum of own starts",
+    fig.rows.append(Row("9. util (today): boot wall / sum of own starts",
                         f"{ut['wall_s'] / sum(ut['own_s'].values()):.2f}x ({ut['wall_s']:.2f} s / "
                         f"{sum(ut['own_s'].values()):.2f} s)", "(info)", "info"))
-    fig.rows.append(Row("8. exact vs util: boot wall", f"{ex['wall_s']:.2f} s vs {ut['wall_s']:.2f}"
+    fig.rows.append(Row("9. exact vs util: boot wall", f"{ex['wall_s']:.2f} s vs {ut['wall_s']:.2f}"
                         f" s ({ut['wall_s'] / ex['wall_s']:.2f}x faster)", "(info)", "info"))
     chain = expected(mx["own_s"], ARMS["mixed"])
-    fig.rows.append(Row("8. mixed: boot wall / its chain (each util-sized alone, the runs of "
+    fig.rows.append(Row("9. mixed: boot wall / its chain (each util-sized alone, the runs of "
                         "exact ones between them together)",
                         f"{mx['wall_s'] / chain:.2f}x ({mx['wall_s']:.2f} s / {chain:.2f} s)",
                         "(info)", "info"))
     # What the boot adds beyond the slowest serve's own start (queueing, hand-offs), per serve;
     # the own start itself is the stand-in's interpreter, the delay and health polling.
     over = (ex["wall_s"] - slowest) / len(SEED) * 1000
-    fig.rows.append(Row("8. exact: boot wall beyond the slowest own start, per serve",
+    fig.rows.append(Row("9. exact: boot wall beyond the slowest own start, per serve",
                         f"{over:.0f} ms", "<= 50 ms", verdict(max(over, 0.001), 50.0)))
     slow = max(ex["own_s"], key=lambda n: ex["own_s"][n])
     delay = next(d for n, _m, _p, d in SEED if n == slow) * scale
-    fig.rows.append(Row(f"8. exact: {slow}'s own start beyond its configured load time",
+    fig.rows.append(Row(f"9. exact: {slow}'s own start beyond its configured load time",
                         f"{(slowest - delay) * 1000:.0f} ms", "(info)", "info"))
     return fig
