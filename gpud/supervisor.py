@@ -350,16 +350,28 @@ class Supervisor:
         return False
 
     async def _boot_device(self, names: list[str]) -> None:
-        """Every serve of the device launched in priority order at once: their device locks,
-        queued first come first served, run the exactly sized ones together and each
-        util-sized one alone between them (gpud.locks, gpud.core.launch.start_sharing)."""
+        """The device's serves in priority order: each util-sized one alone, each run of exactly
+        sized ones between them launched at once (their device locks shared: gpud.locks,
+        gpud.core.launch.start_sharing). A serve alone waits for the ones before it to be up
+        before it is started: the locks alone do not keep the order, since a launch may reach
+        its devices' locks after a serve started later (one on several devices) reached them."""
         log.info("boot on %s: %s", self._device_key(names[0]) or "the device", "; ".join(
             f"{name} {start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))[1]}"
             for name in names))
         launches: list[asyncio.Task[Any]] = []
+
+        async def settle() -> None:
+            if launches:
+                # Not gathered: a stop that cancels a launch must not cancel the boot.
+                await asyncio.wait(launches)
+                launches.clear()
+
         for name in names:
             if self.svc.state_of(name) in LIVE_STATES or name in self._launching:
                 continue
+            shared, _why = start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))
+            if not shared:
+                await settle()
             try:
                 await self.start(name, None)
             except GpudError as exc:
@@ -371,9 +383,9 @@ class Supervisor:
                 task.add_done_callback(lambda _t: self.notify(
                     f"STATUS=starting resident set: {self.svc.summary()}"))
                 launches.append(task)
-        if launches:
-            # Not gathered: a stop that cancels a launch must not cancel the boot.
-            await asyncio.wait(launches)
+            if not shared:
+                await settle()
+        await settle()
 
     # ---- start / stop ----------------------------------------------------------------------
 
@@ -909,13 +921,15 @@ class Supervisor:
             policy = "kept (its unit may still be active)"
         if res is None:
             policy = "none held"
+        if res is not None and not resident and not still_active:
+            # Released before the failure is recorded: the release's own transaction makes the
+            # serve failed, so nobody reads it failed while it still holds what it released.
+            await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
+                                   next_state=FAILED, state_reason=reason)
         await self.svc.record(self.svc.event(
             kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None,
             reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason))
-        if res is not None and not resident and not still_active:
-            await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
-                                   next_state=FAILED, state_reason=reason)
         self._returning_on(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
