@@ -203,6 +203,11 @@ def replay(events: list[dict[str, Any]], budgets: list[RoleBudget]) -> Replay:
             held = {**ledger.reservations,
                     serve: Reservation(serve, roles[0], mib, ev["ts"], None, False, roles[1:])}
             ledger = Ledger.build(ledger.roles.values(), held.values())
+        elif kind == "deny" and det.get("bound") in ("held", "device"):
+            # Not a ledger decision: admissions held on the role (a serve disagreeing with the
+            # ledger, the invariant) or its device lost; the ledger is unchanged and gives no
+            # free figure.
+            continue
         elif kind in ("admit", "deny"):
             outcome = ledger.decide(serve, roles, mib, since=ev["ts"], by_uid=ev["uid"])
             if kind == "admit":
