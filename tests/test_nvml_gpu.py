@@ -236,6 +236,16 @@ def test_a_torch_process_in_a_serve_cgroup_is_attributed(
 # ---- a real vllm serve ------------------------------------------------------------------------
 
 
+def real_vllm_model() -> str:
+    """The local model a real `vllm serve` is started on; skips where there is none or no vLLM."""
+    model = os.environ.get("GPUD_TEST_VLLM_MODEL")
+    if not model or not os.path.isdir(model):
+        pytest.skip("set GPUD_TEST_VLLM_MODEL to a local model directory to start a real vLLM")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not importable in this interpreter")
+    return model
+
+
 def test_a_real_vllm_serve_behaves_as_gpud_expects(
         gpu: tuple[NvmlBackend, DeviceSample], tmp_path: Path) -> None:
     """Where vLLM and a local model are present (GPUD_TEST_VLLM_MODEL=/path/to/model): the argv
@@ -251,11 +261,7 @@ def test_a_real_vllm_serve_behaves_as_gpud_expects(
     from gpud.vllm_log import parse_memory_lines
 
     backend, first = gpu
-    model = os.environ.get("GPUD_TEST_VLLM_MODEL")
-    if not model or not os.path.isdir(model):
-        pytest.skip("set GPUD_TEST_VLLM_MODEL to a local model directory to start a real vLLM")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not importable in this interpreter")
+    model = real_vllm_model()
     assert first.total_mib is not None
     port = 30999
     serve = ServeConfig.model_validate({
@@ -320,11 +326,7 @@ def test_real_vllm_serves_sized_exactly_start_together(
     from gpud.core.launch import serve_argv, serve_environment
 
     _backend, first = gpu
-    model = os.environ.get("GPUD_TEST_VLLM_MODEL")
-    if not model or not os.path.isdir(model):
-        pytest.skip("set GPUD_TEST_VLLM_MODEL to a local model directory to start a real vLLM")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not importable in this interpreter")
+    model = real_vllm_model()
     assert first.total_mib is not None
     vram = min(first.total_mib // 5, 24576)
     kv_mib = 1024
