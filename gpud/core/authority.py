@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gpud.config import Config
+from gpud.core.config import Config
 
 # Key paths the admin group may change, as patterns over dotted paths.
 FIGURES = re.compile(

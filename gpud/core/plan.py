@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpud.config import Config, ServeConfig
 from gpud.core import actions, answers
+from gpud.core.config import Config, ServeConfig
 from gpud.core.launch import BootStep, boot_steps, fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpud.config import Config, ServeConfig
 from gpud.core import answers
+from gpud.core.config import Config, ServeConfig
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING
 

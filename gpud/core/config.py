@@ -1,0 +1,285 @@
+"""The models of ``serves.toml``: frozen, strict pydantic models whose key names are the
+interface, and the checks each model makes of its own fields. Values only: reading a file,
+parsing TOML and the checks of a config as a whole (one of them reads the vLLM flag table, a
+data file) are gpud.config's, above the core, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
+
+# The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
+MAX_MIB = 2**31 - 1
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class DaemonConfig(_Model):
+    socket: str = "/run/gpud/gpud.sock"
+    state_dir: str = "/var/lib/gpud"
+    admission: Literal["strict", "ledger"] = "strict"
+    admin_group: str = "gpud-admin"
+    socket_group: str = "gpud"
+    observe_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    health_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    # A running serve turns `failed` after this many health checks in a row fail.
+    health_failures: int = Field(default=3, ge=1, le=1000)
+    crash_loop_restarts: int = Field(default=5, ge=1, le=1000)
+    crash_loop_window_s: float = Field(default=60.0, gt=0)
+    # A resident serve whose unit an operator stopped by hand (`systemctl stop`) keeps its
+    # reservation when true; by default it is released, as `gpuctl stop` releases it.
+    keep_resident_on_outside_stop: bool = False
+    overdraw_tolerance_mib: int = Field(default=256, ge=0, le=MAX_MIB)
+    # After a stop, the next start on that device waits at most this long for NVML to show the
+    # memory back (vLLM frees its memory some seconds after the process is told to stop).
+    memory_return_timeout_s: float = Field(default=60.0, ge=0)
+    vllm_executable: str = "vllm"
+    # What a vllm serve without a vllm.context_mib needs free beyond its reservation to start:
+    # vLLM checks free >= util x total after its CUDA context, NCCL and cuBLAS exist (a few
+    # hundred MiB per device; ~500 MiB is the CUDA context alone on recent drivers). Strict
+    # admission asks for it; `gpuctl calibrate` measures a serve's own (vllm.context_mib).
+    vllm_start_context_mib: int = Field(default=512, ge=0, le=MAX_MIB)
+    # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
+    vllm_version: str = "0.33.0"
+    # Backups of the config file an apply keeps (the newest) under backups/ beside it; older
+    # ones are removed. Its former name, config_backups, is still read.
+    backups_keep: int = Field(default=10, ge=1, le=1000,
+                              validation_alias=AliasChoices("backups_keep", "config_backups"))
+    # Events kept in the store (the newest); older ones are pruned in batches of a twentieth of
+    # it, so the store holds at most about 5% more (service.prune_batch).
+    events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
+    metrics_listen: str | None = None
+    # Sleeping serves put to sleep by a preemption wake by priority, while they fit, when
+    # memory is released on their role.
+    auto_wake: bool = True
+    # A resident serve of higher priority may put lower ones to sleep at boot.
+    preempt_at_boot: bool = False
+    # A level-1 sleep parks the weights in host RAM: refused unless MemAvailable holds them
+    # plus this much.
+    sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
+    # A request's headers must have arrived this long after its first byte, its body this long
+    # after its handling began (every peer, root included): past it the connection is closed,
+    # or the body answered 408 (gpud.connguard).
+    request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # The front (gpud/front.py) of serves with `front = true`: the nginx it runs, the user it
+    # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
+    # sockets and its own config live.
+    front_nginx: str = "/usr/sbin/nginx"
+    front_user: str = "gpud-front"
+    front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
+    serve_socket_dir: str = "/run/gpud/serves"
+    front_dir: str = "/run/gpud/front"
+    # Every request gpud makes to a serve is bounded: POST /sleep (a level-1 sleep copies the
+    # weights to host RAM, seconds for a large model) within sleep_timeout_s, a wake's requests
+    # within wake_timeout_s; past it the sleep or wake fails (a wake: see docs/sleep.md).
+    sleep_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    wake_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+
+
+class RoleConfig(_Model):
+    device: str = Field(min_length=1)
+    capacity_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    reserve_mib: int = Field(default=0, ge=0, le=MAX_MIB)
+    note: str | None = None
+
+
+class VllmConfig(_Model):
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    executable: str | None = None
+    # --host; gpud's health checks go to 127.0.0.1, the default.
+    host: str | None = Field(default=None, min_length=1)
+    # --kv-cache-memory-bytes: the KV cache sized exactly, no KV profiling (the serve starts
+    # beside its device's other exactly sized serves); "calibrated": the figure of the serve's
+    # current calibration (gpuctl calibrate NAME), util-sized and alone until there is one.
+    kv_cache_mib: int | Literal["calibrated"] | None = None
+    @field_validator("kv_cache_mib", mode="before")
+    @classmethod
+    def _mib_or_calibrated(cls, value: Any) -> Any:
+        # one problem named at the key, not one per member of the union
+        if value is None or value == "calibrated":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError('must be a figure in MiB (an integer) or "calibrated"')
+        if value <= 0:
+            raise ValueError("must be > 0")
+        if value > MAX_MIB:
+            raise ValueError(f"must be <= {MAX_MIB}")
+        return value
+
+    # What vLLM draws beyond its budget (CUDA context, NCCL, cuBLAS: measured by `gpuctl
+    # calibrate`). The reservation covers it: util = floor((vram_mib - context_mib) / total).
+    context_mib: int = Field(default=0, ge=0, le=MAX_MIB)
+
+
+
+class ContainerConfig(_Model):
+    """Where a serve runs: an image, through podman (the way quadlet runs one), never pulled
+    unless `pull = "missing"`. With a [vllm] table the image's entrypoint is `vllm serve` (as in
+    vLLM's own vllm/vllm-openai image) and what follows the image is that table's argv."""
+
+    image: str = Field(min_length=1)
+    # docker is not offered: its containers live in dockerd's cgroup, not the unit's, so their
+    # draw could not be attributed to the serve.
+    engine: Literal["podman"] = "podman"
+    args: list[str] | None = None
+    volumes: list[str] = Field(default_factory=list)
+    shm_size: str | None = None
+    ipc: Literal["host"] | None = None
+    pull: Literal["never", "missing"] = "never"
+
+
+class ServeConfig(_Model):
+    # `role`, or `roles` for a serve on several devices (tensor parallel): exactly one of the
+    # two is written. With `roles`, `role` is the first of them (filled in on load) and
+    # `vram_mib` is the reservation on EACH role.
+    role: str
+    roles: list[str] | None = None
+    vram_mib: int = Field(gt=0, le=MAX_MIB)
+    resident: bool = False
+    priority: int = Field(default=100, ge=0, le=1_000_000)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    health_path: str = "/health"
+    vllm: VllmConfig | None = None
+    command: list[str] | None = None
+    container: ContainerConfig | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    start_timeout_s: float = Field(default=900.0, gt=0)
+    stop_timeout_s: float = Field(default=30.0, gt=0)
+    restart: Literal["no", "on-failure", "always"] = "on-failure"
+    restart_sec: float = Field(default=2.0, ge=0)
+    # vLLM's sleep mode: 1 parks the weights in host RAM, 2 drops them; 0 never sleeps.
+    sleep_level: Literal[0, 1, 2] = 0
+    # The reservation kept while asleep (CUDA context and what vLLM keeps). Unset: measured
+    # after the first sleep (plus daemon.overdraw_tolerance_mib); a first sleep needs it.
+    sleep_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
+    # What a preemption by a serve of higher priority does to this one: "sleep" (the default
+    # with a sleep_level) or "stop"; without either it is never preempted.
+    preemptible: Literal["sleep", "stop"] | None = None
+    # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
+    # socket only root and the front may reach ({socket} in a command).
+    front: bool = False
+    # Not started at boot: the first request to its front admits it (strictly; through the
+    # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
+    on_demand: bool = False
+    preempt: bool = False
+    # An on-demand serve without a request through its front for this long is put to sleep
+    # (its sleep_level) / stopped.
+    idle_sleep_s: float | None = Field(default=None, gt=0)
+    idle_stop_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_of_role_or_roles(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "roles" not in data:
+            return data
+        if "role" in data:
+            raise ValueError("give exactly one of role or roles")
+        roles = data["roles"]
+        if isinstance(roles, list) and roles and isinstance(roles[0], str):
+            return {**data, "role": roles[0]}
+        if isinstance(roles, list) and not roles:
+            raise ValueError("roles: must name at least one role")
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump_as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Dumped as written: `roles` for a serve on several roles (its `role` is derived), and
+        # `role` alone otherwise (as before `roles` existed), so a dump validates again.
+        data: dict[str, Any] = handler(self)
+        data.pop("role" if self.roles else "roles", None)
+        return data
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        """The roles the serve reserves on, in order (one per device it runs on)."""
+        return tuple(self.roles) if self.roles else (self.role,)
+
+    @property
+    def extra_roles(self) -> tuple[str, ...]:
+        return self.all_roles[1:]
+
+    @model_validator(mode="after")
+    def _how_to_run(self) -> ServeConfig:
+        if self.container is not None:
+            if self.command is not None:
+                raise ValueError("a container serve has no command: what follows the image is "
+                                 "container.args (or the [vllm] table's argv)")
+            if self.vllm is not None and self.vllm.executable is not None:
+                raise ValueError("vllm.executable: not with a container: the image's entrypoint "
+                                 "(vllm serve) runs vLLM")
+            if self.vllm is not None and self.container.args is not None:
+                raise ValueError("container.args: with a [vllm] table what follows the image is "
+                                 "the table's argv; give one of them")
+        elif (self.vllm is None) == (self.command is None):
+            raise ValueError("give exactly one of a [vllm] table or a command")
+        if self.sleep_mib is not None and self.sleep_mib >= self.vram_mib:
+            raise ValueError(f"sleep_mib: {self.sleep_mib} must be below vram_mib {self.vram_mib}")
+        if self.preemptible == "sleep" and not self.sleep_level:
+            raise ValueError('preemptible: "sleep" needs a sleep_level of 1 or 2')
+        if self.command is not None and not self.command:
+            raise ValueError("command: must not be empty")
+        if not self.health_path.startswith("/"):
+            raise ValueError("health_path: must start with '/'")
+        if self.front and self.port is None:
+            raise ValueError("front: a fronted serve needs the port its front listens on")
+        if self.on_demand and not self.front:
+            raise ValueError("on_demand: needs front = true (its first request comes through "
+                             "the front)")
+        if self.on_demand and self.resident:
+            raise ValueError("on_demand: a resident serve starts at boot; give one of the two")
+        if (self.idle_sleep_s is not None or self.idle_stop_s is not None) and not self.on_demand:
+            raise ValueError("idle_sleep_s, idle_stop_s: activity is what passes through an "
+                             "on_demand serve's front; needs on_demand")
+        if self.idle_sleep_s is not None and not self.sleep_level:
+            raise ValueError("idle_sleep_s: needs a sleep_level of 1 or 2")
+        if self.preempt and not self.on_demand:
+            raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
+        if self.front and self.container is not None:
+            raise ValueError("front: container serves publish their own port; not fronted yet")
+        if self.front and self.command is not None \
+                and not any("{socket}" in arg for arg in self.command):
+            raise ValueError("front: a fronted command serve must listen on {socket} "
+                             "(its port is the front's)")
+        return self
+
+
+class SimulatedDevice(_Model):
+    uuid: str = Field(min_length=1)
+    total_mib: int = Field(gt=0, le=MAX_MIB)
+    index: int | None = Field(default=None, ge=0)
+    pci_bus_id: str | None = None
+    name: str | None = None
+    # What the simulated NVML says of each process's memory: "reported", "not-available"
+    # (WDDM) or "none" (no process listed, as WSL2 shows it).
+    process_memory: Literal["reported", "not-available", "none"] = "reported"
+
+
+class SimulationConfig(_Model):
+    state_file: str = "/run/gpud/sim.json"
+    devices: list[SimulatedDevice] = Field(min_length=1)
+
+
+class Config(_Model):
+    daemon: DaemonConfig = DaemonConfig()
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    serves: dict[str, ServeConfig] = Field(default_factory=dict)
+    simulation: SimulationConfig | None = None
