@@ -21,13 +21,23 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 
 from gpud import bounded, connguard
-from gpud.config import MAX_MIB, _reason
+from gpud.config import _reason
 from gpud.connguard import Guarded
 from gpud.core import answers
 from gpud.core.authority import needs_root
+from gpud.core.bodies import (
+    CONFIG_BODY_LIMIT,
+    AdmitBody,
+    CalibrateBody,
+    ConfigBody,
+    EmptyBody,
+    ReleaseBody,
+    SleepBody,
+    StartBody,
+)
 from gpud.core.ledger import RoleFigures
 from gpud.core.vocab import EVENT_KINDS
 from gpud.errors import (
@@ -51,7 +61,6 @@ from gpud.views import DrawSource, ledger_view, serve_view, serves_view
 log = logging.getLogger("gpud.api")
 
 BODY_LIMIT = 64 * 1024
-CONFIG_BODY_LIMIT = 1024 * 1024
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 M = TypeVar("M", bound=BaseModel)
@@ -97,46 +106,6 @@ def may_mutate(peer: Peer | None, admin_group_gid: int | None) -> bool:
     return peer.uid == 0 or (admin_group_gid is not None and admin_group_gid in peer.groups)
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class _Preempting(_Wire):
-    # Put serves of lower priority on the role to sleep (or stop them) when it does not fit.
-    preempt: bool = False
-    dry_run: bool = False  # with preempt: the plan only, nothing started or put to sleep
-
-    @model_validator(mode="after")
-    def _dry_run_with_preempt(self) -> _Preempting:
-        # A dry run of nothing else would be carried out for real: refused instead.
-        if self.dry_run and not self.preempt:
-            raise ValueError("dry_run goes with preempt (the dry run is of a preemption's plan); "
-                             "without preempt nothing can be dry run")
-        return self
-
-
-class AdmitBody(_Preempting):
-    mib: int = Field(gt=0, le=MAX_MIB)
-    role: str | None = None
-
-
-class StartBody(_Preempting):
-    pass
-
-
-class SleepBody(_Wire):
-    level: int | None = Field(default=None, ge=1, le=2)
-
-
-class ReleaseBody(_Wire):
-    stop: bool = False
-
-
-class ConfigBody(_Wire):
-    config: str = Field(max_length=CONFIG_BODY_LIMIT)
-    source: str | None = None
-
-
 class SleepControl(Protocol):
     async def sleep(self, serve: str, uid: int | None, level: int | None = None) -> dict[str, Any]: ...
     async def wake(self, serve: str, uid: int | None) -> dict[str, Any]: ...
@@ -163,10 +132,6 @@ class Calibrations(Protocol):
     def view(self, serve: str) -> answers.Calibration: ...
 
     def start(self, serve: str, window_s: float, uid: int | None) -> answers.CalibrationRun: ...
-
-
-class CalibrateBody(_Wire):
-    window_s: float = Field(default=600.0, ge=1, le=86400)
 
 
 class Api:
@@ -630,10 +595,6 @@ class Api:
             if self.reload_hook is None:
                 raise Unavailable("this gpud was started without a config file to reload")
             return json_response(await self.reload_hook(uid))
-
-
-class EmptyBody(_Wire):
-    pass
 
 
 def error_response(exc: GpudError) -> web.Response:

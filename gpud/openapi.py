@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document gpud serves at /v1/openapi.json (docs/api.md in prose).
 
 The answers' schemas are generated from their types in gpud.core.answers, the request bodies'
-from the pydantic models gpud.api validates them with; the parameters are described here.
+from the pydantic models gpud.api validates them with (gpud.core.bodies); the parameters are
+described here.
 tests/test_api_schema.py holds the document to the routes the app registers."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
 from gpud import __version__
-from gpud.api import (
+from gpud.core import answers
+from gpud.core.bodies import (
     AdmitBody,
     CalibrateBody,
     ConfigBody,
@@ -22,7 +24,6 @@ from gpud.api import (
     SleepBody,
     StartBody,
 )
-from gpud.core import answers
 from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, STATES
 
 _STR = {"type": "string"}

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from gpud.api import AdmitBody, Api
+from gpud.api import Api
 from gpud.config import parse_config
+from gpud.core.bodies import AdmitBody
 from gpud.openapi import body_schema, document
 from gpud.service import LedgerService
 from gpud.store import Store

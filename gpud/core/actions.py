@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gpud.core import answers
+from gpud.core.change import ServeChange
 from gpud.core.vocab import RUNNING, SLEEPING
 
-if TYPE_CHECKING:  # gpud.core.plan puts these steps into its answer
+if TYPE_CHECKING:
     from gpud.core import preempt
-    from gpud.core.plan import Plan, ServeChange
 
 Kind = Literal["backup", "stop", "release", "write", "reload", "restart", "resize", "start",
                "verify", "restore", "admit", "sleep", "wake"]
@@ -132,6 +132,18 @@ def _mib(value: int | None) -> str:
 
 
 RESTORE = Action("restore", "old", rollback=True)
+
+
+class Plan(Protocol):
+    """What of a rebalance plan (gpud.core.plan.Plan, whose answer lists these steps) the
+    steps are read from."""
+
+    @property
+    def serves(self) -> Sequence[ServeChange]: ...
+    @property
+    def stop_first(self) -> Sequence[str]: ...
+    @property
+    def release_first(self) -> Sequence[str]: ...
 
 
 def _serve_action(kind: Kind, change: ServeChange) -> Action:

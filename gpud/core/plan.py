@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpud.core import actions, answers
+from gpud.core.change import ServeChange as ServeChange
 from gpud.core.config import Config, ServeConfig
 from gpud.core.launch import BootStep, boot_steps, fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
@@ -20,34 +21,6 @@ from gpud.core.vocab import ADMITTED, HOLDING_STATES, SLEEPING
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
 NO_RESTART_FIELDS = frozenset({"resident", "priority", "start_timeout_s"})
-
-
-@dataclass(frozen=True)
-class ServeChange:
-    name: str
-    role_before: str | None
-    role_after: str | None
-    mib_before: int | None  # the reservation held now (None: none)
-    mib_after: int | None  # the reservation it would hold (None: none)
-    util_before: str | None
-    util_after: str | None
-    fingerprint_before: str | None
-    fingerprint_after: str | None
-    state_before: str
-    state_after: str
-    change: str  # unchanged, resized, changed, "changed, resized", added, removed
-    restart: bool
-    reason: str | None = None
-    resident: bool = False  # by the new config (a serve it removes: False)
-
-    def to_json(self) -> answers.PlanServe:
-        return {"name": self.name, "role_before": self.role_before, "role_after": self.role_after,
-                "mib_before": self.mib_before, "mib_after": self.mib_after,
-                "util_before": self.util_before, "util_after": self.util_after,
-                "fingerprint_before": self.fingerprint_before,
-                "fingerprint_after": self.fingerprint_after, "state_before": self.state_before,
-                "state_after": self.state_after, "change": self.change, "restart": self.restart,
-                "reason": self.reason}
 
 
 @dataclass(frozen=True)
