@@ -8,8 +8,9 @@ then the pull is an event of its own before the start.
 podman does not run inside gpud's own process tree: gpud.service is sandboxed (/etc read-only,
 no network beyond loopback, no new namespaces, a system-call filter), and podman needs to write
 its store and locks (/etc/containers/networks, /var/lib/containers), and a pull needs the
-registry. Each podman command runs as a transient unit of its own (`systemd-run --wait --pipe`,
-over the system bus gpud uses anyway), with its output piped back and its exit status returned.
+registry. Each podman command runs as a transient unit of its own (`systemd-run --wait --pipe`),
+with its output piped back and its exit status returned: these commands reach systemd through
+its own clients, not through the D-Bus adapter (gpud.units says why, in its docstring).
 Each such unit has a name gpud gives it (``gpud-image-SERVE-XXXXXX.service``): ending the
 ``systemd-run`` client does not end the unit it started, so a pull that times out, or whose serve
 is stopped meanwhile, is ended by stopping that unit by name (``systemctl stop``).

@@ -28,6 +28,21 @@ Signals, not polling:
 When the connection drops (dbus-daemon restarted) the adapter marks itself unavailable,
 reconnects with backoff, subscribes again and hands every callback the fresh state of every
 gpud serve unit (and ``on_resync`` the whole list: a serve missing from it has no unit).
+
+This adapter is how gpud manages its serves' units, but not the only way gpud reaches systemd:
+the podman commands of a container serve (``podman image exists``, ``podman pull``:
+gpud.containers) run through systemd's own clients, as subprocesses. Such a command runs
+outside gpud.service's sandbox, as a transient unit, with its output piped back to gpud and its
+exit status returned: that is ``systemd-run --wait --pipe``, which hands the client's own
+stdin/stdout/stderr to the unit (file descriptors passed over the bus:
+``StandardInputFileDescriptor`` and the like, systemd's src/run/run.c ``ARG_STDIO_DIRECT``) and
+waits for the unit's end and exit status. Doing that here would mean passing descriptors over
+dbus-fast and writing systemd-run's wait again, for a command that runs once before a container
+serve's start, outside the serves' unit watch and their locks. The stop of such a command cut
+short (``systemctl stop`` of its unit, and of ``gpud-image-*.service`` left by a gpud that
+died mid-pull: systemctl matches the pattern against the loaded units) goes with it. These are
+the only runs of the service manager's clients (systemctl, systemd-run) in gpud, and nothing of
+a serve's own unit goes through them; journalctl, which gpud also runs, reads the journal.
 """
 
 from __future__ import annotations
