@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpud.core.ledger import DeviceDraw
 from gpud.core.observation import Observation
-from gpud.core.vocab import LIVE_STATES
+from gpud.core.vocab import LIVE_STATES, EventKind
 from gpud.observer import Crossings, Observer, all_draws, overdraws
 from gpud.service import LedgerService
 
@@ -42,7 +42,7 @@ class Alerts:
                     continue
                 container, path = found
                 await self.svc.record(self.svc.event(
-                    "container-outside-unit",
+                    EventKind.CONTAINER_OUTSIDE_UNIT,
                     f"pid {proc.pid} of container {container} draws {proc.mib} MiB on "
                     f"{dev.uuid} from outside every serve unit (cgroup {path}): counted as "
                     "non-ledger draw, not as a serve's; gpud runs its container serves with "
@@ -65,13 +65,13 @@ class Alerts:
             on = f"roles {', '.join(roles) or 'none'}; serves {', '.join(serves) or 'none'}"
             if uuid in now:
                 await self.svc.record(self.svc.event(
-                    "device-lost", f"device {uuid} lost ({now[uuid]}): admissions and starts on "
+                    EventKind.DEVICE_LOST, f"device {uuid} lost ({now[uuid]}): admissions and starts on "
                     f"it are denied; {on}" + (f"; running: {', '.join(live)}" if live else ""),
                     role=",".join(roles) or None, device=uuid, problem=now[uuid],
                     serves=",".join(serves)))
             else:
                 await self.svc.record(self.svc.event(
-                    "device-back", f"device {uuid} is readable again (was: {self.lost[uuid]}); "
+                    EventKind.DEVICE_BACK, f"device {uuid} is readable again (was: {self.lost[uuid]}); "
                     f"{on}", role=",".join(roles) or None, device=uuid, serves=",".join(serves)))
         self.lost = now
 
@@ -95,7 +95,7 @@ class Alerts:
             names, draw = figures[uuid]
             est = " (estimated: no per-process memory)" if draw.estimated else ""
             await self.svc.record(self.svc.event(
-                "reserve-exceeded",
+                EventKind.RESERVE_EXCEEDED,
                 f"non-ledger draw on {names}{tag}{est} is {draw.non_ledger_draw_mib} MiB, above the "
                 f"reserve of {draw.reserve_mib} MiB: ledger free is optimistic by "
                 f"{draw.reserve_excess_mib} MiB",
@@ -107,7 +107,7 @@ class Alerts:
                 continue
             names, draw = figures[uuid]
             await self.svc.record(self.svc.event(
-                "reserve-ok",
+                EventKind.RESERVE_OK,
                 f"non-ledger draw on {names}{tag} is back within the reserve: "
                 f"{draw.non_ledger_draw_mib} of {draw.reserve_mib} MiB",
                 role=names, mib=draw.non_ledger_draw_mib, device=uuid,
@@ -143,7 +143,7 @@ class Alerts:
                 serve, role, drawn = per_device[key]
                 res = self.svc.ledger.reservations[serve]
                 await self.svc.record(self.svc.event(
-                    "overdraw",
+                    EventKind.OVERDRAW,
                     f"{serve} draws {drawn} MiB on {role}, over its reservation there of "
                     f"{res.mib} MiB plus the tolerance of {tolerance} MiB",
                     serve=serve, role=role, mib=drawn, reservation_mib=res.mib,
@@ -153,7 +153,7 @@ class Alerts:
             serve = key
             res = self.svc.ledger.reservations[serve]
             await self.svc.record(self.svc.event(
-                "overdraw",
+                EventKind.OVERDRAW,
                 f"{serve} draws {observed.get(serve, 0)} MiB, over its reservation of {res.mib} "
                 f"MiB plus the tolerance of {tolerance} MiB",
                 serve=serve, role=res.role, mib=observed.get(serve, 0),

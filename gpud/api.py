@@ -39,7 +39,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import RoleFigures
-from gpud.core.vocab import EVENT_KINDS
+from gpud.core.vocab import EVENT_KINDS, EventKind
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -259,7 +259,7 @@ class Api:
             group = self.svc.config.daemon.admin_group
             uid = peer.uid if peer else None
             log.warning("refused %s %s from uid %s", request.method, request.path, uid,
-                        extra={"journal": {"GPUD_EVENT": "forbidden", "GPUD_UID": uid}})
+                        extra={"journal": {"GPUD_EVENT": EventKind.FORBIDDEN, "GPUD_UID": uid}})
             raise Forbidden(
                 f"uid {uid} may read but not change the ledger: mutations need root or "
                 f"membership of group {group!r}",

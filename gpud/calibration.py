@@ -26,7 +26,7 @@ from gpud.core.launch import (
     utilization,
     vllm_budget_mib,
 )
-from gpud.core.vocab import RUNNING, serve_unit
+from gpud.core.vocab import RUNNING, EventKind, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -265,7 +265,7 @@ class Calibrator:
                         f"{vllm['kv_cache_mib']} MiB, CUDA graphs {vllm['cudagraph_mib']} MiB, "
                         f"context {vllm['context_mib']} MiB")
             ev = self.svc.event(
-                "calibrate", f"{run.serve} calibrated over {run.window_s:g} s: steady "
+                EventKind.CALIBRATE, f"{run.serve} calibrated over {run.window_s:g} s: steady "
                 f"{steady} MiB, peak {peak} MiB, recommended {recommended} MiB (configured "
                 f"{reserved} MiB){said}", serve=run.serve, mib=recommended, uid=uid,
                 fingerprint=run.fingerprint, steady_mib=steady, peak_mib=peak,
@@ -281,7 +281,7 @@ class Calibrator:
             message = exc.message
             log.warning("calibration of %s failed: %s", run.serve, message)
             await self.svc.record(self.svc.event(
-                "calibrate", f"{run.serve}: calibration failed: {message}", serve=run.serve,
+                EventKind.CALIBRATE, f"{run.serve}: calibration failed: {message}", serve=run.serve,
                 uid=uid, failed=True))
         finally:
             self.runs.pop(run.serve, None)

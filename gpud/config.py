@@ -95,7 +95,7 @@ def _reason(err: Mapping[str, Any]) -> str:
         return f"must be >= {ctx['ge']}"
     if kind == "less_than_equal":
         return f"must be <= {ctx['le']}"
-    if kind == "literal_error":
+    if kind in ("literal_error", "enum"):
         return f"must be one of {ctx.get('expected')}"
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))

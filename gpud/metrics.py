@@ -22,7 +22,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from gpud.calibration import Calibrator
-from gpud.core.vocab import EVENT_KINDS, STATES
+from gpud.core.vocab import EVENT_KINDS, STATES, EventKind
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
@@ -174,7 +174,7 @@ def _families(svc: LedgerService, observer: Observer | None,
         "found after a commit since gpud started (0 unless something is wrong)"
         ).add(svc.invariant_violations)
     fam("gpud_preemptions_total", "counter", "Serves put to sleep or stopped by a preemption "
-        "since gpud started").add(svc.counters.get("preempt", 0))
+        "since gpud started").add(svc.counters.get(EventKind.PREEMPT, 0))
     obs_ok = bool(observer and observer.available)
     fam("gpud_observation_available", "gauge", "1 when observation works").add(1 if obs_ok else 0,
         backend=observer.backend.name if observer else "none")

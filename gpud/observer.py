@@ -36,6 +36,7 @@ from gpud.core.observation import (
     Observation,
     ObservationBackend,
 )
+from gpud.core.vocab import ServeState
 
 log = logging.getLogger("gpud.observer")
 
@@ -222,7 +223,7 @@ class Observer:
         return [name for name, b in ledger.roles.items()
                 if not b.missing and (d := self.device(b.device)) is not None and d.uuid == dev.uuid]
 
-    def draw_for(self, ref: str, ledger: Ledger, states: Mapping[str, str]) -> DeviceDraw | None:
+    def draw_for(self, ref: str, ledger: Ledger, states: Mapping[str, ServeState]) -> DeviceDraw | None:
         dev = self.device(ref)
         if dev is None or not dev.healthy or dev.total_mib is None or dev.used_mib is None \
                 or dev.free_mib is None:
@@ -243,7 +244,7 @@ class Observer:
         )
 
     def physical_view(self, ref: str, serve: str, ledger: Ledger,
-                      states: Mapping[str, str]) -> PhysicalView | None:
+                      states: Mapping[str, ServeState]) -> PhysicalView | None:
         draw = self.draw_for(ref, ledger, states)
         if draw is None:
             return None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from gpud.core.front import RETRY_AFTER_S, idle_action
-from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING
+from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
 from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, Unavailable
 from gpud.service import LedgerService, check_serve_name
 
@@ -146,7 +146,7 @@ class OnDemand:
                     await self._idle_check(name, spec)
 
     async def _idle_check(self, name: str, spec: ServeConfig) -> None:
-        state = self.svc.state_of(name)
+        state = ServeState(self.svc.state_of(name))
         now = self.clock()
         if state not in (RUNNING, SLEEPING):
             if state not in LIVE_STATES:
@@ -164,7 +164,7 @@ class OnDemand:
         log.info("on-demand %s idle for %.1f s without a request through its front: %s",
                  name, idle, action)
         try:
-            if action == "sleep":
+            if action == SleepAction.SLEEP:
                 await self.sup.sleeps.sleep(name, None)
             else:
                 await self.sup.stop(name, None)

@@ -8,6 +8,7 @@ the parsed config here, as the service applies them to any config it takes.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from gpud.config import Config, apply_overrides, parse_config
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
 from gpud.core.plan import Plan, make_plan
+from gpud.core.vocab import ServeState
 from gpud.service import resolve_budgets
 
 
@@ -26,7 +28,7 @@ class PlanInputs:
 
     config: Config
     ledger: Ledger
-    states: dict[str, str]
+    states: Mapping[str, ServeState]
     devices: DeviceView
     overrides: dict[str, Any] = field(default_factory=dict)
 

@@ -29,7 +29,7 @@ from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
 from gpud.core.plan import Plan
-from gpud.core.vocab import DECLARED, LIVE_STATES, RUNNING
+from gpud.core.vocab import ADMITTED, DECLARED, LIVE_STATES, RUNNING, STARTING, EventKind, StepKind
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
@@ -115,7 +115,7 @@ class Rebalancer:
             raise Conflict("another apply is in progress")
         if not self.supervisor.booted.is_set():
             starting = sorted(n for n in self.svc.known_serves()
-                              if self.svc.state_of(n) in ("admitted", "starting"))
+                              if self.svc.state_of(n) in (ADMITTED, STARTING))
             raise Conflict("the resident set is still starting: apply when it is done "
                            f"(starting: {', '.join(starting) or 'none yet'})",
                            {"starting": starting})
@@ -139,7 +139,7 @@ class Rebalancer:
         if serve is not None:
             line["serve"] = serve
         await emit(line)
-        await self.svc.record(self.svc.event("apply", f"apply {step}: {message}", uid=uid,
+        await self.svc.record(self.svc.event(EventKind.APPLY, f"apply {step}: {message}", uid=uid,
                                              step=step, ok=ok))
 
     async def _journal(self, record: dict[str, Any] | None) -> None:
@@ -209,24 +209,25 @@ class Rebalancer:
         run.journal["begun"] = len(run.done)
         run.journal["done"] = serve_steps(run.done)
         await self._journal(run.journal)
-        if action.kind == "backup":
+        if action.kind == StepKind.BACKUP:
             run.saved = backup(self.config_path, self.svc.config.daemon.backups_keep,
                                time.time())
             await self._step(emit, "backup", f"saved {run.saved}", uid=uid, path=str(run.saved))
-        elif action.kind == "write":
+        elif action.kind == StepKind.WRITE:
             write_atomically(self.config_path, text)
             run.journal["written"] = True
             await self._journal(run.journal)
             await self._step(emit, "write", f"wrote {self.config_path}", uid=uid)
-        elif action.kind == "reload":
+        elif action.kind == StepKind.RELOAD:
             await self.reload(uid, text)
-            await self._step(emit, "reload", "config reloaded", uid=uid)
-        elif action.kind == "verify":
+            await self._step(emit, StepKind.RELOAD, "config reloaded", uid=uid)
+        elif action.kind == StepKind.VERIFY:
             run.summary = self.svc.summary()
             await self._step(emit, "verify", f"all changed serves healthy; {run.summary}",
                              uid=uid)
         else:
-            assert action.kind in ("stop", "release", "restart", "resize", "start")
+            assert action.kind in (StepKind.STOP, StepKind.RELEASE, StepKind.RESTART, StepKind.RESIZE,
+                               StepKind.START)
             assert action.serve is not None
             await self._do(action, uid)
             await self._step(emit, action.kind, f"{action.serve}: {action.kind} done "
@@ -236,22 +237,22 @@ class Rebalancer:
     async def _do(self, action: Action, uid: int | None) -> None:
         name = action.serve
         assert name is not None
-        if action.kind == "stop":
+        if action.kind == StepKind.STOP:
             await self.supervisor.stop(name, uid)
             return
-        if action.kind == "release":
+        if action.kind == StepKind.RELEASE:
             # Not live (a live one is stopped instead): the service refuses it if it started
             # since the plan was made, and the apply is rolled back.
             await self.svc.release(name, uid=uid, reason="apply: the serve leaves the config "
                                    "or its role")
             return
-        if action.kind == "resize":
+        if action.kind == StepKind.RESIZE:
             # Decided against the ledger like any admission: one that does not fit fails the
             # apply, which is rolled back.
             assert action.mib_after is not None
             await self.svc.admit(name, action.mib_after, uid=uid)
             return
-        if action.kind == "restart":
+        if action.kind == StepKind.RESTART:
             await self.supervisor.stop(name, uid, keep_reservation=True)
             if action.mib_after is not None:
                 await self.svc.admit(name, action.mib_after, uid=uid)
@@ -301,14 +302,14 @@ class Undoer:
         over-committed). A restore that cannot be done ends the rollback there: the serves
         stay as they are."""
         async def do(undo: Action) -> None:
-            if undo.kind == "restore":
+            if undo.kind == StepKind.RESTORE:
                 if not await self._restore(old_text, new_text, uid):
                     raise Halt
                 return
             assert undo.serve is not None
-            if undo.kind == "stop":
+            if undo.kind == StepKind.STOP:
                 work = self._undo_start(undo, uid)
-            elif undo.kind in ("admit", "resize"):
+            elif undo.kind in (StepKind.ADMIT, StepKind.RESIZE):
                 work = self._undo_reservation(undo, uid)
             else:
                 work = self._undo_change(undo, uid)
@@ -466,7 +467,7 @@ class Recovery:
         log.warning("%s", message)
         await self.svc.put_meta(JOURNAL, None)
         with contextlib.suppress(StoreError):
-            await self.svc.record(self.svc.event("apply", message, step="recover", ok=False))
+            await self.svc.record(self.svc.event(EventKind.APPLY, message, step="recover", ok=False))
         return message
 
 
@@ -476,6 +477,6 @@ def _begun(steps: list[Action], record: dict[str, Any]) -> int:
     done = {(str(kind), str(name)) for kind, name in record.get("done", [])}
     count = 1
     for i, step in enumerate(steps):
-        if (step.kind, step.serve) in done or (record.get("written") and step.kind == "reload"):
+        if (step.kind, step.serve) in done or (record.get("written") and step.kind == StepKind.RELOAD):
             count = max(count, i + 1)
     return count

@@ -34,6 +34,8 @@ from gpud.core.vocab import (
     ORPHAN,
     STARTING,
     WARNING_KINDS,
+    EventKind,
+    ServeState,
 )
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
@@ -59,7 +61,7 @@ class Observer(Protocol):
     def available(self) -> bool: ...
 
     def physical_view(self, device: str, serve: str, ledger: Ledger,
-                      states: Mapping[str, str]) -> PhysicalView | None: ...
+                      states: Mapping[str, ServeState]) -> PhysicalView | None: ...
 
     def device_total(self, device: str) -> int | None: ...
 
@@ -74,7 +76,7 @@ class ServeRecord:
     restart count: memory only, read from systemd again at adoption). Only LedgerService
     changes them, each change a new record."""
 
-    state: str = DECLARED
+    state: ServeState = DECLARED
     reason: str | None = None
     updated: float = 0.0
     main_pid: int | None = None
@@ -216,7 +218,7 @@ class LedgerService:
         # made, some of them still on their way to the store.
         self.ledger = Ledger({}, {})
         self._decided = self.ledger
-        self._decided_states: dict[str, str] = {}
+        self._decided_states: dict[str, ServeState] = {}
         self._queue: list[_Pending] = []
         self._committer: asyncio.Task[None] | None = None
         self.commits = 0  # transactions written (one fsync each)
@@ -283,7 +285,7 @@ class LedgerService:
             self._adopted_over[over.role] = -over.free_mib  # units found running: allowed
             log.warning(
                 "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
-                extra={"journal": {"GPUD_EVENT": "over-committed", "GPUD_ROLE": over.role}},
+                extra={"journal": {"GPUD_EVENT": EventKind.OVER_COMMITTED, "GPUD_ROLE": over.role}},
             )
 
     def _stored_config(self) -> Config | None:
@@ -318,7 +320,7 @@ class LedgerService:
             changes.delete.append(serve)
             changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
             changes.events.append(self.event(
-                "release", f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
+                EventKind.RELEASE, f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
                 f"serve left the config or its role)"
                 + "".join(f"; {f.line()}" for f in figures),
                 serve=serve, role=res.role, mib=res.mib, uid=uid, **roles_detail(res)))
@@ -381,8 +383,12 @@ class LedgerService:
 
     # ---- the write path --------------------------------------------------------------------
 
-    def event(self, kind: str, message: str, *, serve: str | None = None, role: str | None = None,
-              mib: int | None = None, uid: int | None = None, **details: Any) -> Event:
+    def event(self, kind: EventKind | str, message: str, *, serve: str | None = None,
+              role: str | None = None, mib: int | None = None, uid: int | None = None,
+              **details: Any) -> Event:
+        """An event of `kind`, not yet stored. A value is taken too (the supervisor and the
+        sleep controller pass "exit", "sleep", ...): one that is not a member fails here."""
+        kind = EventKind(kind)
         if serve is not None and "roles" not in details:
             # Every event of a serve on several roles names them all (details.roles, journald
             # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
@@ -495,12 +501,12 @@ class LedgerService:
             self.invariant_violations += len(new)
             roles = sorted({r for rs, _ in found for r in rs})
             self.hold(INVARIANT_HOLD, roles, "the invariant does not hold: " + "; ".join(texts))
-            ev = self.event("invariant", "the invariant does not hold: " + "; ".join(texts)
+            ev = self.event(EventKind.INVARIANT, "the invariant does not hold: " + "; ".join(texts)
                             + (f"; admissions on {', '.join(roles)} are refused until it holds"
                                if roles else ""), violations=texts, roles=roles, holds=False)
         else:
             self.lift(INVARIANT_HOLD)
-            ev = self.event("invariant", "the invariant holds again", violations=[], holds=True)
+            ev = self.event(EventKind.INVARIANT, "the invariant holds again", violations=[], holds=True)
         self.submit(Changes(events=[ev]))
 
     async def drain(self) -> None:
@@ -508,7 +514,7 @@ class LedgerService:
         while self._committer is not None and not self._committer.done():
             await asyncio.wait({self._committer})
 
-    def _decided_state(self, serve: str) -> str:
+    def _decided_state(self, serve: str) -> ServeState:
         """A serve's state with the decided but not yet committed changes."""
         state = self._decided_states.get(serve)
         if state is not None:
@@ -529,7 +535,7 @@ class LedgerService:
     def _announce(self, ev: Event) -> None:
         self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
         level = logging.WARNING if ev.kind in WARNING_KINDS else logging.INFO
-        if ev.kind == "invariant" and not ev.details.get("holds"):
+        if ev.kind == EventKind.INVARIANT and not ev.details.get("holds"):
             level = logging.ERROR
         fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
                   "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
@@ -560,8 +566,11 @@ class LedgerService:
             done = self.submit(Changes(events=[ev], states=[state] if state else []))
         return (await done)[0]
 
-    def state_row(self, serve: str, state: str, reason: str | None = None) -> ServeStateRow:
-        return ServeStateRow(serve, state, reason, self.clock())
+    def state_row(self, serve: str, state: ServeState | str,
+                  reason: str | None = None) -> ServeStateRow:
+        """A serve's state to commit. A value is taken too (as by `event`): one that is not a
+        member fails here."""
+        return ServeStateRow(serve, ServeState(state), reason, self.clock())
 
     # ---- holds -----------------------------------------------------------------------------
 
@@ -641,7 +650,7 @@ class LedgerService:
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
                     uid: int | None = None, state: str | None = None,
-                    event: tuple[str, str, dict[str, Any]] | None = None,
+                    event: tuple[EventKind | str, str, dict[str, Any]] | None = None,
                     shrink: bool = False, state_reason: str | None = None,
                     meta: dict[str, str | None] | None = None) -> Admission:
         """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
@@ -660,7 +669,7 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: str | None, event: tuple[str, str, dict[str, Any]] | None = None,
+                      state: str | None, event: tuple[EventKind | str, str, dict[str, Any]] | None = None,
                       shrink: bool = False, state_reason: str | None = None,
                       meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
                                                      asyncio.Future[list[Event]]]:
@@ -699,7 +708,7 @@ class LedgerService:
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
         each = " on each" if len(roles) > 1 else ""
         kind, message, details = event or (
-            "admit", f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} "
+            EventKind.ADMIT, f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} "
             f"({verb})", {})
         ev = self.event(
             kind, f"{message}; " + "; ".join(f.line() for f in admission.all_figures),
@@ -739,7 +748,7 @@ class LedgerService:
         """The denial (recorded, with the reason) of an admission on a role whose device is
         lost, or (`bound` "held") on which admissions are held."""
         message = f"{serve} denied on {role}: {lost}"
-        ev = self.event("deny", message, serve=serve, role=role, mib=mib, uid=uid,
+        ev = self.event(EventKind.DENY, message, serve=serve, role=role, mib=mib, uid=uid,
                         check=bound, bound=bound, need_mib=mib)
         return Denied(message, {"serve": serve, "role": role, "bound": bound,
                                 "need_mib": mib, "device": self.ledger.roles[role].device,
@@ -747,7 +756,7 @@ class LedgerService:
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
-        ev = self.event("deny", denial.message, serve=denial.serve, role=denial.role,
+        ev = self.event(EventKind.DENY, denial.message, serve=denial.serve, role=denial.role,
                         mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
                         need_mib=denial.need_mib, free_mib=denial.free_mib,
                         shortfall_mib=denial.shortfall_mib,
@@ -790,7 +799,7 @@ class LedgerService:
                 over = -ledger.figures(name).free_mib
                 if over > 0:  # its memory is in use already: the invariant allows it
                     self._adopted_over[name] = max(self._adopted_over.get(name, 0), over)
-            ev = self.event("admit", f"{serve} re-admitted on {on_roles(res)} for its running "
+            ev = self.event(EventKind.ADMIT, f"{serve} re-admitted on {on_roles(res)} for its running "
                             f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
                             + "; ".join(ledger.figures(r).line() for r in roles),
                             serve=serve, role=roles[0], mib=mib,
@@ -817,7 +826,7 @@ class LedgerService:
             )
         ledger, res = self._decided.release(serve)
         figures = ledger.figures(res.role)
-        ev = self.event("release", f"{serve} released {res.mib} MiB"
+        ev = self.event(EventKind.RELEASE, f"{serve} released {res.mib} MiB"
                         f"{' on each of' if res.extra_roles else ' on'} {on_roles(res)} "
                         f"({reason}); " + "; ".join(ledger.figures(r).line() for r in res.all_roles),
                         serve=serve, role=res.role, mib=res.mib, uid=uid,
@@ -847,7 +856,7 @@ class LedgerService:
             over = [f.role for f in outcome.ledger.over_committed()]
             released = ", ".join(outcome.released)
             changes.events.append(self.event(
-                "reload", f"config reloaded from {source}"
+                EventKind.RELOAD, f"config reloaded from {source}"
                 + (f"; released: {released}" if released else "")
                 + (f"; over-committed: {', '.join(over)}" if over else ""),
                 uid=uid, over_committed=",".join(over), released=released))
@@ -865,10 +874,13 @@ class LedgerService:
 
     # ---- reads -----------------------------------------------------------------------------
 
-    def states(self) -> dict[str, str]:
+    def states(self) -> dict[str, ServeState]:
         return {name: rec.state for name, rec in self._records.items()}
 
     def state_of(self, serve: str) -> str:
+        # Always a ServeState; typed str while the supervisor assigns the sleep controller's
+        # str states to the same variable (the modules tests/test_vocabulary.py leaves to the
+        # serve-lifecycle work).
         rec = self._records.get(serve)
         return rec.state if rec else DECLARED
 

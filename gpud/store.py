@@ -8,17 +8,22 @@ Every sqlite3 error is mapped to StoreError here; nothing above sees sqlite3.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from gpud.core import answers
 from gpud.core.ledger import Reservation
+from gpud.core.vocab import EventKind, ServeState
 from gpud.errors import StoreError
+
+log = logging.getLogger("gpud.store")
 
 SCHEMA_VERSION = 5
 
@@ -101,7 +106,7 @@ MIGRATIONS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    kind: str
+    kind: EventKind
     message: str
     ts: float
     serve: str | None = None
@@ -128,7 +133,7 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class ServeStateRow:
     serve: str
-    state: str
+    state: ServeState
     reason: str | None
     updated: float
 
@@ -297,7 +302,8 @@ class Store:
 
     def serve_states(self) -> list[ServeStateRow]:
         rows = self._read("SELECT serve, state, reason, updated FROM serve_states")
-        return [ServeStateRow(*r) for r in rows]
+        return [ServeStateRow(r[0], ServeState(r[1]), r[2], r[3]) for r in rows
+                if _known(r[1], ServeState, "serve state", f"serve {r[0]!r}")]
 
     def calibrations(self) -> list[Calibration]:
         rows = self._read("SELECT serve, fingerprint, ts, window_s, samples, steady_mib, "
@@ -333,9 +339,9 @@ class Store:
         sql = f"SELECT * FROM ({sql} ORDER BY id DESC LIMIT ?) ORDER BY id"
         args.append(query.limit)
         return [
-            Event(kind=r[2], message=r[7], ts=r[1], serve=r[3], role=r[4], mib=r[5], uid=r[6],
-                  details=json.loads(r[8]), id=r[0])
-            for r in self._read(sql, args)
+            Event(kind=EventKind(r[2]), message=r[7], ts=r[1], serve=r[3], role=r[4], mib=r[5],
+                  uid=r[6], details=json.loads(r[8]), id=r[0])
+            for r in self._read(sql, args) if _known(r[2], EventKind, "event kind", f"event {r[0]}")
         ]
 
     def meta(self, key: str) -> str | None:
@@ -365,3 +371,14 @@ class Store:
 
 def _with_id(ev: Event, event_id: int | None) -> Event:
     return Event(ev.kind, ev.message, ev.ts, ev.serve, ev.role, ev.mib, ev.uid, ev.details, event_id)
+
+
+def _known(value: object, vocabulary: type[StrEnum], what: str, row: str) -> bool:
+    """Whether a value read back is a member of its vocabulary. A row that is not (written by
+    another version of gpud) is left out of what is read, with a warning, rather than failing
+    the read: the store holds it on, untouched."""
+    if isinstance(value, str) and value in vocabulary.__members__.values():
+        return True
+    log.warning("the store holds %s with the %s %r, which this gpud does not know: left out",
+                row, what, value)
+    return False

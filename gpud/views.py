@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING, serve_unit
+from gpud.core.vocab import DECLARED, LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
 from gpud.service import LedgerService
 
 
@@ -17,7 +17,8 @@ class DrawSource(Protocol):
     @property
     def simulated(self) -> bool: ...
 
-    def draw_for(self, device: str, ledger: Ledger, states: dict[str, str]) -> DeviceDraw | None: ...
+    def draw_for(self, device: str, ledger: Ledger,
+                 states: Mapping[str, ServeState]) -> DeviceDraw | None: ...
 
     def observed_mib(self, serve: str) -> int | None: ...
 
@@ -96,7 +97,7 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     rec = svc.records.get(name)
     role = spec.role if spec else (res.role if res else None)
     roles = spec.all_roles if spec else (res.all_roles if res else ())
-    state = rec.state if rec else "declared"
+    state = rec.state if rec else DECLARED
     # A PID is shown only while a process of the unit may run: a failed or stopped serve's
     # last PID may belong to another process by now.
     has_unit = state in LIVE_STATES or state == ORPHAN

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.config import parse_config
-from gpud.core.vocab import EventKind
+from gpud.core.vocab import EVENT_KINDS, EventKind
 from gpud.metrics import render
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -104,10 +104,10 @@ def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
         assert got[("gpud_events_total", frozenset({("kind", "admit")}))] == 2
         assert got[("gpud_events_total", frozenset({("kind", "deny")}))] == 1
         assert got[("gpud_invariant_violations_total", frozenset())] == 0
-        # every kind of event in gpud's vocabulary has its series (0 until it happens), and
+        # every kind of event gpud stores has its series (0 until it happens), and
         # nothing else is counted
         counted = {dict(labels)["kind"] for name, labels in got if name == "gpud_events_total"}
-        assert counted == {str(kind) for kind in EventKind}, counted ^ {str(k) for k in EventKind}
+        assert counted == {str(kind) for kind in EVENT_KINDS}, counted ^ {str(k) for k in EVENT_KINDS}
         for kind in ("pull", "container-outside-unit", "device-lost", "calibrate", "apply"):
             assert got[("gpud_events_total", frozenset({("kind", kind)}))] == 0, kind
         assert got[("gpud_observation_available", frozenset({("backend", "simulated")}))] == 1

@@ -28,6 +28,7 @@ from gpud.core.vocab import (
     RUNNING,
     STARTING,
     STOPPING,
+    EventKind,
 )
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
@@ -473,7 +474,7 @@ async def test_a_denied_running_serve_keeps_running(world: World) -> None:
     svc = world.service()
     await svc.admit("b", 500)
     await svc.admit("a", 300)
-    await svc.record(svc.event("x", "x", serve="a"), state=svc.state_row("a", RUNNING))
+    await svc.record(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", RUNNING))
     with pytest.raises(Denied) as err:
         await svc.admit("a", 401)
     assert err.value.details["bound"] == "ledger"
@@ -704,11 +705,11 @@ async def test_every_change_queued_behind_a_failed_one_fails_too(world: World) -
     store.fail_next = 1
     store.gate.clear()
     async with svc.lock:
-        first = svc.submit(Changes(events=[svc.event("x", "one")]))
+        first = svc.submit(Changes(events=[svc.event(EventKind.CALIBRATE, "one")]))
     # The commit loop has taken the first into its batch, which is being written.
     await asyncio.to_thread(store.entered.wait, 5)
     async with svc.lock:
-        second = svc.submit(Changes(events=[svc.event("x", "two")]))
+        second = svc.submit(Changes(events=[svc.event(EventKind.CALIBRATE, "two")]))
     store.gate.set()
     results = await asyncio.gather(first, second, return_exceptions=True)
     assert isinstance(results[0], StoreError)
@@ -739,18 +740,18 @@ async def test_events_are_pruned_after_a_batch(world: World,
     svc._since_prune = 0
     assert prune_batch(100) == 5
     for i in range(146):
-        await svc.record(svc.event("note", f"n{i}"))
+        await svc.record(svc.event(EventKind.CALIBRATE, f"n{i}"))
     await svc.drain()
     await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert store.pruned and set(store.pruned) == {100}
     store.pruned.clear()
     svc._since_prune = 0
     for i in range(4):
-        await svc.record(svc.event("note", f"m{i}"))
+        await svc.record(svc.event(EventKind.CALIBRATE, f"m{i}"))
     assert store.pruned == []  # under a batch: not pruned yet
     svc._since_prune = 4
     with caplog.at_level(logging.INFO, "gpud"):
-        await svc.record(svc.event("note", "last"))
+        await svc.record(svc.event(EventKind.CALIBRATE, "last"))
         await svc.drain()
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert store.pruned == [100]
@@ -766,7 +767,7 @@ async def test_events_kept_stay_within_a_tenth_of_events_keep(world: World, keep
     svc = world.service(ROLES.replace("events_keep = 100", f"events_keep = {keep}"))
     counts = []
     for burst in range(2 * keep // 25 + 20):
-        await asyncio.gather(*(svc.record(svc.event("note", f"n{burst}.{i}")) for i in range(25)))
+        await asyncio.gather(*(svc.record(svc.event(EventKind.CALIBRATE, f"n{burst}.{i}")) for i in range(25)))
         await svc.drain()
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
         counts.append(len(svc.store.events(EventQuery(limit=100_000))))
@@ -781,7 +782,7 @@ async def test_a_failed_prune_is_a_warning(world: World, caplog: pytest.LogCaptu
     store.fail_prune = True
     svc._since_prune = 10_000
     with caplog.at_level(logging.WARNING, "gpud"):
-        await svc.record(svc.event("note", "x"))
+        await svc.record(svc.event(EventKind.CALIBRATE, "x"))
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert "pruning old events failed: cannot prune: database is locked" in caplog.text
 
@@ -792,7 +793,7 @@ async def test_put_meta_and_record(world: World) -> None:
     assert svc.store.meta("apply") == "{}"
     await svc.put_meta("apply", None)
     assert svc.store.meta("apply") is None
-    ev = await svc.record(svc.event("note", "hello", serve="a", role="r", mib=1, uid=2, k="v"))
+    ev = await svc.record(svc.event(EventKind.CALIBRATE, "hello", serve="a", role="r", mib=1, uid=2, k="v"))
     assert ev.id is not None and ev.details == {"k": "v"}
 
 
@@ -800,7 +801,7 @@ async def test_drain_waits_for_everything_submitted(world: World) -> None:
     svc = world.service()
     await svc.drain()  # nothing under way
     async with svc.lock:
-        futures = [svc.submit(Changes(events=[svc.event("x", str(i))])) for i in range(3)]
+        futures = [svc.submit(Changes(events=[svc.event(EventKind.CALIBRATE, str(i))])) for i in range(3)]
     await svc.drain()
     assert all(f.done() for f in futures)
     assert len(kinds(svc)) == 3
@@ -861,7 +862,7 @@ async def test_a_follower_that_does_not_read_is_cut_off(world: World) -> None:
     sub = svc.subscribe(EventQuery())
     sub.queue = asyncio.Queue(2)
     for i in range(3):
-        await svc.record(svc.event("note", str(i)))
+        await svc.record(svc.event(EventKind.CALIBRATE, str(i)))
     assert sub not in svc._subscribers
     assert sub.queue.get_nowait() is None  # told its stream ended
     svc.end_streams()
@@ -871,7 +872,7 @@ async def test_end_streams_with_a_full_queue(world: World) -> None:
     svc = world.service()
     sub = svc.subscribe(EventQuery())
     sub.queue = asyncio.Queue(1)
-    sub.queue.put_nowait(svc.event("x", "x"))
+    sub.queue.put_nowait(svc.event(EventKind.CALIBRATE, "x"))
     svc.end_streams()  # the end marker does not fit: the follower is dropped all the same
     assert svc._subscribers == []
 
@@ -1009,10 +1010,10 @@ def test_without_config_text_the_file_never_differs(world: World) -> None:
 
 async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     svc = world.service()
-    await svc.record(svc.event("x", "old", serve="old"), state=svc.state_row("old", DECLARED))
-    await svc.record(svc.event("x", "broken", serve="broken"),
+    await svc.record(svc.event(EventKind.CALIBRATE, "old", serve="old"), state=svc.state_row("old", DECLARED))
+    await svc.record(svc.event(EventKind.CALIBRATE, "broken", serve="broken"),
                      state=svc.state_row("broken", FAILED))
-    await svc.record(svc.event("x", "leaving", serve="leaving"),
+    await svc.record(svc.event(EventKind.CALIBRATE, "leaving", serve="leaving"),
                      state=svc.state_row("leaving", STOPPING))
     # not configured, holding nothing: listed only while its unit may still run
     assert svc.known_serves() == ["a", "b", "leaving"]
@@ -1079,7 +1080,7 @@ async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World)
     svc = world.service()
     with pytest.raises(Denied):
         await svc.admit("b", 5000)  # denied: its state says so, with the reason
-    await svc.record(svc.event("x", "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
+    await svc.record(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
     assert svc.known_serves() == ["a", "b"]
     new_text = ROLES.split("[serves.a]")[0]
     await svc.reload(cfg(new_text), new_text, source="test.toml")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpud.core.ledger import Reservation
+from gpud.core.vocab import EventKind, ServeState
 from gpud.errors import StoreError
 from gpud.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
 
@@ -92,3 +93,35 @@ def test_unwritable_state_dir(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(StoreError, match="cannot open the store"):
         Store(blocker / "sub" / "s.db")
+
+
+def test_rows_read_back_are_members_and_unknown_values_are_left_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A store written by another version of gpud may hold a kind or a state this one does not
+    # know: reading it must not fail, and what it knows comes back typed.
+    path = tmp_path / "s.db"
+    store = Store(path)
+    store.commit(Changes(events=[Event(EventKind.ADMIT, "a admitted", 1.0, "a")],
+                         states=[ServeStateRow("a", ServeState.RUNNING, None, 1.0)]))
+    store.close()
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("INSERT INTO events (ts, kind, serve, role, mib, uid, message, details) "
+                   "VALUES (2.0, 'retired-kind', 'b', NULL, NULL, NULL, 'old', '{}')")
+        db.execute("INSERT INTO serve_states (serve, state, reason, updated) "
+                   "VALUES ('b', 'hibernating', NULL, 2.0)")
+    db.close()
+    store = Store(path)
+    events = store.events(EventQuery())
+    states = store.serve_states()
+    assert [(e.kind, type(e.kind)) for e in events] == [(EventKind.ADMIT, EventKind)]
+    assert [(s.serve, s.state, type(s.state)) for s in states] == [
+        ("a", ServeState.RUNNING, ServeState)]
+    assert "'retired-kind', which this gpud does not know" in caplog.text
+    assert "'hibernating', which this gpud does not know" in caplog.text
+    # left out of what is read, not removed: the row is still there
+    assert store.events(EventQuery(kinds=("retired-kind",))) == []
+    store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT count(*) FROM events WHERE kind = 'retired-kind'").fetchone() == (1,)
+    db.close()

@@ -31,15 +31,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gpud.core import answers
 from gpud.core.change import ServeChange
-from gpud.core.vocab import RUNNING, SLEEPING
+from gpud.core.vocab import ADMITTED, RUNNING, SLEEPING, STARTING, StepKind
 
 if TYPE_CHECKING:
     from gpud.core import preempt
 
-Kind = Literal["backup", "stop", "release", "write", "reload", "restart", "resize", "start",
-               "verify", "restore", "admit", "sleep", "wake"]
-KINDS: tuple[Kind, ...] = ("backup", "stop", "release", "write", "reload", "restart", "resize",
-                           "start", "verify", "restore", "admit", "sleep", "wake")
+Kind = StepKind
+KINDS: tuple[Kind, ...] = tuple(StepKind)
 # The config in force while a step runs: "old" until the reload ("new" for the reload itself,
 # which puts it in force), "new" after it, "old" again after a rollback's restore.
 Under = Literal["old", "new"]
@@ -63,11 +61,12 @@ class Action:
     @property
     def message(self) -> str:
         if self.serve is None:
-            return {"backup": "back up the config file",
-                    "write": "write the new config file",
-                    "reload": "reload the config",
-                    "verify": "verify the changed serves are healthy",
-                    "restore": "write the old config back (unless changed on disk) and reload it",
+            return {StepKind.BACKUP: "back up the config file",
+                    StepKind.WRITE: "write the new config file",
+                    StepKind.RELOAD: "reload the config",
+                    StepKind.VERIFY: "verify the changed serves are healthy",
+                    StepKind.RESTORE: "write the old config back (unless changed on disk) and "
+                                      "reload it",
                     }.get(self.kind, self.kind)
         figures = ("" if self.mib_before is None and self.mib_after is None
                    else f" ({_mib(self.mib_before)} -> {_mib(self.mib_after)})")
@@ -101,9 +100,8 @@ class Action:
 
 
 def _kind(value: object) -> Kind:
-    for kind in KINDS:
-        if value == kind:
-            return kind
+    if isinstance(value, str) and value in KINDS:
+        return StepKind(value)
     raise ValueError(f"not a kind of step: {value!r}")
 
 
@@ -131,7 +129,7 @@ def _mib(value: int | None) -> str:
     return "none" if value is None else f"{value} MiB"
 
 
-RESTORE = Action("restore", "old", rollback=True)
+RESTORE = Action(StepKind.RESTORE, "old", rollback=True)
 
 
 class Plan(Protocol):
@@ -147,34 +145,34 @@ class Plan(Protocol):
 
 
 def _serve_action(kind: Kind, change: ServeChange) -> Action:
-    under: Under = "old" if kind in ("stop", "release") else "new"
-    if kind == "start":
+    under: Under = "old" if kind in (StepKind.STOP, StepKind.RELEASE) else "new"
+    if kind == StepKind.START:
         # A serve the apply starts (or started again on the role it moved to): stopped again
         # under the new config, where it exists, and what the apply gave it released. A serve
         # resized before its start holds its new size when it starts; the resize's own undo
         # gives it its old one.
         held = change.mib_after if resized(change) else change.mib_before
-        undo = Action("stop", "new", change.name, change.mib_after, held, change.state_before,
+        undo = Action(StepKind.STOP, "new", change.name, change.mib_after, held, change.state_before,
                       rollback=True)
         return Action(kind, under, change.name, held, change.mib_after, undo=undo)
-    if kind == "release":
+    if kind == StepKind.RELEASE:
         # Its reservation released under the old config (it is not live): re-admitted at its
         # old size under the old config, by the admission that refuses what does not fit.
-        undo = Action("admit", "old", change.name, None, change.mib_before, change.state_before,
+        undo = Action(StepKind.ADMIT, "old", change.name, None, change.mib_before, change.state_before,
                       rollback=True)
-    elif kind == "resize":
-        undo = Action("resize", "old", change.name, change.mib_after, change.mib_before,
+    elif kind == StepKind.RESIZE:
+        undo = Action(StepKind.RESIZE, "old", change.name, change.mib_after, change.mib_before,
                       change.state_before, rollback=True)
-    elif kind == "stop" and change.state_before == SLEEPING:
+    elif kind == StepKind.STOP and change.state_before == SLEEPING:
         # A sleep cannot be given back: the serve stopped asleep starts again awake under the
         # old config, admitted there at its vram_mib (its sleep reservation would size its
         # launch on the memory it kept asleep).
-        undo = Action("start", "old", change.name, change.mib_after, None, RUNNING,
+        undo = Action(StepKind.START, "old", change.name, change.mib_after, None, RUNNING,
                       rollback=True)
     else:
         # A stop or a restart: under the old config, after its reload, the serve gets its old
         # figures back, and runs again if it ran.
-        undo = Action("start" if kind == "stop" else "restart", "old", change.name,
+        undo = Action(StepKind.START if kind == StepKind.STOP else StepKind.RESTART, "old", change.name,
                       change.mib_after, change.mib_before, change.state_before, rollback=True)
     return Action(kind, under, change.name, change.mib_before, change.mib_after, undo=undo)
 
@@ -214,8 +212,8 @@ def starts(plan: Plan) -> list[ServeChange]:
     moved = set(plan.stop_first)
     order = {c.name: i for i, c in enumerate(plan.serves)}
     chosen = [c for c in plan.serves
-              if (c.state_after == "admitted" and c.resident
-                  and c.state_before not in ("starting", "running"))
+              if (c.state_after == ADMITTED and c.resident
+                  and c.state_before not in (STARTING, RUNNING))
               or (c.name in moved and c.role_after is not None)]
     return sorted(chosen, key=lambda c: order[c.name])
 
@@ -223,19 +221,19 @@ def starts(plan: Plan) -> list[ServeChange]:
 def actions(plan: Plan) -> list[Action]:
     """The apply of `plan`, step by step (the plan must be ok: nothing blocked, the resident
     set fits)."""
-    steps = [Action("backup", "old")]
-    steps += [_serve_action("stop", c) for c in stop_first(plan)]
-    steps += [_serve_action("release", c) for c in release_first(plan)]
-    steps += [Action("write", "old", undo=RESTORE), Action("reload", "new", undo=RESTORE)]
-    steps += [_serve_action("restart" if c.restart else "resize", c) for c in restarts(plan)]
-    steps += [_serve_action("start", c) for c in starts(plan)]
-    steps.append(Action("verify", "new"))
+    steps = [Action(StepKind.BACKUP, "old")]
+    steps += [_serve_action(StepKind.STOP, c) for c in stop_first(plan)]
+    steps += [_serve_action(StepKind.RELEASE, c) for c in release_first(plan)]
+    steps += [Action(StepKind.WRITE, "old", undo=RESTORE), Action(StepKind.RELOAD, "new", undo=RESTORE)]
+    steps += [_serve_action(StepKind.RESTART if c.restart else StepKind.RESIZE, c) for c in restarts(plan)]
+    steps += [_serve_action(StepKind.START, c) for c in starts(plan)]
+    steps.append(Action(StepKind.VERIFY, "new"))
     return steps
 
 
 def rollback(done: Sequence[Action]) -> list[Action]:
     """The undo of the steps `done` (in the order they were done), in the order it runs."""
-    undos = [a.undo for a in reversed(done) if a.undo is not None and a.undo.kind != "restore"]
+    undos = [a.undo for a in reversed(done) if a.undo is not None and a.undo.kind != StepKind.RESTORE]
     return ([u for u in undos if u.under == "new"] + [RESTORE]
             + [u for u in undos if u.under == "old"])
 
@@ -249,7 +247,7 @@ def undo_in_reverse(done: Sequence[Action]) -> list[Action]:
 def preemption(plan: preempt.Plan) -> list[Action]:
     """The steps of a preemption (gpud.core.preempt), in its order: each serve put to sleep or
     stopped, its undo a wake or a start. Undone latest first (`undo_in_reverse`)."""
-    return [Action(s.action, "new", s.serve,
+    return [Action(StepKind(s.action), "new", s.serve,
                    undo=Action(s.undo, "new", s.serve, rollback=True)) for s in plan.steps]
 
 

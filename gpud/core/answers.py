@@ -17,6 +17,8 @@ from typing import Any, Literal, NotRequired
 
 from typing_extensions import TypedDict
 
+from gpud.core.vocab import SleepAction, StepKind
+
 Admission = Literal["strict", "ledger"]
 CalibrationStatus = Literal["calibrated", "stale", "uncalibrated"]
 
@@ -131,10 +133,10 @@ class Serve(TypedDict):
 
 class PreemptionStep(TypedDict):
     serve: str
-    action: Literal["sleep", "stop"]
+    action: Literal[SleepAction.SLEEP, SleepAction.STOP]
     frees_mib: int
     priority: int
-    undo: Literal["wake", "start"]
+    undo: Literal[StepKind.WAKE, StepKind.START]
     roles: NotRequired[list[str]]  # a plan on several roles: those it frees frees_mib on, each
 
 

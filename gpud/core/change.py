@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpud.core import answers
+from gpud.core.vocab import Gone, ServeState
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,8 @@ class ServeChange:
     util_after: str | None
     fingerprint_before: str | None
     fingerprint_after: str | None
-    state_before: str
-    state_after: str
+    state_before: ServeState
+    state_after: ServeState | Gone
     change: str  # unchanged, resized, changed, "changed, resized", added, removed
     restart: bool
     reason: str | None = None

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
+from gpud.core.vocab import SleepAction
 
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
 MAX_MIB = 2**31 - 1
@@ -173,7 +174,8 @@ class ServeConfig(_Model):
     sleep_mib: int | None = Field(default=None, gt=0, le=MAX_MIB)
     # What a preemption by a serve of higher priority does to this one: "sleep" (the default
     # with a sleep_level) or "stop"; without either it is never preempted.
-    preemptible: Literal["sleep", "stop"] | None = None
+    # Not strict: the TOML gives the string, the field holds the member.
+    preemptible: SleepAction | None = Field(default=None, strict=False)
     # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
     # socket only root and the front may reach ({socket} in a command).
     front: bool = False
@@ -233,7 +235,7 @@ class ServeConfig(_Model):
             raise ValueError("give exactly one of a [vllm] table or a command")
         if self.sleep_mib is not None and self.sleep_mib >= self.vram_mib:
             raise ValueError(f"sleep_mib: {self.sleep_mib} must be below vram_mib {self.vram_mib}")
-        if self.preemptible == "sleep" and not self.sleep_level:
+        if self.preemptible == SleepAction.SLEEP and not self.sleep_level:
             raise ValueError('preemptible: "sleep" needs a sleep_level of 1 or 2')
         if self.command is not None and not self.command:
             raise ValueError("command: must not be empty")

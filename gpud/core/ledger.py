@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from gpud.core import answers
-from gpud.core.vocab import PENDING_STATES, RUNNING, SLEEPING, STOPPING
+from gpud.core.vocab import ADMITTED, PENDING_STATES, RUNNING, SLEEPING, STOPPING, ServeState
 
 Bound = Literal["ledger", "physical"]
 Check = Literal["ledger", "strict"]
@@ -359,7 +359,7 @@ def serve_draws(processes: Iterable[tuple[int, int | None]], owners: Mapping[int
 DRAWING_STATES = frozenset({RUNNING, STOPPING, SLEEPING})
 
 
-def estimated_draws(reservations: Iterable[Reservation], states: Mapping[str, str],
+def estimated_draws(reservations: Iterable[Reservation], states: Mapping[str, ServeState],
                     used_mib: int) -> dict[str, int]:
     """Where the driver reports no per-process memory: each serve that runs (or sleeps, or is
     stopping) draws its reservation, never more in all than the device's used memory. Serves
@@ -381,7 +381,7 @@ def device_draw(
     free_mib: int,
     draws: Mapping[str, int],
     reservations: Iterable[Reservation],
-    states: Mapping[str, str],
+    states: Mapping[str, ServeState],
     reserve_mib: int,
     per_process: bool = True,
 ) -> DeviceDraw:
@@ -393,7 +393,7 @@ def device_draw(
         draws = estimated_draws(reservations, states, used_mib)
     pending = 0
     for res in reservations:
-        if states.get(res.serve, "admitted") in PENDING_STATES:
+        if states.get(res.serve, ADMITTED) in PENDING_STATES:
             pending += max(0, res.mib - draws.get(res.serve, 0))
     return DeviceDraw(
         total_mib=total_mib,
@@ -408,7 +408,7 @@ def device_draw(
 
 
 def pending_share(res: Reservation | None, state: str | None, observed: int) -> int:
-    if res is None or (state or "admitted") not in PENDING_STATES:
+    if res is None or (state or ADMITTED) not in PENDING_STATES:
         return 0
     return max(0, res.mib - observed)
 

@@ -16,7 +16,7 @@ from gpud.core.config import Config, ServeConfig
 from gpud.core.launch import BootStep, boot_steps, fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
 from gpud.core.transition import Blocker, Refusal, transition
-from gpud.core.vocab import ADMITTED, HOLDING_STATES, SLEEPING
+from gpud.core.vocab import ADMITTED, DECLARED, DENIED, HOLDING_STATES, SLEEPING, Gone, ServeState
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
@@ -96,7 +96,7 @@ def make_plan(
     new: Config,
     ledger: Ledger,
     new_budgets: list[RoleBudget],
-    states: Mapping[str, str],
+    states: Mapping[str, ServeState],
     totals: Mapping[str, int | None],
     source: str,
 ) -> Plan:
@@ -178,16 +178,17 @@ def make_plan(
         if cur is not None and cur.external:
             continue
         res_after = after.reservations.get(name)
-        state = states.get(name, "declared")
+        state = states.get(name, DECLARED)
         asleep = state == SLEEPING and cur is not None
         # The figure a sleeping serve's process was launched with (its util), not its sleep one.
         launched = before_spec.vram_mib if before_spec else cur.mib if cur else None
         was_denied = name in denied_by
+        state_after: ServeState | Gone
         if after_spec is None:
-            change, state_after = "removed", "removed"
+            change, state_after = "removed", Gone.REMOVED
         elif before_spec is None:
             change = "added"
-            state_after = "denied" if was_denied else ("admitted" if res_after else "declared")
+            state_after = DENIED if was_denied else (ADMITTED if res_after else DECLARED)
         else:
             # A sleeping serve holds its sleep reservation: resized is of what it wakes to.
             awake = before_spec.vram_mib if asleep or cur is None else cur.mib
@@ -196,13 +197,13 @@ def make_plan(
             change = ("changed, resized" if differs and resized else "changed" if differs
                       else "resized" if resized else "unchanged")
             if was_denied:
-                state_after = "denied"
+                state_after = DENIED
             elif res_after is not None and state not in HOLDING_STATES and after_spec.resident:
-                state_after = "admitted"
+                state_after = ADMITTED
             elif res_after is None and state == ADMITTED:
-                state_after = "declared"  # its admission released, nothing admits it again
+                state_after = DECLARED  # its admission released, nothing admits it again
             else:
-                state_after = state if state != "denied" or res_after is None else "admitted"
+                state_after = state if state != DENIED or res_after is None else ADMITTED
         running = state in HOLDING_STATES  # runs now: a change to how it runs restarts it
         restart = running and after_spec is not None and before_spec is not None and (
             _runs_differently(before_spec, after_spec)

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-Action = Literal["sleep", "stop"]
+from gpud.core.vocab import SleepAction, StepKind
+
+Action = SleepAction
 # Steps of the exact search for a plan over several roles (see _fewest_on_roles).
 SEARCH_BUDGET = 20_000
 
@@ -37,12 +38,20 @@ class Candidate:
     serve: str
     priority: int
     held_mib: int
-    action: Action
+    # A value is taken too (the sleep controller passes "sleep" or "stop"); the member is kept.
+    action: SleepAction | str
     # What it keeps after the step: its sleep reservation, or 0 when stopped.
     keeps_mib: int = 0
     # The roles it holds `held_mib` on, each (a serve on several devices); empty: the one role
     # a plan is made on.
     roles: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", SleepAction(self.action))
+
+    @property
+    def sleep_action(self) -> SleepAction:
+        return SleepAction(self.action)
 
     @property
     def frees_mib(self) -> int:
@@ -62,11 +71,11 @@ class Step:
     roles: tuple[str, ...] = ()
 
     @property
-    def undo(self) -> Literal["wake", "start"]:
-        return "wake" if self.action == "sleep" else "start"
+    def undo(self) -> StepKind:
+        return StepKind.WAKE if self.action == SleepAction.SLEEP else StepKind.START
 
     def line(self) -> str:
-        verb = "put to sleep" if self.action == "sleep" else "stop"
+        verb = "put to sleep" if self.action == SleepAction.SLEEP else str(self.action)
         where = f" on each of {', '.join(self.roles)}" if len(self.roles) > 1 else (
             f" on {self.roles[0]}" if self.roles else "")
         return (f"{verb} {self.serve} (priority {self.priority}): frees {self.frees_mib} MiB"
@@ -184,7 +193,7 @@ def plan_preemption(serve: str, priority: int, need_mib: int, free_mib: int,
                       f"the serves of lower priority ({names}) free {could} MiB together, "
                       f"{short} MiB are needed", could)
     chosen = _fewest(eligible, short)
-    steps = tuple(Step(c.serve, c.action, c.frees_mib, c.priority) for c in chosen)
+    steps = tuple(Step(c.serve, c.sleep_action, c.frees_mib, c.priority) for c in chosen)
     return Plan(serve, priority, need_mib, free_mib, steps)
 
 
@@ -249,7 +258,7 @@ def plan_on_roles(serve: str, priority: int, need_mib: int, free: Mapping[str, i
                       f"free {could} MiB together, {short[role]} MiB are needed")
             return NoPlan(serve, need_mib, least, reason, could, role)
     chosen = _fewest_on_roles(eligible, short)
-    steps = tuple(Step(c.serve, c.action, c.frees_mib, c.priority,
+    steps = tuple(Step(c.serve, c.sleep_action, c.frees_mib, c.priority,
                        tuple(r for r in free if c.on(r))) for c in chosen)
     return Plan(serve, priority, need_mib, least, steps, _rooms(free, chosen))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from gpud.core import answers
 from gpud.core.config import Config, ServeConfig
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING
+from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING, ServeState
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")
@@ -77,7 +77,7 @@ def transition(
     new: Config,
     ledger: Ledger,
     budgets: Iterable[RoleBudget],
-    states: Mapping[str, str],
+    states: Mapping[str, ServeState],
     may_stop: bool,
 ) -> Transition | Refusal:
     """Decide a change from `old` to `new` (with `budgets`, the new roles resolved).
@@ -187,14 +187,14 @@ def _blocker(res: Reservation, reason: str) -> Blocker:
     return Blocker(res.serve, reason, res.roles_text, res.mib)
 
 
-def violations(config: Config, ledger: Ledger, states: Mapping[str, str], *,
+def violations(config: Config, ledger: Ledger, states: Mapping[str, ServeState], *,
                adopted_over: Mapping[str, int] | None = None) -> list[str]:
     """What is false about (config, ledger, states) against the invariant; [] when it holds.
     `adopted_over` gives, per role, how far adopted units may leave it over-committed."""
     return [text for _roles, text in violated(config, ledger, states, adopted_over=adopted_over)]
 
 
-def violated(config: Config, ledger: Ledger, states: Mapping[str, str], *,
+def violated(config: Config, ledger: Ledger, states: Mapping[str, ServeState], *,
              adopted_over: Mapping[str, int] | None = None) -> list[tuple[tuple[str, ...], str]]:
     """`violations`, each with the roles it concerns; one pass over the reservations (gpud
     evaluates it after every commit)."""

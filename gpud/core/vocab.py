@@ -44,6 +44,32 @@ class SleepAction(StrEnum):
     STOP = "stop"  # its unit is stopped and its reservation released
 
 
+class StepKind(StrEnum):
+    """A step of an apply or a preemption (gpud.core.actions): what it does to the config or a
+    serve. Several are named like the events they cause; they are steps, not events."""
+
+    BACKUP = "backup"
+    STOP = "stop"
+    RELEASE = "release"
+    WRITE = "write"
+    RELOAD = "reload"
+    RESTART = "restart"
+    RESIZE = "resize"
+    START = "start"
+    VERIFY = "verify"
+    RESTORE = "restore"
+    ADMIT = "admit"
+    SLEEP = "sleep"
+    WAKE = "wake"
+
+
+class Gone(StrEnum):
+    """Where a rebalance plan shows a serve the new config no longer names (its state_after):
+    not a serve state, since such a serve has none after the apply."""
+
+    REMOVED = "removed"
+
+
 class EventKind(StrEnum):
     ADMIT = "admit"
     DENY = "deny"
@@ -74,9 +100,17 @@ class EventKind(StrEnum):
     CONTAINER_OUTSIDE_UNIT = "container-outside-unit"
     # The invariant (gpud.core.transition.violations) found false after a commit, or true again
     INVARIANT = "invariant"
+    # Journaled (GPUD_EVENT) but never stored as an event: a mutation refused to a peer that
+    # may not make it, and a start that waited past daemon.memory_return_timeout_s for NVML
+    # to show a stopped serve's memory back.
+    FORBIDDEN = "forbidden"
+    MEMORY_NOT_BACK = "memory-not-back"
 
 
-EVENT_KINDS: tuple[EventKind, ...] = tuple(EventKind)
+JOURNAL_ONLY_KINDS: frozenset[EventKind] = frozenset({EventKind.FORBIDDEN,
+                                                      EventKind.MEMORY_NOT_BACK})
+# The kinds of the events gpud stores and answers (GET /v1/events, metrics, gpuctl events).
+EVENT_KINDS: tuple[EventKind, ...] = tuple(k for k in EventKind if k not in JOURNAL_ONLY_KINDS)
 # Logged as warnings: something was refused or is wrong.
 WARNING_KINDS: frozenset[EventKind] = frozenset({
     EventKind.DENY, EventKind.CRASH_LOOP, EventKind.OVERDRAW, EventKind.RESERVE_EXCEEDED,
