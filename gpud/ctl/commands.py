@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import EVENT_KINDS, STATES, serve_unit  # noqa: E402 - defined once
+from gpud.core.vocab import EVENT_KINDS, STATES, ServeState, serve_unit  # noqa: E402 - defined once
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -307,7 +307,7 @@ def run_wake(ctl: Ctl, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-SETTLED = ("running", "failed", "denied", "declared")
+SETTLED = (ServeState.RUNNING, ServeState.FAILED, ServeState.DENIED, ServeState.DECLARED)
 
 
 def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
@@ -331,7 +331,7 @@ def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
         if body and ctl.as_json:
             doc = {**doc, "preemption": carried}  # the plan carried out, with the final view
         ctl.emit(doc, format_lifecycle)
-        return EXIT_REFUSED if action != "stop" and doc.get("state") == "failed" else EXIT_OK
+        return EXIT_REFUSED if action != "stop" and doc.get("state") == ServeState.FAILED else EXIT_OK
 
     return run
 
