@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import load_config, parse_config
+from gpud.core.vocab import SleepAction
 from gpud.errors import ConfigError
 from tests.conftest import REPO, T015
 
@@ -284,7 +285,9 @@ def test_kv_cache_mib_is_mib_or_calibrated() -> None:
     ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\npreemptible = "sleep"',
      'preemptible: "sleep" needs a sleep_level of 1 or 2'),
     ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\npreemptible = "kill"\ncommand = ["x"]',
-     "serves.s.preemptible"),
+     "serves.s.preemptible: must be one of 'sleep' or 'stop'"),
+    ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\npreemptible = 1\ncommand = ["x"]',
+     "serves.s.preemptible: must be one of 'sleep' or 'stop'"),
     ('[serves.s]\nrole = "gpu"\nvram_mib = 5120\nsleep_level = 1\n[serves.s.vllm]\n'
      'model = "m"\nhost = "0.0.0.0"', "serves.s.vllm.host: a serve with sleep_level binds "
      "127.0.0.1"),
@@ -298,7 +301,8 @@ def test_sleep_keys_and_their_defaults() -> None:
     cfg = parse_config(BASE + '[serves.s]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\n'
                        'sleep_level = 2\nsleep_mib = 600\npreemptible = "stop"\n', "t")
     s = cfg.serves["s"]
-    assert (s.sleep_level, s.sleep_mib, s.preemptible) == (2, 600, "stop")
+    assert (s.sleep_level, s.sleep_mib, s.preemptible) == (2, 600, SleepAction.STOP)
+    assert type(s.preemptible) is SleepAction
     plain = parse_config(BASE + '[serves.p]\nrole = "gpu"\nvram_mib = 5120\ncommand = ["x"]\n',
                          "t").serves["p"]
     assert (plain.sleep_level, plain.sleep_mib, plain.preemptible) == (0, None, None)

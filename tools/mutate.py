@@ -198,7 +198,12 @@ def _preload() -> None:
     warning saying so is an error here."""
     import pytest  # noqa: F401
 
-    import gpud.config  # noqa: F401
+    import gpud.core.config  # noqa: F401
+
+    # A module imported here is never replaced by its mutant (the finder sees only new imports).
+    loaded = [m for m in MODULES if m.removesuffix(".py").replace("/", ".") in sys.modules]
+    if loaded:
+        raise SystemExit(f"preloaded modules that mutants replace: {', '.join(loaded)}")
 
 
 def _run(mutant: Mutant, tests: Sequence[str], timeout: float) -> str:
