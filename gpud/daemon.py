@@ -227,15 +227,14 @@ class Daemon:
             stack.push_async_callback(calibrator.close)
             on_demand = OnDemand(svc, supervisor)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
-                           extra_routes=on_demand.routes,
-                           metrics=lambda: render(svc, observer, calibrator),
+                           metrics=lambda: render(svc, observer, calibrator, on_demand),
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
                                                  reload=self._apply_reload,
                                                  offload=self.offload,
                                                  overrides=self.overrides),
-                           offload=self.offload)
+                           offload=self.offload, on_demand=on_demand)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()

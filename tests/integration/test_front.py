@@ -5,6 +5,8 @@ and answers 404 to vLLM's dev routes. Simulated GPU, stand-in serves."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -204,11 +206,29 @@ def test_idle_sleep_and_stop_fire_at_their_times(fronted: SandboxGpud) -> None:
     assert curl(gpud, url).startswith("200")
     answered = time.time()
     asleep = gpud.wait_event("sleep", timeout=20, serve="idler")
+    # said as an idle sleep: in the event, the journal, the metrics, and the serve's view
+    assert 2.0 <= asleep["details"]["idle_s"] < 3.5, asleep
+    assert "without a request" in asleep["message"], asleep
+    entry, = gpud.wait_journal("GPUD_EVENT=sleep", "GPUD_SERVE=idler")
+    assert float(entry["GPUD_IDLE_S"]) == asleep["details"]["idle_s"], entry
+    assert gpud.metrics("gpud_idle_sleeps_total") == [({"serve": "idler"}, 1)]
+    view = gpud.serve("idler")
+    assert view["front"] is True and view["last_activity_s_ago"] >= 2.0, view
+    assert gpud.serve("chat")["last_activity_s_ago"] is None  # not on demand: not seen
+    table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                            "serves"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                           check=True).stdout
+    rows = table.split("\n\n")[0].splitlines()  # the table, then the reasons
+    idler, = (line for line in rows if line.startswith("idler "))
+    assert rows[0].endswith("LAST REQUEST") and idler.endswith(" ago"), table
     stopped = gpud.wait_event("stop", timeout=20, serve="idler")
     # within the 0.5 s of gpud's check (and a second of slack on a loaded host)
     assert 2.0 <= asleep["ts"] - answered < 3.5, (asleep, answered)
     assert 4.0 <= stopped["ts"] - answered < 5.5, (stopped, answered)
+    assert stopped["details"]["idle_s"] >= 4.0, stopped
     gpud.wait_state("idler", "declared", "admitted")
+    assert gpud.metrics("gpud_idle_stops_total") == [({"serve": "idler"}, 1)]
+    assert gpud.serve("idler")["last_activity_s_ago"] >= 4.0  # still said once it stopped
     # and the next request brings it back
     assert curl(gpud, url).startswith("200")
 
