@@ -214,8 +214,10 @@ class ServeConfig(_Model):
     # with a sleep_level) or "stop"; without either it is never preempted.
     preemptible: Literal["sleep", "stop"] | None = None
     # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
-    # socket only root and the front may reach ({socket} in a command).
-    front: bool = False
+    # socket only root and the front may reach ({socket} in a command). Unset: on for a serve
+    # with a sleep_level or on_demand (vLLM's dev routes, which sleep opens, reach no one but
+    # gpud and the front), off otherwise; always a bool once validated (_front_by_default).
+    front: bool | None = None
     # Not started at boot: the first request to its front admits it (strictly; through the
     # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
     on_demand: bool = False
@@ -224,6 +226,18 @@ class ServeConfig(_Model):
     # (its sleep_level) / stopped.
     idle_sleep_s: float | None = Field(default=None, gt=0)
     idle_stop_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _front_by_default(cls, data: Any) -> Any:
+        """`front` unset: on for a serve that sleeps or starts on demand. Not for a container
+        serve (not fronted yet: docs/front.md) nor one without a port (nothing to front); an
+        explicit `front = false` is the operator's choice (gpud --check-config warns)."""
+        if not isinstance(data, dict) or data.get("front") is not None:
+            return data
+        wants = data.get("sleep_level") not in (None, 0, False) or data.get("on_demand") is True
+        fronted = wants and data.get("container") is None and data.get("port") is not None
+        return {**data, "front": fronted}
 
     @model_validator(mode="before")
     @classmethod
@@ -297,7 +311,8 @@ class ServeConfig(_Model):
         if self.front and self.command is not None \
                 and not any("{socket}" in arg for arg in self.command):
             raise ValueError("front: a fronted command serve must listen on {socket} "
-                             "(its port is the front's)")
+                             "(its port is the front's); a serve with sleep_level or on_demand "
+                             "is fronted unless it says front = false")
         return self
 
 
@@ -500,10 +515,11 @@ def config_warnings(cfg: Config) -> list[str]:
                             "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
                             "= \"host\"")
         if serve.sleep_level and not serve.front and serve.port is not None:
+            cure = ("a container serve is not fronted yet" if serve.container is not None
+                    else "without front = false the front answers them 404")
             warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
                             "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
-                            f"local user on port {serve.port}: front = true answers them 404 "
-                            "(docs/front.md)")
+                            f"local user on port {serve.port}: {cure} (docs/front.md)")
     return warnings
 
 

@@ -410,7 +410,7 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     CDI specs offer no GPU."""
     from gpud import cdi
 
-    found = config_warnings(cfg)
+    found = config_warnings(cfg) + _front_warnings(cfg)
     engines = sorted({s.container.engine for s in cfg.serves.values() if s.container})
     if engines:
         import shutil
@@ -421,6 +421,28 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
         found += [f"container serves: CDI spec {problem}" for problem in specs.problems]
         if not specs.names:
             found.append(f"container serves: {cdi.missing_spec_message()}")
+    return found
+
+
+def _front_warnings(cfg: Config) -> list[str]:
+    """A fronted serve (the default for one that sleeps) is reached only through the front:
+    without nginx or the front's user its port answers nothing."""
+    import pwd
+
+    serves = sorted(name for name, s in cfg.serves.items() if s.front)
+    if not serves:
+        return []
+    found = []
+    d = cfg.daemon
+    if not os.access(d.front_nginx, os.X_OK):
+        found.append(f"daemon.front_nginx: {d.front_nginx} is not an executable here, so the "
+                     f"front of {', '.join(serves)} cannot run and their ports answer nothing "
+                     "(apt-get install nginx; docs/front.md)")
+    try:
+        pwd.getpwnam(d.front_user)
+    except KeyError:
+        found.append(f"daemon.front_user: no user {d.front_user!r} on this host, so the front "
+                     f"of {', '.join(serves)} cannot run (the package creates it; docs/front.md)")
     return found
 
 

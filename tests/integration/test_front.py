@@ -12,19 +12,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import PY, REPO, STANDIN, SandboxGpud, sim_config
+from tests.integration.gpudctl import (
+    PY,
+    REPO,
+    SandboxGpud,
+    sim_config,
+    standin_uds,
+)
 from tests.waiting import wait_until
-from tools.sandbox import Sandbox
 
 PORT = 30181
 SOCKET = "/run/gpud/serves/chat.sock"
 USER = "gpud-front-client"  # a local user who is not in group gpud nor the front's group
 READER = "gpud-front-reader"  # in group gpud: may read gpud's API
-
-
-def standin_uds(*args: str) -> str:
-    return json.dumps([*STANDIN, "serve", "m", "--uds", "{socket}",
-                       "--gpu-memory-utilization", "{gpu_memory_utilization}", *args])
 
 
 def front_config() -> str:
@@ -47,23 +47,7 @@ def front_config() -> str:
               'idle_stop_s = 4\nenvironment = { VLLM_SERVER_DEV_MODE = "1" }\n'
               f"command = {standin_uds('--enable-sleep-mode')}\n")
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
-    return sim_config(role, serve, daemon=f'front_nginx = "{NGINX}"\n')
-
-
-# Where the sandbox's gpud-front.service finds nginx: the unit runs with PrivateTmp= and
-# ProtectHome=, so a checkout under /tmp, /var/tmp or a home directory (where CI clones it) is
-# not visible to it; scripts/setup's nginx is copied into the sandbox's own /usr/local/sbin (its
-# overlay: the host's stays untouched), where a host's own nginx would be.
-NGINX = "/usr/local/sbin/nginx"
-
-
-def install_front(sb: Sandbox) -> None:
-    """nginx and the front's user in the sandbox: what the package and an operator provide."""
-    sb.run(["install", "-m", "0755", str(REPO / ".venv" / "bin" / "nginx"), NGINX])
-    # The front's user: in group gpud, whose members may open gpud's socket (the on-demand
-    # check).
-    sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-            "--groups", "gpud", "gpud-front"], check=False)
+    return sim_config(role, serve)
 
 
 @pytest.fixture
@@ -71,7 +55,6 @@ def fronted(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     sb = gpud.sb
     try:
         gpud.configure(front_config(), start=False)
-        install_front(sb)
         sb.run(["useradd", "--no-create-home", USER], check=False)  # who is nobody to gpud
         gpud.start()
         yield gpud
