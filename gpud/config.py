@@ -230,14 +230,13 @@ class ServeConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _front_by_default(cls, data: Any) -> Any:
-        """`front` unset: on for a serve that sleeps or starts on demand. Not for a container
-        serve (not fronted yet: docs/front.md) nor one without a port (nothing to front); an
-        explicit `front = false` is the operator's choice (gpud --check-config warns)."""
+        """`front` unset: on for a serve that sleeps or starts on demand, unless it has no port
+        (nothing to front); an explicit `front = false` is the operator's choice (gpud
+        --check-config warns)."""
         if not isinstance(data, dict) or data.get("front") is not None:
             return data
         wants = data.get("sleep_level") not in (None, 0, False) or data.get("on_demand") is True
-        fronted = wants and data.get("container") is None and data.get("port") is not None
-        return {**data, "front": fronted}
+        return {**data, "front": wants and data.get("port") is not None}
 
     @model_validator(mode="before")
     @classmethod
@@ -306,8 +305,11 @@ class ServeConfig(_Model):
             raise ValueError("idle_sleep_s: needs a sleep_level of 1 or 2")
         if self.preempt and not self.on_demand:
             raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
-        if self.front and self.container is not None:
-            raise ValueError("front: container serves publish their own port; not fronted yet")
+        if self.front and self.container is not None and self.vllm is None \
+                and not any("{socket}" in arg for arg in self.container.args or ()):
+            raise ValueError("front: a fronted container serve must listen on {socket} "
+                             "(container.args; its port is the front's); a serve with "
+                             "sleep_level or on_demand is fronted unless it says front = false")
         if self.front and self.command is not None \
                 and not any("{socket}" in arg for arg in self.command):
             raise ValueError("front: a fronted command serve must listen on {socket} "
@@ -515,11 +517,10 @@ def config_warnings(cfg: Config) -> list[str]:
                             "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
                             "= \"host\"")
         if serve.sleep_level and not serve.front and serve.port is not None:
-            cure = ("a container serve is not fronted yet" if serve.container is not None
-                    else "without front = false the front answers them 404")
             warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
                             "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
-                            f"local user on port {serve.port}: {cure} (docs/front.md)")
+                            f"local user on port {serve.port}: without front = false the front "
+                            "answers them 404 (docs/front.md)")
     return warnings
 
 

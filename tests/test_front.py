@@ -428,7 +428,7 @@ CONTAINER = 'container = { image = "docker.io/vllm/vllm-openai:v0.33.0" }\nvllm 
     ("port = 1\nfront = true\n" + VLLM, True),
     ("port = 1\nsleep_level = 1\nfront = false\n" + VLLM, False),  # the operator's choice
     ("sleep_level = 1\n" + VLLM, False),  # no port to front
-    ("port = 1\nsleep_level = 1\n" + CONTAINER, False),  # not fronted yet
+    ("port = 1\nsleep_level = 1\n" + CONTAINER, True),
     ('port = 1\nsleep_level = 1\ncommand = ["/bin/s", "--uds", "{socket}"]\n', True),
 ])
 def test_a_serve_that_sleeps_or_starts_on_demand_is_fronted_by_default(
@@ -467,3 +467,35 @@ def test_check_config_warns_when_a_fronted_serve_has_no_nginx_or_front_user(
     unfronted = text.split("[serves.chat]")[0] + '[serves.p]\nrole = "r"\nvram_mib = 1\n' \
         'port = 1\nvllm = { model = "m" }\n'
     assert _warnings(parse_config(unfronted, "t.toml"), (tmp_path,)) == []
+
+
+def test_a_fronted_container_serve_binds_its_socket_in_the_shared_directory() -> None:
+    """vLLM in the container listens on the socket's own path (the sockets' directory bind-
+    mounted), and no port is published: the port is the front's."""
+    cfg = parse_config(TOML.split("[serves.chat]")[0] + SERVE + "port = 30009\nsleep_level = 1\n"
+                       + CONTAINER, "t.toml")
+    spec = cfg.serves["x"]
+    argv = serve_argv(spec, total_mib=32607, device_index=0, vllm_executable="vllm", name="x",
+                      cdi_devices=["GPU-0"], socket=socket_path("/run/x/serves", "x"))
+    assert "--volume=/run/x/serves:/run/x/serves:rw" in argv
+    assert not any(a.startswith("--publish") for a in argv), argv
+    inner = argv[argv.index(spec.container.image) + 1:]  # what follows the image: vllm serve's
+    assert inner[:3] == ["m", "--uds", "/run/x/serves/x.sock"], inner
+    assert "--host" not in inner and "--port" not in inner
+    # unfronted, as before: vLLM on every interface inside, the port published on 127.0.0.1
+    plain = serve_argv(spec.model_copy(update={"front": False}), total_mib=32607,
+                       device_index=0, vllm_executable="vllm", name="x", cdi_devices=["GPU-0"])
+    assert "--publish=127.0.0.1:30009:30009" in plain and "--host" in plain
+
+
+def test_a_fronted_container_serve_with_its_own_args_must_listen_on_its_socket() -> None:
+    box = ('container = { image = "docker.io/vllm/vllm-openai:v0.33.0", args = ["m", "--port", '
+           '"{port}"] }\n')
+    text = TOML.split("[serves.chat]")[0] + SERVE + "port = 1\nsleep_level = 1\n" + box
+    with pytest.raises(ConfigError, match=r"serves\.x: .*container serve must listen on "
+                                          r"\{socket\}.*front = false"):
+        parse_config(text, "t.toml")
+    ok = parse_config(text.replace('"--port", "{port}"', '"--uds", "{socket}"'), "t.toml")
+    argv = serve_argv(ok.serves["x"], total_mib=32607, device_index=0, vllm_executable="vllm",
+                      name="x", socket="/run/x/serves/x.sock")
+    assert argv[-3:] == ["m", "--uds", "/run/x/serves/x.sock"], argv
