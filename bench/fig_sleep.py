@@ -40,7 +40,8 @@ def config() -> str:
         "[daemon]", "observe_interval_s = 0.5", "health_interval_s = 0.5", "",
         "[roles.r]", 'device = "GPU-sim-0"', "reserve_mib = 1000", "",
         "[serves.lo]", 'role = "r"', "vram_mib = 14000", "priority = 50", "port = 30201",
-        "sleep_level = 2", "sleep_mib = 800",
+        # on its port (front = false): the figure is gpud's sleep and wake, not the front's
+        "sleep_level = 2", "sleep_mib = 800", "front = false",
         f"command = {command('--enable-sleep-mode', '--context-mib', '200')}",
         'environment = { VLLM_SERVER_DEV_MODE = "1" }', "",
         "[serves.hi]", 'role = "r"', "vram_mib = 20000", "priority = 10", "port = 30202",

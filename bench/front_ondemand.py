@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration.gpudctl import SandboxGpud
-from tests.integration.test_front import PORT, front_config, install_front
+from tests.integration.test_front import PORT, front_config
 from tests.waiting import wait_until
 from tools.sandbox import Sandbox
 
@@ -31,9 +31,7 @@ sb = Sandbox(name="gpud-odbench")
 sb.boot()
 try:
     g = SandboxGpud(sb)
-    g.configure(front_config(), start=False)
-    install_front(sb)
-    g.start()
+    g.configure(front_config())  # with nginx and the front's user
     wait_until(lambda: g.unit_prop("gpud-front.service", "ActiveState") == "active", timeout=30)
     assert g.call("POST", "/v1/serves/chat/start", {}).status == 200
     g.wait_state("chat", "running")

@@ -1,24 +1,27 @@
 """The HTTP/JSON API on the Unix socket (docs/api.md).
 
 Every route is authorized from the peer's credentials (SO_PEERCRED): reads for anyone who can
-open the socket, mutations for uid 0 or the admin group. A route is a mutation unless it is
-registered as a read; nothing is public except on the optional metrics listener.
+open the socket, mutations for uid 0 or the admin group, the front's own route (an on-demand
+serve's ensure) for uid 0 or the front's user. A route is a mutation unless it is registered as
+something else; nothing is public except on the optional metrics listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import json
 import logging
 import math
+import pwd
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -54,9 +57,13 @@ from gpud.errors import (
 from gpud.metrics import METRICS_CONTENT_TYPE
 from gpud.offload import Offload
 from gpud.rebalance import Rebalancer
+from gpud.responses import error_response, json_response
 from gpud.service import LedgerService, check_serve_name
 from gpud.store import Event, EventQuery
 from gpud.views import DrawSource, ledger_view, serve_view, serves_view
+
+if TYPE_CHECKING:
+    from gpud.ondemand import OnDemand
 
 log = logging.getLogger("gpud.api")
 
@@ -64,7 +71,8 @@ BODY_LIMIT = 64 * 1024
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 M = TypeVar("M", bound=BaseModel)
-Access = Literal["read", "admin", "public"]
+# "front": only uid 0 and daemon.front_user, whatever their groups (the on-demand check)
+Access = Literal["read", "admin", "public", "front"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -142,7 +150,8 @@ class Api:
                  reload: Callable[[int | None], Awaitable[answers.Reloaded]] | None = None,
                  rebalancer: Rebalancer | None = None,
                  extra_routes: Callable[[Api], None] | None = None,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None,
+                 on_demand: OnDemand | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -150,6 +159,7 @@ class Api:
         self.metrics = metrics
         self.reload_hook = reload
         self.rebalancer = rebalancer
+        self.on_demand = on_demand
         # parsing and planning configs: off the loop, at most a few per peer at a time
         self.offload = offload if offload is not None else Offload()
         self.admin_gid = admin_gid(svc.config.daemon.admin_group)
@@ -175,6 +185,7 @@ class Api:
         self.route("POST", "/v1/apply", self.apply)
         self.route("GET", "/v1/serves/{name}/calibration", self.calibration, "read")
         self.route("POST", "/v1/serves/{name}/calibrate", self.calibrate)
+        self.route("POST", "/v1/serves/{name}/ensure", self.ensure, "front")
         if extra_routes:
             extra_routes(self)
 
@@ -251,6 +262,9 @@ class Api:
             if key == "GET /metrics":
                 return await handler(request)
             raise Forbidden("only /metrics is served on the TCP listener")
+        if access == "front":
+            self._front_only(peer)
+            return await handler(request)
         if access == "admin" and not self.svc.ready:
             # Before reconciliation a change could race the adoption of running units.
             raise Unavailable("gpud is starting (reconciling running serves): try again in a "
@@ -266,6 +280,15 @@ class Api:
                 {"uid": uid, "admin_group": group},
             )
         return await handler(request)
+
+    def _front_only(self, peer: Peer | None) -> None:
+        user = self.svc.config.daemon.front_user
+        if peer is None or peer.uid not in (0, _uid_of(user)):
+            uid = peer.uid if peer else None
+            log.warning("refused the front's route from uid %s", uid,
+                        extra={"journal": {"GPUD_EVENT": EventKind.FORBIDDEN, "GPUD_UID": uid}})
+            raise Forbidden(f"uid {uid}: only the front ({user}) and root may ensure a serve",
+                            {"uid": uid, "front_user": user})
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -292,13 +315,17 @@ class Api:
         summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
-                                         summaries, self._parked))
+                                         summaries, self._parked, self._activity))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
-            return serve_view(self.svc, name, self.draws, parked=self._parked)
+            return serve_view(self.svc, name, self.draws, parked=self._parked,
+                              activity=self._activity)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
-                          self.calibrations.summary_of(name), self._parked)
+                          self.calibrations.summary_of(name), self._parked, self._activity)
+
+    def _activity(self, serve: str) -> float | None:
+        return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
 
     def _parked(self, serve: str) -> int | None:
         """Host RAM a sleeping serve's weights are parked in (level 1)."""
@@ -515,6 +542,15 @@ class Api:
     async def start(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "start")
 
+    async def ensure(self, request: web.Request) -> web.Response:
+        """The front's check before each request to an on-demand serve (gpud.ondemand)."""
+        name = request.match_info["name"]
+        check_serve_name(name)
+        await read_model(request, EmptyBody, empty_ok=True)
+        if self.on_demand is None:
+            raise Unavailable("on-demand serves are not set up in this gpud")
+        return await self.on_demand.ensure(name)
+
     async def stop(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "stop")
 
@@ -597,13 +633,14 @@ class Api:
             return json_response(await self.reload_hook(uid))
 
 
-def error_response(exc: GpudError) -> web.Response:
-    return json_response(exc.to_json(), status=exc.http_status)
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(data, allow_nan=False), status=status,
-                        content_type="application/json")
+@functools.lru_cache(maxsize=8)
+def _uid_of(user: str) -> int | None:
+    """The front user's uid, looked up once per name: every request to an on-demand serve
+    asks, and a read of the passwd database each time would add to its latency."""
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
 
 
 async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:

@@ -249,8 +249,8 @@ def config_warnings(cfg: Config) -> list[str]:
         if serve.sleep_level and not serve.front and serve.port is not None:
             warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
                             "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
-                            f"local user on port {serve.port}: front = true answers them 404 "
-                            "(docs/front.md)")
+                            f"local user on port {serve.port}: without front = false the front "
+                            "answers them 404 (docs/front.md)")
     return warnings
 
 

@@ -227,15 +227,14 @@ class Daemon:
             stack.push_async_callback(calibrator.close)
             on_demand = OnDemand(svc, supervisor)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
-                           extra_routes=on_demand.routes,
-                           metrics=lambda: render(svc, observer, calibrator),
+                           metrics=lambda: render(svc, observer, calibrator, on_demand),
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
                                                  reload=self._apply_reload,
                                                  offload=self.offload,
                                                  overrides=self.overrides),
-                           offload=self.offload)
+                           offload=self.offload, on_demand=on_demand)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
@@ -411,7 +410,7 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     CDI specs offer no GPU."""
     from gpud import cdi
 
-    found = config_warnings(cfg)
+    found = config_warnings(cfg) + _front_warnings(cfg)
     engines = sorted({s.container.engine for s in cfg.serves.values() if s.container})
     if engines:
         import shutil
@@ -422,6 +421,28 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
         found += [f"container serves: CDI spec {problem}" for problem in specs.problems]
         if not specs.names:
             found.append(f"container serves: {cdi.missing_spec_message()}")
+    return found
+
+
+def _front_warnings(cfg: Config) -> list[str]:
+    """A fronted serve (the default for one that sleeps) is reached only through the front:
+    without nginx or the front's user its port answers nothing."""
+    import pwd
+
+    serves = sorted(name for name, s in cfg.serves.items() if s.front)
+    if not serves:
+        return []
+    found = []
+    d = cfg.daemon
+    if not os.access(d.front_nginx, os.X_OK):
+        found.append(f"daemon.front_nginx: {d.front_nginx} is not an executable here, so the "
+                     f"front of {', '.join(serves)} cannot run and their ports answer nothing "
+                     "(apt-get install nginx; docs/front.md)")
+    try:
+        pwd.getpwnam(d.front_user)
+    except KeyError:
+        found.append(f"daemon.front_user: no user {d.front_user!r} on this host, so the front "
+                     f"of {', '.join(serves)} cannot run (the package creates it; docs/front.md)")
     return found
 
 

@@ -17,6 +17,7 @@ says.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -25,6 +26,9 @@ from gpud.calibration import Calibrator
 from gpud.core.vocab import EVENT_KINDS, STATES, EventKind
 from gpud.observer import Observer
 from gpud.service import LedgerService
+
+if TYPE_CHECKING:
+    from gpud.ondemand import OnDemand
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect, and
 # what generate_latest writes (prometheus_client's CONTENT_TYPE_PLAIN_0_0_4).
@@ -53,17 +57,38 @@ class GpudCollector:
     """prometheus_client's Collector of gpud's figures, read afresh at each `collect`."""
 
     def __init__(self, svc: LedgerService, observer: Observer | None,
-                 calibrator: Calibrator | None = None) -> None:
+                 calibrator: Calibrator | None = None, on_demand: OnDemand | None = None) -> None:
         self.svc, self.observer, self.calibrator = svc, observer, calibrator
+        self.on_demand = on_demand
 
     def collect(self) -> Iterator[Metric]:
-        for family in _families(self.svc, self.observer, self.calibrator).values():
+        families = _families(self.svc, self.observer, self.calibrator)
+        if self.on_demand is not None:
+            _idle_families(families, self.svc, self.on_demand)
+        for family in families.values():
             yield family.metric
 
 
-def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None) -> str:
+def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None,
+           on_demand: OnDemand | None = None) -> str:
     """The 0.0.4 text exposition of what `GpudCollector` collects now."""
-    return generate_latest(GpudCollector(svc, observer, calibrator)).decode()
+    return generate_latest(GpudCollector(svc, observer, calibrator, on_demand)).decode()
+
+
+def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:
+    """The idle sleeps and stops of on-demand serves, a series for each serve with an idle time
+    from the first scrape (and for any serve that has a count, configured or not any more)."""
+    for name, help_text, counts, due in (
+        ("gpud_idle_sleeps_total", "On-demand serves put to sleep for want of requests "
+         "(idle_sleep_s) since gpud started", on_demand.idle_sleeps, "idle_sleep_s"),
+        ("gpud_idle_stops_total", "On-demand serves stopped for want of requests "
+         "(idle_stop_s) since gpud started", on_demand.idle_stops, "idle_stop_s"),
+    ):
+        family = fams.setdefault(name, _Family(name, "counter", help_text))
+        serves = {n for n, spec in svc.config.serves.items()
+                  if spec.on_demand and getattr(spec, due) is not None} | set(counts)
+        for serve in sorted(serves):
+            family.add(counts.get(serve, 0), serve=serve)
 
 
 def _families(svc: LedgerService, observer: Observer | None,

@@ -2,22 +2,18 @@
 serve) to have the serve up, and gpud admits and starts it, or wakes it, and answers once it
 is healthy.
 
-``POST /v1/serves/NAME/ensure`` answers 204 when the serve is running (at once when it already
+``POST /v1/serves/NAME/ensure`` (gpud.api's route, which only the front's user and root may
+call) answers 204 when the serve is running (at once when it already
 is), 403 with ``X-Gpud-Reason`` (the error as JSON) and ``Retry-After`` when it cannot be
 brought up: the front turns that into a 503 with the reason as its body. Concurrent requests
-for one serve share one start (or wake). Only the front's user (and root) may call it: the
-route is outside the usual read/admin split, so its handler checks the peer's uid itself
-(SO_PEERCRED, as every route's authorization does), and it is refused on the TCP metrics
-listener, where no peer is known.
+for one serve share one start (or wake).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import pwd
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,11 +22,11 @@ from aiohttp import web
 
 from gpud.core.front import RETRY_AFTER_S, idle_action
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
-from gpud.errors import BadRequest, Forbidden, GpudError, NotFound, Unavailable
-from gpud.service import LedgerService, check_serve_name
+from gpud.errors import GpudError, NotFound, Unavailable
+from gpud.responses import error_response
+from gpud.service import LedgerService
 
 if TYPE_CHECKING:
-    from gpud.api import Api, Peer
     from gpud.config import ServeConfig
     from gpud.supervisor import Supervisor
 
@@ -42,16 +38,6 @@ POLL_S = 0.005
 IDLE_CHECK_S = 0.5
 
 
-@functools.lru_cache(maxsize=8)
-def _uid_of(user: str) -> int | None:
-    """The front user's uid, looked up once per name: every request to an on-demand serve
-    asks, and a read of the passwd database each time would add to its latency."""
-    try:
-        return pwd.getpwnam(user).pw_uid
-    except KeyError:
-        return None
-
-
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -59,41 +45,38 @@ class OnDemand:
         self.sup = supervisor
         self.clock = clock
         self._pending: dict[str, asyncio.Task[None]] = {}
-        # The last request through each on-demand serve's front (the clock's time).
+        # When each on-demand serve is idle from (the clock's time): its last request through
+        # the front, or when it was first seen running without one.
         self.last_activity: dict[str, float] = {}
+        # The last request through each on-demand serve's front, as answered in GET /v1/serves.
+        self.last_request: dict[str, float] = {}
+        # Idle sleeps and stops carried out since gpud started, by serve (the metrics').
+        self.idle_sleeps: dict[str, int] = {}
+        self.idle_stops: dict[str, int] = {}
 
-    def routes(self, api: Api) -> None:
-        api.route("POST", "/v1/serves/{name}/ensure", self.ensure, "public")
-
-    def _authorize(self, peer: Peer | None) -> None:
-        user = self.svc.config.daemon.front_user
-        if peer is None or peer.uid not in (0, _uid_of(user)):
-            uid = peer.uid if peer else None
-            raise Forbidden(f"uid {uid}: only the front ({user}) and root may ensure a serve",
-                            {"uid": uid})
-
-    async def ensure(self, request: web.Request) -> web.Response:
-        self._authorize(request.get("peer"))
-        name = request.match_info["name"]
-        check_serve_name(name)
+    async def ensure(self, name: str) -> web.Response:
+        """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it)."""
         spec = self.svc.serve_spec(name)
         if spec is None or not spec.on_demand:
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
-        self.last_activity[name] = self.clock()
+        self.last_activity[name] = self.last_request[name] = self.clock()
         try:
             if not self.svc.ready and self.svc.state_of(name) != RUNNING:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
             await self.up(name, spec)
-            self.last_activity[name] = self.clock()
-        except (Forbidden, BadRequest, NotFound):
-            raise
+            # its wait for the start is not idle time
+            self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
             log.warning("on-demand %s not brought up: %s", name, exc.message)
-            return web.Response(status=403, headers={
-                "X-Gpud-Reason": json.dumps(exc.to_json()),
-                "Retry-After": str(RETRY_AFTER_S)})
+            # The error document is the body too (what the API schema says a 403 is); nginx's
+            # auth_request reads only the headers.
+            resp = error_response(exc)
+            resp.set_status(403)
+            resp.headers["X-Gpud-Reason"] = json.dumps(exc.to_json())
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         return web.Response(status=204)
 
     async def up(self, name: str, spec: ServeConfig) -> None:
@@ -135,6 +118,12 @@ class OnDemand:
             raise Unavailable(f"serve {name!r} is {state}" + (f": {reason}" if reason else ""),
                               {"serve": name, "state": state})
 
+    def activity_s_ago(self, name: str) -> float | None:
+        """Seconds since the last request through NAME's front (None: none since gpud
+        started, or not an on-demand serve, whose requests gpud does not see)."""
+        last = self.last_request.get(name)
+        return None if last is None else round(max(0.0, self.clock() - last), 1)
+
     # ---- idle ------------------------------------------------------------------------------
 
     async def idle_loop(self) -> None:
@@ -159,15 +148,18 @@ class OnDemand:
                              idle_stop_s=spec.idle_stop_s, sleep_level=spec.sleep_level)
         if action is None:
             return
-        idle = now - last
-        # The sleep or stop records its own event (kind sleep / stop, by gpud: uid none).
+        idle = round(now - last, 1)
+        # The sleep or stop records its own event (kind sleep / stop, by gpud: uid none), its
+        # idle_s saying why.
         log.info("on-demand %s idle for %.1f s without a request through its front: %s",
                  name, idle, action)
         try:
             if action == SleepAction.SLEEP:
-                await self.sup.sleeps.sleep(name, None)
+                await self.sup.sleeps.sleep(name, None, idle_s=idle)
+                self.idle_sleeps[name] = self.idle_sleeps.get(name, 0) + 1
             else:
-                await self.sup.stop(name, None)
+                await self.sup.stop(name, None, idle_s=idle)
+                self.idle_stops[name] = self.idle_stops.get(name, 0) + 1
                 self.last_activity.pop(name, None)
         except GpudError as exc:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)

@@ -108,6 +108,26 @@ def _post(summary: str, ok: dict[str, Any], body: dict[str, Any] | None, *errors
     return {"post": op}
 
 
+def _ensure(empty: dict[str, Any]) -> dict[str, Any]:
+    """The front's check before each request to an on-demand serve (docs/front.md): no answer
+    body when the serve is up; a 403 is either a caller other than root and the front's user or
+    a serve that cannot be brought up (then with X-Gpud-Reason and Retry-After)."""
+    op = _post("Have an on-demand serve running (admit and start it, or wake it) before the "
+               "front forwards a request to it; root and daemon.front_user only",
+               {}, empty, 404, 500, 503)
+    responses = op["post"]["responses"]
+    del responses["200"]
+    responses["204"] = {"description": "the serve is running"}
+    responses["403"] = {
+        "description": "not the front's user nor root, or the serve cannot be brought up "
+                       "(denied, failed, not healthy within its start_timeout_s)",
+        "headers": {"X-Gpud-Reason": {"description": "the error document, JSON",
+                                      "schema": _STR},
+                    "Retry-After": {"description": "seconds", "schema": _STR}},
+        "content": {"application/json": {"schema": _ref("Error")}}}
+    return op
+
+
 @cache
 def document() -> dict[str, Any]:
     empty = body_schema(EmptyBody)
@@ -161,6 +181,7 @@ def document() -> dict[str, Any]:
             "/v1/serves/{name}/calibrate": _post(
                 "Measure a running serve's draw over a window", _ref("CalibrationRun"),
                 body_schema(CalibrateBody), 404, 409, 500, 503),
+            "/v1/serves/{name}/ensure": _ensure(empty),
             "/v1/serves/{name}/calibration": {"get": {
                 "summary": "A serve's calibration: status, record, measurement in progress",
                 "parameters": [NAME_PARAM],

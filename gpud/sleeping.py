@@ -243,7 +243,10 @@ class Sleeps:
         return spec
 
     async def sleep(self, serve: str, uid: int | None, level: int | None = None, *,
-                    preempted_by: str | None = None) -> dict[str, Any]:
+                    preempted_by: str | None = None,
+                    idle_s: float | None = None) -> dict[str, Any]:
+        """Put SERVE to sleep: by an operator, for a preemption (`preempted_by`), or idle for
+        `idle_s` seconds without a request through its front (on demand)."""
         spec = self._sleeper(serve)
         level = level or spec.sleep_level
         if level not in (1, 2):
@@ -308,7 +311,9 @@ class Sleeps:
             if seen is not None and awake_seen:
                 await self.svc.put_meta(measured_key(serve), json.dumps(
                     {"fingerprint": fingerprint(spec), "mib": seen}))
-            why = f"preempted by {preempted_by}" if preempted_by else "put to sleep"
+            why = (f"preempted by {preempted_by}" if preempted_by
+                   else f"idle {idle_s:g} s without a request" if idle_s is not None
+                   else "put to sleep")
             note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
                     "awake_mib": res.mib}
             message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
@@ -320,7 +325,8 @@ class Sleeps:
                                           "parked_host_mib": parked, "observed_mib": seen,
                                           "serve_ms": serve_ms, "draw_ms": draw_ms,
                                           **({"preempted_by": preempted_by}
-                                             if preempted_by else {})}),
+                                             if preempted_by else {}),
+                                          **({"idle_s": idle_s} if idle_s is not None else {})}),
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}

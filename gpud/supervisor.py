@@ -733,10 +733,11 @@ class Supervisor:
             state=self.svc.state_row(serve, RUNNING))
 
     async def stop(self, serve: str, uid: int | None, *,
-                   keep_reservation: bool = False) -> None:
+                   keep_reservation: bool = False, idle_s: float | None = None) -> None:
         """Stop the unit and release the reservation (kept only for a restart, and not for a
         sleeping serve: asleep it holds its sleep reservation, which no launch may be sized on;
-        its restart is admitted again at vram_mib)."""
+        its restart is admitted again at vram_mib). `idle_s`: an on-demand serve stopped idle
+        for that long, which its stop event says."""
         check_serve_name(serve)
         if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
             await self._stop_orphan(serve, uid)
@@ -771,9 +772,12 @@ class Supervisor:
                         del self._launch_tasks[serve]
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
+                idle = {} if idle_s is None else {"idle_s": idle_s}
+                why = "" if idle_s is None else f", idle {idle_s:g} s without a request"
                 await self.svc.record(self.svc.event(
-                    "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
-                    mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
+                    "stop", f"{serve}: stopping (was {state}{why})", serve=serve, role=spec.role,
+                    mib=res.mib if res else None, uid=uid, **idle),
+                    state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
                     try:
                         async with contextlib.AsyncExitStack() as memory:

@@ -91,7 +91,8 @@ def ledger_view(svc: LedgerService, draws: DrawSource | None) -> answers.Ledger:
 def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
                calibrated: answers.Calibrated | None = None,
-               parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
+               parked: Callable[[str], int | None] = lambda _serve: None,
+               activity: Callable[[str], float | None] = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -132,6 +133,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "sleep_level": spec.sleep_level if spec else 0,
         # asleep at level 1: the host RAM its weights are parked in (gpud.sleeping)
         "parked_host_mib": parked(name) if state == SLEEPING else None,
+        "front": bool(spec and spec.front),
+        # seconds since the last request through its front (gpud.ondemand)
+        "last_activity_s_ago": activity(name),
     }
     if len(roles) > 1:
         out["roles"] = list(roles)
@@ -159,10 +163,12 @@ def _observed_by_role(svc: LedgerService, name: str, roles: Sequence[str],
 def serves_view(svc: LedgerService, draws: DrawSource | None,
                 calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
                 summaries: dict[str, answers.Calibrated | None] | None = None,
-                parked: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
+                parked: Callable[[str], int | None] = lambda _serve: None,
+                activity: Callable[[str], float | None] = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
-    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked)
+    views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked,
+                        activity)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

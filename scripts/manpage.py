@@ -252,6 +252,13 @@ def render_gpud() -> str:
               ".SS [roles.NAME]", *_keys(RoleConfig),
               ".SS [serves.NAME]", *_keys(ServeConfig)]
     parts += paragraphs(
+        "serves.NAME.front unset is on for a serve with a sleep_level or on_demand that has a "
+        "port: vLLM's dev routes, which sleep opens, then reach no one but gpud and the front "
+        "(nginx, gpud-front.service), and the serve listens on its socket (vllm serve --uds, in "
+        "a container too; {socket} in a command or container.args). front = false keeps a "
+        "sleeping serve on its port, warned about by --check-config (docs/front.md in the "
+        "source).")
+    parts += paragraphs(
         "History is kept as configured: the store keeps the newest daemon.events_keep events "
         "(pruned after every twentieth of it, so at most about 5% more), and an apply keeps the "
         "newest daemon.backups_keep backups of the config file under backups/ beside it (its "

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,7 @@ class Reply:
     status: int
     body: Any
     raw: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def call(sock: str | Path, method: str, path: str, body: Any = None, *,
@@ -141,7 +142,7 @@ def call(sock: str | Path, method: str, path: str, body: Any = None, *,
         parsed = json.loads(payload) if payload else None
     except ValueError:
         parsed = None
-    return Reply(resp.status, parsed, payload)
+    return Reply(resp.status, parsed, payload, dict(resp.getheaders()))
 
 
 @dataclass

@@ -66,6 +66,8 @@ def answer_schema(doc: dict[str, Any], method: str, template: str, status: int) 
     AssertionError when the document does not declare that answer."""
     responses = doc["paths"][template][method.lower()]["responses"]
     assert str(status) in responses, f"{method} {template} -> {status}: not declared"
+    if "content" not in responses[str(status)]:
+        return {"type": "null"}  # no body (204)
     content = responses[str(status)]["content"]
     media = "application/json" if "application/json" in content else next(iter(content))
     schema: dict[str, Any] = content[media]["schema"]

@@ -119,7 +119,8 @@ def test_restarts_are_ordered_by_how_much_they_grow_not_by_either_size() -> None
 
 
 def test_a_sleeping_serve_removed_is_stopped_and_its_undo_starts_it_awake() -> None:
-    nap = {"role": "a", "vram_mib": 3000, "port": 8001, "sleep_level": 1, "sleep_mib": 500}
+    nap = {"role": "a", "vram_mib": 3000, "port": 8001, "front": False, "sleep_level": 1,
+           "sleep_mib": 500}
     old = config({"nap": nap})
     ledger = Ledger.build(budgets(old), [Reservation("nap", "a", 500, 1.0)])
     p = make_plan(old=old, new=config({}), ledger=ledger, new_budgets=budgets(old),

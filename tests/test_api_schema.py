@@ -55,6 +55,14 @@ resident = false
 port = 30007
 command = ["/bin/true", "--port", "{port}"]
 
+[serves.od]
+role = "dark-fast"
+vram_mib = 1024
+port = 30008
+on_demand = true
+front = true
+command = ["/bin/true", "--uds", "{socket}"]
+
 [simulation]
 state_file = "{state}"
 [[simulation.devices]]
@@ -150,6 +158,14 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     check("GET", "/v1/serves/{name}/calibration", "/v1/serves/fast/calibration")
     check("POST", "/v1/serves/{name}/calibrate", "/v1/serves/fast/calibrate",
           {"window_s": 60}, status=409)  # fast is admitted, not running
+    # the front's check: fast is not on demand; od cannot be started without a bus, which the
+    # refusal says in its body and in the header the front reads
+    check("POST", "/v1/serves/{name}/ensure", "/v1/serves/fast/ensure", status=404)
+    refused = gp.call("POST", "/v1/serves/od/ensure")
+    assert check("POST", "/v1/serves/{name}/ensure", "/v1/serves/od/ensure",
+                 status=403) == json.loads(refused.headers["X-Gpud-Reason"])
+    assert refused.headers["Retry-After"] == "30"
+    assert refused.body["error"]["code"] == "unavailable", refused.body
 
     text = gp.config.read_text()
     check("POST", "/v1/reload", body={})
@@ -179,7 +195,7 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     assert routes == {(m, t) for m, t, _ in check.seen}
     needs_bus = {"/v1/serves/{name}/start", "/v1/serves/{name}/restart",
                  "/v1/serves/{name}/calibrate", "/v1/serves/{name}/sleep",
-                 "/v1/serves/{name}/wake"}
+                 "/v1/serves/{name}/wake", "/v1/serves/{name}/ensure"}  # 204 when it can
     ok = {t for _, t, s in check.seen if s == 200}
     assert {t for _, t in routes} - ok == needs_bus
 

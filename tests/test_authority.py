@@ -89,6 +89,7 @@ capacity_mib = 10000
 role = "r"
 vram_mib = 2000
 port = 30003
+front = false  # the image's own command: nowhere to tell it {socket}
 sleep_level = 1
 sleep_mib = 300
 [serves.c.container]

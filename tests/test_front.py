@@ -29,6 +29,7 @@ from gpud.core.front import (
 )
 from gpud.core.launch import serve_argv, show_commands
 from gpud.core.observation import DeviceSample
+from gpud.daemon import _warnings
 from gpud.errors import ConfigError
 from gpud.front import front_config, nginx_argv
 from tests.waiting import wait_until
@@ -228,7 +229,7 @@ def test_a_fronted_serve_that_cannot_be_fronted_is_refused(change: str, error: s
 
 
 @pytest.mark.parametrize(("lines", "error"), [
-    ("on_demand = true\n", "on_demand: needs front = true"),
+    ("front = false\non_demand = true\n", "on_demand: needs front = true"),
     ("front = true\non_demand = true\nresident = true\n", "give one of the two"),
     ("front = true\npreempt = true\n", "preempt: says how an on_demand serve"),
 ])
@@ -405,9 +406,96 @@ def test_show_commands_shows_a_fronted_serve_on_its_socket() -> None:
     assert "  argv: /bin/serve --uds /run/x/serves/tool.sock" in argv, argv
 
 
-def test_a_sleep_serve_without_a_front_is_warned_about() -> None:
-    text = TOML.replace('[serves.plain]\nrole = "r"\n', '[serves.plain]\nrole = "r"\nsleep_level = 1\n')
+def test_a_sleep_serve_said_unfronted_is_warned_about() -> None:
+    text = TOML.replace('[serves.plain]\nrole = "r"\n',
+                        '[serves.plain]\nrole = "r"\nsleep_level = 1\nfront = false\n')
     warnings = config_warnings(parse_config(text, "t.toml"))
     assert [w.split(":")[0] for w in warnings] == ["serves.plain.front"], warnings
-    assert "port 30003" in warnings[0]
+    assert "port 30003" in warnings[0] and "without front = false" in warnings[0]
     assert config_warnings(parse_config(TOML, "t.toml")) == []
+
+
+SERVE = '[serves.x]\nrole = "r"\nvram_mib = 1000\n'
+VLLM = 'vllm = { model = "m" }\n'
+CONTAINER = 'container = { image = "docker.io/vllm/vllm-openai:v0.33.0" }\nvllm = { model = "m" }\n'
+
+
+@pytest.mark.parametrize(("lines", "fronted"), [
+    ("port = 1\nsleep_level = 1\n" + VLLM, True),
+    ("port = 1\nsleep_level = 2\n" + VLLM, True),
+    ("port = 1\non_demand = true\n" + VLLM, True),
+    ("port = 1\n" + VLLM, False),  # no dev routes: no front unless asked
+    ("port = 1\nfront = true\n" + VLLM, True),
+    ("port = 1\nsleep_level = 1\nfront = false\n" + VLLM, False),  # the operator's choice
+    ("sleep_level = 1\n" + VLLM, False),  # no port to front
+    ("port = 1\nsleep_level = 1\n" + CONTAINER, True),
+    ('port = 1\nsleep_level = 1\ncommand = ["/bin/s", "--uds", "{socket}"]\n', True),
+])
+def test_a_serve_that_sleeps_or_starts_on_demand_is_fronted_by_default(
+        lines: str, fronted: bool) -> None:
+    cfg = parse_config(TOML.split("[serves.chat]")[0] + SERVE + lines, "t.toml")
+    assert cfg.serves["x"].front is fronted
+    # and the resolved value is what a dump says, so that it validates again as the same serve
+    again = type(cfg.serves["x"]).model_validate(cfg.serves["x"].model_dump())
+    assert again == cfg.serves["x"]
+
+
+def test_a_fronted_by_default_vllm_serve_listens_on_its_socket() -> None:
+    cfg = parse_config(TOML.split("[serves.chat]")[0] + SERVE + "port = 30009\nsleep_level = 1\n"
+                       + VLLM, "t.toml")
+    devices = (DeviceSample("GPU-0", 0, "", "", 32607, None, None),)
+    argv = [line for line in show_commands(cfg, devices, "test") if line.startswith("  argv: ")]
+    assert "--uds /run/x/serves/x.sock" in argv[0] and "--port" not in argv[0], argv
+    assert front_config(cfg).serves[0].port == 30009
+
+
+def test_a_command_serve_that_sleeps_must_listen_on_its_socket_or_say_front_false() -> None:
+    text = TOML.split("[serves.chat]")[0] + SERVE + (
+        'port = 1\nsleep_level = 1\ncommand = ["/bin/s", "--port", "{port}"]\n')
+    with pytest.raises(ConfigError, match=r"serves\.x: .*must listen on \{socket\}.*front = false"):
+        parse_config(text, "t.toml")
+    assert parse_config(text + "front = false\n", "t.toml").serves["x"].front is False
+
+
+def test_check_config_warns_when_a_fronted_serve_has_no_nginx_or_front_user(
+        tmp_path: Path) -> None:
+    text = TOML.replace('front_nginx = "/opt/nginx"', f'front_nginx = "{tmp_path}/nginx"\n'
+                        'front_user = "gpud-front-nobody-has"')
+    warned = _warnings(parse_config(text, "t.toml"), (tmp_path,))
+    assert [w.split(":")[0] for w in warned] == ["daemon.front_nginx", "daemon.front_user"]
+    assert "chat, od, tool" in warned[0] and "apt-get install nginx" in warned[0]
+    unfronted = text.split("[serves.chat]")[0] + '[serves.p]\nrole = "r"\nvram_mib = 1\n' \
+        'port = 1\nvllm = { model = "m" }\n'
+    assert _warnings(parse_config(unfronted, "t.toml"), (tmp_path,)) == []
+
+
+def test_a_fronted_container_serve_binds_its_socket_in_the_shared_directory() -> None:
+    """vLLM in the container listens on the socket's own path (the sockets' directory bind-
+    mounted), and no port is published: the port is the front's."""
+    cfg = parse_config(TOML.split("[serves.chat]")[0] + SERVE + "port = 30009\nsleep_level = 1\n"
+                       + CONTAINER, "t.toml")
+    spec = cfg.serves["x"]
+    argv = serve_argv(spec, total_mib=32607, device_index=0, vllm_executable="vllm", name="x",
+                      cdi_devices=["GPU-0"], socket=socket_path("/run/x/serves", "x"))
+    assert "--volume=/run/x/serves:/run/x/serves:rw" in argv
+    assert not any(a.startswith("--publish") for a in argv), argv
+    inner = argv[argv.index(spec.container.image) + 1:]  # what follows the image: vllm serve's
+    assert inner[:3] == ["m", "--uds", "/run/x/serves/x.sock"], inner
+    assert "--host" not in inner and "--port" not in inner
+    # unfronted, as before: vLLM on every interface inside, the port published on 127.0.0.1
+    plain = serve_argv(spec.model_copy(update={"front": False}), total_mib=32607,
+                       device_index=0, vllm_executable="vllm", name="x", cdi_devices=["GPU-0"])
+    assert "--publish=127.0.0.1:30009:30009" in plain and "--host" in plain
+
+
+def test_a_fronted_container_serve_with_its_own_args_must_listen_on_its_socket() -> None:
+    box = ('container = { image = "docker.io/vllm/vllm-openai:v0.33.0", args = ["m", "--port", '
+           '"{port}"] }\n')
+    text = TOML.split("[serves.chat]")[0] + SERVE + "port = 1\nsleep_level = 1\n" + box
+    with pytest.raises(ConfigError, match=r"serves\.x: .*container serve must listen on "
+                                          r"\{socket\}.*front = false"):
+        parse_config(text, "t.toml")
+    ok = parse_config(text.replace('"--port", "{port}"', '"--uds", "{socket}"'), "t.toml")
+    argv = serve_argv(ok.serves["x"], total_mib=32607, device_index=0, vllm_executable="vllm",
+                      name="x", socket="/run/x/serves/x.sock")
+    assert argv[-3:] == ["m", "--uds", "/run/x/serves/x.sock"], argv

@@ -46,6 +46,7 @@ from gpud.ctl.errors import (
     unreachable_error,
 )
 from gpud.ctl.format import (
+    ago,
     format_admit,
     format_error,
     format_event,
@@ -122,6 +123,7 @@ SERVE_OCR: dict[str, Any] = {
     "unit": "gpud-serve-ocr.service", "main_pid": None, "n_restarts": 0,
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
     "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
+    "front": False, "last_activity_s_ago": None,
 }
 
 SERVE_FAST: dict[str, Any] = dict(
@@ -388,6 +390,17 @@ ocr   dark-fast  denied    5120         -  yes         40  30007     -  uncalibr
 
 ocr (denied): ledger bound: need 5120 MiB, free 351 MiB, short 4769 MiB"""
     assert format_serves({"serves": []}) == "no serves"
+
+
+def test_serves_table_shows_the_last_request_of_fronted_serves() -> None:
+    coder = dict(SERVE_FAST, name="coder", front=True, last_activity_s_ago=12.4)
+    fresh = dict(SERVE_FAST, name="fresh", front=True, priority=20)  # none since gpud started
+    lines = format_serves({"serves": [coder, fresh, SERVE_OCR]}).splitlines()
+    assert lines[0].endswith("CALIBRATION   LAST REQUEST")
+    assert [line.split("  ")[-1].strip() for line in lines[1:4]] == ["12s ago", "-", "-"]
+    assert ago(59.6) == "60s ago" and ago(600) == "10m ago" and ago(7200) == "2h ago"
+    block = format_serve(coder).splitlines()
+    assert "front:       yes" in block and "activity:    12s ago" in block
 
 
 def test_serve_block() -> None:

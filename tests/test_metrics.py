@@ -19,6 +19,7 @@ from gpud.config import parse_config
 from gpud.core.vocab import EVENT_KINDS, EventKind
 from gpud.metrics import render
 from gpud.observer import Observer
+from gpud.ondemand import OnDemand
 from gpud.service import LedgerService
 from gpud.simulation import SimulatedBackend, SimulatedDevice
 from gpud.store import Store
@@ -210,3 +211,42 @@ async def test_exact_figures_past_six_digits(tmp_path: Path) -> None:
                             capture_output=True, timeout=60, check=False)  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
     assert not (result.stdout + result.stderr).strip(), (result.stdout + result.stderr).decode()
+
+
+def test_idle_sleeps_and_stops_are_counted_by_serve(tmp_path: Path) -> None:
+    """A series for each on-demand serve with an idle time, at 0 from the first scrape, and the
+    counts gpud.ondemand keeps; promtool accepts them."""
+    serve = ('[serves.{name}]\nrole = "r"\nvram_mib = 100\nport = {port}\non_demand = true\n'
+             'front = true\ncommand = ["/bin/true", "--uds", "{{socket}}"]\n')
+    text = ('[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+            + serve.format(name="coder", port=30001) + "sleep_level = 1\nidle_sleep_s = 60\n"
+            "idle_stop_s = 600\n"
+            + serve.format(name="lazy", port=30002) + "idle_stop_s = 60\n"
+            + serve.format(name="always", port=30003))
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "test"), store, config_text=text)
+    try:
+        svc.load()
+        on_demand = OnDemand(svc, None)  # type: ignore[arg-type]  # the counts only
+        first = render(svc, None, on_demand=on_demand)
+        on_demand.idle_sleeps["coder"] = 3
+        on_demand.idle_stops["lazy"] = 1
+        exposed = render(svc, None, on_demand=on_demand)
+    finally:
+        svc.close()
+        store.close()
+
+    def idle(text: str) -> dict[tuple[str, str], float]:
+        return {(s.name, s.labels["serve"]): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("gpud_idle_")}
+
+    assert idle(first) == {("gpud_idle_sleeps_total", "coder"): 0,
+                           ("gpud_idle_stops_total", "coder"): 0,
+                           ("gpud_idle_stops_total", "lazy"): 0}
+    assert idle(exposed) == {("gpud_idle_sleeps_total", "coder"): 3,
+                             ("gpud_idle_stops_total", "coder"): 0,
+                             ("gpud_idle_stops_total", "lazy"): 1}
+    result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

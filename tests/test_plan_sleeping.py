@@ -28,6 +28,7 @@ priority = 1
 role = "a"
 command = ["y"]
 port = 8002
+front = false
 vram_mib = 8000
 priority = 5
 sleep_level = 1

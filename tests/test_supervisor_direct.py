@@ -982,7 +982,7 @@ async def test_a_sleep_answered_by_a_process_since_replaced_is_not_committed(
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     extra = (f'[serves.s]\nrole = "r"\nvram_mib = 500\nport = {port}\nsleep_level = 2\n'
-             'sleep_mib = 100\ncommand = ["/bin/true", "s"]\n')
+             'sleep_mib = 100\ncommand = ["/bin/true", "s"]\nfront = false\n')  # on its port
     r = await make_rig(tmp_path, CONFIG, extra=extra)
     rig_box.append(r)
     try:

@@ -129,6 +129,10 @@ class Serve(TypedDict):
     calibrated: Calibrated | None
     sleep_level: int  # 0: never sleeps
     parked_host_mib: int | None  # asleep at level 1: host RAM its weights are parked in
+    front: bool  # its port is answered by the front (docs/front.md), the serve on a socket
+    # Seconds since the last request through its front: an on-demand serve's (gpud sees no
+    # other's requests); None when none came since gpud started.
+    last_activity_s_ago: float | None
 
 
 class PreemptionStep(TypedDict):

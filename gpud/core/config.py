@@ -177,8 +177,10 @@ class ServeConfig(_Model):
     # Not strict: the TOML gives the string, the field holds the member.
     preemptible: SleepAction | None = Field(default=None, strict=False)
     # Clients reach the serve through the front on `port`; the serve itself listens on a Unix
-    # socket only root and the front may reach ({socket} in a command).
-    front: bool = False
+    # socket only root and the front may reach ({socket} in a command). Unset: on for a serve
+    # with a sleep_level or on_demand (vLLM's dev routes, which sleep opens, reach no one but
+    # gpud and the front), off otherwise; always a bool once validated (_front_by_default).
+    front: bool | None = None
     # Not started at boot: the first request to its front admits it (strictly; through the
     # preemption planner with `preempt`) and starts or wakes it, held until it is healthy.
     on_demand: bool = False
@@ -187,6 +189,17 @@ class ServeConfig(_Model):
     # (its sleep_level) / stopped.
     idle_sleep_s: float | None = Field(default=None, gt=0)
     idle_stop_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _front_by_default(cls, data: Any) -> Any:
+        """`front` unset: on for a serve that sleeps or starts on demand, unless it has no port
+        (nothing to front); an explicit `front = false` is the operator's choice (gpud
+        --check-config warns)."""
+        if not isinstance(data, dict) or data.get("front") is not None:
+            return data
+        wants = data.get("sleep_level") not in (None, 0, False) or data.get("on_demand") is True
+        return {**data, "front": wants and data.get("port") is not None}
 
     @model_validator(mode="before")
     @classmethod
@@ -255,12 +268,16 @@ class ServeConfig(_Model):
             raise ValueError("idle_sleep_s: needs a sleep_level of 1 or 2")
         if self.preempt and not self.on_demand:
             raise ValueError("preempt: says how an on_demand serve is started; needs on_demand")
-        if self.front and self.container is not None:
-            raise ValueError("front: container serves publish their own port; not fronted yet")
+        if self.front and self.container is not None and self.vllm is None \
+                and not any("{socket}" in arg for arg in self.container.args or ()):
+            raise ValueError("front: a fronted container serve must listen on {socket} "
+                             "(container.args; its port is the front's); a serve with "
+                             "sleep_level or on_demand is fronted unless it says front = false")
         if self.front and self.command is not None \
                 and not any("{socket}" in arg for arg in self.command):
             raise ValueError("front: a fronted command serve must listen on {socket} "
-                             "(its port is the front's)")
+                             "(its port is the front's); a serve with sleep_level or on_demand "
+                             "is fronted unless it says front = false")
         return self
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import posixpath
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -318,18 +319,24 @@ def _publish_host(serve: ServeConfig) -> str:
 
 def container_argv(name: str, serve: ServeConfig, inner: Sequence[str], *,
                    devices: Sequence[str], forward_env: Iterable[str],
-                   executable: str = "podman") -> list[str]:
+                   executable: str = "podman", socket: str | None = None) -> list[str]:
     """`podman run ...` for a container serve: `inner` is what follows the image, `devices` the
     CDI names of the serve's devices (one `--device nvidia.com/gpu=NAME` each), `forward_env` the
     variables the unit holds that the container gets (by name only: podman takes the value from
-    its own environment, so a secret never appears in the argv or in `systemctl show`)."""
+    its own environment, so a secret never appears in the argv or in `systemctl show`).
+    `socket`: a fronted serve's, which it binds inside at the same path: the directory of the
+    serves' sockets is bind-mounted (the host's permissions hold: only gpud and the front may
+    enter it), and no port is published (the port is the front's)."""
     c = serve.container
     if c is None:
         raise ValueError("not a container serve")
     argv = [executable, *PODMAN_RUN, "--name", container_name(name), *PODMAN_UNIT_FLAGS,
             f"--pull={c.pull}"]
     argv += [f"--device={CDI_GPU_KIND}={d}" for d in devices]
-    if serve.port is not None:
+    if socket is not None:
+        sockets = posixpath.dirname(socket)
+        argv.append(f"--volume={sockets}:{sockets}:rw")
+    elif serve.port is not None:
         argv.append(f"--publish={_publish_host(serve)}:{serve.port}:{serve.port}")
     if c.ipc is not None:
         argv.append(f"--ipc={c.ipc}")
@@ -413,13 +420,15 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
     if serve.container is not None:
         if serve.vllm is not None:
             inner = vllm_argv(serve, executable=vllm_executable, util=util,
-                              host=CONTAINER_LISTEN)[2:]  # the image's entrypoint: vllm serve
+                              host=None if socket else CONTAINER_LISTEN,
+                              socket=socket)[2:]  # the image's entrypoint: vllm serve
         else:
             # Inside, the serve's devices are numbered from 0 (CDI injected only them).
             inside = range(len(device_indexes)) if device_indexes else None
             inner = _fill(serve.container.args or (), serve, util=util, device_index=0,
-                          device_indexes=inside)
-        return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env)
+                          device_indexes=inside, socket=socket or "")
+        return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env,
+                              socket=socket)
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util, socket=socket)
     return command_argv(serve, util=util, device_index=device_index,

@@ -217,7 +217,12 @@ def format_serves(doc: answers.Serves) -> str:
             row[1] = ",".join(s["roles"])
         if s.get("device_lost"):
             row[2] += " (DEVICE LOST)"
-    text = format_table([h for h, _, _ in _SERVE_COLUMNS], rows, [r for _, _, r in _SERVE_COLUMNS])
+    columns = list(_SERVE_COLUMNS)
+    if any(s.get("front") for s in serves):  # a host without a front keeps its table
+        columns.append(("LAST REQUEST", "last_activity_s_ago", True))
+        for row, s in zip(rows, serves, strict=True):
+            row.append(ago(s.get("last_activity_s_ago")) if s.get("front") else "-")
+    text = format_table([h for h, _, _ in columns], rows, [r for _, _, r in columns])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
                + (f"; {s['parked_host_mib']} MiB parked in host RAM"
                   if s.get("parked_host_mib") else "")
@@ -237,8 +242,20 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
-    ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"),
+    ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
+    ("activity", "last_activity_s_ago"),
 )
+
+
+def ago(seconds: Any) -> str:
+    """Seconds since, as `gpuctl serves` shows a last request: `12s ago`, `3m ago`, `2h ago`."""
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds // 60:.0f}m ago"
+    return f"{seconds // 3600:.0f}h ago"
 
 
 def format_serve(serve: answers.Serve) -> str:
@@ -247,7 +264,8 @@ def format_serve(serve: answers.Serve) -> str:
     fields: dict[str, Any] = dict(serve)
     for label, key in _SERVE_FIELDS:
         value = fields.get(key)
-        rows.append((label, _mib(value) if key.endswith("_mib") else _dash(value)))
+        rows.append((label, _mib(value) if key.endswith("_mib")
+                     else ago(value) if key == "last_activity_s_ago" else _dash(value)))
         if key == "role" and serve.get("roles"):
             rows.append(("roles", ", ".join(serve["roles"])))
         if key == "observed_mib" and serve.get("observed_by_role"):

@@ -102,6 +102,8 @@ def sandbox_concurrency_config() -> str:
         # every serve sleeps (level 2: no host RAM needed), the larger ones first in
         # priority: their starts with preempt put smaller ones to sleep
         f"sleep_level = 2\nsleep_mib = 300\npriority = {10 * (len(UNIT_SERVES) - i)}\n"
+        # on their ports, dev routes open to everyone: the campaign's outside wakes and sleeps
+        "front = false\n"
         'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
         for i, (n, (role, mib, port)) in enumerate(UNIT_SERVES.items()))
     # ledger admission: the stand-ins really draw (simulated) memory, and the replay on the

@@ -21,17 +21,44 @@ PY = sys.executable
 STANDIN = ["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin"]
 
 
+# Where the sandbox's gpud-front.service finds nginx: the unit runs with PrivateTmp= and
+# ProtectHome=, so a checkout under /tmp, /var/tmp or a home directory (where CI clones it) is
+# not visible to it; scripts/setup's nginx is copied into the sandbox's own /usr/local/sbin (its
+# overlay: the host's stays untouched), where a host's own nginx would be.
+NGINX = "/usr/local/sbin/nginx"
+SERVE_SOCKETS = "/run/gpud/serves"  # daemon.serve_socket_dir's default
+
+
 def standin(*args: str) -> str:
-    """A TOML array for a stand-in serve command."""
+    """A TOML array for a stand-in serve command on its port (a serve without a front)."""
     return json.dumps([*STANDIN, "--port", "{port}", "--gpu-memory-utilization",
                        "{gpu_memory_utilization}", *args])
+
+
+def standin_uds(*args: str) -> str:
+    """A TOML array for a fronted stand-in serve: it listens on its socket, the front on its
+    port."""
+    return json.dumps([*STANDIN, "serve", "m", "--uds", "{socket}",
+                       "--gpu-memory-utilization", "{gpu_memory_utilization}", *args])
+
+
+def install_front(sb: Sandbox) -> None:
+    """nginx and the front's user in the sandbox: what the package and an operator provide.
+    Every configured gpud has them, so that any fronted serve (the default for one that
+    sleeps) has its front."""
+    sb.run(["install", "-m", "0755", str(REPO / ".venv" / "bin" / "nginx"), NGINX])
+    # The front's user: in group gpud, whose members may open gpud's socket (the on-demand
+    # check).
+    sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+            "--groups", "gpud", "gpud-front"], check=False)
 
 
 def sim_config(roles: str, serves: str, *, devices: int = 1, daemon: str = "",
                total_mib: int = 32607) -> str:
     devs = "".join(f'[[simulation.devices]]\nuuid = "GPU-sim-{i}"\ntotal_mib = {total_mib}\n'
                    for i in range(devices))
-    return (f"[daemon]\nhealth_interval_s = 0.5\nobserve_interval_s = 0.5\n{daemon}\n"
+    return (f"[daemon]\nhealth_interval_s = 0.5\nobserve_interval_s = 0.5\n"
+            f'front_nginx = "{NGINX}"\n{daemon}\n'
             f"{textwrap.dedent(roles)}\n{textwrap.dedent(serves)}\n"
             f'[simulation]\nstate_file = "/run/gpud/sim.json"\n{devs}')
 
@@ -51,14 +78,16 @@ class SandboxGpud:
         """No gpud, no serve units, no state: every test starts from nothing."""
         self.since = time.time()
         self.sb.run(["systemctl", "stop", "gpud.service"], check=False)
-        self.sb.run("systemctl stop 'gpud-serve-*' ; systemctl reset-failed 'gpud-serve-*'; "
-                    "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs /etc/gpud/backups",
-                    check=False)
+        self.sb.run("systemctl stop 'gpud-serve-*' gpud-front.service; "
+                    "systemctl reset-failed 'gpud-serve-*' gpud-front.service; "
+                    "rm -rf /var/lib/gpud /run/gpud/sim.json /run/gpud/sim-procs /etc/gpud/backups "
+                    f"/run/gpud/front {SERVE_SOCKETS}", check=False)
 
     def configure(self, config: str, *, external: list[dict[str, Any]] | None = None,
                   start: bool = True) -> None:
         self.reset()
         self.sb.install_gpud(REPO, config)
+        install_front(self.sb)
         self.sb.run(["mkdir", "-p", "/run/gpud"])
         self.set_external(external or [])
         if start:
@@ -139,6 +168,15 @@ class SandboxGpud:
                             "http://localhost/metrics"]).stdout  # fmt: skip
         return [(s.labels, s.value) for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name == name]  # fmt: skip
+
+    def standin_state(self, name: str) -> dict[str, Any]:
+        """What the stand-in serve NAME says of itself (GET /standin/state): over its socket
+        when it is fronted (the front forwards no such path), else on its port."""
+        spec = self.serve(name)
+        where = (["--unix-socket", f"{SERVE_SOCKETS}/{name}.sock", "http://localhost"]
+                 if spec["front"] else [f"http://127.0.0.1:{spec['port']}"])
+        out = self.sb.run(["curl", "-s", *where[:-1], where[-1] + "/standin/state"]).stdout
+        return dict(json.loads(out))
 
     def unit_prop(self, unit: str, prop: str) -> str:
         return self.sb.run(["systemctl", "show", "-p", prop, "--value", unit]).stdout.strip()

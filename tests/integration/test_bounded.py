@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Reply
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin
 from tests.integration.test_reconcile import wait_for
-from tests.integration.test_sleep import ROLE, checked, reserved, running, serve, standin_state
+from tests.integration.test_sleep import ROLE, checked, reserved, running, serve
 
 pytestmark = pytest.mark.sandbox
 
@@ -67,7 +67,7 @@ def test_a_hung_wake_fails_in_time_and_the_serve_is_restarted_at_full_size(
     view = gpud.wait_state("lo", "running")
     assert view["main_pid"] != old and view["reserved_mib"] == 12000
     assert reserved(gpud) == {"lo": 12000}
-    assert standin_state(gpud, 30101)["sleep_level"] is None
+    assert gpud.standin_state("lo")["sleep_level"] is None
 
 
 def test_a_serve_stopped_during_its_sleep_is_not_committed_asleep(gpud: SandboxGpud) -> None:
@@ -84,7 +84,7 @@ def test_a_serve_stopped_during_its_sleep_is_not_committed_asleep(gpud: SandboxG
     view = wait_for("lo restarted", lambda: (v := gpud.serve("lo"))["state"] == "running"
                     and v["main_pid"] != old and v, timeout=30)
     assert view["reserved_mib"] == 12000 and reserved(gpud) == {"lo": 12000}
-    assert standin_state(gpud, 30101)["sleep_level"] is None
+    assert gpud.standin_state("lo")["sleep_level"] is None
     assert not [e for e in gpud.events(serve="lo", kind="sleep")]
 
 

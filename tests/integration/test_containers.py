@@ -34,6 +34,7 @@ import pytest
 
 from tests.integration.conftest import booted_sandbox
 from tests.integration.gpudctl import PY, SandboxGpud, sim_config
+from tests.waiting import wait_until
 from tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,6 +194,35 @@ def test_container_serve_sees_its_device_and_is_measured_through_the_unit(
     assert gpud.sb.run(["podman", "ps", "-a", "--format", "{{.Names}}"]).stdout.strip() == ""
     log = gpud.sb.run(["journalctl", "-u", unit, "--no-pager"]).stdout
     assert "SIGTERM received: [shutdown]" in log, log[-2000:]
+
+
+def test_a_fronted_container_serve_listens_on_its_socket_behind_the_front(
+        gpud: SandboxGpud) -> None:
+    # A container serve that sleeps is fronted like any other: vLLM inside binds the socket's
+    # path in the bind-mounted directory, no port is published, the front answers the port.
+    config = _config(_image_ref(gpud.sb), name="boxfront", port=30052).replace(
+        "stop_timeout_s = 20\n", "stop_timeout_s = 20\nsleep_level = 2\nsleep_mib = 800\n")
+    _configure(gpud, config)
+    assert gpud.call("POST", "/v1/serves/boxfront/start", {}).status == 200
+    view = gpud.wait_state("boxfront", "running", timeout=60)
+    assert view["front"] is True
+    argv = gpud.unit_prop("gpud-serve-boxfront.service", "ExecStart")
+    assert "--volume=/run/gpud/serves:/run/gpud/serves:rw" in argv, argv
+    assert "--publish" not in argv and "--uds /run/gpud/serves/boxfront.sock" in argv, argv
+
+    def through_port(method: str, path: str) -> str:
+        return gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", method,
+                            f"http://127.0.0.1:30052{path}"], user="nobody").stdout
+
+    wait_until(lambda: through_port("GET", "/v1/models") == "200", timeout=30,
+               what="the front forwarding to the container's socket")
+    assert [through_port("POST", p) for p in ("/wake_up", "/sleep?level=1",
+                                              "/collective_rpc")] == ["404"] * 3
+    # gpud's sleep and wake reach it over the socket
+    assert gpud.call("POST", "/v1/serves/boxfront/sleep", {}).status == 200
+    assert gpud.serve("boxfront")["state"] == "sleeping"
+    assert gpud.call("POST", "/v1/serves/boxfront/wake", {}).status == 200
+    assert through_port("GET", "/v1/models") == "200"
 
 
 def test_container_serve_is_adopted_after_a_gpud_restart(gpud: SandboxGpud) -> None:

@@ -5,24 +5,26 @@ and answers 404 to vLLM's dev routes. Simulated GPU, stand-in serves."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import PY, REPO, STANDIN, SandboxGpud, sim_config
+from tests.integration.gpudctl import (
+    PY,
+    REPO,
+    SandboxGpud,
+    sim_config,
+    standin_uds,
+)
 from tests.waiting import wait_until
-from tools.sandbox import Sandbox
 
 PORT = 30181
 SOCKET = "/run/gpud/serves/chat.sock"
 USER = "gpud-front-client"  # a local user who is not in group gpud nor the front's group
 READER = "gpud-front-reader"  # in group gpud: may read gpud's API
-
-
-def standin_uds(*args: str) -> str:
-    return json.dumps([*STANDIN, "serve", "m", "--uds", "{socket}",
-                       "--gpu-memory-utilization", "{gpu_memory_utilization}", *args])
 
 
 def front_config() -> str:
@@ -45,23 +47,7 @@ def front_config() -> str:
               'idle_stop_s = 4\nenvironment = { VLLM_SERVER_DEV_MODE = "1" }\n'
               f"command = {standin_uds('--enable-sleep-mode')}\n")
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
-    return sim_config(role, serve, daemon=f'front_nginx = "{NGINX}"\n')
-
-
-# Where the sandbox's gpud-front.service finds nginx: the unit runs with PrivateTmp= and
-# ProtectHome=, so a checkout under /tmp, /var/tmp or a home directory (where CI clones it) is
-# not visible to it; scripts/setup's nginx is copied into the sandbox's own /usr/local/sbin (its
-# overlay: the host's stays untouched), where a host's own nginx would be.
-NGINX = "/usr/local/sbin/nginx"
-
-
-def install_front(sb: Sandbox) -> None:
-    """nginx and the front's user in the sandbox: what the package and an operator provide."""
-    sb.run(["install", "-m", "0755", str(REPO / ".venv" / "bin" / "nginx"), NGINX])
-    # The front's user: in group gpud, whose members may open gpud's socket (the on-demand
-    # check).
-    sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-            "--groups", "gpud", "gpud-front"], check=False)
+    return sim_config(role, serve)
 
 
 @pytest.fixture
@@ -69,7 +55,6 @@ def fronted(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     sb = gpud.sb
     try:
         gpud.configure(front_config(), start=False)
-        install_front(sb)
         sb.run(["useradd", "--no-create-home", USER], check=False)  # who is nobody to gpud
         gpud.start()
         yield gpud
@@ -204,11 +189,29 @@ def test_idle_sleep_and_stop_fire_at_their_times(fronted: SandboxGpud) -> None:
     assert curl(gpud, url).startswith("200")
     answered = time.time()
     asleep = gpud.wait_event("sleep", timeout=20, serve="idler")
+    # said as an idle sleep: in the event, the journal, the metrics, and the serve's view
+    assert 2.0 <= asleep["details"]["idle_s"] < 3.5, asleep
+    assert "without a request" in asleep["message"], asleep
+    entry, = gpud.wait_journal("GPUD_EVENT=sleep", "GPUD_SERVE=idler")
+    assert float(entry["GPUD_IDLE_S"]) == asleep["details"]["idle_s"], entry
+    assert gpud.metrics("gpud_idle_sleeps_total") == [({"serve": "idler"}, 1)]
+    view = gpud.serve("idler")
+    assert view["front"] is True and view["last_activity_s_ago"] >= 2.0, view
+    assert gpud.serve("chat")["last_activity_s_ago"] is None  # not on demand: not seen
+    table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                            "serves"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                           check=True).stdout
+    rows = table.split("\n\n")[0].splitlines()  # the table, then the reasons
+    idler, = (line for line in rows if line.startswith("idler "))
+    assert rows[0].endswith("LAST REQUEST") and idler.endswith(" ago"), table
     stopped = gpud.wait_event("stop", timeout=20, serve="idler")
     # within the 0.5 s of gpud's check (and a second of slack on a loaded host)
     assert 2.0 <= asleep["ts"] - answered < 3.5, (asleep, answered)
     assert 4.0 <= stopped["ts"] - answered < 5.5, (stopped, answered)
+    assert stopped["details"]["idle_s"] >= 4.0, stopped
     gpud.wait_state("idler", "declared", "admitted")
+    assert gpud.metrics("gpud_idle_stops_total") == [({"serve": "idler"}, 1)]
+    assert gpud.serve("idler")["last_activity_s_ago"] >= 4.0  # still said once it stopped
     # and the next request brings it back
     assert curl(gpud, url).startswith("200")
 

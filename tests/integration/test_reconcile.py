@@ -11,13 +11,15 @@ from typing import Any
 import pytest
 
 from tests.integration.gpudctl import SandboxGpud, sim_config
-from tests.integration.test_sleep import ROLE, checked, reserved, running, serve, standin_state
+from tests.integration.test_sleep import ROLE, checked, reserved, running, serve
 
 pytestmark = pytest.mark.sandbox
 
 
 def outside(gpud: SandboxGpud, port: int, path: str) -> None:
-    """A request straight to the serve's port, from a user who cannot even read gpud."""
+    """A request straight to the serve's port, from a user who cannot even read gpud: the serves
+    here say front = false, so that their dev routes are open to everyone (a fronted serve
+    answers these 404, tests/integration/test_front.py)."""
     out = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
                        f"http://127.0.0.1:{port}{path}"], user="nobody").stdout
     assert out == "200", out
@@ -39,7 +41,7 @@ def outside_events(gpud: SandboxGpud, serve_name: str, kind: str) -> list[dict[s
 
 
 def test_a_serve_woken_outside_gpud_is_admitted_at_its_full_size(gpud: SandboxGpud) -> None:
-    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)))
+    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1, front=False)))
     running(gpud, "lo")
     checked(gpud, "/v1/serves/{name}/sleep", "lo")
     assert reserved(gpud) == {"lo": 800}
@@ -60,12 +62,12 @@ def test_a_serve_woken_outside_gpud_is_admitted_at_its_full_size(gpud: SandboxGp
     # gpud's own wake of it works from there, at the size it holds
     woken = checked(gpud, "/v1/serves/{name}/wake", "lo")
     assert woken["state"] == "running" and woken["reserved_mib"] == 12000
-    assert standin_state(gpud, 30101)["sleep_level"] is None
+    assert gpud.standin_state("lo")["sleep_level"] is None
 
 
 def test_a_serve_woken_outside_gpud_that_does_not_fit_is_put_back_to_sleep(
         gpud: SandboxGpud) -> None:
-    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)
+    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1, front=False)
                               + serve("big", 26000, 10, 30104)))
     running(gpud, "lo")
     checked(gpud, "/v1/serves/{name}/sleep", "lo")
@@ -75,14 +77,14 @@ def test_a_serve_woken_outside_gpud_that_does_not_fit_is_put_back_to_sleep(
     [ev] = wait_for("lo put back to sleep", lambda: outside_events(gpud, "lo", "wake"))
     assert "does not fit awake" in ev["message"] and "put back to sleep (level 1)" in \
         ev["message"], ev
-    wait_for("lo asleep again", lambda: standin_state(gpud, 30101)["sleep_level"] == 1)
+    wait_for("lo asleep again", lambda: gpud.standin_state("lo")["sleep_level"] == 1)
     assert gpud.serve("lo")["state"] == "sleeping"
     assert reserved(gpud) == {"lo": 800, "big": 26000}
 
 
 def test_a_preempted_by_stopping_serve_woken_outside_that_does_not_fit_is_stopped(
         gpud: SandboxGpud) -> None:
-    config = sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)
+    config = sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1, front=False)
                         .replace("sleep_level = 1\n", 'sleep_level = 1\npreemptible = "stop"\n')
                         + serve("big", 26000, 10, 30104))
     gpud.configure(config)
@@ -101,7 +103,7 @@ def test_a_preempted_by_stopping_serve_woken_outside_that_does_not_fit_is_stoppe
 def test_reconciliation_latency(gpud: SandboxGpud) -> None:
     """Outside wake to ledger true (lo reserved at its full size), 20 tries, health interval
     0.5 s: the figures the issue asks for, printed with -s."""
-    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1)))
+    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1, front=False)))
     running(gpud, "lo")
     took: list[float] = []
     for _ in range(20):

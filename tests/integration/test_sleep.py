@@ -10,7 +10,7 @@ from typing import Any
 
 from gpud.openapi import document
 from tests.conftest import Reply
-from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin, standin_uds
 from tests.schema import answer_errors
 
 ROLE = """
@@ -23,13 +23,19 @@ reserve_mib = 1000
 
 def serve(name: str, mib: int, priority: int, port: int, *, level: int = 0,
           sleeps: bool = True, context: int = 200, sleep_mib: int | None = 800,
-          asleep: int = 800) -> str:
+          asleep: int = 800, front: bool = True) -> str:
+    """A stand-in serve; one with a sleep `level` is fronted (the default for it: gpud and the
+    front reach its socket, clients its port) unless `front` is False (it listens on its port,
+    its dev routes open to every local user)."""
     # asleep, the stand-in draws `asleep` MiB: its sleep_mib
     args = ["--context-mib", str(context), "--asleep-mib", str(asleep)]
     args += ["--enable-sleep-mode"] if sleeps else []
+    command = standin_uds(*args) if level and front else standin(*args)
     out = (f'[serves.{name}]\nrole = "r"\nvram_mib = {mib}\npriority = {priority}\n'
-           f"port = {port}\ncommand = {standin(*args)}\n"
+           f"port = {port}\ncommand = {command}\n"
            'environment = { VLLM_SERVER_DEV_MODE = "1" }\n')
+    if level and not front:
+        out += "front = false\n"
     if level:
         out += f"sleep_level = {level}\n"
     if level and sleep_mib is not None:
@@ -68,20 +74,22 @@ def reserved(gpud: SandboxGpud) -> dict[str, int]:
     return {r["serve"]: r["mib"] for r in role["reservations"]}
 
 
-def standin_state(gpud: SandboxGpud, port: int) -> dict[str, Any]:
-    out = gpud.sb.run(["curl", "-s", f"http://127.0.0.1:{port}/standin/state"]).stdout
-    return dict(json.loads(out))
-
-
 def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     gpud.configure(two_sleepers())
     running(gpud, "lo")
+    # A serve with a sleep_level is fronted unless it says otherwise: its port answers vLLM's
+    # dev routes 404 (the front), gpud's sleep and wake go over its socket.
+    assert gpud.serve("lo")["front"] is True and gpud.serve("hi")["front"] is False
+    for path in ("/sleep?level=1", "/wake_up", "/collective_rpc"):
+        status = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X",
+                              "POST", f"http://127.0.0.1:30101{path}"], user="nobody").stdout
+        assert status == "404", (path, status)
     view = checked(gpud, "/v1/serves/{name}/sleep", "lo")
     assert view["state"] == "sleeping"
     assert view["reserved_mib"] == 800
     assert view["parked_host_mib"] == 12000  # uncalibrated: its reservation
     assert view["sleep"]["level"] == 1
-    assert standin_state(gpud, 30101)["sleep_level"] == 1
+    assert gpud.standin_state("lo")["sleep_level"] == 1
     assert reserved(gpud) == {"lo": 800}
     entry = gpud.wait_journal("GPUD_SERVE=lo", "GPUD_EVENT=sleep", unit="gpud.service")[0]
     assert entry["GPUD_MIB"] == "800" and entry["GPUD_FROM_MIB"] == "12000"
@@ -95,7 +103,7 @@ def test_sleep_and_wake_by_hand(gpud: SandboxGpud) -> None:
     assert gpud.call("POST", "/v1/serves/lo/sleep", {}).status == 409
     woken = checked(gpud, "/v1/serves/{name}/wake", "lo")
     assert woken["state"] == "running" and woken["reserved_mib"] == 12000
-    assert standin_state(gpud, 30101)["sleep_level"] is None
+    assert gpud.standin_state("lo")["sleep_level"] is None
     assert gpud.call("POST", "/v1/serves/lo/wake", {}).status == 409
     kinds = [e["kind"] for e in gpud.events(serve="lo") if e["kind"] in ("sleep", "wake")]
     assert kinds == ["sleep", "wake"]
@@ -111,12 +119,12 @@ def test_a_level_two_wake_reloads_the_weights(gpud: SandboxGpud) -> None:
     gpud.configure(two_sleepers())
     running(gpud, "mid")
     assert checked(gpud, "/v1/serves/{name}/sleep", "mid")["sleep"]["level"] == 2
-    state = standin_state(gpud, 30102)
+    state = gpud.standin_state("mid")
     assert (state["sleep_level"], state["weights"], state["sleep_mode"]) == (2, "discarded",
                                                                             "abort")
     woken = checked(gpud, "/v1/serves/{name}/wake", "mid")
     assert woken["state"] == "running"
-    state = standin_state(gpud, 30102)
+    state = gpud.standin_state("mid")
     assert (state["sleep_level"], state["weights"]) == (None, "loaded")
     out = gpud.sb.run(["curl", "-s", "http://127.0.0.1:30102/v1/completions", "-H",
                        "content-type: application/json", "-d", '{"prompt": "hi"}']).stdout
@@ -133,7 +141,7 @@ def test_host_ram_too_small_for_level_one(gpud: SandboxGpud) -> None:
     message = reply.body["error"]["message"]
     assert "host RAM" in message and "MemAvailable is 5000 MiB" in message, message
     assert gpud.serve("lo")["state"] == "running"
-    assert standin_state(gpud, 30101)["sleep_level"] is None  # never asked to sleep
+    assert gpud.standin_state("lo")["sleep_level"] is None  # never asked to sleep
     # level 2 parks nothing
     reply = gpud.call("POST", "/v1/serves/lo/sleep", {"level": 2})
     assert reply.status == 200, reply.raw
@@ -196,7 +204,7 @@ def test_failed_preemption_restores_everything(gpud: SandboxGpud) -> None:
     assert gpud.serve("big")["state"] in ("declared", "denied")
     assert reserved(gpud) == {"lo": 12000, "mid": 12000}
     assert "gpud-serve-big.service" not in gpud.serve_units()
-    assert standin_state(gpud, 30101)["sleep_level"] is None
+    assert gpud.standin_state("lo")["sleep_level"] is None
 
 
 def test_gpud_restarted_during_sleep_adopts_it_asleep(gpud: SandboxGpud) -> None:

@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
+from tests.integration.gpudctl import (
+    REPO,
+    SERVE_SOCKETS,
+    SandboxGpud,
+    sim_config,
+    standin,
+    standin_uds,
+)
 
 ROLES = """
 [roles.g0]
@@ -165,11 +172,12 @@ def test_apply_moves_a_running_serve_from_one_device_to_two_and_back(
 
 
 def sleeper(name: str, role: str, port: int) -> str:
-    """A serve of low priority on one device that sleeps (level 2) down to 800 MiB."""
+    """A serve of low priority on one device that sleeps (level 2) down to 800 MiB; fronted,
+    as a serve that sleeps is by default (it listens on its socket)."""
     return (f'[serves.{name}]\nrole = "{role}"\nvram_mib = 30000\npriority = 50\n'
             f"port = {port}\nsleep_level = 2\nsleep_mib = 800\nresident = false\n"
             'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
-            f"command = {standin('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
+            f"command = {standin_uds('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
 
 
 def test_a_preemption_for_a_serve_on_two_devices_makes_room_on_both(gpud: SandboxGpud) -> None:
@@ -212,7 +220,7 @@ def test_a_sleeping_serve_on_two_devices_across_gpud_kills(gpud: SandboxGpud) ->
     # and killed between vLLM's sleep and the shrink, adopts it asleep on both, whole.
     tp = ('[serves.tp]\nroles = ["g1", "g0"]\nvram_mib = 20000\nport = 30220\nsleep_level = 1\n'
           'sleep_mib = 800\nenvironment = { VLLM_SERVER_DEV_MODE = "1" }\n'
-          f"command = {standin('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
+          f"command = {standin_uds('--context-mib', '200', '--asleep-mib', '800', '--enable-sleep-mode')}\n")
     gpud.configure(sim_config(ROLES, tp, devices=2, total_mib=TOTAL))
 
     def held() -> dict[str, list[tuple[str, int]]]:
@@ -249,7 +257,9 @@ def test_a_sleeping_serve_on_two_devices_across_gpud_kills(gpud: SandboxGpud) ->
     assert held() == {"g0": [("tp", 20000)], "g1": [("tp", 20000)]}
     # Between vLLM's sleep and the shrink: gpud gone, the serve asleep, recorded running.
     kill_gpud()
-    gpud.sb.run(["curl", "-s", "-X", "POST", "http://127.0.0.1:30220/sleep?level=1"])
+    # (root asks the serve on its socket: through its port, the front answers /sleep 404)
+    gpud.sb.run(["curl", "-s", "-X", "POST", "--unix-socket", f"{SERVE_SOCKETS}/tp.sock",
+                 "http://localhost/sleep?level=1"])
     gpud.start()
     assert gpud.wait_state("tp", "sleeping")["reserved_mib"] == 20000  # more, never less
     assert held() == {"g0": [("tp", 20000)], "g1": [("tp", 20000)]}
