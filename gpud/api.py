@@ -42,7 +42,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import RoleFigures
-from gpud.core.vocab import EVENT_KINDS, EventKind
+from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -614,10 +614,10 @@ class Api:
         try:
             result = await rebalancer.apply(body.config, source, uid, emit, cfg)
         except GpudError as exc:
-            result = {"result": "refused", "error": exc.to_json()["error"]}
+            result = {"result": ApplyOutcome.REFUSED, "error": exc.to_json()["error"]}
         except Exception as exc:  # the stream has begun: its last line says what went wrong
             log.exception("apply failed")
-            result = {"result": "failed",
+            result = {"result": ApplyOutcome.FAILED,
                       "error": GpudError(f"apply failed: {exc}").to_json()["error"]}
         await emit(result)
         with contextlib.suppress(ConnectionResetError):

@@ -29,7 +29,16 @@ from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
 from gpud.core.plan import Plan
-from gpud.core.vocab import ADMITTED, DECLARED, LIVE_STATES, RUNNING, STARTING, EventKind, StepKind
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    LIVE_STATES,
+    RUNNING,
+    STARTING,
+    ApplyOutcome,
+    EventKind,
+    StepKind,
+)
 from gpud.errors import Conflict, Denied, GpudError, StoreError
 from gpud.files import write_atomically
 from gpud.observer import Observer
@@ -181,15 +190,15 @@ class Rebalancer:
             await carry_out(steps, lambda action: self._carry_out(run, action, text), run.done,
                             count_begun=True)
             await self._journal(None)
-            return {"result": "applied", "backup": str(run.saved) if run.saved else None,
+            return {"result": ApplyOutcome.APPLIED, "backup": str(run.saved) if run.saved else None,
                     "summary": run.summary}
         except GpudError as exc:
             with contextlib.suppress(GpudError):
-                await self._step(emit, "failed", exc.message, ok=False, uid=uid)
+                await self._step(emit, ApplyOutcome.FAILED, exc.message, ok=False, uid=uid)
             await self._rollback(old_text, text, run.done, uid, emit)
             with contextlib.suppress(GpudError):
                 await self._journal(None)
-            return {"result": "rolled-back", "error": exc.message,
+            return {"result": ApplyOutcome.ROLLED_BACK, "error": exc.message,
                     "backup": str(run.saved) if run.saved else None,
                     "summary": self.svc.summary()}
 

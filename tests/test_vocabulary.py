@@ -30,9 +30,8 @@ FIELDS = frozenset(
     for key in obj.__required_keys__ | obj.__optional_keys__)
 # Words that are the same string in another vocabulary, each where it is used so.
 ALLOWED: dict[str, tuple[frozenset[str], str]] = {
-    "gpud/api.py": (frozenset({"start", "stop", "restart", "apply", "reload", "failed"}),
-                    "routes' actions (POST /v1/serves/NAME/start), the offload's slot names, an "
-                    "apply's result"),
+    "gpud/api.py": (frozenset({"start", "stop", "restart", "apply", "reload"}),
+                    "routes' actions (POST /v1/serves/NAME/start), the offload's slot names"),
     "gpud/ctl/commands.py": (frozenset({"admit", "release", "start", "sleep", "wake", "stop",
                                         "restart", "apply", "calibrate", "reload", "preempt"}),
                              "gpuctl's commands and the API paths and body fields they call"),
@@ -41,10 +40,9 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "gpud/errors.py": (frozenset({"denied", "forbidden"}), "error codes"),
     "gpud/containers.py": (frozenset({"stop", "pull"}), "systemctl's and podman's verbs"),
     "gpud/units.py": (frozenset({"stopping"}), "systemd's Manager.SystemState"),
-    "gpud/core/answers.py": (frozenset({"failed"}), "an apply's result"),
-    "gpud/rebalance.py": (frozenset({"apply", "failed", "starting"}),
-                          "the store's key of an apply under way, an apply's progress lines, "
-                          "a detail naming the serves starting"),
+    "gpud/rebalance.py": (frozenset({"apply", "starting"}),
+                          "the store's key of an apply under way, a detail naming the serves "
+                          "starting"),
     "gpud/simulation.py": (frozenset({"external"}), "the simulation file's keys"),
     "gpud/observer.py": (frozenset({"healthy"}), "a device's field in the observation answer"),
     "gpud/testing/standin.py": (frozenset({"unhealthy", "sleeping", "stop", "start"}),

@@ -17,7 +17,7 @@ from typing import Any, Literal, NotRequired
 
 from typing_extensions import TypedDict
 
-from gpud.core.vocab import SleepAction, StepKind
+from gpud.core.vocab import ApplyOutcome, SleepAction, StepKind
 
 Admission = Literal["strict", "ledger"]
 CalibrationStatus = Literal["calibrated", "stale", "uncalibrated"]
@@ -478,7 +478,8 @@ class ApplyResult(TypedDict):
     """POST /v1/apply: the last NDJSON line. ``error`` is the message of what failed for a
     rolled-back apply, gpud's error object for a refused or failed one."""
 
-    result: Literal["applied", "rolled-back", "refused", "failed"]
+    result: Literal[ApplyOutcome.APPLIED, ApplyOutcome.ROLLED_BACK, ApplyOutcome.REFUSED,
+                    ApplyOutcome.FAILED]
     summary: NotRequired[str]
     backup: NotRequired[str | None]
     error: NotRequired[str | ErrorBody]

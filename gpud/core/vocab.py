@@ -63,6 +63,15 @@ class StepKind(StrEnum):
     WAKE = "wake"
 
 
+class ApplyOutcome(StrEnum):
+    """How an apply ended (POST /v1/apply's last line, `result`)."""
+
+    APPLIED = "applied"
+    ROLLED_BACK = "rolled-back"  # a step failed: the steps done were undone
+    REFUSED = "refused"  # nothing was changed
+    FAILED = "failed"  # gpud's own fault, mid-apply
+
+
 class Gone(StrEnum):
     """Where a rebalance plan shows a serve the new config no longer names (its state_after):
     not a serve state, since such a serve has none after the apply."""

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import EVENT_KINDS, STATES, ServeState, serve_unit  # noqa: E402 - defined once
+from gpud.core.vocab import EVENT_KINDS, STATES, ApplyOutcome, ServeState, serve_unit  # noqa: E402 - defined once
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -437,14 +437,14 @@ def run_apply(ctl: Ctl, args: argparse.Namespace) -> int:
                        "`gpuctl events --kind apply`", EXIT_UNREACHABLE)
     if ctl.as_json:
         print(dump_json(final, compact=True), file=ctl.out, flush=True)
-    elif final.get("result") == "applied":
+    elif final.get("result") == ApplyOutcome.APPLIED:
         print(f"applied: {final.get('summary')}", file=ctl.out)
-    elif final.get("result") == "rolled-back":
+    elif final.get("result") == ApplyOutcome.ROLLED_BACK:
         print(f"rolled back: {final.get('error')}; {final.get('summary')}", file=ctl.err)
     else:
         err = final.get("error") or {}
         print(f"gpuctl: {err.get('message', final)}", file=ctl.err)
-    return EXIT_OK if final.get("result") == "applied" else EXIT_REFUSED
+    return EXIT_OK if final.get("result") == ApplyOutcome.APPLIED else EXIT_REFUSED
 
 
 def configure_calibrate(p: argparse.ArgumentParser) -> None:
