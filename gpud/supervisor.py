@@ -16,9 +16,8 @@ import os
 import shutil
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,23 +37,47 @@ from gpud.core.launch import (
     unit_restart,
     with_kv_cache,
 )
+from gpud.core.lifecycle import (
+    IDLE_LIFE,
+    CancelLaunch,
+    CrashLoop,
+    HealthCounted,
+    Input,
+    Job,
+    JobBegan,
+    JobEnded,
+    LaunchEnded,
+    LifeAction,
+    MemoryBack,
+    MemoryLeaving,
+    PortChecked,
+    Restarted,
+    RestartsCounted,
+    ServeLife,
+    StartAsked,
+    UnitChanged,
+    UnitGone,
+    UnitSeen,
+    UnitStarted,
+    Watch,
+    WatchAsked,
+    WatchEnded,
+    own_listener_trusted,
+    start_refused,
+    step,
+)
 from gpud.core.unitstate import (
     ACTIVE,
-    Action,
     AdoptOutsideStart,
     AskShutdown,
-    CountRestarts,
     Fail,
     OrphanEnded,
     OutsideStop,
     ReleaseEnded,
     Restarting,
-    SeenExit,
-    ServeRuntime,
     StopEnded,
     UnitState,
     WatchRestart,
-    on_unit,
 )
 from gpud.core.vocab import (
     ADMITTED,
@@ -125,6 +148,22 @@ async def read_exit_lines(unit: str, invocation: str | None) -> list[str]:
     return out.decode("utf-8", "replace").splitlines()
 
 
+@dataclass
+class LifeRecord:
+    """One serve's runtime under the supervisor: its life (gpud.core.lifecycle, changed only
+    through `step`) and the handles of what runs for it."""
+
+    life: ServeLife = IDLE_LIFE
+    launch_task: asyncio.Task[None] | None = None  # its launch, while it runs
+    check: asyncio.Task[None] | None = None  # its health check in flight
+    # Set when gpuctl's stop of it is done: a start on its devices waits for that.
+    stop_done: asyncio.Event | None = None
+
+    def idle(self) -> bool:
+        return (self.life == IDLE_LIFE and self.launch_task is None and self.check is None
+                and self.stop_done is None)
+
+
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None]) -> Supervisor:
     return Supervisor(svc, SystemdUnits(), observer, notify=notify)
@@ -145,21 +184,9 @@ class Supervisor:
         self.journal = journal
         # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
         self.locks = Locks()
-        self._launching: set[str] = set()
-        self._launch_tasks: dict[str, asyncio.Task[None]] = {}
-        self._stopping: set[str] = set()
-        self._returning: dict[str, set[str]] = {}
-        self._last: dict[str, UnitState] = {}
-        self._restarts: dict[str, deque[float]] = {}
-        self._health_failures: dict[str, int] = {}
-        self._checks: dict[str, asyncio.Task[None]] = {}
+        # Every serve's runtime, one record each (none for a serve with nothing to remember).
+        self.serves: dict[str, LifeRecord] = {}
         self._health_slots = asyncio.Semaphore(HEALTH_CONCURRENCY)
-        # Per serve: the main PID and time its own listener was last confirmed.
-        self._port_owner: dict[str, tuple[int, float]] = {}
-        # Stops in progress, by serve: a start on the same device waits for them.
-        self._stop_done: dict[str, asyncio.Event] = {}
-        self._watching: set[str] = set()
-        self._exit_seen: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
         self._http: aiohttp.ClientSession | None = None
@@ -174,6 +201,27 @@ class Supervisor:
         self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
         self.reconciler = Reconciler(self)
 
+    # ---- the serves' records ---------------------------------------------------------------
+
+    def life(self, serve: str) -> ServeLife:
+        rec = self.serves.get(serve)
+        return rec.life if rec is not None else IDLE_LIFE
+
+    def _record(self, serve: str) -> LifeRecord:
+        return self.serves.setdefault(serve, LifeRecord())
+
+    def _step(self, serve: str, inp: Input) -> list[LifeAction]:
+        """Change the serve's life by `inp` (gpud.core.lifecycle.step); what to do about it."""
+        rec = self._record(serve)
+        rec.life, actions = step(rec.life, inp)
+        self._prune(serve)
+        return actions
+
+    def _prune(self, serve: str) -> None:
+        rec = self.serves.get(serve)
+        if rec is not None and rec.idle():
+            del self.serves[serve]
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Supervisor:
@@ -181,7 +229,7 @@ class Supervisor:
         self.units.watch(self._unit_events.put_nowait, self._unit_events.put_nowait)
         await self.units.connect()
         self.svc.launching = self.launching
-        self.svc.busy = self._launching.__contains__
+        self.svc.busy = lambda serve: self.life(serve).launching
         self.svc.freed = self.sleeps.freed
         self.observer.listen(self._on_observation)
         self._spawn(self._unit_loop())
@@ -237,7 +285,7 @@ class Supervisor:
         await self._memory_back_all(serve)
 
     def busy(self, serve: str) -> bool:
-        return serve in self._launching or serve in self._stopping
+        return self.life(serve).busy
 
     def launching(self) -> tuple[bool, str | None]:
         if self.units.available:
@@ -264,7 +312,7 @@ class Supervisor:
                 log.warning("image pulls left by an earlier gpud may still run: %s", problem)
         live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
         for serve, st in sorted(live.items()):
-            self._last[serve] = st
+            self._step(serve, UnitSeen(st))
             spec = self.svc.serve_spec(serve)
             rec_state = self.svc.state_of(serve)
             res = self.svc.ledger.reservations.get(serve)
@@ -367,7 +415,7 @@ class Supervisor:
                 launches.clear()
 
         for name in names:
-            if self.svc.state_of(name) in LIVE_STATES or name in self._launching:
+            if self.svc.state_of(name) in LIVE_STATES or self.life(name).launching:
                 continue
             shared, _why = start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))
             if not shared:
@@ -378,7 +426,8 @@ class Supervisor:
                 log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
                         "boot: %s not started: %s", name, exc.message)
                 continue
-            task = self._launch_tasks.get(name)
+            task = self._record(name).launch_task
+            self._prune(name)
             if task is not None:
                 task.add_done_callback(lambda _t: self.notify(
                     f"STATUS=starting resident set: {self.svc.summary()}"))
@@ -422,8 +471,7 @@ class Supervisor:
     def _returning_on(self, serve: str) -> None:
         """The serve is stopping or ended: the next start on any of its devices waits for its
         memory to come back there."""
-        for device in self._device_keys(serve):
-            self._returning.setdefault(device, set()).add(serve)
+        self._step(serve, MemoryLeaving(frozenset(self._device_keys(serve))))
 
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None:
@@ -441,7 +489,7 @@ class Supervisor:
                 await locks.enter_async_context(self.locks.coordination())
             await locks.enter_async_context(self.serve_lock(serve))
             state = self.svc.state_of(serve)
-            if state in LIVE_STATES or serve in self._launching:
+            if state in LIVE_STATES or start_refused(self.life(serve)) is not None:
                 hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
                 raise Conflict(f"serve {serve!r} is already {state}{hint}",
                                {"serve": serve, "state": state})
@@ -480,9 +528,11 @@ class Supervisor:
                 await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
                 raise Conflict(f"serve {serve!r} cannot be launched: {exc.message}",
                                {"serve": serve, **exc.details}) from exc
-            self._launching.add(serve)
+            refused = self._step(serve, StartAsked())
+            # the serve's lock is held, and it was free a moment ago: never refused here
+            assert not refused, refused
             task = self._spawn(self._launch(serve, uid, unit_spec))
-            self._launch_tasks[serve] = task
+            self._record(serve).launch_task = task
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
@@ -512,10 +562,9 @@ class Supervisor:
                 except GpudError as exc:
                     await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
                     return
-                self._last[serve] = state
+                self._step(serve, UnitStarted(state))
                 self.svc.set_main_pid(serve, state.main_pid or None)
                 self.svc.set_restart_count(serve, 0)
-                self._restarts.pop(serve, None)
                 await self.svc.record(self.svc.event(
                     "start", f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
@@ -529,9 +578,11 @@ class Supervisor:
             if healthy and self.svc.state_of(serve) == STARTING:
                 await self._promote(serve)
         finally:
-            self._launching.discard(serve)
-            if self._launch_tasks.get(serve) is asyncio.current_task():
-                del self._launch_tasks[serve]
+            self._step(serve, LaunchEnded())
+            rec = self._record(serve)
+            if rec.launch_task is asyncio.current_task():
+                rec.launch_task = None
+            self._prune(serve)
 
     def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
         devs = []
@@ -651,7 +702,7 @@ class Supervisor:
         if foreign is None and spec.port is not None:
             # Someone else's listener that does not answer 200 (taken during a restart
             # window, say): named all the same.
-            last = self._last.get(serve)
+            last = self.life(serve).unit
             holder = await asyncio.to_thread(_foreign, serve, spec.port,
                                              last.control_group if last else "")
             if holder is not None:
@@ -691,18 +742,13 @@ class Supervisor:
     async def _foreign_holder(self, serve: str, port: int) -> str | None:
         """Who other than the serve's own unit listens on its port (None: the serve itself, or
         nobody can tell). The serve's own listener is trusted for PORT_RECHECK_S."""
-        last = self._last.get(serve)
+        last = self.life(serve).unit
         pid = last.main_pid if last is not None else 0
-        cached = self._port_owner.get(serve)
-        if cached is not None and pid and cached[0] == pid \
-                and self.clock() - cached[1] < PORT_RECHECK_S:
+        if own_listener_trusted(self.life(serve), pid, self.clock(), PORT_RECHECK_S):
             return None
         group = last.control_group if last is not None else ""
         holder = await asyncio.to_thread(_foreign, serve, port, group)
-        if holder is None and pid:
-            self._port_owner[serve] = (pid, self.clock())
-        else:
-            self._port_owner.pop(serve, None)
+        self._step(serve, PortChecked(own=holder is None, pid=pid, at=self.clock()))
         return holder
 
     async def _port_free(self, serve: str, spec: ServeConfig) -> None:
@@ -723,7 +769,7 @@ class Supervisor:
                         "holders": [{"pid": h.pid, "unit": h.unit} for h in held]})
 
     async def _promote(self, serve: str, *, was_failed: str | None = None) -> None:
-        self._health_failures.pop(serve, None)
+        self._step(serve, HealthCounted(0))
         res = self.svc.ledger.reservations.get(serve)
         message = (f"{serve}: healthy again (was failed: {was_failed})" if was_failed
                    else f"{serve}: healthy")
@@ -743,32 +789,34 @@ class Supervisor:
             return
         spec = self._spec(serve)
         state = self.svc.state_of(serve)
-        if state in LIVE_STATES or serve in self._launching:
+        if state in LIVE_STATES or self.life(serve).launching:
             self._need_bus()
         failed: GpudError | None = None
-        check = self._checks.get(serve)
+        check = self._record(serve).check
+        self._prune(serve)
         if check is not None and check is not asyncio.current_task() and not check.done():
             # A health check restarting the serve holds its lock while the new process loads
             # (minutes for vLLM): a stop does not wait for that, it ends it.
             check.cancel()
             await asyncio.wait({check})
         async with self.serve_lock(serve):
-            self._stopping.add(serve)
+            actions = self._step(serve, JobBegan(Job.STOP))
             # A start on the device from now on waits for this stop and for the memory to come
             # back (a serve ignoring SIGTERM takes its stop timeout to go).
-            self._stop_done[serve] = asyncio.Event()
+            self._record(serve).stop_done = asyncio.Event()
             self._returning_on(serve)
             try:
-                launch = self._launch_tasks.get(serve)
-                if launch is not None and not launch.done():
+                launch = self._record(serve).launch_task
+                if CancelLaunch() in actions and launch is not None and not launch.done():
                     # Queued behind another start on the device, or starting: it must not go on
                     # to run a unit whose reservation this stop releases.
                     launch.cancel()
                     await asyncio.wait({launch})
                     # A launch cancelled before it began never ran its own clean-up.
-                    self._launching.discard(serve)
-                    if self._launch_tasks.get(serve) is launch:
-                        del self._launch_tasks[serve]
+                    self._step(serve, LaunchEnded())
+                    rec = self._record(serve)
+                    if rec.launch_task is launch:
+                        rec.launch_task = None
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
                 await self.svc.record(self.svc.event(
@@ -795,10 +843,12 @@ class Supervisor:
                         mib=res.mib if res else None, uid=uid, ok=False),
                         state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"))
             finally:
-                self._stopping.discard(serve)
-                self._stop_done.pop(serve).set()
-                self._last.pop(serve, None)
-                self._port_owner.pop(serve, None)
+                self._step(serve, JobEnded(Job.STOP))
+                rec = self._record(serve)
+                done, rec.stop_done = rec.stop_done, None
+                self._prune(serve)
+                assert done is not None
+                done.set()
         if failed is not None:
             # Its unit's end, had it come while the stop was under way, went unheeded: read once
             # more. Later ends complete the stop through the unit's signal (StopEnded).
@@ -834,7 +884,7 @@ class Supervisor:
     async def _stop_orphan(self, serve: str, uid: int | None) -> None:
         self._need_bus()
         async with self.serve_lock(serve):
-            self._stopping.add(serve)
+            self._step(serve, JobBegan(Job.STOP))
             try:
                 await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
                 await self.units.reset_failed(serve)
@@ -842,8 +892,7 @@ class Supervisor:
                     "stop", f"{serve}: orphan unit stopped", serve=serve, uid=uid),
                     state=self.svc.state_row(serve, DECLARED))
             finally:
-                self._stopping.discard(serve)
-                self._last.pop(serve, None)
+                self._step(serve, JobEnded(Job.STOP))
 
     async def restart(self, serve: str, uid: int | None) -> None:
         await self.stop(serve, uid, keep_reservation=True)
@@ -853,14 +902,14 @@ class Supervisor:
         """Before a start: wait (bounded by memory_return_timeout_s) until the stops in progress
         on the device have ended and observation no longer sees the stopped serves' memory
         there, so the next admission and vLLM's own check see it free."""
-        waiting = set(self._returning.get(device, ()))
+        waiting = {s for s, rec in self.serves.items() if device in rec.life.returning}
         timeout = self.svc.config.daemon.memory_return_timeout_s
         if not waiting or timeout <= 0:
             return
         deadline = self.clock() + timeout
         held: set[str] = set()
         while (left := deadline - self.clock()) > 0:
-            stopping = [self._stop_done[s] for s in sorted(waiting) if s in self._stop_done]
+            stopping = [done for s in sorted(waiting) if (done := self._stop_done(s)) is not None]
             if stopping:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping[0].wait(), left)
@@ -872,15 +921,17 @@ class Supervisor:
                 break
             await self.observer.next_sample(min(1.0, left))
         else:
-            still = sorted(held | {s for s in waiting if s in self._stop_done})
+            still = sorted(held | {s for s in waiting if self._stop_done(s) is not None})
             log.warning("memory of %s on %s not back after %g s; starting anyway", still,
                         device, timeout, extra={"journal": {
                             "GPUD_EVENT": "memory-not-back", "GPUD_SERVES": ",".join(still)}})
-        left_over = self._returning.get(device)
-        if left_over is not None:
-            left_over.difference_update(waiting - set(self._stop_done))
-            if not left_over:
-                del self._returning[device]
+        for serve in waiting:
+            if self._stop_done(serve) is None:  # a stop still in progress stays waited on
+                self._step(serve, MemoryBack(device))
+
+    def _stop_done(self, serve: str) -> asyncio.Event | None:
+        rec = self.serves.get(serve)
+        return rec.stop_done if rec is not None else None
 
     # ---- failures --------------------------------------------------------------------------
 
@@ -898,7 +949,7 @@ class Supervisor:
         if stop:
             still_active = True
             if self.units.available:
-                self._stopping.add(serve)
+                self._step(serve, JobBegan(Job.FAIL_STOP))
                 try:
                     await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
                     await self.units.reset_failed(serve)
@@ -906,11 +957,11 @@ class Supervisor:
                 except GpudError as exc:
                     log.error("could not stop %s: %s", serve, exc.message)
                 finally:
-                    self._stopping.discard(serve)
+                    self._step(serve, JobEnded(Job.FAIL_STOP))
             else:
                 reason += f"; not stopped: system bus unavailable ({self.units.reason})"
         if kind in ("exit", "crash-loop"):
-            last = self._last.get(serve)
+            last = self.life(serve).unit
             said = exit_reason(await self.journal(serve_unit(serve),
                                                   last.invocation_id if last else None))
             if said is not None:
@@ -936,7 +987,7 @@ class Supervisor:
         await self._failed(serve, reason, kind="exit")
 
     def _unit_active(self, serve: str) -> bool:
-        last = self._last.get(serve)
+        last = self.life(serve).unit
         return last is not None and last.active_state in ACTIVE
 
     async def _unhealthy(self, serve: str, spec: ServeConfig, reason: str) -> None:
@@ -948,10 +999,11 @@ class Supervisor:
         if spec.restart == "no" or not self.units.available:
             await self._failed(serve, reason, kind="unhealthy", stop=True)
             return
-        loop = self._count_restarts(serve, 1)
-        if loop is not None:
-            await self._failed(serve, f"{loop}; last: {reason}", kind="crash-loop", stop=True)
-            return
+        for loop in self._step(serve, self._counted(1)):
+            if isinstance(loop, CrashLoop):
+                await self._failed(serve, f"{loop.reason}; last: {reason}", kind="crash-loop",
+                                   stop=True)
+                return
         await self.svc.record(self.svc.event(
             "unhealthy", f"{serve}: {reason}; restarting it through its unit (reservation kept)",
             serve=serve, role=spec.role, mib=res.mib if res else None,
@@ -960,22 +1012,21 @@ class Supervisor:
         # Its devices are held from the stop of the old process to the health of the new one,
         # as for a start: the new process loads and profiles alone on them.
         async with self.device_locks(serve):
-            self._stopping.add(serve)
+            self._step(serve, JobBegan(Job.RESTART))
             try:
                 fresh = await self.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
             except GpudError as exc:
-                self._stopping.discard(serve)
+                self._step(serve, JobEnded(Job.RESTART))
                 await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
                                    kind="unhealthy", stop=True)
                 return
             finally:
-                self._stopping.discard(serve)
-            self._port_owner.pop(serve, None)
+                self._step(serve, JobEnded(Job.RESTART))
             if fresh is None or fresh.active_state not in ACTIVE:
                 await self._failed(serve, f"{reason}; its unit did not come back after the "
                                    "restart", kind="exit")
                 return
-            self._last[serve] = fresh
+            self._step(serve, UnitSeen(fresh))
             self.svc.set_main_pid(serve, fresh.main_pid or None)
             await self.svc.record(self.svc.event(
                 "restart", f"{serve}: restarted through its unit after failing its health checks "
@@ -1001,7 +1052,7 @@ class Supervisor:
     async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,
                                  restart: bool) -> None:
         async with self.serve_lock(serve):
-            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or serve in self._stopping:
+            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or self.life(serve).stopping:
                 return  # stopped or restarted meanwhile
             if restart:
                 await self._unhealthy(serve, spec, reason)
@@ -1030,7 +1081,7 @@ class Supervisor:
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
                                    next_state=DECLARED, state_reason=OUTSIDE_STOP)
         self._returning_on(serve)
-        self._port_owner.pop(serve, None)
+        self._step(serve, PortChecked(own=False, pid=0, at=self.clock()))
 
     # ---- unit state from D-Bus signals -----------------------------------------------------
 
@@ -1054,7 +1105,7 @@ class Supervisor:
             await self._on_unit(st)
             rec = self.svc.records.get(st.serve)
             if (rec is not None and rec.state == FAILED and st.active_state in ACTIVE
-                    and st.serve not in self._stopping and self.svc.serve_spec(st.serve)):
+                    and not self.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
                 await self.svc.record(self.svc.event(
@@ -1064,40 +1115,47 @@ class Supervisor:
                     state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"))
                 self._spawn(self._watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
-            if rec.state in LIVE_STATES and serve not in live and serve not in self._stopping:
+            if rec.state in LIVE_STATES and serve not in live and not self.life(serve).stopping:
                 # systemd has no unit of it: what was last seen of the unit is past.
-                self._last.pop(serve, None)
+                self._step(serve, UnitGone())
                 await self._ended(serve, "its unit is gone (seen after the bus came back)")
 
     async def _on_unit(self, st: UnitState) -> None:
-        """Carry out what the change of a serve's unit means (gpud.core.unitstate.on_unit)."""
+        """Carry out what the change of a serve's unit means (gpud.core.lifecycle.step, which
+        asks gpud.core.unitstate.on_unit)."""
         serve = st.serve
-        prev = self._last.get(serve)
-        self._last[serve] = st
-        if st.main_pid and serve not in self._stopping:
+        prev = self.life(serve).unit
+        if st.main_pid and not self.life(serve).stopping:
             self.svc.set_main_pid(serve, st.main_pid)
         rec = self.svc.records.get(serve)
         spec = self.svc.serve_spec(serve)
-        rt = ServeRuntime(state=rec.state if rec else DECLARED,
-                          holds=serve in self.svc.ledger.reservations, configured=spec is not None,
-                          resident=bool(spec and spec.resident),
-                          restart=unit_restart(spec) if spec else "no",
-                          launching=serve in self._launching, stopping=serve in self._stopping,
-                          prev=prev, exit_seen=self._exit_seen.get(serve))
-        actions = on_unit(rt, st)
+        daemon = self.svc.config.daemon
+        changed = UnitChanged(
+            unit=st, prev=prev, state=rec.state if rec else DECLARED,
+            holds=serve in self.svc.ledger.reservations, configured=spec is not None,
+            resident=bool(spec and spec.resident), restart=unit_restart(spec) if spec else "no",
+            now=self.clock(), window_s=daemon.crash_loop_window_s,
+            limit=daemon.crash_loop_restarts)
+        actions = self._step(serve, changed)
         if actions and isinstance(actions[-1], AskShutdown):
-            actions = on_unit(replace(rt, shutting_down=await self.units.shutting_down()), st)
+            # Decided again on the same change (its `prev`), once the answer is known.
+            shutting_down = await self.units.shutting_down()
+            actions = self._step(serve, replace(changed, shutting_down=shutting_down))
         for action in actions:
-            if not await self._carry_out(serve, st, action):
-                return
+            await self._carry_out(serve, st, action)
 
-    async def _carry_out(self, serve: str, st: UnitState, action: Action) -> bool:
-        """One action of on_unit; False when the rest is not to be done (a crash loop)."""
+    def _counted(self, count: int) -> RestartsCounted:
+        daemon = self.svc.config.daemon
+        return RestartsCounted(count, self.clock(), daemon.crash_loop_window_s,
+                               daemon.crash_loop_restarts)
+
+    async def _carry_out(self, serve: str, st: UnitState, action: LifeAction) -> None:
+        """One action of what the unit's change means."""
         rec = self.svc.records.get(serve)
-        if isinstance(action, CountRestarts):
+        if isinstance(action, Restarted):
             self.svc.set_restart_count(serve, st.n_restarts)
-            return not await self._restarted(serve, st, action.count)
-        if isinstance(action, OrphanEnded):
+            await self._restarted(serve, st, action.crash_loop)
+        elif isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(
                 "exit", f"{serve}: orphan unit ended ({action.how})", serve=serve),
                 state=self.svc.state_row(serve, DECLARED))
@@ -1112,8 +1170,6 @@ class Supervisor:
             await self._stopped(serve, None, keep=False)
         elif isinstance(action, OutsideStop):
             await self._outside_stop(serve, st)
-        elif isinstance(action, SeenExit):
-            self._exit_seen[serve] = action.invocation
         elif isinstance(action, Restarting):
             await self.svc.record(self.svc.event(
                 "exit", f"{serve}: process exited ({action.how}); systemd restarts it",
@@ -1127,14 +1183,13 @@ class Supervisor:
             self._spawn(self._watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
             await self._adopt_outside_start(serve, st)
-        return True
 
     async def _confirm_restart(self, serve: str, invocation: str) -> None:
         spec = self.svc.serve_spec(serve)
         await asyncio.sleep((spec.restart_sec if spec else 2.0) + 5.0)
-        if self.svc.state_of(serve) != STARTING or serve in self._stopping:
+        if self.svc.state_of(serve) != STARTING or self.life(serve).stopping:
             return
-        last = self._last.get(serve)
+        last = self.life(serve).unit
         if last is not None and last.invocation_id != invocation and last.active_state in ACTIVE:
             return
         fresh = await self.units.state(serve)
@@ -1150,33 +1205,16 @@ class Supervisor:
         """Wait for a serve that is starting again to answer (one watcher per serve: the
         unit's signals and gpud's own restart both ask for one)."""
         spec = self.svc.serve_spec(serve)
-        if spec is None or serve in self._watching:
+        if spec is None or Watch() not in self._step(serve, WatchAsked()):
             return
-        self._watching.add(serve)
         try:
             await self._await_healthy(serve, spec)
         finally:
-            self._watching.discard(serve)
+            self._step(serve, WatchEnded())
 
-    def _count_restarts(self, serve: str, count: int) -> str | None:
-        """Count restarts (systemd's or gpud's) in the crash-loop window; the crash-loop reason
-        once there are more than daemon.crash_loop_restarts in it."""
-        daemon = self.svc.config.daemon
-        now = self.clock()
-        times = self._restarts.setdefault(serve, deque())
-        for _ in range(count):
-            times.append(now)
-        while times and now - times[0] > daemon.crash_loop_window_s:
-            times.popleft()
-        if len(times) > daemon.crash_loop_restarts:
-            self._restarts.pop(serve, None)
-            return (f"crash-loop: {len(times)} restarts in {daemon.crash_loop_window_s:g} s "
-                    f"(limit {daemon.crash_loop_restarts})")
-        return None
-
-    async def _restarted(self, serve: str, st: UnitState, count: int) -> bool:
-        """Record a restart; True when it made a crash loop (the unit is then stopped)."""
-        loop = self._count_restarts(serve, count)
+    async def _restarted(self, serve: str, st: UnitState, loop: str | None) -> None:
+        """Record a restart systemd made; with a crash loop it made, the serve fails (its unit
+        stopped)."""
         await self.svc.record(self.svc.event(
             "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
             f"{_pid(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
@@ -1184,8 +1222,6 @@ class Supervisor:
         if loop is not None:
             await self._failed(serve, loop, kind="crash-loop", stop=True,
                                n_restarts=st.n_restarts)
-            return True
-        return False
 
     async def _adopt_outside_start(self, serve: str, st: UnitState) -> None:
         """The unit runs again though gpud did not start it (`systemctl start` or `restart` by
@@ -1227,10 +1263,12 @@ class Supervisor:
 
     def _begin_check(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)
-        if serve in self._checks or serve in self._stopping or spec is None:
+        life = self.life(serve)
+        if self._record(serve).check is not None or life.stopping or spec is None:
+            self._prune(serve)
             return
         task = self._spawn(self._check_one(serve, spec))
-        self._checks[serve] = task
+        self._record(serve).check = task
         task.add_done_callback(functools.partial(self._check_done, serve))
 
     async def _on_observation(self, _obs: Any) -> None:
@@ -1241,14 +1279,17 @@ class Supervisor:
                 self._begin_check(serve)
 
     def _check_done(self, serve: str, _task: asyncio.Task[None]) -> None:
-        self._checks.pop(serve, None)
+        rec = self.serves.get(serve)
+        if rec is not None:
+            rec.check = None
+            self._prune(serve)
 
     async def _check_one(self, serve: str, spec: ServeConfig) -> None:
         try:
             async with self._health_slots:
                 answer = await self._probe(serve, spec)
             state = self.svc.state_of(serve)
-            if serve in self._stopping or self.serve_lock(serve).locked():
+            if self.life(serve).stopping or self.serve_lock(serve).locked():
                 return  # a lifecycle action of the serve is under way: it decides, not this
             if state == FAILED:
                 if answer.probe is Probe.OK and self._unit_active(serve):
@@ -1257,20 +1298,18 @@ class Supervisor:
                 return
             if state not in (RUNNING, SLEEPING):
                 return
-            verdict = judge_running(answer, self._health_failures.get(serve, 0),
+            verdict = judge_running(answer, self.life(serve).health_failures,
                                     self.svc.config.daemon.health_failures,
                                     vllm=spec.vllm is not None, health_path=spec.health_path)
             if verdict.unhealthy is None:
-                if verdict.failures:
-                    self._health_failures[serve] = verdict.failures
-                else:
-                    self._health_failures.pop(serve, None)
+                self._step(serve, HealthCounted(verdict.failures))
+                if not verdict.failures:
                     # What it says it is, against the ledger (woken or slept outside gpud).
                     await self.reconciler.check(serve, spec)
                 return
-            self._health_failures.pop(serve, None)
+            self._step(serve, HealthCounted(0))
             async with self.serve_lock(serve):  # a restart is a lifecycle action like any
-                if self.svc.state_of(serve) != state or serve in self._stopping:
+                if self.svc.state_of(serve) != state or self.life(serve).stopping:
                     return
                 if state == SLEEPING:
                     # Restarted, it would load at its full size on its sleep reservation.

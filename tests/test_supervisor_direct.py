@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
+from gpud.core.lifecycle import StartAsked
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
@@ -342,7 +343,7 @@ async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
             r.sup.units.available = True
             await r.svc.admit("b", 400)
             unit_spec = r.sup._unit_spec("b", r.svc.config.serves["b"])
-            r.sup._launching.add("b")
+            r.sup._step("b", StartAsked())
             await r.sup._launch("b", None, unit_spec)  # the port was free when it was asked
             reason = r.reason("b") or ""
             assert reason.startswith(f"unhealthy: no 200 from /health within 2 s; port {port} is "
