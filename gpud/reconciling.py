@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
 
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
 from gpud.core.vocab import RUNNING, SLEEPING
 from gpud.errors import Denied, GpudError
-from gpud.sleeping import meta_key
-
-if TYPE_CHECKING:
-    from gpud.supervisor import Supervisor
+from gpud.observer import Observer
+from gpud.service import LedgerService
+from gpud.sleeping import Serves, Sleeps, meta_key
 
 log = logging.getLogger("gpud.reconcile")
 
@@ -33,15 +31,17 @@ def _said(value: bool | None) -> str:
 
 
 class Reconciler:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.svc = sup.svc
-        self.sleeps = sup.sleeps
+    def __init__(self, serves: Serves, svc: LedgerService, sleeps: Sleeps,
+                 observer: Observer) -> None:
+        self.sup = serves
+        self.svc = svc
+        self.sleeps = sleeps
+        self.observer = observer
 
     def overdrawn(self, serve: str) -> bool:
         """Observation sees the serve draw over its reservation plus the tolerance."""
         res = self.svc.ledger.reservations.get(serve)
-        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        seen = self.observer.observed_each_mib(serve) if self.observer.available else None
         return (res is not None and seen is not None
                 and seen > res.mib + self.svc.config.daemon.overdraw_tolerance_mib)
 
@@ -144,5 +144,5 @@ class Reconciler:
                              meta={meta_key(serve): json.dumps(note)})
 
     def _seen(self, serve: str) -> str:
-        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        seen = self.observer.observed_each_mib(serve) if self.observer.available else None
         return "draw not observed" if seen is None else f"{seen} MiB drawn"

@@ -68,6 +68,36 @@ class Observer(Protocol):
     def device_problem(self, ref: str) -> str | None: ...
 
 
+class Supervision(Protocol):
+    """What the service asks of whoever launches the serves (the supervisor)."""
+
+    def launch_under_way(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        ...
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        ...
+
+    def freed(self, role: str) -> None:
+        """A durable change gave memory back on `role`: sleeping serves there may wake."""
+        ...
+
+
+class _Unsupervised:
+    def launch_under_way(self, serve: str) -> bool:
+        return False
+
+    def launching(self) -> tuple[bool, str | None]:
+        return False, "launching is not set up in this gpud"
+
+    def freed(self, role: str) -> None:
+        pass
+
+
+UNSUPERVISED: Supervision = _Unsupervised()
+
+
 @dataclass(frozen=True)
 class ServeRecord:
     """A serve's state as last committed, with what systemd last said of its unit (main PID,
@@ -221,14 +251,9 @@ class LedgerService:
         self._committer: asyncio.Task[None] | None = None
         self.commits = 0  # transactions written (one fsync each)
         self.ready = False
-        # Set by the supervisor: whether a serve's launch is under way (its unit may be about
-        # to run), and whether launching works and why not.
-        self.busy: Callable[[str], bool] = lambda _serve: False
-        self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
-            False, "launching is not set up in this gpud")
-        # Told (by the supervisor) of each role on which a durable change gave memory back:
-        # sleeping serves there may wake.
-        self.freed: Callable[[str], None] = lambda _role: None
+        # Who launches the serves, while one does (Supervisor, between entering and leaving
+        # its context): see Supervision.
+        self._supervision: Supervision = UNSUPERVISED
         # Roles on which no admission is granted for now, by who holds them (a serve whose
         # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
         self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
@@ -344,6 +369,18 @@ class LedgerService:
         if rec is not None and rec.main_pid != pid:
             self._records[serve] = replace(rec, main_pid=pid)
 
+    def supervise(self, supervision: Supervision | None) -> None:
+        """`supervision` launches the serves from now on (None: nobody does any more)."""
+        self._supervision = supervision if supervision is not None else UNSUPERVISED
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        return self._supervision.launching()
+
+    def busy(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        return self._supervision.launch_under_way(serve)
+
     def set_restart_count(self, serve: str, n_restarts: int) -> None:
         """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch."""
         rec = self._records.get(serve)
@@ -440,7 +477,7 @@ class LedgerService:
                     freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
                     for role in freed:
-                        self.freed(role)
+                        self._supervision.freed(role)
                     if freed:
                         self._clear_denials(freed)
                 for ev in events:

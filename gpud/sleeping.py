@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -31,13 +31,13 @@ from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.unitstate import UnitState
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
-from gpud.locks import Rank, Taken
+from gpud.locks import Locks, Rank, Taken
+from gpud.observer import Observer
+from gpud.service import LedgerService
 from gpud.steps import carry_out, undo_all
-
-if TYPE_CHECKING:
-    from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -69,13 +69,39 @@ def measured_key(serve: str) -> str:
     return f"sleep-measured:{serve}"
 
 
+class Serves(Protocol):
+    """What the sleep controller and the reconciler ask of the supervisor: the locks (in
+    their order, gpud.locks), whether a lifecycle action of a serve is under way, the serves'
+    own lifecycle actions, and a serve's HTTP client."""
+
+    @property
+    def locks(self) -> Locks: ...
+    def serve_lock(self, serve: str) -> Taken: ...
+    def device_locks(self, serve: str, *, shared: bool = False) -> Taken: ...
+    def busy(self, serve: str) -> bool: ...
+    def spec_of(self, serve: str) -> ServeConfig: ...
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+    async def unit_state(self, serve: str) -> UnitState | None: ...
+    async def memory_back_for(self, serve: str) -> None: ...
+    async def watch_restart(self, serve: str) -> None: ...
+    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None: ...
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None: ...
+    async def stop(self, serve: str, uid: int | None, *,
+                   keep_reservation: bool = False) -> None: ...
+
+
 class Sleeps:
-    def __init__(self, sup: Supervisor, *, host_memory: Callable[[], int | None]) -> None:
-        self.sup = sup
-        self.svc = sup.svc
+    def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
+                 host_memory: Callable[[], int | None],
+                 weights: Callable[[str], int | None] = lambda _serve: None) -> None:
+        self.sup = serves
+        self.svc = svc
+        self.observer = observer
         self.host_memory = host_memory
-        # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
-        self.weights: Callable[[str], int | None] = lambda _serve: None
+        # The calibrated weights of a serve, MiB (Calibrator.weights_mib).
+        self.weights = weights
         # Every preemption and wake-back holds the supervisor's coordination lock (gpud.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
@@ -212,7 +238,7 @@ class Sleeps:
         """After the sleep: wait (bounded) until observation shows the serve at `at_most` or
         less on each of its devices, so the next admission sees the memory back. Returns its
         observed draw: the most on any one device (its reservation is held on each)."""
-        obs = self.sup.observer
+        obs = self.observer
         if not obs.available:
             return None
         loop = asyncio.get_running_loop()
@@ -255,13 +281,13 @@ class Sleeps:
                                "sleep", {"serve": serve, "state": state})
             res = self.svc.ledger.reservations[serve]
             target = self.sleep_mib(serve, spec)
-            if target is None and not self.sup.observer.available:
+            if target is None and not self.observer.available:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
                               f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
                               "needs observation)", {"serve": serve})
             if target is None:
-                await self.sup.observer.sample()  # what it draws awake, now
-            awake_seen = self.sup.observer.observed_each_mib(serve)
+                await self.observer.sample()  # what it draws awake, now
+            awake_seen = self.observer.observed_each_mib(serve)
             if target is None and not awake_seen:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
                               f"attributes none of its memory to it ({awake_seen} MiB seen "
@@ -341,7 +367,7 @@ class Sleeps:
         """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
         has none or it cannot be read."""
         try:
-            st = await self.sup.units.state(serve)
+            st = await self.sup.unit_state(serve)
         except GpudError:
             return None
         if st is None or not st.main_pid or st.gone:

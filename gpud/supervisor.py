@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -164,9 +164,40 @@ class LifeRecord:
                 and self.stop_done is None)
 
 
+class Calibrated(Protocol):
+    """What calibration says of a serve (gpud.calibration.Calibrator)."""
+
+    def sizing_problem(self, serve: str) -> str | None:
+        """Why its calibrated figures do not fit its reservation, if they do not."""
+        ...
+
+    def kv_cache_figure(self, serve: str) -> int | None:
+        """The KV cache its calibration gives (kv_cache_mib = "calibrated")."""
+        ...
+
+    def weights_mib(self, serve: str) -> int | None:
+        """Its calibrated weights, per device."""
+        ...
+
+
+class _Uncalibrated:
+    def sizing_problem(self, serve: str) -> str | None:
+        return None
+
+    def kv_cache_figure(self, serve: str) -> int | None:
+        return None
+
+    def weights_mib(self, serve: str) -> int | None:
+        return None
+
+
+UNCALIBRATED: Calibrated = _Uncalibrated()
+
+
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
-                    notify: Callable[[str], None]) -> Supervisor:
-    return Supervisor(svc, SystemdUnits(), observer, notify=notify)
+                    notify: Callable[[str], None],
+                    calibrated: Calibrated = UNCALIBRATED) -> Supervisor:
+    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated)
 
 
 class Supervisor:
@@ -174,6 +205,7 @@ class Supervisor:
                  notify: Callable[[str], None] = lambda _m: None,
                  clock: Callable[[], float] = time.monotonic,
                  journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
+                 calibrated: Calibrated = UNCALIBRATED,
                  ) -> None:
         self.svc = svc
         self.units = units
@@ -192,14 +224,11 @@ class Supervisor:
         self._http: aiohttp.ClientSession | None = None
         self._sockets = SocketSessions()
         self.booted = asyncio.Event()
-        # Why a serve's calibrated figures do not fit its reservation, if they do not (set by
-        # the daemon: Calibrator.sizing_problem).
-        self.sizing: Callable[[str], str | None] = lambda _serve: None
-        # The KV cache a serve's calibration gives (kv_cache_mib = "calibrated"; set by the
-        # daemon: Calibrator.kv_cache_figure).
-        self.kv_figure: Callable[[str], int | None] = lambda _serve: None
-        self.sleeps = Sleeps(self, host_memory=host_memory(getattr(observer, "backend", None)))
-        self.reconciler = Reconciler(self)
+        self.calibrated = calibrated
+        self.sleeps = Sleeps(self, svc, observer,
+                             host_memory=host_memory(getattr(observer, "backend", None)),
+                             weights=calibrated.weights_mib)
+        self.reconciler = Reconciler(self, svc, self.sleeps, observer)
 
     # ---- the serves' records ---------------------------------------------------------------
 
@@ -228,9 +257,7 @@ class Supervisor:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         self.units.watch(self._unit_events.put_nowait, self._unit_events.put_nowait)
         await self.units.connect()
-        self.svc.launching = self.launching
-        self.svc.busy = lambda serve: self.life(serve).launching
-        self.svc.freed = self.sleeps.freed
+        self.svc.supervise(self)
         self.observer.listen(self._on_observation)
         self._spawn(self._unit_loop())
         self._spawn(self._health_loop())
@@ -252,7 +279,17 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # What gpud.sleeping uses of the supervisor.
+    # What the service asks of its supervision (gpud.service.Supervision).
+    def launch_under_way(self, serve: str) -> bool:
+        return self.life(serve).launching
+
+    def freed(self, role: str) -> None:
+        self.sleeps.freed(role)
+
+    # What gpud.sleeping and gpud.reconciling ask of the supervisor (gpud.sleeping.Serves).
+    async def unit_state(self, serve: str) -> UnitState | None:
+        return await self.units.state(serve)
+
     @property
     def http(self) -> aiohttp.ClientSession:
         assert self._http is not None
@@ -404,7 +441,7 @@ class Supervisor:
         before it is started: the locks alone do not keep the order, since a launch may reach
         its devices' locks after a serve started later (one on several devices) reached them."""
         log.info("boot on %s: %s", self._device_key(names[0]) or "the device", "; ".join(
-            f"{name} {start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))[1]}"
+            f"{name} {start_sharing(self._sized(name, self._spec(name)))[1]}"
             for name in names))
         launches: list[asyncio.Task[Any]] = []
 
@@ -417,7 +454,7 @@ class Supervisor:
         for name in names:
             if self.svc.state_of(name) in LIVE_STATES or self.life(name).launching:
                 continue
-            shared, _why = start_sharing(with_kv_cache(self._spec(name), self.kv_figure(name)))
+            shared, _why = start_sharing(self._sized(name, self._spec(name)))
             if not shared:
                 await settle()
             try:
@@ -447,6 +484,10 @@ class Supervisor:
                                "launch it", {"serve": serve})
             raise NotFound(f"unknown serve {serve!r}: not in the config", {"serve": serve})
         return spec
+
+    def _sized(self, serve: str, spec: ServeConfig) -> ServeConfig:
+        """The serve's config with its KV cache as calibration gives it, where it asks."""
+        return with_kv_cache(spec, self.calibrated.kv_cache_figure(serve))
 
     def _device_key(self, serve: str) -> str:
         return self._device_keys(serve)[0]
@@ -493,7 +534,7 @@ class Supervisor:
                 hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
                 raise Conflict(f"serve {serve!r} is already {state}{hint}",
                                {"serve": serve, "state": state})
-            problem = self.sizing(serve)
+            problem = self.calibrated.sizing_problem(serve)
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
             held = self.svc.ledger.reservations.get(serve)
@@ -522,7 +563,7 @@ class Supervisor:
                     would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
                     raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
-                unit_spec = self._unit_spec(serve, with_kv_cache(spec, self.kv_figure(serve)))
+                unit_spec = self._unit_spec(serve, self._sized(serve, spec))
             except GpudError as exc:
                 # Refused before systemd is asked: the serve fails with the reason, now.
                 await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
@@ -554,7 +595,7 @@ class Supervisor:
             # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
             # once in one order so that two serves sharing devices never deadlock.
             # A start that does not profile shares them with other such starts (gpud.locks).
-            shared, why = start_sharing(with_kv_cache(spec, self.kv_figure(serve)))
+            shared, why = start_sharing(self._sized(serve, spec))
             async with self.device_locks(serve, shared=shared):
                 await self._memory_back_all(serve)  # a stop begun while queued
                 try:

@@ -178,10 +178,10 @@ async def test_an_external_reservation_is_not_launched(rig: Rig) -> None:
 
 
 async def test_a_start_refused_before_anything_is_touched(rig: Rig) -> None:
-    rig.sup.sizing = lambda s: "calibrated at 500 MiB, reserved 300" if s == "a" else None
+    rig.figures.sizing["a"] = "calibrated at 500 MiB, reserved 300"
     with pytest.raises(Conflict, match="not started: calibrated at 500 MiB"):
         await rig.sup.start("a", None)
-    rig.sup.sizing = lambda _s: None
+    rig.figures.sizing.clear()
     await rig.svc.adopt("b", "other", 100)
     with pytest.raises(Conflict, match="holds 100 MiB on role 'other' but is configured on 'r'"):
         await rig.sup.start("b", None)
@@ -541,7 +541,7 @@ async def test_boot_leaves_alone_what_runs_or_was_stopped_by_hand(rig: Rig) -> N
 
 async def test_boot_goes_on_past_a_serve_that_fails_to_start(
         rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
-    rig.sup.sizing = lambda s: "too small" if s == "a" else None
+    rig.figures.sizing["a"] = "too small"
     text = (rig.svc.config_text or "").replace("vram_mib = 900", "vram_mib = 600")
     await rig.svc.reload(parse_config(text, "t"), text, source="t")
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
