@@ -17,7 +17,7 @@ import logging
 
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
-from gpud.core.vocab import RUNNING, SLEEPING
+from gpud.core.vocab import RUNNING, SLEEPING, EventKind
 from gpud.errors import Denied, GpudError
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -103,7 +103,7 @@ class Reconciler:
             "admit", f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
             {"outside": True, "waking": True}))
         await self.svc.record(self.svc.event(
-            "wake", f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
+            EventKind.WAKE, f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
             role=spec.role, mib=awake, outside=True, from_mib=asleep))
         await self.svc.put_meta(meta_key(serve), None)
 
@@ -126,7 +126,7 @@ class Reconciler:
         res = self.svc.ledger.reservations.get(serve)
         free = min(self.svc.free_for(serve, r) for r in spec.all_roles)
         await self.svc.record(self.svc.event(
-            "wake", f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
+            EventKind.WAKE, f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
             f"does not fit awake ({awake} MiB, {free} MiB free for it): {what}",
             serve=serve, role=spec.role, mib=res.mib if res else None, outside=outside,
             awake_mib=awake, free_mib=free))

@@ -32,7 +32,7 @@ from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.unitstate import UnitState
-from gpud.core.vocab import RUNNING, SLEEPING, STARTING
+from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
 from gpud.locks import Locks, Rank, Taken
 from gpud.observer import Observer
@@ -384,7 +384,7 @@ class Sleeps:
         reason = (f"restarted while it was put to sleep (asked {who(asked)}, now {who(now)}): "
                   "awake at its full size")
         await self.svc.record(self.svc.event(
-            "restart", f"{serve}: {reason}; the sleep is not committed, reservation "
+            EventKind.RESTART, f"{serve}: {reason}; the sleep is not committed, reservation "
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
             state=self.svc.state_row(serve, STARTING, reason))
@@ -446,7 +446,7 @@ class Sleeps:
                 # awake after all (it says so): the wake is done
             took = loop.time() - began
             await self.svc.record(self.svc.event(
-                "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
+                EventKind.WAKE, f"{serve} awake ({by}): {awake} MiB; the serve took "
                 f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1)),
                 state=self.svc.state_row(serve, RUNNING))
@@ -534,7 +534,7 @@ class Sleeps:
                 assert action.serve is not None
                 step = steps[action.serve]
                 await self.svc.record(self.svc.event(
-                    "preempt", f"{step.serve} preempted by {serve}: {step.line()}",
+                    EventKind.PREEMPT, f"{step.serve} preempted by {serve}: {step.line()}",
                     serve=step.serve, role=(step.roles or spec.all_roles)[0],
                     mib=step.frees_mib, uid=uid,
                     preempted_by=serve, action=step.action, priority=step.priority,

@@ -89,6 +89,7 @@ from gpud.core.vocab import (
     SLEEPING,
     STARTING,
     STOPPING,
+    EventKind,
     serve_unit,
 )
 from gpud.errors import Conflict, Denied, GpudError, NotFound, Unavailable
@@ -358,7 +359,7 @@ class Supervisor:
                 reason = f"its unit {st.unit} runs but the config does not name the serve"
                 log.warning("%s: %s; gpuctl stop %s stops it", serve, reason, serve)
                 await self.svc.record(self.svc.event(
-                    "adopt", f"{serve}: {reason}: adopted as an orphan ({_pid(st.main_pid)}); "
+                    EventKind.ADOPT, f"{serve}: {reason}: adopted as an orphan ({_pid(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
                     orphan=True), state=self.svc.state_row(serve, ORPHAN, reason))
                 self.svc.set_main_pid(serve, st.main_pid or None)
@@ -372,7 +373,7 @@ class Supervisor:
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
-                "adopt", f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
+                EventKind.ADOPT, f"{serve}: adopted running unit {st.unit} ({_pid(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
                 # asleep, it keeps the reason it sleeps (who preempted it)
@@ -566,7 +567,7 @@ class Supervisor:
                 unit_spec = self._unit_spec(serve, self._sized(serve, spec))
             except GpudError as exc:
                 # Refused before systemd is asked: the serve fails with the reason, now.
-                await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
+                await self._failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
                 raise Conflict(f"serve {serve!r} cannot be launched: {exc.message}",
                                {"serve": serve, **exc.details}) from exc
             refused = self._step(serve, StartAsked())
@@ -587,9 +588,9 @@ class Supervisor:
                 # serve's devices; the serve stays admitted, its reservation held, and a stop
                 # meanwhile cancels this task, which ends the pull's unit.
                 image = await containers.ensure_image(serve, spec.container, functools.partial(
-                    self._say, serve, spec.role, "pull"))
+                    self._say, serve, spec.role, EventKind.PULL))
                 if not image.ok:
-                    await self._failed(serve, f"launch failed: {image.detail}", kind="exit")
+                    await self._failed(serve, f"launch failed: {image.detail}", kind=EventKind.EXIT)
                     return
             # Serialized starts: the serve holds every device it uses while it loads (no
             # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
@@ -601,13 +602,13 @@ class Supervisor:
                 try:
                     state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
-                    await self._failed(serve, f"launch failed: {exc.message}", kind="exit")
+                    await self._failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
                     return
                 self._step(serve, UnitStarted(state))
                 self.svc.set_main_pid(serve, state.main_pid or None)
                 self.svc.set_restart_count(serve, 0)
                 await self.svc.record(self.svc.event(
-                    "start", f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
+                    EventKind.START, f"{serve}: started {state.unit} ({_pid(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
                     mib=self.svc.ledger.reservations[serve].mib if serve in
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid,
@@ -695,7 +696,7 @@ class Supervisor:
             umask=SERVE_UMASK if sock else None, socket=sock,
         )
 
-    async def _say(self, serve: str, role: str, kind: str, message: str) -> None:
+    async def _say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
         await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
 
     def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:
@@ -750,7 +751,7 @@ class Supervisor:
                 foreign = f"port {spec.port} is held by {holder}, not by the serve's unit"
         why = f"; {foreign}" if foreign else ""
         await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
-                                  f"{spec.start_timeout_s:g} s{why}", kind="unhealthy", stop=True)
+                                  f"{spec.start_timeout_s:g} s{why}", kind=EventKind.UNHEALTHY, stop=True)
         return False
 
     async def _probe(self, serve: str, spec: ServeConfig) -> Answer:
@@ -802,7 +803,7 @@ class Supervisor:
             return
         who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
         await self.svc.record(self.svc.event(
-            "start", f"{serve}: not started: port {spec.port} is already held by {who}",
+            EventKind.START, f"{serve}: not started: port {spec.port} is already held by {who}",
             serve=serve, role=spec.role, ok=False, port=spec.port,
             holders=[h.describe() for h in held]))
         raise Conflict(f"serve {serve!r}: port {spec.port} is already held by {who}; not started",
@@ -815,7 +816,7 @@ class Supervisor:
         message = (f"{serve}: healthy again (was failed: {was_failed})" if was_failed
                    else f"{serve}: healthy")
         await self.svc.record(self.svc.event(
-            "healthy", message, serve=serve, role=res.role if res else None,
+            EventKind.HEALTHY, message, serve=serve, role=res.role if res else None,
             mib=res.mib if res else None, recovered=was_failed is not None),
             state=self.svc.state_row(serve, RUNNING))
 
@@ -861,7 +862,7 @@ class Supervisor:
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
                 await self.svc.record(self.svc.event(
-                    "stop", f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
+                    EventKind.STOP, f"{serve}: stopping (was {state})", serve=serve, role=spec.role,
                     mib=res.mib if res else None, uid=uid), state=self.svc.state_row(serve, STOPPING))
                 if self.units.available:
                     try:
@@ -878,7 +879,7 @@ class Supervisor:
                     await self._stopped(serve, uid, keep=keep_reservation and not asleep)
                 else:
                     await self.svc.record(self.svc.event(
-                        "stop", f"{serve}: the stop failed ({failed.message}) and its unit has "
+                        EventKind.STOP, f"{serve}: the stop failed ({failed.message}) and its unit has "
                         "not ended: it stays stopping, its reservation held, until the unit ends "
                         "(gpuctl stop tries again)", serve=serve, role=spec.role,
                         mib=res.mib if res else None, uid=uid, ok=False),
@@ -917,7 +918,7 @@ class Supervisor:
                                    next_state=DECLARED)
         else:
             await self.svc.record(self.svc.event(
-                "exit", f"{serve}: stopped", serve=serve, role=role),
+                EventKind.EXIT, f"{serve}: stopped", serve=serve, role=role),
                 state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
         if self.svc.store.meta(meta_key(serve)) is not None:
             await self.svc.put_meta(meta_key(serve), None)
@@ -930,7 +931,7 @@ class Supervisor:
                 await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
                 await self.units.reset_failed(serve)
                 await self.svc.record(self.svc.event(
-                    "stop", f"{serve}: orphan unit stopped", serve=serve, uid=uid),
+                    EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
                     state=self.svc.state_row(serve, DECLARED))
             finally:
                 self._step(serve, JobEnded(Job.STOP))
@@ -976,7 +977,7 @@ class Supervisor:
 
     # ---- failures --------------------------------------------------------------------------
 
-    async def _failed(self, serve: str, reason: str, *, kind: str, stop: bool = False,
+    async def _failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
                       **details: Any) -> None:
         """A serve ends `failed`. With `stop` its unit is stopped first. A serve whose unit may
         still be active (the stop failed, the bus is down) keeps its reservation: its process
@@ -1001,7 +1002,7 @@ class Supervisor:
                     self._step(serve, JobEnded(Job.FAIL_STOP))
             else:
                 reason += f"; not stopped: system bus unavailable ({self.units.reason})"
-        if kind in ("exit", "crash-loop"):
+        if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
             last = self.life(serve).unit
             said = exit_reason(await self.journal(serve_unit(serve),
                                                   last.invocation_id if last else None))
@@ -1025,7 +1026,7 @@ class Supervisor:
         self._returning_on(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
-        await self._failed(serve, reason, kind="exit")
+        await self._failed(serve, reason, kind=EventKind.EXIT)
 
     def _unit_active(self, serve: str) -> bool:
         last = self.life(serve).unit
@@ -1038,15 +1039,15 @@ class Supervisor:
         `failed` while its reservation is gone."""
         res = self.svc.ledger.reservations.get(serve)
         if spec.restart == "no" or not self.units.available:
-            await self._failed(serve, reason, kind="unhealthy", stop=True)
+            await self._failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
             return
         for loop in self._step(serve, self._counted(1)):
             if isinstance(loop, CrashLoop):
-                await self._failed(serve, f"{loop.reason}; last: {reason}", kind="crash-loop",
+                await self._failed(serve, f"{loop.reason}; last: {reason}", kind=EventKind.CRASH_LOOP,
                                    stop=True)
                 return
         await self.svc.record(self.svc.event(
-            "unhealthy", f"{serve}: {reason}; restarting it through its unit (reservation kept)",
+            EventKind.UNHEALTHY, f"{serve}: {reason}; restarting it through its unit (reservation kept)",
             serve=serve, role=spec.role, mib=res.mib if res else None,
             reservation="kept (restarting)" if res else "none held"),
             state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"))
@@ -1059,18 +1060,18 @@ class Supervisor:
             except GpudError as exc:
                 self._step(serve, JobEnded(Job.RESTART))
                 await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
-                                   kind="unhealthy", stop=True)
+                                   kind=EventKind.UNHEALTHY, stop=True)
                 return
             finally:
                 self._step(serve, JobEnded(Job.RESTART))
             if fresh is None or fresh.active_state not in ACTIVE:
                 await self._failed(serve, f"{reason}; its unit did not come back after the "
-                                   "restart", kind="exit")
+                                   "restart", kind=EventKind.EXIT)
                 return
             self._step(serve, UnitSeen(fresh))
             self.svc.set_main_pid(serve, fresh.main_pid or None)
             await self.svc.record(self.svc.event(
-                "restart", f"{serve}: restarted through its unit after failing its health checks "
+                EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
             await self._watch_restart(serve)
 
@@ -1083,7 +1084,7 @@ class Supervisor:
         restart = spec.restart != "no" and self.units.available
         what = "restarted through its unit" if restart else "stopped"
         await self.svc.record(self.svc.event(
-            "unhealthy", f"{serve}: {reason}; it keeps its full reservation "
+            EventKind.UNHEALTHY, f"{serve}: {reason}; it keeps its full reservation "
             f"({res.mib if res else 0} MiB) and is {what}", serve=serve, role=spec.role,
             mib=res.mib if res else None, wake_failed=True),
             state=self.svc.state_row(serve, STARTING, f"restarting: {reason}") if restart
@@ -1098,7 +1099,7 @@ class Supervisor:
             if restart:
                 await self._unhealthy(serve, spec, reason)
             else:
-                await self._failed(serve, reason, kind="unhealthy", stop=True)
+                await self._failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
 
     async def _outside_stop(self, serve: str, st: UnitState) -> None:
         """An operator stopped the unit (`systemctl stop`): recorded as such, not as a failure.
@@ -1110,7 +1111,7 @@ class Supervisor:
         res = self.svc.ledger.reservations.get(serve)
         policy = "none held" if res is None else "kept (resident)" if keep else "released"
         await self.svc.record(self.svc.event(
-            "exit", f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
+            EventKind.EXIT, f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
             f"not start ({st.how}, result {st.result}); reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None, reservation=policy,
             outside=True, exit_status=st.exec_main_status),
@@ -1150,7 +1151,7 @@ class Supervisor:
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
                 await self.svc.record(self.svc.event(
-                    "restart", f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
+                    EventKind.RESTART, f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
                     f"after the bus came back; was failed: {rec.reason})", serve=st.serve,
                     main_pid=st.main_pid, n_restarts=st.n_restarts),
                     state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"))
@@ -1198,7 +1199,7 @@ class Supervisor:
             await self._restarted(serve, st, action.crash_loop)
         elif isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(
-                "exit", f"{serve}: orphan unit ended ({action.how})", serve=serve),
+                EventKind.EXIT, f"{serve}: orphan unit ended ({action.how})", serve=serve),
                 state=self.svc.state_row(serve, DECLARED))
         elif isinstance(action, ReleaseEnded):
             await self.svc.release(serve, reason="failed, and its unit has now ended",
@@ -1206,19 +1207,19 @@ class Supervisor:
                                    state_reason=rec.reason if rec else None)
         elif isinstance(action, StopEnded):
             await self.svc.record(self.svc.event(
-                "exit", f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
+                EventKind.EXIT, f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
                 "gave up waiting: the stop is complete", serve=serve, exit_status=st.exec_main_status))
             await self._stopped(serve, None, keep=False)
         elif isinstance(action, OutsideStop):
             await self._outside_stop(serve, st)
         elif isinstance(action, Restarting):
             await self.svc.record(self.svc.event(
-                "exit", f"{serve}: process exited ({action.how}); systemd restarts it",
+                EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
                 state=self.svc.state_row(serve, STARTING, "restarting"))
             self._spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self._failed(serve, action.reason, kind="exit", stop=action.stop,
+            await self._failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
                                exit_status=st.exec_main_status)
         elif isinstance(action, WatchRestart):
             self._spawn(self._watch_restart(serve))
@@ -1236,7 +1237,7 @@ class Supervisor:
         fresh = await self.units.state(serve)
         if fresh is not None and fresh.active_state in ACTIVE:
             return
-        await self._failed(serve, "exited and systemd did not restart it", kind="exit")
+        await self._failed(serve, "exited and systemd did not restart it", kind=EventKind.EXIT)
 
     async def watch_restart(self, serve: str) -> None:
         """Wait for a serve that is starting again to answer (see _watch_restart)."""
@@ -1257,11 +1258,11 @@ class Supervisor:
         """Record a restart systemd made; with a crash loop it made, the serve fails (its unit
         stopped)."""
         await self.svc.record(self.svc.event(
-            "restart", f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
+            EventKind.RESTART, f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
             f"{_pid(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
             main_pid=st.main_pid or None))
         if loop is not None:
-            await self._failed(serve, loop, kind="crash-loop", stop=True,
+            await self._failed(serve, loop, kind=EventKind.CRASH_LOOP, stop=True,
                                n_restarts=st.n_restarts)
 
     async def _adopt_outside_start(self, serve: str, st: UnitState) -> None:
@@ -1273,7 +1274,7 @@ class Supervisor:
         if serve not in self.svc.ledger.reservations:
             await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
         await self.svc.record(self.svc.event(
-            "adopt", f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
+            EventKind.ADOPT, f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,
             mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
             state=self.svc.state_row(serve, STARTING))
@@ -1355,7 +1356,7 @@ class Supervisor:
                 if state == SLEEPING:
                     # Restarted, it would load at its full size on its sleep reservation.
                     await self._failed(serve, f"{verdict.unhealthy} while asleep",
-                                       kind="unhealthy", stop=True)
+                                       kind=EventKind.UNHEALTHY, stop=True)
                     return
                 await self._unhealthy(serve, spec, verdict.unhealthy)
         except asyncio.CancelledError:
