@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
-from gpud.core.lifecycle import StartAsked
+from gpud.core.lifecycle import Phase, StartAsked
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
@@ -467,6 +467,27 @@ async def test_a_stop_cancels_a_launch_queued_behind_another(rig: Rig) -> None:
     assert [s.serve for s in rig.units.started] == ["a"]  # c's unit never started
     assert rig.state("c") == DECLARED
     assert not rig.svc.busy("c")
+
+
+async def test_a_serves_record_holds_its_launch_while_it_runs_and_nothing_after(
+        rig: Rig) -> None:
+    rig.units.start_gate = asyncio.Event()
+    await rig.sup.start("a", None)
+    await rig.sup.start("c", None)  # queued behind a on the device
+    for serve in ("a", "c"):
+        assert rig.sup.life(serve).phase is Phase.LAUNCHING
+        assert rig.sup.serves[serve].launch_task is not None
+    await rig.sup.stop("c", None)
+    # the stop cancelled c's launch and is over: what is left of c is where its memory goes
+    c = rig.sup.serves["c"]
+    assert (c.launch_task, c.stop_done, c.check) == (None, None, None)
+    assert c.life.phase is Phase.IDLE and c.life.unit is None
+    assert c.life.returning == {"GPU-sim-0"}
+    rig.units.start_gate.set()
+    await rig.wait_for("healthy", "a")
+    await until(lambda: rig.sup.serves["a"].launch_task is None, what="a's launch to end")
+    assert rig.sup.life("a").phase is Phase.IDLE
+    assert rig.sup.life("a").unit is not None  # its unit as last seen
 
 
 async def test_restart_keeps_the_reservation_and_starts_again(rig: Rig) -> None:
