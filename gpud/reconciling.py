@@ -137,10 +137,10 @@ class Reconciler:
                 "awake_mib": res.mib, "outside": True}
         reason = "asleep (put to sleep outside gpud; reservation kept)"
         await self.svc.admit(serve, res.mib, state=SLEEPING, shrink=True, state_reason=reason,
-                             event=("sleep", f"{serve} was put to sleep outside gpud "
-                                    f"(is_sleeping true, {self._seen(serve)}): shown sleeping, "
-                                    f"its reservation of {res.mib} MiB kept",
-                                    {"outside": True, "from_mib": res.mib}),
+                             event=(EventKind.SLEEP, f"{serve} was put to sleep outside gpud "
+                                           f"(is_sleeping true, {self._seen(serve)}): shown "
+                                           f"sleeping, its reservation of {res.mib} MiB kept",
+                                           {"outside": True, "from_mib": res.mib}),
                              meta={meta_key(serve): json.dumps(note)})
 
     def _seen(self, serve: str) -> str:

@@ -30,6 +30,7 @@ from gpud.config import ServeConfig
 from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
+from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind
@@ -71,14 +72,16 @@ def measured_key(serve: str) -> str:
 
 class Serves(Protocol):
     """What the sleep controller and the reconciler ask of the supervisor: the locks (in
-    their order, gpud.locks), whether a lifecycle action of a serve is under way, the serves'
-    own lifecycle actions, and a serve's HTTP client."""
+    their order, gpud.locks), whether a lifecycle action of a serve is under way, a change of a
+    serve's life (gpud.core.lifecycle.step: a sleep or a wake begun and ended), the serves' own
+    lifecycle actions, and a serve's HTTP client."""
 
     @property
     def locks(self) -> Locks: ...
     def serve_lock(self, serve: str) -> Taken: ...
     def device_locks(self, serve: str, *, shared: bool = False) -> Taken: ...
     def busy(self, serve: str) -> bool: ...
+    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]: ...
     def spec_of(self, serve: str) -> ServeConfig: ...
     def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession: ...
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
@@ -274,11 +277,14 @@ class Sleeps:
         level = level or spec.sleep_level
         if level not in (1, 2):
             raise Refused(f"sleep level must be 1 or 2, not {level}", {"level": level})
-        async with self.sup.serve_lock(serve):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.sup.serve_lock(serve))
             state = self.svc.state_of(serve)
-            if state != RUNNING or self.sup.busy(serve):
+            # refused (a Refuse action) while a launch or a job on its unit is under way
+            if state != RUNNING or self.sup.lifecycle(serve, SleepAsked()):
                 raise Conflict(f"serve {serve!r} is {state}: only a running serve is put to "
                                "sleep", {"serve": serve, "state": state})
+            stack.callback(self.sup.lifecycle, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
             target = self.sleep_mib(serve, spec)
             if target is None and not self.observer.available:
@@ -342,11 +348,11 @@ class Sleeps:
             await self.svc.admit(
                 serve, target, uid=uid, state=SLEEPING, shrink=True,
                 state_reason=f"asleep (level {level}, {why})",
-                event=("sleep", message, {"level": level, "from_mib": res.mib,
-                                          "parked_host_mib": parked, "observed_mib": seen,
-                                          "serve_ms": serve_ms, "draw_ms": draw_ms,
-                                          **({"preempted_by": preempted_by}
-                                             if preempted_by else {})}),
+                event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
+                                                  "parked_host_mib": parked, "observed_mib": seen,
+                                                  "serve_ms": serve_ms, "draw_ms": draw_ms,
+                                                  **({"preempted_by": preempted_by}
+                                                     if preempted_by else {})}),
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
@@ -418,11 +424,13 @@ class Sleeps:
             if state != SLEEPING:
                 raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
                                                                            "state": state})
+            self.sup.lifecycle(serve, WakeAsked())
+            stack.callback(self.sup.lifecycle, serve, SlumberEnded())
             asleep = self.svc.ledger.reservations[serve].mib
             awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
             await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=(
-                "admit", f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
+                EventKind.ADMIT, f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
                 "asleep)", {"waking": True}))
             loop = asyncio.get_running_loop()
             began = loop.time()
@@ -440,8 +448,9 @@ class Sleeps:
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
                     await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True,
-                                         event=("sleep", f"{serve} did not wake ({exc.message})"
-                                                f": back to {asleep} MiB", {"wake_failed": True}))
+                                         event=(EventKind.SLEEP, f"{serve} did not wake "
+                                                f"({exc.message}): back to {asleep} MiB",
+                                                {"wake_failed": True}))
                     raise
                 # awake after all (it says so): the wake is done
             took = loop.time() - began

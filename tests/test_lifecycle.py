@@ -29,11 +29,15 @@ from gpud.core.lifecycle import (
     Restarted,
     RestartsCounted,
     ServeLife,
+    SleepAsked,
+    Slumber,
+    SlumberEnded,
     StartAsked,
     UnitChanged,
     UnitGone,
     UnitSeen,
     UnitStarted,
+    WakeAsked,
     Watch,
     WatchAsked,
     WatchEnded,
@@ -74,6 +78,8 @@ IN_PHASE = {
     Phase.STOPPING: ServeLife(job=Job.STOP),
     Phase.RESTARTING: ServeLife(job=Job.RESTART),
     Phase.FAILING: ServeLife(job=Job.FAIL_STOP),
+    Phase.FALLING_ASLEEP: ServeLife(slumber=Slumber.FALLING_ASLEEP),
+    Phase.WAKING: ServeLife(slumber=Slumber.WAKING),
 }
 
 
@@ -216,6 +222,68 @@ awaiting-health  MemoryBack           awaiting-health  -
 stopping         MemoryBack           stopping         -
 restarting       MemoryBack           restarting       -
 failing          MemoryBack           failing          -
+falling-asleep   StartAsked           falling-asleep   Refuse
+falling-asleep   LaunchEnded          falling-asleep   -
+falling-asleep   JobBegan(stop)       stopping         -
+falling-asleep   JobBegan(restart)    restarting       -
+falling-asleep   JobBegan(fail-stop)  failing          -
+falling-asleep   JobEnded(stop)       falling-asleep   -
+falling-asleep   JobEnded(restart)    falling-asleep   -
+falling-asleep   JobEnded(fail-stop)  falling-asleep   -
+falling-asleep   WatchAsked           falling-asleep   Watch
+falling-asleep   WatchEnded           falling-asleep   -
+falling-asleep   UnitStarted          falling-asleep   -
+falling-asleep   UnitSeen             falling-asleep   -
+falling-asleep   UnitGone             falling-asleep   -
+falling-asleep   UnitChanged          falling-asleep   Fail
+falling-asleep   RestartsCounted      falling-asleep   CrashLoop
+falling-asleep   HealthCounted        falling-asleep   -
+falling-asleep   PortChecked          falling-asleep   -
+falling-asleep   MemoryLeaving        falling-asleep   -
+falling-asleep   MemoryBack           falling-asleep   -
+waking           StartAsked           waking           Refuse
+waking           LaunchEnded          waking           -
+waking           JobBegan(stop)       stopping         -
+waking           JobBegan(restart)    restarting       -
+waking           JobBegan(fail-stop)  failing          -
+waking           JobEnded(stop)       waking           -
+waking           JobEnded(restart)    waking           -
+waking           JobEnded(fail-stop)  waking           -
+waking           WatchAsked           waking           Watch
+waking           WatchEnded           waking           -
+waking           UnitStarted          waking           -
+waking           UnitSeen             waking           -
+waking           UnitGone             waking           -
+waking           UnitChanged          waking           Fail
+waking           RestartsCounted      waking           CrashLoop
+waking           HealthCounted        waking           -
+waking           PortChecked          waking           -
+waking           MemoryLeaving        waking           -
+waking           MemoryBack           waking           -
+idle             SleepAsked           falling-asleep   -
+launching        SleepAsked           launching        Refuse
+awaiting-health  SleepAsked           falling-asleep   -
+stopping         SleepAsked           stopping         Refuse
+restarting       SleepAsked           restarting       Refuse
+failing          SleepAsked           failing          Refuse
+falling-asleep   SleepAsked           falling-asleep   Refuse
+waking           SleepAsked           waking           Refuse
+idle             WakeAsked            waking           -
+launching        WakeAsked            launching        -
+awaiting-health  WakeAsked            waking           -
+stopping         WakeAsked            stopping         -
+restarting       WakeAsked            restarting       -
+failing          WakeAsked            failing          -
+falling-asleep   WakeAsked            waking           -
+waking           WakeAsked            waking           -
+idle             SlumberEnded         idle             -
+launching        SlumberEnded         launching        -
+awaiting-health  SlumberEnded         awaiting-health  -
+stopping         SlumberEnded         stopping         -
+restarting       SlumberEnded         restarting       -
+failing          SlumberEnded         failing          -
+falling-asleep   SlumberEnded         idle             -
+waking           SlumberEnded         idle             -
 """
 
 
@@ -393,7 +461,8 @@ UNITS = st.sampled_from([RUNNING_UNIT, EXITED, unit(restarts=1, invocation="i2")
                          unit("inactive", "dead", stopped_by_job=True),
                          unit("activating", "auto-restart", "exit-code")])
 INPUTS: st.SearchStrategy[Input] = st.one_of(
-    st.just(StartAsked()), st.just(LaunchEnded()), st.builds(JobBegan, st.sampled_from(JOBS)),
+    st.just(StartAsked()), st.just(LaunchEnded()), st.just(SleepAsked()), st.just(WakeAsked()),
+    st.just(SlumberEnded()), st.builds(JobBegan, st.sampled_from(JOBS)),
     st.builds(JobEnded, st.sampled_from(JOBS)), st.just(WatchAsked()), st.just(WatchEnded()),
     st.builds(UnitStarted, UNITS), st.builds(UnitSeen, UNITS), st.just(UnitGone()),
     st.builds(lambda u, p, s, r, d: changed(u, p, state=s, restart=r, shutting_down=d),
@@ -418,10 +487,15 @@ def test_no_launch_begins_during_another_or_a_job_and_one_wait_at_a_time(
         life, actions = step(life, inp)
         if isinstance(inp, StartAsked):
             # a start goes on exactly when nothing of gpud's is under way
-            assert (Refuse(before.phase) in actions) == before.busy
-            assert life.launching == (before.launching or not before.busy)
+            occupied = before.busy or before.slumber is not Slumber.NONE
+            assert (Refuse(before.phase) in actions) == occupied
+            assert life.launching == (before.launching or not occupied)
         if life.launching and not before.launching:
             assert isinstance(inp, StartAsked) and not before.busy
+            assert before.slumber is Slumber.NONE, "a launch began during a sleep or a wake"
+        if isinstance(inp, SleepAsked):
+            went = life.slumber is Slumber.FALLING_ASLEEP and Refuse(before.phase) not in actions
+            assert went == (not before.busy and before.slumber is Slumber.NONE)
         if isinstance(inp, WatchEnded):
             waits = 0
         waits += actions.count(Watch())
@@ -433,7 +507,8 @@ def test_no_launch_begins_during_another_or_a_job_and_one_wait_at_a_time(
             assert CancelLaunch() not in actions
         assert life.health_failures >= 0
         assert life.phase is Phase.IDLE or life != IDLE_LIFE
-        assert (life.phase is Phase.IDLE) == (not life.busy and not life.watching)
+        assert (life.phase is Phase.IDLE) == (not life.busy and not life.watching
+                                              and life.slumber is Slumber.NONE)
 
 
 @settings(max_examples=300)
@@ -449,5 +524,15 @@ def test_the_crash_loop_count_stays_in_its_window_under_its_limit(inputs: list[I
                 assert [type(a) for a in actions] == [CrashLoop] and life.restarts == ()
 
 
-def test_every_job_has_its_phase() -> None:
+def test_every_job_and_slumber_has_its_phase() -> None:
     assert lifecycle.PHASE_OF_JOB.keys() == set(Job) - {Job.NONE}
+    assert lifecycle.PHASE_OF_SLUMBER.keys() == set(Slumber) - {Slumber.NONE}
+
+
+def test_a_sleep_is_refused_during_a_launch_and_a_wake_is_not() -> None:
+    launching = ServeLife(launching=True)
+    assert step(launching, SleepAsked()) == (launching, [Refuse(Phase.LAUNCHING)])
+    woken, actions = step(launching, WakeAsked())
+    assert (woken.slumber, actions) == (Slumber.WAKING, [])
+    assert step(ServeLife(slumber=Slumber.WAKING, health_failures=1), SlumberEnded())[0] == \
+        ServeLife(health_failures=1)

@@ -47,9 +47,17 @@ class Job(StrEnum):
     FAIL_STOP = "fail-stop"  # the unit stopped because the serve failed
 
 
+class Slumber(StrEnum):
+    """A sleep or a wake of gpud's under way (gpud.sleeping): from its checks to its commit."""
+
+    NONE = "none"
+    FALLING_ASLEEP = "falling-asleep"
+    WAKING = "waking"
+
+
 class Phase(StrEnum):
     """What gpud is doing with the serve, the most telling first: a job on its unit, else its
-    launch, else a wait on a restart's health, else nothing."""
+    launch, else a sleep or a wake, else a wait on a restart's health, else nothing."""
 
     IDLE = "idle"  # nothing: what its unit does is the serve's own doing (or an operator's)
     LAUNCHING = "launching"  # a start: from its admission until healthy, failed or cancelled
@@ -58,10 +66,13 @@ class Phase(StrEnum):
     STOPPING = "stopping"
     RESTARTING = "restarting"
     FAILING = "failing"
+    FALLING_ASLEEP = "falling-asleep"
+    WAKING = "waking"
 
 
 PHASE_OF_JOB = {Job.STOP: Phase.STOPPING, Job.RESTART: Phase.RESTARTING,
                 Job.FAIL_STOP: Phase.FAILING}
+PHASE_OF_SLUMBER = {Slumber.FALLING_ASLEEP: Phase.FALLING_ASLEEP, Slumber.WAKING: Phase.WAKING}
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class ServeLife:
     job: Job = Job.NONE
     launching: bool = False  # a start's launch task is under way
     watching: bool = False  # one wait on a restart's health is under way (never two)
+    slumber: Slumber = Slumber.NONE
     unit: UnitState | None = None  # the unit as last seen
     exit_seen: str | None = None  # the invocation whose exit was already handled
     restarts: tuple[float, ...] = ()  # when each restart in the crash-loop window was counted
@@ -82,6 +94,8 @@ class ServeLife:
             return PHASE_OF_JOB[self.job]
         if self.launching:
             return Phase.LAUNCHING
+        if self.slumber is not Slumber.NONE:
+            return PHASE_OF_SLUMBER[self.slumber]
         return Phase.AWAITING_HEALTH if self.watching else Phase.IDLE
 
     @property
@@ -128,6 +142,21 @@ class WatchAsked:
 @dataclass(frozen=True)
 class WatchEnded:
     pass
+
+
+@dataclass(frozen=True)
+class SleepAsked:
+    """A sleep of the serve is asked (its lock held, the serve running)."""
+
+
+@dataclass(frozen=True)
+class WakeAsked:
+    """A wake of the serve is asked (its lock held, the serve sleeping)."""
+
+
+@dataclass(frozen=True)
+class SlumberEnded:
+    """The sleep or the wake under way ended (done, refused or failed)."""
 
 
 @dataclass(frozen=True)
@@ -209,15 +238,16 @@ class MemoryBack:
 
 
 Input = (StartAsked | LaunchEnded | JobBegan | JobEnded | WatchAsked | WatchEnded
-         | UnitStarted | UnitSeen | UnitGone | UnitChanged | RestartsCounted | HealthCounted
-         | PortChecked | MemoryLeaving | MemoryBack)
+         | SleepAsked | WakeAsked | SlumberEnded | UnitStarted | UnitSeen | UnitGone
+         | UnitChanged | RestartsCounted | HealthCounted | PortChecked | MemoryLeaving
+         | MemoryBack)
 
 
 # ---- actions --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Refuse:
-    """The start is not to go on: a launch or a job of gpud's is already under way."""
+    """The start (or the sleep) is not to go on: something of gpud's is already under way."""
 
     phase: Phase
 
@@ -254,8 +284,8 @@ LifeAction = (Refuse | CancelLaunch | Watch | CrashLoop | Restarted | AskShutdow
 
 def start_refused(life: ServeLife) -> Phase | None:
     """Why a start may not begin (the phase in its way), or None: one launch at a time, and
-    none while a job of gpud's on the unit is under way."""
-    return life.phase if life.busy else None
+    none while a job of gpud's on the unit, a sleep or a wake is under way."""
+    return life.phase if life.busy or life.slumber is not Slumber.NONE else None
 
 
 def _count(life: ServeLife, count: int, now: float, window_s: float,
@@ -319,6 +349,18 @@ def step(life: ServeLife, inp: Input) -> tuple[ServeLife, list[LifeAction]]:
         return replace(life, watching=True), [Watch()]
     if isinstance(inp, WatchEnded):
         return replace(life, watching=False), []
+    if isinstance(inp, SleepAsked):
+        # A launch, a job on the unit or another sleep or wake decides the serve's memory now.
+        refused = start_refused(life)
+        if refused is not None:
+            return life, [Refuse(refused)]
+        return replace(life, slumber=Slumber.FALLING_ASLEEP), []
+    if isinstance(inp, WakeAsked):
+        # Never refused: a sleeping serve is woken whatever else is under way (a failing stop
+        # of it ends it either way).
+        return replace(life, slumber=Slumber.WAKING), []
+    if isinstance(inp, SlumberEnded):
+        return replace(life, slumber=Slumber.NONE), []
     if isinstance(inp, UnitStarted):
         return replace(life, unit=inp.unit, restarts=()), []
     if isinstance(inp, UnitSeen):

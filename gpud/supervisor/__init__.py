@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from gpud.config import Config, ServeConfig
+from gpud.core.lifecycle import Input, LifeAction
 from gpud.core.unitstate import UnitState
 from gpud.front import SocketSessions
 from gpud.hostmem import host_memory
@@ -100,6 +101,10 @@ class Supervisor(BootJob, LaunchJob, HealthJob, StopJob, UnitWatch):
         await self._sockets.close()
 
     # What the service asks of its supervision (gpud.service.Supervision).
+    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]:
+        """Change the serve's life by `inp` (a sleep or a wake begun or ended)."""
+        return self._step(serve, inp)
+
     def launch_under_way(self, serve: str) -> bool:
         return self.life(serve).launching
 
