@@ -33,7 +33,7 @@ def _said(value: bool | None) -> str:
 class Reconciler:
     def __init__(self, serves: Serves, svc: LedgerService, sleeps: Sleeps,
                  observer: Observer) -> None:
-        self.sup = serves
+        self.serves = serves
         self.svc = svc
         self.sleeps = sleeps
         self.observer = observer
@@ -53,7 +53,7 @@ class Reconciler:
         recorded = self.svc.state_of(serve)
         if not disagrees(recorded, said, overdrawn=self.overdrawn(serve)):
             return Reconcile.AGREE
-        lock = self.sup.serve_lock(serve)
+        lock = self.serves.serve_lock(serve)
         if lock.locked():
             return Reconcile.AGREE  # a sleep, wake or stop is under way: the next check asks
         roles = spec.all_roles
@@ -63,7 +63,7 @@ class Reconciler:
         stop = False
         try:
             async with lock:
-                if self.sup.busy(serve):
+                if self.serves.busy(serve):
                     return Reconcile.AGREE
                 recorded = self.svc.state_of(serve)
                 said = await self.sleeps.is_sleeping(serve, spec)
@@ -89,7 +89,7 @@ class Reconciler:
                 elif decision is Reconcile.SHOW_ASLEEP:
                     await self._show_asleep(serve, spec)
             if stop:
-                await self.sup.stop(serve, None)
+                await self.serves.stop(serve, None)
             return decision
         finally:
             self.svc.lift(serve)

@@ -99,7 +99,7 @@ class Sleeps:
     def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None) -> None:
-        self.sup = serves
+        self.serves = serves
         self.svc = svc
         self.observer = observer
         self.host_memory = host_memory
@@ -166,13 +166,13 @@ class Sleeps:
         return f"http://127.0.0.1:{spec.port}{path}"
 
     def _role_lock(self, _role: str) -> Taken:
-        return self.sup.locks.coordination()
+        return self.serves.locks.coordination()
 
     @property
     def coordination(self) -> asyncio.Lock:
         """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
         lock, never after one (gpud.locks)."""
-        return self.sup.locks.lock(Rank.COORDINATION)
+        return self.serves.locks.lock(Rank.COORDINATION)
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class Sleeps:
                     body: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
         """POST to the serve, bounded: daemon.sleep_timeout_s for /sleep, wake_timeout_s for
         everything else (a wake's requests); past it, Unavailable with `no_answer`."""
-        http = self.sup.serve_http(serve, spec)
+        http = self.serves.serve_http(serve, spec)
         daemon = self.svc.config.daemon
         if timeout_s is None:
             timeout_s = daemon.sleep_timeout_s if path.startswith("/sleep") else \
@@ -204,7 +204,7 @@ class Sleeps:
         """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
         that."""
         try:
-            async with self.sup.serve_http(serve, spec).get(
+            async with self.serves.serve_http(serve, spec).get(
                     self._url(serve, spec, "/is_sleeping"),
                     timeout=aiohttp.ClientTimeout(total=IS_SLEEPING_TIMEOUT_S)) as resp:
                 if resp.status != 200:
@@ -265,7 +265,7 @@ class Sleeps:
     # ---- sleep and wake ----------------------------------------------------------------------
 
     def _sleeper(self, serve: str) -> ServeConfig:
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         if not spec.sleep_level:
             raise Conflict(f"serve {serve!r} has no sleep_level: it does not sleep "
                            f"(set serves.{serve}.sleep_level = 1 or 2)", {"serve": serve})
@@ -278,13 +278,13 @@ class Sleeps:
         if level not in (1, 2):
             raise Refused(f"sleep level must be 1 or 2, not {level}", {"level": level})
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(self.sup.serve_lock(serve))
+            await stack.enter_async_context(self.serves.serve_lock(serve))
             state = self.svc.state_of(serve)
             # refused (a Refuse action) while a launch or a job on its unit is under way
-            if state != RUNNING or self.sup.lifecycle(serve, SleepAsked()):
+            if state != RUNNING or self.serves.lifecycle(serve, SleepAsked()):
                 raise Conflict(f"serve {serve!r} is {state}: only a running serve is put to "
                                "sleep", {"serve": serve, "state": state})
-            stack.callback(self.sup.lifecycle, serve, SlumberEnded())
+            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
             target = self.sleep_mib(serve, spec)
             if target is None and not self.observer.available:
@@ -308,7 +308,7 @@ class Sleeps:
                 raise Unavailable(f"serve {serve!r} not put to sleep: systemd names no process "
                                   "of its unit now, so a sleep could not be told apart from a "
                                   "restart", {"serve": serve})
-            async with self.sup.device_locks(serve):  # its memory changes: no start's window
+            async with self.serves.device_locks(serve):  # its memory changes: no start's window
                 began = loop.time()
                 # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
                 # requests end at once with an error their clients can retry elsewhere, where
@@ -373,7 +373,7 @@ class Sleeps:
         """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
         has none or it cannot be read."""
         try:
-            st = await self.sup.unit_state(serve)
+            st = await self.serves.unit_state(serve)
         except GpudError:
             return None
         if st is None or not st.main_pid or st.gone:
@@ -394,7 +394,7 @@ class Sleeps:
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
             state=self.svc.state_row(serve, STARTING, reason))
-        self.sup.spawn(self.sup.watch_restart(serve))
+        self.serves.spawn(self.serves.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
@@ -419,13 +419,13 @@ class Sleeps:
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
                 await stack.enter_async_context(self._role_lock(spec.role))
-            await stack.enter_async_context(self.sup.serve_lock(serve))
+            await stack.enter_async_context(self.serves.serve_lock(serve))
             state = self.svc.state_of(serve)
             if state != SLEEPING:
                 raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
                                                                            "state": state})
-            self.sup.lifecycle(serve, WakeAsked())
-            stack.callback(self.sup.lifecycle, serve, SlumberEnded())
+            self.serves.lifecycle(serve, WakeAsked())
+            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             asleep = self.svc.ledger.reservations[serve].mib
             awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
@@ -435,7 +435,7 @@ class Sleeps:
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                async with self.sup.device_locks(serve):  # its memory grows: no start's window
+                async with self.serves.device_locks(serve):  # its memory grows: no start's window
                     await self._wake_up(serve, spec)
                     await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
@@ -443,7 +443,7 @@ class Sleeps:
                 if said is None:
                     # No answer: it may be waking, or half awake. It keeps its full
                     # reservation and is restarted or stopped, as its restart policy says.
-                    await self.sup.wake_failed(serve, spec, f"the wake failed: {exc.message}")
+                    await self.serves.wake_failed(serve, spec, f"the wake failed: {exc.message}")
                     raise
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
@@ -477,7 +477,7 @@ class Sleeps:
                         or spec.all_roles != res.all_roles:
                     continue
                 seen.add(name)
-                if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
+                if self.svc.state_of(name) != RUNNING or self.serves.busy(name):
                     continue
                 if spec.preemptible == "stop":
                     out.append(Candidate(name, spec.priority, res.mib, "stop", 0, res.all_roles))
@@ -491,7 +491,7 @@ class Sleeps:
     def plan(self, serve: str, mib: int) -> Plan | NoPlan:
         """The plan on every role of the serve (victims on any of them; one on several frees
         on each)."""
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
         return plan_on_roles(serve, spec.priority, mib, free,
                              self.candidates(serve, spec.all_roles))
@@ -511,7 +511,7 @@ class Sleeps:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
         not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
         the caller holds `coordination` already."""
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         async with contextlib.AsyncExitStack() as stack:
             if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
                 await stack.enter_async_context(self._role_lock(spec.role))
@@ -552,7 +552,7 @@ class Sleeps:
                     if action.kind == "sleep":
                         await self.sleep(step.serve, uid, preempted_by=serve)
                     else:
-                        await self.sup.stop(step.serve, uid)
+                        await self.serves.stop(step.serve, uid)
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "
                                         f"{exc.message}") from exc
@@ -566,7 +566,7 @@ class Sleeps:
             if failure is None:
                 if any(action.kind == "stop" for action in done):
                     # a stopped serve's memory shows as free once its process is gone
-                    await self.sup.memory_back_for(serve)
+                    await self.serves.memory_back_for(serve)
                 try:
                     await self.svc.admit(serve, mib, uid=uid)
                     return {"preemption": plan.to_json()}
@@ -585,7 +585,7 @@ class Sleeps:
                     await self.wake(undo.serve, uid, locked=True,
                                     by=f"undo of the preemption by {serve}")
                 else:
-                    await self.sup.start(undo.serve, uid)
+                    await self.serves.start(undo.serve, uid)
             except GpudError as exc:
                 log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
                           exc.message)
@@ -606,7 +606,7 @@ class Sleeps:
         if task is not None and not task.done():
             self._wake_again.add(role)
             return
-        self._wake_back[role] = self.sup.spawn(self._wake_back_role(role))
+        self._wake_back[role] = self.serves.spawn(self._wake_back_role(role))
 
     async def _wake_back_role(self, role: str) -> None:
         while True:
@@ -628,7 +628,7 @@ class Sleeps:
             and self.note(name).get("preempted_by"))
         if sleepers:
             # what a stop released shows as free on the device only once its process is gone
-            await self.sup.memory_back_for(sleepers[0][1])
+            await self.serves.memory_back_for(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
             awake = self.awake_mib(name, spec)
