@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from gpud.api import Api
+    from gpud.calibration import Calibrator
     from gpud.front import Front
     from gpud.observer import Observer
     from gpud.supervisor import Supervisor
@@ -218,12 +219,9 @@ class Daemon:
             self.config = svc.config
             alerts = Alerts(svc, observer)
             observer.listen(alerts)
-            supervisor = await self._supervisor(stack, svc, observer)
             calibrator = Calibrator(svc, observer)
             calibrator.load()
-            supervisor.sizing = calibrator.sizing_problem
-            supervisor.kv_figure = calibrator.kv_cache_figure
-            supervisor.sleeps.weights = calibrator.weights_mib
+            supervisor = await self._supervisor(stack, svc, observer, calibrator)
             stack.push_async_callback(calibrator.close)
             on_demand = OnDemand(svc, supervisor)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
@@ -275,10 +273,11 @@ class Daemon:
         return observer
 
     async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
-                          observer: Observer) -> Supervisor:
+                          observer: Observer, calibrator: Calibrator) -> Supervisor:
         from gpud.supervisor import make_supervisor
 
-        supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify)
+        supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify,
+                                     calibrated=calibrator)
         await stack.enter_async_context(supervisor)
         available, why = supervisor.launching()
         if not available:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
 
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
-from gpud.core.vocab import RUNNING, SLEEPING
+from gpud.core.vocab import RUNNING, SLEEPING, EventKind, SleepAction
 from gpud.errors import Denied, GpudError
-from gpud.sleeping import meta_key
-
-if TYPE_CHECKING:
-    from gpud.supervisor import Supervisor
+from gpud.observer import Observer
+from gpud.service import LedgerService
+from gpud.sleeping import Serves, Sleeps, meta_key
 
 log = logging.getLogger("gpud.reconcile")
 
@@ -33,15 +31,17 @@ def _said(value: bool | None) -> str:
 
 
 class Reconciler:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.svc = sup.svc
-        self.sleeps = sup.sleeps
+    def __init__(self, serves: Serves, svc: LedgerService, sleeps: Sleeps,
+                 observer: Observer) -> None:
+        self.serves = serves
+        self.svc = svc
+        self.sleeps = sleeps
+        self.observer = observer
 
     def overdrawn(self, serve: str) -> bool:
         """Observation sees the serve draw over its reservation plus the tolerance."""
         res = self.svc.ledger.reservations.get(serve)
-        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        seen = self.observer.observed_each_mib(serve) if self.observer.available else None
         return (res is not None and seen is not None
                 and seen > res.mib + self.svc.config.daemon.overdraw_tolerance_mib)
 
@@ -53,7 +53,7 @@ class Reconciler:
         recorded = self.svc.state_of(serve)
         if not disagrees(recorded, said, overdrawn=self.overdrawn(serve)):
             return Reconcile.AGREE
-        lock = self.sup.serve_lock(serve)
+        lock = self.serves.serve_lock(serve)
         if lock.locked():
             return Reconcile.AGREE  # a sleep, wake or stop is under way: the next check asks
         roles = spec.all_roles
@@ -63,7 +63,7 @@ class Reconciler:
         stop = False
         try:
             async with lock:
-                if self.sup.busy(serve):
+                if self.serves.busy(serve):
                     return Reconcile.AGREE
                 recorded = self.svc.state_of(serve)
                 said = await self.sleeps.is_sleeping(serve, spec)
@@ -78,7 +78,7 @@ class Reconciler:
                     except Denied as exc:  # the figures moved since: as if it did not fit
                         log.warning("%s: woken outside gpud, not re-admitted: %s", serve,
                                     exc.message)
-                        decision = (Reconcile.STOP if spec.preemptible == "stop"
+                        decision = (Reconcile.STOP if spec.preemptible == SleepAction.STOP
                                     else Reconcile.SLEEP_AGAIN)
                 if decision is Reconcile.SLEEP_AGAIN:
                     stop = not await self._sleep_again(serve, spec, said, awake)
@@ -89,7 +89,7 @@ class Reconciler:
                 elif decision is Reconcile.SHOW_ASLEEP:
                     await self._show_asleep(serve, spec)
             if stop:
-                await self.sup.stop(serve, None)
+                await self.serves.stop(serve, None)
             return decision
         finally:
             self.svc.lift(serve)
@@ -100,10 +100,10 @@ class Reconciler:
         why = f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)})"
         # An admission like any (its own event), then the wake, as gpud's own wake says both.
         await self.svc.admit(serve, awake, state=RUNNING, event=(
-            "admit", f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
+            EventKind.ADMIT, f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
             {"outside": True, "waking": True}))
         await self.svc.record(self.svc.event(
-            "wake", f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
+            EventKind.WAKE, f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
             role=spec.role, mib=awake, outside=True, from_mib=asleep))
         await self.svc.put_meta(meta_key(serve), None)
 
@@ -126,7 +126,7 @@ class Reconciler:
         res = self.svc.ledger.reservations.get(serve)
         free = min(self.svc.free_for(serve, r) for r in spec.all_roles)
         await self.svc.record(self.svc.event(
-            "wake", f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
+            EventKind.WAKE, f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
             f"does not fit awake ({awake} MiB, {free} MiB free for it): {what}",
             serve=serve, role=spec.role, mib=res.mib if res else None, outside=outside,
             awake_mib=awake, free_mib=free))
@@ -137,12 +137,12 @@ class Reconciler:
                 "awake_mib": res.mib, "outside": True}
         reason = "asleep (put to sleep outside gpud; reservation kept)"
         await self.svc.admit(serve, res.mib, state=SLEEPING, shrink=True, state_reason=reason,
-                             event=("sleep", f"{serve} was put to sleep outside gpud "
-                                    f"(is_sleeping true, {self._seen(serve)}): shown sleeping, "
-                                    f"its reservation of {res.mib} MiB kept",
-                                    {"outside": True, "from_mib": res.mib}),
+                             event=(EventKind.SLEEP, f"{serve} was put to sleep outside gpud "
+                                           f"(is_sleeping true, {self._seen(serve)}): shown "
+                                           f"sleeping, its reservation of {res.mib} MiB kept",
+                                           {"outside": True, "from_mib": res.mib}),
                              meta={meta_key(serve): json.dumps(note)})
 
     def _seen(self, serve: str) -> str:
-        seen = self.sup.observer.observed_each_mib(serve) if self.sup.observer.available else None
+        seen = self.observer.observed_each_mib(serve) if self.observer.available else None
         return "draw not observed" if seen is None else f"{seen} MiB drawn"

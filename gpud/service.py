@@ -70,6 +70,36 @@ class Observer(Protocol):
     def device_problem(self, ref: str) -> str | None: ...
 
 
+class Supervision(Protocol):
+    """What the service asks of whoever launches the serves (the supervisor)."""
+
+    def launch_under_way(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        ...
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        ...
+
+    def freed(self, role: str) -> None:
+        """A durable change gave memory back on `role`: sleeping serves there may wake."""
+        ...
+
+
+class _Unsupervised:
+    def launch_under_way(self, serve: str) -> bool:
+        return False
+
+    def launching(self) -> tuple[bool, str | None]:
+        return False, "launching is not set up in this gpud"
+
+    def freed(self, role: str) -> None:
+        pass
+
+
+UNSUPERVISED: Supervision = _Unsupervised()
+
+
 @dataclass(frozen=True)
 class ServeRecord:
     """A serve's state as last committed, with what systemd last said of its unit (main PID,
@@ -223,14 +253,9 @@ class LedgerService:
         self._committer: asyncio.Task[None] | None = None
         self.commits = 0  # transactions written (one fsync each)
         self.ready = False
-        # Set by the supervisor: whether a serve's launch is under way (its unit may be about
-        # to run), and whether launching works and why not.
-        self.busy: Callable[[str], bool] = lambda _serve: False
-        self.launching: Callable[[], tuple[bool, str | None]] = lambda: (
-            False, "launching is not set up in this gpud")
-        # Told (by the supervisor) of each role on which a durable change gave memory back:
-        # sleeping serves there may wake.
-        self.freed: Callable[[str], None] = lambda _role: None
+        # Who launches the serves, while one does (Supervisor, between entering and leaving
+        # its context): see Supervision.
+        self._supervision: Supervision = UNSUPERVISED
         # Roles on which no admission is granted for now, by who holds them (a serve whose
         # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
         self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
@@ -346,6 +371,18 @@ class LedgerService:
         if rec is not None and rec.main_pid != pid:
             self._records[serve] = replace(rec, main_pid=pid)
 
+    def supervise(self, supervision: Supervision | None) -> None:
+        """`supervision` launches the serves from now on (None: nobody does any more)."""
+        self._supervision = supervision if supervision is not None else UNSUPERVISED
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        return self._supervision.launching()
+
+    def busy(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        return self._supervision.launch_under_way(serve)
+
     def set_restart_count(self, serve: str, n_restarts: int) -> None:
         """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch."""
         rec = self._records.get(serve)
@@ -383,12 +420,10 @@ class LedgerService:
 
     # ---- the write path --------------------------------------------------------------------
 
-    def event(self, kind: EventKind | str, message: str, *, serve: str | None = None,
+    def event(self, kind: EventKind, message: str, *, serve: str | None = None,
               role: str | None = None, mib: int | None = None, uid: int | None = None,
               **details: Any) -> Event:
-        """An event of `kind`, not yet stored. A value is taken too (the supervisor and the
-        sleep controller pass "exit", "sleep", ...): one that is not a member fails here."""
-        kind = EventKind(kind)
+        """An event of `kind`, not yet stored."""
         if serve is not None and "roles" not in details:
             # Every event of a serve on several roles names them all (details.roles, journald
             # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
@@ -446,7 +481,7 @@ class LedgerService:
                     freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
                     for role in freed:
-                        self.freed(role)
+                        self._supervision.freed(role)
                     if freed:
                         self._clear_denials(freed)
                 for ev in events:
@@ -566,11 +601,10 @@ class LedgerService:
             done = self.submit(Changes(events=[ev], states=[state] if state else []))
         return (await done)[0]
 
-    def state_row(self, serve: str, state: ServeState | str,
+    def state_row(self, serve: str, state: ServeState,
                   reason: str | None = None) -> ServeStateRow:
-        """A serve's state to commit. A value is taken too (as by `event`): one that is not a
-        member fails here."""
-        return ServeStateRow(serve, ServeState(state), reason, self.clock())
+        """A serve's state to commit."""
+        return ServeStateRow(serve, state, reason, self.clock())
 
     # ---- holds -----------------------------------------------------------------------------
 
@@ -649,8 +683,8 @@ class LedgerService:
         return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
-                    uid: int | None = None, state: str | None = None,
-                    event: tuple[EventKind | str, str, dict[str, Any]] | None = None,
+                    uid: int | None = None, state: ServeState | None = None,
+                    event: tuple[EventKind, str, dict[str, Any]] | None = None,
                     shrink: bool = False, state_reason: str | None = None,
                     meta: dict[str, str | None] | None = None) -> Admission:
         """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
@@ -669,7 +703,8 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: str | None, event: tuple[EventKind | str, str, dict[str, Any]] | None = None,
+                      state: ServeState | None,
+                      event: tuple[EventKind, str, dict[str, Any]] | None = None,
                       shrink: bool = False, state_reason: str | None = None,
                       meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
                                                      asyncio.Future[list[Event]]]:
@@ -774,7 +809,7 @@ class LedgerService:
         return self.submit(Changes(states=states, events=[ev]))
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
-                      next_state: str = DECLARED, state_reason: str | None = None,
+                      next_state: ServeState = DECLARED, state_reason: str | None = None,
                       allow_live: bool = False) -> Reservation:
         """Release a reservation. A serve whose process may still hold the memory is refused
         unless the caller (the supervisor, after stopping it) says otherwise."""
@@ -809,7 +844,7 @@ class LedgerService:
         return res
 
     def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                        next_state: str, state_reason: str | None,
+                        next_state: ServeState, state_reason: str | None,
                         allow_live: bool) -> tuple[Reservation, asyncio.Future[list[Event]]]:
         if serve not in self._decided.reservations:
             if serve in self.config.serves or serve in self._records:
@@ -877,10 +912,7 @@ class LedgerService:
     def states(self) -> dict[str, ServeState]:
         return {name: rec.state for name, rec in self._records.items()}
 
-    def state_of(self, serve: str) -> str:
-        # Always a ServeState; typed str while the supervisor assigns the sleep controller's
-        # str states to the same variable (the modules tests/test_vocabulary.py leaves to the
-        # serve-lifecycle work).
+    def state_of(self, serve: str) -> ServeState:
         rec = self._records.get(serve)
         return rec.state if rec else DECLARED
 

@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -30,14 +30,15 @@ from gpud.config import ServeConfig
 from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
+from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
-from gpud.core.vocab import RUNNING, SLEEPING, STARTING
+from gpud.core.unitstate import UnitState
+from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
-from gpud.locks import Rank, Taken
+from gpud.locks import Locks, Rank, Taken
+from gpud.observer import Observer
+from gpud.service import LedgerService
 from gpud.steps import carry_out, undo_all
-
-if TYPE_CHECKING:
-    from gpud.supervisor import Supervisor
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -69,13 +70,41 @@ def measured_key(serve: str) -> str:
     return f"sleep-measured:{serve}"
 
 
+class Serves(Protocol):
+    """What the sleep controller and the reconciler ask of the supervisor: the locks (in
+    their order, gpud.locks), whether a lifecycle action of a serve is under way, a change of a
+    serve's life (gpud.core.lifecycle.step: a sleep or a wake begun and ended), the serves' own
+    lifecycle actions, and a serve's HTTP client."""
+
+    @property
+    def locks(self) -> Locks: ...
+    def serve_lock(self, serve: str) -> Taken: ...
+    def device_locks(self, serve: str, *, shared: bool = False) -> Taken: ...
+    def busy(self, serve: str) -> bool: ...
+    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]: ...
+    def spec_of(self, serve: str) -> ServeConfig: ...
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+    async def unit_state(self, serve: str) -> UnitState | None: ...
+    async def memory_back_for(self, serve: str) -> None: ...
+    async def watch_restart(self, serve: str) -> None: ...
+    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None: ...
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None: ...
+    async def stop(self, serve: str, uid: int | None, *,
+                   keep_reservation: bool = False) -> None: ...
+
+
 class Sleeps:
-    def __init__(self, sup: Supervisor, *, host_memory: Callable[[], int | None]) -> None:
-        self.sup = sup
-        self.svc = sup.svc
+    def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
+                 host_memory: Callable[[], int | None],
+                 weights: Callable[[str], int | None] = lambda _serve: None) -> None:
+        self.serves = serves
+        self.svc = svc
+        self.observer = observer
         self.host_memory = host_memory
-        # The calibrated weights of a serve, MiB (set by the daemon from its calibrator).
-        self.weights: Callable[[str], int | None] = lambda _serve: None
+        # The calibrated weights of a serve, MiB (Calibrator.weights_mib).
+        self.weights = weights
         # Every preemption and wake-back holds the supervisor's coordination lock (gpud.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
@@ -137,13 +166,13 @@ class Sleeps:
         return f"http://127.0.0.1:{spec.port}{path}"
 
     def _role_lock(self, _role: str) -> Taken:
-        return self.sup.locks.coordination()
+        return self.serves.locks.coordination()
 
     @property
     def coordination(self) -> asyncio.Lock:
         """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
         lock, never after one (gpud.locks)."""
-        return self.sup.locks.lock(Rank.COORDINATION)
+        return self.serves.locks.lock(Rank.COORDINATION)
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
@@ -151,7 +180,7 @@ class Sleeps:
                     body: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
         """POST to the serve, bounded: daemon.sleep_timeout_s for /sleep, wake_timeout_s for
         everything else (a wake's requests); past it, Unavailable with `no_answer`."""
-        http = self.sup.serve_http(serve, spec)
+        http = self.serves.serve_http(serve, spec)
         daemon = self.svc.config.daemon
         if timeout_s is None:
             timeout_s = daemon.sleep_timeout_s if path.startswith("/sleep") else \
@@ -175,7 +204,7 @@ class Sleeps:
         """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
         that."""
         try:
-            async with self.sup.serve_http(serve, spec).get(
+            async with self.serves.serve_http(serve, spec).get(
                     self._url(serve, spec, "/is_sleeping"),
                     timeout=aiohttp.ClientTimeout(total=IS_SLEEPING_TIMEOUT_S)) as resp:
                 if resp.status != 200:
@@ -212,7 +241,7 @@ class Sleeps:
         """After the sleep: wait (bounded) until observation shows the serve at `at_most` or
         less on each of its devices, so the next admission sees the memory back. Returns its
         observed draw: the most on any one device (its reservation is held on each)."""
-        obs = self.sup.observer
+        obs = self.observer
         if not obs.available:
             return None
         loop = asyncio.get_running_loop()
@@ -236,7 +265,7 @@ class Sleeps:
     # ---- sleep and wake ----------------------------------------------------------------------
 
     def _sleeper(self, serve: str) -> ServeConfig:
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         if not spec.sleep_level:
             raise Conflict(f"serve {serve!r} has no sleep_level: it does not sleep "
                            f"(set serves.{serve}.sleep_level = 1 or 2)", {"serve": serve})
@@ -251,20 +280,23 @@ class Sleeps:
         level = level or spec.sleep_level
         if level not in (1, 2):
             raise Refused(f"sleep level must be 1 or 2, not {level}", {"level": level})
-        async with self.sup.serve_lock(serve):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.serves.serve_lock(serve))
             state = self.svc.state_of(serve)
-            if state != RUNNING or self.sup.busy(serve):
+            # refused (a Refuse action) while a launch or a job on its unit is under way
+            if state != RUNNING or self.serves.lifecycle(serve, SleepAsked()):
                 raise Conflict(f"serve {serve!r} is {state}: only a running serve is put to "
                                "sleep", {"serve": serve, "state": state})
+            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
             target = self.sleep_mib(serve, spec)
-            if target is None and not self.sup.observer.available:
+            if target is None and not self.observer.available:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
                               f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
                               "needs observation)", {"serve": serve})
             if target is None:
-                await self.sup.observer.sample()  # what it draws awake, now
-            awake_seen = self.sup.observer.observed_each_mib(serve)
+                await self.observer.sample()  # what it draws awake, now
+            awake_seen = self.observer.observed_each_mib(serve)
             if target is None and not awake_seen:
                 raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
                               f"attributes none of its memory to it ({awake_seen} MiB seen "
@@ -279,7 +311,7 @@ class Sleeps:
                 raise Unavailable(f"serve {serve!r} not put to sleep: systemd names no process "
                                   "of its unit now, so a sleep could not be told apart from a "
                                   "restart", {"serve": serve})
-            async with self.sup.device_locks(serve):  # its memory changes: no start's window
+            async with self.serves.device_locks(serve):  # its memory changes: no start's window
                 began = loop.time()
                 # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
                 # requests end at once with an error their clients can retry elsewhere, where
@@ -321,12 +353,13 @@ class Sleeps:
             await self.svc.admit(
                 serve, target, uid=uid, state=SLEEPING, shrink=True,
                 state_reason=f"asleep (level {level}, {why})",
-                event=("sleep", message, {"level": level, "from_mib": res.mib,
-                                          "parked_host_mib": parked, "observed_mib": seen,
-                                          "serve_ms": serve_ms, "draw_ms": draw_ms,
-                                          **({"preempted_by": preempted_by}
-                                             if preempted_by else {}),
-                                          **({"idle_s": idle_s} if idle_s is not None else {})}),
+                event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
+                                                  "parked_host_mib": parked, "observed_mib": seen,
+                                                  "serve_ms": serve_ms, "draw_ms": draw_ms,
+                                                  **({"preempted_by": preempted_by}
+                                                     if preempted_by else {}),
+                                                  **({"idle_s": idle_s}
+                                                     if idle_s is not None else {})}),
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
@@ -347,7 +380,7 @@ class Sleeps:
         """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
         has none or it cannot be read."""
         try:
-            st = await self.sup.units.state(serve)
+            st = await self.serves.unit_state(serve)
         except GpudError:
             return None
         if st is None or not st.main_pid or st.gone:
@@ -364,11 +397,11 @@ class Sleeps:
         reason = (f"restarted while it was put to sleep (asked {who(asked)}, now {who(now)}): "
                   "awake at its full size")
         await self.svc.record(self.svc.event(
-            "restart", f"{serve}: {reason}; the sleep is not committed, reservation "
+            EventKind.RESTART, f"{serve}: {reason}; the sleep is not committed, reservation "
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
             state=self.svc.state_row(serve, STARTING, reason))
-        self.sup.spawn(self.sup.watch_restart(serve))
+        self.serves.spawn(self.serves.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
     def _check_host_ram(self, serve: str, parked: int) -> None:
@@ -393,21 +426,23 @@ class Sleeps:
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
                 await stack.enter_async_context(self._role_lock(spec.role))
-            await stack.enter_async_context(self.sup.serve_lock(serve))
+            await stack.enter_async_context(self.serves.serve_lock(serve))
             state = self.svc.state_of(serve)
             if state != SLEEPING:
                 raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
                                                                            "state": state})
+            self.serves.lifecycle(serve, WakeAsked())
+            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             asleep = self.svc.ledger.reservations[serve].mib
             awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
             await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=(
-                "admit", f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
+                EventKind.ADMIT, f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
                 "asleep)", {"waking": True}))
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                async with self.sup.device_locks(serve):  # its memory grows: no start's window
+                async with self.serves.device_locks(serve):  # its memory grows: no start's window
                     await self._wake_up(serve, spec)
                     await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
@@ -415,18 +450,19 @@ class Sleeps:
                 if said is None:
                     # No answer: it may be waking, or half awake. It keeps its full
                     # reservation and is restarted or stopped, as its restart policy says.
-                    await self.sup.wake_failed(serve, spec, f"the wake failed: {exc.message}")
+                    await self.serves.wake_failed(serve, spec, f"the wake failed: {exc.message}")
                     raise
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
                     await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True,
-                                         event=("sleep", f"{serve} did not wake ({exc.message})"
-                                                f": back to {asleep} MiB", {"wake_failed": True}))
+                                         event=(EventKind.SLEEP, f"{serve} did not wake "
+                                                f"({exc.message}): back to {asleep} MiB",
+                                                {"wake_failed": True}))
                     raise
                 # awake after all (it says so): the wake is done
             took = loop.time() - began
             await self.svc.record(self.svc.event(
-                "wake", f"{serve} awake ({by}): {awake} MiB; the serve took "
+                EventKind.WAKE, f"{serve} awake ({by}): {awake} MiB; the serve took "
                 f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1)),
                 state=self.svc.state_row(serve, RUNNING))
@@ -448,21 +484,22 @@ class Sleeps:
                         or spec.all_roles != res.all_roles:
                     continue
                 seen.add(name)
-                if self.svc.state_of(name) != RUNNING or self.sup.busy(name):
+                if self.svc.state_of(name) != RUNNING or self.serves.busy(name):
                     continue
-                if spec.preemptible == "stop":
-                    out.append(Candidate(name, spec.priority, res.mib, "stop", 0, res.all_roles))
+                if spec.preemptible == SleepAction.STOP:
+                    out.append(Candidate(name, spec.priority, res.mib, SleepAction.STOP, 0,
+                                         res.all_roles))
                 elif spec.sleep_level:
                     keeps = self.sleep_mib(name, spec)
                     if keeps is not None:
-                        out.append(Candidate(name, spec.priority, res.mib, "sleep", keeps,
+                        out.append(Candidate(name, spec.priority, res.mib, SleepAction.SLEEP, keeps,
                                              res.all_roles))
         return out
 
     def plan(self, serve: str, mib: int) -> Plan | NoPlan:
         """The plan on every role of the serve (victims on any of them; one on several frees
         on each)."""
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
         return plan_on_roles(serve, spec.priority, mib, free,
                              self.candidates(serve, spec.all_roles))
@@ -482,7 +519,7 @@ class Sleeps:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
         not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
         the caller holds `coordination` already."""
-        spec = self.sup.spec_of(serve)
+        spec = self.serves.spec_of(serve)
         async with contextlib.AsyncExitStack() as stack:
             if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
                 await stack.enter_async_context(self._role_lock(spec.role))
@@ -514,16 +551,16 @@ class Sleeps:
                 assert action.serve is not None
                 step = steps[action.serve]
                 await self.svc.record(self.svc.event(
-                    "preempt", f"{step.serve} preempted by {serve}: {step.line()}",
+                    EventKind.PREEMPT, f"{step.serve} preempted by {serve}: {step.line()}",
                     serve=step.serve, role=(step.roles or spec.all_roles)[0],
                     mib=step.frees_mib, uid=uid,
                     preempted_by=serve, action=step.action, priority=step.priority,
                     by_priority=spec.priority))
                 try:
-                    if action.kind == "sleep":
+                    if action.kind == StepKind.SLEEP:
                         await self.sleep(step.serve, uid, preempted_by=serve)
                     else:
-                        await self.sup.stop(step.serve, uid)
+                        await self.serves.stop(step.serve, uid)
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "
                                         f"{exc.message}") from exc
@@ -535,9 +572,9 @@ class Sleeps:
             except _NotPreempted as exc:
                 failure = exc.message
             if failure is None:
-                if any(action.kind == "stop" for action in done):
+                if any(action.kind == StepKind.STOP for action in done):
                     # a stopped serve's memory shows as free once its process is gone
-                    await self.sup.memory_back_for(serve)
+                    await self.serves.memory_back_for(serve)
                 try:
                     await self.svc.admit(serve, mib, uid=uid)
                     return {"preemption": plan.to_json()}
@@ -552,11 +589,11 @@ class Sleeps:
         async def do(undo: Action) -> None:
             assert undo.serve is not None
             try:
-                if undo.kind == "wake":
+                if undo.kind == StepKind.WAKE:
                     await self.wake(undo.serve, uid, locked=True,
                                     by=f"undo of the preemption by {serve}")
                 else:
-                    await self.sup.start(undo.serve, uid)
+                    await self.serves.start(undo.serve, uid)
             except GpudError as exc:
                 log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
                           exc.message)
@@ -577,7 +614,7 @@ class Sleeps:
         if task is not None and not task.done():
             self._wake_again.add(role)
             return
-        self._wake_back[role] = self.sup.spawn(self._wake_back_role(role))
+        self._wake_back[role] = self.serves.spawn(self._wake_back_role(role))
 
     async def _wake_back_role(self, role: str) -> None:
         while True:
@@ -599,7 +636,7 @@ class Sleeps:
             and self.note(name).get("preempted_by"))
         if sleepers:
             # what a stop released shows as free on the device only once its process is gone
-            await self.sup.memory_back_for(sleepers[0][1])
+            await self.serves.memory_back_for(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
             awake = self.awake_mib(name, spec)
@@ -613,7 +650,7 @@ class Sleeps:
 
     # ---- adoption after a restart ------------------------------------------------------------
 
-    async def adopt(self, serve: str, spec: ServeConfig, recorded: str) -> str:
+    async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState) -> ServeState:
         """The state of a serve found running after a restart, recorded `recorded` (sleeping,
         or running with a sleep_level): asleep it stays so, its reservation unchanged (a gpud
         stopped between vLLM's sleep and the shrink kept the full one: more than it holds,

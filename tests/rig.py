@@ -151,6 +151,7 @@ class Rig:
     sup: ScriptedSupervisor
     observer: Observer
     notes: list[str] = field(default_factory=list)
+    figures: Figures = field(default_factory=lambda: Figures())
 
     def events(self, **query: Any) -> list[Event]:
         return self.svc.store.events(EventQuery(limit=1000, **query))
@@ -196,6 +197,24 @@ class Rig:
         return evs[-1].id or 0 if evs else 0
 
 
+class Figures:
+    """Calibration's figures as the test sets them (gpud.supervisor.Calibrated)."""
+
+    def __init__(self) -> None:
+        self.sizing: dict[str, str] = {}
+        self.kv: dict[str, int] = {}
+        self.weights: dict[str, int] = {}
+
+    def sizing_problem(self, serve: str) -> str | None:
+        return self.sizing.get(serve)
+
+    def kv_cache_figure(self, serve: str) -> int | None:
+        return self.kv.get(serve)
+
+    def weights_mib(self, serve: str) -> int | None:
+        return self.weights.get(serve)
+
+
 async def make_rig(tmp: Path, config: str, *, health: float = 3600, extra: str = "",
                    clock: Callable[[], float] | None = None, observed: bool = True,
                    before: Callable[[Store], None] | None = None) -> Rig:
@@ -217,11 +236,13 @@ async def make_rig(tmp: Path, config: str, *, health: float = 3600, extra: str =
     async def no_journal(_unit: str, _invocation: str | None) -> list[str]:
         return []
 
-    kwargs: dict[str, Any] = {"notify": notes.append, "journal": no_journal}
+    figures = Figures()
+    kwargs: dict[str, Any] = {"notify": notes.append, "journal": no_journal,
+                              "calibrated": figures}
     if clock is not None:
         kwargs["clock"] = clock
     sup = ScriptedSupervisor(svc, cast(Any, units), observer, **kwargs)
-    return Rig(tmp, svc, units, sup, observer, notes)
+    return Rig(tmp, svc, units, sup, observer, notes, figures)
 
 
 async def entered(r: Rig) -> AsyncIterator[Rig]:

@@ -101,7 +101,7 @@ async def test_kv_cache_calibrated_uses_the_calibrations_figure_or_starts_alone(
     spec = [("c1", 10, True), ("c2", 20, True)]
     text = serves(spec).replace("kv_cache_mib = 100", 'kv_cache_mib = "calibrated"')
     r = await make_rig(tmp_path, CONFIG, extra=text)
-    r.sup.kv_figure = lambda serve: 96 if serve == "c1" else None  # c2 not calibrated
+    r.figures.kv["c1"] = 96  # c2 not calibrated
     async for _ in entered(r):
         await r.sup.boot()
         argv = {s.serve: s.argv for s in r.units.started}

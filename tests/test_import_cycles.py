@@ -11,10 +11,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The supervisor and the sleep controller reach into each other (and the reconciliation between
-# them); they are split apart with the serve-lifecycle work, which removes this entry.
-CYCLES_BEING_REMOVED = {frozenset({"gpud.reconciling", "gpud.sleeping", "gpud.supervisor"})}
-
 
 def module_name(root: Path, path: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -83,13 +79,7 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 def test_gpud_has_no_import_cycle() -> None:
     found = cycles(import_graph(ROOT))
-    assert [c for c in found if frozenset(c) not in CYCLES_BEING_REMOVED] == []
-
-
-def test_each_cycle_being_removed_is_still_there() -> None:
-    # An entry that no longer matches a circle is stale: drop it.
-    found = {frozenset(c) for c in cycles(import_graph(ROOT))}
-    assert found >= CYCLES_BEING_REMOVED
+    assert found == []
 
 
 def test_the_check_finds_a_planted_cycle(tmp_path: Path) -> None:

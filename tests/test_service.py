@@ -656,10 +656,26 @@ async def test_releasing_a_live_serve_is_refused_unless_allowed(world: World, st
     assert held(svc) == {}
 
 
+class Launching:
+    """A supervision with one serve's launch under way."""
+
+    def __init__(self, serve: str) -> None:
+        self.serve = serve
+
+    def launch_under_way(self, serve: str) -> bool:
+        return serve == self.serve
+
+    def launching(self) -> tuple[bool, str | None]:
+        return True, None
+
+    def freed(self, role: str) -> None:
+        pass
+
+
 async def test_releasing_a_serve_whose_launch_is_under_way_is_refused(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300)
-    svc.busy = lambda serve: serve == "a"
+    svc.supervise(Launching("a"))
     with pytest.raises(Conflict) as err:
         await svc.release("a")
     assert err.value.details == {"serve": "a", "state": STARTING}

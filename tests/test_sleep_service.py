@@ -44,10 +44,27 @@ def service(tmp_path: Path) -> Iterator[LedgerService]:
     store.close()
 
 
+class Told:
+    """A supervision that notes the roles it is told memory came back on."""
+
+    def __init__(self) -> None:
+        self.freed_on: list[str] = []
+
+    def launch_under_way(self, serve: str) -> bool:
+        return False
+
+    def launching(self) -> tuple[bool, str | None]:
+        return True, None
+
+    def freed(self, role: str) -> None:
+        self.freed_on.append(role)
+
+
 async def test_shrink_with_its_state_event_and_note_in_one_transaction(
         service: LedgerService) -> None:
-    freed: list[str] = []
-    service.freed = freed.append
+    told = Told()
+    freed = told.freed_on
+    service.supervise(told)
     await service.admit("lo", 6000, state="running")
     with pytest.raises(Denied):
         await service.admit("hi", 7000)
@@ -118,8 +135,9 @@ def test_wake_back_follows_auto_wake() -> None:
             coro.close()
             return SimpleNamespace(done=lambda: False)
 
-        sup = SimpleNamespace(svc=SimpleNamespace(config=cfg), spawn=spawn)
-        sleeps = Sleeps(cast(Any, sup), host_memory=lambda: None)
+        sup = SimpleNamespace(spawn=spawn)
+        sleeps = Sleeps(cast(Any, sup), cast(Any, SimpleNamespace(config=cfg)), cast(Any, None),
+                        host_memory=lambda: None)
         sleeps.freed("r")
         sleeps.freed("r")  # while one runs: it goes round once more, no second task
         assert len(started) == spawned

@@ -11,7 +11,8 @@ from typing import Any, cast
 import pytest
 
 from gpud.config import Config, DaemonConfig
-from gpud.supervisor import Supervisor
+from gpud.core.lifecycle import ServeLife
+from gpud.supervisor import LifeRecord, Supervisor
 from tests.waiting import until, waiters
 
 
@@ -29,6 +30,17 @@ class StuckObserver:
         await asyncio.sleep(min(timeout, 0.05))
 
 
+def returning(sup: Supervisor, serve: str, *devices: str) -> LifeRecord:
+    """The serve's memory is on its way back to `devices`."""
+    rec = sup.serves[serve] = LifeRecord(ServeLife(returning=frozenset(devices)))
+    return rec
+
+
+def checking(sup: Supervisor) -> set[str]:
+    """The serves whose health check is in flight."""
+    return {name for name, rec in sup.serves.items() if rec.check is not None}
+
+
 def supervisor(timeout_s: float, observer: Any) -> Supervisor:
     svc = SimpleNamespace(config=Config(daemon=DaemonConfig(memory_return_timeout_s=timeout_s)))
     return Supervisor(cast(Any, svc), cast(Any, None), cast(Any, observer))
@@ -37,7 +49,7 @@ def supervisor(timeout_s: float, observer: Any) -> Supervisor:
 async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptureFixture) -> None:
     observer = StuckObserver()
     sup = supervisor(0.4, observer)
-    sup._returning["GPU-a"] = {"old"}
+    returning(sup, "old", "GPU-a")
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
@@ -45,7 +57,8 @@ async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptur
     assert 0.4 <= took < 3, took
     assert observer.samples >= 2  # it waited on observation, not on a clock alone
     assert "memory of ['old'] on GPU-a not back after 0.4 s; starting anyway" in caplog.text
-    assert "GPU-a" not in sup._returning  # given up on: the next start does not wait again
+    # given up on: the next start does not wait again
+    assert "GPU-a" not in sup.life("old").returning
 
 
 async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
@@ -53,29 +66,27 @@ async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
     observer.draws = {"GPU-a": {}}  # nothing observed: only the stop in progress holds it up
     sup = supervisor(30, observer)
     done = asyncio.Event()
-    sup._stop_done["old"] = done
-    sup._returning["GPU-a"] = {"old"}
+    returning(sup, "old", "GPU-a").stop_done = done
     waiter = asyncio.ensure_future(sup._memory_back("GPU-a"))
     await until(lambda: waiters(done) == 1, what="the start waiting on the stop")
     assert not waiter.done(), "a start went ahead while a stop on its device was in progress"
-    del sup._stop_done["old"]
+    sup.serves["old"].stop_done = None
     done.set()
     await asyncio.wait_for(waiter, 5)
-    assert "GPU-a" not in sup._returning
+    assert "GPU-a" not in sup.life("old").returning
 
 
 async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
         caplog: pytest.LogCaptureFixture) -> None:
     sup = supervisor(0.3, StuckObserver())
-    sup._stop_done["old"] = asyncio.Event()  # never set
-    sup._returning["GPU-a"] = {"old"}
+    returning(sup, "old", "GPU-a").stop_done = asyncio.Event()  # never set
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
     assert 0.3 <= time.monotonic() - t0 < 3
     assert "not back after 0.3 s" in caplog.text
     # the stop still in progress stays known: a later start waits for it again
-    assert sup._returning["GPU-a"] == {"old"}
+    assert sup.life("old").returning == {"GPU-a"}
 
 
 class CountingSupervisor(Supervisor):
@@ -109,11 +120,11 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     for rounds in range(1, 4):  # three rounds while hung's first check is still in flight
         await sup._check_running()
         # This round's check of quick has ended: hung's, begun with the first, had its turn.
-        await until(lambda: "quick" not in sup._checks, what="quick's check")
+        await until(lambda: "quick" not in checking(sup), what="quick's check")
         assert sup.asked == {"hung": 1, "quick": rounds}
     sup.release.set()
-    await until(lambda: "hung" not in sup._checks, what="hung's check, released")
+    await until(lambda: "hung" not in checking(sup), what="hung's check, released")
     await sup._check_running()
-    await until(lambda: not sup._checks, what="the fourth round's checks")
+    await until(lambda: not checking(sup), what="the fourth round's checks")
     assert sup.asked == {"hung": 2, "quick": 4}
     await asyncio.gather(*sup._tasks)

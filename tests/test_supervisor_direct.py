@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
+from gpud.core.lifecycle import Phase, StartAsked
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
@@ -177,10 +178,10 @@ async def test_an_external_reservation_is_not_launched(rig: Rig) -> None:
 
 
 async def test_a_start_refused_before_anything_is_touched(rig: Rig) -> None:
-    rig.sup.sizing = lambda s: "calibrated at 500 MiB, reserved 300" if s == "a" else None
+    rig.figures.sizing["a"] = "calibrated at 500 MiB, reserved 300"
     with pytest.raises(Conflict, match="not started: calibrated at 500 MiB"):
         await rig.sup.start("a", None)
-    rig.sup.sizing = lambda _s: None
+    rig.figures.sizing.clear()
     await rig.svc.adopt("b", "other", 100)
     with pytest.raises(Conflict, match="holds 100 MiB on role 'other' but is configured on 'r'"):
         await rig.sup.start("b", None)
@@ -342,7 +343,7 @@ async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
             r.sup.units.available = True
             await r.svc.admit("b", 400)
             unit_spec = r.sup._unit_spec("b", r.svc.config.serves["b"])
-            r.sup._launching.add("b")
+            r.sup._step("b", StartAsked())
             await r.sup._launch("b", None, unit_spec)  # the port was free when it was asked
             reason = r.reason("b") or ""
             assert reason.startswith(f"unhealthy: no 200 from /health within 2 s; port {port} is "
@@ -468,6 +469,27 @@ async def test_a_stop_cancels_a_launch_queued_behind_another(rig: Rig) -> None:
     assert not rig.svc.busy("c")
 
 
+async def test_a_serves_record_holds_its_launch_while_it_runs_and_nothing_after(
+        rig: Rig) -> None:
+    rig.units.start_gate = asyncio.Event()
+    await rig.sup.start("a", None)
+    await rig.sup.start("c", None)  # queued behind a on the device
+    for serve in ("a", "c"):
+        assert rig.sup.life(serve).phase is Phase.LAUNCHING
+        assert rig.sup.serves[serve].launch_task is not None
+    await rig.sup.stop("c", None)
+    # the stop cancelled c's launch and is over: what is left of c is where its memory goes
+    c = rig.sup.serves["c"]
+    assert (c.launch_task, c.stop_done, c.check) == (None, None, None)
+    assert c.life.phase is Phase.IDLE and c.life.unit is None
+    assert c.life.returning == {"GPU-sim-0"}
+    rig.units.start_gate.set()
+    await rig.wait_for("healthy", "a")
+    await until(lambda: rig.sup.serves["a"].launch_task is None, what="a's launch to end")
+    assert rig.sup.life("a").phase is Phase.IDLE
+    assert rig.sup.life("a").unit is not None  # its unit as last seen
+
+
 async def test_restart_keeps_the_reservation_and_starts_again(rig: Rig) -> None:
     await rig.sup.start("a", None, wait=True)
     await rig.sup.restart("a", None)
@@ -540,7 +562,7 @@ async def test_boot_leaves_alone_what_runs_or_was_stopped_by_hand(rig: Rig) -> N
 
 async def test_boot_goes_on_past_a_serve_that_fails_to_start(
         rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
-    rig.sup.sizing = lambda s: "too small" if s == "a" else None
+    rig.figures.sizing["a"] = "too small"
     text = (rig.svc.config_text or "").replace("vram_mib = 900", "vram_mib = 600")
     await rig.svc.reload(parse_config(text, "t"), text, source="t")
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):

@@ -47,6 +47,7 @@ MODULES: dict[str, tuple[str, ...]] = {
                             "tests/test_container.py"),
     "gpud/core/health.py": ("tests/test_health.py",),
     "gpud/core/unitstate.py": ("tests/test_unitstate.py",),
+    "gpud/core/lifecycle.py": ("tests/test_lifecycle.py",),
     "gpud/core/reconcile.py": ("tests/test_reconcile.py",),
 }
 EQUIVALENT = REPO / "tools" / "mutants-equivalent.txt"

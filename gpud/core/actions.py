@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gpud.core import answers
 from gpud.core.change import ServeChange
-from gpud.core.vocab import ADMITTED, RUNNING, SLEEPING, STARTING, StepKind
+from gpud.core.vocab import ADMITTED, RUNNING, SLEEPING, STARTING, STATES, ServeState, StepKind
 
 if TYPE_CHECKING:
     from gpud.core import preempt
@@ -54,7 +54,7 @@ class Action:
     serve: str | None = None
     mib_before: int | None = None
     mib_after: int | None = None
-    state_after: str | None = None
+    state_after: ServeState | None = None
     undo: Action | None = None
     rollback: bool = False  # an undo step
 
@@ -95,7 +95,7 @@ class Action:
                    undo=None if undo is None else cls(
                        _kind(undo.get("kind")), _under(undo.get("under")),
                        _name(undo.get("serve")), _int(undo.get("mib_before")),
-                       _int(undo.get("mib_after")), _name(undo.get("state_after")),
+                       _int(undo.get("mib_after")), _state(undo.get("state_after")),
                        rollback=True))
 
 
@@ -117,6 +117,14 @@ def _name(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise ValueError(f"not a name: {value!r}")
+
+
+def _state(value: object) -> ServeState | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in STATES:
+        return ServeState(value)
+    raise ValueError(f"not a serve state: {value!r}")
 
 
 def _int(value: object) -> int | None:

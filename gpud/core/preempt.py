@@ -39,7 +39,7 @@ class Candidate:
     priority: int
     held_mib: int
     # A value is taken too (the sleep controller passes "sleep" or "stop"); the member is kept.
-    action: SleepAction | str
+    action: SleepAction
     # What it keeps after the step: its sleep reservation, or 0 when stopped.
     keeps_mib: int = 0
     # The roles it holds `held_mib` on, each (a serve on several devices); empty: the one role

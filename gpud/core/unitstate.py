@@ -70,7 +70,7 @@ class UnitState:
 class ServeRuntime:
     """What gpud knows of one serve when its unit changes."""
 
-    state: ServeState | str
+    state: ServeState
     holds: bool  # the serve holds a reservation
     configured: bool
     resident: bool

@@ -1,0 +1,276 @@
+"""What the supervisor's jobs share: the service, the units, the observer, the locks and one
+record per serve (`serves`, changed only through gpud.core.lifecycle.step), the HTTP clients,
+and the few facts every job asks (a serve's config, its devices). `Base` declares what each
+job offers the others; the job's own module does it, and gpud.supervisor.Supervisor is all of
+them together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from gpud.config import ServeConfig
+from gpud.core.front import socket_path
+from gpud.core.launch import with_kv_cache
+from gpud.core.lifecycle import (
+    IDLE_LIFE,
+    Input,
+    LifeAction,
+    RestartsCounted,
+    ServeLife,
+    step,
+)
+from gpud.core.unitstate import (
+    ACTIVE,
+    UnitState,
+)
+from gpud.core.vocab import EventKind
+from gpud.errors import Conflict, NotFound, Unavailable
+from gpud.front import SocketSessions
+from gpud.locks import Locks, Taken
+from gpud.observer import Observer
+from gpud.reconciling import Reconciler
+from gpud.service import LedgerService, check_serve_name
+from gpud.sleeping import Sleeps
+from gpud.units import SystemdUnits
+
+log = logging.getLogger("gpud.supervisor")
+
+# How long gpud waits on a job of systemd's (a unit's start, an orphan's stop).
+UNIT_JOB_TIMEOUT_S = 60.0
+# Health checks of running serves in flight at once. Each has its own timeout, so a round costs
+# one timeout however many serves are slow or hung; the bound keeps a host with hundreds of
+# serves from opening hundreds of connections at once.
+HEALTH_CONCURRENCY = 64
+# The reason a serve stopped by an operator's `systemctl stop` keeps: boot does not start it
+# again until someone asks (gpuctl start).
+OUTSIDE_STOP = "stopped (outside gpud)"
+
+
+async def read_exit_lines(unit: str, invocation: str | None) -> list[str]:
+    """The last lines of `unit` (of its `invocation`, when known) in the journal, oldest first
+    ([] when journalctl cannot say).
+    `--sync` first: a serve's last words may still be on their way to journald when systemd
+    reports its exit."""
+    try:
+        sync = await asyncio.create_subprocess_exec(
+            "journalctl", "--sync", stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        await asyncio.wait_for(sync.wait(), 5)
+        # what the serve's process wrote in this run of the unit alone, where it is known
+        match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+        proc = await asyncio.create_subprocess_exec(
+            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "60", *match,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    except (OSError, TimeoutError) as exc:
+        log.warning("cannot read the journal of %s: %s", unit, exc)
+        return []
+    return out.decode("utf-8", "replace").splitlines()
+
+
+def pid_text(main_pid: int) -> str:
+    # MainPID is 0 between a unit's processes (a restart on its way): no PID to name yet.
+    return f"MainPID {main_pid}" if main_pid else "no MainPID yet"
+
+
+@dataclass
+class LifeRecord:
+    """One serve's runtime under the supervisor: its life (gpud.core.lifecycle, changed only
+    through `step`) and the handles of what runs for it."""
+
+    life: ServeLife = IDLE_LIFE
+    launch_task: asyncio.Task[None] | None = None  # its launch, while it runs
+    check: asyncio.Task[None] | None = None  # its health check in flight
+    # Set when gpuctl's stop of it is done: a start on its devices waits for that.
+    stop_done: asyncio.Event | None = None
+
+    def idle(self) -> bool:
+        return (self.life == IDLE_LIFE and self.launch_task is None and self.check is None
+                and self.stop_done is None)
+
+
+class Calibrated(Protocol):
+    """What calibration says of a serve (gpud.calibration.Calibrator)."""
+
+    def sizing_problem(self, serve: str) -> str | None:
+        """Why its calibrated figures do not fit its reservation, if they do not."""
+        ...
+
+    def kv_cache_figure(self, serve: str) -> int | None:
+        """The KV cache its calibration gives (kv_cache_mib = "calibrated")."""
+        ...
+
+    def weights_mib(self, serve: str) -> int | None:
+        """Its calibrated weights, per device."""
+        ...
+
+
+class _Uncalibrated:
+    def sizing_problem(self, serve: str) -> str | None:
+        return None
+
+    def kv_cache_figure(self, serve: str) -> int | None:
+        return None
+
+    def weights_mib(self, serve: str) -> int | None:
+        return None
+
+
+UNCALIBRATED: Calibrated = _Uncalibrated()
+
+
+class Base:
+    """What every job of the supervisor has (made by Supervisor.__init__)."""
+
+    svc: LedgerService
+    units: SystemdUnits
+    observer: Observer
+    notify: Callable[[str], None]
+    clock: Callable[[], float]
+    # The last lines of a serve's unit, read when it exits: why it said it did.
+    journal: Callable[[str, str | None], Awaitable[list[str]]]
+    # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
+    locks: Locks
+    # Every serve's runtime, one record each (none for a serve with nothing to remember).
+    serves: dict[str, LifeRecord]
+    calibrated: Calibrated
+    sleeps: Sleeps
+    reconciler: Reconciler
+    booted: asyncio.Event
+    _health_slots: asyncio.Semaphore
+    _tasks: set[asyncio.Task[Any]]
+    _unit_events: asyncio.Queue[UnitState | list[UnitState]]
+    _http: aiohttp.ClientSession | None
+    _sockets: SocketSessions
+
+    def life(self, serve: str) -> ServeLife:
+        rec = self.serves.get(serve)
+        return rec.life if rec is not None else IDLE_LIFE
+
+    def _record(self, serve: str) -> LifeRecord:
+        return self.serves.setdefault(serve, LifeRecord())
+
+    def _step(self, serve: str, inp: Input) -> list[LifeAction]:
+        """Change the serve's life by `inp` (gpud.core.lifecycle.step); what to do about it."""
+        rec = self._record(serve)
+        rec.life, actions = step(rec.life, inp)
+        self._prune(serve)
+        return actions
+
+    def _prune(self, serve: str) -> None:
+        rec = self.serves.get(serve)
+        if rec is not None and rec.idle():
+            del self.serves[serve]
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _need_bus(self) -> None:
+        if not self.units.available:
+            raise Unavailable(f"launching is unavailable: system bus: {self.units.reason}",
+                              {"reason": self.units.reason})
+
+    def _spec(self, serve: str) -> ServeConfig:
+        check_serve_name(serve)
+        spec = self.svc.serve_spec(serve)
+        if spec is None:
+            if serve in self.svc.ledger.reservations:
+                raise Conflict(f"serve {serve!r} is an external reservation: gpud does not "
+                               "launch it", {"serve": serve})
+            raise NotFound(f"unknown serve {serve!r}: not in the config", {"serve": serve})
+        return spec
+
+    def _sized(self, serve: str, spec: ServeConfig) -> ServeConfig:
+        """The serve's config with its KV cache as calibration gives it, where it asks."""
+        return with_kv_cache(spec, self.calibrated.kv_cache_figure(serve))
+
+    def _device_key(self, serve: str) -> str:
+        return self._device_keys(serve)[0]
+
+    def _device_keys(self, serve: str) -> list[str]:
+        """The devices the serve runs on (one per role), as UUIDs where observation knows them."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None:
+            return [""]
+        keys: list[str] = []
+        for role in spec.all_roles:
+            budget = self.svc.ledger.roles.get(role)
+            ref = budget.device if budget else ""
+            dev = self.observer.device(ref)
+            keys.append(dev.uuid if dev else ref)
+        return keys
+
+    def _unit_active(self, serve: str) -> bool:
+        last = self.life(serve).unit
+        return last is not None and last.active_state in ACTIVE
+
+    async def _say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
+        await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None
+        return self._http
+
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
+        """The client of a serve's own listener: its Unix socket when it is fronted."""
+        if spec.front:
+            return self._sockets.session(
+                socket_path(self.svc.config.daemon.serve_socket_dir, serve))
+        return self.http
+
+    def serve_lock(self, serve: str) -> Taken:
+        return self.locks.serve(serve)
+
+    def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
+        """The locks of every device the serve uses: held for the part of an action that
+        changes their memory; `shared` by a start that does not profile (gpud.locks)."""
+        return self.locks.devices(self._device_keys(serve), shared=shared)
+
+    def _counted(self, count: int) -> RestartsCounted:
+        daemon = self.svc.config.daemon
+        return RestartsCounted(count, self.clock(), daemon.crash_loop_window_s,
+                               daemon.crash_loop_restarts)
+
+    # ---- what each job offers the others (done in its own module) ----------------------
+
+    async def _await_healthy(self, serve: str, spec: ServeConfig, *,
+                             promote: bool = True) -> bool:
+        raise NotImplementedError  # gpud.supervisor.health
+
+    async def _promote(self, serve: str, *, was_failed: str | None = None) -> None:
+        raise NotImplementedError  # gpud.supervisor.health
+
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None:
+        raise NotImplementedError  # gpud.supervisor.launch
+
+    async def _memory_back_all(self, serve: str) -> None:
+        raise NotImplementedError  # gpud.supervisor.stop
+
+    async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
+        raise NotImplementedError  # gpud.supervisor.stop
+
+    async def _failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
+                      **details: Any) -> None:
+        raise NotImplementedError  # gpud.supervisor.stop
+
+    async def _ended(self, serve: str, reason: str) -> None:
+        raise NotImplementedError  # gpud.supervisor.stop
+
+    async def _outside_stop(self, serve: str, st: UnitState) -> None:
+        raise NotImplementedError  # gpud.supervisor.stop
+
+    async def _watch_restart(self, serve: str) -> None:
+        raise NotImplementedError  # gpud.supervisor.watch
+

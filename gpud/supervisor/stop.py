@@ -1,0 +1,290 @@
+"""A serve's end: gpud's stop (and a restart's), an orphan's, an operator's stop seen from its
+unit, a failure; and the wait of the next start on a device for the memory of the serves that
+stopped there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from gpud.core.lifecycle import (
+    CancelLaunch,
+    Job,
+    JobBegan,
+    JobEnded,
+    LaunchEnded,
+    MemoryBack,
+    MemoryLeaving,
+    PortChecked,
+)
+from gpud.core.unitstate import UnitState
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    FAILED,
+    LIVE_STATES,
+    ORPHAN,
+    SLEEPING,
+    STOPPING,
+    EventKind,
+    serve_unit,
+)
+from gpud.errors import GpudError
+from gpud.service import check_serve_name
+from gpud.sleeping import meta_key
+from gpud.supervisor.base import (
+    OUTSIDE_STOP,
+    UNIT_JOB_TIMEOUT_S,
+    Base,
+    log,
+)
+from gpud.vllm_log import exit_reason
+
+
+class StopJob(Base):
+    """Stopping serves, failing them, and their memory coming back."""
+
+    async def stop(self, serve: str, uid: int | None, *,
+                   keep_reservation: bool = False, idle_s: float | None = None) -> None:
+        """Stop the unit and release the reservation (kept only for a restart, and not for a
+        sleeping serve: asleep it holds its sleep reservation, which no launch may be sized on;
+        its restart is admitted again at vram_mib). `idle_s`: an on-demand serve stopped idle
+        for that long, which its stop event says."""
+        check_serve_name(serve)
+        if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
+            await self._stop_orphan(serve, uid)
+            return
+        spec = self._spec(serve)
+        state = self.svc.state_of(serve)
+        if state in LIVE_STATES or self.life(serve).launching:
+            self._need_bus()
+        failed: GpudError | None = None
+        check = self._record(serve).check
+        self._prune(serve)
+        if check is not None and check is not asyncio.current_task() and not check.done():
+            # A health check restarting the serve holds its lock while the new process loads
+            # (minutes for vLLM): a stop does not wait for that, it ends it.
+            check.cancel()
+            await asyncio.wait({check})
+        async with self.serve_lock(serve):
+            actions = self._step(serve, JobBegan(Job.STOP))
+            # A start on the device from now on waits for this stop and for the memory to come
+            # back (a serve ignoring SIGTERM takes its stop timeout to go).
+            self._record(serve).stop_done = asyncio.Event()
+            self._returning_on(serve)
+            try:
+                launch = self._record(serve).launch_task
+                if CancelLaunch() in actions and launch is not None and not launch.done():
+                    # Queued behind another start on the device, or starting: it must not go on
+                    # to run a unit whose reservation this stop releases.
+                    launch.cancel()
+                    await asyncio.wait({launch})
+                    # A launch cancelled before it began never ran its own clean-up.
+                    self._step(serve, LaunchEnded())
+                    rec = self._record(serve)
+                    if rec.launch_task is launch:
+                        rec.launch_task = None
+                res = self.svc.ledger.reservations.get(serve)
+                asleep = self.svc.state_of(serve) == SLEEPING
+                idle = {} if idle_s is None else {"idle_s": idle_s}
+                why = "" if idle_s is None else f", idle {idle_s:g} s without a request"
+                await self.svc.record(self.svc.event(
+                    EventKind.STOP, f"{serve}: stopping (was {state}{why})", serve=serve,
+                    role=spec.role, mib=res.mib if res else None, uid=uid, **idle),
+                    state=self.svc.state_row(serve, STOPPING))
+                if self.units.available:
+                    try:
+                        async with contextlib.AsyncExitStack() as memory:
+                            if self._unit_active(serve) or state in LIVE_STATES:
+                                # its memory comes back: not inside a neighbour's start window
+                                await memory.enter_async_context(self.device_locks(serve))
+                            await self.units.stop(serve, spec.stop_timeout_s + 15)
+                        await self.units.reset_failed(serve)
+                    except GpudError as exc:
+                        if not await self._unit_ended(serve):
+                            failed = exc
+                if failed is None:
+                    await self._stopped(serve, uid, keep=keep_reservation and not asleep)
+                else:
+                    await self.svc.record(self.svc.event(
+                        EventKind.STOP, f"{serve}: the stop failed ({failed.message}) and its unit has "
+                        "not ended: it stays stopping, its reservation held, until the unit ends "
+                        "(gpuctl stop tries again)", serve=serve, role=spec.role,
+                        mib=res.mib if res else None, uid=uid, ok=False),
+                        state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"))
+            finally:
+                self._step(serve, JobEnded(Job.STOP))
+                rec = self._record(serve)
+                done, rec.stop_done = rec.stop_done, None
+                self._prune(serve)
+                assert done is not None
+                done.set()
+        if failed is not None:
+            # Its unit's end, had it come while the stop was under way, went unheeded: read once
+            # more. Later ends complete the stop through the unit's signal (StopEnded).
+            if self.svc.state_of(serve) == STOPPING and await self._unit_ended(serve):
+                await self._stopped(serve, uid, keep=False)
+            raise failed
+
+    async def _unit_ended(self, serve: str) -> bool:
+        """The serve's unit is gone or has ended, as systemd says now (False when it cannot be
+        read)."""
+        try:
+            st = await self.units.state(serve)
+        except GpudError:
+            return False
+        return st is None or st.gone
+
+    async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
+        """A stop's end: the unit has ended; its reservation released (unless `keep`: a restart
+        keeps it), and what a sleep noted of it (level, awake size) is over."""
+        spec = self.svc.serve_spec(serve)
+        role = spec.role if spec else None
+        res = self.svc.ledger.reservations.get(serve)
+        if res is not None and not keep:
+            await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
+                                   next_state=DECLARED)
+        else:
+            await self.svc.record(self.svc.event(
+                EventKind.EXIT, f"{serve}: stopped", serve=serve, role=role),
+                state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+        if self.svc.store.meta(meta_key(serve)) is not None:
+            await self.svc.put_meta(meta_key(serve), None)
+
+    async def _stop_orphan(self, serve: str, uid: int | None) -> None:
+        self._need_bus()
+        async with self.serve_lock(serve):
+            self._step(serve, JobBegan(Job.STOP))
+            try:
+                await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
+                await self.units.reset_failed(serve)
+                await self.svc.record(self.svc.event(
+                    EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
+                    state=self.svc.state_row(serve, DECLARED))
+            finally:
+                self._step(serve, JobEnded(Job.STOP))
+
+    async def restart(self, serve: str, uid: int | None) -> None:
+        await self.stop(serve, uid, keep_reservation=True)
+        await self.start(serve, uid)
+
+    async def _memory_back(self, device: str) -> None:
+        """Before a start: wait (bounded by memory_return_timeout_s) until the stops in progress
+        on the device have ended and observation no longer sees the stopped serves' memory
+        there, so the next admission and vLLM's own check see it free."""
+        waiting = {s for s, rec in self.serves.items() if device in rec.life.returning}
+        timeout = self.svc.config.daemon.memory_return_timeout_s
+        if not waiting or timeout <= 0:
+            return
+        deadline = self.clock() + timeout
+        held: set[str] = set()
+        while (left := deadline - self.clock()) > 0:
+            stopping = [done for s in sorted(waiting) if (done := self._stop_done(s)) is not None]
+            if stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping[0].wait(), left)
+                continue
+            if not self.observer.available:
+                break
+            held = waiting & set(self.observer.draws.get(device, {}))
+            if not held:
+                break
+            await self.observer.next_sample(min(1.0, left))
+        else:
+            still = sorted(held | {s for s in waiting if self._stop_done(s) is not None})
+            log.warning("memory of %s on %s not back after %g s; starting anyway", still,
+                        device, timeout, extra={"journal": {
+                            "GPUD_EVENT": EventKind.MEMORY_NOT_BACK, "GPUD_SERVES": ",".join(still)}})
+        for serve in waiting:
+            if self._stop_done(serve) is None:  # a stop still in progress stays waited on
+                self._step(serve, MemoryBack(device))
+
+    async def _memory_back_all(self, serve: str) -> None:
+        for device in self._device_keys(serve):
+            await self._memory_back(device)
+
+    def _stop_done(self, serve: str) -> asyncio.Event | None:
+        rec = self.serves.get(serve)
+        return rec.stop_done if rec is not None else None
+
+    def _returning_on(self, serve: str) -> None:
+        """The serve is stopping or ended: the next start on any of its devices waits for its
+        memory to come back there."""
+        self._step(serve, MemoryLeaving(frozenset(self._device_keys(serve))))
+
+    async def _failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
+                      **details: Any) -> None:
+        """A serve ends `failed`. With `stop` its unit is stopped first. A serve whose unit may
+        still be active (the stop failed, the bus is down) keeps its reservation: its process
+        may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
+        any other releases it. The event says which."""
+        spec = self.svc.serve_spec(serve)
+        # A serve that was asleep holds its sleep reservation, not what it starts with: kept,
+        # a later start would launch it on too little.
+        resident = bool(spec and spec.resident) and self.svc.state_of(serve) != SLEEPING
+        still_active = not stop and self._unit_active(serve)
+        if stop:
+            still_active = True
+            if self.units.available:
+                self._step(serve, JobBegan(Job.FAIL_STOP))
+                try:
+                    await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
+                    await self.units.reset_failed(serve)
+                    still_active = False
+                except GpudError as exc:
+                    log.error("could not stop %s: %s", serve, exc.message)
+                finally:
+                    self._step(serve, JobEnded(Job.FAIL_STOP))
+            else:
+                reason += f"; not stopped: system bus unavailable ({self.units.reason})"
+        if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
+            last = self.life(serve).unit
+            said = exit_reason(await self.journal(serve_unit(serve),
+                                                  last.invocation_id if last else None))
+            if said is not None:
+                reason += f"; its log: {said}"
+        res = self.svc.ledger.reservations.get(serve)
+        policy = "kept (resident)" if resident else "released"
+        if still_active and not resident:
+            policy = "kept (its unit may still be active)"
+        if res is None:
+            policy = "none held"
+        if res is not None and not resident and not still_active:
+            # Released before the failure is recorded: the release's own transaction makes the
+            # serve failed, so nobody reads it failed while it still holds what it released.
+            await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
+                                   next_state=FAILED, state_reason=reason)
+        await self.svc.record(self.svc.event(
+            kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
+            role=spec.role if spec else None, mib=res.mib if res else None,
+            reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason))
+        self._returning_on(serve)
+
+    async def _ended(self, serve: str, reason: str) -> None:
+        await self._failed(serve, reason, kind=EventKind.EXIT)
+
+    async def _outside_stop(self, serve: str, st: UnitState) -> None:
+        """An operator stopped the unit (`systemctl stop`): recorded as such, not as a failure.
+        The reservation goes as with `gpuctl stop`, unless the serve is resident and
+        daemon.keep_resident_on_outside_stop; boot does not start it again until asked."""
+        spec = self.svc.serve_spec(serve)
+        keep = bool(spec and spec.resident
+                    and self.svc.config.daemon.keep_resident_on_outside_stop)
+        res = self.svc.ledger.reservations.get(serve)
+        policy = "none held" if res is None else "kept (resident)" if keep else "released"
+        await self.svc.record(self.svc.event(
+            EventKind.EXIT, f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
+            f"not start ({st.how}, result {st.result}); reservation {policy}", serve=serve,
+            role=spec.role if spec else None, mib=res.mib if res else None, reservation=policy,
+            outside=True, exit_status=st.exec_main_status),
+            # "stopping" until the release below is committed too: never "declared" while a
+            # reservation is still held.
+            state=self.svc.state_row(serve, STOPPING if res is not None and not keep
+                                     else ADMITTED if res else DECLARED, OUTSIDE_STOP))
+        if res is not None and not keep:
+            await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
+                                   next_state=DECLARED, state_reason=OUTSIDE_STOP)
+        self._returning_on(serve)
+        self._step(serve, PortChecked(own=False, pid=0, at=self.clock()))
+
