@@ -109,6 +109,9 @@ class DaemonConfig(_Model):
     # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
     # sockets and its own config live.
     front_nginx: str = "/usr/sbin/nginx"
+    # Whom a serve without its own `user` runs as (a container serve: root): a system user the
+    # package creates (packaging/gpud.sysusers); "root" runs them all as root.
+    serve_user: str = Field(default="gpud-serve", min_length=1)
     front_user: str = "gpud-front"
     front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
     serve_socket_dir: str = "/run/gpud/serves"

@@ -77,7 +77,7 @@ from gpud.observer import Observer
 from gpud.reconciling import Reconciler
 from gpud.service import LedgerService, check_serve_name
 from gpud.sleeping import Sleeps, meta_key
-from gpud.unit_properties import UnitSpec, environment_file_text
+from gpud.unit_properties import UnitSpec, environment_file_text, host_home, host_identity
 from gpud.units import SystemdUnits
 from gpud.vllm_log import exit_reason
 
@@ -135,6 +135,7 @@ class Supervisor:
                  notify: Callable[[str], None] = lambda _m: None,
                  clock: Callable[[], float] = time.monotonic,
                  journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
+                 home_of: Callable[[str], str | None] = host_home,
                  ) -> None:
         self.svc = svc
         self.units = units
@@ -143,6 +144,8 @@ class Supervisor:
         self.clock = clock
         # The last lines of a serve's unit, read when it exits: why it said it did.
         self.journal = journal
+        # The user database: as whom a serve may run (unit_properties.host_identity).
+        self.home_of = home_of
         # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
         self.locks = Locks()
         self._launching: set[str] = set()
@@ -566,6 +569,9 @@ class Supervisor:
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
         # A container gets every device of the serve through CDI, in the order of its roles.
+        ident = host_identity(serve, spec, self.svc.config.daemon, env, fronted=spec.front,
+                              home_of=self.home_of)
+        env = {k: v for k, v in {**ident.environment, **env}.items() if k not in spec.environment}
         cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
                if spec.container is not None else [])
         sock = (socket_path(prepare_socket_dir(self.svc.config.daemon), serve)
@@ -593,14 +599,14 @@ class Supervisor:
                 serve, {**env, **spec.environment} if spec.environment else {}),
             description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
                          f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
-            environment=env, user=spec.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
+            environment=env, user=ident.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
             start_limit_burst=daemon.crash_loop_restarts + 3,
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
             container=spec.container is not None,
-            umask=SERVE_UMASK if sock else None, socket=sock,
+            umask=SERVE_UMASK if sock else None, socket=sock, hardening=ident.hardening,
         )
 
     async def _say(self, serve: str, role: str, kind: str, message: str) -> None:
