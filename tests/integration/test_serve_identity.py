@@ -17,7 +17,8 @@ PROBE = ('cat "$HF_HOME/seed" > "$HF_HOME/copy" && if touch /etc/gpud/probe 2>/d
          'then exit 9; fi; exec "$0" "$@"')
 # `systemd-analyze security` of the default identity's unit: measured 3.4 in the sandbox (where
 # its drop-in makes ProtectHome= read-only for an interpreter under /root; a checkout under
-# /var/tmp turns PrivateTmp= off there, some 0.2 more). Root's unhardened unit: 9.3.
+# /var/tmp turns PrivateTmp= off there, some 0.2 more). Root's unhardened unit: 9.3 there
+# (9.6 without that drop-in).
 HARDENED_AT_MOST = 4.0
 
 
