@@ -15,6 +15,7 @@ import fcntl
 import grp
 import logging
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -433,8 +434,6 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     from gpud import cdi
 
     found = config_warnings(cfg)
-    import pwd
-
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:

@@ -568,10 +568,10 @@ class Supervisor:
         if callable(environment_for):
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
-        # A container gets every device of the serve through CDI, in the order of its roles.
         ident = host_identity(serve, spec, self.svc.config.daemon, env, fronted=spec.front,
                               home_of=self.home_of)
         env = {k: v for k, v in {**ident.environment, **env}.items() if k not in spec.environment}
+        # A container gets every device of the serve through CDI, in the order of its roles.
         cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
                if spec.container is not None else [])
         sock = (socket_path(prepare_socket_dir(self.svc.config.daemon), serve)
