@@ -213,6 +213,8 @@ def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[
     assert argv == ("  argv: vllm serve leon-se/gemma-4-E4B-it-FP8-Dynamic --host 127.0.0.1 --port "
                     "30001 --gpu-memory-utilization 0.4396 --max-model-len 32768 "
                     "--shutdown-timeout 20")
+    assert out[at + 3] == "  runs as: gpud-serve, hardened unit"
+    assert "HF_HOME=/var/cache/gpud-serve/huggingface" in env.split()
 
 
 def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -291,6 +293,10 @@ command = ["/bin/a", "{gpu_memory_utilization}"]
 """
 
 
+CACHE_ENV = (" HF_HOME=/var/cache/gpud-serve/huggingface HOME=/var/cache/gpud-serve"
+             " VLLM_CACHE_ROOT=/var/cache/gpud-serve/vllm XDG_CACHE_HOME=/var/cache/gpud-serve")
+
+
 def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
     dev = DeviceSample("GPU-a", 3, "00000000:03:00.0", "GPU", 30000, 0, 30000)
     seen: list[str] = []
@@ -304,16 +310,20 @@ def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
         "device totals from NVML:",
         "  3: GPU-a 30000 MiB",
         "serve early: role idx, device '7' (total unknown), 100 MiB",
-        "  environment: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=7",
+        "  environment: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=7" + CACHE_ENV,
         "  argv: /bin/e 9",
+        "  runs as: gpud-serve, hardened unit",
         "serve a-same: role r, device 3 (GPU-a, 30000 MiB), 2 MiB",
         "  refused: serve a-same: 2 MiB of a 30000 MiB device is --gpu-memory-utilization "
         "0.0000, which vLLM refuses (it must be > 0); reserve at least 3 MiB",
         "serve b-same: role lost, device 'GPU-nowhere' (total unknown), 100 MiB",
         "  refused: device 'GPU-nowhere' cannot be resolved to an index",
         "serve late: role r, device 3 (GPU-a, 30000 MiB), 2000 MiB",
-        "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 SIM=GPU-a",
+        "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 HF_HOME="
+        "/var/cache/gpud-serve/huggingface HOME=/var/cache/gpud-serve SIM=GPU-a VLLM_CACHE_ROOT="
+        "/var/cache/gpud-serve/vllm XDG_CACHE_HOME=/var/cache/gpud-serve",
         "  argv: /bin/s 0.0666 3",
+        "  runs as: gpud-serve, hardened unit",
     ]
     assert set(seen) == {"GPU-a"}  # asked only about a device it knows
 

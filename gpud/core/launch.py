@@ -462,8 +462,10 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
             continue
         indexes = [index for _, _, index, _ in found if index is not None]
         total = smallest_total([dev.total_mib if dev else None for _, dev, _, _ in found])
+        # As whom it would run (the host's user database is --check-config's to consult).
+        ident = serve_identity(name, serve, cfg.daemon, home_of=lambda _user: "")
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_devices(indexes),
-               **serve_environment(serve)}
+               **ident.environment, **serve_environment(serve)}
         seen = [dev for _, dev, _, _ in found if dev is not None]
         if len(seen) == len(found) and extra_env is not None:
             env.update(extra_env(*(dev.uuid for dev in seen)))
@@ -493,6 +495,8 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
         lines.append("  environment: " + " ".join(
             shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
         lines.append(f"  argv: {shlex.join(argv)}")
+        lines.append(f"  runs as: {ident.user or 'root'}, "
+                     + ("hardened unit" if ident.hardening else "unhardened unit"))
     return lines
 
 
