@@ -203,7 +203,9 @@ class ServeConfig(_Model):
     command: list[str] | None = None
     container: ContainerConfig | None = None
     environment: dict[str, str] = Field(default_factory=dict)
-    user: str | None = None
+    # Whom it runs as (unset: daemon.serve_user; a container serve: root). Never empty: an
+    # empty User= is root to systemd.
+    user: str | None = Field(default=None, min_length=1)
     start_timeout_s: float = Field(default=900.0, gt=0)
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart: Literal["no", "on-failure", "always"] = "on-failure"
