@@ -15,6 +15,7 @@ import fcntl
 import grp
 import logging
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -395,6 +396,10 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2
+    unknown = _unknown_users(cfg)
+    if unknown:
+        print("\n".join(f"{path}: {problem}" for problem in unknown), file=sys.stderr)
+        return 2
     print(f"{path}: ok")
     print(summary(cfg))
     for warning in _warnings(cfg):
@@ -404,12 +409,37 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
     return 0
 
 
+def _unknown_users(cfg: Config) -> list[str]:
+    """The serves' own `user`s that this host does not have (systemd would fail their starts
+    with 217/USER). The default identity, daemon.serve_user, is a warning (_warnings): a config
+    may be checked before the package made it."""
+    from gpud.unit_properties import host_identity
+
+    found = []
+    for name, serve in sorted(cfg.serves.items()):
+        if serve.user is None:
+            continue
+        try:
+            host_identity(name, serve, cfg.daemon, {}, fronted=False)
+        except GpudError as exc:
+            found.append(exc.message)
+    return found
+
+
 def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str]:
     """What --check-config warns about: images not pinned, container serves on a host whose
     CDI specs offer no GPU."""
     from gpud import cdi
 
     found = config_warnings(cfg) + _front_warnings(cfg)
+    if cfg.daemon.serve_user not in ("root", "0") and any(
+            s.user is None and s.container is None for s in cfg.serves.values()):
+        try:
+            pwd.getpwnam(cfg.daemon.serve_user)
+        except KeyError:
+            found.append(f"daemon.serve_user: no user {cfg.daemon.serve_user!r} on this host: "
+                         "the serves without their own `user` cannot start (the package "
+                         "creates it with systemd-sysusers)")
     engines = sorted({s.container.engine for s in cfg.serves.values() if s.container})
     if engines:
         import shutil

@@ -8,11 +8,12 @@ workers take the new config, the old ones finish their requests and exit). nginx
 config it has when a new one does not load; the text comes from ``gpud.core.front.render``,
 whose output is checked with ``nginx -t`` in the tests.
 
-Who may reach a fronted serve: its socket lies in ``daemon.serve_socket_dir``, mode 0750,
+Who may reach a fronted serve: its socket lies in ``daemon.serve_socket_dir``, mode 0770,
 owned by root and the front user's group, so other local users get EACCES at the directory.
-The serve binds its socket with UMask=0007 (0770, its own user and group); gpud gives the
-socket to the front's group before each health check (``open_to_front``: a chown of the
-group, which gpud's CAP_CHOWN allows; a setgid directory would do it without gpud, but
+The serve runs in that group too (SupplementaryGroups=: an unprivileged serve must create its
+socket there) and binds its socket with UMask=0007 (0770, its own user and group); gpud gives
+the socket to root and the front's group before each health check (``open_to_front``: a chown,
+which gpud's CAP_CHOWN allows; a setgid directory would do the group without gpud, but
 gpud.service's RestrictSUIDSGID=yes refuses to make one). Until then the front answers 503,
 and the serve is not "running" before a health check passed. Root (gpud, for its health
 checks and sleep calls) and the front's workers connect.
@@ -43,7 +44,9 @@ from gpud.units import SystemdUnits
 log = logging.getLogger(__name__)
 
 FRONT_UNIT: Final = "gpud-front.service"
-SOCKET_DIR_MODE: Final = 0o750
+# Group-writable: an unprivileged serve binds its socket here as a member of the front's group
+# (SupplementaryGroups=, gpud.core.launch.serve_identity).
+SOCKET_DIR_MODE: Final = 0o770
 SOCKET_MODE: Final = 0o660
 # A fronted serve's mask: its socket (bound 0777 & ~umask) is then writable by the group.
 SERVE_UMASK: Final = 0o007
@@ -112,8 +115,10 @@ def open_to_front(d: DaemonConfig, serve: str) -> None:
         if not stat.S_ISSOCK(st.st_mode):
             return
         _uid, gid = _front_ids(d)
-        if st.st_gid != gid:
-            os.chown(path, -1, gid)
+        if (st.st_uid, st.st_gid) != (0, gid):
+            # Root's too: gpud (uid 0 without CAP_DAC_OVERRIDE) connects as the socket's owner,
+            # and an unprivileged serve's own socket would otherwise shut it out.
+            os.chown(path, 0, gid)
         if stat.S_IMODE(st.st_mode) & SOCKET_MODE != SOCKET_MODE:
             os.chmod(path, stat.S_IMODE(st.st_mode) | SOCKET_MODE)
     except FileNotFoundError:

@@ -52,7 +52,9 @@ def make_backend(cfg: Config) -> ObservationBackend:
         devices = [SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name,
                                    d.process_memory)
                    for d in cfg.simulation.devices]
-        return SimulatedBackend(devices, Path(cfg.simulation.state_file))
+        backend = SimulatedBackend(devices, Path(cfg.simulation.state_file))
+        backend.open_procs_dir()
+        return backend
     from gpud.nvml import NvmlBackend
 
     return NvmlBackend()

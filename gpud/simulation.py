@@ -62,6 +62,12 @@ GPUD_SIM_DEVICES = "GPUD_SIM_DEVICES"
 GPUD_SIM_PIDNS = "GPUD_SIM_PIDNS"
 
 PROCS_DIR_NAME = "sim-procs"
+# The stand-ins' load windows, a folder in the procs directory (gpud.testing.standin.LOADING_DIR:
+# that program imports this module only when it registers, so it spells the name itself).
+LOADING_DIR_NAME = "loading"
+# Sticky and writable by all, like /tmp: serves run as their own users (not root), each
+# registers its own draw and cannot remove another's; gpud, the owner, removes the dead ones.
+SHARED_DIR_MODE = 0o1777
 # A cached registration's process is fully checked (zombie, PID reuse) this often; in between,
 # only that /proc/PID still exists.
 FULL_CHECK_S = 10.0
@@ -154,6 +160,19 @@ class SimulatedBackend:
     @property
     def devices(self) -> tuple[SimulatedDevice, ...]:
         return self._devices
+
+    def open_procs_dir(self) -> None:
+        """Make the procs directory and its load-window folder, writable by the stand-ins
+        whatever user their serve runs as (SHARED_DIR_MODE); a failure is logged, and the
+        stand-ins that cannot register draw nothing the simulation sees."""
+        for folder in (self.procs_dir, self.procs_dir / LOADING_DIR_NAME):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                if folder.stat().st_mode & 0o7777 != SHARED_DIR_MODE:
+                    os.chmod(folder, SHARED_DIR_MODE)
+            except OSError as exc:
+                log.warning("simulation: cannot open %s to the serves: %s", folder,
+                            exc.strerror or exc)
 
     def environment_for(self, device_uuid: str, *also: str) -> dict[str, str]:
         """The environment a stand-in serve on ``device_uuid`` (and on each of ``also``, a

@@ -40,7 +40,9 @@ Decisions worth knowing (measured on systemd 252, Debian 12):
 
 from __future__ import annotations
 
+import grp
 import math
+import pwd
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -48,7 +50,14 @@ from typing import Any, Final, Literal
 
 import dbus_fast
 
-from gpud.core.launch import ALTERED_BY_RELOAD, reload_alters_arguments
+from gpud.config import DaemonConfig, ServeConfig
+from gpud.core.launch import (
+    ALTERED_BY_RELOAD,
+    Hardening,
+    Identity,
+    reload_alters_arguments,
+    serve_identity,
+)
 from gpud.core.vocab import (
     ENV_NAME_RE,
     NAME_RE,
@@ -56,7 +65,8 @@ from gpud.core.vocab import (
     SERVE_UNIT_SUFFIX,
     serve_unit,
 )
-from gpud.errors import BadRequest
+from gpud.errors import BadRequest, Unavailable
+from gpud.simulation import GPUD_SIM_PROCS_DIR
 
 UNIT_PREFIX: Final = SERVE_UNIT_PREFIX
 UNIT_SUFFIX: Final = SERVE_UNIT_SUFFIX
@@ -128,6 +138,8 @@ class UnitSpec:
     # A fronted serve's Unix socket: removed before each start (vLLM's bind fails on a stale
     # one, and systemd's own restarts of the unit do not pass through gpud).
     socket: str | None = None
+    # An unprivileged serve's sandbox (gpud.core.launch.serve_identity); None: unhardened.
+    hardening: Hardening | None = None
 
     def __post_init__(self) -> None:
         _check_serve(self.serve)
@@ -169,6 +181,33 @@ class UnitSpec:
     @property
     def unit(self) -> str:
         return unit_name(self.serve)
+
+
+def host_home(user: str) -> str | None:
+    """A user's home directory in this host's user database (a name or a uid), None when the
+    host has no such user."""
+    try:
+        return (pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)).pw_dir
+    except KeyError:
+        return None
+
+
+def host_identity(name: str, serve: ServeConfig, daemon: DaemonConfig,
+                  environment: Mapping[str, str], *, fronted: bool,
+                  home_of: Callable[[str], str | None] = host_home) -> Identity:
+    """serve_identity with this host's user database (`home_of`): the front's group for a
+    fronted serve, the simulation's registration folder writable for a stand-in
+    (GPUD_SIM_PROCS_DIR)."""
+    group = None
+    if fronted:
+        try:
+            group = grp.getgrgid(pwd.getpwnam(daemon.front_user).pw_gid).gr_name
+        except KeyError:
+            raise Unavailable(f"daemon.front_user: no user {daemon.front_user!r} (or no group "
+                              "of it) on this host", {"user": daemon.front_user}) from None
+    procs = environment.get(GPUD_SIM_PROCS_DIR)
+    return serve_identity(name, serve, daemon, home_of=home_of, front_group=group,
+                          writable=(procs,) if procs else ())
 
 
 # --- converters: gpud's value -> the D-Bus value systemd expects -------------------------------
@@ -240,6 +279,8 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "Environment": _p("as", _environment),
         "EnvironmentFiles": _p("a(sb)", lambda path: [(_string(path), False)]),
         "User": _p("s", _string),
+        "SupplementaryGroups": _p("as", list),
+        "CacheDirectory": _p("as", list),
         "UMask": _p("u", _uint32),
         "WorkingDirectory": _p("s", _string),
         "Restart": _p("s", _string),
@@ -270,6 +311,8 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "ProtectClock": _p("b", bool),
         "ProtectHostname": _p("b", bool),
         "ProtectProc": _p("s", _string),
+        # the namespace types the unit may create: 0 is none (RestrictNamespaces=yes)
+        "RestrictNamespaces": _p("t", int),
         "RestrictRealtime": _p("b", bool),
         "RestrictSUIDSGID": _p("b", bool),
         "LockPersonality": _p("b", bool),
@@ -320,6 +363,8 @@ def build_properties(
         values.append(("EnvironmentFiles", spec.environment_file))
     if spec.user is not None:
         values.append(("User", spec.user))
+    if spec.hardening is not None and spec.hardening.supplementary_groups:
+        values.append(("SupplementaryGroups", list(spec.hardening.supplementary_groups)))
     if spec.working_directory is not None:
         values.append(("WorkingDirectory", spec.working_directory))
     if spec.umask is not None:
@@ -352,7 +397,49 @@ def build_properties(
         ("StandardOutput", "journal"),
         ("StandardError", "journal"),
     ]
+    if spec.hardening is not None:
+        values += _hardening(spec.hardening, umask=spec.umask is None)
     return [encode(name, value) for name, value in values]
+
+
+def _hardening(h: Hardening, *, umask: bool) -> list[tuple[str, Any]]:
+    """The sandbox a model server tolerates (`systemd-analyze security`: 9.6 as root, unhardened;
+    see docs/security.md for what each line costs and what is left out, and why)."""
+    values: list[tuple[str, Any]] = []
+    if h.cache_directory is not None:
+        values.append(("CacheDirectory", [h.cache_directory]))
+    if umask:
+        # (a fronted serve has its own, spec.umask: its socket is for the front's group)
+        values.append(("UMask", 0o027))
+    values += [
+        ("NoNewPrivileges", True),
+        ("ProtectSystem", "strict"),
+    ]
+    if h.read_write_paths:
+        values.append(("ReadWritePaths", list(h.read_write_paths)))
+    if h.protect_home != "no":
+        values.append(("ProtectHome", h.protect_home))
+    values += [
+        # /tmp and /var/tmp of its own (torch's and triton's scratch files); /dev/shm stays the
+        # host's, where vLLM's workers share memory.
+        ("PrivateTmp", True),
+        ("ProtectKernelTunables", True),
+        ("ProtectKernelModules", True),
+        ("ProtectKernelLogs", True),
+        ("ProtectControlGroups", True),
+        ("ProtectHostname", True),
+        ("ProtectProc", "invisible"),
+        ("RestrictNamespaces", 0),
+        ("RestrictRealtime", True),
+        ("RestrictSUIDSGID", True),
+        ("LockPersonality", True),
+        ("CapabilityBoundingSet", 0),
+        ("SystemCallArchitectures", ["native"]),
+        # AF_NETLINK: glibc's getaddrinfo(AI_ADDRCONFIG) asks the kernel over netlink which
+        # address families are configured (as for gpud.service).
+        ("RestrictAddressFamilies", ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]),
+    ]
+    return values
 
 
 def _refuse_altered_arguments(spec: UnitSpec, systemd_version: int | None) -> None:

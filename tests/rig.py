@@ -237,8 +237,10 @@ async def make_rig(tmp: Path, config: str, *, health: float = 3600, extra: str =
         return []
 
     figures = Figures()
+    # The host's user database need not have the serves' default user (the package makes it).
     kwargs: dict[str, Any] = {"notify": notes.append, "journal": no_journal,
-                              "calibrated": figures}
+                              "calibrated": figures,
+                              "home_of": {"gpud-serve": "/var/cache/gpud-serve"}.get}
     if clock is not None:
         kwargs["clock"] = clock
     sup = ScriptedSupervisor(svc, cast(Any, units), observer, **kwargs)

@@ -53,6 +53,8 @@ def test_removing_a_serve_is_the_admin_groups() -> None:
     ('model = "m"', 'model = "m"\nextra_args = ["--trust-remote-code"]',
      ["serves.b.vllm.extra_args"]),
     ("port = 30001", "port = 30001\nuser = \"root\"", ["serves.a.user"]),
+    ("port = 30001", "port = 30001\nuser = \"gpud-serve\"", ["serves.a.user"]),
+    ("[roles.r]", '[daemon]\nserve_user = "root"\n\n[roles.r]', ["daemon.serve_user"]),
     ("port = 30001", 'port = 30001\nenvironment = { LD_PRELOAD = "/x.so" }',
      ["serves.a.environment.LD_PRELOAD"]),
     ("port = 30001", "port = 22", ["serves.a.port"]),
@@ -125,3 +127,10 @@ def test_the_keys_of_sleep_roles_and_containers(old: str, new: str,
     assert old in CONTAINED
     assert needs_root(parse_config(CONTAINED, "old"),
                       parse_config(CONTAINED.replace(old, new, 1), "new")) == expected
+
+
+def test_taking_a_serve_off_root_or_onto_it_is_roots_alone() -> None:
+    # Serves run unprivileged by default: dropping `user = "root"` changes as whom it runs too.
+    as_root = BASE.replace("port = 30001", 'port = 30001\nuser = "root"')
+    assert needs_root(parse_config(as_root, "old"), parse_config(BASE, "new")) == ["serves.a.user"]
+    assert needs_root(parse_config(BASE, "old"), parse_config(as_root, "new")) == ["serves.a.user"]

@@ -67,6 +67,10 @@ def test_seed_t015_is_valid_even_though_ocr_does_not_fit() -> None:
     ('[serves."ocré"]\nrole = "gpu"\nvram_mib = 1\ncommand = ["x"]', "invalid serve name 'ocré'"),
     ('[daemon]\nadmission = "loose"', "daemon.admission: must be one of 'strict' or 'ledger'"),
     ('[daemon]\nsockett = "/x"', "daemon.sockett: unknown key"),
+    # an empty User= is root to systemd
+    ('[daemon]\nserve_user = ""', "daemon.serve_user: String should have at least 1 character"),
+    ('[serves.x]\nrole = "gpu"\nvram_mib = 1\ncommand = ["x"]\nuser = ""',
+     "serves.x.user: String should have at least 1 character"),
 ])
 def test_refusals_name_the_key(snippet: str, expected: str) -> None:
     found = problems(BASE + snippet)

@@ -460,7 +460,9 @@ def test_a_command_serve_that_sleeps_must_listen_on_its_socket_or_say_front_fals
 def test_check_config_warns_when_a_fronted_serve_has_no_nginx_or_front_user(
         tmp_path: Path) -> None:
     text = TOML.replace('front_nginx = "/opt/nginx"', f'front_nginx = "{tmp_path}/nginx"\n'
-                        'front_user = "gpud-front-nobody-has"')
+                        'front_user = "gpud-front-nobody-has"\n'
+                        # (whether this host has the serves' default user is not the point)
+                        'serve_user = "root"')
     warned = _warnings(parse_config(text, "t.toml"), (tmp_path,))
     assert [w.split(":")[0] for w in warned] == ["daemon.front_nginx", "daemon.front_user"]
     assert "chat, od, tool" in warned[0] and "apt-get install nginx" in warned[0]

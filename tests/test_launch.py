@@ -10,15 +10,20 @@ import textwrap
 import pytest
 
 from gpud.calibration import recommend
-from gpud.config import ServeConfig, parse_config
+from gpud.config import DaemonConfig, ServeConfig, parse_config
 from gpud.core.argv64 import decode, encode
 from gpud.core.launch import (
+    SERVE_CACHE,
+    SERVE_CACHE_PATH,
+    Hardening,
+    Identity,
     command_argv,
     container_argv,
     fingerprint,
     reload_alters_arguments,
     serve_argv,
     serve_environment,
+    serve_identity,
     show_commands,
     stop_budget,
     through_shim,
@@ -208,6 +213,8 @@ def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[
     assert argv == ("  argv: vllm serve leon-se/gemma-4-E4B-it-FP8-Dynamic --host 127.0.0.1 --port "
                     "30001 --gpu-memory-utilization 0.4396 --max-model-len 32768 "
                     "--shutdown-timeout 20")
+    assert out[at + 3] == "  runs as: gpud-serve, hardened unit"
+    assert "HF_HOME=/var/cache/gpud-serve/huggingface" in env.split()
 
 
 def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -286,6 +293,10 @@ command = ["/bin/a", "{gpu_memory_utilization}"]
 """
 
 
+CACHE_ENV = (" HF_HOME=/var/cache/gpud-serve/huggingface HOME=/var/cache/gpud-serve"
+             " VLLM_CACHE_ROOT=/var/cache/gpud-serve/vllm XDG_CACHE_HOME=/var/cache/gpud-serve")
+
+
 def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
     dev = DeviceSample("GPU-a", 3, "00000000:03:00.0", "GPU", 30000, 0, 30000)
     seen: list[str] = []
@@ -299,16 +310,20 @@ def test_show_commands_lists_every_serve_by_priority_then_name() -> None:
         "device totals from NVML:",
         "  3: GPU-a 30000 MiB",
         "serve early: role idx, device '7' (total unknown), 100 MiB",
-        "  environment: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=7",
+        "  environment: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=7" + CACHE_ENV,
         "  argv: /bin/e 9",
+        "  runs as: gpud-serve, hardened unit",
         "serve a-same: role r, device 3 (GPU-a, 30000 MiB), 2 MiB",
         "  refused: serve a-same: 2 MiB of a 30000 MiB device is --gpu-memory-utilization "
         "0.0000, which vLLM refuses (it must be > 0); reserve at least 3 MiB",
         "serve b-same: role lost, device 'GPU-nowhere' (total unknown), 100 MiB",
         "  refused: device 'GPU-nowhere' cannot be resolved to an index",
         "serve late: role r, device 3 (GPU-a, 30000 MiB), 2000 MiB",
-        "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 SIM=GPU-a",
+        "  environment: 'A=x y' CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=3 HF_HOME="
+        "/var/cache/gpud-serve/huggingface HOME=/var/cache/gpud-serve SIM=GPU-a VLLM_CACHE_ROOT="
+        "/var/cache/gpud-serve/vllm XDG_CACHE_HOME=/var/cache/gpud-serve",
         "  argv: /bin/s 0.0666 3",
+        "  runs as: gpud-serve, hardened unit",
     ]
     assert set(seen) == {"GPU-a"}  # asked only about a device it knows
 
@@ -458,3 +473,82 @@ def test_kv_cache_fit_mib() -> None:
         None, "no room for a KV cache: vram_mib 1000 - context 500 - weights, activation peak "
         "and CUDA graphs 5000 - margin 64 = -4564 MiB")
     assert kv_cache_fit_mib(10000, {"kv_cache_mib": 3000})[0] is None
+
+
+# --- as whom a serve runs ----------------------------------------------------------------------
+
+HOMES = {"gpud-serve": "/var/cache/gpud-serve", "alice": "/home/alice", "root": "/root",
+         "daemon": "/usr/sbin"}
+
+
+def _identity(serve: dict[str, object], *, front_group: str | None = None,
+              writable: tuple[str, ...] = (), daemon: dict[str, object] | None = None) -> Identity:
+    config = ServeConfig.model_validate({"role": "r", "vram_mib": 1000, **serve})
+    return serve_identity("s", config, DaemonConfig.model_validate(daemon or {}),
+                          home_of=HOMES.get, front_group=front_group, writable=writable)
+
+
+def test_a_serve_runs_as_the_unprivileged_default_with_its_cache() -> None:
+    ident = _identity({"command": ["/bin/x"]}, front_group="gpud-front",
+                      writable=("/run/gpud/sim-procs",))
+    assert ident.user == "gpud-serve"
+    assert ident.hardening == Hardening("yes", ("/run/gpud/sim-procs", "/run/gpud/serves"),
+                                        SERVE_CACHE, ("gpud-front",))
+    # every cache vLLM and Hugging Face keep lies in the one directory it may write
+    assert dict(ident.environment) == {
+        "HOME": "/var/cache/gpud-serve", "XDG_CACHE_HOME": "/var/cache/gpud-serve",
+        "HF_HOME": "/var/cache/gpud-serve/huggingface",
+        "VLLM_CACHE_ROOT": "/var/cache/gpud-serve/vllm"}
+    assert f"/var/cache/{SERVE_CACHE}" == SERVE_CACHE_PATH
+    unfronted = _identity({"vllm": {"model": "m"}})
+    assert unfronted.hardening is not None
+    assert unfronted.hardening.read_write_paths == ()
+    assert unfronted.hardening.supplementary_groups == ()
+
+
+def test_root_only_when_the_config_says_so() -> None:
+    assert _identity({"command": ["/bin/x"], "user": "root"}) == Identity("root", {}, None)
+    everyone = _identity({"command": ["/bin/x"]}, daemon={"serve_user": "root"})
+    assert everyone == Identity("root", {}, None)
+
+
+def test_a_named_user_runs_as_itself_with_its_home_writable() -> None:
+    ident = _identity({"command": ["/bin/x"], "user": "alice"}, front_group="gpud-front")
+    assert ident.user == "alice"
+    assert ident.environment == {}  # its own HOME, from the user database
+    assert ident.hardening == Hardening("no", ("/run/gpud/serves", "-/home/alice"), None,
+                                        ("gpud-front",))
+    # a home of / is no home: nothing more is made writable
+    daemon = _identity({"command": ["/bin/x"], "user": "daemon"})
+    assert daemon.hardening is not None and daemon.hardening.read_write_paths == ("-/usr/sbin",)
+
+
+def test_a_user_the_host_lacks_is_named_by_its_key() -> None:
+    with pytest.raises(Unavailable, match=r"^serves\.s\.user: no user 'bob' on this host$") as info:
+        _identity({"command": ["/bin/x"], "user": "bob"})
+    assert info.value.details == {"serve": "s", "user": "bob", "key": "serves.s.user"}
+    with pytest.raises(Unavailable, match=r"^daemon\.serve_user: no user 'nobody-here' on this "
+                                          r"host \(the package creates it"):
+        _identity({"command": ["/bin/x"]}, daemon={"serve_user": "nobody-here"})
+
+
+def test_a_container_serve_stays_root_unless_it_names_a_user() -> None:
+    container = {"container": {"image": IMAGE}, "vllm": {"model": "m"}}
+    assert _identity(container) == Identity(None, {}, None)
+    assert _identity({**container, "user": "alice"}) == Identity("alice", {}, None)
+
+
+def test_check_config_refuses_a_user_the_host_lacks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    text = (REPO / "etc" / "serves.toml").read_text()
+    text = text.replace("priority = 40\n", 'priority = 40\nuser = "gpud-no-such-user"\n', 1)
+    assert 'user = "gpud-no-such-user"' in text
+    done = _check_config(tmp_path, text)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.strip() == (f"{tmp_path / 'serves.toml'}: serves.ocr.user: no user "
+                                   "'gpud-no-such-user' on this host")
+    # the default identity missing is the package's to make: said, not refused
+    default = _check_config(tmp_path, (REPO / "etc" / "serves.toml").read_text().replace(
+        "[daemon]\n", '[daemon]\nserve_user = "gpud-no-such-user"\n', 1))
+    assert default.returncode == 0, default.stderr
+    assert ("warning: daemon.serve_user: no user 'gpud-no-such-user' on this host: the serves "
+            "without their own `user` cannot start") in default.stdout

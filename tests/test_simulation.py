@@ -17,12 +17,14 @@ from gpud.simulation import (
     GPUD_SIM_PIDNS,
     GPUD_SIM_PROCS_DIR,
     GPUD_SIM_TOTAL_MIB,
+    LOADING_DIR_NAME,
     LOST_PROBLEM,
     SimulatedBackend,
     SimulatedDevice,
     register_process,
     unregister_process,
 )
+from gpud.testing.standin import LOADING_DIR
 
 DEVICES = [
     SimulatedDevice(uuid="GPU-sim-0", total_mib=32607),
@@ -332,3 +334,19 @@ def test_an_unknown_process_memory_mode_is_refused(state_file: Path) -> None:
     with pytest.raises(ValueError, match="process_memory must be one of reported, "
                                          "not-available, none, not 'some'"):
         SimulatedBackend([SimulatedDevice("GPU-sim-0", 100, process_memory="some")], state_file)
+
+
+def test_the_procs_folders_are_open_to_stand_ins_of_any_user(sim: SimulatedBackend) -> None:
+    sim.procs_dir.mkdir(mode=0o755)  # as an older gpud or a stand-in running as root left it
+    sim.open_procs_dir()
+    for folder in (sim.procs_dir, sim.procs_dir / LOADING_DIR_NAME):
+        assert folder.stat().st_mode & 0o7777 == 0o1777, folder
+    assert LOADING_DIR_NAME == LOADING_DIR  # the stand-in spells the name itself
+
+
+def test_a_procs_folder_that_cannot_be_made_is_logged(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "file").write_text("")
+    sim = SimulatedBackend(DEVICES, tmp_path / "sim.json", procs_dir=tmp_path / "file" / "procs")
+    sim.open_procs_dir()
+    assert "simulation: cannot open" in caplog.text

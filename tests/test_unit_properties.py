@@ -18,6 +18,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast._private.unmarshaller import Unmarshaller
 from dbus_fast.errors import AuthError, DBusError
 
+from gpud.core.launch import Hardening
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import serve_of_unit, serve_unit
 from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
@@ -121,6 +122,61 @@ def test_golden_encoding_systemd_252() -> None:
     assert _triples(build_properties(SPEC, 252)) == GOLDEN_252
     # an unknown version is treated as the oldest supported one
     assert _triples(build_properties(SPEC, None)) == GOLDEN_252
+
+
+# The sandbox of an unprivileged, fronted serve on the simulated GPU (core.launch.serve_identity
+# makes its Hardening); after the common list, in this order.
+HARDENED = UnitSpec(serve="chat", argv=("/bin/x",), device_index=0, description="d",
+                    user="gpud-serve", umask=0o007,
+                    hardening=Hardening("yes", ("/run/gpud/sim-procs", "/run/gpud/serves"),
+                                        "gpud-serve", ("gpud-front",)))
+GOLDEN_HARDENED: list[tuple[str, str, Any]] = [
+    ("CacheDirectory", "as", ["gpud-serve"]),
+    ("NoNewPrivileges", "b", True),
+    ("ProtectSystem", "s", "strict"),
+    ("ReadWritePaths", "as", ["/run/gpud/sim-procs", "/run/gpud/serves"]),
+    ("ProtectHome", "s", "yes"),
+    ("PrivateTmp", "b", True),
+    ("ProtectKernelTunables", "b", True),
+    ("ProtectKernelModules", "b", True),
+    ("ProtectKernelLogs", "b", True),
+    ("ProtectControlGroups", "b", True),
+    ("ProtectHostname", "b", True),
+    ("ProtectProc", "s", "invisible"),
+    ("RestrictNamespaces", "t", 0),
+    ("RestrictRealtime", "b", True),
+    ("RestrictSUIDSGID", "b", True),
+    ("LockPersonality", "b", True),
+    ("CapabilityBoundingSet", "t", 0),
+    ("SystemCallArchitectures", "as", ["native"]),
+    ("RestrictAddressFamilies", "(bas)", (True, ["AF_UNIX", "AF_INET", "AF_INET6",
+                                                 "AF_NETLINK"])),
+]
+
+
+def test_golden_encoding_of_a_hardened_serve() -> None:
+    props = _triples(build_properties(HARDENED, 252))
+    names = [name for name, _, _ in props]
+    assert props[names.index("CacheDirectory"):] == GOLDEN_HARDENED
+    assert props[names.index("User"):names.index("User") + 2] == [
+        ("User", "s", "gpud-serve"), ("SupplementaryGroups", "as", ["gpud-front"])]
+    assert ("UMask", "u", 0o007) in props  # the fronted serve's own, sent once
+    assert names.count("UMask") == 1
+    # What a model server does not tolerate is never sent: GPUs are device nodes, torch and
+    # triton write code they then run, and the CUDA driver's system calls are not listed.
+    for name in ("PrivateDevices", "MemoryDenyWriteExecute", "SystemCallFilter", "ProtectClock",
+                 "DevicePolicy", "RemoveIPC"):
+        assert name not in names
+
+
+def test_an_unfronted_hardened_serve_gets_a_private_umask() -> None:
+    spec = UnitSpec(serve="x", argv=("/bin/x",), device_index=0, description="d", user="alice",
+                    hardening=Hardening("no", ("-/home/alice",)))
+    props = dict((name, (sig, value)) for name, sig, value in _triples(build_properties(spec)))
+    assert props["UMask"] == ("u", 0o027)
+    assert "ProtectHome" not in props and "CacheDirectory" not in props
+    assert "SupplementaryGroups" not in props
+    assert props["ReadWritePaths"] == ("as", ["-/home/alice"])
 
 
 def test_an_environment_file_carries_the_serves_own_variables() -> None:
@@ -231,6 +287,9 @@ SAMPLES: dict[str, Any] = {
     "Environment": {"A": "1", "B": ""},
     "EnvironmentFiles": "/var/lib/gpud/env/x.env",
     "User": "u",
+    "SupplementaryGroups": ["gpud-front"],
+    "CacheDirectory": ["gpud-serve"],
+    "RestrictNamespaces": 0,
     "WorkingDirectory": "/",
     "Restart": "no",
     "RestartUSec": 0.25,

@@ -846,6 +846,12 @@ class Sandbox:
         self.write_file("/etc/gpud/serves.toml", config_text, mode=0o600)
         for group in ("gpud", "gpud-admin"):
             self.run(["groupadd", "--force", "--system", group])
+        # Whom the serves run as by default (daemon.serve_user), as the package's sysusers.d
+        # makes it.
+        self.run(["sh", "-c", "getent passwd gpud-serve >/dev/null || useradd --system "
+                  "--no-create-home --home-dir /var/cache/gpud-serve --shell /usr/sbin/nologin "
+                  "--user-group gpud-serve"])
+        serves_see = self._open_to_serves([repo, *interpreter_dirs()])
         python = _systemd_quote(sys.executable)
         pythonpath = _systemd_quote(f"PYTHONPATH={repo}")
         private_tmp = "PrivateTmp=no\n" if hidden_by_private_tmp([repo, *interpreter_dirs()]) else ""
@@ -864,9 +870,33 @@ class Sandbox:
         self.write_file(
             "/etc/systemd/system/gpud-serve-.service.d/sandbox.conf",
             "# written by tools/sandbox.py: serves import the repo's gpud\n"
-            f"[Service]\nEnvironment={pythonpath}\n",
+            f"[Service]\nEnvironment={pythonpath}\n" + serves_see,
         )
         self.run(["systemctl", "daemon-reload"])
+
+
+    def _open_to_serves(self, paths: Sequence[Path]) -> str:
+        """Make PATHS (the checkout, the interpreter) reachable for an unprivileged serve: the
+        drop-in lines that let its sandbox see them, and o+x on each directory above them that
+        other users may not enter (pyenv's interpreters live under /root, 0700), changed in the
+        overlay only (the host's directory stays as it is; one bound in from the host is left
+        alone)."""
+        for path in paths:
+            for folder in [*reversed(path.parents), path]:
+                if needs_bind(folder):
+                    break
+                if not os.stat(folder).st_mode & 0o001:
+                    self.run(["chmod", "o+x", str(folder)])
+        lines = ""
+        if hidden_by_private_tmp(paths):
+            lines += "PrivateTmp=no\n"
+        if any(h == p or h in p.parents for h in HOMES for p in paths):
+            lines += "ProtectHome=read-only\n"
+        return lines
+
+
+# What a serve's ProtectHome=yes hides.
+HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
 
 
 def _systemd_quote(word: str) -> str:

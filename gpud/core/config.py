@@ -80,6 +80,9 @@ class DaemonConfig(_Model):
     # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
     # sockets and its own config live.
     front_nginx: str = "/usr/sbin/nginx"
+    # Whom a serve without its own `user` runs as (a container serve: root): a system user the
+    # package creates (packaging/gpud.sysusers); "root" runs them all as root.
+    serve_user: str = Field(default="gpud-serve", min_length=1)
     front_user: str = "gpud-front"
     front_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_FRONT_PATHS))
     serve_socket_dir: str = "/run/gpud/serves"
@@ -162,7 +165,9 @@ class ServeConfig(_Model):
     command: list[str] | None = None
     container: ContainerConfig | None = None
     environment: dict[str, str] = Field(default_factory=dict)
-    user: str | None = None
+    # Whom it runs as (unset: daemon.serve_user; a container serve: root). Never empty: an
+    # empty User= is root to systemd.
+    user: str | None = Field(default=None, min_length=1)
     start_timeout_s: float = Field(default=900.0, gt=0)
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart: Literal["no", "on-failure", "always"] = "on-failure"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpud.core.argv64 import encode
-from gpud.core.config import Config, ServeConfig
+from gpud.core.config import Config, DaemonConfig, ServeConfig
 from gpud.core.front import socket_path
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
@@ -471,8 +471,10 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
             continue
         indexes = [index for _, _, index, _ in found if index is not None]
         total = smallest_total([dev.total_mib if dev else None for _, dev, _, _ in found])
+        # As whom it would run (the host's user database is --check-config's to consult).
+        ident = serve_identity(name, serve, cfg.daemon, home_of=lambda _user: "")
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible_devices(indexes),
-               **serve_environment(serve)}
+               **ident.environment, **serve_environment(serve)}
         seen = [dev for _, dev, _, _ in found if dev is not None]
         if len(seen) == len(found) and extra_env is not None:
             env.update(extra_env(*(dev.uuid for dev in seen)))
@@ -502,8 +504,97 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
         lines.append("  environment: " + " ".join(
             shlex.quote(f"{k}={v}") for k, v in sorted(env.items())))
         lines.append(f"  argv: {shlex.join(argv)}")
+        lines.append(f"  runs as: {ident.user or 'root'}, "
+                     + ("hardened unit" if ident.hardening else "unhardened unit"))
     return lines
 
+
+
+# --- as whom a serve runs, and what its unit may touch ------------------------------------------
+
+# The default identity's cache (CacheDirectory=, so /var/cache/gpud-serve, made and owned by
+# systemd for the unit's user): the model downloads of every serve running as it, shared (one
+# download per model) and pre-seedable by an operator (`runuser -u gpud-serve -- hf download`).
+SERVE_CACHE = "gpud-serve"
+SERVE_CACHE_PATH = f"/var/cache/{SERVE_CACHE}"
+# Where vLLM, Hugging Face and the libraries under them (torch, triton, outlines) keep their
+# caches: all of it inside the cache directory, the one place the default identity may write.
+SERVE_CACHE_ENVIRONMENT: Mapping[str, str] = {
+    "HOME": SERVE_CACHE_PATH,
+    "XDG_CACHE_HOME": SERVE_CACHE_PATH,
+    "HF_HOME": f"{SERVE_CACHE_PATH}/huggingface",
+    "VLLM_CACHE_ROOT": f"{SERVE_CACHE_PATH}/vllm",
+}
+ROOT_NAMES = frozenset({"root", "0"})
+
+
+@dataclass(frozen=True)
+class Hardening:
+    """The sandbox of an unprivileged serve's unit (unit_properties sends it): what it may
+    write besides its cache, whether home directories are hidden, its extra groups."""
+
+    # "yes": /home, /root and /run/user are empty to the serve; "no" for a named user, whose
+    # own home may hold its models and caches (then writable, in read_write_paths).
+    protect_home: Literal["yes", "no"] = "yes"
+    # Paths writable under ProtectSystem=strict; a leading "-": skipped when missing.
+    read_write_paths: tuple[str, ...] = ()
+    cache_directory: str | None = None
+    supplementary_groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Identity:
+    """As whom a serve runs: `user` (None: root, no User= sent, as for a container serve),
+    what gpud adds to its environment for it, and its sandbox (None: root's unit, unhardened)."""
+
+    user: str | None
+    environment: Mapping[str, str]
+    hardening: Hardening | None
+
+
+def serve_identity(name: str, serve: ServeConfig, daemon: DaemonConfig, *,
+                   home_of: Callable[[str], str | None], front_group: str | None = None,
+                   writable: Sequence[str] = ()) -> Identity:
+    """The identity and sandbox of serve NAME's unit. `home_of`: a user's home directory, None
+    when the host has no such user (Unavailable naming the key then, not systemd's 217/USER at
+    start). `front_group`: the front's group for a fronted serve (it binds its socket in
+    daemon.serve_socket_dir, which that group may write). `writable`: more paths it must write
+    (the simulation's registration folder).
+
+    The default identity is daemon.serve_user, a system user the package creates (sysusers.d),
+    not DynamicUser=: the serves share one cache of model downloads (DynamicUser= gives each
+    unit its own, chowned to its uid at start), and DynamicUser= forces PrivateTmp= and
+    RemoveIPC=, which this shared user must not have (see below). A container serve runs as
+    root unless its `user` says otherwise: rootful podman needs root's capabilities to set up
+    the container (conmon, mounts, netavark); its isolation is the container's own. `user =
+    "root"` is root's unhardened unit, as every serve before."""
+    if serve.user is not None:
+        user, key = serve.user, f"serves.{name}.user"
+    elif serve.container is not None:
+        return Identity(None, {}, None)
+    else:
+        user, key = daemon.serve_user, "daemon.serve_user"
+    if user in ROOT_NAMES:
+        return Identity(user, {}, None)
+    home = home_of(user)
+    if home is None:
+        made = " (the package creates it with systemd-sysusers)" if key.startswith("daemon") else ""
+        raise Unavailable(f"{key}: no user {user!r} on this host{made}",
+                          {"serve": name, "user": user, "key": key})
+    if serve.container is not None:
+        # rootless podman: its own user namespace and storage under the user's home
+        return Identity(user, {}, None)
+    paths = [*writable]
+    if front_group is not None:
+        paths.append(daemon.serve_socket_dir)
+    if serve.user is None:
+        return Identity(user, dict(SERVE_CACHE_ENVIRONMENT),
+                        Hardening("yes", tuple(paths), SERVE_CACHE,
+                                  (front_group,) if front_group else ()))
+    if home not in ("", "/"):
+        paths.append(f"-{home}")
+    return Identity(user, {}, Hardening("no", tuple(paths), None,
+                                        (front_group,) if front_group else ()))
 
 # systemd up to 252 writes a transient unit to /run/systemd/transient and re-reads it at every
 # daemon-reload, altering these characters in ExecStart= arguments (`$` -> `\$`, `;` -> `\;`).

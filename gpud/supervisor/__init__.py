@@ -45,6 +45,7 @@ from gpud.supervisor.health import HealthJob
 from gpud.supervisor.launch import LaunchJob
 from gpud.supervisor.stop import StopJob
 from gpud.supervisor.watch import UnitWatch
+from gpud.unit_properties import host_home
 from gpud.units import SystemdUnits
 
 __all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "Calibrated", "LifeRecord",
@@ -59,6 +60,7 @@ class Supervisor(BootJob, LaunchJob, HealthJob, StopJob, UnitWatch):
                  clock: Callable[[], float] = time.monotonic,
                  journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
                  calibrated: Calibrated = UNCALIBRATED,
+                 home_of: Callable[[str], str | None] = host_home,
                  ) -> None:
         self.svc = svc
         self.units = units
@@ -66,6 +68,7 @@ class Supervisor(BootJob, LaunchJob, HealthJob, StopJob, UnitWatch):
         self.notify = notify
         self.clock = clock
         self.journal = journal
+        self.home_of = home_of
         self.locks = Locks()
         self.serves: dict[str, LifeRecord] = {}
         self._health_slots = asyncio.Semaphore(HEALTH_CONCURRENCY)

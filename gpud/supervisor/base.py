@@ -141,6 +141,8 @@ class Base:
     # Every serve's runtime, one record each (none for a serve with nothing to remember).
     serves: dict[str, LifeRecord]
     calibrated: Calibrated
+    # The user database: as whom a serve may run (unit_properties.host_identity).
+    home_of: Callable[[str], str | None]
     sleeps: Sleeps
     reconciler: Reconciler
     booted: asyncio.Event

@@ -46,7 +46,7 @@ from gpud.supervisor.base import (
     pid_text,
 )
 from gpud.supervisor.health import port_holders
-from gpud.unit_properties import UnitSpec, environment_file_text
+from gpud.unit_properties import UnitSpec, environment_file_text, host_identity
 
 
 class LaunchJob(Base):
@@ -195,6 +195,9 @@ class LaunchJob(Base):
         if callable(environment_for):
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
+        ident = host_identity(serve, spec, self.svc.config.daemon, env, fronted=bool(spec.front),
+                              home_of=self.home_of)
+        env = {k: v for k, v in {**ident.environment, **env}.items() if k not in spec.environment}
         # A container gets every device of the serve through CDI, in the order of its roles.
         cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
                if spec.container is not None else [])
@@ -223,14 +226,14 @@ class LaunchJob(Base):
                 serve, {**env, **spec.environment} if spec.environment else {}),
             description=(f"gpud serve {serve} ({spec.role}, {mib} MiB)" if len(devs) == 1 else
                          f"gpud serve {serve} ({', '.join(spec.all_roles)}, {mib} MiB each)"),
-            environment=env, user=spec.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
+            environment=env, user=ident.user, restart=unit_restart(spec), restart_sec=spec.restart_sec,
             # systemd's own start limit stays above gpud's crash-loop limit, so gpud is the
             # one that notices, says why, and decides about the reservation.
             start_limit_burst=daemon.crash_loop_restarts + 3,
             start_limit_interval_sec=daemon.crash_loop_window_s,
             timeout_start_sec=90.0, timeout_stop_sec=spec.stop_timeout_s,
             container=spec.container is not None,
-            umask=SERVE_UMASK if sock else None, socket=sock,
+            umask=SERVE_UMASK if sock else None, socket=sock, hardening=ident.hardening,
         )
 
     def _environment_file(self, serve: str, environment: Mapping[str, str]) -> str | None:

@@ -107,7 +107,11 @@ def test_only_the_client_api_reaches_a_fronted_serve(fronted: SandboxGpud) -> No
                          f"s.connect({SOCKET!r})"], user=USER, check=False)
     assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
     mode = gpud.sb.run(["stat", "-c", "%a %U %G", "/run/gpud/serves", SOCKET]).stdout.split("\n")
-    assert mode[:2] == ["750 root gpud-front", "770 root gpud-front"], mode
+    assert mode[:2] == ["770 root gpud-front", "770 root gpud-front"], mode
+    # the serve that bound it runs unprivileged, in the front's group
+    pid = gpud.unit_prop("gpud-serve-chat.service", "MainPID")
+    ids = gpud.sb.run(["ps", "-o", "user:20=,supgrp:40=", "-p", str(pid)]).stdout.split()
+    assert ids[0] == "gpud-serve" and "gpud-front" in ids[1].split(","), ids
 
     # A stream comes through, token by token.
     started = time.monotonic()

@@ -160,6 +160,9 @@ def test_install_layout(sandbox: Sandbox, installed: set[str]) -> None:
     # the front's user (docs/front.md), in group gpud to reach gpud's socket
     groups = sandbox.run(["id", "-nG", "gpud-front"]).stdout.split()
     assert "gpud" in groups, groups
+    # whom the serves run as by default (docs/security.md), its home their model cache
+    serve_user = sandbox.run(["getent", "passwd", "gpud-serve"]).stdout.strip().split(":")
+    assert serve_user[2] != "0" and serve_user[5:] == ["/var/cache/gpud-serve", "/usr/sbin/nologin"]
 
     stat = "stat -c '%a %U %G %n'"
     listing = sandbox.run(
