@@ -889,7 +889,9 @@ class Sandbox:
                     self.run(["chmod", "o+x", str(folder)])
         lines = ""
         if hidden_by_private_tmp(paths):
-            lines += "PrivateTmp=no\n"
+            # Without a /tmp of its own a serve writes the host's (the overlay's): under
+            # ProtectSystem=strict it is read-only unless named (vLLM's tempfile needs one).
+            lines += "PrivateTmp=no\nReadWritePaths=/tmp /var/tmp\n"
         if any(h == p or h in p.parents for h in HOMES for p in paths):
             lines += "ProtectHome=read-only\n"
         return lines
