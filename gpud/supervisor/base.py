@@ -216,6 +216,12 @@ class Base:
         last = self.life(serve).unit
         return last is not None and last.active_state in ACTIVE
 
+    async def _stop_unit(self, serve: str, timeout: float) -> None:
+        """Stop the serve's unit and have systemd forget it: a transient unit that failed stays
+        loaded (and listed, and its name taken) until its failed state is reset."""
+        await self.units.stop(serve, timeout)
+        await self.units.reset_failed(serve)
+
     async def _say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
         await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
 

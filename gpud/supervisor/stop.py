@@ -99,8 +99,7 @@ class StopJob(Base):
                             if self._unit_active(serve) or state in LIVE_STATES:
                                 # its memory comes back: not inside a neighbour's start window
                                 await memory.enter_async_context(self.device_locks(serve))
-                            await self.units.stop(serve, spec.stop_timeout_s + 15)
-                        await self.units.reset_failed(serve)
+                            await self._stop_unit(serve, spec.stop_timeout_s + 15)
                     except GpudError as exc:
                         if not await self._unit_ended(serve):
                             failed = exc
@@ -157,8 +156,7 @@ class StopJob(Base):
         async with self.serve_lock(serve):
             self._step(serve, JobBegan(Job.STOP))
             try:
-                await self.units.stop(serve, UNIT_JOB_TIMEOUT_S)
-                await self.units.reset_failed(serve)
+                await self._stop_unit(serve, UNIT_JOB_TIMEOUT_S)
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
                     state=self.svc.state_row(serve, DECLARED))
@@ -229,8 +227,7 @@ class StopJob(Base):
             if self.units.available:
                 self._step(serve, JobBegan(Job.FAIL_STOP))
                 try:
-                    await self.units.stop(serve, (spec.stop_timeout_s if spec else 30) + 15)
-                    await self.units.reset_failed(serve)
+                    await self._stop_unit(serve, (spec.stop_timeout_s if spec else 30) + 15)
                     still_active = False
                 except GpudError as exc:
                     log.error("could not stop %s: %s", serve, exc.message)
