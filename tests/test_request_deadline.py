@@ -48,9 +48,16 @@ def _dribble(s: socket.socket, data: bytes, until: float) -> None:
 
 
 def _answer(s: socket.socket) -> bytes:
+    """What gpud answered, up to its close. A close while the client's last bytes are still
+    unread is reported by the kernel as a reset once the answer before it has been read
+    (AF_UNIX: ECONNRESET after the queued data): the answer is what came before it."""
     data = b""
-    while chunk := s.recv(65536):
-        data += chunk
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        if not data:
+            raise
     return data
 
 
