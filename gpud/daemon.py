@@ -420,7 +420,7 @@ def _unknown_users(cfg: Config) -> list[str]:
         if serve.user is None:
             continue
         try:
-            host_identity(name, serve, cfg.daemon, {}, fronted=False)
+            host_identity(name, serve, cfg.daemon, {}, front_group=None)
         except GpudError as exc:
             found.append(exc.message)
     return found

@@ -22,6 +22,7 @@ checks and sleep calls) and the front's workers connect.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import math
 import os
@@ -80,6 +81,16 @@ def _front_ids(d: DaemonConfig) -> tuple[int, int]:
                           "package creates it: useradd --system gpud-front)",
                           {"user": d.front_user}) from None
     return user.pw_uid, user.pw_gid
+
+
+def front_group(d: DaemonConfig) -> str:
+    """The name of the front user's group: a fronted serve joins it to bind its socket."""
+    _uid, gid = _front_ids(d)
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        raise Unavailable(f"daemon.front_user: {d.front_user!r} has no group {gid} on this host",
+                          {"user": d.front_user, "gid": gid}) from None
 
 
 def _directory(path: Path, mode: int, uid: int, gid: int) -> None:

@@ -40,7 +40,6 @@ Decisions worth knowing (measured on systemd 252, Debian 12):
 
 from __future__ import annotations
 
-import grp
 import math
 import pwd
 from collections.abc import Callable, Mapping
@@ -65,7 +64,7 @@ from gpud.core.vocab import (
     SERVE_UNIT_SUFFIX,
     serve_unit,
 )
-from gpud.errors import BadRequest, Unavailable
+from gpud.errors import BadRequest
 from gpud.simulation import GPUD_SIM_PROCS_DIR
 
 UNIT_PREFIX: Final = SERVE_UNIT_PREFIX
@@ -193,20 +192,13 @@ def host_home(user: str) -> str | None:
 
 
 def host_identity(name: str, serve: ServeConfig, daemon: DaemonConfig,
-                  environment: Mapping[str, str], *, fronted: bool,
+                  environment: Mapping[str, str], *, front_group: str | None,
                   home_of: Callable[[str], str | None] = host_home) -> Identity:
     """serve_identity with this host's user database (`home_of`): the front's group for a
-    fronted serve, the simulation's registration folder writable for a stand-in
-    (GPUD_SIM_PROCS_DIR)."""
-    group = None
-    if fronted:
-        try:
-            group = grp.getgrgid(pwd.getpwnam(daemon.front_user).pw_gid).gr_name
-        except KeyError:
-            raise Unavailable(f"daemon.front_user: no user {daemon.front_user!r} (or no group "
-                              "of it) on this host", {"user": daemon.front_user}) from None
+    fronted serve (gpud.front.front_group), the simulation's registration folder writable for
+    a stand-in (GPUD_SIM_PROCS_DIR)."""
     procs = environment.get(GPUD_SIM_PROCS_DIR)
-    return serve_identity(name, serve, daemon, home_of=home_of, front_group=group,
+    return serve_identity(name, serve, daemon, home_of=home_of, front_group=front_group,
                           writable=(procs,) if procs else ())
 
 

@@ -39,7 +39,7 @@ from gpud.core.vocab import (
 )
 from gpud.errors import Conflict, Denied, GpudError, Unavailable
 from gpud.files import write_atomically
-from gpud.front import SERVE_UMASK, prepare_socket_dir
+from gpud.front import SERVE_UMASK, front_group, prepare_socket_dir
 from gpud.supervisor.base import (
     UNIT_JOB_TIMEOUT_S,
     Base,
@@ -195,8 +195,9 @@ class LaunchJob(Base):
         if callable(environment_for):
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
-        ident = host_identity(serve, spec, self.svc.config.daemon, env, fronted=bool(spec.front),
-                              home_of=self.home_of)
+        ident = host_identity(serve, spec, self.svc.config.daemon, env,
+                              front_group=front_group(self.svc.config.daemon) if spec.front
+                              else None, home_of=self.home_of)
         env = {k: v for k, v in {**ident.environment, **env}.items() if k not in spec.environment}
         # A container gets every device of the serve through CDI, in the order of its roles.
         cdi = ([name for d in devs for name in containers.cdi_devices(serve, d.uuid, d.index)]
