@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import grp
 import json
 import logging
@@ -633,14 +632,19 @@ class Api:
             return json_response(await self.reload_hook(uid))
 
 
-@functools.lru_cache(maxsize=8)
+_FRONT_UIDS: dict[str, int] = {}
+
+
 def _uid_of(user: str) -> int | None:
     """The front user's uid, looked up once per name: every request to an on-demand serve
-    asks, and a read of the passwd database each time would add to its latency."""
-    try:
-        return pwd.getpwnam(user).pw_uid
-    except KeyError:
-        return None
+    asks, and a read of the passwd database each time would add to its latency. A user not
+    found is asked again (the package may create it after gpud started)."""
+    if user not in _FRONT_UIDS:
+        try:
+            _FRONT_UIDS[user] = pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return None
+    return _FRONT_UIDS[user]
 
 
 async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import socket
 import stat
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import gpud.api
 from tests.conftest import T015, GpudProcess, call, start_gpud
 
 
@@ -357,3 +359,19 @@ def test_preempt_only_for_configured_serves(gpud_t015: GpudProcess) -> None:
     assert reply.status == 400 and "holds an external reservation" in \
         reply.body["error"]["message"], reply.raw
     assert ledger_of(gpud_t015) == before
+
+
+def test_the_front_user_not_found_is_looked_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the package may create the front's user after gpud started: a miss is not remembered
+    calls: list[str] = []
+
+    def getpwnam(name: str) -> pwd.struct_passwd:
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyError(name)
+        return pwd.struct_passwd(("later", "x", 4242, 4242, "", "/", "/usr/sbin/nologin"))
+
+    monkeypatch.setattr(gpud.api.pwd, "getpwnam", getpwnam)
+    assert gpud.api._uid_of("gpud-front-made-later") is None
+    assert gpud.api._uid_of("gpud-front-made-later") == 4242
+    assert gpud.api._uid_of("gpud-front-made-later") == 4242 and len(calls) == 2
