@@ -486,7 +486,9 @@ def test_asleep_mib_is_the_draw_asleep(start: Start, procs_dir: Path) -> None:
 
 
 def test_crash_after_exits_with_the_code(start: Start, procs_dir: Path) -> None:
-    s = start("--crash-after", "0.4", "--exit-code", "7", "--draw-mib", "100", sim=True)
+    # long enough that the health answer comes before the crash on a loaded host (0.4 s lost
+    # the race once with other test suites beside it)
+    s = start("--crash-after", "2", "--exit-code", "7", "--draw-mib", "100", sim=True)
     assert s.health()[0] == 200
     wait_until(lambda: len(registrations(procs_dir)) == 1, what="registration")
     assert s.wait_exit() == 7
