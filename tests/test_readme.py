@@ -7,8 +7,13 @@ words are true; a README rewritten so that a claim's words are gone fails too, n
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from bench.fig_startup import TARGET_RATIO
 from gpud.core.config import DaemonConfig, ServeConfig
@@ -93,7 +98,8 @@ def test_the_readme_names_every_debian_package_of_each_tier() -> None:
                                     (tests, "setup-test", test_packages)):
         assert packages, f"no packages found in scripts/{script}"
         named = set(re.findall(r"[\w.+-]+", words))
-        assert sorted(packages - named) == [], f"scripts/{script} installs them, the README does not say"
+        assert sorted(packages - named) == [], (
+            f"scripts/{script} installs them, the README does not say")
 
 
 def test_starts_on_a_device_are_ordered_as_the_readme_says() -> None:
@@ -104,7 +110,9 @@ def test_starts_on_a_device_are_ordered_as_the_readme_says() -> None:
     assert "serves sized exactly (`vllm.kv_cache_mib`: no profiling) start together" in readme()
 
     def serve(prio: int, kv: int | None) -> ServeConfig:
-        vllm: dict[str, object] = {"model": "m"} if kv is None else {"model": "m", "kv_cache_mib": kv}
+        vllm: dict[str, object] = {"model": "m"}
+        if kv is not None:
+            vllm["kv_cache_mib"] = kv
         return ServeConfig.model_validate({"role": "r", "vram_mib": 1000, "priority": prio,
                                            "vllm": vllm})
 
@@ -116,7 +124,8 @@ def test_starts_on_a_device_are_ordered_as_the_readme_says() -> None:
 
 def test_the_vllm_versions_are_those_of_the_code() -> None:
     version = DaemonConfig().vllm_version
-    assert f'vLLM {".".join(version.split(".")[:2])} (`daemon.vllm_version = "{version}"`)' in readme()
+    minor = ".".join(version.split(".")[:2])
+    assert f'vLLM {minor} (`daemon.vllm_version = "{version}"`)' in readme()
     table = f"gpud/data/vllm-serve-flags-{version}.json"
     assert (REPO / table).is_file() and f"`{table}`" in readme()
     found = re.search(r"^VLLM_VERSION=(\S+)$", (SCRIPTS / "setup-vllm").read_text(), flags=re.M)
@@ -133,3 +142,19 @@ def test_the_defaults_the_readme_quotes() -> None:
     assert f"`stop_timeout_s` ({serve.stop_timeout_s:g} s:" in readme()
     assert f"would give up before gpud's {serve.start_timeout_s:g})" in readme()
     assert f"it starts within {TARGET_RATIO:g}x of a bare `python3 -c pass`" in readme()
+
+
+def test_the_exposure_the_readme_quotes_is_systemds() -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        if os.environ.get("CI"):
+            pytest.fail("systemd-analyze is missing (package systemd): scripts/setup installs it")
+        pytest.skip("systemd-analyze is missing (package systemd): run scripts/setup")
+    said = re.search(r"`systemd-analyze security` exposure (\d+\.\d)", readme())
+    assert said is not None, "the README no longer quotes gpud.service's exposure"
+    result = subprocess.run([tool, "security", "--offline=yes", "--no-pager",
+                             str(REPO / "units" / "gpud.service")],
+                            capture_output=True, text=True, timeout=60, check=False)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d)", result.stdout)
+    assert found is not None, result.stdout + result.stderr
+    assert said.group(1) == found.group(1), f"README {said.group(1)}, systemd {found.group(1)}"
