@@ -1,9 +1,10 @@
 # gpud: `make demo` shows the whole thing in a disposable systemd sandbox with a simulated GPU;
 # `make test` runs every check CI runs. Everything runs in the project's virtualenv, .venv/
 # (made by scripts/setup), never in the system's interpreter.
-# What each needs is set up by tiers: `setup` what gpud and the demo run (scripts/setup), `setup-test`
-# the test tools besides (scripts/setup-test), `setup-vllm` real vLLM's CPU build for the tests
-# marked vllm (scripts/setup-vllm: torch and vLLM, 3.5 GiB). `make demo` sets up only the first.
+# What each target needs is set up by tiers: `setup` what gpud and the demo run (scripts/setup),
+# `setup-test` the test tools besides (scripts/setup-test), `setup-vllm` real vLLM's CPU build for
+# the tests marked vllm (scripts/setup-vllm: torch and vLLM, 3.5 GiB). `make demo` sets up only
+# the first; `make test` all three.
 PY := .venv/bin/python
 
 .PHONY: setup setup-test setup-vllm demo run test lint unit bench mutation coverage deb docs clean distclean
