@@ -62,40 +62,45 @@ def trip_wire(path: Path) -> Path:
 def test_make_demo_on_a_fresh_checkout_builds_only_the_demo_tier(tmp_path: Path) -> None:
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout: the working tree's files cannot be listed")
-    checkout = fresh_checkout(tmp_path / "gpud")
-    marks = [trip_wire(checkout / script) for script in TIERS_NOT_FOR_THE_DEMO]
-    cache = tmp_path / "cache"
-    env = {
-        "PATH": BARE_PATH,
-        "HOME": os.environ.get("HOME", "/root"),
-        "XDG_CACHE_HOME": str(cache),
-        "PIP_CACHE_DIR": str(cache / "pip"),
-        # the interpreter this suite runs on (not whichever python3 a bare PATH finds first)
-        "PYTHON": os.path.realpath(sys.executable),
-    }
-    out = subprocess.run(["make", "--no-print-directory", "demo"], cwd=checkout, env=env,
-                         capture_output=True, text=True, timeout=900, check=False)
-    text = out.stdout + out.stderr
-    ran = [m.read_text().strip() for m in marks if m.exists()]
-    assert ran == [], f"make demo set up a tier the demo does not use: {ran}\n{text[-3000:]}"
-    assert not (checkout / ".venv-vllm").exists(), "make demo made .venv-vllm"
-    assert out.returncode == 0, text[-6000:]
-    missing = [f"{why}: {line!r}" for line, why in SEED_LINES if line not in text]
-    assert not missing, "\n".join(missing) + "\n" + text[-4000:]
-    assert "sandbox powered off" in text
+    checkout, cache = tmp_path / "gpud", tmp_path / "cache"
+    try:
+        fresh_checkout(checkout)
+        marks = [trip_wire(checkout / script) for script in TIERS_NOT_FOR_THE_DEMO]
+        env = {
+            "PATH": BARE_PATH,
+            "HOME": os.environ.get("HOME", "/root"),
+            "XDG_CACHE_HOME": str(cache),
+            "PIP_CACHE_DIR": str(cache / "pip"),
+            # the interpreter this suite runs on (not whichever python3 a bare PATH finds first)
+            "PYTHON": os.path.realpath(sys.executable),
+        }
+        out = subprocess.run(["make", "--no-print-directory", "demo"], cwd=checkout, env=env,
+                             capture_output=True, text=True, timeout=900, check=False)
+        text = out.stdout + out.stderr
+        ran = [m.read_text().strip() for m in marks if m.exists()]
+        assert ran == [], f"make demo set up a tier the demo does not use: {ran}\n{text[-3000:]}"
+        assert not (checkout / ".venv-vllm").exists(), "make demo made .venv-vllm"
+        assert out.returncode == 0, text[-6000:]
+        missing = [f"{why}: {line!r}" for line, why in SEED_LINES if line not in text]
+        assert not missing, "\n".join(missing) + "\n" + text[-4000:]
+        assert "sandbox powered off" in text
 
-    # each long step said what it was doing before doing it
-    for step in ("setup: making the virtualenv .venv", "setup: installing gpud and its dependencies"):
-        assert step in text, f"no word before the step {step!r}:\n{text[:3000]}"
+        # each long step said what it was doing before doing it
+        for step in ("setup: making the virtualenv .venv", "setup: installing gpud and its dependencies"):
+            assert step in text, f"no word before the step {step!r}:\n{text[:3000]}"
 
-    python = checkout / ".venv" / "bin" / "python"
-    probe = ("import importlib.util, sys; "
-             f"print(' '.join(m for m in {TEST_ONLY!r} if importlib.util.find_spec(m)))")
-    present = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
-                             check=True).stdout.split()
-    assert present == [], f"make demo installed test-only tools: {present}"
-    binaries = [b for b in TEST_BINARIES if (checkout / ".venv" / "bin" / b).exists()]
-    assert binaries == [], f"make demo unpacked the test tier's binaries: {binaries}"
-    # and what the demo does need is there: gpud with its dependencies, importable
-    subprocess.run([str(python), "-c", "import gpud.daemon, gpud.ctl.main"], cwd=checkout,
-                   check=True, capture_output=True)
+        python = checkout / ".venv" / "bin" / "python"
+        probe = ("import importlib.util, sys; "
+                 f"print(' '.join(m for m in {TEST_ONLY!r} if importlib.util.find_spec(m)))")
+        present = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        assert present == [], f"make demo installed test-only tools: {present}"
+        binaries = [b for b in TEST_BINARIES if (checkout / ".venv" / "bin" / b).exists()]
+        assert binaries == [], f"make demo unpacked the test tier's binaries: {binaries}"
+        # and what the demo does need is there: gpud with its dependencies, importable
+        subprocess.run([str(python), "-c", "import gpud.daemon, gpud.ctl.main"], cwd=checkout,
+                       check=True, capture_output=True)
+    finally:
+        # a venv of its own and a pip cache, 70 MB: not left behind in the temporary directory
+        shutil.rmtree(checkout, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
