@@ -1,12 +1,22 @@
 # gpud: `make demo` shows the whole thing in a disposable systemd sandbox with a simulated GPU;
 # `make test` runs every check CI runs. Everything runs in the project's virtualenv, .venv/
 # (made by scripts/setup), never in the system's interpreter.
+# What each target needs is set up by tiers: `setup` what gpud and the demo run (scripts/setup),
+# `setup-test` the test tools besides (scripts/setup-test), `setup-vllm` real vLLM's CPU build for
+# the tests marked vllm (scripts/setup-vllm: torch and vLLM, 3.5 GiB). `make demo` sets up only
+# the first; `make test` all three.
 PY := .venv/bin/python
 
-.PHONY: setup demo run test lint unit bench mutation coverage deb docs clean distclean
+.PHONY: setup setup-test setup-vllm demo run test lint unit bench mutation coverage deb docs clean distclean
 
 setup:
 	scripts/setup
+
+setup-test:
+	scripts/setup-test
+
+setup-vllm:
+	scripts/setup-vllm
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -14,21 +24,21 @@ demo: setup
 run: setup
 	$(PY) -m gpud.daemon --config etc/serves.toml --socket /run/gpud/gpud.sock --state-dir /var/lib/gpud
 
-lint: setup
+lint: setup-test
 	$(PY) -m ruff check gpud tests tools bench scripts
 	$(PY) -m mypy
 
-unit: setup
+unit: setup-test
 	$(PY) -m pytest -m 'not sandbox and not slow and not build'
 
-test: setup lint
+test: setup-test setup-vllm lint
 	$(PY) -m pytest
 
-bench: setup
+bench: setup-test
 	$(PY) bench/run.py
 
 # Mutation score of the pure core, per module (tools/mutate.py; not part of `make test`).
-mutation: setup
+mutation: setup-test
 	$(PY) tools/mutate.py
 
 # Line coverage of gpud by the tests, the daemons and clients they start included (not part of
@@ -37,7 +47,7 @@ mutation: setup
 # supervisor and rebalance alone:
 #   make coverage TESTS="tests/test_service.py tests/test_supervisor_direct.py tests/test_rebalance_direct.py"
 TESTS ?= -m 'not sandbox and not slow'
-coverage: setup
+coverage: setup-test
 	rm -f .coverage .coverage.*
 	$(PY) -m coverage run -m pytest $(TESTS)
 	$(PY) -m coverage combine -q
@@ -50,11 +60,11 @@ docs: setup
 	$(PY) scripts/completion.py
 	$(PY) scripts/dashboard.py
 
-deb: setup
+deb: setup-test
 	PYTHON=$(PY) packaging/build-deb
 
 clean:
 	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .coverage .coverage.*
 
 distclean: clean
-	rm -rf .venv
+	rm -rf .venv .venv-vllm

@@ -30,8 +30,8 @@ def shell(name: str) -> str:
     found = shutil.which(name)
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail(f"{name} is missing: scripts/setup installs it")
-        pytest.skip(f"{name} is missing: run scripts/setup")
+            pytest.fail(f"{name} is missing: scripts/setup-test installs it")
+        pytest.skip(f"{name} is missing: run scripts/setup-test")
     return found
 
 
@@ -83,8 +83,8 @@ def bash_complete(*lines: str) -> dict[str, set[str]]:
 def test_bash_offers_every_command_and_option() -> None:
     if not os.path.exists(BASH_COMPLETION):
         if os.environ.get("CI"):
-            pytest.fail("bash-completion is missing: scripts/setup installs it")
-        pytest.skip("bash-completion is missing: run scripts/setup")
+            pytest.fail("bash-completion is missing: scripts/setup-test installs it")
+        pytest.skip("bash-completion is missing: run scripts/setup-test")
     top_options, commands = parser_tree()
     lines = ["gpuctl ", "gpuctl -", *(f"gpuctl {name} -" for name in commands),
              "gpuctl events --kind ", "gpuctl events --kind deny ", "gpuctl --socket /x st"]

@@ -1,5 +1,5 @@
 """The shipped Grafana dashboard against a real gpud: its queries ask only for exported metrics,
-and a real Prometheus (Debian's, unpacked into .venv/bin by scripts/setup) scraping a real gpud
+and a real Prometheus (Debian's, unpacked into .venv/bin by scripts/setup-test) scraping a real gpud
 over loopback answers every panel's query with the figures and names the panel is meant to show.
 """
 
@@ -60,8 +60,8 @@ def prometheus_binary() -> str:
     found = shutil.which("prometheus", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail("prometheus is missing: scripts/setup unpacks it into .venv/bin")
-        pytest.skip("prometheus is missing: run scripts/setup")
+            pytest.fail("prometheus is missing: scripts/setup-test unpacks it into .venv/bin")
+        pytest.skip("prometheus is missing: run scripts/setup-test")
     return found
 
 

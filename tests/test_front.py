@@ -269,7 +269,7 @@ def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
 def fronted() -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
     """A stand-in on a Unix socket (with dev mode) and nginx in front of it on a port."""
     if not NGINX.exists():
-        pytest.fail(f"{NGINX} missing: run scripts/setup")
+        pytest.fail(f"{NGINX} missing: run scripts/setup-test")
     # Not pytest's tmp_path (below a 0700 directory): nginx run by root serves from workers
     # that run as nobody.
     tmp_path = Path(tempfile.mkdtemp(prefix="gpud-front-"))

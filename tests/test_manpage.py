@@ -24,8 +24,8 @@ def mandoc() -> str:
     found = shutil.which("mandoc")
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail("mandoc is missing: scripts/setup installs it")
-        pytest.skip("mandoc is missing: run scripts/setup")
+            pytest.fail("mandoc is missing: scripts/setup-test installs it")
+        pytest.skip("mandoc is missing: run scripts/setup-test")
     return found
 
 

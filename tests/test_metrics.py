@@ -121,12 +121,12 @@ def test_metrics_parse_and_match_the_ledger(tmp_path: Path) -> None:
 
 
 def promtool() -> str:
-    """promtool, from the project's .venv (scripts/setup unpacks it from Debian's prometheus)."""
+    """promtool, from the project's .venv (scripts/setup-test unpacks it from Debian's prometheus)."""
     found = shutil.which("promtool", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail("promtool is missing: scripts/setup installs it into .venv/bin")
-        pytest.skip("promtool is missing: run scripts/setup")
+            pytest.fail("promtool is missing: scripts/setup-test installs it into .venv/bin")
+        pytest.skip("promtool is missing: run scripts/setup-test")
     return found
 
 

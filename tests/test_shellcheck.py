@@ -1,4 +1,4 @@
-"""Every shell script of the project passes shellcheck (scripts/setup installs it)."""
+"""Every shell script of the project passes shellcheck (scripts/setup-test installs it)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def shell_scripts() -> list[str]:
 
 def test_shell_scripts_are_found() -> None:
     scripts = shell_scripts()
-    for expected in ("scripts/setup", ".ci/run", "tools/sandbox-boot.sh", "packaging/build-deb",
-                     "packaging/debian/postinst", "contrib/completion/gpuctl.bash"):
+    for expected in ("scripts/setup", "scripts/setup-test", ".ci/run", "tools/sandbox-boot.sh",
+                     "packaging/build-deb", "packaging/debian/postinst",
+                     "contrib/completion/gpuctl.bash"):
         assert expected in scripts, scripts
 
 
@@ -49,8 +50,8 @@ def test_shellcheck_clean() -> None:
     tool = shutil.which("shellcheck")
     if tool is None:
         if os.environ.get("CI"):
-            pytest.fail("shellcheck is missing: scripts/setup installs it")
-        pytest.skip("shellcheck is missing: run scripts/setup")
+            pytest.fail("shellcheck is missing: scripts/setup-test installs it")
+        pytest.skip("shellcheck is missing: run scripts/setup-test")
     result = subprocess.run([tool, "--format=gcc", *shell_scripts()], cwd=REPO, capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

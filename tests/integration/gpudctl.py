@@ -23,7 +23,7 @@ STANDIN = ["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin
 
 # Where the sandbox's gpud-front.service finds nginx: the unit runs with PrivateTmp= and
 # ProtectHome=, so a checkout under /tmp, /var/tmp or a home directory (where CI clones it) is
-# not visible to it; scripts/setup's nginx is copied into the sandbox's own /usr/local/sbin (its
+# not visible to it; scripts/setup-test's nginx is copied into the sandbox's own /usr/local/sbin (its
 # overlay: the host's stays untouched), where a host's own nginx would be.
 NGINX = "/usr/local/sbin/nginx"
 SERVE_SOCKETS = "/run/gpud/serves"  # daemon.serve_socket_dir's default

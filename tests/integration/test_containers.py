@@ -84,7 +84,7 @@ rm -rf "$r" "$r.tar"
 def _podman_missing() -> str | None:
     for tool in ("podman", "runc", "conmon", "slirp4netns"):
         if shutil.which(tool) is None and not Path(f"/usr/libexec/podman/{tool}").exists():
-            return f"{tool} is not installed (scripts/setup installs it)"
+            return f"{tool} is not installed (scripts/setup-test installs it)"
     return None
 
 

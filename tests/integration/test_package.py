@@ -333,8 +333,8 @@ def test_lintian_clean(deb: Path) -> None:
     lintian = shutil.which("lintian")
     if lintian is None:
         if os.environ.get("CI"):
-            pytest.fail("lintian is missing: scripts/setup installs it")
-        pytest.skip("lintian is missing: run scripts/setup")
+            pytest.fail("lintian is missing: scripts/setup-test installs it")
+        pytest.skip("lintian is missing: run scripts/setup-test")
     result = subprocess.run([lintian, "--show-overrides", str(deb)], capture_output=True, text=True,
                             timeout=300, check=False)
     tags = [line for line in result.stdout.splitlines() if line[:2] in ("E:", "W:")]

@@ -1,6 +1,6 @@
 """The real-vLLM tier: every test here is marked `vllm` (and runs in the default run). Where
 real vLLM is missing the tests skip, except in CI, where a skip fails the run (tests/conftest.py):
-scripts/setup, which `make test` runs first, installs it."""
+scripts/setup-vllm, which `make test` runs first, installs it."""
 
 from __future__ import annotations
 
