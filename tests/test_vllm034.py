@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,3 +186,17 @@ def test_parked_host_ram_by_version_and_level() -> None:
     assert b34.parked_host_mib(2, weights_mib=8000, cudagraph_mib=300) == 300
     assert b34.parked_host_mib(2, weights_mib=None, cudagraph_mib=None) is None
     assert b34.parked_host_mib(0, weights_mib=8000, cudagraph_mib=300) == 0
+
+
+def test_gpuctl_calibrate_shows_the_extended_kv_cache_and_the_parked_ram() -> None:
+    from gpud.ctl.format import format_calibration
+    from gpud.vllm_log import parse_memory_lines
+    from tests.test_vllm_log import V034_PARKED, journal_034
+
+    vllm = parse_memory_lines([*journal_034(extended=True), V034_PARKED % (12.5, 0.75, 11.75)])
+    doc: Any = {"serve": "chat", "status": "calibrated", "fingerprint": "f",
+                "vllm": {**vllm.to_json(), "context_mib": 500}}
+    text = format_calibration(doc)
+    assert "KV cache extended after warm-up to 1490 blocks (594 MiB; profiling estimated " \
+           "819 MiB)" in text
+    assert "its last sleep parked 768 MiB in host RAM" in text
