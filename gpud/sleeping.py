@@ -157,6 +157,14 @@ class Sleeps:
             return weights * devices
         return (res.mib if res else spec.vram_mib if spec else 0) * devices
 
+    def url(self, serve: str, spec: ServeConfig, path: str) -> str:
+        """Where gpud reaches one of the serve's routes (its socket when fronted)."""
+        return self._url(serve, spec, path)
+
+    async def post(self, serve: str, spec: ServeConfig, path: str) -> None:
+        """POST to one of the serve's control routes, bounded as _post bounds it."""
+        await self._post(serve, spec, path)
+
     def _url(self, serve: str, spec: ServeConfig, path: str) -> str:
         if spec.front:
             return f"http://localhost{path}"  # over the serve's socket (Supervisor.serve_http)
