@@ -129,7 +129,7 @@ class Reconciler:
         (vLLM 0.34's `GET /checkpoint/status`, `{"state": ...}`: 200 prepared, 503 otherwise,
         500 failed: api_router.py:80-97). Asked only on a release that has the route."""
         known = BEHAVIOURS.get(self.svc.config.daemon.vllm_version)
-        if said is not True or spec.vllm is None or known is None or not known.checkpoint_routes:
+        if said is not True or known is None or not known.checkpoint_routes:
             return False
         try:
             async with self.serves.serve_http(serve, spec).get(
