@@ -16,7 +16,7 @@ line numbers are those of the vllm-0.34.0 wheel on PyPI):
     check, KV profiling and `--kv-cache-memory` recommendation hold: docs/vllm.md gives the
     arithmetic and why. The flag is a BooleanOptionalAction (`engine/arg_utils.py`;
     the 0.34.0 flag table lists `--enable-extensible-kv-cache`/`--disable-...`) and a requested
-    False never raises (`config/vllm.py:3258-3261` raise only for a requested True).
+    False never raises (`config/vllm.py:3262-3263` raise only for a requested True).
   - `/checkpoint/prepare|restore|status` are registered on every serve with sleep mode
     (`entrypoints/launchers/api_server/routers.py:68-73`; `entrypoints/serve/checkpoint/
     api_router.py:39,60,80`), outside dev mode and `--api-key`. A prepared engine pauses its

@@ -1,4 +1,5 @@
-"""A stand-in for a vLLM 0.33 OpenAI server, for tests and demos on machines without a GPU.
+"""A stand-in for a vLLM 0.33 (or, with ``--vllm-version 0.34.0``, 0.34) OpenAI server, for
+tests and demos on machines without a GPU.
 
 Not part of the shipped daemon (gpud.testing is left out of the package). Run as
 ``python -m gpud.testing.standin`` with a ``vllm serve``-shaped argv::
@@ -29,6 +30,18 @@ functions that do it):
   say their answer is garbage), as real vLLM's would be; asleep, the engine's draw drops to
   the context (``--context-mib``), or to ``--asleep-mib`` when given (what a serve's
   ``sleep_mib`` stands for).
+
+``--vllm-version 0.34.0`` (or ``GPUD_STANDIN_VLLM_VERSION``; default 0.33.0) stands in for
+vLLM 0.34.0 (paths under vllm/, 0.34.0's lines): its flag table; its start lines (no
+``Estimated CUDA graph memory``, the V1 model runner being deleted; ``Graph capturing finished``;
+with the extensible KV cache, on unless ``--no-enable-extensible-kv-cache`` or
+``--kv-cache-memory-bytes``, the ``Memory after warmup`` and ``Extended KV cache to N blocks``
+lines, v1/worker/extensible_kv_cache.py:694, :537); with ``--enable-sleep-mode``, dev mode or
+not, ``POST /checkpoint/prepare``, ``POST /checkpoint/restore`` and ``GET /checkpoint/status``
+(entrypoints/serve/checkpoint/api_router.py:39, :60, :80): prepared, it says ``is_sleeping:
+true``, releases its KV cache (the draw drops by it), and answers 500 to ``/sleep`` and
+``/wake_up`` until restored (v1/engine/core.py:1110, :1153); a sleep logs what it parks in host
+RAM as CuMemAllocator does (device_allocator/cumem.py:302): at level 2 the CUDA graph pool.
 
 It never pretends to be real: its first line says "STAND-IN", ``/v1/models`` says
 ``"owned_by": "gpud-standin"`` and every response carries ``X-Gpud-Standin: 1``. Unlike vLLM it
@@ -404,7 +417,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gpud.testing.standin",
         allow_abbrev=False,
-        description="A stand-in for a vLLM 0.33 OpenAI server (no model, no GPU) for gpud's "
+        description="A stand-in for a vLLM 0.33 or 0.34 OpenAI server (no model, no GPU) for gpud's "
         "tests. Usage: [serve [MODEL]] [options]; vLLM options its flag table knows are "
         "accepted and ignored, others exit 2.",
     )
