@@ -139,6 +139,14 @@ class Calibrator:
             return None
         return int(rec.vllm["weights_mib"])
 
+    def cudagraph_mib(self, serve: str) -> int | None:
+        """The CUDA graph pool the current calibration measured (vLLM's account), if any: what
+        vLLM 0.34 parks in host RAM at either sleep level beside what the level parks."""
+        rec = self.record_of(serve)
+        if rec is None or not rec.vllm or rec.vllm.get("cudagraph_mib") is None:
+            return None
+        return int(rec.vllm["cudagraph_mib"])
+
     def sizing_problem(self, serve: str) -> str | None:
         """A vllm serve that sizes its KV cache itself (kv_cache_mib) must fit what its current
         calibration says it holds beside it: weights + CUDA graphs + context + KV <= vram_mib.

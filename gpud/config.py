@@ -39,6 +39,7 @@ from gpud.core.launch import (
     vllm_environment,
 )
 from gpud.core.ledger import gpu_memory_utilization
+from gpud.core.vllm_versions import BEHAVIOURS, CHECKPOINT_ROUTES, extra_args_problems
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 from gpud.vllm_flags import check_serve_args, load_table
@@ -247,10 +248,17 @@ def config_warnings(cfg: Config) -> list[str]:
                             "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
                             "= \"host\"")
         if serve.sleep_level and not serve.front and serve.port is not None:
+            known = BEHAVIOURS.get(cfg.daemon.vllm_version)
+            # vLLM 0.34 registers /checkpoint/* on every sleep-mode serve, without dev mode or
+            # --api-key (vllm/entrypoints/launchers/api_server/routers.py:68-73 of 0.34.0)
+            checkpoint = (f"; on vLLM {known.version} also {', '.join(CHECKPOINT_ROUTES)} "
+                          "(a prepared serve stops serving until restored)"
+                          if known is not None and known.checkpoint_routes and serve.vllm
+                          else "")
             warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
-                            "dev routes (/sleep, /wake_up, /collective_rpc), open to every "
-                            f"local user on port {serve.port}: without front = false the front "
-                            "answers them 404 (docs/front.md)")
+                            "dev routes (/sleep, /wake_up, /collective_rpc)"
+                            f"{checkpoint}, open to every local user on port {serve.port}: "
+                            "without front = false the front answers them 404 (docs/front.md)")
     return warnings
 
 
@@ -286,6 +294,10 @@ def _vllm_problems(cfg: Config) -> list[str]:
         if vllm_serves:
             problems.append(f"daemon.vllm_version: {exc.args[0]}")
         table = None
+    behaviour = BEHAVIOURS.get(cfg.daemon.vllm_version)
+    if behaviour is None and table is not None and vllm_serves:
+        problems.append(f"daemon.vllm_version: gpud knows the behaviour of vLLM "
+                        f"{', '.join(sorted(BEHAVIOURS))}, not {cfg.daemon.vllm_version!r}")
     totals = device_totals(cfg)
     for name, serve in cfg.serves.items():
         roles = [cfg.roles.get(r) for r in serve.all_roles]
@@ -323,6 +335,10 @@ def _vllm_problems(cfg: Config) -> list[str]:
                             "weights need room too)")
         for i, why in tensor_parallel_problems(serve):
             problems.append(f"serves.{name}.vllm.extra_args[{i}]: {why}")
+        if behaviour is not None:
+            for i, why in extra_args_problems(v.extra_args, behaviour,
+                                              sleep_level=serve.sleep_level or 0):
+                problems.append(f"serves.{name}.vllm.extra_args[{i}]: {why}")
         for i, arg in enumerate(v.extra_args):
             option = _option_name(arg)
             key = GPUD_SET_OPTIONS.get(option)
@@ -345,7 +361,8 @@ def _vllm_problems(cfg: Config) -> list[str]:
                 "would give up on its engine before gpud does)")
         if table is None:
             continue
-        parts = vllm_arg_parts(serve, executable=cfg.daemon.vllm_executable, util="0.5000")
+        parts = vllm_arg_parts(serve, executable=cfg.daemon.vllm_executable, util="0.5000",
+                               vllm_version=cfg.daemon.vllm_version)
         args = parts[2:]  # after `vllm serve`
         for problem in check_serve_args([a for a, _ in args], table):
             problems.append(f"serves.{name}.{args[problem.index][1]}: {problem.message}")

@@ -8,6 +8,12 @@ admitted on figures that are false) while the serve's lock is taken, the questio
 and the ledger put right: a serve woken outside gpud is admitted at its full size if it fits,
 else put back to sleep (or stopped, when it is preempted by stopping); a serve put to sleep
 outside gpud keeps its full reservation and is shown sleeping.
+
+On vLLM 0.34 (`daemon.vllm_version`), a serve that says it sleeps is asked `GET
+/checkpoint/status` too: one prepared for a process checkpoint behind gpud's back is not asleep
+and gpud's wake cannot wake it (gpud.core.reconcile says why); it is restored (`POST
+/checkpoint/restore`, vllm/entrypoints/serve/checkpoint/api_router.py:60 of 0.34.0), and while
+that fails it is reported and keeps its reservation.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from __future__ import annotations
 import json
 import logging
 
+import aiohttp
+
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
+from gpud.core.vllm_versions import BEHAVIOURS
 from gpud.core.vocab import RUNNING, SLEEPING, EventKind, SleepAction
 from gpud.errors import Denied, GpudError
 from gpud.observer import Observer
@@ -24,6 +33,9 @@ from gpud.service import LedgerService
 from gpud.sleeping import Serves, Sleeps, meta_key
 
 log = logging.getLogger("gpud.reconcile")
+CHECKPOINT_STATUS_TIMEOUT_S = 5.0
+# vllm/v1/engine/__init__.py:44-55 of 0.34.0 (CheckpointState): not serving, and not asleep
+PREPARED_STATES = ("preparing", "prepared")
 
 
 def _said(value: bool | None) -> str:
@@ -51,7 +63,8 @@ class Reconciler:
             return Reconcile.AGREE
         said = await self.sleeps.is_sleeping(serve, spec)
         recorded = self.svc.state_of(serve)
-        if not disagrees(recorded, said, overdrawn=self.overdrawn(serve)):
+        prepared = await self.prepared(serve, spec, said)
+        if not disagrees(recorded, said, overdrawn=self.overdrawn(serve), prepared=prepared):
             return Reconcile.AGREE
         lock = self.serves.serve_lock(serve)
         if lock.locked():
@@ -67,11 +80,23 @@ class Reconciler:
                     return Reconcile.AGREE
                 recorded = self.svc.state_of(serve)
                 said = await self.sleeps.is_sleeping(serve, spec)
+                prepared = await self.prepared(serve, spec, said)
                 over = self.overdrawn(serve)
                 awake = self.sleeps.awake_mib(serve, spec)
                 fits = all(self.svc.free_for(serve, r) >= awake for r in roles)
                 decision = reconcile(recorded, said, overdrawn=over, awake_fits=fits,
-                                     preemptible=spec.preemptible)
+                                     preemptible=spec.preemptible, prepared=prepared)
+                if decision is Reconcile.ADMIT_AWAKE_RESTORE:
+                    try:
+                        await self._admit_awake(serve, spec, said, awake)
+                    except Denied as exc:
+                        log.warning("%s: prepared for a checkpoint outside gpud, not "
+                                    "re-admitted: %s", serve, exc.message)
+                        decision = Reconcile.STOP
+                    else:
+                        await self._restore(serve, spec)
+                elif decision is Reconcile.RESTORE:
+                    await self._restore(serve, spec)
                 if decision is Reconcile.ADMIT_AWAKE:
                     try:
                         await self._admit_awake(serve, spec, said, awake)
@@ -82,6 +107,11 @@ class Reconciler:
                                     else Reconcile.SLEEP_AGAIN)
                 if decision is Reconcile.SLEEP_AGAIN:
                     stop = not await self._sleep_again(serve, spec, said, awake)
+                elif decision is Reconcile.STOP and prepared:
+                    await self._say(serve, spec, said, awake, "stopped (prepared for a process "
+                                    "checkpoint, it can be neither put back to sleep nor "
+                                    "restored within its sleep reservation)", outside=True)
+                    stop = True
                 elif decision is Reconcile.STOP:
                     await self._say(serve, spec, said, awake, "stopped (it is preempted by "
                                     "stopping)", outside=True)
@@ -93,6 +123,42 @@ class Reconciler:
             return decision
         finally:
             self.svc.lift(serve)
+
+    async def prepared(self, serve: str, spec: ServeConfig, said: bool | None) -> bool:
+        """Whether a serve that says it sleeps is in fact prepared for a process checkpoint
+        (vLLM 0.34's `GET /checkpoint/status`, `{"state": ...}`: 200 prepared, 503 otherwise,
+        500 failed: api_router.py:80-97). Asked only on a release that has the route."""
+        known = BEHAVIOURS.get(self.svc.config.daemon.vllm_version)
+        if said is not True or known is None or not known.checkpoint_routes:
+            return False
+        try:
+            async with self.serves.serve_http(serve, spec).get(
+                    self.sleeps.url(serve, spec, "/checkpoint/status"),
+                    timeout=aiohttp.ClientTimeout(total=CHECKPOINT_STATUS_TIMEOUT_S)) as resp:
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, GpudError):
+            return False
+        return isinstance(body, dict) and body.get("state") in PREPARED_STATES
+
+    async def _restore(self, serve: str, spec: ServeConfig) -> None:
+        """POST /checkpoint/restore; reported either way, the reservation untouched."""
+        res = self.svc.ledger.reservations.get(serve)
+        mib = res.mib if res else None
+        why = (f"{serve} was prepared for a process checkpoint outside gpud (is_sleeping true, "
+               f"/checkpoint/status prepared, {self._seen(serve)})")
+        try:
+            await self.sleeps.post(serve, spec, "/checkpoint/restore")
+        except GpudError as exc:
+            log.error("%s: not restored: %s", why, exc.message)
+            await self.svc.record(self.svc.event(
+                EventKind.WAKE, f"{why}: POST /checkpoint/restore failed ({exc.message}); its "
+                f"reservation of {mib} MiB is kept until it is restored", serve=serve,
+                role=spec.role, mib=mib, outside=True, checkpoint="prepared"))
+            return
+        await self.svc.record(self.svc.event(
+            EventKind.WAKE, f"{why}: restored (POST /checkpoint/restore) within its reservation "
+            f"of {mib} MiB", serve=serve, role=spec.role, mib=mib, outside=True,
+            checkpoint="restored"))
 
     async def _admit_awake(self, serve: str, spec: ServeConfig, said: bool | None,
                            awake: int) -> None:

@@ -33,6 +33,7 @@ from gpud.core.ledger import sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.unitstate import UnitState
+from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
 from gpud.locks import Locks, Rank, Taken
@@ -98,13 +99,16 @@ class Serves(Protocol):
 class Sleeps:
     def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
-                 weights: Callable[[str], int | None] = lambda _serve: None) -> None:
+                 weights: Callable[[str], int | None] = lambda _serve: None,
+                 graphs: Callable[[str], int | None] = lambda _serve: None) -> None:
         self.serves = serves
         self.svc = svc
         self.observer = observer
         self.host_memory = host_memory
         # The calibrated weights of a serve, MiB (Calibrator.weights_mib).
         self.weights = weights
+        # The calibrated CUDA graph pool of a serve, MiB (Calibrator.cudagraph_mib).
+        self.graphs = graphs
         # Every preemption and wake-back holds the supervisor's coordination lock (gpud.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
@@ -156,6 +160,35 @@ class Sleeps:
         if weights is not None:
             return weights * devices
         return (res.mib if res else spec.vram_mib if spec else 0) * devices
+
+    @property
+    def vllm(self) -> VllmBehaviour:
+        """What the serves' vLLM release does (daemon.vllm_version; 0.33's when unknown)."""
+        return BEHAVIOURS.get(self.svc.config.daemon.vllm_version) or BEHAVIOURS[V033]
+
+    def _host_need(self, serve: str, level: int) -> int:
+        """What a sleep at `level` parks in host RAM, as the serves' vLLM release parks it
+        (gpud.core.vllm_versions: the weights at level 1, nothing at level 2 on 0.33; on 0.34
+        the CUDA graph pool besides, at either level); per device times the devices."""
+        if level == 1 and not self.vllm.level2_parks_host:
+            return self._host_weights(serve)
+        res = self.svc.ledger.reservations.get(serve)
+        spec = self.svc.serve_spec(serve)
+        devices = len(res.all_roles) if res else len(spec.all_roles) if spec else 1
+        weights = self.weights(serve)
+        if weights is None:
+            weights = res.mib if res else spec.vram_mib if spec else 0
+        parked = self.vllm.parked_host_mib(level, weights_mib=weights,
+                                           cudagraph_mib=self.graphs(serve))
+        return (parked or 0) * devices
+
+    def url(self, serve: str, spec: ServeConfig, path: str) -> str:
+        """Where gpud reaches one of the serve's routes (its socket when fronted)."""
+        return self._url(serve, spec, path)
+
+    async def post(self, serve: str, spec: ServeConfig, path: str) -> None:
+        """POST to one of the serve's control routes, bounded as _post bounds it."""
+        await self._post(serve, spec, path)
 
     def _url(self, serve: str, spec: ServeConfig, path: str) -> str:
         if spec.front:
@@ -302,9 +335,9 @@ class Sleeps:
                               f"attributes none of its memory to it ({awake_seen} MiB seen "
                               f"awake), so its sleep draw cannot be measured (set serves."
                               f"{serve}.sleep_mib)", {"serve": serve})
-            parked = self._host_weights(serve) if level == 1 else 0
-            if level == 1:
-                self._check_host_ram(serve, parked)
+            parked = self._host_need(serve, level)
+            if level == 1 or (level == 2 and self.vllm.level2_parks_host):
+                self._check_host_ram(serve, parked, level)
             loop = asyncio.get_running_loop()
             asked = await self._process(serve)
             if asked is None:
@@ -404,19 +437,27 @@ class Sleeps:
         self.serves.spawn(self.serves.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
-    def _check_host_ram(self, serve: str, parked: int) -> None:
+    def _check_host_ram(self, serve: str, parked: int, level: int = 1) -> None:
         available = self.host_memory()
         margin = self.svc.config.daemon.sleep_host_margin_mib
+        if self.vllm.level2_parks_host:
+            # vLLM 0.34: vllm/device_allocator/sleep_mode_backend.py:126-132, cumem.py:261-306
+            what = ("its weights and CUDA graphs" if level == 1 else
+                    "its CUDA graphs and runtime allocations (all but the parameters)")
+            said = f"(vLLM {self.vllm.version} parks them at level {level})"
+            unreadable = f"level {level} parks {what} in host RAM on vLLM {self.vllm.version}"
+        else:
+            what, said = "its weights", "(level 2 parks nothing)"
+            unreadable = "level 1 parks the weights in host RAM; level 2 needs none"
         if available is None:
-            raise Refused(f"serve {serve!r} not put to sleep at level 1: MemAvailable cannot be "
-                          "read (level 1 parks the weights in host RAM; level 2 needs none)",
-                          {"serve": serve})
+            raise Refused(f"serve {serve!r} not put to sleep at level {level}: MemAvailable "
+                          f"cannot be read ({unreadable})", {"serve": serve})
         if available < parked + margin:
             raise Refused(
-                f"serve {serve!r} not put to sleep at level 1: host RAM: its weights "
+                f"serve {serve!r} not put to sleep at level {level}: host RAM: {what} "
                 f"({parked} MiB) plus the margin ({margin} MiB) need {parked + margin} MiB, "
                 f"MemAvailable is {available} MiB, short {parked + margin - available} MiB "
-                "(level 2 parks nothing)",
+                f"{said}",
                 {"serve": serve, "bound": "host-ram", "need_mib": parked + margin,
                  "free_mib": available})
 

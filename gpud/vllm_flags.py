@@ -8,6 +8,13 @@ its first `.`; `--opt=value` and `--opt value`; `--opt.key value` for an option 
 `-O3` is `--optimization-level 3`. Anything it does not know is a problem, with the table's hint
 for an option that is gone and the nearest names otherwise. Abbreviations, which argparse would
 take, are refused too: a config names options in full.
+
+Tables: 0.33.0 (the default, DEFAULT_VERSION) and 0.34.0 (`daemon.vllm_version`). 0.34.0's was
+walked from its own parser too (the PyPI wheel installed `--no-deps` over the CPU tier's
+packages: scripts/vllm-flags says how); its FlexibleArgumentParser reads an argv the same way
+(vllm/utils/argparse_utils.py of 0.34.0), and `--no-enable-extensible-kv-cache`, which gpud
+passes on 0.34 (gpud.core.vllm_versions), is the hidden BooleanOptionalAction spelling of the
+`--enable-`/`--disable-extensible-kv-cache` pair its table shows.
 """
 
 from __future__ import annotations

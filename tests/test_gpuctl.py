@@ -223,7 +223,7 @@ def test_every_field_gpuctl_reads_is_one_gpud_answers_with() -> None:
     details = {"bound", "need_mib", "free_mib", "shortfall_mib", "problems", "role", "serve"}
     vllm = {f.name for f in fields(VllmMemory)} | {"recommended_kv_cache_mib", "context_mib",
                                                    "budget_mib", "kv_cache_fit_mib",
-                                                   "kv_cache_fit"}
+                                                   "kv_cache_fit", "kv_extended"}
     read = set()
     for module in ("format.py", "commands.py"):
         read |= _fields_read(REPO / "gpud" / "ctl" / module)

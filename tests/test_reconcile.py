@@ -53,3 +53,32 @@ def test_every_combination_is_decided() -> None:
                         preemptible=combo[4])
         assert isinstance(out, Reconcile), combo
     assert len(decided) == len(CASES)
+
+
+PREPARED = [
+    # vLLM 0.34: /checkpoint/status prepared (is_sleeping says true): (recorded, fits, decision)
+    (A, True, Reconcile.RESTORE),  # held running: restored within its reservation
+    (A, False, Reconcile.RESTORE),
+    (S, True, Reconcile.ADMIT_AWAKE_RESTORE),  # woken and prepared outside gpud: fits awake
+    (S, False, Reconcile.STOP),  # cannot sleep while prepared, nor restore within its sleep
+]
+
+
+@pytest.mark.parametrize(("recorded", "fits", "decision"), PREPARED)
+@pytest.mark.parametrize("preemptible", [None, "sleep", "stop"])
+def test_a_prepared_serve_is_told_from_a_sleeping_one(recorded: str, fits: bool,
+                                                      decision: Reconcile,
+                                                      preemptible: str | None) -> None:
+    assert reconcile(recorded, True, awake_fits=fits, preemptible=preemptible,
+                     prepared=True) is decision
+    assert disagrees(recorded, True, prepared=True)
+    # the same answer without the checkpoint's: an ordinary sleeper
+    assert reconcile(recorded, True, awake_fits=fits, preemptible=preemptible) in (
+        Reconcile.SHOW_ASLEEP, Reconcile.AGREE)
+
+
+def test_prepared_means_nothing_outside_running_and_sleeping() -> None:
+    for state in STATES:
+        if state not in (A, S):
+            assert reconcile(state, True, awake_fits=True, preemptible=None,
+                             prepared=True) is Reconcile.AGREE

@@ -21,6 +21,7 @@ import pytest
 
 from gpud import simulation
 from gpud.testing import standin
+from gpud.vllm_log import parse_memory_lines
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -646,3 +647,72 @@ def test_util_sized_engines_loading_together_mis_size_byte_sized_ones_do_not(
     e = start(*util, sim=True, total_mib=10000, wait=False)
     wait_until(e.listening, 10, what="e")
     assert "No available memory" not in e.output()
+
+
+# ---- vLLM 0.34.0 --------------------------------------------------------------------------
+
+
+def test_0_34_s_start_lines_with_and_without_the_extensible_kv_cache() -> None:
+    ext = standin.parse_args(["--vllm-version", "0.34.0", "--gpu-memory-utilization", "0.4396"])
+    assert ext.vllm_version == "0.34.0" and ext.extensible_kv_cache
+    plan = standin.memory_plan(ext, 32607)
+    lines = standin.memory_log_lines(plan, ext, 32607, 1.5)
+    assert not any("Estimated CUDA graph memory" in line for line in lines)  # V1 runner gone
+    assert lines[:3] == ["Model loading took 8.4 GiB memory and 1.500000 seconds",
+                         "Available KV cache memory: 4.82 GiB",
+                         "Graph capturing finished in 2 secs, took 0.50 GiB"]
+    assert lines[3].startswith("Memory after warmup: ")
+    assert lines[4] == f"Extended KV cache to {plan.kv_cache * 4} blocks (4.82 GiB)."
+    parsed = parse_memory_lines(lines)
+    assert parsed.kv_extended and parsed.kv_cache_mib == 4936 and parsed.cudagraph_mib == 512
+    # gpud's 0.34 argv turns it off: the profiled figure and the recommendation, as on 0.33
+    off = standin.parse_args(["--vllm-version", "0.34.0", "--gpu-memory-utilization", "0.4396",
+                              "--no-enable-extensible-kv-cache"])
+    assert not off.extensible_kv_cache
+    lines = standin.memory_log_lines(standin.memory_plan(off, 32607), off, 32607, 1.5)
+    assert len(lines) == 4 and "--kv-cache-memory=" in lines[3]
+    assert not parse_memory_lines(lines).kv_extended
+    # 0.33 knows no such flag, and stays the default
+    assert standin.parse_args([]).vllm_version == "0.33.0"
+    with pytest.raises(SystemExit):
+        standin.parse_args(["--no-enable-extensible-kv-cache"])
+    assert standin.parse_args([]).extensible_kv_cache is False
+
+
+def test_0_34_checkpoint_routes_and_a_prepared_engine(start: Start, procs_dir: Path) -> None:
+    s = start("--vllm-version", "0.34.0", "--enable-sleep-mode", "--gpu-memory-utilization",
+              "0.5", "--context-mib", "300", sim=True, total_mib=10000,
+              env={"VLLM_SERVER_DEV_MODE": "1"})
+    child = engine_pid(s)
+    plan = standin.memory_plan(standin.parse_args(
+        ["--vllm-version", "0.34.0", "--gpu-memory-utilization", "0.5", "--context-mib", "300"]),
+        10000)
+    wait_until(lambda: registrations(procs_dir).get(child, {}).get("mib") == plan.draw,
+               what="draw")
+    status, _, payload = s.request("GET", "/checkpoint/status")
+    assert (status, json.loads(payload)) == (503, {"state": "running"})
+    status, _, payload = s.request("POST", "/checkpoint/prepare")
+    assert (status, json.loads(payload)) == (200, {"state": "prepared"})
+    # prepared: "sleeping" to /is_sleeping, but not asleep: the KV cache alone is released
+    assert s.get_json("/is_sleeping") == {"is_sleeping": True}
+    wait_until(lambda: registrations(procs_dir)[child]["mib"] == plan.draw - plan.kv_cache,
+               what="the KV cache released")
+    assert s.request("GET", "/checkpoint/status")[0] == 200
+    for path in ("/sleep?level=1", "/wake_up"):
+        status, _, payload = s.request("POST", path)
+        assert status == 500 and b"checkpoint state is prepared" in payload
+    status, _, payload = s.request("POST", "/checkpoint/restore")
+    assert (status, json.loads(payload)) == (200, {"state": "running"})
+    assert s.get_json("/is_sleeping") == {"is_sleeping": False}
+    wait_until(lambda: registrations(procs_dir)[child]["mib"] == plan.draw, what="restored")
+    # a sleeping engine cannot be prepared; level 2 parks the graph pool, as 0.34 logs
+    assert s.request("POST", "/sleep?level=2")[0] == 200
+    assert s.request("POST", "/checkpoint/prepare")[0] == 400
+    wait_until(lambda: "is backed up in CPU" in s.output(), what="the sleep's account")
+    parked = parse_memory_lines(s.output().splitlines()).sleep_parked_host_mib
+    assert parked is not None and abs(parked - plan.cudagraph) <= 10  # 2 decimals of GiB
+    # 0.33 has no such routes; 0.34 has them only with sleep mode, dev mode or not
+    assert start("--enable-sleep-mode").request("GET", "/checkpoint/status")[0] == 404
+    assert start("--vllm-version", "0.34.0").request("GET", "/checkpoint/status")[0] == 404
+    assert start("--vllm-version", "0.34.0", "--enable-sleep-mode").request(
+        "GET", "/checkpoint/status")[0] == 503

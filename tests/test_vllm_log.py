@@ -126,3 +126,64 @@ def test_exit_reason_without_an_exception() -> None:
     long = "ValueError: " + "x" * 1000
     got = exit_reason([long])
     assert got is not None and len(got) == REASON_CHARS and got.endswith("...")
+
+
+# vLLM 0.34.0's format strings, copied from its source (paths under vllm/), filled as its
+# logger fills them (%s of format_gib: str(round(bytes / GiB, 2))).
+V034_WEIGHTS = "Model loading took %s GiB memory and %.6f seconds"  # v1/worker/gpu/model_runner.py:442
+V034_KV = "Available KV cache memory: %s GiB"  # v1/worker/gpu_worker.py:796
+V034_GRAPHS = "Graph capturing finished in %.0f secs, took %.2f GiB"  # gpu/model_runner.py:1217
+V034_WARMUP = (  # v1/worker/extensible_kv_cache.py:694-697
+    "Memory after warmup: %s GiB free, %s GiB committed to the KV cache, "
+    "%s GiB kept for transient activations (%s GiB allocated at peak, "
+    "%s GiB of torch reservation growth); %d KV cache blocks (%s GiB) "
+    "fit within the requested %s GiB. Torch may reserve up to %s GiB.")
+V034_EXTENDED = "Extended KV cache to %d blocks (%.2f GiB)."  # extensible_kv_cache.py:537
+V034_PARKED = (  # vllm/device_allocator/cumem.py:303-305
+    "CuMemAllocator: sleep freed %.2f GiB memory in total, of which "
+    "%.2f GiB is backed up in CPU and the rest %.2f GiB is discarded "
+    "directly.")
+PREFIX = "(EngineCore pid=77) INFO 12-02 09:00:%02d [%s] "
+
+
+def journal_034(*, extended: bool) -> list[str]:
+    lines = [
+        PREFIX % (1, "model_runner.py:442") + V034_WEIGHTS % ("11.49", 18.25),
+        PREFIX % (9, "gpu_worker.py:796") + V034_KV % "0.8",
+        PREFIX % (20, "model_runner.py:1217") + V034_GRAPHS % (11.4, 0.58),
+    ]
+    if extended:
+        lines += [
+            PREFIX % (21, "extensible_kv_cache.py:694") + V034_WARMUP % (
+                "2.1", "0.25", "0.9", "0.9", "0.0", 1490, "0.58", "14.0", "13.1"),
+            PREFIX % (21, "extensible_kv_cache.py:537") + V034_EXTENDED % (1490, 0.58),
+        ]
+    return lines
+
+
+def test_0_34_s_extended_kv_cache_is_the_kv_figure_not_the_estimate() -> None:
+    got = parse_memory_lines(journal_034(extended=True))
+    assert got.weights_mib == 11766
+    assert got.cudagraph_mib == 594  # measured after capture: 0.58 GiB
+    assert got.kv_cache_mib == 594  # Extended KV cache ... (0.58 GiB), not the 0.8 estimate
+    assert got.kv_cache_estimate_mib == 819
+    assert got.kv_cache_blocks == 1490 and got.kv_extended
+    assert got.kv_requested_mib == 14336
+    assert got.to_json()["kv_extended"] is True
+
+
+def test_0_34_without_the_extensible_cache_reads_as_0_33() -> None:
+    # gpud's own 0.34 serves (--no-enable-extensible-kv-cache): no warm-up lines, no
+    # "Estimated CUDA graph memory"
+    got = parse_memory_lines(journal_034(extended=False))
+    assert (got.weights_mib, got.kv_cache_mib, got.cudagraph_mib) == (11766, 819, 594)
+    assert not got.kv_extended and got.kv_cache_estimate_mib is None
+
+
+def test_a_sleep_s_host_ram_is_read() -> None:
+    line = "(EngineCore pid=77) INFO 12-02 09:05:00 [cumem.py:302] " + V034_PARKED % (
+        12.5, 0.75, 11.75)
+    got = parse_memory_lines([*journal_034(extended=True), line])
+    assert got.sleep_parked_host_mib == 768
+    # a new start forgets it
+    assert parse_memory_lines([line, *journal_034(extended=True)]).sleep_parked_host_mib is None

@@ -20,6 +20,7 @@ from gpud.core.config import Config, DaemonConfig, ServeConfig
 from gpud.core.front import socket_path
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
+from gpud.core.vllm_versions import BEHAVIOURS, EXTENSIBLE_KV_OFF, V033
 from gpud.core.vocab import SERVE_UNIT_SUFFIX, serve_unit
 from gpud.errors import GpudError, Refused, Unavailable
 
@@ -104,11 +105,16 @@ def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
 
 
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
-                   host: str | None = None, socket: str | None = None) -> list[tuple[str, str]]:
+                   host: str | None = None, socket: str | None = None,
+                   vllm_version: str = V033) -> list[tuple[str, str]]:
     """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
     from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
     [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
-    [extra_args...]` (pinned by a golden test and checked against the flag table)."""
+    [--enable-sleep-mode] [--no-enable-extensible-kv-cache] [extra_args...]` (pinned by a
+    golden test and checked against the flag table of `vllm_version`). On vLLM 0.34 the
+    extensible KV cache is turned off (gpud.core.vllm_versions; docs/vllm.md says why): the
+    KV cache is then profiled and the start refused on a short device, as 0.33 does
+    (vllm/v1/worker/utils.py:783-797 of 0.34.0)."""
     v = serve.vllm
     if v is None:
         raise ValueError("not a vllm serve")
@@ -141,14 +147,19 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
     parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
     if serve.sleep_level:
         parts += [("--enable-sleep-mode", "sleep_level")]
+    known = BEHAVIOURS.get(vllm_version)
+    if known is not None and known.extensible_kv_off_arg:
+        parts += [(EXTENSIBLE_KV_OFF, "vllm")]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 
 
 def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
-              host: str | None = None, socket: str | None = None) -> list[str]:
+              host: str | None = None, socket: str | None = None,
+              vllm_version: str = V033) -> list[str]:
     return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util,
-                                                host=host, socket=socket)]
+                                                host=host, socket=socket,
+                                                vllm_version=vllm_version)]
 
 
 def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int,
@@ -401,7 +412,7 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
                device_indexes: Sequence[int] | None = None,
                cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = (),
-               socket: str | None = None) -> list[str]:
+               socket: str | None = None, vllm_version: str = V033) -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
     A serve on several devices gives `total_mib` as the smallest of their totals and
     `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
@@ -420,8 +431,8 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
     if serve.container is not None:
         if serve.vllm is not None:
             inner = vllm_argv(serve, executable=vllm_executable, util=util,
-                              host=None if socket else CONTAINER_LISTEN,
-                              socket=socket)[2:]  # the image's entrypoint: vllm serve
+                              host=None if socket else CONTAINER_LISTEN, socket=socket,
+                              vllm_version=vllm_version)[2:]  # the image's entrypoint: vllm serve
         else:
             # Inside, the serve's devices are numbered from 0 (CDI injected only them).
             inside = range(len(device_indexes)) if device_indexes else None
@@ -430,7 +441,8 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
         return container_argv(name, serve, inner, devices=cdi_devices, forward_env=forward_env,
                               socket=socket)
     if serve.vllm is not None:
-        return vllm_argv(serve, executable=vllm_executable, util=util, socket=socket)
+        return vllm_argv(serve, executable=vllm_executable, util=util, socket=socket,
+                         vllm_version=vllm_version)
     return command_argv(serve, util=util, device_index=device_index,
                         device_indexes=device_indexes, socket=socket or "")
 
@@ -496,6 +508,7 @@ def show_commands(cfg: Config, devices: tuple[DeviceSample, ...], source: str,
             argv = serve_argv(serve, total_mib=total, device_index=indexes[0],
                               vllm_executable=cfg.daemon.vllm_executable, name=name,
                               device_indexes=indexes, cdi_devices=cdi, forward_env=env,
+                              vllm_version=cfg.daemon.vllm_version,
                               socket=(socket_path(cfg.daemon.serve_socket_dir, name)
                                       if serve.front else None))
         except GpudError as exc:

@@ -511,6 +511,14 @@ def format_calibration(doc: answers.Calibration) -> str:
         lines.append(f"  vLLM says: weights {vllm.get('weights_mib')} MiB, KV cache "
                      f"{vllm.get('kv_cache_mib')} MiB, CUDA graphs {vllm.get('cudagraph_mib')} MiB; "
                      f"context beyond its budget {vllm.get('context_mib')} MiB")
+        if vllm.get("kv_extended"):
+            # vLLM 0.34's extensible KV cache: sized after warm-up, not by the estimate
+            lines.append(f"  KV cache extended after warm-up to {vllm.get('kv_cache_blocks')} "
+                         f"blocks ({vllm.get('kv_cache_mib')} MiB; profiling estimated "
+                         f"{vllm.get('kv_cache_estimate_mib')} MiB)")
+        if vllm.get("sleep_parked_host_mib") is not None:
+            lines.append(f"  its last sleep parked {vllm.get('sleep_parked_host_mib')} MiB in "
+                         "host RAM (vLLM's \"backed up in CPU\")")
         if vllm.get("recommended_kv_cache_mib"):
             lines.append(f"  vLLM recommends --kv-cache-memory={vllm.get('recommended_kv_cache_bytes')}: "
                          f"kv_cache_mib = {vllm.get('recommended_kv_cache_mib')}")

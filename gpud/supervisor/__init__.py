@@ -80,7 +80,7 @@ class Supervisor(BootJob, LaunchJob, HealthJob, StopJob, UnitWatch):
         self.calibrated = calibrated
         self.sleeps = Sleeps(self, svc, observer,
                              host_memory=host_memory(getattr(observer, "backend", None)),
-                             weights=calibrated.weights_mib)
+                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib)
         self.reconciler = Reconciler(self, svc, self.sleeps, observer)
 
     async def __aenter__(self) -> Supervisor:

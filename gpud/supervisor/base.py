@@ -111,6 +111,10 @@ class Calibrated(Protocol):
         """Its calibrated weights, per device."""
         ...
 
+    def cudagraph_mib(self, serve: str) -> int | None:
+        """Its calibrated CUDA graph pool, per device."""
+        ...
+
 
 class _Uncalibrated:
     def sizing_problem(self, serve: str) -> str | None:
@@ -120,6 +124,9 @@ class _Uncalibrated:
         return None
 
     def weights_mib(self, serve: str) -> int | None:
+        return None
+
+    def cudagraph_mib(self, serve: str) -> int | None:
         return None
 
 

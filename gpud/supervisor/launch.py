@@ -208,7 +208,8 @@ class LaunchJob(Base):
                           vllm_executable=self.svc.config.daemon.vllm_executable,
                           vram_mib=res.mib if res else None, name=serve,
                           device_indexes=indexes,
-                          cdi_devices=cdi, forward_env=[*env, *spec.environment], socket=sock)
+                          cdi_devices=cdi, forward_env=[*env, *spec.environment], socket=sock,
+                          vllm_version=self.svc.config.daemon.vllm_version)
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:

@@ -1,4 +1,5 @@
-"""A stand-in for a vLLM 0.33 OpenAI server, for tests and demos on machines without a GPU.
+"""A stand-in for a vLLM 0.33 (or, with ``--vllm-version 0.34.0``, 0.34) OpenAI server, for
+tests and demos on machines without a GPU.
 
 Not part of the shipped daemon (gpud.testing is left out of the package). Run as
 ``python -m gpud.testing.standin`` with a ``vllm serve``-shaped argv::
@@ -29,6 +30,18 @@ functions that do it):
   say their answer is garbage), as real vLLM's would be; asleep, the engine's draw drops to
   the context (``--context-mib``), or to ``--asleep-mib`` when given (what a serve's
   ``sleep_mib`` stands for).
+
+``--vllm-version 0.34.0`` (or ``GPUD_STANDIN_VLLM_VERSION``; default 0.33.0) stands in for
+vLLM 0.34.0 (paths under vllm/, 0.34.0's lines): its flag table; its start lines (no
+``Estimated CUDA graph memory``, the V1 model runner being deleted; ``Graph capturing finished``;
+with the extensible KV cache, on unless ``--no-enable-extensible-kv-cache`` or
+``--kv-cache-memory-bytes``, the ``Memory after warmup`` and ``Extended KV cache to N blocks``
+lines, v1/worker/extensible_kv_cache.py:694, :537); with ``--enable-sleep-mode``, dev mode or
+not, ``POST /checkpoint/prepare``, ``POST /checkpoint/restore`` and ``GET /checkpoint/status``
+(entrypoints/serve/checkpoint/api_router.py:39, :60, :80): prepared, it says ``is_sleeping:
+true``, releases its KV cache (the draw drops by it), and answers 500 to ``/sleep`` and
+``/wake_up`` until restored (v1/engine/core.py:1110, :1153); a sleep logs what it parks in host
+RAM as CuMemAllocator does (device_allocator/cumem.py:302): at level 2 the CUDA graph pool.
 
 It never pretends to be real: its first line says "STAND-IN", ``/v1/models`` says
 ``"owned_by": "gpud-standin"`` and every response carries ``X-Gpud-Standin: 1``. Unlike vLLM it
@@ -102,7 +115,13 @@ ENGINE_TITLE: Final = "VLLM::EngineCore"
 # vllm/v1/engine/__init__.py: PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: Final = ("abort", "wait", "keep")
 DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # vllm/envs.py: bool(int(...)), default 0
-VLLM_VERSION_ENV: Final = "GPUD_STANDIN_VLLM_VERSION"  # which flag table (default: gpud's)
+VLLM_VERSION_ENV: Final = "GPUD_STANDIN_VLLM_VERSION"  # which release (default: gpud's)
+V033: Final = "0.33.0"
+V034: Final = "0.34.0"
+STANDS_IN_FOR: Final = (V033, V034)
+# vllm/v1/engine/__init__.py:44-55 of 0.34.0, CheckpointState
+CHECKPOINT_RUNNING: Final = "running"
+CHECKPOINT_PREPARED: Final = "prepared"
 
 DEFAULT_UTILIZATION: Final = Fraction(92, 100)  # vllm/config/cache.py: CacheConfig default
 # vllm/entrypoints/launchers/launcher.py watchdog_loop: VLLM_WATCHDOG_TIME_S
@@ -176,6 +195,11 @@ class Options(NamedTuple):
     uds: str | None = None
     # `"stream": true` completions: one token every this many seconds
     token_interval_s: float = 0.0
+    # the vLLM release it stands in for (its flag table, its log lines, its routes)
+    vllm_version: str = "0.33.0"
+    # vLLM 0.34's extensible KV cache: on unless --no-enable-extensible-kv-cache (or
+    # --disable-...) or --kv-cache-memory-bytes (vllm/config/vllm.py:3180-3269 of 0.34.0)
+    extensible_kv_cache: bool = False
 
 
 def compute_draw_mib(
@@ -237,7 +261,9 @@ def _gib(mib: int) -> str:
 
 def memory_log_lines(plan: MemoryPlan, opts: Options, total_mib: int,
                      load_s: float) -> list[str]:
-    """vLLM's start-up memory lines, worded as vLLM 0.33 words them."""
+    """vLLM's start-up memory lines, worded as the release it stands in for words them."""
+    if opts.vllm_version == V034:
+        return memory_log_lines_034(plan, opts, total_mib, load_s)
     lines = [
         # vllm/v1/worker/gpu_model_runner.py load_model
         f"Model loading took {_gib(plan.weights)} GiB memory and {load_s:.6f} seconds",
@@ -267,6 +293,54 @@ def memory_log_lines(plan: MemoryPlan, opts: Options, total_mib: int,
 class Health(NamedTuple):
     status: int  # 200 or 503
     state: str  # ready | unhealthy | engine-dead
+
+
+def memory_log_lines_034(plan: MemoryPlan, opts: Options, total_mib: int,
+                         load_s: float) -> list[str]:
+    """vLLM 0.34.0's start-up memory lines (paths under vllm/, 0.34.0's line numbers): no
+    "Estimated CUDA graph memory" (the V1 model runner is deleted); the graph pool as measured
+    after capture; with the extensible KV cache, the warm-up account and the KV cache it was
+    extended to. The stand-in knows no neighbour's draw, so the extended cache gets the
+    profiled figure (measure_kv_cache_bytes with the device's headroom ample)."""
+    lines = [
+        # v1/worker/gpu/model_runner.py:441-445
+        f"Model loading took {_gib(plan.weights)} GiB memory and {load_s:.6f} seconds",
+        # v1/worker/gpu_worker.py:795-798 (only the profiling estimate when extensible)
+        f"Available KV cache memory: {_gib(plan.kv_cache)} GiB",
+        # v1/worker/gpu/model_runner.py:1216-1220
+        f"Graph capturing finished in {max(1, round(load_s))} secs, took "
+        f"{plan.cudagraph / 1024:.2f} GiB",
+    ]
+    if opts.extensible_kv_cache:
+        blocks = plan.kv_cache * 4  # 256 KiB blocks: a figure, not a model's
+        # v1/worker/extensible_kv_cache.py:693-705, then :536-540
+        lines += [
+            f"Memory after warmup: {_gib(total_mib - plan.draw)} GiB free, 0.0 GiB committed "
+            f"to the KV cache, {_gib(plan.activation)} GiB kept for transient activations "
+            f"({_gib(plan.activation)} GiB allocated at peak, 0.0 GiB of torch reservation "
+            f"growth); {blocks} KV cache blocks ({_gib(plan.kv_cache)} GiB) fit within the "
+            f"requested {_gib(plan.requested)} GiB. Torch may reserve up to "
+            f"{_gib(plan.requested - plan.kv_cache)} GiB.",
+            f"Extended KV cache to {blocks} blocks ({plan.kv_cache / 1024:.2f} GiB).",
+        ]
+    elif plan.recommended_kv_bytes is not None:
+        lines += memory_log_lines(plan, opts._replace(vllm_version=V033), total_mib,
+                                  load_s)[3:]
+    return lines
+
+
+def sleep_log_line(plan: MemoryPlan, opts: Options, level: int) -> str | None:
+    """vLLM 0.34's account of a sleep (vllm/device_allocator/cumem.py:302-308): on 0.34 both
+    levels offload the weights, runtime and cudagraph allocations but the discarded parameters
+    (sleep_mode_backend.py:126-132, gpu_worker.py:320-328): level 1 parks the weights and the
+    graph pool in host RAM, level 2 the graph pool. None on 0.33 (the stand-in says its own)."""
+    if opts.vllm_version != V034 or level not in (1, 2):
+        return None
+    freed = plan.weights + plan.cudagraph + plan.kv_cache
+    backed = plan.weights + plan.cudagraph if level == 1 else plan.cudagraph
+    return (f"CuMemAllocator: sleep freed {freed / 1024:.2f} GiB memory in total, of which "
+            f"{backed / 1024:.2f} GiB is backed up in CPU and the rest "
+            f"{(freed - backed) / 1024:.2f} GiB is discarded directly.")
 
 
 def health_at(opts: Options, elapsed_s: float, *, engine_dead: bool = False) -> Health:
@@ -343,7 +417,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gpud.testing.standin",
         allow_abbrev=False,
-        description="A stand-in for a vLLM 0.33 OpenAI server (no model, no GPU) for gpud's "
+        description="A stand-in for a vLLM 0.33 or 0.34 OpenAI server (no model, no GPU) for gpud's "
         "tests. Usage: [serve [MODEL]] [options]; vLLM options its flag table knows are "
         "accepted and ignored, others exit 2.",
     )
@@ -361,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache-memory-bytes", type=_non_negative_int, default=None, metavar="B")
     p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--vllm-version", default=None, metavar="V",
+                   help=f"the vLLM release to stand in for: 0.33.0 or 0.34.0 (default: "
+                   f"${VLLM_VERSION_ENV}, else gpud's default)")
     # vllm/entrypoints/openai/api_server.py setup_server: with args.uds, a plain bind of a
     # Unix socket (create_server_unix_socket) instead of (host, port).
     p.add_argument("--uds", default=None, metavar="PATH")
@@ -414,7 +491,12 @@ def parse_args(argv: Sequence[str]) -> Options:
             positional_model = args.pop(0)
     parser = _parser()
     ns, rest = parser.parse_known_args(args)
-    problems = _vllm_problems(rest)
+    from gpud.vllm_flags import DEFAULT_VERSION
+
+    version = ns.vllm_version or os.environ.get(VLLM_VERSION_ENV) or DEFAULT_VERSION
+    if version not in STANDS_IN_FOR:
+        parser.error(f"--vllm-version {version!r}: one of {', '.join(STANDS_IN_FOR)}")
+    problems = _vllm_problems(rest, version)
     if problems:
         # argparse's words (vllm/utils/argparse_utils.py FlexibleArgumentParser.error adds the
         # --task hint to them), then what the flag table says about each.
@@ -452,17 +534,34 @@ def parse_args(argv: Sequence[str]) -> Options:
         ignore_sigterm=ns.ignore_sigterm,
         echo_argv=ns.echo_argv,
         vllm_args=tuple(rest),
+        vllm_version=version,
+        extensible_kv_cache=(version == V034 and ns.kv_cache_memory_bytes is None
+                             and _last_extensible_flag(rest) != "off"),
     )
 
 
-def _vllm_problems(rest: Sequence[str]) -> list[str]:
+def _last_extensible_flag(rest: Sequence[str]) -> str | None:
+    """"on"/"off" as the last --[no-]enable-extensible-kv-cache / --disable-... says (argparse
+    keeps the last), None when none is given."""
+    said = None
+    for arg in rest:
+        name = arg.partition("=")[0].replace("_", "-")
+        if name == "--enable-extensible-kv-cache":
+            said = "on"
+        elif name in ("--no-enable-extensible-kv-cache", "--disable-extensible-kv-cache"):
+            said = "off"
+    return said
+
+
+def _vllm_problems(rest: Sequence[str], version: str) -> list[str]:
     """What vLLM's parser would refuse among the arguments the stand-in does not use itself:
-    the flag table of GPUD_STANDIN_VLLM_VERSION (default: the one gpud checks configs with)."""
+    the flag table of `version` (--vllm-version, GPUD_STANDIN_VLLM_VERSION, or the one gpud
+    checks configs with)."""
     if not rest:
         return []
-    from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
+    from gpud.vllm_flags import check_serve_args, load_table
 
-    table = load_table(os.environ.get(VLLM_VERSION_ENV) or DEFAULT_VERSION)
+    table = load_table(version)
     # A stray positional is checked as vLLM would: after the model, there is none.
     return [p.message for p in check_serve_args(["MODEL", *rest], table)]
 
@@ -731,6 +830,11 @@ class App:
         self.sleep_level: int | None = None
         self.sleep_mode: str | None = None
         self.sleeping_tags: set[str] = set()
+        # vLLM 0.34's process-checkpoint state (running or prepared)
+        self.checkpoint = CHECKPOINT_RUNNING
+        # Set by the main process: tells the engine child to drop its KV cache (True) or
+        # bring it back (False).
+        self.on_checkpoint: Callable[[bool], None] | None = None
         # "loaded"; "discarded" by a level-2 sleep; "uninitialised" when woken without a
         # reload (real vLLM then answers from garbage weights)
         self.weights = "loaded"
@@ -757,6 +861,12 @@ class App:
             self._routes["/wake_up"] = (("POST",), self._wake_up)
             self._routes["/is_sleeping"] = (("GET",), self._is_sleeping)
             self._routes["/collective_rpc"] = (("POST",), self._collective_rpc)
+        if opts.vllm_version == V034 and opts.enable_sleep_mode:
+            # vllm/entrypoints/launchers/api_server/routers.py:68-73 of 0.34.0: with sleep mode,
+            # dev mode or not (entrypoints/serve/checkpoint/api_router.py:39, :60, :80)
+            self._routes["/checkpoint/prepare"] = (("POST",), self._checkpoint_prepare)
+            self._routes["/checkpoint/restore"] = (("POST",), self._checkpoint_restore)
+            self._routes["/checkpoint/status"] = (("GET",), self._checkpoint_status)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started_monotonic
@@ -797,6 +907,10 @@ class App:
         if not self.opts.enable_sleep_mode:
             return _openai_error(500, "InternalServerError",
                                  "sleep mode is not enabled: start with --enable-sleep-mode")
+        if self.checkpoint != CHECKPOINT_RUNNING:
+            # vllm/v1/engine/core.py:1110-1113 of 0.34.0, a RuntimeError: FastAPI's 500
+            return _openai_error(500, "InternalServerError", "Cannot sleep while the checkpoint "
+                                 f"state is {self.checkpoint}")
         level = int(level_text)
         self.sleep_level = level
         self.sleep_mode = mode
@@ -817,6 +931,10 @@ class App:
         unknown = [t for t in tags if t not in ("weights", "kv_cache")]
         if unknown:
             return _openai_error(500, "InternalServerError", f"unknown memory tags {unknown}")
+        if self.checkpoint != CHECKPOINT_RUNNING:
+            # vllm/v1/engine/core.py:1153-1156 of 0.34.0
+            return _openai_error(500, "InternalServerError", "Cannot wake up while the "
+                                 f"checkpoint state is {self.checkpoint}")
         waking = set(tags) if tags else set(self.sleeping_tags)
         if "weights" in waking and "weights" in self.sleeping_tags and self.weights == "discarded":
             # level 2 dropped them: their memory comes back, their content does not (vLLM's
@@ -850,7 +968,43 @@ class App:
         return _json(200, {"results": [None]})
 
     def _is_sleeping(self, _req: Request) -> Response:
-        return _json(200, {"is_sleeping": self.sleep_level is not None})
+        # a prepared engine's scheduler is paused: vllm/v1/engine/core.py:1202-1204 of 0.34.0
+        return _json(200, {"is_sleeping": self.sleep_level is not None
+                           or self.checkpoint != CHECKPOINT_RUNNING})
+
+    def _checkpoint_prepare(self, req: Request) -> Response:
+        # api_router.py:39-57 and core.py:2471-2496 of 0.34.0 (the drain is instant here: no
+        # request outlives it, so the state goes straight to prepared, KV cache released)
+        mode = "wait"
+        for item in req.query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "mode":
+                mode = value
+        if mode not in PAUSE_MODES:
+            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
+                                           "Input should be 'abort', 'wait' or 'keep'",
+                                           "input": mode}]})
+        if self.checkpoint == CHECKPOINT_RUNNING:
+            if self.sleep_level is not None:
+                return _json(400, {"state": self.checkpoint, "error": "Preparing for a "
+                                   "checkpoint requires an awake engine"})
+            self.checkpoint = CHECKPOINT_PREPARED
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(True)
+        return _json(200, {"state": self.checkpoint})
+
+    def _checkpoint_restore(self, _req: Request) -> Response:
+        # api_router.py:60-77, core.py:2498-2513: a restore done (or not needed) answers 200
+        if self.checkpoint == CHECKPOINT_PREPARED:
+            self.checkpoint = CHECKPOINT_RUNNING
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(False)
+        return _json(200, {"state": self.checkpoint})
+
+    def _checkpoint_status(self, _req: Request) -> Response:
+        # api_router.py:80-97: 200 once prepared, 503 until then
+        status = 200 if self.checkpoint == CHECKPOINT_PREPARED else 503
+        return _json(status, {"state": self.checkpoint})
 
     def _version(self, _req: Request) -> Response:
         return _json(200, {"version": f"{PROGRAM}-{VERSION}"})
@@ -887,6 +1041,8 @@ class App:
                 "sleep_level": self.sleep_level,
                 "sleep_mode": self.sleep_mode,
                 "weights": self.weights,
+                "vllm_version": self.opts.vllm_version,
+                "checkpoint": self.checkpoint,
                 "model": self.opts.model,
                 "served_model_names": list(self.opts.served_model_names),
             },
@@ -1129,7 +1285,15 @@ def _draw_child_main(args: Sequence[str]) -> int:
             for command in data:
                 if command in b"12":
                     registered = _hold(target, pid, asleep)
+                    said = spec.get("sleep_lines", {}).get(chr(command))
+                    if said:
+                        _engine_log(said)
                     _engine_log(f"sleep level {chr(command)}: holding {asleep} MiB")
+                elif command == ord("k"):
+                    # prepared for a checkpoint: the KV cache released (core.py:1008-1010)
+                    prepared = max(0, draw - int(spec["kv_cache"]))
+                    registered = _hold(target, pid, prepared)
+                    _engine_log(f"prepared for a process checkpoint: holding {prepared} MiB")
                 elif command == ord("w"):
                     registered = _hold(target, pid, draw)
                     _engine_log(f"woken up: holding {draw} MiB")
@@ -1424,6 +1588,8 @@ class _MainProcess:
             # mis-sizes it (see _profile_overlaps).
             "profiles": opts.kv_cache_memory_bytes is None and opts.draw_mib is None,
             "kv_cache": plan.kv_cache,
+            "sleep_lines": {str(level): line for level in (1, 2)
+                            if (line := sleep_log_line(plan, opts, level)) is not None},
         }
         self.child = _EngineChild(spec)
         self.app.draw_pid = self.child.pid
@@ -1433,6 +1599,7 @@ class _MainProcess:
         child = self.child
         self.app.on_sleep = lambda level: child.send(b"w" if level is None else
                                                      (b"0" if level == 0 else str(level).encode()))
+        self.app.on_checkpoint = lambda prepared: child.send(b"k" if prepared else b"w")
         _log(f"engine {ENGINE_TITLE} pid {child.pid}: loading, draw {plan.draw} MiB")
 
     def _listen(self) -> None:

@@ -118,3 +118,26 @@ def test_reconciliation_latency(gpud: SandboxGpud) -> None:
     print(f"\nreconciliation latency over {len(took)} outside wakes (health_interval_s 0.5): "
           f"median {median * 1000:.0f} ms, max {took[-1] * 1000:.0f} ms")
     assert took[-1] < 0.5 + 2.0
+
+
+def test_a_serve_prepared_for_a_checkpoint_outside_gpud_is_restored(gpud: SandboxGpud) -> None:
+    """vLLM 0.34: POST /checkpoint/prepare (open to every local user on a front = false
+    sleep-mode serve) makes a serve say is_sleeping true while it is not asleep; gpud asks
+    /checkpoint/status, tells it from a sleeping serve and restores it."""
+    lo = serve("lo", 12000, 50, 30101, level=1, front=False).replace(
+        '"--enable-sleep-mode"', '"--enable-sleep-mode", "--vllm-version", "0.34.0"')
+    assert "0.34.0" in lo
+    gpud.configure(sim_config(ROLE, lo, daemon='vllm_version = "0.34.0"'))
+    running(gpud, "lo")
+    outside(gpud, 30101, "/checkpoint/prepare")
+    [ev] = wait_for("lo restored", lambda: [e for e in outside_events(gpud, "lo", "wake")
+                                            if e["details"].get("checkpoint") == "restored"])
+    assert "prepared for a process checkpoint outside gpud" in ev["message"], ev
+    assert ev["mib"] == 12000
+    assert gpud.standin_state("lo")["checkpoint"] == "running"
+    assert gpud.serve("lo")["state"] == "running" and reserved(gpud) == {"lo": 12000}
+    # not taken for a sleep: nothing shown asleep
+    assert outside_events(gpud, "lo", "sleep") == []
+    # and gpud's own sleep and wake work from there
+    assert checked(gpud, "/v1/serves/{name}/sleep", "lo")["state"] == "sleeping"
+    assert checked(gpud, "/v1/serves/{name}/wake", "lo")["state"] == "running"
