@@ -32,9 +32,10 @@ from gpud.core.front import (
 )
 from gpud.core.launch import serve_argv, show_commands
 from gpud.core.observation import DeviceSample
+from gpud.core.vocab import ServeState
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
-from gpud.front import front_config, nginx_argv, unit_properties
+from gpud.front import Front, front_config, nginx_argv, unit_properties
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -547,3 +548,20 @@ def test_a_fronted_container_serve_with_its_own_args_must_listen_on_its_socket()
     argv = serve_argv(ok.serves["x"], total_mib=32607, device_index=0, vllm_executable="vllm",
                       name="x", socket="/run/x/serves/x.sock")
     assert argv[-3:] == ["m", "--uds", "/run/x/serves/x.sock"], argv
+
+
+def test_awake_files_follow_the_states(tmp_path: Path) -> None:
+    # One empty file per fronted serve that runs; the rest removed, a stray one included.
+    cfg = parse_config(TOML.replace('front_dir = "/run/x/front"', f'front_dir = "{tmp_path}"'),
+                       "t.toml")
+    awake = tmp_path / "awake"
+    awake.mkdir()
+    (awake / "gone").write_text("")
+    states = {"chat": ServeState.RUNNING, "od": ServeState.SLEEPING, "plain": ServeState.RUNNING}
+    front = Front(None, states=lambda: states)  # type: ignore[arg-type]  # no D-Bus here
+    front._config = cfg
+    front.mark_awake()
+    assert sorted(p.name for p in awake.iterdir()) == ["chat"]
+    states.update(chat=ServeState.STOPPING, od=ServeState.RUNNING, tool=ServeState.RUNNING)
+    front.mark_awake()
+    assert sorted(p.name for p in awake.iterdir()) == ["od", "tool"]

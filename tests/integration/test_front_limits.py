@@ -123,6 +123,9 @@ def test_one_user_holding_connections_leaves_every_fronted_serve_to_the_others(
 def test_with_gpud_stopped_a_sleeping_serve_gets_503_from_the_front(limits: SandboxGpud) -> None:
     gpud = limits
     od, od2 = f"http://127.0.0.1:{PORT + 2}/v1/models", f"http://127.0.0.1:{PORT + 3}/v1/models"
+    # A cache directory left 0755 by an earlier gpud: systemd sets the mode at each start.
+    gpud.sb.run("install -d -m 0755 -o gpud-serve -g gpud-serve /var/cache/gpud-serve && "
+                "chmod 0755 /var/cache/gpud-serve")
     assert [line.split()[0] for line in answers(gpud, [PORT + 2, PORT + 3], 30)] == ["200"] * 2
     assert gpud.call("POST", "/v1/serves/od/sleep", {}).status == 200
     assert gpud.serve("od")["state"] == "sleeping"
