@@ -237,7 +237,8 @@ class Daemon:
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             await supervisor.reconcile()
-            self.front = Front(supervisor.units)
+            self.front = Front(supervisor.units, states=svc.states)
+            svc.watch_states(self.front.mark_awake)
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
             if svc.config_refused is not None:

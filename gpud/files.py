@@ -9,13 +9,16 @@ from pathlib import Path
 from gpud.errors import GpudError
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
+def write_atomically(path: Path, text: str, mode: int = 0o600, *, gid: int | None = None) -> None:
     """Write, fsync, rename over, fsync the directory: a crash leaves the old or the new file,
-    and a failure (a full disk) leaves the old file and no temporary one."""
+    and a failure (a full disk) leaves the old file and no temporary one. `gid`: the file's
+    group, given before the rename (never readable by the wrong group in between)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)
             data = text.encode()
             while data:

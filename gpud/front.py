@@ -29,6 +29,7 @@ import os
 import pwd
 import signal
 import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -36,7 +37,8 @@ import aiohttp
 from dbus_fast import Variant
 
 from gpud.config import Config, DaemonConfig
-from gpud.core.front import FrontConfig, FrontServe, render, socket_path
+from gpud.core.front import MAX_WORKERS, NOFILE, FrontConfig, FrontServe, render, socket_path
+from gpud.core.vocab import ServeState
 from gpud.errors import GpudError, Unavailable
 from gpud.files import write_atomically
 from gpud.unit_properties import SLICE, encode
@@ -70,7 +72,18 @@ def front_config(cfg: Config) -> FrontConfig:
                                                   if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items())),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
-        gpud_socket=d.socket)
+        gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d))
+
+
+def front_workers() -> int:
+    """nginx's workers: one per core gpud may run on, at most MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def awake_dir(d: DaemonConfig) -> str:
+    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
+    front to go by while gpud does not answer (root's, readable by the front's group)."""
+    return f"{d.front_dir.rstrip('/')}/awake"
 
 
 def _front_ids(d: DaemonConfig) -> tuple[int, int]:
@@ -161,6 +174,10 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
         ("StandardOutput", "journal"),
         ("StandardError", "journal"),
         ("CollectMode", "inactive-or-failed"),
+        # The descriptors of worker_rlimit_nofile (gpud.core.front.NOFILE), soft and hard:
+        # systemd's default soft limit of 1024 let one user's idle connections take every
+        # fronted port (accept4() failed: Too many open files).
+        ("LimitNOFILE", NOFILE),
         # nginx needs its config (read), its run directory (write), the serves' sockets and
         # TCP listeners; nothing else. (MemoryDenyWriteExecute= is left out: Debian's nginx
         # is built --with-pcre-jit.)
@@ -192,9 +209,14 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
 class Front:
     """Keeps gpud-front.service serving the fronted serves of the config in force."""
 
-    def __init__(self, units: SystemdUnits) -> None:
+    def __init__(self, units: SystemdUnits,
+                 states: Callable[[], Mapping[str, ServeState]] = dict) -> None:
         self.units = units
+        self.states = states
         self.text: str | None = None
+        # The config last synced, and the awake files as last written (None: not yet).
+        self._config: Config | None = None
+        self._awake: frozenset[str] | None = None
 
     def write(self, cfg: Config) -> bool:
         """Write nginx.conf and the front's own directories; whether the text changed."""
@@ -207,6 +229,7 @@ class Front:
             # The front's own: nginx makes its temporary directories in it at start (gpud,
             # root without CAP_DAC_OVERRIDE, could not enter them to check).
             _directory(front / "run", 0o700, uid, gid)
+            _directory(Path(awake_dir(d)), 0o750, 0, gid)
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc
@@ -214,8 +237,37 @@ class Front:
         with contextlib.suppress(OSError):
             if conf.read_text() == text:
                 return False
-        write_atomically(conf, text, mode=0o644)
+        # The front's group reads it (nginx runs as the front's user), nobody else.
+        write_atomically(conf, text, mode=0o640, gid=gid)
         return True
+
+    def mark_awake(self) -> None:
+        """Keep one file per fronted serve that is running (awake) in the awake directory, none
+        for any other: what the front goes by while gpud does not answer. Called after every
+        committed change of states and at each sync; touches only what changed since the last
+        call (all of it the first time)."""
+        cfg = self._config
+        if cfg is None:
+            return
+        states = self.states()
+        awake = frozenset(name for name in fronted(cfg) if states.get(name) == ServeState.RUNNING)
+        if awake == self._awake:
+            return
+        where = Path(awake_dir(cfg.daemon))
+        try:
+            if self._awake is None:
+                present = {p.name for p in where.iterdir() if not p.name.startswith(".")}
+            else:
+                present = set(self._awake)
+            for name in present - awake:
+                (where / name).unlink(missing_ok=True)
+            for name in awake - present:
+                write_atomically(where / name, "", mode=0o640)
+        except (OSError, GpudError) as exc:
+            self._awake = None  # found out again next time
+            log.error("front: cannot keep the awake files in %s: %s", where, exc)
+            return
+        self._awake = awake
 
     async def sync(self, cfg: Config) -> None:
         """Bring the front in line with CFG: started when there are fronted serves and it is
@@ -227,6 +279,8 @@ class Front:
         prepare_socket_dir(cfg.daemon)
         changed = self.write(cfg)
         self.text = render(front_config(cfg))
+        self._config, self._awake = cfg, None
+        self.mark_awake()
         state = await self.units.active_state(FRONT_UNIT)
         if state in ("active", "reloading", "activating"):
             if changed:

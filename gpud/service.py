@@ -264,6 +264,8 @@ class LedgerService:
         self.violations: list[str] = []
         self.invariant_violations = 0
         self._adopted_over: dict[str, int] = {}
+        # Called after each commit that stored a serve's state (gpud.front's awake files).
+        self._state_listeners: list[Callable[[], None]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -370,6 +372,11 @@ class LedgerService:
         rec = self._records.get(serve)
         if rec is not None and rec.main_pid != pid:
             self._records[serve] = replace(rec, main_pid=pid)
+
+    def watch_states(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every commit that stored a serve's state (read them from
+        `states`)."""
+        self._state_listeners.append(listener)
 
     def supervise(self, supervision: Supervision | None) -> None:
         """`supervision` launches the serves from now on (None: nobody does any more)."""
@@ -495,6 +502,12 @@ class LedgerService:
             self._decided_states = {row.serve: row.state for p in self._queue
                                     for row in p.changes.states}
             self._check_invariant()
+            if any(p.changes.states for p in batch):
+                for listener in self._state_listeners:
+                    try:
+                        listener()
+                    except Exception:  # the change is durable: its callers are answered anyway
+                        log.exception("a listener of serve states failed")
             if self._since_prune >= prune_batch(self.config.daemon.events_keep):
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0

@@ -215,6 +215,12 @@ def _uint32(value: int) -> int:
     return value
 
 
+def _uint64(value: int) -> int:
+    if not 0 <= value < 2**64:
+        raise BadRequest(f"{value} is out of range for a 64-bit unsigned property")
+    return value
+
+
 def _usec(seconds: float) -> int:
     """Seconds (may be fractional; ``inf`` means no limit) to systemd's microseconds."""
     if math.isinf(seconds) and seconds > 0:
@@ -273,6 +279,8 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "User": _p("s", _string),
         "SupplementaryGroups": _p("as", list),
         "CacheDirectory": _p("as", list),
+        # the mode systemd gives the cache directory it makes (CacheDirectoryMode=, "u")
+        "CacheDirectoryMode": _p("u", _uint32),
         "UMask": _p("u", _uint32),
         "WorkingDirectory": _p("s", _string),
         "Restart": _p("s", _string),
@@ -289,6 +297,9 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         "StandardInput": _p("s", _string),
         "StandardOutput": _p("s", _string),
         "StandardError": _p("s", _string),
+        # RLIMIT_NOFILE, soft and hard ("t"; systemd sets both when only LimitNOFILE is sent,
+        # src/core/dbus-execute.c, the "Limit" branch of bus_exec_context_set_transient_property)
+        "LimitNOFILE": _p("t", _uint64),
         # Sandboxing (the front's unit, gpud/front.py)
         "NoNewPrivileges": _p("b", bool),
         "ProtectSystem": _p("s", _string),
@@ -400,6 +411,9 @@ def _hardening(h: Hardening, *, umask: bool) -> list[tuple[str, Any]]:
     values: list[tuple[str, Any]] = []
     if h.cache_directory is not None:
         values.append(("CacheDirectory", [h.cache_directory]))
+        # Not systemd's default 0755: the weights and whatever the serve caches are its own
+        # and its group's (the front's group reads nothing there; other users nothing at all).
+        values.append(("CacheDirectoryMode", 0o750))
     if umask:
         # (a fronted serve has its own, spec.umask: its socket is for the front's group)
         values.append(("UMask", 0o027))

@@ -20,6 +20,9 @@ import pytest
 from gpud.config import config_warnings, parse_config
 from gpud.core.front import (
     DEFAULT_PATHS,
+    MAX_WORKERS,
+    NOFILE,
+    WORKER_CONNECTIONS,
     FrontConfig,
     FrontServe,
     idle_action,
@@ -29,9 +32,10 @@ from gpud.core.front import (
 )
 from gpud.core.launch import serve_argv, show_commands
 from gpud.core.observation import DeviceSample
+from gpud.core.vocab import ServeState
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
-from gpud.front import front_config, nginx_argv
+from gpud.front import Front, front_config, nginx_argv, unit_properties
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,14 +45,25 @@ GOLDEN = """\
 # Written by gpud (gpud/core/front.py); rewritten whenever the serves change.
 daemon off;
 worker_processes 1;
+worker_rlimit_nofile 16384;
 pid /run/gpud/front/run/nginx.pid;
 error_log stderr warn;
 events {
-    worker_connections 4096;
+    worker_connections 8192;
 }
 http {
     access_log off;
     server_tokens off;
+    client_header_timeout 10s;
+    client_body_timeout 10s;
+    send_timeout 30s;
+    keepalive_timeout 60s;
+    keepalive_requests 1000;
+    lingering_time 10s;
+    lingering_timeout 5s;
+    reset_timedout_connection on;
+    client_header_buffer_size 1k;
+    large_client_header_buffers 4 8k;
     client_body_temp_path /run/gpud/front/run/body;
     proxy_temp_path /run/gpud/front/run/proxy;
     fastcgi_temp_path /run/gpud/front/run/fastcgi;
@@ -247,6 +262,38 @@ def test_a_bad_allow_list_entry_names_its_key() -> None:
 
 
 # --- the real nginx in front of a real stand-in --------------------------------------------
+
+
+def test_with_gpud_unreachable_an_on_demand_serve_goes_by_its_awake_file() -> None:
+    text = render(FrontConfig(serves=(FrontServe("od", 30001, "/s/od.sock", 65),),
+                              paths=("/v1/",), awake_dir="/run/gpud/front/awake/"))
+    assert """\
+        location @direct {
+            if (!-f /run/gpud/front/awake/od) {
+                return 503 '{"error": "serve od is not running (gpud unreachable)"}';
+            }
+            proxy_pass http://serve_od;
+        }
+""" in text
+
+
+def test_the_descriptor_limit_stays_above_the_connections() -> None:
+    # nginx reclaims idle connections only when worker_connections runs short, never when
+    # accept4() fails for want of descriptors: the unit's limit, nginx's and the connections
+    # agree.
+    props = dict(unit_properties(parse_config(TOML, "t.toml").daemon))
+    assert props["LimitNOFILE"].signature == "t"
+    assert props["LimitNOFILE"].value == NOFILE
+    text = render(FrontConfig(serves=(FrontServe("a", 30001, "/s/a.sock"),)))
+    assert f"worker_rlimit_nofile {NOFILE};" in text
+    assert f"worker_connections {WORKER_CONNECTIONS};" in text
+    assert NOFILE >= 2 * WORKER_CONNECTIONS
+
+
+@pytest.mark.parametrize("workers", [0, MAX_WORKERS + 1])
+def test_workers_are_bounded(workers: int) -> None:
+    with pytest.raises(ValueError, match="workers"):
+        FrontConfig(serves=(), workers=workers)
 
 
 def _free_port() -> int:
@@ -501,3 +548,20 @@ def test_a_fronted_container_serve_with_its_own_args_must_listen_on_its_socket()
     argv = serve_argv(ok.serves["x"], total_mib=32607, device_index=0, vllm_executable="vllm",
                       name="x", socket="/run/x/serves/x.sock")
     assert argv[-3:] == ["m", "--uds", "/run/x/serves/x.sock"], argv
+
+
+def test_awake_files_follow_the_states(tmp_path: Path) -> None:
+    # One empty file per fronted serve that runs; the rest removed, a stray one included.
+    cfg = parse_config(TOML.replace('front_dir = "/run/x/front"', f'front_dir = "{tmp_path}"'),
+                       "t.toml")
+    awake = tmp_path / "awake"
+    awake.mkdir()
+    (awake / "gone").write_text("")
+    states = {"chat": ServeState.RUNNING, "od": ServeState.SLEEPING, "plain": ServeState.RUNNING}
+    front = Front(None, states=lambda: states)  # type: ignore[arg-type]  # no D-Bus here
+    front._config = cfg
+    front.mark_awake()
+    assert sorted(p.name for p in awake.iterdir()) == ["chat"]
+    states.update(chat=ServeState.STOPPING, od=ServeState.RUNNING, tool=ServeState.RUNNING)
+    front.mark_awake()
+    assert sorted(p.name for p in awake.iterdir()) == ["od", "tool"]

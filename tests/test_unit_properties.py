@@ -132,6 +132,7 @@ HARDENED = UnitSpec(serve="chat", argv=("/bin/x",), device_index=0, description=
                                         "gpud-serve", ("gpud-front",)))
 GOLDEN_HARDENED: list[tuple[str, str, Any]] = [
     ("CacheDirectory", "as", ["gpud-serve"]),
+    ("CacheDirectoryMode", "u", 0o750),
     ("NoNewPrivileges", "b", True),
     ("ProtectSystem", "s", "strict"),
     ("ReadWritePaths", "as", ["/run/gpud/sim-procs", "/run/gpud/serves"]),
@@ -289,6 +290,8 @@ SAMPLES: dict[str, Any] = {
     "User": "u",
     "SupplementaryGroups": ["gpud-front"],
     "CacheDirectory": ["gpud-serve"],
+    "CacheDirectoryMode": 0o750,
+    "LimitNOFILE": 32768,
     "RestrictNamespaces": 0,
     "WorkingDirectory": "/",
     "Restart": "no",
@@ -385,6 +388,10 @@ def test_invalid_durations_are_refused(seconds: float) -> None:
 def test_uint32_range_is_checked() -> None:
     with pytest.raises(BadRequest):
         encode("StartLimitBurst", 2**32)
+    with pytest.raises(BadRequest):
+        encode("LimitNOFILE", 2**64)
+    with pytest.raises(BadRequest):
+        encode("LimitNOFILE", -1)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,42 @@ READ_TIMEOUT_S: Final = 3600
 # every request's latency.
 KEEPALIVE: Final = 32
 
+# What one local user may hold of the front (docs/front.md, "Holding connections"). nginx
+# counts every connection against worker_connections (client and upstream alike: a proxied
+# request costs two, and each is one descriptor), per worker. When a worker runs short
+# (fewer than 1/16 free) it closes the oldest *reusable* connections, those waiting for a
+# first request or idle between requests, to make room (ngx_drain_connections, nginx
+# src/core/ngx_connection.c, called from ngx_get_connection). That only happens while the
+# descriptor limit is not reached first: accept4() failing with EMFILE reuses nothing and
+# stops the worker accepting for 500 ms at a time. So the descriptor limit is twice the
+# connections (LimitNOFILE= on the unit, worker_rlimit_nofile here) and idle holds can never
+# take the front; what bounds one user is connections that are not reusable (a header being
+# sent, a request in flight), worker_connections per worker.
+WORKER_CONNECTIONS: Final = 8192
+NOFILE: Final = 2 * WORKER_CONNECTIONS
+# Workers for the host's cores, at most this many: each preallocates its connections (about
+# 7 MiB resident at 8192); streaming tokens through is cheap, and one worker carries tens
+# of thousands of connections.
+MAX_WORKERS: Final = 4
+# The whole request header (request line and fields) must arrive within this long of the
+# connection's accept: nginx sets the timer once and does not reset it on each read
+# (ngx_http_read_request_header: `if (!rev->timer_set)`), so a client dribbling a header
+# (slowloris) is answered 408 and closed after it.
+CLIENT_HEADER_TIMEOUT_S: Final = 10
+# Between two reads of a request body (not the whole body): a prompt arrives at once.
+CLIENT_BODY_TIMEOUT_S: Final = 10
+# Between two writes to a client that does not take what it was sent (not the whole
+# response: a stream waiting for its next token has nothing to send and is not timed).
+SEND_TIMEOUT_S: Final = 30
+# An idle keep-alive connection: reusable (reclaimed under pressure), so no shorter than
+# the pools of common clients expect.
+KEEPALIVE_TIMEOUT_S: Final = 60
+KEEPALIVE_REQUESTS: Final = 1000
+# After an answer to a request whose body was not read: how long nginx still reads and
+# discards what the client sends, at most, and between two reads.
+LINGERING_TIME_S: Final = 10
+LINGERING_TIMEOUT_S: Final = 5
+
 
 def socket_path(socket_dir: str, serve: str) -> str:
     """Where a fronted serve listens."""
@@ -80,6 +116,10 @@ class FrontConfig:
     listen: str = "127.0.0.1"
     # gpud's API socket: where on-demand serves are ensured
     gpud_socket: str = "/run/gpud/gpud.sock"
+    workers: int = 1
+    # Where gpud keeps a file per fronted serve that is running and awake (NAME): what the
+    # front goes by when gpud does not answer. None: no such check (requests go through).
+    awake_dir: str | None = None
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -90,6 +130,10 @@ class FrontConfig:
             raise ValueError(f"front: gpud_socket {self.gpud_socket!r} is not a plain path")
         if not PATH_RE.fullmatch(self.run_dir):
             raise ValueError(f"front: run_dir {self.run_dir!r} is not a plain absolute path")
+        if self.awake_dir is not None and not PATH_RE.fullmatch(self.awake_dir):
+            raise ValueError(f"front: awake_dir {self.awake_dir!r} is not a plain absolute path")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"front: workers {self.workers} not within 1..{MAX_WORKERS}")
         ports = [s.port for s in self.serves]
         if len(set(ports)) != len(ports):
             raise ValueError("front: two serves on one port")
@@ -118,13 +162,25 @@ def _locations(upstream: str, paths: Sequence[str], on_demand: bool) -> list[str
     return lines
 
 
-def _on_demand(serve: FrontServe, upstream: str) -> list[str]:
+def _not_running(serve: str, why: str = "") -> str:
+    return f'{{"error": "serve {serve} is not running{why}"}}'
+
+
+def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None) -> list[str]:
     """gpud answers 204 once the serve is up, 403 with X-Gpud-Reason and Retry-After when it
     is refused; nginx's auth_request takes 2xx as yes, 401/403 as no and anything else (gpud
     down: no connection) as an error, 500. A refusal answers 503 with the reason; an error
-    goes to the serve directly, so a serve that is awake answers as before while gpud is down
-    and one that is not answers 503 (@down)."""
+    goes to the serve directly (@direct) only when gpud last said it was running and awake
+    (its file in `awake_dir`), so a serve that is awake answers as before while gpud is down
+    and one that is asleep, starting or stopped answers 503 without being reached. (An `if`
+    whose block is a `return` is one of the uses nginx documents as safe.)"""
     timeout = serve.ensure_timeout_s
+    if awake_dir is None:
+        direct: list[str] = []
+    else:
+        direct = [f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
+                  f"                return 503 '{_not_running(serve.name, ' (gpud unreachable)')}';",
+                  "            }"]
     return [
         f"        location = {ENSURE_LOCATION} {{",
         "            internal;",
@@ -143,6 +199,7 @@ def _on_demand(serve: FrontServe, upstream: str) -> list[str]:
         "            return 503 $gpud_reason;",
         "        }",
         "        location @direct {",
+        *direct,
         f"            proxy_pass http://{upstream};",
         "        }",
     ]
@@ -154,15 +211,33 @@ def render(cfg: FrontConfig) -> str:
     out = [
         "# Written by gpud (gpud/core/front.py); rewritten whenever the serves change.",
         "daemon off;",
-        "worker_processes 1;",
+        f"worker_processes {cfg.workers};",
+        # The unit's LimitNOFILE= is the same (gpud.front.unit_properties): nginx sets it
+        # for its workers, and one that may not (a front started before) says so in its log.
+        f"worker_rlimit_nofile {NOFILE};",
         f"pid {run}/nginx.pid;",
         "error_log stderr warn;",
         "events {",
-        "    worker_connections 4096;",
+        f"    worker_connections {WORKER_CONNECTIONS};",
         "}",
         "http {",
         "    access_log off;",
         "    server_tokens off;",
+        # Slow and idle clients (see the constants above and docs/front.md).
+        f"    client_header_timeout {CLIENT_HEADER_TIMEOUT_S}s;",
+        f"    client_body_timeout {CLIENT_BODY_TIMEOUT_S}s;",
+        f"    send_timeout {SEND_TIMEOUT_S}s;",
+        f"    keepalive_timeout {KEEPALIVE_TIMEOUT_S}s;",
+        f"    keepalive_requests {KEEPALIVE_REQUESTS};",
+        f"    lingering_time {LINGERING_TIME_S}s;",
+        f"    lingering_timeout {LINGERING_TIMEOUT_S}s;",
+        # A timed-out client is closed with a reset: its socket's unsent data is dropped at
+        # once instead of lingering in FIN_WAIT.
+        "    reset_timedout_connection on;",
+        # nginx's defaults, said: a header fits in 1k, or in at most 4 buffers of 8k
+        # (longer: 414/400), so a slow header holds 33 KiB at most.
+        "    client_header_buffer_size 1k;",
+        "    large_client_header_buffers 4 8k;",
         f"    client_body_temp_path {run}/body;",
         f"    proxy_temp_path {run}/proxy;",
         f"    fastcgi_temp_path {run}/fastcgi;",
@@ -201,12 +276,13 @@ def render(cfg: FrontConfig) -> str:
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
             *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
-            *(_on_demand(serve, upstream) if serve.ensure_timeout_s is not None else []),
+            *(_on_demand(serve, upstream, cfg.awake_dir) if serve.ensure_timeout_s is not None
+              else []),
             "        location / {",
             "            return 404;",
             "        }",
             "        location @down {",
-            f"            return 503 '{{\"error\": \"serve {serve.name} is not running\"}}';",
+            f"            return 503 '{_not_running(serve.name)}';",
             "        }",
             "    }",
         ]
