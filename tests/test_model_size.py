@@ -188,3 +188,31 @@ def test_gpuctl_size_says_why_it_cannot(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert f"{d}/model.safetensors: truncated" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_plan_shows_each_serves_minimum_and_headroom(big: Path, tmp_path: Path) -> None:
+    from gpud.ctl.format import format_plan
+    from gpud.planning import plan_sizes
+
+    minimum = WEIGHTS_MIB + KV_8192_MIB + 512
+    text = config(str(big), minimum + 100) + f"""
+[serves.other]
+role = "gpu"
+vram_mib = 4000
+port = 30002
+[serves.other.vllm]
+model = "{tmp_path / 'absent'}"
+"""
+    sizes = plan_sizes(parse_config(text, "t"))
+    assert sizes[0] == {"serve": "fast", "vram_mib": minimum + 100, "minimum_mib": minimum,
+                        "headroom_mib": 100,
+                        "how": f"weights {WEIGHTS_MIB} + KV for one 8192-token sequence "
+                               f"{KV_8192_MIB} + context 512 = {minimum} MiB"}
+    assert sizes[1]["serve"] == "other" and sizes[1]["minimum_mib"] is None
+    assert "unknown until its first start" in sizes[1]["how"]
+    shown = format_plan({"source": "t", "roles": [], "serves": [], "restart": [],
+                         "resident_fits": True, "denied": [], "blocked": [], "stop_first": [],
+                         "steps": [], "sizes": sizes})
+    assert f"fast: minimum {minimum} MiB (weights {WEIGHTS_MIB} + " in shown
+    assert "headroom 100 MiB" in shown
+    assert "other:" not in shown  # nothing known: the plan says nothing of it

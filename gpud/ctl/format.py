@@ -461,6 +461,10 @@ def format_plan(doc: answers.Plan) -> str:
                      str(s.get("change")), "yes" if s.get("restart") else "no"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for size in doc.get("sizes") or []:  # only those read from a checkpoint on disk
+        if size.get("minimum_mib") is not None:
+            lines.append(f"{size.get('serve')}: minimum {size.get('minimum_mib')} MiB "
+                         f"({size.get('how')}), headroom {size.get('headroom_mib')} MiB")
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
