@@ -465,6 +465,18 @@ class CalibrationRecord(TypedDict):
     current: bool
 
 
+class Predicted(TypedDict):
+    """A vllm serve's needs predicted from its checkpoint on disk (gpud.model_size), shown
+    beside what a calibration measured; the figures null, `how` saying why, when unknown."""
+
+    weights_mib: int | None
+    kv_mib: int | None
+    context_mib: int | None
+    minimum_mib: int | None
+    max_model_len: int | None
+    how: str
+
+
 class Calibration(TypedDict):
     """GET /v1/serves/{name}/calibration."""
 
@@ -474,6 +486,7 @@ class Calibration(TypedDict):
     running: CalibrationRun | None
     record: CalibrationRecord | None
     vllm: NotRequired[dict[str, Any] | None]
+    predicted: NotRequired[Predicted]
 
 
 class ApplyStep(TypedDict):

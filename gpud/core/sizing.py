@@ -27,7 +27,7 @@ SAFETENSORS_BITS: Mapping[str, int] = {
     "U64": 64,
 }
 # The floating dtypes vLLM casts to the model's dtype as it loads a tensor into a parameter of
-# that dtype (vllm/model_executor/model_loader/weight_utils.py: default_weight_loader copies
+# that dtype (vllm/model_executor/model_loader/weight_utils.py:1476 default_weight_loader copies
 # into the parameter, which has the model's dtype).
 CAST_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
@@ -52,15 +52,16 @@ KV_CACHE_DTYPE_BYTES: Mapping[str, int] = {
 # (vllm/model_executor/layers/vocab_parallel_embedding.py:36 DEFAULT_VOCAB_PADDING_SIZE, :95
 # pad_vocab_size).
 VOCAB_PADDING = 64
-# The KV cache is allocated in blocks of 16 tokens on CUDA (vllm/config/cache.py: block_size's
-# default, set by the platform: vllm/platforms/cuda.py check_and_update_config), and one
+# The KV cache is allocated in blocks of 16 tokens (vllm/config/cache.py:72 DEFAULT_BLOCK_SIZE;
+# an attention backend may prefer another: vllm/platforms/interface.py:773), and one
 # sequence of max_model_len needs cdiv(max_model_len, block_size) blocks
 # (vllm/v1/kv_cache_interface.py:607 FullAttentionSpec.max_memory_usage_bytes).
 BLOCK_TOKENS = 16
 # A sliding-window layer holds the last window - 1 tokens plus those in flight (one batch of
 # max_num_batched_tokens), never more than max_model_len, plus one block
-# (vllm/v1/kv_cache_interface.py:873-885): 2048 tokens in flight is vLLM's default batch
-# outside the largest GPUs (vllm/engine/arg_utils.py: get_batch_defaults).
+# (vllm/v1/kv_cache_interface.py:873-885): 2048 tokens in flight is the API server's default
+# batch on devices under 70 GiB (vllm/engine/arg_utils.py:2894-2950 get_batch_defaults; 8192
+# on an H100/H200, 16384 from 160 GiB).
 SLIDING_IN_FLIGHT_TOKENS = 2048
 
 # Online quantization, `--quantization NAME` on an unquantized checkpoint (vllm/config/
@@ -223,8 +224,8 @@ def weights(tensors: Sequence[Tensor], config: Mapping[str, Any], *,
       quantizes at their quantized width plus scales, the rest in the model's dtype; an
       estimate, said so.
     - A tied LM head is the embedding (tie_word_embeddings): a copy saved in the checkpoint is
-      not loaded twice (vllm/model_executor/models/llama.py: LlamaForCausalLM.load_weights
-      skips lm_head.weight when tied).
+      a second tensor (vllm/model_executor/models/llama.py:509-510: the LM head ties its weight
+      to embed_tokens).
     """
     dtype = model_dtype(config, dtype_arg)
     width = DTYPE_BYTES[dtype]
