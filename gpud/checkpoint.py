@@ -241,10 +241,11 @@ def hub_cache_of(environment: dict[str, str]) -> Path:
 
 def locate(model: str, revision: str | None, hub_cache: Path) -> tuple[Path, bool]:
     """(the directory holding `model`, whether it is a local path). A local path is absolute
-    or names an existing directory; anything else is a repository id looked for in
-    `hub_cache`. NotOnDisk when neither has it."""
+    (or starts with "~" or "."); anything else is a repository id looked for in `hub_cache`. A
+    bare relative name is not taken for a directory: it would be one relative to whichever
+    directory gpud or gpuctl runs in, not the serve's. NotOnDisk when it is not there."""
     path = Path(model).expanduser()
-    if path.is_absolute() or path.is_dir() or model.startswith("."):
+    if path.is_absolute() or model.startswith((".", "~")):
         if not path.is_dir():
             raise NotOnDisk(f"{model}: no such directory")
         return path, True

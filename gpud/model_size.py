@@ -107,7 +107,7 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
         kv = kv_cache(ckpt.config, cache_dtype=_option(v.extra_args, "--kv-cache-dtype"),
                       dtype_arg=dtype_arg, devices=devices)
     except NotOnDisk as exc:
-        return Sized(unknown=f"not on disk ({exc}): unknown until its first start")
+        return Sized(unknown=f"{exc}: unknown until its first start")
     except Unknown as exc:
         return Sized(unknown=str(exc))
     except (CheckpointError, SizingError) as exc:

@@ -158,4 +158,6 @@ def test_the_calibration_shows_the_checkpoints_prediction_beside_vllms(tmp_path:
             "-20.0%") in text, text
     absent = calibrator(tmp_path / "b").view("v")
     assert absent["predicted"]["minimum_mib"] is None
-    assert "predicted from the checkpoint: unknown (not on disk" in format_calibration(absent)
+    assert ("predicted from the checkpoint: unknown (m@main: not in the model cache "
+            "/var/cache/gpud-serve/huggingface/hub: unknown until its first start)"
+            in format_calibration(absent))

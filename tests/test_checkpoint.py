@@ -159,3 +159,13 @@ def test_the_hub_cache_at_a_pinned_revision(tmp_path: Path) -> None:
     assert hub_cache_of({"HF_HOME": str(tmp_path / "hf")}) == hub
     assert hub_cache_of({"HF_HUB_CACHE": "/c", "HF_HOME": "/h"}) == Path("/c")
     assert hub_cache_of({"HOME": "/home/u"}) == Path("/home/u/.cache/huggingface/hub")
+
+
+def test_a_bare_name_is_a_repository_id_even_where_a_directory_has_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"opt" is a repository id, not /opt because gpud happens to run in /."""
+    (tmp_path / "opt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotOnDisk, match="opt@main: not in the model cache"):
+        locate("opt", None, tmp_path / "hub")
+    assert locate("./opt", None, tmp_path / "hub") == (Path("./opt"), True)

@@ -1,7 +1,8 @@
 """Run by .venv-vllm's interpreter (transformers, torch and the CPU build of vLLM), never
-imported by the tests: `make DIR DTYPE` writes a small random Llama checkpoint offline in that
-dtype; `load DIR` loads it with real vLLM (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and
-prints, as one JSON line, the bytes of the parameters and buffers of the model vLLM built.
+imported by the tests: `make DIR DTYPE [DIR DTYPE...]` writes small random Llama checkpoints
+offline in those dtypes; `load DIR...` loads each in turn with real vLLM, in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: one start's imports for all), and prints, one JSON line each,
+the bytes of the parameters and buffers of the model vLLM built.
 
 The CPU build does not log `Model loading took X GiB` (vllm/v1/worker/cpu_model_runner.py:62
 load_model logs only "Starting to load model"; the line is the GPU runners':
@@ -60,12 +61,21 @@ def load(path: str) -> None:
     llm = LLM(model=path, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
               dtype="auto")
     after = llm.apply_model(count)[0]
-    print("SIZING " + json.dumps({**loaded[0], "after_processing": after}), flush=True)
+    print("SIZING " + json.dumps({"model": path, **loaded[0], "after_processing": after}),
+          flush=True)
+    base_loader.process_weights_after_loading = original
+    # the next model in this process: vLLM's engine and its process group go first
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del llm
+    cleanup_dist_env_and_memory()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if sys.argv[1] == "make":
-        make(sys.argv[2], sys.argv[3])
+        for out, dtype in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
+            make(out, dtype)
     else:
-        load(sys.argv[2])
+        for model in sys.argv[2:]:
+            load(model)

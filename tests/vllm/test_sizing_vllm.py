@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,16 +37,24 @@ def _probe(*args: str, timeout: float) -> str:
     return done.stdout
 
 
+@pytest.fixture(scope="module")
+def loaded(real_vllm: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each dtype's checkpoint, and what real vLLM built from it (one vLLM process for all:
+    a cold start's imports are most of its minute)."""
+    base = tmp_path_factory.mktemp("sizing")
+    _probe("make", *(a for d in DTYPES for a in (str(base / d), d)), timeout=300)
+    out = _probe("load", *(str(base / d) for d in DTYPES), timeout=900)
+    found = [json.loads(x.removeprefix("SIZING ")) for x in out.splitlines()
+             if x.startswith("SIZING ")]
+    return {Path(doc["model"]).name: doc for doc in found}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_weights_figure_matches_what_vllm_loaded(real_vllm: None, dtype: str,
-                                                     tmp_path: Path) -> None:
-    model = tmp_path / dtype
-    _probe("make", str(model), dtype, timeout=300)
-    ckpt = read_checkpoint(model)
+def test_the_weights_figure_matches_what_vllm_loaded(loaded: dict[str, Any],
+                                                     dtype: str) -> None:
+    measured = loaded[dtype]
+    ckpt = read_checkpoint(Path(measured["model"]))
     predicted = weights(ckpt.tensors, ckpt.config)
-    line = next(x for x in _probe("load", str(model), timeout=600).splitlines()
-                if x.startswith("SIZING "))
-    measured = json.loads(line.removeprefix("SIZING "))
     held = measured["params_bytes"] + measured["buffers_bytes"]
     print(f"{dtype}: predicted {predicted.bytes} bytes ({predicted.how}), vLLM holds {held} "
           f"(parameters {measured['params_bytes']}, buffers {measured['buffers_bytes']}, "
