@@ -34,6 +34,40 @@ def make(out: str, dtype: str) -> None:
     model.save_pretrained(out)
 
 
+def make_int8(out: str, source: str) -> None:
+    """A pre-quantized copy of `source`: compressed-tensors W8A8 int8 (what llm-compressor's
+    W8A8 recipe writes), each linear layer's weight int8 with an fp32 scale per output row,
+    the embeddings, norms and LM head left as they were (`ignore`)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{source}/model.safetensors")
+    quantized = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+            quantized[name] = (t.float() / scale).round().clamp(-128, 127).to(torch.int8)
+            quantized[name + "_scale"] = scale.to(torch.float32)
+        else:
+            quantized[name] = t
+    shutil.copytree(source, out)
+    save_file(quantized, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{out}/config.json") as f:
+        config = json.load(f)
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False,
+              "strategy": "channel"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": scheme,
+            "input_activations": {**scheme, "dynamic": True, "strategy": "token"}}}}
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(config, f)
+
+
 def count(module: Any) -> dict[str, Any]:
     params = list(module.parameters())
     buffers = list(module.buffers())
@@ -73,7 +107,9 @@ def load(path: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if sys.argv[1] == "make":
+    if sys.argv[1] == "make-int8":
+        make_int8(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "make":
         for out, dtype in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
             make(out, dtype)
     else:

@@ -1,12 +1,13 @@
 """gpud's weights figure, read from a checkpoint's headers (gpud.core.sizing), against what real
 vLLM (its CPU build) holds once it loaded the same checkpoint: small Llama checkpoints made
-offline in bf16, fp16 and fp32, within 2%.
+offline in bf16, fp16 and fp32, and the bf16 one pre-quantized (W8A8 int8), within 2%.
 
 The CPU build does not log `Model loading took X GiB` (the GPU runners' line:
 vllm/v1/worker/gpu_model_runner.py:5150; vllm/v1/worker/cpu_model_runner.py:62 logs only
 "Starting to load model"), so tests/vllm/sizing_probe.py counts the bytes of the model vLLM built
-(parameters and buffers), as its loader left them: what that line measures on a GPU. A
-pre-quantized fp8 layout is not tried: the CPU build has no fp8 linear method to load one.
+(parameters and buffers), as its loader left them: what that line measures on a GPU. The
+pre-quantized layout is W8A8 int8, which the CPU build loads (an fp8 one was not tried); it
+counts as stored, scales included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from tests.vllm.servers import REAL_ENV, VENV
 PROBE = Path(__file__).with_name("sizing_probe.py")
 PYTHON = VENV / "bin" / "python"
 DTYPES = ("bfloat16", "float16", "float32")
+# the bf16 checkpoint pre-quantized as llm-compressor's W8A8 recipe writes it (compressed-tensors:
+# int8 linear weights, an fp32 scale per row), which the CPU build loads
+# (vllm/model_executor/layers/quantization/compressed_tensors/schemes/
+# compressed_tensors_w8a8_int8.py)
+INT8 = "w8a8-int8"
 
 
 def _probe(*args: str, timeout: float) -> str:
@@ -43,13 +49,14 @@ def loaded(real_vllm: None, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     a cold start's imports are most of its minute)."""
     base = tmp_path_factory.mktemp("sizing")
     _probe("make", *(a for d in DTYPES for a in (str(base / d), d)), timeout=300)
-    out = _probe("load", *(str(base / d) for d in DTYPES), timeout=900)
+    _probe("make-int8", str(base / INT8), str(base / "bfloat16"), timeout=300)
+    out = _probe("load", *(str(base / d) for d in (*DTYPES, INT8)), timeout=900)
     found = [json.loads(x.removeprefix("SIZING ")) for x in out.splitlines()
              if x.startswith("SIZING ")]
     return {Path(doc["model"]).name: doc for doc in found}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", (*DTYPES, INT8))
 def test_the_weights_figure_matches_what_vllm_loaded(loaded: dict[str, Any],
                                                      dtype: str) -> None:
     measured = loaded[dtype]
@@ -59,5 +66,5 @@ def test_the_weights_figure_matches_what_vllm_loaded(loaded: dict[str, Any],
     print(f"{dtype}: predicted {predicted.bytes} bytes ({predicted.how}), vLLM holds {held} "
           f"(parameters {measured['params_bytes']}, buffers {measured['buffers_bytes']}, "
           f"{measured['dtype']}); on disk {predicted.stored_bytes}")
-    assert measured["dtype"] == f"torch.{predicted.dtype}"
+    assert measured["dtype"] == f"torch.{predicted.dtype}"  # the first parameter's: bf16
     assert abs(predicted.bytes - held) <= 0.02 * held
