@@ -104,14 +104,19 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
         dtype_arg = _option(v.extra_args, "--dtype")
         w = weights(ckpt.tensors, ckpt.config, quantization=v.quantization,
                     dtype_arg=dtype_arg, devices=devices)
-        kv = kv_cache(ckpt.config, cache_dtype=_option(v.extra_args, "--kv-cache-dtype"),
-                      dtype_arg=dtype_arg, devices=devices)
     except NotOnDisk as exc:
         return Sized(unknown=f"{exc}: unknown until its first start")
-    except Unknown as exc:
+    except (Unknown, SizingError) as exc:
+        # an architecture whose config gpud cannot size (an encoder-decoder's layers, a dtype
+        # it does not know) is not the config's fault: vLLM may well run it
         return Sized(unknown=str(exc))
-    except (CheckpointError, SizingError) as exc:
+    except CheckpointError as exc:
         return Sized(error=str(exc))
+    try:
+        kv = kv_cache(ckpt.config, cache_dtype=_option(v.extra_args, "--kv-cache-dtype"),
+                      dtype_arg=dtype_arg, devices=devices)
+    except SizingError as exc:  # the weights still bound the reservation
+        return Sized(w, where=ckpt.where(), unknown=f"KV cache: {exc}")
     length = v.max_model_len or default_max_model_len(ckpt.config)
     if length is None:
         return Sized(w, kv, where=ckpt.where(),
@@ -135,14 +140,14 @@ def checkpoint_problems(cfg: Config) -> list[str]:
             problems.append(f"serves.{name}.vllm.model: {sized.error}")
             continue
         w, n, kv = sized.weights, sized.need, sized.kv
-        if w is None or kv is None:
+        if w is None:
             continue
         if serve.vram_mib < w.mib:
             problems.append(
                 f"serves.{name}.vram_mib: {serve.vram_mib} MiB is below the weights alone: "
                 f"{w.mib} MiB ({w.how}), read from {sized.where}")
             continue
-        if n is None:
+        if n is None or kv is None:
             continue
         if isinstance(serve.vllm.kv_cache_mib, int):
             one = -(-kv.bytes_for(n.max_model_len) // (1 << 20))

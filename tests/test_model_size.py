@@ -216,3 +216,15 @@ model = "{tmp_path / 'absent'}"
     assert f"fast: minimum {minimum} MiB (weights {WEIGHTS_MIB} + " in shown
     assert "headroom 100 MiB" in shown
     assert "other:" not in shown  # nothing known: the plan says nothing of it
+
+
+def test_a_config_gpud_cannot_size_is_unknown_not_an_error(tmp_path: Path) -> None:
+    """No layers or heads it knows (an encoder-decoder): the KV cache is unknown, never an
+    error; the weights, read all the same, still bound the reservation."""
+    whisper = {"model_type": "whisper", "encoder_layers": 4, "decoder_layers": 4,
+               "d_model": 384, "dtype": "float16"}
+    d = write_checkpoint(tmp_path / "w", config=whisper,
+                         tensors={"model.decoder.embed_tokens.weight": ("F16", [51865, 384])})
+    parse_config(config(str(d), 100), "t")
+    (found,) = problems(config(str(d), 10))
+    assert found.startswith("serves.fast.vram_mib: 10 MiB is below the weights alone: 38 MiB")
