@@ -28,6 +28,7 @@ from gpud.core.launch import (
 )
 from gpud.core.vocab import RUNNING, EventKind, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
+from gpud.model_size import size_serve
 from gpud.observer import Observer
 from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
@@ -95,6 +96,8 @@ class Calibrator:
         self.journal = journal
         self.runs: dict[str, Run] = {}
         self._records: dict[tuple[str, str], Calibration] = {}
+        # serve -> (fingerprint, its prediction): a checkpoint is read once per fingerprint
+        self._predicted: dict[str, tuple[str, answers.Predicted]] = {}
 
     def load(self) -> None:
         self._records = {(c.serve, c.fingerprint): c for c in self.svc.store.calibrations()}
@@ -176,11 +179,36 @@ class Calibrator:
             return None
         return kv_cache_fit_mib(spec.vram_mib, rec.vllm)[0]
 
+    def predicted(self, serve: str) -> answers.Predicted | None:
+        """What the serve's checkpoint on disk says it needs (None: not a vllm serve)."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None or spec.vllm is None:
+            return None
+        fp = fingerprint(spec)
+        hit = self._predicted.get(serve)
+        if hit is not None and hit[0] == fp:
+            return hit[1]
+        sized = size_serve(spec, self.svc.config.daemon)
+        n = sized.need
+        found: answers.Predicted = {
+            "weights_mib": sized.weights.mib if sized.weights else None,
+            "kv_mib": n.kv_mib if n else None, "context_mib": n.context_mib if n else None,
+            "minimum_mib": n.minimum_mib if n else None,
+            "max_model_len": n.max_model_len if n else None,
+            "how": (f"{n.arithmetic()}; weights {sized.weights.how if sized.weights else ''}, "
+                    f"read from {sized.where}" if n
+                    else sized.unknown or sized.error or "unknown until its first start")}
+        self._predicted[serve] = (fp, found)
+        return found
+
     def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)
         spec = self.svc.serve_spec(serve)
         out: answers.Calibration = {"serve": serve, "status": status, "fingerprint": fp,
                                "running": None, "record": None}
+        predicted = self.predicted(serve)
+        if predicted is not None:
+            out["predicted"] = predicted
         run = self.runs.get(serve)
         if run is not None:
             out["running"] = run.to_json(self.clock())

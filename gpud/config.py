@@ -429,8 +429,11 @@ def _placeholder_problem(arg: str) -> str | None:
     return None
 
 
-def parse_config(text: str, source: str) -> Config:
-    """Parse and validate config text. Raises ConfigError naming every problem."""
+def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
+    """Parse and validate config text. Raises ConfigError naming every problem. With
+    `checkpoints`, each vllm serve's reservation is checked against its checkpoint on disk
+    (gpud.model_size; off for a config gpud already ran with, read back to recover from: a
+    checkpoint changed since must not make it unreadable)."""
     try:
         data = bounded.parse_toml(text)
     except bounded.TOMLDecodeError as exc:
@@ -445,6 +448,10 @@ def parse_config(text: str, source: str) -> Config:
         problems = [f"{_key_path(e['loc'])}: {_reason(e)}" for e in exc.errors()]
         raise ConfigError(source, problems) from exc
     problems = _semantic_problems(cfg)
+    if not problems and checkpoints:
+        from gpud.model_size import checkpoint_problems
+
+        problems = checkpoint_problems(cfg)
     if problems:
         raise ConfigError(source, problems)
     return cfg

@@ -214,7 +214,8 @@ class Daemon:
                 # (recovery.finish) goes from there, as a failed apply's would.
                 self.config_text = recovery.text
                 svc.config = apply_overrides(parse_config(self.config_text,
-                                                          str(self.config_path)), self.overrides)
+                                                          str(self.config_path),
+                                                          checkpoints=False), self.overrides)
                 svc.config_text = self.config_text
             svc.load()
             self.config = svc.config

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.config import Config, apply_overrides, parse_config
+from gpud.core.answers import PlanSize
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
 from gpud.core.plan import Plan, make_plan
@@ -44,6 +45,27 @@ def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
 
 
 def plan_json(text: str, source: str, inputs: PlanInputs) -> str:
-    """The plan of `text` as the JSON text POST /v1/plan answers (ConfigError when invalid)."""
-    plan = plan_of(apply_overrides(parse_config(text, source), inputs.overrides), source, inputs)
-    return json.dumps(plan.to_json(), allow_nan=False)
+    """The plan of `text` as the JSON text POST /v1/plan answers (ConfigError when invalid),
+    with each vllm serve's needs from its checkpoint on disk (gpud.model_size)."""
+    cfg = apply_overrides(parse_config(text, source), inputs.overrides)
+    doc = plan_of(cfg, source, inputs).to_json()
+    doc["sizes"] = plan_sizes(cfg)
+    return json.dumps(doc, allow_nan=False)
+
+
+def plan_sizes(cfg: Config) -> list[PlanSize]:
+    from gpud.model_size import size_serve
+
+    sizes: list[PlanSize] = []
+    for name, serve in sorted(cfg.serves.items()):
+        if serve.vllm is None:
+            continue
+        sized = size_serve(serve, cfg.daemon)
+        n = sized.need
+        how = (n.arithmetic() if n is not None
+               else sized.unknown or sized.error or "unknown until its first start")
+        sizes.append({"serve": name, "vram_mib": serve.vram_mib,
+                      "minimum_mib": n.minimum_mib if n else None,
+                      "headroom_mib": serve.vram_mib - n.minimum_mib if n else None,
+                      "how": how})
+    return sizes

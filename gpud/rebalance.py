@@ -447,8 +447,8 @@ class Recovery:
             steps = [Action.from_json(doc) for doc in record["steps"]]
             begun = record.get("begun")
             count = _begun(steps, record) if begun is None else int(begun)
-            self.svc.overrides(parse_config(old, "the config before the apply"))
-            self.svc.overrides(parse_config(new, "the config of the apply"))
+            self.svc.overrides(parse_config(old, "the config before the apply", checkpoints=False))
+            self.svc.overrides(parse_config(new, "the config of the apply", checkpoints=False))
         except (ValueError, KeyError, TypeError, AttributeError, GpudError) as exc:
             log.error("the record of an interrupted apply cannot be read (%s): dropped", exc)
             self.svc.store.commit(Changes(meta={JOURNAL: None}))

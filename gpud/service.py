@@ -320,7 +320,8 @@ class LedgerService:
         if text is None:
             return None
         try:
-            return self.overrides(parse_config(text, "the config gpud last ran with"))
+            return self.overrides(parse_config(text, "the config gpud last ran with",
+                                             checkpoints=False))
         except ConfigError as exc:
             log.warning("the stored config cannot be read (%s); deciding against the file alone",
                         exc.message)

@@ -47,6 +47,17 @@ COMPLETERS = {
     "limit": "none",
     "window": "none",
     "level": "none",  # 1 or 2
+    # gpuctl size: a checkpoint directory (or a repository id), its figures
+    "model": "file",
+    "hf_home": "file",
+    "max_model_len": "none",
+    "quantization": "none",
+    "kv_cache_dtype": "none",
+    "dtype": "none",
+    "revision": "none",
+    "context_mib": "none",
+    "devices": "none",
+    "vram_mib": "none",
 }
 SINCE_HINTS = "10m 1h 2h 1d 7d"
 

@@ -134,3 +134,30 @@ def test_an_exactly_sized_calibration_says_why_it_gives_no_figure(tmp_path: Path
     assert (view.get("vllm") or {})["kv_cache_fit_mib"] is None
     assert "KV cache to fit the reservation exactly: no figure: the calibration needs a " \
         "util-sized start's vLLM lines" in format_calibration(view)
+
+
+def test_the_calibration_shows_the_checkpoints_prediction_beside_vllms(tmp_path: Path) -> None:
+    """A vllm serve's calibration view carries what its checkpoint on disk predicts, and the
+    text sets it beside vLLM's measured weights; a model not on disk says unknown."""
+    from gpud.ctl.format import format_calibration
+    from tests.checkpoints import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "model")  # tests.checkpoints.LLAMA_CONFIG: 4 MiB bf16
+    cal = calibrator(tmp_path / "a", CONFIG.replace('model = "m"', f'model = "{model}"'),
+                     {**VLLM, "weights_mib": 5})
+    view = cal.view("v")
+    assert view["predicted"] == {
+        "weights_mib": 4, "kv_mib": 8000, "context_mib": 512, "minimum_mib": 8516,
+        "max_model_len": 4096,
+        "how": f"weights 4 + KV for one 4096-token sequence 8000 + context 512 = 8516 MiB; "
+               f"weights bf16; RoPE cache 0.5 MiB, read from {model} (21 tensors in "
+               "model.safetensors)"}
+    text = format_calibration(view)
+    assert ("predicted from the checkpoint: minimum 8516 MiB (weights 4 + KV for one "
+            "4096-token sequence 8000 + context 512); vLLM measured weights 5 MiB: predicted "
+            "-20.0%") in text, text
+    absent = calibrator(tmp_path / "b").view("v")
+    assert absent["predicted"]["minimum_mib"] is None
+    assert ("predicted from the checkpoint: unknown (m@main: not in the model cache "
+            "/var/cache/gpud-serve/huggingface/hub: unknown until its first start)"
+            in format_calibration(absent))

@@ -9,7 +9,7 @@
 # over the socket named on the command line (--socket), else $GPUD_SOCKET, else the default;
 # when gpud cannot be reached there is simply nothing to offer.
 
-_gpuctl_commands="status ledger serves admit release start sleep wake stop restart events plan apply calibrate reload"
+_gpuctl_commands="status ledger serves admit release start sleep wake stop restart events plan apply calibrate size reload"
 _gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit invariant"
 _gpuctl_since="10m 1h 2h 1d 7d"
 # options that take one or more values
@@ -33,6 +33,7 @@ _gpuctl_options() {
         plan) echo "-h --help --socket --json --timeout" ;;
         apply) echo "-h --help --socket --json --timeout" ;;
         calibrate) echo "-h --help --window --no-wait --status --socket --json --timeout" ;;
+        size) echo "-h --help --max-model-len --quantization --kv-cache-dtype --dtype --revision --hf-home --context-mib --devices --vram-mib --socket --json --timeout" ;;
         reload) echo "-h --help --socket --json --timeout" ;;
     esac
 }
@@ -79,6 +80,17 @@ _gpuctl_option_value() {
         "calibrate:--window") echo none ;;
         "calibrate:--socket") echo file ;;
         "calibrate:--timeout") echo none ;;
+        "size:--max-model-len") echo none ;;
+        "size:--quantization") echo none ;;
+        "size:--kv-cache-dtype") echo none ;;
+        "size:--dtype") echo none ;;
+        "size:--revision") echo none ;;
+        "size:--hf-home") echo file ;;
+        "size:--context-mib") echo none ;;
+        "size:--devices") echo none ;;
+        "size:--vram-mib") echo none ;;
+        "size:--socket") echo file ;;
+        "size:--timeout") echo none ;;
         "reload:--socket") echo file ;;
         "reload:--timeout") echo none ;;
     esac
@@ -99,6 +111,7 @@ _gpuctl_positional() {
         "plan:0") echo toml ;;
         "apply:0") echo toml ;;
         "calibrate:0") echo serve ;;
+        "size:0") echo file ;;
         *) echo none ;;
     esac
 }

@@ -364,6 +364,17 @@ class PlanBoot(TypedDict):
     why: str
 
 
+class PlanSize(TypedDict):
+    """A vllm serve's needs from its checkpoint on disk (gpud.model_size): its minimum
+    reservation and what its vram_mib leaves above it, or why they are unknown."""
+
+    serve: str
+    vram_mib: int
+    minimum_mib: int | None
+    headroom_mib: int | None
+    how: str
+
+
 class PlanDenied(TypedDict):
     """A denial: the first role lacking room; a serve on several roles with more than one
     lacking lists each in ``lacking``."""
@@ -428,6 +439,7 @@ class Plan(TypedDict):
     stop_first: list[str]
     steps: list[PlanStep]
     boot: NotRequired[list[PlanBoot]]
+    sizes: NotRequired[list[PlanSize]]
 
 
 class CalibrationRun(TypedDict):
@@ -453,6 +465,18 @@ class CalibrationRecord(TypedDict):
     current: bool
 
 
+class Predicted(TypedDict):
+    """A vllm serve's needs predicted from its checkpoint on disk (gpud.model_size), shown
+    beside what a calibration measured; the figures null, `how` saying why, when unknown."""
+
+    weights_mib: int | None
+    kv_mib: int | None
+    context_mib: int | None
+    minimum_mib: int | None
+    max_model_len: int | None
+    how: str
+
+
 class Calibration(TypedDict):
     """GET /v1/serves/{name}/calibration."""
 
@@ -462,6 +486,7 @@ class Calibration(TypedDict):
     running: CalibrationRun | None
     record: CalibrationRecord | None
     vllm: NotRequired[dict[str, Any] | None]
+    predicted: NotRequired[Predicted]
 
 
 class ApplyStep(TypedDict):

@@ -487,6 +487,18 @@ def run_calibrate(ctl: Ctl, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def configure_size(p: argparse.ArgumentParser) -> None:
+    from gpud.ctl import size
+
+    size.configure(p)
+
+
+def run_size(ctl: Ctl, args: argparse.Namespace) -> int:
+    from gpud.ctl import size
+
+    return size.run(ctl, args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "status", "the daemon in a few lines",
@@ -631,6 +643,21 @@ COMMANDS: tuple[Command, ...] = (
         "Starting one needs root or the admin group; --status is readable by anyone.",
         "  gpuctl calibrate fast --window 10m\n  gpuctl calibrate fast --status",
         configure_calibrate, run_calibrate),
+    Command(
+        "size", "what a model needs, from its checkpoint on disk",
+        "Read MODEL's checkpoint on this host without loading it (the safetensors headers of "
+        "every shard, config.json) and print what a vllm serve of it needs: the weights as "
+        "vLLM holds them (a pre-quantized checkpoint as stored; an online --quantization "
+        "estimated, embeddings, LM head and norms left in the model's dtype), the KV cache per "
+        "token and for one sequence of --max-model-len, and the minimum reservation (weights + "
+        "that KV cache + context), with the serves.toml lines to write. With --vram-mib, exit 1 "
+        "and say what fits instead when that reservation cannot hold it. MODEL is a directory, "
+        "or a repository id found in the serves' model cache at --revision. gpud is not asked; "
+        "a model not on disk exits 2.",
+        "  gpuctl size /srv/models/gemma-4-E4B-it --max-model-len 32768\n"
+        "  gpuctl size leon-se/gemma-4-E4B-it-FP8-Dynamic --revision COMMIT --vram-mib 10240\n"
+        "  gpuctl size /srv/models/llama --quantization fp8_per_tensor --kv-cache-dtype fp8",
+        configure_size, run_size),
     Command(
         "reload", "re-read serves.toml",
         "Make gpud re-read its config file. Reservations are never dropped silently: a role the "

@@ -461,6 +461,10 @@ def format_plan(doc: answers.Plan) -> str:
                      str(s.get("change")), "yes" if s.get("restart") else "no"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for size in doc.get("sizes") or []:  # only those read from a checkpoint on disk
+        if size.get("minimum_mib") is not None:
+            lines.append(f"{size.get('serve')}: minimum {size.get('minimum_mib')} MiB "
+                         f"({size.get('how')}), headroom {size.get('headroom_mib')} MiB")
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
@@ -529,5 +533,22 @@ def format_calibration(doc: answers.Calibration) -> str:
                          f"kv_cache_mib = {vllm.get('kv_cache_fit_mib')}")
         elif vllm.get("kv_cache_fit"):
             lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit')}")
+    lines += _predicted_lines(doc.get("predicted"), vllm)
     return "\n".join(lines)
+
+
+def _predicted_lines(p: Any, vllm: Any) -> list[str]:
+    """The checkpoint's prediction beside vLLM's measured weights, so a wrong one shows."""
+    if not p:
+        return []
+    if p.get("minimum_mib") is None:
+        return [f"  predicted from the checkpoint: unknown ({p.get('how')})"]
+    line = (f"  predicted from the checkpoint: minimum {p.get('minimum_mib')} MiB (weights "
+            f"{p.get('weights_mib')} + KV for one {p.get('max_model_len')}-token sequence "
+            f"{p.get('kv_mib')} + context {p.get('context_mib')})")
+    measured = vllm.get("weights_mib") if vllm else None
+    if isinstance(measured, int) and measured > 0 and p.get("weights_mib"):
+        off = (p["weights_mib"] - measured) * 100 / measured
+        line += f"; vLLM measured weights {measured} MiB: predicted {off:+.1f}%"
+    return [line]
 

@@ -1,0 +1,134 @@
+"""``gpuctl size MODEL``: what a model needs before a config exists, read from its checkpoint on
+this host (gpud.checkpoint, gpud.core.sizing: the standard library only, no daemon asked).
+Imported lazily by the command's run: reading checkpoints costs nothing to the other commands.
+"""
+
+from __future__ import annotations
+
+from gpud.ctl.errors import EXIT_OK, EXIT_REFUSED, CtlError, usage_error
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
+# The serves' shared model cache (gpud.core.launch.SERVE_CACHE_ENVIRONMENT's HF_HOME): where a
+# repository id is looked for unless --hf-home says otherwise.
+SERVES_HF_HOME = "/var/cache/gpud-serve/huggingface"
+# What a serve without vllm.context_mib is taken to draw beyond its budget
+# (daemon.vllm_start_context_mib's default).
+DEFAULT_CONTEXT_MIB = 512
+EXIT_NOT_ON_DISK = 2
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a checkpoint directory, or a repository id (ORG/NAME) in the serves' "
+                        "model cache")
+    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="the longest sequence (default: the model's context length, as vLLM "
+                        "takes it)")
+    p.add_argument("--quantization", metavar="Q",
+                   help="vllm.quantization: a pre-quantized checkpoint counts as stored; an "
+                        "online method (fp8_per_tensor, fp8_per_block, ...) is estimated")
+    p.add_argument("--kv-cache-dtype", metavar="D",
+                   help="the KV cache's dtype (auto, fp8, bfloat16, ...; default auto: the "
+                        "model's)")
+    p.add_argument("--dtype", metavar="D", help="vLLM's --dtype (default auto)")
+    p.add_argument("--revision", metavar="R",
+                   help="the pinned revision of a repository id (default main)")
+    p.add_argument("--hf-home", metavar="PATH", default=SERVES_HF_HOME,
+                   help=f"the Hugging Face home of the cache (default {SERVES_HF_HOME}, the "
+                        "serves' own)")
+    p.add_argument("--context-mib", type=int, default=DEFAULT_CONTEXT_MIB, metavar="MIB",
+                   help="what vLLM draws beyond its budget (vllm.context_mib; default "
+                        f"{DEFAULT_CONTEXT_MIB}, daemon.vllm_start_context_mib's)")
+    p.add_argument("--devices", type=_positive_int, default=1, metavar="N",
+                   help="tensor parallel over N devices (the serve's roles): figures per device")
+    p.add_argument("--vram-mib", type=_positive_int, metavar="MIB",
+                   help="the reservation to check: exit 1 with the reason when it cannot hold "
+                        "the model")
+
+
+def size_doc(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures as JSON, or CtlError (exit 2) for a checkpoint that is not there or not
+    readable."""
+
+    from gpud.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
+    from gpud.core import sizing
+
+    if args.context_mib < 0:
+        raise usage_error("--context-mib must be >= 0")
+    try:
+        directory, _local = locate(args.model, args.revision,
+                                   hub_cache_of({"HF_HOME": args.hf_home}))
+        ckpt = read_checkpoint(directory)
+        w = sizing.weights(ckpt.tensors, ckpt.config, quantization=args.quantization,
+                           dtype_arg=args.dtype, devices=args.devices)
+        kv = sizing.kv_cache(ckpt.config, cache_dtype=args.kv_cache_dtype, dtype_arg=args.dtype,
+                             devices=args.devices)
+    except NotOnDisk as exc:
+        raise CtlError("not-on-disk", f"{exc}: its needs are unknown until its first start "
+                       "(or until it is downloaded: --hf-home names the cache)",
+                       EXIT_NOT_ON_DISK, {"model": args.model}) from None
+    except sizing.Unknown as exc:
+        raise CtlError("unknown", str(exc), EXIT_REFUSED, {"model": args.model}) from None
+    except (CheckpointError, sizing.SizingError) as exc:
+        raise usage_error(str(exc), model=args.model) from None
+    length = args.max_model_len or sizing.default_max_model_len(ckpt.config)
+    if length is None:
+        raise usage_error("config.json gives no context length: give --max-model-len",
+                          model=args.model)
+    n = sizing.need(w, kv, length, args.context_mib)
+    doc: dict[str, Any] = {
+        "model": args.model, "checkpoint": ckpt.where(), "files": list(ckpt.files),
+        "weights_mib": w.mib, "weights_bytes": w.bytes, "stored_bytes": w.stored_bytes,
+        "dtype": w.dtype, "weights_how": w.how, "estimate": w.estimate,
+        "kv_bytes_per_token": kv.per_token_bytes, "kv_dtype": kv.dtype, "kv_note": kv.note,
+        "max_model_len": length, "kv_mib": n.kv_mib, "context_mib": n.context_mib,
+        "minimum_mib": n.minimum_mib, "devices": args.devices,
+        "vram_mib": args.vram_mib, "fits": None, "reason": None,
+    }
+    if args.vram_mib is not None:
+        why = sizing.shortfall(args.vram_mib, n, kv)
+        doc["fits"] = why is None
+        doc["reason"] = why
+    return doc
+
+
+def format_size(d: dict[str, Any]) -> str:
+    mib = 1 << 20
+    per = "per device, " if d["devices"] > 1 else ""
+    lines = [f"checkpoint {d['checkpoint']}",
+             f"  weights    {d['weights_mib']} MiB ({per}{d['weights_how']}; "
+             f"{d['stored_bytes'] / mib:.1f} MiB on disk)",
+             f"  KV cache   {d['kv_bytes_per_token']} bytes per token ({d['kv_dtype']}"
+             + (f"; {d['kv_note']}" if d["kv_note"] else "") + ")",
+             f"             {d['kv_mib']} MiB for one sequence of max_model_len "
+             f"{d['max_model_len']}",
+             f"  context    {d['context_mib']} MiB",
+             f"  minimum    {d['minimum_mib']} MiB (weights + KV + context; vLLM's activation "
+             "peak and CUDA graphs come on top: gpuctl calibrate measures them)",
+             "in serves.toml:",
+             f"  vram_mib = {d['minimum_mib']}      # at least",
+             f"  vllm.max_model_len = {d['max_model_len']}",
+             f"  vllm.kv_cache_mib = {d['kv_mib']}      # one sequence; more for more at once"]
+    if d["vram_mib"] is not None:
+        lines.append(f"vram_mib {d['vram_mib']}: fits" if d["fits"]
+                     else f"vram_mib {d['reason']}")
+    return "\n".join(lines)
+
+
+def run(ctl: Any, args: argparse.Namespace) -> int:
+    """gpud.ctl.commands.run_size's (`ctl` its Ctl: this module does not import it back)."""
+    doc = size_doc(args)
+    ctl.emit(doc, format_size)
+    return EXIT_REFUSED if doc["fits"] is False else EXIT_OK

@@ -1,0 +1,164 @@
+"""A vllm serve's needs from its checkpoint on disk, and the config problems they show: a
+`vram_mib` below the weights, or below the minimum (weights + the KV cache of one max_model_len
+sequence + context). Checked at every config load (gpud.config.parse_config: --check-config,
+start, reload, plan, apply). A model not on disk is "unknown until its first start", never an
+error.
+
+Where the model is: `vllm.model` as a local directory, or in the Hugging Face cache the serve
+itself uses (its environment's HF_HUB_CACHE / HF_HOME, else its identity's: the shared cache of
+daemon.serve_user, `/var/cache/gpud-serve/huggingface`, or its own user's ~/.cache), at its pinned
+`vllm.revision`. A container serve's model is read inside its container: unknown here.
+"""
+
+from __future__ import annotations
+
+import pwd
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpud.checkpoint import (
+    CheckpointError,
+    MissingFile,
+    NotOnDisk,
+    hub_cache_of,
+    locate,
+    read_checkpoint,
+)
+from gpud.core.config import Config, DaemonConfig, ServeConfig
+from gpud.core.launch import SERVE_CACHE_ENVIRONMENT
+from gpud.core.sizing import (
+    KvCache,
+    Need,
+    SizingError,
+    Unknown,
+    Weights,
+    default_max_model_len,
+    kv_cache,
+    need,
+    shortfall,
+    weights,
+)
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A serve's predicted needs, or why there are none (`unknown`), or a broken checkpoint
+    (`error`)."""
+
+    weights: Weights | None = None
+    kv: KvCache | None = None
+    need: Need | None = None
+    where: str = ""
+    context_from: str = ""
+    unknown: str | None = None
+    error: str | None = None
+
+
+def _option(extra_args: list[str], name: str) -> str | None:
+    """The value of `name` in extra_args (`--name V` or `--name=V`; the last wins, as in
+    argparse)."""
+    found = None
+    for i, arg in enumerate(extra_args):
+        if arg == name and i + 1 < len(extra_args):
+            found = extra_args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def _home(user: str) -> str | None:
+    try:
+        return (pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)).pw_dir
+    except KeyError:
+        return None
+
+
+def serve_hub_cache(serve: ServeConfig, daemon: DaemonConfig) -> Path:
+    """The Hugging Face cache the serve's vLLM uses (gpud.core.launch.serve_identity: the
+    default identity's environment, or the named user's home)."""
+    env: dict[str, str] = {}
+    user = serve.user or daemon.serve_user
+    if serve.user is None and user not in ("root", "0"):
+        env.update(SERVE_CACHE_ENVIRONMENT)
+    else:
+        env["HOME"] = _home(user) or "/root"
+    env.update(serve.environment)
+    return hub_cache_of(env)
+
+
+def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
+    v = serve.vllm
+    if v is None:
+        return Sized(unknown="not a vllm serve")
+    if serve.container is not None:
+        return Sized(unknown="a container serve's model is read inside its container")
+    try:
+        directory, local = locate(v.model, v.revision, serve_hub_cache(serve, daemon))
+        try:
+            ckpt = read_checkpoint(directory)
+        except MissingFile as exc:
+            if not local:  # vLLM downloads what the cache lacks
+                raise NotOnDisk(str(exc)) from None
+            raise
+        devices = len(serve.all_roles)
+        dtype_arg = _option(v.extra_args, "--dtype")
+        w = weights(ckpt.tensors, ckpt.config, quantization=v.quantization,
+                    dtype_arg=dtype_arg, devices=devices)
+    except NotOnDisk as exc:
+        return Sized(unknown=f"{exc}: unknown until its first start")
+    except (Unknown, SizingError) as exc:
+        # an architecture whose config gpud cannot size (an encoder-decoder's layers, a dtype
+        # it does not know) is not the config's fault: vLLM may well run it
+        return Sized(unknown=str(exc))
+    except CheckpointError as exc:
+        return Sized(error=str(exc))
+    try:
+        kv = kv_cache(ckpt.config, cache_dtype=_option(v.extra_args, "--kv-cache-dtype"),
+                      dtype_arg=dtype_arg, devices=devices)
+    except SizingError as exc:  # the weights still bound the reservation
+        return Sized(w, where=ckpt.where(), unknown=f"KV cache: {exc}")
+    length = v.max_model_len or default_max_model_len(ckpt.config)
+    if length is None:
+        return Sized(w, kv, where=ckpt.where(),
+                     unknown="no max_model_len, and config.json gives no context length")
+    if v.context_mib:
+        context, context_from = v.context_mib, "vllm.context_mib"
+    else:
+        context, context_from = daemon.vllm_start_context_mib, "daemon.vllm_start_context_mib"
+    kv_mib = v.kv_cache_mib if isinstance(v.kv_cache_mib, int) else None
+    return Sized(w, kv, need(w, kv, length, context, kv_mib), ckpt.where(), context_from)
+
+
+def checkpoint_problems(cfg: Config) -> list[str]:
+    """The problems of each vllm serve's reservation against its checkpoint on disk."""
+    problems: list[str] = []
+    for name, serve in sorted(cfg.serves.items()):
+        if serve.vllm is None:
+            continue
+        sized = size_serve(serve, cfg.daemon)
+        if sized.error is not None:
+            problems.append(f"serves.{name}.vllm.model: {sized.error}")
+            continue
+        w, n, kv = sized.weights, sized.need, sized.kv
+        if w is None:
+            continue
+        if serve.vram_mib < w.mib:
+            problems.append(
+                f"serves.{name}.vram_mib: {serve.vram_mib} MiB is below the weights alone: "
+                f"{w.mib} MiB ({w.how}), read from {sized.where}")
+            continue
+        if n is None or kv is None:
+            continue
+        if isinstance(serve.vllm.kv_cache_mib, int):
+            one = -(-kv.bytes_for(n.max_model_len) // (1 << 20))
+            if serve.vllm.kv_cache_mib < one:
+                problems.append(
+                    f"serves.{name}.vllm.kv_cache_mib: {serve.vllm.kv_cache_mib} MiB does not "
+                    f"hold one sequence of max_model_len {n.max_model_len} ({one} MiB of KV "
+                    "cache): vLLM refuses to start (vllm/v1/core/kv_cache_utils.py:1104)")
+                continue
+        why = shortfall(serve.vram_mib, n, kv)
+        if why is not None:
+            problems.append(f"serves.{name}.vram_mib: {why} (weights {w.how}, read from "
+                            f"{sized.where}; context from {sized.context_from})")
+    return problems

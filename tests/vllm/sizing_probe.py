@@ -1,0 +1,117 @@
+"""Run by .venv-vllm's interpreter (transformers, torch and the CPU build of vLLM), never
+imported by the tests: `make DIR DTYPE [DIR DTYPE...]` writes small random Llama checkpoints
+offline in those dtypes; `load DIR...` loads each in turn with real vLLM, in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: one start's imports for all), and prints, one JSON line each,
+the bytes of the parameters and buffers of the model vLLM built.
+
+The CPU build does not log `Model loading took X GiB` (vllm/v1/worker/cpu_model_runner.py:62
+load_model logs only "Starting to load model"; the line is the GPU runners':
+vllm/v1/worker/gpu_model_runner.py:5150): the bytes of the loaded module are what that line
+measures on a GPU, less the allocator's rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+# the checkpoint: GQA (8 heads, 4 KV heads), a vocabulary vLLM pads (1000 -> 1024), untied
+CONFIG = {"vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1024,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+
+def make(out: str, dtype: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.config.torch_dtype = getattr(torch, dtype)
+    model.save_pretrained(out)
+
+
+def make_int8(out: str, source: str) -> None:
+    """A pre-quantized copy of `source`: compressed-tensors W8A8 int8 (what llm-compressor's
+    W8A8 recipe writes), each linear layer's weight int8 with an fp32 scale per output row,
+    the embeddings, norms and LM head left as they were (`ignore`)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{source}/model.safetensors")
+    quantized = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+            quantized[name] = (t.float() / scale).round().clamp(-128, 127).to(torch.int8)
+            quantized[name + "_scale"] = scale.to(torch.float32)
+        else:
+            quantized[name] = t
+    shutil.copytree(source, out)
+    save_file(quantized, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{out}/config.json") as f:
+        config = json.load(f)
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False,
+              "strategy": "channel"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": scheme,
+            "input_activations": {**scheme, "dynamic": True, "strategy": "token"}}}}
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(config, f)
+
+
+def count(module: Any) -> dict[str, Any]:
+    params = list(module.parameters())
+    buffers = list(module.buffers())
+    return {"params_bytes": sum(p.numel() * p.element_size() for p in params),
+            "buffers_bytes": sum(b.numel() * b.element_size() for b in buffers),
+            "dtype": str(params[0].dtype)}
+
+
+def load(path: str) -> None:
+    """The model's bytes as vLLM's loader leaves them, before process_weights_after_loading:
+    the CPU build then packs each linear layer's weight for oneDNN and drops the parameter
+    (vllm/model_executor/layers/linear.py:216, dispatch_cpu_unquantized_gemm(layer,
+    remove_weight=True)), which a GPU does not do to an unquantized model."""
+    from vllm import LLM
+    from vllm.model_executor.model_loader import base_loader
+
+    loaded: list[dict[str, Any]] = []
+    original = base_loader.process_weights_after_loading
+
+    def counting(model: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(count(model))
+        return original(model, *args, **kwargs)
+
+    base_loader.process_weights_after_loading = counting
+    llm = LLM(model=path, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+              dtype="auto")
+    after = llm.apply_model(count)[0]
+    print("SIZING " + json.dumps({"model": path, **loaded[0], "after_processing": after}),
+          flush=True)
+    base_loader.process_weights_after_loading = original
+    # the next model in this process: vLLM's engine and its process group go first
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del llm
+    cleanup_dist_env_and_memory()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if sys.argv[1] == "make-int8":
+        make_int8(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "make":
+        for out, dtype in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
+            make(out, dtype)
+    else:
+        for model in sys.argv[2:]:
+            load(model)
