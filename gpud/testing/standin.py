@@ -192,6 +192,7 @@ class Options(NamedTuple):
     uds: str | None = None
     # `"stream": true` completions: one token every this many seconds
     token_interval_s: float = 0.0
+    sleep_delay_s: float = 0.0
 
 
 def compute_draw_mib(
@@ -394,6 +395,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="accepted for older commands: the engine child always holds the draw")
     sim.add_argument("--token-interval-s", type=_seconds, default=0.0, metavar="S",
                      help='between the tokens of a "stream": true completion')
+    sim.add_argument("--sleep-delay-s", type=_seconds, default=0.0, metavar="S",
+                     help="how long a sleep of level 1 or 2 takes once the engine is paused "
+                          "(vLLM's copies or drops the weights: seconds for a large model)")
     sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S",
                      help="the model's load time: no listening socket until it is over")
     faults = p.add_argument_group("fault injection")
@@ -462,6 +466,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         never_healthy=ns.never_healthy,
         uds=ns.uds,
         token_interval_s=ns.token_interval_s,
+        sleep_delay_s=ns.sleep_delay_s,
         unhealthy_after_s=ns.unhealthy_after,
         engine_dies_after_s=ns.engine_dies_after,
         exit_after_engine_death_s=ns.exit_after_engine_death,
@@ -902,8 +907,10 @@ class App:
         level = int(level_text)
         # Paused first (its mode decides the requests in flight), then the memory goes.
         self.engine.pause(mode)
-        self.sleep_level = level
         self.sleep_mode = mode
+        if level and self.opts.sleep_delay_s:
+            time.sleep(self.opts.sleep_delay_s)  # its memory going: still awake meanwhile
+        self.sleep_level = level
         # level 1 parks the weights in host RAM and drops the KV cache; level 2 drops both
         # (vLLM's docs/features/sleep_mode.md, "Sleep levels"); level 0 only pauses.
         self.sleeping_tags = {"weights", "kv_cache"} if level else set()
