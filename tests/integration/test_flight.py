@@ -16,7 +16,7 @@ import pytest
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin, standin_uds
 from tests.waiting import wait_until
 
-SL, ST, LO, HI = 30191, 30192, 30193, 30194
+SL, ST, LO, HI, SX = 30191, 30192, 30193, 30194, 30195
 TOKEN_S = 0.2
 DEV = 'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
 
@@ -34,6 +34,11 @@ def flight_config(daemon: str = "") -> str:
     serves += (f'[serves.st]\nrole = "r"\nvram_mib = 4000\nport = {ST}\nfront = true\n'
                "on_demand = true\nstart_timeout_s = 60\nidle_stop_s = 2\n"
                f"command = {standin_uds(*tokens)}\n")
+    # on demand, stopped after 2 s idle, and its stop takes 3 s (it ignores SIGTERM: systemd
+    # kills it at stop_timeout_s)
+    serves += (f'[serves.sx]\nrole = "r"\nvram_mib = 4000\nport = {SX}\nfront = true\n'
+               "on_demand = true\nstart_timeout_s = 60\nidle_stop_s = 2\nstop_timeout_s = 3\n"
+               f"command = {standin_uds('--ignore-sigterm')}\n")
     # a preemption's victim (fronted, sleeps) and the serve that needs its room
     serves += (f'[serves.lo]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LO}\n'
                f"front = true\nsleep_level = 1\nsleep_mib = 800\n{DEV}"
@@ -166,6 +171,23 @@ def test_a_request_during_an_idle_sleep_waits_and_is_answered_awake(flight: Sand
     # the sleep finished, then the wake, then the answer
     assert sent <= asleep["ts"] <= woken["ts"] <= got, (sent, asleep, woken, got)
     assert gpud.serve("sl")["state"] == "running"
+
+
+def test_a_request_during_an_idle_stop_waits_and_is_answered_by_a_new_start(
+        flight: SandboxGpud) -> None:
+    gpud = flight
+    assert answered(gpud, SX) == "200"
+    first = gpud.serve("sx")["main_pid"]
+    gpud.wait_state("sx", "stopping", timeout=15)  # idle 2 s; the stop takes 3 s
+    sent = time.time()
+    assert answered(gpud, SX) == "200"
+    got = time.time()
+    stopped = event_after(gpud, "stop", "sx", sent - 5)
+    started = event_after(gpud, "start", "sx", sent)
+    # the stop finished (3 s: SIGTERM ignored, SIGKILL at stop_timeout_s), then a new start,
+    # then the answer: from a new process
+    assert stopped["ts"] + 2.5 <= started["ts"] <= got, (stopped, started, got)
+    assert gpud.serve("sx")["main_pid"] not in (None, first)
 
 
 def test_a_preemption_drains_the_stream_in_flight(flight: SandboxGpud) -> None:
