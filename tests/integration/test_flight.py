@@ -16,7 +16,7 @@ import pytest
 from tests.integration.gpudctl import SandboxGpud, sim_config, standin, standin_uds
 from tests.waiting import wait_until
 
-SL, ST, LO, HI, SX = 30191, 30192, 30193, 30194, 30195
+SL, ST, LO, HI, SX, LS = 30191, 30192, 30193, 30194, 30195, 30196
 TOKEN_S = 0.2
 DEV = 'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
 
@@ -43,6 +43,9 @@ def flight_config(daemon: str = "") -> str:
     serves += (f'[serves.lo]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LO}\n'
                f"front = true\nsleep_level = 1\nsleep_mib = 800\n{DEV}"
                f"command = {standin_uds(*sleeper, *tokens)}\n")
+    # a preemption's victim that is stopped, not put to sleep
+    serves += (f'[serves.ls]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LS}\n'
+               f'front = true\npreemptible = "stop"\ncommand = {standin_uds(*tokens)}\n')
     serves += (f'[serves.hi]\nrole = "r"\nvram_mib = 20000\npriority = 10\nport = {HI}\n'
                f"command = {standin()}\n")
     return sim_config('[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n', serves,
@@ -210,6 +213,23 @@ def test_a_preemption_drains_the_stream_in_flight(flight: SandboxGpud) -> None:
     assert asleep["ts"] >= stream.ended_at - 1.0  # the memory went once the stream was done
     assert gpud.standin_state("lo")["sleep_mode"] == "wait"
     gpud.wait_state("hi", "running")
+
+
+def test_a_preemption_by_stop_drains_the_stream_in_flight_first(flight: SandboxGpud) -> None:
+    gpud = flight
+    assert gpud.call("POST", "/v1/serves/ls/start", {}).status == 200
+    gpud.wait_state("ls", "running")
+    stream = Stream(gpud, LS, 20)  # 4 s
+    wait_until(lambda: gpud.serve("ls")["in_flight"] == 1, timeout=10, what="stream counted")
+    reply = gpud.call("POST", "/v1/serves/hi/start", {"preempt": True})
+    assert reply.status == 200, reply.raw
+    stream.whole()  # SIGTERM came after it: a stand-in (and vLLM) aborts what runs then
+    stopped = [e for e in gpud.events(kind="stop", serve="ls") if "in_flight" in e["details"]]
+    assert len(stopped) == 1, gpud.events(kind="stop", serve="ls")
+    drained = stopped[0]["details"]["in_flight"]
+    assert (drained["outcome"], drained["before"], drained["after"]) == ("drained", 1, 0)
+    assert "1 request(s) in flight drained in" in stopped[0]["message"], stopped
+    assert stopped[0]["ts"] >= stream.ended_at - 1.0
 
 
 @pytest.mark.parametrize("flight", ["drain_timeout_s = 1"], indirect=True)
