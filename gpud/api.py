@@ -314,17 +314,22 @@ class Api:
         summaries = ({n: self.calibrations.summary_of(n) for n in self.svc.known_serves()}
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
-                                         summaries, self._parked, self._activity))
+                                         summaries, self._parked, self._activity,
+                                         self._in_flight))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws, parked=self._parked,
-                              activity=self._activity)
+                              activity=self._activity, in_flight=self._in_flight)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
-                          self.calibrations.summary_of(name), self._parked, self._activity)
+                          self.calibrations.summary_of(name), self._parked, self._activity,
+                          self._in_flight)
 
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
+
+    def _in_flight(self, serve: str) -> int | None:
+        return self.on_demand.in_flight(serve) if self.on_demand is not None else None
 
     def _parked(self, serve: str) -> int | None:
         """Host RAM a sleeping serve's weights are parked in (level 1)."""

@@ -191,6 +191,7 @@ class Daemon:
         from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
         from gpud.store import Store
+        from gpud.traffic import Traffic
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -225,7 +226,11 @@ class Daemon:
             calibrator.load()
             supervisor = await self._supervisor(stack, svc, observer, calibrator)
             stack.push_async_callback(calibrator.close)
-            on_demand = OnDemand(svc, supervisor)
+            # What is in flight on each serve: idle times count from the last request's end,
+            # preemptions drain first (gpud.traffic).
+            traffic = Traffic(svc, supervisor.serve_http)
+            supervisor.sleeps.traffic = traffic
+            on_demand = OnDemand(svc, supervisor, traffic=traffic)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator, on_demand),
                            reload=self.reload,
@@ -256,6 +261,7 @@ class Daemon:
             if interval:
                 stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
+            stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             await self.stopping.wait()
             self.notify("STOPPING=1")

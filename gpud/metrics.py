@@ -89,6 +89,14 @@ def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDe
                   if spec.on_demand and getattr(spec, due) is not None} | set(counts)
         for serve in sorted(serves):
             family.add(counts.get(serve, 0), serve=serve)
+    flights = fams.setdefault("gpud_requests_in_flight", _Family(
+        "gpud_requests_in_flight", "gauge", "Requests in flight on each serve as it counts them "
+        "(vLLM's num_requests_running + num_requests_waiting), read by gpud every 0.5 s; no "
+        "series while a serve's count is unknown"))
+    for serve in sorted(svc.config.serves):
+        count = on_demand.in_flight(serve)
+        if count is not None:
+            flights.add(count, serve=serve)
 
 
 def _families(svc: LedgerService, observer: Observer | None,

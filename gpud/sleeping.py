@@ -32,6 +32,7 @@ from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
@@ -92,11 +93,22 @@ class Serves(Protocol):
     async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None: ...
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None: ...
-    async def stop(self, serve: str, uid: int | None, *,
+    async def stop(self, serve: str, uid: int | None, *, drained: Drain | None = None,
                    keep_reservation: bool = False) -> None: ...
 
 
+class Drainer(Protocol):
+    """The requests in flight on a serve (gpud.traffic.Traffic, wired by gpud.daemon)."""
+
+    def held(self, serve: str) -> contextlib.AbstractContextManager[None]: ...
+    async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
+
+
 class Sleeps:
+    # What is in flight on a serve: a preemption drains it first (set by gpud.daemon; None in
+    # tests that run without it).
+    traffic: Drainer | None = None
+
     def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
@@ -338,6 +350,15 @@ class Sleeps:
             parked = self._host_need(serve, level)
             if level == 1 or (level == 2 and self.vllm.level2_parks_host):
                 self._check_host_ram(serve, parked, level)
+            # gpud's own sleeps (a preemption's, an idle one's) drain the requests in flight
+            # first, within daemon.drain_timeout_s; an operator's sleep is the operator's call.
+            drained: Drain | None = None
+            mode = "abort"
+            if self.traffic is not None and (preempted_by is not None or idle_s is not None):
+                stack.enter_context(self.traffic.held(serve))
+                drained = await self.traffic.drain(serve, spec,
+                                                   self.svc.config.daemon.drain_timeout_s)
+                mode = drained.sleep_mode
             loop = asyncio.get_running_loop()
             asked = await self._process(serve)
             if asked is None:
@@ -346,12 +367,16 @@ class Sleeps:
                                   "restart", {"serve": serve})
             async with self.serves.device_locks(serve):  # its memory changes: no start's window
                 began = loop.time()
-                # mode=abort (vLLM's default, said here so it is a choice): the serve's in-flight
-                # requests end at once with an error their clients can retry elsewhere, where
-                # "wait" would hold the sleep (and a preemption's waiting serve) for as long as
-                # its longest request, and "keep" would freeze them until a wake nobody has
-                # promised. Requests arriving while it sleeps queue (all modes).
-                await self._post(serve, spec, f"/sleep?level={level}&mode=abort")
+                # After a drain, mode=wait: what is in flight now (a request that came since the
+                # drain's last read) finishes before the memory goes; vLLM's pause_scheduler
+                # (vllm/v1/engine/core.py:2061-2103 in 0.32) keeps stepping them and sleeps once
+                # they are done. Past the drain's bound, and for an operator's sleep, mode=abort
+                # (vLLM's default, said here so it is a choice): the requests in flight end at
+                # once, their clients told (finish_reason "abort"), where "wait" would hold the
+                # sleep (and a preemption's waiting serve) for as long as its longest request,
+                # and "keep" would freeze them until a wake nobody has promised. Requests
+                # arriving while it sleeps queue (all modes).
+                await self._post(serve, spec, f"/sleep?level={level}&mode={mode}")
                 try:
                     await self._confirm(serve, spec, asleep=True)
                 except GpudError:
@@ -382,7 +407,8 @@ class Sleeps:
             note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
                     "awake_mib": res.mib}
             message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
-                       f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
+                       f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else "")
+                       + (f"; {drained.line()}" if drained is not None else ""))
             await self.svc.admit(
                 serve, target, uid=uid, state=SLEEPING, shrink=True,
                 state_reason=f"asleep (level {level}, {why})",
@@ -392,7 +418,9 @@ class Sleeps:
                                                   **({"preempted_by": preempted_by}
                                                      if preempted_by else {}),
                                                   **({"idle_s": idle_s}
-                                                     if idle_s is not None else {})}),
+                                                     if idle_s is not None else {}),
+                                                  **({"in_flight": drained.details()}
+                                                     if drained is not None else {})}),
                 meta={meta_key(serve): json.dumps(note)})
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
@@ -600,8 +628,16 @@ class Sleeps:
                 try:
                     if action.kind == StepKind.SLEEP:
                         await self.sleep(step.serve, uid, preempted_by=serve)
-                    else:
+                    elif self.traffic is None:
                         await self.serves.stop(step.serve, uid)
+                    else:
+                        # drained first; vLLM's SIGTERM then aborts what is left (its
+                        # --shutdown-timeout defaults to 0: engine/arg_utils.py:842, core.py:1640)
+                        with self.traffic.held(step.serve):
+                            drained = await self.traffic.drain(
+                                step.serve, self.serves.spec_of(step.serve),
+                                self.svc.config.daemon.drain_timeout_s)
+                            await self.serves.stop(step.serve, uid, drained=drained)
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "
                                         f"{exc.message}") from exc

@@ -92,7 +92,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                calibration: tuple[answers.CalibrationStatus, str | None] = ("uncalibrated", None),
                calibrated: answers.Calibrated | None = None,
                parked: Callable[[str], int | None] = lambda _serve: None,
-               activity: Callable[[str], float | None] = lambda _serve: None) -> answers.Serve:
+               activity: Callable[[str], float | None] = lambda _serve: None,
+               in_flight: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -134,8 +135,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # asleep at level 1: the host RAM its weights are parked in (gpud.sleeping)
         "parked_host_mib": parked(name) if state == SLEEPING else None,
         "front": bool(spec and spec.front),
-        # seconds since the last request through its front (gpud.ondemand)
+        # seconds since its last request ended (gpud.ondemand, gpud.traffic)
         "last_activity_s_ago": activity(name),
+        "in_flight": in_flight(name) if state in LIVE_STATES else None,
     }
     if len(roles) > 1:
         out["roles"] = list(roles)
@@ -164,11 +166,12 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
                 calibrations: dict[str, tuple[answers.CalibrationStatus, str | None]] | None = None,
                 summaries: dict[str, answers.Calibrated | None] | None = None,
                 parked: Callable[[str], int | None] = lambda _serve: None,
-                activity: Callable[[str], float | None] = lambda _serve: None) -> answers.Serves:
+                activity: Callable[[str], float | None] = lambda _serve: None,
+                in_flight: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked,
-                        activity)
+                        activity, in_flight)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

@@ -123,7 +123,7 @@ SERVE_OCR: dict[str, Any] = {
     "unit": "gpud-serve-ocr.service", "main_pid": None, "n_restarts": 0,
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
     "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
-    "front": False, "last_activity_s_ago": None,
+    "front": False, "last_activity_s_ago": None, "in_flight": None,
 }
 
 SERVE_FAST: dict[str, Any] = dict(

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from fractions import Fraction
@@ -716,3 +717,87 @@ def test_0_34_checkpoint_routes_and_a_prepared_engine(start: Start, procs_dir: P
     assert start("--vllm-version", "0.34.0").request("GET", "/checkpoint/status")[0] == 404
     assert start("--vllm-version", "0.34.0", "--enable-sleep-mode").request(
         "GET", "/checkpoint/status")[0] == 503
+
+
+# ---- requests in flight across a sleep (vLLM's pause_scheduler; see the stand-in's docstring)
+
+
+def _stream_in_thread(s: Standin, tokens: int) -> tuple[threading.Thread, list[bytes]]:
+    """A streamed completion read whole in a thread: the chunks' `data:` lines land in the list."""
+    got: list[bytes] = []
+
+    def read() -> None:
+        c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        try:
+            c.request("POST", "/v1/completions", body=json.dumps(
+                {"prompt": "a b", "max_tokens": tokens, "stream": True}),
+                headers={"Content-Type": "application/json"})
+            resp = c.getresponse()
+            got.extend(line for line in resp.read().splitlines() if line.startswith(b"data: "))
+        finally:
+            c.close()
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t, got
+
+
+def _in_flight(s: Standin) -> tuple[int, int]:
+    _, _, text = s.request("GET", "/metrics")
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.decode().splitlines() if line and not line.startswith("#")}
+    return int(values["vllm:num_requests_running"]), int(values["vllm:num_requests_waiting"])
+
+
+def test_metrics_count_the_requests_in_flight(start: Start) -> None:
+    s = start("--token-interval-s", "0.05")
+    assert _in_flight(s) == (0, 0)
+    t, got = _stream_in_thread(s, 40)  # 2 s
+    wait_until(lambda: _in_flight(s) == (1, 0), timeout=5, what="one running")
+    t.join(10)
+    assert got[-1] == b"data: [DONE]" and len(got) == 41
+    assert _in_flight(s) == (0, 0)
+    _, resp, _ = s.request("GET", "/metrics")
+    assert resp.getheader("Content-Type", "").startswith("text/plain; version=0.0.4")
+
+
+def test_sleep_mode_abort_ends_the_streams_in_flight(start: Start) -> None:
+    s = start("--enable-sleep-mode", "--token-interval-s", "0.1",
+              env={"VLLM_SERVER_DEV_MODE": "1"})
+    t, got = _stream_in_thread(s, 100)  # 10 s
+    wait_until(lambda: len(got) or _in_flight(s)[0] == 1, timeout=5, what="stream running")
+    began = time.monotonic()
+    assert s.request("POST", "/sleep?level=1&mode=abort")[0] == 200
+    assert time.monotonic() - began < 3  # answered once the abort is sent, not at the end
+    t.join(5)
+    assert not t.is_alive()
+    assert got[-1] == b"data: [DONE]", got
+    last = json.loads(got[-2][len(b"data: "):])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert len(got) < 50  # cut short
+    assert _in_flight(s) == (0, 0)
+
+
+def test_sleep_mode_wait_drains_the_streams_first(start: Start) -> None:
+    s = start("--enable-sleep-mode", "--token-interval-s", "0.05",
+              env={"VLLM_SERVER_DEV_MODE": "1"})
+    t, got = _stream_in_thread(s, 30)  # 1.5 s
+    wait_until(lambda: _in_flight(s)[0] == 1, timeout=5, what="stream running")
+    status, _, _ = s.request("POST", "/sleep?level=1&mode=wait")
+    assert status == 200
+    # answered once the stream was done: all of it, then asleep
+    assert not t.is_alive() and len(got) == 31 and got[-1] == b"data: [DONE]", got
+    assert s.get_json("/is_sleeping") == {"is_sleeping": True}
+
+
+def test_a_request_to_a_sleeping_engine_is_held_until_the_wake(start: Start) -> None:
+    s = start("--enable-sleep-mode", env={"VLLM_SERVER_DEV_MODE": "1"})
+    assert s.request("POST", "/sleep?level=1")[0] == 200
+    t, got = _stream_in_thread(s, 3)
+    wait_until(lambda: _in_flight(s) == (0, 1), timeout=5, what="held as waiting")
+    time.sleep(0.3)
+    assert t.is_alive() and not got  # held, not answered
+    assert s.request("POST", "/wake_up")[0] == 200
+    t.join(5)
+    assert got[-1] == b"data: [DONE]" and len(got) == 4, got
+    assert _in_flight(s) == (0, 0)

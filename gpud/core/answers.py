@@ -130,9 +130,13 @@ class Serve(TypedDict):
     sleep_level: int  # 0: never sleeps
     parked_host_mib: int | None  # asleep at level 1: host RAM its weights are parked in
     front: bool  # its port is answered by the front (docs/front.md), the serve on a socket
-    # Seconds since the last request through its front: an on-demand serve's (gpud sees no
-    # other's requests); None when none came since gpud started.
+    # Seconds since its last request ended (0 while one is in flight): the later of the last
+    # request through an on-demand serve's front and the end of the last request the serve
+    # counted (gpud.traffic); None when neither is known since gpud started.
     last_activity_s_ago: float | None
+    # Requests in flight on it, as the serve counts them (vLLM's running + waiting), read every
+    # 0.5 s; None when unknown (not running, not reachable, or it gives no count).
+    in_flight: int | None
 
 
 class PreemptionStep(TypedDict):

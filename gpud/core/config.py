@@ -92,6 +92,10 @@ class DaemonConfig(_Model):
     # within wake_timeout_s; past it the sleep or wake fails (a wake: see docs/sleep.md).
     sleep_timeout_s: float = Field(default=300.0, gt=0, le=3600)
     wake_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    # A preemption of a serve with requests in flight waits at most this long for them to end
+    # (new ones wait at the front meanwhile); those still running then are aborted by the sleep
+    # (vLLM's mode=abort) or the stop, and the event says so (gpud.core.traffic.Drain).
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
 class RoleConfig(_Model):

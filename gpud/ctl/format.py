@@ -243,7 +243,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
-    ("activity", "last_activity_s_ago"),
+    ("activity", "last_activity_s_ago"), ("in flight", "in_flight"),
 )
 
 

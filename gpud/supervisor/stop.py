@@ -18,6 +18,7 @@ from gpud.core.lifecycle import (
     MemoryLeaving,
     PortChecked,
 )
+from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import (
     ADMITTED,
@@ -46,11 +47,13 @@ class StopJob(Base):
     """Stopping serves, failing them, and their memory coming back."""
 
     async def stop(self, serve: str, uid: int | None, *,
-                   keep_reservation: bool = False, idle_s: float | None = None) -> None:
+                   keep_reservation: bool = False, idle_s: float | None = None,
+                   drained: Drain | None = None) -> None:
         """Stop the unit and release the reservation (kept only for a restart, and not for a
         sleeping serve: asleep it holds its sleep reservation, which no launch may be sized on;
         its restart is admitted again at vram_mib). `idle_s`: an on-demand serve stopped idle
-        for that long, which its stop event says."""
+        for that long, which its stop event says; `drained`: what a drain before it did to the
+        requests in flight (a preemption's), said in the event too."""
         check_serve_name(serve)
         if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
             await self._stop_orphan(serve, uid)
@@ -87,8 +90,11 @@ class StopJob(Base):
                         rec.launch_task = None
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
-                idle = {} if idle_s is None else {"idle_s": idle_s}
+                idle: dict[str, Any] = {} if idle_s is None else {"idle_s": idle_s}
                 why = "" if idle_s is None else f", idle {idle_s:g} s without a request"
+                if drained is not None:
+                    idle["in_flight"] = drained.details()
+                    why += f"; {drained.line()}"
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: stopping (was {state}{why})", serve=serve,
                     role=spec.role, mib=res.mib if res else None, uid=uid, **idle),

@@ -30,6 +30,22 @@ functions that do it):
   say their answer is garbage), as real vLLM's would be; asleep, the engine's draw drops to
   the context (``--context-mib``), or to ``--asleep-mib`` when given (what a serve's
   ``sleep_mib`` stands for).
+- requests in flight, as vLLM's engine treats them across a sleep (vLLM 0.32's source,
+  ``vllm/entrypoints/serve/dev/sleep/api_router.py:26-34``: ``/sleep`` takes ``mode`` of
+  ``PauseMode``, default ``"abort"``; ``vllm/v1/engine/__init__.py:32`` ``PauseMode =
+  Literal["abort", "wait", "keep"]``; ``vllm/v1/engine/core.py:2061-2103`` ``pause_scheduler``,
+  which ``sleep`` (core.py:959-995) calls before it frees memory): ``mode=abort`` ends every
+  request in flight at once (finish_requests FINISHED_ABORTED, their abort outputs sent: a
+  stream gets a last chunk with ``finish_reason: "abort"`` and ``data: [DONE]``,
+  ``vllm/entrypoints/openai/completion/serving.py:329-414,503``) and answers once they are
+  sent; ``mode=wait`` keeps stepping the requests in flight and answers ``/sleep`` once they are
+  done (the engine's idle callback); ``mode=keep`` freezes them (held until the wake). In every
+  mode new requests queue (PAUSED_NEW / PAUSED_ALL): a request to a sleeping engine is held,
+  counted as waiting, and answered after the wake (``wake_up`` resumes the scheduler once every
+  tag is awake, core.py:997-1019);
+- ``GET /metrics`` (always on, as vLLM's is): ``vllm:num_requests_running`` and
+  ``vllm:num_requests_waiting`` (``vllm/v1/metrics/loggers.py:527-545``, gauges labelled
+  ``model_name`` and ``engine``): requests being generated, and requests held (asleep).
 
 ``--vllm-version 0.34.0`` (or ``GPUD_STANDIN_VLLM_VERSION``; default 0.33.0) stands in for
 vLLM 0.34.0 (paths under vllm/, 0.34.0's lines): its flag table; its start lines (no
@@ -200,6 +216,7 @@ class Options(NamedTuple):
     # vLLM 0.34's extensible KV cache: on unless --no-enable-extensible-kv-cache (or
     # --disable-...) or --kv-cache-memory-bytes (vllm/config/vllm.py:3180-3269 of 0.34.0)
     extensible_kv_cache: bool = False
+    sleep_delay_s: float = 0.0
 
 
 def compute_draw_mib(
@@ -455,6 +472,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="accepted for older commands: the engine child always holds the draw")
     sim.add_argument("--token-interval-s", type=_seconds, default=0.0, metavar="S",
                      help='between the tokens of a "stream": true completion')
+    sim.add_argument("--sleep-delay-s", type=_seconds, default=0.0, metavar="S",
+                     help="how long a sleep of level 1 or 2 takes once the engine is paused "
+                          "(vLLM's copies or drops the weights: seconds for a large model)")
     sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S",
                      help="the model's load time: no listening socket until it is over")
     faults = p.add_argument_group("fault injection")
@@ -528,6 +548,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         never_healthy=ns.never_healthy,
         uds=ns.uds,
         token_interval_s=ns.token_interval_s,
+        sleep_delay_s=ns.sleep_delay_s,
         unhealthy_after_s=ns.unhealthy_after,
         engine_dies_after_s=ns.engine_dies_after,
         exit_after_engine_death_s=ns.exit_after_engine_death,
@@ -656,6 +677,9 @@ class Response(NamedTuple):
     # A streamed body (server-sent events): its pieces, sent chunked, `interval_s` apart.
     events: tuple[bytes, ...] | None = None
     interval_s: float = 0.0
+    # A generation's place in the engine: the stream ends early when the engine aborts it, and
+    # the request stops counting as running once its last byte is sent.
+    flight: _Flight | None = None
 
 
 class _BadRequest(Exception):
@@ -767,11 +791,22 @@ class _Handler(socketserver.StreamRequestHandler):
                 for i, event in enumerate(resp.events):
                     if i and resp.interval_s:
                         time.sleep(resp.interval_s)
+                    if resp.flight is not None and resp.flight.aborted():
+                        # the engine aborted it (a sleep's mode=abort): its last chunk says so
+                        event = resp.flight.abort_event
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        event = b"data: [DONE]\n\n"
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        break
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
         except OSError:
             return False
+        finally:
+            if resp.flight is not None:
+                resp.flight.end()
         return True
 
 
@@ -813,6 +848,76 @@ class _UnixServer(socketserver.ThreadingUnixStreamServer):
 
 
 # ---------------------------------------------------------------------------------------------
+# Requests in flight, as vLLM's engine holds them (see the module's docstring for the source).
+
+
+class _Engine:
+    """The engine's scheduler as far as requests go: running, waiting (held while paused), and
+    the pause a sleep puts it in."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = 0
+        self.waiting = 0
+        self.paused = False
+        self.abort_epoch = 0  # raised by each mode=abort: every request begun before it ends
+
+    def admit(self) -> int:
+        """A request enters the engine: held (waiting) while paused. Returns its epoch."""
+        with self.cond:
+            self.waiting += 1
+            while self.paused:
+                self.cond.wait()
+            self.waiting -= 1
+            self.running += 1
+            return self.abort_epoch
+
+    def end(self) -> None:
+        with self.cond:
+            self.running -= 1
+            self.cond.notify_all()
+
+    def pause(self, mode: str) -> None:
+        """vLLM's pause_scheduler: new requests queue from now on; `abort` ends those in
+        flight, `wait` lets them finish, `keep` freezes them. Returns once the requests in flight
+        are done (abort, wait) at once for keep."""
+        with self.cond:
+            self.paused = True
+            if mode == "abort":
+                self.abort_epoch += 1
+            if mode in ("abort", "wait"):
+                while self.running:
+                    self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        with self.cond:
+            return self.running, self.waiting
+
+
+class _Flight:
+    """One streamed generation in the engine."""
+
+    def __init__(self, engine: _Engine, epoch: int, abort_event: bytes) -> None:
+        self.engine = engine
+        self.epoch = epoch
+        self.abort_event = abort_event
+        self._ended = False
+
+    def aborted(self) -> bool:
+        return self.engine.abort_epoch != self.epoch
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.engine.end()
+
+
+# ---------------------------------------------------------------------------------------------
 # The application: what each endpoint answers, from the options and the clock.
 
 
@@ -840,6 +945,7 @@ class App:
         self.weights = "loaded"
         # Set by the main process: tells the engine child to sleep (level) or wake (None).
         self.on_sleep: Callable[[int | None], None] | None = None
+        self.engine = _Engine()
         self._ids = itertools.count(1)
         Route = tuple[tuple[str, ...], Callable[[Request], Response]]
         self._routes: dict[str, Route] = {
@@ -850,6 +956,7 @@ class App:
             "/v1/completions": (("POST",), self._completions),
             "/v1/chat/completions": (("POST",), self._chat),
             "/standin/state": (("GET", "HEAD"), self._state),
+            "/metrics": (("GET",), self._metrics),
         }
         if echo is not None:
             self._routes["/standin/argv"] = (("GET", "HEAD"), lambda _req: _json(200, echo))
@@ -912,8 +1019,12 @@ class App:
             return _openai_error(500, "InternalServerError", "Cannot sleep while the checkpoint "
                                  f"state is {self.checkpoint}")
         level = int(level_text)
-        self.sleep_level = level
+        # Paused first (its mode decides the requests in flight), then the memory goes.
+        self.engine.pause(mode)
         self.sleep_mode = mode
+        if level and self.opts.sleep_delay_s:
+            time.sleep(self.opts.sleep_delay_s)  # its memory going: still awake meanwhile
+        self.sleep_level = level
         # level 1 parks the weights in host RAM and drops the KV cache; level 2 drops both
         # (vLLM's docs/features/sleep_mode.md, "Sleep levels"); level 0 only pauses.
         self.sleeping_tags = {"weights", "kv_cache"} if level else set()
@@ -945,6 +1056,7 @@ class App:
             if self.sleep_level is not None and self.on_sleep is not None:
                 self.on_sleep(None)
             self.sleep_level = None
+            self.engine.resume()  # fully awake: the requests held run
         return _json(200, {"status": "sleeping" if self.sleep_level is not None else "awake",
                            "tags": tags or None})
 
@@ -1006,6 +1118,20 @@ class App:
         status = 200 if self.checkpoint == CHECKPOINT_PREPARED else 503
         return _json(status, {"state": self.checkpoint})
 
+    def _metrics(self, _req: Request) -> Response:
+        running, waiting = self.engine.counts()
+        labels = f'engine="0",model_name="{self.opts.served_model_names[0]}"'
+        lines = []
+        for name, value, doc in (
+                ("vllm:num_requests_running", running,
+                 "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", waiting,
+                 "Number of requests waiting to be processed.")):
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge",
+                      f"{name}{{{labels}}} {float(value)}"]
+        return Response(200, ("\n".join(lines) + "\n").encode(),
+                        content_type="text/plain; version=0.0.4; charset=utf-8")
+
     def _version(self, _req: Request) -> Response:
         return _json(200, {"version": f"{PROGRAM}-{VERSION}"})
 
@@ -1066,11 +1192,20 @@ class App:
         model = payload.get("model", self.opts.served_model_names[0])
         if model not in self.opts.served_model_names:
             return _openai_error(404, "NotFoundError", f"The model `{model}` does not exist.")
+        stream = bool(payload.get("stream"))
+        if stream:
+            count = payload.get("max_tokens", 16)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                return _openai_error(400, "BadRequestError",
+                                     "max_tokens must be a positive integer")
+        # held here while the engine is paused (asleep), as vLLM queues it
+        epoch = self.engine.admit()
         text = f"[{PROGRAM} echo] {_prompt_text(payload, chat=chat)}"
         if self.weights != "loaded":
             text = f"[{PROGRAM}: weights {self.weights}, the answer is garbage]"
-        if payload.get("stream"):
-            return self._stream(payload, model, text, chat=chat)
+        if stream:
+            return self._stream(payload, model, text, chat=chat, epoch=epoch)
+        self.engine.end()
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         if chat:
             choice: dict[str, Any] = {
@@ -1096,12 +1231,11 @@ class App:
 
 
     def _stream(self, payload: dict[str, Any], model: str, text: str, *,
-                chat: bool) -> Response:
+                chat: bool, epoch: int) -> Response:
         """vLLM's streamed answer: `data: {chunk}` events, one per token (a word of the echo
-        here, `max_tokens` of them at most), then `data: [DONE]`."""
+        here, `max_tokens` of them at most), then `data: [DONE]`; aborted by the engine: a last
+        chunk with finish_reason "abort", then `data: [DONE]`."""
         count = payload.get("max_tokens", 16)
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            return _openai_error(400, "BadRequestError", "max_tokens must be a positive integer")
         words = (text.split() * count)[:count]
         kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
         ident = f"{prefix}-standin-{os.getpid()}-{next(self._ids)}"
@@ -1115,8 +1249,14 @@ class App:
                      "choices": [choice]}
             events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         events.append(b"data: [DONE]\n\n")
+        last: dict[str, Any] = ({"index": 0, "delta": {}, "finish_reason": "abort"} if chat else
+                                {"index": 0, "text": "", "logprobs": None,
+                                 "finish_reason": "abort"})
+        abort = b"data: " + json.dumps({"id": ident, "object": kind, "created": int(time.time()),
+                                        "model": model, "choices": [last]}).encode() + b"\n\n"
         return Response(200, content_type="text/event-stream", events=tuple(events),
-                        interval_s=self.opts.token_interval_s)
+                        interval_s=self.opts.token_interval_s,
+                        flight=_Flight(self.engine, epoch, abort))
 
 
 def _prompt_text(payload: dict[str, Any], *, chat: bool) -> str:

@@ -9,6 +9,9 @@ What real vLLM on CPU cannot show stays with the stand-in alone (tests/test_stan
 sandbox tests), each following vLLM's source (vllm 0.32.0 as installed by scripts/setup-vllm,
 paths under vllm/):
 
+- what a sleep does to requests in flight (`mode=abort` ends them, `mode=wait` drains them, a
+  request to a sleeping engine is held: v1/engine/core.py:2061-2103 pause_scheduler, :997-1019
+  wake_up resumes; the stand-in's docstring cites each) and the counts meanwhile;
 - sleep mode: `POST /sleep?level=0|1|2&mode=abort` (entrypoints/serve/dev/sleep/api_router.py:25,
   `level: Query(ge=0, le=2) = 1`, `mode = "abort"`), `POST /wake_up[?tags=...]` answering
   `{"status": "awake" | "sleeping", "tags": ...}` (same file, :44), `GET /is_sleeping`, and
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from gpud.core.traffic import in_flight_from_metrics
 from tests.vllm.servers import (
     MODEL,
     REAL,
@@ -98,6 +102,26 @@ def test_completions_answer(pair: Pair) -> None:
     answer = json.loads(body)
     assert answer["object"] == "text_completion"
     assert isinstance(answer["choices"][0]["text"], str)
+
+
+def test_metrics_count_requests_in_flight_back_to_zero(pair: Pair) -> None:
+    # gpud's count of a serve's requests in flight (gpud/core/traffic.py): vLLM's
+    # vllm:num_requests_running + vllm:num_requests_waiting (v1/metrics/loggers.py:527-545),
+    # zero at rest and zero again once a request is done (a count stuck above zero would keep
+    # an on-demand serve from ever idling). The counts during a sleep (requests held, a drain)
+    # need sleep mode: the stand-in's alone (tests/test_standin.py).
+    status, text = get(pair.main.port, "/metrics")
+    assert status == 200
+    assert "vllm:num_requests_running" in text.decode()
+    assert in_flight_from_metrics(text.decode()) == 0
+    status, body = get(pair.main.port, "/v1/completions", method="POST", body=json.dumps(
+        {"model": str(MODEL), "prompt": "hello", "max_tokens": 8, "stream": True}).encode())
+    assert status == 200, body
+    deadline = time.monotonic() + 10
+    while (count := in_flight_from_metrics(get(pair.main.port, "/metrics")[1].decode())) != 0 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert count == 0
 
 
 def test_the_engine_is_a_child_titled_engine_core(pair: Pair) -> None:

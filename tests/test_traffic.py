@@ -1,0 +1,113 @@
+"""gpud.core.traffic: the serve's count of requests in flight read from vLLM's /metrics, idle time
+from the last request's end, the ordering of requests with sleeps and stops, a drain's
+account."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpud.core.lifecycle import Phase
+from gpud.core.traffic import (
+    Drain,
+    Flight,
+    drain_done,
+    idle_due,
+    idle_from,
+    in_flight_from_metrics,
+    observe,
+    settling,
+)
+from gpud.core.vocab import ServeState, SleepAction
+
+# What vLLM 0.32's /metrics says (vllm/v1/metrics/loggers.py:527-545), two engines (data
+# parallel), and a histogram whose name begins like a gauge's.
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 9.0
+vllm:num_requests_running_total 100.0
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (VLLM_TEXT, 7),
+    ('vllm:num_requests_running{model_name="a b} c"} 1.0\n', 1),  # a brace inside a label value
+    ("vllm:num_requests_running 3\nvllm:num_requests_waiting 0\n", 3),  # no labels
+    ("vllm:num_requests_running{} 0.0\n", 0),
+    ("# nothing but comments\nprocess_cpu_seconds_total 3.0\n", None),  # not vLLM's
+    ("", None),
+    ("vllm:num_requests_running{} NaN\nvllm:num_requests_waiting{} -1\n", None),
+    ("vllm:num_requests_running{} junk\n", None),
+])
+def test_in_flight_from_metrics(text: str, expected: int | None) -> None:
+    assert in_flight_from_metrics(text) == expected
+
+
+def test_the_end_of_the_last_request_is_when_the_count_drops_to_zero() -> None:
+    f = observe(Flight(), 0, 10.0)
+    assert (f.in_flight, f.ended_at, f.read_at) == (0, None, 10.0)  # nothing ended yet
+    f = observe(f, 2, 11.0)
+    f = observe(f, 1, 12.0)
+    assert (f.in_flight, f.ended_at) == (1, None)
+    f = observe(f, 0, 13.0)
+    assert (f.in_flight, f.ended_at) == (0, 13.0)
+    f = observe(f, 0, 14.0)
+    assert f.ended_at == 13.0  # not again while nothing runs
+    unknown = observe(f, None, 15.0)
+    assert (unknown.in_flight, unknown.ended_at, unknown.read_at) == (None, 13.0, 15.0)
+
+
+def test_idle_counts_from_the_later_of_the_last_begin_and_the_last_end() -> None:
+    ended = Flight(in_flight=0, ended_at=50.0, read_at=51.0)
+    assert idle_from(10.0, ended) == 50.0  # a stream began at 10 s, ended at 50 s
+    assert idle_from(60.0, ended) == 60.0  # a request through the front since
+    assert idle_from(None, ended) == 50.0
+    assert idle_from(None, Flight()) is None
+
+
+def test_no_idle_sleep_or_stop_while_a_request_is_in_flight() -> None:
+    kw = {"idle_sleep_s": 10.0, "idle_stop_s": 20.0, "sleep_level": 1}
+    busy = Flight(in_flight=1, read_at=0.0)
+    assert idle_due(ServeState.RUNNING, busy, 1000.0, **kw) is None
+    assert idle_due(ServeState.SLEEPING, busy, 1000.0, **kw) is None  # a request held asleep
+    quiet = Flight(in_flight=0, read_at=0.0)
+    assert idle_due(ServeState.RUNNING, quiet, 10.0, **kw) == SleepAction.SLEEP
+    assert idle_due(ServeState.RUNNING, quiet, 20.0, **kw) == SleepAction.STOP
+    assert idle_due(ServeState.RUNNING, quiet, 9.9, **kw) is None
+    # unknown: as before, from the front's last request alone
+    assert idle_due(ServeState.RUNNING, Flight(), 10.0, **kw) == SleepAction.SLEEP
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_request_waits_while_a_sleep_or_stop_is_under_way(phase: Phase) -> None:
+    assert settling(phase, False) is (phase in (Phase.FALLING_ASLEEP, Phase.STOPPING))
+    assert settling(phase, True)  # drained before a stop or a sleep
+
+
+@pytest.mark.parametrize(("before", "after", "outcome", "mode", "words"), [
+    (0, 0, "none", "wait", "no request in flight"),
+    (3, 0, "drained", "wait", "3 request(s) in flight drained in 2.5 s"),
+    (3, 2, "aborted", "abort", "2 of 3 request(s) in flight aborted after the 30 s drain bound"),
+    (None, None, "unknown", "wait", "requests in flight unknown (the serve gives no count)"),
+    (2, None, "unknown", "wait", "requests in flight unknown (the serve gives no count)"),
+])
+def test_a_drains_account(before: int | None, after: int | None, outcome: str, mode: str,
+                          words: str) -> None:
+    d = Drain(before, after, 2.5, 30.0)
+    assert (d.outcome, d.sleep_mode, d.line()) == (outcome, mode, words)
+    assert d.details() == {"outcome": outcome, "before": before, "after": after,
+                           "waited_s": 2.5, "bound_s": 30.0}
+
+
+def test_a_drain_ends_at_zero_unknown_or_its_bound() -> None:
+    assert drain_done(0, 0.0, 30.0)
+    assert drain_done(None, 0.0, 30.0)
+    assert not drain_done(1, 29.9, 30.0)
+    assert drain_done(1, 30.0, 30.0)
+    assert drain_done(1, 0.0, 0.0)  # a bound of 0 drains nothing
