@@ -37,8 +37,11 @@ from dbus_fast import Variant
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.front import FrontConfig, FrontServe, render, socket_path
+from gpud.core.router import http_lines as router_http_lines
+from gpud.core.router import main_lines as router_main_lines
 from gpud.errors import GpudError, Unavailable
 from gpud.files import write_atomically
+from gpud.router import SCRIPT_NAME, router_front, script_text
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -62,6 +65,7 @@ def fronted(cfg: Config) -> dict[str, int]:
 
 def front_config(cfg: Config) -> FrontConfig:
     d = cfg.daemon
+    router = router_front(cfg)
     return FrontConfig(
         serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
                                 # the front waits a little longer than gpud does
@@ -70,7 +74,9 @@ def front_config(cfg: Config) -> FrontConfig:
                                                   if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items())),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
-        gpud_socket=d.socket)
+        gpud_socket=d.socket,
+        main_extra=tuple(router_main_lines(router)) if router else (),
+        http_extra=tuple(router_http_lines(router)) if router else ())
 
 
 def _front_ids(d: DaemonConfig) -> tuple[int, int]:
@@ -189,6 +195,14 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
     return [encode(name, value) for name, value in values]
 
 
+def _write_if_changed(path: Path, text: str) -> bool:
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return False
+    write_atomically(path, text, mode=0o644)
+    return True
+
+
 class Front:
     """Keeps gpud-front.service serving the fronted serves of the config in force."""
 
@@ -210,17 +224,19 @@ class Front:
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc
+        router = router_front(cfg)
+        # The router's script first: nginx reads it when it loads the config.
+        script_changed = router is not None and _write_if_changed(
+            front / SCRIPT_NAME, script_text(router))
         conf = front / "nginx.conf"
-        with contextlib.suppress(OSError):
-            if conf.read_text() == text:
-                return False
-        write_atomically(conf, text, mode=0o644)
+        if not _write_if_changed(conf, text):
+            return script_changed
         return True
 
     async def sync(self, cfg: Config) -> None:
         """Bring the front in line with CFG: started when there are fronted serves and it is
         not running, reloaded when its config changed."""
-        if not fronted(cfg) and self.text is None:
+        if not fronted(cfg) and cfg.router is None and self.text is None:
             # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
             # front left from before keeps its config until a fronted serve comes back).
             return

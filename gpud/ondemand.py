@@ -24,6 +24,7 @@ from gpud.core.front import RETRY_AFTER_S, idle_action
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
 from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.responses import error_response
+from gpud.router import wakes_through_router
 from gpud.service import LedgerService
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class OnDemand:
     async def ensure(self, name: str) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it)."""
         spec = self.svc.serve_spec(name)
-        if spec is None or not spec.on_demand:
+        if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
         self.last_activity[name] = self.last_request[name] = self.clock()
         try:
@@ -84,6 +85,10 @@ class OnDemand:
         start_timeout_s."""
         if self.svc.state_of(name) == RUNNING:
             return
+        if not spec.on_demand and self.svc.state_of(name) != SLEEPING:
+            # A serve the router only wakes: started by its operator, not by a request.
+            raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
+                              "a request wakes it, gpuctl start starts it)", {"serve": name})
         task = self._pending.get(name)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._bring_up(name, spec))

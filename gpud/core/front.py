@@ -80,6 +80,10 @@ class FrontConfig:
     listen: str = "127.0.0.1"
     # gpud's API socket: where on-demand serves are ensured
     gpud_socket: str = "/run/gpud/gpud.sock"
+    # Lines of other servers of the same nginx (the router's, gpud.core.router): in the main
+    # context (load_module) and in the http block.
+    main_extra: tuple[str, ...] = ()
+    http_extra: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -153,6 +157,7 @@ def render(cfg: FrontConfig) -> str:
     run = cfg.run_dir
     out = [
         "# Written by gpud (gpud/core/front.py); rewritten whenever the serves change.",
+        *cfg.main_extra,
         "daemon off;",
         "worker_processes 1;",
         f"pid {run}/nginx.pid;",
@@ -210,6 +215,7 @@ def render(cfg: FrontConfig) -> str:
             "        }",
             "    }",
         ]
+    out += cfg.http_extra
     out.append("}")
     return "\n".join(out) + "\n"
 

@@ -141,6 +141,11 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
     parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
     if serve.sleep_level:
         parts += [("--enable-sleep-mode", "sleep_level")]
+    if serve.models:
+        # Every name the router routes here, answered by vLLM itself (no rewrite of the
+        # body): vllm/engine/arg_utils.py:1006 --served-model-name (nargs "+"; the first
+        # name is the one its answers carry).
+        parts += [("--served-model-name", "models"), *((m, "models") for m in serve.models)]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 
