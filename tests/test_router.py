@@ -404,3 +404,22 @@ def test_a_stream_comes_through_token_by_token(rig: Rig) -> None:
     conn.close()
     assert len(arrivals) == 5
     assert arrivals[-1] - arrivals[0] >= 0.9, arrivals
+
+
+def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
+    """From 64 KiB on the script looks for the one "model" key before parsing; with two (one
+    nested), it parses the body, and the top-level one wins."""
+    pad = "x " * (100 << 10)
+    status, doc = _post(rig.port, "/v1/completions",
+                        {"prompt": pad, "max_tokens": 1, "model": "b"})
+    assert status == 200 and doc["model"] == "b", doc
+    status, doc = _post(rig.port, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": pad}],
+                         "metadata": {"model": "a"}, "model": "b", "max_tokens": 1})
+    assert status == 200 and doc["model"] == "b", doc
+    status, _h, body = _req(rig.port, "POST", "/v1/completions",
+                            json.dumps({"prompt": pad, "model": "nope"}).encode())
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    status, _h, body = _req(rig.port, "POST", "/v1/completions",
+                            b'{"prompt": "' + pad.encode() + b'", "model": 5}')
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"

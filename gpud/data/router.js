@@ -34,6 +34,47 @@ function formModel(body) {
     return body.slice(start, end).toString();
 }
 
+// Bodies from this size on are looked through for their `model` key before being parsed:
+// njs's JSON.parse of a large body (an image in base64) costs tens of milliseconds.
+var SCAN_FROM = 65536;
+
+function space(c) {
+    return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
+}
+
+// The value of the one `"model": "..."` in a large JSON body, or undefined when there is not
+// exactly one (or it is not a plain string): then the body is parsed. An unescaped "model"
+// followed by ':' is a key (inside a JSON string a quote is escaped); when the body has one
+// such key, it is the top-level one.
+function scanModel(body) {
+    var start = 0, found, count = 0, at, i, end;
+    while (start < body.length && space(body[start])) {
+        start++;
+    }
+    if (body[start] !== 0x7b) {
+        return undefined;
+    }
+    for (at = body.indexOf('"model"'); at >= 0; at = body.indexOf('"model"', at + 7)) {
+        for (i = at + 7; i < body.length && space(body[i]); i++) {}
+        if (body[i] !== 0x3a) {
+            continue;
+        }
+        for (i++; i < body.length && space(body[i]); i++) {}
+        count++;
+        found = undefined;
+        if (body[i] === 0x22) {
+            end = body.indexOf('"', i + 1);
+            if (end > i && end - i <= 256) {
+                found = body.slice(i + 1, end).toString();
+                if (found.indexOf('\\') >= 0) {
+                    found = undefined;
+                }
+            }
+        }
+    }
+    return count === 1 ? found : undefined;
+}
+
 function levenshtein(a, b) {
     var prev = [], cur, i, j;
     for (j = 0; j <= b.length; j++) {
@@ -81,6 +122,8 @@ function route(r) {
     var model;
     if (type.indexOf('multipart/form-data') === 0) {
         model = formModel(body);
+    } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
+        // found without parsing (a malformed large body is the serve's to refuse)
     } else {
         var doc;
         try {
