@@ -13,7 +13,6 @@ import pytest
 
 from tests.integration.gpudctl import (
     PY,
-    REPO,
     SandboxGpud,
     sim_config,
     standin_uds,
@@ -22,7 +21,6 @@ from tests.waiting import wait_until
 
 ROUTER = 30290
 PORT = 30291
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 USER = "gpud-router-client"  # a local user who is nobody to gpud
 
 
@@ -46,7 +44,7 @@ def router_config() -> str:
         f'command = {json.dumps([PY, "-m", "gpud.testing.standin", "serve", "m", "--port", "{port}", "--gpu-memory-utilization", "{gpu_memory_utilization}", "--served-model-name", "plain"])}\n'
     )
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
-    router = f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nnjs_module = "{NJS}"\n'
+    router = f'[router]\nlisten = "127.0.0.1:{ROUTER}"\n'
     return sim_config(role, serves) + router
 
 
