@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,11 +33,12 @@ from gpud.core.router import (
     http_lines,
     listen_problem,
     main_lines,
+    parse_keys,
     routing_table,
 )
 from gpud.errors import ConfigError
 from gpud.front import front_config
-from gpud.router import router_front, script_code, script_text
+from gpud.router import load_keys, router_front, script_code, script_text
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,6 +175,19 @@ class Rig:
     port: int
     sock_serve: subprocess.Popen[bytes]
     tcp_serve: subprocess.Popen[bytes]
+    nginx: subprocess.Popen[bytes]
+    script: str
+
+    def workers(self) -> set[str]:
+        pid = self.nginx.pid
+        return set(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+    def reload(self) -> None:
+        """nginx's graceful reload (as gpud's): the new workers read the script again; until
+        the old worker has gone."""
+        old = self.workers()
+        self.nginx.send_signal(signal.SIGHUP)
+        wait_until(lambda: (w := self.workers()) and not w & old, what="the old worker gone")
 
 
 def _free_port() -> int:
@@ -253,7 +268,7 @@ def rig() -> Iterator[Rig]:
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
                                             json.dumps({"model": m}).encode())[0] != 503,
                        what=f"{model} answering through the router")
-        yield Rig(port, a, b)
+        yield Rig(port, a, b, nginx, str(tmp / "router.js"))
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -423,3 +438,95 @@ def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
     status, _h, body = _req(rig.port, "POST", "/v1/completions",
                             b'{"prompt": "' + pad.encode() + b'", "model": 5}')
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+KEYS = """\
+[keys.alice]
+token = "sk-alice-0123456789"
+models = ["a", "a-fast"]
+[keys.ops]
+token = "sk-ops-0123456789abc"
+models = ["*"]
+"""
+
+
+def test_keys_are_parsed_and_checked() -> None:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b"])
+    assert problems == [] and [(k.name, k.models) for k in keys] == [
+        ("alice", ("a", "a-fast")), ("ops", ("*",))]
+    assert "sk-alice" not in repr(keys)  # only the digest is kept
+    _, problems = parse_keys(KEYS.replace('"a-fast"]', '"nope"]').replace(
+        "sk-ops-0123456789abc", "short"), ["a"])
+    assert problems == ["keys.alice.models: no serve answers to 'nope'",
+                        "keys.ops.token: at least 16 printable characters, no spaces"]
+    _, problems = parse_keys(KEYS.replace("sk-ops-0123456789abc", "sk-alice-0123456789"),
+                             ["a", "a-fast"])
+    assert problems == ["keys.ops.token: the same token as keys.alice"]
+    assert parse_keys("keys = 3", [])[1] == ["keys: must be a table of [keys.NAME] tables"]
+
+
+def test_a_keys_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="must be root's and 0600"):
+        load_keys(str(path), ["a", "a-fast"], require_root=True)
+    path.chmod(0o600)
+    assert len(load_keys(str(path), ["a", "a-fast"], require_root=True)) == 2
+
+
+@pytest.fixture
+def keyed(rig: Rig, tmp_path: Path) -> Iterator[Rig]:
+    """The rig's router with keys: its script rewritten, nginx reloaded."""
+    keys, _ = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    script = Path(rig.script)
+    text = script.read_text()
+    head, sep, code = text.partition("\n\n")
+    doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip(";"))
+    doc["keys"] = {k.sha256: {"name": k.name, "models": list(k.models)} for k in keys}
+    script.write_text(f"var CONFIG = {json.dumps(doc)};{sep}{code}")
+    rig.reload()
+    yield rig
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+
+def test_with_keys_a_request_needs_one_that_may_use_its_model(keyed: Rig) -> None:
+    port = keyed.port
+    body = json.dumps({"model": "a", "prompt": "x", "max_tokens": 1}).encode()
+    status, headers, out = _req(port, "POST", "/v1/completions", body)
+    assert status == 401 and json.loads(out)["error"]["code"] == "invalid_api_key"
+    assert headers.get("WWW-Authenticate") == "Bearer"
+    status, _h, out = _req(port, "POST", "/v1/completions", body, _auth("sk-wrong-0123456789"))
+    assert status == 401 and "Incorrect API key" in json.loads(out)["error"]["message"]
+    assert _req(port, "POST", "/v1/completions", body, _auth("sk-alice-0123456789"))[0] == 200
+    b_body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
+    status, _h, out = _req(port, "POST", "/v1/completions", b_body, _auth("sk-alice-0123456789"))
+    err = json.loads(out)["error"]
+    assert status == 403 and err["code"] == "model_not_allowed" and "alice" in err["message"]
+    assert _req(port, "POST", "/v1/completions", b_body, _auth("sk-ops-0123456789abc"))[0] == 200
+    # /v1/models: only what the key may use
+    status, _h, out = _req(port, "GET", "/v1/models", None, _auth("sk-alice-0123456789"))
+    assert status == 200 and [m["id"] for m in json.loads(out)["data"]] == ["a", "a-fast"]
+    assert _req(port, "GET", "/v1/models")[0] == 401
+    assert _req(port, "GET", "/v1/models/b", None, _auth("sk-alice-0123456789"))[0] == 404
+
+
+def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS.replace('["a", "a-fast"]', '["chat"]'))
+    path.chmod(0o600)
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\napi_keys_file = "{path}"\n')
+    router = router_front(parse_config(text, "t"))
+    assert router is not None and router.keys is not None
+    script = script_text(router)
+    assert "sk-alice" not in script and '"name": "alice"' in script
+    # a file that names a model no serve answers to: the router is not rewritten
+    path.write_text(KEYS)
+    with pytest.raises(ConfigError, match=r"keys\.alice\.models: no serve answers to 'a'"):
+        router_front(parse_config(text, "t"))

@@ -316,6 +316,9 @@ class RouterConfig(_Model):
     max_body_mib: int = Field(default=DEFAULT_MAX_BODY_MIB, ge=1, le=1024)
     # A request's headers, and its body, each within this long (else 408).
     body_timeout_s: int = Field(default=DEFAULT_BODY_TIMEOUT_S, ge=1, le=3600)
+    # Bearer tokens and the models each may use (root's, 0600; docs/router.md). Unset: open
+    # to whoever reaches `listen`.
+    api_keys_file: str | None = None
 
 
 class Config(_Model):

@@ -15,8 +15,10 @@ Pure: no file, process or clock here. ``gpud.front`` writes the text and runs ng
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import re
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -108,6 +110,69 @@ def close_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6)
 
 
+# A key's token: long enough not to be guessed, printable, no spaces.
+TOKEN_RE: Final = re.compile(r"[\x21-\x7e]{16,512}")
+KEY_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+ALL_MODELS: Final = "*"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A bearer token of router.api_keys_file, kept as its SHA-256 only (the routing script
+    is readable by others), with the names it may use ("*": all)."""
+
+    name: str
+    sha256: str
+    models: tuple[str, ...]
+
+
+def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
+    """The keys of an api_keys_file's TOML text, and its problems (each naming its key):
+
+        [keys.alice]
+        token = "sk-..."            # at least 16 printable characters
+        models = ["chat", "ocr"]    # or ["*"]: every model
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        return [], [f"not TOML: {exc}"]
+    problems = [f"{key}: unknown key (only [keys.NAME] tables)" for key in doc if key != "keys"]
+    table = doc.get("keys", {})
+    if not isinstance(table, dict):
+        return [], ["keys: must be a table of [keys.NAME] tables"]
+    names = set(known)
+    keys: list[ApiKey] = []
+    seen: dict[str, str] = {}
+    for name, entry in sorted(table.items()):
+        where = f"keys.{name}"
+        if not KEY_NAME_RE.fullmatch(name):
+            problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
+            continue
+        if not isinstance(entry, dict) or set(entry) - {"token", "models"}:
+            problems.append(f"{where}: a table of token and models only")
+            continue
+        token, models = entry.get("token"), entry.get("models")
+        if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
+            problems.append(f"{where}.token: at least 16 printable characters, no spaces")
+            continue
+        if not isinstance(models, list) or not models or \
+                not all(isinstance(m, str) for m in models):
+            problems.append(f"{where}.models: a list of model names (or [\"*\"])")
+            continue
+        unknown = [m for m in models if m != ALL_MODELS and m not in names]
+        if unknown:
+            problems.append(f"{where}.models: no serve answers to {', '.join(map(repr, unknown))}")
+            continue
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        if digest in seen:
+            problems.append(f"{where}.token: the same token as keys.{seen[digest]}")
+            continue
+        seen[digest] = name
+        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models))))
+    return keys, problems
+
+
 @dataclass(frozen=True)
 class RoutedServe:
     """One serve behind the router: the names it answers to, where it listens (a Unix socket
@@ -156,6 +221,8 @@ class RouterFront:
     gpud_socket: str = "/run/gpud/gpud.sock"
     max_body_mib: int = DEFAULT_MAX_BODY_MIB
     body_timeout_s: int = DEFAULT_BODY_TIMEOUT_S
+    # None: open to whoever reaches `listen`
+    keys: tuple[ApiKey, ...] | None = None
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
@@ -295,7 +362,9 @@ def render_script(router: RouterFront, code: str) -> str:
     by_name = {s.name: s for s in router.serves}
     table = {name: {"serve": serve, "location": by_name[serve].location}
              for name, serve in sorted(router.table.items())}
-    head = {"models": table, "max_body_mib": router.max_body_mib,
+    keys = None if router.keys is None else {
+        k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
+    head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")

@@ -8,6 +8,8 @@
 // goes to a named location, the body kept; r.variables.NAME sets a js_var;
 // r.subrequest(uri, options) returns a Promise of the reply (status, responseText).
 
+import crypto from 'crypto';
+
 function fail(r, status, message, code, param) {
     r.headersOut['Content-Type'] = 'application/json';
     var type = status >= 500 ? 'server_error' : 'invalid_request_error';
@@ -91,10 +93,12 @@ function levenshtein(a, b) {
     return prev[b.length];
 }
 
-// Up to three known names close to NAME: one contains the other, or a few edits away.
-function closeNames(name) {
+// Up to three names KEY may use close to NAME: one contains the other, or a few edits away.
+function closeNames(name, key) {
     var low = name.toLowerCase().slice(0, 256), found = [];
-    Object.keys(CONFIG.models).forEach(function (known) {
+    Object.keys(CONFIG.models).filter(function (known) {
+        return allows(key, known);
+    }).forEach(function (known) {
         var k = known.toLowerCase();
         var d = levenshtein(low, k);
         if (k.indexOf(low) >= 0 || low.indexOf(k) >= 0 || d <= Math.max(2, k.length / 3)) {
@@ -105,7 +109,34 @@ function closeNames(name) {
     return found.slice(0, 3).map(function (x) { return x[1]; });
 }
 
+// With router.api_keys_file: the request's key (its name and models), or null once answered
+// 401. Without: {models: ['*']}. Tokens are compared by their SHA-256 (the table holds
+// nothing else).
+function keyOf(r) {
+    if (CONFIG.keys === null) {
+        return {name: null, models: ['*']};
+    }
+    var auth = r.headersIn['Authorization'] || '';
+    var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
+    var key = m ? CONFIG.keys[crypto.createHash('sha256').update(m[1]).digest('hex')] : undefined;
+    if (key === undefined) {
+        r.headersOut['WWW-Authenticate'] = 'Bearer';
+        fail(r, 401, m ? 'Incorrect API key provided' :
+             'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+        return null;
+    }
+    return key;
+}
+
+function allows(key, model) {
+    return key.models.indexOf('*') >= 0 || key.models.indexOf(model) >= 0;
+}
+
 function route(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
     if (r.method !== 'POST') {
         r.headersOut['Allow'] = 'POST';
         fail(r, 405, 'method ' + r.method + ' not allowed on ' + r.uri + ' (POST)',
@@ -148,11 +179,16 @@ function route(r) {
     }
     var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
     if (entry === undefined) {
-        var close = closeNames(model);
+        var close = closeNames(model, key);
         fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
                  return JSON.stringify(n); }).join(', ') + '?' : '') +
              ' (GET /v1/models lists them)', 'model_not_found', 'model');
+        return;
+    }
+    if (!allows(key, model)) {
+        fail(r, 403, 'key ' + key.name + ' may not use model ' + JSON.stringify(model),
+             'model_not_allowed', 'model');
         return;
     }
     r.variables.router_model = model;
@@ -183,6 +219,10 @@ function entry(name, by, created) {
 }
 
 function models(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
     if (r.method !== 'GET' && r.method !== 'HEAD') {
         fail(r, 405, 'method ' + r.method + ' not allowed on /v1/models (GET)',
              'method_not_allowed');
@@ -190,7 +230,9 @@ function models(r) {
     }
     states(r).then(function (by) {
         var created = Math.floor(Date.now() / 1000);
-        var data = Object.keys(CONFIG.models).sort().map(function (name) {
+        var data = Object.keys(CONFIG.models).sort().filter(function (name) {
+            return allows(key, name);
+        }).map(function (name) {
             return entry(name, by, created);
         });
         r.headersOut['Content-Type'] = 'application/json';
@@ -199,9 +241,13 @@ function models(r) {
 }
 
 function model(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
     var name = r.uri.slice('/v1/models/'.length);
-    if (!CONFIG.models.hasOwnProperty(name)) {
-        var close = closeNames(name);
+    if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
+        var close = closeNames(name, key);
         fail(r, 404, 'The model ' + JSON.stringify(name) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
                  return JSON.stringify(n); }).join(', ') + '?' : ''), 'model_not_found');
