@@ -5,6 +5,7 @@ tests/integration/test_router.py, has it): /v1/models says every state is unknow
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -530,3 +532,62 @@ def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) ->
     path.write_text(KEYS)
     with pytest.raises(ConfigError, match=r"keys\.alice\.models: no serve answers to 'a'"):
         router_front(parse_config(text, "t"))
+
+
+# --- a client that goes away ----------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -> None:
+    """nginx closes the connection to the serve when the client of a stream goes away; vLLM
+    aborts a request whose connection closed (vllm/entrypoints/serve/utils/api_utils.py:36
+    listen_for_disconnect, :51 with_cancellation). The upstream here is a recorder that
+    streams one event and then waits for its peer to close."""
+    closed = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    up_port = listener.getsockname()[1]
+
+    def upstream() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            event = b"data: {\"n\": 1}\n\n"
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            conn.settimeout(20)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    pass
+            closed.set()
+
+    thread = threading.Thread(target=upstream, daemon=True)
+    thread.start()
+    run = tmp_path / "run"
+    run.mkdir()
+    tmp_path.chmod(0o755)
+    port = _free_port()
+    router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("c", ("c",), port=up_port),),
+                         njs_module=str(NJS), script=str(tmp_path / "router.js"))
+    (tmp_path / "router.js").write_text(script_text(router))
+    (tmp_path / "nginx.conf").write_text(render(FrontConfig(
+        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp_path / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _connects(port), what="the router listening")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            body = b'{"model": "c", "stream": true}'
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                           b"\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b"data: " not in got:
+                got += client.recv(65536)
+        assert not closed.is_set()
+        assert closed.wait(5), "the serve's connection was left open"
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        listener.close()
