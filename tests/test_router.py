@@ -38,6 +38,7 @@ from gpud.core.router import (
     parse_keys,
     routing_table,
 )
+from gpud.ctl.format import format_models
 from gpud.errors import ConfigError
 from gpud.front import front_config
 from gpud.router import load_keys, router_front, script_code, script_text
@@ -585,9 +586,23 @@ def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -
             got = b""
             while b"data: " not in got:
                 got += client.recv(65536)
-        assert not closed.is_set()
+            # the stream is open while the client is there
+            assert not closed.wait(0.5)
         assert closed.wait(5), "the serve's connection was left open"
     finally:
         nginx.terminate()
         nginx.wait(timeout=10)
         listener.close()
+
+
+def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
+    doc = {"serves": [
+        {"name": "chat", "state": "sleeping", "port": 30001, "front": True,
+         "models": ["chat-fast", "chat"]},
+        {"name": "batch", "state": "running", "port": None, "front": False},
+    ]}
+    assert format_models(doc).splitlines() == [  # type: ignore[arg-type]
+        "MODEL      SERVE  STATE      PORT  FRONT",
+        "chat       chat   sleeping  30001  yes",
+        "chat-fast  chat   sleeping  30001  yes"]
+    assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]

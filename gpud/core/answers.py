@@ -133,6 +133,8 @@ class Serve(TypedDict):
     # Seconds since the last request through its front: an on-demand serve's (gpud sees no
     # other's requests); None when none came since gpud started.
     last_activity_s_ago: float | None
+    # With a [router]: the names it routes to this serve (docs/router.md)
+    models: NotRequired[list[str]]
 
 
 class PreemptionStep(TypedDict):

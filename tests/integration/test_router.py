@@ -5,6 +5,8 @@ through gpud's ensure, and serving on while gpud is down. Simulated GPU, stand-i
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 
 from tests.integration.gpudctl import (
     PY,
+    REPO,
     SandboxGpud,
     sim_config,
     standin_uds,
@@ -98,6 +101,14 @@ def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -
     assert {n: (m["gpud"]["serve"], m["gpud"]["state"]) for n, m in listed.items()} == {
         "chat": ("chat", "running"), "chat-fast": ("chat", "running"),
         "ocr": ("od", "declared"), "huge": ("huge", "declared"), "plain": ("plain", "running")}
+    # gpuctl models: the same names, from gpud
+    table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                            "models"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                           check=True).stdout.splitlines()
+    assert table[0].split() == ["MODEL", "SERVE", "STATE", "PORT", "FRONT"], table
+    assert [line.split()[:3] for line in table[1:]] == [
+        ["chat", "chat", "running"], ["chat-fast", "chat", "running"], ["huge", "huge", "declared"],
+        ["ocr", "od", "declared"], ["plain", "plain", "running"]], table
     for model in ("chat", "chat-fast", "plain"):
         status, _h, body = ask(gpud, model)
         assert status == 200 and json.loads(body)["model"] == model, (model, body)
