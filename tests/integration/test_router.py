@@ -128,7 +128,9 @@ def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -
     status, _h, body = ask(gpud, "chat-fast")
     assert status == 200, body
     assert gpud.serve("chat")["state"] == "running"
-    assert len(gpud.events(kind="wake", serve="chat")) == 1
+    wake, = gpud.events(kind="wake", serve="chat")
+    # the journal says which request brought it up
+    assert "request for model 'chat-fast' through the router" in wake["message"], wake
 
     # Refused (30000 MiB does not fit beside chat and od): 503, gpud's reason, Retry-After.
     status, headers, body = ask(gpud, "huge")
