@@ -39,7 +39,7 @@ from gpud.config import Config, DaemonConfig
 from gpud.core.front import FrontConfig, FrontServe, render, socket_path
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
-from gpud.errors import GpudError, Unavailable
+from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
 from gpud.router import SCRIPT_NAME, router_front, script_text
 from gpud.unit_properties import SLICE, encode
@@ -195,6 +195,31 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
     return [encode(name, value) for name, value in values]
 
 
+def routable(cfg: Config) -> Config:
+    """CFG, or CFG without its [router] when the router cannot run (its njs module missing,
+    its keys file refused): logged, and the fronts go on without it (nginx would refuse the
+    whole config, the fronts' servers with it; without its keys the router stays off rather
+    than open)."""
+    r = cfg.router
+    if r is None:
+        return cfg
+    problem = None
+    if not os.path.isfile(r.njs_module):
+        problem = (f"router.njs_module: {r.njs_module} not found (apt-get install "
+                   "libnginx-mod-http-js)")
+    else:
+        try:
+            router_front(cfg)
+        except ConfigError as exc:
+            problem = f"{exc.source}: " + "; ".join(exc.problems)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is None:
+        return cfg
+    log.error("router off: %s", problem)
+    return cfg.model_copy(update={"router": None})
+
+
 def _write_if_changed(path: Path, text: str) -> bool:
     with contextlib.suppress(OSError):
         if path.read_text() == text:
@@ -236,6 +261,7 @@ class Front:
     async def sync(self, cfg: Config) -> None:
         """Bring the front in line with CFG: started when there are fronted serves and it is
         not running, reloaded when its config changed."""
+        cfg = routable(cfg)
         if not fronted(cfg) and cfg.router is None and self.text is None:
             # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
             # front left from before keeps its config until a fronted serve comes back).

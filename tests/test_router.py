@@ -40,7 +40,7 @@ from gpud.core.router import (
 )
 from gpud.ctl.format import format_models
 from gpud.errors import ConfigError
-from gpud.front import front_config
+from gpud.front import front_config, routable
 from gpud.router import load_keys, router_front, script_code, script_text
 from tests.waiting import wait_until
 
@@ -606,3 +606,26 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
         "chat       chat   sleeping  30001  yes",
         "chat-fast  chat   sleeping  30001  yes"]
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
+
+
+def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """nginx refuses a whole config whose module is missing: the fronts' servers with it."""
+    cfg = parse_config(TOML, "t")
+    assert cfg.router is not None and not Path(cfg.router.njs_module).exists()
+    with caplog.at_level("ERROR"):
+        assert routable(cfg).router is None
+    assert "router off: router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not " \
+        "found" in caplog.text
+    # the front of chat is still rendered
+    assert "listen 127.0.0.1:30001;" in render(front_config(routable(cfg)))
+    with_njs = TOML.replace('listen = "127.0.0.1:8000"\n',
+                            f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
+    assert routable(parse_config(with_njs, "t")).router is not None
+    # keys that cannot be read: off, not open
+    bad = with_njs.replace('listen = "127.0.0.1:8000"\n',
+                           f'listen = "127.0.0.1:8000"\napi_keys_file = "{tmp_path}/none"\n')
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        assert routable(parse_config(bad, "t")).router is None
+    assert f"router off: {tmp_path}/none: cannot read" in caplog.text
