@@ -39,6 +39,7 @@ from gpud.core.router import (
     routing_table,
 )
 from gpud.ctl.format import format_models
+from gpud.daemon import _warnings
 from gpud.errors import ConfigError
 from gpud.front import front_config, routable
 from gpud.router import load_keys, router_front, script_code, script_text
@@ -629,3 +630,14 @@ def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(
     with caplog.at_level("ERROR"):
         assert routable(parse_config(bad, "t")).router is None
     assert f"router off: {tmp_path}/none: cannot read" in caplog.text
+
+
+def test_check_config_warns_of_a_router_that_would_stay_off(tmp_path: Path) -> None:
+    assert ("router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not found, so "
+            "the router stays off (apt-get install libnginx-mod-http-js; docs/router.md)"
+            ) in _warnings(parse_config(TOML, "t"), cdi_dirs=())
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n'
+                        f'api_keys_file = "{tmp_path}/none"\n')
+    assert any(w.startswith(f"router.api_keys_file: {tmp_path}/none: cannot read")
+               for w in _warnings(parse_config(text, "t"), cdi_dirs=()))
