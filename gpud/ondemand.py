@@ -87,8 +87,9 @@ class OnDemand:
         start_timeout_s."""
         if self.svc.state_of(name) == RUNNING:
             return
-        if not spec.on_demand and self.svc.state_of(name) != SLEEPING:
-            # A serve the router only wakes: started by its operator, not by a request.
+        if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING):
+            # A serve the router only wakes (or waits for while it starts): started by its
+            # operator, not by a request.
             raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
                               "a request wakes it, gpuctl start starts it)", {"serve": name})
         task = self._pending.get(name)
