@@ -314,7 +314,8 @@ class RouterConfig(_Model):
     listen: str = "127.0.0.1:8000"
     njs_module: str = DEFAULT_NJS_MODULE
     max_body_mib: int = Field(default=DEFAULT_MAX_BODY_MIB, ge=1, le=1024)
-    # A request's headers, and its body, each within this long (else 408).
+    # A request's headers, and its body, each within this long: past it nginx closes the
+    # connection (it cannot answer 408 to a read timeout: docs/router.md).
     body_timeout_s: int = Field(default=DEFAULT_BODY_TIMEOUT_S, ge=1, le=3600)
     # Bearer tokens and the models each may use (root's, 0600; docs/router.md). Unset: open
     # to whoever reaches `listen`.
