@@ -553,7 +553,8 @@ class Api:
         await read_model(request, EmptyBody, empty_ok=True)
         if self.on_demand is None:
             raise Unavailable("on-demand serves are not set up in this gpud")
-        return await self.on_demand.ensure(name)
+        # the router's: the model the request named (docs/router.md), for the journal
+        return await self.on_demand.ensure(name, request.headers.get("X-Gpud-Model") or None)
 
     async def stop(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "stop")

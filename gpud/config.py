@@ -39,6 +39,7 @@ from gpud.core.launch import (
     vllm_environment,
 )
 from gpud.core.ledger import gpu_memory_utilization
+from gpud.core.router import duplicate_names, listen_port, listen_problem, model_name_problem
 from gpud.core.vllm_versions import BEHAVIOURS, CHECKPOINT_ROUTES, extra_args_problems
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
@@ -172,6 +173,7 @@ def _semantic_problems(cfg: Config) -> list[str]:
         if serve.container is not None:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
+    problems += _router_problems(cfg, ports)
     problems += [f"daemon.front_paths[{i}]: {problem}"
                  for i, path in enumerate(cfg.daemon.front_paths)
                  if (problem := path_problem(path)) is not None]
@@ -189,6 +191,65 @@ def _semantic_problems(cfg: Config) -> list[str]:
             if dev.uuid in seen:
                 problems.append(f"simulation.devices[{i}].uuid: duplicate {dev.uuid!r}")
             seen.add(dev.uuid)
+    return problems
+
+
+SERVED_MODEL_NAME = "--served-model-name"
+
+
+def model_names(name: str, serve: ServeConfig) -> tuple[str, ...]:
+    """The names the router routes to serve NAME (docs/router.md): its `models`; unset, a
+    vllm serve's --served-model-name of its extra_args, else its model id (what vLLM answers
+    to unless told otherwise); any other serve's name."""
+    if serve.models is not None:
+        return tuple(dict.fromkeys(serve.models))
+    if serve.vllm is None:
+        return (name,)
+    args = serve.vllm.extra_args
+    for i, arg in enumerate(args):
+        if arg.startswith(SERVED_MODEL_NAME + "="):
+            return (arg.split("=", 1)[1],)
+        if arg == SERVED_MODEL_NAME:
+            given = []
+            for value in args[i + 1:]:
+                if value.startswith("-"):
+                    break
+                given.append(value)
+            return tuple(given) or (serve.vllm.model,)
+    return (serve.vllm.model,)
+
+
+def routed(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """The serves the router reaches (each with a port: its own, or its front's) and their
+    names; none when there is no [router]."""
+    if cfg.router is None:
+        return {}
+    return {name: model_names(name, s) for name, s in sorted(cfg.serves.items())
+            if s.port is not None}
+
+
+def _router_problems(cfg: Config, ports: Mapping[int, str]) -> list[str]:
+    problems: list[str] = []
+    for name, serve in cfg.serves.items():
+        for i, model in enumerate(serve.models or ()):
+            problem = model_name_problem(model)
+            if problem:
+                problems.append(f"serves.{name}.models[{i}]: {problem}")
+        if serve.models is not None and not serve.models:
+            problems.append(f"serves.{name}.models: name at least one model (or leave it out)")
+        if serve.models is not None and serve.vllm is not None and any(
+                a == SERVED_MODEL_NAME or a.startswith(SERVED_MODEL_NAME + "=")
+                for a in serve.vllm.extra_args):
+            problems.append(f"serves.{name}.vllm.extra_args: {SERVED_MODEL_NAME} is set from "
+                            "models (vLLM answers to every name in it): give the names there")
+    if cfg.router is None:
+        return problems
+    problem = listen_problem(cfg.router.listen)
+    if problem:
+        problems.append(f"router.listen: {problem}")
+    elif (port := listen_port(cfg.router.listen)) in ports:
+        problems.append(f"router.listen: port {port} is serve {ports[port]!r}'s")
+    problems += [f"serves: {p}" for p in duplicate_names(routed(cfg))]
     return problems
 
 

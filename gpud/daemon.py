@@ -439,7 +439,7 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     CDI specs offer no GPU."""
     from gpud import cdi
 
-    found = config_warnings(cfg) + _front_warnings(cfg)
+    found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:
@@ -481,6 +481,27 @@ def _front_warnings(cfg: Config) -> list[str]:
         found.append(f"daemon.front_user: no user {d.front_user!r} on this host, so the front "
                      f"of {', '.join(serves)} cannot run (the package creates it; docs/front.md)")
     return found
+
+
+def _router_warnings(cfg: Config) -> list[str]:
+    """The router runs in the front's nginx with the njs module, and its keys file is read
+    when gpud writes the front's config: either missing leaves the router off
+    (gpud.front.routable)."""
+    r = cfg.router
+    if r is None:
+        return []
+    from gpud.errors import ConfigError
+    from gpud.router import router_front
+
+    if not os.path.isfile(r.njs_module):
+        return [f"router.njs_module: {r.njs_module} not found, so the router stays off "
+                "(apt-get install libnginx-mod-http-js; docs/router.md)"]
+    try:
+        router_front(cfg)
+    except ConfigError as exc:
+        return [f"router.api_keys_file: {exc.source}: {p}; the router stays off"
+                for p in exc.problems]
+    return []
 
 
 def _commands(cfg: Config) -> list[str]:

@@ -38,9 +38,12 @@ from dbus_fast import Variant
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.front import MAX_WORKERS, NOFILE, FrontConfig, FrontServe, render, socket_path
+from gpud.core.router import http_lines as router_http_lines
+from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
-from gpud.errors import GpudError, Unavailable
+from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
+from gpud.router import SCRIPT_NAME, router_front, script_text
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -64,6 +67,7 @@ def fronted(cfg: Config) -> dict[str, int]:
 
 def front_config(cfg: Config) -> FrontConfig:
     d = cfg.daemon
+    router = router_front(cfg)
     return FrontConfig(
         serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
                                 # the front waits a little longer than gpud does
@@ -72,7 +76,9 @@ def front_config(cfg: Config) -> FrontConfig:
                                                   if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items())),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
-        gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d))
+        gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d),
+        main_extra=tuple(router_main_lines(router)) if router else (),
+        http_extra=tuple(router_http_lines(router)) if router else ())
 
 
 def front_workers() -> int:
@@ -206,6 +212,41 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
     return [encode(name, value) for name, value in values]
 
 
+def routable(cfg: Config) -> Config:
+    """CFG, or CFG without its [router] when the router cannot run (its njs module missing,
+    its keys file refused): logged, and the fronts go on without it (nginx would refuse the
+    whole config, the fronts' servers with it; without its keys the router stays off rather
+    than open)."""
+    r = cfg.router
+    if r is None:
+        return cfg
+    problem = None
+    if not os.path.isfile(r.njs_module):
+        problem = (f"router.njs_module: {r.njs_module} not found (apt-get install "
+                   "libnginx-mod-http-js)")
+    else:
+        try:
+            router_front(cfg)
+        except ConfigError as exc:
+            problem = f"{exc.source}: " + "; ".join(exc.problems)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is None:
+        return cfg
+    log.error("router off: %s", problem)
+    return cfg.model_copy(update={"router": None})
+
+
+def _write_if_changed(path: Path, text: str, gid: int) -> bool:
+    """Write PATH when its text changed: root's, read by the front's group (nginx runs as the
+    front's user), nobody else (the router's script holds the keys' digests)."""
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return False
+    write_atomically(path, text, mode=0o640, gid=gid)
+    return True
+
+
 class Front:
     """Keeps gpud-front.service serving the fronted serves of the config in force."""
 
@@ -233,12 +274,13 @@ class Front:
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc
+        router = router_front(cfg)
+        # The router's script first: nginx reads it when it loads the config.
+        script_changed = router is not None and _write_if_changed(
+            front / SCRIPT_NAME, script_text(router), gid)
         conf = front / "nginx.conf"
-        with contextlib.suppress(OSError):
-            if conf.read_text() == text:
-                return False
-        # The front's group reads it (nginx runs as the front's user), nobody else.
-        write_atomically(conf, text, mode=0o640, gid=gid)
+        if not _write_if_changed(conf, text, gid):
+            return script_changed
         return True
 
     def mark_awake(self) -> None:
@@ -272,7 +314,8 @@ class Front:
     async def sync(self, cfg: Config) -> None:
         """Bring the front in line with CFG: started when there are fronted serves and it is
         not running, reloaded when its config changed."""
-        if not fronted(cfg) and self.text is None:
+        cfg = routable(cfg)
+        if not fronted(cfg) and cfg.router is None and self.text is None:
             # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
             # front left from before keeps its config until a fronted serve comes back).
             return

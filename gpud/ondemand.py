@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from gpud.core.front import RETRY_AFTER_S
+from gpud.core.text import printable
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
 from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.responses import error_response
+from gpud.router import wakes_through_router
 from gpud.service import LedgerService
 
 if TYPE_CHECKING:
@@ -69,10 +71,11 @@ class OnDemand:
         self.idle_sleeps: dict[str, int] = {}
         self.idle_stops: dict[str, int] = {}
 
-    async def ensure(self, name: str) -> web.Response:
-        """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it)."""
+    async def ensure(self, name: str, model: str | None = None) -> web.Response:
+        """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
+        MODEL: the name a request through the router gave (docs/router.md)."""
         spec = self.svc.serve_spec(name)
-        if spec is None or not spec.on_demand:
+        if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
         self.last_activity[name] = self.last_request[name] = self.clock()
         try:
@@ -80,7 +83,7 @@ class OnDemand:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
-            await self.up(name, spec)
+            await self.up(name, spec, model)
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
@@ -101,11 +104,17 @@ class OnDemand:
             self.sup.life(name).phase,
             self.traffic is not None and self.traffic.draining(name))
 
-    async def up(self, name: str, spec: ServeConfig) -> None:
+    async def up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
         start_timeout_s. A sleep or a stop under way is waited for first."""
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return
+        if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
+                and not self.settling(name):
+            # A serve the router only wakes (or waits for while it starts): started by its
+            # operator, not by a request.
+            raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
+                              "a request wakes it, gpuctl start starts it)", {"serve": name})
         try:
             async with asyncio.timeout(spec.start_timeout_s):
                 while self.settling(name):
@@ -114,7 +123,8 @@ class OnDemand:
                     return
                 task = self._pending.get(name)
                 if task is None:
-                    task = asyncio.get_running_loop().create_task(self._bring_up(name, spec))
+                    task = asyncio.get_running_loop().create_task(
+                        self._bring_up(name, spec, model))
                     self._pending[name] = task
                     task.add_done_callback(lambda t: self._done(name, t))
                 await asyncio.shield(task)
@@ -128,11 +138,15 @@ class OnDemand:
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter may have timed out
 
-    async def _bring_up(self, name: str, spec: ServeConfig) -> None:
+    async def _bring_up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
         state = self.svc.state_of(name)
+        # a request through the router names its model (printable: it is logged)
+        by = "on-demand request" if model is None else \
+            f"request for model {printable(model[:256])!r} through the router"
         if state == SLEEPING:
-            await self.sup.sleeps.wake(name, None, by="on-demand request")
+            await self.sup.sleeps.wake(name, None, by=by)
         elif state not in LIVE_STATES:
+            log.info("on-demand %s: starting (%s)", name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
         # A start or wake of someone else's, still under way.

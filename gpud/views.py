@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from gpud.config import routed
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
 from gpud.core.vocab import DECLARED, LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
@@ -139,6 +140,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         "last_activity_s_ago": activity(name),
         "in_flight": in_flight(name) if state in LIVE_STATES else None,
     }
+    names = routed(svc.config).get(name)
+    if names is not None:
+        out["models"] = list(names)
     if len(roles) > 1:
         out["roles"] = list(roles)
         out["observed_by_role"] = _observed_by_role(svc, name, roles, draws)

@@ -42,6 +42,13 @@ STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin "$@"
            '--startup-delay 1\n')
 
 
+# The router (docs/router.md): one address for every serve, in the front's nginx with its njs
+# module, copied into the sandbox (its overlay of /) from where scripts/setup unpacked them.
+ROUTER = '\n[router]\nlisten = "127.0.0.1:8000"\n'
+NGINX = "/usr/local/sbin/nginx"
+NJS = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+
+
 def configs() -> tuple[str, str]:
     """(before, after): etc/serves.toml made to run on the simulated GPU with stand-ins."""
     t011 = (REPO / "etc" / "serves.toml").read_text()
@@ -49,7 +56,11 @@ def configs() -> tuple[str, str]:
     t011 = t011.replace('admin_group = "gpud-admin"',
                         'admin_group = "gpud-admin"\nvllm_executable = "/usr/local/bin/vllm"\n'
                         "health_interval_s = 1.0")
-    t011 += SIM
+    t011 = t011.replace('"{gpu_memory_utilization}"]',
+                        '"{gpu_memory_utilization}", "--served-model-name", "ocr"]')
+    t011 = t011.replace('admin_group = "gpud-admin"\n',
+                        f'admin_group = "gpud-admin"\nfront_nginx = "{NGINX}"\n', 1)
+    t011 += SIM + ROUTER
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
             .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"',
@@ -82,6 +93,11 @@ def main() -> int:
         sb.write_file("/usr/local/bin/gpuctl", f'#!/bin/sh\nexec {PY} -m gpud.ctl "$@"\n',
                       mode=0o755)
         sb.run(["mkdir", "-p", "/run/gpud"])
+        sb.run(["install", "-m", "0755", str(REPO / ".venv" / "bin" / "nginx"), NGINX])
+        sb.run(["install", "-D", "-m", "0644",
+                str(REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"), NJS])
+        sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                "--groups", "gpud", "gpud-front"])
         sb.write_file("/run/gpud/sim.json", json.dumps(EXTERNAL))
         print("\n== T015: the resident set as it was (reserve 7168, fast 18432) ==", flush=True)
         sh("systemctl start gpud", "systemctl start gpud && systemctl status gpud --no-pager "
@@ -104,6 +120,15 @@ def main() -> int:
            "| grep -E '^gpud_(role_(committed|ledger_free)|device_(non_ledger_draw|reserve_excess))_mib'")
         sh("gpuctl events --kind reserve-exceeded,deny,apply --limit 8",
            "gpuctl events --kind reserve-exceeded,deny,apply --limit 8")
+        print("\n== one address for every model: the router, by the request's model ==",
+              flush=True)
+        sh("curl -s 127.0.0.1:8000/v1/models  # every name, its serve and state",
+           "curl -s 127.0.0.1:8000/v1/models | " + PY + " -c 'import json, sys; "
+           "[print(m[\"id\"], \"->\", m[\"gpud\"][\"serve\"], m[\"gpud\"][\"state\"]) "
+           "for m in json.load(sys.stdin)[\"data\"]]'")
+        sh("curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", ...}'",
+           "curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", "
+           "\"prompt\": \"scan\", \"max_tokens\": 3}'; echo")
     finally:
         if not args.keep:
             sb.poweroff()

@@ -137,6 +137,8 @@ class Serve(TypedDict):
     # Requests in flight on it, as the serve counts them (vLLM's running + waiting), read every
     # 0.5 s; None when unknown (not running, not reachable, or it gives no count).
     in_flight: int | None
+    # With a [router]: the names it routes to this serve (docs/router.md)
+    models: NotRequired[list[str]]
 
 
 class PreemptionStep(TypedDict):

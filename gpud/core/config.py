@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
+from gpud.core.router import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MIB, DEFAULT_NJS_MODULE
 from gpud.core.vocab import SleepAction
 
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
@@ -198,6 +199,10 @@ class ServeConfig(_Model):
     # (its sleep_level) / stopped.
     idle_sleep_s: float | None = Field(default=None, gt=0)
     idle_stop_s: float | None = Field(default=None, gt=0)
+    # The names the router (docs/router.md) routes to this serve. Unset: a vllm serve's
+    # --served-model-name from its extra_args, else its model id; any other serve's name. Set
+    # on a vllm serve: vLLM is launched with them as --served-model-name.
+    models: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -306,8 +311,25 @@ class SimulationConfig(_Model):
     devices: list[SimulatedDevice] = Field(min_length=1)
 
 
+class RouterConfig(_Model):
+    """One OpenAI-compatible address for every serve, routed by the body's `model`
+    (docs/router.md): a server of the front's nginx, with the njs module loaded."""
+
+    listen: str = "127.0.0.1:8000"
+    njs_module: str = DEFAULT_NJS_MODULE
+    max_body_mib: int = Field(default=DEFAULT_MAX_BODY_MIB, ge=1, le=1024)
+    # A request's headers, and its body, each within this long: past it nginx closes the
+    # connection (it cannot answer 408 to a read timeout: docs/router.md).
+    body_timeout_s: int = Field(default=DEFAULT_BODY_TIMEOUT_S, ge=1, le=3600)
+    # Bearer tokens and the models each may use (root's, 0600; docs/router.md). Unset: open
+    # to whoever reaches `listen`.
+    api_keys_file: str | None = None
+
+
 class Config(_Model):
     daemon: DaemonConfig = DaemonConfig()
+    # off when absent
+    router: RouterConfig | None = None
     roles: dict[str, RoleConfig] = Field(default_factory=dict)
     serves: dict[str, ServeConfig] = Field(default_factory=dict)
     simulation: SimulationConfig | None = None

@@ -120,6 +120,10 @@ class FrontConfig:
     # Where gpud keeps a file per fronted serve that is running and awake (NAME): what the
     # front goes by when gpud does not answer. None: no such check (requests go through).
     awake_dir: str | None = None
+    # Lines of other servers of the same nginx (the router's, gpud.core.router): in the main
+    # context (load_module) and in the http block.
+    main_extra: tuple[str, ...] = ()
+    http_extra: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -210,6 +214,7 @@ def render(cfg: FrontConfig) -> str:
     run = cfg.run_dir
     out = [
         "# Written by gpud (gpud/core/front.py); rewritten whenever the serves change.",
+        *cfg.main_extra,
         "daemon off;",
         f"worker_processes {cfg.workers};",
         # The unit's LimitNOFILE= is the same (gpud.front.unit_properties): nginx sets it
@@ -286,6 +291,7 @@ def render(cfg: FrontConfig) -> str:
             "        }",
             "    }",
         ]
+    out += cfg.http_extra
     out.append("}")
     return "\n".join(out) + "\n"
 

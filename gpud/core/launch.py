@@ -150,6 +150,11 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
     known = BEHAVIOURS.get(vllm_version)
     if known is not None and known.extensible_kv_off_arg:
         parts += [(EXTENSIBLE_KV_OFF, "vllm")]
+    if serve.models:
+        # Every name the router routes here, answered by vLLM itself (no rewrite of the
+        # body): vllm/engine/arg_utils.py:1006 --served-model-name (nargs "+"; the first
+        # name is the one its answers carry).
+        parts += [("--served-model-name", "models"), *((m, "models") for m in serve.models)]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 

@@ -20,6 +20,7 @@ from gpud.ctl.format import (
     format_events,
     format_ledger,
     format_lifecycle,
+    format_models,
     format_plan,
     format_preemption,
     format_release,
@@ -216,6 +217,15 @@ def run_serves(ctl: Ctl, args: argparse.Namespace) -> int:
         ctl.emit(doc, lambda d: "\n".join(str(s.get("name")) for s in d.get("serves") or []))
     else:
         ctl.emit(doc, format_serves)
+    return EXIT_OK
+
+
+def configure_models(p: argparse.ArgumentParser) -> None:
+    del p  # no arguments
+
+
+def run_models(ctl: Ctl, args: argparse.Namespace) -> int:
+    ctl.emit(ctl.client.call("GET", "/v1/serves"), format_models)
     return EXIT_OK
 
 
@@ -534,6 +544,17 @@ COMMANDS: tuple[Command, ...] = (
         "States: " + ", ".join(STATES) + ".",
         "  gpuctl serves\n  gpuctl serves ocr\n  gpuctl serves --names",
         configure_serves, run_serves),
+    Command(
+        "models", "the names the router routes, and their serves",
+        "With a [router] table (docs/router.md): every name a request's model may give, with "
+        "the serve it goes to, that serve's state, its port and whether it is fronted. The "
+        "names come from serves.NAME.models (unset: what the serve answers to by default).",
+        "  gpuctl models\n"
+        "      MODEL      SERVE  STATE     PORT  FRONT\n"
+        "      chat       chat   running  30001  yes\n"
+        "      chat-fast  chat   running  30001  yes\n"
+        "  gpuctl models --json",
+        configure_models, run_models),
     Command(
         "admit", "reserve MiB for a serve on its role",
         "Ask the ledger for MIB MiB for serve NAME. The serve's own current reservation is "

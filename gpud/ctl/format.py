@@ -235,6 +235,18 @@ def format_serves(doc: answers.Serves) -> str:
     return text
 
 
+def format_models(doc: answers.Serves) -> str:
+    """``GET /v1/serves``, by the names the router routes (docs/router.md): one row each."""
+    rows = [[model, str(s.get("name")), str(s.get("state")), _dash(s.get("port")),
+             "yes" if s.get("front") else "no"]
+            for s in doc.get("serves") or [] for model in s.get("models") or []]
+    if not rows:
+        return "no models: the router is off (no [router] table) or no serve has a port"
+    rows.sort()
+    return format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT"], rows,
+                        [False, False, False, True, False])
+
+
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
@@ -243,7 +255,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("priority", "priority"), ("port", "port"), ("unit", "unit"), ("main pid", "main_pid"),
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
-    ("activity", "last_activity_s_ago"), ("in flight", "in_flight"),
+    ("activity", "last_activity_s_ago"), ("in flight", "in_flight"), ("models", "models"),
 )
 
 

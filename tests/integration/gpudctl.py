@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpud.core.router import DEFAULT_NJS_MODULE
 from tests.conftest import Reply, call
 from tools.sandbox import Sandbox
 
@@ -27,6 +28,7 @@ STANDIN = ["/usr/bin/env", f"PYTHONPATH={REPO}", PY, "-m", "gpud.testing.standin
 # overlay: the host's stays untouched), where a host's own nginx would be.
 NGINX = "/usr/local/sbin/nginx"
 SERVE_SOCKETS = "/run/gpud/serves"  # daemon.serve_socket_dir's default
+NJS_MODULE = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 
 
 def standin(*args: str) -> str:
@@ -47,6 +49,10 @@ def install_front(sb: Sandbox) -> None:
     Every configured gpud has them, so that any fronted serve (the default for one that
     sleeps) has its front."""
     sb.run(["install", "-m", "0755", str(REPO / ".venv" / "bin" / "nginx"), NGINX])
+    # and its njs module (the router, docs/router.md) where Debian's package puts it: router.
+    # njs_module's default
+    if NJS_MODULE.exists():
+        sb.run(["install", "-D", "-m", "0644", str(NJS_MODULE), DEFAULT_NJS_MODULE])
     # The front's user: in group gpud, whose members may open gpud's socket (the on-demand
     # check).
     sb.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",

@@ -28,6 +28,12 @@ SEED_LINES = [
 ]
 
 
+# The router after the rebalance (docs/router.md): every name listed with its serve and
+# state, and a request for `ocr` by name answered by the ocr serve.
+ROUTER_LINES = ["ocr -> ocr running", "leon-se/gemma-4-E4B-it-FP8-Dynamic -> fast running",
+                '"model": "ocr"']
+
+
 def test_make_demo_replays_the_seed_record() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
     out = subprocess.run(["make", "--no-print-directory", "demo"], cwd=REPO, env=env,
@@ -35,5 +41,7 @@ def test_make_demo_replays_the_seed_record() -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     missing = [f"{why}: {line!r}" for line, why in SEED_LINES if line not in text]
+    assert not missing, "\n".join(missing) + "\n" + text[-4000:]
+    missing = [line for line in ROUTER_LINES if line not in text]
     assert not missing, "\n".join(missing) + "\n" + text[-4000:]
     assert "sandbox powered off" in text

@@ -6,7 +6,8 @@ copy of the working tree with nothing built (no .venv, no .venv-vllm) runs `make
 empty pip cache and a bare PATH; its scripts/setup-vllm and scripts/setup-test are replaced by
 trip wires that leave a mark and fail. The demo must replay the seed's figures, no mark may
 appear, no .venv-vllm be made, and the venv must hold gpud's dependencies without the test tools
-(pytest, ruff, mypy) or the test tier's nginx and promtool. Each long step of the set-up says what
+(pytest, ruff, mypy) or the test tier's promtool; it does hold nginx and its njs module, which the
+demo's router runs on (docs/router.md). Each long step of the set-up says what
 it does first.
 
 Cost: the venv and gpud's dependencies from the index (about 30 to 90 s) and one demo (15 to
@@ -33,7 +34,9 @@ TIERS_NOT_FOR_THE_DEMO = ("scripts/setup-vllm", "scripts/setup-test")
 # What the demo's tier has no business installing into .venv: the `test` extra and the test
 # tier's binaries.
 TEST_ONLY = ("pytest", "ruff", "mypy", "hypothesis")
-TEST_BINARIES = ("nginx", "promtool", "prometheus")
+TEST_BINARIES = ("promtool", "prometheus")
+# What the demo runs beyond gpud: the front's nginx with the router's njs module.
+DEMO_FILES = ("bin/nginx", "lib/nginx/modules/ngx_http_js_module.so")
 
 
 def fresh_checkout(dest: Path) -> Path:
@@ -97,6 +100,8 @@ def test_make_demo_on_a_fresh_checkout_builds_only_the_demo_tier(tmp_path: Path)
         assert present == [], f"make demo installed test-only tools: {present}"
         binaries = [b for b in TEST_BINARIES if (checkout / ".venv" / "bin" / b).exists()]
         assert binaries == [], f"make demo unpacked the test tier's binaries: {binaries}"
+        missing = [f for f in DEMO_FILES if not (checkout / ".venv" / f).exists()]
+        assert missing == [], f"make demo did not unpack what its router runs on: {missing}"
         # and what the demo does need is there: gpud with its dependencies, importable
         subprocess.run([str(python), "-c", "import gpud.daemon, gpud.ctl.main"], cwd=checkout,
                        check=True, capture_output=True)

@@ -324,6 +324,9 @@ def test_control_fields(deb: Path, repo_root: Path) -> None:
     depends = [d.strip() for d in fields["Depends"].split(",")]
     for needed in ("python3 (>= 3.11)", "python3 (<< 3.12)", "systemd", "dbus"):
         assert needed in depends
+    # the front's nginx and the router's njs module (docs/router.md): not Depends, whose nginx
+    # would start nginx.service on port 80 at install
+    assert fields["Recommends"] == "nginx, libnginx-mod-http-js"
     conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], capture_output=True, text=True)
     assert conffiles.stdout.split() == ["/etc/gpud/serves.toml"]
 

@@ -1,0 +1,370 @@
+"""The router: one OpenAI-compatible address for every routable serve, routed by the request
+body's ``model``. Data in, nginx config lines and the routing script's table out.
+
+The router is a server of the front's own nginx (gpud-front.service, docs/front.md), with the
+njs module (Debian's libnginx-mod-http-js) loaded: a ``js_content`` handler
+(gpud/data/router.js) reads the body in memory, looks its ``model`` up in the table rendered
+here, and redirects the request to the serve's named location, where on-demand and sleeping
+serves first ask gpud to have them up (the front's ``ensure``: nginx's auth_request) and the
+request is proxied to the serve's socket or port. gpud is not on the data path: a gpud restart
+cuts nothing, and running serves keep answering while gpud is down (docs/router.md).
+
+Pure: no file, process or clock here. ``gpud.front`` writes the text and runs nginx.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from gpud.core.front import PATH_RE, READ_TIMEOUT_S
+
+# The client routes of vLLM (0.32/0.33: vllm/entrypoints/**/api_router.py) whose request names
+# its model in the body, carried to the serve named: JSON bodies, or multipart forms with a
+# `model` field (the audio routes). Every other path answers 404 from the router itself, the
+# dev and checkpoint routes (/sleep, /wake_up, /collective_rpc, /v1/load_lora_adapter,
+# /update_weights ...) with them.
+ROUTED_PATHS: Final = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/rerank",
+    "/v1/score",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/tokenize",
+    "/detokenize",
+)
+# A name a serve answers to: a Hugging Face id ("Qwen/Qwen3-8B"), a purpose ("chat-fast").
+# Printable, no spaces or quotes, so it is written into the script and the logs as it is.
+MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}")
+# The njs module of Debian 12 (libnginx-mod-http-js 0.7.9, built for its nginx 1.22.1).
+DEFAULT_NJS_MODULE: Final = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+DEFAULT_MAX_BODY_MIB: Final = 64
+DEFAULT_BODY_TIMEOUT_S: Final = 30
+# The internal locations of the router's server (no client can name them: `internal`).
+ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
+SERVES_LOCATION: Final = "/.gpud-router-serves"
+GPUD_UPSTREAM: Final = "router_gpud"
+# Idle keepalive connections to each serve (as the front's).
+KEEPALIVE: Final = 32
+# Retry-After of a refusal when gpud gives none, and of a serve that is not running.
+RETRY_AFTER_S: Final = 30
+
+
+def model_name_problem(name: str) -> str | None:
+    if not MODEL_NAME_RE.fullmatch(name):
+        return (f"{name!r} is not a model name (a letter or digit, then letters, digits and "
+                ". _ : / @ + -; at most 255)")
+    return None
+
+
+def listen_problem(listen: str) -> str | None:
+    """Why LISTEN is not HOST:PORT (an IPv4 address, or an IPv6 one in brackets)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:8000)"
+    if not re.fullmatch(r"[0-9.]+|\[[0-9A-Fa-f:.]+\]|localhost", host):
+        return f"{listen!r}: the host is an IP address (IPv6 in brackets) or localhost"
+    return None
+
+
+def listen_port(listen: str) -> int:
+    return int(listen.rpartition(":")[2])
+
+
+def routing_table(names: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """Model name -> serve, from each routed serve's names. One name on two serves is a
+    ValueError naming both (and the name)."""
+    table: dict[str, str] = {}
+    for serve in sorted(names):
+        for name in names[serve]:
+            other = table.get(name)
+            if other is not None and other != serve:
+                raise ValueError(f"model name {name!r} is on two serves: {other} and {serve}")
+            table[name] = serve
+    return table
+
+
+def duplicate_names(names: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every name on more than one serve, as a problem naming the serves."""
+    owners: dict[str, list[str]] = {}
+    for serve in sorted(names):
+        for name in dict.fromkeys(names[serve]):
+            owners.setdefault(name, []).append(serve)
+    return [f"model name {name!r} is on serves {' and '.join(serves)}: one name, one serve"
+            for name, serves in sorted(owners.items()) if len(serves) > 1]
+
+
+def close_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """The known names closest to NAME (what a 404 suggests)."""
+    return difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6)
+
+
+# A key's token: long enough not to be guessed, printable, no spaces.
+TOKEN_RE: Final = re.compile(r"[\x21-\x7e]{16,512}")
+KEY_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+ALL_MODELS: Final = "*"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A bearer token of router.api_keys_file, kept as its SHA-256 only (the routing script
+    is readable by others), with the names it may use ("*": all)."""
+
+    name: str
+    sha256: str
+    models: tuple[str, ...]
+
+
+def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
+    """The keys of an api_keys_file's TOML text, and its problems (each naming its key):
+
+        [keys.alice]
+        token = "sk-..."            # at least 16 printable characters
+        models = ["chat", "ocr"]    # or ["*"]: every model
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        return [], [f"not TOML: {exc}"]
+    problems = [f"{key}: unknown key (only [keys.NAME] tables)" for key in doc if key != "keys"]
+    table = doc.get("keys", {})
+    if not isinstance(table, dict):
+        return [], ["keys: must be a table of [keys.NAME] tables"]
+    names = set(known)
+    keys: list[ApiKey] = []
+    seen: dict[str, str] = {}
+    for name, entry in sorted(table.items()):
+        where = f"keys.{name}"
+        if not KEY_NAME_RE.fullmatch(name):
+            problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
+            continue
+        if not isinstance(entry, dict) or set(entry) - {"token", "models"}:
+            problems.append(f"{where}: a table of token and models only")
+            continue
+        token, models = entry.get("token"), entry.get("models")
+        if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
+            problems.append(f"{where}.token: at least 16 printable characters, no spaces")
+            continue
+        if not isinstance(models, list) or not models or \
+                not all(isinstance(m, str) for m in models):
+            problems.append(f"{where}.models: a list of model names (or [\"*\"])")
+            continue
+        unknown = [m for m in models if m != ALL_MODELS and m not in names]
+        if unknown:
+            problems.append(f"{where}.models: no serve answers to {', '.join(map(repr, unknown))}")
+            continue
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        if digest in seen:
+            problems.append(f"{where}.token: the same token as keys.{seen[digest]}")
+            continue
+        seen[digest] = name
+        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models))))
+    return keys, problems
+
+
+@dataclass(frozen=True)
+class RoutedServe:
+    """One serve behind the router: the names it answers to, where it listens (a Unix socket
+    path, or a TCP port on loopback), and whether gpud is asked to have it up before each
+    request (on demand, or able to sleep), waiting at most ensure_timeout_s."""
+
+    name: str
+    models: tuple[str, ...]
+    socket: str | None = None
+    port: int | None = None
+    ensure_timeout_s: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.socket is None) == (self.port is None):
+            raise ValueError(f"router: serve {self.name}: give exactly one of socket or port")
+        if self.socket is not None and not PATH_RE.fullmatch(self.socket):
+            raise ValueError(f"router: serve {self.name}: socket {self.socket!r} is not a "
+                             "plain absolute path")
+        for model in self.models:
+            problem = model_name_problem(model)
+            if problem:
+                raise ValueError(f"router: serve {self.name}: {problem}")
+
+    @property
+    def upstream(self) -> str:
+        return f"router_{self.name.replace('-', '_')}"
+
+    @property
+    def location(self) -> str:
+        return f"@{self.upstream}"
+
+    @property
+    def server(self) -> str:
+        return f"unix:{self.socket}" if self.socket is not None else f"127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class RouterFront:
+    """The router's part of the front's nginx.conf."""
+
+    listen: str
+    serves: tuple[RoutedServe, ...]
+    njs_module: str = DEFAULT_NJS_MODULE
+    # where gpud writes the routing script (render_script)
+    script: str = "/run/gpud/front/router.js"
+    gpud_socket: str = "/run/gpud/gpud.sock"
+    max_body_mib: int = DEFAULT_MAX_BODY_MIB
+    body_timeout_s: int = DEFAULT_BODY_TIMEOUT_S
+    # None: open to whoever reaches `listen`
+    keys: tuple[ApiKey, ...] | None = None
+
+    def __post_init__(self) -> None:
+        problem = listen_problem(self.listen)
+        if problem:
+            raise ValueError(f"router: listen: {problem}")
+        for path in (self.njs_module, self.script, self.gpud_socket):
+            if not path.startswith("/") or not PATH_RE.fullmatch(path):
+                raise ValueError(f"router: {path!r} is not a plain absolute path")
+        routing_table({s.name: s.models for s in self.serves})  # one name, one serve
+
+    @property
+    def table(self) -> dict[str, str]:
+        return routing_table({s.name: s.models for s in self.serves})
+
+
+def _error_json(status: int, message: str, code: str) -> str:
+    """An OpenAI-shaped error document, for nginx's `return` (single-quoted there)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    text = json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}})
+    if "'" in text or "\\" in text:
+        raise ValueError(f"router: an error text nginx cannot quote: {text}")
+    return text
+
+
+def main_lines(router: RouterFront) -> list[str]:
+    """Lines of the main context (before `events`): the njs module."""
+    return [f"load_module {router.njs_module};"]
+
+
+def _serve_locations(serve: RoutedServe) -> list[str]:
+    lines = [f"        location {serve.location} {{"]
+    if serve.ensure_timeout_s is not None:
+        # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
+        # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
+        # answers if it is up (503 when it is not).
+        lines += [f"            auth_request {ENSURE_PREFIX}{serve.name};",
+                  "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
+                  "            auth_request_set $router_retry $upstream_http_retry_after;",
+                  "            error_page 403 = @router_refused;",
+                  f"            error_page 500 = {serve.location}_direct;"]
+    lines += [f"            proxy_pass http://{serve.upstream};",
+              "        }"]
+    if serve.ensure_timeout_s is not None:
+        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
+                  "            internal;",
+                  f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
+                  "            proxy_method POST;",
+                  "            proxy_pass_request_body off;",
+                  '            proxy_set_header Content-Length "";',
+                  "            proxy_set_header X-Gpud-Model $router_model;",
+                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
+                  "        }",
+                  f"        location {serve.location}_direct {{",
+                  f"            proxy_pass http://{serve.upstream};",
+                  "        }"]
+    return lines
+
+
+def http_lines(router: RouterFront) -> list[str]:
+    """The router's lines in the `http` block: the script, the upstreams, its server."""
+    mib = router.max_body_mib
+    out = ["",
+           "    # the router (gpud/core/router.py, docs/router.md)",
+           f"    js_import router from {router.script};",
+           "    js_var $router_model;",
+           "    js_var $router_serve;",
+           f"    upstream {GPUD_UPSTREAM} {{",
+           f"        server unix:{router.gpud_socket};",
+           "    }"]
+    for serve in sorted(router.serves, key=lambda s: s.name):
+        out += [f"    upstream {serve.upstream} {{",
+                f"        server {serve.server};",
+                f"        keepalive {KEEPALIVE};",
+                "    }"]
+    too_large = _error_json(413, f"request body over router.max_body_mib ({mib} MiB)",
+                            "request_too_large")
+    not_found = _error_json(404, "no such route on this endpoint (the router carries the "
+                            "OpenAI routes: /v1/models, /v1/chat/completions, ...)",
+                            "route_not_found")
+    out += [
+        "    server {",
+        f"        listen {router.listen};",
+        # The whole body in memory, where the script reads its `model`: up to max_body_mib.
+        f"        client_max_body_size {mib}m;",
+        f"        client_body_buffer_size {mib}m;",
+        # A body slower than this: nginx closes the connection, with no answer (a read
+        # timeout ends the request in ngx_http_finalize_request: NGX_HTTP_REQUEST_TIME_OUT
+        # goes to ngx_http_terminate_request, src/http/ngx_http_request.c; error_page 408
+        # is never reached).
+        f"        client_body_timeout {router.body_timeout_s}s;",
+        f"        client_header_timeout {router.body_timeout_s}s;",
+        "        recursive_error_pages on;",
+        "        error_page 413 = @router_too_large;",
+        "        error_page 502 504 = @router_down;",
+        "        location = /v1/models {",
+        "            js_content router.models;",
+        "        }",
+        "        location ^~ /v1/models/ {",
+        "            js_content router.model;",
+        "        }",
+        *[f"        location = {path} {{\n            js_content router.route;\n        }}"
+          for path in ROUTED_PATHS],
+        f"        location = {SERVES_LOCATION} {{",
+        "            internal;",
+        f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves;",
+        "            proxy_method GET;",
+        "            proxy_pass_request_body off;",
+        '            proxy_set_header Content-Length "";',
+        "            proxy_read_timeout 5s;",
+        "            subrequest_output_buffer_size 1m;",
+        "        }",
+    ]
+    for serve in sorted(router.serves, key=lambda s: s.name):
+        out += _serve_locations(serve)
+    out += [
+        "        location @router_refused {",
+        "            js_content router.refused;",
+        "        }",
+        "        location @router_down {",
+        "            js_content router.down;",
+        "        }",
+        "        location @router_too_large {",
+        f"            return 413 '{too_large}';",
+        "        }",
+        "        location / {",
+        f"            return 404 '{not_found}';",
+        "        }",
+        "    }",
+    ]
+    return out
+
+
+def render_script(router: RouterFront, code: str) -> str:
+    """The routing script: the table (model -> serve and its named location), then CODE
+    (gpud/data/router.js). Deterministic for equal input."""
+    by_name = {s.name: s for s in router.serves}
+    table = {name: {"serve": serve, "location": by_name[serve].location}
+             for name, serve in sorted(router.table.items())}
+    keys = None if router.keys is None else {
+        k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
+    head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
+            "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S}
+    return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
+            f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")

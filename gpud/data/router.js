@@ -1,0 +1,287 @@
+// gpud's router: route an OpenAI request by its body's `model` (docs/router.md).
+// Runs in the front's nginx (njs 0.7.9, Debian 12's libnginx-mod-http-js). CONFIG, above, is
+// the table gpud renders (gpud/core/router.py); this file is gpud/data/router.js.
+//
+// njs facts used (https://nginx.org/en/docs/njs/reference.html): a js_content handler runs
+// once the request body is read; r.requestBuffer is the body while it is in memory (the
+// server's client_body_buffer_size holds it: max_body_mib); r.internalRedirect('@name')
+// goes to a named location, the body kept; r.variables.NAME sets a js_var;
+// r.subrequest(uri, options) returns a Promise of the reply (status, responseText).
+
+import crypto from 'crypto';
+
+function fail(r, status, message, code, param) {
+    r.headersOut['Content-Type'] = 'application/json';
+    var type = status >= 500 ? 'server_error' : 'invalid_request_error';
+    r.return(status, JSON.stringify({error: {message: message, type: type,
+                                             param: param === undefined ? null : param,
+                                             code: code}}));
+}
+
+// The `model` field of a multipart form (the audio routes): the part named "model".
+function formModel(body) {
+    var at = body.indexOf('name="model"');
+    if (at < 0) {
+        return undefined;
+    }
+    var start = body.indexOf('\r\n\r\n', at);
+    if (start < 0) {
+        return undefined;
+    }
+    start += 4;
+    var end = body.indexOf('\r\n', start);
+    if (end < 0) {
+        return undefined;
+    }
+    return body.slice(start, end).toString();
+}
+
+// Bodies from this size on are looked through for their `model` key before being parsed:
+// njs's JSON.parse of a large body (an image in base64) costs tens of milliseconds.
+var SCAN_FROM = 65536;
+
+function space(c) {
+    return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
+}
+
+// The value of the one `"model": "..."` in a large JSON body, or undefined when there is not
+// exactly one (or it is not a plain string): then the body is parsed. An unescaped "model"
+// followed by ':' is a key (inside a JSON string a quote is escaped); when the body has one
+// such key, it is the top-level one.
+function scanModel(body) {
+    var start = 0, found, count = 0, at, i, end;
+    while (start < body.length && space(body[start])) {
+        start++;
+    }
+    if (body[start] !== 0x7b) {
+        return undefined;
+    }
+    for (at = body.indexOf('"model"'); at >= 0; at = body.indexOf('"model"', at + 7)) {
+        for (i = at + 7; i < body.length && space(body[i]); i++) {}
+        if (body[i] !== 0x3a) {
+            continue;
+        }
+        for (i++; i < body.length && space(body[i]); i++) {}
+        count++;
+        found = undefined;
+        if (body[i] === 0x22) {
+            end = body.indexOf('"', i + 1);
+            if (end > i && end - i <= 256) {
+                found = body.slice(i + 1, end).toString();
+                if (found.indexOf('\\') >= 0) {
+                    found = undefined;
+                }
+            }
+        }
+    }
+    return count === 1 ? found : undefined;
+}
+
+function levenshtein(a, b) {
+    var prev = [], cur, i, j;
+    for (j = 0; j <= b.length; j++) {
+        prev.push(j);
+    }
+    for (i = 1; i <= a.length; i++) {
+        cur = [i];
+        for (j = 1; j <= b.length; j++) {
+            cur.push(Math.min(prev[j] + 1, cur[j - 1] + 1,
+                              prev[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1)));
+        }
+        prev = cur;
+    }
+    return prev[b.length];
+}
+
+// Up to three names KEY may use close to NAME: one contains the other, or a few edits away.
+function closeNames(name, key) {
+    var low = name.toLowerCase().slice(0, 256), found = [];
+    Object.keys(CONFIG.models).filter(function (known) {
+        return allows(key, known);
+    }).forEach(function (known) {
+        var k = known.toLowerCase();
+        var d = levenshtein(low, k);
+        if (k.indexOf(low) >= 0 || low.indexOf(k) >= 0 || d <= Math.max(2, k.length / 3)) {
+            found.push([d, known]);
+        }
+    });
+    found.sort(function (x, y) { return x[0] - y[0] || (x[1] < y[1] ? -1 : 1); });
+    return found.slice(0, 3).map(function (x) { return x[1]; });
+}
+
+// With router.api_keys_file: the request's key (its name and models), or null once answered
+// 401. Without: {models: ['*']}. Tokens are compared by their SHA-256 (the table holds
+// nothing else).
+function keyOf(r) {
+    if (CONFIG.keys === null) {
+        return {name: null, models: ['*']};
+    }
+    var auth = r.headersIn['Authorization'] || '';
+    var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
+    var key = m ? CONFIG.keys[crypto.createHash('sha256').update(m[1]).digest('hex')] : undefined;
+    if (key === undefined) {
+        r.headersOut['WWW-Authenticate'] = 'Bearer';
+        fail(r, 401, m ? 'Incorrect API key provided' :
+             'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+        return null;
+    }
+    return key;
+}
+
+function allows(key, model) {
+    return key.models.indexOf('*') >= 0 || key.models.indexOf(model) >= 0;
+}
+
+function route(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
+    if (r.method !== 'POST') {
+        r.headersOut['Allow'] = 'POST';
+        fail(r, 405, 'method ' + r.method + ' not allowed on ' + r.uri + ' (POST)',
+             'method_not_allowed');
+        return;
+    }
+    var body = r.requestBuffer;
+    if (body === undefined || body.length === 0) {
+        fail(r, 400, 'the request has no body: a JSON object with a "model" is expected',
+             'missing_model', 'model');
+        return;
+    }
+    var type = (r.headersIn['Content-Type'] || '').toLowerCase();
+    var model;
+    if (type.indexOf('multipart/form-data') === 0) {
+        model = formModel(body);
+    } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
+        // found without parsing (a malformed large body is the serve's to refuse)
+    } else {
+        var doc;
+        try {
+            doc = JSON.parse(body.toString());
+        } catch (e) {
+            fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+            return;
+        }
+        if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
+            fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
+            return;
+        }
+        model = doc.model;
+    }
+    if (model === undefined || model === null) {
+        fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
+        return;
+    }
+    if (typeof model !== 'string') {
+        fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
+        return;
+    }
+    var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
+    if (entry === undefined) {
+        var close = closeNames(model, key);
+        fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
+             (close.length ? '; did you mean ' + close.map(function (n) {
+                 return JSON.stringify(n); }).join(', ') + '?' : '') +
+             ' (GET /v1/models lists them)', 'model_not_found', 'model');
+        return;
+    }
+    if (!allows(key, model)) {
+        fail(r, 403, 'key ' + key.name + ' may not use model ' + JSON.stringify(model),
+             'model_not_allowed', 'model');
+        return;
+    }
+    r.variables.router_model = model;
+    r.variables.router_serve = entry.serve;
+    r.internalRedirect(entry.location);
+}
+
+function states(r) {
+    return r.subrequest('/.gpud-router-serves', {method: 'GET'}).then(function (reply) {
+        var by = {};
+        if (reply.status === 200) {
+            try {
+                JSON.parse(reply.responseText).serves.forEach(function (s) {
+                    by[s.name] = s.state;
+                });
+            } catch (e) {
+                // gpud's answer unreadable: every state unknown
+            }
+        }
+        return by;
+    }, function () { return {}; });
+}
+
+function entry(name, by, created) {
+    var serve = CONFIG.models[name].serve;
+    return {id: name, object: 'model', created: created, owned_by: 'gpud',
+            gpud: {serve: serve, state: by.hasOwnProperty(serve) ? by[serve] : 'unknown'}};
+}
+
+function models(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
+    if (r.method !== 'GET' && r.method !== 'HEAD') {
+        fail(r, 405, 'method ' + r.method + ' not allowed on /v1/models (GET)',
+             'method_not_allowed');
+        return;
+    }
+    states(r).then(function (by) {
+        var created = Math.floor(Date.now() / 1000);
+        var data = Object.keys(CONFIG.models).sort().filter(function (name) {
+            return allows(key, name);
+        }).map(function (name) {
+            return entry(name, by, created);
+        });
+        r.headersOut['Content-Type'] = 'application/json';
+        r.return(200, JSON.stringify({object: 'list', data: data}));
+    });
+}
+
+function model(r) {
+    var key = keyOf(r);
+    if (key === null) {
+        return;
+    }
+    var name = r.uri.slice('/v1/models/'.length);
+    if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
+        var close = closeNames(name, key);
+        fail(r, 404, 'The model ' + JSON.stringify(name) + ' does not exist on this endpoint' +
+             (close.length ? '; did you mean ' + close.map(function (n) {
+                 return JSON.stringify(n); }).join(', ') + '?' : ''), 'model_not_found');
+        return;
+    }
+    states(r).then(function (by) {
+        r.headersOut['Content-Type'] = 'application/json';
+        r.return(200, JSON.stringify(entry(name, by, Math.floor(Date.now() / 1000))));
+    });
+}
+
+// gpud refused to bring the serve up (its ensure answered 403): 503 with gpud's reason.
+function refused(r) {
+    var reason = r.variables.router_reason, message = 'refused by gpud', details = null;
+    try {
+        var doc = JSON.parse(reason);
+        message = doc.error.message;
+        details = doc.error;
+    } catch (e) {
+        // no reason given
+    }
+    r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
+    r.headersOut['Content-Type'] = 'application/json';
+    r.return(503, JSON.stringify({error: {
+        message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
+                 r.variables.router_serve + ') cannot be brought up: ' + message,
+        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}));
+}
+
+// The serve did not answer (stopped, starting, restarting; gpud down and the serve not up).
+function down(r) {
+    r.headersOut['Retry-After'] = String(CONFIG.retry_after_s);
+    fail(r, 503, 'model ' + JSON.stringify(r.variables.router_model || '') + ': serve ' +
+         (r.variables.router_serve || '?') + ' is not running', 'model_not_running');
+}
+
+export default {route, models, model, refused, down};

@@ -1,0 +1,182 @@
+"""The router under real systemd: one address for every serve, routed by the body's `model`
+through the front's nginx (gpud-front.service, njs), on-demand and sleeping serves brought up
+through gpud's ensure, and serving on while gpud is down. Simulated GPU, stand-in serves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.integration.gpudctl import (
+    PY,
+    REPO,
+    SandboxGpud,
+    sim_config,
+    standin_uds,
+)
+from tests.waiting import wait_until
+
+ROUTER = 30290
+PORT = 30291
+USER = "gpud-router-client"  # a local user who is nobody to gpud
+
+
+def router_config() -> str:
+    dev = 'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+    serves = (
+        # fronted, sleeps: the router wakes it
+        f'[serves.chat]\nrole = "r"\nvram_mib = 12000\nport = {PORT}\nsleep_level = 1\n'
+        f'sleep_mib = 800\nmodels = ["chat", "chat-fast"]\n{dev}'
+        f"command = {standin_uds('--enable-sleep-mode', '--token-interval-s', '0.2', '--served-model-name', 'chat', 'chat-fast')}\n"
+        # on demand: started by its first request
+        f'[serves.od]\nrole = "r"\nvram_mib = 8000\nport = {PORT + 1}\non_demand = true\n'
+        f"start_timeout_s = 60\nsleep_level = 1\nsleep_mib = 800\n{dev}"
+        'models = ["ocr"]\n'
+        f"command = {standin_uds('--startup-delay', '1', '--enable-sleep-mode', '--served-model-name', 'ocr')}\n"
+        # does not fit beside chat: refused
+        f'[serves.huge]\nrole = "r"\nvram_mib = 30000\nport = {PORT + 2}\non_demand = true\n'
+        f"command = {standin_uds('--served-model-name', 'huge')}\n"
+        # not fronted: the router reaches it on its port
+        f'[serves.plain]\nrole = "r"\nvram_mib = 2000\nport = {PORT + 3}\n'
+        f'command = {json.dumps([PY, "-m", "gpud.testing.standin", "serve", "m", "--port", "{port}", "--gpu-memory-utilization", "{gpu_memory_utilization}", "--served-model-name", "plain"])}\n'
+    )
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = f'[router]\nlisten = "127.0.0.1:{ROUTER}"\n'
+    return sim_config(role, serves) + router
+
+
+@pytest.fixture
+def routed(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+    sb = gpud.sb
+    try:
+        gpud.configure(router_config(), start=False)
+        sb.run(["useradd", "--no-create-home", USER], check=False)
+        gpud.start()
+        try:
+            wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
+                       timeout=30, what="gpud-front.service active")
+        except AssertionError:
+            raise AssertionError(gpud.journal_tail() + sb.run(
+                "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout) from None
+        yield gpud
+    finally:
+        gpud.reset()
+        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
+               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {USER}; userdel gpud-front",
+               check=False)
+
+
+def ask(gpud: SandboxGpud, model: str, path: str = "/v1/completions",
+        extra: dict[str, Any] | None = None) -> tuple[int, dict[str, str], str]:
+    """A request through the router as a local user: status, headers, body."""
+    body = json.dumps({"model": model, "prompt": "a b", "max_tokens": 2, **(extra or {})})
+    out = gpud.sb.run(["curl", "-s", "-i", "-d", body, f"http://127.0.0.1:{ROUTER}{path}"],
+                      user=USER, check=False, timeout=90).stdout.replace("\r\n", "\n")
+    head, _, text = out.partition("\n\n")
+    lines = head.splitlines()
+    if not lines:
+        return 0, {}, out
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, text
+
+
+def models(gpud: SandboxGpud) -> dict[str, dict[str, Any]]:
+    out = gpud.sb.run(["curl", "-s", f"http://127.0.0.1:{ROUTER}/v1/models"], user=USER,
+                      timeout=30).stdout
+    return {m["id"]: m for m in json.loads(out)["data"]}
+
+
+def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -> None:
+    gpud = routed
+    for name in ("chat", "plain"):
+        assert gpud.call("POST", f"/v1/serves/{name}/start", {}).status == 200
+        gpud.wait_state(name, "running")
+    listed = models(gpud)
+    assert {n: (m["gpud"]["serve"], m["gpud"]["state"]) for n, m in listed.items()} == {
+        "chat": ("chat", "running"), "chat-fast": ("chat", "running"),
+        "ocr": ("od", "declared"), "huge": ("huge", "declared"), "plain": ("plain", "running")}
+    # gpuctl models: the same names, from gpud
+    table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                            "models"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                           check=True).stdout.splitlines()
+    assert table[0].split() == ["MODEL", "SERVE", "STATE", "PORT", "FRONT"], table
+    assert [line.split()[:3] for line in table[1:]] == [
+        ["chat", "chat", "running"], ["chat-fast", "chat", "running"], ["huge", "huge", "declared"],
+        ["ocr", "od", "declared"], ["plain", "plain", "running"]], table
+    for model in ("chat", "chat-fast", "plain"):
+        status, _h, body = ask(gpud, model)
+        assert status == 200 and json.loads(body)["model"] == model, (model, body)
+
+    # The on-demand serve: ten first requests at once share one start.
+    body = json.dumps({"model": "ocr", "prompt": "a", "max_tokens": 1})
+    out = gpud.sb.run(
+        f"for i in $(seq 10); do curl -s -o /dev/null -w '%{{http_code}}\\n' -d '{body}' "
+        f"http://127.0.0.1:{ROUTER}/v1/completions & done; wait", user=USER, timeout=90).stdout
+    assert out.split() == ["200"] * 10, out
+    assert gpud.serve("od")["state"] == "running"
+    assert len(gpud.events(kind="start", serve="od")) == 1
+
+    # A sleeping serve, asked for by one of its names, is woken.
+    assert gpud.call("POST", "/v1/serves/chat/sleep", {}).status == 200
+    assert models(gpud)["chat-fast"]["gpud"]["state"] == "sleeping"
+    status, _h, body = ask(gpud, "chat-fast")
+    assert status == 200, body
+    assert gpud.serve("chat")["state"] == "running"
+    wake, = gpud.events(kind="wake", serve="chat")
+    # the journal says which request brought it up
+    assert "request for model 'chat-fast' through the router" in wake["message"], wake
+
+    # Refused (30000 MiB does not fit beside chat and od): 503, gpud's reason, Retry-After.
+    status, headers, body = ask(gpud, "huge")
+    error = json.loads(body)["error"]
+    assert status == 503 and headers.get("Retry-After") == "30", (headers, body)
+    assert error["code"] == "model_unavailable" and "30000" in error["message"], error
+    assert error["gpud"]["code"] == "denied", error
+
+    # Unknown: 404 naming the close names.
+    status, _h, body = ask(gpud, "chat-fats")
+    assert status == 404 and '"chat-fast"' in json.loads(body)["error"]["message"], body
+
+    # A stopped serve that is not on demand is not started by a request.
+    assert gpud.call("POST", "/v1/serves/chat/stop", {}).status == 200
+    status, _h, body = ask(gpud, "chat")
+    assert status == 503 and "not on_demand" in json.loads(body)["error"]["message"], body
+    assert gpud.serve("chat")["state"] in ("declared", "admitted")
+
+
+def test_the_router_serves_on_while_gpud_is_down_and_a_restart_cuts_no_stream(
+        routed: SandboxGpud) -> None:
+    gpud = routed
+    assert gpud.call("POST", "/v1/serves/chat/start", {}).status == 200
+    gpud.wait_state("chat", "running")
+    body = json.dumps({"model": "chat", "prompt": "a b", "max_tokens": 60, "stream": True})
+    script = (
+        "rm -rf /tmp/rstreams; mkdir /tmp/rstreams; "
+        f"for i in $(seq 16); do curl -sN -d '{body}' http://127.0.0.1:{ROUTER}/v1/completions"
+        " > /tmp/rstreams/$i & done; "
+        "until [ $(find /tmp/rstreams -type f -size +0 | wc -l) -eq 16 ]; do sleep 0.05; done; "
+        "systemctl restart gpud.service; "
+        "echo done-before-restart-ended $(grep -l '\\[DONE\\]' /tmp/rstreams/* | wc -l); "
+        "wait; echo complete $(grep -l 'data: \\[DONE\\]' /tmp/rstreams/* | wc -l)")
+    pid = gpud.unit_prop("gpud-front.service", "MainPID")
+    started = time.monotonic()
+    out = gpud.sb.run(["bash", "-c", script], timeout=120).stdout.split()
+    assert out == ["done-before-restart-ended", "0", "complete", "16"], out
+    assert time.monotonic() - started >= 11  # 60 tokens 0.2 s apart: the restart was inside
+    assert gpud.unit_prop("gpud-front.service", "MainPID") == pid
+    gpud.wait_state("chat", "running")
+
+    # gpud down: a running serve answers through the router, states are unknown
+    gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
+    status, _h, text = ask(gpud, "chat-fast")
+    assert status == 200, text
+    assert models(gpud)["chat"]["gpud"]["state"] == "unknown"
+    # and a serve that is not up answers 503 naming it
+    status, _h, text = ask(gpud, "ocr")
+    assert status == 503 and "serve od is not running" in text, text

@@ -1,0 +1,647 @@
+"""The router: its table and config checks (pure), and the real nginx with the real njs module
+routing by `model` to two real stand-ins (one on a Unix socket, one on a TCP port), with the
+OpenAI-shaped errors of bad input. gpud itself is not running here (the sandbox test,
+tests/integration/test_router.py, has it): /v1/models says every state is unknown."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.config import model_names, parse_config, routed
+from gpud.core.front import FrontConfig, render
+from gpud.core.launch import vllm_argv
+from gpud.core.router import (
+    ROUTED_PATHS,
+    RoutedServe,
+    RouterFront,
+    close_names,
+    duplicate_names,
+    http_lines,
+    listen_problem,
+    main_lines,
+    parse_keys,
+    routing_table,
+)
+from gpud.ctl.format import format_models
+from gpud.daemon import _warnings
+from gpud.errors import ConfigError
+from gpud.front import front_config, routable
+from gpud.router import load_keys, router_front, script_code, script_text
+from tests.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+NGINX = REPO / ".venv" / "bin" / "nginx"
+NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
+
+TOML = """\
+[daemon]
+front_nginx = "/opt/nginx"
+[router]
+listen = "127.0.0.1:8000"
+[roles.r]
+device = "0"
+[serves.chat]
+role = "r"
+vram_mib = 1000
+port = 30001
+sleep_level = 1
+models = ["chat", "chat-fast"]
+vllm = { model = "org/chat-model" }
+[serves.ocr]
+role = "r"
+vram_mib = 1000
+port = 30002
+vllm = { model = "org/ocr-model", extra_args = ["--served-model-name", "ocr", "read"] }
+[serves.tool]
+role = "r"
+vram_mib = 1000
+port = 30003
+command = ["/bin/tool", "--port", "{port}"]
+[serves.batch]
+role = "r"
+vram_mib = 1000
+command = ["/bin/batch"]
+"""
+
+
+# --- the table and the config -----------------------------------------------------------------
+
+def test_names_default_to_what_the_serve_answers_to() -> None:
+    cfg = parse_config(TOML, "t")
+    assert model_names("chat", cfg.serves["chat"]) == ("chat", "chat-fast")
+    assert model_names("ocr", cfg.serves["ocr"]) == ("ocr", "read")
+    assert model_names("tool", cfg.serves["tool"]) == ("tool",)
+    plain = parse_config(TOML.replace(', extra_args = ["--served-model-name", "ocr", "read"]',
+                                      ""), "t")
+    assert model_names("ocr", plain.serves["ocr"]) == ("org/ocr-model",)
+    # a serve with no port cannot be reached
+    assert set(routed(cfg)) == {"chat", "ocr", "tool"}
+    assert routed(parse_config(TOML.replace('[router]\nlisten = "127.0.0.1:8000"\n', ""),
+                               "t")) == {}
+
+
+def test_a_vllm_serve_with_models_answers_to_every_one_of_them() -> None:
+    cfg = parse_config(TOML, "t")
+    argv = vllm_argv(cfg.serves["chat"], executable="vllm", util="0.5")
+    at = argv.index("--served-model-name")
+    assert argv[at + 1:at + 3] == ["chat", "chat-fast"]
+    assert "--served-model-name" not in vllm_argv(cfg.serves["tool"].model_copy(update={
+        "vllm": cfg.serves["chat"].vllm, "command": None}), executable="vllm", util="0.5")
+
+
+def test_one_name_on_two_serves_is_a_config_error_naming_both() -> None:
+    text = TOML.replace('models = ["chat", "chat-fast"]', 'models = ["chat", "read"]')
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "t")
+    assert "model name 'read' is on serves chat and ocr" in str(err.value)
+    with pytest.raises(ValueError, match="'x' is on two serves: a and b"):
+        routing_table({"a": ["x"], "b": ["x"]})
+    assert duplicate_names({"a": ["x", "x"], "b": ["y"]}) == []
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    (('listen = "127.0.0.1:8000"', 'listen = "127.0.0.1:30002"'),
+     "router.listen: port 30002 is serve 'ocr'"),
+    (('listen = "127.0.0.1:8000"', 'listen = "8000"'), "router.listen: '8000' is not HOST:PORT"),
+    (('models = ["chat", "chat-fast"]', 'models = ["chat", "bad name"]'),
+     "serves.chat.models[1]: 'bad name' is not a model name"),
+    (('models = ["chat", "chat-fast"]', "models = []"), "serves.chat.models: name at least one"),
+    (('port = 30002\n', 'port = 30002\nmodels = ["o"]\n'),
+     "serves.ocr.vllm.extra_args: --served-model-name is set from models"),
+])
+def test_bad_router_config_names_its_key(change: tuple[str, str], error: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(TOML.replace(*change), "t")
+    assert error in str(err.value)
+
+
+def test_listen_problems() -> None:
+    assert listen_problem("127.0.0.1:8000") is None
+    assert listen_problem("[::1]:8000") is None
+    assert listen_problem("0.0.0.0:99999") is not None
+    assert listen_problem("example.com:80") is not None
+    assert listen_problem("127.0.0.1:80; evil") is not None
+
+
+def test_close_names() -> None:
+    assert close_names("chat-fats", ["chat", "chat-fast", "ocr"])[0] == "chat-fast"
+    assert close_names("zzz", ["chat", "ocr"]) == []
+
+
+def test_the_router_reaches_fronted_serves_on_their_socket_others_on_their_port() -> None:
+    cfg = parse_config(TOML, "t")
+    router = router_front(cfg)
+    assert router is not None
+    by = {s.name: s for s in router.serves}
+    assert by["chat"].server == "unix:/run/gpud/serves/chat.sock"
+    assert by["ocr"].server == "127.0.0.1:30002"
+    # gpud is asked first only for a serve it can bring up (sleeps here; or on demand)
+    assert by["chat"].ensure_timeout_s is not None and by["ocr"].ensure_timeout_s is None
+    text = render(front_config(cfg))
+    assert text.startswith("# Written by gpud") and main_lines(router)[0] in text
+    assert "listen 127.0.0.1:8000;" in text and "auth_request /.gpud-router-ensure/chat;" in text
+    # the front's own server for chat is still there
+    assert "listen 127.0.0.1:30001;" in text
+    script = script_text(router)
+    assert '"chat-fast": {\n   "location": "@router_chat",' in script
+    assert script.endswith(script_code())
+
+
+def test_every_carried_route_and_nothing_else_runs_the_script() -> None:
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),))
+    lines = "\n".join(http_lines(router))
+    for path in ROUTED_PATHS:
+        assert f"location = {path} {{\n            js_content router.route;" in lines
+    assert lines.count("js_content router.route;") == len(ROUTED_PATHS)
+    assert "location / {\n            return 404" in lines
+
+
+# --- the real nginx and njs in front of two stand-ins -----------------------------------------
+
+@dataclass
+class Rig:
+    port: int
+    sock_serve: subprocess.Popen[bytes]
+    tcp_serve: subprocess.Popen[bytes]
+    nginx: subprocess.Popen[bytes]
+    script: str
+
+    def workers(self) -> set[str]:
+        pid = self.nginx.pid
+        return set(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+    def reload(self) -> None:
+        """nginx's graceful reload (as gpud's): the new workers read the script again; until
+        the old worker has gone."""
+        old = self.workers()
+        self.nginx.send_signal(signal.SIGHUP)
+        wait_until(lambda: (w := self.workers()) and not w & old, what="the old worker gone")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _connects(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _req(port: int, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def _post(port: int, path: str, doc: object) -> tuple[int, dict[str, object]]:
+    status, _h, body = _req(port, "POST", path, json.dumps(doc).encode(),
+                            {"Content-Type": "application/json"})
+    return status, json.loads(body)
+
+
+def _openai_error(doc: dict[str, object]) -> dict[str, object]:
+    err = doc["error"]
+    assert isinstance(err, dict) and set(err) >= {"message", "type", "param", "code"}, doc
+    return err
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    """nginx with the router (max body 1 MiB, body timeout 1 s) before stand-in `a` (names
+    a, a-fast) on a socket and `b` (names b, org/b-model) on a TCP port."""
+    for path in (NGINX, NJS):
+        if not path.exists():
+            pytest.fail(f"{path} missing: run scripts/setup")
+    tmp = Path(tempfile.mkdtemp(prefix="gpud-router-"))
+    tmp.chmod(0o755)
+    sock = tmp / "a.sock"
+    run = tmp / "run"
+    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / name).mkdir(exist_ok=True)
+    port, b_port = _free_port(), _free_port()
+    router = RouterFront(f"127.0.0.1:{port}",
+                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock)),
+                          RoutedServe("b", ("b", "org/b-model"), port=b_port)),
+                         njs_module=str(NJS), script=str(tmp / "router.js"),
+                         gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
+                         body_timeout_s=1)
+    (tmp / "router.js").write_text(script_text(router))
+    (tmp / "nginx.conf").write_text(render(FrontConfig(
+        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
+    standin = [sys.executable, "-m", "gpud.testing.standin", "serve", "m",
+               "--token-interval-s", "0.3"]
+    a = subprocess.Popen([*standin, "--uds", str(sock), "--served-model-name", "a", "a-fast"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    b = subprocess.Popen([*standin, "--port", str(b_port), "--served-model-name", "b",
+                          "org/b-model"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (tmp / "nginx.log").open("wb")
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_until(sock.exists, what="a's socket")
+        os.chmod(sock, 0o777)  # nginx's workers run as nobody here
+        wait_until(lambda: _connects(port), what="the router listening")
+        for model in ("a", "b"):
+            wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
+                                            json.dumps({"model": m}).encode())[0] != 503,
+                       what=f"{model} answering through the router")
+        yield Rig(port, a, b, nginx, str(tmp / "router.js"))
+    except BaseException:
+        log.flush()
+        print((tmp / "nginx.log").read_text())
+        raise
+    finally:
+        for proc in (nginx, a, b):
+            proc.terminate()
+            proc.wait(timeout=10)
+        log.close()
+        shutil.rmtree(tmp)
+
+
+def test_the_config_is_valid_for_nginx_with_njs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    script = tmp_path / "router.js"
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),
+                                            RoutedServe("b-c", ("b",), socket="/s/b.sock",
+                                                        ensure_timeout_s=905)),
+                         njs_module=str(NJS), script=str(script))
+    script.write_text(script_text(router))
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render(FrontConfig(serves=(), run_dir=str(run),
+                                       main_extra=tuple(main_lines(router)),
+                                       http_extra=tuple(http_lines(router)))))
+    result = subprocess.run([str(NGINX), "-t", "-c", str(conf), "-p", f"{run}/"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_request_goes_to_the_serve_its_model_names(rig: Rig) -> None:
+    for model in ("a", "a-fast", "b", "org/b-model"):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = ({"prompt": "x y", "max_tokens": 2} if path == "/v1/completions"
+                    else {"messages": [{"role": "user", "content": "x y"}], "max_tokens": 2})
+            status, doc = _post(rig.port, path, {"model": model, **body})
+            # each stand-in answers only its own names: a 200 is the right serve
+            assert status == 200 and doc["model"] == model, (model, path, doc)
+
+
+def test_models_lists_every_name_with_its_serve(rig: Rig) -> None:
+    status, _h, body = _req(rig.port, "GET", "/v1/models")
+    doc = json.loads(body)
+    assert status == 200 and doc["object"] == "list"
+    assert [(m["id"], m["object"], m["gpud"]["serve"]) for m in doc["data"]] == [
+        ("a", "model", "a"), ("a-fast", "model", "a"), ("b", "model", "b"),
+        ("org/b-model", "model", "b")]
+    # no gpud here to ask
+    assert {m["gpud"]["state"] for m in doc["data"]} == {"unknown"}
+    status, _h, body = _req(rig.port, "GET", "/v1/models/org/b-model")
+    assert status == 200 and json.loads(body)["id"] == "org/b-model"
+    status, _h, body = _req(rig.port, "GET", "/v1/models/a-fats")
+    err = _openai_error(json.loads(body))
+    assert status == 404 and '"a-fast"' in str(err["message"])
+
+
+def test_bad_input_gets_openai_shaped_errors(rig: Rig) -> None:
+    port = rig.port
+    status, _h, body = _req(port, "POST", "/v1/chat/completions", b'{"model": "a"',
+                            {"Content-Type": "application/json"})
+    assert status == 400 and _openai_error(json.loads(body))["code"] == "invalid_json"
+    status, doc = _post(port, "/v1/chat/completions", {"messages": []})
+    assert status == 400 and _openai_error(doc)["param"] == "model"
+    status, doc = _post(port, "/v1/chat/completions", {"model": 7})
+    assert status == 400 and _openai_error(doc)["code"] == "invalid_model"
+    status, doc = _post(port, "/v1/chat/completions", ["model"])
+    assert status == 400
+    status, doc = _post(port, "/v1/chat/completions", {"model": "a-fst"})
+    err = _openai_error(doc)
+    assert status == 404 and err["code"] == "model_not_found"
+    assert '"a-fst"' in str(err["message"]) and '"a-fast"' in str(err["message"])
+    # a name with control characters comes back escaped, not raw
+    status, _h, body = _req(port, "POST", "/v1/completions",
+                            json.dumps({"model": "x\x1b[31m\ny"}).encode())
+    assert status == 404 and b"\x1b" not in body and b"\\u001b" in body
+    # over max_body_mib (1 MiB here)
+    status, _h, body = _req(port, "POST", "/v1/completions",
+                            b'{"model": "a", "prompt": "' + b"x" * (1 << 20) + b'"}')
+    assert status == 413 and _openai_error(json.loads(body))["code"] == "request_too_large"
+    # GET on a routed path
+    status, _h, body = _req(port, "GET", "/v1/chat/completions")
+    assert status == 405 and _openai_error(json.loads(body))
+
+
+def test_a_slow_body_is_cut_after_body_timeout_s(rig: Rig) -> None:
+    """nginx answers no 408 to a read timeout: it closes the connection (docs/router.md), with
+    a reset (the front's reset_timedout_connection: no lingering on a client that stalls)."""
+    with socket.create_connection(("127.0.0.1", rig.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+                  b'{"model":')
+        started = time.monotonic()
+        try:
+            got = s.recv(4096)
+        except ConnectionResetError:
+            got = b""
+    assert got == b"", got
+    assert 0.8 <= time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/wake_up", "/collective_rpc", "/is_sleeping",
+                                  "/v1/load_lora_adapter", "/update_weights", "/health",
+                                  "/v1/realtime", "/", "/v1/../sleep"])
+def test_dev_and_unknown_routes_are_404(rig: Rig, path: str) -> None:
+    status, _h, body = _req(rig.port, "POST", path, b'{"model": "a"}')
+    assert status == 404, path
+    assert _openai_error(json.loads(body))["code"] == "route_not_found"
+
+
+def test_a_multipart_form_is_routed_by_its_model_field(rig: Rig) -> None:
+    def form(model: str) -> tuple[int, bytes]:
+        boundary = "gpudboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                "filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n").encode() + \
+            bytes(range(256)) + (f"\r\n--{boundary}\r\nContent-Disposition: form-data; "
+                                 f"name=\"model\"\r\n\r\n{model}\r\n--{boundary}--\r\n").encode()
+        status, _h, out = _req(rig.port, "POST", "/v1/audio/transcriptions", body,
+                               {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        return status, out
+
+    status, out = form("nope")
+    assert status == 404 and json.loads(out)["error"]["code"] == "model_not_found"
+    # routed to the stand-in, which has no audio route: its own 404, not the router's
+    status, out = form("b")
+    assert status == 404 and "model_not_found" not in out.decode(), out
+
+
+def test_a_serve_that_is_down_answers_503_naming_the_model(rig: Rig) -> None:
+    rig.tcp_serve.terminate()
+    rig.tcp_serve.wait(timeout=10)
+    status, headers, body = _req(rig.port, "POST", "/v1/completions", b'{"model": "b"}')
+    err = _openai_error(json.loads(body))
+    assert status == 503 and "serve b is not running" in str(err["message"])
+    assert headers.get("Retry-After") == "30"
+    # the other serve is unaffected
+    assert _post(rig.port, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1}
+                 )[0] == 200
+
+
+def test_a_stream_comes_through_token_by_token(rig: Rig) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", rig.port, timeout=10)
+    started = time.monotonic()
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "a-fast", "prompt": "a b c d", "max_tokens": 4, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    arrivals = []
+    while line := resp.fp.readline():
+        if line.startswith(b"data: "):
+            arrivals.append(time.monotonic() - started)
+        if line.startswith(b"data: [DONE]"):
+            break
+    conn.close()
+    assert len(arrivals) == 5
+    assert arrivals[-1] - arrivals[0] >= 0.9, arrivals
+
+
+def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
+    """From 64 KiB on the script looks for the one "model" key before parsing; with two (one
+    nested), it parses the body, and the top-level one wins."""
+    pad = "x " * (100 << 10)
+    status, doc = _post(rig.port, "/v1/completions",
+                        {"prompt": pad, "max_tokens": 1, "model": "b"})
+    assert status == 200 and doc["model"] == "b", doc
+    status, doc = _post(rig.port, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": pad}],
+                         "metadata": {"model": "a"}, "model": "b", "max_tokens": 1})
+    assert status == 200 and doc["model"] == "b", doc
+    status, _h, body = _req(rig.port, "POST", "/v1/completions",
+                            json.dumps({"prompt": pad, "model": "nope"}).encode())
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    status, _h, body = _req(rig.port, "POST", "/v1/completions",
+                            b'{"prompt": "' + pad.encode() + b'", "model": 5}')
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+KEYS = """\
+[keys.alice]
+token = "sk-alice-0123456789"
+models = ["a", "a-fast"]
+[keys.ops]
+token = "sk-ops-0123456789abc"
+models = ["*"]
+"""
+
+
+def test_keys_are_parsed_and_checked() -> None:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b"])
+    assert problems == [] and [(k.name, k.models) for k in keys] == [
+        ("alice", ("a", "a-fast")), ("ops", ("*",))]
+    assert "sk-alice" not in repr(keys)  # only the digest is kept
+    _, problems = parse_keys(KEYS.replace('"a-fast"]', '"nope"]').replace(
+        "sk-ops-0123456789abc", "short"), ["a"])
+    assert problems == ["keys.alice.models: no serve answers to 'nope'",
+                        "keys.ops.token: at least 16 printable characters, no spaces"]
+    _, problems = parse_keys(KEYS.replace("sk-ops-0123456789abc", "sk-alice-0123456789"),
+                             ["a", "a-fast"])
+    assert problems == ["keys.ops.token: the same token as keys.alice"]
+    assert parse_keys("keys = 3", [])[1] == ["keys: must be a table of [keys.NAME] tables"]
+
+
+def test_a_keys_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="must be root's and 0600"):
+        load_keys(str(path), ["a", "a-fast"], require_root=True)
+    path.chmod(0o600)
+    assert len(load_keys(str(path), ["a", "a-fast"], require_root=True)) == 2
+
+
+@pytest.fixture
+def keyed(rig: Rig, tmp_path: Path) -> Iterator[Rig]:
+    """The rig's router with keys: its script rewritten, nginx reloaded."""
+    keys, _ = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    script = Path(rig.script)
+    text = script.read_text()
+    head, sep, code = text.partition("\n\n")
+    doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip(";"))
+    doc["keys"] = {k.sha256: {"name": k.name, "models": list(k.models)} for k in keys}
+    script.write_text(f"var CONFIG = {json.dumps(doc)};{sep}{code}")
+    rig.reload()
+    yield rig
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+
+def test_with_keys_a_request_needs_one_that_may_use_its_model(keyed: Rig) -> None:
+    port = keyed.port
+    body = json.dumps({"model": "a", "prompt": "x", "max_tokens": 1}).encode()
+    status, headers, out = _req(port, "POST", "/v1/completions", body)
+    assert status == 401 and json.loads(out)["error"]["code"] == "invalid_api_key"
+    assert headers.get("WWW-Authenticate") == "Bearer"
+    status, _h, out = _req(port, "POST", "/v1/completions", body, _auth("sk-wrong-0123456789"))
+    assert status == 401 and "Incorrect API key" in json.loads(out)["error"]["message"]
+    assert _req(port, "POST", "/v1/completions", body, _auth("sk-alice-0123456789"))[0] == 200
+    b_body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
+    status, _h, out = _req(port, "POST", "/v1/completions", b_body, _auth("sk-alice-0123456789"))
+    err = json.loads(out)["error"]
+    assert status == 403 and err["code"] == "model_not_allowed" and "alice" in err["message"]
+    assert _req(port, "POST", "/v1/completions", b_body, _auth("sk-ops-0123456789abc"))[0] == 200
+    # /v1/models: only what the key may use
+    status, _h, out = _req(port, "GET", "/v1/models", None, _auth("sk-alice-0123456789"))
+    assert status == 200 and [m["id"] for m in json.loads(out)["data"]] == ["a", "a-fast"]
+    assert _req(port, "GET", "/v1/models")[0] == 401
+    assert _req(port, "GET", "/v1/models/b", None, _auth("sk-alice-0123456789"))[0] == 404
+
+
+def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS.replace('["a", "a-fast"]', '["chat"]'))
+    path.chmod(0o600)
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\napi_keys_file = "{path}"\n')
+    router = router_front(parse_config(text, "t"))
+    assert router is not None and router.keys is not None
+    script = script_text(router)
+    assert "sk-alice" not in script and '"name": "alice"' in script
+    # a file that names a model no serve answers to: the router is not rewritten
+    path.write_text(KEYS)
+    with pytest.raises(ConfigError, match=r"keys\.alice\.models: no serve answers to 'a'"):
+        router_front(parse_config(text, "t"))
+
+
+# --- a client that goes away ----------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -> None:
+    """nginx closes the connection to the serve when the client of a stream goes away; vLLM
+    aborts a request whose connection closed (vllm/entrypoints/serve/utils/api_utils.py:36
+    listen_for_disconnect, :51 with_cancellation). The upstream here is a recorder that
+    streams one event and then waits for its peer to close."""
+    closed = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    up_port = listener.getsockname()[1]
+
+    def upstream() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            event = b"data: {\"n\": 1}\n\n"
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            conn.settimeout(20)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    pass
+            closed.set()
+
+    thread = threading.Thread(target=upstream, daemon=True)
+    thread.start()
+    run = tmp_path / "run"
+    run.mkdir()
+    tmp_path.chmod(0o755)
+    port = _free_port()
+    router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("c", ("c",), port=up_port),),
+                         njs_module=str(NJS), script=str(tmp_path / "router.js"))
+    (tmp_path / "router.js").write_text(script_text(router))
+    (tmp_path / "nginx.conf").write_text(render(FrontConfig(
+        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp_path / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _connects(port), what="the router listening")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            body = b'{"model": "c", "stream": true}'
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                           b"\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b"data: " not in got:
+                got += client.recv(65536)
+            # the stream is open while the client is there
+            assert not closed.wait(0.5)
+        assert closed.wait(5), "the serve's connection was left open"
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        listener.close()
+
+
+def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
+    doc = {"serves": [
+        {"name": "chat", "state": "sleeping", "port": 30001, "front": True,
+         "models": ["chat-fast", "chat"]},
+        {"name": "batch", "state": "running", "port": None, "front": False},
+    ]}
+    assert format_models(doc).splitlines() == [  # type: ignore[arg-type]
+        "MODEL      SERVE  STATE      PORT  FRONT",
+        "chat       chat   sleeping  30001  yes",
+        "chat-fast  chat   sleeping  30001  yes"]
+    assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
+
+
+def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """nginx refuses a whole config whose module is missing: the fronts' servers with it."""
+    cfg = parse_config(TOML, "t")
+    assert cfg.router is not None and not Path(cfg.router.njs_module).exists()
+    with caplog.at_level("ERROR"):
+        assert routable(cfg).router is None
+    assert "router off: router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not " \
+        "found" in caplog.text
+    # the front of chat is still rendered
+    assert "listen 127.0.0.1:30001;" in render(front_config(routable(cfg)))
+    with_njs = TOML.replace('listen = "127.0.0.1:8000"\n',
+                            f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
+    assert routable(parse_config(with_njs, "t")).router is not None
+    # keys that cannot be read: off, not open
+    bad = with_njs.replace('listen = "127.0.0.1:8000"\n',
+                           f'listen = "127.0.0.1:8000"\napi_keys_file = "{tmp_path}/none"\n')
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        assert routable(parse_config(bad, "t")).router is None
+    assert f"router off: {tmp_path}/none: cannot read" in caplog.text
+
+
+def test_check_config_warns_of_a_router_that_would_stay_off(tmp_path: Path) -> None:
+    assert ("router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not found, so "
+            "the router stays off (apt-get install libnginx-mod-http-js; docs/router.md)"
+            ) in _warnings(parse_config(TOML, "t"), cdi_dirs=())
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n'
+                        f'api_keys_file = "{tmp_path}/none"\n')
+    assert any(w.startswith(f"router.api_keys_file: {tmp_path}/none: cannot read")
+               for w in _warnings(parse_config(text, "t"), cdi_dirs=()))
