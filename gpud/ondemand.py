@@ -4,9 +4,15 @@ is healthy.
 
 ``POST /v1/serves/NAME/ensure`` (gpud.api's route, which only the front's user and root may
 call) answers 204 when the serve is running (at once when it already
-is), 403 with ``X-Gpud-Reason`` (the error as JSON) and ``Retry-After`` when it cannot be
-brought up: the front turns that into a 503 with the reason as its body. Concurrent requests
-for one serve share one start (or wake).
+is), 403 with ``X-Gpud-Reason`` and ``Retry-After`` when it cannot be brought up: the front turns
+that into a 503 with the reason as its body. Concurrent requests for one serve share one start
+(or wake).
+
+Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
+failure an exponential, capped backoff; requests meanwhile are answered at once, with
+``Retry-After`` the seconds left. ``X-Gpud-Reason`` (what the front shows any local user) says
+the reason's class only; the 403's body (the front's and root's) the whole error. Refusals of a
+bring-up asked for here are stored and logged coalesced (gpud.core.coalesce).
 """
 
 from __future__ import annotations
@@ -14,17 +20,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gpud.core.front import RETRY_AFTER_S, idle_action
-from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
-from gpud.errors import GpudError, NotFound, Unavailable
+from gpud.core import bringup
+from gpud.core.bringup import Hold, Policy, Tries, Why
+from gpud.core.coalesce import Coalescer, Verdict
+from gpud.core.front import idle_action
+from gpud.core.vocab import (
+    FAILED,
+    LIVE_STATES,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    ServeState,
+    SleepAction,
+)
+from gpud.errors import Denied, GpudError, NotFound, Unavailable
 from gpud.responses import error_response
-from gpud.service import LedgerService
+from gpud.service import COALESCE_REFUSALS, LedgerService
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -34,16 +52,26 @@ log = logging.getLogger(__name__)
 
 # How often a start or wake in progress is looked at until the serve is running.
 POLL_S = 0.005
+DEFAULT_POLICY = Policy()
 # How often idle serves are looked for.
 IDLE_CHECK_S = 0.5
 
 
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 policy: Policy = DEFAULT_POLICY) -> None:
         self.svc = svc
         self.sup = supervisor
         self.clock = clock
+        self.policy = policy
+        # Each serve's bring-ups since the last that ended running (gpud.core.bringup), and
+        # the `updated` of the failed state last counted as a failure (the store's clock).
+        self.tries: dict[str, Tries] = {}
+        self._failure_seen: dict[str, float] = {}
+        # The refusals' log lines, coalesced by serve and class: (count since, the last text).
+        self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
+        self._refusal_log_timer: asyncio.TimerHandle | None = None
         self._pending: dict[str, asyncio.Task[None]] = {}
         # When each on-demand serve is idle from (the clock's time): its last request through
         # the front, or when it was first seen running without one.
@@ -65,19 +93,98 @@ class OnDemand:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
+            hold = self._held(name)
+            if hold is not None:
+                raise Unavailable(
+                    f"serve {name!r} not brought up again for {hold.retry_after_s} s "
+                    f"(after {hold.failures} failure(s) in a row)" if hold.why == Why.FAILED else
+                    f"serve {name!r} not tried again for {hold.retry_after_s} s", {
+                        "serve": name, "class": hold.why, "retry_after_s": hold.retry_after_s,
+                        "failures": hold.failures, "last_reason": hold.reason, "held": True})
             await self.up(name, spec)
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
-            log.warning("on-demand %s not brought up: %s", name, exc.message)
-            # The error document is the body too (what the API schema says a 403 is); nginx's
-            # auth_request reads only the headers.
-            resp = error_response(exc)
-            resp.set_status(403)
-            resp.headers["X-Gpud-Reason"] = json.dumps(exc.to_json())
-            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return resp
+            return self._refusal(name, exc)
         return web.Response(status=204)
+
+    def operator_started(self, name: str) -> None:
+        """An operator started the serve (gpuctl start): its backoff is over and starts over."""
+        self.tries.pop(name, None)
+
+    def _held(self, name: str) -> Hold | None:
+        """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
+        state = self.svc.state_of(name)
+        if state == RUNNING or name in self._pending:
+            return None  # running, or a bring-up under way that this request joins
+        now = self.clock()
+        rec = self.svc.records.get(name)
+        if state == FAILED and rec is not None and self._failure_seen.get(name) != rec.updated:
+            # Failed since the last look (a crash-loop after it was up, an operator's start that
+            # failed): a failure in a row, its backoff counted from when it failed.
+            self._failure_seen[name] = rec.updated
+            at = now - max(0.0, self.svc.clock() - rec.updated)
+            self.tries[name] = bringup.failed(self.tries.get(name), at,
+                                              f"{state}: {rec.reason or ''}", self.policy)
+        return bringup.held(self.tries.get(name), now)
+
+    def _tried(self, name: str, exc: GpudError) -> None:
+        """A bring-up of `name` ended without the serve running: when it may be tried next."""
+        now = self.clock()
+        why = bringup.classify(exc.code, exc.details)
+        if why == Why.FAILED:
+            rec = self.svc.records.get(name)
+            if rec is not None:
+                self._failure_seen[name] = rec.updated
+            self.tries[name] = bringup.failed(self.tries.get(name), now, exc.message, self.policy)
+        else:
+            self.tries[name] = bringup.refused(self.tries.get(name), now, why, exc.message,
+                                               self.policy)
+
+    def _refusal(self, name: str, exc: GpudError) -> web.Response:
+        """The 403 the front turns into its 503: the reason's class and Retry-After in the
+        headers (what any local user sees), the whole error in the body (the front's and
+        root's; nginx's auth_request reads only the headers)."""
+        why = bringup.classify(exc.code, exc.details)
+        if isinstance(exc.details.get("class"), str):
+            why = Why(exc.details["class"])
+        hold = bringup.held(self.tries.get(name), self.clock())
+        retry = hold.retry_after_s if hold is not None else \
+            max(1, math.ceil(self.policy.refusal_hold_s))
+        self._log_refusal(name, why, exc.message)
+        resp = error_response(exc)
+        resp.set_status(403)
+        public = {"error": {"code": Denied.code if why == Why.NO_MEMORY else Unavailable.code,
+                            "message": bringup.public_reason(name, why, retry),
+                            "details": {"serve": name, "class": why, "retry_after_s": retry}}}
+        resp.headers["X-Gpud-Reason"] = json.dumps(public)
+        resp.headers["Retry-After"] = str(retry)
+        return resp
+
+    def _log_refusal(self, name: str, why: Why, message: str) -> None:
+        """One journal line per serve and class per window (gpud.core.coalesce), carrying the
+        count of those it stands for: a flood of requests is not a flood of lines."""
+        now = self.clock()
+        self._flush_refusal_log(now)
+        if self._refusal_log.offer((name, why), message, now) == Verdict.STORE:
+            log.warning("on-demand %s not brought up: %s", name, message)
+            return
+        if self._refusal_log_timer is None:
+            due = self._refusal_log.next_due()
+            if due is not None:
+                def fire() -> None:
+                    self._refusal_log_timer = None
+                    self._flush_refusal_log(self.clock())
+                self._refusal_log_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, due - now) + 0.01, fire)
+
+    def _flush_refusal_log(self, now: float) -> None:
+        for s in self._refusal_log.due(now):
+            name, why = s.key
+            log.warning("on-demand %s not brought up %d more time(s) in %g s (%s), the last: %s",
+                        name, s.count, s.window_s, why, s.last,
+                        extra={"journal": {"GPUD_SERVE": name, "GPUD_REPEATED": s.count,
+                                           "GPUD_CLASS": str(why)}})
 
     async def up(self, name: str, spec: ServeConfig) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
@@ -103,9 +210,22 @@ class OnDemand:
             task.exception()  # retrieved here: every waiter may have timed out
 
     async def _bring_up(self, name: str, spec: ServeConfig) -> None:
+        # This task's refusals (and its launch's) are a request's, through the front: stored
+        # coalesced (gpud.service.COALESCE_REFUSALS; the task runs in a copy of the context).
+        COALESCE_REFUSALS.set(True)
+        try:
+            await self._bring_up_once(name, spec)
+        except GpudError as exc:
+            self._tried(name, exc)
+            raise
+        self.tries.pop(name, None)
+
+    async def _bring_up_once(self, name: str, spec: ServeConfig) -> None:
         state = self.svc.state_of(name)
         if state == SLEEPING:
-            await self.sup.sleeps.wake(name, None, by="on-demand request")
+            # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
+            # gets its GPU back from lower ones that started in the room it left asleep.
+            await self.sup.sleeps.wake(name, None, by="on-demand request", preempt=spec.preempt)
         elif state not in LIVE_STATES:
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
