@@ -201,7 +201,8 @@ class OnDemand:
                 await asyncio.shield(task)
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not healthy within its start_timeout_s "
-                              f"({spec.start_timeout_s:g} s)", {"serve": name}) from None
+                              f"({spec.start_timeout_s:g} s)", {"serve": name, "timeout": True}
+                              ) from None
 
     def _done(self, name: str, task: asyncio.Task[None]) -> None:
         if self._pending.get(name) is task:
