@@ -93,14 +93,6 @@ class OnDemand:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
-            hold = self._held(name)
-            if hold is not None:
-                raise Unavailable(
-                    f"serve {name!r} not brought up again for {hold.retry_after_s} s "
-                    f"(after {hold.failures} failure(s) in a row)" if hold.why == Why.FAILED else
-                    f"serve {name!r} not tried again for {hold.retry_after_s} s", {
-                        "serve": name, "class": hold.why, "retry_after_s": hold.retry_after_s,
-                        "failures": hold.failures, "last_reason": hold.reason, "held": True})
             await self.up(name, spec)
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
@@ -188,11 +180,21 @@ class OnDemand:
 
     async def up(self, name: str, spec: ServeConfig) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
-        start_timeout_s."""
+        start_timeout_s. Unavailable at once (details.held) while its last try's hold or
+        backoff lasts."""
         if self.svc.state_of(name) == RUNNING:
             return
         task = self._pending.get(name)
         if task is None:
+            # Not tried again before its time (gpud.core.bringup): answered at once.
+            hold = self._held(name)
+            if hold is not None:
+                raise Unavailable(
+                    f"serve {name!r} not brought up again for {hold.retry_after_s} s "
+                    f"(after {hold.failures} failure(s) in a row)" if hold.why == Why.FAILED else
+                    f"serve {name!r} not tried again for {hold.retry_after_s} s", {
+                        "serve": name, "class": hold.why, "retry_after_s": hold.retry_after_s,
+                        "failures": hold.failures, "last_reason": hold.reason, "held": True})
             task = asyncio.get_running_loop().create_task(self._bring_up(name, spec))
             self._pending[name] = task
             task.add_done_callback(lambda t: self._done(name, t))
