@@ -199,3 +199,20 @@ def test_unavailable_details_name_the_hold() -> None:
     # the class a held request carries overrides what the code would say
     exc = Unavailable("x", {"class": "failed"})
     assert Why(exc.details["class"]) == Why.FAILED
+
+
+async def test_the_refusals_journal_lines_are_one_per_window_with_the_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    od, _sup, _svc, clock = on_demand()
+    with caplog.at_level("WARNING", "gpud.ondemand"):
+        for _ in range(300):
+            await od.ensure("od")
+            clock.t += 0.1
+        clock.t += 60
+        od._flush_refusal_log(clock())
+    lines = [r for r in caplog.records if "not brought up" in r.getMessage()]
+    # the first of each class, then one line standing for the rest of its window, its count
+    # in the message and in journald's GPUD_REPEATED
+    assert len(lines) <= 4, [r.getMessage() for r in lines]
+    counted = [getattr(r, "journal", {}).get("GPUD_REPEATED", 0) for r in lines]
+    assert len(lines) + sum(counted) - sum(1 for c in counted if c) == 300, counted
