@@ -225,6 +225,10 @@ def check(out: dict[str, Any], *, idle: int, slow: int) -> None:
           f"{requests} storm requests {[s['statuses'] for s in storms]}, "
           f"{len(events)} events stored {dict(kinds)}, API {dict(out['api'])}, "
           f"stream {out['stream']}")
+    t0 = events[0]["ts"] if events else 0.0
+    print("  deny events: " + "; ".join(
+        f"+{e['ts'] - t0:.0f} s {e['serve']} repeated={e['details'].get('repeated', 0)}"
+        for e in events if e["kind"] == "deny"))
     problems: list[str] = []
 
     # the hostile user did what it meant to (else the rest proves nothing)
