@@ -65,8 +65,8 @@ class OnDemand:
         self.sup = supervisor
         self.clock = clock
         self.policy = policy
-        # Each serve's bring-ups since the last that ended running (gpud.core.bringup), and
-        # the `updated` of the failed state last counted as a failure (the store's clock).
+        # Each serve's failed or refused bring-ups (gpud.core.bringup), and the `updated` of
+        # the failed state last counted as a failure (the store's clock).
         self.tries: dict[str, Tries] = {}
         self._failure_seen: dict[str, float] = {}
         # The refusals' log lines, coalesced by serve and class: (count since, the last text).
@@ -221,7 +221,11 @@ class OnDemand:
         except GpudError as exc:
             self._tried(name, exc)
             raise
-        self.tries.pop(name, None)
+        up = bringup.came_up(self.tries.get(name), self.clock())
+        if up is None:
+            self.tries.pop(name, None)
+        else:
+            self.tries[name] = up
 
     async def _bring_up_once(self, name: str, spec: ServeConfig) -> None:
         state = self.svc.state_of(name)

@@ -216,3 +216,16 @@ async def test_the_refusals_journal_lines_are_one_per_window_with_the_count(
     assert len(lines) <= 4, [r.getMessage() for r in lines]
     counted = [getattr(r, "journal", {}).get("GPUD_REPEATED", 0) for r in lines]
     assert len(lines) + sum(counted) - sum(1 for c in counted if c) == 300, counted
+
+
+def test_a_serve_that_comes_up_and_dies_goes_on_doubling_until_it_stays_up() -> None:
+    p = Policy(refusal_hold_s=5, first_s=10, max_s=300, stable_s=60)
+    t = bringup.failed(None, 0.0, "exited", p)
+    t = bringup.came_up(t, 10.0)  # up again after its backoff: no hold
+    assert t is not None and bringup.held(t, 10.0) is None
+    t = bringup.failed(t, 11.0, "exited", p)  # dead a second later: the second in a row
+    assert (t.failures, t.not_before) == (2, 31.0)
+    t = bringup.came_up(t, 31.0)
+    t = bringup.failed(t, 31.0 + 60, "exited", p)  # up a minute: a first failure again
+    assert (t.failures, t.not_before) == (1, 101.0)
+    assert bringup.came_up(None, 5.0) is None

@@ -12,8 +12,10 @@ serve that does not fit was denied about 94 times a second. So, per serve:
   `refusal_hold_s` later, not sooner: the requests meanwhile get the same answer at once;
 - after a failure (its unit exited, crash-looped, failed to launch), the next try waits an
   exponential backoff, `first_s` doubling with each failure in a row up to `max_s`;
-- a bring-up that ends with the serve running forgets both, and so does an operator's start
-  (`gpuctl start`: the operator's word overrides the backoff and starts it over).
+- a bring-up that ends with the serve running ends the hold; the failures in a row are
+  forgotten once it has stayed up `stable_s` (a serve that comes up and dies at once goes on
+  doubling its backoff), and at once by an operator's start (`gpuctl start`: the operator's word
+  overrides the backoff and starts it over).
 
 A request that is held gets 503 with `Retry-After` = the seconds left (rounded up), and the
 reason's class only (`Why`): the front answers any local user over TCP, who cannot be told
@@ -37,6 +39,8 @@ REFUSAL_HOLD_S: Final = 5.0
 # After a failure: first_s, doubling with each failure in a row, at most max_s.
 BACKOFF_FIRST_S: Final = 10.0
 BACKOFF_MAX_S: Final = 300.0
+# Up this long after a bring-up, a serve's failures in a row are forgotten.
+STABLE_S: Final = 60.0
 
 
 class Why(StrEnum):
@@ -66,6 +70,7 @@ class Policy:
     refusal_hold_s: float = REFUSAL_HOLD_S
     first_s: float = BACKOFF_FIRST_S
     max_s: float = BACKOFF_MAX_S
+    stable_s: float = STABLE_S
 
     def __post_init__(self) -> None:
         if self.refusal_hold_s < 0 or not 0 < self.first_s <= self.max_s:
@@ -88,6 +93,8 @@ class Tries:
     not_before: float = 0.0
     why: Why | None = None
     reason: str = ""
+    # When its last bring-up ended with it running (None: none since the last failure).
+    up_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +114,21 @@ def refused(tries: Tries | None, now: float, why: Why, reason: str, policy: Poli
 
 
 def failed(tries: Tries | None, now: float, reason: str, policy: Policy) -> Tries:
-    """After a try that ended with the serve failed: one more failure in a row."""
-    failures = (tries.failures if tries is not None else 0) + 1
+    """After a try that ended with the serve failed, or a failure of the serve once up: one
+    more failure in a row (the first, when it had stayed up `stable_s`)."""
+    failures = tries.failures if tries is not None else 0
+    if tries is not None and tries.up_since is not None and now - tries.up_since >= policy.stable_s:
+        failures = 0
+    failures += 1
     return Tries(failures, now + policy.backoff_s(failures), Why.FAILED, reason)
+
+
+def came_up(tries: Tries | None, now: float) -> Tries | None:
+    """After a bring-up that ended with the serve running: no hold; its failures in a row kept
+    until it has stayed up (see `failed`)."""
+    if tries is None or tries.failures == 0:
+        return None
+    return Tries(tries.failures, 0.0, None, "", now)
 
 
 def held(tries: Tries | None, now: float) -> Hold | None:
