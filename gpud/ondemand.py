@@ -65,10 +65,11 @@ class OnDemand:
         self.sup = supervisor
         self.clock = clock
         self.policy = policy
-        # Each serve's failed or refused bring-ups (gpud.core.bringup), and the `updated` of
-        # the failed state last counted as a failure (the store's clock).
+        # Each serve's failed or refused bring-ups (gpud.core.bringup), and the serves whose
+        # failure is counted there since their last bring-up began (one failure is one, however
+        # many times its failed state is written: a crash-loop writes it, then its release).
         self.tries: dict[str, Tries] = {}
-        self._failure_seen: dict[str, float] = {}
+        self._failure_counted: set[str] = set()
         # The refusals' log lines, coalesced by serve and class: (count since, the last text).
         self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
         self._refusal_log_timer: asyncio.TimerHandle | None = None
@@ -103,6 +104,7 @@ class OnDemand:
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
         self.tries.pop(name, None)
+        self._failure_counted.discard(name)
 
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
@@ -111,10 +113,10 @@ class OnDemand:
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
         rec = self.svc.records.get(name)
-        if state == FAILED and rec is not None and self._failure_seen.get(name) != rec.updated:
-            # Failed since the last look (a crash-loop after it was up, an operator's start that
-            # failed): a failure in a row, its backoff counted from when it failed.
-            self._failure_seen[name] = rec.updated
+        if state == FAILED and rec is not None and name not in self._failure_counted:
+            # Failed since its last bring-up began (a crash-loop after it was up, an operator's
+            # start that failed): a failure in a row, its backoff counted from when it failed.
+            self._failure_counted.add(name)
             at = now - max(0.0, self.svc.clock() - rec.updated)
             self.tries[name] = bringup.failed(self.tries.get(name), at,
                                               f"{state}: {rec.reason or ''}", self.policy)
@@ -125,9 +127,7 @@ class OnDemand:
         now = self.clock()
         why = bringup.classify(exc.code, exc.details)
         if why == Why.FAILED:
-            rec = self.svc.records.get(name)
-            if rec is not None:
-                self._failure_seen[name] = rec.updated
+            self._failure_counted.add(name)
             self.tries[name] = bringup.failed(self.tries.get(name), now, exc.message, self.policy)
         else:
             self.tries[name] = bringup.refused(self.tries.get(name), now, why, exc.message,
@@ -216,6 +216,7 @@ class OnDemand:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
+        self._failure_counted.discard(name)
         try:
             await self._bring_up_once(name, spec)
         except GpudError as exc:

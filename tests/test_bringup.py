@@ -229,3 +229,15 @@ def test_a_serve_that_comes_up_and_dies_goes_on_doubling_until_it_stays_up() -> 
     t = bringup.failed(t, 31.0 + 60, "exited", p)  # up a minute: a first failure again
     assert (t.failures, t.not_before) == (1, 101.0)
     assert bringup.came_up(None, 5.0) is None
+
+
+async def test_a_failure_written_twice_is_counted_once() -> None:
+    """A crash-loop writes the failed state, then its release writes it again: one failure."""
+    od, sup, svc, clock = on_demand()
+    await od.ensure("od")  # started, failed: the first failure, 10 s
+    clock.t += 0.5
+    svc.set("od", FAILED, "crash-loop: 4 restarts; reservation released")
+    reply = await od.ensure("od")
+    assert reply.headers["Retry-After"] == "10", reply.headers  # 9.5 s left, rounded up
+    assert od.tries["od"].failures == 1
+    assert sup.starts == ["od"]
