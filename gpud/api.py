@@ -532,6 +532,9 @@ class Api:
                 raise NotFound(f"unknown serve {name!r}: not in the config", {"serve": name})
             plan = await sup.sleeps.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
             return json_response({**self._serve_view(name), **plan})
+        if action != "stop" and self.on_demand is not None:
+            # An operator's start overrides an on-demand serve's backoff, and starts it over.
+            self.on_demand.operator_started(name)
         if isinstance(body, StartBody):
             carried = await sup.start(name, uid, preempt=body.preempt)
             if body.preempt:

@@ -117,12 +117,14 @@ class Offload:
                 # second, which a plan would wait for
                 self._processes.submit(_started)
         loop = asyncio.get_running_loop()
+        pool = self._processes
         try:
-            return await loop.run_in_executor(self._processes, functools.partial(fn, *args))
+            return await loop.run_in_executor(pool, functools.partial(fn, *args))
         except BrokenProcessPool as exc:
             self._processes = None  # the next request starts new workers
-            raise GpudError("the worker process making the plan died (out of memory?): "
-                            "try again") from exc
+            how = await asyncio.to_thread(worker_death, pool)
+            raise GpudError(f"the worker process making the plan died ({how}): try again",
+                            {"death": how}) from exc
 
     def close(self) -> None:
         if self._pool is not None:
@@ -134,6 +136,38 @@ class Offload:
 
 
 INLINE = Offload(inline=True)
+
+# How long the pool's workers are waited for, once one died, to tell how it died.
+DEATH_WAIT_S = 1.0
+
+
+def worker_death(pool: ProcessPoolExecutor) -> str:
+    """How a broken pool's worker died: "killed by signal SIGKILL (the kernel's OOM killer
+    sends it)", "exited with status N", or "cause unknown". The pool ends the workers still
+    alive with SIGTERM once one has died (CPython's concurrent/futures/process.py,
+    terminate_broken), so a SIGTERM counts only when no worker died otherwise.
+
+    Reads the pool's worker processes (its `_processes`, pid -> multiprocessing.Process, in
+    CPython since 3.2): the exit status is only known to the parent that waits for it."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    codes: list[int] = []
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.join(DEATH_WAIT_S)
+            if proc.exitcode is not None:
+                codes.append(int(proc.exitcode))
+    other = [c for c in codes if c != -signal.SIGTERM and c != 0]
+    code = other[0] if other else (-signal.SIGTERM if -signal.SIGTERM in codes else None)
+    if code is None:
+        return "cause unknown"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
+        return f"killed by signal {name}{hint}"
+    return f"exited with status {code}"
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -16,6 +16,12 @@ is going to sleep or away.
 
 Idle: from the later of the last ensure and the end of the last request (the serve's own count
 of requests in flight, gpud.traffic); never while a request is in flight.
+
+Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
+failure an exponential, capped backoff; requests meanwhile are answered at once, with
+``Retry-After`` the seconds left. ``X-Gpud-Reason`` (what the front shows any local user) says
+the reason's class only; the 403's body (the front's and root's) the whole error. Refusals of a
+bring-up asked for here are stored and logged coalesced (gpud.core.coalesce).
 """
 
 from __future__ import annotations
@@ -23,20 +29,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gpud.core.front import RETRY_AFTER_S
+from gpud.core import bringup
+from gpud.core.bringup import Hold, Policy, Tries, Why
+from gpud.core.coalesce import Coalescer, Verdict
 from gpud.core.text import printable
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
-from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, STARTING, ServeState, SleepAction
-from gpud.errors import GpudError, NotFound, Unavailable
+from gpud.core.vocab import (
+    FAILED,
+    LIVE_STATES,
+    RUNNING,
+    SLEEPING,
+    STARTING,
+    ServeState,
+    SleepAction,
+)
+from gpud.errors import Denied, GpudError, NotFound, Unavailable
 from gpud.responses import error_response
 from gpud.router import wakes_through_router
-from gpud.service import LedgerService
+from gpud.service import COALESCE_REFUSALS, LedgerService
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -47,6 +64,7 @@ log = logging.getLogger(__name__)
 
 # How often a start or wake in progress is looked at until the serve is running.
 POLL_S = 0.005
+DEFAULT_POLICY = Policy()
 # How often idle serves are looked for.
 IDLE_CHECK_S = 0.5
 
@@ -54,11 +72,20 @@ IDLE_CHECK_S = 0.5
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
                  clock: Callable[[], float] = time.monotonic,
-                 traffic: Traffic | None = None) -> None:
+                 traffic: Traffic | None = None, policy: Policy = DEFAULT_POLICY) -> None:
         self.svc = svc
         self.sup = supervisor
         self.clock = clock
         self.traffic = traffic
+        self.policy = policy
+        # Each serve's failed or refused bring-ups (gpud.core.bringup), and the serves whose
+        # failure is counted there since their last bring-up began (one failure is one, however
+        # many times its failed state is written: a crash-loop writes it, then its release).
+        self.tries: dict[str, Tries] = {}
+        self._failure_counted: set[str] = set()
+        # The refusals' log lines, coalesced by serve and class: (count since, the last text).
+        self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
+        self._refusal_log_timer: asyncio.TimerHandle | None = None
         self._pending: dict[str, asyncio.Task[None]] = {}
         # Serves the idle check is putting to sleep or stopping (from its decision on).
         self._idling: set[str] = set()
@@ -87,14 +114,7 @@ class OnDemand:
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
-            log.warning("on-demand %s not brought up: %s", name, exc.message)
-            # The error document is the body too (what the API schema says a 403 is); nginx's
-            # auth_request reads only the headers.
-            resp = error_response(exc)
-            resp.set_status(403)
-            resp.headers["X-Gpud-Reason"] = json.dumps(exc.to_json())
-            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return resp
+            return self._refusal(name, exc)
         return web.Response(status=204)
 
     def settling(self, name: str) -> bool:
@@ -104,9 +124,87 @@ class OnDemand:
             self.sup.life(name).phase,
             self.traffic is not None and self.traffic.draining(name))
 
+    def operator_started(self, name: str) -> None:
+        """An operator started the serve (gpuctl start): its backoff is over and starts over."""
+        self.tries.pop(name, None)
+        self._failure_counted.discard(name)
+
+    def _held(self, name: str) -> Hold | None:
+        """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
+        state = self.svc.state_of(name)
+        if state == RUNNING or name in self._pending:
+            return None  # running, or a bring-up under way that this request joins
+        now = self.clock()
+        rec = self.svc.records.get(name)
+        if state == FAILED and rec is not None and name not in self._failure_counted:
+            # Failed since its last bring-up began (a crash-loop after it was up, an operator's
+            # start that failed): a failure in a row, its backoff counted from when it failed.
+            self._failure_counted.add(name)
+            at = now - max(0.0, self.svc.clock() - rec.updated)
+            self.tries[name] = bringup.failed(self.tries.get(name), at,
+                                              f"{state}: {rec.reason or ''}", self.policy)
+        return bringup.held(self.tries.get(name), now)
+
+    def _tried(self, name: str, exc: GpudError) -> None:
+        """A bring-up of `name` ended without the serve running: when it may be tried next."""
+        now = self.clock()
+        why = bringup.classify(exc.code, exc.details)
+        if why == Why.FAILED:
+            self._failure_counted.add(name)
+            self.tries[name] = bringup.failed(self.tries.get(name), now, exc.message, self.policy)
+        else:
+            self.tries[name] = bringup.refused(self.tries.get(name), now, why, exc.message,
+                                               self.policy)
+
+    def _refusal(self, name: str, exc: GpudError) -> web.Response:
+        """The 403 the front turns into its 503: the reason's class and Retry-After in the
+        headers (what any local user sees), the whole error in the body (the front's and
+        root's; nginx's auth_request reads only the headers)."""
+        why = bringup.classify(exc.code, exc.details)
+        if isinstance(exc.details.get("class"), str):
+            why = Why(exc.details["class"])
+        hold = bringup.held(self.tries.get(name), self.clock())
+        retry = hold.retry_after_s if hold is not None else \
+            max(1, math.ceil(self.policy.refusal_hold_s))
+        self._log_refusal(name, why, exc.message)
+        resp = error_response(exc)
+        resp.set_status(403)
+        public = {"error": {"code": Denied.code if why == Why.NO_MEMORY else Unavailable.code,
+                            "message": bringup.public_reason(name, why, retry),
+                            "details": {"serve": name, "class": why, "retry_after_s": retry}}}
+        resp.headers["X-Gpud-Reason"] = json.dumps(public)
+        resp.headers["Retry-After"] = str(retry)
+        return resp
+
+    def _log_refusal(self, name: str, why: Why, message: str) -> None:
+        """One journal line per serve and class per window (gpud.core.coalesce), carrying the
+        count of those it stands for: a flood of requests is not a flood of lines."""
+        now = self.clock()
+        self._flush_refusal_log(now)
+        if self._refusal_log.offer((name, why), message, now) == Verdict.STORE:
+            log.warning("on-demand %s not brought up: %s", name, message)
+            return
+        if self._refusal_log_timer is None:
+            due = self._refusal_log.next_due()
+            if due is not None:
+                def fire() -> None:
+                    self._refusal_log_timer = None
+                    self._flush_refusal_log(self.clock())
+                self._refusal_log_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, due - now) + 0.01, fire)
+
+    def _flush_refusal_log(self, now: float) -> None:
+        for s in self._refusal_log.due(now):
+            name, why = s.key
+            log.warning("on-demand %s not brought up %d more time(s) in %g s (%s), the last: %s",
+                        name, s.count, s.window_s, why, s.last,
+                        extra={"journal": {"GPUD_SERVE": name, "GPUD_REPEATED": s.count,
+                                           "GPUD_CLASS": str(why)}})
+
     async def up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
-        start_timeout_s. A sleep or a stop under way is waited for first."""
+        start_timeout_s. A sleep or a stop under way is waited for first. Unavailable at once
+        (details.held) while its last try's hold or backoff lasts."""
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return
         if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
@@ -123,6 +221,17 @@ class OnDemand:
                     return
                 task = self._pending.get(name)
                 if task is None:
+                    # Not tried again before its time (gpud.core.bringup): answered at once.
+                    hold = self._held(name)
+                    if hold is not None:
+                        raise Unavailable(
+                            f"serve {name!r} not brought up again for {hold.retry_after_s} s "
+                            f"(after {hold.failures} failure(s) in a row)"
+                            if hold.why == Why.FAILED else
+                            f"serve {name!r} not tried again for {hold.retry_after_s} s", {
+                                "serve": name, "class": hold.why,
+                                "retry_after_s": hold.retry_after_s, "failures": hold.failures,
+                                "last_reason": hold.reason, "held": True})
                     task = asyncio.get_running_loop().create_task(
                         self._bring_up(name, spec, model))
                     self._pending[name] = task
@@ -130,7 +239,8 @@ class OnDemand:
                 await asyncio.shield(task)
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not healthy within its start_timeout_s "
-                              f"({spec.start_timeout_s:g} s)", {"serve": name}) from None
+                              f"({spec.start_timeout_s:g} s)", {"serve": name, "timeout": True}
+                              ) from None
 
     def _done(self, name: str, task: asyncio.Task[None]) -> None:
         if self._pending.get(name) is task:
@@ -139,12 +249,31 @@ class OnDemand:
             task.exception()  # retrieved here: every waiter may have timed out
 
     async def _bring_up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
+        # This task's refusals (and its launch's) are a request's, through the front: stored
+        # coalesced (gpud.service.COALESCE_REFUSALS; the task runs in a copy of the context).
+        COALESCE_REFUSALS.set(True)
+        self._failure_counted.discard(name)
+        try:
+            await self._bring_up_once(name, spec, model)
+        except GpudError as exc:
+            self._tried(name, exc)
+            raise
+        up = bringup.came_up(self.tries.get(name), self.clock())
+        if up is None:
+            self.tries.pop(name, None)
+        else:
+            self.tries[name] = up
+
+    async def _bring_up_once(self, name: str, spec: ServeConfig,
+                             model: str | None = None) -> None:
         state = self.svc.state_of(name)
         # a request through the router names its model (printable: it is logged)
         by = "on-demand request" if model is None else \
             f"request for model {printable(model[:256])!r} through the router"
         if state == SLEEPING:
-            await self.sup.sleeps.wake(name, None, by=by)
+            # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
+            # gets its GPU back from lower ones that started in the room it left asleep.
+            await self.sup.sleeps.wake(name, None, by=by, preempt=spec.preempt)
         elif state not in LIVE_STATES:
             log.info("on-demand %s: starting (%s)", name, by)
             # Returns once the launch is over: healthy, or failed with its reason.

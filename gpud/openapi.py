@@ -121,9 +121,13 @@ def _ensure(empty: dict[str, Any]) -> dict[str, Any]:
     responses["403"] = {
         "description": "not the front's user nor root, or the serve cannot be brought up "
                        "(denied, failed, not healthy within its start_timeout_s)",
-        "headers": {"X-Gpud-Reason": {"description": "the error document, JSON",
+        "headers": {"X-Gpud-Reason": {"description": "an error document, JSON, that says "
+                                                     "only the reason's class (details.class) "
+                                                     "and details.retry_after_s: the front's "
+                                                     "503 body, seen by any local user",
                                       "schema": _STR},
-                    "Retry-After": {"description": "seconds", "schema": _STR}},
+                    "Retry-After": {"description": "seconds until gpud tries again",
+                                    "schema": _STR}},
         "content": {"application/json": {"schema": _ref("Error")}}}
     return op
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
+from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
@@ -51,6 +53,12 @@ def prune_batch(keep: int) -> int:
 
 # The key of the hold on admissions while the invariant does not hold (not a serve name).
 INVARIANT_HOLD = ":invariant"
+
+# Set (to True) in the task of a bring-up that a request through the front asked for
+# (gpud.ondemand): its refusals are coalesced (gpud.core.coalesce), since anyone who reaches the
+# front can make gpud refuse, as often as they like. An operator's refusals (the API's admit or
+# start, the boot) are stored one by one, as the audit trail they are.
+COALESCE_REFUSALS: ContextVar[bool] = ContextVar("gpud_coalesce_refusals", default=False)
 
 
 
@@ -266,6 +274,10 @@ class LedgerService:
         self._adopted_over: dict[str, int] = {}
         # Called after each commit that stored a serve's state (gpud.front's awake files).
         self._state_listeners: list[Callable[[], None]] = []
+        # Repeated refusals (gpud.core.coalesce): one stored event per window and key, with
+        # the count of those it stands for; the timer that stores a window's summary.
+        self.refusals: Coalescer[tuple[str, str | None, int | None, str], Event] = Coalescer()
+        self._refusals_timer: asyncio.TimerHandle | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -412,6 +424,16 @@ class LedgerService:
     def close(self) -> None:
         self.end_streams()
         self._executor.shutdown(wait=True)
+        if self._refusals_timer is not None:
+            self._refusals_timer.cancel()
+        # The refusals counted in open windows, stored before gpud goes (the store's thread
+        # is done: this thread writes alone).
+        summaries = self.refusals.due(float("inf"))
+        if summaries:
+            try:
+                self.store.commit(Changes(events=[self._summary_event(s) for s in summaries]))
+            except GpudError as exc:
+                log.warning("storing the last refusals' summaries failed: %s", exc.message)
 
     def _device_total(self, device: str) -> int | None:
         return self.observer.device_total(device) if self.observer else None
@@ -582,7 +604,8 @@ class LedgerService:
                      self.config.daemon.events_keep)
 
     def _announce(self, ev: Event) -> None:
-        self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
+        if not ev.details.get("repeated"):  # a summary's refusals were counted as they came
+            self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
         level = logging.WARNING if ev.kind in WARNING_KINDS else logging.INFO
         if ev.kind == EventKind.INVARIANT and not ev.details.get("holds"):
             level = logging.ERROR
@@ -801,7 +824,7 @@ class LedgerService:
                         check=bound, bound=bound, need_mib=mib)
         return Denied(message, {"serve": serve, "role": role, "bound": bound,
                                 "need_mib": mib, "device": self.ledger.roles[role].device,
-                                "check": bound}), self.submit(Changes(events=[ev]))
+                                "check": bound}), self.submit(Changes(events=self._coalesced(ev)))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
@@ -820,7 +843,57 @@ class LedgerService:
         holds = denial.serve in self._decided.reservations
         states = [] if current in LIVE_STATES or not known or holds else [
             self.state_row(denial.serve, DENIED, denial.reason)]
-        return self.submit(Changes(states=states, events=[ev]))
+        return self.submit(Changes(states=states, events=self._coalesced(ev)))
+
+    # ---- repeated refusals -----------------------------------------------------------------
+
+    def _coalesced(self, ev: Event) -> list[Event]:
+        """The refusal `ev` as stored: itself when it is an operator's, or the first of its
+        window (its serve, kind, peer and bound) for a request through the front; else nothing
+        (counted, and stored with the others of its window as one event when the window ends:
+        gpud.core.coalesce)."""
+        if not COALESCE_REFUSALS.get():
+            return [ev]
+        now = ev.ts
+        self._flush_refusals(now)
+        key = (str(ev.kind), ev.serve, ev.uid, str(ev.details.get("bound", "")))
+        if self.refusals.offer(key, ev, now) == Verdict.STORE:
+            return [ev]
+        self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
+        self._arm_refusals_timer(now)
+        return []
+
+    def _arm_refusals_timer(self, now: float) -> None:
+        due = self.refusals.next_due()
+        if due is None or self._refusals_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a test's synchronous use): the next refusal flushes
+
+        def fire() -> None:
+            self._refusals_timer = None
+            self._flush_refusals(self.clock())
+            self._arm_refusals_timer(self.clock())
+
+        self._refusals_timer = loop.call_later(max(0.0, due - now) + 0.01, fire)
+
+    def _flush_refusals(self, now: float) -> None:
+        summaries = self.refusals.due(now)
+        if summaries:
+            self.submit(Changes(events=[self._summary_event(s) for s in summaries]))
+
+    def _summary_event(self, s: Summary[tuple[str, str | None, int | None, str], Event]
+                       ) -> Event:
+        last = s.last
+        took = max(0.0, s.last_ts - s.first_ts)
+        message = (f"{s.count} more like this within {s.window_s:g} s (the last at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(s.last_ts))}, over {took:.1f} s; "
+                   f"stored as one): {last.message}")
+        return Event(last.kind, message, self.clock(), last.serve, last.role, last.mib, last.uid,
+                     {**last.details, "repeated": s.count, "first_ts": s.first_ts,
+                      "last_ts": s.last_ts, "window_s": s.window_s})
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
                       next_state: ServeState = DECLARED, state_reason: str | None = None,

@@ -490,7 +490,11 @@ class Sleeps:
                  "free_mib": available})
 
     async def wake(self, serve: str, uid: int | None, *, locked: bool = False,
-                   by: str = "gpuctl wake") -> dict[str, Any]:
+                   by: str = "gpuctl wake", preempt: bool = False) -> dict[str, Any]:
+        """Wake SERVE: re-admitted at its awake reservation, then vLLM's /wake_up. With
+        `preempt`, serves of lower priority on its roles are put to sleep (or stopped) to make
+        room, as a start with preempt does (the same planner, admit_preempting): the plan is in
+        the wake's events and its answer."""
         spec = self._sleeper(serve)
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
@@ -505,9 +509,15 @@ class Sleeps:
             asleep = self.svc.ledger.reservations[serve].mib
             awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
-            await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=(
-                EventKind.ADMIT, f"{serve} re-admitted to wake: {awake} MiB (was {asleep} MiB "
-                "asleep)", {"waking": True}))
+            readmit = (EventKind.ADMIT, f"{serve} re-admitted to wake: {awake} MiB (was {asleep} "
+                       "MiB asleep)", {"waking": True})
+            plan: dict[str, Any] | None = None
+            if preempt:
+                carried = await self.admit_preempting(serve, awake, uid, locked=True,
+                                                      state=SLEEPING, event=readmit)
+                plan = carried.get("preemption")
+            else:
+                await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=readmit)
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
@@ -530,13 +540,19 @@ class Sleeps:
                     raise
                 # awake after all (it says so): the wake is done
             took = loop.time() - began
+            steps = "; ".join(plan["lines"][1:-1]).strip() if plan else ""
             await self.svc.record(self.svc.event(
                 EventKind.WAKE, f"{serve} awake ({by}): {awake} MiB; the serve took "
-                f"{took * 1000:.0f} ms", serve=serve, role=spec.role, mib=awake, uid=uid,
-                by=by, serve_ms=round(took * 1000, 1)),
+                f"{took * 1000:.0f} ms" + (f"; preempted: {steps}" if plan else ""),
+                serve=serve, role=spec.role, mib=awake, uid=uid,
+                by=by, serve_ms=round(took * 1000, 1),
+                **({"preemption": plan} if plan else {})),
                 state=self.svc.state_row(serve, RUNNING))
             await self.svc.put_meta(meta_key(serve), None)
-        return {"mib": awake, "serve_ms": round(took * 1000, 1)}
+        out: dict[str, Any] = {"mib": awake, "serve_ms": round(took * 1000, 1)}
+        if preempt:
+            out["preemption"] = plan
+        return out
 
     # ---- preemption --------------------------------------------------------------------------
 
@@ -584,11 +600,22 @@ class Sleeps:
         return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
 
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
-                               dry_run: bool = False, locked: bool = False) -> dict[str, Any]:
+                               dry_run: bool = False, locked: bool = False,
+                               state: ServeState | None = None,
+                               event: tuple[EventKind, str, dict[str, Any]] | None = None
+                               ) -> dict[str, Any]:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
         not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
-        the caller holds `coordination` already."""
+        the caller holds `coordination` already. `state` and `event` are the admission's
+        (LedgerService.admit): a wake's re-admission keeps the serve sleeping until it is
+        awake, its event saying so, with the plan carried out in its details."""
         spec = self.serves.spec_of(serve)
+
+        async def admit(plan: dict[str, Any] | None = None) -> None:
+            said = event if event is None or plan is None else (
+                event[0], event[1], {**event[2], "preemption": plan})
+            await self.svc.admit(serve, mib, uid=uid, state=state, event=said)
+
         async with contextlib.AsyncExitStack() as stack:
             if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
                 await stack.enter_async_context(self._role_lock(spec.role))
@@ -597,7 +624,7 @@ class Sleeps:
                 if dry_run:
                     return {"dry_run": True, "preemption": plan.to_json(), "fits": False}
                 try:
-                    await self.svc.admit(serve, mib, uid=uid)
+                    await admit()
                 except Denied as exc:
                     raise Denied(f"{exc.message}; no preemption can make room: {plan.reason}",
                                  {**exc.details, "preemption": plan.to_json()}) from exc
@@ -606,7 +633,7 @@ class Sleeps:
                 return {"dry_run": True, "preemption": plan.to_json(), "fits": True}
             if not plan.steps:
                 try:
-                    await self.svc.admit(serve, mib, uid=uid)
+                    await admit()
                     return {"preemption": None}
                 except Denied:
                     plan = self.plan(serve, mib)  # decided again below, as any plan
@@ -653,7 +680,7 @@ class Sleeps:
                     # a stopped serve's memory shows as free once its process is gone
                     await self.serves.memory_back_for(serve)
                 try:
-                    await self.svc.admit(serve, mib, uid=uid)
+                    await admit(plan.to_json())
                     return {"preemption": plan.to_json()}
                 except Denied as exc:
                     failure = f"still does not fit after the preemption: {exc.message}"

@@ -185,13 +185,40 @@ class Store:
         self._lock = threading.Lock()
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            _check_file(path)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"cannot open the store {path}: {exc}") from exc
+        try:
+            self._check_schema()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._migrate()
         except (sqlite3.Error, OSError) as exc:
+            self._db.close()
             raise StoreError(f"cannot open the store {path}: {exc}") from exc
+        except StoreError:
+            self._db.close()
+            raise
+
+    def _check_schema(self) -> None:
+        """Refuse an SQLite database that is not gpud's: no schema version of gpud's, and
+        tables of something else (a database with nothing in it is a fresh store)."""
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version:
+            return
+        tables = [str(r[0]) for r in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name").fetchall()
+            if not str(r[0]).startswith("sqlite_")]
+        if tables:
+            listed = ", ".join(tables[:8]) + (f" and {len(tables) - 8} more"
+                                              if len(tables) > 8 else "")
+            raise StoreError(
+                f"the store {self.path} is not gpud's: an SQLite database without gpud's schema "
+                f"version, holding tables {listed}; refusing to start on it (move it aside, or "
+                "point daemon.state_dir elsewhere; where no store file is, gpud makes a fresh "
+                "one)")
 
     def close(self) -> None:
         with self._lock:
@@ -367,6 +394,32 @@ class Store:
                 return list(self._db.execute(sql, args).fetchall())
         except sqlite3.Error as exc:
             raise StoreError(f"the store could not be read: {exc}") from exc
+
+
+# The first 16 bytes of every SQLite 3 database file (https://sqlite.org/fileformat.html, 1.3).
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_file(path: Path) -> None:
+    """Refuse a store file that is there but empty or not an SQLite database: SQLite would
+    take an empty file as a fresh database (and another file's bytes as a corrupt one), and
+    gpud would start on a fresh store, the ledger and its history silently gone. A missing file
+    is a fresh store."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return
+    if not head:
+        raise StoreError(
+            f"the store {path} is empty (0 bytes): gpud never leaves its store empty, so it was "
+            "truncated or made by something else; refusing to start on it as a fresh store (the "
+            "ledger and its history would be lost). Restore it from a backup, or move it aside "
+            "to start with a fresh store")
+    if head != SQLITE_HEADER:
+        raise StoreError(
+            f"the store {path} is not gpud's: not an SQLite database (it begins {head[:8]!r}); "
+            "refusing to start on it (move it aside, or restore gpud's store there)")
 
 
 def _with_id(ev: Event, event_id: int | None) -> Event:

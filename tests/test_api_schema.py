@@ -162,10 +162,16 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     # refusal says in its body and in the header the front reads
     check("POST", "/v1/serves/{name}/ensure", "/v1/serves/fast/ensure", status=404)
     refused = gp.call("POST", "/v1/serves/od/ensure")
-    assert check("POST", "/v1/serves/{name}/ensure", "/v1/serves/od/ensure",
-                 status=403) == json.loads(refused.headers["X-Gpud-Reason"])
-    assert refused.headers["Retry-After"] == "30"
+    held = check("POST", "/v1/serves/{name}/ensure", "/v1/serves/od/ensure", status=403)
+    # the header (the front's 503 body, seen by any local user) is an error document too, of
+    # the reason's class only; the body is the whole error (held: not tried again so soon)
+    said = json.loads(refused.headers["X-Gpud-Reason"])
+    assert not answer_errors(check.doc, "POST", "/v1/serves/{name}/ensure", 403, said)
+    assert said["error"]["details"] == {"serve": "od", "class": "unavailable",
+                                        "retry_after_s": 5}, said
+    assert refused.headers["Retry-After"] == "5"
     assert refused.body["error"]["code"] == "unavailable", refused.body
+    assert held["error"]["details"]["held"] is True, held
 
     text = gp.config.read_text()
     check("POST", "/v1/reload", body={})

@@ -378,3 +378,23 @@ def test_a_plan_that_fits_already_says_so() -> None:
     assert isinstance(plan, Plan) and not plan.steps
     assert plan.lines()[0] == ("preempt for hi (priority 10): need 1000 MiB, free 3807 MiB, it "
                                "fits already: nothing to preempt")
+
+
+def test_a_wake_is_planned_as_a_start_is() -> None:
+    """od1 (priority 30, on demand, preempt) fell asleep at 800 MiB; od2 (priority 40) started
+    in the room it left. Waking od1 to its 16000 MiB (807 free beside od2, its own 800 counted
+    back in: what LedgerService.free_for gives) puts od2 to sleep, as a start of od1 would; a
+    serve of higher priority (10) is never touched."""
+    free = 807 + 800
+    plan = plan_on_roles("od1", 30, 16000, {"r": free},
+                         [c("od2", 40, 16000, keeps=800), c("resident", 10, 8000, keeps=500)])
+    assert isinstance(plan, Plan)
+    assert [(s.serve, str(s.action)) for s in plan.steps] == [("od2", "sleep")]
+    assert plan.free_after_mib == free + 15200 >= 16000
+    # the same plan a start of od1 from nothing would be made with, at the same free figure
+    assert plan == plan_preemption("od1", 30, 16000, free,
+                                   [c("od2", 40, 16000, keeps=800),
+                                    c("resident", 10, 8000, keeps=500)])
+    # od2 (priority 40) asleep and od1 running: od2's wake cannot take it back
+    lost = plan_on_roles("od2", 40, 16000, {"r": free}, [c("od1", 30, 16000, keeps=800)])
+    assert isinstance(lost, NoPlan)

@@ -125,3 +125,41 @@ def test_rows_read_back_are_members_and_unknown_values_are_left_out(
     db = sqlite3.connect(path)
     assert db.execute("SELECT count(*) FROM events WHERE kind = 'retired-kind'").fetchone() == (1,)
     db.close()
+
+
+def test_an_empty_store_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """A zero-byte store (truncated, or made by something else) started silently as a fresh
+    store: the ledger and its history were gone without a word."""
+    path = tmp_path / "gpud.sqlite3"
+    path.write_bytes(b"")
+    with pytest.raises(StoreError, match=rf"the store {path} is empty \(0 bytes\)"):
+        Store(path)
+    assert path.read_bytes() == b""  # left as it was found
+
+
+def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpud.sqlite3"
+    path.write_text("[serves.x]\nrole = 'r'\n")
+    with pytest.raises(StoreError, match=rf"the store {path} is not gpud's: not an SQLite"):
+        Store(path)
+
+
+def test_an_sqlite_database_of_something_else_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpud.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE moz_places (id INTEGER PRIMARY KEY, url TEXT)")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match=rf"the store {path} is not gpud's: .*moz_places"):
+        Store(path)
+    db = sqlite3.connect(path)  # untouched: no table of gpud's added, no version set
+    assert [r[0] for r in db.execute("SELECT name FROM sqlite_master")] == ["moz_places"]
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 0
+    db.close()
+
+
+def test_a_missing_file_is_a_fresh_store(tmp_path: Path) -> None:
+    path = tmp_path / "gpud.sqlite3"
+    Store(path).close()
+    assert schema_version(path) == SCHEMA_VERSION
+    Store(path).close()  # and gpud's own store opens again

@@ -171,10 +171,13 @@ def test_a_refused_on_demand_serve_answers_503_with_the_reason(fronted: SandboxG
                       user=USER, timeout=30).stdout
     head, _, body = out.replace("\r\n", "\n").partition("\n\n")
     assert head.startswith("HTTP/1.1 503"), out
-    assert "Retry-After: 30" in head, head
+    assert "Retry-After: 5" in head, head  # when gpud tries it again (gpud.core.bringup)
     error = json.loads(body)["error"]
-    assert error["code"] == "denied" and "30000" in error["message"], error
+    # the reason's class, to a user who is nobody to gpud: no figures, no other serve's name
+    assert error["code"] == "denied" and error["details"]["class"] == "no-memory", error
+    assert "30000" not in body and "chat" not in body and "MiB" not in body, body
     assert gpud.serve("huge")["state"] == "denied"
+    assert "30000" in gpud.serve("huge")["reason"]  # the whole reason: in the API
     # Nobody else may ask gpud to start it, not even a reader of gpud's socket.
     gpud.sb.run(["useradd", "--no-create-home", "--groups", "gpud", READER], check=False)
     try:
