@@ -23,7 +23,8 @@ from typing import Any, Protocol
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
-from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
+from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
+from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -111,93 +112,6 @@ class ServeRecord:
     updated: float = 0.0
     main_pid: int | None = None
     n_restarts: int = 0
-
-
-def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
-                    devices: Sequence[str] | None = None,
-                    device_problem: Callable[[str], str | None] | None = None,
-                    device_id: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
-    """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
-    the device, never higher. `devices`, when observation sees any, lists what it sees: a role
-    on a device not among them is an error. `device_problem` says why a device that is there
-    cannot be read (lost, reset required): its total is unknown, not its presence.
-
-    The device is the physical bound: roles on one device partition it, their capacities
-    together never more than its total (a role whose capacity defaults to the total leaves no
-    room for another role there). `device_id` tells which references name the same device
-    (an index, a bus id and a UUID may); without it only equal references do. Where no total
-    can be known (no observation, no simulation) the sum cannot be checked: it is checked
-    when gpud starts on the host."""
-    problems: list[str] = []
-    budgets: list[RoleBudget] = []
-    defaulted: set[str] = set()
-    for name, role in sorted(cfg.roles.items()):
-        total = device_total(role.device)
-        problem = device_problem(role.device) if device_problem else None
-        if devices is not None and total is None and problem is None:
-            problems.append(f"roles.{name}.device: no device {role.device!r} on this host "
-                            f"(present: {', '.join(devices) or 'none'})")
-            continue
-        capacity = role.capacity_mib
-        if capacity is None:
-            if total is None:
-                why = f"cannot be read ({problem})" if problem else "cannot be observed"
-                problems.append(
-                    f"roles.{name}.capacity_mib: required, since the total of device "
-                    f"{role.device!r} {why}"
-                )
-                continue
-            capacity = total
-            defaulted.add(name)
-        elif total is not None and capacity > total:
-            problems.append(
-                f"roles.{name}.capacity_mib: {capacity} exceeds device {role.device!r} total "
-                f"{total} MiB"
-            )
-            continue
-        if role.reserve_mib >= capacity:
-            problems.append(f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity {capacity}")
-            continue
-        budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
-    def same(ref: str) -> str:
-        return (device_id(ref) if device_id is not None else None) or ref
-
-    on_device: dict[str, list[RoleBudget]] = {}
-    for resolved in budgets:
-        on_device.setdefault(same(resolved.device), []).append(resolved)
-    for group in on_device.values():
-        total = device_total(group[0].device)
-        held = sum(b.capacity_mib for b in group)
-        if len(group) > 1 and total is not None and held > total:
-            names = [b.name for b in group]
-            at = next((n for n in names if n in defaulted), names[-1])
-            problems.append(
-                f"roles.{at}.capacity_mib: roles {', '.join(names)} are on one device "
-                f"({', '.join(sorted({b.device for b in group}))}, total {total} MiB) and "
-                f"together hold {held} MiB: roles on a device partition it (a capacity_mib "
-                f"not set is the whole device); set capacity_mib on each so that they add up "
-                f"to {total} MiB at most")
-    for sname, serve in cfg.serves.items():
-        seen: dict[str, str] = {}
-        for i, role_name in enumerate(serve.all_roles):
-            ref = cfg.roles[role_name].device if role_name in cfg.roles else None
-            if ref is not None and len(serve.all_roles) > 1:
-                other = seen.setdefault(same(ref), role_name)
-                if other != role_name:
-                    problems.append(
-                        f"serves.{sname}.roles[{i}]: role {role_name!r} is on the same device "
-                        f"as role {other!r} ({cfg.roles[other].device!r} and {ref!r} are one "
-                        "device): each role of a serve must be on a different device")
-        for role_name in serve.all_roles:
-            budget = next((b for b in budgets if b.name == role_name), None)
-            if budget and serve.vram_mib > budget.capacity_mib:
-                problems.append(
-                    f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {role_name!r} "
-                    f"capacity {budget.capacity_mib}"
-                )
-    if problems:
-        raise ConfigError("config", problems)
-    return budgets
 
 
 @dataclass

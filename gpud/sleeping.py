@@ -8,7 +8,8 @@ vLLM registers them in dev mode: vllm/entrypoints/serve/dev/sleep/api_router.py 
 the `level` query parameter, default 1; `/wake_up`; `/is_sleeping`); vLLM's own FIXME there says
 the answer to /sleep may come before the sleep is done, hence the confirmation.
 
-Preemption (gpud/core/preempt.py plans it) runs under the role's lock: the plan's steps in order
+Preemption (gpud/core/preempt.py plans it) runs under the coordination lock (one for all of
+gpud, taken before any serve's lock: gpud.locks): the plan's steps in order
 (as gpud.core.actions steps, through gpud.steps, the executor apply uses too), each an event,
 then the admission; when that is still refused, every step done is undone in reverse order and
 the denial says why. Wake-back (after memory is released on a role) takes the same
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 import aiohttp
@@ -166,6 +167,8 @@ class Sleeps:
         return f"http://127.0.0.1:{spec.port}{path}"
 
     def _role_lock(self, _role: str) -> Taken:
+        """The coordination lock, whatever the role: one for all of gpud (a serve on several
+        roles, and wake-backs across roles, are planned under it; gpud.locks orders it first)."""
         return self.serves.locks.coordination()
 
     @property
@@ -513,6 +516,19 @@ class Sleeps:
             return "", {}  # nothing a preemption could do: the denial as it always was
         steps = "; ".join(s.line() for s in plan.steps)
         return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
+
+    @contextlib.contextmanager
+    def preemption_hint(self, serve: str, mib: int) -> Iterator[None]:
+        """A denial of `serve`'s admission (`mib`) inside says what `--preempt` would do, when a
+        preemption could make room; a denial because a device is gone says nothing more. The
+        one place the hint is added: a plain admission and a start without --preempt."""
+        try:
+            yield
+        except Denied as exc:
+            if exc.details.get("bound") == "device":
+                raise
+            would, details = self.what_preemption_would_do(serve, mib)
+            raise Denied(exc.message + would, {**exc.details, **details}) from exc
 
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
                                dry_run: bool = False, locked: bool = False) -> dict[str, Any]:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import STATES  # noqa: E402 - defined once
+from gpud.core.vocab import DENIED, STATES  # noqa: E402 - defined once
 
 
 def _mib(value: Any) -> str:
@@ -464,7 +464,7 @@ def format_plan(doc: answers.Plan) -> str:
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
-        if s.get("reason") and s.get("state_after") != "denied":
+        if s.get("reason") and s.get("state_after") != DENIED:
             lines.append(f"{s.get('name')}: {s.get('reason')}")
     if doc.get("resident_fits"):
         lines.append("resident set: fits, every resident serve is admitted")

@@ -1,5 +1,6 @@
 """At gpud's start: adopt the units that run (reconciliation), then start the resident set by
-priority, serialized per device, devices in parallel."""
+priority, per device in boot steps (gpud.core.launch.boot_steps: exactly sized serves of a
+device start together, every other serve alone), devices in parallel."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ class BootJob(Base):
         return rec.reason if rec is not None and state == SLEEPING else None
 
     async def boot(self) -> None:
-        """Start the resident set: by priority, serialized per device, devices in parallel."""
+        """Start the resident set: by priority, per device in boot steps (exactly sized serves
+        together, every other serve alone), devices in parallel."""
         try:
             if not self.units.available:
                 log.warning("resident set not started: launching unavailable (%s)",
