@@ -33,6 +33,7 @@ from gpud.core.launch import fingerprint
 from gpud.core.ledger import sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
@@ -666,23 +667,36 @@ class Sleeps:
 
     # ---- adoption after a restart ------------------------------------------------------------
 
-    async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState) -> ServeState:
+    async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState, *,
+                    overdrawn: bool = False) -> ServeState:
         """The state of a serve found running after a restart, recorded `recorded` (sleeping,
-        or running with a sleep_level): asleep it stays so, its reservation unchanged (a gpud
+        or running with a sleep_level), decided by the rule the health check's reconciliation
+        follows (gpud.core.reconcile): asleep it stays so, its reservation unchanged (a gpud
         stopped between vLLM's sleep and the shrink kept the full one: more than it holds,
-        never less). A serve recorded asleep that is awake again is re-admitted at vram_mib,
-        as a unit found running, and starts over."""
+        never less). A serve recorded asleep that is awake again (`overdrawn`: observation sees
+        it draw over its sleep reservation, whatever it answers) is re-admitted at its awake
+        size only when that fits, as a serve woken outside gpud is, and starts over; when it
+        does not fit it stays recorded asleep, and the first health check puts it back to
+        sleep or stops it (gpud.reconciling), as it would any serve woken outside gpud."""
         asleep = await self.is_sleeping(serve, spec)
-        if recorded == RUNNING:
-            if asleep:
-                log.warning("%s is asleep though recorded running: adopted asleep at its "
-                            "reservation", serve)
-                return SLEEPING
-            return RUNNING
-        if asleep:
+        awake = self.awake_mib(serve, spec)
+        fits = all(self.svc.free_for(serve, r) >= awake for r in spec.all_roles)
+        decision = reconcile(recorded, asleep, overdrawn=overdrawn, awake_fits=fits,
+                             preemptible=spec.preemptible)
+        if decision is Reconcile.SHOW_ASLEEP:
+            log.warning("%s is asleep though recorded running: adopted asleep at its "
+                        "reservation", serve)
+            return SLEEPING
+        if decision is Reconcile.AGREE:
+            return RUNNING if recorded == RUNNING else SLEEPING
+        if decision is not Reconcile.ADMIT_AWAKE:
+            log.warning("%s was asleep when gpud stopped and is awake (is_sleeping %s), but "
+                        "its %d MiB awake do not fit: adopted asleep; the first health check "
+                        "%s", serve, asleep, awake,
+                        "stops it" if decision is Reconcile.STOP else "puts it back to sleep")
             return SLEEPING
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
-                    "awake at %d MiB", serve, asleep, self.awake_mib(serve, spec))
-        await self.svc.adopt(serve, spec.all_roles, self.awake_mib(serve, spec))
+                    "awake at %d MiB", serve, asleep, awake)
+        await self.svc.adopt(serve, spec.all_roles, awake)
         await self.svc.put_meta(meta_key(serve), None)
         return STARTING

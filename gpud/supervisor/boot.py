@@ -65,7 +65,8 @@ class BootJob(Base):
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
             if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
                 # Asked, not assumed: asleep it keeps its reservation unchanged.
-                state = await self.sleeps.adopt(serve, spec, rec_state)
+                state = await self.sleeps.adopt(serve, spec, rec_state,
+                                                overdrawn=self.reconciler.overdrawn(serve))
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
