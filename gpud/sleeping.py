@@ -36,7 +36,7 @@ from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
-from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
 from gpud.locks import Locks, Rank, Taken
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -331,49 +331,74 @@ class Sleeps:
                     raise
                 asleep_at = loop.time()
                 seen = await self._draw_down(serve, target)
-            now = await self._process(serve)
-            if now != asked:
-                # The process asked is not the serve's any more (restarted meanwhile): the new
-                # one is awake and loads at its full size, which it still holds.
-                await self._restarted_in_sleep(serve, spec, asked, now)
-            # The serve's own time (its answer to /sleep and the confirmation), and how long
-            # observation took to show its memory back: gpud's overhead is the rest.
-            serve_ms = round((asleep_at - began) * 1000, 1)
-            draw_ms = round((loop.time() - asleep_at) * 1000, 1)
-            # Never less than it holds: the ledger must not say memory is free that is not.
-            target = sleep_reservation(
-                res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
-                tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
-            if seen is not None and awake_seen:
-                await self.svc.put_meta(measured_key(serve), json.dumps(
-                    {"fingerprint": fingerprint(spec), "mib": seen}))
-            why = (f"preempted by {preempted_by}" if preempted_by
-                   else f"idle {idle_s:g} s without a request" if idle_s is not None
-                   else "put to sleep")
-            note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
-                    "awake_mib": res.mib}
-            message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
-                       f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
-            await self.svc.admit(
-                serve, target, uid=uid, state=SLEEPING, shrink=True,
-                state_reason=f"asleep (level {level}, {why})",
-                event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
-                                                  "parked_host_mib": parked, "observed_mib": seen,
-                                                  "serve_ms": serve_ms, "draw_ms": draw_ms,
-                                                  **({"preempted_by": preempted_by}
-                                                     if preempted_by else {}),
-                                                  **({"idle_s": idle_s}
-                                                     if idle_s is not None else {})}),
-                meta={meta_key(serve): json.dumps(note)})
+            # Asleep now: what follows records it. A record that cannot be committed (a full or
+            # read-only store) leaves the ledger holding its full size, so the sleep is undone:
+            # the ledger never says less than what runs.
+            try:
+                now = await self._process(serve)
+                if now != asked:
+                    # The process asked is not the serve's any more (restarted meanwhile): the new
+                    # one is awake and loads at its full size, which it still holds.
+                    await self._restarted_in_sleep(serve, spec, asked, now)
+                # The serve's own time (its answer to /sleep and the confirmation), and how long
+                # observation took to show its memory back: gpud's overhead is the rest.
+                serve_ms = round((asleep_at - began) * 1000, 1)
+                draw_ms = round((loop.time() - asleep_at) * 1000, 1)
+                # Never less than it holds: the ledger must not say memory is free that is not.
+                target = sleep_reservation(
+                    res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
+                    tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
+                if seen is not None and awake_seen:
+                    await self.svc.put_meta(measured_key(serve), json.dumps(
+                        {"fingerprint": fingerprint(spec), "mib": seen}))
+                why = (f"preempted by {preempted_by}" if preempted_by
+                       else f"idle {idle_s:g} s without a request" if idle_s is not None
+                       else "put to sleep")
+                note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
+                        "awake_mib": res.mib}
+                message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
+                           f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
+                await self.svc.admit(
+                    serve, target, uid=uid, state=SLEEPING, shrink=True,
+                    state_reason=f"asleep (level {level}, {why})",
+                    event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
+                                                      "parked_host_mib": parked, "observed_mib": seen,
+                                                      "serve_ms": serve_ms, "draw_ms": draw_ms,
+                                                      **({"preempted_by": preempted_by}
+                                                         if preempted_by else {}),
+                                                      **({"idle_s": idle_s}
+                                                         if idle_s is not None else {})}),
+                    meta={meta_key(serve): json.dumps(note)})
+            except StoreError as exc:
+                raise await self._undo_sleep(serve, spec, level, exc) from exc
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
                 "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
 
-    async def _wake_up(self, serve: str, spec: ServeConfig) -> None:
+    async def _undo_sleep(self, serve: str, spec: ServeConfig, level: int,
+                          exc: StoreError) -> StoreError:
+        """The sleep of `serve` could not be recorded (`exc`): wake it back, so that it runs at
+        the size the ledger still holds for it; the error to answer, saying which it is."""
+        log.error("%s: its sleep could not be recorded (%s): waking it back", serve, exc.message)
+        try:
+            await self._wake_up(serve, spec, level)
+            await self._confirm(serve, spec, asleep=False)
+        except GpudError as woke:
+            log.error("%s: could not be woken back (%s): asleep, its full reservation kept",
+                      serve, woke.message)
+            return StoreError(f"serve {serve!r}: its sleep could not be recorded "
+                              f"({exc.message}), and waking it back failed ({woke.message}): "
+                              "it sleeps holding its full reservation", {"serve": serve})
+        return StoreError(f"serve {serve!r} not put to sleep: its sleep could not be recorded "
+                          f"({exc.message}); woken back, it runs at its full reservation",
+                          {"serve": serve})
+
+    async def _wake_up(self, serve: str, spec: ServeConfig, level: int | None = None) -> None:
         """Level 1: `POST /wake_up` (the weights come back from host RAM). Level 2 discarded
         them: a bare wake would answer from uninitialised memory, so the weights' memory comes
         back first, then the weights are loaded again in place, then the KV cache (vLLM's own
-        restore: docs/features/sleep_mode.md, "Online Serving", level 2)."""
-        if self.note(serve).get("level") != 2:
+        restore: docs/features/sleep_mode.md, "Online Serving", level 2). `level`: the sleep's
+        (default: the one its note records)."""
+        if (level if level is not None else self.note(serve).get("level")) != 2:
             await self._post(serve, spec, "/wake_up")
             return
         await self._post(serve, spec, "/wake_up?tags=weights")

@@ -782,3 +782,34 @@ def test_sandbox_crash_short(gpud: SandboxGpud) -> None:
 @pytest.mark.slow
 def test_sandbox_crash_long(gpud: SandboxGpud) -> None:
     run_sandbox_crash(gpud, kills=max(1, knob("KILLS", 50)), clients=16)
+
+
+def test_a_sleep_that_cannot_be_recorded_is_undone(small_state_dir: SandboxGpud) -> None:
+    # The state directory fills while a serve is put to sleep: vLLM sleeps, the shrink of its
+    # reservation cannot be committed, so gpud wakes it back. The ledger never says less than
+    # what runs: recorded running at its full size, and it is awake at its full size.
+    from tests.integration.test_sleep import ROLE
+    from tests.integration.test_sleep import serve as sleeper
+
+    gpud = small_state_dir
+    mount_small_state_dir(gpud, sim_config(ROLE, sleeper("lo", 12000, 50, 30181, level=1,
+                                                         front=False)))
+    assert gpud.call("POST", "/v1/serves/lo/start", {}).status == 200
+    gpud.wait_state("lo", "running")
+    before = ledger_reservations(gpud.get("/v1/ledger"))
+    assert before == {"lo": ("r", 12000)}
+    fill(gpud)
+    reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
+    assert reply.status == 500, reply.body
+    assert reply.body["error"]["code"] == "store-failed"
+    assert "woken back" in reply.body["error"]["message"], reply.body
+    assert gpud.serve("lo")["state"] == "running"
+    assert ledger_reservations(gpud.get("/v1/ledger")) == before
+    state = gpud.standin_state("lo")
+    assert state["sleep_level"] is None, state  # awake again, as the ledger says
+    # space back: the sleep works, and nothing is taken for a sleep "outside gpud"
+    gpud.sb.run("rm -f /var/lib/gpud/filler")
+    reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
+    assert reply.status == 200, reply.body
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert not [e for e in gpud.events(serve="lo") if e["details"].get("outside")]
