@@ -240,3 +240,5 @@ def _gpud_families(fam: _Fam, svc: LedgerService, observer: Observer | None) -> 
     available, _ = svc.launching()
     fam("gpud_launching_available", "gauge", "1 when the system bus is reachable"
         ).add(1 if available else 0)
+    fam("gpud_store_ok", "gauge", "1 when the durable store commits; 0 while its commits fail "
+        "(a full or read-only state directory)").add(1 if svc.store_error is None else 0)

@@ -52,6 +52,8 @@ def prune_batch(keep: int) -> int:
 
 # The key of the hold on admissions while the invariant does not hold (not a serve name).
 INVARIANT_HOLD = ":invariant"
+# A store that keeps failing is said in the journal at most this often (seconds).
+STORE_LOG_INTERVAL_S = 60.0
 
 
 
@@ -166,6 +168,12 @@ class LedgerService:
         self._queue: list[_Pending] = []
         self._committer: asyncio.Task[None] | None = None
         self.commits = 0  # transactions written (one fsync each)
+        # The store's failure, while its commits fail (a full or read-only state directory):
+        # reported (status, a metric), and logged once per STORE_LOG_INTERVAL_S, not per try.
+        self.store_error: str | None = None
+        self.store_failing_since: float | None = None
+        self.store_failures = 0
+        self._store_logged_at: float | None = None
         self.ready = False
         # Who launches the serves, while one does (Supervisor, between entering and leaving
         # its context): see Supervision.
@@ -384,8 +392,10 @@ class LedgerService:
                         p.future.set_exception(exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+                self._store_failed(exc)
                 continue
             self.commits += 1
+            self._store_works()
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
                     rec = self._records.get(row.serve, ServeRecord())
@@ -413,6 +423,31 @@ class LedgerService:
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.store_failures += 1
+        self.store_error = exc.message if isinstance(exc, GpudError) else repr(exc)
+        if self.store_failing_since is None:
+            self.store_failing_since = self.clock()
+        if self._store_logged_at is None or now - self._store_logged_at >= STORE_LOG_INTERVAL_S:
+            self._store_logged_at = now
+            log.error("the store fails (%d failed commits since %s): %s; nothing that needs a "
+                      "record is changed until it works again", self.store_failures,
+                      time.strftime("%H:%M:%S", time.localtime(self.store_failing_since)),
+                      self.store_error)
+
+    def _store_works(self) -> None:
+        if self.store_error is not None:
+            log.warning("the store commits again, after %d failed commits: %s",
+                        self.store_failures, self.store_error)
+        self.store_error, self.store_failing_since = None, None
+        self.store_failures, self._store_logged_at = 0, None
+
+    def store_status(self) -> answers.StoreStatus:
+        """Whether the store commits, and since when it fails, with its last error."""
+        return {"ok": self.store_error is None, "error": self.store_error,
+                "failing_since": self.store_failing_since, "failed_commits": self.store_failures}
 
     def _clear_denials(self, roles: Sequence[str]) -> None:
         """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
@@ -886,6 +921,7 @@ class LedgerService:
             "over_committed": [f.role for f in self.ledger.over_committed()],
             "config_file": self.config_file_status(),
             "store_transactions": self.commits,
+            "store": self.store_status(),
             "summary": self.summary(),
         }
 

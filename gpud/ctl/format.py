@@ -172,6 +172,7 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
     config = _dash(doc.get("config"))
     if file.get("differs"):
         config += f" (!! the file on disk is not the config in force: {file.get('reason')})"
+    store = doc.get("store") or {}
     rows = [
         ("version", _dash(doc.get("version"))),
         ("config", config),
@@ -181,8 +182,14 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
         ("observation", observation),
         ("serves", _counts(doc.get("serve_states") or {})),
         ("over-committed", ("!! " + ", ".join(names)) if names else "none"),
-        ("summary", _dash(doc.get("summary"))),
     ]
+    if store and not store.get("ok", True):
+        since = store.get("failing_since")
+        rows.append(("store", "!! FAILING" + (f" since {local_time(since, tz)}"
+                                              if isinstance(since, (int, float)) else "")
+                     + f" ({store.get('failed_commits')} failed commits): {store.get('error')}; "
+                     "nothing that needs a record is changed"))
+    rows.append(("summary", _dash(doc.get("summary"))))
     return _block(rows)
 
 

@@ -807,9 +807,44 @@ def test_a_sleep_that_cannot_be_recorded_is_undone(small_state_dir: SandboxGpud)
     assert ledger_reservations(gpud.get("/v1/ledger")) == before
     state = gpud.standin_state("lo")
     assert state["sleep_level"] is None, state  # awake again, as the ledger says
+    # the store's failure is a state gpud reports, and the journal says it once, no traceback
+    store = gpud.get("/v1/status")["store"]
+    assert store["ok"] is False and "full" in store["error"], store
+    time.sleep(1.5)  # three health rounds: none of them adds a line about the store
+    journal = gpud.journal_tail(200)
+    assert journal.count("the store fails") == 1, journal
+    assert "Traceback" not in journal, journal
     # space back: the sleep works, and nothing is taken for a sleep "outside gpud"
     gpud.sb.run("rm -f /var/lib/gpud/filler")
     reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
     assert reply.status == 200, reply.body
+    assert gpud.get("/v1/status")["store"]["ok"] is True
     assert gpud.serve("lo")["state"] == "sleeping"
     assert not [e for e in gpud.events(serve="lo") if e["details"].get("outside")]
+
+
+def test_a_wake_that_cannot_be_recorded_is_not_carried_out(
+        small_state_dir: SandboxGpud) -> None:
+    # A wake is admitted (its growth committed) before the serve is asked to wake: with the
+    # state directory full, the admission fails and the serve is never woken.
+    from tests.integration.test_sleep import ROLE
+    from tests.integration.test_sleep import serve as sleeper
+
+    gpud = small_state_dir
+    mount_small_state_dir(gpud, sim_config(ROLE, sleeper("lo", 12000, 50, 30182, level=1,
+                                                         front=False)))
+    assert gpud.call("POST", "/v1/serves/lo/start", {}).status == 200
+    gpud.wait_state("lo", "running")
+    assert gpud.call("POST", "/v1/serves/lo/sleep", {}).status == 200
+    asleep = ledger_reservations(gpud.get("/v1/ledger"))
+    assert asleep == {"lo": ("r", 800)}
+    fill(gpud)
+    reply = gpud.call("POST", "/v1/serves/lo/wake", {})
+    assert reply.status == 500, reply.body
+    assert reply.body["error"]["code"] == "store-failed"
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert ledger_reservations(gpud.get("/v1/ledger")) == asleep
+    assert gpud.standin_state("lo")["sleep_level"] == 1  # never asked to wake
+    gpud.sb.run("rm -f /var/lib/gpud/filler")
+    assert gpud.call("POST", "/v1/serves/lo/wake", {}).status == 200
+    assert ledger_reservations(gpud.get("/v1/ledger")) == {"lo": ("r", 12000)}
