@@ -30,7 +30,7 @@ import aiohttp
 from gpud.config import ServeConfig
 from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
-from gpud.core.ledger import sleep_reservation
+from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
@@ -293,19 +293,7 @@ class Sleeps:
                                "sleep", {"serve": serve, "state": state})
             stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
-            target = self.sleep_mib(serve, spec)
-            if target is None and not self.observer.available:
-                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
-                              f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
-                              "needs observation)", {"serve": serve})
-            if target is None:
-                await self.observer.sample()  # what it draws awake, now
-            awake_seen = self.observer.observed_each_mib(serve)
-            if target is None and not awake_seen:
-                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
-                              f"attributes none of its memory to it ({awake_seen} MiB seen "
-                              f"awake), so its sleep draw cannot be measured (set serves."
-                              f"{serve}.sleep_mib)", {"serve": serve})
+            target, awake_seen = await self._sleep_target(serve, spec)
             parked = self._host_weights(serve) if level == 1 else 0
             if level == 1:
                 self._check_host_ram(serve, parked)
@@ -342,37 +330,67 @@ class Sleeps:
                     await self._restarted_in_sleep(serve, spec, asked, now)
                 # The serve's own time (its answer to /sleep and the confirmation), and how long
                 # observation took to show its memory back: gpud's overhead is the rest.
-                serve_ms = round((asleep_at - began) * 1000, 1)
-                draw_ms = round((loop.time() - asleep_at) * 1000, 1)
-                # Never less than it holds: the ledger must not say memory is free that is not.
-                target = sleep_reservation(
-                    res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
-                    tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
-                if seen is not None and awake_seen:
-                    await self.svc.put_meta(measured_key(serve), json.dumps(
-                        {"fingerprint": fingerprint(spec), "mib": seen}))
-                why = (f"preempted by {preempted_by}" if preempted_by
-                       else f"idle {idle_s:g} s without a request" if idle_s is not None
-                       else "put to sleep")
-                note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
-                        "awake_mib": res.mib}
-                message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
-                           f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
-                await self.svc.admit(
-                    serve, target, uid=uid, state=SLEEPING, shrink=True,
-                    state_reason=f"asleep (level {level}, {why})",
-                    event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
-                                                      "parked_host_mib": parked, "observed_mib": seen,
-                                                      "serve_ms": serve_ms, "draw_ms": draw_ms,
-                                                      **({"preempted_by": preempted_by}
-                                                         if preempted_by else {}),
-                                                      **({"idle_s": idle_s}
-                                                         if idle_s is not None else {})}),
-                    meta={meta_key(serve): json.dumps(note)})
+                timing = {"serve_ms": round((asleep_at - began) * 1000, 1),
+                          "draw_ms": round((loop.time() - asleep_at) * 1000, 1)}
+                target = await self._record_sleep(
+                    serve, spec, uid, level, res, target=target, awake_seen=awake_seen,
+                    seen=seen, parked=parked, timing=timing, preempted_by=preempted_by,
+                    idle_s=idle_s)
             except StoreError as exc:
                 raise await self._undo_sleep(serve, spec, level, exc) from exc
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
-                "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
+                "parked_host_mib": parked, **timing}
+
+    async def _sleep_target(self, serve: str, spec: ServeConfig) -> tuple[int | None, int | None]:
+        """The sleep reservation configured or measured (None: to be measured by this sleep)
+        and what observation sees the serve draw awake; refused when neither is known."""
+        target = self.sleep_mib(serve, spec)
+        if target is None and not self.observer.available:
+            raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
+                          f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
+                          "needs observation)", {"serve": serve})
+        if target is None:
+            await self.observer.sample()  # what it draws awake, now
+        awake_seen = self.observer.observed_each_mib(serve)
+        if target is None and not awake_seen:
+            raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
+                          f"attributes none of its memory to it ({awake_seen} MiB seen "
+                          f"awake), so its sleep draw cannot be measured (set serves."
+                          f"{serve}.sleep_mib)", {"serve": serve})
+        return target, awake_seen
+
+    async def _record_sleep(self, serve: str, spec: ServeConfig, uid: int | None, level: int,
+                            res: Reservation, *, target: int | None, awake_seen: int | None,
+                            seen: int | None, parked: int, timing: dict[str, float],
+                            preempted_by: str | None, idle_s: float | None) -> int:
+        """Record a sleep done: the shrink to its sleep reservation (never less than it holds),
+        its state, event and note in one transaction. Returns the sleep reservation."""
+        # Never less than it holds: the ledger must not say memory is free that is not.
+        target = sleep_reservation(
+            res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
+            tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
+        if seen is not None and awake_seen:
+            await self.svc.put_meta(measured_key(serve), json.dumps(
+                {"fingerprint": fingerprint(spec), "mib": seen}))
+        why = (f"preempted by {preempted_by}" if preempted_by
+               else f"idle {idle_s:g} s without a request" if idle_s is not None
+               else "put to sleep")
+        note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
+                "awake_mib": res.mib}
+        message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
+                   f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else ""))
+        await self.svc.admit(
+            serve, target, uid=uid, state=SLEEPING, shrink=True,
+            state_reason=f"asleep (level {level}, {why})",
+            event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
+                                              "parked_host_mib": parked, "observed_mib": seen,
+                                              **timing,
+                                              **({"preempted_by": preempted_by}
+                                                 if preempted_by else {}),
+                                              **({"idle_s": idle_s}
+                                                 if idle_s is not None else {})}),
+            meta={meta_key(serve): json.dumps(note)})
+        return target
 
     async def _undo_sleep(self, serve: str, spec: ServeConfig, level: int,
                           exc: StoreError) -> StoreError:
