@@ -473,3 +473,12 @@ def test_device_draw_pending_counts_unknown_serves_as_admitted() -> None:
                        reservations=[Reservation("x", "r", 400, 0)], states={},
                        reserve_mib=0)
     assert draw.pending_mib == 400  # no state recorded yet: admitted, so pending
+
+
+def test_device_draw_takes_the_reservations_once_as_any_iterable() -> None:
+    # a generator is read once: the estimate and the pending figure both see every reservation
+    states = {"a": "running", "b": "starting", "c": "running"}
+    draw = device_draw(total_mib=8000, used_mib=1100, free_mib=6900, draws={},
+                       reservations=(r for r in EST), states=states,  # type: ignore[arg-type]
+                       reserve_mib=0, per_process=False)
+    assert draw.by_serve == {"a": 1000, "c": 100} and draw.pending_mib == 500
