@@ -39,7 +39,7 @@ bench: setup-test
 
 # Mutation score of the pure core, per module (tools/mutate.py; not part of `make test`).
 mutation: setup-test
-	$(PY) tools/mutate.py
+	$(PY) tools/mutate.py --min 95
 
 # Line coverage of gpud by the tests, the daemons and clients they start included (not part of
 # `make test`; [tool.coverage] in pyproject.toml). TESTS picks what runs: the default is the

@@ -40,12 +40,11 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
-from gpud.core.ledger import RoleFigures
+from gpud.core.ledger import Reservation, RoleFigures
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind
 from gpud.errors import (
     BadRequest,
     Conflict,
-    Denied,
     Forbidden,
     GpudError,
     NotFound,
@@ -120,6 +119,7 @@ class SleepControl(Protocol):
                                dry_run: bool = False) -> dict[str, Any]: ...
     def parked_mib(self, serve: str) -> int | None: ...
     def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
+    def preemption_hint(self, serve: str, mib: int) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Supervisor(Protocol):
@@ -421,15 +421,11 @@ class Api:
         body = await read_model(request, AdmitBody)
         if body.preempt:
             return await self._admit_preempting(name, body, self._uid(request))
-        try:
+        hint = (contextlib.nullcontext() if self.supervisor is None
+                else self.supervisor.sleeps.preemption_hint(name, body.mib))
+        with hint:
             admission = await self.svc.admit(name, body.mib, role=body.role,
                                              uid=self._uid(request))
-        except Denied as exc:
-            if self.supervisor is None or self.svc.serve_spec(name) is None \
-                    or exc.details.get("bound") == "device":
-                raise
-            would, details = self.supervisor.sleeps.what_preemption_would_do(name, body.mib)
-            raise Denied(exc.message + would, {**exc.details, **details}) from exc
         f = admission.figures
         res = admission.reservation
         answer: answers.Admitted = {
@@ -441,9 +437,8 @@ class Api:
             "note": admission.note,
             "figures": _figures(f),
         }
-        if res.extra_roles:  # a serve on several roles: the figures of each
-            answer["roles"] = list(res.all_roles)
-            answer["figures_by_role"] = {g.role: _figures(g) for g in admission.all_figures}
+        by_role = {g.role: g for g in admission.all_figures}
+        _figures_of_each_role(answer, res, by_role.__getitem__)
         return json_response(answer)
 
     async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
@@ -467,10 +462,7 @@ class Api:
             "figures": _figures(self.svc.ledger.figures(res.role)),
             "preemption": carried.get("preemption"),
         }
-        if res.extra_roles:  # as a plain admission answers: the figures of each role
-            answer["roles"] = list(res.all_roles)
-            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
-                                         for r in res.all_roles}
+        _figures_of_each_role(answer, res, self.svc.ledger.figures)
         return json_response(answer)
 
     async def sleep(self, request: web.Request) -> web.Response:
@@ -507,10 +499,7 @@ class Api:
         answer: answers.Released = {
             "serve": name, "role": res.role, "released_mib": res.mib, "figures": _figures(f),
         }
-        if res.extra_roles:
-            answer["roles"] = list(res.all_roles)
-            answer["figures_by_role"] = {r: _figures(self.svc.ledger.figures(r))
-                                         for r in res.all_roles}
+        _figures_of_each_role(answer, res, self.svc.ledger.figures)
         return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
@@ -752,3 +741,13 @@ def parse_since(value: str) -> float:
 def _figures(f: RoleFigures) -> answers.Figures:
     return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
             "committed_mib": f.committed_mib, "free_mib": f.free_mib}
+
+
+def _figures_of_each_role(answer: answers.Admitted | answers.Released, res: Reservation,
+                          figures_of: Callable[[str], RoleFigures]) -> None:
+    """A serve on several roles (devices): all of them, and the figures of each, in the order
+    of its roles (``figures`` is the first's). An admission, a preempting admission and a
+    release answer alike."""
+    if res.extra_roles:
+        answer["roles"] = list(res.all_roles)
+        answer["figures_by_role"] = {r: _figures(figures_of(r)) for r in res.all_roles}

@@ -16,14 +16,15 @@ says.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from gpud.calibration import Calibrator
-from gpud.core.vocab import EVENT_KINDS, STATES, EventKind
+from gpud.core.ledger import Ledger
+from gpud.core.vocab import EVENT_KINDS, STATES, EventKind, ServeState
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
@@ -99,6 +100,9 @@ def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDe
             flights.add(count, serve=serve)
 
 
+_Fam = Callable[[str, str, str], _Family]
+
+
 def _families(svc: LedgerService, observer: Observer | None,
               calibrator: Calibrator | None) -> dict[str, _Family]:
     fams: dict[str, _Family] = {}
@@ -107,6 +111,16 @@ def _families(svc: LedgerService, observer: Observer | None,
         return fams.setdefault(name, _Family(name, kind, help_text))
 
     ledger, states = svc.ledger, svc.states()
+    _device_families(fam, observer, ledger, states)
+    role_labels = _role_families(fam, observer, ledger, states)
+    _serve_families(fam, svc, observer, calibrator, role_labels)
+    _gpud_families(fam, svc, observer)
+    return fams
+
+
+def _device_families(fam: _Fam, observer: Observer | None, ledger: Ledger,
+                     states: Mapping[str, ServeState]) -> None:
+    """Each observed device: its identity, total and the split of its draw."""
     latest = observer.latest if observer is not None else None
     if observer is not None and latest is not None and latest.available:
         for sample in latest.devices:
@@ -135,6 +149,11 @@ def _families(svc: LedgerService, observer: Observer | None,
             fam("gpud_draw_estimated", "gauge", "1 when the driver reports no per-process memory "
                 "(WDDM): managed and non-ledger draw are estimated from the reservations"
                 ).add(int(draw.estimated), **labels)
+
+
+def _role_families(fam: _Fam, observer: Observer | None, ledger: Ledger,
+                   states: Mapping[str, ServeState]) -> dict[str, dict[str, str]]:
+    """Each role's figures; returns the device labels of each role (its serves carry them)."""
     role_labels: dict[str, dict[str, str]] = {}
     for name in sorted(ledger.roles):
         budget = ledger.roles[name]
@@ -161,6 +180,14 @@ def _families(svc: LedgerService, observer: Observer | None,
             continue
         fam("gpud_role_effective_free_mib", "gauge", "min(ledger free, physical free - pending)"
             ).add(draw.effective_free(figures.free_mib), **base)
+    return role_labels
+
+
+def _serve_families(fam: _Fam, svc: LedgerService, observer: Observer | None,
+                    calibrator: Calibrator | None,
+                    role_labels: Mapping[str, dict[str, str]]) -> None:
+    """Each serve gpud knows: its reservation, observed draw, device, state, calibration."""
+    ledger = svc.ledger
     for serve in svc.known_serves():
         res = ledger.reservations.get(serve)
         spec = svc.serve_spec(serve)
@@ -200,6 +227,10 @@ def _families(svc: LedgerService, observer: Observer | None,
         if calibrator is not None and spec is not None:
             fam("gpud_serve_calibrated", "gauge", "1 when a calibration matches the fingerprint"
                 ).add(1 if calibrator.calibration_of(serve)[0] == "calibrated" else 0, **labels)
+
+
+def _gpud_families(fam: _Fam, svc: LedgerService, observer: Observer | None) -> None:
+    """gpud's own counters and whether observation and launching work."""
     for kind in COUNTED:
         fam("gpud_events_total", "counter", "Events recorded since gpud started, by kind"
             ).add(svc.counters.get(kind, 0), kind=kind)
@@ -217,4 +248,5 @@ def _families(svc: LedgerService, observer: Observer | None,
     available, _ = svc.launching()
     fam("gpud_launching_available", "gauge", "1 when the system bus is reachable"
         ).add(1 if available else 0)
-    return fams
+    fam("gpud_store_ok", "gauge", "1 when the durable store commits; 0 while its commits fail "
+        "(a full or read-only state directory)").add(1 if svc.store_error is None else 0)

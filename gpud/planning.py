@@ -14,11 +14,11 @@ from typing import Any
 
 from gpud.config import Config, apply_overrides, parse_config
 from gpud.core.answers import PlanSize
+from gpud.core.budgets import resolve_budgets
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
 from gpud.core.plan import Plan, make_plan
 from gpud.core.vocab import ServeState
-from gpud.service import resolve_budgets
 
 
 @dataclass(frozen=True)

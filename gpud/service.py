@@ -24,8 +24,9 @@ from typing import Any, Protocol
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
+from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
-from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation, RoleBudget
+from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -53,6 +54,8 @@ def prune_batch(keep: int) -> int:
 
 # The key of the hold on admissions while the invariant does not hold (not a serve name).
 INVARIANT_HOLD = ":invariant"
+# A store that keeps failing is said in the journal at most this often (seconds).
+STORE_LOG_INTERVAL_S = 60.0
 
 # Set (to True) in the task of a bring-up that a request through the front asked for
 # (gpud.ondemand): its refusals are coalesced (gpud.core.coalesce), since anyone who reaches the
@@ -121,93 +124,6 @@ class ServeRecord:
     n_restarts: int = 0
 
 
-def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
-                    devices: Sequence[str] | None = None,
-                    device_problem: Callable[[str], str | None] | None = None,
-                    device_id: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
-    """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
-    the device, never higher. `devices`, when observation sees any, lists what it sees: a role
-    on a device not among them is an error. `device_problem` says why a device that is there
-    cannot be read (lost, reset required): its total is unknown, not its presence.
-
-    The device is the physical bound: roles on one device partition it, their capacities
-    together never more than its total (a role whose capacity defaults to the total leaves no
-    room for another role there). `device_id` tells which references name the same device
-    (an index, a bus id and a UUID may); without it only equal references do. Where no total
-    can be known (no observation, no simulation) the sum cannot be checked: it is checked
-    when gpud starts on the host."""
-    problems: list[str] = []
-    budgets: list[RoleBudget] = []
-    defaulted: set[str] = set()
-    for name, role in sorted(cfg.roles.items()):
-        total = device_total(role.device)
-        problem = device_problem(role.device) if device_problem else None
-        if devices is not None and total is None and problem is None:
-            problems.append(f"roles.{name}.device: no device {role.device!r} on this host "
-                            f"(present: {', '.join(devices) or 'none'})")
-            continue
-        capacity = role.capacity_mib
-        if capacity is None:
-            if total is None:
-                why = f"cannot be read ({problem})" if problem else "cannot be observed"
-                problems.append(
-                    f"roles.{name}.capacity_mib: required, since the total of device "
-                    f"{role.device!r} {why}"
-                )
-                continue
-            capacity = total
-            defaulted.add(name)
-        elif total is not None and capacity > total:
-            problems.append(
-                f"roles.{name}.capacity_mib: {capacity} exceeds device {role.device!r} total "
-                f"{total} MiB"
-            )
-            continue
-        if role.reserve_mib >= capacity:
-            problems.append(f"roles.{name}.reserve_mib: {role.reserve_mib} must be < capacity {capacity}")
-            continue
-        budgets.append(RoleBudget(name, role.device, capacity, role.reserve_mib, role.note))
-    def same(ref: str) -> str:
-        return (device_id(ref) if device_id is not None else None) or ref
-
-    on_device: dict[str, list[RoleBudget]] = {}
-    for resolved in budgets:
-        on_device.setdefault(same(resolved.device), []).append(resolved)
-    for group in on_device.values():
-        total = device_total(group[0].device)
-        held = sum(b.capacity_mib for b in group)
-        if len(group) > 1 and total is not None and held > total:
-            names = [b.name for b in group]
-            at = next((n for n in names if n in defaulted), names[-1])
-            problems.append(
-                f"roles.{at}.capacity_mib: roles {', '.join(names)} are on one device "
-                f"({', '.join(sorted({b.device for b in group}))}, total {total} MiB) and "
-                f"together hold {held} MiB: roles on a device partition it (a capacity_mib "
-                f"not set is the whole device); set capacity_mib on each so that they add up "
-                f"to {total} MiB at most")
-    for sname, serve in cfg.serves.items():
-        seen: dict[str, str] = {}
-        for i, role_name in enumerate(serve.all_roles):
-            ref = cfg.roles[role_name].device if role_name in cfg.roles else None
-            if ref is not None and len(serve.all_roles) > 1:
-                other = seen.setdefault(same(ref), role_name)
-                if other != role_name:
-                    problems.append(
-                        f"serves.{sname}.roles[{i}]: role {role_name!r} is on the same device "
-                        f"as role {other!r} ({cfg.roles[other].device!r} and {ref!r} are one "
-                        "device): each role of a serve must be on a different device")
-        for role_name in serve.all_roles:
-            budget = next((b for b in budgets if b.name == role_name), None)
-            if budget and serve.vram_mib > budget.capacity_mib:
-                problems.append(
-                    f"serves.{sname}.vram_mib: {serve.vram_mib} exceeds role {role_name!r} "
-                    f"capacity {budget.capacity_mib}"
-                )
-    if problems:
-        raise ConfigError("config", problems)
-    return budgets
-
-
 @dataclass
 class _Pending:
     changes: Changes
@@ -260,6 +176,12 @@ class LedgerService:
         self._queue: list[_Pending] = []
         self._committer: asyncio.Task[None] | None = None
         self.commits = 0  # transactions written (one fsync each)
+        # The store's failure, while its commits fail (a full or read-only state directory):
+        # reported (status, a metric), and logged once per STORE_LOG_INTERVAL_S, not per try.
+        self.store_error: str | None = None
+        self.store_failing_since: float | None = None
+        self.store_failures = 0
+        self._store_logged_at: float | None = None
         self.ready = False
         # Who launches the serves, while one does (Supervisor, between entering and leaving
         # its context): see Supervision.
@@ -500,8 +422,10 @@ class LedgerService:
                         p.future.set_exception(exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+                self._store_failed(exc)
                 continue
             self.commits += 1
+            self._store_works()
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
                     rec = self._records.get(row.serve, ServeRecord())
@@ -535,6 +459,31 @@ class LedgerService:
                 # Queued behind this commit in the store's thread; nobody waits on it.
                 self._since_prune = 0
                 loop.run_in_executor(self._executor, self._prune)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.store_failures += 1
+        self.store_error = exc.message if isinstance(exc, GpudError) else repr(exc)
+        if self.store_failing_since is None:
+            self.store_failing_since = self.clock()
+        if self._store_logged_at is None or now - self._store_logged_at >= STORE_LOG_INTERVAL_S:
+            self._store_logged_at = now
+            log.error("the store fails (%d failed commits since %s): %s; nothing that needs a "
+                      "record is changed until it works again", self.store_failures,
+                      time.strftime("%H:%M:%S", time.localtime(self.store_failing_since)),
+                      self.store_error)
+
+    def _store_works(self) -> None:
+        if self.store_error is not None:
+            log.warning("the store commits again, after %d failed commits: %s",
+                        self.store_failures, self.store_error)
+        self.store_error, self.store_failing_since = None, None
+        self.store_failures, self._store_logged_at = 0, None
+
+    def store_status(self) -> answers.StoreStatus:
+        """Whether the store commits, and since when it fails, with its last error."""
+        return {"ok": self.store_error is None, "error": self.store_error,
+                "failing_since": self.store_failing_since, "failed_commits": self.store_failures}
 
     def _clear_denials(self, roles: Sequence[str]) -> None:
         """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
@@ -1059,6 +1008,7 @@ class LedgerService:
             "over_committed": [f.role for f in self.ledger.over_committed()],
             "config_file": self.config_file_status(),
             "store_transactions": self.commits,
+            "store": self.store_status(),
             "summary": self.summary(),
         }
 

@@ -8,7 +8,8 @@ vLLM registers them in dev mode: vllm/entrypoints/serve/dev/sleep/api_router.py 
 the `level` query parameter, default 1; `/wake_up`; `/is_sleeping`); vLLM's own FIXME there says
 the answer to /sleep may come before the sleep is done, hence the confirmation.
 
-Preemption (gpud/core/preempt.py plans it) runs under the role's lock: the plan's steps in order
+Preemption (gpud/core/preempt.py plans it) runs under the coordination lock (one for all of
+gpud, taken before any serve's lock: gpud.locks): the plan's steps in order
 (as gpud.core.actions steps, through gpud.steps, the executor apply uses too), each an event,
 then the admission; when that is still refused, every step done is undone in reverse order and
 the denial says why. Wake-back (after memory is released on a role) takes the same
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 import aiohttp
@@ -29,14 +30,15 @@ import aiohttp
 from gpud.config import ServeConfig
 from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
-from gpud.core.ledger import sleep_reservation
+from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
-from gpud.errors import Conflict, Denied, GpudError, Refused, Unavailable
+from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
 from gpud.locks import Locks, Rank, Taken
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -211,6 +213,8 @@ class Sleeps:
         return f"http://127.0.0.1:{spec.port}{path}"
 
     def _role_lock(self, _role: str) -> Taken:
+        """The coordination lock, whatever the role: one for all of gpud (a serve on several
+        roles, and wake-backs across roles, are planned under it; gpud.locks orders it first)."""
         return self.serves.locks.coordination()
 
     @property
@@ -334,19 +338,7 @@ class Sleeps:
                                "sleep", {"serve": serve, "state": state})
             stack.callback(self.serves.lifecycle, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
-            target = self.sleep_mib(serve, spec)
-            if target is None and not self.observer.available:
-                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
-                              f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
-                              "needs observation)", {"serve": serve})
-            if target is None:
-                await self.observer.sample()  # what it draws awake, now
-            awake_seen = self.observer.observed_each_mib(serve)
-            if target is None and not awake_seen:
-                raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
-                              f"attributes none of its memory to it ({awake_seen} MiB seen "
-                              f"awake), so its sleep draw cannot be measured (set serves."
-                              f"{serve}.sleep_mib)", {"serve": serve})
+            target, awake_seen = await self._sleep_target(serve, spec)
             parked = self._host_need(serve, level)
             if level == 1 or (level == 2 and self.vllm.level2_parks_host):
                 self._check_host_ram(serve, parked, level)
@@ -385,52 +377,109 @@ class Sleeps:
                     raise
                 asleep_at = loop.time()
                 seen = await self._draw_down(serve, target)
-            now = await self._process(serve)
-            if now != asked:
-                # The process asked is not the serve's any more (restarted meanwhile): the new
-                # one is awake and loads at its full size, which it still holds.
-                await self._restarted_in_sleep(serve, spec, asked, now)
-            # The serve's own time (its answer to /sleep and the confirmation), and how long
-            # observation took to show its memory back: gpud's overhead is the rest.
-            serve_ms = round((asleep_at - began) * 1000, 1)
-            draw_ms = round((loop.time() - asleep_at) * 1000, 1)
-            # Never less than it holds: the ledger must not say memory is free that is not.
-            target = sleep_reservation(
-                res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
-                tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
-            if seen is not None and awake_seen:
-                await self.svc.put_meta(measured_key(serve), json.dumps(
-                    {"fingerprint": fingerprint(spec), "mib": seen}))
-            why = (f"preempted by {preempted_by}" if preempted_by
-                   else f"idle {idle_s:g} s without a request" if idle_s is not None
-                   else "put to sleep")
-            note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
-                    "awake_mib": res.mib}
-            message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
-                       f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else "")
-                       + (f"; {drained.line()}" if drained is not None else ""))
-            await self.svc.admit(
-                serve, target, uid=uid, state=SLEEPING, shrink=True,
-                state_reason=f"asleep (level {level}, {why})",
-                event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
-                                                  "parked_host_mib": parked, "observed_mib": seen,
-                                                  "serve_ms": serve_ms, "draw_ms": draw_ms,
-                                                  **({"preempted_by": preempted_by}
-                                                     if preempted_by else {}),
-                                                  **({"idle_s": idle_s}
-                                                     if idle_s is not None else {}),
-                                                  **({"in_flight": drained.details()}
-                                                     if drained is not None else {})}),
-                meta={meta_key(serve): json.dumps(note)})
+            # Asleep now: what follows records it. A record that cannot be committed (a full or
+            # read-only store) leaves the ledger holding its full size, so the sleep is undone:
+            # the ledger never says less than what runs.
+            try:
+                now = await self._process(serve)
+                if now != asked:
+                    # The process asked is not the serve's any more (restarted meanwhile): the new
+                    # one is awake and loads at its full size, which it still holds.
+                    await self._restarted_in_sleep(serve, spec, asked, now)
+                # The serve's own time (its answer to /sleep and the confirmation), and how long
+                # observation took to show its memory back: gpud's overhead is the rest.
+                timing = {"serve_ms": round((asleep_at - began) * 1000, 1),
+                          "draw_ms": round((loop.time() - asleep_at) * 1000, 1)}
+                target = await self._record_sleep(
+                    serve, spec, uid, level, res, target=target, awake_seen=awake_seen,
+                    seen=seen, parked=parked, timing=timing, preempted_by=preempted_by,
+                    idle_s=idle_s, drained=drained)
+            except StoreError as exc:
+                raise await self._undo_sleep(serve, spec, level, exc) from exc
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
-                "parked_host_mib": parked, "serve_ms": serve_ms, "draw_ms": draw_ms}
+                "parked_host_mib": parked, **timing}
 
-    async def _wake_up(self, serve: str, spec: ServeConfig) -> None:
+    async def _sleep_target(self, serve: str, spec: ServeConfig) -> tuple[int | None, int | None]:
+        """The sleep reservation configured or measured (None: to be measured by this sleep)
+        and what observation sees the serve draw awake; refused when neither is known."""
+        target = self.sleep_mib(serve, spec)
+        if target is None and not self.observer.available:
+            raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib (set serves."
+                          f"{serve}.sleep_mib, or let gpud measure it after a sleep, which "
+                          "needs observation)", {"serve": serve})
+        if target is None:
+            await self.observer.sample()  # what it draws awake, now
+        awake_seen = self.observer.observed_each_mib(serve)
+        if target is None and not awake_seen:
+            raise Refused(f"serve {serve!r} not put to sleep: no sleep_mib, and observation "
+                          f"attributes none of its memory to it ({awake_seen} MiB seen "
+                          f"awake), so its sleep draw cannot be measured (set serves."
+                          f"{serve}.sleep_mib)", {"serve": serve})
+        return target, awake_seen
+
+    async def _record_sleep(self, serve: str, spec: ServeConfig, uid: int | None, level: int,
+                            res: Reservation, *, target: int | None, awake_seen: int | None,
+                            seen: int | None, parked: int, timing: dict[str, float],
+                            preempted_by: str | None, idle_s: float | None,
+                            drained: Drain | None = None) -> int:
+        """Record a sleep done: the shrink to its sleep reservation (never less than it holds),
+        its state, event and note in one transaction, with what became of the requests in
+        flight (DRAINED, for gpud's own sleeps). Returns the sleep reservation."""
+        # Never less than it holds: the ledger must not say memory is free that is not.
+        target = sleep_reservation(
+            res.mib, configured_mib=target, awake_seen_mib=awake_seen, asleep_seen_mib=seen,
+            tolerance_mib=self.svc.config.daemon.overdraw_tolerance_mib)
+        if seen is not None and awake_seen:
+            await self.svc.put_meta(measured_key(serve), json.dumps(
+                {"fingerprint": fingerprint(spec), "mib": seen}))
+        why = (f"preempted by {preempted_by}" if preempted_by
+               else f"idle {idle_s:g} s without a request" if idle_s is not None
+               else "put to sleep")
+        note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
+                "awake_mib": res.mib}
+        message = (f"{serve} asleep (level {level}, {why}): reservation {res.mib} -> "
+                   f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else "")
+                   + (f"; {drained.line()}" if drained is not None else ""))
+        await self.svc.admit(
+            serve, target, uid=uid, state=SLEEPING, shrink=True,
+            state_reason=f"asleep (level {level}, {why})",
+            event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
+                                              "parked_host_mib": parked, "observed_mib": seen,
+                                              **timing,
+                                              **({"preempted_by": preempted_by}
+                                                 if preempted_by else {}),
+                                              **({"idle_s": idle_s}
+                                                 if idle_s is not None else {}),
+                                              **({"in_flight": drained.details()}
+                                                 if drained is not None else {})}),
+            meta={meta_key(serve): json.dumps(note)})
+        return target
+
+    async def _undo_sleep(self, serve: str, spec: ServeConfig, level: int,
+                          exc: StoreError) -> StoreError:
+        """The sleep of `serve` could not be recorded (`exc`): wake it back, so that it runs at
+        the size the ledger still holds for it; the error to answer, saying which it is."""
+        log.error("%s: its sleep could not be recorded (%s): waking it back", serve, exc.message)
+        try:
+            await self._wake_up(serve, spec, level)
+            await self._confirm(serve, spec, asleep=False)
+        except GpudError as woke:
+            log.error("%s: could not be woken back (%s): asleep, its full reservation kept",
+                      serve, woke.message)
+            return StoreError(f"serve {serve!r}: its sleep could not be recorded "
+                              f"({exc.message}), and waking it back failed ({woke.message}): "
+                              "it sleeps holding its full reservation", {"serve": serve})
+        return StoreError(f"serve {serve!r} not put to sleep: its sleep could not be recorded "
+                          f"({exc.message}); woken back, it runs at its full reservation",
+                          {"serve": serve})
+
+    async def _wake_up(self, serve: str, spec: ServeConfig, level: int | None = None) -> None:
         """Level 1: `POST /wake_up` (the weights come back from host RAM). Level 2 discarded
         them: a bare wake would answer from uninitialised memory, so the weights' memory comes
         back first, then the weights are loaded again in place, then the KV cache (vLLM's own
-        restore: docs/features/sleep_mode.md, "Online Serving", level 2)."""
-        if self.note(serve).get("level") != 2:
+        restore: docs/features/sleep_mode.md, "Online Serving", level 2). `level`: the sleep's
+        (default: the one its note records)."""
+        if (level if level is not None else self.note(serve).get("level")) != 2:
             await self._post(serve, spec, "/wake_up")
             return
         await self._post(serve, spec, "/wake_up?tags=weights")
@@ -599,6 +648,19 @@ class Sleeps:
         steps = "; ".join(s.line() for s in plan.steps)
         return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
 
+    @contextlib.contextmanager
+    def preemption_hint(self, serve: str, mib: int) -> Iterator[None]:
+        """A denial of `serve`'s admission (`mib`) inside says what `--preempt` would do, when a
+        preemption could make room; a denial because a device is gone says nothing more. The
+        one place the hint is added: a plain admission and a start without --preempt."""
+        try:
+            yield
+        except Denied as exc:
+            if exc.details.get("bound") == "device":
+                raise
+            would, details = self.what_preemption_would_do(serve, mib)
+            raise Denied(exc.message + would, {**exc.details, **details}) from exc
+
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
                                dry_run: bool = False, locked: bool = False,
                                state: ServeState | None = None,
@@ -754,23 +816,36 @@ class Sleeps:
 
     # ---- adoption after a restart ------------------------------------------------------------
 
-    async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState) -> ServeState:
+    async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState, *,
+                    overdrawn: bool = False) -> ServeState:
         """The state of a serve found running after a restart, recorded `recorded` (sleeping,
-        or running with a sleep_level): asleep it stays so, its reservation unchanged (a gpud
+        or running with a sleep_level), decided by the rule the health check's reconciliation
+        follows (gpud.core.reconcile): asleep it stays so, its reservation unchanged (a gpud
         stopped between vLLM's sleep and the shrink kept the full one: more than it holds,
-        never less). A serve recorded asleep that is awake again is re-admitted at vram_mib,
-        as a unit found running, and starts over."""
+        never less). A serve recorded asleep that is awake again (`overdrawn`: observation sees
+        it draw over its sleep reservation, whatever it answers) is re-admitted at its awake
+        size only when that fits, as a serve woken outside gpud is, and starts over; when it
+        does not fit it stays recorded asleep, and the first health check puts it back to
+        sleep or stops it (gpud.reconciling), as it would any serve woken outside gpud."""
         asleep = await self.is_sleeping(serve, spec)
-        if recorded == RUNNING:
-            if asleep:
-                log.warning("%s is asleep though recorded running: adopted asleep at its "
-                            "reservation", serve)
-                return SLEEPING
-            return RUNNING
-        if asleep:
+        awake = self.awake_mib(serve, spec)
+        fits = all(self.svc.free_for(serve, r) >= awake for r in spec.all_roles)
+        decision = reconcile(recorded, asleep, overdrawn=overdrawn, awake_fits=fits,
+                             preemptible=spec.preemptible)
+        if decision is Reconcile.SHOW_ASLEEP:
+            log.warning("%s is asleep though recorded running: adopted asleep at its "
+                        "reservation", serve)
+            return SLEEPING
+        if decision is Reconcile.AGREE:
+            return RUNNING if recorded == RUNNING else SLEEPING
+        if decision is not Reconcile.ADMIT_AWAKE:
+            log.warning("%s was asleep when gpud stopped and is awake (is_sleeping %s), but "
+                        "its %d MiB awake do not fit: adopted asleep; the first health check "
+                        "%s", serve, asleep, awake,
+                        "stops it" if decision is Reconcile.STOP else "puts it back to sleep")
             return SLEEPING
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
-                    "awake at %d MiB", serve, asleep, self.awake_mib(serve, spec))
-        await self.svc.adopt(serve, spec.all_roles, self.awake_mib(serve, spec))
+                    "awake at %d MiB", serve, asleep, awake)
+        await self.svc.adopt(serve, spec.all_roles, awake)
         await self.svc.put_meta(meta_key(serve), None)
         return STARTING

@@ -113,6 +113,7 @@ STATUS: dict[str, Any] = {
     "serve_states": {"running": 3, "denied": 1},
     "over_committed": [],
     "config_file": {"differs": False, "reason": None}, "store_transactions": 12,
+    "store": {"ok": True, "error": None, "failing_since": None, "failed_commits": 0},
     "summary": "dark-fast 26112/27999 MiB committed (free 1887); 4 serves: 4 running",
 }
 

@@ -13,6 +13,7 @@ from gpud.core.ledger import (
     Reservation,
     RoleBudget,
     device_draw,
+    estimated_draws,
     gpu_memory_utilization,
     serve_draws,
     sleep_reservation,
@@ -408,3 +409,76 @@ def test_sleep_reservation(configured: int | None, awake: int | None, asleep: in
                            expected: int) -> None:
     assert sleep_reservation(12000, configured_mib=configured, awake_seen_mib=awake,
                              asleep_seen_mib=asleep, tolerance_mib=256) == expected
+
+
+# estimated_draws: a host whose driver gives no per-process figures (the seed's kind of host).
+# Each drawing serve (running, sleeping, stopping) is taken to draw its reservation, in name
+# order, never more in all than the device's used memory; serves still starting draw nothing.
+EST = [Reservation("a", "r", 1000, 0), Reservation("b", "r", 500, 0),
+       Reservation("c", "r", 300, 0)]
+
+
+@pytest.mark.parametrize(("states", "used", "expected"), [
+    ({"a": "running", "b": "running", "c": "running"}, 5000, {"a": 1000, "b": 500, "c": 300}),
+    ({"a": "running", "b": "sleeping", "c": "stopping"}, 1800, {"a": 1000, "b": 500, "c": 300}),
+    # used memory short of the reservations: the first by name draw theirs, the rest what is left
+    ({"a": "running", "b": "running", "c": "running"}, 1200, {"a": 1000, "b": 200, "c": 0}),
+    ({"a": "running", "b": "running", "c": "running"}, 1500, {"a": 1000, "b": 500, "c": 0}),
+    ({"a": "running", "b": "running", "c": "running"}, 1501, {"a": 1000, "b": 500, "c": 1}),
+    ({"a": "running", "b": "running", "c": "running"}, 999, {"a": 999, "b": 0, "c": 0}),
+    ({"a": "running", "b": "running", "c": "running"}, 0, {"a": 0, "b": 0, "c": 0}),
+    # more used than reserved: never more than a reservation
+    ({"a": "running"}, 10**6, {"a": 1000}),
+    # starting, admitted, failed or unknown serves draw nothing and leave the rest to others
+    ({"a": "starting", "b": "running", "c": "admitted"}, 600, {"b": 500}),
+    ({"a": "failed", "b": "running", "c": "running"}, 700, {"b": 500, "c": 200}),
+    ({}, 5000, {}),
+])
+def test_estimated_draws_split_used_memory_by_name(states: dict[str, str], used: int,
+                                                   expected: dict[str, int]) -> None:
+    assert estimated_draws(EST, states, used) == expected  # type: ignore[arg-type]
+
+
+def test_estimated_draws_order_is_by_name_not_by_input() -> None:
+    states = dict.fromkeys("abc", "running")
+    assert estimated_draws(list(reversed(EST)), states, 1200) == {"a": 1000, "b": 200, "c": 0}  # type: ignore[arg-type]
+
+
+def test_estimated_draws_never_negative_when_used_is_below_zero() -> None:
+    # a driver reading under the baseline: no draw is negative, no serve draws more than is left
+    assert estimated_draws(EST, dict.fromkeys("abc", "running"), -50) == {  # type: ignore[arg-type]
+        "a": 0, "b": 0, "c": 0}
+
+
+def test_device_draw_without_per_process_figures_estimates_and_says_so() -> None:
+    reservations = EST
+    states = {"a": "running", "b": "starting", "c": "running"}
+    draw = device_draw(total_mib=8000, used_mib=1100, free_mib=6900, draws={"a": 7, "b": 9},
+                       reservations=reservations, states=states,  # type: ignore[arg-type]
+                       reserve_mib=0, per_process=False)
+    # the driver's per-serve figures are ignored: a 1000, c 100 of the 1100 used; b draws nothing
+    assert draw.by_serve == {"a": 1000, "c": 100}
+    assert draw.managed_draw_mib == 1100
+    assert draw.estimated is True
+    assert draw.pending_mib == 500  # b, starting, reserved 500 and drawing none of it
+    measured = device_draw(total_mib=8000, used_mib=1100, free_mib=6900, draws={"a": 7, "b": 9},
+                           reservations=reservations, states=states,  # type: ignore[arg-type]
+                           reserve_mib=0)
+    assert measured.estimated is False and measured.by_serve == {"a": 7, "b": 9}
+    assert measured.managed_draw_mib == 16 and measured.pending_mib == 491
+
+
+def test_device_draw_pending_counts_unknown_serves_as_admitted() -> None:
+    draw = device_draw(total_mib=8000, used_mib=0, free_mib=8000, draws={},
+                       reservations=[Reservation("x", "r", 400, 0)], states={},
+                       reserve_mib=0)
+    assert draw.pending_mib == 400  # no state recorded yet: admitted, so pending
+
+
+def test_device_draw_takes_the_reservations_once_as_any_iterable() -> None:
+    # a generator is read once: the estimate and the pending figure both see every reservation
+    states = {"a": "running", "b": "starting", "c": "running"}
+    draw = device_draw(total_mib=8000, used_mib=1100, free_mib=6900, draws={},
+                       reservations=(r for r in EST), states=states,  # type: ignore[arg-type]
+                       reserve_mib=0, per_process=False)
+    assert draw.by_serve == {"a": 1000, "c": 100} and draw.pending_mib == 500

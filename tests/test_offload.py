@@ -110,3 +110,23 @@ def test_a_plans_refusal_comes_back_from_the_worker_whole(gpud: GpudProcess) -> 
     assert reply.body["error"]["code"] == "config-invalid"
     assert reply.body["error"]["details"]["source"] == "s"
     assert "serves.x.role: must be a string" in reply.body["error"]["details"]["problems"]
+
+
+def test_the_plan_worker_imports_no_daemon_part() -> None:
+    # The worker process imports gpud.planning alone: the config, the pure core, nothing that
+    # opens the store, talks to systemd or runs the service.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, gpud.planning; "
+         "print(' '.join(sorted(m for m in sys.modules if m.startswith('gpud'))))"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    loaded = set(out.stdout.split())
+    assert "gpud.planning" in loaded
+    daemon_parts = {"gpud.service", "gpud.store", "gpud.supervisor", "gpud.units", "gpud.api",
+                    "gpud.observer", "gpud.nvml", "gpud.sleeping"}
+    assert not loaded & daemon_parts, loaded & daemon_parts
+    assert all(m.startswith("gpud.core") or m in {"gpud", "gpud.planning", "gpud.config",
+                                                    "gpud.errors", "gpud.bounded",
+                                                    "gpud.vllm_flags"} for m in loaded), loaded

@@ -142,3 +142,77 @@ def test_wake_back_follows_auto_wake() -> None:
         sleeps.freed("r")  # while one runs: it goes round once more, no second task
         assert len(started) == spawned
         assert ("r" in sleeps._wake_again) == auto_wake
+
+
+# ---- adoption at startup: the reconciliation's rule (gpud.core.reconcile) ------------------
+
+class Answering:
+    """Sleeps whose serve answers GET /is_sleeping with `said` (the HTTP exchange is the
+    integration tests'; here, what adoption does with the answer)."""
+
+    @staticmethod
+    def make(service: LedgerService, said: bool | None):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+        from typing import Any, cast
+
+        from gpud.config import ServeConfig
+        from gpud.sleeping import Sleeps
+
+        class Stub(Sleeps):
+            async def is_sleeping(self, serve: str, spec: ServeConfig) -> bool | None:
+                return said
+
+        return Stub(cast(Any, SimpleNamespace()), service, cast(Any, None),
+                    host_memory=lambda: None)
+
+
+async def _asleep(service: LedgerService, *, neighbour_mib: int | None) -> None:
+    await service.admit("lo", 6000, state="running")
+    await service.admit("lo", 500, state="sleeping", shrink=True,
+                        meta={"sleep:lo": json.dumps({"level": 1, "awake_mib": 6000})})
+    if neighbour_mib is not None:
+        await service.adopt("hi", "r", neighbour_mib)
+
+
+@pytest.mark.parametrize(("said", "overdrawn", "neighbour", "state", "mib"), [
+    # asleep, as recorded: it stays so, its reservation unchanged
+    (True, False, None, "sleeping", 500),
+    (True, True, None, "sleeping", 500),
+    # awake again and it fits: re-admitted at its awake size, watched until healthy
+    (False, False, None, "starting", 6000),
+    (False, False, 4000, "starting", 6000),  # 10000 - 4000 = 6000: exactly fits
+    # awake again and it does not fit: never admitted at full size (the role would be
+    # over-committed); kept asleep in the ledger until the health check puts it right
+    (False, False, 4001, "sleeping", 500),
+    (False, False, 7000, "sleeping", 500),
+    # no answer: asleep unless observation sees it draw its awake size
+    (None, False, None, "sleeping", 500),
+    (None, True, None, "starting", 6000),
+    (None, True, 7000, "sleeping", 500),
+])
+async def test_adoption_of_a_serve_recorded_asleep(
+        service: LedgerService, said: bool | None, overdrawn: bool, neighbour: int | None,
+        state: str, mib: int) -> None:
+    await _asleep(service, neighbour_mib=neighbour)
+    sleeps = Answering.make(service, said)
+    spec = service.config.serves["lo"]
+    got = await sleeps.adopt("lo", spec, "sleeping", overdrawn=overdrawn)
+    assert got == state
+    assert service.ledger.reservations["lo"].mib == mib
+    assert (service.store.meta("sleep:lo") is None) == (state == "starting")
+    if neighbour is not None:
+        assert service.ledger.reservations["hi"].mib == neighbour
+
+
+@pytest.mark.parametrize(("said", "state", "mib"), [
+    (True, "sleeping", 6000),  # slept between vLLM's sleep and the shrink: its full reservation
+    (False, "running", 6000),
+    (None, "running", 6000),
+])
+async def test_adoption_of_a_serve_recorded_running(
+        service: LedgerService, said: bool | None, state: str, mib: int) -> None:
+    await service.admit("lo", 6000, state="running")
+    await service.adopt("hi", "r", 7000)  # over-committed already: nothing is re-admitted
+    sleeps = Answering.make(service, said)
+    assert await sleeps.adopt("lo", service.config.serves["lo"], "running") == state
+    assert service.ledger.reservations["lo"].mib == mib

@@ -343,3 +343,96 @@ def test_violations_name_a_half_reserved_serve() -> None:
     half = Ledger.build(budgets(TP_OLD), [res("big", "a", 300)])
     assert violations(TP_OLD, half, {"big": "admitted"}) == [
         "big: reservation on 'a', configured on 'a, b'"]
+
+
+# _unwakeable: a sleeping serve keeps its sleep reservation through a change and is woken later
+# at the port its process listens on, to the size it was launched with; a change that takes any
+# of these away would leave it asleep for good.
+def sleepy(roles: dict[str, tuple[int, int]], role: str | tuple[str, ...] = "a", *,
+           vram: int = 600, level: int = 1, port: int = 8000) -> Config:
+    serve: dict[str, Any] = {"vram_mib": vram, "sleep_level": level, "port": port,
+                             "front": False, "command": ["/bin/true"]}
+    serve.update({"role": role} if isinstance(role, str) else {"roles": list(role)})
+    return Config.model_validate({
+        "roles": {n: {"device": str(i), "capacity_mib": c, "reserve_mib": r}
+                  for i, (n, (c, r)) in enumerate(roles.items())},
+        "serves": {"s": serve},
+    })
+
+
+WAS = {"a": (1000, 100), "b": (1000, 0)}
+CANNOT = ": it could not be woken; wake it (gpuctl wake) or stop it first"
+
+
+@pytest.mark.parametrize(("old", "new", "why"), [
+    (sleepy(WAS), sleepy(WAS), None),
+    (sleepy(WAS), sleepy(WAS, level=2), None),
+    (sleepy(WAS), sleepy(WAS, level=0), "its sleep_level is removed"),
+    (sleepy(WAS), sleepy(WAS, port=8001),
+     "its port changes (8000 -> 8001; its process listens on 8000)"),
+    (sleepy(WAS), sleepy(WAS, level=0, port=8001),
+     "its sleep_level is removed and its port changes (8000 -> 8001; its process listens on "
+     "8000)"),
+    # room for the awake size shrinks below it: 650 - 100 = 550 < 600
+    (sleepy(WAS), sleepy({"a": (650, 100), "b": (1000, 0)}),
+     "role 'a' would hold 550 MiB at most (capacity - reserve), less than the 600 MiB it wakes "
+     "to"),
+    (sleepy(WAS), sleepy({"a": (1000, 401), "b": (1000, 0)}),
+     "role 'a' would hold 599 MiB at most (capacity - reserve), less than the 600 MiB it wakes "
+     "to"),
+    # exactly its awake size left: it still wakes
+    (sleepy(WAS), sleepy({"a": (700, 100), "b": (1000, 0)}), None),
+    (sleepy(WAS), sleepy({"a": (1000, 400), "b": (1000, 0)}), None),
+    # it could wake exactly before (700 - 100 = 600), not after: made so by this change
+    (sleepy({"a": (700, 100), "b": (1000, 0)}), sleepy({"a": (699, 100), "b": (1000, 0)}),
+     "role 'a' would hold 599 MiB at most (capacity - reserve), less than the 600 MiB it wakes "
+     "to"),
+    # it could not wake before either (599 < 600): not this change's doing
+    (sleepy({"a": (699, 100), "b": (1000, 0)}), sleepy({"a": (650, 100), "b": (1000, 0)}), None),
+    # it wakes to the size its process was launched with, not the new vram_mib
+    (sleepy(WAS), sleepy({"a": (800, 100), "b": (1000, 0)}, vram=900), None),
+    (sleepy(WAS, vram=800), sleepy({"a": (800, 100), "b": (1000, 0)}, vram=500),
+     "role 'a' would hold 700 MiB at most (capacity - reserve), less than the 800 MiB it wakes "
+     "to"),
+    # on several roles: each one counts, and is named
+    (sleepy(WAS, ("a", "b")), sleepy({"a": (1000, 100), "b": (500, 0)}, ("a", "b")),
+     "role 'b' would hold 500 MiB at most (capacity - reserve), less than the 600 MiB it wakes "
+     "to"),
+    (sleepy(WAS, ("a", "b")), sleepy({"a": (500, 0), "b": (500, 0)}, ("a", "b")),
+     "role 'a' would hold 500 MiB at most (capacity - reserve), less than the 600 MiB it wakes "
+     "to and role 'b' would hold 500 MiB at most (capacity - reserve), less than the 600 MiB "
+     "it wakes to"),
+])
+def test_a_sleeping_serve_must_stay_wakeable(old: Config, new: Config, why: str | None) -> None:
+    held = [res("s", old.serves["s"].all_roles, 100)]
+    out = decide(old, new, held, {"s": "sleeping"})
+    if why is None:
+        assert isinstance(out, Transition), out
+        assert out.ledger.reservations["s"].mib == 100 and out.release == out.stop == ()
+        return
+    assert refused(out) == [f"s (100 MiB on {held[0].roles_text}): is sleeping and {why}"
+                            f"{CANNOT}"]
+    # the same change is no concern of a serve that is awake (it is not woken through them)
+    assert isinstance(decide(old, new, held, {"s": "running"}), Transition)
+
+
+def test_a_sleeping_serve_newly_configured_is_judged_by_the_new_config() -> None:
+    # no serve of its name before (a reservation kept from an older config): no port to compare,
+    # and it wakes to the new vram_mib
+    old = config({"a": (2000, 100), "b": (1000, 0)}, {})
+    held = [res("s", "a", 100)]
+    assert isinstance(decide(old, sleepy(WAS, port=9000), held, {"s": "sleeping"}), Transition)
+    [message] = refused(decide(old, sleepy(WAS, vram=950), held, {"s": "sleeping"}))
+    assert "less than the 950 MiB it wakes to" in message
+
+
+def test_a_role_missing_before_counts_as_no_room_before() -> None:
+    # the role held the reservation but was not configured (missing): any shortfall is new
+    old = config({"b": (1000, 0)}, {})
+    held = [res("s", "a", 100)]
+    ledger = Ledger.build(budgets(old), held)
+    assert ledger.roles["a"].missing
+    new = sleepy({"a": (500, 0), "b": (1000, 0)})
+    out = transition(old=old, new=new, ledger=ledger, budgets=budgets(new),
+                     states={"s": "sleeping"}, may_stop=False)
+    assert "role 'a' would hold 500 MiB at most" in refused(out)[0]

@@ -5,6 +5,7 @@ the changes they notice.
     python3 tools/mutate.py                      # every module in MODULES, its tests
     python3 tools/mutate.py gpud/core/ledger.py       # one module
     python3 tools/mutate.py --list gpud/core/plan.py  # the mutants, without running anything
+    python3 tools/mutate.py gpud/core/launch.py --function boot_steps --function start_sharing
 
 A mutant is one of: a comparison flipped (< <=, > >=, == !=, in / not in), + and - swapped,
 an integer constant moved by one, min and max swapped, and / or swapped, a condition negated,
@@ -34,22 +35,22 @@ from pathlib import Path
 from types import CodeType, ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
-# module file -> the unit tests that should notice a change in it
-MODULES: dict[str, tuple[str, ...]] = {
-    "gpud/core/ledger.py": ("tests/test_ledger.py", "tests/test_transition.py", "tests/test_plan.py"),
-    "gpud/core/plan.py": ("tests/test_plan.py", "tests/test_plan_cases.py",
-                          "tests/test_plan_sleeping.py"),
-    "gpud/core/transition.py": ("tests/test_transition.py", "tests/test_plan_sleeping.py"),
-    "gpud/core/preempt.py": ("tests/test_preempt.py",),
-    "gpud/core/actions.py": ("tests/test_actions.py",),
-    "gpud/core/authority.py": ("tests/test_authority.py",),
-    "gpud/core/launch.py": ("tests/test_launch.py", "tests/test_vllm_flags.py",
-                            "tests/test_container.py"),
-    "gpud/core/health.py": ("tests/test_health.py",),
-    "gpud/core/unitstate.py": ("tests/test_unitstate.py",),
-    "gpud/core/lifecycle.py": ("tests/test_lifecycle.py",),
-    "gpud/core/reconcile.py": ("tests/test_reconcile.py",),
-}
+# The deciding modules of the pure core. Each is measured by its own unit tests only,
+# tests/test_<module>*.py (not by daemon-level tests that happen to pass through it).
+MODULES: tuple[str, ...] = (
+    "gpud/core/ledger.py", "gpud/core/plan.py", "gpud/core/transition.py", "gpud/core/preempt.py",
+    "gpud/core/actions.py", "gpud/core/authority.py", "gpud/core/launch.py", "gpud/core/health.py",
+    "gpud/core/unitstate.py", "gpud/core/lifecycle.py", "gpud/core/reconcile.py",
+)
+
+
+def own_tests(module: str) -> tuple[str, ...]:
+    """A module's own unit tests: tests/test_<module>*.py (test_plan.py, test_plan_cases.py...)."""
+    stem = Path(module).stem
+    return tuple(sorted(str(p.relative_to(REPO))
+                        for p in (REPO / "tests").glob(f"test_{stem}*.py")))
+
+
 EQUIVALENT = REPO / "tools" / "mutants-equivalent.txt"
 
 SWAP_CMP: dict[type[ast.cmpop], type[ast.cmpop]] = {
@@ -146,15 +147,33 @@ def _apply(node: ast.AST, what: str) -> str:
     raise ValueError(what)
 
 
-def mutants(module: str) -> list[Mutant]:
+def _lines_of(tree: ast.Module, functions: Sequence[str]) -> set[int] | None:
+    """The lines of the named functions (methods included, by their own name); None: all."""
+    if not functions:
+        return None
+    lines: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name in functions:
+            lines.update(range(fn.lineno, (fn.end_lineno or fn.lineno) + 1))
+    missing = set(functions) - {fn.name for fn in ast.walk(tree)
+                                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if missing:
+        raise SystemExit(f"no such function: {', '.join(sorted(missing))}")
+    return lines
+
+
+def mutants(module: str, functions: Sequence[str] = ()) -> list[Mutant]:
     source = (REPO / module).read_text()
     original = ast.parse(source)
+    within = _lines_of(original, functions)
     count = sum(1 for _ in _sites(original))
     found: list[Mutant] = []
     for index in range(count):
         tree = copy.deepcopy(original)
         node, what = list(_sites(tree))[index]
         line = getattr(node, "lineno", 0)
+        if within is not None and line not in within:
+            continue
         description = _apply(node, what)
         if what == "delete":
             tree = _DeleteOne(node).visit(tree)
@@ -252,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--min", type=float, default=85.0, help="lowest passing score, percent")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    parser.add_argument("--function", action="append", default=[],
+                        help="only the mutants inside this function (repeatable)")
     args = parser.parse_args(argv)
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
@@ -260,14 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         _preload()
     failed = False
     for module in args.modules or list(MODULES):
-        found = mutants(module)
+        found = mutants(module, args.function)
         if args.list:
             for m in found:
                 print(m.key)
             continue
-        tests = MODULES.get(module)
-        if tests is None:
+        if module not in MODULES:
             parser.error(f"{module}: not one of {', '.join(MODULES)}")
+        tests = own_tests(module)
+        if not tests:
+            parser.error(f"{module}: no tests/test_{Path(module).stem}*.py")
         counted = [m for m in found if m.key not in known]
         unchanged = Mutant(module, 0, "unchanged", ast.parse((REPO / module).read_text()))
         if _run(unchanged, tests, args.timeout) != "survived":
@@ -282,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 survivors.append(m)
         killed = len(counted) - len(survivors)
         score = 100.0 * killed / len(counted) if counted else 100.0
-        print(f"{module}: {killed}/{len(counted)} killed, {score:.1f}% "
+        scope = f" in {', '.join(args.function)}" if args.function else ""
+        print(f"{module}{scope}: {killed}/{len(counted)} killed, {score:.1f}% "
               f"({len(found) - len(counted)} equivalent left out; "
               f"{time.monotonic() - started:.0f} s)", flush=True)
         for m in survivors:

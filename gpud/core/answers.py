@@ -276,6 +276,15 @@ class ConfigFile(TypedDict):
     reason: str | None
 
 
+class StoreStatus(TypedDict):
+    """Whether the durable store commits; while it fails, since when and why."""
+
+    ok: bool
+    error: str | None
+    failing_since: float | None
+    failed_commits: int
+
+
 class Status(TypedDict):
     """GET /v1/status."""
 
@@ -290,6 +299,7 @@ class Status(TypedDict):
     over_committed: list[str]
     config_file: ConfigFile
     store_transactions: int
+    store: StoreStatus
     summary: str
 
 

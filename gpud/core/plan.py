@@ -7,7 +7,7 @@ that must restart, and whether the full resident set is admitted under the new c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpud.core import actions, answers
@@ -107,53 +107,15 @@ def make_plan(
     holds nothing is admitted in priority order against the ledger bound; the ones that do not
     fit are the plan's denials.
     """
-    after = Ledger.build(new_budgets, [])
     held = dict(ledger.reservations)
-    changes: list[ServeChange] = []
-    denied: list[Denial] = []
-
-    def device_total(roles: str | None, budgets: Mapping[str, RoleBudget]) -> int | None:
-        """The total the utilization is computed against: the smallest of the roles' devices."""
-        if roles is not None and "+" not in roles:  # one role: the common case, kept cheap
-            if roles not in budgets:
-                return None
-            b = budgets[roles]
-            return totals.get(b.device) or b.capacity_mib
-        if roles is None or any(r not in budgets for r in roles.split("+")):
-            return None
-        found = [totals.get(budgets[r].device) or budgets[r].capacity_mib
-                 for r in roles.split("+")]
-        return min(found) if all(found) else None
-
-    # Reservations that stay (resized), in the order they were made.
-    kept: dict[str, Reservation] = {}
-    for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
-        spec = new.serves.get(res.serve)
-        if res.external:
-            if all(r in after.roles for r in res.all_roles):
-                kept[res.serve] = res
-            continue
-        if spec is not None and all(r in after.roles for r in spec.all_roles):
-            if (spec.all_roles != res.all_roles and not spec.resident
-                    and states.get(res.serve) == ADMITTED):
-                # Admitted only, and it leaves its role: its admission is released, and
-                # nothing starts or admits it on the new one (it is not resident).
-                continue
-            if states.get(res.serve) == SLEEPING and spec.all_roles == res.all_roles:
-                # Asleep it holds its sleep reservation, and it stays asleep: its wake is
-                # re-admitted then (strict bound), at what its process was launched with.
-                kept[res.serve] = res
-                continue
-            kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
-                                          res.by_uid, False, spec.extra_roles)
-    after = Ledger(after.roles, kept)
+    after = Ledger.build(new_budgets, [])
+    after = Ledger(after.roles, _kept(new, held, after.roles, states))
     # Resident serves holding nothing: admitted by priority, like the boot would.
     wanted = [(name, spec.all_roles, spec.vram_mib) for _, name, spec in
               sorted((s.priority, n, s) for n, s in new.serves.items() if s.resident)
               if name not in after.reservations
               and all(r in after.roles for r in spec.all_roles)]
-    after, refused = after.admit_in_order(wanted, since=0.0)
-    denied.extend(refused)
+    after, denied = after.admit_in_order(wanted, since=0.0)
     # Over-commit left by resized reservations blocks the change: the set does not fit.
     over = [Blocker(f"roles.{f.role}", f"the resized reservations commit {f.committed_mib} "
                        f"MiB, over capacity - reserve = {f.capacity_mib - f.reserve_mib} MiB "
@@ -171,68 +133,13 @@ def make_plan(
         spec = new.serves.get(name) or old.serves.get(name)
         return (spec.role if spec else "", spec.priority if spec else 1 << 30, name)
 
-    names = sorted(set(old.serves) | set(new.serves) | set(held), key=order)
-    for name in names:
-        before_spec, after_spec = old.serves.get(name), new.serves.get(name)
-        cur = held.get(name)
-        if cur is not None and cur.external:
-            continue
-        res_after = after.reservations.get(name)
-        state = states.get(name, DECLARED)
-        asleep = state == SLEEPING and cur is not None
-        # The figure a sleeping serve's process was launched with (its util), not its sleep one.
-        launched = before_spec.vram_mib if before_spec else cur.mib if cur else None
-        was_denied = name in denied_by
-        state_after: ServeState | Gone
-        if after_spec is None:
-            change, state_after = "removed", Gone.REMOVED
-        elif before_spec is None:
-            change = "added"
-            state_after = DENIED if was_denied else (ADMITTED if res_after else DECLARED)
-        else:
-            # A sleeping serve holds its sleep reservation: resized is of what it wakes to.
-            awake = before_spec.vram_mib if asleep or cur is None else cur.mib
-            resized = awake != after_spec.vram_mib
-            differs = _runs_differently(before_spec, after_spec)
-            change = ("changed, resized" if differs and resized else "changed" if differs
-                      else "resized" if resized else "unchanged")
-            if was_denied:
-                state_after = DENIED
-            elif res_after is not None and state not in HOLDING_STATES and after_spec.resident:
-                state_after = ADMITTED
-            elif res_after is None and state == ADMITTED:
-                state_after = DECLARED  # its admission released, nothing admits it again
-            else:
-                state_after = state if state != DENIED or res_after is None else ADMITTED
-        running = state in HOLDING_STATES  # runs now: a change to how it runs restarts it
-        restart = running and after_spec is not None and before_spec is not None and (
-            _runs_differently(before_spec, after_spec)
-            or (cur is not None and res_after is not None and cur.mib != res_after.mib))
-        reason = denied_by[name].reason if was_denied else None
-        if asleep and restart and cur is not None and res_after is cur:
-            # Not restarted (that would wake it at full size, behind the ledger's back): the
-            # change to how it runs takes effect at its next start.
-            restart = False
-            reason = ("sleeping: not restarted; the change takes effect when it is next "
-                      "started (it wakes as it was launched)")
-        role_before = (_roles(before_spec.all_roles) if before_spec
-                       else (_roles(cur.all_roles) if cur else None))
-        role_after = _roles(after_spec.all_roles) if after_spec else None
-        changes.append(ServeChange(
-            name=name, role_before=role_before, role_after=role_after,
-            mib_before=cur.mib if cur else None,
-            mib_after=res_after.mib if res_after else None,
-            util_before=_util(launched if asleep else cur.mib if cur else None,
-                              device_total(role_before, ledger.roles)),
-            util_after=_util(launched if asleep and res_after is cur else
-                             res_after.mib if res_after else (
-                after_spec.vram_mib if after_spec else None),
-                device_total(role_after, new_budget_map)),
-            fingerprint_before=fingerprint(before_spec) if before_spec else None,
-            fingerprint_after=fingerprint(after_spec) if after_spec else None,
-            state_before=state, state_after=state_after, change=change, restart=restart,
-            reason=reason, resident=bool(after_spec and after_spec.resident),
-        ))
+    changes = [_change(name, old.serves.get(name), new.serves.get(name), held.get(name),
+                       after.reservations.get(name), states.get(name, DECLARED),
+                       denied_by.get(name),
+                       before_total=lambda roles: _device_total(roles, ledger.roles, totals),
+                       after_total=lambda roles: _device_total(roles, new_budget_map, totals))
+               for name in sorted(set(old.serves) | set(new.serves) | set(held), key=order)
+               if not (name in held and held[name].external)]
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
               after.figures(n) if n in after.roles else None) for n in role_names]
@@ -243,3 +150,111 @@ def make_plan(
                     blocked=decided.blockers + tuple(over), boot=boot)
     return Plan(roles, changes, denied, source, after, blocked=tuple(over),
                 stop_first=decided.stop, release_first=decided.release, boot=boot)
+
+
+def _device_total(roles: str | None, budgets: Mapping[str, RoleBudget],
+                  totals: Mapping[str, int | None]) -> int | None:
+    """The total a utilization is computed against (`roles`: a plan cell, _roles): the
+    smallest of the roles' devices."""
+    if roles is not None and "+" not in roles:  # one role: the common case, kept cheap
+        if roles not in budgets:
+            return None
+        b = budgets[roles]
+        return totals.get(b.device) or b.capacity_mib
+    if roles is None or any(r not in budgets for r in roles.split("+")):
+        return None
+    found = [totals.get(budgets[r].device) or budgets[r].capacity_mib
+             for r in roles.split("+")]
+    return min(found) if all(found) else None
+
+
+def _kept(new: Config, held: Mapping[str, Reservation], roles: Mapping[str, RoleBudget],
+          states: Mapping[str, ServeState]) -> dict[str, Reservation]:
+    """The reservations that stay under `new` (on `roles`), resized, in the order they were
+    made."""
+    kept: dict[str, Reservation] = {}
+    for res in sorted(held.values(), key=lambda r: (r.since, r.serve)):
+        spec = new.serves.get(res.serve)
+        if res.external:
+            if all(r in roles for r in res.all_roles):
+                kept[res.serve] = res
+            continue
+        if spec is not None and all(r in roles for r in spec.all_roles):
+            if (spec.all_roles != res.all_roles and not spec.resident
+                    and states.get(res.serve) == ADMITTED):
+                # Admitted only, and it leaves its role: its admission is released, and
+                # nothing starts or admits it on the new one (it is not resident).
+                continue
+            if states.get(res.serve) == SLEEPING and spec.all_roles == res.all_roles:
+                # Asleep it holds its sleep reservation, and it stays asleep: its wake is
+                # re-admitted then (strict bound), at what its process was launched with.
+                kept[res.serve] = res
+                continue
+            kept[res.serve] = Reservation(res.serve, spec.role, spec.vram_mib, res.since,
+                                          res.by_uid, False, spec.extra_roles)
+    return kept
+
+
+def _change(name: str, before_spec: ServeConfig | None, after_spec: ServeConfig | None,
+            cur: Reservation | None, res_after: Reservation | None, state: ServeState,
+            denial: Denial | None, *, before_total: Callable[[str | None], int | None],
+            after_total: Callable[[str | None], int | None]) -> ServeChange:
+    """One serve's line of the plan: held `cur` now, `res_after` after, recorded `state`."""
+    asleep = state == SLEEPING and cur is not None
+    # The figure a sleeping serve's process was launched with (its util), not its sleep one.
+    launched = before_spec.vram_mib if before_spec else cur.mib if cur else None
+    change, state_after = _what_changes(before_spec, after_spec, cur, res_after, state, denial)
+    running = state in HOLDING_STATES  # runs now: a change to how it runs restarts it
+    restart = running and after_spec is not None and before_spec is not None and (
+        _runs_differently(before_spec, after_spec)
+        or (cur is not None and res_after is not None and cur.mib != res_after.mib))
+    reason = denial.reason if denial is not None else None
+    if asleep and restart and cur is not None and res_after is cur:
+        # Not restarted (that would wake it at full size, behind the ledger's back): the
+        # change to how it runs takes effect at its next start.
+        restart = False
+        reason = ("sleeping: not restarted; the change takes effect when it is next "
+                  "started (it wakes as it was launched)")
+    role_before = (_roles(before_spec.all_roles) if before_spec
+                   else (_roles(cur.all_roles) if cur else None))
+    role_after = _roles(after_spec.all_roles) if after_spec else None
+    return ServeChange(
+        name=name, role_before=role_before, role_after=role_after,
+        mib_before=cur.mib if cur else None,
+        mib_after=res_after.mib if res_after else None,
+        util_before=_util(launched if asleep else cur.mib if cur else None,
+                          before_total(role_before)),
+        util_after=_util(launched if asleep and res_after is cur else
+                         res_after.mib if res_after else (
+            after_spec.vram_mib if after_spec else None),
+            after_total(role_after)),
+        fingerprint_before=fingerprint(before_spec) if before_spec else None,
+        fingerprint_after=fingerprint(after_spec) if after_spec else None,
+        state_before=state, state_after=state_after, change=change, restart=restart,
+        reason=reason, resident=bool(after_spec and after_spec.resident),
+    )
+
+
+def _what_changes(before_spec: ServeConfig | None, after_spec: ServeConfig | None,
+                  cur: Reservation | None, res_after: Reservation | None, state: ServeState,
+                  denial: Denial | None) -> tuple[str, ServeState | Gone]:
+    """The kind of change (added, removed, changed, resized...) and the state after it."""
+    was_denied = denial is not None
+    if after_spec is None:
+        return "removed", Gone.REMOVED
+    if before_spec is None:
+        return "added", DENIED if was_denied else (ADMITTED if res_after else DECLARED)
+    # A sleeping serve holds its sleep reservation: resized is of what it wakes to.
+    asleep = state == SLEEPING and cur is not None
+    awake = before_spec.vram_mib if asleep or cur is None else cur.mib
+    resized = awake != after_spec.vram_mib
+    differs = _runs_differently(before_spec, after_spec)
+    change = ("changed, resized" if differs and resized else "changed" if differs
+              else "resized" if resized else "unchanged")
+    if was_denied:
+        return change, DENIED
+    if res_after is not None and state not in HOLDING_STATES and after_spec.resident:
+        return change, ADMITTED
+    if res_after is None and state == ADMITTED:
+        return change, DECLARED  # its admission released, nothing admits it again
+    return change, state if state != DENIED or res_after is None else ADMITTED

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from gpud.core import answers
 from gpud.core.config import Config, ServeConfig
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.vocab import HOLDING_STATES, LIVE_STATES, ORPHAN, SLEEPING, ServeState
+
+
+class Fate(StrEnum):
+    """What a config change does to one reservation (`_fate`)."""
+
+    KEEP = "keep"
+    RELEASE = "release"  # its serve not live: the reservation goes
+    STOP = "stop"  # its serve stopped first (only when the change may stop serves)
 
 # [daemon] keys that gpud reads once, at start: a reload or apply cannot switch them.
 RESTART_ONLY_KEYS = ("socket", "state_dir")
@@ -88,49 +97,78 @@ def transition(
     sits on may not be removed, and a serve of its name may not be configured. A role the change
     would over-commit (beyond what it already was) is refused, naming what it holds.
     """
+    blockers = _restart_only(old, new)
+    roles = {b.name: b for b in budgets}
+    kept: dict[str, Reservation] = {}
+    release: list[str] = []
+    stop: list[str] = []
+    for res in sorted(ledger.reservations.values(), key=lambda r: (r.since, r.serve)):
+        fate = _fate(res, old, new, roles, ledger, states, may_stop)
+        if isinstance(fate, Blocker):
+            blockers.append(fate)
+        elif fate == Fate.KEEP:
+            kept[res.serve] = res
+            if states.get(res.serve) == SLEEPING and not res.external:
+                blockers.extend(_unwakeable(res, old.serves.get(res.serve),
+                                            new.serves[res.serve], roles, ledger.roles))
+        elif fate == Fate.RELEASE:
+            release.append(res.serve)
+        else:
+            stop.append(res.serve)
+    blockers += _held_without_reservation(new, ledger, states)
+    after = Ledger(roles, kept)
+    blockers += _over_committed(after, ledger)
+    if blockers:
+        return Refusal(tuple(blockers))
+    return Transition(after, tuple(release), tuple(stop))
+
+
+def _restart_only(old: Config, new: Config) -> list[Blocker]:
+    """[daemon] keys a change cannot switch (read once, at start)."""
     blockers: list[Blocker] = []
     for key in RESTART_ONLY_KEYS:
         before, after = getattr(old.daemon, key), getattr(new.daemon, key)
         if before != after:
             blockers.append(Blocker(f"daemon.{key}", f"{before!r} -> {after!r} takes effect only "
                                     "when gpud restarts: restart gpud instead"))
-    roles = {b.name: b for b in budgets}
-    kept: dict[str, Reservation] = {}
-    release: list[str] = []
-    stop: list[str] = []
-    for res in sorted(ledger.reservations.values(), key=lambda r: (r.since, r.serve)):
-        spec = new.serves.get(res.serve)
-        live = states.get(res.serve) in LIVE_STATES
-        if res.external:
-            if spec is not None:
-                blockers.append(_blocker(res, "holds an external reservation; release it "
-                                              "before configuring a serve of that name"))
-            elif any(r not in roles for r in res.all_roles):
-                gone = next(r for r in res.all_roles if r not in roles)
-                blockers.append(_blocker(res, f"external reservation on role {gone!r}, which "
-                                              "the change removes; release it first"))
-            else:
-                kept[res.serve] = res
-            continue
-        # A serve on several roles keeps its reservation only on exactly the same roles: a
-        # change of any of them moves the whole reservation (it is one, held on each).
-        if spec is not None and spec.all_roles == res.all_roles \
-                and all(r in roles for r in res.all_roles):
-            kept[res.serve] = res
-            if states.get(res.serve) == SLEEPING:
-                blockers.extend(_unwakeable(res, old.serves.get(res.serve), spec, roles,
-                                            ledger.roles))
-            continue
-        why = ("leaves the config" if spec is None
-               else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
-               else f"moves to roles {', '.join(spec.all_roles)}")
-        if not live:
-            release.append(res.serve)
-        elif may_stop:
-            stop.append(res.serve)
-        else:
-            blockers.append(_blocker(res, f"is {states[res.serve]} and {why}: stop it first "
-                                          "(gpuctl stop), or use gpuctl apply"))
+    return blockers
+
+
+def _fate(res: Reservation, old: Config, new: Config, roles: Mapping[str, RoleBudget],
+          ledger: Ledger, states: Mapping[str, ServeState],
+          may_stop: bool) -> Blocker | Fate:
+    """What the change does to one reservation: kept, released (its serve not live), its
+    serve stopped first (only `may_stop`), or what stands in the way."""
+    spec = new.serves.get(res.serve)
+    if res.external:
+        if spec is not None:
+            return _blocker(res, "holds an external reservation; release it before "
+                                 "configuring a serve of that name")
+        if any(r not in roles for r in res.all_roles):
+            gone = next(r for r in res.all_roles if r not in roles)
+            return _blocker(res, f"external reservation on role {gone!r}, which the change "
+                                 "removes; release it first")
+        return Fate.KEEP
+    # A serve on several roles keeps its reservation only on exactly the same roles: a
+    # change of any of them moves the whole reservation (it is one, held on each).
+    if spec is not None and spec.all_roles == res.all_roles \
+            and all(r in roles for r in res.all_roles):
+        return Fate.KEEP
+    why = ("leaves the config" if spec is None
+           else f"moves to role {spec.role!r}" if len(spec.all_roles) == 1
+           else f"moves to roles {', '.join(spec.all_roles)}")
+    if states.get(res.serve) not in LIVE_STATES:
+        return Fate.RELEASE
+    if may_stop:
+        return Fate.STOP
+    return _blocker(res, f"is {states[res.serve]} and {why}: stop it first "
+                         "(gpuctl stop), or use gpuctl apply")
+
+
+def _held_without_reservation(new: Config, ledger: Ledger,
+                              states: Mapping[str, ServeState]) -> list[Blocker]:
+    """Configured serves that run (or an orphan unit of their name does) with nothing held."""
+    blockers: list[Blocker] = []
     for serve, state in sorted(states.items()):
         if serve not in new.serves or serve in ledger.reservations:
             continue
@@ -139,8 +177,13 @@ def transition(
         elif state == ORPHAN:
             blockers.append(Blocker(serve, "an orphan unit of that name runs: stop it first "
                                            "(gpuctl stop)"))
-    after = Ledger(roles, kept)
-    for name in sorted(roles):
+    return blockers
+
+
+def _over_committed(after: Ledger, ledger: Ledger) -> list[Blocker]:
+    """Roles the change would over-commit, beyond what they already were."""
+    blockers: list[Blocker] = []
+    for name in sorted(after.roles):
         figures = after.figures(name)
         if figures.free_mib >= 0:
             continue
@@ -151,9 +194,7 @@ def transition(
         blockers.append(Blocker(f"roles.{name}", f"committed {figures.committed_mib} MiB would "
                                 f"exceed capacity - reserve = "
                                 f"{figures.capacity_mib - figures.reserve_mib} MiB (held: {held})"))
-    if blockers:
-        return Refusal(tuple(blockers))
-    return Transition(after, tuple(release), tuple(stop))
+    return blockers
 
 
 def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import STATES  # noqa: E402 - defined once
+from gpud.core.vocab import DENIED, STATES  # noqa: E402 - defined once
 
 
 def _mib(value: Any) -> str:
@@ -172,6 +172,7 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
     config = _dash(doc.get("config"))
     if file.get("differs"):
         config += f" (!! the file on disk is not the config in force: {file.get('reason')})"
+    store = doc.get("store") or {}
     rows = [
         ("version", _dash(doc.get("version"))),
         ("config", config),
@@ -181,8 +182,14 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
         ("observation", observation),
         ("serves", _counts(doc.get("serve_states") or {})),
         ("over-committed", ("!! " + ", ".join(names)) if names else "none"),
-        ("summary", _dash(doc.get("summary"))),
     ]
+    if store and not store.get("ok", True):
+        since = store.get("failing_since")
+        rows.append(("store", "!! FAILING" + (f" since {local_time(since, tz)}"
+                                              if isinstance(since, (int, float)) else "")
+                     + f" ({store.get('failed_commits')} failed commits): {store.get('error')}; "
+                     "nothing that needs a record is changed"))
+    rows.append(("summary", _dash(doc.get("summary"))))
     return _block(rows)
 
 
@@ -480,7 +487,7 @@ def format_plan(doc: answers.Plan) -> str:
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
-        if s.get("reason") and s.get("state_after") != "denied":
+        if s.get("reason") and s.get("state_after") != DENIED:
             lines.append(f"{s.get('name')}: {s.get('reason')}")
     if doc.get("resident_fits"):
         lines.append("resident set: fits, every resident serve is admitted")

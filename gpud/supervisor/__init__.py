@@ -1,8 +1,10 @@
 """Serves under systemd: launch, adopt, boot the resident set, watch health and crash loops.
 
-Starts are serialized per device: vLLM instances that profile memory at the same time on one GPU
-mis-size each other, so one serve is started, waited on until healthy (or its timeout), and only
-then the next; different devices proceed in parallel. Unit state comes from D-Bus signals
+A start that profiles memory has its devices to itself: vLLM instances that profile memory at
+the same time on one GPU mis-size each other, so such a serve is started, waited on until
+healthy (or its timeout), and only then the next. Serves sized exactly (vllm.kv_cache_mib:
+--kv-cache-memory-bytes, no profiling) share their devices' locks and start together
+(gpud.core.launch.start_sharing); different devices proceed in parallel. Unit state comes from D-Bus signals
 (gpud.units), health from polling each serve's health endpoint.
 
 One module per job: `boot` (reconciliation, the resident set), `launch` (a start), `health`

@@ -1,5 +1,6 @@
 """At gpud's start: adopt the units that run (reconciliation), then start the resident set by
-priority, serialized per device, devices in parallel."""
+priority, per device in boot steps (gpud.core.launch.boot_steps: exactly sized serves of a
+device start together, every other serve alone), devices in parallel."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class BootJob(Base):
             state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
             if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
                 # Asked, not assumed: asleep it keeps its reservation unchanged.
-                state = await self.sleeps.adopt(serve, spec, rec_state)
+                state = await self.sleeps.adopt(serve, spec, rec_state,
+                                                overdrawn=self.reconciler.overdrawn(serve))
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
             await self.svc.record(self.svc.event(
@@ -84,7 +86,8 @@ class BootJob(Base):
         return rec.reason if rec is not None and state == SLEEPING else None
 
     async def boot(self) -> None:
-        """Start the resident set: by priority, serialized per device, devices in parallel."""
+        """Start the resident set: by priority, per device in boot steps (exactly sized serves
+        together, every other serve alone), devices in parallel."""
         try:
             if not self.units.available:
                 log.warning("resident set not started: launching unavailable (%s)",

@@ -31,7 +31,7 @@ from gpud.core.vocab import (
     STARTING,
     EventKind,
 )
-from gpud.errors import GpudError
+from gpud.errors import GpudError, StoreError
 from gpud.front import open_to_front
 from gpud.supervisor.base import (
     UNIT_JOB_TIMEOUT_S,
@@ -218,7 +218,9 @@ class HealthJob(Base):
                 await self._check_running()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a failed store write must not end health checking for good
+            except StoreError:
+                pass  # the service says the store fails, once per interval: not every round
+            except Exception:  # a failure must not end health checking for good
                 log.exception("health check round failed; next round in %.1f s",
                               self.svc.config.daemon.health_interval_s)
 
@@ -290,7 +292,9 @@ class HealthJob(Base):
                 await self._unhealthy(serve, spec, verdict.unhealthy)
         except asyncio.CancelledError:
             raise
-        except Exception:  # a failed store write must not end checking this serve for good
+        except StoreError:
+            pass  # the service says the store fails, once per interval: not once per check
+        except Exception:  # a failure must not end checking this serve for good
             log.exception("health check of %s failed", serve)
 
 

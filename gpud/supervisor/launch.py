@@ -1,6 +1,7 @@
 """A serve's start: its checks, its admission, its unit's properties and the launch itself,
-under its devices' locks (serialized per device: vLLM instances profiling memory at the same
-time on one GPU mis-size each other)."""
+under its devices' locks: exclusive for a start that profiles memory (vLLM instances profiling
+at the same time on one GPU mis-size each other), shared among exactly sized starts, which do
+not profile (gpud.core.launch.start_sharing)."""
 
 from __future__ import annotations
 
@@ -93,13 +94,8 @@ class LaunchJob(Base):
                 carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid,
                                                              locked=True)
             elif held is None:
-                try:
+                with self.sleeps.preemption_hint(serve, spec.vram_mib):
                     await self.svc.admit(serve, spec.vram_mib, uid=uid)
-                except Denied as exc:
-                    if exc.details.get("bound") == "device":
-                        raise
-                    would, details = self.sleeps.what_preemption_would_do(serve, spec.vram_mib)
-                    raise Denied(exc.message + would, {**exc.details, **details}) from exc
             try:
                 unit_spec = self._unit_spec(serve, self._sized(serve, spec))
             except GpudError as exc:

@@ -782,3 +782,70 @@ def test_sandbox_crash_short(gpud: SandboxGpud) -> None:
 @pytest.mark.slow
 def test_sandbox_crash_long(gpud: SandboxGpud) -> None:
     run_sandbox_crash(gpud, kills=max(1, knob("KILLS", 50)), clients=16)
+
+
+def test_a_sleep_that_cannot_be_recorded_is_undone(small_state_dir: SandboxGpud) -> None:
+    # The state directory fills while a serve is put to sleep: vLLM sleeps, the shrink of its
+    # reservation cannot be committed, so gpud wakes it back. The ledger never says less than
+    # what runs: recorded running at its full size, and it is awake at its full size.
+    from tests.integration.test_sleep import ROLE
+    from tests.integration.test_sleep import serve as sleeper
+
+    gpud = small_state_dir
+    mount_small_state_dir(gpud, sim_config(ROLE, sleeper("lo", 12000, 50, 30181, level=1,
+                                                         front=False)))
+    assert gpud.call("POST", "/v1/serves/lo/start", {}).status == 200
+    gpud.wait_state("lo", "running")
+    before = ledger_reservations(gpud.get("/v1/ledger"))
+    assert before == {"lo": ("r", 12000)}
+    said_before = gpud.journal_tail(100000).count("the store fails")
+    fill(gpud)
+    reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
+    assert reply.status == 500, reply.body
+    assert reply.body["error"]["code"] == "store-failed"
+    assert "woken back" in reply.body["error"]["message"], reply.body
+    assert gpud.serve("lo")["state"] == "running"
+    assert ledger_reservations(gpud.get("/v1/ledger")) == before
+    state = gpud.standin_state("lo")
+    assert state["sleep_level"] is None, state  # awake again, as the ledger says
+    # the store's failure is a state gpud reports, and the journal says it once, no traceback
+    store = gpud.get("/v1/status")["store"]
+    assert store["ok"] is False and "full" in store["error"], store
+    time.sleep(1.5)  # three health rounds: none of them adds a line about the store
+    journal = gpud.journal_tail(100000)
+    assert journal.count("the store fails") == said_before + 1, journal[-5000:]
+    assert "Traceback" not in gpud.journal_tail(200), journal[-5000:]
+    # space back: the sleep works, and nothing is taken for a sleep "outside gpud"
+    gpud.sb.run("rm -f /var/lib/gpud/filler")
+    reply = gpud.call("POST", "/v1/serves/lo/sleep", {})
+    assert reply.status == 200, reply.body
+    assert gpud.get("/v1/status")["store"]["ok"] is True
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert not [e for e in gpud.events(serve="lo") if e["details"].get("outside")]
+
+
+def test_a_wake_that_cannot_be_recorded_is_not_carried_out(
+        small_state_dir: SandboxGpud) -> None:
+    # A wake is admitted (its growth committed) before the serve is asked to wake: with the
+    # state directory full, the admission fails and the serve is never woken.
+    from tests.integration.test_sleep import ROLE
+    from tests.integration.test_sleep import serve as sleeper
+
+    gpud = small_state_dir
+    mount_small_state_dir(gpud, sim_config(ROLE, sleeper("lo", 12000, 50, 30182, level=1,
+                                                         front=False)))
+    assert gpud.call("POST", "/v1/serves/lo/start", {}).status == 200
+    gpud.wait_state("lo", "running")
+    assert gpud.call("POST", "/v1/serves/lo/sleep", {}).status == 200
+    asleep = ledger_reservations(gpud.get("/v1/ledger"))
+    assert asleep == {"lo": ("r", 800)}
+    fill(gpud)
+    reply = gpud.call("POST", "/v1/serves/lo/wake", {})
+    assert reply.status == 500, reply.body
+    assert reply.body["error"]["code"] == "store-failed"
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert ledger_reservations(gpud.get("/v1/ledger")) == asleep
+    assert gpud.standin_state("lo")["sleep_level"] == 1  # never asked to wake
+    gpud.sb.run("rm -f /var/lib/gpud/filler")
+    assert gpud.call("POST", "/v1/serves/lo/wake", {}).status == 200
+    assert ledger_reservations(gpud.get("/v1/ledger")) == {"lo": ("r", 12000)}

@@ -141,3 +141,24 @@ def test_a_serve_prepared_for_a_checkpoint_outside_gpud_is_restored(gpud: Sandbo
     # and gpud's own sleep and wake work from there
     assert checked(gpud, "/v1/serves/{name}/sleep", "lo")["state"] == "sleeping"
     assert checked(gpud, "/v1/serves/{name}/wake", "lo")["state"] == "running"
+
+
+def test_a_serve_woken_while_gpud_was_away_is_decided_as_any_outside_wake(
+        gpud: SandboxGpud) -> None:
+    # Startup adoption follows the reconciliation's rule: awake and not fitting, it is not
+    # taken back at its full size (the role would be over-committed); it is put back to sleep.
+    gpud.configure(sim_config(ROLE, serve("lo", 12000, 50, 30101, level=1, front=False)
+                              + serve("big", 26000, 10, 30104)))
+    running(gpud, "lo")
+    checked(gpud, "/v1/serves/{name}/sleep", "lo")
+    running(gpud, "big")
+    gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
+    outside(gpud, 30101, "/wake_up")
+    gpud.sb.run(["systemctl", "start", "gpud.service"], timeout=60)
+    gpud.wait_state("big", "running")
+    assert gpud.serve("lo")["state"] == "sleeping"
+    assert reserved(gpud) == {"lo": 800, "big": 26000}  # never over-committed
+    wait_for("lo asleep again", lambda: gpud.standin_state("lo")["sleep_level"] == 1)
+    [ev] = wait_for("lo put back to sleep", lambda: outside_events(gpud, "lo", "wake"))
+    assert "put back to sleep (level 1)" in ev["message"], ev
+    assert reserved(gpud) == {"lo": 800, "big": 26000}
