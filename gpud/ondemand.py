@@ -212,7 +212,8 @@ class OnDemand:
             # A serve the router only wakes (or waits for while it starts): started by its
             # operator, not by a request.
             raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
-                              "a request wakes it, gpuctl start starts it)", {"serve": name})
+                              "a request wakes it, gpuctl start starts it)",
+                              {"serve": name, "class": Why.STOPPED})
         try:
             async with asyncio.timeout(spec.start_timeout_s):
                 while self.settling(name):

@@ -51,6 +51,8 @@ class Why(StrEnum):
     STARTING = "starting"  # it is being brought up, and was not up in time
     UNAVAILABLE = "unavailable"  # gpud, or the serve's device, cannot take it now
     REFUSED = "refused"  # any other refusal (a conflicting operation under way)
+    # stopped and not on demand: requests wake it or wait for its start, its operator starts it
+    STOPPED = "stopped"
 
 
 TEXT: Final[Mapping[Why, str]] = {
@@ -59,6 +61,7 @@ TEXT: Final[Mapping[Why, str]] = {
     Why.STARTING: "the serve is starting",
     Why.UNAVAILABLE: "the serve cannot be brought up now",
     Why.REFUSED: "the serve cannot be brought up now",
+    Why.STOPPED: "the serve is stopped and not on_demand (its operator starts it)",
 }
 
 # Bounds of a denial that say the device or gpud cannot take anything now (not a shortfall).

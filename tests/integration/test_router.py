@@ -132,12 +132,17 @@ def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -
     # the journal says which request brought it up
     assert "request for model 'chat-fast' through the router" in wake["message"], wake
 
-    # Refused (30000 MiB does not fit beside chat and od): 503, gpud's reason, Retry-After.
+    # Refused (30000 MiB does not fit beside chat and od): 503, the reason's class (no ledger
+    # figures or other serves' names: any local user reads it), Retry-After as gpud holds it.
     status, headers, body = ask(gpud, "huge")
     error = json.loads(body)["error"]
-    assert status == 503 and headers.get("Retry-After") == "30", (headers, body)
-    assert error["code"] == "model_unavailable" and "30000" in error["message"], error
     assert error["gpud"]["code"] == "denied", error
+    retry = error["gpud"]["details"]["retry_after_s"]
+    assert status == 503 and headers.get("Retry-After") == str(retry) and retry > 0, (headers,
+                                                                                      body)
+    assert error["code"] == "model_unavailable", error
+    assert "not enough GPU memory" in error["message"] and "30000" not in error["message"], error
+    assert "chat" not in error["message"], error
 
     # Unknown: 404 naming the close names.
     status, _h, body = ask(gpud, "chat-fats")
