@@ -29,6 +29,7 @@ from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
 from gpud.core.plan import Plan
+from gpud.core.states import Cause
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -379,7 +380,8 @@ class Undoer:
         held = self.svc.ledger.reservations.get(name)
         if held is not None and undo.mib_after is None:
             await self.svc.release(name, uid=uid, reason="rollback", allow_live=True,
-                                   next_state=undo.state_after or DECLARED)
+                                   next_state=undo.state_after or DECLARED,
+                                   cause=Cause.RELEASE)
 
     async def _undo_reservation(self, undo: Action, uid: int | None) -> None:
         """Undo of a release or a resize, under the old config: the old reservation back

@@ -27,6 +27,8 @@ from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.states import Cause, StateRefusal
+from gpud.core.states import record as record_state
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -209,7 +211,7 @@ class LedgerService:
         and gpud goes on with the config it last ran with, saying why."""
         held = self.store.reservations()
         for row in self.store.serve_states():
-            self._records[row.serve] = ServeRecord(row.state, row.reason, row.updated)
+            self._remember(row.serve, row.state, row.reason, row.updated)
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
@@ -223,11 +225,13 @@ class LedgerService:
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
+            # In memory only, as it always was: a held reservation is never shown unreserved.
             rec = self._records.get(res.serve)
             if rec is None:
-                self._records[res.serve] = ServeRecord(ADMITTED)
+                self._remember(res.serve, ADMITTED, None, 0.0)
             elif rec.state in (DECLARED, DENIED):
-                self._records[res.serve] = replace(rec, state=EXTERNAL if res.external else ADMITTED)
+                self._remember(res.serve, EXTERNAL if res.external else ADMITTED, rec.reason,
+                               rec.updated)
         outcome = self._decide(before, self.config)
         if isinstance(outcome, Refusal):
             if stored is not None:
@@ -280,7 +284,8 @@ class LedgerService:
             res = self.ledger.reservations[serve]
             figures = [t.ledger.figures(r) for r in res.all_roles if r in t.ledger.roles]
             changes.delete.append(serve)
-            changes.states.append(self.state_row(serve, DECLARED, f"released: {source}"))
+            self._store_state(changes, self.state_row(serve, DECLARED, f"released: {source}"),
+                              Cause.RELOAD)
             changes.events.append(self.event(
                 EventKind.RELEASE, f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
                 f"serve left the config or its role)"
@@ -293,7 +298,7 @@ class LedgerService:
         for serve in t.released:
             rec = self._records.get(serve)
             if rec is not None:
-                self._records[serve] = replace(rec, state=DECLARED, reason=None)
+                self._remember(serve, DECLARED, None, rec.updated)
 
     @property
     def records(self) -> Mapping[str, ServeRecord]:
@@ -428,9 +433,7 @@ class LedgerService:
             self._store_works()
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
-                    rec = self._records.get(row.serve, ServeRecord())
-                    self._records[row.serve] = replace(rec, state=row.state, reason=row.reason,
-                                                       updated=row.updated)
+                    self._remember(row.serve, row.state, row.reason, row.updated)
                 if p.ledger is not None:
                     freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
@@ -488,16 +491,16 @@ class LedgerService:
     def _clear_denials(self, roles: Sequence[str]) -> None:
         """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
         denied: its reason is not true any more (it goes back to declared, unreserved)."""
-        rows = []
+        changes = Changes()
         for name, spec in self.config.serves.items():
             rec = self._records.get(name)
             if rec is None or rec.state != DENIED or self._decided_state(name) != DENIED \
                     or not any(r in roles for r in spec.all_roles):
                 continue
             if all(self.free_for(name, r) >= spec.vram_mib for r in spec.all_roles):
-                rows.append(self.state_row(name, DECLARED))
-        if rows:
-            self.submit(Changes(states=rows))
+                self._store_state(changes, self.state_row(name, DECLARED), Cause.CLEAR)
+        if changes.states:
+            self.submit(changes)
 
     def _check_invariant(self) -> None:
         """The invariant against what is durable now. Found false: an `invariant` event with
@@ -581,11 +584,44 @@ class LedgerService:
             done = self.submit(Changes(meta={key: value}))
         await done
 
-    async def record(self, ev: Event, *, state: ServeStateRow | None = None) -> Event:
-        """Store one event (and optionally a serve state) outside any ledger change."""
+    async def record(self, ev: Event, *, state: ServeStateRow | None = None,
+                     cause: Cause | None = None) -> Event:
+        """Store one event (and optionally a serve state, changed because of `cause`: see
+        `_store_state`) outside any ledger change."""
         async with self._lock:
-            done = self.submit(Changes(events=[ev], states=[state] if state else []))
+            changes = Changes(events=[ev])
+            if state is not None:
+                self._store_state(changes, state, cause)
+            done = self.submit(changes)
         return (await done)[0]
+
+    def _store_state(self, changes: Changes, row: ServeStateRow, cause: Cause | None) -> bool:
+        """The one writer of a serve's recorded state: `row` goes into `changes` (committed
+        with the reservation change and the event beside it, in one transaction) when
+        gpud.core.states allows the change from the serve's decided state because of `cause`;
+        else it is refused, logged, and not stored (the rest of `changes` is). Callers hold the
+        lock. `cause` None (a caller that names none: gpud's own writers all do) allows what
+        some cause allows."""
+        prev = self._decided_states.get(row.serve)
+        if prev is None and row.serve in self._records:
+            prev = self._records[row.serve].state
+        decided = record_state(prev, row.state, cause)
+        if isinstance(decided, StateRefusal):
+            log.warning("%s: state not stored: %s", row.serve, decided.message, extra={
+                "journal": {"GPUD_SERVE": row.serve, "GPUD_STATE_FROM": prev or "",
+                            "GPUD_STATE_TO": row.state, "GPUD_CAUSE": decided.cause}})
+            return False
+        changes.states.append(row)
+        return True
+
+    def _remember(self, serve: str, state: ServeState, reason: str | None,
+                  updated: float) -> None:
+        """A stored state into the serve's record in memory: one committed (the commit loop, a
+        config's released serves), or read back from the store at start, with the start's own
+        correction (a serve that holds a reservation is never shown declared or denied); the
+        unit's PID and restart count stay as they were."""
+        rec = self._records.get(serve, ServeRecord())
+        self._records[serve] = replace(rec, state=state, reason=reason, updated=updated)
 
     def state_row(self, serve: str, state: ServeState,
                   reason: str | None = None) -> ServeStateRow:
@@ -672,16 +708,17 @@ class LedgerService:
                     uid: int | None = None, state: ServeState | None = None,
                     event: tuple[EventKind, str, dict[str, Any]] | None = None,
                     shrink: bool = False, state_reason: str | None = None,
-                    meta: dict[str, str | None] | None = None) -> Admission:
-        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` and
-        the event in the same transaction. `shrink` (a serve put to sleep) is decided on the
-        ledger bound alone and never refused for a smaller reservation; `event` replaces the
-        "admit" event (kind, message, details)."""
+                    meta: dict[str, str | None] | None = None,
+                    cause: Cause = Cause.ADMIT) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` (changed
+        because of `cause`) and the event in the same transaction. `shrink` (a serve put to
+        sleep) is decided on the ledger bound alone and never refused for a smaller reservation;
+        `event` replaces the "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
             decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
                                          event=event, shrink=shrink,
-                                         state_reason=state_reason, meta=meta)
+                                         state_reason=state_reason, meta=meta, cause=cause)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
         if isinstance(admission, Denied):
@@ -692,7 +729,8 @@ class LedgerService:
                       state: ServeState | None,
                       event: tuple[EventKind, str, dict[str, Any]] | None = None,
                       shrink: bool = False, state_reason: str | None = None,
-                      meta: dict[str, str | None] | None = None) -> tuple[Admission | Denied,
+                      meta: dict[str, str | None] | None = None,
+                      cause: Cause = Cause.ADMIT) -> tuple[Admission | Denied,
                                                      asyncio.Future[list[Event]]]:
         roles, external = self.serve_roles(serve, role)
         role_name = roles[0]
@@ -738,9 +776,9 @@ class LedgerService:
             committed_mib=figures.committed_mib, **roles_detail(admission.reservation),
             **details,
         )
-        done = self.submit(Changes(put=[admission.reservation],
-                                   states=[self.state_row(serve, new_state, state_reason)],
-                                   events=[ev], meta=dict(meta or {})), ledger)
+        changes = Changes(put=[admission.reservation], events=[ev], meta=dict(meta or {}))
+        self._store_state(changes, self.state_row(serve, new_state, state_reason), cause)
+        done = self.submit(changes, ledger)
         return admission, done
 
     def free_for(self, serve: str, role: str) -> int:
@@ -790,9 +828,11 @@ class LedgerService:
         # A serve that holds a reservation keeps its state (and its pending share): only this
         # re-admission was refused.
         holds = denial.serve in self._decided.reservations
-        states = [] if current in LIVE_STATES or not known or holds else [
-            self.state_row(denial.serve, DENIED, denial.reason)]
-        return self.submit(Changes(states=states, events=self._coalesced(ev)))
+        changes = Changes(events=self._coalesced(ev))
+        if not (current in LIVE_STATES or not known or holds):
+            self._store_state(changes, self.state_row(denial.serve, DENIED, denial.reason),
+                              Cause.DENY)
+        return self.submit(changes)
 
     # ---- repeated refusals -----------------------------------------------------------------
 
@@ -846,14 +886,15 @@ class LedgerService:
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
                       next_state: ServeState = DECLARED, state_reason: str | None = None,
-                      allow_live: bool = False) -> Reservation:
-        """Release a reservation. A serve whose process may still hold the memory is refused
-        unless the caller (the supervisor, after stopping it) says otherwise."""
+                      allow_live: bool = False, cause: Cause = Cause.RELEASE) -> Reservation:
+        """Release a reservation, the serve becoming `next_state` because of `cause`. A serve
+        whose process may still hold the memory is refused unless the caller (the supervisor,
+        after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
             res, done = self._release_locked(serve, uid=uid, reason=reason,
                                              next_state=next_state, state_reason=state_reason,
-                                             allow_live=allow_live)
+                                             allow_live=allow_live, cause=cause)
         await done
         return res
 
@@ -881,7 +922,8 @@ class LedgerService:
 
     def _release_locked(self, serve: str, *, uid: int | None, reason: str,
                         next_state: ServeState, state_reason: str | None,
-                        allow_live: bool) -> tuple[Reservation, asyncio.Future[list[Event]]]:
+                        allow_live: bool, cause: Cause = Cause.RELEASE
+                        ) -> tuple[Reservation, asyncio.Future[list[Event]]]:
         if serve not in self._decided.reservations:
             if serve in self.config.serves or serve in self._records:
                 raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
@@ -902,9 +944,9 @@ class LedgerService:
                         f"({reason}); " + "; ".join(ledger.figures(r).line() for r in res.all_roles),
                         serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib, **roles_detail(res))
-        done = self.submit(Changes(delete=[serve],
-                                   states=[self.state_row(serve, next_state, state_reason)],
-                                   events=[ev]), ledger)
+        changes = Changes(delete=[serve], events=[ev])
+        self._store_state(changes, self.state_row(serve, next_state, state_reason), cause)
+        done = self.submit(changes, ledger)
         return res, done
 
     # ---- reload ----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
+from gpud.core.states import Cause
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
@@ -441,7 +442,7 @@ class Sleeps:
                    f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else "")
                    + (f"; {drained.line()}" if drained is not None else ""))
         await self.svc.admit(
-            serve, target, uid=uid, state=SLEEPING, shrink=True,
+            serve, target, uid=uid, state=SLEEPING, cause=Cause.SLEEP, shrink=True,
             state_reason=f"asleep (level {level}, {why})",
             event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
                                               "parked_host_mib": parked, "observed_mib": seen,
@@ -510,7 +511,7 @@ class Sleeps:
             EventKind.RESTART, f"{serve}: {reason}; the sleep is not committed, reservation "
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
-            state=self.svc.state_row(serve, STARTING, reason))
+            state=self.svc.state_row(serve, STARTING, reason), cause=Cause.RESTART)
         self.serves.spawn(self.serves.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
@@ -563,10 +564,12 @@ class Sleeps:
             plan: dict[str, Any] | None = None
             if preempt:
                 carried = await self.admit_preempting(serve, awake, uid, locked=True,
-                                                      state=SLEEPING, event=readmit)
+                                                      state=SLEEPING, cause=Cause.WAKE,
+                                                      event=readmit)
                 plan = carried.get("preemption")
             else:
-                await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, event=readmit)
+                await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, cause=Cause.WAKE,
+                                     event=readmit)
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
@@ -582,7 +585,8 @@ class Sleeps:
                     raise
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
-                    await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, shrink=True,
+                    await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, cause=Cause.SLEEP,
+                                         shrink=True,
                                          event=(EventKind.SLEEP, f"{serve} did not wake "
                                                 f"({exc.message}): back to {asleep} MiB",
                                                 {"wake_failed": True}))
@@ -596,7 +600,7 @@ class Sleeps:
                 serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1),
                 **({"preemption": plan} if plan else {})),
-                state=self.svc.state_row(serve, RUNNING))
+                state=self.svc.state_row(serve, RUNNING), cause=Cause.WAKE)
             await self.svc.put_meta(meta_key(serve), None)
         out: dict[str, Any] = {"mib": awake, "serve_ms": round(took * 1000, 1)}
         if preempt:
@@ -664,11 +668,11 @@ class Sleeps:
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
                                dry_run: bool = False, locked: bool = False,
                                state: ServeState | None = None,
-                               event: tuple[EventKind, str, dict[str, Any]] | None = None
-                               ) -> dict[str, Any]:
+                               event: tuple[EventKind, str, dict[str, Any]] | None = None,
+                               cause: Cause = Cause.ADMIT) -> dict[str, Any]:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
         not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
-        the caller holds `coordination` already. `state` and `event` are the admission's
+        the caller holds `coordination` already. `state`, `event` and `cause` are the admission's
         (LedgerService.admit): a wake's re-admission keeps the serve sleeping until it is
         awake, its event saying so, with the plan carried out in its details."""
         spec = self.serves.spec_of(serve)
@@ -676,7 +680,7 @@ class Sleeps:
         async def admit(plan: dict[str, Any] | None = None) -> None:
             said = event if event is None or plan is None else (
                 event[0], event[1], {**event[2], "preemption": plan})
-            await self.svc.admit(serve, mib, uid=uid, state=state, event=said)
+            await self.svc.admit(serve, mib, uid=uid, state=state, event=said, cause=cause)
 
         async with contextlib.AsyncExitStack() as stack:
             if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one

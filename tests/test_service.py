@@ -18,6 +18,7 @@ import pytest
 
 from gpud.config import Config, parse_config
 from gpud.core.ledger import Reservation
+from gpud.core.states import Cause
 from gpud.core.transition import Refusal, Transition
 from gpud.core.vocab import (
     ADMITTED,
@@ -26,6 +27,7 @@ from gpud.core.vocab import (
     EXTERNAL,
     FAILED,
     RUNNING,
+    SLEEPING,
     STARTING,
     STOPPING,
     EventKind,
@@ -444,6 +446,44 @@ async def test_an_explicit_state_is_taken(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300, state=STARTING)
     assert stored_states(svc) == {"a": STARTING}
+
+
+async def test_a_state_change_the_rule_refuses_is_logged_and_not_stored(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """The one writer asks gpud.core.states: a health answer does not make an admitted serve
+    (never started) running. The event is stored, the state is not, and the journal names the
+    serve, both states and the cause."""
+    svc = world.service()
+    await svc.admit("a", 300)
+    with caplog.at_level(logging.WARNING, logger="gpud"):
+        ev = await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+                              state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
+    assert ev.id is not None
+    assert svc.state_of("a") == ADMITTED
+    assert stored_states(svc) == {"a": ADMITTED}
+    [line] = [r.getMessage() for r in caplog.records if "state not stored" in r.getMessage()]
+    assert line == ("a: state not stored: admitted -> running (healthy) refused: healthy does "
+                    "not apply to a serve that is admitted")
+    # the same change for a cause that allows it is stored
+    await svc.record(svc.event("start", "a: started", serve="a"),
+                     state=svc.state_row("a", STARTING), cause=Cause.LAUNCH)
+    await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+                     state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
+    assert stored_states(svc) == {"a": RUNNING}
+
+
+async def test_a_refused_state_leaves_the_reservation_change_beside_it(world: World) -> None:
+    """An admission whose state the rule refuses (a serve never launched cannot be put to
+    sleep) still reserves; a release that asks for a state its cause does not lead to still
+    releases: only the state is not stored."""
+    svc = world.service()
+    await svc.admit("a", 300, state=SLEEPING, cause=Cause.SLEEP)
+    assert held(svc) == {"a": 300}
+    assert stored_states(svc) == {}
+    await svc.admit("b", 200)
+    await svc.release("b", next_state=RUNNING, cause=Cause.RELEASE)
+    assert "b" not in held(svc)
+    assert stored_states(svc) == {"b": ADMITTED}
 
 
 async def test_a_denial_is_recorded_and_marks_a_configured_serve_denied(world: World) -> None:

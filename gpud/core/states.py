@@ -102,20 +102,26 @@ class StateRefusal:
 
     prev: ServeState | None
     next: ServeState
-    cause: Cause
+    cause: Cause | None
 
     @property
     def message(self) -> str:
-        if self.next not in TARGETS[self.cause]:
+        was = self.prev or "unrecorded"
+        if self.cause is None:
+            why = "no cause leads there from there"
+        elif self.next not in TARGETS[self.cause]:
             why = f"{self.cause} leads only to {', '.join(sorted(TARGETS[self.cause]))}"
         else:
-            why = f"{self.cause} does not apply to a serve that is {self.prev or 'unrecorded'}"
-        return f"{self.prev or 'unrecorded'} -> {self.next} ({self.cause}) refused: {why}"
+            why = f"{self.cause} does not apply to a serve that is {was}"
+        return f"{was} -> {self.next} ({self.cause or 'no cause named'}) refused: {why}"
 
 
-def record(prev: ServeState | None, next: ServeState, cause: Cause) -> ServeState | StateRefusal:
+def record(prev: ServeState | None, next: ServeState,
+           cause: Cause | None) -> ServeState | StateRefusal:
     """The state to store when a serve that is `prev` (None: no record) is to become `next`
-    because of `cause`, or why it may not."""
-    if next in TARGETS[cause] and prev in SOURCES[cause]:
+    because of `cause`, or why it may not. A writer that names no cause (None: a caller outside
+    gpud's own writers, which all name theirs) may make any change some cause allows."""
+    causes = tuple(Cause) if cause is None else (cause,)
+    if any(next in TARGETS[c] and prev in SOURCES[c] for c in causes):
         return next
     return StateRefusal(prev, next, cause)

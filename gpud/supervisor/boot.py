@@ -12,6 +12,7 @@ from typing import Any
 from gpud import containers
 from gpud.core.launch import start_sharing
 from gpud.core.lifecycle import UnitSeen
+from gpud.core.states import Cause
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     LIVE_STATES,
@@ -57,7 +58,7 @@ class BootJob(Base):
                 await self.svc.record(self.svc.event(
                     EventKind.ADOPT, f"{serve}: {reason}: adopted as an orphan ({pid_text(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
-                    orphan=True), state=self.svc.state_row(serve, ORPHAN, reason))
+                    orphan=True), state=self.svc.state_row(serve, ORPHAN, reason), cause=Cause.ADOPT)
                 self.svc.set_main_pid(serve, st.main_pid or None)
                 continue
             if res is None:
@@ -74,7 +75,8 @@ class BootJob(Base):
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
                 # asleep, it keeps the reason it sleeps (who preempted it)
-                state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)))
+                state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)),
+                cause=Cause.ADOPT)
             if state == STARTING:
                 self._spawn(self._watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):

@@ -23,6 +23,7 @@ from gpud.core.lifecycle import (
     UnitSeen,
     own_listener_trusted,
 )
+from gpud.core.states import Cause
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     FAILED,
@@ -140,7 +141,7 @@ class HealthJob(Base):
         await self.svc.record(self.svc.event(
             EventKind.HEALTHY, message, serve=serve, role=res.role if res else None,
             mib=res.mib if res else None, recovered=was_failed is not None),
-            state=self.svc.state_row(serve, RUNNING))
+            state=self.svc.state_row(serve, RUNNING), cause=Cause.HEALTHY)
 
     async def _unhealthy(self, serve: str, spec: ServeConfig, reason: str) -> None:
         """A running serve failed its health checks. It is restarted through its unit (counted
@@ -160,7 +161,8 @@ class HealthJob(Base):
             EventKind.UNHEALTHY, f"{serve}: {reason}; restarting it through its unit (reservation kept)",
             serve=serve, role=spec.role, mib=res.mib if res else None,
             reservation="kept (restarting)" if res else "none held"),
-            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"))
+            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"),
+            cause=Cause.RESTART)
         # Its devices are held from the stop of the old process to the health of the new one,
         # as for a start: the new process loads and profiles alone on them.
         async with self.device_locks(serve):
@@ -198,7 +200,7 @@ class HealthJob(Base):
             f"({res.mib if res else 0} MiB) and is {what}", serve=serve, role=spec.role,
             mib=res.mib if res else None, wake_failed=True),
             state=self.svc.state_row(serve, STARTING, f"restarting: {reason}") if restart
-            else None)
+            else None, cause=Cause.RESTART)
         self._spawn(self._after_failed_wake(serve, spec, reason, restart))
 
     async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,

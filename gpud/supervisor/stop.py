@@ -18,6 +18,7 @@ from gpud.core.lifecycle import (
     MemoryLeaving,
     PortChecked,
 )
+from gpud.core.states import Cause
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import (
@@ -98,7 +99,7 @@ class StopJob(Base):
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: stopping (was {state}{why})", serve=serve,
                     role=spec.role, mib=res.mib if res else None, uid=uid, **idle),
-                    state=self.svc.state_row(serve, STOPPING))
+                    state=self.svc.state_row(serve, STOPPING), cause=Cause.STOP)
                 if self.units.available:
                     try:
                         async with contextlib.AsyncExitStack() as memory:
@@ -117,7 +118,8 @@ class StopJob(Base):
                         "not ended: it stays stopping, its reservation held, until the unit ends "
                         "(gpuctl stop tries again)", serve=serve, role=spec.role,
                         mib=res.mib if res else None, uid=uid, ok=False),
-                        state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"))
+                        state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"),
+                        cause=Cause.STOP)
             finally:
                 self._step(serve, JobEnded(Job.STOP))
                 rec = self._record(serve)
@@ -149,11 +151,11 @@ class StopJob(Base):
         res = self.svc.ledger.reservations.get(serve)
         if res is not None and not keep:
             await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
-                                   next_state=DECLARED)
+                                   next_state=DECLARED, cause=Cause.STOP)
         else:
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: stopped", serve=serve, role=role),
-                state=self.svc.state_row(serve, ADMITTED if res else DECLARED))
+                state=self.svc.state_row(serve, ADMITTED if res else DECLARED), cause=Cause.STOP)
         if self.svc.store.meta(meta_key(serve)) is not None:
             await self.svc.put_meta(meta_key(serve), None)
 
@@ -165,7 +167,7 @@ class StopJob(Base):
                 await self._stop_unit(serve, UNIT_JOB_TIMEOUT_S)
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
-                    state=self.svc.state_row(serve, DECLARED))
+                    state=self.svc.state_row(serve, DECLARED), cause=Cause.STOP)
             finally:
                 self._step(serve, JobEnded(Job.STOP))
 
@@ -257,11 +259,12 @@ class StopJob(Base):
             # Released before the failure is recorded: the release's own transaction makes the
             # serve failed, so nobody reads it failed while it still holds what it released.
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
-                                   next_state=FAILED, state_reason=reason)
+                                   next_state=FAILED, state_reason=reason, cause=Cause.FAIL)
         await self.svc.record(self.svc.event(
             kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None,
-            reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason))
+            reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason),
+            cause=Cause.FAIL)
         self._returning_on(serve)
 
     async def _ended(self, serve: str, reason: str) -> None:
@@ -284,10 +287,12 @@ class StopJob(Base):
             # "stopping" until the release below is committed too: never "declared" while a
             # reservation is still held.
             state=self.svc.state_row(serve, STOPPING if res is not None and not keep
-                                     else ADMITTED if res else DECLARED, OUTSIDE_STOP))
+                                     else ADMITTED if res else DECLARED, OUTSIDE_STOP),
+            cause=Cause.STOP)
         if res is not None and not keep:
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
-                                   next_state=DECLARED, state_reason=OUTSIDE_STOP)
+                                   next_state=DECLARED, state_reason=OUTSIDE_STOP,
+                                   cause=Cause.STOP)
         self._returning_on(serve)
         self._step(serve, PortChecked(own=False, pid=0, at=self.clock()))
 

@@ -17,6 +17,7 @@ from gpud.core.lifecycle import (
     WatchAsked,
     WatchEnded,
 )
+from gpud.core.states import Cause
 from gpud.core.unitstate import (
     ACTIVE,
     AdoptOutsideStart,
@@ -74,7 +75,8 @@ class UnitWatch(Base):
                     EventKind.RESTART, f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
                     f"after the bus came back; was failed: {rec.reason})", serve=st.serve,
                     main_pid=st.main_pid, n_restarts=st.n_restarts),
-                    state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"))
+                    state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"),
+                    cause=Cause.RESTART)
                 self._spawn(self._watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live and not self.life(serve).stopping:
@@ -115,11 +117,11 @@ class UnitWatch(Base):
         elif isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: orphan unit ended ({action.how})", serve=serve),
-                state=self.svc.state_row(serve, DECLARED))
+                state=self.svc.state_row(serve, DECLARED), cause=Cause.EXIT)
         elif isinstance(action, ReleaseEnded):
             await self.svc.release(serve, reason="failed, and its unit has now ended",
                                    allow_live=True, next_state=FAILED,
-                                   state_reason=rec.reason if rec else None)
+                                   state_reason=rec.reason if rec else None, cause=Cause.FAIL)
         elif isinstance(action, StopEnded):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
@@ -131,7 +133,7 @@ class UnitWatch(Base):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
-                state=self.svc.state_row(serve, STARTING, "restarting"))
+                state=self.svc.state_row(serve, STARTING, "restarting"), cause=Cause.RESTART)
             self._spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
             await self._failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
@@ -192,6 +194,6 @@ class UnitWatch(Base):
             EventKind.ADOPT, f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,
             mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
-            state=self.svc.state_row(serve, STARTING))
+            state=self.svc.state_row(serve, STARTING), cause=Cause.ADOPT)
         self._spawn(self._watch_restart(serve))
 
