@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from aiohttp import web
 from gpud.core import bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
+from gpud.core.queue import MEASURED, Held, Waiting, median_s, next_up, victims
 from gpud.core.text import printable
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
 from gpud.core.vocab import (
@@ -49,6 +51,7 @@ from gpud.core.vocab import (
     STARTING,
     ServeState,
     SleepAction,
+    StepKind,
 )
 from gpud.errors import Denied, GpudError, NotFound, Unavailable
 from gpud.responses import error_response
@@ -67,6 +70,10 @@ POLL_S = 0.005
 DEFAULT_POLICY = Policy()
 # How often idle serves are looked for.
 IDLE_CHECK_S = 0.5
+# How often a request in the router's queue looks again (gpud.core.queue), and tries its serve
+# again without evicting anything (memory freed otherwise: a stop, an idle sleep).
+QUEUE_POLL_S = 0.05
+QUEUE_RETRY_S = 1.0
 
 
 class OnDemand:
@@ -97,6 +104,17 @@ class OnDemand:
         # Idle sleeps and stops carried out since gpud started, by serve (the metrics').
         self.idle_sleeps: dict[str, int] = {}
         self.idle_stops: dict[str, int] = {}
+        # The router's queue (gpud.core.queue): each serve's waiting requests (their arrival),
+        # one swap at a time, when each serve was last brought up by a request, and the
+        # durations of its last bring-ups by kind (wake, start): the cost of evicting it.
+        self.queued: dict[str, list[float]] = {}
+        self._swap = asyncio.Lock()
+        self.up_at: dict[str, float] = {}
+        self.took: dict[str, dict[StepKind, deque[float]]] = {}
+        # Evictions for a queued request, by serve (the metrics').
+        self.evictions: dict[str, int] = {}
+        # How long queued requests waited (the last 1000; the metrics').
+        self.queue_waits: deque[float] = deque(maxlen=1000)
 
     async def ensure(self, name: str, model: str | None = None) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
@@ -160,9 +178,7 @@ class OnDemand:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
         headers (what any local user sees), the whole error in the body (the front's and
         root's; nginx's auth_request reads only the headers)."""
-        why = bringup.classify(exc.code, exc.details)
-        if isinstance(exc.details.get("class"), str):
-            why = Why(exc.details["class"])
+        why = _why(exc)
         hold = bringup.held(self.tries.get(name), self.clock())
         retry = hold.retry_after_s if hold is not None else \
             max(1, math.ceil(self.policy.refusal_hold_s))
@@ -204,7 +220,17 @@ class OnDemand:
     async def up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
         start_timeout_s. A sleep or a stop under way is waited for first. Unavailable at once
-        (details.held) while its last try's hold or backoff lasts."""
+        (details.held) while its last try's hold or backoff lasts. With the router's queue: a
+        refusal for memory (or a hold after one) waits in the queue instead (`_queued`)."""
+        try:
+            await self._up(name, spec, model)
+        except GpudError as exc:
+            if not self._queues() or _why(exc) != Why.NO_MEMORY:
+                raise
+            await self._queued(name, spec, model, exc)
+
+    async def _up(self, name: str, spec: ServeConfig, model: str | None = None, *,
+                  queued: bool = False) -> None:
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return
         if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
@@ -221,9 +247,14 @@ class OnDemand:
                 if self.svc.state_of(name) == RUNNING:
                     return
                 task = self._pending.get(name)
+                if task is None and not queued and self._queues() and any(
+                        self.queued.get(o) for o in self.queued if o != name):
+                    # Others wait for memory already: this one waits its turn behind them.
+                    raise Unavailable(f"serve {name!r} queued behind the requests waiting",
+                                      {"serve": name, "class": Why.NO_MEMORY, "queue": True})
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
-                    hold = self._held(name)
+                    hold = None if queued else self._held(name)
                     if hold is not None:
                         raise Unavailable(
                             f"serve {name!r} not brought up again for {hold.retry_after_s} s "
@@ -259,6 +290,7 @@ class OnDemand:
         except GpudError as exc:
             self._tried(name, exc)
             raise
+        self.up_at[name] = self.clock()
         up = bringup.came_up(self.tries.get(name), self.clock())
         if up is None:
             self.tries.pop(name, None)
@@ -271,6 +303,10 @@ class OnDemand:
         # a request through the router names its model (printable: it is logged)
         by = "on-demand request" if model is None else \
             f"request for model {printable(model[:256])!r} through the router"
+        began = self.clock()
+        # measured when this bring-up is the whole of it (not one of someone else's under way)
+        kind = StepKind.WAKE if state == SLEEPING else \
+            StepKind.START if state not in LIVE_STATES else None
         if state == SLEEPING:
             # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
             # gets its GPU back from lower ones that started in the room it left asleep.
@@ -287,6 +323,150 @@ class OnDemand:
             reason = rec.reason if rec is not None else None
             raise Unavailable(f"serve {name!r} is {state}" + (f": {reason}" if reason else ""),
                               {"serve": name, "state": state})
+        if kind is not None:
+            self.took.setdefault(name, {}).setdefault(kind, deque(maxlen=MEASURED)).append(
+                self.clock() - began)
+            log.info("on-demand %s up (%s): the %s took %.1f s", name, by, kind,
+                     self.clock() - began)
+
+    # ---- the router's queue (gpud.core.queue) ---------------------------------------------
+
+    def _queues(self) -> bool:
+        r = self.svc.config.router
+        return r is not None and r.max_queued > 0
+
+    async def _queued(self, name: str, spec: ServeConfig, model: str | None,
+                      first: GpudError) -> None:
+        """Wait in NAME's queue until it is running: brought up by this request or another, in
+        the queue's order (next_up), evicting running serves as gpud.core.queue allows.
+        Unavailable (class queue-full) when router.max_queued requests wait already, (class
+        queue-timeout) when it is not up within router.queue_timeout_s."""
+        router = self.svc.config.router
+        assert router is not None
+        waiting = self.queued.setdefault(name, [])
+        if len(waiting) >= router.max_queued:
+            raise Unavailable(f"serve {name!r} not brought up: {len(waiting)} request(s) wait "
+                              f"for it already (router.max_queued); {first.message}",
+                              {"serve": name, "class": Why.QUEUE_FULL, "queued": len(waiting)})
+        arrived = self.clock()
+        waiting.append(arrived)
+        try:
+            async with asyncio.timeout(router.queue_timeout_s):
+                await self._wait_turn(name, spec, model, router.min_awake_s)
+        except TimeoutError:
+            raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
+                              f"({router.queue_timeout_s} s); {first.message}",
+                              {"serve": name, "class": Why.QUEUE_TIMEOUT}) from None
+        finally:
+            waiting.remove(arrived)
+            if not waiting:
+                self.queued.pop(name, None)
+            self.queue_waits.append(self.clock() - arrived)
+
+    async def _wait_turn(self, name: str, spec: ServeConfig, model: str | None,
+                         min_awake_s: float) -> None:
+        tried = self.clock()
+        while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
+            task = self._pending.get(name)
+            if task is not None:  # a bring-up under way: this request shares it
+                try:
+                    await asyncio.shield(task)
+                except GpudError as exc:
+                    if _why(exc) != Why.NO_MEMORY:
+                        raise
+                continue
+            turn = next_up(Waiting(n, self.svc.config.serves[n].priority, len(w), w[0],
+                                   self.svc.state_of(n) == RUNNING)
+                           for n, w in self.queued.items() if w and n in self.svc.config.serves)
+            if turn == name and not self._swap.locked():
+                again = self.clock() - tried >= QUEUE_RETRY_S
+                if again:
+                    tried = self.clock()
+                async with self._swap:
+                    if await self._swap_in(name, spec, model, min_awake_s, try_first=again):
+                        continue
+            elif self.clock() - tried >= QUEUE_RETRY_S and not self._swap.locked():
+                # memory freed otherwise (a stop, an idle sleep): try again without evicting
+                tried = self.clock()
+                if await self._try_up(name, spec, model):
+                    return
+                continue
+            await asyncio.sleep(QUEUE_POLL_S)
+
+    async def _swap_in(self, name: str, spec: ServeConfig, model: str | None,
+                       min_awake_s: float, *, try_first: bool) -> bool:
+        """NAME's turn: try it (`try_first`: its last try was a while ago); while it does not
+        fit, evict the first victim the queue allows and try again. False: no victim now (the
+        request waits on)."""
+        if try_first and await self._try_up(name, spec, model):
+            return True
+        while True:
+            chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
+            if not isinstance(chosen, list):
+                return False
+            await self._evict(chosen[0], name, model)
+            if await self._try_up(name, spec, model):
+                return True
+
+    async def _try_up(self, name: str, spec: ServeConfig, model: str | None) -> bool:
+        """Bring NAME up for the queue: False when it does not fit (other errors raised)."""
+        try:
+            await self._up(name, spec, model, queued=True)
+        except GpudError as exc:
+            if _why(exc) != Why.NO_MEMORY:
+                raise
+            return False
+        return True
+
+    def _running_beside(self, name: str, spec: ServeConfig) -> list[Held]:
+        """The running serves on NAME's roles that a request could evict: on demand, able to
+        sleep, or preemptible by a stop; none being brought up, put to sleep or stopped."""
+        now = self.clock()
+        roles = set(spec.all_roles)
+        out = []
+        for other, o in self.svc.config.serves.items():
+            if other == name or self.svc.state_of(other) != RUNNING or other in self._pending \
+                    or self.settling(other) or not roles & set(o.all_roles):
+                continue
+            if not (o.on_demand or o.sleep_level or o.preemptible == SleepAction.STOP):
+                continue
+            up_at = self.up_at.get(other)
+            out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),
+                            None if up_at is None else now - up_at, self.cost_s(other, o)))
+        return out
+
+    def cost_s(self, name: str, spec: ServeConfig) -> float | None:
+        """What bringing NAME back would take: the median of its last wakes when it can sleep,
+        else of its last starts (None: none measured since gpud started)."""
+        return self.bringup_s(name, StepKind.WAKE if spec.sleep_level else StepKind.START)
+
+    def bringup_s(self, name: str, kind: StepKind) -> float | None:
+        """The median of NAME's last measured bring-ups of KIND (gpud.core.queue.MEASURED)."""
+        return median_s(self.took.get(name, {}).get(kind, ()))
+
+    async def _evict(self, victim: str, name: str, model: str | None) -> None:
+        """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
+        its requests in flight are drained first, new ones wait (settling)."""
+        vspec = self.svc.config.serves[victim]
+        by = f"serve {name}" if model is None else \
+            f"serve {name} (request for model {printable(model[:256])!r} through the router)"
+        log.info("on-demand %s: evicted for %s", victim, by,
+                 extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
+        self._idling.add(victim)
+        try:
+            if vspec.sleep_level:
+                await self.sup.sleeps.sleep(victim, None, preempted_by=name)
+            elif self.traffic is None:
+                await self.sup.stop(victim, None)
+            else:
+                with self.traffic.held(victim):
+                    drained = await self.traffic.drain(
+                        victim, vspec, self.svc.config.daemon.drain_timeout_s)
+                    await self.sup.stop(victim, None, drained=drained)
+            self.evictions[victim] = self.evictions.get(victim, 0) + 1
+            self.up_at.pop(victim, None)
+        finally:
+            self._idling.discard(victim)
 
     def _flight(self, name: str) -> Flight:
         return self.traffic.flight(name) if self.traffic is not None else Flight()
@@ -360,3 +540,9 @@ class OnDemand:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
             self._idling.discard(name)
+
+
+def _why(exc: GpudError) -> Why:
+    """The class of a refusal: the one its details name, else by its code and details."""
+    named = exc.details.get("class")
+    return Why(named) if isinstance(named, str) else bringup.classify(exc.code, exc.details)

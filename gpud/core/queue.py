@@ -78,7 +78,7 @@ def idle(h: Held) -> bool:
     return h.in_flight == 0 and (h.quiet_s is None or h.quiet_s >= IDLE_AFTER_S)
 
 
-def evictable(h: Held, priority: int, min_awake_s: float) -> float | None:
+def evictable(h: Held, priority: int, min_awake_s: float) -> float:
     """0 when a request for a serve of `priority` may evict H now, else how long until it may
     (math.inf: never, a more important serve)."""
     if h.priority < priority:

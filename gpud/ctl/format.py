@@ -229,6 +229,12 @@ def format_serves(doc: answers.Serves) -> str:
         columns.append(("LAST REQUEST", "last_activity_s_ago", True))
         for row, s in zip(rows, serves, strict=True):
             row.append(ago(s.get("last_activity_s_ago")) if s.get("front") else "-")
+    if any(s.get("wake_s") is not None or s.get("start_s") is not None for s in serves):
+        # the medians of its measured wakes and starts: its cost to bring back (the router's
+        # queue evicts the cheaper first, docs/router.md)
+        columns.append(("WAKE/START", "wake_s", True))
+        for row, s in zip(rows, serves, strict=True):
+            row.append(f"{_secs(s.get('wake_s'))}/{_secs(s.get('start_s'))}")
     text = format_table([h for h, _, _ in columns], rows, [r for _, _, r in columns])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
                + (f"; {s['parked_host_mib']} MiB parked in host RAM"
@@ -263,7 +269,13 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
     ("activity", "last_activity_s_ago"), ("in flight", "in_flight"), ("models", "models"),
+    ("wake", "wake_s"), ("start", "start_s"),  # the medians of the measured ones
 )
+
+
+def _secs(value: Any) -> str:
+    return f"{value:.1f}s" if isinstance(value, int | float) and not isinstance(value, bool) \
+        else "-"
 
 
 def ago(seconds: Any) -> str:
