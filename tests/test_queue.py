@@ -3,7 +3,12 @@ alternating storm does not thrash."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import time
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +24,8 @@ from gpud.core.queue import (
     next_up,
     victims,
 )
+from gpud.ondemand import OnDemand
+from tests.test_bringup import Clock, CrashLooping, FakeService
 
 
 @pytest.mark.parametrize(("waiting", "first"), [
@@ -145,3 +152,34 @@ def test_storm_without_min_awake_would_thrash() -> None:
     gaps = [0.1] * 100
     assert swaps_in_storm(gaps, [1.0], 0.0)[0] > 20
     assert swaps_in_storm(gaps, [1.0], 5.0)[0] <= 1 + 15 / 5.0
+
+
+# ---- the queue in OnDemand's ensure (a supervisor that always refuses for memory) ----------
+
+async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> None:
+    """With a [router]: a request refused for memory waits (here nothing can be evicted) and is
+    answered the queue-timeout class after router.queue_timeout_s; one more than max_queued is
+    answered the queue-full class at once. Both 403 with Retry-After: the front's 503."""
+    spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
+                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+    svc = FakeService(Clock())
+    svc.config = SimpleNamespace(
+        router=SimpleNamespace(max_queued=1, queue_timeout_s=1, min_awake_s=10.0),
+        serves={"od": spec})
+    svc.serve_spec = lambda _name: spec  # type: ignore[method-assign]
+    sup = CrashLooping(svc, denied=True)
+    od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
+    began = time.monotonic()
+    waiting = asyncio.ensure_future(od.ensure("od"))
+    await asyncio.sleep(0.2)
+    assert od.queued == {"od": [od.queued["od"][0]]}
+    full = await od.ensure("od")
+    assert time.monotonic() - began < 0.5
+    timed_out = await waiting
+    assert 1.0 <= time.monotonic() - began < 3.0
+    for reply, why in ((full, "queue-full"), (timed_out, "queue-timeout")):
+        assert reply.status == 403 and int(reply.headers["Retry-After"]) >= 1, reply.headers
+        said = json.loads(reply.headers["X-Gpud-Reason"])["error"]
+        assert said["details"]["class"] == why, said
+        assert "16000" not in reply.headers["X-Gpud-Reason"]  # the class only
+    assert od.queued == {} and len(od.queue_waits) == 1
