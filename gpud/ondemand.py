@@ -17,6 +17,13 @@ is going to sleep or away.
 Idle: from the later of the last ensure and the end of the last request (the serve's own count
 of requests in flight, gpud.traffic); never while a request is in flight.
 
+Queued (with a [router]; docs/router.md, "Queue instead of thrash"; the decisions are
+gpud.core.queue's): a request refused for memory waits in its serve's queue, the ensure held,
+until the serve is up, at most router.queue_timeout_s and router.max_queued per serve; one
+waiting serve at a time makes room, evicting serves of equal or lower priority that are idle or
+were brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
+starts by a request are measured here).
+
 Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
 failure an exponential, capped backoff; requests meanwhile are answered at once, with
 ``Retry-After`` the seconds left. ``X-Gpud-Reason`` (what the front shows any local user) says
