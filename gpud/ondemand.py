@@ -47,7 +47,7 @@ from aiohttp import web
 from gpud.core import bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
-from gpud.core.queue import MEASURED, Held, Waiting, median_s, next_up, victims
+from gpud.core.queue import MEASURED, Held, Histogram, Waiting, median_s, next_up, victims
 from gpud.core.text import printable
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
 from gpud.core.vocab import (
@@ -120,8 +120,10 @@ class OnDemand:
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
         self.evictions: dict[str, int] = {}
-        # How long queued requests waited (the last 1000; the metrics').
-        self.queue_waits: deque[float] = deque(maxlen=1000)
+        # The metrics': how long queued requests waited, by serve; the bring-ups by request,
+        # by serve and kind, and their durations.
+        self.queue_waits: dict[str, Histogram] = {}
+        self.bringups: dict[tuple[str, StepKind], Histogram] = {}
 
     async def ensure(self, name: str, model: str | None = None) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
@@ -333,6 +335,8 @@ class OnDemand:
         if kind is not None:
             self.took.setdefault(name, {}).setdefault(kind, deque(maxlen=MEASURED)).append(
                 self.clock() - began)
+            self.bringups.setdefault((name, kind), Histogram.empty()).observe(
+                self.clock() - began)
             log.info("on-demand %s up (%s): the %s took %.1f s", name, by, kind,
                      self.clock() - began)
 
@@ -368,7 +372,7 @@ class OnDemand:
             waiting.remove(arrived)
             if not waiting:
                 self.queued.pop(name, None)
-            self.queue_waits.append(self.clock() - arrived)
+            self.queue_waits.setdefault(name, Histogram.empty()).observe(self.clock() - arrived)
 
     async def _wait_turn(self, name: str, spec: ServeConfig, model: str | None,
                          min_awake_s: float) -> None:

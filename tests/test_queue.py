@@ -182,4 +182,14 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
         said = json.loads(reply.headers["X-Gpud-Reason"])["error"]
         assert said["details"]["class"] == why, said
         assert "16000" not in reply.headers["X-Gpud-Reason"]  # the class only
-    assert od.queued == {} and len(od.queue_waits) == 1
+    assert od.queued == {} and od.queue_waits["od"].n == 1
+
+
+def test_histogram_is_cumulative() -> None:
+    from gpud.core.queue import Histogram
+    h = Histogram.empty()
+    for s in (0.05, 0.3, 0.3, 400.0):
+        h.observe(s)
+    rows = dict(h.cumulative())
+    assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 1, 3, 3, 4)
+    assert h.n == 4 and h.total_s == pytest.approx(400.65)

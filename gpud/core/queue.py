@@ -118,3 +118,37 @@ def median_s(took: Sequence[float]) -> float | None:
     """The median of the last MEASURED durations, rounded to the millisecond; None: none."""
     last = list(took)[-MEASURED:]
     return round(statistics.median(last), 3) if last else None
+
+
+# The buckets of the queue's waits and the bring-ups' durations (seconds; the metrics').
+BUCKETS_S: Final = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts of durations by bucket (cumulative when read, as Prometheus' histogram is)."""
+
+    counts: list[int]
+    total_s: float = 0.0
+    n: int = 0
+
+    @classmethod
+    def empty(cls) -> Histogram:
+        return cls([0] * len(BUCKETS_S))
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(BUCKETS_S):
+            if seconds <= bound:
+                self.counts[i] += 1
+                break
+        self.total_s += seconds
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, count of durations at most le) for each bucket, then "+Inf"."""
+        out, running = [], 0
+        for bound, count in zip(BUCKETS_S, self.counts, strict=True):
+            running += count
+            out.append((repr(bound), running))
+        out.append(("+Inf", self.n))
+        return out
