@@ -115,6 +115,8 @@ class OnDemand:
         # one swap at a time, when each serve was last brought up by a request, and the
         # durations of its last bring-ups by kind (wake, start): the cost of evicting it.
         self.queued: dict[str, list[float]] = {}
+        # What each serve needed when last refused for memory (MiB on each of its roles).
+        self._need: dict[str, int] = {}
         self._swap = asyncio.Lock()
         self.up_at: dict[str, float] = {}
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
@@ -236,6 +238,12 @@ class OnDemand:
         except GpudError as exc:
             if not self._queues() or _why(exc) != Why.NO_MEMORY:
                 raise
+            need = exc.details.get("need_mib")
+            if isinstance(need, int):
+                self._need[name] = need
+            need = self._need.get(name)
+            if need is not None and not self._could_fit(name, spec, need):
+                raise  # no eviction the queue may make could ever make room: refused at once
             await self._queued(name, spec, model, exc)
 
     async def _up(self, name: str, spec: ServeConfig, model: str | None = None, *,
@@ -429,9 +437,39 @@ class OnDemand:
             return False
         return True
 
+    @staticmethod
+    def _may_evict(spec: ServeConfig, o: ServeConfig) -> bool:
+        """Whether a queued request for a serve of SPEC may ever evict one of O: an on-demand
+        serve of equal or lower priority, or any of lower priority that can sleep or be
+        stopped (an operator's serve of equal priority is not evicted by requests)."""
+        if o.priority < spec.priority:
+            return False
+        if o.on_demand:
+            return True
+        return o.priority > spec.priority and bool(
+            o.sleep_level or o.preemptible == SleepAction.STOP)
+
+    def _could_fit(self, name: str, spec: ServeConfig, need: int) -> bool:
+        """Whether NAME (needing NEED MiB on each of its roles) would fit were every serve
+        the queue may evict for it evicted: else waiting is pointless."""
+        for role in spec.all_roles:
+            room = self.svc.free_for(name, role)
+            for other, o in self.svc.config.serves.items():
+                res = self.svc.ledger.reservations.get(other)
+                # any that holds memory: running, starting, or being evicted now (it frees
+                # what it holds once stopped); one asleep frees nothing more
+                if other == name or res is None or role not in res.all_roles \
+                        or self.svc.state_of(other) == SLEEPING or not self._may_evict(spec, o):
+                    continue
+                keeps = self.sup.sleeps.sleep_mib(other, o) if o.sleep_level else 0
+                room += res.mib - (res.mib if keeps is None else min(keeps, res.mib))
+            if room < need:
+                return False
+        return True
+
     def _running_beside(self, name: str, spec: ServeConfig) -> list[Held]:
-        """The running serves on NAME's roles that a request could evict: on demand, able to
-        sleep, or preemptible by a stop; none being brought up, put to sleep or stopped."""
+        """The running serves on NAME's roles that a request may evict (_may_evict); none
+        being brought up, put to sleep or stopped."""
         now = self.clock()
         roles = set(spec.all_roles)
         out = []
@@ -439,7 +477,7 @@ class OnDemand:
             if other == name or self.svc.state_of(other) != RUNNING or other in self._pending \
                     or self.settling(other) or not roles & set(o.all_roles):
                 continue
-            if not (o.on_demand or o.sleep_level or o.preemptible == SleepAction.STOP):
+            if not self._may_evict(spec, o):
                 continue
             up_at = self.up_at.get(other)
             out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),

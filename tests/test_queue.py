@@ -24,6 +24,7 @@ from gpud.core.queue import (
     next_up,
     victims,
 )
+from gpud.core.vocab import RUNNING
 from gpud.ondemand import OnDemand
 from tests.test_bringup import Clock, CrashLooping, FakeService
 
@@ -165,10 +166,18 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
     svc = FakeService(Clock())
     svc.config = SimpleNamespace(
         router=SimpleNamespace(max_queued=1, queue_timeout_s=1, min_awake_s=10.0),
-        serves={"od": spec})
+        serves={"od": spec, "other": spec})
     svc.serve_spec = lambda _name: spec  # type: ignore[method-assign]
+    # od needs 16000 MiB, 807 are free: "other" (on demand, equal priority) holds 20000, so
+    # evicting it would make room, but it was brought up just now (min_awake_s) and its count
+    # of requests in flight is unknown (busy)
+    svc.states["other"] = RUNNING
+    svc.free_for = lambda _serve, _role: 807  # type: ignore[attr-defined]
+    svc.ledger = SimpleNamespace(reservations={  # type: ignore[attr-defined]
+        "other": SimpleNamespace(mib=20000, all_roles=("r",))})
     sup = CrashLooping(svc, denied=True)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
+    od.up_at["other"] = time.monotonic()
     began = time.monotonic()
     waiting = asyncio.ensure_future(od.ensure("od"))
     await asyncio.sleep(0.2)
@@ -193,3 +202,27 @@ def test_histogram_is_cumulative() -> None:
     rows = dict(h.cumulative())
     assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 1, 3, 3, 4)
     assert h.n == 4 and h.total_s == pytest.approx(400.65)
+
+
+async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> None:
+    """Nothing the queue may evict would free enough (the running serve is more important):
+    the refusal for memory is answered at once, as without a queue, not after a wait."""
+    spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
+                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+    vital = SimpleNamespace(on_demand=True, priority=1, all_roles=("r",), sleep_level=0,
+                            preemptible="sleep")
+    svc = FakeService(Clock())
+    svc.config = SimpleNamespace(
+        router=SimpleNamespace(max_queued=8, queue_timeout_s=30, min_awake_s=10.0),
+        serves={"od": spec, "vital": vital})
+    svc.serve_spec = lambda _name: spec  # type: ignore[method-assign]
+    svc.states["vital"] = RUNNING
+    svc.free_for = lambda _serve, _role: 807  # type: ignore[attr-defined]
+    svc.ledger = SimpleNamespace(reservations={  # type: ignore[attr-defined]
+        "vital": SimpleNamespace(mib=20000, all_roles=("r",))})
+    od = OnDemand(cast(Any, svc), cast(Any, CrashLooping(svc, denied=True)), clock=time.monotonic)
+    began = time.monotonic()
+    reply = await od.ensure("od")
+    assert time.monotonic() - began < 0.5 and reply.status == 403
+    assert json.loads(reply.headers["X-Gpud-Reason"])["error"]["details"]["class"] == "no-memory"
+    assert od.queued == {}
