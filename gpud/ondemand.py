@@ -117,7 +117,7 @@ class OnDemand:
         self.queued: dict[str, list[float]] = {}
         # What each serve needed when last refused for memory (MiB on each of its roles).
         self._need: dict[str, int] = {}
-        self._swap = asyncio.Lock()
+        self._swapping: asyncio.Task[bool] | None = None
         self.up_at: dict[str, float] = {}
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
@@ -397,20 +397,31 @@ class OnDemand:
             turn = next_up(Waiting(n, self.svc.config.serves[n].priority, len(w), w[0],
                                    self.svc.state_of(n) == RUNNING)
                            for n, w in self.queued.items() if w and n in self.svc.config.serves)
-            if turn == name and not self._swap.locked():
+            if turn == name and self._swapping is None:
                 again = self.clock() - tried >= QUEUE_RETRY_S
                 if again:
                     tried = self.clock()
-                async with self._swap:
-                    if await self._swap_in(name, spec, model, min_awake_s, try_first=again):
-                        continue
-            elif self.clock() - tried >= QUEUE_RETRY_S and not self._swap.locked():
+                # One swap at a time, in a task of its own: a request that goes away (its
+                # client gone, its queue_timeout_s over) does not cut an eviction short.
+                swap = asyncio.get_running_loop().create_task(
+                    self._swap_in(name, spec, model, min_awake_s, try_first=again))
+                self._swapping = swap
+                swap.add_done_callback(self._swapped)
+                if await asyncio.shield(swap):
+                    continue
+            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
                 # memory freed otherwise (a stop, an idle sleep): try again without evicting
                 tried = self.clock()
                 if await self._try_up(name, spec, model):
                     return
                 continue
             await asyncio.sleep(QUEUE_POLL_S)
+
+    def _swapped(self, task: asyncio.Task[bool]) -> None:
+        if self._swapping is task:
+            self._swapping = None
+        if not task.cancelled():
+            task.exception()  # retrieved here: its request may have gone
 
     async def _swap_in(self, name: str, spec: ServeConfig, model: str | None,
                        min_awake_s: float, *, try_first: bool) -> bool:
@@ -423,7 +434,8 @@ class OnDemand:
             chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
             if not isinstance(chosen, list):
                 return False
-            await self._evict(chosen[0], name, model)
+            if not await self._evict(chosen[0], name, model):
+                return False
             if await self._try_up(name, spec, model):
                 return True
 
@@ -493,9 +505,10 @@ class OnDemand:
         """The median of NAME's last measured bring-ups of KIND (gpud.core.queue.MEASURED)."""
         return median_s(self.took.get(name, {}).get(kind, ()))
 
-    async def _evict(self, victim: str, name: str, model: str | None) -> None:
+    async def _evict(self, victim: str, name: str, model: str | None) -> bool:
         """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
-        its requests in flight are drained first, new ones wait (settling)."""
+        its requests in flight are drained first, new ones wait (settling). False when that
+        was refused (logged; the queue looks again)."""
         vspec = self.svc.config.serves[victim]
         by = f"serve {name}" if model is None else \
             f"serve {name} (request for model {printable(model[:256])!r} through the router)"
@@ -512,10 +525,14 @@ class OnDemand:
                     drained = await self.traffic.drain(
                         victim, vspec, self.svc.config.daemon.drain_timeout_s)
                     await self.sup.stop(victim, None, drained=drained)
-            self.evictions[victim] = self.evictions.get(victim, 0) + 1
-            self.up_at.pop(victim, None)
+        except GpudError as exc:
+            log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message)
+            return False
         finally:
             self._idling.discard(victim)
+        self.evictions[victim] = self.evictions.get(victim, 0) + 1
+        self.up_at.pop(victim, None)
+        return True
 
     def _flight(self, name: str) -> Flight:
         return self.traffic.flight(name) if self.traffic is not None else Flight()
