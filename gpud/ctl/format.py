@@ -225,16 +225,16 @@ def format_serves(doc: answers.Serves) -> str:
         if s.get("device_lost"):
             row[2] += " (DEVICE LOST)"
     columns = list(_SERVE_COLUMNS)
-    if any(s.get("front") for s in serves):  # a host without a front keeps its table
-        columns.append(("LAST REQUEST", "last_activity_s_ago", True))
-        for row, s in zip(rows, serves, strict=True):
-            row.append(ago(s.get("last_activity_s_ago")) if s.get("front") else "-")
     if any(s.get("wake_s") is not None or s.get("start_s") is not None for s in serves):
         # the medians of its measured wakes and starts: its cost to bring back (the router's
         # queue evicts the cheaper first, docs/router.md)
         columns.append(("WAKE/START", "wake_s", True))
         for row, s in zip(rows, serves, strict=True):
             row.append(f"{_secs(s.get('wake_s'))}/{_secs(s.get('start_s'))}")
+    if any(s.get("front") for s in serves):  # a host without a front keeps its table
+        columns.append(("LAST REQUEST", "last_activity_s_ago", True))
+        for row, s in zip(rows, serves, strict=True):
+            row.append(ago(s.get("last_activity_s_ago")) if s.get("front") else "-")
     text = format_table([h for h, _, _ in columns], rows, [r for _, _, r in columns])
     reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
                + (f"; {s['parked_host_mib']} MiB parked in host RAM"
