@@ -161,7 +161,8 @@ class OnDemand:
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
         state = self.svc.state_of(name)
-        if state == RUNNING or name in self._pending:
+        pending = self._pending.get(name)
+        if state == RUNNING or (pending is not None and not pending.done()):
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
         rec = self.svc.records.get(name)
@@ -264,6 +265,8 @@ class OnDemand:
                 if self.svc.state_of(name) == RUNNING:
                     return
                 task = self._pending.get(name)
+                if task is not None and task.done():
+                    task = None  # ended; its callback, which forgets it, has not run yet
                 if task is None and not queued and self._queues() and any(
                         self.queued.get(o) for o in self.queued if o != name):
                     # Others wait for memory already: this one waits its turn behind them.
@@ -387,12 +390,15 @@ class OnDemand:
         tried = self.clock()
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
             task = self._pending.get(name)
-            if task is not None:  # a bring-up under way: this request shares it
+            if task is not None and not task.done():  # under way: this request shares it
                 try:
                     await asyncio.shield(task)
                 except GpudError as exc:
                     if _why(exc) != Why.NO_MEMORY:
                         raise
+                # (a done task is in _pending until its callback runs: never loop on it
+                # without yielding)
+                await asyncio.sleep(0)
                 continue
             turn = next_up(Waiting(n, self.svc.config.serves[n].priority, len(w), w[0],
                                    self.svc.state_of(n) == RUNNING)
@@ -414,7 +420,6 @@ class OnDemand:
                 tried = self.clock()
                 if await self._try_up(name, spec, model):
                     return
-                continue
             await asyncio.sleep(QUEUE_POLL_S)
 
     def _swapped(self, task: asyncio.Task[bool]) -> None:

@@ -72,6 +72,7 @@ def test_an_alternating_storm_swaps_at_most_once_per_min_awake(queued: SandboxGp
     answers = storm(gpud, clients=3, seconds=STORM_S)
     took = time.monotonic() - began
     statuses = Counter(a.split("/")[0] for a in answers)
+    assert gpud.unit_prop("gpud.service", "ActiveState") == "active", gpud.journal_tail(400)
     # every request answered: 200, or 503 with Retry-After (never a 5xx of gpud's: its 500
     # would be the router's 500 here, its timeout a 504)
     assert set(statuses) <= {"200", "503"}, (statuses, gpud.journal_tail())
