@@ -41,7 +41,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import Reservation, RoleFigures
-from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind
+from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -315,15 +315,23 @@ class Api:
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
                                          summaries, self._parked, self._activity,
-                                         self._in_flight))
+                                         self._in_flight, self._bringups))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws, parked=self._parked,
-                              activity=self._activity, in_flight=self._in_flight)
+                              activity=self._activity, in_flight=self._in_flight,
+                              bringups=self._bringups)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
                           self.calibrations.summary_of(name), self._parked, self._activity,
-                          self._in_flight)
+                          self._in_flight, self._bringups)
+
+    def _bringups(self, serve: str) -> tuple[float | None, float | None]:
+        """The medians of SERVE's measured wakes and starts (gpud.ondemand)."""
+        if self.on_demand is None:
+            return None, None
+        return (self.on_demand.bringup_s(serve, StepKind.WAKE),
+                self.on_demand.bringup_s(serve, StepKind.START))
 
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None

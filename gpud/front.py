@@ -43,7 +43,7 @@ from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
-from gpud.router import SCRIPT_NAME, router_front, script_text
+from gpud.router import SCRIPT_NAME, queue_wait_s, router_front, script_text
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -72,7 +72,7 @@ def front_config(cfg: Config) -> FrontConfig:
         serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
                                 # the front waits a little longer than gpud does
                                 ensure_timeout_s=(math.ceil(cfg.serves[name].start_timeout_s)
-                                                  + ENSURE_MARGIN_S
+                                                  + queue_wait_s(cfg) + ENSURE_MARGIN_S
                                                   if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items())),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",

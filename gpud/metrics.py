@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 
 from gpud.calibration import Calibrator
 from gpud.core.ledger import Ledger
+from gpud.core.queue import Histogram
 from gpud.core.vocab import EVENT_KINDS, STATES, EventKind, ServeState
 from gpud.observer import Observer
 from gpud.service import LedgerService
@@ -66,6 +67,7 @@ class GpudCollector:
         families = _families(self.svc, self.observer, self.calibrator)
         if self.on_demand is not None:
             _idle_families(families, self.svc, self.on_demand)
+            _queue_families(families, self.svc, self.on_demand)
         for family in families.values():
             yield family.metric
 
@@ -98,6 +100,41 @@ def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDe
         count = on_demand.in_flight(serve)
         if count is not None:
             flights.add(count, serve=serve)
+
+
+def _queue_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:
+    """The router's queue and the bring-ups by request, by serve (a serve's model names share
+    its queue: docs/router.md): a series for each on-demand serve from the first scrape."""
+    od = sorted(n for n, spec in svc.config.serves.items() if spec.on_demand)
+    queued = fams.setdefault("gpud_requests_queued", _Family(
+        "gpud_requests_queued", "gauge", "Requests waiting in each serve's queue for it to be "
+        "brought up (the router's queue: router.max_queued)"))
+    for serve in sorted(set(od) | set(on_demand.queued)):
+        queued.add(len(on_demand.queued.get(serve, ())), serve=serve)
+    evicted = fams.setdefault("gpud_evictions_total", _Family(
+        "gpud_evictions_total", "counter", "Serves put to sleep or stopped to make room for a "
+        "queued request for another serve, since gpud started"))
+    for serve in sorted(set(od) | set(on_demand.evictions)):
+        evicted.add(on_demand.evictions.get(serve, 0), serve=serve)
+    waits = fams.setdefault("gpud_queue_wait_seconds", _Family(
+        "gpud_queue_wait_seconds", "histogram", "How long requests waited in each serve's "
+        "queue (brought up, refused or gone), since gpud started"))
+    for serve in sorted(set(od) | set(on_demand.queue_waits)):
+        _histogram(waits, on_demand.queue_waits.get(serve) or Histogram.empty(), serve=serve)
+    took = fams.setdefault("gpud_bringup_seconds", _Family(
+        "gpud_bringup_seconds", "histogram", "How long each bring-up by a request took (kind "
+        "wake or start: from the ensure that began it to the serve running), since gpud "
+        "started; its _count is the bring-ups"))
+    for (serve, kind), hist in sorted(on_demand.bringups.items()):
+        _histogram(took, hist, serve=serve, kind=str(kind))
+
+
+def _histogram(family: _Family, hist: Histogram, **labels: str) -> None:
+    name = family.metric.name
+    for le, count in hist.cumulative():
+        family.metric.add_sample(f"{name}_bucket", {**labels, "le": le}, float(count))
+    family.metric.add_sample(f"{name}_sum", labels, hist.total_s)
+    family.metric.add_sample(f"{name}_count", labels, float(hist.n))
 
 
 _Fam = Callable[[str, str, str], _Family]

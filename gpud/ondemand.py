@@ -17,6 +17,13 @@ is going to sleep or away.
 Idle: from the later of the last ensure and the end of the last request (the serve's own count
 of requests in flight, gpud.traffic); never while a request is in flight.
 
+Queued (with a [router]; docs/router.md, "Queue instead of thrash"; the decisions are
+gpud.core.queue's): a request refused for memory waits in its serve's queue, the ensure held,
+until the serve is up, at most router.queue_timeout_s and router.max_queued per serve; one
+waiting serve at a time makes room, evicting serves of equal or lower priority that are idle or
+were brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
+starts by a request are measured here).
+
 Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
 failure an exponential, capped backoff; requests meanwhile are answered at once, with
 ``Retry-After`` the seconds left. ``X-Gpud-Reason`` (what the front shows any local user) says
@@ -31,6 +38,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +47,7 @@ from aiohttp import web
 from gpud.core import bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
+from gpud.core.queue import MEASURED, Held, Histogram, Waiting, median_s, next_up, victims
 from gpud.core.text import printable
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
 from gpud.core.vocab import (
@@ -49,6 +58,7 @@ from gpud.core.vocab import (
     STARTING,
     ServeState,
     SleepAction,
+    StepKind,
 )
 from gpud.errors import Denied, GpudError, NotFound, Unavailable
 from gpud.responses import error_response
@@ -67,6 +77,10 @@ POLL_S = 0.005
 DEFAULT_POLICY = Policy()
 # How often idle serves are looked for.
 IDLE_CHECK_S = 0.5
+# How often a request in the router's queue looks again (gpud.core.queue), and tries its serve
+# again without evicting anything (memory freed otherwise: a stop, an idle sleep).
+QUEUE_POLL_S = 0.05
+QUEUE_RETRY_S = 1.0
 
 
 class OnDemand:
@@ -97,6 +111,21 @@ class OnDemand:
         # Idle sleeps and stops carried out since gpud started, by serve (the metrics').
         self.idle_sleeps: dict[str, int] = {}
         self.idle_stops: dict[str, int] = {}
+        # The router's queue (gpud.core.queue): each serve's waiting requests (their arrival),
+        # one swap at a time, when each serve was last brought up by a request, and the
+        # durations of its last bring-ups by kind (wake, start): the cost of evicting it.
+        self.queued: dict[str, list[float]] = {}
+        # What each serve needed when last refused for memory (MiB on each of its roles).
+        self._need: dict[str, int] = {}
+        self._swapping: asyncio.Task[bool] | None = None
+        self.up_at: dict[str, float] = {}
+        self.took: dict[str, dict[StepKind, deque[float]]] = {}
+        # Evictions for a queued request, by serve (the metrics').
+        self.evictions: dict[str, int] = {}
+        # The metrics': how long queued requests waited, by serve; the bring-ups by request,
+        # by serve and kind, and their durations.
+        self.queue_waits: dict[str, Histogram] = {}
+        self.bringups: dict[tuple[str, StepKind], Histogram] = {}
 
     async def ensure(self, name: str, model: str | None = None) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
@@ -132,7 +161,8 @@ class OnDemand:
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
         state = self.svc.state_of(name)
-        if state == RUNNING or name in self._pending:
+        pending = self._pending.get(name)
+        if state == RUNNING or (pending is not None and not pending.done()):
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
         rec = self.svc.records.get(name)
@@ -160,9 +190,7 @@ class OnDemand:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
         headers (what any local user sees), the whole error in the body (the front's and
         root's; nginx's auth_request reads only the headers)."""
-        why = bringup.classify(exc.code, exc.details)
-        if isinstance(exc.details.get("class"), str):
-            why = Why(exc.details["class"])
+        why = _why(exc)
         hold = bringup.held(self.tries.get(name), self.clock())
         retry = hold.retry_after_s if hold is not None else \
             max(1, math.ceil(self.policy.refusal_hold_s))
@@ -204,7 +232,23 @@ class OnDemand:
     async def up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
         start_timeout_s. A sleep or a stop under way is waited for first. Unavailable at once
-        (details.held) while its last try's hold or backoff lasts."""
+        (details.held) while its last try's hold or backoff lasts. With the router's queue: a
+        refusal for memory (or a hold after one) waits in the queue instead (`_queued`)."""
+        try:
+            await self._up(name, spec, model)
+        except GpudError as exc:
+            if not self._queues() or _why(exc) != Why.NO_MEMORY:
+                raise
+            need = exc.details.get("need_mib")
+            if isinstance(need, int):
+                self._need[name] = need
+            need = self._need.get(name)
+            if need is not None and not self._could_fit(name, spec, need):
+                raise  # no eviction the queue may make could ever make room: refused at once
+            await self._queued(name, spec, model, exc)
+
+    async def _up(self, name: str, spec: ServeConfig, model: str | None = None, *,
+                  queued: bool = False) -> None:
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return
         if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
@@ -221,9 +265,16 @@ class OnDemand:
                 if self.svc.state_of(name) == RUNNING:
                     return
                 task = self._pending.get(name)
+                if task is not None and task.done():
+                    task = None  # ended; its callback, which forgets it, has not run yet
+                if task is None and not queued and self._queues() and any(
+                        self.queued.get(o) for o in self.queued if o != name):
+                    # Others wait for memory already: this one waits its turn behind them.
+                    raise Unavailable(f"serve {name!r} queued behind the requests waiting",
+                                      {"serve": name, "class": Why.NO_MEMORY, "queue": True})
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
-                    hold = self._held(name)
+                    hold = None if queued else self._held(name)
                     if hold is not None:
                         raise Unavailable(
                             f"serve {name!r} not brought up again for {hold.retry_after_s} s "
@@ -259,6 +310,7 @@ class OnDemand:
         except GpudError as exc:
             self._tried(name, exc)
             raise
+        self.up_at[name] = self.clock()
         up = bringup.came_up(self.tries.get(name), self.clock())
         if up is None:
             self.tries.pop(name, None)
@@ -271,6 +323,10 @@ class OnDemand:
         # a request through the router names its model (printable: it is logged)
         by = "on-demand request" if model is None else \
             f"request for model {printable(model[:256])!r} through the router"
+        began = self.clock()
+        # measured when this bring-up is the whole of it (not one of someone else's under way)
+        kind = StepKind.WAKE if state == SLEEPING else \
+            StepKind.START if state not in LIVE_STATES else None
         if state == SLEEPING:
             # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
             # gets its GPU back from lower ones that started in the room it left asleep.
@@ -287,6 +343,201 @@ class OnDemand:
             reason = rec.reason if rec is not None else None
             raise Unavailable(f"serve {name!r} is {state}" + (f": {reason}" if reason else ""),
                               {"serve": name, "state": state})
+        if kind is not None:
+            self.took.setdefault(name, {}).setdefault(kind, deque(maxlen=MEASURED)).append(
+                self.clock() - began)
+            self.bringups.setdefault((name, kind), Histogram.empty()).observe(
+                self.clock() - began)
+            log.info("on-demand %s up (%s): the %s took %.1f s", name, by, kind,
+                     self.clock() - began)
+
+    # ---- the router's queue (gpud.core.queue) ---------------------------------------------
+
+    def _queues(self) -> bool:
+        r = self.svc.config.router
+        return r is not None and r.max_queued > 0
+
+    async def _queued(self, name: str, spec: ServeConfig, model: str | None,
+                      first: GpudError) -> None:
+        """Wait in NAME's queue until it is running: brought up by this request or another, in
+        the queue's order (next_up), evicting running serves as gpud.core.queue allows.
+        Unavailable (class queue-full) when router.max_queued requests wait already, (class
+        queue-timeout) when it is not up within router.queue_timeout_s."""
+        router = self.svc.config.router
+        assert router is not None
+        waiting = self.queued.setdefault(name, [])
+        if len(waiting) >= router.max_queued:
+            raise Unavailable(f"serve {name!r} not brought up: {len(waiting)} request(s) wait "
+                              f"for it already (router.max_queued); {first.message}",
+                              {"serve": name, "class": Why.QUEUE_FULL, "queued": len(waiting)})
+        arrived = self.clock()
+        waiting.append(arrived)
+        try:
+            async with asyncio.timeout(router.queue_timeout_s):
+                await self._wait_turn(name, spec, model, router.min_awake_s)
+        except TimeoutError:
+            raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
+                              f"({router.queue_timeout_s} s); {first.message}",
+                              {"serve": name, "class": Why.QUEUE_TIMEOUT}) from None
+        finally:
+            waiting.remove(arrived)
+            if not waiting:
+                self.queued.pop(name, None)
+            self.queue_waits.setdefault(name, Histogram.empty()).observe(self.clock() - arrived)
+
+    async def _wait_turn(self, name: str, spec: ServeConfig, model: str | None,
+                         min_awake_s: float) -> None:
+        tried = self.clock()
+        while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
+            task = self._pending.get(name)
+            if task is not None and not task.done():  # under way: this request shares it
+                try:
+                    await asyncio.shield(task)
+                except GpudError as exc:
+                    if _why(exc) != Why.NO_MEMORY:
+                        raise
+                # (a done task is in _pending until its callback runs: never loop on it
+                # without yielding)
+                await asyncio.sleep(0)
+                continue
+            turn = next_up(Waiting(n, self.svc.config.serves[n].priority, len(w), w[0],
+                                   self.svc.state_of(n) == RUNNING)
+                           for n, w in self.queued.items() if w and n in self.svc.config.serves)
+            if turn == name and self._swapping is None:
+                again = self.clock() - tried >= QUEUE_RETRY_S
+                if again:
+                    tried = self.clock()
+                # One swap at a time, in a task of its own: a request that goes away (its
+                # client gone, its queue_timeout_s over) does not cut an eviction short.
+                swap = asyncio.get_running_loop().create_task(
+                    self._swap_in(name, spec, model, min_awake_s, try_first=again))
+                self._swapping = swap
+                swap.add_done_callback(self._swapped)
+                if await asyncio.shield(swap):
+                    continue
+            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
+                # memory freed otherwise (a stop, an idle sleep): try again without evicting
+                tried = self.clock()
+                if await self._try_up(name, spec, model):
+                    return
+            await asyncio.sleep(QUEUE_POLL_S)
+
+    def _swapped(self, task: asyncio.Task[bool]) -> None:
+        if self._swapping is task:
+            self._swapping = None
+        if not task.cancelled():
+            task.exception()  # retrieved here: its request may have gone
+
+    async def _swap_in(self, name: str, spec: ServeConfig, model: str | None,
+                       min_awake_s: float, *, try_first: bool) -> bool:
+        """NAME's turn: try it (`try_first`: its last try was a while ago); while it does not
+        fit, evict the first victim the queue allows and try again. False: no victim now (the
+        request waits on)."""
+        if try_first and await self._try_up(name, spec, model):
+            return True
+        while True:
+            chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
+            if not isinstance(chosen, list):
+                return False
+            if not await self._evict(chosen[0], name, model):
+                return False
+            if await self._try_up(name, spec, model):
+                return True
+
+    async def _try_up(self, name: str, spec: ServeConfig, model: str | None) -> bool:
+        """Bring NAME up for the queue: False when it does not fit (other errors raised)."""
+        try:
+            await self._up(name, spec, model, queued=True)
+        except GpudError as exc:
+            if _why(exc) != Why.NO_MEMORY:
+                raise
+            return False
+        return True
+
+    @staticmethod
+    def _may_evict(spec: ServeConfig, o: ServeConfig) -> bool:
+        """Whether a queued request for a serve of SPEC may ever evict one of O: an on-demand
+        serve of equal or lower priority, or any of lower priority that can sleep or be
+        stopped (an operator's serve of equal priority is not evicted by requests)."""
+        if o.priority < spec.priority:
+            return False
+        if o.on_demand:
+            return True
+        return o.priority > spec.priority and bool(
+            o.sleep_level or o.preemptible == SleepAction.STOP)
+
+    def _could_fit(self, name: str, spec: ServeConfig, need: int) -> bool:
+        """Whether NAME (needing NEED MiB on each of its roles) would fit were every serve
+        the queue may evict for it evicted: else waiting is pointless."""
+        for role in spec.all_roles:
+            room = self.svc.free_for(name, role)
+            for other, o in self.svc.config.serves.items():
+                res = self.svc.ledger.reservations.get(other)
+                # any that holds memory: running, starting, or being evicted now (it frees
+                # what it holds once stopped); one asleep frees nothing more
+                if other == name or res is None or role not in res.all_roles \
+                        or self.svc.state_of(other) == SLEEPING or not self._may_evict(spec, o):
+                    continue
+                keeps = self.sup.sleeps.sleep_mib(other, o) if o.sleep_level else 0
+                room += res.mib - (res.mib if keeps is None else min(keeps, res.mib))
+            if room < need:
+                return False
+        return True
+
+    def _running_beside(self, name: str, spec: ServeConfig) -> list[Held]:
+        """The running serves on NAME's roles that a request may evict (_may_evict); none
+        being brought up, put to sleep or stopped."""
+        now = self.clock()
+        roles = set(spec.all_roles)
+        out = []
+        for other, o in self.svc.config.serves.items():
+            if other == name or self.svc.state_of(other) != RUNNING or other in self._pending \
+                    or self.settling(other) or not roles & set(o.all_roles):
+                continue
+            if not self._may_evict(spec, o):
+                continue
+            up_at = self.up_at.get(other)
+            out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),
+                            None if up_at is None else now - up_at, self.cost_s(other, o)))
+        return out
+
+    def cost_s(self, name: str, spec: ServeConfig) -> float | None:
+        """What bringing NAME back would take: the median of its last wakes when it can sleep,
+        else of its last starts (None: none measured since gpud started)."""
+        return self.bringup_s(name, StepKind.WAKE if spec.sleep_level else StepKind.START)
+
+    def bringup_s(self, name: str, kind: StepKind) -> float | None:
+        """The median of NAME's last measured bring-ups of KIND (gpud.core.queue.MEASURED)."""
+        return median_s(self.took.get(name, {}).get(kind, ()))
+
+    async def _evict(self, victim: str, name: str, model: str | None) -> bool:
+        """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
+        its requests in flight are drained first, new ones wait (settling). False when that
+        was refused (logged; the queue looks again)."""
+        vspec = self.svc.config.serves[victim]
+        by = f"serve {name}" if model is None else \
+            f"serve {name} (request for model {printable(model[:256])!r} through the router)"
+        log.info("on-demand %s: evicted for %s", victim, by,
+                 extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
+        self._idling.add(victim)
+        try:
+            if vspec.sleep_level:
+                await self.sup.sleeps.sleep(victim, None, preempted_by=name)
+            elif self.traffic is None:
+                await self.sup.stop(victim, None)
+            else:
+                with self.traffic.held(victim):
+                    drained = await self.traffic.drain(
+                        victim, vspec, self.svc.config.daemon.drain_timeout_s)
+                    await self.sup.stop(victim, None, drained=drained)
+        except GpudError as exc:
+            log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message)
+            return False
+        finally:
+            self._idling.discard(victim)
+        self.evictions[victim] = self.evictions.get(victim, 0) + 1
+        self.up_at.pop(victim, None)
+        return True
 
     def _flight(self, name: str) -> Flight:
         return self.traffic.flight(name) if self.traffic is not None else Flight()
@@ -360,3 +611,9 @@ class OnDemand:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
             self._idling.discard(name)
+
+
+def _why(exc: GpudError) -> Why:
+    """The class of a refusal: the one its details name, else by its code and details."""
+    named = exc.details.get("class")
+    return Why(named) if isinstance(named, str) else bringup.classify(exc.code, exc.details)

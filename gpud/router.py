@@ -40,6 +40,14 @@ def wakes_through_router(cfg: Config, name: str) -> bool:
     return name in routed(cfg) and name in cfg.serves and asks_gpud(cfg, name)
 
 
+def queue_wait_s(cfg: Config) -> int:
+    """How long gpud may hold an ensure in the queue before the bring-up's own wait
+    (router.queue_timeout_s; 0 without a router or with max_queued 0): nginx's wait for the
+    ensure is that much longer (docs/router.md, "Queue instead of thrash")."""
+    r = cfg.router
+    return r.queue_timeout_s if r is not None and r.max_queued > 0 else 0
+
+
 def load_keys(path: str, known: list[str], *, require_root: bool | None = None
               ) -> tuple[ApiKey, ...]:
     """router.api_keys_file's keys; a ConfigError naming the file and each problem (the
@@ -75,7 +83,8 @@ def router_front(cfg: Config) -> RouterFront | None:
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
             ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
-                              + ENSURE_MARGIN_S if asks_gpud(cfg, name) else None)))
+                              + queue_wait_s(cfg) + ENSURE_MARGIN_S
+                              if asks_gpud(cfg, name) else None)))
     keys = None if r.api_keys_file is None else load_keys(
         r.api_keys_file, [m for s in serves for m in s.models])
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,

@@ -94,7 +94,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                calibrated: answers.Calibrated | None = None,
                parked: Callable[[str], int | None] = lambda _serve: None,
                activity: Callable[[str], float | None] = lambda _serve: None,
-               in_flight: Callable[[str], int | None] = lambda _serve: None) -> answers.Serve:
+               in_flight: Callable[[str], int | None] = lambda _serve: None,
+               bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
+                   None, None)) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -139,6 +141,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # seconds since its last request ended (gpud.ondemand, gpud.traffic)
         "last_activity_s_ago": activity(name),
         "in_flight": in_flight(name) if state in LIVE_STATES else None,
+        # the medians of its measured wakes and starts (gpud.ondemand): its cost to bring back
+        "wake_s": bringups(name)[0],
+        "start_s": bringups(name)[1],
     }
     names = routed(svc.config).get(name)
     if names is not None:
@@ -171,11 +176,13 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
                 summaries: dict[str, answers.Calibrated | None] | None = None,
                 parked: Callable[[str], int | None] = lambda _serve: None,
                 activity: Callable[[str], float | None] = lambda _serve: None,
-                in_flight: Callable[[str], int | None] = lambda _serve: None) -> answers.Serves:
+                in_flight: Callable[[str], int | None] = lambda _serve: None,
+                bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
+                    None, None)) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked,
-                        activity, in_flight)
+                        activity, in_flight, bringups)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

@@ -86,6 +86,8 @@ class FakeService:
     states: dict[str, ServeState] = field(default_factory=dict)
     records: dict[str, ServeRecord] = field(default_factory=dict)
     ready: bool = True
+    # no [router]: no queue (a refusal is answered at once)
+    config: Any = field(default_factory=lambda: SimpleNamespace(router=None, serves={}))
 
     def serve_spec(self, name: str) -> Any:
         return SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0)

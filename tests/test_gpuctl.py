@@ -125,6 +125,7 @@ SERVE_OCR: dict[str, Any] = {
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
     "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
     "front": False, "last_activity_s_ago": None, "in_flight": None,
+    "wake_s": None, "start_s": None,
 }
 
 SERVE_FAST: dict[str, Any] = dict(
@@ -1231,3 +1232,15 @@ def test_preemption_plan_and_sleep_lines() -> None:
                                            "1, put to sleep)", parked_host_mib=5000)]})
     assert table.splitlines()[-1] == ("ocr (sleeping): asleep (level 1, put to sleep); 5000 MiB "
                                       "parked in host RAM")
+
+
+def test_serves_table_shows_the_measured_bring_ups() -> None:
+    """The medians of each serve's measured wakes and starts (the router's queue evicts the
+    cheaper first): a column only when some serve has one."""
+    assert "WAKE/START" not in format_serves({"serves": [SERVE_FAST]})
+    measured = dict(SERVE_FAST, name="chat", wake_s=0.84, start_s=12.3)
+    lines = format_serves({"serves": [measured, SERVE_OCR]}).splitlines()
+    assert lines[0].endswith("WAKE/START")
+    assert [line.split()[-1] for line in lines[1:3]] == ["0.8s/12.3s", "-/-"]
+    block = format_serve(measured).splitlines()
+    assert "wake:        0.84" in block and "start:       12.3" in block

@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.config import parse_config
-from gpud.core.vocab import EVENT_KINDS, EventKind
+from gpud.core.queue import Histogram
+from gpud.core.vocab import EVENT_KINDS, EventKind, StepKind
 from gpud.metrics import render
 from gpud.observer import Observer
 from gpud.ondemand import OnDemand
@@ -247,6 +248,53 @@ def test_idle_sleeps_and_stops_are_counted_by_serve(tmp_path: Path) -> None:
     assert idle(exposed) == {("gpud_idle_sleeps_total", "coder"): 3,
                              ("gpud_idle_stops_total", "coder"): 0,
                              ("gpud_idle_stops_total", "lazy"): 1}
+    result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_queue_and_the_bring_ups_are_measured_by_serve(tmp_path: Path) -> None:
+    """The router's queue by serve (requests waiting, their waits, evictions) and the bring-ups
+    by request (a histogram by serve and kind): series for each on-demand serve from the first
+    scrape; promtool accepts them."""
+    serve = ('[serves.{name}]\nrole = "r"\nvram_mib = 100\nport = {port}\non_demand = true\n'
+             'command = ["/bin/true", "--uds", "{{socket}}"]\n')
+    text = ('[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+            + serve.format(name="a", port=30001) + serve.format(name="b", port=30002))
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "test"), store, config_text=text)
+    try:
+        svc.load()
+        on_demand = OnDemand(svc, None)  # type: ignore[arg-type]  # the counts only
+        first = render(svc, None, on_demand=on_demand)
+        on_demand.queued["b"] = [1.0, 2.0, 3.0]
+        on_demand.evictions["a"] = 2
+        on_demand.queue_waits["b"] = Histogram.empty()
+        on_demand.queue_waits["b"].observe(4.0)
+        on_demand.bringups[("a", StepKind.START)] = Histogram.empty()
+        on_demand.bringups[("a", StepKind.START)].observe(12.0)
+        exposed = render(svc, None, on_demand=on_demand)
+    finally:
+        svc.close()
+        store.close()
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith(("gpud_requests_queued", "gpud_evictions",
+                                      "gpud_queue_wait", "gpud_bringup"))}
+
+    before = samples(first)
+    assert before[("gpud_requests_queued", (("serve", "a"),))] == 0
+    assert before[("gpud_evictions_total", (("serve", "b"),))] == 0
+    assert before[("gpud_queue_wait_seconds_count", (("serve", "a"),))] == 0
+    after = samples(exposed)
+    assert after[("gpud_requests_queued", (("serve", "b"),))] == 3
+    assert after[("gpud_evictions_total", (("serve", "a"),))] == 2
+    assert after[("gpud_queue_wait_seconds_bucket", (("le", "2.5"), ("serve", "b")))] == 0
+    assert after[("gpud_queue_wait_seconds_bucket", (("le", "5.0"), ("serve", "b")))] == 1
+    assert after[("gpud_queue_wait_seconds_sum", (("serve", "b"),))] == 4.0
+    assert after[("gpud_bringup_seconds_count", (("kind", "start"), ("serve", "a")))] == 1
     result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
                             capture_output=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -645,3 +645,32 @@ def test_check_config_warns_of_a_router_that_would_stay_off(tmp_path: Path) -> N
                         f'api_keys_file = "{tmp_path}/none"\n')
     assert any(w.startswith(f"router.api_keys_file: {tmp_path}/none: cannot read")
                for w in _warnings(parse_config(text, "t"), cdi_dirs=()))
+
+
+def test_nginx_waits_for_the_ensure_as_long_as_the_queue_and_the_bring_up() -> None:
+    """The ensure may be held in the router's queue (router.queue_timeout_s) before the
+    bring-up's own wait: nginx's proxy_read_timeout for it covers both (docs/router.md)."""
+    def timeout(extra: str) -> int:
+        cfg = parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
+                                        f'listen = "127.0.0.1:8000"\n{extra}'), "t")
+        router = router_front(cfg)
+        assert router is not None
+        (chat,) = [s for s in router.serves if s.name == "chat"]
+        assert chat.ensure_timeout_s is not None
+        assert f"proxy_read_timeout {chat.ensure_timeout_s}s;" in render(front_config(cfg))
+        return chat.ensure_timeout_s
+    bare = timeout("max_queued = 0\n")  # no queue: the bring-up's wait and the margin
+    assert timeout("") == bare + 60  # the default queue_timeout_s
+    assert timeout("queue_timeout_s = 300\n") == bare + 300
+
+
+@pytest.mark.parametrize(("key", "error"), [
+    ("queue_timeout_s = 0", "router.queue_timeout_s"),
+    ("max_queued = -1", "router.max_queued"),
+    ("min_awake_s = -5", "router.min_awake_s"),
+])
+def test_the_queue_keys_are_checked(key: str, error: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
+                                  f'listen = "127.0.0.1:8000"\n{key}\n'), "t")
+    assert error in str(err.value)

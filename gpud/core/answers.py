@@ -137,6 +137,10 @@ class Serve(TypedDict):
     # Requests in flight on it, as the serve counts them (vLLM's running + waiting), read every
     # 0.5 s; None when unknown (not running, not reachable, or it gives no count).
     in_flight: int | None
+    # The median of its last five wakes and starts by a request, in seconds, measured since
+    # gpud started (gpud.ondemand; None: none): what evicting it costs (docs/router.md).
+    wake_s: float | None
+    start_s: float | None
     # With a [router]: the names it routes to this serve (docs/router.md)
     models: NotRequired[list[str]]
 

@@ -53,6 +53,10 @@ class Why(StrEnum):
     REFUSED = "refused"  # any other refusal (a conflicting operation under way)
     # stopped and not on demand: requests wake it or wait for its start, its operator starts it
     STOPPED = "stopped"
+    # the router's queue (gpud.core.queue): too many requests wait for the serve already, or
+    # this one waited router.queue_timeout_s
+    QUEUE_FULL = "queue-full"
+    QUEUE_TIMEOUT = "queue-timeout"
 
 
 TEXT: Final[Mapping[Why, str]] = {
@@ -62,6 +66,8 @@ TEXT: Final[Mapping[Why, str]] = {
     Why.UNAVAILABLE: "the serve cannot be brought up now",
     Why.REFUSED: "the serve cannot be brought up now",
     Why.STOPPED: "the serve is stopped and not on_demand (its operator starts it)",
+    Why.QUEUE_FULL: "too many requests wait for the serve",
+    Why.QUEUE_TIMEOUT: "the serve could not be brought up while the request waited",
 }
 
 # Bounds of a denial that say the device or gpud cannot take anything now (not a shortfall).

@@ -311,6 +311,11 @@ class SimulationConfig(_Model):
     devices: list[SimulatedDevice] = Field(min_length=1)
 
 
+DEFAULT_QUEUE_TIMEOUT_S = 60
+DEFAULT_MAX_QUEUED = 32
+DEFAULT_MIN_AWAKE_S = 30.0
+
+
 class RouterConfig(_Model):
     """One OpenAI-compatible address for every serve, routed by the body's `model`
     (docs/router.md): a server of the front's nginx, with the njs module loaded."""
@@ -324,6 +329,13 @@ class RouterConfig(_Model):
     # Bearer tokens and the models each may use (root's, 0600; docs/router.md). Unset: open
     # to whoever reaches `listen`.
     api_keys_file: str | None = None
+    # The queue (docs/router.md, "Queue instead of thrash"): a request for an on-demand serve
+    # that does not fit waits up to queue_timeout_s, at most max_queued per serve (0: no queue,
+    # refused at once), and a serve brought up by a request stays up min_awake_s before a
+    # request for another may evict it (unless it is idle).
+    queue_timeout_s: int = Field(default=DEFAULT_QUEUE_TIMEOUT_S, ge=1, le=3600)
+    max_queued: int = Field(default=DEFAULT_MAX_QUEUED, ge=0, le=10_000)
+    min_awake_s: float = Field(default=DEFAULT_MIN_AWAKE_S, ge=0, le=86_400)
 
 
 class Config(_Model):

@@ -225,6 +225,12 @@ def format_serves(doc: answers.Serves) -> str:
         if s.get("device_lost"):
             row[2] += " (DEVICE LOST)"
     columns = list(_SERVE_COLUMNS)
+    if any(s.get("wake_s") is not None or s.get("start_s") is not None for s in serves):
+        # the medians of its measured wakes and starts: its cost to bring back (the router's
+        # queue evicts the cheaper first, docs/router.md)
+        columns.append(("WAKE/START", "wake_s", True))
+        for row, s in zip(rows, serves, strict=True):
+            row.append(f"{_secs(s.get('wake_s'))}/{_secs(s.get('start_s'))}")
     if any(s.get("front") for s in serves):  # a host without a front keeps its table
         columns.append(("LAST REQUEST", "last_activity_s_ago", True))
         for row, s in zip(rows, serves, strict=True):
@@ -263,7 +269,13 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
     ("activity", "last_activity_s_ago"), ("in flight", "in_flight"), ("models", "models"),
+    ("wake", "wake_s"), ("start", "start_s"),  # the medians of the measured ones
 )
+
+
+def _secs(value: Any) -> str:
+    return f"{value:.1f}s" if isinstance(value, int | float) and not isinstance(value, bool) \
+        else "-"
 
 
 def ago(seconds: Any) -> str:

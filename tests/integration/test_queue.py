@@ -1,0 +1,92 @@
+"""The router's queue under real systemd (docs/router.md, "Queue instead of thrash"): an
+alternating storm over two on-demand serves that do not fit together swaps them at most once
+per router.min_awake_s, every request is answered (200, or 503 with Retry-After), and gpud
+answers no 5xx of its own. Simulated GPU, stand-in serves, the front's nginx with njs."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.gpudctl import SandboxGpud, sim_config, standin_uds
+from tests.waiting import wait_until
+
+ROUTER = 30300
+PORT = 30301
+USER = "gpud-queue-client"  # a local user who is nobody to gpud
+MIN_AWAKE_S = 4.0
+STORM_S = 16.0
+
+
+def config() -> str:
+    serves = "".join(
+        # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
+        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
+        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
+        f"command = {standin_uds('--token-interval-s', '0.05', '--served-model-name', name)}\n"
+        for i, name in enumerate(("a", "b")))
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 30\nmax_queued = 64\n'
+              f"min_awake_s = {MIN_AWAKE_S}\n")
+    return sim_config(role, serves) + router
+
+
+@pytest.fixture
+def queued(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+    sb = gpud.sb
+    try:
+        gpud.configure(config(), start=False)
+        sb.run(["useradd", "--no-create-home", USER], check=False)
+        gpud.start()
+        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
+                   timeout=30, what="gpud-front.service active")
+        yield gpud
+    finally:
+        gpud.reset()
+        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
+               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {USER}; userdel gpud-front",
+               check=False)
+
+
+def storm(gpud: SandboxGpud, clients: int, seconds: float) -> list[str]:
+    """`clients` loops of requests for model a and as many for b, through the router as the
+    client user, for `seconds`: each answer's status and Retry-After ("-" when none)."""
+    def loop(model: str) -> str:
+        body = json.dumps({"model": model, "prompt": "a b", "max_tokens": 4})
+        return (f"end=$(( $(date +%s%N) + {int(seconds * 1e9)} )); "
+                f"while [ $(date +%s%N) -lt $end ]; do curl -s -o /dev/null --max-time 120 "
+                f"-w '%{{http_code}}/%header{{retry-after}}\\n' -d '{body}' "
+                f"http://127.0.0.1:{ROUTER}/v1/completions; done")
+    script = " ".join(f"( {loop(m)} ) &" for _ in range(clients) for m in ("a", "b")) + " wait"
+    out = gpud.sb.run(["bash", "-c", script], user=USER, timeout=seconds + 180).stdout
+    return out.split()
+
+
+def test_an_alternating_storm_swaps_at_most_once_per_min_awake(queued: SandboxGpud) -> None:
+    gpud = queued
+    began = time.monotonic()
+    answers = storm(gpud, clients=3, seconds=STORM_S)
+    took = time.monotonic() - began
+    statuses = Counter(a.split("/")[0] for a in answers)
+    assert gpud.unit_prop("gpud.service", "ActiveState") == "active", gpud.journal_tail(400)
+    # every request answered: 200, or 503 with Retry-After (never a 5xx of gpud's: its 500
+    # would be the router's 500 here, its timeout a 504)
+    assert set(statuses) <= {"200", "503"}, (statuses, gpud.journal_tail())
+    assert all(a.split("/")[1].isdigit() for a in answers if a.startswith("503/")), answers
+    # both models were served, by swapping
+    starts = {n: len(gpud.events(kind="start", serve=n)) for n in ("a", "b")}
+    assert starts["a"] >= 1 and starts["b"] >= 1, (starts, statuses, gpud.journal_tail())
+    assert statuses["200"] >= 20, statuses
+    # at most one swap per min_awake_s (the first start is no swap), not one per request
+    swaps = starts["a"] + starts["b"] - 1
+    assert swaps <= 1 + took / MIN_AWAKE_S, (swaps, took, statuses)
+    assert swaps < statuses["200"] / 4, (swaps, statuses)
+    print(f"storm: {took:.1f} s, {dict(statuses)}, starts {starts}, swaps {swaps}")
+    # the measured bring-ups: GET /v1/serves shows each serve's median start
+    listed = {s["name"]: s for s in gpud.get("/v1/serves")["serves"]}
+    assert all(listed[n]["start_s"] is not None and listed[n]["start_s"] > 0
+               for n in ("a", "b")), listed
