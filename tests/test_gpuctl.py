@@ -1243,4 +1243,4 @@ def test_serves_table_shows_the_measured_bring_ups() -> None:
     assert lines[0].endswith("WAKE/START")
     assert [line.split()[-1] for line in lines[1:3]] == ["0.8s/12.3s", "-/-"]
     block = format_serve(measured).splitlines()
-    assert "wake:        0.84" in block and "start:       12.3" in block
+    assert "wake time:   0.84" in block and "start time:  12.3" in block

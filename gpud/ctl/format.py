@@ -269,7 +269,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("restarts", "n_restarts"), ("calibration", "calibration"), ("fingerprint", "fingerprint"),
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
     ("activity", "last_activity_s_ago"), ("in flight", "in_flight"), ("models", "models"),
-    ("wake", "wake_s"), ("start", "start_s"),  # the medians of the measured ones
+    ("wake time", "wake_s"), ("start time", "start_s"),  # the medians of the measured ones
 )
 
 
