@@ -33,9 +33,11 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from gpud.errors import GpudError, TooManyRequests
@@ -118,11 +120,15 @@ class Offload:
                 self._processes.submit(_started)
         loop = asyncio.get_running_loop()
         pool = self._processes
+        future = loop.run_in_executor(pool, functools.partial(fn, *args))
+        # The workers, taken now (the submit has started them): once one dies, the pool's
+        # manager thread may forget them before they are read, and with them how it died.
+        workers = list((getattr(pool, "_processes", None) or {}).values())
         try:
-            return await loop.run_in_executor(pool, functools.partial(fn, *args))
+            return await future
         except BrokenProcessPool as exc:
             self._processes = None  # the next request starts new workers
-            how = await asyncio.to_thread(worker_death, pool)
+            how = await asyncio.to_thread(worker_death, workers)
             raise GpudError(f"the worker process making the plan died ({how}): try again",
                             {"death": how}) from exc
 
@@ -141,19 +147,24 @@ INLINE = Offload(inline=True)
 DEATH_WAIT_S = 1.0
 
 
-def worker_death(pool: ProcessPoolExecutor) -> str:
+def worker_death(workers: Sequence[BaseProcess]) -> str:
     """How a broken pool's worker died: "killed by signal SIGKILL (the kernel's OOM killer
     sends it)", "exited with status N", or "cause unknown". The pool ends the workers still
     alive with SIGTERM once one has died (CPython's concurrent/futures/process.py,
     terminate_broken), so a SIGTERM counts only when no worker died otherwise.
 
-    Reads the pool's worker processes (its `_processes`, pid -> multiprocessing.Process, in
-    CPython since 3.2): the exit status is only known to the parent that waits for it."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
+    WORKERS: the pool's worker processes (its `_processes`, pid -> multiprocessing.Process, in
+    CPython since 3.2), taken when the work was submitted: the exit status is only known to
+    the parent that waits for it."""
     codes: list[int] = []
-    for proc in procs:
+    deadline = time.monotonic() + DEATH_WAIT_S
+    for proc in workers:
         with contextlib.suppress(Exception):
-            proc.join(DEATH_WAIT_S)
+            proc.join(max(0.0, deadline - time.monotonic()))
+            # The pool's manager thread may reap it first (waitpid answers ECHILD here): its
+            # status lands on the same process object a moment later.
+            while proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             if proc.exitcode is not None:
                 codes.append(int(proc.exitcode))
     other = [c for c in codes if c != -signal.SIGTERM and c != 0]
