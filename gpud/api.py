@@ -315,16 +315,16 @@ class Api:
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
                                          summaries, self._parked, self._activity,
-                                         self._in_flight, self._bringups))
+                                         self._in_flight, self._bringups, self._queued))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws, parked=self._parked,
                               activity=self._activity, in_flight=self._in_flight,
-                              bringups=self._bringups)
+                              bringups=self._bringups, queued=self._queued)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
                           self.calibrations.summary_of(name), self._parked, self._activity,
-                          self._in_flight, self._bringups)
+                          self._in_flight, self._bringups, self._queued)
 
     def _bringups(self, serve: str) -> tuple[float | None, float | None]:
         """The medians of SERVE's measured wakes and starts (gpud.ondemand)."""
@@ -335,6 +335,10 @@ class Api:
 
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
+
+    def _queued(self, serve: str) -> int:
+        """Requests waiting in the router's queue for SERVE (gpud.ondemand)."""
+        return len(self.on_demand.queued.get(serve, ())) if self.on_demand is not None else 0
 
     def _in_flight(self, serve: str) -> int | None:
         return self.on_demand.in_flight(serve) if self.on_demand is not None else None

@@ -96,7 +96,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                activity: Callable[[str], float | None] = lambda _serve: None,
                in_flight: Callable[[str], int | None] = lambda _serve: None,
                bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
-                   None, None)) -> answers.Serve:
+                   None, None),
+               queued: Callable[[str], int] = lambda _serve: 0) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -144,6 +145,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # the medians of its measured wakes and starts (gpud.ondemand): its cost to bring back
         "wake_s": bringups(name)[0],
         "start_s": bringups(name)[1],
+        # requests waiting in the router's queue for it to be brought up (gpud.ondemand)
+        "queued": queued(name),
     }
     names = routed(svc.config).get(name)
     if names is not None:
@@ -178,11 +181,12 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
                 activity: Callable[[str], float | None] = lambda _serve: None,
                 in_flight: Callable[[str], int | None] = lambda _serve: None,
                 bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
-                    None, None)) -> answers.Serves:
+                    None, None),
+                queued: Callable[[str], int] = lambda _serve: 0) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked,
-                        activity, in_flight, bringups)
+                        activity, in_flight, bringups, queued)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

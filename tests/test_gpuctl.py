@@ -125,7 +125,7 @@ SERVE_OCR: dict[str, Any] = {
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
     "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
     "front": False, "last_activity_s_ago": None, "in_flight": None,
-    "wake_s": None, "start_s": None,
+    "wake_s": None, "start_s": None, "queued": 0,
 }
 
 SERVE_FAST: dict[str, Any] = dict(

@@ -603,13 +603,16 @@ def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -
 def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
     doc = {"serves": [
         {"name": "chat", "state": "sleeping", "port": 30001, "front": True,
-         "models": ["chat-fast", "chat"]},
+         "models": ["chat-fast", "chat"], "in_flight": None, "queued": 3},
         {"name": "batch", "state": "running", "port": None, "front": False},
+        {"name": "code", "state": "running", "port": 30002, "front": True, "models": ["code"],
+         "in_flight": 2, "queued": 0},
     ]}
     assert format_models(doc).splitlines() == [  # type: ignore[arg-type]
-        "MODEL      SERVE  STATE      PORT  FRONT",
-        "chat       chat   sleeping  30001  yes",
-        "chat-fast  chat   sleeping  30001  yes"]
+        "MODEL      SERVE  STATE      PORT  FRONT  IN FLIGHT  QUEUED",
+        "chat       chat   sleeping  30001  yes            -       3",
+        "chat-fast  chat   sleeping  30001  yes            -       3",
+        "code       code   running   30002  yes            2       0"]
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
 
 

@@ -141,6 +141,8 @@ class Serve(TypedDict):
     # gpud started (gpud.ondemand; None: none): what evicting it costs (docs/router.md).
     wake_s: float | None
     start_s: float | None
+    # requests waiting in the router's queue for it to be brought up (docs/router.md)
+    queued: int
     # With a [router]: the names it routes to this serve (docs/router.md)
     models: NotRequired[list[str]]
 

@@ -251,13 +251,14 @@ def format_serves(doc: answers.Serves) -> str:
 def format_models(doc: answers.Serves) -> str:
     """``GET /v1/serves``, by the names the router routes (docs/router.md): one row each."""
     rows = [[model, str(s.get("name")), str(s.get("state")), _dash(s.get("port")),
-             "yes" if s.get("front") else "no"]
+             "yes" if s.get("front") else "no", _dash(s.get("in_flight")),
+             _dash(s.get("queued"))]
             for s in doc.get("serves") or [] for model in s.get("models") or []]
     if not rows:
         return "no models: the router is off (no [router] table) or no serve has a port"
     rows.sort()
-    return format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT"], rows,
-                        [False, False, False, True, False])
+    return format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
+                        rows, [False, False, False, True, False, True, True])
 
 
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -270,6 +271,7 @@ _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("sleep level", "sleep_level"), ("parked RAM", "parked_host_mib"), ("front", "front"),
     ("activity", "last_activity_s_ago"), ("in flight", "in_flight"), ("models", "models"),
     ("wake time", "wake_s"), ("start time", "start_s"),  # the medians of the measured ones
+    ("queued", "queued"),
 )
 
 

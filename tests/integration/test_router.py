@@ -13,14 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.gpudctl import (
-    PY,
-    REPO,
-    SandboxGpud,
-    sim_config,
-    standin_uds,
-)
-from tests.waiting import wait_until
+from tests.integration.gpudctl import PY, REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
 
 ROUTER = 30290
 PORT = 30291
@@ -53,23 +46,8 @@ def router_config() -> str:
 
 @pytest.fixture
 def routed(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    sb = gpud.sb
-    try:
-        gpud.configure(router_config(), start=False)
-        sb.run(["useradd", "--no-create-home", USER], check=False)
-        gpud.start()
-        try:
-            wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                       timeout=30, what="gpud-front.service active")
-        except AssertionError:
-            raise AssertionError(gpud.journal_tail() + sb.run(
-                "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout) from None
+    with fronted_gpud(gpud, router_config(), [USER]):
         yield gpud
-    finally:
-        gpud.reset()
-        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
-               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {USER}; userdel gpud-front",
-               check=False)
 
 
 def ask(gpud: SandboxGpud, model: str, path: str = "/v1/completions",
@@ -105,7 +83,8 @@ def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -
     table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
                             "models"], capture_output=True, text=True, cwd=REPO, timeout=60,
                            check=True).stdout.splitlines()
-    assert table[0].split() == ["MODEL", "SERVE", "STATE", "PORT", "FRONT"], table
+    assert table[0].split() == ["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN", "FLIGHT",
+                                "QUEUED"], table
     assert [line.split()[:3] for line in table[1:]] == [
         ["chat", "chat", "running"], ["chat-fast", "chat", "running"], ["huge", "huge", "declared"],
         ["ocr", "od", "declared"], ["plain", "plain", "running"]], table
