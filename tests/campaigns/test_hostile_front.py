@@ -32,8 +32,7 @@ import pytest
 
 from gpud.core import bringup, coalesce
 from tests.campaigns.conftest import invariant_events, knob, rng, seed_note
-from tests.integration.gpudctl import PY, SandboxGpud, sim_config, standin_uds
-from tests.waiting import wait_until
+from tests.integration.gpudctl import PY, SandboxGpud, fronted_gpud, sim_config, standin_uds
 
 pytestmark = pytest.mark.sandbox
 
@@ -81,21 +80,8 @@ def config() -> str:
 
 @pytest.fixture
 def front(campaign_sandbox: Any) -> Iterator[SandboxGpud]:
-    gpud = SandboxGpud(campaign_sandbox)
-    sb = gpud.sb
-    try:
-        gpud.configure(config(), start=False)
-        for user in (HOSTILE, OTHER):
-            sb.run(["useradd", "--no-create-home", user], check=False)
-        gpud.start()
-        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                   timeout=30, what="gpud-front.service active")
+    with fronted_gpud(SandboxGpud(campaign_sandbox), config(), [HOSTILE, OTHER]) as gpud:
         yield gpud
-    finally:
-        gpud.reset()
-        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
-               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {HOSTILE}; userdel {OTHER}; "
-               "userdel gpud-front", check=False)
 
 
 class Sandboxed:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import textwrap
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.core.router import DEFAULT_NJS_MODULE
 from tests.conftest import Reply, call
+from tests.waiting import wait_until
 from tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,3 +194,32 @@ class SandboxGpud:
         out = self.sb.run(["systemctl", "list-units", "gpud-serve-*", "--no-legend", "--plain",
                            "--state=active"]).stdout
         return sorted(line.split()[0] for line in out.splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def fronted_gpud(gpud: SandboxGpud, config: str, users: Sequence[str] = (), *,
+                 wait_front: bool = True) -> Iterator[SandboxGpud]:
+    """gpud with CONFIG (fronted serves) started, after local USERS (nobody to gpud: no group
+    of its) are made; with WAIT_FRONT, once gpud-front.service is active (its journal in the
+    error when it is not). Afterwards no gpud, no front, none of its files, nor the users."""
+    sb = gpud.sb
+    try:
+        gpud.configure(config, start=False)
+        for user in users:
+            sb.run(["useradd", "--no-create-home", user], check=False)
+        gpud.start()
+        if wait_front:
+            try:
+                wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState")
+                           == "active", timeout=30, what="gpud-front.service active")
+            except AssertionError:
+                raise AssertionError(gpud.journal_tail() + sb.run(
+                    "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout
+                ) from None
+        yield gpud
+    finally:
+        gpud.reset()
+        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
+               "rm -rf /run/gpud/front /run/gpud/serves; "
+               + "".join(f"userdel {user}; " for user in users) + "userdel gpud-front",
+               check=False)

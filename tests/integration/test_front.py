@@ -12,13 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import (
-    PY,
-    REPO,
-    SandboxGpud,
-    sim_config,
-    standin_uds,
-)
+from tests.integration.gpudctl import PY, REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
 from tests.waiting import wait_until
 
 PORT = 30181
@@ -52,17 +46,8 @@ def front_config() -> str:
 
 @pytest.fixture
 def fronted(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    sb = gpud.sb
-    try:
-        gpud.configure(front_config(), start=False)
-        sb.run(["useradd", "--no-create-home", USER], check=False)  # who is nobody to gpud
-        gpud.start()
+    with fronted_gpud(gpud, front_config(), [USER], wait_front=False):  # USER: nobody to gpud
         yield gpud
-    finally:
-        gpud.reset()
-        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
-               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {USER}; userdel gpud-front",
-               check=False)
 
 
 def curl(gpud: SandboxGpud, *args: str) -> str:

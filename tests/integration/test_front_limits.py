@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import PY, REPO, SandboxGpud, sim_config, standin_uds
+from tests.integration.gpudctl import PY, REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
 from tests.waiting import wait_until
 
 PORT = 30191  # a, b: fronted; od: on demand; od2: on demand that sleeps
@@ -39,20 +39,8 @@ def limits_config() -> str:
 
 @pytest.fixture
 def limits(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    sb = gpud.sb
-    try:
-        gpud.configure(limits_config(), start=False)
-        for user in (HOLDER, OTHER):
-            sb.run(["useradd", "--no-create-home", user], check=False)
-        gpud.start()
-        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                   timeout=30, what="gpud-front.service active")
+    with fronted_gpud(gpud, limits_config(), [HOLDER, OTHER]):
         yield gpud
-    finally:
-        gpud.reset()
-        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
-               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {HOLDER}; userdel {OTHER}; "
-               "userdel gpud-front", check=False)
 
 
 def answers(gpud: SandboxGpud, ports: list[int], within_s: float = ANSWER_S) -> list[str]:

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, sim_config, standin_uds
-from tests.waiting import wait_until
+from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
 
 ROUTER = 30300
 PORT = 30301
@@ -37,19 +36,8 @@ def config() -> str:
 
 @pytest.fixture
 def queued(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    sb = gpud.sb
-    try:
-        gpud.configure(config(), start=False)
-        sb.run(["useradd", "--no-create-home", USER], check=False)
-        gpud.start()
-        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                   timeout=30, what="gpud-front.service active")
+    with fronted_gpud(gpud, config(), [USER]):
         yield gpud
-    finally:
-        gpud.reset()
-        sb.run("systemctl stop gpud-front.service; systemctl reset-failed gpud-front.service; "
-               f"rm -rf /run/gpud/front /run/gpud/serves; userdel {USER}; userdel gpud-front",
-               check=False)
 
 
 def storm(gpud: SandboxGpud, clients: int, seconds: float) -> list[str]:
