@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -19,6 +20,10 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+
+from gpud.config import parse_config
+from gpud.service import LedgerService
+from gpud.store import Store
 
 # Skips CI accepts, each with why; any other skip in CI (CI=true) fails the run, so nothing
 # passes there by not running.
@@ -226,3 +231,18 @@ def gpud_t015(tmp_path: Path) -> Iterator[GpudProcess]:
     gp = start_gpud(tmp_path, T015)
     yield gp
     gp.stop()
+
+
+@contextlib.contextmanager
+def loaded_service(tmp_path: Path, config_text: str,
+                   store_class: type[Store] = Store) -> Iterator[LedgerService]:
+    """A LedgerService over a real SQLite store (STORE_CLASS) in TMP_PATH, loaded, for
+    CONFIG_TEXT; the service and its store closed afterwards."""
+    store = store_class(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(config_text, "test"), store)
+    svc.load()
+    try:
+        yield svc
+    finally:
+        svc.close()
+        store.close()

@@ -15,6 +15,7 @@ from gpud.core.coalesce import Coalescer, Verdict
 from gpud.errors import Denied
 from gpud.service import COALESCE_REFUSALS, LedgerService
 from gpud.store import EventQuery, Store
+from tests.conftest import loaded_service
 
 # ---- the rule -------------------------------------------------------------------------------
 
@@ -85,12 +86,8 @@ command = ["x"]
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[LedgerService]:
-    store = Store(tmp_path / "gpud.sqlite3")
-    svc = LedgerService(parse_config(CONFIG, "test"), store)
-    svc.load()
-    yield svc
-    svc.close()
-    store.close()
+    with loaded_service(tmp_path, CONFIG) as svc:
+        yield svc
 
 
 async def deny_many(svc: LedgerService, serve: str, n: int, *, front: bool) -> None:

@@ -13,7 +13,8 @@ from gpud.config import parse_config
 from gpud.core.ledger import Reservation
 from gpud.errors import Denied
 from gpud.service import LedgerService
-from gpud.store import Changes, EventQuery, Store
+from gpud.store import Changes, EventQuery
+from tests.conftest import loaded_service
 
 CONFIG = """
 [daemon]
@@ -36,12 +37,8 @@ command = ["x"]
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[LedgerService]:
-    store = Store(tmp_path / "gpud.sqlite3")
-    svc = LedgerService(parse_config(CONFIG, "test"), store)
-    svc.load()
-    yield svc
-    svc.close()
-    store.close()
+    with loaded_service(tmp_path, CONFIG) as svc:
+        yield svc
 
 
 class Told:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gpud.config import parse_config
 from gpud.ctl.format import format_status
 from gpud.errors import StoreError
 from gpud.metrics import render
 from gpud.service import LedgerService
 from gpud.store import Changes, Event, Store
+from tests.conftest import loaded_service
 
 CONFIG = """
 [daemon]
@@ -40,12 +40,8 @@ class FillingStore(Store):
 
 @pytest.fixture
 def svc(tmp_path: Path) -> Iterator[LedgerService]:
-    store = FillingStore(tmp_path / "gpud.sqlite3")
-    service = LedgerService(parse_config(CONFIG, "test"), store)
-    service.load()
-    yield service
-    service.close()
-    store.close()
+    with loaded_service(tmp_path, CONFIG, FillingStore) as service:
+        yield service
 
 
 def observation() -> dict[str, object]:
