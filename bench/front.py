@@ -116,6 +116,29 @@ def proc_stat(pid: int) -> tuple[float, int]:
     return cpu, rss
 
 
+Results = dict[tuple[str, str, int], list[float]]
+
+
+def interleaved(sides: dict[str, int], rounds: int, requests: int, body: bytes = BODY,
+                stream_body: bytes = STREAM) -> Results:
+    """Each side (name -> port) measured in turn, in a shuffled order each round, at 1 and 64
+    clients: the p50 latency of BODY's completion (ms) and STREAM_BODY's streamed tokens per second,
+    by (figure, side, clients). Side by side in one run: the machine's noise falls on all."""
+    results: Results = {}
+    for _ in range(rounds):
+        for n in (1, 64):
+            order = list(sides)
+            random.shuffle(order)
+            for side in order:
+                lat, _ = clients(sides[side], n, max(5, requests // n), body, stream=False)
+                results.setdefault(("p50_ms", side, n), []).append(statistics.median(lat) * 1000)
+                t0 = time.perf_counter()
+                _, events = clients(sides[side], n, max(2, 20 // n), stream_body, stream=True)
+                results.setdefault(("tokens_per_s", side, n), []).append(
+                    events / (time.perf_counter() - t0))
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
@@ -141,20 +164,7 @@ def main() -> int:
         wait_health(direct_port)
         wait_health(front_port)
         sides = {"direct": direct_port, "front": front_port}
-        results: dict[tuple[str, str, int], list[float]] = {}
-        for _ in range(args.rounds):
-            for n in (1, 64):
-                order = list(sides)
-                random.shuffle(order)
-                for side in order:
-                    per_client = max(5, args.requests // n)
-                    lat, _ = clients(sides[side], n, per_client, BODY, stream=False)
-                    results.setdefault(("p50_ms", side, n), []).append(
-                        statistics.median(lat) * 1000)
-                    t0 = time.perf_counter()
-                    _, events = clients(sides[side], n, max(2, 20 // n), STREAM, stream=True)
-                    results.setdefault(("tokens_per_s", side, n), []).append(
-                        events / (time.perf_counter() - t0))
+        results = interleaved(sides, args.rounds, args.requests)
         print(f"{'figure':<14} {'clients':>7} {'direct':>10} {'front':>10} {'front-direct':>13}")
         for metric in ("p50_ms", "tokens_per_s"):
             for n in (1, 64):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, clients, free_port, standin, wait_health
+from bench.front import NGINX, clients, free_port, interleaved, standin, wait_health
 from gpud.core.front import FrontConfig, FrontServe, render
 from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
 from gpud.router import script_text
@@ -72,20 +71,9 @@ def main() -> int:
         for port in (direct_port, front_port):
             wait_health(port)
         sides = {"direct": direct_port, "front": front_port, "router": router_port}
-        results: dict[tuple[str, str, int], list[float]] = {}
+        # every side gets the router's bodies (with a model): a serve ignores the field
+        results = interleaved(sides, args.rounds, args.requests, BODY, STREAM)
         for _ in range(args.rounds):
-            for n in (1, 64):
-                order = list(sides)
-                random.shuffle(order)
-                for side in order:
-                    lat, _ = clients(sides[side], n, max(5, args.requests // n), BODY,
-                                     stream=False)
-                    results.setdefault(("p50_ms", side, n), []).append(
-                        statistics.median(lat) * 1000)
-                    t0 = time.perf_counter()
-                    _, events = clients(sides[side], n, max(2, 20 // n), STREAM, stream=True)
-                    results.setdefault(("tokens_per_s", side, n), []).append(
-                        events / (time.perf_counter() - t0))
             for side in sides:
                 lat, _ = clients(sides[side], 1, 10, LARGE, stream=False)
                 results.setdefault(("p50_ms_900k", side, 1), []).append(
