@@ -849,3 +849,32 @@ def test_a_wake_that_cannot_be_recorded_is_not_carried_out(
     gpud.sb.run("rm -f /var/lib/gpud/filler")
     assert gpud.call("POST", "/v1/serves/lo/wake", {}).status == 200
     assert ledger_reservations(gpud.get("/v1/ledger")) == {"lo": ("r", 12000)}
+
+
+def test_a_stop_that_cannot_be_recorded_is_not_carried_out(
+        small_state_dir: SandboxGpud) -> None:
+    # A stop records its intent (stopping) before it touches the unit: with the state directory
+    # full, that record fails and the serve keeps running, recorded running at its full size.
+    gpud = small_state_dir
+    serves = (f'[serves.s]\nrole = "dark-fast"\nvram_mib = 1000\nport = 30143\n'
+              f'command = {standin()}\n')
+    mount_small_state_dir(gpud, sim_config(DARK_FAST, serves))
+    assert gpud.call("POST", "/v1/serves/s/start", {}).status == 200
+    gpud.wait_state("s", "running")
+    before = ledger_reservations(gpud.get("/v1/ledger"))
+    assert before == {"s": ("dark-fast", 1000)}
+    fill(gpud)
+    reply = gpud.call("POST", "/v1/serves/s/stop", {})
+    assert reply.status == 500, reply.body
+    assert reply.body["error"]["code"] == "store-failed"
+    assert gpud.serve("s")["state"] == "running"
+    assert ledger_reservations(gpud.get("/v1/ledger")) == before
+    assert gpud.serve_units() == ["gpud-serve-s.service"]  # never stopped
+    assert gpud.get("/v1/status")["store"]["ok"] is False
+    # space back: the stop goes through, and releases what it held
+    gpud.sb.run("rm -f /var/lib/gpud/filler")
+    reply = gpud.call("POST", "/v1/serves/s/stop", {})
+    assert reply.status == 200, reply.body
+    assert gpud.serve_units() == []
+    assert ledger_reservations(gpud.get("/v1/ledger")) == {}
+    assert gpud.get("/v1/status")["store"]["ok"] is True
