@@ -116,22 +116,49 @@ def proc_stat(pid: int) -> tuple[float, int]:
     return cpu, rss
 
 
+def machine_cpu() -> tuple[int, int]:
+    """(busy, all) clock ticks of every CPU since boot (/proc/stat's first line; idle and iowait
+    are not busy)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of PID and its children, nginx's master and workers (single-threaded): the
+    scheduler's count in nanoseconds (/proc/PID/schedstat), not stat's 10 ms ticks."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(int(Path(f"/proc/{p}/schedstat").read_text().split()[0])
+               for p in (pid, *map(int, kids))) / 1e9
+
+
 Results = dict[tuple[str, str, int], list[float]]
 
 
 def interleaved(sides: dict[str, int], rounds: int, requests: int, body: bytes = BODY,
-                stream_body: bytes = STREAM) -> Results:
+                stream_body: bytes = STREAM, nginx: int | None = None) -> Results:
     """Each side (name -> port) measured in turn, in a shuffled order each round, at 1 and 64
     clients: the p50 latency of BODY's completion (ms) and STREAM_BODY's streamed tokens per second,
-    by (figure, side, clients). Side by side in one run: the machine's noise falls on all."""
+    by (figure, side, clients). Side by side in one run: the machine's noise falls on all.
+    Beside each latency run: how busy the machine's CPUs were (cpu_busy_pct, of all of them,
+    whoever used them) and, with NGINX (its master's pid), nginx's CPU per request
+    (nginx_cpu_us)."""
     results: Results = {}
     for _ in range(rounds):
         for n in (1, 64):
             order = list(sides)
             random.shuffle(order)
             for side in order:
-                lat, _ = clients(sides[side], n, max(5, requests // n), body, stream=False)
+                count = max(5, requests // n)
+                busy0, all0 = machine_cpu()
+                cpu0 = tree_cpu(nginx) if nginx is not None else 0.0
+                lat, _ = clients(sides[side], n, count, body, stream=False)
+                busy1, all1 = machine_cpu()
                 results.setdefault(("p50_ms", side, n), []).append(statistics.median(lat) * 1000)
+                results.setdefault(("cpu_busy_pct", side, n), []).append(
+                    100 * (busy1 - busy0) / max(1, all1 - all0))
+                if nginx is not None:
+                    results.setdefault(("nginx_cpu_us", side, n), []).append(
+                        1e6 * (tree_cpu(nginx) - cpu0) / (n * count))
                 t0 = time.perf_counter()
                 _, events = clients(sides[side], n, max(2, 20 // n), stream_body, stream=True)
                 results.setdefault(("tokens_per_s", side, n), []).append(
