@@ -1,15 +1,17 @@
 """The front's cost: latency it adds per request and streamed throughput through it vs direct,
 at 1 and 64 concurrent clients, and its own memory and CPU at idle.
 
-    .venv/bin/python bench/front.py [--rounds N] [--requests N]
+    .venv/bin/python bench/front.py [--rounds N] [--requests N] [--workers N]
 
 Two stand-ins of the same code: one on a TCP port (direct, as clients reached a serve before
 the front), one on a Unix socket behind nginx with the config gpud generates
-(gpud.core.front.render). Each round runs both sides in a shuffled order; reported are medians
-over rounds of each round's p50 (latency: a non-streamed POST /v1/completions on a keep-alive
-connection per client) and of each round's throughput (streamed completions of 200 tokens sent
-without pause, tokens per second over all clients). Idle: VmRSS of nginx's master and worker
-and their CPU time (utime + stime) over 10 s with no request. Not a test: nothing is asserted.
+(gpud.core.front.render) and as many workers as gpud gives the front on this host
+(gpud.front.front_workers: the cores it may run on, at most 4; --workers to compare). Each
+round runs both sides in a shuffled order; reported are medians over rounds of each round's p50
+(latency: a non-streamed POST /v1/completions on a keep-alive connection per client) and of
+each round's throughput (streamed completions of 200 tokens sent without pause, tokens per
+second over all clients). Idle: VmRSS of nginx's master and workers and their CPU time (utime
++ stime) over 10 s with no request. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
+from gpud.front import front_workers
 
 REPO = Path(__file__).resolve().parents[1]
 NGINX = REPO / ".venv" / "bin" / "nginx"
@@ -170,6 +173,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=200, help="per client at 1 client")
+    p.add_argument("--workers", type=int, default=front_workers(),
+                   choices=range(1, MAX_WORKERS + 1), metavar="N",
+                   help="nginx's workers (default: what gpud gives the front on this host, "
+                        "%(default)s)")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpud-front-bench-"))
     tmp.chmod(0o755)  # nginx run by root serves from workers that run as nobody
@@ -178,7 +185,8 @@ def main() -> int:
     sock = tmp / "s.sock"
     direct_port, front_port = free_port(), free_port()
     (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run))))
+        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run),
+        workers=args.workers)))
     procs = [standin("--port", str(direct_port)), standin("--uds", str(sock))]
     nginx: subprocess.Popen[bytes] | None = None
     try:
@@ -190,6 +198,7 @@ def main() -> int:
         procs.append(nginx)
         wait_health(direct_port)
         wait_health(front_port)
+        print(f"nginx: {args.workers} worker(s); {args.rounds} rounds", flush=True)
         sides = {"direct": direct_port, "front": front_port}
         results = interleaved(sides, args.rounds, args.requests)
         print(f"{'figure':<14} {'clients':>7} {'direct':>10} {'front':>10} {'front-direct':>13}")
