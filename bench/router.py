@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, clients, free_port, interleaved, standin, wait_health
+from bench.front import NGINX, clients, free_port, interleaved, standin, tree_cpu, wait_health
 from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
 from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
 from gpud.front import front_workers
@@ -110,22 +110,26 @@ def latency(rounds: int, requests: int, workers: int) -> None:
         results = interleaved(sides, rounds, requests, BODY, STREAM, nginx=nginx.pid)
         for _ in range(rounds):
             for side in sides:
+                cpu0 = tree_cpu(nginx.pid)
                 lat, _ = clients(sides[side], 1, 10, LARGE, stream=False)
                 results.setdefault(("p50_ms_900k", side, 1), []).append(
                     statistics.median(lat) * 1000)
-        print(f"{'figure':<14} {'clients':>7} {'direct':>10} {'front':>10} {'router':>10} "
+                results.setdefault(("nginx_cpu_us_900k", side, 1), []).append(
+                    1e6 * (tree_cpu(nginx.pid) - cpu0) / 10)
+        print(f"{'figure':<17} {'clients':>7} {'direct':>10} {'front':>10} {'router':>10} "
               f"{'router-direct':>14} {'router-front':>13}")
         for metric, ns in (("p50_ms", (1, 64)), ("tokens_per_s", (1, 64)),
                            ("p50_ms_900k", (1,)), ("cpu_busy_pct", (1, 64)),
-                           ("nginx_cpu_us", (1, 64))):
+                           ("nginx_cpu_us", (1, 64)), ("nginx_cpu_us_900k", (1,))):
             for n in ns:
                 d, f, r = (statistics.median(results[(metric, side, n)]) for side in sides)
                 if metric == "tokens_per_s":
                     extra = f"{100 * r / d:.1f} %", f"{100 * r / f:.1f} %"
                 else:
-                    unit = {"cpu_busy_pct": "pt", "nginx_cpu_us": "us"}.get(metric, "ms")
+                    unit = {"cpu_busy_pct": "pt", "nginx_cpu_us": "us",
+                            "nginx_cpu_us_900k": "us"}.get(metric, "ms")
                     extra = f"{r - d:+.3f} {unit}", f"{r - f:+.3f} {unit}"
-                print(f"{metric:<14} {n:>7} {d:>10.3f} {f:>10.3f} {r:>10.3f} {extra[0]:>14} "
+                print(f"{metric:<17} {n:>7} {d:>10.3f} {f:>10.3f} {r:>10.3f} {extra[0]:>14} "
                       f"{extra[1]:>13}")
     finally:
         for proc in procs:
