@@ -1,15 +1,17 @@
 """The front's cost: latency it adds per request and streamed throughput through it vs direct,
 at 1 and 64 concurrent clients, and its own memory and CPU at idle.
 
-    .venv/bin/python bench/front.py [--rounds N] [--requests N]
+    .venv/bin/python bench/front.py [--rounds N] [--requests N] [--workers N]
 
 Two stand-ins of the same code: one on a TCP port (direct, as clients reached a serve before
 the front), one on a Unix socket behind nginx with the config gpud generates
-(gpud.core.front.render). Each round runs both sides in a shuffled order; reported are medians
-over rounds of each round's p50 (latency: a non-streamed POST /v1/completions on a keep-alive
-connection per client) and of each round's throughput (streamed completions of 200 tokens sent
-without pause, tokens per second over all clients). Idle: VmRSS of nginx's master and worker
-and their CPU time (utime + stime) over 10 s with no request. Not a test: nothing is asserted.
+(gpud.core.front.render) and as many workers as gpud gives the front on this host
+(gpud.front.front_workers: the cores it may run on, at most 4; --workers to compare). Each
+round runs both sides in a shuffled order; reported are medians over rounds of each round's p50
+(latency: a non-streamed POST /v1/completions on a keep-alive connection per client) and of
+each round's throughput (streamed completions of 200 tokens sent without pause, tokens per
+second over all clients). Idle: VmRSS of nginx's master and workers and their CPU time (utime
++ stime) over 10 s with no request. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
+from gpud.front import front_workers
 
 REPO = Path(__file__).resolve().parents[1]
 NGINX = REPO / ".venv" / "bin" / "nginx"
@@ -116,22 +119,49 @@ def proc_stat(pid: int) -> tuple[float, int]:
     return cpu, rss
 
 
+def machine_cpu() -> tuple[int, int]:
+    """(busy, all) clock ticks of every CPU since boot (/proc/stat's first line; idle and iowait
+    are not busy)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of PID and its children, nginx's master and workers (single-threaded): the
+    scheduler's count in nanoseconds (/proc/PID/schedstat), not stat's 10 ms ticks."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(int(Path(f"/proc/{p}/schedstat").read_text().split()[0])
+               for p in (pid, *map(int, kids))) / 1e9
+
+
 Results = dict[tuple[str, str, int], list[float]]
 
 
 def interleaved(sides: dict[str, int], rounds: int, requests: int, body: bytes = BODY,
-                stream_body: bytes = STREAM) -> Results:
+                stream_body: bytes = STREAM, nginx: int | None = None) -> Results:
     """Each side (name -> port) measured in turn, in a shuffled order each round, at 1 and 64
     clients: the p50 latency of BODY's completion (ms) and STREAM_BODY's streamed tokens per second,
-    by (figure, side, clients). Side by side in one run: the machine's noise falls on all."""
+    by (figure, side, clients). Side by side in one run: the machine's noise falls on all.
+    Beside each latency run: how busy the machine's CPUs were (cpu_busy_pct, of all of them,
+    whoever used them) and, with NGINX (its master's pid), nginx's CPU per request
+    (nginx_cpu_us)."""
     results: Results = {}
     for _ in range(rounds):
         for n in (1, 64):
             order = list(sides)
             random.shuffle(order)
             for side in order:
-                lat, _ = clients(sides[side], n, max(5, requests // n), body, stream=False)
+                count = max(5, requests // n)
+                busy0, all0 = machine_cpu()
+                cpu0 = tree_cpu(nginx) if nginx is not None else 0.0
+                lat, _ = clients(sides[side], n, count, body, stream=False)
+                busy1, all1 = machine_cpu()
                 results.setdefault(("p50_ms", side, n), []).append(statistics.median(lat) * 1000)
+                results.setdefault(("cpu_busy_pct", side, n), []).append(
+                    100 * (busy1 - busy0) / max(1, all1 - all0))
+                if nginx is not None:
+                    results.setdefault(("nginx_cpu_us", side, n), []).append(
+                        1e6 * (tree_cpu(nginx) - cpu0) / (n * count))
                 t0 = time.perf_counter()
                 _, events = clients(sides[side], n, max(2, 20 // n), stream_body, stream=True)
                 results.setdefault(("tokens_per_s", side, n), []).append(
@@ -143,6 +173,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=200, help="per client at 1 client")
+    p.add_argument("--workers", type=int, default=front_workers(),
+                   choices=range(1, MAX_WORKERS + 1), metavar="N",
+                   help="nginx's workers (default: what gpud gives the front on this host, "
+                        "%(default)s)")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpud-front-bench-"))
     tmp.chmod(0o755)  # nginx run by root serves from workers that run as nobody
@@ -151,7 +185,8 @@ def main() -> int:
     sock = tmp / "s.sock"
     direct_port, front_port = free_port(), free_port()
     (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run))))
+        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run),
+        workers=args.workers)))
     procs = [standin("--port", str(direct_port)), standin("--uds", str(sock))]
     nginx: subprocess.Popen[bytes] | None = None
     try:
@@ -163,6 +198,7 @@ def main() -> int:
         procs.append(nginx)
         wait_health(direct_port)
         wait_health(front_port)
+        print(f"nginx: {args.workers} worker(s); {args.rounds} rounds", flush=True)
         sides = {"direct": direct_port, "front": front_port}
         results = interleaved(sides, args.rounds, args.requests)
         print(f"{'figure':<14} {'clients':>7} {'direct':>10} {'front':>10} {'front-direct':>13}")

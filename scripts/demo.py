@@ -4,7 +4,9 @@
 Boots a disposable systemd (tools/sandbox.py: its own namespaces over an overlay of /, never the
 host's), installs gpud and its units into it, and replays the seed record (T011): the dark-fast
 resident set on a simulated 32607 MiB GPU with 5.7 GiB of draw nobody declared, first as it was
-(reserve 7168, fast 18432: ocr denied), then the rebalance planned and applied in two commands.
+(reserve 7168, fast 18432: ocr denied), then the rebalance planned and applied in two commands,
+then the router: a request for `ocr` by name, and fast put to sleep and woken by a request for
+its model by name (fast has a sleep_level in both configs, so it is fronted).
 The serves are stand-ins that speak vLLM's /health and /v1/models; the config is
 etc/serves.toml, with `vllm` and the OCR binary pointing at the stand-in. Powers the sandbox off
 at the end, whatever happened.
@@ -47,6 +49,10 @@ STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin "$@"
 ROUTER = '\n[router]\nlisten = "127.0.0.1:8000"\n'
 NGINX = "/usr/local/sbin/nginx"
 NJS = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+SLEEP = "sleep_level = 1\nsleep_mib = 1024\n"
+FAST = "leon-se/gemma-4-E4B-it-FP8-Dynamic"
+# fast's line of `gpuctl models`, under the header
+MODEL_LINE = f"gpuctl models | grep -E '^(MODEL|{FAST}) '"
 
 
 def configs() -> tuple[str, str]:
@@ -60,6 +66,10 @@ def configs() -> tuple[str, str]:
                         '"{gpu_memory_utilization}", "--served-model-name", "ocr"]')
     t011 = t011.replace('admin_group = "gpud-admin"\n',
                         f'admin_group = "gpud-admin"\nfront_nginx = "{NGINX}"\n', 1)
+    # fast can sleep (vLLM's sleep mode, level 1: docs/sleep.md), so it is fronted and the
+    # router wakes it for a request by name; the same in both configs: the plan is the seed's.
+    t011 = t011.replace("priority = 10\nport = 30001\n",
+                        f"priority = 10\nport = 30001\n{SLEEP}", 1)
     t011 += SIM + ROUTER
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
@@ -129,6 +139,21 @@ def main() -> int:
         sh("curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", ...}'",
            "curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", "
            "\"prompt\": \"scan\", \"max_tokens\": 3}'; echo")
+        print("\n== a sleeping model, woken by a request for it by name ==", flush=True)
+        sh("gpuctl sleep fast", "gpuctl sleep fast")
+        sh(f"gpuctl models  # {FAST}: before the request", MODEL_LINE)
+        sh(f"curl -s 127.0.0.1:8000/v1/chat/completions -d '{{\"model\": \"{FAST}\", ...}}'"
+           "  # its wake included",
+           "curl -s -o /tmp/answer.json -w 'HTTP %{http_code} in %{time_total} s\\n' "
+           "127.0.0.1:8000/v1/chat/completions -d "
+           f"'{{\"model\": \"{FAST}\", \"messages\": [{{\"role\": \"user\", "
+           "\"content\": \"hi\"}], \"max_tokens\": 3}'; "
+           f"{PY} -c 'import json; a = json.load(open(\"/tmp/answer.json\")); "
+           "print(\"answered by\", a[\"model\"], \"->\", "
+           "repr(a[\"choices\"][0][\"message\"][\"content\"]))'")
+        sh(f"gpuctl models  # {FAST}: after", MODEL_LINE)
+        sh("gpuctl events --serve fast --kind sleep,wake --limit 2",
+           "gpuctl events --serve fast --kind sleep,wake --limit 2")
     finally:
         if not args.keep:
             sb.poweroff()

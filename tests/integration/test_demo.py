@@ -1,10 +1,12 @@
 """`make demo`, the README's first command, end to end: the seed's T015 host booted in a
-disposable systemd, ocr denied for the seed's reason, then the T011 rebalance in two commands.
+disposable systemd, ocr denied for the seed's reason, then the T011 rebalance in two commands,
+then the router: ocr by name, and a sleeping serve woken by a request for its model.
 Checked against the record's own figures, so the demo cannot rot unnoticed."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -32,6 +34,17 @@ SEED_LINES = [
 # state, and a request for `ocr` by name answered by the ocr serve.
 ROUTER_LINES = ["ocr -> ocr running", "leon-se/gemma-4-E4B-it-FP8-Dynamic -> fast running",
                 '"model": "ocr"']
+FAST = re.escape("leon-se/gemma-4-E4B-it-FP8-Dynamic")
+# Then fast put to sleep, and a request for its model by name through the router: fast asleep
+# before it, the request answered by fast (its time printed), fast running after it, and the
+# wake's event naming the request, with the serve's own wake time.
+WAKE = re.compile(
+    rf"^{FAST} +fast +sleeping .*"
+    r"^HTTP 200 in [0-9.]+ s\n"
+    rf"answered by {FAST} -> .*"
+    rf"^{FAST} +fast +running .*"
+    rf"fast awake \(request for model '{FAST}' through the router\): 14336 MiB; "
+    r"the serve took \d+ ms", re.S | re.M)
 
 
 def test_make_demo_replays_the_seed_record() -> None:
@@ -44,4 +57,5 @@ def test_make_demo_replays_the_seed_record() -> None:
     assert not missing, "\n".join(missing) + "\n" + text[-4000:]
     missing = [line for line in ROUTER_LINES if line not in text]
     assert not missing, "\n".join(missing) + "\n" + text[-4000:]
+    assert WAKE.search(text), "no sleeping model woken by name\n" + text[-4000:]
     assert "sandbox powered off" in text
