@@ -78,6 +78,7 @@ class Supervisor(BootJob, LaunchJob, HealthJob, StopJob, UnitWatch):
         self._unit_events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
         self._http: aiohttp.ClientSession | None = None
         self._sockets = SocketSessions()
+        self._life_listeners = []
         self.booted = asyncio.Event()
         self.calibrated = calibrated
         self.sleeps = Sleeps(self, svc, observer,

@@ -158,6 +158,12 @@ class Base:
     _unit_events: asyncio.Queue[UnitState | list[UnitState]]
     _http: aiohttp.ClientSession | None
     _sockets: SocketSessions
+    # Told after each step of a serve's life (`watch_lives`).
+    _life_listeners: list[Callable[[], None]]
+
+    def watch_lives(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of a serve's life (read it with `life`)."""
+        self._life_listeners.append(listener)
 
     def life(self, serve: str) -> ServeLife:
         rec = self.serves.get(serve)
@@ -171,6 +177,8 @@ class Base:
         rec = self._record(serve)
         rec.life, actions = step(rec.life, inp)
         self._prune(serve)
+        for listener in self._life_listeners:
+            listener()
         return actions
 
     def _prune(self, serve: str) -> None:
