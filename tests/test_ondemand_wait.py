@@ -105,3 +105,17 @@ async def test_a_pulse_wakes_every_waiter_and_survives_a_cancelled_one() -> None
     pulse.fire()
     await asyncio.wait_for(asyncio.gather(*waiters[1:]), 10)
     await pulse.until(lambda: True)  # true already: no wait at all
+
+
+def test_the_bring_up_path_has_no_timer() -> None:
+    """No `asyncio.sleep` in the waits of a request for its serve (the router's queue, which
+    retries on its own terms, is gpud.core.queue's and not this path)."""
+    import ast
+    import inspect
+    import textwrap
+
+    for method in (OnDemand._up, OnDemand._bring_up, OnDemand._bring_up_once):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        sleeps = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep"]
+        assert sleeps == [], (method.__name__, sleeps)
