@@ -231,6 +231,10 @@ class Daemon:
             traffic = Traffic(svc, supervisor.serve_http)
             supervisor.sleeps.traffic = traffic
             on_demand = OnDemand(svc, supervisor, traffic=traffic)
+            # What a request through the front waits on: a stored state, a serve's life, a drain.
+            svc.watch_states(on_demand.changed)
+            supervisor.watch_lives(on_demand.changed)
+            traffic.watch(on_demand.changed)
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=lambda: render(svc, observer, calibrator, on_demand),
                            reload=self.reload,

@@ -61,6 +61,7 @@ from gpud.core.vocab import (
     StepKind,
 )
 from gpud.errors import Denied, GpudError, NotFound, Unavailable
+from gpud.pulse import Pulse
 from gpud.responses import error_response
 from gpud.router import wakes_through_router
 from gpud.service import COALESCE_REFUSALS, LedgerService
@@ -72,8 +73,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How often a start or wake in progress is looked at until the serve is running.
-POLL_S = 0.005
 DEFAULT_POLICY = Policy()
 # How often idle serves are looked for.
 IDLE_CHECK_S = 0.5
@@ -101,6 +100,11 @@ class OnDemand:
         self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
         self._refusal_log_timer: asyncio.TimerHandle | None = None
         self._pending: dict[str, asyncio.Task[None]] = {}
+        # What a request waits on (a sleep or stop settling, a start or wake of someone else's
+        # ending) changes only when a serve's state is stored, its life steps, a drain ends or
+        # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon), and
+        # the waiters look again then, never on a timer.
+        self.changes = Pulse()
         # Serves the idle check is putting to sleep or stopping (from its decision on).
         self._idling: set[str] = set()
         # When each on-demand serve is idle from (the clock's time): its last request through
@@ -145,6 +149,10 @@ class OnDemand:
         except GpudError as exc:
             return self._refusal(name, exc)
         return web.Response(status=204)
+
+    def changed(self) -> None:
+        """A serve's state, life or drain changed: the requests waiting on one look again."""
+        self.changes.fire()
 
     def settling(self, name: str) -> bool:
         """A sleep or a stop of NAME is under way (or the drain before one, or the idle
@@ -260,8 +268,7 @@ class OnDemand:
                               {"serve": name, "class": Why.STOPPED})
         try:
             async with asyncio.timeout(spec.start_timeout_s):
-                while self.settling(name):
-                    await asyncio.sleep(POLL_S)
+                await self.changes.until(lambda: not self.settling(name))
                 if self.svc.state_of(name) == RUNNING:
                     return
                 task = self._pending.get(name)
@@ -335,9 +342,9 @@ class OnDemand:
             log.info("on-demand %s: starting (%s)", name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
-        # A start or wake of someone else's, still under way.
-        while (state := self.svc.state_of(name)) in (STARTING, SLEEPING):
-            await asyncio.sleep(POLL_S)
+        # A start or wake of someone else's, still under way: its end is a stored state.
+        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING))
+        state = self.svc.state_of(name)
         if state != RUNNING:
             rec = self.svc.records.get(name)
             reason = rec.reason if rec is not None else None
@@ -535,6 +542,7 @@ class OnDemand:
             return False
         finally:
             self._idling.discard(victim)
+            self.changed()
         self.evictions[victim] = self.evictions.get(victim, 0) + 1
         self.up_at.pop(victim, None)
         return True
@@ -611,6 +619,7 @@ class OnDemand:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
             self._idling.discard(name)
+            self.changed()
 
 
 def _why(exc: GpudError) -> Why:

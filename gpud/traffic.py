@@ -53,6 +53,12 @@ class Traffic:
         # waits until that is over (gpud.ondemand).
         self._held: dict[str, int] = {}
         self._uncounted: set[str] = set()
+        # Told when a drain is over (`watch`): the front's ensure waits for that.
+        self._listeners: list[Callable[[], None]] = []
+
+    def watch(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a serve stops being held (`held`)."""
+        self._listeners.append(listener)
 
     def draining(self, serve: str) -> bool:
         return self._held.get(serve, 0) > 0
@@ -68,6 +74,8 @@ class Traffic:
             self._held[serve] -= 1
             if not self._held[serve]:
                 del self._held[serve]
+            for listener in self._listeners:
+                listener()
 
     def flight(self, serve: str) -> Flight:
         return self.flights.get(serve, Flight())

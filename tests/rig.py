@@ -120,19 +120,29 @@ class FakeUnits:
         self._on_resync(states)
 
 
-class ScriptedSupervisor(Supervisor):
+class ScriptedProbe:
     """Health answers from the test (a serve without an answer is healthy): the health
-    endpoint's HTTP is tested on its own below, against a real socket."""
+    endpoint's HTTP (gpud.supervisor.health.HttpProbe) is tested on its own, against a real
+    socket."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self) -> None:
         self.answers: dict[str, Callable[[], Answer]] = {}
         self.asked: dict[str, int] = {}
 
-    async def _probe(self, serve: str, spec: Any) -> Answer:
+    async def probe(self, serve: str, spec: Any) -> Answer:
         self.asked[serve] = self.asked.get(serve, 0) + 1
         answer = self.answers.get(serve)
         return answer() if answer else Answer(Probe.OK, "200")
+
+
+class ScriptedSupervisor(Supervisor):
+    """A supervisor whose health answers are the test's (`answers`, `asked`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        scripted = ScriptedProbe()
+        super().__init__(*args, prober=scripted, **kwargs)
+        self.answers = scripted.answers
+        self.asked = scripted.asked
 
 
 class Clock:

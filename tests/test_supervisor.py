@@ -52,7 +52,7 @@ async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptur
     returning(sup, "old", "GPU-a")
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
-        await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
+        await asyncio.wait_for(sup.memory.back("GPU-a"), 10)
     took = time.monotonic() - t0
     assert 0.4 <= took < 3, took
     assert observer.samples >= 2  # it waited on observation, not on a clock alone
@@ -67,7 +67,7 @@ async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
     sup = supervisor(30, observer)
     done = asyncio.Event()
     returning(sup, "old", "GPU-a").stop_done = done
-    waiter = asyncio.ensure_future(sup._memory_back("GPU-a"))
+    waiter = asyncio.ensure_future(sup.memory.back("GPU-a"))
     await until(lambda: waiters(done) == 1, what="the start waiting on the stop")
     assert not waiter.done(), "a start went ahead while a stop on its device was in progress"
     sup.serves["old"].stop_done = None
@@ -82,23 +82,22 @@ async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
     returning(sup, "old", "GPU-a").stop_done = asyncio.Event()  # never set
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
-        await asyncio.wait_for(sup._memory_back("GPU-a"), 10)
+        await asyncio.wait_for(sup.memory.back("GPU-a"), 10)
     assert 0.3 <= time.monotonic() - t0 < 3
     assert "not back after 0.3 s" in caplog.text
     # the stop still in progress stays known: a later start waits for it again
     assert sup.life("old").returning == {"GPU-a"}
 
 
-class CountingSupervisor(Supervisor):
+class CountingProbe:
     """Health answers from a table instead of HTTP: `hang` never answers."""
 
-    def __init__(self, svc: Any, hang: set[str]) -> None:
-        super().__init__(svc, cast(Any, None), cast(Any, StuckObserver()))
+    def __init__(self, hang: set[str]) -> None:
         self.hang = hang
         self.asked: dict[str, int] = {}
         self.release = asyncio.Event()
 
-    async def _probe(self, serve: str, spec: Any) -> Any:
+    async def probe(self, serve: str, spec: Any) -> Any:
         from gpud.core.health import Answer, Probe
 
         self.asked[serve] = self.asked.get(serve, 0) + 1
@@ -116,15 +115,16 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
     svc = SimpleNamespace(config=Config(), records=records, serve_spec=lambda _n: spec,
                           state_of=lambda n: records[n].state)
-    sup = CountingSupervisor(svc, hang={"hung"})
+    probe = CountingProbe(hang={"hung"})
+    sup = Supervisor(cast(Any, svc), cast(Any, None), cast(Any, StuckObserver()), prober=probe)
     for rounds in range(1, 4):  # three rounds while hung's first check is still in flight
-        await sup._check_running()
+        await sup.health_job.check_running()
         # This round's check of quick has ended: hung's, begun with the first, had its turn.
         await until(lambda: "quick" not in checking(sup), what="quick's check")
-        assert sup.asked == {"hung": 1, "quick": rounds}
-    sup.release.set()
+        assert probe.asked == {"hung": 1, "quick": rounds}
+    probe.release.set()
     await until(lambda: "hung" not in checking(sup), what="hung's check, released")
-    await sup._check_running()
+    await sup.health_job.check_running()
     await until(lambda: not checking(sup), what="the fourth round's checks")
-    assert sup.asked == {"hung": 2, "quick": 4}
-    await asyncio.gather(*sup._tasks)
+    assert probe.asked == {"hung": 2, "quick": 4}
+    await asyncio.gather(*sup.runtime.tasks)

@@ -22,7 +22,8 @@ from gpud.core.lifecycle import Phase, StartAsked
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
-from gpud.supervisor import OUTSIDE_STOP, Supervisor
+from gpud.supervisor import OUTSIDE_STOP
+from gpud.supervisor.health import HttpProbe
 from tests.rig import Clock, Rig, entered, make_rig, unit
 from tests.waiting import until, waiters
 
@@ -91,7 +92,7 @@ async def test_entering_connects_and_sets_the_services_hooks(tmp_path: Path) -> 
         r.units.available, r.units.reason = False, "no bus here"
         assert r.svc.launching() == (False, "system bus: no bus here")
     assert r.units.closed
-    assert not r.sup._tasks  # the unit and health loops were cancelled on the way out
+    assert not r.sup.runtime.tasks  # the unit and health loops were cancelled on the way out
     r.svc.close()
     r.svc.store.close()
 
@@ -342,9 +343,9 @@ async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
         async for _ in entered(r):
             r.sup.units.available = True
             await r.svc.admit("b", 400)
-            unit_spec = r.sup._unit_spec("b", r.svc.config.serves["b"])
-            r.sup._step("b", StartAsked())
-            await r.sup._launch("b", None, unit_spec)  # the port was free when it was asked
+            unit_spec = r.sup.launch_job.unit_spec("b", r.svc.config.serves["b"])
+            r.sup.runtime.step("b", StartAsked())
+            await r.sup.launch_job._launch("b", None, unit_spec)  # the port was free when it was asked
             reason = r.reason("b") or ""
             assert reason.startswith(f"unhealthy: no 200 from /health within 2 s; port {port} is "
                                      "held by "), reason
@@ -609,7 +610,7 @@ async def test_an_exit_says_what_the_serve_last_logged(rig: Rig) -> None:
         return ["INFO loading", "Traceback (most recent call last):",
                 "OSError: /models/b: no such model"]
 
-    rig.sup.journal = journal
+    rig.sup.stop_job.journal = journal
     mark = rig.last_id()
     rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="exit-code",
                            exec_main_status=1))
@@ -707,7 +708,7 @@ async def test_an_orphan_unit_that_ends(rig: Rig) -> None:
 async def test_a_failed_serve_whose_unit_ends_releases(rig: Rig) -> None:
     st = await running(rig, "c")
     rig.units.fail_stop = JobFailed("no")
-    await rig.sup._failed("c", "broken", kind="unhealthy", stop=True)
+    await rig.sup.stop_job.failed("c", "broken", kind="unhealthy", stop=True)
     assert rig.held() == {"c": 200}  # the unit may still run
     rig.units.fail_stop = None
     mark = rig.last_id()
@@ -736,8 +737,8 @@ async def test_a_failing_unit_signal_is_logged_and_the_next_one_is_heard(
     async def broken(*_a: Any, **_k: Any) -> None:
         raise RuntimeError("store on fire")
 
-    real = rig.sup._failed
-    rig.sup._failed = broken  # type: ignore[method-assign]
+    real = rig.sup.stop_job.failed
+    rig.sup.stop_job.failed = broken  # type: ignore[method-assign]
     await orphan(rig, "stray")
     mark = rig.last_id()
     with caplog.at_level(logging.ERROR, "gpud.supervisor"):
@@ -745,7 +746,7 @@ async def test_a_failing_unit_signal_is_logged_and_the_next_one_is_heard(
         rig.units.emit(unit("stray", "inactive", "dead"))
         await rig.wait_for("exit", "stray", after=mark)  # handled after the one that failed
     assert "handling a unit state change failed" in caplog.text
-    rig.sup._failed = real  # type: ignore[method-assign]
+    rig.sup.stop_job.failed = real  # type: ignore[method-assign]
     rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="exit-code",
                            invocation_id="inv-x"))
     await rig.wait_for("exit", "b", after=mark)
@@ -758,7 +759,7 @@ async def test_a_failing_unit_signal_is_logged_and_the_next_one_is_heard(
 async def test_resync_brings_back_a_failed_serve_whose_unit_runs(rig: Rig) -> None:
     st = await running(rig, "a")
     rig.units.available = False
-    await rig.sup._failed("a", "bus down while it failed", kind="exit")
+    await rig.sup.stop_job.failed("a", "bus down while it failed", kind="exit")
     rig.units.available = True
     mark = rig.last_id()
     rig.units.resync([st])
@@ -935,17 +936,17 @@ async def endpoint() -> AsyncIterator[tuple[int, dict[str, int]]]:
 async def test_health_answers_as_judged(rig: Rig, endpoint: tuple[int, dict[str, int]]) -> None:
     port, status = endpoint
     spec = rig.svc.config.serves["a"].model_copy(update={"port": port})
-    probe = Supervisor._probe
+    probe = HttpProbe(rig.sup.runtime).probe
     status["code"] = 503
-    assert await probe(rig.sup, "a", spec) == Answer(Probe.ENGINE_DEAD, "503")
+    assert await probe("a", spec) == Answer(Probe.ENGINE_DEAD, "503")
     status["code"] = 500
-    assert await probe(rig.sup, "a", spec) == Answer(Probe.FAILED, "status 500")
+    assert await probe("a", spec) == Answer(Probe.FAILED, "status 500")
     status["code"] = 200
     # a 200 from a socket this test's process holds, not the serve's unit: foreign
-    answer = await probe(rig.sup, "a", spec)
+    answer = await probe("a", spec)
     assert answer.probe is Probe.FOREIGN
     assert answer.detail.startswith(f"port {port} is held by ")
-    assert await probe(rig.sup, "a", spec.model_copy(update={"port": None})) == Answer(
+    assert await probe("a", spec.model_copy(update={"port": None})) == Answer(
         Probe.OK, "no port: an active unit is all there is")
 
 
@@ -954,7 +955,7 @@ async def test_health_of_a_port_nobody_listens_on(rig: Rig) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         spec = rig.svc.config.serves["a"].model_copy(update={"port": port})
-        answer = await Supervisor._probe(rig.sup, "a", spec)
+        answer = await HttpProbe(rig.sup.runtime).probe("a", spec)
     assert answer.probe is Probe.REFUSED
     assert answer.detail.startswith("cannot connect")
 

@@ -1,15 +1,15 @@
-"""What the supervisor's jobs share: the service, the units, the observer, the locks and one
-record per serve (`serves`, changed only through gpud.core.lifecycle.step), the HTTP clients,
-and the few facts every job asks (a serve's config, its devices). `Base` declares what each
-job offers the others; the job's own module does it, and gpud.supervisor.Supervisor is all of
-them together.
+"""What the supervisor's jobs share (`Runtime`: the service, the units, the observer, the locks,
+one record per serve changed only through gpud.core.lifecycle.step, the HTTP clients, the few
+facts every job asks) and what each job asks of another, each a narrow protocol (`Failing`,
+`Ending`, `Healthy`, `Starts`, `Prober`). gpud.supervisor.Supervisor makes each job once and
+hands it the others it needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,6 +17,7 @@ import aiohttp
 
 from gpud.config import ServeConfig
 from gpud.core.front import socket_path
+from gpud.core.health import Answer
 from gpud.core.launch import with_kv_cache
 from gpud.core.lifecycle import (
     IDLE_LIFE,
@@ -35,9 +36,7 @@ from gpud.errors import Conflict, NotFound, Unavailable
 from gpud.front import SocketSessions
 from gpud.locks import Locks, Taken
 from gpud.observer import Observer
-from gpud.reconciling import Reconciler
 from gpud.service import LedgerService, check_serve_name
-from gpud.sleeping import Sleeps
 from gpud.units import SystemdUnits
 
 log = logging.getLogger("gpud.supervisor")
@@ -133,63 +132,100 @@ class _Uncalibrated:
 UNCALIBRATED: Calibrated = _Uncalibrated()
 
 
-class Base:
-    """What every job of the supervisor has (made by Supervisor.__init__)."""
+class Failing(Protocol):
+    """A serve's end as a failure (gpud.supervisor.stop.StopJob)."""
 
-    svc: LedgerService
-    units: SystemdUnits
-    observer: Observer
-    notify: Callable[[str], None]
-    clock: Callable[[], float]
-    # The last lines of a serve's unit, read when it exits: why it said it did.
-    journal: Callable[[str, str | None], Awaitable[list[str]]]
-    # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
-    locks: Locks
-    # Every serve's runtime, one record each (none for a serve with nothing to remember).
-    serves: dict[str, LifeRecord]
-    calibrated: Calibrated
-    # The user database: as whom a serve may run (unit_properties.host_identity).
-    home_of: Callable[[str], str | None]
-    sleeps: Sleeps
-    reconciler: Reconciler
-    booted: asyncio.Event
-    _health_slots: asyncio.Semaphore
-    _tasks: set[asyncio.Task[Any]]
-    _unit_events: asyncio.Queue[UnitState | list[UnitState]]
-    _http: aiohttp.ClientSession | None
-    _sockets: SocketSessions
+    async def failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
+                     **details: Any) -> None: ...
+    async def ended(self, serve: str, reason: str) -> None: ...
+
+
+class Ending(Failing, Protocol):
+    """Every end of a serve its unit's signals may mean (gpud.supervisor.stop.StopJob)."""
+
+    async def stopped(self, serve: str, uid: int | None, *, keep: bool) -> None: ...
+    async def outside_stop(self, serve: str, st: UnitState) -> None: ...
+
+
+class Healthy(Protocol):
+    """Waiting for a serve to answer (gpud.supervisor.health.HealthJob)."""
+
+    async def await_healthy(self, serve: str, spec: ServeConfig, *,
+                            promote: bool = True) -> bool: ...
+    async def promote(self, serve: str, *, was_failed: str | None = None) -> None: ...
+    async def watch_restart(self, serve: str) -> None: ...
+
+
+class Starts(Protocol):
+    """A serve's start (gpud.supervisor.launch.LaunchJob)."""
+
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None: ...
+
+
+class Prober(Protocol):
+    """One question to a serve's health endpoint (gpud.supervisor.health.HttpProbe)."""
+
+    async def probe(self, serve: str, spec: ServeConfig) -> Answer: ...
+
+
+class Runtime:
+    """What every job of the supervisor shares (made once by Supervisor.__init__)."""
+
+    def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
+                 clock: Callable[[], float], calibrated: Calibrated) -> None:
+        self.svc = svc
+        self.units = units
+        self.observer = observer
+        self.clock = clock
+        self.calibrated = calibrated
+        # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.locks).
+        self.locks = Locks()
+        # Every serve's runtime, one record each (none for a serve with nothing to remember).
+        self.serves: dict[str, LifeRecord] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.client: aiohttp.ClientSession | None = None
+        self.sockets = SocketSessions()
+        # Told after each step of a serve's life (`watch_lives`).
+        self._life_listeners: list[Callable[[], None]] = []
+
+    def watch_lives(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of a serve's life (read it with `life`)."""
+        self._life_listeners.append(listener)
 
     def life(self, serve: str) -> ServeLife:
         rec = self.serves.get(serve)
         return rec.life if rec is not None else IDLE_LIFE
 
-    def _record(self, serve: str) -> LifeRecord:
+    def record(self, serve: str) -> LifeRecord:
         return self.serves.setdefault(serve, LifeRecord())
 
-    def _step(self, serve: str, inp: Input) -> list[LifeAction]:
+    def step(self, serve: str, inp: Input) -> list[LifeAction]:
         """Change the serve's life by `inp` (gpud.core.lifecycle.step); what to do about it."""
-        rec = self._record(serve)
+        rec = self.record(serve)
         rec.life, actions = step(rec.life, inp)
-        self._prune(serve)
+        self.prune(serve)
+        for listener in self._life_listeners:
+            listener()
         return actions
 
-    def _prune(self, serve: str) -> None:
+    def prune(self, serve: str) -> None:
         rec = self.serves.get(serve)
         if rec is not None and rec.idle():
             del self.serves[serve]
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         return task
 
-    def _need_bus(self) -> None:
+    def need_bus(self) -> None:
         if not self.units.available:
             raise Unavailable(f"launching is unavailable: system bus: {self.units.reason}",
                               {"reason": self.units.reason})
 
-    def _spec(self, serve: str) -> ServeConfig:
+    def spec(self, serve: str) -> ServeConfig:
         check_serve_name(serve)
         spec = self.svc.serve_spec(serve)
         if spec is None:
@@ -199,14 +235,14 @@ class Base:
             raise NotFound(f"unknown serve {serve!r}: not in the config", {"serve": serve})
         return spec
 
-    def _sized(self, serve: str, spec: ServeConfig) -> ServeConfig:
+    def sized(self, serve: str, spec: ServeConfig) -> ServeConfig:
         """The serve's config with its KV cache as calibration gives it, where it asks."""
         return with_kv_cache(spec, self.calibrated.kv_cache_figure(serve))
 
-    def _device_key(self, serve: str) -> str:
-        return self._device_keys(serve)[0]
+    def device_key(self, serve: str) -> str:
+        return self.device_keys(serve)[0]
 
-    def _device_keys(self, serve: str) -> list[str]:
+    def device_keys(self, serve: str) -> list[str]:
         """The devices the serve runs on (one per role), as UUIDs where observation knows them."""
         spec = self.svc.serve_spec(serve)
         if spec is None:
@@ -219,28 +255,28 @@ class Base:
             keys.append(dev.uuid if dev else ref)
         return keys
 
-    def _unit_active(self, serve: str) -> bool:
+    def unit_active(self, serve: str) -> bool:
         last = self.life(serve).unit
         return last is not None and last.active_state in ACTIVE
 
-    async def _stop_unit(self, serve: str, timeout: float) -> None:
+    async def stop_unit(self, serve: str, timeout: float) -> None:
         """Stop the serve's unit and have systemd forget it: a transient unit that failed stays
         loaded (and listed, and its name taken) until its failed state is reset."""
         await self.units.stop(serve, timeout)
         await self.units.reset_failed(serve)
 
-    async def _say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
+    async def say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
         await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
 
     @property
     def http(self) -> aiohttp.ClientSession:
-        assert self._http is not None
-        return self._http
+        assert self.client is not None
+        return self.client
 
     def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
         """The client of a serve's own listener: its Unix socket when it is fronted."""
         if spec.front:
-            return self._sockets.session(
+            return self.sockets.session(
                 socket_path(self.svc.config.daemon.serve_socket_dir, serve))
         return self.http
 
@@ -250,42 +286,9 @@ class Base:
     def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
         """The locks of every device the serve uses: held for the part of an action that
         changes their memory; `shared` by a start that does not profile (gpud.locks)."""
-        return self.locks.devices(self._device_keys(serve), shared=shared)
+        return self.locks.devices(self.device_keys(serve), shared=shared)
 
-    def _counted(self, count: int) -> RestartsCounted:
+    def counted(self, count: int) -> RestartsCounted:
         daemon = self.svc.config.daemon
         return RestartsCounted(count, self.clock(), daemon.crash_loop_window_s,
                                daemon.crash_loop_restarts)
-
-    # ---- what each job offers the others (done in its own module) ----------------------
-
-    async def _await_healthy(self, serve: str, spec: ServeConfig, *,
-                             promote: bool = True) -> bool:
-        raise NotImplementedError  # gpud.supervisor.health
-
-    async def _promote(self, serve: str, *, was_failed: str | None = None) -> None:
-        raise NotImplementedError  # gpud.supervisor.health
-
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
-                    preempt: bool = False) -> dict[str, Any] | None:
-        raise NotImplementedError  # gpud.supervisor.launch
-
-    async def _memory_back_all(self, serve: str) -> None:
-        raise NotImplementedError  # gpud.supervisor.stop
-
-    async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
-        raise NotImplementedError  # gpud.supervisor.stop
-
-    async def _failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
-                      **details: Any) -> None:
-        raise NotImplementedError  # gpud.supervisor.stop
-
-    async def _ended(self, serve: str, reason: str) -> None:
-        raise NotImplementedError  # gpud.supervisor.stop
-
-    async def _outside_stop(self, serve: str, st: UnitState) -> None:
-        raise NotImplementedError  # gpud.supervisor.stop
-
-    async def _watch_restart(self, serve: str) -> None:
-        raise NotImplementedError  # gpud.supervisor.watch
-

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from gpud import containers
@@ -23,31 +24,50 @@ from gpud.core.vocab import (
     EventKind,
 )
 from gpud.errors import Denied, GpudError
+from gpud.reconciling import Reconciler
+from gpud.sleeping import Sleeps
 from gpud.supervisor.base import (
     OUTSIDE_STOP,
-    Base,
+    Failing,
+    Healthy,
+    Runtime,
+    Starts,
     log,
     pid_text,
 )
 
 
-class BootJob(Base):
+class BootJob:
     """Reconciliation and the boot of the resident set."""
+
+    def __init__(self, rt: Runtime, launch: Starts, health: Healthy, stops: Failing,
+                 sleeps: Sleeps, reconciler: Reconciler, *,
+                 notify: Callable[[str], None]) -> None:
+        self.rt = rt
+        self.svc = rt.svc
+        self.launch = launch
+        self.health = health
+        self.stops = stops
+        self.sleeps = sleeps
+        self.reconciler = reconciler
+        self.notify = notify
+        # Set once the resident set's boot is over, however it went.
+        self.booted = asyncio.Event()
 
     async def reconcile(self) -> None:
         """Adopt running gpud-serve-* units (never a second copy), keep their reservations, and
         mark serves that died while gpud was away."""
-        if not self.units.available:
-            log.warning("reconciliation skipped: system bus unavailable (%s)", self.units.reason)
+        if not self.rt.units.available:
+            log.warning("reconciliation skipped: system bus unavailable (%s)", self.rt.units.reason)
             return
         if any(spec.container is not None for spec in self.svc.config.serves.values()):
             # A pull a gpud that ended mid-start left: nothing waits for it any more.
             problem = await containers.stop_leftovers()
             if problem is not None:
                 log.warning("image pulls left by an earlier gpud may still run: %s", problem)
-        live = {st.serve: st for st in await self.units.list_serves() if st.active_state in ACTIVE}
+        live = {st.serve: st for st in await self.rt.units.list_serves() if st.active_state in ACTIVE}
         for serve, st in sorted(live.items()):
-            self._step(serve, UnitSeen(st))
+            self.rt.step(serve, UnitSeen(st))
             spec = self.svc.serve_spec(serve)
             rec_state = self.svc.state_of(serve)
             res = self.svc.ledger.reservations.get(serve)
@@ -78,10 +98,10 @@ class BootJob(Base):
                 state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)),
                 cause=Cause.ADOPT)
             if state == STARTING:
-                self._spawn(self._watch_restart(serve))  # promoted once its health answers
+                self.rt.spawn(self.health.watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live:
-                await self._ended(serve, "its unit ended while gpud was not running")
+                await self.stops.ended(serve, "its unit ended while gpud was not running")
 
     def _sleep_reason(self, serve: str, state: str) -> str | None:
         rec = self.svc.records.get(serve)
@@ -91,9 +111,9 @@ class BootJob(Base):
         """Start the resident set: by priority, per device in boot steps (exactly sized serves
         together, every other serve alone), devices in parallel."""
         try:
-            if not self.units.available:
+            if not self.rt.units.available:
                 log.warning("resident set not started: launching unavailable (%s)",
-                            self.units.reason)
+                            self.rt.units.reason)
                 return
             by_device: dict[str, list[str]] = {}
             order = sorted((s.priority, name) for name, s in self.svc.config.serves.items()
@@ -116,7 +136,7 @@ class BootJob(Base):
                 if name in self.svc.ledger.reservations and not self._stopped_outside(name):
                     # A serve on several devices goes in the queue of its first; its launch
                     # waits for every one of them (see _launch).
-                    by_device.setdefault(self._device_key(name), []).append(name)
+                    by_device.setdefault(self.rt.device_key(name), []).append(name)
             await asyncio.gather(*(self._boot_device(names) for names in by_device.values()))
         finally:
             self.booted.set()
@@ -141,8 +161,8 @@ class BootJob(Base):
         gpud.core.launch.start_sharing). A serve alone waits for the ones before it to be up
         before it is started: the locks alone do not keep the order, since a launch may reach
         its devices' locks after a serve started later (one on several devices) reached them."""
-        log.info("boot on %s: %s", self._device_key(names[0]) or "the device", "; ".join(
-            f"{name} {start_sharing(self._sized(name, self._spec(name)))[1]}"
+        log.info("boot on %s: %s", self.rt.device_key(names[0]) or "the device", "; ".join(
+            f"{name} {start_sharing(self.rt.sized(name, self.rt.spec(name)))[1]}"
             for name in names))
         launches: list[asyncio.Task[Any]] = []
 
@@ -153,19 +173,19 @@ class BootJob(Base):
                 launches.clear()
 
         for name in names:
-            if self.svc.state_of(name) in LIVE_STATES or self.life(name).launching:
+            if self.svc.state_of(name) in LIVE_STATES or self.rt.life(name).launching:
                 continue
-            shared, _why = start_sharing(self._sized(name, self._spec(name)))
+            shared, _why = start_sharing(self.rt.sized(name, self.rt.spec(name)))
             if not shared:
                 await settle()
             try:
-                await self.start(name, None)
+                await self.launch.start(name, None)
             except GpudError as exc:
                 log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
                         "boot: %s not started: %s", name, exc.message)
                 continue
-            task = self._record(name).launch_task
-            self._prune(name)
+            task = self.rt.record(name).launch_task
+            self.rt.prune(name)
             if task is not None:
                 task.add_done_callback(lambda _t: self.notify(
                     f"STATUS=starting resident set: {self.svc.summary()}"))

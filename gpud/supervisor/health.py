@@ -21,6 +21,9 @@ from gpud.core.lifecycle import (
     JobEnded,
     PortChecked,
     UnitSeen,
+    Watch,
+    WatchAsked,
+    WatchEnded,
     own_listener_trusted,
 )
 from gpud.core.states import Cause
@@ -34,9 +37,13 @@ from gpud.core.vocab import (
 )
 from gpud.errors import GpudError, StoreError
 from gpud.front import open_to_front
+from gpud.reconciling import Reconciler
 from gpud.supervisor.base import (
+    HEALTH_CONCURRENCY,
     UNIT_JOB_TIMEOUT_S,
-    Base,
+    Failing,
+    Prober,
+    Runtime,
     log,
 )
 
@@ -52,59 +59,24 @@ START_POLL_MAX_S = 1.0
 PORT_RECHECK_S = 10.0
 
 
+class HttpProbe:
+    """A serve's health endpoint asked over HTTP (its socket when fronted), and the listener on
+    its port told apart from someone else's."""
 
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.svc = rt.svc
 
-class HealthJob(Base):
-    """Health checks, and what their verdicts lead to."""
-
-    async def _await_healthy(self, serve: str, spec: ServeConfig, *,
-                             promote: bool = True) -> bool:
-        """Poll until health answers 200 (True; recorded as running when `promote`), or the
-        start timeout (the serve fails), or the serve left `starting` some other way."""
-        started = self.clock()
-        deadline = started + spec.start_timeout_s
-        pause = START_POLL_FIRST_S
-        foreign: str | None = None
-        while self.clock() < deadline:
-            state = self.svc.state_of(serve)
-            if state != STARTING:
-                return False  # failed, stopped or promoted elsewhere
-            # vLLM listens only once loaded: a refused connection means "loading" until the
-            # start timeout, as does a 503 or an answer from someone else's socket.
-            answer = await self._probe(serve, spec)
-            if healthy_at_start(answer):
-                if promote:
-                    await self._promote(serve)
-                return True
-            if answer.probe is Probe.FOREIGN:
-                foreign = answer.detail
-            await asyncio.sleep(pause)
-            if self.clock() - started > START_POLL_FAST_FOR_S:
-                pause = min(START_POLL_MAX_S, pause * 1.5)
-        if foreign is None and spec.port is not None:
-            # Someone else's listener that does not answer 200 (taken during a restart
-            # window, say): named all the same.
-            last = self.life(serve).unit
-            holder = await asyncio.to_thread(foreign_listener, serve, spec.port,
-                                             last.control_group if last else "")
-            if holder is not None:
-                foreign = f"port {spec.port} is held by {holder}, not by the serve's unit"
-        why = f"; {foreign}" if foreign else ""
-        await self._failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
-                                  f"{spec.start_timeout_s:g} s{why}", kind=EventKind.UNHEALTHY, stop=True)
-        return False
-
-    async def _probe(self, serve: str, spec: ServeConfig) -> Answer:
+    async def probe(self, serve: str, spec: ServeConfig) -> Answer:
         """Ask the serve's health endpoint once (on the session's 2 s timeout)."""
         if spec.port is None:
             return Answer(Probe.OK, "no port: an active unit is all there is")
-        assert self._http is not None
         url = (f"http://localhost{spec.health_path}" if spec.front else
                f"http://127.0.0.1:{spec.port}{spec.health_path}")
         if spec.front:
             open_to_front(self.svc.config.daemon, serve)
         try:
-            async with self.serve_http(serve, spec).get(url) as resp:
+            async with self.rt.serve_http(serve, spec).get(url) as resp:
                 status = resp.status
         except aiohttp.ClientConnectorError as exc:
             return Answer(Probe.REFUSED, f"cannot connect ({exc.os_error.strerror or exc})")
@@ -124,17 +96,67 @@ class HealthJob(Base):
     async def _foreign_holder(self, serve: str, port: int) -> str | None:
         """Who other than the serve's own unit listens on its port (None: the serve itself, or
         nobody can tell). The serve's own listener is trusted for PORT_RECHECK_S."""
-        last = self.life(serve).unit
+        last = self.rt.life(serve).unit
         pid = last.main_pid if last is not None else 0
-        if own_listener_trusted(self.life(serve), pid, self.clock(), PORT_RECHECK_S):
+        if own_listener_trusted(self.rt.life(serve), pid, self.rt.clock(), PORT_RECHECK_S):
             return None
         group = last.control_group if last is not None else ""
         holder = await asyncio.to_thread(foreign_listener, serve, port, group)
-        self._step(serve, PortChecked(own=holder is None, pid=pid, at=self.clock()))
+        self.rt.step(serve, PortChecked(own=holder is None, pid=pid, at=self.rt.clock()))
         return holder
 
-    async def _promote(self, serve: str, *, was_failed: str | None = None) -> None:
-        self._step(serve, HealthCounted(0))
+
+class HealthJob:
+    """Health checks, and what their verdicts lead to."""
+
+    def __init__(self, rt: Runtime, stops: Failing, reconciler: Reconciler,
+                 prober: Prober) -> None:
+        self.rt = rt
+        self.svc = rt.svc
+        self.stops = stops
+        self.reconciler = reconciler
+        self.prober = prober
+        self._slots = asyncio.Semaphore(HEALTH_CONCURRENCY)
+
+    async def await_healthy(self, serve: str, spec: ServeConfig, *,
+                            promote: bool = True) -> bool:
+        """Poll until health answers 200 (True; recorded as running when `promote`), or the
+        start timeout (the serve fails), or the serve left `starting` some other way."""
+        started = self.rt.clock()
+        deadline = started + spec.start_timeout_s
+        pause = START_POLL_FIRST_S
+        foreign: str | None = None
+        while self.rt.clock() < deadline:
+            state = self.svc.state_of(serve)
+            if state != STARTING:
+                return False  # failed, stopped or promoted elsewhere
+            # vLLM listens only once loaded: a refused connection means "loading" until the
+            # start timeout, as does a 503 or an answer from someone else's socket.
+            answer = await self.prober.probe(serve, spec)
+            if healthy_at_start(answer):
+                if promote:
+                    await self.promote(serve)
+                return True
+            if answer.probe is Probe.FOREIGN:
+                foreign = answer.detail
+            await asyncio.sleep(pause)
+            if self.rt.clock() - started > START_POLL_FAST_FOR_S:
+                pause = min(START_POLL_MAX_S, pause * 1.5)
+        if foreign is None and spec.port is not None:
+            # Someone else's listener that does not answer 200 (taken during a restart
+            # window, say): named all the same.
+            last = self.rt.life(serve).unit
+            holder = await asyncio.to_thread(foreign_listener, serve, spec.port,
+                                             last.control_group if last else "")
+            if holder is not None:
+                foreign = f"port {spec.port} is held by {holder}, not by the serve's unit"
+        why = f"; {foreign}" if foreign else ""
+        await self.stops.failed(serve, f"unhealthy: no 200 from {spec.health_path} within "
+                                  f"{spec.start_timeout_s:g} s{why}", kind=EventKind.UNHEALTHY, stop=True)
+        return False
+
+    async def promote(self, serve: str, *, was_failed: str | None = None) -> None:
+        self.rt.step(serve, HealthCounted(0))
         res = self.svc.ledger.reservations.get(serve)
         message = (f"{serve}: healthy again (was failed: {was_failed})" if was_failed
                    else f"{serve}: healthy")
@@ -149,12 +171,12 @@ class HealthJob(Base):
         crash-loop limit is reached: then it is stopped and `failed`. Never left running as
         `failed` while its reservation is gone."""
         res = self.svc.ledger.reservations.get(serve)
-        if spec.restart == "no" or not self.units.available:
-            await self._failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
+        if spec.restart == "no" or not self.rt.units.available:
+            await self.stops.failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
             return
-        for loop in self._step(serve, self._counted(1)):
+        for loop in self.rt.step(serve, self.rt.counted(1)):
             if isinstance(loop, CrashLoop):
-                await self._failed(serve, f"{loop.reason}; last: {reason}", kind=EventKind.CRASH_LOOP,
+                await self.stops.failed(serve, f"{loop.reason}; last: {reason}", kind=EventKind.CRASH_LOOP,
                                    stop=True)
                 return
         await self.svc.record(self.svc.event(
@@ -165,27 +187,38 @@ class HealthJob(Base):
             cause=Cause.RESTART)
         # Its devices are held from the stop of the old process to the health of the new one,
         # as for a start: the new process loads and profiles alone on them.
-        async with self.device_locks(serve):
-            self._step(serve, JobBegan(Job.RESTART))
+        async with self.rt.device_locks(serve):
+            self.rt.step(serve, JobBegan(Job.RESTART))
             try:
-                fresh = await self.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
+                fresh = await self.rt.units.restart(serve, spec.stop_timeout_s + UNIT_JOB_TIMEOUT_S)
             except GpudError as exc:
-                self._step(serve, JobEnded(Job.RESTART))
-                await self._failed(serve, f"{reason}; the restart failed: {exc.message}",
+                self.rt.step(serve, JobEnded(Job.RESTART))
+                await self.stops.failed(serve, f"{reason}; the restart failed: {exc.message}",
                                    kind=EventKind.UNHEALTHY, stop=True)
                 return
             finally:
-                self._step(serve, JobEnded(Job.RESTART))
+                self.rt.step(serve, JobEnded(Job.RESTART))
             if fresh is None or fresh.active_state not in ACTIVE:
-                await self._failed(serve, f"{reason}; its unit did not come back after the "
+                await self.stops.failed(serve, f"{reason}; its unit did not come back after the "
                                    "restart", kind=EventKind.EXIT)
                 return
-            self._step(serve, UnitSeen(fresh))
+            self.rt.step(serve, UnitSeen(fresh))
             self.svc.set_main_pid(serve, fresh.main_pid or None)
             await self.svc.record(self.svc.event(
                 EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
-            await self._watch_restart(serve)
+            await self.watch_restart(serve)
+
+    async def watch_restart(self, serve: str) -> None:
+        """Wait for a serve that is starting again to answer (one watcher per serve: the
+        unit's signals and gpud's own restart both ask for one)."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None or Watch() not in self.rt.step(serve, WatchAsked()):
+            return
+        try:
+            await self.await_healthy(serve, spec)
+        finally:
+            self.rt.step(serve, WatchEnded())
 
     async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None:
         """A wake got no answer (the caller holds the serve's lock): the serve may be half
@@ -193,7 +226,7 @@ class HealthJob(Base):
         through its unit (its restart policy allowing) or stopped and failed, in the
         background: the caller is answered now."""
         res = self.svc.ledger.reservations.get(serve)
-        restart = spec.restart != "no" and self.units.available
+        restart = spec.restart != "no" and self.rt.units.available
         what = "restarted through its unit" if restart else "stopped"
         await self.svc.record(self.svc.event(
             EventKind.UNHEALTHY, f"{serve}: {reason}; it keeps its full reservation "
@@ -201,23 +234,24 @@ class HealthJob(Base):
             mib=res.mib if res else None, wake_failed=True),
             state=self.svc.state_row(serve, STARTING, f"restarting: {reason}") if restart
             else None, cause=Cause.RESTART)
-        self._spawn(self._after_failed_wake(serve, spec, reason, restart))
+        self.rt.spawn(self._after_failed_wake(serve, spec, reason, restart))
 
     async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,
                                  restart: bool) -> None:
-        async with self.serve_lock(serve):
-            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or self.life(serve).stopping:
+        async with self.rt.serve_lock(serve):
+            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or self.rt.life(serve).stopping:
                 return  # stopped or restarted meanwhile
             if restart:
                 await self._unhealthy(serve, spec, reason)
             else:
-                await self._failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
+                await self.stops.failed(serve, reason, kind=EventKind.UNHEALTHY, stop=True)
 
-    async def _health_loop(self) -> None:
+    async def loop(self) -> None:
+        """The health checks, one round each health_interval_s, until cancelled."""
         while True:
             await asyncio.sleep(self.svc.config.daemon.health_interval_s)
             try:
-                await self._check_running()
+                await self.check_running()
             except asyncio.CancelledError:
                 raise
             except StoreError:
@@ -226,27 +260,27 @@ class HealthJob(Base):
                 log.exception("health check round failed; next round in %.1f s",
                               self.svc.config.daemon.health_interval_s)
 
-    async def _check_running(self) -> None:
+    async def check_running(self) -> None:
         """Begin this round's checks: one per running or sleeping serve (and per failed serve
         whose unit is still active, which may come back), none for a serve whose last check is
         still in flight. Checks run concurrently, each on its own timeout: a slow or hung serve
         delays no other serve's verdict."""
         for serve, rec in list(self.svc.records.items()):
             if rec.state in (RUNNING, SLEEPING) or (rec.state == FAILED
-                                                     and self._unit_active(serve)):
+                                                     and self.rt.unit_active(serve)):
                 self._begin_check(serve)
 
     def _begin_check(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)
-        life = self.life(serve)
-        if self._record(serve).check is not None or life.stopping or spec is None:
-            self._prune(serve)
+        life = self.rt.life(serve)
+        if self.rt.record(serve).check is not None or life.stopping or spec is None:
+            self.rt.prune(serve)
             return
-        task = self._spawn(self._check_one(serve, spec))
-        self._record(serve).check = task
+        task = self.rt.spawn(self._check_one(serve, spec))
+        self.rt.record(serve).check = task
         task.add_done_callback(functools.partial(self._check_done, serve))
 
-    async def _on_observation(self, _obs: Any) -> None:
+    async def on_observation(self, _obs: Any) -> None:
         """A sleeping serve drawing over its reservation may have been woken outside gpud:
         it is checked now, not at the next round."""
         for serve, rec in list(self.svc.records.items()):
@@ -254,41 +288,41 @@ class HealthJob(Base):
                 self._begin_check(serve)
 
     def _check_done(self, serve: str, _task: asyncio.Task[None]) -> None:
-        rec = self.serves.get(serve)
+        rec = self.rt.serves.get(serve)
         if rec is not None:
             rec.check = None
-            self._prune(serve)
+            self.rt.prune(serve)
 
     async def _check_one(self, serve: str, spec: ServeConfig) -> None:
         try:
-            async with self._health_slots:
-                answer = await self._probe(serve, spec)
+            async with self._slots:
+                answer = await self.prober.probe(serve, spec)
             state = self.svc.state_of(serve)
-            if self.life(serve).stopping or self.serve_lock(serve).locked():
+            if self.rt.life(serve).stopping or self.rt.serve_lock(serve).locked():
                 return  # a lifecycle action of the serve is under way: it decides, not this
             if state == FAILED:
-                if answer.probe is Probe.OK and self._unit_active(serve):
+                if answer.probe is Probe.OK and self.rt.unit_active(serve):
                     rec = self.svc.records.get(serve)
-                    await self._promote(serve, was_failed=rec.reason if rec else "?")
+                    await self.promote(serve, was_failed=rec.reason if rec else "?")
                 return
             if state not in (RUNNING, SLEEPING):
                 return
-            verdict = judge_running(answer, self.life(serve).health_failures,
+            verdict = judge_running(answer, self.rt.life(serve).health_failures,
                                     self.svc.config.daemon.health_failures,
                                     vllm=spec.vllm is not None, health_path=spec.health_path)
             if verdict.unhealthy is None:
-                self._step(serve, HealthCounted(verdict.failures))
+                self.rt.step(serve, HealthCounted(verdict.failures))
                 if not verdict.failures:
                     # What it says it is, against the ledger (woken or slept outside gpud).
                     await self.reconciler.check(serve, spec)
                 return
-            self._step(serve, HealthCounted(0))
-            async with self.serve_lock(serve):  # a restart is a lifecycle action like any
-                if self.svc.state_of(serve) != state or self.life(serve).stopping:
+            self.rt.step(serve, HealthCounted(0))
+            async with self.rt.serve_lock(serve):  # a restart is a lifecycle action like any
+                if self.svc.state_of(serve) != state or self.rt.life(serve).stopping:
                     return
                 if state == SLEEPING:
                     # Restarted, it would load at its full size on its sleep reservation.
-                    await self._failed(serve, f"{verdict.unhealthy} while asleep",
+                    await self.stops.failed(serve, f"{verdict.unhealthy} while asleep",
                                        kind=EventKind.UNHEALTHY, stop=True)
                     return
                 await self._unhealthy(serve, spec, verdict.unhealthy)

@@ -11,7 +11,7 @@ import functools
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +42,32 @@ from gpud.core.vocab import (
 from gpud.errors import Conflict, Denied, GpudError, Unavailable
 from gpud.files import write_atomically
 from gpud.front import SERVE_UMASK, front_group, prepare_socket_dir
+from gpud.sleeping import Sleeps
 from gpud.supervisor.base import (
     UNIT_JOB_TIMEOUT_S,
-    Base,
+    Failing,
+    Healthy,
+    Runtime,
     pid_text,
 )
 from gpud.supervisor.health import port_holders
+from gpud.supervisor.stop import MemoryReturn
 from gpud.unit_properties import UnitSpec, environment_file_text, host_identity
 
 
-class LaunchJob(Base):
+class LaunchJob:
     """Starting a serve."""
+
+    def __init__(self, rt: Runtime, health: Healthy, stops: Failing, memory: MemoryReturn,
+                 sleeps: Sleeps, *, home_of: Callable[[str], str | None]) -> None:
+        self.rt = rt
+        self.svc = rt.svc
+        self.health = health
+        self.stops = stops
+        self.memory = memory
+        self.sleeps = sleeps
+        # The user database: as whom a serve may run (unit_properties.host_identity).
+        self.home_of = home_of
 
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None:
@@ -60,21 +75,21 @@ class LaunchJob(Base):
         once admitted (the launch goes on in the background) unless `wait`. With `preempt`,
         serves of lower priority on its role are put to sleep (or stopped) to make room; the
         plan carried out is returned."""
-        spec = self._spec(serve)
-        self._need_bus()
+        spec = self.rt.spec(serve)
+        self.rt.need_bus()
         carried: dict[str, Any] | None = None
         async with contextlib.AsyncExitStack() as locks:
             # One lock order everywhere (gpud.locks): preemption's coordination before a
             # serve's, a serve's before its devices'.
             if preempt:
-                await locks.enter_async_context(self.locks.coordination())
-            await locks.enter_async_context(self.serve_lock(serve))
+                await locks.enter_async_context(self.rt.locks.coordination())
+            await locks.enter_async_context(self.rt.serve_lock(serve))
             state = self.svc.state_of(serve)
-            if state in LIVE_STATES or start_refused(self.life(serve)) is not None:
+            if state in LIVE_STATES or start_refused(self.rt.life(serve)) is not None:
                 hint = f" (gpuctl wake {serve})" if state == SLEEPING else ""
                 raise Conflict(f"serve {serve!r} is already {state}{hint}",
                                {"serve": serve, "state": state})
-            problem = self.calibrated.sizing_problem(serve)
+            problem = self.rt.calibrated.sizing_problem(serve)
             if problem is not None:
                 raise Conflict(f"serve {serve!r} not started: {problem}", {"serve": serve})
             held = self.svc.ledger.reservations.get(serve)
@@ -90,7 +105,7 @@ class LaunchJob(Base):
                     raise Denied(f"serve {serve!r} not started: {lost}",
                                  {"serve": serve, "role": role, "bound": "device"})
             await self._port_free(serve, spec)
-            await self._memory_back_all(serve)
+            await self.memory.back_all(serve)
             if held is None and preempt:
                 carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid,
                                                              locked=True)
@@ -98,47 +113,47 @@ class LaunchJob(Base):
                 with self.sleeps.preemption_hint(serve, spec.vram_mib):
                     await self.svc.admit(serve, spec.vram_mib, uid=uid)
             try:
-                unit_spec = self._unit_spec(serve, self._sized(serve, spec))
+                unit_spec = self.unit_spec(serve, self.rt.sized(serve, spec))
             except GpudError as exc:
                 # Refused before systemd is asked: the serve fails with the reason, now.
-                await self._failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
+                await self.stops.failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
                 raise Conflict(f"serve {serve!r} cannot be launched: {exc.message}",
                                {"serve": serve, **exc.details}) from exc
-            refused = self._step(serve, StartAsked())
+            refused = self.rt.step(serve, StartAsked())
             # the serve's lock is held, and it was free a moment ago: never refused here
             assert not refused, refused
-            task = self._spawn(self._launch(serve, uid, unit_spec))
-            self._record(serve).launch_task = task
+            task = self.rt.spawn(self._launch(serve, uid, unit_spec))
+            self.rt.record(serve).launch_task = task
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
         return carried
 
     async def _launch(self, serve: str, uid: int | None, unit_spec: UnitSpec) -> None:
-        spec = self._spec(serve)
+        spec = self.rt.spec(serve)
         try:
             if spec.container is not None:
                 # Before the start locks: a pull (up to an hour) holds up no other start on the
                 # serve's devices; the serve stays admitted, its reservation held, and a stop
                 # meanwhile cancels this task, which ends the pull's unit.
                 image = await containers.ensure_image(serve, spec.container, functools.partial(
-                    self._say, serve, spec.role, EventKind.PULL))
+                    self.rt.say, serve, spec.role, EventKind.PULL))
                 if not image.ok:
-                    await self._failed(serve, f"launch failed: {image.detail}", kind=EventKind.EXIT)
+                    await self.stops.failed(serve, f"launch failed: {image.detail}", kind=EventKind.EXIT)
                     return
             # Serialized starts: the serve holds every device it uses while it loads (no
             # neighbour's start, stop, sleep or wake in its load-and-profile window), taken at
             # once in one order so that two serves sharing devices never deadlock.
             # A start that does not profile shares them with other such starts (gpud.locks).
-            shared, why = start_sharing(self._sized(serve, spec))
-            async with self.device_locks(serve, shared=shared):
-                await self._memory_back_all(serve)  # a stop begun while queued
+            shared, why = start_sharing(self.rt.sized(serve, spec))
+            async with self.rt.device_locks(serve, shared=shared):
+                await self.memory.back_all(serve)  # a stop begun while queued
                 try:
-                    state = await self.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
+                    state = await self.rt.units.start(unit_spec, UNIT_JOB_TIMEOUT_S)
                 except GpudError as exc:
-                    await self._failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
+                    await self.stops.failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
                     return
-                self._step(serve, UnitStarted(state))
+                self.rt.step(serve, UnitStarted(state))
                 self.svc.set_main_pid(serve, state.main_pid or None)
                 self.svc.set_restart_count(serve, 0)
                 await self.svc.record(self.svc.event(
@@ -148,28 +163,28 @@ class LaunchJob(Base):
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid,
                     device_lock="shared" if shared else "exclusive", device_lock_why=why),
                     state=self.svc.state_row(serve, STARTING), cause=Cause.LAUNCH)
-                healthy = await self._await_healthy(serve, spec, promote=False)
+                healthy = await self.health.await_healthy(serve, spec, promote=False)
             # Recorded after the device is free: the next start there need not wait on the
             # write (the serve is healthy either way).
             if healthy and self.svc.state_of(serve) == STARTING:
-                await self._promote(serve)
+                await self.health.promote(serve)
         finally:
-            self._step(serve, LaunchEnded())
-            rec = self._record(serve)
+            self.rt.step(serve, LaunchEnded())
+            rec = self.rt.record(serve)
             if rec.launch_task is asyncio.current_task():
                 rec.launch_task = None
-            self._prune(serve)
+            self.rt.prune(serve)
 
-    def _unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
+    def unit_spec(self, serve: str, spec: ServeConfig) -> UnitSpec:
         devs = []
         for role_name in spec.all_roles:
             role = self.svc.ledger.roles[role_name]
-            dev = self.observer.device(role.device)
+            dev = self.rt.observer.device(role.device)
             if dev is None:
                 # Without observation gpud cannot tell that the device exists:
                 # CUDA_VISIBLE_DEVICES naming a device that is not there would hand the serve
                 # another GPU, or none.
-                present = self.observer.present_devices()
+                present = self.rt.observer.present_devices()
                 why = (f"no device {role.device!r} on this host (present: {', '.join(present)})"
                        if present is not None else
                        f"observation is unavailable, so gpud cannot tell that device "
@@ -188,7 +203,7 @@ class LaunchJob(Base):
         # What gpud sets (vLLM's settings) in Environment=; the serve's own environment in its
         # root-only file, whose values win over Environment= (systemd.exec, EnvironmentFile=).
         env = {k: v for k, v in serve_environment(spec).items() if k not in spec.environment}
-        environment_for = getattr(self.observer.backend, "environment_for", None)
+        environment_for = getattr(self.rt.observer.backend, "environment_for", None)
         if callable(environment_for):
             # A stand-in on several devices draws on each, as vLLM's workers do, one per GPU.
             env.update(environment_for(*(d.uuid for d in devs)))
@@ -213,7 +228,7 @@ class LaunchJob(Base):
                 raise Unavailable(f"serve {serve}: executable {argv[0]!r} not found in PATH",
                                   {"serve": serve, "executable": argv[0]})
             argv[0] = found
-        argv = through_shim(argv, sys.executable, self.units.systemd_version)
+        argv = through_shim(argv, sys.executable, self.rt.units.systemd_version)
         daemon = self.svc.config.daemon
         mib = res.mib if res else spec.vram_mib
         return UnitSpec(

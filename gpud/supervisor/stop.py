@@ -1,19 +1,22 @@
 """A serve's end: gpud's stop (and a restart's), an orphan's, an operator's stop seen from its
 unit, a failure; and the wait of the next start on a device for the memory of the serves that
-stopped there."""
+stopped there (`MemoryReturn`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gpud.config import ServeConfig
 from gpud.core.lifecycle import (
     CancelLaunch,
     Job,
     JobBegan,
     JobEnded,
     LaunchEnded,
+    LifeAction,
     MemoryBack,
     MemoryLeaving,
     PortChecked,
@@ -38,14 +41,76 @@ from gpud.sleeping import meta_key
 from gpud.supervisor.base import (
     OUTSIDE_STOP,
     UNIT_JOB_TIMEOUT_S,
-    Base,
+    Runtime,
     log,
 )
 from gpud.vllm_log import exit_reason
 
 
-class StopJob(Base):
-    """Stopping serves, failing them, and their memory coming back."""
+class MemoryReturn:
+    """The memory of stopped serves coming back: a start on a device waits for it."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def leaving(self, serve: str) -> None:
+        """The serve is stopping or ended: the next start on any of its devices waits for its
+        memory to come back there."""
+        self.rt.step(serve, MemoryLeaving(frozenset(self.rt.device_keys(serve))))
+
+    async def back_all(self, serve: str) -> None:
+        """Wait (bounded) until the stops in progress on the serve's devices are done and
+        their memory shows as free."""
+        for device in self.rt.device_keys(serve):
+            await self.back(device)
+
+    async def back(self, device: str) -> None:
+        """Before a start: wait (bounded by memory_return_timeout_s) until the stops in progress
+        on the device have ended and observation no longer sees the stopped serves' memory
+        there, so the next admission and vLLM's own check see it free."""
+        rt = self.rt
+        waiting = {s for s, rec in rt.serves.items() if device in rec.life.returning}
+        timeout = rt.svc.config.daemon.memory_return_timeout_s
+        if not waiting or timeout <= 0:
+            return
+        deadline = rt.clock() + timeout
+        held: set[str] = set()
+        while (left := deadline - rt.clock()) > 0:
+            stopping = [done for s in sorted(waiting) if (done := self._stop_done(s)) is not None]
+            if stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping[0].wait(), left)
+                continue
+            if not rt.observer.available:
+                break
+            held = waiting & set(rt.observer.draws.get(device, {}))
+            if not held:
+                break
+            await rt.observer.next_sample(min(1.0, left))
+        else:
+            still = sorted(held | {s for s in waiting if self._stop_done(s) is not None})
+            log.warning("memory of %s on %s not back after %g s; starting anyway", still,
+                        device, timeout, extra={"journal": {
+                            "GPUD_EVENT": EventKind.MEMORY_NOT_BACK, "GPUD_SERVES": ",".join(still)}})
+        for serve in waiting:
+            if self._stop_done(serve) is None:  # a stop still in progress stays waited on
+                rt.step(serve, MemoryBack(device))
+
+    def _stop_done(self, serve: str) -> asyncio.Event | None:
+        rec = self.rt.serves.get(serve)
+        return rec.stop_done if rec is not None else None
+
+
+class StopJob:
+    """Stopping serves, failing them, and what an end of their unit means."""
+
+    def __init__(self, rt: Runtime, memory: MemoryReturn, *,
+                 journal: Callable[[str, str | None], Awaitable[list[str]]]) -> None:
+        self.rt = rt
+        self.svc = rt.svc
+        self.memory = memory
+        # The last lines of a serve's unit, read when it exits: why it said it did.
+        self.journal = journal
 
     async def stop(self, serve: str, uid: int | None, *,
                    keep_reservation: bool = False, idle_s: float | None = None,
@@ -59,91 +124,111 @@ class StopJob(Base):
         if self.svc.state_of(serve) == ORPHAN and self.svc.serve_spec(serve) is None:
             await self._stop_orphan(serve, uid)
             return
-        spec = self._spec(serve)
+        spec = self.rt.spec(serve)
         state = self.svc.state_of(serve)
-        if state in LIVE_STATES or self.life(serve).launching:
-            self._need_bus()
+        if state in LIVE_STATES or self.rt.life(serve).launching:
+            self.rt.need_bus()
+        await self._end_check(serve)
         failed: GpudError | None = None
-        check = self._record(serve).check
-        self._prune(serve)
-        if check is not None and check is not asyncio.current_task() and not check.done():
-            # A health check restarting the serve holds its lock while the new process loads
-            # (minutes for vLLM): a stop does not wait for that, it ends it.
-            check.cancel()
-            await asyncio.wait({check})
-        async with self.serve_lock(serve):
-            actions = self._step(serve, JobBegan(Job.STOP))
-            # A start on the device from now on waits for this stop and for the memory to come
-            # back (a serve ignoring SIGTERM takes its stop timeout to go).
-            self._record(serve).stop_done = asyncio.Event()
-            self._returning_on(serve)
+        async with self.rt.serve_lock(serve):
+            actions = self._stop_began(serve)
             try:
-                launch = self._record(serve).launch_task
-                if CancelLaunch() in actions and launch is not None and not launch.done():
-                    # Queued behind another start on the device, or starting: it must not go on
-                    # to run a unit whose reservation this stop releases.
-                    launch.cancel()
-                    await asyncio.wait({launch})
-                    # A launch cancelled before it began never ran its own clean-up.
-                    self._step(serve, LaunchEnded())
-                    rec = self._record(serve)
-                    if rec.launch_task is launch:
-                        rec.launch_task = None
+                if CancelLaunch() in actions:
+                    await self._cancel_launch(serve)
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
-                idle: dict[str, Any] = {} if idle_s is None else {"idle_s": idle_s}
-                why = "" if idle_s is None else f", idle {idle_s:g} s without a request"
-                if drained is not None:
-                    idle["in_flight"] = drained.details()
-                    why += f"; {drained.line()}"
                 await self.svc.record(self.svc.event(
-                    EventKind.STOP, f"{serve}: stopping (was {state}{why})", serve=serve,
-                    role=spec.role, mib=res.mib if res else None, uid=uid, **idle),
+                    EventKind.STOP, f"{serve}: stopping (was {state}{_why(idle_s, drained)})",
+                    serve=serve, role=spec.role, mib=res.mib if res else None, uid=uid,
+                    **_stop_details(idle_s, drained)),
                     state=self.svc.state_row(serve, STOPPING), cause=Cause.STOP)
-                if self.units.available:
-                    try:
-                        async with contextlib.AsyncExitStack() as memory:
-                            if self._unit_active(serve) or state in LIVE_STATES:
-                                # its memory comes back: not inside a neighbour's start window
-                                await memory.enter_async_context(self.device_locks(serve))
-                            await self._stop_unit(serve, spec.stop_timeout_s + 15)
-                    except GpudError as exc:
-                        if not await self._unit_ended(serve):
-                            failed = exc
+                failed = await self._stop_its_unit(serve, spec, state)
                 if failed is None:
-                    await self._stopped(serve, uid, keep=keep_reservation and not asleep)
+                    await self.stopped(serve, uid, keep=keep_reservation and not asleep)
                 else:
                     await self.svc.record(self.svc.event(
-                        EventKind.STOP, f"{serve}: the stop failed ({failed.message}) and its unit has "
-                        "not ended: it stays stopping, its reservation held, until the unit ends "
-                        "(gpuctl stop tries again)", serve=serve, role=spec.role,
+                        EventKind.STOP, f"{serve}: the stop failed ({failed.message}) and its unit "
+                        "has not ended: it stays stopping, its reservation held, until the unit "
+                        "ends (gpuctl stop tries again)", serve=serve, role=spec.role,
                         mib=res.mib if res else None, uid=uid, ok=False),
                         state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"),
                         cause=Cause.STOP)
             finally:
-                self._step(serve, JobEnded(Job.STOP))
-                rec = self._record(serve)
-                done, rec.stop_done = rec.stop_done, None
-                self._prune(serve)
-                assert done is not None
-                done.set()
+                self._stop_over(serve)
         if failed is not None:
             # Its unit's end, had it come while the stop was under way, went unheeded: read once
             # more. Later ends complete the stop through the unit's signal (StopEnded).
             if self.svc.state_of(serve) == STOPPING and await self._unit_ended(serve):
-                await self._stopped(serve, uid, keep=False)
+                await self.stopped(serve, uid, keep=False)
             raise failed
+
+    async def _end_check(self, serve: str) -> None:
+        """A health check restarting the serve holds its lock while the new process loads
+        (minutes for vLLM): a stop does not wait for that, it ends it."""
+        check = self.rt.record(serve).check
+        self.rt.prune(serve)
+        if check is not None and check is not asyncio.current_task() and not check.done():
+            check.cancel()
+            await asyncio.wait({check})
+
+    def _stop_began(self, serve: str) -> list[LifeAction]:
+        """The stop's job begins (the caller holds the serve's lock): a start on the serve's
+        devices from now on waits for it and for the memory to come back (a serve ignoring
+        SIGTERM takes its stop timeout to go)."""
+        actions = self.rt.step(serve, JobBegan(Job.STOP))
+        self.rt.record(serve).stop_done = asyncio.Event()
+        self.memory.leaving(serve)
+        return actions
+
+    def _stop_over(self, serve: str) -> None:
+        """The stop's job is over, however it ended: the starts waiting on it go on."""
+        self.rt.step(serve, JobEnded(Job.STOP))
+        rec = self.rt.record(serve)
+        done, rec.stop_done = rec.stop_done, None
+        self.rt.prune(serve)
+        assert done is not None
+        done.set()
+
+    async def _cancel_launch(self, serve: str) -> None:
+        """A launch queued behind another start on the device, or starting, must not go on to
+        run a unit whose reservation this stop releases."""
+        launch = self.rt.record(serve).launch_task
+        if launch is None or launch.done():
+            return
+        launch.cancel()
+        await asyncio.wait({launch})
+        # A launch cancelled before it began never ran its own clean-up.
+        self.rt.step(serve, LaunchEnded())
+        rec = self.rt.record(serve)
+        if rec.launch_task is launch:
+            rec.launch_task = None
+
+    async def _stop_its_unit(self, serve: str, spec: ServeConfig,
+                             state: str) -> GpudError | None:
+        """Stop the serve's unit (its devices held when its memory comes back: not inside a
+        neighbour's start window); the failure, when the unit has not ended despite it."""
+        if not self.rt.units.available:
+            return None
+        try:
+            async with contextlib.AsyncExitStack() as memory:
+                if self.rt.unit_active(serve) or state in LIVE_STATES:
+                    await memory.enter_async_context(self.rt.device_locks(serve))
+                await self.rt.stop_unit(serve, spec.stop_timeout_s + 15)
+        except GpudError as exc:
+            if not await self._unit_ended(serve):
+                return exc
+        return None
 
     async def _unit_ended(self, serve: str) -> bool:
         """The serve's unit is gone or has ended, as systemd says now (False when it cannot be
         read)."""
         try:
-            st = await self.units.state(serve)
+            st = await self.rt.units.state(serve)
         except GpudError:
             return False
         return st is None or st.gone
 
-    async def _stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
+    async def stopped(self, serve: str, uid: int | None, *, keep: bool) -> None:
         """A stop's end: the unit has ended; its reservation released (unless `keep`: a restart
         keeps it), and what a sleep noted of it (level, awake size) is over."""
         spec = self.svc.serve_spec(serve)
@@ -160,67 +245,19 @@ class StopJob(Base):
             await self.svc.put_meta(meta_key(serve), None)
 
     async def _stop_orphan(self, serve: str, uid: int | None) -> None:
-        self._need_bus()
-        async with self.serve_lock(serve):
-            self._step(serve, JobBegan(Job.STOP))
+        self.rt.need_bus()
+        async with self.rt.serve_lock(serve):
+            self.rt.step(serve, JobBegan(Job.STOP))
             try:
-                await self._stop_unit(serve, UNIT_JOB_TIMEOUT_S)
+                await self.rt.stop_unit(serve, UNIT_JOB_TIMEOUT_S)
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
                     state=self.svc.state_row(serve, DECLARED), cause=Cause.STOP)
             finally:
-                self._step(serve, JobEnded(Job.STOP))
+                self.rt.step(serve, JobEnded(Job.STOP))
 
-    async def restart(self, serve: str, uid: int | None) -> None:
-        await self.stop(serve, uid, keep_reservation=True)
-        await self.start(serve, uid)
-
-    async def _memory_back(self, device: str) -> None:
-        """Before a start: wait (bounded by memory_return_timeout_s) until the stops in progress
-        on the device have ended and observation no longer sees the stopped serves' memory
-        there, so the next admission and vLLM's own check see it free."""
-        waiting = {s for s, rec in self.serves.items() if device in rec.life.returning}
-        timeout = self.svc.config.daemon.memory_return_timeout_s
-        if not waiting or timeout <= 0:
-            return
-        deadline = self.clock() + timeout
-        held: set[str] = set()
-        while (left := deadline - self.clock()) > 0:
-            stopping = [done for s in sorted(waiting) if (done := self._stop_done(s)) is not None]
-            if stopping:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping[0].wait(), left)
-                continue
-            if not self.observer.available:
-                break
-            held = waiting & set(self.observer.draws.get(device, {}))
-            if not held:
-                break
-            await self.observer.next_sample(min(1.0, left))
-        else:
-            still = sorted(held | {s for s in waiting if self._stop_done(s) is not None})
-            log.warning("memory of %s on %s not back after %g s; starting anyway", still,
-                        device, timeout, extra={"journal": {
-                            "GPUD_EVENT": EventKind.MEMORY_NOT_BACK, "GPUD_SERVES": ",".join(still)}})
-        for serve in waiting:
-            if self._stop_done(serve) is None:  # a stop still in progress stays waited on
-                self._step(serve, MemoryBack(device))
-
-    async def _memory_back_all(self, serve: str) -> None:
-        for device in self._device_keys(serve):
-            await self._memory_back(device)
-
-    def _stop_done(self, serve: str) -> asyncio.Event | None:
-        rec = self.serves.get(serve)
-        return rec.stop_done if rec is not None else None
-
-    def _returning_on(self, serve: str) -> None:
-        """The serve is stopping or ended: the next start on any of its devices waits for its
-        memory to come back there."""
-        self._step(serve, MemoryLeaving(frozenset(self._device_keys(serve))))
-
-    async def _failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
-                      **details: Any) -> None:
+    async def failed(self, serve: str, reason: str, *, kind: EventKind, stop: bool = False,
+                     **details: Any) -> None:
         """A serve ends `failed`. With `stop` its unit is stopped first. A serve whose unit may
         still be active (the stop failed, the bus is down) keeps its reservation: its process
         may still hold the memory. Otherwise a resident serve keeps it (it is meant to run) and
@@ -229,22 +266,22 @@ class StopJob(Base):
         # A serve that was asleep holds its sleep reservation, not what it starts with: kept,
         # a later start would launch it on too little.
         resident = bool(spec and spec.resident) and self.svc.state_of(serve) != SLEEPING
-        still_active = not stop and self._unit_active(serve)
+        still_active = not stop and self.rt.unit_active(serve)
         if stop:
             still_active = True
-            if self.units.available:
-                self._step(serve, JobBegan(Job.FAIL_STOP))
+            if self.rt.units.available:
+                self.rt.step(serve, JobBegan(Job.FAIL_STOP))
                 try:
-                    await self._stop_unit(serve, (spec.stop_timeout_s if spec else 30) + 15)
+                    await self.rt.stop_unit(serve, (spec.stop_timeout_s if spec else 30) + 15)
                     still_active = False
                 except GpudError as exc:
                     log.error("could not stop %s: %s", serve, exc.message)
                 finally:
-                    self._step(serve, JobEnded(Job.FAIL_STOP))
+                    self.rt.step(serve, JobEnded(Job.FAIL_STOP))
             else:
-                reason += f"; not stopped: system bus unavailable ({self.units.reason})"
+                reason += f"; not stopped: system bus unavailable ({self.rt.units.reason})"
         if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
-            last = self.life(serve).unit
+            last = self.rt.life(serve).unit
             said = exit_reason(await self.journal(serve_unit(serve),
                                                   last.invocation_id if last else None))
             if said is not None:
@@ -265,12 +302,12 @@ class StopJob(Base):
             role=spec.role if spec else None, mib=res.mib if res else None,
             reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason),
             cause=Cause.FAIL)
-        self._returning_on(serve)
+        self.memory.leaving(serve)
 
-    async def _ended(self, serve: str, reason: str) -> None:
-        await self._failed(serve, reason, kind=EventKind.EXIT)
+    async def ended(self, serve: str, reason: str) -> None:
+        await self.failed(serve, reason, kind=EventKind.EXIT)
 
-    async def _outside_stop(self, serve: str, st: UnitState) -> None:
+    async def outside_stop(self, serve: str, st: UnitState) -> None:
         """An operator stopped the unit (`systemctl stop`): recorded as such, not as a failure.
         The reservation goes as with `gpuctl stop`, unless the serve is resident and
         daemon.keep_resident_on_outside_stop; boot does not start it again until asked."""
@@ -293,6 +330,18 @@ class StopJob(Base):
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
                                    next_state=DECLARED, state_reason=OUTSIDE_STOP,
                                    cause=Cause.STOP)
-        self._returning_on(serve)
-        self._step(serve, PortChecked(own=False, pid=0, at=self.clock()))
+        self.memory.leaving(serve)
+        self.rt.step(serve, PortChecked(own=False, pid=0, at=self.rt.clock()))
 
+
+def _why(idle_s: float | None, drained: Drain | None) -> str:
+    """What a stop's event adds to "stopping (was STATE": the idle time, the drain."""
+    why = "" if idle_s is None else f", idle {idle_s:g} s without a request"
+    return why if drained is None else why + f"; {drained.line()}"
+
+
+def _stop_details(idle_s: float | None, drained: Drain | None) -> dict[str, Any]:
+    details: dict[str, Any] = {} if idle_s is None else {"idle_s": idle_s}
+    if drained is not None:
+        details["in_flight"] = drained.details()
+    return details

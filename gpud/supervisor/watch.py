@@ -13,9 +13,6 @@ from gpud.core.lifecycle import (
     Restarted,
     UnitChanged,
     UnitGone,
-    Watch,
-    WatchAsked,
-    WatchEnded,
 )
 from gpud.core.states import Cause
 from gpud.core.unitstate import (
@@ -39,18 +36,32 @@ from gpud.core.vocab import (
     EventKind,
 )
 from gpud.supervisor.base import (
-    Base,
+    Ending,
+    Healthy,
+    Runtime,
     log,
     pid_text,
 )
 
 
-class UnitWatch(Base):
+class UnitWatch:
     """What a serve's unit does, heard from systemd."""
 
-    async def _unit_loop(self) -> None:
+    def __init__(self, rt: Runtime, health: Healthy, stops: Ending) -> None:
+        self.rt = rt
+        self.svc = rt.svc
+        self.health = health
+        self.stops = stops
+        self._events: asyncio.Queue[UnitState | list[UnitState]] = asyncio.Queue()
+
+    def heard(self, item: UnitState | list[UnitState]) -> None:
+        """A unit's change, or every unit re-read after the bus came back (gpud.units)."""
+        self._events.put_nowait(item)
+
+    async def loop(self) -> None:
+        """Carry out the units' changes in the order heard, until cancelled."""
         while True:
-            item = await self._unit_events.get()
+            item = await self._events.get()
             try:
                 if isinstance(item, list):
                     await self._resync(item)
@@ -68,7 +79,7 @@ class UnitWatch(Base):
             await self._on_unit(st)
             rec = self.svc.records.get(st.serve)
             if (rec is not None and rec.state == FAILED and st.active_state in ACTIVE
-                    and not self.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
+                    and not self.rt.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
                 await self.svc.record(self.svc.event(
@@ -77,19 +88,19 @@ class UnitWatch(Base):
                     main_pid=st.main_pid, n_restarts=st.n_restarts),
                     state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"),
                     cause=Cause.RESTART)
-                self._spawn(self._watch_restart(st.serve))
+                self.rt.spawn(self.health.watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
-            if rec.state in LIVE_STATES and serve not in live and not self.life(serve).stopping:
+            if rec.state in LIVE_STATES and serve not in live and not self.rt.life(serve).stopping:
                 # systemd has no unit of it: what was last seen of the unit is past.
-                self._step(serve, UnitGone())
-                await self._ended(serve, "its unit is gone (seen after the bus came back)")
+                self.rt.step(serve, UnitGone())
+                await self.stops.ended(serve, "its unit is gone (seen after the bus came back)")
 
     async def _on_unit(self, st: UnitState) -> None:
         """Carry out what the change of a serve's unit means (gpud.core.lifecycle.step, which
         asks gpud.core.unitstate.on_unit)."""
         serve = st.serve
-        prev = self.life(serve).unit
-        if st.main_pid and not self.life(serve).stopping:
+        prev = self.rt.life(serve).unit
+        if st.main_pid and not self.rt.life(serve).stopping:
             self.svc.set_main_pid(serve, st.main_pid)
         rec = self.svc.records.get(serve)
         spec = self.svc.serve_spec(serve)
@@ -98,13 +109,13 @@ class UnitWatch(Base):
             unit=st, prev=prev, state=rec.state if rec else DECLARED,
             holds=serve in self.svc.ledger.reservations, configured=spec is not None,
             resident=bool(spec and spec.resident), restart=unit_restart(spec) if spec else "no",
-            now=self.clock(), window_s=daemon.crash_loop_window_s,
+            now=self.rt.clock(), window_s=daemon.crash_loop_window_s,
             limit=daemon.crash_loop_restarts)
-        actions = self._step(serve, changed)
+        actions = self.rt.step(serve, changed)
         if actions and isinstance(actions[-1], AskShutdown):
             # Decided again on the same change (its `prev`), once the answer is known.
-            shutting_down = await self.units.shutting_down()
-            actions = self._step(serve, replace(changed, shutting_down=shutting_down))
+            shutting_down = await self.rt.units.shutting_down()
+            actions = self.rt.step(serve, replace(changed, shutting_down=shutting_down))
         for action in actions:
             await self._carry_out(serve, st, action)
 
@@ -126,50 +137,35 @@ class UnitWatch(Base):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
                 "gave up waiting: the stop is complete", serve=serve, exit_status=st.exec_main_status))
-            await self._stopped(serve, None, keep=False)
+            await self.stops.stopped(serve, None, keep=False)
         elif isinstance(action, OutsideStop):
-            await self._outside_stop(serve, st)
+            await self.stops.outside_stop(serve, st)
         elif isinstance(action, Restarting):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
                 state=self.svc.state_row(serve, STARTING, "restarting"), cause=Cause.RESTART)
-            self._spawn(self._confirm_restart(serve, action.invocation))
+            self.rt.spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self._failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
+            await self.stops.failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
                                exit_status=st.exec_main_status)
         elif isinstance(action, WatchRestart):
-            self._spawn(self._watch_restart(serve))
+            self.rt.spawn(self.health.watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
             await self._adopt_outside_start(serve, st)
 
     async def _confirm_restart(self, serve: str, invocation: str) -> None:
         spec = self.svc.serve_spec(serve)
         await asyncio.sleep((spec.restart_sec if spec else 2.0) + 5.0)
-        if self.svc.state_of(serve) != STARTING or self.life(serve).stopping:
+        if self.svc.state_of(serve) != STARTING or self.rt.life(serve).stopping:
             return
-        last = self.life(serve).unit
+        last = self.rt.life(serve).unit
         if last is not None and last.invocation_id != invocation and last.active_state in ACTIVE:
             return
-        fresh = await self.units.state(serve)
+        fresh = await self.rt.units.state(serve)
         if fresh is not None and fresh.active_state in ACTIVE:
             return
-        await self._failed(serve, "exited and systemd did not restart it", kind=EventKind.EXIT)
-
-    async def watch_restart(self, serve: str) -> None:
-        """Wait for a serve that is starting again to answer (see _watch_restart)."""
-        await self._watch_restart(serve)
-
-    async def _watch_restart(self, serve: str) -> None:
-        """Wait for a serve that is starting again to answer (one watcher per serve: the
-        unit's signals and gpud's own restart both ask for one)."""
-        spec = self.svc.serve_spec(serve)
-        if spec is None or Watch() not in self._step(serve, WatchAsked()):
-            return
-        try:
-            await self._await_healthy(serve, spec)
-        finally:
-            self._step(serve, WatchEnded())
+        await self.stops.failed(serve, "exited and systemd did not restart it", kind=EventKind.EXIT)
 
     async def _restarted(self, serve: str, st: UnitState, loop: str | None) -> None:
         """Record a restart systemd made; with a crash loop it made, the serve fails (its unit
@@ -179,7 +175,7 @@ class UnitWatch(Base):
             f"{pid_text(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
             main_pid=st.main_pid or None))
         if loop is not None:
-            await self._failed(serve, loop, kind=EventKind.CRASH_LOOP, stop=True,
+            await self.stops.failed(serve, loop, kind=EventKind.CRASH_LOOP, stop=True,
                                n_restarts=st.n_restarts)
 
     async def _adopt_outside_start(self, serve: str, st: UnitState) -> None:
@@ -195,5 +191,5 @@ class UnitWatch(Base):
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,
             mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
             state=self.svc.state_row(serve, STARTING), cause=Cause.ADOPT)
-        self._spawn(self._watch_restart(serve))
+        self.rt.spawn(self.health.watch_restart(serve))
 
