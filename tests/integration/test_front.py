@@ -213,7 +213,7 @@ def test_a_gpud_restart_cuts_no_stream(fronted: SandboxGpud) -> None:
     wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
     assert gpud.call("POST", "/v1/serves/chat/start", {}).status == 200
     gpud.wait_state("chat", "running")
-    body = json.dumps({"prompt": "a b", "max_tokens": 40, "stream": True})  # 40 x 0.2 s
+    body = json.dumps({"prompt": "a b", "max_tokens": 150, "stream": True})  # 150 x 0.2 s
     script = (
         "rm -rf /tmp/streams; mkdir /tmp/streams; "
         f"for i in $(seq 64); do curl -sN -d '{body}' http://127.0.0.1:{PORT}/v1/completions"
