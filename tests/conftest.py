@@ -133,9 +133,16 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+# How long a test's call waits for gpud's answer: past every budget a test asserts (a real vLLM's
+# stop, a start waited for), so that on a loaded machine a slow answer fails the test's own
+# assertion, with its figure, and not the socket.
+CALL_TIMEOUT_S = 120.0
+
+
 def call(sock: str | Path, method: str, path: str, body: Any = None, *,
-         raw: bytes | None = None, headers: dict[str, str] | None = None) -> Reply:
-    conn = UnixHTTPConnection(str(sock))
+         raw: bytes | None = None, headers: dict[str, str] | None = None,
+         timeout: float = CALL_TIMEOUT_S) -> Reply:
+    conn = UnixHTTPConnection(str(sock), timeout=timeout)
     try:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         conn.request(method, path, body=data, headers=headers or {})
