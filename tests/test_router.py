@@ -10,6 +10,7 @@ import http.client
 import http.server
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -32,6 +33,7 @@ from gpud.core.router import (
     ROUTED_PATHS,
     RoutedServe,
     RouterFront,
+    RouterRequest,
     close_names,
     duplicate_names,
     http_lines,
@@ -693,6 +695,7 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     delay_s = 0.0
     status = 204
     seen: list[tuple[str, str]]
+    gone: threading.Event
 
 
 class _Ensure(http.server.BaseHTTPRequestHandler):
@@ -701,7 +704,13 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.server.seen.append((self.headers.get("X-Gpud-Model", ""),
                                  self.headers.get("X-Gpud-Key", "")))
-        time.sleep(self.server.delay_s)
+        # waits as gpud does, noticing when nginx closes the ensure's connection
+        deadline = time.monotonic() + self.server.delay_s
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self.connection], [], [], left)[0] and \
+                    not self.connection.recv(1, socket.MSG_PEEK):
+                self.server.gone.set()
+                return
         self.send_response(self.server.status)
         if self.server.status == 403:
             self.send_header("X-Gpud-Reason", json.dumps(
@@ -743,7 +752,7 @@ def fed() -> Iterator[Fed]:
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     gpud = _Gpud(str(gpud_sock), _Ensure)
-    gpud.seen = []
+    gpud.seen, gpud.gone = [], threading.Event()
     os.chmod(gpud_sock, 0o777)
     threading.Thread(target=gpud.serve_forever, daemon=True).start()
     a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
@@ -879,3 +888,34 @@ def test_the_access_log_gives_requests_by_model_and_the_routers_own_latency(fed:
     overheads = [a.overhead_s for a in answered if a is not None]
     assert all(o is not None and 0 <= o < 1.0 for o in overheads[:2]), overheads
     assert overheads[2:] == [None, None, None, None], overheads
+
+
+def test_the_journal_names_the_request_and_its_key_escaped() -> None:
+    assert RouterRequest("chat-fast").text == "request for model 'chat-fast' through the router"
+    assert RouterRequest("a\x1b[31m", "ci").text == \
+        "request for model 'a\\\\x1b[31m' with key 'ci' through the router"
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1,
+                                                        ensure_timeout_s=30),))
+    # the ensure carries both, and gpud's share is kept apart from the router's own
+    lines = "\n".join(http_lines(router))
+    assert "proxy_set_header X-Gpud-Model $router_model;" in lines
+    assert "proxy_set_header X-Gpud-Key $router_key;" in lines
+    assert "auth_request_set $router_ensure_s $upstream_response_time;" in lines
+
+
+def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: Fed) -> None:
+    """The client of a stream waiting on a bring-up goes away: the script's next comment
+    fails, nginx ends the request and closes its ensure (gpud counts the request gone from
+    its queue), and the router serves on."""
+    fed.gpud.delay_s = 30
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b": loading a" not in got:
+            got += client.recv(65536)
+    assert fed.gpud.gone.wait(20), "the ensure was left waiting"
+    fed.gpud.delay_s = 0
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
