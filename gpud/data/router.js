@@ -170,12 +170,14 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
+    // stream: true, false, or null when a large body was not parsed (looked through for
+    // "stream" only when it matters: each look through 900 KiB costs njs about 2 ms)
     var model, stream = false;
     if (type.indexOf('multipart/form-data') === 0) {
         model = formModel(body);
     } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
         // found without parsing (a malformed large body is the serve's to refuse)
-        stream = scanStream(body);
+        stream = null;
     } else {
         var doc;
         try {
@@ -216,7 +218,8 @@ function route(r) {
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
-    if (stream && entry.ensure && CONFIG.loading_feedback_s > 0) {
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
+            (stream === null ? scanStream(body) : stream)) {
         loading(r, model, entry);
         return;
     }
