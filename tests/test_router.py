@@ -828,7 +828,7 @@ def test_a_stream_waiting_on_a_bring_up_is_sent_comments_then_the_stream(fed: Fe
 
 
 def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
-    fed.gpud.delay_s = 1.8
+    fed.gpud.delay_s = 3.0
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 0})
     events = _events(lines)
     assert status == 200 and events[0] == ": loading a", lines
@@ -839,14 +839,15 @@ def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> N
 
 
 def test_a_refusal_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
-    fed.gpud.delay_s, fed.gpud.status = 1.8, 403
+    fed.gpud.delay_s, fed.gpud.status = 3.0, 403
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x"})
     events = _events(lines)
     assert status == 200 and events[0] == ": loading a", lines
     error = _openai_error(json.loads(events[-2].removeprefix("data: ")))
     assert error["code"] == "model_unavailable" and "ledger bound: no room" in str(
         error["message"]), lines
-    assert events[-1] == "data: [DONE]" and len(events) == 3, lines
+    assert events[-1] == "data: [DONE]", lines
+    assert all(e == ": loading a" for e in events[:-2]), lines
 
 
 def test_a_quick_answer_from_gpud_sends_no_comment(fed: Fed) -> None:
@@ -872,7 +873,7 @@ def test_the_access_log_gives_requests_by_model_and_the_routers_own_latency(fed:
     for doc in ({"model": "a", "prompt": "x"}, {"model": "a-fast", "prompt": "x"},
                 {"model": "nope", "prompt": "x"}, {"prompt": "x"}):
         _req(fed.port, "POST", "/v1/completions", json.dumps(doc).encode())
-    fed.gpud.delay_s = 1.5
+    fed.gpud.delay_s = 3.0
     _stream(fed.port, {"model": "a", "prompt": "x"})
     fed.gpud.status = 403
     _stream(fed.port, {"model": "a", "prompt": "x"})
