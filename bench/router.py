@@ -88,8 +88,10 @@ def latency(rounds: int, requests: int, workers: int) -> None:
     run.mkdir()
     sock = tmp / "s.sock"
     direct_port, front_port, router_port = free_port(), free_port(), free_port()
+    # with its access log, as gpud's router writes it (docs/router.md, "Seeing it")
     router = RouterFront(f"127.0.0.1:{router_port}", (RoutedServe("s", ("m",), socket=str(sock)),),
-                         njs_module=str(NJS), script=str(tmp / "router.js"))
+                         njs_module=str(NJS), script=str(tmp / "router.js"),
+                         access_log=str(tmp / "router.log"))
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run), workers=workers,

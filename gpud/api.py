@@ -41,6 +41,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import Reservation, RoleFigures
+from gpud.core.router import RouterRequest
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.errors import (
     BadRequest,
@@ -557,8 +558,11 @@ class Api:
         await read_model(request, EmptyBody, empty_ok=True)
         if self.on_demand is None:
             raise Unavailable("on-demand serves are not set up in this gpud")
-        # the router's: the model the request named (docs/router.md), for the journal
-        return await self.on_demand.ensure(name, request.headers.get("X-Gpud-Model") or None)
+        # the router's: the model the request named and its key (docs/router.md), for the
+        # journal
+        model = request.headers.get("X-Gpud-Model") or None
+        return await self.on_demand.ensure(name, None if model is None else RouterRequest(
+            model, request.headers.get("X-Gpud-Key") or None))
 
     async def stop(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "stop")

@@ -190,6 +190,7 @@ class Daemon:
         from gpud.metrics import render
         from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
+        from gpud.router import RouterLog
         from gpud.store import Store
         from gpud.traffic import Traffic
 
@@ -235,8 +236,14 @@ class Daemon:
             svc.watch_states(on_demand.changed)
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
+            router_log = RouterLog(lambda: svc.config)
+
+            def metrics() -> str:
+                router_log.read()
+                return render(svc, observer, calibrator, on_demand, router_log)
+
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
-                           metrics=lambda: render(svc, observer, calibrator, on_demand),
+                           metrics=metrics,
                            reload=self.reload,
                            rebalancer=Rebalancer(svc, supervisor, observer,
                                                  config_path=self.config_path,
@@ -267,6 +274,7 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
+            stack.push_async_callback(_cancel, loop.create_task(router_log.loop()))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")

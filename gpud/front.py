@@ -43,7 +43,7 @@ from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
-from gpud.router import SCRIPT_NAME, queue_wait_s, router_front, script_text
+from gpud.router import SCRIPT_NAME, log_dir, log_path, queue_wait_s, router_front, script_text
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -123,6 +123,18 @@ def _directory(path: Path, mode: int, uid: int, gid: int) -> None:
         os.chmod(path, mode)
 
 
+def _log_file(path: Path, gid: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o660)
+    try:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (0, gid):
+            os.fchown(fd, 0, gid)
+        if stat.S_IMODE(st.st_mode) != 0o660:
+            os.fchmod(fd, 0o660)
+    finally:
+        os.close(fd)
+
+
 def prepare_socket_dir(d: DaemonConfig) -> str:
     """Make the serves' socket directory (root, the front's group, 02750); its path."""
     _uid, gid = _front_ids(d)
@@ -190,7 +202,8 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
         ("UMask", 0o077),
         ("NoNewPrivileges", True),
         ("ProtectSystem", "strict"),
-        ("ReadWritePaths", [f"{d.front_dir.rstrip('/')}/run"]),
+        # and the router's access log (gpud.router.LOG_DIR)
+        ("ReadWritePaths", [f"{d.front_dir.rstrip('/')}/run", log_dir(d)]),
         ("ProtectHome", "yes"),
         ("PrivateTmp", True),
         ("PrivateDevices", True),
@@ -271,6 +284,10 @@ class Front:
             # root without CAP_DAC_OVERRIDE, could not enter them to check).
             _directory(front / "run", 0o700, uid, gid)
             _directory(Path(awake_dir(d)), 0o750, 0, gid)
+            # The router's access log: gpud's file, written by the front's group (nginx
+            # opens it, and gpud reads and empties it, gpud.router.RouterLog).
+            _directory(Path(log_dir(d)), 0o750, 0, gid)
+            _log_file(Path(log_path(d)), gid)
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc

@@ -25,12 +25,14 @@ from prometheus_client.metrics_core import Metric
 from gpud.calibration import Calibrator
 from gpud.core.ledger import Ledger
 from gpud.core.queue import Histogram
+from gpud.core.router import OVERHEAD_BUCKETS_S, STATUS_CLASSES
 from gpud.core.vocab import EVENT_KINDS, STATES, EventKind, ServeState
 from gpud.observer import Observer
 from gpud.service import LedgerService
 
 if TYPE_CHECKING:
     from gpud.ondemand import OnDemand
+    from gpud.router import RouterLog
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect, and
 # what generate_latest writes (prometheus_client's CONTENT_TYPE_PLAIN_0_0_4).
@@ -59,23 +61,49 @@ class GpudCollector:
     """prometheus_client's Collector of gpud's figures, read afresh at each `collect`."""
 
     def __init__(self, svc: LedgerService, observer: Observer | None,
-                 calibrator: Calibrator | None = None, on_demand: OnDemand | None = None) -> None:
+                 calibrator: Calibrator | None = None, on_demand: OnDemand | None = None,
+                 router_log: RouterLog | None = None) -> None:
         self.svc, self.observer, self.calibrator = svc, observer, calibrator
-        self.on_demand = on_demand
+        self.on_demand, self.router_log = on_demand, router_log
 
     def collect(self) -> Iterator[Metric]:
         families = _families(self.svc, self.observer, self.calibrator)
         if self.on_demand is not None:
             _idle_families(families, self.svc, self.on_demand)
             _queue_families(families, self.svc, self.on_demand)
+        if self.router_log is not None:
+            _router_families(families, self.router_log)
         for family in families.values():
             yield family.metric
 
 
 def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None,
-           on_demand: OnDemand | None = None) -> str:
+           on_demand: OnDemand | None = None, router_log: RouterLog | None = None) -> str:
     """The 0.0.4 text exposition of what `GpudCollector` collects now."""
-    return generate_latest(GpudCollector(svc, observer, calibrator, on_demand)).decode()
+    return generate_latest(GpudCollector(svc, observer, calibrator, on_demand, router_log)
+                           ).decode()
+
+
+def _router_families(fams: dict[str, _Family], router_log: RouterLog) -> None:
+    """What the router answered, by model (its access log, read by gpud: docs/router.md): a
+    series for each routed name and status class from the first scrape, model "" for the
+    requests the router answered before it knew a name of its table (bad input, an unknown
+    name: a client's names never become labels)."""
+    table, stats = router_log.table(), router_log.stats
+    requests = fams.setdefault("gpud_router_requests_total", _Family(
+        "gpud_router_requests_total", "counter", "Requests the router answered since gpud "
+        "started, by the model they named (its serve) and the class of the answer's status"))
+    keys = {(m, s, c) for m, s in table.items() for c in STATUS_CLASSES if c != "3xx"}
+    for model, serve, status in sorted(keys | set(stats.requests)):
+        requests.add(stats.requests.get((model, serve, status), 0), model=model, serve=serve,
+                     code=status)
+    overhead = fams.setdefault("gpud_router_overhead_seconds", _Family(
+        "gpud_router_overhead_seconds", "histogram", "The router's own share of each "
+        "request a serve answered: nginx's time for it less the serve's and gpud's ensure "
+        "(millisecond resolution), since gpud started"))
+    for model in sorted(set(table) | set(stats.overhead)):
+        _histogram(overhead, stats.overhead.get(model) or Histogram.empty(OVERHEAD_BUCKETS_S),
+                   model=model)
 
 
 def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:

@@ -48,7 +48,7 @@ from gpud.core import bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
 from gpud.core.queue import MEASURED, Held, Histogram, Waiting, median_s, next_up, victims
-from gpud.core.text import printable
+from gpud.core.router import RouterRequest
 from gpud.core.traffic import Flight, idle_due, idle_from, settling
 from gpud.core.vocab import (
     FAILED,
@@ -131,9 +131,10 @@ class OnDemand:
         self.queue_waits: dict[str, Histogram] = {}
         self.bringups: dict[tuple[str, StepKind], Histogram] = {}
 
-    async def ensure(self, name: str, model: str | None = None) -> web.Response:
+    async def ensure(self, name: str, cause: RouterRequest | None = None) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
-        MODEL: the name a request through the router gave (docs/router.md)."""
+        CAUSE: the request through the router that asked, its model and key (docs/router.md,
+        "Seeing it"), for the journal."""
         spec = self.svc.serve_spec(name)
         if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
@@ -143,7 +144,7 @@ class OnDemand:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
-            await self.up(name, spec, model)
+            await self.up(name, spec, cause)
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
@@ -237,13 +238,14 @@ class OnDemand:
                         extra={"journal": {"GPUD_SERVE": name, "GPUD_REPEATED": s.count,
                                            "GPUD_CLASS": str(why)}})
 
-    async def up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
+    async def up(self, name: str, spec: ServeConfig,
+                 cause: RouterRequest | None = None) -> None:
         """Return once NAME is running, bringing it up once for all who wait; within its
         start_timeout_s. A sleep or a stop under way is waited for first. Unavailable at once
         (details.held) while its last try's hold or backoff lasts. With the router's queue: a
         refusal for memory (or a hold after one) waits in the queue instead (`_queued`)."""
         try:
-            await self._up(name, spec, model)
+            await self._up(name, spec, cause)
         except GpudError as exc:
             if not self._queues() or _why(exc) != Why.NO_MEMORY:
                 raise
@@ -253,9 +255,9 @@ class OnDemand:
             need = self._need.get(name)
             if need is not None and not self._could_fit(name, spec, need):
                 raise  # no eviction the queue may make could ever make room: refused at once
-            await self._queued(name, spec, model, exc)
+            await self._queued(name, spec, cause, exc)
 
-    async def _up(self, name: str, spec: ServeConfig, model: str | None = None, *,
+    async def _up(self, name: str, spec: ServeConfig, cause: RouterRequest | None = None, *,
                   queued: bool = False) -> None:
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return
@@ -292,7 +294,7 @@ class OnDemand:
                                 "retry_after_s": hold.retry_after_s, "failures": hold.failures,
                                 "last_reason": hold.reason, "held": True})
                     task = asyncio.get_running_loop().create_task(
-                        self._bring_up(name, spec, model))
+                        self._bring_up(name, spec, cause))
                     self._pending[name] = task
                     task.add_done_callback(lambda t: self._done(name, t))
                 await asyncio.shield(task)
@@ -307,13 +309,14 @@ class OnDemand:
         if not task.cancelled():
             task.exception()  # retrieved here: every waiter may have timed out
 
-    async def _bring_up(self, name: str, spec: ServeConfig, model: str | None = None) -> None:
+    async def _bring_up(self, name: str, spec: ServeConfig,
+                        cause: RouterRequest | None = None) -> None:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
         self._failure_counted.discard(name)
         try:
-            await self._bring_up_once(name, spec, model)
+            await self._bring_up_once(name, spec, cause)
         except GpudError as exc:
             self._tried(name, exc)
             raise
@@ -325,11 +328,10 @@ class OnDemand:
             self.tries[name] = up
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
-                             model: str | None = None) -> None:
+                             cause: RouterRequest | None = None) -> None:
         state = self.svc.state_of(name)
-        # a request through the router names its model (printable: it is logged)
-        by = "on-demand request" if model is None else \
-            f"request for model {printable(model[:256])!r} through the router"
+        # a request through the router names its model and key (printable: they are logged)
+        by = "on-demand request" if cause is None else cause.text
         began = self.clock()
         # measured when this bring-up is the whole of it (not one of someone else's under way)
         kind = StepKind.WAKE if state == SLEEPING else \
@@ -364,7 +366,7 @@ class OnDemand:
         r = self.svc.config.router
         return r is not None and r.max_queued > 0
 
-    async def _queued(self, name: str, spec: ServeConfig, model: str | None,
+    async def _queued(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                       first: GpudError) -> None:
         """Wait in NAME's queue until it is running: brought up by this request or another, in
         the queue's order (next_up), evicting running serves as gpud.core.queue allows.
@@ -381,7 +383,7 @@ class OnDemand:
         waiting.append(arrived)
         try:
             async with asyncio.timeout(router.queue_timeout_s):
-                await self._wait_turn(name, spec, model, router.min_awake_s)
+                await self._wait_turn(name, spec, cause, router.min_awake_s)
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
                               f"({router.queue_timeout_s} s); {first.message}",
@@ -392,7 +394,7 @@ class OnDemand:
                 self.queued.pop(name, None)
             self.queue_waits.setdefault(name, Histogram.empty()).observe(self.clock() - arrived)
 
-    async def _wait_turn(self, name: str, spec: ServeConfig, model: str | None,
+    async def _wait_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
         tried = self.clock()
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
@@ -417,7 +419,7 @@ class OnDemand:
                 # One swap at a time, in a task of its own: a request that goes away (its
                 # client gone, its queue_timeout_s over) does not cut an eviction short.
                 swap = asyncio.get_running_loop().create_task(
-                    self._swap_in(name, spec, model, min_awake_s, try_first=again))
+                    self._swap_in(name, spec, cause, min_awake_s, try_first=again))
                 self._swapping = swap
                 swap.add_done_callback(self._swapped)
                 if await asyncio.shield(swap):
@@ -425,7 +427,7 @@ class OnDemand:
             elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
                 # memory freed otherwise (a stop, an idle sleep): try again without evicting
                 tried = self.clock()
-                if await self._try_up(name, spec, model):
+                if await self._try_up(name, spec, cause):
                     return
             await asyncio.sleep(QUEUE_POLL_S)
 
@@ -435,26 +437,26 @@ class OnDemand:
         if not task.cancelled():
             task.exception()  # retrieved here: its request may have gone
 
-    async def _swap_in(self, name: str, spec: ServeConfig, model: str | None,
+    async def _swap_in(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                        min_awake_s: float, *, try_first: bool) -> bool:
         """NAME's turn: try it (`try_first`: its last try was a while ago); while it does not
         fit, evict the first victim the queue allows and try again. False: no victim now (the
         request waits on)."""
-        if try_first and await self._try_up(name, spec, model):
+        if try_first and await self._try_up(name, spec, cause):
             return True
         while True:
             chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
             if not isinstance(chosen, list):
                 return False
-            if not await self._evict(chosen[0], name, model):
+            if not await self._evict(chosen[0], name, cause):
                 return False
-            if await self._try_up(name, spec, model):
+            if await self._try_up(name, spec, cause):
                 return True
 
-    async def _try_up(self, name: str, spec: ServeConfig, model: str | None) -> bool:
+    async def _try_up(self, name: str, spec: ServeConfig, cause: RouterRequest | None) -> bool:
         """Bring NAME up for the queue: False when it does not fit (other errors raised)."""
         try:
-            await self._up(name, spec, model, queued=True)
+            await self._up(name, spec, cause, queued=True)
         except GpudError as exc:
             if _why(exc) != Why.NO_MEMORY:
                 raise
@@ -517,13 +519,12 @@ class OnDemand:
         """The median of NAME's last measured bring-ups of KIND (gpud.core.queue.MEASURED)."""
         return median_s(self.took.get(name, {}).get(kind, ()))
 
-    async def _evict(self, victim: str, name: str, model: str | None) -> bool:
+    async def _evict(self, victim: str, name: str, cause: RouterRequest | None) -> bool:
         """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
         its requests in flight are drained first, new ones wait (settling). False when that
         was refused (logged; the queue looks again)."""
         vspec = self.svc.config.serves[victim]
-        by = f"serve {name}" if model is None else \
-            f"serve {name} (request for model {printable(model[:256])!r} through the router)"
+        by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
                  extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
         self._idling.add(victim)

@@ -4,22 +4,52 @@ beside the front's nginx.conf and reloads the front (docs/router.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import os
 import stat
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Final
 
-from gpud.config import Config, routed
+from gpud.config import Config, DaemonConfig, routed
 from gpud.core.front import socket_path
-from gpud.core.router import ApiKey, RoutedServe, RouterFront, parse_keys, render_script
+from gpud.core.router import (
+    ApiKey,
+    RoutedServe,
+    RouterFront,
+    RouterStats,
+    parse_keys,
+    parse_log_line,
+    render_script,
+    routing_table,
+)
 from gpud.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SCRIPT_SOURCE: Final = Path(__file__).parent / "data" / "router.js"
 SCRIPT_NAME: Final = "router.js"
 # The router waits for gpud's ensure a little longer than gpud does (as the front).
 ENSURE_MARGIN_S: Final = 5
+# The router's access log (gpud.core.router.LOG_FIELDS), in a directory of the front's that
+# gpud keeps (root's, the front's group may enter): gpud makes the file (root's, the front's
+# group writes it) before nginx opens it, and empties it once it has read past LOG_MAX_BYTES.
+LOG_DIR: Final = "log"
+LOG_NAME: Final = "router.log"
+LOG_MAX_BYTES: Final = 4 << 20
+# How often gpud reads the log besides each scrape of /metrics (the log stays small).
+LOG_READ_S: Final = 5.0
+
+
+def log_dir(d: DaemonConfig) -> str:
+    return f"{d.front_dir.rstrip('/')}/{LOG_DIR}"
+
+
+def log_path(d: DaemonConfig) -> str:
+    return f"{log_dir(d)}/{LOG_NAME}"
 
 
 @cache
@@ -89,8 +119,66 @@ def router_front(cfg: Config) -> RouterFront | None:
         r.api_keys_file, [m for s in serves for m in s.models])
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
                        script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
-                       max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s)
+                       max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
+                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d))
 
 
 def script_text(router: RouterFront) -> str:
     return render_script(router, script_code())
+
+
+class RouterLog:
+    """Reads the router's access log into RouterStats: requests by model and status class,
+    and the router's own latency (docs/router.md, "Seeing it"). Counts start when gpud does:
+    what was in the log before is skipped. A line nginx writes between gpud's last read and
+    its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart)."""
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config
+        self.stats = RouterStats.empty()
+        self._offset: int | None = None
+        self._partial = b""
+
+    def table(self) -> dict[str, str]:
+        """Model name -> serve of the config in force (none without a router)."""
+        cfg = self.config()
+        if cfg.router is None:
+            return {}
+        try:
+            return routing_table(routed(cfg))
+        except ValueError:
+            return {}
+
+    def read(self) -> None:
+        path = log_path(self.config().daemon)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if self._offset is None:
+                    self._offset = size
+                if size < self._offset:  # emptied or made anew
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+        except OSError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        table = self.table()
+        for line in lines:
+            answered = parse_log_line(line.decode(errors="replace"), table)
+            if answered is not None:
+                self.stats.add(answered)
+        if self._offset >= LOG_MAX_BYTES and not self._partial:
+            try:
+                os.truncate(path, 0)
+            except OSError as exc:
+                log.warning("router: cannot empty its log %s: %s", path, exc)
+                return
+            self._offset = 0
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(LOG_READ_S)
+            self.read()

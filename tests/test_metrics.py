@@ -21,6 +21,7 @@ from gpud.core.vocab import EVENT_KINDS, EventKind, StepKind
 from gpud.metrics import render
 from gpud.observer import Observer
 from gpud.ondemand import OnDemand
+from gpud.router import RouterLog
 from gpud.service import LedgerService
 from gpud.simulation import SimulatedBackend, SimulatedDevice
 from gpud.store import Store
@@ -295,6 +296,90 @@ def test_the_queue_and_the_bring_ups_are_measured_by_serve(tmp_path: Path) -> No
     assert after[("gpud_queue_wait_seconds_bucket", (("le", "5.0"), ("serve", "b")))] == 1
     assert after[("gpud_queue_wait_seconds_sum", (("serve", "b"),))] == 4.0
     assert after[("gpud_bringup_seconds_count", (("kind", "start"), ("serve", "a")))] == 1
+    result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _line(model: str, status: int, request_s: str = "0.010", upstream_s: str = "0.008",
+          ensure_s: str = "", sse: str = "") -> str:
+    return json.dumps({"model": model, "serve": "", "status": str(status),
+                       "request_s": request_s, "upstream_s": upstream_s, "ensure_s": ensure_s,
+                       "sse": sse})
+
+
+def test_the_routers_requests_and_own_latency_are_measured_by_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's access log, read by gpud: requests by model, serve and status class, and
+    the router's own latency by model (a series for each routed name from the first scrape);
+    what was in the log before gpud is not counted; a log past its bound is emptied and read
+    on from its start; promtool accepts the text."""
+    text = (f'[daemon]\nfront_dir = "{tmp_path}"\n[router]\nlisten = "127.0.0.1:8000"\n'
+            '[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+            '[serves.a]\nrole = "r"\nvram_mib = 100\nport = 30001\nmodels = ["a", "a-fast"]\n'
+            'command = ["/bin/true"]\n')
+    (tmp_path / "log").mkdir()
+    log = tmp_path / "log" / "router.log"
+    log.write_text(_line("a", 200) + "\n")  # before gpud: not counted
+    store = Store(tmp_path / "gpud.sqlite3")
+    svc = LedgerService(parse_config(text, "test"), store, config_text=text)
+    try:
+        svc.load()
+        router_log = RouterLog(lambda: svc.config)
+        router_log.read()
+        first = render(svc, None, router_log=router_log)
+        with log.open("a") as f:
+            f.write("\n".join([
+                _line("a", 200, "0.012", "0.010"),
+                _line("a-fast", 200, "2.013", "0.010", ensure_s="2.001"),  # a bring-up
+                _line("a-fast", 503, upstream_s="-"),  # refused: no serve answered
+                _line("\u001b[31mnope", 404, upstream_s="-"),  # an unknown name
+                _line("a", 200, "9.5", "-", ensure_s="3.0", sse="stream"),
+                _line("a", 200, "3.0", "-", ensure_s="3.0", sse="refused"),
+                "not json"]) + "\n" + _line("a", 200)[:20])  # the last line not whole yet
+        router_log.read()
+        exposed = render(svc, None, router_log=router_log)
+        # past the bound: emptied once read, then read from the start
+        monkeypatch.setattr("gpud.router.LOG_MAX_BYTES", 1)
+        with log.open("a") as f:
+            f.write(_line("a", 200)[20:] + "\n")
+        router_log.read()
+        assert log.stat().st_size == 0
+        log.write_text(_line("a", 500) + "\n")
+        router_log.read()
+        last = render(svc, None, router_log=router_log)
+    finally:
+        svc.close()
+        store.close()
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("gpud_router_")}
+
+    def requests(model: str, serve: str, code: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return ("gpud_router_requests_total", (("code", code), ("model", model),
+                                               ("serve", serve)))
+
+    before = samples(first)
+    assert before[requests("a", "a", "2xx")] == 0 and before[requests("a-fast", "a", "5xx")] == 0
+    assert before[("gpud_router_overhead_seconds_count", (("model", "a-fast"),))] == 0
+    after = samples(exposed)
+    assert after[requests("a", "a", "2xx")] == 2
+    assert after[requests("a", "a", "5xx")] == 1  # refused after the loading feedback began
+    assert after[requests("a-fast", "a", "2xx")] == 1
+    assert after[requests("a-fast", "a", "5xx")] == 1
+    assert after[requests("", "", "4xx")] == 1  # a client's name is never a label
+    # the router's own: 2 ms and 2 ms (a bring-up's wait is gpud's, not the router's)
+    assert after[("gpud_router_overhead_seconds_count", (("model", "a"),))] == 1
+    assert after[("gpud_router_overhead_seconds_bucket", (("le", "0.002"), ("model", "a")))
+                 ] == 1
+    assert after[("gpud_router_overhead_seconds_bucket", (("le", "0.001"), ("model", "a")))
+                 ] == 0
+    assert after[("gpud_router_overhead_seconds_bucket", (("le", "0.005"), ("model", "a-fast")))
+                 ] == 1
+    end = samples(last)
+    assert end[requests("a", "a", "2xx")] == 3 and end[requests("a", "a", "5xx")] == 2
     result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
                             capture_output=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

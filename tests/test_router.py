@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import json
 import os
+import select
 import shutil
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import tempfile
@@ -30,12 +33,14 @@ from gpud.core.router import (
     ROUTED_PATHS,
     RoutedServe,
     RouterFront,
+    RouterRequest,
     close_names,
     duplicate_names,
     http_lines,
     listen_problem,
     main_lines,
     parse_keys,
+    parse_log_line,
     routing_table,
 )
 from gpud.ctl.format import format_models
@@ -159,7 +164,7 @@ def test_the_router_reaches_fronted_serves_on_their_socket_others_on_their_port(
     # the front's own server for chat is still there
     assert "listen 127.0.0.1:30001;" in text
     script = script_text(router)
-    assert '"chat-fast": {\n   "location": "@router_chat",' in script
+    assert '"chat-fast": {\n   "ensure": true,\n   "location": "@router_chat",' in script
     assert script.endswith(script_code())
 
 
@@ -677,3 +682,241 @@ def test_the_queue_keys_are_checked(key: str, error: str) -> None:
         parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
                                   f'listen = "127.0.0.1:8000"\n{key}\n'), "t")
     assert error in str(err.value)
+
+
+# --- loading feedback and the access log, with a gpud that takes its time ------------------
+
+
+class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """A stand-in for gpud's ensure: answers `status` after `delay_s` (403 with a reason),
+    and keeps each ensure's X-Gpud-Model and X-Gpud-Key."""
+
+    daemon_threads = True
+    delay_s = 0.0
+    status = 204
+    seen: list[tuple[str, str]]
+    gone: threading.Event
+
+
+class _Ensure(http.server.BaseHTTPRequestHandler):
+    server: _Gpud
+
+    def do_POST(self) -> None:
+        self.server.seen.append((self.headers.get("X-Gpud-Model", ""),
+                                 self.headers.get("X-Gpud-Key", "")))
+        # waits as gpud does, noticing when nginx closes the ensure's connection
+        deadline = time.monotonic() + self.server.delay_s
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self.connection], [], [], left)[0] and \
+                    not self.connection.recv(1, socket.MSG_PEEK):
+                self.server.gone.set()
+                return
+        self.send_response(self.server.status)
+        if self.server.status == 403:
+            self.send_header("X-Gpud-Reason", json.dumps(
+                {"error": {"message": "ledger bound: no room", "code": "denied"}}))
+            self.send_header("Retry-After", "7")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass
+class Fed:
+    port: int
+    gpud: _Gpud
+    log: Path
+
+
+@pytest.fixture
+def fed() -> Iterator[Fed]:
+    """nginx with the router before stand-in `a` (names a, a-fast), which the router asks a
+    stand-in gpud to have up before each request; loading feedback every second; the
+    access log gpud reads."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpud-router-"))
+    tmp.chmod(0o755)
+    sock, gpud_sock, run = tmp / "a.sock", tmp / "gpud.sock", tmp / "run"
+    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / name).mkdir(exist_ok=True)
+    port = _free_port()
+    router = RouterFront(f"127.0.0.1:{port}",
+                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
+                                      ensure_timeout_s=60),),
+                         njs_module=str(NJS), script=str(tmp / "router.js"),
+                         gpud_socket=str(gpud_sock), loading_feedback_s=1,
+                         access_log=str(tmp / "router.log"))
+    (tmp / "router.js").write_text(script_text(router))
+    (tmp / "nginx.conf").write_text(render(FrontConfig(
+        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
+    gpud = _Gpud(str(gpud_sock), _Ensure)
+    gpud.seen, gpud.gone = [], threading.Event()
+    os.chmod(gpud_sock, 0o777)
+    threading.Thread(target=gpud.serve_forever, daemon=True).start()
+    a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
+                          "--token-interval-s", "0.1", "--uds", str(sock),
+                          "--served-model-name", "a", "a-fast"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (tmp / "nginx.log").open("wb")
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_until(sock.exists, what="a's socket")
+        os.chmod(sock, 0o777)
+        wait_until(lambda: _connects(port), what="the router listening")
+        wait_until(lambda: _req(port, "POST", "/v1/completions",
+                                b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
+                   what="a answering through the router")
+        gpud.seen.clear()
+        yield Fed(port, gpud, tmp / "router.log")
+    except BaseException:
+        log.flush()
+        print((tmp / "nginx.log").read_text())
+        raise
+    finally:
+        for proc in (nginx, a):
+            proc.terminate()
+            proc.wait(timeout=10)
+        gpud.shutdown()
+        gpud.server_close()
+        log.close()
+        shutil.rmtree(tmp)
+
+
+def _stream(port: int, doc: dict[str, object]) -> tuple[int, dict[str, str], list[str]]:
+    """A streamed request's status, headers and lines, with the time of each line's arrival
+    since the request (as "+S.S line")."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        began = time.monotonic()
+        conn.request("POST", "/v1/completions", body=json.dumps({**doc, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        lines = []
+        while line := resp.readline():
+            if line.strip():
+                lines.append(f"+{time.monotonic() - began:.1f} {line.decode().strip()}")
+        return resp.status, dict(resp.getheaders()), lines
+    finally:
+        conn.close()
+
+
+def _events(lines: list[str]) -> list[str]:
+    return [line.split(" ", 1)[1] for line in lines]
+
+
+def test_a_stream_waiting_on_a_bring_up_is_sent_comments_then_the_stream(fed: Fed) -> None:
+    fed.gpud.delay_s = 3.5
+    status, headers, lines = _stream(fed.port, {"model": "a-fast", "prompt": "x y z",
+                                                "max_tokens": 3})
+    events = _events(lines)
+    assert status == 200 and headers["Content-Type"] == "text/event-stream", (status, lines)
+    # a comment past the first second, and one a second after (0 at most in between)
+    comments = [e for e in events if e.startswith(":")]
+    assert comments[0] == ": loading a-fast" and len(comments) >= 2, lines
+    first_data = next(i for i, e in enumerate(events) if e.startswith("data:"))
+    assert all(e.startswith(":") for e in events[:first_data]), lines
+    # then the serve's own stream, token by token, to its end
+    data = [json.loads(e[6:]) for e in events[first_data:-1]]
+    assert [d["choices"][0]["text"] for d in data if d["choices"][0]["text"]], lines
+    assert events[-1] == "data: [DONE]", lines
+    # the serve had the request's body: the model the request named
+    assert {d["model"] for d in data} == {"a-fast"}, data
+    assert fed.gpud.seen == [("a-fast", "")]
+
+
+def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
+    fed.gpud.delay_s = 3.0
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 0})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    # the serve's error document (vLLM's shape) as the event's data
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["message"] == "max_tokens must be a positive integer", lines
+    assert events[-1] == "data: [DONE]", lines
+
+
+def test_a_refusal_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
+    fed.gpud.delay_s, fed.gpud.status = 3.0, 403
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x"})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    error = _openai_error(json.loads(events[-2].removeprefix("data: ")))
+    assert error["code"] == "model_unavailable" and "ledger bound: no room" in str(
+        error["message"]), lines
+    assert events[-1] == "data: [DONE]", lines
+    assert all(e == ": loading a" for e in events[:-2]), lines
+
+
+def test_a_quick_answer_from_gpud_sends_no_comment(fed: Fed) -> None:
+    """gpud answering within the first second (the serve is up): the request goes on to
+    its serve as any other, a refusal the usual 503 with Retry-After."""
+    status, headers, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 200 and not any(" :" in line for line in lines), lines
+    assert _events(lines)[-1] == "data: [DONE]"
+    fed.gpud.status = 403
+    status, headers, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 503 and headers["Retry-After"] == "7", (status, lines)
+    # a request that does not stream is never sent comments, however long gpud takes
+    fed.gpud.delay_s, fed.gpud.status = 1.8, 204
+    code, headers, body = _req(fed.port, "POST", "/v1/completions",
+                               b'{"model": "a", "prompt": "x"}')
+    assert code == 200 and headers["Content-Type"] == "application/json", body
+    assert json.loads(body)["model"] == "a"
+
+
+def test_the_access_log_gives_requests_by_model_and_the_routers_own_latency(fed: Fed) -> None:
+    table = {"a": "a", "a-fast": "a"}
+    fed.log.write_text("")
+    for doc in ({"model": "a", "prompt": "x"}, {"model": "a-fast", "prompt": "x"},
+                {"model": "nope", "prompt": "x"}, {"prompt": "x"}):
+        _req(fed.port, "POST", "/v1/completions", json.dumps(doc).encode())
+    fed.gpud.delay_s = 3.0
+    _stream(fed.port, {"model": "a", "prompt": "x"})
+    fed.gpud.status = 403
+    _stream(fed.port, {"model": "a", "prompt": "x"})
+    # nginx writes a request's line once it has ended
+    wait_until(lambda: len(fed.log.read_text().splitlines()) == 6, what="six lines")
+    answered = [parse_log_line(line, table) for line in fed.log.read_text().splitlines()]
+    assert [(a.model, a.serve, a.status_class) for a in answered if a is not None] == [
+        ("a", "a", "2xx"), ("a-fast", "a", "2xx"), ("", "", "4xx"), ("", "", "4xx"),
+        ("a", "a", "2xx"), ("a", "a", "5xx")]
+    # the router's own share: what the serve answered within the request, gpud's ensure
+    # taken out; none for a request no serve answered, nor for one answered through the
+    # loading feedback (its serve answered a subrequest)
+    overheads = [a.overhead_s for a in answered if a is not None]
+    assert all(o is not None and 0 <= o < 1.0 for o in overheads[:2]), overheads
+    assert overheads[2:] == [None, None, None, None], overheads
+
+
+def test_the_journal_names_the_request_and_its_key_escaped() -> None:
+    assert RouterRequest("chat-fast").text == "request for model 'chat-fast' through the router"
+    assert RouterRequest("a\x1b[31m", "ci").text == \
+        "request for model 'a\\\\x1b[31m' with key 'ci' through the router"
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1,
+                                                        ensure_timeout_s=30),))
+    # the ensure carries both, and gpud's share is kept apart from the router's own
+    lines = "\n".join(http_lines(router))
+    assert "proxy_set_header X-Gpud-Model $router_model;" in lines
+    assert "proxy_set_header X-Gpud-Key $router_key;" in lines
+    assert "auth_request_set $router_ensure_s $upstream_response_time;" in lines
+
+
+def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: Fed) -> None:
+    """The client of a stream waiting on a bring-up goes away: the script's next comment
+    fails, nginx ends the request and closes its ensure (gpud counts the request gone from
+    its queue), and the router serves on."""
+    fed.gpud.delay_s = 30
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b": loading a" not in got:
+            got += client.recv(65536)
+    assert fed.gpud.gone.wait(20), "the ensure was left waiting"
+    fed.gpud.delay_s = 0
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines

@@ -20,7 +20,12 @@ from pydantic import (
 )
 
 from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
-from gpud.core.router import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MIB, DEFAULT_NJS_MODULE
+from gpud.core.router import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_LOADING_FEEDBACK_S,
+    DEFAULT_MAX_BODY_MIB,
+    DEFAULT_NJS_MODULE,
+)
 from gpud.core.vocab import SleepAction
 
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
@@ -336,6 +341,11 @@ class RouterConfig(_Model):
     queue_timeout_s: int = Field(default=DEFAULT_QUEUE_TIMEOUT_S, ge=1, le=3600)
     max_queued: int = Field(default=DEFAULT_MAX_QUEUED, ge=0, le=10_000)
     min_awake_s: float = Field(default=DEFAULT_MIN_AWAKE_S, ge=0, le=86_400)
+    # Loading feedback (docs/router.md): a stream (`"stream": true`) waiting on a bring-up is
+    # answered 200 text/event-stream and sent an SSE comment every this many seconds, so its
+    # client does not time out during a cold start (0: none; the stream waits silently and a
+    # refusal is a 503).
+    loading_feedback_s: int = Field(default=DEFAULT_LOADING_FEEDBACK_S, ge=0, le=300)
 
 
 class Config(_Model):

@@ -131,13 +131,14 @@ class Histogram:
     counts: list[int]
     total_s: float = 0.0
     n: int = 0
+    bounds: tuple[float, ...] = BUCKETS_S
 
     @classmethod
-    def empty(cls) -> Histogram:
-        return cls([0] * len(BUCKETS_S))
+    def empty(cls, bounds: tuple[float, ...] = BUCKETS_S) -> Histogram:
+        return cls([0] * len(bounds), bounds=bounds)
 
     def observe(self, seconds: float) -> None:
-        for i, bound in enumerate(BUCKETS_S):
+        for i, bound in enumerate(self.bounds):
             if seconds <= bound:
                 self.counts[i] += 1
                 break
@@ -147,7 +148,7 @@ class Histogram:
     def cumulative(self) -> list[tuple[str, int]]:
         """(le, count of durations at most le) for each bucket, then "+Inf"."""
         out, running = [], 0
-        for bound, count in zip(BUCKETS_S, self.counts, strict=True):
+        for bound, count in zip(self.bounds, self.counts, strict=True):
             running += count
             out.append((repr(bound), running))
         out.append(("+Inf", self.n))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S
+from gpud.core.queue import Histogram
+from gpud.core.text import printable
 
 # The client routes of vLLM (0.32/0.33: vllm/entrypoints/**/api_router.py) whose request names
 # its model in the body, carried to the serve named: JSON bodies, or multipart forms with a
@@ -55,6 +57,23 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
 GPUD_UPSTREAM: Final = "router_gpud"
+# Where the script hands a stream that waited with loading feedback to its serve: an SSI
+# include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
+STREAM_PREFIX: Final = "/.gpud-router-stream/"
+# Seconds between two SSE comments to a stream waiting on a bring-up (0: none).
+DEFAULT_LOADING_FEEDBACK_S: Final = 5
+# The router's access log: one JSON object a line, read by gpud for its metrics by model
+# (gpud.router.RouterLog): the name of its format, and its fields (nginx variables).
+LOG_FORMAT: Final = "gpud_router"
+LOG_FIELDS: Final = (
+    ("model", "$router_model"),
+    ("serve", "$router_serve"),
+    ("status", "$status"),
+    ("request_s", "$request_time"),
+    ("upstream_s", "$upstream_response_time"),
+    ("ensure_s", "$router_ensure_s"),
+    ("sse", "$router_sse"),
+)
 # Idle keepalive connections to each serve (as the front's).
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
@@ -223,12 +242,17 @@ class RouterFront:
     body_timeout_s: int = DEFAULT_BODY_TIMEOUT_S
     # None: open to whoever reaches `listen`
     keys: tuple[ApiKey, ...] | None = None
+    # SSE comments every this many seconds to a stream waiting on a bring-up (0: none)
+    loading_feedback_s: int = DEFAULT_LOADING_FEEDBACK_S
+    # the access log gpud reads (LOG_FIELDS); None: none
+    access_log: str | None = None
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
         if problem:
             raise ValueError(f"router: listen: {problem}")
-        for path in (self.njs_module, self.script, self.gpud_socket):
+        for path in (self.njs_module, self.script, self.gpud_socket,
+                     *([self.access_log] if self.access_log is not None else [])):
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve
@@ -236,6 +260,22 @@ class RouterFront:
     @property
     def table(self) -> dict[str, str]:
         return routing_table({s.name: s.models for s in self.serves})
+
+
+@dataclass(frozen=True)
+class RouterRequest:
+    """The request through the router that asked gpud to have a serve up (its ensure's
+    X-Gpud-Model and X-Gpud-Key): the model it named and the key it used (None: no keys), as
+    the journal names it when that brings a serve up or evicts another."""
+
+    model: str
+    key: str | None = None
+
+    @property
+    def text(self) -> str:
+        # printable: whatever reaches gpud's socket is logged escaped
+        key = "" if not self.key else f" with key {printable(self.key[:64])!r}"
+        return f"request for model {printable(self.model[:256])!r}{key} through the router"
 
 
 def _error_json(status: int, message: str, code: str) -> str:
@@ -262,6 +302,8 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
         lines += [f"            auth_request {ENSURE_PREFIX}{serve.name};",
                   "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
                   "            auth_request_set $router_retry $upstream_http_retry_after;",
+                  # gpud's share (the bring-up, the queue): not the router's own latency
+                  "            auth_request_set $router_ensure_s $upstream_response_time;",
                   "            error_page 403 = @router_refused;",
                   f"            error_page 500 = {serve.location}_direct;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
@@ -274,10 +316,24 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
                   "            proxy_pass_request_body off;",
                   '            proxy_set_header Content-Length "";',
                   "            proxy_set_header X-Gpud-Model $router_model;",
+                  "            proxy_set_header X-Gpud-Key $router_key;",
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
                   f"            proxy_pass http://{serve.upstream};",
+                  "        }",
+                  # A stream that waited with loading feedback (the script's SSI include,
+                  # a subrequest: its answer goes into the stream the script began): the
+                  # route after the prefix, POSTed with the request's body and headers; an
+                  # error answer made an SSE event (router.streamed), a serve that does not
+                  # answer too (router.streamDown).
+                  f"        location ^~ {STREAM_PREFIX}{serve.name}/ {{",
+                  "            internal;",
+                  f"            rewrite ^{re.escape(STREAM_PREFIX + serve.name)}(/.*)$ $1 break;",
+                  "            proxy_method POST;",
+                  f"            proxy_pass http://{serve.upstream};",
+                  "            js_body_filter router.streamed;",
+                  "            error_page 502 504 = @router_stream_down;",
                   "        }"]
     return lines
 
@@ -290,9 +346,15 @@ def http_lines(router: RouterFront) -> list[str]:
            f"    js_import router from {router.script};",
            "    js_var $router_model;",
            "    js_var $router_serve;",
-           f"    upstream {GPUD_UPSTREAM} {{",
-           f"        server unix:{router.gpud_socket};",
-           "    }"]
+           "    js_var $router_key;",
+           "    js_var $router_ensure_s;",
+           "    js_var $router_sse;"]
+    if router.access_log is not None:
+        fields = ",".join(f'"{name}":"{var}"' for name, var in LOG_FIELDS)
+        out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
+    out += [f"    upstream {GPUD_UPSTREAM} {{",
+            f"        server unix:{router.gpud_socket};",
+            "    }"]
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += [f"    upstream {serve.upstream} {{",
                 f"        server {serve.server};",
@@ -316,6 +378,11 @@ def http_lines(router: RouterFront) -> list[str]:
         f"        client_body_timeout {router.body_timeout_s}s;",
         f"        client_header_timeout {router.body_timeout_s}s;",
         "        recursive_error_pages on;",
+        # the loading feedback's comments leave at once (nginx holds writes under 1460
+        # bytes otherwise: ngx_http_write_filter, postpone_output)
+        "        postpone_output 0;",
+        *([f"        access_log {router.access_log} {LOG_FORMAT};"]
+          if router.access_log is not None else []),
         "        error_page 413 = @router_too_large;",
         "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
@@ -324,7 +391,10 @@ def http_lines(router: RouterFront) -> list[str]:
         "        location ^~ /v1/models/ {",
         "            js_content router.model;",
         "        }",
-        *[f"        location = {path} {{\n            js_content router.route;\n        }}"
+        # ssi: only the script's own output (a stream's loading feedback, then its include)
+        # is looked through, never a serve's (answered in other locations)
+        *[f"        location = {path} {{\n            js_content router.route;\n"
+          "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
         f"        location = {SERVES_LOCATION} {{",
         "            internal;",
@@ -345,6 +415,9 @@ def http_lines(router: RouterFront) -> list[str]:
         "        location @router_down {",
         "            js_content router.down;",
         "        }",
+        "        location @router_stream_down {",
+        "            js_content router.streamDown;",
+        "        }",
         "        location @router_too_large {",
         f"            return 413 '{too_large}';",
         "        }",
@@ -360,11 +433,96 @@ def render_script(router: RouterFront, code: str) -> str:
     """The routing script: the table (model -> serve and its named location), then CODE
     (gpud/data/router.js). Deterministic for equal input."""
     by_name = {s.name: s for s in router.serves}
-    table = {name: {"serve": serve, "location": by_name[serve].location}
+    table = {name: {"serve": serve, "location": by_name[serve].location,
+                    "ensure": by_name[serve].ensure_timeout_s is not None}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
         k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
     head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
-            "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S}
+            "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
+            "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
+            "stream_prefix": STREAM_PREFIX}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
+
+
+# --- the access log: requests by model and the router's own latency --------------------------
+
+# The buckets of the router's own latency (seconds): nginx times at millisecond resolution.
+OVERHEAD_BUCKETS_S: Final = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+STATUS_CLASSES: Final = ("2xx", "3xx", "4xx", "5xx")
+
+
+def _seconds(text: str) -> float | None:
+    """nginx's `$upstream_response_time`: one time per upstream tried ("0.012, 0.003", "0.010
+    : 0.002" across an internal redirect), "-" for none; their sum, None when none is a
+    number."""
+    total, found = 0.0, False
+    for part in re.split(r"[,:]", text):
+        try:
+            total += float(part)
+            found = True
+        except ValueError:
+            continue
+    return total if found else None
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One request the router answered, from its access log line: the model it named (""
+    for one the router answered itself before it knew a model of its table), that model's
+    serve, the class of the answer's status, and the router's own share of its time (None
+    when no serve answered it, or when it is not measured)."""
+
+    model: str
+    serve: str
+    status_class: str
+    overhead_s: float | None
+
+
+def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
+    """A line of the router's access log (LOG_FIELDS, a JSON object), None when it is not one.
+    TABLE: model -> serve; a name not in it counts as "" (names come from the table alone).
+
+    The router's own latency is the request's time in nginx ($request_time) less the serve's
+    ($upstream_response_time) and gpud's ensure (the bring-up or the queue): what the router
+    adds to a request to a serve that is up. A stream answered through the loading feedback
+    (sse "stream" or "refused") has no such figure: its serve answered a subrequest. Its
+    status is the 200 the feedback began with, or 503 when the bring-up was refused."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(k), str) for k, _ in LOG_FIELDS):
+        return None
+    model = doc["model"] if doc["model"] in table else ""
+    sse = doc["sse"]
+    status = 503 if sse == "refused" else int(doc["status"]) if doc["status"].isdigit() else 0
+    if not 100 <= status <= 599:
+        return None
+    overhead = None
+    upstream, request = _seconds(doc["upstream_s"]), _seconds(doc["request_s"])
+    if upstream is not None and request is not None and not sse:
+        # nginx times at millisecond resolution: so is the difference
+        overhead = max(0.0, round(request - upstream - (_seconds(doc["ensure_s"]) or 0.0), 3))
+    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead)
+
+
+@dataclass
+class RouterStats:
+    """What the router answered since gpud started: requests by (model, serve, status class)
+    and the router's own latency by model."""
+
+    requests: dict[tuple[str, str, str], int]
+    overhead: dict[str, Histogram]
+
+    @classmethod
+    def empty(cls) -> RouterStats:
+        return cls({}, {})
+
+    def add(self, answered: Answered) -> None:
+        key = (answered.model, answered.serve, answered.status_class)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        if answered.overhead_s is not None:
+            self.overhead.setdefault(answered.model, Histogram.empty(OVERHEAD_BUCKETS_S)
+                                     ).observe(answered.overhead_s)

@@ -6,7 +6,12 @@
 // once the request body is read; r.requestBuffer is the body while it is in memory (the
 // server's client_body_buffer_size holds it: max_body_mib); r.internalRedirect('@name')
 // goes to a named location, the body kept; r.variables.NAME sets a js_var;
-// r.subrequest(uri, options) returns a Promise of the reply (status, responseText).
+// r.subrequest(uri, options) returns a Promise of the reply (status, headersOut,
+// responseText), read whole into memory (njs 0.7.9 gives every subrequest with a callback
+// NGX_HTTP_SUBREQUEST_IN_MEMORY, nginx/ngx_http_js_module.c ngx_http_js_subrequest; a
+// detached one's answer is dropped): it cannot carry a stream. r.sendHeader(), r.send() and
+// r.finish() answer from the script itself; r.internalRedirect() takes effect once nothing
+// of the script is pending (ngx_http_js_content_finalize), so after a subrequest's answer too.
 
 import crypto from 'crypto';
 
@@ -75,6 +80,21 @@ function scanModel(body) {
         }
     }
     return count === 1 ? found : undefined;
+}
+
+// Whether a large body's one `"stream"` key is `true` (as scanModel: not parsed).
+function scanStream(body) {
+    var count = 0, value = false, at, i;
+    for (at = body.indexOf('"stream"'); at >= 0; at = body.indexOf('"stream"', at + 8)) {
+        for (i = at + 8; i < body.length && space(body[i]); i++) {}
+        if (body[i] !== 0x3a) {
+            continue;
+        }
+        for (i++; i < body.length && space(body[i]); i++) {}
+        count++;
+        value = body.slice(i, i + 4).toString() === 'true';
+    }
+    return count === 1 && value;
 }
 
 function levenshtein(a, b) {
@@ -150,11 +170,14 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    var model;
+    // stream: true, false, or null when a large body was not parsed (looked through for
+    // "stream" only when it matters: each look through 900 KiB costs njs about 2 ms)
+    var model, stream = false;
     if (type.indexOf('multipart/form-data') === 0) {
         model = formModel(body);
     } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
         // found without parsing (a malformed large body is the serve's to refuse)
+        stream = null;
     } else {
         var doc;
         try {
@@ -168,6 +191,7 @@ function route(r) {
             return;
         }
         model = doc.model;
+        stream = doc.stream === true;
     }
     if (model === undefined || model === null) {
         fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
@@ -193,7 +217,81 @@ function route(r) {
     }
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
+    r.variables.router_key = key.name || '';
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
+            (stream === null ? scanStream(body) : stream)) {
+        loading(r, model, entry);
+        return;
+    }
     r.internalRedirect(entry.location);
+}
+
+// The 503 of a refusal: gpud's reason (its X-Gpud-Reason, OpenAI's error shape) under
+// error.gpud.
+function refusal(r, reason) {
+    var message = 'refused by gpud', details = null;
+    try {
+        var doc = JSON.parse(reason);
+        message = doc.error.message;
+        details = doc.error;
+    } catch (e) {
+        // no reason given
+    }
+    return {error: {
+        message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
+                 r.variables.router_serve + ') cannot be brought up: ' + message,
+        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}};
+}
+
+// Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
+// script asks gpud itself (the ensure the serve's location would ask). Past the first
+// second without an answer, it answers 200 text/event-stream and sends an SSE comment
+// (`: loading MODEL`) every loading_feedback_s, which SSE clients ignore and which keeps
+// theirs and any proxy's read timeouts from firing through a cold start. Once gpud answers:
+// - nothing sent yet: the request goes on to its serve as any other (its status is the
+//   serve's, a refusal the usual 503 with Retry-After);
+// - the stream begun, the serve up (or gpud unreachable: as the auth_request's 500): the
+//   serve's answer is included in the stream by nginx's SSI, a subrequest whose answer
+//   nginx streams through as it comes (a script's own subrequest is read whole);
+// - the stream begun, gpud refused: an error event in OpenAI's shape, then [DONE].
+function loading(r, model, entry) {
+    var began = Date.now(), sent = false, timer;
+    function tick() {
+        if (!sent) {
+            sent = true;
+            r.variables.router_sse = 'stream';
+            r.status = 200;
+            r.headersOut['Content-Type'] = 'text/event-stream';
+            r.headersOut['Cache-Control'] = 'no-cache';
+            r.sendHeader();
+        }
+        r.send(': loading ' + model + '\n\n');
+        timer = setTimeout(tick, CONFIG.loading_feedback_s * 1000);
+    }
+    timer = setTimeout(tick, Math.min(1000, CONFIG.loading_feedback_s * 1000));
+    r.subrequest(CONFIG.ensure_prefix + entry.serve, {method: 'POST'}).then(function (reply) {
+        clearTimeout(timer);
+        r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
+        if (reply.status === 403) {
+            var doc = refusal(r, reply.headersOut['X-Gpud-Reason']);
+            if (!sent) {
+                r.headersOut['Retry-After'] = reply.headersOut['Retry-After'] ||
+                    String(CONFIG.retry_after_s);
+                r.headersOut['Content-Type'] = 'application/json';
+                r.return(503, JSON.stringify(doc));
+                return;
+            }
+            r.variables.router_sse = 'refused';
+            r.send('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n');
+        } else if (!sent) {
+            r.internalRedirect(entry.location + '_direct');
+            return;
+        } else {
+            r.send('<!--# include virtual="' + CONFIG.stream_prefix + entry.serve + r.uri +
+                   '" -->');
+        }
+        r.finish();
+    });
 }
 
 function states(r) {
@@ -261,20 +359,9 @@ function model(r) {
 
 // gpud refused to bring the serve up (its ensure answered 403): 503 with gpud's reason.
 function refused(r) {
-    var reason = r.variables.router_reason, message = 'refused by gpud', details = null;
-    try {
-        var doc = JSON.parse(reason);
-        message = doc.error.message;
-        details = doc.error;
-    } catch (e) {
-        // no reason given
-    }
     r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(503, JSON.stringify({error: {
-        message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
-                 r.variables.router_serve + ') cannot be brought up: ' + message,
-        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}));
+    r.return(503, JSON.stringify(refusal(r, r.variables.router_reason)));
 }
 
 // The serve did not answer (stopped, starting, restarting; gpud down and the serve not up).
@@ -284,4 +371,38 @@ function down(r) {
          (r.variables.router_serve || '?') + ' is not running', 'model_not_running');
 }
 
-export default {route, models, model, refused, down};
+// The serve's answer to a stream that had loading feedback (a body filter of the include):
+// as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
+// shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
+// stream that failed. The filter's VM is the subrequest's own: `held` is this answer's.
+var held = '';
+function streamed(r, data, flags) {
+    if (r.status < 400) {
+        r.sendBuffer(data, flags);
+        return;
+    }
+    held += data;
+    var doc;
+    try {
+        doc = JSON.parse(held);
+    } catch (e) {
+        if (held.length < 65536) {
+            return;
+        }
+        doc = {error: {message: held.slice(0, 1024), type: 'server_error', param: null,
+                       code: r.status}};
+    }
+    held = '';
+    r.sendBuffer('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n', flags);
+}
+
+// The serve did not answer a stream that had loading feedback: an error event.
+function streamDown(r) {
+    r.return(200, 'data: ' + JSON.stringify({error: {
+        message: 'model ' + JSON.stringify(r.variables.router_model || '') + ': serve ' +
+                 (r.variables.router_serve || '?') + ' is not running',
+        type: 'server_error', param: null, code: 'model_not_running'}}) +
+        '\n\ndata: [DONE]\n\n');
+}
+
+export default {route, models, model, refused, down, streamed, streamDown};

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.integration.gpudctl import PY, REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.waiting import wait_until
 
 ROUTER = 30290
 PORT = 30291
@@ -164,3 +165,85 @@ def test_the_router_serves_on_while_gpud_is_down_and_a_restart_cuts_no_stream(
     # and a serve that is not up answers 503 naming it
     status, _h, text = ask(gpud, "ocr")
     assert status == 503 and "serve od is not running" in text, text
+
+
+# --- loading feedback, the journal's request and metrics by model ----------------------------
+
+KEYS = "/etc/gpud-router-keys.toml"
+TOKEN = "sk-ci-0123456789abcdef"
+
+
+def slow_config() -> str:
+    """An on-demand serve slow to start (4 s), behind the router with a key; loading feedback
+    every 2 s."""
+    serves = (
+        f'[serves.slow]\nrole = "r"\nvram_mib = 8000\nport = {PORT + 5}\non_demand = true\n'
+        'start_timeout_s = 90\nmodels = ["slow"]\n'
+        f"command = {standin_uds('--startup-delay', '4', '--token-interval-s', '0.1', '--served-model-name', 'slow')}\n"
+    )
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
+              "loading_feedback_s = 2\n")
+    return sim_config(role, serves) + router
+
+
+@pytest.fixture
+def slow(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+    keys = f'[keys.ci]\ntoken = "{TOKEN}"\nmodels = ["*"]\n'
+    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
+    try:
+        with fronted_gpud(gpud, slow_config(), [USER]):
+            yield gpud
+    finally:
+        gpud.sb.run(["rm", "-f", KEYS], check=False)
+
+
+def test_a_cold_start_streams_loading_comments_and_is_journaled_and_measured(
+        slow: SandboxGpud) -> None:
+    gpud = slow
+    body = json.dumps({"model": "slow", "prompt": "a b c", "max_tokens": 3, "stream": True})
+    out = gpud.sb.run(["curl", "-sN", "-i", "-H", f"Authorization: Bearer {TOKEN}", "-d", body,
+                       f"http://127.0.0.1:{ROUTER}/v1/completions"], user=USER,
+                      timeout=150).stdout.replace("\r\n", "\n")
+    head, _, text = out.partition("\n\n")
+    assert head.startswith("HTTP/1.1 200") and "Content-Type: text/event-stream" in head, out
+    events = [e for e in text.split("\n\n") if e.strip()]
+    # the start takes 4 s and more: a comment at 1 s, then every 2 s, until the serve's
+    # stream, token by token, to its end
+    assert events[0] == ": loading slow", events
+    first = next(i for i, e in enumerate(events) if e.startswith("data: "))
+    assert all(e == ": loading slow" for e in events[:first]) and first >= 2, events
+    tokens = [json.loads(e[6:]) for e in events[first:-1]]
+    assert [t["choices"][0]["text"] for t in tokens if t["choices"][0]["text"]], events
+    assert events[-1] == "data: [DONE]", events
+    assert gpud.serve("slow")["state"] == "running"
+    # the journal names the request that started it, and its key
+    start = gpud.wait_journal("MESSAGE=on-demand slow: starting (request for model 'slow' "
+                              "with key 'ci' through the router)")
+    assert start, gpud.journal_tail()
+
+    # metrics by model: requests by status class, the router's own latency
+    for _ in range(3):
+        status, _h, _b = ask_keyed(gpud, "slow")
+        assert status == 200
+    assert ask_keyed(gpud, "slwo")[0] == 404
+
+    def counted() -> dict[tuple[str, str], float]:
+        return {(labels["model"], labels["code"]): value
+                for labels, value in gpud.metrics("gpud_router_requests_total")}
+    wait_until(lambda: counted().get(("slow", "2xx")) == 4 and counted().get(("", "4xx")) == 1,
+               timeout=30, what="the router's requests counted")
+    assert counted()[("slow", "5xx")] == 0
+    overhead = {labels["model"]: value
+                for labels, value in gpud.metrics("gpud_router_overhead_seconds_count")}
+    # the three that a running serve answered (the stream went through the loading feedback)
+    assert overhead == {"slow": 3}, overhead
+
+
+def ask_keyed(gpud: SandboxGpud, model: str) -> tuple[int, dict[str, str], str]:
+    body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1})
+    out = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H",
+                       f"Authorization: Bearer {TOKEN}", "-d", body,
+                       f"http://127.0.0.1:{ROUTER}/v1/completions"], user=USER,
+                      timeout=90).stdout
+    return int(out or 0), {}, ""
