@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import hashlib
 import logging
 import math
 import os
@@ -179,8 +180,22 @@ def nginx_argv(d: DaemonConfig) -> tuple[str, ...]:
 
 
 def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
-    values: list[tuple[str, object]] = [
-        ("Description", "gpud front: the client API of fronted serves"),
+    values = _unit_values(d)
+    return [encode(name, value) for name, value in
+            [("Description", description(d)), *values]]
+
+
+def description(d: DaemonConfig) -> str:
+    """The front unit's Description: what it is, and a digest of every other property it is
+    started with. A front found running with another (started by an earlier gpud, whose unit
+    lacked a path this one's nginx.conf writes to, or by hand) is started again, since a
+    transient unit's properties are fixed at its start and nginx's reload cannot change them."""
+    digest = hashlib.sha256(repr(_unit_values(d)).encode()).hexdigest()[:12]
+    return f"gpud front: the client API of fronted serves (unit {digest})"
+
+
+def _unit_values(d: DaemonConfig) -> list[tuple[str, object]]:
+    return [
         ("Type", "exec"),
         ("ExecStart", nginx_argv(d)),
         ("Slice", SLICE),
@@ -222,7 +237,6 @@ def unit_properties(d: DaemonConfig) -> list[tuple[str, Variant]]:
         ("RestrictAddressFamilies", ["AF_UNIX", "AF_INET", "AF_INET6"]),
         ("SystemCallFilter", ["@system-service"]),
     ]
-    return [encode(name, value) for name, value in values]
 
 
 def routable(cfg: Config) -> Config:
@@ -343,10 +357,17 @@ class Front:
         self.mark_awake()
         state = await self.units.active_state(FRONT_UNIT)
         if state in ("active", "reloading", "activating"):
-            if changed:
-                await self.units.kill_main(FRONT_UNIT, signal.SIGHUP)
-                log.info("front reloaded: %d fronted serve(s)", len(fronted(cfg)))
-            return
+            running = await self.units.unit_property(FRONT_UNIT, "Description")
+            if running == description(cfg.daemon):
+                if changed:
+                    await self.units.kill_main(FRONT_UNIT, signal.SIGHUP)
+                    log.info("front reloaded: %d fronted serve(s)", len(fronted(cfg)))
+                return
+            log.warning("front: %s runs with other unit properties than this gpud starts it "
+                        "with (%r: started by an earlier gpud, or by hand); starting it again, "
+                        "which ends the connections through it", FRONT_UNIT, running)
+            await self.units.stop_unit(FRONT_UNIT, START_TIMEOUT_S)
+            state = await self.units.active_state(FRONT_UNIT)
         if state is not None:
             await self.units.reset_failed_unit(FRONT_UNIT)
         await self.units.start_transient(FRONT_UNIT, unit_properties(cfg.daemon),

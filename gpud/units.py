@@ -402,25 +402,7 @@ class SystemdUnits:
 
     async def stop(self, serve: str, timeout: float) -> None:
         """Stop a serve's unit and wait for the stop job; a unit that is not loaded is fine."""
-        unit = unit_name(serve)
-        async with self._watch_jobs(unit) as jobs:
-            try:
-                (job,) = await self._call(
-                    MANAGER_PATH,
-                    MANAGER_IFACE,
-                    "StopUnit",
-                    "ss",
-                    [unit, "replace"],
-                    action=f"stop {unit}",
-                )
-            except NotFound:
-                return
-            result = await self._wait_job(jobs, job, timeout, f"stop {unit}")
-        if result != "done":
-            raise JobFailed(
-                f"stop {unit}: systemd job finished with result {result!r}",
-                {"unit": unit, "serve": serve, "result": result},
-            )
+        await self.stop_unit(unit_name(serve), timeout, serve=serve)
 
     async def restart(self, serve: str, timeout: float) -> UnitState | None:
         """Restart a serve's unit (stop, then start the same unit) and wait for the job; the
@@ -513,15 +495,35 @@ class SystemdUnits:
 
     async def active_state(self, unit: str) -> str | None:
         """ActiveState of any unit; None when it is not loaded."""
+        value = await self.unit_property(unit, "ActiveState")
+        return None if value is None else str(value)
+
+    async def unit_property(self, unit: str, name: str) -> Any:
+        """One property of any unit's org.freedesktop.systemd1.Unit interface (ActiveState,
+        Description...); None when the unit is not loaded."""
         try:
             (path,) = await self._call(
                 MANAGER_PATH, MANAGER_IFACE, "GetUnit", "s", [unit], action=f"state of {unit}"
             )
+            (value,) = await self._call(path, PROPERTIES_IFACE, "Get", "ss", [UNIT_IFACE, name],
+                                        action=f"{name} of {unit}")
         except NotFound:
             return None
-        (value,) = await self._call(path, PROPERTIES_IFACE, "Get", "ss", [UNIT_IFACE, "ActiveState"],
-                                    action=f"state of {unit}")
-        return str(value.value)
+        return value.value
+
+    async def stop_unit(self, unit: str, timeout: float, **details: str) -> None:
+        """Stop any UNIT and wait for the stop job; a unit that is not loaded is fine. DETAILS
+        go into the error of a stop that fails."""
+        async with self._watch_jobs(unit) as jobs:
+            try:
+                (job,) = await self._call(MANAGER_PATH, MANAGER_IFACE, "StopUnit", "ss",
+                                          [unit, "replace"], action=f"stop {unit}")
+            except NotFound:
+                return
+            result = await self._wait_job(jobs, job, timeout, f"stop {unit}")
+        if result != "done":
+            raise JobFailed(f"stop {unit}: systemd job finished with result {result!r}",
+                            {"unit": unit, **details, "result": result})
 
     async def start_transient(self, unit: str, properties: list[tuple[str, Variant]],
                               timeout: float) -> None:

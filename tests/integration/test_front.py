@@ -5,6 +5,7 @@ and answers 404 to vLLM's dev routes. Simulated GPU, stand-in serves."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -226,3 +227,33 @@ def test_a_gpud_restart_cuts_no_stream(fronted: SandboxGpud) -> None:
     out = gpud.sb.run(["bash", "-c", script], timeout=120).stdout.split()
     assert out == ["done-before-restart-ended", "0", "complete", "64"], out
     gpud.wait_state("chat", "running")
+
+
+def test_a_front_started_with_other_unit_properties_is_started_again(
+        fronted: SandboxGpud) -> None:
+    # A transient unit's properties are fixed when it starts, and nginx's reload cannot change
+    # them: a front found running with others (an earlier gpud's, whose unit lacked a path this
+    # gpud's nginx.conf writes to) is started again with this gpud's.
+    gpud = fronted
+    wait_until(lambda: front_active(gpud), timeout=30, what="gpud-front.service active")
+    ours = gpud.unit_prop("gpud-front.service", "Description")
+    exec_start = gpud.sb.run(["systemctl", "show", "-p", "ExecStart", "--value",
+                              "gpud-front.service"]).stdout
+    argv = re.search(r"argv\[\]=([^;]+);", exec_start)
+    assert argv is not None, exec_start
+    gpud.sb.run("systemctl stop gpud.service gpud-front.service")
+    gpud.sb.run(["systemd-run", "--unit=gpud-front.service", "--slice=gpud.slice",
+                 "--description=gpud front: the client API of fronted serves",
+                 "-p", "User=gpud-front", "-p", "ProtectSystem=strict",
+                 "-p", "ReadWritePaths=/run/gpud/front/run", *argv.group(1).split()])
+    wait_until(lambda: front_active(gpud), timeout=30, what="the earlier front active")
+    earlier = gpud.unit_prop("gpud-front.service", "MainPID")
+    gpud.start()
+    wait_until(lambda: gpud.unit_prop("gpud-front.service", "Description") == ours
+               and front_active(gpud), timeout=30, what="the front started again")
+    assert gpud.unit_prop("gpud-front.service", "MainPID") != earlier
+    assert "runs with other unit properties" in gpud.journal_tail(200)
+    # and a gpud restart after that finds its own front: reloaded, not started again
+    pid = gpud.unit_prop("gpud-front.service", "MainPID")
+    gpud.sb.run(["systemctl", "restart", "gpud.service"], timeout=60)  # its front synced first
+    assert gpud.unit_prop("gpud-front.service", "MainPID") == pid
