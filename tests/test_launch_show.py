@@ -127,3 +127,33 @@ def test_show_commands_names_container_devices_by_uuid_else_index() -> None:
         " --pull=never --device=nvidia.com/gpu=3 --stop-timeout=30 img:1")
     assert argv_of(by_index, "unseen") == NO_SPEC.format(7, 7)
     assert argv_of(by_index, "pair") == NO_SPEC.format("GPU-b", 5)
+
+
+def test_show_commands_of_a_command_on_two_devices() -> None:
+    cfg = parse_config(textwrap.dedent("""
+        [roles.a]
+        device = "GPU-a"
+        capacity_mib = 20000
+        [roles.b]
+        device = "GPU-b"
+        capacity_mib = 20000
+        [roles.x]
+        device = "GPU-x"
+        capacity_mib = 20000
+        [roles.y]
+        device = "GPU-y"
+        capacity_mib = 20000
+        [serves.both]
+        roles = ["a", "b"]
+        vram_mib = 1000
+        command = ["/bin/c", "{device_index}", "{device_indexes}"]
+        [serves.lost]
+        roles = ["x", "y"]
+        vram_mib = 1000
+        command = ["/bin/c"]
+        """), "t.toml")
+    lines = show_commands(cfg, DEVICES, "NVML")
+    # {device_index} is the first of its devices, in the order of its roles
+    assert argv_of(lines, "both") == "  argv: /bin/c 3 3,5"
+    # two devices that resolve to no index: the first is named
+    assert argv_of(lines, "lost") == "  refused: device 'GPU-x' cannot be resolved to an index"
