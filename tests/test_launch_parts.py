@@ -21,6 +21,7 @@ from gpud.core.launch import (
     vllm_arg_parts,
     with_kv_cache,
 )
+from gpud.core.vllm_versions import EXTENSIBLE_KV_OFF, V034
 
 
 def vllm_serve(*, port: int | None = 8000, roles: list[str] | None = None,
@@ -85,6 +86,17 @@ SHUTDOWN = [("--shutdown-timeout", "stop_timeout_s"), ("20", "stop_timeout_s")]
     (vllm_serve(kv_cache_mib="calibrated"), {}, BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN),
     (vllm_serve(sleep_level=1), {},
      BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN + [("--enable-sleep-mode", "sleep_level")]),
+    # vLLM 0.34: the extensible KV cache turned off; a release gpud does not know: nothing
+    (vllm_serve(), {"vllm_version": V034},
+     BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN + [(EXTENSIBLE_KV_OFF, "vllm")]),
+    (vllm_serve(), {"vllm_version": "0.99.0"}, BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN),
+    # the names the router routes here, answered by vLLM itself; then the operator's own
+    (vllm_serve(sleep_level=1, extra_args=["--seed", "1"]).model_copy(
+        update={"models": ["a", "b"]}), {"vllm_version": V034},
+     BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN
+     + [("--enable-sleep-mode", "sleep_level"), (EXTENSIBLE_KV_OFF, "vllm"),
+        ("--served-model-name", "models"), ("a", "models"), ("b", "models"),
+        ("--seed", "vllm.extra_args[0]"), ("1", "vllm.extra_args[1]")]),
     (vllm_serve(extra_args=["--seed", "1"], executable="/opt/v/bin/vllm"), {},
      [("/opt/v/bin/vllm", "vllm.executable"), *BASE_HEAD[1:],
       *HOST, *PORT, *UTIL, *SHUTDOWN,
