@@ -785,8 +785,13 @@ def test_sleep_mode_wait_drains_the_streams_first(start: Start) -> None:
     wait_until(lambda: _in_flight(s)[0] == 1, timeout=5, what="stream running")
     status, _, _ = s.request("POST", "/sleep?level=1&mode=wait")
     assert status == 200
-    # answered once the stream was done: all of it, then asleep
+    # answered once the stream was done (nothing runs), all of it sent, none aborted: the
+    # client may still be reading its last lines when the answer comes
+    assert _in_flight(s) == (0, 0)
+    t.join(5)
     assert not t.is_alive() and len(got) == 31 and got[-1] == b"data: [DONE]", got
+    last = json.loads(got[-2][len(b"data: "):])
+    assert last["choices"][0]["finish_reason"] != "abort", last
     assert s.get_json("/is_sleeping") == {"is_sleeping": True}
 
 
