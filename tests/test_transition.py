@@ -461,3 +461,10 @@ def test_a_role_missing_before_counts_as_no_room_before() -> None:
     out = transition(old=old, new=new, ledger=ledger, budgets=budgets(new),
                      states={"s": "sleeping"}, may_stop=False)
     assert "role 'a' would hold 500 MiB at most" in refused(out)[0]
+
+
+def test_an_external_reservation_on_a_role_that_stays_is_kept_through_a_change() -> None:
+    new = config({"a": (1000, 100), "b": (500, 0)}, {"x": ("a", 300)})
+    out = decide(OLD, new, [res("ext", "b", 54, external=True)], {"ext": "external"})
+    assert isinstance(out, Transition) and out.released == ()
+    assert out.ledger.reservations["ext"].mib == 54 and out.ledger.reservations["ext"].external
