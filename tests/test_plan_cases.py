@@ -80,6 +80,9 @@ def test_every_kind_of_change() -> None:
         "declared", None, "0.0050")  # util of its vram_mib on a 20000 MiB device
     assert not p.resident_fits and not p.ok and p.blocked == ()
     assert p.restart == ["run", "mover"]
+    # The boot starts the resident serves that hold a reservation after the change: not idle
+    # (held, not resident), not big (resident, denied), not lazy (neither).
+    assert sorted(n for step in p.boot for n in step.serves) == ["fresh", "mover", "run"]
 
 
 def test_order_is_role_then_priority_then_name() -> None:
@@ -147,6 +150,8 @@ def test_a_reservation_made_by_hand_at_another_size_is_resized() -> None:
     run = by_name(p)["run"]
     assert (run.change, run.mib_before, run.mib_after, run.restart) == ("resized", 2500, 3000,
                                                                         True)
+    # An awake serve's utilization before is of what it holds (2500), not its old vram_mib.
+    assert (run.util_before, run.util_after) == ("0.1250", "0.1500")
     assert by_name(p)["idle"].change == "unchanged" and not by_name(p)["idle"].restart
 
 

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpud.config import Config
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget
-from gpud.core.transition import Refusal, Transition, transition, violations
+from gpud.core.transition import Refusal, Transition, transition, violated, violations
 
 
 def config(roles: dict[str, tuple[int, int]],
@@ -168,6 +168,31 @@ def test_violations_names_each_broken_clause() -> None:
     assert violations(OLD, named, {}) == ["x: external reservation under a configured serve's "
                                           "name"]
 
+
+
+def test_violated_names_the_roles_each_problem_concerns() -> None:
+    ledger = Ledger.build(budgets(OLD), [res("x", "b", 300), res("ext", "gone", 5, external=True),
+                                         res("q", ("a", "a"), 1200)])  # counted once on a
+    found = {text: roles for roles, text in violated(OLD, ledger, {"z": "running",
+                                                                   "w": "starting"})}
+    assert found == {
+        "x: reservation on 'b', configured on 'a'": ("b", "a"),
+        "ext: reservation on role 'gone', which is not configured": ("gone",),
+        "q: reservation names a role twice: a, a": ("a", "a"),
+        "role 'a': committed 1200 > capacity 1000 - reserve 100": ("a",),
+        "z: running without a reservation": (),  # not a configured serve: no roles of its own
+        "w: starting without a reservation": (),
+    }
+    configured = violated(OLD, Ledger.build(budgets(OLD), []), {"x": "running"})
+    assert configured == [(("a",), "x: running without a reservation")]
+
+
+def test_a_role_with_nothing_held_is_violated_only_when_its_reserve_exceeds_its_capacity() -> None:
+    # capacity and reserve as resolved (a device smaller than configured): nothing held counts 0
+    exact = Ledger.build([RoleBudget("a", "0", 600, 600), RoleBudget("b", "1", 1000, 0)], [])
+    assert violations(OLD, exact, {}) == []
+    short = Ledger.build([RoleBudget("a", "0", 500, 600), RoleBudget("b", "1", 1000, 0)], [])
+    assert violations(OLD, short, {}) == ["role 'a': committed 0 > capacity 500 - reserve 600"]
 
 # ---- the property ----------------------------------------------------------------------------
 
@@ -436,3 +461,10 @@ def test_a_role_missing_before_counts_as_no_room_before() -> None:
     out = transition(old=old, new=new, ledger=ledger, budgets=budgets(new),
                      states={"s": "sleeping"}, may_stop=False)
     assert "role 'a' would hold 500 MiB at most" in refused(out)[0]
+
+
+def test_an_external_reservation_on_a_role_that_stays_is_kept_through_a_change() -> None:
+    new = config({"a": (1000, 100), "b": (500, 0)}, {"x": ("a", 300)})
+    out = decide(OLD, new, [res("ext", "b", 54, external=True)], {"ext": "external"})
+    assert isinstance(out, Transition) and out.released == ()
+    assert out.ledger.reservations["ext"].mib == 54 and out.ledger.reservations["ext"].external
