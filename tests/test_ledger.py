@@ -482,3 +482,35 @@ def test_device_draw_takes_the_reservations_once_as_any_iterable() -> None:
                        reservations=(r for r in EST), states=states,  # type: ignore[arg-type]
                        reserve_mib=0, per_process=False)
     assert draw.by_serve == {"a": 1000, "c": 100} and draw.pending_mib == 500
+
+
+# ---- a role's listing, and the exact edge of the ledger bound ------------------------------------
+
+
+def test_a_role_lists_the_reservations_on_it_oldest_first_then_by_name() -> None:
+    ledger = two_devices(Reservation("late", "left", 100, 9.0),
+                         Reservation("tp", "left", 100, 5.0, None, False, ("right",)),
+                         Reservation("b-early", "right", 100, 1.0),
+                         Reservation("a-early", "right", 100, 1.0))
+    assert [r.serve for r in ledger.on_role("left")] == ["tp", "late"]
+    # a serve on several roles is listed on each, in its place by age
+    assert [r.serve for r in ledger.on_role("right")] == ["a-early", "b-early", "tp"]
+    assert ledger.on_role("nowhere") == []
+    tp = ledger.reservations["tp"]
+    assert tp.on("left") and tp.on("right") and not tp.on("nowhere")
+    assert not ledger.reservations["late"].on("right")
+
+
+def test_a_reservation_names_its_roles_in_order() -> None:
+    assert Reservation("x", "left", 1, 0.0).roles_text == "left"
+    assert Reservation("x", "right", 1, 0.0, None, False, ("left", "third")).roles_text == (
+        "right, left, third")
+
+
+def test_decide_admits_exactly_what_the_ledger_has_free_and_not_one_mib_more() -> None:
+    ledger = two_devices(Reservation("held", "right", 6000, 0.0))
+    # free: left 39000, right 30000
+    assert isinstance(ledger.decide("big", ("left", "right"), 30001, since=0.0, by_uid=0), Denial)
+    outcome = ledger.decide("big", ("left", "right"), 30000, since=0.0, by_uid=0)
+    assert not isinstance(outcome, Denial)
+    assert [f.free_mib for f in outcome[1].all_figures] == [9000, 0]
