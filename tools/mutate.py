@@ -166,20 +166,27 @@ def mutants(module: str, functions: Sequence[str] = ()) -> list[Mutant]:
     source = (REPO / module).read_text()
     original = ast.parse(source)
     within = _lines_of(original, functions)
-    count = sum(1 for _ in _sites(original))
     found: list[Mutant] = []
-    for index in range(count):
-        tree = copy.deepcopy(original)
-        node, what = list(_sites(tree))[index]
-        line = getattr(node, "lineno", 0)
+    for index, (site, _) in enumerate(list(_sites(original))):
+        line = getattr(site, "lineno", 0)
         if within is not None and line not in within:
             continue
+        tree = copy.deepcopy(original)
+        node, what = list(_sites(tree))[index]
         description = _apply(node, what)
         if what == "delete":
             tree = _DeleteOne(node).visit(tree)
         ast.fix_missing_locations(tree)
         found.append(Mutant(module, line, description, tree))
     return found
+
+
+def keys(module: str) -> list[str]:
+    """The keys of every mutant of MODULE (`mutants`' keys, without making the mutants: what
+    checks tools/mutants-equivalent.txt against today's code)."""
+    tree = ast.parse((REPO / module).read_text())
+    return [f"{module}:{getattr(node, 'lineno', 0)}:{_apply(copy.deepcopy(node), what)}"
+            for node, what in _sites(tree)]
 
 
 class _DeleteOne(ast.NodeTransformer):
