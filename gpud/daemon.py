@@ -237,6 +237,7 @@ class Daemon:
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
             router_log = RouterLog(lambda: svc.config)
+            router_log.begin()  # before the front can answer a request of this gpud's time
 
             def metrics() -> str:
                 router_log.read()

@@ -149,13 +149,23 @@ class RouterLog:
         except ValueError:
             return {}
 
+    def begin(self) -> None:
+        """Counting starts here: what the log holds now is skipped (nothing when there is no
+        log yet: every line the front writes from now on is counted)."""
+        try:
+            self._offset = os.stat(log_path(self.config().daemon)).st_size
+        except OSError:
+            self._offset = 0
+        self._partial = b""
+
     def read(self) -> None:
+        if self._offset is None:
+            self.begin()
         path = log_path(self.config().daemon)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if self._offset is None:
-                    self._offset = size
+                assert self._offset is not None
                 if size < self._offset:  # emptied or made anew
                     self._offset, self._partial = 0, b""
                 f.seek(self._offset)

@@ -308,6 +308,34 @@ def _line(model: str, status: int, request_s: str = "0.010", upstream_s: str = "
                        "sse": sse})
 
 
+def test_the_router_log_counts_from_when_gpud_began_not_from_its_first_read(
+        tmp_path: Path) -> None:
+    """Lines the front writes after gpud began and before gpud first reads the log (a cold
+    start's stream ends within the first read interval) are counted; what was there before is
+    not; a log made after gpud began is counted whole."""
+    text = (f'[daemon]\nfront_dir = "{tmp_path}"\n[router]\nlisten = "127.0.0.1:8000"\n'
+            '[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
+            '[serves.a]\nrole = "r"\nvram_mib = 100\nport = 30001\n'
+            'command = ["/bin/true"]\n')
+    cfg = parse_config(text, "test")
+    (tmp_path / "log").mkdir()
+    log = tmp_path / "log" / "router.log"
+
+    def counted(router_log: RouterLog) -> int:
+        router_log.read()
+        return sum(router_log.stats.requests.values())
+
+    made_later = RouterLog(lambda: cfg)
+    made_later.begin()  # no log yet
+    log.write_text(_line("a", 200) + "\n")  # before the other gpud below began
+    older = RouterLog(lambda: cfg)
+    older.begin()
+    with log.open("a") as f:
+        f.write(_line("a", 200) + "\n" + _line("a", 404) + "\n")
+    assert counted(older) == 2
+    assert counted(made_later) == 3
+
+
 def test_the_routers_requests_and_own_latency_are_measured_by_model(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The router's access log, read by gpud: requests by model, serve and status class, and
