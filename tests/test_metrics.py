@@ -56,6 +56,15 @@ total_mib = 32607
 """
 
 
+def text_samples(text: str, prefixes: tuple[str, ...]
+                 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of exposition TEXT whose names begin with one of PREFIXES, by name and
+    sorted labels."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith(prefixes)}
+
+
 def samples(gp: GpudProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     reply = gp.call("GET", "/metrics")
     assert reply.status == 200
@@ -280,10 +289,8 @@ def test_the_queue_and_the_bring_ups_are_measured_by_serve(tmp_path: Path) -> No
         store.close()
 
     def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name.startswith(("gpud_requests_queued", "gpud_evictions",
-                                      "gpud_queue_wait", "gpud_bringup"))}
+        return text_samples(text, ("gpud_requests_queued", "gpud_evictions", "gpud_queue_wait",
+                                   "gpud_bringup"))
 
     before = samples(first)
     assert before[("gpud_requests_queued", (("serve", "a"),))] == 0
@@ -381,9 +388,7 @@ def test_the_routers_requests_and_own_latency_are_measured_by_model(
         store.close()
 
     def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name.startswith("gpud_router_")}
+        return text_samples(text, ("gpud_router_",))
 
     def requests(model: str, serve: str, code: str) -> tuple[str, tuple[tuple[str, str], ...]]:
         return ("gpud_router_requests_total", (("code", code), ("model", model),
