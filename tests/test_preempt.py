@@ -398,3 +398,10 @@ def test_a_wake_is_planned_as_a_start_is() -> None:
     # od2 (priority 40) asleep and od1 running: od2's wake cannot take it back
     lost = plan_on_roles("od2", 40, 16000, {"r": free}, [c("od1", 30, 16000, keeps=800)])
     assert isinstance(lost, NoPlan)
+
+
+def test_a_candidates_action_given_as_text_is_the_member() -> None:
+    # the sleep controller passes "sleep" or "stop"; what is kept is the member (its type is
+    # what a match on SleepAction and the JSON of a plan see)
+    c = Candidate("a", 1, 100, "sleep")  # type: ignore[arg-type]
+    assert type(c.action) is preempt.SleepAction and c.action is preempt.SleepAction.SLEEP
