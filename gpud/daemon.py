@@ -236,8 +236,7 @@ class Daemon:
             svc.watch_states(on_demand.changed)
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
-            router_log = RouterLog(lambda: svc.config)
-            router_log.begin()  # before the front can answer a request of this gpud's time
+            router_log = RouterLog(lambda: svc.config)  # counting from now (before the front)
 
             def metrics() -> str:
                 router_log.read()

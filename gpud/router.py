@@ -131,13 +131,19 @@ class RouterLog:
     """Reads the router's access log into RouterStats: requests by model and status class,
     and the router's own latency (docs/router.md, "Seeing it"). Counts start when gpud does:
     what was in the log before is skipped. A line nginx writes between gpud's last read and
-    its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart)."""
+    its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart). Made
+    by the daemon before the front is synced: what the front writes from then on counts."""
 
     def __init__(self, config: Callable[[], Config]) -> None:
         self.config = config
         self.stats = RouterStats.empty()
-        self._offset: int | None = None
         self._partial = b""
+        # Counting starts here: what the log holds now is skipped (nothing when there is no
+        # log yet: every line the front writes from now on is counted).
+        try:
+            self._offset = os.stat(log_path(config().daemon)).st_size
+        except OSError:
+            self._offset = 0
 
     def table(self) -> dict[str, str]:
         """Model name -> serve of the config in force (none without a router)."""
@@ -149,23 +155,11 @@ class RouterLog:
         except ValueError:
             return {}
 
-    def begin(self) -> None:
-        """Counting starts here: what the log holds now is skipped (nothing when there is no
-        log yet: every line the front writes from now on is counted)."""
-        try:
-            self._offset = os.stat(log_path(self.config().daemon)).st_size
-        except OSError:
-            self._offset = 0
-        self._partial = b""
-
     def read(self) -> None:
-        if self._offset is None:
-            self.begin()
         path = log_path(self.config().daemon)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                assert self._offset is not None
                 if size < self._offset:  # emptied or made anew
                     self._offset, self._partial = 0, b""
                 f.seek(self._offset)

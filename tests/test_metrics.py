@@ -332,11 +332,9 @@ def test_the_router_log_counts_from_when_gpud_began_not_from_its_first_read(
         router_log.read()
         return sum(router_log.stats.requests.values())
 
-    made_later = RouterLog(lambda: cfg)
-    made_later.begin()  # no log yet
+    made_later = RouterLog(lambda: cfg)  # no log yet
     log.write_text(_line("a", 200) + "\n")  # before the other gpud below began
     older = RouterLog(lambda: cfg)
-    older.begin()
     with log.open("a") as f:
         f.write(_line("a", 200) + "\n" + _line("a", 404) + "\n")
     assert counted(older) == 2
