@@ -1546,14 +1546,16 @@ class App:
 
     def _count_tokens(self, req: Request) -> Response:
         """POST /v1/messages/count_tokens (anthropic/api_router.py:89):
-        AnthropicCountTokensResponse (protocol.py:447) with exclude_none: input_tokens."""
+        AnthropicCountTokensResponse (protocol.py:447): input_tokens, and context_management's
+        original_input_tokens (serving.py:1263, the same count: no context was edited)."""
         payload = self._open(req, _anthropic_error)
         if isinstance(payload, Response):
             return payload
         prompt = _anthropic_prompt(payload)
         if isinstance(prompt, str):
             return _anthropic_error(400, "BadRequestError", prompt)
-        return _json(200, {"input_tokens": prompt.tokens})
+        return _json(200, {"input_tokens": prompt.tokens,
+                           "context_management": {"original_input_tokens": prompt.tokens}})
 
     def _tokenize(self, req: Request) -> Response:
         """POST /tokenize (serve/tokenize/api_router.py:35): a `prompt` or chat `messages`
