@@ -45,7 +45,25 @@ functions that do it):
   tag is awake, core.py:997-1019);
 - ``GET /metrics`` (always on, as vLLM's is): ``vllm:num_requests_running`` and
   ``vllm:num_requests_waiting`` (``vllm/v1/metrics/loggers.py:527-545``, gauges labelled
-  ``model_name`` and ``engine``): requests being generated, and requests held (asleep).
+  ``model_name`` and ``engine``): requests being generated, and requests held (asleep, or in
+  line for a place);
+- under load, vLLM's scheduler (see ``_Engine``): ``--max-num-seqs N`` requests run at once
+  (default 256), the rest wait first come first served, or with ``--scheduling-policy
+  priority`` by the body's ``priority``, lower first; a generation takes its tokens' time
+  (``--token-interval-s`` each), streamed or not;
+- the client routes of vLLM 0.32 (paths under vllm/entrypoints/, cited at each handler), in
+  its shapes and with ``usage`` as it gives it: a generator (``--runner generate``, the
+  default) answers chat and completions (streams with ``stream_options.include_usage`` and
+  ``continuous_usage_stats``, or ``--enable-force-include-usage``), ``/v1/responses`` (not
+  streamed), Anthropic's ``/v1/messages`` (streamed or not) and ``count_tokens``; a pooling
+  serve (``--runner pooling``, or ``--convert embed|classify``) ``/v1/embeddings`` (float or
+  base64, ``--embedding-width N`` wide; not for ``--convert classify``), ``/score`` and
+  ``/rerank``; every serve ``/tokenize`` and ``/detokenize``; with ``--audio`` (a
+  speech-to-text model) the multipart audio routes. Its tokenizer makes a token of each UTF-8
+  byte, an image ``IMAGE_TOKENS``; its model echoes the prompt's last text (its embeddings
+  are unit vectors drawn from the text). Errors are vLLM's ``{"error": {...}}`` (Anthropic's
+  shape on its routes); a route the serve's kind lacks is FastAPI's 404. Bodies of any size
+  are read, as vLLM's are.
 
 ``--vllm-version 0.34.0`` (or ``GPUD_STANDIN_VLLM_VERSION``; default 0.33.0) stands in for
 vLLM 0.34.0 (paths under vllm/, 0.34.0's lines): its flag table; its start lines (no
@@ -80,7 +98,8 @@ loading), ``--unhealthy-after S`` (503 with everything alive), ``--ignore-sigter
 Standard library only, and not even ``http.server``: it pulls in ``http.client`` and ``ssl``
 (measured here: some 25 ms of imports and 6 MiB of RSS per process, more than the rest of this
 program together), and a test host runs many of these at once. The HTTP/1.1 subset here is
-what health pollers, curl and OpenAI clients use: Content-Length bodies and keep-alive.
+what health pollers, curl and the OpenAI and Anthropic clients use: Content-Length bodies and
+keep-alive.
 """
 
 from __future__ import annotations
@@ -239,6 +258,8 @@ class Options(NamedTuple):
     embedding_width: int = 256
     # the model is a speech-to-text one (Whisper's kind): the audio routes answer
     audio: bool = False
+    # vLLM's --enable-force-include-usage: every stream carries usage, in every chunk
+    force_include_usage: bool = False
 
 
 def compute_draw_mib(
@@ -493,6 +514,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
     p.add_argument("--runner", choices=RUNNERS, default="auto")
     p.add_argument("--convert", choices=CONVERTS, default="auto")
+    p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                   default=False)
     sim = p.add_argument_group("simulation")
     sim.add_argument("--draw-mib", type=_non_negative_int, default=None, metavar="N")
     sim.add_argument("--weights-mib", type=_non_negative_int, default=None, metavar="N",
@@ -603,6 +626,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         convert="classify" if ns.convert == "classify" else "embed",
         embedding_width=ns.embedding_width,
         audio=ns.audio,
+        force_include_usage=ns.enable_force_include_usage,
         extensible_kv_cache=(version == V034 and ns.kv_cache_memory_bytes is None
                              and _last_extensible_flag(rest) != "off"),
     )
@@ -1323,15 +1347,21 @@ class App:
         if isinstance(prompt, str):
             return _openai_error(400, "BadRequestError", prompt)
         model = payload["model"]
-        usage_on = (isinstance(payload.get("stream_options"), dict)
-                    and payload["stream_options"].get("include_usage") is True)
+        # serve/utils/api_utils.py:289 should_include_usage: --enable-force-include-usage
+        # gives both; else stream_options.include_usage, and continuous_usage_stats with it
+        options = payload.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        usage_on = self.opts.force_include_usage or options.get("include_usage") is True
+        continuous = self.opts.force_include_usage or (
+            usage_on and options.get("continuous_usage_stats") is True)
         # held here while the engine is paused (asleep) or full, as vLLM's scheduler holds it
         epoch = self.engine.admit(payload.get("priority", 0))
         stream = bool(payload.get("stream"))
         words, finish = self._answer(prompt, count,
                                      fill=stream or payload.get("ignore_eos") is True)
         if stream:
-            return self._stream(model, words, prompt, chat=chat, epoch=epoch, usage=usage_on)
+            return self._stream(model, words, prompt, chat=chat, epoch=epoch, usage=usage_on,
+                                continuous=continuous)
         self._spend(words)
         text = " ".join(words)
         if chat:
@@ -1379,10 +1409,11 @@ class App:
             self.engine.end()
 
     def _stream(self, model: str, words: list[str], prompt: Prompt, *, chat: bool, epoch: int,
-                usage: bool) -> Response:
+                usage: bool, continuous: bool = False) -> Response:
         """vLLM's streamed answer: `data: {chunk}` events, one per token, the last one with its
         finish_reason; with stream_options.include_usage, a last chunk with no choices and the
-        usage (openai/chat_completion/serving.py, completion/serving.py); then `data: [DONE]`.
+        usage (openai/chat_completion/serving.py, completion/serving.py), with
+        continuous_usage_stats the usage so far in every chunk too; then `data: [DONE]`.
         Aborted by the engine: a last chunk with finish_reason "abort", then `data: [DONE]`."""
         kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
         ident = f"{prefix}-standin-{os.getpid()}-{next(self._ids)}"
@@ -1396,6 +1427,8 @@ class App:
                                        "finish_reason": finish})
             chunk = {"id": ident, "object": kind, "created": created, "model": model,
                      "choices": [choice]}
+            if continuous:
+                chunk["usage"] = _usage(prompt.tokens, i + 1)
             events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if usage:
             chunk = {"id": ident, "object": kind, "created": created, "model": model,

@@ -227,6 +227,12 @@ def test_chat_usage_and_a_stream_that_carries_it(pair: Pair) -> None:
         "prompt_tokens", "completion_tokens", "total_tokens")} == {
         k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     assert all(e[1]["object"] == "chat.completion.chunk" for e in events[:-1])
+    # continuous_usage_stats: the usage so far in every chunk (serve/utils/api_utils.py:289)
+    events = sse(port, "/v1/chat/completions", {**doc, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    made = [e[1]["usage"]["completion_tokens"] for e in events[:-1]]
+    assert made == sorted(made) and made[-1] == 4, made
+    assert {e[1]["usage"]["prompt_tokens"] for e in events[:-1]} == {usage["prompt_tokens"]}
 
 
 def test_responses_answer_with_their_usage(pair: Pair) -> None:
