@@ -54,8 +54,8 @@ functions that do it):
 - the client routes of vLLM 0.32 (paths under vllm/entrypoints/, cited at each handler), in
   its shapes and with ``usage`` as it gives it: a generator (``--runner generate``, the
   default) answers chat and completions (streams with ``stream_options.include_usage`` and
-  ``continuous_usage_stats``, or ``--enable-force-include-usage``), ``/v1/responses`` (not
-  streamed), Anthropic's ``/v1/messages`` (streamed or not) and ``count_tokens``; a pooling
+  ``continuous_usage_stats``, or ``--enable-force-include-usage``), ``/v1/responses`` (streamed
+  or not), Anthropic's ``/v1/messages`` (streamed or not) and ``count_tokens``; a pooling
   serve (``--runner pooling``, or ``--convert embed|classify``) ``/v1/embeddings`` (float or
   base64, ``--embedding-width N`` wide; not for ``--convert classify``), ``/score`` and
   ``/rerank``; every serve ``/tokenize`` and ``/detokenize``; with ``--audio`` (a
@@ -1447,14 +1447,12 @@ class App:
     def _responses(self, req: Request) -> Response:
         """POST /v1/responses (openai/responses/api_router.py:48): ResponsesResponse
         (openai/responses/protocol.py:789, from_request :882) with ResponseUsage (:102),
-        built as serving.py:879 builds it. Streaming it (its response.* events) is not
-        stood in for: refused with a 400 saying so."""
+        built as serving.py:879 builds it; streamed, its events as serving.py:1360-1425 and
+        streaming_events.py send them (`event: TYPE` then `data: JSON`, numbered by
+        sequence_number; no [DONE]: api_router.py:34)."""
         payload = self._open(req)
         if isinstance(payload, Response):
             return payload
-        if payload.get("stream"):
-            return _openai_error(400, "BadRequestError",
-                                 "the stand-in does not stream /v1/responses (stream: false)")
         count = _max_tokens(payload, "max_output_tokens")
         if count is None:
             return _openai_error(400, "BadRequestError",
@@ -1467,12 +1465,54 @@ class App:
         prompt = _chat_prompt(messages)
         if isinstance(prompt, str):
             return _openai_error(400, "BadRequestError", prompt)
-        self.engine.admit(payload.get("priority", 0))
-        words, finish = self._answer(prompt, count)
-        self._spend(words)
+        stream = bool(payload.get("stream"))
+        epoch = self.engine.admit(payload.get("priority", 0))
+        words, finish = self._answer(prompt, count, fill=stream)
         ident = next(self._ids)
-        cut = finish == "length"
-        return _json(200, {
+        item_id = f"msg_standin{os.getpid()}x{ident}"
+        text = " ".join(words) if not stream else "".join(w + " " for w in words)
+        part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text",
+                                "logprobs": None}
+        final = self._response_doc(payload, ident, count, prompt.tokens, len(words),
+                                   finish == "length", [{
+                                       "id": item_id, "content": [part], "role": "assistant",
+                                       "status": "completed", "type": "message"}])
+        if not stream:
+            self._spend(words)
+            return _json(200, final)
+        begun = {**final, "output": [], "status": "in_progress", "usage": None,
+                 "incomplete_details": None}
+        place = {"output_index": 0, "item_id": item_id, "content_index": 0}
+        kinds: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": begun}),
+            ("response.in_progress", {"response": begun}),
+            ("response.output_item.added", {"output_index": 0, "item": {
+                "id": item_id, "type": "message", "role": "assistant", "content": [],
+                "status": "in_progress"}}),
+            ("response.content_part.added", {**place, "part": {
+                "type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+            *(("response.output_text.delta", {**place, "delta": word + " ", "logprobs": []})
+              for word in words),
+            ("response.output_text.done", {**place, "text": text, "logprobs": []}),
+            ("response.content_part.done", {**place, "part": {
+                "type": "output_text", "text": text, "annotations": []}}),
+            ("response.output_item.done", {"output_index": 0, "item": final["output"][0]}),
+            ("response.completed", {"response": final}),
+        ]
+        events = tuple(
+            f"event: {kind}\ndata: "
+            f"{json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n".encode()
+            for n, (kind, data) in enumerate(kinds))
+        error = {"type": "error", "sequence_number": len(kinds), "code": "aborted",
+                 "message": "the request was aborted", "param": None}
+        abort = f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+        return Response(200, content_type="text/event-stream", events=events,
+                        interval_s=self.opts.token_interval_s,
+                        flight=_Flight(self.engine, epoch, abort, last=b""))
+
+    def _response_doc(self, payload: dict[str, Any], ident: int, count: int, prompt: int,
+                      made: int, cut: bool, output: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "id": f"resp_standin{os.getpid()}x{ident}",
             "created_at": int(time.time()),
             # status "incomplete" with this reason when max_output_tokens ended it
@@ -1482,14 +1522,7 @@ class App:
             "metadata": payload.get("metadata"),
             "model": payload["model"],
             "object": "response",
-            "output": [{
-                "id": f"msg_standin{os.getpid()}x{ident}",
-                "content": [{"annotations": [], "text": " ".join(words), "type": "output_text",
-                             "logprobs": None}],
-                "role": "assistant",
-                "status": "completed",
-                "type": "message",
-            }],
+            "output": output,
             "parallel_tool_calls": payload.get("parallel_tool_calls", True),
             "temperature": payload.get("temperature") or 1.0,
             "tool_choice": payload.get("tool_choice", "auto"),
@@ -1507,18 +1540,18 @@ class App:
             "top_logprobs": None,
             "truncation": payload.get("truncation", "disabled"),
             "usage": {
-                "input_tokens": prompt.tokens,
+                "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
                                          "input_tokens_per_turn": [],
                                          "cached_tokens_per_turn": []},
-                "output_tokens": len(words),
+                "output_tokens": made,
                 "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                           "output_tokens_per_turn": [],
                                           "tool_output_tokens_per_turn": []},
-                "total_tokens": prompt.tokens + len(words),
+                "total_tokens": prompt + made,
             },
             "user": payload.get("user"),
-        })
+        }
 
     def _messages(self, req: Request) -> Response:
         """POST /v1/messages (anthropic/api_router.py:51): AnthropicMessagesResponse

@@ -253,6 +253,25 @@ def test_responses_answer_with_their_usage(pair: Pair) -> None:
     assert answer["status"] in ("completed", "incomplete")
     assert answer["status"] == "completed" or usage["output_tokens"] == 4, answer
     assert (answer["incomplete_details"] is not None) == (answer["status"] == "incomplete")
+    # streamed: `event: TYPE` events numbered in order, the text in deltas, the whole response
+    # last (openai/responses/serving.py:1360-1425, streaming_events.py)
+    events = sse(port, "/v1/responses", {"model": str(MODEL), "input": "Hello world",
+                                         "max_output_tokens": 4, "stream": True})
+    names = [name for name, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"], names
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"], names
+    assert set(names[4:-4]) == {"response.output_text.delta"}, names
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(data["type"] == name for name, data in events)
+    text = "".join(data["delta"] for name, data in events if name == "response.output_text.delta")
+    assert events[-4][1]["text"] == text
+    done = events[-1][1]["response"]
+    assert done["output"][-1]["content"][0]["text"] == text
+    assert done["usage"]["total_tokens"] == (done["usage"]["input_tokens"]
+                                             + done["usage"]["output_tokens"])
+    assert done["usage"]["input_tokens"] == usage["input_tokens"]
 
 
 def test_anthropic_messages_streamed_and_not_and_their_token_count(pair: Pair) -> None:
