@@ -1,6 +1,6 @@
 """Every client route through the router's one address, driven by the libraries its users use:
 the official `openai` library (chat, a stream with its usage, completions, embeddings from a
-pooling serve brought up on demand, responses, a chat with a ~1 MiB base64 page image) and the
+pooling serve brought up on demand, responses streamed and not, a chat with a ~1 MiB base64 page image) and the
 `anthropic` library (messages streamed and not, count_tokens), each answer checked as the
 library's own type, each error as the library's own typed error. Under real systemd in the
 sandbox; the serves are stand-ins speaking vLLM's shapes (their contract with real vLLM:
@@ -79,6 +79,12 @@ out["embeddings"] = [kind(e), kind(e.data[0]), [len(d.embedding) for d in e.data
 rr = o.responses.create(model="chat", input="hello there", max_output_tokens=3)
 out["responses"] = [kind(rr), rr.status, rr.output_text, rr.usage.input_tokens,
                     rr.usage.output_tokens, rr.usage.total_tokens]
+events = list(o.responses.create(model="chat", input="hello there", max_output_tokens=3,
+                                 stream=True))
+out["responses_stream"] = [kind(events[-1]), sorted({{kind(e) for e in events
+                                                     if e.type.endswith(".delta")}}),
+                           "".join(e.delta for e in events if e.type.endswith(".delta")),
+                           events[-1].response.output_text, events[-1].response.usage.output_tokens]
 page = base64.b64encode(b"\\x89PNG\\r\\n\\x1a\\n" + os.urandom(786432)).decode()
 m = o.chat.completions.create(model="ocr", max_tokens=4, messages=[{{"role": "user", "content": [
     {{"type": "text", "text": "read this page"}},
@@ -159,6 +165,12 @@ def test_each_route_through_the_router_with_the_openai_and_anthropic_libraries(
     assert kind == "openai.types.responses.response.Response"
     assert (status, text, completion) == ("incomplete", "[gpud-standin echo] hello", 3)
     assert total == prompt + completion
+
+    kind, deltas, text, final_text, completion = out["responses_stream"]
+    assert kind == "openai.types.responses.response_completed_event.ResponseCompletedEvent"
+    assert deltas == ["openai.types.responses.response_text_delta_event.ResponseTextDeltaEvent"]
+    assert text == final_text and text.split() == ["[gpud-standin", "echo]", "hello"]
+    assert completion == 3
 
     # the OCR page: a 1 MiB base64 image in the body, through the router to its serve
     kind, size, model, prompt, text = out["multimodal"]
