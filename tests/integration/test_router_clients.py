@@ -1,10 +1,10 @@
 """Every client route through the router's one address, driven by the libraries its users use:
 the official `openai` library (chat, a stream with its usage, completions, embeddings from a
-pooling serve brought up on demand, responses streamed and not, a chat with a ~1 MiB base64 page image) and the
-`anthropic` library (messages streamed and not, count_tokens), each answer checked as the
-library's own type, each error as the library's own typed error. Under real systemd in the
-sandbox; the serves are stand-ins speaking vLLM's shapes (their contract with real vLLM:
-tests/vllm/test_contract.py)."""
+pooling serve brought up on demand, responses streamed and not, a chat with a ~1 MiB base64
+page image, an audio transcription uploaded as a multipart form) and the `anthropic` library
+(messages streamed and not, count_tokens), each answer checked as the library's own type, each
+error as the library's own typed error. Under real systemd in the sandbox; the serves are
+stand-ins speaking vLLM's shapes (their contract with real vLLM: tests/vllm/test_contract.py)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def config() -> str:
         return json.dumps([*STANDIN, "serve", "m", "--port", "{port}",
                            "--gpu-memory-utilization", "{gpu_memory_utilization}", *args])
     serves = (
-        # a generator answering to two names, as the seed's host routes chat and ocr
+        # a generator answering to two names, as the seed's host routes chat and ocr, and to
+        # the audio routes (a speech-to-text model's: the stand-in's --audio)
         f'[serves.gen]\nrole = "r"\nvram_mib = 8000\nport = {PORT}\nmodels = ["chat", "ocr"]\n'
-        f"command = {command('--served-model-name', 'chat', 'ocr')}\n"
+        f"command = {command('--audio', '--served-model-name', 'chat', 'ocr')}\n"
         # a pooling serve (vLLM's --runner pooling) of bge-m3's width, started by a request
         # (on demand: fronted, its stand-in on the front's socket)
         f'[serves.emb]\nrole = "r"\nvram_mib = 3200\nport = {PORT + 1}\non_demand = true\n'
@@ -91,6 +92,14 @@ m = o.chat.completions.create(model="ocr", max_tokens=4, messages=[{{"role": "us
     {{"type": "image_url", "image_url": {{"url": "data:image/png;base64," + page}}}}]}}])
 out["multimodal"] = [kind(m), len(page), m.model, m.usage.prompt_tokens,
                      m.choices[0].message.content]
+rate = 16000
+pcm = b"\\0\\0" * (rate * 3 // 2)
+wav = (b"RIFF" + (36 + len(pcm)).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+       + (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + rate.to_bytes(4, "little")
+       + (2 * rate).to_bytes(4, "little") + (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
+       + b"data" + len(pcm).to_bytes(4, "little") + pcm)
+t = o.audio.transcriptions.create(model="chat", file=("speech.wav", wav, "audio/wav"))
+out["transcription"] = [kind(t), t.text, t.usage.type, t.usage.seconds]
 for name, call in (
         ("unknown_model", lambda: o.chat.completions.create(model="chta", messages=hello)),
         ("serve_refused", lambda: o.embeddings.create(model="embeddings", input="x",
@@ -177,6 +186,10 @@ def test_each_route_through_the_router_with_the_openai_and_anthropic_libraries(
     assert kind == "openai.types.chat.chat_completion.ChatCompletion"
     assert size >= 1 << 20 and model == "ocr"
     assert prompt > 256 and text.startswith("[gpud-standin echo]")
+
+    # an upload (multipart) routed by its form's model field
+    assert out["transcription"] == ["openai.types.audio.transcription.Transcription",
+                                    "[gpud-standin heard 1.50 s of audio]", "duration", 2]
 
     # errors as the library's typed errors: the router's own 404 for a name it does not
     # know, and the serve's 400 for what the model cannot do (vLLM's error shape)
