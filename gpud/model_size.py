@@ -29,15 +29,18 @@ from gpud.core.launch import SERVE_CACHE_ENVIRONMENT
 from gpud.core.sizing import (
     KvCache,
     Need,
+    NotApplicable,
     SizingError,
     Unknown,
     Weights,
+    check_max_model_len,
     default_max_model_len,
     kv_cache,
     need,
     shortfall,
     weights,
 )
+from gpud.core.vllm_versions import KvRules, behaviour
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class Sized:
     context_from: str = ""
     unknown: str | None = None
     error: str | None = None
+    # the key under serves.NAME an error belongs to
+    error_key: str = "vllm.model"
+    # the checkpoint's config.json, for the overheads' estimate
+    config: dict[str, object] | None = None
 
 
 def _option(extra_args: list[str], name: str) -> str | None:
@@ -106,6 +113,8 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
                     dtype_arg=dtype_arg, devices=devices)
     except NotOnDisk as exc:
         return Sized(unknown=f"{exc}: unknown until its first start")
+    except NotApplicable as exc:
+        return Sized(error=str(exc), error_key="vllm.quantization")
     except (Unknown, SizingError) as exc:
         # an architecture whose config gpud cannot size (an encoder-decoder's layers, a dtype
         # it does not know) is not the config's fault: vLLM may well run it
@@ -117,6 +126,11 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
                       dtype_arg=dtype_arg, devices=devices)
     except SizingError as exc:  # the weights still bound the reservation
         return Sized(w, where=ckpt.where(), unknown=f"KV cache: {exc}")
+    if v.max_model_len is not None:
+        too_long = check_max_model_len(ckpt.config, v.max_model_len)
+        if too_long is not None:
+            return Sized(w, kv, where=ckpt.where(), error=f"{too_long} (read from "
+                         f"{ckpt.where()})", error_key="vllm.max_model_len")
     length = v.max_model_len or default_max_model_len(ckpt.config)
     if length is None:
         return Sized(w, kv, where=ckpt.where(),
@@ -126,7 +140,13 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
     else:
         context, context_from = daemon.vllm_start_context_mib, "daemon.vllm_start_context_mib"
     kv_mib = v.kv_cache_mib if isinstance(v.kv_cache_mib, int) else None
-    return Sized(w, kv, need(w, kv, length, context, kv_mib), ckpt.where(), context_from)
+    return Sized(w, kv, need(w, kv, length, context, kv_mib, kv_rules(daemon)), ckpt.where(),
+                 context_from, config=dict(ckpt.config))
+
+
+def kv_rules(daemon: DaemonConfig) -> KvRules:
+    """How the serves' vLLM release sizes its KV cache (daemon.vllm_version)."""
+    return behaviour(daemon.vllm_version).kv
 
 
 def checkpoint_problems(cfg: Config) -> list[str]:
@@ -137,7 +157,7 @@ def checkpoint_problems(cfg: Config) -> list[str]:
             continue
         sized = size_serve(serve, cfg.daemon)
         if sized.error is not None:
-            problems.append(f"serves.{name}.vllm.model: {sized.error}")
+            problems.append(f"serves.{name}.{sized.error_key}: {sized.error}")
             continue
         w, n, kv = sized.weights, sized.need, sized.kv
         if w is None:
@@ -149,15 +169,16 @@ def checkpoint_problems(cfg: Config) -> list[str]:
             continue
         if n is None or kv is None:
             continue
+        rules = kv_rules(cfg.daemon)
         if isinstance(serve.vllm.kv_cache_mib, int):
-            one = -(-kv.bytes_for(n.max_model_len) // (1 << 20))
+            one = -(-kv.bytes_for(n.max_model_len, rules) // (1 << 20))
             if serve.vllm.kv_cache_mib < one:
                 problems.append(
                     f"serves.{name}.vllm.kv_cache_mib: {serve.vllm.kv_cache_mib} MiB does not "
                     f"hold one sequence of max_model_len {n.max_model_len} ({one} MiB of KV "
                     "cache): vLLM refuses to start (vllm/v1/core/kv_cache_utils.py:1104)")
                 continue
-        why = shortfall(serve.vram_mib, n, kv)
+        why = shortfall(serve.vram_mib, n, kv, rules)
         if why is not None:
             problems.append(f"serves.{name}.vram_mib: {why} (weights {w.how}, read from "
                             f"{sized.where}; context from {sized.context_from})")
