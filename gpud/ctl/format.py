@@ -583,5 +583,27 @@ def _predicted_lines(p: Any, vllm: Any) -> list[str]:
     if isinstance(measured, int) and measured > 0 and p.get("weights_mib"):
         off = (p["weights_mib"] - measured) * 100 / measured
         line += f"; vLLM measured weights {measured} MiB: predicted {off:+.1f}%"
-    return [line]
+    return [line, *_predicted_kv_lines(p.get("kv"))]
+
+
+def _predicted_kv_lines(kv: Any) -> list[str]:
+    """What the reservation leaves for the KV cache, each deduction with its source (measured
+    once calibrated), and the predicted tokens beside those vLLM logged."""
+    if not kv:
+        return []
+    parts = ", ".join(f"{d.get('name')} {d.get('mib')} ({d.get('source')})"
+                      for d in kv.get("deductions") or [])
+    sized = ("" if kv.get("kv_from") == "what the reservation leaves"
+             else f" (sized by {kv.get('kv_from')})")
+    lines = [f"  vram_mib {kv.get('vram_mib')} on vLLM {kv.get('vllm_version')}: {parts} "
+             f"leave a KV cache of {kv.get('kv_at_mib')} MiB{sized}: {kv.get('kv_tokens'):,} "
+             "tokens, "
+             f"{kv.get('max_concurrency')}x max concurrency ({kv.get('sequences')} sequences "
+             "at once)"]
+    logged = kv.get("logged_kv_tokens")
+    if isinstance(logged, int) and logged > 0:
+        off = (kv.get("kv_tokens", 0) - logged) * 100 / logged
+        lines.append(f"  KV cache tokens: predicted {kv.get('kv_tokens'):,}, vLLM logged "
+                     f"{logged:,} ({off:+.1f}%)")
+    return lines
 
