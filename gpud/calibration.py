@@ -15,7 +15,7 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.core import answers
@@ -27,18 +27,9 @@ from gpud.core.launch import (
     utilization,
     vllm_budget_mib,
 )
-from gpud.core.sizing import (
-    CONFIGURED,
-    ESTIMATED,
-    MEASURED,
-    MIB,
-    at_reservation,
-    estimate_overheads,
-    measured_overheads,
-)
 from gpud.core.vocab import RUNNING, EventKind, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
-from gpud.model_size import Sized, kv_rules, size_serve
+from gpud.model_size import Sized, kv_at_reservation, size_serve
 from gpud.observer import Observer
 from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
@@ -223,43 +214,11 @@ class Calibrator:
 
     def _at_reservation(self, spec: ServeConfig, sized: Sized, max_model_len: int,
                         figures: dict[str, Any] | None) -> answers.PredictedKv:
-        """The serve's reservation, each deduction named and sourced, and the KV cache it leaves
-        in vLLM's terms (gpud.core.sizing.at_reservation). vLLM's budget is the reservation
-        less vllm.context_mib (gpud.core.launch.vllm_budget_mib), so that is the context
-        deducted; the context a calibration measured beyond the budget is shown apart."""
-        assert sized.weights is not None and sized.kv is not None and sized.config is not None
-        assert spec.vllm is not None
-        daemon = self.svc.config.daemon
-        rules = kv_rules(daemon)
         roles = [self.svc.ledger.roles.get(r) for r in spec.all_roles]
         total = smallest_total([self.observer.device_total(r.device) if r else None
                                 for r in roles])
-        estimate = estimate_overheads(sized.config, sized.weights.dtype, rules,
-                                      context_mib=spec.vllm.context_mib, device_mib=total)
-        overheads = estimate
-        weights_mib = sized.weights.mib
-        weights_from = ESTIMATED if sized.weights.estimate else "checkpoint"
-        if figures:
-            overheads = replace(measured_overheads(figures, estimate),
-                                context_mib=spec.vllm.context_mib, context_from=CONFIGURED)
-            if isinstance(figures.get("weights_mib"), int):
-                weights_mib, weights_from = int(figures["weights_mib"]), MEASURED
-        at = at_reservation(spec.vram_mib, weights_mib, weights_from, sized.kv, max_model_len,
-                            overheads, rules)
-        cap, kv_from = at.capacity, "what the reservation leaves"
-        if isinstance(spec.vllm.kv_cache_mib, int):
-            # --kv-cache-memory-bytes: vLLM takes the figure as it is, whatever is left
-            cap = sized.kv.capacity(spec.vllm.kv_cache_mib * MIB, max_model_len, rules)
-            kv_from = "vllm.kv_cache_mib"
-        logged = figures.get("kv_cache_tokens") if figures else None
-        return {"vram_mib": spec.vram_mib, "vllm_version": daemon.vllm_version,
-                "kv_at_mib": cap.kv_bytes // MIB, "kv_from": kv_from, "kv_tokens": cap.tokens,
-                "max_concurrency": round(cap.max_concurrency, 2),
-                "sequences": cap.sequences,
-                "deductions": [{"name": d.name, "mib": d.mib, "source": d.source}
-                               for d in at.deductions],
-                "overheads_how": overheads.how,
-                "logged_kv_tokens": logged if isinstance(logged, int) else None}
+        return kv_at_reservation(spec, self.svc.config.daemon, sized, max_model_len, figures,
+                                 device_mib=total)
 
     def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)

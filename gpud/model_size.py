@@ -13,8 +13,9 @@ daemon.serve_user, `/var/cache/gpud-serve/huggingface`, or its own user's ~/.cac
 from __future__ import annotations
 
 import pwd
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpud.checkpoint import (
     CheckpointError,
@@ -24,18 +25,26 @@ from gpud.checkpoint import (
     locate,
     read_checkpoint,
 )
+from gpud.core.answers import PredictedKv
 from gpud.core.config import Config, DaemonConfig, ServeConfig
 from gpud.core.launch import SERVE_CACHE_ENVIRONMENT
 from gpud.core.sizing import (
+    CONFIGURED,
+    ESTIMATED,
+    MEASURED,
+    MIB,
     KvCache,
     Need,
     NotApplicable,
     SizingError,
     Unknown,
     Weights,
+    at_reservation,
     check_max_model_len,
     default_max_model_len,
+    estimate_overheads,
     kv_cache,
+    measured_overheads,
     need,
     shortfall,
     weights,
@@ -147,6 +156,45 @@ def size_serve(serve: ServeConfig, daemon: DaemonConfig) -> Sized:
 def kv_rules(daemon: DaemonConfig) -> KvRules:
     """How the serves' vLLM release sizes its KV cache (daemon.vllm_version)."""
     return behaviour(daemon.vllm_version).kv
+
+
+def kv_at_reservation(spec: ServeConfig, daemon: DaemonConfig, sized: Sized, max_model_len: int,
+                      figures: dict[str, Any] | None, *,
+                      device_mib: int | None = None) -> PredictedKv:
+    """The serve's reservation, each deduction named and sourced, and the KV cache it leaves in
+    vLLM's terms (gpud.core.sizing.at_reservation): with the overheads a calibration measured
+    (`figures`, its vLLM lines) once there is one, as Ollama replaces its estimate with what the
+    engine logged; else gpud's estimate. vLLM's budget is the reservation less vllm.context_mib
+    (gpud.core.launch.vllm_budget_mib), so that is the context deducted (the context measured
+    beyond the budget is the calibration's own figure). A serve with vllm.kv_cache_mib gets that
+    KV cache whatever is left (--kv-cache-memory-bytes)."""
+    assert sized.weights is not None and sized.kv is not None and sized.config is not None
+    assert spec.vllm is not None
+    rules = kv_rules(daemon)
+    estimate = estimate_overheads(sized.config, sized.weights.dtype, rules,
+                                  context_mib=spec.vllm.context_mib, device_mib=device_mib)
+    overheads = estimate
+    weights_mib = sized.weights.mib
+    weights_from = ESTIMATED if sized.weights.estimate else "checkpoint"
+    if figures:
+        overheads = replace(measured_overheads(figures, estimate),
+                            context_mib=spec.vllm.context_mib, context_from=CONFIGURED)
+        if isinstance(figures.get("weights_mib"), int):
+            weights_mib, weights_from = int(figures["weights_mib"]), MEASURED
+    at = at_reservation(spec.vram_mib, weights_mib, weights_from, sized.kv, max_model_len,
+                        overheads, rules)
+    cap, kv_from = at.capacity, "what the reservation leaves"
+    if isinstance(spec.vllm.kv_cache_mib, int):
+        cap = sized.kv.capacity(spec.vllm.kv_cache_mib * MIB, max_model_len, rules)
+        kv_from = "vllm.kv_cache_mib"
+    logged = figures.get("kv_cache_tokens") if figures else None
+    return {"vram_mib": spec.vram_mib, "vllm_version": daemon.vllm_version,
+            "kv_at_mib": cap.kv_bytes // MIB, "kv_from": kv_from, "kv_tokens": cap.tokens,
+            "max_concurrency": round(cap.max_concurrency, 2), "sequences": cap.sequences,
+            "deductions": [{"name": d.name, "mib": d.mib, "source": d.source}
+                           for d in at.deductions],
+            "overheads_how": overheads.how,
+            "logged_kv_tokens": logged if isinstance(logged, int) else None}
 
 
 def checkpoint_problems(cfg: Config) -> list[str]:

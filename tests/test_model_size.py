@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gpud.config import parse_config
+from gpud.core.sizing import MIB
 from gpud.errors import ConfigError
 from tests.checkpoints import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from tests.conftest import REPO
@@ -207,6 +208,15 @@ port = 30002
 model = "{tmp_path / 'absent'}"
 """
     sizes = plan_sizes(parse_config(text, "t"))
+    kv = sizes[0].pop("kv")
+    # what the reservation leaves for the KV cache: vLLM's budget is all of it (no
+    # vllm.context_mib), less the weights and the estimated activation peak and CUDA graphs:
+    # 30 MiB, short of one 8192-token sequence (33 MiB): the floor passes, the estimate warns
+    assert [(d["name"], d["source"]) for d in kv["deductions"]] == [
+        ("weights", "checkpoint"), ("context", "configured"), ("activation peak", "estimated"),
+        ("CUDA graphs", "estimated")]
+    assert kv["kv_at_mib"] == minimum + 100 - sum(d["mib"] for d in kv["deductions"]) == 30
+    assert (kv["sequences"], kv["kv_tokens"]) == (0, 30 * MIB // 4096)
     assert sizes[0] == {"serve": "fast", "vram_mib": minimum + 100, "minimum_mib": minimum,
                         "headroom_mib": 100,
                         "how": f"weights {WEIGHTS_MIB} + KV for one 8192-token sequence "
@@ -215,9 +225,10 @@ model = "{tmp_path / 'absent'}"
     assert "unknown until its first start" in sizes[1]["how"]
     shown = format_plan({"source": "t", "roles": [], "serves": [], "restart": [],
                          "resident_fits": True, "denied": [], "blocked": [], "stop_first": [],
-                         "steps": [], "sizes": sizes})
+                         "steps": [], "sizes": [{**sizes[0], "kv": kv}, sizes[1]]})
     assert f"fast: minimum {minimum} MiB (weights {WEIGHTS_MIB} + " in shown
     assert "headroom 100 MiB" in shown
+    assert "leave a KV cache of 30 MiB: 7,680 tokens, 0.94x max concurrency (0 sequences" in shown
     assert "other:" not in shown  # nothing known: the plan says nothing of it
 
 

@@ -498,6 +498,7 @@ def format_plan(doc: answers.Plan) -> str:
         if size.get("minimum_mib") is not None:
             lines.append(f"{size.get('serve')}: minimum {size.get('minimum_mib')} MiB "
                          f"({size.get('how')}), headroom {size.get('headroom_mib')} MiB")
+            lines += _predicted_kv_lines(size.get("kv"))
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied

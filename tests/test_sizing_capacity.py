@@ -1,0 +1,156 @@
+"""What a reservation leaves for the KV cache (gpud.core.sizing: KvCapacity, at_reservation,
+smallest_reservation) through `gpuctl --json size DIR --vram-mib N`: its kv_tokens and
+max_concurrency agree with its own kv_mib and bytes per token, for any reservation, sequence
+length, release and shape (a property test); each release's block size; the seed's line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpud.core.sizing import MIB, KvCache, Overheads, at_reservation, smallest_reservation
+from gpud.core.vllm_versions import KNOWN_VERSIONS, V033, V034, behaviour
+from gpud.ctl.size import DEFAULT_CONTEXT_MIB, size_doc
+from tests.checkpoints import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from tests.test_model_size import gpuctl
+
+# Shapes whose every layer keeps every token (their tokens follow from bytes alone), over
+# different widths: grouped KV heads, one KV head, more layers.
+FULL: dict[str, dict[str, Any]] = {
+    "gqa": {**LLAMA_CONFIG, "max_position_embeddings": 32768},
+    "mqa": {**LLAMA_CONFIG, "num_key_value_heads": 1, "num_hidden_layers": 3,
+            "max_position_embeddings": 32768},
+    "wide": {**LLAMA_CONFIG, "num_hidden_layers": 5, "num_key_value_heads": 4,
+             "max_position_embeddings": 32768, "tie_word_embeddings": True},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("shapes")
+    return {name: write_checkpoint(base / name, config=cfg, tensors=llama_tensors("BF16", cfg))
+            for name, cfg in FULL.items()}
+
+
+def args(model: Path, **kw: Any) -> argparse.Namespace:
+    base: dict[str, Any] = {
+        "model": str(model), "max_model_len": None, "quantization": None,
+        "kv_cache_dtype": None, "dtype": None, "revision": None, "hf_home": "/nonexistent",
+        "context_mib": DEFAULT_CONTEXT_MIB, "devices": 1, "vram_mib": None, "concurrency": 1,
+        "vllm_version": V033, "device_mib": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(sorted(FULL)), version=st.sampled_from(KNOWN_VERSIONS),
+       extra=st.integers(min_value=0, max_value=400_000),
+       length=st.integers(min_value=1, max_value=32768))
+def test_kv_tokens_agree_with_kv_mib_and_bytes_per_token(checkpoints: dict[str, Path],
+                                                         shape: str, version: str, extra: int,
+                                                         length: int) -> None:
+    first = size_doc(args(checkpoints[shape], max_model_len=length, vllm_version=version))
+    vram = first["weights_mib"] + extra
+    d = size_doc(args(checkpoints[shape], max_model_len=length, vllm_version=version,
+                      vram_mib=vram))
+    block, per_token = d["block_tokens"], d["kv_bytes_per_token"]
+    assert block == behaviour(version).kv.block_tokens
+    # the KV cache is the reservation less its named deductions
+    assert d["kv_bytes"] == max(0, vram - sum(x["mib"] for x in d["deductions"])) * MIB
+    assert d["kv_mib"] == d["kv_bytes"] // MIB
+    # blocks of `block` tokens of every layer, as many as the bytes hold
+    assert d["block_bytes"] == block * per_token
+    assert d["kv_blocks"] == d["kv_bytes"] // d["block_bytes"]
+    # a sequence takes whole blocks; vLLM's tokens are blocks / blocks-a-sequence x length
+    assert d["blocks_per_sequence"] == -(-length // block)
+    assert d["kv_tokens"] == int(d["kv_blocks"] / d["blocks_per_sequence"] * length)
+    # so: never more tokens than the bytes hold, and fewer only by the last partial block and
+    # the rounding of a length to whole blocks
+    held = d["kv_bytes"] // per_token
+    assert d["kv_tokens"] <= held
+    assert d["kv_tokens"] >= (held - block) * length / (d["blocks_per_sequence"] * block) - 1
+    # rounded to 2 decimals; the tokens are its product with the length, floored
+    assert d["max_concurrency"] == pytest.approx(d["kv_tokens"] / length, abs=0.005 + 1 / length)
+    # sequences at once: whole ones, the null block kept back
+    assert d["sequences"] == max(0, d["kv_blocks"] - 1) // d["blocks_per_sequence"]
+    assert d["sequences"] <= d["max_concurrency"]
+    # fits exactly when one sequence does (or the floor already says it cannot)
+    assert d["fits"] == (d["sequences"] >= 1 and vram >= d["minimum_mib"])
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(sorted(FULL)), version=st.sampled_from(KNOWN_VERSIONS),
+       n=st.integers(min_value=1, max_value=64),
+       length=st.integers(min_value=16, max_value=32768))
+def test_the_smallest_reservation_for_n_runs_n_and_one_less_does_not(
+        checkpoints: dict[str, Path], shape: str, version: str, n: int, length: int) -> None:
+    d = size_doc(args(checkpoints[shape], max_model_len=length, vllm_version=version,
+                      concurrency=n))
+    smallest = d["smallest_mib"][str(n)]
+    assert d["reservation_mib"] == smallest and d["sequences"] >= n
+    below = size_doc(args(checkpoints[shape], max_model_len=length, vllm_version=version,
+                          vram_mib=smallest - 1))
+    assert below["sequences"] < n
+
+
+def test_a_release_s_block_and_its_extensible_margin() -> None:
+    """The same budget in vLLM 0.33's blocks of 16 and 0.34's of 64: a 1000-token sequence takes
+    63 blocks of 16 (1008 tokens) or 16 of 64 (1024)."""
+    kv = KvCache(2, 0, None, 512, "bfloat16", "")
+    over = Overheads(0, 0, 0)
+    for version, blocks, tokens in ((V033, 63, 4 * MIB // 1024 // 16 * 16),
+                                    (V034, 16, 4 * MIB // 1024 // 64 * 64)):
+        rules = behaviour(version).kv
+        at = at_reservation(4, 0, "checkpoint", kv, 1000, over, rules)
+        assert at.capacity.blocks_per_request == blocks
+        assert at.capacity.blocks * rules.block_tokens * 1024 == 4 * MIB
+        assert at.capacity.tokens == int(at.capacity.blocks / blocks * 1000)
+        assert at.capacity.blocks * rules.block_tokens == tokens
+    assert behaviour(V033).kv.extensible_margin_bytes(10 * MIB) is None
+    # max(1 GiB, 0.75 x the transient peak) + 0.5 GiB
+    assert behaviour(V034).kv.extensible_margin_bytes(4096 * MIB) == (3072 + 512) * MIB
+    assert behaviour(V034).kv.extensible_margin_bytes(100 * MIB) == (1024 + 512) * MIB
+    assert smallest_reservation(2, 100, kv, 1000, Overheads(7, 3, 512)) == (
+        100 + 7 + 3 + 512 + 2, 2)  # 2 x 63 + 1 blocks of 16 KiB: 2 MiB, rounded up
+
+
+def test_gpuctl_json_carries_the_reservation_s_kv(checkpoints: dict[str, Path]) -> None:
+    out = gpuctl("--json", "size", str(checkpoints["gqa"]), "--max-model-len", "4096",
+                 "--vram-mib", "2000")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert {"kv_mib", "kv_tokens", "max_concurrency", "sequences", "deductions"} <= set(d)
+    assert [x["name"] for x in d["deductions"]] == ["weights", "context", "activation peak",
+                                                   "CUDA graphs"]
+    assert [x["source"] for x in d["deductions"]] == ["checkpoint", "configured", "estimated",
+                                                     "estimated"]
+    out = gpuctl("size", str(checkpoints["gqa"]), "--max-model-len", "4096", "--concurrency",
+                 "3", "--vllm-version", "0.34.0")
+    assert out.returncode == 0, out.stderr
+    assert "vLLM 0.34.0: blocks of 64 tokens" in out.stdout
+    assert "for 1 at once, " in out.stdout and " for 3 at once" in out.stdout
+    assert "extensible KV cache would keep a margin of 1536 MiB" in out.stdout
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--vram-mib", "1"], "--vram-mib 1 is below the weights alone: 8 MiB (bf16"),
+    (["--max-model-len", "40000"], "max_model_len 40000 is over the model's context length "
+                                   "32768 (max_position_embeddings in config.json)"),
+    (["--quantization", "fp8"], "quantization 'fp8' does not apply to an unquantized "
+                                "checkpoint"),
+])
+def test_bad_input_is_one_line_naming_what_fits(checkpoints: dict[str, Path], argv: list[str],
+                                                said: str) -> None:
+    out = gpuctl("size", str(checkpoints["gqa"]), *argv)
+    assert out.returncode == 2, out.stdout + out.stderr
+    line, = out.stderr.strip().splitlines()
+    assert said in line
+    assert any(fix in line for fix in ("--vram-mib >= ", "use --max-model-len <= 32768",
+                                        "use fp8_per_tensor"))
