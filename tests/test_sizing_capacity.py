@@ -14,7 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpud.core.sizing import MIB, KvCache, Overheads, at_reservation, smallest_reservation
+from gpud.core.sizing import (
+    MIB,
+    KvCache,
+    Overheads,
+    at_reservation,
+    kv_cache,
+    smallest_reservation,
+)
 from gpud.core.vllm_versions import KNOWN_VERSIONS, V033, V034, behaviour
 from gpud.ctl.size import DEFAULT_CONTEXT_MIB, size_doc
 from tests.checkpoints import LLAMA_CONFIG, llama_tensors, write_checkpoint
@@ -154,3 +161,40 @@ def test_bad_input_is_one_line_naming_what_fits(checkpoints: dict[str, Path], ar
     assert said in line
     assert any(fix in line for fix in ("--vram-mib >= ", "use --max-model-len <= 32768",
                                         "use fp8_per_tensor"))
+
+
+# Gemma 4 E4B's text layers, as its model card and the public converters give them: 42 layers,
+# 5 sliding (512 tokens, head_dim 256) to 1 full (global_head_dim 512), 2 KV heads, the last 18
+# sharing earlier layers' cache.
+E4B = {"model_type": "gemma4", "text_config": {
+    "model_type": "gemma4_text", "num_hidden_layers": 42, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512, "hidden_size": 2560,
+    "intermediate_size": 10240, "vocab_size": 262144, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+    "num_kv_shared_layers": 18, "max_position_embeddings": 131072, "dtype": "bfloat16"}}
+
+
+def test_the_seed_s_line_worked_through() -> None:
+    """The seed: "0.8 GiB KV (43,708 tokens > the 32768 window, 1.33x max concurrency)". 24 of
+    E4B's layers keep a cache (4 full of 4096 bytes a token, 20 sliding of 2048); the pages
+    unified at 64 KiB (the sliding layers' blocks 32 tokens), groups of 4 layers: 256 KiB a
+    block. 3272 blocks (818 MiB, which vLLM prints as 0.80 GiB) give exactly the seed's figures
+    with one batch of 2048 in flight, as the seed's vLLM held; with 0.33's two batches (async
+    scheduling) the sliding groups hold more and the same blocks give 38,664 tokens."""
+    from dataclasses import replace
+
+    kv = kv_cache(E4B)
+    assert (kv.full_layers, kv.sliding_layers, kv.window) == (4, 20, 512)
+    assert kv.per_token_bytes == 4 * 4096 + 20 * 2048
+    assert kv.groups() == (4, 1, 5) and kv.pages() == (64 * 1024, 16, 32)
+    rules = behaviour(V033).kv
+    blocks = 3272
+    budget = blocks * kv.block_bytes(rules)
+    assert kv.block_bytes(rules) == 256 * 1024 and round(budget / (1 << 30), 2) == 0.80
+    seed = kv.capacity(budget, 32768, replace(rules, in_flight_batches=1))
+    # 1 full group x 2048 blocks + 5 sliding groups x (cdiv(511 + 2048, 32) + 1)
+    assert seed.blocks_per_request == 2048 + 5 * 81
+    assert (seed.blocks, seed.tokens, round(seed.max_concurrency, 2)) == (3272, 43708, 1.33)
+    now = kv.capacity(budget, 32768, rules)
+    assert now.blocks_per_request == 2048 + 5 * 145
+    assert (now.tokens, round(now.max_concurrency, 2)) == (38664, 1.18)

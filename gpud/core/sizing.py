@@ -340,11 +340,31 @@ class KvCache:
     layer_bytes_per_token: int  # one layer, K and V (or MLA's latent)
     dtype: str
     note: str
+    # a full-attention layer's, where it differs (Gemma 4's wider global layers)
+    full_layer_bytes_per_token: int | None = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full_layer_bytes_per_token or self.layer_bytes_per_token
 
     @property
     def per_token_bytes(self) -> int:
         """A token's KV over every layer that keeps it (the sliding ones while in the window)."""
-        return (self.full_layers + self.sliding_layers) * self.layer_bytes_per_token
+        return self.full_layers * self.full_bytes + self.sliding_layers * self.layer_bytes_per_token
+
+    def pages(self, rules: KvRules = DEFAULT_RULES) -> tuple[int, int, int]:
+        """(a layer's page in bytes, a full layer's block in tokens, a sliding layer's): one
+        page size for every layer, the smaller kind's block made longer by the ratio when the
+        larger page is a multiple of it, else its page padded to the larger
+        (unify_kv_cache_spec_page_size: v1/core/kv_cache_planning.py:346-410 of 0.33)."""
+        bs = rules.block_tokens
+        full_page, sliding_page = bs * self.full_bytes, bs * self.layer_bytes_per_token
+        if not (self.full_layers and self.sliding_layers) or full_page == sliding_page:
+            return (full_page if self.full_layers else sliding_page), bs, bs
+        page = max(full_page, sliding_page)
+        return (page,
+                bs * (page // full_page) if page % full_page == 0 else bs,
+                bs * (page // sliding_page) if page % sliding_page == 0 else bs)
 
     def groups(self) -> tuple[int, int, int]:
         """(layers per group, full-attention groups, sliding groups), as vLLM groups a model's
@@ -363,7 +383,7 @@ class KvCache:
     def block_bytes(self, rules: KvRules = DEFAULT_RULES) -> int:
         """A block of the shared pool: one group's layers, block_tokens tokens each
         (`_get_kv_cache_bytes_per_block`: the largest group's pages)."""
-        return self.groups()[0] * rules.block_tokens * self.layer_bytes_per_token
+        return self.groups()[0] * self.pages(rules)[0]
 
     def blocks_per_request(self, max_model_len: int, rules: KvRules = DEFAULT_RULES, *,
                            batched_tokens: int | None = None) -> int:
@@ -374,12 +394,12 @@ class KvCache:
         max_model_len, in blocks, plus one (SlidingWindowSpec.max_admission_blocks_per_request:
         the window may not start at a block's edge)."""
         _size, full_groups, sliding_groups = self.groups()
-        bs = rules.block_tokens
-        blocks = full_groups * cdiv(max_model_len, bs)
+        _page, full_bs, sliding_bs = self.pages(rules)
+        blocks = full_groups * cdiv(max_model_len, full_bs)
         if sliding_groups and self.window is not None:
             in_flight = rules.in_flight_batches * (batched_tokens or rules.batch_defaults(None)[0])
             held = min(self.window - 1 + in_flight, max_model_len)
-            blocks += sliding_groups * (cdiv(held, bs) + 1)
+            blocks += sliding_groups * (cdiv(held, sliding_bs) + 1)
         return blocks
 
     def bytes_for(self, max_model_len: int, rules: KvRules = DEFAULT_RULES, *,
@@ -482,6 +502,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
                           f"{', '.join(sorted(KV_CACHE_DTYPE_BYTES))}")
     width = KV_CACHE_DTYPE_BYTES[kv_dtype]
     notes: list[str] = []
+    full_bytes = 0
     rank = _int(tc, "kv_lora_rank")
     if rank is not None:
         layer_bytes = (rank + (_int(tc, "qk_rope_head_dim") or 0)) * width
@@ -499,6 +520,17 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
             head_dim = hidden // heads
         per_device = -(-kv_heads // devices)
         layer_bytes = 2 * per_device * head_dim * width
+        # Gemma 4: its full-attention layers are wider, global_head_dim (512 unless given) and,
+        # with attention_k_eq_v, num_global_key_value_heads KV heads (transformers'
+        # Gemma4TextConfig.__post_init__ per_layer_config; vllm/model_executor/models/
+        # gemma4.py:576-580 Gemma4DecoderLayer takes them per layer)
+        if str(tc.get("model_type", "")).startswith("gemma4"):
+            global_dim = _int(tc, "global_head_dim") or 512
+            global_heads = (_int(tc, "num_global_key_value_heads")
+                            if tc.get("attention_k_eq_v") is True else None) or kv_heads
+            full_bytes = 2 * -(-global_heads // devices) * global_dim * width
+            if full_bytes != layer_bytes:
+                notes.append(f"full-attention layers {full_bytes} bytes a token")
     types = tc.get("layer_types")
     window = _int(tc, "sliding_window", "attention_window_size")
     full, sliding = layers, 0
@@ -522,7 +554,8 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         full, sliding = full + sliding, 0
     if sliding:
         notes.append(f"{sliding} sliding-window layers ({window} tokens)")
-    return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes))
+    return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes),
+                   full_bytes if full_bytes != layer_bytes else None)
 
 
 # The keys a config gives its context length by (vllm/transformers_utils/model_arch_config_

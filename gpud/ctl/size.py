@@ -30,8 +30,6 @@ def _positive_int(text: str) -> int:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from gpud.core.vllm_versions import DEFAULT_VERSION, KNOWN_VERSIONS
-
     p.add_argument("model", metavar="MODEL",
                    help="a checkpoint directory, or a repository id (ORG/NAME) in the serves' "
                         "model cache")
@@ -61,10 +59,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_positive_int, default=1, metavar="N",
                    help="without --vram-mib: the smallest reservation for N sequences of "
                         "max_model_len at once (default 1)")
-    p.add_argument("--vllm-version", choices=KNOWN_VERSIONS, default=DEFAULT_VERSION,
-                   metavar="V",
-                   help=f"the vLLM release whose rules size the KV cache ({', '.join(KNOWN_VERSIONS)}; "
-                        f"default {DEFAULT_VERSION}, daemon.vllm_version's)")
+    # the releases are not listed here: gpud.core.vllm_versions stays out of gpuctl's start
+    p.add_argument("--vllm-version", metavar="V",
+                   help="the vLLM release whose rules size the KV cache (one gpud knows; "
+                        "default daemon.vllm_version's)")
     p.add_argument("--device-mib", type=_positive_int, metavar="MIB",
                    help="the device's total memory: vLLM's batch defaults (and so its "
                         "activation peak) grow from 70 GiB (default: a smaller device)")
@@ -76,11 +74,15 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
 
     from gpud.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
     from gpud.core import sizing
-    from gpud.core.vllm_versions import behaviour
+    from gpud.core.vllm_versions import DEFAULT_VERSION, behaviour
 
     if args.context_mib < 0:
         raise usage_error("--context-mib must be >= 0")
-    rules = behaviour(args.vllm_version).kv
+    version = args.vllm_version or DEFAULT_VERSION
+    try:
+        rules = behaviour(version).kv
+    except KeyError as exc:
+        raise usage_error(f"--vllm-version: {exc.args[0]}") from None
     try:
         directory, _local = locate(args.model, args.revision,
                                    hub_cache_of({"HF_HOME": args.hf_home}))
@@ -126,7 +128,7 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     margin = rules.extensible_margin_bytes(transient)
     doc: dict[str, Any] = {
         "model": args.model, "checkpoint": ckpt.where(), "files": list(ckpt.files),
-        "vllm_version": args.vllm_version,
+        "vllm_version": version,
         "weights_mib": w.mib, "weights_bytes": w.bytes, "stored_bytes": w.stored_bytes,
         "dtype": w.dtype, "weights_how": w.how, "estimate": w.estimate,
         "kv_bytes_per_token": kv.per_token_bytes, "kv_dtype": kv.dtype, "kv_note": kv.note,

@@ -3,10 +3,11 @@ imported by the tests: `make DIR DTYPE [DIR DTYPE...]` writes small random Llama
 offline in those dtypes; `load DIR...` loads each in turn with real vLLM, in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: one start's imports for all), and prints, one JSON line each,
 the bytes of the parameters and buffers of the model vLLM built. `make-shapes OUT` writes the KV
-cache shapes (SHAPES: grouped KV heads, tied embeddings, a sliding window, a hybrid of sliding and
-full layers, MLA) and `kv BUDGET MAX_MODEL_LEN BATCHED DIR...` starts each with a KV budget of
-BUDGET bytes (--kv-cache-memory-bytes) and prints what vLLM says that holds (its `KV cache size:
-N tokens` and maximum concurrency, set on cache_config by update_kv_cache_capacity).
+cache shapes (SHAPES: grouped KV heads, tied embeddings, a sliding window, a hybrid of sliding
+and full layers whose last ones share the cache, MLA) and `kv BUDGET MAX_MODEL_LEN BATCHED
+DIR...` starts each with a KV budget of BUDGET bytes (--kv-cache-memory-bytes) and prints what
+vLLM says that holds (its `KV cache size: N tokens` and maximum concurrency, set on
+cache_config by update_kv_cache_capacity).
 
 The CPU build does not log `Model loading took X GiB` (vllm/v1/worker/cpu_model_runner.py:62
 load_model logs only "Starting to load model"; the line is the GPU runners':
@@ -47,9 +48,13 @@ SHAPES: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 1, "tie_word_embeddings": True},
     "sliding": {"arch": "mistral", "num_hidden_layers": 4, "num_attention_heads": 8,
                 "num_key_value_heads": 2, "sliding_window": 256},
-    "hybrid": {"arch": "gemma3", "num_hidden_layers": 6, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "sliding_window": 256,
-               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    # Gemma 4's layout: sliding and full layers (a hybrid), the full ones wider
+    # (global_head_dim), the last two sharing earlier layers' cache (num_kv_shared_layers)
+    "hybrid-shared": {"arch": "gemma4", "num_hidden_layers": 8, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "global_head_dim": 128, "sliding_window": 256,
+                      "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+                      "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+                      "vocab_size_per_layer_input": 1000, "pad_token_id": 0},
     # DeepSeek-V2's attention: the CPU build's MLA kernel takes kv_lora_rank 512 + rope 64 only
     # (vllm/v1/attention/backends/mla/cpu_mla.py:24-25, 61-64 of 0.32.0); every layer dense
     "mla": {"arch": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -74,7 +79,7 @@ def make_shape(out: str, name: str) -> None:
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     }[arch]
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ def test_the_weights_figure_matches_what_vllm_loaded(loaded: dict[str, Any],
 KV_BUDGET = 100_000_000  # bytes: not a whole number of blocks, so the floor shows
 KV_MAX_MODEL_LEN = 16384
 KV_BATCHED_TOKENS = 2048  # the API server's default on a GPU under 70 GiB, given explicitly
-SHAPES = ("dense-gqa", "tied", "sliding", "hybrid", "mla")
+SHAPES = ("dense-gqa", "tied", "sliding", "hybrid-shared", "mla")
 
 
 @pytest.fixture(scope="module")
