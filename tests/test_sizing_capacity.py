@@ -198,3 +198,57 @@ def test_the_seed_s_line_worked_through() -> None:
     now = kv.capacity(budget, 32768, rules)
     assert now.blocks_per_request == 2048 + 5 * 145
     assert (now.tokens, round(now.max_concurrency, 2)) == (38664, 1.18)
+
+
+def test_gpuctl_size_of_a_configured_serve_asks_the_daemon(tmp_path: Path,
+                                                          checkpoints: dict[str, Path]) -> None:
+    """`gpuctl size --serve NAME`: the daemon sizes the serve as configured (its vram_mib, its
+    max_model_len, daemon.vllm_version's rules); before a calibration the activation peak and
+    CUDA graphs are estimated, and said so (tests/test_calibration_vllm.py shows them measured
+    once calibrated)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, start_gpud
+
+    gp = start_gpud(tmp_path, f"""
+[daemon]
+admission = "ledger"
+vllm_version = "0.34.0"
+[roles.r]
+device = "0"
+capacity_mib = 40000
+[serves.fast]
+role = "r"
+vram_mib = 2000
+port = 30001
+[serves.fast.vllm]
+model = "{checkpoints['gqa']}"
+max_model_len = 4096
+[serves.other]
+role = "r"
+vram_mib = 100
+port = 30002
+command = ["/bin/true"]
+""")
+    try:
+        def size(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gp.socket),
+                                   *argv], capture_output=True, text=True, cwd=REPO, check=False)
+
+        out = size("--json", "size", "--serve", "fast")
+        assert out.returncode == 0, out.stderr
+        kv = json.loads(out.stdout)["predicted"]["kv"]
+        assert (kv["vram_mib"], kv["vllm_version"]) == (2000, "0.34.0")
+        assert [d["source"] for d in kv["deductions"]][2:] == ["estimated", "estimated"]
+        assert kv["kv_at_mib"] == 2000 - sum(d["mib"] for d in kv["deductions"])
+        # 0.34's blocks of 64 tokens, 1024 bytes a token: 64 KiB a block, 64 a sequence
+        assert kv["kv_tokens"] == kv["kv_at_mib"] * MIB // (64 * 1024) // 64 * 4096
+        text = size("size", "--serve", "fast")
+        assert text.returncode == 0, text.stderr
+        assert "fast: uncalibrated" in text.stdout
+        assert "activation peak" in text.stdout and "(estimated)" in text.stdout
+        assert size("size", "--serve", "other").returncode == 2
+        assert size("size", "--serve", "fast", str(checkpoints["gqa"])).returncode == 2
+    finally:
+        gp.stop()

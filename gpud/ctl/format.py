@@ -567,11 +567,11 @@ def format_calibration(doc: answers.Calibration) -> str:
                          f"kv_cache_mib = {vllm.get('kv_cache_fit_mib')}")
         elif vllm.get("kv_cache_fit"):
             lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit')}")
-    lines += _predicted_lines(doc.get("predicted"), vllm)
+    lines += predicted_lines(doc.get("predicted"), vllm)
     return "\n".join(lines)
 
 
-def _predicted_lines(p: Any, vllm: Any) -> list[str]:
+def predicted_lines(p: Any, vllm: Any) -> list[str]:
     """The checkpoint's prediction beside vLLM's measured weights, so a wrong one shows."""
     if not p:
         return []

@@ -30,9 +30,12 @@ def _positive_int(text: str) -> int:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
+    p.add_argument("model", metavar="MODEL", nargs="?",
                    help="a checkpoint directory, or a repository id (ORG/NAME) in the serves' "
                         "model cache")
+    p.add_argument("--serve", metavar="NAME",
+                   help="instead of MODEL: a configured serve, sized by the daemon with the "
+                        "overheads its calibration measured (estimated until it has one)")
     p.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="the longest sequence (default: the model's context length, as vLLM "
                         "takes it; longer is refused)")
@@ -206,8 +209,33 @@ def format_size(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def serve_doc(ctl: Any, name: str) -> dict[str, Any]:
+    """A configured serve's sizes as the daemon has them (GET /v1/serves/NAME/calibration: its
+    checkpoint's prediction, and what its reservation leaves for the KV cache with the
+    overheads its current calibration measured)."""
+    from gpud.ctl.client import quote_segment
+
+    view = ctl.client.call("GET", f"/v1/serves/{quote_segment(name)}/calibration")
+    if view.get("predicted") is None:
+        raise usage_error(f"{name} is not a vllm serve: gpud sizes vllm serves only", serve=name)
+    return {"serve": name, "status": view.get("status"), "predicted": view["predicted"],
+            "vllm": view.get("vllm")}
+
+
+def format_serve_size(d: dict[str, Any]) -> str:
+    from gpud.ctl.format import predicted_lines
+
+    return "\n".join([f"{d['serve']}: {d['status']}",
+                      *predicted_lines(d["predicted"], d.get("vllm"))])
+
+
 def run(ctl: Any, args: argparse.Namespace) -> int:
     """gpud.ctl.commands.run_size's (`ctl` its Ctl: this module does not import it back)."""
+    if (args.model is None) == (args.serve is None):
+        raise usage_error("give MODEL (a checkpoint) or --serve NAME (a configured serve)")
+    if args.serve is not None:
+        ctl.emit(serve_doc(ctl, args.serve), format_serve_size)
+        return EXIT_OK
     doc = size_doc(args)
     ctl.emit(doc, format_size)
     return EXIT_REFUSED if doc["fits"] is False else EXIT_OK
