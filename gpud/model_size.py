@@ -177,7 +177,8 @@ def kv_at_reservation(spec: ServeConfig, daemon: DaemonConfig, sized: Sized, max
     weights_mib = sized.weights.mib
     weights_from = ESTIMATED if sized.weights.estimate else "checkpoint"
     if figures:
-        overheads = replace(measured_overheads(figures, estimate),
+        overheads = replace(measured_overheads(figures, estimate,
+                                               budget_mib=spec.vram_mib - spec.vllm.context_mib),
                             context_mib=spec.vllm.context_mib, context_from=CONFIGURED)
         if isinstance(figures.get("weights_mib"), int):
             weights_mib, weights_from = int(figures["weights_mib"]), MEASURED

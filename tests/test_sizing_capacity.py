@@ -252,3 +252,33 @@ command = ["/bin/true"]
         assert size("size", "--serve", "fast", str(checkpoints["gqa"])).returncode == 2
     finally:
         gp.stop()
+
+
+def test_the_seed_s_reservation_estimated_then_measured() -> None:
+    """14336 MiB for E4B FP8-Dynamic at util 0.4396 of 32607 MiB (vLLM's budget 14334 MiB):
+    weights 11.49 GiB (11766 MiB, vLLM's figure), 0.80 GiB of KV. Before a start gpud
+    estimates the activation peak and graphs (text-only: the vision tower's profile is not in
+    its rule, so it leaves far more KV than vLLM did); once calibrated, the same reservation
+    gives back vLLM's KV cache and its tokens."""
+    from dataclasses import replace
+
+    from gpud.core.sizing import IN_ACTIVATION, MEASURED, estimate_overheads, measured_overheads
+
+    kv = kv_cache(E4B)
+    seed_rules = replace(behaviour(V033).kv, in_flight_batches=1)
+    est = estimate_overheads(E4B, "bfloat16", seed_rules, context_mib=0, device_mib=32607)
+    assert (est.activation_mib, est.graphs_mib) == (624, 28)
+    guess = at_reservation(14336, 11766, MEASURED, kv, 32768, est, seed_rules)
+    assert guess.kv_mib == 14336 - 11766 - 624 - 28 == 1918
+    figures = {"budget_mib": 14334, "weights_mib": 11766, "kv_cache_mib": 818,
+               "cudagraph_mib": None, "context_mib": None}
+    measured = replace(measured_overheads(figures, est, budget_mib=14336), context_mib=0)
+    # what the reservation held besides weights and KV: activation, graphs, non-torch memory
+    # and util's 2 MiB floor, in one figure (vLLM logged no graph figure here)
+    assert (measured.activation_mib, measured.activation_from) == (1752, MEASURED)
+    assert (measured.graphs_mib, measured.graphs_from) == (0, IN_ACTIVATION)
+    at = at_reservation(14336, 11766, MEASURED, kv, 32768, measured, seed_rules)
+    assert at.kv_mib == 818 and at.capacity.blocks == 3272
+    assert (at.capacity.tokens, round(at.capacity.max_concurrency, 2)) == (43708, 1.33)
+    # one sequence of 32768 beside the null block: 2454 blocks, 614 MiB
+    assert smallest_reservation(1, 11766, kv, 32768, measured, seed_rules) == (14132, 614)

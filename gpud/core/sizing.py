@@ -662,6 +662,8 @@ def shortfall(vram_mib: int, n: Need, kv: KvCache, rules: KvRules = DEFAULT_RULE
 ESTIMATED = "estimated"
 MEASURED = "measured"
 CONFIGURED = "configured"
+# a figure vLLM logged none of, counted inside another measured one
+IN_ACTIVATION = "measured, in the activation peak"
 # the sampler's dummy run of the profile keeps fp32 logits and their probabilities
 SAMPLER_COPIES = 2
 
@@ -726,32 +728,43 @@ def estimate_overheads(config: Mapping[str, Any], dtype: str, rules: KvRules, *,
     return Overheads(mib_up(activation), mib_up(graphs), context_mib, how=how)
 
 
-def measured_overheads(figures: Mapping[str, Any], estimate: Overheads) -> Overheads:
+def measured_overheads(figures: Mapping[str, Any], estimate: Overheads, *,
+                       budget_mib: int | None = None) -> Overheads:
     """The overheads a calibration measured (its vLLM figures, gpud.vllm_log): the CUDA graph
     pool vLLM logged, the context beyond its budget NVML showed, and the activation peak as
-    what the budget held besides the weights, the KV cache and the graphs vLLM set aside
-    (budget - weights - KV - graphs: vLLM's own determine_available_memory, read backwards).
-    A figure the calibration lacks stays the estimate's, and says so."""
+    what the budget held besides the weights, the KV cache and the graphs (vLLM's own
+    determine_available_memory, read backwards). Only a util-sized start (its figures have
+    `budget_mib`) says it. `budget_mib` is the budget to read it from: gpud's (the reservation
+    less vllm.context_mib), so that the few MiB util's 4-decimal floor takes land in the
+    activation figure and the same reservation gives back vLLM's KV cache. Without a graph
+    figure (vLLM logged none) the graphs are inside the activation figure. A figure the
+    calibration lacks stays the estimate's, and says so."""
     def num(key: str) -> int | None:
         value = figures.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     graphs, context = num("cudagraph_mib"), num("context_mib")
-    budget, weights_mib = num("budget_mib"), num("weights_mib")
+    budget = budget_mib if budget_mib is not None and num("budget_mib") is not None \
+        else num("budget_mib")
+    weights_mib = num("weights_mib")
     kv = num("kv_cache_estimate_mib") or num("kv_cache_mib")
     activation = None
-    if None not in (budget, weights_mib, kv):
-        assert budget is not None and weights_mib is not None and kv is not None
+    if budget is not None and weights_mib is not None and kv is not None:
         activation = max(0, budget - weights_mib - kv - (graphs or 0))
+    graphs_mib, graphs_from = estimate.graphs_mib, estimate.graphs_from
+    if graphs is not None:
+        graphs_mib, graphs_from = graphs, MEASURED
+    elif activation is not None:
+        graphs_mib, graphs_from = 0, IN_ACTIVATION
     return Overheads(
         activation_mib=activation if activation is not None else estimate.activation_mib,
-        graphs_mib=graphs if graphs is not None else estimate.graphs_mib,
+        graphs_mib=graphs_mib,
         context_mib=context if context is not None else estimate.context_mib,
         activation_from=MEASURED if activation is not None else estimate.activation_from,
-        graphs_from=MEASURED if graphs is not None else estimate.graphs_from,
+        graphs_from=graphs_from,
         context_from=MEASURED if context is not None else estimate.context_from,
         how="measured by gpuctl calibrate (vLLM's start-up lines)"
-            + ("; " + estimate.how if None in (activation, graphs, context) else ""))
+            + ("; " + estimate.how if None in (activation, context) else ""))
 
 
 @dataclass(frozen=True)
