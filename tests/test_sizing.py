@@ -181,3 +181,33 @@ def test_the_minimum_and_what_fits_instead() -> None:
     assert why is not None and "no shorter max_model_len fits" in why
     assert need(w, kv, 4096, 512, kv_cache_mib=100).kv_mib == 100
     assert kv.longest_fitting(3 * MIB, 1 << 20) == 3056
+
+
+def test_gemma4_s_wider_full_layers_and_unified_pages() -> None:
+    """Gemma 4's full-attention layers: global_head_dim (512 when its config.json omits it),
+    num_global_key_value_heads only with attention_k_eq_v; transformers 5 writes them as
+    per_layer_config instead. Pages of different sizes are unified as vLLM does: the
+    smaller kind's blocks made longer."""
+    types = ["sliding_attention"] * 3 + ["full_attention"]
+    g4 = {"model_type": "gemma4_text", "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 64, "layer_types": types,
+          "sliding_window": 128, "dtype": "bfloat16"}
+    assert kv_cache(g4).full_bytes == 2 * 2 * 512 * 2  # the default global_head_dim
+    assert kv_cache({**g4, "global_head_dim": 128}).full_bytes == 2 * 2 * 128 * 2
+    # the kv-head override is gated by attention_k_eq_v
+    assert kv_cache({**g4, "global_head_dim": 128, "num_global_key_value_heads": 1}
+                    ).full_bytes == 2 * 2 * 128 * 2
+    assert kv_cache({**g4, "global_head_dim": 128, "num_global_key_value_heads": 1,
+                     "attention_k_eq_v": True}).full_bytes == 2 * 1 * 128 * 2
+    written = {**g4, "per_layer_config": {"3": {"head_dim": 128}}}
+    kv = kv_cache(written)
+    assert (kv.full_bytes, kv.layer_bytes_per_token) == (1024, 512)
+    assert kv.per_token_bytes == 1024 + 3 * 512
+    # pages: a full layer's 16 x 1024, a sliding layer's 16 x 512 made 32 tokens long
+    assert kv.pages() == (16384, 16, 32)
+    # groups of 1 layer (3 >= 1.5 x 1): a block is one 16 KiB page
+    assert kv.block_bytes() == 16384
+    # a sliding layer: the window - 1 and two batches of 2048, at most the 4096 of a sequence
+    assert kv.blocks_per_request(4096) == 256 + 3 * (-(-min(127 + 2 * 2048, 4096) // 32) + 1)
+    # the same widths everywhere: nothing changes
+    assert kv_cache(LLAMA_CONFIG).full_layer_bytes_per_token is None

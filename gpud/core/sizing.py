@@ -324,6 +324,10 @@ def rope_cache_bytes(config: Mapping[str, Any], width: int) -> int:
     return positions * rotary * width
 
 
+# layer_types' names of a layer that keeps every token
+FULL_KINDS = ("full_attention", "attention", "global")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -522,15 +526,26 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         layer_bytes = 2 * per_device * head_dim * width
         # Gemma 4: its full-attention layers are wider, global_head_dim (512 unless given) and,
         # with attention_k_eq_v, num_global_key_value_heads KV heads (transformers'
-        # Gemma4TextConfig.__post_init__ per_layer_config; vllm/model_executor/models/
-        # gemma4.py:576-580 Gemma4DecoderLayer takes them per layer)
-        if str(tc.get("model_type", "")).startswith("gemma4"):
+        # Gemma4TextConfig.__post_init__; vllm/model_executor/models/
+        # gemma4.py:576-580 Gemma4DecoderLayer takes them per layer). transformers 5 writes
+        # them as per_layer_config {layer index: {"head_dim", "num_key_value_heads"}}.
+        overrides = tc.get("per_layer_config")
+        types_ = tc.get("layer_types")
+        full_at = ([i for i, t in enumerate(types_) if t in FULL_KINDS]
+                   if isinstance(types_, list) else [])
+        if isinstance(overrides, Mapping) and overrides and full_at:
+            first = overrides.get(str(full_at[0]), overrides.get(full_at[0]))
+            if isinstance(first, Mapping):
+                global_dim = _int(first, "head_dim") or head_dim
+                global_heads = _int(first, "num_key_value_heads") or kv_heads
+                full_bytes = 2 * -(-global_heads // devices) * global_dim * width
+        elif str(tc.get("model_type", "")).startswith("gemma4"):
             global_dim = _int(tc, "global_head_dim") or 512
             global_heads = (_int(tc, "num_global_key_value_heads")
                             if tc.get("attention_k_eq_v") is True else None) or kv_heads
             full_bytes = 2 * -(-global_heads // devices) * global_dim * width
-            if full_bytes != layer_bytes:
-                notes.append(f"full-attention layers {full_bytes} bytes a token")
+        if full_bytes and full_bytes != layer_bytes:
+            notes.append(f"full-attention layers {full_bytes} bytes a token")
     types = tc.get("layer_types")
     window = _int(tc, "sliding_window", "attention_window_size")
     full, sliding = layers, 0
@@ -538,7 +553,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
                                                                  for x in types):
         shared = _int(tc, "num_kv_shared_layers") or 0
         own = types[:layers - shared] if shared < layers else []
-        full = sum(1 for x in own if x in ("full_attention", "attention", "global"))
+        full = sum(1 for x in own if x in FULL_KINDS)
         sliding = sum(1 for x in own if x in ("sliding_attention", "chunked_attention",
                                               "local", "sliding"))
         other = len(own) - full - sliding
@@ -555,7 +570,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
     if sliding:
         notes.append(f"{sliding} sliding-window layers ({window} tokens)")
     return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes),
-                   full_bytes if full_bytes != layer_bytes else None)
+                   full_bytes if full_bytes and full_bytes != layer_bytes else None)
 
 
 # The keys a config gives its context length by (vllm/transformers_utils/model_arch_config_
