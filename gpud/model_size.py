@@ -37,6 +37,7 @@ from gpud.core.sizing import (
     Need,
     NotApplicable,
     SizingError,
+    Source,
     Unknown,
     Weights,
     at_reservation,
@@ -175,7 +176,7 @@ def kv_at_reservation(spec: ServeConfig, daemon: DaemonConfig, sized: Sized, max
                                   context_mib=spec.vllm.context_mib, device_mib=device_mib)
     overheads = estimate
     weights_mib = sized.weights.mib
-    weights_from = ESTIMATED if sized.weights.estimate else "checkpoint"
+    weights_from = ESTIMATED if sized.weights.estimate else Source.CHECKPOINT
     if figures:
         overheads = replace(measured_overheads(figures, estimate,
                                                budget_mib=spec.vram_mib - spec.vllm.context_mib),

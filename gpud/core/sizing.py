@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from gpud.core.vllm_versions import DEFAULT_VERSION, KvRules, behaviour
@@ -672,13 +673,18 @@ def shortfall(vram_mib: int, n: Need, kv: KvCache, rules: KvRules = DEFAULT_RULE
     return why + f", or max_model_len <= {longest} fits {vram_mib} MiB"
 
 
-# What a start measures and a checkpoint does not say. Each figure is "estimated" (gpud's rule
-# of thumb), "measured" (a calibration's vLLM lines) or "configured".
-ESTIMATED = "estimated"
-MEASURED = "measured"
-CONFIGURED = "configured"
-# a figure vLLM logged none of, counted inside another measured one
-IN_ACTIVATION = "measured, in the activation peak"
+class Source(StrEnum):
+    """Where a figure of a reservation comes from."""
+
+    CHECKPOINT = "checkpoint"  # read from the checkpoint's headers
+    ESTIMATED = "estimated"  # gpud's rule of thumb (or an online quantization's estimate)
+    MEASURED = "measured"  # a calibration's vLLM lines
+    CONFIGURED = "configured"  # the config (vllm.context_mib, gpuctl size --context-mib)
+    IN_ACTIVATION = "measured, in the activation peak"  # vLLM logged none of it apart
+
+
+ESTIMATED, MEASURED, CONFIGURED, IN_ACTIVATION = (Source.ESTIMATED, Source.MEASURED,
+                                                  Source.CONFIGURED, Source.IN_ACTIVATION)
 # the sampler's dummy run of the profile keeps fp32 logits and their probabilities
 SAMPLER_COPIES = 2
 
@@ -691,9 +697,9 @@ class Overheads:
     activation_mib: int
     graphs_mib: int
     context_mib: int
-    activation_from: str = ESTIMATED
-    graphs_from: str = ESTIMATED
-    context_from: str = CONFIGURED
+    activation_from: Source = ESTIMATED
+    graphs_from: Source = ESTIMATED
+    context_from: Source = CONFIGURED
     how: str = ""
 
     @property
@@ -786,7 +792,7 @@ def measured_overheads(figures: Mapping[str, Any], estimate: Overheads, *,
 class Deduction:
     name: str
     mib: int
-    source: str  # ESTIMATED, MEASURED, CONFIGURED, or "checkpoint"
+    source: Source
 
 
 @dataclass(frozen=True)
@@ -803,7 +809,7 @@ class AtReservation:
         return self.capacity.kv_bytes // MIB
 
 
-def at_reservation(vram_mib: int, weights_mib: int, weights_from: str, kv: KvCache,
+def at_reservation(vram_mib: int, weights_mib: int, weights_from: Source, kv: KvCache,
                    max_model_len: int, overheads: Overheads, rules: KvRules = DEFAULT_RULES,
                    *, batched_tokens: int | None = None) -> AtReservation:
     """vLLM's KV budget out of `vram_mib`: util x total is the reservation less the context

@@ -124,7 +124,7 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
             f"one sequence of {length} tokens needs --vram-mib >= {for_one} (>= {n.minimum_mib} "
             "without the estimated activation peak and CUDA graphs)", model=args.model)
     vram = args.vram_mib if args.vram_mib is not None else for_n
-    weights_from = "estimated" if w.estimate else "checkpoint"
+    weights_from = sizing.Source.ESTIMATED if w.estimate else sizing.Source.CHECKPOINT
     at = sizing.at_reservation(vram, w.mib, weights_from, kv, length, overheads, rules)
     cap = at.capacity
     transient = (overheads.activation_mib + overheads.graphs_mib) * sizing.MIB
