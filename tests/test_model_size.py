@@ -242,3 +242,19 @@ def test_a_config_gpud_cannot_size_is_unknown_not_an_error(tmp_path: Path) -> No
     parse_config(config(str(d), 100), "t")
     (found,) = problems(config(str(d), 10))
     assert found.startswith("serves.fast.vram_mib: 10 MiB is below the weights alone: 38 MiB")
+
+
+def test_a_setting_vllm_would_refuse_is_an_error_at_its_key(big: Path) -> None:
+    """A max_model_len over the model's window and a quantization that does not apply: one
+    problem each, at the key, naming what fits (the config check: --check-config exits 2,
+    POST /v1/plan and /v1/apply answer 400)."""
+    (found,) = problems(config(str(big), 4000).replace("max_model_len = 8192",
+                                                        "max_model_len = 16384"))
+    assert found.startswith("serves.fast.vllm.max_model_len: max_model_len 16384 is over the "
+                            "model's context length 8192 (max_position_embeddings in "
+                            "config.json)")
+    assert "use max_model_len <= 8192" in found
+    (found,) = problems(config(str(big), 4000, 'quantization = "fp8"'))
+    assert found.startswith("serves.fast.vllm.quantization: quantization 'fp8' does not apply "
+                            "to an unquantized checkpoint")
+    assert "use fp8_per_tensor" in found
