@@ -121,9 +121,9 @@ def test_a_release_s_block_and_its_extensible_margin() -> None:
         assert at.capacity.tokens == int(at.capacity.blocks / blocks * 1000)
         assert at.capacity.blocks * rules.block_tokens == tokens
     assert behaviour(V033).kv.extensible_margin_bytes(10 * MIB) is None
-    # max(1 GiB, 0.75 x the transient peak) + 0.5 GiB
-    assert behaviour(V034).kv.extensible_margin_bytes(4096 * MIB) == (3072 + 512) * MIB
-    assert behaviour(V034).kv.extensible_margin_bytes(100 * MIB) == (1024 + 512) * MIB
+    # max(1 GiB, 0.75 x the transient peak) of the device kept free
+    assert behaviour(V034).kv.extensible_margin_bytes(4096 * MIB) == 3072 * MIB
+    assert behaviour(V034).kv.extensible_margin_bytes(100 * MIB) == 1024 * MIB
     assert smallest_reservation(2, 100, kv, 1000, Overheads(7, 3, 512)) == (
         100 + 7 + 3 + 512 + 2, 2)  # 2 x 63 + 1 blocks of 16 KiB: 2 MiB, rounded up
 
@@ -143,7 +143,7 @@ def test_gpuctl_json_carries_the_reservation_s_kv(checkpoints: dict[str, Path]) 
     assert out.returncode == 0, out.stderr
     assert "vLLM 0.34.0: blocks of 64 tokens" in out.stdout
     assert "for 1 at once, " in out.stdout and " for 3 at once" in out.stdout
-    assert "extensible KV cache would keep a margin of 1536 MiB" in out.stdout
+    assert "extensible KV cache would keep 1024 MiB of the device free" in out.stdout
 
 
 @pytest.mark.parametrize(("argv", "said"), [

@@ -99,10 +99,13 @@ class KvRules:
     # the largest CUDA graph captured: min(2 x max_num_seqs, 512) tokens
     # (config/vllm.py _set_cudagraph_sizes)
     max_graph_tokens: int
-    # 0.34's extensible KV cache, when on, sizes the cache after warm-up and keeps a margin of
-    # max(1 GiB, 0.75 x the transient peak) + 0.5 GiB (v1/worker/extensible_kv_cache.py:
-    # 592-618); None where the release has none. gpud turns it off (extensible_kv_off_arg).
-    extensible_margin: tuple[int, float, int] | None
+    # 0.34's extensible KV cache, when on, sizes the cache after warm-up: min(budget - what is
+    # used, device headroom - max(1 GiB, 0.75 x the transient peak)) less the transient peak
+    # (v1/worker/extensible_kv_cache.py:64-65 KV_CACHE_MARGIN_FLOOR_BYTES / _FRACTION, 592-618
+    # measure_kv_cache_bytes): (floor, fraction) of that headroom margin; None where the release
+    # has none. gpud turns it off (extensible_kv_off_arg).
+    extensible_margin: tuple[int, float] | None
+    # where each figure was read (gpuctl size --json carries it as rules_source)
     source: str
 
     def batch_defaults(self, device_mib: int | None) -> tuple[int, int]:
@@ -112,26 +115,29 @@ class KvRules:
         return self.batched_tokens[big], self.max_num_seqs[big]
 
     def extensible_margin_bytes(self, transient_peak_bytes: int) -> int | None:
+        """The device headroom the extensible cache keeps free: max(floor, fraction x the
+        transient peak); None without one."""
         if self.extensible_margin is None:
             return None
-        floor, share, extra = self.extensible_margin
-        return max(floor, int(share * transient_peak_bytes)) + extra
+        floor, share = self.extensible_margin
+        return max(floor, int(share * transient_peak_bytes))
 
 
 KV_033 = KvRules(block_tokens=16, in_flight_batches=2, batched_tokens=(2048, 8192),
                  max_num_seqs=(256, 1024), max_graph_tokens=512, extensible_margin=None,
                  source="vLLM 0.33.0: config/cache.py:185 DEFAULT_BLOCK_SIZE 16; config/vllm.py"
-                        ":588-598 max_concurrent_batches, :1719 async scheduling on; engine/"
+                        ":588-598 max_concurrent_batches, :1719 async scheduling on (__post_init__), "
+                        ":2453-2470 _set_cudagraph_sizes; engine/"
                         "arg_utils.py:2973-3005 get_batch_defaults; v1/core/kv_cache_planning.py;"
                         " v1/worker/gpu_worker.py:707-756")
 KV_034 = KvRules(block_tokens=64, in_flight_batches=2, batched_tokens=(2048, 8192),
                  max_num_seqs=(256, 1024), max_graph_tokens=512,
-                 extensible_margin=(GIB, 0.75, GIB // 2),
+                 extensible_margin=(GIB, 0.75),
                  source="vLLM 0.34.0: config/cache.py:185 DEFAULT_BLOCK_SIZE 64; config/vllm.py"
                         ":560-566 max_concurrent_batches, :1637 async scheduling on; engine/"
                         "arg_utils.py:3010-3042 get_batch_defaults; v1/core/kv_cache_planning.py;"
                         " v1/worker/gpu_worker.py:742-779; v1/worker/extensible_kv_cache.py:"
-                        "592-618")
+                        "64-65, 592-618")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     margin = rules.extensible_margin_bytes(transient)
     doc: dict[str, Any] = {
         "model": args.model, "checkpoint": ckpt.where(), "files": list(ckpt.files),
-        "vllm_version": version,
+        "vllm_version": version, "rules_source": rules.source,
         "weights_mib": w.mib, "weights_bytes": w.bytes, "stored_bytes": w.stored_bytes,
         "dtype": w.dtype, "weights_how": w.how, "estimate": w.estimate,
         "kv_bytes_per_token": kv.per_token_bytes, "kv_dtype": kv.dtype, "kv_note": kv.note,
@@ -192,8 +192,9 @@ def format_size(d: dict[str, Any]) -> str:
              f"{n} tokens ({d['sequences']} sequences at once)",
              f"  ({d['overheads_how']})"]
     if d.get("extensible_margin_mib") is not None:
-        lines.append(f"  vLLM {d['vllm_version']}'s extensible KV cache would keep a margin of "
-                     f"{d['extensible_margin_mib']} MiB; gpud turns it off "
+        lines.append(f"  vLLM {d['vllm_version']}'s extensible KV cache would keep "
+                     f"{d['extensible_margin_mib']} MiB of the device free beside it and the "
+                     "transient peak out of it; gpud turns it off "
                      "(--no-enable-extensible-kv-cache)")
     lines.append("smallest reservation: " + ", ".join(
         f"{v} MiB for {k} at once" for k, v in d["smallest_mib"].items())
