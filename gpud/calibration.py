@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.core import answers
+from gpud.core.config import ServeConfig
 from gpud.core.launch import (
     fingerprint,
     kv_cache_fit_mib,
@@ -28,7 +29,7 @@ from gpud.core.launch import (
 )
 from gpud.core.vocab import RUNNING, EventKind, serve_unit
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
-from gpud.model_size import size_serve
+from gpud.model_size import Sized, kv_at_reservation, size_serve
 from gpud.observer import Observer
 from gpud.service import LedgerService
 from gpud.store import Calibration, Changes
@@ -97,6 +98,7 @@ class Calibrator:
         self.runs: dict[str, Run] = {}
         self._records: dict[tuple[str, str], Calibration] = {}
         # serve -> (fingerprint, its prediction): a checkpoint is read once per fingerprint
+        # serve -> (fingerprint and calibration, its prediction): a checkpoint is read once each
         self._predicted: dict[str, tuple[str, answers.Predicted]] = {}
 
     def load(self) -> None:
@@ -180,13 +182,18 @@ class Calibrator:
         return kv_cache_fit_mib(spec.vram_mib, rec.vllm)[0]
 
     def predicted(self, serve: str) -> answers.Predicted | None:
-        """What the serve's checkpoint on disk says it needs (None: not a vllm serve)."""
+        """What the serve's checkpoint on disk says it needs (None: not a vllm serve), and what
+        its reservation leaves for the KV cache: with the overheads its current calibration
+        measured once there is one (as Ollama replaces its estimate with what the engine
+        logged), else gpud's estimate, each deduction saying which."""
         spec = self.svc.serve_spec(serve)
         if spec is None or spec.vllm is None:
             return None
         fp = fingerprint(spec)
+        rec = self.record_of(serve)
+        key = f"{fp}@{rec.ts if rec is not None else ''}"
         hit = self._predicted.get(serve)
-        if hit is not None and hit[0] == fp:
+        if hit is not None and hit[0] == key:
             return hit[1]
         sized = size_serve(spec, self.svc.config.daemon)
         n = sized.need
@@ -198,8 +205,20 @@ class Calibrator:
             "how": (f"{n.arithmetic()}; weights {sized.weights.how if sized.weights else ''}, "
                     f"read from {sized.where}" if n
                     else sized.unknown or sized.error or "unknown until its first start")}
-        self._predicted[serve] = (fp, found)
+        if n is not None and sized.weights is not None and sized.kv is not None \
+                and sized.config is not None:
+            found["kv"] = self._at_reservation(spec, sized, n.max_model_len,
+                                               rec.vllm if rec is not None else None)
+        self._predicted[serve] = (key, found)
         return found
+
+    def _at_reservation(self, spec: ServeConfig, sized: Sized, max_model_len: int,
+                        figures: dict[str, Any] | None) -> answers.PredictedKv:
+        roles = [self.svc.ledger.roles.get(r) for r in spec.all_roles]
+        total = smallest_total([self.observer.device_total(r.device) if r else None
+                                for r in roles])
+        return kv_at_reservation(spec, self.svc.config.daemon, sized, max_model_len, figures,
+                                 device_mib=total)
 
     def view(self, serve: str) -> answers.Calibration:
         status, fp = self.calibration_of(serve)

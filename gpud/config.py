@@ -40,7 +40,8 @@ from gpud.core.launch import (
 )
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.router import duplicate_names, listen_port, listen_problem, model_name_problem
-from gpud.core.vllm_versions import BEHAVIOURS, CHECKPOINT_ROUTES, extra_args_problems
+from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, extra_args_problems
+from gpud.core.vllm_versions import behaviour as vllm_behaviour
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
 from gpud.vllm_flags import check_serve_args, load_table
@@ -309,13 +310,12 @@ def config_warnings(cfg: Config) -> list[str]:
                             "/dev/shm: set container.shm_size (e.g. \"16g\") or container.ipc "
                             "= \"host\"")
         if serve.sleep_level and not serve.front and serve.port is not None:
-            known = BEHAVIOURS.get(cfg.daemon.vllm_version)
+            known = vllm_behaviour(cfg.daemon.vllm_version)
             # vLLM 0.34 registers /checkpoint/* on every sleep-mode serve, without dev mode or
             # --api-key (vllm/entrypoints/launchers/api_server/routers.py:68-73 of 0.34.0)
             checkpoint = (f"; on vLLM {known.version} also {', '.join(CHECKPOINT_ROUTES)} "
                           "(a prepared serve stops serving until restored)"
-                          if known is not None and known.checkpoint_routes and serve.vllm
-                          else "")
+                          if known.checkpoint_routes and serve.vllm else "")
             warnings.append(f"serves.{name}.front: a serve with sleep_level runs with vLLM's "
                             "dev routes (/sleep, /wake_up, /collective_rpc)"
                             f"{checkpoint}, open to every local user on port {serve.port}: "
@@ -349,16 +349,20 @@ def _vllm_problems(cfg: Config) -> list[str]:
     against the flag table of daemon.vllm_version, and utilizations that floor to 0."""
     problems: list[str] = []
     vllm_serves = {n: s for n, s in cfg.serves.items() if s.vllm is not None}
+    # A release gpud does not know is refused whether or not a vllm serve runs it: the daemon
+    # looks its rules up (gpud.core.vllm_versions.behaviour) for sleep, reconciliation and
+    # sizing too, and never falls back to another release's.
     try:
         table = load_table(cfg.daemon.vllm_version)
     except KeyError as exc:
-        if vllm_serves:
-            problems.append(f"daemon.vllm_version: {exc.args[0]}")
+        problems.append(f"daemon.vllm_version: {exc.args[0]}")
         table = None
-    behaviour = BEHAVIOURS.get(cfg.daemon.vllm_version)
-    if behaviour is None and table is not None and vllm_serves:
-        problems.append(f"daemon.vllm_version: gpud knows the behaviour of vLLM "
-                        f"{', '.join(sorted(BEHAVIOURS))}, not {cfg.daemon.vllm_version!r}")
+    try:
+        behaviour: VllmBehaviour | None = vllm_behaviour(cfg.daemon.vllm_version)
+    except KeyError as exc:
+        behaviour = None
+        if table is not None:
+            problems.append(f"daemon.vllm_version: {exc.args[0]}")
     totals = device_totals(cfg)
     for name, serve in cfg.serves.items():
         roles = [cfg.roles.get(r) for r in serve.all_roles]
@@ -420,7 +424,7 @@ def _vllm_problems(cfg: Config) -> list[str]:
                 f"serves.{name}.environment.VLLM_ENGINE_READY_TIMEOUT_S: {ready!r} must be a "
                 f"whole number of seconds >= start_timeout_s {serve.start_timeout_s:g} (vLLM "
                 "would give up on its engine before gpud does)")
-        if table is None:
+        if table is None or behaviour is None:
             continue
         parts = vllm_arg_parts(serve, executable=cfg.daemon.vllm_executable, util="0.5000",
                                vllm_version=cfg.daemon.vllm_version)

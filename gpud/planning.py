@@ -54,7 +54,7 @@ def plan_json(text: str, source: str, inputs: PlanInputs) -> str:
 
 
 def plan_sizes(cfg: Config) -> list[PlanSize]:
-    from gpud.model_size import size_serve
+    from gpud.model_size import kv_at_reservation, size_serve
 
     sizes: list[PlanSize] = []
     for name, serve in sorted(cfg.serves.items()):
@@ -64,8 +64,14 @@ def plan_sizes(cfg: Config) -> list[PlanSize]:
         n = sized.need
         how = (n.arithmetic() if n is not None
                else sized.unknown or sized.error or "unknown until its first start")
-        sizes.append({"serve": name, "vram_mib": serve.vram_mib,
-                      "minimum_mib": n.minimum_mib if n else None,
-                      "headroom_mib": serve.vram_mib - n.minimum_mib if n else None,
-                      "how": how})
+        size: PlanSize = {"serve": name, "vram_mib": serve.vram_mib,
+                          "minimum_mib": n.minimum_mib if n else None,
+                          "headroom_mib": serve.vram_mib - n.minimum_mib if n else None,
+                          "how": how}
+        if n is not None and sized.weights is not None and sized.kv is not None \
+                and sized.config is not None and serve.vram_mib >= sized.weights.mib:
+            # what the reservation leaves for the KV cache, with gpud's estimated overheads
+            # (the daemon's calibration view replaces them with measured ones)
+            size["kv"] = kv_at_reservation(serve, cfg.daemon, sized, n.max_model_len, None)
+        sizes.append(size)
     return sizes

@@ -26,7 +26,7 @@ import aiohttp
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
 from gpud.core.states import Cause
-from gpud.core.vllm_versions import BEHAVIOURS
+from gpud.core.vllm_versions import behaviour
 from gpud.core.vocab import RUNNING, SLEEPING, EventKind, SleepAction
 from gpud.errors import Denied, GpudError
 from gpud.observer import Observer
@@ -129,8 +129,7 @@ class Reconciler:
         """Whether a serve that says it sleeps is in fact prepared for a process checkpoint
         (vLLM 0.34's `GET /checkpoint/status`, `{"state": ...}`: 200 prepared, 503 otherwise,
         500 failed: api_router.py:80-97). Asked only on a release that has the route."""
-        known = BEHAVIOURS.get(self.svc.config.daemon.vllm_version)
-        if said is not True or known is None or not known.checkpoint_routes:
+        if said is not True or not behaviour(self.svc.config.daemon.vllm_version).checkpoint_routes:
             return False
         try:
             async with self.serves.serve_http(serve, spec).get(

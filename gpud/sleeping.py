@@ -37,7 +37,7 @@ from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.states import Cause
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
-from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
+from gpud.core.vllm_versions import VllmBehaviour, behaviour
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
 from gpud.locks import Locks, Rank, Taken
@@ -178,8 +178,9 @@ class Sleeps:
 
     @property
     def vllm(self) -> VllmBehaviour:
-        """What the serves' vLLM release does (daemon.vllm_version; 0.33's when unknown)."""
-        return BEHAVIOURS.get(self.svc.config.daemon.vllm_version) or BEHAVIOURS[V033]
+        """What the serves' vLLM release does (daemon.vllm_version, which the config check
+        holds to a release gpud knows)."""
+        return behaviour(self.svc.config.daemon.vllm_version)
 
     def _host_need(self, serve: str, level: int) -> int:
         """What a sleep at `level` parks in host RAM, as the serves' vLLM release parks it

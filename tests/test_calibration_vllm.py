@@ -9,6 +9,7 @@ from pathlib import Path
 from gpud.calibration import Calibrator
 from gpud.config import parse_config
 from gpud.core.launch import fingerprint
+from gpud.core.sizing import MIB
 from gpud.ctl.format import format_serve
 from gpud.service import LedgerService
 from gpud.store import MIGRATIONS, Calibration, Changes, Store
@@ -146,6 +147,16 @@ def test_the_calibration_shows_the_checkpoints_prediction_beside_vllms(tmp_path:
     cal = calibrator(tmp_path / "a", CONFIG.replace('model = "m"', f'model = "{model}"'),
                      {**VLLM, "weights_mib": 5})
     view = cal.view("v")
+    kv = view["predicted"].pop("kv")
+    # weights and CUDA graphs as the calibration measured them; no budget recorded (an exactly
+    # sized serve), so the activation peak stays gpud's estimate, and says so
+    assert [(d["name"], d["source"]) for d in kv["deductions"]] == [
+        ("weights", "measured"), ("context", "configured"), ("activation peak", "estimated"),
+        ("CUDA graphs", "measured")]
+    assert [d["mib"] for d in kv["deductions"]][0::3] == [5, 600]
+    # kv_cache_mib = 8000: vLLM's KV cache is that figure; 2 layers x 512 bytes a token
+    assert (kv["kv_from"], kv["kv_at_mib"], kv["kv_tokens"]) == ("vllm.kv_cache_mib", 8000,
+                                                                  8000 * MIB // 1024)
     assert view["predicted"] == {
         "weights_mib": 4, "kv_mib": 8000, "context_mib": 512, "minimum_mib": 8516,
         "max_model_len": 4096,
@@ -161,3 +172,33 @@ def test_the_calibration_shows_the_checkpoints_prediction_beside_vllms(tmp_path:
     assert ("predicted from the checkpoint: unknown (m@main: not in the model cache "
             "/var/cache/gpud-serve/huggingface/hub: unknown until its first start)"
             in format_calibration(absent))
+
+
+def test_calibration_closes_the_loop(tmp_path: Path) -> None:
+    """A util-sized serve: before a start the reservation's KV cache is an estimate; once
+    calibrated, the activation peak is vLLM's own (budget - weights - KV - graphs), and the
+    prediction then gives back the KV tokens vLLM logged."""
+    from gpud.ctl.format import format_calibration
+    from tests.checkpoints import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "model")
+    config = CONFIG.replace('model = "m"', f'model = "{model}"').replace(
+        "kv_cache_mib = 8000\n", "")
+    before = calibrator(tmp_path / "a", config, None).view("v")["predicted"]["kv"]
+    assert {d["source"] for d in before["deductions"][2:]} == {"estimated"}
+    assert before["logged_kv_tokens"] is None
+    # vLLM's start on 20000 MiB: weights 9000, KV 8000 (8,192,000 tokens of 1024 bytes in
+    # blocks of 16), graphs 600; its budget the whole reservation (no vllm.context_mib)
+    figures = {**VLLM, "budget_mib": 20000, "kv_cache_tokens": 8_192_000,
+               "kv_max_concurrency": 2000.0}
+    view = calibrator(tmp_path / "b", config, figures).view("v")
+    kv = view["predicted"]["kv"]
+    assert [(d["name"], d["mib"], d["source"]) for d in kv["deductions"]] == [
+        ("weights", 9000, "measured"), ("context", 0, "configured"),
+        ("activation peak", 2400, "measured"), ("CUDA graphs", 600, "measured")]
+    assert (kv["kv_at_mib"], kv["kv_tokens"], kv["logged_kv_tokens"]) == (8000, 8_192_000,
+                                                                          8_192_000)
+    assert kv["max_concurrency"] == 2000.0 and kv["sequences"] == 1999
+    text = format_calibration(view)
+    assert "KV cache tokens: predicted 8,192,000, vLLM logged 8,192,000 (+0.0%)" in text, text
+    assert "activation peak 2400 (measured)" in text

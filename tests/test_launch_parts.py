@@ -86,10 +86,9 @@ SHUTDOWN = [("--shutdown-timeout", "stop_timeout_s"), ("20", "stop_timeout_s")]
     (vllm_serve(kv_cache_mib="calibrated"), {}, BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN),
     (vllm_serve(sleep_level=1), {},
      BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN + [("--enable-sleep-mode", "sleep_level")]),
-    # vLLM 0.34: the extensible KV cache turned off; a release gpud does not know: nothing
+    # vLLM 0.34: the extensible KV cache turned off
     (vllm_serve(), {"vllm_version": V034},
      BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN + [(EXTENSIBLE_KV_OFF, "vllm")]),
-    (vllm_serve(), {"vllm_version": "0.99.0"}, BASE_HEAD + HOST + PORT + UTIL + SHUTDOWN),
     # the names the router routes here, answered by vLLM itself; then the operator's own
     (vllm_serve(sleep_level=1, extra_args=["--seed", "1"]).model_copy(
         update={"models": ["a", "b"]}), {"vllm_version": V034},
@@ -105,6 +104,14 @@ SHUTDOWN = [("--shutdown-timeout", "stop_timeout_s"), ("20", "stop_timeout_s")]
 def test_vllm_arg_parts(serve: ServeConfig, kw: dict[str, Any],
                         expected: list[tuple[str, str]]) -> None:
     assert parts(serve, **kw) == expected
+
+
+def test_a_release_gpud_does_not_know_is_never_launched_as_another() -> None:
+    """The config check refuses such a daemon.vllm_version (tests/test_vllm034.py); were one to
+    reach the argv, it raises naming the releases gpud knows instead of launching as 0.33 (the
+    silent fallback this replaced)."""
+    with pytest.raises(KeyError, match=r"gpud knows vLLM 0\.33\.0, 0\.34\.0, not '0\.99\.0'"):
+        parts(vllm_serve(), vllm_version="0.99.0")
 
 
 def test_vllm_arg_parts_of_a_command_serve_is_an_error() -> None:

@@ -12,17 +12,20 @@ from typing import Any
 import pytest
 
 from gpud.config import parse_config
+from gpud.core.sizing import MIB
 from gpud.errors import ConfigError
 from tests.checkpoints import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from tests.conftest import REPO
 
-# 2 layers of hidden 2048 under a vocabulary of 256000: weights 2235 MiB in bf16 (embedding and
-# LM head 1000 MiB each, layers 232 MiB, the RoPE cache 2 MiB); KV 4096 bytes a token.
+# 2 layers of hidden 2048 under a vocabulary of 256000, a context of 8192: weights 2237 MiB in
+# bf16 (embedding and LM head 1000 MiB each, layers 232 MiB, the RoPE cache 4 MiB); KV 4096 bytes
+# a token: 8192 tokens and the null block of 16 (vLLM's pool keeps it) are 33 MiB, rounded up.
 BIG: dict[str, Any] = {**LLAMA_CONFIG, "vocab_size": 256000, "hidden_size": 2048,
                        "intermediate_size": 8192, "num_attention_heads": 8,
-                       "num_key_value_heads": 2, "head_dim": 256}
-WEIGHTS_MIB = 2235
-KV_8192_MIB = 32
+                       "num_key_value_heads": 2, "head_dim": 256,
+                       "max_position_embeddings": 8192}
+WEIGHTS_MIB = 2237
+KV_8192_MIB = 33
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def problems(text: str) -> list[str]:
 def test_below_the_weights_is_an_error_with_the_arithmetic(big: Path) -> None:
     found = problems(config(str(big), 2000))
     assert found == [f"serves.fast.vram_mib: 2000 MiB is below the weights alone: "
-                     f"{WEIGHTS_MIB} MiB (bf16; RoPE cache 2.0 MiB), read from {big} (21 "
+                     f"{WEIGHTS_MIB} MiB (bf16; RoPE cache 4.0 MiB), read from {big} (21 "
                      "tensors in model.safetensors)"]
 
 
@@ -68,7 +71,7 @@ def test_below_the_minimum_says_what_fits_instead(big: Path) -> None:
     assert found.startswith(
         f"serves.fast.vram_mib: {minimum - 16} MiB is below the minimum weights {WEIGHTS_MIB} "
         f"+ KV for one 8192-token sequence {KV_8192_MIB} + context 512 = {minimum} MiB: set "
-        f"vram_mib >= {minimum}, or max_model_len <= 4096 fits")
+        f"vram_mib >= {minimum}, or max_model_len <= 4336 fits")
     assert "context from daemon.vllm_start_context_mib" in found
     (found,) = problems(config(str(big), minimum - 300, "context_mib = 256"))
     assert "context 256 = " in found and "context from vllm.context_mib" in found
@@ -87,17 +90,18 @@ def test_online_quantization_and_tensor_parallel_shrink_the_weights(big: Path) -
     """The seed's lesson: online fp8 halves the linear layers (232 -> 116 MiB), the bf16
     embedding and LM head (2000 MiB) survive it."""
     (found,) = problems(config(str(big), 2000, 'quantization = "fp8_per_tensor"'))
-    assert found.startswith("serves.fast.vram_mib: 2000 MiB is below the weights alone: 2119 "
+    assert found.startswith("serves.fast.vram_mib: 2000 MiB is below the weights alone: 2121 "
                             "MiB (online fp8_per_tensor (estimate)")
-    parse_config(config(str(big), 2119 + KV_8192_MIB + 512, 'quantization = "fp8_per_tensor"'),
+    parse_config(config(str(big), 2121 + KV_8192_MIB + 512, 'quantization = "fp8_per_tensor"'),
                  "t")
     two = config(str(big), 1500).replace('role = "gpu"', 'roles = ["gpu", "gpu2"]')
     two = two.replace("[serves.fast]", '[roles.gpu2]\ndevice = "1"\n\n[serves.fast]')
     (found,) = problems(two)
-    # over 2 devices: half the weights and half the KV heads on each
+    # over 2 devices: half the weights and half the KV heads on each (16 MiB of KV and a null
+    # block of 32 KiB: 17 MiB)
     assert found.startswith(f"serves.fast.vram_mib: 1500 MiB is below the minimum weights "
                             f"{-(-WEIGHTS_MIB // 2)} + KV for one 8192-token sequence "
-                            f"{KV_8192_MIB // 2} + context 512")
+                            "17 + context 512")
 
 
 def test_a_model_not_on_disk_is_unknown_never_an_error(tmp_path: Path) -> None:
@@ -169,7 +173,7 @@ def test_gpuctl_size_answers_before_a_config_exists(big: Path) -> None:
     doc = json.loads(out.stdout)
     assert (doc["fits"], doc["minimum_mib"], doc["weights_mib"]) == (False, minimum,
                                                                       WEIGHTS_MIB)
-    assert "max_model_len <= 2816" in doc["reason"]
+    assert "max_model_len <= 2288" in doc["reason"]
     out = gpuctl("size", str(big), "--kv-cache-dtype", "fp8", "--quantization",
                  "fp8_per_tensor", "--vram-mib", "4000")
     assert out.returncode == 0, out.stderr
@@ -204,6 +208,15 @@ port = 30002
 model = "{tmp_path / 'absent'}"
 """
     sizes = plan_sizes(parse_config(text, "t"))
+    kv = sizes[0].pop("kv")
+    # what the reservation leaves for the KV cache: vLLM's budget is all of it (no
+    # vllm.context_mib), less the weights and the estimated activation peak and CUDA graphs:
+    # 30 MiB, short of one 8192-token sequence (33 MiB): the floor passes, the estimate warns
+    assert [(d["name"], d["source"]) for d in kv["deductions"]] == [
+        ("weights", "checkpoint"), ("context", "configured"), ("activation peak", "estimated"),
+        ("CUDA graphs", "estimated")]
+    assert kv["kv_at_mib"] == minimum + 100 - sum(d["mib"] for d in kv["deductions"]) == 30
+    assert (kv["sequences"], kv["kv_tokens"]) == (0, 30 * MIB // 4096)
     assert sizes[0] == {"serve": "fast", "vram_mib": minimum + 100, "minimum_mib": minimum,
                         "headroom_mib": 100,
                         "how": f"weights {WEIGHTS_MIB} + KV for one 8192-token sequence "
@@ -212,9 +225,10 @@ model = "{tmp_path / 'absent'}"
     assert "unknown until its first start" in sizes[1]["how"]
     shown = format_plan({"source": "t", "roles": [], "serves": [], "restart": [],
                          "resident_fits": True, "denied": [], "blocked": [], "stop_first": [],
-                         "steps": [], "sizes": sizes})
+                         "steps": [], "sizes": [{**sizes[0], "kv": kv}, sizes[1]]})
     assert f"fast: minimum {minimum} MiB (weights {WEIGHTS_MIB} + " in shown
     assert "headroom 100 MiB" in shown
+    assert "leave a KV cache of 30 MiB: 7,680 tokens, 0.94x max concurrency (0 sequences" in shown
     assert "other:" not in shown  # nothing known: the plan says nothing of it
 
 
@@ -228,3 +242,19 @@ def test_a_config_gpud_cannot_size_is_unknown_not_an_error(tmp_path: Path) -> No
     parse_config(config(str(d), 100), "t")
     (found,) = problems(config(str(d), 10))
     assert found.startswith("serves.fast.vram_mib: 10 MiB is below the weights alone: 38 MiB")
+
+
+def test_a_setting_vllm_would_refuse_is_an_error_at_its_key(big: Path) -> None:
+    """A max_model_len over the model's window and a quantization that does not apply: one
+    problem each, at the key, naming what fits (the config check: --check-config exits 2,
+    POST /v1/plan and /v1/apply answer 400)."""
+    (found,) = problems(config(str(big), 4000).replace("max_model_len = 8192",
+                                                        "max_model_len = 16384"))
+    assert found.startswith("serves.fast.vllm.max_model_len: max_model_len 16384 is over the "
+                            "model's context length 8192 (max_position_embeddings in "
+                            "config.json)")
+    assert "use max_model_len <= 8192" in found
+    (found,) = problems(config(str(big), 4000, 'quantization = "fp8"'))
+    assert found.startswith("serves.fast.vllm.quantization: quantization 'fp8' does not apply "
+                            "to an unquantized checkpoint")
+    assert "use fp8_per_tensor" in found

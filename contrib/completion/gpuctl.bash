@@ -34,7 +34,7 @@ _gpuctl_options() {
         plan) echo "-h --help --socket --json --timeout" ;;
         apply) echo "-h --help --socket --json --timeout" ;;
         calibrate) echo "-h --help --window --no-wait --status --socket --json --timeout" ;;
-        size) echo "-h --help --max-model-len --quantization --kv-cache-dtype --dtype --revision --hf-home --context-mib --devices --vram-mib --socket --json --timeout" ;;
+        size) echo "-h --help --serve --max-model-len --quantization --kv-cache-dtype --dtype --revision --hf-home --context-mib --devices --vram-mib --concurrency --vllm-version --device-mib --socket --json --timeout" ;;
         reload) echo "-h --help --socket --json --timeout" ;;
     esac
 }
@@ -83,6 +83,7 @@ _gpuctl_option_value() {
         "calibrate:--window") echo none ;;
         "calibrate:--socket") echo file ;;
         "calibrate:--timeout") echo none ;;
+        "size:--serve") echo serve ;;
         "size:--max-model-len") echo none ;;
         "size:--quantization") echo none ;;
         "size:--kv-cache-dtype") echo none ;;
@@ -92,6 +93,9 @@ _gpuctl_option_value() {
         "size:--context-mib") echo none ;;
         "size:--devices") echo none ;;
         "size:--vram-mib") echo none ;;
+        "size:--concurrency") echo none ;;
+        "size:--vllm-version") echo none ;;
+        "size:--device-mib") echo none ;;
         "size:--socket") echo file ;;
         "size:--timeout") echo none ;;
         "reload:--socket") echo file ;;

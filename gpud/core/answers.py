@@ -386,6 +386,32 @@ class PlanBoot(TypedDict):
     why: str
 
 
+class SizeDeduction(TypedDict):
+    """One figure a reservation gives before its KV cache, and where it comes from: the
+    checkpoint, gpud's estimate, a calibration's measurement, or the config."""
+
+    name: str
+    mib: int
+    source: str
+
+
+class PredictedKv(TypedDict):
+    """What a serve's reservation leaves for the KV cache (gpud.core.sizing.at_reservation):
+    in MiB, in tokens and in sequences of max_model_len at once as vLLM counts them, each
+    deduction named; beside the tokens vLLM logged at its last start, once calibrated."""
+
+    vram_mib: int
+    vllm_version: str
+    kv_at_mib: int
+    kv_from: str
+    kv_tokens: int
+    max_concurrency: float
+    sequences: int
+    deductions: list[SizeDeduction]
+    overheads_how: str
+    logged_kv_tokens: int | None
+
+
 class PlanSize(TypedDict):
     """A vllm serve's needs from its checkpoint on disk (gpud.model_size): its minimum
     reservation and what its vram_mib leaves above it, or why they are unknown."""
@@ -395,6 +421,7 @@ class PlanSize(TypedDict):
     minimum_mib: int | None
     headroom_mib: int | None
     how: str
+    kv: NotRequired[PredictedKv]
 
 
 class PlanDenied(TypedDict):
@@ -489,7 +516,8 @@ class CalibrationRecord(TypedDict):
 
 class Predicted(TypedDict):
     """A vllm serve's needs predicted from its checkpoint on disk (gpud.model_size), shown
-    beside what a calibration measured; the figures null, `how` saying why, when unknown."""
+    beside what a calibration measured; the figures null, `how` saying why, when unknown;
+    `kv` what its reservation leaves for the KV cache, where the checkpoint could be sized."""
 
     weights_mib: int | None
     kv_mib: int | None
@@ -497,6 +525,7 @@ class Predicted(TypedDict):
     minimum_mib: int | None
     max_model_len: int | None
     how: str
+    kv: NotRequired[PredictedKv]
 
 
 class Calibration(TypedDict):

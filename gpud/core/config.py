@@ -26,6 +26,7 @@ from gpud.core.router import (
     DEFAULT_MAX_BODY_MIB,
     DEFAULT_NJS_MODULE,
 )
+from gpud.core.vllm_versions import DEFAULT_VERSION
 from gpud.core.vocab import SleepAction
 
 # The largest reservation anyone can mean (2 PiB). Bounds hostile numbers such as 2**70.
@@ -61,7 +62,7 @@ class DaemonConfig(_Model):
     # admission asks for it; `gpuctl calibrate` measures a serve's own (vllm.context_mib).
     vllm_start_context_mib: int = Field(default=512, ge=0, le=MAX_MIB)
     # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
-    vllm_version: str = "0.33.0"
+    vllm_version: str = DEFAULT_VERSION
     # Backups of the config file an apply keeps (the newest) under backups/ beside it; older
     # ones are removed. Its former name, config_backups, is still read.
     backups_keep: int = Field(default=10, ge=1, le=1000,

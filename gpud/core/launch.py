@@ -20,7 +20,7 @@ from gpud.core.config import Config, DaemonConfig, ServeConfig
 from gpud.core.front import socket_path
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.observation import DeviceSample, find_device
-from gpud.core.vllm_versions import BEHAVIOURS, EXTENSIBLE_KV_OFF, V033
+from gpud.core.vllm_versions import DEFAULT_VERSION, EXTENSIBLE_KV_OFF, behaviour
 from gpud.core.vocab import SERVE_UNIT_SUFFIX, serve_unit
 from gpud.errors import GpudError, Refused, Unavailable
 
@@ -106,7 +106,7 @@ def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
 
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                    host: str | None = None, socket: str | None = None,
-                   vllm_version: str = V033) -> list[tuple[str, str]]:
+                   vllm_version: str = DEFAULT_VERSION) -> list[tuple[str, str]]:
     """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
     from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
     [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
@@ -147,8 +147,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
     parts += [("--shutdown-timeout", "stop_timeout_s"), (str(drain), "stop_timeout_s")]
     if serve.sleep_level:
         parts += [("--enable-sleep-mode", "sleep_level")]
-    known = BEHAVIOURS.get(vllm_version)
-    if known is not None and known.extensible_kv_off_arg:
+    if behaviour(vllm_version).extensible_kv_off_arg:
         parts += [(EXTENSIBLE_KV_OFF, "vllm")]
     if serve.models:
         # Every name the router routes here, answered by vLLM itself (no rewrite of the
@@ -161,7 +160,7 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
 
 def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
               host: str | None = None, socket: str | None = None,
-              vllm_version: str = V033) -> list[str]:
+              vllm_version: str = DEFAULT_VERSION) -> list[str]:
     return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util,
                                                 host=host, socket=socket,
                                                 vllm_version=vllm_version)]
@@ -417,7 +416,7 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
                device_indexes: Sequence[int] | None = None,
                cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = (),
-               socket: str | None = None, vllm_version: str = V033) -> list[str]:
+               socket: str | None = None, vllm_version: str = DEFAULT_VERSION) -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
     A serve on several devices gives `total_mib` as the smallest of their totals and
     `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and

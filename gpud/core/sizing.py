@@ -1,22 +1,28 @@
 """What a model needs on a device, from its checkpoint's figures, before it is launched: the
-weights vLLM holds, the KV cache of one sequence of max_model_len, and the minimum reservation
-that follows. Pure arithmetic on values gpud.checkpoint read (each tensor's name, dtype and shape
-from the safetensors headers; the model's config.json as a dict); standard library only, so
-gpuctl can use it.
+weights vLLM holds, the KV cache a reservation leaves (in MiB, in tokens and in sequences of
+max_model_len at once), and the smallest reservation for one sequence or for N. Pure arithmetic on
+values gpud.checkpoint read (each tensor's name, dtype and shape from the safetensors headers; the
+model's config.json as a dict); standard library only, so gpuctl can use it.
 
-Every rule is vLLM's (0.32.0's source, paths under `vllm/`), cited where it is applied. What the
-figures leave out is said where it matters: the activation peak of vLLM's profile run and CUDA
-graphs are not known before a start, so the minimum is a floor (`gpuctl calibrate` measures the
-rest).
+The weights rules are vLLM's (0.32.0's source, the same in 0.33/0.34 where cited, paths under
+`vllm/`); the KV cache's depend on the release and come from gpud.core.vllm_versions (its
+`KvRules`, one per release, cited there). What cannot be read from a checkpoint, the activation
+peak of vLLM's profile run and its CUDA graphs, is estimated (`estimate_overheads`, a rule of
+thumb said as such) until a start measured it (`gpuctl calibrate`: `Overheads.measured`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
+from gpud.core.vllm_versions import DEFAULT_VERSION, KvRules, behaviour
+
 MIB = 1 << 20
+# The KV rules of the release a serve runs when nothing says which (daemon.vllm_version's default).
+DEFAULT_RULES = behaviour(DEFAULT_VERSION).kv
 
 # safetensors' dtypes and their widths in bits (safetensors/src/tensor.rs: `enum Dtype`,
 # `Dtype::bitsize`).
@@ -52,18 +58,6 @@ KV_CACHE_DTYPE_BYTES: Mapping[str, int] = {
 # (vllm/model_executor/layers/vocab_parallel_embedding.py:36 DEFAULT_VOCAB_PADDING_SIZE, :95
 # pad_vocab_size).
 VOCAB_PADDING = 64
-# The KV cache is allocated in blocks of 16 tokens (vllm/config/cache.py:72 DEFAULT_BLOCK_SIZE;
-# an attention backend may prefer another: vllm/platforms/interface.py:773), and one
-# sequence of max_model_len needs cdiv(max_model_len, block_size) blocks
-# (vllm/v1/kv_cache_interface.py:607 FullAttentionSpec.max_memory_usage_bytes).
-BLOCK_TOKENS = 16
-# A sliding-window layer holds the last window - 1 tokens plus those in flight (one batch of
-# max_num_batched_tokens), never more than max_model_len, plus one block
-# (vllm/v1/kv_cache_interface.py:873-885): 2048 tokens in flight is the API server's default
-# batch on devices under 70 GiB (vllm/engine/arg_utils.py:2894-2950 get_batch_defaults; 8192
-# on an H100/H200, 16384 from 160 GiB).
-SLIDING_IN_FLIGHT_TOKENS = 2048
-
 # Online quantization, `--quantization NAME` on an unquantized checkpoint (vllm/config/
 # quantization.py:190-225 _ONLINE_SHORTHANDS): NAME -> (which layers, bits per weight, bytes of
 # scale per weight). Only LinearBase layers and routed experts are quantized
@@ -89,6 +83,12 @@ NOT_LINEAR = ("embed", "lm_head", "wte", "wpe", "norm", "position", "rotary")
 class SizingError(ValueError):
     """The figures cannot be made: a config.json that lacks what the KV cache needs, a dtype
     gpud does not know. Its message names what is missing."""
+
+
+class NotApplicable(SizingError):
+    """A setting vLLM would refuse for this checkpoint (a quantization that does not apply, a
+    max_model_len over the model's window): bad input, its message naming the figure and what
+    fits instead."""
 
 
 class Unknown(Exception):
@@ -210,6 +210,18 @@ def _padded_rows(t: Tensor, vocab: int | None) -> int:
     return t.numel
 
 
+# The quantization families whose names vLLM maps onto each other (a checkpoint's gptq run as
+# gptq_marlin, awq as awq_marlin, modelopt's variants: the `override_quantization_method`s of
+# vllm/model_executor/layers/quantization/, 0.33); any other pair must be equal.
+QUANT_FAMILIES = ("gptq", "awq", "modelopt", "mxfp4", "humming", "bitsandbytes", "gguf")
+
+
+def _same_family(asked: str, stored: str) -> bool:
+    if asked == stored:
+        return True
+    return any(f in asked.lower() and f in stored.lower() for f in QUANT_FAMILIES)
+
+
 def weights(tensors: Sequence[Tensor], config: Mapping[str, Any], *,
             quantization: str | None = None, dtype_arg: str | None = None,
             devices: int = 1) -> Weights:
@@ -234,12 +246,20 @@ def weights(tensors: Sequence[Tensor], config: Mapping[str, Any], *,
     tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     stored = quantization_method(config)
     online = None
+    if stored is not None and quantization and not _same_family(quantization, stored):
+        raise NotApplicable(
+            f"quantization {quantization!r} does not apply: the checkpoint is pre-quantized "
+            f"({stored}, config.json quantization_config) and vLLM refuses another method "
+            "(vllm/config/model.py:1453-1462 _verify_quantization, 0.32 to 0.34): leave it "
+            f"unset or give {stored!r}")
     if stored is None and quantization:
         if quantization not in ONLINE_QUANT:
             if quantization == "fp8":
-                raise Unknown("--quantization fp8 on an unquantized checkpoint: vLLM 0.32 "
-                              "refuses online fp8 (vllm/model_executor/layers/quantization/"
-                              "fp8.py:106: use fp8_per_tensor)")
+                raise NotApplicable(
+                    "quantization 'fp8' does not apply to an unquantized checkpoint: vLLM "
+                    "refuses online fp8 (vllm/model_executor/layers/quantization/fp8.py:106 "
+                    "of 0.32 and 0.33, :103 of 0.34); use fp8_per_tensor (or another of "
+                    f"{', '.join(sorted(ONLINE_QUANT))})")
             raise Unknown(f"online quantization {quantization!r}: gpud does not estimate it "
                           f"(it estimates {', '.join(sorted(ONLINE_QUANT))})")
         online = ONLINE_QUANT[quantization]
@@ -305,10 +325,19 @@ def rope_cache_bytes(config: Mapping[str, Any], width: int) -> int:
     return positions * rotary * width
 
 
+# layer_types' names of a layer that keeps every token
+FULL_KINDS = ("full_attention", "attention", "global")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class KvCache:
-    """What the KV cache of one sequence costs: bytes per token per full-attention layer set,
-    and the sliding-window layers, which hold at most a window."""
+    """The KV cache's shape: how many layers keep every token (full attention) and how many a
+    window of them (sliding), and what a layer keeps of a token. Sized by a release's KvRules
+    (gpud.core.vllm_versions), which `rules` defaults to: the default release's."""
 
     full_layers: int
     sliding_layers: int
@@ -316,37 +345,137 @@ class KvCache:
     layer_bytes_per_token: int  # one layer, K and V (or MLA's latent)
     dtype: str
     note: str
+    # a full-attention layer's, where it differs (Gemma 4's wider global layers)
+    full_layer_bytes_per_token: int | None = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full_layer_bytes_per_token or self.layer_bytes_per_token
 
     @property
     def per_token_bytes(self) -> int:
         """A token's KV over every layer that keeps it (the sliding ones while in the window)."""
-        return (self.full_layers + self.sliding_layers) * self.layer_bytes_per_token
+        return self.full_layers * self.full_bytes + self.sliding_layers * self.layer_bytes_per_token
 
-    def tokens_held(self, max_model_len: int) -> tuple[int, int]:
-        """(tokens a full layer holds, tokens a sliding layer holds) for one sequence, in whole
-        blocks."""
-        full = -(-max_model_len // BLOCK_TOKENS) * BLOCK_TOKENS
-        if not self.sliding_layers or self.window is None:
-            return full, 0
-        held = min(self.window - 1 + SLIDING_IN_FLIGHT_TOKENS, max_model_len)
-        return full, min(full, (-(-held // BLOCK_TOKENS) + 1) * BLOCK_TOKENS)
+    def pages(self, rules: KvRules = DEFAULT_RULES) -> tuple[int, int, int]:
+        """(a layer's page in bytes, a full layer's block in tokens, a sliding layer's): one
+        page size for every layer, the smaller kind's block made longer by the ratio when the
+        larger page is a multiple of it, else its page padded to the larger
+        (unify_kv_cache_spec_page_size: v1/core/kv_cache_planning.py:346-410 of 0.33)."""
+        bs = rules.block_tokens
+        full_page, sliding_page = bs * self.full_bytes, bs * self.layer_bytes_per_token
+        if not (self.full_layers and self.sliding_layers) or full_page == sliding_page:
+            return (full_page if self.full_layers else sliding_page), bs, bs
+        page = max(full_page, sliding_page)
+        return (page,
+                bs * (page // full_page) if page % full_page == 0 else bs,
+                bs * (page // sliding_page) if page % sliding_page == 0 else bs)
 
-    def bytes_for(self, max_model_len: int) -> int:
-        full, sliding = self.tokens_held(max_model_len)
-        return (self.full_layers * full + self.sliding_layers * sliding) \
-            * self.layer_bytes_per_token
+    def groups(self) -> tuple[int, int, int]:
+        """(layers per group, full-attention groups, sliding groups), as vLLM groups a model's
+        layers: one group per kind, a hybrid's kinds cut into groups of the smaller kind's
+        count (the larger's when it is under 1.5 times it), the last one padded
+        (v1/core/kv_cache_planning.py of 0.33 `_get_kv_cache_groups_uniform_page_size`;
+        kv_cache_utils.py:1362-1503 of 0.32)."""
+        kinds = [n for n in (self.full_layers, self.sliding_layers) if n]
+        if not kinds:
+            return 0, 0, 0
+        lo, hi = min(kinds), max(kinds)
+        size = hi if hi < lo * 1.5 else lo
+        return (size, cdiv(self.full_layers, size) if self.full_layers else 0,
+                cdiv(self.sliding_layers, size) if self.sliding_layers else 0)
 
-    def longest_fitting(self, budget_bytes: int, upto: int) -> int:
-        """The longest max_model_len (a multiple of BLOCK_TOKENS, at most `upto`) whose
-        sequence fits `budget_bytes`; 0 when not even one block does."""
-        lo, hi = 0, upto // BLOCK_TOKENS
+    def block_bytes(self, rules: KvRules = DEFAULT_RULES) -> int:
+        """A block of the shared pool: one group's layers, block_tokens tokens each
+        (`_get_kv_cache_bytes_per_block`: the largest group's pages)."""
+        return self.groups()[0] * self.pages(rules)[0]
+
+    def blocks_per_request(self, max_model_len: int, rules: KvRules = DEFAULT_RULES, *,
+                           batched_tokens: int | None = None) -> int:
+        """The blocks one request of max_model_len takes, summed over the groups
+        (get_max_concurrency_for_kv_cache_config): cdiv(max_model_len, block) in a full group;
+        in a sliding one the window - 1 plus the tokens in flight (in_flight_batches x
+        max_num_batched_tokens, the API server's default when not given), never more than
+        max_model_len, in blocks, plus one (SlidingWindowSpec.max_admission_blocks_per_request:
+        the window may not start at a block's edge)."""
+        _size, full_groups, sliding_groups = self.groups()
+        _page, full_bs, sliding_bs = self.pages(rules)
+        blocks = full_groups * cdiv(max_model_len, full_bs)
+        if sliding_groups and self.window is not None:
+            in_flight = rules.in_flight_batches * (batched_tokens or rules.batch_defaults(None)[0])
+            held = min(self.window - 1 + in_flight, max_model_len)
+            blocks += sliding_groups * (cdiv(held, sliding_bs) + 1)
+        return blocks
+
+    def bytes_for(self, max_model_len: int, rules: KvRules = DEFAULT_RULES, *,
+                  batched_tokens: int | None = None) -> int:
+        """The smallest KV budget vLLM starts with: one request of max_model_len beside the
+        null block the block pool keeps (check_enough_kv_cache_memory, "Reserve the null
+        block": 0.32's kv_cache_utils.py:1123, 0.33/0.34's kv_cache_planning.py)."""
+        return (self.blocks_per_request(max_model_len, rules, batched_tokens=batched_tokens)
+                + 1) * self.block_bytes(rules)
+
+    def capacity(self, kv_bytes: int, max_model_len: int, rules: KvRules = DEFAULT_RULES, *,
+                 batched_tokens: int | None = None) -> KvCapacity:
+        """What a KV budget of kv_bytes holds, as vLLM counts and logs it."""
+        per_block = self.block_bytes(rules)
+        return KvCapacity(
+            kv_bytes=kv_bytes, block_bytes=per_block, block_tokens=rules.block_tokens,
+            blocks=max(0, kv_bytes) // per_block if per_block else 0,
+            blocks_per_request=self.blocks_per_request(max_model_len, rules,
+                                                       batched_tokens=batched_tokens),
+            max_model_len=max_model_len)
+
+    def longest_fitting(self, budget_bytes: int, upto: int, rules: KvRules = DEFAULT_RULES,
+                        *, batched_tokens: int | None = None) -> int:
+        """The longest max_model_len (a multiple of the block, at most `upto`) whose one
+        request fits `budget_bytes` beside the null block; 0 when not even one block does."""
+        bs = rules.block_tokens
+        lo, hi = 0, upto // bs
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.bytes_for(mid * BLOCK_TOKENS) <= budget_bytes:
+            if self.bytes_for(mid * bs, rules, batched_tokens=batched_tokens) <= budget_bytes:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * BLOCK_TOKENS
+        return lo * bs
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """A KV budget in vLLM's terms: the blocks it holds (available // bytes per block, the null
+    block among them: get_kv_cache_config_from_groups), the blocks a request of max_model_len
+    takes, and what vLLM logs from them: `KV cache size: N tokens, Maximum concurrency for L
+    tokens per request: Cx` with C = blocks / blocks per request and N = int(C x L)
+    (get_kv_cache_capacity, update_kv_cache_capacity: the same in 0.32, 0.33 and 0.34)."""
+
+    kv_bytes: int
+    block_bytes: int
+    block_tokens: int
+    blocks: int
+    blocks_per_request: int
+    max_model_len: int
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.blocks / self.blocks_per_request if self.blocks_per_request else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return int(self.max_concurrency * self.max_model_len)
+
+    @property
+    def sequences(self) -> int:
+        """Requests of max_model_len that run at once: the blocks less the null block, whole
+        requests only."""
+        if not self.blocks_per_request:
+            return 0
+        return max(0, self.blocks - 1) // self.blocks_per_request
+
+    @property
+    def starts(self) -> bool:
+        """vLLM starts: one request fits beside the null block."""
+        return self.sequences >= 1
 
 
 def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
@@ -378,6 +507,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
                           f"{', '.join(sorted(KV_CACHE_DTYPE_BYTES))}")
     width = KV_CACHE_DTYPE_BYTES[kv_dtype]
     notes: list[str] = []
+    full_bytes = 0
     rank = _int(tc, "kv_lora_rank")
     if rank is not None:
         layer_bytes = (rank + (_int(tc, "qk_rope_head_dim") or 0)) * width
@@ -395,6 +525,28 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
             head_dim = hidden // heads
         per_device = -(-kv_heads // devices)
         layer_bytes = 2 * per_device * head_dim * width
+        # Gemma 4: its full-attention layers are wider, global_head_dim (512 unless given) and,
+        # with attention_k_eq_v, num_global_key_value_heads KV heads (transformers'
+        # Gemma4TextConfig.__post_init__; vllm/model_executor/models/
+        # gemma4.py:576-580 Gemma4DecoderLayer takes them per layer). transformers 5 writes
+        # them as per_layer_config {layer index: {"head_dim", "num_key_value_heads"}}.
+        overrides = tc.get("per_layer_config")
+        types_ = tc.get("layer_types")
+        full_at = ([i for i, t in enumerate(types_) if t in FULL_KINDS]
+                   if isinstance(types_, list) else [])
+        if isinstance(overrides, Mapping) and overrides and full_at:
+            first = overrides.get(str(full_at[0]), overrides.get(full_at[0]))
+            if isinstance(first, Mapping):
+                global_dim = _int(first, "head_dim") or head_dim
+                global_heads = _int(first, "num_key_value_heads") or kv_heads
+                full_bytes = 2 * -(-global_heads // devices) * global_dim * width
+        elif str(tc.get("model_type", "")).startswith("gemma4"):
+            global_dim = _int(tc, "global_head_dim") or 512
+            global_heads = (_int(tc, "num_global_key_value_heads")
+                            if tc.get("attention_k_eq_v") is True else None) or kv_heads
+            full_bytes = 2 * -(-global_heads // devices) * global_dim * width
+        if full_bytes and full_bytes != layer_bytes:
+            notes.append(f"full-attention layers {full_bytes} bytes a token")
     types = tc.get("layer_types")
     window = _int(tc, "sliding_window", "attention_window_size")
     full, sliding = layers, 0
@@ -402,7 +554,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
                                                                  for x in types):
         shared = _int(tc, "num_kv_shared_layers") or 0
         own = types[:layers - shared] if shared < layers else []
-        full = sum(1 for x in own if x in ("full_attention", "attention", "global"))
+        full = sum(1 for x in own if x in FULL_KINDS)
         sliding = sum(1 for x in own if x in ("sliding_attention", "chunked_attention",
                                               "local", "sliding"))
         other = len(own) - full - sliding
@@ -418,16 +570,56 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         full, sliding = full + sliding, 0
     if sliding:
         notes.append(f"{sliding} sliding-window layers ({window} tokens)")
-    return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes))
+    return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes),
+                   full_bytes if full_bytes and full_bytes != layer_bytes else None)
+
+
+# The keys a config gives its context length by (vllm/transformers_utils/model_arch_config_
+# convertor.py of 0.33: possible_keys; the smallest one found is the model's).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE scalings whose max_position_embeddings is already scaled (vllm/config/model.py:2607-2620
+# of 0.33 _get_and_verify_max_len); any other type multiplies it by its factor.
+ROPE_ALREADY_SCALED = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                                 "deepseek_llama_scaling"})
+
+
+def model_window(config: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The longest max_model_len vLLM accepts for this model, and the key it comes from: the
+    smallest context length the config gives, times a RoPE scaling's factor unless the type's
+    positions are already scaled or the model is a Gemma 3 (vllm/config/model.py:2545-2690 of
+    0.33 _get_and_verify_max_len: a longer max_model_len is refused unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)."""
+    tc = text_config(config)
+    found = [(v, k) for k in CONTEXT_KEYS if (v := _int(tc, k)) is not None]
+    if not found:
+        return None
+    length, key = min(found)
+    rope = tc.get("rope_parameters") or tc.get("rope_scaling")
+    model_type = str(tc.get("model_type", config.get("model_type", "")))
+    if isinstance(rope, Mapping) and "gemma3" not in model_type:
+        kind = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if kind not in ROPE_ALREADY_SCALED and isinstance(factor, (int, float)) and factor > 0:
+            return int(length * factor), f"{key} x rope factor {factor:g}"
+    return length, key
 
 
 def default_max_model_len(config: Mapping[str, Any]) -> int | None:
     """The max_model_len vLLM takes when none is given: the model's own context length
-    (vllm/config/model.py: _get_and_verify_max_len reads max_position_embeddings and its
-    aliases)."""
-    tc = text_config(config)
-    return _int(tc, "max_position_embeddings", "n_positions", "max_seq_len",
-                "seq_length", "max_sequence_length")
+    (model_window; vllm/config/model.py: _get_and_verify_max_len)."""
+    window = model_window(config)
+    return window[0] if window else None
+
+
+def check_max_model_len(config: Mapping[str, Any], max_model_len: int) -> str | None:
+    """Why vLLM refuses this max_model_len for the model, naming what fits, or None."""
+    window = model_window(config)
+    if window is None or max_model_len <= window[0]:
+        return None
+    return (f"max_model_len {max_model_len} is over the model's context length {window[0]} "
+            f"({window[1]} in config.json): vLLM refuses it (vllm/config/model.py "
+            f"_get_and_verify_max_len); use max_model_len <= {window[0]}")
 
 
 def mib_up(n_bytes: int) -> int:
@@ -436,9 +628,10 @@ def mib_up(n_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Need:
-    """A serve's minimum reservation: weights + the KV cache of one max_model_len sequence
-    (vLLM refuses to start without room for it: vllm/v1/core/kv_cache_utils.py:1104
-    check_enough_kv_cache_memory) + its context (what it draws beyond its budget)."""
+    """A serve's floor: weights + the KV cache of one max_model_len request beside the null
+    block (vLLM refuses to start without room for it: check_enough_kv_cache_memory) + its
+    context (what it draws beyond its budget). The activation peak and CUDA graphs come on top
+    (Overheads): the floor is what no reservation below can start, whatever they turn out."""
 
     weights_mib: int
     kv_mib: int
@@ -455,16 +648,16 @@ class Need:
 
 
 def need(w: Weights, kv: KvCache, max_model_len: int, context_mib: int,
-         kv_cache_mib: int | None = None) -> Need:
-    """The minimum of a serve; with an exact KV cache (vllm.kv_cache_mib) that figure is what
+         kv_cache_mib: int | None = None, rules: KvRules = DEFAULT_RULES) -> Need:
+    """The floor of a serve; with an exact KV cache (vllm.kv_cache_mib) that figure is what
     vLLM allocates, when it is larger than one sequence's."""
-    kv_mib = mib_up(kv.bytes_for(max_model_len))
+    kv_mib = mib_up(kv.bytes_for(max_model_len, rules))
     if kv_cache_mib is not None:
         kv_mib = max(kv_mib, kv_cache_mib)
     return Need(w.mib, kv_mib, context_mib, max_model_len)
 
 
-def shortfall(vram_mib: int, n: Need, kv: KvCache) -> str | None:
+def shortfall(vram_mib: int, n: Need, kv: KvCache, rules: KvRules = DEFAULT_RULES) -> str | None:
     """Why `vram_mib` cannot hold the serve, with what fits instead, or None when it can."""
     if vram_mib >= n.minimum_mib:
         return None
@@ -474,7 +667,173 @@ def shortfall(vram_mib: int, n: Need, kv: KvCache) -> str | None:
     if vram_mib < fixed:
         return why + (f" (the weights and context alone take {fixed} MiB: no shorter "
                       "max_model_len fits)")
-    longest = kv.longest_fitting((vram_mib - fixed) * MIB, n.max_model_len)
+    longest = kv.longest_fitting((vram_mib - fixed) * MIB, n.max_model_len, rules)
     if longest == 0:
         return why + " (not one block of KV cache fits beside the weights and context)"
     return why + f", or max_model_len <= {longest} fits {vram_mib} MiB"
+
+
+class Source(StrEnum):
+    """Where a figure of a reservation comes from."""
+
+    CHECKPOINT = "checkpoint"  # read from the checkpoint's headers
+    ESTIMATED = "estimated"  # gpud's rule of thumb (or an online quantization's estimate)
+    MEASURED = "measured"  # a calibration's vLLM lines
+    CONFIGURED = "configured"  # the config (vllm.context_mib, gpuctl size --context-mib)
+    IN_ACTIVATION = "measured, in the activation peak"  # vLLM logged none of it apart
+
+
+ESTIMATED, MEASURED, CONFIGURED, IN_ACTIVATION = (Source.ESTIMATED, Source.MEASURED,
+                                                  Source.CONFIGURED, Source.IN_ACTIVATION)
+# the sampler's dummy run of the profile keeps fp32 logits and their probabilities
+SAMPLER_COPIES = 2
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What vLLM's budget (util x total) holds besides the weights and the KV cache, and the
+    context it draws beyond the budget, each with where its figure comes from."""
+
+    activation_mib: int
+    graphs_mib: int
+    context_mib: int
+    activation_from: Source = ESTIMATED
+    graphs_from: Source = ESTIMATED
+    context_from: Source = CONFIGURED
+    how: str = ""
+
+    @property
+    def total_mib(self) -> int:
+        return self.activation_mib + self.graphs_mib + self.context_mib
+
+
+def estimate_overheads(config: Mapping[str, Any], dtype: str, rules: KvRules, *,
+                       context_mib: int, device_mib: int | None = None,
+                       batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                       enforce_eager: bool = False) -> Overheads:
+    """gpud's estimate (a rule of thumb, not vLLM's arithmetic) of the profile run's activation
+    peak and the CUDA graph pool, from the model's widths:
+
+    - a token's widest activations through one layer: the MLP's gate and up projections
+      (2 x intermediate), Q, K and V, and two copies of the hidden state, in the model's dtype;
+    - the profile run (vllm/v1/worker/gpu_model_runner.py profile_run) pushes
+      max_num_batched_tokens tokens through the model and samples max_num_seqs requests: their
+      fp32 logits and probabilities over the vocabulary;
+    - the CUDA graph pool holds the largest captured batch's activations: min(2 x max_num_seqs,
+      512) tokens (config/vllm.py _set_cudagraph_sizes of 0.33); none with --enforce-eager.
+
+    vLLM measures both at start (its "Available KV cache memory" is what is left); `gpuctl
+    calibrate` reads them back and `measured_overheads` replaces this estimate."""
+    tc = text_config(config)
+    hidden = _int(tc, "hidden_size", "n_embd", "d_model") or 0
+    inter = _int(tc, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    moe = _int(tc, "moe_intermediate_size")
+    topk = _int(tc, "num_experts_per_tok", "moe_topk")
+    if moe and topk:
+        inter = max(inter, moe * topk)
+    heads = _int(tc, "num_attention_heads", "n_head") or 1
+    kv_heads = _int(tc, "num_key_value_heads") or heads
+    head_dim = _int(tc, "head_dim") or (hidden // heads if hidden else 0)
+    vocab = _int(tc, "vocab_size") or _int(config, "vocab_size") or 0
+    width = DTYPE_BYTES[dtype]
+    per_token = (2 * inter + (heads + 2 * kv_heads) * head_dim + 2 * hidden) * width
+    default_tokens, default_seqs = rules.batch_defaults(device_mib)
+    tokens = batched_tokens or default_tokens
+    seqs = max_num_seqs or default_seqs
+    activation = tokens * per_token + seqs * vocab * 4 * SAMPLER_COPIES
+    graph_tokens = 0 if enforce_eager else min(2 * seqs, rules.max_graph_tokens)
+    graphs = graph_tokens * per_token
+    how = (f"estimated: {tokens} tokens x {per_token} bytes of one layer's widest "
+           f"activations + {seqs} sequences' fp32 logits over {vocab}; CUDA graphs "
+           + (f"{graph_tokens} tokens' activations" if graph_tokens else "none (eager)"))
+    return Overheads(mib_up(activation), mib_up(graphs), context_mib, how=how)
+
+
+def measured_overheads(figures: Mapping[str, Any], estimate: Overheads, *,
+                       budget_mib: int | None = None) -> Overheads:
+    """The overheads a calibration measured (its vLLM figures, gpud.vllm_log): the CUDA graph
+    pool vLLM logged, the context beyond its budget NVML showed, and the activation peak as
+    what the budget held besides the weights, the KV cache and the graphs (vLLM's own
+    determine_available_memory, read backwards). Only a util-sized start (its figures have
+    `budget_mib`) says it. `budget_mib` is the budget to read it from: gpud's (the reservation
+    less vllm.context_mib), so that the few MiB util's 4-decimal floor takes land in the
+    activation figure and the same reservation gives back vLLM's KV cache. Without a graph
+    figure (vLLM logged none) the graphs are inside the activation figure. A figure the
+    calibration lacks stays the estimate's, and says so."""
+    def num(key: str) -> int | None:
+        value = figures.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    graphs, context = num("cudagraph_mib"), num("context_mib")
+    budget = budget_mib if budget_mib is not None and num("budget_mib") is not None \
+        else num("budget_mib")
+    weights_mib = num("weights_mib")
+    kv = num("kv_cache_estimate_mib") or num("kv_cache_mib")
+    activation = None
+    if budget is not None and weights_mib is not None and kv is not None:
+        activation = max(0, budget - weights_mib - kv - (graphs or 0))
+    graphs_mib, graphs_from = estimate.graphs_mib, estimate.graphs_from
+    if graphs is not None:
+        graphs_mib, graphs_from = graphs, MEASURED
+    elif activation is not None:
+        graphs_mib, graphs_from = 0, IN_ACTIVATION
+    return Overheads(
+        activation_mib=activation if activation is not None else estimate.activation_mib,
+        graphs_mib=graphs_mib,
+        context_mib=context if context is not None else estimate.context_mib,
+        activation_from=MEASURED if activation is not None else estimate.activation_from,
+        graphs_from=graphs_from,
+        context_from=MEASURED if context is not None else estimate.context_from,
+        how="measured by gpuctl calibrate (vLLM's start-up lines)"
+            + ("; " + estimate.how if None in (activation, context) else ""))
+
+
+@dataclass(frozen=True)
+class Deduction:
+    name: str
+    mib: int
+    source: Source
+
+
+@dataclass(frozen=True)
+class AtReservation:
+    """What a reservation leaves for the KV cache, each deduction named, and what that KV
+    cache holds as vLLM counts it."""
+
+    vram_mib: int
+    deductions: tuple[Deduction, ...]
+    capacity: KvCapacity
+
+    @property
+    def kv_mib(self) -> int:
+        return self.capacity.kv_bytes // MIB
+
+
+def at_reservation(vram_mib: int, weights_mib: int, weights_from: Source, kv: KvCache,
+                   max_model_len: int, overheads: Overheads, rules: KvRules = DEFAULT_RULES,
+                   *, batched_tokens: int | None = None) -> AtReservation:
+    """vLLM's KV budget out of `vram_mib`: util x total is the reservation less the context
+    (gpud.core.launch.vllm_budget_mib), and vLLM gives the KV cache what is left of it after the
+    weights, the activation peak and its CUDA-graph estimate (v1/worker/gpu_worker.py
+    determine_available_memory, cited in KvRules). util's 4-decimal floor takes up to
+    total/10000 MiB more, not counted here."""
+    deductions = (Deduction("weights", weights_mib, weights_from),
+                  Deduction("context", overheads.context_mib, overheads.context_from),
+                  Deduction("activation peak", overheads.activation_mib,
+                            overheads.activation_from),
+                  Deduction("CUDA graphs", overheads.graphs_mib, overheads.graphs_from))
+    left = vram_mib - sum(d.mib for d in deductions)
+    return AtReservation(vram_mib, deductions,
+                         kv.capacity(max(0, left) * MIB, max_model_len, rules,
+                                     batched_tokens=batched_tokens))
+
+
+def smallest_reservation(concurrency: int, weights_mib: int, kv: KvCache, max_model_len: int,
+                         overheads: Overheads, rules: KvRules = DEFAULT_RULES, *,
+                         batched_tokens: int | None = None) -> tuple[int, int]:
+    """(vram_mib, kv_mib): the smallest reservation whose KV cache runs `concurrency` requests
+    of max_model_len at once beside the null block, with the overheads given."""
+    blocks = concurrency * kv.blocks_per_request(max_model_len, rules,
+                                                 batched_tokens=batched_tokens) + 1
+    kv_mib = mib_up(blocks * kv.block_bytes(rules))
+    return weights_mib + overheads.total_mib + kv_mib, kv_mib

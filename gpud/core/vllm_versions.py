@@ -34,10 +34,15 @@ line numbers are those of the vllm-0.34.0 wheel on PyPI):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 V033 = "0.33.0"
 V034 = "0.34.0"
+# The release `daemon.vllm_version` names when the config does not (gpud.core.config.DaemonConfig,
+# gpud.vllm_flags, gpud.core.launch take it from here).
+DEFAULT_VERSION = V033
 
 # The 0.34 option gpud adds to every vllm serve, and the spellings of the option it overrides.
 EXTENSIBLE_KV_OFF = "--no-enable-extensible-kv-cache"
@@ -51,9 +56,95 @@ IPC_CACHE = "ipc_cache"
 DRAFT_PRESERVE = "draft.*"
 
 
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KvRules:
+    """How a release sizes its KV cache on CUDA, as data (gpud.core.sizing applies it). The
+    arithmetic itself is the same text in 0.32.0, 0.33.0 and 0.34.0 (paths under `vllm/`; 0.32's
+    `v1/core/kv_cache_utils.py` became `v1/core/kv_cache_planning.py` in 0.33):
+
+    - a layer's page is block_tokens x 2 x KV heads x head_dim x the cache dtype's bytes (MLA: one
+      latent of kv_lora_rank + qk_rope_head_dim) (`v1/kv_cache_interface.py` AttentionSpec.
+      page_size_bytes);
+    - layers of one kind share a group; a hybrid model's kinds are split into groups of equal
+      size (the smaller kind's count, or the larger's when it is under 1.5 times it), padded
+      (`_get_kv_cache_groups_uniform_page_size`); a block spans one group's layers, and the
+      cache holds available // bytes_per_block blocks (`get_kv_cache_config_from_groups`);
+    - one request of max_model_len takes cdiv(max_model_len, block) blocks in a full-attention
+      group and cdiv(min(window - 1 + in-flight tokens, max_model_len), block) + 1 in a sliding
+      one (`SlidingWindowSpec.max_admission_blocks_per_request`), in-flight tokens being
+      max_concurrent_batches x max_num_batched_tokens (`config/vllm.py`
+      max_in_flight_tokens: 2 batches with async scheduling, on by default for generation
+      models on CUDA);
+    - vLLM logs `KV cache size: N tokens` with N = int(blocks / blocks per request x
+      max_model_len), the null block counted in (`get_kv_cache_capacity`,
+      `update_kv_cache_capacity`), and refuses to start unless blocks - 1 hold one request
+      (`check_enough_kv_cache_memory`: "Reserve the null block").
+    - its budget for the KV cache is util x total less the weights, the profile run's peak and
+      non-torch memory, and its own CUDA-graph estimate (`v1/worker/gpu_worker.py`
+      determine_available_memory: `available_kv_cache_memory_bytes`; VLLM_MEMORY_PROFILER_
+      ESTIMATE_CUDAGRAPHS on by default in all three).
+    """
+
+    # CacheConfig.DEFAULT_BLOCK_SIZE (vllm/config/cache.py): 16 up to 0.33, 64 in 0.34
+    block_tokens: int
+    # max_concurrent_batches with async scheduling (config/vllm.py): 2 with one pipeline stage
+    in_flight_batches: int
+    # the API server's max_num_batched_tokens and max_num_seqs on a device under 70 GiB, and on
+    # one of 70 GiB and more (not an A100) (engine/arg_utils.py get_batch_defaults)
+    batched_tokens: tuple[int, int]
+    max_num_seqs: tuple[int, int]
+    # the largest CUDA graph captured: min(2 x max_num_seqs, 512) tokens
+    # (config/vllm.py _set_cudagraph_sizes)
+    max_graph_tokens: int
+    # 0.34's extensible KV cache, when on, sizes the cache after warm-up: min(budget - what is
+    # used, device headroom - max(1 GiB, 0.75 x the transient peak)) less the transient peak
+    # (v1/worker/extensible_kv_cache.py:64-65 KV_CACHE_MARGIN_FLOOR_BYTES / _FRACTION, 592-618
+    # measure_kv_cache_bytes): (floor, fraction) of that headroom margin; None where the release
+    # has none. gpud turns it off (extensible_kv_off_arg).
+    extensible_margin: tuple[int, float] | None
+    # where each figure was read (gpuctl size --json carries it as rules_source)
+    source: str
+
+    def batch_defaults(self, device_mib: int | None) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs) of the API server on a device of that size
+        (under 70 GiB when unknown)."""
+        big = device_mib is not None and device_mib >= 70 * 1024
+        return self.batched_tokens[big], self.max_num_seqs[big]
+
+    def extensible_margin_bytes(self, transient_peak_bytes: int) -> int | None:
+        """The device headroom the extensible cache keeps free: max(floor, fraction x the
+        transient peak); None without one."""
+        if self.extensible_margin is None:
+            return None
+        floor, share = self.extensible_margin
+        return max(floor, int(share * transient_peak_bytes))
+
+
+KV_033 = KvRules(block_tokens=16, in_flight_batches=2, batched_tokens=(2048, 8192),
+                 max_num_seqs=(256, 1024), max_graph_tokens=512, extensible_margin=None,
+                 source="vLLM 0.33.0: config/cache.py:185 DEFAULT_BLOCK_SIZE 16; config/vllm.py"
+                        ":588-598 max_concurrent_batches, :1719 async scheduling on (__post_init__), "
+                        ":2453-2470 _set_cudagraph_sizes; engine/"
+                        "arg_utils.py:2973-3005 get_batch_defaults; v1/core/kv_cache_planning.py;"
+                        " v1/worker/gpu_worker.py:707-756")
+KV_034 = KvRules(block_tokens=64, in_flight_batches=2, batched_tokens=(2048, 8192),
+                 max_num_seqs=(256, 1024), max_graph_tokens=512,
+                 extensible_margin=(GIB, 0.75),
+                 source="vLLM 0.34.0: config/cache.py:185 DEFAULT_BLOCK_SIZE 64; config/vllm.py"
+                        ":560-566 max_concurrent_batches, :1637 async scheduling on; engine/"
+                        "arg_utils.py:3010-3042 get_batch_defaults; v1/core/kv_cache_planning.py;"
+                        " v1/worker/gpu_worker.py:742-779; v1/worker/extensible_kv_cache.py:"
+                        "64-65, 592-618")
+
+
 @dataclass(frozen=True)
 class VllmBehaviour:
     version: str
+    # how it sizes the KV cache
+    kv: KvRules
     # gpud adds EXTENSIBLE_KV_OFF to the argv (0.34: the extensible cache would otherwise be on)
     extensible_kv_off_arg: bool
     # /checkpoint/* exist on a sleep-mode serve
@@ -84,20 +175,23 @@ class VllmBehaviour:
         return cudagraph_mib
 
 
-BEHAVIOURS: dict[str, VllmBehaviour] = {
-    V033: VllmBehaviour(V033, extensible_kv_off_arg=False, checkpoint_routes=False,
+BEHAVIOURS: Mapping[str, VllmBehaviour] = MappingProxyType({
+    V033: VllmBehaviour(V033, KV_033, extensible_kv_off_arg=False, checkpoint_routes=False,
                         level2_parks_host=False, level2_drops_draft=False),
-    V034: VllmBehaviour(V034, extensible_kv_off_arg=True, checkpoint_routes=True,
+    V034: VllmBehaviour(V034, KV_034, extensible_kv_off_arg=True, checkpoint_routes=True,
                         level2_parks_host=True, level2_drops_draft=True),
-}
+})
+KNOWN_VERSIONS = tuple(sorted(BEHAVIOURS))
 
 
 def behaviour(version: str) -> VllmBehaviour:
-    """The behaviour of `version`; KeyError naming the versions gpud knows."""
+    """The behaviour of `version`: the one lookup of a release's rules. KeyError naming the
+    versions gpud knows; the config check refuses a `daemon.vllm_version` that is not one of
+    them (gpud.config), so a daemon never asks for another."""
     try:
         return BEHAVIOURS[version]
     except KeyError:
-        raise KeyError(f"gpud knows vLLM {', '.join(sorted(BEHAVIOURS))}, not {version!r}") \
+        raise KeyError(f"gpud knows vLLM {', '.join(KNOWN_VERSIONS)}, not {version!r}") \
             from None
 
 

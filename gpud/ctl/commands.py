@@ -671,12 +671,21 @@ COMMANDS: tuple[Command, ...] = (
         "vLLM holds them (a pre-quantized checkpoint as stored; an online --quantization "
         "estimated, embeddings, LM head and norms left in the model's dtype), the KV cache per "
         "token and for one sequence of --max-model-len, and the minimum reservation (weights + "
-        "that KV cache + context), with the serves.toml lines to write. With --vram-mib, exit 1 "
-        "and say what fits instead when that reservation cannot hold it. MODEL is a directory, "
-        "or a repository id found in the serves' model cache at --revision. gpud is not asked; "
-        "a model not on disk exits 2.",
+        "that KV cache + context), with the serves.toml lines to write. Then what a "
+        "reservation (--vram-mib, else the smallest for --concurrency sequences) leaves for "
+        "the KV cache after each named deduction (weights, context, activation peak and CUDA "
+        "graphs, the last two estimated): in MiB, in tokens and sequences at once as vLLM "
+        "--vllm-version counts them. With --vram-mib, exit 1 and say what fits instead when "
+        "that reservation cannot hold it. MODEL is a directory, or a repository id found in the "
+        "serves' model cache at --revision. gpud is not asked; a model not on disk, a "
+        "--vram-mib below the weights, a --max-model-len over the model's window or a "
+        "--quantization that does not apply exits 2. With --serve NAME instead of MODEL, gpud "
+        "sizes a configured serve, with the overheads its calibration measured once it has one "
+        "(gpuctl calibrate).",
         "  gpuctl size /srv/models/gemma-4-E4B-it --max-model-len 32768\n"
         "  gpuctl size leon-se/gemma-4-E4B-it-FP8-Dynamic --revision COMMIT --vram-mib 10240\n"
+        "  gpuctl size /srv/models/qwen3-8b --max-model-len 32768 --concurrency 4\n"
+        "  gpuctl size --serve fast\n"
         "  gpuctl size /srv/models/llama --quantization fp8_per_tensor --kv-cache-dtype fp8",
         configure_size, run_size),
     Command(

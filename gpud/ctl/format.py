@@ -498,6 +498,7 @@ def format_plan(doc: answers.Plan) -> str:
         if size.get("minimum_mib") is not None:
             lines.append(f"{size.get('serve')}: minimum {size.get('minimum_mib')} MiB "
                          f"({size.get('how')}), headroom {size.get('headroom_mib')} MiB")
+            lines += _predicted_kv_lines(size.get("kv"))
     restart = doc.get("restart") or []
     lines.append(f"must restart: {', '.join(restart) if restart else 'none'}")
     for s in doc.get("serves", []):  # why a serve is not restarted (asleep), or denied
@@ -566,11 +567,11 @@ def format_calibration(doc: answers.Calibration) -> str:
                          f"kv_cache_mib = {vllm.get('kv_cache_fit_mib')}")
         elif vllm.get("kv_cache_fit"):
             lines.append(f"  KV cache to fit the reservation exactly: {vllm.get('kv_cache_fit')}")
-    lines += _predicted_lines(doc.get("predicted"), vllm)
+    lines += predicted_lines(doc.get("predicted"), vllm)
     return "\n".join(lines)
 
 
-def _predicted_lines(p: Any, vllm: Any) -> list[str]:
+def predicted_lines(p: Any, vllm: Any) -> list[str]:
     """The checkpoint's prediction beside vLLM's measured weights, so a wrong one shows."""
     if not p:
         return []
@@ -583,5 +584,27 @@ def _predicted_lines(p: Any, vllm: Any) -> list[str]:
     if isinstance(measured, int) and measured > 0 and p.get("weights_mib"):
         off = (p["weights_mib"] - measured) * 100 / measured
         line += f"; vLLM measured weights {measured} MiB: predicted {off:+.1f}%"
-    return [line]
+    return [line, *_predicted_kv_lines(p.get("kv"))]
+
+
+def _predicted_kv_lines(kv: Any) -> list[str]:
+    """What the reservation leaves for the KV cache, each deduction with its source (measured
+    once calibrated), and the predicted tokens beside those vLLM logged."""
+    if not kv:
+        return []
+    parts = ", ".join(f"{d.get('name')} {d.get('mib')} ({d.get('source')})"
+                      for d in kv.get("deductions") or [])
+    sized = ("" if kv.get("kv_from") == "what the reservation leaves"
+             else f" (sized by {kv.get('kv_from')})")
+    lines = [f"  vram_mib {kv.get('vram_mib')} on vLLM {kv.get('vllm_version')}: {parts} "
+             f"leave a KV cache of {kv.get('kv_at_mib')} MiB{sized}: {kv.get('kv_tokens'):,} "
+             "tokens, "
+             f"{kv.get('max_concurrency')}x max concurrency ({kv.get('sequences')} sequences "
+             "at once)"]
+    logged = kv.get("logged_kv_tokens")
+    if isinstance(logged, int) and logged > 0:
+        off = (kv.get("kv_tokens", 0) - logged) * 100 / logged
+        lines.append(f"  KV cache tokens: predicted {kv.get('kv_tokens'):,}, vLLM logged "
+                     f"{logged:,} ({off:+.1f}%)")
+    return lines
 

@@ -2,7 +2,12 @@
 imported by the tests: `make DIR DTYPE [DIR DTYPE...]` writes small random Llama checkpoints
 offline in those dtypes; `load DIR...` loads each in turn with real vLLM, in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: one start's imports for all), and prints, one JSON line each,
-the bytes of the parameters and buffers of the model vLLM built.
+the bytes of the parameters and buffers of the model vLLM built. `make-shapes OUT` writes the KV
+cache shapes (SHAPES: grouped KV heads, tied embeddings, a sliding window, a hybrid of sliding
+and full layers whose last ones share the cache, MLA) and `kv BUDGET MAX_MODEL_LEN BATCHED
+DIR...` starts each with a KV budget of BUDGET bytes (--kv-cache-memory-bytes) and prints what
+vLLM says that holds (its `KV cache size: N tokens` and maximum concurrency, set on
+cache_config by update_kv_cache_capacity).
 
 The CPU build does not log `Model loading took X GiB` (vllm/v1/worker/cpu_model_runner.py:62
 load_model logs only "Starting to load model"; the line is the GPU runners':
@@ -32,6 +37,74 @@ def make(out: str, dtype: str) -> None:
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.config.torch_dtype = getattr(torch, dtype)
     model.save_pretrained(out)
+
+
+# The KV shapes (tests/vllm/test_sizing_vllm.py): each small, head_dim 64 (the CPU build refuses
+# 16), a context of 16384 so that a sliding window (256) is far shorter than a sequence.
+SHAPES: dict[str, dict[str, Any]] = {
+    "dense-gqa": {"arch": "llama", "num_hidden_layers": 4, "num_attention_heads": 8,
+                  "num_key_value_heads": 2},
+    "tied": {"arch": "llama", "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "tie_word_embeddings": True},
+    "sliding": {"arch": "mistral", "num_hidden_layers": 4, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "sliding_window": 256},
+    # Gemma 4's layout: sliding and full layers (a hybrid), the full ones wider
+    # (global_head_dim), the last two sharing earlier layers' cache (num_kv_shared_layers)
+    "hybrid-shared": {"arch": "gemma4", "num_hidden_layers": 8, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "global_head_dim": 128, "sliding_window": 256,
+                      "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+                      "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+                      "vocab_size_per_layer_input": 1000, "pad_token_id": 0},
+    # DeepSeek-V2's attention: the CPU build's MLA kernel takes kv_lora_rank 512 + rope 64 only
+    # (vllm/v1/attention/backends/mla/cpu_mla.py:24-25, 61-64 of 0.32.0); every layer dense
+    "mla": {"arch": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+            "v_head_dim": 64, "q_lora_rank": None, "first_k_dense_replace": 2,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+            "n_shared_experts": 1},
+}
+SHAPE_BASE = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "head_dim": 64, "max_position_embeddings": 16384, "bos_token_id": 0,
+              "eos_token_id": 1}
+
+
+def make_shape(out: str, name: str) -> None:
+    import torch
+    import transformers
+
+    spec = {**SHAPE_BASE, **SHAPES[name]}
+    arch = spec.pop("arch")
+    if arch == "deepseek_v2":
+        spec.pop("head_dim")
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    model = model_class(config_class(**spec)).to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(out)
+
+
+def kv(budget: int, max_model_len: int, batched: int, path: str) -> None:
+    """Start `path` with a KV cache of `budget` bytes and print what vLLM says it holds."""
+    from vllm import LLM
+
+    llm = LLM(model=path, max_model_len=max_model_len, enforce_eager=True,
+              skip_tokenizer_init=True, dtype="auto", kv_cache_memory_bytes=budget,
+              max_num_batched_tokens=batched)
+    cache = llm.llm_engine.vllm_config.cache_config
+    print("KV " + json.dumps({
+        "model": path, "budget": budget, "max_model_len": max_model_len,
+        "tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
+        "blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+        "weights": llm.apply_model(count)[0]}), flush=True)
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del llm
+    cleanup_dist_env_and_memory()
 
 
 def make_int8(out: str, source: str) -> None:
@@ -107,7 +180,13 @@ def load(path: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if sys.argv[1] == "make-int8":
+    if sys.argv[1] == "make-shapes":
+        for shape in SHAPES:
+            make_shape(f"{sys.argv[2]}/{shape}", shape)
+    elif sys.argv[1] == "kv":
+        for model in sys.argv[5:]:
+            kv(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), model)
+    elif sys.argv[1] == "make-int8":
         make_int8(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "make":
         for out, dtype in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
