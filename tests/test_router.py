@@ -695,6 +695,7 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     delay_s = 0.0
     status = 204
     seen: list[tuple[str, str]]
+    requesters: list[str]
     gone: threading.Event
 
 
@@ -704,6 +705,7 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.server.seen.append((self.headers.get("X-Gpud-Model", ""),
                                  self.headers.get("X-Gpud-Key", "")))
+        self.server.requesters.append(self.headers.get("X-Gpud-Requester", ""))
         # waits as gpud does, noticing when nginx closes the ensure's connection
         deadline = time.monotonic() + self.server.delay_s
         while (left := deadline - time.monotonic()) > 0:
@@ -752,7 +754,7 @@ def fed() -> Iterator[Fed]:
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     gpud = _Gpud(str(gpud_sock), _Ensure)
-    gpud.seen, gpud.gone = [], threading.Event()
+    gpud.seen, gpud.requesters, gpud.gone = [], [], threading.Event()
     os.chmod(gpud_sock, 0o777)
     threading.Thread(target=gpud.serve_forever, daemon=True).start()
     a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
@@ -770,6 +772,7 @@ def fed() -> Iterator[Fed]:
                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
                    what="a answering through the router")
         gpud.seen.clear()
+        gpud.requesters.clear()
         yield Fed(port, gpud, tmp / "router.log")
     except BaseException:
         log.flush()
@@ -825,6 +828,8 @@ def test_a_stream_waiting_on_a_bring_up_is_sent_comments_then_the_stream(fed: Fe
     # the serve had the request's body: the model the request named
     assert {d["model"] for d in data} == {"a-fast"}, data
     assert fed.gpud.seen == [("a-fast", "")]
+    # who asked: without keys, the client's address (the script's own ensure, as nginx's)
+    assert fed.gpud.requesters[-1] == "addr:127.0.0.1"
 
 
 def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> None:

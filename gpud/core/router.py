@@ -78,6 +78,10 @@ LOG_FIELDS: Final = (
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
 RETRY_AFTER_S: Final = 30
+# The requester of an ensure that names none (root's own call, an older front).
+ANONYMOUS: Final = "anonymous"
+# A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
+MAX_REQUESTER: Final = 64
 
 
 def model_name_problem(name: str) -> str | None:
@@ -264,18 +268,78 @@ class RouterFront:
 
 @dataclass(frozen=True)
 class RouterRequest:
-    """The request through the router that asked gpud to have a serve up (its ensure's
-    X-Gpud-Model and X-Gpud-Key): the model it named and the key it used (None: no keys), as
-    the journal names it when that brings a serve up or evicts another."""
+    """The request through the router or a front that asked gpud to have a serve up (its
+    ensure's X-Gpud-Model, X-Gpud-Key and X-Gpud-Requester, set by nginx only: a client's own
+    X-Gpud-* headers never reach gpud, GPUD_REQUEST_HEADERS): the model it named (None: a
+    request to a serve's own port, which names none), the key it used (None: no keys), and
+    who asked (its requester: the key's name, else ``addr:`` and the client's address; on
+    loopback every local client is ``addr:127.0.0.1``), as the journal names it and as
+    gpud's bounds and queue tell requesters apart."""
 
-    model: str
+    model: str | None
     key: str | None = None
+    requester: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.requester:
+            object.__setattr__(self, "requester", self.key or ANONYMOUS)
 
     @property
     def text(self) -> str:
         # printable: whatever reaches gpud's socket is logged escaped
+        if self.model is None:
+            return f"on-demand request from {printable(self.requester[:MAX_REQUESTER])!r}"
         key = "" if not self.key else f" with key {printable(self.key[:64])!r}"
         return f"request for model {printable(self.model[:256])!r}{key} through the router"
+
+
+@dataclass
+class EnsureBound:
+    """The ensures under way, by requester (gpud.api.ensure): at most PER_REQUESTER for one
+    requester and TOTAL in all, so that one requester's waiting requests neither starve
+    another's bring-up nor take the connections of the front's uid that reads need."""
+
+    per_requester: int
+    total: int
+    by: dict[str, int]
+
+    @classmethod
+    def empty(cls, per_requester: int, total: int) -> EnsureBound:
+        return cls(per_requester, total, {})
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.by.values())
+
+    def enter(self, requester: str) -> str | None:
+        """Count one more ensure of REQUESTER; or why not (nothing counted)."""
+        mine = self.by.get(requester, 0)
+        if mine >= self.per_requester:
+            return (f"{mine} requests of {requester} wait for a bring-up already "
+                    "(daemon.ensure_waiting_per_requester)")
+        if self.waiting >= self.total:
+            return (f"{self.total} requests wait for a bring-up already "
+                    "(daemon.ensure_waiting_total)")
+        self.by[requester] = mine + 1
+        return None
+
+    def leave(self, requester: str) -> None:
+        left = self.by.get(requester, 1) - 1
+        if left > 0:
+            self.by[requester] = left
+        else:
+            self.by.pop(requester, None)
+
+
+def router_request(headers: Mapping[str, str]) -> RouterRequest | None:
+    """The RouterRequest of an ensure's headers (X-Gpud-Model, X-Gpud-Key, X-Gpud-Requester:
+    nginx's, never a client's), None when it carries none (root asking by hand)."""
+    model = headers.get("X-Gpud-Model") or None
+    key = headers.get("X-Gpud-Key") or None
+    requester = (headers.get("X-Gpud-Requester") or "")[:MAX_REQUESTER]
+    if model is None and key is None and not requester:
+        return None
+    return RouterRequest(model, key, requester)
 
 
 def _error_json(status: int, message: str, code: str) -> str:
@@ -314,9 +378,12 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
                   f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
                   "            proxy_method POST;",
                   "            proxy_pass_request_body off;",
+                  # none of the client's headers: gpud's X-Gpud-* are the router's alone
+                  "            proxy_pass_request_headers off;",
                   '            proxy_set_header Content-Length "";',
                   "            proxy_set_header X-Gpud-Model $router_model;",
                   "            proxy_set_header X-Gpud-Key $router_key;",
+                  "            proxy_set_header X-Gpud-Requester $router_requester;",
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
@@ -347,6 +414,7 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_model;",
            "    js_var $router_serve;",
            "    js_var $router_key;",
+           "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;"]
     if router.access_log is not None:
@@ -401,6 +469,7 @@ def http_lines(router: RouterFront) -> list[str]:
         f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves;",
         "            proxy_method GET;",
         "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         '            proxy_set_header Content-Length "";',
         "            proxy_read_timeout 5s;",
         "            subrequest_output_buffer_size 1m;",

@@ -148,6 +148,12 @@ function keyOf(r) {
     return key;
 }
 
+// Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
+// client's address (on loopback every local client is addr:127.0.0.1).
+function requesterOf(r, key) {
+    return key.name || 'addr:' + r.remoteAddress;
+}
+
 function allows(key, model) {
     return key.models.indexOf('*') >= 0 || key.models.indexOf(model) >= 0;
 }
@@ -218,6 +224,7 @@ function route(r) {
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
+    r.variables.router_requester = requesterOf(r, key);
     if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
             (stream === null ? scanStream(body) : stream)) {
         loading(r, model, entry);
@@ -226,8 +233,12 @@ function route(r) {
     r.internalRedirect(entry.location);
 }
 
-// The 503 of a refusal: gpud's reason (its X-Gpud-Reason, OpenAI's error shape) under
-// error.gpud.
+// gpud's code of an ensure refused because its requester (or everyone) has as many
+// requests waiting as gpud keeps (gpud.api._too_many_waiting): the router's 429.
+var TOO_MANY_WAITING = 'too-many-requests';
+
+// The 503 (429 when the requester waits too much already) of a refusal: gpud's reason (its
+// X-Gpud-Reason, OpenAI's error shape) under error.gpud.
 function refusal(r, reason) {
     var message = 'refused by gpud', details = null;
     try {
@@ -237,10 +248,16 @@ function refusal(r, reason) {
     } catch (e) {
         // no reason given
     }
-    return {error: {
+    if (details !== null && details.code === TOO_MANY_WAITING) {
+        return {status: 429, doc: {error: {
+            message: 'model ' + JSON.stringify(r.variables.router_model) + ': ' + message,
+            type: 'rate_limit_error', param: null, code: 'rate_limit_exceeded',
+            gpud: details}}};
+    }
+    return {status: 503, doc: {error: {
         message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
                  r.variables.router_serve + ') cannot be brought up: ' + message,
-        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}};
+        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
 }
 
 // Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
@@ -273,16 +290,16 @@ function loading(r, model, entry) {
         clearTimeout(timer);
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
         if (reply.status === 403) {
-            var doc = refusal(r, reply.headersOut['X-Gpud-Reason']);
+            var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
             if (!sent) {
                 r.headersOut['Retry-After'] = reply.headersOut['Retry-After'] ||
                     String(CONFIG.retry_after_s);
                 r.headersOut['Content-Type'] = 'application/json';
-                r.return(503, JSON.stringify(doc));
+                r.return(refused.status, JSON.stringify(refused.doc));
                 return;
             }
             r.variables.router_sse = 'refused';
-            r.send('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n');
+            r.send('data: ' + JSON.stringify(refused.doc) + '\n\ndata: [DONE]\n\n');
         } else if (!sent) {
             r.internalRedirect(entry.location + '_direct');
             return;
@@ -361,7 +378,8 @@ function model(r) {
 function refused(r) {
     r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(503, JSON.stringify(refusal(r, r.variables.router_reason)));
+    var refused = refusal(r, r.variables.router_reason);
+    r.return(refused.status, JSON.stringify(refused.doc));
 }
 
 // The serve did not answer (stopped, starting, restarting; gpud down and the serve not up).
