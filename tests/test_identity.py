@@ -27,8 +27,8 @@ import pytest
 from gpud.core.front import GPUD_REQUEST_HEADERS, FrontConfig, FrontServe, render
 from gpud.core.router import (
     ANONYMOUS,
-    EnsureBound,
     ApiKey,
+    EnsureBound,
     RoutedServe,
     RouterFront,
     RouterRequest,

@@ -435,8 +435,8 @@ def test_a_stream_comes_through_token_by_token(rig: Rig) -> None:
 
 
 def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
-    """From 64 KiB on the script looks for the one "model" key before parsing; with two (one
-    nested), it parses the body, and the top-level one wins."""
+    """From 64 KiB on the script walks the body's top level for its "model" key (a nested one
+    is not it) without parsing the rest."""
     pad = "x " * (100 << 10)
     status, doc = _post(rig.port, "/v1/completions",
                         {"prompt": pad, "max_tokens": 1, "model": "b"})
@@ -451,6 +451,66 @@ def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
     status, _h, body = _req(rig.port, "POST", "/v1/completions",
                             b'{"prompt": "' + pad.encode() + b'", "model": 5}')
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"
+
+
+# --- one reading of `model`, within a budget (docs/router.md) -----------------------
+
+PAD = "x " * (100 << 10)  # past the 64 KiB from which the script walks the body
+
+
+def _send(rig: Rig, raw: bytes) -> tuple[int, dict[str, object]]:
+    status, _h, body = _req(rig.port, "POST", "/v1/completions", raw,
+                            {"Content-Type": "application/json"})
+    return status, json.loads(body)
+
+
+def test_a_nested_model_does_not_route_a_large_body(rig: Rig) -> None:
+    """M5: the top-level key, escaped, is the one the serve reads: the router reads it too
+    (at e8f41a4 the one unescaped "model" key, nested, routed it to a's serve)."""
+    raw = ('{"metadata": {"model": "a"}, "mod\\u0065l": "b", "max_tokens": 1, "prompt": "'
+           + PAD + '"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+    # an escaped value is read as the serve reads it too
+    raw = ('{"prompt": "' + PAD + '", "model": "\\u0062", "max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_model_given_twice_is_its_last_as_the_serve_reads_it(rig: Rig) -> None:
+    raw = ('{"model": "a", "prompt": "' + PAD + '", "max_tokens": 1, "model": "b"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_body_not_in_utf8_is_refused(rig: Rig) -> None:
+    raw = json.dumps({"model": "b", "prompt": PAD}).encode("utf-16")
+    status, doc = _send(rig, raw)
+    error = doc["error"]
+    assert status == 400 and isinstance(error, dict) and error["code"] == "invalid_json", doc
+
+
+def test_a_large_body_of_small_parts_is_walked_not_parsed(rig: Rig) -> None:
+    """H2: 1 MiB of small objects and no top-level model: answered 400 at once (at
+    e8f41a4, parsed whole), the stream flag and model still found after them."""
+    parts = '{"a":[1,{"b":2}]},' * ((1 << 20) // 18 - 8)
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x"}').encode()
+    began = time.monotonic()
+    status, doc = _send(rig, raw)
+    assert status == 400 and doc["error"]["code"] == "missing_model", doc  # type: ignore[index]
+    assert time.monotonic() - began < 1.0
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x", "model": "b", '
+           '"max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_malformed_large_body_is_refused_by_the_router(rig: Rig) -> None:
+    for raw, code in ((b'{"model": "b", "prompt": "' + PAD.encode() + b'"', "invalid_json"),
+                      (b'{"model": "b", "prompt": "' + PAD.encode() + b'"} x', "invalid_json"),
+                      (b'["model", "' + PAD.encode() + b'"]', "invalid_json")):
+        status, doc = _send(rig, raw)
+        assert status == 400 and doc["error"]["code"] == code, doc  # type: ignore[index]
 
 
 # --- keys ---------------------------------------------------------------------------------------
