@@ -6,6 +6,7 @@ tests/integration/test_router.py, has it): /v1/models says every state is unknow
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -186,6 +187,9 @@ class Rig:
     tcp_serve: subprocess.Popen[bytes]
     nginx: subprocess.Popen[bytes]
     script: str
+    router: RouterFront
+    conf: Path
+    run: Path
 
     def workers(self) -> set[str]:
         pid = self.nginx.pid
@@ -277,7 +281,7 @@ def rig() -> Iterator[Rig]:
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
                                             json.dumps({"model": m}).encode())[0] != 503,
                        what=f"{model} answering through the router")
-        yield Rig(port, a, b, nginx, str(tmp / "router.js"))
+        yield Rig(port, a, b, nginx, str(tmp / "router.js"), router, tmp / "nginx.conf", run)
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -554,12 +558,11 @@ def test_a_keys_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
 def keyed(rig: Rig, tmp_path: Path) -> Iterator[Rig]:
     """The rig's router with keys: its script rewritten, nginx reloaded."""
     keys, _ = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
-    script = Path(rig.script)
-    text = script.read_text()
-    head, sep, code = text.partition("\n\n")
-    doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip(";"))
-    doc["keys"] = {k.sha256: {"name": k.name, "models": list(k.models)} for k in keys}
-    script.write_text(f"var CONFIG = {json.dumps(doc)};{sep}{code}")
+    router = dataclasses.replace(rig.router, keys=tuple(keys))
+    Path(rig.script).write_text(script_text(router))
+    rig.conf.write_text(render(FrontConfig(
+        serves=(), run_dir=str(rig.run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
     rig.reload()
     yield rig
 
@@ -580,13 +583,35 @@ def test_with_keys_a_request_needs_one_that_may_use_its_model(keyed: Rig) -> Non
     b_body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
     status, _h, out = _req(port, "POST", "/v1/completions", b_body, _auth("sk-alice-0123456789"))
     err = json.loads(out)["error"]
-    assert status == 403 and err["code"] == "model_not_allowed" and "alice" in err["message"]
+    # L3: as a model that does not exist (GET /v1/models/b says the same), naming none of the
+    # others
+    assert status == 404 and err["code"] == "model_not_found", err
+    assert "org/b-model" not in err["message"] and '"b"?' not in err["message"], err
     assert _req(port, "POST", "/v1/completions", b_body, _auth("sk-ops-0123456789abc"))[0] == 200
     # /v1/models: only what the key may use
     status, _h, out = _req(port, "GET", "/v1/models", None, _auth("sk-alice-0123456789"))
     assert status == 200 and [m["id"] for m in json.loads(out)["data"]] == ["a", "a-fast"]
     assert _req(port, "GET", "/v1/models")[0] == 401
     assert _req(port, "GET", "/v1/models/b", None, _auth("sk-alice-0123456789"))[0] == 404
+
+
+def test_with_keys_a_request_without_one_is_answered_before_its_body(keyed: Rig) -> None:
+    """H3: a client without a key holds no body buffer: answered 401 as soon as its headers
+    are in (at e8f41a4 nginx read the whole body first, or waited for it)."""
+    for auth in (b"", b"Authorization: Bearer sk-wrong-0123456789\r\n"):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=5) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                           b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+                           b'{"model": "a", ')
+            client.settimeout(0.5)
+            got = b""
+            while b"}}" not in got:  # the headers, then the error document
+                got += client.recv(65536)
+            head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in head, head
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert ("Incorrect" if auth else "No API key") in error["message"], error
 
 
 def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) -> None:

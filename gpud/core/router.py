@@ -56,6 +56,10 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
+AUTH_LOCATION: Final = "/.gpud-router-auth"
+# The 401s of the key's check before the body (router.js keyOf says the same)
+NO_KEY: Final = "No API key provided (Authorization: Bearer KEY)"
+BAD_KEY: Final = "Incorrect API key provided"
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
@@ -433,6 +437,14 @@ def http_lines(router: RouterFront) -> list[str]:
     not_found = _error_json(404, "no such route on this endpoint (the router carries the "
                             "OpenAI routes: /v1/models, /v1/chat/completions, ...)",
                             "route_not_found")
+    auth = ""
+    if router.keys is not None:
+        auth = (f"            auth_request {AUTH_LOCATION};\n"
+                "            error_page 401 = @router_unauthorized;\n")
+        out += ["    map $http_authorization $router_unauthorized {",
+                f"        \"\" '{_error_json(401, NO_KEY, 'invalid_api_key')}';",
+                f"        default '{_error_json(401, BAD_KEY, 'invalid_api_key')}';",
+                "    }"]
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -460,8 +472,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "            js_content router.model;",
         "        }",
         # ssi: only the script's own output (a stream's loading feedback, then its include)
-        # is looked through, never a serve's (answered in other locations)
-        *[f"        location = {path} {{\n            js_content router.route;\n"
+        # is looked through, never a serve's (answered in other locations). With keys, the
+        # key is checked before the body is read (auth_request runs in the access phase, a
+        # js_content handler once the body is in: ngx_http_js_content_handler reads it
+        # first), so a client without one holds no body buffer.
+        *[f"        location = {path} {{\n{auth}            js_content router.route;\n"
           "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
         f"        location = {SERVES_LOCATION} {{",
@@ -478,6 +493,14 @@ def http_lines(router: RouterFront) -> list[str]:
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += _serve_locations(serve)
     out += [
+        *([f"        location = {AUTH_LOCATION} {{",
+           "            internal;",
+           "            js_content router.auth;",
+           "        }",
+           "        location @router_unauthorized {",
+           "            add_header WWW-Authenticate Bearer always;",
+           "            return 401 $router_unauthorized;",
+           "        }"] if router.keys is not None else []),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",

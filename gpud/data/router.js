@@ -243,7 +243,8 @@ function keyOf(r) {
     }
     var auth = r.headersIn['Authorization'] || '';
     var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
-    var key = m ? CONFIG.keys[crypto.createHash('sha256').update(m[1]).digest('hex')] : undefined;
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    var key = m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
     if (key === undefined) {
         r.headersOut['WWW-Authenticate'] = 'Bearer';
         fail(r, 401, m ? 'Incorrect API key provided' :
@@ -257,6 +258,18 @@ function keyOf(r) {
 // client's address (on loopback every local client is addr:127.0.0.1).
 function requesterOf(r, key) {
     return key.name || 'addr:' + r.remoteAddress;
+}
+
+// The key's check before a routed request's body is read (an auth_request subrequest: 204
+// or 401, which the router answers in OpenAI's shape without reading the body).
+function auth(r) {
+    if (CONFIG.keys === null) {
+        r.return(204);
+        return;
+    }
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    r.return(m && CONFIG.keys.hasOwnProperty(digest) ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -316,17 +329,13 @@ function route(r) {
         return;
     }
     var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
-    if (entry === undefined) {
+    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+    if (entry === undefined || !allows(key, model)) {
         var close = closeNames(model, key);
         fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
                  return JSON.stringify(n); }).join(', ') + '?' : '') +
              ' (GET /v1/models lists them)', 'model_not_found', 'model');
-        return;
-    }
-    if (!allows(key, model)) {
-        fail(r, 403, 'key ' + key.name + ' may not use model ' + JSON.stringify(model),
-             'model_not_allowed', 'model');
         return;
     }
     r.variables.router_model = model;
@@ -530,4 +539,4 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
-export default {route, models, model, refused, down, streamed, streamDown};
+export default {route, auth, models, model, refused, down, streamed, streamDown};
