@@ -495,18 +495,22 @@ def test_a_body_not_in_utf8_is_refused(rig: Rig) -> None:
 
 
 def test_a_large_body_of_small_parts_is_walked_not_parsed(rig: Rig) -> None:
-    """H2: 1 MiB of small objects and no top-level model: answered 400 at once (at
-    e8f41a4, parsed whole), the stream flag and model still found after them."""
-    parts = '{"a":[1,{"b":2}]},' * ((1 << 20) // 18 - 8)
-    raw = ('{"messages": [' + parts + '{}], "prompt": "x"}').encode()
-    began = time.monotonic()
-    status, doc = _send(rig, raw)
-    assert status == 400 and doc["error"]["code"] == "missing_model", doc  # type: ignore[index]
-    assert time.monotonic() - began < 1.0
+    """H2: a body of small objects is walked, not parsed (at e8f41a4, parsed whole when it
+    had no single "model" key: 64 MiB held a worker 7.6 s): the model after them found, and
+    past the walk's budget (about 80 ms of a worker) a 413 at once."""
+    parts = '{"a":[1,{"b":2}]},' * 8000
     raw = ('{"messages": [' + parts + '{}], "prompt": "x", "model": "b", '
            '"max_tokens": 1}').encode()
     status, doc = _send(rig, raw)
     assert status == 200 and doc["model"] == "b", doc
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 400 and doc["error"]["code"] == "missing_model", doc  # type: ignore[index]
+    many = '{"a":[1,{"b":2}]},' * ((1 << 20) // 18 - 8)
+    began = time.monotonic()
+    status, doc = _send(rig, ('{"messages": [' + many + '{}], "model": "b"}').encode())
+    assert status == 413 and doc["error"]["code"] == "too_complex", doc  # type: ignore[index]
+    assert time.monotonic() - began < 1.0
 
 
 def test_a_malformed_large_body_is_refused_by_the_router(rig: Rig) -> None:

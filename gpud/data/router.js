@@ -45,10 +45,12 @@ function formModel(body) {
 // JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
 // small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
 var SCAN_FROM = 65536;
-// What a walk may visit outside strings (strings are skipped by Buffer.indexOf, natively):
-// past it the body is refused 413 (router_too_complex) rather than a worker held. About
-// 4 ms a MiB in njs 0.7.9; a chat of ten thousand messages visits well under a MiB.
-var SCAN_STEPS = 8 * 1048576;
+// The steps a walk may take in nested values (a byte outside strings, or a string skipped
+// by Buffer.indexOf, natively): past them the body is refused 413 (too_complex) rather than
+// a worker held. A step costs njs 0.7.9 about 0.3 us (bench/router_body.py: 108 ms for a
+// MiB of small objects walked whole), so the walk stops within about 80 ms; a chat of ten
+// thousand messages takes about 100000 steps, an image in base64 one.
+var SCAN_STEPS = 262144;
 
 function space(c) {
     return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
@@ -138,6 +140,11 @@ function topLevel(body) {
                 depth = 0;
                 do {
                     c = body[i];
+                    if (++steps > SCAN_STEPS) {
+                        return {error: [413, 'the request body has more structure than the ' +
+                                        'router reads (' + SCAN_STEPS + ' steps): send ' +
+                                        'fewer, larger parts', 'too_complex']};
+                    }
                     if (c === 0x22) {
                         end = skipString(body, i);
                         if (end < 0) {
@@ -154,11 +161,6 @@ function topLevel(body) {
                         return bad('an unterminated ' + (body[v] === 0x7b ? 'object' : 'array'));
                     }
                     i++;
-                    if (++steps > SCAN_STEPS) {
-                        return {error: [413, 'the request body has more structure than the ' +
-                                        'router reads (' + SCAN_STEPS + ' bytes outside ' +
-                                        'strings): send fewer, larger parts', 'too_complex']};
-                    }
                 } while (depth > 0);
             } else {
                 while (i < n && body[i] !== 0x2c && body[i] !== 0x7d && !space(body[i])) {
