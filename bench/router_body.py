@@ -8,7 +8,8 @@ For each side: nginx's worker CPU per MiB of a body of small JSON objects with n
 `model` (the router reads it and answers 400 itself: no serve involved), the workers' peak
 resident memory (VmHWM) after those bodies, and another client's median and 95th percentile
 latency of a small completion alone and beside two clients each sending such a body every
-second; the old side is `git archive` of --old unpacked in a temporary directory. Not a test: nothing is asserted.
+second; the old side is `git archive` of --old unpacked in a temporary directory. Not a
+test: nothing is asserted.
 """
 
 from __future__ import annotations
