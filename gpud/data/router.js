@@ -15,6 +15,7 @@
 
 import crypto from 'crypto';
 
+// The one place of the router's error document (OpenAI's shape: message, type, param, code).
 function fail(r, status, message, code, param) {
     r.headersOut['Content-Type'] = 'application/json';
     var type = status >= 500 ? 'server_error' : 'invalid_request_error';
@@ -236,6 +237,35 @@ function closeNames(name, key) {
     return found.slice(0, 3).map(function (x) { return x[1]; });
 }
 
+// The error document (the shape fail() answers) as text: for nginx's `return` of the error
+// pages, whose text comes from a js_set variable (gpud/core/router.py ERROR_PAGES): no body
+// is read for them (a js_content handler would read it first).
+function errorText(status, message, code) {
+    return JSON.stringify({error: {message: message,
+                                   type: status >= 500 ? 'server_error' : 'invalid_request_error',
+                                   param: null, code: code}});
+}
+
+// nginx's own errors, as the router answers them: status -> [the status answered, message,
+// code] (494: nginx's own code for a header too large, answered 400).
+var ERRORS = {
+    400: [400, 'the request is not valid HTTP', 'invalid_request'],
+    404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
+          '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
+    413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+    414: [414, 'the request URI is too long', 'invalid_request'],
+    494: [400, 'a request header is too large', 'invalid_request'],
+    500: [500, 'internal error of the router', 'internal_error'],
+};
+
+function nginxError(status) {
+    return function (r) {
+        var e = ERRORS[status];
+        return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' :
+                         e[1], e[2]);
+    };
+}
+
 // With router.api_keys_file: the request's key (its name and models), or null once answered
 // 401. Without: {models: ['*']}. Tokens are compared by their SHA-256 (the table holds
 // nothing else).
@@ -243,17 +273,31 @@ function keyOf(r) {
     if (CONFIG.keys === null) {
         return {name: null, models: ['*']};
     }
-    var auth = r.headersIn['Authorization'] || '';
-    var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    var key = m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
+    var key = lookUp(r);
     if (key === undefined) {
-        r.headersOut['WWW-Authenticate'] = 'Bearer';
-        fail(r, 401, m ? 'Incorrect API key provided' :
-             'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+        unauthorized(r);
         return null;
     }
     return key;
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    return m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
+}
+
+function unauthorized(r) {
+    r.headersOut['WWW-Authenticate'] = 'Bearer';
+    fail(r, 401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+         'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+}
+
+// unauthorized()'s document, for the 401 of the key's check before the body (an error page).
+function unauthorizedText(r) {
+    return errorText(401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+                     'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
@@ -265,13 +309,7 @@ function requesterOf(r, key) {
 // The key's check before a routed request's body is read (an auth_request subrequest: 204
 // or 401, which the router answers in OpenAI's shape without reading the body).
 function auth(r) {
-    if (CONFIG.keys === null) {
-        r.return(204);
-        return;
-    }
-    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    r.return(m && CONFIG.keys.hasOwnProperty(digest) ? 204 : 401);
+    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -541,4 +579,6 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
-export default {route, auth, models, model, refused, down, streamed, streamDown};
+export default {route, auth, unauthorizedText, models, model, refused, down, streamed, streamDown,
+                error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
+                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500)};
