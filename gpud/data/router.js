@@ -549,24 +549,33 @@ function down(r) {
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
 // stream that failed. The filter's VM is the subrequest's own: `held` is this answer's.
-var held = '';
+var held = '', told = false;
 function streamed(r, data, flags) {
-    if (r.status < 400) {
-        r.sendBuffer(data, flags);
+    if (r.status < 400 || told) {
+        r.sendBuffer(told ? '' : data, flags);
         return;
     }
     held += data;
+    // the answer's end: in a subrequest (the include) flags.last is never set (nginx marks
+    // its last buffer last_in_chain, not last_buf): the length the serve said is in, or,
+    // without one, an empty buffer after some data (an empty one may come first too)
+    var length = r.variables.upstream_http_content_length;
+    var end = flags.last || (length ? Buffer.byteLength(held) >= Number(length) :
+                             data.length === 0 && held.length > 0);
     var doc;
     try {
         doc = JSON.parse(held);
     } catch (e) {
-        if (held.length < 65536) {
+        // not (yet) one JSON document: wait for more, but not past its end (an error that
+        // is not JSON, a proxy's HTML page, is passed on as the event's message)
+        if (held.length < 65536 && !end) {
             return;
         }
         doc = {error: {message: held.slice(0, 1024), type: 'server_error', param: null,
                        code: r.status}};
     }
     held = '';
+    told = true;
     r.sendBuffer('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n', flags);
 }
 
