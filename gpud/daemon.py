@@ -475,7 +475,7 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     CDI specs offer no GPU."""
     from gpud import cdi
 
-    found = config_warnings(cfg) + _front_warnings(cfg)
+    found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:
@@ -517,6 +517,18 @@ def _front_warnings(cfg: Config) -> list[str]:
         found.append(f"daemon.front_user: no user {d.front_user!r} on this host, so the front "
                      f"of {', '.join(serves)} cannot run (the package creates it; docs/front.md)")
     return found
+
+
+def _router_warnings(cfg: Config) -> list[str]:
+    """A router listening beyond loopback without keys: open to whoever reaches it (L6)."""
+    r = cfg.router
+    if r is None or r.api_keys_file is not None:
+        return []
+    host = r.listen.rpartition(":")[0].strip("[]")
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return []
+    return [f"router.listen: {r.listen} is reachable beyond this host and router.api_keys_file "
+            "is not set: anyone who reaches it may use every model (docs/router.md, keys)"]
 
 
 def _dark(cfg: Config) -> list[str]:

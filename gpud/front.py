@@ -50,7 +50,15 @@ from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
-from gpud.router import SCRIPT_NAME, log_dir, log_path, queue_wait_s, router_front, script_text
+from gpud.router import (
+    SCRIPT_NAME,
+    awake_dir,
+    log_dir,
+    log_path,
+    queue_wait_s,
+    router_front,
+    script_text,
+)
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -100,12 +108,6 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
 def front_workers() -> int:
     """nginx's workers: one per core gpud may run on, at most MAX_WORKERS."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
-
-
-def awake_dir(d: DaemonConfig) -> str:
-    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
-    front to go by while gpud does not answer (root's, readable by the front's group)."""
-    return f"{d.front_dir.rstrip('/')}/awake"
 
 
 def _front_ids(d: DaemonConfig) -> tuple[int, int]:

@@ -48,6 +48,13 @@ def log_dir(d: DaemonConfig) -> str:
     return f"{d.front_dir.rstrip('/')}/{LOG_DIR}"
 
 
+def awake_dir(d: DaemonConfig) -> str:
+    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
+    front and the router to go by while gpud does not answer (root's, readable by the front's
+    group; gpud.front.Front.mark_awake)."""
+    return f"{d.front_dir.rstrip('/')}/awake"
+
+
 def log_path(d: DaemonConfig) -> str:
     return f"{log_dir(d)}/{LOG_NAME}"
 
@@ -124,7 +131,8 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
                        script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
                        max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
-                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d))
+                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d),
+                       awake_dir=awake_dir(d))
 
 
 def script_text(router: RouterFront) -> str:

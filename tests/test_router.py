@@ -878,6 +878,7 @@ class Fed:
     port: int
     gpud: _Gpud
     log: Path
+    awake: Path
 
 
 @pytest.fixture
@@ -896,7 +897,9 @@ def fed() -> Iterator[Fed]:
                                       ensure_timeout_s=60),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(gpud_sock), loading_feedback_s=1,
-                         access_log=str(tmp / "router.log"))
+                         access_log=str(tmp / "router.log"), awake_dir=str(tmp / "awake"))
+    (tmp / "awake").mkdir()
+    (tmp / "awake" / "a").touch()  # gpud last said it was running and awake
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
@@ -921,7 +924,7 @@ def fed() -> Iterator[Fed]:
                    what="a answering through the router")
         gpud.seen.clear()
         gpud.requesters.clear()
-        yield Fed(port, gpud, tmp / "router.log")
+        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a")
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -1073,3 +1076,40 @@ def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: 
     fed.gpud.delay_s = 0
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
+
+
+def test_with_gpud_unreachable_the_router_goes_by_the_awake_file(fed: Fed) -> None:
+    """M3: gpud not answering its ensure (nginx's auth_request takes it as an error, as a
+    socket nobody listens on), the router reaches the serve only when gpud last said it was
+    running and awake, as the fronts do; else 503 at once (at e8f41a4 it sent the request on
+    to a serve that may be asleep, where it hung)."""
+    fed.gpud.status = 500
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    assert status == 200 and json.loads(body)["model"] == "a", body
+    fed.awake.unlink()
+    began = time.monotonic()
+    status, headers, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    error = _openai_error(json.loads(body))
+    assert status == 503 and error["code"] == "model_not_running", body
+    assert headers.get("Retry-After") and time.monotonic() - began < 2
+
+
+def test_a_router_beyond_loopback_without_keys_is_warned_about() -> None:
+    """L6: at e8f41a4 nothing was said."""
+    from gpud.daemon import _warnings
+
+    wide = TOML.replace('listen = "127.0.0.1:8000"', 'listen = "0.0.0.0:8000"')
+    assert ("router.listen: 0.0.0.0:8000 is reachable beyond this host and "
+            "router.api_keys_file is not set") in "\n".join(_warnings(parse_config(wide, "t"), ()))
+    assert not any(w.startswith("router.listen") for w in _warnings(parse_config(TOML, "t"), ()))
+
+
+def test_a_model_answers_get_only(rig: Rig) -> None:
+    """L7: at e8f41a4 DELETE /v1/models/a answered 200."""
+    status, headers, body = _req(rig.port, "DELETE", "/v1/models/a")
+    assert status == 405 and headers.get("Allow") == "GET, HEAD", body
+    assert _openai_error(json.loads(body))["code"] == "method_not_allowed"
+    assert _req(rig.port, "GET", "/v1/models/a")[0] == 200
+

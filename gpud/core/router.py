@@ -255,13 +255,17 @@ class RouterFront:
     loading_feedback_s: int = DEFAULT_LOADING_FEEDBACK_S
     # the access log gpud reads (LOG_FIELDS); None: none
     access_log: str | None = None
+    # Where gpud keeps a file per fronted serve that is running and awake (gpud.front.awake_dir):
+    # what the router goes by when gpud does not answer, as the fronts do. None: no check.
+    awake_dir: str | None = None
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
         if problem:
             raise ValueError(f"router: listen: {problem}")
         for path in (self.njs_module, self.script, self.gpud_socket,
-                     *([self.access_log] if self.access_log is not None else [])):
+                     *([self.access_log] if self.access_log is not None else []),
+                     *([self.awake_dir] if self.awake_dir is not None else [])):
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve
@@ -352,7 +356,7 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-def _serve_locations(serve: RoutedServe) -> list[str]:
+def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[str]:
     lines = [f"        location {serve.location} {{"]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
@@ -382,6 +386,14 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
+                  # gpud did not answer: the serve only when gpud last said it was running
+                  # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
+                  # serve asleep, starting or stopped answers 503 at once (the server's
+                  # error page for 502: router.down) instead of holding the request
+                  *([f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
+                     "                return 502;",
+                     "            }"] if awake_dir is not None and serve.socket is not None
+                    else []),
                   f"            proxy_pass http://{serve.upstream};",
                   "        }",
                   # A stream that waited with loading feedback (the script's SSI include,
@@ -481,7 +493,7 @@ def http_lines(router: RouterFront) -> list[str]:
         "        }",
     ]
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += _serve_locations(serve)
+        out += _serve_locations(serve, router.awake_dir)
     out += [
         *([f"        location = {AUTH_LOCATION} {{",
            "            internal;",

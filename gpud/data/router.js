@@ -516,6 +516,12 @@ function model(r) {
     if (key === null) {
         return;
     }
+    if (r.method !== 'GET' && r.method !== 'HEAD') {
+        r.headersOut['Allow'] = 'GET, HEAD';
+        fail(r, 405, 'method ' + r.method + ' not allowed on /v1/models/ID (GET)',
+             'method_not_allowed');
+        return;
+    }
     var name = r.uri.slice('/v1/models/'.length);
     if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
         var close = closeNames(name, key);
