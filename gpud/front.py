@@ -43,7 +43,16 @@ import aiohttp
 from dbus_fast import Variant
 
 from gpud.config import Config, DaemonConfig
-from gpud.core.front import MAX_WORKERS, NOFILE, FrontConfig, FrontServe, render, socket_path
+from gpud.core.front import (
+    MAX_WORKERS,
+    MEMORY_HIGH_BYTES,
+    MEMORY_MAX_BYTES,
+    NOFILE,
+    FrontConfig,
+    FrontServe,
+    render,
+    socket_path,
+)
 from gpud.core.router import ApiKey, RouterFront
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
@@ -102,7 +111,8 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
         gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d),
         main_extra=tuple(router_main_lines(router)) if router else (),
-        http_extra=tuple(router_http_lines(router)) if router else ())
+        http_extra=tuple(router_http_lines(router)) if router else (),
+        keys=router is not None and router.keys is not None)
 
 
 def front_workers() -> int:
@@ -228,6 +238,9 @@ def _unit_values(d: DaemonConfig) -> list[tuple[str, object]]:
         # systemd's default soft limit of 1024 let one user's idle connections take every
         # fronted port (accept4() failed: Too many open files).
         ("LimitNOFILE", NOFILE),
+        # Bodies in memory (docs/security.md): a bound of the front's own, not the host's.
+        ("MemoryHigh", MEMORY_HIGH_BYTES),
+        ("MemoryMax", MEMORY_MAX_BYTES),
         # nginx needs its config (read), its run directory (write), the serves' sockets and
         # TCP listeners; nothing else. (MemoryDenyWriteExecute= is left out: Debian's nginx
         # is built --with-pcre-jit.)

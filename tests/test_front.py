@@ -578,6 +578,8 @@ def test_the_front_units_description_names_its_properties() -> None:
     d = parse_config(TOML, "t.toml").daemon
     props = dict(unit_properties(d))
     assert props["Description"].value == description(d)
+    # the front's memory is bounded by its unit (H3)
+    assert (props["MemoryHigh"].value, props["MemoryMax"].value) == (3 << 30, 4 << 30)
     assert description(d) == description(parse_config(TOML, "t.toml").daemon)
     other = d.model_copy(update={"front_dir": "/run/gpud/elsewhere"})
     assert description(other) != description(d)

@@ -141,7 +141,8 @@ def rig() -> Iterator[Rig]:
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(FrontServe("e", front, str(tmp / "e.sock"), ensure_timeout_s=30),),
         run_dir=str(run), gpud_socket=str(tmp / "gpud.sock"),
-        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)))))
+        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
+        keys=True)))
     log = (tmp / "nginx.log").open("wb")
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=log)
@@ -191,13 +192,25 @@ def test_the_router_names_the_key_as_requester_and_drops_a_clients_gpud_headers(
     assert served["authorization"] == f"Bearer {TOKEN}"
 
 
-def test_a_front_names_the_clients_address_and_drops_its_gpud_headers(rig: Rig) -> None:
+def test_with_keys_a_fronted_port_takes_the_same_keys_and_names_the_key(rig: Rig) -> None:
+    """M4: with keys on, a serve's own port (its front) takes the router's keys, checked
+    before the body (at e8f41a4 it answered anyone); who asked is the key's name."""
     status, doc = _post(rig.front, "/v1/completions", FORGED)
+    assert status == 401 and doc["error"]["code"] == "invalid_api_key", doc  # type: ignore[index]
+    assert rig.gpud.seen == [] and rig.serve.seen == []
+    status, doc = _post(rig.front, "/v1/completions",
+                        {"Authorization": f"Bearer {TOKEN}", **FORGED})
     assert status == 200, doc
     [ensure] = rig.gpud.seen
-    assert _gpud_headers(ensure) == {"x-gpud-requester": "addr:127.0.0.1"}
+    assert _gpud_headers(ensure) == {"x-gpud-requester": "alice"}
     served = doc["headers"]
     assert isinstance(served, dict) and not _read_by_gpud(served), served
+
+
+def test_a_front_without_keys_names_the_clients_address() -> None:
+    text = render(FrontConfig(serves=(FrontServe("e", 30001, "/s/e.sock", 30),)))
+    assert "proxy_set_header X-Gpud-Requester addr:$remote_addr;" in text
+    assert "$router_key_ok" not in text
 
 
 def test_every_header_gpud_reads_is_dropped_from_clients_in_the_config() -> None:

@@ -426,6 +426,9 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_sse;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
+           # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
+           "    js_set $router_key_ok router.keyOk;",
+           "    js_set $router_requester_of router.requesterOf;",
            *[f"    js_set $router_error_{status} router.error{status};"
              for status in ERROR_PAGES]]
     if router.access_log is not None:

@@ -301,9 +301,26 @@ function unauthorizedText(r) {
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
-// client's address (on loopback every local client is addr:127.0.0.1).
+// client's address (on loopback every local client is addr:127.0.0.1). KEY: the request's,
+// else looked up (a fronted port's ensure: js_set $router_requester_of).
 function requesterOf(r, key) {
-    return key.name || 'addr:' + r.remoteAddress;
+    if (key === undefined) {
+        key = CONFIG.keys === null ? undefined : lookUp(r);
+    }
+    return key && key.name ? key.name : 'addr:' + r.remoteAddress;
+}
+
+// "1" when the request may pass a fronted port's key check (js_set $router_key_ok): keys
+// off, or a key that may use one of the names of the port's serve ($gpud_serve, set by its
+// server).
+function keyOk(r) {
+    if (CONFIG.keys === null) {
+        return '1';
+    }
+    var key = lookUp(r), serve = r.variables.gpud_serve;
+    return key !== undefined && Object.keys(CONFIG.models).some(function (name) {
+        return CONFIG.models[name].serve === serve && allows(key, name);
+    }) ? '1' : '';
 }
 
 // The key's check before a routed request's body is read (an auth_request subrequest: 204
@@ -594,6 +611,6 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
-export default {route, auth, unauthorizedText, models, model, refused, down, streamed, streamDown,
+export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
                 error414: nginxError(414), error494: nginxError(494), error500: nginxError(500)};

@@ -117,9 +117,17 @@ def greedy(seed: int, port: int, token: str, seconds: float) -> dict[str, Any]:
     plan = [park] * parked + [large] * rnd.randint(2, 4) + [stalled] * rnd.randint(5, 10) + \
         [forged] * rnd.randint(2, 4) + [malformed] * rnd.randint(3, 6)
     rnd.shuffle(plan)
+    def guarded(action: Any) -> None:
+        try:
+            action()
+        except Exception as exc:  # kept: the campaign says what went wrong
+            keep(action.__name__, {"status": -1, "type": None, "code": None,
+                                   "raw": f"{type(exc).__name__}: {exc}"})
+
     threads = []
+    began = time.monotonic()
     for action in plan:
-        thread = threading.Thread(target=action, daemon=True)
+        thread = threading.Thread(target=guarded, args=(action,), daemon=True)
         thread.start()
         threads.append(thread)
         time.sleep(rnd.uniform(0, 0.05))
@@ -127,7 +135,9 @@ def greedy(seed: int, port: int, token: str, seconds: float) -> dict[str, Any]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     with lock:
-        return {"planned": len(plan), "parked": parked, "results": list(results)}
+        return {"planned": len(plan), "parked": parked, "results": list(results),
+                "elapsed_s": round(time.monotonic() - began, 1),
+                "alive": sum(t.is_alive() for t in threads)}
 
 
 def polite(port: int, token: str, seconds: float) -> dict[str, Any]:

@@ -114,8 +114,12 @@ def test_a_greedy_user_takes_nothing_from_another(shared: SandboxGpud) -> None:
 
     # the greedy user: every refusal typed
     results = greedy["results"]
-    assert len(results) == greedy["planned"], (note, len(results), greedy["planned"])
+    assert len(results) == greedy["planned"], (note, len(results), greedy["planned"],
+                                               greedy["elapsed_s"], greedy["alive"],
+                                               [r for r in results if r["status"] <= 0])
     by = Counter((r["kind"], r["status"], r["code"]) for r in results)
+    unanswered = [r for r in results if r["status"] <= 0]
+    assert not unanswered, (note, unanswered[:3])
     parked = greedy["parked"]
     assert by[("park", 429, "rate_limit_exceeded")] == parked - PER_REQUESTER, (note, by)
     assert by[("park", 200, None)] == PER_REQUESTER, (note, by)

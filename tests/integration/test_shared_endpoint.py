@@ -183,6 +183,8 @@ def test_a_change_that_would_leave_the_router_dark_is_refused_before_it_is_made(
     "reloaded", and the router off)."""
     gpud = lit
     assert routed_ok(gpud)
+    # the front's memory is its unit's to bound (H3)
+    assert gpud.unit_prop("gpud-front.service", "MemoryMax") == str(4 << 30)
     config = "/etc/gpud/serves.toml"
     (tmp_path / "dropped.toml").write_text(lit_config(chat=False))
     out = gpuctl(gpud, "apply", str(tmp_path / "dropped.toml"))
