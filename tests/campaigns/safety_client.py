@@ -34,7 +34,7 @@ def answer(raw: bytes) -> dict[str, Any]:
         return {"status": 0, "type": None, "code": None, "raw": raw[:200].decode("latin-1")}
     headers = {k.lower(): v for k, _, v in (line.partition(": ") for line in lines[1:])}
     code = None
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         code = json.loads(body)["error"]["code"]
     return {"status": int(lines[0].split()[1]), "type": headers.get("content-type"),
             "code": code, "retry_after": headers.get("retry-after")}
