@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1113,3 +1114,73 @@ def test_a_model_answers_get_only(rig: Rig) -> None:
     assert _openai_error(json.loads(body))["code"] == "method_not_allowed"
     assert _req(rig.port, "GET", "/v1/models/a")[0] == 200
 
+
+
+class _Units:
+    """The D-Bus calls Front.sync makes, of a front that is running: what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def active_state(self, unit: str) -> str:
+        return "active"
+
+    async def unit_property(self, unit: str, prop: str) -> str:
+        from gpud.front import description
+
+        return description(self.cfg.daemon)
+
+    async def kill_main(self, unit: str, sig: int) -> None:
+        self.calls.append(f"kill {sig}")
+
+    cfg: Any
+
+
+async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """45.3: a sync computes the router once and reads its keys file once (at e8f41a4: four
+    times). H4: a keys file refused under a running config leaves the router up with the keys
+    last read, and says so."""
+    import gpud.front
+    import gpud.router
+    from gpud.front import Front
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS.replace('models = ["a", "a-fast"]', 'models = ["chat"]'))
+    keys.chmod(0o600)
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n'
+                        f'api_keys_file = "{keys}"\n')
+    text = text.replace("[daemon]\n", f'[daemon]\nfront_dir = "{tmp_path}/front"\n'
+                        f'serve_socket_dir = "{tmp_path}/serves"\n')
+    cfg = parse_config(text, "t")
+    ids = (os.getuid(), os.getgid())
+    monkeypatch.setattr(gpud.front, "_front_ids", lambda d: ids)
+    reads: list[str] = []
+    real = gpud.router.load_keys
+
+    def counted(path: str, known: list[str], **kw: Any) -> Any:
+        reads.append(path)
+        return real(path, known, **kw)
+    monkeypatch.setattr(gpud.router, "load_keys", counted)
+    units = _Units()
+    units.cfg = cfg
+    front = Front(units)  # type: ignore[arg-type]
+    await front.sync(cfg)
+    assert reads == [str(keys)] and front.degraded == ()
+    script = (tmp_path / "front" / "router.js").read_text()
+    assert '"name": "alice"' in script and '"name": "ops"' in script
+    # the keys file turns bad under the running config: the keys last read are kept
+    keys.write_text('[keys.alice]\ntoken = "short"\nmodels = ["chat"]\n')
+    reads.clear()
+    await front.sync(cfg)
+    assert reads == [str(keys)]
+    assert len(front.degraded) == 1 and front.degraded[0].startswith(
+        f"router.api_keys_file: {keys}: keys.alice.token") and front.degraded[0].endswith(
+        "(keeping the keys last read)"), front.degraded
+    assert (tmp_path / "front" / "router.js").read_text() == script
+    # and by a gpud that starts anew: from the script the front runs
+    fresh = Front(units)  # type: ignore[arg-type]
+    await fresh.sync(cfg)
+    assert (tmp_path / "front" / "router.js").read_text() == script
+    assert fresh.degraded == front.degraded
