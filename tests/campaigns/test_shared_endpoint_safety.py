@@ -37,7 +37,7 @@ GREEDY, POLITE = "gpud-safety-greedy", "gpud-safety-polite"
 TOKENS = {GREEDY: "sk-greedy-campaign-0123456789", POLITE: "sk-polite-campaign-0123456789"}
 KEYS = "/etc/gpud-safety-keys.toml"
 ROUTER, PORT = 30470, 30471
-PER_REQUESTER = 16
+PER_REQUESTER = 16  # daemon.ensure_waiting_per_requester's default
 
 
 def config(seconds: int) -> str:
@@ -54,8 +54,7 @@ def config(seconds: int) -> str:
              '[roles.r1]\ndevice = "GPU-sim-1"\nreserve_mib = 1000\n')
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
               "loading_feedback_s = 0\n")
-    return sim_config(roles, serves, devices=2,
-                      daemon=f"ensure_waiting_per_requester = {PER_REQUESTER}") + router
+    return sim_config(roles, serves, devices=2) + router
 
 
 def campaign_seconds() -> int:

@@ -22,7 +22,7 @@ PORT = 30391
 GREEDY, POLITE = "gpud-greedy", "gpud-polite"
 KEYS = "/etc/gpud-router-keys.toml"
 TOKENS = {GREEDY: "sk-greedy-0123456789abcdef", POLITE: "sk-polite-0123456789abcdef"}
-PER_REQUESTER = 16
+PER_REQUESTER = 16  # daemon.ensure_waiting_per_requester's default
 
 
 def shared_config() -> str:
@@ -40,9 +40,10 @@ def shared_config() -> str:
     )
     role = ('[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
             '[roles.r1]\ndevice = "GPU-sim-1"\nreserve_mib = 1000\n')
-    daemon = f"ensure_waiting_per_requester = {PER_REQUESTER}\n"
+    # daemon.ensure_waiting_per_requester left at its default (PER_REQUESTER): the same
+    # config runs on a gpud that has no such bound
     router = f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
-    return sim_config(role, serves, daemon=daemon, devices=2) + router
+    return sim_config(role, serves, devices=2) + router
 
 
 @pytest.fixture
