@@ -403,6 +403,24 @@ def test_a_multipart_form_is_routed_by_its_model_field(rig: Rig) -> None:
     assert status == 404 and "model_not_found" not in out.decode(), out
 
 
+def test_a_multipart_form_is_read_as_the_serve_reads_it(rig: Rig) -> None:
+    """M5: the file's bytes may hold what looks like a "model" part, and a field may come
+    twice: the router reads the parts by their boundary, the last "model" field, as the
+    serve's form parser does (at e8f41a4 the first `name="model"` anywhere in the body)."""
+    boundary = "gpudboundary"
+    fake = b'Content-Disposition: form-data; name="model"\r\n\r\nb\r\n'
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            "filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n").encode() + fake + \
+        (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nb"
+         f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=model\r\n\r\nnope\r\n"
+         f"--{boundary}--\r\n").encode()
+    status, _h, out = _req(rig.port, "POST", "/v1/audio/transcriptions", body,
+                           {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    error = _openai_error(json.loads(out))
+    assert status == 404 and error["code"] == "model_not_found" and '"nope"' in str(
+        error["message"]), out
+
+
 def test_a_serve_that_is_down_answers_503_naming_the_model(rig: Rig) -> None:
     rig.tcp_serve.terminate()
     rig.tcp_serve.wait(timeout=10)

@@ -24,22 +24,54 @@ function fail(r, status, message, code, param) {
                                              code: code}}));
 }
 
-// The `model` field of a multipart form (the audio routes): the part named "model".
-function formModel(body) {
-    var at = body.indexOf('name="model"');
-    if (at < 0) {
+// The `model` field of a multipart form (the audio routes), read as the serve reads it: the
+// body's parts between the delimiters of its Content-Type's boundary, the last one whose
+// Content-Disposition names "model" (FastAPI reads a form field from Starlette's FormData,
+// whose ImmutableMultiDict keeps a name's last value: starlette/datastructures.py). A part's
+// content (an audio file) is skipped natively, never looked into.
+function formModel(body, type) {
+    var m = type.match(/boundary=(?:"([^"]+)"|([^;\s]+))/i);
+    if (!m) {
         return undefined;
     }
-    var start = body.indexOf('\r\n\r\n', at);
-    if (start < 0) {
+    var boundary = m[1] || m[2], delim = '\r\n--' + boundary, found, at, start, headEnd, next;
+    var parts = 0;
+    if (body.slice(0, boundary.length + 2).toString() === '--' + boundary) {
+        at = -2;  // the first delimiter opens the body (no CRLF before it)
+    } else if ((at = body.indexOf(delim)) < 0) {
         return undefined;
     }
-    start += 4;
-    var end = body.indexOf('\r\n', start);
-    if (end < 0) {
-        return undefined;
+    while (parts++ < 1000) {
+        start = at + delim.length;
+        if (body.slice(start, start + 2).toString() === '--') {
+            break;  // the close delimiter
+        }
+        headEnd = body.indexOf('\r\n\r\n', start);
+        next = headEnd < 0 ? -1 : body.indexOf(delim, headEnd + 4);
+        if (next < 0) {
+            break;
+        }
+        if (headEnd - start <= 4096 && namesModel(body.slice(start, headEnd).toString())) {
+            found = next - headEnd - 4 <= 2048 ? body.slice(headEnd + 4, next).toString() : 0;
+        }
+        at = next;
     }
-    return body.slice(start, end).toString();
+    return found;
+}
+
+// Whether a part's headers say it is the form field "model" (name="model" or name=model).
+function namesModel(head) {
+    return head.split('\r\n').some(function (line) {
+        var low = line.toLowerCase();
+        if (low.indexOf('content-disposition:') !== 0) {
+            return false;
+        }
+        return low.slice(20).split(';').slice(1).some(function (param) {
+            var kv = param.trim().split('=');
+            return kv.length === 2 && kv[0].trim() === 'name' &&
+                kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
+        });
+    });
 }
 
 // Bodies from this size on are walked for their top-level keys instead of parsed: njs's
@@ -353,7 +385,7 @@ function route(r) {
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
     var model, stream = false;
     if (type.indexOf('multipart/form-data') === 0) {
-        model = formModel(body);
+        model = formModel(body, r.headersIn['Content-Type'] || '');
     } else if (body.length >= SCAN_FROM) {
         var top = topLevel(body);
         if (top.error) {
