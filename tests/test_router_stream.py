@@ -148,19 +148,3 @@ def test_an_error_that_is_not_json_after_loading_feedback_is_an_error_event(
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and error["code"] == 500, error
     assert error["message"].startswith("upstream exploded" if model == "t" else "xxx"), error
-
-
-def test_a_client_gone_during_the_loading_comments_costs_no_njs_exception(rig: Rig) -> None:
-    """L8: at e8f41a4 the next comment to a client that had gone threw ("js exception:
-    : loading t" in nginx's log, for each hang-up)."""
-    for gone_s in (0.3, 1.2):  # before the first comment, and between two
-        with socket.create_connection(("127.0.0.1", rig.port), timeout=10) as client:
-            body = b'{"model": "t", "prompt": "x", "stream": true}'
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                           b"\r\n\r\n%s" % (len(body), body))
-            time.sleep(gone_s)
-    time.sleep(2.5)  # the next comment's time, and the ensure's answer
-    log = rig.log.read_text()
-    assert "js exception" not in log, log
-    assert _stream(rig.port, "t")[-1] == "data: [DONE]"
-

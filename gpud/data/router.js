@@ -479,21 +479,15 @@ function refusal(r, reason) {
 function loading(r, model, entry) {
     var began = Date.now(), sent = false, timer;
     function tick() {
-        try {
-            if (!sent) {
-                sent = true;
-                r.variables.router_sse = 'stream';
-                r.status = 200;
-                r.headersOut['Content-Type'] = 'text/event-stream';
-                r.headersOut['Cache-Control'] = 'no-cache';
-                r.sendHeader();
-            }
-            r.send(': loading ' + model + '\n\n');
-        } catch (e) {
-            // the client went away (njs throws on a send to a request nginx is closing):
-            // no more comments, and nothing logged for it (L8)
-            return;
+        if (!sent) {
+            sent = true;
+            r.variables.router_sse = 'stream';
+            r.status = 200;
+            r.headersOut['Content-Type'] = 'text/event-stream';
+            r.headersOut['Cache-Control'] = 'no-cache';
+            r.sendHeader();
         }
+        r.send(': loading ' + model + '\n\n');
         timer = setTimeout(tick, CONFIG.loading_feedback_s * 1000);
     }
     timer = setTimeout(tick, Math.min(1000, CONFIG.loading_feedback_s * 1000));
