@@ -902,7 +902,8 @@ class Fed:
 
 @pytest.fixture
 def fed() -> Iterator[Fed]:
-    """nginx with the router before stand-in `a` (names a, a-fast), which the router asks a
+    """nginx with the router before stand-in `a` (names a, a-fast; and hasOwnProperty, which
+    the stand-in does not answer to), which the router asks a
     stand-in gpud to have up before each request; loading feedback every second; the
     access log gpud reads."""
     tmp = Path(tempfile.mkdtemp(prefix="gpud-router-"))
@@ -912,7 +913,7 @@ def fed() -> Iterator[Fed]:
         (run / name).mkdir(exist_ok=True)
     port = _free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
+                         (RoutedServe("a", ("a", "a-fast", "hasOwnProperty"), socket=str(sock),
                                       ensure_timeout_s=60),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(gpud_sock), loading_feedback_s=1,
@@ -1202,3 +1203,17 @@ async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
     await fresh.sync(cfg)
     assert (tmp_path / "front" / "router.js").read_text() == script
     assert fresh.degraded == front.degraded
+
+
+def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:
+    """L1: at e8f41a4 a model named hasOwnProperty made every routed POST an HTML 500."""
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    assert status == 200 and json.loads(body)["model"] == "a", body
+    # routed to a's serve (which has no such name: its own 404, not the router's)
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "hasOwnProperty", "prompt": "x", "max_tokens": 1}')
+    assert status == 404 and "model_not_found" not in body.decode(), body
+    status, _h, body = _req(fed.port, "GET", "/v1/models")
+    assert status == 200 and "hasOwnProperty" in body.decode(), body
+

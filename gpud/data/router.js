@@ -15,6 +15,12 @@
 
 import crypto from 'crypto';
 
+// Whether OBJ has KEY of its own: never OBJ.hasOwnProperty(KEY), which a model (or serve)
+// named "hasOwnProperty" would shadow (L1).
+function has(obj, key) {
+    return Object.prototype.hasOwnProperty.call(obj, key);
+}
+
 // The one place of the router's error document (OpenAI's shape: message, type, param, code).
 function fail(r, status, message, code, param) {
     r.headersOut['Content-Type'] = 'application/json';
@@ -317,7 +323,7 @@ function keyOf(r) {
 function lookUp(r) {
     var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
     var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
+    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest] : undefined;
 }
 
 function unauthorized(r) {
@@ -417,7 +423,7 @@ function route(r) {
         fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
         return;
     }
-    var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
+    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
     // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
     if (entry === undefined || !allows(key, model)) {
         var close = closeNames(model, key);
@@ -535,7 +541,7 @@ function states(r) {
 function entry(name, by, created) {
     var serve = CONFIG.models[name].serve;
     return {id: name, object: 'model', created: created, owned_by: 'gpud',
-            gpud: {serve: serve, state: by.hasOwnProperty(serve) ? by[serve] : 'unknown'}};
+            gpud: {serve: serve, state: has(by, serve) ? by[serve] : 'unknown'}};
 }
 
 function models(r) {
@@ -572,7 +578,7 @@ function model(r) {
         return;
     }
     var name = r.uri.slice('/v1/models/'.length);
-    if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
+    if (!has(CONFIG.models, name) || !allows(key, name)) {
         var close = closeNames(name, key);
         fail(r, 404, 'The model ' + JSON.stringify(name) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
