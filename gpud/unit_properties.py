@@ -300,6 +300,10 @@ PROPERTIES: Final[Mapping[str, PropertyType]] = MappingProxyType(
         # RLIMIT_NOFILE, soft and hard ("t"; systemd sets both when only LimitNOFILE is sent,
         # src/core/dbus-execute.c, the "Limit" branch of bus_exec_context_set_transient_property)
         "LimitNOFILE": _p("t", _uint64),
+        # cgroup v2 memory bounds in bytes ("t": src/core/dbus-cgroup.c, bus_cgroup_set_property,
+        # the "Memory" limits) (the front's unit, gpud/front.py)
+        "MemoryHigh": _p("t", _uint64),
+        "MemoryMax": _p("t", _uint64),
         # Sandboxing (the front's unit, gpud/front.py)
         "NoNewPrivileges": _p("b", bool),
         "ProtectSystem": _p("s", _string),

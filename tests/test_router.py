@@ -6,6 +6,7 @@ tests/integration/test_router.py, has it): /v1/models says every state is unknow
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +36,6 @@ from gpud.core.router import (
     RoutedServe,
     RouterFront,
     RouterRequest,
-    close_names,
     duplicate_names,
     http_lines,
     listen_problem,
@@ -44,9 +45,9 @@ from gpud.core.router import (
     routing_table,
 )
 from gpud.ctl.format import format_models
-from gpud.daemon import _warnings
+from gpud.daemon import check_config
 from gpud.errors import ConfigError
-from gpud.front import front_config, routable
+from gpud.front import check_front, front_config
 from gpud.router import load_keys, router_front, script_code, script_text
 from tests.waiting import wait_until
 
@@ -144,11 +145,6 @@ def test_listen_problems() -> None:
     assert listen_problem("127.0.0.1:80; evil") is not None
 
 
-def test_close_names() -> None:
-    assert close_names("chat-fats", ["chat", "chat-fast", "ocr"])[0] == "chat-fast"
-    assert close_names("zzz", ["chat", "ocr"]) == []
-
-
 def test_the_router_reaches_fronted_serves_on_their_socket_others_on_their_port() -> None:
     cfg = parse_config(TOML, "t")
     router = router_front(cfg)
@@ -186,6 +182,9 @@ class Rig:
     tcp_serve: subprocess.Popen[bytes]
     nginx: subprocess.Popen[bytes]
     script: str
+    router: RouterFront
+    conf: Path
+    run: Path
 
     def workers(self) -> set[str]:
         pid = self.nginx.pid
@@ -277,7 +276,7 @@ def rig() -> Iterator[Rig]:
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
                                             json.dumps({"model": m}).encode())[0] != 503,
                        what=f"{model} answering through the router")
-        yield Rig(port, a, b, nginx, str(tmp / "router.js"))
+        yield Rig(port, a, b, nginx, str(tmp / "router.js"), router, tmp / "nginx.conf", run)
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -404,6 +403,24 @@ def test_a_multipart_form_is_routed_by_its_model_field(rig: Rig) -> None:
     assert status == 404 and "model_not_found" not in out.decode(), out
 
 
+def test_a_multipart_form_is_read_as_the_serve_reads_it(rig: Rig) -> None:
+    """M5: the file's bytes may hold what looks like a "model" part, and a field may come
+    twice: the router reads the parts by their boundary, the last "model" field, as the
+    serve's form parser does (at e8f41a4 the first `name="model"` anywhere in the body)."""
+    boundary = "gpudboundary"
+    fake = b'Content-Disposition: form-data; name="model"\r\n\r\nb\r\n'
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            "filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n").encode() + fake + \
+        (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nb"
+         f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=model\r\n\r\nnope\r\n"
+         f"--{boundary}--\r\n").encode()
+    status, _h, out = _req(rig.port, "POST", "/v1/audio/transcriptions", body,
+                           {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    error = _openai_error(json.loads(out))
+    assert status == 404 and error["code"] == "model_not_found" and '"nope"' in str(
+        error["message"]), out
+
+
 def test_a_serve_that_is_down_answers_503_naming_the_model(rig: Rig) -> None:
     rig.tcp_serve.terminate()
     rig.tcp_serve.wait(timeout=10)
@@ -435,8 +452,8 @@ def test_a_stream_comes_through_token_by_token(rig: Rig) -> None:
 
 
 def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
-    """From 64 KiB on the script looks for the one "model" key before parsing; with two (one
-    nested), it parses the body, and the top-level one wins."""
+    """From 64 KiB on the script walks the body's top level for its "model" key (a nested one
+    is not it) without parsing the rest."""
     pad = "x " * (100 << 10)
     status, doc = _post(rig.port, "/v1/completions",
                         {"prompt": pad, "max_tokens": 1, "model": "b"})
@@ -451,6 +468,70 @@ def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
     status, _h, body = _req(rig.port, "POST", "/v1/completions",
                             b'{"prompt": "' + pad.encode() + b'", "model": 5}')
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"
+
+
+# --- one reading of `model`, within a budget (docs/router.md) -----------------------
+
+PAD = "x " * (100 << 10)  # past the 64 KiB from which the script walks the body
+
+
+def _send(rig: Rig, raw: bytes) -> tuple[int, dict[str, object]]:
+    status, _h, body = _req(rig.port, "POST", "/v1/completions", raw,
+                            {"Content-Type": "application/json"})
+    return status, json.loads(body)
+
+
+def test_a_nested_model_does_not_route_a_large_body(rig: Rig) -> None:
+    """M5: the top-level key, escaped, is the one the serve reads: the router reads it too
+    (at e8f41a4 the one unescaped "model" key, nested, routed it to a's serve)."""
+    raw = ('{"metadata": {"model": "a"}, "mod\\u0065l": "b", "max_tokens": 1, "prompt": "'
+           + PAD + '"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+    # an escaped value is read as the serve reads it too
+    raw = ('{"prompt": "' + PAD + '", "model": "\\u0062", "max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_model_given_twice_is_its_last_as_the_serve_reads_it(rig: Rig) -> None:
+    raw = ('{"model": "a", "prompt": "' + PAD + '", "max_tokens": 1, "model": "b"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_body_not_in_utf8_is_refused(rig: Rig) -> None:
+    raw = json.dumps({"model": "b", "prompt": PAD}).encode("utf-16")
+    status, doc = _send(rig, raw)
+    error = doc["error"]
+    assert status == 400 and isinstance(error, dict) and error["code"] == "invalid_json", doc
+
+
+def test_a_large_body_of_small_parts_is_walked_not_parsed(rig: Rig) -> None:
+    """H2: a body of small objects is walked, not parsed (at e8f41a4, parsed whole when it
+    had no single "model" key: 64 MiB held a worker 7.6 s): the model after them found, and
+    past the walk's budget (about 80 ms of a worker) a 413 at once."""
+    parts = '{"a":[1,{"b":2}]},' * 8000
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x", "model": "b", '
+           '"max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 400 and doc["error"]["code"] == "missing_model", doc  # type: ignore[index]
+    many = '{"a":[1,{"b":2}]},' * ((1 << 20) // 18 - 8)
+    began = time.monotonic()
+    status, doc = _send(rig, ('{"messages": [' + many + '{}], "model": "b"}').encode())
+    assert status == 413 and doc["error"]["code"] == "too_complex", doc  # type: ignore[index]
+    assert time.monotonic() - began < 1.0
+
+
+def test_a_malformed_large_body_is_refused_by_the_router(rig: Rig) -> None:
+    for raw, code in ((b'{"model": "b", "prompt": "' + PAD.encode() + b'"', "invalid_json"),
+                      (b'{"model": "b", "prompt": "' + PAD.encode() + b'"} x', "invalid_json"),
+                      (b'["model", "' + PAD.encode() + b'"]', "invalid_json")):
+        status, doc = _send(rig, raw)
+        assert status == 400 and doc["error"]["code"] == code, doc  # type: ignore[index]
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -494,12 +575,11 @@ def test_a_keys_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
 def keyed(rig: Rig, tmp_path: Path) -> Iterator[Rig]:
     """The rig's router with keys: its script rewritten, nginx reloaded."""
     keys, _ = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
-    script = Path(rig.script)
-    text = script.read_text()
-    head, sep, code = text.partition("\n\n")
-    doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip(";"))
-    doc["keys"] = {k.sha256: {"name": k.name, "models": list(k.models)} for k in keys}
-    script.write_text(f"var CONFIG = {json.dumps(doc)};{sep}{code}")
+    router = dataclasses.replace(rig.router, keys=tuple(keys))
+    Path(rig.script).write_text(script_text(router))
+    rig.conf.write_text(render(FrontConfig(
+        serves=(), run_dir=str(rig.run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
     rig.reload()
     yield rig
 
@@ -520,13 +600,68 @@ def test_with_keys_a_request_needs_one_that_may_use_its_model(keyed: Rig) -> Non
     b_body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
     status, _h, out = _req(port, "POST", "/v1/completions", b_body, _auth("sk-alice-0123456789"))
     err = json.loads(out)["error"]
-    assert status == 403 and err["code"] == "model_not_allowed" and "alice" in err["message"]
+    # L3: as a model that does not exist (GET /v1/models/b says the same), naming none of the
+    # others
+    assert status == 404 and err["code"] == "model_not_found", err
+    assert "org/b-model" not in err["message"] and '"b"?' not in err["message"], err
     assert _req(port, "POST", "/v1/completions", b_body, _auth("sk-ops-0123456789abc"))[0] == 200
     # /v1/models: only what the key may use
     status, _h, out = _req(port, "GET", "/v1/models", None, _auth("sk-alice-0123456789"))
     assert status == 200 and [m["id"] for m in json.loads(out)["data"]] == ["a", "a-fast"]
     assert _req(port, "GET", "/v1/models")[0] == 401
     assert _req(port, "GET", "/v1/models/b", None, _auth("sk-alice-0123456789"))[0] == 404
+
+
+def test_with_keys_a_request_without_one_is_answered_before_its_body(keyed: Rig) -> None:
+    """H3: a client without a key holds no body buffer: answered 401 as soon as its headers
+    are in (at e8f41a4 nginx read the whole body first, or waited for it)."""
+    for auth in (b"", b"Authorization: Bearer sk-wrong-0123456789\r\n"):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=5) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                           b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+                           b'{"model": "a", ')
+            client.settimeout(0.5)
+            got = b""
+            while b"}}" not in got:  # the headers, then the error document
+                got += client.recv(65536)
+            head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in head, head
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert ("Incorrect" if auth else "No API key") in error["message"], error
+
+
+def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
+    """A request sent as bytes: the status, headers and JSON document of its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+        client.sendall(data)
+        client.settimeout(2)
+        got = b""
+        with contextlib.suppress(OSError):
+            while (part := client.recv(65536)) and not got.endswith(b"}}"):
+                got += part
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "code"), [
+    (b"GARBAGE\r\n\r\n", 400, "invalid_request"),
+    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 400,
+     "invalid_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-ops-0123456789abc"
+     b"\r\nContent-Length: 10000000\r\n\r\n{", 413, "request_too_large"),
+    (b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404,
+     "route_not_found"),
+])
+def test_nginxs_own_errors_are_openai_shaped(keyed: Rig, request_bytes: bytes, status: int,
+                                              code: str) -> None:
+    """L2: at e8f41a4 nginx's own 400, 414 and 494 (and a 413 with keys on) were HTML."""
+    got, headers, doc = _raw(keyed.port, request_bytes)
+    assert got == status and headers["Content-Type"] == "application/json", (got, doc)
+    assert _openai_error(doc)["code"] == code, doc
 
 
 def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) -> None:
@@ -621,38 +756,70 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
 
 
-def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """nginx refuses a whole config whose module is missing: the fronts' servers with it."""
+def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(tmp_path: Path) -> None:
+    """nginx refuses a whole config whose module is missing: the fronts' servers with it. What
+    would be dark is named by the config key it is about."""
     cfg = parse_config(TOML, "t")
     assert cfg.router is not None and not Path(cfg.router.njs_module).exists()
-    with caplog.at_level("ERROR"):
-        assert routable(cfg).router is None
-    assert "router off: router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not " \
-        "found" in caplog.text
+    check = check_front(cfg)
+    assert check.router is None
+    assert [d.message for d in check.dark] == [
+        "router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not found, so the "
+        "router would be off (apt-get install libnginx-mod-http-js)"]
     # the front of chat is still rendered
-    assert "listen 127.0.0.1:30001;" in render(front_config(routable(cfg)))
+    assert "listen 127.0.0.1:30001;" in render(front_config(cfg, None))
     with_njs = TOML.replace('listen = "127.0.0.1:8000"\n',
                             f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
-    assert routable(parse_config(with_njs, "t")).router is not None
+    assert check_front(parse_config(with_njs, "t")).router is not None
     # keys that cannot be read: off, not open
     bad = with_njs.replace('listen = "127.0.0.1:8000"\n',
                            f'listen = "127.0.0.1:8000"\napi_keys_file = "{tmp_path}/none"\n')
-    caplog.clear()
-    with caplog.at_level("ERROR"):
-        assert routable(parse_config(bad, "t")).router is None
-    assert f"router off: {tmp_path}/none: cannot read" in caplog.text
+    check = check_front(parse_config(bad, "t"))
+    assert check.router is None
+    assert [d.message for d in check.dark] == [
+        f"router.api_keys_file: {tmp_path}/none: cannot read: No such file or directory"]
 
 
-def test_check_config_warns_of_a_router_that_would_stay_off(tmp_path: Path) -> None:
-    assert ("router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not found, so "
-            "the router stays off (apt-get install libnginx-mod-http-js; docs/router.md)"
-            ) in _warnings(parse_config(TOML, "t"), cdi_dirs=())
-    text = TOML.replace('listen = "127.0.0.1:8000"\n',
-                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n'
-                        f'api_keys_file = "{tmp_path}/none"\n')
-    assert any(w.startswith(f"router.api_keys_file: {tmp_path}/none: cannot read")
-               for w in _warnings(parse_config(text, "t"), cdi_dirs=()))
+def test_check_config_refuses_a_router_that_would_be_dark(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """H5: --check-config refuses (exit 2) what would leave the router dark, naming it: at
+    e8f41a4 it printed "ok" and a warning, or a traceback for a model name it could not
+    carry (M8)."""
+    path = tmp_path / "gpud.toml"
+    base = TOML.replace('[roles.r]\ndevice = "0"\n', '[roles.r]\ndevice = "0"\ncapacity_mib = 20000\n')
+    path.write_text(base)
+    assert check_config(path) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not " \
+        "found" in err, err
+    text = base.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys.ci]\ntoken = "sk-ci-0123456789abcdef"\nmodels = ["chta"]\n')
+    keys.chmod(0o600)
+    path.write_text(text.replace('listen = "127.0.0.1:8000"\n',
+                                 f'listen = "127.0.0.1:8000"\napi_keys_file = "{keys}"\n'))
+    assert check_config(path) == 2
+    err = capsys.readouterr().err
+    assert f"router.api_keys_file: {keys}: keys.ci.models: no serve answers to 'chta'" in err
+    # a vllm serve whose name is a local path: routed (vLLM answers to it)
+    local = text + ('[serves.local]\nrole = "r"\nvram_mib = 1000\nport = 30009\n'
+                    'vllm = { model = "/models/local" }\n')
+    path.write_text(local)
+    assert check_config(path) == 0, capsys.readouterr().err
+    router = check_front(parse_config(local, "t")).router
+    assert router is not None and router.table["/models/local"] == "local"
+    capsys.readouterr()
+    # a port another process holds
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path.write_text(text.replace('listen = "127.0.0.1:8000"',
+                                     f'listen = "127.0.0.1:{port}"'))
+        assert check_config(path) == 2
+    err = capsys.readouterr().err
+    assert f"router.listen: 127.0.0.1:{port} is in use by another process" in err, err
 
 
 def test_nginx_waits_for_the_ensure_as_long_as_the_queue_and_the_bring_up() -> None:
@@ -695,6 +862,7 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     delay_s = 0.0
     status = 204
     seen: list[tuple[str, str]]
+    requesters: list[str]
     gone: threading.Event
 
 
@@ -704,6 +872,7 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.server.seen.append((self.headers.get("X-Gpud-Model", ""),
                                  self.headers.get("X-Gpud-Key", "")))
+        self.server.requesters.append(self.headers.get("X-Gpud-Requester", ""))
         # waits as gpud does, noticing when nginx closes the ensure's connection
         deadline = time.monotonic() + self.server.delay_s
         while (left := deadline - time.monotonic()) > 0:
@@ -728,11 +897,13 @@ class Fed:
     port: int
     gpud: _Gpud
     log: Path
+    awake: Path
 
 
 @pytest.fixture
 def fed() -> Iterator[Fed]:
-    """nginx with the router before stand-in `a` (names a, a-fast), which the router asks a
+    """nginx with the router before stand-in `a` (names a, a-fast; and hasOwnProperty, which
+    the stand-in does not answer to), which the router asks a
     stand-in gpud to have up before each request; loading feedback every second; the
     access log gpud reads."""
     tmp = Path(tempfile.mkdtemp(prefix="gpud-router-"))
@@ -742,17 +913,19 @@ def fed() -> Iterator[Fed]:
         (run / name).mkdir(exist_ok=True)
     port = _free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
+                         (RoutedServe("a", ("a", "a-fast", "hasOwnProperty"), socket=str(sock),
                                       ensure_timeout_s=60),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(gpud_sock), loading_feedback_s=1,
-                         access_log=str(tmp / "router.log"))
+                         access_log=str(tmp / "router.log"), awake_dir=str(tmp / "awake"))
+    (tmp / "awake").mkdir()
+    (tmp / "awake" / "a").touch()  # gpud last said it was running and awake
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     gpud = _Gpud(str(gpud_sock), _Ensure)
-    gpud.seen, gpud.gone = [], threading.Event()
+    gpud.seen, gpud.requesters, gpud.gone = [], [], threading.Event()
     os.chmod(gpud_sock, 0o777)
     threading.Thread(target=gpud.serve_forever, daemon=True).start()
     a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
@@ -770,7 +943,8 @@ def fed() -> Iterator[Fed]:
                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
                    what="a answering through the router")
         gpud.seen.clear()
-        yield Fed(port, gpud, tmp / "router.log")
+        gpud.requesters.clear()
+        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a")
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -825,6 +999,8 @@ def test_a_stream_waiting_on_a_bring_up_is_sent_comments_then_the_stream(fed: Fe
     # the serve had the request's body: the model the request named
     assert {d["model"] for d in data} == {"a-fast"}, data
     assert fed.gpud.seen == [("a-fast", "")]
+    # who asked: without keys, the client's address (the script's own ensure, as nginx's)
+    assert fed.gpud.requesters[-1] == "addr:127.0.0.1"
 
 
 def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
@@ -920,3 +1096,124 @@ def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: 
     fed.gpud.delay_s = 0
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
+
+
+def test_with_gpud_unreachable_the_router_goes_by_the_awake_file(fed: Fed) -> None:
+    """M3: gpud not answering its ensure (nginx's auth_request takes it as an error, as a
+    socket nobody listens on), the router reaches the serve only when gpud last said it was
+    running and awake, as the fronts do; else 503 at once (at e8f41a4 it sent the request on
+    to a serve that may be asleep, where it hung)."""
+    fed.gpud.status = 500
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    assert status == 200 and json.loads(body)["model"] == "a", body
+    fed.awake.unlink()
+    began = time.monotonic()
+    status, headers, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    error = _openai_error(json.loads(body))
+    assert status == 503 and error["code"] == "model_not_running", body
+    assert headers.get("Retry-After") and time.monotonic() - began < 2
+
+
+def test_a_router_beyond_loopback_without_keys_is_warned_about() -> None:
+    """L6: at e8f41a4 nothing was said."""
+    from gpud.daemon import _warnings
+
+    wide = TOML.replace('listen = "127.0.0.1:8000"', 'listen = "0.0.0.0:8000"')
+    assert ("router.listen: 0.0.0.0:8000 is reachable beyond this host and "
+            "router.api_keys_file is not set") in "\n".join(_warnings(parse_config(wide, "t"), ()))
+    assert not any(w.startswith("router.listen") for w in _warnings(parse_config(TOML, "t"), ()))
+
+
+def test_a_model_answers_get_only(rig: Rig) -> None:
+    """L7: at e8f41a4 DELETE /v1/models/a answered 200."""
+    status, headers, body = _req(rig.port, "DELETE", "/v1/models/a")
+    assert status == 405 and headers.get("Allow") == "GET, HEAD", body
+    assert _openai_error(json.loads(body))["code"] == "method_not_allowed"
+    assert _req(rig.port, "GET", "/v1/models/a")[0] == 200
+
+
+
+class _Units:
+    """The D-Bus calls Front.sync makes, of a front that is running: what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def active_state(self, unit: str) -> str:
+        return "active"
+
+    async def unit_property(self, unit: str, prop: str) -> str:
+        from gpud.front import description
+
+        return description(self.cfg.daemon)
+
+    async def kill_main(self, unit: str, sig: int) -> None:
+        self.calls.append(f"kill {sig}")
+
+    cfg: Any
+
+
+async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """45.3: a sync computes the router once and reads its keys file once (at e8f41a4: four
+    times). H4: a keys file refused under a running config leaves the router up with the keys
+    last read, and says so."""
+    import gpud.front
+    import gpud.router
+    from gpud.front import Front
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS.replace('models = ["a", "a-fast"]', 'models = ["chat"]'))
+    keys.chmod(0o600)
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n'
+                        f'api_keys_file = "{keys}"\n')
+    text = text.replace("[daemon]\n", f'[daemon]\nfront_dir = "{tmp_path}/front"\n'
+                        f'serve_socket_dir = "{tmp_path}/serves"\n')
+    cfg = parse_config(text, "t")
+    ids = (os.getuid(), os.getgid())
+    monkeypatch.setattr(gpud.front, "_front_ids", lambda d: ids)
+    reads: list[str] = []
+    real = gpud.router.load_keys
+
+    def counted(path: str, known: list[str], **kw: Any) -> Any:
+        reads.append(path)
+        return real(path, known, **kw)
+    monkeypatch.setattr(gpud.router, "load_keys", counted)
+    units = _Units()
+    units.cfg = cfg
+    front = Front(units)  # type: ignore[arg-type]
+    await front.sync(cfg)
+    assert reads == [str(keys)] and front.degraded == ()
+    script = (tmp_path / "front" / "router.js").read_text()
+    assert '"name": "alice"' in script and '"name": "ops"' in script
+    # the keys file turns bad under the running config: the keys last read are kept
+    keys.write_text('[keys.alice]\ntoken = "short"\nmodels = ["chat"]\n')
+    reads.clear()
+    await front.sync(cfg)
+    assert reads == [str(keys)]
+    assert len(front.degraded) == 1 and front.degraded[0].startswith(
+        f"router.api_keys_file: {keys}: keys.alice.token") and front.degraded[0].endswith(
+        "(keeping the keys last read)"), front.degraded
+    assert (tmp_path / "front" / "router.js").read_text() == script
+    # and by a gpud that starts anew: from the script the front runs
+    fresh = Front(units)  # type: ignore[arg-type]
+    await fresh.sync(cfg)
+    assert (tmp_path / "front" / "router.js").read_text() == script
+    assert fresh.degraded == front.degraded
+
+
+def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:
+    """L1: at e8f41a4 a model named hasOwnProperty made every routed POST an HTML 500."""
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    assert status == 200 and json.loads(body)["model"] == "a", body
+    # routed to a's serve (which has no such name: its own 404, not the router's)
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                            b'{"model": "hasOwnProperty", "prompt": "x", "max_tokens": 1}')
+    assert status == 404 and "model_not_found" not in body.decode(), body
+    status, _h, body = _req(fed.port, "GET", "/v1/models")
+    assert status == 200 and "hasOwnProperty" in body.decode(), body
+

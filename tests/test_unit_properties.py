@@ -292,6 +292,8 @@ SAMPLES: dict[str, Any] = {
     "CacheDirectory": ["gpud-serve"],
     "CacheDirectoryMode": 0o750,
     "LimitNOFILE": 32768,
+    "MemoryHigh": 3 << 30,
+    "MemoryMax": 4 << 30,
     "RestrictNamespaces": 0,
     "WorkingDirectory": "/",
     "Restart": "no",

@@ -45,6 +45,12 @@ KEEPALIVE: Final = 32
 # sent, a request in flight), worker_connections per worker.
 WORKER_CONNECTIONS: Final = 8192
 NOFILE: Final = 2 * WORKER_CONNECTIONS
+# The front's memory (its unit's MemoryHigh= and MemoryMax=): request bodies are buffered in
+# memory up to router.max_body_mib each, so many held at once could take the host's; past
+# MemoryHigh the kernel reclaims and throttles the front, at MemoryMax its OOM killer ends a
+# worker (nginx's master starts another) inside the unit, never a process elsewhere.
+MEMORY_HIGH_BYTES: Final = 3 << 30
+MEMORY_MAX_BYTES: Final = 4 << 30
 # Workers for the host's cores, at most this many: each preallocates its connections (about
 # 7 MiB resident at 8192); streaming tokens through is cheap, and one worker carries tens
 # of thousands of connections.
@@ -124,6 +130,11 @@ class FrontConfig:
     # context (load_module) and in the http block.
     main_extra: tuple[str, ...] = ()
     http_extra: tuple[str, ...] = ()
+    # With the router's keys (router.api_keys_file): each fronted port takes the same keys,
+    # checked by the router's script before anything else (its js_set variables
+    # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.router), so no
+    # port is a way around them (docs/security.md).
+    keys: bool = False
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -142,6 +153,13 @@ class FrontConfig:
         if len(set(ports)) != len(ports):
             raise ValueError("front: two serves on one port")
 
+
+# The request headers gpud reads from the front's and the router's ensure (gpud.api.ensure):
+# set by nginx only. No client header reaches gpud at all (its ensures pass none:
+# proxy_pass_request_headers off); these are dropped on the way to a serve too (the http
+# block's proxy_set_header to "", which nginx does not pass on: nginx has no way to drop
+# headers by prefix, and a serve reads none of gpud's).
+GPUD_REQUEST_HEADERS: Final = ("X-Gpud-Model", "X-Gpud-Key", "X-Gpud-Requester")
 
 # The internal location of an on-demand serve's check with gpud (no client can name it:
 # `internal`), and gpud's upstream.
@@ -170,7 +188,23 @@ def _not_running(serve: str, why: str = "") -> str:
     return f'{{"error": "serve {serve} is not running{why}"}}'
 
 
-def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None) -> list[str]:
+def _keyed(serve: str) -> list[str]:
+    """A fronted server's key check (FrontConfig.keys): in the rewrite phase, so a client
+    without a key is answered 401 before its body is read; a key that may use none of the
+    serve's names is refused alike."""
+    return [f"        set $gpud_serve {serve};",
+            '        if ($router_key_ok != "1") {',
+            "            return 401;",
+            "        }",
+            "        error_page 401 = @unauthorized;",
+            "        location @unauthorized {",
+            "            add_header WWW-Authenticate Bearer always;",
+            "            return 401 $router_unauthorized;",
+            "        }"]
+
+
+def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
+               keys: bool = False) -> list[str]:
     """gpud answers 204 once the serve is up, 403 with X-Gpud-Reason and Retry-After when it
     is refused; nginx's auth_request takes 2xx as yes, 401/403 as no and anything else (gpud
     down: no connection) as an error, 500. A refusal answers 503 with the reason; an error
@@ -191,7 +225,12 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None) -> list[
         f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
         "            proxy_method POST;",
         "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         '            proxy_set_header Content-Length "";',
+        # who asked (gpud bounds each requester): the key's name with keys, else the client's
+        # address, as the router's requester
+        "            proxy_set_header X-Gpud-Requester "
+        + ("$router_requester_of;" if keys else "addr:$remote_addr;"),
         f"            proxy_read_timeout {timeout}s;",
         "        }",
         "        error_page 403 = @refused;",
@@ -258,6 +297,7 @@ def render(cfg: FrontConfig) -> str:
         "    proxy_http_version 1.1;",
         '    proxy_set_header Connection "";',
         "    proxy_set_header Host $host;",
+        *[f'    proxy_set_header {name} "";' for name in GPUD_REQUEST_HEADERS],
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
     ]
@@ -280,9 +320,10 @@ def render(cfg: FrontConfig) -> str:
             f"        listen {cfg.listen}:{serve.port};",
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
+            *(_keyed(serve.name) if cfg.keys else []),
             *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
-            *(_on_demand(serve, upstream, cfg.awake_dir) if serve.ensure_timeout_s is not None
-              else []),
+            *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
+              if serve.ensure_timeout_s is not None else []),
             "        location / {",
             "            return 404;",
             "        }",

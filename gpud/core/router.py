@@ -14,7 +14,6 @@ Pure: no file, process or clock here. ``gpud.front`` writes the text and runs ng
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
@@ -46,9 +45,11 @@ ROUTED_PATHS: Final = (
     "/tokenize",
     "/detokenize",
 )
-# A name a serve answers to: a Hugging Face id ("Qwen/Qwen3-8B"), a purpose ("chat-fast").
-# Printable, no spaces or quotes, so it is written into the script and the logs as it is.
-MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}")
+# A name a serve answers to: a Hugging Face id ("Qwen/Qwen3-8B"), a purpose ("chat-fast"), a
+# local path (vLLM answers to its --model when no --served-model-name is given, a path too:
+# vllm/entrypoints/openai/cli_args.py, served_model_name). Printable, no spaces or quotes, so
+# it is written into the script and the logs as it is.
+MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,254}")
 # The njs module of Debian 12 (libnginx-mod-http-js 0.7.9, built for its nginx 1.22.1).
 DEFAULT_NJS_MODULE: Final = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 DEFAULT_MAX_BODY_MIB: Final = 64
@@ -56,6 +57,15 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
+AUTH_LOCATION: Final = "/.gpud-router-auth"
+ERROR_PREFIX: Final = "/.gpud-router-error/"
+# nginx's own error answers the router gives in OpenAI's shape (router.js ERRORS): a malformed
+# request, a header too large (494, nginx's own code, answered 400), a body over max_body_mib,
+# a URI too long, a route it does not carry, its own internal error. Each an error page (a URI:
+# a request whose line did not parse has none, and nginx redirects no such request to a named
+# location) that returns the text of a js_set variable of the script: nginx's `return` reads
+# no body.
+ERROR_PAGES: Final = (400, 404, 413, 414, 494, 500)
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
@@ -78,11 +88,15 @@ LOG_FIELDS: Final = (
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
 RETRY_AFTER_S: Final = 30
+# The requester of an ensure that names none (root's own call, an older front).
+ANONYMOUS: Final = "anonymous"
+# A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
+MAX_REQUESTER: Final = 64
 
 
 def model_name_problem(name: str) -> str | None:
     if not MODEL_NAME_RE.fullmatch(name):
-        return (f"{name!r} is not a model name (a letter or digit, then letters, digits and "
+        return (f"{name!r} is not a model name (a letter, digit or '/', then letters, digits and "
                 ". _ : / @ + -; at most 255)")
     return None
 
@@ -122,11 +136,6 @@ def duplicate_names(names: Mapping[str, Sequence[str]]) -> list[str]:
             owners.setdefault(name, []).append(serve)
     return [f"model name {name!r} is on serves {' and '.join(serves)}: one name, one serve"
             for name, serves in sorted(owners.items()) if len(serves) > 1]
-
-
-def close_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
-    """The known names closest to NAME (what a 404 suggests)."""
-    return difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6)
 
 
 # A key's token: long enough not to be guessed, printable, no spaces.
@@ -246,13 +255,17 @@ class RouterFront:
     loading_feedback_s: int = DEFAULT_LOADING_FEEDBACK_S
     # the access log gpud reads (LOG_FIELDS); None: none
     access_log: str | None = None
+    # Where gpud keeps a file per fronted serve that is running and awake (gpud.front.awake_dir):
+    # what the router goes by when gpud does not answer, as the fronts do. None: no check.
+    awake_dir: str | None = None
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
         if problem:
             raise ValueError(f"router: listen: {problem}")
         for path in (self.njs_module, self.script, self.gpud_socket,
-                     *([self.access_log] if self.access_log is not None else [])):
+                     *([self.access_log] if self.access_log is not None else []),
+                     *([self.awake_dir] if self.awake_dir is not None else [])):
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve
@@ -264,28 +277,78 @@ class RouterFront:
 
 @dataclass(frozen=True)
 class RouterRequest:
-    """The request through the router that asked gpud to have a serve up (its ensure's
-    X-Gpud-Model and X-Gpud-Key): the model it named and the key it used (None: no keys), as
-    the journal names it when that brings a serve up or evicts another."""
+    """The request through the router or a front that asked gpud to have a serve up (its
+    ensure's X-Gpud-Model, X-Gpud-Key and X-Gpud-Requester, set by nginx only: a client's own
+    X-Gpud-* headers never reach gpud, GPUD_REQUEST_HEADERS): the model it named (None: a
+    request to a serve's own port, which names none), the key it used (None: no keys), and
+    who asked (its requester: the key's name, else ``addr:`` and the client's address; on
+    loopback every local client is ``addr:127.0.0.1``), as the journal names it and as
+    gpud's bounds and queue tell requesters apart."""
 
-    model: str
+    model: str | None
     key: str | None = None
+    requester: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.requester:
+            object.__setattr__(self, "requester", self.key or ANONYMOUS)
 
     @property
     def text(self) -> str:
         # printable: whatever reaches gpud's socket is logged escaped
+        if self.model is None:
+            return f"on-demand request from {printable(self.requester[:MAX_REQUESTER])!r}"
         key = "" if not self.key else f" with key {printable(self.key[:64])!r}"
         return f"request for model {printable(self.model[:256])!r}{key} through the router"
 
 
-def _error_json(status: int, message: str, code: str) -> str:
-    """An OpenAI-shaped error document, for nginx's `return` (single-quoted there)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    text = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}})
-    if "'" in text or "\\" in text:
-        raise ValueError(f"router: an error text nginx cannot quote: {text}")
-    return text
+@dataclass
+class EnsureBound:
+    """The ensures under way, by requester (gpud.api.ensure): at most PER_REQUESTER for one
+    requester and TOTAL in all, so that one requester's waiting requests neither starve
+    another's bring-up nor take the connections of the front's uid that reads need."""
+
+    per_requester: int
+    total: int
+    by: dict[str, int]
+
+    @classmethod
+    def empty(cls, per_requester: int, total: int) -> EnsureBound:
+        return cls(per_requester, total, {})
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.by.values())
+
+    def enter(self, requester: str) -> str | None:
+        """Count one more ensure of REQUESTER; or why not (nothing counted)."""
+        mine = self.by.get(requester, 0)
+        if mine >= self.per_requester:
+            return (f"{mine} requests of {requester} wait for a bring-up already "
+                    "(daemon.ensure_waiting_per_requester)")
+        if self.waiting >= self.total:
+            return (f"{self.total} requests wait for a bring-up already "
+                    "(daemon.ensure_waiting_total)")
+        self.by[requester] = mine + 1
+        return None
+
+    def leave(self, requester: str) -> None:
+        left = self.by.get(requester, 1) - 1
+        if left > 0:
+            self.by[requester] = left
+        else:
+            self.by.pop(requester, None)
+
+
+def router_request(headers: Mapping[str, str]) -> RouterRequest | None:
+    """The RouterRequest of an ensure's headers (X-Gpud-Model, X-Gpud-Key, X-Gpud-Requester:
+    nginx's, never a client's), None when it carries none (root asking by hand)."""
+    model = headers.get("X-Gpud-Model") or None
+    key = headers.get("X-Gpud-Key") or None
+    requester = (headers.get("X-Gpud-Requester") or "")[:MAX_REQUESTER]
+    if model is None and key is None and not requester:
+        return None
+    return RouterRequest(model, key, requester)
 
 
 def main_lines(router: RouterFront) -> list[str]:
@@ -293,7 +356,7 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-def _serve_locations(serve: RoutedServe) -> list[str]:
+def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[str]:
     lines = [f"        location {serve.location} {{"]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
@@ -314,12 +377,23 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
                   f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
                   "            proxy_method POST;",
                   "            proxy_pass_request_body off;",
+                  # none of the client's headers: gpud's X-Gpud-* are the router's alone
+                  "            proxy_pass_request_headers off;",
                   '            proxy_set_header Content-Length "";',
                   "            proxy_set_header X-Gpud-Model $router_model;",
                   "            proxy_set_header X-Gpud-Key $router_key;",
+                  "            proxy_set_header X-Gpud-Requester $router_requester;",
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
+                  # gpud did not answer: the serve only when gpud last said it was running
+                  # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
+                  # serve asleep, starting or stopped answers 503 at once (the server's
+                  # error page for 502: router.down) instead of holding the request
+                  *([f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
+                     "                return 502;",
+                     "            }"] if awake_dir is not None and serve.socket is not None
+                    else []),
                   f"            proxy_pass http://{serve.upstream};",
                   "        }",
                   # A stream that waited with loading feedback (the script's SSI include,
@@ -347,8 +421,16 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_model;",
            "    js_var $router_serve;",
            "    js_var $router_key;",
+           "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
-           "    js_var $router_sse;"]
+           "    js_var $router_sse;",
+           # the error pages' documents (router.js: the one place of their shape)
+           "    js_set $router_unauthorized router.unauthorizedText;",
+           # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
+           "    js_set $router_key_ok router.keyOk;",
+           "    js_set $router_requester_of router.requesterOf;",
+           *[f"    js_set $router_error_{status} router.error{status};"
+             for status in ERROR_PAGES]]
     if router.access_log is not None:
         fields = ",".join(f'"{name}":"{var}"' for name, var in LOG_FIELDS)
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
@@ -360,11 +442,9 @@ def http_lines(router: RouterFront) -> list[str]:
                 f"        server {serve.server};",
                 f"        keepalive {KEEPALIVE};",
                 "    }"]
-    too_large = _error_json(413, f"request body over router.max_body_mib ({mib} MiB)",
-                            "request_too_large")
-    not_found = _error_json(404, "no such route on this endpoint (the router carries the "
-                            "OpenAI routes: /v1/models, /v1/chat/completions, ...)",
-                            "route_not_found")
+    auth = ""
+    if router.keys is not None:
+        auth = f"            auth_request {AUTH_LOCATION};\n"
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -383,7 +463,12 @@ def http_lines(router: RouterFront) -> list[str]:
         "        postpone_output 0;",
         *([f"        access_log {router.access_log} {LOG_FORMAT};"]
           if router.access_log is not None else []),
-        "        error_page 413 = @router_too_large;",
+        # Every answer is OpenAI-shaped JSON, nginx's own errors too (ERROR_PAGES), their
+        # text the script's (router.js errorText: the one place of the document's shape).
+        *[f"        error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
+        # the key's check before the body (auth_request): at the server's level, so that
+        # the routed locations keep the error pages above
+        *(["        error_page 401 = @router_unauthorized;"] if router.keys is not None else []),
         "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
         "            js_content router.models;",
@@ -392,8 +477,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "            js_content router.model;",
         "        }",
         # ssi: only the script's own output (a stream's loading feedback, then its include)
-        # is looked through, never a serve's (answered in other locations)
-        *[f"        location = {path} {{\n            js_content router.route;\n"
+        # is looked through, never a serve's (answered in other locations). With keys, the
+        # key is checked before the body is read (auth_request runs in the access phase, a
+        # js_content handler once the body is in: ngx_http_js_content_handler reads it
+        # first), so a client without one holds no body buffer.
+        *[f"        location = {path} {{\n{auth}            js_content router.route;\n"
           "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
         f"        location = {SERVES_LOCATION} {{",
@@ -401,14 +489,23 @@ def http_lines(router: RouterFront) -> list[str]:
         f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves;",
         "            proxy_method GET;",
         "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         '            proxy_set_header Content-Length "";',
         "            proxy_read_timeout 5s;",
         "            subrequest_output_buffer_size 1m;",
         "        }",
     ]
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += _serve_locations(serve)
+        out += _serve_locations(serve, router.awake_dir)
     out += [
+        *([f"        location = {AUTH_LOCATION} {{",
+           "            internal;",
+           "            js_content router.auth;",
+           "        }",
+           "        location @router_unauthorized {",
+           "            add_header WWW-Authenticate Bearer always;",
+           "            return 401 $router_unauthorized;",
+           "        }"] if router.keys is not None else []),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",
@@ -418,11 +515,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "        location @router_stream_down {",
         "            js_content router.streamDown;",
         "        }",
-        "        location @router_too_large {",
-        f"            return 413 '{too_large}';",
-        "        }",
+        *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
+          f"            return {400 if status == 494 else status} $router_error_{status};"
+          "\n        }" for status in ERROR_PAGES],
         "        location / {",
-        f"            return 404 '{not_found}';",
+        "            return 404 $router_error_404;",
         "        }",
         "    }",
     ]

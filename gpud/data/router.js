@@ -15,6 +15,13 @@
 
 import crypto from 'crypto';
 
+// Whether OBJ has KEY of its own: never OBJ.hasOwnProperty(KEY), which a model (or serve)
+// named "hasOwnProperty" would shadow (L1).
+function has(obj, key) {
+    return Object.prototype.hasOwnProperty.call(obj, key);
+}
+
+// The one place of the router's error document (OpenAI's shape: message, type, param, code).
 function fail(r, status, message, code, param) {
     r.headersOut['Content-Type'] = 'application/json';
     var type = status >= 500 ? 'server_error' : 'invalid_request_error';
@@ -23,78 +30,217 @@ function fail(r, status, message, code, param) {
                                              code: code}}));
 }
 
-// The `model` field of a multipart form (the audio routes): the part named "model".
-function formModel(body) {
-    var at = body.indexOf('name="model"');
-    if (at < 0) {
+// The `model` field of a multipart form (the audio routes), read as the serve reads it: the
+// body's parts between the delimiters of its Content-Type's boundary, the last one whose
+// Content-Disposition names "model" (FastAPI reads a form field from Starlette's FormData,
+// whose ImmutableMultiDict keeps a name's last value: starlette/datastructures.py). A part's
+// content (an audio file) is skipped natively, never looked into.
+function formModel(body, type) {
+    var m = type.match(/boundary=(?:"([^"]+)"|([^;\s]+))/i);
+    if (!m) {
         return undefined;
     }
-    var start = body.indexOf('\r\n\r\n', at);
-    if (start < 0) {
+    var boundary = m[1] || m[2], delim = '\r\n--' + boundary, found, at, start, headEnd, next;
+    var parts = 0;
+    if (body.slice(0, boundary.length + 2).toString() === '--' + boundary) {
+        at = -2;  // the first delimiter opens the body (no CRLF before it)
+    } else if ((at = body.indexOf(delim)) < 0) {
         return undefined;
     }
-    start += 4;
-    var end = body.indexOf('\r\n', start);
-    if (end < 0) {
-        return undefined;
+    while (parts++ < 1000) {
+        start = at + delim.length;
+        if (body.slice(start, start + 2).toString() === '--') {
+            break;  // the close delimiter
+        }
+        headEnd = body.indexOf('\r\n\r\n', start);
+        next = headEnd < 0 ? -1 : body.indexOf(delim, headEnd + 4);
+        if (next < 0) {
+            break;
+        }
+        if (headEnd - start <= 4096 && namesModel(body.slice(start, headEnd).toString())) {
+            found = next - headEnd - 4 <= 2048 ? body.slice(headEnd + 4, next).toString() : 0;
+        }
+        at = next;
     }
-    return body.slice(start, end).toString();
+    return found;
 }
 
-// Bodies from this size on are looked through for their `model` key before being parsed:
-// njs's JSON.parse of a large body (an image in base64) costs tens of milliseconds.
+// Whether a part's headers say it is the form field "model" (name="model" or name=model).
+function namesModel(head) {
+    return head.split('\r\n').some(function (line) {
+        var low = line.toLowerCase();
+        if (low.indexOf('content-disposition:') !== 0) {
+            return false;
+        }
+        return low.slice(20).split(';').slice(1).some(function (param) {
+            var kv = param.trim().split('=');
+            return kv.length === 2 && kv[0].trim() === 'name' &&
+                kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
+        });
+    });
+}
+
+// Bodies from this size on are walked for their top-level keys instead of parsed: njs's
+// JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
+// small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
 var SCAN_FROM = 65536;
+// The steps a walk may take in nested values (a byte outside strings, or a string skipped
+// by Buffer.indexOf, natively): past them the body is refused 413 (too_complex) rather than
+// a worker held. A step costs njs 0.7.9 about 0.3 us (bench/router_body.py: 108 ms for a
+// MiB of small objects walked whole), so the walk stops within about 80 ms; a chat of ten
+// thousand messages takes about 100000 steps, an image in base64 one.
+var SCAN_STEPS = 262144;
 
 function space(c) {
     return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
 }
 
-// The value of the one `"model": "..."` in a large JSON body, or undefined when there is not
-// exactly one (or it is not a plain string): then the body is parsed. An unescaped "model"
-// followed by ':' is a key (inside a JSON string a quote is escaped); when the body has one
-// such key, it is the top-level one.
-function scanModel(body) {
-    var start = 0, found, count = 0, at, i, end;
-    while (start < body.length && space(body[start])) {
-        start++;
-    }
-    if (body[start] !== 0x7b) {
-        return undefined;
-    }
-    for (at = body.indexOf('"model"'); at >= 0; at = body.indexOf('"model"', at + 7)) {
-        for (i = at + 7; i < body.length && space(body[i]); i++) {}
-        if (body[i] !== 0x3a) {
-            continue;
+// The index after the string whose opening quote is at i (-1: unterminated).
+function skipString(body, i) {
+    var j = i + 1, k, slashes;
+    for (;;) {
+        j = body.indexOf('"', j);
+        if (j < 0) {
+            return -1;
         }
-        for (i++; i < body.length && space(body[i]); i++) {}
-        count++;
-        found = undefined;
-        if (body[i] === 0x22) {
-            end = body.indexOf('"', i + 1);
-            if (end > i && end - i <= 256) {
-                found = body.slice(i + 1, end).toString();
-                if (found.indexOf('\\') >= 0) {
-                    found = undefined;
-                }
-            }
+        for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
+            slashes++;
         }
+        if (slashes % 2 === 0) {
+            return j + 1;
+        }
+        j++;
     }
-    return count === 1 ? found : undefined;
 }
 
-// Whether a large body's one `"stream"` key is `true` (as scanModel: not parsed).
-function scanStream(body) {
-    var count = 0, value = false, at, i;
-    for (at = body.indexOf('"stream"'); at >= 0; at = body.indexOf('"stream"', at + 8)) {
-        for (i = at + 8; i < body.length && space(body[i]); i++) {}
-        if (body[i] !== 0x3a) {
-            continue;
+// The top-level keys `model` and `stream` of a JSON object in BODY, read as the serve's
+// json.loads reads them (Starlette's Request.json: escapes decoded, a key given twice is its
+// last value), without parsing the rest: {model, stream} (model undefined when the body
+// has none), or {error: [status, message, code]}. Nested values are walked by their
+// brackets (a key inside them is not the body's), strings skipped whole.
+function topLevel(body) {
+    var n = body.length, i = 0, steps = 0, found = {model: undefined, stream: false};
+    var key, end, c, depth, v;
+    function ws() {
+        while (i < n && space(body[i])) {
+            i++;
         }
-        for (i++; i < body.length && space(body[i]); i++) {}
-        count++;
-        value = body.slice(i, i + 4).toString() === 'true';
     }
-    return count === 1 && value;
+    function bad(what) {
+        return {error: [400, 'the request body is not valid JSON: ' + what + ' at byte ' + i,
+                        'invalid_json']};
+    }
+    if (body.indexOf(0) >= 0) {
+        // UTF-16 or 32 (json.loads would detect them): the router reads UTF-8 only
+        return {error: [400, 'the request body is not UTF-8 JSON (a NUL byte)', 'invalid_json']};
+    }
+    ws();
+    if (body[i] !== 0x7b) {
+        return {error: [400, 'the request body is not a JSON object', 'invalid_json']};
+    }
+    i++;
+    ws();
+    if (body[i] === 0x7d) {
+        i++;
+    } else {
+        for (;;) {
+            ws();
+            if (body[i] !== 0x22) {
+                return bad('a key expected');
+            }
+            end = skipString(body, i);
+            if (end < 0) {
+                return bad('an unterminated key');
+            }
+            key = end - i <= 64 ? body.slice(i + 1, end - 1).toString() : null;
+            if (key !== null && key.indexOf('\\') >= 0) {
+                try {
+                    key = JSON.parse('"' + key + '"');
+                } catch (e) {
+                    return bad('a bad escape in a key');
+                }
+            }
+            i = end;
+            ws();
+            if (body[i] !== 0x3a) {
+                return bad("':' expected");
+            }
+            i++;
+            ws();
+            v = i;
+            c = body[i];
+            if (c === 0x22) {
+                end = skipString(body, i);
+                if (end < 0) {
+                    return bad('an unterminated string');
+                }
+                i = end;
+            } else if (c === 0x7b || c === 0x5b) {
+                depth = 0;
+                do {
+                    c = body[i];
+                    if (++steps > SCAN_STEPS) {
+                        return {error: [413, 'the request body has more structure than the ' +
+                                        'router reads (' + SCAN_STEPS + ' steps): send ' +
+                                        'fewer, larger parts', 'too_complex']};
+                    }
+                    if (c === 0x22) {
+                        end = skipString(body, i);
+                        if (end < 0) {
+                            return bad('an unterminated string');
+                        }
+                        i = end;
+                        continue;
+                    }
+                    if (c === 0x7b || c === 0x5b) {
+                        depth++;
+                    } else if (c === 0x7d || c === 0x5d) {
+                        depth--;
+                    } else if (c === undefined) {
+                        return bad('an unterminated ' + (body[v] === 0x7b ? 'object' : 'array'));
+                    }
+                    i++;
+                } while (depth > 0);
+            } else {
+                while (i < n && body[i] !== 0x2c && body[i] !== 0x7d && !space(body[i])) {
+                    i++;
+                }
+                if (i === v) {
+                    return bad('a value expected');
+                }
+            }
+            if (key === 'model') {
+                if (body[v] === 0x22 && i - v <= 2048) {
+                    try {
+                        found.model = JSON.parse(body.slice(v, i).toString());
+                    } catch (e) {
+                        return bad('a bad "model" string');
+                    }
+                } else {
+                    // not a string (or longer than any name): the usual 400 or 404
+                    found.model = body[v] === 0x22 ? body.slice(v + 1, v + 2049).toString() :
+                        body.slice(v, Math.min(i, v + 16)).toString() === 'null' ? null : 0;
+                }
+            } else if (key === 'stream') {
+                found.stream = body.slice(v, i).toString() === 'true';
+            }
+            ws();
+            if (body[i] === 0x2c) {
+                i++;
+                continue;
+            }
+            if (body[i] === 0x7d) {
+                i++;
+                break;
+            }
+            return bad("',' or '}' expected");
+        }
+    }
+    ws();
+    if (i !== n) {
+        return bad('extra data after the object');
+    }
+    return found;
 }
 
 function levenshtein(a, b) {
@@ -129,6 +275,35 @@ function closeNames(name, key) {
     return found.slice(0, 3).map(function (x) { return x[1]; });
 }
 
+// The error document (the shape fail() answers) as text: for nginx's `return` of the error
+// pages, whose text comes from a js_set variable (gpud/core/router.py ERROR_PAGES): no body
+// is read for them (a js_content handler would read it first).
+function errorText(status, message, code) {
+    return JSON.stringify({error: {message: message,
+                                   type: status >= 500 ? 'server_error' : 'invalid_request_error',
+                                   param: null, code: code}});
+}
+
+// nginx's own errors, as the router answers them: status -> [the status answered, message,
+// code] (494: nginx's own code for a header too large, answered 400).
+var ERRORS = {
+    400: [400, 'the request is not valid HTTP', 'invalid_request'],
+    404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
+          '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
+    413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+    414: [414, 'the request URI is too long', 'invalid_request'],
+    494: [400, 'a request header is too large', 'invalid_request'],
+    500: [500, 'internal error of the router', 'internal_error'],
+};
+
+function nginxError(status) {
+    return function (r) {
+        var e = ERRORS[status];
+        return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' :
+                         e[1], e[2]);
+    };
+}
+
 // With router.api_keys_file: the request's key (its name and models), or null once answered
 // 401. Without: {models: ['*']}. Tokens are compared by their SHA-256 (the table holds
 // nothing else).
@@ -136,16 +311,60 @@ function keyOf(r) {
     if (CONFIG.keys === null) {
         return {name: null, models: ['*']};
     }
-    var auth = r.headersIn['Authorization'] || '';
-    var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
-    var key = m ? CONFIG.keys[crypto.createHash('sha256').update(m[1]).digest('hex')] : undefined;
+    var key = lookUp(r);
     if (key === undefined) {
-        r.headersOut['WWW-Authenticate'] = 'Bearer';
-        fail(r, 401, m ? 'Incorrect API key provided' :
-             'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+        unauthorized(r);
         return null;
     }
     return key;
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest] : undefined;
+}
+
+function unauthorized(r) {
+    r.headersOut['WWW-Authenticate'] = 'Bearer';
+    fail(r, 401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+         'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+}
+
+// unauthorized()'s document, for the 401 of the key's check before the body (an error page).
+function unauthorizedText(r) {
+    return errorText(401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+                     'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+}
+
+// Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
+// client's address (on loopback every local client is addr:127.0.0.1). KEY: the request's,
+// else looked up (a fronted port's ensure: js_set $router_requester_of).
+function requesterOf(r, key) {
+    if (key === undefined) {
+        key = CONFIG.keys === null ? undefined : lookUp(r);
+    }
+    return key && key.name ? key.name : 'addr:' + r.remoteAddress;
+}
+
+// "1" when the request may pass a fronted port's key check (js_set $router_key_ok): keys
+// off, or a key that may use one of the names of the port's serve ($gpud_serve, set by its
+// server).
+function keyOk(r) {
+    if (CONFIG.keys === null) {
+        return '1';
+    }
+    var key = lookUp(r), serve = r.variables.gpud_serve;
+    return key !== undefined && Object.keys(CONFIG.models).some(function (name) {
+        return CONFIG.models[name].serve === serve && allows(key, name);
+    }) ? '1' : '';
+}
+
+// The key's check before a routed request's body is read (an auth_request subrequest: 204
+// or 401, which the router answers in OpenAI's shape without reading the body).
+function auth(r) {
+    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -170,14 +389,17 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    // stream: true, false, or null when a large body was not parsed (looked through for
-    // "stream" only when it matters: each look through 900 KiB costs njs about 2 ms)
     var model, stream = false;
     if (type.indexOf('multipart/form-data') === 0) {
-        model = formModel(body);
-    } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
-        // found without parsing (a malformed large body is the serve's to refuse)
-        stream = null;
+        model = formModel(body, r.headersIn['Content-Type'] || '');
+    } else if (body.length >= SCAN_FROM) {
+        var top = topLevel(body);
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return;
+        }
+        model = top.model;
+        stream = top.stream;
     } else {
         var doc;
         try {
@@ -201,8 +423,9 @@ function route(r) {
         fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
         return;
     }
-    var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
-    if (entry === undefined) {
+    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
+    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+    if (entry === undefined || !allows(key, model)) {
         var close = closeNames(model, key);
         fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
@@ -210,24 +433,23 @@ function route(r) {
              ' (GET /v1/models lists them)', 'model_not_found', 'model');
         return;
     }
-    if (!allows(key, model)) {
-        fail(r, 403, 'key ' + key.name + ' may not use model ' + JSON.stringify(model),
-             'model_not_allowed', 'model');
-        return;
-    }
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
-    if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
-            (stream === null ? scanStream(body) : stream)) {
+    r.variables.router_requester = requesterOf(r, key);
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         loading(r, model, entry);
         return;
     }
     r.internalRedirect(entry.location);
 }
 
-// The 503 of a refusal: gpud's reason (its X-Gpud-Reason, OpenAI's error shape) under
-// error.gpud.
+// gpud's code of an ensure refused because its requester (or everyone) has as many
+// requests waiting as gpud keeps (gpud.api._too_many_waiting): the router's 429.
+var TOO_MANY_WAITING = 'too-many-requests';
+
+// The 503 (429 when the requester waits too much already) of a refusal: gpud's reason (its
+// X-Gpud-Reason, OpenAI's error shape) under error.gpud.
 function refusal(r, reason) {
     var message = 'refused by gpud', details = null;
     try {
@@ -237,10 +459,16 @@ function refusal(r, reason) {
     } catch (e) {
         // no reason given
     }
-    return {error: {
+    if (details !== null && details.code === TOO_MANY_WAITING) {
+        return {status: 429, doc: {error: {
+            message: 'model ' + JSON.stringify(r.variables.router_model) + ': ' + message,
+            type: 'rate_limit_error', param: null, code: 'rate_limit_exceeded',
+            gpud: details}}};
+    }
+    return {status: 503, doc: {error: {
         message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
                  r.variables.router_serve + ') cannot be brought up: ' + message,
-        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}};
+        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
 }
 
 // Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
@@ -273,16 +501,16 @@ function loading(r, model, entry) {
         clearTimeout(timer);
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
         if (reply.status === 403) {
-            var doc = refusal(r, reply.headersOut['X-Gpud-Reason']);
+            var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
             if (!sent) {
                 r.headersOut['Retry-After'] = reply.headersOut['Retry-After'] ||
                     String(CONFIG.retry_after_s);
                 r.headersOut['Content-Type'] = 'application/json';
-                r.return(503, JSON.stringify(doc));
+                r.return(refused.status, JSON.stringify(refused.doc));
                 return;
             }
             r.variables.router_sse = 'refused';
-            r.send('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n');
+            r.send('data: ' + JSON.stringify(refused.doc) + '\n\ndata: [DONE]\n\n');
         } else if (!sent) {
             r.internalRedirect(entry.location + '_direct');
             return;
@@ -313,7 +541,7 @@ function states(r) {
 function entry(name, by, created) {
     var serve = CONFIG.models[name].serve;
     return {id: name, object: 'model', created: created, owned_by: 'gpud',
-            gpud: {serve: serve, state: by.hasOwnProperty(serve) ? by[serve] : 'unknown'}};
+            gpud: {serve: serve, state: has(by, serve) ? by[serve] : 'unknown'}};
 }
 
 function models(r) {
@@ -343,8 +571,14 @@ function model(r) {
     if (key === null) {
         return;
     }
+    if (r.method !== 'GET' && r.method !== 'HEAD') {
+        r.headersOut['Allow'] = 'GET, HEAD';
+        fail(r, 405, 'method ' + r.method + ' not allowed on /v1/models/ID (GET)',
+             'method_not_allowed');
+        return;
+    }
     var name = r.uri.slice('/v1/models/'.length);
-    if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
+    if (!has(CONFIG.models, name) || !allows(key, name)) {
         var close = closeNames(name, key);
         fail(r, 404, 'The model ' + JSON.stringify(name) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
@@ -361,7 +595,8 @@ function model(r) {
 function refused(r) {
     r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(503, JSON.stringify(refusal(r, r.variables.router_reason)));
+    var refused = refusal(r, r.variables.router_reason);
+    r.return(refused.status, JSON.stringify(refused.doc));
 }
 
 // The serve did not answer (stopped, starting, restarting; gpud down and the serve not up).
@@ -375,24 +610,33 @@ function down(r) {
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
 // stream that failed. The filter's VM is the subrequest's own: `held` is this answer's.
-var held = '';
+var held = '', told = false;
 function streamed(r, data, flags) {
-    if (r.status < 400) {
-        r.sendBuffer(data, flags);
+    if (r.status < 400 || told) {
+        r.sendBuffer(told ? '' : data, flags);
         return;
     }
     held += data;
+    // the answer's end: in a subrequest (the include) flags.last is never set (nginx marks
+    // its last buffer last_in_chain, not last_buf): the length the serve said is in, or,
+    // without one, an empty buffer after some data (an empty one may come first too)
+    var length = r.variables.upstream_http_content_length;
+    var end = flags.last || (length ? Buffer.byteLength(held) >= Number(length) :
+                             data.length === 0 && held.length > 0);
     var doc;
     try {
         doc = JSON.parse(held);
     } catch (e) {
-        if (held.length < 65536) {
+        // not (yet) one JSON document: wait for more, but not past its end (an error that
+        // is not JSON, a proxy's HTML page, is passed on as the event's message)
+        if (held.length < 65536 && !end) {
             return;
         }
         doc = {error: {message: held.slice(0, 1024), type: 'server_error', param: null,
                        code: r.status}};
     }
     held = '';
+    told = true;
     r.sendBuffer('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n', flags);
 }
 
@@ -405,4 +649,6 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
-export default {route, models, model, refused, down, streamed, streamDown};
+export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
+                error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
+                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500)};
