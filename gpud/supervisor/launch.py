@@ -32,7 +32,7 @@ from gpud.core.lifecycle import (
     UnitStarted,
     start_refused,
 )
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.vocab import (
     LIVE_STATES,
     SLEEPING,
@@ -162,7 +162,7 @@ class LaunchJob:
                     mib=self.svc.ledger.reservations[serve].mib if serve in
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid,
                     device_lock="shared" if shared else "exclusive", device_lock_why=why),
-                    state=self.svc.state_row(serve, STARTING), cause=Cause.LAUNCH)
+                    report=self.svc.report(serve, Happened.LAUNCHED))
                 healthy = await self.health.await_healthy(serve, spec, promote=False)
             # Recorded after the device is free: the next start there need not wait on the
             # write (the serve is healthy either way).
