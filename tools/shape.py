@@ -103,7 +103,7 @@ def state_namings(root: Path) -> list[Site]:
 
 
 def _defs(root: Path) -> list[tuple[str, ast.AST, str]]:
-    out = []
+    out: list[tuple[str, ast.AST, str]] = []
     for path in sorted((root / "gpud").rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), rel)):
