@@ -25,8 +25,8 @@ from gpud.core.lifecycle import (
     LifeAction,
     RestartsCounted,
     ServeLife,
-    step,
 )
+from gpud.core.serverecord import Serve, Stepped, StoreState, step
 from gpud.core.unitstate import (
     ACTIVE,
     UnitState,
@@ -201,9 +201,14 @@ class Runtime:
         return self.serves.setdefault(serve, LifeRecord())
 
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
-        """Change the serve's life by `inp` (gpud.core.lifecycle.step); what to do about it."""
+        """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
+        on the runtime half of its record (a lifecycle input reads and changes no state);
+        what to do about it."""
         rec = self.record(serve)
-        rec.life, actions = step(rec.life, inp)
+        stepped = step(Serve(life=rec.life), inp)
+        assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
+        rec.life = stepped.serve.life
+        actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
         self.prune(serve)
         for listener in self._life_listeners:
             listener()
