@@ -27,7 +27,7 @@ from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
-from gpud.core.serverecord import Happened, Report, Serve, StoreState, step
+from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import Cause, StateRefusal
 from gpud.core.states import record as record_state
 from gpud.core.transition import Refusal, Transition, transition, violated
@@ -630,7 +630,7 @@ class LedgerService:
             prev = self._records[serve].state
         if isinstance(row, Reported):
             res = (after or self._decided).reservations.get(serve)
-            record = Serve(prev, holds=res is not None, external=bool(res and res.external),
+            record = Record(prev, holds=res is not None, external=bool(res and res.external),
                            configured=serve in self.config.serves)
             stepped = step(record, row.report)
             if isinstance(stepped, StateRefusal):

@@ -34,7 +34,7 @@ from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
 from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
-from gpud.core.serverecord import Happened, Report, Serve, next_state
+from gpud.core.serverecord import Happened, Record, Report, next_state
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
@@ -824,7 +824,7 @@ class Sleeps:
                     overdrawn: bool = False) -> ServeState:
         """The state a serve found running after a restart takes (`found`, decided by its one
         step, gpud.core.serverecord)."""
-        state = next_state(Serve(recorded), Report(
+        state = next_state(Record(recorded), Report(
             await self.found(serve, spec, recorded, overdrawn=overdrawn)))
         assert state is not None  # a found-* report always leads to a state
         return state

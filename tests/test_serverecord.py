@@ -12,7 +12,7 @@ import pytest
 from gpud.core import serverecord as sr
 from gpud.core.lifecycle import IDLE_LIFE, Job, JobBegan, StartAsked
 from gpud.core.lifecycle import step as life_step
-from gpud.core.serverecord import Happened, Report, Serve, Stepped, StoreState, next_state, step
+from gpud.core.serverecord import Happened, Record, Report, Stepped, StoreState, next_state, step
 from gpud.core.states import Cause, StateRefusal
 from gpud.core.vocab import (
     ADMITTED,
@@ -82,7 +82,7 @@ CASES = list(itertools.product(Happened, PREVS, (False, True), (False, True), (F
 @pytest.mark.parametrize(("what", "prev", "holds", "external", "configured"), CASES)
 def test_every_report_from_every_state(what: Happened, prev: ServeState | None, holds: bool,
                                        external: bool, configured: bool) -> None:
-    serve = Serve(prev, holds=holds, external=external, configured=configured)
+    serve = Record(prev, holds=holds, external=external, configured=configured)
     got = step(serve, Report(what))
     want = target(what, prev, holds, external, configured, None)
     if want is None:
@@ -91,7 +91,7 @@ def test_every_report_from_every_state(what: Happened, prev: ServeState | None, 
     if prev in REFUSED_FROM.get(what, set()):
         assert got == StateRefusal(prev, want, sr.CAUSES[what])
         return
-    assert got == Stepped(Serve(want, holds, external, configured), (StoreState(want),))
+    assert got == Stepped(Record(want, holds, external, configured), (StoreState(want),))
 
 
 def test_the_table_has_as_many_cases_as_it_says() -> None:
@@ -108,41 +108,41 @@ def test_every_report_has_one_rule_and_a_cause() -> None:
 @pytest.mark.parametrize("prev", [RUNNING, ADMITTED, None])
 def test_a_rollback_takes_the_serve_back_to_the_state_it_had(
         back_to: ServeState | None, prev: ServeState | None) -> None:
-    got = step(Serve(prev), Report(H.ROLLED_BACK, back_to))
+    got = step(Record(prev), Report(H.ROLLED_BACK, back_to))
     assert isinstance(got, Stepped)
     assert got.serve.state == (back_to or DECLARED)
     assert got.effects == (StoreState(back_to or DECLARED),)
 
 
 def test_a_rollback_to_a_state_its_cause_does_not_lead_to_is_refused() -> None:
-    assert step(Serve(RUNNING), Report(H.ROLLED_BACK, RUNNING)) == StateRefusal(
+    assert step(Record(RUNNING), Report(H.ROLLED_BACK, RUNNING)) == StateRefusal(
         RUNNING, RUNNING, Cause.RELEASE)
 
 
 def test_next_state_before_the_rule() -> None:
     """next_state says where a report leads before the rule checks it (a refused one too)."""
-    assert next_state(Serve(ADMITTED), Report(H.HEALTHY)) == RUNNING
-    assert next_state(Serve(RUNNING), Report(H.DENIED)) is None
-    assert next_state(Serve(SLEEPING), Report(H.FOUND_AS_RECORDED)) == SLEEPING
+    assert next_state(Record(ADMITTED), Report(H.HEALTHY)) == RUNNING
+    assert next_state(Record(RUNNING), Report(H.DENIED)) is None
+    assert next_state(Record(SLEEPING), Report(H.FOUND_AS_RECORDED)) == SLEEPING
 
 
 def test_a_step_keeps_what_it_does_not_decide() -> None:
     life = life_step(IDLE_LIFE, StartAsked())[0]
-    serve = Serve(ADMITTED, holds=True, external=False, configured=True, life=life)
+    serve = Record(ADMITTED, holds=True, external=False, configured=True, life=life)
     got = step(serve, Report(H.LAUNCHED))
-    assert got == Stepped(Serve(STARTING, True, False, True, life), (StoreState(STARTING),))
+    assert got == Stepped(Record(STARTING, True, False, True, life), (StoreState(STARTING),))
 
 
 def test_the_supervisors_inputs_step_its_life_and_leave_the_state() -> None:
     """A lifecycle input (gpud.core.lifecycle) is the same step on the record's life: its
     actions are the effects, the state untouched."""
     started = life_step(IDLE_LIFE, StartAsked())[0]
-    serve = Serve(STARTING, holds=True, life=started)
+    serve = Record(STARTING, holds=True, life=started)
     life, actions = life_step(started, JobBegan(Job.STOP))
     assert actions  # a stop while launching cancels the launch
     assert step(serve, JobBegan(Job.STOP)) == Stepped(
-        Serve(STARTING, holds=True, life=life), tuple(actions))
+        Record(STARTING, holds=True, life=life), tuple(actions))
 
 
 def test_a_fresh_record() -> None:
-    assert Serve() == Serve(None, False, False, True, IDLE_LIFE)
+    assert Record() == Record(None, False, False, True, IDLE_LIFE)

@@ -1,6 +1,6 @@
 """A serve's one record and its one step: adapters say what happened, this module decides.
 
-`Serve` is what gpud knows of one serve at a time: its recorded state (what `gpuctl serves`
+`Record` is what gpud knows of one serve at a time: its recorded state (what `gpuctl serves`
 shows), whether it holds a reservation (and an external one), whether the config names it, and
 its runtime under the supervisor (`life`: gpud's work under way on it, its pending job, its unit
 as last seen: gpud.core.lifecycle.ServeLife).
@@ -125,7 +125,7 @@ class Report:
 
 
 @dataclass(frozen=True)
-class Serve:
+class Record:
     """One serve's record. `holds` and `external` are its reservation once the change the
     report comes with is made (a release's report sees none held)."""
 
@@ -149,36 +149,36 @@ Event = Report | Input
 
 @dataclass(frozen=True)
 class Stepped:
-    serve: Serve
+    serve: Record
     effects: tuple[Effect, ...] = ()
 
 
-def _admitted(serve: Serve, report: Report) -> ServeState:
+def _admitted(serve: Record, report: Report) -> ServeState:
     # A re-admission keeps a live serve's state.
     return (EXTERNAL if serve.external
             else serve.state if serve.state in LIVE_STATES else ADMITTED)
 
 
-def _found_active(serve: Serve, report: Report) -> ServeState:
+def _found_active(serve: Record, report: Report) -> ServeState:
     # Found running, its health not yet asked: it keeps a running or starting state.
     return serve.state if serve.state in (RUNNING, STARTING) else STARTING
 
 
-def _found_as_recorded(serve: Serve, report: Report) -> ServeState:
+def _found_as_recorded(serve: Record, report: Report) -> ServeState:
     return RUNNING if serve.state == RUNNING else SLEEPING
 
 
-def _stopped(serve: Serve, report: Report) -> ServeState:
+def _stopped(serve: Record, report: Report) -> ServeState:
     # A stop that keeps the reservation (a restart's first half) leaves the serve admitted.
     return ADMITTED if serve.holds else DECLARED
 
 
-def _rolled_back(serve: Serve, report: Report) -> ServeState:
+def _rolled_back(serve: Record, report: Report) -> ServeState:
     return report.back_to or DECLARED
 
 
 # The reports whose state depends on the serve (or on the report).
-RULES: Mapping[Happened, Callable[[Serve, Report], ServeState]] = {
+RULES: Mapping[Happened, Callable[[Record, Report], ServeState]] = {
     Happened.ADMITTED: _admitted,
     Happened.FOUND_ACTIVE: _found_active,
     Happened.FOUND_AS_RECORDED: _found_as_recorded,
@@ -187,7 +187,7 @@ RULES: Mapping[Happened, Callable[[Serve, Report], ServeState]] = {
 }
 
 
-def next_state(serve: Serve, report: Report) -> ServeState | None:
+def next_state(serve: Record, report: Report) -> ServeState | None:
     """The state `report` leads the serve to, before the rule checks it; None: the report
     changes no state (a denial of a serve whose process may hold memory, or that holds a
     reservation, or that the config does not name)."""
@@ -200,7 +200,7 @@ def next_state(serve: Serve, report: Report) -> ServeState | None:
     return RULES[what](serve, report)
 
 
-def step(serve: Serve, event: Event) -> Stepped | StateRefusal:
+def step(serve: Record, event: Event) -> Stepped | StateRefusal:
     """The serve after `event`, and what its adapter is to do; or why the change is refused (a
     report whose state gpud.core.states does not allow from the serve's)."""
     if not isinstance(event, Report):
@@ -212,5 +212,5 @@ def step(serve: Serve, event: Event) -> Stepped | StateRefusal:
     decided = allowed(serve.state, target, CAUSES[event.happened])
     if isinstance(decided, StateRefusal):
         return decided
-    return Stepped(Serve(decided, serve.holds, serve.external, serve.configured, serve.life),
+    return Stepped(Record(decided, serve.holds, serve.external, serve.configured, serve.life),
                    (StoreState(decided),))

@@ -26,7 +26,7 @@ from gpud.core.lifecycle import (
     RestartsCounted,
     ServeLife,
 )
-from gpud.core.serverecord import Serve, Stepped, StoreState, step
+from gpud.core.serverecord import Record, Stepped, StoreState, step
 from gpud.core.unitstate import (
     ACTIVE,
     UnitState,
@@ -205,7 +205,7 @@ class Runtime:
         on the runtime half of its record (a lifecycle input reads and changes no state);
         what to do about it."""
         rec = self.record(serve)
-        stepped = step(Serve(life=rec.life), inp)
+        stepped = step(Record(life=rec.life), inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
         rec.life = stepped.serve.life
         actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
