@@ -17,7 +17,7 @@ from gpud.core.answers import PlanSize
 from gpud.core.budgets import resolve_budgets
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
-from gpud.core.plan import Plan, make_plan
+from gpud.core.plan import RebalancePlan, make_plan
 from gpud.core.vocab import ServeState
 
 
@@ -34,7 +34,7 @@ class PlanInputs:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
+def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> RebalancePlan:
     dev = inputs.devices
     budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem,
                               dev.device_uuid)

@@ -28,7 +28,7 @@ from typing import Any
 from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
-from gpud.core.plan import Plan
+from gpud.core.plan import RebalancePlan
 from gpud.core.serverecord import Happened
 from gpud.core.vocab import (
     ADMITTED,
@@ -102,7 +102,7 @@ class Rebalancer:
     def parse(self, text: str, source: str) -> Config:
         return self.svc.overrides(parse_config(text, source))
 
-    def plan(self, text: str, source: str) -> Plan:
+    def plan(self, text: str, source: str) -> RebalancePlan:
         return plan_of(self.parse(text, source), source, self.inputs())
 
     def inputs(self) -> PlanInputs:

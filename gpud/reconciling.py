@@ -31,7 +31,7 @@ from gpud.core.vocab import EventKind, SleepAction
 from gpud.errors import Denied, GpudError
 from gpud.observer import Observer
 from gpud.service import LedgerService
-from gpud.sleeping import Serves, Sleeps, meta_key
+from gpud.sleeping import Sleeps, SleepSupervisor, meta_key
 
 log = logging.getLogger("gpud.reconcile")
 CHECKPOINT_STATUS_TIMEOUT_S = 5.0
@@ -44,7 +44,7 @@ def _said(value: bool | None) -> str:
 
 
 class Reconciler:
-    def __init__(self, serves: Serves, svc: LedgerService, sleeps: Sleeps,
+    def __init__(self, serves: SleepSupervisor, svc: LedgerService, sleeps: Sleeps,
                  observer: Observer) -> None:
         self.serves = serves
         self.svc = svc

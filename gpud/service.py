@@ -68,7 +68,7 @@ COALESCE_REFUSALS: ContextVar[bool] = ContextVar("gpud_coalesce_refusals", defau
 
 
 
-class Observer(Protocol):
+class Observing(Protocol):
     """What the service asks of observation (see gpud.observer)."""
 
     @property
@@ -162,7 +162,7 @@ class LedgerService:
         store: Store,
         *,
         config_path: Path | None = None,
-        observer: Observer | None = None,
+        observer: Observing | None = None,
         clock: Callable[[], float] = time.time,
         config_text: str | None = None,
         overrides: Callable[[Config], Config] = lambda cfg: cfg,

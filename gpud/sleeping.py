@@ -32,7 +32,7 @@ from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
-from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.serverecord import Happened, Record, Report, next_state
 from gpud.core.traffic import Drain
@@ -75,7 +75,7 @@ def measured_key(serve: str) -> str:
     return f"sleep-measured:{serve}"
 
 
-class Serves(Protocol):
+class SleepSupervisor(Protocol):
     """What the sleep controller and the reconciler ask of the supervisor: the locks (in
     their order, gpud.locks), whether a lifecycle action of a serve is under way, a change of a
     serve's life (gpud.core.lifecycle.step: a sleep or a wake begun and ended), the serves' own
@@ -112,7 +112,7 @@ class Sleeps:
     # tests that run without it).
     traffic: Drainer | None = None
 
-    def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
+    def __init__(self, serves: SleepSupervisor, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
                  graphs: Callable[[str], int | None] = lambda _serve: None) -> None:
@@ -634,7 +634,7 @@ class Sleeps:
                                              res.all_roles))
         return out
 
-    def plan(self, serve: str, mib: int) -> Plan | NoPlan:
+    def plan(self, serve: str, mib: int) -> PreemptPlan | NoPlan:
         """The plan on every role of the serve (victims on any of them; one on several frees
         on each)."""
         spec = self.serves.spec_of(serve)

@@ -95,7 +95,7 @@ class LifeRecord:
                 and self.stop_done is None)
 
 
-class Calibrated(Protocol):
+class CalibrationSource(Protocol):
     """What calibration says of a serve (gpud.calibration.Calibrator)."""
 
     def sizing_problem(self, serve: str) -> str | None:
@@ -129,7 +129,7 @@ class _Uncalibrated:
         return None
 
 
-UNCALIBRATED: Calibrated = _Uncalibrated()
+UNCALIBRATED: CalibrationSource = _Uncalibrated()
 
 
 class Failing(Protocol):
@@ -173,7 +173,7 @@ class Runtime:
     """What every job of the supervisor shares (made once by Supervisor.__init__)."""
 
     def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
-                 clock: Callable[[], float], calibrated: Calibrated) -> None:
+                 clock: Callable[[], float], calibrated: CalibrationSource) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
