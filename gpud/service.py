@@ -40,6 +40,7 @@ from gpud.core.vocab import (
     ORPHAN,
     STARTING,
     WARNING_KINDS,
+    DenialBound,
     EventKind,
     ServeState,
 )
@@ -787,7 +788,8 @@ class LedgerService:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
             why = self.held(name, serve)
             if why is not None:
-                return self._deny_on_lost_device(serve, name, mib, uid, why, bound="held")
+                return self._deny_on_lost_device(serve, name, mib, uid, why,
+                                                 bound=DenialBound.HELD)
         physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
                                                                                      serve)
         outcome = self._decided.decide(
@@ -849,7 +851,7 @@ class LedgerService:
         return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
 
     def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
-                             lost: str, *, bound: str = "device"
+                             lost: str, *, bound: DenialBound = DenialBound.DEVICE
                              ) -> tuple[Denied, asyncio.Future[list[Event]]]:
         """The denial (recorded, with the reason) of an admission on a role whose device is
         lost, or (`bound` "held") on which admissions are held."""

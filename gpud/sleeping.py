@@ -38,7 +38,7 @@ from gpud.core.serverecord import Happened, Record, Report, next_state
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import BEHAVIOURS, V033, VllmBehaviour
-from gpud.core.vocab import RUNNING, SLEEPING, EventKind, ServeState, SleepAction, StepKind
+from gpud.core.vocab import RUNNING, SLEEPING, DenialBound, EventKind, ServeState, SleepAction, StepKind
 from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
 from gpud.locks import Locks, Rank, Taken
 from gpud.observer import Observer
@@ -536,7 +536,7 @@ class Sleeps:
                 f"({parked} MiB) plus the margin ({margin} MiB) need {parked + margin} MiB, "
                 f"MemAvailable is {available} MiB, short {parked + margin - available} MiB "
                 f"{said}",
-                {"serve": serve, "bound": "host-ram", "need_mib": parked + margin,
+                {"serve": serve, "bound": DenialBound.HOST_RAM, "need_mib": parked + margin,
                  "free_mib": available})
 
     async def wake(self, serve: str, uid: int | None, *, locked: bool = False,
@@ -660,7 +660,7 @@ class Sleeps:
         try:
             yield
         except Denied as exc:
-            if exc.details.get("bound") == "device":
+            if exc.details.get("bound") == DenialBound.DEVICE:
                 raise
             would, details = self.what_preemption_would_do(serve, mib)
             raise Denied(exc.message + would, {**exc.details, **details}) from exc

@@ -37,6 +37,7 @@ from gpud.core.vocab import (
     LIVE_STATES,
     SLEEPING,
     STARTING,
+    DenialBound,
     EventKind,
 )
 from gpud.errors import Conflict, Denied, GpudError, Unavailable
@@ -103,7 +104,7 @@ class LaunchJob:
                 lost = self.svc.lost_device(role)
                 if lost is not None:
                     raise Denied(f"serve {serve!r} not started: {lost}",
-                                 {"serve": serve, "role": role, "bound": "device"})
+                                 {"serve": serve, "role": role, "bound": DenialBound.DEVICE})
             await self._port_free(serve, spec)
             await self.memory.back_all(serve)
             if held is None and preempt:
