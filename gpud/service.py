@@ -796,14 +796,14 @@ class LedgerService:
             serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
-        held = self._decided.reservations.get(serve)
-        if shrink and isinstance(outcome, Denial) and held is not None and mib <= held.mib:
+        holding = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and holding is not None and mib <= holding.mib:
             # A shrink makes no role fuller: on a role over-committed by adopted units it is
             # made all the same (the ledger bound would refuse any size there).
-            res = Reservation(serve, role_name, mib, held.since, uid, external, roles[1:])
+            res = Reservation(serve, role_name, mib, holding.since, uid, external, roles[1:])
             after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             shrunk = tuple(after.figures(name) for name in roles)
-            outcome = after, Admission(res, held.mib, shrunk[0], "ledger", note, shrunk[1:])
+            outcome = after, Admission(res, holding.mib, shrunk[0], "ledger", note, shrunk[1:])
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,

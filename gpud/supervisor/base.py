@@ -197,14 +197,15 @@ class Runtime:
         rec = self.serves.get(serve)
         return rec.life if rec is not None else IDLE_LIFE
 
-    def record(self, serve: str) -> LifeRecord:
+    def handles(self, serve: str) -> LifeRecord:
+        """The serve's life and the handles of what runs for it (made when first asked)."""
         return self.serves.setdefault(serve, LifeRecord())
 
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
         """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
         on the runtime half of its record (a lifecycle input reads and changes no state);
         what to do about it."""
-        rec = self.record(serve)
+        rec = self.handles(serve)
         stepped = step(Record(life=rec.life), inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
         rec.life = stepped.serve.life

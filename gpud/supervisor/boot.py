@@ -187,7 +187,7 @@ class BootJob:
                 log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
                         "boot: %s not started: %s", name, exc.message)
                 continue
-            task = self.rt.record(name).launch_task
+            task = self.rt.handles(name).launch_task
             self.rt.prune(name)
             if task is not None:
                 task.add_done_callback(lambda _t: self.notify(

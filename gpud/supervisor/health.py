@@ -272,11 +272,11 @@ class HealthJob:
     def _begin_check(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)
         life = self.rt.life(serve)
-        if self.rt.record(serve).check is not None or life.stopping or spec is None:
+        if self.rt.handles(serve).check is not None or life.stopping or spec is None:
             self.rt.prune(serve)
             return
         task = self.rt.spawn(self._check_one(serve, spec))
-        self.rt.record(serve).check = task
+        self.rt.handles(serve).check = task
         task.add_done_callback(functools.partial(self._check_done, serve))
 
     async def on_observation(self, _obs: Any) -> None:

@@ -124,7 +124,7 @@ class LaunchJob:
             # the serve's lock is held, and it was free a moment ago: never refused here
             assert not refused, refused
             task = self.rt.spawn(self._launch(serve, uid, unit_spec))
-            self.rt.record(serve).launch_task = task
+            self.rt.handles(serve).launch_task = task
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
@@ -171,7 +171,7 @@ class LaunchJob:
                 await self.health.promote(serve)
         finally:
             self.rt.step(serve, LaunchEnded())
-            rec = self.rt.record(serve)
+            rec = self.rt.handles(serve)
             if rec.launch_task is asyncio.current_task():
                 rec.launch_task = None
             self.rt.prune(serve)

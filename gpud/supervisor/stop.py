@@ -162,7 +162,7 @@ class StopJob:
     async def _end_check(self, serve: str) -> None:
         """A health check restarting the serve holds its lock while the new process loads
         (minutes for vLLM): a stop does not wait for that, it ends it."""
-        check = self.rt.record(serve).check
+        check = self.rt.handles(serve).check
         self.rt.prune(serve)
         if check is not None and check is not asyncio.current_task() and not check.done():
             check.cancel()
@@ -173,14 +173,14 @@ class StopJob:
         devices from now on waits for it and for the memory to come back (a serve ignoring
         SIGTERM takes its stop timeout to go)."""
         actions = self.rt.step(serve, JobBegan(Job.STOP))
-        self.rt.record(serve).stop_done = asyncio.Event()
+        self.rt.handles(serve).stop_done = asyncio.Event()
         self.memory.leaving(serve)
         return actions
 
     def _stop_over(self, serve: str) -> None:
         """The stop's job is over, however it ended: the starts waiting on it go on."""
         self.rt.step(serve, JobEnded(Job.STOP))
-        rec = self.rt.record(serve)
+        rec = self.rt.handles(serve)
         done, rec.stop_done = rec.stop_done, None
         self.rt.prune(serve)
         assert done is not None
@@ -189,14 +189,14 @@ class StopJob:
     async def _cancel_launch(self, serve: str) -> None:
         """A launch queued behind another start on the device, or starting, must not go on to
         run a unit whose reservation this stop releases."""
-        launch = self.rt.record(serve).launch_task
+        launch = self.rt.handles(serve).launch_task
         if launch is None or launch.done():
             return
         launch.cancel()
         await asyncio.wait({launch})
         # A launch cancelled before it began never ran its own clean-up.
         self.rt.step(serve, LaunchEnded())
-        rec = self.rt.record(serve)
+        rec = self.rt.handles(serve)
         if rec.launch_task is launch:
             rec.launch_task = None
 
