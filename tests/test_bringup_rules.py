@@ -136,3 +136,8 @@ def test_every_branch_of_classify(code: str, details: dict[str, Any], why: Why) 
 def test_the_public_reason_word_for_word() -> None:
     assert public_reason("ocr", Why.QUEUE_TIMEOUT, 7) == (
         "serve ocr: the serve could not be brought up while the request waited; retry after 7 s")
+
+
+def test_a_fresh_record_of_tries_has_no_failures() -> None:
+    assert came_up(Tries(), 5.0) is None  # nothing failed: nothing to keep
+    assert refused(Tries(), 1.0, Why.REFUSED, "busy", POLICY).failures == 0
