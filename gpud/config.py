@@ -25,7 +25,7 @@ from gpud.core.config import ContainerConfig as ContainerConfig
 from gpud.core.config import DaemonConfig as DaemonConfig
 from gpud.core.config import RoleConfig as RoleConfig
 from gpud.core.config import ServeConfig as ServeConfig
-from gpud.core.config import SimulatedDevice as SimulatedDevice
+from gpud.core.config import SimulatedDeviceConfig as SimulatedDeviceConfig
 from gpud.core.config import SimulationConfig as SimulationConfig
 from gpud.core.config import VllmConfig as VllmConfig
 from gpud.core.front import path_problem
@@ -323,9 +323,9 @@ def config_warnings(cfg: Config) -> list[str]:
     return warnings
 
 
-def _simulated_refs(cfg: Config) -> list[tuple[str, SimulatedDevice]]:
+def _simulated_refs(cfg: Config) -> list[tuple[str, SimulatedDeviceConfig]]:
     """Each simulated device under every reference that names it: UUID, index, bus id."""
-    refs: list[tuple[str, SimulatedDevice]] = []
+    refs: list[tuple[str, SimulatedDeviceConfig]] = []
     if cfg.simulation:
         for i, dev in enumerate(cfg.simulation.devices):
             refs += [(dev.uuid, dev), (str(dev.index if dev.index is not None else i), dev)]

@@ -45,7 +45,7 @@ log = logging.getLogger("gpud.containers")
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ImageCheck:
     ok: bool
     detail: str
 
@@ -142,20 +142,20 @@ async def stop_leftovers() -> str | None:
 
 
 async def ensure_image(serve: str, c: ContainerConfig,
-                       say: Callable[[str], Awaitable[None]]) -> Outcome:
+                       say: Callable[[str], Awaitable[None]]) -> ImageCheck:
     """Whether the serve's image is present (pulled first when `pull = "missing"`; `say`
     records that as an event). Never raises: the outcome says why not."""
     podman = podman_path(c.engine)
     if podman is None:
-        return Outcome(False, f"{c.engine} is not installed (not found in PATH)")
+        return ImageCheck(False, f"{c.engine} is not installed (not found in PATH)")
     rc, out = await _run([podman, "image", "exists", c.image], QUERY_TIMEOUT_S,
                          f"is image {c.image} present (serve {serve})", unit_for(serve))
     if rc == 0:
-        return Outcome(True, "present")
+        return ImageCheck(True, "present")
     if rc != 1:
-        return Outcome(False, f"`{c.engine} image exists {c.image}` failed ({rc}): {out[-400:]}")
+        return ImageCheck(False, f"`{c.engine} image exists {c.image}` failed ({rc}): {out[-400:]}")
     if c.pull != "missing":
-        return Outcome(False, f"image {c.image} is not present locally; gpud never pulls on "
+        return ImageCheck(False, f"image {c.image} is not present locally; gpud never pulls on "
                               f"its own: run `{c.engine} pull {c.image}`, or set "
                               f"serves.{serve}.container.pull = \"missing\"")
     unit = unit_for(serve)
@@ -164,9 +164,9 @@ async def ensure_image(serve: str, c: ContainerConfig,
     rc, out = await _run([podman, "pull", c.image], PULL_TIMEOUT_S,
                          f"pull image {c.image} (serve {serve})", unit)
     if rc != 0:
-        return Outcome(False, f"pulling image {c.image} failed ({rc}): {out[-400:]}")
+        return ImageCheck(False, f"pulling image {c.image} failed ({rc}): {out[-400:]}")
     await say(f"{serve}: pulled image {c.image}")
-    return Outcome(True, "pulled")
+    return ImageCheck(True, "pulled")
 
 
 def cdi_devices(serve: str, uuid: str, index: int) -> list[str]:

@@ -17,8 +17,8 @@ from gpud.core.answers import PlanSize
 from gpud.core.budgets import resolve_budgets
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
-from gpud.core.plan import Plan, make_plan
-from gpud.core.transition import Blocker
+from gpud.core.plan import RebalancePlan, make_plan
+from gpud.core.transition import ConfigBlocker
 from gpud.core.vocab import ServeState
 
 
@@ -38,7 +38,7 @@ class PlanInputs:
     front_listens: frozenset[str] | None = None
 
 
-def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
+def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> RebalancePlan:
     dev = inputs.devices
     budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem,
                               dev.device_uuid)
@@ -51,7 +51,7 @@ def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
     from gpud.front import check_front
 
     dark = check_front(cfg, inputs.front_listens).dark
-    return replace(plan, blocked=plan.blocked + tuple(Blocker(d.what, d.reason) for d in dark))
+    return replace(plan, blocked=plan.blocked + tuple(ConfigBlocker(d.what, d.reason) for d in dark))
 
 
 def plan_json(text: str, source: str, inputs: PlanInputs) -> str:

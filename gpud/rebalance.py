@@ -28,11 +28,10 @@ from typing import Any
 from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
-from gpud.core.plan import Plan
-from gpud.core.states import Cause
+from gpud.core.plan import RebalancePlan
+from gpud.core.serverecord import Happened
 from gpud.core.vocab import (
     ADMITTED,
-    DECLARED,
     LIVE_STATES,
     RUNNING,
     STARTING,
@@ -106,7 +105,7 @@ class Rebalancer:
     def parse(self, text: str, source: str) -> Config:
         return self.svc.overrides(parse_config(text, source))
 
-    def plan(self, text: str, source: str) -> Plan:
+    def plan(self, text: str, source: str) -> RebalancePlan:
         return plan_of(self.parse(text, source), source, self.inputs())
 
     def inputs(self) -> PlanInputs:
@@ -384,8 +383,7 @@ class Undoer:
         held = self.svc.ledger.reservations.get(name)
         if held is not None and undo.mib_after is None:
             await self.svc.release(name, uid=uid, reason="rollback", allow_live=True,
-                                   next_state=undo.state_after or DECLARED,
-                                   cause=Cause.RELEASE)
+                                   happened=Happened.ROLLED_BACK, back_to=undo.state_after)
 
     async def _undo_reservation(self, undo: Action, uid: int | None) -> None:
         """Undo of a release or a resize, under the old config: the old reservation back

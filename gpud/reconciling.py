@@ -25,13 +25,13 @@ import aiohttp
 
 from gpud.config import ServeConfig
 from gpud.core.reconcile import Reconcile, disagrees, reconcile
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.vllm_versions import behaviour
-from gpud.core.vocab import RUNNING, SLEEPING, EventKind, SleepAction
+from gpud.core.vocab import EventKind, SleepAction
 from gpud.errors import Denied, GpudError
 from gpud.observer import Observer
 from gpud.service import LedgerService
-from gpud.sleeping import Serves, Sleeps, meta_key
+from gpud.sleeping import Sleeps, SleepSupervisor, meta_key
 
 log = logging.getLogger("gpud.reconcile")
 CHECKPOINT_STATUS_TIMEOUT_S = 5.0
@@ -44,7 +44,7 @@ def _said(value: bool | None) -> str:
 
 
 class Reconciler:
-    def __init__(self, serves: Serves, svc: LedgerService, sleeps: Sleeps,
+    def __init__(self, serves: SleepSupervisor, svc: LedgerService, sleeps: Sleeps,
                  observer: Observer) -> None:
         self.serves = serves
         self.svc = svc
@@ -165,7 +165,7 @@ class Reconciler:
         asleep = self.svc.ledger.reservations[serve].mib
         why = f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)})"
         # An admission like any (its own event), then the wake, as gpud's own wake says both.
-        await self.svc.admit(serve, awake, state=RUNNING, cause=Cause.WAKE, event=(
+        await self.svc.admit(serve, awake, happened=Happened.WOKEN, event=(
             EventKind.ADMIT, f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
             {"outside": True, "waking": True}))
         await self.svc.record(self.svc.event(
@@ -202,7 +202,7 @@ class Reconciler:
         note = {"level": None, "preempted_by": None, "parked_host_mib": 0,
                 "awake_mib": res.mib, "outside": True}
         reason = "asleep (put to sleep outside gpud; reservation kept)"
-        await self.svc.admit(serve, res.mib, state=SLEEPING, cause=Cause.SLEEP, shrink=True,
+        await self.svc.admit(serve, res.mib, happened=Happened.ASLEEP, shrink=True,
                              state_reason=reason,
                              event=(EventKind.SLEEP, f"{serve} was put to sleep outside gpud "
                                            f"(is_sleeping true, {self._seen(serve)}): shown "

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
@@ -27,6 +27,7 @@ from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import Cause, StateRefusal
 from gpud.core.states import record as record_state
 from gpud.core.transition import Refusal, Transition, transition, violated
@@ -39,6 +40,7 @@ from gpud.core.vocab import (
     ORPHAN,
     STARTING,
     WARNING_KINDS,
+    DenialBound,
     EventKind,
     ServeState,
 )
@@ -67,7 +69,7 @@ COALESCE_REFUSALS: ContextVar[bool] = ContextVar("gpud_coalesce_refusals", defau
 
 
 
-class Observer(Protocol):
+class Observing(Protocol):
     """What the service asks of observation (see gpud.observer)."""
 
     @property
@@ -126,6 +128,21 @@ class ServeRecord:
     n_restarts: int = 0
 
 
+@dataclass(frozen=True)
+class Reported:
+    """What happened to a serve, as an adapter reports it to the serve's one writer
+    (`LedgerService.report`): the state it leads to is decided by gpud.core.serverecord.step."""
+
+    serve: str
+    report: Report
+    reason: str | None = None
+
+
+class StateRefused(Conflict):
+    """A change of a serve's state the rule (gpud.core.states) refuses: the whole change it
+    came with (reservation, event and state) is not made."""
+
+
 @dataclass
 class _Pending:
     changes: Changes
@@ -146,7 +163,7 @@ class LedgerService:
         store: Store,
         *,
         config_path: Path | None = None,
-        observer: Observer | None = None,
+        observer: Observing | None = None,
         clock: Callable[[], float] = time.time,
         config_text: str | None = None,
         overrides: Callable[[Config], Config] = lambda cfg: cfg,
@@ -284,8 +301,8 @@ class LedgerService:
             res = self.ledger.reservations[serve]
             figures = [t.ledger.figures(r) for r in res.all_roles if r in t.ledger.roles]
             changes.delete.append(serve)
-            self._store_state(changes, self.state_row(serve, DECLARED, f"released: {source}"),
-                              Cause.RELOAD)
+            self._store_state(changes, self.report(serve, Happened.CONFIG_DROPPED,
+                                                   f"released: {source}"), after=t.ledger)
             changes.events.append(self.event(
                 EventKind.RELEASE, f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
                 f"serve left the config or its role)"
@@ -498,7 +515,7 @@ class LedgerService:
                     or not any(r in roles for r in spec.all_roles):
                 continue
             if all(self.free_for(name, r) >= spec.vram_mib for r in spec.all_roles):
-                self._store_state(changes, self.state_row(name, DECLARED), Cause.CLEAR)
+                self._store_state(changes, self.report(name, Happened.CLEARED))
         if changes.states:
             self.submit(changes)
 
@@ -584,35 +601,62 @@ class LedgerService:
             done = self.submit(Changes(meta={key: value}))
         await done
 
-    async def record(self, ev: Event, *, state: ServeStateRow | None = None,
-                     cause: Cause | None = None) -> Event:
-        """Store one event (and optionally a serve state, changed because of `cause`: see
-        `_store_state`) outside any ledger change."""
+    async def record(self, ev: Event, *, report: Reported | None = None,
+                     state: ServeStateRow | None = None, cause: Cause | None = None) -> Event:
+        """Store one event, with what happened to its serve (`report`: the state it leads to is
+        decided by gpud.core.serverecord) outside any ledger change. `state` names a state
+        outright, changed because of `cause` (tests and tools; gpud's own adapters report).
+        A change the rule refuses raises StateRefused and stores nothing, the event neither."""
         async with self._lock:
             changes = Changes(events=[ev])
+            if report is not None:
+                self._store_state(changes, report)
             if state is not None:
                 self._store_state(changes, state, cause)
             done = self.submit(changes)
         return (await done)[0]
 
-    def _store_state(self, changes: Changes, row: ServeStateRow, cause: Cause | None) -> bool:
-        """The one writer of a serve's recorded state: `row` goes into `changes` (committed
-        with the reservation change and the event beside it, in one transaction) when
-        gpud.core.states allows the change from the serve's decided state because of `cause`;
-        else it is refused, logged, and not stored (the rest of `changes` is). Callers hold the
-        lock. `cause` None (a caller that names none: gpud's own writers all do) allows what
-        some cause allows."""
-        prev = self._decided_states.get(row.serve)
-        if prev is None and row.serve in self._records:
-            prev = self._records[row.serve].state
+    def _store_state(self, changes: Changes, row: ServeStateRow | Reported,
+                     cause: Cause | None = None, *, after: Ledger | None = None) -> None:
+        """The one writer of a serve's recorded state. A report (`Reported`) is stepped on the
+        serve's record (gpud.core.serverecord.step: its state decided, with the reservation it
+        holds once `after`, the ledger the change makes, is committed); a row names its state
+        outright, changed because of `cause` (None: what some cause allows). The state goes into
+        `changes`, committed with the reservation change and the event beside it in one
+        transaction. A change the rule refuses is logged and raises StateRefused: the caller
+        submits nothing of `changes`. Callers hold the lock."""
+        serve = row.serve
+        prev = self._decided_states.get(serve)
+        if prev is None and serve in self._records:
+            prev = self._records[serve].state
+        if isinstance(row, Reported):
+            res = (after or self._decided).reservations.get(serve)
+            record = Record(prev, holds=res is not None, external=bool(res and res.external),
+                           configured=serve in self.config.serves)
+            stepped = step(record, row.report)
+            if isinstance(stepped, StateRefusal):
+                self._refuse_state(serve, stepped)
+            stores = [e.state for e in stepped.effects if isinstance(e, StoreState)]
+            if stores:
+                changes.states.append(self.state_row(serve, stores[-1], row.reason))
+            return
         decided = record_state(prev, row.state, cause)
         if isinstance(decided, StateRefusal):
-            log.warning("%s: state not stored: %s", row.serve, decided.message, extra={
-                "journal": {"GPUD_SERVE": row.serve, "GPUD_STATE_FROM": prev or "",
-                            "GPUD_STATE_TO": row.state, "GPUD_CAUSE": decided.cause}})
-            return False
+            self._refuse_state(serve, decided)
         changes.states.append(row)
-        return True
+
+    def _refuse_state(self, serve: str, refusal: StateRefusal) -> NoReturn:
+        log.warning("%s: change refused: %s", serve, refusal.message, extra={
+            "journal": {"GPUD_SERVE": serve, "GPUD_STATE_FROM": refusal.prev or "",
+                        "GPUD_STATE_TO": refusal.next, "GPUD_CAUSE": refusal.cause or ""}})
+        raise StateRefused(f"serve {serve!r}: {refusal.message}",
+                           {"serve": serve, "state": refusal.prev, "next": refusal.next,
+                            "cause": refusal.cause})
+
+    def report(self, serve: str, happened: Happened, reason: str | None = None, *,
+               back_to: ServeState | None = None) -> Reported:
+        """What happened to `serve`, for `record`: its state is decided by its one step."""
+        return Reported(serve, Report(happened, back_to), reason)
 
     def _remember(self, serve: str, state: ServeState, reason: str | None,
                   updated: float) -> None:
@@ -709,16 +753,19 @@ class LedgerService:
                     event: tuple[EventKind, str, dict[str, Any]] | None = None,
                     shrink: bool = False, state_reason: str | None = None,
                     meta: dict[str, str | None] | None = None,
-                    cause: Cause = Cause.ADMIT) -> Admission:
-        """Reserve `mib` for `serve` (its own reservation replaced), with its new `state` (changed
-        because of `cause`) and the event in the same transaction. `shrink` (a serve put to
+                    cause: Cause = Cause.ADMIT,
+                    happened: Happened = Happened.ADMITTED) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new state (what
+        `happened` leads to: gpud.core.serverecord; or `state`, named outright because of
+        `cause`: tests and tools) and the event in the same transaction. `shrink` (a serve put to
         sleep) is decided on the ledger bound alone and never refused for a smaller reservation;
         `event` replaces the "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
             decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
                                          event=event, shrink=shrink,
-                                         state_reason=state_reason, meta=meta, cause=cause)
+                                         state_reason=state_reason, meta=meta, cause=cause,
+                                         happened=happened)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
         if isinstance(admission, Denied):
@@ -730,7 +777,8 @@ class LedgerService:
                       event: tuple[EventKind, str, dict[str, Any]] | None = None,
                       shrink: bool = False, state_reason: str | None = None,
                       meta: dict[str, str | None] | None = None,
-                      cause: Cause = Cause.ADMIT) -> tuple[Admission | Denied,
+                      cause: Cause = Cause.ADMIT,
+                      happened: Happened = Happened.ADMITTED) -> tuple[Admission | Denied,
                                                      asyncio.Future[list[Event]]]:
         roles, external = self.serve_roles(serve, role)
         role_name = roles[0]
@@ -740,29 +788,27 @@ class LedgerService:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
             why = self.held(name, serve)
             if why is not None:
-                return self._deny_on_lost_device(serve, name, mib, uid, why, bound="held")
+                return self._deny_on_lost_device(serve, name, mib, uid, why,
+                                                 bound=DenialBound.HELD)
         physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
                                                                                      serve)
         outcome = self._decided.decide(
             serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
-        held = self._decided.reservations.get(serve)
-        if shrink and isinstance(outcome, Denial) and held is not None and mib <= held.mib:
+        holding = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and holding is not None and mib <= holding.mib:
             # A shrink makes no role fuller: on a role over-committed by adopted units it is
             # made all the same (the ledger bound would refuse any size there).
-            res = Reservation(serve, role_name, mib, held.since, uid, external, roles[1:])
+            res = Reservation(serve, role_name, mib, holding.since, uid, external, roles[1:])
             after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
             shrunk = tuple(after.figures(name) for name in roles)
-            outcome = after, Admission(res, held.mib, shrunk[0], "ledger", note, shrunk[1:])
+            outcome = after, Admission(res, holding.mib, shrunk[0], "ledger", note, shrunk[1:])
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
                                             "note": note}), done
         ledger, admission = outcome
-        current = self._decided_state(serve)
-        new_state = state or (EXTERNAL if external else
-                              current if current in LIVE_STATES else ADMITTED)
         figures = admission.figures
         verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
         each = " on each" if len(roles) > 1 else ""
@@ -777,7 +823,10 @@ class LedgerService:
             **details,
         )
         changes = Changes(put=[admission.reservation], events=[ev], meta=dict(meta or {}))
-        self._store_state(changes, self.state_row(serve, new_state, state_reason), cause)
+        if state is not None:
+            self._store_state(changes, self.state_row(serve, state, state_reason), cause)
+        else:
+            self._store_state(changes, self.report(serve, happened, state_reason), after=ledger)
         done = self.submit(changes, ledger)
         return admission, done
 
@@ -802,7 +851,7 @@ class LedgerService:
         return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
 
     def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
-                             lost: str, *, bound: str = "device"
+                             lost: str, *, bound: DenialBound = DenialBound.DEVICE
                              ) -> tuple[Denied, asyncio.Future[list[Event]]]:
         """The denial (recorded, with the reason) of an admission on a role whose device is
         lost, or (`bound` "held") on which admissions are held."""
@@ -821,17 +870,10 @@ class LedgerService:
                         shortfall_mib=denial.shortfall_mib,
                         **({"roles": list(roles)} if len(roles) > 1 else {}),
                         **({"lacking": denial.details()["lacking"]} if denial.more else {}))
-        # A serve that is running keeps its state: only its re-admission was refused.
-        # An external name that holds nothing is not remembered as a serve for a failed ask.
-        current = self._decided_state(denial.serve)
-        known = denial.serve in self.config.serves or denial.serve in self._decided.reservations
-        # A serve that holds a reservation keeps its state (and its pending share): only this
-        # re-admission was refused.
-        holds = denial.serve in self._decided.reservations
+        # Whether the serve is shown denied is its step's (a running serve, or one that holds
+        # a reservation, keeps its state; an external name is not remembered for a failed ask).
         changes = Changes(events=self._coalesced(ev))
-        if not (current in LIVE_STATES or not known or holds):
-            self._store_state(changes, self.state_row(denial.serve, DENIED, denial.reason),
-                              Cause.DENY)
+        self._store_state(changes, self.report(denial.serve, Happened.DENIED, denial.reason))
         return self.submit(changes)
 
     # ---- repeated refusals -----------------------------------------------------------------
@@ -885,16 +927,20 @@ class LedgerService:
                       "last_ts": s.last_ts, "window_s": s.window_s})
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
-                      next_state: ServeState = DECLARED, state_reason: str | None = None,
-                      allow_live: bool = False, cause: Cause = Cause.RELEASE) -> Reservation:
-        """Release a reservation, the serve becoming `next_state` because of `cause`. A serve
-        whose process may still hold the memory is refused unless the caller (the supervisor,
-        after stopping it) says otherwise."""
+                      next_state: ServeState | None = None, state_reason: str | None = None,
+                      allow_live: bool = False, cause: Cause = Cause.RELEASE,
+                      happened: Happened = Happened.RELEASED,
+                      back_to: ServeState | None = None) -> Reservation:
+        """Release a reservation, the serve's state what `happened` leads to (gpud.core.
+        serverecord; `back_to` for a rollback; or `next_state` named outright because of
+        `cause`: tests and tools). A serve whose process may still hold the memory is refused
+        unless the caller (the supervisor, after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
             res, done = self._release_locked(serve, uid=uid, reason=reason,
                                              next_state=next_state, state_reason=state_reason,
-                                             allow_live=allow_live, cause=cause)
+                                             allow_live=allow_live, cause=cause,
+                                             happened=happened, back_to=back_to)
         await done
         return res
 
@@ -921,8 +967,10 @@ class LedgerService:
         return res
 
     def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                        next_state: ServeState, state_reason: str | None,
-                        allow_live: bool, cause: Cause = Cause.RELEASE
+                        next_state: ServeState | None, state_reason: str | None,
+                        allow_live: bool, cause: Cause = Cause.RELEASE,
+                        happened: Happened = Happened.RELEASED,
+                        back_to: ServeState | None = None
                         ) -> tuple[Reservation, asyncio.Future[list[Event]]]:
         if serve not in self._decided.reservations:
             if serve in self.config.serves or serve in self._records:
@@ -945,7 +993,11 @@ class LedgerService:
                         serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib, **roles_detail(res))
         changes = Changes(delete=[serve], events=[ev])
-        self._store_state(changes, self.state_row(serve, next_state, state_reason), cause)
+        if next_state is not None:
+            self._store_state(changes, self.state_row(serve, next_state, state_reason), cause)
+        else:
+            self._store_state(changes, self.report(serve, happened, state_reason,
+                                                   back_to=back_to), after=ledger)
         done = self.submit(changes, ledger)
         return res, done
 

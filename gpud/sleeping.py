@@ -32,13 +32,21 @@ from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
-from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles
+from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened, Record, Report, next_state
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vllm_versions import VllmBehaviour, behaviour
-from gpud.core.vocab import RUNNING, SLEEPING, STARTING, EventKind, ServeState, SleepAction, StepKind
+from gpud.core.vocab import (
+    RUNNING,
+    SLEEPING,
+    DenialBound,
+    EventKind,
+    ServeState,
+    SleepAction,
+    StepKind,
+)
 from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
 from gpud.locks import Locks, Rank, Taken
 from gpud.observer import Observer
@@ -75,7 +83,7 @@ def measured_key(serve: str) -> str:
     return f"sleep-measured:{serve}"
 
 
-class Serves(Protocol):
+class SleepSupervisor(Protocol):
     """What the sleep controller and the reconciler ask of the supervisor: the locks (in
     their order, gpud.locks), whether a lifecycle action of a serve is under way, a change of a
     serve's life (gpud.core.lifecycle.step: a sleep or a wake begun and ended), the serves' own
@@ -112,7 +120,7 @@ class Sleeps:
     # tests that run without it).
     traffic: Drainer | None = None
 
-    def __init__(self, serves: Serves, svc: LedgerService, observer: Observer, *,
+    def __init__(self, serves: SleepSupervisor, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
                  graphs: Callable[[str], int | None] = lambda _serve: None) -> None:
@@ -443,7 +451,7 @@ class Sleeps:
                    f"{target} MiB" + (f", {parked} MiB parked in host RAM" if parked else "")
                    + (f"; {drained.line()}" if drained is not None else ""))
         await self.svc.admit(
-            serve, target, uid=uid, state=SLEEPING, cause=Cause.SLEEP, shrink=True,
+            serve, target, uid=uid, happened=Happened.ASLEEP, shrink=True,
             state_reason=f"asleep (level {level}, {why})",
             event=(EventKind.SLEEP, message, {"level": level, "from_mib": res.mib,
                                               "parked_host_mib": parked, "observed_mib": seen,
@@ -512,7 +520,7 @@ class Sleeps:
             EventKind.RESTART, f"{serve}: {reason}; the sleep is not committed, reservation "
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
-            state=self.svc.state_row(serve, STARTING, reason), cause=Cause.RESTART)
+            report=self.svc.report(serve, Happened.RESTARTING, reason))
         self.serves.spawn(self.serves.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
@@ -537,7 +545,7 @@ class Sleeps:
                 f"({parked} MiB) plus the margin ({margin} MiB) need {parked + margin} MiB, "
                 f"MemAvailable is {available} MiB, short {parked + margin - available} MiB "
                 f"{said}",
-                {"serve": serve, "bound": "host-ram", "need_mib": parked + margin,
+                {"serve": serve, "bound": DenialBound.HOST_RAM, "need_mib": parked + margin,
                  "free_mib": available})
 
     async def wake(self, serve: str, uid: int | None, *, locked: bool = False,
@@ -565,11 +573,11 @@ class Sleeps:
             plan: dict[str, Any] | None = None
             if preempt:
                 carried = await self.admit_preempting(serve, awake, uid, locked=True,
-                                                      state=SLEEPING, cause=Cause.WAKE,
+                                                      happened=Happened.WAKE_ADMITTED,
                                                       event=readmit)
                 plan = carried.get("preemption")
             else:
-                await self.svc.admit(serve, awake, uid=uid, state=SLEEPING, cause=Cause.WAKE,
+                await self.svc.admit(serve, awake, uid=uid, happened=Happened.WAKE_ADMITTED,
                                      event=readmit)
             loop = asyncio.get_running_loop()
             began = loop.time()
@@ -586,7 +594,7 @@ class Sleeps:
                     raise
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
-                    await self.svc.admit(serve, asleep, uid=uid, state=SLEEPING, cause=Cause.SLEEP,
+                    await self.svc.admit(serve, asleep, uid=uid, happened=Happened.ASLEEP,
                                          shrink=True,
                                          event=(EventKind.SLEEP, f"{serve} did not wake "
                                                 f"({exc.message}): back to {asleep} MiB",
@@ -601,7 +609,7 @@ class Sleeps:
                 serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1),
                 **({"preemption": plan} if plan else {})),
-                state=self.svc.state_row(serve, RUNNING), cause=Cause.WAKE)
+                report=self.svc.report(serve, Happened.WOKEN))
             await self.svc.put_meta(meta_key(serve), None)
         out: dict[str, Any] = {"mib": awake, "serve_ms": round(took * 1000, 1)}
         if preempt:
@@ -635,7 +643,7 @@ class Sleeps:
                                              res.all_roles))
         return out
 
-    def plan(self, serve: str, mib: int) -> Plan | NoPlan:
+    def plan(self, serve: str, mib: int) -> PreemptPlan | NoPlan:
         """The plan on every role of the serve (victims on any of them; one on several frees
         on each)."""
         spec = self.serves.spec_of(serve)
@@ -661,19 +669,19 @@ class Sleeps:
         try:
             yield
         except Denied as exc:
-            if exc.details.get("bound") == "device":
+            if exc.details.get("bound") == DenialBound.DEVICE:
                 raise
             would, details = self.what_preemption_would_do(serve, mib)
             raise Denied(exc.message + would, {**exc.details, **details}) from exc
 
     async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
                                dry_run: bool = False, locked: bool = False,
-                               state: ServeState | None = None,
+                               happened: Happened = Happened.ADMITTED,
                                event: tuple[EventKind, str, dict[str, Any]] | None = None,
-                               cause: Cause = Cause.ADMIT) -> dict[str, Any]:
+                               ) -> dict[str, Any]:
         """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
         not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
-        the caller holds `coordination` already. `state`, `event` and `cause` are the admission's
+        the caller holds `coordination` already. `happened` and `event` are the admission's
         (LedgerService.admit): a wake's re-admission keeps the serve sleeping until it is
         awake, its event saying so, with the plan carried out in its details."""
         spec = self.serves.spec_of(serve)
@@ -681,7 +689,7 @@ class Sleeps:
         async def admit(plan: dict[str, Any] | None = None) -> None:
             said = event if event is None or plan is None else (
                 event[0], event[1], {**event[2], "preemption": plan})
-            await self.svc.admit(serve, mib, uid=uid, state=state, event=said, cause=cause)
+            await self.svc.admit(serve, mib, uid=uid, happened=happened, event=said)
 
         async with contextlib.AsyncExitStack() as stack:
             if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
@@ -823,7 +831,16 @@ class Sleeps:
 
     async def adopt(self, serve: str, spec: ServeConfig, recorded: ServeState, *,
                     overdrawn: bool = False) -> ServeState:
-        """The state of a serve found running after a restart, recorded `recorded` (sleeping,
+        """The state a serve found running after a restart takes (`found`, decided by its one
+        step, gpud.core.serverecord)."""
+        state = next_state(Record(recorded), Report(
+            await self.found(serve, spec, recorded, overdrawn=overdrawn)))
+        assert state is not None  # a found-* report always leads to a state
+        return state
+
+    async def found(self, serve: str, spec: ServeConfig, recorded: ServeState, *,
+                    overdrawn: bool = False) -> Happened:
+        """What is found of a serve running after a restart, recorded `recorded` (sleeping,
         or running with a sleep_level), decided by the rule the health check's reconciliation
         follows (gpud.core.reconcile): asleep it stays so, its reservation unchanged (a gpud
         stopped between vLLM's sleep and the shrink kept the full one: more than it holds,
@@ -840,17 +857,17 @@ class Sleeps:
         if decision is Reconcile.SHOW_ASLEEP:
             log.warning("%s is asleep though recorded running: adopted asleep at its "
                         "reservation", serve)
-            return SLEEPING
+            return Happened.FOUND_ASLEEP
         if decision is Reconcile.AGREE:
-            return RUNNING if recorded == RUNNING else SLEEPING
+            return Happened.FOUND_AS_RECORDED
         if decision is not Reconcile.ADMIT_AWAKE:
             log.warning("%s was asleep when gpud stopped and is awake (is_sleeping %s), but "
                         "its %d MiB awake do not fit: adopted asleep; the first health check "
                         "%s", serve, asleep, awake,
                         "stops it" if decision is Reconcile.STOP else "puts it back to sleep")
-            return SLEEPING
+            return Happened.FOUND_ASLEEP
         log.warning("%s was asleep when gpud stopped and says is_sleeping %s: adopted as "
                     "awake at %d MiB", serve, asleep, awake)
         await self.svc.adopt(serve, spec.all_roles, awake)
         await self.svc.put_meta(meta_key(serve), None)
-        return STARTING
+        return Happened.FOUND_AWAKE

@@ -62,7 +62,7 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.errors import AuthError, DBusError, InvalidAddressError
 
 from gpud.core.unitstate import UnitState
-from gpud.core.vocab import serve_of_unit
+from gpud.core.vocab import UnitActiveState, serve_of_unit
 from gpud.errors import (
     BadRequest,
     Conflict,
@@ -475,7 +475,7 @@ class SystemdUnits:
         paths = {
             name: path
             for name, _desc, load, active, _sub, _following, path, *_job in units
-            if serve_of_unit(name) and not (load == "not-found" and active == "inactive")
+            if serve_of_unit(name) and not (load == "not-found" and active == UnitActiveState.INACTIVE)
         }
         states = await asyncio.gather(*(self._fetch(unit, path) for unit, path in paths.items()))
         return sorted((s for s in states if s is not None), key=lambda s: s.unit)

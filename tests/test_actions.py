@@ -22,9 +22,8 @@ from gpud.core.actions import (
     undo_in_reverse,
 )
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget
-from gpud.core.plan import Plan, make_plan
-from gpud.core.preempt import Candidate, plan_preemption
-from gpud.core.preempt import Plan as PreemptPlan
+from gpud.core.plan import RebalancePlan, make_plan
+from gpud.core.preempt import Candidate, PreemptPlan, plan_preemption
 from gpud.core.transition import Refusal, transition
 from gpud.core.vocab import LIVE_STATES
 from gpud.ctl.format import format_plan
@@ -51,7 +50,7 @@ def held_by(cfg: Config, states: dict[str, str]) -> list[Reservation]:
             for i, n in enumerate(sorted(states)) if states[n] in ("running", "admitted")]
 
 
-def plan_of(old: Config, new: Config, states: dict[str, str]) -> Plan:
+def plan_of(old: Config, new: Config, states: dict[str, str]) -> RebalancePlan:
     ledger = Ledger.build(budgets(old), held_by(old, states))
     return make_plan(old=old, new=new, ledger=ledger, new_budgets=budgets(new), states=states,
                      totals={"0": 20000, "1": 8000}, source="t")

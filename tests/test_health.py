@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpud import ports
-from gpud.core.health import Answer, Probe, Verdict, healthy_at_start, judge_running
+from gpud.core.health import Answer, HealthVerdict, Probe, healthy_at_start, judge_running
 
 OK = Answer(Probe.OK, "200")
 REFUSED = Answer(Probe.REFUSED, "cannot connect (Connection refused)")
@@ -19,25 +19,25 @@ FOREIGN = Answer(Probe.FOREIGN, "port 1 is held by PID 7 (x.service), not by the
 
 
 @pytest.mark.parametrize(("answer", "failures", "vllm", "verdict"), [
-    (OK, 2, True, Verdict(0, None)),
-    (OK, 2, False, Verdict(0, None)),
+    (OK, 2, True, HealthVerdict(0, None)),
+    (OK, 2, False, HealthVerdict(0, None)),
     # vLLM answers 503 only once its engine is dead (it exits within ~5 s): at once a verdict
-    (DEAD, 0, True, Verdict(1, "unhealthy: engine died (/health answered 503 after the serve "
+    (DEAD, 0, True, HealthVerdict(1, "unhealthy: engine died (/health answered 503 after the serve "
                                "was healthy)")),
     # a serve given by `command` may 503 for a moment: counted like any failure
-    (DEAD, 0, False, Verdict(1, None)),
-    (DEAD, 2, False, Verdict(3, "unhealthy: 3 health checks in a row failed on /health "
+    (DEAD, 0, False, HealthVerdict(1, None)),
+    (DEAD, 2, False, HealthVerdict(3, "unhealthy: 3 health checks in a row failed on /health "
                                 "(last: 503)")),
-    (REFUSED, 0, True, Verdict(1, None)),
-    (REFUSED, 2, True, Verdict(3, "unhealthy: 3 health checks in a row failed on /health "
+    (REFUSED, 0, True, HealthVerdict(1, None)),
+    (REFUSED, 2, True, HealthVerdict(3, "unhealthy: 3 health checks in a row failed on /health "
                                   "(last: cannot connect (Connection refused))")),
-    (TIMEOUT, 1, False, Verdict(2, None)),
+    (TIMEOUT, 1, False, HealthVerdict(2, None)),
     # a 200 from someone else's socket is no health at all
-    (FOREIGN, 2, False, Verdict(3, "unhealthy: 3 health checks in a row failed on /health "
+    (FOREIGN, 2, False, HealthVerdict(3, "unhealthy: 3 health checks in a row failed on /health "
                                    "(last: port 1 is held by PID 7 (x.service), not by the "
                                    "serve's unit)")),
 ])
-def test_judge_running(answer: Answer, failures: int, vllm: bool, verdict: Verdict) -> None:
+def test_judge_running(answer: Answer, failures: int, vllm: bool, verdict: HealthVerdict) -> None:
     assert judge_running(answer, failures, 3, vllm=vllm, health_path="/health") == verdict
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from gpud.config import Config
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.plan import Plan, make_plan
+from gpud.core.plan import RebalancePlan, make_plan
 
 
 def config(roles: dict[str, tuple[int, int]], serves: dict[str, dict[str, Any]]) -> Config:
@@ -38,7 +38,7 @@ STATES = {"run": "running", "idle": "admitted", "gone": "admitted", "mover": "ru
 
 
 def plan(new: Config, states: dict[str, str] | None = None,
-         totals: dict[str, int | None] | None = None) -> Plan:
+         totals: dict[str, int | None] | None = None) -> RebalancePlan:
     ledger = Ledger.build(budgets(OLD), HELD)
     return make_plan(old=OLD, new=new, ledger=ledger, new_budgets=budgets(new),
                      states=STATES if states is None else states,
@@ -55,7 +55,7 @@ NEW = config(ROLES, {
 })
 
 
-def by_name(p: Plan) -> dict[str, Any]:
+def by_name(p: RebalancePlan) -> dict[str, Any]:
     return {s.name: s for s in p.serves}
 
 
@@ -174,7 +174,7 @@ STAYING_STATES = {"res-big": "declared", "res-run": "running", "nr-run": "runnin
                   "nr-held-denied": "denied"}
 
 
-def staying_plan(new: Config) -> Plan:
+def staying_plan(new: Config) -> RebalancePlan:
     return make_plan(old=STAYING, new=new, ledger=Ledger.build(budgets(STAYING), STAYING_HELD),
                      new_budgets=budgets(new), states=STAYING_STATES, totals={"0": 20000},
                      source="t")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpud.config import Config, parse_config
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
-from gpud.core.plan import Plan, make_plan
+from gpud.core.plan import RebalancePlan, make_plan
 from gpud.core.transition import Refusal, Transition, transition, violations
 from gpud.ctl.format import format_plan
 from gpud.service import resolve_budgets
@@ -43,7 +43,7 @@ def world() -> tuple[Config, Ledger, dict[str, str]]:
     return cfg, ledger, {"small": "sleeping", "big": "running"}
 
 
-def plan_to(text: str) -> Plan:
+def plan_to(text: str) -> RebalancePlan:
     old, ledger, states = world()
     new = parse_config(text, "new")
     return make_plan(old=old, new=new, ledger=ledger,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpud.core import preempt
-from gpud.core.preempt import Candidate, NoPlan, Plan, plan_on_roles, plan_preemption
+from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles, plan_preemption
 
 
 def c(serve: str, priority: int, held: int, action: str = "sleep", keeps: int = 0) -> Candidate:
@@ -36,7 +36,7 @@ def c(serve: str, priority: int, held: int, action: str = "sleep", keeps: int = 
 ])
 def test_plans(need: int, free: int, cands: list[Candidate], victims: list[str]) -> None:
     plan = plan_preemption("hi", 10, need, free, cands)
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert [s.serve for s in plan.steps] == victims
     assert plan.free_after_mib >= need
     lines = plan.lines()
@@ -66,7 +66,7 @@ def test_the_serve_itself_and_nothing_to_free_are_not_victims() -> None:
 def test_steps_undo_and_json() -> None:
     plan = plan_preemption("hi", 10, 9000, 0, [c("a", 60, 5000, keeps=500), c("b", 70, 5000,
                                                                                "stop")])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert [(s.serve, s.action, s.undo) for s in plan.steps] == [("b", "stop", "start"),
                                                                  ("a", "sleep", "wake")]
     assert plan.to_json()["free_after_mib"] == 9500
@@ -119,7 +119,7 @@ def test_on_several_roles_victims_on_each_role_are_taken() -> None:
     # hi needs 6000 on a and on b: short 4000 on a, 5000 on b; lo-a is only on a, lo-b only on b
     plan = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
                          [cr("lo-a", 50, 5000, ("a",)), cr("lo-b", 60, 5000, ("b",))])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert sorted(s.serve for s in plan.steps) == ["lo-a", "lo-b"]
     assert {r.role: r.free_after_mib for r in plan.roles} == {"a": 7000, "b": 6000}
     assert plan.free_after_mib == 6000 and plan.free_mib == 1000
@@ -131,7 +131,7 @@ def test_a_victim_on_both_roles_frees_on_each_and_is_fewest() -> None:
     plan = plan_on_roles("hi", 10, 6000, {"a": 2000, "b": 1000},
                          [cr("lo-a", 90, 5000, ("a",)), cr("lo-b", 90, 5000, ("b",)),
                           cr("tp", 50, 5000, ("a", "b"), keeps=0)])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert [(s.serve, s.roles) for s in plan.steps] == [("tp", ("a", "b"))]
     assert "on each of a, b" in plan.steps[0].line()
 
@@ -146,7 +146,7 @@ def test_a_role_no_preemption_can_help_is_named() -> None:
 
 def test_on_several_roles_that_fit_nothing_to_do() -> None:
     plan = plan_on_roles("hi", 10, 1000, {"a": 2000, "b": 1000}, [cr("lo", 50, 5000, ("a",))])
-    assert isinstance(plan, Plan) and plan.steps == ()
+    assert isinstance(plan, PreemptPlan) and plan.steps == ()
 
 
 role_candidates = st.lists(
@@ -212,7 +212,7 @@ def _crowd(seed: int, n: int = 64) -> tuple[list[Candidate], int]:
 def test_a_crowd_on_two_roles_gets_a_plan_within_the_search_budget(seed: int) -> None:
     cands, need = _crowd(seed)
     out = plan_on_roles("hi", 1, need, {"a": 0, "b": 0}, cands)
-    assert isinstance(out, Plan)
+    assert isinstance(out, PreemptPlan)
     chosen = [c for c in cands if c.serve in {s.serve for s in out.steps}]
     for role in ("a", "b"):
         assert sum(c.frees_mib for c in chosen if c.on(role)) >= need
@@ -256,7 +256,7 @@ def test_a_candidate_frees_what_it_does_not_keep_and_never_less_than_nothing() -
 def test_a_step_and_a_plan_say_what_they_do() -> None:
     plan = plan_preemption("hi", 10, 9000, 1000, [c("a", 60, 5000, keeps=500),
                                                    c("b", 70, 4000, "stop")])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert plan.lines() == [
         "preempt for hi (priority 10): need 9000 MiB, free 1000 MiB, short 8000 MiB",
         "  1. stop b (priority 70): frees 4000 MiB; undo: start",
@@ -284,7 +284,7 @@ def test_what_frees_nothing_or_is_not_of_lower_priority_is_no_victim() -> None:
     assert isinstance(out, NoPlan) and "(a) free 1000 MiB together" in out.reason
     # one MiB freed is one MiB
     plan = plan_preemption("hi", 10, 2000, 1999, [c("tiny", 90, 1)])
-    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["tiny"]
+    assert isinstance(plan, PreemptPlan) and [s.serve for s in plan.steps] == ["tiny"]
 
 
 def test_on_several_roles_the_need_and_the_roles_are_checked() -> None:
@@ -298,7 +298,7 @@ def test_on_one_role_a_plan_on_roles_is_the_single_role_plan() -> None:
     cands = [cr("lo", 50, 5000, ("a",)), cr("elsewhere", 90, 5000, ("b",))]
     plan = plan_on_roles("hi", 10, 6000, {"a": 2000}, cands)
     assert plan == plan_preemption("hi", 10, 6000, 2000, cands[:1])
-    assert isinstance(plan, Plan) and plan.roles == () and "roles" not in plan.to_json()
+    assert isinstance(plan, PreemptPlan) and plan.roles == () and "roles" not in plan.to_json()
 
 
 def test_on_several_roles_what_frees_nothing_is_not_named() -> None:
@@ -317,7 +317,7 @@ def test_on_several_roles_what_frees_nothing_is_not_named() -> None:
 
 def test_on_several_roles_one_mib_freed_is_one_mib() -> None:
     plan = plan_on_roles("hi", 10, 1000, {"a": 999, "b": 1000}, [cr("tiny", 90, 1, ("a",))])
-    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["tiny"]
+    assert isinstance(plan, PreemptPlan) and [s.serve for s in plan.steps] == ["tiny"]
 
 
 def test_a_victim_on_other_roles_frees_nothing_on_this_one() -> None:
@@ -325,7 +325,7 @@ def test_a_victim_on_other_roles_frees_nothing_on_this_one() -> None:
     plan = plan_on_roles("hi", 10, 1000, {"a": 0, "b": 0},
                          [cr("x", 90, 1000, ("a",)), cr("lo", 80, 999, ("b",)),
                           cr("big", 70, 1000, ("b",))])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert [s.serve for s in plan.steps] == ["x", "big"]
 
 
@@ -333,14 +333,14 @@ def test_the_exact_search_finds_fewer_victims_than_the_greedy_cover() -> None:
     cands = [cr("s0", 13, 12, ("y",)), cr("s1", 10, 8, ("x",)), cr("s2", 11, 5, ("x", "y")),
              cr("s3", 12, 2, ("x", "y"))]
     plan = plan_on_roles("hi", 1, 8, {"x": 0, "y": 2}, cands)
-    assert isinstance(plan, Plan) and [s.serve for s in plan.steps] == ["s0", "s1"]
+    assert isinstance(plan, PreemptPlan) and [s.serve for s in plan.steps] == ["s0", "s1"]
     old = preempt.SEARCH_BUDGET
     preempt.SEARCH_BUDGET = 0
     try:
         greedy = plan_on_roles("hi", 1, 8, {"x": 0, "y": 2}, cands)
     finally:
         preempt.SEARCH_BUDGET = old
-    assert isinstance(greedy, Plan) and len(greedy.steps) == 3
+    assert isinstance(greedy, PreemptPlan) and len(greedy.steps) == 3
 
 
 def _g(serve: str, frees: int, roles: str) -> Candidate:
@@ -375,7 +375,7 @@ def test_the_greedy_cover_picks_by_what_is_still_lacking(
 
 def test_a_plan_that_fits_already_says_so() -> None:
     plan = plan_on_roles("hi", 10, 1000, {"r": 3807}, [])
-    assert isinstance(plan, Plan) and not plan.steps
+    assert isinstance(plan, PreemptPlan) and not plan.steps
     assert plan.lines()[0] == ("preempt for hi (priority 10): need 1000 MiB, free 3807 MiB, it "
                                "fits already: nothing to preempt")
 
@@ -388,7 +388,7 @@ def test_a_wake_is_planned_as_a_start_is() -> None:
     free = 807 + 800
     plan = plan_on_roles("od1", 30, 16000, {"r": free},
                          [c("od2", 40, 16000, keeps=800), c("resident", 10, 8000, keeps=500)])
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PreemptPlan)
     assert [(s.serve, str(s.action)) for s in plan.steps] == [("od2", "sleep")]
     assert plan.free_after_mib == free + 15200 >= 16000
     # the same plan a start of od1 from nothing would be made with, at the same free figure

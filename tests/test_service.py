@@ -34,7 +34,7 @@ from gpud.core.vocab import (
 )
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.observer import Observer
-from gpud.service import LedgerService, prune_batch, resolve_budgets
+from gpud.service import LedgerService, StateRefused, prune_batch, resolve_budgets
 from gpud.simulation import SimulatedBackend, SimulatedDevice
 from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
 
@@ -448,21 +448,24 @@ async def test_an_explicit_state_is_taken(world: World) -> None:
     assert stored_states(svc) == {"a": STARTING}
 
 
-async def test_a_state_change_the_rule_refuses_is_logged_and_not_stored(
+async def test_a_state_change_the_rule_refuses_fails_the_whole_change(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
     """The one writer asks gpud.core.states: a health answer does not make an admitted serve
-    (never started) running. The event is stored, the state is not, and the journal names the
-    serve, both states and the cause."""
+    (never started) running. The change is refused whole (the event is not stored either),
+    raised to the caller, and the journal names the serve, both states and the cause. (It was
+    logged and the rest committed: issue 45's bug.)"""
     svc = world.service()
     await svc.admit("a", 300)
-    with caplog.at_level(logging.WARNING, logger="gpud"):
-        ev = await svc.record(svc.event("healthy", "a: healthy", serve="a"),
-                              state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
-    assert ev.id is not None
+    with caplog.at_level(logging.WARNING, logger="gpud"), pytest.raises(StateRefused) as err:
+        await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+                         state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
+    assert err.value.details == {"serve": "a", "state": ADMITTED, "next": RUNNING,
+                                 "cause": Cause.HEALTHY}
+    assert await svc.events(EventQuery(kinds=["healthy"])) == []
     assert svc.state_of("a") == ADMITTED
     assert stored_states(svc) == {"a": ADMITTED}
-    [line] = [r.getMessage() for r in caplog.records if "state not stored" in r.getMessage()]
-    assert line == ("a: state not stored: admitted -> running (healthy) refused: healthy does "
+    [line] = [r.getMessage() for r in caplog.records if "change refused" in r.getMessage()]
+    assert line == ("a: change refused: admitted -> running (healthy) refused: healthy does "
                     "not apply to a serve that is admitted")
     # the same change for a cause that allows it is stored
     await svc.record(svc.event("start", "a: started", serve="a"),
@@ -472,18 +475,22 @@ async def test_a_state_change_the_rule_refuses_is_logged_and_not_stored(
     assert stored_states(svc) == {"a": RUNNING}
 
 
-async def test_a_refused_state_leaves_the_reservation_change_beside_it(world: World) -> None:
+async def test_a_refused_state_fails_the_reservation_change_beside_it(world: World) -> None:
     """An admission whose state the rule refuses (a serve never launched cannot be put to
-    sleep) still reserves; a release that asks for a state its cause does not lead to still
-    releases: only the state is not stored."""
+    sleep) reserves nothing; a release that asks for a state its cause does not lead to
+    releases nothing: reservation, event and state are one change. (Both went through, the
+    state alone not stored, leaving a serve released but shown admitted: issue 45's bug.)"""
     svc = world.service()
-    await svc.admit("a", 300, state=SLEEPING, cause=Cause.SLEEP)
-    assert held(svc) == {"a": 300}
+    with pytest.raises(StateRefused):
+        await svc.admit("a", 300, state=SLEEPING, cause=Cause.SLEEP)
+    assert held(svc) == {}
     assert stored_states(svc) == {}
     await svc.admit("b", 200)
-    await svc.release("b", next_state=RUNNING, cause=Cause.RELEASE)
-    assert "b" not in held(svc)
+    with pytest.raises(StateRefused):
+        await svc.release("b", next_state=RUNNING, cause=Cause.RELEASE)
+    assert held(svc) == {"b": 200}
     assert stored_states(svc) == {"b": ADMITTED}
+    assert [e.kind for e in await svc.events(EventQuery(serves=["b"]))] == ["admit"]
 
 
 async def test_a_denial_is_recorded_and_marks_a_configured_serve_denied(world: World) -> None:

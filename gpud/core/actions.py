@@ -140,8 +140,8 @@ def _mib(value: int | None) -> str:
 RESTORE = Action(StepKind.RESTORE, "old", rollback=True)
 
 
-class Plan(Protocol):
-    """What of a rebalance plan (gpud.core.plan.Plan, whose answer lists these steps) the
+class PlanSteps(Protocol):
+    """What of a rebalance plan (gpud.core.plan.RebalancePlan, whose answer lists these steps) the
     steps are read from."""
 
     @property
@@ -185,12 +185,12 @@ def _serve_action(kind: Kind, change: ServeChange) -> Action:
     return Action(kind, under, change.name, change.mib_before, change.mib_after, undo=undo)
 
 
-def stop_first(plan: Plan) -> list[ServeChange]:
+def stop_first(plan: PlanSteps) -> list[ServeChange]:
     changes = {c.name: c for c in plan.serves}
     return [changes[n] for n in plan.stop_first]
 
 
-def release_first(plan: Plan) -> list[ServeChange]:
+def release_first(plan: PlanSteps) -> list[ServeChange]:
     """Serves that hold a reservation without running and leave the config or their role: the
     transition releases them (gpud.core.transition), here a step of its own, with its undo."""
     changes = {c.name: c for c in plan.serves}
@@ -206,14 +206,14 @@ def resized(change: ServeChange) -> bool:
             and change.role_before == change.role_after)
 
 
-def restarts(plan: Plan) -> list[ServeChange]:
+def restarts(plan: PlanSteps) -> list[ServeChange]:
     """Restarts and resizes after the reload, shrinking before growing (then by name)."""
     first = set(plan.stop_first) | set(plan.release_first)
     return sorted((c for c in plan.serves if (c.restart or resized(c)) and c.name not in first),
                   key=lambda c: ((c.mib_after or 0) - (c.mib_before or 0), c.name))
 
 
-def starts(plan: Plan) -> list[ServeChange]:
+def starts(plan: PlanSteps) -> list[ServeChange]:
     """Starts after the restarts, in the new config's priority order: resident serves admitted
     that do not run yet, and serves that moved to another role. A serve that is not resident and
     holds an admission only (gpuctl admit) stays admitted: an apply does not start it."""
@@ -226,7 +226,7 @@ def starts(plan: Plan) -> list[ServeChange]:
     return sorted(chosen, key=lambda c: order[c.name])
 
 
-def actions(plan: Plan) -> list[Action]:
+def actions(plan: PlanSteps) -> list[Action]:
     """The apply of `plan`, step by step (the plan must be ok: nothing blocked, the resident
     set fits)."""
     steps = [Action(StepKind.BACKUP, "old")]
@@ -252,7 +252,7 @@ def undo_in_reverse(done: Sequence[Action]) -> list[Action]:
     return [a.undo for a in reversed(done) if a.undo is not None]
 
 
-def preemption(plan: preempt.Plan) -> list[Action]:
+def preemption(plan: preempt.PreemptPlan) -> list[Action]:
     """The steps of a preemption (gpud.core.preempt), in its order: each serve put to sleep or
     stopped, its undo a wake or a start. Undone latest first (`undo_in_reverse`)."""
     return [Action(StepKind(s.action), "new", s.serve,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from gpud.core.vocab import ADMITTED, FAILED, STARTING
+from gpud.core.vocab import ADMITTED, FAILED, STARTING, DenialBound
 from gpud.errors import Denied, Unavailable
 
 # After a refusal, the next try of the same serve no sooner than this.
@@ -71,7 +71,7 @@ TEXT: Final[Mapping[Why, str]] = {
 }
 
 # Bounds of a denial that say the device or gpud cannot take anything now (not a shortfall).
-_NOT_MEMORY_BOUNDS: Final = frozenset({"device", "held"})
+_NOT_MEMORY_BOUNDS: Final = frozenset({DenialBound.DEVICE, DenialBound.HELD})
 
 
 @dataclass(frozen=True, slots=True)

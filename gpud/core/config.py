@@ -309,7 +309,7 @@ class ServeConfig(_Model):
         return self
 
 
-class SimulatedDevice(_Model):
+class SimulatedDeviceConfig(_Model):
     uuid: str = Field(min_length=1)
     total_mib: int = Field(gt=0, le=MAX_MIB)
     index: int | None = Field(default=None, ge=0)
@@ -322,7 +322,7 @@ class SimulatedDevice(_Model):
 
 class SimulationConfig(_Model):
     state_file: str = "/run/gpud/sim.json"
-    devices: list[SimulatedDevice] = Field(min_length=1)
+    devices: list[SimulatedDeviceConfig] = Field(min_length=1)
 
 
 DEFAULT_QUEUE_TIMEOUT_S = 60

@@ -32,24 +32,24 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class HealthVerdict:
     failures: int              # failed checks in a row, after this one
     unhealthy: str | None      # the reason, once the serve is unhealthy; None while it is not
 
 
 def judge_running(answer: Answer, failures: int, limit: int, *, vllm: bool,
-                  health_path: str) -> Verdict:
+                  health_path: str) -> HealthVerdict:
     """A running serve's check: healthy, one more failure, or unhealthy (with the reason)."""
     if answer.probe is Probe.OK:
-        return Verdict(0, None)
+        return HealthVerdict(0, None)
     count = failures + 1
     if answer.probe is Probe.ENGINE_DEAD and vllm:
-        return Verdict(count, f"unhealthy: engine died ({health_path} answered 503 after the "
+        return HealthVerdict(count, f"unhealthy: engine died ({health_path} answered 503 after the "
                               "serve was healthy)")
     if count >= limit:
-        return Verdict(count, f"unhealthy: {count} health checks in a row failed on "
+        return HealthVerdict(count, f"unhealthy: {count} health checks in a row failed on "
                               f"{health_path} (last: {answer.detail})")
-    return Verdict(count, None)
+    return HealthVerdict(count, None)
 
 
 def healthy_at_start(answer: Answer) -> bool:

@@ -15,7 +15,7 @@ from gpud.core.change import ServeChange as ServeChange
 from gpud.core.config import Config, ServeConfig
 from gpud.core.launch import BootStep, boot_steps, fingerprint
 from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
-from gpud.core.transition import Blocker, Refusal, transition
+from gpud.core.transition import ConfigBlocker, Refusal, transition
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, HOLDING_STATES, SLEEPING, Gone, ServeState
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
@@ -24,14 +24,14 @@ NO_RESTART_FIELDS = frozenset({"resident", "priority", "start_timeout_s"})
 
 
 @dataclass(frozen=True)
-class Plan:
+class RebalancePlan:
     roles: list[tuple[str, RoleFigures | None, RoleFigures | None]]
     serves: list[ServeChange]
     denied: list[Denial]
     source: str
     after: Ledger = field(repr=False)
     # What stands in the way of the change (see gpud.core.transition); empty when nothing does.
-    blocked: tuple[Blocker, ...] = ()
+    blocked: tuple[ConfigBlocker, ...] = ()
     # Live serves that leave the config or move to another role: their units stop first.
     stop_first: tuple[str, ...] = ()
     # Serves that hold a reservation without running and leave the config or their role: their
@@ -99,7 +99,7 @@ def make_plan(
     states: Mapping[str, ServeState],
     totals: Mapping[str, int | None],
     source: str,
-) -> Plan:
+) -> RebalancePlan:
     """What applying `new` would do to `ledger` (held under `old`).
 
     Held reservations of serves that stay are resized to their new vram_mib; those of serves
@@ -117,7 +117,7 @@ def make_plan(
               and all(r in after.roles for r in spec.all_roles)]
     after, denied = after.admit_in_order(wanted, since=0.0)
     # Over-commit left by resized reservations blocks the change: the set does not fit.
-    over = [Blocker(f"roles.{f.role}", f"the resized reservations commit {f.committed_mib} "
+    over = [ConfigBlocker(f"roles.{f.role}", f"the resized reservations commit {f.committed_mib} "
                        f"MiB, over capacity - reserve = {f.capacity_mib - f.reserve_mib} MiB "
                        f"(held: {', '.join(f'{r.serve} {r.mib} MiB' for r in after.on_role(f.role))})")
                for f in after.over_committed()]
@@ -146,9 +146,9 @@ def make_plan(
     decided = transition(old=old, new=new, ledger=ledger, budgets=new_budgets, states=states,
                          may_stop=True)
     if isinstance(decided, Refusal):
-        return Plan(roles, changes, denied, source, after,
+        return RebalancePlan(roles, changes, denied, source, after,
                     blocked=decided.blockers + tuple(over), boot=boot)
-    return Plan(roles, changes, denied, source, after, blocked=tuple(over),
+    return RebalancePlan(roles, changes, denied, source, after, blocked=tuple(over),
                 stop_first=decided.stop, release_first=decided.release, boot=boot)
 
 

@@ -104,7 +104,7 @@ class RoleRoom:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class PreemptPlan:
     serve: str
     priority: int
     need_mib: int
@@ -171,7 +171,7 @@ class NoPlan:
 
 
 def plan_preemption(serve: str, priority: int, need_mib: int, free_mib: int,
-                    candidates: Iterable[Candidate]) -> Plan | NoPlan:
+                    candidates: Iterable[Candidate]) -> PreemptPlan | NoPlan:
     """The fewest serves of lower priority (larger number) whose steps free what `serve` lacks
     (`need_mib - free_mib`), as ordered steps, or why there are none. `free_mib` is what the
     serve would get now (its own reservation, if any, counted back in)."""
@@ -179,7 +179,7 @@ def plan_preemption(serve: str, priority: int, need_mib: int, free_mib: int,
         raise ValueError("need_mib must be positive")
     short = need_mib - free_mib
     if short <= 0:
-        return Plan(serve, priority, need_mib, free_mib, ())
+        return PreemptPlan(serve, priority, need_mib, free_mib, ())
     eligible = [c for c in candidates
                 if c.serve != serve and c.priority > priority and c.frees_mib > 0]
     could = sum(c.frees_mib for c in eligible)
@@ -194,7 +194,7 @@ def plan_preemption(serve: str, priority: int, need_mib: int, free_mib: int,
                       f"{short} MiB are needed", could)
     chosen = _fewest(eligible, short)
     steps = tuple(Step(c.serve, c.sleep_action, c.frees_mib, c.priority) for c in chosen)
-    return Plan(serve, priority, need_mib, free_mib, steps)
+    return PreemptPlan(serve, priority, need_mib, free_mib, steps)
 
 
 def _least_important(c: Candidate) -> tuple[int, int, str]:
@@ -228,7 +228,7 @@ def _fewest(eligible: Sequence[Candidate], short: int) -> list[Candidate]:
 
 
 def plan_on_roles(serve: str, priority: int, need_mib: int, free: Mapping[str, int],
-                  candidates: Iterable[Candidate]) -> Plan | NoPlan:
+                  candidates: Iterable[Candidate]) -> PreemptPlan | NoPlan:
     """The fewest serves of lower priority whose steps make room for `serve` on EVERY role of
     `free` (role -> what the serve would get there now, its own reservation counted back in),
     or why there are none. A candidate frees its `frees_mib` on each of its roles; one on none of
@@ -244,7 +244,7 @@ def plan_on_roles(serve: str, priority: int, need_mib: int, free: Mapping[str, i
     short = {role: need_mib - room for role, room in free.items() if need_mib > room}
     least = min(free.values())
     if not short:
-        return Plan(serve, priority, need_mib, least, (), _rooms(free, ()))
+        return PreemptPlan(serve, priority, need_mib, least, (), _rooms(free, ()))
     eligible = sorted((c for c in candidates
                        if c.serve != serve and c.priority > priority and c.frees_mib > 0
                        and any(c.on(r) for r in short)), key=_least_important)
@@ -260,7 +260,7 @@ def plan_on_roles(serve: str, priority: int, need_mib: int, free: Mapping[str, i
     chosen = _fewest_on_roles(eligible, short)
     steps = tuple(Step(c.serve, c.sleep_action, c.frees_mib, c.priority,
                        tuple(r for r in free if c.on(r))) for c in chosen)
-    return Plan(serve, priority, need_mib, least, steps, _rooms(free, chosen))
+    return PreemptPlan(serve, priority, need_mib, least, steps, _rooms(free, chosen))
 
 
 def _rooms(free: Mapping[str, int], chosen: Sequence[Candidate]) -> tuple[RoleRoom, ...]:
@@ -353,5 +353,5 @@ def _fewest_count(frees: Sequence[int], need: int) -> int:
     return k
 
 
-def _short(plan: Plan) -> str:
+def _short(plan: PreemptPlan) -> str:
     return f"short {plan.need_mib - plan.free_mib} MiB"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Final
 
 from gpud.core.front import idle_action
@@ -116,7 +117,7 @@ def settling(phase: Phase, draining: bool) -> bool:
     return draining or phase in SETTLING_PHASES
 
 
-class Outcome:
+class Outcome(StrEnum):
     """What happened to the requests in flight when a serve was preempted (or idled)."""
 
     NONE = "none"  # nothing was in flight
@@ -136,7 +137,7 @@ class Drain:
     bound_s: float
 
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> Outcome:
         if self.before is None or self.after is None:
             return Outcome.UNKNOWN
         if self.before == 0:

@@ -38,7 +38,7 @@ RESTART_ONLY_KEYS = ("socket", "state_dir")
 
 
 @dataclass(frozen=True, slots=True)
-class Blocker:
+class ConfigBlocker:
     """One thing that stands in the way of a config change."""
 
     what: str  # a serve name, or a config key path
@@ -58,7 +58,7 @@ class Blocker:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    blockers: tuple[Blocker, ...]
+    blockers: tuple[ConfigBlocker, ...]
 
     @property
     def message(self) -> str:
@@ -104,7 +104,7 @@ def transition(
     stop: list[str] = []
     for res in sorted(ledger.reservations.values(), key=lambda r: (r.since, r.serve)):
         fate = _fate(res, old, new, roles, ledger, states, may_stop)
-        if isinstance(fate, Blocker):
+        if isinstance(fate, ConfigBlocker):
             blockers.append(fate)
         elif fate == Fate.KEEP:
             kept[res.serve] = res
@@ -123,20 +123,20 @@ def transition(
     return Transition(after, tuple(release), tuple(stop))
 
 
-def _restart_only(old: Config, new: Config) -> list[Blocker]:
+def _restart_only(old: Config, new: Config) -> list[ConfigBlocker]:
     """[daemon] keys a change cannot switch (read once, at start)."""
-    blockers: list[Blocker] = []
+    blockers: list[ConfigBlocker] = []
     for key in RESTART_ONLY_KEYS:
         before, after = getattr(old.daemon, key), getattr(new.daemon, key)
         if before != after:
-            blockers.append(Blocker(f"daemon.{key}", f"{before!r} -> {after!r} takes effect only "
+            blockers.append(ConfigBlocker(f"daemon.{key}", f"{before!r} -> {after!r} takes effect only "
                                     "when gpud restarts: restart gpud instead"))
     return blockers
 
 
 def _fate(res: Reservation, old: Config, new: Config, roles: Mapping[str, RoleBudget],
           ledger: Ledger, states: Mapping[str, ServeState],
-          may_stop: bool) -> Blocker | Fate:
+          may_stop: bool) -> ConfigBlocker | Fate:
     """What the change does to one reservation: kept, released (its serve not live), its
     serve stopped first (only `may_stop`), or what stands in the way."""
     spec = new.serves.get(res.serve)
@@ -166,23 +166,23 @@ def _fate(res: Reservation, old: Config, new: Config, roles: Mapping[str, RoleBu
 
 
 def _held_without_reservation(new: Config, ledger: Ledger,
-                              states: Mapping[str, ServeState]) -> list[Blocker]:
+                              states: Mapping[str, ServeState]) -> list[ConfigBlocker]:
     """Configured serves that run (or an orphan unit of their name does) with nothing held."""
-    blockers: list[Blocker] = []
+    blockers: list[ConfigBlocker] = []
     for serve, state in sorted(states.items()):
         if serve not in new.serves or serve in ledger.reservations:
             continue
         if state in HOLDING_STATES:
-            blockers.append(Blocker(serve, f"is {state} without a reservation"))
+            blockers.append(ConfigBlocker(serve, f"is {state} without a reservation"))
         elif state == ORPHAN:
-            blockers.append(Blocker(serve, "an orphan unit of that name runs: stop it first "
+            blockers.append(ConfigBlocker(serve, "an orphan unit of that name runs: stop it first "
                                            "(gpuctl stop)"))
     return blockers
 
 
-def _over_committed(after: Ledger, ledger: Ledger) -> list[Blocker]:
+def _over_committed(after: Ledger, ledger: Ledger) -> list[ConfigBlocker]:
     """Roles the change would over-commit, beyond what they already were."""
-    blockers: list[Blocker] = []
+    blockers: list[ConfigBlocker] = []
     for name in sorted(after.roles):
         figures = after.figures(name)
         if figures.free_mib >= 0:
@@ -191,7 +191,7 @@ def _over_committed(after: Ledger, ledger: Ledger) -> list[Blocker]:
                 and figures.free_mib >= ledger.figures(name).free_mib:
             continue  # over-committed already (adopted units), and no worse
         held = ", ".join(f"{r.serve} {r.mib} MiB" for r in after.on_role(name))
-        blockers.append(Blocker(f"roles.{name}", f"committed {figures.committed_mib} MiB would "
+        blockers.append(ConfigBlocker(f"roles.{name}", f"committed {figures.committed_mib} MiB would "
                                 f"exceed capacity - reserve = "
                                 f"{figures.capacity_mib - figures.reserve_mib} MiB (held: {held})"))
     return blockers
@@ -199,7 +199,7 @@ def _over_committed(after: Ledger, ledger: Ledger) -> list[Blocker]:
 
 def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig,
                 roles: Mapping[str, RoleBudget],
-                were: Mapping[str, RoleBudget]) -> list[Blocker]:
+                were: Mapping[str, RoleBudget]) -> list[ConfigBlocker]:
     """A sleeping serve keeps its sleep reservation through a change, and is woken later
     through its sleep endpoints, at the port its process listens on, to the size its process was
     launched with (its vram_mib before the change): a change that takes any of these away would
@@ -224,8 +224,8 @@ def _unwakeable(res: Reservation, before: ServeConfig | None, after: ServeConfig
                           "it (gpuctl wake) or stop it first")]
 
 
-def _blocker(res: Reservation, reason: str) -> Blocker:
-    return Blocker(res.serve, reason, res.roles_text, res.mib)
+def _blocker(res: Reservation, reason: str) -> ConfigBlocker:
+    return ConfigBlocker(res.serve, reason, res.roles_text, res.mib)
 
 
 def violations(config: Config, ledger: Ledger, states: Mapping[str, ServeState], *,

@@ -17,10 +17,12 @@ from gpud.core.vocab import (
     STARTING,
     STOPPING,
     ServeState,
+    UnitActiveState,
 )
 
 # systemd's ActiveState values in which the unit's processes may run.
-ACTIVE = frozenset({"active", "activating", "reloading", "deactivating"})
+ACTIVE = frozenset({UnitActiveState.ACTIVE, UnitActiveState.ACTIVATING,
+                    UnitActiveState.RELOADING, UnitActiveState.DEACTIVATING})
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class UnitState:
     @property
     def ended(self) -> bool:
         """Its process is gone (for good, or until systemd's restart)."""
-        return self.active_state in ("failed", "inactive") or self.sub_state == "auto-restart"
+        return (self.active_state in (UnitActiveState.FAILED, UnitActiveState.INACTIVE)
+                or self.sub_state == "auto-restart")
 
     @property
     def gone(self) -> bool:
@@ -185,7 +188,7 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
                 # (At a host shutdown systemd stops every unit: no operator's choice, and the
                 # resident set must come back at the next boot.)
                 return [*actions, OutsideStop()]
-        if rt.launching and st.active_state == "inactive" and prev is None:
+        if rt.launching and st.active_state == UnitActiveState.INACTIVE and prev is None:
             return actions
         if st.result == "start-limit-hit":
             return [*actions, Fail("crash-loop: systemd's start limit was hit")]
@@ -201,9 +204,9 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
             # come.
             return [*actions, Restarting(st.how, st.invocation_id)]
         return [*actions, Fail(f"exited ({st.how}, result {st.result})")]
-    if st.active_state == "active" and state == STARTING and not rt.launching:
+    if st.active_state == UnitActiveState.ACTIVE and state == STARTING and not rt.launching:
         actions.append(WatchRestart())
-    elif (st.active_state == "active" and state not in LIVE_STATES and state != FAILED
+    elif (st.active_state == UnitActiveState.ACTIVE and state not in LIVE_STATES and state != FAILED
           and not rt.launching and prev is not None and prev.active_state not in ACTIVE):
         actions.append(AdoptOutsideStart())
     return actions

@@ -37,6 +37,32 @@ HOLDING_STATES = frozenset({STARTING, RUNNING, SLEEPING})
 PENDING_STATES = frozenset({ADMITTED, STARTING, SLEEPING})
 
 
+class UnitActiveState(StrEnum):
+    """A systemd unit's ActiveState, as systemd names it (systemd src/basic/unit-def.c,
+    `unit_active_state_table`; the D-Bus property ActiveState carries these strings)."""
+
+    ACTIVE = "active"
+    RELOADING = "reloading"
+    INACTIVE = "inactive"
+    FAILED = "failed"
+    ACTIVATING = "activating"
+    DEACTIVATING = "deactivating"
+    MAINTENANCE = "maintenance"
+    REFRESHING = "refreshing"
+
+
+class DenialBound(StrEnum):
+    """What refused an admission (a denial's `bound`, in its details and event): the ledger's
+    arithmetic, the device's physical free memory, a lost device, admissions held (the
+    invariant, a change under way), the host's RAM a sleep parks memory in."""
+
+    LEDGER = "ledger"
+    PHYSICAL = "physical"
+    DEVICE = "device"
+    HELD = "held"
+    HOST_RAM = "host-ram"
+
+
 class SleepAction(StrEnum):
     """What a preemption does to a serve of lower priority (`serves.NAME.preemptible`)."""
 

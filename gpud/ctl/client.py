@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-    class Answer(Protocol):
+    class DaemonAnswer(Protocol):
         """One answer of the daemon, its status known; the body read on demand."""
 
         status: int
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
         def address(self) -> str: ...
 
         def open(self, method: str, target: str, body: bytes | None,
-                 timeout: float | None) -> Answer:
+                 timeout: float | None) -> DaemonAnswer:
             """Send one request and return its answer with the head read; raises CtlError when
             the daemon cannot be reached or does not answer in time."""
             ...

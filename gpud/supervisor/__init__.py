@@ -40,7 +40,7 @@ from gpud.supervisor.base import (
     OUTSIDE_STOP,
     UNCALIBRATED,
     UNIT_JOB_TIMEOUT_S,
-    Calibrated,
+    CalibrationSource,
     LifeRecord,
     Prober,
     Runtime,
@@ -54,7 +54,7 @@ from gpud.supervisor.watch import UnitWatch
 from gpud.unit_properties import host_home
 from gpud.units import SystemdUnits
 
-__all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "Calibrated", "LifeRecord",
+__all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "LifeRecord",
            "Supervisor", "make_supervisor", "read_exit_lines"]
 
 
@@ -65,7 +65,7 @@ class Supervisor:
                  notify: Callable[[str], None] = lambda _m: None,
                  clock: Callable[[], float] = time.monotonic,
                  journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
-                 calibrated: Calibrated = UNCALIBRATED,
+                 calibrated: CalibrationSource = UNCALIBRATED,
                  home_of: Callable[[str], str | None] = host_home,
                  prober: Prober | None = None,
                  ) -> None:
@@ -202,5 +202,5 @@ class Supervisor:
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None],
-                    calibrated: Calibrated = UNCALIBRATED) -> Supervisor:
+                    calibrated: CalibrationSource = UNCALIBRATED) -> Supervisor:
     return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated)

@@ -25,8 +25,8 @@ from gpud.core.lifecycle import (
     LifeAction,
     RestartsCounted,
     ServeLife,
-    step,
 )
+from gpud.core.serverecord import Record, Stepped, StoreState, step
 from gpud.core.unitstate import (
     ACTIVE,
     UnitState,
@@ -95,7 +95,7 @@ class LifeRecord:
                 and self.stop_done is None)
 
 
-class Calibrated(Protocol):
+class CalibrationSource(Protocol):
     """What calibration says of a serve (gpud.calibration.Calibrator)."""
 
     def sizing_problem(self, serve: str) -> str | None:
@@ -129,7 +129,7 @@ class _Uncalibrated:
         return None
 
 
-UNCALIBRATED: Calibrated = _Uncalibrated()
+UNCALIBRATED: CalibrationSource = _Uncalibrated()
 
 
 class Failing(Protocol):
@@ -173,7 +173,7 @@ class Runtime:
     """What every job of the supervisor shares (made once by Supervisor.__init__)."""
 
     def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
-                 clock: Callable[[], float], calibrated: Calibrated) -> None:
+                 clock: Callable[[], float], calibrated: CalibrationSource) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
@@ -197,13 +197,19 @@ class Runtime:
         rec = self.serves.get(serve)
         return rec.life if rec is not None else IDLE_LIFE
 
-    def record(self, serve: str) -> LifeRecord:
+    def handles(self, serve: str) -> LifeRecord:
+        """The serve's life and the handles of what runs for it (made when first asked)."""
         return self.serves.setdefault(serve, LifeRecord())
 
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
-        """Change the serve's life by `inp` (gpud.core.lifecycle.step); what to do about it."""
-        rec = self.record(serve)
-        rec.life, actions = step(rec.life, inp)
+        """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
+        on the runtime half of its record (a lifecycle input reads and changes no state);
+        what to do about it."""
+        rec = self.handles(serve)
+        stepped = step(Record(life=rec.life), inp)
+        assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
+        rec.life = stepped.serve.life
+        actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
         self.prune(serve)
         for listener in self._life_listeners:
             listener()

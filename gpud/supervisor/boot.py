@@ -13,11 +13,10 @@ from typing import Any
 from gpud import containers
 from gpud.core.launch import start_sharing
 from gpud.core.lifecycle import UnitSeen
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     LIVE_STATES,
-    ORPHAN,
     RUNNING,
     SLEEPING,
     STARTING,
@@ -78,15 +77,15 @@ class BootJob:
                 await self.svc.record(self.svc.event(
                     EventKind.ADOPT, f"{serve}: {reason}: adopted as an orphan ({pid_text(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
-                    orphan=True), state=self.svc.state_row(serve, ORPHAN, reason), cause=Cause.ADOPT)
+                    orphan=True), report=self.svc.report(serve, Happened.FOUND_ORPHAN, reason))
                 self.svc.set_main_pid(serve, st.main_pid or None)
                 continue
             if res is None:
                 await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
-            state = rec_state if rec_state in (RUNNING, STARTING) else STARTING
+            found = Happened.FOUND_ACTIVE
             if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
                 # Asked, not assumed: asleep it keeps its reservation unchanged.
-                state = await self.sleeps.adopt(serve, spec, rec_state,
+                found = await self.sleeps.found(serve, spec, rec_state,
                                                 overdrawn=self.reconciler.overdrawn(serve))
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
@@ -95,17 +94,21 @@ class BootJob:
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
                 # asleep, it keeps the reason it sleeps (who preempted it)
-                state=self.svc.state_row(serve, state, self._sleep_reason(serve, state)),
-                cause=Cause.ADOPT)
-            if state == STARTING:
+                report=self.svc.report(serve, found, self._sleep_reason(serve, found)))
+            if self.svc.state_of(serve) == STARTING:
                 self.rt.spawn(self.health.watch_restart(serve))  # promoted once its health answers
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live:
                 await self.stops.ended(serve, "its unit ended while gpud was not running")
 
-    def _sleep_reason(self, serve: str, state: str) -> str | None:
+    def _sleep_reason(self, serve: str, found: Happened) -> str | None:
+        """The reason a serve found asleep keeps (who put it to sleep, why)."""
         rec = self.svc.records.get(serve)
-        return rec.reason if rec is not None and state == SLEEPING else None
+        if rec is None:
+            return None
+        asleep = found is Happened.FOUND_ASLEEP or (found is Happened.FOUND_AS_RECORDED
+                                                    and rec.state == SLEEPING)
+        return rec.reason if asleep else None
 
     async def boot(self) -> None:
         """Start the resident set: by priority, per device in boot steps (exactly sized serves
@@ -184,7 +187,7 @@ class BootJob:
                 log.log(logging.WARNING if exc.http_status < 500 else logging.ERROR,
                         "boot: %s not started: %s", name, exc.message)
                 continue
-            task = self.rt.record(name).launch_task
+            task = self.rt.handles(name).launch_task
             self.rt.prune(name)
             if task is not None:
                 task.add_done_callback(lambda _t: self.notify(

@@ -26,7 +26,7 @@ from gpud.core.lifecycle import (
     WatchEnded,
     own_listener_trusted,
 )
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     FAILED,
@@ -163,7 +163,7 @@ class HealthJob:
         await self.svc.record(self.svc.event(
             EventKind.HEALTHY, message, serve=serve, role=res.role if res else None,
             mib=res.mib if res else None, recovered=was_failed is not None),
-            state=self.svc.state_row(serve, RUNNING), cause=Cause.HEALTHY)
+            report=self.svc.report(serve, Happened.HEALTHY))
 
     async def _unhealthy(self, serve: str, spec: ServeConfig, reason: str) -> None:
         """A running serve failed its health checks. It is restarted through its unit (counted
@@ -183,8 +183,7 @@ class HealthJob:
             EventKind.UNHEALTHY, f"{serve}: {reason}; restarting it through its unit (reservation kept)",
             serve=serve, role=spec.role, mib=res.mib if res else None,
             reservation="kept (restarting)" if res else "none held"),
-            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}"),
-            cause=Cause.RESTART)
+            report=self.svc.report(serve, Happened.RESTARTING, f"restarting: {reason}"))
         # Its devices are held from the stop of the old process to the health of the new one,
         # as for a start: the new process loads and profiles alone on them.
         async with self.rt.device_locks(serve):
@@ -232,8 +231,8 @@ class HealthJob:
             EventKind.UNHEALTHY, f"{serve}: {reason}; it keeps its full reservation "
             f"({res.mib if res else 0} MiB) and is {what}", serve=serve, role=spec.role,
             mib=res.mib if res else None, wake_failed=True),
-            state=self.svc.state_row(serve, STARTING, f"restarting: {reason}") if restart
-            else None, cause=Cause.RESTART)
+            report=self.svc.report(serve, Happened.RESTARTING, f"restarting: {reason}")
+            if restart else None)
         self.rt.spawn(self._after_failed_wake(serve, spec, reason, restart))
 
     async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,
@@ -273,11 +272,11 @@ class HealthJob:
     def _begin_check(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)
         life = self.rt.life(serve)
-        if self.rt.record(serve).check is not None or life.stopping or spec is None:
+        if self.rt.handles(serve).check is not None or life.stopping or spec is None:
             self.rt.prune(serve)
             return
         task = self.rt.spawn(self._check_one(serve, spec))
-        self.rt.record(serve).check = task
+        self.rt.handles(serve).check = task
         task.add_done_callback(functools.partial(self._check_done, serve))
 
     async def on_observation(self, _obs: Any) -> None:

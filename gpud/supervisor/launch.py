@@ -32,11 +32,12 @@ from gpud.core.lifecycle import (
     UnitStarted,
     start_refused,
 )
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.vocab import (
     LIVE_STATES,
     SLEEPING,
     STARTING,
+    DenialBound,
     EventKind,
 )
 from gpud.errors import Conflict, Denied, GpudError, Unavailable
@@ -103,7 +104,7 @@ class LaunchJob:
                 lost = self.svc.lost_device(role)
                 if lost is not None:
                     raise Denied(f"serve {serve!r} not started: {lost}",
-                                 {"serve": serve, "role": role, "bound": "device"})
+                                 {"serve": serve, "role": role, "bound": DenialBound.DEVICE})
             await self._port_free(serve, spec)
             await self.memory.back_all(serve)
             if held is None and preempt:
@@ -123,7 +124,7 @@ class LaunchJob:
             # the serve's lock is held, and it was free a moment ago: never refused here
             assert not refused, refused
             task = self.rt.spawn(self._launch(serve, uid, unit_spec))
-            self.rt.record(serve).launch_task = task
+            self.rt.handles(serve).launch_task = task
         if wait:
             # Not `await task`: a stop that cancels the launch must not cancel this caller.
             await asyncio.wait({task})
@@ -162,7 +163,7 @@ class LaunchJob:
                     mib=self.svc.ledger.reservations[serve].mib if serve in
                     self.svc.ledger.reservations else None, uid=uid, main_pid=state.main_pid,
                     device_lock="shared" if shared else "exclusive", device_lock_why=why),
-                    state=self.svc.state_row(serve, STARTING), cause=Cause.LAUNCH)
+                    report=self.svc.report(serve, Happened.LAUNCHED))
                 healthy = await self.health.await_healthy(serve, spec, promote=False)
             # Recorded after the device is free: the next start there need not wait on the
             # write (the serve is healthy either way).
@@ -170,7 +171,7 @@ class LaunchJob:
                 await self.health.promote(serve)
         finally:
             self.rt.step(serve, LaunchEnded())
-            rec = self.rt.record(serve)
+            rec = self.rt.handles(serve)
             if rec.launch_task is asyncio.current_task():
                 rec.launch_task = None
             self.rt.prune(serve)

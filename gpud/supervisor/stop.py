@@ -21,13 +21,10 @@ from gpud.core.lifecycle import (
     MemoryLeaving,
     PortChecked,
 )
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import (
-    ADMITTED,
-    DECLARED,
-    FAILED,
     LIVE_STATES,
     ORPHAN,
     SLEEPING,
@@ -141,7 +138,7 @@ class StopJob:
                     EventKind.STOP, f"{serve}: stopping (was {state}{_why(idle_s, drained)})",
                     serve=serve, role=spec.role, mib=res.mib if res else None, uid=uid,
                     **_stop_details(idle_s, drained)),
-                    state=self.svc.state_row(serve, STOPPING), cause=Cause.STOP)
+                    report=self.svc.report(serve, Happened.STOP_BEGUN))
                 failed = await self._stop_its_unit(serve, spec, state)
                 if failed is None:
                     await self.stopped(serve, uid, keep=keep_reservation and not asleep)
@@ -151,8 +148,8 @@ class StopJob:
                         "has not ended: it stays stopping, its reservation held, until the unit "
                         "ends (gpuctl stop tries again)", serve=serve, role=spec.role,
                         mib=res.mib if res else None, uid=uid, ok=False),
-                        state=self.svc.state_row(serve, STOPPING, f"stop failed: {failed.message}"),
-                        cause=Cause.STOP)
+                        report=self.svc.report(serve, Happened.STOP_BEGUN,
+                                               f"stop failed: {failed.message}"))
             finally:
                 self._stop_over(serve)
         if failed is not None:
@@ -165,7 +162,7 @@ class StopJob:
     async def _end_check(self, serve: str) -> None:
         """A health check restarting the serve holds its lock while the new process loads
         (minutes for vLLM): a stop does not wait for that, it ends it."""
-        check = self.rt.record(serve).check
+        check = self.rt.handles(serve).check
         self.rt.prune(serve)
         if check is not None and check is not asyncio.current_task() and not check.done():
             check.cancel()
@@ -176,14 +173,14 @@ class StopJob:
         devices from now on waits for it and for the memory to come back (a serve ignoring
         SIGTERM takes its stop timeout to go)."""
         actions = self.rt.step(serve, JobBegan(Job.STOP))
-        self.rt.record(serve).stop_done = asyncio.Event()
+        self.rt.handles(serve).stop_done = asyncio.Event()
         self.memory.leaving(serve)
         return actions
 
     def _stop_over(self, serve: str) -> None:
         """The stop's job is over, however it ended: the starts waiting on it go on."""
         self.rt.step(serve, JobEnded(Job.STOP))
-        rec = self.rt.record(serve)
+        rec = self.rt.handles(serve)
         done, rec.stop_done = rec.stop_done, None
         self.rt.prune(serve)
         assert done is not None
@@ -192,14 +189,14 @@ class StopJob:
     async def _cancel_launch(self, serve: str) -> None:
         """A launch queued behind another start on the device, or starting, must not go on to
         run a unit whose reservation this stop releases."""
-        launch = self.rt.record(serve).launch_task
+        launch = self.rt.handles(serve).launch_task
         if launch is None or launch.done():
             return
         launch.cancel()
         await asyncio.wait({launch})
         # A launch cancelled before it began never ran its own clean-up.
         self.rt.step(serve, LaunchEnded())
-        rec = self.rt.record(serve)
+        rec = self.rt.handles(serve)
         if rec.launch_task is launch:
             rec.launch_task = None
 
@@ -236,11 +233,11 @@ class StopJob:
         res = self.svc.ledger.reservations.get(serve)
         if res is not None and not keep:
             await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
-                                   next_state=DECLARED, cause=Cause.STOP)
+                                   happened=Happened.STOPPED)
         else:
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: stopped", serve=serve, role=role),
-                state=self.svc.state_row(serve, ADMITTED if res else DECLARED), cause=Cause.STOP)
+                report=self.svc.report(serve, Happened.STOPPED))
         if self.svc.store.meta(meta_key(serve)) is not None:
             await self.svc.put_meta(meta_key(serve), None)
 
@@ -252,7 +249,7 @@ class StopJob:
                 await self.rt.stop_unit(serve, UNIT_JOB_TIMEOUT_S)
                 await self.svc.record(self.svc.event(
                     EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
-                    state=self.svc.state_row(serve, DECLARED), cause=Cause.STOP)
+                    report=self.svc.report(serve, Happened.ORPHAN_ENDED))
             finally:
                 self.rt.step(serve, JobEnded(Job.STOP))
 
@@ -296,12 +293,11 @@ class StopJob:
             # Released before the failure is recorded: the release's own transaction makes the
             # serve failed, so nobody reads it failed while it still holds what it released.
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
-                                   next_state=FAILED, state_reason=reason, cause=Cause.FAIL)
+                                   happened=Happened.FAILED, state_reason=reason)
         await self.svc.record(self.svc.event(
             kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None,
-            reservation=policy, **details), state=self.svc.state_row(serve, FAILED, reason),
-            cause=Cause.FAIL)
+            reservation=policy, **details), report=self.svc.report(serve, Happened.FAILED, reason))
         self.memory.leaving(serve)
 
     async def ended(self, serve: str, reason: str) -> None:
@@ -323,13 +319,11 @@ class StopJob:
             outside=True, exit_status=st.exec_main_status),
             # "stopping" until the release below is committed too: never "declared" while a
             # reservation is still held.
-            state=self.svc.state_row(serve, STOPPING if res is not None and not keep
-                                     else ADMITTED if res else DECLARED, OUTSIDE_STOP),
-            cause=Cause.STOP)
+            report=self.svc.report(serve, Happened.STOP_BEGUN if res is not None and not keep
+                                   else Happened.STOPPED, OUTSIDE_STOP))
         if res is not None and not keep:
             await self.svc.release(serve, reason=OUTSIDE_STOP, allow_live=True,
-                                   next_state=DECLARED, state_reason=OUTSIDE_STOP,
-                                   cause=Cause.STOP)
+                                   happened=Happened.STOPPED, state_reason=OUTSIDE_STOP)
         self.memory.leaving(serve)
         self.rt.step(serve, PortChecked(own=False, pid=0, at=self.rt.clock()))
 

@@ -14,7 +14,7 @@ from gpud.core.lifecycle import (
     UnitChanged,
     UnitGone,
 )
-from gpud.core.states import Cause
+from gpud.core.serverecord import Happened
 from gpud.core.unitstate import (
     ACTIVE,
     AdoptOutsideStart,
@@ -29,7 +29,6 @@ from gpud.core.unitstate import (
     WatchRestart,
 )
 from gpud.core.vocab import (
-    DECLARED,
     FAILED,
     LIVE_STATES,
     STARTING,
@@ -86,8 +85,8 @@ class UnitWatch:
                     EventKind.RESTART, f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
                     f"after the bus came back; was failed: {rec.reason})", serve=st.serve,
                     main_pid=st.main_pid, n_restarts=st.n_restarts),
-                    state=self.svc.state_row(st.serve, STARTING, "re-read after the bus came back"),
-                    cause=Cause.RESTART)
+                    report=self.svc.report(st.serve, Happened.RESTARTING,
+                                           "re-read after the bus came back"))
                 self.rt.spawn(self.health.watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
             if rec.state in LIVE_STATES and serve not in live and not self.rt.life(serve).stopping:
@@ -102,11 +101,10 @@ class UnitWatch:
         prev = self.rt.life(serve).unit
         if st.main_pid and not self.rt.life(serve).stopping:
             self.svc.set_main_pid(serve, st.main_pid)
-        rec = self.svc.records.get(serve)
         spec = self.svc.serve_spec(serve)
         daemon = self.svc.config.daemon
         changed = UnitChanged(
-            unit=st, prev=prev, state=rec.state if rec else DECLARED,
+            unit=st, prev=prev, state=self.svc.state_of(serve),
             holds=serve in self.svc.ledger.reservations, configured=spec is not None,
             resident=bool(spec and spec.resident), restart=unit_restart(spec) if spec else "no",
             now=self.rt.clock(), window_s=daemon.crash_loop_window_s,
@@ -128,11 +126,11 @@ class UnitWatch:
         elif isinstance(action, OrphanEnded):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: orphan unit ended ({action.how})", serve=serve),
-                state=self.svc.state_row(serve, DECLARED), cause=Cause.EXIT)
+                report=self.svc.report(serve, Happened.ORPHAN_ENDED))
         elif isinstance(action, ReleaseEnded):
             await self.svc.release(serve, reason="failed, and its unit has now ended",
-                                   allow_live=True, next_state=FAILED,
-                                   state_reason=rec.reason if rec else None, cause=Cause.FAIL)
+                                   allow_live=True, happened=Happened.FAILED,
+                                   state_reason=rec.reason if rec else None)
         elif isinstance(action, StopEnded):
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
@@ -144,7 +142,7 @@ class UnitWatch:
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
-                state=self.svc.state_row(serve, STARTING, "restarting"), cause=Cause.RESTART)
+                report=self.svc.report(serve, Happened.RESTARTING, "restarting"))
             self.rt.spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
             await self.stops.failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
@@ -190,6 +188,6 @@ class UnitWatch:
             EventKind.ADOPT, f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,
             mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
-            state=self.svc.state_row(serve, STARTING), cause=Cause.ADOPT)
+            report=self.svc.report(serve, Happened.STARTED_OUTSIDE))
         self.rt.spawn(self.health.watch_restart(serve))
 
