@@ -562,7 +562,7 @@ class Api:
         # journal
         model = request.headers.get("X-Gpud-Model") or None
         return await self.on_demand.ensure(name, None if model is None else RouterRequest(
-            model, request.headers.get("X-Gpud-Key") or None))
+            model, request.headers.get("X-Gpud-Key") or None), gone=_gone(request))
 
     async def stop(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "stop")
@@ -767,3 +767,10 @@ def _figures_of_each_role(answer: answers.Admitted | answers.Released, res: Rese
     if res.extra_roles:
         answer["roles"] = list(res.all_roles)
         answer["figures_by_role"] = {r: _figures(figures_of(r)) for r in res.all_roles}
+
+
+def _gone(request: web.Request) -> asyncio.Future[None] | None:
+    """Done once the asker's connection is lost (gpud.connguard.Guarded), None when unknown."""
+    transport = request.transport
+    guard = transport.get_protocol() if transport is not None else None
+    return guard.lost() if isinstance(guard, Guarded) else None

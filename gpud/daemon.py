@@ -253,6 +253,8 @@ class Daemon:
                            offload=self.offload, on_demand=on_demand)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
+            # the requests waiting for a serve are answered (typed: gpud stopping), not cut
+            stack.push_async_callback(on_demand.stopping)
             await supervisor.reconcile()
             self.front = Front(supervisor.units, states=svc.states)
             svc.watch_states(self.front.mark_awake)

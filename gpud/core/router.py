@@ -78,6 +78,8 @@ LOG_FIELDS: Final = (
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
 RETRY_AFTER_S: Final = 30
+# The requester of an ensure that names none (root's own call, an older front).
+ANONYMOUS: Final = "anonymous"
 
 
 def model_name_problem(name: str) -> str | None:
@@ -270,6 +272,11 @@ class RouterRequest:
 
     model: str
     key: str | None = None
+    requester: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.requester:
+            object.__setattr__(self, "requester", self.key or ANONYMOUS)
 
     @property
     def text(self) -> str:
