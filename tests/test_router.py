@@ -31,6 +31,7 @@ from gpud.core.front import FrontConfig, render
 from gpud.core.launch import vllm_argv
 from gpud.core.router import (
     ROUTED_PATHS,
+    ApiKey,
     RoutedServe,
     RouterFront,
     RouterRequest,
@@ -199,6 +200,10 @@ class Rig:
         wait_until(lambda: (w := self.workers()) and not w & old, what="the old worker gone")
 
 
+# The rig's readiness probe sends it (a key of the rig's keys when they have one).
+RIG_TOKEN = "sk-rig-probe-0123456789"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,6 +245,14 @@ def _openai_error(doc: dict[str, object]) -> dict[str, object]:
 def rig() -> Iterator[Rig]:
     """nginx with the router (max body 1 MiB, body timeout 1 s) before stand-in `a` (names
     a, a-fast) on a socket and `b` (names b, org/b-model) on a TCP port."""
+    with router_rig() as made:
+        yield made
+
+
+@contextlib.contextmanager
+def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = ()
+               ) -> Iterator[Rig]:
+    """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
             pytest.fail(f"{path} missing: run scripts/setup")
@@ -255,13 +268,13 @@ def rig() -> Iterator[Rig]:
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
-                         body_timeout_s=1)
+                         body_timeout_s=1, keys=keys)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     standin = [sys.executable, "-m", "gpud.testing.standin", "serve", "m",
-               "--token-interval-s", "0.3"]
+               "--token-interval-s", "0.3", *standin_args]
     a = subprocess.Popen([*standin, "--uds", str(sock), "--served-model-name", "a", "a-fast"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     b = subprocess.Popen([*standin, "--port", str(b_port), "--served-model-name", "b",
@@ -275,7 +288,9 @@ def rig() -> Iterator[Rig]:
         wait_until(lambda: _connects(port), what="the router listening")
         for model in ("a", "b"):
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
-                                            json.dumps({"model": m}).encode())[0] != 503,
+                                            json.dumps({"model": m}).encode(),
+                                            {"Authorization": f"Bearer {RIG_TOKEN}"}
+                                            )[0] != 503,
                        what=f"{model} answering through the router")
         yield Rig(port, a, b, nginx, str(tmp / "router.js"))
     except BaseException:

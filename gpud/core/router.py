@@ -145,6 +145,12 @@ class ApiKey:
     name: str
     sha256: str
     models: tuple[str, ...]
+    # docs/router.md, "Who is asking": in the data path (nginx's limit_conn / limit_req), and
+    # gpud's queue (priority: smaller first; weight: its share among those waiting)
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    priority: int = 0
+    weight: float = 1.0
 
 
 def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
@@ -170,8 +176,13 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if not KEY_NAME_RE.fullmatch(name):
             problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
             continue
-        if not isinstance(entry, dict) or set(entry) - {"token", "models"}:
-            problems.append(f"{where}: a table of token and models only")
+        if not isinstance(entry, dict) or set(entry) - {"token", "models", *KEY_SHARES}:
+            problems.append(f"{where}: a table of token, models and "
+                            f"{', '.join(KEY_SHARES)} only")
+            continue
+        shares, wrong = key_shares(entry, where)
+        if wrong:
+            problems += wrong
             continue
         token, models = entry.get("token"), entry.get("models")
         if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
@@ -190,8 +201,79 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
             problems.append(f"{where}.token: the same token as keys.{seen[digest]}")
             continue
         seen[digest] = name
-        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models))))
+        mc, rpm = shares.get("max_concurrent"), shares.get("requests_per_minute")
+        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models)),
+                           max_concurrent=None if mc is None else int(mc),
+                           requests_per_minute=None if rpm is None else int(rpm),
+                           priority=int(shares.get("priority", 0)),
+                           weight=float(shares.get("weight", 1.0))))
     return keys, problems
+
+
+# A key's limits and shares (docs/router.md, "Who is asking"): name -> (smallest, largest).
+KEY_SHARES: Final[Mapping[str, tuple[float, float]]] = {
+    "max_concurrent": (1, 100_000),
+    "requests_per_minute": (1, 1_000_000),
+    "priority": (-1000, 1000),
+    "weight": (0.01, 1000.0),
+}
+
+
+def key_shares(entry: Mapping[str, object], where: str
+               ) -> tuple[dict[str, int | float], list[str]]:
+    """A key's limits and shares from its table, and its problems (each naming the key)."""
+    out: dict[str, int | float] = {}
+    problems = []
+    for field, (low, high) in KEY_SHARES.items():
+        value = entry.get(field)
+        if value is None:
+            continue
+        whole = field != "weight"
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                (whole and not isinstance(value, int)) or not low <= value <= high:
+            problems.append(f"{where}.{field}: {'an integer' if whole else 'a number'} from "
+                            f"{low:g} to {high:g} (got {value!r})")
+            continue
+        out[field] = int(value) if whole else float(value)
+    return out, problems
+
+
+def limit_zones(keys: Sequence[ApiKey]) -> list[str]:
+    """The http block's lines of the keys' limits: per limited key, a variable that is its name
+    for its requests and empty for any other's (nginx counts no empty key), a limit_conn zone
+    and a limit_req zone keyed by it (nginx's core ngx_http_limit_conn_module and
+    ngx_http_limit_req_module: one number per zone, so one zone per key)."""
+    out = []
+    for i, k in enumerate(keys):
+        if k.max_concurrent is None and k.requests_per_minute is None:
+            continue
+        out += [f"    map $router_key $router_limit_{i} {{",
+                f"        {json.dumps(k.name)} {json.dumps(k.name)};",
+                '        default "";',
+                "    }"]
+        if k.max_concurrent is not None:
+            out.append(f"    limit_conn_zone $router_limit_{i} zone=router_conn_{i}:1m;")
+        if k.requests_per_minute is not None:
+            out.append(f"    limit_req_zone $router_limit_{i} zone=router_rpm_{i}:1m "
+                       f"rate={k.requests_per_minute}r/m;")
+    return out
+
+
+def limit_lines(keys: Sequence[ApiKey], indent: str = "            ") -> list[str]:
+    """A routed location's lines of the keys' limits (where the router sends a request once it
+    knows its key: a serve's named location, the loading feedback's), past them 429 in
+    OpenAI's shape (@router_limited). requests_per_minute: a minute's worth at once
+    (burst), then at the rate (nginx's leaky bucket, `nodelay`)."""
+    out = []
+    for i, k in enumerate(keys):
+        if k.max_concurrent is not None:
+            out.append(f"{indent}limit_conn router_conn_{i} {k.max_concurrent};")
+        if k.requests_per_minute is not None:
+            burst = max(0, k.requests_per_minute - 1)
+            out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
+    if out:
+        out += [f"{indent}limit_conn_status 429;", f"{indent}limit_req_status 429;"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -300,8 +382,8 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-def _serve_locations(serve: RoutedServe) -> list[str]:
-    lines = [f"        location {serve.location} {{"]
+def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str]:
+    lines = [f"        location {serve.location} {{", *limits]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
         # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
@@ -312,6 +394,7 @@ def _serve_locations(serve: RoutedServe) -> list[str]:
                   # gpud's share (the bring-up, the queue): not the router's own latency
                   "            auth_request_set $router_ensure_s $upstream_response_time;",
                   "            error_page 403 = @router_refused;",
+                  *(["            error_page 429 = @router_limited;"] if limits else []),
                   f"            error_page 500 = {serve.location}_direct;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
               "        }"]
@@ -359,6 +442,7 @@ def http_lines(router: RouterFront) -> list[str]:
     if router.access_log is not None:
         fields = ",".join(f'"{name}":"{var}"' for name, var in LOG_FIELDS)
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
+    out += limit_zones(router.keys or ())
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
             "    }"]
@@ -391,6 +475,7 @@ def http_lines(router: RouterFront) -> list[str]:
         *([f"        access_log {router.access_log} {LOG_FORMAT};"]
           if router.access_log is not None else []),
         "        error_page 413 = @router_too_large;",
+        "        error_page 429 = @router_limited;",
         "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
         "            js_content router.models;",
@@ -413,11 +498,23 @@ def http_lines(router: RouterFront) -> list[str]:
         "            subrequest_output_buffer_size 1m;",
         "        }",
     ]
+    limits = limit_lines(router.keys or ())
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += _serve_locations(serve)
+        out += _serve_locations(serve, limits)
     out += [
         "        location @router_refused {",
         "            js_content router.refused;",
+        "        }",
+        # past a key's limits (limit_lines): 429 in OpenAI's shape, which limit, Retry-After
+        "        location @router_limited {",
+        "            js_content router.limited;",
+        "        }",
+        # a stream for a serve gpud may bring up (router.loading): its key's limits first
+        "        location @router_loading {",
+        *limits,
+        "            js_content router.loadingStream;",
+        "            ssi on;",
+        "            ssi_types text/event-stream;",
         "        }",
         "        location @router_down {",
         "            js_content router.down;",
@@ -445,10 +542,13 @@ def render_script(router: RouterFront, code: str) -> str:
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
         k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
+    limits = {k.name: {"max_concurrent": k.max_concurrent,
+                       "requests_per_minute": k.requests_per_minute}
+              for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
     head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
-            "stream_prefix": STREAM_PREFIX}
+            "stream_prefix": STREAM_PREFIX, "limits": limits}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

@@ -220,7 +220,8 @@ function route(r) {
     r.variables.router_key = key.name || '';
     if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
             (stream === null ? scanStream(body) : stream)) {
-        loading(r, model, entry);
+        // through the key's limits first (@router_loading), then loading(): loadingStream
+        r.internalRedirect('@router_loading');
         return;
     }
     r.internalRedirect(entry.location);
@@ -405,4 +406,39 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
-export default {route, models, model, refused, down, streamed, streamDown};
+// A stream for a serve gpud may bring up, past its key's limits (@router_loading).
+function loadingStream(r) {
+    var model = r.variables.router_model;
+    loading(r, model, CONFIG.models[model]);
+}
+
+// Past a key's limits (nginx's limit_conn / limit_req where the router sent the request: the
+// serve's location, or @router_loading): 429 in OpenAI's shape (code rate_limit_exceeded),
+// which limit and its figure, and Retry-After: a minute's share of requests_per_minute, or a
+// second for max_concurrent (one of the key's requests in flight ends by then, or it is asked
+// again).
+function limited(r) {
+    var name = r.variables.router_key || '';
+    var lim = CONFIG.limits.hasOwnProperty(name) ? CONFIG.limits[name] : {};
+    var which, value, retry, message;
+    if (r.variables.limit_req_status === 'REJECTED') {
+        which = 'requests_per_minute';
+        value = lim.requests_per_minute;
+        retry = Math.max(1, Math.ceil(60 / (value || 60)));
+        message = 'key ' + name + ' is past its limit of ' + value + ' requests per minute';
+    } else {
+        which = 'max_concurrent';
+        value = lim.max_concurrent;
+        retry = 1;
+        message = 'key ' + name + ' has ' + value + ' requests in flight, its max_concurrent';
+    }
+    r.headersOut['Retry-After'] = String(retry);
+    r.headersOut['Content-Type'] = 'application/json';
+    r.return(429, JSON.stringify({error: {
+        message: message + '; retry after ' + retry + ' s', type: 'requests', param: null,
+        code: 'rate_limit_exceeded',
+        gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
+}
+
+export default {route, models, model, refused, down, streamed, streamDown, loadingStream,
+                limited};

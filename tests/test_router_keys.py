@@ -1,0 +1,144 @@
+"""Per-key limits in the data path (docs/router.md, "Who is asking"): max_concurrent and
+requests_per_minute enforced by nginx's own limit_conn / limit_req in the location the router
+sends a request to, past them 429 in OpenAI's shape with Retry-After; the real nginx and njs
+before two stand-ins (tests/test_router.py's rig)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpud.core.router import KEY_SHARES, ApiKey, RoutedServe, RouterFront, http_lines, parse_keys
+from tests.test_router import RIG_TOKEN, Rig, _req, router_rig
+
+KEYS = f"""\
+[keys.alice]
+token = "sk-alice-0123456789"
+models = ["a"]
+max_concurrent = 1
+priority = -1
+[keys.bob]
+token = "sk-bob-01234567890"
+models = ["*"]
+requests_per_minute = 2
+weight = 2.5
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+"""
+
+
+def test_limits_and_shares_are_parsed_and_checked() -> None:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b"])
+    assert problems == []
+    by = {k.name: k for k in keys}
+    assert (by["alice"].max_concurrent, by["alice"].requests_per_minute, by["alice"].priority,
+            by["alice"].weight) == (1, None, -1, 1.0)
+    assert (by["bob"].requests_per_minute, by["bob"].weight) == (2, 2.5)
+    assert (by["probe"].max_concurrent, by["probe"].priority) == (None, 0)
+    bad = KEYS.replace("max_concurrent = 1", "max_concurrent = 0").replace(
+        "weight = 2.5", 'weight = "x"').replace("priority = -1", "priority = 1.5")
+    _, problems = parse_keys(bad, ["a", "a-fast", "b"])
+    assert problems == [
+        "keys.alice.max_concurrent: an integer from 1 to 100000 (got 0)",
+        "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
+        "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
+    _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
+    assert problems == [f"keys.alice: a table of token, models and {', '.join(KEY_SHARES)} only"]
+
+
+def test_without_limits_nginx_counts_nothing() -> None:
+    keys, _ = parse_keys(KEYS.replace("max_concurrent = 1\n", "").replace(
+        "requests_per_minute = 2\n", ""), ["a"])
+    text = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                                            keys=tuple(keys))))
+    assert "limit_conn" not in text and "limit_req" not in text
+
+
+def test_the_limits_are_in_every_location_a_request_is_sent_to() -> None:
+    keys, _ = parse_keys(KEYS, ["a", "b"])
+    text = "\n".join(http_lines(RouterFront(
+        "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),
+                           RoutedServe("b", ("b",), port=2, ensure_timeout_s=30)),
+        keys=tuple(keys))))
+    # one zone per limited key, keyed by a variable that is empty for every other key's request
+    assert 'map $router_key $router_limit_0 {\n        "alice" "alice";\n        default "";' \
+        in text
+    assert "limit_conn_zone $router_limit_0 zone=router_conn_0:1m;" in text
+    assert "limit_req_zone $router_limit_1 zone=router_rpm_1:1m rate=2r/m;" in text
+    assert "router_limit_2" not in text  # probe: no limits
+    # the serves' locations and the loading feedback's, before gpud is asked (auth_request)
+    for location in ("location @router_a {", "location @router_b {",
+                     "location @router_loading {"):
+        block = text.split(location, 1)[1].split("}", 1)[0]
+        assert "limit_conn router_conn_0 1;" in block, block
+        assert "limit_req zone=router_rpm_1 burst=1 nodelay;" in block, block
+    assert "error_page 429 = @router_limited;" in text.split("location @router_b {")[1]
+
+
+@pytest.fixture
+def limited() -> Iterator[Rig]:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys)) as rig:
+        yield rig
+
+
+def _ask(port: int, token: str, model: str = "a", max_tokens: int = 1, stream: bool = False
+         ) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"model": model, "prompt": "x y z w v u t s", "max_tokens": max_tokens,
+                       "stream": stream}).encode()
+    return _req(port, "POST", "/v1/completions", body,
+                {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+
+
+def _limit_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, object]:
+    assert status == 429, (status, body)
+    err = json.loads(body)["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests", err
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert int(headers["Retry-After"]) == err["gpud"]["retry_after_s"], (headers, err)
+    return dict(err["gpud"])
+
+
+def test_max_concurrent_answers_429_while_the_keys_request_is_in_flight(limited: Rig) -> None:
+    port = limited.port
+    first: list[int] = []
+    # the stand-in streams a token each 0.3 s: 8 tokens hold the request about 2.4 s
+    slow = threading.Thread(target=lambda: first.append(_ask(port, "sk-alice-0123456789",
+                                                             max_tokens=8, stream=True)[0]))
+    slow.start()
+    try:
+        time.sleep(0.8)
+        status, headers, body = _ask(port, "sk-alice-0123456789")
+        said = _limit_error(status, headers, body)
+        assert said == {"key": "alice", "limit": "max_concurrent", "value": 1,
+                        "retry_after_s": 1}, said
+        assert "1 requests in flight, its max_concurrent" in json.loads(body)["error"]["message"]
+        # another key is not held by alice's limit
+        assert _ask(port, RIG_TOKEN)[0] == 200
+    finally:
+        slow.join(timeout=30)
+    assert first == [200]
+    assert _ask(port, "sk-alice-0123456789")[0] == 200  # its request ended: room again
+
+
+def test_requests_per_minute_answers_429_with_the_wait(limited: Rig) -> None:
+    port = limited.port
+    # a minute's worth at once (2), then one each 30 s
+    assert [_ask(port, "sk-bob-01234567890", "b")[0] for _ in range(2)] == [200, 200]
+    said = _limit_error(*_ask(port, "sk-bob-01234567890", "b"))
+    assert said == {"key": "bob", "limit": "requests_per_minute", "value": 2,
+                    "retry_after_s": 30}, said
+    # per key, across models: its next request for a is refused too, the probe's is not
+    assert _ask(port, "sk-bob-01234567890", "a")[0] == 429
+    assert [_ask(port, RIG_TOKEN, "b")[0] for _ in range(5)] == [200] * 5
+
+
+def test_keys_shares_reach_the_api_key() -> None:
+    keys, _ = parse_keys(KEYS, ["a"])
+    assert isinstance(keys[0], ApiKey) and keys[0].priority == -1
