@@ -41,7 +41,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import Reservation, RoleFigures
-from gpud.core.router import RouterRequest
+from gpud.core.router import ANONYMOUS, EnsureBound, router_request
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.errors import (
     BadRequest,
@@ -51,6 +51,7 @@ from gpud.errors import (
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
+    TooManyRequests,
     Unavailable,
 )
 from gpud.metrics import METRICS_CONTENT_TYPE
@@ -160,6 +161,10 @@ class Api:
         self.reload_hook = reload
         self.rebalancer = rebalancer
         self.on_demand = on_demand
+        # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
+        # so that a reload's new bounds hold at once)
+        self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,
+                                         svc.config.daemon.ensure_waiting_total)
         # parsing and planning configs: off the loop, at most a few per peer at a time
         self.offload = offload if offload is not None else Offload()
         self.admin_gid = admin_gid(svc.config.daemon.admin_group)
@@ -558,11 +563,19 @@ class Api:
         await read_model(request, EmptyBody, empty_ok=True)
         if self.on_demand is None:
             raise Unavailable("on-demand serves are not set up in this gpud")
-        # the router's: the model the request named and its key (docs/router.md), for the
-        # journal
-        model = request.headers.get("X-Gpud-Model") or None
-        return await self.on_demand.ensure(name, None if model is None else RouterRequest(
-            model, request.headers.get("X-Gpud-Key") or None), gone=_gone(request))
+        cause = router_request(request.headers)
+        requester = cause.requester if cause is not None else ANONYMOUS
+        d, bound = self.svc.config.daemon, self.ensures
+        bound.per_requester, bound.total = (d.ensure_waiting_per_requester,
+                                            d.ensure_waiting_total)
+        problem = bound.enter(requester)
+        if problem is not None:
+            return _too_many_waiting(name, requester, problem)
+        try:
+            return await self.on_demand.ensure(name, cause, gone=_gone(request))
+        finally:
+            # answered, or its client (nginx's ensure) gone: OnDemand.ensure returns then (gone)
+            bound.leave(requester)
 
     async def stop(self, request: web.Request) -> web.Response:
         return await self._lifecycle(request, "stop")
@@ -718,6 +731,26 @@ async def read_model(request: web.Request, model: type[M], *,
         problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {_wire_reason(e)}"
                     for e in exc.errors()]
         raise BadRequest("; ".join(problems), {"problems": problems}) from exc
+
+
+# Retry-After of an ensure refused for the requests waiting already (daemon.ensure_waiting_*).
+BUSY_RETRY_S = 5
+
+
+def _too_many_waiting(name: str, requester: str, problem: str) -> web.Response:
+    """The 403 the front and the router turn into their refusal (the router's: 429), when
+    REQUESTER (or everyone) has as many ensures waiting as gpud keeps: at once, holding
+    nothing. X-Gpud-Reason carries the class, as gpud.ondemand's refusals."""
+    exc = TooManyRequests(f"serve {name}: {problem}; retry in {BUSY_RETRY_S} s",
+                          {"serve": name, "requester": requester})
+    resp = error_response(exc)
+    resp.set_status(403)
+    resp.headers["X-Gpud-Reason"] = json.dumps({"error": {
+        "code": TooManyRequests.code, "message": exc.message,
+        "details": {"serve": name, "class": "too-many-waiting", "requester": requester,
+                    "retry_after_s": BUSY_RETRY_S}}})
+    resp.headers["Retry-After"] = str(BUSY_RETRY_S)
+    return resp
 
 
 def _wire_reason(err: Any) -> str:

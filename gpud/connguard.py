@@ -36,20 +36,36 @@ DEFAULT_PER_UID = 64
 LATE_S = 0.05
 
 
+# Connections of the front's uid kept for what is not an ensure waiting (reads: the states
+# the router's /v1/models shows; ensures answered at once), above daemon.ensure_waiting_total.
+FRONT_READ_RESERVE = 64
+
+
 class Limiter:
-    def __init__(self, per_uid: int = DEFAULT_PER_UID) -> None:
+    """The cap per uid: PER_UID connections, or what CAP_OF says for a uid (the front's: it
+    carries every local user's requests, so it is not one user's bucket; gpud bounds its
+    ensures by requester instead, gpud.core.router.EnsureBound)."""
+
+    def __init__(self, per_uid: int = DEFAULT_PER_UID,
+                 cap_of: Callable[[int], int | None] | None = None) -> None:
         self.per_uid = per_uid
+        self.cap_of = cap_of
         self.open: dict[int, int] = {}
         self.refused = 0
+
+    def cap(self, uid: int) -> int:
+        own = self.cap_of(uid) if self.cap_of is not None else None
+        return self.per_uid if own is None else own
 
     def admit(self, uid: int | None) -> bool:
         if uid is None or uid == 0:
             return True
-        if self.open.get(uid, 0) >= self.per_uid:
+        cap = self.cap(uid)
+        if self.open.get(uid, 0) >= cap:
             self.refused += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                 log.warning("uid %d holds %d connections: refusing more (%d refused so far)",
-                            uid, self.per_uid, self.refused)
+                            uid, cap, self.refused)
             return False
         self.open[uid] = self.open.get(uid, 0) + 1
         return True

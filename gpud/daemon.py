@@ -312,6 +312,17 @@ class Daemon:
         if self.svc is not None:
             self.notify(f"STATUS={self.svc.summary()}")
 
+    def _front_cap(self, uid: int) -> int | None:
+        """The front's uid may hold every ensure gpud lets wait and a reserve for reads
+        (gpud.connguard.FRONT_READ_RESERVE); other uids the default cap (None)."""
+        from gpud.api import _uid_of
+        from gpud.connguard import FRONT_READ_RESERVE
+
+        d = self.config.daemon
+        if uid != _uid_of(d.front_user):
+            return None
+        return d.ensure_waiting_total + FRONT_READ_RESERVE
+
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
         from aiohttp import web
 
@@ -326,7 +337,7 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(path, self.config.daemon.socket_group)
             stack.callback(_unlink_if_ours, path, os.stat(path).st_ino)
-        site = GuardedSockSite(runner, sock, Limiter(),
+        site = GuardedSockSite(runner, sock, Limiter(cap_of=self._front_cap),
                                lambda: self.config.daemon.request_read_timeout_s)
         await site.start()
         listen = self.config.daemon.metrics_listen

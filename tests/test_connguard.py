@@ -80,3 +80,12 @@ def test_a_member_cannot_lock_out_root() -> None:
         os.waitpid(pid, 0)
         os.close(up_read)
         gp.stop()
+
+
+def test_the_fronts_uid_has_its_own_cap_others_the_default() -> None:
+    front = 997
+    lim = Limiter(per_uid=2, cap_of=lambda uid: 5 if uid == front else None)
+    assert [lim.admit(1000) for _ in range(3)] == [True, True, False]
+    assert [lim.admit(front) for _ in range(6)] == [True] * 5 + [False]
+    lim.release(front)
+    assert lim.admit(front)

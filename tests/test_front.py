@@ -76,6 +76,9 @@ http {
     proxy_http_version 1.1;
     proxy_set_header Connection "";
     proxy_set_header Host $host;
+    proxy_set_header X-Gpud-Model "";
+    proxy_set_header X-Gpud-Key "";
+    proxy_set_header X-Gpud-Requester "";
     proxy_read_timeout 3600s;
     proxy_send_timeout 3600s;
 
@@ -122,7 +125,9 @@ ON_DEMAND = """\
             proxy_pass http://gpud_api/v1/serves/od/ensure;
             proxy_method POST;
             proxy_pass_request_body off;
+            proxy_pass_request_headers off;
             proxy_set_header Content-Length "";
+            proxy_set_header X-Gpud-Requester addr:$remote_addr;
             proxy_read_timeout 65s;
         }
         error_page 403 = @refused;

@@ -6,6 +6,7 @@ tests/integration/test_router.py, has it): /v1/models says every state is unknow
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -187,6 +188,9 @@ class Rig:
     tcp_serve: subprocess.Popen[bytes]
     nginx: subprocess.Popen[bytes]
     script: str
+    router: RouterFront
+    conf: Path
+    run: Path
 
     def workers(self) -> set[str]:
         pid = self.nginx.pid
@@ -292,7 +296,7 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
                                             {"Authorization": f"Bearer {RIG_TOKEN}"}
                                             )[0] != 503,
                        what=f"{model} answering through the router")
-        yield Rig(port, a, b, nginx, str(tmp / "router.js"))
+        yield Rig(port, a, b, nginx, str(tmp / "router.js"), router, tmp / "nginx.conf", run)
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -450,8 +454,8 @@ def test_a_stream_comes_through_token_by_token(rig: Rig) -> None:
 
 
 def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
-    """From 64 KiB on the script looks for the one "model" key before parsing; with two (one
-    nested), it parses the body, and the top-level one wins."""
+    """From 64 KiB on the script walks the body's top level for its "model" key (a nested one
+    is not it) without parsing the rest."""
     pad = "x " * (100 << 10)
     status, doc = _post(rig.port, "/v1/completions",
                         {"prompt": pad, "max_tokens": 1, "model": "b"})
@@ -466,6 +470,66 @@ def test_a_large_body_is_routed_by_its_top_level_model(rig: Rig) -> None:
     status, _h, body = _req(rig.port, "POST", "/v1/completions",
                             b'{"prompt": "' + pad.encode() + b'", "model": 5}')
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_model"
+
+
+# --- one reading of `model`, within a budget (docs/router.md) -----------------------
+
+PAD = "x " * (100 << 10)  # past the 64 KiB from which the script walks the body
+
+
+def _send(rig: Rig, raw: bytes) -> tuple[int, dict[str, object]]:
+    status, _h, body = _req(rig.port, "POST", "/v1/completions", raw,
+                            {"Content-Type": "application/json"})
+    return status, json.loads(body)
+
+
+def test_a_nested_model_does_not_route_a_large_body(rig: Rig) -> None:
+    """M5: the top-level key, escaped, is the one the serve reads: the router reads it too
+    (at e8f41a4 the one unescaped "model" key, nested, routed it to a's serve)."""
+    raw = ('{"metadata": {"model": "a"}, "mod\\u0065l": "b", "max_tokens": 1, "prompt": "'
+           + PAD + '"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+    # an escaped value is read as the serve reads it too
+    raw = ('{"prompt": "' + PAD + '", "model": "\\u0062", "max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_model_given_twice_is_its_last_as_the_serve_reads_it(rig: Rig) -> None:
+    raw = ('{"model": "a", "prompt": "' + PAD + '", "max_tokens": 1, "model": "b"}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_body_not_in_utf8_is_refused(rig: Rig) -> None:
+    raw = json.dumps({"model": "b", "prompt": PAD}).encode("utf-16")
+    status, doc = _send(rig, raw)
+    error = doc["error"]
+    assert status == 400 and isinstance(error, dict) and error["code"] == "invalid_json", doc
+
+
+def test_a_large_body_of_small_parts_is_walked_not_parsed(rig: Rig) -> None:
+    """H2: 1 MiB of small objects and no top-level model: answered 400 at once (at
+    e8f41a4, parsed whole), the stream flag and model still found after them."""
+    parts = '{"a":[1,{"b":2}]},' * ((1 << 20) // 18 - 8)
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x"}').encode()
+    began = time.monotonic()
+    status, doc = _send(rig, raw)
+    assert status == 400 and doc["error"]["code"] == "missing_model", doc  # type: ignore[index]
+    assert time.monotonic() - began < 1.0
+    raw = ('{"messages": [' + parts + '{}], "prompt": "x", "model": "b", '
+           '"max_tokens": 1}').encode()
+    status, doc = _send(rig, raw)
+    assert status == 200 and doc["model"] == "b", doc
+
+
+def test_a_malformed_large_body_is_refused_by_the_router(rig: Rig) -> None:
+    for raw, code in ((b'{"model": "b", "prompt": "' + PAD.encode() + b'"', "invalid_json"),
+                      (b'{"model": "b", "prompt": "' + PAD.encode() + b'"} x', "invalid_json"),
+                      (b'["model", "' + PAD.encode() + b'"]', "invalid_json")):
+        status, doc = _send(rig, raw)
+        assert status == 400 and doc["error"]["code"] == code, doc  # type: ignore[index]
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -509,12 +573,11 @@ def test_a_keys_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
 def keyed(rig: Rig, tmp_path: Path) -> Iterator[Rig]:
     """The rig's router with keys: its script rewritten, nginx reloaded."""
     keys, _ = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
-    script = Path(rig.script)
-    text = script.read_text()
-    head, sep, code = text.partition("\n\n")
-    doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip(";"))
-    doc["keys"] = {k.sha256: {"name": k.name, "models": list(k.models)} for k in keys}
-    script.write_text(f"var CONFIG = {json.dumps(doc)};{sep}{code}")
+    router = dataclasses.replace(rig.router, keys=tuple(keys))
+    Path(rig.script).write_text(script_text(router))
+    rig.conf.write_text(render(FrontConfig(
+        serves=(), run_dir=str(rig.run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
     rig.reload()
     yield rig
 
@@ -535,13 +598,35 @@ def test_with_keys_a_request_needs_one_that_may_use_its_model(keyed: Rig) -> Non
     b_body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
     status, _h, out = _req(port, "POST", "/v1/completions", b_body, _auth("sk-alice-0123456789"))
     err = json.loads(out)["error"]
-    assert status == 403 and err["code"] == "model_not_allowed" and "alice" in err["message"]
+    # L3: as a model that does not exist (GET /v1/models/b says the same), naming none of the
+    # others
+    assert status == 404 and err["code"] == "model_not_found", err
+    assert "org/b-model" not in err["message"] and '"b"?' not in err["message"], err
     assert _req(port, "POST", "/v1/completions", b_body, _auth("sk-ops-0123456789abc"))[0] == 200
     # /v1/models: only what the key may use
     status, _h, out = _req(port, "GET", "/v1/models", None, _auth("sk-alice-0123456789"))
     assert status == 200 and [m["id"] for m in json.loads(out)["data"]] == ["a", "a-fast"]
     assert _req(port, "GET", "/v1/models")[0] == 401
     assert _req(port, "GET", "/v1/models/b", None, _auth("sk-alice-0123456789"))[0] == 404
+
+
+def test_with_keys_a_request_without_one_is_answered_before_its_body(keyed: Rig) -> None:
+    """H3: a client without a key holds no body buffer: answered 401 as soon as its headers
+    are in (at e8f41a4 nginx read the whole body first, or waited for it)."""
+    for auth in (b"", b"Authorization: Bearer sk-wrong-0123456789\r\n"):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=5) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                           b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+                           b'{"model": "a", ')
+            client.settimeout(0.5)
+            got = b""
+            while b"}}" not in got:  # the headers, then the error document
+                got += client.recv(65536)
+            head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in head, head
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert ("Incorrect" if auth else "No API key") in error["message"], error
 
 
 def test_the_script_holds_the_keys_digests_never_their_tokens(tmp_path: Path) -> None:
@@ -710,6 +795,7 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     delay_s = 0.0
     status = 204
     seen: list[tuple[str, str]]
+    requesters: list[str]
     gone: threading.Event
 
 
@@ -719,6 +805,7 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.server.seen.append((self.headers.get("X-Gpud-Model", ""),
                                  self.headers.get("X-Gpud-Key", "")))
+        self.server.requesters.append(self.headers.get("X-Gpud-Requester", ""))
         # waits as gpud does, noticing when nginx closes the ensure's connection
         deadline = time.monotonic() + self.server.delay_s
         while (left := deadline - time.monotonic()) > 0:
@@ -767,7 +854,7 @@ def fed() -> Iterator[Fed]:
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     gpud = _Gpud(str(gpud_sock), _Ensure)
-    gpud.seen, gpud.gone = [], threading.Event()
+    gpud.seen, gpud.requesters, gpud.gone = [], [], threading.Event()
     os.chmod(gpud_sock, 0o777)
     threading.Thread(target=gpud.serve_forever, daemon=True).start()
     a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
@@ -785,6 +872,7 @@ def fed() -> Iterator[Fed]:
                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
                    what="a answering through the router")
         gpud.seen.clear()
+        gpud.requesters.clear()
         yield Fed(port, gpud, tmp / "router.log")
     except BaseException:
         log.flush()
@@ -840,6 +928,8 @@ def test_a_stream_waiting_on_a_bring_up_is_sent_comments_then_the_stream(fed: Fe
     # the serve had the request's body: the model the request named
     assert {d["model"] for d in data} == {"a-fast"}, data
     assert fed.gpud.seen == [("a-fast", "")]
+    # who asked: without keys, the client's address (the script's own ensure, as nginx's)
+    assert fed.gpud.requesters[-1] == "addr:127.0.0.1"
 
 
 def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> None:

@@ -143,6 +143,13 @@ class FrontConfig:
             raise ValueError("front: two serves on one port")
 
 
+# The request headers gpud reads from the front's and the router's ensure (gpud.api.ensure):
+# set by nginx only. No client header reaches gpud at all (its ensures pass none:
+# proxy_pass_request_headers off); these are dropped on the way to a serve too (the http
+# block's proxy_set_header to "", which nginx does not pass on: nginx has no way to drop
+# headers by prefix, and a serve reads none of gpud's).
+GPUD_REQUEST_HEADERS: Final = ("X-Gpud-Model", "X-Gpud-Key", "X-Gpud-Requester")
+
 # The internal location of an on-demand serve's check with gpud (no client can name it:
 # `internal`), and gpud's upstream.
 ENSURE_LOCATION: Final = "/.gpud-ensure"
@@ -191,7 +198,11 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None) -> list[
         f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
         "            proxy_method POST;",
         "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         '            proxy_set_header Content-Length "";',
+        # who asked (gpud bounds each requester): the client's address, as the router's
+        # requester without keys
+        "            proxy_set_header X-Gpud-Requester addr:$remote_addr;",
         f"            proxy_read_timeout {timeout}s;",
         "        }",
         "        error_page 403 = @refused;",
@@ -258,6 +269,7 @@ def render(cfg: FrontConfig) -> str:
         "    proxy_http_version 1.1;",
         '    proxy_set_header Connection "";',
         "    proxy_set_header Host $host;",
+        *[f'    proxy_set_header {name} "";' for name in GPUD_REQUEST_HEADERS],
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
     ]

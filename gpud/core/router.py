@@ -56,6 +56,10 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
+AUTH_LOCATION: Final = "/.gpud-router-auth"
+# The 401s of the key's check before the body (router.js keyOf says the same)
+NO_KEY: Final = "No API key provided (Authorization: Bearer KEY)"
+BAD_KEY: Final = "Incorrect API key provided"
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
@@ -80,6 +84,8 @@ KEEPALIVE: Final = 32
 RETRY_AFTER_S: Final = 30
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
+# A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
+MAX_REQUESTER: Final = 64
 
 
 def model_name_problem(name: str) -> str | None:
@@ -348,11 +354,15 @@ class RouterFront:
 
 @dataclass(frozen=True)
 class RouterRequest:
-    """The request through the router that asked gpud to have a serve up (its ensure's
-    X-Gpud-Model and X-Gpud-Key): the model it named and the key it used (None: no keys), as
-    the journal names it when that brings a serve up or evicts another."""
+    """The request through the router or a front that asked gpud to have a serve up (its
+    ensure's X-Gpud-Model, X-Gpud-Key and X-Gpud-Requester, set by nginx only: a client's own
+    X-Gpud-* headers never reach gpud, GPUD_REQUEST_HEADERS): the model it named (None: a
+    request to a serve's own port, which names none), the key it used (None: no keys), and
+    who asked (its requester: the key's name, else ``addr:`` and the client's address; on
+    loopback every local client is ``addr:127.0.0.1``), as the journal names it and as
+    gpud's bounds and queue tell requesters apart."""
 
-    model: str
+    model: str | None
     key: str | None = None
     requester: str = ""
 
@@ -363,8 +373,59 @@ class RouterRequest:
     @property
     def text(self) -> str:
         # printable: whatever reaches gpud's socket is logged escaped
+        if self.model is None:
+            return f"on-demand request from {printable(self.requester[:MAX_REQUESTER])!r}"
         key = "" if not self.key else f" with key {printable(self.key[:64])!r}"
         return f"request for model {printable(self.model[:256])!r}{key} through the router"
+
+
+@dataclass
+class EnsureBound:
+    """The ensures under way, by requester (gpud.api.ensure): at most PER_REQUESTER for one
+    requester and TOTAL in all, so that one requester's waiting requests neither starve
+    another's bring-up nor take the connections of the front's uid that reads need."""
+
+    per_requester: int
+    total: int
+    by: dict[str, int]
+
+    @classmethod
+    def empty(cls, per_requester: int, total: int) -> EnsureBound:
+        return cls(per_requester, total, {})
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.by.values())
+
+    def enter(self, requester: str) -> str | None:
+        """Count one more ensure of REQUESTER; or why not (nothing counted)."""
+        mine = self.by.get(requester, 0)
+        if mine >= self.per_requester:
+            return (f"{mine} requests of {requester} wait for a bring-up already "
+                    "(daemon.ensure_waiting_per_requester)")
+        if self.waiting >= self.total:
+            return (f"{self.total} requests wait for a bring-up already "
+                    "(daemon.ensure_waiting_total)")
+        self.by[requester] = mine + 1
+        return None
+
+    def leave(self, requester: str) -> None:
+        left = self.by.get(requester, 1) - 1
+        if left > 0:
+            self.by[requester] = left
+        else:
+            self.by.pop(requester, None)
+
+
+def router_request(headers: Mapping[str, str]) -> RouterRequest | None:
+    """The RouterRequest of an ensure's headers (X-Gpud-Model, X-Gpud-Key, X-Gpud-Requester:
+    nginx's, never a client's), None when it carries none (root asking by hand)."""
+    model = headers.get("X-Gpud-Model") or None
+    key = headers.get("X-Gpud-Key") or None
+    requester = (headers.get("X-Gpud-Requester") or "")[:MAX_REQUESTER]
+    if model is None and key is None and not requester:
+        return None
+    return RouterRequest(model, key, requester)
 
 
 def _error_json(status: int, message: str, code: str) -> str:
@@ -404,9 +465,12 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
                   "            proxy_method POST;",
                   "            proxy_pass_request_body off;",
+                  # none of the client's headers: gpud's X-Gpud-* are the router's alone
+                  "            proxy_pass_request_headers off;",
                   '            proxy_set_header Content-Length "";',
                   "            proxy_set_header X-Gpud-Model $router_model;",
                   "            proxy_set_header X-Gpud-Key $router_key;",
+                  "            proxy_set_header X-Gpud-Requester $router_requester;",
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
@@ -437,6 +501,7 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_model;",
            "    js_var $router_serve;",
            "    js_var $router_key;",
+           "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;"]
     if router.access_log is not None:
@@ -456,6 +521,14 @@ def http_lines(router: RouterFront) -> list[str]:
     not_found = _error_json(404, "no such route on this endpoint (the router carries the "
                             "OpenAI routes: /v1/models, /v1/chat/completions, ...)",
                             "route_not_found")
+    auth = ""
+    if router.keys is not None:
+        auth = (f"            auth_request {AUTH_LOCATION};\n"
+                "            error_page 401 = @router_unauthorized;\n")
+        out += ["    map $http_authorization $router_unauthorized {",
+                f"        \"\" '{_error_json(401, NO_KEY, 'invalid_api_key')}';",
+                f"        default '{_error_json(401, BAD_KEY, 'invalid_api_key')}';",
+                "    }"]
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -484,8 +557,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "            js_content router.model;",
         "        }",
         # ssi: only the script's own output (a stream's loading feedback, then its include)
-        # is looked through, never a serve's (answered in other locations)
-        *[f"        location = {path} {{\n            js_content router.route;\n"
+        # is looked through, never a serve's (answered in other locations). With keys, the
+        # key is checked before the body is read (auth_request runs in the access phase, a
+        # js_content handler once the body is in: ngx_http_js_content_handler reads it
+        # first), so a client without one holds no body buffer.
+        *[f"        location = {path} {{\n{auth}            js_content router.route;\n"
           "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
         f"        location = {SERVES_LOCATION} {{",
@@ -493,6 +569,7 @@ def http_lines(router: RouterFront) -> list[str]:
         f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves;",
         "            proxy_method GET;",
         "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         '            proxy_set_header Content-Length "";',
         "            proxy_read_timeout 5s;",
         "            subrequest_output_buffer_size 1m;",
@@ -502,6 +579,14 @@ def http_lines(router: RouterFront) -> list[str]:
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += _serve_locations(serve, limits)
     out += [
+        *([f"        location = {AUTH_LOCATION} {{",
+           "            internal;",
+           "            js_content router.auth;",
+           "        }",
+           "        location @router_unauthorized {",
+           "            add_header WWW-Authenticate Bearer always;",
+           "            return 401 $router_unauthorized;",
+           "        }"] if router.keys is not None else []),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",

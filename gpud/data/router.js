@@ -41,60 +41,165 @@ function formModel(body) {
     return body.slice(start, end).toString();
 }
 
-// Bodies from this size on are looked through for their `model` key before being parsed:
-// njs's JSON.parse of a large body (an image in base64) costs tens of milliseconds.
+// Bodies from this size on are walked for their top-level keys instead of parsed: njs's
+// JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
+// small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
 var SCAN_FROM = 65536;
+// What a walk may visit outside strings (strings are skipped by Buffer.indexOf, natively):
+// past it the body is refused 413 (router_too_complex) rather than a worker held. About
+// 4 ms a MiB in njs 0.7.9; a chat of ten thousand messages visits well under a MiB.
+var SCAN_STEPS = 8 * 1048576;
 
 function space(c) {
     return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
 }
 
-// The value of the one `"model": "..."` in a large JSON body, or undefined when there is not
-// exactly one (or it is not a plain string): then the body is parsed. An unescaped "model"
-// followed by ':' is a key (inside a JSON string a quote is escaped); when the body has one
-// such key, it is the top-level one.
-function scanModel(body) {
-    var start = 0, found, count = 0, at, i, end;
-    while (start < body.length && space(body[start])) {
-        start++;
-    }
-    if (body[start] !== 0x7b) {
-        return undefined;
-    }
-    for (at = body.indexOf('"model"'); at >= 0; at = body.indexOf('"model"', at + 7)) {
-        for (i = at + 7; i < body.length && space(body[i]); i++) {}
-        if (body[i] !== 0x3a) {
-            continue;
+// The index after the string whose opening quote is at i (-1: unterminated).
+function skipString(body, i) {
+    var j = i + 1, k, slashes;
+    for (;;) {
+        j = body.indexOf('"', j);
+        if (j < 0) {
+            return -1;
         }
-        for (i++; i < body.length && space(body[i]); i++) {}
-        count++;
-        found = undefined;
-        if (body[i] === 0x22) {
-            end = body.indexOf('"', i + 1);
-            if (end > i && end - i <= 256) {
-                found = body.slice(i + 1, end).toString();
-                if (found.indexOf('\\') >= 0) {
-                    found = undefined;
-                }
-            }
+        for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
+            slashes++;
         }
+        if (slashes % 2 === 0) {
+            return j + 1;
+        }
+        j++;
     }
-    return count === 1 ? found : undefined;
 }
 
-// Whether a large body's one `"stream"` key is `true` (as scanModel: not parsed).
-function scanStream(body) {
-    var count = 0, value = false, at, i;
-    for (at = body.indexOf('"stream"'); at >= 0; at = body.indexOf('"stream"', at + 8)) {
-        for (i = at + 8; i < body.length && space(body[i]); i++) {}
-        if (body[i] !== 0x3a) {
-            continue;
+// The top-level keys `model` and `stream` of a JSON object in BODY, read as the serve's
+// json.loads reads them (Starlette's Request.json: escapes decoded, a key given twice is its
+// last value), without parsing the rest: {model, stream} (model undefined when the body
+// has none), or {error: [status, message, code]}. Nested values are walked by their
+// brackets (a key inside them is not the body's), strings skipped whole.
+function topLevel(body) {
+    var n = body.length, i = 0, steps = 0, found = {model: undefined, stream: false};
+    var key, end, c, depth, v;
+    function ws() {
+        while (i < n && space(body[i])) {
+            i++;
         }
-        for (i++; i < body.length && space(body[i]); i++) {}
-        count++;
-        value = body.slice(i, i + 4).toString() === 'true';
     }
-    return count === 1 && value;
+    function bad(what) {
+        return {error: [400, 'the request body is not valid JSON: ' + what + ' at byte ' + i,
+                        'invalid_json']};
+    }
+    if (body.indexOf(0) >= 0) {
+        // UTF-16 or 32 (json.loads would detect them): the router reads UTF-8 only
+        return {error: [400, 'the request body is not UTF-8 JSON (a NUL byte)', 'invalid_json']};
+    }
+    ws();
+    if (body[i] !== 0x7b) {
+        return {error: [400, 'the request body is not a JSON object', 'invalid_json']};
+    }
+    i++;
+    ws();
+    if (body[i] === 0x7d) {
+        i++;
+    } else {
+        for (;;) {
+            ws();
+            if (body[i] !== 0x22) {
+                return bad('a key expected');
+            }
+            end = skipString(body, i);
+            if (end < 0) {
+                return bad('an unterminated key');
+            }
+            key = end - i <= 64 ? body.slice(i + 1, end - 1).toString() : null;
+            if (key !== null && key.indexOf('\\') >= 0) {
+                try {
+                    key = JSON.parse('"' + key + '"');
+                } catch (e) {
+                    return bad('a bad escape in a key');
+                }
+            }
+            i = end;
+            ws();
+            if (body[i] !== 0x3a) {
+                return bad("':' expected");
+            }
+            i++;
+            ws();
+            v = i;
+            c = body[i];
+            if (c === 0x22) {
+                end = skipString(body, i);
+                if (end < 0) {
+                    return bad('an unterminated string');
+                }
+                i = end;
+            } else if (c === 0x7b || c === 0x5b) {
+                depth = 0;
+                do {
+                    c = body[i];
+                    if (c === 0x22) {
+                        end = skipString(body, i);
+                        if (end < 0) {
+                            return bad('an unterminated string');
+                        }
+                        i = end;
+                        continue;
+                    }
+                    if (c === 0x7b || c === 0x5b) {
+                        depth++;
+                    } else if (c === 0x7d || c === 0x5d) {
+                        depth--;
+                    } else if (c === undefined) {
+                        return bad('an unterminated ' + (body[v] === 0x7b ? 'object' : 'array'));
+                    }
+                    i++;
+                    if (++steps > SCAN_STEPS) {
+                        return {error: [413, 'the request body has more structure than the ' +
+                                        'router reads (' + SCAN_STEPS + ' bytes outside ' +
+                                        'strings): send fewer, larger parts', 'too_complex']};
+                    }
+                } while (depth > 0);
+            } else {
+                while (i < n && body[i] !== 0x2c && body[i] !== 0x7d && !space(body[i])) {
+                    i++;
+                }
+                if (i === v) {
+                    return bad('a value expected');
+                }
+            }
+            if (key === 'model') {
+                if (body[v] === 0x22 && i - v <= 2048) {
+                    try {
+                        found.model = JSON.parse(body.slice(v, i).toString());
+                    } catch (e) {
+                        return bad('a bad "model" string');
+                    }
+                } else {
+                    // not a string (or longer than any name): the usual 400 or 404
+                    found.model = body[v] === 0x22 ? body.slice(v + 1, v + 2049).toString() :
+                        body.slice(v, Math.min(i, v + 16)).toString() === 'null' ? null : 0;
+                }
+            } else if (key === 'stream') {
+                found.stream = body.slice(v, i).toString() === 'true';
+            }
+            ws();
+            if (body[i] === 0x2c) {
+                i++;
+                continue;
+            }
+            if (body[i] === 0x7d) {
+                i++;
+                break;
+            }
+            return bad("',' or '}' expected");
+        }
+    }
+    ws();
+    if (i !== n) {
+        return bad('extra data after the object');
+    }
+    return found;
 }
 
 function levenshtein(a, b) {
@@ -138,7 +243,8 @@ function keyOf(r) {
     }
     var auth = r.headersIn['Authorization'] || '';
     var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
-    var key = m ? CONFIG.keys[crypto.createHash('sha256').update(m[1]).digest('hex')] : undefined;
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    var key = m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
     if (key === undefined) {
         r.headersOut['WWW-Authenticate'] = 'Bearer';
         fail(r, 401, m ? 'Incorrect API key provided' :
@@ -146,6 +252,24 @@ function keyOf(r) {
         return null;
     }
     return key;
+}
+
+// Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
+// client's address (on loopback every local client is addr:127.0.0.1).
+function requesterOf(r, key) {
+    return key.name || 'addr:' + r.remoteAddress;
+}
+
+// The key's check before a routed request's body is read (an auth_request subrequest: 204
+// or 401, which the router answers in OpenAI's shape without reading the body).
+function auth(r) {
+    if (CONFIG.keys === null) {
+        r.return(204);
+        return;
+    }
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    r.return(m && CONFIG.keys.hasOwnProperty(digest) ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -170,14 +294,17 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    // stream: true, false, or null when a large body was not parsed (looked through for
-    // "stream" only when it matters: each look through 900 KiB costs njs about 2 ms)
     var model, stream = false;
     if (type.indexOf('multipart/form-data') === 0) {
         model = formModel(body);
-    } else if (body.length >= SCAN_FROM && (model = scanModel(body)) !== undefined) {
-        // found without parsing (a malformed large body is the serve's to refuse)
-        stream = null;
+    } else if (body.length >= SCAN_FROM) {
+        var top = topLevel(body);
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return;
+        }
+        model = top.model;
+        stream = top.stream;
     } else {
         var doc;
         try {
@@ -202,7 +329,8 @@ function route(r) {
         return;
     }
     var entry = CONFIG.models.hasOwnProperty(model) ? CONFIG.models[model] : undefined;
-    if (entry === undefined) {
+    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+    if (entry === undefined || !allows(key, model)) {
         var close = closeNames(model, key);
         fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
              (close.length ? '; did you mean ' + close.map(function (n) {
@@ -210,16 +338,11 @@ function route(r) {
              ' (GET /v1/models lists them)', 'model_not_found', 'model');
         return;
     }
-    if (!allows(key, model)) {
-        fail(r, 403, 'key ' + key.name + ' may not use model ' + JSON.stringify(model),
-             'model_not_allowed', 'model');
-        return;
-    }
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
-    if (entry.ensure && CONFIG.loading_feedback_s > 0 &&
-            (stream === null ? scanStream(body) : stream)) {
+    r.variables.router_requester = requesterOf(r, key);
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
         r.internalRedirect('@router_loading');
         return;
@@ -227,8 +350,12 @@ function route(r) {
     r.internalRedirect(entry.location);
 }
 
-// The 503 of a refusal: gpud's reason (its X-Gpud-Reason, OpenAI's error shape) under
-// error.gpud.
+// gpud's code of an ensure refused because its requester (or everyone) has as many
+// requests waiting as gpud keeps (gpud.api._too_many_waiting): the router's 429.
+var TOO_MANY_WAITING = 'too-many-requests';
+
+// The 503 (429 when the requester waits too much already) of a refusal: gpud's reason (its
+// X-Gpud-Reason, OpenAI's error shape) under error.gpud.
 function refusal(r, reason) {
     var message = 'refused by gpud', details = null;
     try {
@@ -238,10 +365,16 @@ function refusal(r, reason) {
     } catch (e) {
         // no reason given
     }
-    return {error: {
+    if (details !== null && details.code === TOO_MANY_WAITING) {
+        return {status: 429, doc: {error: {
+            message: 'model ' + JSON.stringify(r.variables.router_model) + ': ' + message,
+            type: 'rate_limit_error', param: null, code: 'rate_limit_exceeded',
+            gpud: details}}};
+    }
+    return {status: 503, doc: {error: {
         message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
                  r.variables.router_serve + ') cannot be brought up: ' + message,
-        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}};
+        type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
 }
 
 // Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
@@ -274,16 +407,16 @@ function loading(r, model, entry) {
         clearTimeout(timer);
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
         if (reply.status === 403) {
-            var doc = refusal(r, reply.headersOut['X-Gpud-Reason']);
+            var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
             if (!sent) {
                 r.headersOut['Retry-After'] = reply.headersOut['Retry-After'] ||
                     String(CONFIG.retry_after_s);
                 r.headersOut['Content-Type'] = 'application/json';
-                r.return(503, JSON.stringify(doc));
+                r.return(refused.status, JSON.stringify(refused.doc));
                 return;
             }
             r.variables.router_sse = 'refused';
-            r.send('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n');
+            r.send('data: ' + JSON.stringify(refused.doc) + '\n\ndata: [DONE]\n\n');
         } else if (!sent) {
             r.internalRedirect(entry.location + '_direct');
             return;
@@ -362,7 +495,8 @@ function model(r) {
 function refused(r) {
     r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(503, JSON.stringify(refusal(r, r.variables.router_reason)));
+    var refused = refusal(r, r.variables.router_reason);
+    r.return(refused.status, JSON.stringify(refused.doc));
 }
 
 // The serve did not answer (stopped, starting, restarting; gpud down and the serve not up).
@@ -440,5 +574,5 @@ function limited(r) {
         gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
 }
 
-export default {route, models, model, refused, down, streamed, streamDown, loadingStream,
+export default {route, auth, models, model, refused, down, streamed, streamDown, loadingStream,
                 limited};
