@@ -190,7 +190,7 @@ class Daemon:
         from gpud.metrics import render
         from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
-        from gpud.router import RouterLog
+        from gpud.router import KeyShares, RouterLog
         from gpud.store import Store
         from gpud.traffic import Traffic
 
@@ -231,7 +231,8 @@ class Daemon:
             # preemptions drain first (gpud.traffic).
             traffic = Traffic(svc, supervisor.serve_http)
             supervisor.sleeps.traffic = traffic
-            on_demand = OnDemand(svc, supervisor, traffic=traffic)
+            on_demand = OnDemand(svc, supervisor, traffic=traffic,
+                                 share=KeyShares(lambda: svc.config))
             # What a request through the front waits on: a stored state, a serve's life, a drain.
             svc.watch_states(on_demand.changed)
             supervisor.watch_lives(on_demand.changed)

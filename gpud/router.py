@@ -16,6 +16,7 @@ from typing import Final
 
 from gpud.config import Config, DaemonConfig, routed
 from gpud.core.front import socket_path
+from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.router import (
     ApiKey,
     RoutedServe,
@@ -98,6 +99,38 @@ def load_keys(path: str, known: list[str], *, require_root: bool | None = None
     if problems:
         raise ConfigError(path, problems)
     return tuple(keys)
+
+
+class KeyShares:
+    """Each key's priority and weight in gpud's queue (keys.NAME.priority, .weight;
+    docs/router.md, "Who is asking"), read from router.api_keys_file again only when it
+    changed (its size and modification time). A requester that is no key (an address, or
+    keys off), or a file that cannot be read now: the defaults (the router keeps its last good
+    keys; the problem is the front sync's to report)."""
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config
+        self._seen: tuple[str, int, int] | None = None
+        self._shares: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, requester: str) -> tuple[int, float]:
+        cfg = self.config()
+        path = cfg.router.api_keys_file if cfg.router is not None else None
+        if path is None:
+            return KEY_PRIORITY, WEIGHT
+        try:
+            st = os.stat(path)
+        except OSError:
+            return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+        seen = (path, st.st_size, st.st_mtime_ns)
+        if seen != self._seen:
+            try:
+                keys = load_keys(path, [m for names in routed(cfg).values() for m in names])
+            except ConfigError:
+                return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+            self._seen = seen
+            self._shares = {k.name: (k.priority, k.weight) for k in keys}
+        return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
 
 
 def router_front(cfg: Config) -> RouterFront | None:

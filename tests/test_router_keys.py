@@ -9,11 +9,14 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from gpud.config import parse_config
 from gpud.core.router import KEY_SHARES, ApiKey, RoutedServe, RouterFront, http_lines, parse_keys
-from tests.test_router import RIG_TOKEN, Rig, _req, router_rig
+from gpud.router import KeyShares
+from tests.test_router import RIG_TOKEN, TOML, Rig, _req, router_rig
 
 KEYS = f"""\
 [keys.alice]
@@ -142,3 +145,22 @@ def test_requests_per_minute_answers_429_with_the_wait(limited: Rig) -> None:
 def test_keys_shares_reach_the_api_key() -> None:
     keys, _ = parse_keys(KEYS, ["a"])
     assert isinstance(keys[0], ApiKey) and keys[0].priority == -1
+
+
+def test_gpud_reads_each_keys_priority_and_weight_once_per_change(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS.replace('models = ["a"]', 'models = ["chat"]'))
+    keys.chmod(0o600)
+    cfg = parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
+                                    f'listen = "127.0.0.1:8000"\napi_keys_file = "{keys}"\n'),
+                       "t")
+    shares = KeyShares(lambda: cfg)
+    assert shares("alice") == (-1, 1.0) and shares("bob") == (0, 2.5)
+    # a requester that is no key (an address): the defaults
+    assert shares("addr:127.0.0.1") == (0, 1.0)
+    keys.write_text(KEYS.replace('models = ["a"]', 'models = ["chat"]').replace(
+        "priority = -1", "priority = -7  # changed"))
+    assert shares("alice") == (-7, 1.0)
+    # a file broken now: the last good shares are kept
+    keys.write_text("not toml [")
+    assert shares("alice") == (-7, 1.0)
