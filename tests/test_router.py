@@ -254,8 +254,8 @@ def rig() -> Iterator[Rig]:
 
 
 @contextlib.contextmanager
-def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = ()
-               ) -> Iterator[Rig]:
+def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
+               access_log: bool = False) -> Iterator[Rig]:
     """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
@@ -272,7 +272,8 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
-                         body_timeout_s=1, keys=keys)
+                         body_timeout_s=1, keys=keys,
+                         access_log=str(tmp / "access.log") if access_log else None)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),

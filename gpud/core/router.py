@@ -21,11 +21,12 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S
 from gpud.core.queue import Histogram
 from gpud.core.text import printable
+from gpud.core.usage import tokens
 
 # The client routes of vLLM (0.32/0.33: vllm/entrypoints/**/api_router.py) whose request names
 # its model in the body, carried to the serve named: JSON bodies, or multipart forms with a
@@ -77,6 +78,14 @@ LOG_FIELDS: Final = (
     ("upstream_s", "$upstream_response_time"),
     ("ensure_s", "$router_ensure_s"),
     ("sse", "$router_sse"),
+)
+# The access log's fields of usage per key (gpud.core.usage): the key's name, when the request
+# ended (Unix time, ms), and the tokens of the serve's own `usage` (router.js `meter`; "" none).
+USAGE_FIELDS: Final = (
+    ("key", "$router_key"),
+    ("ts", "$msec"),
+    ("prompt_tokens", "$router_prompt_tokens"),
+    ("completion_tokens", "$router_completion_tokens"),
 )
 # Idle keepalive connections to each serve (as the front's).
 KEEPALIVE: Final = 32
@@ -443,6 +452,10 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
+# The serve's own usage read as its answer passes (router.js `meter`; gpud.core.usage).
+METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
+
+
 def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str]:
     lines = [f"        location {serve.location} {{", *limits]
     if serve.ensure_timeout_s is not None:
@@ -458,6 +471,7 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   *(["            error_page 429 = @router_limited;"] if limits else []),
                   f"            error_page 500 = {serve.location}_direct;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
+              METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
         lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
@@ -475,6 +489,7 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   "        }",
                   f"        location {serve.location}_direct {{",
                   f"            proxy_pass http://{serve.upstream};",
+                  METER,
                   "        }",
                   # A stream that waited with loading feedback (the script's SSI include,
                   # a subrequest: its answer goes into the stream the script began): the
@@ -503,9 +518,11 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_key;",
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
-           "    js_var $router_sse;"]
+           "    js_var $router_sse;",
+           "    js_var $router_prompt_tokens;",
+           "    js_var $router_completion_tokens;"]
     if router.access_log is not None:
-        fields = ",".join(f'"{name}":"{var}"' for name, var in LOG_FIELDS)
+        fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
     out += limit_zones(router.keys or ())
     out += [f"    upstream {GPUD_UPSTREAM} {{",
@@ -670,6 +687,12 @@ class Answered:
     serve: str
     status_class: str
     overhead_s: float | None
+    # usage per key (USAGE_FIELDS; gpud.core.usage): "" without a key; None: not in the line
+    key: str = ""
+    status: int = 0
+    ts: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
@@ -697,7 +720,21 @@ def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
     if upstream is not None and request is not None and not sse:
         # nginx times at millisecond resolution: so is the difference
         overhead = max(0.0, round(request - upstream - (_seconds(doc["ensure_s"]) or 0.0), 3))
-    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead)
+    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead,
+                    **_usage_fields(doc, status))
+
+
+def _usage_fields(doc: Mapping[str, object], status: int) -> dict[str, Any]:
+    """The USAGE_FIELDS of a log line (absent in a line of an older config: none)."""
+    got = {k: v if isinstance(v, str) else "" for k, v in
+           ((k, doc.get(k)) for k, _ in USAGE_FIELDS)}
+    try:
+        ts: float | None = float(got["ts"])
+    except ValueError:
+        ts = None
+    return {"key": got["key"][:MAX_REQUESTER], "status": status, "ts": ts,
+            "prompt_tokens": tokens(got["prompt_tokens"]),
+            "completion_tokens": tokens(got["completion_tokens"])}
 
 
 @dataclass

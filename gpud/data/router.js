@@ -506,6 +506,34 @@ function down(r) {
          (r.variables.router_serve || '?') + ' is not running', 'model_not_running');
 }
 
+// Usage (docs/router.md, "Who is asking"; gpud.core.usage): the serve's own `usage`, read as
+// its answer passes (a body filter: each buffer passed on at once, untouched): the last
+// "prompt_tokens" and "completion_tokens" of the answer (a non-streamed answer's usage, a
+// stream's last chunk when it carries one), for the access log. Unescaped, `"prompt_tokens"`
+// is a key (inside a JSON string a quote is escaped). The last bytes of each buffer are kept
+// for a key or number split between two. An answer without usage leaves them "" (counted,
+// never invented).
+var meterTail = '';
+function meterScan(r, data) {
+    var whole = data.indexOf('_tokens"') >= 0;
+    var text = meterTail + (whole ? data.toString() : data.slice(0, 64).toString());
+    meterTail = data.length > 64 ? data.slice(data.length - 64).toString() : text.slice(-64);
+    if (text.indexOf('_tokens"') < 0) {
+        return;
+    }
+    var re = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})/g, m;
+    while ((m = re.exec(text)) !== null) {
+        r.variables['router_' + m[1] + '_tokens'] = m[2];
+    }
+}
+
+function meter(r, data, flags) {
+    r.sendBuffer(data, flags);
+    if (data.length > 0 || meterTail !== '') {
+        meterScan(r, data);
+    }
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -514,6 +542,7 @@ var held = '';
 function streamed(r, data, flags) {
     if (r.status < 400) {
         r.sendBuffer(data, flags);
+        meterScan(r, data);
         return;
     }
     held += data;
@@ -575,4 +604,4 @@ function limited(r) {
 }
 
 export default {route, auth, models, model, refused, down, streamed, streamDown, loadingStream,
-                limited};
+                limited, meter};
