@@ -86,8 +86,11 @@ what health pollers, curl and OpenAI clients use: Content-Length bodies and keep
 from __future__ import annotations
 
 import argparse
+import array
+import binascii
 import collections
 import contextlib
+import heapq
 import io
 import itertools
 import json
@@ -100,6 +103,7 @@ import socketserver
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from types import FrameType
@@ -146,7 +150,13 @@ ENGINE_DEATH_EXIT_S: Final = 5.0
 REDUNDANCY_BUFFER_MIB: Final = 150
 MIB: Final = 1 << 20
 DEFAULT_MAX_MODEL_LEN: Final = 4096
-MAX_BODY: Final = 1 << 20
+# vllm/engine/arg_utils.py:2949-2952 (vllm 0.32.0): max_num_seqs for the OpenAI server on a
+# device under 70 GiB (1024 on larger ones), when --max-num-seqs is not given
+DEFAULT_MAX_NUM_SEQS: Final = 256
+# vllm/config/scheduler.py:21 SchedulerPolicy; vllm/config/model.py RunnerOption, ConvertOption
+SCHEDULING_POLICIES: Final = ("fcfs", "priority")
+RUNNERS: Final = ("auto", "generate", "pooling", "draft")
+CONVERTS: Final = ("auto", "none", "embed", "classify")
 MAX_HEADERS: Final = 100
 MAX_LINE: Final = 65536
 KEEPALIVE_TIMEOUT_S: Final = 75.0
@@ -217,6 +227,18 @@ class Options(NamedTuple):
     # --disable-...) or --kv-cache-memory-bytes (vllm/config/vllm.py:3180-3269 of 0.34.0)
     extensible_kv_cache: bool = False
     sleep_delay_s: float = 0.0
+    # vLLM's scheduler: at most this many requests run at once, the rest wait in the policy's
+    # order (vllm/config/scheduler.py: max_num_seqs, policy "fcfs" | "priority")
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    # vLLM's --runner ("generate" or "pooling"; "auto" is generate: the stand-in's model is
+    # a generator unless told) and --convert ("embed" or "classify" for a pooling serve)
+    runner: str = "generate"
+    convert: str = "embed"
+    # the width of a pooling serve's embeddings (a model's hidden size: 1024 for bge-m3)
+    embedding_width: int = 256
+    # the model is a speech-to-text one (Whisper's kind): the audio routes answer
+    audio: bool = False
 
 
 def compute_draw_mib(
@@ -414,6 +436,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
@@ -458,6 +487,12 @@ def _parser() -> argparse.ArgumentParser:
     # vllm/entrypoints/openai/api_server.py setup_server: with args.uds, a plain bind of a
     # Unix socket (create_server_unix_socket) instead of (host, port).
     p.add_argument("--uds", default=None, metavar="PATH")
+    # vLLM's scheduler and model runner, honoured (see _Engine and App)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS,
+                   metavar="N")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    p.add_argument("--runner", choices=RUNNERS, default="auto")
+    p.add_argument("--convert", choices=CONVERTS, default="auto")
     sim = p.add_argument_group("simulation")
     sim.add_argument("--draw-mib", type=_non_negative_int, default=None, metavar="N")
     sim.add_argument("--weights-mib", type=_non_negative_int, default=None, metavar="N",
@@ -475,6 +510,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--sleep-delay-s", type=_seconds, default=0.0, metavar="S",
                      help="how long a sleep of level 1 or 2 takes once the engine is paused "
                           "(vLLM's copies or drops the weights: seconds for a large model)")
+    sim.add_argument("--embedding-width", type=_positive_int, default=256, metavar="N",
+                     help="of a pooling serve's embeddings (its model's hidden size)")
+    sim.add_argument("--audio", action="store_true",
+                     help="a speech-to-text model: /v1/audio/transcriptions and "
+                          "/v1/audio/translations answer")
     sim.add_argument("--startup-delay", type=_seconds, default=0.0, metavar="S",
                      help="the model's load time: no listening socket until it is over")
     faults = p.add_argument_group("fault injection")
@@ -556,6 +596,13 @@ def parse_args(argv: Sequence[str]) -> Options:
         echo_argv=ns.echo_argv,
         vllm_args=tuple(rest),
         vllm_version=version,
+        max_num_seqs=ns.max_num_seqs,
+        scheduling_policy=ns.scheduling_policy,
+        runner="pooling" if ns.runner == "pooling" or ns.convert in ("embed", "classify")
+        else "generate",
+        convert="classify" if ns.convert == "classify" else "embed",
+        embedding_width=ns.embedding_width,
+        audio=ns.audio,
         extensible_kv_cache=(version == V034 and ns.kv_cache_memory_bytes is None
                              and _last_extensible_flag(rest) != "off"),
     )
@@ -719,9 +766,12 @@ def _read_request(rfile: io.BufferedIOBase) -> tuple[Request, bool] | None:
     length_text = headers.get("content-length", "0")
     if not (length_text.isascii() and length_text.isdigit()):
         raise _BadRequest(400, "bad Content-Length")
+    # No limit on the body's size, as vLLM has none (vllm 0.32.0): its uvicorn's h11 bounds an
+    # incomplete event, the header block, at --h11-max-incomplete-event-size (4 MiB,
+    # vllm/entrypoints/launchers/utils/constants.py:6, set in launchers/launcher.py:209-222),
+    # while a Content-Length body comes as Data events of any total; FastAPI reads it whole.
+    # An OCR page in base64 (a few MiB) or an audio file is an ordinary request.
     length = int(length_text)
-    if length > MAX_BODY:
-        raise _BadRequest(413, "body over 1 MiB")
     body = rfile.read(length) if length else b""
     if len(body) != length:
         return None
@@ -795,8 +845,9 @@ class _Handler(socketserver.StreamRequestHandler):
                         # the engine aborted it (a sleep's mode=abort): its last chunk says so
                         event = resp.flight.abort_event
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                        event = b"data: [DONE]\n\n"
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        event = resp.flight.last
+                        if event:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                         break
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                     self.wfile.flush()
@@ -852,24 +903,41 @@ class _UnixServer(socketserver.ThreadingUnixStreamServer):
 
 
 class _Engine:
-    """The engine's scheduler as far as requests go: running, waiting (held while paused), and
-    the pause a sleep puts it in."""
+    """The engine's scheduler as far as requests go: running (at most ``--max-num-seqs``),
+    waiting (in line for a place, or held while paused), and the pause a sleep puts it in.
 
-    def __init__(self) -> None:
+    vLLM's scheduler (vllm 0.32.0, vllm/v1/core/sched/scheduler.py): a waiting request enters
+    RUNNING only while ``len(self.running) < self.max_num_running_reqs`` (= max_num_seqs, :129);
+    the waiting queue is ``create_request_queue(policy)`` (v1/core/sched/request_queue.py:200):
+    ``FCFSRequestQueue`` (a deque, appended: arrival order, the request's priority ignored) or
+    ``PriorityRequestQueue`` (a heap ordered by ``Request.__lt__``, v1/request.py:357: lower
+    ``priority`` first, then earlier arrival). A running request is preempted only when the KV
+    cache runs out (scheduler.py:795), which the stand-in's never does: a place once taken is
+    kept to the request's end."""
+
+    def __init__(self, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 policy: str = "fcfs") -> None:
         self.cond = threading.Condition()
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
         self.running = 0
-        self.waiting = 0
+        # (priority, arrival): the head is the next to run (priority 0 for all under fcfs)
+        self.queue: list[tuple[int, int]] = []
+        self._arrivals = itertools.count()
         self.paused = False
         self.abort_epoch = 0  # raised by each mode=abort: every request begun before it ends
 
-    def admit(self) -> int:
-        """A request enters the engine: held (waiting) while paused. Returns its epoch."""
+    def admit(self, priority: int = 0) -> int:
+        """A request enters the engine: it waits for a place (in its policy's order), and is
+        held while paused. Returns its epoch."""
         with self.cond:
-            self.waiting += 1
-            while self.paused:
+            ticket = (priority if self.policy == "priority" else 0, next(self._arrivals))
+            heapq.heappush(self.queue, ticket)
+            while self.paused or self.running >= self.max_num_seqs or self.queue[0] != ticket:
                 self.cond.wait()
-            self.waiting -= 1
+            heapq.heappop(self.queue)
             self.running += 1
+            self.cond.notify_all()  # the next in line may have a place too
             return self.abort_epoch
 
     def end(self) -> None:
@@ -896,16 +964,18 @@ class _Engine:
 
     def counts(self) -> tuple[int, int]:
         with self.cond:
-            return self.running, self.waiting
+            return self.running, len(self.queue)
 
 
 class _Flight:
     """One streamed generation in the engine."""
 
-    def __init__(self, engine: _Engine, epoch: int, abort_event: bytes) -> None:
+    def __init__(self, engine: _Engine, epoch: int, abort_event: bytes,
+                 last: bytes = b"data: [DONE]\n\n") -> None:
         self.engine = engine
         self.epoch = epoch
         self.abort_event = abort_event
+        self.last = last  # what follows the abort event (OpenAI's [DONE]; nothing for Anthropic)
         self._ended = False
 
     def aborted(self) -> bool:
@@ -919,6 +989,9 @@ class _Flight:
 
 # ---------------------------------------------------------------------------------------------
 # The application: what each endpoint answers, from the options and the clock.
+
+
+_Route = tuple[tuple[str, ...], Callable[["Request"], "Response"]]
 
 
 class App:
@@ -945,7 +1018,7 @@ class App:
         self.weights = "loaded"
         # Set by the main process: tells the engine child to sleep (level) or wake (None).
         self.on_sleep: Callable[[int | None], None] | None = None
-        self.engine = _Engine()
+        self.engine = _Engine(opts.max_num_seqs, opts.scheduling_policy)
         self._ids = itertools.count(1)
         Route = tuple[tuple[str, ...], Callable[[Request], Response]]
         self._routes: dict[str, Route] = {
@@ -953,11 +1026,13 @@ class App:
             "/ping": (("GET", "HEAD", "POST"), self._health),
             "/version": (("GET", "HEAD"), self._version),
             "/v1/models": (("GET", "HEAD"), self._models),
-            "/v1/completions": (("POST",), self._completions),
-            "/v1/chat/completions": (("POST",), self._chat),
+            # the tokenizer's routes, on every serve (serve/__init__.py:36-40)
+            "/tokenize": (("POST",), self._tokenize),
+            "/detokenize": (("POST",), self._detokenize),
             "/standin/state": (("GET", "HEAD"), self._state),
             "/metrics": (("GET",), self._metrics),
         }
+        self._routes.update(self._client_routes(opts))
         if echo is not None:
             self._routes["/standin/argv"] = (("GET", "HEAD"), lambda _req: _json(200, echo))
         if dev_mode(os.environ):
@@ -974,6 +1049,30 @@ class App:
             self._routes["/checkpoint/prepare"] = (("POST",), self._checkpoint_prepare)
             self._routes["/checkpoint/restore"] = (("POST",), self._checkpoint_restore)
             self._routes["/checkpoint/status"] = (("GET",), self._checkpoint_status)
+
+    def _client_routes(self, opts: Options) -> dict[str, _Route]:
+        """The routes of the serve's kind (see the note above _open)."""
+        post: tuple[str, ...] = ("POST",)
+        routes: dict[str, _Route]
+        if opts.runner == "pooling":
+            routes = {path: (post, self._score) for path in ("/score", "/v1/score")}
+            routes.update({path: (post, self._rerank)
+                           for path in ("/rerank", "/v1/rerank", "/v2/rerank")})
+            if opts.convert == "embed":
+                routes["/v1/embeddings"] = (post, self._embeddings)
+            return routes
+        routes = {
+            "/v1/completions": (post, self._completions),
+            "/v1/chat/completions": (post, self._chat),
+            "/v1/responses": (post, self._responses),
+            "/v1/messages": (post, self._messages),
+            "/v1/messages/count_tokens": (post, self._count_tokens),
+        }
+        if opts.audio:
+            routes["/v1/audio/transcriptions"] = (post, self._transcription)
+            routes["/v1/audio/translations"] = (
+                post, lambda req: self._transcription(req, translate=True))
+        return routes
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started_monotonic
@@ -1174,6 +1273,39 @@ class App:
             },
         )
 
+    # ---- the client routes, in vLLM 0.32.0's shapes (paths under vllm/entrypoints/) -------
+    # Which routes a serve has follows vLLM's launchers/api_server/routers.py
+    # register_api_routers: the tokenizer's always (serve/__init__.py:36-40); a generator's
+    # chat, completions, responses and messages (generate/api_router.py
+    # register_generate_api_routers); a pooling serve's embeddings (an "embed" model) and score
+    # and rerank (pooling/factories.py register_pooling_api_routers, pooling/utils.py:232
+    # enable_scoring_api: embed models and cross-encoders); the audio routes for a
+    # speech-to-text model only. A route the serve does not have is FastAPI's 404.
+
+    def _open(self, req: Request, error: Callable[[int, str, str], Response] | None = None
+              ) -> dict[str, Any] | Response:
+        """The request's JSON object, its `model` one served here (vLLM's check_model,
+        serve/engine/serving.py:213) and its `priority` an integer; else the error vLLM
+        answers, in the route's error shape."""
+        fail = error or _openai_error
+        if self.health().status != 200:
+            return fail(503, "ServiceUnavailableError", "the stand-in is not ready")
+        try:
+            payload = json.loads(req.body or b"{}")
+        except ValueError:
+            return fail(400, "BadRequestError", "the body is not JSON")
+        if not isinstance(payload, dict):
+            return fail(400, "BadRequestError", "the body must be a JSON object")
+        if payload.get("model") is None:
+            payload["model"] = self.opts.served_model_names[0]
+        model = payload["model"]
+        if model not in self.opts.served_model_names:
+            return fail(404, "NotFoundError", f"The model `{model}` does not exist.")
+        priority = payload.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return fail(400, "BadRequestError", "priority must be an integer")
+        return payload
+
     def _completions(self, req: Request) -> Response:
         return self._generate(req, chat=False)
 
@@ -1181,41 +1313,36 @@ class App:
         return self._generate(req, chat=True)
 
     def _generate(self, req: Request, *, chat: bool) -> Response:
-        if self.health().status != 200:
-            return _openai_error(503, "ServiceUnavailableError", "the stand-in is not ready")
-        try:
-            payload = json.loads(req.body or b"{}")
-        except ValueError:
-            return _openai_error(400, "BadRequestError", "the body is not JSON")
-        if not isinstance(payload, dict):
-            return _openai_error(400, "BadRequestError", "the body must be a JSON object")
-        model = payload.get("model", self.opts.served_model_names[0])
-        if model not in self.opts.served_model_names:
-            return _openai_error(404, "NotFoundError", f"The model `{model}` does not exist.")
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        count = _max_tokens(payload, "max_tokens")
+        if count is None:
+            return _openai_error(400, "BadRequestError", "max_tokens must be a positive integer")
+        prompt = _chat_prompt(payload.get("messages")) if chat else _completion_prompt(payload)
+        if isinstance(prompt, str):
+            return _openai_error(400, "BadRequestError", prompt)
+        model = payload["model"]
+        usage_on = (isinstance(payload.get("stream_options"), dict)
+                    and payload["stream_options"].get("include_usage") is True)
+        # held here while the engine is paused (asleep) or full, as vLLM's scheduler holds it
+        epoch = self.engine.admit(payload.get("priority", 0))
         stream = bool(payload.get("stream"))
+        words, finish = self._answer(prompt, count,
+                                     fill=stream or payload.get("ignore_eos") is True)
         if stream:
-            count = payload.get("max_tokens", 16)
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-                return _openai_error(400, "BadRequestError",
-                                     "max_tokens must be a positive integer")
-        # held here while the engine is paused (asleep), as vLLM queues it
-        epoch = self.engine.admit()
-        text = f"[{PROGRAM} echo] {_prompt_text(payload, chat=chat)}"
-        if self.weights != "loaded":
-            text = f"[{PROGRAM}: weights {self.weights}, the answer is garbage]"
-        if stream:
-            return self._stream(payload, model, text, chat=chat, epoch=epoch)
-        self.engine.end()
-        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return self._stream(model, words, prompt, chat=chat, epoch=epoch, usage=usage_on)
+        self._spend(words)
+        text = " ".join(words)
         if chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
+                "finish_reason": finish,
             }
             kind, prefix = "chat.completion", "chatcmpl"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             kind, prefix = "text_completion", "cmpl"
         return _json(
             200,
@@ -1225,59 +1352,610 @@ class App:
                 "created": int(time.time()),
                 "model": model,
                 "choices": [choice],
-                "usage": usage,
+                "usage": _usage(prompt.tokens, len(words)),
             },
         )
 
+    def _answer(self, prompt: Prompt, count: int, *, fill: bool = False) -> tuple[list[str], str]:
+        """What the stand-in's model generates, a word a token, and its finish_reason: its echo
+        of the prompt's last text, then its end of sequence ("stop"), cut at `count` tokens
+        ("length"); with `fill` (a stream, or `ignore_eos`: vLLM's SamplingParams) the echo
+        repeated up to `count` tokens, as a model that never ends would ("length")."""
+        text = f"[{PROGRAM} echo] {prompt.last}"
+        if self.weights != "loaded":
+            text = f"[{PROGRAM}: weights {self.weights}, the answer is garbage]"
+        words = text.split()
+        if fill:
+            return (words * count)[:count], "length"
+        return words[:count], "stop" if len(words) <= count else "length"
 
-    def _stream(self, payload: dict[str, Any], model: str, text: str, *,
-                chat: bool, epoch: int) -> Response:
-        """vLLM's streamed answer: `data: {chunk}` events, one per token (a word of the echo
-        here, `max_tokens` of them at most), then `data: [DONE]`; aborted by the engine: a last
-        chunk with finish_reason "abort", then `data: [DONE]`."""
-        count = payload.get("max_tokens", 16)
-        words = (text.split() * count)[:count]
+    def _spend(self, words: list[str]) -> None:
+        """A non-streamed answer: its tokens' time in the engine (--token-interval-s each),
+        its place held meanwhile, then the place freed."""
+        try:
+            if self.opts.token_interval_s:
+                time.sleep(self.opts.token_interval_s * len(words))
+        finally:
+            self.engine.end()
+
+    def _stream(self, model: str, words: list[str], prompt: Prompt, *, chat: bool, epoch: int,
+                usage: bool) -> Response:
+        """vLLM's streamed answer: `data: {chunk}` events, one per token, the last one with its
+        finish_reason; with stream_options.include_usage, a last chunk with no choices and the
+        usage (openai/chat_completion/serving.py, completion/serving.py); then `data: [DONE]`.
+        Aborted by the engine: a last chunk with finish_reason "abort", then `data: [DONE]`."""
         kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
         ident = f"{prefix}-standin-{os.getpid()}-{next(self._ids)}"
+        created = int(time.time())
         events = []
-        for word in words:
+        for i, word in enumerate(words):
+            finish = "length" if i == len(words) - 1 else None
             choice: dict[str, Any] = ({"index": 0, "delta": {"content": word + " "},
-                                       "finish_reason": None} if chat else
+                                       "finish_reason": finish} if chat else
                                       {"index": 0, "text": word + " ", "logprobs": None,
-                                       "finish_reason": None})
-            chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": model,
+                                       "finish_reason": finish})
+            chunk = {"id": ident, "object": kind, "created": created, "model": model,
                      "choices": [choice]}
+            events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if usage:
+            chunk = {"id": ident, "object": kind, "created": created, "model": model,
+                     "choices": [], "usage": _usage(prompt.tokens, len(words))}
             events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         events.append(b"data: [DONE]\n\n")
         last: dict[str, Any] = ({"index": 0, "delta": {}, "finish_reason": "abort"} if chat else
                                 {"index": 0, "text": "", "logprobs": None,
                                  "finish_reason": "abort"})
-        abort = b"data: " + json.dumps({"id": ident, "object": kind, "created": int(time.time()),
+        abort = b"data: " + json.dumps({"id": ident, "object": kind, "created": created,
                                         "model": model, "choices": [last]}).encode() + b"\n\n"
         return Response(200, content_type="text/event-stream", events=tuple(events),
                         interval_s=self.opts.token_interval_s,
                         flight=_Flight(self.engine, epoch, abort))
 
+    def _responses(self, req: Request) -> Response:
+        """POST /v1/responses (openai/responses/api_router.py:48): ResponsesResponse
+        (openai/responses/protocol.py:789, from_request :882) with ResponseUsage (:102),
+        built as serving.py:879 builds it. Streaming it (its response.* events) is not
+        stood in for: refused with a 400 saying so."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        if payload.get("stream"):
+            return _openai_error(400, "BadRequestError",
+                                 "the stand-in does not stream /v1/responses (stream: false)")
+        count = _max_tokens(payload, "max_output_tokens")
+        if count is None:
+            return _openai_error(400, "BadRequestError",
+                                 "max_output_tokens must be a positive integer")
+        given = payload.get("input")
+        messages: Any = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        if isinstance(payload.get("instructions"), str):
+            messages = [{"role": "system", "content": payload["instructions"]},
+                        *(messages if isinstance(messages, list) else [])]
+        prompt = _chat_prompt(messages)
+        if isinstance(prompt, str):
+            return _openai_error(400, "BadRequestError", prompt)
+        self.engine.admit(payload.get("priority", 0))
+        words, finish = self._answer(prompt, count)
+        self._spend(words)
+        ident = next(self._ids)
+        cut = finish == "length"
+        return _json(200, {
+            "id": f"resp_standin{os.getpid()}x{ident}",
+            "created_at": int(time.time()),
+            # status "incomplete" with this reason when max_output_tokens ended it
+            # (protocol.py:897-899)
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": payload.get("instructions"),
+            "metadata": payload.get("metadata"),
+            "model": payload["model"],
+            "object": "response",
+            "output": [{
+                "id": f"msg_standin{os.getpid()}x{ident}",
+                "content": [{"annotations": [], "text": " ".join(words), "type": "output_text",
+                             "logprobs": None}],
+                "role": "assistant",
+                "status": "completed",
+                "type": "message",
+            }],
+            "parallel_tool_calls": payload.get("parallel_tool_calls", True),
+            "temperature": payload.get("temperature") or 1.0,
+            "tool_choice": payload.get("tool_choice", "auto"),
+            "tools": payload.get("tools", []),
+            "top_p": payload.get("top_p") or 1.0,
+            "background": bool(payload.get("background", False)),
+            "max_output_tokens": count,
+            "max_tool_calls": None,
+            "previous_response_id": payload.get("previous_response_id"),
+            "prompt": None,
+            "reasoning": None,
+            "service_tier": payload.get("service_tier", "auto"),
+            "status": "incomplete" if cut else "completed",
+            "text": None,
+            "top_logprobs": None,
+            "truncation": payload.get("truncation", "disabled"),
+            "usage": {
+                "input_tokens": prompt.tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                         "input_tokens_per_turn": [],
+                                         "cached_tokens_per_turn": []},
+                "output_tokens": len(words),
+                "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                          "output_tokens_per_turn": [],
+                                          "tool_output_tokens_per_turn": []},
+                "total_tokens": prompt.tokens + len(words),
+            },
+            "user": payload.get("user"),
+        })
 
-def _prompt_text(payload: dict[str, Any], *, chat: bool) -> str:
-    if chat:
-        messages = payload.get("messages")
-        if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
-            content = messages[-1].get("content")
-            return content if isinstance(content, str) else json.dumps(content)
-        return ""
+    def _messages(self, req: Request) -> Response:
+        """POST /v1/messages (anthropic/api_router.py:51): AnthropicMessagesResponse
+        (anthropic/protocol.py:380) dumped with exclude_none (api_router.py:82), AnthropicUsage
+        (:31); streamed as serving.py's events (message_start, content_block_start, a
+        content_block_delta a token, content_block_stop, message_delta with the stop reason and
+        usage, message_stop: `event: NAME` then `data: JSON`, no [DONE]); errors in Anthropic's
+        shape (api_router.py:39 translate_error_response)."""
+        payload = self._open(req, _anthropic_error)
+        if isinstance(payload, Response):
+            return payload
+        count = _max_tokens(payload, "max_tokens", required=True)
+        if count is None:
+            return _anthropic_error(400, "BadRequestError",
+                                    "max_tokens: a positive integer is required")
+        prompt = _anthropic_prompt(payload)
+        if isinstance(prompt, str):
+            return _anthropic_error(400, "BadRequestError", prompt)
+        model = payload["model"]
+        epoch = self.engine.admit(payload.get("priority", 0))
+        words, finish = self._answer(prompt, count, fill=bool(payload.get("stream")))
+        # anthropic/serving.py _to_anthropic_stop_reason: "stop" is end_turn, "length" max_tokens
+        stop = "max_tokens" if finish == "length" else "end_turn"
+        ident = f"msg_standin{os.getpid()}x{next(self._ids)}"
+        usage = {"input_tokens": prompt.tokens, "output_tokens": len(words)}
+        if not payload.get("stream"):
+            self._spend(words)
+            return _json(200, {"id": ident, "type": "message", "role": "assistant",
+                               "content": [{"type": "text", "text": " ".join(words)}],
+                               "model": model, "stop_reason": stop, "usage": usage})
+
+        def event(name: str, data: dict[str, Any]) -> bytes:
+            # anthropic/serving.py:142 wrap_data_with_event
+            return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+        events = [
+            event("message_start", {"type": "message_start", "message": {
+                "id": ident, "type": "message", "role": "assistant", "content": [],
+                "model": model, "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": prompt.tokens, "output_tokens": 0}}}),
+            event("content_block_start", {"type": "content_block_start", "index": 0,
+                                          "content_block": {"type": "text", "text": ""}}),
+            *(event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "text_delta",
+                                                      "text": word + " "}})
+              for word in words),
+            event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            event("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": stop,
+                                              "stop_sequence": None}, "usage": usage}),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+        abort = event("error", {"type": "error", "error": {
+            "type": "InternalServerError", "message": "the request was aborted"}})
+        return Response(200, content_type="text/event-stream", events=tuple(events),
+                        interval_s=self.opts.token_interval_s,
+                        flight=_Flight(self.engine, epoch, abort, last=b""))
+
+    def _count_tokens(self, req: Request) -> Response:
+        """POST /v1/messages/count_tokens (anthropic/api_router.py:89):
+        AnthropicCountTokensResponse (protocol.py:447) with exclude_none: input_tokens."""
+        payload = self._open(req, _anthropic_error)
+        if isinstance(payload, Response):
+            return payload
+        prompt = _anthropic_prompt(payload)
+        if isinstance(prompt, str):
+            return _anthropic_error(400, "BadRequestError", prompt)
+        return _json(200, {"input_tokens": prompt.tokens})
+
+    def _tokenize(self, req: Request) -> Response:
+        """POST /tokenize (serve/tokenize/api_router.py:35): a `prompt` or chat `messages`
+        (TokenizeCompletionRequest, TokenizeChatRequest, protocol.py:20, :46); TokenizeResponse
+        (:157). The stand-in's tokenizer: a token per UTF-8 byte, ids 0..255 (the chat template
+        `role: content` lines, then `assistant:`, the tiny test model's)."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        if "messages" in payload:
+            prompt = _chat_prompt(payload["messages"],
+                                  generation=payload.get("add_generation_prompt", True))
+            if isinstance(prompt, str):
+                return _openai_error(400, "BadRequestError", prompt)
+            tokens = list(prompt.text.encode())
+        elif isinstance(payload.get("prompt"), str):
+            tokens = list(payload["prompt"].encode())
+        else:
+            return _openai_error(400, "BadRequestError",
+                                 'give a "prompt" (a string) or chat "messages"')
+        strs = ([bytes([t]).decode("latin-1") for t in tokens]
+                if payload.get("return_token_strs") else None)
+        return _json(200, {"count": len(tokens), "max_model_len": self.opts.max_model_len,
+                           "tokens": tokens, "token_strs": strs})
+
+    def _detokenize(self, req: Request) -> Response:
+        """POST /detokenize (serve/tokenize/api_router.py:61): DetokenizeRequest `tokens`
+        (protocol.py:164), DetokenizeResponse `prompt` (:179)."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            return _openai_error(400, "BadRequestError", "tokens: a list of token ids")
+        unknown = [t for t in tokens if t > 255]
+        if unknown:
+            return _openai_error(400, "BadRequestError",
+                                 f"token id {unknown[0]} is out of the vocabulary (0..255)")
+        return _json(200, {"prompt": bytes(tokens).decode("utf-8", "replace")})
+
+    def _embeddings(self, req: Request) -> Response:
+        """POST /v1/embeddings (pooling/embed/api_router.py:28): `input` a string, strings or
+        token ids (EmbeddingCompletionRequest, embed/protocol.py:35), `encoding_format` "float"
+        or "base64" (pooling/base/protocol.py:318: float32, native byte order, as the openai
+        library reads it: pooling/utils.py:86), `dimensions` refused for a model without
+        Matryoshka embeddings (vllm/pooling_params.py:175); EmbeddingResponse (embed/protocol.py
+        :180) with UsageInfo of the prompt tokens alone (pooling/utils.py:154)."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        texts = _inputs(payload.get("input"))
+        if isinstance(texts, str):
+            return _openai_error(400, "BadRequestError", texts)
+        form = payload.get("encoding_format", "float")
+        if form not in ("float", "base64"):
+            return _openai_error(400, "BadRequestError",
+                                 f"encoding_format {form!r}: 'float' or 'base64'")
+        dims = payload.get("dimensions")
+        if dims is not None:
+            return _openai_error(400, "BadRequestError", (
+                f"Model {payload['model']!r} does not support Matryoshka embeddings; dimensions "
+                f"must be unset (received dimensions={dims})."))
+        self.engine.admit(payload.get("priority", 0))
+        self.engine.end()
+        data = []
+        for index, text in enumerate(texts):
+            vector = _embedding(text, self.opts.embedding_width)
+            value: list[float] | str = vector
+            if form == "base64":
+                value = binascii.b2a_base64(array.array("f", vector).tobytes(),
+                                            newline=False).decode()
+            data.append({"index": index, "object": "embedding", "embedding": value})
+        tokens = sum(len(t.encode()) for t in texts)
+        return _json(200, {"id": f"embd-standin-{os.getpid()}-{next(self._ids)}",
+                           "object": "list", "created": int(time.time()),
+                           "model": payload["model"], "data": data,
+                           "usage": _usage(tokens, 0)})
+
+    def _pairs(self, payload: dict[str, Any]) -> list[tuple[str, str]] | str:
+        """The (query, document) pairs of a score request: text_1/text_2, queries/documents,
+        queries/items or data_1/data_2 (pooling/scoring/protocol.py:84-135); one against each,
+        or pairwise when both are lists of one length."""
+        for first, second in (("queries", "documents"), ("queries", "items"),
+                              ("data_1", "data_2"), ("text_1", "text_2")):
+            if first in payload and second in payload:
+                break
+        else:
+            return "give text_1 and text_2 (or queries and documents)"
+        left, right = _inputs(payload[first]), _inputs(payload[second])
+        if isinstance(left, str) or isinstance(right, str):
+            return f"{first} and {second}: a string or a list of strings"
+        if len(left) == 1:
+            return [(left[0], r) for r in right]
+        if len(left) != len(right):
+            return f"{first} and {second} must be of one length, or {first} a single input"
+        return list(zip(left, right, strict=True))
+
+    def _score(self, req: Request) -> Response:
+        """POST /score and /v1/score (pooling/scoring/api_router.py:37, :52): ScoreResponse
+        (scoring/protocol.py:178), a score a pair, UsageInfo of the prompt tokens
+        (scoring/serving.py:128). The stand-in's score is the cosine of its embeddings (a
+        bi-encoder's, serving's "bi-encoder" score type)."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        pairs = self._pairs(payload)
+        if isinstance(pairs, str):
+            return _openai_error(400, "BadRequestError", pairs)
+        self.engine.admit(payload.get("priority", 0))
+        self.engine.end()
+        data = [{"index": i, "object": "score", "score": self._similarity(q, d)}
+                for i, (q, d) in enumerate(pairs)]
+        tokens = sum(len(q.encode()) + len(d.encode()) for q, d in pairs)
+        return _json(200, {"id": f"score-standin-{os.getpid()}-{next(self._ids)}",
+                           "object": "list", "created": int(time.time()),
+                           "model": payload["model"], "data": data, "usage": _usage(tokens, 0)})
+
+    def _rerank(self, req: Request) -> Response:
+        """POST /rerank, /v1/rerank, /v2/rerank (pooling/scoring/api_router.py:69-102):
+        RerankResponse (scoring/protocol.py:165) with the documents sorted by relevance, the
+        first top_n when given (serving.py:175-186), RerankUsage (:160)."""
+        payload = self._open(req)
+        if isinstance(payload, Response):
+            return payload
+        query, documents = payload.get("query"), _inputs(payload.get("documents"))
+        top_n = payload.get("top_n", 0)
+        if not isinstance(query, str) or isinstance(documents, str):
+            return _openai_error(400, "BadRequestError",
+                                 "query: a string; documents: a list of strings")
+        if not isinstance(top_n, int) or top_n < 0:
+            return _openai_error(400, "BadRequestError", "top_n must be an integer >= 0")
+        self.engine.admit(payload.get("priority", 0))
+        self.engine.end()
+        results = sorted(({"index": i, "document": {"text": d, "multi_modal": None},
+                           "relevance_score": self._similarity(query, d)}
+                          for i, d in enumerate(documents)),
+                         key=lambda r: -float(r["relevance_score"]))  # type: ignore[arg-type]
+        tokens = sum(len(query.encode()) + len(d.encode()) for d in documents)
+        return _json(200, {"id": f"rerank-standin-{os.getpid()}-{next(self._ids)}",
+                           "model": payload["model"],
+                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                           "results": results[:top_n] if top_n else results})
+
+    def _similarity(self, a: str, b: str) -> float:
+        width = self.opts.embedding_width
+        return sum(x * y for x, y in zip(_embedding(a, width), _embedding(b, width),
+                                         strict=True))
+
+    def _transcription(self, req: Request, *, translate: bool = False) -> Response:
+        """POST /v1/audio/transcriptions and /translations
+        (speech_to_text/transcription/api_router.py:31): a multipart form with `file` and
+        `model`; files over VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25, vllm/envs.py:83) refused
+        (speech_to_text/base/utils.py:45); TranscriptionResponse `text` and `usage` {"type":
+        "duration", "seconds": the audio's length rounded up} (transcription/protocol.py:331,
+        base/serving.py:642-646); a translation has no usage (:688). The stand-in reads the
+        length of a WAV file only (its header); other formats are refused, saying so."""
+        if self.health().status != 200:
+            return _openai_error(503, "ServiceUnavailableError", "the stand-in is not ready")
+        form = _multipart(req.headers.get("content-type", ""), req.body)
+        if isinstance(form, str):
+            return _openai_error(400, "BadRequestError", form)
+        model = form.get("model", self.opts.served_model_names[0].encode()).decode()
+        if model not in self.opts.served_model_names:
+            return _openai_error(404, "NotFoundError", f"The model `{model}` does not exist.")
+        audio = form.get("file")
+        if audio is None:
+            return _openai_error(400, "BadRequestError", "the form has no file")
+        if len(audio) > 25 * MIB:
+            return _openai_error(400, "BadRequestError", "Maximum file size exceeded "
+                                 f"(parameter=audio_filesize_mb, value={len(audio) / MIB})")
+        seconds = _wav_seconds(audio)
+        if seconds is None:
+            return _openai_error(400, "BadRequestError",
+                                 "the stand-in reads WAV files only (RIFF/WAVE, PCM)")
+        self.engine.admit()
+        self.engine.end()
+        text = f"[{PROGRAM} heard {seconds:.2f} s of audio]"
+        if form.get("response_format", b"json") == b"text":
+            return Response(200, text.encode(), content_type="text/plain; charset=utf-8")
+        if translate:
+            return _json(200, {"text": text})
+        return _json(200, {"text": text,
+                           "usage": {"type": "duration", "seconds": math.ceil(seconds)}})
+
+
+class Prompt(NamedTuple):
+    """A request's prompt as the stand-in's model reads it: its text (as tokenized), its
+    token count (a token per UTF-8 byte, IMAGE_TOKENS an image) and its last text (echoed)."""
+
+    text: str
+    tokens: int
+    last: str
+
+
+# What an image costs in the prompt (a figure, not any vision encoder's: vLLM's depends on
+# the model and the image's size; the seed's OCR page was 1234 tokens).
+IMAGE_TOKENS: Final = 256
+IMAGE_PLACEHOLDER: Final = "<image>"
+
+
+def _max_tokens(payload: dict[str, Any], name: str, *, required: bool = False) -> int | None:
+    count = payload.get(name)
+    if count is None and not required:
+        return 16
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
+    return count
+
+
+def _completion_prompt(payload: dict[str, Any]) -> Prompt | str:
     prompt = payload.get("prompt", "")
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt else ""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return Prompt("", len(prompt), json.dumps(prompt))
+    if not isinstance(prompt, str):
+        return "prompt: a string, strings or token ids"
+    return Prompt(prompt, len(prompt.encode()), prompt)
+
+
+def _image_ok(url: Any) -> bool:
+    """A data URL's base64 decodes (vLLM decodes the image; an http URL it would fetch: the
+    stand-in takes it as it is)."""
+    if not isinstance(url, str):
+        return False
+    if not url.startswith("data:"):
+        return True
+    _, _, data = url.partition(",")
+    try:
+        binascii.a2b_base64(data, strict_mode=True)
+    except binascii.Error:
+        return False
+    return True
+
+
+def _chat_prompt(messages: Any, *, generation: bool = True) -> Prompt | str:
+    """Chat messages through the stand-in's chat template (`role: content` lines, then
+    `assistant:`); content a string or parts: text, image_url (a data URL's base64 checked),
+    input_text/input_image (the Responses API's)."""
+    if not isinstance(messages, list) or not messages:
+        return "messages: a non-empty list of messages"
+    lines, images, last = [], 0, ""
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return "each message is an object with a role"
+        content = message.get("content", "")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            pieces = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("text", "input_text", "output_text"):
+                    pieces.append(str(part.get("text", "")))
+                elif kind == "image_url":
+                    image = part.get("image_url")
+                    if not _image_ok(image.get("url") if isinstance(image, dict) else image):
+                        return "image_url: the image's data URL is not valid base64"
+                    pieces.append(IMAGE_PLACEHOLDER)
+                    images += 1
+                elif kind == "input_image":
+                    if not _image_ok(part.get("image_url")):
+                        return "input_image: the image's data URL is not valid base64"
+                    pieces.append(IMAGE_PLACEHOLDER)
+                    images += 1
+                else:
+                    return f"a content part of type {kind!r} is not read by the stand-in"
+            text = " ".join(pieces)
+        else:
+            return "content: a string or a list of parts"
+        lines.append(f"{message['role']}: {text}\n")
+        last = text
+    rendered = "".join(lines) + ("assistant:" if generation else "")
+    tokens = len(rendered.encode()) + images * (IMAGE_TOKENS - len(IMAGE_PLACEHOLDER))
+    return Prompt(rendered, tokens, last)
+
+
+def _anthropic_prompt(payload: dict[str, Any]) -> Prompt | str:
+    """An Anthropic request's system and messages as chat messages (vLLM converts them to a
+    chat completion request: anthropic/serving.py), image blocks as images."""
+    messages: list[dict[str, Any]] = []
+    system = payload.get("system")
+    if isinstance(system, list):
+        system = " ".join(str(b.get("text", "")) for b in system if isinstance(b, dict))
+    if isinstance(system, str):
+        messages.append({"role": "system", "content": system})
+    for message in payload.get("messages") or []:
+        if not isinstance(message, dict):
+            return "each message is an object with a role"
+        content = message.get("content", "")
+        if isinstance(content, list):
+            parts: list[dict[str, Any]] = []
+            for block in content:
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": block.get("text", "")})
+                elif kind == "image":
+                    source = block.get("source") or {}
+                    url = (f"data:{source.get('media_type')};base64,{source.get('data')}"
+                           if source.get("type") == "base64" else source.get("url"))
+                    parts.append({"type": "image_url", "image_url": {"url": url}})
+                else:
+                    return f"a content block of type {kind!r} is not read by the stand-in"
+            content = parts
+        messages.append({"role": message.get("role"), "content": content})
+    return _chat_prompt(messages)
+
+
+def _inputs(value: Any) -> list[str] | str:
+    """The texts of an embedding or score input: a string, strings, token ids (read as the
+    stand-in's byte tokens) or lists of them; else what is wrong."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 255 for t in value):
+            return [bytes(value).decode("utf-8", "replace")]
+        texts = []
+        for item in value:
+            one = _inputs(item)
+            if isinstance(one, str) or len(one) != 1:
+                return "input: a string, a list of strings, or token ids"
+            texts.append(one[0])
+        return texts
+    return "input: a string, a list of strings, or token ids"
+
+
+def _embedding(text: str, width: int) -> list[float]:
+    """The stand-in's embedding of a text: a unit vector drawn from its CRC-32 (one text, one
+    vector; two texts' cosine is their score), normalized as vLLM's embed pooler normalizes
+    (pooling_params.py: use_activation True for embed)."""
+    seed = zlib.crc32(text.encode()) + 1
+    raw = [math.sin(seed * (i + 1) * 0.6180339887) for i in range(width)]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [x / norm for x in raw]
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    # UsageInfo (serve/engine/protocol.py:135), dumped whole by vLLM's JSONResponse
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion, "prompt_tokens_details": None}
+
+
+def _multipart(content_type: str, body: bytes) -> dict[str, bytes] | str:
+    """A multipart/form-data body's fields by name (the last of a name), or what is wrong."""
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        return "the body must be multipart/form-data"
+    boundary = ""
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary":
+            boundary = value.strip('"')
+    if not boundary:
+        return "multipart/form-data without a boundary"
+    fields: dict[str, bytes] = {}
+    for part in body.split(b"--" + boundary.encode())[1:]:
+        if part.startswith(b"--"):
+            break
+        head, sep, content = part.partition(b"\r\n\r\n")
+        if not sep:
+            return "a form part without a blank line after its headers"
+        name = None
+        for line in head.decode("latin-1").split("\r\n"):
+            if line.lower().startswith("content-disposition:"):
+                for item in line.split(";")[1:]:
+                    key, _, val = item.strip().partition("=")
+                    if key == "name":
+                        name = val.strip('"')
+        if name is not None:
+            fields[name] = content.removesuffix(b"\r\n")
+    return fields
+
+
+def _wav_seconds(data: bytes) -> float | None:
+    """A RIFF/WAVE file's length in seconds (its data chunk over its byte rate), else None."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    at, rate, size = 12, 0, None
+    while at + 8 <= len(data):
+        chunk, length = data[at:at + 4], int.from_bytes(data[at + 4:at + 8], "little")
+        if chunk == b"fmt " and length >= 12:
+            rate = int.from_bytes(data[at + 16:at + 20], "little")
+        elif chunk == b"data":
+            size = min(length, len(data) - at - 8)
+        at += 8 + length + (length & 1)
+    if not rate or size is None:
+        return None
+    return size / rate
 
 
 def _openai_error(status: int, kind: str, message: str) -> Response:
-    # vLLM's ErrorResponse shape.
-    return _json(
-        status,
-        {"object": "error", "message": message, "type": kind, "param": None, "code": status},
-    )
+    # vLLM's ErrorResponse (serve/engine/protocol.py:79-87): {"error": {message, type, param,
+    # code}}, made by create_error_response (serve/exception_handling/error_response.py)
+    return _json(status, {"error": {"message": message, "type": kind, "param": None,
+                                    "code": status}})
+
+
+def _anthropic_error(status: int, kind: str, message: str) -> Response:
+    # anthropic/api_router.py:39-48 translate_error_response: AnthropicErrorResponse
+    # (anthropic/protocol.py:24)
+    return _json(status, {"type": "error", "error": {"type": kind, "message": message}})
 
 
 # ---------------------------------------------------------------------------------------------
