@@ -14,9 +14,19 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
-from gpud.core.router import KEY_SHARES, ApiKey, RoutedServe, RouterFront, http_lines, parse_keys
+from gpud.core.router import (
+    KEY_SHARES,
+    Answered,
+    ApiKey,
+    RoutedServe,
+    RouterFront,
+    http_lines,
+    parse_keys,
+    parse_log_line,
+)
 from gpud.router import KeyShares
 from tests.test_router import RIG_TOKEN, TOML, Rig, _req, router_rig
+from tests.waiting import wait_until
 
 KEYS = f"""\
 [keys.alice]
@@ -164,3 +174,62 @@ def test_gpud_reads_each_keys_priority_and_weight_once_per_change(tmp_path: Path
     # a file broken now: the last good shares are kept
     keys.write_text("not toml [")
     assert shares("alice") == (-7, 1.0)
+
+
+# --- usage: the serve's own usage object, as the router saw it pass ---------------------------
+
+@pytest.fixture
+def metered() -> Iterator[Rig]:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), access_log=True) as rig:
+        yield rig
+
+
+def _logged(rig: Rig, n: int) -> list[Answered]:
+    path = Path(rig.script).parent / "access.log"
+    table = {"a": "a", "a-fast": "a", "b": "b", "org/b-model": "b"}
+
+    def lines() -> list[Answered]:
+        text = path.read_text() if path.exists() else ""
+        got = [parse_log_line(line, table) for line in text.splitlines()]
+        return [a for a in got if a is not None and a.model]
+    wait_until(lambda: len(lines()) >= n, what=f"{n} lines in the router's access log")
+    return lines()
+
+
+def _post(rig: Rig, token: str, doc: dict[str, object]) -> tuple[int, bytes]:
+    status, _h, body = _req(rig.port, "POST", "/v1/chat/completions", json.dumps(doc).encode(),
+                            {"Authorization": f"Bearer {token}",
+                             "Content-Type": "application/json"})
+    return status, body
+
+
+def test_usage_is_the_serves_own_and_a_stream_without_it_is_unmetered(metered: Rig) -> None:
+    messages = [{"role": "user", "content": 'say "prompt_tokens": 999 please'}]
+    before = len(_logged(metered, 0))  # the rig's readiness probes
+    # a non-streamed answer: its usage object
+    status, body = _post(metered, RIG_TOKEN, {"model": "b", "messages": messages,
+                                              "max_tokens": 3})
+    assert status == 200
+    usage = json.loads(body)["usage"]
+    # a stream that asked for usage: its last chunk's; one that did not: none
+    status, streamed = _post(metered, RIG_TOKEN, {
+        "model": "a", "messages": messages, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200 and b'"usage": {' in streamed, streamed
+    last = [json.loads(line[6:]) for line in streamed.decode().splitlines()
+            if line.startswith("data: {")][-1]["usage"]
+    status, _ = _post(metered, "sk-bob-01234567890", {"model": "a", "messages": messages,
+                                                      "max_tokens": 2, "stream": True})
+    assert status == 200
+    one, two, three = _logged(metered, before + 3)[before:]
+    assert (one.key, one.model, one.status) == ("probe", "b", 200)
+    assert (one.prompt_tokens, one.completion_tokens) == (usage["prompt_tokens"],
+                                                          usage["completion_tokens"])
+    # the prompt's own text ('"prompt_tokens": 999', escaped inside a JSON string) is not it
+    assert one.prompt_tokens != 999 and two.prompt_tokens != 999
+    assert (two.key, two.prompt_tokens, two.completion_tokens) == (
+        "probe", last["prompt_tokens"], last["completion_tokens"])
+    assert (three.key, three.prompt_tokens, three.completion_tokens) == ("bob", None, None)
+    assert one.ts is not None and abs(one.ts - time.time()) < 60

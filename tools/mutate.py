@@ -41,6 +41,7 @@ MODULES: tuple[str, ...] = (
     "gpud/core/ledger.py", "gpud/core/plan.py", "gpud/core/transition.py", "gpud/core/preempt.py",
     "gpud/core/actions.py", "gpud/core/authority.py", "gpud/core/launch.py", "gpud/core/health.py",
     "gpud/core/unitstate.py", "gpud/core/lifecycle.py", "gpud/core/reconcile.py",
+    "gpud/core/queue.py",
 )
 
 
