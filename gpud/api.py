@@ -20,7 +20,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -42,6 +42,7 @@ from gpud.core.bodies import (
 )
 from gpud.core.ledger import Reservation, RoleFigures
 from gpud.core.router import ANONYMOUS, EnsureBound, router_request
+from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.errors import (
     BadRequest,
@@ -176,6 +177,7 @@ class Api:
         self.route("GET", "/v1/serves", self.serves, "read")
         self.route("GET", "/v1/serves/{name}", self.serve, "read")
         self.route("GET", "/v1/events", self.events, "read")
+        self.route("GET", "/v1/usage", self.usage, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
         self.route("POST", "/v1/serves/{name}/admit", self.admit)
@@ -382,6 +384,19 @@ class Api:
             return await self._follow(request, query)
         events = await self.svc.events(query)
         answer: answers.Events = {"events": [e.to_json() for e in events]}
+        return json_response(answer)
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """Usage per key and model through the router (gpud.core.usage), from `since` (epoch
+        seconds or ISO 8601; default: everything kept), of `key` alone when given."""
+        q = request.query
+        unknown = set(q) - {"since", "key"}
+        if unknown:
+            raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        since = hour_of(parse_since(q["since"])) if "since" in q else 0
+        rows = await asyncio.to_thread(self.svc.store.usage, since, q.get("key"))
+        answer: answers.Usage = {"since": since, "rows": [
+            cast(answers.UsageRow, s.to_json()) for s in summarize(rows)]}
         return json_response(answer)
 
     async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:

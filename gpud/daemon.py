@@ -237,7 +237,8 @@ class Daemon:
             svc.watch_states(on_demand.changed)
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
-            router_log = RouterLog(lambda: svc.config)  # counting from now (before the front)
+            # counting from now (before the front); usage per key into the store
+            router_log = RouterLog(lambda: svc.config, svc.store)
 
             def metrics() -> str:
                 router_log.read()

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -18,6 +19,7 @@ from gpud.config import Config, DaemonConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.router import (
+    Answered,
     ApiKey,
     RoutedServe,
     RouterFront,
@@ -27,7 +29,9 @@ from gpud.core.router import (
     render_script,
     routing_table,
 )
-from gpud.errors import ConfigError
+from gpud.core.usage import Counts, UsageKey, add, hour_of, one
+from gpud.errors import ConfigError, GpudError
+from gpud.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +171,16 @@ class RouterLog:
     its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart). Made
     by the daemon before the front is synced: what the front writes from then on counts."""
 
-    def __init__(self, config: Callable[[], Config]) -> None:
+    def __init__(self, config: Callable[[], Config], store: Store | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.stats = RouterStats.empty()
+        # usage per key (gpud.core.usage): since gpud started (the metrics'), and the hourly
+        # rows not yet in the store (`flush`, each LOG_READ_S)
+        self.store, self.clock = store, clock
+        self.by_key: dict[tuple[str, str, str], Counts] = {}
+        self.pending: dict[UsageKey, Counts] = {}
+        self._pruned_hour = 0
         self._partial = b""
         # Counting starts here: what the log holds now is skipped (nothing when there is no
         # log yet: every line the front writes from now on is counted).
@@ -207,6 +218,7 @@ class RouterLog:
             answered = parse_log_line(line.decode(errors="replace"), table)
             if answered is not None:
                 self.stats.add(answered)
+                self._count(answered)
         if self._offset >= LOG_MAX_BYTES and not self._partial:
             try:
                 os.truncate(path, 0)
@@ -215,7 +227,41 @@ class RouterLog:
                 return
             self._offset = 0
 
+    def _count(self, a: Answered) -> None:
+        counts = one(a.prompt_tokens, a.completion_tokens)
+        at = (a.key, a.model, a.status_class)
+        self.by_key[at] = self.by_key.get(at, Counts()) + counts
+        ts = a.ts if a.ts is not None else self.clock()
+        self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
+                           counts)
+
+    def flush(self) -> None:
+        """The usage read since the last flush into the store's hourly rows; pruned to
+        daemon.events_keep rows once an hour (as events are). Kept for the next flush when
+        the store fails."""
+        if self.store is None or not self.pending:
+            return
+        rows, self.pending = self.pending, {}
+        try:
+            self.store.add_usage(rows)
+            hour = hour_of(self.clock())
+            if hour != self._pruned_hour:
+                self._pruned_hour = hour
+                gone = self.store.prune_usage(self.config().daemon.events_keep)
+                if gone:
+                    log.info("pruned %d old usage rows", gone)
+        except GpudError as exc:
+            log.warning("router: usage not stored yet: %s", exc.message)
+            for k, c in rows.items():
+                self.pending = add(self.pending, k, c)
+
     async def loop(self) -> None:
-        while True:
-            await asyncio.sleep(LOG_READ_S)
+        try:
+            while True:
+                await asyncio.sleep(LOG_READ_S)
+                self.read()
+                await asyncio.to_thread(self.flush)
+        finally:
+            # gpud stops: what was read is stored
             self.read()
+            self.flush()

@@ -258,6 +258,27 @@ class Events(TypedDict):
     events: list[Event]
 
 
+class UsageRow(TypedDict):
+    """A key's use of a model over the span asked (gpud.core.usage.Summary)."""
+
+    key: str  # "" for requests without a key (keys off)
+    model: str  # "" for requests the router answered before it knew a model of its table
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    unmetered: int  # answers without the serve's usage: counted, their tokens unknown
+    statuses: dict[str, int]  # requests by HTTP status
+
+
+class Usage(TypedDict):
+    """GET /v1/usage: usage per key and model through the router, from `since` (the start of
+    its hour, Unix time)."""
+
+    since: int
+    rows: list[UsageRow]
+
+
 class Launching(TypedDict):
     available: bool
     reason: str | None
@@ -547,6 +568,7 @@ class Error(TypedDict):
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
     Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    UsageRow, Usage,
     PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
     Slept, WakeDone, Woken,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
