@@ -148,3 +148,20 @@ def test_usage_not_stored_is_kept_for_the_next_flush(tmp_path: Path) -> None:
     store.close()  # the store fails now
     router_log.flush()
     assert router_log.pending == {UsageKey(7200, "alice", "chat", 200): Counts(1, 2, 3, 0)}
+
+
+def test_gpuctl_usage_prints_a_row_per_key_and_model() -> None:
+    from gpud.ctl.format import format_usage
+    doc = {"since": 0, "rows": [
+        {"key": "alice", "model": "chat", "requests": 120, "prompt_tokens": 48211,
+         "completion_tokens": 20113, "total_tokens": 68324, "unmetered": 2,
+         "statuses": {"200": 118, "429": 2}},
+        {"key": "", "model": "", "requests": 1, "prompt_tokens": 0, "completion_tokens": 0,
+         "total_tokens": 0, "unmetered": 1, "statuses": {"401": 1}}]}
+    lines = format_usage(doc).splitlines()  # type: ignore[arg-type]
+    assert lines[0].split() == ["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
+                                "UNMETERED", "STATUSES"]
+    assert lines[1].split() == ["alice", "chat", "120", "48211", "20113", "68324", "2",
+                                "200:118", "429:2"]
+    assert lines[2].split() == ["-", "-", "1", "0", "0", "0", "1", "401:1"]
+    assert "no usage" in format_usage({"since": 0, "rows": []})

@@ -261,6 +261,20 @@ def format_models(doc: answers.Serves) -> str:
                         rows, [False, False, False, True, False, True, True])
 
 
+def format_usage(doc: answers.Usage) -> str:
+    """``GET /v1/usage``: one row per key and model (docs/router.md, "Who is asking")."""
+    rows = [[r.get("key") or "-", r.get("model") or "-", str(r.get("requests")),
+             str(r.get("prompt_tokens")), str(r.get("completion_tokens")),
+             str(r.get("total_tokens")), str(r.get("unmetered")),
+             " ".join(f"{k}:{v}" for k, v in (r.get("statuses") or {}).items())]
+            for r in doc.get("rows") or []]
+    if not rows:
+        return "no usage recorded (the router counts requests per key once it has answered some)"
+    return format_table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
+                         "UNMETERED", "STATUSES"], rows,
+                        [False, False, True, True, True, True, True, False])
+
+
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
