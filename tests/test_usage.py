@@ -165,3 +165,45 @@ def test_gpuctl_usage_prints_a_row_per_key_and_model() -> None:
                                 "200:118", "429:2"]
     assert lines[2].split() == ["-", "-", "1", "0", "0", "0", "1", "401:1"]
     assert "no usage" in format_usage({"since": 0, "rows": []})
+
+
+def test_prometheus_counts_usage_by_key(tmp_path: Path) -> None:
+    import subprocess
+
+    from gpud.metrics import render
+    from gpud.service import LedgerService
+    from tests.test_metrics import promtool, text_samples
+
+    text = CONFIG.format(front=tmp_path / "front").replace(
+        'device = "0"\n', 'device = "0"\ncapacity_mib = 2000\nreserve_mib = 0\n')
+    cfg = parse_config(text, "t")
+    log = Path(log_path(cfg.daemon))
+    log.parent.mkdir(parents=True)
+    store = Store(tmp_path / "s.db")
+    svc = LedgerService(cfg, store, config_text=text)
+    try:
+        svc.load()
+        router_log = RouterLog(lambda: svc.config, store)
+        log.write_text("\n".join([
+            _line("chat", "200", "alice", "7300.1", "12", "5"),
+            _line("chat", "200", "alice", "7301.1", "", ""),
+            _line("chat", "429", "alice", "7302.1", "", ""),
+            _line("chat", "200", "bob", "7303.0", "1", "2")]) + "\n")
+        router_log.read()
+        exposed = render(svc, None, router_log=router_log)
+    finally:
+        svc.close()
+        store.close()
+    got = text_samples(exposed, ("gpud_router_key_",))
+    assert got[("gpud_router_key_requests_total", (("code", "2xx"), ("key", "alice"),
+                                                   ("model", "chat")))] == 2
+    assert got[("gpud_router_key_requests_total", (("code", "4xx"), ("key", "alice"),
+                                                   ("model", "chat")))] == 1
+    assert got[("gpud_router_key_tokens_total", (("key", "alice"), ("kind", "prompt"),
+                                                 ("model", "chat")))] == 12
+    assert got[("gpud_router_key_tokens_total", (("key", "bob"), ("kind", "completion"),
+                                                 ("model", "chat")))] == 2
+    assert got[("gpud_router_key_unmetered_total", (("key", "alice"), ("model", "chat")))] == 2
+    result = subprocess.run([promtool(), "check", "metrics"], input=exposed.encode(),
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
