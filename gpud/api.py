@@ -323,16 +323,18 @@ class Api:
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
                                          summaries, self._parked, self._activity,
-                                         self._in_flight, self._bringups, self._queued))
+                                         self._in_flight, self._bringups, self._queued,
+                                         self._queue))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws, parked=self._parked,
                               activity=self._activity, in_flight=self._in_flight,
-                              bringups=self._bringups, queued=self._queued)
+                              bringups=self._bringups, queued=self._queued,
+                              queue=self._queue)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
                           self.calibrations.summary_of(name), self._parked, self._activity,
-                          self._in_flight, self._bringups, self._queued)
+                          self._in_flight, self._bringups, self._queued, self._queue)
 
     def _bringups(self, serve: str) -> tuple[float | None, float | None]:
         """The medians of SERVE's measured wakes and starts (gpud.ondemand)."""
@@ -343,6 +345,10 @@ class Api:
 
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
+
+    def _queue(self, serve: str) -> tuple[list[answers.QueuePlace], float | None] | None:
+        """Who waits for SERVE in the router's queue, and the wait to expect (None: nobody)."""
+        return self.on_demand.queue_of(serve) if self.on_demand is not None else None
 
     def _queued(self, serve: str) -> int:
         """Requests waiting in the router's queue for SERVE (gpud.ondemand)."""

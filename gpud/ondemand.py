@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpud.core import bringup
+from gpud.core import answers, bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
 from gpud.core.queue import (
@@ -64,6 +64,7 @@ from gpud.core.queue import (
     after_refusal,
     arrive,
     could_fit,
+    expected_wait_s,
     forget,
     joined,
     let_through,
@@ -71,6 +72,7 @@ from gpud.core.queue import (
     median_s,
     next_up,
     order,
+    places,
     victims,
 )
 from gpud.core.router import ANONYMOUS, RouterRequest
@@ -506,6 +508,18 @@ class OnDemand:
         return [replace(t, priority=serves[n].priority,
                         running=self.svc.state_of(n) == RUNNING)
                 for n, w in self.queued.items() if n in serves for t in w]
+
+    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None] | None:
+        """Who waits for NAME, in the order they go, and the wait to expect from the measured
+        bring-ups ahead (gpud.core.queue.places, expected_wait_s); None: nobody waits."""
+        tickets = self.tickets()
+        mine = places(tickets, self.shares).get(name)
+        if mine is None:
+            return None
+        serves = self.svc.config.serves
+        costs = {n: self.cost_s(n, serves[n]) for n in {t.serve for t in tickets}}
+        return ([{"requester": p.requester, "waiting": p.waiting, "position": p.position}
+                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name))
 
     def ordered(self) -> list[Ticket]:
         """The waiting requests in the order they go (gpud.core.queue.order)."""

@@ -20,6 +20,7 @@ from gpud.core.queue import (
     Arrival,
     Candidate,
     Held,
+    Place,
     Protected,
     Refused,
     Shares,
@@ -28,6 +29,7 @@ from gpud.core.queue import (
     arrive,
     could_fit,
     evictable,
+    expected_wait_s,
     forget,
     idle_in,
     joined,
@@ -36,6 +38,7 @@ from gpud.core.queue import (
     median_s,
     next_up,
     order,
+    places,
     position,
     victims,
 )
@@ -385,3 +388,23 @@ async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> N
     assert time.monotonic() - began < 0.5 and reply.status == 403
     assert json.loads(reply.headers["X-Gpud-Reason"])["error"]["details"]["class"] == "no-memory"
     assert od.queued == {}
+
+
+def test_places_show_each_serves_queue_by_requester() -> None:
+    tickets = [T("a", "u", 0.0), T("a", "u", 1.0), T("b", "v", 2.0), T("a", "v", 3.0)]
+    # order: u a@0 (v0), v b@2 (v0), u a@1 (v1), v a@3 (v1)
+    assert places(tickets, Shares()) == {
+        "a": [Place("u", 2, 1), Place("v", 1, 4)], "b": [Place("v", 1, 2)]}
+    assert places([], Shares()) == {}
+
+
+def test_expected_wait_sums_the_bring_ups_ahead() -> None:
+    tickets = [T("a", "u", 0.0), T("b", "v", 2.0), T("c", "w", 3.0)]
+    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "b": 10.04, "c": 1.0}) == {
+        "a": 4.0, "b": 14.0, "c": 15.0}
+    # one unmeasured: it and those after it unknown
+    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "c": 1.0}) == {
+        "a": 4.0, "b": None, "c": None}
+    # a serve running already costs nothing
+    assert expected_wait_s([T("a", "u", 0.0, running=True), T("b", "v", 1.0)], Shares(),
+                           {"b": 2.0}) == {"a": 0.0, "b": 2.0}

@@ -143,6 +143,10 @@ class Serve(TypedDict):
     start_s: float | None
     # requests waiting in the router's queue for it to be brought up (docs/router.md)
     queued: int
+    # While requests wait for it: who waits, in the order they go (docs/router.md, "Who is
+    # asking"), and the wait to expect from the measured bring-ups ahead (None: unmeasured)
+    queue: NotRequired[list[QueuePlace]]
+    expected_wait_s: NotRequired[float | None]
     # With a [router]: the names it routes to this serve (docs/router.md)
     models: NotRequired[list[str]]
 
@@ -231,6 +235,14 @@ class Woken(Serve):
     """POST /v1/serves/{name}/wake."""
 
     wake: WakeDone
+
+
+class QueuePlace(TypedDict):
+    """A requester's requests waiting for a serve (gpud.core.queue.Place)."""
+
+    requester: str  # the key's name, else addr:CLIENT
+    waiting: int
+    position: int  # of its first request in the queue's fair order (1: next), all serves
 
 
 class Serves(TypedDict):
@@ -567,7 +579,8 @@ class Error(TypedDict):
 
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
-    Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    Figures, Observed, Reservation, Role, Ledger, Calibrated, QueuePlace, Serve, Serves, Event,
+    Events,
     UsageRow, Usage,
     PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
     Slept, WakeDone, Woken,

@@ -126,6 +126,45 @@ def position(tickets: Iterable[Ticket], shares: Shares, ticket: Ticket) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """A requester's requests waiting for one serve, as `gpuctl models` and /v1/models show
+    them: how many, and the place of the first of them in `order` (1: next)."""
+
+    requester: str
+    waiting: int
+    position: int
+
+
+def places(tickets: Iterable[Ticket], shares: Shares) -> dict[str, list[Place]]:
+    """Each serve's queue by requester, in the order they go."""
+    out: dict[str, dict[str, Place]] = {}
+    for i, t in enumerate(order(tickets, shares), 1):
+        mine = out.setdefault(t.serve, {})
+        seen = mine.get(t.requester)
+        mine[t.requester] = Place(t.requester, 1, i) if seen is None else \
+            Place(t.requester, seen.waiting + 1, seen.position)
+    return {serve: list(by.values()) for serve, by in out.items()}
+
+
+def expected_wait_s(tickets: Iterable[Ticket], shares: Shares,
+                    cost_s: Mapping[str, float | None]) -> dict[str, float | None]:
+    """How long each waiting serve's requests may expect to wait: the measured bring-ups
+    (COST_S: each serve's median, None unmeasured) of the serves that come up before it, in
+    `order`, and its own; None when one of them is unmeasured. An estimate: evictions and
+    min_awake_s come on top."""
+    out: dict[str, float | None] = {}
+    total: float | None = 0.0
+    for t in order(tickets, shares):
+        if t.serve in out:
+            continue
+        cost = None if t.running else cost_s.get(t.serve)
+        total = None if total is None or (cost is None and not t.running) else \
+            total + (cost or 0.0)
+        out[t.serve] = None if total is None else round(total, 1)
+    return out
+
+
 class Arrival(StrEnum):
     """What a request for a serve that is not running does first."""
 
