@@ -720,6 +720,12 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
         "chat-fast  chat   sleeping  30001  yes            -       3",
         "code       code   running   30002  yes            2       0"]
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
+    doc["serves"][0].update(queue=[{"requester": "alice", "waiting": 2, "position": 1},
+                                   {"requester": "addr:127.0.0.1", "waiting": 1,
+                                    "position": 3}], expected_wait_s=12.34)
+    assert format_models(doc).splitlines()[-1] == (  # type: ignore[arg-type]
+        "waiting for chat, expected wait 12 s: alice 2 (position 1), addr:127.0.0.1 1 "
+        "(position 3)")
 
 
 def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(

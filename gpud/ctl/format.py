@@ -257,8 +257,24 @@ def format_models(doc: answers.Serves) -> str:
     if not rows:
         return "no models: the router is off (no [router] table) or no serve has a port"
     rows.sort()
-    return format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
-                        rows, [False, False, False, True, False, True, True])
+    table = format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
+                         rows, [False, False, False, True, False, True, True])
+    return "\n".join([table, *_queues(doc)])
+
+
+def _queues(doc: answers.Serves) -> list[str]:
+    """Who waits for each serve, in the order they go (docs/router.md, "Who is asking")."""
+    out = []
+    for s in doc.get("serves") or []:
+        places = s.get("queue")
+        if not places:
+            continue
+        wait = s.get("expected_wait_s")
+        expect = f", expected wait {wait:.0f} s" if isinstance(wait, int | float) else ""
+        who = ", ".join(f"{p['requester']} {p['waiting']} (position {p['position']})"
+                        for p in places)
+        out.append(f"waiting for {s.get('name')}{expect}: {who}")
+    return out
 
 
 def format_usage(doc: answers.Usage) -> str:

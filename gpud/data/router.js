@@ -389,7 +389,7 @@ function refusal(r, reason) {
 //   nginx streams through as it comes (a script's own subrequest is read whole);
 // - the stream begun, gpud refused: an error event in OpenAI's shape, then [DONE].
 function loading(r, model, entry) {
-    var began = Date.now(), sent = false, timer;
+    var began = Date.now(), sent = false, timer, done = false;
     function tick() {
         if (!sent) {
             sent = true;
@@ -401,10 +401,16 @@ function loading(r, model, entry) {
         }
         r.send(': loading ' + model + '\n\n');
         timer = setTimeout(tick, CONFIG.loading_feedback_s * 1000);
+        queueNote(r, entry.serve).then(function (note) {
+            if (note && !done) {
+                r.send(': ' + note + '\n\n');
+            }
+        });
     }
     timer = setTimeout(tick, Math.min(1000, CONFIG.loading_feedback_s * 1000));
     r.subrequest(CONFIG.ensure_prefix + entry.serve, {method: 'POST'}).then(function (reply) {
         clearTimeout(timer);
+        done = true;
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
         if (reply.status === 403) {
             var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
@@ -434,7 +440,7 @@ function states(r) {
         if (reply.status === 200) {
             try {
                 JSON.parse(reply.responseText).serves.forEach(function (s) {
-                    by[s.name] = s.state;
+                    by[s.name] = s;
                 });
             } catch (e) {
                 // gpud's answer unreadable: every state unknown
@@ -446,8 +452,36 @@ function states(r) {
 
 function entry(name, by, created) {
     var serve = CONFIG.models[name].serve;
-    return {id: name, object: 'model', created: created, owned_by: 'gpud',
-            gpud: {serve: serve, state: by.hasOwnProperty(serve) ? by[serve] : 'unknown'}};
+    var s = by.hasOwnProperty(serve) ? by[serve] : null;
+    var ext = {serve: serve, state: s ? s.state : 'unknown'};
+    if (s && s.queue) {
+        // who waits for it, in the order they go, and the wait to expect (docs/router.md)
+        ext.queue = s.queue;
+        ext.expected_wait_s = s.expected_wait_s;
+    }
+    return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
+}
+
+// A waiting stream's place in gpud's queue, for its loading comments: its requester's place
+// in the fair order, how many wait for the serve, and the wait to expect from the measured
+// bring-ups ('' when it is not queued, or gpud does not say).
+function queueNote(r, serve) {
+    return states(r).then(function (by) {
+        var s = by.hasOwnProperty(serve) ? by[serve] : null;
+        var me = r.variables.router_requester, waiting = 0, mine = null;
+        ((s && s.queue) || []).forEach(function (p) {
+            waiting += p.waiting;
+            if (p.requester === me) {
+                mine = p;
+            }
+        });
+        if (mine === null) {
+            return '';
+        }
+        return 'queued: position ' + mine.position + ', ' + waiting + ' waiting for ' +
+            serve + (typeof s.expected_wait_s === 'number' ? ', expected wait ' +
+            Math.round(s.expected_wait_s) + ' s (measured bring-ups)' : '');
+    });
 }
 
 function models(r) {
