@@ -5,8 +5,10 @@ Boots a disposable systemd (tools/sandbox.py: its own namespaces over an overlay
 host's), installs gpud and its units into it, and replays the seed record (T011): the dark-fast
 resident set on a simulated 32607 MiB GPU with 5.7 GiB of draw nobody declared, first as it was
 (reserve 7168, fast 18432: ocr denied), then the rebalance planned and applied in two commands,
-then the router: a request for `ocr` by name, and fast put to sleep and woken by a request for
-its model by name (fast has a sleep_level in both configs, so it is fronted).
+then the router: a request for `ocr` by name, an embeddings request by its purpose name
+(`embeddings`, the pooling serve's, answering bge-m3's 1024 dimensions as the record's host
+does), and fast put to sleep and woken by a request for its model by name (fast has a
+sleep_level in both configs, so it is fronted).
 The serves are stand-ins that speak vLLM's /health and /v1/models; the config is
 etc/serves.toml, with `vllm` and the OCR binary pointing at the stand-in. Powers the sandbox off
 at the end, whatever happened.
@@ -39,9 +41,14 @@ EXTERNAL = {"external": [{"device": "GPU-sim-3f6c", "label": "display", "mib": 1
                           "mib": 4387}]}
 # PYTHONPATH: the serve units run from /, where `import gpud` would find whichever checkout the
 # interpreter has installed, not this one.
-# The stand-in's own option after "$@": a vllm argv starts with `serve MODEL`.
+# The stand-in's own options after "$@": a vllm argv starts with `serve MODEL`. A pooling serve
+# (--runner pooling: embeddings, reranker) answers vectors of bge-m3's width, 1024.
 STANDIN = (f'#!/bin/sh\nPYTHONPATH={REPO} exec {PY} -m gpud.testing.standin "$@" '
-           '--startup-delay 1\n')
+           '--startup-delay 1 --embedding-width 1024\n')
+# The embeddings serve answers to its purpose, as the record's host routes /v1/embeddings
+# (T011: "routed /v1/embeddings -> 1024-dim vector"), and to its model's name.
+EMBEDDINGS = "priority = 20\nport = 30003\n"
+PURPOSE = 'models = ["embeddings", "BAAI/bge-m3"]\n'
 
 
 # The router (docs/router.md): one address for every serve, in the front's nginx with its njs
@@ -70,6 +77,7 @@ def configs() -> tuple[str, str]:
     # router wakes it for a request by name; the same in both configs: the plan is the seed's.
     t011 = t011.replace("priority = 10\nport = 30001\n",
                         f"priority = 10\nport = 30001\n{SLEEP}", 1)
+    t011 = t011.replace(EMBEDDINGS, EMBEDDINGS + PURPOSE, 1)
     t011 += SIM + ROUTER
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
@@ -139,6 +147,12 @@ def main() -> int:
         sh("curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", ...}'",
            "curl -s 127.0.0.1:8000/v1/completions -d '{\"model\": \"ocr\", "
            "\"prompt\": \"scan\", \"max_tokens\": 3}'; echo")
+        sh("curl -s 127.0.0.1:8000/v1/embeddings -d '{\"model\": \"embeddings\", ...}'"
+           "  # by its purpose name",
+           "curl -s 127.0.0.1:8000/v1/embeddings -d '{\"model\": \"embeddings\", "
+           "\"input\": \"a page the OCR serve read\"}' | " + PY + " -c 'import json, sys; "
+           "a = json.load(sys.stdin); print(\"answered by\", a[\"model\"], \"->\", "
+           "len(a[\"data\"][0][\"embedding\"]), \"dimensions, usage\", a[\"usage\"])'")
         print("\n== a sleeping model, woken by a request for it by name ==", flush=True)
         sh("gpuctl sleep fast", "gpuctl sleep fast")
         sh(f"gpuctl models  # {FAST}: before the request", MODEL_LINE)

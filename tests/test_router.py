@@ -944,8 +944,8 @@ def test_an_error_answer_after_loading_feedback_is_an_error_event(fed: Fed) -> N
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 0})
     events = _events(lines)
     assert status == 200 and events[0] == ": loading a", lines
-    # the serve's error document (vLLM's shape) as the event's data
-    error = json.loads(events[-2].removeprefix("data: "))
+    # the serve's error document (vLLM's shape, {"error": {...}}) as the event's data
+    error = _openai_error(json.loads(events[-2].removeprefix("data: ")))
     assert error["message"] == "max_tokens must be a positive integer", lines
     assert events[-1] == "data: [DONE]", lines
 

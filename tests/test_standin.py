@@ -841,3 +841,18 @@ def test_the_engine_runs_max_num_seqs_and_lets_the_rest_in_by_its_policy(
         thread.join(10)
     assert order == [first, -first]
     assert engine.counts() == (0, 0)
+
+
+def test_force_include_usage_puts_usage_in_every_chunk_of_every_stream(start: Start) -> None:
+    # vLLM's --enable-force-include-usage (serve/utils/api_utils.py:289 should_include_usage:
+    # usage and continuous usage, whatever the request's stream_options)
+    s = start("--enable-force-include-usage")
+    status, _, payload = s.request("POST", "/v1/completions",
+                                   {"prompt": "a b", "max_tokens": 3, "stream": True})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in payload.decode().splitlines()
+              if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3,
+        "prompt_tokens_details": None}

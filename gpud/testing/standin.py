@@ -45,7 +45,25 @@ functions that do it):
   tag is awake, core.py:997-1019);
 - ``GET /metrics`` (always on, as vLLM's is): ``vllm:num_requests_running`` and
   ``vllm:num_requests_waiting`` (``vllm/v1/metrics/loggers.py:527-545``, gauges labelled
-  ``model_name`` and ``engine``): requests being generated, and requests held (asleep).
+  ``model_name`` and ``engine``): requests being generated, and requests held (asleep, or in
+  line for a place);
+- under load, vLLM's scheduler (see ``_Engine``): ``--max-num-seqs N`` requests run at once
+  (default 256), the rest wait first come first served, or with ``--scheduling-policy
+  priority`` by the body's ``priority``, lower first; a generation takes its tokens' time
+  (``--token-interval-s`` each), streamed or not;
+- the client routes of vLLM 0.32 (paths under vllm/entrypoints/, cited at each handler), in
+  its shapes and with ``usage`` as it gives it: a generator (``--runner generate``, the
+  default) answers chat and completions (streams with ``stream_options.include_usage`` and
+  ``continuous_usage_stats``, or ``--enable-force-include-usage``), ``/v1/responses`` (streamed
+  or not), Anthropic's ``/v1/messages`` (streamed or not) and ``count_tokens``; a pooling
+  serve (``--runner pooling``, or ``--convert embed|classify``) ``/v1/embeddings`` (float or
+  base64, ``--embedding-width N`` wide; not for ``--convert classify``), ``/score`` and
+  ``/rerank``; every serve ``/tokenize`` and ``/detokenize``; with ``--audio`` (a
+  speech-to-text model) the multipart audio routes. Its tokenizer makes a token of each UTF-8
+  byte, an image ``IMAGE_TOKENS``; its model echoes the prompt's last text (its embeddings
+  are unit vectors drawn from the text). Errors are vLLM's ``{"error": {...}}`` (Anthropic's
+  shape on its routes); a route the serve's kind lacks is FastAPI's 404. Bodies of any size
+  are read, as vLLM's are.
 
 ``--vllm-version 0.34.0`` (or ``GPUD_STANDIN_VLLM_VERSION``; default 0.33.0) stands in for
 vLLM 0.34.0 (paths under vllm/, 0.34.0's lines): its flag table; its start lines (no
@@ -80,7 +98,8 @@ loading), ``--unhealthy-after S`` (503 with everything alive), ``--ignore-sigter
 Standard library only, and not even ``http.server``: it pulls in ``http.client`` and ``ssl``
 (measured here: some 25 ms of imports and 6 MiB of RSS per process, more than the rest of this
 program together), and a test host runs many of these at once. The HTTP/1.1 subset here is
-what health pollers, curl and OpenAI clients use: Content-Length bodies and keep-alive.
+what health pollers, curl and the OpenAI and Anthropic clients use: Content-Length bodies and
+keep-alive.
 """
 
 from __future__ import annotations
@@ -239,6 +258,8 @@ class Options(NamedTuple):
     embedding_width: int = 256
     # the model is a speech-to-text one (Whisper's kind): the audio routes answer
     audio: bool = False
+    # vLLM's --enable-force-include-usage: every stream carries usage, in every chunk
+    force_include_usage: bool = False
 
 
 def compute_draw_mib(
@@ -493,6 +514,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
     p.add_argument("--runner", choices=RUNNERS, default="auto")
     p.add_argument("--convert", choices=CONVERTS, default="auto")
+    p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                   default=False)
     sim = p.add_argument_group("simulation")
     sim.add_argument("--draw-mib", type=_non_negative_int, default=None, metavar="N")
     sim.add_argument("--weights-mib", type=_non_negative_int, default=None, metavar="N",
@@ -603,6 +626,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         convert="classify" if ns.convert == "classify" else "embed",
         embedding_width=ns.embedding_width,
         audio=ns.audio,
+        force_include_usage=ns.enable_force_include_usage,
         extensible_kv_cache=(version == V034 and ns.kv_cache_memory_bytes is None
                              and _last_extensible_flag(rest) != "off"),
     )
@@ -1323,15 +1347,21 @@ class App:
         if isinstance(prompt, str):
             return _openai_error(400, "BadRequestError", prompt)
         model = payload["model"]
-        usage_on = (isinstance(payload.get("stream_options"), dict)
-                    and payload["stream_options"].get("include_usage") is True)
+        # serve/utils/api_utils.py:289 should_include_usage: --enable-force-include-usage
+        # gives both; else stream_options.include_usage, and continuous_usage_stats with it
+        options = payload.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        usage_on = self.opts.force_include_usage or options.get("include_usage") is True
+        continuous = self.opts.force_include_usage or (
+            usage_on and options.get("continuous_usage_stats") is True)
         # held here while the engine is paused (asleep) or full, as vLLM's scheduler holds it
         epoch = self.engine.admit(payload.get("priority", 0))
         stream = bool(payload.get("stream"))
         words, finish = self._answer(prompt, count,
                                      fill=stream or payload.get("ignore_eos") is True)
         if stream:
-            return self._stream(model, words, prompt, chat=chat, epoch=epoch, usage=usage_on)
+            return self._stream(model, words, prompt, chat=chat, epoch=epoch, usage=usage_on,
+                                continuous=continuous)
         self._spend(words)
         text = " ".join(words)
         if chat:
@@ -1379,10 +1409,11 @@ class App:
             self.engine.end()
 
     def _stream(self, model: str, words: list[str], prompt: Prompt, *, chat: bool, epoch: int,
-                usage: bool) -> Response:
+                usage: bool, continuous: bool = False) -> Response:
         """vLLM's streamed answer: `data: {chunk}` events, one per token, the last one with its
         finish_reason; with stream_options.include_usage, a last chunk with no choices and the
-        usage (openai/chat_completion/serving.py, completion/serving.py); then `data: [DONE]`.
+        usage (openai/chat_completion/serving.py, completion/serving.py), with
+        continuous_usage_stats the usage so far in every chunk too; then `data: [DONE]`.
         Aborted by the engine: a last chunk with finish_reason "abort", then `data: [DONE]`."""
         kind, prefix = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
         ident = f"{prefix}-standin-{os.getpid()}-{next(self._ids)}"
@@ -1396,6 +1427,8 @@ class App:
                                        "finish_reason": finish})
             chunk = {"id": ident, "object": kind, "created": created, "model": model,
                      "choices": [choice]}
+            if continuous:
+                chunk["usage"] = _usage(prompt.tokens, i + 1)
             events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if usage:
             chunk = {"id": ident, "object": kind, "created": created, "model": model,
@@ -1414,14 +1447,12 @@ class App:
     def _responses(self, req: Request) -> Response:
         """POST /v1/responses (openai/responses/api_router.py:48): ResponsesResponse
         (openai/responses/protocol.py:789, from_request :882) with ResponseUsage (:102),
-        built as serving.py:879 builds it. Streaming it (its response.* events) is not
-        stood in for: refused with a 400 saying so."""
+        built as serving.py:879 builds it; streamed, its events as serving.py:1360-1425 and
+        streaming_events.py send them (`event: TYPE` then `data: JSON`, numbered by
+        sequence_number; no [DONE]: api_router.py:34)."""
         payload = self._open(req)
         if isinstance(payload, Response):
             return payload
-        if payload.get("stream"):
-            return _openai_error(400, "BadRequestError",
-                                 "the stand-in does not stream /v1/responses (stream: false)")
         count = _max_tokens(payload, "max_output_tokens")
         if count is None:
             return _openai_error(400, "BadRequestError",
@@ -1434,12 +1465,54 @@ class App:
         prompt = _chat_prompt(messages)
         if isinstance(prompt, str):
             return _openai_error(400, "BadRequestError", prompt)
-        self.engine.admit(payload.get("priority", 0))
-        words, finish = self._answer(prompt, count)
-        self._spend(words)
+        stream = bool(payload.get("stream"))
+        epoch = self.engine.admit(payload.get("priority", 0))
+        words, finish = self._answer(prompt, count, fill=stream)
         ident = next(self._ids)
-        cut = finish == "length"
-        return _json(200, {
+        item_id = f"msg_standin{os.getpid()}x{ident}"
+        text = " ".join(words) if not stream else "".join(w + " " for w in words)
+        part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text",
+                                "logprobs": None}
+        final = self._response_doc(payload, ident, count, prompt.tokens, len(words),
+                                   finish == "length", [{
+                                       "id": item_id, "content": [part], "role": "assistant",
+                                       "status": "completed", "type": "message"}])
+        if not stream:
+            self._spend(words)
+            return _json(200, final)
+        begun = {**final, "output": [], "status": "in_progress", "usage": None,
+                 "incomplete_details": None}
+        place = {"output_index": 0, "item_id": item_id, "content_index": 0}
+        kinds: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": begun}),
+            ("response.in_progress", {"response": begun}),
+            ("response.output_item.added", {"output_index": 0, "item": {
+                "id": item_id, "type": "message", "role": "assistant", "content": [],
+                "status": "in_progress"}}),
+            ("response.content_part.added", {**place, "part": {
+                "type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+            *(("response.output_text.delta", {**place, "delta": word + " ", "logprobs": []})
+              for word in words),
+            ("response.output_text.done", {**place, "text": text, "logprobs": []}),
+            ("response.content_part.done", {**place, "part": {
+                "type": "output_text", "text": text, "annotations": []}}),
+            ("response.output_item.done", {"output_index": 0, "item": final["output"][0]}),
+            ("response.completed", {"response": final}),
+        ]
+        events = tuple(
+            f"event: {kind}\ndata: "
+            f"{json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n".encode()
+            for n, (kind, data) in enumerate(kinds))
+        error = {"type": "error", "sequence_number": len(kinds), "code": "aborted",
+                 "message": "the request was aborted", "param": None}
+        abort = f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+        return Response(200, content_type="text/event-stream", events=events,
+                        interval_s=self.opts.token_interval_s,
+                        flight=_Flight(self.engine, epoch, abort, last=b""))
+
+    def _response_doc(self, payload: dict[str, Any], ident: int, count: int, prompt: int,
+                      made: int, cut: bool, output: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "id": f"resp_standin{os.getpid()}x{ident}",
             "created_at": int(time.time()),
             # status "incomplete" with this reason when max_output_tokens ended it
@@ -1449,14 +1522,7 @@ class App:
             "metadata": payload.get("metadata"),
             "model": payload["model"],
             "object": "response",
-            "output": [{
-                "id": f"msg_standin{os.getpid()}x{ident}",
-                "content": [{"annotations": [], "text": " ".join(words), "type": "output_text",
-                             "logprobs": None}],
-                "role": "assistant",
-                "status": "completed",
-                "type": "message",
-            }],
+            "output": output,
             "parallel_tool_calls": payload.get("parallel_tool_calls", True),
             "temperature": payload.get("temperature") or 1.0,
             "tool_choice": payload.get("tool_choice", "auto"),
@@ -1474,18 +1540,18 @@ class App:
             "top_logprobs": None,
             "truncation": payload.get("truncation", "disabled"),
             "usage": {
-                "input_tokens": prompt.tokens,
+                "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
                                          "input_tokens_per_turn": [],
                                          "cached_tokens_per_turn": []},
-                "output_tokens": len(words),
+                "output_tokens": made,
                 "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                           "output_tokens_per_turn": [],
                                           "tool_output_tokens_per_turn": []},
-                "total_tokens": prompt.tokens + len(words),
+                "total_tokens": prompt + made,
             },
             "user": payload.get("user"),
-        })
+        }
 
     def _messages(self, req: Request) -> Response:
         """POST /v1/messages (anthropic/api_router.py:51): AnthropicMessagesResponse
@@ -1546,14 +1612,16 @@ class App:
 
     def _count_tokens(self, req: Request) -> Response:
         """POST /v1/messages/count_tokens (anthropic/api_router.py:89):
-        AnthropicCountTokensResponse (protocol.py:447) with exclude_none: input_tokens."""
+        AnthropicCountTokensResponse (protocol.py:447): input_tokens, and context_management's
+        original_input_tokens (serving.py:1263, the same count: no context was edited)."""
         payload = self._open(req, _anthropic_error)
         if isinstance(payload, Response):
             return payload
         prompt = _anthropic_prompt(payload)
         if isinstance(prompt, str):
             return _anthropic_error(400, "BadRequestError", prompt)
-        return _json(200, {"input_tokens": prompt.tokens})
+        return _json(200, {"input_tokens": prompt.tokens,
+                           "context_management": {"original_input_tokens": prompt.tokens}})
 
     def _tokenize(self, req: Request) -> Response:
         """POST /tokenize (serve/tokenize/api_router.py:35): a `prompt` or chat `messages`

@@ -1,6 +1,7 @@
 """`make demo`, the README's first command, end to end: the seed's T015 host booted in a
 disposable systemd, ocr denied for the seed's reason, then the T011 rebalance in two commands,
-then the router: ocr by name, and a sleeping serve woken by a request for its model.
+then the router: ocr by name, embeddings by their purpose name, and a sleeping serve woken by a
+request for its model.
 Checked against the record's own figures, so the demo cannot rot unnoticed."""
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ SEED_LINES = [
 
 
 # The router after the rebalance (docs/router.md): every name listed with its serve and
-# state, and a request for `ocr` by name answered by the ocr serve.
+# state, a request for `ocr` by name answered by the ocr serve, and one for embeddings by
+# their purpose name answered by the pooling serve with bge-m3's 1024 dimensions, as the
+# record's host answers (T011: "routed /v1/embeddings -> 1024-dim vector").
 ROUTER_LINES = ["ocr -> ocr running", "leon-se/gemma-4-E4B-it-FP8-Dynamic -> fast running",
-                '"model": "ocr"']
+                '"model": "ocr"', "embeddings -> embeddings running",
+                "answered by embeddings -> 1024 dimensions, usage {'prompt_tokens': 25, "
+                "'total_tokens': 25, 'completion_tokens': 0, 'prompt_tokens_details': None}"]
 FAST = re.escape("leon-se/gemma-4-E4B-it-FP8-Dynamic")
 # Then fast put to sleep, and a request for its model by name through the router: fast asleep
 # before it, the request answered by fast (its time printed), fast running after it, and the

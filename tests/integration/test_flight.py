@@ -161,7 +161,9 @@ def test_a_request_during_an_idle_sleep_waits_and_is_answered_awake(flight: Sand
     wait_until(lambda: gpud.standin_state("sl")["sleep_mode"] is not None, timeout=15,
                what="the idle sleep under way")
     assert gpud.serve("sl")["state"] == "running"  # until the sleep commits
-    body = json.dumps({"prompt": "hello there", "max_tokens": 2})
+    # 4 tokens: the stand-in's echo whole ("[gpud-standin echo] hello there"); it answers no
+    # more than max_tokens, as vLLM does
+    body = json.dumps({"prompt": "hello there", "max_tokens": 4})
     sent = time.time()
     out = gpud.sb.run(["curl", "-s", "-m", "30", "-w", "\n%{http_code}", "-d", body,
                        f"http://127.0.0.1:{SL}/v1/completions"], timeout=60, check=False).stdout

@@ -63,6 +63,17 @@ STANDIN = Implementation(
                   "127.0.0.1", "--port", str(port), *REAL_ARGS, "--startup-delay", "1.5"],
     {"PYTHONPATH": str(REPO)}, 30.0)
 
+# A pooling serve of each: the tiny model run as an embedding model (vLLM's --convert embed:
+# its last token's hidden state, normalized), whose width is the tiny model's hidden size;
+# the stand-in told the same width.
+EMBEDDING_WIDTH = 256
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed")
+REAL_POOLING = Implementation(
+    "vllm", lambda port: [*REAL.argv(port), *POOLING_ARGS], REAL_ENV, REAL_START_S)
+STANDIN_POOLING = Implementation(
+    "standin", lambda port: [*STANDIN.argv(port), *POOLING_ARGS, "--embedding-width",
+                             str(EMBEDDING_WIDTH)], STANDIN.env, STANDIN.start_timeout_s)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -72,11 +83,11 @@ def free_port() -> int:
 
 
 def get(port: int, path: str, *, method: str = "GET", body: bytes | None = None,
-        timeout: float = 10) -> tuple[int, bytes]:
+        timeout: float = 10, content_type: str = "application/json") -> tuple[int, bytes]:
     """(status, body); raises OSError (ConnectionRefusedError first of all) when nothing answers."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {"Content-Type": content_type} if body is not None else {}
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
@@ -136,12 +147,12 @@ class Server:
     seen: list[str] = field(default_factory=list)
 
     @classmethod
-    def launch(cls, impl: Implementation, log: Path) -> Server:
+    def launch(cls, impl: Implementation, log: Path, extra: tuple[str, ...] = ()) -> Server:
         port = free_port()
         env = {**os.environ, **impl.env}
         with open(log, "wb") as out:
             # its own session: the whole tree is ended at teardown by its process group
-            proc = subprocess.Popen(impl.argv(port), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*impl.argv(port), *extra], stdout=out, stderr=subprocess.STDOUT,
                                     env=env, cwd="/", start_new_session=True)
         return cls(impl, port, proc, log)
 

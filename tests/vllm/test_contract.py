@@ -30,20 +30,29 @@ paths under vllm/):
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
+import math
 import os
 import signal
+import struct
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpud.core.traffic import in_flight_from_metrics
 from tests.vllm.servers import (
+    EMBEDDING_WIDTH,
     MODEL,
     REAL,
+    REAL_POOLING,
     STANDIN,
+    STANDIN_POOLING,
     Implementation,
     Server,
     alive,
@@ -53,7 +62,18 @@ from tests.vllm.servers import (
     wait_ready,
 )
 
-pytestmark = pytest.mark.usefixtures("real_vllm")
+# The main server of each pair runs vLLM's scheduler with one place and the priority policy
+# (the tests under load); the stand-in's tokens come 5 ms apart, so that a long generation
+# lasts long enough to queue others behind it, as the tiny model's on the CPU does.
+SCHEDULER = ("--max-num-seqs", "1", "--scheduling-policy", "priority")
+STANDIN_PACE = ("--token-interval-s", "0.005")
+
+
+def needs(impl: Implementation, request: pytest.FixtureRequest) -> None:
+    """Real vLLM's side skips where it is missing (a failure in CI: tests/conftest.py); the
+    stand-in's side runs everywhere."""
+    if impl.name == REAL.name:
+        request.getfixturevalue("real_vllm")
 
 
 class Pair:
@@ -62,11 +82,13 @@ class Pair:
 
 
 @pytest.fixture(scope="module", params=[REAL, STANDIN], ids=lambda impl: impl.name)
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-         real_vllm: None) -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     impl: Implementation = request.param
+    needs(impl, request)
     folder: Path = tmp_path_factory.mktemp(impl.name)
-    servers = [Server.launch(impl, folder / f"{n}.log") for n in ("main", "doomed")]
+    main = SCHEDULER + (STANDIN_PACE if impl is STANDIN else ())
+    servers = [Server.launch(impl, folder / "main.log", main),
+               Server.launch(impl, folder / "doomed.log")]
     try:
         wait_ready(*servers)
         yield Pair(*servers)
@@ -124,6 +146,273 @@ def test_metrics_count_requests_in_flight_back_to_zero(pair: Pair) -> None:
     assert count == 0
 
 
+# --- the client routes, route by route (vllm 0.32.0: paths under vllm/entrypoints/) ----------
+# Each runs on both engines; test ids name the engine ([vllm] the CPU build, [standin]). The
+# tiny model's tokenizer and the stand-in's differ, so the contract is in relations that hold
+# for any tokenizer: usage counts what /tokenize counts, totals add up, a generation of
+# max_tokens with ignore_eos is max_tokens long.
+
+
+def post(port: int, path: str, doc: dict[str, Any], *, timeout: float = 60) -> tuple[int, Any]:
+    status, body = get(port, path, method="POST", body=json.dumps(doc).encode(), timeout=timeout)
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+def count(port: int, doc: dict[str, Any]) -> int:
+    """What /tokenize counts for a prompt or chat messages (serve/tokenize/protocol.py)."""
+    status, answer = post(port, "/tokenize", {"model": str(MODEL), **doc})
+    assert status == 200, answer
+    assert answer["count"] == len(answer["tokens"]), answer
+    return int(answer["count"])
+
+
+def sse(port: int, path: str, doc: dict[str, Any]) -> list[tuple[str | None, Any]]:
+    """A streamed answer's events: (event name or None, data parsed; "[DONE]" kept as text)."""
+    status, body = get(port, path, method="POST", body=json.dumps(doc).encode(), timeout=60)
+    assert status == 200, body
+    events = []
+    for block in body.decode().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+        if data is not None:
+            events.append((name, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+def test_tokenize_and_detokenize_round_trip(pair: Pair) -> None:
+    port = pair.main.port
+    status, answer = post(port, "/tokenize", {"model": str(MODEL), "prompt": "Hello world",
+                                              "add_special_tokens": False})
+    assert status == 200, answer
+    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 512
+    status, back = post(port, "/detokenize", {"model": str(MODEL), "tokens": answer["tokens"]})
+    assert (status, back) == (200, {"prompt": "Hello world"})
+
+
+def test_completions_usage_counts_the_prompt_and_the_tokens_made(pair: Pair) -> None:
+    port = pair.main.port
+    status, answer = post(port, "/v1/completions", {"model": str(MODEL), "prompt": "Hello world",
+                                                    "max_tokens": 5, "ignore_eos": True})
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens"] == count(port, {"prompt": "Hello world"})
+    assert answer["usage"]["completion_tokens"] == 5
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + 5
+
+
+def test_chat_usage_and_a_stream_that_carries_it(pair: Pair) -> None:
+    port = pair.main.port
+    messages = [{"role": "user", "content": "Hello world"}]
+    doc = {"model": str(MODEL), "messages": messages, "max_tokens": 4, "ignore_eos": True}
+    status, answer = post(port, "/v1/chat/completions", doc)
+    assert status == 200, answer
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == count(port, {"messages": messages})
+    assert (usage["completion_tokens"], usage["total_tokens"]) == (4, usage["prompt_tokens"] + 4)
+    # stream_options.include_usage: a last chunk with no choices and the usage, then [DONE]
+    events = sse(port, "/v1/chat/completions",
+                 {**doc, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == (None, "[DONE]")
+    last = events[-2][1]
+    assert last["choices"] == [] and {k: last["usage"][k] for k in (
+        "prompt_tokens", "completion_tokens", "total_tokens")} == {
+        k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert all(e[1]["object"] == "chat.completion.chunk" for e in events[:-1])
+    # continuous_usage_stats: the usage so far in every chunk (serve/utils/api_utils.py:289)
+    events = sse(port, "/v1/chat/completions", {**doc, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    made = [e[1]["usage"]["completion_tokens"] for e in events[:-1]]
+    assert made == sorted(made) and made[-1] == 4, made
+    assert {e[1]["usage"]["prompt_tokens"] for e in events[:-1]} == {usage["prompt_tokens"]}
+
+
+def test_responses_answer_with_their_usage(pair: Pair) -> None:
+    port = pair.main.port
+    status, answer = post(port, "/v1/responses", {"model": str(MODEL), "input": "Hello world",
+                                                  "max_output_tokens": 4})
+    assert status == 200, answer
+    assert answer["object"] == "response" and answer["model"] == str(MODEL)
+    message = answer["output"][-1]
+    assert (message["type"], message["role"]) == ("message", "assistant")
+    assert all(part["type"] == "output_text" for part in message["content"])
+    usage = answer["usage"]
+    assert usage["input_tokens"] == count(
+        port, {"messages": [{"role": "user", "content": "Hello world"}]})
+    assert 1 <= usage["output_tokens"] <= 4
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    # incomplete when max_output_tokens ended it (responses/protocol.py:897-899)
+    assert answer["status"] in ("completed", "incomplete")
+    assert answer["status"] == "completed" or usage["output_tokens"] == 4, answer
+    assert (answer["incomplete_details"] is not None) == (answer["status"] == "incomplete")
+    # streamed: `event: TYPE` events numbered in order, the text in deltas, the whole response
+    # last (openai/responses/serving.py:1360-1425, streaming_events.py)
+    events = sse(port, "/v1/responses", {"model": str(MODEL), "input": "Hello world",
+                                         "max_output_tokens": 4, "stream": True})
+    names = [name for name, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"], names
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"], names
+    assert set(names[4:-4]) == {"response.output_text.delta"}, names
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(data["type"] == name for name, data in events)
+    text = "".join(data["delta"] for name, data in events if name == "response.output_text.delta")
+    assert events[-4][1]["text"] == text
+    done = events[-1][1]["response"]
+    assert done["output"][-1]["content"][0]["text"] == text
+    assert done["usage"]["total_tokens"] == (done["usage"]["input_tokens"]
+                                             + done["usage"]["output_tokens"])
+    assert done["usage"]["input_tokens"] == usage["input_tokens"]
+
+
+def test_anthropic_messages_streamed_and_not_and_their_token_count(pair: Pair) -> None:
+    port = pair.main.port
+    messages = [{"role": "user", "content": "Hello world"}]
+    doc = {"model": str(MODEL), "messages": messages, "max_tokens": 3, "temperature": 0}
+    status, answer = post(port, "/v1/messages", doc)
+    assert status == 200, answer
+    assert (answer["type"], answer["role"]) == ("message", "assistant")
+    assert answer["content"][0]["type"] == "text"
+    assert answer["stop_reason"] in ("end_turn", "max_tokens")
+    usage = answer["usage"]
+    assert usage["input_tokens"] == count(port, {"messages": messages})
+    assert 1 <= usage["output_tokens"] <= 3
+    status, counted = post(port, "/v1/messages/count_tokens",
+                           {"model": str(MODEL), "messages": messages})
+    assert (status, counted) == (200, {"input_tokens": usage["input_tokens"], "context_management":
+                                       {"original_input_tokens": usage["input_tokens"]}})
+    events = sse(port, "/v1/messages", {**doc, "stream": True})
+    names = [name for name, _ in events]
+    # anthropic/serving.py: message_start, a text block, message_delta, message_stop
+    assert names[:2] == ["message_start", "content_block_start"], names
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"], names
+    assert set(names[2:-3]) == {"content_block_delta"}, names
+    assert all(data["type"] == name for name, data in events)
+    text = "".join(data["delta"]["text"] for name, data in events
+                   if name == "content_block_delta")
+    assert text.strip() == answer["content"][0]["text"].strip()  # greedy: the same tokens
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] == answer["stop_reason"]
+    assert delta["usage"]["output_tokens"] == usage["output_tokens"]
+
+
+def test_an_unknown_model_is_404_in_each_routes_error_shape(pair: Pair) -> None:
+    port = pair.main.port
+    status, answer = post(port, "/v1/chat/completions", {
+        "model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    # vLLM's ErrorResponse (serve/engine/protocol.py:79-87), which the openai library reads
+    assert status == 404, answer
+    assert answer["error"]["type"] == "NotFoundError" and answer["error"]["code"] == 404
+    assert "no-such-model" in answer["error"]["message"]
+    status, answer = post(port, "/v1/messages", {
+        "model": "no-such-model", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    # Anthropic's error shape (anthropic/api_router.py:39 translate_error_response)
+    assert status == 404, answer
+    assert answer["type"] == "error" and answer["error"]["type"] == "NotFoundError", answer
+
+
+def test_a_body_of_several_mib_is_read(pair: Pair) -> None:
+    # vLLM sets no limit on a body (its h11 bounds the header block: 4 MiB,
+    # launchers/utils/constants.py:6); an OCR page in base64 is a few MiB. A field vLLM does
+    # not know is ignored (OpenAIBaseModel, extra="allow"), so 3 MiB of it cost nothing else.
+    status, answer = post(pair.main.port, "/v1/completions", {
+        "model": str(MODEL), "prompt": "Hello", "max_tokens": 1, "padding": "x" * (3 << 20)})
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == count(pair.main.port, {"prompt": "Hello"})
+
+
+def test_a_generator_has_no_pooling_routes(pair: Pair) -> None:
+    for path in ("/v1/embeddings", "/v1/rerank", "/v1/score"):
+        status, _ = post(pair.main.port, path, {"model": str(MODEL), "input": "x"})
+        assert status == 404, path
+
+
+# --- under load: vLLM's scheduler (main runs with --max-num-seqs 1 --scheduling-policy
+# priority: vllm/config/scheduler.py max_num_seqs, policy) ------------------------------------
+
+LONG = 400  # tokens of the request that holds the engine's one place (ignore_eos)
+SHORT = 40  # tokens of each request that waits for it
+
+
+class Streamed(threading.Thread):
+    """A streamed completion read in the background: when its first token and its end came."""
+
+    def __init__(self, port: int, max_tokens: int, priority: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.max_tokens, self.priority = port, max_tokens, priority
+        self.first: float | None = None
+        self.done: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps({
+                "model": str(MODEL), "prompt": "Hello", "max_tokens": self.max_tokens,
+                "ignore_eos": True, "stream": True, "priority": self.priority}),
+                headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            while line := resp.readline():
+                if line.startswith(b"data: ") and self.first is None:
+                    self.first = time.monotonic()
+            self.done = time.monotonic()
+        finally:
+            conn.close()
+
+
+def waiting(port: int) -> int:
+    text = get(port, "/metrics")[1].decode()
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting{"))
+
+
+def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
+    port = pair.main.port
+    first = Streamed(port, LONG)
+    until("the long request's first token", lambda: first.first is not None)
+    second = Streamed(port, 2)
+    # the engine has one place: the second waits (counted waiting) while the first runs
+    until("the second request waiting", lambda: waiting(port) == 1)
+    assert first.done is None and second.first is None
+    first.join(120)
+    second.join(120)
+    assert first.done is not None and second.done is not None
+    assert waiting(port) == 0
+
+
+def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
+    port = pair.main.port
+    first = Streamed(port, LONG)
+    until("the long request's first token", lambda: first.first is not None)
+    low = Streamed(port, SHORT, priority=5)
+    until("priority 5 waiting", lambda: waiting(port) == 1)
+    high = Streamed(port, SHORT, priority=-5)  # came later, lower value
+    until("priority -5 waiting too", lambda: waiting(port) == 2)
+    assert first.done is None, "the long request ended before both waited: make LONG longer"
+    for request in (first, low, high):
+        request.join(120)
+    assert low.first is not None and high.first is not None
+    # v1/request.py Request.__lt__: the lower value runs first; the other's first token comes
+    # after the whole of it (SHORT tokens), a margin no thread's scheduling blurs
+    assert high.first < low.first
+
+
 def test_the_engine_is_a_child_titled_engine_core(pair: Pair) -> None:
     # setproctitle sets argv and the kernel's comm (15 bytes of it)
     assert title(pair.main.engine()) == ("VLLM::EngineCore", "VLLM::EngineCor")
@@ -159,3 +448,149 @@ def test_sigterm_is_a_graceful_exit(pair: Pair) -> None:
     while alive(engine) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(engine), "the engine outlived its server"
+
+
+# --- a pooling serve: embeddings, score, rerank (vllm 0.32.0: pooling/, registered by
+# pooling/factories.py register_pooling_api_routers for an "embed" model) ---------------------
+
+@pytest.fixture(scope="module", params=[REAL_POOLING, STANDIN_POOLING],
+                ids=lambda impl: impl.name)
+def pooler(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:
+    impl: Implementation = request.param
+    needs(impl, request)
+    server = Server.launch(impl, tmp_path_factory.mktemp(f"pooling-{impl.name}") / "serve.log")
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        server.end()
+
+
+def test_embeddings_as_floats_and_as_base64_with_their_usage(pooler: Server) -> None:
+    port = pooler.port
+    texts = ["Hello world", "The quick brown fox"]
+    status, answer = post(port, "/v1/embeddings", {"model": str(MODEL), "input": texts})
+    assert status == 200, answer
+    assert answer["object"] == "list" and answer["model"] == str(MODEL)
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    for item in answer["data"]:
+        assert item["object"] == "embedding" and len(item["embedding"]) == EMBEDDING_WIDTH
+        # the embed pooler normalizes (vllm/pooling_params.py: use_activation for embed)
+        assert math.isclose(math.hypot(*item["embedding"]), 1.0, abs_tol=1e-3)
+    # usage: the prompt tokens alone (pooling/utils.py:154)
+    tokens = sum(count(port, {"prompt": t}) for t in texts)
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] == tokens
+    assert answer["usage"]["completion_tokens"] == 0
+    # base64: float32 in native byte order, as the openai library reads it (its default)
+    status, packed = post(port, "/v1/embeddings", {"model": str(MODEL), "input": texts[0],
+                                                   "encoding_format": "base64"})
+    assert status == 200, packed
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    floats = struct.unpack(f"={EMBEDDING_WIDTH}f", raw)
+    assert all(math.isclose(a, b, abs_tol=1e-5)
+               for a, b in zip(floats, answer["data"][0]["embedding"], strict=True))
+
+
+def test_embeddings_refuse_dimensions_a_model_cannot_give(pooler: Server) -> None:
+    # vllm/pooling_params.py:175: not a Matryoshka model
+    status, answer = post(pooler.port, "/v1/embeddings",
+                          {"model": str(MODEL), "input": "x", "dimensions": 8})
+    assert status == 400 and answer["error"]["type"] == "BadRequestError", answer
+    assert "Matryoshka" in answer["error"]["message"]
+
+
+def test_score_a_query_against_documents(pooler: Server) -> None:
+    status, answer = post(pooler.port, "/v1/score", {
+        "model": str(MODEL), "text_1": "Hello world",
+        "text_2": ["Hello world", "The quick brown fox"]})
+    assert status == 200, answer
+    assert [(d["index"], d["object"]) for d in answer["data"]] == [(0, "score"), (1, "score")]
+    same, other = (d["score"] for d in answer["data"])
+    # a bi-encoder's score: the cosine of the embeddings, 1 for the same text
+    assert math.isclose(same, 1.0, abs_tol=1e-3) and other < same
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 0
+
+
+def test_rerank_sorts_the_documents_and_keeps_the_top_n(pooler: Server) -> None:
+    documents = ["The quick brown fox", "Hello world", "A serve is admitted"]
+    status, answer = post(pooler.port, "/v1/rerank", {
+        "model": str(MODEL), "query": "Hello world", "documents": documents, "top_n": 2})
+    assert status == 200, answer
+    results = answer["results"]
+    assert len(results) == 2 and results[0]["index"] == 1
+    assert results[0]["document"]["text"] == "Hello world"
+    assert math.isclose(results[0]["relevance_score"], 1.0, abs_tol=1e-3)
+    assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 0
+
+
+def test_a_pooling_serve_has_no_generation_routes(pooler: Server) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
+        status, _ = post(pooler.port, path, {"model": str(MODEL), "prompt": "x"})
+        assert status == 404, path
+    assert count(pooler.port, {"prompt": "Hello"}) > 0  # the tokenizer's routes: every serve
+
+
+# --- audio transcription (multipart: speech_to_text/transcription/api_router.py:31) ---------
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A silent 16-bit mono PCM WAV file."""
+    data = b"\0\0" * int(seconds * rate)
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt "
+            + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def form(fields: dict[str, bytes]) -> tuple[str, bytes]:
+    boundary = "gpud-contract-boundary"
+    parts = []
+    for name, value in fields.items():
+        filename = '; filename="a.wav"' if name == "file" else ""
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"'
+                     f"{filename}\r\n\r\n".encode() + value + b"\r\n")
+    end = f"--{boundary}--\r\n".encode()
+    return f"multipart/form-data; boundary={boundary}", b"".join(parts) + end
+
+
+@pytest.fixture(scope="module", params=[REAL, STANDIN], ids=lambda impl: impl.name)
+def speech(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:
+    impl: Implementation = request.param
+    if impl is REAL:
+        # Why the CPU build here cannot: the routes exist only for a speech-to-text model
+        # (launchers/api_server/routers.py: "transcription" in supported_tasks) and none is
+        # made offline (a Whisper needs its feature extractor and tokenizer); and vLLM decodes
+        # an upload with soundfile, then PyAV (multimodal/media/audio.py load_audio_soundfile
+        # and the chain after it), resampling with soxr or torchaudio, none of which
+        # .venv-vllm has (scripts/setup-vllm leaves torchaudio and torchcodec out: their
+        # wheels do not match torch+cpu).
+        pytest.skip("real vLLM's CPU build here has no speech-to-text model and no audio "
+                    "decoder (soundfile, PyAV, torchaudio: none in .venv-vllm): the stand-in's "
+                    "side alone")
+    server = Server.launch(STANDIN, tmp_path_factory.mktemp("speech") / "serve.log",
+                           ("--audio",))
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        server.end()
+
+
+def test_a_transcription_of_a_multipart_upload_with_its_duration(speech: Server) -> None:
+    kind, body = form({"model": str(MODEL).encode(), "file": wav(1.5)})
+    status, raw = get(speech.port, "/v1/audio/transcriptions", method="POST", body=body,
+                      content_type=kind)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    # TranscriptionResponse: text and usage {"type": "duration", "seconds": rounded up}
+    assert isinstance(answer["text"], str)
+    assert answer["usage"] == {"type": "duration", "seconds": 2}
+    kind, body = form({"model": str(MODEL).encode(), "file": wav(1.0)})
+    status, raw = get(speech.port, "/v1/audio/translations", method="POST", body=body,
+                      content_type=kind)
+    assert status == 200 and "usage" not in json.loads(raw), raw  # a translation has none
+    kind, body = form({"model": b"no-such-model", "file": wav(1.0)})
+    status, raw = get(speech.port, "/v1/audio/transcriptions", method="POST", body=body,
+                      content_type=kind)
+    assert status == 404 and json.loads(raw)["error"]["type"] == "NotFoundError", raw
