@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Final
 
-from gpud.config import Config, DaemonConfig, routed
+from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.router import (
@@ -137,6 +137,17 @@ class KeyShares:
         return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
 
 
+def priority_scheduling(spec: ServeConfig) -> bool:
+    """Whether the serve runs vLLM with --scheduling-policy priority (its vllm extra_args, or
+    a command serve's own argv: vLLM's and the stand-in's flag)."""
+    argv = list(spec.vllm.extra_args) if spec.vllm is not None else list(spec.command or ())
+    for i, arg in enumerate(argv):
+        if arg == "--scheduling-policy=priority" or (
+                arg == "--scheduling-policy" and argv[i + 1:i + 2] == ["priority"]):
+            return True
+    return False
+
+
 def router_front(cfg: Config) -> RouterFront | None:
     r = cfg.router
     if r is None:
@@ -146,7 +157,7 @@ def router_front(cfg: Config) -> RouterFront | None:
     for name, names in routed(cfg).items():
         s = cfg.serves[name]
         serves.append(RoutedServe(
-            name, names,
+            name, names, priority_scheduling=priority_scheduling(s),
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
             ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))

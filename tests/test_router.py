@@ -255,7 +255,7 @@ def rig() -> Iterator[Rig]:
 
 @contextlib.contextmanager
 def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
-               access_log: bool = False) -> Iterator[Rig]:
+               access_log: bool = False, priority_scheduling: bool = False) -> Iterator[Rig]:
     """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
@@ -268,7 +268,8 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
         (run / name).mkdir(exist_ok=True)
     port, b_port = _free_port(), _free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock)),
+                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
+                                      priority_scheduling=priority_scheduling),
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,

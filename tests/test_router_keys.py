@@ -233,3 +233,70 @@ def test_usage_is_the_serves_own_and_a_stream_without_it_is_unmetered(metered: R
         "probe", last["prompt_tokens"], last["completion_tokens"])
     assert (three.key, three.prompt_tokens, three.completion_tokens) == ("bob", None, None)
     assert one.ts is not None and abs(one.ts - time.time()) < 60
+
+
+# --- priority: the key's, in gpud's queue and inside the engine -------------------------------
+
+PRIORITY_KEYS = f"""\
+[keys.batch]
+token = "sk-batch-0123456789"
+models = ["*"]
+priority = 5
+[keys.chat]
+token = "sk-chat-01234567890"
+models = ["*"]
+priority = -1
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+"""
+
+
+def test_a_keys_priority_orders_its_requests_inside_the_engine() -> None:
+    """Serve a runs with one place (--max-num-seqs 1) and --scheduling-policy priority (the
+    stand-in's scheduler as vLLM's: lower priority first). The batch key holds the place with
+    a stream, then asks again writing priority -100 itself; the chat key (priority -1) asks
+    after it: the router sends each key's own priority, so chat's request runs first."""
+    keys, problems = parse_keys(PRIORITY_KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), ("--max-num-seqs", "1", "--scheduling-policy", "priority"),
+                    priority_scheduling=True) as rig:
+        done: dict[str, float] = {}
+
+        def ask(name: str, token: str, doc: dict[str, object]) -> None:
+            status, _h, body = _req(rig.port, "POST", "/v1/completions", json.dumps(doc).encode(),
+                                    {"Authorization": f"Bearer {token}",
+                                     "Content-Type": "application/json"})
+            assert status == 200, body
+            done[name] = time.monotonic()
+
+        long = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
+        jump = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True,
+                "priority": -100}
+        short = {"model": "a", "prompt": "x", "max_tokens": 1}
+        threads = [threading.Thread(target=ask, args=("holder", "sk-batch-0123456789", long))]
+        threads[0].start()
+        time.sleep(0.5)
+        threads.append(threading.Thread(target=ask, args=("batch", "sk-batch-0123456789",
+                                                           jump)))
+        threads[1].start()
+        time.sleep(0.3)
+        threads.append(threading.Thread(target=ask, args=("chat", "sk-chat-01234567890", short)))
+        threads[2].start()
+        for t in threads:
+            t.join(timeout=60)
+        assert set(done) == {"holder", "batch", "chat"}, done
+        assert done["holder"] < done["chat"] < done["batch"], done
+
+
+def test_without_priority_scheduling_the_body_goes_as_it_came() -> None:
+    keys, _ = parse_keys(PRIORITY_KEYS, ["a"])
+    plain = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                                             keys=tuple(keys))))
+    assert "proxy_set_body" not in plain and "router_send_body" not in plain
+    prio = "\n".join(http_lines(RouterFront(
+        "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1, ensure_timeout_s=9,
+                                       priority_scheduling=True),), keys=tuple(keys))))
+    # the serve's location, its direct one and the loading feedback's include
+    assert prio.count("proxy_set_body $router_send_body;") == 3
+    assert '        "" $request_body;' in prio

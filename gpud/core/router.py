@@ -91,6 +91,12 @@ USAGE_FIELDS: Final = (
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
 RETRY_AFTER_S: Final = 30
+# The routes whose body vLLM reads a `priority` from (an int, lower first, under
+# --scheduling-policy priority; vllm 0.32 vllm/config/scheduler.py `policy`, and the field in
+# entrypoints/openai/{chat_completion,completion,responses}/protocol.py and
+# entrypoints/pooling/base/protocol.py): the router sets it to the key's priority there.
+PRIORITY_ROUTES: Final = ("/v1/chat/completions", "/v1/completions", "/v1/responses",
+                          "/v1/embeddings")
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
 # A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
@@ -302,6 +308,9 @@ class RoutedServe:
     socket: str | None = None
     port: int | None = None
     ensure_timeout_s: int | None = None
+    # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
+    # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.port is None):
@@ -452,12 +461,22 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
+# What a serve under priority scheduling is sent: the body with the key's priority when the
+# script set one, else the request's (a map of the http block: PRIORITY_MAP).
+PRIORITY_BODY: Final = "$router_send_body"
+PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
+                       '        "" $request_body;',
+                       "        default $router_body;",
+                       "    }")
 # The serve's own usage read as its answer passes (router.js `meter`; gpud.core.usage).
 METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
 
 
 def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str]:
-    lines = [f"        location {serve.location} {{", *limits]
+    # a serve under priority scheduling gets the body the script rewrote with the key's
+    # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
+    body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
+    lines = [f"        location {serve.location} {{", *limits, *body]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
         # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
@@ -488,6 +507,7 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
+                  *body,
                   f"            proxy_pass http://{serve.upstream};",
                   METER,
                   "        }",
@@ -500,6 +520,7 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   "            internal;",
                   f"            rewrite ^{re.escape(STREAM_PREFIX + serve.name)}(/.*)$ $1 break;",
                   "            proxy_method POST;",
+                  *body,
                   f"            proxy_pass http://{serve.upstream};",
                   "            js_body_filter router.streamed;",
                   "            error_page 502 504 = @router_stream_down;",
@@ -520,11 +541,14 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
            "    js_var $router_prompt_tokens;",
+           "    js_var $router_body;",
            "    js_var $router_completion_tokens;"]
     if router.access_log is not None:
         fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
     out += limit_zones(router.keys or ())
+    if any(s.priority_scheduling for s in router.serves):
+        out += PRIORITY_MAP
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
             "    }"]
@@ -640,17 +664,20 @@ def render_script(router: RouterFront, code: str) -> str:
     (gpud/data/router.js). Deterministic for equal input."""
     by_name = {s.name: s for s in router.serves}
     table = {name: {"serve": serve, "location": by_name[serve].location,
-                    "ensure": by_name[serve].ensure_timeout_s is not None}
+                    "ensure": by_name[serve].ensure_timeout_s is not None,
+                    **({"priority": True} if by_name[serve].priority_scheduling else {})}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
-        k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
+        k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority}
+        for k in router.keys}
     limits = {k.name: {"max_concurrent": k.max_concurrent,
                        "requests_per_minute": k.requests_per_minute}
               for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
     head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
-            "stream_prefix": STREAM_PREFIX, "limits": limits}
+            "stream_prefix": STREAM_PREFIX, "limits": limits,
+            "priority_routes": list(PRIORITY_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

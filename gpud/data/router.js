@@ -342,6 +342,10 @@ function route(r) {
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
+    if (entry.priority && doc !== undefined && key.priority !== undefined &&
+            CONFIG.priority_routes.indexOf(r.uri) >= 0) {
+        prioritize(r, doc, key);
+    }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
         r.internalRedirect('@router_loading');
@@ -601,6 +605,16 @@ function streamDown(r) {
                  (r.variables.router_serve || '?') + ' is not running',
         type: 'server_error', param: null, code: 'model_not_running'}}) +
         '\n\ndata: [DONE]\n\n');
+}
+
+// A serve launched with --scheduling-policy priority orders its waiting requests by the body's
+// `priority`, lower first (vllm 0.32: vllm/config/scheduler.py `policy`; the field in
+// entrypoints/openai/*/protocol.py). With keys, the key's priority is the request's, whatever
+// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). A
+// large body that was not parsed, or a form, goes as it came (the serve's default 0).
+function prioritize(r, doc, key) {
+    doc.priority = key.priority;
+    r.variables.router_body = JSON.stringify(doc);
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).

@@ -50,6 +50,10 @@ def shared(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
     try:
         with fronted_gpud(gpud, config(), [GREEDY, POLITE]):
+            wait_until(lambda: gpud.sb.run(
+                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                 f"http://127.0.0.1:{ROUTER}/v1/models"], check=False).stdout == "401",
+                timeout=30, what="the router answering")
             yield gpud
     finally:
         gpud.sb.run(["rm", "-f", KEYS], check=False)
