@@ -185,4 +185,4 @@ def test_usage_per_key_survives_a_restart(shared: SandboxGpud) -> None:
                what="gpud back")
     assert rows()[0] == row
     text = gpuctl(gpud, "usage", "--since", "1h").stdout
-    assert text.splitlines()[1].split()[:3] == ["greedy", "a", "4"], text
+    assert ["greedy", "a", "4"] in [line.split()[:3] for line in text.splitlines()], text
