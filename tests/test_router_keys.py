@@ -6,6 +6,7 @@ before two stand-ins (tests/test_router.py's rig)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -57,7 +58,7 @@ def test_limits_and_shares_are_parsed_and_checked() -> None:
         "weight = 2.5", 'weight = "x"').replace("priority = -1", "priority = 1.5")
     _, problems = parse_keys(bad, ["a", "a-fast", "b"])
     assert problems == [
-        "keys.alice.max_concurrent: an integer from 1 to 100000 (got 0)",
+        "keys.alice.max_concurrent: an integer from 1 to 65535 (got 0)",
         "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
         "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
     _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
@@ -91,6 +92,36 @@ def test_the_limits_are_in_every_location_a_request_is_sent_to() -> None:
         assert "limit_conn router_conn_0 1;" in block, block
         assert "limit_req zone=router_rpm_1 burst=1 nodelay;" in block, block
     assert "error_page 429 = @router_limited;" in text.split("location @router_b {")[1]
+
+
+def test_the_largest_limits_are_valid_for_nginx(tmp_path: Path) -> None:
+    """Each limit at the top of its range (nginx refuses a limit_conn of 65536: the whole
+    front's config would go with it)."""
+    from gpud.core.front import FrontConfig, render
+    from gpud.core.router import main_lines
+    from gpud.router import script_text
+    from tests.test_router import NGINX, NJS
+
+    top = KEYS.replace("max_concurrent = 1", "max_concurrent = "
+                       f"{int(KEY_SHARES['max_concurrent'][1])}").replace(
+        "requests_per_minute = 2",
+        f"requests_per_minute = {int(KEY_SHARES['requests_per_minute'][1])}")
+    keys, problems = parse_keys(top, ["a"])
+    assert problems == [] and keys[0].max_concurrent == 65535
+    run = tmp_path / "run"
+    run.mkdir()
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1,
+                                                        ensure_timeout_s=9),),
+                         njs_module=str(NJS), script=str(tmp_path / "router.js"),
+                         keys=tuple(keys))
+    (tmp_path / "router.js").write_text(script_text(router))
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render(FrontConfig(serves=(), run_dir=str(run),
+                                       main_extra=tuple(main_lines(router)),
+                                       http_extra=tuple(http_lines(router)))))
+    result = subprocess.run([str(NGINX), "-t", "-c", str(conf), "-p", f"{run}/"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.fixture

@@ -232,8 +232,10 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
 
 
 # A key's limits and shares (docs/router.md, "Who is asking"): name -> (smallest, largest).
+# nginx refuses a limit_conn of 65536 and more ("connection limit must be less 65536",
+# ngx_http_limit_conn_module.c): the whole front's config with it.
 KEY_SHARES: Final[Mapping[str, tuple[float, float]]] = {
-    "max_concurrent": (1, 100_000),
+    "max_concurrent": (1, 65_535),
     "requests_per_minute": (1, 1_000_000),
     "priority": (-1000, 1000),
     "weight": (0.01, 1000.0),
@@ -252,8 +254,9 @@ def key_shares(entry: Mapping[str, object], where: str
         whole = field != "weight"
         if isinstance(value, bool) or not isinstance(value, int | float) or \
                 (whole and not isinstance(value, int)) or not low <= value <= high:
+            shown = (f"{int(low)} to {int(high)}" if whole else f"{low:g} to {high:g}")
             problems.append(f"{where}.{field}: {'an integer' if whole else 'a number'} from "
-                            f"{low:g} to {high:g} (got {value!r})")
+                            f"{shown} (got {value!r})")
             continue
         out[field] = int(value) if whole else float(value)
     return out, problems
