@@ -17,12 +17,17 @@ is going to sleep or away.
 Idle: from the later of the last ensure and the end of the last request (the serve's own count
 of requests in flight, gpud.traffic); never while a request is in flight.
 
-Queued (with a [router]; docs/router.md, "Queue instead of thrash"; the decisions are
-gpud.core.queue's): a request refused for memory waits in its serve's queue, the ensure held,
-until the serve is up, at most router.queue_timeout_s and router.max_queued per serve; one
-waiting serve at a time makes room, evicting serves of equal or lower priority that are idle or
-were brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
-starts by a request are measured here).
+Queued (with a [router]; docs/router.md, "Queue instead of thrash", "Who is asking"; the
+decisions are gpud.core.queue's: whether a request joins, who goes next, who is evicted): a
+request refused for memory waits in its serve's queue, the ensure held, until the serve is up,
+at most router.queue_timeout_s and router.max_queued per serve; one waiting serve at a time makes
+room, in the fair order between requesters (each request carries its requester: the key's name,
+else the client's address), evicting serves of equal or lower priority that are idle or were
+brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
+starts by a request are measured here). Every wait is on `changes` (a state stored, a life's
+step, a drain's end, a count of requests in flight read, the queue itself), bounded by the
+deadline the queue names: no polling. A waiting request whose asker hung up leaves at once; when
+gpud stops, those still waiting are answered (class gpud-stopping), not cut.
 
 Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
 failure an exponential, capped backoff; requests meanwhile are answered at once, with
