@@ -162,6 +162,8 @@ class Api:
         self.reload_hook = reload
         self.rebalancer = rebalancer
         self.on_demand = on_demand
+        # what the front's last sync left dark (gpud.front.Front.degraded), once there is one
+        self.front_degraded: Callable[[], tuple[str, ...]] | None = None
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
         # so that a reload's new bounds hold at once)
         self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,
@@ -308,7 +310,10 @@ class Api:
                 "reason": "no observation backend configured"}
 
     async def status(self, request: web.Request) -> web.Response:
-        return json_response(self.svc.status_view(self.observation_status()))
+        doc = self.svc.status_view(self.observation_status())
+        if self.front_degraded is not None:
+            doc["front"] = {"degraded": list(self.front_degraded())}
+        return json_response(doc)
 
     async def ledger(self, request: web.Request) -> web.Response:
         return json_response(ledger_view(self.svc, self.draws))

@@ -242,7 +242,8 @@ class Daemon:
 
             def metrics() -> str:
                 router_log.read()
-                return render(svc, observer, calibrator, on_demand, router_log)
+                return render(svc, observer, calibrator, on_demand, router_log,
+                              self._front_degraded)
 
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=metrics,
@@ -259,6 +260,9 @@ class Daemon:
             stack.push_async_callback(on_demand.stopping)
             await supervisor.reconcile()
             self.front = Front(supervisor.units, states=svc.states)
+            assert self.api.rebalancer is not None
+            self.api.rebalancer.front_listens = self.front.listening
+            self.api.front_degraded = self._front_degraded
             svc.watch_states(self.front.mark_awake)
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
@@ -313,6 +317,9 @@ class Daemon:
         await supervisor.boot()
         if self.svc is not None:
             self.notify(f"STATUS={self.svc.summary()}")
+
+    def _front_degraded(self) -> tuple[str, ...]:
+        return self.front.degraded if self.front is not None else ()
 
     def _front_cap(self, uid: int) -> int | None:
         """The front's uid may hold every ensure gpud lets wait and a reserve for reads
@@ -388,6 +395,12 @@ class Daemon:
             # in a worker thread: a config of 1 MiB takes the better part of a second
             parsed = await self.offload.run(parse_config, text, str(self.config_path))
             cfg = apply_overrides(parsed, self.overrides)
+            if self.front is not None:
+                # refused before anything changes: what would leave the router or a front dark
+                dark = self.front.problems(cfg)
+                if dark:
+                    raise ConfigError(str(self.config_path), [
+                        f"{d.message} (the running config is kept)" for d in dark])
             over = await self.svc.reload(cfg, text, source=str(self.config_path), uid=uid)
             self.config = cfg
             if self.front is not None:
@@ -431,7 +444,7 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2
-    unknown = _unknown_users(cfg)
+    unknown = _unknown_users(cfg) + _dark(cfg)
     if unknown:
         print("\n".join(f"{path}: {problem}" for problem in unknown), file=sys.stderr)
         return 2
@@ -511,24 +524,25 @@ def _front_warnings(cfg: Config) -> list[str]:
 
 
 def _router_warnings(cfg: Config) -> list[str]:
-    """The router runs in the front's nginx with the njs module, and its keys file is read
-    when gpud writes the front's config: either missing leaves the router off
-    (gpud.front.routable)."""
+    """A router listening beyond loopback without keys: open to whoever reaches it (L6)."""
     r = cfg.router
-    if r is None:
+    if r is None or r.api_keys_file is not None:
         return []
-    from gpud.errors import ConfigError
-    from gpud.router import router_front
+    host = r.listen.rpartition(":")[0].strip("[]")
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return []
+    return [f"router.listen: {r.listen} is reachable beyond this host and router.api_keys_file "
+            "is not set: anyone who reaches it may use every model (docs/router.md, keys)"]
 
-    if not os.path.isfile(r.njs_module):
-        return [f"router.njs_module: {r.njs_module} not found, so the router stays off "
-                "(apt-get install libnginx-mod-http-js; docs/router.md)"]
-    try:
-        router_front(cfg)
-    except ConfigError as exc:
-        return [f"router.api_keys_file: {exc.source}: {p}; the router stays off"
-                for p in exc.problems]
-    return []
+
+def _dark(cfg: Config) -> list[str]:
+    """What would leave the router or a front dark (gpud.front.check_front: the njs module
+    missing, the keys file refused, a model name the router cannot carry, an address another
+    process holds; the front's own, in its nginx.conf, are its): --check-config refuses them,
+    as a reload, a plan and an apply do."""
+    from gpud.front import check_front, running_listens
+
+    return [d.message for d in check_front(cfg, running_listens(cfg.daemon)).dark]
 
 
 def _commands(cfg: Config) -> list[str]:

@@ -22,15 +22,20 @@ checks and sleep calls) and the front's workers connect.
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import hashlib
+import json
 import logging
 import math
 import os
 import pwd
+import re
 import signal
+import socket
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -39,12 +44,21 @@ from dbus_fast import Variant
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.front import MAX_WORKERS, NOFILE, FrontConfig, FrontServe, render, socket_path
+from gpud.core.router import ApiKey, RouterFront
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
-from gpud.router import SCRIPT_NAME, log_dir, log_path, queue_wait_s, router_front, script_text
+from gpud.router import (
+    SCRIPT_NAME,
+    awake_dir,
+    log_dir,
+    log_path,
+    queue_wait_s,
+    router_front,
+    script_text,
+)
 from gpud.unit_properties import SLICE, encode
 from gpud.units import SystemdUnits
 
@@ -66,16 +80,25 @@ def fronted(cfg: Config) -> dict[str, int]:
     return {name: s.port for name, s in cfg.serves.items() if s.front and s.port is not None}
 
 
-def front_config(cfg: Config) -> FrontConfig:
+_COMPUTE: Final = object()
+
+
+def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
+                 leave_out: frozenset[str] = frozenset()) -> FrontConfig:
+    """The front's config for CFG, with ROUTER (computed from CFG when not given: a sync
+    computes it once, gpud.front.check_front, and hands it here), without the fronted serves
+    LEAVE_OUT (whose port another process holds)."""
     d = cfg.daemon
-    router = router_front(cfg)
+    if router is _COMPUTE:
+        router = router_front(cfg)
+    assert router is None or isinstance(router, RouterFront)
     return FrontConfig(
         serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
                                 # the front waits a little longer than gpud does
                                 ensure_timeout_s=(math.ceil(cfg.serves[name].start_timeout_s)
                                                   + queue_wait_s(cfg) + ENSURE_MARGIN_S
                                                   if cfg.serves[name].on_demand else None))
-                     for name, port in sorted(fronted(cfg).items())),
+                     for name, port in sorted(fronted(cfg).items()) if name not in leave_out),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",
         gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d),
         main_extra=tuple(router_main_lines(router)) if router else (),
@@ -85,12 +108,6 @@ def front_config(cfg: Config) -> FrontConfig:
 def front_workers() -> int:
     """nginx's workers: one per core gpud may run on, at most MAX_WORKERS."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
-
-
-def awake_dir(d: DaemonConfig) -> str:
-    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
-    front to go by while gpud does not answer (root's, readable by the front's group)."""
-    return f"{d.front_dir.rstrip('/')}/awake"
 
 
 def _front_ids(d: DaemonConfig) -> tuple[int, int]:
@@ -239,29 +256,107 @@ def _unit_values(d: DaemonConfig) -> list[tuple[str, object]]:
     ]
 
 
-def routable(cfg: Config) -> Config:
-    """CFG, or CFG without its [router] when the router cannot run (its njs module missing,
-    its keys file refused): logged, and the fronts go on without it (nginx would refuse the
-    whole config, the fronts' servers with it; without its keys the router stays off rather
-    than open)."""
-    r = cfg.router
-    if r is None:
-        return cfg
-    problem = None
-    if not os.path.isfile(r.njs_module):
-        problem = (f"router.njs_module: {r.njs_module} not found (apt-get install "
-                   "libnginx-mod-http-js)")
-    else:
+def listens(text: str) -> frozenset[str]:
+    """The addresses a front's nginx.conf listens on (its `listen` lines)."""
+    return frozenset(re.findall(r"^\s*listen (\S+);", text, re.MULTILINE))
+
+
+def running_listens(d: DaemonConfig) -> frozenset[str]:
+    """What the front's nginx.conf on disk listens on: the ports the front holds while it runs
+    (none when there is no such file, or it cannot be read)."""
+    try:
+        return listens((Path(d.front_dir) / "nginx.conf").read_text())
+    except (OSError, UnicodeDecodeError):
+        return frozenset()
+
+
+def in_use(listen: str) -> bool:
+    """Whether HOST:PORT is bound by some process (the bind gpud would have nginx make fails
+    with EADDRINUSE; SO_REUSEADDR, as nginx's, so that a socket in TIME_WAIT is not one)."""
+    host, _, port = listen.rpartition(":")
+    host = "127.0.0.1" if host == "localhost" else host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            router_front(cfg)
-        except ConfigError as exc:
-            problem = f"{exc.source}: " + "; ".join(exc.problems)
-        except ValueError as exc:
-            problem = str(exc)
-    if problem is None:
-        return cfg
-    log.error("router off: %s", problem)
-    return cfg.model_copy(update={"router": None})
+            sock.bind((host, int(port)))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+@dataclass(frozen=True)
+class Dark:
+    """Something that would leave the router or a front's port dark: the config key it is
+    about (router.listen, router.api_keys_file, serves.NAME.port, ...) and why."""
+
+    what: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.what}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class FrontCheck:
+    """What the front of a config is made of, found once (the keys file read once): the
+    router (None: off) and what would leave the router or a front dark (``dark``)."""
+
+    router: RouterFront | None
+    dark: tuple[Dark, ...]
+    # the fronted serves whose port another process holds: left out of nginx.conf (nginx
+    # would refuse the whole config, every other port with it)
+    taken: frozenset[str] = frozenset()
+
+
+def check_front(cfg: Config, running: frozenset[str] = frozenset()) -> FrontCheck:
+    """The router of CFG and what would leave it or a front dark: the njs module missing, the
+    keys file refused (unreadable, invalid, a key naming a model no serve answers to), a
+    model name the router cannot carry, an address another process holds (RUNNING: what the
+    front listens on already, its own)."""
+    dark: list[Dark] = []
+    router: RouterFront | None = None
+    r = cfg.router
+    if r is not None:
+        if not os.path.isfile(r.njs_module):
+            dark.append(Dark("router.njs_module", f"{r.njs_module} not found, so the router "
+                             "would be off (apt-get install libnginx-mod-http-js)"))
+        else:
+            try:
+                router = router_front(cfg)
+            except ConfigError as exc:
+                dark += [Dark("router.api_keys_file", f"{exc.source}: {p}")
+                         for p in exc.problems]
+            except ValueError as exc:
+                dark.append(Dark("router", str(exc).removeprefix("router: ")))
+        if r.listen not in running and in_use(r.listen):
+            dark.append(Dark("router.listen", f"{r.listen} is in use by another process: the "
+                             "router could not listen there"))
+            router = None
+    taken = set()
+    for name, port in sorted(fronted(cfg).items()):
+        where = f"127.0.0.1:{port}"
+        if where not in running and in_use(where):
+            taken.add(name)
+            dark.append(Dark(f"serves.{name}.port", f"{where} is in use by another process: "
+                             f"the front of {name} could not listen there"))
+    return FrontCheck(router, tuple(dark), frozenset(taken))
+
+
+def keys_on_disk(d: DaemonConfig) -> tuple[ApiKey, ...] | None:
+    """The keys of the router's script as gpud last wrote it (its CONFIG's digests and
+    models, gpud.core.router.render_script), None when there is none or it has no keys."""
+    try:
+        head = (Path(d.front_dir) / SCRIPT_NAME).read_text().split("\n\n", 1)[0]
+        doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip().rstrip(";"))
+        keys = doc["keys"]
+        if keys is None:
+            return None
+        return tuple(ApiKey(k["name"], digest, tuple(k["models"]))
+                     for digest, k in sorted(keys.items()))
+    except (OSError, UnicodeDecodeError, IndexError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _write_if_changed(path: Path, text: str, gid: int) -> bool:
@@ -285,12 +380,16 @@ class Front:
         # The config last synced, and the awake files as last written (None: not yet).
         self._config: Config | None = None
         self._awake: frozenset[str] | None = None
+        # The router last written (its keys kept while the keys file is refused), and what
+        # the last sync left dark (GET /v1/status: front.degraded).
+        self._router: RouterFront | None = None
+        self.degraded: tuple[str, ...] = ()
 
-    def write(self, cfg: Config) -> bool:
-        """Write nginx.conf and the front's own directories; whether the text changed."""
+    def write(self, cfg: Config, router: RouterFront | None, text: str) -> bool:
+        """Write nginx.conf (TEXT), ROUTER's script and the front's own directories; whether
+        either changed."""
         d = cfg.daemon
         uid, gid = _front_ids(d)
-        text = render(front_config(cfg))
         front = Path(d.front_dir)
         try:
             _directory(front, 0o755, 0, 0)
@@ -305,7 +404,6 @@ class Front:
         except OSError as exc:
             raise GpudError(f"daemon.front_dir: cannot prepare {d.front_dir}: "
                             f"{exc.strerror or exc}") from exc
-        router = router_front(cfg)
         # The router's script first: nginx reads it when it loads the config.
         script_changed = router is not None and _write_if_changed(
             front / SCRIPT_NAME, script_text(router), gid)
@@ -313,6 +411,34 @@ class Front:
         if not _write_if_changed(conf, text, gid):
             return script_changed
         return True
+
+    def listening(self) -> frozenset[str]:
+        """What the front this gpud synced listens on (its own ports: none before a sync)."""
+        cfg = self._config
+        return running_listens(cfg.daemon) if cfg is not None else frozenset()
+
+    def problems(self, cfg: Config) -> list[Dark]:
+        """What CFG would leave dark, as a reload, an apply or a plan refuses it."""
+        return list(check_front(cfg, self.listening()).dark)
+
+    def _checked(self, cfg: Config, running: frozenset[str]) -> FrontCheck:
+        """check_front, but keeping the keys last read while the keys file is refused (the
+        world changed under a running config: the router stays up with what it had)."""
+        check = check_front(cfg, running)
+        refused = [d for d in check.dark if d.what == "router.api_keys_file"]
+        if not refused or \
+                len(refused) != len([d for d in check.dark if d.what.startswith("router")]):
+            return check
+        # the keys this gpud last wrote, else those of the script the front runs (a gpud
+        # restarted under a keys file refused since)
+        last = self._router.keys if self._router is not None else keys_on_disk(cfg.daemon)
+        if last is not None:
+            with contextlib.suppress(ConfigError, ValueError):
+                kept = router_front(cfg, keys=last)
+                check = FrontCheck(kept, tuple(
+                    Dark(d.what, d.reason + " (keeping the keys last read)")
+                    if d in refused else d for d in check.dark), check.taken)
+        return check
 
     def mark_awake(self) -> None:
         """Keep one file per fronted serve that is running (awake) in the awake directory, none
@@ -344,19 +470,30 @@ class Front:
 
     async def sync(self, cfg: Config) -> None:
         """Bring the front in line with CFG: started when there are fronted serves and it is
-        not running, reloaded when its config changed."""
-        cfg = routable(cfg)
+        not running, reloaded when its config changed. What would be dark (the router's keys
+        refused, its module missing, a port another process holds) is left out and said
+        (``degraded``, GET /v1/status); the keys last read are kept while the keys file is
+        refused. The router's part is computed once, its keys file read once."""
         if not fronted(cfg) and cfg.router is None and self.text is None:
             # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
             # front left from before keeps its config until a fronted serve comes back).
             return
+        state = await self.units.active_state(FRONT_UNIT)
+        active = state in ("active", "reloading", "activating")
+        check = self._checked(cfg, running_listens(cfg.daemon) if active else frozenset())
+        self.degraded = tuple(d.message for d in check.dark)
+        for message in self.degraded:
+            log.error("front degraded: %s", message)
+        router = check.router
+        if router is None and cfg.router is not None:
+            cfg = cfg.model_copy(update={"router": None})
         prepare_socket_dir(cfg.daemon)
-        changed = self.write(cfg)
-        self.text = render(front_config(cfg))
+        text = render(front_config(cfg, router, check.taken))
+        changed = self.write(cfg, router, text)
+        self.text, self._router = text, router
         self._config, self._awake = cfg, None
         self.mark_awake()
-        state = await self.units.active_state(FRONT_UNIT)
-        if state in ("active", "reloading", "activating"):
+        if active:
             running = await self.units.unit_property(FRONT_UNIT, "Description")
             if running == description(cfg.daemon):
                 if changed:

@@ -62,9 +62,11 @@ class GpudCollector:
 
     def __init__(self, svc: LedgerService, observer: Observer | None,
                  calibrator: Calibrator | None = None, on_demand: OnDemand | None = None,
-                 router_log: RouterLog | None = None) -> None:
+                 router_log: RouterLog | None = None,
+                 front_degraded: Callable[[], tuple[str, ...]] | None = None) -> None:
         self.svc, self.observer, self.calibrator = svc, observer, calibrator
         self.on_demand, self.router_log = on_demand, router_log
+        self.front_degraded = front_degraded
 
     def collect(self) -> Iterator[Metric]:
         families = _families(self.svc, self.observer, self.calibrator)
@@ -73,15 +75,27 @@ class GpudCollector:
             _queue_families(families, self.svc, self.on_demand)
         if self.router_log is not None:
             _router_families(families, self.router_log)
+        if self.front_degraded is not None:
+            _front_families(families, self.front_degraded())
         for family in families.values():
             yield family.metric
 
 
 def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None,
-           on_demand: OnDemand | None = None, router_log: RouterLog | None = None) -> str:
+           on_demand: OnDemand | None = None, router_log: RouterLog | None = None,
+           front_degraded: Callable[[], tuple[str, ...]] | None = None) -> str:
     """The 0.0.4 text exposition of what `GpudCollector` collects now."""
-    return generate_latest(GpudCollector(svc, observer, calibrator, on_demand, router_log)
-                           ).decode()
+    return generate_latest(GpudCollector(svc, observer, calibrator, on_demand, router_log,
+                                         front_degraded)).decode()
+
+
+def _front_families(fams: dict[str, _Family], degraded: tuple[str, ...]) -> None:
+    """Whether the front's last sync left something dark (gpud.front.Front.degraded: why, in
+    GET /v1/status and gpuctl status): the count of what it left out."""
+    fams.setdefault("gpud_front_degraded", _Family(
+        "gpud_front_degraded", "gauge", "What the front's last sync left dark (the router's "
+        "keys refused, its module missing, a port another process holds): 0 when nothing; "
+        "why in GET /v1/status, front.degraded")).add(len(degraded))
 
 
 def _router_families(fams: dict[str, _Family], router_log: RouterLog) -> None:

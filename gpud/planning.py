@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpud.config import Config, apply_overrides, parse_config
@@ -18,6 +18,7 @@ from gpud.core.budgets import resolve_budgets
 from gpud.core.ledger import Ledger
 from gpud.core.observation import DeviceView
 from gpud.core.plan import Plan, make_plan
+from gpud.core.transition import Blocker
 from gpud.core.vocab import ServeState
 
 
@@ -32,6 +33,9 @@ class PlanInputs:
     states: Mapping[str, ServeState]
     devices: DeviceView
     overrides: dict[str, Any] = field(default_factory=dict)
+    # What the front listens on now (gpud.front.running_listens), when a plan is to be refused
+    # for what it would leave dark (gpud.front.check_front); None: not checked.
+    front_listens: frozenset[str] | None = None
 
 
 def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
@@ -40,8 +44,14 @@ def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> Plan:
                               dev.device_uuid)
     totals = {b.device: dev.device_total(b.device) for b in budgets}
     totals.update({b.device: dev.device_total(b.device) for b in inputs.ledger.roles.values()})
-    return make_plan(old=inputs.config, new=cfg, ledger=inputs.ledger, new_budgets=budgets,
+    plan = make_plan(old=inputs.config, new=cfg, ledger=inputs.ledger, new_budgets=budgets,
                      states=inputs.states, totals=totals, source=source)
+    if inputs.front_listens is None:
+        return plan
+    from gpud.front import check_front
+
+    dark = check_front(cfg, inputs.front_listens).dark
+    return replace(plan, blocked=plan.blocked + tuple(Blocker(d.what, d.reason) for d in dark))
 
 
 def plan_json(text: str, source: str, inputs: PlanInputs) -> str:

@@ -95,6 +95,9 @@ class Rebalancer:
         # worker process applies them itself
         self.overrides = dict(overrides or {})
         self._busy = False
+        # What the front listens on now (gpud.front.Front.listening), once the daemon has a
+        # front: a plan and an apply are refused for what they would leave dark.
+        self.front_listens: Callable[[], frozenset[str]] | None = None
 
     @property
     def busy(self) -> bool:
@@ -109,7 +112,8 @@ class Rebalancer:
     def inputs(self) -> PlanInputs:
         """On the event loop: what a plan is made against (values only)."""
         return PlanInputs(self.svc.config, self.svc.ledger, self.svc.states(),
-                          self.observer.view(), self.overrides)
+                          self.observer.view(), self.overrides,
+                          self.front_listens() if self.front_listens is not None else None)
 
     async def plan_json(self, text: str, source: str) -> str:
         """The plan of `text`, as the JSON text POST /v1/plan answers: parsed, planned and

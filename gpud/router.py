@@ -53,6 +53,13 @@ def log_dir(d: DaemonConfig) -> str:
     return f"{d.front_dir.rstrip('/')}/{LOG_DIR}"
 
 
+def awake_dir(d: DaemonConfig) -> str:
+    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
+    front and the router to go by while gpud does not answer (root's, readable by the front's
+    group; gpud.front.Front.mark_awake)."""
+    return f"{d.front_dir.rstrip('/')}/awake"
+
+
 def log_path(d: DaemonConfig) -> str:
     return f"{log_dir(d)}/{LOG_NAME}"
 
@@ -148,7 +155,9 @@ def priority_scheduling(spec: ServeConfig) -> bool:
     return False
 
 
-def router_front(cfg: Config) -> RouterFront | None:
+def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterFront | None:
+    """The router of CFG (None: no [router]); its keys read from router.api_keys_file, or
+    KEYS when given (the keys last read, kept while the file is refused)."""
     r = cfg.router
     if r is None:
         return None
@@ -163,12 +172,15 @@ def router_front(cfg: Config) -> RouterFront | None:
             ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
                               + queue_wait_s(cfg) + ENSURE_MARGIN_S
                               if asks_gpud(cfg, name) else None)))
-    keys = None if r.api_keys_file is None else load_keys(
-        r.api_keys_file, [m for s in serves for m in s.models])
+    if r.api_keys_file is None:
+        keys = None
+    elif keys is None:
+        keys = load_keys(r.api_keys_file, [m for s in serves for m in s.models])
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
                        script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
                        max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
-                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d))
+                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d),
+                       awake_dir=awake_dir(d))
 
 
 def script_text(router: RouterFront) -> str:

@@ -324,6 +324,14 @@ class StoreStatus(TypedDict):
     failed_commits: int
 
 
+class FrontStatus(TypedDict):
+    """The front's part of GET /v1/status: what its last sync left dark and why (the router's
+    keys refused, its module missing, a port another process holds; gpud.front.check_front),
+    empty when nothing."""
+
+    degraded: list[str]
+
+
 class Status(TypedDict):
     """GET /v1/status."""
 
@@ -340,6 +348,8 @@ class Status(TypedDict):
     store_transactions: int
     store: StoreStatus
     summary: str
+    # a gpud that runs a front
+    front: NotRequired[FrontStatus]
 
 
 class Admitted(TypedDict):

@@ -14,7 +14,6 @@ Pure: no file, process or clock here. ``gpud.front`` writes the text and runs ng
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
@@ -47,9 +46,11 @@ ROUTED_PATHS: Final = (
     "/tokenize",
     "/detokenize",
 )
-# A name a serve answers to: a Hugging Face id ("Qwen/Qwen3-8B"), a purpose ("chat-fast").
-# Printable, no spaces or quotes, so it is written into the script and the logs as it is.
-MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}")
+# A name a serve answers to: a Hugging Face id ("Qwen/Qwen3-8B"), a purpose ("chat-fast"), a
+# local path (vLLM answers to its --model when no --served-model-name is given, a path too:
+# vllm/entrypoints/openai/cli_args.py, served_model_name). Printable, no spaces or quotes, so
+# it is written into the script and the logs as it is.
+MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,254}")
 # The njs module of Debian 12 (libnginx-mod-http-js 0.7.9, built for its nginx 1.22.1).
 DEFAULT_NJS_MODULE: Final = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 DEFAULT_MAX_BODY_MIB: Final = 64
@@ -58,9 +59,14 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
 AUTH_LOCATION: Final = "/.gpud-router-auth"
-# The 401s of the key's check before the body (router.js keyOf says the same)
-NO_KEY: Final = "No API key provided (Authorization: Bearer KEY)"
-BAD_KEY: Final = "Incorrect API key provided"
+ERROR_PREFIX: Final = "/.gpud-router-error/"
+# nginx's own error answers the router gives in OpenAI's shape (router.js ERRORS): a malformed
+# request, a header too large (494, nginx's own code, answered 400), a body over max_body_mib,
+# a URI too long, a route it does not carry, its own internal error. Each an error page (a URI:
+# a request whose line did not parse has none, and nginx redirects no such request to a named
+# location) that returns the text of a js_set variable of the script: nginx's `return` reads
+# no body.
+ERROR_PAGES: Final = (400, 404, 413, 414, 494, 500)
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
@@ -105,7 +111,7 @@ MAX_REQUESTER: Final = 64
 
 def model_name_problem(name: str) -> str | None:
     if not MODEL_NAME_RE.fullmatch(name):
-        return (f"{name!r} is not a model name (a letter or digit, then letters, digits and "
+        return (f"{name!r} is not a model name (a letter, digit or '/', then letters, digits and "
                 ". _ : / @ + -; at most 255)")
     return None
 
@@ -145,11 +151,6 @@ def duplicate_names(names: Mapping[str, Sequence[str]]) -> list[str]:
             owners.setdefault(name, []).append(serve)
     return [f"model name {name!r} is on serves {' and '.join(serves)}: one name, one serve"
             for name, serves in sorted(owners.items()) if len(serves) > 1]
-
-
-def close_names(name: str, known: Iterable[str], n: int = 3) -> list[str]:
-    """The known names closest to NAME (what a 404 suggests)."""
-    return difflib.get_close_matches(name, sorted(known), n=n, cutoff=0.6)
 
 
 # A key's token: long enough not to be guessed, printable, no spaces.
@@ -357,13 +358,17 @@ class RouterFront:
     loading_feedback_s: int = DEFAULT_LOADING_FEEDBACK_S
     # the access log gpud reads (LOG_FIELDS); None: none
     access_log: str | None = None
+    # Where gpud keeps a file per fronted serve that is running and awake (gpud.front.awake_dir):
+    # what the router goes by when gpud does not answer, as the fronts do. None: no check.
+    awake_dir: str | None = None
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
         if problem:
             raise ValueError(f"router: listen: {problem}")
         for path in (self.njs_module, self.script, self.gpud_socket,
-                     *([self.access_log] if self.access_log is not None else [])):
+                     *([self.access_log] if self.access_log is not None else []),
+                     *([self.awake_dir] if self.awake_dir is not None else [])):
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve
@@ -449,16 +454,6 @@ def router_request(headers: Mapping[str, str]) -> RouterRequest | None:
     return RouterRequest(model, key, requester)
 
 
-def _error_json(status: int, message: str, code: str) -> str:
-    """An OpenAI-shaped error document, for nginx's `return` (single-quoted there)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    text = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}})
-    if "'" in text or "\\" in text:
-        raise ValueError(f"router: an error text nginx cannot quote: {text}")
-    return text
-
-
 def main_lines(router: RouterFront) -> list[str]:
     """Lines of the main context (before `events`): the njs module."""
     return [f"load_module {router.njs_module};"]
@@ -475,7 +470,8 @@ PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
 METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
 
 
-def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str]:
+def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
+                     limits: Sequence[str] = ()) -> list[str]:
     # a serve under priority scheduling gets the body the script rewrote with the key's
     # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
     body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
@@ -511,6 +507,14 @@ def _serve_locations(serve: RoutedServe, limits: Sequence[str] = ()) -> list[str
                   "        }",
                   f"        location {serve.location}_direct {{",
                   *body,
+                  # gpud did not answer: the serve only when gpud last said it was running
+                  # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
+                  # serve asleep, starting or stopped answers 503 at once (the server's
+                  # error page for 502: router.down) instead of holding the request
+                  *([f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
+                     "                return 502;",
+                     "            }"] if awake_dir is not None and serve.socket is not None
+                    else []),
                   f"            proxy_pass http://{serve.upstream};",
                   METER,
                   "        }",
@@ -545,7 +549,11 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_sse;",
            "    js_var $router_prompt_tokens;",
            "    js_var $router_body;",
-           "    js_var $router_completion_tokens;"]
+           "    js_var $router_completion_tokens;",
+           # the error pages' documents (router.js: the one place of their shape)
+           "    js_set $router_unauthorized router.unauthorizedText;",
+           *[f"    js_set $router_error_{status} router.error{status};"
+             for status in ERROR_PAGES]]
     if router.access_log is not None:
         fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
@@ -560,19 +568,9 @@ def http_lines(router: RouterFront) -> list[str]:
                 f"        server {serve.server};",
                 f"        keepalive {KEEPALIVE};",
                 "    }"]
-    too_large = _error_json(413, f"request body over router.max_body_mib ({mib} MiB)",
-                            "request_too_large")
-    not_found = _error_json(404, "no such route on this endpoint (the router carries the "
-                            "OpenAI routes: /v1/models, /v1/chat/completions, ...)",
-                            "route_not_found")
     auth = ""
     if router.keys is not None:
-        auth = (f"            auth_request {AUTH_LOCATION};\n"
-                "            error_page 401 = @router_unauthorized;\n")
-        out += ["    map $http_authorization $router_unauthorized {",
-                f"        \"\" '{_error_json(401, NO_KEY, 'invalid_api_key')}';",
-                f"        default '{_error_json(401, BAD_KEY, 'invalid_api_key')}';",
-                "    }"]
+        auth = f"            auth_request {AUTH_LOCATION};\n"
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -591,7 +589,12 @@ def http_lines(router: RouterFront) -> list[str]:
         "        postpone_output 0;",
         *([f"        access_log {router.access_log} {LOG_FORMAT};"]
           if router.access_log is not None else []),
-        "        error_page 413 = @router_too_large;",
+        # Every answer is OpenAI-shaped JSON, nginx's own errors too (ERROR_PAGES), their
+        # text the script's (router.js errorText: the one place of the document's shape).
+        *[f"        error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
+        # the key's check before the body (auth_request): at the server's level, so that
+        # the routed locations keep the error pages above
+        *(["        error_page 401 = @router_unauthorized;"] if router.keys is not None else []),
         "        error_page 429 = @router_limited;",
         "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
@@ -621,7 +624,7 @@ def http_lines(router: RouterFront) -> list[str]:
     ]
     limits = limit_lines(router.keys or ())
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += _serve_locations(serve, limits)
+        out += _serve_locations(serve, router.awake_dir, limits)
     out += [
         *([f"        location = {AUTH_LOCATION} {{",
            "            internal;",
@@ -651,11 +654,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "        location @router_stream_down {",
         "            js_content router.streamDown;",
         "        }",
-        "        location @router_too_large {",
-        f"            return 413 '{too_large}';",
-        "        }",
+        *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
+          f"            return {400 if status == 494 else status} $router_error_{status};"
+          "\n        }" for status in ERROR_PAGES],
         "        location / {",
-        f"            return 404 '{not_found}';",
+        "            return 404 $router_error_404;",
         "        }",
         "    }",
     ]

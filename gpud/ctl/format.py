@@ -189,6 +189,10 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
                                               if isinstance(since, (int, float)) else "")
                      + f" ({store.get('failed_commits')} failed commits): {store.get('error')}; "
                      "nothing that needs a record is changed"))
+    front = doc.get("front")
+    degraded = front["degraded"] if front is not None else []
+    if degraded:
+        rows.append(("front", "!! DEGRADED: " + "; ".join(degraded)))
     rows.append(("summary", _dash(doc.get("summary"))))
     return _block(rows)
 

@@ -15,6 +15,7 @@
 
 import crypto from 'crypto';
 
+// The one place of the router's error document (OpenAI's shape: message, type, param, code).
 function fail(r, status, message, code, param) {
     r.headersOut['Content-Type'] = 'application/json';
     var type = status >= 500 ? 'server_error' : 'invalid_request_error';
@@ -45,10 +46,12 @@ function formModel(body) {
 // JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
 // small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
 var SCAN_FROM = 65536;
-// What a walk may visit outside strings (strings are skipped by Buffer.indexOf, natively):
-// past it the body is refused 413 (router_too_complex) rather than a worker held. About
-// 4 ms a MiB in njs 0.7.9; a chat of ten thousand messages visits well under a MiB.
-var SCAN_STEPS = 8 * 1048576;
+// The steps a walk may take in nested values (a byte outside strings, or a string skipped
+// by Buffer.indexOf, natively): past them the body is refused 413 (too_complex) rather than
+// a worker held. A step costs njs 0.7.9 about 0.3 us (bench/router_body.py: 108 ms for a
+// MiB of small objects walked whole), so the walk stops within about 80 ms; a chat of ten
+// thousand messages takes about 100000 steps, an image in base64 one.
+var SCAN_STEPS = 262144;
 
 function space(c) {
     return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
@@ -138,6 +141,11 @@ function topLevel(body) {
                 depth = 0;
                 do {
                     c = body[i];
+                    if (++steps > SCAN_STEPS) {
+                        return {error: [413, 'the request body has more structure than the ' +
+                                        'router reads (' + SCAN_STEPS + ' steps): send ' +
+                                        'fewer, larger parts', 'too_complex']};
+                    }
                     if (c === 0x22) {
                         end = skipString(body, i);
                         if (end < 0) {
@@ -154,11 +162,6 @@ function topLevel(body) {
                         return bad('an unterminated ' + (body[v] === 0x7b ? 'object' : 'array'));
                     }
                     i++;
-                    if (++steps > SCAN_STEPS) {
-                        return {error: [413, 'the request body has more structure than the ' +
-                                        'router reads (' + SCAN_STEPS + ' bytes outside ' +
-                                        'strings): send fewer, larger parts', 'too_complex']};
-                    }
                 } while (depth > 0);
             } else {
                 while (i < n && body[i] !== 0x2c && body[i] !== 0x7d && !space(body[i])) {
@@ -234,6 +237,35 @@ function closeNames(name, key) {
     return found.slice(0, 3).map(function (x) { return x[1]; });
 }
 
+// The error document (the shape fail() answers) as text: for nginx's `return` of the error
+// pages, whose text comes from a js_set variable (gpud/core/router.py ERROR_PAGES): no body
+// is read for them (a js_content handler would read it first).
+function errorText(status, message, code) {
+    return JSON.stringify({error: {message: message,
+                                   type: status >= 500 ? 'server_error' : 'invalid_request_error',
+                                   param: null, code: code}});
+}
+
+// nginx's own errors, as the router answers them: status -> [the status answered, message,
+// code] (494: nginx's own code for a header too large, answered 400).
+var ERRORS = {
+    400: [400, 'the request is not valid HTTP', 'invalid_request'],
+    404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
+          '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
+    413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+    414: [414, 'the request URI is too long', 'invalid_request'],
+    494: [400, 'a request header is too large', 'invalid_request'],
+    500: [500, 'internal error of the router', 'internal_error'],
+};
+
+function nginxError(status) {
+    return function (r) {
+        var e = ERRORS[status];
+        return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' :
+                         e[1], e[2]);
+    };
+}
+
 // With router.api_keys_file: the request's key (its name and models), or null once answered
 // 401. Without: {models: ['*']}. Tokens are compared by their SHA-256 (the table holds
 // nothing else).
@@ -241,17 +273,31 @@ function keyOf(r) {
     if (CONFIG.keys === null) {
         return {name: null, models: ['*']};
     }
-    var auth = r.headersIn['Authorization'] || '';
-    var m = auth.match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    var key = m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
+    var key = lookUp(r);
     if (key === undefined) {
-        r.headersOut['WWW-Authenticate'] = 'Bearer';
-        fail(r, 401, m ? 'Incorrect API key provided' :
-             'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+        unauthorized(r);
         return null;
     }
     return key;
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
+    return m && CONFIG.keys.hasOwnProperty(digest) ? CONFIG.keys[digest] : undefined;
+}
+
+function unauthorized(r) {
+    r.headersOut['WWW-Authenticate'] = 'Bearer';
+    fail(r, 401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+         'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+}
+
+// unauthorized()'s document, for the 401 of the key's check before the body (an error page).
+function unauthorizedText(r) {
+    return errorText(401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
+                     'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
@@ -263,13 +309,7 @@ function requesterOf(r, key) {
 // The key's check before a routed request's body is read (an auth_request subrequest: 204
 // or 401, which the router answers in OpenAI's shape without reading the body).
 function auth(r) {
-    if (CONFIG.keys === null) {
-        r.return(204);
-        return;
-    }
-    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    r.return(m && CONFIG.keys.hasOwnProperty(digest) ? 204 : 401);
+    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -515,6 +555,12 @@ function model(r) {
     if (key === null) {
         return;
     }
+    if (r.method !== 'GET' && r.method !== 'HEAD') {
+        r.headersOut['Allow'] = 'GET, HEAD';
+        fail(r, 405, 'method ' + r.method + ' not allowed on /v1/models/ID (GET)',
+             'method_not_allowed');
+        return;
+    }
     var name = r.uri.slice('/v1/models/'.length);
     if (!CONFIG.models.hasOwnProperty(name) || !allows(key, name)) {
         var close = closeNames(name, key);
@@ -576,25 +622,36 @@ function meter(r, data, flags) {
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
 // stream that failed. The filter's VM is the subrequest's own: `held` is this answer's.
-var held = '';
+var held = '', told = false;
 function streamed(r, data, flags) {
-    if (r.status < 400) {
-        r.sendBuffer(data, flags);
-        meterScan(r, data);
+    if (r.status < 400 || told) {
+        r.sendBuffer(told ? '' : data, flags);
+        if (!told) {
+            meterScan(r, data);
+        }
         return;
     }
     held += data;
+    // the answer's end: in a subrequest (the include) flags.last is never set (nginx marks
+    // its last buffer last_in_chain, not last_buf): the length the serve said is in, or,
+    // without one, an empty buffer after some data (an empty one may come first too)
+    var length = r.variables.upstream_http_content_length;
+    var end = flags.last || (length ? Buffer.byteLength(held) >= Number(length) :
+                             data.length === 0 && held.length > 0);
     var doc;
     try {
         doc = JSON.parse(held);
     } catch (e) {
-        if (held.length < 65536) {
+        // not (yet) one JSON document: wait for more, but not past its end (an error that
+        // is not JSON, a proxy's HTML page, is passed on as the event's message)
+        if (held.length < 65536 && !end) {
             return;
         }
         doc = {error: {message: held.slice(0, 1024), type: 'server_error', param: null,
                        code: r.status}};
     }
     held = '';
+    told = true;
     r.sendBuffer('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n', flags);
 }
 
@@ -651,5 +708,7 @@ function limited(r) {
         gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
 }
 
-export default {route, auth, models, model, refused, down, streamed, streamDown, loadingStream,
-                limited, meter};
+export default {route, auth, unauthorizedText, models, model, refused, down, streamed, streamDown,
+                error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
+                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
+                loadingStream, limited, meter};

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
 from tests.waiting import wait_until
 
 ROUTER = 30390
@@ -124,3 +126,130 @@ def test_one_users_waiting_requests_leave_anothers_bring_up_and_the_states(
         assert models(gpud, GREEDY) == {"b": "starting"}
     finally:
         gpud.sb.kill(flood)
+
+
+# --- a change that would leave the router or a front dark (H4, H5) -------------------------
+
+LIT = 30395
+KEYS_CI = f'[keys.ci]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["chat"]\n'
+
+
+def lit_config(listen: int = LIT, chat: bool = True) -> str:
+    serves = (f'[serves.chat]\nrole = "r"\nvram_mib = 4000\nport = {LIT + 1}\n'
+              'resident = true\nfront = true\nmodels = ["chat"]\n'
+              f"command = {standin_uds('--served-model-name', 'chat')}\n" if chat else "")
+    serves += (f'[serves.ocr]\nrole = "r"\nvram_mib = 4000\nport = {LIT + 2}\n'
+               'resident = true\nfront = true\n'
+               f"command = {standin_uds('--served-model-name', 'ocr')}\n")
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = f'[router]\nlisten = "127.0.0.1:{listen}"\napi_keys_file = "{KEYS}"\n'
+    return sim_config(role, serves) + router
+
+
+@pytest.fixture
+def lit(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=KEYS_CI)
+    try:
+        with fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
+            gpud.wait_state("chat", "running")
+            gpud.wait_state("ocr", "running")
+            yield gpud
+    finally:
+        gpud.sb.run(["rm", "-f", KEYS], check=False)
+
+
+def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                           *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          check=False)
+
+
+def listening(gpud: SandboxGpud, port: int) -> bool:
+    return gpud.sb.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
+                       check=False).returncode == 0
+
+
+def routed_ok(gpud: SandboxGpud, port: int = LIT) -> bool:
+    body = json.dumps({"model": "chat", "prompt": "a", "max_tokens": 1})
+    status, _h, _t = curl(gpud, POLITE, "-d", body, f"http://127.0.0.1:{port}/v1/completions")
+    return status == 200
+
+
+def test_a_change_that_would_leave_the_router_dark_is_refused_before_it_is_made(
+        lit: SandboxGpud, tmp_path: Path) -> None:
+    """H5, H4: an apply that drops a serve a key names, an apply that moves the router to a
+    port another user holds, a reload of a keys file with a bad token: each refused naming
+    its cause, nothing changed, the router serving on (at e8f41a4: "[ok] applied" or
+    "reloaded", and the router off)."""
+    gpud = lit
+    assert routed_ok(gpud)
+    config = "/etc/gpud/serves.toml"
+    (tmp_path / "dropped.toml").write_text(lit_config(chat=False))
+    out = gpuctl(gpud, "apply", str(tmp_path / "dropped.toml"))
+    assert out.returncode != 0, out.stdout
+    assert f"router.api_keys_file: {KEYS}: keys.ci.models: no serve answers to 'chat'" in \
+        out.stdout + out.stderr, out.stdout + out.stderr
+    plan = json.loads(gpuctl(gpud, "--json", "plan", str(tmp_path / "dropped.toml")).stdout)
+    assert [b["what"] for b in plan["blocked"]] == ["router.api_keys_file"], plan["blocked"]
+    assert gpud.serve("chat")["state"] == "running" and routed_ok(gpud)
+
+    # another local user holds the port the router would move to
+    holder = gpud.sb.popen(["python3", "-c", "import socket, time; s = socket.socket(); "
+                            f"s.bind(('127.0.0.1', {LIT + 3})); s.listen(); time.sleep(600)"],
+                           user=GREEDY, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: listening(gpud, LIT + 3), what="the other user's listener")
+        (tmp_path / "moved.toml").write_text(lit_config(listen=LIT + 3))
+        out = gpuctl(gpud, "apply", str(tmp_path / "moved.toml"))
+        assert out.returncode != 0, out.stdout
+        assert f"router.listen: 127.0.0.1:{LIT + 3} is in use by another process" in \
+            out.stdout + out.stderr, out.stdout + out.stderr
+        assert routed_ok(gpud)
+        assert gpud.sb.run(["cat", config]).stdout == lit_config()
+    finally:
+        gpud.sb.kill(holder)
+
+    # a bad token in the keys file, and a reload
+    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"],
+                input='[keys.ci]\ntoken = "short"\nmodels = ["chat"]\n')
+    out = gpuctl(gpud, "reload")
+    assert out.returncode != 0, out.stdout
+    assert "router.api_keys_file" in out.stdout + out.stderr and "keys.ci.token" in \
+        out.stdout + out.stderr, out.stdout + out.stderr
+    assert routed_ok(gpud)
+
+
+def test_a_world_changed_under_a_running_config_keeps_the_last_good_and_says_degraded(
+        lit: SandboxGpud) -> None:
+    """H4: the keys file turned bad, and a fronted port taken by another user while the
+    front was down: at gpud's next start the router keeps the keys last read, the other
+    ports and the router stay lit, and /v1/status, gpuctl status and a metric say what is
+    dark and why (at e8f41a4: the router off, or every port dark while gpud logged "front
+    started")."""
+    gpud = lit
+    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"],
+                input='[keys.ci]\ntoken = "short"\nmodels = ["chat"]\n')
+    gpud.sb.run(["systemctl", "stop", "gpud.service", "gpud-front.service"])
+    holder = gpud.sb.popen(["python3", "-c", "import socket, time; s = socket.socket(); "
+                            f"s.bind(('127.0.0.1', {LIT + 2})); s.listen(); time.sleep(600)"],
+                           user=GREEDY, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: listening(gpud, LIT + 2), what="the other user's listener")
+        gpud.start()
+        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
+                   timeout=30, what="the front active")
+        gpud.wait_state("chat", "running")
+        # the router, with the key it had; chat's own port
+        wait_until(lambda: routed_ok(gpud), timeout=30, what="the router serving")
+        assert curl(gpud, POLITE, f"http://127.0.0.1:{LIT + 1}/v1/models")[0] == 200
+        degraded = gpud.get("/v1/status")["front"]["degraded"]
+        assert len(degraded) == 2, degraded
+        assert degraded[0].startswith(f"router.api_keys_file: {KEYS}: keys.ci.token") and \
+            degraded[0].endswith("(keeping the keys last read)"), degraded
+        assert degraded[1].startswith(f"serves.ocr.port: 127.0.0.1:{LIT + 2} is in use by "
+                                      "another process"), degraded
+        assert gpud.metrics("gpud_front_degraded") == [({}, 2.0)]
+        status = gpuctl(gpud, "status").stdout
+        assert "!! DEGRADED: router.api_keys_file" in status, status
+    finally:
+        gpud.sb.kill(holder)

@@ -1,0 +1,150 @@
+"""A stream that waited with loading feedback, whose serve answers an error that is not JSON:
+the client gets an error event and [DONE], never a stream that hangs or ends silently (the
+router.js `streamed` filter). Real nginx and njs, a stand-in gpud that takes its time, a serve
+that fails in plain text."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import socketserver
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.core.front import FrontConfig, render
+from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
+from gpud.router import script_text
+from tests.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+NGINX = REPO / ".venv" / "bin" / "nginx"
+NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
+
+
+class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """gpud's ensure: 204 after 1.5 s (the stream gets its loading comments first); the serve:
+    a 500 in plain text, or (model "big") one of 100 KiB."""
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        if self.path.endswith("/ensure"):
+            time.sleep(1.5)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # nginx gone
+                self.send_response(204)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            return
+        text = b"x" * (100 << 10) if b'"big"' in body else b"upstream exploded"
+        self.send_response(500)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass
+class Rig:
+    port: int
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _connects(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    for path in (NGINX, NJS):
+        if not path.exists():
+            pytest.fail(f"{path} missing: run scripts/setup-test")
+    tmp = Path(tempfile.mkdtemp(prefix="gpud-stream-"))
+    tmp.chmod(0o755)
+    run = tmp / "run"
+    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / name).mkdir(exist_ok=True)
+    servers = []
+    for sock in (tmp / "gpud.sock", tmp / "t.sock"):
+        server = _Unix(str(sock), _Handler)
+        os.chmod(sock, 0o777)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    port = _free_port()
+    router = RouterFront(f"127.0.0.1:{port}",
+                         (RoutedServe("t", ("t", "big"), socket=str(tmp / "t.sock"),
+                                      ensure_timeout_s=30),),
+                         njs_module=str(NJS), script=str(tmp / "router.js"),
+                         gpud_socket=str(tmp / "gpud.sock"), loading_feedback_s=1)
+    (tmp / "router.js").write_text(script_text(router))
+    (tmp / "nginx.conf").write_text(render(FrontConfig(
+        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+        http_extra=tuple(http_lines(router)))))
+    log = (tmp / "nginx.log").open("wb")
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_until(lambda: _connects(port), what="the router listening")
+        yield Rig(port, tmp / "nginx.log")
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        log.close()
+        shutil.rmtree(tmp)
+
+
+def _stream(port: int, model: str) -> list[str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"model": model, "prompt": "x", "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return [e for e in resp.read().decode().split("\n\n") if e.strip()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("model", ["t", "big"])
+def test_an_error_that_is_not_json_after_loading_feedback_is_an_error_event(
+        rig: Rig, model: str) -> None:
+    """At e8f41a4 a plain-text error under 64 KiB was never passed on: the stream ended with
+    the loading comments only."""
+    events = _stream(rig.port, model)
+    assert events[0] == f": loading {model}", events
+    assert events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and error["code"] == 500, error
+    assert error["message"].startswith("upstream exploded" if model == "t" else "xxx"), error
