@@ -865,6 +865,8 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     delay_s = 0.0
     status = 204
+    # GET /v1/serves's serves (None: not answered), as the router's states read them
+    serves: list[dict[str, object]] | None = None
     seen: list[tuple[str, str]]
     requesters: list[str]
     gone: threading.Event
@@ -891,6 +893,13 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
             self.send_header("Retry-After", "7")
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def do_GET(self) -> None:
+        body = json.dumps({"serves": self.server.serves}).encode()
+        self.send_response(200 if self.server.serves is not None else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         pass

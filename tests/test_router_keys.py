@@ -26,7 +26,17 @@ from gpud.core.router import (
     parse_log_line,
 )
 from gpud.router import KeyShares
-from tests.test_router import RIG_TOKEN, TOML, Rig, _req, router_rig
+from tests.test_router import (  # noqa: F401 (fed: a fixture)
+    RIG_TOKEN,
+    TOML,
+    Fed,
+    Rig,
+    _events,
+    _req,
+    _stream,
+    fed,
+    router_rig,
+)
 from tests.waiting import wait_until
 
 KEYS = f"""\
@@ -331,3 +341,22 @@ def test_without_priority_scheduling_the_body_goes_as_it_came() -> None:
     # the serve's location, its direct one and the loading feedback's include
     assert prio.count("proxy_set_body $router_send_body;") == 3
     assert '        "" $request_body;' in prio
+
+
+def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None:  # noqa: F811
+    """Issue 42 item 6: gpud's queue for the serve (GET /v1/serves: by requester, in the fair
+    order, and the wait to expect) in the loading comments of a stream that waits in it."""
+    fed.gpud.delay_s = 2.5
+    fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
+        {"requester": "batch", "waiting": 3, "position": 1},
+        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2}]}]
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    assert ": queued: position 2, 4 waiting for a, expected wait 12 s (measured bring-ups)" \
+        in events, lines
+    assert events[-1] == "data: [DONE]", lines
+    # another requester's place is not this one's: nothing said
+    fed.gpud.serves[0]["queue"] = [{"requester": "batch", "waiting": 3, "position": 1}]
+    _s, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
+    assert not any("queued" in line for line in lines), lines
