@@ -597,23 +597,32 @@ function down(r) {
 // is a key (inside a JSON string a quote is escaped). The last bytes of each buffer are kept
 // for a key or number split between two. An answer without usage leaves them "" (counted,
 // never invented).
-var meterTail = '';
+var TOKENS_RE = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})(?=\D)/g;
+var meterTail = null, meterPending = false;
 function meterScan(r, data) {
-    var whole = data.indexOf('_tokens"') >= 0;
-    var text = meterTail + (whole ? data.toString() : data.slice(0, 64).toString());
-    meterTail = data.length > 64 ? data.slice(data.length - 64).toString() : text.slice(-64);
-    if (text.indexOf('_tokens"') < 0) {
+    // most buffers (a stream's chunks before its last) carry no usage: one native search
+    if (data.indexOf('_tokens"') < 0 && !meterPending) {
+        meterTail = data;
         return;
     }
-    var re = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})/g, m;
-    while ((m = re.exec(text)) !== null) {
+    var text = (meterTail === null ? '' :
+                meterTail.slice(Math.max(0, meterTail.length - 64)).toString()) +
+               data.toString();
+    meterTail = data;
+    text = text.slice(Math.max(0, text.indexOf('_tokens"') - 32));
+    TOKENS_RE.lastIndex = 0;
+    var m;
+    while ((m = TOKENS_RE.exec(text)) !== null) {
         r.variables['router_' + m[1] + '_tokens'] = m[2];
     }
+    // a count that may go on in the next buffer (a number is taken whole only)
+    var at = text.lastIndexOf('_tokens"');
+    meterPending = at >= 0 && at > text.length - 48;
 }
 
 function meter(r, data, flags) {
     r.sendBuffer(data, flags);
-    if (data.length > 0 || meterTail !== '') {
+    if (data.length > 0) {
         meterScan(r, data);
     }
 }
