@@ -82,6 +82,7 @@ def test_a_requester_let_through_goes_behind_the_others() -> None:
 
 def test_a_requester_joins_at_the_smallest_virtual_time() -> None:
     shares = Shares({"u": 3.0, "v": 2.0})
+    assert shares.of("u") == 3.0  # its own, not the smallest
     assert joined(shares, "w").used == {"u": 3.0, "v": 2.0, "w": 2.0}
     assert joined(shares, "u") is shares  # waiting already: kept
     assert Shares().of("x") == 0.0 and shares.of("x") == 2.0
@@ -219,6 +220,8 @@ IDLE = dict(in_flight=0, quiet_s=IDLE_AFTER_S)
     (Held("x", 9, up_for_s=None, **BUSY), 5, 0.0),
 ])
 def test_evictable(held: Held, priority: int, wait: float) -> None:
+    # nothing in flight and no request seen: idle
+    assert evictable(Held("x", 5, 0, None, 4.0), 5, min_awake_s=10.0) == 0.0
     assert evictable(held, priority, min_awake_s=10.0) == wait
 
 
@@ -255,6 +258,7 @@ def test_idle_in(in_flight: int | None, quiet_s: float | None, wait: float) -> N
 def test_median() -> None:
     assert median_s([]) is None
     assert median_s([100.0, 1.0, 2.0, 3.0, 4.0, 50.0]) == 3.0  # the last five only
+    assert median_s([0.12345678]) == 0.123  # to the millisecond
 
 
 def swaps_in_storm(gaps: list[float], durations: list[float], min_awake_s: float,
@@ -359,11 +363,12 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
 def test_histogram_is_cumulative() -> None:
     from gpud.core.queue import Histogram
     h = Histogram.empty()
-    for s in (0.05, 0.3, 0.3, 400.0):
+    for s in (0.05, 0.3, 0.3, 400.0, 0.25):
         h.observe(s)
     rows = dict(h.cumulative())
-    assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 1, 3, 3, 4)
-    assert h.n == 4 and h.total_s == pytest.approx(400.65)
+    # a duration on a bound is in its bucket (le: at most)
+    assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 2, 4, 4, 5)
+    assert h.n == 5 and h.total_s == pytest.approx(400.9)
 
 
 async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> None:
@@ -400,8 +405,8 @@ def test_places_show_each_serves_queue_by_requester() -> None:
 
 def test_expected_wait_sums_the_bring_ups_ahead() -> None:
     tickets = [T("a", "u", 0.0), T("b", "v", 2.0), T("c", "w", 3.0)]
-    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "b": 10.04, "c": 1.0}) == {
-        "a": 4.0, "b": 14.0, "c": 15.0}
+    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "b": 10.36, "c": 1.0}) == {
+        "a": 4.0, "b": 14.4, "c": 15.4}  # tenths of a second
     # one unmeasured: it and those after it unknown
     assert expected_wait_s(tickets, Shares(), {"a": 4.0, "c": 1.0}) == {
         "a": 4.0, "b": None, "c": None}
