@@ -60,6 +60,7 @@ def T(serve: str, requester: str, arrived: float, priority: int = 5, **kw: Any) 
     # then the key's priority (smaller first); a key that names none is of priority 0
     ([T("b", "u", 0.0), T("c", "v", 1.0, key_priority=-1)], "c"),
     ([T("b", "u", 0.0), T("c", "v", 1.0, key_priority=0)], "b"),
+    ([T("b", "u", 1.0), T("c", "v", 0.0, key_priority=0)], "c"),
     # never the most requests: one requester's three for c do not outrank the older b
     ([T("b", "v", 0.0), T("c", "u", 1.0), T("c", "u", 1.1), T("c", "u", 1.2)], "b"),
     # two requesters at one virtual time: the older request, then by requester, then serve
