@@ -20,7 +20,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -42,6 +42,7 @@ from gpud.core.bodies import (
 )
 from gpud.core.ledger import Reservation, RoleFigures
 from gpud.core.router import ANONYMOUS, EnsureBound, router_request
+from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.errors import (
     BadRequest,
@@ -178,6 +179,7 @@ class Api:
         self.route("GET", "/v1/serves", self.serves, "read")
         self.route("GET", "/v1/serves/{name}", self.serve, "read")
         self.route("GET", "/v1/events", self.events, "read")
+        self.route("GET", "/v1/usage", self.usage, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
         self.route("POST", "/v1/serves/{name}/admit", self.admit)
@@ -326,16 +328,18 @@ class Api:
                      if self.calibrations else {})
         return json_response(serves_view(self.svc, self.draws, self._calibrations(),
                                          summaries, self._parked, self._activity,
-                                         self._in_flight, self._bringups, self._queued))
+                                         self._in_flight, self._bringups, self._queued,
+                                         self._queue))
 
     def _serve_view(self, name: str) -> answers.Serve:
         if self.calibrations is None:
             return serve_view(self.svc, name, self.draws, parked=self._parked,
                               activity=self._activity, in_flight=self._in_flight,
-                              bringups=self._bringups, queued=self._queued)
+                              bringups=self._bringups, queued=self._queued,
+                              queue=self._queue)
         return serve_view(self.svc, name, self.draws, self.calibrations.calibration_of(name),
                           self.calibrations.summary_of(name), self._parked, self._activity,
-                          self._in_flight, self._bringups, self._queued)
+                          self._in_flight, self._bringups, self._queued, self._queue)
 
     def _bringups(self, serve: str) -> tuple[float | None, float | None]:
         """The medians of SERVE's measured wakes and starts (gpud.ondemand)."""
@@ -346,6 +350,10 @@ class Api:
 
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
+
+    def _queue(self, serve: str) -> tuple[list[answers.QueuePlace], float | None] | None:
+        """Who waits for SERVE in the router's queue, and the wait to expect (None: nobody)."""
+        return self.on_demand.queue_of(serve) if self.on_demand is not None else None
 
     def _queued(self, serve: str) -> int:
         """Requests waiting in the router's queue for SERVE (gpud.ondemand)."""
@@ -387,6 +395,19 @@ class Api:
             return await self._follow(request, query)
         events = await self.svc.events(query)
         answer: answers.Events = {"events": [e.to_json() for e in events]}
+        return json_response(answer)
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """Usage per key and model through the router (gpud.core.usage), from `since` (epoch
+        seconds or ISO 8601; default: everything kept), of `key` alone when given."""
+        q = request.query
+        unknown = set(q) - {"since", "key"}
+        if unknown:
+            raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        since = hour_of(parse_since(q["since"])) if "since" in q else 0
+        rows = await asyncio.to_thread(self.svc.store.usage, since, q.get("key"))
+        answer: answers.Usage = {"since": since, "rows": [
+            cast(answers.UsageRow, s.to_json()) for s in summarize(rows)]}
         return json_response(answer)
 
     async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:
@@ -577,9 +598,9 @@ class Api:
         if problem is not None:
             return _too_many_waiting(name, requester, problem)
         try:
-            return await self.on_demand.ensure(name, cause)
+            return await self.on_demand.ensure(name, cause, gone=_gone(request))
         finally:
-            # answered, or its client (nginx's ensure) gone: aiohttp cancels the handler
+            # answered, or its client (nginx's ensure) gone: OnDemand.ensure returns then (gone)
             bound.leave(requester)
 
     async def stop(self, request: web.Request) -> web.Response:
@@ -805,3 +826,10 @@ def _figures_of_each_role(answer: answers.Admitted | answers.Released, res: Rese
     if res.extra_roles:
         answer["roles"] = list(res.all_roles)
         answer["figures_by_role"] = {r: _figures(figures_of(r)) for r in res.all_roles}
+
+
+def _gone(request: web.Request) -> asyncio.Future[None] | None:
+    """Done once the asker's connection is lost (gpud.connguard.Guarded), None when unknown."""
+    transport = request.transport
+    guard = transport.get_protocol() if transport is not None else None
+    return guard.lost() if isinstance(guard, Guarded) else None

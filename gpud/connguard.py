@@ -110,6 +110,8 @@ class Guarded(asyncio.Protocol):
         # a request's headers are in and it is not answered yet: what arrives is its body (or
         # the next request, pipelined), the handler's to bound
         self._open = False
+        # done when the connection is lost (`lost`): a waiting handler learns its asker went
+        self._lost: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._uid = peer_uid(transport)
@@ -120,7 +122,18 @@ class Guarded(asyncio.Protocol):
         self._transport = transport
         self._inner.connection_made(transport)
 
+    def lost(self) -> asyncio.Future[None]:
+        """Done once the peer's connection is lost (a handler that waits, the front's ensure in
+        the queue, stops waiting then: gpud.ondemand)."""
+        if self._lost is None:
+            self._lost = asyncio.get_running_loop().create_future()
+            if self._transport is None or self._transport.is_closing():
+                self._lost.set_result(None)
+        return self._lost
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
         self._stop_timer()
         if self._counted:
             self._counted = False

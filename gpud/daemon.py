@@ -190,7 +190,7 @@ class Daemon:
         from gpud.metrics import render
         from gpud.ondemand import OnDemand
         from gpud.rebalance import Rebalancer, Recovery
-        from gpud.router import RouterLog
+        from gpud.router import KeyShares, RouterLog
         from gpud.store import Store
         from gpud.traffic import Traffic
 
@@ -231,12 +231,14 @@ class Daemon:
             # preemptions drain first (gpud.traffic).
             traffic = Traffic(svc, supervisor.serve_http)
             supervisor.sleeps.traffic = traffic
-            on_demand = OnDemand(svc, supervisor, traffic=traffic)
+            on_demand = OnDemand(svc, supervisor, traffic=traffic,
+                                 share=KeyShares(lambda: svc.config))
             # What a request through the front waits on: a stored state, a serve's life, a drain.
             svc.watch_states(on_demand.changed)
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
-            router_log = RouterLog(lambda: svc.config)  # counting from now (before the front)
+            # counting from now (before the front); usage per key into the store
+            router_log = RouterLog(lambda: svc.config, svc.store)
 
             def metrics() -> str:
                 router_log.read()
@@ -254,6 +256,8 @@ class Daemon:
                            offload=self.offload, on_demand=on_demand)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
+            # the requests waiting for a serve are answered (typed: gpud stopping), not cut
+            stack.push_async_callback(on_demand.stopping)
             await supervisor.reconcile()
             self.front = Front(supervisor.units, states=svc.states)
             assert self.api.rebalancer is not None

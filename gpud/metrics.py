@@ -118,6 +118,36 @@ def _router_families(fams: dict[str, _Family], router_log: RouterLog) -> None:
     for model in sorted(set(table) | set(stats.overhead)):
         _histogram(overhead, stats.overhead.get(model) or Histogram.empty(OVERHEAD_BUCKETS_S),
                    model=model)
+    _key_families(fams, router_log)
+
+
+def _key_families(fams: dict[str, _Family], router_log: RouterLog) -> None:
+    """Usage per key since gpud started (gpud.core.usage; docs/router.md, "Who is asking"):
+    requests by key, model and status class, and the serve's own tokens by key, model and
+    kind. The key names come from the keys file (its bound on the labels; "" without a key),
+    the models from the table."""
+    requests = fams.setdefault("gpud_router_key_requests_total", _Family(
+        "gpud_router_key_requests_total", "counter", "Requests the router answered since gpud "
+        "started, by key (\"\": none), the model they named and the class of the status"))
+    tokens = fams.setdefault("gpud_router_key_tokens_total", _Family(
+        "gpud_router_key_tokens_total", "counter", "Tokens of the serves' own usage objects "
+        "since gpud started, by key, model and kind (prompt, completion); answers without "
+        "usage add none (gpud_router_key_unmetered_total counts them)"))
+    unmetered = fams.setdefault("gpud_router_key_unmetered_total", _Family(
+        "gpud_router_key_unmetered_total", "counter", "Answers that carried no usage of the "
+        "serve's own (a stream without include_usage, an error) since gpud started, by key "
+        "and model"))
+    by_model: dict[tuple[str, str], list[int]] = {}
+    for (key, model, status), c in sorted(router_log.by_key.items()):
+        requests.add(c.requests, key=key, model=model, code=status)
+        sums = by_model.setdefault((key, model), [0, 0, 0])
+        sums[0] += c.prompt_tokens
+        sums[1] += c.completion_tokens
+        sums[2] += c.unmetered
+    for (key, model), (prompt, completion, none) in sorted(by_model.items()):
+        tokens.add(prompt, key=key, model=model, kind="prompt")
+        tokens.add(completion, key=key, model=model, kind="completion")
+        unmetered.add(none, key=key, model=model)
 
 
 def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:

@@ -17,12 +17,17 @@ is going to sleep or away.
 Idle: from the later of the last ensure and the end of the last request (the serve's own count
 of requests in flight, gpud.traffic); never while a request is in flight.
 
-Queued (with a [router]; docs/router.md, "Queue instead of thrash"; the decisions are
-gpud.core.queue's): a request refused for memory waits in its serve's queue, the ensure held,
-until the serve is up, at most router.queue_timeout_s and router.max_queued per serve; one
-waiting serve at a time makes room, evicting serves of equal or lower priority that are idle or
-were brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
-starts by a request are measured here).
+Queued (with a [router]; docs/router.md, "Queue instead of thrash", "Who is asking"; the
+decisions are gpud.core.queue's: whether a request joins, who goes next, who is evicted): a
+request refused for memory waits in its serve's queue, the ensure held, until the serve is up,
+at most router.queue_timeout_s and router.max_queued per serve; one waiting serve at a time makes
+room, in the fair order between requesters (each request carries its requester: the key's name,
+else the client's address), evicting serves of equal or lower priority that are idle or were
+brought up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and
+starts by a request are measured here). Every wait is on `changes` (a state stored, a life's
+step, a drain's end, a count of requests in flight read, the queue itself), bounded by the
+deadline the queue names: no polling. A waiting request whose asker hung up leaves at once; when
+gpud stops, those still waiting are answered (class gpud-stopping), not cut.
 
 Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
 failure an exponential, capped backoff; requests meanwhile are answered at once, with
@@ -34,22 +39,49 @@ bring-up asked for here are stored and logged coalesced (gpud.core.coalesce).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpud.core import bringup
+from gpud.core import answers, bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
-from gpud.core.queue import MEASURED, Held, Histogram, Waiting, median_s, next_up, victims
-from gpud.core.router import RouterRequest
-from gpud.core.traffic import Flight, idle_due, idle_from, settling
+from gpud.core.queue import (
+    KEY_PRIORITY,
+    MEASURED,
+    WEIGHT,
+    Arrival,
+    Candidate,
+    Held,
+    Histogram,
+    Protected,
+    Refused,
+    Shares,
+    Ticket,
+    after_refusal,
+    arrive,
+    could_fit,
+    expected_wait_s,
+    forget,
+    joined,
+    let_through,
+    may_evict,
+    median_s,
+    next_up,
+    order,
+    places,
+    victims,
+)
+from gpud.core.router import ANONYMOUS, RouterRequest
+from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from, settling
 from gpud.core.vocab import (
     FAILED,
     LIVE_STATES,
@@ -74,19 +106,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_POLICY = Policy()
-# How often idle serves are looked for.
-IDLE_CHECK_S = 0.5
-# How often a request in the router's queue looks again (gpud.core.queue), and tries its serve
-# again without evicting anything (memory freed otherwise: a stop, an idle sleep).
-QUEUE_POLL_S = 0.05
+# The idle check looks this long after a threshold is due (the clock's rounding).
+IDLE_MARGIN_S = 0.05
+# A request in the router's queue that is not next tries its serve again without evicting
+# anything (memory freed otherwise: a stop, an idle sleep) on a change, at most this often.
 QUEUE_RETRY_S = 1.0
+# Retry-After of a request answered because gpud stops (it is back within seconds: a restart).
+STOPPING_RETRY_S = 5
+
+
+def _no_share(_requester: str) -> tuple[int, float]:
+    return KEY_PRIORITY, WEIGHT
 
 
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
                  clock: Callable[[], float] = time.monotonic,
-                 traffic: Traffic | None = None, policy: Policy = DEFAULT_POLICY) -> None:
+                 traffic: Traffic | None = None, policy: Policy = DEFAULT_POLICY,
+                 share: Callable[[str], tuple[int, float]] = _no_share) -> None:
         self.svc = svc
+        # A requester's key priority and weight (keys.NAME.priority, .weight; gpud.router).
+        self.share = share
         self.sup = supervisor
         self.clock = clock
         self.traffic = traffic
@@ -115,13 +155,16 @@ class OnDemand:
         # Idle sleeps and stops carried out since gpud started, by serve (the metrics').
         self.idle_sleeps: dict[str, int] = {}
         self.idle_stops: dict[str, int] = {}
-        # The router's queue (gpud.core.queue): each serve's waiting requests (their arrival),
-        # one swap at a time, when each serve was last brought up by a request, and the
-        # durations of its last bring-ups by kind (wake, start): the cost of evicting it.
-        self.queued: dict[str, list[float]] = {}
+        # The router's queue (gpud.core.queue): each serve's waiting requests, the waiting
+        # requesters' fair shares, one swap at a time, when each serve was last brought up by
+        # a request, and the durations of its last bring-ups by kind (wake, start): the cost of evicting it.
+        self.queued: dict[str, list[Ticket]] = {}
+        self.shares = Shares()
+        # Set when gpud stops: every request still waiting is answered (GPUD_STOPPING).
+        self._stopping: asyncio.Future[None] | None = None
         # What each serve needed when last refused for memory (MiB on each of its roles).
         self._need: dict[str, int] = {}
-        self._swapping: asyncio.Task[bool] | None = None
+        self._swapping: asyncio.Task[Protected | None] | None = None
         self.up_at: dict[str, float] = {}
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
@@ -131,10 +174,14 @@ class OnDemand:
         self.queue_waits: dict[str, Histogram] = {}
         self.bringups: dict[tuple[str, StepKind], Histogram] = {}
 
-    async def ensure(self, name: str, cause: RouterRequest | None = None) -> web.Response:
+    async def ensure(self, name: str, cause: RouterRequest | None = None,
+                     gone: asyncio.Future[None] | None = None) -> web.Response:
         """The answer to the front's `POST /v1/serves/NAME/ensure` (gpud.api authorizes it);
-        CAUSE: the request through the router that asked, its model and key (docs/router.md,
-        "Seeing it"), for the journal."""
+        CAUSE: the request through the router that asked, its model, key and requester
+        (docs/router.md, "Seeing it", "Who is asking"). GONE: done when the asker hung up (its
+        client went: nginx closes the ensure's connection): a request waiting then leaves the
+        queue at once. When gpud stops, a request still waiting is answered GPUD_STOPPING with
+        Retry-After, never cut."""
         spec = self.svc.serve_spec(name)
         if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
@@ -144,12 +191,47 @@ class OnDemand:
                 # Before reconciliation a start could race the adoption of running units.
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True})
-            await self.up(name, spec, cause)
+            if not await self._unless_ended(self.up(name, spec, cause), gone):
+                log.info("on-demand %s: the request waiting for it went away (%s)", name,
+                         "on-demand request" if cause is None else cause.text)
+                return web.Response(status=503)  # nobody reads it
             # its wait for the start is not idle time
             self.last_activity[name] = self.last_request[name] = self.clock()
         except GpudError as exc:
             return self._refusal(name, exc)
         return web.Response(status=204)
+
+    async def _unless_ended(self, up: Coroutine[Any, Any, None],
+                            gone: asyncio.Future[None] | None) -> bool:
+        """Run UP; False when GONE is done first (it is cancelled: a queued request leaves its
+        queue, a bring-up it shared goes on). Unavailable (GPUD_STOPPING) when gpud stops."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(up)
+        ends: set[asyncio.Future[Any]] = {task, self._stopping}
+        if gone is not None:
+            ends.add(gone)
+        done, _ = await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GpudError):
+            await task
+        if gone is not None and gone in done:
+            return False
+        raise Unavailable("gpud is stopping (a restart): the request waited for the serve and "
+                          "is answered, not cut; retry", {"class": Why.GPUD_STOPPING,
+                                                          "retry_after_s": STOPPING_RETRY_S})
+
+    async def stopping(self) -> None:
+        """gpud stops: every request still waiting is answered now (GPUD_STOPPING), before
+        the API's listener closes."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        if not self._stopping.done():
+            self._stopping.set_result(None)
+        await asyncio.sleep(0)  # the waiters' answers begin
 
     def changed(self) -> None:
         """A serve's state, life or drain changed: the requests waiting on one look again."""
@@ -201,8 +283,8 @@ class OnDemand:
         root's; nginx's auth_request reads only the headers)."""
         why = _why(exc)
         hold = bringup.held(self.tries.get(name), self.clock())
-        retry = hold.retry_after_s if hold is not None else \
-            max(1, math.ceil(self.policy.refusal_hold_s))
+        retry = STOPPING_RETRY_S if why == Why.GPUD_STOPPING else hold.retry_after_s \
+            if hold is not None else max(1, math.ceil(self.policy.refusal_hold_s))
         self._log_refusal(name, why, exc.message)
         resp = error_response(exc)
         resp.set_status(403)
@@ -245,22 +327,43 @@ class OnDemand:
         (details.held) while its last try's hold or backoff lasts. With the router's queue: a
         refusal for memory (or a hold after one) waits in the queue instead (`_queued`)."""
         try:
-            await self._up(name, spec, cause)
+            if await self._up(name, spec, cause) is None:
+                return
+            first = "requests for other serves wait for memory already"
         except GpudError as exc:
-            if not self._queues() or _why(exc) != Why.NO_MEMORY:
+            if _why(exc) != Why.NO_MEMORY:
                 raise
             need = exc.details.get("need_mib")
             if isinstance(need, int):
                 self._need[name] = need
-            need = self._need.get(name)
-            if need is not None and not self._could_fit(name, spec, need):
-                raise  # no eviction the queue may make could ever make room: refused at once
-            await self._queued(name, spec, cause, exc)
+            entry = self._entry(name, spec)
+            if entry is None:
+                raise  # no queue, or no eviction it may make could ever make room
+            first = exc.message
+        else:
+            entry = self._entry(name, spec)
+        if isinstance(entry, Refused):
+            raise Unavailable(f"serve {name!r} not brought up: {entry.message}; {first}",
+                              {"serve": name, "class": Why(entry.why),
+                               "queued": len(self.queued.get(name, ()))})
+        await self._queued(name, spec, cause, first)
+
+    def _entry(self, name: str, spec: ServeConfig) -> Arrival | Refused | None:
+        """Whether a request for NAME refused for memory joins the queue (gpud.core.queue)."""
+        router = self.svc.config.router
+        if router is None or not self._queues():
+            return None  # (the queue's own answer without a queue; the fit is not looked at)
+        need = self._need.get(name)
+        return after_refusal(queue_on=True, no_memory=True,
+                             could_fit=need is None or self._could_fit(name, spec, need),
+                             queued=len(self.queued.get(name, ())),
+                             max_queued=router.max_queued)
 
     async def _up(self, name: str, spec: ServeConfig, cause: RouterRequest | None = None, *,
-                  queued: bool = False) -> None:
+                  queued: bool = False) -> Arrival | None:
+        """None once NAME is up; Arrival.JOIN: the queue says this request waits its turn."""
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
-            return
+            return None
         if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
                 and not self.settling(name):
             # A serve the router only wakes (or waits for while it starts): started by its
@@ -272,15 +375,15 @@ class OnDemand:
             async with asyncio.timeout(spec.start_timeout_s):
                 await self.changes.until(lambda: not self.settling(name))
                 if self.svc.state_of(name) == RUNNING:
-                    return
+                    return None
                 task = self._pending.get(name)
                 if task is not None and task.done():
                     task = None  # ended; its callback, which forgets it, has not run yet
-                if task is None and not queued and self._queues() and any(
-                        self.queued.get(o) for o in self.queued if o != name):
-                    # Others wait for memory already: this one waits its turn behind them.
-                    raise Unavailable(f"serve {name!r} queued behind the requests waiting",
-                                      {"serve": name, "class": Why.NO_MEMORY, "queue": True})
+                if not queued and arrive(queue_on=self._queues(), bringing_up=task is not None,
+                                         others_waiting=any(self.queued.get(o)
+                                                            for o in self.queued if o != name)
+                                         ) == Arrival.JOIN:
+                    return Arrival.JOIN
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
                     hold = None if queued else self._held(name)
@@ -298,6 +401,7 @@ class OnDemand:
                     self._pending[name] = task
                     task.add_done_callback(lambda t: self._done(name, t))
                 await asyncio.shield(task)
+                return None
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not healthy within its start_timeout_s "
                               f"({spec.start_timeout_s:g} s)", {"serve": name, "timeout": True}
@@ -367,35 +471,71 @@ class OnDemand:
         return r is not None and r.max_queued > 0
 
     async def _queued(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
-                      first: GpudError) -> None:
+                      first: str) -> None:
         """Wait in NAME's queue until it is running: brought up by this request or another, in
-        the queue's order (next_up), evicting running serves as gpud.core.queue allows.
-        Unavailable (class queue-full) when router.max_queued requests wait already, (class
-        queue-timeout) when it is not up within router.queue_timeout_s."""
+        the queue's fair order (gpud.core.queue.next_up), evicting running serves as it allows.
+        Unavailable (class queue-timeout) when it is not up within router.queue_timeout_s."""
         router = self.svc.config.router
         assert router is not None
-        waiting = self.queued.setdefault(name, [])
-        if len(waiting) >= router.max_queued:
-            raise Unavailable(f"serve {name!r} not brought up: {len(waiting)} request(s) wait "
-                              f"for it already (router.max_queued); {first.message}",
-                              {"serve": name, "class": Why.QUEUE_FULL, "queued": len(waiting)})
-        arrived = self.clock()
-        waiting.append(arrived)
+        requester = cause.requester if cause is not None else ANONYMOUS
+        key_priority, weight = self.share(requester)
+        ticket = Ticket(name, requester, self.clock(), spec.priority, key_priority=key_priority,
+                        weight=weight)
+        self.shares = joined(self.shares, requester)
+        self.queued.setdefault(name, []).append(ticket)
+        self.changed()  # the queue's order changed: who is next may be another
+        went = False
         try:
             async with asyncio.timeout(router.queue_timeout_s):
                 await self._wait_turn(name, spec, cause, router.min_awake_s)
+            went = True
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
-                              f"({router.queue_timeout_s} s); {first.message}",
+                              f"({router.queue_timeout_s} s); {first}",
                               {"serve": name, "class": Why.QUEUE_TIMEOUT}) from None
         finally:
-            waiting.remove(arrived)
+            waiting = self.queued.get(name, [])
+            waiting.remove(ticket)
             if not waiting:
                 self.queued.pop(name, None)
-            self.queue_waits.setdefault(name, Histogram.empty()).observe(self.clock() - arrived)
+            if went:
+                self.shares = let_through(self.shares, ticket)
+            self.shares = forget(self.shares, (t.requester for w in self.queued.values()
+                                               for t in w))
+            self.queue_waits.setdefault(name, Histogram.empty()).observe(
+                self.clock() - ticket.arrived)
+            self.changed()
+
+    def tickets(self) -> list[Ticket]:
+        """The waiting requests as the queue ranks them: each serve's priority and whether it
+        runs now."""
+        serves = self.svc.config.serves
+        return [replace(t, priority=serves[n].priority,
+                        running=self.svc.state_of(n) == RUNNING)
+                for n, w in self.queued.items() if n in serves for t in w]
+
+    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None] | None:
+        """Who waits for NAME, in the order they go, and the wait to expect from the measured
+        bring-ups ahead (gpud.core.queue.places, expected_wait_s); None: nobody waits."""
+        tickets = self.tickets()
+        mine = places(tickets, self.shares).get(name)
+        if mine is None:
+            return None
+        serves = self.svc.config.serves
+        costs = {n: self.cost_s(n, serves[n]) for n in {t.serve for t in tickets}}
+        return ([{"requester": p.requester, "waiting": p.waiting, "position": p.position}
+                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name))
+
+    def ordered(self) -> list[Ticket]:
+        """The waiting requests in the order they go (gpud.core.queue.order)."""
+        return order(self.tickets(), self.shares)
 
     async def _wait_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
+        """Wait for NAME to run, on changes (a state stored, a life's step, a drain's end, a
+        count of requests in flight read, the queue's own), never on a timer: the queue's
+        decision says how long at most (Protected.wait_s: a min_awake_s or an idle time to
+        come)."""
         tried = self.clock()
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
             task = self._pending.get(name)
@@ -409,10 +549,8 @@ class OnDemand:
                 # without yielding)
                 await asyncio.sleep(0)
                 continue
-            turn = next_up(Waiting(n, self.svc.config.serves[n].priority, len(w), w[0],
-                                   self.svc.state_of(n) == RUNNING)
-                           for n, w in self.queued.items() if w and n in self.svc.config.serves)
-            if turn == name and self._swapping is None:
+            wait_s = math.inf
+            if next_up(self.tickets(), self.shares) == name and self._swapping is None:
                 again = self.clock() - tried >= QUEUE_RETRY_S
                 if again:
                     tried = self.clock()
@@ -422,36 +560,41 @@ class OnDemand:
                     self._swap_in(name, spec, cause, min_awake_s, try_first=again))
                 self._swapping = swap
                 swap.add_done_callback(self._swapped)
-                if await asyncio.shield(swap):
+                outcome = await asyncio.shield(swap)
+                if outcome is None:
                     continue
+                wait_s = outcome.wait_s
             elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
                 # memory freed otherwise (a stop, an idle sleep): try again without evicting
                 tried = self.clock()
                 if await self._try_up(name, spec, cause):
                     return
-            await asyncio.sleep(QUEUE_POLL_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if math.isinf(wait_s) else wait_s):
+                    await self.changes.next()
 
-    def _swapped(self, task: asyncio.Task[bool]) -> None:
+    def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
         if self._swapping is task:
             self._swapping = None
         if not task.cancelled():
             task.exception()  # retrieved here: its request may have gone
+        self.changed()  # the next swap may begin
 
     async def _swap_in(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
-                       min_awake_s: float, *, try_first: bool) -> bool:
+                       min_awake_s: float, *, try_first: bool) -> Protected | None:
         """NAME's turn: try it (`try_first`: its last try was a while ago); while it does not
-        fit, evict the first victim the queue allows and try again. False: no victim now (the
-        request waits on)."""
+        fit, evict the first victim the queue allows and try again. None: it is up; else no
+        victim now (the request waits on, at most Protected.wait_s)."""
         if try_first and await self._try_up(name, spec, cause):
-            return True
+            return None
         while True:
             chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
             if not isinstance(chosen, list):
-                return False
+                return chosen
             if not await self._evict(chosen[0], name, cause):
-                return False
+                return Protected(QUEUE_RETRY_S, f"the eviction of {chosen[0]} was refused")
             if await self._try_up(name, spec, cause):
-                return True
+                return None
 
     async def _try_up(self, name: str, spec: ServeConfig, cause: RouterRequest | None) -> bool:
         """Bring NAME up for the queue: False when it does not fit (other errors raised)."""
@@ -464,37 +607,32 @@ class OnDemand:
         return True
 
     @staticmethod
-    def _may_evict(spec: ServeConfig, o: ServeConfig) -> bool:
-        """Whether a queued request for a serve of SPEC may ever evict one of O: an on-demand
-        serve of equal or lower priority, or any of lower priority that can sleep or be
-        stopped (an operator's serve of equal priority is not evicted by requests)."""
-        if o.priority < spec.priority:
-            return False
-        if o.on_demand:
-            return True
-        return o.priority > spec.priority and bool(
-            o.sleep_level or o.preemptible == SleepAction.STOP)
+    def _candidate(name: str, o: ServeConfig) -> Candidate:
+        return Candidate(name, o.priority, o.on_demand,
+                         bool(o.sleep_level or o.preemptible == SleepAction.STOP))
 
     def _could_fit(self, name: str, spec: ServeConfig, need: int) -> bool:
         """Whether NAME (needing NEED MiB on each of its roles) would fit were every serve
-        the queue may evict for it evicted: else waiting is pointless."""
+        the queue may evict for it evicted (gpud.core.queue.could_fit): else waiting is
+        pointless."""
         for role in spec.all_roles:
-            room = self.svc.free_for(name, role)
+            freed = []
             for other, o in self.svc.config.serves.items():
                 res = self.svc.ledger.reservations.get(other)
                 # any that holds memory: running, starting, or being evicted now (it frees
                 # what it holds once stopped); one asleep frees nothing more
                 if other == name or res is None or role not in res.all_roles \
-                        or self.svc.state_of(other) == SLEEPING or not self._may_evict(spec, o):
+                        or self.svc.state_of(other) == SLEEPING \
+                        or not may_evict(spec.priority, self._candidate(other, o)):
                     continue
                 keeps = self.sup.sleeps.sleep_mib(other, o) if o.sleep_level else 0
-                room += res.mib - (res.mib if keeps is None else min(keeps, res.mib))
-            if room < need:
+                freed.append(res.mib - (res.mib if keeps is None else min(keeps, res.mib)))
+            if not could_fit(need, self.svc.free_for(name, role), freed):
                 return False
         return True
 
     def _running_beside(self, name: str, spec: ServeConfig) -> list[Held]:
-        """The running serves on NAME's roles that a request may evict (_may_evict); none
+        """The running serves on NAME's roles that a request may evict (may_evict); none
         being brought up, put to sleep or stopped."""
         now = self.clock()
         roles = set(spec.all_roles)
@@ -503,7 +641,7 @@ class OnDemand:
             if other == name or self.svc.state_of(other) != RUNNING or other in self._pending \
                     or self.settling(other) or not roles & set(o.all_roles):
                 continue
-            if not self._may_evict(spec, o):
+            if not may_evict(spec.priority, self._candidate(other, o)):
                 continue
             up_at = self.up_at.get(other)
             out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),
@@ -568,12 +706,36 @@ class OnDemand:
     # ---- idle ------------------------------------------------------------------------------
 
     async def idle_loop(self) -> None:
-        """Put to sleep or stop the on-demand serves idle past idle_sleep_s / idle_stop_s."""
+        """Put to sleep or stop the on-demand serves idle past idle_sleep_s / idle_stop_s.
+        Waits on changes (a state stored, a count of requests in flight read, a drain's end)
+        or until the first idle threshold ahead, never on a fixed tick."""
         while True:
-            await asyncio.sleep(IDLE_CHECK_S)
             for name, spec in self.svc.config.serves.items():
                 if spec.on_demand and name not in self._pending:
                     await self._idle_check(name, spec)
+            wait_s = self._idle_due_in()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if wait_s is None else wait_s + IDLE_MARGIN_S):
+                    await self.changes.next()
+
+    def _idle_due_in(self) -> float | None:
+        """How long until the first on-demand serve reaches an idle threshold (None: none)."""
+        now, due = self.clock(), []
+        for name, spec in self.svc.config.serves.items():
+            last = idle_from(self.last_activity.get(name), self._flight(name))
+            if not spec.on_demand or last is None or \
+                    self.svc.state_of(name) not in (RUNNING, SLEEPING):
+                continue
+            ahead = idle_due_in(now - last, idle_sleep_s=spec.idle_sleep_s,
+                                idle_stop_s=spec.idle_stop_s)
+            if ahead is not None:
+                due.append(ahead)
+        # a serve running without a request seen is idle from when the check first sees it
+        unseen = any(spec.on_demand and name not in self.last_activity
+                     and name not in self._pending
+                     and self.svc.state_of(name) in (RUNNING, SLEEPING)
+                     for name, spec in self.svc.config.serves.items())
+        return 0.0 if unseen else min(due, default=None)
 
     async def _idle_check(self, name: str, spec: ServeConfig) -> None:
         state = ServeState(self.svc.state_of(name))

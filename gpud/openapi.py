@@ -202,6 +202,13 @@ def document() -> dict[str, Any]:
                      "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
                 ],
                 "responses": _answers(_ref("Events"), 400)}},
+            "/v1/usage": {"get": {
+                "summary": "Usage per key and model through the router (hourly rows summed)",
+                "parameters": [
+                    {"name": "since", "in": "query", "schema": _STR},
+                    {"name": "key", "in": "query", "schema": _STR},
+                ],
+                "responses": _answers(_ref("Usage"), 400)}},
             "/v1/openapi.json": {"get": {"summary": "This document",
                                          "responses": _answers({"type": "object"})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition", "responses": {

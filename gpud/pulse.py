@@ -33,3 +33,10 @@ class Pulse:
                 self._next = asyncio.get_running_loop().create_future()
             # shielded: a waiter cancelled must not cancel the future the others await
             await asyncio.shield(self._next)
+
+    async def next(self) -> None:
+        """Return at the next fire (a waiter that decided what it waits for: a change)."""
+        self.looks += 1
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._next)

@@ -9,14 +9,17 @@ import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Final
 
-from gpud.config import Config, DaemonConfig, routed
+from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
+from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.router import (
+    Answered,
     ApiKey,
     RoutedServe,
     RouterFront,
@@ -26,7 +29,9 @@ from gpud.core.router import (
     render_script,
     routing_table,
 )
-from gpud.errors import ConfigError
+from gpud.core.usage import Counts, UsageKey, add, hour_of, one
+from gpud.errors import ConfigError, GpudError
+from gpud.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,49 @@ def load_keys(path: str, known: list[str], *, require_root: bool | None = None
     return tuple(keys)
 
 
+class KeyShares:
+    """Each key's priority and weight in gpud's queue (keys.NAME.priority, .weight;
+    docs/router.md, "Who is asking"), read from router.api_keys_file again only when it
+    changed (its size and modification time). A requester that is no key (an address, or
+    keys off), or a file that cannot be read now: the defaults (the router keeps its last good
+    keys; the problem is the front sync's to report)."""
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config
+        self._seen: tuple[str, int, int] | None = None
+        self._shares: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, requester: str) -> tuple[int, float]:
+        cfg = self.config()
+        path = cfg.router.api_keys_file if cfg.router is not None else None
+        if path is None:
+            return KEY_PRIORITY, WEIGHT
+        try:
+            st = os.stat(path)
+        except OSError:
+            return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+        seen = (path, st.st_size, st.st_mtime_ns)
+        if seen != self._seen:
+            try:
+                keys = load_keys(path, [m for names in routed(cfg).values() for m in names])
+            except ConfigError:
+                return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+            self._seen = seen
+            self._shares = {k.name: (k.priority, k.weight) for k in keys}
+        return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+
+
+def priority_scheduling(spec: ServeConfig) -> bool:
+    """Whether the serve runs vLLM with --scheduling-policy priority (its vllm extra_args, or
+    a command serve's own argv: vLLM's and the stand-in's flag)."""
+    argv = list(spec.vllm.extra_args) if spec.vllm is not None else list(spec.command or ())
+    for i, arg in enumerate(argv):
+        if arg == "--scheduling-policy=priority" or (
+                arg == "--scheduling-policy" and argv[i + 1:i + 2] == ["priority"]):
+            return True
+    return False
+
+
 def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterFront | None:
     """The router of CFG (None: no [router]); its keys read from router.api_keys_file, or
     KEYS when given (the keys last read, kept while the file is refused)."""
@@ -118,7 +166,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
     for name, names in routed(cfg).items():
         s = cfg.serves[name]
         serves.append(RoutedServe(
-            name, names,
+            name, names, priority_scheduling=priority_scheduling(s),
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
             ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
@@ -146,9 +194,16 @@ class RouterLog:
     its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart). Made
     by the daemon before the front is synced: what the front writes from then on counts."""
 
-    def __init__(self, config: Callable[[], Config]) -> None:
+    def __init__(self, config: Callable[[], Config], store: Store | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.stats = RouterStats.empty()
+        # usage per key (gpud.core.usage): since gpud started (the metrics'), and the hourly
+        # rows not yet in the store (`flush`, each LOG_READ_S)
+        self.store, self.clock = store, clock
+        self.by_key: dict[tuple[str, str, str], Counts] = {}
+        self.pending: dict[UsageKey, Counts] = {}
+        self._pruned_hour = 0
         self._partial = b""
         # Counting starts here: what the log holds now is skipped (nothing when there is no
         # log yet: every line the front writes from now on is counted).
@@ -186,6 +241,7 @@ class RouterLog:
             answered = parse_log_line(line.decode(errors="replace"), table)
             if answered is not None:
                 self.stats.add(answered)
+                self._count(answered)
         if self._offset >= LOG_MAX_BYTES and not self._partial:
             try:
                 os.truncate(path, 0)
@@ -194,7 +250,41 @@ class RouterLog:
                 return
             self._offset = 0
 
+    def _count(self, a: Answered) -> None:
+        counts = one(a.prompt_tokens, a.completion_tokens)
+        at = (a.key, a.model, a.status_class)
+        self.by_key[at] = self.by_key.get(at, Counts()) + counts
+        ts = a.ts if a.ts is not None else self.clock()
+        self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
+                           counts)
+
+    def flush(self) -> None:
+        """The usage read since the last flush into the store's hourly rows; pruned to
+        daemon.events_keep rows once an hour (as events are). Kept for the next flush when
+        the store fails."""
+        if self.store is None or not self.pending:
+            return
+        rows, self.pending = self.pending, {}
+        try:
+            self.store.add_usage(rows)
+            hour = hour_of(self.clock())
+            if hour != self._pruned_hour:
+                self._pruned_hour = hour
+                gone = self.store.prune_usage(self.config().daemon.events_keep)
+                if gone:
+                    log.info("pruned %d old usage rows", gone)
+        except GpudError as exc:
+            log.warning("router: usage not stored yet: %s", exc.message)
+            for k, c in rows.items():
+                self.pending = add(self.pending, k, c)
+
     async def loop(self) -> None:
-        while True:
-            await asyncio.sleep(LOG_READ_S)
+        try:
+            while True:
+                await asyncio.sleep(LOG_READ_S)
+                self.read()
+                await asyncio.to_thread(self.flush)
+        finally:
+            # gpud stops: what was read is stored
             self.read()
+            self.flush()

@@ -11,7 +11,7 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,12 +20,13 @@ from typing import Any
 
 from gpud.core import answers
 from gpud.core.ledger import Reservation
+from gpud.core.usage import Counts, UsageKey
 from gpud.core.vocab import EventKind, ServeState
 from gpud.errors import StoreError
 
 log = logging.getLogger("gpud.store")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 # Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
@@ -100,6 +101,21 @@ MIGRATIONS: tuple[str, ...] = (
         SELECT serve, role, 0, mib, since, by_uid, external FROM reservations;
     DROP TABLE reservations;
     ALTER TABLE reservations_by_role RENAME TO reservations;
+    """,
+    # Usage per key through the router (gpud.core.usage): hourly rows by key, model and status.
+    """
+    CREATE TABLE usage (
+        hour              INTEGER NOT NULL,
+        key               TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        status            INTEGER NOT NULL,
+        requests          INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens     INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        unmetered         INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (hour, key, model, status)
+    );
+    CREATE INDEX usage_hour ON usage (hour);
     """,
 )
 
@@ -374,6 +390,48 @@ class Store:
     def meta(self, key: str) -> str | None:
         rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
         return str(rows[0][0]) if rows else None
+
+    def add_usage(self, rows: Mapping[UsageKey, Counts]) -> None:
+        """Add ROWS to the hourly usage rows (one transaction)."""
+        try:
+            with self._transaction() as db:
+                db.executemany(
+                    "INSERT INTO usage (hour, key, model, status, requests, prompt_tokens, "
+                    "completion_tokens, unmetered) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (hour, key, model, status) DO UPDATE SET "
+                    "requests = requests + excluded.requests, "
+                    "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                    "completion_tokens = completion_tokens + excluded.completion_tokens, "
+                    "unmetered = unmetered + excluded.unmetered",
+                    [(k.hour, k.key, k.model, k.status, c.requests, c.prompt_tokens,
+                      c.completion_tokens, c.unmetered) for k, c in rows.items()])
+        except sqlite3.Error as exc:
+            raise StoreError(f"the store could not add usage: {exc}") from exc
+
+    def usage(self, since_hour: int = 0, key: str | None = None
+              ) -> list[tuple[UsageKey, Counts]]:
+        """The hourly usage rows from SINCE_HOUR on (of KEY alone when given), oldest first."""
+        sql = ("SELECT hour, key, model, status, requests, prompt_tokens, completion_tokens, "
+               "unmetered FROM usage WHERE hour >= ?")
+        args: list[Any] = [since_hour]
+        if key is not None:
+            sql += " AND key = ?"
+            args.append(key)
+        return [(UsageKey(int(r[0]), str(r[1]), str(r[2]), int(r[3])),
+                 Counts(int(r[4]), int(r[5]), int(r[6]), int(r[7])))
+                for r in self._read(sql + " ORDER BY hour, key, model, status", args)]
+
+    def prune_usage(self, keep: int) -> int:
+        """Keep the newest `keep` rows (by hour), as events are pruned: a bound on rows;
+        returns how many went."""
+        try:
+            with self._transaction() as db:
+                cur = db.execute(
+                    "DELETE FROM usage WHERE rowid NOT IN (SELECT rowid FROM usage "
+                    "ORDER BY hour DESC LIMIT ?)", (keep,))
+                return int(cur.rowcount)
+        except sqlite3.Error as exc:
+            raise StoreError(f"the store could not prune usage: {exc}") from exc
 
     def prune_events(self, keep: int) -> int:
         """Delete all but the newest `keep` events; returns how many went."""

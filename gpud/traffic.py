@@ -57,7 +57,8 @@ class Traffic:
         self._listeners: list[Callable[[], None]] = []
 
     def watch(self, listener: Callable[[], None]) -> None:
-        """Call `listener` whenever a serve stops being held (`held`)."""
+        """Call `listener` whenever a serve stops being held (`held`) and whenever a serve's
+        count of requests in flight, as read, changes (the queue's victims wait on both)."""
         self._listeners.append(listener)
 
     def draining(self, serve: str) -> bool:
@@ -106,7 +107,7 @@ class Traffic:
 
     async def poll(self, serve: str, spec: ServeConfig) -> Flight:
         answered, count = await self.read(serve, spec)
-        flight = self.flight(serve)
+        flight = before = self.flight(serve)
         if answered:
             flight = observe(flight, count, self.clock())
             if count is None and serve not in self._uncounted:
@@ -117,6 +118,9 @@ class Traffic:
             elif count is not None:
                 self._uncounted.discard(serve)
             self.flights[serve] = flight
+            if flight.in_flight != before.in_flight:
+                for listener in self._listeners:
+                    listener()
         return flight
 
     async def loop(self) -> None:

@@ -97,7 +97,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                in_flight: Callable[[str], int | None] = lambda _serve: None,
                bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
                    None, None),
-               queued: Callable[[str], int] = lambda _serve: 0) -> answers.Serve:
+               queued: Callable[[str], int] = lambda _serve: 0,
+               queue: Callable[[str], tuple[list[answers.QueuePlace], float | None] | None]
+               = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
     rec = svc.records.get(name)
@@ -151,6 +153,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     names = routed(svc.config).get(name)
     if names is not None:
         out["models"] = list(names)
+    waits = queue(name)
+    if waits is not None:
+        out["queue"], out["expected_wait_s"] = waits
     if len(roles) > 1:
         out["roles"] = list(roles)
         out["observed_by_role"] = _observed_by_role(svc, name, roles, draws)
@@ -182,11 +187,13 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
                 in_flight: Callable[[str], int | None] = lambda _serve: None,
                 bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
                     None, None),
-                queued: Callable[[str], int] = lambda _serve: 0) -> answers.Serves:
+                queued: Callable[[str], int] = lambda _serve: 0,
+                queue: Callable[[str], tuple[list[answers.QueuePlace], float | None] | None]
+                = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}
     views = [serve_view(svc, n, draws, cal.get(n, ("uncalibrated", None)), brief.get(n), parked,
-                        activity, in_flight, bringups, queued)
+                        activity, in_flight, bringups, queued, queue)
              for n in svc.known_serves()]
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))

@@ -45,6 +45,7 @@ COMPLETERS = {
     "timeout": "none",
     "interval": "none",
     "limit": "none",
+    "key": "none",
     "window": "none",
     "level": "none",  # 1 or 2
     # gpuctl size: a checkpoint directory (or a repository id), its figures

@@ -119,3 +119,28 @@ def test_the_bring_up_path_has_no_timer() -> None:
         sleeps = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
                   and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep"]
         assert sleeps == [], (method.__name__, sleeps)
+
+
+def test_the_on_demand_path_has_no_polling_loop() -> None:
+    """Issue 45: the on-demand path, the queue and the idle check wait on changes (the Pulse),
+    bounded by a deadline the queue or the idle thresholds name; no `asyncio.sleep` of a
+    period anywhere in gpud/ondemand.py (a sleep(0) only yields). Planted: a sleep of 0.05 is
+    found."""
+    import ast
+    from pathlib import Path
+
+    def periods(source: str) -> list[int]:
+        found = []
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "sleep" and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id == "asyncio" and not (
+                        node.args and isinstance(node.args[0], ast.Constant)
+                        and node.args[0].value == 0):
+                found.append(node.lineno)
+        return found
+
+    source = (Path(__file__).parents[1] / "gpud" / "ondemand.py").read_text()
+    assert periods(source) == []
+    assert periods(source + "\nasync def poll():\n    await asyncio.sleep(0.05)\n") != []
+    assert periods("async def poll(s):\n    await asyncio.sleep(s)\n") != []

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -16,12 +17,29 @@ from hypothesis import strategies as st
 
 from gpud.core.queue import (
     IDLE_AFTER_S,
+    Arrival,
+    Candidate,
     Held,
+    Place,
     Protected,
-    Waiting,
+    Refused,
+    Shares,
+    Ticket,
+    after_refusal,
+    arrive,
+    could_fit,
     evictable,
+    expected_wait_s,
+    forget,
+    idle_in,
+    joined,
+    let_through,
+    may_evict,
     median_s,
     next_up,
+    order,
+    places,
+    position,
     victims,
 )
 from gpud.core.vocab import RUNNING
@@ -29,20 +47,156 @@ from gpud.ondemand import OnDemand
 from tests.test_bringup import Clock, CrashLooping, FakeService
 
 
+def T(serve: str, requester: str, arrived: float, priority: int = 5, **kw: Any) -> Ticket:
+    return Ticket(serve, requester, arrived, priority, **kw)
+
+
 @pytest.mark.parametrize(("waiting", "first"), [
     ([], None),
     # collation: the serve already up goes first, whatever the others' priority or queue
-    ([Waiting("b", 0, 9, 0.0), Waiting("a", 5, 1, 1.0, running=True)], "a"),
-    # then the most important
-    ([Waiting("b", 5, 9, 0.0), Waiting("c", 1, 1, 1.0)], "c"),
-    # then the longest queue
-    ([Waiting("b", 5, 2, 0.0), Waiting("c", 5, 3, 1.0)], "c"),
-    # then the longest waiting, then the name
-    ([Waiting("b", 5, 2, 2.0), Waiting("c", 5, 2, 1.0)], "c"),
-    ([Waiting("c", 5, 2, 1.0), Waiting("b", 5, 2, 1.0)], "b"),
+    ([T("b", "u", 0.0, 0), T("a", "u", 1.0, running=True)], "a"),
+    # then the most important serve
+    ([T("b", "u", 0.0, 5), T("c", "v", 1.0, 1)], "c"),
+    # then the key's priority (smaller first); a key that names none is of priority 0
+    ([T("b", "u", 0.0), T("c", "v", 1.0, key_priority=-1)], "c"),
+    ([T("b", "u", 0.0), T("c", "v", 1.0, key_priority=0)], "b"),
+    ([T("b", "u", 1.0), T("c", "v", 0.0, key_priority=0)], "c"),
+    # never the most requests: one requester's three for c do not outrank the older b
+    ([T("b", "v", 0.0), T("c", "u", 1.0), T("c", "u", 1.1), T("c", "u", 1.2)], "b"),
+    # two requesters at one virtual time: the older request, then by requester, then serve
+    ([T("b", "u", 2.0), T("c", "v", 1.0)], "c"),
+    ([T("c", "v", 1.0), T("b", "u", 1.0)], "b"),
+    ([T("c", "u", 1.0), T("b", "u", 1.0)], "b"),
 ])
-def test_next_up(waiting: list[Waiting], first: str | None) -> None:
-    assert next_up(waiting) == first
+def test_next_up(waiting: list[Ticket], first: str | None) -> None:
+    assert next_up(waiting, Shares()) == first
+
+
+def test_a_requester_let_through_goes_behind_the_others() -> None:
+    # u had a request let through (its virtual time 1): v's younger request goes first
+    shares = let_through(joined(joined(Shares(), "u"), "v"), T("a", "u", 0.0))
+    assert shares.used == {"u": 1.0, "v": 0.0}
+    assert next_up([T("b", "u", 0.0), T("c", "v", 5.0)], shares) == "c"
+    # by its weight: with weight 4 a request costs a quarter
+    heavy = let_through(joined(Shares(), "u"), T("a", "u", 0.0, weight=4.0))
+    assert heavy.used == {"u": 0.25}
+
+
+def test_a_requester_joins_at_the_smallest_virtual_time() -> None:
+    shares = Shares({"u": 3.0, "v": 2.0})
+    assert shares.of("u") == 3.0  # its own, not the smallest
+    assert joined(shares, "w").used == {"u": 3.0, "v": 2.0, "w": 2.0}
+    assert joined(shares, "u") is shares  # waiting already: kept
+    assert Shares().of("x") == 0.0 and shares.of("x") == 2.0
+    # who no longer waits is forgotten: no credit banked, no debt kept
+    assert forget(shares, ["v", "z"]).used == {"v": 2.0}
+
+
+def test_order_interleaves_requesters_by_weight() -> None:
+    tickets = [T("a", "u", float(i)) for i in range(4)] + \
+        [T("b", "v", 10.0 + i, weight=2.0) for i in range(4)]
+    got = [(t.requester, t.arrived) for t in order(tickets, Shares())]
+    # v (weight 2) gets two turns for each of u's
+    assert got == [("u", 0.0), ("v", 10.0), ("v", 11.0), ("u", 1.0), ("v", 12.0), ("v", 13.0),
+                   ("u", 2.0), ("u", 3.0)]
+    assert position(tickets, Shares(), tickets[1]) == 4
+    assert position(tickets, Shares(), T("z", "z", 0.0)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("acd"), st.integers(0, 2), st.floats(0.0, 100.0)),
+                min_size=0, max_size=60),
+       st.floats(0.0, 100.0), st.sampled_from([0.25, 1.0, 4.0]), st.sampled_from([1.0, 8.0]),
+       st.integers(0, 5))
+def test_one_waiting_request_is_served_within_a_bound(
+        others: list[tuple[str, int, float]], mine_at: float, my_weight: float,
+        their_weight: float, history: int) -> None:
+    """A requester ("me") with one request waiting for b is let through within one turn of
+    each other requester, however many requests they queue, whatever the weights and
+    whatever was let through before: each turn brings the next serve up (next_up) and lets
+    all its requests through; the others keep queuing (each request let through comes back)."""
+    tickets = [T(serve, f"r{who}", at, weight=their_weight) for serve, who, at in others]
+    mine = T("b", "me", mine_at, weight=my_weight)
+    shares = Shares()
+    for t in tickets:
+        shares = joined(shares, t.requester)
+    for i in range(history):  # the others were let through before: no credit for that
+        shares = let_through(shares, T("a", f"r{i % 3}", 0.0, weight=their_weight))
+    shares = joined(shares, "me")
+    tickets.append(mine)
+    requesters = {t.requester for t in tickets} - {"me"}
+    for turn in range(len(requesters) + 1):
+        serve = next_up(tickets, shares)
+        assert serve is not None
+        if serve == "b":
+            return
+        through = [t for t in tickets if t.serve == serve]
+        tickets = [t for t in tickets if t.serve != serve]
+        for t in through:
+            shares = let_through(shares, t)
+            # it comes back at once, for the same serve: the others never stop asking
+            tickets.append(replace(t, arrived=t.arrived + 1000.0 * (turn + 1)))
+        shares = forget(shares, (t.requester for t in tickets))
+    raise AssertionError(f"not let through within {len(requesters) + 1} turns")
+
+
+def test_the_storm_of_the_issue_gives_the_other_user_turns() -> None:
+    """Issue 42's storm: u keeps 3 requests waiting for a and 3 for c, v has 1 for b. With
+    "most requests wins" b never came up; with fair shares it comes up within two turns."""
+    tickets = [T("a", "u", 0.0 + i) for i in range(3)] + [T("c", "u", 0.5 + i) for i in range(3)]
+    tickets.append(T("b", "v", 1.0))
+    shares = Shares()
+    for t in tickets:
+        shares = joined(shares, t.requester)
+    came_up = []
+    for _ in range(3):
+        serve = next_up(tickets, shares)
+        assert serve is not None
+        came_up.append(serve)
+        for t in [t for t in tickets if t.serve == serve]:
+            shares = let_through(shares, t)
+        tickets = [t for t in tickets if t.serve != serve] + \
+            [T(serve, "u", 100.0 + len(came_up))] * (serve != "b")
+        shares = forget(shares, (t.requester for t in tickets))
+    assert came_up[:2] == ["a", "b"], came_up
+
+
+@pytest.mark.parametrize(("kw", "decision"), [
+    (dict(queue_on=True, others_waiting=True, bringing_up=False), Arrival.JOIN),
+    (dict(queue_on=False, others_waiting=True, bringing_up=False), Arrival.TRY),
+    (dict(queue_on=True, others_waiting=False, bringing_up=False), Arrival.TRY),
+    (dict(queue_on=True, others_waiting=True, bringing_up=True), Arrival.TRY),
+])
+def test_arrive(kw: dict[str, bool], decision: Arrival) -> None:
+    assert arrive(**kw) == decision
+
+
+def test_after_refusal() -> None:
+    base = dict(queue_on=True, no_memory=True, could_fit=True, queued=1, max_queued=2)
+    assert after_refusal(**base) == Arrival.JOIN  # type: ignore[arg-type]
+    for off in ("queue_on", "no_memory", "could_fit"):
+        assert after_refusal(**{**base, off: False}) is None  # type: ignore[arg-type]
+    full = after_refusal(**{**base, "queued": 2})  # type: ignore[arg-type]
+    assert isinstance(full, Refused) and full.why == "queue-full" and "2 request(s)" in \
+        full.message
+
+
+@pytest.mark.parametrize(("o", "priority", "may"), [
+    (Candidate("o", 1, True, True), 5, False),    # more important: never
+    (Candidate("o", 5, True, False), 5, True),    # on demand, equal: yes
+    (Candidate("o", 5, False, True), 5, False),   # an operator's serve of equal priority: no
+    (Candidate("o", 6, False, True), 5, True),    # ... of lower priority that yields: yes
+    (Candidate("o", 6, False, False), 5, False),  # ... that cannot sleep nor be stopped: no
+])
+def test_may_evict(o: Candidate, priority: int, may: bool) -> None:
+    assert may_evict(priority, o) is may
+
+
+def test_could_fit() -> None:
+    assert could_fit(100, 40, [60])
+    assert not could_fit(100, 40, [59])
+    assert could_fit(100, 100, [])
+    assert not could_fit(100, 0, [30, 30, 39])
 
 
 BUSY = dict(in_flight=2, quiet_s=0.0)
@@ -68,6 +222,8 @@ IDLE = dict(in_flight=0, quiet_s=IDLE_AFTER_S)
     (Held("x", 9, up_for_s=None, **BUSY), 5, 0.0),
 ])
 def test_evictable(held: Held, priority: int, wait: float) -> None:
+    # nothing in flight and no request seen: idle
+    assert evictable(Held("x", 5, 0, None, 4.0), 5, min_awake_s=10.0) == 0.0
     assert evictable(held, priority, min_awake_s=10.0) == wait
 
 
@@ -88,11 +244,23 @@ def test_victims_protected_says_how_long() -> None:
     assert isinstance(out, Protected) and out.wait_s == pytest.approx(3.0)
     out = victims([Held("v", 1, up_for_s=None, **IDLE)], "me", 5, 10.0)
     assert isinstance(out, Protected) and out.wait_s == math.inf
+    # nothing in flight, a request 0.25 s ago: idle (evictable) in 0.75 s, before min_awake_s
+    out = victims([Held("q", 5, in_flight=0, quiet_s=0.25, up_for_s=2.0)], "me", 5, 10.0)
+    assert isinstance(out, Protected) and out.wait_s == pytest.approx(IDLE_AFTER_S - 0.25)
+    assert "min_awake_s (10 s)" in out.reason
+
+
+@pytest.mark.parametrize(("in_flight", "quiet_s", "wait"), [
+    (0, 0.25, IDLE_AFTER_S - 0.25), (0, None, 0.0), (0, 5.0, 0.0), (2, 0.0, math.inf),
+    (None, None, math.inf)])
+def test_idle_in(in_flight: int | None, quiet_s: float | None, wait: float) -> None:
+    assert idle_in(Held("x", 5, in_flight, quiet_s, None)) == pytest.approx(wait)
 
 
 def test_median() -> None:
     assert median_s([]) is None
     assert median_s([100.0, 1.0, 2.0, 3.0, 4.0, 50.0]) == 3.0  # the last five only
+    assert median_s([0.12345678]) == 0.123  # to the millisecond
 
 
 def swaps_in_storm(gaps: list[float], durations: list[float], min_awake_s: float,
@@ -121,8 +289,8 @@ def swaps_in_storm(gaps: list[float], durations: list[float], min_awake_s: float
                 queued[serve].append(took)
         flight = [(e, s) for e, s in flight if e > now or not last.update({s: e})]
         down = "b" if up == "a" else "a"
-        waiting = [Waiting(down, 5, len(queued[down]), 0.0)] if queued[down] else []
-        if next_up(waiting) == down:
+        waiting = [T(down, "u", 0.0)] * len(queued[down])
+        if next_up(waiting, Shares()) == down:
             in_flight = sum(1 for _, s in flight if s == up)
             h = Held(up, 5, in_flight, 0.0 if in_flight else now - last[up], now - up_at)
             if isinstance(victims([h], down, 5, min_awake_s), list):
@@ -197,11 +365,12 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
 def test_histogram_is_cumulative() -> None:
     from gpud.core.queue import Histogram
     h = Histogram.empty()
-    for s in (0.05, 0.3, 0.3, 400.0):
+    for s in (0.05, 0.3, 0.3, 400.0, 0.25):
         h.observe(s)
     rows = dict(h.cumulative())
-    assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 1, 3, 3, 4)
-    assert h.n == 4 and h.total_s == pytest.approx(400.65)
+    # a duration on a bound is in its bucket (le: at most)
+    assert (rows["0.1"], rows["0.25"], rows["0.5"], rows["300.0"], rows["+Inf"]) == (1, 2, 4, 4, 5)
+    assert h.n == 5 and h.total_s == pytest.approx(400.9)
 
 
 async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> None:
@@ -226,3 +395,23 @@ async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> N
     assert time.monotonic() - began < 0.5 and reply.status == 403
     assert json.loads(reply.headers["X-Gpud-Reason"])["error"]["details"]["class"] == "no-memory"
     assert od.queued == {}
+
+
+def test_places_show_each_serves_queue_by_requester() -> None:
+    tickets = [T("a", "u", 0.0), T("a", "u", 1.0), T("b", "v", 2.0), T("a", "v", 3.0)]
+    # order: u a@0 (v0), v b@2 (v0), u a@1 (v1), v a@3 (v1)
+    assert places(tickets, Shares()) == {
+        "a": [Place("u", 2, 1), Place("v", 1, 4)], "b": [Place("v", 1, 2)]}
+    assert places([], Shares()) == {}
+
+
+def test_expected_wait_sums_the_bring_ups_ahead() -> None:
+    tickets = [T("a", "u", 0.0), T("b", "v", 2.0), T("c", "w", 3.0)]
+    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "b": 10.36, "c": 1.0}) == {
+        "a": 4.0, "b": 14.4, "c": 15.4}  # tenths of a second
+    # one unmeasured: it and those after it unknown
+    assert expected_wait_s(tickets, Shares(), {"a": 4.0, "c": 1.0}) == {
+        "a": 4.0, "b": None, "c": None}
+    # a serve running already costs nothing
+    assert expected_wait_s([T("a", "u", 0.0, running=True), T("b", "v", 1.0)], Shares(),
+                           {"b": 2.0}) == {"a": 0.0, "b": 2.0}

@@ -33,6 +33,7 @@ from gpud.core.front import FrontConfig, render
 from gpud.core.launch import vllm_argv
 from gpud.core.router import (
     ROUTED_PATHS,
+    ApiKey,
     RoutedServe,
     RouterFront,
     RouterRequest,
@@ -198,6 +199,10 @@ class Rig:
         wait_until(lambda: (w := self.workers()) and not w & old, what="the old worker gone")
 
 
+# The rig's readiness probe sends it (a key of the rig's keys when they have one).
+RIG_TOKEN = "sk-rig-probe-0123456789"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,6 +244,14 @@ def _openai_error(doc: dict[str, object]) -> dict[str, object]:
 def rig() -> Iterator[Rig]:
     """nginx with the router (max body 1 MiB, body timeout 1 s) before stand-in `a` (names
     a, a-fast) on a socket and `b` (names b, org/b-model) on a TCP port."""
+    with router_rig() as made:
+        yield made
+
+
+@contextlib.contextmanager
+def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
+               access_log: bool = False, priority_scheduling: bool = False) -> Iterator[Rig]:
+    """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
             pytest.fail(f"{path} missing: run scripts/setup")
@@ -250,17 +263,19 @@ def rig() -> Iterator[Rig]:
         (run / name).mkdir(exist_ok=True)
     port, b_port = _free_port(), _free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock)),
+                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
+                                      priority_scheduling=priority_scheduling),
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
-                         body_timeout_s=1)
+                         body_timeout_s=1, keys=keys,
+                         access_log=str(tmp / "access.log") if access_log else None)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
         http_extra=tuple(http_lines(router)))))
     standin = [sys.executable, "-m", "gpud.testing.standin", "serve", "m",
-               "--token-interval-s", "0.3"]
+               "--token-interval-s", "0.3", *standin_args]
     a = subprocess.Popen([*standin, "--uds", str(sock), "--served-model-name", "a", "a-fast"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     b = subprocess.Popen([*standin, "--port", str(b_port), "--served-model-name", "b",
@@ -274,7 +289,9 @@ def rig() -> Iterator[Rig]:
         wait_until(lambda: _connects(port), what="the router listening")
         for model in ("a", "b"):
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
-                                            json.dumps({"model": m}).encode())[0] != 503,
+                                            json.dumps({"model": m}).encode(),
+                                            {"Authorization": f"Bearer {RIG_TOKEN}"}
+                                            )[0] != 503,
                        what=f"{model} answering through the router")
         yield Rig(port, a, b, nginx, str(tmp / "router.js"), router, tmp / "nginx.conf", run)
     except BaseException:
@@ -754,6 +771,12 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
         "chat-fast  chat   sleeping  30001  yes            -       3",
         "code       code   running   30002  yes            2       0"]
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
+    doc["serves"][0].update(queue=[{"requester": "alice", "waiting": 2, "position": 1},
+                                   {"requester": "addr:127.0.0.1", "waiting": 1,
+                                    "position": 3}], expected_wait_s=12.34)
+    assert format_models(doc).splitlines()[-1] == (  # type: ignore[arg-type]
+        "waiting for chat, expected wait 12 s: alice 2 (position 1), addr:127.0.0.1 1 "
+        "(position 3)")
 
 
 def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(tmp_path: Path) -> None:
@@ -861,6 +884,8 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     delay_s = 0.0
     status = 204
+    # GET /v1/serves's serves (None: not answered), as the router's states read them
+    serves: list[dict[str, object]] | None = None
     seen: list[tuple[str, str]]
     requesters: list[str]
     gone: threading.Event
@@ -887,6 +912,13 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
             self.send_header("Retry-After", "7")
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def do_GET(self) -> None:
+        body = json.dumps({"serves": self.server.serves}).encode()
+        self.send_response(200 if self.server.serves is not None else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         pass

@@ -143,6 +143,10 @@ class Serve(TypedDict):
     start_s: float | None
     # requests waiting in the router's queue for it to be brought up (docs/router.md)
     queued: int
+    # While requests wait for it: who waits, in the order they go (docs/router.md, "Who is
+    # asking"), and the wait to expect from the measured bring-ups ahead (None: unmeasured)
+    queue: NotRequired[list[QueuePlace]]
+    expected_wait_s: NotRequired[float | None]
     # With a [router]: the names it routes to this serve (docs/router.md)
     models: NotRequired[list[str]]
 
@@ -233,6 +237,14 @@ class Woken(Serve):
     wake: WakeDone
 
 
+class QueuePlace(TypedDict):
+    """A requester's requests waiting for a serve (gpud.core.queue.Place)."""
+
+    requester: str  # the key's name, else addr:CLIENT
+    waiting: int
+    position: int  # of its first request in the queue's fair order (1: next), all serves
+
+
 class Serves(TypedDict):
     """GET /v1/serves."""
 
@@ -256,6 +268,27 @@ class Events(TypedDict):
     """GET /v1/events (with follow=1: one Event per NDJSON line instead)."""
 
     events: list[Event]
+
+
+class UsageRow(TypedDict):
+    """A key's use of a model over the span asked (gpud.core.usage.Summary)."""
+
+    key: str  # "" for requests without a key (keys off)
+    model: str  # "" for requests the router answered before it knew a model of its table
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    unmetered: int  # answers without the serve's usage: counted, their tokens unknown
+    statuses: dict[str, int]  # requests by HTTP status
+
+
+class Usage(TypedDict):
+    """GET /v1/usage: usage per key and model through the router, from `since` (the start of
+    its hour, Unix time)."""
+
+    since: int
+    rows: list[UsageRow]
 
 
 class Launching(TypedDict):
@@ -585,7 +618,9 @@ class Error(TypedDict):
 
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
-    Figures, Observed, Reservation, Role, Ledger, Calibrated, Serve, Serves, Event, Events,
+    Figures, Observed, Reservation, Role, Ledger, Calibrated, QueuePlace, Serve, Serves, Event,
+    Events,
+    UsageRow, Usage,
     PreemptionStep, PreemptionPlan, PreemptionRefused, Started, PreemptionDryRun, SleepDone,
     Slept, WakeDone, Woken,
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,

@@ -57,6 +57,8 @@ class Why(StrEnum):
     # this one waited router.queue_timeout_s
     QUEUE_FULL = "queue-full"
     QUEUE_TIMEOUT = "queue-timeout"
+    # gpud stopped (a restart) while the request waited: it is answered, never cut
+    GPUD_STOPPING = "gpud-stopping"
 
 
 TEXT: Final[Mapping[Why, str]] = {
@@ -68,6 +70,7 @@ TEXT: Final[Mapping[Why, str]] = {
     Why.STOPPED: "the serve is stopped and not on_demand (its operator starts it)",
     Why.QUEUE_FULL: "too many requests wait for the serve",
     Why.QUEUE_TIMEOUT: "the serve could not be brought up while the request waited",
+    Why.GPUD_STOPPING: "gpud is restarting (the request was waiting for the serve)",
 }
 
 # Bounds of a denial that say the device or gpud cannot take anything now (not a shortfall).

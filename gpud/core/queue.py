@@ -1,45 +1,232 @@
-"""The router's queue: which waiting serve comes up next, and which running serve makes room for
-it. Pure: values in, values out (gpud.ondemand holds the requests and carries the decisions out).
+"""The router's queue: which waiting serve comes up next, which requests go first, whether a
+request joins the queue at all, and which running serve makes room. Pure: values in, values out
+(gpud.ondemand holds the requests and carries the decisions out).
 
 A request for an on-demand serve that does not fit (a refusal of class no-memory) waits in its
 serve's queue (at most `max_queued` requests per serve, each at most `queue_timeout_s`) instead
-of failing. Of the serves that wait, one at a time may make room (`next_up`): a serve that is
-running already is served first (collation: its requests go through at once), then the most
-important (the smallest priority number), then the one with most requests waiting, then the one
-waiting longest.
+of failing (`arrive`, `after_refusal`: a returned decision, never an exception). Of the serves
+that wait, one at a time may make room (`next_up`): a serve that is running already is served
+first (collation: its requests go through at once), then the most important serve (the smallest
+priority number), then the first request in the fair order of requesters (`order`).
 
-A running serve may be evicted for it (`victims`) when it is of equal or lower priority (a
-larger or equal number: a more important serve is never evicted by a request) and either idle
-(nothing in flight and no request for IDLE_AFTER_S) or up for at least `min_awake_s` since it was
-brought up on demand: an alternating storm A B A B swaps at most once per `min_awake_s`. The
-victims are taken least important first, then the cheapest to bring back (the median of its
-measured wakes or starts), then by name.
+Fair between requesters (docs/router.md, "Who is asking"): a request's requester is its key's
+name, else the client's address. Each requester with requests waiting has a virtual time, the
+requests of its let through divided by its weight (`keys.NAME.weight`), as start-time fair
+queueing and Linux's CFS keep one; a requester that begins to wait starts at the smallest
+virtual time of those waiting (no credit banked while it sent nothing, no debt kept from before),
+and the requester with the smallest goes first (a key's `priority`, smaller first, before that;
+then the oldest request; then names). So a requester's one waiting request goes within one turn
+of each other requester, however many requests they queue, and requesters that keep waiting are
+let through in proportion to their weights. Never "most requests wins".
+
+A running serve may be evicted for it (`victims`) when the queue may ever evict it
+(`may_evict`: an on-demand serve of equal or lower priority, or any serve of lower priority that
+can sleep or be stopped) and it is either idle (nothing in flight and no request for IDLE_AFTER_S)
+or up for at least `min_awake_s` since it was brought up on demand: an alternating storm A B A B
+swaps at most once per `min_awake_s`. The victims are taken least important first, then the
+cheapest to bring back (the median of its measured wakes or starts), then by name. A request
+whose serve would not fit even were every serve it may evict evicted (`could_fit`) does not wait.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Final
 
 # A serve is idle (evictable before min_awake_s) with nothing in flight and no request for this long.
 IDLE_AFTER_S: Final = 1.0
 # How many measured bring-ups of each kind the median is taken over.
 MEASURED: Final = 5
+# A requester's share when its key names none (and a requester without a key).
+WEIGHT: Final = 1.0
+KEY_PRIORITY: Final = 0
 
 
 @dataclass(frozen=True, slots=True)
-class Waiting:
-    """A serve with requests in the queue."""
+class Ticket:
+    """One request in the queue: the serve it waits for, who asked, and when it arrived (the
+    clock's time); the serve's priority and whether it runs already; its key's priority
+    (smaller first) and weight."""
+
+    serve: str
+    requester: str
+    arrived: float
+    priority: int
+    running: bool = False
+    key_priority: int = KEY_PRIORITY
+    weight: float = WEIGHT
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """Each waiting requester's virtual time: what of its requests was let through, divided by
+    its weight, since it began to wait."""
+
+    used: Mapping[str, float] = field(default_factory=dict)
+
+    def of(self, requester: str) -> float:
+        """A requester's virtual time; one not yet waiting: the smallest of those waiting."""
+        if requester in self.used:
+            return self.used[requester]
+        return min(self.used.values(), default=0.0)
+
+
+def joined(shares: Shares, requester: str) -> Shares:
+    """REQUESTER began to wait (again): it starts at the smallest virtual time of those waiting."""
+    if requester in shares.used:
+        return shares
+    return Shares({**shares.used, requester: shares.of(requester)})
+
+
+def let_through(shares: Shares, ticket: Ticket) -> Shares:
+    """TICKET's request went through: its requester is charged one request, by its weight."""
+    used = shares.of(ticket.requester) + 1.0 / ticket.weight
+    return Shares({**shares.used, ticket.requester: used})
+
+
+def forget(shares: Shares, waiting: Iterable[str]) -> Shares:
+    """Only the requesters still WAITING keep a virtual time (one that waits again later starts
+    at the smallest of those waiting then)."""
+    still = set(waiting)
+    return Shares({r: v for r, v in shares.used.items() if r in still})
+
+
+def order(tickets: Iterable[Ticket], shares: Shares) -> list[Ticket]:
+    """The fair order of the waiting requests: running serves first (collation), then the most
+    important serve, then the key's priority, then by virtual time: a requester's Kth waiting
+    request (from 0, oldest first) at its virtual time plus K over its weight; then the oldest,
+    then by requester and serve."""
+    by_requester: dict[str, list[Ticket]] = {}
+    for t in sorted(tickets, key=lambda t: (t.arrived, t.serve)):
+        by_requester.setdefault(t.requester, []).append(t)
+    ranked = []
+    for requester, mine in by_requester.items():
+        start = shares.of(requester)
+        for k, t in enumerate(mine):
+            ranked.append(((not t.running, t.priority, t.key_priority, start + k / t.weight,
+                            t.arrived, requester, t.serve), t))
+    return [t for _, t in sorted(ranked, key=lambda x: x[0])]
+
+
+def next_up(tickets: Iterable[Ticket], shares: Shares) -> str | None:
+    """The serve whose queued requests go first: that of the first request in `order`."""
+    first = order(tickets, shares)
+    return first[0].serve if first else None
+
+
+def position(tickets: Iterable[Ticket], shares: Shares, ticket: Ticket) -> int:
+    """TICKET's place in `order` (1: next), 0 when it is not there."""
+    for i, t in enumerate(order(tickets, shares), 1):
+        if t == ticket:
+            return i
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """A requester's requests waiting for one serve, as `gpuctl models` and /v1/models show
+    them: how many, and the place of the first of them in `order` (1: next)."""
+
+    requester: str
+    waiting: int
+    position: int
+
+
+def places(tickets: Iterable[Ticket], shares: Shares) -> dict[str, list[Place]]:
+    """Each serve's queue by requester, in the order they go."""
+    out: dict[str, dict[str, Place]] = {}
+    for i, t in enumerate(order(tickets, shares), 1):
+        mine = out.setdefault(t.serve, {})
+        seen = mine.get(t.requester)
+        mine[t.requester] = Place(t.requester, 1, i) if seen is None else \
+            Place(t.requester, seen.waiting + 1, seen.position)
+    return {serve: list(by.values()) for serve, by in out.items()}
+
+
+def expected_wait_s(tickets: Iterable[Ticket], shares: Shares,
+                    cost_s: Mapping[str, float | None]) -> dict[str, float | None]:
+    """How long each waiting serve's requests may expect to wait: the measured bring-ups
+    (COST_S: each serve's median, None unmeasured) of the serves that come up before it, in
+    `order`, and its own; None when one of them is unmeasured. An estimate: evictions and
+    min_awake_s come on top."""
+    out: dict[str, float | None] = {}
+    total: float | None = 0.0
+    for t in order(tickets, shares):
+        if t.serve in out:
+            continue
+        cost = None if t.running else cost_s.get(t.serve)
+        total = None if total is None or (cost is None and not t.running) else \
+            total + (cost or 0.0)
+        out[t.serve] = None if total is None else round(total, 1)
+    return out
+
+
+class Arrival(StrEnum):
+    """What a request for a serve that is not running does first."""
+
+    TRY = "try"      # try to bring its serve up (or share the bring-up under way)
+    JOIN = "join"    # wait in the queue, behind the requests waiting already
+
+
+def arrive(*, queue_on: bool, others_waiting: bool, bringing_up: bool) -> Arrival:
+    """A request that finds its serve down: with the queue on and requests for other serves
+    waiting for memory already, it waits its turn behind them (JOIN) rather than take the
+    memory they wait for; else (or when its serve is being brought up: it shares that) TRY."""
+    return Arrival.JOIN if queue_on and others_waiting and not bringing_up else Arrival.TRY
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request does not wait: answered at once, of this class (gpud.core.bringup.Why's
+    values), with this text."""
+
+    why: str
+    message: str
+
+
+def after_refusal(*, queue_on: bool, no_memory: bool, could_fit: bool, queued: int,
+                  max_queued: int) -> Arrival | Refused | None:
+    """A try refused (or an arrival told to JOIN, a refusal of class no-memory): JOIN the queue,
+    or Refused (queue full), or None: the refusal stands as it is (no queue, not for memory, or
+    no eviction the queue may make could ever make room)."""
+    if not queue_on or not no_memory or not could_fit:
+        return None
+    if queued >= max_queued:
+        return Refused("queue-full", f"{queued} request(s) wait for it already "
+                       "(router.max_queued)")
+    return Arrival.JOIN
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A serve on a waiting serve's roles, as the eviction rule sees it."""
 
     serve: str
     priority: int
-    queued: int
-    # the oldest waiting request's arrival (the clock's time)
-    since: float
-    running: bool = False
+    on_demand: bool
+    # it can sleep (sleep_level) or be stopped when preempted (preemptible = "stop")
+    yields: bool
+
+
+def may_evict(priority: int, o: Candidate) -> bool:
+    """Whether a queued request for a serve of PRIORITY may ever evict O: an on-demand serve
+    of equal or lower priority, or any of lower priority that can sleep or be stopped (an
+    operator's serve of equal priority is not evicted by requests)."""
+    if o.priority < priority:
+        return False
+    if o.on_demand:
+        return True
+    return o.priority > priority and o.yields
+
+
+def could_fit(need_mib: int, free_mib: int, freed: Iterable[int]) -> bool:
+    """Whether NEED_MIB would fit in FREE_MIB plus what evicting each of the serves the queue
+    may evict frees (FREED, each's MiB): else waiting is pointless."""
+    return free_mib + sum(freed) >= need_mib
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +253,16 @@ class Protected:
     reason: str
 
 
-def next_up(waiting: Iterable[Waiting]) -> str | None:
-    """The serve whose queued requests go first: running ones (collation), then by priority,
-    then by the most requests waiting, then the longest waiting, then by name."""
-    ranked = sorted(waiting, key=lambda w: (not w.running, w.priority, -w.queued, w.since,
-                                            w.serve))
-    return ranked[0].serve if ranked else None
-
-
 def idle(h: Held) -> bool:
     return h.in_flight == 0 and (h.quiet_s is None or h.quiet_s >= IDLE_AFTER_S)
+
+
+def idle_in(h: Held) -> float:
+    """How long until H is idle, were nothing to come in (math.inf: something in flight, or
+    its count unknown: a change of its count is an event of its own)."""
+    if h.in_flight != 0:
+        return math.inf
+    return 0.0 if h.quiet_s is None else max(0.0, IDLE_AFTER_S - h.quiet_s)
 
 
 def evictable(h: Held, priority: int, min_awake_s: float) -> float:
@@ -101,7 +288,7 @@ def victims(held: Iterable[Held], serve: str, priority: int,
         if wait == 0.0:
             now.append(h)
         elif math.isfinite(wait):
-            later.append(wait)
+            later.append(min(wait, idle_in(h)))
     if now:
         return [h.serve for h in sorted(now, key=_eviction_order)]
     if later:

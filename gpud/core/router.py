@@ -20,11 +20,12 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S
 from gpud.core.queue import Histogram
 from gpud.core.text import printable
+from gpud.core.usage import tokens
 
 # The client routes of vLLM (0.32/0.33: vllm/entrypoints/**/api_router.py) whose request names
 # its model in the body, carried to the serve named: JSON bodies, or multipart forms with a
@@ -84,10 +85,24 @@ LOG_FIELDS: Final = (
     ("ensure_s", "$router_ensure_s"),
     ("sse", "$router_sse"),
 )
+# The access log's fields of usage per key (gpud.core.usage): the key's name, when the request
+# ended (Unix time, ms), and the tokens of the serve's own `usage` (router.js `meter`; "" none).
+USAGE_FIELDS: Final = (
+    ("key", "$router_key"),
+    ("ts", "$msec"),
+    ("prompt_tokens", "$router_prompt_tokens"),
+    ("completion_tokens", "$router_completion_tokens"),
+)
 # Idle keepalive connections to each serve (as the front's).
 KEEPALIVE: Final = 32
 # Retry-After of a refusal when gpud gives none, and of a serve that is not running.
 RETRY_AFTER_S: Final = 30
+# The routes whose body vLLM reads a `priority` from (an int, lower first, under
+# --scheduling-policy priority; vllm 0.32 vllm/config/scheduler.py `policy`, and the field in
+# entrypoints/openai/{chat_completion,completion,responses}/protocol.py and
+# entrypoints/pooling/base/protocol.py): the router sets it to the key's priority there.
+PRIORITY_ROUTES: Final = ("/v1/chat/completions", "/v1/completions", "/v1/responses",
+                          "/v1/embeddings")
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
 # A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
@@ -152,6 +167,12 @@ class ApiKey:
     name: str
     sha256: str
     models: tuple[str, ...]
+    # docs/router.md, "Who is asking": in the data path (nginx's limit_conn / limit_req), and
+    # gpud's queue (priority: smaller first; weight: its share among those waiting)
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    priority: int = 0
+    weight: float = 1.0
 
 
 def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
@@ -177,8 +198,13 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if not KEY_NAME_RE.fullmatch(name):
             problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
             continue
-        if not isinstance(entry, dict) or set(entry) - {"token", "models"}:
-            problems.append(f"{where}: a table of token and models only")
+        if not isinstance(entry, dict) or set(entry) - {"token", "models", *KEY_SHARES}:
+            problems.append(f"{where}: a table of token, models and "
+                            f"{', '.join(KEY_SHARES)} only")
+            continue
+        shares, wrong = key_shares(entry, where)
+        if wrong:
+            problems += wrong
             continue
         token, models = entry.get("token"), entry.get("models")
         if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
@@ -197,8 +223,82 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
             problems.append(f"{where}.token: the same token as keys.{seen[digest]}")
             continue
         seen[digest] = name
-        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models))))
+        mc, rpm = shares.get("max_concurrent"), shares.get("requests_per_minute")
+        keys.append(ApiKey(name, digest, tuple(dict.fromkeys(models)),
+                           max_concurrent=None if mc is None else int(mc),
+                           requests_per_minute=None if rpm is None else int(rpm),
+                           priority=int(shares.get("priority", 0)),
+                           weight=float(shares.get("weight", 1.0))))
     return keys, problems
+
+
+# A key's limits and shares (docs/router.md, "Who is asking"): name -> (smallest, largest).
+# nginx refuses a limit_conn of 65536 and more ("connection limit must be less 65536",
+# ngx_http_limit_conn_module.c): the whole front's config with it.
+KEY_SHARES: Final[Mapping[str, tuple[float, float]]] = {
+    "max_concurrent": (1, 65_535),
+    "requests_per_minute": (1, 1_000_000),
+    "priority": (-1000, 1000),
+    "weight": (0.01, 1000.0),
+}
+
+
+def key_shares(entry: Mapping[str, object], where: str
+               ) -> tuple[dict[str, int | float], list[str]]:
+    """A key's limits and shares from its table, and its problems (each naming the key)."""
+    out: dict[str, int | float] = {}
+    problems = []
+    for field, (low, high) in KEY_SHARES.items():
+        value = entry.get(field)
+        if value is None:
+            continue
+        whole = field != "weight"
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                (whole and not isinstance(value, int)) or not low <= value <= high:
+            shown = (f"{int(low)} to {int(high)}" if whole else f"{low:g} to {high:g}")
+            problems.append(f"{where}.{field}: {'an integer' if whole else 'a number'} from "
+                            f"{shown} (got {value!r})")
+            continue
+        out[field] = int(value) if whole else float(value)
+    return out, problems
+
+
+def limit_zones(keys: Sequence[ApiKey]) -> list[str]:
+    """The http block's lines of the keys' limits: per limited key, a variable that is its name
+    for its requests and empty for any other's (nginx counts no empty key), a limit_conn zone
+    and a limit_req zone keyed by it (nginx's core ngx_http_limit_conn_module and
+    ngx_http_limit_req_module: one number per zone, so one zone per key)."""
+    out = []
+    for i, k in enumerate(keys):
+        if k.max_concurrent is None and k.requests_per_minute is None:
+            continue
+        out += [f"    map $router_key $router_limit_{i} {{",
+                f"        {json.dumps(k.name)} {json.dumps(k.name)};",
+                '        default "";',
+                "    }"]
+        if k.max_concurrent is not None:
+            out.append(f"    limit_conn_zone $router_limit_{i} zone=router_conn_{i}:1m;")
+        if k.requests_per_minute is not None:
+            out.append(f"    limit_req_zone $router_limit_{i} zone=router_rpm_{i}:1m "
+                       f"rate={k.requests_per_minute}r/m;")
+    return out
+
+
+def limit_lines(keys: Sequence[ApiKey], indent: str = "            ") -> list[str]:
+    """A routed location's lines of the keys' limits (where the router sends a request once it
+    knows its key: a serve's named location, the loading feedback's), past them 429 in
+    OpenAI's shape (@router_limited). requests_per_minute: a minute's worth at once
+    (burst), then at the rate (nginx's leaky bucket, `nodelay`)."""
+    out = []
+    for i, k in enumerate(keys):
+        if k.max_concurrent is not None:
+            out.append(f"{indent}limit_conn router_conn_{i} {k.max_concurrent};")
+        if k.requests_per_minute is not None:
+            burst = max(0, k.requests_per_minute - 1)
+            out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
+    if out:
+        out += [f"{indent}limit_conn_status 429;", f"{indent}limit_req_status 429;"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -212,6 +312,9 @@ class RoutedServe:
     socket: str | None = None
     port: int | None = None
     ensure_timeout_s: int | None = None
+    # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
+    # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.port is None):
@@ -356,8 +459,23 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[str]:
-    lines = [f"        location {serve.location} {{"]
+# What a serve under priority scheduling is sent: the body with the key's priority when the
+# script set one, else the request's (a map of the http block: PRIORITY_MAP).
+PRIORITY_BODY: Final = "$router_send_body"
+PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
+                       '        "" $request_body;',
+                       "        default $router_body;",
+                       "    }")
+# The serve's own usage read as its answer passes (router.js `meter`; gpud.core.usage).
+METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
+
+
+def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
+                     limits: Sequence[str] = ()) -> list[str]:
+    # a serve under priority scheduling gets the body the script rewrote with the key's
+    # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
+    body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
+    lines = [f"        location {serve.location} {{", *limits, *body]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
         # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
@@ -368,8 +486,10 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[s
                   # gpud's share (the bring-up, the queue): not the router's own latency
                   "            auth_request_set $router_ensure_s $upstream_response_time;",
                   "            error_page 403 = @router_refused;",
+                  *(["            error_page 429 = @router_limited;"] if limits else []),
                   f"            error_page 500 = {serve.location}_direct;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
+              METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
         lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
@@ -386,6 +506,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[s
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
                   "        }",
                   f"        location {serve.location}_direct {{",
+                  *body,
                   # gpud did not answer: the serve only when gpud last said it was running
                   # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
                   # serve asleep, starting or stopped answers 503 at once (the server's
@@ -395,6 +516,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[s
                      "            }"] if awake_dir is not None and serve.socket is not None
                     else []),
                   f"            proxy_pass http://{serve.upstream};",
+                  METER,
                   "        }",
                   # A stream that waited with loading feedback (the script's SSI include,
                   # a subrequest: its answer goes into the stream the script began): the
@@ -405,6 +527,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None) -> list[s
                   "            internal;",
                   f"            rewrite ^{re.escape(STREAM_PREFIX + serve.name)}(/.*)$ $1 break;",
                   "            proxy_method POST;",
+                  *body,
                   f"            proxy_pass http://{serve.upstream};",
                   "            js_body_filter router.streamed;",
                   "            error_page 502 504 = @router_stream_down;",
@@ -424,6 +547,9 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
+           "    js_var $router_prompt_tokens;",
+           "    js_var $router_body;",
+           "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
            # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
@@ -432,8 +558,11 @@ def http_lines(router: RouterFront) -> list[str]:
            *[f"    js_set $router_error_{status} router.error{status};"
              for status in ERROR_PAGES]]
     if router.access_log is not None:
-        fields = ",".join(f'"{name}":"{var}"' for name, var in LOG_FIELDS)
+        fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
+    out += limit_zones(router.keys or ())
+    if any(s.priority_scheduling for s in router.serves):
+        out += PRIORITY_MAP
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
             "    }"]
@@ -469,6 +598,7 @@ def http_lines(router: RouterFront) -> list[str]:
         # the key's check before the body (auth_request): at the server's level, so that
         # the routed locations keep the error pages above
         *(["        error_page 401 = @router_unauthorized;"] if router.keys is not None else []),
+        "        error_page 429 = @router_limited;",
         "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
         "            js_content router.models;",
@@ -495,8 +625,9 @@ def http_lines(router: RouterFront) -> list[str]:
         "            subrequest_output_buffer_size 1m;",
         "        }",
     ]
+    limits = limit_lines(router.keys or ())
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += _serve_locations(serve, router.awake_dir)
+        out += _serve_locations(serve, router.awake_dir, limits)
     out += [
         *([f"        location = {AUTH_LOCATION} {{",
            "            internal;",
@@ -508,6 +639,17 @@ def http_lines(router: RouterFront) -> list[str]:
            "        }"] if router.keys is not None else []),
         "        location @router_refused {",
         "            js_content router.refused;",
+        "        }",
+        # past a key's limits (limit_lines): 429 in OpenAI's shape, which limit, Retry-After
+        "        location @router_limited {",
+        "            js_content router.limited;",
+        "        }",
+        # a stream for a serve gpud may bring up (router.loading): its key's limits first
+        "        location @router_loading {",
+        *limits,
+        "            js_content router.loadingStream;",
+        "            ssi on;",
+        "            ssi_types text/event-stream;",
         "        }",
         "        location @router_down {",
         "            js_content router.down;",
@@ -531,14 +673,20 @@ def render_script(router: RouterFront, code: str) -> str:
     (gpud/data/router.js). Deterministic for equal input."""
     by_name = {s.name: s for s in router.serves}
     table = {name: {"serve": serve, "location": by_name[serve].location,
-                    "ensure": by_name[serve].ensure_timeout_s is not None}
+                    "ensure": by_name[serve].ensure_timeout_s is not None,
+                    **({"priority": True} if by_name[serve].priority_scheduling else {})}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
-        k.sha256: {"name": k.name, "models": list(k.models)} for k in router.keys}
+        k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority}
+        for k in router.keys}
+    limits = {k.name: {"max_concurrent": k.max_concurrent,
+                       "requests_per_minute": k.requests_per_minute}
+              for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
     head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
-            "stream_prefix": STREAM_PREFIX}
+            "stream_prefix": STREAM_PREFIX, "limits": limits,
+            "priority_routes": list(PRIORITY_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 
@@ -575,6 +723,12 @@ class Answered:
     serve: str
     status_class: str
     overhead_s: float | None
+    # usage per key (USAGE_FIELDS; gpud.core.usage): "" without a key; None: not in the line
+    key: str = ""
+    status: int = 0
+    ts: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
@@ -602,7 +756,21 @@ def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
     if upstream is not None and request is not None and not sse:
         # nginx times at millisecond resolution: so is the difference
         overhead = max(0.0, round(request - upstream - (_seconds(doc["ensure_s"]) or 0.0), 3))
-    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead)
+    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead,
+                    **_usage_fields(doc, status))
+
+
+def _usage_fields(doc: Mapping[str, object], status: int) -> dict[str, Any]:
+    """The USAGE_FIELDS of a log line (absent in a line of an older config: none)."""
+    got = {k: v if isinstance(v, str) else "" for k, v in
+           ((k, doc.get(k)) for k, _ in USAGE_FIELDS)}
+    try:
+        ts: float | None = float(got["ts"])
+    except ValueError:
+        ts = None
+    return {"key": got["key"][:MAX_REQUESTER], "status": status, "ts": ts,
+            "prompt_tokens": tokens(got["prompt_tokens"]),
+            "completion_tokens": tokens(got["completion_tokens"])}
 
 
 @dataclass

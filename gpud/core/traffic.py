@@ -111,6 +111,15 @@ def idle_due(state: ServeState, flight: Flight, idle_for_s: float, *,
                        sleep_level=sleep_level)
 
 
+def idle_due_in(idle_for_s: float, *, idle_sleep_s: float | None,
+                idle_stop_s: float | None) -> float | None:
+    """How long until a serve idle for `idle_for_s` reaches its next idle threshold (None:
+    none ahead): the idle check waits that long at most, or for a change."""
+    ahead = [t - idle_for_s for t in (idle_sleep_s, idle_stop_s)
+             if t is not None and t > idle_for_s]
+    return min(ahead) if ahead else None
+
+
 def settling(phase: Phase, draining: bool) -> bool:
     """A sleep or a stop of the serve is under way (or the drain before one): a request must
     wait for it to end before the serve is woken or started again."""

@@ -29,6 +29,7 @@ from gpud.ctl.format import (
     format_serves,
     format_sleep,
     format_status,
+    format_usage,
     local_time,
 )
 
@@ -226,6 +227,27 @@ def configure_models(p: argparse.ArgumentParser) -> None:
 
 def run_models(ctl: Ctl, args: argparse.Namespace) -> int:
     ctl.emit(ctl.client.call("GET", "/v1/serves"), format_models)
+    return EXIT_OK
+
+
+def configure_usage(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--since", metavar="T",
+                   help="from the hour of T on: ISO 8601 (2026-07-13T03:00, local time unless "
+                        "an offset is given), epoch seconds, or an age such as 90m, 2h, 3d "
+                        "(default: all kept)")
+    p.add_argument("--key", metavar="K", help="only key K (its name in the keys file)")
+
+
+def run_usage(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    params: list[tuple[str, str]] = []
+    if args.since is not None:
+        params.append(("since", _epoch_text(parse_since(args.since, time.time()))))
+    if args.key is not None:
+        params.append(("key", args.key))
+    target = "/v1/usage" + ("?" + query_string(params) if params else "")
+    ctl.emit(ctl.client.call("GET", target), format_usage)
     return EXIT_OK
 
 
@@ -555,6 +577,20 @@ COMMANDS: tuple[Command, ...] = (
         "      chat-fast  chat   running  30001  yes\n"
         "  gpuctl models --json",
         configure_models, run_models),
+    Command(
+        "usage", "requests and tokens per key and model through the router",
+        "Usage per key (docs/router.md, \"Who is asking\"), from gpud's store (hourly rows, "
+        "kept across restarts, pruned to daemon.events_keep rows as events are): for each key "
+        "and model, the requests by status, and the prompt and completion tokens of the "
+        "serve's own usage object. An answer without one (a stream without "
+        "stream_options.include_usage) is counted in REQUESTS and UNMETERED, its tokens in "
+        "neither sum. KEY \"\" (shown -): requests without a key (keys off). The newest "
+        "requests appear within 5 s.",
+        "  gpuctl usage --since 24h\n"
+        "      KEY    MODEL  REQUESTS  PROMPT  COMPLETION  TOTAL  UNMETERED  STATUSES\n"
+        "      alice  chat        120   48211       20113  68324          2  200:118 429:2\n"
+        "  gpuctl --json usage --key alice",
+        configure_usage, run_usage),
     Command(
         "admit", "reserve MiB for a serve on its role",
         "Ask the ledger for MIB MiB for serve NAME. The serve's own current reservation is "

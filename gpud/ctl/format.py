@@ -261,8 +261,38 @@ def format_models(doc: answers.Serves) -> str:
     if not rows:
         return "no models: the router is off (no [router] table) or no serve has a port"
     rows.sort()
-    return format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
-                        rows, [False, False, False, True, False, True, True])
+    table = format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
+                         rows, [False, False, False, True, False, True, True])
+    return "\n".join([table, *_queues(doc)])
+
+
+def _queues(doc: answers.Serves) -> list[str]:
+    """Who waits for each serve, in the order they go (docs/router.md, "Who is asking")."""
+    out = []
+    for s in doc.get("serves") or []:
+        places = s.get("queue")
+        if not places:
+            continue
+        wait = s.get("expected_wait_s")
+        expect = f", expected wait {wait:.0f} s" if isinstance(wait, int | float) else ""
+        who = ", ".join(f"{p['requester']} {p['waiting']} (position {p['position']})"
+                        for p in places)
+        out.append(f"waiting for {s.get('name')}{expect}: {who}")
+    return out
+
+
+def format_usage(doc: answers.Usage) -> str:
+    """``GET /v1/usage``: one row per key and model (docs/router.md, "Who is asking")."""
+    rows = [[r.get("key") or "-", r.get("model") or "-", str(r.get("requests")),
+             str(r.get("prompt_tokens")), str(r.get("completion_tokens")),
+             str(r.get("total_tokens")), str(r.get("unmetered")),
+             " ".join(f"{k}:{v}" for k, v in (r.get("statuses") or {}).items())]
+            for r in doc.get("rows") or []]
+    if not rows:
+        return "no usage recorded (the router counts requests per key once it has answered some)"
+    return format_table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
+                         "UNMETERED", "STATUSES"], rows,
+                        [False, False, True, True, True, True, True, False])
 
 
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (

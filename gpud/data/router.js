@@ -437,8 +437,13 @@ function route(r) {
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
+    if (entry.priority && doc !== undefined && key.priority !== undefined &&
+            CONFIG.priority_routes.indexOf(r.uri) >= 0) {
+        prioritize(r, doc, key);
+    }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
-        loading(r, model, entry);
+        // through the key's limits first (@router_loading), then loading(): loadingStream
+        r.internalRedirect('@router_loading');
         return;
     }
     r.internalRedirect(entry.location);
@@ -483,7 +488,7 @@ function refusal(r, reason) {
 //   nginx streams through as it comes (a script's own subrequest is read whole);
 // - the stream begun, gpud refused: an error event in OpenAI's shape, then [DONE].
 function loading(r, model, entry) {
-    var began = Date.now(), sent = false, timer;
+    var began = Date.now(), sent = false, timer, done = false;
     function tick() {
         if (!sent) {
             sent = true;
@@ -495,10 +500,16 @@ function loading(r, model, entry) {
         }
         r.send(': loading ' + model + '\n\n');
         timer = setTimeout(tick, CONFIG.loading_feedback_s * 1000);
+        queueNote(r, entry.serve).then(function (note) {
+            if (note && !done) {
+                r.send(': ' + note + '\n\n');
+            }
+        });
     }
     timer = setTimeout(tick, Math.min(1000, CONFIG.loading_feedback_s * 1000));
     r.subrequest(CONFIG.ensure_prefix + entry.serve, {method: 'POST'}).then(function (reply) {
         clearTimeout(timer);
+        done = true;
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
         if (reply.status === 403) {
             var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
@@ -528,7 +539,7 @@ function states(r) {
         if (reply.status === 200) {
             try {
                 JSON.parse(reply.responseText).serves.forEach(function (s) {
-                    by[s.name] = s.state;
+                    by[s.name] = s;
                 });
             } catch (e) {
                 // gpud's answer unreadable: every state unknown
@@ -540,8 +551,36 @@ function states(r) {
 
 function entry(name, by, created) {
     var serve = CONFIG.models[name].serve;
-    return {id: name, object: 'model', created: created, owned_by: 'gpud',
-            gpud: {serve: serve, state: has(by, serve) ? by[serve] : 'unknown'}};
+    var s = has(by, serve) ? by[serve] : null;
+    var ext = {serve: serve, state: s ? s.state : 'unknown'};
+    if (s && s.queue) {
+        // who waits for it, in the order they go, and the wait to expect (docs/router.md)
+        ext.queue = s.queue;
+        ext.expected_wait_s = s.expected_wait_s;
+    }
+    return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
+}
+
+// A waiting stream's place in gpud's queue, for its loading comments: its requester's place
+// in the fair order, how many wait for the serve, and the wait to expect from the measured
+// bring-ups ('' when it is not queued, or gpud does not say).
+function queueNote(r, serve) {
+    return states(r).then(function (by) {
+        var s = has(by, serve) ? by[serve] : null;
+        var me = r.variables.router_requester, waiting = 0, mine = null;
+        ((s && s.queue) || []).forEach(function (p) {
+            waiting += p.waiting;
+            if (p.requester === me) {
+                mine = p;
+            }
+        });
+        if (mine === null) {
+            return '';
+        }
+        return 'queued: position ' + mine.position + ', ' + waiting + ' waiting for ' +
+            serve + (typeof s.expected_wait_s === 'number' ? ', expected wait ' +
+            Math.round(s.expected_wait_s) + ' s (measured bring-ups)' : '');
+    });
 }
 
 function models(r) {
@@ -606,6 +645,43 @@ function down(r) {
          (r.variables.router_serve || '?') + ' is not running', 'model_not_running');
 }
 
+// Usage (docs/router.md, "Who is asking"; gpud.core.usage): the serve's own `usage`, read as
+// its answer passes (a body filter: each buffer passed on at once, untouched): the last
+// "prompt_tokens" and "completion_tokens" of the answer (a non-streamed answer's usage, a
+// stream's last chunk when it carries one), for the access log. Unescaped, `"prompt_tokens"`
+// is a key (inside a JSON string a quote is escaped). The last bytes of each buffer are kept
+// for a key or number split between two. An answer without usage leaves them "" (counted,
+// never invented).
+var TOKENS_RE = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})(?=\D)/g;
+var meterTail = null, meterPending = false;
+function meterScan(r, data) {
+    // most buffers (a stream's chunks before its last) carry no usage: one native search
+    if (data.indexOf('_tokens"') < 0 && !meterPending) {
+        meterTail = data;
+        return;
+    }
+    var text = (meterTail === null ? '' :
+                meterTail.slice(Math.max(0, meterTail.length - 64)).toString()) +
+               data.toString();
+    meterTail = data;
+    text = text.slice(Math.max(0, text.indexOf('_tokens"') - 32));
+    TOKENS_RE.lastIndex = 0;
+    var m;
+    while ((m = TOKENS_RE.exec(text)) !== null) {
+        r.variables['router_' + m[1] + '_tokens'] = m[2];
+    }
+    // a count that may go on in the next buffer (a number is taken whole only)
+    var at = text.lastIndexOf('_tokens"');
+    meterPending = at >= 0 && at > text.length - 48;
+}
+
+function meter(r, data, flags) {
+    r.sendBuffer(data, flags);
+    if (data.length > 0) {
+        meterScan(r, data);
+    }
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -614,6 +690,9 @@ var held = '', told = false;
 function streamed(r, data, flags) {
     if (r.status < 400 || told) {
         r.sendBuffer(told ? '' : data, flags);
+        if (!told) {
+            meterScan(r, data);
+        }
         return;
     }
     held += data;
@@ -649,6 +728,51 @@ function streamDown(r) {
         '\n\ndata: [DONE]\n\n');
 }
 
+// A serve launched with --scheduling-policy priority orders its waiting requests by the body's
+// `priority`, lower first (vllm 0.32: vllm/config/scheduler.py `policy`; the field in
+// entrypoints/openai/*/protocol.py). With keys, the key's priority is the request's, whatever
+// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). A
+// large body that was not parsed, or a form, goes as it came (the serve's default 0).
+function prioritize(r, doc, key) {
+    doc.priority = key.priority;
+    r.variables.router_body = JSON.stringify(doc);
+}
+
+// A stream for a serve gpud may bring up, past its key's limits (@router_loading).
+function loadingStream(r) {
+    var model = r.variables.router_model;
+    loading(r, model, CONFIG.models[model]);
+}
+
+// Past a key's limits (nginx's limit_conn / limit_req where the router sent the request: the
+// serve's location, or @router_loading): 429 in OpenAI's shape (code rate_limit_exceeded),
+// which limit and its figure, and Retry-After: a minute's share of requests_per_minute, or a
+// second for max_concurrent (one of the key's requests in flight ends by then, or it is asked
+// again).
+function limited(r) {
+    var name = r.variables.router_key || '';
+    var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
+    var which, value, retry, message;
+    if (r.variables.limit_req_status === 'REJECTED') {
+        which = 'requests_per_minute';
+        value = lim.requests_per_minute;
+        retry = Math.max(1, Math.ceil(60 / (value || 60)));
+        message = 'key ' + name + ' is past its limit of ' + value + ' requests per minute';
+    } else {
+        which = 'max_concurrent';
+        value = lim.max_concurrent;
+        retry = 1;
+        message = 'key ' + name + ' has ' + value + ' requests in flight, its max_concurrent';
+    }
+    r.headersOut['Retry-After'] = String(retry);
+    r.headersOut['Content-Type'] = 'application/json';
+    r.return(429, JSON.stringify({error: {
+        message: message + '; retry after ' + retry + ' s', type: 'requests', param: null,
+        code: 'rate_limit_exceeded',
+        gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
+}
+
 export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
-                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500)};
+                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
+                loadingStream, limited, meter};

@@ -1,0 +1,362 @@
+"""Per-key limits in the data path (docs/router.md, "Who is asking"): max_concurrent and
+requests_per_minute enforced by nginx's own limit_conn / limit_req in the location the router
+sends a request to, past them 429 in OpenAI's shape with Retry-After; the real nginx and njs
+before two stand-ins (tests/test_router.py's rig)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.config import parse_config
+from gpud.core.router import (
+    KEY_SHARES,
+    Answered,
+    ApiKey,
+    RoutedServe,
+    RouterFront,
+    http_lines,
+    parse_keys,
+    parse_log_line,
+)
+from gpud.router import KeyShares
+from tests.test_router import (  # noqa: F401 (fed: a fixture)
+    RIG_TOKEN,
+    TOML,
+    Fed,
+    Rig,
+    _events,
+    _req,
+    _stream,
+    fed,
+    router_rig,
+)
+from tests.waiting import wait_until
+
+KEYS = f"""\
+[keys.alice]
+token = "sk-alice-0123456789"
+models = ["a"]
+max_concurrent = 1
+priority = -1
+[keys.bob]
+token = "sk-bob-01234567890"
+models = ["*"]
+requests_per_minute = 2
+weight = 2.5
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+"""
+
+
+def test_limits_and_shares_are_parsed_and_checked() -> None:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b"])
+    assert problems == []
+    by = {k.name: k for k in keys}
+    assert (by["alice"].max_concurrent, by["alice"].requests_per_minute, by["alice"].priority,
+            by["alice"].weight) == (1, None, -1, 1.0)
+    assert (by["bob"].requests_per_minute, by["bob"].weight) == (2, 2.5)
+    assert (by["probe"].max_concurrent, by["probe"].priority) == (None, 0)
+    bad = KEYS.replace("max_concurrent = 1", "max_concurrent = 0").replace(
+        "weight = 2.5", 'weight = "x"').replace("priority = -1", "priority = 1.5")
+    _, problems = parse_keys(bad, ["a", "a-fast", "b"])
+    assert problems == [
+        "keys.alice.max_concurrent: an integer from 1 to 65535 (got 0)",
+        "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
+        "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
+    _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
+    assert problems == [f"keys.alice: a table of token, models and {', '.join(KEY_SHARES)} only"]
+
+
+def test_without_limits_nginx_counts_nothing() -> None:
+    keys, _ = parse_keys(KEYS.replace("max_concurrent = 1\n", "").replace(
+        "requests_per_minute = 2\n", ""), ["a"])
+    text = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                                            keys=tuple(keys))))
+    assert "limit_conn" not in text and "limit_req" not in text
+
+
+def test_the_limits_are_in_every_location_a_request_is_sent_to() -> None:
+    keys, _ = parse_keys(KEYS, ["a", "b"])
+    text = "\n".join(http_lines(RouterFront(
+        "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),
+                           RoutedServe("b", ("b",), port=2, ensure_timeout_s=30)),
+        keys=tuple(keys))))
+    # one zone per limited key, keyed by a variable that is empty for every other key's request
+    assert 'map $router_key $router_limit_0 {\n        "alice" "alice";\n        default "";' \
+        in text
+    assert "limit_conn_zone $router_limit_0 zone=router_conn_0:1m;" in text
+    assert "limit_req_zone $router_limit_1 zone=router_rpm_1:1m rate=2r/m;" in text
+    assert "router_limit_2" not in text  # probe: no limits
+    # the serves' locations and the loading feedback's, before gpud is asked (auth_request)
+    for location in ("location @router_a {", "location @router_b {",
+                     "location @router_loading {"):
+        block = text.split(location, 1)[1].split("}", 1)[0]
+        assert "limit_conn router_conn_0 1;" in block, block
+        assert "limit_req zone=router_rpm_1 burst=1 nodelay;" in block, block
+    assert "error_page 429 = @router_limited;" in text.split("location @router_b {")[1]
+
+
+def test_the_largest_limits_are_valid_for_nginx(tmp_path: Path) -> None:
+    """Each limit at the top of its range (nginx refuses a limit_conn of 65536: the whole
+    front's config would go with it)."""
+    from gpud.core.front import FrontConfig, render
+    from gpud.core.router import main_lines
+    from gpud.router import script_text
+    from tests.test_router import NGINX, NJS
+
+    top = KEYS.replace("max_concurrent = 1", "max_concurrent = "
+                       f"{int(KEY_SHARES['max_concurrent'][1])}").replace(
+        "requests_per_minute = 2",
+        f"requests_per_minute = {int(KEY_SHARES['requests_per_minute'][1])}")
+    keys, problems = parse_keys(top, ["a"])
+    assert problems == [] and keys[0].max_concurrent == 65535
+    run = tmp_path / "run"
+    run.mkdir()
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1,
+                                                        ensure_timeout_s=9),),
+                         njs_module=str(NJS), script=str(tmp_path / "router.js"),
+                         keys=tuple(keys))
+    (tmp_path / "router.js").write_text(script_text(router))
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render(FrontConfig(serves=(), run_dir=str(run),
+                                       main_extra=tuple(main_lines(router)),
+                                       http_extra=tuple(http_lines(router)))))
+    result = subprocess.run([str(NGINX), "-t", "-c", str(conf), "-p", f"{run}/"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def limited() -> Iterator[Rig]:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys)) as rig:
+        yield rig
+
+
+def _ask(port: int, token: str, model: str = "a", max_tokens: int = 1, stream: bool = False
+         ) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"model": model, "prompt": "x y z w v u t s", "max_tokens": max_tokens,
+                       "stream": stream}).encode()
+    return _req(port, "POST", "/v1/completions", body,
+                {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+
+
+def _limit_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, object]:
+    assert status == 429, (status, body)
+    err = json.loads(body)["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests", err
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert int(headers["Retry-After"]) == err["gpud"]["retry_after_s"], (headers, err)
+    return dict(err["gpud"])
+
+
+def test_max_concurrent_answers_429_while_the_keys_request_is_in_flight(limited: Rig) -> None:
+    port = limited.port
+    first: list[int] = []
+    # the stand-in streams a token each 0.3 s: 8 tokens hold the request about 2.4 s
+    slow = threading.Thread(target=lambda: first.append(_ask(port, "sk-alice-0123456789",
+                                                             max_tokens=8, stream=True)[0]))
+    slow.start()
+    try:
+        time.sleep(0.8)
+        status, headers, body = _ask(port, "sk-alice-0123456789")
+        said = _limit_error(status, headers, body)
+        assert said == {"key": "alice", "limit": "max_concurrent", "value": 1,
+                        "retry_after_s": 1}, said
+        assert "1 requests in flight, its max_concurrent" in json.loads(body)["error"]["message"]
+        # another key is not held by alice's limit
+        assert _ask(port, RIG_TOKEN)[0] == 200
+    finally:
+        slow.join(timeout=30)
+    assert first == [200]
+    assert _ask(port, "sk-alice-0123456789")[0] == 200  # its request ended: room again
+
+
+def test_requests_per_minute_answers_429_with_the_wait(limited: Rig) -> None:
+    port = limited.port
+    # a minute's worth at once (2), then one each 30 s
+    assert [_ask(port, "sk-bob-01234567890", "b")[0] for _ in range(2)] == [200, 200]
+    said = _limit_error(*_ask(port, "sk-bob-01234567890", "b"))
+    assert said == {"key": "bob", "limit": "requests_per_minute", "value": 2,
+                    "retry_after_s": 30}, said
+    # per key, across models: its next request for a is refused too, the probe's is not
+    assert _ask(port, "sk-bob-01234567890", "a")[0] == 429
+    assert [_ask(port, RIG_TOKEN, "b")[0] for _ in range(5)] == [200] * 5
+
+
+def test_keys_shares_reach_the_api_key() -> None:
+    keys, _ = parse_keys(KEYS, ["a"])
+    assert isinstance(keys[0], ApiKey) and keys[0].priority == -1
+
+
+def test_gpud_reads_each_keys_priority_and_weight_once_per_change(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS.replace('models = ["a"]', 'models = ["chat"]'))
+    keys.chmod(0o600)
+    cfg = parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
+                                    f'listen = "127.0.0.1:8000"\napi_keys_file = "{keys}"\n'),
+                       "t")
+    shares = KeyShares(lambda: cfg)
+    assert shares("alice") == (-1, 1.0) and shares("bob") == (0, 2.5)
+    # a requester that is no key (an address): the defaults
+    assert shares("addr:127.0.0.1") == (0, 1.0)
+    keys.write_text(KEYS.replace('models = ["a"]', 'models = ["chat"]').replace(
+        "priority = -1", "priority = -7  # changed"))
+    assert shares("alice") == (-7, 1.0)
+    # a file broken now: the last good shares are kept
+    keys.write_text("not toml [")
+    assert shares("alice") == (-7, 1.0)
+
+
+# --- usage: the serve's own usage object, as the router saw it pass ---------------------------
+
+@pytest.fixture
+def metered() -> Iterator[Rig]:
+    keys, problems = parse_keys(KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), access_log=True) as rig:
+        yield rig
+
+
+def _logged(rig: Rig, n: int) -> list[Answered]:
+    path = Path(rig.script).parent / "access.log"
+    table = {"a": "a", "a-fast": "a", "b": "b", "org/b-model": "b"}
+
+    def lines() -> list[Answered]:
+        text = path.read_text() if path.exists() else ""
+        got = [parse_log_line(line, table) for line in text.splitlines()]
+        return [a for a in got if a is not None and a.model]
+    wait_until(lambda: len(lines()) >= n, what=f"{n} lines in the router's access log")
+    return lines()
+
+
+def _post(rig: Rig, token: str, doc: dict[str, object]) -> tuple[int, bytes]:
+    status, _h, body = _req(rig.port, "POST", "/v1/chat/completions", json.dumps(doc).encode(),
+                            {"Authorization": f"Bearer {token}",
+                             "Content-Type": "application/json"})
+    return status, body
+
+
+def test_usage_is_the_serves_own_and_a_stream_without_it_is_unmetered(metered: Rig) -> None:
+    messages = [{"role": "user", "content": 'say "prompt_tokens": 999 please'}]
+    before = len(_logged(metered, 0))  # the rig's readiness probes
+    # a non-streamed answer: its usage object
+    status, body = _post(metered, RIG_TOKEN, {"model": "b", "messages": messages,
+                                              "max_tokens": 3})
+    assert status == 200
+    usage = json.loads(body)["usage"]
+    # a stream that asked for usage: its last chunk's; one that did not: none
+    status, streamed = _post(metered, RIG_TOKEN, {
+        "model": "a", "messages": messages, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200 and b'"usage": {' in streamed, streamed
+    last = [json.loads(line[6:]) for line in streamed.decode().splitlines()
+            if line.startswith("data: {")][-1]["usage"]
+    status, _ = _post(metered, "sk-bob-01234567890", {"model": "a", "messages": messages,
+                                                      "max_tokens": 2, "stream": True})
+    assert status == 200
+    one, two, three = _logged(metered, before + 3)[before:]
+    assert (one.key, one.model, one.status) == ("probe", "b", 200)
+    assert (one.prompt_tokens, one.completion_tokens) == (usage["prompt_tokens"],
+                                                          usage["completion_tokens"])
+    # the prompt's own text ('"prompt_tokens": 999', escaped inside a JSON string) is not it
+    assert one.prompt_tokens != 999 and two.prompt_tokens != 999
+    assert (two.key, two.prompt_tokens, two.completion_tokens) == (
+        "probe", last["prompt_tokens"], last["completion_tokens"])
+    assert (three.key, three.prompt_tokens, three.completion_tokens) == ("bob", None, None)
+    assert one.ts is not None and abs(one.ts - time.time()) < 60
+
+
+# --- priority: the key's, in gpud's queue and inside the engine -------------------------------
+
+PRIORITY_KEYS = f"""\
+[keys.batch]
+token = "sk-batch-0123456789"
+models = ["*"]
+priority = 5
+[keys.chat]
+token = "sk-chat-01234567890"
+models = ["*"]
+priority = -1
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+"""
+
+
+def test_a_keys_priority_orders_its_requests_inside_the_engine() -> None:
+    """Serve a runs with one place (--max-num-seqs 1) and --scheduling-policy priority (the
+    stand-in's scheduler as vLLM's: lower priority first). The batch key holds the place with
+    a stream, then asks again writing priority -100 itself; the chat key (priority -1) asks
+    after it: the router sends each key's own priority, so chat's request runs first."""
+    keys, problems = parse_keys(PRIORITY_KEYS, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), ("--max-num-seqs", "1", "--scheduling-policy", "priority"),
+                    priority_scheduling=True) as rig:
+        done: dict[str, float] = {}
+
+        def ask(name: str, token: str, doc: dict[str, object]) -> None:
+            status, _h, body = _req(rig.port, "POST", "/v1/completions", json.dumps(doc).encode(),
+                                    {"Authorization": f"Bearer {token}",
+                                     "Content-Type": "application/json"})
+            assert status == 200, body
+            done[name] = time.monotonic()
+
+        long = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
+        jump = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True,
+                "priority": -100}
+        short = {"model": "a", "prompt": "x", "max_tokens": 1}
+        threads = [threading.Thread(target=ask, args=("holder", "sk-batch-0123456789", long))]
+        threads[0].start()
+        time.sleep(0.5)
+        threads.append(threading.Thread(target=ask, args=("batch", "sk-batch-0123456789",
+                                                           jump)))
+        threads[1].start()
+        time.sleep(0.3)
+        threads.append(threading.Thread(target=ask, args=("chat", "sk-chat-01234567890", short)))
+        threads[2].start()
+        for t in threads:
+            t.join(timeout=60)
+        assert set(done) == {"holder", "batch", "chat"}, done
+        assert done["holder"] < done["chat"] < done["batch"], done
+
+
+def test_without_priority_scheduling_the_body_goes_as_it_came() -> None:
+    keys, _ = parse_keys(PRIORITY_KEYS, ["a"])
+    plain = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                                             keys=tuple(keys))))
+    assert "proxy_set_body" not in plain and "router_send_body" not in plain
+    prio = "\n".join(http_lines(RouterFront(
+        "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1, ensure_timeout_s=9,
+                                       priority_scheduling=True),), keys=tuple(keys))))
+    # the serve's location, its direct one and the loading feedback's include
+    assert prio.count("proxy_set_body $router_send_body;") == 3
+    assert '        "" $request_body;' in prio
+
+
+def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None:  # noqa: F811
+    """Issue 42 item 6: gpud's queue for the serve (GET /v1/serves: by requester, in the fair
+    order, and the wait to expect) in the loading comments of a stream that waits in it."""
+    fed.gpud.delay_s = 2.5
+    fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
+        {"requester": "batch", "waiting": 3, "position": 1},
+        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2}]}]
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    assert ": queued: position 2, 4 waiting for a, expected wait 12 s (measured bring-ups)" \
+        in events, lines
+    assert events[-1] == "data: [DONE]", lines
+    # another requester's place is not this one's: nothing said
+    fed.gpud.serves[0]["queue"] = [{"requester": "batch", "waiting": 3, "position": 1}]
+    _s, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
+    assert not any("queued" in line for line in lines), lines
