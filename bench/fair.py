@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.front import NGINX, free_port, tree_cpu
 from gpud.core.front import FrontConfig, render
 from gpud.core.router import METER, RoutedServe, RouterFront, http_lines, main_lines, parse_keys
-from gpud.router import script_text
+from gpud.nginx.router import script_text
 
 REPO = Path(__file__).resolve().parents[1]
 NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"

@@ -6,7 +6,7 @@ it), wait for every answer, and do it again, round after round; meanwhile one mo
 `GET /v1/status` in a loop (a new connection each time, as gpuctl does) and the latency of each
 answer is the figure. Two gpuds are measured in the same run, one after the other: `inline`
 (GPUD_EXPENSIVE_INLINE=1: parsing and planning on the event loop, no per-peer limit: gpud before
-gpud.offload) and `offloaded` (as gpud runs: worker threads, at most 2 expensive requests per
+gpud.life.offload) and `offloaded` (as gpud runs: worker threads, at most 2 expensive requests per
 uid, the rest answered 429 at once). All clients are one uid, like the one reader of the report.
 """
 

@@ -2,7 +2,7 @@
 and the cost of one observation cycle.
 
 The 128 processes are `sleep`s started here, registered in the simulated backend's procs dir
-(`gpud.simulation.register_process`), 16 per device, so every cycle reads 128 registrations,
+(`gpud.host.simulation.register_process`), 16 per device, so every cycle reads 128 registrations,
 checks each PID is alive (/proc/PID/stat) and attributes it (/proc/PID/cgroup). They are not in
 a serve unit's cgroup, so they stay unattributed: the reads are the same. One role per device.
 
@@ -35,7 +35,7 @@ from bench.common import (
     temp_dir,
     verdict,
 )
-from gpud.simulation import register_process, unregister_process
+from gpud.host.simulation import register_process, unregister_process
 
 DEVICES = 8
 PROCS_PER_DEVICE = 16

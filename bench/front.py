@@ -6,7 +6,7 @@ at 1 and 64 concurrent clients, and its own memory and CPU at idle.
 Two stand-ins of the same code: one on a TCP port (direct, as clients reached a serve before
 the front), one on a Unix socket behind nginx with the config gpud generates
 (gpud.core.front.render) and as many workers as gpud gives the front on this host
-(gpud.front.front_workers: the cores it may run on, at most 4; --workers to compare). Each
+(gpud.nginx.front.front_workers: the cores it may run on, at most 4; --workers to compare). Each
 round runs both sides in a shuffled order; reported are medians over rounds of each round's p50
 (latency: a non-streamed POST /v1/completions on a keep-alive connection per client) and of
 each round's throughput (streamed completions of 200 tokens sent without pause, tokens per
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
-from gpud.front import front_workers
+from gpud.nginx.front import front_workers
 
 REPO = Path(__file__).resolve().parents[1]
 NGINX = REPO / ".venv" / "bin" / "nginx"

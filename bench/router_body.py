@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 from gpud.core.front import FrontConfig, render
 from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
-from gpud.front import front_workers
-from gpud.router import script_text
+from gpud.nginx.front import front_workers
+from gpud.nginx.router import script_text
 out, port, sock, njs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("m", ("m",), socket=sock),),
                      njs_module=njs, script=str(out / "router.js"),

@@ -44,7 +44,7 @@ from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, extra_args
 from gpud.core.vllm_versions import behaviour as vllm_behaviour
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
 from gpud.errors import ConfigError
-from gpud.vllm_flags import check_serve_args, load_table
+from gpud.vllm.vllm_flags import check_serve_args, load_table
 
 _ABBREVIATED_SHA = re.compile(r"[0-9a-f]{7,39}")
 # Where a vLLM bound to this host answers on 127.0.0.1 (gpud's health checks): loopback itself,
@@ -497,7 +497,7 @@ def _placeholder_problem(arg: str) -> str | None:
 def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
     """Parse and validate config text. Raises ConfigError naming every problem. With
     `checkpoints`, each vllm serve's reservation is checked against its checkpoint on disk
-    (gpud.model_size; off for a config gpud already ran with, read back to recover from: a
+    (gpud.vllm.model_size; off for a config gpud already ran with, read back to recover from: a
     checkpoint changed since must not make it unreadable)."""
     try:
         data = bounded.parse_toml(text)
@@ -514,7 +514,7 @@ def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
         raise ConfigError(source, problems) from exc
     problems = _semantic_problems(cfg)
     if not problems and checkpoints:
-        from gpud.model_size import checkpoint_problems
+        from gpud.vllm.model_size import checkpoint_problems
 
         problems = checkpoint_problems(cfg)
     if problems:

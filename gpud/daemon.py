@@ -40,17 +40,17 @@ from gpud.config import (
 from gpud.core import answers
 from gpud.core.observation import normalize_bus_id
 from gpud.errors import ConfigError, Conflict, GpudError
-from gpud.offload import INLINE_ENV, Offload
-from gpud.service import LedgerService, resolve_budgets
+from gpud.life.offload import INLINE_ENV, Offload
+from gpud.life.service import LedgerService, resolve_budgets
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from gpud.api import Api
-    from gpud.calibration import Calibrator
-    from gpud.front import Front
-    from gpud.observer import Observer
-    from gpud.supervisor import Supervisor
+    from gpud.host.observer import Observer
+    from gpud.life.calibration import Calibrator
+    from gpud.life.supervisor import Supervisor
+    from gpud.nginx.front import Front
+    from gpud.server.api import Api
 
 log = logging.getLogger("gpud")
 
@@ -174,7 +174,7 @@ class Daemon:
         self.ready = asyncio.Event()
         self.svc: LedgerService | None = None
         self.api: Api | None = None
-        # Parsing and planning configs off the event loop (gpud.offload); GPUD_EXPENSIVE_INLINE=1
+        # Parsing and planning configs off the event loop (gpud.life.offload); GPUD_EXPENSIVE_INLINE=1
         # keeps them on it, as before, for the benchmark that compares the two.
         self.offload = Offload(inline=os.environ.get(INLINE_ENV) == "1")
         self.front: Front | None = None
@@ -183,16 +183,16 @@ class Daemon:
     async def run(self) -> None:
         # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
         # costs about 130 ms, its client and TLS set-up included).
-        from gpud.alerts import Alerts
-        from gpud.api import Api
-        from gpud.calibration import Calibrator
-        from gpud.front import Front
-        from gpud.metrics import render
-        from gpud.ondemand import OnDemand
-        from gpud.rebalance import Rebalancer, Recovery
-        from gpud.router import KeyShares, RouterLog
-        from gpud.store import Store
-        from gpud.traffic import Traffic
+        from gpud.durable.store import Store
+        from gpud.life.alerts import Alerts
+        from gpud.life.calibration import Calibrator
+        from gpud.life.rebalance import Rebalancer, Recovery
+        from gpud.life.traffic import Traffic
+        from gpud.nginx.front import Front
+        from gpud.nginx.router import KeyShares, RouterLog
+        from gpud.server.api import Api
+        from gpud.server.metrics import render
+        from gpud.server.ondemand import OnDemand
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,7 +228,7 @@ class Daemon:
             supervisor = await self._supervisor(stack, svc, observer, calibrator)
             stack.push_async_callback(calibrator.close)
             # What is in flight on each serve: idle times count from the last request's end,
-            # preemptions drain first (gpud.traffic).
+            # preemptions drain first (gpud.life.traffic).
             traffic = Traffic(svc, supervisor.serve_http)
             supervisor.sleeps.traffic = traffic
             on_demand = OnDemand(svc, supervisor, traffic=traffic,
@@ -288,7 +288,7 @@ class Daemon:
             log.info("gpud stopping; serves keep running")
 
     async def _observer(self, stack: AsyncExitStack) -> Observer:
-        from gpud.observer import make_observer
+        from gpud.host.observer import make_observer
 
         observer = make_observer(self.config)
         await stack.enter_async_context(observer)
@@ -303,7 +303,7 @@ class Daemon:
 
     async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
                           observer: Observer, calibrator: Calibrator) -> Supervisor:
-        from gpud.supervisor import make_supervisor
+        from gpud.life.supervisor import make_supervisor
 
         supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify,
                                      calibrated=calibrator)
@@ -323,9 +323,9 @@ class Daemon:
 
     def _front_cap(self, uid: int) -> int | None:
         """The front's uid may hold every ensure gpud lets wait and a reserve for reads
-        (gpud.connguard.FRONT_READ_RESERVE); other uids the default cap (None)."""
-        from gpud.api import _uid_of
-        from gpud.connguard import FRONT_READ_RESERVE
+        (gpud.server.connguard.FRONT_READ_RESERVE); other uids the default cap (None)."""
+        from gpud.server.api import _uid_of
+        from gpud.server.connguard import FRONT_READ_RESERVE
 
         d = self.config.daemon
         if uid != _uid_of(d.front_user):
@@ -335,7 +335,7 @@ class Daemon:
     async def _listen(self, stack: AsyncExitStack, app: web.Application) -> None:
         from aiohttp import web
 
-        from gpud.connguard import GuardedSockSite, GuardedTCPSite, Limiter
+        from gpud.server.connguard import GuardedSockSite, GuardedTCPSite, Limiter
 
         # Idle keep-alive connections are closed after 15 s (aiohttp's default is an hour).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=15)
@@ -461,7 +461,7 @@ def _unknown_users(cfg: Config) -> list[str]:
     """The serves' own `user`s that this host does not have (systemd would fail their starts
     with 217/USER). The default identity, daemon.serve_user, is a warning (_warnings): a config
     may be checked before the package made it."""
-    from gpud.unit_properties import host_identity
+    from gpud.host.unit_properties import host_identity
 
     found = []
     for name, serve in sorted(cfg.serves.items()):
@@ -477,7 +477,7 @@ def _unknown_users(cfg: Config) -> list[str]:
 def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str]:
     """What --check-config warns about: images not pinned, container serves on a host whose
     CDI specs offer no GPU."""
-    from gpud import cdi
+    from gpud.host import cdi
 
     found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
     if cfg.daemon.serve_user not in ("root", "0") and any(
@@ -536,23 +536,23 @@ def _router_warnings(cfg: Config) -> list[str]:
 
 
 def _dark(cfg: Config) -> list[str]:
-    """What would leave the router or a front dark (gpud.front.check_front: the njs module
+    """What would leave the router or a front dark (gpud.nginx.front.check_front: the njs module
     missing, the keys file refused, a model name the router cannot carry, an address another
     process holds; the front's own, in its nginx.conf, are its): --check-config refuses them,
     as a reload, a plan and an apply do."""
-    from gpud.front import check_front, running_listens
+    from gpud.nginx.front import check_front, running_listens
 
     return [d.message for d in check_front(cfg, running_listens(cfg.daemon)).dark]
 
 
 def _commands(cfg: Config) -> list[str]:
     """--show-commands: the device totals come from the simulation table, else NVML."""
-    from gpud import cdi
     from gpud.core.launch import show_commands
     from gpud.core.observation import DeviceSample
+    from gpud.host import cdi
 
     if cfg.simulation is not None:
-        from gpud.simulation import SimulatedBackend, SimulatedDevice
+        from gpud.host.simulation import SimulatedBackend, SimulatedDevice
 
         sim = SimulatedBackend([SimulatedDevice(d.uuid, d.total_mib, d.index, d.pci_bus_id, d.name)
                                 for d in cfg.simulation.devices], Path(cfg.simulation.state_file))
@@ -561,7 +561,7 @@ def _commands(cfg: Config) -> list[str]:
                         for i, d in enumerate(sim.devices))
         return show_commands(cfg, devices, "the simulation table (no real GPU)",
                              sim.environment_for, cdi.gpu_names()[0])
-    from gpud.nvml import NvmlBackend
+    from gpud.host.nvml import NvmlBackend
 
     backend = NvmlBackend()
     try:
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check_config is not None:
         return check_config(args.check_config, show_commands=args.show_commands)
-    from gpud.journal import setup_logging
+    from gpud.durable.journal import setup_logging
 
     setup_logging(getattr(logging, args.log_level.upper()), target=args.log_target)
     raise_nofile_limit()

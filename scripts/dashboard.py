@@ -5,7 +5,7 @@
     python3 scripts/dashboard.py --check    # exit 1 when the dashboard is out of date
 
 The "Serve states" panel turns gpud_serve_state (1 for the current state) into the index of the
-state in gpud.service.STATES, and its value mappings name each index: both are written from
+state in gpud.life.service.STATES, and its value mappings name each index: both are written from
 STATES here, so a new state cannot leave the panel showing a bare number. The "Events per
 minute" panel's kinds are gpud.core.vocab.WATCHED_KINDS.
 """

@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# gpud.nvml imports pynvml only when sampling: importing it here works without a GPU
+# gpud.host.nvml imports pynvml only when sampling: importing it here works without a GPU
 from gpud.core.observation import DeviceSample, find_device  # noqa: E402
-from gpud.nvml import NvmlBackend  # noqa: E402
+from gpud.host.nvml import NvmlBackend  # noqa: E402
 
 MIB = 1 << 20
 READY_TIMEOUT_S = 180.0
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="the allocation (default 1024)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)  # gpud.nvml's retry notice: the answer says it
+    logging.basicConfig(level=logging.ERROR)  # gpud.host.nvml's retry notice: the answer says it
     if importlib.util.find_spec("pynvml") is None:
         return no_gpu("nvidia-ml-py (pynvml) is not installed")
     backend = NvmlBackend()

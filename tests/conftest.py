@@ -22,8 +22,8 @@ from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from gpud.config import parse_config
-from gpud.service import LedgerService
-from gpud.store import Store
+from gpud.durable.store import Store
+from gpud.life.service import LedgerService
 
 # Skips CI accepts, each with why; any other skip in CI (CI=true) fails the run, so nothing
 # passes there by not running.

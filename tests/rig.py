@@ -1,6 +1,6 @@
 """A supervisor and ledger service without a daemon or systemd, for direct tests of their
 decisions: a real ledger service on a real SQLite store, a real observer over the simulated
-backend, and a fake of the unit manager's interface (what gpud.units.SystemdUnits offers),
+backend, and a fake of the unit manager's interface (what gpud.host.units.SystemdUnits offers),
 since these tests are of the orchestration, not of systemd (tests/integration has that). Unit
 signals are handed in the way the unit manager hands them; every wait is on an event the
 service records."""
@@ -18,12 +18,12 @@ from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import DECLARED
-from gpud.observer import Observer
-from gpud.service import LedgerService
-from gpud.simulation import SimulatedBackend, SimulatedDevice
-from gpud.store import Event, EventQuery, Store
-from gpud.supervisor import Supervisor
-from gpud.unit_properties import UnitSpec
+from gpud.durable.store import Event, EventQuery, Store
+from gpud.host.observer import Observer
+from gpud.host.simulation import SimulatedBackend, SimulatedDevice
+from gpud.host.unit_properties import UnitSpec
+from gpud.life.service import LedgerService
+from gpud.life.supervisor import Supervisor
 
 WAIT_S = 10.0
 
@@ -122,7 +122,7 @@ class FakeUnits:
 
 class ScriptedProbe:
     """Health answers from the test (a serve without an answer is healthy): the health
-    endpoint's HTTP (gpud.supervisor.health.HttpProbe) is tested on its own, against a real
+    endpoint's HTTP (gpud.life.supervisor.health.HttpProbe) is tested on its own, against a real
     socket."""
 
     def __init__(self) -> None:
@@ -208,7 +208,7 @@ class Rig:
 
 
 class Figures:
-    """Calibration's figures as the test sets them (gpud.supervisor.Calibrated)."""
+    """Calibration's figures as the test sets them (gpud.life.supervisor.Calibrated)."""
 
     def __init__(self) -> None:
         self.sizing: dict[str, str] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import gpud.api
+import gpud.server.api
 from tests.conftest import T015, GpudProcess, call, start_gpud
 
 
@@ -371,7 +371,7 @@ def test_the_front_user_not_found_is_looked_up_again(monkeypatch: pytest.MonkeyP
             raise KeyError(name)
         return pwd.struct_passwd(("later", "x", 4242, 4242, "", "/", "/usr/sbin/nologin"))
 
-    monkeypatch.setattr(gpud.api.pwd, "getpwnam", getpwnam)
-    assert gpud.api._uid_of("gpud-front-made-later") is None
-    assert gpud.api._uid_of("gpud-front-made-later") == 4242
-    assert gpud.api._uid_of("gpud-front-made-later") == 4242 and len(calls) == 2
+    monkeypatch.setattr(gpud.server.api.pwd, "getpwnam", getpwnam)
+    assert gpud.server.api._uid_of("gpud-front-made-later") is None
+    assert gpud.server.api._uid_of("gpud-front-made-later") == 4242
+    assert gpud.server.api._uid_of("gpud-front-made-later") == 4242 and len(calls) == 2

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from gpud.api import Api
 from gpud.config import parse_config
 from gpud.core.bodies import AdmitBody
-from gpud.openapi import body_schema, document
-from gpud.service import LedgerService
-from gpud.store import Store
+from gpud.durable.store import Store
+from gpud.life.service import LedgerService
+from gpud.server.api import Api
+from gpud.server.openapi import body_schema, document
 from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.schema import answer_errors, schema_errors
 

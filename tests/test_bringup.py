@@ -16,8 +16,8 @@ from gpud.core.bringup import Policy, Tries, Why
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import FAILED, RUNNING, ServeState
 from gpud.errors import Denied, Unavailable
-from gpud.ondemand import OnDemand
-from gpud.service import COALESCE_REFUSALS, ServeRecord
+from gpud.life.service import COALESCE_REFUSALS, ServeRecord
+from gpud.server.ondemand import OnDemand
 
 # ---- the policy -----------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ def test_unavailable_details_name_the_hold() -> None:
 async def test_the_refusals_journal_lines_are_one_per_window_with_the_count(
         caplog: pytest.LogCaptureFixture) -> None:
     od, _sup, _svc, clock = on_demand()
-    with caplog.at_level("WARNING", "gpud.ondemand"):
+    with caplog.at_level("WARNING", "gpud.server.ondemand"):
         for _ in range(300):
             await od.ensure("od")
             clock.t += 0.1

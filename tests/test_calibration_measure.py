@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gpud.calibration import Calibrator
 from gpud.config import parse_config
 from gpud.core.vocab import RUNNING, STOPPING
-from gpud.service import LedgerService
-from gpud.store import EventQuery, Store
+from gpud.durable.store import EventQuery, Store
+from gpud.life.calibration import Calibrator
+from gpud.life.service import LedgerService
 
 CONFIG = """
 [daemon]

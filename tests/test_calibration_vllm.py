@@ -6,13 +6,13 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from gpud.calibration import Calibrator
 from gpud.config import parse_config
 from gpud.core.launch import fingerprint
 from gpud.core.sizing import MIB
 from gpud.ctl.format import format_serve
-from gpud.service import LedgerService
-from gpud.store import MIGRATIONS, Calibration, Changes, Store
+from gpud.durable.store import MIGRATIONS, Calibration, Changes, Store
+from gpud.life.calibration import Calibrator
+from gpud.life.service import LedgerService
 
 CONFIG = """
 [daemon]

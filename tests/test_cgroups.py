@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cgroups import (
+from gpud.host.cgroups import (
     CachedAttribution,
     serve_of_cgroup_file,
     serve_of_cgroup_path,

@@ -1,4 +1,4 @@
-"""Reading checkpoints without loading a tensor (gpud.checkpoint): hand-built safetensors files,
+"""Reading checkpoints without loading a tensor (gpud.vllm.checkpoint): hand-built safetensors files,
 good and bad; the Hugging Face cache layout."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.checkpoint import (
+from gpud.vllm.checkpoint import (
     MAX_HEADER_BYTES,
     CheckpointError,
     MissingFile,

@@ -11,15 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Left, each with why. The API's answers (gpud/core/answers.py) are the JSON form of the core
 # value of the same name, and their class names are the served OpenAPI document's component
-# names (gpud.openapi): renaming them changes the document clients read. Supervisor: the API's
+# names (gpud.server.openapi): renaming them changes the document clients read. Supervisor: the API's
 # protocol of the supervisor, in api.py and ondemand.py, which other branches change now.
 KNOWN: dict[str, set[str]] = {
-    "Calibration": {"gpud/core/answers.py", "gpud/store.py"},
-    "Event": {"gpud/core/answers.py", "gpud/store.py"},
+    "Calibration": {"gpud/core/answers.py", "gpud/durable/store.py"},
+    "Event": {"gpud/core/answers.py", "gpud/durable/store.py"},
     "Ledger": {"gpud/core/answers.py", "gpud/core/ledger.py"},
     "Observation": {"gpud/core/answers.py", "gpud/core/observation.py"},
     "Reservation": {"gpud/core/answers.py", "gpud/core/ledger.py"},
-    "Supervisor": {"gpud/api.py", "gpud/supervisor/__init__.py"},
+    "Supervisor": {"gpud/server/api.py", "gpud/life/supervisor/__init__.py"},
 }
 
 

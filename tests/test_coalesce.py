@@ -12,9 +12,9 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.core.coalesce import Coalescer, Verdict
+from gpud.durable.store import EventQuery, Store
 from gpud.errors import Denied
-from gpud.service import COALESCE_REFUSALS, LedgerService
-from gpud.store import EventQuery, Store
+from gpud.life.service import COALESCE_REFUSALS, LedgerService
 from tests.conftest import loaded_service
 
 # ---- the rule -------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ async def deny_many(svc: LedgerService, serve: str, n: int, *, front: bool) -> N
         await svc.admit("fill", 5000)  # what leaves no room for the others
     async def one() -> None:
         if front:
-            COALESCE_REFUSALS.set(True)  # as gpud.ondemand's bring-up task does
+            COALESCE_REFUSALS.set(True)  # as gpud.server.ondemand's bring-up task does
         with pytest.raises(Denied):
             await svc.admit(serve, svc.config.serves[serve].vram_mib)
     for _ in range(n):

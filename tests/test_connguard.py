@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.connguard import Limiter
+from gpud.server.connguard import Limiter
 from tests.conftest import T015, start_gpud
 
 

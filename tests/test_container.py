@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from gpud import cdi
-from gpud.cgroups import container_of_cgroup_file, serve_of_cgroup_file
 from gpud.config import ServeConfig, config_warnings, parse_config
 from gpud.core.launch import cdi_device_name, fingerprint, serve_argv, show_commands
 from gpud.core.observation import DeviceSample, ProcessDraw
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
-from gpud.simulation import SimulatedBackend, SimulatedDevice, register_process
-from gpud.unit_properties import UnitSpec, build_properties
+from gpud.host import cdi
+from gpud.host.cgroups import container_of_cgroup_file, serve_of_cgroup_file
+from gpud.host.simulation import SimulatedBackend, SimulatedDevice, register_process
+from gpud.host.unit_properties import UnitSpec, build_properties
 
 DIGEST = "docker.io/vllm/vllm-openai@sha256:" + "0123456789abcdef" * 4
 LIBPOD_ID = "3f2a1b4c5d6e" + "0" * 52

@@ -113,7 +113,7 @@ def plant(root: Path, files: dict[str, str]) -> None:
 
 def test_the_check_catches_what_a_module_does_itself(tmp_path: Path) -> None:
     plant(tmp_path, {"gpud/core/bad.py": (
-        "import os\nfrom gpud.store import Store\n\ndef f():\n    import time\n"
+        "import os\nfrom gpud.durable.store import Store\n\ndef f():\n    import time\n"
         "    importlib = __import__('importlib')\n    return open('/etc/passwd').read()\n"
         "from importlib import resources\n")})
     assert problems("gpud.core.bad", tmp_path) == [
@@ -122,7 +122,7 @@ def test_the_check_catches_what_a_module_does_itself(tmp_path: Path) -> None:
         "gpud.core.bad: bad.py:6: calls __import__()",
         "gpud.core.bad: bad.py:7: calls open()",
         "gpud.core.bad: bad.py:8: imports importlib",
-        "gpud.core.bad: bad.py:2: imports gpud.store, outside the core",
+        "gpud.core.bad: bad.py:2: imports gpud.durable.store, outside the core",
     ]
 
 

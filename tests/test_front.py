@@ -35,7 +35,7 @@ from gpud.core.observation import DeviceSample
 from gpud.core.vocab import ServeState
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
-from gpud.front import Front, description, front_config, nginx_argv, unit_properties
+from gpud.nginx.front import Front, description, front_config, nginx_argv, unit_properties
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -574,7 +574,7 @@ def test_awake_files_follow_the_states(tmp_path: Path) -> None:
 
 def test_the_front_units_description_names_its_properties() -> None:
     # A front found running with another description was started with other properties (an
-    # earlier gpud's): gpud starts it again (gpud.front.Front.sync).
+    # earlier gpud's): gpud starts it again (gpud.nginx.front.Front.sync).
     d = parse_config(TOML, "t.toml").daemon
     props = dict(unit_properties(d))
     assert props["Description"].value == description(d)

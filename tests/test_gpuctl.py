@@ -60,7 +60,7 @@ from gpud.ctl.format import (
     local_time,
 )
 from gpud.ctl.main import main
-from gpud.openapi import document
+from gpud.server.openapi import document
 from tests.schema import answer_errors, schema_errors
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,12 +216,12 @@ def test_every_field_gpuctl_reads_is_one_gpud_answers_with() -> None:
     """A formatter that reads a field no answer has prints '-' forever: caught here."""
     from dataclasses import fields
 
-    from gpud.vllm_log import VllmMemory
+    from gpud.vllm.vllm_log import VllmMemory
 
     answered = {k for schema in DOC["components"]["schemas"].values()
                 for k in schema.get("properties", {})}
     # free-form objects of the answers: an error's details (a denial's figures, a config's
-    # problems) and vLLM's own account of a calibrated serve (gpud.calibration.vllm_figures)
+    # problems) and vLLM's own account of a calibrated serve (gpud.life.calibration.vllm_figures)
     details = {"bound", "need_mib", "free_mib", "shortfall_mib", "problems", "role", "serve"}
     vllm = {f.name for f in fields(VllmMemory)} | {"recommended_kv_cache_mib", "context_mib",
                                                    "budget_mib", "kv_cache_fit_mib",
@@ -1076,8 +1076,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 
 HEAVY = {"http.client", "email", "ssl", "urllib", "urllib.parse", "typing", "dataclasses",
          "inspect", "asyncio", "pydantic", "aiohttp", "dbus_fast", "pynvml", "sqlite3",
-         "gpud.config", "gpud.errors", "gpud.api", "logging", "subprocess", "tomllib",
-         "gpud.core.answers", "typing_extensions", "gpud.openapi"}
+         "gpud.config", "gpud.errors", "gpud.server.api", "logging", "subprocess", "tomllib",
+         "gpud.core.answers", "typing_extensions", "gpud.server.openapi"}
 
 
 def test_gpuctl_imports_nothing_heavy(sock_dir: Path) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
+from gpud.durable.store import Changes, Event, Store
 from gpud.errors import Denied, StoreError
-from gpud.service import LedgerService
-from gpud.store import Changes, Event, Store
+from gpud.life.service import LedgerService
 from tests.waiting import until
 
 CONFIG = """

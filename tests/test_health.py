@@ -1,4 +1,4 @@
-"""What a health answer means (gpud.core.health), and who holds a port (gpud.ports)."""
+"""What a health answer means (gpud.core.health), and who holds a port (gpud.host.ports)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpud import ports
 from gpud.core.health import Answer, HealthVerdict, Probe, healthy_at_start, judge_running
+from gpud.host import ports
 
 OK = Answer(Probe.OK, "200")
 REFUSED = Answer(Probe.REFUSED, "cannot connect (Connection refused)")

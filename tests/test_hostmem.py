@@ -1,10 +1,10 @@
-"""MemAvailable as gpud reads it (gpud/hostmem.py)."""
+"""MemAvailable as gpud reads it (gpud/host/hostmem.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gpud.hostmem import host_memory, mem_available_mib
+from gpud.host.hostmem import host_memory, mem_available_mib
 
 
 def test_mem_available_from_meminfo(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from gpud.core.router import (
     main_lines,
     router_request,
 )
-from gpud.router import script_text
+from gpud.nginx.router import script_text
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from gpud.calibration import recommend
 from gpud.config import DaemonConfig, ServeConfig, parse_config
 from gpud.core.argv64 import decode, encode
 from gpud.core.launch import (
@@ -33,7 +32,8 @@ from gpud.core.launch import (
 )
 from gpud.core.observation import DeviceSample
 from gpud.errors import Refused, Unavailable
-from gpud.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
+from gpud.life.calibration import recommend
+from gpud.vllm.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
 from tests.conftest import REPO
 
 

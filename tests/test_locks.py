@@ -1,4 +1,4 @@
-"""The lock order as code (gpud.locks): coordination, then a serve's, then the devices'."""
+"""The lock order as code (gpud.life.locks): coordination, then a serve's, then the devices'."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gpud.locks import LockOrderError, Locks, Rank
+from gpud.life.locks import LockOrderError, Locks, Rank
 
 
 async def test_the_order_is_enforced() -> None:

@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpud.config import parse_config
 from gpud.core.queue import Histogram
 from gpud.core.vocab import EVENT_KINDS, EventKind, StepKind
-from gpud.metrics import render
-from gpud.observer import Observer
-from gpud.ondemand import OnDemand
-from gpud.router import RouterLog
-from gpud.service import LedgerService
-from gpud.simulation import SimulatedBackend, SimulatedDevice
-from gpud.store import Store
+from gpud.durable.store import Store
+from gpud.host.observer import Observer
+from gpud.host.simulation import SimulatedBackend, SimulatedDevice
+from gpud.life.service import LedgerService
+from gpud.nginx.router import RouterLog
+from gpud.server.metrics import render
+from gpud.server.ondemand import OnDemand
 from tests.conftest import GpudProcess, start_gpud
 
 
@@ -226,7 +226,7 @@ async def test_exact_figures_past_six_digits(tmp_path: Path) -> None:
 
 def test_idle_sleeps_and_stops_are_counted_by_serve(tmp_path: Path) -> None:
     """A series for each on-demand serve with an idle time, at 0 from the first scrape, and the
-    counts gpud.ondemand keeps; promtool accepts them."""
+    counts gpud.server.ondemand keeps; promtool accepts them."""
     serve = ('[serves.{name}]\nrole = "r"\nvram_mib = 100\nport = {port}\non_demand = true\n'
              'front = true\ncommand = ["/bin/true", "--uds", "{{socket}}"]\n')
     text = ('[roles.r]\ndevice = "0"\ncapacity_mib = 1000\nreserve_mib = 0\n'
@@ -373,7 +373,7 @@ def test_the_routers_requests_and_own_latency_are_measured_by_model(
         router_log.read()
         exposed = render(svc, None, router_log=router_log)
         # past the bound: emptied once read, then read from the start
-        monkeypatch.setattr("gpud.router.LOG_MAX_BYTES", 1)
+        monkeypatch.setattr("gpud.nginx.router.LOG_MAX_BYTES", 1)
         with log.open("a") as f:
             f.write(_line("a", 200)[20:] + "\n")
         router_log.read()

@@ -1,5 +1,5 @@
 """A vllm serve's reservation checked against its checkpoint on disk at config load
-(gpud.model_size through gpud.config.parse_config), and `gpuctl size` on the same checkpoints."""
+(gpud.vllm.model_size through gpud.config.parse_config), and `gpuctl size` on the same checkpoints."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def test_gpuctl_size_says_why_it_cannot(tmp_path: Path) -> None:
 
 def test_the_plan_shows_each_serves_minimum_and_headroom(big: Path, tmp_path: Path) -> None:
     from gpud.ctl.format import format_plan
-    from gpud.planning import plan_sizes
+    from gpud.life.planning import plan_sizes
 
     minimum = WEIGHTS_MIB + KV_8192_MIB + 512
     text = config(str(big), minimum + 100) + f"""

@@ -31,12 +31,12 @@ PLANTED = [
 
 @pytest.mark.parametrize("line", PLANTED)
 def test_a_planted_naming_is_found(tmp_path: Path, line: str) -> None:
-    for where in ("gpud/sneaky.py", "gpud/supervisor/sneaky.py"):
+    for where in ("gpud/sneaky.py", "gpud/life/supervisor/sneaky.py"):
         path = tmp_path / where
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"async def f(svc, serve, ev, res, why, undo):\n    {line}\n")
     found = state_namings(tmp_path)
-    assert {s.path for s in found} == {"gpud/sneaky.py", "gpud/supervisor/sneaky.py"}
+    assert {s.path for s in found} == {"gpud/sneaky.py", "gpud/life/supervisor/sneaky.py"}
     assert all(s.where == "f" and s.line == 2 for s in found)
 
 
@@ -58,9 +58,10 @@ def test_the_core_and_the_one_writer_may_name_states(tmp_path: Path) -> None:
     (tmp_path / "gpud" / "core").mkdir(parents=True)
     (tmp_path / "gpud" / "core" / "rule.py").write_text(
         "def f(svc):\n    svc.state_row('a', RUNNING)\n")
-    (tmp_path / "gpud" / "service.py").write_text(
+    (tmp_path / "gpud" / "life").mkdir()
+    (tmp_path / "gpud" / "life" / "service.py").write_text(
         "class LedgerService:\n    def _store_state(self, serve, state):\n"
         "        self.state_row(serve, state)\n"
         "    def elsewhere(self, serve, state):\n        self.state_row(serve, state)\n")
     [found] = state_namings(tmp_path)
-    assert (found.path, found.where) == ("gpud/service.py", "LedgerService.elsewhere")
+    assert (found.path, found.where) == ("gpud/life/service.py", "LedgerService.elsewhere")

@@ -11,7 +11,7 @@ import pynvml
 import pytest
 
 from gpud.core.observation import ObservationBackend, ProcessDraw
-from gpud.nvml import VALUE_NOT_AVAILABLE, NvmlBackend
+from gpud.host.nvml import VALUE_NOT_AVAILABLE, NvmlBackend
 
 MIB = 2**20
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpud.core.ledger import serve_draws
 from gpud.core.observation import DeviceSample, find_device
-from gpud.nvml import NvmlBackend
+from gpud.host.nvml import NvmlBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -182,7 +182,7 @@ def test_a_torch_process_in_a_serve_cgroup_is_attributed(
         gpu: tuple[NvmlBackend, DeviceSample]) -> None:
     """gpud attributes by /proc/PID/cgroup: a real allocating process placed in a real cgroup
     named like a serve's unit is that serve's draw, and only its draw leaves non-ledger draw."""
-    from gpud.cgroups import CachedAttribution
+    from gpud.host.cgroups import CachedAttribution
 
     backend, first = gpu
     root = _cgroup2_root()
@@ -251,14 +251,14 @@ def test_a_real_vllm_serve_behaves_as_gpud_expects(
     """Where vLLM and a local model are present (GPUD_TEST_VLLM_MODEL=/path/to/model): the argv
     and environment gpud builds start a real `vllm serve`; it refuses connections while loading,
     answers /health 200 once loaded, its memory sits in a VLLM::EngineCore child, its draw is
-    util x total plus a context, and its memory lines read back through gpud.vllm_log. (Run
+    util x total plus a context, and its memory lines read back through gpud.vllm.vllm_log. (Run
     directly, not in a systemd unit: the unit path is what the sandbox tests cover.)"""
     import socket
     import urllib.request
 
     from gpud.config import ServeConfig
     from gpud.core.launch import serve_argv, serve_environment
-    from gpud.vllm_log import parse_memory_lines
+    from gpud.vllm.vllm_log import parse_memory_lines
 
     backend, first = gpu
     model = real_vllm_model()

@@ -6,7 +6,7 @@ import asyncio
 
 from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.observation import DeviceSample, Observation, ProcessDraw
-from gpud.observer import Crossings, Observer
+from gpud.host.observer import Crossings, Observer
 
 
 class FakeBackend:

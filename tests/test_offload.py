@@ -1,5 +1,5 @@
 """Expensive requests (parsing and planning configs) run off the event loop, and a peer may have
-at most gpud.offload.PER_PEER of them under way: one more is answered 429 at once."""
+at most gpud.life.offload.PER_PEER of them under way: one more is answered 429 at once."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from bench.fig_flood import flood_config
 from gpud.errors import TooManyRequests
-from gpud.offload import PER_PEER, Offload
+from gpud.life.offload import PER_PEER, Offload
 from tests.conftest import GpudProcess, UnixHTTPConnection, call, start_gpud
 
 # About 0.9 MiB of JSON: the better part of a second to parse and plan
@@ -113,20 +113,23 @@ def test_a_plans_refusal_comes_back_from_the_worker_whole(gpud: GpudProcess) -> 
 
 
 def test_the_plan_worker_imports_no_daemon_part() -> None:
-    # The worker process imports gpud.planning alone: the config, the pure core, nothing that
+    # The worker process imports gpud.life.planning alone: the config, the pure core, nothing that
     # opens the store, talks to systemd or runs the service.
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, gpud.planning; "
+        [sys.executable, "-c", "import sys, gpud.life.planning; "
          "print(' '.join(sorted(m for m in sys.modules if m.startswith('gpud'))))"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
     loaded = set(out.stdout.split())
-    assert "gpud.planning" in loaded
-    daemon_parts = {"gpud.service", "gpud.store", "gpud.supervisor", "gpud.units", "gpud.api",
-                    "gpud.observer", "gpud.nvml", "gpud.sleeping"}
+    assert "gpud.life.planning" in loaded
+    daemon_parts = {"gpud.life.service", "gpud.durable.store", "gpud.life.supervisor",
+                    "gpud.host.units", "gpud.server.api", "gpud.host.observer", "gpud.host.nvml",
+                    "gpud.life.sleeping"}
     assert not loaded & daemon_parts, loaded & daemon_parts
-    assert all(m.startswith("gpud.core") or m in {"gpud", "gpud.planning", "gpud.config",
-                                                    "gpud.errors", "gpud.bounded",
-                                                    "gpud.vllm_flags"} for m in loaded), loaded
+    # the packages of the floors it is on load with it (their __init__ holds only a docstring)
+    assert all(m.startswith("gpud.core") or m in {"gpud", "gpud.life", "gpud.life.planning",
+                                                    "gpud.config", "gpud.errors", "gpud.bounded",
+                                                    "gpud.vllm", "gpud.vllm.vllm_flags"}
+               for m in loaded), loaded

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from gpud.errors import GpudError
-from gpud.offload import Offload
+from gpud.life.offload import Offload
 
 
 def die_by(signum: int) -> None:

@@ -1,6 +1,6 @@
 """A request through the front waits for a serve without polling: on a sleep or stop settling,
 and on a start or wake of someone else's, it looks again only when something it reads changed
-(gpud.pulse.Pulse, fired by a stored state, a step of a serve's life, a drain's end)."""
+(gpud.life.pulse.Pulse, fired by a stored state, a step of a serve's life, a drain's end)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, cast
 
 from gpud.core.lifecycle import Phase
 from gpud.core.vocab import FAILED, RUNNING, STARTING, ServeState
-from gpud.ondemand import OnDemand
-from gpud.pulse import Pulse
+from gpud.life.pulse import Pulse
+from gpud.server.ondemand import OnDemand
 from tests.test_bringup import Clock, FakeService
 
 QUIET_S = 0.3  # long enough for a 5 ms poll to read the state dozens of times
@@ -124,7 +124,7 @@ def test_the_bring_up_path_has_no_timer() -> None:
 def test_the_on_demand_path_has_no_polling_loop() -> None:
     """Issue 45: the on-demand path, the queue and the idle check wait on changes (the Pulse),
     bounded by a deadline the queue or the idle thresholds name; no `asyncio.sleep` of a
-    period anywhere in gpud/ondemand.py (a sleep(0) only yields). Planted: a sleep of 0.05 is
+    period anywhere in gpud/server/ondemand.py (a sleep(0) only yields). Planted: a sleep of 0.05 is
     found."""
     import ast
     from pathlib import Path
@@ -140,7 +140,7 @@ def test_the_on_demand_path_has_no_polling_loop() -> None:
                 found.append(node.lineno)
         return found
 
-    source = (Path(__file__).parents[1] / "gpud" / "ondemand.py").read_text()
+    source = (Path(__file__).parents[1] / "gpud" / "server" / "ondemand.py").read_text()
     assert periods(source) == []
     assert periods(source + "\nasync def poll():\n    await asyncio.sleep(0.05)\n") != []
     assert periods("async def poll(s):\n    await asyncio.sleep(s)\n") != []

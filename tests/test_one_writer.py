@@ -1,4 +1,4 @@
-"""A serve's recorded state has one writer: `LedgerService._store_state` (gpud/service.py),
+"""A serve's recorded state has one writer: `LedgerService._store_state` (gpud/life/service.py),
 which asks gpud.core.states whether the change is allowed and puts it into the transaction beside
 the reservation change. Checked on gpud's syntax trees: nothing else builds a state row, puts one
 into a change, writes the store's table of states, or sets a record's state in memory; and every
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPUD = ROOT / "gpud"
 
 # What may do which kind of writing (module path relative to the repository, function).
-SERVICE, STORE = "gpud/service.py", "gpud/store.py"
+SERVICE, STORE = "gpud/life/service.py", "gpud/durable/store.py"
 ALLOWED: dict[str, set[tuple[str, str]]] = {
     # a state row built: the adapter's callers get one only from state_row; the store reads back
     "row": {(SERVICE, "LedgerService.state_row"), (STORE, "Store.serve_states")},
@@ -151,7 +151,7 @@ def test_every_writer_names_its_cause() -> None:
 
 PLANTED = '''
 from dataclasses import replace
-from gpud.store import Changes, ServeStateRow
+from gpud.durable.store import Changes, ServeStateRow
 
 class Sneaky:
     def run(self, svc, store, rec, changes, now):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpud.core.text import printable
-from gpud.journal import FieldsFormatter, JournalHandler
+from gpud.durable.journal import FieldsFormatter, JournalHandler
 from tests.conftest import REPO, T015, GpudProcess, start_gpud
 
 HOSTILE = "\x1b[2J\x1b]0;owned\x07\x1b[31mred\x9b1m\u202etxt.exe\rX\x08"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpud.config import parse_config
 from gpud.core.ledger import Ledger, Reservation
 from gpud.core.plan import make_plan
-from gpud.service import resolve_budgets
+from gpud.life.service import resolve_budgets
 from tests.conftest import REPO
 
 T011 = (REPO / "etc" / "serves.toml").read_text()

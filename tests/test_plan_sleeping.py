@@ -8,7 +8,7 @@ from gpud.core.ledger import Ledger, Reservation, RoleBudget
 from gpud.core.plan import RebalancePlan, make_plan
 from gpud.core.transition import Refusal, Transition, transition, violations
 from gpud.ctl.format import format_plan
-from gpud.service import resolve_budgets
+from gpud.life.service import resolve_budgets
 
 BASE = """
 [daemon]

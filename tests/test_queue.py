@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from gpud.core.queue import (
     IDLE_AFTER_S,
     Arrival,
-    Candidate,
+    EvictionCandidate,
     Held,
     Place,
     Protected,
-    Refused,
+    QueueRefusal,
     Shares,
     Ticket,
     after_refusal,
@@ -43,7 +43,7 @@ from gpud.core.queue import (
     victims,
 )
 from gpud.core.vocab import RUNNING
-from gpud.ondemand import OnDemand
+from gpud.server.ondemand import OnDemand
 from tests.test_bringup import Clock, CrashLooping, FakeService
 
 
@@ -177,18 +177,18 @@ def test_after_refusal() -> None:
     for off in ("queue_on", "no_memory", "could_fit"):
         assert after_refusal(**{**base, off: False}) is None  # type: ignore[arg-type]
     full = after_refusal(**{**base, "queued": 2})  # type: ignore[arg-type]
-    assert isinstance(full, Refused) and full.why == "queue-full" and "2 request(s)" in \
+    assert isinstance(full, QueueRefusal) and full.why == "queue-full" and "2 request(s)" in \
         full.message
 
 
 @pytest.mark.parametrize(("o", "priority", "may"), [
-    (Candidate("o", 1, True, True), 5, False),    # more important: never
-    (Candidate("o", 5, True, False), 5, True),    # on demand, equal: yes
-    (Candidate("o", 5, False, True), 5, False),   # an operator's serve of equal priority: no
-    (Candidate("o", 6, False, True), 5, True),    # ... of lower priority that yields: yes
-    (Candidate("o", 6, False, False), 5, False),  # ... that cannot sleep nor be stopped: no
+    (EvictionCandidate("o", 1, True, True), 5, False),    # more important: never
+    (EvictionCandidate("o", 5, True, False), 5, True),    # on demand, equal: yes
+    (EvictionCandidate("o", 5, False, True), 5, False),   # an operator's serve of equal priority: no
+    (EvictionCandidate("o", 6, False, True), 5, True),    # ... of lower priority that yields: yes
+    (EvictionCandidate("o", 6, False, False), 5, False),  # ... that cannot sleep nor be stopped: no
 ])
-def test_may_evict(o: Candidate, priority: int, may: bool) -> None:
+def test_may_evict(o: EvictionCandidate, priority: int, may: bool) -> None:
     assert may_evict(priority, o) is may
 
 

@@ -16,7 +16,7 @@ import pytest
 from gpud.config import parse_config
 from gpud.core.vocab import RUNNING
 from gpud.errors import ConfigError, Conflict, Denied, GpudError, JobFailed
-from gpud.rebalance import JOURNAL, Rebalancer, Recovery, backup
+from gpud.life.rebalance import JOURNAL, Rebalancer, Recovery, backup
 from tests.rig import Rig, entered, make_rig
 
 CONFIG = """

@@ -48,8 +48,8 @@ from gpud.core.router import (
 from gpud.ctl.format import format_models
 from gpud.daemon import check_config
 from gpud.errors import ConfigError
-from gpud.front import check_front, front_config
-from gpud.router import load_keys, router_front, script_code, script_text
+from gpud.nginx.front import check_front, front_config
+from gpud.nginx.router import load_keys, router_front, script_code, script_text
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1177,7 +1177,7 @@ class _Units:
         return "active"
 
     async def unit_property(self, unit: str, prop: str) -> str:
-        from gpud.front import description
+        from gpud.nginx.front import description
 
         return description(self.cfg.daemon)
 
@@ -1192,9 +1192,9 @@ async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
     """45.3: a sync computes the router once and reads its keys file once (at e8f41a4: four
     times). H4: a keys file refused under a running config leaves the router up with the keys
     last read, and says so."""
-    import gpud.front
-    import gpud.router
-    from gpud.front import Front
+    import gpud.nginx.front
+    import gpud.nginx.router
+    from gpud.nginx.front import Front
 
     keys = tmp_path / "keys.toml"
     keys.write_text(KEYS.replace('models = ["a", "a-fast"]', 'models = ["chat"]'))
@@ -1206,14 +1206,14 @@ async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
                         f'serve_socket_dir = "{tmp_path}/serves"\n')
     cfg = parse_config(text, "t")
     ids = (os.getuid(), os.getgid())
-    monkeypatch.setattr(gpud.front, "_front_ids", lambda d: ids)
+    monkeypatch.setattr(gpud.nginx.front, "_front_ids", lambda d: ids)
     reads: list[str] = []
-    real = gpud.router.load_keys
+    real = gpud.nginx.router.load_keys
 
     def counted(path: str, known: list[str], **kw: Any) -> Any:
         reads.append(path)
         return real(path, known, **kw)
-    monkeypatch.setattr(gpud.router, "load_keys", counted)
+    monkeypatch.setattr(gpud.nginx.router, "load_keys", counted)
     units = _Units()
     units.cfg = cfg
     front = Front(units)  # type: ignore[arg-type]

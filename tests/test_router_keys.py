@@ -25,7 +25,7 @@ from gpud.core.router import (
     parse_keys,
     parse_log_line,
 )
-from gpud.router import KeyShares
+from gpud.nginx.router import KeyShares
 from tests.test_router import (  # noqa: F401 (fed: a fixture)
     RIG_TOKEN,
     TOML,
@@ -109,7 +109,7 @@ def test_the_largest_limits_are_valid_for_nginx(tmp_path: Path) -> None:
     front's config would go with it)."""
     from gpud.core.front import FrontConfig, render
     from gpud.core.router import main_lines
-    from gpud.router import script_text
+    from gpud.nginx.router import script_text
     from tests.test_router import NGINX, NJS
 
     top = KEYS.replace("max_concurrent = 1", "max_concurrent = "

@@ -25,7 +25,7 @@ import pytest
 
 from gpud.core.front import FrontConfig, render
 from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
-from gpud.router import script_text
+from gpud.nginx.router import script_text
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,11 +32,11 @@ from gpud.core.vocab import (
     STOPPING,
     EventKind,
 )
+from gpud.durable.store import Changes, Event, EventQuery, ServeStateRow, Store
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
-from gpud.observer import Observer
-from gpud.service import LedgerService, StateRefused, prune_batch, resolve_budgets
-from gpud.simulation import SimulatedBackend, SimulatedDevice
-from gpud.store import Changes, Event, EventQuery, ServeStateRow, Store
+from gpud.host.observer import Observer
+from gpud.host.simulation import SimulatedBackend, SimulatedDevice
+from gpud.life.service import LedgerService, StateRefused, prune_batch, resolve_budgets
 
 ROLES = """
 [daemon]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
-from gpud.service import LedgerService, ServeRecord
-from gpud.store import Store
+from gpud.durable.store import Store
+from gpud.life.service import LedgerService, ServeRecord
 from tests.conftest import REPO
 
 CONFIG = """

@@ -11,8 +11,8 @@ import pytest
 
 from gpud.core.serverecord import Happened
 from gpud.core.vocab import ADMITTED, DECLARED, EXTERNAL, RUNNING, SLEEPING, STARTING
-from gpud.service import LedgerService, StateRefused
-from gpud.store import EventQuery, Store
+from gpud.durable.store import EventQuery, Store
+from gpud.life.service import LedgerService, StateRefused
 from tests.test_service import ROLES, Clock, World
 
 

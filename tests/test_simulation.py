@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpud.core.observation import ObservationBackend, ProcessDraw, find_device
-from gpud.simulation import (
+from gpud.host.simulation import (
     GPUD_SIM_DEVICE,
     GPUD_SIM_PIDNS,
     GPUD_SIM_PROCS_DIR,
@@ -266,7 +266,7 @@ def test_environment_registers_on_its_device(sim: SimulatedBackend) -> None:
 
 def test_registration_helpers_import_without_daemon_dependencies() -> None:
     code = (
-        "import sys; import gpud.simulation; "
+        "import sys; import gpud.host.simulation; "
         "bad = [m for m in ('pydantic', 'aiohttp', 'pynvml', 'dbus_fast') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -282,7 +282,7 @@ def test_is_an_observation_backend(state_file: Path) -> None:
 def test_registration_cache_follows_changes_and_deaths(tmp_path: Path) -> None:
     import subprocess
 
-    from gpud.simulation import SimulatedBackend, SimulatedDevice, register_process
+    from gpud.host.simulation import SimulatedBackend, SimulatedDevice, register_process
 
     (tmp_path / "sim.json").write_text("{}")
     backend = SimulatedBackend([SimulatedDevice("GPU-sim-0", 10000)], tmp_path / "sim.json")

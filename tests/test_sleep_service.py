@@ -11,9 +11,9 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.core.ledger import Reservation
+from gpud.durable.store import Changes, EventQuery
 from gpud.errors import Denied
-from gpud.service import LedgerService
-from gpud.store import Changes, EventQuery
+from gpud.life.service import LedgerService
 from tests.conftest import loaded_service
 
 CONFIG = """
@@ -105,7 +105,7 @@ async def test_free_for_counts_the_serves_own_reservation_back(service: LedgerSe
 
 def test_freed_roles_in_the_size_of_the_change() -> None:
     from gpud.core.ledger import Ledger, RoleBudget
-    from gpud.service import _freed_roles
+    from gpud.life.service import _freed_roles
 
     ledger = Ledger.build([RoleBudget("r", "0", 100, 0), RoleBudget("s", "0", 100, 0)],
                           [Reservation("a", "r", 50, 0.0), Reservation("b", "s", 20, 0.0)])
@@ -120,7 +120,7 @@ def test_wake_back_follows_auto_wake() -> None:
     from types import SimpleNamespace
     from typing import Any, cast
 
-    from gpud.sleeping import Sleeps
+    from gpud.life.sleeping import Sleeps
 
     for auto_wake, spawned in ((False, 0), (True, 1)):
         cfg = parse_config(CONFIG.replace('admission = "ledger"', 'admission = "ledger"\n'
@@ -153,7 +153,7 @@ class Answering:
         from typing import Any, cast
 
         from gpud.config import ServeConfig
-        from gpud.sleeping import Sleeps
+        from gpud.life.sleeping import Sleeps
 
         class Stub(Sleeps):
             async def is_sleeping(self, serve: str, spec: ServeConfig) -> bool | None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from gpud import simulation
+from gpud.host import simulation
 from gpud.testing import standin
-from gpud.vllm_log import parse_memory_lines
+from gpud.vllm.vllm_log import parse_memory_lines
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The executor of gpud/steps.py: which steps count as done when one fails, and an undo list
+"""The executor of gpud/life/steps.py: which steps count as done when one fails, and an undo list
 that goes on past a failed undo and ends at a Halt."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from gpud.core.actions import Action
 from gpud.errors import GpudError
-from gpud.steps import Halt, carry_out, undo_all
+from gpud.life.steps import Halt, carry_out, undo_all
 
 STEPS = [Action("stop", "old", "a"), Action("start", "new", "b"), Action("start", "new", "c")]
 

@@ -9,8 +9,8 @@ import pytest
 
 from gpud.core.ledger import Reservation
 from gpud.core.vocab import EventKind, ServeState
+from gpud.durable.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
 from gpud.errors import StoreError
-from gpud.store import SCHEMA_VERSION, Changes, Event, EventQuery, ServeStateRow, Store
 
 
 def schema_version(path: Path) -> int:
@@ -65,7 +65,7 @@ def test_newer_schema_refused(tmp_path: Path) -> None:
 def test_migrates_from_version_1(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     db = sqlite3.connect(path)
-    from gpud.store import MIGRATIONS
+    from gpud.durable.store import MIGRATIONS
 
     db.executescript(MIGRATIONS[0] + "; PRAGMA user_version=1;")
     db.execute("INSERT INTO reservations VALUES ('a', 'r', 5, 1.0, 0, 0)")

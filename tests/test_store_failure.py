@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpud.ctl.format import format_status
+from gpud.durable.store import Changes, Event, Store
 from gpud.errors import StoreError
-from gpud.metrics import render
-from gpud.service import LedgerService
-from gpud.store import Changes, Event, Store
+from gpud.life.service import LedgerService
+from gpud.server.metrics import render
 from tests.conftest import loaded_service
 
 CONFIG = """
@@ -90,7 +90,7 @@ async def test_a_failing_store_is_reported_and_logged_once_per_interval(
 async def test_a_store_still_failing_is_said_again_after_the_interval(
         svc: LedgerService, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpud.service
+    import gpud.life.service
 
     store = svc.store
     assert isinstance(store, FillingStore)

@@ -1,4 +1,4 @@
-"""The supervisor's jobs are objects composed in one place (gpud.supervisor.Supervisor), each
+"""The supervisor's jobs are objects composed in one place (gpud.life.supervisor.Supervisor), each
 holding what it asks of the others: no job inherits another's methods (no mixins) and none
 declares a method for another module to fill in (no NotImplementedError stubs). Checked on the
 syntax trees of gpud/supervisor, with planted sources proving that the checks can fail."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import gpud.supervisor
+import gpud.life.supervisor
 
-PACKAGE = Path(gpud.supervisor.__file__).parent
+PACKAGE = Path(gpud.life.supervisor.__file__).parent
 # What a class here may derive from: a protocol (the narrow dependencies), nothing else.
 ALLOWED_BASES = {"Protocol"}
 

@@ -14,10 +14,10 @@ import pytest
 from gpud.config import parse_config, summary
 from gpud.core.launch import serve_argv, smallest_total, visible_devices
 from gpud.core.ledger import Reservation
+from gpud.durable.store import MIGRATIONS, SCHEMA_VERSION, Changes, Event, EventQuery, Store
 from gpud.errors import ConfigError, StoreError
-from gpud.simulation import SimulatedBackend, SimulatedDevice, register_process
-from gpud.store import MIGRATIONS, SCHEMA_VERSION, Changes, Event, EventQuery, Store
-from gpud.unit_properties import UnitSpec, build_properties
+from gpud.host.simulation import SimulatedBackend, SimulatedDevice, register_process
+from gpud.host.unit_properties import UnitSpec, build_properties
 from tests.conftest import REPO
 from tests.test_store import schema_version
 
@@ -277,7 +277,7 @@ def test_a_registration_on_several_devices_draws_on_each(tmp_path: Path) -> None
 
 
 def test_the_standin_registers_its_draw_on_every_device_it_is_given(tmp_path: Path) -> None:
-    from gpud import simulation
+    from gpud.host import simulation
     from gpud.testing import standin as standin_mod
     from tests.test_standin import free_port, registrations
     from tests.waiting import wait_until
@@ -373,7 +373,7 @@ def test_a_failed_commit_of_a_two_role_admission_or_release_changes_nothing(
         tmp_path: Path) -> None:
     import asyncio
 
-    from gpud.service import LedgerService
+    from gpud.life.service import LedgerService
     from tests.test_group_commit import GatedStore
 
     text = ('[daemon]\nadmission = "ledger"\n[roles.a]\ndevice = "0"\ncapacity_mib = 1000\n'

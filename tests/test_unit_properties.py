@@ -1,4 +1,4 @@
-"""The exact D-Bus encoding of a serve's transient unit, and the pure helpers of gpud.units.
+"""The exact D-Bus encoding of a serve's transient unit, and the pure helpers of gpud.host.units.
 
 The golden lists below are the wire format: a change to one of them is a change of what gpud
 asks systemd for, and must be deliberate.
@@ -22,7 +22,7 @@ from gpud.core.launch import Hardening
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import serve_of_unit, serve_unit
 from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
-from gpud.unit_properties import (
+from gpud.host.unit_properties import (
     PROPERTIES,
     USEC_INFINITY,
     UnitSpec,
@@ -31,7 +31,7 @@ from gpud.unit_properties import (
     environment_file_text,
     unit_name,
 )
-from gpud.units import (
+from gpud.host.units import (
     _DBUS_ERRORS,
     MANAGER_IFACE,
     MANAGER_PATH,
@@ -474,7 +474,7 @@ def test_only_vocab_spells_a_serve_unit() -> None:
     assert serve_unit("ocr") == unit_name("ocr") == "gpud-serve-ocr.service"
 
 
-# --- pure helpers of gpud.units -------------------------------------------------------------
+# --- pure helpers of gpud.host.units -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 from gpud.config import parse_config
 from gpud.core.router import LOG_FIELDS, USAGE_FIELDS, parse_log_line
 from gpud.core.usage import Counts, UsageKey, add, hour_of, one, summarize, tokens
-from gpud.router import RouterLog, log_path
-from gpud.store import Store
+from gpud.durable.store import Store
+from gpud.nginx.router import RouterLog, log_path
 
 
 def test_one_request_counts_its_tokens_or_is_unmetered() -> None:
@@ -170,8 +170,8 @@ def test_gpuctl_usage_prints_a_row_per_key_and_model() -> None:
 def test_prometheus_counts_usage_by_key(tmp_path: Path) -> None:
     import subprocess
 
-    from gpud.metrics import render
-    from gpud.service import LedgerService
+    from gpud.life.service import LedgerService
+    from gpud.server.metrics import render
     from tests.test_metrics import promtool, text_samples
 
     text = CONFIG.format(front=tmp_path / "front").replace(

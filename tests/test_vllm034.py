@@ -14,7 +14,7 @@ from gpud.config import config_warnings, parse_config
 from gpud.core.launch import vllm_argv
 from gpud.core.vllm_versions import BEHAVIOURS, EXTENSIBLE_KV_OFF, V033, V034, behaviour
 from gpud.errors import ConfigError
-from gpud.vllm_flags import available_versions, check_serve_args, load_table
+from gpud.vllm.vllm_flags import available_versions, check_serve_args, load_table
 from tests.conftest import REPO
 
 V34 = '[daemon]\nvllm_version = "0.34.0"\n'
@@ -190,7 +190,7 @@ def test_parked_host_ram_by_version_and_level() -> None:
 
 def test_gpuctl_calibrate_shows_the_extended_kv_cache_and_the_parked_ram() -> None:
     from gpud.ctl.format import format_calibration
-    from gpud.vllm_log import parse_memory_lines
+    from gpud.vllm.vllm_log import parse_memory_lines
     from tests.test_vllm_log import V034_PARKED, journal_034
 
     vllm = parse_memory_lines([*journal_034(extended=True), V034_PARKED % (12.5, 0.75, 11.75)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.vllm_flags import DEFAULT_VERSION, available_versions, check_serve_args, load_table
+from gpud.vllm.vllm_flags import DEFAULT_VERSION, available_versions, check_serve_args, load_table
 
 TABLE = load_table(DEFAULT_VERSION)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpud.testing import standin
-from gpud.vllm_log import REASON_CHARS, budget_mib, context_mib, exit_reason, parse_memory_lines
+from gpud.vllm.vllm_log import REASON_CHARS, budget_mib, context_mib, exit_reason, parse_memory_lines
 
 # As a journal shows them: vLLM's logger prefix, then the message built in
 # vllm/v1/worker/gpu_model_runner.py and gpu_worker.py.

@@ -26,7 +26,7 @@ FIELDS = frozenset(
     for key in obj.__required_keys__ | obj.__optional_keys__)
 # Words that are the same string in another vocabulary, each where it is used so.
 ALLOWED: dict[str, tuple[frozenset[str], str]] = {
-    "gpud/api.py": (frozenset({"start", "stop", "restart", "apply", "reload"}),
+    "gpud/server/api.py": (frozenset({"start", "stop", "restart", "apply", "reload"}),
                     "routes' actions (POST /v1/serves/NAME/start), the offload's slot names"),
     "gpud/ctl/commands.py": (frozenset({"admit", "release", "start", "sleep", "wake", "stop",
                                         "restart", "apply", "calibrate", "reload", "preempt"}),
@@ -34,14 +34,14 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "gpud/ctl/format.py": (frozenset({"external", "over-committed", "denied", "forbidden"}),
                            "column headings and error codes (gpud.errors)"),
     "gpud/errors.py": (frozenset({"denied", "forbidden"}), "error codes"),
-    "gpud/containers.py": (frozenset({"stop", "pull"}), "systemctl's and podman's verbs"),
-    "gpud/units.py": (frozenset({"stopping"}), "systemd's Manager.SystemState"),
+    "gpud/host/containers.py": (frozenset({"stop", "pull"}), "systemctl's and podman's verbs"),
+    "gpud/host/units.py": (frozenset({"stopping"}), "systemd's Manager.SystemState"),
     "gpud/core/unitstate.py": (frozenset({"failed"}), "systemd's ActiveState"),
-    "gpud/rebalance.py": (frozenset({"apply", "starting"}),
+    "gpud/life/rebalance.py": (frozenset({"apply", "starting"}),
                           "the store's key of an apply under way, a detail naming the serves "
                           "starting"),
-    "gpud/simulation.py": (frozenset({"external"}), "the simulation file's keys"),
-    "gpud/observer.py": (frozenset({"healthy"}), "a device's field in the observation answer"),
+    "gpud/host/simulation.py": (frozenset({"external"}), "the simulation file's keys"),
+    "gpud/host/observer.py": (frozenset({"healthy"}), "a device's field in the observation answer"),
     "gpud/testing/standin.py": (frozenset({"unhealthy", "sleeping", "stop", "start", "running"}),
                                 "vLLM's words, which the stand-in imitates (0.34's CheckpointState)"),
 }

@@ -28,9 +28,9 @@ STATE_KEYWORDS = ("state", "next_state")
 # Where the one writer builds a state row: with what the step decided, or (admit, release) with
 # the state a test or a tool names outright through `state=`/`next_state=` (a keyword no caller
 # in gpud passes a state to: the keyword check below finds any).
-WRITERS = frozenset({("gpud/service.py", "LedgerService._store_state"),
-                     ("gpud/service.py", "LedgerService._admit_locked"),
-                     ("gpud/service.py", "LedgerService._release_locked")})
+WRITERS = frozenset({("gpud/life/service.py", "LedgerService._store_state"),
+                     ("gpud/life/service.py", "LedgerService._admit_locked"),
+                     ("gpud/life/service.py", "LedgerService._release_locked")})
 
 
 @dataclass(frozen=True)

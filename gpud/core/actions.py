@@ -7,7 +7,7 @@ write the new file, reload it, restart changed serves and resize the reservation
 that hold one without running, shrinking ones before growing ones (so a device is never
 over-committed on the way), start resident serves that now fit by the new config's priority (a
 serve that moved to another role starts there again), verify. `gpuctl plan` shows
-this list; gpud.rebalance carries it out step by step and journals each one.
+this list; gpud.life.rebalance carries it out step by step and journals each one.
 
 Every step that changes a serve has its undo. `rollback(done)` is the undo of the steps done (a
 step counts as done once it began: a half-done step is undone too), in the order a rollback

@@ -1,14 +1,14 @@
 """The answers of gpud's API, described once.
 
 Each JSON object a route answers with is a TypedDict here. The code that builds an answer is
-typed with it (mypy checks every key and value), gpud.openapi generates the served document's
+typed with it (mypy checks every key and value), gpud.server.openapi generates the served document's
 schemas from these types, and tests hold live answers and gpuctl's canned ones to that document.
 gpuctl reads the same names for its type checks only: nothing here is imported when it runs.
 
 ``typing_extensions.TypedDict``, not ``typing.TypedDict``: pydantic builds a schema from a
 TypedDict only of that kind on Python below 3.12 (pydantic's own requirement; it depends on
 typing_extensions itself). Which strings a state or an event kind may be comes from
-gpud.core.vocab; gpud.openapi puts those lists into the document.
+gpud.core.vocab; gpud.server.openapi puts those lists into the document.
 """
 
 from __future__ import annotations
@@ -132,13 +132,13 @@ class Serve(TypedDict):
     front: bool  # its port is answered by the front (docs/front.md), the serve on a socket
     # Seconds since its last request ended (0 while one is in flight): the later of the last
     # request through an on-demand serve's front and the end of the last request the serve
-    # counted (gpud.traffic); None when neither is known since gpud started.
+    # counted (gpud.life.traffic); None when neither is known since gpud started.
     last_activity_s_ago: float | None
     # Requests in flight on it, as the serve counts them (vLLM's running + waiting), read every
     # 0.5 s; None when unknown (not running, not reachable, or it gives no count).
     in_flight: int | None
     # The median of its last five wakes and starts by a request, in seconds, measured since
-    # gpud started (gpud.ondemand; None: none): what evicting it costs (docs/router.md).
+    # gpud started (gpud.server.ondemand; None: none): what evicting it costs (docs/router.md).
     wake_s: float | None
     start_s: float | None
     # requests waiting in the router's queue for it to be brought up (docs/router.md)
@@ -326,7 +326,7 @@ class StoreStatus(TypedDict):
 
 class FrontStatus(TypedDict):
     """The front's part of GET /v1/status: what its last sync left dark and why (the router's
-    keys refused, its module missing, a port another process holds; gpud.front.check_front),
+    keys refused, its module missing, a port another process holds; gpud.nginx.front.check_front),
     empty when nothing."""
 
     degraded: list[str]
@@ -456,7 +456,7 @@ class PredictedKv(TypedDict):
 
 
 class PlanSize(TypedDict):
-    """A vllm serve's needs from its checkpoint on disk (gpud.model_size): its minimum
+    """A vllm serve's needs from its checkpoint on disk (gpud.vllm.model_size): its minimum
     reservation and what its vram_mib leaves above it, or why they are unknown."""
 
     serve: str
@@ -558,7 +558,7 @@ class CalibrationRecord(TypedDict):
 
 
 class Predicted(TypedDict):
-    """A vllm serve's needs predicted from its checkpoint on disk (gpud.model_size), shown
+    """A vllm serve's needs predicted from its checkpoint on disk (gpud.vllm.model_size), shown
     beside what a calibration measured; the figures null, `how` saying why, when unknown;
     `kv` what its reservation leaves for the KV cache, where the checkpoint could be sized."""
 

@@ -1,5 +1,5 @@
 """The request bodies the API takes (docs/api.md): strict pydantic models, each a route's JSON
-body. gpud.api validates requests with them; gpud.openapi describes them from the same models.
+body. gpud.server.api validates requests with them; gpud.server.openapi describes them from the same models.
 """
 
 from __future__ import annotations

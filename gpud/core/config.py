@@ -81,7 +81,7 @@ class DaemonConfig(_Model):
     sleep_host_margin_mib: int = Field(default=1024, ge=0, le=MAX_MIB)
     # A request's headers must have arrived this long after its first byte, its body this long
     # after its handling began (every peer, root included): past it the connection is closed,
-    # or the body answered 408 (gpud.connguard).
+    # or the body answered 408 (gpud.server.connguard).
     request_read_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     # The ensures of the front and the router waiting at once (each holds a connection of
     # the front's uid on gpud's socket until its serve is up): at most this many per
@@ -91,7 +91,7 @@ class DaemonConfig(_Model):
     # states /v1/models shows.
     ensure_waiting_per_requester: int = Field(default=16, ge=1, le=10_000)
     ensure_waiting_total: int = Field(default=512, ge=1, le=16_384)
-    # The front (gpud/front.py) of serves with `front = true`: the nginx it runs, the user it
+    # The front (gpud/nginx/front.py) of serves with `front = true`: the nginx it runs, the user it
     # runs as (its group may enter serve_socket_dir), the routes it forwards, where the serves'
     # sockets and its own config live.
     front_nginx: str = "/usr/sbin/nginx"

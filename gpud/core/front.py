@@ -6,7 +6,7 @@ forwards only the routes clients use. vLLM's dev routes (``/sleep``, ``/wake_up`
 ``/is_sleeping``, ``/collective_rpc``, present with VLLM_SERVER_DEV_MODE=1) and anything else
 not on the allow-list answer 404 from nginx itself and never reach the serve.
 
-Pure: no file, process or clock here. ``gpud.front`` writes the text and runs nginx.
+Pure: no file, process or clock here. ``gpud.nginx.front`` writes the text and runs nginx.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class FrontConfig:
             raise ValueError("front: two serves on one port")
 
 
-# The request headers gpud reads from the front's and the router's ensure (gpud.api.ensure):
+# The request headers gpud reads from the front's and the router's ensure (gpud.server.api.ensure):
 # set by nginx only. No client header reaches gpud at all (its ensures pass none:
 # proxy_pass_request_headers off); these are dropped on the way to a serve too (the http
 # block's proxy_set_header to "", which nginx does not pass on: nginx has no way to drop
@@ -256,7 +256,7 @@ def render(cfg: FrontConfig) -> str:
         *cfg.main_extra,
         "daemon off;",
         f"worker_processes {cfg.workers};",
-        # The unit's LimitNOFILE= is the same (gpud.front.unit_properties): nginx sets it
+        # The unit's LimitNOFILE= is the same (gpud.nginx.front.unit_properties): nginx sets it
         # for its workers, and one that may not (a front started before) says so in its log.
         f"worker_rlimit_nofile {NOFILE};",
         f"pid {run}/nginx.pid;",

@@ -8,7 +8,7 @@ healthy, one 503 is a verdict, not a blip. A serve given by `command` may be any
 only `health_failures` failed checks in a row are.
 
 An answer counts only when it comes from the serve's own process: a 200 from a socket held by
-another process (gpud.ports) is `FOREIGN`, a failure like any other.
+another process (gpud.host.ports) is `FOREIGN`, a failure like any other.
 """
 
 from __future__ import annotations

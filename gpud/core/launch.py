@@ -197,7 +197,7 @@ KV_MARGIN_MIN_MIB = 64
 
 def kv_cache_fit_mib(vram_mib: int, vllm: Mapping[str, object]) -> tuple[int | None, str]:
     """The KV cache (MiB) that fits the reservation with the serve sized exactly, from a
-    calibration's vLLM figures (a util-sized start's: gpud.vllm_log), and how it was found, or
+    calibration's vLLM figures (a util-sized start's: gpud.vllm.vllm_log), and how it was found, or
     None and why not. vram_mib less the context beyond vLLM's budget, less what the budget held
     besides the KV cache (weights, activation peak, CUDA graphs: the budget less vLLM's own
     --kv-cache-memory recommendation, which keeps its buffer, or less the KV cache it sized),
@@ -262,7 +262,7 @@ class BootStep:
 def boot_steps(serves: Mapping[str, ServeConfig], device_of: Callable[[str], str]) -> list[BootStep]:
     """The boot of `serves` (those that start), per device in priority order: each util-sized
     serve alone, each run of exactly sized ones between them together (start_sharing; the
-    device locks of gpud.locks do this at boot)."""
+    device locks of gpud.life.locks do this at boot)."""
     steps: list[BootStep] = []
     open_run: dict[str, int] = {}  # device -> index in steps of its current run of together
     for _prio, name in sorted((s.priority, n) for n, s in serves.items()):

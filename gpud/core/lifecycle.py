@@ -48,7 +48,7 @@ class Job(StrEnum):
 
 
 class Slumber(StrEnum):
-    """A sleep or a wake of gpud's under way (gpud.sleeping): from its checks to its commit."""
+    """A sleep or a wake of gpud's under way (gpud.life.sleeping): from its checks to its commit."""
 
     NONE = "none"
     FALLING_ASLEEP = "falling-asleep"

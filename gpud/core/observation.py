@@ -1,6 +1,6 @@
 """What an observation backend reports: plain values, no I/O.
 
-Two backends produce these: NVML (``gpud.nvml``) and the simulated one (``gpud.simulation``).
+Two backends produce these: NVML (``gpud.host.nvml``) and the simulated one (``gpud.host.simulation``).
 Both are blocking and are sampled from a worker thread, never from the event loop.
 """
 

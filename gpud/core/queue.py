@@ -1,6 +1,6 @@
 """The router's queue: which waiting serve comes up next, which requests go first, whether a
 request joins the queue at all, and which running serve makes room. Pure: values in, values out
-(gpud.ondemand holds the requests and carries the decisions out).
+(gpud.server.ondemand holds the requests and carries the decisions out).
 
 A request for an on-demand serve that does not fit (a refusal of class no-memory) waits in its
 serve's queue (at most `max_queued` requests per serve, each at most `queue_timeout_s`) instead
@@ -180,7 +180,7 @@ def arrive(*, queue_on: bool, others_waiting: bool, bringing_up: bool) -> Arriva
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class QueueRefusal:
     """The request does not wait: answered at once, of this class (gpud.core.bringup.Why's
     values), with this text."""
 
@@ -189,20 +189,20 @@ class Refused:
 
 
 def after_refusal(*, queue_on: bool, no_memory: bool, could_fit: bool, queued: int,
-                  max_queued: int) -> Arrival | Refused | None:
+                  max_queued: int) -> Arrival | QueueRefusal | None:
     """A try refused (or an arrival told to JOIN, a refusal of class no-memory): JOIN the queue,
-    or Refused (queue full), or None: the refusal stands as it is (no queue, not for memory, or
+    or QueueRefusal (queue full), or None: the refusal stands as it is (no queue, not for memory, or
     no eviction the queue may make could ever make room)."""
     if not queue_on or not no_memory or not could_fit:
         return None
     if queued >= max_queued:
-        return Refused("queue-full", f"{queued} request(s) wait for it already "
+        return QueueRefusal("queue-full", f"{queued} request(s) wait for it already "
                        "(router.max_queued)")
     return Arrival.JOIN
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class EvictionCandidate:
     """A serve on a waiting serve's roles, as the eviction rule sees it."""
 
     serve: str
@@ -212,7 +212,7 @@ class Candidate:
     yields: bool
 
 
-def may_evict(priority: int, o: Candidate) -> bool:
+def may_evict(priority: int, o: EvictionCandidate) -> bool:
     """Whether a queued request for a serve of PRIORITY may ever evict O: an on-demand serve
     of equal or lower priority, or any of lower priority that can sleep or be stopped (an
     operator's serve of equal priority is not evicted by requests)."""

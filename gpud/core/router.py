@@ -9,7 +9,7 @@ serves first ask gpud to have them up (the front's ``ensure``: nginx's auth_requ
 request is proxied to the serve's socket or port. gpud is not on the data path: a gpud restart
 cuts nothing, and running serves keep answering while gpud is down (docs/router.md).
 
-Pure: no file, process or clock here. ``gpud.front`` writes the text and runs nginx.
+Pure: no file, process or clock here. ``gpud.nginx.front`` writes the text and runs nginx.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ STREAM_PREFIX: Final = "/.gpud-router-stream/"
 # Seconds between two SSE comments to a stream waiting on a bring-up (0: none).
 DEFAULT_LOADING_FEEDBACK_S: Final = 5
 # The router's access log: one JSON object a line, read by gpud for its metrics by model
-# (gpud.router.RouterLog): the name of its format, and its fields (nginx variables).
+# (gpud.nginx.router.RouterLog): the name of its format, and its fields (nginx variables).
 LOG_FORMAT: Final = "gpud_router"
 LOG_FIELDS: Final = (
     ("model", "$router_model"),
@@ -358,7 +358,7 @@ class RouterFront:
     loading_feedback_s: int = DEFAULT_LOADING_FEEDBACK_S
     # the access log gpud reads (LOG_FIELDS); None: none
     access_log: str | None = None
-    # Where gpud keeps a file per fronted serve that is running and awake (gpud.front.awake_dir):
+    # Where gpud keeps a file per fronted serve that is running and awake (gpud.nginx.front.awake_dir):
     # what the router goes by when gpud does not answer, as the fronts do. None: no check.
     awake_dir: str | None = None
 
@@ -407,7 +407,7 @@ class RouterRequest:
 
 @dataclass
 class EnsureBound:
-    """The ensures under way, by requester (gpud.api.ensure): at most PER_REQUESTER for one
+    """The ensures under way, by requester (gpud.server.api.ensure): at most PER_REQUESTER for one
     requester and TOTAL in all, so that one requester's waiting requests neither starve
     another's bring-up nor take the connections of the front's uid that reads need."""
 

@@ -1,7 +1,7 @@
 """What a model needs on a device, from its checkpoint's figures, before it is launched: the
 weights vLLM holds, the KV cache a reservation leaves (in MiB, in tokens and in sequences of
 max_model_len at once), and the smallest reservation for one sequence or for N. Pure arithmetic on
-values gpud.checkpoint read (each tensor's name, dtype and shape from the safetensors headers; the
+values gpud.vllm.checkpoint read (each tensor's name, dtype and shape from the safetensors headers; the
 model's config.json as a dict); standard library only, so gpuctl can use it.
 
 The weights rules are vLLM's (0.32.0's source, the same in 0.33/0.34 where cited, paths under
@@ -751,7 +751,7 @@ def estimate_overheads(config: Mapping[str, Any], dtype: str, rules: KvRules, *,
 
 def measured_overheads(figures: Mapping[str, Any], estimate: Overheads, *,
                        budget_mib: int | None = None) -> Overheads:
-    """The overheads a calibration measured (its vLLM figures, gpud.vllm_log): the CUDA graph
+    """The overheads a calibration measured (its vLLM figures, gpud.vllm.vllm_log): the CUDA graph
     pool vLLM logged, the context beyond its budget NVML showed, and the activation peak as
     what the budget held besides the weights, the KV cache and the graphs (vLLM's own
     determine_available_memory, read backwards). Only a util-sized start (its figures have

@@ -1,6 +1,6 @@
 """What is in flight on a serve and since when it is idle: as data, pure.
 
-The source is the serve's own count, read from its ``GET /metrics`` (gpud.traffic polls it):
+The source is the serve's own count, read from its ``GET /metrics`` (gpud.life.traffic polls it):
 vLLM's gauges ``vllm:num_requests_running`` (requests in its model execution batches) and
 ``vllm:num_requests_waiting`` (queued: admitted by the API server, not scheduled yet, and every
 request held while the engine is paused or asleep), one sample per engine (labels
@@ -17,7 +17,7 @@ what the serve has in flight. Why the serve's count and not the front's:
   ensure (an on-demand serve's begin, `OnDemand.ensure`): idle time counts from the later of the
   last ensure and the last time the count was seen drop to zero.
 
-"When the last request ended" is known to within one poll (gpud.traffic.POLL_S). A serve whose
+"When the last request ended" is known to within one poll (gpud.life.traffic.POLL_S). A serve whose
 /metrics names neither gauge (not vLLM, or vLLM with ``--disable-log-stats``) has an unknown
 count (None): its idle time counts from the last ensure alone, as before, and gpud says so once.
 """

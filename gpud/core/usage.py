@@ -1,6 +1,6 @@
 """Usage per key (docs/router.md, "Who is asking"): what each key asked of each model, counted
-from the router's access log. Pure: lines in, hourly rows out (gpud.store keeps them, gpud.router
-reads the log).
+from the router's access log. Pure: lines in, hourly rows out (gpud.durable.store keeps them,
+gpud.nginx.router reads the log).
 
 A request is counted under its key (keys off: under "", the router's one anonymous bucket: an
 address is no label, it is not bounded), the model it named, the hour it ended and its status.
@@ -68,7 +68,7 @@ def add(rows: Mapping[UsageKey, Counts], key: UsageKey, counts: Counts) -> dict[
 
 
 @dataclass(frozen=True, slots=True)
-class Summary:
+class UsageSummary:
     """A key's use of a model over a span: what `gpuctl usage` prints a row of."""
 
     key: str
@@ -85,7 +85,7 @@ class Summary:
                 "unmetered": c.unmetered, "statuses": dict(self.statuses)}
 
 
-def summarize(rows: Iterable[tuple[UsageKey, Counts]]) -> list[Summary]:
+def summarize(rows: Iterable[tuple[UsageKey, Counts]]) -> list[UsageSummary]:
     """Rows summed by (key, model), their statuses kept apart; by key, then model."""
     sums: dict[tuple[str, str], Counts] = {}
     statuses: dict[tuple[str, str], dict[str, int]] = {}
@@ -94,5 +94,5 @@ def summarize(rows: Iterable[tuple[UsageKey, Counts]]) -> list[Summary]:
         sums[at] = sums.get(at, Counts()) + c
         by = statuses.setdefault(at, {})
         by[str(k.status)] = by.get(str(k.status), 0) + c.requests
-    return [Summary(key, model, sums[(key, model)], dict(sorted(statuses[(key, model)].items())))
+    return [UsageSummary(key, model, sums[(key, model)], dict(sorted(statuses[(key, model)].items())))
             for key, model in sorted(sums)]

@@ -41,7 +41,7 @@ from types import MappingProxyType
 V033 = "0.33.0"
 V034 = "0.34.0"
 # The release `daemon.vllm_version` names when the config does not (gpud.core.config.DaemonConfig,
-# gpud.vllm_flags, gpud.core.launch take it from here).
+# gpud.vllm.vllm_flags, gpud.core.launch take it from here).
 DEFAULT_VERSION = V033
 
 # The 0.34 option gpud adds to every vllm serve, and the spellings of the option it overrides.

@@ -579,7 +579,7 @@ def format_calibration(doc: answers.Calibration) -> str:
                      f"vram_mib = {rec.get('recommended_mib')}{current}")
     vllm = doc.get("vllm")
     if vllm:
-        # vLLM's own start-up account, from the serve's journal (gpud.vllm_log)
+        # vLLM's own start-up account, from the serve's journal (gpud.vllm.vllm_log)
         lines.append(f"  vLLM says: weights {vllm.get('weights_mib')} MiB, KV cache "
                      f"{vllm.get('kv_cache_mib')} MiB, CUDA graphs {vllm.get('cudagraph_mib')} MiB; "
                      f"context beyond its budget {vllm.get('context_mib')} MiB")

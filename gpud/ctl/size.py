@@ -1,5 +1,5 @@
 """``gpuctl size MODEL``: what a model needs before a config exists, read from its checkpoint on
-this host (gpud.checkpoint, gpud.core.sizing: the standard library only, no daemon asked).
+this host (gpud.vllm.checkpoint, gpud.core.sizing: the standard library only, no daemon asked).
 Imported lazily by the command's run: reading checkpoints costs nothing to the other commands.
 """
 
@@ -75,9 +75,9 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     """The figures as JSON, or CtlError (exit 2) for a checkpoint that is not there or not
     readable, or a setting vLLM would refuse."""
 
-    from gpud.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
     from gpud.core import sizing
     from gpud.core.vllm_versions import DEFAULT_VERSION, behaviour
+    from gpud.vllm.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
 
     if args.context_mib < 0:
         raise usage_error("--context-mib must be >= 0")

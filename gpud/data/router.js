@@ -450,7 +450,7 @@ function route(r) {
 }
 
 // gpud's code of an ensure refused because its requester (or everyone) has as many
-// requests waiting as gpud keeps (gpud.api._too_many_waiting): the router's 429.
+// requests waiting as gpud keeps (gpud.server.api._too_many_waiting): the router's 429.
 var TOO_MANY_WAITING = 'too-many-requests';
 
 // The 503 (429 when the requester waits too much already) of a refusal: gpud's reason (its

@@ -87,7 +87,7 @@ KV cache is that size instead and the budget is what the parts add up to. The en
 budget plus ``--context-mib`` (the CUDA context vLLM's budget does not count), times
 ``1 + overdraw_pct/100``; ``--draw-mib N`` replaces all of it. When ``GPUD_SIM_PROCS_DIR`` and
 ``GPUD_SIM_DEVICE`` are set, the engine child registers ``PROCS_DIR/PID.json`` through
-``gpud.simulation.register_process`` (atomic) and removes it when it exits; after a SIGKILL the
+``gpud.host.simulation.register_process`` (atomic) and removes it when it exits; after a SIGKILL the
 simulation drops the file of a dead PID. The simulated observation backend reads these files as
 NVML's per-process list.
 
@@ -133,7 +133,7 @@ VERSION: Final = "0.1.0"
 OWNED_BY: Final = PROGRAM
 STANDIN_HEADER: Final = "X-Gpud-Standin"
 
-# The simulation's environment contract: copies of gpud.simulation's names (a test pins them
+# The simulation's environment contract: copies of gpud.host.simulation's names (a test pins them
 # equal), because importing that module at startup would double this program's import time.
 GPUD_SIM_PROCS_DIR: Final = "GPUD_SIM_PROCS_DIR"
 GPUD_SIM_DEVICE: Final = "GPUD_SIM_DEVICE"
@@ -574,7 +574,7 @@ def parse_args(argv: Sequence[str]) -> Options:
             positional_model = args.pop(0)
     parser = _parser()
     ns, rest = parser.parse_known_args(args)
-    from gpud.vllm_flags import DEFAULT_VERSION
+    from gpud.vllm.vllm_flags import DEFAULT_VERSION
 
     version = ns.vllm_version or os.environ.get(VLLM_VERSION_ENV) or DEFAULT_VERSION
     if version not in STANDS_IN_FOR:
@@ -651,7 +651,7 @@ def _vllm_problems(rest: Sequence[str], version: str) -> list[str]:
     checks configs with)."""
     if not rest:
         return []
-    from gpud.vllm_flags import check_serve_args, load_table
+    from gpud.vllm.vllm_flags import check_serve_args, load_table
 
     table = load_table(version)
     # A stray positional is checked as vLLM would: after the model, there is none.
@@ -709,12 +709,12 @@ def sim_total_from_env(env: Mapping[str, str]) -> int:
 
 
 def register(target: SimTarget, pid: int, mib: int) -> str:
-    # Imported here, not at the top: gpud.simulation brings pathlib, tempfile, logging and
+    # Imported here, not at the top: gpud.host.simulation brings pathlib, tempfile, logging and
     # dataclasses (some 40 modules, doubling this program's import time), and only a process
     # that registers needs it, after its port already listens.
     from pathlib import Path
 
-    from gpud.simulation import register_process
+    from gpud.host.simulation import register_process
 
     return str(register_process(Path(target.procs_dir), pid, target.device, mib,
                                 host_pidns=target.host_pidns, also=target.also))
@@ -723,7 +723,7 @@ def register(target: SimTarget, pid: int, mib: int) -> str:
 def unregister(target: SimTarget, pid: int) -> None:
     from pathlib import Path
 
-    from gpud.simulation import unregister_process
+    from gpud.host.simulation import unregister_process
 
     unregister_process(Path(target.procs_dir), pid)
 
@@ -2585,7 +2585,7 @@ class _MainProcess:
 
     def _unregister_if_present(self, pid: int) -> None:
         # Checked first so that a process that never registered exits without importing
-        # gpud.simulation.
+        # gpud.host.simulation.
         target = sim_target_from_env(os.environ)
         if target is not None and os.path.exists(os.path.join(target.procs_dir, f"{pid}.json")):
             unregister(target, pid)

@@ -437,7 +437,7 @@ def test_stop_or_release_during_launch(gpud: SandboxGpud, action: str) -> None:
 # ---- 2. security with real users --------------------------------------------------------------
 
 USERS = {"camp-outsider": "", "camp-reader": "gpud", "camp-admin": "gpud,gpud-admin"}
-# POST routes that compute and change nothing (gpud/api.py registers them as reads)
+# POST routes that compute and change nothing (gpud/server/api.py registers them as reads)
 READ_ONLY_POSTS = {"/v1/plan"}
 
 

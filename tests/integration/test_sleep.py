@@ -8,7 +8,7 @@ import json
 import threading
 from typing import Any
 
-from gpud.openapi import document
+from gpud.server.openapi import document
 from tests.conftest import Reply
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin, standin_uds
 from tests.schema import answer_errors

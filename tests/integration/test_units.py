@@ -1,4 +1,4 @@
-"""gpud.units against a real systemd (252 on Debian 12) and a real system bus, in the sandbox.
+"""gpud.host.units against a real systemd (252 on Debian 12) and a real system bus, in the sandbox.
 
 The adapter must run where the system bus socket is, inside the sandbox. So this file is also
 the driver: each test runs ``python3 THIS_FILE SCENARIO`` inside the sandbox, the scenario
@@ -24,8 +24,8 @@ if str(REPO) not in sys.path:
 
 from gpud.core.unitstate import UnitState  # noqa: E402
 from gpud.errors import BadRequest, Conflict, GpudError  # noqa: E402
-from gpud.unit_properties import UnitSpec  # noqa: E402
-from gpud.units import JobFailed, SystemdUnits  # noqa: E402
+from gpud.host.unit_properties import UnitSpec  # noqa: E402
+from gpud.host.units import JobFailed, SystemdUnits  # noqa: E402
 from tools.sandbox import Sandbox  # noqa: E402
 
 # The serve stand-in: appends its argv (after the output path) and a few environment variables

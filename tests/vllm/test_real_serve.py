@@ -111,7 +111,7 @@ def test_the_engines_processes_are_the_units(gpud: SandboxGpud) -> None:
     comms = sorted(procs.values())
     assert "VLLM::EngineCor" in comms and "VLLM::Worker" in comms, procs
     # gpud's own attribution (by /proc/PID/cgroup) names the serve for each of them
-    code = ("import json, sys; from gpud.cgroups import CachedAttribution; "
+    code = ("import json, sys; from gpud.host.cgroups import CachedAttribution; "
             "print(json.dumps(CachedAttribution()([int(p) for p in sys.argv[1:]])))")
     out = gpud.sb.run([sys.executable, "-c", code, *map(str, procs)],
                       env={"PYTHONPATH": str(REPO)}).stdout
@@ -122,7 +122,7 @@ def test_the_engines_processes_are_the_units(gpud: SandboxGpud) -> None:
 
 
 def test_calibration_reads_the_cpu_builds_lines(gpud: SandboxGpud) -> None:
-    from gpud.vllm_log import parse_memory_lines
+    from gpud.vllm.vllm_log import parse_memory_lines
 
     lines = gpud.sb.run(["journalctl", "--no-pager", "-o", "cat", "-u",
                          "gpud-serve-tiny.service"]).stdout.splitlines()

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from gpud.checkpoint import read_checkpoint
 from gpud.core.sizing import kv_cache, weights
 from gpud.core.vllm_versions import DEFAULT_VERSION, KvRules, behaviour
+from gpud.vllm.checkpoint import read_checkpoint
 from tests.vllm.servers import REAL_ENV, VENV
 
 PROBE = Path(__file__).with_name("sizing_probe.py")

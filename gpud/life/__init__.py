@@ -1,0 +1,11 @@
+"""A serve's life under the ledger: the ledger service that commits every change with its state
+and event in one transaction (`service`), the supervisor's jobs (`supervisor/`: launch, boot,
+health, stop, watch), sleeping and preemption (`sleeping`), what a sleeping serve says it is
+(`reconciling`), the rebalance and its executor (`rebalance`, `steps`, `planning`, `offload`),
+calibration (`calibration`), alerts from observation (`alerts`), what is in flight on each serve
+(`traffic`), and the coordination they share (`locks`, `pulse`).
+
+The decisions are the pure core's (`gpud.core`); these modules carry them out. They may import
+`gpud.core`, the root modules and every floor below (`gpud.vllm`, `gpud.durable`, `gpud.host`,
+`gpud.nginx`); never `gpud.server`.
+"""

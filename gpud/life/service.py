@@ -1,0 +1,1172 @@
+"""The ledger service: owns the in-memory ledger and serve states, and commits every change to
+the store before anyone is told it happened.
+
+Mutations are serialized by one asyncio lock: the decision is made on the current ledger, the
+transaction commits (in the store's worker thread), and only then the in-memory ledger moves on.
+A failed commit leaves memory as it was. Everything the service needs from outside (store,
+clock, observer) is passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NoReturn, Protocol
+
+from gpud import __version__
+from gpud.config import Config, ServeConfig, check_name, parse_config
+from gpud.core import answers
+from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
+from gpud.core.coalesce import Coalescer, Summary, Verdict
+from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.serverecord import Happened, Record, Report, StoreState, step
+from gpud.core.states import Cause, StateRefusal
+from gpud.core.states import record as record_state
+from gpud.core.transition import Refusal, Transition, transition, violated
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    DENIED,
+    EXTERNAL,
+    LIVE_STATES,
+    ORPHAN,
+    STARTING,
+    WARNING_KINDS,
+    DenialBound,
+    EventKind,
+    ServeState,
+)
+from gpud.durable.store import Changes, Event, EventQuery, ServeStateRow, Store
+from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
+
+log = logging.getLogger("gpud")
+
+def prune_batch(keep: int) -> int:
+    """Events are pruned down to `daemon.events_keep` after every this many new ones: a
+    twentieth of it, so the store holds at most about 5% more than the setting (plus the events
+    of one group commit). A fixed batch of 1000 kept 1,499 of an events_keep of 500."""
+    return max(1, keep // 20)
+
+
+# The key of the hold on admissions while the invariant does not hold (not a serve name).
+INVARIANT_HOLD = ":invariant"
+# A store that keeps failing is said in the journal at most this often (seconds).
+STORE_LOG_INTERVAL_S = 60.0
+
+# Set (to True) in the task of a bring-up that a request through the front asked for
+# (gpud.server.ondemand): its refusals are coalesced (gpud.core.coalesce), since anyone who reaches the
+# front can make gpud refuse, as often as they like. An operator's refusals (the API's admit or
+# start, the boot) are stored one by one, as the audit trail they are.
+COALESCE_REFUSALS: ContextVar[bool] = ContextVar("gpud_coalesce_refusals", default=False)
+
+
+
+class Observing(Protocol):
+    """What the service asks of observation (see gpud.host.observer)."""
+
+    @property
+    def available(self) -> bool: ...
+
+    def physical_view(self, device: str, serve: str, ledger: Ledger,
+                      states: Mapping[str, ServeState]) -> PhysicalView | None: ...
+
+    def device_total(self, device: str) -> int | None: ...
+
+    def present_devices(self) -> list[str] | None: ...
+
+    def device_problem(self, ref: str) -> str | None: ...
+
+
+class Supervision(Protocol):
+    """What the service asks of whoever launches the serves (the supervisor)."""
+
+    def launch_under_way(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        ...
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        ...
+
+    def freed(self, role: str) -> None:
+        """A durable change gave memory back on `role`: sleeping serves there may wake."""
+        ...
+
+
+class _Unsupervised:
+    def launch_under_way(self, serve: str) -> bool:
+        return False
+
+    def launching(self) -> tuple[bool, str | None]:
+        return False, "launching is not set up in this gpud"
+
+    def freed(self, role: str) -> None:
+        pass
+
+
+UNSUPERVISED: Supervision = _Unsupervised()
+
+
+@dataclass(frozen=True)
+class ServeRecord:
+    """A serve's state as last committed, with what systemd last said of its unit (main PID,
+    restart count: memory only, read from systemd again at adoption). Only LedgerService
+    changes them, each change a new record."""
+
+    state: ServeState = DECLARED
+    reason: str | None = None
+    updated: float = 0.0
+    main_pid: int | None = None
+    n_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What happened to a serve, as an adapter reports it to the serve's one writer
+    (`LedgerService.report`): the state it leads to is decided by gpud.core.serverecord.step."""
+
+    serve: str
+    report: Report
+    reason: str | None = None
+
+
+class StateRefused(Conflict):
+    """A change of a serve's state the rule (gpud.core.states) refuses: the whole change it
+    came with (reservation, event and state) is not made."""
+
+
+@dataclass
+class _Pending:
+    changes: Changes
+    ledger: Ledger | None
+    future: asyncio.Future[list[Event]]
+
+
+@dataclass
+class Subscription:
+    query: EventQuery
+    queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(1000))
+
+
+class LedgerService:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        *,
+        config_path: Path | None = None,
+        observer: Observing | None = None,
+        clock: Callable[[], float] = time.time,
+        config_text: str | None = None,
+        overrides: Callable[[Config], Config] = lambda cfg: cfg,
+    ) -> None:
+        self.config = config
+        # The text the running config came from, kept in the store: the next start decides the
+        # file it finds against it.
+        self.config_text = config_text
+        self.overrides = overrides
+        # Why the config file on disk is not the one in force (a refused change), if it is not.
+        self.config_refused: str | None = None
+        self.config_path = config_path
+        self.store = store
+        self.observer = observer
+        self.clock = clock
+        self.started_at = clock()
+        self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpud-store")
+        self._subscribers: list[Subscription] = []
+        self.counters: dict[str, int] = {}
+        # the first commit prunes what an earlier run left
+        self._since_prune = prune_batch(self.config.daemon.events_keep)
+        self._records: dict[str, ServeRecord] = {}
+        # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
+        # made, some of them still on their way to the store.
+        self.ledger = Ledger({}, {})
+        self._decided = self.ledger
+        self._decided_states: dict[str, ServeState] = {}
+        self._queue: list[_Pending] = []
+        self._committer: asyncio.Task[None] | None = None
+        self.commits = 0  # transactions written (one fsync each)
+        # The store's failure, while its commits fail (a full or read-only state directory):
+        # reported (status, a metric), and logged once per STORE_LOG_INTERVAL_S, not per try.
+        self.store_error: str | None = None
+        self.store_failing_since: float | None = None
+        self.store_failures = 0
+        self._store_logged_at: float | None = None
+        self.ready = False
+        # Who launches the serves, while one does (Supervisor, between entering and leaving
+        # its context): see Supervision.
+        self._supervision: Supervision = UNSUPERVISED
+        # Roles on which no admission is granted for now, by who holds them (a serve whose
+        # reservation disagrees with what it says it is, the invariant): key -> (roles, why).
+        self._holds: dict[str, tuple[tuple[str, ...], str]] = {}
+        # The invariant, evaluated after every commit: what was last found false, how often it
+        # was found false, and how far adopted units may leave each role over-committed.
+        self.violations: list[str] = []
+        self.invariant_violations = 0
+        self._adopted_over: dict[str, int] = {}
+        # Called after each commit that stored a serve's state (gpud.nginx.front's awake files).
+        self._state_listeners: list[Callable[[], None]] = []
+        # Repeated refusals (gpud.core.coalesce): one stored event per window and key, with
+        # the count of those it stands for; the timer that stores a window's summary.
+        self.refusals: Coalescer[tuple[str, str | None, int | None, str], Event] = Coalescer()
+        self._refusals_timer: asyncio.TimerHandle | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the ledger from the store and decide the config against it, as a reload would:
+        a change the ledger cannot follow (made to the file while gpud was away) is refused,
+        and gpud goes on with the config it last ran with, saying why."""
+        held = self.store.reservations()
+        for row in self.store.serve_states():
+            self._remember(row.serve, row.state, row.reason, row.updated)
+        stored = self._stored_config()
+        try:
+            roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
+                                    self._device_problem, self._device_id)
+        except ConfigError:
+            if stored is None:
+                raise
+            stored = None  # it does not fit this host any more: decide against the file alone
+            roles = resolve_budgets(self.config, self._device_total, self._devices(),
+                                    self._device_problem, self._device_id)
+        before = stored or self.config
+        self.ledger = self._decided = Ledger.build(roles, held)
+        for res in self.ledger.reservations.values():
+            # In memory only, as it always was: a held reservation is never shown unreserved.
+            rec = self._records.get(res.serve)
+            if rec is None:
+                self._remember(res.serve, ADMITTED, None, 0.0)
+            elif rec.state in (DECLARED, DENIED):
+                self._remember(res.serve, EXTERNAL if res.external else ADMITTED, rec.reason,
+                               rec.updated)
+        outcome = self._decide(before, self.config)
+        if isinstance(outcome, Refusal):
+            if stored is not None:
+                self.config_refused = f"refused at start: {outcome.message}"
+                log.error("the config file was changed while gpud was away in a way the ledger "
+                          "cannot follow; running the config it last ran with: %s",
+                          outcome.message)
+                self.config = stored
+                self.config_text = self.store.meta("config")
+            else:
+                log.error("the ledger does not fit the config: %s", outcome.message)
+        else:
+            self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
+            self._moved_on(outcome)
+        for over in self.ledger.over_committed():
+            self._adopted_over[over.role] = -over.free_mib  # units found running: allowed
+            log.warning(
+                "role %s is over-committed by %d MiB: %s", over.role, -over.free_mib, over.line(),
+                extra={"journal": {"GPUD_EVENT": EventKind.OVER_COMMITTED, "GPUD_ROLE": over.role}},
+            )
+
+    def _stored_config(self) -> Config | None:
+        text = self.store.meta("config")
+        if text is None:
+            return None
+        try:
+            return self.overrides(parse_config(text, "the config gpud last ran with",
+                                             checkpoints=False))
+        except ConfigError as exc:
+            log.warning("the stored config cannot be read (%s); deciding against the file alone",
+                        exc.message)
+            return None
+
+    def _devices(self) -> list[str] | None:
+        return self.observer.present_devices() if self.observer else None
+
+    def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
+        budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem,
+                                  self._device_id)
+        return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
+                          states=self.states(), may_stop=may_stop)
+
+    def decide(self, new: Config, *, may_stop: bool) -> Transition | Refusal:
+        """What changing to `new` would do (see gpud.core.transition)."""
+        return self._decide(self.config, new, may_stop=may_stop)
+
+    def _transition_changes(self, t: Transition, source: str, uid: int | None) -> Changes:
+        changes = Changes(meta={"config": self.config_text} if self.config_text else {})
+        for serve in t.released:
+            res = self.ledger.reservations[serve]
+            figures = [t.ledger.figures(r) for r in res.all_roles if r in t.ledger.roles]
+            changes.delete.append(serve)
+            self._store_state(changes, self.report(serve, Happened.CONFIG_DROPPED,
+                                                   f"released: {source}"), after=t.ledger)
+            changes.events.append(self.event(
+                EventKind.RELEASE, f"{serve} released {res.mib} MiB on {on_roles(res)} ({source}: the "
+                f"serve left the config or its role)"
+                + "".join(f"; {f.line()}" for f in figures),
+                serve=serve, role=res.role, mib=res.mib, uid=uid, **roles_detail(res)))
+        return changes
+
+    def _moved_on(self, t: Transition) -> None:
+        self.ledger = self._decided = t.ledger
+        for serve in t.released:
+            rec = self._records.get(serve)
+            if rec is not None:
+                self._remember(serve, DECLARED, None, rec.updated)
+
+    @property
+    def records(self) -> Mapping[str, ServeRecord]:
+        """Every serve's record, read-only: only this service changes them (states through
+        committed changes, the unit's PID and restart count through the two methods below)."""
+        return MappingProxyType(self._records)
+
+    def set_main_pid(self, serve: str, pid: int | None) -> None:
+        """The main PID of the serve's unit as systemd last said it (None: none, or not one
+        to show). A serve without a record is left alone."""
+        rec = self._records.get(serve)
+        if rec is not None and rec.main_pid != pid:
+            self._records[serve] = replace(rec, main_pid=pid)
+
+    def watch_states(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every commit that stored a serve's state (read them from
+        `states`)."""
+        self._state_listeners.append(listener)
+
+    def supervise(self, supervision: Supervision | None) -> None:
+        """`supervision` launches the serves from now on (None: nobody does any more)."""
+        self._supervision = supervision if supervision is not None else UNSUPERVISED
+
+    def launching(self) -> tuple[bool, str | None]:
+        """Whether launching works, and why not."""
+        return self._supervision.launching()
+
+    def busy(self, serve: str) -> bool:
+        """The serve's launch is under way: its unit may be about to run."""
+        return self._supervision.launch_under_way(serve)
+
+    def set_restart_count(self, serve: str, n_restarts: int) -> None:
+        """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch."""
+        rec = self._records.get(serve)
+        if rec is not None and rec.n_restarts != n_restarts:
+            self._records[serve] = replace(rec, n_restarts=n_restarts)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held for every change of the ledger; commit() callers must hold it."""
+        return self._lock
+
+    def end_streams(self) -> None:
+        """End every event stream (gpud is stopping)."""
+        for sub in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                sub.queue.put_nowait(None)
+        self._subscribers.clear()
+
+    def close(self) -> None:
+        self.end_streams()
+        self._executor.shutdown(wait=True)
+        if self._refusals_timer is not None:
+            self._refusals_timer.cancel()
+        # The refusals counted in open windows, stored before gpud goes (the store's thread
+        # is done: this thread writes alone).
+        summaries = self.refusals.due(float("inf"))
+        if summaries:
+            try:
+                self.store.commit(Changes(events=[self._summary_event(s) for s in summaries]))
+            except GpudError as exc:
+                log.warning("storing the last refusals' summaries failed: %s", exc.message)
+
+    def _device_total(self, device: str) -> int | None:
+        return self.observer.device_total(device) if self.observer else None
+
+    def _device_problem(self, device: str) -> str | None:
+        return self.observer.device_problem(device) if self.observer else None
+
+    def _device_id(self, device: str) -> str | None:
+        """The UUID of the device a reference names, where observation knows it."""
+        find = getattr(self.observer, "device", None)
+        dev = find(device) if callable(find) else None
+        uuid = getattr(dev, "uuid", None)
+        return uuid if isinstance(uuid, str) else None
+
+    # ---- the write path --------------------------------------------------------------------
+
+    def event(self, kind: EventKind, message: str, *, serve: str | None = None,
+              role: str | None = None, mib: int | None = None, uid: int | None = None,
+              **details: Any) -> Event:
+        """An event of `kind`, not yet stored."""
+        if serve is not None and "roles" not in details:
+            # Every event of a serve on several roles names them all (details.roles, journald
+            # GPUD_ROLES), so that it is found by any of them; single-role events stay as they were.
+            spec = self.config.serves.get(serve)
+            held = self._decided.reservations.get(serve)
+            roles = spec.all_roles if spec is not None else held.all_roles if held else ()
+            if len(roles) > 1:
+                details["roles"] = list(roles)
+        return Event(kind, message, self.clock(), serve, role, mib, uid, details)
+
+    def submit(self, changes: Changes, ledger: Ledger | None = None) -> asyncio.Future[list[Event]]:
+        """Queue a decided change for the next group commit. Callers hold the lock: `ledger`
+        (the ledger with this change) is what the next decision is made on at once; readers
+        see it, and the caller is answered, only once the transaction holding it is durable.
+        Every change decided while one transaction is being written goes into the next one."""
+        future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(changes, ledger, future))
+        if ledger is not None:
+            self._decided = ledger
+        for row in changes.states:
+            self._decided_states[row.serve] = row.state
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.get_running_loop().create_task(self._commit_loop())
+        return future
+
+    async def commit(self, changes: Changes, ledger: Ledger | None = None) -> list[Event]:
+        """Submit and wait until durable (see `submit`)."""
+        return await self.submit(changes, ledger)
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                stored = await loop.run_in_executor(
+                    self._executor, self.store.commit_many, [p.changes for p in batch])
+            except BaseException as exc:
+                # Nothing of this batch is durable, and what was decided after it rests on it:
+                # every waiter hears the failure, and decisions start again from the store.
+                failed, self._queue = batch + self._queue, []
+                self._decided, self._decided_states = self.ledger, {}
+                for p in failed:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                self._store_failed(exc)
+                continue
+            self.commits += 1
+            self._store_works()
+            for p, events in zip(batch, stored, strict=True):
+                for row in p.changes.states:
+                    self._remember(row.serve, row.state, row.reason, row.updated)
+                if p.ledger is not None:
+                    freed = _freed_roles(self.ledger, p.changes)
+                    self.ledger = p.ledger
+                    for role in freed:
+                        self._supervision.freed(role)
+                    if freed:
+                        self._clear_denials(freed)
+                for ev in events:
+                    try:
+                        self._announce(ev)
+                    except Exception:  # the change is durable: its caller is answered anyway
+                        log.exception("announcing event %s failed", ev.id)
+                self._since_prune += len(events)
+                if not p.future.done():
+                    p.future.set_result(events)
+            self._decided_states = {row.serve: row.state for p in self._queue
+                                    for row in p.changes.states}
+            self._check_invariant()
+            if any(p.changes.states for p in batch):
+                for listener in self._state_listeners:
+                    try:
+                        listener()
+                    except Exception:  # the change is durable: its callers are answered anyway
+                        log.exception("a listener of serve states failed")
+            if self._since_prune >= prune_batch(self.config.daemon.events_keep):
+                # Queued behind this commit in the store's thread; nobody waits on it.
+                self._since_prune = 0
+                loop.run_in_executor(self._executor, self._prune)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.store_failures += 1
+        self.store_error = exc.message if isinstance(exc, GpudError) else repr(exc)
+        if self.store_failing_since is None:
+            self.store_failing_since = self.clock()
+        if self._store_logged_at is None or now - self._store_logged_at >= STORE_LOG_INTERVAL_S:
+            self._store_logged_at = now
+            log.error("the store fails (%d failed commits since %s): %s; nothing that needs a "
+                      "record is changed until it works again", self.store_failures,
+                      time.strftime("%H:%M:%S", time.localtime(self.store_failing_since)),
+                      self.store_error)
+
+    def _store_works(self) -> None:
+        if self.store_error is not None:
+            log.warning("the store commits again, after %d failed commits: %s",
+                        self.store_failures, self.store_error)
+        self.store_error, self.store_failing_since = None, None
+        self.store_failures, self._store_logged_at = 0, None
+
+    def store_status(self) -> answers.StoreStatus:
+        """Whether the store commits, and since when it fails, with its last error."""
+        return {"ok": self.store_error is None, "error": self.store_error,
+                "failing_since": self.store_failing_since, "failed_commits": self.store_failures}
+
+    def _clear_denials(self, roles: Sequence[str]) -> None:
+        """A denied serve on `roles` that would now be admitted at its vram_mib is no longer
+        denied: its reason is not true any more (it goes back to declared, unreserved)."""
+        changes = Changes()
+        for name, spec in self.config.serves.items():
+            rec = self._records.get(name)
+            if rec is None or rec.state != DENIED or self._decided_state(name) != DENIED \
+                    or not any(r in roles for r in spec.all_roles):
+                continue
+            if all(self.free_for(name, r) >= spec.vram_mib for r in spec.all_roles):
+                self._store_state(changes, self.report(name, Happened.CLEARED))
+        if changes.states:
+            self.submit(changes)
+
+    def _check_invariant(self) -> None:
+        """The invariant against what is durable now. Found false: an `invariant` event with
+        the violations (journal at error level), the count behind
+        gpud_invariant_violations_total, and admissions held on the roles concerned until it
+        holds again."""
+        for role, allowed in list(self._adopted_over.items()):
+            budget = self.ledger.roles.get(role)
+            over = -self.ledger.figures(role).free_mib if budget is not None else 0
+            if min(allowed, over) > 0:
+                self._adopted_over[role] = min(allowed, over)  # drains, never grows back
+            else:
+                del self._adopted_over[role]
+        found = violated(self.config, self.ledger, self.states(), adopted_over=self._adopted_over)
+        texts = sorted({text for _roles, text in found})
+        if texts == self.violations:
+            return
+        new = [t for t in texts if t not in self.violations]
+        self.violations = texts
+        if texts:
+            self.invariant_violations += len(new)
+            roles = sorted({r for rs, _ in found for r in rs})
+            self.hold(INVARIANT_HOLD, roles, "the invariant does not hold: " + "; ".join(texts))
+            ev = self.event(EventKind.INVARIANT, "the invariant does not hold: " + "; ".join(texts)
+                            + (f"; admissions on {', '.join(roles)} are refused until it holds"
+                               if roles else ""), violations=texts, roles=roles, holds=False)
+        else:
+            self.lift(INVARIANT_HOLD)
+            ev = self.event(EventKind.INVARIANT, "the invariant holds again", violations=[], holds=True)
+        self.submit(Changes(events=[ev]))
+
+    async def drain(self) -> None:
+        """Wait until every submitted change is committed (or has failed)."""
+        while self._committer is not None and not self._committer.done():
+            await asyncio.wait({self._committer})
+
+    def _decided_state(self, serve: str) -> ServeState:
+        """A serve's state with the decided but not yet committed changes."""
+        state = self._decided_states.get(serve)
+        if state is not None:
+            return state
+        rec = self._records.get(serve)
+        return rec.state if rec else DECLARED
+
+    def _prune(self) -> None:
+        try:
+            gone = self.store.prune_events(self.config.daemon.events_keep)
+        except GpudError as exc:
+            log.warning("pruning old events failed: %s", exc.message)
+            return
+        if gone:
+            log.info("pruned %d old events (keeping the newest %d)", gone,
+                     self.config.daemon.events_keep)
+
+    def _announce(self, ev: Event) -> None:
+        if not ev.details.get("repeated"):  # a summary's refusals were counted as they came
+            self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
+        level = logging.WARNING if ev.kind in WARNING_KINDS else logging.INFO
+        if ev.kind == EventKind.INVARIANT and not ev.details.get("holds"):
+            level = logging.ERROR
+        fields: dict[str, object] = {"GPUD_EVENT": ev.kind, "GPUD_SERVE": ev.serve, "GPUD_ROLE": ev.role,
+                  "GPUD_MIB": ev.mib, "GPUD_UID": ev.uid, "GPUD_EVENT_ID": ev.id}
+        for key, value in ev.details.items():
+            if isinstance(value, int | float | str):
+                fields[f"GPUD_{key.upper()}"] = value
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                fields[f"GPUD_{key.upper()}"] = ",".join(value)  # GPUD_ROLES=left,right
+        log.log(level, ev.message, extra={"journal": fields})
+        for sub in list(self._subscribers):
+            if _matches(sub.query, ev):
+                try:
+                    sub.queue.put_nowait(ev)
+                except asyncio.QueueFull:
+                    # A follower that does not read is cut off rather than growing memory.
+                    self._subscribers.remove(sub)
+                    sub.queue = asyncio.Queue(1)
+                    sub.queue.put_nowait(None)
+
+    async def put_meta(self, key: str, value: str | None) -> None:
+        async with self._lock:
+            done = self.submit(Changes(meta={key: value}))
+        await done
+
+    async def record(self, ev: Event, *, report: Reported | None = None,
+                     state: ServeStateRow | None = None, cause: Cause | None = None) -> Event:
+        """Store one event, with what happened to its serve (`report`: the state it leads to is
+        decided by gpud.core.serverecord) outside any ledger change. `state` names a state
+        outright, changed because of `cause` (tests and tools; gpud's own adapters report).
+        A change the rule refuses raises StateRefused and stores nothing, the event neither."""
+        async with self._lock:
+            changes = Changes(events=[ev])
+            if report is not None:
+                self._store_state(changes, report)
+            if state is not None:
+                self._store_state(changes, state, cause)
+            done = self.submit(changes)
+        return (await done)[0]
+
+    def _store_state(self, changes: Changes, row: ServeStateRow | Reported,
+                     cause: Cause | None = None, *, after: Ledger | None = None) -> None:
+        """The one writer of a serve's recorded state. A report (`Reported`) is stepped on the
+        serve's record (gpud.core.serverecord.step: its state decided, with the reservation it
+        holds once `after`, the ledger the change makes, is committed); a row names its state
+        outright, changed because of `cause` (None: what some cause allows). The state goes into
+        `changes`, committed with the reservation change and the event beside it in one
+        transaction. A change the rule refuses is logged and raises StateRefused: the caller
+        submits nothing of `changes`. Callers hold the lock."""
+        serve = row.serve
+        prev = self._decided_states.get(serve)
+        if prev is None and serve in self._records:
+            prev = self._records[serve].state
+        if isinstance(row, Reported):
+            res = (after or self._decided).reservations.get(serve)
+            record = Record(prev, holds=res is not None, external=bool(res and res.external),
+                           configured=serve in self.config.serves)
+            stepped = step(record, row.report)
+            if isinstance(stepped, StateRefusal):
+                self._refuse_state(serve, stepped)
+            stores = [e.state for e in stepped.effects if isinstance(e, StoreState)]
+            if stores:
+                changes.states.append(self.state_row(serve, stores[-1], row.reason))
+            return
+        decided = record_state(prev, row.state, cause)
+        if isinstance(decided, StateRefusal):
+            self._refuse_state(serve, decided)
+        changes.states.append(row)
+
+    def _refuse_state(self, serve: str, refusal: StateRefusal) -> NoReturn:
+        log.warning("%s: change refused: %s", serve, refusal.message, extra={
+            "journal": {"GPUD_SERVE": serve, "GPUD_STATE_FROM": refusal.prev or "",
+                        "GPUD_STATE_TO": refusal.next, "GPUD_CAUSE": refusal.cause or ""}})
+        raise StateRefused(f"serve {serve!r}: {refusal.message}",
+                           {"serve": serve, "state": refusal.prev, "next": refusal.next,
+                            "cause": refusal.cause})
+
+    def report(self, serve: str, happened: Happened, reason: str | None = None, *,
+               back_to: ServeState | None = None) -> Reported:
+        """What happened to `serve`, for `record`: its state is decided by its one step."""
+        return Reported(serve, Report(happened, back_to), reason)
+
+    def _remember(self, serve: str, state: ServeState, reason: str | None,
+                  updated: float) -> None:
+        """A stored state into the serve's record in memory: one committed (the commit loop, a
+        config's released serves), or read back from the store at start, with the start's own
+        correction (a serve that holds a reservation is never shown declared or denied); the
+        unit's PID and restart count stay as they were."""
+        rec = self._records.get(serve, ServeRecord())
+        self._records[serve] = replace(rec, state=state, reason=reason, updated=updated)
+
+    def state_row(self, serve: str, state: ServeState,
+                  reason: str | None = None) -> ServeStateRow:
+        """A serve's state to commit."""
+        return ServeStateRow(serve, state, reason, self.clock())
+
+    # ---- holds -----------------------------------------------------------------------------
+
+    def hold(self, key: str, roles: Sequence[str], why: str) -> None:
+        """Refuse admissions on `roles` until `lift(key)`; the admissions of the serve named
+        `key` itself (the one putting its reservation right) go through."""
+        self._holds[key] = (tuple(roles), why)
+
+    def lift(self, key: str) -> None:
+        self._holds.pop(key, None)
+
+    def held(self, role: str, serve: str) -> str | None:
+        """Why admissions of `serve` on `role` are refused for now, else None."""
+        for key, (roles, why) in self._holds.items():
+            if key != serve and role in roles:
+                return why
+        return None
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def serve_role(self, serve: str, role: str | None) -> tuple[str, bool]:
+        """The (first) role an admission is for, and whether the reservation is external."""
+        roles, external = self.serve_roles(serve, role)
+        return roles[0], external
+
+    def serve_roles(self, serve: str, role: str | None) -> tuple[tuple[str, ...], bool]:
+        """The roles an admission is for (a configured serve's, all of them), and whether the
+        reservation is external."""
+        spec = self.config.serves.get(serve)
+        if spec is not None:
+            if role is not None and role not in spec.all_roles:
+                if spec.extra_roles:
+                    raise BadRequest(
+                        f"serve {serve!r} is configured on roles {', '.join(spec.all_roles)}, "
+                        f"not {role!r}",
+                        {"serve": serve, "role": role, "configured_role": spec.role,
+                         "configured_roles": list(spec.all_roles)})
+                raise BadRequest(
+                    f"serve {serve!r} is configured on role {spec.role!r}, not {role!r}",
+                    {"serve": serve, "role": role, "configured_role": spec.role},
+                )
+            return spec.all_roles, False
+        if role is None:
+            raise NotFound(
+                f"unknown serve {serve!r}: not in the config; to reserve memory for a process "
+                f"gpud does not launch, give its role (gpuctl admit {serve} MIB --role ROLE)",
+                {"serve": serve},
+            )
+        check_role_name(role)
+        if role not in self.ledger.roles or self.ledger.roles[role].missing:
+            raise NotFound(f"unknown role {role!r}", {"role": role, "roles": sorted(self.config.roles)})
+        return (role,), True
+
+    def _physical(self, roles: tuple[str, ...], serve: str
+                  ) -> tuple[dict[str, PhysicalView] | None, Check, str | None]:
+        """Strict admission's physical view of every device the serve would use, or the ledger
+        bound alone (saying why) when one of them cannot be observed."""
+        if self.config.daemon.admission == "ledger":
+            return None, "ledger", None
+        obs = self.observer
+        decided_states = {**self.states(), **self._decided_states}
+        views: dict[str, PhysicalView] = {}
+        spec = self.serve_spec(serve)
+        # vLLM's start check counts its CUDA context as used: a reservation that leaves no room
+        # for it (vllm.context_mib unset) is admitted only with that much more free.
+        headroom = (self.config.daemon.vllm_start_context_mib
+                    if spec is not None and spec.vllm is not None and not spec.vllm.context_mib
+                    else 0)
+        for role in roles:
+            device = self._decided.roles[role].device
+            view = obs.physical_view(device, serve, self._decided, decided_states) if obs else None
+            if view is None:
+                return None, "ledger", (
+                    "observation unavailable: strict admission fell back to the ledger bound")
+            views[role] = replace(view, start_headroom_mib=headroom) if headroom else view
+        return views, "strict", None
+
+    async def admit(self, serve: str, mib: int, *, role: str | None = None,
+                    uid: int | None = None, state: ServeState | None = None,
+                    event: tuple[EventKind, str, dict[str, Any]] | None = None,
+                    shrink: bool = False, state_reason: str | None = None,
+                    meta: dict[str, str | None] | None = None,
+                    cause: Cause = Cause.ADMIT,
+                    happened: Happened = Happened.ADMITTED) -> Admission:
+        """Reserve `mib` for `serve` (its own reservation replaced), with its new state (what
+        `happened` leads to: gpud.core.serverecord; or `state`, named outright because of
+        `cause`: tests and tools) and the event in the same transaction. `shrink` (a serve put to
+        sleep) is decided on the ledger bound alone and never refused for a smaller reservation;
+        `event` replaces the "admit" event (kind, message, details)."""
+        check_serve_name(serve)
+        async with self._lock:
+            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
+                                         event=event, shrink=shrink,
+                                         state_reason=state_reason, meta=meta, cause=cause,
+                                         happened=happened)
+        admission, done = decided
+        await done  # durable; a denial is answered only once what it was decided on is, too
+        if isinstance(admission, Denied):
+            raise admission
+        return admission
+
+    def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
+                      state: ServeState | None,
+                      event: tuple[EventKind, str, dict[str, Any]] | None = None,
+                      shrink: bool = False, state_reason: str | None = None,
+                      meta: dict[str, str | None] | None = None,
+                      cause: Cause = Cause.ADMIT,
+                      happened: Happened = Happened.ADMITTED) -> tuple[Admission | Denied,
+                                                     asyncio.Future[list[Event]]]:
+        roles, external = self.serve_roles(serve, role)
+        role_name = roles[0]
+        for name in roles if not shrink else ():
+            lost = self.lost_device(name)
+            if lost is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, lost)
+            why = self.held(name, serve)
+            if why is not None:
+                return self._deny_on_lost_device(serve, name, mib, uid, why,
+                                                 bound=DenialBound.HELD)
+        physical, check, note = (None, "ledger", None) if shrink else self._physical(roles,
+                                                                                     serve)
+        outcome = self._decided.decide(
+            serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
+            physical=physical, check=check, note=note,
+        )
+        holding = self._decided.reservations.get(serve)
+        if shrink and isinstance(outcome, Denial) and holding is not None and mib <= holding.mib:
+            # A shrink makes no role fuller: on a role over-committed by adopted units it is
+            # made all the same (the ledger bound would refuse any size there).
+            res = Reservation(serve, role_name, mib, holding.since, uid, external, roles[1:])
+            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
+            shrunk = tuple(after.figures(name) for name in roles)
+            outcome = after, Admission(res, holding.mib, shrunk[0], "ledger", note, shrunk[1:])
+        if isinstance(outcome, Denial):
+            done = self._deny(outcome, uid, check, note, roles)
+            return Denied(outcome.message, {**outcome.details(), "check": check,
+                                            "note": note}), done
+        ledger, admission = outcome
+        figures = admission.figures
+        verb = f"replaced {admission.replaced_mib} MiB" if admission.replaced_mib else "new"
+        each = " on each" if len(roles) > 1 else ""
+        kind, message, details = event or (
+            EventKind.ADMIT, f"{serve} admitted on {on_roles(admission.reservation)}: {mib} MiB{each} "
+            f"({verb})", {})
+        ev = self.event(
+            kind, f"{message}; " + "; ".join(f.line() for f in admission.all_figures),
+            serve=serve, role=role_name, mib=mib, uid=uid, check=check,
+            replaced_mib=admission.replaced_mib, free_mib=figures.free_mib,
+            committed_mib=figures.committed_mib, **roles_detail(admission.reservation),
+            **details,
+        )
+        changes = Changes(put=[admission.reservation], events=[ev], meta=dict(meta or {}))
+        if state is not None:
+            self._store_state(changes, self.state_row(serve, state, state_reason), cause)
+        else:
+            self._store_state(changes, self.report(serve, happened, state_reason), after=ledger)
+        done = self.submit(changes, ledger)
+        return admission, done
+
+    def free_for(self, serve: str, role: str) -> int:
+        """What an admission of `serve` on `role` could get now (its own reservation counted
+        back in): the ledger bound and, in strict admission, the physical one. Decides
+        nothing."""
+        free = self._decided.figures(role, excluding=serve).free_mib
+        physical, _check, _note = self._physical((role,), serve)
+        if physical is not None and role in physical:
+            free = min(free, physical[role].free_for_serve())
+        return free
+
+    def lost_device(self, role: str) -> str | None:
+        """Why the role's device cannot take memory now (observation reports it lost), else
+        None. Its free figures mean nothing then: the ledger bound is no fallback."""
+        budget = self.ledger.roles.get(role)
+        problem = getattr(self.observer, "device_problem", None)
+        if budget is None or budget.missing or not callable(problem):
+            return None
+        why = problem(budget.device)
+        return f"device {budget.device!r} of role {role!r} is lost: {why}" if why else None
+
+    def _deny_on_lost_device(self, serve: str, role: str, mib: int, uid: int | None,
+                             lost: str, *, bound: DenialBound = DenialBound.DEVICE
+                             ) -> tuple[Denied, asyncio.Future[list[Event]]]:
+        """The denial (recorded, with the reason) of an admission on a role whose device is
+        lost, or (`bound` "held") on which admissions are held."""
+        message = f"{serve} denied on {role}: {lost}"
+        ev = self.event(EventKind.DENY, message, serve=serve, role=role, mib=mib, uid=uid,
+                        check=bound, bound=bound, need_mib=mib)
+        return Denied(message, {"serve": serve, "role": role, "bound": bound,
+                                "need_mib": mib, "device": self.ledger.roles[role].device,
+                                "check": bound}), self.submit(Changes(events=self._coalesced(ev)))
+
+    def _deny(self, denial: Denial, uid: int | None, check: Check,
+              note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
+        ev = self.event(EventKind.DENY, denial.message, serve=denial.serve, role=denial.role,
+                        mib=denial.need_mib, uid=uid, check=check, bound=denial.bound,
+                        need_mib=denial.need_mib, free_mib=denial.free_mib,
+                        shortfall_mib=denial.shortfall_mib,
+                        **({"roles": list(roles)} if len(roles) > 1 else {}),
+                        **({"lacking": denial.details()["lacking"]} if denial.more else {}))
+        # Whether the serve is shown denied is its step's (a running serve, or one that holds
+        # a reservation, keeps its state; an external name is not remembered for a failed ask).
+        changes = Changes(events=self._coalesced(ev))
+        self._store_state(changes, self.report(denial.serve, Happened.DENIED, denial.reason))
+        return self.submit(changes)
+
+    # ---- repeated refusals -----------------------------------------------------------------
+
+    def _coalesced(self, ev: Event) -> list[Event]:
+        """The refusal `ev` as stored: itself when it is an operator's, or the first of its
+        window (its serve, kind, peer and bound) for a request through the front; else nothing
+        (counted, and stored with the others of its window as one event when the window ends:
+        gpud.core.coalesce)."""
+        if not COALESCE_REFUSALS.get():
+            return [ev]
+        now = ev.ts
+        self._flush_refusals(now)
+        key = (str(ev.kind), ev.serve, ev.uid, str(ev.details.get("bound", "")))
+        if self.refusals.offer(key, ev, now) == Verdict.STORE:
+            return [ev]
+        self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
+        self._arm_refusals_timer(now)
+        return []
+
+    def _arm_refusals_timer(self, now: float) -> None:
+        due = self.refusals.next_due()
+        if due is None or self._refusals_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a test's synchronous use): the next refusal flushes
+
+        def fire() -> None:
+            self._refusals_timer = None
+            self._flush_refusals(self.clock())
+            self._arm_refusals_timer(self.clock())
+
+        self._refusals_timer = loop.call_later(max(0.0, due - now) + 0.01, fire)
+
+    def _flush_refusals(self, now: float) -> None:
+        summaries = self.refusals.due(now)
+        if summaries:
+            self.submit(Changes(events=[self._summary_event(s) for s in summaries]))
+
+    def _summary_event(self, s: Summary[tuple[str, str | None, int | None, str], Event]
+                       ) -> Event:
+        last = s.last
+        took = max(0.0, s.last_ts - s.first_ts)
+        message = (f"{s.count} more like this within {s.window_s:g} s (the last at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(s.last_ts))}, over {took:.1f} s; "
+                   f"stored as one): {last.message}")
+        return Event(last.kind, message, self.clock(), last.serve, last.role, last.mib, last.uid,
+                     {**last.details, "repeated": s.count, "first_ts": s.first_ts,
+                      "last_ts": s.last_ts, "window_s": s.window_s})
+
+    async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
+                      next_state: ServeState | None = None, state_reason: str | None = None,
+                      allow_live: bool = False, cause: Cause = Cause.RELEASE,
+                      happened: Happened = Happened.RELEASED,
+                      back_to: ServeState | None = None) -> Reservation:
+        """Release a reservation, the serve's state what `happened` leads to (gpud.core.
+        serverecord; `back_to` for a rollback; or `next_state` named outright because of
+        `cause`: tests and tools). A serve whose process may still hold the memory is refused
+        unless the caller (the supervisor, after stopping it) says otherwise."""
+        check_serve_name(serve)
+        async with self._lock:
+            res, done = self._release_locked(serve, uid=uid, reason=reason,
+                                             next_state=next_state, state_reason=state_reason,
+                                             allow_live=allow_live, cause=cause,
+                                             happened=happened, back_to=back_to)
+        await done
+        return res
+
+    async def adopt(self, serve: str, role: str | Sequence[str], mib: int) -> Reservation:
+        """Record the reservation of a unit found running: its memory is already in use, so it
+        is kept even when it does not fit (the role then shows as over-committed). A serve on
+        several roles is adopted on all of them at once."""
+        roles = (role,) if isinstance(role, str) else tuple(role)
+        async with self._lock:
+            res = Reservation(serve, roles[0], mib, self.clock(), None, False, roles[1:])
+            ledger = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
+            figures = ledger.figures(roles[0])
+            for name in roles:
+                over = -ledger.figures(name).free_mib
+                if over > 0:  # its memory is in use already: the invariant allows it
+                    self._adopted_over[name] = max(self._adopted_over.get(name, 0), over)
+            ev = self.event(EventKind.ADMIT, f"{serve} re-admitted on {on_roles(res)} for its running "
+                            f"unit: {mib} MiB{' on each' if len(roles) > 1 else ''}; "
+                            + "; ".join(ledger.figures(r).line() for r in roles),
+                            serve=serve, role=roles[0], mib=mib,
+                            adopted=True, free_mib=figures.free_mib, **roles_detail(res))
+            done = self.submit(Changes(put=[res], events=[ev]), ledger)
+        await done
+        return res
+
+    def _release_locked(self, serve: str, *, uid: int | None, reason: str,
+                        next_state: ServeState | None, state_reason: str | None,
+                        allow_live: bool, cause: Cause = Cause.RELEASE,
+                        happened: Happened = Happened.RELEASED,
+                        back_to: ServeState | None = None
+                        ) -> tuple[Reservation, asyncio.Future[list[Event]]]:
+        if serve not in self._decided.reservations:
+            if serve in self.config.serves or serve in self._records:
+                raise Conflict(f"serve {serve!r} holds no reservation", {"serve": serve})
+            raise NotFound(f"unknown serve {serve!r}", {"serve": serve})
+        state = self._decided_state(serve)
+        if self.busy(serve) and not allow_live:
+            state = STARTING
+        if state in LIVE_STATES and not allow_live:
+            raise Conflict(
+                f"serve {serve!r} is {state}: its process may still hold the memory; stop it in "
+                f"the same request (gpuctl release {serve} --stop)",
+                {"serve": serve, "state": state},
+            )
+        ledger, res = self._decided.release(serve)
+        figures = ledger.figures(res.role)
+        ev = self.event(EventKind.RELEASE, f"{serve} released {res.mib} MiB"
+                        f"{' on each of' if res.extra_roles else ' on'} {on_roles(res)} "
+                        f"({reason}); " + "; ".join(ledger.figures(r).line() for r in res.all_roles),
+                        serve=serve, role=res.role, mib=res.mib, uid=uid,
+                        free_mib=figures.free_mib, **roles_detail(res))
+        changes = Changes(delete=[serve], events=[ev])
+        if next_state is not None:
+            self._store_state(changes, self.state_row(serve, next_state, state_reason), cause)
+        else:
+            self._store_state(changes, self.report(serve, happened, state_reason,
+                                                   back_to=back_to), after=ledger)
+        done = self.submit(changes, ledger)
+        return res, done
+
+    # ---- reload ----------------------------------------------------------------------------
+
+    async def reload(self, cfg: Config, text: str, *, source: str,
+                     uid: int | None = None) -> list[str]:
+        """Swap in a new config, decided against the ledger in one step: reservations of serves
+        that left it are released in the same transaction; a change the ledger cannot follow
+        (a live serve removed, a held role removed, a role over-committed) is refused whole.
+        Returns the roles that stay over-committed (adopted units)."""
+        async with self._lock:
+            await self.drain()  # decided on what is durable, with nothing on its way
+            outcome = self.decide(cfg, may_stop=False)
+            if isinstance(outcome, Refusal):
+                raise Conflict(f"config change refused, nothing changed: {outcome.message}",
+                               {"blockers": [b.to_json() for b in outcome.blockers]})
+            previous = self.config_text
+            self.config_text = text
+            changes = self._transition_changes(outcome, f"reload from {source}", uid)
+            over = [f.role for f in outcome.ledger.over_committed()]
+            released = ", ".join(outcome.released)
+            changes.events.append(self.event(
+                EventKind.RELOAD, f"config reloaded from {source}"
+                + (f"; released: {released}" if released else "")
+                + (f"; over-committed: {', '.join(over)}" if over else ""),
+                uid=uid, over_committed=",".join(over), released=released))
+            try:
+                await self.commit(changes, outcome.ledger)
+            except BaseException:
+                self.config_text = previous
+                raise
+            self.config = cfg
+            self.config_refused = None
+            self._moved_on(outcome)
+            for role in over:  # adopted units keep it over-committed, as they did
+                self._adopted_over[role] = -self.ledger.figures(role).free_mib
+            return over
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def states(self) -> dict[str, ServeState]:
+        return {name: rec.state for name, rec in self._records.items()}
+
+    def state_of(self, serve: str) -> ServeState:
+        rec = self._records.get(serve)
+        return rec.state if rec else DECLARED
+
+    def known_serves(self) -> list[str]:
+        """The configured serves, those holding memory, and those whose unit may still run
+        (an orphan, a removed serve still stopping). A serve the config no longer names that
+        holds nothing is not listed: its history stays in the events."""
+        names = set(self.config.serves) | set(self.ledger.reservations)
+        names |= {n for n, r in self._records.items()
+                  if r.state in LIVE_STATES or r.state == ORPHAN}
+        return sorted(names)
+
+    def serve_spec(self, serve: str) -> ServeConfig | None:
+        return self.config.serves.get(serve)
+
+    async def events(self, query: EventQuery) -> list[Event]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.store.events, query)
+
+    def subscribe(self, query: EventQuery) -> Subscription:
+        sub = Subscription(query)
+        self._subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if sub in self._subscribers:
+            self._subscribers.remove(sub)
+
+    def summary(self) -> str:
+        parts = []
+        for name in sorted(self.ledger.roles):
+            f = self.ledger.figures(name)
+            parts.append(f"{name} {f.committed_mib}/{f.capacity_mib - f.reserve_mib} MiB committed "
+                         f"(free {f.free_mib})")
+        counts: dict[str, int] = {}
+        for serve in self.known_serves():
+            state = self.state_of(serve)
+            counts[state] = counts.get(state, 0) + 1
+        serves = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return "; ".join(parts) + f"; {sum(counts.values())} serves: {serves or 'none'}"
+
+    def status_view(self, observation: answers.Observation) -> answers.Status:
+        counts: dict[str, int] = {}
+        for serve in self.known_serves():
+            state = self.state_of(serve)
+            counts[state] = counts.get(state, 0) + 1
+        available, why = self.launching()
+        return {
+            "version": __version__,
+            "config": str(self.config_path) if self.config_path else None,
+            "admission": self.config.daemon.admission,
+            "started_at": self.started_at,
+            "ready": self.ready,
+            "launching": {"available": available, "reason": why},
+            "observation": observation,
+            "serve_states": counts,
+            "over_committed": [f.role for f in self.ledger.over_committed()],
+            "config_file": self.config_file_status(),
+            "store_transactions": self.commits,
+            "store": self.store_status(),
+            "summary": self.summary(),
+        }
+
+    def config_file_status(self) -> answers.ConfigFile:
+        """Whether the config file on disk is the config in force, and why not."""
+        if self.config_path is None:
+            return {"differs": False, "reason": None}
+        try:
+            on_disk: str | None = self.config_path.read_text()
+        except (OSError, UnicodeDecodeError):
+            on_disk = None
+        differs = self.config_text is not None and on_disk != self.config_text
+        reason = self.config_refused if differs else None
+        if differs and reason is None:
+            reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
+                      "would do" if on_disk is not None else "the file cannot be read")
+        return {"differs": differs, "reason": reason}
+
+
+def _freed_roles(before: Ledger, changes: Changes) -> list[str]:
+    """The roles on which `changes` (made on `before`) release or shrink a reservation; in
+    the size of the change, not of the ledger (a commit may carry thousands of admissions)."""
+    roles: set[str] = set()
+    for serve in changes.delete:
+        res = before.reservations.get(serve)
+        if res is not None:
+            roles.update(res.all_roles)
+    for put in changes.put:
+        res = before.reservations.get(put.serve)
+        if res is not None:
+            kept = set(put.all_roles) if put.mib >= res.mib else set()
+            roles.update(r for r in res.all_roles if r not in kept)
+    return sorted(roles)
+
+
+def _matches(query: EventQuery, ev: Event) -> bool:
+    return ((not query.serves or ev.serve in query.serves)
+            and (not query.roles or ev.role in query.roles
+                 or any(r in query.roles for r in ev.details.get("roles") or ()))
+            and (not query.kinds or ev.kind in query.kinds)
+            and (query.since is None or ev.ts >= query.since))
+
+
+def on_roles(res: Reservation) -> str:
+    """The roles of a reservation for a message: `dark-fast`, or `left, right`."""
+    return res.roles_text
+
+
+def roles_detail(res: Reservation) -> dict[str, Any]:
+    """An event's `roles` detail (every role, for a serve on several), nothing for one role: a
+    single-role serve's events stay as they were."""
+    return {"roles": list(res.all_roles)} if res.extra_roles else {}
+
+
+def check_serve_name(name: str) -> None:
+    try:
+        check_name("serve", name)
+    except ValueError as exc:
+        raise BadRequest(str(exc), {"serve": name[:300]}) from exc
+
+
+def check_role_name(name: str) -> None:
+    try:
+        check_name("role", name)
+    except ValueError as exc:
+        raise BadRequest(str(exc), {"role": name[:300]}) from exc
+

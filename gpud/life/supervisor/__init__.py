@@ -1,0 +1,206 @@
+"""Serves under systemd: launch, adopt, boot the resident set, watch health and crash loops.
+
+A start that profiles memory has its devices to itself: vLLM instances that profile memory at
+the same time on one GPU mis-size each other, so such a serve is started, waited on until
+healthy (or its timeout), and only then the next. Serves sized exactly (vllm.kv_cache_mib:
+--kv-cache-memory-bytes, no profiling) share their devices' locks and start together
+(gpud.core.launch.start_sharing); different devices proceed in parallel. Unit state comes from D-Bus signals
+(gpud.host.units), health from polling each serve's health endpoint.
+
+One module per job, each job an object holding only what it asks of the others (the protocols
+of `base`): `stop` (stops, failures, memory coming back: StopJob, MemoryReturn), `health`
+(health checks and their verdicts: HealthJob, HttpProbe), `launch` (a start: LaunchJob), `watch`
+(the units' signals: UnitWatch), `boot` (reconciliation, the resident set: BootJob); the sleeps
+are gpud.life.sleeping's. `base` has what they all share (Runtime). `Supervisor` makes each once, in
+that order, and is what the rest of gpud asks: the service (gpud.life.service.Supervision), the sleep
+controller and the reconciler (gpud.life.sleeping.Serves), the API, the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from gpud.config import Config, ServeConfig
+from gpud.core.lifecycle import Input, LifeAction, ServeLife
+from gpud.core.traffic import Drain
+from gpud.core.unitstate import UnitState
+from gpud.host.hostmem import host_memory
+from gpud.host.observer import Observer
+from gpud.host.unit_properties import host_home
+from gpud.host.units import SystemdUnits
+from gpud.life.locks import Locks, Taken
+from gpud.life.reconciling import Reconciler
+from gpud.life.service import LedgerService
+from gpud.life.sleeping import Sleeps
+from gpud.life.supervisor.base import (
+    OUTSIDE_STOP,
+    UNCALIBRATED,
+    UNIT_JOB_TIMEOUT_S,
+    CalibrationSource,
+    LifeRecord,
+    Prober,
+    Runtime,
+    read_exit_lines,
+)
+from gpud.life.supervisor.boot import BootJob
+from gpud.life.supervisor.health import HealthJob, HttpProbe
+from gpud.life.supervisor.launch import LaunchJob
+from gpud.life.supervisor.stop import MemoryReturn, StopJob
+from gpud.life.supervisor.watch import UnitWatch
+
+__all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "LifeRecord",
+           "Supervisor", "make_supervisor", "read_exit_lines"]
+
+
+class Supervisor:
+    """The serves under systemd: every job of gpud.life.supervisor's modules, composed."""
+
+    def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
+                 notify: Callable[[str], None] = lambda _m: None,
+                 clock: Callable[[], float] = time.monotonic,
+                 journal: Callable[[str, str | None], Awaitable[list[str]]] = read_exit_lines,
+                 calibrated: CalibrationSource = UNCALIBRATED,
+                 home_of: Callable[[str], str | None] = host_home,
+                 prober: Prober | None = None,
+                 ) -> None:
+        self.svc = svc
+        self.units = units
+        self.observer = observer
+        self.runtime = rt = Runtime(svc, units, observer, clock=clock, calibrated=calibrated)
+        # The sleep controller and the reconciler ask the supervisor back (gpud.life.sleeping.Serves).
+        self.sleeps = Sleeps(self, svc, observer,
+                             host_memory=host_memory(getattr(observer, "backend", None)),
+                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib)
+        self.reconciler = Reconciler(self, svc, self.sleeps, observer)
+        self.memory = MemoryReturn(rt)
+        self.stop_job = StopJob(rt, self.memory, journal=journal)
+        self.health_job = HealthJob(rt, self.stop_job, self.reconciler,
+                                    prober if prober is not None else HttpProbe(rt))
+        self.launch_job = LaunchJob(rt, self.health_job, self.stop_job, self.memory,
+                                    self.sleeps, home_of=home_of)
+        self.watch_job = UnitWatch(rt, self.health_job, self.stop_job)
+        self.boot_job = BootJob(rt, self.launch_job, self.health_job, self.stop_job,
+                                self.sleeps, self.reconciler, notify=notify)
+
+    async def __aenter__(self) -> Supervisor:
+        self.runtime.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        self.units.watch(self.watch_job.heard, self.watch_job.heard)
+        await self.units.connect()
+        self.svc.supervise(self)
+        self.observer.listen(self.health_job.on_observation)
+        self.runtime.spawn(self.watch_job.loop())
+        self.runtime.spawn(self.health_job.loop())
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        tasks = self.runtime.tasks
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.units.close()
+        if self.runtime.client is not None:
+            await self.runtime.client.close()
+        await self.runtime.sockets.close()
+
+    # What the daemon, the API, the rebalancer and the front's on-demand path ask.
+    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
+                    preempt: bool = False) -> dict[str, Any] | None:
+        return await self.launch_job.start(serve, uid, wait=wait, preempt=preempt)
+
+    async def stop(self, serve: str, uid: int | None, *,
+                   keep_reservation: bool = False, idle_s: float | None = None,
+                   drained: Drain | None = None) -> None:
+        await self.stop_job.stop(serve, uid, keep_reservation=keep_reservation, idle_s=idle_s,
+                                 drained=drained)
+
+    async def restart(self, serve: str, uid: int | None) -> None:
+        await self.stop_job.stop(serve, uid, keep_reservation=True)
+        await self.launch_job.start(serve, uid)
+
+    async def reconcile(self) -> None:
+        await self.boot_job.reconcile()
+
+    async def boot(self) -> None:
+        await self.boot_job.boot()
+
+    @property
+    def booted(self) -> asyncio.Event:
+        return self.boot_job.booted
+
+    @property
+    def serves(self) -> dict[str, LifeRecord]:
+        return self.runtime.serves
+
+    def life(self, serve: str) -> ServeLife:
+        return self.runtime.life(serve)
+
+    def watch_lives(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of a serve's life."""
+        self.runtime.watch_lives(listener)
+
+    # What the service asks of its supervision (gpud.life.service.Supervision).
+    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]:
+        """Change the serve's life by `inp` (a sleep or a wake begun or ended)."""
+        return self.runtime.step(serve, inp)
+
+    def launch_under_way(self, serve: str) -> bool:
+        return self.runtime.life(serve).launching
+
+    def freed(self, role: str) -> None:
+        self.sleeps.freed(role)
+
+    def launching(self) -> tuple[bool, str | None]:
+        if self.units.available:
+            return True, None
+        return False, f"system bus: {self.units.reason}"
+
+    # What gpud.life.sleeping and gpud.life.reconciling ask of the supervisor (gpud.life.sleeping.Serves).
+    @property
+    def locks(self) -> Locks:
+        return self.runtime.locks
+
+    def serve_lock(self, serve: str) -> Taken:
+        return self.runtime.serve_lock(serve)
+
+    def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
+        return self.runtime.device_locks(serve, shared=shared)
+
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
+        return self.runtime.serve_http(serve, spec)
+
+    async def unit_state(self, serve: str) -> UnitState | None:
+        return await self.units.state(serve)
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self.runtime.spawn(coro)
+
+    def spec_of(self, serve: str) -> ServeConfig:
+        return self.runtime.spec(serve)
+
+    async def memory_back_for(self, serve: str) -> None:
+        """Wait (bounded) until the stops in progress on the serve's devices are done and their
+        memory shows as free (as a start does first)."""
+        await self.memory.back_all(serve)
+
+    def busy(self, serve: str) -> bool:
+        return self.runtime.life(serve).busy
+
+    async def watch_restart(self, serve: str) -> None:
+        """Wait for a serve that is starting again to answer."""
+        await self.health_job.watch_restart(serve)
+
+    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None:
+        await self.health_job.wake_failed(serve, spec, reason)
+
+
+def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
+                    notify: Callable[[str], None],
+                    calibrated: CalibrationSource = UNCALIBRATED) -> Supervisor:
+    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated)

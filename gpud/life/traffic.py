@@ -1,0 +1,149 @@
+"""The adapter that reads what is in flight on each serve: its ``GET /metrics``, polled (the
+pure part, what the count means and what follows from it, is gpud.core.traffic, whose
+docstring says why the serve's own count is the source).
+
+Off the data path: these are gpud's own requests to a serve (over its Unix socket when it is
+fronted, as gpud's health checks are), bounded by READ_TIMEOUT_S; a slow or silent serve delays
+nothing but the next read. A read that gets no answer leaves what was known; one that answers
+without vLLM's gauges makes the count unknown (None), said once in the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Final
+
+import aiohttp
+
+from gpud.core.traffic import Drain, Flight, drain_done, in_flight_from_metrics, observe
+from gpud.core.vocab import RUNNING, SLEEPING
+from gpud.errors import GpudError
+from gpud.life.service import LedgerService
+
+if TYPE_CHECKING:
+    from gpud.config import ServeConfig
+
+log = logging.getLogger("gpud.traffic")
+
+# How often the serves' counts are read (the end of a request is known within this), and how
+# often during a drain.
+POLL_S: Final = 0.5
+DRAIN_POLL_S: Final = 0.1
+READ_TIMEOUT_S: Final = 2.0
+# A /metrics text larger than this is not read (vLLM's is some tens of KiB).
+MAX_METRICS_BYTES: Final = 8 << 20
+
+
+class Traffic:
+    """The requests in flight on each running or sleeping serve that gpud can reach over HTTP
+    (fronted, or with a port), and the drains under way."""
+
+    def __init__(self, svc: LedgerService,
+                 http: Callable[[str, ServeConfig], aiohttp.ClientSession], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.svc = svc
+        self.http = http
+        self.clock = clock
+        self.flights: dict[str, Flight] = {}
+        # Serves being drained, then stopped or put to sleep (`held`): the front's ensure
+        # waits until that is over (gpud.server.ondemand).
+        self._held: dict[str, int] = {}
+        self._uncounted: set[str] = set()
+        # Told when a drain is over (`watch`): the front's ensure waits for that.
+        self._listeners: list[Callable[[], None]] = []
+
+    def watch(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a serve stops being held (`held`) and whenever a serve's
+        count of requests in flight, as read, changes (the queue's victims wait on both)."""
+        self._listeners.append(listener)
+
+    def draining(self, serve: str) -> bool:
+        return self._held.get(serve, 0) > 0
+
+    @contextlib.contextmanager
+    def held(self, serve: str) -> Iterator[None]:
+        """While the serve is drained and then stopped or put to sleep: no request is let
+        through to it by the front's ensure."""
+        self._held[serve] = self._held.get(serve, 0) + 1
+        try:
+            yield
+        finally:
+            self._held[serve] -= 1
+            if not self._held[serve]:
+                del self._held[serve]
+            for listener in self._listeners:
+                listener()
+
+    def flight(self, serve: str) -> Flight:
+        return self.flights.get(serve, Flight())
+
+    def in_flight(self, serve: str) -> int | None:
+        return self.flight(serve).in_flight
+
+    @staticmethod
+    def reachable(spec: ServeConfig) -> bool:
+        return spec.front or spec.port is not None
+
+    def _url(self, spec: ServeConfig) -> str:
+        if spec.front:
+            return "http://localhost/metrics"  # over the serve's socket (Supervisor.serve_http)
+        return f"http://127.0.0.1:{spec.port}/metrics"
+
+    async def read(self, serve: str, spec: ServeConfig) -> tuple[bool, int | None]:
+        """(answered, count): the serve's count now; answered False when it did not answer."""
+        try:
+            async with self.http(serve, spec).get(
+                    self._url(spec), timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S)) as resp:
+                if resp.status != 200:
+                    return True, None
+                body = await resp.content.read(MAX_METRICS_BYTES)
+        except (aiohttp.ClientError, TimeoutError, OSError, GpudError):
+            return False, None
+        return True, in_flight_from_metrics(body.decode("utf-8", "replace"))
+
+    async def poll(self, serve: str, spec: ServeConfig) -> Flight:
+        answered, count = await self.read(serve, spec)
+        flight = before = self.flight(serve)
+        if answered:
+            flight = observe(flight, count, self.clock())
+            if count is None and serve not in self._uncounted:
+                self._uncounted.add(serve)
+                log.warning("serve %s: its /metrics gives no vllm:num_requests_running nor "
+                            "vllm:num_requests_waiting: its requests in flight are unknown, and "
+                            "its idle time counts from the front's last request alone", serve)
+            elif count is not None:
+                self._uncounted.discard(serve)
+            self.flights[serve] = flight
+            if flight.in_flight != before.in_flight:
+                for listener in self._listeners:
+                    listener()
+        return flight
+
+    async def loop(self) -> None:
+        """Read every running or sleeping reachable serve's count, every POLL_S."""
+        while True:
+            watched = {name: spec for name, spec in self.svc.config.serves.items()
+                       if self.reachable(spec) and self.svc.state_of(name) in (RUNNING, SLEEPING)}
+            for name in [n for n in self.flights if n not in watched]:
+                # not running: nothing in flight; when its last request ended is kept
+                self.flights[name] = observe(self.flights[name], 0, self.clock())
+            if watched:
+                await asyncio.gather(*(self.poll(n, s) for n, s in watched.items()))
+            await asyncio.sleep(POLL_S)
+
+    async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain:
+        """Wait, at most `bound_s`, until nothing is in flight on the serve (the caller holds
+        it: `held`). Returns what happened."""
+        began = self.clock()
+        flight = await self.poll(serve, spec)
+        before = after = flight.in_flight
+        while not drain_done(after, self.clock() - began, bound_s):
+            await asyncio.sleep(DRAIN_POLL_S)
+            after = (await self.poll(serve, spec)).in_flight
+        drained = Drain(before, after, self.clock() - began, bound_s)
+        log.info("serve %s: %s", serve, drained.line())
+        return drained

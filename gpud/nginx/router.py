@@ -1,0 +1,290 @@
+"""The router's adapter: what of the config in force the router is made of, and its script's
+text (gpud/data/router.js with the table gpud.core.router renders). gpud.nginx.front writes both
+beside the front's nginx.conf and reloads the front (docs/router.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import stat
+import time
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Final
+
+from gpud.config import Config, DaemonConfig, ServeConfig, routed
+from gpud.core.front import socket_path
+from gpud.core.queue import KEY_PRIORITY, WEIGHT
+from gpud.core.router import (
+    Answered,
+    ApiKey,
+    RoutedServe,
+    RouterFront,
+    RouterStats,
+    parse_keys,
+    parse_log_line,
+    render_script,
+    routing_table,
+)
+from gpud.core.usage import Counts, UsageKey, add, hour_of, one
+from gpud.durable.store import Store
+from gpud.errors import ConfigError, GpudError
+
+log = logging.getLogger("gpud.router")
+
+SCRIPT_SOURCE: Final = Path(__file__).parent / "data" / "router.js"
+SCRIPT_NAME: Final = "router.js"
+# The router waits for gpud's ensure a little longer than gpud does (as the front).
+ENSURE_MARGIN_S: Final = 5
+# The router's access log (gpud.core.router.LOG_FIELDS), in a directory of the front's that
+# gpud keeps (root's, the front's group may enter): gpud makes the file (root's, the front's
+# group writes it) before nginx opens it, and empties it once it has read past LOG_MAX_BYTES.
+LOG_DIR: Final = "log"
+LOG_NAME: Final = "router.log"
+LOG_MAX_BYTES: Final = 4 << 20
+# How often gpud reads the log besides each scrape of /metrics (the log stays small).
+LOG_READ_S: Final = 5.0
+
+
+def log_dir(d: DaemonConfig) -> str:
+    return f"{d.front_dir.rstrip('/')}/{LOG_DIR}"
+
+
+def awake_dir(d: DaemonConfig) -> str:
+    """Where gpud keeps one empty file per fronted serve that is running and awake, for the
+    front and the router to go by while gpud does not answer (root's, readable by the front's
+    group; gpud.nginx.front.Front.mark_awake)."""
+    return f"{d.front_dir.rstrip('/')}/awake"
+
+
+def log_path(d: DaemonConfig) -> str:
+    return f"{log_dir(d)}/{LOG_NAME}"
+
+
+@cache
+def script_code() -> str:
+    return SCRIPT_SOURCE.read_text()
+
+
+def asks_gpud(cfg: Config, name: str) -> bool:
+    """Whether the router asks gpud to have serve NAME up before each request: an on-demand
+    serve (started or woken) and one that can sleep (woken)."""
+    s = cfg.serves[name]
+    return s.on_demand or (bool(s.front) and bool(s.sleep_level))
+
+
+def wakes_through_router(cfg: Config, name: str) -> bool:
+    """Whether gpud's ensure wakes NAME for the router, though it is not on demand: a routed
+    serve that can sleep (one the router asks gpud about)."""
+    return name in routed(cfg) and name in cfg.serves and asks_gpud(cfg, name)
+
+
+def queue_wait_s(cfg: Config) -> int:
+    """How long gpud may hold an ensure in the queue before the bring-up's own wait
+    (router.queue_timeout_s; 0 without a router or with max_queued 0): nginx's wait for the
+    ensure is that much longer (docs/router.md, "Queue instead of thrash")."""
+    r = cfg.router
+    return r.queue_timeout_s if r is not None and r.max_queued > 0 else 0
+
+
+def load_keys(path: str, known: list[str], *, require_root: bool | None = None
+              ) -> tuple[ApiKey, ...]:
+    """router.api_keys_file's keys; a ConfigError naming the file and each problem (the
+    front is then not rewritten: it keeps the keys it has)."""
+    if require_root is None:
+        require_root = os.geteuid() == 0
+    try:
+        st = os.stat(path)
+        if require_root and (st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077):
+            raise ConfigError(path, [f"must be root's and 0600 (owner uid {st.st_uid}, mode "
+                                     f"{stat.S_IMODE(st.st_mode):04o}): it holds tokens"])
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(path, [f"cannot read: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, [f"not UTF-8 (byte {exc.start})"]) from exc
+    keys, problems = parse_keys(text, known)
+    if problems:
+        raise ConfigError(path, problems)
+    return tuple(keys)
+
+
+class KeyShares:
+    """Each key's priority and weight in gpud's queue (keys.NAME.priority, .weight;
+    docs/router.md, "Who is asking"), read from router.api_keys_file again only when it
+    changed (its size and modification time). A requester that is no key (an address, or
+    keys off), or a file that cannot be read now: the defaults (the router keeps its last good
+    keys; the problem is the front sync's to report)."""
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config
+        self._seen: tuple[str, int, int] | None = None
+        self._shares: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, requester: str) -> tuple[int, float]:
+        cfg = self.config()
+        path = cfg.router.api_keys_file if cfg.router is not None else None
+        if path is None:
+            return KEY_PRIORITY, WEIGHT
+        try:
+            st = os.stat(path)
+        except OSError:
+            return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+        seen = (path, st.st_size, st.st_mtime_ns)
+        if seen != self._seen:
+            try:
+                keys = load_keys(path, [m for names in routed(cfg).values() for m in names])
+            except ConfigError:
+                return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+            self._seen = seen
+            self._shares = {k.name: (k.priority, k.weight) for k in keys}
+        return self._shares.get(requester, (KEY_PRIORITY, WEIGHT))
+
+
+def priority_scheduling(spec: ServeConfig) -> bool:
+    """Whether the serve runs vLLM with --scheduling-policy priority (its vllm extra_args, or
+    a command serve's own argv: vLLM's and the stand-in's flag)."""
+    argv = list(spec.vllm.extra_args) if spec.vllm is not None else list(spec.command or ())
+    for i, arg in enumerate(argv):
+        if arg == "--scheduling-policy=priority" or (
+                arg == "--scheduling-policy" and argv[i + 1:i + 2] == ["priority"]):
+            return True
+    return False
+
+
+def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterFront | None:
+    """The router of CFG (None: no [router]); its keys read from router.api_keys_file, or
+    KEYS when given (the keys last read, kept while the file is refused)."""
+    r = cfg.router
+    if r is None:
+        return None
+    d = cfg.daemon
+    serves = []
+    for name, names in routed(cfg).items():
+        s = cfg.serves[name]
+        serves.append(RoutedServe(
+            name, names, priority_scheduling=priority_scheduling(s),
+            socket=socket_path(d.serve_socket_dir, name) if s.front else None,
+            port=None if s.front else s.port,
+            ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
+                              + queue_wait_s(cfg) + ENSURE_MARGIN_S
+                              if asks_gpud(cfg, name) else None)))
+    if r.api_keys_file is None:
+        keys = None
+    elif keys is None:
+        keys = load_keys(r.api_keys_file, [m for s in serves for m in s.models])
+    return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
+                       script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
+                       max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
+                       loading_feedback_s=r.loading_feedback_s, access_log=log_path(d),
+                       awake_dir=awake_dir(d))
+
+
+def script_text(router: RouterFront) -> str:
+    return render_script(router, script_code())
+
+
+class RouterLog:
+    """Reads the router's access log into RouterStats: requests by model and status class,
+    and the router's own latency (docs/router.md, "Seeing it"). Counts start when gpud does:
+    what was in the log before is skipped. A line nginx writes between gpud's last read and
+    its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart). Made
+    by the daemon before the front is synced: what the front writes from then on counts."""
+
+    def __init__(self, config: Callable[[], Config], store: Store | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.stats = RouterStats.empty()
+        # usage per key (gpud.core.usage): since gpud started (the metrics'), and the hourly
+        # rows not yet in the store (`flush`, each LOG_READ_S)
+        self.store, self.clock = store, clock
+        self.by_key: dict[tuple[str, str, str], Counts] = {}
+        self.pending: dict[UsageKey, Counts] = {}
+        self._pruned_hour = 0
+        self._partial = b""
+        # Counting starts here: what the log holds now is skipped (nothing when there is no
+        # log yet: every line the front writes from now on is counted).
+        try:
+            self._offset = os.stat(log_path(config().daemon)).st_size
+        except OSError:
+            self._offset = 0
+
+    def table(self) -> dict[str, str]:
+        """Model name -> serve of the config in force (none without a router)."""
+        cfg = self.config()
+        if cfg.router is None:
+            return {}
+        try:
+            return routing_table(routed(cfg))
+        except ValueError:
+            return {}
+
+    def read(self) -> None:
+        path = log_path(self.config().daemon)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self._offset:  # emptied or made anew
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+        except OSError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        table = self.table()
+        for line in lines:
+            answered = parse_log_line(line.decode(errors="replace"), table)
+            if answered is not None:
+                self.stats.add(answered)
+                self._count(answered)
+        if self._offset >= LOG_MAX_BYTES and not self._partial:
+            try:
+                os.truncate(path, 0)
+            except OSError as exc:
+                log.warning("router: cannot empty its log %s: %s", path, exc)
+                return
+            self._offset = 0
+
+    def _count(self, a: Answered) -> None:
+        counts = one(a.prompt_tokens, a.completion_tokens)
+        at = (a.key, a.model, a.status_class)
+        self.by_key[at] = self.by_key.get(at, Counts()) + counts
+        ts = a.ts if a.ts is not None else self.clock()
+        self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
+                           counts)
+
+    def flush(self) -> None:
+        """The usage read since the last flush into the store's hourly rows; pruned to
+        daemon.events_keep rows once an hour (as events are). Kept for the next flush when
+        the store fails."""
+        if self.store is None or not self.pending:
+            return
+        rows, self.pending = self.pending, {}
+        try:
+            self.store.add_usage(rows)
+            hour = hour_of(self.clock())
+            if hour != self._pruned_hour:
+                self._pruned_hour = hour
+                gone = self.store.prune_usage(self.config().daemon.events_keep)
+                if gone:
+                    log.info("pruned %d old usage rows", gone)
+        except GpudError as exc:
+            log.warning("router: usage not stored yet: %s", exc.message)
+            for k, c in rows.items():
+                self.pending = add(self.pending, k, c)
+
+    async def loop(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(LOG_READ_S)
+                self.read()
+                await asyncio.to_thread(self.flush)
+        finally:
+            # gpud stops: what was read is stored
+            self.read()
+            self.flush()
