@@ -343,7 +343,7 @@ def test_a_podman_command_that_times_out_leaves_no_unit(podman_sandbox: Sandbox)
     # unit is stopped by name, not only its systemd-run client killed.
     script = (
         "import asyncio, sys\n"
-        "from gpud import containers\n"
+        "from gpud.host import containers\n"
         "unit = containers.unit_for('late')\n"
         "print(unit)\n"
         "print(asyncio.run(containers._run(['/bin/sleep', '600'], 1.0, 'sleeps', unit)))\n")
