@@ -856,7 +856,7 @@ class Sandbox:
         pythonpath = _systemd_quote(f"PYTHONPATH={repo}")
         private_tmp = "PrivateTmp=no\n" if hidden_by_private_tmp([repo, *interpreter_dirs()]) else ""
         self.write_file(
-            "/etc/systemd/system/gpud.life.service.d/sandbox.conf",
+            "/etc/systemd/system/gpud.service.d/sandbox.conf",
             "# written by tools/sandbox.py: the host's interpreter runs the repo's gpud\n"
             "[Service]\n"
             "ExecStart=\n"

@@ -310,7 +310,7 @@ def test_purge_leaves_nothing_behind(sandbox: Sandbox, installed: set[str]) -> N
     assert wants == ""
     # nor the directories enabling made (sockets.target.wants/ was left empty once)
     assert _wants_dirs(sandbox) <= WANTS_BEFORE, _wants_dirs(sandbox) - WANTS_BEFORE
-    assert not sandbox.host_path("/var/lib/systemd/deb-systemd-helper-enabled/gpud.life.service.dsh-also").exists()
+    assert not sandbox.host_path("/var/lib/systemd/deb-systemd-helper-enabled/gpud.service.dsh-also").exists()
     # no gpud unit left loaded: not gpud itself, not a serve it launched from the example config
     assert _gpud_units(sandbox) <= installed
 

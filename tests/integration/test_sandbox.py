@@ -206,7 +206,7 @@ def test_hardened_service_still_reaches_what_gpud_needs(
     # a device outside DevicePolicy=closed's pseudo devices and char-nvidia*: /dev/fuse's numbers
     sandbox.run(["mknod", "-m", "0666", "/dev/gpud-probe-fuse", "c", "10", "229"])
     sandbox.write_file(
-        "/etc/systemd/system/gpud.life.service.d/zz-standin.conf",
+        "/etc/systemd/system/gpud.service.d/zz-standin.conf",
         "[Service]\nExecStart=\n"
         f"ExecStart={sys.executable} /usr/local/lib/gpud-standin.py\n"
         f"Environment=PROBE_PID={smoke_serve}\n",
