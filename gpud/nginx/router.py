@@ -35,7 +35,7 @@ from gpud.errors import ConfigError, GpudError
 
 log = logging.getLogger("gpud.router")
 
-SCRIPT_SOURCE: Final = Path(__file__).parent / "data" / "router.js"
+SCRIPT_SOURCE: Final = Path(__file__).parents[1] / "data" / "router.js"
 SCRIPT_NAME: Final = "router.js"
 # The router waits for gpud's ensure a little longer than gpud does (as the front).
 ENSURE_MARGIN_S: Final = 5
