@@ -107,16 +107,18 @@ def test_an_eviction_for_a_queued_request_never_cuts_a_stream_in_flight(
             f"curl -sN --max-time 40 -d '{stream}' http://127.0.0.1:{ROUTER}/v1/completions "
             "> /tmp/m7-stream & "
             # a is up and streaming, and up for longer than min_awake_s: b may evict it
-            "until grep -q '^data: {' /tmp/m7-stream 2>/dev/null; do sleep 0.05; done; "
+            "for i in $(seq 600); do grep -q '^data: {' /tmp/m7-stream 2>/dev/null && break; "
+            "sleep 0.05; done; "
             "sleep 1.5; began=$(date +%s%N); "
             f"curl -s -o /dev/null --max-time 40 -w 'b=%{{http_code}}\\n' -d '{other}' "
             f"http://127.0.0.1:{ROUTER}/v1/completions; "
             "echo waited_ms=$(( ($(date +%s%N) - began) / 1000000 )); wait; "
             "echo chunks=$(grep -c '^data: {' /tmp/m7-stream) "
-            "done=$(grep -c '^data: \\[DONE\\]' /tmp/m7-stream)")
-        out = gpud.sb.run(["bash", "-c", script], user=USER, timeout=120).stdout
-        got = dict(w.split("=") for w in out.split())
+            "done=$(grep -c '^data: \\[DONE\\]' /tmp/m7-stream); tail -c 300 /tmp/m7-stream >&2")
+        ran = gpud.sb.run(["bash", "-c", script], user=USER, timeout=120)
         journal = gpud.journal_tail(400)
+        got = dict(w.split("=") for w in ran.stdout.split())
+        print(ran.stderr)
         # the stream ran to its end: every token and its [DONE]
         assert got["done"] == "1" and int(got["chunks"]) >= 250, (got, journal)
         # b was served once a was evicted, after the stream ended
