@@ -52,6 +52,7 @@ from gpud.host.observer import Observer
 from gpud.life.locks import Locks, Rank, Taken
 from gpud.life.service import LedgerService
 from gpud.life.steps import carry_out, undo_all
+from gpud.life.traffic import refuse_cut
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -331,10 +332,12 @@ class Sleeps:
         return spec
 
     async def sleep(self, serve: str, uid: int | None, level: int | None = None, *,
-                    preempted_by: str | None = None,
-                    idle_s: float | None = None) -> dict[str, Any]:
+                    preempted_by: str | None = None, idle_s: float | None = None,
+                    uncut: bool = False) -> dict[str, Any]:
         """Put SERVE to sleep: by an operator, for a preemption (`preempted_by`), or idle for
-        `idle_s` seconds without a request through its front (on demand)."""
+        `idle_s` seconds without a request through its front (on demand). UNCUT (the router
+        queue's eviction): refused (Conflict, details.busy) when requests are still in flight
+        at the drain's bound, rather than aborting them."""
         spec = self._sleeper(serve)
         level = level or spec.sleep_level
         if level not in (1, 2):
@@ -360,6 +363,8 @@ class Sleeps:
                 stack.enter_context(self.traffic.held(serve))
                 drained = await self.traffic.drain(serve, spec,
                                                    self.svc.config.daemon.drain_timeout_s)
+                if uncut:
+                    refuse_cut(serve, drained)
                 mode = drained.sleep_mode
             loop = asyncio.get_running_loop()
             asked = await self._process(serve)

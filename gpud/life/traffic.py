@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Final
 
 import aiohttp
 
-from gpud.core.traffic import Drain, Flight, drain_done, in_flight_from_metrics, observe
+from gpud.core.traffic import Drain, Flight, Outcome, drain_done, in_flight_from_metrics, observe
 from gpud.core.vocab import RUNNING, SLEEPING
-from gpud.errors import GpudError
+from gpud.errors import Conflict, GpudError
 from gpud.life.service import LedgerService
 
 if TYPE_CHECKING:
@@ -147,3 +147,15 @@ class Traffic:
         drained = Drain(before, after, self.clock() - began, bound_s)
         log.info("serve %s: %s", serve, drained.line())
         return drained
+
+
+def refuse_cut(serve: str, drained: Drain) -> None:
+    """Conflict (details.busy) when DRAINED left requests in flight at its bound: what the
+    router queue's eviction asks, so that a stream in flight is never cut for another
+    request (docs/router.md, "Queue instead of thrash"). A count the serve does not give is
+    not known to be busy: that goes ahead as before."""
+    if drained.outcome == Outcome.ABORTED:
+        raise Conflict(f"serve {serve!r} not evicted: {drained.after} request(s) still in "
+                       f"flight after the {drained.bound_s:g} s drain bound, not cut "
+                       "(the queue looks again when its count changes)",
+                       {"serve": serve, "busy": True, "in_flight": drained.details()})

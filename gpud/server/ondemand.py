@@ -95,6 +95,7 @@ from gpud.core.vocab import (
 from gpud.errors import Denied, GpudError, NotFound, Unavailable
 from gpud.life.pulse import Pulse
 from gpud.life.service import COALESCE_REFUSALS, LedgerService
+from gpud.life.traffic import refuse_cut
 from gpud.nginx.router import wakes_through_router
 from gpud.server.responses import error_response
 
@@ -591,8 +592,9 @@ class OnDemand:
             chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
             if not isinstance(chosen, list):
                 return chosen
-            if not await self._evict(chosen[0], name, cause):
-                return Protected(QUEUE_RETRY_S, f"the eviction of {chosen[0]} was refused")
+            refused = await self._evict(chosen[0], name, cause)
+            if refused is not None:
+                return refused
             if await self._try_up(name, spec, cause):
                 return None
 
@@ -657,10 +659,14 @@ class OnDemand:
         """The median of NAME's last measured bring-ups of KIND (gpud.core.queue.MEASURED)."""
         return median_s(self.took.get(name, {}).get(kind, ()))
 
-    async def _evict(self, victim: str, name: str, cause: RouterRequest | None) -> bool:
+    async def _evict(self, victim: str, name: str,
+                     cause: RouterRequest | None) -> Protected | None:
         """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
-        its requests in flight are drained first, new ones wait (settling). False when that
-        was refused (logged; the queue looks again)."""
+        its requests in flight are drained first, new ones wait (settling). A request still in
+        flight at the drain's bound is never cut for another's: the eviction is refused then.
+        None: evicted; else how long the queue waits before it looks again (refused, logged):
+        a busy victim on the next change of its count (or another change), any other refusal
+        QUEUE_RETRY_S."""
         vspec = self.svc.config.serves[victim]
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
@@ -668,23 +674,28 @@ class OnDemand:
         self._idling.add(victim)
         try:
             if vspec.sleep_level:
-                await self.sup.sleeps.sleep(victim, None, preempted_by=name)
+                await self.sup.sleeps.sleep(victim, None, preempted_by=name,
+                                            uncut=self.traffic is not None)
             elif self.traffic is None:
                 await self.sup.stop(victim, None)
             else:
                 with self.traffic.held(victim):
                     drained = await self.traffic.drain(
                         victim, vspec, self.svc.config.daemon.drain_timeout_s)
+                    refuse_cut(victim, drained)
                     await self.sup.stop(victim, None, drained=drained)
         except GpudError as exc:
-            log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message)
-            return False
+            log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
+                        extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
+            if exc.details.get("busy"):
+                return Protected(math.inf, exc.message)
+            return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
             self._idling.discard(victim)
             self.changed()
         self.evictions[victim] = self.evictions.get(victim, 0) + 1
         self.up_at.pop(victim, None)
-        return True
+        return None
 
     def _flight(self, name: str) -> Flight:
         return self.traffic.flight(name) if self.traffic is not None else Flight()

@@ -182,3 +182,22 @@ def test_a_crash_looping_serve_is_not_restarted_per_request(od: SandboxGpud) -> 
     assert gpud.call("POST", "/v1/serves/crashy/start", {}).status == 200
     wait_until(lambda: len(gpud.events(kind="start", serve="crashy")) == len(starts) + 1,
                timeout=10, what="the operator's start of crashy")
+
+
+def test_a_fronted_serve_that_never_answers_is_not_blamed_on_the_front(
+        gpud: SandboxGpud) -> None:
+    """L5 (issue 41), its port message: a fronted on-demand serve that never answers on its
+    socket fails at its start timeout with its own reason; its port is the front's (nginx
+    listens there by design), so the reason names no holder of the port. At e8f41a4 it said
+    "port N is held by ... gpud-front ..., not by the serve's unit"."""
+    mute = (f'[serves.mute]\nrole = "r"\nvram_mib = 2000\nport = {BASE + 6}\nfront = true\n'
+            f"on_demand = true\nstart_timeout_s = 3\n"
+            f"command = {standin_uds('--never-healthy')}\n")
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    with fronted_gpud(gpud, sim_config(role, mute), [USER]):
+        status, _headers, body = get(gpud, BASE + 6)
+        assert status == 503, body
+        failed = gpud.wait_state("mute", "failed", timeout=30)
+        reason = failed.get("reason") or ""
+        assert "unhealthy: no 200" in reason and "held by" not in reason, (reason, failed)
+        assert "held by" not in gpud.journal_tail(200), gpud.journal_tail(200)

@@ -78,3 +78,54 @@ def test_an_alternating_storm_swaps_at_most_once_per_min_awake(queued: SandboxGp
     listed = {s["name"]: s for s in gpud.get("/v1/serves")["serves"]}
     assert all(listed[n]["start_s"] is not None and listed[n]["start_s"] > 0
                for n in ("a", "b")), listed
+
+
+def uncut_config() -> str:
+    """a and b as above, a brought up by a request evictable after 1 s, a drain bound of 1 s."""
+    serves = "".join(
+        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
+        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
+        f"command = {standin_uds('--token-interval-s', '0.02', '--served-model-name', name)}\n"
+        for i, name in enumerate(("a", "b")))
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 30\nmax_queued = 8\n'
+              "min_awake_s = 1\n")
+    return sim_config(role, serves, daemon="drain_timeout_s = 1") + router
+
+
+def test_an_eviction_for_a_queued_request_never_cuts_a_stream_in_flight(
+        gpud: SandboxGpud) -> None:
+    """M7 (issue 41): a long stream on a, then a request for b that needs a's memory. The
+    eviction of a is refused while the stream is still in flight at the drain's bound (it
+    was stopped, the stream cut without [DONE], before); b waits in its queue, and gets a's
+    memory once the stream has ended. The journal says why a was not evicted."""
+    with fronted_gpud(gpud, uncut_config(), [USER]):
+        stream = json.dumps({"model": "a", "prompt": "a b", "max_tokens": 250, "stream": True})
+        other = json.dumps({"model": "b", "prompt": "a b", "max_tokens": 2})
+        script = (
+            "rm -f /tmp/m7-stream; "
+            f"curl -sN --max-time 40 -d '{stream}' http://127.0.0.1:{ROUTER}/v1/completions "
+            "> /tmp/m7-stream & "
+            # a is up and streaming, and up for longer than min_awake_s: b may evict it
+            "for i in $(seq 600); do grep -q '^data: {' /tmp/m7-stream 2>/dev/null && break; "
+            "sleep 0.05; done; "
+            "sleep 1.5; began=$(date +%s%N); "
+            f"curl -s -o /dev/null --max-time 40 -w 'b=%{{http_code}}\\n' -d '{other}' "
+            f"http://127.0.0.1:{ROUTER}/v1/completions; "
+            "echo waited_ms=$(( ($(date +%s%N) - began) / 1000000 )); wait; "
+            "echo chunks=$(grep -c '^data: {' /tmp/m7-stream) "
+            "done=$(grep -c '^data: \\[DONE\\]' /tmp/m7-stream); tail -c 300 /tmp/m7-stream >&2")
+        ran = gpud.sb.run(["bash", "-c", script], user=USER, timeout=120)
+        journal = gpud.journal_tail(400)
+        got = dict(w.split("=") for w in ran.stdout.split())
+        print(ran.stderr)
+        # the stream ran to its end: every token and its [DONE]
+        assert got["done"] == "1" and int(got["chunks"]) >= 250, (got, journal)
+        # b was served once a was evicted, after the stream ended
+        assert got["b"] == "200", (got, journal)
+        assert "on-demand a: eviction for b refused" in journal and "not cut" in journal, \
+            journal
+        assert len(gpud.events(kind="start", serve="b")) == 1, journal
+        stops = gpud.events(kind="stop", serve="a")
+        assert stops and all(e.get("details", {}).get("in_flight", {}).get("outcome")
+                             != "aborted" for e in stops), stops

@@ -142,9 +142,11 @@ class HealthJob:
             await asyncio.sleep(pause)
             if self.rt.clock() - started > START_POLL_FAST_FOR_S:
                 pause = min(START_POLL_MAX_S, pause * 1.5)
-        if foreign is None and spec.port is not None:
+        if foreign is None and spec.port is not None and not spec.front:
             # Someone else's listener that does not answer 200 (taken during a restart
-            # window, say): named all the same.
+            # window, say): named all the same. A fronted serve's port is the front's, its
+            # own listener (nginx): naming it would blame the front for a serve that never
+            # answered on its socket (issue 41, L5).
             last = self.rt.life(serve).unit
             holder = await asyncio.to_thread(foreign_listener, serve, spec.port,
                                              last.control_group if last else "")
