@@ -60,7 +60,7 @@ async def test_four_exactly_sized_serves_on_one_device_start_together(
     spec = [(f"e{i}", 10 * i, True) for i in range(1, 5)]
     r = await booting(tmp_path, spec)
     async for _ in entered(r):
-        with caplog.at_level(logging.INFO, "gpud.life.supervisor"):
+        with caplog.at_level(logging.INFO, "gpud.supervisor"):
             boot = asyncio.get_running_loop().create_task(r.sup.boot())
             # All four are inside their start at once (the gate holds each of them there).
             await until(lambda: len(started(r)) == 4, "four starts at once")

@@ -211,7 +211,7 @@ def test_unavailable_details_name_the_hold() -> None:
 async def test_the_refusals_journal_lines_are_one_per_window_with_the_count(
         caplog: pytest.LogCaptureFixture) -> None:
     od, _sup, _svc, clock = on_demand()
-    with caplog.at_level("WARNING", "gpud.server.ondemand"):
+    with caplog.at_level("WARNING", "gpud.ondemand"):
         for _ in range(300):
             await od.ensure("od")
             clock.t += 0.1

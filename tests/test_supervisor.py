@@ -51,7 +51,7 @@ async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptur
     sup = supervisor(0.4, observer)
     returning(sup, "old", "GPU-a")
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, "gpud.life.supervisor"):
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await asyncio.wait_for(sup.memory.back("GPU-a"), 10)
     took = time.monotonic() - t0
     assert 0.4 <= took < 3, took
@@ -81,7 +81,7 @@ async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
     sup = supervisor(0.3, StuckObserver())
     returning(sup, "old", "GPU-a").stop_done = asyncio.Event()  # never set
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, "gpud.life.supervisor"):
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await asyncio.wait_for(sup.memory.back("GPU-a"), 10)
     assert 0.3 <= time.monotonic() - t0 < 3
     assert "not back after 0.3 s" in caplog.text

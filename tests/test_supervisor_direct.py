@@ -507,7 +507,7 @@ async def test_reconcile_without_the_bus_is_skipped(rig: Rig,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     rig.units.available, rig.units.reason = False, "no bus"
     rig.units.live["a"] = unit("a")
-    with caplog.at_level(logging.WARNING, "gpud.life.supervisor"):
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await rig.sup.reconcile()
     assert "reconciliation skipped: system bus unavailable (no bus)" in caplog.text
     assert rig.held() == {}
@@ -566,7 +566,7 @@ async def test_boot_goes_on_past_a_serve_that_fails_to_start(
     rig.figures.sizing["a"] = "too small"
     text = (rig.svc.config_text or "").replace("vram_mib = 900", "vram_mib = 600")
     await rig.svc.reload(parse_config(text, "t"), text, source="t")
-    with caplog.at_level(logging.WARNING, "gpud.life.supervisor"):
+    with caplog.at_level(logging.WARNING, "gpud.supervisor"):
         await rig.sup.boot()
     assert "boot: a not started: serve 'a' not started: too small" in caplog.text
     assert rig.state("big") == RUNNING
@@ -741,7 +741,7 @@ async def test_a_failing_unit_signal_is_logged_and_the_next_one_is_heard(
     rig.sup.stop_job.failed = broken  # type: ignore[method-assign]
     await orphan(rig, "stray")
     mark = rig.last_id()
-    with caplog.at_level(logging.ERROR, "gpud.life.supervisor"):
+    with caplog.at_level(logging.ERROR, "gpud.supervisor"):
         rig.units.emit(replace(st, active_state="failed", sub_state="failed", result="exit-code"))
         rig.units.emit(unit("stray", "inactive", "dead"))
         await rig.wait_for("exit", "stray", after=mark)  # handled after the one that failed
@@ -906,7 +906,7 @@ async def test_a_failing_health_round_is_logged_and_checking_goes_on(
         return Answer(Probe.FAILED, "status 500")
 
     mark = r.last_id()
-    with caplog.at_level(logging.ERROR, "gpud.life.supervisor"):
+    with caplog.at_level(logging.ERROR, "gpud.supervisor"):
         r.sup.answers["b"] = flaky
         await r.wait_for("unhealthy", "b", after=mark)
     assert "health check of b failed" in caplog.text
