@@ -96,7 +96,7 @@ async def test_a_store_still_failing_is_said_again_after_the_interval(
     assert isinstance(store, FillingStore)
     store.full = True
     caplog.set_level(logging.INFO, logger="gpud")
-    monkeypatch.setattr(gpud.service, "STORE_LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(gpud.life.service, "STORE_LOG_INTERVAL_S", 0.0)
     for i in range(2):
         with pytest.raises(StoreError):
             await svc.admit(f"b{i}", 100, role="r")
