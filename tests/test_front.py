@@ -36,6 +36,7 @@ from gpud.core.vocab import ServeState
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
 from gpud.nginx.front import Front, description, front_config, nginx_argv, unit_properties
+from tests.ports import connects, free_port
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,12 +302,6 @@ def test_workers_are_bounded(workers: int) -> None:
         FrontConfig(serves=(), workers=workers)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -330,7 +325,7 @@ def fronted() -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
     run = tmp_path / "run"
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     (tmp_path / "nginx.conf").write_text(render(FrontConfig(
         serves=(FrontServe("s", port, str(sock)),), run_dir=str(run))))
     # nginx run by root keeps its master only and serves from workers as `nobody`: the
@@ -346,7 +341,7 @@ def fronted() -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
     try:
         wait_until(sock.exists, what="the stand-in's socket")
         os.chmod(sock, 0o777)
-        wait_until(lambda: _connects(port), what="nginx listening")
+        wait_until(lambda: connects(port), what="nginx listening")
         wait_until(lambda: _get(port, "GET", "/health")[0] == 200, what="health via the front")
         yield port, sock, standin
     finally:
@@ -355,14 +350,6 @@ def fronted() -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
             proc.wait(timeout=10)
         log.close()
         shutil.rmtree(tmp_path)
-
-
-def _connects(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def test_the_config_is_valid_for_nginx(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import socketserver
 import subprocess
 import tempfile
@@ -37,6 +36,7 @@ from gpud.core.router import (
     router_request,
 )
 from gpud.nginx.router import script_text
+from tests.ports import connects, free_port
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,12 +92,6 @@ class Rig:
     serve: _Unix
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _post(port: int, path: str, headers: dict[str, str]) -> tuple[int, dict[str, object]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -130,7 +124,7 @@ def rig() -> Iterator[Rig]:
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
     gpud, serve = _unix(tmp / "gpud.sock"), _unix(tmp / "e.sock")
-    port, front = _free_port(), _free_port()
+    port, front = free_port(), free_port()
     key = ApiKey("alice", hashlib.sha256(TOKEN.encode()).hexdigest(), ("e",))
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("e", ("e",), socket=str(tmp / "e.sock"),
@@ -148,7 +142,7 @@ def rig() -> Iterator[Rig]:
                              stdout=subprocess.DEVNULL, stderr=log)
     try:
         for p in (port, front):
-            wait_until(lambda p=p: _connects(p), what="nginx listening")  # type: ignore[misc]
+            wait_until(lambda p=p: connects(p), what="nginx listening")  # type: ignore[misc]
         yield Rig(port, front, gpud, serve)
     except BaseException:
         log.flush()
@@ -162,14 +156,6 @@ def rig() -> Iterator[Rig]:
             server.server_close()
         log.close()
         shutil.rmtree(tmp)
-
-
-def _connects(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def _gpud_headers(seen: dict[str, str]) -> dict[str, str]:

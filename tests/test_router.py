@@ -50,6 +50,7 @@ from gpud.daemon import check_config
 from gpud.errors import ConfigError
 from gpud.nginx.front import check_front, front_config
 from gpud.nginx.router import load_keys, router_front, script_code, script_text
+from tests.ports import connects, free_port
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,20 +204,6 @@ class Rig:
 RIG_TOKEN = "sk-rig-probe-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _connects(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
 def _req(port: int, method: str, path: str, body: bytes | None = None,
          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -261,7 +248,7 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
     run = tmp / "run"
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
-    port, b_port = _free_port(), _free_port()
+    port, b_port = free_port(), free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
                                       priority_scheduling=priority_scheduling),
@@ -286,7 +273,7 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
     try:
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)  # nginx's workers run as nobody here
-        wait_until(lambda: _connects(port), what="the router listening")
+        wait_until(lambda: connects(port), what="the router listening")
         for model in ("a", "b"):
             wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
                                             json.dumps({"model": m}).encode(),
@@ -730,7 +717,7 @@ def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -
     run = tmp_path / "run"
     run.mkdir()
     tmp_path.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("c", ("c",), port=up_port),),
                          njs_module=str(NJS), script=str(tmp_path / "router.js"))
     (tmp_path / "router.js").write_text(script_text(router))
@@ -740,7 +727,7 @@ def test_a_client_that_disconnects_closes_its_request_upstream(tmp_path: Path) -
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp_path / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: _connects(port), what="the router listening")
+        wait_until(lambda: connects(port), what="the router listening")
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             body = b'{"model": "c", "stream": true}'
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
@@ -943,7 +930,7 @@ def fed() -> Iterator[Fed]:
     sock, gpud_sock, run = tmp / "a.sock", tmp / "gpud.sock", tmp / "run"
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("a", ("a", "a-fast", "hasOwnProperty"), socket=str(sock),
                                       ensure_timeout_s=60),),
@@ -970,7 +957,7 @@ def fed() -> Iterator[Fed]:
     try:
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)
-        wait_until(lambda: _connects(port), what="the router listening")
+        wait_until(lambda: connects(port), what="the router listening")
         wait_until(lambda: _req(port, "POST", "/v1/completions",
                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
                    what="a answering through the router")

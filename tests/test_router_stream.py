@@ -11,7 +11,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import socketserver
 import subprocess
 import tempfile
@@ -26,6 +25,7 @@ import pytest
 from gpud.core.front import FrontConfig, render
 from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
 from gpud.nginx.router import script_text
+from tests.ports import connects, free_port
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,20 +68,6 @@ class Rig:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _connects(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture
 def rig() -> Iterator[Rig]:
     for path in (NGINX, NJS):
@@ -98,7 +84,7 @@ def rig() -> Iterator[Rig]:
         os.chmod(sock, 0o777)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-    port = _free_port()
+    port = free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("t", ("t", "big"), socket=str(tmp / "t.sock"),
                                       ensure_timeout_s=30),),
@@ -112,7 +98,7 @@ def rig() -> Iterator[Rig]:
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=log)
     try:
-        wait_until(lambda: _connects(port), what="the router listening")
+        wait_until(lambda: connects(port), what="the router listening")
         yield Rig(port, tmp / "nginx.log")
     finally:
         nginx.terminate()
