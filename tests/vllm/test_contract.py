@@ -553,21 +553,15 @@ def form(fields: dict[str, bytes]) -> tuple[str, bytes]:
     return f"multipart/form-data; boundary={boundary}", b"".join(parts) + end
 
 
-@pytest.fixture(scope="module", params=[REAL, STANDIN], ids=lambda impl: impl.name)
-def speech(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Server]:
-    impl: Implementation = request.param
-    if impl is REAL:
-        # Why the CPU build here cannot: the routes exist only for a speech-to-text model
-        # (launchers/api_server/routers.py: "transcription" in supported_tasks) and none is
-        # made offline (a Whisper needs its feature extractor and tokenizer); and vLLM decodes
-        # an upload with soundfile, then PyAV (multimodal/media/audio.py load_audio_soundfile
-        # and the chain after it), resampling with soxr or torchaudio, none of which
-        # .venv-vllm has (scripts/setup-vllm leaves torchaudio and torchcodec out: their
-        # wheels do not match torch+cpu).
-        pytest.skip("real vLLM's CPU build here has no speech-to-text model and no audio "
-                    "decoder (soundfile, PyAV, torchaudio: none in .venv-vllm): the stand-in's "
-                    "side alone")
+# The stand-in's side alone, by construction rather than by a skip: real vLLM's CPU build here
+# cannot serve these routes. They exist only for a speech-to-text model
+# (launchers/api_server/routers.py: "transcription" in supported_tasks) and none is made offline
+# (a Whisper needs its feature extractor and tokenizer); and vLLM decodes an upload with
+# soundfile, then PyAV (multimodal/media/audio.py load_audio_soundfile and the chain after it),
+# resampling with soxr or torchaudio, none of which .venv-vllm has (scripts/setup-vllm leaves
+# torchaudio and torchcodec out: their wheels do not match torch+cpu).
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = Server.launch(STANDIN, tmp_path_factory.mktemp("speech") / "serve.log",
                            ("--audio",))
     try:
