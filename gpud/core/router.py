@@ -57,6 +57,8 @@ DEFAULT_MAX_BODY_MIB: Final = 64
 DEFAULT_BODY_TIMEOUT_S: Final = 30
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
+# ENSURE_PREFIX + serve + this: the ensure of a stream's loading feedback (router.loading).
+LOADING_SUFFIX: Final = "/loading"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
 AUTH_LOCATION: Final = "/.gpud-router-auth"
 ERROR_PREFIX: Final = "/.gpud-router-error/"
@@ -405,6 +407,16 @@ class RouterRequest:
         return f"request for model {printable(self.model[:256])!r}{key} through the router"
 
 
+@dataclass(frozen=True)
+class Crowded:
+    """Why an ensure is refused by EnsureBound: the config key of the bound it is at, its
+    figure, and the text (the router's 429 names both: router.js rateLimited)."""
+
+    limit: str
+    value: int
+    text: str
+
+
 @dataclass
 class EnsureBound:
     """The ensures under way, by requester (gpud.server.api.ensure): at most PER_REQUESTER for one
@@ -423,15 +435,17 @@ class EnsureBound:
     def waiting(self) -> int:
         return sum(self.by.values())
 
-    def enter(self, requester: str) -> str | None:
+    def enter(self, requester: str) -> Crowded | None:
         """Count one more ensure of REQUESTER; or why not (nothing counted)."""
         mine = self.by.get(requester, 0)
         if mine >= self.per_requester:
-            return (f"{mine} requests of {requester} wait for a bring-up already "
-                    "(daemon.ensure_waiting_per_requester)")
+            limit = "daemon.ensure_waiting_per_requester"
+            return Crowded(limit, self.per_requester,
+                           f"{mine} requests of {requester} wait for a bring-up already ({limit})")
         if self.waiting >= self.total:
-            return (f"{self.total} requests wait for a bring-up already "
-                    "(daemon.ensure_waiting_total)")
+            limit = "daemon.ensure_waiting_total"
+            return Crowded(limit, self.total,
+                           f"{self.total} requests wait for a bring-up already ({limit})")
         self.by[requester] = mine + 1
         return None
 
@@ -492,8 +506,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
               METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
-        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
-                  "            internal;",
+        ensure = ["            internal;",
                   f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
                   "            proxy_method POST;",
                   "            proxy_pass_request_body off;",
@@ -503,7 +516,19 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            proxy_set_header X-Gpud-Model $router_model;",
                   "            proxy_set_header X-Gpud-Key $router_key;",
                   "            proxy_set_header X-Gpud-Requester $router_requester;",
-                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
+                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;"]
+        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
+                  *ensure,
+                  "        }",
+                  # The same ensure, asked by a stream's loading feedback (router.loading) as a
+                  # detached subrequest: gpud's answer is left in $router_ensured (its header
+                  # filter; a subrequest shares its parent's variables), which the script
+                  # looks at, so that nothing of the script waits on it and a client that hangs
+                  # up ends its request cleanly (L8). gpud unreachable: @router_ensure_failed.
+                  f"        location = {ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX} {{",
+                  *ensure,
+                  "            js_header_filter router.ensured;",
+                  "            error_page 500 502 504 = @router_ensure_failed;",
                   "        }",
                   f"        location {serve.location}_direct {{",
                   *body,
@@ -547,6 +572,8 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
+           # gpud's answer to a loading feedback's ensure (router.ensured)
+           "    js_var $router_ensured;",
            "    js_var $router_prompt_tokens;",
            "    js_var $router_body;",
            "    js_var $router_completion_tokens;",
@@ -657,6 +684,11 @@ def http_lines(router: RouterFront) -> list[str]:
         "        location @router_stream_down {",
         "            js_content router.streamDown;",
         "        }",
+        # gpud did not answer a loading feedback's ensure: said to the script as a 502
+        "        location @router_ensure_failed {",
+        "            js_header_filter router.ensured;",
+        '            return 502 "gpud unreachable";',
+        "        }",
         *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
           f"            return {400 if status == 494 else status} $router_error_{status};"
           "\n        }" for status in ERROR_PAGES],
@@ -685,6 +717,7 @@ def render_script(router: RouterFront, code: str) -> str:
     head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
+            "loading_suffix": LOADING_SUFFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits,
             "priority_routes": list(PRIORITY_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
