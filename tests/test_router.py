@@ -659,10 +659,17 @@ def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], dict[str, object]
      b"\r\nContent-Length: 10000000\r\n\r\n{", 413, "request_too_large"),
     (b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404,
      "route_not_found"),
+    (b"TRACE /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-ops-0123456789abc\r\n"
+     b'If-Match: "x"\r\n\r\n', 412, "precondition_failed"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501,
+     "not_implemented"),
+    (b"GET /v1/models HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
 ])
 def test_nginxs_own_errors_are_openai_shaped(keyed: Rig, request_bytes: bytes, status: int,
                                               code: str) -> None:
-    """L2: at e8f41a4 nginx's own 400, 414 and 494 (and a 413 with keys on) were HTML."""
+    """L2: at e8f41a4 nginx's own 400, 414 and 494 (and a 413 with keys on) were HTML; at
+    310a618 its 405 (TRACE), 412, 501 and 505 still were."""
     got, headers, doc = _raw(keyed.port, request_bytes)
     assert got == status and headers["Content-Type"] == "application/json", (got, doc)
     assert _openai_error(doc)["code"] == code, doc

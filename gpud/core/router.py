@@ -67,8 +67,9 @@ ERROR_PREFIX: Final = "/.gpud-router-error/"
 # a URI too long, a route it does not carry, its own internal error. Each an error page (a URI:
 # a request whose line did not parse has none, and nginx redirects no such request to a named
 # location) that returns the text of a js_set variable of the script: nginx's `return` reads
-# no body.
-ERROR_PAGES: Final = (400, 404, 413, 414, 494, 500)
+# no body. Also a TRACE (405), a precondition of the script's own answers (412), a
+# Transfer-Encoding nginx does not read (501) and an HTTP version past 1.1 (505).
+ERROR_PAGES: Final = (400, 404, 405, 412, 413, 414, 494, 500, 501, 505)
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").

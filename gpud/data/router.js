@@ -285,15 +285,25 @@ function errorText(status, message, code) {
 }
 
 // nginx's own errors, as the router answers them: status -> [the status answered, message,
-// code] (494: nginx's own code for a header too large, answered 400).
+// code] (494: nginx's own code for a header too large, answered 400; 405: a TRACE, refused by
+// nginx before any location; 412: nginx's not_modified filter, on an answer of the script's
+// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1).
 var ERRORS = {
     400: [400, 'the request is not valid HTTP', 'invalid_request'],
     404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
           '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
     413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+    405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
+          'the routes)', 'method_not_allowed'],
+    412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
+          "router's answers carry no ETag", 'precondition_failed'],
     414: [414, 'the request URI is too long', 'invalid_request'],
     494: [400, 'a request header is too large', 'invalid_request'],
     500: [500, 'internal error of the router', 'internal_error'],
+    501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
+          'not_implemented'],
+    505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
+          'http_version_not_supported'],
 };
 
 function nginxError(status) {
@@ -869,6 +879,8 @@ function limited(r) {
 }
 
 export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
-                error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
-                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
+                error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
+                error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
+                error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),
+                error505: nginxError(505),
                 loadingStream, limited, meter, ensured};
