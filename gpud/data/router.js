@@ -566,9 +566,10 @@ function finish(r) {
     }
 }
 
-// How soon a waiting stream looks whether gpud has answered its ensure (ms): at once at first
-// (a serve that is up is answered in a millisecond or two), then less often, up to POLL_MS.
-var POLL_FIRST_MS = 1, POLL_MS = 100;
+// How soon a waiting stream looks whether gpud has answered its ensure: every millisecond for
+// its first POLL_FAST_MS (a serve that is up is answered in a millisecond or two), then
+// twice as long each time, up to every POLL_MS.
+var POLL_FAST_MS = 20, POLL_MS = 100;
 
 // gpud's answer to a loading feedback's ensure (the header filter of its location, in the
 // subrequest: its variables are its parent's): {status, reason, retry}.
@@ -597,7 +598,7 @@ function ensured(r) {
 // r->connection->error), so no comment is sent while the queue note's subrequest is out.
 function loading(r, model, entry) {
     var began = Date.now(), every = CONFIG.loading_feedback_s * 1000;
-    var due = Math.min(1000, every), wait = POLL_FIRST_MS;
+    var due = Math.min(1000, every), wait = 1;
     r.subrequest(CONFIG.ensure_prefix + entry.serve + CONFIG.loading_suffix,
                  {method: 'POST', detached: true});
     function look() {
@@ -605,7 +606,7 @@ function loading(r, model, entry) {
         if (answer) {
             answered(JSON.parse(answer));
         } else if (Date.now() - began < due) {
-            wait = Math.min(POLL_MS, wait * 2);
+            wait = Date.now() - began < POLL_FAST_MS ? 1 : Math.min(POLL_MS, wait * 2);
             setTimeout(look, wait);
         } else if (send(r, ': loading ' + model + '\n\n')) {
             due += every;
