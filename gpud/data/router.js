@@ -637,7 +637,14 @@ function loading(r, model, entry) {
             r.internalRedirect(entry.location + '_direct');
         } else if (send(r, '<!--# include virtual="' + CONFIG.stream_prefix + entry.serve +
                         r.uri + '" -->')) {
-            finish(r);
+            // The stream's last buffer on the next turn of the event loop, not now: an include
+            // that fails at once (the serve's socket refusing: its 502 answered by
+            // streamDown) ends before the script does, and nginx then holds a last buffer
+            // sent behind it until a write event that never comes (the postponed output is
+            // flushed by ngx_http_writer, which the script's request only gets when it ends
+            // after its include; njs's ngx_http_js_content_write_event_handler flushes it
+            // while the script is pending). The timer keeps the script pending until then.
+            setTimeout(function () { finish(r); }, 0);
         }
     }
     setTimeout(look, wait);
