@@ -906,8 +906,12 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
             self.send_header("X-Gpud-Reason", json.dumps(self.server.reason or
                 {"error": {"message": "ledger bound: no room", "code": "denied"}}))
             self.send_header("Retry-After", "5" if self.server.reason else "7")
-        self.send_header("Content-Length", "0")
+        # a refusal's body is gpud's error document, as gpud's (error_response)
+        body = json.dumps(self.server.reason or {"error": {"message": "no room"}}).encode() \
+            if self.server.status == 403 else b""
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def do_GET(self) -> None:
         body = json.dumps({"serves": self.server.serves}).encode()
@@ -974,6 +978,12 @@ def fed() -> Iterator[Fed]:
         gpud.seen.clear()
         gpud.requesters.clear()
         yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log")
+        # whatever the test did, the script threw nothing, left nothing pending, and nginx
+        # saw nothing it calls an alert (a subrequest finalized twice, a request leaked)
+        log.flush()
+        errors = (tmp / "nginx.log").read_text()
+        assert not any(bad in errors for bad in ("js exception", "pending events", "[alert]",
+                                                 "[emerg]")), errors
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
