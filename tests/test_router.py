@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import tempfile
@@ -1229,11 +1230,14 @@ def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: 
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
 
 
-def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed) -> None:
-    """L8: the client of a stream that is being sent loading comments hangs up; the script's
-    next comment cannot be sent. The request ends, its ensure closed (gpud counts it gone from
-    its queue) and no later comment is tried, without an njs exception in nginx's error log (at
-    310a618 each hang-up logged `js exception`, the comment's failed send)."""
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed,
+                                                                   reset: bool) -> None:
+    """L8: the client of a stream that is being sent loading comments hangs up (closes, or
+    resets the connection); the script's next comment cannot be sent. The request ends, its
+    ensure closed (gpud counts it gone from its queue) and no later comment is tried, without
+    an njs exception in nginx's error log (at 310a618 each hang-up logged `js exception`, the
+    comment's failed send)."""
     fed.gpud.delay_s = 30
     fed.log.write_text("")
     with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
@@ -1243,6 +1247,8 @@ def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed) ->
         got = b""
         while got.count(b": loading a") < 2:
             got += client.recv(65536)
+        if reset:  # an RST, not a FIN: close with a zero linger
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     began = time.monotonic()
     assert fed.gpud.gone.wait(20), "the ensure was left waiting"
     # the failed comment comes at most two comments (2 s) after the hang-up
