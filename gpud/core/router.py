@@ -58,7 +58,6 @@ DEFAULT_BODY_TIMEOUT_S: Final = 30
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 SERVES_LOCATION: Final = "/.gpud-router-serves"
-AUTH_LOCATION: Final = "/.gpud-router-auth"
 ERROR_PREFIX: Final = "/.gpud-router-error/"
 # nginx's own error answers the router gives in OpenAI's shape (router.js ERRORS): a malformed
 # request, a header too large (494, nginx's own code, answered 400), a body over max_body_mib,
@@ -552,6 +551,9 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
+           # the name of the request's key, "" none (router.js keyName: one SHA-256 a request,
+           # its value kept for the request once asked)
+           "    js_set $router_key_name router.keyName;",
            # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
            "    js_set $router_key_ok router.keyOk;",
            "    js_set $router_requester_of router.requesterOf;",
@@ -571,9 +573,17 @@ def http_lines(router: RouterFront) -> list[str]:
                 f"        server {serve.server};",
                 f"        keepalive {KEEPALIVE};",
                 "    }"]
+    # With keys, the key is checked in the rewrite phase, before the body is read (a
+    # js_content handler reads it first: ngx_http_js_content_handler, njs 0.7.9
+    # nginx/ngx_http_js_module.c; nginx's phases run rewrite before content, and a request
+    # finalized there has its body discarded, never buffered: ngx_http_finalize_request ->
+    # ngx_http_discard_request_body), so a client without one holds no body buffer. `return`
+    # is one of the two directives safe inside a location's `if`.
     auth = ""
     if router.keys is not None:
-        auth = f"            auth_request {AUTH_LOCATION};\n"
+        auth = ('            if ($router_key_name = "") {\n'
+                "                return 401;\n"
+                "            }\n")
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -595,8 +605,8 @@ def http_lines(router: RouterFront) -> list[str]:
         # Every answer is OpenAI-shaped JSON, nginx's own errors too (ERROR_PAGES), their
         # text the script's (router.js errorText: the one place of the document's shape).
         *[f"        error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
-        # the key's check before the body (auth_request): at the server's level, so that
-        # the routed locations keep the error pages above
+        # the key's check before the body (the routed locations' `if`): at the server's
+        # level, so that the routed locations keep the error pages above
         *(["        error_page 401 = @router_unauthorized;"] if router.keys is not None else []),
         "        error_page 429 = @router_limited;",
         "        error_page 502 504 = @router_down;",
@@ -608,9 +618,7 @@ def http_lines(router: RouterFront) -> list[str]:
         "        }",
         # ssi: only the script's own output (a stream's loading feedback, then its include)
         # is looked through, never a serve's (answered in other locations). With keys, the
-        # key is checked before the body is read (auth_request runs in the access phase, a
-        # js_content handler once the body is in: ngx_http_js_content_handler reads it
-        # first), so a client without one holds no body buffer.
+        # key is checked before the body is read (`auth`, above).
         *[f"        location = {path} {{\n{auth}            js_content router.route;\n"
           "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
@@ -629,11 +637,7 @@ def http_lines(router: RouterFront) -> list[str]:
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += _serve_locations(serve, router.awake_dir, limits)
     out += [
-        *([f"        location = {AUTH_LOCATION} {{",
-           "            internal;",
-           "            js_content router.auth;",
-           "        }",
-           "        location @router_unauthorized {",
+        *(["        location @router_unauthorized {",
            "            add_header WWW-Authenticate Bearer always;",
            "            return 401 $router_unauthorized;",
            "        }"] if router.keys is not None else []),
@@ -682,7 +686,10 @@ def render_script(router: RouterFront, code: str) -> str:
     limits = {k.name: {"max_concurrent": k.max_concurrent,
                        "requests_per_minute": k.requests_per_minute}
               for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
-    head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
+    # a key's digest by its name (router.js lookUp: the name is $router_key_name's)
+    digests = None if router.keys is None else {k.name: k.sha256 for k in router.keys}
+    head = {"models": table, "keys": keys, "key_digests": digests,
+            "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits,

@@ -319,11 +319,26 @@ function keyOf(r) {
     return key;
 }
 
-// The key of the request's Authorization, undefined when none is given or known.
-function lookUp(r) {
+// The name of the request's key (js_set $router_key_name): "" when its Authorization gives
+// none or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
+// value for the rest of the request once asked (ngx_http_js_variable_set leaves it cacheable,
+// njs 0.7.9 nginx/ngx_http_js_module.c; ngx_http_get_flushed_variable, nginx's
+// src/http/ngx_http_variables.c), internal redirects included (ngx_http_internal_redirect
+// clears the modules' contexts, not r->variables). A routed location's `if` asks it in the
+// rewrite phase, before the body is read (gpud.core.router.http_lines).
+function keyName(r) {
+    if (CONFIG.keys === null) {
+        return '';
+    }
     var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
     var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest] : undefined;
+    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var name = r.variables.router_key_name;
+    return name ? CONFIG.keys[CONFIG.key_digests[name]] : undefined;
 }
 
 function unauthorized(r) {
@@ -359,12 +374,6 @@ function keyOk(r) {
     return key !== undefined && Object.keys(CONFIG.models).some(function (name) {
         return CONFIG.models[name].serve === serve && allows(key, name);
     }) ? '1' : '';
-}
-
-// The key's check before a routed request's body is read (an auth_request subrequest: 204
-// or 401, which the router answers in OpenAI's shape without reading the body).
-function auth(r) {
-    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -772,7 +781,7 @@ function limited(r) {
         gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
 }
 
-export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
+export default {route, keyName, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
                 error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
                 loadingStream, limited, meter};
