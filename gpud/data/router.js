@@ -691,6 +691,37 @@ function meter(r, data, flags) {
     }
 }
 
+// Past a count of the routed location (gpud.core.router conn_lines, before the body is read):
+// the 429's document (js_set $router_counted_text, which @router_counted returns: nginx's
+// `return` reads no body, a js_content handler would read it first). The key's
+// max_concurrent, or the requester's large bodies open at once (router.
+// large_bodies_per_requester): a request with a small body is counted by the first only; nginx
+// does not say which zone refused one with a large body, so for a key with both, both are named.
+function countedText(r) {
+    var name = r.variables.router_key_name || '';
+    var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
+    var bodies = CONFIG.large_bodies_per_requester;
+    var large = bodies > 0 && r.variables.router_body_large === '1';
+    var who = name ? 'key ' + name : 'client ' + r.remoteAddress;
+    var which, value, message;
+    if (large && !lim.max_concurrent) {
+        which = 'large_bodies_per_requester';
+        value = bodies;
+        message = who + ' has ' + value + ' requests with a large body (10^6 bytes or more, ' +
+                  'or chunked) open, router.large_bodies_per_requester';
+    } else {
+        which = 'max_concurrent';
+        value = lim.max_concurrent;
+        message = who + ' has ' + value + ' requests in flight, its max_concurrent' +
+                  (large ? ', or ' + bodies + ' with a large body open, ' +
+                   'router.large_bodies_per_requester' : '');
+    }
+    return JSON.stringify({error: {
+        message: message + '; retry after 1 s', type: 'requests', param: null,
+        code: 'rate_limit_exceeded',
+        gpud: {key: name, limit: which, value: value, retry_after_s: 1}}});
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -781,7 +812,7 @@ function limited(r) {
         gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
 }
 
-export default {route, keyName, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
+export default {route, keyName, countedText, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
                 error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
                 loadingStream, limited, meter};
