@@ -471,3 +471,23 @@ def test_a_requesters_large_bodies_open_at_once_are_bounded_before_they_are_read
             feeder.join(timeout=5)
             for s in stalled:
                 s.close()
+
+
+def test_without_keys_a_clients_large_bodies_are_counted_by_its_address() -> None:
+    """Keys off: the requester is the client's address (on loopback every local client is
+    one): its second stalled large body is refused 429 at once, naming the client."""
+    with router_rig(large_bodies=1) as rig:
+        stalled = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+        with stalled:
+            stalled.sendall(_head("-", LARGE) + b'{"model": "a"')
+            time.sleep(0.3)
+            second = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+            with second:
+                second.sendall(_head("-", LARGE))
+                status, body = _answer(second)
+        err = json.loads(body)["error"]
+        assert status == 429 and err["gpud"] == {
+            "key": "", "limit": "large_bodies_per_requester", "value": 1,
+            "retry_after_s": 1}, err
+        assert err["message"].startswith("client 127.0.0.1 has 1 requests with a large body"), err
+        assert _ask(rig.port, "-")[0] == 200  # a small body is not counted
