@@ -424,7 +424,7 @@ def test_a_requesters_large_bodies_open_at_once_are_bounded_before_they_are_read
     key's are served; once one stalled body goes, the key is served again."""
     keys, problems = parse_keys(TWO_KEYS, ["a"])
     assert problems == []
-    with router_rig(tuple(keys), large_bodies=2) as rig:
+    with router_rig(tuple(keys), large_bodies=2, access_log=True) as rig:
         stop = threading.Event()
         stalled = [socket.create_connection(("127.0.0.1", rig.port), timeout=10)
                    for _ in range(2)]
@@ -450,6 +450,12 @@ def test_a_requesters_large_bodies_open_at_once_are_bounded_before_they_are_read
             assert err["gpud"] == {"key": "probe", "limit": "large_bodies_per_requester",
                                    "value": 2, "retry_after_s": 1}, err
             assert "key probe has 2 requests with a large body" in err["message"], err
+            # counted as the key's in its usage (a 4xx of no model: its body was never read)
+            assert rig.router.access_log is not None
+            logged = [json.loads(line) for line in
+                      Path(rig.router.access_log).read_text().splitlines()]
+            assert [(d["key"], d["status"], d["model"]) for d in logged
+                    if d["status"] == "429"] == [("probe", "429", "")], logged
             # a chunked body (its length unknown) counts as large too
             chunked = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
             with chunked:

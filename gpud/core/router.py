@@ -595,9 +595,7 @@ def http_lines(router: RouterFront) -> list[str]:
            f"    js_import router from {router.script};",
            "    js_var $router_model;",
            "    js_var $router_serve;",
-           # the key's name from the start (a 429 of the routed location's counts is answered
-           # before the script's route() sets it)
-           "    js_var $router_key $router_key_name;",
+           "    js_var $router_key;",
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
@@ -710,6 +708,8 @@ def http_lines(router: RouterFront) -> list[str]:
            "        }"] if router.keys is not None else []),
         # past a count of the routed locations (conn_lines): 429 before the body is read
         *(["        location @router_counted {",
+           # the access log's key (usage per key: the key's 429), as route() would set it
+           "            set $router_key $router_key_name;",
            "            default_type application/json;",
            "            add_header Retry-After 1 always;",
            "            return 429 $router_counted_text;",
