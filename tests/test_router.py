@@ -33,6 +33,7 @@ from gpud.config import model_names, parse_config, routed
 from gpud.core.front import FrontConfig, render
 from gpud.core.launch import vllm_argv
 from gpud.core.router import (
+    DEFAULT_LARGE_BODIES_PER_REQUESTER,
     ROUTED_PATHS,
     ApiKey,
     RoutedServe,
@@ -171,7 +172,9 @@ def test_every_carried_route_and_nothing_else_runs_the_script() -> None:
     router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),))
     lines = "\n".join(http_lines(router))
     for path in ROUTED_PATHS:
-        assert f"location = {path} {{\n            js_content router.route;" in lines
+        # its counts before it (conn_lines: large_bodies_per_requester), the script's route
+        block = lines.split(f"location = {path} {{\n", 1)[1].split("}", 1)[0]
+        assert "            js_content router.route;" in block, block
     assert lines.count("js_content router.route;") == len(ROUTED_PATHS)
     assert "location / {\n            return 404" in lines
 
@@ -238,7 +241,8 @@ def rig() -> Iterator[Rig]:
 
 @contextlib.contextmanager
 def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
-               access_log: bool = False, priority_scheduling: bool = False) -> Iterator[Rig]:
+               access_log: bool = False, priority_scheduling: bool = False,
+               large_bodies: int = DEFAULT_LARGE_BODIES_PER_REQUESTER) -> Iterator[Rig]:
     """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
@@ -256,7 +260,7 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
-                         body_timeout_s=1, keys=keys,
+                         body_timeout_s=1, keys=keys, large_bodies_per_requester=large_bodies,
                          access_log=str(tmp / "access.log") if access_log else None)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(

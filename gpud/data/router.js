@@ -329,11 +329,26 @@ function keyOf(r) {
     return key;
 }
 
-// The key of the request's Authorization, undefined when none is given or known.
-function lookUp(r) {
+// The name of the request's key (js_set $router_key_name): "" when its Authorization gives
+// none or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
+// value for the rest of the request once asked (ngx_http_js_variable_set leaves it cacheable,
+// njs 0.7.9 nginx/ngx_http_js_module.c; ngx_http_get_flushed_variable, nginx's
+// src/http/ngx_http_variables.c), internal redirects included (ngx_http_internal_redirect
+// clears the modules' contexts, not r->variables). A routed location's `if` asks it in the
+// rewrite phase, before the body is read (gpud.core.router.http_lines).
+function keyName(r) {
+    if (CONFIG.keys === null) {
+        return '';
+    }
     var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
     var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest] : undefined;
+    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var name = r.variables.router_key_name;
+    return name ? CONFIG.keys[CONFIG.key_digests[name]] : undefined;
 }
 
 function unauthorized(r) {
@@ -369,12 +384,6 @@ function keyOk(r) {
     return key !== undefined && Object.keys(CONFIG.models).some(function (name) {
         return CONFIG.models[name].serve === serve && allows(key, name);
     }) ? '1' : '';
-}
-
-// The key's check before a routed request's body is read (an auth_request subrequest: 204
-// or 401, which the router answers in OpenAI's shape without reading the body).
-function auth(r) {
-    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -799,6 +808,34 @@ function meter(r, data, flags) {
     }
 }
 
+// Past a count of the routed location (gpud.core.router conn_lines, before the body is read):
+// the 429's document (js_set $router_counted_text, which @router_counted returns: nginx's
+// `return` reads no body, a js_content handler would read it first). The key's
+// max_concurrent, or the requester's large bodies open at once (router.
+// large_bodies_per_requester): a request with a small body is counted by the first only; nginx
+// does not say which zone refused one with a large body, so for a key with both, both are named.
+function countedText(r) {
+    var name = r.variables.router_key_name || '';
+    var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
+    var bodies = CONFIG.large_bodies_per_requester;
+    var large = bodies > 0 && r.variables.router_body_large === '1';
+    var who = name ? 'key ' + name : 'client ' + r.remoteAddress;
+    var which, value, message;
+    if (large && !lim.max_concurrent) {
+        which = 'large_bodies_per_requester';
+        value = bodies;
+        message = who + ' has ' + value + ' requests with a large body (10^6 bytes or more, ' +
+                  'or chunked) open, router.large_bodies_per_requester';
+    } else {
+        which = 'max_concurrent';
+        value = lim.max_concurrent;
+        message = who + ' has ' + value + ' requests in flight, its max_concurrent' +
+                  (large ? ', or ' + bodies + ' with a large body open, ' +
+                   'router.large_bodies_per_requester' : '');
+    }
+    return JSON.stringify(rateLimited(message, 1, {key: name, limit: which, value: value}).doc);
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -886,7 +923,8 @@ function limited(r) {
     r.return(answer.status, JSON.stringify(answer.doc));
 }
 
-export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
+export default {route, keyName, countedText, unauthorizedText, keyOk, requesterOf, models, model,
+                refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
                 error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),

@@ -70,6 +70,7 @@ from gpud.core.queue import (
     arrive,
     could_fit,
     expected_wait_s,
+    figures_text,
     forget,
     joined,
     let_through,
@@ -78,6 +79,7 @@ from gpud.core.queue import (
     next_up,
     order,
     places,
+    refusal_figures,
     victims,
 )
 from gpud.core.router import ANONYMOUS, RouterRequest
@@ -289,9 +291,14 @@ class OnDemand:
         self._log_refusal(name, why, exc.message)
         resp = error_response(exc)
         resp.set_status(403)
+        # a queue refusal names its limit's figure (max_queued, queue_timeout_s): the config's,
+        # never another request's or serve's
+        figures = refusal_figures(why, exc.details)
         public = {"error": {"code": Denied.code if why == Why.NO_MEMORY else Unavailable.code,
-                            "message": bringup.public_reason(name, why, retry),
-                            "details": {"serve": name, "class": why, "retry_after_s": retry}}}
+                            "message": bringup.public_reason(name, why, retry,
+                                                             figures_text(figures)),
+                            "details": {"serve": name, "class": why, "retry_after_s": retry,
+                                        **figures}}}
         resp.headers["X-Gpud-Reason"] = json.dumps(public)
         resp.headers["Retry-After"] = str(retry)
         return resp
@@ -346,7 +353,8 @@ class OnDemand:
         if isinstance(entry, QueueRefusal):
             raise Unavailable(f"serve {name!r} not brought up: {entry.message}; {first}",
                               {"serve": name, "class": Why(entry.why),
-                               "queued": len(self.queued.get(name, ()))})
+                               "queued": len(self.queued.get(name, ())),
+                               "max_queued": entry.max_queued})
         await self._queued(name, spec, cause, first)
 
     def _entry(self, name: str, spec: ServeConfig) -> Arrival | QueueRefusal | None:
@@ -493,7 +501,8 @@ class OnDemand:
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
                               f"({router.queue_timeout_s} s); {first}",
-                              {"serve": name, "class": Why.QUEUE_TIMEOUT}) from None
+                              {"serve": name, "class": Why.QUEUE_TIMEOUT,
+                               "queue_timeout_s": router.queue_timeout_s}) from None
         finally:
             waiting = self.queued.get(name, [])
             waiting.remove(ticket)
