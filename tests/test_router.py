@@ -936,6 +936,7 @@ class Fed:
     log: Path
     awake: Path
     errors: Path  # nginx's error log
+    serve: subprocess.Popen[bytes]  # the stand-in behind `a`
 
 
 @pytest.fixture
@@ -982,7 +983,7 @@ def fed() -> Iterator[Fed]:
                    what="a answering through the router")
         gpud.seen.clear()
         gpud.requesters.clear()
-        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log")
+        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
         # whatever the test did, the script threw nothing, left nothing pending, and nginx
         # saw nothing it calls an alert (a subrequest finalized twice, a request leaked)
         log.flush()
@@ -1304,6 +1305,19 @@ def test_a_streams_ensure_that_gpud_does_not_answer_goes_by_the_awake_file(fed: 
                                  b'{"model": "a", "prompt": "x", "stream": true}')
     assert status == 503 and _openai_error(json.loads(body))["code"] == "model_not_running"
     assert time.monotonic() - began < 2, body
+
+
+def test_a_serve_gone_after_gpud_said_it_was_up_answers_503_in_openais_shape(fed: Fed) -> None:
+    """gpud's ensure says yes, then the serve's socket refuses (it went away in between): the
+    serve location's own error pages replace the server's, so its 502 must be named there too,
+    else nginx's HTML page goes out (a raw 502 seen once in the fairness storm)."""
+    fed.serve.terminate()
+    fed.serve.wait(timeout=10)
+    status, headers, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    error = _openai_error(json.loads(body))
+    assert status == 503 and error["code"] == "model_not_running", body
+    assert headers.get("Retry-After") and fed.gpud.seen, body
 
 
 def test_a_router_beyond_loopback_without_keys_is_warned_about() -> None:

@@ -554,7 +554,10 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            auth_request_set $router_ensure_s $upstream_response_time;",
                   "            error_page 403 = @router_refused;",
                   *(["            error_page 429 = @router_limited;"] if limits else []),
-                  f"            error_page 500 = {serve.location}_direct;"]
+                  f"            error_page 500 = {serve.location}_direct;",
+                  # a location's error pages replace the server's: the serve gone between
+                  # gpud's yes and the connect (nginx's 502) is named here too
+                  "            error_page 502 504 = @router_down;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
               METER,
               "        }"]
