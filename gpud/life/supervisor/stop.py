@@ -41,7 +41,7 @@ from gpud.life.supervisor.base import (
     Runtime,
     log,
 )
-from gpud.vllm.vllm_log import exit_reason
+from gpud.vllm.vllm_log import exit_reason, last_words
 
 
 class MemoryReturn:
@@ -279,8 +279,8 @@ class StopJob:
                 reason += f"; not stopped: system bus unavailable ({self.rt.units.reason})"
         if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
             last = self.rt.life(serve).unit
-            said = exit_reason(await self.journal(serve_unit(serve),
-                                                  last.invocation_id if last else None))
+            lines = await self.journal(serve_unit(serve), last.invocation_id if last else None)
+            said = exit_reason(lines) or last_words(lines)
             if said is not None:
                 reason += f"; its log: {said}"
         res = self.svc.ledger.reservations.get(serve)

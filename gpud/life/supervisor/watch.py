@@ -142,11 +142,15 @@ class UnitWatch:
             await self.svc.record(self.svc.event(
                 EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
-                report=self.svc.report(serve, Happened.RESTARTING, "restarting"))
+                report=self.svc.report(serve, Happened.RESTARTING,
+                                       f"restarting: its process exited ({action.how})"))
             self.rt.spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self.stops.failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
-                               exit_status=st.exec_main_status)
+            await self.stops.failed(serve, action.reason, stop=action.stop,
+                                    kind=EventKind.CRASH_LOOP if action.crash_loop
+                                    else EventKind.EXIT, exit_status=st.exec_main_status,
+                                    **({"n_restarts": st.n_restarts} if action.crash_loop
+                                       else {}))
         elif isinstance(action, WatchRestart):
             self.rt.spawn(self.health.watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
