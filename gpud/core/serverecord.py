@@ -115,6 +115,12 @@ FIXED: Mapping[Happened, ServeState] = {
 }
 
 
+# The reports that leave a serve awake on its memory: refused when the change they come with
+# leaves it no reservation (a release that said "woken" would leave a running serve that
+# holds none).
+NEEDS_RESERVATION: frozenset[Happened] = frozenset({Happened.WOKEN})
+
+
 @dataclass(frozen=True)
 class Report:
     """What happened to a serve, as an adapter says it. `back_to` (a rollback alone): the state
@@ -212,5 +218,8 @@ def step(serve: Record, event: Event) -> Stepped | StateRefusal:
     decided = allowed(serve.state, target, CAUSES[event.happened])
     if isinstance(decided, StateRefusal):
         return decided
+    if event.happened in NEEDS_RESERVATION and not serve.holds:
+        return StateRefusal(serve.state, target, CAUSES[event.happened],
+                            f"{event.happened} needs a reservation held, and the serve holds none")
     return Stepped(Record(decided, serve.holds, serve.external, serve.configured, serve.life),
                    (StoreState(decided),))

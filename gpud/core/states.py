@@ -103,11 +103,16 @@ class StateRefusal:
     prev: ServeState | None
     next: ServeState
     cause: Cause | None
+    # Why, where the rule of the serve's record (gpud.core.serverecord) refuses a change this
+    # rule allows: it names what the record lacks.
+    why: str | None = None
 
     @property
     def message(self) -> str:
         was = self.prev or "unrecorded"
-        if self.cause is None:
+        if self.why is not None:
+            why = self.why
+        elif self.cause is None:
             why = "no cause leads there from there"
         elif self.next not in TARGETS[self.cause]:
             why = f"{self.cause} leads only to {', '.join(sorted(TARGETS[self.cause]))}"
