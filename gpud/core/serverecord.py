@@ -22,8 +22,7 @@ from enum import StrEnum
 
 from gpud.core.lifecycle import IDLE_LIFE, Input, LifeAction, ServeLife
 from gpud.core.lifecycle import step as life_step
-from gpud.core.states import Cause, StateRefusal
-from gpud.core.states import record as allowed
+from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -215,7 +214,7 @@ def step(serve: Record, event: Event) -> Stepped | StateRefusal:
     target = next_state(serve, event)
     if target is None:
         return Stepped(serve)
-    decided = allowed(serve.state, target, CAUSES[event.happened])
+    decided = check_change(serve.state, target, CAUSES[event.happened])
     if isinstance(decided, StateRefusal):
         return decided
     if event.happened in NEEDS_RESERVATION and not serve.holds:

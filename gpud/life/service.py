@@ -28,8 +28,7 @@ from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported:
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
-from gpud.core.states import Cause, StateRefusal
-from gpud.core.states import record as record_state
+from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -601,7 +600,7 @@ class LedgerService:
             done = self.submit(Changes(meta={key: value}))
         await done
 
-    async def record(self, ev: Event, *, report: Reported | None = None,
+    async def store_event(self, ev: Event, *, report: Reported | None = None,
                      state: ServeStateRow | None = None, cause: Cause | None = None) -> Event:
         """Store one event, with what happened to its serve (`report`: the state it leads to is
         decided by gpud.core.serverecord) outside any ledger change. `state` names a state
@@ -640,7 +639,7 @@ class LedgerService:
             if stores:
                 changes.states.append(self.state_row(serve, stores[-1], row.reason))
             return
-        decided = record_state(prev, row.state, cause)
+        decided = check_change(prev, row.state, cause)
         if isinstance(decided, StateRefusal):
             self._refuse_state(serve, decided)
         changes.states.append(row)
@@ -655,7 +654,7 @@ class LedgerService:
 
     def report(self, serve: str, happened: Happened, reason: str | None = None, *,
                back_to: ServeState | None = None) -> Reported:
-        """What happened to `serve`, for `record`: its state is decided by its one step."""
+        """What happened to `serve`, for `store_event`: its state is decided by its one step."""
         return Reported(serve, Report(happened, back_to), reason)
 
     def _remember(self, serve: str, state: ServeState, reason: str | None,
@@ -682,7 +681,7 @@ class LedgerService:
     def lift(self, key: str) -> None:
         self._holds.pop(key, None)
 
-    def held(self, role: str, serve: str) -> str | None:
+    def hold_reason(self, role: str, serve: str) -> str | None:
         """Why admissions of `serve` on `role` are refused for now, else None."""
         for key, (roles, why) in self._holds.items():
             if key != serve and role in roles:
@@ -786,7 +785,7 @@ class LedgerService:
             lost = self.lost_device(name)
             if lost is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
-            why = self.held(name, serve)
+            why = self.hold_reason(name, serve)
             if why is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, why,
                                                  bound=DenialBound.HELD)
