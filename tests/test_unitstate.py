@@ -72,8 +72,9 @@ CASES = [
     ("exited again during gpud's start, after systemd's restart: a crash loop, stopped",
      {"launching": True, "state": "starting", "prev": unit(restarts=1)},
      unit("activating", "auto-restart", "exit-code", restarts=1, status=3),
-     [SeenExit("i1"), Fail("crash-loop during its start: exited 2 times before it answered "
-                           "(last: status 3, result exit-code)", stop=True, crash_loop=True)]),
+     [SeenExit("i1"), Fail("crash-loop: exited 2 times during its start, before it ever "
+                           "answered (last: status 3, result exit-code)", stop=True,
+                           crash_loop=True)]),
     ("exited again after systemd's restart, no start of gpud's: systemd restarts it",
      {"state": "starting", "prev": unit(restarts=1)},
      unit("activating", "auto-restart", "exit-code", restarts=1, status=3),

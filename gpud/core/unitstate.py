@@ -207,8 +207,8 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
             # restarts since the unit's last start that was not one of them (systemd,
             # src/core/service.c: service_enter_restart() counts, service_start() flushes
             # the count on any other start).
-            return [*actions, Fail(f"crash-loop during its start: exited {st.n_restarts + 1} "
-                                   f"times before it answered (last: {st.how}, result "
+            return [*actions, Fail(f"crash-loop: exited {st.n_restarts + 1} times during its start, "
+                                   f"before it ever answered (last: {st.how}, result "
                                    f"{st.result})", stop=True, crash_loop=True)]
         if will_restart(rt.restart, st):
             # systemd passes through failed, auto-restart and inactive before the restart:

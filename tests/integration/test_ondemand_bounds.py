@@ -225,7 +225,7 @@ def test_a_serve_crash_looping_under_a_request_fails_it_with_its_exit(gpud: Sand
         failed = gpud.serve("dies")
         assert failed["state"] == "failed", failed
         reason = failed.get("reason") or ""
-        assert reason.startswith("crash-loop during its start: exited 2 times"), reason
+        assert reason.startswith("crash-loop: exited 2 times during its start"), reason
         assert "last: status 3" in reason, reason
         assert "its log: " in reason and "simulated crash after 3.0s, exit code 3" in reason, reason
         (loop,) = gpud.events(kind="crash-loop", serve="dies")
