@@ -4,7 +4,7 @@ it): which of its three reasons, with the states a cause leads to sorted."""
 from __future__ import annotations
 
 from gpud.core.states import Cause, StateRefusal, check_change
-from gpud.core.vocab import ADMITTED, DECLARED, FAILED, RUNNING, STOPPING
+from gpud.core.vocab import ADMITTED, DECLARED, FAILED, RUNNING, SLEEPING, STOPPING
 
 
 def test_a_cause_that_does_not_lead_there_names_where_it_leads() -> None:
@@ -32,3 +32,12 @@ def test_an_unrecorded_serve_and_no_cause_named() -> None:
     nothing = StateRefusal(DECLARED, STOPPING, None).message
     assert nothing == ("declared -> stopping (no cause named) refused: no cause leads there from "
                        "there")
+
+
+def test_a_refusal_that_names_its_own_why_says_it() -> None:
+    """The serve's record (gpud.core.serverecord) refuses a change this rule allows, naming
+    what the record lacks: that is the whole reason, whatever the cause."""
+    got = StateRefusal(SLEEPING, RUNNING, Cause.WAKE, "woken needs a reservation held").message
+    assert got == "sleeping -> running (wake) refused: woken needs a reservation held"
+    assert StateRefusal(None, RUNNING, None, "why").message == (
+        "unrecorded -> running (no cause named) refused: why")

@@ -122,7 +122,7 @@ class StateRefusal:
 
 
 def check_change(prev: ServeState | None, next: ServeState,
-           cause: Cause | None) -> ServeState | StateRefusal:
+                 cause: Cause | None) -> ServeState | StateRefusal:
     """The state to store when a serve that is `prev` (None: no record) is to become `next`
     because of `cause`, or why it may not. A writer that names no cause (None: a caller outside
     gpud's own writers, which all name theirs) may make any change some cause allows."""
