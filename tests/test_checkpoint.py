@@ -169,3 +169,10 @@ def test_a_bare_name_is_a_repository_id_even_where_a_directory_has_it(
     with pytest.raises(NotOnDisk, match="opt@main: not in the model cache"):
         locate("opt", None, tmp_path / "hub")
     assert locate("./opt", None, tmp_path / "hub") == (Path("./opt"), True)
+
+
+def test_a_home_of_no_user_here_is_not_on_disk_not_a_crash(tmp_path: Path) -> None:
+    """"~name/m" where no user "name" exists: pathlib raises RuntimeError, which a config's
+    load (checkpoint_problems) took as a crash (found by the config campaign)."""
+    with pytest.raises(NotOnDisk, match="no home directory for 'gpud-no-such-user-x'"):
+        locate("~gpud-no-such-user-x/m", None, tmp_path / "hub")

@@ -244,7 +244,11 @@ def locate(model: str, revision: str | None, hub_cache: Path) -> tuple[Path, boo
     (or starts with "~" or "."); anything else is a repository id looked for in `hub_cache`. A
     bare relative name is not taken for a directory: it would be one relative to whichever
     directory gpud or gpuctl runs in, not the serve's. NotOnDisk when it is not there."""
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~name/..." where this host has no user "name" (pathlib's refusal)
+        raise NotOnDisk(f"{model}: no such directory (no home directory for "
+                        f"{model[1:].partition('/')[0]!r} on this host)") from None
     if path.is_absolute() or model.startswith((".", "~")):
         if not path.is_dir():
             raise NotOnDisk(f"{model}: no such directory")

@@ -261,9 +261,11 @@ def valid_documents(draw: st.DrawFn) -> dict[str, Any]:
                 ["{port}", "{gpu_memory_utilization}", "{device_index}", "{vram_mib}", "x"]))]
         else:
             # A model name that begins with "-" would read as an option of `vllm serve`
-            # (refused, named so).
+            # (refused, named so); one that begins with "/", "." or "~" is a local directory,
+            # read on this host (gpud.vllm.checkpoint.locate: "~" is a directory without a
+            # config.json, refused, named so).
             spec["vllm"] = {"model": draw(st.text(min_size=1, max_size=10).filter(
-                lambda t: "\0" not in t and not t.startswith("-")))}
+                lambda t: "\0" not in t and not t.startswith(("-", "/", ".", "~"))))}
         if "vllm" in spec or "{gpu_memory_utilization}" in spec["command"]:
             # A utilization of 0.0000 is refused (vLLM's own bound, and gpud's for a command
             # that is handed one): at least 1/10000 of the total.
