@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, tree_cpu
+from bench.front import NGINX, free_port, revision_tree, tree_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
@@ -246,12 +246,7 @@ def overhead(rounds: int, requests: int, old: str | None) -> None:
     sides: dict[str, Router] = {}
     trees = {"": REPO}
     if old is not None:
-        trees[f" ({old})"] = tmp / "old"
-        trees[f" ({old})"].mkdir()
-        archive = subprocess.run(["git", "archive", old], cwd=REPO, check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(trees[f" ({old})"])], input=archive,
-                       check=True)
+        trees[f" ({old})"] = revision_tree(old, tmp / "old")
     try:
         wait_sock(sock)
         limits = "max_concurrent = 65535\nrequests_per_minute = 1000000\n"

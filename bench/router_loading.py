@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, standin
+from bench.front import NGINX, free_port, revision_tree, standin
 
 REPO = Path(__file__).resolve().parents[1]
 NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
@@ -127,10 +127,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args()
-    old = Path(tempfile.mkdtemp(prefix="gpud-bench-old-"))
-    archive = subprocess.run(["git", "archive", args.old], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    old = revision_tree(args.old)
     tmp = Path(tempfile.mkdtemp(prefix="gpud-bench-serve-"))
     tmp.chmod(0o755)
     sock, gpud_sock = str(tmp / "m.sock"), str(tmp / "gpud.sock")
