@@ -885,6 +885,7 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     status = 204
     # GET /v1/serves's serves (None: not answered), as the router's states read them
     serves: list[dict[str, object]] | None = None
+    serves_delay_s = 0.0  # how long GET /v1/serves takes
     # the X-Gpud-Reason of a 403 (None: a ledger's denial)
     reason: dict[str, object] | None = None
     seen: list[tuple[str, str]]
@@ -919,6 +920,7 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
+        time.sleep(self.server.serves_delay_s)
         body = json.dumps({"serves": self.server.serves}).encode()
         self.send_response(200 if self.server.serves is not None else 404)
         self.send_header("Content-Length", str(len(body)))
@@ -978,9 +980,24 @@ def fed() -> Iterator[Fed]:
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)
         wait_until(lambda: connects(port), what="the router listening")
-        wait_until(lambda: _req(port, "POST", "/v1/completions",
-                                b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
-                   what="a answering through the router")
+        # nginx writes a request's access-log line once the request is freed, after its
+        # answer is sent (ngx_http_free_request calls ngx_http_log_request, nginx
+        # src/http/ngx_http_request.c): the client can have the answer before the line is
+        # written. Every warm-up request's line is waited for here, so that a test that
+        # empties the log and counts its own lines never gets a late one of these (1 in 30
+        # fixtures had the last one unwritten when the test began: the hang-up test's
+        # "the request ended" then saw 2 lines)
+        warm = 0
+
+        def answering() -> bool:
+            nonlocal warm
+            warm += 1
+            return _req(port, "POST", "/v1/completions",
+                        b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200
+
+        wait_until(answering, what="a answering through the router")
+        wait_until(lambda: len((tmp / "router.log").read_text().splitlines()) == warm,
+                   what="the warm-up requests' access-log lines")
         gpud.seen.clear()
         gpud.requesters.clear()
         yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
@@ -1268,6 +1285,36 @@ def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed,
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_hang_up_while_the_queue_note_is_asked_ends_the_request_cleanly(
+        fed: Fed, reset: bool) -> None:
+    """L8: the client hangs up while the script's queue note (its subrequest to gpud's
+    GET /v1/serves, a promise) is out. Were the subrequest ended for it (nginx's
+    ngx_http_upstream_check_broken_connection finalizing it with 499), its promise would never
+    resolve (njs's ngx_http_js_subrequest_done returns before the callback when
+    r->connection->error) and the script would stay pending: the request still ends, its
+    line written once, its ensure closed, nothing left pending (as measured here, nginx
+    notices the hang-up at the next comment's send, 0.8-1.8 s later)."""
+    fed.gpud.delay_s, fed.gpud.serves_delay_s = 30, 0.6
+    fed.log.write_text("")
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b": loading a") < 2:
+            got += client.recv(65536)
+        time.sleep(0.2)  # the second comment's note is out for 0.6 s
+        if reset:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert fed.gpud.gone.wait(5), "the ensure was left waiting"
+    wait_until(lambda: len(fed.log.read_text().splitlines()) == 1, what="the request ended")
+    time.sleep(1.5)
+    assert len(fed.log.read_text().splitlines()) == 1
+    errors = fed.errors.read_text()
+    assert "js exception" not in errors and "pending events" not in errors, errors
+
+
 def test_with_gpud_unreachable_the_router_goes_by_the_awake_file(fed: Fed) -> None:
     """M3: gpud not answering its ensure (nginx's auth_request takes it as an error, as a
     socket nobody listens on), the router reaches the serve only when gpud last said it was
@@ -1420,4 +1467,3 @@ def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:
     assert status == 404 and "model_not_found" not in body.decode(), body
     status, _h, body = _req(fed.port, "GET", "/v1/models")
     assert status == 200 and "hasOwnProperty" in body.decode(), body
-

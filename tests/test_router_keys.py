@@ -451,11 +451,18 @@ def test_a_requesters_large_bodies_open_at_once_are_bounded_before_they_are_read
                                    "value": 2, "retry_after_s": 1}, err
             assert "key probe has 2 requests with a large body" in err["message"], err
             # counted as the key's in its usage (a 4xx of no model: its body was never read)
-            assert rig.router.access_log is not None
-            logged = [json.loads(line) for line in
-                      Path(rig.router.access_log).read_text().splitlines()]
-            assert [(d["key"], d["status"], d["model"]) for d in logged
-                    if d["status"] == "429"] == [("probe", "429", "")], logged
+            # (nginx writes a request's line once it is freed, after its answer is sent:
+            # ngx_http_free_request -> ngx_http_log_request, so it is waited for)
+            log = rig.router.access_log
+            assert log is not None
+
+            def refused() -> list[tuple[str, str, str]]:
+                return [(d["key"], d["status"], d["model"]) for d in
+                        map(json.loads, Path(log).read_text().splitlines())
+                        if d["status"] == "429"]
+
+            wait_until(lambda: refused() != [], what="the 429's access-log line")
+            assert refused() == [("probe", "429", "")], Path(log).read_text()
             # a chunked body (its length unknown) counts as large too
             chunked = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
             with chunked:
