@@ -274,12 +274,20 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)  # nginx's workers run as nobody here
         wait_until(lambda: connects(port), what="the router listening")
+        probes = 0
+
+        def answering(model: str) -> bool:
+            nonlocal probes
+            probes += 1
+            return _req(port, "POST", "/tokenize", json.dumps({"model": model}).encode(),
+                        {"Authorization": f"Bearer {RIG_TOKEN}"})[0] != 503
+
         for model in ("a", "b"):
-            wait_until(lambda m=model: _req(port, "POST", "/tokenize",  # type: ignore[misc]
-                                            json.dumps({"model": m}).encode(),
-                                            {"Authorization": f"Bearer {RIG_TOKEN}"}
-                                            )[0] != 503,
+            wait_until(lambda m=model: answering(m),  # type: ignore[misc]
                        what=f"{model} answering through the router")
+        if access_log:  # each probe's line is written once it is freed: as the fed fixture
+            wait_until(lambda: len((tmp / "access.log").read_text().splitlines()) == probes,
+                       what="the readiness probes' access-log lines")
         yield Rig(port, a, b, nginx, str(tmp / "router.js"), router, tmp / "nginx.conf", run)
     except BaseException:
         log.flush()
