@@ -18,7 +18,9 @@
    its own nginx before one stand-in (no --max-num-seqs bound). --rounds rounds in a shuffled
    order of --requests non-streamed completions from one client on a keep-alive connection:
    the p50 of each round, and nginx's CPU per request (its master and workers, schedstat);
-   medians over rounds. Target: <= 0.1 ms p50 added, <= 5 % CPU per request.
+   medians over rounds. Target: <= 0.1 ms p50 added, <= 5 % CPU per request. With --old REV,
+   the keyed sides as REV's gpud renders them too (`git archive` of REV unpacked in a temporary
+   directory), in the same rounds: before and after side by side.
 
 Not a test: nothing is asserted.
 """
@@ -42,16 +44,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, tree_cpu
-from gpud.core.front import FrontConfig, render
-from gpud.core.router import METER, RoutedServe, RouterFront, http_lines, main_lines, parse_keys
-from gpud.nginx.router import script_text
+from bench.front import NGINX, free_port, revision_tree, tree_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 GREEDY, POLITE = "sk-greedy-0123456789", "sk-polite-0123456789"
 STREAM = {"model": "m", "prompt": "a b c d e f g h", "max_tokens": 20, "stream": True}
 PLAIN = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
+
+
+# The router's config and script as the gpud of a tree renders them (run there: cwd, so that a
+# tree of another revision renders its own): argv out dir, port, the serve's socket, the njs
+# module, the keys file ("" none), "meter" or "", "priority" or "".
+RENDER = """
+import sys
+from pathlib import Path
+from gpud.core.front import FrontConfig, render
+from gpud.core.router import METER, RoutedServe, RouterFront, http_lines, main_lines, parse_keys
+from gpud.nginx.router import script_text
+out, port, sock, njs, keys, meter, priority = sys.argv[1:]
+parsed = None
+if keys:
+    found, problems = parse_keys(Path(keys).read_text(), ["m"])
+    assert not problems, problems
+    parsed = tuple(found)
+router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("s", ("m",), socket=sock,
+                                                      priority_scheduling=bool(priority)),),
+                     njs_module=njs, script=str(Path(out) / "router.js"), keys=parsed,
+                     access_log=str(Path(out) / "router.log"))
+lines = [line for line in http_lines(router) if meter or line != METER]
+(Path(out) / "router.js").write_text(script_text(router))
+(Path(out) / "nginx.conf").write_text(render(FrontConfig(
+    serves=(), run_dir=str(Path(out) / "run"), workers=2,
+    main_extra=tuple(main_lines(router)), http_extra=tuple(lines))))
+"""
 
 
 def keys_text(greedy: str = "", polite: str = "") -> str:
@@ -63,27 +89,19 @@ class Router:
     """One nginx with the router gpud renders, before the stand-in on SOCK."""
 
     def __init__(self, tmp: Path, name: str, sock: Path, keys: str | None,
-                 meter: bool = True, priority: bool = False) -> None:
+                 meter: bool = True, priority: bool = False, tree: Path = REPO) -> None:
         self.dir = tmp / name
         run = self.dir / "run"
         run.mkdir(parents=True)
         self.dir.chmod(0o755)
         self.port = free_port()
-        parsed = None
+        keys_file = ""
         if keys is not None:
-            found, problems = parse_keys(keys, ["m"])
-            assert not problems, problems
-            parsed = tuple(found)
-        router = RouterFront(f"127.0.0.1:{self.port}",
-                             (RoutedServe("s", ("m",), socket=str(sock),
-                                          priority_scheduling=priority),),
-                             njs_module=str(NJS), script=str(self.dir / "router.js"),
-                             keys=parsed, access_log=str(self.dir / "router.log"))
-        lines = [line for line in http_lines(router) if meter or line != METER]
-        (self.dir / "router.js").write_text(script_text(router))
-        (self.dir / "nginx.conf").write_text(render(FrontConfig(
-            serves=(), run_dir=str(run), workers=2, main_extra=tuple(main_lines(router)),
-            http_extra=tuple(lines))))
+            (self.dir / "keys.toml").write_text(keys)
+            keys_file = str(self.dir / "keys.toml")
+        subprocess.run([sys.executable, "-c", RENDER, str(self.dir), str(self.port), str(sock),
+                        str(NJS), keys_file, "meter" if meter else "",
+                        "priority" if priority else ""], cwd=tree, check=True)
         self.proc = subprocess.Popen([str(NGINX), "-c", str(self.dir / "nginx.conf"), "-p",
                                       f"{run}/"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
@@ -220,21 +238,30 @@ def fairness(n_polite: int) -> None:
         shutil.rmtree(tmp)
 
 
-def overhead(rounds: int, requests: int) -> None:
+def overhead(rounds: int, requests: int, old: str | None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gpud-fair-bench-"))
     tmp.chmod(0o755)
     sock = tmp / "s.sock"
     serve = standin(sock)
     sides: dict[str, Router] = {}
+    trees = {"": REPO}
+    if old is not None:
+        trees[f" ({old})"] = revision_tree(old, tmp / "old")
     try:
         wait_sock(sock)
         limits = "max_concurrent = 65535\nrequests_per_minute = 1000000\n"
-        sides = {"without keys": Router(tmp, "plain", sock, None, meter=False),
-                 "keys": Router(tmp, "keys", sock, keys_text(), meter=False),
-                 "keys+limits": Router(tmp, "limits", sock,
-                                       keys_text(greedy=limits, polite=limits), meter=False),
-                 "keys+limits+usage": Router(tmp, "keyed", sock,
-                                             keys_text(greedy=limits, polite=limits))}
+        sides = {"without keys": Router(tmp, "plain", sock, None, meter=False)}
+        for tag, tree in trees.items():
+            d = "-old" if tag else ""
+            sides |= {
+                f"keys{tag}": Router(tmp, f"keys{d}", sock, keys_text(), meter=False,
+                                     tree=tree),
+                f"keys+limits{tag}": Router(tmp, f"limits{d}", sock,
+                                            keys_text(greedy=limits, polite=limits),
+                                            meter=False, tree=tree),
+                f"keys+limits+usage{tag}": Router(tmp, f"keyed{d}", sock,
+                                                  keys_text(greedy=limits, polite=limits),
+                                                  tree=tree)}
         tokens = {name: None if name == "without keys" else POLITE for name in sides}
         for name, r in sides.items():
             r.ready(tokens[name] or POLITE)
@@ -254,12 +281,12 @@ def overhead(rounds: int, requests: int) -> None:
                 p50[name].append(statistics.median(lat) * 1000)
         print(f"\n2. limits and usage: 1 client, {requests} non-streamed requests x {rounds} "
               "rounds (medians over rounds; each router its own nginx, 2 workers)")
-        print(f"{'router':<18} {'p50 ms':>8} {'nginx CPU us/request':>21} "
+        print(f"{'router':<28} {'p50 ms':>8} {'nginx CPU us/request':>21} "
               f"{'p50 vs without keys':>20} {'CPU vs without keys':>20}")
         b50, bcpu = statistics.median(p50["without keys"]), statistics.median(cpu["without keys"])
         for name in sides:
             m50, mcpu = statistics.median(p50[name]), statistics.median(cpu[name])
-            print(f"{name:<18} {m50:>8.3f} {mcpu:>21.1f} {m50 - b50:>+17.3f} ms "
+            print(f"{name:<28} {m50:>8.3f} {mcpu:>21.1f} {m50 - b50:>+17.3f} ms "
                   f"{100 * (mcpu - bcpu) / bcpu:>+18.1f} %")
         added = statistics.median(p50["keys+limits+usage"]) - b50
         more = 100 * (statistics.median(cpu["keys+limits+usage"]) - bcpu) / bcpu
@@ -279,13 +306,14 @@ def main() -> int:
     p.add_argument("--polite", type=int, default=10, help="polite requests per side")
     p.add_argument("--rounds", type=int, default=5, help="of the overhead (0: none)")
     p.add_argument("--requests", type=int, default=300, help="per round of the overhead")
+    p.add_argument("--old", help="a revision whose keyed routers are measured beside these")
     args = p.parse_args()
     print(f"host: {os.cpu_count()} CPUs; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     if args.polite:
         fairness(args.polite)
     if args.rounds:
-        overhead(args.rounds, args.requests)
+        overhead(args.rounds, args.requests, args.old)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

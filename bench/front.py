@@ -43,6 +43,17 @@ STREAM = json.dumps({"prompt": "a b c d e f g h", "max_tokens": 200, "stream": T
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def revision_tree(rev: str, into: Path | None = None) -> Path:
+    """REV's files (`git archive`) in INTO, else a new temporary directory: an older gpud to
+    measure beside this one in the same run."""
+    tree = into if into is not None else Path(tempfile.mkdtemp(prefix="gpud-bench-old-"))
+    tree.mkdir(exist_ok=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, standin, tree_cpu
+from bench.front import NGINX, free_port, revision_tree, standin, tree_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
@@ -167,10 +167,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--loop-s", type=float, default=6)
     args = ap.parse_args()
-    old = Path(tempfile.mkdtemp(prefix="gpud-bench-old-"))
-    archive = subprocess.run(["git", "archive", args.old], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    old = revision_tree(args.old)
     serve_dir = Path(tempfile.mkdtemp(prefix="gpud-bench-serve-"))
     serve_dir.chmod(0o755)
     sock = str(serve_dir / "m.sock")

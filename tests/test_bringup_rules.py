@@ -136,6 +136,8 @@ def test_every_branch_of_classify(code: str, details: dict[str, Any], why: Why) 
 def test_the_public_reason_word_for_word() -> None:
     assert public_reason("ocr", Why.QUEUE_TIMEOUT, 7) == (
         "serve ocr: the serve could not be brought up while the request waited; retry after 7 s")
+    assert public_reason("ocr", Why.QUEUE_FULL, 7, " (router.max_queued = 8)") == (
+        "serve ocr: too many requests wait for the serve (router.max_queued = 8); retry after 7 s")
 
 
 def test_a_fresh_record_of_tries_has_no_failures() -> None:

@@ -58,7 +58,7 @@ class Observer:
         self.clock.now += self.step
         self.samples += 1
         if self.stop_after is not None and self.samples > self.stop_after:
-            await self.svc.record(self.svc.event("stop", "s stopping"),
+            await self.svc.store_event(self.svc.event("stop", "s stopping"),
                                   state=self.svc.state_row("s", STOPPING))
 
     def observed_mib(self, serve: str) -> int | None:
@@ -82,7 +82,7 @@ def svc(tmp_path: Path) -> Iterator[LedgerService]:
 
 async def running(svc: LedgerService) -> None:
     await svc.admit("s", 3200)
-    await svc.record(svc.event("healthy", "s healthy"), state=svc.state_row("s", RUNNING))
+    await svc.store_event(svc.event("healthy", "s healthy"), state=svc.state_row("s", RUNNING))
 
 
 async def calibrate_events(svc: LedgerService) -> list[dict[str, object]]:

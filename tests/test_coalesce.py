@@ -117,10 +117,10 @@ async def test_a_refusal_flood_through_the_front_adds_a_handful_of_events(
     assert len(service.store.events(EventQuery(limit=10_000))) - before <= 3
     # every refusal is still counted in the metrics' figure
     assert service.counters["deny"] == 500
-    assert service.refusals.pending() == 499
+    assert service.refusals.windows.pending() == 499
     # the window ends: one event stands for the 499, saying so
     service.clock = lambda: 1e12
-    service._flush_refusals(1e12)
+    service.refusals.flush(1e12)
     await service.drain()
     _first, summary = denials(service, "big")
     details = summary["details"]
@@ -150,7 +150,7 @@ async def test_the_refusals_counted_are_stored_when_gpud_stops(tmp_path: Path) -
 
 async def test_the_summary_is_stored_on_time_without_another_refusal(
         service: LedgerService) -> None:
-    service.refusals = Coalescer(window_s=0.2)
+    service.refusals.windows = Coalescer(window_s=0.2)
     await deny_many(service, "big", 3, front=True)
 
     async def summarized() -> bool:

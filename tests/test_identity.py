@@ -230,11 +230,15 @@ def test_ensures_are_bounded_per_requester_and_in_all() -> None:
     bound = EnsureBound.empty(per_requester=2, total=3)
     assert bound.enter("alice") is None and bound.enter("alice") is None
     refused = bound.enter("alice")
-    assert refused is not None and "daemon.ensure_waiting_per_requester" in refused
+    assert refused is not None and (refused.limit, refused.value) == (
+        "daemon.ensure_waiting_per_requester", 2)
+    assert refused.text == ("2 requests of alice wait for a bring-up already "
+                            "(daemon.ensure_waiting_per_requester)")
     # another requester is not held by alice's
     assert bound.enter("bob") is None
     full = bound.enter("carol")
-    assert full is not None and "daemon.ensure_waiting_total" in full
+    assert full is not None and (full.limit, full.value) == ("daemon.ensure_waiting_total", 3)
+    assert "daemon.ensure_waiting_total" in full.text
     assert bound.by == {"alice": 2, "bob": 1}
     bound.leave("alice")
     assert bound.enter("carol") is None

@@ -21,7 +21,7 @@ def test_no_adapter_names_a_serves_next_state() -> None:
 PLANTED = [
     'svc.state_row("a", RUNNING)',
     "svc.state_row(serve, ADMITTED if res else DECLARED, why)",
-    "await svc.record(ev, state=svc.state_row(serve, STOPPING))",  # found twice: row and keyword
+    "await svc.store_event(ev, state=svc.state_row(serve, STOPPING))",  # found twice: row and keyword
     "await svc.admit(serve, 100, state=SLEEPING)",
     "await svc.admit(serve, 100, state=ServeState.SLEEPING)",
     "await svc.release(serve, next_state=undo.state_after or DECLARED)",
@@ -41,7 +41,7 @@ def test_a_planted_naming_is_found(tmp_path: Path, line: str) -> None:
 
 
 @pytest.mark.parametrize("line", [
-    "await svc.record(ev, report=svc.report(serve, Happened.LAUNCHED))",
+    "await svc.store_event(ev, report=svc.report(serve, Happened.LAUNCHED))",
     "await svc.admit(serve, 100, happened=Happened.ASLEEP)",
     "await svc.release(serve, happened=Happened.ROLLED_BACK, back_to=undo.state_after)",
     "svc.state_of(serve) == RUNNING",  # a read is not a decision

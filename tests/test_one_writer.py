@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[tuple[str, str]]] = {
                  (SERVICE, "LedgerService._commit_loop")},
 }
 # Calls that ask for a state (keyword) and must say why (cause=).
-ASKS = {"record": "state", "admit": "state", "admit_preempting": "state",
+ASKS = {"store_event": "state", "admit": "state", "admit_preempting": "state",
         "release": "next_state"}
 
 
@@ -163,7 +163,7 @@ class Sneaky:
         rec.state = "failed"
         svc._remember("a", "running", None, now)
         store._db.execute("UPDATE serve_states SET state='running' WHERE serve='a'")
-        svc.record(None, state=row)
+        svc.store_event(None, state=row)
         svc.release("a", next_state="failed")
         svc.admit("a", 100, state="sleeping")
 '''

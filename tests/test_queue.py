@@ -178,7 +178,19 @@ def test_after_refusal() -> None:
         assert after_refusal(**{**base, off: False}) is None  # type: ignore[arg-type]
     full = after_refusal(**{**base, "queued": 2})  # type: ignore[arg-type]
     assert isinstance(full, QueueRefusal) and full.why == "queue-full" and "2 request(s)" in \
-        full.message
+        full.message and full.max_queued == 2
+
+
+def test_a_queue_refusal_names_its_limits_figure_and_no_other() -> None:
+    from gpud.core.queue import figures_text, refusal_figures
+    assert refusal_figures("queue-full", {"max_queued": 8, "queued": 8}) == {"max_queued": 8}
+    assert refusal_figures("queue-timeout", {"queue_timeout_s": 60}) == {"queue_timeout_s": 60}
+    # another class, a missing or non-integer figure: none
+    assert refusal_figures("no-memory", {"max_queued": 8, "need_mib": 9000}) == {}
+    assert refusal_figures("queue-full", {}) == {}
+    assert refusal_figures("queue-full", {"max_queued": True}) == {}
+    assert figures_text({"max_queued": 8}) == " (router.max_queued = 8)"
+    assert figures_text({}) == ""
 
 
 @pytest.mark.parametrize(("o", "priority", "may"), [
@@ -345,7 +357,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
         "other": SimpleNamespace(mib=20000, all_roles=("r",))})
     sup = CrashLooping(svc, denied=True)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
-    od.up_at["other"] = time.monotonic()
+    od.note("other", lambda d: replace(d, up_at=time.monotonic()))
     began = time.monotonic()
     waiting = asyncio.ensure_future(od.ensure("od"))
     await asyncio.sleep(0.2)
@@ -354,11 +366,16 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
     assert time.monotonic() - began < 0.5
     timed_out = await waiting
     assert 1.0 <= time.monotonic() - began < 3.0
-    for reply, why in ((full, "queue-full"), (timed_out, "queue-timeout")):
+    for reply, why, figure, text in (
+            (full, "queue-full", {"max_queued": 1}, "(router.max_queued = 1)"),
+            (timed_out, "queue-timeout", {"queue_timeout_s": 1}, "(router.queue_timeout_s = 1)")):
         assert reply.status == 403 and int(reply.headers["Retry-After"]) >= 1, reply.headers
         said = json.loads(reply.headers["X-Gpud-Reason"])["error"]
         assert said["details"]["class"] == why, said
-        assert "16000" not in reply.headers["X-Gpud-Reason"]  # the class only
+        # the limit's figure, the router's config's: in the details and the message
+        assert {k: said["details"][k] for k in figure} == figure, said
+        assert text in said["message"], said
+        assert "16000" not in reply.headers["X-Gpud-Reason"]  # no memory figures
     assert od.queued == {} and od.queue_waits["od"].n == 1
 
 

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from gpud.config import model_names, parse_config, routed
 from gpud.core.front import FrontConfig, render
 from gpud.core.launch import vllm_argv
 from gpud.core.router import (
+    DEFAULT_LARGE_BODIES_PER_REQUESTER,
     ROUTED_PATHS,
     ApiKey,
     RoutedServe,
@@ -170,7 +172,9 @@ def test_every_carried_route_and_nothing_else_runs_the_script() -> None:
     router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),))
     lines = "\n".join(http_lines(router))
     for path in ROUTED_PATHS:
-        assert f"location = {path} {{\n            js_content router.route;" in lines
+        # its counts before it (conn_lines: large_bodies_per_requester), the script's route
+        block = lines.split(f"location = {path} {{\n", 1)[1].split("}", 1)[0]
+        assert "            js_content router.route;" in block, block
     assert lines.count("js_content router.route;") == len(ROUTED_PATHS)
     assert "location / {\n            return 404" in lines
 
@@ -237,7 +241,8 @@ def rig() -> Iterator[Rig]:
 
 @contextlib.contextmanager
 def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
-               access_log: bool = False, priority_scheduling: bool = False) -> Iterator[Rig]:
+               access_log: bool = False, priority_scheduling: bool = False,
+               large_bodies: int = DEFAULT_LARGE_BODIES_PER_REQUESTER) -> Iterator[Rig]:
     """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
@@ -255,7 +260,7 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
                           RoutedServe("b", ("b", "org/b-model"), port=b_port)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
-                         body_timeout_s=1, keys=keys,
+                         body_timeout_s=1, keys=keys, large_bodies_per_requester=large_bodies,
                          access_log=str(tmp / "access.log") if access_log else None)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
@@ -667,10 +672,17 @@ def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], dict[str, object]
      b"\r\nContent-Length: 10000000\r\n\r\n{", 413, "request_too_large"),
     (b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404,
      "route_not_found"),
+    (b"TRACE /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-ops-0123456789abc\r\n"
+     b'If-Match: "x"\r\n\r\n', 412, "precondition_failed"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501,
+     "not_implemented"),
+    (b"GET /v1/models HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
 ])
 def test_nginxs_own_errors_are_openai_shaped(keyed: Rig, request_bytes: bytes, status: int,
                                               code: str) -> None:
-    """L2: at e8f41a4 nginx's own 400, 414 and 494 (and a 413 with keys on) were HTML."""
+    """L2: at e8f41a4 nginx's own 400, 414 and 494 (and a 413 with keys on) were HTML; at
+    310a618 its 405 (TRACE), 412, 501 and 505 still were."""
     got, headers, doc = _raw(keyed.port, request_bytes)
     assert got == status and headers["Content-Type"] == "application/json", (got, doc)
     assert _openai_error(doc)["code"] == code, doc
@@ -881,6 +893,9 @@ class _Gpud(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     status = 204
     # GET /v1/serves's serves (None: not answered), as the router's states read them
     serves: list[dict[str, object]] | None = None
+    serves_delay_s = 0.0  # how long GET /v1/serves takes
+    # the X-Gpud-Reason of a 403 (None: a ledger's denial)
+    reason: dict[str, object] | None = None
     seen: list[tuple[str, str]]
     requesters: list[str]
     gone: threading.Event
@@ -902,13 +917,18 @@ class _Ensure(http.server.BaseHTTPRequestHandler):
                 return
         self.send_response(self.server.status)
         if self.server.status == 403:
-            self.send_header("X-Gpud-Reason", json.dumps(
+            self.send_header("X-Gpud-Reason", json.dumps(self.server.reason or
                 {"error": {"message": "ledger bound: no room", "code": "denied"}}))
-            self.send_header("Retry-After", "7")
-        self.send_header("Content-Length", "0")
+            self.send_header("Retry-After", "5" if self.server.reason else "7")
+        # a refusal's body is gpud's error document, as gpud's (error_response)
+        body = json.dumps(self.server.reason or {"error": {"message": "no room"}}).encode() \
+            if self.server.status == 403 else b""
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def do_GET(self) -> None:
+        time.sleep(self.server.serves_delay_s)
         body = json.dumps({"serves": self.server.serves}).encode()
         self.send_response(200 if self.server.serves is not None else 404)
         self.send_header("Content-Length", str(len(body)))
@@ -925,6 +945,8 @@ class Fed:
     gpud: _Gpud
     log: Path
     awake: Path
+    errors: Path  # nginx's error log
+    serve: subprocess.Popen[bytes]  # the stand-in behind `a`
 
 
 @pytest.fixture
@@ -966,12 +988,33 @@ def fed() -> Iterator[Fed]:
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)
         wait_until(lambda: connects(port), what="the router listening")
-        wait_until(lambda: _req(port, "POST", "/v1/completions",
-                                b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200,
-                   what="a answering through the router")
+        # nginx writes a request's access-log line once the request is freed, after its
+        # answer is sent (ngx_http_free_request calls ngx_http_log_request, nginx
+        # src/http/ngx_http_request.c): the client can have the answer before the line is
+        # written. Every warm-up request's line is waited for here, so that a test that
+        # empties the log and counts its own lines never gets a late one of these (1 in 30
+        # fixtures had the last one unwritten when the test began: the hang-up test's
+        # "the request ended" then saw 2 lines)
+        warm = 0
+
+        def answering() -> bool:
+            nonlocal warm
+            warm += 1
+            return _req(port, "POST", "/v1/completions",
+                        b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200
+
+        wait_until(answering, what="a answering through the router")
+        wait_until(lambda: len((tmp / "router.log").read_text().splitlines()) == warm,
+                   what="the warm-up requests' access-log lines")
         gpud.seen.clear()
         gpud.requesters.clear()
-        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a")
+        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
+        # whatever the test did, the script threw nothing, left nothing pending, and nginx
+        # saw nothing it calls an alert (a subrequest finalized twice, a request leaked)
+        log.flush()
+        errors = (tmp / "nginx.log").read_text()
+        assert not any(bad in errors for bad in ("js exception", "pending events", "[alert]",
+                                                 "[emerg]")), errors
     except BaseException:
         log.flush()
         print((tmp / "nginx.log").read_text())
@@ -1053,6 +1096,98 @@ def test_a_refusal_after_loading_feedback_is_an_error_event(fed: Fed) -> None:
     assert all(e == ": loading a" for e in events[:-2]), lines
 
 
+# gpud's refusal of an ensure past daemon.ensure_waiting_per_requester (its X-Gpud-Reason:
+# gpud.server.api._too_many_waiting)
+TOO_MANY_WAITING = {"error": {
+    "code": "too-many-requests",
+    "message": "serve a: 16 requests of addr:127.0.0.1 wait for a bring-up already "
+               "(daemon.ensure_waiting_per_requester); retry in 5 s",
+    "details": {"serve": "a", "class": "too-many-waiting", "requester": "addr:127.0.0.1",
+                "limit": "daemon.ensure_waiting_per_requester", "value": 16,
+                "retry_after_s": 5}}}
+
+
+def _rate_limit_error(doc: dict[str, object]) -> dict[str, object]:
+    """The router's one 429 document (a key's limits and gpud's bound alike): OpenAI's own
+    (type "requests", code "rate_limit_exceeded"), which limit and its figure under gpud."""
+    err = doc["error"]
+    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code", "gpud"}
+    assert (err["type"], err["param"], err["code"]) == ("requests", None, "rate_limit_exceeded")
+    gpud = err["gpud"]
+    assert isinstance(gpud, dict) and {"limit", "value", "retry_after_s"} <= set(gpud), err
+    return gpud
+
+
+def test_gpuds_bound_on_waiting_requests_is_the_routers_one_429(fed: Fed) -> None:
+    """At 310a618 this 429 had type "rate_limit_error" and gpud's reason as it came, beside the
+    keys' limits' "requests" with limit and value: now one shape, with Retry-After."""
+    fed.gpud.status, fed.gpud.reason = 403, TOO_MANY_WAITING
+    status, headers, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x"}')
+    assert status == 429 and headers["Content-Type"] == "application/json", body
+    said = _rate_limit_error(json.loads(body))
+    assert said == {"limit": "daemon.ensure_waiting_per_requester", "value": 16,
+                    "retry_after_s": 5, "serve": "a", "requester": "addr:127.0.0.1"}, said
+    assert headers["Retry-After"] == "5"
+    assert "ensure_waiting_per_requester" in json.loads(body)["error"]["message"]
+    # a stream: at once, the same (nothing sent yet); after loading feedback, as its event
+    status, headers, lines = _stream(fed.port, {"model": "a", "prompt": "x"})
+    assert status == 429 and headers["Retry-After"] == "5", lines
+    fed.gpud.delay_s = 1.5
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x"})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a" and events[-1] == "data: [DONE]", lines
+    assert _rate_limit_error(json.loads(events[-2].removeprefix("data: "))) == said
+
+
+def _anthropic_stream_error(port: int, **extra: object) -> Any:
+    """A stream of Anthropic's messages through the router, read by Anthropic's own library:
+    the error it raises (the test fails if the stream ends without one)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused",
+                                 max_retries=0, timeout=30)
+    request: dict[str, Any] = {"model": "a", "max_tokens": 4,
+                               "messages": [{"role": "user", "content": "x y"}], **extra}
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        for _event in client.messages.create(stream=True, **request):
+            pass
+    return caught.value
+
+
+def test_an_error_after_loading_feedback_is_anthropics_event_on_messages(fed: Fed) -> None:
+    """Anthropic's clients read only named events: at 310a618 a refusal (or a serve's error)
+    after loading feedback came as OpenAI's `data:` event and [DONE], which Anthropic's SDK
+    skips, so the stream ended as if answered. Now `event: error` with Anthropic's document,
+    which the SDK raises."""
+    fed.gpud.status, fed.gpud.delay_s = 403, 1.5
+    err = _anthropic_stream_error(fed.port)
+    assert err.body["type"] == "error", err.body
+    assert err.body["error"]["type"] == "overloaded_error", err.body
+    assert "cannot be brought up: ledger bound: no room" in err.body["error"]["message"]
+    # past the requests waiting already: Anthropic's rate_limit_error
+    fed.gpud.reason = TOO_MANY_WAITING
+    err = _anthropic_stream_error(fed.port)
+    assert err.body["error"]["type"] == "rate_limit_error", err.body
+    # the serve's own error (vLLM's, in Anthropic's shape already) goes as it came
+    fed.gpud.status, fed.gpud.reason = 204, None
+    err = _anthropic_stream_error(fed.port, max_tokens=0)
+    assert err.body["error"] == {"type": "BadRequestError",
+                                 "message": "max_tokens: a positive integer is required"}
+    # the raw bytes: comments, then the one named event, no [DONE]
+    conn = http.client.HTTPConnection("127.0.0.1", fed.port, timeout=30)
+    fed.gpud.status = 403
+    try:
+        conn.request("POST", "/v1/messages", body=json.dumps(
+            {"model": "a", "max_tokens": 4, "stream": True,
+             "messages": [{"role": "user", "content": "x"}]}))
+        events = [e for e in conn.getresponse().read().decode().split("\n\n") if e]
+    finally:
+        conn.close()
+    assert events[0] == ": loading a" and not any("[DONE]" in e for e in events), events
+    assert events[-1].startswith('event: error\ndata: {"type":"error","error":'), events
+
+
 def test_a_quick_answer_from_gpud_sends_no_comment(fed: Fed) -> None:
     """gpud answering within the first second (the serve is up): the request goes on to
     its serve as any other, a refusal the usual 503 with Retry-After."""
@@ -1125,6 +1260,69 @@ def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: 
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed,
+                                                                   reset: bool) -> None:
+    """L8: the client of a stream that is being sent loading comments hangs up (closes, or
+    resets the connection); the script's next comment cannot be sent. The request ends, its
+    ensure closed (gpud counts it gone from its queue) and no later comment is tried, without
+    an njs exception in nginx's error log (at 310a618 each hang-up logged `js exception`, the
+    comment's failed send)."""
+    fed.gpud.delay_s = 30
+    fed.log.write_text("")
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b": loading a") < 2:
+            got += client.recv(65536)
+        if reset:  # an RST, not a FIN: close with a zero linger
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    began = time.monotonic()
+    assert fed.gpud.gone.wait(20), "the ensure was left waiting"
+    # the failed comment comes at most two comments (2 s) after the hang-up
+    assert time.monotonic() - began < 5
+    # nginx writes the request's line once it has ended: it has, whole
+    wait_until(lambda: len(fed.log.read_text().splitlines()) == 1, what="the request ended")
+    time.sleep(1.5)  # a comment's timer left ticking would fire by now
+    errors = fed.errors.read_text()
+    assert "js exception" not in errors and "pending events" not in errors, errors
+    fed.gpud.delay_s = 0
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_hang_up_while_the_queue_note_is_asked_ends_the_request_cleanly(
+        fed: Fed, reset: bool) -> None:
+    """L8: the client hangs up while the script's queue note (its subrequest to gpud's
+    GET /v1/serves, a promise) is out. Were the subrequest ended for it (nginx's
+    ngx_http_upstream_check_broken_connection finalizing it with 499), its promise would never
+    resolve (njs's ngx_http_js_subrequest_done returns before the callback when
+    r->connection->error) and the script would stay pending: the request still ends, its
+    line written once, its ensure closed, nothing left pending (as measured here, nginx
+    notices the hang-up at the next comment's send, 0.8-1.8 s later)."""
+    fed.gpud.delay_s, fed.gpud.serves_delay_s = 30, 0.6
+    fed.log.write_text("")
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b": loading a") < 2:
+            got += client.recv(65536)
+        time.sleep(0.2)  # the second comment's note is out for 0.6 s
+        if reset:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert fed.gpud.gone.wait(5), "the ensure was left waiting"
+    wait_until(lambda: len(fed.log.read_text().splitlines()) == 1, what="the request ended")
+    time.sleep(1.5)
+    assert len(fed.log.read_text().splitlines()) == 1
+    errors = fed.errors.read_text()
+    assert "js exception" not in errors and "pending events" not in errors, errors
+
+
 def test_with_gpud_unreachable_the_router_goes_by_the_awake_file(fed: Fed) -> None:
     """M3: gpud not answering its ensure (nginx's auth_request takes it as an error, as a
     socket nobody listens on), the router reaches the serve only when gpud last said it was
@@ -1141,6 +1339,40 @@ def test_with_gpud_unreachable_the_router_goes_by_the_awake_file(fed: Fed) -> No
     error = _openai_error(json.loads(body))
     assert status == 503 and error["code"] == "model_not_running", body
     assert headers.get("Retry-After") and time.monotonic() - began < 2
+
+
+def test_a_streams_ensure_that_gpud_does_not_answer_goes_by_the_awake_file(fed: Fed) -> None:
+    """The loading feedback's own ensure (a detached subrequest whose answer the script looks
+    for): gpud answering 500, or nobody on its socket (nginx's 502, @router_ensure_failed),
+    is said to the script too, never waited on: as the auth_request's, the serve when gpud
+    last said it was awake, else 503 at once."""
+    fed.gpud.status, fed.gpud.delay_s = 500, 1.5
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a" and events[-1] == "data: [DONE]", lines
+    fed.gpud.shutdown()
+    fed.gpud.server_close()  # its socket's file is left, with nobody listening
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y"})
+    assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
+    fed.awake.unlink()
+    began = time.monotonic()
+    status, _h, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x", "stream": true}')
+    assert status == 503 and _openai_error(json.loads(body))["code"] == "model_not_running"
+    assert time.monotonic() - began < 2, body
+
+
+def test_a_serve_gone_after_gpud_said_it_was_up_answers_503_in_openais_shape(fed: Fed) -> None:
+    """gpud's ensure says yes, then the serve's socket refuses (it went away in between): the
+    serve location's own error pages replace the server's, so its 502 must be named there too,
+    else nginx's HTML page goes out (a raw 502 seen once in the fairness storm)."""
+    fed.serve.terminate()
+    fed.serve.wait(timeout=10)
+    status, headers, body = _req(fed.port, "POST", "/v1/completions",
+                                 b'{"model": "a", "prompt": "x", "max_tokens": 1}')
+    error = _openai_error(json.loads(body))
+    assert status == 503 and error["code"] == "model_not_running", body
+    assert headers.get("Retry-After") and fed.gpud.seen, body
 
 
 def test_a_router_beyond_loopback_without_keys_is_warned_about() -> None:
@@ -1243,4 +1475,3 @@ def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:
     assert status == 404 and "model_not_found" not in body.decode(), body
     status, _h, body = _req(fed.port, "GET", "/v1/models")
     assert status == 200 and "hasOwnProperty" in body.decode(), body
-

@@ -5,7 +5,10 @@ before two stand-ins (tests/test_router.py's rig)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -17,6 +20,7 @@ import pytest
 from gpud.config import parse_config
 from gpud.core.router import (
     KEY_SHARES,
+    ROUTED_PATHS,
     Answered,
     ApiKey,
     RoutedServe,
@@ -79,8 +83,14 @@ def test_without_limits_nginx_counts_nothing() -> None:
     keys, _ = parse_keys(KEYS.replace("max_concurrent = 1\n", "").replace(
         "requests_per_minute = 2\n", ""), ["a"])
     text = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
-                                            keys=tuple(keys))))
+                                            keys=tuple(keys), large_bodies_per_requester=0)))
     assert "limit_conn" not in text and "limit_req" not in text
+    # the requesters' large bodies alone (router.large_bodies_per_requester, on by default)
+    text = "\n".join(http_lines(RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                                            keys=tuple(keys))))
+    assert "limit_req" not in text and [line.strip() for line in text.splitlines()
+                                         if "limit_conn " in line] == [
+        "limit_conn router_bodies 16;"] * len(ROUTED_PATHS)  # each routed path
 
 
 def test_the_limits_are_in_every_location_a_request_is_sent_to() -> None:
@@ -89,17 +99,24 @@ def test_the_limits_are_in_every_location_a_request_is_sent_to() -> None:
         "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),
                            RoutedServe("b", ("b",), port=2, ensure_timeout_s=30)),
         keys=tuple(keys))))
-    # one zone per limited key, keyed by a variable that is empty for every other key's request
-    assert 'map $router_key $router_limit_0 {\n        "alice" "alice";\n        default "";' \
-        in text
+    # one zone per limited key, keyed by a variable that is empty for every other key's
+    # request: of the js_set $router_key_name, known before the body is read
+    assert 'map $router_key_name $router_limit_0 {\n        "alice" "alice";\n' \
+        '        default "";' in text
     assert "limit_conn_zone $router_limit_0 zone=router_conn_0:1m;" in text
     assert "limit_req_zone $router_limit_1 zone=router_rpm_1:1m rate=2r/m;" in text
     assert "router_limit_2" not in text  # probe: no limits
-    # the serves' locations and the loading feedback's, before gpud is asked (auth_request)
+    # the counts in the routed locations (before the body; nginx counts a request in the first
+    # location that counts it, so nowhere else), the rates where the request is sent, before
+    # gpud is asked (auth_request)
+    for path in ROUTED_PATHS:
+        block = text.split(f"location = {path} {{", 1)[1].split("js_content", 1)[0]
+        assert "limit_conn router_conn_0 1;" in block and \
+            "limit_conn router_bodies 16;" in block, block
     for location in ("location @router_a {", "location @router_b {",
                      "location @router_loading {"):
         block = text.split(location, 1)[1].split("}", 1)[0]
-        assert "limit_conn router_conn_0 1;" in block, block
+        assert "limit_conn" not in block, block
         assert "limit_req zone=router_rpm_1 burst=1 nodelay;" in block, block
     assert "error_page 429 = @router_limited;" in text.split("location @router_b {")[1]
 
@@ -360,3 +377,130 @@ def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None
     fed.gpud.serves[0]["queue"] = [{"requester": "batch", "waiting": 3, "position": 1}]
     _s, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
     assert not any("queued" in line for line in lines), lines
+
+
+# --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------
+
+TWO_KEYS = f"""
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+
+[keys.carol]
+token = "sk-carol-0123456789"
+models = ["*"]
+"""
+# a large body (10^6 bytes or more) that still fits the rig's max_body_mib (1 MiB)
+LARGE = 1_040_000
+
+
+def _head(token: str, length: int | None) -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer {token}"
+            f"\r\nContent-Type: application/json\r\n{size}\r\n\r\n").encode()
+
+
+def _answer(sock: socket.socket) -> tuple[int, bytes]:
+    """The status and body of the answer on SOCK (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(65536)
+        assert got, data
+        data += got
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        got = sock.recv(65536)
+        assert got, (head, body)
+        body += got
+    return int(head.split(b" ", 2)[1]), body[:length]
+
+
+def test_a_requesters_large_bodies_open_at_once_are_bounded_before_they_are_read() -> None:
+    """Issue 41 H3: bodies stalled mid-upload by a key holder. With
+    large_bodies_per_requester = 2, two stalled large bodies of one key (kept alive under
+    body_timeout_s by a byte now and then) hold its count: its third is refused 429 in
+    OpenAI's shape at once, before any of its body is sent; its small requests and another
+    key's are served; once one stalled body goes, the key is served again."""
+    keys, problems = parse_keys(TWO_KEYS, ["a"])
+    assert problems == []
+    with router_rig(tuple(keys), large_bodies=2, access_log=True) as rig:
+        stop = threading.Event()
+        stalled = [socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+                   for _ in range(2)]
+
+        def trickle() -> None:  # under the rig's body_timeout_s of 1 s
+            while not stop.wait(0.25):
+                for s in stalled:
+                    with contextlib.suppress(OSError):
+                        s.sendall(b" ")
+
+        for s in stalled:
+            s.sendall(_head(RIG_TOKEN, LARGE) + b'{"model": "a", "prompt": "')
+        feeder = threading.Thread(target=trickle)
+        feeder.start()
+        try:
+            time.sleep(0.5)  # both counted (nginx reads their heads at once)
+            third = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+            with third:
+                third.sendall(_head(RIG_TOKEN, LARGE))  # no byte of its body
+                status, body = _answer(third)
+            err = json.loads(body)["error"]
+            assert status == 429 and err["code"] == "rate_limit_exceeded", body
+            assert err["gpud"] == {"key": "probe", "limit": "large_bodies_per_requester",
+                                   "value": 2, "retry_after_s": 1}, err
+            assert "key probe has 2 requests with a large body" in err["message"], err
+            # counted as the key's in its usage (a 4xx of no model: its body was never read)
+            # (nginx writes a request's line once it is freed, after its answer is sent:
+            # ngx_http_free_request -> ngx_http_log_request, so it is waited for)
+            log = rig.router.access_log
+            assert log is not None
+
+            def refused() -> list[tuple[str, str, str]]:
+                return [(d["key"], d["status"], d["model"]) for d in
+                        map(json.loads, Path(log).read_text().splitlines())
+                        if d["status"] == "429"]
+
+            wait_until(lambda: refused() != [], what="the 429's access-log line")
+            assert refused() == [("probe", "429", "")], Path(log).read_text()
+            # a chunked body (its length unknown) counts as large too
+            chunked = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+            with chunked:
+                chunked.sendall(_head(RIG_TOKEN, None))
+                assert _answer(chunked)[0] == 429
+            # small bodies are not counted; another key has its own count
+            assert _ask(rig.port, RIG_TOKEN)[0] == 200
+            assert _ask(rig.port, "sk-carol-0123456789")[0] == 200
+            stalled.pop().close()
+            time.sleep(0.3)  # nginx sees the close and ends that request
+            doc = json.dumps({"model": "a", "prompt": "x", "max_tokens": 1}).encode()
+            again = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+            with again:
+                again.sendall(_head(RIG_TOKEN, None) + b"%x\r\n%s\r\n0\r\n\r\n"
+                              % (len(doc), doc))
+                assert _answer(again)[0] == 200
+        finally:
+            stop.set()
+            feeder.join(timeout=5)
+            for s in stalled:
+                s.close()
+
+
+def test_without_keys_a_clients_large_bodies_are_counted_by_its_address() -> None:
+    """Keys off: the requester is the client's address (on loopback every local client is
+    one): its second stalled large body is refused 429 at once, naming the client."""
+    with router_rig(large_bodies=1) as rig:
+        stalled = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+        with stalled:
+            stalled.sendall(_head("-", LARGE) + b'{"model": "a"')
+            time.sleep(0.3)
+            second = socket.create_connection(("127.0.0.1", rig.port), timeout=10)
+            with second:
+                second.sendall(_head("-", LARGE))
+                status, body = _answer(second)
+        err = json.loads(body)["error"]
+        assert status == 429 and err["gpud"] == {
+            "key": "", "limit": "large_bodies_per_requester", "value": 1,
+            "retry_after_s": 1}, err
+        assert err["message"].startswith("client 127.0.0.1 has 1 requests with a large body"), err
+        assert _ask(rig.port, "-")[0] == 200  # a small body is not counted

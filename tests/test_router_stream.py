@@ -87,7 +87,10 @@ def rig() -> Iterator[Rig]:
     port = free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("t", ("t", "big"), socket=str(tmp / "t.sock"),
-                                      ensure_timeout_s=30),),
+                                      ensure_timeout_s=30),
+                          # a serve nobody answers for (its socket never made)
+                          RoutedServe("gone", ("gone",), socket=str(tmp / "gone.sock"),
+                                      ensure_timeout_s=30)),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "gpud.sock"), loading_feedback_s=1)
     (tmp / "router.js").write_text(script_text(router))
@@ -110,10 +113,10 @@ def rig() -> Iterator[Rig]:
         shutil.rmtree(tmp)
 
 
-def _stream(port: int, model: str) -> list[str]:
+def _stream(port: int, model: str, route: str = "/v1/completions") -> list[str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
-        conn.request("POST", "/v1/completions",
+        conn.request("POST", route,
                      body=json.dumps({"model": model, "prompt": "x", "stream": True}),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -134,3 +137,29 @@ def test_an_error_that_is_not_json_after_loading_feedback_is_an_error_event(
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and error["code"] == 500, error
     assert error["message"].startswith("upstream exploded" if model == "t" else "xxx"), error
+
+
+@pytest.mark.parametrize(("model", "kind", "message"), [
+    ("t", "api_error", "upstream exploded"),
+    ("gone", "overloaded_error", 'model "gone": serve gone is not running'),
+])
+def test_on_messages_the_error_is_anthropics_event(rig: Rig, model: str, kind: str,
+                                                   message: str) -> None:
+    """Anthropic's clients read named events only (anthropic/_streaming.py): a serve's error
+    that is not JSON, and a serve that does not answer, end a /v1/messages stream with
+    `event: error` and Anthropic's document, no [DONE] (at 310a618: OpenAI's data event)."""
+    events = _stream(rig.port, model, "/v1/messages")
+    assert events[0] == f": loading {model}", events
+    assert not any("[DONE]" in e for e in events), events
+    name, data = events[-1].split("\n")
+    assert name == "event: error", events
+    doc = json.loads(data.removeprefix("data: "))
+    assert doc == {"type": "error", "error": {"type": kind, "message": message}}, doc
+
+
+def test_a_serve_that_does_not_answer_after_loading_feedback_is_an_error_event(
+        rig: Rig) -> None:
+    events = _stream(rig.port, "gone")
+    assert events[0] == ": loading gone" and events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "model_not_running", error

@@ -91,6 +91,11 @@ def test_every_report_from_every_state(what: Happened, prev: ServeState | None, 
     if prev in REFUSED_FROM.get(what, set()):
         assert got == StateRefusal(prev, want, sr.CAUSES[what])
         return
+    if what is H.WOKEN and not holds:
+        # awake with no reservation: a release (or anything) that says "woken" is refused
+        assert got == StateRefusal(prev, RUNNING, Cause.WAKE,
+                                   "woken needs a reservation held, and the serve holds none")
+        return
     assert got == Stepped(Record(want, holds, external, configured), (StoreState(want),))
 
 
@@ -146,3 +151,15 @@ def test_the_supervisors_inputs_step_its_life_and_leave_the_state() -> None:
 
 def test_a_fresh_record() -> None:
     assert Record() == Record(None, False, False, True, IDLE_LIFE)
+
+
+def test_a_release_that_says_woken_is_refused_and_says_why() -> None:
+    """A serve admitted (or asleep) whose reservation the change releases cannot be woken by
+    it: it would run on no reservation. The refusal names what is missing."""
+    for prev in (ADMITTED, SLEEPING):
+        got = step(Record(prev, holds=False), Report(H.WOKEN))
+        assert isinstance(got, StateRefusal)
+        assert got.message == (f"{prev} -> running (wake) refused: woken needs a reservation "
+                               "held, and the serve holds none")
+    assert step(Record(ADMITTED, holds=True), Report(H.WOKEN)) == Stepped(
+        Record(RUNNING, holds=True), (StoreState(RUNNING),))

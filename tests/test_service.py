@@ -433,7 +433,7 @@ async def test_admit_commits_reservation_state_and_event_together(world: World) 
 async def test_a_readmission_replaces_and_keeps_a_live_state(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300)
-    await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+    await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
                      state=svc.state_row("a", RUNNING))
     admission = await svc.admit("a", 400)
     assert admission.replaced_mib == 300
@@ -457,7 +457,7 @@ async def test_a_state_change_the_rule_refuses_fails_the_whole_change(
     svc = world.service()
     await svc.admit("a", 300)
     with caplog.at_level(logging.WARNING, logger="gpud"), pytest.raises(StateRefused) as err:
-        await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+        await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
                          state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
     assert err.value.details == {"serve": "a", "state": ADMITTED, "next": RUNNING,
                                  "cause": Cause.HEALTHY}
@@ -468,9 +468,9 @@ async def test_a_state_change_the_rule_refuses_fails_the_whole_change(
     assert line == ("a: change refused: admitted -> running (healthy) refused: healthy does "
                     "not apply to a serve that is admitted")
     # the same change for a cause that allows it is stored
-    await svc.record(svc.event("start", "a: started", serve="a"),
+    await svc.store_event(svc.event("start", "a: started", serve="a"),
                      state=svc.state_row("a", STARTING), cause=Cause.LAUNCH)
-    await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+    await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
                      state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
     assert stored_states(svc) == {"a": RUNNING}
 
@@ -521,7 +521,7 @@ async def test_a_denied_running_serve_keeps_running(world: World) -> None:
     svc = world.service()
     await svc.admit("b", 500)
     await svc.admit("a", 300)
-    await svc.record(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", RUNNING))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", RUNNING))
     with pytest.raises(Denied) as err:
         await svc.admit("a", 401)
     assert err.value.details["bound"] == "ledger"
@@ -737,7 +737,7 @@ async def test_releasing_what_is_not_held(world: World) -> None:
         await svc.release("zz")
     with pytest.raises(BadRequest):
         await svc.release("../x")
-    await svc.record(svc.event("exit", "gone failed", serve="gone"),
+    await svc.store_event(svc.event("exit", "gone failed", serve="gone"),
                      state=svc.state_row("gone", FAILED))
     with pytest.raises(Conflict):
         await svc.release("gone")
@@ -803,18 +803,18 @@ async def test_events_are_pruned_after_a_batch(world: World,
     svc._since_prune = 0
     assert prune_batch(100) == 5
     for i in range(146):
-        await svc.record(svc.event(EventKind.CALIBRATE, f"n{i}"))
+        await svc.store_event(svc.event(EventKind.CALIBRATE, f"n{i}"))
     await svc.drain()
     await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert store.pruned and set(store.pruned) == {100}
     store.pruned.clear()
     svc._since_prune = 0
     for i in range(4):
-        await svc.record(svc.event(EventKind.CALIBRATE, f"m{i}"))
+        await svc.store_event(svc.event(EventKind.CALIBRATE, f"m{i}"))
     assert store.pruned == []  # under a batch: not pruned yet
     svc._since_prune = 4
     with caplog.at_level(logging.INFO, "gpud"):
-        await svc.record(svc.event(EventKind.CALIBRATE, "last"))
+        await svc.store_event(svc.event(EventKind.CALIBRATE, "last"))
         await svc.drain()
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert store.pruned == [100]
@@ -830,7 +830,7 @@ async def test_events_kept_stay_within_a_tenth_of_events_keep(world: World, keep
     svc = world.service(ROLES.replace("events_keep = 100", f"events_keep = {keep}"))
     counts = []
     for burst in range(2 * keep // 25 + 20):
-        await asyncio.gather(*(svc.record(svc.event(EventKind.CALIBRATE, f"n{burst}.{i}")) for i in range(25)))
+        await asyncio.gather(*(svc.store_event(svc.event(EventKind.CALIBRATE, f"n{burst}.{i}")) for i in range(25)))
         await svc.drain()
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
         counts.append(len(svc.store.events(EventQuery(limit=100_000))))
@@ -845,7 +845,7 @@ async def test_a_failed_prune_is_a_warning(world: World, caplog: pytest.LogCaptu
     store.fail_prune = True
     svc._since_prune = 10_000
     with caplog.at_level(logging.WARNING, "gpud"):
-        await svc.record(svc.event(EventKind.CALIBRATE, "x"))
+        await svc.store_event(svc.event(EventKind.CALIBRATE, "x"))
         await asyncio.get_running_loop().run_in_executor(svc._executor, lambda: None)
     assert "pruning old events failed: cannot prune: database is locked" in caplog.text
 
@@ -856,7 +856,7 @@ async def test_put_meta_and_record(world: World) -> None:
     assert svc.store.meta("apply") == "{}"
     await svc.put_meta("apply", None)
     assert svc.store.meta("apply") is None
-    ev = await svc.record(svc.event(EventKind.CALIBRATE, "hello", serve="a", role="r", mib=1, uid=2, k="v"))
+    ev = await svc.store_event(svc.event(EventKind.CALIBRATE, "hello", serve="a", role="r", mib=1, uid=2, k="v"))
     assert ev.id is not None and ev.details == {"k": "v"}
 
 
@@ -874,8 +874,8 @@ async def test_warning_kinds_log_as_warnings(world: World,
                                             caplog: pytest.LogCaptureFixture) -> None:
     svc = world.service()
     with caplog.at_level(logging.INFO, "gpud"):
-        await svc.record(svc.event("deny", "denied!", serve="a", n=3, skip=[1]))
-        await svc.record(svc.event("admit", "fine"))
+        await svc.store_event(svc.event("deny", "denied!", serve="a", n=3, skip=[1]))
+        await svc.store_event(svc.event("admit", "fine"))
     levels = {r.getMessage(): r.levelno for r in caplog.records}
     assert levels["denied!"] == logging.WARNING
     assert levels["fine"] == logging.INFO
@@ -925,7 +925,7 @@ async def test_a_follower_that_does_not_read_is_cut_off(world: World) -> None:
     sub = svc.subscribe(EventQuery())
     sub.queue = asyncio.Queue(2)
     for i in range(3):
-        await svc.record(svc.event(EventKind.CALIBRATE, str(i)))
+        await svc.store_event(svc.event(EventKind.CALIBRATE, str(i)))
     assert sub not in svc._subscribers
     assert sub.queue.get_nowait() is None  # told its stream ended
     svc.end_streams()
@@ -1073,10 +1073,10 @@ def test_without_config_text_the_file_never_differs(world: World) -> None:
 
 async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     svc = world.service()
-    await svc.record(svc.event(EventKind.CALIBRATE, "old", serve="old"), state=svc.state_row("old", DECLARED))
-    await svc.record(svc.event(EventKind.CALIBRATE, "broken", serve="broken"),
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "old", serve="old"), state=svc.state_row("old", DECLARED))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "broken", serve="broken"),
                      state=svc.state_row("broken", FAILED))
-    await svc.record(svc.event(EventKind.CALIBRATE, "leaving", serve="leaving"),
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "leaving", serve="leaving"),
                      state=svc.state_row("leaving", STOPPING))
     # not configured, holding nothing: listed only while its unit may still run
     assert svc.known_serves() == ["a", "b", "leaving"]
@@ -1089,8 +1089,8 @@ async def test_admissions_on_a_held_role_are_denied_but_for_the_holder(world: Wo
         await svc.admit("b", 500, uid=4)
     assert err.value.message == "b denied on r: reconciling: a says is_sleeping false"
     assert err.value.details["bound"] == "held"
-    assert svc.held("r", "b") == "reconciling: a says is_sleeping false"
-    assert svc.held("r", "a") is None and svc.held("other", "b") is None
+    assert svc.hold_reason("r", "b") == "reconciling: a says is_sleeping false"
+    assert svc.hold_reason("r", "a") is None and svc.hold_reason("other", "b") is None
     await svc.admit("a", 300)  # the serve putting its own reservation right
     svc.lift("a")
     await svc.admit("b", 500)
@@ -1105,7 +1105,7 @@ async def test_the_invariant_is_evaluated_after_every_commit(world: World,
     assert svc.violations == [] and svc.invariant_violations == 0
     # a bug elsewhere: a serve recorded starting without a reservation
     with caplog.at_level(logging.ERROR, logger="gpud"):
-        await svc.record(svc.event("start", "a: started"), state=svc.state_row("a", STARTING))
+        await svc.store_event(svc.event("start", "a: started"), state=svc.state_row("a", STARTING))
         await svc.drain()
     assert svc.violations == ["a: starting without a reservation"]
     assert svc.invariant_violations == 1
@@ -1120,7 +1120,7 @@ async def test_the_invariant_is_evaluated_after_every_commit(world: World,
     assert "the invariant does not hold: a: starting without a reservation" in err.value.message
     await svc.release("b", allow_live=True)  # what gives memory back still goes
     # put right: admissions are granted again, and it is said
-    await svc.record(svc.event("exit", "a: gone"), state=svc.state_row("a", DECLARED))
+    await svc.store_event(svc.event("exit", "a: gone"), state=svc.state_row("a", DECLARED))
     await svc.drain()
     assert svc.violations == [] and svc.invariant_violations == 1
     evs = await svc.events(EventQuery(kinds=["invariant"]))
@@ -1143,7 +1143,7 @@ async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World)
     svc = world.service()
     with pytest.raises(Denied):
         await svc.admit("b", 5000)  # denied: its state says so, with the reason
-    await svc.record(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
     assert svc.known_serves() == ["a", "b"]
     new_text = ROLES.split("[serves.a]")[0]
     await svc.reload(cfg(new_text), new_text, source="test.toml")

@@ -121,7 +121,7 @@ async def test_pid_and_restart_count_through_the_service_kept_across_a_state_cha
     svc.set_main_pid("a", 4242)
     svc.set_restart_count("a", 3)
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (4242, 3)
-    await svc.record(svc.event("start", "a started"), state=svc.state_row("a", "starting"))
+    await svc.store_event(svc.event("start", "a started"), state=svc.state_row("a", "starting"))
     rec = svc.records["a"]
     assert (rec.state, rec.main_pid, rec.n_restarts) == ("starting", 4242, 3)
     svc.set_main_pid("a", None)

@@ -33,16 +33,16 @@ def stored(svc: LedgerService) -> dict[str, str]:
 async def test_reports_lead_a_serve_through_its_life(svc: LedgerService) -> None:
     await svc.admit("a", 300)
     assert stored(svc) == {"a": ADMITTED}
-    await svc.record(svc.event("start", "a: started", serve="a"),
+    await svc.store_event(svc.event("start", "a: started", serve="a"),
                      report=svc.report("a", Happened.LAUNCHED))
     assert stored(svc) == {"a": STARTING}
-    await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+    await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
                      report=svc.report("a", Happened.HEALTHY))
     await svc.admit("a", 400)  # a re-admission keeps a live serve's state
     assert stored(svc) == {"a": RUNNING}
     await svc.admit("a", 200, happened=Happened.ASLEEP, shrink=True, state_reason="idle")
     assert (svc.state_of("a"), svc.records["a"].reason) == (SLEEPING, "idle")
-    await svc.record(svc.event("stop", "a: stopping", serve="a"),
+    await svc.store_event(svc.event("stop", "a: stopping", serve="a"),
                      report=svc.report("a", Happened.STOP_BEGUN))
     await svc.release("a", allow_live=True, happened=Happened.STOPPED)
     assert stored(svc) == {"a": DECLARED}  # stopped and released: declared
@@ -51,7 +51,7 @@ async def test_reports_lead_a_serve_through_its_life(svc: LedgerService) -> None
 async def test_a_stop_that_keeps_the_reservation_leaves_the_serve_admitted(
         svc: LedgerService) -> None:
     await svc.admit("a", 300)
-    await svc.record(svc.event("stop", "a: stopped", serve="a"),
+    await svc.store_event(svc.event("stop", "a: stopped", serve="a"),
                      report=svc.report("a", Happened.STOPPED))
     assert stored(svc) == {"a": ADMITTED}
 
@@ -73,7 +73,7 @@ async def test_a_rollback_takes_the_serve_back(svc: LedgerService) -> None:
 async def test_a_refused_report_fails_the_whole_change(svc: LedgerService) -> None:
     await svc.admit("a", 300)
     with pytest.raises(StateRefused) as err:
-        await svc.record(svc.event("healthy", "a: healthy", serve="a"),
+        await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
                          report=svc.report("a", Happened.HEALTHY))
     assert err.value.code == "conflict"
     assert "admitted -> running (healthy) refused" in err.value.message

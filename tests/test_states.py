@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from gpud.core.states import Cause, StateRefusal, record
+from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -63,7 +63,7 @@ def test_the_table_names_every_cause() -> None:
                          list(itertools.product(EVERY, tuple(S), tuple(Cause))))
 def test_every_state_and_cause(prev: ServeState | None, nxt: ServeState, cause: Cause) -> None:
     sources, targets = TABLE[cause]
-    got = record(prev, nxt, cause)
+    got = check_change(prev, nxt, cause)
     if prev in _states(sources) and nxt in _states(targets):
         assert got == nxt
     else:
@@ -77,7 +77,7 @@ def test_every_state_and_cause(prev: ServeState | None, nxt: ServeState, cause: 
 def test_no_cause_named_allows_what_some_cause_allows(prev: ServeState | None,
                                                       nxt: ServeState) -> None:
     some = any(prev in _states(TABLE[c][0]) and nxt in _states(TABLE[c][1]) for c in Cause)
-    got = record(prev, nxt, None)
+    got = check_change(prev, nxt, None)
     assert got == (nxt if some else StateRefusal(prev, nxt, None))
 
 
@@ -112,7 +112,7 @@ WRITERS = [
 @pytest.mark.parametrize(("prev", "nxt", "cause"), WRITERS)
 def test_what_gpud_writes_is_allowed(prev: ServeState | None, nxt: ServeState,
                                      cause: Cause) -> None:
-    assert record(prev, nxt, cause) == nxt
+    assert check_change(prev, nxt, cause) == nxt
 
 
 REFUSED = [
@@ -131,4 +131,4 @@ REFUSED = [
 @pytest.mark.parametrize(("prev", "nxt", "cause"), REFUSED)
 def test_what_no_writer_may_do_is_refused(prev: ServeState | None, nxt: ServeState,
                                           cause: Cause) -> None:
-    assert isinstance(record(prev, nxt, cause), StateRefusal)
+    assert isinstance(check_change(prev, nxt, cause), StateRefusal)

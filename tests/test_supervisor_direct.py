@@ -375,7 +375,7 @@ async def test_stop_keeping_the_reservation(rig: Rig) -> None:
 
 
 async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
-    await rig.svc.record(rig.svc.event("exit", "b failed", serve="b"),
+    await rig.svc.store_event(rig.svc.event("exit", "b failed", serve="b"),
                          state=rig.svc.state_row("b", FAILED))
     rig.units.available = False  # not live: no unit to stop, no bus needed
     await rig.sup.stop("b", None)
@@ -444,7 +444,7 @@ async def test_stopping_a_live_serve_needs_the_bus(rig: Rig) -> None:
 
 
 async def orphan(rig: Rig, serve: str) -> None:
-    await rig.svc.record(rig.svc.event("adopt", f"{serve}: an orphan", serve=serve),
+    await rig.svc.store_event(rig.svc.event("adopt", f"{serve}: an orphan", serve=serve),
                          state=rig.svc.state_row(serve, ORPHAN))
 
 
@@ -552,7 +552,7 @@ async def test_boot_admits_by_priority_then_starts(rig: Rig) -> None:
 
 
 async def test_boot_leaves_alone_what_runs_or_was_stopped_by_hand(rig: Rig) -> None:
-    await rig.svc.record(rig.svc.event("exit", "by hand", serve="a"),
+    await rig.svc.store_event(rig.svc.event("exit", "by hand", serve="a"),
                          state=rig.svc.state_row("a", DECLARED, OUTSIDE_STOP))
     await rig.svc.admit("big", 900, state=RUNNING)
     await rig.sup.boot()

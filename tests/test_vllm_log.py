@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from gpud.testing import standin
-from gpud.vllm.vllm_log import REASON_CHARS, budget_mib, context_mib, exit_reason, parse_memory_lines
+from gpud.vllm.vllm_log import (
+    REASON_CHARS,
+    budget_mib,
+    context_mib,
+    exit_reason,
+    last_words,
+    parse_memory_lines,
+)
 
 # As a journal shows them: vLLM's logger prefix, then the message built in
 # vllm/v1/worker/gpu_model_runner.py and gpu_worker.py.
@@ -126,6 +133,19 @@ def test_exit_reason_without_an_exception() -> None:
     long = "ValueError: " + "x" * 1000
     got = exit_reason([long])
     assert got is not None and len(got) == REASON_CHARS and got.endswith("...")
+
+
+
+def test_last_words_are_the_last_lines_said() -> None:
+    """A serve that exits with neither an exception nor an ERROR line is named by what it said
+    last (a crash-looping start's reason carries it): its last three lines, oldest first."""
+    lines = ["INFO first", "  bad flag: --x  ", "", "child: parent gone", "   ", "INFO bye"]
+    assert last_words(lines) == "bad flag: --x | child: parent gone | INFO bye"
+    assert last_words(lines, 1) == "INFO bye"
+    assert last_words(["", "  "]) is None and last_words([]) is None
+    got = last_words(["y" * 1000])
+    assert got is not None and len(got) == REASON_CHARS and got.endswith("...")
+    assert last_words(["y" * REASON_CHARS]) == "y" * REASON_CHARS
 
 
 # vLLM 0.34.0's format strings, copied from its source (paths under vllm/), filled as its

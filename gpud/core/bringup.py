@@ -165,7 +165,8 @@ def classify(code: str, details: Mapping[str, Any]) -> Why:
     return Why.REFUSED
 
 
-def public_reason(serve: str, why: Why, retry_after_s: int) -> str:
-    """What a client of the front is told: the class, and when to try again. No figures, no
-    other serve's name, no plan."""
-    return f"serve {serve}: {TEXT[why]}; retry after {retry_after_s} s"
+def public_reason(serve: str, why: Why, retry_after_s: int, figures: str = "") -> str:
+    """What a client of the front is told: the class, the limit of the router's config it is
+    about when it is one (FIGURES: gpud.core.queue.figures_text), and when to try again. No
+    memory figures, no other serve's name, no plan."""
+    return f"serve {serve}: {TEXT[why]}{figures}; retry after {retry_after_s} s"

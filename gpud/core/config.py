@@ -22,6 +22,7 @@ from pydantic import (
 from gpud.core.front import DEFAULT_PATHS as DEFAULT_FRONT_PATHS
 from gpud.core.router import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_LARGE_BODIES_PER_REQUESTER,
     DEFAULT_LOADING_FEEDBACK_S,
     DEFAULT_MAX_BODY_MIB,
     DEFAULT_NJS_MODULE,
@@ -340,6 +341,11 @@ class RouterConfig(_Model):
     # A request's headers, and its body, each within this long: past it nginx closes the
     # connection (it cannot answer 408 to a read timeout: docs/router.md).
     body_timeout_s: int = Field(default=DEFAULT_BODY_TIMEOUT_S, ge=1, le=3600)
+    # Requests with a large body (10^6 bytes or more, or chunked) one requester (a key, else
+    # an address) may have open at once: past it 429, before the body is read (docs/router.md,
+    # "Who is asking"). Each holds up to max_body_mib of the front's memory. 0: no bound.
+    large_bodies_per_requester: int = Field(default=DEFAULT_LARGE_BODIES_PER_REQUESTER, ge=0,
+                                            le=65535)
     # Bearer tokens and the models each may use (root's, 0600; docs/router.md). Unset: open
     # to whoever reaches `listen`.
     api_keys_file: str | None = None

@@ -182,10 +182,11 @@ def arrive(*, queue_on: bool, others_waiting: bool, bringing_up: bool) -> Arriva
 @dataclass(frozen=True, slots=True)
 class QueueRefusal:
     """The request does not wait: answered at once, of this class (gpud.core.bringup.Why's
-    values), with this text."""
+    values), with this text; the queue's bound it met (router.max_queued)."""
 
     why: str
     message: str
+    max_queued: int
 
 
 def after_refusal(*, queue_on: bool, no_memory: bool, could_fit: bool, queued: int,
@@ -197,8 +198,30 @@ def after_refusal(*, queue_on: bool, no_memory: bool, could_fit: bool, queued: i
         return None
     if queued >= max_queued:
         return QueueRefusal("queue-full", f"{queued} request(s) wait for it already "
-                       "(router.max_queued)")
+                            f"(router.max_queued = {max_queued})", max_queued)
     return Arrival.JOIN
+
+
+# The figure of the router's config each queue refusal is about, as a refusal's details carry
+# it (gpud.server.ondemand): what a client is told beside the class (docs/router.md, "Queue
+# instead of thrash").
+REFUSAL_FIGURES: Final[Mapping[str, str]] = {"queue-full": "max_queued",
+                                            "queue-timeout": "queue_timeout_s"}
+
+
+def refusal_figures(why: str, details: Mapping[str, object]) -> dict[str, int]:
+    """The figures a refusal of class WHY may tell any client (its limit in router's config:
+    max_queued, queue_timeout_s), from the error's DETAILS; none for other classes, or when
+    the details lack it."""
+    name = REFUSAL_FIGURES.get(why)
+    value = details.get(name) if name is not None else None
+    return {name: value} if name is not None and isinstance(value, int) \
+        and not isinstance(value, bool) else {}
+
+
+def figures_text(figures: Mapping[str, int]) -> str:
+    """FIGURES as a public reason says them: " (router.max_queued = 8)"; "" none."""
+    return f" ({', '.join(f'router.{k} = {v}' for k, v in figures.items())})" if figures else ""
 
 
 @dataclass(frozen=True, slots=True)

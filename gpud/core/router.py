@@ -55,18 +55,29 @@ MODEL_NAME_RE: Final = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,254}")
 DEFAULT_NJS_MODULE: Final = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 DEFAULT_MAX_BODY_MIB: Final = 64
 DEFAULT_BODY_TIMEOUT_S: Final = 30
+# A requester's requests with a large body open at once (LARGE_BODY_BYTES): 16 of the default
+# max_body_mib's 64 MiB are 1 GiB, a third of the front's MemoryHigh= (gpud.nginx.front).
+DEFAULT_LARGE_BODIES_PER_REQUESTER: Final = 16
 # The internal locations of the router's server (no client can name them: `internal`).
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
+# ENSURE_PREFIX + serve + this: the ensure of a stream's loading feedback (router.loading).
+LOADING_SUFFIX: Final = "/loading"
+# The loading feedback's ensure is said to the script only once its detached subrequest has
+# ended (its log line, which nginx writes as it finalizes a background subrequest, reads
+# $router_ensure_done): a script that went on to the serve while the subrequest was still
+# finishing lost the serve's answer now and then (the client got nothing at all).
+ENSURE_DONE: Final = ("            log_subrequest on;",
+                      "            access_log /dev/null gpud_router_ensure;")
 SERVES_LOCATION: Final = "/.gpud-router-serves"
-AUTH_LOCATION: Final = "/.gpud-router-auth"
 ERROR_PREFIX: Final = "/.gpud-router-error/"
 # nginx's own error answers the router gives in OpenAI's shape (router.js ERRORS): a malformed
 # request, a header too large (494, nginx's own code, answered 400), a body over max_body_mib,
 # a URI too long, a route it does not carry, its own internal error. Each an error page (a URI:
 # a request whose line did not parse has none, and nginx redirects no such request to a named
 # location) that returns the text of a js_set variable of the script: nginx's `return` reads
-# no body.
-ERROR_PAGES: Final = (400, 404, 413, 414, 494, 500)
+# no body. Also a TRACE (405), a precondition of the script's own answers (412), a
+# Transfer-Encoding nginx does not read (501) and an HTTP version past 1.1 (505).
+ERROR_PAGES: Final = (400, 404, 405, 412, 413, 414, 494, 500, 501, 505)
 GPUD_UPSTREAM: Final = "router_gpud"
 # Where the script hands a stream that waited with loading feedback to its serve: an SSI
 # include of STREAM_PREFIX + serve + the route (docs/router.md, "Loading feedback").
@@ -263,16 +274,29 @@ def key_shares(entry: Mapping[str, object], where: str
     return out, problems
 
 
-def limit_zones(keys: Sequence[ApiKey]) -> list[str]:
+# A body this large or larger (10^6 bytes), or of a length not given (chunked), is a large
+# body: nginx holds up to max_body_mib of it in memory while it is read (client_body_buffer_size),
+# so a requester's large bodies open at once are bounded (router.large_bodies_per_requester).
+LARGE_BODY_BYTES: Final = 10**6
+# The shared memory of the zone that counts them (one entry a requester: a 1m zone holds
+# thousands).
+BODIES_ZONE: Final = "router_bodies"
+
+
+def limit_zones(keys: Sequence[ApiKey], large_bodies: int = 0) -> list[str]:
     """The http block's lines of the keys' limits: per limited key, a variable that is its name
     for its requests and empty for any other's (nginx counts no empty key), a limit_conn zone
     and a limit_req zone keyed by it (nginx's core ngx_http_limit_conn_module and
-    ngx_http_limit_req_module: one number per zone, so one zone per key)."""
+    ngx_http_limit_req_module: one number per zone, so one zone per key). Keyed by the js_set
+    $router_key_name, known in the rewrite phase, so limit_conn (the preaccess phase) counts a
+    request in the routed location, before its body is read. LARGE_BODIES (0: none): the zone
+    of the requests with a large body open at once (conn_lines), by requester: the key's name,
+    else the client's address."""
     out = []
     for i, k in enumerate(keys):
         if k.max_concurrent is None and k.requests_per_minute is None:
             continue
-        out += [f"    map $router_key $router_limit_{i} {{",
+        out += [f"    map $router_key_name $router_limit_{i} {{",
                 f"        {json.dumps(k.name)} {json.dumps(k.name)};",
                 '        default "";',
                 "    }"]
@@ -281,23 +305,58 @@ def limit_zones(keys: Sequence[ApiKey]) -> list[str]:
         if k.requests_per_minute is not None:
             out.append(f"    limit_req_zone $router_limit_{i} zone=router_rpm_{i}:1m "
                        f"rate={k.requests_per_minute}r/m;")
+    if large_bodies:
+        digits = len(str(LARGE_BODY_BYTES - 1))
+        out += [# "1": a body of LARGE_BODY_BYTES or more, or chunked (no Content-Length); ""
+                # none (no body, GET) or a smaller one. nginx 1.22 refuses a request that gives
+                # both (400), so the two never join.
+                "    map $content_length$http_transfer_encoding $router_body_large {",
+                f'        "~^[0-9]{{1,{digits}}}$" "";',
+                '        "" "";',
+                "        default 1;",
+                "    }",
+                "    map $router_key_name $router_requester_early {",
+                '        "" "addr:$remote_addr";',
+                "        default $router_key_name;",
+                "    }",
+                "    map $router_body_large $router_body_of {",
+                '        "" "";',
+                "        default $router_requester_early;",
+                "    }",
+                f"    limit_conn_zone $router_body_of zone={BODIES_ZONE}:1m;"]
+    return out
+
+
+def conn_lines(keys: Sequence[ApiKey], large_bodies: int = 0,
+               indent: str = "            ") -> list[str]:
+    """The routed locations' lines of the counts of requests open at once: a key's
+    max_concurrent, and a requester's requests with a large body (LARGE_BODIES, 0: none),
+    past either 429 in OpenAI's shape (@router_limited). Here, in the preaccess phase, before
+    the body is read, and nowhere else: nginx counts a request once, in the first location
+    whose limit_conn has a non-empty key (ngx_http_limit_conn_handler returns at once when
+    r->main->limit_conn_status is set, src/http/modules/ngx_http_limit_conn_module.c), and
+    holds the count until the request ends, its internal redirects included."""
+    out = [f"{indent}limit_conn router_conn_{i} {k.max_concurrent};"
+           for i, k in enumerate(keys) if k.max_concurrent is not None]
+    if large_bodies:
+        out.append(f"{indent}limit_conn {BODIES_ZONE} {large_bodies};")
+    if out:
+        out.append(f"{indent}limit_conn_status 429;")
     return out
 
 
 def limit_lines(keys: Sequence[ApiKey], indent: str = "            ") -> list[str]:
-    """A routed location's lines of the keys' limits (where the router sends a request once it
-    knows its key: a serve's named location, the loading feedback's), past them 429 in
+    """A routed location's lines of the keys' request rates (where the router sends a request
+    once it knows its key: a serve's named location, the loading feedback's), past them 429 in
     OpenAI's shape (@router_limited). requests_per_minute: a minute's worth at once
     (burst), then at the rate (nginx's leaky bucket, `nodelay`)."""
     out = []
     for i, k in enumerate(keys):
-        if k.max_concurrent is not None:
-            out.append(f"{indent}limit_conn router_conn_{i} {k.max_concurrent};")
         if k.requests_per_minute is not None:
             burst = max(0, k.requests_per_minute - 1)
             out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
     if out:
-        out += [f"{indent}limit_conn_status 429;", f"{indent}limit_req_status 429;"]
+        out.append(f"{indent}limit_req_status 429;")
     return out
 
 
@@ -352,6 +411,8 @@ class RouterFront:
     gpud_socket: str = "/run/gpud/gpud.sock"
     max_body_mib: int = DEFAULT_MAX_BODY_MIB
     body_timeout_s: int = DEFAULT_BODY_TIMEOUT_S
+    # a requester's requests with a large body open at once (LARGE_BODY_BYTES; 0: no bound)
+    large_bodies_per_requester: int = DEFAULT_LARGE_BODIES_PER_REQUESTER
     # None: open to whoever reaches `listen`
     keys: tuple[ApiKey, ...] | None = None
     # SSE comments every this many seconds to a stream waiting on a bring-up (0: none)
@@ -405,6 +466,16 @@ class RouterRequest:
         return f"request for model {printable(self.model[:256])!r}{key} through the router"
 
 
+@dataclass(frozen=True)
+class Crowded:
+    """Why an ensure is refused by EnsureBound: the config key of the bound it is at, its
+    figure, and the text (the router's 429 names both: router.js rateLimited)."""
+
+    limit: str
+    value: int
+    text: str
+
+
 @dataclass
 class EnsureBound:
     """The ensures under way, by requester (gpud.server.api.ensure): at most PER_REQUESTER for one
@@ -423,15 +494,17 @@ class EnsureBound:
     def waiting(self) -> int:
         return sum(self.by.values())
 
-    def enter(self, requester: str) -> str | None:
+    def enter(self, requester: str) -> Crowded | None:
         """Count one more ensure of REQUESTER; or why not (nothing counted)."""
         mine = self.by.get(requester, 0)
         if mine >= self.per_requester:
-            return (f"{mine} requests of {requester} wait for a bring-up already "
-                    "(daemon.ensure_waiting_per_requester)")
+            limit = "daemon.ensure_waiting_per_requester"
+            return Crowded(limit, self.per_requester,
+                           f"{mine} requests of {requester} wait for a bring-up already ({limit})")
         if self.waiting >= self.total:
-            return (f"{self.total} requests wait for a bring-up already "
-                    "(daemon.ensure_waiting_total)")
+            limit = "daemon.ensure_waiting_total"
+            return Crowded(limit, self.total,
+                           f"{self.total} requests wait for a bring-up already ({limit})")
         self.by[requester] = mine + 1
         return None
 
@@ -487,13 +560,15 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            auth_request_set $router_ensure_s $upstream_response_time;",
                   "            error_page 403 = @router_refused;",
                   *(["            error_page 429 = @router_limited;"] if limits else []),
-                  f"            error_page 500 = {serve.location}_direct;"]
+                  f"            error_page 500 = {serve.location}_direct;",
+                  # a location's error pages replace the server's: the serve gone between
+                  # gpud's yes and the connect (nginx's 502) is named here too
+                  "            error_page 502 504 = @router_down;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
               METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
-        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
-                  "            internal;",
+        ensure = ["            internal;",
                   f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
                   "            proxy_method POST;",
                   "            proxy_pass_request_body off;",
@@ -503,7 +578,20 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            proxy_set_header X-Gpud-Model $router_model;",
                   "            proxy_set_header X-Gpud-Key $router_key;",
                   "            proxy_set_header X-Gpud-Requester $router_requester;",
-                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;",
+                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;"]
+        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
+                  *ensure,
+                  "        }",
+                  # The same ensure, asked by a stream's loading feedback (router.loading) as a
+                  # detached subrequest: gpud's answer is left in $router_ensured (its header
+                  # filter; a subrequest shares its parent's variables), which the script
+                  # looks at, so that nothing of the script waits on it and a client that hangs
+                  # up ends its request cleanly (L8). gpud unreachable: @router_ensure_failed.
+                  f"        location = {ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX} {{",
+                  *ensure,
+                  "            js_header_filter router.ensured;",
+                  *ENSURE_DONE,
+                  "            error_page 500 502 504 = @router_ensure_failed;",
                   "        }",
                   f"        location {serve.location}_direct {{",
                   *body,
@@ -547,11 +635,23 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
+           # gpud's answer to a loading feedback's ensure: its headers (router.ensured), then
+           # the same once the detached subrequest has ended (router.ensureDone, read by the
+           # subrequest's log: a background subrequest is logged as it is finalized)
+           "    js_var $router_ensure_head;",
+           "    js_var $router_ensured;",
+           "    js_set $router_ensure_done router.ensureDone;",
+           "    log_format gpud_router_ensure '$router_ensure_done';",
            "    js_var $router_prompt_tokens;",
            "    js_var $router_body;",
            "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
+           # the name of the request's key, "" none (router.js keyName: one SHA-256 a request,
+           # its value kept for the request once asked)
+           "    js_set $router_key_name router.keyName;",
+           # the 429 of the routed locations' counts (conn_lines; @router_counted)
+           "    js_set $router_counted_text router.countedText;",
            # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
            "    js_set $router_key_ok router.keyOk;",
            "    js_set $router_requester_of router.requesterOf;",
@@ -560,7 +660,7 @@ def http_lines(router: RouterFront) -> list[str]:
     if router.access_log is not None:
         fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
-    out += limit_zones(router.keys or ())
+    out += limit_zones(router.keys or (), router.large_bodies_per_requester)
     if any(s.priority_scheduling for s in router.serves):
         out += PRIORITY_MAP
     out += [f"    upstream {GPUD_UPSTREAM} {{",
@@ -571,9 +671,29 @@ def http_lines(router: RouterFront) -> list[str]:
                 f"        server {serve.server};",
                 f"        keepalive {KEEPALIVE};",
                 "    }"]
+    # With keys, the key is checked in the rewrite phase, before the body is read (a
+    # js_content handler reads it first: ngx_http_js_content_handler, njs 0.7.9
+    # nginx/ngx_http_js_module.c; nginx's phases run rewrite before content, and a request
+    # finalized there has its body discarded, never buffered: ngx_http_finalize_request ->
+    # ngx_http_discard_request_body), so a client without one holds no body buffer. `return`
+    # is one of the two directives safe inside a location's `if`.
     auth = ""
     if router.keys is not None:
-        auth = f"            auth_request {AUTH_LOCATION};\n"
+        auth = ('            if ($router_key_name = "") {\n'
+                "                return 401;\n"
+                "            }\n")
+    error_pages = [*[f"error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
+                   *(["error_page 401 = @router_unauthorized;"]
+                     if router.keys is not None else []),
+                   "error_page 502 504 = @router_down;"]
+    # the counts of requests open at once (a key's max_concurrent, a requester's large
+    # bodies), after the key's check, before the body is read
+    counted = conn_lines(router.keys or (), router.large_bodies_per_requester)
+    # their 429 answered by nginx's `return` (@router_counted), as the body is not read: the
+    # server's other error pages repeated (a location's error_page replaces the server's)
+    counts = "".join(f"            {line}\n" for line in
+                     [*error_pages, "error_page 429 = @router_counted;"]) if counted else ""
+    counts += "".join(f"{line}\n" for line in counted)
     out += [
         "    server {",
         f"        listen {router.listen};",
@@ -594,12 +714,10 @@ def http_lines(router: RouterFront) -> list[str]:
           if router.access_log is not None else []),
         # Every answer is OpenAI-shaped JSON, nginx's own errors too (ERROR_PAGES), their
         # text the script's (router.js errorText: the one place of the document's shape).
-        *[f"        error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
-        # the key's check before the body (auth_request): at the server's level, so that
-        # the routed locations keep the error pages above
-        *(["        error_page 401 = @router_unauthorized;"] if router.keys is not None else []),
+        # The key's check before the body (the routed locations' `if`): at the server's
+        # level, so that the routed locations keep the error pages above.
+        *[f"        {line}" for line in error_pages],
         "        error_page 429 = @router_limited;",
-        "        error_page 502 504 = @router_down;",
         "        location = /v1/models {",
         "            js_content router.models;",
         "        }",
@@ -608,10 +726,8 @@ def http_lines(router: RouterFront) -> list[str]:
         "        }",
         # ssi: only the script's own output (a stream's loading feedback, then its include)
         # is looked through, never a serve's (answered in other locations). With keys, the
-        # key is checked before the body is read (auth_request runs in the access phase, a
-        # js_content handler once the body is in: ngx_http_js_content_handler reads it
-        # first), so a client without one holds no body buffer.
-        *[f"        location = {path} {{\n{auth}            js_content router.route;\n"
+        # key is checked before the body is read (`auth`, above).
+        *[f"        location = {path} {{\n{auth}{counts}            js_content router.route;\n"
           "            ssi on;\n            ssi_types text/event-stream;\n        }"
           for path in ROUTED_PATHS],
         f"        location = {SERVES_LOCATION} {{",
@@ -629,14 +745,18 @@ def http_lines(router: RouterFront) -> list[str]:
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += _serve_locations(serve, router.awake_dir, limits)
     out += [
-        *([f"        location = {AUTH_LOCATION} {{",
-           "            internal;",
-           "            js_content router.auth;",
-           "        }",
-           "        location @router_unauthorized {",
+        *(["        location @router_unauthorized {",
            "            add_header WWW-Authenticate Bearer always;",
            "            return 401 $router_unauthorized;",
            "        }"] if router.keys is not None else []),
+        # past a count of the routed locations (conn_lines): 429 before the body is read
+        *(["        location @router_counted {",
+           # the access log's key (usage per key: the key's 429), as route() would set it
+           "            set $router_key $router_key_name;",
+           "            default_type application/json;",
+           "            add_header Retry-After 1 always;",
+           "            return 429 $router_counted_text;",
+           "        }"] if counted else []),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",
@@ -656,6 +776,12 @@ def http_lines(router: RouterFront) -> list[str]:
         "        }",
         "        location @router_stream_down {",
         "            js_content router.streamDown;",
+        "        }",
+        # gpud did not answer a loading feedback's ensure: said to the script as a 502
+        "        location @router_ensure_failed {",
+        "            js_header_filter router.ensured;",
+        *ENSURE_DONE,
+        '            return 502 "gpud unreachable";',
         "        }",
         *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
           f"            return {400 if status == 494 else status} $router_error_{status};"
@@ -682,10 +808,15 @@ def render_script(router: RouterFront, code: str) -> str:
     limits = {k.name: {"max_concurrent": k.max_concurrent,
                        "requests_per_minute": k.requests_per_minute}
               for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
-    head = {"models": table, "keys": keys, "max_body_mib": router.max_body_mib,
+    # a key's digest by its name (router.js lookUp: the name is $router_key_name's)
+    digests = None if router.keys is None else {k.name: k.sha256 for k in router.keys}
+    head = {"models": table, "keys": keys, "key_digests": digests,
+            "max_body_mib": router.max_body_mib,
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
+            "loading_suffix": LOADING_SUFFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits,
+            "large_bodies_per_requester": router.large_bodies_per_requester,
             "priority_routes": list(PRIORITY_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")

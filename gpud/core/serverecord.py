@@ -22,8 +22,7 @@ from enum import StrEnum
 
 from gpud.core.lifecycle import IDLE_LIFE, Input, LifeAction, ServeLife
 from gpud.core.lifecycle import step as life_step
-from gpud.core.states import Cause, StateRefusal
-from gpud.core.states import record as allowed
+from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -113,6 +112,12 @@ FIXED: Mapping[Happened, ServeState] = {
     Happened.RELEASED: DECLARED,
     Happened.CONFIG_DROPPED: DECLARED,
 }
+
+
+# The reports that leave a serve awake on its memory: refused when the change they come with
+# leaves it no reservation (a release that said "woken" would leave a running serve that
+# holds none).
+NEEDS_RESERVATION: frozenset[Happened] = frozenset({Happened.WOKEN})
 
 
 @dataclass(frozen=True)
@@ -209,8 +214,11 @@ def step(serve: Record, event: Event) -> Stepped | StateRefusal:
     target = next_state(serve, event)
     if target is None:
         return Stepped(serve)
-    decided = allowed(serve.state, target, CAUSES[event.happened])
+    decided = check_change(serve.state, target, CAUSES[event.happened])
     if isinstance(decided, StateRefusal):
         return decided
+    if event.happened in NEEDS_RESERVATION and not serve.holds:
+        return StateRefusal(serve.state, target, CAUSES[event.happened],
+                            f"{event.happened} needs a reservation held, and the serve holds none")
     return Stepped(Record(decided, serve.holds, serve.external, serve.configured, serve.life),
                    (StoreState(decided),))

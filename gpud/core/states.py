@@ -1,7 +1,7 @@
 """Which recorded states a serve may go to, and why: the rule its one writer consults.
 
 A serve's state (what `gpuctl serves` shows) is stored by one adapter,
-`LedgerService._store_state`; before it stores one it asks `record(prev, next, cause)` here. The
+`LedgerService._store_state`; before it stores one it asks `check_change(prev, next, cause)` here. The
 answer is the state to store, or a `StateRefusal` saying why not: the adapter logs a refusal and
 stores nothing. What is allowed is what gpud does today, site by site (the `cause` each writer
 passes): a cause names the states it may lead to (`TARGETS`) and the states it may leave
@@ -103,11 +103,16 @@ class StateRefusal:
     prev: ServeState | None
     next: ServeState
     cause: Cause | None
+    # Why, where the rule of the serve's record (gpud.core.serverecord) refuses a change this
+    # rule allows: it names what the record lacks.
+    why: str | None = None
 
     @property
     def message(self) -> str:
         was = self.prev or "unrecorded"
-        if self.cause is None:
+        if self.why is not None:
+            why = self.why
+        elif self.cause is None:
             why = "no cause leads there from there"
         elif self.next not in TARGETS[self.cause]:
             why = f"{self.cause} leads only to {', '.join(sorted(TARGETS[self.cause]))}"
@@ -116,8 +121,8 @@ class StateRefusal:
         return f"{was} -> {self.next} ({self.cause or 'no cause named'}) refused: {why}"
 
 
-def record(prev: ServeState | None, next: ServeState,
-           cause: Cause | None) -> ServeState | StateRefusal:
+def check_change(prev: ServeState | None, next: ServeState,
+                 cause: Cause | None) -> ServeState | StateRefusal:
     """The state to store when a serve that is `prev` (None: no record) is to become `next`
     because of `cause`, or why it may not. A writer that names no cause (None: a caller outside
     gpud's own writers, which all name theirs) may make any change some cause allows."""

@@ -140,6 +140,7 @@ class Fail:
     # Stop the unit first: a serve that died asleep must not come back through systemd's
     # restart at its full size while its reservation is its sleep reservation.
     stop: bool = False
+    crash_loop: bool = False  # a crash loop (its event says so), not a single exit
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,17 @@ def on_unit(rt: ServeRuntime, st: UnitState) -> list[Action]:
         if state == SLEEPING:
             return [*actions, Fail(f"exited while asleep ({st.how}, result {st.result})",
                                    stop=True)]
+        if rt.launching and state == STARTING and st.n_restarts > 0:
+            # Exited again during gpud's start, after systemd's restart: a crash loop before it
+            # ever answered. Its start fails now, not at the crash-loop limit or the start
+            # timeout (a load that dies after seconds never reaches either), and the unit is
+            # stopped so that systemd does not go on restarting it. NRestarts counts systemd's
+            # restarts since the unit's last start that was not one of them (systemd,
+            # src/core/service.c: service_enter_restart() counts, service_start() flushes
+            # the count on any other start).
+            return [*actions, Fail(f"crash-loop: exited {st.n_restarts + 1} times during its start, "
+                                   f"before it ever answered (last: {st.how}, result "
+                                   f"{st.result})", stop=True, crash_loop=True)]
         if will_restart(rt.restart, st):
             # systemd passes through failed, auto-restart and inactive before the restart:
             # whether the serve is gone for good is known only once the restart did or did not

@@ -285,15 +285,25 @@ function errorText(status, message, code) {
 }
 
 // nginx's own errors, as the router answers them: status -> [the status answered, message,
-// code] (494: nginx's own code for a header too large, answered 400).
+// code] (494: nginx's own code for a header too large, answered 400; 405: a TRACE, refused by
+// nginx before any location; 412: nginx's not_modified filter, on an answer of the script's
+// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1).
 var ERRORS = {
     400: [400, 'the request is not valid HTTP', 'invalid_request'],
     404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
           '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
     413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+    405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
+          'the routes)', 'method_not_allowed'],
+    412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
+          "router's answers carry no ETag", 'precondition_failed'],
     414: [414, 'the request URI is too long', 'invalid_request'],
     494: [400, 'a request header is too large', 'invalid_request'],
     500: [500, 'internal error of the router', 'internal_error'],
+    501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
+          'not_implemented'],
+    505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
+          'http_version_not_supported'],
 };
 
 function nginxError(status) {
@@ -319,11 +329,26 @@ function keyOf(r) {
     return key;
 }
 
-// The key of the request's Authorization, undefined when none is given or known.
-function lookUp(r) {
+// The name of the request's key (js_set $router_key_name): "" when its Authorization gives
+// none or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
+// value for the rest of the request once asked (ngx_http_js_variable_set leaves it cacheable,
+// njs 0.7.9 nginx/ngx_http_js_module.c; ngx_http_get_flushed_variable, nginx's
+// src/http/ngx_http_variables.c), internal redirects included (ngx_http_internal_redirect
+// clears the modules' contexts, not r->variables). A routed location's `if` asks it in the
+// rewrite phase, before the body is read (gpud.core.router.http_lines).
+function keyName(r) {
+    if (CONFIG.keys === null) {
+        return '';
+    }
     var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
     var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest] : undefined;
+    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
+}
+
+// The key of the request's Authorization, undefined when none is given or known.
+function lookUp(r) {
+    var name = r.variables.router_key_name;
+    return name ? CONFIG.keys[CONFIG.key_digests[name]] : undefined;
 }
 
 function unauthorized(r) {
@@ -359,12 +384,6 @@ function keyOk(r) {
     return key !== undefined && Object.keys(CONFIG.models).some(function (name) {
         return CONFIG.models[name].serve === serve && allows(key, name);
     }) ? '1' : '';
-}
-
-// The key's check before a routed request's body is read (an auth_request subrequest: 204
-// or 401, which the router answers in OpenAI's shape without reading the body).
-function auth(r) {
-    r.return(CONFIG.keys === null || lookUp(r) !== undefined ? 204 : 401);
 }
 
 function allows(key, model) {
@@ -453,9 +472,22 @@ function route(r) {
 // requests waiting as gpud keeps (gpud.server.api._too_many_waiting): the router's 429.
 var TOO_MANY_WAITING = 'too-many-requests';
 
-// The 503 (429 when the requester waits too much already) of a refusal: gpud's reason (its
-// X-Gpud-Reason, OpenAI's error shape) under error.gpud.
-function refusal(r, reason) {
+// The one 429 of the router, a key's limits (limited) and gpud's bound on waiting requests
+// (refusal) alike: OpenAI's own shape for a rate limit (type "requests", code
+// "rate_limit_exceeded": the body api.openai.com answers, which openai-python raises as
+// RateLimitError by its status), with which limit and its figure under error.gpud, and the
+// seconds for Retry-After. GPUD: {limit, value, ...}; the retry is added to it.
+function rateLimited(message, retry, gpud) {
+    gpud.retry_after_s = retry;
+    return {status: 429, retry: String(retry), doc: {error: {
+        message: message + '; retry after ' + retry + ' s', type: 'requests', param: null,
+        code: 'rate_limit_exceeded', gpud: gpud}}};
+}
+
+// The 503 (429 when the requester waits too much already) of a refusal, with the seconds
+// for Retry-After (gpud's RETRY, else the router's): gpud's reason (its X-Gpud-Reason,
+// OpenAI's error shape) under error.gpud.
+function refusal(r, reason, retry) {
     var message = 'refused by gpud', details = null;
     try {
         var doc = JSON.parse(reason);
@@ -464,16 +496,105 @@ function refusal(r, reason) {
     } catch (e) {
         // no reason given
     }
+    var model = JSON.stringify(r.variables.router_model);
     if (details !== null && details.code === TOO_MANY_WAITING) {
-        return {status: 429, doc: {error: {
-            message: 'model ' + JSON.stringify(r.variables.router_model) + ': ' + message,
-            type: 'rate_limit_error', param: null, code: 'rate_limit_exceeded',
-            gpud: details}}};
+        var why = details.details || {};
+        return rateLimited('model ' + model + ': ' + message,
+                           Number(retry) || why.retry_after_s || CONFIG.retry_after_s,
+                           {limit: why.limit, value: why.value, serve: why.serve,
+                            requester: why.requester});
     }
-    return {status: 503, doc: {error: {
-        message: 'model ' + JSON.stringify(r.variables.router_model) + ' (serve ' +
-                 r.variables.router_serve + ') cannot be brought up: ' + message,
+    return {status: 503, retry: retry || String(CONFIG.retry_after_s), doc: {error: {
+        message: 'model ' + model + ' (serve ' + r.variables.router_serve +
+                 ') cannot be brought up: ' + message,
         type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
+}
+
+// Anthropic's error types (the `type` of its error object, anthropic-sdk-python
+// src/anthropic/types/*_error_object.py; docs.anthropic.com/en/api/errors) by HTTP status.
+var ANTHROPIC_TYPES = {400: 'invalid_request_error', 401: 'authentication_error',
+                       402: 'billing_error', 403: 'permission_error', 404: 'not_found_error',
+                       429: 'rate_limit_error', 503: 'overloaded_error', 504: 'timeout_error',
+                       529: 'overloaded_error'};
+
+// The SSE bytes that end a stream with an error (DOC: OpenAI's error document, or already
+// Anthropic's; STATUS: the answer's). OpenAI's clients read an event whose data is the error
+// document, then [DONE], as vLLM ends a stream that failed. Anthropic's (route /v1/messages)
+// read only named events: `event: error` with {"type": "error", "error": {type, message}}
+// (anthropic-sdk-python src/anthropic/_streaming.py Stream.__stream__: an event named
+// "error" is raised as the status error of its data; an unnamed one is skipped), and no
+// [DONE] (a stream of Anthropic's ends with message_stop, or this error).
+function errorEvent(r, status, doc) {
+    if (r.uri !== '/v1/messages') {
+        return 'data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n';
+    }
+    var err = doc && doc.error ? doc.error : {};
+    if (!(doc && doc.type === 'error' && typeof err.type === 'string')) {
+        doc = {type: 'error', error: {
+            type: has(ANTHROPIC_TYPES, status) ? ANTHROPIC_TYPES[status] :
+                status >= 500 ? 'api_error' : 'invalid_request_error',
+            message: typeof err.message === 'string' ? err.message : JSON.stringify(doc)}};
+    }
+    return 'event: error\ndata: ' + JSON.stringify(doc) + '\n\n';
+}
+
+// Sends TEXT to the client of the stream R (its header first, once): false when the client is
+// gone. njs 0.7.9's r.send and r.sendHeader throw when nginx cannot write (the connection
+// closed: ngx_http_output_filter's NGX_ERROR, nginx/ngx_http_js_module.c
+// ngx_http_js_ext_send); the request is then ended with 499 (r.return with no text: only
+// the status nginx finalizes it with, ngx_http_js_ext_return), once nothing of the script
+// is pending (ngx_http_js_handle_vm_event posts the request when the VM has no events left;
+// ngx_http_js_content_write_event_handler then finalizes it, and nginx terminates a request
+// whose connection failed, closing its subrequests' upstreams: the ensure).
+var headerSent = false;  // the stream's header (a script's globals are its request's own)
+function send(r, text) {
+    try {
+        if (!headerSent) {
+            headerSent = true;
+            r.variables.router_sse = 'stream';
+            r.status = 200;
+            r.headersOut['Content-Type'] = 'text/event-stream';
+            r.headersOut['Cache-Control'] = 'no-cache';
+            r.sendHeader();
+        }
+        r.send(text);
+        return true;
+    } catch (e) {
+        r.return(499);
+        return false;
+    }
+}
+
+// The ends of a stream that had loading feedback (r.finish: its last buffer; a closed
+// connection makes it throw too).
+function finish(r) {
+    try {
+        r.finish();
+    } catch (e) {
+        r.return(499);
+    }
+}
+
+// How soon a waiting stream looks whether gpud has answered its ensure: every millisecond for
+// its first POLL_FAST_MS (a serve that is up is answered in a millisecond or two), then
+// twice as long each time, up to every POLL_MS.
+var POLL_FAST_MS = 20, POLL_MS = 100;
+
+// gpud's answer to a loading feedback's ensure (the header filter of its location, in the
+// subrequest: its variables are its parent's): {status, reason, retry}.
+function ensured(r) {
+    r.variables.router_ensure_head = JSON.stringify({
+        status: r.status, reason: r.headersOut['X-Gpud-Reason'] || '',
+        retry: r.headersOut['Retry-After'] || ''});
+}
+
+// The same, once the ensure's subrequest has ended (js_set $router_ensure_done, read by its
+// log line: nginx logs a background subrequest as it finalizes it); only then does the
+// script look at it ($router_ensured) and go on.
+function ensureDone(r) {
+    r.variables.router_ensured = r.variables.router_ensure_head ||
+        JSON.stringify({status: r.status, reason: '', retry: ''});
+    return '';
 }
 
 // Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
@@ -486,51 +607,65 @@ function refusal(r, reason) {
 // - the stream begun, the serve up (or gpud unreachable: as the auth_request's 500): the
 //   serve's answer is included in the stream by nginx's SSI, a subrequest whose answer
 //   nginx streams through as it comes (a script's own subrequest is read whole);
-// - the stream begun, gpud refused: an error event in OpenAI's shape, then [DONE].
+// - the stream begun, gpud refused: an error event (errorEvent), then the stream's end.
+// The ensure is a detached subrequest whose answer the script looks for ($router_ensured),
+// never a promise: a promise of a subrequest keeps the script pending (njs_vm_pending) until
+// it resolves, and while it is pending a client that hung up can end its request only by an
+// uncaught exception (logged `js exception`; L8). A promise of a subrequest whose connection
+// failed never resolves at all (ngx_http_js_subrequest_done returns before the callback when
+// r->connection->error), so no comment is sent while the queue note's subrequest is out.
 function loading(r, model, entry) {
-    var began = Date.now(), sent = false, timer, done = false;
-    function tick() {
-        if (!sent) {
-            sent = true;
-            r.variables.router_sse = 'stream';
-            r.status = 200;
-            r.headersOut['Content-Type'] = 'text/event-stream';
-            r.headersOut['Cache-Control'] = 'no-cache';
-            r.sendHeader();
+    var began = Date.now(), every = CONFIG.loading_feedback_s * 1000;
+    var due = Math.min(1000, every), wait = 1;
+    r.subrequest(CONFIG.ensure_prefix + entry.serve + CONFIG.loading_suffix,
+                 {method: 'POST', detached: true});
+    function look() {
+        var answer = r.variables.router_ensured;
+        if (answer) {
+            answered(JSON.parse(answer));
+        } else if (Date.now() - began < due) {
+            wait = Date.now() - began < POLL_FAST_MS ? 1 : Math.min(POLL_MS, wait * 2);
+            setTimeout(look, wait);
+        } else if (send(r, ': loading ' + model + '\n\n')) {
+            due += every;
+            queueNote(r, entry.serve).then(function (note) {
+                if (!note || send(r, ': ' + note + '\n\n')) {
+                    setTimeout(look, POLL_MS);
+                }
+            });
         }
-        r.send(': loading ' + model + '\n\n');
-        timer = setTimeout(tick, CONFIG.loading_feedback_s * 1000);
-        queueNote(r, entry.serve).then(function (note) {
-            if (note && !done) {
-                r.send(': ' + note + '\n\n');
-            }
-        });
+        // else: the client is gone, and nothing is left pending
     }
-    timer = setTimeout(tick, Math.min(1000, CONFIG.loading_feedback_s * 1000));
-    r.subrequest(CONFIG.ensure_prefix + entry.serve, {method: 'POST'}).then(function (reply) {
-        clearTimeout(timer);
-        done = true;
+    function answered(reply) {
         r.variables.router_ensure_s = ((Date.now() - began) / 1000).toFixed(3);
+        var sent = headerSent;
         if (reply.status === 403) {
-            var refused = refusal(r, reply.headersOut['X-Gpud-Reason']);
+            var refused = refusal(r, reply.reason, reply.retry);
             if (!sent) {
-                r.headersOut['Retry-After'] = reply.headersOut['Retry-After'] ||
-                    String(CONFIG.retry_after_s);
+                r.headersOut['Retry-After'] = refused.retry;
                 r.headersOut['Content-Type'] = 'application/json';
                 r.return(refused.status, JSON.stringify(refused.doc));
                 return;
             }
             r.variables.router_sse = 'refused';
-            r.send('data: ' + JSON.stringify(refused.doc) + '\n\ndata: [DONE]\n\n');
+            if (send(r, errorEvent(r, refused.status, refused.doc))) {
+                finish(r);
+            }
         } else if (!sent) {
             r.internalRedirect(entry.location + '_direct');
-            return;
-        } else {
-            r.send('<!--# include virtual="' + CONFIG.stream_prefix + entry.serve + r.uri +
-                   '" -->');
+        } else if (send(r, '<!--# include virtual="' + CONFIG.stream_prefix + entry.serve +
+                        r.uri + '" -->')) {
+            // The stream's last buffer on the next turn of the event loop, not now: an include
+            // that fails at once (the serve's socket refusing: its 502 answered by
+            // streamDown) ends before the script does, and nginx then holds a last buffer
+            // sent behind it until a write event that never comes (the postponed output is
+            // flushed by ngx_http_writer, which the script's request only gets when it ends
+            // after its include; njs's ngx_http_js_content_write_event_handler flushes it
+            // while the script is pending). The timer keeps the script pending until then.
+            setTimeout(function () { finish(r); }, 0);
         }
-        r.finish();
-    });
+    }
+    setTimeout(look, wait);
 }
 
 function states(r) {
@@ -632,9 +767,9 @@ function model(r) {
 
 // gpud refused to bring the serve up (its ensure answered 403): 503 with gpud's reason.
 function refused(r) {
-    r.headersOut['Retry-After'] = r.variables.router_retry || String(CONFIG.retry_after_s);
+    var refused = refusal(r, r.variables.router_reason, r.variables.router_retry);
+    r.headersOut['Retry-After'] = refused.retry;
     r.headersOut['Content-Type'] = 'application/json';
-    var refused = refusal(r, r.variables.router_reason);
     r.return(refused.status, JSON.stringify(refused.doc));
 }
 
@@ -682,6 +817,34 @@ function meter(r, data, flags) {
     }
 }
 
+// Past a count of the routed location (gpud.core.router conn_lines, before the body is read):
+// the 429's document (js_set $router_counted_text, which @router_counted returns: nginx's
+// `return` reads no body, a js_content handler would read it first). The key's
+// max_concurrent, or the requester's large bodies open at once (router.
+// large_bodies_per_requester): a request with a small body is counted by the first only; nginx
+// does not say which zone refused one with a large body, so for a key with both, both are named.
+function countedText(r) {
+    var name = r.variables.router_key_name || '';
+    var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
+    var bodies = CONFIG.large_bodies_per_requester;
+    var large = bodies > 0 && r.variables.router_body_large === '1';
+    var who = name ? 'key ' + name : 'client ' + r.remoteAddress;
+    var which, value, message;
+    if (large && !lim.max_concurrent) {
+        which = 'large_bodies_per_requester';
+        value = bodies;
+        message = who + ' has ' + value + ' requests with a large body (10^6 bytes or more, ' +
+                  'or chunked) open, router.large_bodies_per_requester';
+    } else {
+        which = 'max_concurrent';
+        value = lim.max_concurrent;
+        message = who + ' has ' + value + ' requests in flight, its max_concurrent' +
+                  (large ? ', or ' + bodies + ' with a large body open, ' +
+                   'router.large_bodies_per_requester' : '');
+    }
+    return JSON.stringify(rateLimited(message, 1, {key: name, limit: which, value: value}).doc);
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -716,16 +879,15 @@ function streamed(r, data, flags) {
     }
     held = '';
     told = true;
-    r.sendBuffer('data: ' + JSON.stringify(doc) + '\n\ndata: [DONE]\n\n', flags);
+    r.sendBuffer(errorEvent(r, r.status, doc), flags);
 }
 
 // The serve did not answer a stream that had loading feedback: an error event.
 function streamDown(r) {
-    r.return(200, 'data: ' + JSON.stringify({error: {
+    r.return(200, errorEvent(r, 503, {error: {
         message: 'model ' + JSON.stringify(r.variables.router_model || '') + ': serve ' +
                  (r.variables.router_serve || '?') + ' is not running',
-        type: 'server_error', param: null, code: 'model_not_running'}}) +
-        '\n\ndata: [DONE]\n\n');
+        type: 'server_error', param: null, code: 'model_not_running'}}));
 }
 
 // A serve launched with --scheduling-policy priority orders its waiting requests by the body's
@@ -764,15 +926,16 @@ function limited(r) {
         retry = 1;
         message = 'key ' + name + ' has ' + value + ' requests in flight, its max_concurrent';
     }
-    r.headersOut['Retry-After'] = String(retry);
+    var answer = rateLimited(message, retry, {key: name, limit: which, value: value});
+    r.headersOut['Retry-After'] = answer.retry;
     r.headersOut['Content-Type'] = 'application/json';
-    r.return(429, JSON.stringify({error: {
-        message: message + '; retry after ' + retry + ' s', type: 'requests', param: null,
-        code: 'rate_limit_exceeded',
-        gpud: {key: name, limit: which, value: value, retry_after_s: retry}}}));
+    r.return(answer.status, JSON.stringify(answer.doc));
 }
 
-export default {route, auth, unauthorizedText, keyOk, requesterOf, models, model, refused, down, streamed, streamDown,
-                error400: nginxError(400), error404: nginxError(404), error413: nginxError(413),
-                error414: nginxError(414), error494: nginxError(494), error500: nginxError(500),
-                loadingStream, limited, meter};
+export default {route, keyName, countedText, unauthorizedText, keyOk, requesterOf, models, model,
+                refused, down, streamed, streamDown,
+                error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
+                error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
+                error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),
+                error505: nginxError(505),
+                loadingStream, limited, meter, ensured, ensureDone};

@@ -41,7 +41,7 @@ class Alerts:
                 if found is None or proc.pid in self.strays:
                     continue
                 container, path = found
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.CONTAINER_OUTSIDE_UNIT,
                     f"pid {proc.pid} of container {container} draws {proc.mib} MiB on "
                     f"{dev.uuid} from outside every serve unit (cgroup {path}): counted as "
@@ -64,13 +64,13 @@ class Alerts:
             live = [s for s in serves if self.svc.state_of(s) in LIVE_STATES]
             on = f"roles {', '.join(roles) or 'none'}; serves {', '.join(serves) or 'none'}"
             if uuid in now:
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.DEVICE_LOST, f"device {uuid} lost ({now[uuid]}): admissions and starts on "
                     f"it are denied; {on}" + (f"; running: {', '.join(live)}" if live else ""),
                     role=",".join(roles) or None, device=uuid, problem=now[uuid],
                     serves=",".join(serves)))
             else:
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.DEVICE_BACK, f"device {uuid} is readable again (was: {self.lost[uuid]}); "
                     f"{on}", role=",".join(roles) or None, device=uuid, serves=",".join(serves)))
         self.lost = now
@@ -94,7 +94,7 @@ class Alerts:
         for uuid in rose:
             names, draw = figures[uuid]
             est = " (estimated: no per-process memory)" if draw.estimated else ""
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.RESERVE_EXCEEDED,
                 f"non-ledger draw on {names}{tag}{est} is {draw.non_ledger_draw_mib} MiB, above the "
                 f"reserve of {draw.reserve_mib} MiB: ledger free is optimistic by "
@@ -106,7 +106,7 @@ class Alerts:
             if uuid not in figures:
                 continue
             names, draw = figures[uuid]
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.RESERVE_OK,
                 f"non-ledger draw on {names}{tag} is back within the reserve: "
                 f"{draw.non_ledger_draw_mib} of {draw.reserve_mib} MiB",
@@ -142,7 +142,7 @@ class Alerts:
             if key in per_device:
                 serve, role, drawn = per_device[key]
                 res = self.svc.ledger.reservations[serve]
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.OVERDRAW,
                     f"{serve} draws {drawn} MiB on {role}, over its reservation there of "
                     f"{res.mib} MiB plus the tolerance of {tolerance} MiB",
@@ -152,7 +152,7 @@ class Alerts:
                 continue
             serve = key
             res = self.svc.ledger.reservations[serve]
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.OVERDRAW,
                 f"{serve} draws {observed.get(serve, 0)} MiB, over its reservation of {res.mib} "
                 f"MiB plus the tolerance of {tolerance} MiB",

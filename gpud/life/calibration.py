@@ -335,7 +335,7 @@ class Calibrator:
             # event log; the daemon goes on. Anything else is a fault: see _report_crash.
             message = exc.message
             log.warning("calibration of %s failed: %s", run.serve, message)
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.CALIBRATE, f"{run.serve}: calibration failed: {message}", serve=run.serve,
                 uid=uid, failed=True))
         finally:

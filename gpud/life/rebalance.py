@@ -152,7 +152,7 @@ class Rebalancer:
         if serve is not None:
             line["serve"] = serve
         await emit(line)
-        await self.svc.record(self.svc.event(EventKind.APPLY, f"apply {step}: {message}", uid=uid,
+        await self.svc.store_event(self.svc.event(EventKind.APPLY, f"apply {step}: {message}", uid=uid,
                                              step=step, ok=ok))
 
     async def _journal(self, record: dict[str, Any] | None) -> None:
@@ -480,7 +480,7 @@ class Recovery:
         log.warning("%s", message)
         await self.svc.put_meta(JOURNAL, None)
         with contextlib.suppress(StoreError):
-            await self.svc.record(self.svc.event(EventKind.APPLY, message, step="recover", ok=False))
+            await self.svc.store_event(self.svc.event(EventKind.APPLY, message, step="recover", ok=False))
         return message
 
 

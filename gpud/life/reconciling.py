@@ -150,12 +150,12 @@ class Reconciler:
             await self.sleeps.post(serve, spec, "/checkpoint/restore")
         except GpudError as exc:
             log.error("%s: not restored: %s", why, exc.message)
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.WAKE, f"{why}: POST /checkpoint/restore failed ({exc.message}); its "
                 f"reservation of {mib} MiB is kept until it is restored", serve=serve,
                 role=spec.role, mib=mib, outside=True, checkpoint="prepared"))
             return
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.WAKE, f"{why}: restored (POST /checkpoint/restore) within its reservation "
             f"of {mib} MiB", serve=serve, role=spec.role, mib=mib, outside=True,
             checkpoint="restored"))
@@ -168,7 +168,7 @@ class Reconciler:
         await self.svc.admit(serve, awake, happened=Happened.WOKEN, event=(
             EventKind.ADMIT, f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
             {"outside": True, "waking": True}))
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.WAKE, f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
             role=spec.role, mib=awake, outside=True, from_mib=asleep))
         await self.svc.put_meta(meta_key(serve), None)
@@ -191,7 +191,7 @@ class Reconciler:
                    what: str, *, outside: bool) -> None:
         res = self.svc.ledger.reservations.get(serve)
         free = min(self.svc.free_for(serve, r) for r in spec.all_roles)
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.WAKE, f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)}) and "
             f"does not fit awake ({awake} MiB, {free} MiB free for it): {what}",
             serve=serve, role=spec.role, mib=res.mib if res else None, outside=outside,

@@ -28,8 +28,7 @@ from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported:
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
-from gpud.core.states import Cause, StateRefusal
-from gpud.core.states import record as record_state
+from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -215,10 +214,8 @@ class LedgerService:
         self._adopted_over: dict[str, int] = {}
         # Called after each commit that stored a serve's state (gpud.nginx.front's awake files).
         self._state_listeners: list[Callable[[], None]] = []
-        # Repeated refusals (gpud.core.coalesce): one stored event per window and key, with
-        # the count of those it stands for; the timer that stores a window's summary.
-        self.refusals: Coalescer[tuple[str, str | None, int | None, str], Event] = Coalescer()
-        self._refusals_timer: asyncio.TimerHandle | None = None
+        # Repeated refusals: one stored event per window and key (RepeatedRefusals).
+        self.refusals = RepeatedRefusals(self.submit, lambda: self.clock(), self.counters)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -368,14 +365,12 @@ class LedgerService:
     def close(self) -> None:
         self.end_streams()
         self._executor.shutdown(wait=True)
-        if self._refusals_timer is not None:
-            self._refusals_timer.cancel()
         # The refusals counted in open windows, stored before gpud goes (the store's thread
         # is done: this thread writes alone).
-        summaries = self.refusals.due(float("inf"))
+        summaries = self.refusals.close()
         if summaries:
             try:
-                self.store.commit(Changes(events=[self._summary_event(s) for s in summaries]))
+                self.store.commit(Changes(events=summaries))
             except GpudError as exc:
                 log.warning("storing the last refusals' summaries failed: %s", exc.message)
 
@@ -601,7 +596,7 @@ class LedgerService:
             done = self.submit(Changes(meta={key: value}))
         await done
 
-    async def record(self, ev: Event, *, report: Reported | None = None,
+    async def store_event(self, ev: Event, *, report: Reported | None = None,
                      state: ServeStateRow | None = None, cause: Cause | None = None) -> Event:
         """Store one event, with what happened to its serve (`report`: the state it leads to is
         decided by gpud.core.serverecord) outside any ledger change. `state` names a state
@@ -640,7 +635,7 @@ class LedgerService:
             if stores:
                 changes.states.append(self.state_row(serve, stores[-1], row.reason))
             return
-        decided = record_state(prev, row.state, cause)
+        decided = check_change(prev, row.state, cause)
         if isinstance(decided, StateRefusal):
             self._refuse_state(serve, decided)
         changes.states.append(row)
@@ -655,7 +650,7 @@ class LedgerService:
 
     def report(self, serve: str, happened: Happened, reason: str | None = None, *,
                back_to: ServeState | None = None) -> Reported:
-        """What happened to `serve`, for `record`: its state is decided by its one step."""
+        """What happened to `serve`, for `store_event`: its state is decided by its one step."""
         return Reported(serve, Report(happened, back_to), reason)
 
     def _remember(self, serve: str, state: ServeState, reason: str | None,
@@ -682,7 +677,7 @@ class LedgerService:
     def lift(self, key: str) -> None:
         self._holds.pop(key, None)
 
-    def held(self, role: str, serve: str) -> str | None:
+    def hold_reason(self, role: str, serve: str) -> str | None:
         """Why admissions of `serve` on `role` are refused for now, else None."""
         for key, (roles, why) in self._holds.items():
             if key != serve and role in roles:
@@ -786,7 +781,7 @@ class LedgerService:
             lost = self.lost_device(name)
             if lost is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, lost)
-            why = self.held(name, serve)
+            why = self.hold_reason(name, serve)
             if why is not None:
                 return self._deny_on_lost_device(serve, name, mib, uid, why,
                                                  bound=DenialBound.HELD)
@@ -860,7 +855,7 @@ class LedgerService:
                         check=bound, bound=bound, need_mib=mib)
         return Denied(message, {"serve": serve, "role": role, "bound": bound,
                                 "need_mib": mib, "device": self.ledger.roles[role].device,
-                                "check": bound}), self.submit(Changes(events=self._coalesced(ev)))
+                                "check": bound}), self.submit(Changes(events=self.refusals.stored(ev)))
 
     def _deny(self, denial: Denial, uid: int | None, check: Check,
               note: str | None, roles: tuple[str, ...] = ()) -> asyncio.Future[list[Event]]:
@@ -872,59 +867,9 @@ class LedgerService:
                         **({"lacking": denial.details()["lacking"]} if denial.more else {}))
         # Whether the serve is shown denied is its step's (a running serve, or one that holds
         # a reservation, keeps its state; an external name is not remembered for a failed ask).
-        changes = Changes(events=self._coalesced(ev))
+        changes = Changes(events=self.refusals.stored(ev))
         self._store_state(changes, self.report(denial.serve, Happened.DENIED, denial.reason))
         return self.submit(changes)
-
-    # ---- repeated refusals -----------------------------------------------------------------
-
-    def _coalesced(self, ev: Event) -> list[Event]:
-        """The refusal `ev` as stored: itself when it is an operator's, or the first of its
-        window (its serve, kind, peer and bound) for a request through the front; else nothing
-        (counted, and stored with the others of its window as one event when the window ends:
-        gpud.core.coalesce)."""
-        if not COALESCE_REFUSALS.get():
-            return [ev]
-        now = ev.ts
-        self._flush_refusals(now)
-        key = (str(ev.kind), ev.serve, ev.uid, str(ev.details.get("bound", "")))
-        if self.refusals.offer(key, ev, now) == Verdict.STORE:
-            return [ev]
-        self.counters[ev.kind] = self.counters.get(ev.kind, 0) + 1
-        self._arm_refusals_timer(now)
-        return []
-
-    def _arm_refusals_timer(self, now: float) -> None:
-        due = self.refusals.next_due()
-        if due is None or self._refusals_timer is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop (a test's synchronous use): the next refusal flushes
-
-        def fire() -> None:
-            self._refusals_timer = None
-            self._flush_refusals(self.clock())
-            self._arm_refusals_timer(self.clock())
-
-        self._refusals_timer = loop.call_later(max(0.0, due - now) + 0.01, fire)
-
-    def _flush_refusals(self, now: float) -> None:
-        summaries = self.refusals.due(now)
-        if summaries:
-            self.submit(Changes(events=[self._summary_event(s) for s in summaries]))
-
-    def _summary_event(self, s: Summary[tuple[str, str | None, int | None, str], Event]
-                       ) -> Event:
-        last = s.last
-        took = max(0.0, s.last_ts - s.first_ts)
-        message = (f"{s.count} more like this within {s.window_s:g} s (the last at "
-                   f"{time.strftime('%H:%M:%S', time.localtime(s.last_ts))}, over {took:.1f} s; "
-                   f"stored as one): {last.message}")
-        return Event(last.kind, message, self.clock(), last.serve, last.role, last.mib, last.uid,
-                     {**last.details, "repeated": s.count, "first_ts": s.first_ts,
-                      "last_ts": s.last_ts, "window_s": s.window_s})
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
                       next_state: ServeState | None = None, state_reason: str | None = None,
@@ -1120,6 +1065,76 @@ class LedgerService:
             reason = ("the file changed since it was loaded: gpuctl plan shows what a reload "
                       "would do" if on_disk is not None else "the file cannot be read")
         return {"differs": differs, "reason": reason}
+
+
+class RepeatedRefusals:
+    """Repeated refusals of requests through the front (gpud.core.coalesce): one stored event
+    per window and key (its serve, kind, peer and bound), with the count of those it stands
+    for, and the timer that stores a window's summary when no other refusal comes. `submit`
+    stores events (LedgerService.submit), `clock` is the service's, `counters` its count of
+    events by kind (every refusal is counted there, stored or not)."""
+
+    def __init__(self, submit: Callable[[Changes], object], clock: Callable[[], float],
+                 counters: dict[str, int]) -> None:
+        self.windows: Coalescer[tuple[str, str | None, int | None, str], Event] = Coalescer()
+        self._submit = submit
+        self._clock = clock
+        self._counters = counters
+        self._timer: asyncio.TimerHandle | None = None
+
+    def stored(self, ev: Event) -> list[Event]:
+        """The refusal `ev` as stored: itself when it is an operator's, or the first of its
+        window for a request through the front; else nothing (counted, and stored with the
+        others of its window as one event when the window ends)."""
+        if not COALESCE_REFUSALS.get():
+            return [ev]
+        now = ev.ts
+        self.flush(now)
+        key = (str(ev.kind), ev.serve, ev.uid, str(ev.details.get("bound", "")))
+        if self.windows.offer(key, ev, now) == Verdict.STORE:
+            return [ev]
+        self._counters[ev.kind] = self._counters.get(ev.kind, 0) + 1
+        self._arm(now)
+        return []
+
+    def flush(self, now: float) -> None:
+        """Store the summaries of the windows ended by `now`."""
+        summaries = self.windows.due(now)
+        if summaries:
+            self._submit(Changes(events=[self._summary(s) for s in summaries]))
+
+    def close(self) -> list[Event]:
+        """The summaries of every open window, to store before gpud goes; the timer ends."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return [self._summary(s) for s in self.windows.due(float("inf"))]
+
+    def _arm(self, now: float) -> None:
+        due = self.windows.next_due()
+        if due is None or self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a test's synchronous use): the next refusal flushes
+
+        def fire() -> None:
+            self._timer = None
+            self.flush(self._clock())
+            self._arm(self._clock())
+
+        self._timer = loop.call_later(max(0.0, due - now) + 0.01, fire)
+
+    def _summary(self, s: Summary[tuple[str, str | None, int | None, str], Event]) -> Event:
+        last = s.last
+        took = max(0.0, s.last_ts - s.first_ts)
+        message = (f"{s.count} more like this within {s.window_s:g} s (the last at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(s.last_ts))}, over {took:.1f} s; "
+                   f"stored as one): {last.message}")
+        return Event(last.kind, message, self._clock(), last.serve, last.role, last.mib,
+                     last.uid, {**last.details, "repeated": s.count, "first_ts": s.first_ts,
+                                "last_ts": s.last_ts, "window_s": s.window_s})
 
 
 def _freed_roles(before: Ledger, changes: Changes) -> list[str]:

@@ -521,7 +521,7 @@ class Sleeps:
         res = self.svc.ledger.reservations.get(serve)
         reason = (f"restarted while it was put to sleep (asked {who(asked)}, now {who(now)}): "
                   "awake at its full size")
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.RESTART, f"{serve}: {reason}; the sleep is not committed, reservation "
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
@@ -608,7 +608,7 @@ class Sleeps:
                 # awake after all (it says so): the wake is done
             took = loop.time() - began
             steps = "; ".join(plan["lines"][1:-1]).strip() if plan else ""
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.WAKE, f"{serve} awake ({by}): {awake} MiB; the serve took "
                 f"{took * 1000:.0f} ms" + (f"; preempted: {steps}" if plan else ""),
                 serve=serve, role=spec.role, mib=awake, uid=uid,
@@ -726,7 +726,7 @@ class Sleeps:
             async def do(action: Action) -> None:
                 assert action.serve is not None
                 step = steps[action.serve]
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.PREEMPT, f"{step.serve} preempted by {serve}: {step.line()}",
                     serve=step.serve, role=(step.roles or spec.all_roles)[0],
                     mib=step.frees_mib, uid=uid,

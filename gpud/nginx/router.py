@@ -179,6 +179,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
                        script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
                        max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
+                       large_bodies_per_requester=r.large_bodies_per_requester,
                        loading_feedback_s=r.loading_feedback_s, access_log=log_path(d),
                        awake_dir=awake_dir(d))
 

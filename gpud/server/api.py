@@ -40,7 +40,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import Reservation, RoleFigures
-from gpud.core.router import ANONYMOUS, EnsureBound, router_request
+from gpud.core.router import ANONYMOUS, Crowded, EnsureBound, router_request
 from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
 from gpud.durable.store import Event, EventQuery
@@ -764,17 +764,19 @@ async def read_model(request: web.Request, model: type[M], *,
 BUSY_RETRY_S = 5
 
 
-def _too_many_waiting(name: str, requester: str, problem: str) -> web.Response:
+def _too_many_waiting(name: str, requester: str, problem: Crowded) -> web.Response:
     """The 403 the front and the router turn into their refusal (the router's: 429), when
     REQUESTER (or everyone) has as many ensures waiting as gpud keeps: at once, holding
-    nothing. X-Gpud-Reason carries the class, as gpud.server.ondemand's refusals."""
-    exc = TooManyRequests(f"serve {name}: {problem}; retry in {BUSY_RETRY_S} s",
+    nothing. X-Gpud-Reason carries the class and the bound (its key and figure), as
+    gpud.server.ondemand's refusals."""
+    exc = TooManyRequests(f"serve {name}: {problem.text}; retry in {BUSY_RETRY_S} s",
                           {"serve": name, "requester": requester})
     resp = error_response(exc)
     resp.set_status(403)
     resp.headers["X-Gpud-Reason"] = json.dumps({"error": {
         "code": TooManyRequests.code, "message": exc.message,
         "details": {"serve": name, "class": "too-many-waiting", "requester": requester,
+                    "limit": problem.limit, "value": problem.value,
                     "retry_after_s": BUSY_RETRY_S}}})
     resp.headers["Retry-After"] = str(BUSY_RETRY_S)
     return resp

@@ -54,6 +54,7 @@ from aiohttp import web
 from gpud.core import answers, bringup
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
+from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.queue import (
     KEY_PRIORITY,
     MEASURED,
@@ -70,6 +71,7 @@ from gpud.core.queue import (
     arrive,
     could_fit,
     expected_wait_s,
+    figures_text,
     forget,
     joined,
     let_through,
@@ -78,6 +80,7 @@ from gpud.core.queue import (
     next_up,
     order,
     places,
+    refusal_figures,
     victims,
 )
 from gpud.core.router import ANONYMOUS, RouterRequest
@@ -132,11 +135,10 @@ class OnDemand:
         self.clock = clock
         self.traffic = traffic
         self.policy = policy
-        # Each serve's failed or refused bring-ups (gpud.core.bringup), and the serves whose
-        # failure is counted there since their last bring-up began (one failure is one, however
-        # many times its failed state is written: a crash-loop writes it, then its release).
-        self.tries: dict[str, Tries] = {}
-        self._failure_counted: set[str] = set()
+        # Each serve's on-demand facts, one record per serve (gpud.core.demand: its tries, whether
+        # the idle check is putting it away, its last activity and request, when a request last
+        # brought it up, what it needed): read with `demand`, changed only through `note`.
+        self._demands: dict[str, Demand] = {}
         # The refusals' log lines, coalesced by serve and class: (count since, the last text).
         self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
         self._refusal_log_timer: asyncio.TimerHandle | None = None
@@ -146,27 +148,17 @@ class OnDemand:
         # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon), and
         # the waiters look again then, never on a timer.
         self.changes = Pulse()
-        # Serves the idle check is putting to sleep or stopping (from its decision on).
-        self._idling: set[str] = set()
-        # When each on-demand serve is idle from (the clock's time): its last request through
-        # the front, or when it was first seen running without one.
-        self.last_activity: dict[str, float] = {}
-        # The last request through each on-demand serve's front, as answered in GET /v1/serves.
-        self.last_request: dict[str, float] = {}
         # Idle sleeps and stops carried out since gpud started, by serve (the metrics').
         self.idle_sleeps: dict[str, int] = {}
         self.idle_stops: dict[str, int] = {}
         # The router's queue (gpud.core.queue): each serve's waiting requests, the waiting
-        # requesters' fair shares, one swap at a time, when each serve was last brought up by
-        # a request, and the durations of its last bring-ups by kind (wake, start): the cost of evicting it.
+        # requesters' fair shares, one swap at a time, and the durations of each serve's last
+        # bring-ups by kind (wake, start): the cost of evicting it.
         self.queued: dict[str, list[Ticket]] = {}
         self.shares = Shares()
         # Set when gpud stops: every request still waiting is answered (GPUD_STOPPING).
         self._stopping: asyncio.Future[None] | None = None
-        # What each serve needed when last refused for memory (MiB on each of its roles).
-        self._need: dict[str, int] = {}
         self._swapping: asyncio.Task[Protected | None] | None = None
-        self.up_at: dict[str, float] = {}
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
         self.evictions: dict[str, int] = {}
@@ -174,6 +166,30 @@ class OnDemand:
         # by serve and kind, and their durations.
         self.queue_waits: dict[str, Histogram] = {}
         self.bringups: dict[tuple[str, StepKind], Histogram] = {}
+
+    def demand(self, name: str) -> Demand:
+        """NAME's on-demand facts (gpud.core.demand; NO_DEMAND: none known)."""
+        return self._demands.get(name, NO_DEMAND)
+
+    def note(self, name: str, change: Callable[[Demand], Demand]) -> Demand:
+        """Change NAME's on-demand facts: the one place they change. A record equal to
+        NO_DEMAND is not kept."""
+        now = change(self.demand(name))
+        if now == NO_DEMAND:
+            self._demands.pop(name, None)
+        else:
+            self._demands[name] = now
+        return now
+
+    @property
+    def tries(self) -> dict[str, Tries]:
+        """Each serve's failed or refused bring-ups (gpud.core.bringup), from the records."""
+        return {n: d.tries for n, d in self._demands.items() if d.tries is not None}
+
+    def _requested(self, name: str) -> None:
+        """A request through NAME's front, now: its last activity and its last request."""
+        now = self.clock()
+        self.note(name, lambda d: replace(d, last_activity=now, last_request=now))
 
     async def ensure(self, name: str, cause: RouterRequest | None = None,
                      gone: asyncio.Future[None] | None = None) -> web.Response:
@@ -186,7 +202,7 @@ class OnDemand:
         spec = self.svc.serve_spec(name)
         if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
-        self.last_activity[name] = self.last_request[name] = self.clock()
+        self._requested(name)
         try:
             if not self.svc.ready and self.svc.state_of(name) != RUNNING:
                 # Before reconciliation a start could race the adoption of running units.
@@ -197,7 +213,7 @@ class OnDemand:
                          "on-demand request" if cause is None else cause.text)
                 return web.Response(status=503)  # nobody reads it
             # its wait for the start is not idle time
-            self.last_activity[name] = self.last_request[name] = self.clock()
+            self._requested(name)
         except GpudError as exc:
             return self._refusal(name, exc)
         return web.Response(status=204)
@@ -241,14 +257,13 @@ class OnDemand:
     def settling(self, name: str) -> bool:
         """A sleep or a stop of NAME is under way (or the drain before one, or the idle
         check's decision to): a request must not reach it now."""
-        return name in self._idling or settling(
+        return self.demand(name).idling or settling(
             self.sup.life(name).phase,
             self.traffic is not None and self.traffic.draining(name))
 
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
-        self.tries.pop(name, None)
-        self._failure_counted.discard(name)
+        self.note(name, lambda d: replace(d, tries=None, failure_counted=False))
 
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
@@ -258,40 +273,47 @@ class OnDemand:
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
         rec = self.svc.records.get(name)
-        if state == FAILED and rec is not None and name not in self._failure_counted:
+        if state == FAILED and rec is not None and not self.demand(name).failure_counted:
             # Failed since its last bring-up began (a crash-loop after it was up, an operator's
             # start that failed): a failure in a row, its backoff counted from when it failed.
-            self._failure_counted.add(name)
             at = now - max(0.0, self.svc.clock() - rec.updated)
-            self.tries[name] = bringup.failed(self.tries.get(name), at,
-                                              f"{state}: {rec.reason or ''}", self.policy)
-        return bringup.held(self.tries.get(name), now)
+            reason = f"{state}: {rec.reason or ''}"
+            self.note(name, lambda d: replace(
+                d, failure_counted=True,
+                tries=bringup.failed(d.tries, at, reason, self.policy)))
+        return bringup.held(self.demand(name).tries, now)
 
     def _tried(self, name: str, exc: GpudError) -> None:
         """A bring-up of `name` ended without the serve running: when it may be tried next."""
         now = self.clock()
         why = bringup.classify(exc.code, exc.details)
         if why == Why.FAILED:
-            self._failure_counted.add(name)
-            self.tries[name] = bringup.failed(self.tries.get(name), now, exc.message, self.policy)
+            self.note(name, lambda d: replace(
+                d, failure_counted=True,
+                tries=bringup.failed(d.tries, now, exc.message, self.policy)))
         else:
-            self.tries[name] = bringup.refused(self.tries.get(name), now, why, exc.message,
-                                               self.policy)
+            self.note(name, lambda d: replace(
+                d, tries=bringup.refused(d.tries, now, why, exc.message, self.policy)))
 
     def _refusal(self, name: str, exc: GpudError) -> web.Response:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
         headers (what any local user sees), the whole error in the body (the front's and
         root's; nginx's auth_request reads only the headers)."""
         why = _why(exc)
-        hold = bringup.held(self.tries.get(name), self.clock())
+        hold = bringup.held(self.demand(name).tries, self.clock())
         retry = STOPPING_RETRY_S if why == Why.GPUD_STOPPING else hold.retry_after_s \
             if hold is not None else max(1, math.ceil(self.policy.refusal_hold_s))
         self._log_refusal(name, why, exc.message)
         resp = error_response(exc)
         resp.set_status(403)
+        # a queue refusal names its limit's figure (max_queued, queue_timeout_s): the config's,
+        # never another request's or serve's
+        figures = refusal_figures(why, exc.details)
         public = {"error": {"code": Denied.code if why == Why.NO_MEMORY else Unavailable.code,
-                            "message": bringup.public_reason(name, why, retry),
-                            "details": {"serve": name, "class": why, "retry_after_s": retry}}}
+                            "message": bringup.public_reason(name, why, retry,
+                                                             figures_text(figures)),
+                            "details": {"serve": name, "class": why, "retry_after_s": retry,
+                                        **figures}}}
         resp.headers["X-Gpud-Reason"] = json.dumps(public)
         resp.headers["Retry-After"] = str(retry)
         return resp
@@ -336,7 +358,8 @@ class OnDemand:
                 raise
             need = exc.details.get("need_mib")
             if isinstance(need, int):
-                self._need[name] = need
+                mib: int = need
+                self.note(name, lambda d: replace(d, need_mib=mib))
             entry = self._entry(name, spec)
             if entry is None:
                 raise  # no queue, or no eviction it may make could ever make room
@@ -346,7 +369,8 @@ class OnDemand:
         if isinstance(entry, QueueRefusal):
             raise Unavailable(f"serve {name!r} not brought up: {entry.message}; {first}",
                               {"serve": name, "class": Why(entry.why),
-                               "queued": len(self.queued.get(name, ()))})
+                               "queued": len(self.queued.get(name, ())),
+                               "max_queued": entry.max_queued})
         await self._queued(name, spec, cause, first)
 
     def _entry(self, name: str, spec: ServeConfig) -> Arrival | QueueRefusal | None:
@@ -354,7 +378,7 @@ class OnDemand:
         router = self.svc.config.router
         if router is None or not self._queues():
             return None  # (the queue's own answer without a queue; the fit is not looked at)
-        need = self._need.get(name)
+        need = self.demand(name).need_mib
         return after_refusal(queue_on=True, no_memory=True,
                              could_fit=need is None or self._could_fit(name, spec, need),
                              queued=len(self.queued.get(name, ())),
@@ -419,18 +443,14 @@ class OnDemand:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
-        self._failure_counted.discard(name)
+        self.note(name, lambda d: replace(d, failure_counted=False))
         try:
             await self._bring_up_once(name, spec, cause)
         except GpudError as exc:
             self._tried(name, exc)
             raise
-        self.up_at[name] = self.clock()
-        up = bringup.came_up(self.tries.get(name), self.clock())
-        if up is None:
-            self.tries.pop(name, None)
-        else:
-            self.tries[name] = up
+        now = self.clock()
+        self.note(name, lambda d: replace(d, up_at=now, tries=bringup.came_up(d.tries, now)))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
                              cause: RouterRequest | None = None) -> None:
@@ -493,7 +513,8 @@ class OnDemand:
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
                               f"({router.queue_timeout_s} s); {first}",
-                              {"serve": name, "class": Why.QUEUE_TIMEOUT}) from None
+                              {"serve": name, "class": Why.QUEUE_TIMEOUT,
+                               "queue_timeout_s": router.queue_timeout_s}) from None
         finally:
             waiting = self.queued.get(name, [])
             waiting.remove(ticket)
@@ -645,7 +666,7 @@ class OnDemand:
                 continue
             if not may_evict(spec.priority, self._candidate(other, o)):
                 continue
-            up_at = self.up_at.get(other)
+            up_at = self.demand(other).up_at
             out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),
                             None if up_at is None else now - up_at, self.cost_s(other, o)))
         return out
@@ -671,7 +692,7 @@ class OnDemand:
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
                  extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
-        self._idling.add(victim)
+        self.note(victim, lambda d: replace(d, idling=True))
         try:
             if vspec.sleep_level:
                 await self.sup.sleeps.sleep(victim, None, preempted_by=name,
@@ -691,10 +712,10 @@ class OnDemand:
                 return Protected(math.inf, exc.message)
             return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
-            self._idling.discard(victim)
+            self.note(victim, lambda d: replace(d, idling=False))
             self.changed()
         self.evictions[victim] = self.evictions.get(victim, 0) + 1
-        self.up_at.pop(victim, None)
+        self.note(victim, lambda d: replace(d, up_at=None))
         return None
 
     def _flight(self, name: str) -> Flight:
@@ -707,7 +728,7 @@ class OnDemand:
         flight = self._flight(name)
         if flight.in_flight:
             return 0.0
-        last = idle_from(self.last_request.get(name), flight)
+        last = idle_from(self.demand(name).last_request, flight)
         return None if last is None else round(max(0.0, self.clock() - last), 1)
 
     def in_flight(self, name: str) -> int | None:
@@ -733,7 +754,7 @@ class OnDemand:
         """How long until the first on-demand serve reaches an idle threshold (None: none)."""
         now, due = self.clock(), []
         for name, spec in self.svc.config.serves.items():
-            last = idle_from(self.last_activity.get(name), self._flight(name))
+            last = idle_from(self.demand(name).last_activity, self._flight(name))
             if not spec.on_demand or last is None or \
                     self.svc.state_of(name) not in (RUNNING, SLEEPING):
                 continue
@@ -742,7 +763,7 @@ class OnDemand:
             if ahead is not None:
                 due.append(ahead)
         # a serve running without a request seen is idle from when the check first sees it
-        unseen = any(spec.on_demand and name not in self.last_activity
+        unseen = any(spec.on_demand and self.demand(name).last_activity is None
                      and name not in self._pending
                      and self.svc.state_of(name) in (RUNNING, SLEEPING)
                      for name, spec in self.svc.config.serves.items())
@@ -753,11 +774,14 @@ class OnDemand:
         now = self.clock()
         if state not in (RUNNING, SLEEPING):
             if state not in LIVE_STATES:
-                self.last_activity.pop(name, None)
+                self.note(name, lambda d: replace(d, last_activity=None))
             return
         # A serve running without a request seen (started by hand, or before gpud started)
         # is idle from when it is first seen, or from the end of its last request.
-        first = self.last_activity.setdefault(name, now)
+        first = self.demand(name).last_activity
+        if first is None:
+            first = now
+            self.note(name, lambda d: replace(d, last_activity=now))
         flight = self._flight(name)
         if self.traffic is not None and flight.read_at is None and \
                 self.traffic.reachable(spec):
@@ -773,7 +797,7 @@ class OnDemand:
         # idle_s saying why.
         log.info("on-demand %s idle for %.1f s without a request through its front: %s",
                  name, idle, action)
-        self._idling.add(name)
+        self.note(name, lambda d: replace(d, idling=True))
         try:
             if action == SleepAction.SLEEP:
                 await self.sup.sleeps.sleep(name, None, idle_s=idle)
@@ -788,11 +812,11 @@ class OnDemand:
                             name, spec, self.svc.config.daemon.drain_timeout_s)
                         await self.sup.stop(name, None, idle_s=idle, drained=drained)
                 self.idle_stops[name] = self.idle_stops.get(name, 0) + 1
-                self.last_activity.pop(name, None)
+                self.note(name, lambda d: replace(d, last_activity=None))
         except GpudError as exc:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
-            self._idling.discard(name)
+            self.note(name, lambda d: replace(d, idling=False))
             self.changed()
 
 

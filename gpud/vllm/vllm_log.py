@@ -188,3 +188,14 @@ def exit_reason(lines: Iterable[str]) -> str | None:
     if found is None:
         return None
     return found if len(found) <= REASON_CHARS else found[:REASON_CHARS - 3] + "..."
+
+
+def last_words(lines: Iterable[str], count: int = 3) -> str | None:
+    """A serve's last `count` non-blank lines (oldest first), joined by " | " and cut to
+    REASON_CHARS: what it said last, where exit_reason finds neither an exception nor an ERROR
+    line; None when it said nothing."""
+    said = [line.strip() for line in lines if line.strip()][-count:]
+    if not said:
+        return None
+    text = " | ".join(said)
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."

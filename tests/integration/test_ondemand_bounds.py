@@ -201,3 +201,39 @@ def test_a_fronted_serve_that_never_answers_is_not_blamed_on_the_front(
         reason = failed.get("reason") or ""
         assert "unhealthy: no 200" in reason and "held by" not in reason, (reason, failed)
         assert "held by" not in gpud.journal_tail(200), gpud.journal_tail(200)
+
+
+def test_a_serve_crash_looping_under_a_request_fails_it_with_its_exit(gpud: SandboxGpud) -> None:
+    """L5 (issue 41): an on-demand serve whose process dies 3 s into its load (status 3) at
+    every start, systemd restarting it (restart_sec 2), under a waiting request. Its second
+    exit before it ever answered is a crash loop: gpud fails it at once with the exit status
+    and its last words, stops its unit, and the waiting request is refused then. At 310a618
+    it stayed `starting` ("restarting") until gpud's crash-loop count (6 restarts in 60 s,
+    about 33 s here; never, for a load longer than 10 s) and its reason named neither."""
+    dies = (f'[serves.dies]\nrole = "r"\nvram_mib = 2000\nport = {BASE + 7}\nfront = true\n'
+            f"on_demand = true\n"
+            f"command = {standin_uds('--startup-delay', '30', '--crash-after', '3', '--exit-code', '3')}\n")
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    with fronted_gpud(gpud, sim_config(role, dies), [USER]):
+        t0 = time.monotonic()
+        status, _headers, body = get(gpud, BASE + 7)
+        waited = time.monotonic() - t0
+        assert status == 503, (status, body, gpud.journal_tail())
+        assert json.loads(body)["error"]["details"]["class"] == "failed", body
+        # two loads of 3 s and systemd's 2 s between them, not 6 restarts
+        assert waited < 20, (waited, gpud.journal_tail())
+        failed = gpud.serve("dies")
+        assert failed["state"] == "failed", failed
+        reason = failed.get("reason") or ""
+        assert reason.startswith("crash-loop: exited 2 times during its start"), reason
+        assert "last: status 3" in reason, reason
+        assert "its log: " in reason and "simulated crash after 3.0s, exit code 3" in reason, reason
+        (loop,) = gpud.events(kind="crash-loop", serve="dies")
+        assert loop["details"]["exit_status"] == 3 and loop["details"]["n_restarts"] == 1, loop
+        # its unit stopped: systemd does not go on restarting it (2 s apart, 3 s each)
+        heard = len(gpud.events(serve="dies"))
+        time.sleep(7)
+        assert gpud.serve("dies")["state"] == "failed"
+        assert len(gpud.events(serve="dies")) == heard, gpud.events(serve="dies")[heard:]
+        assert gpud.sb.run(["systemctl", "is-active", "gpud-serve-dies.service"],
+                           check=False).stdout.strip() in ("inactive", "failed")

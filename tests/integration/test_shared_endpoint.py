@@ -113,8 +113,12 @@ def test_one_users_waiting_requests_leave_anothers_bring_up_and_the_states(
         status, headers, text = complete(gpud, GREEDY, "b")
         error = json.loads(text)["error"]
         assert status == 429 and headers.get("Retry-After") == "5", (status, headers, text)
-        assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+        # the router's one 429 (a key's limits answer the same): OpenAI's, the bound named
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests", error
         assert "ensure_waiting_per_requester" in error["message"], error
+        assert {k: error["gpud"][k] for k in ("limit", "value", "retry_after_s")} == {
+            "limit": "daemon.ensure_waiting_per_requester", "value": PER_REQUESTER,
+            "retry_after_s": 5}, error
 
         # the polite user: gpud's states, and their serve woken within bounds
         assert models(gpud, POLITE) == {"chat": "sleeping"}

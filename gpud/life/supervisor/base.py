@@ -272,7 +272,7 @@ class Runtime:
         await self.units.reset_failed(serve)
 
     async def say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
-        await self.svc.record(self.svc.event(kind, message, serve=serve, role=role))
+        await self.svc.store_event(self.svc.event(kind, message, serve=serve, role=role))
 
     @property
     def http(self) -> aiohttp.ClientSession:

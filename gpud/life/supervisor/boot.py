@@ -74,7 +74,7 @@ class BootJob:
                 # Not gpud's to run any more, still gpud's to stop: an orphan, said loudly.
                 reason = f"its unit {st.unit} runs but the config does not name the serve"
                 log.warning("%s: %s; gpuctl stop %s stops it", serve, reason, serve)
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.ADOPT, f"{serve}: {reason}: adopted as an orphan ({pid_text(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
                     orphan=True), report=self.svc.report(serve, Happened.FOUND_ORPHAN, reason))
@@ -89,7 +89,7 @@ class BootJob:
                                                 overdrawn=self.reconciler.overdrawn(serve))
             self.svc.set_main_pid(serve, st.main_pid or None)
             self.svc.set_restart_count(serve, st.n_restarts)
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.ADOPT, f"{serve}: adopted running unit {st.unit} ({pid_text(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,
                 mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),

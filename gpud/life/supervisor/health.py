@@ -162,7 +162,7 @@ class HealthJob:
         res = self.svc.ledger.reservations.get(serve)
         message = (f"{serve}: healthy again (was failed: {was_failed})" if was_failed
                    else f"{serve}: healthy")
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.HEALTHY, message, serve=serve, role=res.role if res else None,
             mib=res.mib if res else None, recovered=was_failed is not None),
             report=self.svc.report(serve, Happened.HEALTHY))
@@ -181,7 +181,7 @@ class HealthJob:
                 await self.stops.failed(serve, f"{loop.reason}; last: {reason}", kind=EventKind.CRASH_LOOP,
                                    stop=True)
                 return
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.UNHEALTHY, f"{serve}: {reason}; restarting it through its unit (reservation kept)",
             serve=serve, role=spec.role, mib=res.mib if res else None,
             reservation="kept (restarting)" if res else "none held"),
@@ -205,7 +205,7 @@ class HealthJob:
                 return
             self.rt.step(serve, UnitSeen(fresh))
             self.svc.set_main_pid(serve, fresh.main_pid or None)
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
             await self.watch_restart(serve)
@@ -229,7 +229,7 @@ class HealthJob:
         res = self.svc.ledger.reservations.get(serve)
         restart = spec.restart != "no" and self.rt.units.available
         what = "restarted through its unit" if restart else "stopped"
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.UNHEALTHY, f"{serve}: {reason}; it keeps its full reservation "
             f"({res.mib if res else 0} MiB) and is {what}", serve=serve, role=spec.role,
             mib=res.mib if res else None, wake_failed=True),

@@ -157,7 +157,7 @@ class LaunchJob:
                 self.rt.step(serve, UnitStarted(state))
                 self.svc.set_main_pid(serve, state.main_pid or None)
                 self.svc.set_restart_count(serve, 0)
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.START, f"{serve}: started {state.unit} ({pid_text(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,
                     mib=self.svc.ledger.reservations[serve].mib if serve in
@@ -278,7 +278,7 @@ class LaunchJob:
         if held is None:
             return
         who = ", ".join(h.describe() for h in held) or "a process gpud cannot see"
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.START, f"{serve}: not started: port {spec.port} is already held by {who}",
             serve=serve, role=spec.role, ok=False, port=spec.port,
             holders=[h.describe() for h in held]))

@@ -41,7 +41,7 @@ from gpud.life.supervisor.base import (
     Runtime,
     log,
 )
-from gpud.vllm.vllm_log import exit_reason
+from gpud.vllm.vllm_log import exit_reason, last_words
 
 
 class MemoryReturn:
@@ -134,7 +134,7 @@ class StopJob:
                     await self._cancel_launch(serve)
                 res = self.svc.ledger.reservations.get(serve)
                 asleep = self.svc.state_of(serve) == SLEEPING
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.STOP, f"{serve}: stopping (was {state}{_why(idle_s, drained)})",
                     serve=serve, role=spec.role, mib=res.mib if res else None, uid=uid,
                     **_stop_details(idle_s, drained)),
@@ -143,7 +143,7 @@ class StopJob:
                 if failed is None:
                     await self.stopped(serve, uid, keep=keep_reservation and not asleep)
                 else:
-                    await self.svc.record(self.svc.event(
+                    await self.svc.store_event(self.svc.event(
                         EventKind.STOP, f"{serve}: the stop failed ({failed.message}) and its unit "
                         "has not ended: it stays stopping, its reservation held, until the unit "
                         "ends (gpuctl stop tries again)", serve=serve, role=spec.role,
@@ -235,7 +235,7 @@ class StopJob:
             await self.svc.release(serve, uid=uid, reason="stopped", allow_live=True,
                                    happened=Happened.STOPPED)
         else:
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.EXIT, f"{serve}: stopped", serve=serve, role=role),
                 report=self.svc.report(serve, Happened.STOPPED))
         if self.svc.store.meta(meta_key(serve)) is not None:
@@ -247,7 +247,7 @@ class StopJob:
             self.rt.step(serve, JobBegan(Job.STOP))
             try:
                 await self.rt.stop_unit(serve, UNIT_JOB_TIMEOUT_S)
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.STOP, f"{serve}: orphan unit stopped", serve=serve, uid=uid),
                     report=self.svc.report(serve, Happened.ORPHAN_ENDED))
             finally:
@@ -279,8 +279,8 @@ class StopJob:
                 reason += f"; not stopped: system bus unavailable ({self.rt.units.reason})"
         if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
             last = self.rt.life(serve).unit
-            said = exit_reason(await self.journal(serve_unit(serve),
-                                                  last.invocation_id if last else None))
+            lines = await self.journal(serve_unit(serve), last.invocation_id if last else None)
+            said = exit_reason(lines) or last_words(lines)
             if said is not None:
                 reason += f"; its log: {said}"
         res = self.svc.ledger.reservations.get(serve)
@@ -294,7 +294,7 @@ class StopJob:
             # serve failed, so nobody reads it failed while it still holds what it released.
             await self.svc.release(serve, reason=f"failed: {reason}", allow_live=True,
                                    happened=Happened.FAILED, state_reason=reason)
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             kind, f"{serve} failed: {reason}; reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None,
             reservation=policy, **details), report=self.svc.report(serve, Happened.FAILED, reason))
@@ -312,7 +312,7 @@ class StopJob:
                     and self.svc.config.daemon.keep_resident_on_outside_stop)
         res = self.svc.ledger.reservations.get(serve)
         policy = "none held" if res is None else "kept (resident)" if keep else "released"
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.EXIT, f"{serve}: {OUTSIDE_STOP}: its unit {st.unit} was stopped by a job gpud did "
             f"not start ({st.how}, result {st.result}); reservation {policy}", serve=serve,
             role=spec.role if spec else None, mib=res.mib if res else None, reservation=policy,

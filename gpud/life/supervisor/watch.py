@@ -81,7 +81,7 @@ class UnitWatch:
                     and not self.rt.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
-                await self.svc.record(self.svc.event(
+                await self.svc.store_event(self.svc.event(
                     EventKind.RESTART, f"{st.serve}: its unit {st.unit} is active (re-read from systemd "
                     f"after the bus came back; was failed: {rec.reason})", serve=st.serve,
                     main_pid=st.main_pid, n_restarts=st.n_restarts),
@@ -124,7 +124,7 @@ class UnitWatch:
             self.svc.set_restart_count(serve, st.n_restarts)
             await self._restarted(serve, st, action.crash_loop)
         elif isinstance(action, OrphanEnded):
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.EXIT, f"{serve}: orphan unit ended ({action.how})", serve=serve),
                 report=self.svc.report(serve, Happened.ORPHAN_ENDED))
         elif isinstance(action, ReleaseEnded):
@@ -132,21 +132,25 @@ class UnitWatch:
                                    allow_live=True, happened=Happened.FAILED,
                                    state_reason=rec.reason if rec else None)
         elif isinstance(action, StopEnded):
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.EXIT, f"{serve}: its unit {st.unit} has ended ({action.how}) since its stop "
                 "gave up waiting: the stop is complete", serve=serve, exit_status=st.exec_main_status))
             await self.stops.stopped(serve, None, keep=False)
         elif isinstance(action, OutsideStop):
             await self.stops.outside_stop(serve, st)
         elif isinstance(action, Restarting):
-            await self.svc.record(self.svc.event(
+            await self.svc.store_event(self.svc.event(
                 EventKind.EXIT, f"{serve}: process exited ({action.how}); systemd restarts it",
                 serve=serve, exit_status=st.exec_main_status, result=st.result),
-                report=self.svc.report(serve, Happened.RESTARTING, "restarting"))
+                report=self.svc.report(serve, Happened.RESTARTING,
+                                       f"restarting: its process exited ({action.how})"))
             self.rt.spawn(self._confirm_restart(serve, action.invocation))
         elif isinstance(action, Fail):
-            await self.stops.failed(serve, action.reason, kind=EventKind.EXIT, stop=action.stop,
-                               exit_status=st.exec_main_status)
+            await self.stops.failed(serve, action.reason, stop=action.stop,
+                                    kind=EventKind.CRASH_LOOP if action.crash_loop
+                                    else EventKind.EXIT, exit_status=st.exec_main_status,
+                                    **({"n_restarts": st.n_restarts} if action.crash_loop
+                                       else {}))
         elif isinstance(action, WatchRestart):
             self.rt.spawn(self.health.watch_restart(serve))
         elif isinstance(action, AdoptOutsideStart):
@@ -168,7 +172,7 @@ class UnitWatch:
     async def _restarted(self, serve: str, st: UnitState, loop: str | None) -> None:
         """Record a restart systemd made; with a crash loop it made, the serve fails (its unit
         stopped)."""
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.RESTART, f"{serve}: restarted by systemd (restart #{st.n_restarts}, "
             f"{pid_text(st.main_pid)})", serve=serve, n_restarts=st.n_restarts,
             main_pid=st.main_pid or None))
@@ -184,7 +188,7 @@ class UnitWatch:
             return
         if serve not in self.svc.ledger.reservations:
             await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
-        await self.svc.record(self.svc.event(
+        await self.svc.store_event(self.svc.event(
             EventKind.ADOPT, f"{serve}: its unit {st.unit} was started outside gpud (MainPID "
             f"{st.main_pid}): adopted", serve=serve, role=spec.role,
             mib=self.svc.ledger.reservations[serve].mib, main_pid=st.main_pid),
