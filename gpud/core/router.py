@@ -62,12 +62,6 @@ DEFAULT_LARGE_BODIES_PER_REQUESTER: Final = 16
 ENSURE_PREFIX: Final = "/.gpud-router-ensure/"
 # ENSURE_PREFIX + serve + this: the ensure of a stream's loading feedback (router.loading).
 LOADING_SUFFIX: Final = "/loading"
-# The loading feedback's ensure is said to the script only once its detached subrequest has
-# ended (its log line, which nginx writes as it finalizes a background subrequest, reads
-# $router_ensure_done): a script that went on to the serve while the subrequest was still
-# finishing lost the serve's answer now and then (the client got nothing at all).
-ENSURE_DONE: Final = ("            log_subrequest on;",
-                      "            access_log /dev/null gpud_router_ensure;")
 SERVES_LOCATION: Final = "/.gpud-router-serves"
 ERROR_PREFIX: Final = "/.gpud-router-error/"
 # nginx's own error answers the router gives in OpenAI's shape (router.js ERRORS): a malformed
@@ -590,7 +584,6 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   f"        location = {ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX} {{",
                   *ensure,
                   "            js_header_filter router.ensured;",
-                  *ENSURE_DONE,
                   "            error_page 500 502 504 = @router_ensure_failed;",
                   "        }",
                   f"        location {serve.location}_direct {{",
@@ -635,13 +628,8 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_requester;",
            "    js_var $router_ensure_s;",
            "    js_var $router_sse;",
-           # gpud's answer to a loading feedback's ensure: its headers (router.ensured), then
-           # the same once the detached subrequest has ended (router.ensureDone, read by the
-           # subrequest's log: a background subrequest is logged as it is finalized)
-           "    js_var $router_ensure_head;",
+           # gpud's answer to a loading feedback's ensure (router.ensured)
            "    js_var $router_ensured;",
-           "    js_set $router_ensure_done router.ensureDone;",
-           "    log_format gpud_router_ensure '$router_ensure_done';",
            "    js_var $router_prompt_tokens;",
            "    js_var $router_body;",
            "    js_var $router_completion_tokens;",
@@ -780,7 +768,6 @@ def http_lines(router: RouterFront) -> list[str]:
         # gpud did not answer a loading feedback's ensure: said to the script as a 502
         "        location @router_ensure_failed {",
         "            js_header_filter router.ensured;",
-        *ENSURE_DONE,
         '            return 502 "gpud unreachable";',
         "        }",
         *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"

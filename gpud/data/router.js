@@ -583,18 +583,9 @@ var POLL_FAST_MS = 20, POLL_MS = 100;
 // gpud's answer to a loading feedback's ensure (the header filter of its location, in the
 // subrequest: its variables are its parent's): {status, reason, retry}.
 function ensured(r) {
-    r.variables.router_ensure_head = JSON.stringify({
+    r.variables.router_ensured = JSON.stringify({
         status: r.status, reason: r.headersOut['X-Gpud-Reason'] || '',
         retry: r.headersOut['Retry-After'] || ''});
-}
-
-// The same, once the ensure's subrequest has ended (js_set $router_ensure_done, read by its
-// log line: nginx logs a background subrequest as it finalizes it); only then does the
-// script look at it ($router_ensured) and go on.
-function ensureDone(r) {
-    r.variables.router_ensured = r.variables.router_ensure_head ||
-        JSON.stringify({status: r.status, reason: '', retry: ''});
-    return '';
 }
 
 // Loading feedback (docs/router.md): a stream for a serve gpud may have to bring up. The
@@ -938,4 +929,4 @@ export default {route, keyName, countedText, unauthorizedText, keyOk, requesterO
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
                 error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),
                 error505: nginxError(505),
-                loadingStream, limited, meter, ensured, ensureDone};
+                loadingStream, limited, meter, ensured};
