@@ -72,6 +72,14 @@ def sim_config(roles: str, serves: str, *, devices: int = 1, daemon: str = "",
             f'[simulation]\nstate_file = "/run/gpud/sim.json"\n{devs}')
 
 
+# Waits (10 s at most) until every address the front's nginx.conf listens on accepts a
+# connection.
+LISTENING = ("for listen in $(sed -n 's/^ *listen \\([^;]*\\);.*/\\1/p' /run/gpud/front/nginx.conf); do "
+             "for i in $(seq 500); do (exec 3<>/dev/tcp/${listen%:*}/${listen##*:}) 2>/dev/null "
+             "&& break; sleep 0.02; done; "
+             "(exec 3<>/dev/tcp/${listen%:*}/${listen##*:}) || exit 1; done")
+
+
 class SandboxGpud:
     def __init__(self, sandbox: Sandbox) -> None:
         self.sb = sandbox
@@ -190,6 +198,20 @@ class SandboxGpud:
     def unit_prop(self, unit: str, prop: str) -> str:
         return self.sb.run(["systemctl", "show", "-p", prop, "--value", unit]).stdout.strip()
 
+    def wait_front(self) -> None:
+        """Until gpud-front.service is active (its journal in the error when it is not) and
+        listening on every address of its nginx.conf: the unit is Type=exec, active once
+        nginx is executed, before it has bound its listeners (a test's first request was
+        refused). Each is tried by a connection with no request: no access-log line."""
+        try:
+            wait_until(lambda: self.unit_prop("gpud-front.service", "ActiveState") == "active",
+                       timeout=30, what="gpud-front.service active")
+        except AssertionError:
+            raise AssertionError(self.journal_tail() + self.sb.run(
+                "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout
+            ) from None
+        self.sb.run(["bash", "-c", LISTENING], timeout=30)
+
     def serve_units(self) -> list[str]:
         out = self.sb.run(["systemctl", "list-units", "gpud-serve-*", "--no-legend", "--plain",
                            "--state=active"]).stdout
@@ -209,13 +231,7 @@ def fronted_gpud(gpud: SandboxGpud, config: str, users: Sequence[str] = (), *,
             sb.run(["useradd", "--no-create-home", user], check=False)
         gpud.start()
         if wait_front:
-            try:
-                wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState")
-                           == "active", timeout=30, what="gpud-front.service active")
-            except AssertionError:
-                raise AssertionError(gpud.journal_tail() + sb.run(
-                    "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout
-                ) from None
+            gpud.wait_front()
         yield gpud
     finally:
         gpud.reset()

@@ -57,8 +57,7 @@ def flight(gpud: SandboxGpud, request: pytest.FixtureRequest) -> Iterator[Sandbo
     daemon = getattr(request, "param", "")
     try:
         gpud.configure(flight_config(daemon))
-        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                   timeout=30, what="gpud-front.service active")
+        gpud.wait_front()
         yield gpud
     finally:
         gpud.reset()

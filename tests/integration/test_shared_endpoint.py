@@ -243,8 +243,7 @@ def test_a_world_changed_under_a_running_config_keeps_the_last_good_and_says_deg
     try:
         wait_until(lambda: listening(gpud, LIT + 2), what="the other user's listener")
         gpud.start()
-        wait_until(lambda: gpud.unit_prop("gpud-front.service", "ActiveState") == "active",
-                   timeout=30, what="the front active")
+        gpud.wait_front()
         gpud.wait_state("chat", "running")
         # the router, with the key it had; chat's own port
         wait_until(lambda: routed_ok(gpud), timeout=30, what="the router serving")
