@@ -338,7 +338,12 @@ class DeviceDraw:
 
     @property
     def reserve_excess_mib(self) -> int:
-        return self.non_ledger_draw_mib - self.reserve_mib
+        """Non-ledger draw beyond the reserve: what ledger free overstates. Estimated, a serve
+        still starting draws unseen anything up to its reservation (pending_mib), which the
+        estimate counts as non-ledger: only what is surely non-ledger is an excess, so that a
+        start is never called one."""
+        unseen = self.pending_mib if self.estimated else 0
+        return self.non_ledger_draw_mib - unseen - self.reserve_mib
 
     def effective_free(self, ledger_free_mib: int) -> int:
         return min(ledger_free_mib, self.physical_free_mib - self.pending_mib)

@@ -93,7 +93,9 @@ class Alerts:
         tag = " (simulated)" if self.observer.simulated else ""
         for uuid in rose:
             names, draw = figures[uuid]
-            est = " (estimated: no per-process memory)" if draw.estimated else ""
+            unseen = (f"; {draw.pending_mib} MiB of serves still starting left out"
+                      if draw.pending_mib else "")
+            est = f" (estimated: no per-process memory{unseen})" if draw.estimated else ""
             await self.svc.store_event(self.svc.event(
                 EventKind.RESERVE_EXCEEDED,
                 f"non-ledger draw on {names}{tag}{est} is {draw.non_ledger_draw_mib} MiB, above the "
