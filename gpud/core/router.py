@@ -325,7 +325,7 @@ def conn_lines(keys: Sequence[ApiKey], large_bodies: int = 0,
                indent: str = "            ") -> list[str]:
     """The routed locations' lines of the counts of requests open at once: a key's
     max_concurrent, and a requester's requests with a large body (LARGE_BODIES, 0: none),
-    past either 429 in OpenAI's shape (@router_limited). Here, in the preaccess phase, before
+    past either 429 in OpenAI's shape (@router_counted). Here, in the preaccess phase, before
     the body is read, and nowhere else: nginx counts a request once, in the first location
     whose limit_conn has a non-empty key (ngx_http_limit_conn_handler returns at once when
     r->main->limit_conn_status is set, src/http/modules/ngx_http_limit_conn_module.c), and

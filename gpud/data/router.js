@@ -897,27 +897,17 @@ function loadingStream(r) {
     loading(r, model, CONFIG.models[model]);
 }
 
-// Past a key's limits (nginx's limit_conn / limit_req where the router sent the request: the
+// Past a key's requests_per_minute (nginx's limit_req where the router sent the request: the
 // serve's location, or @router_loading): 429 in OpenAI's shape (code rate_limit_exceeded),
-// which limit and its figure, and Retry-After: a minute's share of requests_per_minute, or a
-// second for max_concurrent (one of the key's requests in flight ends by then, or it is asked
-// again).
+// the limit and its figure, and Retry-After: a minute's share of it. (Past a count of requests
+// open at once, max_concurrent or large bodies, the 429 is countedText's.)
 function limited(r) {
     var name = r.variables.router_key || '';
     var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
-    var which, value, retry, message;
-    if (r.variables.limit_req_status === 'REJECTED') {
-        which = 'requests_per_minute';
-        value = lim.requests_per_minute;
-        retry = Math.max(1, Math.ceil(60 / (value || 60)));
-        message = 'key ' + name + ' is past its limit of ' + value + ' requests per minute';
-    } else {
-        which = 'max_concurrent';
-        value = lim.max_concurrent;
-        retry = 1;
-        message = 'key ' + name + ' has ' + value + ' requests in flight, its max_concurrent';
-    }
-    var answer = rateLimited(message, retry, {key: name, limit: which, value: value});
+    var value = lim.requests_per_minute;
+    var answer = rateLimited('key ' + name + ' is past its limit of ' + value +
+                             ' requests per minute', Math.max(1, Math.ceil(60 / (value || 60))),
+                             {key: name, limit: 'requests_per_minute', value: value});
     r.headersOut['Retry-After'] = answer.retry;
     r.headersOut['Content-Type'] = 'application/json';
     r.return(answer.status, JSON.stringify(answer.doc));
