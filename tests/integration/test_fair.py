@@ -27,10 +27,13 @@ GREEDY, POLITE = "gpud-fair-greedy", "gpud-fair-polite"
 KEYS = "/etc/gpud-router-keys.toml"
 TOKENS = {GREEDY: "sk-greedy-0123456789abcdef", POLITE: "sk-polite-0123456789abcdef"}
 MIN_AWAKE_S = 5
+# The hang-up test's: b must not be able to evict a while its client waits, however slow the
+# machine is between a's start and b's request (with 5 s, a loaded CI machine once served b)
+PATIENT_MIN_AWAKE_S = 60
 STORM_S = 45
 
 
-def config() -> str:
+def config(min_awake_s: int = MIN_AWAKE_S) -> str:
     serves = "".join(
         # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
         f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
@@ -39,17 +42,20 @@ def config() -> str:
         for i, name in enumerate(("a", "b", "c")))
     role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
-              f"queue_timeout_s = 30\nmax_queued = 64\nmin_awake_s = {MIN_AWAKE_S}\n")
+              f"queue_timeout_s = 30\nmax_queued = 64\nmin_awake_s = {min_awake_s}\n")
     return sim_config(role, serves) + router
 
 
 @pytest.fixture
-def shared(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
+def shared(gpud: SandboxGpud, request: pytest.FixtureRequest) -> Iterator[SandboxGpud]:
+    """gpud with config() (its min_awake_s the test's indirect parameter, if it gives one), the
+    two users' keys, and the router answering."""
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["a", "c"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["b"]\n')
     gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
     try:
-        with fronted_gpud(gpud, config(), [GREEDY, POLITE]):
+        with fronted_gpud(gpud, config(getattr(request, "param", MIN_AWAKE_S)),
+                          [GREEDY, POLITE]):
             wait_until(lambda: gpud.sb.run(
                 ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                  f"http://127.0.0.1:{ROUTER}/v1/models"], check=False).stdout == "401",
@@ -105,6 +111,7 @@ def _bring_up_a(gpud: SandboxGpud) -> None:
     assert out == "200", out
 
 
+@pytest.mark.parametrize("shared", [PATIENT_MIN_AWAKE_S], indirect=True)
 def test_a_queued_request_whose_client_hung_up_leaves_the_queue_at_once(
         shared: SandboxGpud) -> None:
     """Issue 41 M2: a is up (for min_awake_s: b cannot evict it yet); a request for b waits in
@@ -121,7 +128,7 @@ def test_a_queued_request_whose_client_hung_up_leaves_the_queue_at_once(
     assert gone == "000"  # curl gave up: no answer
     wait_until(lambda: gpud.serve("b")["queued"] == 0, timeout=2,
                what="the hung-up request gone from b's queue")
-    assert time.monotonic() - began < MIN_AWAKE_S, "left only when a could be evicted"
+    assert time.monotonic() - began < 10, "left at queue_timeout_s (30 s), not at the hang-up"
     assert gpud.serve("b")["state"] != "running"
     assert gpud.wait_journal("MESSAGE=on-demand b: the request waiting for it went away "
                              "(request for model 'b' with key 'polite' through the router)"
