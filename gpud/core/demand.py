@@ -10,9 +10,10 @@ Pure: no I/O, no clock (the times are the adapter's clock's, given in).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from gpud.core.bringup import Tries
+from gpud.core import bringup
+from gpud.core.bringup import Policy, Tries, Why
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,39 @@ class Demand:
 
 
 NO_DEMAND = Demand()
+
+
+# --- the bring-up rules: how each thing that happens to a serve changes its Demand ----------
+
+def began(d: Demand) -> Demand:
+    """A bring-up of the serve began: a failure from now on is this bring-up's, not counted."""
+    return replace(d, failure_counted=False)
+
+
+def came_up(d: Demand, now: float) -> Demand:
+    """The bring-up ended with the serve running at NOW: no hold (its failures in a row kept
+    until it has stayed up, gpud.core.bringup.came_up), and up from NOW (router.min_awake_s)."""
+    return replace(d, up_at=now, tries=bringup.came_up(d.tries, now))
+
+
+def tried(d: Demand, now: float, why: Why, reason: str, policy: Policy) -> Demand:
+    """The bring-up ended at NOW without the serve running, for WHY: a failure counts one more
+    in a row (once: see `failed_since`); a refusal holds the next try off without one."""
+    if why == Why.FAILED:
+        return replace(d, failure_counted=True,
+                       tries=bringup.failed(d.tries, now, reason, policy))
+    return replace(d, tries=bringup.refused(d.tries, now, why, reason, policy))
+
+
+def failed_since(d: Demand, at: float, reason: str, policy: Policy) -> Demand:
+    """The serve is seen failed (since AT) when a request comes: a failure since its last
+    bring-up began (a crash loop once up, an operator's start that failed) counts one in a row,
+    once however often it is seen."""
+    if d.failure_counted:
+        return d
+    return tried(d, at, Why.FAILED, reason, policy)
+
+
+def operator_started(d: Demand) -> Demand:
+    """An operator started the serve (gpuctl start): its backoff is over and starts over."""
+    return replace(d, tries=None, failure_counted=False)

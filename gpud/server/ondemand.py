@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpud.core import answers, bringup
+from gpud.core import answers, bringup, demand
 from gpud.core.bringup import Hold, Policy, Tries, Why
 from gpud.core.coalesce import Coalescer, Verdict
 from gpud.core.demand import NO_DEMAND, Demand
@@ -263,7 +263,7 @@ class OnDemand:
 
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
-        self.note(name, lambda d: replace(d, tries=None, failure_counted=False))
+        self.note(name, demand.operator_started)
 
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
@@ -273,27 +273,18 @@ class OnDemand:
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
         rec = self.svc.records.get(name)
-        if state == FAILED and rec is not None and not self.demand(name).failure_counted:
-            # Failed since its last bring-up began (a crash-loop after it was up, an operator's
-            # start that failed): a failure in a row, its backoff counted from when it failed.
+        if state == FAILED and rec is not None:
+            # its backoff counted from when it failed
             at = now - max(0.0, self.svc.clock() - rec.updated)
             reason = f"{state}: {rec.reason or ''}"
-            self.note(name, lambda d: replace(
-                d, failure_counted=True,
-                tries=bringup.failed(d.tries, at, reason, self.policy)))
+            self.note(name, lambda d: demand.failed_since(d, at, reason, self.policy))
         return bringup.held(self.demand(name).tries, now)
 
     def _tried(self, name: str, exc: GpudError) -> None:
         """A bring-up of `name` ended without the serve running: when it may be tried next."""
         now = self.clock()
         why = bringup.classify(exc.code, exc.details)
-        if why == Why.FAILED:
-            self.note(name, lambda d: replace(
-                d, failure_counted=True,
-                tries=bringup.failed(d.tries, now, exc.message, self.policy)))
-        else:
-            self.note(name, lambda d: replace(
-                d, tries=bringup.refused(d.tries, now, why, exc.message, self.policy)))
+        self.note(name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
 
     def _refusal(self, name: str, exc: GpudError) -> web.Response:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
@@ -443,14 +434,14 @@ class OnDemand:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
-        self.note(name, lambda d: replace(d, failure_counted=False))
+        self.note(name, demand.began)
         try:
             await self._bring_up_once(name, spec, cause)
         except GpudError as exc:
             self._tried(name, exc)
             raise
         now = self.clock()
-        self.note(name, lambda d: replace(d, up_at=now, tries=bringup.came_up(d.tries, now)))
+        self.note(name, lambda d: demand.came_up(d, now))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
                              cause: RouterRequest | None = None) -> None:
