@@ -3,6 +3,7 @@ argv of a fronted serve, and the real nginx in front of a real stand-in on a Uni
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -35,7 +36,14 @@ from gpud.core.observation import DeviceSample
 from gpud.core.vocab import ServeState
 from gpud.daemon import _warnings
 from gpud.errors import ConfigError
-from gpud.nginx.front import Front, description, front_config, nginx_argv, unit_properties
+from gpud.nginx.front import (
+    Front,
+    description,
+    front_config,
+    nginx_argv,
+    not_listening,
+    unit_properties,
+)
 from tests.ports import connects, free_port
 from tests.waiting import wait_until
 
@@ -571,3 +579,43 @@ def test_the_front_units_description_names_its_properties() -> None:
     other = d.model_copy(update={"front_dir": "/run/gpud/elsewhere"})
     assert description(other) != description(d)
     assert description(d.model_copy(update={"front_user": "someone-else"})) != description(d)
+
+
+# --- a started or reloaded front is said to be so once it listens ---------------------------
+
+async def test_a_front_listens_once_every_address_accepts_a_connection() -> None:
+    """not_listening: an address that accepts a connection is listening, one nobody binds is
+    not (within the wait), and one bound a moment after the start is waited for; the try
+    sends nothing, so a listener sees a connection and no request."""
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    bound.listen()
+    later, nobody = free_port(), free_port()
+    up = f"127.0.0.1:{bound.getsockname()[1]}"
+    late = socket.socket()
+
+    async def bind_late() -> None:
+        await asyncio.sleep(0.3)
+        late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        late.bind(("127.0.0.1", later))
+        late.listen()
+
+    try:
+        binding = asyncio.create_task(bind_late())
+        began = time.monotonic()
+        dark = await not_listening(frozenset({up, f"127.0.0.1:{later}",
+                                              f"localhost:{nobody}"}), wait_s=1.5)
+        await binding
+        assert dark == [f"localhost:{nobody}"]
+        assert 1.5 <= time.monotonic() - began < 4  # the dark one was waited for, no longer
+        # the listener got a connection that sent nothing
+        bound.settimeout(2)
+        conn, _ = bound.accept()
+        conn.settimeout(2)
+        assert conn.recv(1) == b""
+        conn.close()
+        assert await not_listening(frozenset({up}), wait_s=0) == []
+        assert await not_listening(frozenset(), wait_s=5) == []
+    finally:
+        bound.close()
+        late.close()

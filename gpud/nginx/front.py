@@ -21,6 +21,7 @@ checks and sleep calls) and the front's workers connect.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import grp
@@ -283,19 +284,51 @@ def running_listens(d: DaemonConfig) -> frozenset[str]:
         return frozenset()
 
 
+def _host_port(listen: str) -> tuple[str, int]:
+    """HOST:PORT of a `listen` line as an address to bind or connect to."""
+    host, _, port = listen.rpartition(":")
+    return ("127.0.0.1" if host == "localhost" else host.strip("[]")), int(port)
+
+
 def in_use(listen: str) -> bool:
     """Whether HOST:PORT is bound by some process (the bind gpud would have nginx make fails
     with EADDRINUSE; SO_REUSEADDR, as nginx's, so that a socket in TIME_WAIT is not one)."""
-    host, _, port = listen.rpartition(":")
-    host = "127.0.0.1" if host == "localhost" else host.strip("[]")
+    host, port = _host_port(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, int(port)))
+            sock.bind((host, port))
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE
     return False
+
+
+# How long a started or reloaded front has to listen on every address of its config before
+# gpud says it does not (nginx binds in a few milliseconds; a front that exits at once, or keeps
+# its old config on a reload, never does).
+LISTEN_WAIT_S: Final = 5.0
+
+
+async def not_listening(addresses: frozenset[str], wait_s: float = LISTEN_WAIT_S,
+                        every_s: float = 0.02) -> list[str]:
+    """Of ADDRESSES (HOST:PORT), those that accept no connection within WAIT_S, sorted. Each is
+    tried by a connection that sends nothing and is closed at once: nginx answers no request
+    and writes no access-log line for it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    left = sorted(addresses)
+    while left:
+        for listen in list(left):
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                _reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(*_host_port(listen)), timeout=max(every_s, 0.2))
+                writer.close()
+                left.remove(listen)
+        if not left or loop.time() >= deadline:
+            break
+        await asyncio.sleep(every_s)
+    return left
 
 
 @dataclass(frozen=True)
@@ -511,7 +544,7 @@ class Front:
             if running == description(cfg.daemon):
                 if changed:
                     await self.units.kill_main(FRONT_UNIT, signal.SIGHUP)
-                    log.info("front reloaded: %d fronted serve(s)", len(fronted(cfg)))
+                    await self._listening("reloaded", cfg, text)
                 return
             log.warning("front: %s runs with other unit properties than this gpud starts it "
                         "with (%r: started by an earlier gpud, or by hand); starting it again, "
@@ -522,7 +555,20 @@ class Front:
             await self.units.reset_failed_unit(FRONT_UNIT)
         await self.units.start_transient(FRONT_UNIT, unit_properties(cfg.daemon),
                                          START_TIMEOUT_S)
-        log.info("front started: %d fronted serve(s)", len(fronted(cfg)))
+        await self._listening("started", cfg, text)
+
+    async def _listening(self, how: str, cfg: Config, text: str) -> None:
+        """Say the front started or reloaded once it listens on every address of TEXT (its
+        unit is Type=exec: active once nginx is executed, before it has bound them); one that
+        does not within LISTEN_WAIT_S is dark there, said as an error and in `degraded`."""
+        dark = await not_listening(listens(text))
+        if not dark:
+            log.info("front %s: %d fronted serve(s)", how, len(fronted(cfg)))
+            return
+        message = (f"{', '.join(dark)}: the front {how} but does not listen there after "
+                   f"{LISTEN_WAIT_S:.0f} s (its log: journalctl -u {FRONT_UNIT})")
+        log.error("front degraded: %s", message)
+        self.degraded = (*self.degraded, message)
 
     async def sync_logged(self, cfg: Config) -> None:
         """sync, with a failure logged: the serves and the ledger go on without the front."""
