@@ -1260,6 +1260,21 @@ def test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue(fed: 
     assert status == 200 and _events(lines)[-1] == "data: [DONE]", lines
 
 
+def _hang_up_after_two_comments(fed: Fed, reset: bool, pause_s: float = 0.0) -> None:
+    """A stream for a through the rig, its client gone PAUSE_S after its second loading
+    comment: closed (a FIN), or with RESET an RST (a zero linger)."""
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
+        body = b'{"model": "a", "prompt": "x", "stream": true}'
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                       b"\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b": loading a") < 2:
+            got += client.recv(65536)
+        time.sleep(pause_s)
+        if reset:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
 def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed,
                                                                    reset: bool) -> None:
@@ -1270,15 +1285,7 @@ def test_a_hang_up_during_loading_comments_ends_the_request_cleanly(fed: Fed,
     comment's failed send)."""
     fed.gpud.delay_s = 30
     fed.log.write_text("")
-    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
-        body = b'{"model": "a", "prompt": "x", "stream": true}'
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                       b"\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while got.count(b": loading a") < 2:
-            got += client.recv(65536)
-        if reset:  # an RST, not a FIN: close with a zero linger
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    _hang_up_after_two_comments(fed, reset)
     began = time.monotonic()
     assert fed.gpud.gone.wait(20), "the ensure was left waiting"
     # the failed comment comes at most two comments (2 s) after the hang-up
@@ -1305,16 +1312,7 @@ def test_a_hang_up_while_the_queue_note_is_asked_ends_the_request_cleanly(
     notices the hang-up at the next comment's send, 0.8-1.8 s later)."""
     fed.gpud.delay_s, fed.gpud.serves_delay_s = 30, 0.6
     fed.log.write_text("")
-    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as client:
-        body = b'{"model": "a", "prompt": "x", "stream": true}'
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                       b"\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while got.count(b": loading a") < 2:
-            got += client.recv(65536)
-        time.sleep(0.2)  # the second comment's note is out for 0.6 s
-        if reset:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    _hang_up_after_two_comments(fed, reset, pause_s=0.2)  # the second note is out for 0.6 s
     assert fed.gpud.gone.wait(5), "the ensure was left waiting"
     wait_until(lambda: len(fed.log.read_text().splitlines()) == 1, what="the request ended")
     time.sleep(1.5)
