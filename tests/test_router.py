@@ -1441,7 +1441,10 @@ async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
     monkeypatch.setattr(gpud.nginx.router, "load_keys", counted)
     units = _Units()
     units.cfg = cfg
-    front = Front(units)  # type: ignore[arg-type]
+
+    async def listening(addresses: frozenset[str]) -> list[str]:
+        return []  # no nginx here: the front is taken to listen once reloaded
+    front = Front(units, listening=listening)  # type: ignore[arg-type]
     await front.sync(cfg)
     assert reads == [str(keys)] and front.degraded == ()
     script = (tmp_path / "front" / "router.js").read_text()
@@ -1456,10 +1459,20 @@ async def test_one_sync_reads_the_keys_once_and_keeps_the_last_good_ones(
         "(keeping the keys last read)"), front.degraded
     assert (tmp_path / "front" / "router.js").read_text() == script
     # and by a gpud that starts anew: from the script the front runs
-    fresh = Front(units)  # type: ignore[arg-type]
+    fresh = Front(units, listening=listening)  # type: ignore[arg-type]
     await fresh.sync(cfg)
     assert (tmp_path / "front" / "router.js").read_text() == script
     assert fresh.degraded == front.degraded
+    # a reload after which the front does not listen is said as such, not taken as done
+    (tmp_path / "front" / "nginx.conf").unlink()
+
+    async def nothing_listens(addresses: frozenset[str]) -> list[str]:
+        return sorted(addresses)
+    dark = Front(units, listening=nothing_listens)  # type: ignore[arg-type]
+    await dark.sync(cfg)
+    assert dark.degraded == (*front.degraded,
+                             "127.0.0.1:30001, 127.0.0.1:8000: the front reloaded but does not "
+                             "listen there after 5 s (its log: journalctl -u gpud-front.service)")
 
 
 def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:

@@ -35,7 +35,7 @@ import re
 import signal
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -419,9 +419,13 @@ class Front:
     """Keeps gpud-front.service serving the fronted serves of the config in force."""
 
     def __init__(self, units: SystemdUnits,
-                 states: Callable[[], Mapping[str, ServeState]] = dict) -> None:
+                 states: Callable[[], Mapping[str, ServeState]] = dict,
+                 listening: Callable[[frozenset[str]], Awaitable[list[str]]] = not_listening
+                 ) -> None:
         self.units = units
         self.states = states
+        # what of the front's addresses does not listen after a start or reload (not_listening)
+        self.not_listening = listening
         self.text: str | None = None
         # The config last synced, and the awake files as last written (None: not yet).
         self._config: Config | None = None
@@ -561,7 +565,7 @@ class Front:
         """Say the front started or reloaded once it listens on every address of TEXT (its
         unit is Type=exec: active once nginx is executed, before it has bound them); one that
         does not within LISTEN_WAIT_S is dark there, said as an error and in `degraded`."""
-        dark = await not_listening(listens(text))
+        dark = await self.not_listening(listens(text))
         if not dark:
             log.info("front %s: %d fronted serve(s)", how, len(fronted(cfg)))
             return
