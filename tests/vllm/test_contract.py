@@ -36,6 +36,7 @@ import json
 import math
 import os
 import signal
+import socket
 import struct
 import threading
 import time
@@ -63,9 +64,12 @@ from tests.vllm.servers import (
 )
 
 # The main server of each pair runs vLLM's scheduler with one place and the priority policy
-# (the tests under load); the stand-in's tokens come 5 ms apart, so that a long generation
+# (the tests under load), and a context long enough that a request can hold the place for as long
+# as a test needs it; the stand-in's tokens come 5 ms apart, so that a long generation
 # lasts long enough to queue others behind it, as the tiny model's on the CPU does.
-SCHEDULER = ("--max-num-seqs", "1", "--scheduling-policy", "priority")
+MAIN_MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
+SCHEDULER = ("--max-num-seqs", "1", "--scheduling-policy", "priority",
+             "--max-model-len", str(MAIN_MAX_MODEL_LEN))
 STANDIN_PACE = ("--token-interval-s", "0.005")
 
 
@@ -114,7 +118,7 @@ def test_models_lists_the_model(pair: Pair) -> None:
     models = json.loads(body)
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [str(MODEL)]
-    assert models["data"][0]["max_model_len"] == 512
+    assert models["data"][0]["max_model_len"] == MAIN_MAX_MODEL_LEN
 
 
 def test_completions_answer(pair: Pair) -> None:
@@ -191,7 +195,7 @@ def test_tokenize_and_detokenize_round_trip(pair: Pair) -> None:
     status, answer = post(port, "/tokenize", {"model": str(MODEL), "prompt": "Hello world",
                                               "add_special_tokens": False})
     assert status == 200, answer
-    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 512
+    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == MAIN_MAX_MODEL_LEN
     status, back = post(port, "/detokenize", {"model": str(MODEL), "tokens": answer["tokens"]})
     assert (status, back) == (200, {"prompt": "Hello world"})
 
@@ -339,34 +343,48 @@ def test_a_generator_has_no_pooling_routes(pair: Pair) -> None:
 # --- under load: vLLM's scheduler (main runs with --max-num-seqs 1 --scheduling-policy
 # priority: vllm/config/scheduler.py max_num_seqs, policy) ------------------------------------
 
-LONG = 400  # tokens of the request that holds the engine's one place (ignore_eos)
+HOLD = 2000  # tokens the holder may run to (MAIN_MAX_MODEL_LEN less the prompt): far longer than
+             # any setup takes, for the test lets it go itself, by hanging up
 SHORT = 40  # tokens of each request that waits for it
 
 
 class Streamed(threading.Thread):
-    """A streamed completion read in the background: when its first token and its end came."""
+    """A streamed completion read in the background: when its first token and its end came.
+    `hang_up()` closes the connection, as a client that leaves does: the engine aborts the request
+    and its place goes to the next in line."""
 
     def __init__(self, port: int, max_tokens: int, priority: int = 0) -> None:
         super().__init__(daemon=True)
-        self.port, self.max_tokens, self.priority = port, max_tokens, priority
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.max_tokens, self.priority = max_tokens, priority
         self.first: float | None = None
         self.done: float | None = None
+        self.left = False
         self.start()
 
     def run(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            conn.request("POST", "/v1/completions", body=json.dumps({
+            self.conn.request("POST", "/v1/completions", body=json.dumps({
                 "model": str(MODEL), "prompt": "Hello", "max_tokens": self.max_tokens,
                 "ignore_eos": True, "stream": True, "priority": self.priority}),
                 headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
+            resp = self.conn.getresponse()
             while line := resp.readline():
                 if line.startswith(b"data: ") and self.first is None:
                     self.first = time.monotonic()
-            self.done = time.monotonic()
+            if not self.left:
+                self.done = time.monotonic()
+        except (OSError, http.client.HTTPException):
+            if not self.left:
+                raise
         finally:
-            conn.close()
+            self.conn.close()
+
+    def hang_up(self) -> None:
+        self.left = True
+        if self.conn.sock is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.join(30)
 
 
 def waiting(port: int) -> int:
@@ -382,30 +400,37 @@ def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def holding(port: int) -> Streamed:
+    """A request that holds the engine's one place until the test hangs it up."""
+    holder = Streamed(port, HOLD)
+    until("the holder's first token", lambda: holder.first is not None)
+    return holder
+
+
 def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
     port = pair.main.port
-    first = Streamed(port, LONG)
-    until("the long request's first token", lambda: first.first is not None)
+    holder = holding(port)
     second = Streamed(port, 2)
-    # the engine has one place: the second waits (counted waiting) while the first runs
+    # the engine has one place: the second waits (counted waiting) while the holder runs
     until("the second request waiting", lambda: waiting(port) == 1)
-    assert first.done is None and second.first is None
-    first.join(120)
+    assert holder.done is None and second.first is None
+    holder.hang_up()  # the place is freed: the second runs
     second.join(120)
-    assert first.done is not None and second.done is not None
+    assert second.done is not None
+    assert holder.done is None, "the holder ran to its end: it did not hold the place"
     assert waiting(port) == 0
 
 
 def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     port = pair.main.port
-    first = Streamed(port, LONG)
-    until("the long request's first token", lambda: first.first is not None)
+    holder = holding(port)
     low = Streamed(port, SHORT, priority=5)
     until("priority 5 waiting", lambda: waiting(port) == 1)
     high = Streamed(port, SHORT, priority=-5)  # came later, lower value
     until("priority -5 waiting too", lambda: waiting(port) == 2)
-    assert first.done is None, "the long request ended before both waited: make LONG longer"
-    for request in (first, low, high):
+    assert holder.done is None, "the holder ended before both waited"
+    holder.hang_up()  # one place, two waiting: the policy picks
+    for request in (low, high):
         request.join(120)
     assert low.done is not None and high.done is not None
     # v1/request.py Request.__lt__: the lower value runs first, whole, and the other after it:
