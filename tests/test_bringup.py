@@ -5,7 +5,8 @@ does the same against real systemd)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -13,6 +14,7 @@ import pytest
 
 from gpud.core import bringup
 from gpud.core.bringup import Policy, Tries, Why
+from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import FAILED, RUNNING, ServeState
 from gpud.errors import Denied, Unavailable
@@ -97,7 +99,17 @@ class FakeService:
 
     def set(self, name: str, state: ServeState, reason: str | None = None) -> None:
         self.states[name] = state
-        self.records[name] = ServeRecord(state, reason, self.clock())
+        rec = self.records.get(name, ServeRecord())
+        self.records[name] = replace(rec, state=state, reason=reason, updated=self.clock())
+
+    def demand(self, name: str) -> Demand:
+        rec = self.records.get(name)
+        return rec.demand if rec is not None else NO_DEMAND
+
+    def note_demand(self, name: str, change: Callable[[Demand], Demand]) -> Demand:
+        now = change(self.demand(name))
+        self.records[name] = replace(self.records.get(name, ServeRecord()), demand=now)
+        return now
 
 
 class CrashLooping:

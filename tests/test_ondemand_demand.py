@@ -1,10 +1,12 @@
-"""A serve's on-demand facts are one record (gpud.core.demand.Demand), changed in one place:
-`OnDemand.note` is the only code in gpud that writes the records (checked on gpud's syntax
-trees; a planted writer proves the check can fail), and a record equal to NO_DEMAND is not kept."""
+"""A serve's on-demand facts (gpud.core.demand.Demand) are part of the serve's one record in
+memory (gpud.life.service.ServeRecord), changed in one place: `LedgerService.note_demand` is the
+only code in gpud that writes them (checked on gpud's syntax trees; a planted writer proves the
+check can fail). A state change keeps them, and a change of them keeps the state."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
@@ -12,45 +14,53 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpud.config import parse_config
 from gpud.core import bringup, demand
 from gpud.core.bringup import Policy, Tries, Why
 from gpud.core.demand import NO_DEMAND, Demand
+from gpud.core.vocab import DECLARED, EXTERNAL
+from gpud.durable.store import Store
+from gpud.life.service import LedgerService
 from tests.test_bringup import on_demand
 
 GPUD = Path(__file__).resolve().parents[1] / "gpud"
-STORE = "_demands"
+FIELD = "demand"
 
 
 def writers(tree: ast.AST) -> list[str]:
-    """The functions (Class.function) that touch the records other than by reading one item."""
+    """The functions (Class.function) that set a record's on-demand facts: a call given
+    `demand=` (a record built or replaced with them) or an assignment to `.demand`."""
     out: list[str] = []
 
     def visit(node: ast.AST, scope: list[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             scope = [*scope, node.name]
-        for child in ast.iter_child_nodes(node):
-            # a read is self._demands.get(...) or iterating .items(); anything else writes
-            if isinstance(child, ast.Attribute) and child.attr == STORE and not (
-                    isinstance(node, ast.Attribute) and node.attr in ("get", "items")):
+        if isinstance(node, ast.Call) and any(k.arg == FIELD for k in node.keywords):
+            out.append(".".join(scope))
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Attribute) and t.attr == FIELD
+                   for target in targets for t in ast.walk(target)):
                 out.append(".".join(scope))
+        for child in ast.iter_child_nodes(node):
             visit(child, scope)
 
     visit(tree, [])
     return out
 
 
-def test_only_note_writes_the_records() -> None:
+def test_only_note_demand_writes_the_facts() -> None:
     found = {f"{p.relative_to(GPUD)}:{w}" for p in sorted(GPUD.rglob("*.py"))
              for w in writers(ast.parse(p.read_text()))}
-    assert found == {"server/ondemand.py:OnDemand.__init__", "server/ondemand.py:OnDemand.note"}
+    assert found == {"life/service.py:LedgerService.note_demand"}
 
 
-def test_a_planted_writer_is_found() -> None:
-    planted = ("class OnDemand:\n"
-               "    def _evict(self, name):\n"
-               "        self._demands[name] = None\n"
-               "    def demand(self, name):\n"
-               "        return self._demands.get(name)\n")
+@pytest.mark.parametrize("planted", [
+    "class OnDemand:\n    def _evict(self, rec):\n        return replace(rec, demand=None)\n",
+    "class OnDemand:\n    def _evict(self, rec):\n        rec.demand = None\n",
+    "class OnDemand:\n    def _evict(self):\n        return ServeRecord(demand=NO_DEMAND)\n",
+])
+def test_a_planted_writer_is_found(planted: str) -> None:
     assert writers(ast.parse(planted)) == ["OnDemand._evict"]
 
 
@@ -59,21 +69,56 @@ def test_a_record_is_frozen() -> None:
         NO_DEMAND.idling = True  # type: ignore[misc]
 
 
-def test_a_record_back_to_nothing_known_is_not_kept() -> None:
-    od, _sup, _svc, _clock = on_demand()
-    od.note("od", lambda d: replace(d, idling=True, up_at=3.0))
-    assert od.demand("od") == Demand(idling=True, up_at=3.0)
-    od.note("od", lambda d: replace(d, idling=False))
-    assert od.demand("od") == Demand(up_at=3.0)
-    od.note("od", lambda d: replace(d, up_at=None))
-    assert od.demand("od") == NO_DEMAND and "od" not in od._demands
+CONFIG = """
+[daemon]
+admission = "ledger"
+[roles.r]
+device = "0"
+capacity_mib = 1000
+"""
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[LedgerService]:
+    store = Store(tmp_path / "gpud.sqlite3")
+    service = LedgerService(parse_config(CONFIG, "test"), store)
+    service.load()
+    yield service
+    service.close()
+    store.close()
+
+
+async def test_the_facts_and_the_state_are_one_record(svc: LedgerService) -> None:
+    svc.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
+    assert svc.records["a"].demand == svc.demand("a") == Demand(idling=True, up_at=3.0)
+    assert svc.state_of("a") == DECLARED
+    # a committed state change keeps the facts...
+    await svc.admit("a", 100, role="r")
+    assert svc.records["a"].state == EXTERNAL  # the config names no serve a
+    assert svc.demand("a") == Demand(idling=True, up_at=3.0)
+    # ...and a change of the facts keeps the state, its reason and when it was stored
+    before = svc.records["a"]
+    svc.note_demand("a", lambda d: replace(d, idling=False))
+    assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0))
+
+
+def test_nothing_known_of_a_serve_without_a_record_makes_none(svc: LedgerService) -> None:
+    assert svc.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
+    assert "b" not in svc.records and svc.demand("b") == NO_DEMAND
+
+
+def test_the_tries_are_read_from_the_records() -> None:
+    od, _sup, svc, _clock = on_demand()
+    tries = Tries(failures=2, not_before=9.0)
+    svc.note_demand("od", lambda d: replace(d, tries=tries))
+    assert od.tries == {"od": tries} and svc.records["od"].demand.tries == tries
 
 
 async def test_a_request_notes_its_time_in_the_one_record() -> None:
     od, _sup, _svc, clock = on_demand()
     clock.t = 7.0
     await od.ensure("od")
-    got = od.demand("od")
+    got = od.svc.demand("od")
     assert got.last_request is not None and got.last_activity is not None
     assert got.last_request == got.last_activity == 7.0 and not got.idling
 

@@ -1,10 +1,10 @@
-"""A serve's on-demand facts, in one record: what gpud.server.ondemand knows of one serve
-between requests through its front (issue 45, "one record per serve": these were seven dicts and
-sets of their own, keyed by serve name).
+"""A serve's on-demand facts: what gpud.server.ondemand knows of one serve between requests
+through its front, and the rules of how each thing that happens to a bring-up changes them.
 
-`Demand` is pure data, frozen; the adapter keeps one per serve and changes it only through one
-function (`OnDemand.note`), so that a serve's on-demand facts are read and changed in one place.
-`NO_DEMAND` is a serve of which nothing is known (the adapter keeps no record equal to it).
+`Demand` is pure data, frozen, and part of the serve's one record in memory
+(gpud.life.service.ServeRecord, beside its state): the service changes it only through one
+function (`LedgerService.note_demand`), so that a serve's on-demand facts are read and changed in
+one place and a change of its state keeps them. `NO_DEMAND` is a serve of which nothing is known.
 Pure: no I/O, no clock (the times are the adapter's clock's, given in).
 """
 

@@ -26,6 +26,7 @@ from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
+from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import Cause, StateRefusal, check_change
@@ -116,15 +117,17 @@ UNSUPERVISED: Supervision = _Unsupervised()
 
 @dataclass(frozen=True)
 class ServeRecord:
-    """A serve's state as last committed, with what systemd last said of its unit (main PID,
-    restart count: memory only, read from systemd again at adoption). Only LedgerService
-    changes them, each change a new record."""
+    """A serve's one record in memory: its state as last committed, what systemd last said of
+    its unit (main PID, restart count: memory only, read from systemd again at adoption), and
+    its on-demand facts (gpud.core.demand: its bring-ups' tries, idleness, last requests; memory
+    only, as they always were). Only LedgerService changes them, each change a new record."""
 
     state: ServeState = DECLARED
     reason: str | None = None
     updated: float = 0.0
     main_pid: int | None = None
     n_restarts: int = 0
+    demand: Demand = NO_DEMAND
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,23 @@ class LedgerService:
         rec = self._records.get(serve)
         if rec is not None and rec.main_pid != pid:
             self._records[serve] = replace(rec, main_pid=pid)
+
+    def demand(self, serve: str) -> Demand:
+        """The serve's on-demand facts (NO_DEMAND: none known)."""
+        rec = self._records.get(serve)
+        return rec.demand if rec is not None else NO_DEMAND
+
+    def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
+        """Change the serve's on-demand facts (gpud.server.ondemand, by the rules of
+        gpud.core.demand): the one place they change. A serve with no record gets one only for
+        facts other than NO_DEMAND."""
+        rec = self._records.get(serve)
+        now = change(rec.demand if rec is not None else NO_DEMAND)
+        if rec is not None:
+            self._records[serve] = replace(rec, demand=now)
+        elif now != NO_DEMAND:
+            self._records[serve] = ServeRecord(demand=now)
+        return now
 
     def watch_states(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every commit that stored a serve's state (read them from
