@@ -6,7 +6,11 @@
    --scheduling-policy priority: gpud.testing.standin's _Engine, as vllm 0.32's), streams of 20
    tokens 0.01 s apart, behind three routers (nginx with the config gpud generates, each its
    own instance, all before the same stand-in) that differ only in their keys file:
-     fcfs      greedy and polite keys, no limits, equal priority: vLLM's first come first served
+     fcfs      greedy and polite keys, no limits, equal priority, the router not told of the
+               serve's priority policy: vLLM's first come first served
+     share     the same keys, no setting, the router told of the policy: each requester's
+               first request in flight goes ahead of everyone's others (gpud.core.router
+               FAIR_BODY)
      limit     the greedy key with max_concurrent = 7 (a place is always left)
      priority  the polite key with priority = -1 (the router sets the body's priority)
    A greedy key keeps 64 streams going (one after another on each of 64 connections; a 429 is
@@ -198,6 +202,7 @@ def fairness(n_polite: int) -> None:
     try:
         wait_sock(sock)
         routers = {"fcfs": Router(tmp, "fcfs", sock, keys_text()),
+                   "share": Router(tmp, "share", sock, keys_text(), priority=True),
                    "limit": Router(tmp, "limit", sock, keys_text(greedy="max_concurrent = 7\n")),
                    "priority": Router(tmp, "priority", sock, keys_text(polite="priority = -1\n"),
                                       priority=True)}

@@ -355,9 +355,75 @@ def test_without_priority_scheduling_the_body_goes_as_it_came() -> None:
     prio = "\n".join(http_lines(RouterFront(
         "127.0.0.1:8000", (RoutedServe("a", ("a",), port=1, ensure_timeout_s=9,
                                        priority_scheduling=True),), keys=tuple(keys))))
-    # the serve's location, its direct one and the loading feedback's include
-    assert prio.count("proxy_set_body $router_send_body;") == 3
+    # the serve's location (each requester's share first), its direct one and the loading
+    # feedback's include
+    assert prio.count("proxy_set_body $router_fair_body;") == 1
+    assert prio.count("proxy_set_body $router_send_body;") == 2
     assert '        "" $request_body;' in prio
+    assert prio.count("limit_conn_dry_run on;") == 1 and "zone=router_fair:" in prio
+
+
+SHARE_KEYS = f"""\
+[keys.greedy]
+token = "sk-greedy-123456789"
+models = ["*"]
+[keys.polite]
+token = "sk-polite-123456789"
+models = ["*"]
+[keys.probe]
+token = "{RIG_TOKEN}"
+models = ["*"]
+"""
+
+
+def _order_of_three(keys_text: str) -> dict[str, float]:
+    """Serve a runs with one place (--max-num-seqs 1) and --scheduling-policy priority. The
+    greedy key holds the place with a stream, then asks again; the polite key asks after it.
+    When each ended."""
+    keys, problems = parse_keys(keys_text, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), ("--max-num-seqs", "1", "--scheduling-policy", "priority"),
+                    priority_scheduling=True) as rig:
+        done: dict[str, float] = {}
+
+        def ask(name: str, token: str, doc: dict[str, object]) -> None:
+            status, _h, body = _req(rig.port, "POST", "/v1/completions", json.dumps(doc).encode(),
+                                    {"Authorization": f"Bearer {token}",
+                                     "Content-Type": "application/json"})
+            assert status == 200, body
+            done[name] = time.monotonic()
+
+        long = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
+        again = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True}
+        short = {"model": "a", "prompt": "x", "max_tokens": 1}
+        threads = [threading.Thread(target=ask, args=("holder", "sk-greedy-123456789", long))]
+        threads[0].start()
+        time.sleep(0.5)
+        threads.append(threading.Thread(target=ask, args=("again", "sk-greedy-123456789",
+                                                           again)))
+        threads[1].start()
+        time.sleep(0.3)
+        threads.append(threading.Thread(target=ask, args=("polite", "sk-polite-123456789",
+                                                           short)))
+        threads[2].start()
+        for t in threads:
+            t.join(timeout=60)
+        assert set(done) == {"holder", "again", "polite"}, done
+        return done
+
+
+def test_each_requesters_first_request_goes_ahead_of_anyones_others_with_no_setting() -> None:
+    """Neither key has a setting: the greedy key's second request in flight goes one step
+    behind (priority 1), so the polite key's first, which came later, runs before it."""
+    done = _order_of_three(SHARE_KEYS)
+    assert done["holder"] < done["polite"] < done["again"], done
+
+
+def test_a_request_counted_by_its_keys_max_concurrent_keeps_its_priority() -> None:
+    """nginx counts a request once (its key's max_concurrent, where the router took it in): a
+    key with a limit is held to that instead, and its requests go in the order they came."""
+    done = _order_of_three(SHARE_KEYS.replace('[keys.polite]', 'max_concurrent = 10\n[keys.polite]'))
+    assert done["holder"] < done["again"] < done["polite"], done
 
 
 def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None:  # noqa: F811

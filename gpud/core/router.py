@@ -529,10 +529,36 @@ def main_lines(router: RouterFront) -> list[str]:
 # What a serve under priority scheduling is sent: the body with the key's priority when the
 # script set one, else the request's (a map of the http block: PRIORITY_MAP).
 PRIORITY_BODY: Final = "$router_send_body"
+# Its routed location sends the same, but one step behind (priority + 1: the script's
+# $router_body_over) for a request whose requester already has FAIR_SHARE requests in flight
+# on the serve: so each requester's first request goes ahead of everyone's others inside the
+# engine, with no setting (docs/router.md, "Who is asking"). Counted by nginx's own limit_conn,
+# in dry run (nginx 1.22: ngx_http_limit_conn_handler counts a request within the limit and,
+# past it, sets $limit_conn_status to REJECTED_DRY_RUN and counts nothing: the request goes on).
+# A request already counted where the router took it in (a key's max_concurrent, a large body:
+# conn_lines) is not counted again, as nginx counts a request once: it keeps its priority.
+FAIR_BODY: Final = "$router_fair_body"
+FAIR_ZONE: Final = "router_fair"
+FAIR_SHARE: Final = 1
 PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
                        '        "" $request_body;',
                        "        default $router_body;",
-                       "    }")
+                       "    }",
+                       "    map $router_body_over $router_over_body {",
+                       f'        "" {PRIORITY_BODY};',
+                       "        default $router_body_over;",
+                       "    }",
+                       f"    map $limit_conn_status {FAIR_BODY} {{",
+                       "        REJECTED_DRY_RUN $router_over_body;",
+                       f"        default {PRIORITY_BODY};",
+                       "    }",
+                       # a requester's count on each serve (one entry a pair: a 1m zone holds
+                       # thousands)
+                       f'    limit_conn_zone "$router_serve $router_requester" zone={FAIR_ZONE}:1m;')
+FAIR_LINES: Final = (f"            limit_conn {FAIR_ZONE} {FAIR_SHARE};",
+                     "            limit_conn_dry_run on;",
+                     # past the share is no error: nginx's line says so at `info`
+                     "            limit_conn_log_level info;")
 # The serve's own usage read as its answer passes (router.js `meter`; gpud.core.usage).
 METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
 
@@ -542,7 +568,10 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
     # a serve under priority scheduling gets the body the script rewrote with the key's
     # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
     body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
-    lines = [f"        location {serve.location} {{", *limits, *body]
+    # where the router sends it, each requester's share first (FAIR_BODY)
+    fair = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
+            if serve.priority_scheduling else [])
+    lines = [f"        location {serve.location} {{", *limits, *fair]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
         # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
@@ -632,6 +661,7 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_ensured;",
            "    js_var $router_prompt_tokens;",
            "    js_var $router_body;",
+           "    js_var $router_body_over;",
            "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",

@@ -456,8 +456,7 @@ function route(r) {
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
-    if (entry.priority && doc !== undefined && key.priority !== undefined &&
-            CONFIG.priority_routes.indexOf(r.uri) >= 0) {
+    if (entry.priority && doc !== undefined && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
         prioritize(r, doc, key);
     }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
@@ -884,11 +883,21 @@ function streamDown(r) {
 // A serve launched with --scheduling-policy priority orders its waiting requests by the body's
 // `priority`, lower first (vllm 0.32: vllm/config/scheduler.py `policy`; the field in
 // entrypoints/openai/*/protocol.py). With keys, the key's priority is the request's, whatever
-// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). A
-// large body that was not parsed, or a form, goes as it came (the serve's default 0).
+// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). The
+// same body one step behind ($router_body_over) is what the serve gets when the requester
+// already has its share of requests in flight on it (gpud.core.router FAIR_BODY). A large body
+// that was not parsed, or a form, goes as it came (the serve's default 0); a priority the
+// client wrote that is not an integer is left to the serve to refuse.
 function prioritize(r, doc, key) {
-    doc.priority = key.priority;
-    r.variables.router_body = JSON.stringify(doc);
+    if (key.priority !== undefined) {
+        doc.priority = key.priority;
+        r.variables.router_body = JSON.stringify(doc);
+    }
+    var base = doc.priority === undefined ? 0 : doc.priority;
+    if (typeof base === 'number' && Number.isInteger(base)) {
+        doc.priority = base + 1;
+        r.variables.router_body_over = JSON.stringify(doc);
+    }
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).
