@@ -4,6 +4,7 @@ does the same against real systemd)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -112,11 +113,32 @@ class FakeService:
         return now
 
 
-class CrashLooping:
+class BringUps:
+    """What OnDemand keeps on the supervisor: each serve's bring-up while it runs (the real
+    supervisor's Handles.bringup)."""
+
+    def __init__(self) -> None:
+        self.bringups: dict[str, asyncio.Task[None]] = {}
+
+    def bringup(self, serve: str) -> asyncio.Task[None] | None:
+        return self.bringups.get(serve)
+
+    def hold_bringup(self, serve: str, task: asyncio.Task[None]) -> None:
+        self.bringups[serve] = task
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if self.bringups.get(serve) is done:
+                del self.bringups[serve]
+
+        task.add_done_callback(ended)
+
+
+class CrashLooping(BringUps):
     """A supervisor whose every start of a serve ends with it failed: crash-loop (after its
     unit held the device's start lock), or, with `denied`, is refused for want of memory."""
 
     def __init__(self, svc: FakeService, *, denied: bool = False) -> None:
+        super().__init__()
         self.svc = svc
         self.denied = denied
         self.starts: list[str] = []

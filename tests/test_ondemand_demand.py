@@ -1,7 +1,9 @@
-"""A serve's on-demand facts (gpud.core.demand.Demand) are part of the serve's one record in
-memory (gpud.life.service.ServeRecord), changed in one place: `LedgerService.note_demand` is the
-only code in gpud that writes them (checked on gpud's syntax trees; a planted writer proves the
-check can fail). A state change keeps them, and a change of them keeps the state."""
+"""A serve's on-demand facts (gpud.core.demand.Demand) and its runtime life
+(gpud.core.lifecycle.ServeLife) are parts of the serve's one record in memory
+(gpud.life.service.ServeRecord), each changed in one place: `LedgerService.note_demand` and
+`LedgerService.set_life` (called by the supervisor's step alone) are the only code in gpud that
+writes them (checked on gpud's syntax trees; planted writers prove the check can fail). A state
+change keeps them, and a change of them keeps the state."""
 
 from __future__ import annotations
 
@@ -18,28 +20,32 @@ from gpud.config import parse_config
 from gpud.core import bringup, demand
 from gpud.core.bringup import Policy, Tries, Why
 from gpud.core.demand import NO_DEMAND, Demand
+from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import DECLARED, EXTERNAL
 from gpud.durable.store import Store
 from gpud.life.service import LedgerService
 from tests.test_bringup import on_demand
 
 GPUD = Path(__file__).resolve().parents[1] / "gpud"
-FIELD = "demand"
+BUILDERS = ("replace", "ServeRecord")  # the calls that make a serve's record anew
 
 
-def writers(tree: ast.AST) -> list[str]:
-    """The functions (Class.function) that set a record's on-demand facts: a call given
-    `demand=` (a record built or replaced with them) or an assignment to `.demand`."""
+def writers(tree: ast.AST, field: str = "demand") -> list[str]:
+    """The functions (Class.function) that set FIELD of a serve's record: a record built or
+    replaced with it (`replace(rec, demand=...)`, `ServeRecord(demand=...)`) or an assignment
+    to `.demand`."""
     out: list[str] = []
 
     def visit(node: ast.AST, scope: list[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             scope = [*scope, node.name]
-        if isinstance(node, ast.Call) and any(k.arg == FIELD for k in node.keywords):
+        if isinstance(node, ast.Call) and any(k.arg == field for k in node.keywords) and (
+                getattr(node.func, "id", None) in BUILDERS
+                or getattr(node.func, "attr", None) in BUILDERS):
             out.append(".".join(scope))
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Attribute) and t.attr == FIELD
+            if any(isinstance(t, ast.Attribute) and t.attr == field
                    for target in targets for t in ast.walk(target)):
                 out.append(".".join(scope))
         for child in ast.iter_child_nodes(node):
@@ -49,19 +55,57 @@ def writers(tree: ast.AST) -> list[str]:
     return out
 
 
-def test_only_note_demand_writes_the_facts() -> None:
-    found = {f"{p.relative_to(GPUD)}:{w}" for p in sorted(GPUD.rglob("*.py"))
-             for w in writers(ast.parse(p.read_text()))}
-    assert found == {"life/service.py:LedgerService.note_demand"}
+def callers(tree: ast.AST, method: str) -> list[str]:
+    """The functions (Class.function) that call METHOD."""
+    out: list[str] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = [*scope, node.name]
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == method:
+            out.append(".".join(scope))
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(tree, [])
+    return out
+
+
+def _adapters() -> list[tuple[Path, ast.AST]]:
+    # the pure core's own Record (gpud.core.serverecord) is a value stepped, not the store
+    return [(p, ast.parse(p.read_text())) for p in sorted(GPUD.rglob("*.py"))
+            if p.relative_to(GPUD).parts[0] != "core"]
+
+
+@pytest.mark.parametrize(("field", "writer"), [
+    ("demand", "LedgerService.note_demand"),
+    ("life", "LedgerService.set_life"),
+])
+def test_each_memory_only_part_of_the_record_has_one_writer(field: str, writer: str) -> None:
+    found = {f"{p.relative_to(GPUD)}:{w}" for p, tree in _adapters()
+             for w in writers(tree, field)}
+    assert found == {f"life/service.py:{writer}"}
+
+
+def test_only_the_step_of_a_serves_life_sets_it() -> None:
+    found = {f"{p.relative_to(GPUD)}:{c}" for p, tree in _adapters()
+             for c in callers(tree, "set_life")}
+    assert found == {"life/supervisor/base.py:Runtime.step"}
 
 
 @pytest.mark.parametrize("planted", [
     "class OnDemand:\n    def _evict(self, rec):\n        return replace(rec, demand=None)\n",
     "class OnDemand:\n    def _evict(self, rec):\n        rec.demand = None\n",
     "class OnDemand:\n    def _evict(self):\n        return ServeRecord(demand=NO_DEMAND)\n",
+    "class OnDemand:\n    def _evict(self, rec):\n        return dataclasses.replace(rec, demand=1)\n",
 ])
 def test_a_planted_writer_is_found(planted: str) -> None:
     assert writers(ast.parse(planted)) == ["OnDemand._evict"]
+
+
+def test_a_planted_caller_is_found() -> None:
+    planted = "class Sleeps:\n    def wake(self, svc):\n        svc.set_life('a', None)\n"
+    assert callers(ast.parse(planted), "set_life") == ["Sleeps.wake"]
 
 
 def test_a_record_is_frozen() -> None:
@@ -88,7 +132,7 @@ def svc(tmp_path: Path) -> Iterator[LedgerService]:
     store.close()
 
 
-async def test_the_facts_and_the_state_are_one_record(svc: LedgerService) -> None:
+async def test_the_facts_the_life_and_the_state_are_one_record(svc: LedgerService) -> None:
     svc.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
     assert svc.records["a"].demand == svc.demand("a") == Demand(idling=True, up_at=3.0)
     assert svc.state_of("a") == DECLARED
@@ -100,11 +144,18 @@ async def test_the_facts_and_the_state_are_one_record(svc: LedgerService) -> Non
     before = svc.records["a"]
     svc.note_demand("a", lambda d: replace(d, idling=False))
     assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0))
+    # its life is the same record's, and changing it keeps the rest
+    launching = ServeLife(launching=True)
+    svc.set_life("a", launching)
+    assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0), life=launching)
+    assert svc.life("a") == launching
 
 
 def test_nothing_known_of_a_serve_without_a_record_makes_none(svc: LedgerService) -> None:
     assert svc.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
+    svc.set_life("b", IDLE_LIFE)
     assert "b" not in svc.records and svc.demand("b") == NO_DEMAND
+    assert svc.life("b") == IDLE_LIFE
 
 
 def test_the_tries_are_read_from_the_records() -> None:

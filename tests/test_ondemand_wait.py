@@ -12,7 +12,7 @@ from gpud.core.lifecycle import Phase
 from gpud.core.vocab import FAILED, RUNNING, STARTING, ServeState
 from gpud.life.pulse import Pulse
 from gpud.server.ondemand import OnDemand
-from tests.test_bringup import Clock, FakeService
+from tests.test_bringup import BringUps, Clock, FakeService
 
 QUIET_S = 0.3  # long enough for a 5 ms poll to read the state dozens of times
 
@@ -27,10 +27,11 @@ class CountingService(FakeService):
         return super().state_of(name)
 
 
-class NoStarts:
+class NoStarts(BringUps):
     """A supervisor with someone else's bring-up under way: never asked to start the serve."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.phase = Phase.IDLE
 
     def life(self, serve: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -12,7 +13,8 @@ import pytest
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.lifecycle import ServeLife
-from gpud.life.supervisor import LifeRecord, Supervisor
+from gpud.life.service import ServeRecord
+from gpud.life.supervisor import Handles, Supervisor
 from tests.waiting import until, waiters
 
 
@@ -30,10 +32,22 @@ class StuckObserver:
         await asyncio.sleep(min(timeout, 0.05))
 
 
-def returning(sup: Supervisor, serve: str, *devices: str) -> LifeRecord:
-    """The serve's memory is on its way back to `devices`."""
-    rec = sup.serves[serve] = LifeRecord(ServeLife(returning=frozenset(devices)))
-    return rec
+def service(config: Config, **more: Any) -> Any:
+    """What the supervisor reads and writes of the service here: the config, and each serve's
+    record with its life (gpud.life.service.LedgerService.records, .life, .set_life)."""
+    records: dict[str, ServeRecord] = more.pop("records", {})
+
+    def set_life(serve: str, life: ServeLife) -> None:
+        records[serve] = replace(records.get(serve, ServeRecord()), life=life)
+
+    return SimpleNamespace(config=config, records=records, set_life=set_life,
+                           life=lambda serve: records.get(serve, ServeRecord()).life, **more)
+
+
+def returning(sup: Supervisor, serve: str, *devices: str) -> Handles:
+    """The serve's memory is on its way back to `devices`; the handles of its work."""
+    sup.svc.set_life(serve, ServeLife(returning=frozenset(devices)))
+    return sup.runtime.handles(serve)
 
 
 def checking(sup: Supervisor) -> set[str]:
@@ -42,8 +56,8 @@ def checking(sup: Supervisor) -> set[str]:
 
 
 def supervisor(timeout_s: float, observer: Any) -> Supervisor:
-    svc = SimpleNamespace(config=Config(daemon=DaemonConfig(memory_return_timeout_s=timeout_s)))
-    return Supervisor(cast(Any, svc), cast(Any, None), cast(Any, observer))
+    svc = service(Config(daemon=DaemonConfig(memory_return_timeout_s=timeout_s)))
+    return Supervisor(svc, cast(Any, None), cast(Any, observer))
 
 
 async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptureFixture) -> None:
@@ -109,14 +123,12 @@ class CountingProbe:
 async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> None:
     from gpud.config import ServeConfig
     from gpud.core.vocab import RUNNING
-    from gpud.life.service import ServeRecord
-
     spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
     records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
-    svc = SimpleNamespace(config=Config(), records=records, serve_spec=lambda _n: spec,
-                          state_of=lambda n: records[n].state)
+    svc = service(Config(), records=records, serve_spec=lambda _n: spec,
+                  state_of=lambda n: records[n].state)
     probe = CountingProbe(hang={"hung"})
-    sup = Supervisor(cast(Any, svc), cast(Any, None), cast(Any, StuckObserver()), prober=probe)
+    sup = Supervisor(svc, cast(Any, None), cast(Any, StuckObserver()), prober=probe)
     for rounds in range(1, 4):  # three rounds while hung's first check is still in flight
         await sup.health_job.check_running()
         # This round's check of quick has ended: hung's, begun with the first, had its turn.

@@ -22,7 +22,7 @@ from gpud.core.lifecycle import Phase, StartAsked
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
-from gpud.life.supervisor import OUTSIDE_STOP
+from gpud.life.supervisor import OUTSIDE_STOP, Handles
 from gpud.life.supervisor.health import HttpProbe
 from tests.rig import Clock, Rig, entered, make_rig, unit
 from tests.waiting import until, waiters
@@ -480,13 +480,13 @@ async def test_a_serves_record_holds_its_launch_while_it_runs_and_nothing_after(
         assert rig.sup.serves[serve].launch_task is not None
     await rig.sup.stop("c", None)
     # the stop cancelled c's launch and is over: what is left of c is where its memory goes
-    c = rig.sup.serves["c"]
+    c, life = rig.sup.serves.get("c", Handles()), rig.sup.life("c")  # no handles: none kept
     assert (c.launch_task, c.stop_done, c.check) == (None, None, None)
-    assert c.life.phase is Phase.IDLE and c.life.unit is None
-    assert c.life.returning == {"GPU-sim-0"}
+    assert life.phase is Phase.IDLE and life.unit is None
+    assert life.returning == {"GPU-sim-0"}
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
-    await until(lambda: rig.sup.serves["a"].launch_task is None, what="a's launch to end")
+    await until(lambda: rig.sup.serves.get("a", Handles()).launch_task is None, what="a's launch to end")
     assert rig.sup.life("a").phase is Phase.IDLE
     assert rig.sup.life("a").unit is not None  # its unit as last seen
 

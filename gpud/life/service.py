@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NoReturn, Protocol
+from typing import Any, Final, NoReturn, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
@@ -28,6 +28,7 @@ from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported:
 from gpud.core.coalesce import Coalescer, Summary, Verdict
 from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.transition import Refusal, Transition, transition, violated
@@ -118,9 +119,12 @@ UNSUPERVISED: Supervision = _Unsupervised()
 @dataclass(frozen=True)
 class ServeRecord:
     """A serve's one record in memory: its state as last committed, what systemd last said of
-    its unit (main PID, restart count: memory only, read from systemd again at adoption), and
-    its on-demand facts (gpud.core.demand: its bring-ups' tries, idleness, last requests; memory
-    only, as they always were). Only LedgerService changes them, each change a new record."""
+    its unit (main PID, restart count: memory only, read from systemd again at adoption), its
+    on-demand facts (gpud.core.demand: its bring-ups' tries, idleness, last requests) and its
+    runtime life (gpud.core.lifecycle); all but the state memory only, as they always were. Only
+    LedgerService changes them, each change a new record. The handles of the work under way for
+    it (asyncio tasks and events, which a frozen record cannot hold) are the supervisor's
+    (gpud.life.supervisor.base.Handles)."""
 
     state: ServeState = DECLARED
     reason: str | None = None
@@ -128,6 +132,13 @@ class ServeRecord:
     main_pid: int | None = None
     n_restarts: int = 0
     demand: Demand = NO_DEMAND
+    # Its runtime under the supervisor (gpud.core.lifecycle: gpud's work under way on it, its
+    # pending job, its unit as last seen), changed only by the supervisor's step of it.
+    life: ServeLife = IDLE_LIFE
+
+
+# The record of a serve of which nothing is known.
+NO_RECORD: Final = ServeRecord()
 
 
 @dataclass(frozen=True)
@@ -332,20 +343,29 @@ class LedgerService:
 
     def demand(self, serve: str) -> Demand:
         """The serve's on-demand facts (NO_DEMAND: none known)."""
-        rec = self._records.get(serve)
-        return rec.demand if rec is not None else NO_DEMAND
+        return self._records.get(serve, NO_RECORD).demand
 
     def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
         """Change the serve's on-demand facts (gpud.server.ondemand, by the rules of
-        gpud.core.demand): the one place they change. A serve with no record gets one only for
-        facts other than NO_DEMAND."""
-        rec = self._records.get(serve)
-        now = change(rec.demand if rec is not None else NO_DEMAND)
-        if rec is not None:
-            self._records[serve] = replace(rec, demand=now)
-        elif now != NO_DEMAND:
-            self._records[serve] = ServeRecord(demand=now)
+        gpud.core.demand): the one place they change."""
+        now = change(self.demand(serve))
+        self._amend(serve, replace(self._records.get(serve, NO_RECORD), demand=now))
         return now
+
+    def life(self, serve: str) -> ServeLife:
+        """The serve's runtime life (IDLE_LIFE: nothing of gpud's under way on it)."""
+        return self._records.get(serve, NO_RECORD).life
+
+    def set_life(self, serve: str, life: ServeLife) -> None:
+        """The serve's life after a step of it: the one place it changes (the supervisor's
+        Runtime.step, with gpud.core.serverecord.step)."""
+        self._amend(serve, replace(self._records.get(serve, NO_RECORD), life=life))
+
+    def _amend(self, serve: str, rec: ServeRecord) -> None:
+        """The serve's record changed in its memory-only parts. A serve with no record gets
+        one only for a change that leaves it other than NO_RECORD."""
+        if serve in self._records or rec != NO_RECORD:
+            self._records[serve] = rec
 
     def watch_states(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every commit that stored a serve's state (read them from
@@ -647,7 +667,7 @@ class LedgerService:
         if isinstance(row, Reported):
             res = (after or self._decided).reservations.get(serve)
             record = Record(prev, holds=res is not None, external=bool(res and res.external),
-                           configured=serve in self.config.serves)
+                           configured=serve in self.config.serves, life=self.life(serve))
             stepped = step(record, row.report)
             if isinstance(stepped, StateRefusal):
                 self._refuse_state(serve, stepped)

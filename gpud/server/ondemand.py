@@ -122,6 +122,13 @@ def _no_share(_requester: str) -> tuple[int, float]:
     return KEY_PRIORITY, WEIGHT
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A bring-up's outcome retrieved once it ends: every request that waited on it may have
+    timed out."""
+    if not task.cancelled():
+        task.exception()
+
+
 class OnDemand:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -141,7 +148,6 @@ class OnDemand:
         # The refusals' log lines, coalesced by serve and class: (count since, the last text).
         self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
         self._refusal_log_timer: asyncio.TimerHandle | None = None
-        self._pending: dict[str, asyncio.Task[None]] = {}
         # What a request waits on (a sleep or stop settling, a start or wake of someone else's
         # ending) changes only when a serve's state is stored, its life steps, a drain ends or
         # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon), and
@@ -254,7 +260,7 @@ class OnDemand:
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
         state = self.svc.state_of(name)
-        pending = self._pending.get(name)
+        pending = self.sup.bringup(name)
         if state == RUNNING or (pending is not None and not pending.done()):
             return None  # running, or a bring-up under way that this request joins
         now = self.clock()
@@ -378,7 +384,7 @@ class OnDemand:
                 await self.changes.until(lambda: not self.settling(name))
                 if self.svc.state_of(name) == RUNNING:
                     return None
-                task = self._pending.get(name)
+                task = self.sup.bringup(name)
                 if task is not None and task.done():
                     task = None  # ended; its callback, which forgets it, has not run yet
                 if not queued and arrive(queue_on=self._queues(), bringing_up=task is not None,
@@ -400,20 +406,14 @@ class OnDemand:
                                 "last_reason": hold.reason, "held": True})
                     task = asyncio.get_running_loop().create_task(
                         self._bring_up(name, spec, cause))
-                    self._pending[name] = task
-                    task.add_done_callback(lambda t: self._done(name, t))
+                    self.sup.hold_bringup(name, task)
+                    task.add_done_callback(_retrieve)
                 await asyncio.shield(task)
                 return None
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not healthy within its start_timeout_s "
                               f"({spec.start_timeout_s:g} s)", {"serve": name, "timeout": True}
                               ) from None
-
-    def _done(self, name: str, task: asyncio.Task[None]) -> None:
-        if self._pending.get(name) is task:
-            del self._pending[name]
-        if not task.cancelled():
-            task.exception()  # retrieved here: every waiter may have timed out
 
     async def _bring_up(self, name: str, spec: ServeConfig,
                         cause: RouterRequest | None = None) -> None:
@@ -537,14 +537,14 @@ class OnDemand:
         come)."""
         tried = self.clock()
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
-            task = self._pending.get(name)
+            task = self.sup.bringup(name)
             if task is not None and not task.done():  # under way: this request shares it
                 try:
                     await asyncio.shield(task)
                 except GpudError as exc:
                     if _why(exc) != Why.NO_MEMORY:
                         raise
-                # (a done task is in _pending until its callback runs: never loop on it
+                # (a done task is held until its callback runs: never loop on it
                 # without yielding)
                 await asyncio.sleep(0)
                 continue
@@ -638,8 +638,9 @@ class OnDemand:
         roles = set(spec.all_roles)
         out = []
         for other, o in self.svc.config.serves.items():
-            if other == name or self.svc.state_of(other) != RUNNING or other in self._pending \
-                    or self.settling(other) or not roles & set(o.all_roles):
+            if (other == name or self.svc.state_of(other) != RUNNING
+                    or self.sup.bringup(other) is not None or self.settling(other)
+                    or not roles & set(o.all_roles)):
                 continue
             if not may_evict(spec.priority, self._candidate(other, o)):
                 continue
@@ -720,7 +721,7 @@ class OnDemand:
         or until the first idle threshold ahead, never on a fixed tick."""
         while True:
             for name, spec in self.svc.config.serves.items():
-                if spec.on_demand and name not in self._pending:
+                if spec.on_demand and self.sup.bringup(name) is None:
                     await self._idle_check(name, spec)
             wait_s = self._idle_due_in()
             with contextlib.suppress(TimeoutError):
@@ -741,7 +742,7 @@ class OnDemand:
                 due.append(ahead)
         # a serve running without a request seen is idle from when the check first sees it
         unseen = any(spec.on_demand and self.svc.demand(name).last_activity is None
-                     and name not in self._pending
+                     and self.sup.bringup(name) is None
                      and self.svc.state_of(name) in (RUNNING, SLEEPING)
                      for name, spec in self.svc.config.serves.items())
         return 0.0 if unseen else min(due, default=None)

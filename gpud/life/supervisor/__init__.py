@@ -43,7 +43,7 @@ from gpud.life.supervisor.base import (
     UNCALIBRATED,
     UNIT_JOB_TIMEOUT_S,
     CalibrationSource,
-    LifeRecord,
+    Handles,
     Prober,
     Runtime,
     read_exit_lines,
@@ -54,7 +54,7 @@ from gpud.life.supervisor.launch import LaunchJob
 from gpud.life.supervisor.stop import MemoryReturn, StopJob
 from gpud.life.supervisor.watch import UnitWatch
 
-__all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "LifeRecord",
+__all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "Handles",
            "Supervisor", "make_supervisor", "read_exit_lines"]
 
 
@@ -135,11 +135,29 @@ class Supervisor:
         return self.boot_job.booted
 
     @property
-    def serves(self) -> dict[str, LifeRecord]:
+    def serves(self) -> dict[str, Handles]:
         return self.runtime.serves
 
     def life(self, serve: str) -> ServeLife:
         return self.runtime.life(serve)
+
+    def bringup(self, serve: str) -> asyncio.Task[None] | None:
+        """The bring-up for requests through the serve's front under way, if one is
+        (gpud.server.ondemand): a done one is kept until its callbacks have run."""
+        handles = self.runtime.serves.get(serve)
+        return handles.bringup if handles is not None else None
+
+    def hold_bringup(self, serve: str, task: asyncio.Task[None]) -> None:
+        """TASK is the serve's bring-up until it ends."""
+        self.runtime.handles(serve).bringup = task
+
+        def ended(done: asyncio.Task[None]) -> None:
+            handles = self.runtime.serves.get(serve)
+            if handles is not None and handles.bringup is done:
+                handles.bringup = None
+                self.runtime.prune(serve)
+
+        task.add_done_callback(ended)
 
     def watch_lives(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every change of a serve's life."""

@@ -1,6 +1,6 @@
 """What the supervisor's jobs share (`Runtime`: the service, the units, the observer, the locks,
-one record per serve changed only through gpud.core.lifecycle.step, the HTTP clients, the few
-facts every job asks) and what each job asks of another, each a narrow protocol (`Failing`,
+each serve's life stepped only by `Runtime.step` into the serve's one record (the service's), the
+handles of the work under way for each serve, the HTTP clients, the few facts every job asks) and what each job asks of another, each a narrow protocol (`Failing`,
 `Ending`, `Healthy`, `Starts`, `Prober`). gpud.life.supervisor.Supervisor makes each job once and
 hands it the others it needs.
 """
@@ -20,7 +20,6 @@ from gpud.core.front import socket_path
 from gpud.core.health import Answer
 from gpud.core.launch import with_kv_cache
 from gpud.core.lifecycle import (
-    IDLE_LIFE,
     Input,
     LifeAction,
     RestartsCounted,
@@ -80,19 +79,21 @@ def pid_text(main_pid: int) -> str:
 
 
 @dataclass
-class LifeRecord:
-    """One serve's runtime under the supervisor: its life (gpud.core.lifecycle, changed only
-    through `step`) and the handles of what runs for it."""
+class Handles:
+    """The handles of the work under way for one serve: asyncio tasks and events, which its
+    frozen record cannot hold. What the serve is (its state, its life: gpud.core.lifecycle,
+    changed only through `Runtime.step`) is its one record (gpud.life.service.ServeRecord)."""
 
-    life: ServeLife = IDLE_LIFE
     launch_task: asyncio.Task[None] | None = None  # its launch, while it runs
     check: asyncio.Task[None] | None = None  # its health check in flight
     # Set when gpuctl's stop of it is done: a start on its devices waits for that.
     stop_done: asyncio.Event | None = None
+    # A bring-up for requests through its front (gpud.server.ondemand), while it runs.
+    bringup: asyncio.Task[None] | None = None
 
     def idle(self) -> bool:
-        return (self.life == IDLE_LIFE and self.launch_task is None and self.check is None
-                and self.stop_done is None)
+        return (self.launch_task is None and self.check is None and self.stop_done is None
+                and self.bringup is None)
 
 
 class CalibrationSource(Protocol):
@@ -181,8 +182,8 @@ class Runtime:
         self.calibrated = calibrated
         # Every lock of a serve's lifecycle and of a device's memory, in one order (gpud.life.locks).
         self.locks = Locks()
-        # Every serve's runtime, one record each (none for a serve with nothing to remember).
-        self.serves: dict[str, LifeRecord] = {}
+        # The handles of the work under way for each serve (none for a serve with none).
+        self.serves: dict[str, Handles] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
         self.client: aiohttp.ClientSession | None = None
         self.sockets = SocketSessions()
@@ -194,26 +195,26 @@ class Runtime:
         self._life_listeners.append(listener)
 
     def life(self, serve: str) -> ServeLife:
-        rec = self.serves.get(serve)
-        return rec.life if rec is not None else IDLE_LIFE
+        return self.svc.life(serve)
 
-    def handles(self, serve: str) -> LifeRecord:
-        """The serve's life and the handles of what runs for it (made when first asked)."""
-        return self.serves.setdefault(serve, LifeRecord())
+    def handles(self, serve: str) -> Handles:
+        """The handles of what runs for the serve (made when first asked)."""
+        return self.serves.setdefault(serve, Handles())
 
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
         """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
-        on the runtime half of its record (a lifecycle input reads and changes no state);
-        what to do about it."""
-        rec = self.handles(serve)
-        stepped = step(Record(life=rec.life), inp)
+        on its record (a lifecycle input reads and changes no state); what to do about it."""
+        stepped = step(Record(life=self.svc.life(serve)), inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
-        rec.life = stepped.serve.life
+        self.svc.set_life(serve, stepped.serve.life)
         actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
-        self.prune(serve)
         for listener in self._life_listeners:
             listener()
         return actions
+
+    def returning(self, device: str) -> set[str]:
+        """The serves whose memory is on its way back to DEVICE."""
+        return {s for s, rec in self.svc.records.items() if device in rec.life.returning}
 
     def prune(self, serve: str) -> None:
         rec = self.serves.get(serve)

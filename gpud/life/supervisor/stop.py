@@ -66,7 +66,7 @@ class MemoryReturn:
         on the device have ended and observation no longer sees the stopped serves' memory
         there, so the next admission and vLLM's own check see it free."""
         rt = self.rt
-        waiting = {s for s, rec in rt.serves.items() if device in rec.life.returning}
+        waiting = rt.returning(device)
         timeout = rt.svc.config.daemon.memory_return_timeout_s
         if not waiting or timeout <= 0:
             return
