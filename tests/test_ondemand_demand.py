@@ -8,7 +8,6 @@ change keeps them, and a change of them keeps the state."""
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
@@ -16,15 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpud.config import parse_config
 from gpud.core import bringup, demand
 from gpud.core.bringup import Policy, Tries, Why
 from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import DECLARED, EXTERNAL
-from gpud.durable.store import Store
 from gpud.life.service import LedgerService
 from tests.test_bringup import on_demand
+from tests.test_service_records import svc  # noqa: F401  (the fixture: a real service)
 
 GPUD = Path(__file__).resolve().parents[1] / "gpud"
 BUILDERS = ("replace", "ServeRecord")  # the calls that make a serve's record anew
@@ -113,26 +111,8 @@ def test_a_record_is_frozen() -> None:
         NO_DEMAND.idling = True  # type: ignore[misc]
 
 
-CONFIG = """
-[daemon]
-admission = "ledger"
-[roles.r]
-device = "0"
-capacity_mib = 1000
-"""
-
-
-@pytest.fixture
-def svc(tmp_path: Path) -> Iterator[LedgerService]:
-    store = Store(tmp_path / "gpud.sqlite3")
-    service = LedgerService(parse_config(CONFIG, "test"), store)
-    service.load()
-    yield service
-    service.close()
-    store.close()
-
-
-async def test_the_facts_the_life_and_the_state_are_one_record(svc: LedgerService) -> None:
+async def test_the_facts_the_life_and_the_state_are_one_record(
+        svc: LedgerService) -> None:  # noqa: F811
     svc.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
     assert svc.records["a"].demand == svc.demand("a") == Demand(idling=True, up_at=3.0)
     assert svc.state_of("a") == DECLARED
@@ -151,7 +131,8 @@ async def test_the_facts_the_life_and_the_state_are_one_record(svc: LedgerServic
     assert svc.life("a") == launching
 
 
-def test_nothing_known_of_a_serve_without_a_record_makes_none(svc: LedgerService) -> None:
+def test_nothing_known_of_a_serve_without_a_record_makes_none(
+        svc: LedgerService) -> None:  # noqa: F811
     assert svc.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
     svc.set_life("b", IDLE_LIFE)
     assert "b" not in svc.records and svc.demand("b") == NO_DEMAND
@@ -159,10 +140,10 @@ def test_nothing_known_of_a_serve_without_a_record_makes_none(svc: LedgerService
 
 
 def test_the_tries_are_read_from_the_records() -> None:
-    od, _sup, svc, _clock = on_demand()
+    od, _sup, fake, _clock = on_demand()
     tries = Tries(failures=2, not_before=9.0)
-    svc.note_demand("od", lambda d: replace(d, tries=tries))
-    assert od.tries == {"od": tries} and svc.records["od"].demand.tries == tries
+    fake.note_demand("od", lambda d: replace(d, tries=tries))
+    assert od.tries == {"od": tries} and fake.records["od"].demand.tries == tries
 
 
 async def test_a_request_notes_its_time_in_the_one_record() -> None:

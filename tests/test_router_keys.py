@@ -310,12 +310,12 @@ models = ["*"]
 """
 
 
-def test_a_keys_priority_orders_its_requests_inside_the_engine() -> None:
+def _ends(keys_text: str, asks: list[tuple[str, str, dict[str, object]]]) -> dict[str, float]:
     """Serve a runs with one place (--max-num-seqs 1) and --scheduling-policy priority (the
-    stand-in's scheduler as vLLM's: lower priority first). The batch key holds the place with
-    a stream, then asks again writing priority -100 itself; the chat key (priority -1) asks
-    after it: the router sends each key's own priority, so chat's request runs first."""
-    keys, problems = parse_keys(PRIORITY_KEYS, ["a", "a-fast", "b", "org/b-model"])
+    stand-in's scheduler as vLLM's: lower priority first). The first of ASKS (name, token, body)
+    holds the place with a stream, the second asks 0.5 s after it, the third 0.3 s after that:
+    when each ended."""
+    keys, problems = parse_keys(keys_text, ["a", "a-fast", "b", "org/b-model"])
     assert problems == []
     with router_rig(tuple(keys), ("--max-num-seqs", "1", "--scheduling-policy", "priority"),
                     priority_scheduling=True) as rig:
@@ -328,23 +328,31 @@ def test_a_keys_priority_orders_its_requests_inside_the_engine() -> None:
             assert status == 200, body
             done[name] = time.monotonic()
 
-        long = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
-        jump = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True,
-                "priority": -100}
-        short = {"model": "a", "prompt": "x", "max_tokens": 1}
-        threads = [threading.Thread(target=ask, args=("holder", "sk-batch-0123456789", long))]
-        threads[0].start()
-        time.sleep(0.5)
-        threads.append(threading.Thread(target=ask, args=("batch", "sk-batch-0123456789",
-                                                           jump)))
-        threads[1].start()
-        time.sleep(0.3)
-        threads.append(threading.Thread(target=ask, args=("chat", "sk-chat-01234567890", short)))
-        threads[2].start()
+        threads = []
+        for pause, args in zip((0.0, 0.5, 0.3), asks, strict=True):
+            time.sleep(pause)
+            threads.append(threading.Thread(target=ask, args=args))
+            threads[-1].start()
         for t in threads:
             t.join(timeout=60)
-        assert set(done) == {"holder", "batch", "chat"}, done
-        assert done["holder"] < done["chat"] < done["batch"], done
+        assert set(done) == {name for name, _t, _d in asks}, done
+        return done
+
+
+LONG = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
+SHORT = {"model": "a", "prompt": "x", "max_tokens": 1}
+
+
+def test_a_keys_priority_orders_its_requests_inside_the_engine() -> None:
+    """The batch key holds the place with a stream, then asks again writing priority -100
+    itself; the chat key (priority -1) asks after it: the router sends each key's own
+    priority, so chat's request runs first."""
+    jump = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True,
+            "priority": -100}
+    done = _ends(PRIORITY_KEYS, [("holder", "sk-batch-0123456789", LONG),
+                                 ("batch", "sk-batch-0123456789", jump),
+                                 ("chat", "sk-chat-01234567890", SHORT)])
+    assert done["holder"] < done["chat"] < done["batch"], done
 
 
 def test_without_priority_scheduling_the_body_goes_as_it_came() -> None:
@@ -376,53 +384,27 @@ models = ["*"]
 """
 
 
-def _order_of_three(keys_text: str) -> dict[str, float]:
-    """Serve a runs with one place (--max-num-seqs 1) and --scheduling-policy priority. The
-    greedy key holds the place with a stream, then asks again; the polite key asks after it.
-    When each ended."""
-    keys, problems = parse_keys(keys_text, ["a", "a-fast", "b", "org/b-model"])
-    assert problems == []
-    with router_rig(tuple(keys), ("--max-num-seqs", "1", "--scheduling-policy", "priority"),
-                    priority_scheduling=True) as rig:
-        done: dict[str, float] = {}
-
-        def ask(name: str, token: str, doc: dict[str, object]) -> None:
-            status, _h, body = _req(rig.port, "POST", "/v1/completions", json.dumps(doc).encode(),
-                                    {"Authorization": f"Bearer {token}",
-                                     "Content-Type": "application/json"})
-            assert status == 200, body
-            done[name] = time.monotonic()
-
-        long = {"model": "a", "prompt": "x y z w v u t s", "max_tokens": 8, "stream": True}
-        again = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True}
-        short = {"model": "a", "prompt": "x", "max_tokens": 1}
-        threads = [threading.Thread(target=ask, args=("holder", "sk-greedy-123456789", long))]
-        threads[0].start()
-        time.sleep(0.5)
-        threads.append(threading.Thread(target=ask, args=("again", "sk-greedy-123456789",
-                                                           again)))
-        threads[1].start()
-        time.sleep(0.3)
-        threads.append(threading.Thread(target=ask, args=("polite", "sk-polite-123456789",
-                                                           short)))
-        threads[2].start()
-        for t in threads:
-            t.join(timeout=60)
-        assert set(done) == {"holder", "again", "polite"}, done
-        return done
+def _greedy_then_polite(keys_text: str) -> dict[str, float]:
+    """The greedy key holds the place with a stream, then asks again; the polite key asks
+    after it."""
+    again = {"model": "a", "prompt": "x y z w", "max_tokens": 4, "stream": True}
+    return _ends(keys_text, [("holder", "sk-greedy-123456789", LONG),
+                             ("again", "sk-greedy-123456789", again),
+                             ("polite", "sk-polite-123456789", SHORT)])
 
 
 def test_each_requesters_first_request_goes_ahead_of_anyones_others_with_no_setting() -> None:
     """Neither key has a setting: the greedy key's second request in flight goes one step
     behind (priority 1), so the polite key's first, which came later, runs before it."""
-    done = _order_of_three(SHARE_KEYS)
+    done = _greedy_then_polite(SHARE_KEYS)
     assert done["holder"] < done["polite"] < done["again"], done
 
 
 def test_a_request_counted_by_its_keys_max_concurrent_keeps_its_priority() -> None:
     """nginx counts a request once (its key's max_concurrent, where the router took it in): a
     key with a limit is held to that instead, and its requests go in the order they came."""
-    done = _order_of_three(SHARE_KEYS.replace('[keys.polite]', 'max_concurrent = 10\n[keys.polite]'))
+    limited = SHARE_KEYS.replace("[keys.polite]", "max_concurrent = 10\n[keys.polite]")
+    done = _greedy_then_polite(limited)
     assert done["holder"] < done["again"] < done["polite"], done
 
 

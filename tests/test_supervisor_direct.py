@@ -486,7 +486,8 @@ async def test_a_serves_record_holds_its_launch_while_it_runs_and_nothing_after(
     assert life.returning == {"GPU-sim-0"}
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
-    await until(lambda: rig.sup.serves.get("a", Handles()).launch_task is None, what="a's launch to end")
+    await until(lambda: rig.sup.serves.get("a", Handles()).launch_task is None,
+                what="a's launch to end")
     assert rig.sup.life("a").phase is Phase.IDLE
     assert rig.sup.life("a").unit is not None  # its unit as last seen
 
