@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -15,11 +14,11 @@ import pytest
 
 from gpud.core import bringup
 from gpud.core.bringup import Policy, Tries, Why
-from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import FAILED, RUNNING, ServeState
 from gpud.errors import Denied, Unavailable
-from gpud.life.service import COALESCE_REFUSALS, ServeRecord
+from gpud.life.records import ServeRecords
+from gpud.life.service import COALESCE_REFUSALS
 from gpud.server.ondemand import OnDemand
 
 # ---- the policy -----------------------------------------------------------------------------
@@ -87,7 +86,7 @@ class FakeService:
 
     clock: Clock
     states: dict[str, ServeState] = field(default_factory=dict)
-    records: dict[str, ServeRecord] = field(default_factory=dict)
+    records: ServeRecords = field(default_factory=ServeRecords)
     ready: bool = True
     # no [router]: no queue (a refusal is answered at once)
     config: Any = field(default_factory=lambda: SimpleNamespace(router=None, serves={}))
@@ -100,17 +99,7 @@ class FakeService:
 
     def set(self, name: str, state: ServeState, reason: str | None = None) -> None:
         self.states[name] = state
-        rec = self.records.get(name, ServeRecord())
-        self.records[name] = replace(rec, state=state, reason=reason, updated=self.clock())
-
-    def demand(self, name: str) -> Demand:
-        rec = self.records.get(name)
-        return rec.demand if rec is not None else NO_DEMAND
-
-    def note_demand(self, name: str, change: Callable[[Demand], Demand]) -> Demand:
-        now = change(self.demand(name))
-        self.records[name] = replace(self.records.get(name, ServeRecord()), demand=now)
-        return now
+        self.records.remember(name, state, reason, self.clock())
 
 
 class BringUps:
@@ -203,7 +192,7 @@ async def test_an_operators_start_resets_the_backoff() -> None:
 async def test_a_failure_long_ago_holds_nothing() -> None:
     od, sup, svc, clock = on_demand()
     svc.set("od", FAILED, "exited")  # found failed, failed an hour ago
-    svc.records["od"] = ServeRecord(FAILED, "exited", clock() - 3600)
+    svc.records.remember("od", FAILED, "exited", clock() - 3600)
     await od.ensure("od")
     assert sup.starts == ["od"]
 

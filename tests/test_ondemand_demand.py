@@ -1,7 +1,7 @@
 """A serve's on-demand facts (gpud.core.demand.Demand) and its runtime life
 (gpud.core.lifecycle.ServeLife) are parts of the serve's one record in memory
-(gpud.life.service.ServeRecord), each changed in one place: `LedgerService.note_demand` and
-`LedgerService.set_life` (called by the supervisor's step alone) are the only code in gpud that
+(gpud.life.records.ServeRecord), each changed in one place: `ServeRecords.note_demand` and
+`ServeRecords.set_life` (called by the supervisor's step alone) are the only code in gpud that
 writes them (checked on gpud's syntax trees; planted writers prove the check can fail). A state
 change keeps them, and a change of them keeps the state."""
 
@@ -76,13 +76,13 @@ def _adapters() -> list[tuple[Path, ast.AST]]:
 
 
 @pytest.mark.parametrize(("field", "writer"), [
-    ("demand", "LedgerService.note_demand"),
-    ("life", "LedgerService.set_life"),
+    ("demand", "ServeRecords.note_demand"),
+    ("life", "ServeRecords.set_life"),
 ])
 def test_each_memory_only_part_of_the_record_has_one_writer(field: str, writer: str) -> None:
     found = {f"{p.relative_to(GPUD)}:{w}" for p, tree in _adapters()
              for w in writers(tree, field)}
-    assert found == {f"life/service.py:{writer}"}
+    assert found == {f"life/records.py:{writer}"}
 
 
 def test_only_the_step_of_a_serves_life_sets_it() -> None:
@@ -102,7 +102,7 @@ def test_a_planted_writer_is_found(planted: str) -> None:
 
 
 def test_a_planted_caller_is_found() -> None:
-    planted = "class Sleeps:\n    def wake(self, svc):\n        svc.set_life('a', None)\n"
+    planted = "class Sleeps:\n    def wake(self, svc):\n        svc.records.set_life('a', None)\n"
     assert callers(ast.parse(planted), "set_life") == ["Sleeps.wake"]
 
 
@@ -113,36 +113,36 @@ def test_a_record_is_frozen() -> None:
 
 async def test_the_facts_the_life_and_the_state_are_one_record(
         svc: LedgerService) -> None:  # noqa: F811
-    svc.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
-    assert svc.records["a"].demand == svc.demand("a") == Demand(idling=True, up_at=3.0)
+    svc.records.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
+    assert svc.records["a"].demand == svc.records.demand("a") == Demand(idling=True, up_at=3.0)
     assert svc.state_of("a") == DECLARED
     # a committed state change keeps the facts...
     await svc.admit("a", 100, role="r")
     assert svc.records["a"].state == EXTERNAL  # the config names no serve a
-    assert svc.demand("a") == Demand(idling=True, up_at=3.0)
+    assert svc.records.demand("a") == Demand(idling=True, up_at=3.0)
     # ...and a change of the facts keeps the state, its reason and when it was stored
     before = svc.records["a"]
-    svc.note_demand("a", lambda d: replace(d, idling=False))
+    svc.records.note_demand("a", lambda d: replace(d, idling=False))
     assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0))
     # its life is the same record's, and changing it keeps the rest
     launching = ServeLife(launching=True)
-    svc.set_life("a", launching)
+    svc.records.set_life("a", launching)
     assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0), life=launching)
-    assert svc.life("a") == launching
+    assert svc.records.life("a") == launching
 
 
 def test_nothing_known_of_a_serve_without_a_record_makes_none(
         svc: LedgerService) -> None:  # noqa: F811
-    assert svc.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
-    svc.set_life("b", IDLE_LIFE)
-    assert "b" not in svc.records and svc.demand("b") == NO_DEMAND
-    assert svc.life("b") == IDLE_LIFE
+    assert svc.records.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
+    svc.records.set_life("b", IDLE_LIFE)
+    assert "b" not in svc.records and svc.records.demand("b") == NO_DEMAND
+    assert svc.records.life("b") == IDLE_LIFE
 
 
 def test_the_tries_are_read_from_the_records() -> None:
     od, _sup, fake, _clock = on_demand()
     tries = Tries(failures=2, not_before=9.0)
-    fake.note_demand("od", lambda d: replace(d, tries=tries))
+    fake.records.note_demand("od", lambda d: replace(d, tries=tries))
     assert od.tries == {"od": tries} and fake.records["od"].demand.tries == tries
 
 
@@ -150,7 +150,7 @@ async def test_a_request_notes_its_time_in_the_one_record() -> None:
     od, _sup, _svc, clock = on_demand()
     clock.t = 7.0
     await od.ensure("od")
-    got = od.svc.demand("od")
+    got = od.svc.records.demand("od")
     assert got.last_request is not None and got.last_activity is not None
     assert got.last_request == got.last_activity == 7.0 and not got.idling
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPUD = ROOT / "gpud"
 
 # What may do which kind of writing (module path relative to the repository, function).
-SERVICE, STORE = "gpud/life/service.py", "gpud/durable/store.py"
+SERVICE, STORE, RECORDS = "gpud/life/service.py", "gpud/durable/store.py", "gpud/life/records.py"
 ALLOWED: dict[str, set[tuple[str, str]]] = {
     # a state row built: the adapter's callers get one only from state_row; the store reads back
     "row": {(SERVICE, "LedgerService.state_row"), (STORE, "Store.serve_states")},
@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[tuple[str, str]]] = {
     # the store's table of states written (its SQL): the store's transaction alone
     "table": {(STORE, "Store._write")},
     # a record's state set in memory: one method, called only with what was stored
-    "memory": {(SERVICE, "LedgerService._remember")},
+    "memory": {(RECORDS, "ServeRecords.remember")},
     "remember": {(SERVICE, "LedgerService.load"), (SERVICE, "LedgerService._moved_on"),
                  (SERVICE, "LedgerService._commit_loop")},
 }
@@ -86,7 +86,7 @@ class _Finder(ast.NodeVisitor):
             self._add(node, "memory", "replaces a record's state")
         if name == "ServeRecord" and (node.args or "state" in keywords):
             self._add(node, "memory", "builds a ServeRecord with a state")
-        if name == "_remember":
+        if name == "remember":
             self._add(node, "remember", "sets a record's state in memory")
         asked = ASKS.get(name or "")
         if asked is not None and asked in keywords and "cause" not in keywords:
@@ -161,7 +161,7 @@ class Sneaky:
         changes.states = [row]
         svc._records["a"] = replace(rec, state="running")
         rec.state = "failed"
-        svc._remember("a", "running", None, now)
+        svc.records.remember("a", "running", None, now)
         store._db.execute("UPDATE serve_states SET state='running' WHERE serve='a'")
         svc.store_event(None, state=row)
         svc.release("a", next_state="failed")

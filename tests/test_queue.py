@@ -357,7 +357,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
         "other": SimpleNamespace(mib=20000, all_roles=("r",))})
     sup = CrashLooping(svc, denied=True)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
-    svc.note_demand("other", lambda d: replace(d, up_at=time.monotonic()))
+    svc.records.note_demand("other", lambda d: replace(d, up_at=time.monotonic()))
     began = time.monotonic()
     waiting = asyncio.ensure_future(od.ensure("od"))
     await asyncio.sleep(0.2)

@@ -1,6 +1,7 @@
-"""The serves' records (state, reason, the unit's PID and restart count) are changed by the
-ledger service alone: read-only to everyone else, enforced three ways (a frozen record, a
-read-only mapping, and a scan of every other module of gpud for a write into them)."""
+"""The serves' records (gpud.life.records: state, reason, the unit's PID and restart count, the
+on-demand facts, the life) are changed only through their writers (the state by the ledger
+service alone): read-only to everyone else, enforced three ways (a frozen record, a read-only
+mapping, and a scan of every other module of gpud for a write into them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.durable.store import Store
-from gpud.life.service import LedgerService, ServeRecord
+from gpud.life.records import ServeRecord
+from gpud.life.service import LedgerService
 from tests.conftest import REPO
 
 CONFIG = """
@@ -25,7 +27,8 @@ capacity_mib = 1000
 """
 
 FIELDS = {f.name for f in dataclasses.fields(ServeRecord)}
-MUTATORS = {"setdefault", "pop", "popitem", "update", "clear", "__setitem__", "__delitem__"}
+MUTATORS = {"setdefault", "pop", "popitem", "update", "clear", "__setitem__", "__delitem__",
+            "remember"}  # the state: the ledger service's alone, after a commit
 
 
 def _mentions_records(node: ast.AST) -> bool:
@@ -118,15 +121,15 @@ async def test_the_records_are_read_only_outside(svc: LedgerService) -> None:
 async def test_pid_and_restart_count_through_the_service_kept_across_a_state_change(
         svc: LedgerService) -> None:
     await svc.admit("a", 100, role="r")
-    svc.set_main_pid("a", 4242)
-    svc.set_restart_count("a", 3)
+    svc.records.set_main_pid("a", 4242)
+    svc.records.set_restart_count("a", 3)
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (4242, 3)
     await svc.store_event(svc.event("start", "a started"), state=svc.state_row("a", "starting"))
     rec = svc.records["a"]
     assert (rec.state, rec.main_pid, rec.n_restarts) == ("starting", 4242, 3)
-    svc.set_main_pid("a", None)
-    svc.set_restart_count("a", 0)
+    svc.records.set_main_pid("a", None)
+    svc.records.set_restart_count("a", 0)
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (None, 0)
-    svc.set_main_pid("nobody", 1)  # a serve without a record gets none
-    svc.set_restart_count("nobody", 1)
+    svc.records.set_main_pid("nobody", 1)  # a serve without a record gets none
+    svc.records.set_restart_count("nobody", 1)
     assert "nobody" not in svc.records

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -13,7 +12,7 @@ import pytest
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.lifecycle import ServeLife
-from gpud.life.service import ServeRecord
+from gpud.life.records import ServeRecords
 from gpud.life.supervisor import Handles, Supervisor
 from tests.waiting import until, waiters
 
@@ -34,19 +33,13 @@ class StuckObserver:
 
 def service(config: Config, **more: Any) -> Any:
     """What the supervisor reads and writes of the service here: the config, and each serve's
-    record with its life (gpud.life.service.LedgerService.records, .life, .set_life)."""
-    records: dict[str, ServeRecord] = more.pop("records", {})
-
-    def set_life(serve: str, life: ServeLife) -> None:
-        records[serve] = replace(records.get(serve, ServeRecord()), life=life)
-
-    return SimpleNamespace(config=config, records=records, set_life=set_life,
-                           life=lambda serve: records.get(serve, ServeRecord()).life, **more)
+    record (gpud.life.records, as the service keeps them)."""
+    return SimpleNamespace(config=config, records=more.pop("records", ServeRecords()), **more)
 
 
 def returning(sup: Supervisor, serve: str, *devices: str) -> Handles:
     """The serve's memory is on its way back to `devices`; the handles of its work."""
-    sup.svc.set_life(serve, ServeLife(returning=frozenset(devices)))
+    sup.svc.records.set_life(serve, ServeLife(returning=frozenset(devices)))
     return sup.runtime.handles(serve)
 
 
@@ -124,7 +117,9 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     from gpud.config import ServeConfig
     from gpud.core.vocab import RUNNING
     spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
-    records = {"hung": ServeRecord(RUNNING), "quick": ServeRecord(RUNNING)}
+    records = ServeRecords()
+    for name in ("hung", "quick"):
+        records.remember(name, RUNNING, None, 0.0)
     svc = service(Config(), records=records, serve_spec=lambda _n: spec,
                   state_of=lambda n: records[n].state)
     probe = CountingProbe(hang={"hung"})

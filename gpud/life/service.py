@@ -18,17 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Final, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from gpud import __version__
 from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
-from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
-from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import Cause, StateRefusal, check_change
 from gpud.core.transition import Refusal, Transition, transition, violated
@@ -47,6 +44,7 @@ from gpud.core.vocab import (
 )
 from gpud.durable.store import Changes, Event, EventQuery, ServeStateRow, Store
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound
+from gpud.life.records import ServeRecords
 
 log = logging.getLogger("gpud")
 
@@ -117,31 +115,6 @@ UNSUPERVISED: Supervision = _Unsupervised()
 
 
 @dataclass(frozen=True)
-class ServeRecord:
-    """A serve's one record in memory: its state as last committed, what systemd last said of
-    its unit (main PID, restart count: memory only, read from systemd again at adoption), its
-    on-demand facts (gpud.core.demand: its bring-ups' tries, idleness, last requests) and its
-    runtime life (gpud.core.lifecycle); all but the state memory only, as they always were. Only
-    LedgerService changes them, each change a new record. The handles of the work under way for
-    it (asyncio tasks and events, which a frozen record cannot hold) are the supervisor's
-    (gpud.life.supervisor.base.Handles)."""
-
-    state: ServeState = DECLARED
-    reason: str | None = None
-    updated: float = 0.0
-    main_pid: int | None = None
-    n_restarts: int = 0
-    demand: Demand = NO_DEMAND
-    # Its runtime under the supervisor (gpud.core.lifecycle: gpud's work under way on it, its
-    # pending job, its unit as last seen), changed only by the supervisor's step of it.
-    life: ServeLife = IDLE_LIFE
-
-
-# The record of a serve of which nothing is known.
-NO_RECORD: Final = ServeRecord()
-
-
-@dataclass(frozen=True)
 class Reported:
     """What happened to a serve, as an adapter reports it to the serve's one writer
     (`LedgerService.report`): the state it leads to is decided by gpud.core.serverecord.step."""
@@ -199,7 +172,7 @@ class LedgerService:
         self.counters: dict[str, int] = {}
         # the first commit prunes what an earlier run left
         self._since_prune = prune_batch(self.config.daemon.events_keep)
-        self._records: dict[str, ServeRecord] = {}
+        self._records = ServeRecords()
         # `ledger` is what is durable (what everyone is shown); `_decided` has every decision
         # made, some of them still on their way to the store.
         self.ledger = Ledger({}, {})
@@ -239,7 +212,7 @@ class LedgerService:
         and gpud goes on with the config it last ran with, saying why."""
         held = self.store.reservations()
         for row in self.store.serve_states():
-            self._remember(row.serve, row.state, row.reason, row.updated)
+            self._records.remember(row.serve, row.state, row.reason, row.updated)
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
@@ -256,9 +229,9 @@ class LedgerService:
             # In memory only, as it always was: a held reservation is never shown unreserved.
             rec = self._records.get(res.serve)
             if rec is None:
-                self._remember(res.serve, ADMITTED, None, 0.0)
+                self._records.remember(res.serve, ADMITTED, None, 0.0)
             elif rec.state in (DECLARED, DENIED):
-                self._remember(res.serve, EXTERNAL if res.external else ADMITTED, rec.reason,
+                self._records.remember(res.serve, EXTERNAL if res.external else ADMITTED, rec.reason,
                                rec.updated)
         outcome = self._decide(before, self.config)
         if isinstance(outcome, Refusal):
@@ -326,46 +299,13 @@ class LedgerService:
         for serve in t.released:
             rec = self._records.get(serve)
             if rec is not None:
-                self._remember(serve, DECLARED, None, rec.updated)
+                self._records.remember(serve, DECLARED, None, rec.updated)
 
     @property
-    def records(self) -> Mapping[str, ServeRecord]:
-        """Every serve's record, read-only: only this service changes them (states through
-        committed changes, the unit's PID and restart count through the two methods below)."""
-        return MappingProxyType(self._records)
-
-    def set_main_pid(self, serve: str, pid: int | None) -> None:
-        """The main PID of the serve's unit as systemd last said it (None: none, or not one
-        to show). A serve without a record is left alone."""
-        rec = self._records.get(serve)
-        if rec is not None and rec.main_pid != pid:
-            self._records[serve] = replace(rec, main_pid=pid)
-
-    def demand(self, serve: str) -> Demand:
-        """The serve's on-demand facts (NO_DEMAND: none known)."""
-        return self._records.get(serve, NO_RECORD).demand
-
-    def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
-        """Change the serve's on-demand facts (gpud.server.ondemand, by the rules of
-        gpud.core.demand): the one place they change."""
-        now = change(self.demand(serve))
-        self._amend(serve, replace(self._records.get(serve, NO_RECORD), demand=now))
-        return now
-
-    def life(self, serve: str) -> ServeLife:
-        """The serve's runtime life (IDLE_LIFE: nothing of gpud's under way on it)."""
-        return self._records.get(serve, NO_RECORD).life
-
-    def set_life(self, serve: str, life: ServeLife) -> None:
-        """The serve's life after a step of it: the one place it changes (the supervisor's
-        Runtime.step, with gpud.core.serverecord.step)."""
-        self._amend(serve, replace(self._records.get(serve, NO_RECORD), life=life))
-
-    def _amend(self, serve: str, rec: ServeRecord) -> None:
-        """The serve's record changed in its memory-only parts. A serve with no record gets
-        one only for a change that leaves it other than NO_RECORD."""
-        if serve in self._records or rec != NO_RECORD:
-            self._records[serve] = rec
+    def records(self) -> ServeRecords:
+        """Every serve's record (gpud.life.records: read as a mapping; its state changed by this
+        service alone, after a commit; the other parts through their one writer each)."""
+        return self._records
 
     def watch_states(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every commit that stored a serve's state (read them from
@@ -383,12 +323,6 @@ class LedgerService:
     def busy(self, serve: str) -> bool:
         """The serve's launch is under way: its unit may be about to run."""
         return self._supervision.launch_under_way(serve)
-
-    def set_restart_count(self, serve: str, n_restarts: int) -> None:
-        """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch."""
-        rec = self._records.get(serve)
-        if rec is not None and rec.n_restarts != n_restarts:
-            self._records[serve] = replace(rec, n_restarts=n_restarts)
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -485,7 +419,7 @@ class LedgerService:
             self._store_works()
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
-                    self._remember(row.serve, row.state, row.reason, row.updated)
+                    self._records.remember(row.serve, row.state, row.reason, row.updated)
                 if p.ledger is not None:
                     freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
@@ -667,7 +601,8 @@ class LedgerService:
         if isinstance(row, Reported):
             res = (after or self._decided).reservations.get(serve)
             record = Record(prev, holds=res is not None, external=bool(res and res.external),
-                           configured=serve in self.config.serves, life=self.life(serve))
+                           configured=serve in self.config.serves,
+                            life=self._records.life(serve))
             stepped = step(record, row.report)
             if isinstance(stepped, StateRefusal):
                 self._refuse_state(serve, stepped)
@@ -692,15 +627,6 @@ class LedgerService:
                back_to: ServeState | None = None) -> Reported:
         """What happened to `serve`, for `store_event`: its state is decided by its one step."""
         return Reported(serve, Report(happened, back_to), reason)
-
-    def _remember(self, serve: str, state: ServeState, reason: str | None,
-                  updated: float) -> None:
-        """A stored state into the serve's record in memory: one committed (the commit loop, a
-        config's released serves), or read back from the store at start, with the start's own
-        correction (a serve that holds a reservation is never shown declared or denied); the
-        unit's PID and restart count stay as they were."""
-        rec = self._records.get(serve, ServeRecord())
-        self._records[serve] = replace(rec, state=state, reason=reason, updated=updated)
 
     def state_row(self, serve: str, state: ServeState,
                   reason: str | None = None) -> ServeStateRow:
@@ -1028,8 +954,7 @@ class LedgerService:
         return {name: rec.state for name, rec in self._records.items()}
 
     def state_of(self, serve: str) -> ServeState:
-        rec = self._records.get(serve)
-        return rec.state if rec else DECLARED
+        return self._records.state_of(serve)
 
     def known_serves(self) -> list[str]:
         """The configured serves, those holding memory, and those whose unit may still run

@@ -181,7 +181,7 @@ class OnDemand:
     def _requested(self, name: str) -> None:
         """A request through NAME's front, now: its last activity and its last request."""
         now = self.clock()
-        self.svc.note_demand(name, lambda d: replace(d, last_activity=now, last_request=now))
+        self.svc.records.note_demand(name, lambda d: replace(d, last_activity=now, last_request=now))
 
     async def ensure(self, name: str, cause: RouterRequest | None = None,
                      gone: asyncio.Future[None] | None = None) -> web.Response:
@@ -249,13 +249,13 @@ class OnDemand:
     def settling(self, name: str) -> bool:
         """A sleep or a stop of NAME is under way (or the drain before one, or the idle
         check's decision to): a request must not reach it now."""
-        return self.svc.demand(name).idling or settling(
+        return self.svc.records.demand(name).idling or settling(
             self.sup.life(name).phase,
             self.traffic is not None and self.traffic.draining(name))
 
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
-        self.svc.note_demand(name, demand.operator_started)
+        self.svc.records.note_demand(name, demand.operator_started)
 
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
@@ -269,21 +269,21 @@ class OnDemand:
             # its backoff counted from when it failed
             at = now - max(0.0, self.svc.clock() - rec.updated)
             reason = f"{state}: {rec.reason or ''}"
-            self.svc.note_demand(name, lambda d: demand.failed_since(d, at, reason, self.policy))
-        return bringup.held(self.svc.demand(name).tries, now)
+            self.svc.records.note_demand(name, lambda d: demand.failed_since(d, at, reason, self.policy))
+        return bringup.held(self.svc.records.demand(name).tries, now)
 
     def _tried(self, name: str, exc: GpudError) -> None:
         """A bring-up of `name` ended without the serve running: when it may be tried next."""
         now = self.clock()
         why = bringup.classify(exc.code, exc.details)
-        self.svc.note_demand(name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
+        self.svc.records.note_demand(name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
 
     def _refusal(self, name: str, exc: GpudError) -> web.Response:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
         headers (what any local user sees), the whole error in the body (the front's and
         root's; nginx's auth_request reads only the headers)."""
         why = _why(exc)
-        hold = bringup.held(self.svc.demand(name).tries, self.clock())
+        hold = bringup.held(self.svc.records.demand(name).tries, self.clock())
         retry = STOPPING_RETRY_S if why == Why.GPUD_STOPPING else hold.retry_after_s \
             if hold is not None else max(1, math.ceil(self.policy.refusal_hold_s))
         self._log_refusal(name, why, exc.message)
@@ -342,7 +342,7 @@ class OnDemand:
             need = exc.details.get("need_mib")
             if isinstance(need, int):
                 mib: int = need
-                self.svc.note_demand(name, lambda d: replace(d, need_mib=mib))
+                self.svc.records.note_demand(name, lambda d: replace(d, need_mib=mib))
             entry = self._entry(name, spec)
             if entry is None:
                 raise  # no queue, or no eviction it may make could ever make room
@@ -361,7 +361,7 @@ class OnDemand:
         router = self.svc.config.router
         if router is None or not self._queues():
             return None  # (the queue's own answer without a queue; the fit is not looked at)
-        need = self.svc.demand(name).need_mib
+        need = self.svc.records.demand(name).need_mib
         return after_refusal(queue_on=True, no_memory=True,
                              could_fit=need is None or self._could_fit(name, spec, need),
                              queued=len(self.queued.get(name, ())),
@@ -420,14 +420,14 @@ class OnDemand:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
-        self.svc.note_demand(name, demand.began)
+        self.svc.records.note_demand(name, demand.began)
         try:
             await self._bring_up_once(name, spec, cause)
         except GpudError as exc:
             self._tried(name, exc)
             raise
         now = self.clock()
-        self.svc.note_demand(name, lambda d: demand.came_up(d, now))
+        self.svc.records.note_demand(name, lambda d: demand.came_up(d, now))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
                              cause: RouterRequest | None = None) -> None:
@@ -644,7 +644,7 @@ class OnDemand:
                 continue
             if not may_evict(spec.priority, self._candidate(other, o)):
                 continue
-            up_at = self.svc.demand(other).up_at
+            up_at = self.svc.records.demand(other).up_at
             out.append(Held(other, o.priority, self.in_flight(other), self.activity_s_ago(other),
                             None if up_at is None else now - up_at, self.cost_s(other, o)))
         return out
@@ -670,7 +670,7 @@ class OnDemand:
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
                  extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
-        self.svc.note_demand(victim, lambda d: replace(d, idling=True))
+        self.svc.records.note_demand(victim, lambda d: replace(d, idling=True))
         try:
             if vspec.sleep_level:
                 await self.sup.sleeps.sleep(victim, None, preempted_by=name,
@@ -690,10 +690,10 @@ class OnDemand:
                 return Protected(math.inf, exc.message)
             return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
-            self.svc.note_demand(victim, lambda d: replace(d, idling=False))
+            self.svc.records.note_demand(victim, lambda d: replace(d, idling=False))
             self.changed()
         self.evictions[victim] = self.evictions.get(victim, 0) + 1
-        self.svc.note_demand(victim, lambda d: replace(d, up_at=None))
+        self.svc.records.note_demand(victim, lambda d: replace(d, up_at=None))
         return None
 
     def _flight(self, name: str) -> Flight:
@@ -706,7 +706,7 @@ class OnDemand:
         flight = self._flight(name)
         if flight.in_flight:
             return 0.0
-        last = idle_from(self.svc.demand(name).last_request, flight)
+        last = idle_from(self.svc.records.demand(name).last_request, flight)
         return None if last is None else round(max(0.0, self.clock() - last), 1)
 
     def in_flight(self, name: str) -> int | None:
@@ -732,7 +732,7 @@ class OnDemand:
         """How long until the first on-demand serve reaches an idle threshold (None: none)."""
         now, due = self.clock(), []
         for name, spec in self.svc.config.serves.items():
-            last = idle_from(self.svc.demand(name).last_activity, self._flight(name))
+            last = idle_from(self.svc.records.demand(name).last_activity, self._flight(name))
             if not spec.on_demand or last is None or \
                     self.svc.state_of(name) not in (RUNNING, SLEEPING):
                 continue
@@ -741,7 +741,7 @@ class OnDemand:
             if ahead is not None:
                 due.append(ahead)
         # a serve running without a request seen is idle from when the check first sees it
-        unseen = any(spec.on_demand and self.svc.demand(name).last_activity is None
+        unseen = any(spec.on_demand and self.svc.records.demand(name).last_activity is None
                      and self.sup.bringup(name) is None
                      and self.svc.state_of(name) in (RUNNING, SLEEPING)
                      for name, spec in self.svc.config.serves.items())
@@ -752,14 +752,14 @@ class OnDemand:
         now = self.clock()
         if state not in (RUNNING, SLEEPING):
             if state not in LIVE_STATES:
-                self.svc.note_demand(name, lambda d: replace(d, last_activity=None))
+                self.svc.records.note_demand(name, lambda d: replace(d, last_activity=None))
             return
         # A serve running without a request seen (started by hand, or before gpud started)
         # is idle from when it is first seen, or from the end of its last request.
-        first = self.svc.demand(name).last_activity
+        first = self.svc.records.demand(name).last_activity
         if first is None:
             first = now
-            self.svc.note_demand(name, lambda d: replace(d, last_activity=now))
+            self.svc.records.note_demand(name, lambda d: replace(d, last_activity=now))
         flight = self._flight(name)
         if self.traffic is not None and flight.read_at is None and \
                 self.traffic.reachable(spec):
@@ -775,7 +775,7 @@ class OnDemand:
         # idle_s saying why.
         log.info("on-demand %s idle for %.1f s without a request through its front: %s",
                  name, idle, action)
-        self.svc.note_demand(name, lambda d: replace(d, idling=True))
+        self.svc.records.note_demand(name, lambda d: replace(d, idling=True))
         try:
             if action == SleepAction.SLEEP:
                 await self.sup.sleeps.sleep(name, None, idle_s=idle)
@@ -790,11 +790,11 @@ class OnDemand:
                             name, spec, self.svc.config.daemon.drain_timeout_s)
                         await self.sup.stop(name, None, idle_s=idle, drained=drained)
                 self.idle_stops[name] = self.idle_stops.get(name, 0) + 1
-                self.svc.note_demand(name, lambda d: replace(d, last_activity=None))
+                self.svc.records.note_demand(name, lambda d: replace(d, last_activity=None))
         except GpudError as exc:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
-            self.svc.note_demand(name, lambda d: replace(d, idling=False))
+            self.svc.records.note_demand(name, lambda d: replace(d, idling=False))
             self.changed()
 
 

@@ -1,6 +1,7 @@
 """What the supervisor's jobs share (`Runtime`: the service, the units, the observer, the locks,
-each serve's life stepped only by `Runtime.step` into the serve's one record (the service's), the
-handles of the work under way for each serve, the HTTP clients, the few facts every job asks) and what each job asks of another, each a narrow protocol (`Failing`,
+each serve's life, stepped only by `Runtime.step` into the serve's one record
+(gpud.life.records), the handles of the work under way for each serve, the HTTP clients, the
+few facts every job asks) and what each job asks of another, each a narrow protocol (`Failing`,
 `Ending`, `Healthy`, `Starts`, `Prober`). gpud.life.supervisor.Supervisor makes each job once and
 hands it the others it needs.
 """
@@ -82,7 +83,7 @@ def pid_text(main_pid: int) -> str:
 class Handles:
     """The handles of the work under way for one serve: asyncio tasks and events, which its
     frozen record cannot hold. What the serve is (its state, its life: gpud.core.lifecycle,
-    changed only through `Runtime.step`) is its one record (gpud.life.service.ServeRecord)."""
+    changed only through `Runtime.step`) is its one record (gpud.life.records.ServeRecord)."""
 
     launch_task: asyncio.Task[None] | None = None  # its launch, while it runs
     check: asyncio.Task[None] | None = None  # its health check in flight
@@ -195,7 +196,7 @@ class Runtime:
         self._life_listeners.append(listener)
 
     def life(self, serve: str) -> ServeLife:
-        return self.svc.life(serve)
+        return self.svc.records.life(serve)
 
     def handles(self, serve: str) -> Handles:
         """The handles of what runs for the serve (made when first asked)."""
@@ -204,9 +205,9 @@ class Runtime:
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
         """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
         on its record (a lifecycle input reads and changes no state); what to do about it."""
-        stepped = step(Record(life=self.svc.life(serve)), inp)
+        stepped = step(Record(life=self.svc.records.life(serve)), inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
-        self.svc.set_life(serve, stepped.serve.life)
+        self.svc.records.set_life(serve, stepped.serve.life)
         actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
         for listener in self._life_listeners:
             listener()

@@ -204,7 +204,7 @@ class HealthJob:
                                    "restart", kind=EventKind.EXIT)
                 return
             self.rt.step(serve, UnitSeen(fresh))
-            self.svc.set_main_pid(serve, fresh.main_pid or None)
+            self.svc.records.set_main_pid(serve, fresh.main_pid or None)
             await self.svc.store_event(self.svc.event(
                 EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
