@@ -414,10 +414,14 @@ def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
     # the engine has one place: the second waits (counted waiting) while the holder runs
     until("the second request waiting", lambda: waiting(port) == 1)
     assert holder.done is None and second.first is None
-    holder.hang_up()  # the place is freed: the second runs
+    hung = time.monotonic()
+    holder.hang_up()  # the engine aborts it: its place goes to the second
     second.join(120)
     assert second.done is not None
     assert holder.done is None, "the holder ran to its end: it did not hold the place"
+    # had the holder kept its place, the second would have waited for the rest of its HOLD
+    # tokens (10 s at the stand-in's pace, more on the tiny model on the CPU)
+    assert second.done - hung < 5, "the second waited for the holder's end: no abort"
     assert waiting(port) == 0
 
 
