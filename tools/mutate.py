@@ -43,7 +43,7 @@ MODULES: tuple[str, ...] = (
     "gpud/core/unitstate.py", "gpud/core/lifecycle.py", "gpud/core/reconcile.py",
     "gpud/core/serverecord.py", "gpud/core/states.py", "gpud/core/bringup.py",
     "gpud/core/coalesce.py", "gpud/core/traffic.py",
-    "gpud/core/queue.py",
+    "gpud/core/queue.py", "gpud/core/demand.py",
 )
 
 

@@ -8,15 +8,12 @@ change keeps them, and a change of them keeps the state."""
 from __future__ import annotations
 
 import ast
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from gpud.core import bringup, demand
-from gpud.core.bringup import Policy, Tries, Why
+from gpud.core.bringup import Tries
 from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import DECLARED, EXTERNAL
@@ -106,11 +103,6 @@ def test_a_planted_caller_is_found() -> None:
     assert callers(ast.parse(planted), "set_life") == ["Sleeps.wake"]
 
 
-def test_a_record_is_frozen() -> None:
-    with pytest.raises(FrozenInstanceError):
-        NO_DEMAND.idling = True  # type: ignore[misc]
-
-
 async def test_the_facts_the_life_and_the_state_are_one_record(
         svc: LedgerService) -> None:  # noqa: F811
     svc.records.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
@@ -153,55 +145,3 @@ async def test_a_request_notes_its_time_in_the_one_record() -> None:
     got = od.svc.records.demand("od")
     assert got.last_request is not None and got.last_activity is not None
     assert got.last_request == got.last_activity == 7.0 and not got.idling
-
-
-# --- the bring-up rules over Demand (gpud.core.demand): pure, so checked as properties -------
-
-POLICY = Policy(refusal_hold_s=5, first_s=2, max_s=60, stable_s=30)
-TIMES = st.floats(0, 1e6, allow_nan=False)
-REFUSALS = st.sampled_from([w for w in Why if w != Why.FAILED])
-DEMANDS = st.builds(
-    Demand, tries=st.none() | st.builds(Tries, failures=st.integers(0, 40), not_before=TIMES,
-                                        why=st.none() | st.sampled_from(list(Why)),
-                                        up_since=st.none() | TIMES),
-    failure_counted=st.booleans(), idling=st.booleans(), up_at=st.none() | TIMES)
-
-
-def _failures(d: Demand) -> int:
-    return d.tries.failures if d.tries is not None else 0
-
-
-@given(DEMANDS, TIMES, TIMES)
-def test_a_failure_seen_again_and_again_counts_once(d: Demand, at: float, later: float) -> None:
-    once = demand.failed_since(demand.began(d), at, "failed: exited", POLICY)
-    assert once.failure_counted and _failures(once) >= 1
-    assert demand.failed_since(once, later, "failed: exited", POLICY) == once
-    # a new bring-up's failure is one more
-    again = demand.failed_since(demand.began(once), at, "failed: exited", POLICY)
-    assert _failures(again) in (1, _failures(once) + 1)  # 1: it had stayed up stable_s
-
-
-@given(DEMANDS, TIMES, REFUSALS)
-def test_a_refusal_holds_the_next_try_off_and_is_no_failure(d: Demand, now: float,
-                                                            why: Why) -> None:
-    after = demand.tried(d, now, why, "no room", POLICY)
-    assert _failures(after) == _failures(d) and after.failure_counted == d.failure_counted
-    assert after.tries is not None and after.tries.not_before == now + POLICY.refusal_hold_s
-    hold = bringup.held(after.tries, now)
-    assert hold is not None and hold.why == why
-
-
-@given(DEMANDS, TIMES, TIMES)
-def test_a_serve_that_came_up_is_held_off_no_more(d: Demand, now: float, later: float) -> None:
-    up = demand.came_up(d, now)
-    assert up.up_at == now and bringup.held(up.tries, now + later) is None
-    # the other facts are left as they were
-    assert (up.idling, up.failure_counted, up.need_mib) == (d.idling, d.failure_counted,
-                                                           d.need_mib)
-
-
-@given(DEMANDS, TIMES)
-def test_an_operators_start_ends_the_backoff(d: Demand, now: float) -> None:
-    started = demand.operator_started(d)
-    assert bringup.held(started.tries, now) is None and not started.failure_counted
-    assert replace(started, tries=d.tries, failure_counted=d.failure_counted) == d
