@@ -18,7 +18,9 @@
    the polite key's median latency (to the stream's end) alone and beside the greedy key under
    each router, and their ratio to alone (target <= 2x); the greedy key's answers.
 2. The cost of limits and usage: a router with keys, both limits set (never reached) and the
-   usage meter, against the router without keys and without the meter (as before them), each
+   usage meter, against the router without keys and without the meter (as before them); and
+   the share of a serve under --scheduling-policy priority (no keys: the body's priority one
+   step behind past a requester's first request in flight) against the same, each
    its own nginx before one stand-in (no --max-num-seqs bound). --rounds rounds in a shuffled
    order of --requests non-streamed completions from one client on a keep-alive connection:
    the p50 of each round, and nginx's CPU per request (its master and workers, schedstat);
@@ -255,7 +257,10 @@ def overhead(rounds: int, requests: int, old: str | None) -> None:
     try:
         wait_sock(sock)
         limits = "max_concurrent = 65535\nrequests_per_minute = 1000000\n"
-        sides = {"without keys": Router(tmp, "plain", sock, None, meter=False)}
+        sides = {"without keys": Router(tmp, "plain", sock, None, meter=False),
+                 # the serve under --scheduling-policy priority: each requester's share first
+                 "share (no keys)": Router(tmp, "share", sock, None, meter=False,
+                                           priority=True)}
         for tag, tree in trees.items():
             d = "-old" if tag else ""
             sides |= {
@@ -267,7 +272,7 @@ def overhead(rounds: int, requests: int, old: str | None) -> None:
                 f"keys+limits+usage{tag}": Router(tmp, f"keyed{d}", sock,
                                                   keys_text(greedy=limits, polite=limits),
                                                   tree=tree)}
-        tokens = {name: None if name == "without keys" else POLITE for name in sides}
+        tokens = {name: POLITE if name.startswith("keys") else None for name in sides}
         for name, r in sides.items():
             r.ready(tokens[name] or POLITE)
         p50: dict[str, list[float]] = {n: [] for n in sides}
