@@ -143,8 +143,8 @@ class OnDemand:
         self.policy = policy
         # Each serve's on-demand facts (gpud.core.demand: its tries, whether the idle check is
         # putting it away, its last activity and request, when a request last brought it up,
-        # what it needed) are in the serve's one record: read with `svc.demand`, changed only
-        # through `svc.note_demand`.
+        # what it needed) are in the serve's one record (gpud.life.records): read with
+        # `svc.records.demand`, changed only through `svc.records.note_demand`.
         # The refusals' log lines, coalesced by serve and class: (count since, the last text).
         self._refusal_log: Coalescer[tuple[str, Why], str] = Coalescer()
         self._refusal_log_timer: asyncio.TimerHandle | None = None
@@ -181,7 +181,8 @@ class OnDemand:
     def _requested(self, name: str) -> None:
         """A request through NAME's front, now: its last activity and its last request."""
         now = self.clock()
-        self.svc.records.note_demand(name, lambda d: replace(d, last_activity=now, last_request=now))
+        self.svc.records.note_demand(
+            name, lambda d: replace(d, last_activity=now, last_request=now))
 
     async def ensure(self, name: str, cause: RouterRequest | None = None,
                      gone: asyncio.Future[None] | None = None) -> web.Response:
@@ -269,14 +270,16 @@ class OnDemand:
             # its backoff counted from when it failed
             at = now - max(0.0, self.svc.clock() - rec.updated)
             reason = f"{state}: {rec.reason or ''}"
-            self.svc.records.note_demand(name, lambda d: demand.failed_since(d, at, reason, self.policy))
+            self.svc.records.note_demand(
+                name, lambda d: demand.failed_since(d, at, reason, self.policy))
         return bringup.held(self.svc.records.demand(name).tries, now)
 
     def _tried(self, name: str, exc: GpudError) -> None:
         """A bring-up of `name` ended without the serve running: when it may be tried next."""
         now = self.clock()
         why = bringup.classify(exc.code, exc.details)
-        self.svc.records.note_demand(name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
+        self.svc.records.note_demand(
+            name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
 
     def _refusal(self, name: str, exc: GpudError) -> web.Response:
         """The 403 the front turns into its 503: the reason's class and Retry-After in the
