@@ -2,8 +2,8 @@
 through its front, and the rules of how each thing that happens to a bring-up changes them.
 
 `Demand` is pure data, frozen, and part of the serve's one record in memory
-(gpud.life.service.ServeRecord, beside its state): the service changes it only through one
-function (`LedgerService.note_demand`), so that a serve's on-demand facts are read and changed in
+(gpud.life.records.ServeRecord, beside its state and its life): it is changed only through one
+function (`ServeRecords.note_demand`), so that a serve's on-demand facts are read and changed in
 one place and a change of its state keeps them. `NO_DEMAND` is a serve of which nothing is known.
 Pure: no I/O, no clock (the times are the adapter's clock's, given in).
 """

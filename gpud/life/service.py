@@ -231,8 +231,8 @@ class LedgerService:
             if rec is None:
                 self._records.remember(res.serve, ADMITTED, None, 0.0)
             elif rec.state in (DECLARED, DENIED):
-                self._records.remember(res.serve, EXTERNAL if res.external else ADMITTED, rec.reason,
-                               rec.updated)
+                self._records.remember(res.serve, EXTERNAL if res.external else ADMITTED,
+                                       rec.reason, rec.updated)
         outcome = self._decide(before, self.config)
         if isinstance(outcome, Refusal):
             if stored is not None:
@@ -601,7 +601,7 @@ class LedgerService:
         if isinstance(row, Reported):
             res = (after or self._decided).reservations.get(serve)
             record = Record(prev, holds=res is not None, external=bool(res and res.external),
-                           configured=serve in self.config.serves,
+                            configured=serve in self.config.serves,
                             life=self._records.life(serve))
             stepped = step(record, row.report)
             if isinstance(stepped, StateRefusal):
