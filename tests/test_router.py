@@ -90,6 +90,13 @@ command = ["/bin/batch"]
 """
 
 
+def with_njs_module(text: str, module: Path) -> str:
+    """TEXT with its router loading MODULE: a test says which njs module it means, never
+    leaning on whether this host has Debian's at the default path."""
+    return text.replace('listen = "127.0.0.1:8000"\n',
+                        f'listen = "127.0.0.1:8000"\nnjs_module = "{module}"\n')
+
+
 # --- the table and the config -----------------------------------------------------------------
 
 def test_names_default_to_what_the_serve_answers_to() -> None:
@@ -789,17 +796,17 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
 def test_a_router_that_cannot_run_is_left_out_and_the_fronts_go_on(tmp_path: Path) -> None:
     """nginx refuses a whole config whose module is missing: the fronts' servers with it. What
     would be dark is named by the config key it is about."""
-    cfg = parse_config(TOML, "t")
-    assert cfg.router is not None and not Path(cfg.router.njs_module).exists()
+    missing = tmp_path / "modules" / "ngx_http_js_module.so"
+    cfg = parse_config(with_njs_module(TOML, missing), "t")
+    assert cfg.router is not None and cfg.router.njs_module == str(missing)
     check = check_front(cfg)
     assert check.router is None
     assert [d.message for d in check.dark] == [
-        "router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not found, so the "
+        f"router.njs_module: {missing} not found, so the "
         "router would be off (apt-get install libnginx-mod-http-js)"]
     # the front of chat is still rendered
     assert "listen 127.0.0.1:30001;" in render(front_config(cfg, None))
-    with_njs = TOML.replace('listen = "127.0.0.1:8000"\n',
-                            f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
+    with_njs = with_njs_module(TOML, NJS)
     assert check_front(parse_config(with_njs, "t")).router is not None
     # keys that cannot be read: off, not open
     bad = with_njs.replace('listen = "127.0.0.1:8000"\n',
@@ -817,13 +824,12 @@ def test_check_config_refuses_a_router_that_would_be_dark(
     carry (M8)."""
     path = tmp_path / "gpud.toml"
     base = TOML.replace('[roles.r]\ndevice = "0"\n', '[roles.r]\ndevice = "0"\ncapacity_mib = 20000\n')
-    path.write_text(base)
+    missing = tmp_path / "modules" / "ngx_http_js_module.so"
+    path.write_text(with_njs_module(base, missing))
     assert check_config(path) == 2
     err = capsys.readouterr().err
-    assert f"{path}: router.njs_module: /usr/lib/nginx/modules/ngx_http_js_module.so not " \
-        "found" in err, err
-    text = base.replace('listen = "127.0.0.1:8000"\n',
-                        f'listen = "127.0.0.1:8000"\nnjs_module = "{NJS}"\n')
+    assert f"{path}: router.njs_module: {missing} not found" in err, err
+    text = with_njs_module(base, NJS)
     keys = tmp_path / "keys.toml"
     keys.write_text('[keys.ci]\ntoken = "sk-ci-0123456789abcdef"\nmodels = ["chta"]\n')
     keys.chmod(0o600)
