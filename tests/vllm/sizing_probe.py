@@ -17,9 +17,11 @@ measures on a GPU, less the allocator's rounding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 # the checkpoint: GQA (8 heads, 4 KV heads), a vocabulary vLLM pads (1000 -> 1024), untied
@@ -92,15 +94,16 @@ def kv(budget: int, max_model_len: int, batched: int, path: str) -> None:
     """Start `path` with a KV cache of `budget` bytes and print what vLLM says it holds."""
     from vllm import LLM
 
-    llm = LLM(model=path, max_model_len=max_model_len, enforce_eager=True,
-              skip_tokenizer_init=True, dtype="auto", kv_cache_memory_bytes=budget,
-              max_num_batched_tokens=batched)
+    with counted_as_loaded() as loaded:
+        llm = LLM(model=path, max_model_len=max_model_len, enforce_eager=True,
+                  skip_tokenizer_init=True, dtype="auto", kv_cache_memory_bytes=budget,
+                  max_num_batched_tokens=batched)
     cache = llm.llm_engine.vllm_config.cache_config
     print("KV " + json.dumps({
         "model": path, "budget": budget, "max_model_len": max_model_len,
         "tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
         "blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
-        "weights": llm.apply_model(count)[0]}), flush=True)
+        "weights": loaded[0]}), flush=True)
     from vllm.distributed import cleanup_dist_env_and_memory
 
     del llm
@@ -141,6 +144,31 @@ def make_int8(out: str, source: str) -> None:
         json.dump(config, f)
 
 
+@contextlib.contextmanager
+def counted_as_loaded() -> Iterator[list[dict[str, Any]]]:
+    """The bytes of each model vLLM loads meanwhile, counted as its loader leaves them, before
+    process_weights_after_loading. What the CPU build does then depends on the processor:
+    where its packed GEMM kernels run (oneDNN, the sgl kernels of an AVX-512 BF16 or AMX
+    processor, zentorch), it packs each linear layer's weight and drops the parameter
+    (vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, remove_weight=True,
+    0.32.0), so counting after it measures the processor, not the checkpoint. A GPU drops
+    nothing of an unquantized model."""
+    from vllm.model_executor.model_loader import base_loader
+
+    loaded: list[dict[str, Any]] = []
+    original = base_loader.process_weights_after_loading
+
+    def counting(model: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(count(model))
+        return original(model, *args, **kwargs)
+
+    base_loader.process_weights_after_loading = counting
+    try:
+        yield loaded
+    finally:
+        base_loader.process_weights_after_loading = original
+
+
 def count(module: Any) -> dict[str, Any]:
     params = list(module.parameters())
     buffers = list(module.buffers())
@@ -155,22 +183,13 @@ def load(path: str) -> None:
     (vllm/model_executor/layers/linear.py:216, dispatch_cpu_unquantized_gemm(layer,
     remove_weight=True)), which a GPU does not do to an unquantized model."""
     from vllm import LLM
-    from vllm.model_executor.model_loader import base_loader
 
-    loaded: list[dict[str, Any]] = []
-    original = base_loader.process_weights_after_loading
-
-    def counting(model: Any, *args: Any, **kwargs: Any) -> Any:
-        loaded.append(count(model))
-        return original(model, *args, **kwargs)
-
-    base_loader.process_weights_after_loading = counting
-    llm = LLM(model=path, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
-              dtype="auto")
+    with counted_as_loaded() as loaded:
+        llm = LLM(model=path, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+                  dtype="auto")
     after = llm.apply_model(count)[0]
     print("SIZING " + json.dumps({"model": path, **loaded[0], "after_processing": after}),
           flush=True)
-    base_loader.process_weights_after_loading = original
     # the next model in this process: vLLM's engine and its process group go first
     from vllm.distributed import cleanup_dist_env_and_memory
 
