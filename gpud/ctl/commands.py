@@ -531,6 +531,18 @@ def run_size(ctl: Ctl, args: argparse.Namespace) -> int:
     return size.run(ctl, args)
 
 
+def configure_keys(p: argparse.ArgumentParser) -> None:
+    from gpud.ctl import keys
+
+    keys.configure(p)
+
+
+def run_keys(ctl: Ctl, args: argparse.Namespace) -> int:
+    from gpud.ctl import keys
+
+    return keys.run(ctl, args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "status", "the daemon in a few lines",
@@ -724,6 +736,29 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl size --serve fast\n"
         "  gpuctl size /srv/models/llama --quantization fp8_per_tensor --kv-cache-dtype fp8",
         configure_size, run_size),
+    Command(
+        "keys", "the router's keys: list, add, rotate, revoke",
+        "Edit the router's keys file (router.api_keys_file of the config in force; "
+        "docs/router.md). list shows each key's models, limits and whether the file holds "
+        "its token or only the token's SHA-256, never a token. add NAME makes a key with a "
+        "new random token (Python's secrets), prints the token once and writes only its "
+        "SHA-256; rotate NAME gives it a new token the same way (the old one is refused from "
+        "then on), keeping its models and limits; revoke NAME removes it. Each change is made "
+        "on the file's own lines (the rest, comments included, kept), checked whole as gpud's "
+        "reload checks it (models no serve answers to, limits out of range: exit 2, nothing "
+        "changed), written atomically (0600) under a lock, and then gpud reloads, which gives "
+        "the router the new keys; when gpud refuses that reload the old file is put back. "
+        "Refused while the config file on disk is not the config in force (the reload would "
+        "put it in force too).\n\n"
+        "Needs root: the edit is gpuctl's, with its user's own rights, and the config and the "
+        "keys file are root's.",
+        "  gpuctl keys list\n"
+        "  gpuctl keys add alice --models chat ocr --requests-per-minute 60\n"
+        "      key alice added in /etc/gpud/keys.toml; gpud reloaded\n"
+        "      token: sk-gpud-...\n"
+        "  gpuctl keys rotate alice\n"
+        "  gpuctl keys revoke alice",
+        configure_keys, run_keys),
     Command(
         "reload", "re-read serves.toml",
         "Make gpud re-read its config file. Reservations are never dropped silently: a role the "
