@@ -55,6 +55,7 @@ COMPLETERS = {
     "requests_per_minute": "none",
     "priority": "none",
     "weight": "none",
+    "lines": "none",  # gpuctl logs --lines N
     "window": "none",
     "level": "none",  # 1 or 2
     # gpuctl size: a checkpoint directory (or a repository id), its figures

@@ -9,7 +9,7 @@
 # over the socket named on the command line (--socket), else $GPUD_SOCKET, else the default;
 # when gpud cannot be reached there is simply nothing to offer.
 
-_gpuctl_commands="status ledger serves models usage admit release start sleep wake stop restart events plan apply calibrate size keys reload"
+_gpuctl_commands="status ledger serves models usage admit release start sleep wake stop restart events logs plan apply calibrate size keys reload"
 _gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit invariant"
 _gpuctl_keyactions="list add rotate revoke"
 _gpuctl_since="10m 1h 2h 1d 7d"
@@ -33,6 +33,7 @@ _gpuctl_options() {
         stop) echo "-h --help --socket --json --timeout" ;;
         restart) echo "-h --help --no-wait --socket --json --timeout" ;;
         events) echo "-h --help --serve --role --kind --since --limit -f --follow --socket --json --timeout" ;;
+        logs) echo "-h --help -f --follow --since -n --lines --socket --json --timeout" ;;
         plan) echo "-h --help --socket --json --timeout" ;;
         apply) echo "-h --help --socket --json --timeout" ;;
         calibrate) echo "-h --help --window --no-wait --status --socket --json --timeout" ;;
@@ -83,6 +84,11 @@ _gpuctl_option_value() {
         "events:--limit") echo none ;;
         "events:--socket") echo file ;;
         "events:--timeout") echo none ;;
+        "logs:--since") echo since ;;
+        "logs:-n") echo none ;;
+        "logs:--lines") echo none ;;
+        "logs:--socket") echo file ;;
+        "logs:--timeout") echo none ;;
         "plan:--socket") echo file ;;
         "plan:--timeout") echo none ;;
         "apply:--socket") echo file ;;
@@ -129,6 +135,7 @@ _gpuctl_positional() {
         "wake:0") echo serve ;;
         "stop:0") echo serve ;;
         "restart:0") echo serve ;;
+        "logs:0") echo serve ;;
         "plan:0") echo toml ;;
         "apply:0") echo toml ;;
         "calibrate:0") echo serve ;;

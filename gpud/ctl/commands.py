@@ -531,6 +531,21 @@ def run_size(ctl: Ctl, args: argparse.Namespace) -> int:
     return size.run(ctl, args)
 
 
+def configure_logs(p: argparse.ArgumentParser) -> None:
+    from gpud.ctl import logs
+
+    logs.configure(p)
+
+
+def run_logs(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    from gpud.ctl import logs
+
+    since = parse_since(args.since, time.time()) if args.since is not None else None
+    return logs.run(ctl, args, since)
+
+
 def configure_keys(p: argparse.ArgumentParser) -> None:
     from gpud.ctl import keys
 
@@ -677,6 +692,20 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl events --since 2026-07-13T03:00 --limit 20\n"
         "  gpuctl events --follow --kind overdraw,reserve-exceeded",
         configure_events, run_events),
+    Command(
+        "logs", "a serve's own journal: what it wrote, why it failed",
+        f"Show serve NAME's journal: what its processes wrote to stdout and stderr, which "
+        f"systemd keeps under its unit {serve_unit('NAME')} (the same as `journalctl -u "
+        f"{serve_unit('NAME')}`), oldest first; -f follows it, --since and --lines bound it, "
+        "--json gives journalctl's JSON, one entry a line. A failed serve's reason (gpuctl "
+        "serves NAME) already names the exception it ended on and where it was raised (else "
+        "its last ERROR line, else its last three lines); this is the whole story.\n\n"
+        "gpuctl runs journalctl as you, not through gpud: you see what you may read. Root and "
+        "the members of group systemd-journal (or adm) may read the system journal; anyone "
+        "else is told so (exit 1). Works while gpud is down.",
+        "  gpuctl logs ocr\n  gpuctl logs ocr -f\n  gpuctl logs ocr --since 1h --lines 50\n"
+        "  journalctl -u gpud-serve-ocr.service -b        # the same, by hand",
+        configure_logs, run_logs),
     Command(
         "plan", "what a new serves.toml would do to the ledger",
         "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
