@@ -199,6 +199,20 @@ def test_a_config_on_disk_not_in_force_is_not_reloaded_behind_the_operators_back
     assert keys_cmd(memory, "list") == EXIT_OK  # reading is fine
 
 
+def test_the_first_key_makes_the_file_and_a_missing_directory_is_said(
+        host: tuple[MemoryTransport, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    memory, config, keys = host
+    keys.unlink()
+    assert keys_cmd(memory, "list") == EXIT_OK
+    assert capsys.readouterr().out == f"no keys in {keys} (no such file yet)\n"
+    assert keys_cmd(memory, "add", "carol") == EXIT_OK
+    assert keys.read_text().startswith('[keys.carol]\nsha256 = "')
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o600
+    config.write_text(f'[router]\napi_keys_file = "{keys.parent}/none/keys.toml"\n')
+    assert keys_cmd(memory, "add", "dan") == EXIT_REFUSED
+    assert "cannot open " in capsys.readouterr().err
+
+
 def test_without_a_keys_file_in_the_config(host: tuple[MemoryTransport, Path, Path],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     memory, config, _keys = host

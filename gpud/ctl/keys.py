@@ -159,7 +159,14 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         return _list(ctl, path)
     known = [m for s in ctl.client.call("GET", "/v1/serves").get("serves") or []
              for m in s.get("models") or []]
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        directory = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:
+        raise _root_only(where) from None
+    except OSError as exc:
+        raise CtlError("conflict", f"cannot open {where}, the keys file's directory: "
+                       f"{exc.strerror or exc}", EXIT_REFUSED, {"path": path}) from exc
     try:
         import fcntl
 
