@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from gpud.core.vocab import EVENT_KINDS  # noqa: E402
 from gpud.ctl.commands import COMMANDS  # noqa: E402
+from gpud.ctl.keys import ACTIONS as KEY_ACTIONS  # noqa: E402
 from gpud.ctl.main import build_parser  # noqa: E402
 from tools.generated import write_or_check  # noqa: E402
 
@@ -46,6 +47,15 @@ COMPLETERS = {
     "interval": "none",
     "limit": "none",
     "key": "none",
+    # gpuctl keys: its action, a key's name (the keys file is root's: not offered), its limits
+    "action": "keyaction",
+    "key_name": "none",
+    "models": "none",
+    "max_concurrent": "none",
+    "requests_per_minute": "none",
+    "priority": "none",
+    "weight": "none",
+    "lines": "none",  # gpuctl logs --lines N
     "window": "none",
     "level": "none",  # 1 or 2
     # gpuctl size: a checkpoint directory (or a repository id), its figures
@@ -168,6 +178,7 @@ _gpuctl_value() {
                       sed -n "s/^gpu_role '\([^']*\)'.*/\1/p") ;;
         kind) words=$_gpuctl_kinds ;;
         since) words=$_gpuctl_since ;;
+        keyaction) words=$_gpuctl_keyactions ;;
         file) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
         toml) mapfile -t COMPREPLY < <(compgen -f -X '!*.toml' -- "$cur"; compgen -d -- "$cur")
               return ;;
@@ -257,6 +268,7 @@ def render_bash() -> str:
         BASH_HEAD,
         f'_gpuctl_commands="{" ".join(c.name for c in cmds)}"',
         f'_gpuctl_kinds="{" ".join(EVENT_KINDS)}"',
+        f'_gpuctl_keyactions="{" ".join(KEY_ACTIONS)}"',
         f'_gpuctl_since="{SINCE_HINTS}"',
         "# options that take one or more values",
         f'_gpuctl_many="{" ".join(sorted(many))}"',
@@ -337,6 +349,7 @@ def _zsh_action(completer: str, many: bool) -> str:
         "file": "_files",
         "toml": "_files -g \"*.toml\"",
         "since": f"({SINCE_HINTS})",
+        "keyaction": f"({' '.join(KEY_ACTIONS)})",
         "none": " ",
     }[completer]
 

@@ -76,7 +76,7 @@ def test_limits_and_shares_are_parsed_and_checked() -> None:
         "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
         "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
     _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
-    assert problems == [f"keys.alice: a table of token, models and {', '.join(KEY_SHARES)} only"]
+    assert problems == [f"keys.alice: a table of token (or sha256), models and {', '.join(KEY_SHARES)} only"]
 
 
 def test_without_limits_nginx_counts_nothing() -> None:

@@ -790,6 +790,31 @@ async def checked(tmp_path: Path) -> AsyncIterator[Rig]:
         yield r
 
 
+async def test_a_serve_that_never_answers_says_what_it_logged(tmp_path: Path) -> None:
+    """A load that raised in a thread and left the server hanging: the failure names the
+    exception and where it was raised, read from the serve's journal."""
+    clock = Clock()
+    r = await make_rig(tmp_path, CONFIG, clock=clock, extra="")
+    text = (r.svc.config_text or "").replace('restart = "no"', 'restart = "no"\nstart_timeout_s = 2')
+    await r.svc.reload(parse_config(text, "t"), text, source="t")
+
+    def refused() -> Answer:
+        clock.now += 1.0
+        return Answer(Probe.REFUSED, "cannot connect")
+
+    async def journal(unit: str, invocation: str | None) -> list[str]:
+        return ["Traceback (most recent call last):", '  File "/srv/b.py", line 7, in load',
+                "    raise MemoryError()", "MemoryError: no room for the weights",
+                "INFO waiting for the loader"]
+
+    r.sup.answers["b"] = refused
+    r.sup.stop_job.journal = journal
+    async for _ in entered(r):
+        await r.sup.start("b", None, wait=True)
+        assert r.reason("b") == ("unhealthy: no 200 from /health within 2 s; its log: "
+                                 "MemoryError: no room for the weights (at /srv/b.py:7 in load)")
+
+
 def failing(detail: str = "status 500") -> Callable[[], Answer]:
     return lambda: Answer(Probe.FAILED, detail)
 

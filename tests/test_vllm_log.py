@@ -118,12 +118,42 @@ def test_exit_reason_is_the_tracebacks_last_line() -> None:
     ]
     assert exit_reason(lines) == (
         "huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or "
-        "'namespace/repo_name': '/nonexistent/model'. Use `repo_type` argument if needed.")
+        "'namespace/repo_name': '/nonexistent/model'. Use `repo_type` argument if needed. "
+        "(at /x/vllm/entrypoints/cli/main.py:73 in main)")
     # inside a logged line, after vLLM's prefix (the engine died)
     dead = ("(APIServer pid=12711) ERROR 12-01 19:01:48 [async_llm.py:906] "
             "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
     assert exit_reason([dead, "INFO:     Shutting down"]) == (
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+
+
+def test_exit_reason_names_where_the_last_exception_was_raised() -> None:
+    # Python 3.11's traceback (caret lines), a chained one, a logger's prefix on each line
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/srv/serve.py", line 40, in open_weights',
+        "    return open(path)",
+        "           ^^^^^^^^^^",
+        "FileNotFoundError: [Errno 2] No such file or directory: '/srv/m'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "(EngineCore_DP0 pid=7) Traceback (most recent call last):",
+        '(EngineCore_DP0 pid=7)   File "/srv/serve.py", line 90, in <module>',
+        "(EngineCore_DP0 pid=7)     main()",
+        '(EngineCore_DP0 pid=7)   File "/srv/serve.py", line 52, in load',
+        "(EngineCore_DP0 pid=7)     raise RuntimeError(f'no weights at {path}')",
+        "(EngineCore_DP0 pid=7) RuntimeError: no weights at /srv/m",
+        "INFO:     Shutting down",
+    ]
+    assert exit_reason(lines) == "RuntimeError: no weights at /srv/m (at /srv/serve.py:52 in load)"
+    # the place is kept when the message is cut
+    long = exit_reason(["Traceback (most recent call last):",
+                        '  File "/a.py", line 1, in f', "ValueError: " + "v" * 1000])
+    assert long is not None and len(long) == REASON_CHARS
+    assert long.endswith("... (at /a.py:1 in f)")
+    # an exception line with no traceback before it: no place, and none from an older one
+    assert exit_reason([*lines, "ValueError: later"]) == "ValueError: later"
 
 
 def test_exit_reason_without_an_exception() -> None:

@@ -9,11 +9,12 @@
 # over the socket named on the command line (--socket), else $GPUD_SOCKET, else the default;
 # when gpud cannot be reached there is simply nothing to offer.
 
-_gpuctl_commands="status ledger serves models usage admit release start sleep wake stop restart events plan apply calibrate size reload"
+_gpuctl_commands="status ledger serves models usage admit release start sleep wake stop restart events logs plan apply calibrate size keys reload"
 _gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit invariant"
+_gpuctl_keyactions="list add rotate revoke"
 _gpuctl_since="10m 1h 2h 1d 7d"
 # options that take one or more values
-_gpuctl_many="--kind"
+_gpuctl_many="--kind --models"
 
 # _gpuctl_options COMMAND: the options of COMMAND ("": before the command)
 _gpuctl_options() {
@@ -32,10 +33,12 @@ _gpuctl_options() {
         stop) echo "-h --help --socket --json --timeout" ;;
         restart) echo "-h --help --no-wait --socket --json --timeout" ;;
         events) echo "-h --help --serve --role --kind --since --limit -f --follow --socket --json --timeout" ;;
+        logs) echo "-h --help -f --follow --since -n --lines --socket --json --timeout" ;;
         plan) echo "-h --help --socket --json --timeout" ;;
         apply) echo "-h --help --socket --json --timeout" ;;
         calibrate) echo "-h --help --window --no-wait --status --socket --json --timeout" ;;
         size) echo "-h --help --serve --max-model-len --quantization --kv-cache-dtype --dtype --revision --hf-home --context-mib --devices --vram-mib --concurrency --vllm-version --device-mib --socket --json --timeout" ;;
+        keys) echo "-h --help --models --max-concurrent --requests-per-minute --priority --weight --socket --json --timeout" ;;
         reload) echo "-h --help --socket --json --timeout" ;;
     esac
 }
@@ -81,6 +84,11 @@ _gpuctl_option_value() {
         "events:--limit") echo none ;;
         "events:--socket") echo file ;;
         "events:--timeout") echo none ;;
+        "logs:--since") echo since ;;
+        "logs:-n") echo none ;;
+        "logs:--lines") echo none ;;
+        "logs:--socket") echo file ;;
+        "logs:--timeout") echo none ;;
         "plan:--socket") echo file ;;
         "plan:--timeout") echo none ;;
         "apply:--socket") echo file ;;
@@ -103,6 +111,13 @@ _gpuctl_option_value() {
         "size:--device-mib") echo none ;;
         "size:--socket") echo file ;;
         "size:--timeout") echo none ;;
+        "keys:--models") echo none ;;
+        "keys:--max-concurrent") echo none ;;
+        "keys:--requests-per-minute") echo none ;;
+        "keys:--priority") echo none ;;
+        "keys:--weight") echo none ;;
+        "keys:--socket") echo file ;;
+        "keys:--timeout") echo none ;;
         "reload:--socket") echo file ;;
         "reload:--timeout") echo none ;;
     esac
@@ -120,10 +135,13 @@ _gpuctl_positional() {
         "wake:0") echo serve ;;
         "stop:0") echo serve ;;
         "restart:0") echo serve ;;
+        "logs:0") echo serve ;;
         "plan:0") echo toml ;;
         "apply:0") echo toml ;;
         "calibrate:0") echo serve ;;
         "size:0") echo file ;;
+        "keys:0") echo keyaction ;;
+        "keys:1") echo none ;;
         *) echo none ;;
     esac
 }
@@ -137,6 +155,7 @@ _gpuctl_value() {
                       sed -n "s/^gpu_role '\([^']*\)'.*/\1/p") ;;
         kind) words=$_gpuctl_kinds ;;
         since) words=$_gpuctl_since ;;
+        keyaction) words=$_gpuctl_keyactions ;;
         file) mapfile -t COMPREPLY < <(compgen -f -- "$cur"); return ;;
         toml) mapfile -t COMPREPLY < <(compgen -f -X '!*.toml' -- "$cur"; compgen -d -- "$cur")
               return ;;

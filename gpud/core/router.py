@@ -186,6 +186,9 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         [keys.alice]
         token = "sk-..."            # at least 16 printable characters
         models = ["chat", "ocr"]    # or ["*"]: every model
+
+    or, instead of the token, its SHA-256 (64 hex digits: the file then holds no token;
+    `gpuctl keys add` writes it so): sha256 = "9f86d0..."
     """
     try:
         doc = tomllib.loads(text)
@@ -203,18 +206,19 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if not KEY_NAME_RE.fullmatch(name):
             problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
             continue
-        if not isinstance(entry, dict) or set(entry) - {"token", "models", *KEY_SHARES}:
-            problems.append(f"{where}: a table of token, models and "
+        if not isinstance(entry, dict) or set(entry) - {*KEY_SECRETS, "models", *KEY_SHARES}:
+            problems.append(f"{where}: a table of token (or sha256), models and "
                             f"{', '.join(KEY_SHARES)} only")
             continue
         shares, wrong = key_shares(entry, where)
         if wrong:
             problems += wrong
             continue
-        token, models = entry.get("token"), entry.get("models")
-        if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
-            problems.append(f"{where}.token: at least 16 printable characters, no spaces")
+        digest, wrong = key_digest(entry, where)
+        if digest is None:
+            problems += wrong
             continue
+        models = entry.get("models")
         if not isinstance(models, list) or not models or \
                 not all(isinstance(m, str) for m in models):
             problems.append(f"{where}.models: a list of model names (or [\"*\"])")
@@ -223,9 +227,9 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if unknown:
             problems.append(f"{where}.models: no serve answers to {', '.join(map(repr, unknown))}")
             continue
-        digest = hashlib.sha256(token.encode()).hexdigest()
         if digest in seen:
-            problems.append(f"{where}.token: the same token as keys.{seen[digest]}")
+            field = "token" if "token" in entry else "sha256"
+            problems.append(f"{where}.{field}: the same token as keys.{seen[digest]}")
             continue
         seen[digest] = name
         mc, rpm = shares.get("max_concurrent"), shares.get("requests_per_minute")
@@ -235,6 +239,31 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
                            priority=int(shares.get("priority", 0)),
                            weight=float(shares.get("weight", 1.0))))
     return keys, problems
+
+
+# How a key's table gives its token: the token itself, or its SHA-256 (what the router compares:
+# a file of digests holds no token a reader could use).
+KEY_SECRETS: Final = ("token", "sha256")
+SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def key_digest(entry: Mapping[str, object], where: str) -> tuple[str | None, list[str]]:
+    """The SHA-256 of a key's token, from its table's token or sha256 (exactly one of them),
+    and the problem (naming the key) when there is none."""
+    token, digest = entry.get("token"), entry.get("sha256")
+    if token is not None and digest is not None:
+        return None, [f"{where}: token or sha256, not both"]
+    if digest is not None:
+        if not isinstance(digest, str) or not SHA256_RE.fullmatch(digest.lower()):
+            return None, [f"{where}.sha256: the token's SHA-256, 64 hex digits"]
+        return digest.lower(), []
+    if not isinstance(token, str) or not TOKEN_RE.fullmatch(token):
+        return None, [f"{where}.token: at least 16 printable characters, no spaces"]
+    return token_digest(token), []
 
 
 # A key's limits and shares (docs/router.md, "Who is asking"): name -> (smallest, largest).

@@ -531,6 +531,33 @@ def run_size(ctl: Ctl, args: argparse.Namespace) -> int:
     return size.run(ctl, args)
 
 
+def configure_logs(p: argparse.ArgumentParser) -> None:
+    from gpud.ctl import logs
+
+    logs.configure(p)
+
+
+def run_logs(ctl: Ctl, args: argparse.Namespace) -> int:
+    import time
+
+    from gpud.ctl import logs
+
+    since = parse_since(args.since, time.time()) if args.since is not None else None
+    return logs.run(ctl, args, since)
+
+
+def configure_keys(p: argparse.ArgumentParser) -> None:
+    from gpud.ctl import keys
+
+    keys.configure(p)
+
+
+def run_keys(ctl: Ctl, args: argparse.Namespace) -> int:
+    from gpud.ctl import keys
+
+    return keys.run(ctl, args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "status", "the daemon in a few lines",
@@ -666,6 +693,20 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl events --follow --kind overdraw,reserve-exceeded",
         configure_events, run_events),
     Command(
+        "logs", "a serve's own journal: what it wrote, why it failed",
+        f"Show serve NAME's journal: what its processes wrote to stdout and stderr, which "
+        f"systemd keeps under its unit {serve_unit('NAME')} (the same as `journalctl -u "
+        f"{serve_unit('NAME')}`), oldest first; -f follows it, --since and --lines bound it, "
+        "--json gives journalctl's JSON, one entry a line. A failed serve's reason (gpuctl "
+        "serves NAME) already names the exception it ended on and where it was raised (else "
+        "its last ERROR line, else its last three lines); this is the whole story.\n\n"
+        "gpuctl runs journalctl as you, not through gpud: you see what you may read. Root and "
+        "the members of group systemd-journal (or adm) may read the system journal; anyone "
+        "else is told so (exit 1). Works while gpud is down.",
+        "  gpuctl logs ocr\n  gpuctl logs ocr -f\n  gpuctl logs ocr --since 1h --lines 50\n"
+        "  journalctl -u gpud-serve-ocr.service -b        # the same, by hand",
+        configure_logs, run_logs),
+    Command(
         "plan", "what a new serves.toml would do to the ledger",
         "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
         "role capacity, reserve, committed and free before -> after; per serve its reservation, "
@@ -724,6 +765,29 @@ COMMANDS: tuple[Command, ...] = (
         "  gpuctl size --serve fast\n"
         "  gpuctl size /srv/models/llama --quantization fp8_per_tensor --kv-cache-dtype fp8",
         configure_size, run_size),
+    Command(
+        "keys", "the router's keys: list, add, rotate, revoke",
+        "Edit the router's keys file (router.api_keys_file of the config in force; "
+        "docs/router.md). list shows each key's models, limits and whether the file holds "
+        "its token or only the token's SHA-256, never a token. add NAME makes a key with a "
+        "new random token (Python's secrets), prints the token once and writes only its "
+        "SHA-256; rotate NAME gives it a new token the same way (the old one is refused from "
+        "then on), keeping its models and limits; revoke NAME removes it. Each change is made "
+        "on the file's own lines (the rest, comments included, kept), checked whole as gpud's "
+        "reload checks it (models no serve answers to, limits out of range: exit 2, nothing "
+        "changed), written atomically (0600) under a lock, and then gpud reloads, which gives "
+        "the router the new keys; when gpud refuses that reload the old file is put back. "
+        "Refused while the config file on disk is not the config in force (the reload would "
+        "put it in force too).\n\n"
+        "Needs root: the edit is gpuctl's, with its user's own rights, and the config and the "
+        "keys file are root's.",
+        "  gpuctl keys list\n"
+        "  gpuctl keys add alice --models chat ocr --requests-per-minute 60\n"
+        "      key alice added in /etc/gpud/keys.toml; gpud reloaded\n"
+        "      token: sk-gpud-...\n"
+        "  gpuctl keys rotate alice\n"
+        "  gpuctl keys revoke alice",
+        configure_keys, run_keys),
     Command(
         "reload", "re-read serves.toml",
         "Make gpud re-read its config file. Reservations are never dropped silently: a role the "

@@ -91,7 +91,9 @@ budget plus ``--context-mib`` (the CUDA context vLLM's budget does not count), t
 simulation drops the file of a dead PID. The simulated observation backend reads these files as
 NVML's per-process list.
 
-Fault injection: ``--crash-after S [--exit-code C]`` (the server process), ``--engine-dies-after
+Fault injection: ``--raise-at-start MESSAGE`` (the model's load raises RuntimeError(MESSAGE):
+a Python traceback on stderr and exit status 1, as ``vllm serve`` ends on a model it cannot
+load), ``--crash-after S [--exit-code C]`` (the server process), ``--engine-dies-after
 S`` (the engine child; vLLM's 503-then-exit follows), ``--never-healthy`` (never finishes
 loading), ``--unhealthy-after S`` (503 with everything alive), ``--ignore-sigterm``.
 
@@ -229,6 +231,7 @@ class Options(NamedTuple):
     startup_delay_s: float
     crash_after_s: float | None
     exit_code: int
+    raise_at_start: str | None
     never_healthy: bool
     unhealthy_after_s: float | None
     engine_dies_after_s: float | None
@@ -546,6 +549,8 @@ def _parser() -> argparse.ArgumentParser:
         "--exit-code", type=_exit_code, default=1, metavar="C", help="with --crash-after (default 1)"
     )
     faults.add_argument("--never-healthy", action="store_true", help="never finishes loading")
+    faults.add_argument("--raise-at-start", default=None, metavar="MESSAGE",
+                        help="the model's load raises RuntimeError(MESSAGE): a traceback, exit 1")
     faults.add_argument("--unhealthy-after", type=_seconds, default=None, metavar="S",
                         help="/health 503 from S on, with the engine alive")
     faults.add_argument("--engine-dies-after", type=_seconds, default=None, metavar="S",
@@ -608,6 +613,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         startup_delay_s=ns.startup_delay,
         crash_after_s=ns.crash_after,
         exit_code=ns.exit_code,
+        raise_at_start=ns.raise_at_start,
         never_healthy=ns.never_healthy,
         uds=ns.uds,
         token_interval_s=ns.token_interval_s,
@@ -2390,6 +2396,11 @@ def _bind(opts: Options, app: App) -> _Server | _UnixServer:
     return cls((opts.host, opts.port), app)
 
 
+def _load_model(message: str) -> None:
+    """--raise-at-start: a load that fails as a Python exception, uncaught."""
+    raise RuntimeError(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     for stream in (sys.stdout, sys.stderr):
@@ -2430,6 +2441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.crash_after_s == 0:
         print(f"{PROGRAM}: simulated crash at start, exit code {opts.exit_code}", file=sys.stderr)
         return opts.exit_code
+    if opts.raise_at_start is not None:
+        _load_model(opts.raise_at_start)  # raises: the interpreter prints the traceback
 
     app = App(opts, draw_mib=plan.draw, echo=echo)
     try:

@@ -82,6 +82,9 @@ _CPU_KV = re.compile(rf"(?:Explicitly|Auto) set \({_NUMBER}/{_NUMBER}\) GiB for 
 # A traceback's last line: a dotted exception name ending in Error or Exception, a colon.
 _EXCEPTION = re.compile(r"(?:^|\] |\s)((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): .+)$")
 _ERROR = re.compile(r"\bERROR\b")
+# A traceback's frame (CPython's traceback module: '  File "PATH", line N, in NAME'), after a
+# prefix when a logger wrote it ("(EngineCore_DP0 pid=7) ").
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)$')
 REASON_CHARS = 300
 
 
@@ -176,18 +179,31 @@ def budget_mib(util: str, total_mib: int) -> int:
 
 def exit_reason(lines: Iterable[str]) -> str | None:
     """What a serve's last lines (oldest first) say of why it exited: the last line naming an
-    exception, else the last ERROR line, cut to REASON_CHARS; None when neither is there."""
-    exception = error = None
+    exception, with where it was raised when a traceback says so (its innermost frame:
+    "(at PATH:LINE in FUNCTION)"), else the last ERROR line; cut to REASON_CHARS (the
+    exception's text first, the place kept); None when neither is there."""
+    exception = error = frame = raised_at = None
     for line in lines:
         text = line.strip()
-        if (m := _EXCEPTION.search(text)) is not None:
-            exception = m.group(1)
+        if (m := _FRAME.search(text)) is not None:
+            frame = f"{m.group(1)}:{m.group(2)} in {m.group(3)}"
+        elif (m := _EXCEPTION.search(text)) is not None:
+            exception, raised_at, frame = m.group(1), frame, None
         elif _ERROR.search(text):
             error = text
-    found = exception or error
-    if found is None:
-        return None
-    return found if len(found) <= REASON_CHARS else found[:REASON_CHARS - 3] + "..."
+        if text.startswith("Traceback (most recent call last)") or text.endswith(
+                "Traceback (most recent call last):"):
+            frame = None  # a new traceback: its own frames
+    if exception is None:
+        return None if error is None else _cut(error)
+    if raised_at is None:
+        return _cut(exception)
+    where = f" (at {_cut(raised_at, REASON_CHARS // 2)})"
+    return _cut(exception, REASON_CHARS - len(where)) + where
+
+
+def _cut(text: str, limit: int = REASON_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def last_words(lines: Iterable[str], count: int = 3) -> str | None:

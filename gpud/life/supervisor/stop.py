@@ -277,7 +277,9 @@ class StopJob:
                     self.rt.step(serve, JobEnded(Job.FAIL_STOP))
             else:
                 reason += f"; not stopped: system bus unavailable ({self.rt.units.reason})"
-        if kind in (EventKind.EXIT, EventKind.CRASH_LOOP):
+        # What the serve said last: why it exited, or why it never answered (a load that
+        # raised and hung, an unhealthy serve's complaint).
+        if kind in (EventKind.EXIT, EventKind.CRASH_LOOP, EventKind.UNHEALTHY):
             last = self.rt.life(serve).unit
             lines = await self.journal(serve_unit(serve), last.invocation_id if last else None)
             said = exit_reason(lines) or last_words(lines)
