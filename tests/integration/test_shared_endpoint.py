@@ -255,7 +255,15 @@ def test_a_world_changed_under_a_running_config_keeps_the_last_good_and_says_deg
         assert degraded[1].startswith(f"serves.ocr.port: 127.0.0.1:{LIT + 2} is in use by "
                                       "another process"), degraded
         assert gpud.metrics("gpud_front_degraded") == [({}, 2.0)]
+        router = gpud.get("/v1/status")["router"]
+        assert router == {"listen": f"127.0.0.1:{LIT}", "listening": True,
+                          "degraded": degraded[:1]}, router
         status = gpuctl(gpud, "status").stdout
-        assert "!! DEGRADED: router.api_keys_file" in status, status
+        rows = dict(line.split(":", 1) for line in status.splitlines())
+        # the router's own line: listening, on the keys last read, and why; the front's
+        # line keeps the rest
+        assert rows["router"].strip() == (f"listening on 127.0.0.1:{LIT}; !! DEGRADED: "
+                                          + degraded[0]), status
+        assert rows["front"].strip() == "!! DEGRADED: " + degraded[1], status
     finally:
         gpud.sb.kill(holder)
