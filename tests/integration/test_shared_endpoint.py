@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.integration.gpudctl import REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.test_page import page_forwarded, shown_page
 from tests.waiting import wait_until
 
 ROUTER = 30390
@@ -265,5 +266,11 @@ def test_a_world_changed_under_a_running_config_keeps_the_last_good_and_says_deg
         assert rows["router"].strip() == (f"listening on 127.0.0.1:{LIT}; !! DEGRADED: "
                                           + degraded[0]), status
         assert rows["front"].strip() == "!! DEGRADED: " + degraded[1], status
+        # the status page says both, the router's as the router's
+        with page_forwarded(gpud):
+            shown = shown_page(gpud)
+        assert shown.by_id["router"] == f"router: listening on 127.0.0.1:{LIT} (degraded)"
+        assert shown.problems == [f"router degraded: {degraded[0]}",
+                                  f"front degraded: {degraded[1]}"], shown.problems
     finally:
         gpud.sb.kill(holder)
