@@ -375,3 +375,28 @@ def test_the_front_user_not_found_is_looked_up_again(monkeypatch: pytest.MonkeyP
     assert gpud.server.api._uid_of("gpud-front-made-later") is None
     assert gpud.server.api._uid_of("gpud-front-made-later") == 4242
     assert gpud.server.api._uid_of("gpud-front-made-later") == 4242 and len(calls) == 2
+
+
+def test_status_says_whether_the_router_listens(tmp_path: Path) -> None:
+    """GET /v1/status: with a [router], its address and whether a connection to it is
+    accepted now (gpuctl status's router line); no [router], no such part."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        gp = start_gpud(tmp_path, T015 + f'\n[router]\nlisten = "127.0.0.1:{port}"\n')
+        try:
+            status = gp.call("GET", "/v1/status").body
+            assert status["router"] == {"listen": f"127.0.0.1:{port}", "listening": False,
+                                        "degraded": []}, status
+            held.listen()
+            status = gp.call("GET", "/v1/status").body
+            assert status["router"]["listening"] is True, status
+            assert status["host"] == socket.gethostname()
+        finally:
+            gp.stop()
+    (tmp_path / "no-router").mkdir()
+    gp = start_gpud(tmp_path / "no-router", T015)
+    try:
+        assert "router" not in gp.call("GET", "/v1/status").body
+    finally:
+        gp.stop()

@@ -99,6 +99,10 @@ class Checked:
         if template == "/metrics":
             assert reply.raw.startswith(b"# HELP")
             return reply.raw
+        if template == "/ui":
+            assert reply.headers["Content-Type"].startswith("text/html"), reply.headers
+            assert reply.raw.startswith(b"<!doctype html>")
+            return reply.raw
         if template == "/v1/apply":
             lines = [json.loads(line) for line in reply.raw.splitlines() if line.strip()]
             for line in lines:
@@ -128,6 +132,7 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     check("GET", "/v1/serves/{name}", "/v1/serves/Bad%20Name", status=400)
     check("GET", "/v1/openapi.json")
     check("GET", "/metrics")
+    check("GET", "/ui")
 
     admitted = check("POST", "/v1/serves/{name}/admit", "/v1/serves/fast/admit", {"mib": 14336})
     assert admitted["figures"]["committed_mib"] == 14336

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from gpud.core.router import LOG_FIELDS, USAGE_FIELDS
 from gpud.core.vocab import STATES, WARNING_KINDS, WATCHED_KINDS, EventKind
-from tests.conftest import REPO, start_gpud
+from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.test_metrics import free_port, sim_config
 
 DASHBOARD = REPO / "packaging" / "grafana" / "gpud-dashboard.json"
@@ -43,10 +44,44 @@ def test_dashboard_is_current() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def routed_config(tmp: Path, port: int | None = None) -> str:
+    """sim_config with the router: fast on demand behind it (its queue's series), the
+    router's access log in TMP/front/log (gpud.nginx.router.log_path)."""
+    text = sim_config(tmp, port).replace("[daemon]\n", f'[daemon]\nfront_dir = "{tmp / "front"}"\n')
+    text = text.replace('vram_mib = 14336\ncommand = ["/bin/true"]\n',
+                        'vram_mib = 14336\nport = 30001\non_demand = true\nmodels = ["fast"]\n'
+                        'command = ["/bin/true", "--uds", "{socket}"]\n')
+    return text + f'[router]\nlisten = "127.0.0.1:{free_port()}"\n'
+
+
+def router_answered(tmp: Path) -> None:
+    """What the router's nginx writes to its access log (LOG_FIELDS, USAGE_FIELDS) for two
+    requests of key alice to fast and one of bob's for a name it does not route; gpud reads
+    the log at each scrape."""
+    def line(model: str, status: str, key: str, prompt: str, completion: str) -> str:
+        doc = {name: "" for name, _ in (*LOG_FIELDS, *USAGE_FIELDS)}
+        doc.update(model=model, serve=model, status=status, request_s="0.012",
+                   upstream_s="0.010", key=key, ts=f"{time.time():.3f}",
+                   prompt_tokens=prompt, completion_tokens=completion)
+        return json.dumps(doc)
+    log = tmp / "front" / "log" / "router.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write("\n".join([line("fast", "200", "alice", "12", "5"),
+                           line("fast", "200", "alice", "3", "4"),
+                           line("nope", "404", "bob", "", "")]) + "\n")
+
+
+def started(tmp: Path, port: int | None = None) -> GpudProcess:
+    gp = start_gpud(tmp, routed_config(tmp, port))
+    router_answered(tmp)
+    return gp
+
+
 def test_dashboard_queries_exported_metrics(tmp_path: Path) -> None:
     exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\b(gpud_[a-z_]+)", e)}
-    gp = start_gpud(tmp_path, sim_config(tmp_path))
+    gp = started(tmp_path)
     try:
         assert gp.call("POST", "/v1/serves/fast/admit", {"mib": 1000}).status == 200
         text = gp.call("GET", "/metrics").raw.decode()
@@ -88,7 +123,7 @@ def scraped(tmp_path: Path) -> Iterator[Prometheus]:
     """A gpud (fast admitted on dark-fast) scraped every second by a real Prometheus."""
     binary = prometheus_binary()
     gpud_port, prom_port = free_port(), free_port()
-    gp = start_gpud(tmp_path, sim_config(tmp_path, gpud_port))
+    gp = started(tmp_path, gpud_port)
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -151,7 +186,7 @@ def test_every_panel_against_a_real_prometheus(scraped: Prometheus) -> None:
     # every target of every panel answers, with the $role variable at All and at one role
     by_title = panels()
     for title, panel in by_title.items():
-        for target in panel["targets"]:
+        for target in panel.get("targets", []):
             for role in (".*", "dark-fast"):
                 assert prom.query(for_role(target["expr"], role)), (title, target["expr"], role)
 
@@ -182,6 +217,27 @@ def test_every_panel_against_a_real_prometheus(scraped: Prometheus) -> None:
             legend = re.sub(r"\{\{(\w+)\}\}", lambda m: r["metric"][m.group(1)], target["legendFormat"])  # noqa: B023
             shown[legend] = words[f"{value(r):g}"]
     assert shown == {"observation (simulated)": "available", "launching (system bus)": "unavailable"}
+
+    # the router's and usage's panels: by the names the router's log gave (models of its
+    # table, "" for a name it does not route: Prometheus stores no empty label), keys and
+    # kinds of tokens
+    def labels(title: str, *names: str) -> set[tuple[str, ...]]:
+        (target, *_) = by_title[title]["targets"]
+        return {tuple(r["metric"].get(n, "") for n in names) for r in prom.query(target["expr"])}
+    assert labels("Router: requests per second by model and status", "model", "code") >= {
+        ("fast", "2xx"), ("", "4xx")}
+    assert labels("Usage: tokens per minute by key", "key", "kind") == {
+        (k, kind) for k in ("alice", "bob") for kind in ("prompt", "completion")}
+    assert labels("Usage: requests per minute by key and status, and those without usage",
+                  "key", "code") == {("alice", "2xx"), ("bob", "4xx")}
+    assert labels("Queue: requests waiting for a bring-up, by serve", "serve") == {("fast",)}
+    # the figures behind them: the tokens of the serve's own usage, nothing dark
+    tokens = {(r["metric"]["key"], r["metric"]["kind"]): value(r)
+              for r in prom.query("gpud_router_key_tokens_total")}
+    assert tokens == {("alice", "prompt"): 15.0, ("alice", "completion"): 9.0,
+                      ("bob", "prompt"): 0.0, ("bob", "completion"): 0.0}, tokens
+    dark = by_title["Front and router: what is dark (why: gpuctl status)"]
+    assert [value(r) for r in prom.query(dark["targets"][0]["expr"])] == [0.0]
 
 
 def test_the_events_panel_shows_the_watched_kinds_of_the_vocabulary() -> None:

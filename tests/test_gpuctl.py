@@ -106,8 +106,8 @@ OBSERVED_SIM: dict[str, Any] = {
 }
 
 STATUS: dict[str, Any] = {
-    "version": "0.1.0", "config": "/etc/gpud/serves.toml", "admission": "strict",
-    "started_at": T0, "ready": True,
+    "version": "0.1.0", "host": "node1", "config": "/etc/gpud/serves.toml",
+    "admission": "strict", "started_at": T0, "ready": True,
     "launching": {"available": False, "reason": "system bus unreachable: no such file"},
     "observation": {"backend": "simulated", "available": True, "reason": None, "simulated": True},
     "serve_states": {"running": 3, "denied": 1},
@@ -335,6 +335,7 @@ def test_status_block() -> None:
     text = format_status(STATUS, UTC)
     assert text == """\
 version:        0.1.0
+host:           node1
 config:         /etc/gpud/serves.toml
 started:        2025-11-30T00:00:00+00:00
 admission:      strict
@@ -365,6 +366,31 @@ def test_status_says_when_the_file_on_disk_is_not_the_config_in_force() -> None:
                                       "config in force: refused at start: x)")
     doc = dict(STATUS, config_file={"differs": False, "reason": None})
     assert format_status(doc, UTC) == format_status(STATUS, UTC)
+
+
+def test_status_says_where_the_router_listens_and_why_it_is_degraded() -> None:
+    up = dict(STATUS, router={"listen": "127.0.0.1:8000", "listening": True, "degraded": []},
+              front={"degraded": []})
+    rows = dict(line.split(":", 1) for line in format_status(up, UTC).splitlines())
+    assert rows["router"].strip() == "listening on 127.0.0.1:8000"
+    assert "front" not in rows
+    taken = "router.listen: 127.0.0.1:8000 is in use by another process: ..."
+    port = "serves.ocr.port: 127.0.0.1:8001 is in use by another process: ..."
+    down = dict(STATUS, router={"listen": "127.0.0.1:8000", "listening": False,
+                                "degraded": [taken]}, front={"degraded": [taken, port]})
+    rows = dict(line.split(":", 1) for line in format_status(down, UTC).splitlines())
+    text = format_status(down, UTC)
+    assert "router:         !! NOT LISTENING on 127.0.0.1:8000: !! DEGRADED: " + taken in text
+    # the router's own degradation is said once, on its line; the front's line keeps the rest
+    assert rows["front"].strip() == "!! DEGRADED: " + port
+    kept = dict(STATUS, router={"listen": "127.0.0.1:8000", "listening": True,
+                                "degraded": ["router.api_keys_file: x (keeping the keys last "
+                                             "read)"]})
+    rows = dict(line.split(":", 1) for line in format_status(kept, UTC).splitlines())
+    assert rows["router"].strip() == ("listening on 127.0.0.1:8000; !! DEGRADED: "
+                                      "router.api_keys_file: x (keeping the keys last read)")
+    # no [router]: no line
+    assert "router" not in format_status(STATUS, UTC)
 
 
 def test_status_says_why_observation_runs_on_the_last_good_state() -> None:

@@ -332,10 +332,21 @@ class FrontStatus(TypedDict):
     degraded: list[str]
 
 
+class RouterStatus(TypedDict):
+    """The router's part of GET /v1/status (a config with a [router]): its address, whether
+    something accepts a connection there now, and what of the front's last sync is about the
+    router (why it is dark or runs on its last good keys), empty when nothing."""
+
+    listen: str
+    listening: bool
+    degraded: list[str]
+
+
 class Status(TypedDict):
     """GET /v1/status."""
 
     version: str
+    host: str  # the host's name (socket.gethostname): which host of several this is
     config: str | None
     admission: Admission
     started_at: float
@@ -350,6 +361,8 @@ class Status(TypedDict):
     summary: str
     # a gpud that runs a front
     front: NotRequired[FrontStatus]
+    # a config with a [router]
+    router: NotRequired[RouterStatus]
 
 
 class Admitted(TypedDict):

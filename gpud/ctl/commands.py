@@ -561,9 +561,13 @@ def run_keys(ctl: Ctl, args: argparse.Namespace) -> int:
 COMMANDS: tuple[Command, ...] = (
     Command(
         "status", "the daemon in a few lines",
-        "Show gpud's version, config file, admission mode, whether launching (the system bus) "
-        "and observation (NVML, or the simulated backend) are available and why not, how many "
-        "serves are in each state, which roles are over-committed, and the ledger summary.\n\n"
+        "Show gpud's version, host, config file, admission mode, whether launching (the system "
+        "bus) and observation (NVML, or the simulated backend) are available and why not, how "
+        "many serves are in each state, which roles are over-committed, the router (whether it "
+        "listens on its address, and why it is degraded: its keys refused, its module missing, "
+        "its address held by another process), what else of the front is dark, and the ledger "
+        "summary. The same, live and with every serve, device and key: the status page "
+        "(GET /ui on the socket; docs/status-page.md).\n\n"
         "Readable by anyone who can open the socket (group gpud).",
         "  gpuctl status\n  gpuctl status --json | jq .observation",
         _no_args, run_status),

@@ -175,6 +175,7 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
     store = doc.get("store") or {}
     rows = [
         ("version", _dash(doc.get("version"))),
+        ("host", _dash(doc.get("host"))),
         ("config", config),
         ("started", when + ("" if doc.get("ready", True) else " (not ready yet)")),
         ("admission", _dash(doc.get("admission"))),
@@ -189,12 +190,27 @@ def format_status(doc: answers.Status, tz: datetime.tzinfo | None = None) -> str
                                               if isinstance(since, (int, float)) else "")
                      + f" ({store.get('failed_commits')} failed commits): {store.get('error')}; "
                      "nothing that needs a record is changed"))
+    router = doc.get("router")
+    if router is not None:
+        rows.append(("router", _router_line(router)))
     front = doc.get("front")
-    degraded = front["degraded"] if front is not None else []
+    # what of the front's degradation is the router's is said on the router's line
+    mine = set(router["degraded"]) if router is not None else set()
+    degraded = [d for d in (front["degraded"] if front is not None else []) if d not in mine]
     if degraded:
         rows.append(("front", "!! DEGRADED: " + "; ".join(degraded)))
     rows.append(("summary", _dash(doc.get("summary"))))
     return _block(rows)
+
+
+def _router_line(router: answers.RouterStatus) -> str:
+    """`listening on ADDRESS`, or `!! NOT LISTENING on ADDRESS`; then why it is degraded."""
+    where = router["listen"]
+    line = f"listening on {where}" if router["listening"] else f"!! NOT LISTENING on {where}"
+    if router["degraded"]:
+        line += ("; " if router["listening"] else ": ") + "!! DEGRADED: " + "; ".join(
+            router["degraded"])
+    return line
 
 
 _SERVE_COLUMNS: tuple[tuple[str, str, bool], ...] = (

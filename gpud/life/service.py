@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -1002,6 +1003,7 @@ class LedgerService:
         available, why = self.launching()
         return {
             "version": __version__,
+            "host": socket.gethostname(),
             "config": str(self.config_path) if self.config_path else None,
             "admission": self.config.daemon.admission,
             "started_at": self.started_at,

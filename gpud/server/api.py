@@ -9,17 +9,22 @@ something else; nothing is public except on the optional metrics listener.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import grp
+import hashlib
 import json
 import logging
 import math
 import pwd
+import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from aiohttp import web
@@ -58,6 +63,7 @@ from gpud.errors import (
 from gpud.life.offload import Offload
 from gpud.life.rebalance import Rebalancer
 from gpud.life.service import LedgerService, check_serve_name
+from gpud.nginx.front import not_listening
 from gpud.server import connguard
 from gpud.server.connguard import Guarded
 from gpud.server.metrics import METRICS_CONTENT_TYPE
@@ -182,6 +188,7 @@ class Api:
         self.route("GET", "/v1/events", self.events, "read")
         self.route("GET", "/v1/usage", self.usage, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
+        self.route("GET", "/ui", self.page, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
         self.route("POST", "/v1/serves/{name}/admit", self.admit)
         self.route("POST", "/v1/serves/{name}/release", self.release)
@@ -312,9 +319,32 @@ class Api:
 
     async def status(self, request: web.Request) -> web.Response:
         doc = self.svc.status_view(self.observation_status())
+        degraded = list(self.front_degraded()) if self.front_degraded is not None else []
         if self.front_degraded is not None:
-            doc["front"] = {"degraded": list(self.front_degraded())}
+            doc["front"] = {"degraded": degraded}
+        r = self.svc.config.router
+        if r is not None:
+            # A connection that sends nothing, closed at once: nginx answers no request and
+            # logs none for it (gpud.nginx.front.not_listening).
+            dark = await not_listening(frozenset({r.listen}), wait_s=0)
+            doc["router"] = {"listen": r.listen, "listening": not dark, "degraded": [
+                d for d in degraded if d.startswith("router") or r.listen in d]}
         return json_response(doc)
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The status page (gpud/data/status.html): one self-contained document whose script
+        reads this API's own read routes, on the same socket, under the same rule."""
+        text, script_hash = status_page()
+        return web.Response(text=text, content_type="text/html", headers={
+            # its one inline script and nothing else runs; it reaches only this origin
+            "Content-Security-Policy": (
+                f"default-src 'none'; script-src 'sha256-{script_hash}'; "
+                "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; "
+                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store",
+        })
 
     async def ledger(self, request: web.Request) -> web.Response:
         return json_response(ledger_view(self.svc, self.draws))
@@ -687,6 +717,21 @@ class Api:
 
 
 _FRONT_UIDS: dict[str, int] = {}
+
+
+PAGE_SOURCE = Path(__file__).parents[1] / "data" / "status.html"
+
+
+@cache
+def status_page() -> tuple[str, str]:
+    """The status page's text and the SHA-256 (base64) of its one inline script, which its
+    Content-Security-Policy allows by that hash alone."""
+    text = PAGE_SOURCE.read_text()
+    scripts = re.findall(r"<script>(.*?)</script>", text, re.DOTALL)
+    if len(scripts) != 1:
+        raise GpudError(f"{PAGE_SOURCE}: {len(scripts)} inline scripts, one expected")
+    digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
+    return text, digest
 
 
 def _uid_of(user: str) -> int | None:

@@ -209,6 +209,9 @@ def document() -> dict[str, Any]:
                     {"name": "key", "in": "query", "schema": _STR},
                 ],
                 "responses": _answers(_ref("Usage"), 400)}},
+            "/ui": {"get": {"summary": "The status page (HTML; its script reads the routes "
+                                       "above)", "responses": {
+                "200": {"description": "ok", "content": {"text/html": {"schema": _STR}}}}}},
             "/v1/openapi.json": {"get": {"summary": "This document",
                                          "responses": _answers({"type": "object"})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition", "responses": {

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.integration.gpudctl import REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.test_page import page_forwarded, shown_page
 from tests.waiting import wait_until
 
 ROUTER = 30390
@@ -255,7 +256,21 @@ def test_a_world_changed_under_a_running_config_keeps_the_last_good_and_says_deg
         assert degraded[1].startswith(f"serves.ocr.port: 127.0.0.1:{LIT + 2} is in use by "
                                       "another process"), degraded
         assert gpud.metrics("gpud_front_degraded") == [({}, 2.0)]
+        router = gpud.get("/v1/status")["router"]
+        assert router == {"listen": f"127.0.0.1:{LIT}", "listening": True,
+                          "degraded": degraded[:1]}, router
         status = gpuctl(gpud, "status").stdout
-        assert "!! DEGRADED: router.api_keys_file" in status, status
+        rows = dict(line.split(":", 1) for line in status.splitlines())
+        # the router's own line: listening, on the keys last read, and why; the front's
+        # line keeps the rest
+        assert rows["router"].strip() == (f"listening on 127.0.0.1:{LIT}; !! DEGRADED: "
+                                          + degraded[0]), status
+        assert rows["front"].strip() == "!! DEGRADED: " + degraded[1], status
+        # the status page says both, the router's as the router's
+        with page_forwarded(gpud):
+            shown = shown_page(gpud)
+        assert shown.by_id["router"] == f"router: listening on 127.0.0.1:{LIT} (degraded)"
+        assert shown.problems == [f"router degraded: {degraded[0]}",
+                                  f"front degraded: {degraded[1]}"], shown.problems
     finally:
         gpud.sb.kill(holder)
