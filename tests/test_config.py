@@ -13,7 +13,7 @@ import pytest
 from gpud.config import load_config, parse_config
 from gpud.core.vocab import SleepAction
 from gpud.errors import ConfigError
-from tests.conftest import REPO, T015
+from tests.conftest import REPO, T015, example_toml
 
 BASE = """
 [roles.gpu]
@@ -153,9 +153,11 @@ def test_unreadable() -> None:
 
 
 def test_check_config_cli(tmp_path: Path) -> None:
+    example = tmp_path / "serves.toml"
+    example.write_text(example_toml())
+    example.chmod(0o600)
     good = subprocess.run([sys.executable, "-m", "gpud.daemon", "--check-config",
-                           str(REPO / "etc" / "serves.toml")], capture_output=True, text=True,
-                          cwd=REPO, check=False)
+                           str(example)], capture_output=True, text=True, cwd=REPO, check=False)
     assert good.returncode == 0, good.stderr
     assert "fast 14336 MiB (resident, priority 10)" in good.stdout
     bad = tmp_path / "bad.toml"

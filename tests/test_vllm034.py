@@ -15,7 +15,7 @@ from gpud.core.launch import vllm_argv
 from gpud.core.vllm_versions import BEHAVIOURS, EXTENSIBLE_KV_OFF, V033, V034, behaviour
 from gpud.errors import ConfigError
 from gpud.vllm.vllm_flags import available_versions, check_serve_args, load_table
-from tests.conftest import REPO
+from tests.conftest import REPO, example_toml
 
 V34 = '[daemon]\nvllm_version = "0.34.0"\n'
 BASE = """
@@ -61,7 +61,7 @@ def test_both_tables_are_there_and_differ_as_0_34_s_parser_does() -> None:
 
 
 def test_check_config_passes_the_example_on_0_34(tmp_path: Path) -> None:
-    text = (REPO / "etc" / "serves.toml").read_text().replace(
+    text = example_toml().replace(
         "[daemon]\n", '[daemon]\nvllm_version = "0.34.0"\n', 1)
     assert 'vllm_version = "0.34.0"' in text
     path = tmp_path / "serves.toml"
