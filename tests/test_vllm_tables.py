@@ -18,7 +18,7 @@ from gpud.core.vllm_versions import EXTENSIBLE_KV_OFF, NEWEST_KNOWN, behaviour
 from gpud.errors import ConfigError
 from gpud.vllm.learn import LearnError, interpreter_of
 from gpud.vllm.vllm_flags import available_versions
-from tests.conftest import REPO
+from tests.conftest import REPO, start_gpud
 from tests.test_model_size import big as big  # the fixture
 from tests.test_model_size import gpuctl
 
@@ -164,3 +164,29 @@ def test_gpuctl_size_says_whose_rules_size_a_release_it_does_not_know(
     assert (doc["vllm_version"], doc["rules_from"]) == ("0.35.0", NEWEST_KNOWN)
     known = json.loads(gpuctl("--json", "size", str(big), "--vllm-version", "0.34.0").stdout)
     assert known["rules_from"] is None and known["rules_note"] is None
+
+
+def test_the_journal_says_it_when_gpud_starts_or_reloads_to_such_a_release(
+        tmp_path: Path) -> None:
+    """gpud's own log (the journal under systemd; stderr here): the borrowed rules, at start
+    and at a reload that changes the release."""
+    operator_table(tmp_path, "0.35.0")
+    note = (f"gpud has no sizing rules of vLLM 0.35.0's own: it sizes its KV cache and its "
+            f"sleep by vLLM {NEWEST_KNOWN}'s")
+    gp = start_gpud(tmp_path, daemon(tmp_path, "0.35.0") + BASE)
+    try:
+        assert note in gp.output()
+    finally:
+        gp.stop()
+    again = tmp_path / "again"
+    again.mkdir()
+    operator_table(again, "0.35.0")
+    gp = start_gpud(again, daemon(again, "0.34.0") + BASE)
+    try:
+        assert note not in gp.output()
+        gp.config.write_text(daemon(again, "0.35.0") + BASE)
+        reply = gp.call("POST", "/v1/reload")
+        assert reply.status == 200, reply.body
+        assert note in gp.output()
+    finally:
+        gp.stop()
