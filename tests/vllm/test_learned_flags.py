@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from gpud.core.vllm_versions import EXTENSIBLE_KV_OFF, NEWEST_KNOWN, behaviour
 from gpud.errors import ConfigError
 from gpud.vllm.learn import interpreter_of
 from gpud.vllm.vllm_flags import available_versions
+from tests.integration.conftest import booted_sandbox
 from tests.vllm.servers import REPO, VLLM
 
 # the release the real-vLLM tier installs
@@ -98,8 +100,9 @@ def test_the_installed_vllm_is_learned_once_and_its_flags_checked(
     assert EXTENSIBLE_KV_OFF not in argv and behaviour(VERSION).rules_from == NEWEST_KNOWN
     parsed = subprocess.run([interpreter_of(str(VLLM)), "-I", "-c", PARSE],
                             input=json.dumps(argv[1:]), capture_output=True, text=True,
-                            timeout=600, check=False, env={"VLLM_NO_USAGE_STATS": "1",
-                                                           "PATH": "/usr/bin:/bin"})
+                            timeout=600, check=False,
+                            env={"VLLM_NO_USAGE_STATS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                                 "PATH": "/usr/bin:/bin"})
     assert parsed.returncode == 0, parsed.stderr[-2000:]
 
 
@@ -110,3 +113,30 @@ def test_a_vllm_of_another_version_than_configured_is_refused_naming_both(
     assert (f"the vLLM that {str(VLLM)!r} runs is {VERSION}, while daemon.vllm_version says "
             f"0.35.0: set it to {VERSION}") in out.stderr
     assert not (tmp_path / "state" / "vllm-flags").exists()
+
+
+@pytest.mark.sandbox
+def test_gpud_service_learns_it_under_its_own_hardening(real_vllm: None) -> None:
+    """gpud.service (MemoryDenyWriteExecute, its system-call filter, ProtectSystem: units/
+    gpud.service) learns the table itself at start when nothing learned it before, keeps it,
+    says so in the journal and comes up."""
+    text = (f'[daemon]\nvllm_version = "{VERSION}"\nvllm_executable = "{VLLM}"\n'
+            f'vllm_flags_dir = "/nonexistent"\n') + SERVE
+    boot = booted_sandbox("gpud-learn")
+    sbx = next(boot)
+    try:
+        sbx.install_gpud(REPO, text)
+        began = time.monotonic()
+        started = sbx.run("systemctl start gpud && systemctl is-active gpud", check=False,
+                          timeout=600)
+        took = time.monotonic() - began
+        journal = sbx.run("journalctl -u gpud -o cat --no-pager", check=False).stdout
+        assert started.returncode == 0, started.stdout + started.stderr + journal
+        learned = f"/var/lib/gpud/vllm-flags/vllm-serve-flags-{VERSION}.json"
+        assert json.loads(sbx.host_path(learned).read_text())["vllm"] == VERSION
+        assert f"vLLM {VERSION}'s serve flags are read from {learned}" in journal
+        assert (f"gpud has no sizing rules of vLLM {VERSION}'s own: it sizes its KV cache and "
+                f"its sleep by vLLM {NEWEST_KNOWN}'s") in journal
+        print(f"\ngpud.service up {took:.1f} s after its start, the table learned on the way")
+    finally:
+        boot.close()  # powers it off
