@@ -10,8 +10,8 @@ The parser is the one `vllm serve` itself builds: vLLM's own ServeSubcommand.sub
 (vllm/entrypoints/cli/serve.py) on a sub-parser of its FlexibleArgumentParser, which fills it
 with make_arg_parser from wherever that release keeps it (vllm/entrypoints/common/cli_args.py in
 0.33, vllm/entrypoints/launchers/cli_args.py in 0.32), walked action by action.
-The JSON goes to a file, not stdout: vLLM's logger writes to stdout (vllm/logger.py,
-DEFAULT_LOGGING_CONFIG's stream handler on ext://sys.stdout).
+The JSON goes to a file, not stdout: vLLM's logger writes to stdout (vllm/logger.py's handler
+on envs.VLLM_LOGGING_STREAM, whose default is ext://sys.stdout in vllm/envs.py of 0.32.0).
 """
 
 from __future__ import annotations
