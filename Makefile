@@ -7,7 +7,7 @@
 # the first; `make test` all three.
 PY := .venv/bin/python
 
-.PHONY: setup setup-test setup-vllm demo run test lint unit bench mutation coverage deb docs clean distclean
+.PHONY: setup setup-test setup-vllm setup-deb demo run test lint unit bench mutation coverage deb docs clean distclean
 
 setup:
 	scripts/setup
@@ -18,8 +18,14 @@ setup-test:
 setup-vllm:
 	scripts/setup-vllm
 
+setup-deb:
+	scripts/setup-deb
+
+# DEMO_ARGS=--keep leaves the demo's sandbox running to look around in (its last lines say how
+# to enter it and power it off).
+DEMO_ARGS ?=
 demo: setup
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 run: setup
 	$(PY) -m gpud.daemon --config etc/serves.toml --socket /run/gpud/gpud.sock --state-dir /var/lib/gpud
@@ -60,7 +66,8 @@ docs: setup
 	$(PY) scripts/completion.py
 	$(PY) scripts/dashboard.py
 
-deb: setup-test
+# The package needs the demo's tier and dpkg-deb and strip (scripts/setup-deb), not the test tools.
+deb: setup-deb
 	PYTHON=$(PY) packaging/build-deb
 
 clean:

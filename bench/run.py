@@ -39,8 +39,9 @@ from bench.common import FigureResult, Row, loadavg, machine  # noqa: E402
 FIGURES = ("startup", "admissions", "idle", "boot", "detection", "plan", "preempt", "flood",
            "parallel")
 RESULTS = REPO / "bench" / "RESULTS.md"
-README = REPO / "README.md"
-# The README's table of figures lies between these lines, written from RESULTS.md by a full run
+FIGURES_DOC = REPO / "docs" / "development.md"
+# The figures' page (docs/development.md, "Figures"; the README links to it). Its table of
+# figures lies between these lines, written from RESULTS.md by a full run
 # (tests/test_bench_results.py fails when it says anything else).
 README_BEGIN = "<!-- figures: written by bench/run.py from bench/RESULTS.md; do not edit -->"
 README_END = "<!-- /figures -->"
@@ -106,8 +107,8 @@ def markdown(info: dict[str, str], figs: list[FigureResult], args: argparse.Name
 
 
 def readme_figures(results: str) -> str:
-    """The README's block of figures: RESULTS.md's table (figure, measured, target) and the
-    commit and machine it was measured on."""
+    """The block of figures of docs/development.md: RESULTS.md's table (figure, measured,
+    target) and the commit and machine it was measured on."""
     info = dict(re.findall(r"^- (nproc|cpu|python|commit|date|run): (.*)$", results, flags=re.M))
     section = results.split("\n## Figures\n", 1)[1].split("\n## ", 1)[0]
     rows = [line[2:-2].split(" | ") for line in section.splitlines()
@@ -124,7 +125,7 @@ def readme_figures(results: str) -> str:
     return "\n".join(out)
 
 
-def write_readme(results: str, readme: Path = README) -> None:
+def write_readme(results: str, readme: Path = FIGURES_DOC) -> None:
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise SystemExit(f"{readme}: no {README_BEGIN!r} ... {README_END!r} block to write into")
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwritten to {target}")
         if target == RESULTS:
             write_readme(target.read_text())
-            print(f"and its figures to {README}")
+            print(f"and its figures to {FIGURES_DOC}")
     else:
         print("\n(not written to bench/RESULTS.md: a --quick or --only run; --results PATH writes it)")
     if args.json is not None:

@@ -8,6 +8,7 @@ an admission outcome, decided by the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -40,11 +41,21 @@ from gpud.core.launch import (
 )
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.router import duplicate_names, listen_port, listen_problem, model_name_problem
-from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, extra_args_problems
+from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, borrowed_rules_note, extra_args_problems
 from gpud.core.vllm_versions import behaviour as vllm_behaviour
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
-from gpud.errors import ConfigError
-from gpud.vllm.vllm_flags import check_serve_args, load_table
+from gpud.errors import ConfigError, GpudError
+from gpud.files import write_atomically
+from gpud.vllm.learn import LearnError, learn
+from gpud.vllm.vllm_flags import (
+    LEARNED_DIR,
+    SHIPPED,
+    FlagTable,
+    TableError,
+    check_serve_args,
+    load_table,
+    table_name,
+)
 
 _ABBREVIATED_SHA = re.compile(r"[0-9a-f]{7,39}")
 # Where a vLLM bound to this host answers on 127.0.0.1 (gpud's health checks): loopback itself,
@@ -294,7 +305,7 @@ def _volume_problem(volume: str) -> str | None:
 
 def config_warnings(cfg: Config) -> list[str]:
     """What `gpud --check-config` warns about in a valid config (nothing it refuses)."""
-    warnings: list[str] = []
+    warnings = vllm_release_notes(cfg)
     for name, serve in sorted(cfg.serves.items()):
         c = serve.container
         if c is not None and not IMAGE_DIGEST_RE.fullmatch(c.image):
@@ -349,20 +360,20 @@ def _vllm_problems(cfg: Config) -> list[str]:
     against the flag table of daemon.vllm_version, and utilizations that floor to 0."""
     problems: list[str] = []
     vllm_serves = {n: s for n, s in cfg.serves.items() if s.vllm is not None}
-    # A release gpud does not know is refused whether or not a vllm serve runs it: the daemon
-    # looks its rules up (gpud.core.vllm_versions.behaviour) for sleep, reconciliation and
-    # sizing too, and never falls back to another release's.
-    try:
-        table = load_table(cfg.daemon.vllm_version)
-    except KeyError as exc:
-        problems.append(f"daemon.vllm_version: {exc.args[0]}")
-        table = None
+    # Any vLLM release runs: one gpud has no rules of its own for borrows the newest known
+    # release's (gpud.core.vllm_versions.behaviour, said by config_warnings); its flag table
+    # is gpud's own, an operator's, or learned from the installed vLLM (vllm_flag_table).
+    table: FlagTable | None = None
     try:
         behaviour: VllmBehaviour | None = vllm_behaviour(cfg.daemon.vllm_version)
     except KeyError as exc:
         behaviour = None
-        if table is not None:
-            problems.append(f"daemon.vllm_version: {exc.args[0]}")
+        problems.append(f"daemon.vllm_version: {exc.args[0]}")
+    if behaviour is not None and vllm_serves:
+        try:
+            table = vllm_flag_table(cfg.daemon)
+        except ConfigError as exc:
+            problems += exc.problems
     totals = device_totals(cfg)
     for name, serve in cfg.serves.items():
         roles = [cfg.roles.get(r) for r in serve.all_roles]
@@ -432,6 +443,61 @@ def _vllm_problems(cfg: Config) -> list[str]:
         for problem in check_serve_args([a for a, _ in args], table):
             problems.append(f"serves.{name}.{args[problem.index][1]}: {problem.message}")
     return problems
+
+
+def vllm_release_notes(cfg: Config) -> list[str]:
+    """What is said of a vLLM release gpud has no rules or table of its own for (by
+    --check-config, and in the journal when gpud starts or reloads): whose sizing rules it
+    borrows, and where the serve flags were read."""
+    try:
+        b = vllm_behaviour(cfg.daemon.vllm_version)
+    except KeyError:
+        return []
+    notes = []
+    borrowed = borrowed_rules_note(b)
+    if borrowed is not None:
+        notes.append(f"daemon.vllm_version: {borrowed}")
+    if any(s.vllm is not None for s in cfg.serves.values()):
+        with contextlib.suppress(KeyError, TableError):
+            table = load_table(cfg.daemon.vllm_version, flag_table_dirs(cfg.daemon))
+            if table.source != SHIPPED:
+                notes.append(f"daemon.vllm_version: vLLM {b.version}'s serve flags are read "
+                             f"from {table.source}")
+    return notes
+
+
+def flag_table_dirs(d: DaemonConfig) -> tuple[str, ...]:
+    """Where the flag table of a release gpud ships none for is looked for: the operator's
+    directory, then what gpud learned (under its state directory)."""
+    return d.vllm_flags_dir, str(Path(d.state_dir) / LEARNED_DIR)
+
+
+def vllm_flag_table(d: DaemonConfig) -> FlagTable:
+    """The flag table of daemon.vllm_version: gpud's own, the operator's (vllm_flags_dir), one
+    learned before, or else learned now from the vLLM the serves run (its own parser, once:
+    gpud.vllm.learn; tens of seconds) and kept in the state directory, keyed by version. When
+    the state directory cannot be written (--check-config by a user), the table is used and
+    learned again next time. ConfigError (daemon.vllm_version) saying what was tried."""
+    version = d.vllm_version
+    try:
+        return load_table(version, flag_table_dirs(d))
+    except TableError as exc:
+        raise ConfigError("config", [f"daemon.vllm_version: {exc}"]) from None
+    except KeyError as exc:
+        missing = exc.args[0]
+    try:
+        table, text = learn(d.vllm_executable, version)
+    except LearnError as exc:
+        raise ConfigError("config", [
+            f"daemon.vllm_version: {missing}; learning it from the installed vLLM failed: "
+            f"{exc}. Put the table of vLLM {version} in {d.vllm_flags_dir} "
+            f"(scripts/vllm-flags {version} writes it), or set daemon.vllm_executable to the "
+            "vllm the serves run"]) from None
+    learned = Path(d.state_dir) / LEARNED_DIR
+    with contextlib.suppress(OSError, GpudError):
+        learned.mkdir(mode=0o755, parents=True, exist_ok=True)
+        write_atomically(learned / table_name(version), text, mode=0o644)
+    return table
 
 
 TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel-size", "-tp")

@@ -36,6 +36,7 @@ from gpud.config import (
     parse_config,
     read_config_text,
     summary,
+    vllm_release_notes,
 )
 from gpud.core import answers
 from gpud.core.observation import normalize_bus_id
@@ -395,6 +396,9 @@ class Daemon:
             # in a worker thread: a config of 1 MiB takes the better part of a second
             parsed = await self.offload.run(parse_config, text, str(self.config_path))
             cfg = apply_overrides(parsed, self.overrides)
+            if cfg.daemon.vllm_version != self.config.daemon.vllm_version:
+                for note in vllm_release_notes(cfg):
+                    log.warning("%s", note)
             if self.front is not None:
                 # refused before anything changes: what would leave the router or a front dark
                 dark = self.front.problems(cfg)
@@ -629,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc.message)
         return 2
+    for note in vllm_release_notes(cfg):
+        log.warning("%s", note)
     overrides: dict[str, Any] = {}
     if args.socket:
         overrides["socket"] = args.socket

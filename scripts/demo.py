@@ -11,7 +11,8 @@ does), and fast put to sleep and woken by a request for its model by name (fast 
 sleep_level in both configs, so it is fronted).
 The serves are stand-ins that speak vLLM's /health and /v1/models; the config is
 etc/serves.toml, with `vllm` and the OCR binary pointing at the stand-in. Powers the sandbox off
-at the end, whatever happened.
+at the end, whatever happened, unless --keep: then it stays up to look around in, and the last
+lines say how to enter it and how to power it off.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.sandbox import Sandbox  # noqa: E402
+from tools.sandbox import DEFAULT_WORKDIR_BASE, STATE_FILE, Sandbox  # noqa: E402
 
 PY = sys.executable
+NAME = "gpud-demo"
 SIM = """
 [simulation]
 state_file = "/run/gpud/sim.json"
@@ -51,9 +53,9 @@ EMBEDDINGS = "priority = 20\nport = 30003\n"
 PURPOSE = 'models = ["embeddings", "BAAI/bge-m3"]\n'
 
 
-# The router (docs/router.md): one address for every serve, in the front's nginx with its njs
-# module, copied into the sandbox (its overlay of /) from where scripts/setup unpacked them.
-ROUTER = '\n[router]\nlisten = "127.0.0.1:8000"\n'
+# The router (etc/serves.toml's [router], docs/router.md): one address for every serve, in the
+# front's nginx with its njs module, copied into the sandbox (its overlay of /) from where
+# scripts/setup unpacked them, to the paths Debian's packages install them at.
 NGINX = "/usr/local/sbin/nginx"
 NJS = "/usr/lib/nginx/modules/ngx_http_js_module.so"
 SLEEP = "sleep_level = 1\nsleep_mib = 1024\n"
@@ -78,7 +80,7 @@ def configs() -> tuple[str, str]:
     t011 = t011.replace("priority = 10\nport = 30001\n",
                         f"priority = 10\nport = 30001\n{SLEEP}", 1)
     t011 = t011.replace(EMBEDDINGS, EMBEDDINGS + PURPOSE, 1)
-    t011 += SIM + ROUTER
+    t011 += SIM
     t015 = (t011.replace("reserve_mib = 4608", "reserve_mib = 7168")
             .replace("vram_mib = 14336", "vram_mib = 18432")
             .replace('model = "leon-se/gemma-4-E4B-it-FP8-Dynamic"',
@@ -89,12 +91,21 @@ def configs() -> tuple[str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true",
-                        help="leave the sandbox running (python3 tools/sandbox.py --name "
-                             "gpud-demo shell / poweroff)")
+                        help="leave the sandbox running to look around in (`make demo "
+                             "DEMO_ARGS=--keep`); the demo's last lines say how to enter it "
+                             "and power it off")
     args = parser.parse_args()
     started = time.monotonic()
     before, after = configs()
-    sb = Sandbox(name="gpud-demo", detached=args.keep)
+    # A kept sandbox lives in the workdir tools/sandbox.py's command line finds by its name, so
+    # that its `--name gpud-demo shell` and `poweroff` reach it; one a previous --keep left there
+    # is powered off first.
+    workdir = None
+    if args.keep:
+        workdir = DEFAULT_WORKDIR_BASE / NAME
+        if (workdir / STATE_FILE).exists():
+            Sandbox.attach(workdir).poweroff()
+    sb = Sandbox(workdir, name=NAME, detached=args.keep)
 
     def sh(title: str, command: str) -> None:
         print(f"\n$ {title}", flush=True)
@@ -173,10 +184,31 @@ def main() -> int:
             sb.poweroff()
             print("\n== sandbox powered off ==")
         else:
-            print(f"\n== sandbox left running: python3 tools/sandbox.py --name {sb.name} "
-                  "poweroff ==")
+            print("\n== sandbox left running ==")
+            print("\n".join(kept(sb.name)))
     print(f"demo wall time: {time.monotonic() - started:.1f} s")
+    print("\n".join(WHAT_NEXT))
     return 0
+
+
+def kept(name: str) -> list[str]:
+    """How to enter a sandbox --keep left running, and power it off (tools/sandbox.py's command
+    line, run by this interpreter: the project's, which the sandbox needs)."""
+    tool = f"{PY} {REPO / 'tools' / 'sandbox.py'} --name {name}"
+    return [f"  enter it:     {tool} shell      (then: gpuctl serves, journalctl -u gpud, ...)",
+            f"  power it off: {tool} poweroff"]
+
+
+WHAT_NEXT = [
+    "",
+    "== what next ==",
+    "  the same on your own GPU: README.md, \"On your own GPU\" (install, one serve and the "
+    "router, start, a request)",
+    "  look around in this one: make demo DEMO_ARGS=--keep (it stays up; the last lines say how "
+    "to enter and power it off)",
+    "  the config it ran: etc/serves.toml; the router: docs/router.md; sleep and preemption: "
+    "docs/sleep.md",
+]
 
 
 def wait_boot(sb: Sandbox, timeout: float = 60) -> None:

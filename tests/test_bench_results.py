@@ -1,7 +1,8 @@
-"""bench/RESULTS.md is a full run at a commit of this history, and the README's figures are its.
+"""bench/RESULTS.md is a full run at a commit of this history, and the figures of
+docs/development.md are its.
 
-The README's table is written by bench/run.py from RESULTS.md (between two marker lines); by
-hand it went stale (figures of another run than the one RESULTS.md held)."""
+That table is written by bench/run.py from RESULTS.md (between two marker lines); by hand it went
+stale (figures of another run than the one RESULTS.md held)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 
 import pytest
 
-from bench.run import FIGURES, README, RESULTS, readme_figures
+from bench.run import FIGURES, FIGURES_DOC, RESULTS, readme_figures
 from tests.conftest import REPO
 
 
@@ -21,7 +22,7 @@ def results() -> str:
 
 
 def test_the_readme_figures_are_those_of_results() -> None:
-    assert readme_figures(results()) in README.read_text()
+    assert readme_figures(results()) in FIGURES_DOC.read_text()
 
 
 def test_results_is_a_full_run_of_every_figure() -> None:

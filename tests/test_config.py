@@ -13,7 +13,7 @@ import pytest
 from gpud.config import load_config, parse_config
 from gpud.core.vocab import SleepAction
 from gpud.errors import ConfigError
-from tests.conftest import REPO, T015
+from tests.conftest import REPO, T015, example_toml
 
 BASE = """
 [roles.gpu]
@@ -153,9 +153,11 @@ def test_unreadable() -> None:
 
 
 def test_check_config_cli(tmp_path: Path) -> None:
+    example = tmp_path / "serves.toml"
+    example.write_text(example_toml())
+    example.chmod(0o600)
     good = subprocess.run([sys.executable, "-m", "gpud.daemon", "--check-config",
-                           str(REPO / "etc" / "serves.toml")], capture_output=True, text=True,
-                          cwd=REPO, check=False)
+                           str(example)], capture_output=True, text=True, cwd=REPO, check=False)
     assert good.returncode == 0, good.stderr
     assert "fast 14336 MiB (resident, priority 10)" in good.stdout
     bad = tmp_path / "bad.toml"
@@ -256,9 +258,18 @@ def test_a_utilization_that_floors_to_zero_is_a_config_error_when_the_total_is_k
 
 
 def test_unknown_vllm_version() -> None:
-    found = problems("[daemon]\nvllm_version = \"0.1.0\"\n" + BASE + VLLM_SERVE)
-    assert found == ["daemon.vllm_version: no vllm serve flag table for vLLM '0.1.0' (there are: "
-                     "0.33.0, 0.34.0; write one with scripts/vllm-flags VERSION)"]
+    daemon = ('[daemon]\nvllm_version = "0.1.0"\nvllm_flags_dir = "/nonexistent/etc"\n'
+              'state_dir = "/nonexistent/state"\nvllm_executable = "/nonexistent/vllm"\n')
+    found = problems(daemon + BASE + VLLM_SERVE)
+    assert found == [
+        "daemon.vllm_version: no vllm serve flag table for vLLM '0.1.0' (looked in: gpud's own "
+        "(0.33.0, 0.34.0), /nonexistent/etc/vllm-serve-flags-0.1.0.json, /nonexistent/state/"
+        "vllm-flags/vllm-serve-flags-0.1.0.json); learning it from the installed vLLM failed: "
+        "'/nonexistent/vllm' is not found (daemon.vllm_executable). Put the table of vLLM 0.1.0 "
+        "in /nonexistent/etc (scripts/vllm-flags 0.1.0 writes it), or set "
+        "daemon.vllm_executable to the vllm the serves run"]
+    # without a vllm serve there is no argv to check: the release alone is no error
+    assert parse_config(daemon + BASE, "t").daemon.vllm_version == "0.1.0"
 
 
 def test_context_and_kv_cache_must_leave_room_in_the_reservation() -> None:

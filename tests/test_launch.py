@@ -34,11 +34,11 @@ from gpud.core.observation import DeviceSample
 from gpud.errors import Refused, Unavailable
 from gpud.life.calibration import recommend
 from gpud.vllm.vllm_flags import DEFAULT_VERSION, check_serve_args, load_table
-from tests.conftest import REPO
+from tests.conftest import REPO, example_toml
 
 
 def example_serves():  # type: ignore[no-untyped-def]
-    return parse_config((REPO / "etc" / "serves.toml").read_text(), "etc/serves.toml").serves
+    return parse_config(example_toml(), "etc/serves.toml").serves
 
 
 def _passes_the_flag_table(argv: list[str]) -> list[str]:
@@ -197,7 +197,7 @@ def _check_config(tmp_path, text: str, *args: str) -> subprocess.CompletedProces
 
 
 def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "GPU-sim-0"')
+    text = example_toml().replace('device = "0"', 'device = "GPU-sim-0"')
     text += '[simulation]\nstate_file = "/nonexistent/sim.json"\n[[simulation.devices]]\n' \
             'uuid = "GPU-sim-0"\ntotal_mib = 32607\n'
     done = _check_config(tmp_path, text, "--show-commands")
@@ -218,7 +218,7 @@ def test_show_commands_prints_what_would_run(tmp_path) -> None:  # type: ignore[
 
 
 def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    text = (REPO / "etc" / "serves.toml").read_text().replace('device = "0"', 'device = "7"')
+    text = example_toml().replace('device = "0"', 'device = "7"')
     done = _check_config(tmp_path, text, "--show-commands")
     assert done.returncode == 0, done.stderr
     assert "  refused: serve fast: the device total is unknown" in done.stdout
@@ -226,7 +226,7 @@ def test_show_commands_without_a_device_total_refuses(tmp_path) -> None:  # type
 
 
 def test_check_config_names_the_removed_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    text = (REPO / "etc" / "serves.toml").read_text().replace('"--runner", "pooling"', '"--task", "embed"')
+    text = example_toml().replace('"--runner", "pooling"', '"--task", "embed"')
     done = _check_config(tmp_path, text)
     assert done.returncode == 2
     assert ("serves.embeddings.vllm.extra_args[0]: --task was removed (not an option of vLLM "
@@ -539,7 +539,7 @@ def test_a_container_serve_stays_root_unless_it_names_a_user() -> None:
 
 
 def test_check_config_refuses_a_user_the_host_lacks(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    text = (REPO / "etc" / "serves.toml").read_text()
+    text = example_toml()
     text = text.replace("priority = 40\n", 'priority = 40\nuser = "gpud-no-such-user"\n', 1)
     assert 'user = "gpud-no-such-user"' in text
     done = _check_config(tmp_path, text)
@@ -547,7 +547,7 @@ def test_check_config_refuses_a_user_the_host_lacks(tmp_path) -> None:  # type: 
     assert done.stderr.strip() == (f"{tmp_path / 'serves.toml'}: serves.ocr.user: no user "
                                    "'gpud-no-such-user' on this host")
     # the default identity missing is the package's to make: said, not refused
-    default = _check_config(tmp_path, (REPO / "etc" / "serves.toml").read_text().replace(
+    default = _check_config(tmp_path, example_toml().replace(
         "[daemon]\n", '[daemon]\nserve_user = "gpud-no-such-user"\n', 1))
     assert default.returncode == 0, default.stderr
     assert ("warning: daemon.serve_user: no user 'gpud-no-such-user' on this host: the serves "

@@ -6,9 +6,9 @@ from gpud.config import parse_config
 from gpud.core.ledger import Ledger, Reservation
 from gpud.core.plan import make_plan
 from gpud.life.service import resolve_budgets
-from tests.conftest import REPO
+from tests.conftest import example_toml
 
-T011 = (REPO / "etc" / "serves.toml").read_text()
+T011 = example_toml()
 # The record's "before": reserve 7168, fast 18432 on the bf16 checkpoint, ocr as it is.
 T015_SEED = (T011.replace("reserve_mib = 4608", "reserve_mib = 7168")
              .replace("vram_mib = 14336", "vram_mib = 18432")

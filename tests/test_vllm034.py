@@ -15,7 +15,7 @@ from gpud.core.launch import vllm_argv
 from gpud.core.vllm_versions import BEHAVIOURS, EXTENSIBLE_KV_OFF, V033, V034, behaviour
 from gpud.errors import ConfigError
 from gpud.vllm.vllm_flags import available_versions, check_serve_args, load_table
-from tests.conftest import REPO
+from tests.conftest import REPO, example_toml
 
 V34 = '[daemon]\nvllm_version = "0.34.0"\n'
 BASE = """
@@ -61,7 +61,7 @@ def test_both_tables_are_there_and_differ_as_0_34_s_parser_does() -> None:
 
 
 def test_check_config_passes_the_example_on_0_34(tmp_path: Path) -> None:
-    text = (REPO / "etc" / "serves.toml").read_text().replace(
+    text = example_toml().replace(
         "[daemon]\n", '[daemon]\nvllm_version = "0.34.0"\n', 1)
     assert 'vllm_version = "0.34.0"' in text
     path = tmp_path / "serves.toml"
@@ -91,11 +91,20 @@ def test_check_config_refuses_a_flag_0_34_does_not_have(tmp_path: Path) -> None:
     assert run.returncode == 2 and "--no-such-flag is not an option" in run.stderr
 
 
-def test_an_unknown_version_is_refused_by_name() -> None:
-    found = problems('[daemon]\nvllm_version = "0.35.0"\n' + BASE + SERVE + VLLM)
+def test_a_release_without_a_table_anywhere_is_refused_saying_what_was_tried(
+        tmp_path: Path) -> None:
+    # no table shipped, none in vllm_flags_dir or learned, and no vllm to learn it from
+    found = problems(f'[daemon]\nvllm_version = "0.35.0"\nvllm_flags_dir = "{tmp_path}"\n'
+                     f'state_dir = "{tmp_path / "state"}"\n'
+                     'vllm_executable = "/nonexistent/bin/vllm"\n' + BASE + SERVE + VLLM)
     assert found[0].startswith("daemon.vllm_version: no vllm serve flag table for vLLM '0.35.0'")
-    with pytest.raises(KeyError, match=r"gpud knows vLLM 0\.33\.0, 0\.34\.0"):
-        behaviour("0.35.0")
+    assert str(tmp_path / "vllm-serve-flags-0.35.0.json") in found[0]
+    assert "'/nonexistent/bin/vllm' is not found (daemon.vllm_executable)" in found[0]
+    # its sizing and sleep rules are the newest known release's, not a refusal
+    assert behaviour("0.35.0").rules_from == V034
+    assert behaviour("0.35.0").kv == behaviour(V034).kv
+    with pytest.raises(KeyError, match=r"'0\.35/\.\.' is not a vLLM version"):
+        behaviour("0.35/..")
 
 
 def test_on_0_34_the_extensible_kv_cache_is_turned_off_and_0_33_is_unchanged() -> None:

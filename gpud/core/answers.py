@@ -458,6 +458,8 @@ class PredictedKv(TypedDict):
 
     vram_mib: int
     vllm_version: str
+    # the known release whose sizing rules it borrows (gpud has none of its own for it)
+    rules_from: str | None
     kv_at_mib: int
     kv_from: str
     kv_tokens: int

@@ -62,8 +62,12 @@ class DaemonConfig(_Model):
     # hundred MiB per device; ~500 MiB is the CUDA context alone on recent drivers). Strict
     # admission asks for it; `gpuctl calibrate` measures a serve's own (vllm.context_mib).
     vllm_start_context_mib: int = Field(default=512, ge=0, le=MAX_MIB)
-    # The vLLM release the serves run: its flag table (gpud/data) checks every vllm argv.
+    # The vLLM release the serves run: its flag table checks every vllm argv. gpud ships the
+    # tables of the releases it knows (gpud/data); another release's is read from
+    # vllm_flags_dir (an operator's, vllm-serve-flags-VERSION.json: scripts/vllm-flags), else
+    # learned once from vllm_executable's own parser and kept under state_dir (gpud.config).
     vllm_version: str = DEFAULT_VERSION
+    vllm_flags_dir: str = "/etc/gpud"
     # Backups of the config file an apply keeps (the newest) under backups/ beside it; older
     # ones are removed. Its former name, config_backups, is still read.
     backups_keep: int = Field(default=10, ge=1, le=1000,

@@ -34,8 +34,9 @@ line numbers are those of the vllm-0.34.0 wheel on PyPI):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 V033 = "0.33.0"
@@ -153,6 +154,9 @@ class VllmBehaviour:
     level2_parks_host: bool
     # a level-2 sleep discards a draft model's weights that reload_weights does not restore
     level2_drops_draft: bool
+    # None: these are the release's own rules; else the known release whose rules it borrows
+    # (a release gpud has no rules of its own for: `behaviour`)
+    rules_from: str | None = None
 
     def parked_host_mib(self, level: int, *, weights_mib: int | None,
                         cudagraph_mib: int | None) -> int | None:
@@ -181,18 +185,54 @@ BEHAVIOURS: Mapping[str, VllmBehaviour] = MappingProxyType({
     V034: VllmBehaviour(V034, KV_034, extensible_kv_off_arg=True, checkpoint_routes=True,
                         level2_parks_host=True, level2_drops_draft=True),
 })
-KNOWN_VERSIONS = tuple(sorted(BEHAVIOURS))
+# A vLLM version as its releases are numbered (0.33.0, 0.34.1, 0.35.0rc1, 0.35.0+cpu): numbers
+# first, then a suffix; nothing that could name another path (the flag tables' file names
+# carry it).
+VERSION_RE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-]?[0-9A-Za-z]+(?:[.+][0-9A-Za-z]+)*)?")
+# The first release with the extensible KV cache (and so --enable-extensible-kv-cache) and the
+# /checkpoint/* routes: 0.33.0's flag table has neither option, 0.34.0's both.
+EXTENSIBLE_SINCE = (0, 34)
+
+
+def version_key(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a vLLM version, None when it is not one."""
+    found = VERSION_RE.fullmatch(version)
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2)), int(found.group(3) or 0)
+
+
+KNOWN_VERSIONS = tuple(sorted(BEHAVIOURS, key=lambda v: version_key(v) or (0, 0, 0)))
+NEWEST_KNOWN = KNOWN_VERSIONS[-1]
 
 
 def behaviour(version: str) -> VllmBehaviour:
-    """The behaviour of `version`: the one lookup of a release's rules. KeyError naming the
-    versions gpud knows; the config check refuses a `daemon.vllm_version` that is not one of
-    them (gpud.config), so a daemon never asks for another."""
-    try:
-        return BEHAVIOURS[version]
-    except KeyError:
-        raise KeyError(f"gpud knows vLLM {', '.join(KNOWN_VERSIONS)}, not {version!r}") \
-            from None
+    """The behaviour of `version`: the one lookup of a release's rules. A release gpud has no
+    rules of its own for borrows the newest known release's (`rules_from` says which): its KV
+    sizing and sleep; only what depends on an option the release may lack follows the release
+    itself (before 0.34 there is no extensible KV cache to turn off, and no checkpoint routes),
+    and its flag table (gpud.vllm.vllm_flags) checks every argv gpud builds for it. KeyError
+    for a string that is not a vLLM version."""
+    known = BEHAVIOURS.get(version)
+    if known is not None:
+        return known
+    key = version_key(version)
+    if key is None:
+        raise KeyError(f"{version!r} is not a vLLM version (like {NEWEST_KNOWN})")
+    newest = BEHAVIOURS[NEWEST_KNOWN]
+    since = key[:2] >= EXTENSIBLE_SINCE
+    return replace(newest, version=version, rules_from=newest.version,
+                   extensible_kv_off_arg=newest.extensible_kv_off_arg and since,
+                   checkpoint_routes=newest.checkpoint_routes and since)
+
+
+def borrowed_rules_note(b: VllmBehaviour) -> str | None:
+    """What gpud says of a release it has no rules of its own for (--check-config, the
+    journal, gpuctl size); None for a release it knows."""
+    if b.rules_from is None:
+        return None
+    return (f"gpud has no sizing rules of vLLM {b.version}'s own: it sizes its KV cache and "
+            f"its sleep by vLLM {b.rules_from}'s, the newest it knows (docs/vllm.md)")
 
 
 _NO_DRAFT_METHODS = ("ngram", "ngram_gpu", "suffix")  # config/speculative.py:90-97, :1833-1837

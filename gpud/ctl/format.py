@@ -651,6 +651,9 @@ def _predicted_kv_lines(kv: Any) -> list[str]:
              "tokens, "
              f"{kv.get('max_concurrency')}x max concurrency ({kv.get('sequences')} sequences "
              "at once)"]
+    if kv.get("rules_from"):
+        lines.append(f"  (gpud has no sizing rules of vLLM {kv.get('vllm_version')}'s own: "
+                     f"these are by vLLM {kv.get('rules_from')}'s, the newest it knows)")
     logged = kv.get("logged_kv_tokens")
     if isinstance(logged, int) and logged > 0:
         off = (kv.get("kv_tokens", 0) - logged) * 100 / logged

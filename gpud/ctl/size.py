@@ -64,8 +64,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "max_model_len at once (default 1)")
     # the releases are not listed here: gpud.core.vllm_versions stays out of gpuctl's start
     p.add_argument("--vllm-version", metavar="V",
-                   help="the vLLM release whose rules size the KV cache (one gpud knows; "
-                        "default daemon.vllm_version's)")
+                   help="the vLLM release whose rules size the KV cache (default "
+                        "daemon.vllm_version's); one gpud has no rules of its own for is sized "
+                        "by the newest it knows, and says so")
     p.add_argument("--device-mib", type=_positive_int, metavar="MIB",
                    help="the device's total memory: vLLM's batch defaults (and so its "
                         "activation peak) grow from 70 GiB (default: a smaller device)")
@@ -76,16 +77,17 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     readable, or a setting vLLM would refuse."""
 
     from gpud.core import sizing
-    from gpud.core.vllm_versions import DEFAULT_VERSION, behaviour
+    from gpud.core.vllm_versions import DEFAULT_VERSION, behaviour, borrowed_rules_note
     from gpud.vllm.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
 
     if args.context_mib < 0:
         raise usage_error("--context-mib must be >= 0")
     version = args.vllm_version or DEFAULT_VERSION
     try:
-        rules = behaviour(version).kv
+        release = behaviour(version)
     except KeyError as exc:
         raise usage_error(f"--vllm-version: {exc.args[0]}") from None
+    rules = release.kv
     try:
         directory, _local = locate(args.model, args.revision,
                                    hub_cache_of({"HF_HOME": args.hf_home}))
@@ -132,6 +134,7 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "model": args.model, "checkpoint": ckpt.where(), "files": list(ckpt.files),
         "vllm_version": version, "rules_source": rules.source,
+        "rules_from": release.rules_from, "rules_note": borrowed_rules_note(release),
         "weights_mib": w.mib, "weights_bytes": w.bytes, "stored_bytes": w.stored_bytes,
         "dtype": w.dtype, "weights_how": w.how, "estimate": w.estimate,
         "kv_bytes_per_token": kv.per_token_bytes, "kv_dtype": kv.dtype, "kv_note": kv.note,
@@ -180,6 +183,7 @@ def format_size(d: dict[str, Any]) -> str:
              f"             vLLM {d['vllm_version']}: blocks of {d['block_tokens']} tokens, "
              f"{d['block_bytes']} bytes a block; one sequence of {n} takes "
              f"{d['blocks_per_sequence']} blocks",
+             *([f"             ({d['rules_note']})"] if d.get("rules_note") else []),
              f"             {d['one_sequence_kv_mib']} MiB for one sequence of max_model_len "
              f"{n} (and the null block)",
              f"  context    {d['context_mib']} MiB",

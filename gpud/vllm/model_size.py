@@ -191,6 +191,7 @@ def kv_at_reservation(spec: ServeConfig, daemon: DaemonConfig, sized: Sized, max
         kv_from = "vllm.kv_cache_mib"
     logged = figures.get("kv_cache_tokens") if figures else None
     return {"vram_mib": spec.vram_mib, "vllm_version": daemon.vllm_version,
+            "rules_from": behaviour(daemon.vllm_version).rules_from,
             "kv_at_mib": cap.kv_bytes // MIB, "kv_from": kv_from, "kv_tokens": cap.tokens,
             "max_concurrency": round(cap.max_concurrency, 2), "sequences": cap.sequences,
             "deductions": [{"name": d.name, "mib": d.mib, "source": d.source}

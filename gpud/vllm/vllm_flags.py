@@ -9,7 +9,10 @@ its first `.`; `--opt=value` and `--opt value`; `--opt.key value` for an option 
 for an option that is gone and the nearest names otherwise. Abbreviations, which argparse would
 take, are refused too: a config names options in full.
 
-Tables: 0.33.0 (the default, DEFAULT_VERSION) and 0.34.0 (`daemon.vllm_version`). 0.34.0's was
+Tables, looked for in this order (`load_table`): gpud's own, shipped in gpud/data (0.33.0, the
+default, DEFAULT_VERSION, and 0.34.0); one an operator put in `daemon.vllm_flags_dir`
+(/etc/gpud); one gpud learned from the installed vLLM's own parser (gpud.vllm.learn) and keeps
+in its state directory (`LEARNED_DIR`), keyed by version. 0.34.0's was
 walked from its own parser too (the PyPI wheel installed `--no-deps` over the CPU tier's
 packages: scripts/vllm-flags says how); its FlexibleArgumentParser reads an argv the same way
 (vllm/utils/argparse_utils.py of 0.34.0), and `--no-enable-extensible-kv-cache`, which gpud
@@ -26,11 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from gpud.core.vllm_versions import DEFAULT_VERSION as DEFAULT_VERSION
 
 _DATA_PREFIX = "vllm-serve-flags-"
+# Under daemon.state_dir: the tables gpud learned from the installed vLLM (gpud.vllm.learn).
+LEARNED_DIR = "vllm-flags"
+SHIPPED = "gpud's own table"
 _NUMBER = re.compile(r"^-\d|^-\.\d")
 
 
@@ -50,6 +57,7 @@ class FlagTable:
     version: str
     options: dict[str, Option]  # by every name of the option
     removed: dict[str, str]  # name -> what to do instead
+    source: str = SHIPPED  # where it was read: SHIPPED, or a file's path
 
     @property
     def series(self) -> str:
@@ -68,15 +76,65 @@ def available_versions() -> list[str]:
                   if n.startswith(_DATA_PREFIX) and n.endswith(".json"))
 
 
+def table_name(version: str) -> str:
+    return f"{_DATA_PREFIX}{version}.json"
+
+
+def load_table(version: str = DEFAULT_VERSION, dirs: Sequence[str] = ()) -> FlagTable:
+    """The table of `version`: gpud's own, else the first of DIRS that has one (the operator's
+    directory, then the learned ones). KeyError says where it looked; TableError names a file
+    that is there but is not the table of `version`."""
+    try:
+        return _shipped(version)
+    except KeyError:
+        pass
+    for directory in dirs:
+        path = Path(directory) / table_name(version)
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        return _from_file(str(path), version, st.st_mtime_ns, st.st_size)
+    where = ", ".join([f"gpud's own ({', '.join(available_versions()) or 'none'})",
+                       *(str(Path(d) / table_name(version)) for d in dirs)])
+    raise KeyError(f"no vllm serve flag table for vLLM {version!r} (looked in: {where})")
+
+
+class TableError(ValueError):
+    """A flag table file that is there but cannot be used: the message names it and why."""
+
+
 @cache
-def load_table(version: str = DEFAULT_VERSION) -> FlagTable:
-    """The committed table of `version`; KeyError names the versions there are."""
-    path = resources.files("gpud").joinpath("data", f"{_DATA_PREFIX}{version}.json")
+def _shipped(version: str) -> FlagTable:
+    path = resources.files("gpud").joinpath("data", table_name(version))
     if not path.is_file():
-        raise KeyError(f"no vllm serve flag table for vLLM {version!r} "
-                       f"(there are: {', '.join(available_versions()) or 'none'}; "
-                       "write one with scripts/vllm-flags VERSION)")
+        raise KeyError(version)
     return table_from_json(json.loads(path.read_text()))
+
+
+@cache
+def _from_file(path: str, version: str, _mtime_ns: int, _size: int) -> FlagTable:
+    """A table file (cached by path, modification time and size: a new file is read anew)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TableError(f"{path}: not a readable flag table ({exc})") from None
+    return checked_table(data, version, path)
+
+
+def checked_table(data: Any, version: str, source: str) -> FlagTable:
+    """DATA as the flag table of `version` read from SOURCE, or TableError saying why not."""
+    try:
+        table = table_from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TableError(f"{source}: not a flag table of vllm serve (scripts/vllm-flags writes "
+                         f"one): {type(exc).__name__} {exc}") from None
+    if table.version != version:
+        raise TableError(f"{source}: the table of vLLM {table.version}, not {version}")
+    if not table.options:
+        raise TableError(f"{source}: lists no option")
+    return FlagTable(table.version, table.options, table.removed, source)
 
 
 def table_from_json(data: dict[str, Any]) -> FlagTable:

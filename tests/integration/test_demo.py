@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +65,36 @@ def test_make_demo_replays_the_seed_record() -> None:
     assert not missing, "\n".join(missing) + "\n" + text[-4000:]
     assert WAKE.search(text), "no sleeping model woken by name\n" + text[-4000:]
     assert "sandbox powered off" in text
+    assert "== what next ==" in text and "DEMO_ARGS=--keep" in text.split("== what next ==")[1]
+
+
+def test_make_demo_keep_leaves_a_sandbox_its_printed_commands_reach() -> None:
+    """`make demo DEMO_ARGS=--keep`: the sandbox stays up, and the two commands the demo prints
+    for it work as printed: `shell`'s sandbox is found (its `exec` runs gpuctl inside), and
+    `poweroff` powers it off (it could not find it before: the demo's workdir was a temporary
+    one, the command line's /var/tmp/NAME)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "demo", "DEMO_ARGS=--keep"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    text = out.stdout + out.stderr
+    poweroff = re.search(r"^  power it off: (.*)$", text, flags=re.M)
+    enter = re.search(r"^  enter it: +(.*) shell ", text, flags=re.M)
+    try:
+        assert out.returncode == 0, text[-4000:]
+        assert "== sandbox left running ==" in text and "sandbox powered off" not in text
+        assert poweroff is not None and enter is not None, text[-4000:]
+        inside = subprocess.run([*enter.group(1).split(), "exec", "--", "/bin/sh", "-c",
+                                 "GPUD_SOCKET=/run/gpud/gpud.sock gpuctl serves"],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert inside.returncode == 0, inside.stdout + inside.stderr
+        assert "ocr" in inside.stdout and "running" in inside.stdout, inside.stdout
+    finally:
+        if poweroff is not None:
+            done = subprocess.run(poweroff.group(1).split(), capture_output=True, text=True,
+                                  timeout=120, check=False)
+        else:  # the demo said nothing usable: power off what it left, by its name
+            done = subprocess.run([sys.executable, str(REPO / "tools" / "sandbox.py"), "--name",
+                                   "gpud-demo", "poweroff"], capture_output=True, text=True,
+                                  timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sandbox gpud-demo powered off" in done.stdout

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".venv-vllm"
+# GPUD_VLLM_VENV: another checkout's real-vLLM tier, used read-only (the tests write nothing in it)
+VENV = Path(os.environ.get("GPUD_VLLM_VENV") or REPO / ".venv-vllm")
 VLLM = VENV / "bin" / "vllm"
 MODEL = VENV / "model"
 # A real start of the tiny model on 2 busy cores: ~50 s (imports ~40 s of it); allow for a
