@@ -480,6 +480,10 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     from gpud.host import cdi
 
     found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
+    if cfg.peers:
+        from gpud.host.peers import check_peers
+
+        found += check_peers(cfg)
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:
