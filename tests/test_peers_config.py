@@ -61,7 +61,7 @@ def test_a_peer_as_the_design_writes_it_loads(key: Path, tmp_path: Path) -> None
     ("", "http://node2:8000/v1", "peers.node2.url: 'http://node2:8000/v1' must have no path"),
     ("", "http://node2:8000/?a=1", "peers.node2.url: 'http://node2:8000/?a=1' must have no query"),
     ("", "http://:8000", "peers.node2.url: 'http://:8000' names no host"),
-    ("", "http://node2:99999", "peers.node2.url: 'http://node2:99999' is not a URL"),
+    ("", "http://node2:99999", "peers.node2.url: 'http://node2:99999': the port '99999' is not 1-65535"),
     ("", "http://u:p@node2:8000", "peers.node2.url: 'http://u:p@node2:8000' must not carry a user"),
     ("", "http://no de:8000", "peers.node2.url: 'http://no de:8000' must not contain spaces"),
     ("", "http://node2_x:8000", "peers.node2.url: 'http://node2_x:8000': 'node2_x' is not a host"),

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 # The only route a peer is asked while its circuit is not closed: listing models never loads
 # one (a request for a model would start or wake it on the peer).
@@ -32,32 +31,43 @@ _HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*\.?")
 
 
+_URL_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<authority>[^/?#]*)"
+                     r"(?P<path>[^?#]*)(?P<rest>[?#].*)?", re.DOTALL)
+_IPV6_RE = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")
+
+
 def url_problem(url: str) -> str | None:
     """Why URL is not a peer's router address: http or https, a host (a name, an IPv4 address,
     or an IPv6 one in brackets) and an optional port, no path beyond "/", no user, query or
     fragment."""
     if any(ch.isspace() or ord(ch) < 0x21 or ch == "\x7f" for ch in url):
         return f"{url!r} must not contain spaces or control characters"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"{url!r} is not a URL ({exc})"
-    if parts.scheme not in ("http", "https"):
+    m = _URL_RE.fullmatch(url)
+    if m is None or m["scheme"].lower() not in ("http", "https"):
         return f"{url!r} must be http:// or https:// (e.g. http://node2.tailnet:8000)"
-    if parts.username is not None or parts.password is not None:
+    authority = m["authority"]
+    if "@" in authority:
         return f"{url!r} must not carry a user or password (the key is key_file's)"
-    host = parts.hostname or ""
-    if not host:
-        return f"{url!r} names no host"
-    bracketed = parts.netloc.rsplit("@", 1)[-1].startswith("[")
-    if not bracketed and not _HOST_RE.fullmatch(host):
-        return f"{url!r}: {host!r} is not a host name or address"
-    if port == 0:
-        return f"{url!r}: the port must be 1-65535"
-    if parts.path not in ("", "/"):
+    if authority.startswith("["):
+        host, close, after = authority[1:].partition("]")
+        if not close or not _IPV6_RE.fullmatch(host):
+            return f"{url!r}: {authority!r} is not an IPv6 address in brackets"
+        if after and not after.startswith(":"):
+            return f"{url!r}: {authority!r} is not HOST:PORT"
+        port = after[1:] if after else None
+    else:
+        host, colon, port_text = authority.partition(":")
+        port = port_text if colon else None
+        if not host:
+            return f"{url!r} names no host"
+        if not _HOST_RE.fullmatch(host):
+            return f"{url!r}: {host!r} is not a host name or address"
+    if port is not None and (not port.isascii() or not port.isdigit()
+                             or not 1 <= int(port) <= 65535):
+        return f"{url!r}: the port {port!r} is not 1-65535"
+    if m["path"] not in ("", "/"):
         return f"{url!r} must have no path beyond '/' (the peer's router answers at its root)"
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
+    if m["rest"] is not None:
         return f"{url!r} must have no query or fragment"
     return None
 
@@ -201,7 +211,7 @@ def parse_models(body: bytes) -> tuple[PeerModel, ...]:
     if len(body) > MAX_MODELS_BYTES:
         raise ModelsProblem(f"answer over {MAX_MODELS_BYTES} bytes")
     try:
-        doc = json.loads(body)
+        doc = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ModelsProblem(f"answer not UTF-8 (byte {exc.start})") from exc
     except RecursionError as exc:
@@ -261,11 +271,12 @@ def merge(local: Iterable[PeerModel], peers: Mapping[str, Iterable[PeerModel]]
     """One list of this host's models and its peers' (each peer's already `offered`, and only
     those of peers reachable now): a model served on several hosts listed once, with each."""
     by: dict[str, list[HostModel]] = {}
-    for m in local:
-        by.setdefault(m.id, []).append(HostModel(None, m))
-    for name in sorted(peers):
-        for m in peers[name]:
-            by.setdefault(m.id, []).append(HostModel(name, m))
+    hosts: list[tuple[str | None, Iterable[PeerModel]]] = [(None, local)]
+    for host, models in hosts + [(name, peers[name]) for name in sorted(peers)]:
+        for m in models:
+            listed = by.setdefault(m.id, [])
+            if all(h.host != host for h in listed):   # a host that lists a name twice: once
+                listed.append(HostModel(host, m))
     return tuple(MergedModel(mid, tuple(by[mid])) for mid in sorted(by))
 
 
