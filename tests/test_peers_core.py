@@ -37,7 +37,7 @@ from gpud.core.peers import (
 )
 from tests.conftest import REPO
 
-C, O, H = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
+C, OPEN, H = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 
 
 # --- the url -------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def test_good_urls(url: str) -> None:
 @pytest.mark.parametrize("url", ["node2:8000", "http://", "http://node2:0", "http://node2:x",
                                  "http://node2:8000/v1", "http://node2:8000//", "http://a@b:1",
                                  "http://node2:8000#x", "http://node2:8000?", "unix:///x",
-                                 "http://[::1:8000", "http://[zz]:1", "http://node2:８０",
+                                 "http://[::1:8000", "http://[zz]:1", "http://node2:\uff18\uff10",
                                  "http://-node2:1", "http://no\x00de:1", "gopher://node2:70"])
 def test_bad_urls_are_named(url: str) -> None:
     problem = url_problem(url)
@@ -121,15 +121,15 @@ def test_a_5xx_is_a_failure_unless_it_is_a_gpud_error_document(status: int, body
 CIRCUIT_TABLE = [
     (C, CircuitEvent.OK, C, ()),
     (C, CircuitEvent.ANSWER, C, ()),
-    (C, CircuitEvent.FAILURE, O, (CircuitAction.JOURNAL_OPENED, CircuitAction.PROBE)),
+    (C, CircuitEvent.FAILURE, OPEN, (CircuitAction.JOURNAL_OPENED, CircuitAction.PROBE)),
     (C, CircuitEvent.PROBE_DUE, C, ()),
-    (O, CircuitEvent.OK, C, (CircuitAction.JOURNAL_CLOSED,)),
-    (O, CircuitEvent.ANSWER, C, (CircuitAction.JOURNAL_CLOSED,)),
-    (O, CircuitEvent.FAILURE, O, ()),
-    (O, CircuitEvent.PROBE_DUE, H, (CircuitAction.PROBE,)),
+    (OPEN, CircuitEvent.OK, C, (CircuitAction.JOURNAL_CLOSED,)),
+    (OPEN, CircuitEvent.ANSWER, C, (CircuitAction.JOURNAL_CLOSED,)),
+    (OPEN, CircuitEvent.FAILURE, OPEN, ()),
+    (OPEN, CircuitEvent.PROBE_DUE, H, (CircuitAction.PROBE,)),
     (H, CircuitEvent.OK, C, (CircuitAction.JOURNAL_CLOSED,)),
     (H, CircuitEvent.ANSWER, C, (CircuitAction.JOURNAL_CLOSED,)),
-    (H, CircuitEvent.FAILURE, O, ()),
+    (H, CircuitEvent.FAILURE, OPEN, ()),
     (H, CircuitEvent.PROBE_DUE, H, ()),
 ]
 
