@@ -184,6 +184,7 @@ class Daemon:
         # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
         # costs about 130 ms, its client and TLS set-up included).
         from gpud.durable.store import Store
+        from gpud.host.peers import PeerPoller
         from gpud.life.alerts import Alerts
         from gpud.life.calibration import Calibrator
         from gpud.life.rebalance import Rebalancer, Recovery
@@ -239,11 +240,12 @@ class Daemon:
             traffic.watch(on_demand.changed)
             # counting from now (before the front); usage per key into the store
             router_log = RouterLog(lambda: svc.config, svc.store)
+            peers = PeerPoller(lambda: svc.config)
 
             def metrics() -> str:
                 router_log.read()
                 return render(svc, observer, calibrator, on_demand, router_log,
-                              self._front_degraded)
+                              self._front_degraded, peers)
 
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=metrics,
@@ -263,6 +265,7 @@ class Daemon:
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
             self.api.front_degraded = self._front_degraded
+            self.api.peers = peers.answer
             svc.watch_states(self.front.mark_awake)
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
@@ -283,6 +286,7 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             stack.push_async_callback(_cancel, loop.create_task(router_log.loop()))
+            stack.push_async_callback(_cancel, loop.create_task(peers.run()))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")

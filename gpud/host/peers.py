@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gpud.config import Config, PeerConfig, read_peer_key
+from gpud.core import answers
 from gpud.core.peers import (
     MAX_MODELS_BYTES,
     PROBE_PATH,
@@ -61,6 +62,20 @@ def tls_context(peer: PeerConfig) -> ssl.SSLContext | None:
     return ssl.create_default_context(cafile=peer.tls_ca)
 
 
+async def _read_bounded(stream: aiohttp.StreamReader, max_bytes: int) -> bytes:
+    """The body whole, or its first MAX_BYTES + 1 (a read returns what has arrived, not
+    what was asked: read on until the end or past the bound)."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= max_bytes:
+        chunk = await stream.read(max_bytes + 1 - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
 async def fetch_models(session: aiohttp.ClientSession, peer: PeerConfig, key: str, *,
                        timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = MAX_MODELS_BYTES,
                        clock: Callable[[], float] = time.monotonic) -> Fetched:
@@ -72,7 +87,7 @@ async def fetch_models(session: aiohttp.ClientSession, peer: PeerConfig, key: st
         async with asyncio.timeout(timeout_s):
             async with session.get(url, headers={"Authorization": f"Bearer {key}"},
                                    allow_redirects=False, ssl=tls_context(peer) or True) as resp:
-                body = await resp.content.read(max_bytes + 1)
+                body = await _read_bounded(resp.content, max_bytes)
                 status, location = resp.status, resp.headers.get("Location")
     except TimeoutError:
         return Fetched(Outcome.FAILURE, None, None, f"no whole answer within {timeout_s:g} s")
@@ -177,6 +192,21 @@ class PeerPoller:
         v.rtt_s = fetched.rtt_s if fetched.rtt_s is not None else v.rtt_s
         v.models = fetched.models or ()
         return self.feed(name, event_of(fetched.outcome), fetched.error)
+
+    def answer(self) -> answers.Peers:
+        """GET /v1/peers: every peer of the config in force, asked or not yet."""
+        out: list[answers.Peer] = []
+        for name in sorted(self.peers()):
+            v = self.view(name)
+            out.append({"name": name, "url": v.url, "reachable": v.reachable,
+                        "reachable_since": v.reachable_since, "circuit": str(v.circuit.state),
+                        "circuit_since": v.circuit.since, "circuit_reason": v.circuit.reason,
+                        "models": [{"id": m.id, "state": m.state,
+                                    "expected_wait_s": m.expected_wait_s, "queued": m.queued}
+                                   for m in v.models],
+                        "rtt_s": v.rtt_s, "last_error": v.last_error,
+                        "checked_at": v.checked_at})
+        return {"peers": out}
 
     def kick(self) -> None:
         """Polls every peer now (a failure on the data path, a config change)."""
