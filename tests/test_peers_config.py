@@ -131,6 +131,7 @@ def test_a_peer_that_does_not_answer_is_a_warning_in_check_config(key: Path,
                          capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "warning: peers.node2: http://127.0.0.1:9 does not answer" in out.stdout, out.stdout
+    assert "circuit" not in out.stdout + out.stderr   # one ask, not a circuit's life
 
 
 def test_check_config_refuses_a_world_readable_key_file(key: Path, tmp_path: Path) -> None:

@@ -140,8 +140,10 @@ class PeerPoller:
 
     def __init__(self, config: Callable[[], Config], *, interval_s: float = DEFAULT_INTERVAL_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, clock: Callable[[], float] = time.time,
-                 read_key: Callable[[str], str] = read_peer_key) -> None:
+                 read_key: Callable[[str], str] = read_peer_key, journal: bool = True) -> None:
         self.config = config
+        # one line when a circuit opens or closes; off for --check-config's single ask
+        self.journal = journal
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.clock, self.read_key = clock, read_key
         self.views: dict[str, PeerView] = {}
@@ -165,7 +167,7 @@ class PeerPoller:
         v = self.view(name)
         before = v.circuit
         v.circuit, actions = step(before, event, self.clock(), reason)
-        for action in actions:
+        for action in actions if self.journal else ():
             if action == CircuitAction.JOURNAL_OPENED:
                 log.warning("peer %s: circuit opened (%s): its models are unreachable until "
                             "%s answers again", name, reason or "failure", v.url)
@@ -248,7 +250,7 @@ def check_peers(cfg: Config, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
         return []
 
     async def ask() -> list[str]:
-        poller = PeerPoller(lambda: cfg, timeout_s=timeout_s)
+        poller = PeerPoller(lambda: cfg, timeout_s=timeout_s, journal=False)
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(poller.poll(session, n) for n in sorted(cfg.peers)))
         return [f"peers.{name}: {v.url} does not answer its {PROBE_PATH} ({v.last_error}); "
