@@ -144,3 +144,25 @@ def test_a_peer_that_answers_dies_and_comes_back(gp: GpudProcess, peer: Peer) ->
     log = gp.output()
     assert log.count("peer node2: circuit opened") == 1, log
     assert log.count("peer node2: circuit closed") == 1, log
+
+
+def test_plan_refuses_a_peer_key_others_may_read_and_reload_takes_a_new_peer(
+        gp: GpudProcess, tmp_path: Path) -> None:
+    loose = tmp_path / "node3.key"
+    loose.write_text(KEY + "\n")
+    loose.chmod(0o644)
+    text = gp.config.read_text() + (f'\n[peers.node3]\nurl = "http://127.0.0.1:9"\n'
+                                     f'key_file = "{loose}"\n')
+    reply = gp.call("POST", "/v1/plan", {"config": text})
+    assert reply.status == 400, reply.body
+    problems = reply.body["error"]["details"]["problems"]
+    assert any(p.startswith("peers.node3.key_file:") and "mode 0644" in p
+               for p in problems), problems
+
+    loose.chmod(0o600)
+    gp.config.write_text(text)
+    assert gp.call("POST", "/v1/reload", {}).status == 200
+    node3 = until(lambda: [p for p in gp.call("GET", "/v1/peers").body["peers"]
+                           if p["name"] == "node3" and p["checked_at"] is not None])
+    assert node3[0]["reachable"] is False and node3[0]["circuit"] == "open"
+    assert node3[0]["last_error"].startswith("cannot connect"), node3

@@ -230,6 +230,19 @@ async def test_the_answer_and_the_metrics(peer: Peer, tmp_path: Path) -> None:
     await peer.start()
 
 
+async def test_a_refused_key_is_alive_but_not_up(peer: Peer, tmp_path: Path) -> None:
+    cfg = config(tmp_path, peer.port, key="sk-wrong")
+    poller = PeerPoller(lambda: cfg)
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+    v = poller.views["node2"]
+    assert v.reachable is True and v.circuit.state == CircuitState.CLOSED and v.models == ()
+    assert v.last_error is not None and "the key was refused (401" in v.last_error
+    fams: dict[str, _Family] = {}
+    _peer_families(fams, poller)
+    assert [s.value for s in fams["gpud_peer_up"].metric.samples] == [0]
+
+
 def test_check_config_warns_of_a_peer_that_does_not_answer(tmp_path: Path) -> None:
     cfg = config(tmp_path, 9)
     [warning] = check_peers(cfg)

@@ -100,8 +100,9 @@ def _peer_families(fams: dict[str, _Family], peers: PeerPoller) -> None:
     asked and its circuit is closed, the round trip of that answer, and the requests this host
     sent it by status class (none yet: the router does not forward to peers)."""
     up = fams.setdefault("gpud_peer_up", _Family(
-        "gpud_peer_up", "gauge", "1 when the peer answered its /v1/models when last asked and "
-        "its circuit is closed; 0 otherwise (why in GET /v1/peers, gpuctl peers)"))
+        "gpud_peer_up", "gauge", "1 when the peer answered its model list when last asked "
+        "and its circuit is closed; 0 otherwise, a refused key included (why in GET "
+        "/v1/peers, gpuctl peers)"))
     rtt = fams.setdefault("gpud_peer_rtt_seconds", _Family(
         "gpud_peer_rtt_seconds", "gauge", "The round trip of the peer's last /v1/models "
         "answer, read whole"))
@@ -110,7 +111,8 @@ def _peer_families(fams: dict[str, _Family], peers: PeerPoller) -> None:
         "started, by the class of the answer's status"))
     for peer in peers.answer()["peers"]:
         name = peer["name"]
-        up.add(1 if peer["reachable"] and peer["circuit"] == "closed" else 0, peer=name)
+        up.add(1 if peer["reachable"] and peer["circuit"] == "closed"
+               and peer["last_error"] is None else 0, peer=name)
         if peer["rtt_s"] is not None:
             rtt.add(peer["rtt_s"], peer=name)
         counts = peers.view(name).requests
