@@ -136,7 +136,8 @@ class PeerView:
 
 class PeerPoller:
     """Keeps a PeerView of each [peers.NAME] of the current config; `run` polls them until
-    cancelled. The clock (wall time, for `since`) and the session are passed in."""
+    cancelled (its own HTTP client session), `poll_all` once with the caller's. The clock (wall
+    time, for `since`) and the key reader are passed in."""
 
     def __init__(self, config: Callable[[], Config], *, interval_s: float = DEFAULT_INTERVAL_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, clock: Callable[[], float] = time.time,
