@@ -24,6 +24,7 @@ from gpud.core.config import MAX_MIB as MAX_MIB
 from gpud.core.config import Config as Config
 from gpud.core.config import ContainerConfig as ContainerConfig
 from gpud.core.config import DaemonConfig as DaemonConfig
+from gpud.core.config import PeerConfig as PeerConfig
 from gpud.core.config import RoleConfig as RoleConfig
 from gpud.core.config import ServeConfig as ServeConfig
 from gpud.core.config import SimulatedDeviceConfig as SimulatedDeviceConfig
@@ -40,6 +41,7 @@ from gpud.core.launch import (
     vllm_environment,
 )
 from gpud.core.ledger import gpu_memory_utilization
+from gpud.core.peers import url_problem
 from gpud.core.router import duplicate_names, listen_port, listen_problem, model_name_problem
 from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, borrowed_rules_note, extra_args_problems
 from gpud.core.vllm_versions import behaviour as vllm_behaviour
@@ -186,6 +188,7 @@ def _semantic_problems(cfg: Config) -> list[str]:
             problems += [f"serves.{name}.container.{p}" for p in _container_problems(serve.container)]
     problems += _vllm_problems(cfg)
     problems += _router_problems(cfg, ports)
+    problems += peer_problems(cfg)
     problems += [f"daemon.front_paths[{i}]: {problem}"
                  for i, path in enumerate(cfg.daemon.front_paths)
                  if (problem := path_problem(path)) is not None]
@@ -262,6 +265,84 @@ def _router_problems(cfg: Config, ports: Mapping[int, str]) -> list[str]:
     elif (port := listen_port(cfg.router.listen)) in ports:
         problems.append(f"router.listen: port {port} is serve {ports[port]!r}'s")
     problems += [f"serves: {p}" for p in duplicate_names(routed(cfg))]
+    return problems
+
+
+def peer_problems(cfg: Config) -> list[str]:
+    """[peers.NAME] as a whole: the name (the serve-name rule), the url, the models named (a
+    name a local serve answers to is refused: which host would take it?), tls_ca only with
+    https. Its files are peer_file_problems'."""
+    problems: list[str] = []
+    local = {m: name for name, s in sorted(cfg.serves.items()) for m in model_names(name, s)}
+    for name, peer in sorted(cfg.peers.items()):
+        try:
+            check_name("peer", name)
+        except ValueError as exc:
+            problems.append(f"peers.{name}: {exc}")
+        problem = url_problem(peer.url)
+        if problem:
+            problems.append(f"peers.{name}.url: {problem}")
+        elif peer.tls_ca is not None and not peer.url.startswith("https:"):
+            problems.append(f"peers.{name}.tls_ca: only for an https url (url is {peer.url!r})")
+        if peer.models is not None and not peer.models:
+            problems.append(f"peers.{name}.models: name at least one model (or leave it out: "
+                            "all the peer lists)")
+        seen: set[str] = set()
+        for i, model in enumerate(peer.models or ()):
+            problem = model_name_problem(model)
+            if problem:
+                problems.append(f"peers.{name}.models[{i}]: {problem}")
+            elif model in seen:
+                problems.append(f"peers.{name}.models[{i}]: {model!r} is named twice")
+            elif model in local:
+                problems.append(f"peers.{name}.models[{i}]: {model!r} is also serve "
+                                f"{local[model]!r}'s here: a model offered from a peer must "
+                                "not be one of this host's")
+            seen.add(model)
+    return problems
+
+
+def read_peer_key(path: str, *, require_root: bool | None = None) -> str:
+    """The key in a peer's key_file: root's (when gpud runs as root), readable by its owner
+    only, one line. Raises ValueError naming what is wrong."""
+    if require_root is None:
+        require_root = os.geteuid() == 0
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ValueError(f"{path}: readable or writable by group or others (mode "
+                             f"{mode:04o}): it holds a key; run `chmod 600 {path}`")
+        if require_root and st.st_uid != 0:
+            raise ValueError(f"{path}: must be root's (owner uid {st.st_uid}): it holds a key")
+        raw = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path}: file not found") from exc
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > 4096:
+        raise ValueError(f"{path}: over 4096 bytes: not a key")
+    try:
+        key = raw.decode("ascii").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not ASCII (byte {exc.start})") from exc
+    if not key or any(ch.isspace() or not ch.isprintable() for ch in key):
+        raise ValueError(f"{path}: must hold one key, one line of printable characters")
+    return key
+
+
+def peer_file_problems(cfg: Config) -> list[str]:
+    """The files of [peers.NAME]: its key_file (read_peer_key) and its tls_ca."""
+    problems: list[str] = []
+    for name, peer in sorted(cfg.peers.items()):
+        try:
+            read_peer_key(peer.key_file)
+        except ValueError as exc:
+            problems.append(f"peers.{name}.key_file: {exc}")
+        if peer.tls_ca is not None and not os.path.isfile(peer.tls_ca):
+            problems.append(f"peers.{name}.tls_ca: {peer.tls_ca}: no such file")
     return problems
 
 
@@ -562,7 +643,8 @@ def _placeholder_problem(arg: str) -> str | None:
 
 def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
     """Parse and validate config text. Raises ConfigError naming every problem. With
-    `checkpoints`, each vllm serve's reservation is checked against its checkpoint on disk
+    `checkpoints`, each peer's key file is read and each vllm serve's reservation is checked
+    against its checkpoint on disk
     (gpud.vllm.model_size; off for a config gpud already ran with, read back to recover from: a
     checkpoint changed since must not make it unreadable)."""
     try:
@@ -579,6 +661,8 @@ def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
         problems = [f"{_key_path(e['loc'])}: {_reason(e)}" for e in exc.errors()]
         raise ConfigError(source, problems) from exc
     problems = _semantic_problems(cfg)
+    if checkpoints:
+        problems += peer_file_problems(cfg)
     if not problems and checkpoints:
         from gpud.vllm.model_size import checkpoint_problems
 

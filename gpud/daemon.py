@@ -185,6 +185,7 @@ class Daemon:
         # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
         # costs about 130 ms, its client and TLS set-up included).
         from gpud.durable.store import Store
+        from gpud.host.peers import PeerPoller
         from gpud.life.alerts import Alerts
         from gpud.life.calibration import Calibrator
         from gpud.life.rebalance import Rebalancer, Recovery
@@ -240,11 +241,12 @@ class Daemon:
             traffic.watch(on_demand.changed)
             # counting from now (before the front); usage per key into the store
             router_log = RouterLog(lambda: svc.config, svc.store)
+            peers = PeerPoller(lambda: svc.config)
 
             def metrics() -> str:
                 router_log.read()
                 return render(svc, observer, calibrator, on_demand, router_log,
-                              self._front_degraded)
+                              self._front_degraded, peers)
 
             self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
                            metrics=metrics,
@@ -264,6 +266,7 @@ class Daemon:
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
             self.api.front_degraded = self._front_degraded
+            self.api.peers = peers.answer
             svc.watch_states(self.front.mark_awake)
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
@@ -284,6 +287,7 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             stack.push_async_callback(_cancel, loop.create_task(router_log.loop()))
+            stack.push_async_callback(_cancel, loop.create_task(peers.run()))
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")
@@ -484,6 +488,10 @@ def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str
     from gpud.host import cdi
 
     found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
+    if cfg.peers:
+        from gpud.host.peers import check_peers
+
+        found += check_peers(cfg)
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:

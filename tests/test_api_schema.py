@@ -202,6 +202,7 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     usage = check("GET", "/v1/usage", "/v1/usage?since=3700&key=alice")
     assert usage == {"since": 3600, "rows": []}, usage
     check("GET", "/v1/usage", "/v1/usage?colour=blue", status=400)
+    assert check("GET", "/v1/peers") == {"peers": []}
     check("GET", "/v1/status")
 
     # every route of the document was asked, and all but those that need a bus answered 200

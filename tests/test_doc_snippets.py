@@ -9,7 +9,8 @@ construction: a snippet with no `[roles.NAME]` gets etc/serves.toml's (the docs'
 run on its `dark-fast` role, which they would repeat otherwise); the router's njs module is read
 from where scripts/setup unpacked Debian's when the host has none installed (as the demo
 installs it); and an address this shared test host holds is not the snippet's concern
-(gpud.nginx.front.in_use answers no). An api_keys_file a snippet names is its document's keys
+(gpud.nginx.front.in_use answers no), nor is whether a peer's host answers now. A peer's
+key_file is written as a root 0600 file of one token. An api_keys_file a snippet names is its document's keys
 snippet, written to a root 0600 file.
 """
 
@@ -65,6 +66,12 @@ def as_config(doc: Path, text: str, tmp_path: Path) -> str:
     if not os.path.isfile(NJS):
         assert UNPACKED_NJS.is_file(), "scripts/setup unpacks Debian's njs module there"
         text = text.replace(NJS, str(UNPACKED_NJS))
+    for i, peer_key in enumerate(re.findall(r'^key_file = "([^"]+)"', text, flags=re.M)):
+        # the key a peer snippet presents: a root 0600 file of one token, as the docs ask
+        written = tmp_path / f"peer-{i}.key"
+        written.write_text("sk-peer-0123456789abcdef\n")
+        written.chmod(0o600)
+        text = text.replace(f'"{peer_key}"', f'"{written}"')
     found = re.search(r'^api_keys_file = "([^"]+)"', text, flags=re.M)
     if found:
         keys = tmp_path / "router-keys.toml"
@@ -98,6 +105,9 @@ def test_each_snippet_passes_check_config(doc: Path, line: int, text: str, tmp_p
                                           capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("gpud.nginx.front.in_use", lambda _listen: False)
+    # whether a peer's host answers now is not the snippet's concern (and no test reaches
+    # beyond this host): --check-config only warns of it
+    monkeypatch.setattr("gpud.host.peers.check_peers", lambda _cfg: [])
     if is_keys_file(text):
         known = sorted({name for _l, other in snippets(doc) if not is_keys_file(other)
                         for serve, cfg in parse_config(

@@ -132,6 +132,10 @@ def is_foreign_unit(unit: str) -> bool:
 # Runs as PID 1 of the new namespaces and ends by exec'ing systemd (a file of its own, so that
 # shellcheck reads it).
 BOOT_SCRIPT = Path(__file__).resolve().with_name("sandbox-boot.sh")
+# The network of the links between sandboxes (Sandbox.link): 198.18.0.0/15 is set aside for
+# benchmarking network devices (RFC 2544, RFC 6890) and routed nowhere, so it cannot be mistaken
+# for (or clash with) a network of the host's.
+LINK_NET = "198.18"
 
 
 # Mounted afresh inside the sandbox: what the host has there is not seen through the overlay.
@@ -822,6 +826,32 @@ class Sandbox:
             if entries or time.monotonic() > deadline:
                 return entries
             time.sleep(0.1)
+
+    # -- links between sandboxes ----------------------------------------------------------------
+
+    def link(self, other: Sandbox, index: int = 0) -> tuple[str, str]:
+        """Join this sandbox and OTHER by a veth pair, as two hosts on one private network (the
+        multi-host tests: docs/peers.md). Returns (this one's address, OTHER's address): link
+        INDEX is LINK_NET.INDEX.0/24, this end .1, the other .2; the interfaces are
+        ``gpl{INDEX}a`` here and ``gpl{INDEX}b`` there.
+
+        The pair is made inside the two network namespaces, never in the host's: ``ip link
+        add`` runs in this sandbox's namespace (nsenter --net only, so that OTHER's PID 1 is
+        named by its host PID) and puts the peer end straight into OTHER's. Neither end has a
+        route beyond the link, so no traffic leaves the two sandboxes; a veth pair is destroyed
+        with the namespace of either end, so the link is gone with either sandbox."""
+        if not 0 <= index <= 255:
+            raise SandboxError(f"link index {index}: must be 0-255")
+        mine, theirs = f"gpl{index}a", f"gpl{index}b"
+        here, there = f"{LINK_NET}.{index}.1", f"{LINK_NET}.{index}.2"
+        ip = _tool("ip")
+        subprocess.run([_tool("nsenter"), "--target", str(self.pid), "--net", "--",
+                        ip, "link", "add", mine, "type", "veth", "peer", "name", theirs,
+                        "netns", str(other.pid)], check=True, capture_output=True, timeout=30)
+        for sandbox, name, address in ((self, mine, here), (other, theirs, there)):
+            sandbox.run(["ip", "addr", "add", f"{address}/24", "dev", name])
+            sandbox.run(["ip", "link", "set", name, "up"])
+        return here, there
 
     # -- gpud -----------------------------------------------------------------------------------
 

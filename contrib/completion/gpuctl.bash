@@ -9,7 +9,7 @@
 # over the socket named on the command line (--socket), else $GPUD_SOCKET, else the default;
 # when gpud cannot be reached there is simply nothing to offer.
 
-_gpuctl_commands="status ledger serves models usage admit release start sleep wake stop restart events logs plan apply calibrate size keys reload"
+_gpuctl_commands="status ledger serves models usage peers admit release start sleep wake stop restart events logs plan apply calibrate size keys reload"
 _gpuctl_kinds="admit deny release start healthy exit restart crash-loop stop unhealthy overdraw reserve-exceeded reserve-ok reload adopt over-committed calibrate apply device-lost device-back sleep wake preempt pull container-outside-unit invariant"
 _gpuctl_keyactions="list add rotate revoke"
 _gpuctl_since="10m 1h 2h 1d 7d"
@@ -25,6 +25,7 @@ _gpuctl_options() {
         serves) echo "-h --help --names --socket --json --timeout" ;;
         models) echo "-h --help --socket --json --timeout" ;;
         usage) echo "-h --help --since --key --socket --json --timeout" ;;
+        peers) echo "-h --help --socket --json --timeout" ;;
         admit) echo "-h --help --role --preempt --dry-run --socket --json --timeout" ;;
         release) echo "-h --help --stop --socket --json --timeout" ;;
         start) echo "-h --help --no-wait --preempt --dry-run --socket --json --timeout" ;;
@@ -61,6 +62,8 @@ _gpuctl_option_value() {
         "usage:--key") echo none ;;
         "usage:--socket") echo file ;;
         "usage:--timeout") echo none ;;
+        "peers:--socket") echo file ;;
+        "peers:--timeout") echo none ;;
         "admit:--role") echo role ;;
         "admit:--socket") echo file ;;
         "admit:--timeout") echo none ;;

@@ -619,6 +619,37 @@ class ApplyResult(TypedDict):
     error: NotRequired[str | ErrorBody]
 
 
+class PeerListed(TypedDict):
+    """One model a peer lists for itself, as this host last read it (docs/peers.md)."""
+
+    id: str
+    state: str
+    expected_wait_s: float | None
+    queued: int
+
+
+class Peer(TypedDict):
+    """One [peers.NAME]: whether it answered its /v1/models when last asked (null: not asked
+    yet) and since when, its circuit (closed: requests go to it) and since when and why, the
+    models offered here, the round trip of its last answer, and what last went wrong."""
+
+    name: str
+    url: str
+    reachable: bool | None
+    reachable_since: float | None
+    circuit: str  # one of gpud.core.peers.CircuitState
+    circuit_since: float
+    circuit_reason: str | None
+    models: list[PeerListed]
+    rtt_s: float | None
+    last_error: str | None
+    checked_at: float | None
+
+
+class Peers(TypedDict):
+    peers: list[Peer]
+
+
 class ErrorBody(TypedDict):
     code: str
     message: str
@@ -641,4 +672,5 @@ COMPONENTS: tuple[type, ...] = (
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
     PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
     CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
+    PeerListed, Peer, Peers,
 )

@@ -365,6 +365,23 @@ class RouterConfig(_Model):
     # client does not time out during a cold start (0: none; the stream waits silently and a
     # refusal is a 503).
     loading_feedback_s: int = Field(default=DEFAULT_LOADING_FEEDBACK_S, ge=0, le=300)
+    # A request for a model this host and a peer both serve also goes to the peer when this
+    # host's queue for it is full or its expected wait is longer (gpud.core.peers.choose_host).
+    spillover: bool = False
+
+
+class PeerConfig(_Model):
+    """Another gpud host's router (docs/peers.md): its models are offered here, each host
+    staying the only authority over its own GPUs."""
+
+    # http or https, a host and an optional port, no path beyond "/" (gpud.core.peers.url_problem)
+    url: str = Field(min_length=1)
+    # Root's only (0600): the key this host presents to the peer's router.
+    key_file: str = Field(min_length=1)
+    # Which of the peer's models are offered here; unset: all it lists.
+    models: list[str] | None = None
+    # The CA bundle that verifies an https peer's certificate.
+    tls_ca: str | None = Field(default=None, min_length=1)
 
 
 class Config(_Model):
@@ -374,3 +391,4 @@ class Config(_Model):
     roles: dict[str, RoleConfig] = Field(default_factory=dict)
     serves: dict[str, ServeConfig] = Field(default_factory=dict)
     simulation: SimulationConfig | None = None
+    peers: dict[str, PeerConfig] = Field(default_factory=dict)

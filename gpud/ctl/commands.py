@@ -21,6 +21,7 @@ from gpud.ctl.format import (
     format_ledger,
     format_lifecycle,
     format_models,
+    format_peers,
     format_plan,
     format_preemption,
     format_release,
@@ -248,6 +249,11 @@ def run_usage(ctl: Ctl, args: argparse.Namespace) -> int:
         params.append(("key", args.key))
     target = "/v1/usage" + ("?" + query_string(params) if params else "")
     ctl.emit(ctl.client.call("GET", target), format_usage)
+    return EXIT_OK
+
+
+def run_peers(ctl: Ctl, args: argparse.Namespace) -> int:
+    ctl.emit(ctl.client.call("GET", "/v1/peers"), format_peers)
     return EXIT_OK
 
 
@@ -622,6 +628,22 @@ COMMANDS: tuple[Command, ...] = (
         "      alice  chat        120   48211       20113  68324          2  200:118 429:2\n"
         "  gpuctl --json usage --key alice",
         configure_usage, run_usage),
+    Command(
+        "peers", "the other gpud hosts whose models are offered here",
+        "Each [peers.NAME] of serves.toml (docs/peers.md): its router's URL, whether it "
+        "answered its /v1/models when last asked and since when, its circuit (closed: "
+        "requests may go to it; open: none do, only its /v1/models is probed; half-open: a "
+        "probe in flight), how many of its models are offered here, the round trip of its "
+        "last answer; then each peer's models, its last error and why its circuit is open. "
+        "gpud asks every 5 s, and at once after a failure.\n\n"
+        "Readable by anyone who can open the socket (group gpud).",
+        "  gpuctl peers\n"
+        "      PEER   URL                         REACHABLE                                "
+        "CIRCUIT  MODELS  RTT\n"
+        "      node2  http://node2.tailnet:8000   reachable since 2026-07-13T03:00:12+02:00  "
+        "closed        2  1.9 ms\n"
+        "  gpuctl --json peers",
+        _no_args, run_peers),
     Command(
         "admit", "reserve MiB for a serve on its role",
         "Ask the ledger for MIB MiB for serve NAME. The serve's own current reservation is "

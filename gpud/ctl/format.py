@@ -311,6 +311,45 @@ def format_usage(doc: answers.Usage) -> str:
                         [False, False, True, True, True, True, True, False])
 
 
+def format_peers(doc: answers.Peers, tz: datetime.tzinfo | None = None) -> str:
+    """``GET /v1/peers`` (docs/peers.md): one row per peer, then each peer's models and last
+    error."""
+    peers = doc.get("peers") or []
+    if not peers:
+        return "no peers: serves.toml has no [peers.NAME] table (docs/peers.md)"
+    rows = []
+    for p in peers:
+        reachable = p.get("reachable")
+        since = p.get("reachable_since")
+        state = "not asked yet" if reachable is None else ("reachable" if reachable else
+                                                          "unreachable")
+        if reachable is not None and isinstance(since, int | float):
+            state += " since " + local_time(since, tz)
+        rtt = p.get("rtt_s")
+        rows.append([str(p.get("name")), str(p.get("url")), state, str(p.get("circuit")),
+                     str(len(p.get("models") or [])),
+                     f"{rtt * 1000:.1f} ms" if isinstance(rtt, int | float) else "-"])
+    lines = [format_table(["PEER", "URL", "REACHABLE", "CIRCUIT", "MODELS", "RTT"], rows,
+                          [False, False, False, False, True, True])]
+    for p in peers:
+        models = p.get("models") or []
+        if models:
+            lines.append(f"{p.get('name')} models: " + ", ".join(
+                f"{m.get('id')} ({m.get('state')}"
+                + (f", wait {m.get('expected_wait_s'):.0f}s" if isinstance(
+                    m.get("expected_wait_s"), int | float) else "")
+                + (f", {m.get('queued')} queued" if m.get("queued") else "") + ")"
+                for m in models))
+        if p.get("last_error"):
+            lines.append(f"{p.get('name')} last error: {p.get('last_error')}")
+        if p.get("circuit") != "closed" and p.get("circuit_reason"):
+            since = p.get("circuit_since")
+            lines.append(f"{p.get('name')} circuit {p.get('circuit')}"
+                         + (f" since {local_time(since, tz)}" if isinstance(since, int | float)
+                            else "") + f": {p.get('circuit_reason')}")
+    return "\n".join(lines)
+
+
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
     ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),

@@ -171,6 +171,8 @@ class Api:
         self.on_demand = on_demand
         # what the front's last sync left dark (gpud.nginx.front.Front.degraded), once there is one
         self.front_degraded: Callable[[], tuple[str, ...]] | None = None
+        # what this host knows of its peers (gpud.host.peers.PeerPoller.answer), once polled
+        self.peers: Callable[[], answers.Peers] = lambda: {"peers": []}
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
         # so that a reload's new bounds hold at once)
         self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,
@@ -187,6 +189,7 @@ class Api:
         self.route("GET", "/v1/serves/{name}", self.serve, "read")
         self.route("GET", "/v1/events", self.events, "read")
         self.route("GET", "/v1/usage", self.usage, "read")
+        self.route("GET", "/v1/peers", self.peer_views, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
         self.route("GET", "/ui", self.page, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
@@ -427,6 +430,10 @@ class Api:
         events = await self.svc.events(query)
         answer: answers.Events = {"events": [e.to_json() for e in events]}
         return json_response(answer)
+
+    async def peer_views(self, request: web.Request) -> web.Response:
+        """The peers of the config in force, as the poller last found them (docs/peers.md)."""
+        return json_response(self.peers())
 
     async def usage(self, request: web.Request) -> web.Response:
         """Usage per key and model through the router (gpud.core.usage), from `since` (epoch

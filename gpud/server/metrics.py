@@ -31,6 +31,7 @@ from gpud.life.calibration import Calibrator
 from gpud.life.service import LedgerService
 
 if TYPE_CHECKING:
+    from gpud.host.peers import PeerPoller
     from gpud.nginx.router import RouterLog
     from gpud.server.ondemand import OnDemand
 
@@ -63,10 +64,12 @@ class GpudCollector:
     def __init__(self, svc: LedgerService, observer: Observer | None,
                  calibrator: Calibrator | None = None, on_demand: OnDemand | None = None,
                  router_log: RouterLog | None = None,
-                 front_degraded: Callable[[], tuple[str, ...]] | None = None) -> None:
+                 front_degraded: Callable[[], tuple[str, ...]] | None = None,
+                 peers: PeerPoller | None = None) -> None:
         self.svc, self.observer, self.calibrator = svc, observer, calibrator
         self.on_demand, self.router_log = on_demand, router_log
         self.front_degraded = front_degraded
+        self.peers = peers
 
     def collect(self) -> Iterator[Metric]:
         families = _families(self.svc, self.observer, self.calibrator)
@@ -77,16 +80,44 @@ class GpudCollector:
             _router_families(families, self.router_log)
         if self.front_degraded is not None:
             _front_families(families, self.front_degraded())
+        if self.peers is not None:
+            _peer_families(families, self.peers)
         for family in families.values():
             yield family.metric
 
 
 def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None,
            on_demand: OnDemand | None = None, router_log: RouterLog | None = None,
-           front_degraded: Callable[[], tuple[str, ...]] | None = None) -> str:
+           front_degraded: Callable[[], tuple[str, ...]] | None = None,
+           peers: PeerPoller | None = None) -> str:
     """The 0.0.4 text exposition of what `GpudCollector` collects now."""
     return generate_latest(GpudCollector(svc, observer, calibrator, on_demand, router_log,
-                                         front_degraded)).decode()
+                                         front_degraded, peers)).decode()
+
+
+def _peer_families(fams: dict[str, _Family], peers: PeerPoller) -> None:
+    """Each [peers.NAME] (docs/peers.md): whether its router answered its /v1/models when last
+    asked and its circuit is closed, the round trip of that answer, and the requests this host
+    sent it by status class (none yet: the router does not forward to peers)."""
+    up = fams.setdefault("gpud_peer_up", _Family(
+        "gpud_peer_up", "gauge", "1 when the peer answered its model list when last asked "
+        "and its circuit is closed; 0 otherwise, a refused key included (why in GET "
+        "/v1/peers, gpuctl peers)"))
+    rtt = fams.setdefault("gpud_peer_rtt_seconds", _Family(
+        "gpud_peer_rtt_seconds", "gauge", "The round trip of the peer's last /v1/models "
+        "answer, read whole"))
+    requests = fams.setdefault("gpud_peer_requests_total", _Family(
+        "gpud_peer_requests_total", "counter", "Requests this host sent the peer since gpud "
+        "started, by the class of the answer's status"))
+    for peer in peers.answer()["peers"]:
+        name = peer["name"]
+        up.add(1 if peer["reachable"] and peer["circuit"] == "closed"
+               and peer["last_error"] is None else 0, peer=name)
+        if peer["rtt_s"] is not None:
+            rtt.add(peer["rtt_s"], peer=name)
+        counts = peers.view(name).requests
+        for code in sorted(set(STATUS_CLASSES) - {"3xx"} | set(counts)):
+            requests.add(counts.get(code, 0), peer=name, code=code)
 
 
 def _front_families(fams: dict[str, _Family], degraded: tuple[str, ...]) -> None:

@@ -24,6 +24,7 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
+from gpud.core.peers import CircuitState
 from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, STATES
 
 _STR = {"type": "string"}
@@ -51,6 +52,7 @@ _ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("Slept", "state"): STATES,
     ("Woken", "state"): STATES,
     ("Event", "kind"): EVENT_KINDS,
+    ("Peer", "circuit"): tuple(str(s) for s in CircuitState),
 }
 
 
@@ -212,6 +214,10 @@ def document() -> dict[str, Any]:
             "/ui": {"get": {"summary": "The status page (HTML; its script reads the routes "
                                        "above)", "responses": {
                 "200": {"description": "ok", "content": {"text/html": {"schema": _STR}}}}}},
+            "/v1/peers": {"get": {
+                "summary": "The peers ([peers.NAME]): reachable or not, circuit, models, round "
+                           "trip, last error",
+                "responses": _answers(_ref("Peers"))}},
             "/v1/openapi.json": {"get": {"summary": "This document",
                                          "responses": _answers({"type": "object"})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition", "responses": {
