@@ -296,7 +296,7 @@ def format_usage(doc: answers.Usage) -> str:
 
 
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
-    ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
+    ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"), ("phase", "phase"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
     ("device lost", "device_lost"),
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
@@ -444,10 +444,13 @@ def format_lifecycle(serve: answers.Serve) -> str:
         if fields.get(key) is not None:
             facts.append(f"{label} {fields[key]}")
     where = ", ".join(serve["roles"]) if serve.get("roles") else _dash(serve.get("role"))
-    line = (f"{serve.get('name')}: {serve.get('state')} on {where}"
-            + (f" ({', '.join(facts)})" if facts else ""))
+    phase = serve.get("phase") or "idle"
+    # While gpud's own work on it runs (a start answered with --no-wait), its state and reason
+    # are still those from before that work: said so, never shown as its outcome.
+    state = f"{phase} (was {serve.get('state')})" if phase != "idle" else serve.get("state")
+    line = f"{serve.get('name')}: {state} on {where}" + (f" ({', '.join(facts)})" if facts else "")
     if serve.get("reason"):
-        line += f"\nreason: {serve['reason']}"
+        line += f"\n{'reason' if phase == 'idle' else 'reason before'}: {serve['reason']}"
     return line
 
 

@@ -24,7 +24,7 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
-from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, STATES
+from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, PHASES, STATES
 
 _STR = {"type": "string"}
 
@@ -47,9 +47,13 @@ class _Schemas(GenerateJsonSchema):
 _ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("Reservation", "state"): STATES,
     ("Serve", "state"): STATES,
+    ("Serve", "phase"): PHASES,
     ("Started", "state"): STATES,
+    ("Started", "phase"): PHASES,
     ("Slept", "state"): STATES,
+    ("Slept", "phase"): PHASES,
     ("Woken", "state"): STATES,
+    ("Woken", "phase"): PHASES,
     ("Event", "kind"): EVENT_KINDS,
 }
 
