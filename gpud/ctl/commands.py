@@ -691,8 +691,10 @@ COMMANDS: tuple[Command, ...] = (
         "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
         "role capacity, reserve, committed and free before -> after; per serve its reservation, "
         "--gpu-memory-utilization and state before -> after, what changed and whether it must "
-        "restart; and whether the full resident set is admitted. Exits 1 when it does not fit, "
-        "naming the shortfall.\n\nReadable by anyone who can open the socket.",
+        "restart; and whether the full resident set is admitted, by every bound apply checks: "
+        "the ledger's, and under strict admission what each device has free at each step of "
+        "the apply (stops and shrinks first give memory back). Exits 1 when it does not fit, "
+        "naming the bound that blocks and the shortfall.\n\nReadable by anyone who can open the socket.",
         "  gpuctl plan /etc/gpud/serves.new.toml",
         configure_config_file, run_plan),
     Command(

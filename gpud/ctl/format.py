@@ -513,6 +513,14 @@ def _arrow(before: Any, after: Any) -> str:
     return b if b == a else f"{b} -> {a}"
 
 
+# What each bound of a plan's denial measures (gpud.core.vocab.DenialBound; DESIGN "The arithmetic").
+_BOUND_WHAT = {
+    "ledger": " (capacity - reserve - committed)",
+    "physical": " (strict admission: what the device has free, less what admitted serves "
+                "will draw)",
+}
+
+
 def format_plan(doc: answers.Plan) -> str:
     lines = [f"plan: {doc.get('source')} against the running config"]
     for role in doc.get("roles", []):
@@ -546,6 +554,7 @@ def format_plan(doc: answers.Plan) -> str:
     else:
         for d in doc.get("denied", []):
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
+                         f"{d.get('bound')} bound{_BOUND_WHAT.get(str(d.get('bound')), '')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
     for boot in doc.get("boot") or []:  # what the boot serializes on each device, and why
