@@ -1262,6 +1262,15 @@ def test_preemption_plan_and_sleep_lines() -> None:
     refused = {"serve": "hi", "preemption": {"reason": "nothing lower"}}
     assert format_preemption(refused) == "no preemption can make room for hi: nothing lower"
     assert format_preemption({"serve": "hi"}) == ""
+    # gpuctl start --preempt --dry-run: the serve's view (its "name"), and the refusal
+    started = dict(SERVE_FAST, name="hi", dry_run=True, fits=False, preemption={
+        "serve": "hi", "need_mib": 16000, "free_mib": 7607, "could_free_mib": 0,
+        "reason": "nothing lower"})
+    assert format_preemption(started).splitlines() == [
+        "no preemption can make room for hi: nothing lower", "dry run: nothing changed"]
+    started["preemption"] = {"reason": "nothing lower"}
+    assert format_preemption(started).splitlines()[0] == (
+        "no preemption can make room for hi: nothing lower")
     asleep = dict(SERVE_FAST, state="sleeping", reserved_mib=800,
                   sleep={"level": 1, "from_mib": 14336, "sleep_mib": 800,
                          "parked_host_mib": 14336})

@@ -76,7 +76,13 @@ def test_limits_and_shares_are_parsed_and_checked() -> None:
         "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
         "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
     _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
-    assert problems == [f"keys.alice: a table of token, models and {', '.join(KEY_SHARES)} only"]
+    allowed = ", ".join(("token", "models", *KEY_SHARES))
+    assert problems == [f"keys.alice.budget: unknown key (a key's table has {allowed})"]
+    # a mistyped key is named with the key it was meant to be
+    _, problems = parse_keys(KEYS.replace("max_concurrent = 1", "mx_concurrent = 1"),
+                             ["a", "a-fast", "b"])
+    assert problems == [f"keys.alice.mx_concurrent: unknown key; did you mean 'max_concurrent'? "
+                        f"(a key's table has {allowed})"]
 
 
 def test_without_limits_nginx_counts_nothing() -> None:

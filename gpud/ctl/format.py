@@ -401,7 +401,10 @@ def format_preemption(doc: answers.Started | answers.Admitted | answers.Preempti
     if isinstance(lines, list):
         text = "\n".join(str(line) for line in lines)
     else:
-        text = f"no preemption can make room for {doc.get('serve')}: {plan.get('reason')}"
+        # start answers with the serve's view (its "name"), admit with "serve"; the refusal
+        # names it itself
+        serve = plan.get("serve") or doc.get("serve") or doc.get("name")
+        text = f"no preemption can make room for {serve}: {plan.get('reason')}"
     if doc.get("dry_run"):
         text += "\ndry run: nothing changed"
     return text

@@ -44,7 +44,7 @@ class PlanInputs:
 def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> RebalancePlan:
     dev = inputs.devices
     budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem,
-                              dev.device_uuid)
+                              dev.device_uuid, source=source)
     totals = {b.device: dev.device_total(b.device) for b in budgets}
     totals.update({b.device: dev.device_total(b.device) for b in inputs.ledger.roles.values()})
     rooms = (None if inputs.draws is None else
