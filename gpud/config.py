@@ -13,11 +13,13 @@ import os
 import re
 import stat
 import string
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gpud import bounded
 from gpud.core.config import MAX_MIB as MAX_MIB
@@ -43,6 +45,7 @@ from gpud.core.launch import (
 from gpud.core.ledger import gpu_memory_utilization
 from gpud.core.peers import url_problem
 from gpud.core.router import duplicate_names, listen_port, listen_problem, model_name_problem
+from gpud.core.text import did_you_mean
 from gpud.core.vllm_versions import CHECKPOINT_ROUTES, VllmBehaviour, borrowed_rules_note, extra_args_problems
 from gpud.core.vllm_versions import behaviour as vllm_behaviour
 from gpud.core.vocab import ENV_NAME_RE, NAME_PATTERN, NAME_RE
@@ -116,6 +119,38 @@ def _reason(err: Mapping[str, Any]) -> str:
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
     return str(err["msg"])
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the config allows in the table at `loc` (pydantic's path to an unknown key, less
+    the key), read from the models' fields down from Config; empty when the path leads to no
+    table of known keys."""
+    kind: Any = Config
+    for part in (p for p in loc if not str(p).startswith("function-")):
+        kind = _table_of(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            found = kind.model_fields.get(str(part))
+            if found is None:
+                return []
+            kind = found.annotation
+        elif typing.get_origin(kind) is dict:
+            kind = typing.get_args(kind)[1]  # part: a table's name ([serves.NAME])
+        elif typing.get_origin(kind) in (list, tuple):
+            kind = typing.get_args(kind)[0]  # part: an array's index
+        else:
+            return []
+    kind = _table_of(kind)
+    if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+        return []
+    return list(kind.model_fields)
+
+
+def _table_of(kind: Any) -> Any:
+    """`X | None` as X (the one member that is not None)."""
+    members = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(members) == 1:
+        return members[0]
+    return kind
 
 
 def _key_path(loc: tuple[Any, ...]) -> str:
@@ -658,7 +693,10 @@ def parse_config(text: str, source: str, *, checkpoints: bool = True) -> Config:
     except RecursionError as exc:
         raise ConfigError(source, ["nested too deeply"]) from exc
     except ValidationError as exc:
-        problems = [f"{_key_path(e['loc'])}: {_reason(e)}" for e in exc.errors()]
+        problems = [f"{_key_path(e['loc'])}: {_reason(e)}"
+                    + (did_you_mean(str(e["loc"][-1]), _keys_at(e["loc"][:-1]))
+                       if e["type"] == "extra_forbidden" and e["loc"] else "")
+                    for e in exc.errors()]
         raise ConfigError(source, problems) from exc
     problems = _semantic_problems(cfg)
     if checkpoints:
@@ -727,7 +765,9 @@ def summary(cfg: Config) -> str:
             key=lambda t: (t[0], t[1]),
         )
         for _, sname, s in serves:
-            flags = "resident" if s.resident else "on demand"
+            # Neither resident nor on_demand: nothing starts it but an operator (gpuctl start)
+            flags = ("resident" if s.resident else "on demand" if s.on_demand
+                     else "started by gpuctl start")
             part = ""
             if s.roles and len(s.all_roles) > 1:
                 part = (f"; {s.all_roles.index(rname) + 1}/{len(s.all_roles)} of "

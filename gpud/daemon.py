@@ -448,7 +448,8 @@ def check_config(path: Path, *, show_commands: bool = False) -> int:
         ids = {normalize_bus_id(k) if ":" in k else k: v for k, v in device_ids(cfg).items()}
         resolve_budgets(cfg, lambda ref: known.get(normalize_bus_id(ref) if ":" in ref else ref),
                         devices, None,
-                        lambda ref: ids.get(normalize_bus_id(ref) if ":" in ref else ref))
+                        lambda ref: ids.get(normalize_bus_id(ref) if ":" in ref else ref),
+                        source=str(path))
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 2

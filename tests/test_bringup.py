@@ -90,9 +90,13 @@ class FakeService:
     ready: bool = True
     # no [router]: no queue (a refusal is answered at once)
     config: Any = field(default_factory=lambda: SimpleNamespace(router=None, serves={}))
+    # its role r (gpud.core.ledger.RoleBudget's figures): room for its 16000 MiB
+    ledger: Any = field(default_factory=lambda: SimpleNamespace(
+        roles={"r": SimpleNamespace(capacity_mib=32000, reserve_mib=2000)}))
 
     def serve_spec(self, name: str) -> Any:
-        return SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0)
+        return SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0,
+                               vram_mib=16000, all_roles=("r",))
 
     def state_of(self, name: str) -> ServeState:
         return self.states.get(name, ServeState.DECLARED)
@@ -216,6 +220,37 @@ async def test_a_refused_serve_is_tried_again_after_the_hold_and_says_only_the_c
     clock.t += 4
     await od.ensure("od")
     assert sup.starts == ["od", "od"]
+
+
+async def test_a_serve_that_can_never_fit_says_so_not_retry_after() -> None:
+    """16000 MiB on a role that holds 10000 MiB with nothing else on it: no wait makes room,
+    and no request is told to retry, the first or those held after it."""
+    od, sup, svc, clock = on_demand(denied=True)
+    svc.ledger.roles["r"] = SimpleNamespace(capacity_mib=12000, reserve_mib=2000)
+    first = await od.ensure("od")
+    clock.t += 1
+    held = await od.ensure("od")
+    assert sup.starts == ["od"]
+    for reply in (first, held):
+        said = json.loads(reply.headers["X-Gpud-Reason"])["error"]
+        assert said["message"] == f"serve od: {bringup.NEVER_FITS}"
+        assert "retry after" not in said["message"] and "16000" not in said["message"]
+        # the operator's error (the body, the journal): the figures
+        body = json.loads(reply.text)["error"]
+        assert body["message"].endswith(
+            "; can never fit as configured: it needs 16000 MiB and role 'r' holds at most "
+            "10000 MiB with nothing else on it (capacity less reserve): lower its vram_mib, or "
+            "the role's reserve_mib"), body
+        assert body["details"]["never_fits"] is True
+
+
+def test_never_fits_only_past_what_a_role_holds_with_nothing_else_on_it() -> None:
+    assert bringup.never_fits(16000, {"r": 10000}) is not None
+    assert bringup.never_fits(10000, {"r": 10000}) is None
+    assert bringup.never_fits(16000, {"a": 20000, "b": 12000}) == (
+        "it needs 16000 MiB and role 'b' holds at most 12000 MiB with nothing else on it "
+        "(capacity less reserve): lower its vram_mib, or the role's reserve_mib")
+    assert bringup.never_fits(16000, {}) is None
 
 
 async def test_a_running_serve_is_never_held() -> None:

@@ -343,3 +343,50 @@ def test_history_keys_and_their_defaults() -> None:
 def test_history_keys_refused(snippet: str, expected: str) -> None:
     found = problems(snippet)
     assert any(expected in p for p in found), found
+
+
+@pytest.mark.parametrize(("snippet", "expected"), [
+    (BASE + '[serves.ocr]\nrole = "gpu"\nvram_mb = 5120\ncommand = ["x"]\n',
+     "serves.ocr.vram_mb: unknown key; did you mean 'vram_mib'?"),
+    ('[daemon]\nadmision = "ledger"\n', "daemon.admision: unknown key; did you mean 'admission'?"),
+    ('[deamon]\nadmission = "ledger"\n', "deamon: unknown key; did you mean 'daemon'?"),
+    (BASE + '[serves.e]\nrole = "gpu"\nvram_mib = 3200\n[serves.e.vllm]\nmodle = "m"\n',
+     "serves.e.vllm.modle: unknown key; did you mean 'model'?"),
+    ('[simulation]\nstate_file = "/run/s.json"\n[[simulation.devices]]\nuid = "GPU-0"\n'
+     'total_mib = 8000\n', "simulation.devices.0.uid: unknown key; did you mean 'uuid'?"),
+    ('[daemon]\nzzzzzz = 1\n', "daemon.zzzzzz: unknown key"),
+])
+def test_a_mistyped_key_is_named_with_the_key_it_was_meant_to_be(snippet: str,
+                                                                  expected: str) -> None:
+    assert expected in problems(snippet)
+
+
+def test_an_error_found_on_the_devices_is_headed_by_the_config_files_name(
+        tmp_path: Path) -> None:
+    """The role budgets are checked against the devices after the file parsed: their errors
+    name the file too, never "config"."""
+    path = tmp_path / "serves.toml"
+    path.write_text('[roles.gpu]\ndevice = "GPU-sim-0"\n[serves.big]\nrole = "gpu"\n'
+                    'vram_mib = 9000\ncommand = ["x"]\n[simulation]\nstate_file = "/run/s.json"\n'
+                    '[[simulation.devices]]\nuuid = "GPU-sim-0"\ntotal_mib = 8000\n')
+    path.chmod(0o600)
+    out = subprocess.run([sys.executable, "-m", "gpud.daemon", "--check-config", str(path)],
+                         capture_output=True, text=True, cwd=REPO, check=False)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[:2] == [
+        f"{path}: invalid config", "  serves.big.vram_mib: 9000 exceeds role 'gpu' capacity 8000"]
+
+
+def test_check_config_says_which_serves_start_how() -> None:
+    from gpud.config import summary
+
+    cfg = parse_config(BASE + '[serves.a]\nrole = "gpu"\nvram_mib = 1000\ncommand = ["x"]\n'
+                       'resident = true\n'
+                       '[serves.b]\nrole = "gpu"\nvram_mib = 1000\ncommand = ["x", "{socket}"]\n'
+                       'port = 30002\n'
+                       'front = true\non_demand = true\n'
+                       '[serves.c]\nrole = "gpu"\nvram_mib = 1000\ncommand = ["x"]\n', "t.toml")
+    lines = summary(cfg).splitlines()
+    assert "  a 1000 MiB (resident, priority 100)" in lines
+    assert "  b 1000 MiB (on demand, priority 100)" in lines
+    assert "  c 1000 MiB (started by gpuctl start, priority 100)" in lines

@@ -119,8 +119,8 @@ STATUS: dict[str, Any] = {
 
 SERVE_OCR: dict[str, Any] = {
     "name": "ocr", "role": "dark-fast", "configured": True, "external": False,
-    "state": "denied", "reason": "ledger bound: need 5120 MiB, free 351 MiB, short 4769 MiB",
-    "vram_mib": 5120, "reserved_mib": None, "resident": True, "priority": 40, "port": 30007,
+    "state": "denied", "phase": "idle",
+    "reason": "ledger bound: need 5120 MiB, free 351 MiB, short 4769 MiB", "vram_mib": 5120, "reserved_mib": None, "resident": True, "priority": 40, "port": 30007,
     "unit": "gpud-serve-ocr.service", "main_pid": None, "n_restarts": 0,
     "observed_mib": None, "calibration": "uncalibrated", "fingerprint": "9c1e",
     "device_lost": None, "calibrated": None, "sleep_level": 0, "parked_host_mib": None,
@@ -822,6 +822,47 @@ def test_lifecycle(memory: MemoryTransport, capsys: pytest.CaptureFixture[str], 
     assert capsys.readouterr().out.startswith("fast: running on dark-fast (reserved 14336 MiB")
 
 
+CRASH_LOOP = "crash-loop: 4 restarts in 60 s (limit 3)"
+
+
+@pytest.mark.parametrize("action", ["start", "restart"])
+def test_a_start_waits_for_its_own_launch_not_the_state_from_before_it(
+        memory: MemoryTransport, capsys: pytest.CaptureFixture[str], action: str) -> None:
+    """A failed serve's start is answered while its launch runs, still `failed` with the old
+    reason: gpuctl waits for that launch to end (its `phase`), and says how it ended."""
+    before = dict(SERVE_FAST, state="failed", reason=CRASH_LOOP, main_pid=None)
+    memory.answer("POST", f"/v1/serves/fast/{action}", 200, dict(before, phase="launching"))
+    views = iter([dict(before, phase="launching"), dict(SERVE_FAST, state="starting",
+                                                        phase="launching"),
+                  dict(SERVE_FAST, phase="idle")])
+    memory.routes[("GET", "/v1/serves/fast")] = lambda req: (200, next(views))
+    assert run(memory, action, "fast") == EXIT_OK
+    assert [r.method for r in memory.requests] == ["POST", "GET", "GET", "GET"]
+    out = capsys.readouterr().out
+    assert out.startswith("fast: running on dark-fast") and "crash-loop" not in out
+
+
+def test_a_start_whose_own_launch_fails_says_its_own_reason(
+        memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    before = dict(SERVE_FAST, state="failed", reason=CRASH_LOOP, main_pid=None)
+    memory.answer("POST", "/v1/serves/fast/start", 200, dict(before, phase="launching"))
+    memory.answer("GET", "/v1/serves/fast", 200,
+                  dict(before, reason="unhealthy: no 200 from /health within 5 s"))
+    assert run(memory, "start", "fast") == EXIT_REFUSED
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "reason: unhealthy: no 200 from /health within 5 s")
+
+
+def test_a_start_not_waited_on_says_its_state_is_from_before_it(
+        memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
+    memory.answer("POST", "/v1/serves/fast/start", 200,
+                  dict(SERVE_FAST, state="failed", reason=CRASH_LOOP, phase="launching"))
+    assert run(memory, "start", "fast", "--no-wait") == EXIT_OK
+    assert capsys.readouterr().out.splitlines() == [
+        "fast: launching (was failed) on dark-fast (reserved 14336 MiB, port 30001, pid 4242, "
+        "unit gpud-serve-fast.service)", f"reason before: {CRASH_LOOP}"]
+
+
 def test_reload(memory: MemoryTransport, capsys: pytest.CaptureFixture[str]) -> None:
     memory.answer("POST", "/v1/reload", 200, RELOADED)
     assert run(memory, "reload") == EXIT_OK
@@ -1247,6 +1288,15 @@ def test_preemption_plan_and_sleep_lines() -> None:
     refused = {"serve": "hi", "preemption": {"reason": "nothing lower"}}
     assert format_preemption(refused) == "no preemption can make room for hi: nothing lower"
     assert format_preemption({"serve": "hi"}) == ""
+    # gpuctl start --preempt --dry-run: the serve's view (its "name"), and the refusal
+    started = dict(SERVE_FAST, name="hi", dry_run=True, fits=False, preemption={
+        "serve": "hi", "need_mib": 16000, "free_mib": 7607, "could_free_mib": 0,
+        "reason": "nothing lower"})
+    assert format_preemption(started).splitlines() == [
+        "no preemption can make room for hi: nothing lower", "dry run: nothing changed"]
+    started["preemption"] = {"reason": "nothing lower"}
+    assert format_preemption(started).splitlines()[0] == (
+        "no preemption can make room for hi: nothing lower")
     asleep = dict(SERVE_FAST, state="sleeping", reserved_mib=800,
                   sleep={"level": 1, "from_mib": 14336, "sleep_mib": 800,
                          "parked_host_mib": 14336})

@@ -166,7 +166,14 @@ def test_gpuctl_size_answers_before_a_config_exists(big: Path) -> None:
     assert f"weights    {WEIGHTS_MIB} MiB (bf16" in out.stdout
     assert "KV cache   4096 bytes per token (bfloat16)" in out.stdout
     assert f"{KV_8192_MIB} MiB for one sequence of max_model_len 8192" in out.stdout
-    assert f"vram_mib = {minimum}" in out.stdout
+    # what it suggests is the smallest reservation it names, never the bare minimum below it
+    smallest = int(out.stdout.split("smallest reservation: ")[1].split(" MiB")[0])
+    assert smallest > minimum
+    assert (f"  vram_mib = {smallest}      # the smallest reservation for 1 at once (the "
+            f"minimum {minimum} MiB and the estimated overheads)") in out.stdout
+    many = gpuctl("size", str(big), "--max-model-len", "8192", "--concurrency", "4")
+    at_four = int(many.stdout.split(" MiB for 4 at once")[0].split()[-1])
+    assert f"  vram_mib = {at_four}      # the smallest reservation for 4 at once" in many.stdout
     assert f"vllm.kv_cache_mib = {KV_8192_MIB}" in out.stdout
     out = gpuctl("--json", "size", str(big), "--max-model-len", "8192", "--vram-mib", "2758")
     assert out.returncode == 1

@@ -342,7 +342,8 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
     answered the queue-timeout class after router.queue_timeout_s; one more than max_queued is
     answered the queue-full class at once. Both 403 with Retry-After: the front's 503."""
     spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
-                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+                           vram_mib=16000, all_roles=("r",), sleep_level=0,
+                           preemptible="sleep")
     svc = FakeService(Clock())
     svc.config = SimpleNamespace(
         router=SimpleNamespace(max_queued=1, queue_timeout_s=1, min_awake_s=10.0),
@@ -353,7 +354,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
     # of requests in flight is unknown (busy)
     svc.states["other"] = RUNNING
     svc.free_for = lambda _serve, _role: 807  # type: ignore[attr-defined]
-    svc.ledger = SimpleNamespace(reservations={  # type: ignore[attr-defined]
+    svc.ledger = SimpleNamespace(roles=svc.ledger.roles, reservations={  # type: ignore[attr-defined]
         "other": SimpleNamespace(mib=20000, all_roles=("r",))})
     sup = CrashLooping(svc, denied=True)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
@@ -394,7 +395,8 @@ async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> N
     """Nothing the queue may evict would free enough (the running serve is more important):
     the refusal for memory is answered at once, as without a queue, not after a wait."""
     spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
-                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+                           vram_mib=16000, all_roles=("r",), sleep_level=0,
+                           preemptible="sleep")
     vital = SimpleNamespace(on_demand=True, priority=1, all_roles=("r",), sleep_level=0,
                             preemptible="sleep")
     svc = FakeService(Clock())
@@ -404,7 +406,7 @@ async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> N
     svc.serve_spec = lambda _name: spec  # type: ignore[method-assign]
     svc.states["vital"] = RUNNING
     svc.free_for = lambda _serve, _role: 807  # type: ignore[attr-defined]
-    svc.ledger = SimpleNamespace(reservations={  # type: ignore[attr-defined]
+    svc.ledger = SimpleNamespace(roles=svc.ledger.roles, reservations={  # type: ignore[attr-defined]
         "vital": SimpleNamespace(mib=20000, all_roles=("r",))})
     od = OnDemand(cast(Any, svc), cast(Any, CrashLooping(svc, denied=True)), clock=time.monotonic)
     began = time.monotonic()

@@ -19,6 +19,7 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.core.router import (
+    KEY_SECRETS,
     KEY_SHARES,
     ROUTED_PATHS,
     Answered,
@@ -76,7 +77,13 @@ def test_limits_and_shares_are_parsed_and_checked() -> None:
         "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
         "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
     _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
-    assert problems == [f"keys.alice: a table of token (or sha256), models and {', '.join(KEY_SHARES)} only"]
+    allowed = ", ".join((*KEY_SECRETS, "models", *KEY_SHARES))
+    assert problems == [f"keys.alice.budget: unknown key (a key's table has {allowed})"]
+    # a mistyped key is named with the key it was meant to be
+    _, problems = parse_keys(KEYS.replace("max_concurrent = 1", "mx_concurrent = 1"),
+                             ["a", "a-fast", "b"])
+    assert problems == [f"keys.alice.mx_concurrent: unknown key; did you mean 'max_concurrent'? "
+                        f"(a key's table has {allowed})"]
 
 
 def test_without_limits_nginx_counts_nothing() -> None:

@@ -127,8 +127,8 @@ def test_vram_over_the_capacity_of_either_role_is_refused() -> None:
 
 def test_check_config_summary_lists_the_serve_under_each_role() -> None:
     lines = summary(parse_config(FOUR + BIG, "t.toml")).splitlines()
-    assert "  big 30000 MiB (on demand, priority 100; 1/2 of d0, d1)" in lines
-    assert "  big 30000 MiB (on demand, priority 100; 2/2 of d0, d1)" in lines
+    assert "  big 30000 MiB (started by gpuctl start, priority 100; 1/2 of d0, d1)" in lines
+    assert "  big 30000 MiB (started by gpuctl start, priority 100; 2/2 of d0, d1)" in lines
 
 
 # ---- launch --------------------------------------------------------------------------------------

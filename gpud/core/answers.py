@@ -110,6 +110,10 @@ class Serve(TypedDict):
     configured: bool
     external: bool
     state: str  # one of gpud.core.vocab.STATES
+    # What gpud is doing with it now (gpud.core.vocab.Phase): a start's launch, a stop, a sleep,
+    # a wake... `idle` once the last of them is over. A start answers while its launch runs
+    # ("launching", the state still what it was before): gpuctl waits for `idle`.
+    phase: str
     reason: str | None
     vram_mib: int | None
     reserved_mib: int | None

@@ -165,8 +165,30 @@ def classify(code: str, details: Mapping[str, Any]) -> Why:
     return Why.REFUSED
 
 
-def public_reason(serve: str, why: Why, retry_after_s: int, figures: str = "") -> str:
+def never_fits(need_mib: int, most_mib: Mapping[str, int]) -> str | None:
+    """Why a serve that needs `need_mib` on each of its roles can never fit as configured, or
+    None: it needs more than a role holds with nothing else on it (`most_mib`: each role's
+    capacity less its reserve), so no wait, release or preemption makes room, and a retry is
+    pointless until the config changes."""
+    for role, most in sorted(most_mib.items()):
+        if need_mib > most:
+            return (f"it needs {need_mib} MiB and role {role!r} holds at most {most} MiB with "
+                    "nothing else on it (capacity less reserve): lower its vram_mib, or the "
+                    "role's reserve_mib")
+    return None
+
+
+NEVER_FITS: Final = ("it can never fit on its GPU as configured (it needs more than its role "
+                     "holds with nothing else on it): retrying is pointless until its operator "
+                     "changes its vram_mib or its role")
+
+
+def public_reason(serve: str, why: Why, retry_after_s: int, figures: str = "", *,
+                  never: bool = False) -> str:
     """What a client of the front is told: the class, the limit of the router's config it is
-    about when it is one (FIGURES: gpud.core.queue.figures_text), and when to try again. No
-    memory figures, no other serve's name, no plan."""
+    about when it is one (FIGURES: gpud.core.queue.figures_text), and when to try again, or, for
+    a serve that can never fit (`never`: never_fits), that it cannot. No memory figures, no
+    other serve's name, no plan (the operator's error and journal line have the figures)."""
+    if never:
+        return f"serve {serve}: {NEVER_FITS}"
     return f"serve {serve}: {TEXT[why]}{figures}; retry after {retry_after_s} s"

@@ -13,7 +13,8 @@ from gpud.errors import ConfigError
 def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
                     devices: Sequence[str] | None = None,
                     device_problem: Callable[[str], str | None] | None = None,
-                    device_id: Callable[[str], str | None] | None = None) -> list[RoleBudget]:
+                    device_id: Callable[[str], str | None] | None = None, *,
+                    source: str = "the config") -> list[RoleBudget]:
     """Role budgets with capacity defaulted to the device's total. Capacity may be set lower than
     the device, never higher. `devices`, when observation sees any, lists what it sees: a role
     on a device not among them is an error. `device_problem` says why a device that is there
@@ -24,7 +25,7 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
     room for another role there). `device_id` tells which references name the same device
     (an index, a bus id and a UUID may); without it only equal references do. Where no total
     can be known (no observation, no simulation) the sum cannot be checked: it is checked
-    when gpud starts on the host."""
+    when gpud starts on the host. `source` names the config in the error (its file)."""
     problems: list[str] = []
     budgets: list[RoleBudget] = []
     defaulted: set[str] = set()
@@ -44,7 +45,7 @@ def resolve_budgets(cfg: Config, device_total: Callable[[str], int | None],
     problems += _partition_problems(budgets, defaulted, device_total, same)
     problems += _serve_problems(cfg, budgets, same)
     if problems:
-        raise ConfigError("config", problems)
+        raise ConfigError(source, problems)
     return budgets
 
 

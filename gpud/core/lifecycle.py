@@ -34,7 +34,7 @@ from gpud.core.unitstate import (
     WatchRestart,
     on_unit,
 )
-from gpud.core.vocab import ServeState
+from gpud.core.vocab import Phase, ServeState
 
 
 class Job(StrEnum):
@@ -51,21 +51,6 @@ class Slumber(StrEnum):
     """A sleep or a wake of gpud's under way (gpud.life.sleeping): from its checks to its commit."""
 
     NONE = "none"
-    FALLING_ASLEEP = "falling-asleep"
-    WAKING = "waking"
-
-
-class Phase(StrEnum):
-    """What gpud is doing with the serve, the most telling first: a job on its unit, else its
-    launch, else a sleep or a wake, else a wait on a restart's health, else nothing."""
-
-    IDLE = "idle"  # nothing: what its unit does is the serve's own doing (or an operator's)
-    LAUNCHING = "launching"  # a start: from its admission until healthy, failed or cancelled
-    AWAITING_HEALTH = "awaiting-health"  # its unit came back (a restart, an adoption): until
-    #                                      its health answers or its start timeout
-    STOPPING = "stopping"
-    RESTARTING = "restarting"
-    FAILING = "failing"
     FALLING_ASLEEP = "falling-asleep"
     WAKING = "waking"
 

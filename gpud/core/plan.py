@@ -7,16 +7,34 @@ that must restart, and whether the full resident set is admitted under the new c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from gpud.core import actions, answers
 from gpud.core.change import ServeChange as ServeChange
 from gpud.core.config import Config, ServeConfig
 from gpud.core.launch import BootStep, boot_steps, fingerprint
-from gpud.core.ledger import Denial, Ledger, Reservation, RoleBudget, RoleFigures, gpu_memory_utilization
+from gpud.core.ledger import (
+    Denial,
+    DeviceDraw,
+    Ledger,
+    Reservation,
+    RoleBudget,
+    RoleFigures,
+    gpu_memory_utilization,
+    pending_share,
+)
 from gpud.core.transition import ConfigBlocker, Refusal, transition
-from gpud.core.vocab import ADMITTED, DECLARED, DENIED, HOLDING_STATES, SLEEPING, Gone, ServeState
+from gpud.core.vocab import (
+    ADMITTED,
+    DECLARED,
+    DENIED,
+    HOLDING_STATES,
+    SLEEPING,
+    Gone,
+    ServeState,
+    StepKind,
+)
 
 # Fields of a serve that do not change how its process runs: a change of only these needs no
 # restart.
@@ -90,6 +108,93 @@ def _runs_differently(old: ServeConfig, new: ServeConfig) -> bool:
                if name not in NO_RESTART_FIELDS)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceRoom:
+    """What strict admission sees of one device before an apply (gpud.core.ledger.PhysicalView):
+    `room_mib`, its physical free less the memory promised to serves not drawing yet, and what
+    each serve holds of the device (its observed draw plus its pending share), which comes back
+    to that serve when it is admitted again, and to the others when it stops."""
+
+    room_mib: int
+    held_mib: Mapping[str, int] = field(default_factory=dict)
+
+
+def device_rooms(draws: Mapping[str, DeviceDraw], ledger: Ledger,
+                 states: Mapping[str, ServeState],
+                 device_key: Callable[[str], str | None]) -> dict[str, DeviceRoom]:
+    """The room on each observed device (`draws`, by `device_key` of a role's device) and what
+    each serve of `ledger` holds of it."""
+    held: dict[str, dict[str, int]] = {key: {} for key in draws}
+    for res in ledger.reservations.values():
+        for role in res.all_roles:
+            budget = ledger.roles.get(role)
+            key = device_key(budget.device) if budget is not None else None
+            if key is None or key not in draws:
+                continue
+            seen = draws[key].by_serve.get(res.serve, 0)
+            held[key][res.serve] = seen + pending_share(res, states.get(res.serve), seen)
+    for key, draw in draws.items():  # a serve that draws without a reservation (stopping)
+        for serve, seen in draw.by_serve.items():
+            held[key].setdefault(serve, seen)
+    return {key: DeviceRoom(d.physical_free_mib - d.pending_mib, held[key])
+            for key, d in draws.items()}
+
+
+def physical_denial(steps: Sequence[actions.Action], *, new: Config, before: Ledger,
+                    after: Ledger, rooms: Mapping[str, DeviceRoom],
+                    device_key: Callable[[str], str | None]) -> Denial | None:
+    """The first admission of the apply `steps` (in their order) that strict admission would
+    refuse on a device's physical free, or None: what the service decides at each of them
+    (gpud.life.service._admit_locked with gpud.core.ledger.PhysicalView), on the devices as
+    observed now. A stop or a release gives back what its serve held there; a restart or a
+    resize is admitted with the serve's own share counted back; a start of a serve that holds
+    nothing is admitted at its vram_mib. A device that is not observed is left to the ledger
+    bound, as strict admission falls back to it."""
+    if new.daemon.admission != "strict":
+        return None
+    room = {key: r.room_mib for key, r in rooms.items()}
+    held = {(key, serve): mib for key, r in rooms.items() for serve, mib in r.held_mib.items()}
+    holding = set(before.reservations)
+
+    def give_back(serve: str) -> None:
+        for key in room:
+            room[key] += held.pop((key, serve), 0)
+
+    def admit(serve: str, mib: int) -> Denial | None:
+        spec = new.serves[serve]
+        headroom = (new.daemon.vllm_start_context_mib
+                    if spec.vllm is not None and not spec.vllm.context_mib else 0)
+        where = [(role, key) for role in spec.all_roles
+                 if (key := device_key(after.roles[role].device)) is not None and key in room]
+        lacking = [Denial(serve, role, "physical", mib + headroom,
+                          room[key] + held.get((key, serve), 0))
+                   for role, key in where
+                   if mib + headroom > room[key] + held.get((key, serve), 0)]
+        if lacking:
+            return replace(lacking[0], more=tuple(lacking[1:]))
+        for _role, key in where:
+            room[key] += held.get((key, serve), 0) - mib
+            held[(key, serve)] = mib
+        holding.add(serve)
+        return None
+
+    for step in steps:
+        name = step.serve
+        if name is None:
+            continue
+        denial = None
+        if step.kind in (StepKind.STOP, StepKind.RELEASE):
+            give_back(name)
+            holding.discard(name)
+        elif step.kind in (StepKind.RESTART, StepKind.RESIZE) and step.mib_after is not None:
+            denial = admit(name, step.mib_after)
+        elif step.kind == StepKind.START and name not in holding:
+            denial = admit(name, new.serves[name].vram_mib)
+        if denial is not None:
+            return denial
+    return None
+
+
 def make_plan(
     *,
     old: Config,
@@ -99,13 +204,18 @@ def make_plan(
     states: Mapping[str, ServeState],
     totals: Mapping[str, int | None],
     source: str,
+    rooms: Mapping[str, DeviceRoom] | None = None,
+    device_key: Callable[[str], str | None] = lambda device: device,
 ) -> RebalancePlan:
     """What applying `new` would do to `ledger` (held under `old`).
 
     Held reservations of serves that stay are resized to their new vram_mib; those of serves
     that leave the config are released; external ones are kept. Then every resident serve that
     holds nothing is admitted in priority order against the ledger bound; the ones that do not
-    fit are the plan's denials.
+    fit are the plan's denials. With `rooms` (the devices as observed, by `device_key` of a
+    role's device), every admission the apply would make is checked against the physical bound
+    of strict admission too, in the apply's order (physical_denial): the first it would refuse
+    is the plan's denial, as it would be the apply's.
     """
     held = dict(ledger.reservations)
     after = Ledger.build(new_budgets, [])
@@ -133,23 +243,33 @@ def make_plan(
         spec = new.serves.get(name) or old.serves.get(name)
         return (spec.role if spec else "", spec.priority if spec else 1 << 30, name)
 
-    changes = [_change(name, old.serves.get(name), new.serves.get(name), held.get(name),
-                       after.reservations.get(name), states.get(name, DECLARED),
-                       denied_by.get(name),
-                       before_total=lambda roles: _device_total(roles, ledger.roles, totals),
-                       after_total=lambda roles: _device_total(roles, new_budget_map, totals))
-               for name in sorted(set(old.serves) | set(new.serves) | set(held), key=order)
-               if not (name in held and held[name].external)]
+    def changes(denied_by: Mapping[str, Denial]) -> list[ServeChange]:
+        return [_change(name, old.serves.get(name), new.serves.get(name), held.get(name),
+                        after.reservations.get(name), states.get(name, DECLARED),
+                        denied_by.get(name),
+                        before_total=lambda roles: _device_total(roles, ledger.roles, totals),
+                        after_total=lambda roles: _device_total(roles, new_budget_map, totals))
+                for name in sorted(set(old.serves) | set(new.serves) | set(held), key=order)
+                if not (name in held and held[name].external)]
+
     role_names = sorted(set(ledger.roles) | set(after.roles))
     roles = [(n, ledger.figures(n) if n in ledger.roles else None,
               after.figures(n) if n in after.roles else None) for n in role_names]
     decided = transition(old=old, new=new, ledger=ledger, budgets=new_budgets, states=states,
                          may_stop=True)
     if isinstance(decided, Refusal):
-        return RebalancePlan(roles, changes, denied, source, after,
-                    blocked=decided.blockers + tuple(over), boot=boot)
-    return RebalancePlan(roles, changes, denied, source, after, blocked=tuple(over),
-                stop_first=decided.stop, release_first=decided.release, boot=boot)
+        return RebalancePlan(roles, changes(denied_by), denied, source, after,
+                             blocked=decided.blockers + tuple(over), boot=boot)
+    plan = RebalancePlan(roles, changes(denied_by), denied, source, after, blocked=tuple(over),
+                         stop_first=decided.stop, release_first=decided.release, boot=boot)
+    if rooms is None or not plan.ok:
+        return plan
+    # The ledger bound holds at every step: what the devices have free must too (strict).
+    physical = physical_denial(actions.actions(plan), new=new, before=ledger, after=after,
+                               rooms=rooms, device_key=device_key)
+    if physical is None:
+        return plan
+    return replace(plan, denied=[physical], serves=changes({physical.serve: physical}))
 
 
 def _device_total(roles: str | None, budgets: Mapping[str, RoleBudget],

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S
 from gpud.core.queue import Histogram
-from gpud.core.text import printable
+from gpud.core.text import did_you_mean, printable
 from gpud.core.usage import tokens
 
 # The client routes of vLLM (0.32/0.33: vllm/entrypoints/**/api_router.py) whose request names
@@ -206,9 +206,15 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if not KEY_NAME_RE.fullmatch(name):
             problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
             continue
-        if not isinstance(entry, dict) or set(entry) - {*KEY_SECRETS, "models", *KEY_SHARES}:
+        allowed = (*KEY_SECRETS, "models", *KEY_SHARES)
+        if not isinstance(entry, dict):
             problems.append(f"{where}: a table of token (or sha256), models and "
                             f"{', '.join(KEY_SHARES)} only")
+            continue
+        unknown_keys = sorted(set(entry) - set(allowed))
+        if unknown_keys:
+            problems += [f"{where}.{k}: unknown key{did_you_mean(k, allowed)} (a key's table "
+                         f"has {', '.join(allowed)})" for k in unknown_keys]
             continue
         shares, wrong = key_shares(entry, where)
         if wrong:

@@ -11,6 +11,11 @@ that reorder what is read (U+202E). Each is written as its escape instead: ``\\x
 
 from __future__ import annotations
 
+# Not ``typing.TYPE_CHECKING``: gpuctl imports this module, and typing costs it startup time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 _KEPT = {"\n", "\t"}
 _CONTROLS = [c for c in range(0x00, 0x20) if chr(c) not in _KEPT] + list(range(0x7F, 0xA0))
 # bidirectional embeddings, overrides and isolates; the line and paragraph separators
@@ -27,3 +32,12 @@ def printable(text: str, *, json: bool = False) -> str:
     """`text` with every control character a terminal would obey written as its escape; with
     `json`, as a JSON escape (for text that is a JSON document)."""
     return text.translate(_JSON if json else _TEXT)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`; did you mean 'vram_mib'?` for the choice nearest to a mistyped `word` (difflib's
+    ratio at least 0.6), else the empty string."""
+    import difflib  # here: gpuctl imports this module and rarely needs it
+
+    near = difflib.get_close_matches(word, sorted(set(choices)), n=1, cutoff=0.6)
+    return f"; did you mean {near[0]!r}?" if near else ""

@@ -30,8 +30,7 @@ from enum import StrEnum
 from typing import Final
 
 from gpud.core.front import idle_action
-from gpud.core.lifecycle import Phase
-from gpud.core.vocab import ServeState, SleepAction
+from gpud.core.vocab import Phase, ServeState, SleepAction
 
 RUNNING_GAUGE: Final = "vllm:num_requests_running"
 WAITING_GAUGE: Final = "vllm:num_requests_waiting"

@@ -37,6 +37,26 @@ HOLDING_STATES = frozenset({STARTING, RUNNING, SLEEPING})
 PENDING_STATES = frozenset({ADMITTED, STARTING, SLEEPING})
 
 
+class Phase(StrEnum):
+    """What gpud is doing with the serve, the most telling first: a job on its unit, else its
+    launch, else a sleep or a wake, else a wait on a restart's health, else nothing
+    (gpud.core.lifecycle.ServeLife.phase). A serve's answer carries it: gpuctl waits for
+    the start it began until it is `idle` again, never on a state from before it."""
+
+    IDLE = "idle"  # nothing: what its unit does is the serve's own doing (or an operator's)
+    LAUNCHING = "launching"  # a start: from its admission until healthy, failed or cancelled
+    AWAITING_HEALTH = "awaiting-health"  # its unit came back (a restart, an adoption): until
+    #                                      its health answers or its start timeout
+    STOPPING = "stopping"
+    RESTARTING = "restarting"
+    FAILING = "failing"
+    FALLING_ASLEEP = "falling-asleep"
+    WAKING = "waking"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+
+
 class UnitActiveState(StrEnum):
     """A systemd unit's ActiveState, as systemd names it (systemd src/basic/unit-def.c,
     `unit_active_state_table`; the D-Bus property ActiveState carries these strings)."""

@@ -46,7 +46,14 @@ if TYPE_CHECKING:
 
     Doc = dict[str, Any]
 
-from gpud.core.vocab import EVENT_KINDS, STATES, ApplyOutcome, ServeState, serve_unit  # noqa: E402 - defined once
+from gpud.core.vocab import (  # noqa: E402 - defined once
+    EVENT_KINDS,
+    STATES,
+    ApplyOutcome,
+    Phase,
+    ServeState,
+    serve_unit,
+)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -345,7 +352,12 @@ def run_wake(ctl: Ctl, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-SETTLED = (ServeState.RUNNING, ServeState.FAILED, ServeState.DENIED, ServeState.DECLARED)
+def settled(doc: Doc) -> bool:
+    """The start (or restart) gpuctl began is over: nothing of gpud's is under way on the serve
+    (its answer comes while the launch runs, its state still the one from before: a failed
+    serve's old reason, say) and its state is not on its way somewhere."""
+    return (doc.get("phase", Phase.IDLE) == Phase.IDLE
+            and doc.get("state") not in (ServeState.STARTING, ServeState.STOPPING))
 
 
 def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
@@ -361,15 +373,24 @@ def _lifecycle(action: str) -> Callable[[Ctl, argparse.Namespace], int]:
         if plan and not ctl.as_json:
             print(plan, file=ctl.out, flush=True)
         carried = doc.get("preemption")
-        if action != "stop" and not getattr(args, "no_wait", True):
-            deadline = time.monotonic() + (ctl.client.timeout or LIFECYCLE_TIMEOUT)
-            while doc.get("state") not in SETTLED and time.monotonic() < deadline:
+        waiting = action != "stop" and not getattr(args, "no_wait", True)
+        if waiting:
+            # Stop, sleep and wake answer once theirs is over; a start answers once its launch
+            # has begun, and is waited on until that launch is over.
+            limit = ctl.client.timeout or LIFECYCLE_TIMEOUT
+            deadline = time.monotonic() + limit
+            while not settled(doc) and time.monotonic() < deadline:
                 time.sleep(0.25)
                 doc = ctl.client.call("GET", serve_path(args.name))
         if body and ctl.as_json:
             doc = {**doc, "preemption": carried}  # the plan carried out, with the final view
         ctl.emit(doc, format_lifecycle)
-        return EXIT_REFUSED if action != "stop" and doc.get("state") == ServeState.FAILED else EXIT_OK
+        if waiting and not settled(doc):
+            print(f"gpuctl: {args.name} is still {doc.get('phase')} after {limit:g} s; "
+                  f"gpuctl serves {args.name} shows how it ends", file=ctl.err, flush=True)
+            return EXIT_REFUSED
+        failed = doc.get("state") == ServeState.FAILED and settled(doc)
+        return EXIT_REFUSED if action != "stop" and failed else EXIT_OK
 
     return run
 
@@ -737,8 +758,10 @@ COMMANDS: tuple[Command, ...] = (
         "Ask gpud to compute the ledger NEW.toml would give, without changing anything: per "
         "role capacity, reserve, committed and free before -> after; per serve its reservation, "
         "--gpu-memory-utilization and state before -> after, what changed and whether it must "
-        "restart; and whether the full resident set is admitted. Exits 1 when it does not fit, "
-        "naming the shortfall.\n\nReadable by anyone who can open the socket.",
+        "restart; and whether the full resident set is admitted, by every bound apply checks: "
+        "the ledger's, and under strict admission what each device has free at each step of "
+        "the apply (stops and shrinks first give memory back). Exits 1 when it does not fit, "
+        "naming the bound that blocks and the shortfall.\n\nReadable by anyone who can open the socket.",
         "  gpuctl plan /etc/gpud/serves.new.toml",
         configure_config_file, run_plan),
     Command(

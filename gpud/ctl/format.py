@@ -351,7 +351,7 @@ def format_peers(doc: answers.Peers, tz: datetime.tzinfo | None = None) -> str:
 
 
 _SERVE_FIELDS: tuple[tuple[str, str], ...] = (
-    ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"),
+    ("name", "name"), ("role", "role"), ("state", "state"), ("reason", "reason"), ("phase", "phase"),
     ("configured", "configured"), ("external", "external"), ("vram", "vram_mib"),
     ("device lost", "device_lost"),
     ("reserved", "reserved_mib"), ("observed", "observed_mib"), ("resident", "resident"),
@@ -456,7 +456,10 @@ def format_preemption(doc: answers.Started | answers.Admitted | answers.Preempti
     if isinstance(lines, list):
         text = "\n".join(str(line) for line in lines)
     else:
-        text = f"no preemption can make room for {doc.get('serve')}: {plan.get('reason')}"
+        # start answers with the serve's view (its "name"), admit with "serve"; the refusal
+        # names it itself
+        serve = plan.get("serve") or doc.get("serve") or doc.get("name")
+        text = f"no preemption can make room for {serve}: {plan.get('reason')}"
     if doc.get("dry_run"):
         text += "\ndry run: nothing changed"
     return text
@@ -499,10 +502,13 @@ def format_lifecycle(serve: answers.Serve) -> str:
         if fields.get(key) is not None:
             facts.append(f"{label} {fields[key]}")
     where = ", ".join(serve["roles"]) if serve.get("roles") else _dash(serve.get("role"))
-    line = (f"{serve.get('name')}: {serve.get('state')} on {where}"
-            + (f" ({', '.join(facts)})" if facts else ""))
+    phase = serve.get("phase") or "idle"
+    # While gpud's own work on it runs (a start answered with --no-wait), its state and reason
+    # are still those from before that work: said so, never shown as its outcome.
+    state = f"{phase} (was {serve.get('state')})" if phase != "idle" else serve.get("state")
+    line = f"{serve.get('name')}: {state} on {where}" + (f" ({', '.join(facts)})" if facts else "")
     if serve.get("reason"):
-        line += f"\nreason: {serve['reason']}"
+        line += f"\n{'reason' if phase == 'idle' else 'reason before'}: {serve['reason']}"
     return line
 
 
@@ -565,6 +571,14 @@ def _arrow(before: Any, after: Any) -> str:
     return b if b == a else f"{b} -> {a}"
 
 
+# What each bound of a plan's denial measures (gpud.core.vocab.DenialBound; DESIGN "The arithmetic").
+_BOUND_WHAT = {
+    "ledger": " (capacity - reserve - committed)",
+    "physical": " (strict admission: what the device has free, less what admitted serves "
+                "will draw)",
+}
+
+
 def format_plan(doc: answers.Plan) -> str:
     lines = [f"plan: {doc.get('source')} against the running config"]
     for role in doc.get("roles", []):
@@ -598,6 +612,7 @@ def format_plan(doc: answers.Plan) -> str:
     else:
         for d in doc.get("denied", []):
             lines.append(f"resident set: DOES NOT FIT: {d.get('serve')} on {d.get('role')}: "
+                         f"{d.get('bound')} bound{_BOUND_WHAT.get(str(d.get('bound')), '')}: "
                          f"need {d.get('need_mib')} MiB, free {d.get('free_mib')} MiB, "
                          f"short {d.get('shortfall_mib')} MiB")
     for boot in doc.get("boot") or []:  # what the boot serializes on each device, and why

@@ -203,8 +203,13 @@ def format_size(d: dict[str, Any]) -> str:
     lines.append("smallest reservation: " + ", ".join(
         f"{v} MiB for {k} at once" for k, v in d["smallest_mib"].items())
         + " (with the estimated overheads)")
+    # The smallest reservation for the sequences asked (--concurrency, the last figure above):
+    # the minimum alone leaves no room for the activation peak and CUDA graphs, and vLLM would
+    # not start on it.
+    at_once, smallest = list(d["smallest_mib"].items())[-1]
     lines += ["in serves.toml:",
-              f"  vram_mib = {d['minimum_mib']}      # at least",
+              f"  vram_mib = {smallest}      # the smallest reservation for {at_once} at once "
+              f"(the minimum {d['minimum_mib']} MiB and the estimated overheads)",
               f"  vllm.max_model_len = {n}",
               f"  vllm.kv_cache_mib = {d['one_sequence_kv_mib']}      # one sequence; more for "
               "more at once"]

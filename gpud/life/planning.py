@@ -15,9 +15,9 @@ from typing import Any
 from gpud.config import Config, apply_overrides, parse_config
 from gpud.core.answers import PlanSize
 from gpud.core.budgets import resolve_budgets
-from gpud.core.ledger import Ledger
+from gpud.core.ledger import DeviceDraw, Ledger
 from gpud.core.observation import DeviceView
-from gpud.core.plan import RebalancePlan, make_plan
+from gpud.core.plan import RebalancePlan, device_rooms, make_plan
 from gpud.core.transition import ConfigBlocker
 from gpud.core.vocab import ServeState
 
@@ -36,16 +36,22 @@ class PlanInputs:
     # What the front listens on now (gpud.nginx.front.running_listens), when a plan is to be refused
     # for what it would leave dark (gpud.nginx.front.check_front); None: not checked.
     front_listens: frozenset[str] | None = None
+    # Each observed device's draw split (gpud.core.ledger.DeviceDraw, by UUID), what strict
+    # admission decides on; None: observation unavailable (strict falls back to the ledger).
+    draws: Mapping[str, DeviceDraw] | None = None
 
 
 def plan_of(cfg: Config, source: str, inputs: PlanInputs) -> RebalancePlan:
     dev = inputs.devices
     budgets = resolve_budgets(cfg, dev.device_total, dev.present_devices(), dev.device_problem,
-                              dev.device_uuid)
+                              dev.device_uuid, source=source)
     totals = {b.device: dev.device_total(b.device) for b in budgets}
     totals.update({b.device: dev.device_total(b.device) for b in inputs.ledger.roles.values()})
+    rooms = (None if inputs.draws is None else
+             device_rooms(inputs.draws, inputs.ledger, inputs.states, dev.device_uuid))
     plan = make_plan(old=inputs.config, new=cfg, ledger=inputs.ledger, new_budgets=budgets,
-                     states=inputs.states, totals=totals, source=source)
+                     states=inputs.states, totals=totals, source=source, rooms=rooms,
+                     device_key=dev.device_uuid)
     if inputs.front_listens is None:
         return plan
     from gpud.nginx.front import check_front

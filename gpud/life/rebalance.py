@@ -28,6 +28,7 @@ from typing import Any
 from gpud.config import Config, parse_config
 from gpud.core import answers
 from gpud.core.actions import Action, actions, rollback, serve_steps
+from gpud.core.ledger import DeviceDraw
 from gpud.core.plan import RebalancePlan
 from gpud.core.serverecord import Happened
 from gpud.core.vocab import (
@@ -110,9 +111,14 @@ class Rebalancer:
 
     def inputs(self) -> PlanInputs:
         """On the event loop: what a plan is made against (values only)."""
-        return PlanInputs(self.svc.config, self.svc.ledger, self.svc.states(),
-                          self.observer.view(), self.overrides,
-                          self.front_listens() if self.front_listens is not None else None)
+        view, ledger, states = self.observer.view(), self.svc.ledger, self.svc.states()
+        draws: dict[str, DeviceDraw] | None = None
+        if self.observer.available and view.latest is not None:
+            draws = {d.uuid: draw for d in view.latest.devices
+                     if (draw := self.observer.draw_for(d.uuid, ledger, states)) is not None}
+        return PlanInputs(self.svc.config, ledger, states, view, self.overrides,
+                          self.front_listens() if self.front_listens is not None else None,
+                          draws)
 
     async def plan_json(self, text: str, source: str) -> str:
         """The plan of `text`, as the JSON text POST /v1/plan answers: parsed, planned and

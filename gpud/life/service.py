@@ -60,6 +60,8 @@ def prune_batch(keep: int) -> int:
 INVARIANT_HOLD = ":invariant"
 # A store that keeps failing is said in the journal at most this often (seconds).
 STORE_LOG_INTERVAL_S = 60.0
+# What an error in the config read back from the store names as its source.
+STORED_CONFIG = "the config gpud last ran with"
 
 # Set (to True) in the task of a bring-up that a request through the front asked for
 # (gpud.server.ondemand): its refusals are coalesced (gpud.core.coalesce), since anyone who reaches the
@@ -217,13 +219,14 @@ class LedgerService:
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
-                                    self._device_problem, self._device_id)
+                                    self._device_problem, self._device_id,
+                                    source=STORED_CONFIG if stored else self.source)
         except ConfigError:
             if stored is None:
                 raise
             stored = None  # it does not fit this host any more: decide against the file alone
             roles = resolve_budgets(self.config, self._device_total, self._devices(),
-                                    self._device_problem, self._device_id)
+                                    self._device_problem, self._device_id, source=self.source)
         before = stored or self.config
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
@@ -260,19 +263,23 @@ class LedgerService:
         if text is None:
             return None
         try:
-            return self.overrides(parse_config(text, "the config gpud last ran with",
-                                             checkpoints=False))
+            return self.overrides(parse_config(text, STORED_CONFIG, checkpoints=False))
         except ConfigError as exc:
             log.warning("the stored config cannot be read (%s); deciding against the file alone",
                         exc.message)
             return None
+
+    @property
+    def source(self) -> str:
+        """What a config error names: the config file, when gpud has one."""
+        return str(self.config_path) if self.config_path is not None else "the config"
 
     def _devices(self) -> list[str] | None:
         return self.observer.present_devices() if self.observer else None
 
     def _decide(self, old: Config, new: Config, *, may_stop: bool = False) -> Transition | Refusal:
         budgets = resolve_budgets(new, self._device_total, self._devices(), self._device_problem,
-                                  self._device_id)
+                                  self._device_id, source=self.source)
         return transition(old=old, new=new, ledger=self.ledger, budgets=budgets,
                           states=self.states(), may_stop=may_stop)
 

@@ -289,6 +289,10 @@ class OnDemand:
         hold = bringup.held(self.svc.records.demand(name).tries, self.clock())
         retry = STOPPING_RETRY_S if why == Why.GPUD_STOPPING else hold.retry_after_s \
             if hold is not None else max(1, math.ceil(self.policy.refusal_hold_s))
+        never = self.never_fits(name) if why == Why.NO_MEMORY else None
+        if never is not None:  # the operator's error and journal line: with the figures
+            exc = Denied(f"{exc.message}; can never fit as configured: {never}",
+                         {**exc.details, "never_fits": True})
         self._log_refusal(name, why, exc.message)
         resp = error_response(exc)
         resp.set_status(403)
@@ -297,12 +301,22 @@ class OnDemand:
         figures = refusal_figures(why, exc.details)
         public = {"error": {"code": Denied.code if why == Why.NO_MEMORY else Unavailable.code,
                             "message": bringup.public_reason(name, why, retry,
-                                                             figures_text(figures)),
+                                                             figures_text(figures),
+                                                             never=never is not None),
                             "details": {"serve": name, "class": why, "retry_after_s": retry,
                                         **figures}}}
         resp.headers["X-Gpud-Reason"] = json.dumps(public)
         resp.headers["Retry-After"] = str(retry)
         return resp
+
+    def never_fits(self, name: str) -> str | None:
+        """Why serve NAME can never fit as configured (gpud.core.bringup.never_fits)."""
+        spec = self.svc.serve_spec(name)
+        roles = self.svc.ledger.roles
+        if spec is None:
+            return None
+        return bringup.never_fits(spec.vram_mib, {
+            r: roles[r].capacity_mib - roles[r].reserve_mib for r in spec.all_roles if r in roles})
 
     def _log_refusal(self, name: str, why: Why, message: str) -> None:
         """One journal line per serve and class per window (gpud.core.coalesce), carrying the
@@ -340,7 +354,8 @@ class OnDemand:
                 return
             first = "requests for other serves wait for memory already"
         except GpudError as exc:
-            if _why(exc) != Why.NO_MEMORY:
+            # one that can never fit does not wait for memory: nothing would ever make room
+            if _why(exc) != Why.NO_MEMORY or self.never_fits(name) is not None:
                 raise
             need = exc.details.get("need_mib")
             if isinstance(need, int):

@@ -25,7 +25,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.peers import CircuitState
-from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, STATES
+from gpud.core.vocab import EVENT_KINDS, NAME_PATTERN, PHASES, STATES
 
 _STR = {"type": "string"}
 
@@ -48,9 +48,13 @@ class _Schemas(GenerateJsonSchema):
 _ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("Reservation", "state"): STATES,
     ("Serve", "state"): STATES,
+    ("Serve", "phase"): PHASES,
     ("Started", "state"): STATES,
+    ("Started", "phase"): PHASES,
     ("Slept", "state"): STATES,
+    ("Slept", "phase"): PHASES,
     ("Woken", "state"): STATES,
+    ("Woken", "phase"): PHASES,
     ("Event", "kind"): EVENT_KINDS,
     ("Peer", "circuit"): tuple(str(s) for s in CircuitState),
 }

@@ -221,8 +221,11 @@ def test_apply_resizes_an_admitted_serve_to_the_size_its_plan_shows(
     assert "lazy: resize done (600 MiB -> 800 MiB)" in applied.stdout
 
 
-def test_a_resize_that_does_not_fit_fails_the_apply_and_rolls_it_back(
+def test_a_resize_the_device_has_no_room_for_is_refused_by_plan_and_apply(
         gpud: SandboxGpud, tmp_path: Path) -> None:
+    """The ledger would take 800 MiB for lazy, the device not: the plan checks the resize as
+    the apply's strict admission would (lazy's own 600 MiB pending counted back), says so, and
+    the apply is refused before it changes anything."""
     old = sim_config(ROLE, serve("keep", 30101) + "\n"
                      + serve("lazy", 30176, 600, resident=False))
     gpud.configure(old)
@@ -234,11 +237,19 @@ def test_a_resize_that_does_not_fit_fails_the_apply_and_rolls_it_back(
     new = tmp_path / "new.toml"
     new.write_text(sim_config(ROLE, serve("keep", 30101) + "\n"
                               + serve("lazy", 30176, 800, resident=False)))
-    plan = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
-    assert plan["resident_fits"] and [s["kind"] for s in plan["steps"]][3] == "resize"
+    planned = gpuctl(gpud, "plan", str(new), "--json")
+    assert planned.returncode == 1, planned.stdout
+    plan = json.loads(planned.stdout)
+    assert not plan["resident_fits"] and plan["steps"] == []
+    # the device's free is what neither the outside draw nor keep takes; lazy draws nothing
+    free = 2700 - gpud.serve("keep")["observed_mib"]
+    assert [(d["serve"], d["bound"], d["need_mib"], d["free_mib"]) for d in plan["denied"]] == [
+        ("lazy", "physical", 800, free)]
     applied = gpuctl(gpud, "apply", str(new))
     assert applied.returncode == 1, applied.stdout
-    assert "rolled back: lazy denied on r" in applied.stderr, applied.stderr
+    assert ("apply refused, nothing changed: the resident set does not fit: lazy denied on r: "
+            f"physical bound: need 800 MiB, free {free} MiB") in applied.stderr, applied.stderr
+    assert not gpud.sb.host_path("/etc/gpud/backups").exists()
     assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
     assert held(gpud) == {"keep": 2000, "lazy": 600}
     assert gpud.serve("lazy")["state"] == "admitted"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.integration.gpudctl import REPO, SandboxGpud, sim_config, standin
+from tests.waiting import wait_until
 
 
 def dark_fast(reserve: int) -> str:
@@ -121,3 +122,43 @@ def test_apply_refuses_a_set_that_does_not_fit(gpud: SandboxGpud, tmp_path: Path
     assert applied.returncode == 1
     assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == T015
     assert not gpud.sb.host_path("/etc/gpud/backups").exists()
+
+
+def test_plan_says_no_where_apply_would_the_device_has_no_room(gpud: SandboxGpud,
+                                                                tmp_path: Path) -> None:
+    """Ledger free 3072 MiB, but the display's draw leaves 666 MiB free on the device: a plan
+    to add a 1024 MiB serve says the physical bound blocks it (exit 1), as the apply's strict
+    admission would, and the apply is refused before it changes anything."""
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1024\n'
+    a = (f'[serves.a]\nrole = "r"\nvram_mib = 4096\nresident = true\npriority = 10\n'
+         f'port = 30060\ncommand = {standin()}\n')
+    b = (f'[serves.b]\nrole = "r"\nvram_mib = 1024\nresident = true\npriority = 20\n'
+         f'port = 30061\ncommand = {standin()}\n')
+    old = sim_config(role, a, total_mib=8192)
+    gpud.configure(old)
+    drawn = gpud.wait_state("a", "running")
+    seen = int(wait_until(lambda: gpud.serve("a")["observed_mib"], 20,
+                          "a's draw observed"))
+    gpud.set_external([{"device": "GPU-sim-0", "label": "display", "mib": 8192 - seen - 666}])
+    gpud.wait_polls()
+    observed = gpud.get("/v1/ledger")["roles"][0]["observed"]
+    assert (observed["physical_free_mib"], observed["effective_free_mib"]) == (666, 666), observed
+    assert gpud.get("/v1/ledger")["roles"][0]["free_mib"] == 3072
+    new = tmp_path / "add-b.toml"
+    new.write_text(sim_config(role, a + b, total_mib=8192))
+    plan = gpuctl(gpud, "plan", str(new))
+    assert plan.returncode == 1, plan.stdout + plan.stderr
+    assert ("resident set: DOES NOT FIT: b on r: physical bound (strict admission: what the "
+            "device has free, less what admitted serves will draw): need 1024 MiB, free 666 "
+            "MiB, short 358 MiB") in plan.stdout, plan.stdout
+    doc = json.loads(gpuctl(gpud, "plan", str(new), "--json").stdout)
+    assert doc["resident_fits"] is False and doc["steps"] == []
+    assert [(d["serve"], d["bound"], d["need_mib"], d["free_mib"]) for d in doc["denied"]] == [
+        ("b", "physical", 1024, 666)]
+    applied = gpuctl(gpud, "apply", str(new))
+    assert applied.returncode == 1, applied.stdout
+    assert "physical bound: need 1024 MiB, free 666 MiB" in applied.stderr, applied.stderr
+    assert "rolled back" not in applied.stdout + applied.stderr  # refused, never begun
+    assert gpud.sb.host_path("/etc/gpud/serves.toml").read_text() == old
+    assert gpud.serve("a")["main_pid"] == drawn["main_pid"]
+    assert gpud.call("GET", "/v1/serves/b").status == 404

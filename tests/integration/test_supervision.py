@@ -5,6 +5,8 @@ operator's `systemctl stop`, a port held by someone else, lost devices."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -295,6 +297,27 @@ def squat(gpud: SandboxGpud, port: int) -> int:
         ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://127.0.0.1:{port}/"],
         check=False).stdout == "200", gpud=gpud)
     return int(gpud.unit_prop("squatter.service", "MainPID"))
+
+
+def test_gpuctl_start_of_a_failed_serve_waits_for_its_own_launch(gpud: SandboxGpud) -> None:
+    """A resident serve that failed keeps its reservation, so its start admits nothing: gpud
+    answers while the launch runs, the serve still `failed` with the old reason. gpuctl start
+    waits for that launch and says how it ended: running, exit 0."""
+    control(gpud, "flaky", "sick")  # before gpud boots it: its boot start fails
+    serves = serve_toml("flaky", "dark-fast", 30235, healthserve("flaky"), resident=True,
+                        start_timeout_s=3.0)
+    gpud.configure(sim_config(DARK_FAST, serves))
+    failed = gpud.wait_state("flaky", "failed", timeout=60)
+    assert failed["reason"].startswith("unhealthy"), failed
+    assert failed["reserved_mib"] == 1000, "a resident serve keeps its reservation"
+    control(gpud, "flaky", "sick", on=False)
+    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                          "start", "flaky"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr + gpud.journal_tail()
+    assert out.stdout.startswith("flaky: running on dark-fast"), out.stdout
+    assert "unhealthy" not in out.stdout, out.stdout
+    assert gpud.serve("flaky")["state"] == "running"
 
 
 def test_start_refused_while_another_process_holds_the_port(gpud: SandboxGpud) -> None:
