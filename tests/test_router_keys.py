@@ -6,6 +6,7 @@ before two stand-ins (tests/test_router.py's rig)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import re
 import socket
@@ -29,6 +30,7 @@ from gpud.core.router import (
     parse_keys,
     parse_log_line,
 )
+from gpud.core.usage import Counts, UsageKey, add, one
 from gpud.nginx.router import KeyShares
 from tests.test_router import (  # noqa: F401 (fed: a fixture)
     RIG_TOKEN,
@@ -291,6 +293,90 @@ def test_usage_is_the_serves_own_and_a_stream_without_it_is_unmetered(metered: R
         "probe", last["prompt_tokens"], last["completion_tokens"])
     assert (three.key, three.prompt_tokens, three.completion_tokens) == ("bob", None, None)
     assert one.ts is not None and abs(one.ts - time.time()) < 60
+
+
+def _post_route(rig: Rig, route: str, doc: dict[str, object]) -> tuple[int, bytes]:
+    status, _h, body = _req(rig.port, "POST", route, json.dumps(doc).encode(),
+                            {"Authorization": f"Bearer {RIG_TOKEN}",
+                             "Content-Type": "application/json"})
+    return status, body
+
+
+def _data(streamed: bytes) -> list[dict[str, object]]:
+    return [json.loads(line[6:]) for line in streamed.decode().splitlines()
+            if line.startswith("data: {")]
+
+
+# a tool whose schema holds usage-shaped keys: /v1/responses echoes it in its answer (its
+# `tools`, and the response in response.created / response.completed of a stream)
+SCHEMA_TOOL = {"type": "function", "name": "f", "parameters": {
+    "type": "object", "properties": {"usage": {"prompt_tokens": 999999999999,
+                                               "input_tokens": 999999999999,
+                                               "output_tokens": 999999999999}},
+    "prompt_tokens": 999999999999, "input_tokens": 999999999999,
+    "completion_tokens": 999999999999, "output_tokens": 999999999999}}
+
+
+def test_usage_is_the_answers_top_level_usage_by_each_routes_names(metered: Rig) -> None:
+    before = len(_logged(metered, 0))
+    sent: list[tuple[int, int]] = []
+    # /v1/responses, single and streamed: input_tokens/output_tokens of the top-level usage
+    # (a stream's response.completed), never the tool schema's counts the answer echoes
+    for stream in (False, True):
+        status, body = _post_route(metered, "/v1/responses", {
+            "model": "b", "input": "hi there", "max_output_tokens": 3, "stream": stream,
+            "tools": [SCHEMA_TOOL], "metadata": {"prompt_tokens": "999999999999"}})
+        assert status == 200, body
+        assert b"999999999999" in body  # the echo is there, and not taken
+        doc = _data(body)[-1]["response"] if stream else json.loads(body)
+        usage = doc["usage"]  # type: ignore[index]
+        sent.append((usage["input_tokens"], usage["output_tokens"]))
+    # /v1/messages, single and streamed: message_start's input, message_delta's output
+    for stream in (False, True):
+        status, body = _post_route(metered, "/v1/messages", {
+            "model": "a", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user", "content": '"input_tokens": 999999999999'}]})
+        assert status == 200, body
+        if stream:
+            events = _data(body)
+            start = events[0]["message"]["usage"]  # type: ignore[index]
+            delta = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+            sent.append((start["input_tokens"], delta["output_tokens"]))  # type: ignore[index]
+        else:
+            usage = json.loads(body)["usage"]
+            sent.append((usage["input_tokens"], usage["output_tokens"]))
+    # embeddings-like answers aside, a completions stream with continuous usage: the last
+    status, body = _post_route(metered, "/v1/completions", {
+        "model": "a", "prompt": "x y", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert status == 200
+    usage = _data(body)[-1]["usage"]
+    sent.append((usage["prompt_tokens"], usage["completion_tokens"]))  # type: ignore[index]
+    got = _logged(metered, before + len(sent))[before:]
+    assert [(a.prompt_tokens, a.completion_tokens) for a in got] == sent
+    assert all(0 < p < 1000 and 0 < c < 1000 for p, c in sent)
+    assert not any(a.hung_up for a in got)
+
+
+def test_a_stream_the_client_hung_up_on_is_counted_as_such(metered: Rig) -> None:
+    before = len(_logged(metered, 0))
+    conn = http.client.HTTPConnection("127.0.0.1", metered.port, timeout=10)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "a", "max_tokens": 50, "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "go on"}]}),
+        headers={"Authorization": f"Bearer {RIG_TOKEN}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: {")  # the stream began
+    conn.close()  # and its client went away (50 tokens at 0.3 s each: long before its end)
+    (gone,) = _logged(metered, before + 1)[before:]
+    assert (gone.status, gone.hung_up) == (200, True)
+    # nothing reported by the serve before it: unmetered
+    assert (gone.prompt_tokens, gone.completion_tokens) == (None, None)
+    rows = add({}, UsageKey(0, gone.key, gone.model, gone.status),
+               one(gone.prompt_tokens, gone.completion_tokens, gone.hung_up))
+    assert list(rows.values()) == [Counts(1, 0, 0, 1, 1)]
 
 
 # --- priority: the key's, in gpud's queue and inside the engine -------------------------------

@@ -91,12 +91,16 @@ LOG_FIELDS: Final = (
     ("sse", "$router_sse"),
 )
 # The access log's fields of usage per key (gpud.core.usage): the key's name, when the request
-# ended (Unix time, ms), and the tokens of the serve's own `usage` (router.js `meter`; "" none).
+# ended (Unix time, ms), the tokens of the serve's own `usage` (router.js `meterScan`; "" none),
+# and whether the whole answer was sent ("OK"; "": the client hung up first: nginx sets
+# r->request_complete only on ngx_http_finalize_request's path of a request done, never on
+# ngx_http_terminate_request's, src/http/ngx_http_request.c).
 USAGE_FIELDS: Final = (
     ("key", "$router_key"),
     ("ts", "$msec"),
     ("prompt_tokens", "$router_prompt_tokens"),
     ("completion_tokens", "$router_completion_tokens"),
+    ("complete", "$request_completion"),
 )
 # Idle keepalive connections to each serve (as the front's).
 KEEPALIVE: Final = 32
@@ -877,6 +881,7 @@ class Answered:
     ts: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    hung_up: bool = False
 
 
 def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
@@ -918,7 +923,9 @@ def _usage_fields(doc: Mapping[str, object], status: int) -> dict[str, Any]:
         ts = None
     return {"key": got["key"][:MAX_REQUESTER], "status": status, "ts": ts,
             "prompt_tokens": tokens(got["prompt_tokens"]),
-            "completion_tokens": tokens(got["completion_tokens"])}
+            "completion_tokens": tokens(got["completion_tokens"]),
+            # a line of an older config has no "complete": not known to have hung up
+            "hung_up": "complete" in doc and got["complete"] != "OK"}
 
 
 @dataclass

@@ -771,33 +771,185 @@ function down(r) {
 }
 
 // Usage (docs/router.md, "Who is asking"; gpud.core.usage): the serve's own `usage`, read as
-// its answer passes (a body filter: each buffer passed on at once, untouched): the last
-// "prompt_tokens" and "completion_tokens" of the answer (a non-streamed answer's usage, a
-// stream's last chunk when it carries one), for the access log. Unescaped, `"prompt_tokens"`
-// is a key (inside a JSON string a quote is escaped). The last bytes of each buffer are kept
-// for a key or number split between two. An answer without usage leaves them "" (counted,
-// never invented).
-var TOKENS_RE = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})(?=\D)/g;
-var meterTail = null, meterPending = false;
-function meterScan(r, data) {
-    // most buffers (a stream's chunks before its last) carry no usage: one native search
-    if (data.indexOf('_tokens"') < 0 && !meterPending) {
-        meterTail = data;
+// its answer passes (a body filter: each buffer passed on at once, untouched), for the access
+// log: the top-level `usage` object of the answer, by the route's own names (input_tokens and
+// output_tokens on /v1/responses and /v1/messages, else prompt_tokens and completion_tokens),
+// never a count anywhere else in it (a tool's schema the answer echoes is the client's text).
+// A stream (text/event-stream): each event that carries usage parsed whole (its data), its
+// `usage`, or that of the response it carries (/v1/responses: `response.usage`; /v1/messages:
+// message_start's `message.usage`, message_delta's `usage`), the last one of each name
+// kept. Inside a JSON string a quote is escaped, so `"usage"` with both quotes bare is a key
+// (or a string value "usage"): an event without it is not parsed, and most buffers (a
+// stream's chunks) end at an event's end and carry none: one native search each. A single
+// answer (JSON): its top level walked by its brackets (strings skipped whole) as it passes,
+// the value of its top-level "usage" key kept and parsed. An answer without usage leaves
+// them "" (counted, never invented).
+var USAGE_ROUTES = {'/v1/responses': 'response', '/v1/messages': 'message'};
+var USAGE_HELD_MAX = 16777216;
+var mNames = null, mNested = null, mStream = false, mHeld = '', mSkip = false;
+// the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
+// last string ended at the current depth (a key when a bracket follows), the keys of the
+// open objects, and the usage object's text while it passes
+var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = [];
+var jCap = null, jCapDepth = 0;
+var J_OUT = /["{}\[\]]/g, J_IN = /[\\"]/g;
+
+function meterBegin(r) {
+    var route = r.uri;
+    mNames = has(USAGE_ROUTES, route) ? ['input_tokens', 'output_tokens'] :
+        ['prompt_tokens', 'completion_tokens'];
+    mNested = has(USAGE_ROUTES, route) ? USAGE_ROUTES[route] : null;
+    mStream = (r.variables.upstream_http_content_type || '').toLowerCase()
+        .indexOf('text/event-stream') === 0;
+}
+
+function meterTake(r, usage) {
+    if (usage === null || typeof usage !== 'object' || Array.isArray(usage)) {
         return;
     }
-    var text = (meterTail === null ? '' :
-                meterTail.slice(Math.max(0, meterTail.length - 64)).toString()) +
-               data.toString();
-    meterTail = data;
-    text = text.slice(Math.max(0, text.indexOf('_tokens"') - 32));
-    TOKENS_RE.lastIndex = 0;
-    var m;
-    while ((m = TOKENS_RE.exec(text)) !== null) {
-        r.variables['router_' + m[1] + '_tokens'] = m[2];
+    for (var i = 0; i < 2; i++) {
+        var v = usage[mNames[i]];
+        if (typeof v === 'number' && Number.isInteger(v) && v >= 0 && v < 1e12) {
+            r.variables[i ? 'router_completion_tokens' : 'router_prompt_tokens'] = String(v);
+        }
     }
-    // a count that may go on in the next buffer (a number is taken whole only)
-    var at = text.lastIndexOf('_tokens"');
-    meterPending = at >= 0 && at > text.length - 48;
+}
+
+// One event of a stream (its lines): its data parsed when it carries usage.
+function meterEvent(r, event) {
+    if (event.indexOf('"usage"') < 0) {
+        return;
+    }
+    var data = event.split('\n').filter(function (line) {
+        return line.indexOf('data:') === 0;
+    }).map(function (line) {
+        return line.slice(line[5] === ' ' ? 6 : 5);
+    }).join('\n');
+    var doc;
+    try {
+        doc = JSON.parse(data);
+    } catch (e) {
+        return;
+    }
+    if (doc === null || typeof doc !== 'object') {
+        return;
+    }
+    meterTake(r, doc.usage);
+    if (mNested !== null && doc[mNested] !== null && typeof doc[mNested] === 'object') {
+        meterTake(r, doc[mNested].usage);
+    }
+}
+
+function meterEvents(r, data) {
+    var n = data.length;
+    if (mHeld === '' && !mSkip && data[n - 1] === 0x0a && data[n - 2] === 0x0a &&
+        data.indexOf('"usage"') < 0) {
+        return;
+    }
+    var text = mHeld + data.toString().replace(/\r\n/g, '\n');
+    var cut = text.lastIndexOf('\n\n');
+    if (cut < 0) {
+        // an event longer than the buffers so far: held (bounded: past it, not metered)
+        mHeld = mSkip || text.length > USAGE_HELD_MAX ? '' : text;
+        mSkip = mSkip || text.length > USAGE_HELD_MAX;
+        return;
+    }
+    var events = text.slice(0, cut).split('\n\n');
+    if (mSkip) {
+        events.shift();
+        mSkip = false;
+    }
+    events.forEach(function (event) {
+        meterEvent(r, event);
+    });
+    mHeld = text.slice(cut + 2);
+}
+
+function meterWalk(r, data) {
+    var text = data.toString(), n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
+    if (jEsc) {
+        i = 1;
+        jEsc = false;
+    }
+    while (i < n) {
+        if (jInStr) {
+            J_IN.lastIndex = i;
+            m = J_IN.exec(text);
+            var end = m === null ? n : m.index;
+            if (jStr !== null) {
+                jStr = jStr.length + end - i > 16 ? null : jStr + text.slice(i, end);
+            }
+            if (m === null) {
+                break;
+            }
+            if (m[0] === '\\') {
+                jStr = null;
+                jEsc = m.index + 1 >= n;
+                i = m.index + 2;
+                continue;
+            }
+            jInStr = false;
+            jLast = jStr;
+            i = m.index + 1;
+            continue;
+        }
+        J_OUT.lastIndex = i;
+        m = J_OUT.exec(text);
+        if (m === null) {
+            break;
+        }
+        c = m[0];
+        i = m.index + 1;
+        if (c === '"') {
+            jInStr = true;
+            jStr = jDepth <= 2 ? '' : null;
+            jLast = null;
+            continue;
+        }
+        if (c === '{' || c === '[') {
+            // the key naming this value: the string just before it at this depth
+            var key = c === '{' ? jLast : null;
+            jKeys[jDepth] = key;
+            if (jCap === null && key === 'usage' &&
+                (jDepth === 1 || (jDepth === 2 && mNested !== null && jKeys[1] === mNested))) {
+                jCap = '';
+                jCapDepth = jDepth;
+                from = m.index;
+            }
+            jDepth++;
+        } else if (jDepth > 0) {
+            jDepth--;
+            if (jCap !== null && jDepth === jCapDepth) {
+                var got;
+                try {
+                    got = JSON.parse(jCap + text.slice(from, i));
+                } catch (e) {
+                    got = null;
+                }
+                meterTake(r, got);
+                jCap = null;
+                from = -1;
+            }
+        }
+        jLast = null;
+    }
+    if (jCap !== null) {
+        jCap += text.slice(Math.max(0, from));
+        if (jCap.length > 65536) {
+            jCap = null;
+        }
+    }
+}
+
+function meterScan(r, data) {
+    if (mNames === null) {
+        meterBegin(r);
+    }
+    if (mStream) {
+        meterEvents(r, data);
+    } else {
+        meterWalk(r, data);
+    }
 }
 
 function meter(r, data, flags) {

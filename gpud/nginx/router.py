@@ -252,7 +252,7 @@ class RouterLog:
             self._offset = 0
 
     def _count(self, a: Answered) -> None:
-        counts = one(a.prompt_tokens, a.completion_tokens)
+        counts = one(a.prompt_tokens, a.completion_tokens, a.hung_up)
         at = (a.key, a.model, a.status_class)
         self.by_key[at] = self.by_key.get(at, Counts()) + counts
         ts = a.ts if a.ts is not None else self.clock()
