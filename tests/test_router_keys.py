@@ -340,7 +340,7 @@ def test_usage_is_the_answers_top_level_usage_by_each_routes_names(metered: Rig)
         if stream:
             events = _data(body)
             start = events[0]["message"]["usage"]  # type: ignore[index]
-            delta = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+            delta = next(e for e in events if e["type"] == "message_delta")["usage"]
             sent.append((start["input_tokens"], delta["output_tokens"]))  # type: ignore[index]
         else:
             usage = json.loads(body)["usage"]
