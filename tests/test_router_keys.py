@@ -358,6 +358,24 @@ def test_usage_is_the_answers_top_level_usage_by_each_routes_names(metered: Rig)
     assert not any(a.hung_up for a in got)
 
 
+def test_a_large_single_answer_is_walked_to_its_top_level_usage(metered: Rig) -> None:
+    # an answer past what the meter holds whole (256 KiB): walked by its brackets as it
+    # passes, through escapes, non-ASCII text and the echoed schema's usage-shaped keys
+    before = len(_logged(metered, 0))
+    text = ' "usage": {"input_tokens": 999999999999} \\ é 😀 {[' * 6000
+    status, body = _post_route(metered, "/v1/responses", {
+        "model": "b", "input": "hi", "instructions": text, "max_output_tokens": 2,
+        "tools": [SCHEMA_TOOL], "metadata": {"usage": {"input_tokens": 999999999999}},
+        # echoed after the answer's own usage by the stand-in (vLLM takes a string here)
+        "user": {"usage": {"input_tokens": 999999999999, "output_tokens": 999999999999}}})
+    assert status == 200, body[:300]
+    assert len(body) > 300_000
+    usage = json.loads(body)["usage"]
+    (got,) = _logged(metered, before + 1)[before:]
+    assert (got.prompt_tokens, got.completion_tokens) == (usage["input_tokens"],
+                                                          usage["output_tokens"])
+
+
 def test_a_stream_the_client_hung_up_on_is_counted_as_such(metered: Rig) -> None:
     before = len(_logged(metered, 0))
     conn = http.client.HTTPConnection("127.0.0.1", metered.port, timeout=10)

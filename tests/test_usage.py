@@ -144,6 +144,58 @@ def test_the_router_log_counts_per_key_and_stores_hourly(tmp_path: Path) -> None
         store.close()
 
 
+def _requests(store: Store) -> int:
+    return sum(c.requests for _, c in store.usage())
+
+
+def test_usage_is_counted_once_across_a_crash_and_while_gpud_is_down(tmp_path: Path) -> None:
+    cfg = parse_config(CONFIG.format(front=tmp_path / "front"), "t")
+    log = Path(log_path(cfg.daemon))
+    log.parent.mkdir(parents=True)
+    log.write_text(_line("chat", "200", "old", "7000.0", "1", "1") + "\n")  # before gpud
+    store = Store(tmp_path / "s.db")
+
+    def write(n: int, at: float, partial: str = "") -> None:
+        with log.open("a") as f:
+            f.writelines(_line("chat", "200", "alice", f"{at + i}", "3", "2") + "\n"
+                         for i in range(n))
+            f.write(partial)
+
+    try:
+        first = RouterLog(lambda: cfg, store, clock=lambda: 7300.0)
+        write(5, 7300.0)
+        first.read()
+        first.flush()
+        # read, not flushed, then killed (-9: nothing more of it runs); then lines written
+        # while gpud is down, the last one cut in the middle
+        write(4, 7310.0)
+        first.read()
+        del first
+        line = _line("chat", "200", "alice", "7330.0", "3", "2")
+        write(3, 7320.0, partial=line[:40])
+        second = RouterLog(lambda: cfg, store, clock=lambda: 7400.0)
+        second.read()
+        second.flush()
+        assert _requests(store) == 12  # the line before gpud skipped; none twice, none lost
+        with log.open("a") as f:
+            f.write(line[40:] + "\n")
+        second.read()
+        second.flush()
+        third = RouterLog(lambda: cfg, store, clock=lambda: 7400.0)  # a restart
+        third.read()
+        third.flush()
+        assert _requests(store) == 13
+        assert dict(store.usage())[UsageKey(7200, "alice", "chat", 200)] == Counts(13, 39, 26)
+        # the log replaced while gpud was down (rotated): the new one counted from its start
+        log.write_text(_line("chat", "200", "bob", "7500.0", "1", "1") + "\n")
+        fourth = RouterLog(lambda: cfg, store, clock=lambda: 7500.0)
+        fourth.read()
+        fourth.flush()
+        assert _requests(store) == 14
+    finally:
+        store.close()
+
+
 def test_usage_not_stored_is_kept_for_the_next_flush(tmp_path: Path) -> None:
     cfg = parse_config(CONFIG.format(front=tmp_path / "front"), "t")
     store = Store(tmp_path / "s.db")

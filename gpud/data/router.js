@@ -781,12 +781,14 @@ function down(r) {
 // kept. Inside a JSON string a quote is escaped, so `"usage"` with both quotes bare is a key
 // (or a string value "usage"): an event without it is not parsed, and most buffers (a
 // stream's chunks) end at an event's end and carry none: one native search each. A single
-// answer (JSON): its top level walked by its brackets (strings skipped whole) as it passes,
-// the value of its top-level "usage" key kept and parsed. An answer without usage leaves
-// them "" (counted, never invented).
+// answer (JSON): held as it passes and parsed at its end when it carries a bare "usage"; one
+// past SINGLE_MAX (embeddings of many inputs) is walked instead by its brackets as it passes
+// (strings skipped whole), the value of its top-level "usage" key kept and parsed. An answer
+// without usage leaves them "" (counted, never invented).
 var USAGE_ROUTES = {'/v1/responses': 'response', '/v1/messages': 'message'};
-var USAGE_HELD_MAX = 16777216;
+var USAGE_HELD_MAX = 16777216, SINGLE_MAX = 262144;
 var mNames = null, mNested = null, mStream = false, mHeld = '', mSkip = false;
+var mText = '', mWalking = false;
 // the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
 // last string ended at the current depth (a key when a bracket follows), the keys of the
 // open objects, and the usage object's text while it passes
@@ -865,8 +867,35 @@ function meterEvents(r, data) {
     mHeld = text.slice(cut + 2);
 }
 
-function meterWalk(r, data) {
-    var text = data.toString(), n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
+// A single answer (JSON), held to its end (LAST), or walked once past SINGLE_MAX.
+function meterSingle(r, data, last) {
+    if (mWalking) {
+        meterWalk(r, data.toString());
+        return;
+    }
+    mText += data.toString();
+    if (mText.length > SINGLE_MAX) {
+        mWalking = true;
+        var held = mText;
+        mText = '';
+        meterWalk(r, held);
+        return;
+    }
+    if (last && mText.indexOf('"usage"') >= 0) {
+        var doc;
+        try {
+            doc = JSON.parse(mText);
+        } catch (e) {
+            return;
+        }
+        if (doc !== null && typeof doc === 'object') {
+            meterTake(r, doc.usage);
+        }
+    }
+}
+
+function meterWalk(r, text) {
+    var n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
     if (jEsc) {
         i = 1;
         jEsc = false;
@@ -941,21 +970,24 @@ function meterWalk(r, data) {
     }
 }
 
-function meterScan(r, data) {
+function meterScan(r, data, last) {
     if (mNames === null) {
         meterBegin(r);
     }
     if (mStream) {
+        if (data.length === 0) {
+            return;
+        }
         meterEvents(r, data);
     } else {
-        meterWalk(r, data);
+        meterSingle(r, data, last);
     }
 }
 
 function meter(r, data, flags) {
     r.sendBuffer(data, flags);
-    if (data.length > 0) {
-        meterScan(r, data);
+    if (data.length > 0 || flags.last) {
+        meterScan(r, data, flags.last);
     }
 }
 
@@ -995,8 +1027,8 @@ var held = '', told = false;
 function streamed(r, data, flags) {
     if (r.status < 400 || told) {
         r.sendBuffer(told ? '' : data, flags);
-        if (!told) {
-            meterScan(r, data);
+        if (!told && data.length > 0) {
+            meterScan(r, data, flags.last);
         }
         return;
     }
