@@ -236,6 +236,37 @@ def test_gpud_reads_each_keys_priority_and_weight_once_per_change(tmp_path: Path
     assert shares("alice") == (-7, 1.0)
 
 
+def test_anthropics_x_api_key_is_the_key_on_its_routes(metered: Rig) -> None:
+    doc = json.dumps({"model": "a", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}]}).encode()
+    json_type = {"Content-Type": "application/json"}
+    before = len(_logged(metered, 0))
+    # Anthropic's SDK default: x-api-key, no Authorization
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc,
+                            {"x-api-key": RIG_TOKEN, **json_type})
+    assert status == 200, body
+    assert json.loads(body)["type"] == "message"
+    status, _h, body = _req(metered.port, "POST", "/v1/messages/count_tokens", doc,
+                            {"X-Api-Key": RIG_TOKEN, **json_type})
+    assert status == 200, body
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc,
+                            {"x-api-key": "sk-not-a-key-0000000", **json_type})
+    assert status == 401 and json.loads(body)["error"]["message"] == (
+        "Incorrect API key provided"), body
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc, json_type)
+    assert status == 401 and "x-api-key: KEY" in json.loads(body)["error"]["message"], body
+    # OpenAI's routes take Authorization only
+    chat = json.dumps({"model": "a", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _h, body = _req(metered.port, "POST", "/v1/chat/completions", chat,
+                            {"x-api-key": RIG_TOKEN, **json_type})
+    assert status == 401 and json.loads(body)["error"]["message"] == (
+        "No API key provided (Authorization: Bearer KEY)"), body
+    # counted under its key, as any other request
+    logged = _logged(metered, before + 2)[before:]  # (the 401s name no model)
+    assert [(a.key, a.status) for a in logged] == [("probe", 200), ("probe", 200)]
+
+
 # --- usage: the serve's own usage object, as the router saw it pass ---------------------------
 
 @pytest.fixture

@@ -329,8 +329,8 @@ function keyOf(r) {
     return key;
 }
 
-// The name of the request's key (js_set $router_key_name): "" when its Authorization gives
-// none or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
+// The name of the request's key (js_set $router_key_name): "" when the request gives none
+// or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
 // value for the rest of the request once asked (ngx_http_js_variable_set leaves it cacheable,
 // njs 0.7.9 nginx/ngx_http_js_module.c; ngx_http_get_flushed_variable, nginx's
 // src/http/ngx_http_variables.c), internal redirects included (ngx_http_internal_redirect
@@ -340,12 +340,43 @@ function keyName(r) {
     if (CONFIG.keys === null) {
         return '';
     }
-    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
+    var token = tokenOf(r);
+    var digest = token ? crypto.createHash('sha256').update(token).digest('hex') : '';
+    return token && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
 }
 
-// The key of the request's Authorization, undefined when none is given or known.
+// Anthropic's routes, where its SDK sends the key as `x-api-key: KEY` (its default header).
+function anthropic(r) {
+    return r.uri === '/v1/messages' || r.uri === '/v1/messages/count_tokens';
+}
+
+// The token the request gives: `Authorization: Bearer TOKEN`; on Anthropic's routes, else
+// `x-api-key: TOKEN` (Authorization first when both are sent). null: none.
+function tokenOf(r) {
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    if (m) {
+        return m[1];
+    }
+    if (anthropic(r)) {
+        m = (r.headersIn['X-Api-Key'] || '').match(/^\s*(\S+)\s*$/);
+        return m ? m[1] : null;
+    }
+    return null;
+}
+
+// Whether the request sent a key at all (a 401's message: incorrect, or none given).
+function gaveKey(r) {
+    return Boolean(r.headersIn['Authorization'] ||
+                   (anthropic(r) && r.headersIn['X-Api-Key']));
+}
+
+function noKeyMessage(r) {
+    return gaveKey(r) ? 'Incorrect API key provided' :
+        'No API key provided (Authorization: Bearer KEY' +
+        (anthropic(r) ? ', or x-api-key: KEY' : '') + ')';
+}
+
+// The key of the request's token, undefined when none is given or known.
 function lookUp(r) {
     var name = r.variables.router_key_name;
     return name ? CONFIG.keys[CONFIG.key_digests[name]] : undefined;
@@ -353,14 +384,12 @@ function lookUp(r) {
 
 function unauthorized(r) {
     r.headersOut['WWW-Authenticate'] = 'Bearer';
-    fail(r, 401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
-         'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+    fail(r, 401, noKeyMessage(r), 'invalid_api_key');
 }
 
 // unauthorized()'s document, for the 401 of the key's check before the body (an error page).
 function unauthorizedText(r) {
-    return errorText(401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
-                     'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+    return errorText(401, noKeyMessage(r), 'invalid_api_key');
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
@@ -785,24 +814,24 @@ function down(r) {
 // past SINGLE_MAX (embeddings of many inputs) is walked instead by its brackets as it passes
 // (strings skipped whole), the value of its top-level "usage" key kept and parsed. An answer
 // without usage leaves them "" (counted, never invented).
-var USAGE_ROUTES = {'/v1/responses': 'response', '/v1/messages': 'message'};
 var USAGE_HELD_MAX = 16777216, SINGLE_MAX = 262144;
 var mNames = null, mNested = null, mStream = false, mHeld = '', mSkip = false;
-var mText = '', mWalking = false;
+var mParts = null, mSize = 0, mWalking = false;
 // the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
 // last string ended at the current depth (a key when a bracket follows), the keys of the
 // open objects, and the usage object's text while it passes
 var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = [];
-var jCap = null, jCapDepth = 0;
-var J_OUT = /["{}\[\]]/g, J_IN = /[\\"]/g;
+var jCap = null, jCapDepth = 0, J_OUT = null, J_IN = null;
 
-function meterBegin(r) {
+// The answer's route and kind, from its first buffer: a single answer is one JSON document
+// (vLLM's begin with `{`), a stream's events begin with `data:` or `event:`.
+function meterBegin(r, data) {
     var route = r.uri;
-    mNames = has(USAGE_ROUTES, route) ? ['input_tokens', 'output_tokens'] :
+    mNested = route === '/v1/responses' ? 'response' : route === '/v1/messages' ? 'message' :
+        null;
+    mNames = mNested !== null ? ['input_tokens', 'output_tokens'] :
         ['prompt_tokens', 'completion_tokens'];
-    mNested = has(USAGE_ROUTES, route) ? USAGE_ROUTES[route] : null;
-    mStream = (r.variables.upstream_http_content_type || '').toLowerCase()
-        .indexOf('text/event-stream') === 0;
+    mStream = data[0] !== 0x7b && data[0] !== 0x5b;
 }
 
 function meterTake(r, usage) {
@@ -867,34 +896,53 @@ function meterEvents(r, data) {
     mHeld = text.slice(cut + 2);
 }
 
-// A single answer (JSON), held to its end (LAST), or walked once past SINGLE_MAX.
+// A single answer (JSON), held to its end (LAST), or walked once past SINGLE_MAX. Most are
+// one buffer: parsed only when it carries a bare "usage" (one native search).
 function meterSingle(r, data, last) {
     if (mWalking) {
         meterWalk(r, data.toString());
         return;
     }
-    mText += data.toString();
-    if (mText.length > SINGLE_MAX) {
-        mWalking = true;
-        var held = mText;
-        mText = '';
-        meterWalk(r, held);
+    if (mParts === null && last) {
+        if (data.indexOf('"usage"') >= 0) {
+            meterParse(r, data.toString());
+        }
         return;
     }
-    if (last && mText.indexOf('"usage"') >= 0) {
-        var doc;
-        try {
-            doc = JSON.parse(mText);
-        } catch (e) {
-            return;
-        }
-        if (doc !== null && typeof doc === 'object') {
-            meterTake(r, doc.usage);
+    mParts = mParts || [];
+    mParts.push(data);
+    mSize += data.length;
+    if (mSize > SINGLE_MAX) {
+        mWalking = true;
+        meterWalk(r, Buffer.concat(mParts).toString());
+        mParts = [];
+        return;
+    }
+    if (last) {
+        var whole = Buffer.concat(mParts);
+        if (whole.indexOf('"usage"') >= 0) {
+            meterParse(r, whole.toString());
         }
     }
 }
 
+function meterParse(r, text) {
+    var doc;
+    try {
+        doc = JSON.parse(text);
+    } catch (e) {
+        return;
+    }
+    if (doc !== null && typeof doc === 'object') {
+        meterTake(r, doc.usage);
+    }
+}
+
 function meterWalk(r, text) {
+    if (J_OUT === null) {
+        J_OUT = /["{}\[\]]/g;
+        J_IN = /[\\"]/g;
+    }
     var n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
     if (jEsc) {
         i = 1;
@@ -972,7 +1020,10 @@ function meterWalk(r, text) {
 
 function meterScan(r, data, last) {
     if (mNames === null) {
-        meterBegin(r);
+        if (data.length === 0) {
+            return;
+        }
+        meterBegin(r, data);
     }
     if (mStream) {
         if (data.length === 0) {
