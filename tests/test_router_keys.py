@@ -562,6 +562,27 @@ def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None
     assert not any("queued" in line for line in lines), lines
 
 
+def test_v1_models_shows_the_requesters_own_place_and_only_counts_of_others(
+        fed: Fed) -> None:  # noqa: F811
+    """Issue 50 item 8: /v1/models gives each model's queue in the fair order with every
+    requester's count and place, but no other requester's name."""
+    fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
+        {"requester": "batch", "waiting": 3, "position": 1},
+        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2},
+        {"requester": "addr:127.0.0.2", "waiting": 2, "position": 3}]}]
+    for path in ("/v1/models", "/v1/models/a"):
+        status, _h, body = _req(fed.port, "GET", path)
+        assert status == 200, body
+        doc = json.loads(body)
+        (a,) = [m for m in doc["data"] if m["id"] == "a"] if "data" in doc else [doc]
+        assert a["gpud"]["queue"] == [
+            {"requester": None, "waiting": 3, "position": 1},
+            {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2},
+            {"requester": None, "waiting": 2, "position": 3}], a
+        assert a["gpud"]["expected_wait_s"] == 12.4
+        assert b"batch" not in body and b"127.0.0.2" not in body
+
+
 # --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------
 
 TWO_KEYS = f"""

@@ -703,13 +703,18 @@ function states(r) {
     }, function () { return {}; });
 }
 
-function entry(name, by, created) {
+// A model of /v1/models as ME (the request's requester) sees it: who waits for its serve, in
+// the order they go, each requester's count and place, but only ME's name: the others' are
+// null (a key's name is its holder's business; `gpuctl models` shows them to the operator).
+function entry(name, by, created, me) {
     var serve = CONFIG.models[name].serve;
     var s = has(by, serve) ? by[serve] : null;
     var ext = {serve: serve, state: s ? s.state : 'unknown'};
     if (s && s.queue) {
-        // who waits for it, in the order they go, and the wait to expect (docs/router.md)
-        ext.queue = s.queue;
+        ext.queue = s.queue.map(function (p) {
+            return {requester: p.requester === me ? me : null, waiting: p.waiting,
+                    position: p.position};
+        });
         ext.expected_wait_s = s.expected_wait_s;
     }
     return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
@@ -752,7 +757,7 @@ function models(r) {
         var data = Object.keys(CONFIG.models).sort().filter(function (name) {
             return allows(key, name);
         }).map(function (name) {
-            return entry(name, by, created);
+            return entry(name, by, created, requesterOf(r, key));
         });
         r.headersOut['Content-Type'] = 'application/json';
         r.return(200, JSON.stringify({object: 'list', data: data}));
@@ -780,7 +785,8 @@ function model(r) {
     }
     states(r).then(function (by) {
         r.headersOut['Content-Type'] = 'application/json';
-        r.return(200, JSON.stringify(entry(name, by, Math.floor(Date.now() / 1000))));
+        r.return(200, JSON.stringify(entry(name, by, Math.floor(Date.now() / 1000),
+                                           requesterOf(r, key))));
     });
 }
 
