@@ -530,11 +530,13 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-# What a serve under priority scheduling is sent: the body with the key's priority when the
-# script set one, else the request's (a map of the http block: PRIORITY_MAP).
+# What a serve under priority scheduling is sent: the body with the key's priority (0 without
+# one) in its top-level "priority", every other byte as the client sent it, when the script
+# set it (router.js prioritize: the bytes before the value, the value, the bytes after), else
+# the request's own (a map of the http block: PRIORITY_MAP).
 PRIORITY_BODY: Final = "$router_send_body"
 # Its routed location sends the same, but one step behind (priority + 1: the script's
-# $router_body_over) for a request whose requester already has FAIR_SHARE requests in flight
+# $router_prio_over) for a request whose requester already has FAIR_SHARE requests in flight
 # on the serve: so each requester's first request goes ahead of everyone's others inside the
 # engine, with no setting (docs/router.md, "Who is asking"). Counted by nginx's own limit_conn,
 # in dry run (nginx 1.22: ngx_http_limit_conn_handler counts a request within the limit and,
@@ -544,17 +546,17 @@ PRIORITY_BODY: Final = "$router_send_body"
 FAIR_BODY: Final = "$router_fair_body"
 FAIR_ZONE: Final = "router_fair"
 FAIR_SHARE: Final = 1
-PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
+PRIORITY_MAP: Final = ("    map $router_body_head $router_send_body {",
                        '        "" $request_body;',
-                       "        default $router_body;",
+                       '        default "$router_body_head$router_prio$router_body_tail";',
                        "    }",
-                       "    map $router_body_over $router_over_body {",
-                       f'        "" {PRIORITY_BODY};',
-                       "        default $router_body_over;",
+                       "    map $limit_conn_status $router_fair_prio {",
+                       "        REJECTED_DRY_RUN $router_prio_over;",
+                       "        default $router_prio;",
                        "    }",
-                       f"    map $limit_conn_status {FAIR_BODY} {{",
-                       "        REJECTED_DRY_RUN $router_over_body;",
-                       f"        default {PRIORITY_BODY};",
+                       f"    map $router_body_head {FAIR_BODY} {{",
+                       '        "" $request_body;',
+                       '        default "$router_body_head$router_fair_prio$router_body_tail";',
                        "    }",
                        # a requester's count on each serve (one entry a pair: a 1m zone holds
                        # thousands)
@@ -664,8 +666,11 @@ def http_lines(router: RouterFront) -> list[str]:
            # gpud's answer to a loading feedback's ensure (router.ensured)
            "    js_var $router_ensured;",
            "    js_var $router_prompt_tokens;",
-           "    js_var $router_body;",
-           "    js_var $router_body_over;",
+           # the body a serve under priority scheduling is sent (router.js prioritize)
+           "    js_var $router_body_head;",
+           "    js_var $router_body_tail;",
+           "    js_var $router_prio;",
+           "    js_var $router_prio_over;",
            "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",

@@ -119,7 +119,8 @@ function skipString(body, i) {
 // has none), or {error: [status, message, code]}. Nested values are walked by their
 // brackets (a key inside them is not the body's), strings skipped whole.
 function topLevel(body) {
-    var n = body.length, i = 0, steps = 0, found = {model: undefined, stream: false};
+    var n = body.length, i = 0, steps = 0;
+    var found = {model: undefined, stream: false, priority: []};
     var key, end, c, depth, v;
     function ws() {
         while (i < n && space(body[i])) {
@@ -223,6 +224,8 @@ function topLevel(body) {
                 }
             } else if (key === 'stream') {
                 found.stream = body.slice(v, i).toString() === 'true';
+            } else if (key === 'priority') {
+                found.priority.push([v, i]);
             }
             ws();
             if (body[i] === 0x2c) {
@@ -437,11 +440,11 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    var model, stream = false;
-    if (type.indexOf('multipart/form-data') === 0) {
+    var model, stream = false, form = type.indexOf('multipart/form-data') === 0, top;
+    if (form) {
         model = formModel(body, r.headersIn['Content-Type'] || '');
     } else if (body.length >= SCAN_FROM) {
-        var top = topLevel(body);
+        top = topLevel(body);
         if (top.error) {
             fail(r, top.error[0], top.error[1], top.error[2]);
             return;
@@ -485,8 +488,23 @@ function route(r) {
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
-    if (entry.priority && doc !== undefined && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
-        prioritize(r, doc, key);
+    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
+        // the top-level "priority" members of the body (a parsed one is walked only when it
+        // has one)
+        if (top === undefined) {
+            top = has(doc, 'priority') ? topLevel(body) : {priority: []};
+            if (top.error) {
+                fail(r, top.error[0], top.error[1], top.error[2]);
+                return;
+            }
+        }
+        if (top.priority.length > 1) {
+            fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
+                 ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
+                 '), send it once or not at all', 'invalid_priority', 'priority');
+            return;
+        }
+        prioritize(r, body, top.priority, key);
     }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
@@ -1123,22 +1141,29 @@ function streamDown(r) {
 
 // A serve launched with --scheduling-policy priority orders its waiting requests by the body's
 // `priority`, lower first (vllm 0.32: vllm/config/scheduler.py `policy`; the field in
-// entrypoints/openai/*/protocol.py). With keys, the key's priority is the request's, whatever
-// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). The
-// same body one step behind ($router_body_over) is what the serve gets when the requester
-// already has its share of requests in flight on it (gpud.core.router FAIR_BODY). A large body
-// that was not parsed, or a form, goes as it came (the serve's default 0); a priority the
-// client wrote that is not an integer is left to the serve to refuse.
-function prioritize(r, doc, key) {
-    if (key.priority !== undefined) {
-        doc.priority = key.priority;
-        r.variables.router_body = JSON.stringify(doc);
+// entrypoints/openai/*/protocol.py). The priority it reads is the key's (0 without one),
+// whatever the client wrote, on every body, parsed or walked: the body is sent as three parts
+// (gpud.core.router PRIORITY_MAP): the bytes before the top-level "priority" value, the
+// value, the bytes after it; without one, `"priority":` and `,` around the value are put in
+// after the opening brace. Every other byte goes as the client sent it (no re-serialization:
+// an integer past 2^53, an escape, a key given twice, stay as they were). The value is the
+// key's ($router_prio), or one step behind ($router_prio_over) when the requester already has
+// its share of requests in flight on the serve (gpud.core.router FAIR_BODY). SPANS: the
+// [start, end) of the body's top-level "priority" value, none or one.
+function prioritize(r, body, spans, key) {
+    var base = key.priority !== undefined ? key.priority : 0;
+    if (spans.length === 0) {
+        var brace = body.indexOf('{');
+        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1),
+                                                      Buffer.from('"priority":')]);
+        r.variables.router_body_tail = Buffer.concat([Buffer.from(','),
+                                                      body.slice(brace + 1)]);
+    } else {
+        r.variables.router_body_head = body.slice(0, spans[0][0]);
+        r.variables.router_body_tail = body.slice(spans[0][1]);
     }
-    var base = doc.priority === undefined ? 0 : doc.priority;
-    if (typeof base === 'number' && Number.isInteger(base)) {
-        doc.priority = base + 1;
-        r.variables.router_body_over = JSON.stringify(doc);
-    }
+    r.variables.router_prio = String(base);
+    r.variables.router_prio_over = String(base + 1);
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).
