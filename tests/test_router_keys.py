@@ -549,7 +549,7 @@ def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None
     fed.gpud.delay_s = 2.5
     fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
         {"requester": "batch", "waiting": 3, "position": 1},
-        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2}]}]
+        {"requester": "addr:loopback", "waiting": 1, "position": 2}]}]
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
     events = _events(lines)
     assert status == 200 and events[0] == ": loading a", lines
@@ -568,8 +568,8 @@ def test_v1_models_shows_the_requesters_own_place_and_only_counts_of_others(
     requester's count and place, but no other requester's name."""
     fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
         {"requester": "batch", "waiting": 3, "position": 1},
-        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2},
-        {"requester": "addr:127.0.0.2", "waiting": 2, "position": 3}]}]
+        {"requester": "addr:loopback", "waiting": 1, "position": 2},
+        {"requester": "addr:192.0.2.7", "waiting": 2, "position": 3}]}]
     for path in ("/v1/models", "/v1/models/a"):
         status, _h, body = _req(fed.port, "GET", path)
         assert status == 200, body
@@ -577,10 +577,10 @@ def test_v1_models_shows_the_requesters_own_place_and_only_counts_of_others(
         (a,) = [m for m in doc["data"] if m["id"] == "a"] if "data" in doc else [doc]
         assert a["gpud"]["queue"] == [
             {"requester": None, "waiting": 3, "position": 1},
-            {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2},
+            {"requester": "addr:loopback", "waiting": 1, "position": 2},
             {"requester": None, "waiting": 2, "position": 3}], a
         assert a["gpud"]["expected_wait_s"] == 12.4
-        assert b"batch" not in body and b"127.0.0.2" not in body
+        assert b"batch" not in body and b"192.0.2.7" not in body
 
 
 # --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------
@@ -706,5 +706,33 @@ def test_without_keys_a_clients_large_bodies_are_counted_by_its_address() -> Non
         assert status == 429 and err["gpud"] == {
             "key": "", "limit": "large_bodies_per_requester", "value": 1,
             "retry_after_s": 1}, err
-        assert err["message"].startswith("client 127.0.0.1 has 1 requests with a large body"), err
+        assert err["message"].startswith("client loopback has 1 requests with a large body"), err
         assert _ask(rig.port, "-")[0] == 200  # a small body is not counted
+
+
+def test_without_keys_all_of_loopback_is_one_requester_of_large_bodies() -> None:
+    """Issue 50 item 5: a local user sending from many loopback addresses holds no more
+    stalled large bodies than from one (the front's memory stays bounded): past the bound,
+    from any of them, 429 at once."""
+    with router_rig(large_bodies=2) as rig, contextlib.ExitStack() as open_:
+        held = []
+        for last in range(2, 4):
+            s = open_.enter_context(socket.create_connection(
+                ("127.0.0.1", rig.port), timeout=10, source_address=(f"127.0.0.{last}", 0)))
+            s.sendall(_head("-", LARGE) + b'{"model": "a"')
+            held.append(s)
+
+        def refused(last: int) -> dict[str, object] | None:
+            with socket.create_connection(("127.0.0.1", rig.port), timeout=10,
+                                          source_address=(f"127.0.0.{last}", 0)) as more:
+                more.sendall(_head("-", LARGE))
+                status, body = _answer(more)
+            err: dict[str, object] = json.loads(body)["error"]
+            return err if status == 429 else None
+        # once nginx counts the two held (their heads read), every other address is refused
+        wait_until(lambda: refused(4) is not None, what="the held bodies counted")
+        for last in range(5, 12):
+            err = refused(last)
+            assert err is not None and err["gpud"]["limit"] == (  # type: ignore[index]
+                "large_bodies_per_requester"), err
+            assert str(err["message"]).startswith("client loopback has 2 requests"), err

@@ -230,7 +230,7 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
         # who asked (gpud bounds each requester): the key's name with keys, else the client's
         # address, as the router's requester
         "            proxy_set_header X-Gpud-Requester "
-        + ("$router_requester_of;" if keys else "addr:$remote_addr;"),
+        + ("$router_requester_of;" if keys else f"addr:{REQUESTER_ADDR};"),
         f"            proxy_read_timeout {timeout}s;",
         "        }",
         "        error_page 403 = @refused;",
@@ -246,6 +246,20 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
         f"            proxy_pass http://{upstream};",
         "        }",
     ]
+
+
+# A requester without a key is its address (docs/security.md, "Local users"): every loopback
+# address is one, "loopback": any local user may send from any of 127.0.0.0/8 (and ::1), so an
+# address there says nothing of who sends, and a bound per address would be one per address a
+# user cares to use. Used by the router's script too (router.js requesterOf).
+REQUESTER_ADDR: Final = "$gpud_requester_addr"
+REQUESTER_ADDR_MAP: Final = (
+    f"    map $remote_addr {REQUESTER_ADDR} {{",
+    r'        "~^127\." loopback;',
+    '        "::1" loopback;',
+    r'        "~^::ffff:127\." loopback;',
+    "        default $remote_addr;",
+    "    }")
 
 
 def render(cfg: FrontConfig) -> str:
@@ -300,6 +314,7 @@ def render(cfg: FrontConfig) -> str:
         *[f'    proxy_set_header {name} "";' for name in GPUD_REQUEST_HEADERS],
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
+        *REQUESTER_ADDR_MAP,
     ]
     if any(s.ensure_timeout_s is not None for s in cfg.serves):
         out += ["",

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import PATH_RE, READ_TIMEOUT_S
+from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
 from gpud.core.queue import Histogram
 from gpud.core.text import printable
 from gpud.core.usage import tokens
@@ -314,7 +314,7 @@ def limit_zones(keys: Sequence[ApiKey], large_bodies: int = 0) -> list[str]:
                 "        default 1;",
                 "    }",
                 "    map $router_key_name $router_requester_early {",
-                '        "" "addr:$remote_addr";',
+                f'        "" "addr:{REQUESTER_ADDR}";',
                 "        default $router_key_name;",
                 "    }",
                 "    map $router_body_large $router_body_of {",
@@ -443,8 +443,8 @@ class RouterRequest:
     ensure's X-Gpud-Model, X-Gpud-Key and X-Gpud-Requester, set by nginx only: a client's own
     X-Gpud-* headers never reach gpud, GPUD_REQUEST_HEADERS): the model it named (None: a
     request to a serve's own port, which names none), the key it used (None: no keys), and
-    who asked (its requester: the key's name, else ``addr:`` and the client's address; on
-    loopback every local client is ``addr:127.0.0.1``), as the journal names it and as
+    who asked (its requester: the key's name, else ``addr:`` and the client's address; every
+    loopback address is one, ``addr:loopback``), as the journal names it and as
     gpud's bounds and queue tell requesters apart."""
 
     model: str | None

@@ -396,13 +396,14 @@ function unauthorizedText(r) {
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
-// client's address (on loopback every local client is addr:127.0.0.1). KEY: the request's,
-// else looked up (a fronted port's ensure: js_set $router_requester_of).
+// client's address, every loopback address one: addr:loopback (the front's map,
+// gpud.core.front REQUESTER_ADDR; docs/security.md). KEY: the request's, else looked up (a
+// fronted port's ensure: js_set $router_requester_of).
 function requesterOf(r, key) {
     if (key === undefined) {
         key = CONFIG.keys === null ? undefined : lookUp(r);
     }
-    return key && key.name ? key.name : 'addr:' + r.remoteAddress;
+    return key && key.name ? key.name : 'addr:' + r.variables.gpud_requester_addr;
 }
 
 // "1" when the request may pass a fronted port's key check (js_set $router_key_ok): keys
@@ -1077,7 +1078,7 @@ function countedText(r) {
     var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
     var bodies = CONFIG.large_bodies_per_requester;
     var large = bodies > 0 && r.variables.router_body_large === '1';
-    var who = name ? 'key ' + name : 'client ' + r.remoteAddress;
+    var who = name ? 'key ' + name : 'client ' + r.variables.gpud_requester_addr;
     var which, value, message;
     if (large && !lim.max_concurrent) {
         which = 'large_bodies_per_requester';
