@@ -135,6 +135,16 @@ class FrontConfig:
     # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.router), so no
     # port is a way around them (docs/security.md).
     keys: bool = False
+    # The router's policy for each fronted port (gpud.core.router.front_policy): (serve, lines
+    # of its server, lines of each of its proxied locations): a key's limits, the usage meter
+    # and the access log, the same as the router's.
+    policies: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = ()
+
+    def policy(self, serve: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        for name, server, location in self.policies:
+            if name == serve:
+                return server, location
+        return (), ()
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -169,12 +179,14 @@ GPUD_UPSTREAM: Final = "gpud_api"
 RETRY_AFTER_S: Final = 30
 
 
-def _locations(upstream: str, paths: Sequence[str], on_demand: bool) -> list[str]:
+def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
+               policy: Sequence[str] = ()) -> list[str]:
     lines = []
     for path in paths:
         # "^~" on a prefix: no regex location can take it over; "=" on an exact path.
         match = f"^~ {path}" if path.endswith("/") else f"= {path}"
         lines.append(f"        location {match} {{")
+        lines += policy
         if on_demand:
             lines += [f"            auth_request {ENSURE_LOCATION};",
                       "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
@@ -315,6 +327,9 @@ def render(cfg: FrontConfig) -> str:
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
         *REQUESTER_ADDR_MAP,
+        # the router's (its script, maps, zones, log format: the fronted ports' policy reads
+        # them, and nginx reads a log format before a server may name it)
+        *cfg.http_extra,
     ]
     if any(s.ensure_timeout_s is not None for s in cfg.serves):
         out += ["",
@@ -336,7 +351,9 @@ def render(cfg: FrontConfig) -> str:
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
             *(_keyed(serve.name) if cfg.keys else []),
-            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
+            *cfg.policy(serve.name)[0],
+            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None,
+                        cfg.policy(serve.name)[1]),
             *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
               if serve.ensure_timeout_s is not None else []),
             "        location / {",
@@ -347,7 +364,6 @@ def render(cfg: FrontConfig) -> str:
             "        }",
             "    }",
         ]
-    out += cfg.http_extra
     out.append("}")
     return "\n".join(out) + "\n"
 

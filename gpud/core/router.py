@@ -343,19 +343,72 @@ def conn_lines(keys: Sequence[ApiKey], large_bodies: int = 0,
     return out
 
 
-def limit_lines(keys: Sequence[ApiKey], indent: str = "            ") -> list[str]:
+def limit_lines(keys: Sequence[ApiKey], indent: str = "            ",
+                status: int = 429) -> list[str]:
     """A routed location's lines of the keys' request rates (where the router sends a request
     once it knows its key: a serve's named location, the loading feedback's), past them 429 in
-    OpenAI's shape (@router_limited). requests_per_minute: a minute's worth at once
-    (burst), then at the rate (nginx's leaky bucket, `nodelay`)."""
+    OpenAI's shape (@router_limited; STATUS: nginx's own, which an error_page makes that).
+    requests_per_minute: a minute's worth at once (burst), then at the rate (nginx's leaky
+    bucket, `nodelay`)."""
     out = []
     for i, k in enumerate(keys):
         if k.requests_per_minute is not None:
             burst = max(0, k.requests_per_minute - 1)
             out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
     if out:
-        out.append(f"{indent}limit_req_status 429;")
+        out.append(f"{indent}limit_req_status {status};")
     return out
+
+
+# A fronted port's rate refusals: nginx's status for them there, which its error page makes the
+# router's 429 (@router_limited): both counts and rates are in one location there, and nginx
+# says which refused a request by its status only.
+FRONT_RATE_STATUS: Final = 430
+COUNTED_PAGE: Final = ("        location @router_counted {",
+                       # the access log's key (usage per key: the key's 429), as route() would
+                       # set it
+                       "            set $router_key $router_key_name;",
+                       "            default_type application/json;",
+                       "            add_header Retry-After 1 always;",
+                       "            return 429 $router_counted_text;",
+                       "        }")
+LIMITED_PAGE: Final = ("        location @router_limited {",
+                       "            js_content router.limited;",
+                       "        }")
+
+
+@dataclass(frozen=True)
+class FrontPolicy:
+    """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
+    cover every way in"): lines of its server (SERVER: before its locations) and of each of
+    its proxied locations (LOCATION), made from the same parts as the router's own (conn_lines,
+    limit_lines, METER, the access log), so that a key's limits are one limit (the same nginx
+    zones) and its usage one count (the same log, its rows under MODEL), whichever way its
+    requests come."""
+
+    server: tuple[str, ...]
+    location: tuple[str, ...]
+
+
+def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
+    """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
+    meter and the access log), its usage counted under the serve's first model name."""
+    keys = router.keys or ()
+    models = next((s.models for s in router.serves if s.name == serve), ())
+    counted = conn_lines(keys, router.large_bodies_per_requester)
+    rates = limit_lines(keys, status=FRONT_RATE_STATUS)
+    server = []
+    if router.access_log is not None:
+        server += [f"        access_log {router.access_log} {LOG_FORMAT};",
+                   # the log's fields as the router's script sets them (route())
+                   f'        set $router_model "{models[0] if models else ""}";',
+                   f"        set $router_serve {serve};",
+                   "        set $router_key $router_key_name;"]
+    if counted:
+        server += ["        error_page 429 = @router_counted;", *COUNTED_PAGE]
+    if rates:
+        server += [f"        error_page {FRONT_RATE_STATUS} = @router_limited;", *LIMITED_PAGE]
+    return FrontPolicy(tuple(server), (*counted, *rates, METER))
 
 
 @dataclass(frozen=True)
@@ -777,20 +830,12 @@ def http_lines(router: RouterFront) -> list[str]:
            "            return 401 $router_unauthorized;",
            "        }"] if router.keys is not None else []),
         # past a count of the routed locations (conn_lines): 429 before the body is read
-        *(["        location @router_counted {",
-           # the access log's key (usage per key: the key's 429), as route() would set it
-           "            set $router_key $router_key_name;",
-           "            default_type application/json;",
-           "            add_header Retry-After 1 always;",
-           "            return 429 $router_counted_text;",
-           "        }"] if counted else []),
+        *(COUNTED_PAGE if counted else ()),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",
         # past a key's limits (limit_lines): 429 in OpenAI's shape, which limit, Retry-After
-        "        location @router_limited {",
-        "            js_content router.limited;",
-        "        }",
+        *LIMITED_PAGE,
         # a stream for a serve gpud may bring up (router.loading): its key's limits first
         "        location @router_loading {",
         *limits,
