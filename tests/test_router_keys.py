@@ -407,6 +407,26 @@ def test_a_large_single_answer_is_walked_to_its_top_level_usage(metered: Rig) ->
                                                           usage["output_tokens"])
 
 
+def test_a_stream_that_waited_with_loading_feedback_is_metered(fed: Fed) -> None:  # noqa: F811
+    """The serve's answer to a stream that waited for a bring-up comes through the script's
+    include (router.streamed): its usage is read there, for the main request's log line."""
+    fed.gpud.delay_s = 1.5
+    fed.log.write_text("")
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y", "max_tokens": 3,
+                                           "stream_options": {"include_usage": True}})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    usage = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]["usage"]
+
+    def logged() -> list[Answered]:
+        got = [parse_log_line(line, {"a": "a"}) for line in fed.log.read_text().splitlines()]
+        return [a for a in got if a is not None and a.model == "a"]
+    wait_until(lambda: len(logged()) == 1, what="the stream's line")
+    (line,) = logged()
+    assert (line.prompt_tokens, line.completion_tokens, line.hung_up) == (
+        usage["prompt_tokens"], usage["completion_tokens"], False)
+
+
 def test_a_stream_the_client_hung_up_on_is_counted_as_such(metered: Rig) -> None:
     before = len(_logged(metered, 0))
     conn = http.client.HTTPConnection("127.0.0.1", metered.port, timeout=10)
