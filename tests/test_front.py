@@ -90,6 +90,12 @@ http {
     proxy_set_header X-Gpud-Requester "";
     proxy_read_timeout 3600s;
     proxy_send_timeout 3600s;
+    map $remote_addr $gpud_requester_addr {
+        "~^127\\." loopback;
+        "::1" loopback;
+        "~^::ffff:127\\." loopback;
+        default $remote_addr;
+    }
 
     # serve ocr-2
     upstream serve_ocr_2 {
@@ -136,7 +142,7 @@ ON_DEMAND = """\
             proxy_pass_request_body off;
             proxy_pass_request_headers off;
             proxy_set_header Content-Length "";
-            proxy_set_header X-Gpud-Requester addr:$remote_addr;
+            proxy_set_header X-Gpud-Requester addr:$gpud_requester_addr;
             proxy_read_timeout 65s;
         }
         error_page 403 = @refused;

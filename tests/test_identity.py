@@ -195,7 +195,9 @@ def test_with_keys_a_fronted_port_takes_the_same_keys_and_names_the_key(rig: Rig
 
 def test_a_front_without_keys_names_the_clients_address() -> None:
     text = render(FrontConfig(serves=(FrontServe("e", 30001, "/s/e.sock", 30),)))
-    assert "proxy_set_header X-Gpud-Requester addr:$remote_addr;" in text
+    assert "proxy_set_header X-Gpud-Requester addr:$gpud_requester_addr;" in text
+    # every loopback address one requester (docs/security.md)
+    assert '        "~^127\\." loopback;' in text
     assert "$router_key_ok" not in text
 
 

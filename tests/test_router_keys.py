@@ -6,6 +6,7 @@ before two stand-ins (tests/test_router.py's rig)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import re
 import socket
@@ -30,6 +31,7 @@ from gpud.core.router import (
     parse_keys,
     parse_log_line,
 )
+from gpud.core.usage import Counts, UsageKey, add, one
 from gpud.nginx.router import KeyShares
 from tests.test_router import (  # noqa: F401 (fed: a fixture)
     RIG_TOKEN,
@@ -241,6 +243,37 @@ def test_gpud_reads_each_keys_priority_and_weight_once_per_change(tmp_path: Path
     assert shares("alice") == (-7, 1.0)
 
 
+def test_anthropics_x_api_key_is_the_key_on_its_routes(metered: Rig) -> None:
+    doc = json.dumps({"model": "a", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}]}).encode()
+    json_type = {"Content-Type": "application/json"}
+    before = len(_logged(metered, 0))
+    # Anthropic's SDK default: x-api-key, no Authorization
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc,
+                            {"x-api-key": RIG_TOKEN, **json_type})
+    assert status == 200, body
+    assert json.loads(body)["type"] == "message"
+    status, _h, body = _req(metered.port, "POST", "/v1/messages/count_tokens", doc,
+                            {"X-Api-Key": RIG_TOKEN, **json_type})
+    assert status == 200, body
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc,
+                            {"x-api-key": "sk-not-a-key-0000000", **json_type})
+    assert status == 401 and json.loads(body)["error"]["message"] == (
+        "Incorrect API key provided"), body
+    status, _h, body = _req(metered.port, "POST", "/v1/messages", doc, json_type)
+    assert status == 401 and "x-api-key: KEY" in json.loads(body)["error"]["message"], body
+    # OpenAI's routes take Authorization only
+    chat = json.dumps({"model": "a", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _h, body = _req(metered.port, "POST", "/v1/chat/completions", chat,
+                            {"x-api-key": RIG_TOKEN, **json_type})
+    assert status == 401 and json.loads(body)["error"]["message"] == (
+        "No API key provided (Authorization: Bearer KEY)"), body
+    # counted under its key, as any other request
+    logged = _logged(metered, before + 2)[before:]  # (the 401s name no model)
+    assert [(a.key, a.status) for a in logged] == [("probe", 200), ("probe", 200)]
+
+
 # --- usage: the serve's own usage object, as the router saw it pass ---------------------------
 
 @pytest.fixture
@@ -298,6 +331,128 @@ def test_usage_is_the_serves_own_and_a_stream_without_it_is_unmetered(metered: R
         "probe", last["prompt_tokens"], last["completion_tokens"])
     assert (three.key, three.prompt_tokens, three.completion_tokens) == ("bob", None, None)
     assert one.ts is not None and abs(one.ts - time.time()) < 60
+
+
+def _post_route(rig: Rig, route: str, doc: dict[str, object]) -> tuple[int, bytes]:
+    status, _h, body = _req(rig.port, "POST", route, json.dumps(doc).encode(),
+                            {"Authorization": f"Bearer {RIG_TOKEN}",
+                             "Content-Type": "application/json"})
+    return status, body
+
+
+def _data(streamed: bytes) -> list[dict[str, object]]:
+    return [json.loads(line[6:]) for line in streamed.decode().splitlines()
+            if line.startswith("data: {")]
+
+
+# a tool whose schema holds usage-shaped keys: /v1/responses echoes it in its answer (its
+# `tools`, and the response in response.created / response.completed of a stream)
+SCHEMA_TOOL = {"type": "function", "name": "f", "parameters": {
+    "type": "object", "properties": {"usage": {"prompt_tokens": 999999999999,
+                                               "input_tokens": 999999999999,
+                                               "output_tokens": 999999999999}},
+    "prompt_tokens": 999999999999, "input_tokens": 999999999999,
+    "completion_tokens": 999999999999, "output_tokens": 999999999999}}
+
+
+def test_usage_is_the_answers_top_level_usage_by_each_routes_names(metered: Rig) -> None:
+    before = len(_logged(metered, 0))
+    sent: list[tuple[int, int]] = []
+    # /v1/responses, single and streamed: input_tokens/output_tokens of the top-level usage
+    # (a stream's response.completed), never the tool schema's counts the answer echoes
+    for stream in (False, True):
+        status, body = _post_route(metered, "/v1/responses", {
+            "model": "b", "input": "hi there", "max_output_tokens": 3, "stream": stream,
+            "tools": [SCHEMA_TOOL], "metadata": {"prompt_tokens": "999999999999"}})
+        assert status == 200, body
+        assert b"999999999999" in body  # the echo is there, and not taken
+        doc = _data(body)[-1]["response"] if stream else json.loads(body)
+        usage = doc["usage"]  # type: ignore[index]
+        sent.append((usage["input_tokens"], usage["output_tokens"]))
+    # /v1/messages, single and streamed: message_start's input, message_delta's output
+    for stream in (False, True):
+        status, body = _post_route(metered, "/v1/messages", {
+            "model": "a", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user", "content": '"input_tokens": 999999999999'}]})
+        assert status == 200, body
+        if stream:
+            events = _data(body)
+            start = events[0]["message"]["usage"]  # type: ignore[index]
+            delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+            sent.append((start["input_tokens"], delta["output_tokens"]))  # type: ignore[index]
+        else:
+            usage = json.loads(body)["usage"]
+            sent.append((usage["input_tokens"], usage["output_tokens"]))
+    # embeddings-like answers aside, a completions stream with continuous usage: the last
+    status, body = _post_route(metered, "/v1/completions", {
+        "model": "a", "prompt": "x y", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert status == 200
+    usage = _data(body)[-1]["usage"]
+    sent.append((usage["prompt_tokens"], usage["completion_tokens"]))  # type: ignore[index]
+    got = _logged(metered, before + len(sent))[before:]
+    assert [(a.prompt_tokens, a.completion_tokens) for a in got] == sent
+    assert all(0 < p < 1000 and 0 < c < 1000 for p, c in sent)
+    assert not any(a.hung_up for a in got)
+
+
+def test_a_large_single_answer_is_walked_to_its_top_level_usage(metered: Rig) -> None:
+    # an answer past what the meter holds whole (256 KiB): walked by its brackets as it
+    # passes, through escapes, non-ASCII text and the echoed schema's usage-shaped keys
+    before = len(_logged(metered, 0))
+    text = ' "usage": {"input_tokens": 999999999999} \\ é 😀 {[' * 6000
+    status, body = _post_route(metered, "/v1/responses", {
+        "model": "b", "input": "hi", "instructions": text, "max_output_tokens": 2,
+        "tools": [SCHEMA_TOOL], "metadata": {"usage": {"input_tokens": 999999999999}},
+        # echoed after the answer's own usage by the stand-in (vLLM takes a string here)
+        "user": {"usage": {"input_tokens": 999999999999, "output_tokens": 999999999999}}})
+    assert status == 200, body[:300]
+    assert len(body) > 300_000
+    usage = json.loads(body)["usage"]
+    (got,) = _logged(metered, before + 1)[before:]
+    assert (got.prompt_tokens, got.completion_tokens) == (usage["input_tokens"],
+                                                          usage["output_tokens"])
+
+
+def test_a_stream_that_waited_with_loading_feedback_is_metered(fed: Fed) -> None:  # noqa: F811
+    """The serve's answer to a stream that waited for a bring-up comes through the script's
+    include (router.streamed): its usage is read there, for the main request's log line."""
+    fed.gpud.delay_s = 1.5
+    fed.log.write_text("")
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y", "max_tokens": 3,
+                                           "stream_options": {"include_usage": True}})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    usage = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]["usage"]
+
+    def logged() -> list[Answered]:
+        got = [parse_log_line(line, {"a": "a"}) for line in fed.log.read_text().splitlines()]
+        return [a for a in got if a is not None and a.model == "a"]
+    wait_until(lambda: len(logged()) == 1, what="the stream's line")
+    (line,) = logged()
+    assert (line.prompt_tokens, line.completion_tokens, line.hung_up) == (
+        usage["prompt_tokens"], usage["completion_tokens"], False)
+
+
+def test_a_stream_the_client_hung_up_on_is_counted_as_such(metered: Rig) -> None:
+    before = len(_logged(metered, 0))
+    conn = http.client.HTTPConnection("127.0.0.1", metered.port, timeout=10)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "a", "max_tokens": 50, "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "go on"}]}),
+        headers={"Authorization": f"Bearer {RIG_TOKEN}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: {")  # the stream began
+    conn.close()  # and its client went away (50 tokens at 0.3 s each: long before its end)
+    (gone,) = _logged(metered, before + 1)[before:]
+    assert (gone.status, gone.hung_up) == (200, True)
+    # nothing reported by the serve before it: unmetered
+    assert (gone.prompt_tokens, gone.completion_tokens) == (None, None)
+    rows = add({}, UsageKey(0, gone.key, gone.model, gone.status),
+               one(gone.prompt_tokens, gone.completion_tokens, gone.hung_up))
+    assert list(rows.values()) == [Counts(1, 0, 0, 1, 1)]
 
 
 # --- priority: the key's, in gpud's queue and inside the engine -------------------------------
@@ -421,7 +576,7 @@ def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None
     fed.gpud.delay_s = 2.5
     fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
         {"requester": "batch", "waiting": 3, "position": 1},
-        {"requester": "addr:127.0.0.1", "waiting": 1, "position": 2}]}]
+        {"requester": "addr:loopback", "waiting": 1, "position": 2}]}]
     status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
     events = _events(lines)
     assert status == 200 and events[0] == ": loading a", lines
@@ -432,6 +587,27 @@ def test_a_waiting_streams_comments_say_its_place_and_the_wait(fed: Fed) -> None
     fed.gpud.serves[0]["queue"] = [{"requester": "batch", "waiting": 3, "position": 1}]
     _s, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x", "max_tokens": 2})
     assert not any("queued" in line for line in lines), lines
+
+
+def test_v1_models_shows_the_requesters_own_place_and_only_counts_of_others(
+        fed: Fed) -> None:  # noqa: F811
+    """Issue 50 item 8: /v1/models gives each model's queue in the fair order with every
+    requester's count and place, but no other requester's name."""
+    fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4, "queue": [
+        {"requester": "batch", "waiting": 3, "position": 1},
+        {"requester": "addr:loopback", "waiting": 1, "position": 2},
+        {"requester": "addr:192.0.2.7", "waiting": 2, "position": 3}]}]
+    for path in ("/v1/models", "/v1/models/a"):
+        status, _h, body = _req(fed.port, "GET", path)
+        assert status == 200, body
+        doc = json.loads(body)
+        (a,) = [m for m in doc["data"] if m["id"] == "a"] if "data" in doc else [doc]
+        assert a["gpud"]["queue"] == [
+            {"requester": None, "waiting": 3, "position": 1},
+            {"requester": "addr:loopback", "waiting": 1, "position": 2},
+            {"requester": None, "waiting": 2, "position": 3}], a
+        assert a["gpud"]["expected_wait_s"] == 12.4
+        assert b"batch" not in body and b"192.0.2.7" not in body
 
 
 # --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------
@@ -557,5 +733,33 @@ def test_without_keys_a_clients_large_bodies_are_counted_by_its_address() -> Non
         assert status == 429 and err["gpud"] == {
             "key": "", "limit": "large_bodies_per_requester", "value": 1,
             "retry_after_s": 1}, err
-        assert err["message"].startswith("client 127.0.0.1 has 1 requests with a large body"), err
+        assert err["message"].startswith("client loopback has 1 requests with a large body"), err
         assert _ask(rig.port, "-")[0] == 200  # a small body is not counted
+
+
+def test_without_keys_all_of_loopback_is_one_requester_of_large_bodies() -> None:
+    """Issue 50 item 5: a local user sending from many loopback addresses holds no more
+    stalled large bodies than from one (the front's memory stays bounded): past the bound,
+    from any of them, 429 at once."""
+    with router_rig(large_bodies=2) as rig, contextlib.ExitStack() as open_:
+        held = []
+        for last in range(2, 4):
+            s = open_.enter_context(socket.create_connection(
+                ("127.0.0.1", rig.port), timeout=10, source_address=(f"127.0.0.{last}", 0)))
+            s.sendall(_head("-", LARGE) + b'{"model": "a"')
+            held.append(s)
+
+        def refused(last: int) -> dict[str, object] | None:
+            with socket.create_connection(("127.0.0.1", rig.port), timeout=10,
+                                          source_address=(f"127.0.0.{last}", 0)) as more:
+                more.sendall(_head("-", LARGE))
+                status, body = _answer(more)
+            err: dict[str, object] = json.loads(body)["error"]
+            return err if status == 429 else None
+        # once nginx counts the two held (their heads read), every other address is refused
+        wait_until(lambda: refused(4) is not None, what="the held bodies counted")
+        for last in range(5, 12):
+            err = refused(last)
+            assert err is not None and err["gpud"]["limit"] == (  # type: ignore[index]
+                "large_bodies_per_requester"), err
+            assert str(err["message"]).startswith("client loopback has 2 requests"), err

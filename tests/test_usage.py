@@ -39,10 +39,11 @@ def test_hours_and_summaries() -> None:
     got = [s.to_json() for s in summarize(rows.items())]
     assert got == [
         {"key": "alice", "model": "chat", "requests": 6, "prompt_tokens": 11,
-         "completion_tokens": 5, "total_tokens": 16, "unmetered": 3,
+         "completion_tokens": 5, "total_tokens": 16, "unmetered": 3, "hung_up": 0,
          "statuses": {"200": 3, "429": 3}},
         {"key": "bob", "model": "chat", "requests": 1, "prompt_tokens": 5,
-         "completion_tokens": 5, "total_tokens": 10, "unmetered": 0, "statuses": {"200": 1}}]
+         "completion_tokens": 5, "total_tokens": 10, "unmetered": 0, "hung_up": 0,
+         "statuses": {"200": 1}}]
 
 
 def test_the_store_adds_to_hourly_rows_and_prunes_the_oldest(tmp_path: Path) -> None:
@@ -69,11 +70,13 @@ def test_the_store_adds_to_hourly_rows_and_prunes_the_oldest(tmp_path: Path) -> 
         again.close()
 
 
-def _line(model: str, status: str, key: str, ts: str, prompt: str, completion: str) -> str:
+def _line(model: str, status: str, key: str, ts: str, prompt: str, completion: str,
+          complete: str = "OK") -> str:
     doc = {name: "" for name, _ in LOG_FIELDS}
     doc.update(model=model, serve=model, status=status, request_s="0.010",
                upstream_s="0.009", ensure_s="", sse="")
-    doc.update({"key": key, "ts": ts, "prompt_tokens": prompt, "completion_tokens": completion})
+    doc.update({"key": key, "ts": ts, "prompt_tokens": prompt, "completion_tokens": completion,
+                "complete": complete})
     assert set(doc) == {n for n, _ in (*LOG_FIELDS, *USAGE_FIELDS)}
     return json.dumps(doc)
 
@@ -84,6 +87,7 @@ def test_a_line_of_an_older_config_without_usage_still_counts() -> None:
         del doc[name]
     answered = parse_log_line(json.dumps(doc), {"chat": "chat"})
     assert answered is not None and answered.key == "" and answered.prompt_tokens is None
+    assert not answered.hung_up  # not known
     answered = parse_log_line(_line("chat", "429", "alice", "7300.5", "", ""),
                               {"chat": "chat"})
     assert answered is not None and (answered.key, answered.status, answered.ts) == (
@@ -140,6 +144,58 @@ def test_the_router_log_counts_per_key_and_stores_hourly(tmp_path: Path) -> None
         store.close()
 
 
+def _requests(store: Store) -> int:
+    return sum(c.requests for _, c in store.usage())
+
+
+def test_usage_is_counted_once_across_a_crash_and_while_gpud_is_down(tmp_path: Path) -> None:
+    cfg = parse_config(CONFIG.format(front=tmp_path / "front"), "t")
+    log = Path(log_path(cfg.daemon))
+    log.parent.mkdir(parents=True)
+    log.write_text(_line("chat", "200", "old", "7000.0", "1", "1") + "\n")  # before gpud
+    store = Store(tmp_path / "s.db")
+
+    def write(n: int, at: float, partial: str = "") -> None:
+        with log.open("a") as f:
+            f.writelines(_line("chat", "200", "alice", f"{at + i}", "3", "2") + "\n"
+                         for i in range(n))
+            f.write(partial)
+
+    try:
+        first = RouterLog(lambda: cfg, store, clock=lambda: 7300.0)
+        write(5, 7300.0)
+        first.read()
+        first.flush()
+        # read, not flushed, then killed (-9: nothing more of it runs); then lines written
+        # while gpud is down, the last one cut in the middle
+        write(4, 7310.0)
+        first.read()
+        del first
+        line = _line("chat", "200", "alice", "7330.0", "3", "2")
+        write(3, 7320.0, partial=line[:40])
+        second = RouterLog(lambda: cfg, store, clock=lambda: 7400.0)
+        second.read()
+        second.flush()
+        assert _requests(store) == 12  # the line before gpud skipped; none twice, none lost
+        with log.open("a") as f:
+            f.write(line[40:] + "\n")
+        second.read()
+        second.flush()
+        third = RouterLog(lambda: cfg, store, clock=lambda: 7400.0)  # a restart
+        third.read()
+        third.flush()
+        assert _requests(store) == 13
+        assert dict(store.usage())[UsageKey(7200, "alice", "chat", 200)] == Counts(13, 39, 26)
+        # the log replaced while gpud was down (rotated): the new one counted from its start
+        log.write_text(_line("chat", "200", "bob", "7500.0", "1", "1") + "\n")
+        fourth = RouterLog(lambda: cfg, store, clock=lambda: 7500.0)
+        fourth.read()
+        fourth.flush()
+        assert _requests(store) == 14
+    finally:
+        store.close()
+
+
 def test_usage_not_stored_is_kept_for_the_next_flush(tmp_path: Path) -> None:
     cfg = parse_config(CONFIG.format(front=tmp_path / "front"), "t")
     store = Store(tmp_path / "s.db")
@@ -154,16 +210,16 @@ def test_gpuctl_usage_prints_a_row_per_key_and_model() -> None:
     from gpud.ctl.format import format_usage
     doc = {"since": 0, "rows": [
         {"key": "alice", "model": "chat", "requests": 120, "prompt_tokens": 48211,
-         "completion_tokens": 20113, "total_tokens": 68324, "unmetered": 2,
+         "completion_tokens": 20113, "total_tokens": 68324, "unmetered": 2, "hung_up": 0,
          "statuses": {"200": 118, "429": 2}},
         {"key": "", "model": "", "requests": 1, "prompt_tokens": 0, "completion_tokens": 0,
-         "total_tokens": 0, "unmetered": 1, "statuses": {"401": 1}}]}
+         "total_tokens": 0, "unmetered": 1, "hung_up": 0, "statuses": {"401": 1}}]}
     lines = format_usage(doc).splitlines()  # type: ignore[arg-type]
     assert lines[0].split() == ["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
-                                "UNMETERED", "STATUSES"]
-    assert lines[1].split() == ["alice", "chat", "120", "48211", "20113", "68324", "2",
+                                "UNMETERED", "HUNG", "UP", "STATUSES"]
+    assert lines[1].split() == ["alice", "chat", "120", "48211", "20113", "68324", "2", "0",
                                 "200:118", "429:2"]
-    assert lines[2].split() == ["-", "-", "1", "0", "0", "0", "1", "401:1"]
+    assert lines[2].split() == ["-", "-", "1", "0", "0", "0", "1", "0", "401:1"]
     assert "no usage" in format_usage({"since": 0, "rows": []})
 
 

@@ -284,6 +284,7 @@ class UsageRow(TypedDict):
     completion_tokens: int
     total_tokens: int
     unmetered: int  # answers without the serve's usage: counted, their tokens unknown
+    hung_up: int  # requests whose client hung up before the whole answer was sent
     statuses: dict[str, int]  # requests by HTTP status
 
 

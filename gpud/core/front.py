@@ -135,6 +135,16 @@ class FrontConfig:
     # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.router), so no
     # port is a way around them (docs/security.md).
     keys: bool = False
+    # The router's policy for each fronted port (gpud.core.router.front_policy): (serve, lines
+    # of its server, lines of each of its proxied locations): a key's limits, the usage meter
+    # and the access log, the same as the router's.
+    policies: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = ()
+
+    def policy(self, serve: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        for name, server, location in self.policies:
+            if name == serve:
+                return server, location
+        return (), ()
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -169,12 +179,14 @@ GPUD_UPSTREAM: Final = "gpud_api"
 RETRY_AFTER_S: Final = 30
 
 
-def _locations(upstream: str, paths: Sequence[str], on_demand: bool) -> list[str]:
+def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
+               policy: Sequence[str] = ()) -> list[str]:
     lines = []
     for path in paths:
         # "^~" on a prefix: no regex location can take it over; "=" on an exact path.
         match = f"^~ {path}" if path.endswith("/") else f"= {path}"
         lines.append(f"        location {match} {{")
+        lines += policy
         if on_demand:
             lines += [f"            auth_request {ENSURE_LOCATION};",
                       "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
@@ -230,7 +242,7 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
         # who asked (gpud bounds each requester): the key's name with keys, else the client's
         # address, as the router's requester
         "            proxy_set_header X-Gpud-Requester "
-        + ("$router_requester_of;" if keys else "addr:$remote_addr;"),
+        + ("$router_requester_of;" if keys else f"addr:{REQUESTER_ADDR};"),
         f"            proxy_read_timeout {timeout}s;",
         "        }",
         "        error_page 403 = @refused;",
@@ -246,6 +258,20 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
         f"            proxy_pass http://{upstream};",
         "        }",
     ]
+
+
+# A requester without a key is its address (docs/security.md, "Local users"): every loopback
+# address is one, "loopback": any local user may send from any of 127.0.0.0/8 (and ::1), so an
+# address there says nothing of who sends, and a bound per address would be one per address a
+# user cares to use. Used by the router's script too (router.js requesterOf).
+REQUESTER_ADDR: Final = "$gpud_requester_addr"
+REQUESTER_ADDR_MAP: Final = (
+    f"    map $remote_addr {REQUESTER_ADDR} {{",
+    r'        "~^127\." loopback;',
+    '        "::1" loopback;',
+    r'        "~^::ffff:127\." loopback;',
+    "        default $remote_addr;",
+    "    }")
 
 
 def render(cfg: FrontConfig) -> str:
@@ -300,6 +326,10 @@ def render(cfg: FrontConfig) -> str:
         *[f'    proxy_set_header {name} "";' for name in GPUD_REQUEST_HEADERS],
         f"    proxy_read_timeout {READ_TIMEOUT_S}s;",
         f"    proxy_send_timeout {READ_TIMEOUT_S}s;",
+        *REQUESTER_ADDR_MAP,
+        # the router's (its script, maps, zones, log format: the fronted ports' policy reads
+        # them, and nginx reads a log format before a server may name it)
+        *cfg.http_extra,
     ]
     if any(s.ensure_timeout_s is not None for s in cfg.serves):
         out += ["",
@@ -321,7 +351,9 @@ def render(cfg: FrontConfig) -> str:
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
             *(_keyed(serve.name) if cfg.keys else []),
-            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None),
+            *cfg.policy(serve.name)[0],
+            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None,
+                        cfg.policy(serve.name)[1]),
             *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
               if serve.ensure_timeout_s is not None else []),
             "        location / {",
@@ -332,7 +364,6 @@ def render(cfg: FrontConfig) -> str:
             "        }",
             "    }",
         ]
-    out += cfg.http_extra
     out.append("}")
     return "\n".join(out) + "\n"
 

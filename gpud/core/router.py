@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import PATH_RE, READ_TIMEOUT_S
+from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
 from gpud.core.queue import Histogram
 from gpud.core.text import did_you_mean, printable
 from gpud.core.usage import tokens
@@ -91,12 +91,16 @@ LOG_FIELDS: Final = (
     ("sse", "$router_sse"),
 )
 # The access log's fields of usage per key (gpud.core.usage): the key's name, when the request
-# ended (Unix time, ms), and the tokens of the serve's own `usage` (router.js `meter`; "" none).
+# ended (Unix time, ms), the tokens of the serve's own `usage` (router.js `meterScan`; "" none),
+# and whether the whole answer was sent ("OK"; "": the client hung up first: nginx sets
+# r->request_complete only on ngx_http_finalize_request's path of a request done, never on
+# ngx_http_terminate_request's, src/http/ngx_http_request.c).
 USAGE_FIELDS: Final = (
     ("key", "$router_key"),
     ("ts", "$msec"),
     ("prompt_tokens", "$router_prompt_tokens"),
     ("completion_tokens", "$router_completion_tokens"),
+    ("complete", "$request_completion"),
 )
 # Idle keepalive connections to each serve (as the front's).
 KEEPALIVE: Final = 32
@@ -345,7 +349,7 @@ def limit_zones(keys: Sequence[ApiKey], large_bodies: int = 0) -> list[str]:
                 "        default 1;",
                 "    }",
                 "    map $router_key_name $router_requester_early {",
-                '        "" "addr:$remote_addr";',
+                f'        "" "addr:{REQUESTER_ADDR}";',
                 "        default $router_key_name;",
                 "    }",
                 "    map $router_body_large $router_body_of {",
@@ -374,19 +378,72 @@ def conn_lines(keys: Sequence[ApiKey], large_bodies: int = 0,
     return out
 
 
-def limit_lines(keys: Sequence[ApiKey], indent: str = "            ") -> list[str]:
+def limit_lines(keys: Sequence[ApiKey], indent: str = "            ",
+                status: int = 429) -> list[str]:
     """A routed location's lines of the keys' request rates (where the router sends a request
     once it knows its key: a serve's named location, the loading feedback's), past them 429 in
-    OpenAI's shape (@router_limited). requests_per_minute: a minute's worth at once
-    (burst), then at the rate (nginx's leaky bucket, `nodelay`)."""
+    OpenAI's shape (@router_limited; STATUS: nginx's own, which an error_page makes that).
+    requests_per_minute: a minute's worth at once (burst), then at the rate (nginx's leaky
+    bucket, `nodelay`)."""
     out = []
     for i, k in enumerate(keys):
         if k.requests_per_minute is not None:
             burst = max(0, k.requests_per_minute - 1)
             out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
     if out:
-        out.append(f"{indent}limit_req_status 429;")
+        out.append(f"{indent}limit_req_status {status};")
     return out
+
+
+# A fronted port's rate refusals: nginx's status for them there, which its error page makes the
+# router's 429 (@router_limited): both counts and rates are in one location there, and nginx
+# says which refused a request by its status only.
+FRONT_RATE_STATUS: Final = 430
+COUNTED_PAGE: Final = ("        location @router_counted {",
+                       # the access log's key (usage per key: the key's 429), as route() would
+                       # set it
+                       "            set $router_key $router_key_name;",
+                       "            default_type application/json;",
+                       "            add_header Retry-After 1 always;",
+                       "            return 429 $router_counted_text;",
+                       "        }")
+LIMITED_PAGE: Final = ("        location @router_limited {",
+                       "            js_content router.limited;",
+                       "        }")
+
+
+@dataclass(frozen=True)
+class FrontPolicy:
+    """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
+    cover every way in"): lines of its server (SERVER: before its locations) and of each of
+    its proxied locations (LOCATION), made from the same parts as the router's own (conn_lines,
+    limit_lines, METER, the access log), so that a key's limits are one limit (the same nginx
+    zones) and its usage one count (the same log, its rows under MODEL), whichever way its
+    requests come."""
+
+    server: tuple[str, ...]
+    location: tuple[str, ...]
+
+
+def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
+    """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
+    meter and the access log), its usage counted under the serve's first model name."""
+    keys = router.keys or ()
+    models = next((s.models for s in router.serves if s.name == serve), ())
+    counted = conn_lines(keys, router.large_bodies_per_requester)
+    rates = limit_lines(keys, status=FRONT_RATE_STATUS)
+    server = []
+    if router.access_log is not None:
+        server += [f"        access_log {router.access_log} {LOG_FORMAT};",
+                   # the log's fields as the router's script sets them (route())
+                   f'        set $router_model "{models[0] if models else ""}";',
+                   f"        set $router_serve {serve};",
+                   "        set $router_key $router_key_name;"]
+    if counted:
+        server += ["        error_page 429 = @router_counted;", *COUNTED_PAGE]
+    if rates:
+        server += [f"        error_page {FRONT_RATE_STATUS} = @router_limited;", *LIMITED_PAGE]
+    return FrontPolicy(tuple(server), (*counted, *rates, METER))
 
 
 @dataclass(frozen=True)
@@ -474,8 +531,8 @@ class RouterRequest:
     ensure's X-Gpud-Model, X-Gpud-Key and X-Gpud-Requester, set by nginx only: a client's own
     X-Gpud-* headers never reach gpud, GPUD_REQUEST_HEADERS): the model it named (None: a
     request to a serve's own port, which names none), the key it used (None: no keys), and
-    who asked (its requester: the key's name, else ``addr:`` and the client's address; on
-    loopback every local client is ``addr:127.0.0.1``), as the journal names it and as
+    who asked (its requester: the key's name, else ``addr:`` and the client's address; every
+    loopback address is one, ``addr:loopback``), as the journal names it and as
     gpud's bounds and queue tell requesters apart."""
 
     model: str | None
@@ -561,11 +618,13 @@ def main_lines(router: RouterFront) -> list[str]:
     return [f"load_module {router.njs_module};"]
 
 
-# What a serve under priority scheduling is sent: the body with the key's priority when the
-# script set one, else the request's (a map of the http block: PRIORITY_MAP).
+# What a serve under priority scheduling is sent: the body with the key's priority (0 without
+# one) in its top-level "priority", every other byte as the client sent it, when the script
+# set it (router.js prioritize: the bytes before the value, the value, the bytes after), else
+# the request's own (a map of the http block: PRIORITY_MAP).
 PRIORITY_BODY: Final = "$router_send_body"
 # Its routed location sends the same, but one step behind (priority + 1: the script's
-# $router_body_over) for a request whose requester already has FAIR_SHARE requests in flight
+# $router_prio_over) for a request whose requester already has FAIR_SHARE requests in flight
 # on the serve: so each requester's first request goes ahead of everyone's others inside the
 # engine, with no setting (docs/router.md, "Who is asking"). Counted by nginx's own limit_conn,
 # in dry run (nginx 1.22: ngx_http_limit_conn_handler counts a request within the limit and,
@@ -575,17 +634,17 @@ PRIORITY_BODY: Final = "$router_send_body"
 FAIR_BODY: Final = "$router_fair_body"
 FAIR_ZONE: Final = "router_fair"
 FAIR_SHARE: Final = 1
-PRIORITY_MAP: Final = ("    map $router_body $router_send_body {",
+PRIORITY_MAP: Final = ("    map $router_body_head $router_send_body {",
                        '        "" $request_body;',
-                       "        default $router_body;",
+                       '        default "$router_body_head$router_prio$router_body_tail";',
                        "    }",
-                       "    map $router_body_over $router_over_body {",
-                       f'        "" {PRIORITY_BODY};',
-                       "        default $router_body_over;",
+                       "    map $limit_conn_status $router_fair_prio {",
+                       "        REJECTED_DRY_RUN $router_prio_over;",
+                       "        default $router_prio;",
                        "    }",
-                       f"    map $limit_conn_status {FAIR_BODY} {{",
-                       "        REJECTED_DRY_RUN $router_over_body;",
-                       f"        default {PRIORITY_BODY};",
+                       f"    map $router_body_head {FAIR_BODY} {{",
+                       '        "" $request_body;',
+                       '        default "$router_body_head$router_fair_prio$router_body_tail";',
                        "    }",
                        # a requester's count on each serve (one entry a pair: a 1m zone holds
                        # thousands)
@@ -695,8 +754,11 @@ def http_lines(router: RouterFront) -> list[str]:
            # gpud's answer to a loading feedback's ensure (router.ensured)
            "    js_var $router_ensured;",
            "    js_var $router_prompt_tokens;",
-           "    js_var $router_body;",
-           "    js_var $router_body_over;",
+           # the body a serve under priority scheduling is sent (router.js prioritize)
+           "    js_var $router_body_head;",
+           "    js_var $router_body_tail;",
+           "    js_var $router_prio;",
+           "    js_var $router_prio_over;",
            "    js_var $router_completion_tokens;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
@@ -803,20 +865,12 @@ def http_lines(router: RouterFront) -> list[str]:
            "            return 401 $router_unauthorized;",
            "        }"] if router.keys is not None else []),
         # past a count of the routed locations (conn_lines): 429 before the body is read
-        *(["        location @router_counted {",
-           # the access log's key (usage per key: the key's 429), as route() would set it
-           "            set $router_key $router_key_name;",
-           "            default_type application/json;",
-           "            add_header Retry-After 1 always;",
-           "            return 429 $router_counted_text;",
-           "        }"] if counted else []),
+        *(COUNTED_PAGE if counted else ()),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",
         # past a key's limits (limit_lines): 429 in OpenAI's shape, which limit, Retry-After
-        "        location @router_limited {",
-        "            js_content router.limited;",
-        "        }",
+        *LIMITED_PAGE,
         # a stream for a serve gpud may bring up (router.loading): its key's limits first
         "        location @router_loading {",
         *limits,
@@ -912,6 +966,7 @@ class Answered:
     ts: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    hung_up: bool = False
 
 
 def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
@@ -953,7 +1008,9 @@ def _usage_fields(doc: Mapping[str, object], status: int) -> dict[str, Any]:
         ts = None
     return {"key": got["key"][:MAX_REQUESTER], "status": status, "ts": ts,
             "prompt_tokens": tokens(got["prompt_tokens"]),
-            "completion_tokens": tokens(got["completion_tokens"])}
+            "completion_tokens": tokens(got["completion_tokens"]),
+            # a line of an older config has no "complete": not known to have hung up
+            "hung_up": "complete" in doc and got["complete"] != "OK"}
 
 
 @dataclass

@@ -5,10 +5,17 @@ gpud.nginx.router reads the log).
 A request is counted under its key (keys off: under "", the router's one anonymous bucket: an
 address is no label, it is not bounded), the model it named, the hour it ended and its status.
 Tokens come from the serve's own `usage` object only, as the router saw it pass (router.js
-`usage`: the last `prompt_tokens` and `completion_tokens` of the answer: a non-streamed answer's
-usage, a stream's last chunk when the client asked for it with `stream_options.include_usage`).
-An answer without one (a stream without include_usage, an error) is counted in `requests` and in
-`unmetered`, its tokens in neither sum: never invented.
+`meterScan`): the answer's top-level `usage` (a non-streamed answer's; a stream's event that
+carries it: a chat or completions stream's last chunk when the client asked for it with
+`stream_options.include_usage`, /v1/responses' `response.completed`, /v1/messages'
+message_start and message_delta), read by the route's own names: `prompt_tokens` and
+`completion_tokens`, or `input_tokens` and `output_tokens` on /v1/responses and /v1/messages
+(counted here as prompt and completion). A count anywhere else in the answer (a tool's schema
+the answer echoes: the client's text) is never read. An answer without usage (a stream without
+include_usage, an error) is counted in `requests` and in `unmetered`, its tokens in neither
+sum: never invented. A request whose client hung up before the whole answer was sent (nginx's
+$request_completion is not "OK") is counted in `hung_up` too, with what the serve reported
+before it, if anything.
 """
 
 from __future__ import annotations
@@ -40,19 +47,25 @@ class Counts:
     completion_tokens: int = 0
     # answers that carried no usage: counted, their tokens unknown
     unmetered: int = 0
+    # requests whose client hung up before the whole answer was sent
+    hung_up: int = 0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.requests + other.requests,
                       self.prompt_tokens + other.prompt_tokens,
                       self.completion_tokens + other.completion_tokens,
-                      self.unmetered + other.unmetered)
+                      self.unmetered + other.unmetered,
+                      self.hung_up + other.hung_up)
 
 
-def one(prompt_tokens: int | None, completion_tokens: int | None) -> Counts:
-    """One request's counts: its tokens when its answer carried usage, else unmetered."""
+def one(prompt_tokens: int | None, completion_tokens: int | None,
+        hung_up: bool = False) -> Counts:
+    """One request's counts: its tokens when its answer carried usage, else unmetered; and
+    whether its client hung up."""
+    gone = 1 if hung_up else 0
     if prompt_tokens is None or completion_tokens is None:
-        return Counts(1, 0, 0, 1)
-    return Counts(1, prompt_tokens, completion_tokens, 0)
+        return Counts(1, 0, 0, 1, gone)
+    return Counts(1, prompt_tokens, completion_tokens, 0, gone)
 
 
 def tokens(text: str) -> int | None:
@@ -82,7 +95,7 @@ class UsageSummary:
         return {"key": self.key, "model": self.model, "requests": c.requests,
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
                 "total_tokens": c.prompt_tokens + c.completion_tokens,
-                "unmetered": c.unmetered, "statuses": dict(self.statuses)}
+                "unmetered": c.unmetered, "hung_up": c.hung_up, "statuses": dict(self.statuses)}
 
 
 def summarize(rows: Iterable[tuple[UsageKey, Counts]]) -> list[UsageSummary]:

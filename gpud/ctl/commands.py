@@ -642,11 +642,14 @@ COMMANDS: tuple[Command, ...] = (
         "and model, the requests by status, and the prompt and completion tokens of the "
         "serve's own usage object. An answer without one (a stream without "
         "stream_options.include_usage) is counted in REQUESTS and UNMETERED, its tokens in "
-        "neither sum. KEY \"\" (shown -): requests without a key (keys off). The newest "
-        "requests appear within 5 s.",
+        "neither sum; one whose client hung up before the whole answer was sent in HUNG UP "
+        "too. Requests through a serve's own fronted port are counted alike. KEY \"\" "
+        "(shown -): requests without a key (keys off). The newest requests appear within "
+        "5 s; those answered while gpud was down once it is back.",
         "  gpuctl usage --since 24h\n"
-        "      KEY    MODEL  REQUESTS  PROMPT  COMPLETION  TOTAL  UNMETERED  STATUSES\n"
-        "      alice  chat        120   48211       20113  68324          2  200:118 429:2\n"
+        "      KEY    MODEL  REQUESTS  PROMPT  COMPLETION  TOTAL  UNMETERED  HUNG UP  STATUSES\n"
+        "      alice  chat        120   48211       20113  68324          2        1  "
+        "200:118 429:2\n"
         "  gpuctl --json usage --key alice",
         configure_usage, run_usage),
     Command(

@@ -301,14 +301,14 @@ def format_usage(doc: answers.Usage) -> str:
     """``GET /v1/usage``: one row per key and model (docs/router.md, "Who is asking")."""
     rows = [[r.get("key") or "-", r.get("model") or "-", str(r.get("requests")),
              str(r.get("prompt_tokens")), str(r.get("completion_tokens")),
-             str(r.get("total_tokens")), str(r.get("unmetered")),
+             str(r.get("total_tokens")), str(r.get("unmetered")), str(r.get("hung_up", 0)),
              " ".join(f"{k}:{v}" for k, v in (r.get("statuses") or {}).items())]
             for r in doc.get("rows") or []]
     if not rows:
         return "no usage recorded (the router counts requests per key once it has answered some)"
     return format_table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
-                         "UNMETERED", "STATUSES"], rows,
-                        [False, False, True, True, True, True, True, False])
+                         "UNMETERED", "HUNG UP", "STATUSES"], rows,
+                        [False, False, True, True, True, True, True, True, False])
 
 
 def format_peers(doc: answers.Peers, tz: datetime.tzinfo | None = None) -> str:

@@ -119,7 +119,8 @@ function skipString(body, i) {
 // has none), or {error: [status, message, code]}. Nested values are walked by their
 // brackets (a key inside them is not the body's), strings skipped whole.
 function topLevel(body) {
-    var n = body.length, i = 0, steps = 0, found = {model: undefined, stream: false};
+    var n = body.length, i = 0, steps = 0;
+    var found = {model: undefined, stream: false, priority: []};
     var key, end, c, depth, v;
     function ws() {
         while (i < n && space(body[i])) {
@@ -223,6 +224,8 @@ function topLevel(body) {
                 }
             } else if (key === 'stream') {
                 found.stream = body.slice(v, i).toString() === 'true';
+            } else if (key === 'priority') {
+                found.priority.push([v, i]);
             }
             ws();
             if (body[i] === 0x2c) {
@@ -329,8 +332,8 @@ function keyOf(r) {
     return key;
 }
 
-// The name of the request's key (js_set $router_key_name): "" when its Authorization gives
-// none or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
+// The name of the request's key (js_set $router_key_name): "" when the request gives none
+// or one not known (keys off: ""). One SHA-256 a request: nginx keeps a js_set variable's
 // value for the rest of the request once asked (ngx_http_js_variable_set leaves it cacheable,
 // njs 0.7.9 nginx/ngx_http_js_module.c; ngx_http_get_flushed_variable, nginx's
 // src/http/ngx_http_variables.c), internal redirects included (ngx_http_internal_redirect
@@ -340,12 +343,43 @@ function keyName(r) {
     if (CONFIG.keys === null) {
         return '';
     }
-    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
-    var digest = m ? crypto.createHash('sha256').update(m[1]).digest('hex') : '';
-    return m && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
+    var token = tokenOf(r);
+    var digest = token ? crypto.createHash('sha256').update(token).digest('hex') : '';
+    return token && has(CONFIG.keys, digest) ? CONFIG.keys[digest].name : '';
 }
 
-// The key of the request's Authorization, undefined when none is given or known.
+// Anthropic's routes, where its SDK sends the key as `x-api-key: KEY` (its default header).
+function anthropic(r) {
+    return r.uri === '/v1/messages' || r.uri === '/v1/messages/count_tokens';
+}
+
+// The token the request gives: `Authorization: Bearer TOKEN`; on Anthropic's routes, else
+// `x-api-key: TOKEN` (Authorization first when both are sent). null: none.
+function tokenOf(r) {
+    var m = (r.headersIn['Authorization'] || '').match(/^Bearer\s+(\S+)\s*$/i);
+    if (m) {
+        return m[1];
+    }
+    if (anthropic(r)) {
+        m = (r.headersIn['X-Api-Key'] || '').match(/^\s*(\S+)\s*$/);
+        return m ? m[1] : null;
+    }
+    return null;
+}
+
+// Whether the request sent a key at all (a 401's message: incorrect, or none given).
+function gaveKey(r) {
+    return Boolean(r.headersIn['Authorization'] ||
+                   (anthropic(r) && r.headersIn['X-Api-Key']));
+}
+
+function noKeyMessage(r) {
+    return gaveKey(r) ? 'Incorrect API key provided' :
+        'No API key provided (Authorization: Bearer KEY' +
+        (anthropic(r) ? ', or x-api-key: KEY' : '') + ')';
+}
+
+// The key of the request's token, undefined when none is given or known.
 function lookUp(r) {
     var name = r.variables.router_key_name;
     return name ? CONFIG.keys[CONFIG.key_digests[name]] : undefined;
@@ -353,24 +387,23 @@ function lookUp(r) {
 
 function unauthorized(r) {
     r.headersOut['WWW-Authenticate'] = 'Bearer';
-    fail(r, 401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
-         'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+    fail(r, 401, noKeyMessage(r), 'invalid_api_key');
 }
 
 // unauthorized()'s document, for the 401 of the key's check before the body (an error page).
 function unauthorizedText(r) {
-    return errorText(401, r.headersIn['Authorization'] ? 'Incorrect API key provided' :
-                     'No API key provided (Authorization: Bearer KEY)', 'invalid_api_key');
+    return errorText(401, noKeyMessage(r), 'invalid_api_key');
 }
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
-// client's address (on loopback every local client is addr:127.0.0.1). KEY: the request's,
-// else looked up (a fronted port's ensure: js_set $router_requester_of).
+// client's address, every loopback address one: addr:loopback (the front's map,
+// gpud.core.front REQUESTER_ADDR; docs/security.md). KEY: the request's, else looked up (a
+// fronted port's ensure: js_set $router_requester_of).
 function requesterOf(r, key) {
     if (key === undefined) {
         key = CONFIG.keys === null ? undefined : lookUp(r);
     }
-    return key && key.name ? key.name : 'addr:' + r.remoteAddress;
+    return key && key.name ? key.name : 'addr:' + r.variables.gpud_requester_addr;
 }
 
 // "1" when the request may pass a fronted port's key check (js_set $router_key_ok): keys
@@ -408,11 +441,11 @@ function route(r) {
         return;
     }
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    var model, stream = false;
-    if (type.indexOf('multipart/form-data') === 0) {
+    var model, stream = false, form = type.indexOf('multipart/form-data') === 0, top;
+    if (form) {
         model = formModel(body, r.headersIn['Content-Type'] || '');
     } else if (body.length >= SCAN_FROM) {
-        var top = topLevel(body);
+        top = topLevel(body);
         if (top.error) {
             fail(r, top.error[0], top.error[1], top.error[2]);
             return;
@@ -456,8 +489,23 @@ function route(r) {
     r.variables.router_serve = entry.serve;
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
-    if (entry.priority && doc !== undefined && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
-        prioritize(r, doc, key);
+    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
+        // the top-level "priority" members of the body (a parsed one is walked only when it
+        // has one)
+        if (top === undefined) {
+            top = has(doc, 'priority') ? topLevel(body) : {priority: []};
+            if (top.error) {
+                fail(r, top.error[0], top.error[1], top.error[2]);
+                return;
+            }
+        }
+        if (top.priority.length > 1) {
+            fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
+                 ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
+                 '), send it once or not at all', 'invalid_priority', 'priority');
+            return;
+        }
+        prioritize(r, body, top.priority, key);
     }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
@@ -674,13 +722,18 @@ function states(r) {
     }, function () { return {}; });
 }
 
-function entry(name, by, created) {
+// A model of /v1/models as ME (the request's requester) sees it: who waits for its serve, in
+// the order they go, each requester's count and place, but only ME's name: the others' are
+// null (a key's name is its holder's business; `gpuctl models` shows them to the operator).
+function entry(name, by, created, me) {
     var serve = CONFIG.models[name].serve;
     var s = has(by, serve) ? by[serve] : null;
     var ext = {serve: serve, state: s ? s.state : 'unknown'};
     if (s && s.queue) {
-        // who waits for it, in the order they go, and the wait to expect (docs/router.md)
-        ext.queue = s.queue;
+        ext.queue = s.queue.map(function (p) {
+            return {requester: p.requester === me ? me : null, waiting: p.waiting,
+                    position: p.position};
+        });
         ext.expected_wait_s = s.expected_wait_s;
     }
     return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
@@ -723,7 +776,7 @@ function models(r) {
         var data = Object.keys(CONFIG.models).sort().filter(function (name) {
             return allows(key, name);
         }).map(function (name) {
-            return entry(name, by, created);
+            return entry(name, by, created, requesterOf(r, key));
         });
         r.headersOut['Content-Type'] = 'application/json';
         r.return(200, JSON.stringify({object: 'list', data: data}));
@@ -751,7 +804,8 @@ function model(r) {
     }
     states(r).then(function (by) {
         r.headersOut['Content-Type'] = 'application/json';
-        r.return(200, JSON.stringify(entry(name, by, Math.floor(Date.now() / 1000))));
+        r.return(200, JSON.stringify(entry(name, by, Math.floor(Date.now() / 1000),
+                                           requesterOf(r, key))));
     });
 }
 
@@ -771,39 +825,245 @@ function down(r) {
 }
 
 // Usage (docs/router.md, "Who is asking"; gpud.core.usage): the serve's own `usage`, read as
-// its answer passes (a body filter: each buffer passed on at once, untouched): the last
-// "prompt_tokens" and "completion_tokens" of the answer (a non-streamed answer's usage, a
-// stream's last chunk when it carries one), for the access log. Unescaped, `"prompt_tokens"`
-// is a key (inside a JSON string a quote is escaped). The last bytes of each buffer are kept
-// for a key or number split between two. An answer without usage leaves them "" (counted,
-// never invented).
-var TOKENS_RE = /"(prompt|completion)_tokens"\s*:\s*(\d{1,12})(?=\D)/g;
-var meterTail = null, meterPending = false;
-function meterScan(r, data) {
-    // most buffers (a stream's chunks before its last) carry no usage: one native search
-    if (data.indexOf('_tokens"') < 0 && !meterPending) {
-        meterTail = data;
+// its answer passes (a body filter: each buffer passed on at once, untouched), for the access
+// log: the top-level `usage` object of the answer, by the route's own names (input_tokens and
+// output_tokens on /v1/responses and /v1/messages, else prompt_tokens and completion_tokens),
+// never a count anywhere else in it (a tool's schema the answer echoes is the client's text).
+// A stream (text/event-stream): each event that carries usage parsed whole (its data), its
+// `usage`, or that of the response it carries (/v1/responses: `response.usage`; /v1/messages:
+// message_start's `message.usage`, message_delta's `usage`), the last one of each name
+// kept. Inside a JSON string a quote is escaped, so `"usage"` with both quotes bare is a key
+// (or a string value "usage"): an event without it is not parsed, and most buffers (a
+// stream's chunks) end at an event's end and carry none: one native search each. A single
+// answer (JSON): held as it passes and parsed at its end when it carries a bare "usage"; one
+// past SINGLE_MAX (embeddings of many inputs) is walked instead by its brackets as it passes
+// (strings skipped whole), the value of its top-level "usage" key kept and parsed. An answer
+// without usage leaves them "" (counted, never invented).
+var USAGE_HELD_MAX = 16777216, SINGLE_MAX = 262144;
+var mNames = null, mNested = null, mStream = false, mHeld = '', mSkip = false;
+var mParts = null, mSize = 0, mWalking = false;
+// the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
+// last string ended at the current depth (a key when a bracket follows), the keys of the
+// open objects, and the usage object's text while it passes
+var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = [];
+var jCap = null, jCapDepth = 0, J_OUT = null, J_IN = null;
+
+// The answer's route and kind, from its first buffer: a single answer is one JSON document
+// (vLLM's begin with `{`), a stream's events begin with `data:` or `event:`.
+function meterBegin(r, data) {
+    var route = r.uri;
+    mNested = route === '/v1/responses' ? 'response' : route === '/v1/messages' ? 'message' :
+        null;
+    mNames = mNested !== null ? ['input_tokens', 'output_tokens'] :
+        ['prompt_tokens', 'completion_tokens'];
+    mStream = data[0] !== 0x7b && data[0] !== 0x5b;
+}
+
+function meterTake(r, usage) {
+    if (usage === null || typeof usage !== 'object' || Array.isArray(usage)) {
         return;
     }
-    var text = (meterTail === null ? '' :
-                meterTail.slice(Math.max(0, meterTail.length - 64)).toString()) +
-               data.toString();
-    meterTail = data;
-    text = text.slice(Math.max(0, text.indexOf('_tokens"') - 32));
-    TOKENS_RE.lastIndex = 0;
-    var m;
-    while ((m = TOKENS_RE.exec(text)) !== null) {
-        r.variables['router_' + m[1] + '_tokens'] = m[2];
+    for (var i = 0; i < 2; i++) {
+        var v = usage[mNames[i]];
+        if (typeof v === 'number' && Number.isInteger(v) && v >= 0 && v < 1e12) {
+            r.variables[i ? 'router_completion_tokens' : 'router_prompt_tokens'] = String(v);
+        }
     }
-    // a count that may go on in the next buffer (a number is taken whole only)
-    var at = text.lastIndexOf('_tokens"');
-    meterPending = at >= 0 && at > text.length - 48;
+}
+
+// One event of a stream (its lines): its data parsed when it carries usage.
+function meterEvent(r, event) {
+    if (event.indexOf('"usage"') < 0) {
+        return;
+    }
+    var data = event.split('\n').filter(function (line) {
+        return line.indexOf('data:') === 0;
+    }).map(function (line) {
+        return line.slice(line[5] === ' ' ? 6 : 5);
+    }).join('\n');
+    var doc;
+    try {
+        doc = JSON.parse(data);
+    } catch (e) {
+        return;
+    }
+    if (doc === null || typeof doc !== 'object') {
+        return;
+    }
+    meterTake(r, doc.usage);
+    if (mNested !== null && doc[mNested] !== null && typeof doc[mNested] === 'object') {
+        meterTake(r, doc[mNested].usage);
+    }
+}
+
+function meterEvents(r, data) {
+    var n = data.length;
+    if (mHeld === '' && !mSkip && data[n - 1] === 0x0a && data[n - 2] === 0x0a &&
+        data.indexOf('"usage"') < 0) {
+        return;
+    }
+    var text = mHeld + data.toString().replace(/\r\n/g, '\n');
+    var cut = text.lastIndexOf('\n\n');
+    if (cut < 0) {
+        // an event longer than the buffers so far: held (bounded: past it, not metered)
+        mHeld = mSkip || text.length > USAGE_HELD_MAX ? '' : text;
+        mSkip = mSkip || text.length > USAGE_HELD_MAX;
+        return;
+    }
+    var events = text.slice(0, cut).split('\n\n');
+    if (mSkip) {
+        events.shift();
+        mSkip = false;
+    }
+    events.forEach(function (event) {
+        meterEvent(r, event);
+    });
+    mHeld = text.slice(cut + 2);
+}
+
+// A single answer (JSON), held to its end (LAST), or walked once past SINGLE_MAX. Most are
+// one buffer: parsed only when it carries a bare "usage" (one native search).
+function meterSingle(r, data, last) {
+    if (mWalking) {
+        meterWalk(r, data.toString());
+        return;
+    }
+    if (mParts === null && last) {
+        if (data.indexOf('"usage"') >= 0) {
+            meterParse(r, data.toString());
+        }
+        return;
+    }
+    mParts = mParts || [];
+    mParts.push(data);
+    mSize += data.length;
+    if (mSize > SINGLE_MAX) {
+        mWalking = true;
+        meterWalk(r, Buffer.concat(mParts).toString());
+        mParts = [];
+        return;
+    }
+    if (last) {
+        var whole = Buffer.concat(mParts);
+        if (whole.indexOf('"usage"') >= 0) {
+            meterParse(r, whole.toString());
+        }
+    }
+}
+
+function meterParse(r, text) {
+    var doc;
+    try {
+        doc = JSON.parse(text);
+    } catch (e) {
+        return;
+    }
+    if (doc !== null && typeof doc === 'object') {
+        meterTake(r, doc.usage);
+    }
+}
+
+function meterWalk(r, text) {
+    if (J_OUT === null) {
+        J_OUT = /["{}\[\]]/g;
+        J_IN = /[\\"]/g;
+    }
+    var n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
+    if (jEsc) {
+        i = 1;
+        jEsc = false;
+    }
+    while (i < n) {
+        if (jInStr) {
+            J_IN.lastIndex = i;
+            m = J_IN.exec(text);
+            var end = m === null ? n : m.index;
+            if (jStr !== null) {
+                jStr = jStr.length + end - i > 16 ? null : jStr + text.slice(i, end);
+            }
+            if (m === null) {
+                break;
+            }
+            if (m[0] === '\\') {
+                jStr = null;
+                jEsc = m.index + 1 >= n;
+                i = m.index + 2;
+                continue;
+            }
+            jInStr = false;
+            jLast = jStr;
+            i = m.index + 1;
+            continue;
+        }
+        J_OUT.lastIndex = i;
+        m = J_OUT.exec(text);
+        if (m === null) {
+            break;
+        }
+        c = m[0];
+        i = m.index + 1;
+        if (c === '"') {
+            jInStr = true;
+            jStr = jDepth <= 2 ? '' : null;
+            jLast = null;
+            continue;
+        }
+        if (c === '{' || c === '[') {
+            // the key naming this value: the string just before it at this depth
+            var key = c === '{' ? jLast : null;
+            jKeys[jDepth] = key;
+            if (jCap === null && key === 'usage' &&
+                (jDepth === 1 || (jDepth === 2 && mNested !== null && jKeys[1] === mNested))) {
+                jCap = '';
+                jCapDepth = jDepth;
+                from = m.index;
+            }
+            jDepth++;
+        } else if (jDepth > 0) {
+            jDepth--;
+            if (jCap !== null && jDepth === jCapDepth) {
+                var got;
+                try {
+                    got = JSON.parse(jCap + text.slice(from, i));
+                } catch (e) {
+                    got = null;
+                }
+                meterTake(r, got);
+                jCap = null;
+                from = -1;
+            }
+        }
+        jLast = null;
+    }
+    if (jCap !== null) {
+        jCap += text.slice(Math.max(0, from));
+        if (jCap.length > 65536) {
+            jCap = null;
+        }
+    }
+}
+
+function meterScan(r, data, last) {
+    if (mNames === null) {
+        if (data.length === 0) {
+            return;
+        }
+        meterBegin(r, data);
+    }
+    if (mStream) {
+        if (data.length === 0) {
+            return;
+        }
+        meterEvents(r, data);
+    } else {
+        meterSingle(r, data, last);
+    }
 }
 
 function meter(r, data, flags) {
     r.sendBuffer(data, flags);
-    if (data.length > 0) {
-        meterScan(r, data);
+    if (data.length > 0 || flags.last) {
+        meterScan(r, data, flags.last);
     }
 }
 
@@ -818,7 +1078,7 @@ function countedText(r) {
     var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
     var bodies = CONFIG.large_bodies_per_requester;
     var large = bodies > 0 && r.variables.router_body_large === '1';
-    var who = name ? 'key ' + name : 'client ' + r.remoteAddress;
+    var who = name ? 'key ' + name : 'client ' + r.variables.gpud_requester_addr;
     var which, value, message;
     if (large && !lim.max_concurrent) {
         which = 'large_bodies_per_requester';
@@ -843,8 +1103,8 @@ var held = '', told = false;
 function streamed(r, data, flags) {
     if (r.status < 400 || told) {
         r.sendBuffer(told ? '' : data, flags);
-        if (!told) {
-            meterScan(r, data);
+        if (!told && data.length > 0) {
+            meterScan(r, data, flags.last);
         }
         return;
     }
@@ -882,22 +1142,29 @@ function streamDown(r) {
 
 // A serve launched with --scheduling-policy priority orders its waiting requests by the body's
 // `priority`, lower first (vllm 0.32: vllm/config/scheduler.py `policy`; the field in
-// entrypoints/openai/*/protocol.py). With keys, the key's priority is the request's, whatever
-// the client wrote: the body is sent rewritten ($router_body, the serve's proxy_set_body). The
-// same body one step behind ($router_body_over) is what the serve gets when the requester
-// already has its share of requests in flight on it (gpud.core.router FAIR_BODY). A large body
-// that was not parsed, or a form, goes as it came (the serve's default 0); a priority the
-// client wrote that is not an integer is left to the serve to refuse.
-function prioritize(r, doc, key) {
-    if (key.priority !== undefined) {
-        doc.priority = key.priority;
-        r.variables.router_body = JSON.stringify(doc);
+// entrypoints/openai/*/protocol.py). The priority it reads is the key's (0 without one),
+// whatever the client wrote, on every body, parsed or walked: the body is sent as three parts
+// (gpud.core.router PRIORITY_MAP): the bytes before the top-level "priority" value, the
+// value, the bytes after it; without one, `"priority":` and `,` around the value are put in
+// after the opening brace. Every other byte goes as the client sent it (no re-serialization:
+// an integer past 2^53, an escape, a key given twice, stay as they were). The value is the
+// key's ($router_prio), or one step behind ($router_prio_over) when the requester already has
+// its share of requests in flight on the serve (gpud.core.router FAIR_BODY). SPANS: the
+// [start, end) of the body's top-level "priority" value, none or one.
+function prioritize(r, body, spans, key) {
+    var base = key.priority !== undefined ? key.priority : 0;
+    if (spans.length === 0) {
+        var brace = body.indexOf('{');
+        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1),
+                                                      Buffer.from('"priority":')]);
+        r.variables.router_body_tail = Buffer.concat([Buffer.from(','),
+                                                      body.slice(brace + 1)]);
+    } else {
+        r.variables.router_body_head = body.slice(0, spans[0][0]);
+        r.variables.router_body_tail = body.slice(spans[0][1]);
     }
-    var base = doc.priority === undefined ? 0 : doc.priority;
-    if (typeof base === 'number' && Number.isInteger(base)) {
-        doc.priority = base + 1;
-        r.variables.router_body_over = JSON.stringify(doc);
-    }
+    r.variables.router_prio = String(base);
+    r.variables.router_prio_over = String(base + 1);
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).

@@ -26,7 +26,7 @@ from gpud.errors import StoreError
 
 log = logging.getLogger("gpud.store")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 # Each entry upgrades the schema from version i to i+1. Never edit an entry once released.
@@ -116,6 +116,10 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (hour, key, model, status)
     );
     CREATE INDEX usage_hour ON usage (hour);
+    """,
+    # Requests whose client hung up before the whole answer was sent (gpud.core.usage).
+    """
+    ALTER TABLE usage ADD COLUMN hung_up INTEGER NOT NULL DEFAULT 0;
     """,
 )
 
@@ -391,20 +395,27 @@ class Store:
         rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
         return str(rows[0][0]) if rows else None
 
-    def add_usage(self, rows: Mapping[UsageKey, Counts]) -> None:
-        """Add ROWS to the hourly usage rows (one transaction)."""
+    def add_usage(self, rows: Mapping[UsageKey, Counts],
+                  log_position: tuple[str, str] | None = None) -> None:
+        """Add ROWS to the hourly usage rows and, when given, set the meta entry
+        LOG_POSITION (key, value: how far the log they were read from is counted), in one
+        transaction: a crash leaves both or neither, so no line is counted twice or lost."""
         try:
             with self._transaction() as db:
                 db.executemany(
                     "INSERT INTO usage (hour, key, model, status, requests, prompt_tokens, "
-                    "completion_tokens, unmetered) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "completion_tokens, unmetered, hung_up) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (hour, key, model, status) DO UPDATE SET "
                     "requests = requests + excluded.requests, "
                     "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
                     "completion_tokens = completion_tokens + excluded.completion_tokens, "
-                    "unmetered = unmetered + excluded.unmetered",
+                    "unmetered = unmetered + excluded.unmetered, "
+                    "hung_up = hung_up + excluded.hung_up",
                     [(k.hour, k.key, k.model, k.status, c.requests, c.prompt_tokens,
-                      c.completion_tokens, c.unmetered) for k, c in rows.items()])
+                      c.completion_tokens, c.unmetered, c.hung_up) for k, c in rows.items()])
+                if log_position is not None:
+                    db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) "
+                               "DO UPDATE SET value = excluded.value", log_position)
         except sqlite3.Error as exc:
             raise StoreError(f"the store could not add usage: {exc}") from exc
 
@@ -412,13 +423,13 @@ class Store:
               ) -> list[tuple[UsageKey, Counts]]:
         """The hourly usage rows from SINCE_HOUR on (of KEY alone when given), oldest first."""
         sql = ("SELECT hour, key, model, status, requests, prompt_tokens, completion_tokens, "
-               "unmetered FROM usage WHERE hour >= ?")
+               "unmetered, hung_up FROM usage WHERE hour >= ?")
         args: list[Any] = [since_hour]
         if key is not None:
             sql += " AND key = ?"
             args.append(key)
         return [(UsageKey(int(r[0]), str(r[1]), str(r[2]), int(r[3])),
-                 Counts(int(r[4]), int(r[5]), int(r[6]), int(r[7])))
+                 Counts(int(r[4]), int(r[5]), int(r[6]), int(r[7]), int(r[8])))
                 for r in self._read(sql + " ORDER BY hour, key, model, status", args)]
 
     def prune_usage(self, keep: int) -> int:

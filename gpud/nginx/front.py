@@ -54,7 +54,7 @@ from gpud.core.front import (
     render,
     socket_path,
 )
-from gpud.core.router import ApiKey, RouterFront
+from gpud.core.router import ApiKey, RouterFront, front_policy
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
@@ -113,7 +113,12 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
         gpud_socket=d.socket, workers=front_workers(), awake_dir=awake_dir(d),
         main_extra=tuple(router_main_lines(router)) if router else (),
         http_extra=tuple(router_http_lines(router)) if router else (),
-        keys=router is not None and router.keys is not None)
+        keys=router is not None and router.keys is not None,
+        # with keys, each fronted port takes the router's policy (its limits, usage)
+        policies=tuple((name, policy.server, policy.location)
+                       for name in sorted(fronted(cfg)) if name not in leave_out
+                       and router is not None and router.keys is not None
+                       for policy in [front_policy(router, name)]))
 
 
 def front_workers() -> int:

@@ -5,10 +5,12 @@ beside the front's nginx.conf and reloads the front (docs/router.md)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from functools import cache
@@ -47,6 +49,10 @@ LOG_NAME: Final = "router.log"
 LOG_MAX_BYTES: Final = 4 << 20
 # How often gpud reads the log besides each scrape of /metrics (the log stays small).
 LOG_READ_S: Final = 5.0
+# The store's meta entry of how far the log is counted (RouterLog), and the bytes before that
+# position kept with it: on a new start, the log's own bytes there say it is the same log.
+LOG_POSITION: Final = "router_log_position"
+TAIL_BYTES: Final = 64
 
 
 def log_dir(d: DaemonConfig) -> str:
@@ -190,10 +196,17 @@ def script_text(router: RouterFront) -> str:
 
 class RouterLog:
     """Reads the router's access log into RouterStats: requests by model and status class,
-    and the router's own latency (docs/router.md, "Seeing it"). Counts start when gpud does:
-    what was in the log before is skipped. A line nginx writes between gpud's last read and
-    its emptying of a log past LOG_MAX_BYTES is lost (the two are microseconds apart). Made
-    by the daemon before the front is synced: what the front writes from then on counts."""
+    and the router's own latency (docs/router.md, "Seeing it"), and usage per key into the
+    store. Made by the daemon before the front is synced.
+
+    Usage is counted exactly once per line, across crashes: the hourly rows and how far the
+    log is counted (the byte after the last whole line, and the 64 bytes before it) commit in
+    one transaction (Store.add_usage), and a new gpud goes on from there, so the lines nginx
+    wrote while gpud was down are counted too. A log found emptied or replaced since (its bytes
+    before that position not the ones stored) is counted from its start: the lines the old one
+    had past the position are not counted (gpud empties the log itself only once what it read
+    of it is stored). With no position stored yet (a store older than this), what the log
+    holds is skipped."""
 
     def __init__(self, config: Callable[[], Config], store: Store | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -206,12 +219,52 @@ class RouterLog:
         self.pending: dict[UsageKey, Counts] = {}
         self._pruned_hour = 0
         self._partial = b""
-        # Counting starts here: what the log holds now is skipped (nothing when there is no
-        # log yet: every line the front writes from now on is counted).
+        # the bytes before the position counted (its check on the next start)
+        self._tail = b""
+        # read() (the loop: each scrape) and flush() (a thread) change the rows and the
+        # position together: one at a time
+        self._lock = threading.Lock()
+        self._offset = self._resume()
+        self._stored: str | None = None
+        self.flush()  # the position from which this gpud counts, even before any line
+
+    def _resume(self) -> int:
+        path = log_path(self.config().daemon)
         try:
-            self._offset = os.stat(log_path(config().daemon)).st_size
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                stored = self._stored_position()
+                if stored is None:
+                    f.seek(max(0, size - TAIL_BYTES))
+                    self._tail = f.read(TAIL_BYTES)
+                    return size
+                offset, tail = stored
+                f.seek(max(0, offset - len(tail)))
+                if size >= offset and f.read(len(tail)) == tail:
+                    self._tail = tail
+                    return offset
         except OSError:
-            self._offset = 0
+            return 0
+        log.warning("router: its log %s was emptied or replaced while gpud was not reading it: "
+                    "counted from its start (lines of the one before past byte %d are not "
+                    "counted)", path, offset)
+        return 0
+
+    def _stored_position(self) -> tuple[int, bytes] | None:
+        if self.store is None:
+            return None
+        try:
+            text = self.store.meta(LOG_POSITION)
+            doc = json.loads(text) if text is not None else None
+            return (int(doc["offset"]), bytes.fromhex(doc["tail"])) if doc else None
+        except (GpudError, ValueError, KeyError, TypeError) as exc:
+            log.warning("router: the stored position in its log is unreadable (%s): what the "
+                        "log holds is skipped", exc)
+            return None
+
+    def _position(self) -> str:
+        return json.dumps({"offset": self._offset - len(self._partial),
+                           "tail": self._tail.hex()})
 
     def table(self) -> dict[str, str]:
         """Model name -> serve of the config in force (none without a router)."""
@@ -224,19 +277,25 @@ class RouterLog:
             return {}
 
     def read(self) -> None:
+        with self._lock:
+            self._read()
+
+    def _read(self) -> None:
         path = log_path(self.config().daemon)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < self._offset:  # emptied or made anew
-                    self._offset, self._partial = 0, b""
+                    self._offset, self._partial, self._tail = 0, b"", b""
                 f.seek(self._offset)
                 data = f.read(size - self._offset)
         except OSError:
             return
         self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
+        joined = self._partial + data
+        lines = joined.split(b"\n")
         self._partial = lines.pop()
+        self._tail = (self._tail + joined[:len(joined) - len(self._partial)])[-TAIL_BYTES:]
         table = self.table()
         for line in lines:
             answered = parse_log_line(line.decode(errors="replace"), table)
@@ -244,15 +303,20 @@ class RouterLog:
                 self.stats.add(answered)
                 self._count(answered)
         if self._offset >= LOG_MAX_BYTES and not self._partial:
+            # what was read of it stored first (with the position at its end): else kept
+            self._flush()
+            if self.store is not None and self.pending:
+                return
             try:
                 os.truncate(path, 0)
             except OSError as exc:
                 log.warning("router: cannot empty its log %s: %s", path, exc)
                 return
-            self._offset = 0
+            # a crash before the next flush finds the stored tail gone: from 0, as here
+            self._offset, self._tail = 0, b""
 
     def _count(self, a: Answered) -> None:
-        counts = one(a.prompt_tokens, a.completion_tokens)
+        counts = one(a.prompt_tokens, a.completion_tokens, a.hung_up)
         at = (a.key, a.model, a.status_class)
         self.by_key[at] = self.by_key.get(at, Counts()) + counts
         ts = a.ts if a.ts is not None else self.clock()
@@ -260,24 +324,35 @@ class RouterLog:
                            counts)
 
     def flush(self) -> None:
-        """The usage read since the last flush into the store's hourly rows; pruned to
+        """The usage read since the last flush into the store's hourly rows, with the
+        position in the log they were read up to, in one transaction; pruned to
         daemon.events_keep rows once an hour (as events are). Kept for the next flush when
         the store fails."""
-        if self.store is None or not self.pending:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.store is None:
             return
-        rows, self.pending = self.pending, {}
+        position = self._position()
+        if not self.pending and position == self._stored:
+            return
         try:
-            self.store.add_usage(rows)
-            hour = hour_of(self.clock())
-            if hour != self._pruned_hour:
-                self._pruned_hour = hour
-                gone = self.store.prune_usage(self.config().daemon.events_keep)
-                if gone:
-                    log.info("pruned %d old usage rows", gone)
+            self.store.add_usage(self.pending, (LOG_POSITION, position))
         except GpudError as exc:
             log.warning("router: usage not stored yet: %s", exc.message)
-            for k, c in rows.items():
-                self.pending = add(self.pending, k, c)
+            return
+        self.pending, self._stored = {}, position
+        hour = hour_of(self.clock())
+        if hour != self._pruned_hour:
+            self._pruned_hour = hour
+            try:
+                gone = self.store.prune_usage(self.config().daemon.events_keep)
+            except GpudError as exc:
+                log.warning("router: old usage rows not pruned: %s", exc.message)
+                return
+            if gone:
+                log.info("pruned %d old usage rows", gone)
 
     async def loop(self) -> None:
         try:

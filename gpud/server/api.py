@@ -47,7 +47,7 @@ from gpud.core.bodies import (
 from gpud.core.ledger import Reservation, RoleFigures
 from gpud.core.router import ANONYMOUS, Crowded, EnsureBound, router_request
 from gpud.core.usage import hour_of, summarize
-from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, StepKind
+from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, ServeState, StepKind
 from gpud.durable.store import Event, EventQuery
 from gpud.errors import (
     BadRequest,
@@ -629,6 +629,10 @@ class Api:
             raise Unavailable("on-demand serves are not set up in this gpud")
         cause = router_request(request.headers)
         requester = cause.requester if cause is not None else ANONYMOUS
+        if self.svc.state_of(name) == ServeState.RUNNING and not self.on_demand.settling(name):
+            # up: answered at once (OnDemand._up), never refused by the bound on the requests
+            # that wait for a bring-up, whoever else waits
+            return await self.on_demand.ensure(name, cause, gone=_gone(request))
         d, bound = self.svc.config.daemon, self.ensures
         bound.per_requester, bound.total = (d.ensure_waiting_per_requester,
                                             d.ensure_waiting_total)

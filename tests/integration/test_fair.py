@@ -211,3 +211,47 @@ def test_usage_per_key_survives_a_restart(shared: SandboxGpud) -> None:
     assert rows()[0] == row
     text = gpuctl(gpud, "usage", "--since", "1h").stdout
     assert ["greedy", "a", "4"] in [line.split()[:3] for line in text.splitlines()], text
+
+
+def test_usage_is_counted_once_across_a_kill_and_while_gpud_is_down(shared: SandboxGpud) -> None:
+    """Issue 50 item 4: requests answered before gpud is killed (-9, before its next flush),
+    while it is down (the router answers them from a's awake file) and after it is back are
+    each counted once in gpuctl usage, with their tokens."""
+    gpud = shared
+    body = json.dumps({"model": "a", "prompt": "a b c", "max_tokens": 2})
+
+    def send(n: int) -> list[dict[str, object]]:
+        out = gpud.sb.run(["bash", "-c", f"for i in $(seq {n}); do curl -s --max-time 60 "
+                           f"-H 'Authorization: Bearer {TOKENS[GREEDY]}' -d '{body}' "
+                           f"http://127.0.0.1:{ROUTER}/v1/completions; echo; done"],
+                          user=GREEDY, timeout=120).stdout
+        return [json.loads(line)["usage"] for line in out.splitlines() if line.strip()]
+
+    def rows() -> list[dict[str, object]]:
+        return list(json.loads(gpuctl(gpud, "--json", "usage", "--key", "greedy").stdout)
+                    ["rows"])
+
+    usages = send(1)  # brings a up
+    wait_until(lambda: bool(rows()) and rows()[0]["requests"] == 1, timeout=20,
+               what="the bring-up's request stored")
+    usages += send(10)
+    gpud.sb.run(["systemctl", "kill", "--signal=SIGKILL", "--kill-whom=main",
+                 "gpud.service"])
+    gpud.sb.run(["systemctl", "stop", "gpud.service"])  # no restart (RestartSec=2) yet
+    assert gpud.unit_prop("gpud.service", "ActiveState") in ("inactive", "failed")
+    usages += send(7)  # answered while gpud is down
+    gpud.sb.run(["systemctl", "start", "gpud.service"], timeout=60)
+    wait_until(lambda: gpud.call("GET", "/v1/status").status == 200, timeout=30,
+               what="gpud back")
+    usages += send(5)
+    assert len(usages) == 23
+    wait_until(lambda: rows()[0]["requests"] >= 23, timeout=20, what="23 requests stored")
+    # a graceful restart stores what it read: nothing counted twice either way
+    gpud.sb.run(["systemctl", "restart", "gpud.service"], timeout=60)
+    wait_until(lambda: gpud.call("GET", "/v1/status").status == 200, timeout=30,
+               what="gpud back")
+    row = rows()[0]
+    assert (row["requests"], row["statuses"], row["unmetered"]) == (23, {"200": 23}, 0), row
+    # the tokens the serve reported in each answer, each once
+    assert row["prompt_tokens"] == sum(int(str(u["prompt_tokens"])) for u in usages)
+    assert row["completion_tokens"] == sum(int(str(u["completion_tokens"])) for u in usages)

@@ -134,6 +134,66 @@ def test_one_users_waiting_requests_leave_anothers_bring_up_and_the_states(
         gpud.sb.kill(flood)
 
 
+def test_without_keys_one_users_waiting_requests_refuse_no_request_for_a_serve_that_is_up(
+        gpud: SandboxGpud) -> None:
+    """Issue 50 item 5: without keys, one local user parks more requests than the bound for a
+    serve slow to start, from several loopback addresses: past the bound they are refused
+    from every address (all of loopback is one requester); another local user's request for
+    an on-demand serve that is up is answered, not refused by that bound."""
+    serves = (
+        f'[serves.up]\nrole = "r"\nvram_mib = 8000\nport = {PORT}\non_demand = true\n'
+        'models = ["up"]\n'
+        f"command = {standin_uds('--served-model-name', 'up')}\n"
+        f'[serves.b]\nrole = "r1"\nvram_mib = 8000\nport = {PORT + 1}\non_demand = true\n'
+        'start_timeout_s = 120\nmodels = ["b"]\n'
+        f"command = {standin_uds('--startup-delay', '60', '--served-model-name', 'b')}\n")
+    role = ('[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+            '[roles.r1]\ndevice = "GPU-sim-1"\nreserve_mib = 1000\n')
+    config = (sim_config(role, serves, devices=2)
+              + f'[router]\nlisten = "127.0.0.1:{ROUTER}"\n')
+
+    def ask(user: str, model: str, source: str = "127.0.0.1") -> str:
+        body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1})
+        return gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                            "--interface", source, "--max-time", "60", "-d", body,
+                            f"http://127.0.0.1:{ROUTER}/v1/completions"],
+                           user=user, check=False, timeout=90).stdout
+
+    with fronted_gpud(gpud, config, [GREEDY, POLITE]):
+        wait_until(lambda: ask(POLITE, "up") == "200", timeout=60, what="up brought up")
+        b_body = json.dumps({"model": "b", "prompt": "a", "max_tokens": 1})
+
+        def park(count: int, sources: str) -> subprocess.Popen[str]:
+            return gpud.sb.popen(
+                f"for i in $(seq {count}); do curl -s -o /dev/null -w '%{{http_code}}\\n' "
+                f"--max-time 150 --interface {sources} -d '{b_body}' "
+                f"http://127.0.0.1:{ROUTER}/v1/completions >> /tmp/greedy.out & done; wait",
+                user=GREEDY, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def answered() -> list[str]:
+            return gpud.sb.run(["cat", "/tmp/greedy.out"], check=False).stdout.split()
+
+        floods = [park(PER_REQUESTER, "127.0.0.1")]
+        try:
+            gpud.wait_state("b", "starting", timeout=30)
+            # the bound full: one more from 127.0.0.1 is refused at once
+            wait_until(lambda: ask(GREEDY, "b") == "429", timeout=30,
+                       what="the greedy user's requests at the bound")
+            # the other user's request for the serve that is up: answered, from any address
+            for source in ("127.0.0.1", "127.0.0.5"):
+                assert ask(POLITE, "up", source) == "200"
+            # more from other loopback addresses: the same requester, refused at once
+            floods.append(park(8, "127.0.0.$(( i % 4 + 2 ))"))
+            wait_until(lambda: len(answered()) >= 8, timeout=30,
+                       what="the requests from other addresses answered")
+            assert answered() == ["429"] * 8, answered()
+            assert gpud.serve("b")["state"] == "starting"
+        finally:
+            for flood in floods:
+                gpud.sb.kill(flood)
+            gpud.sb.run(["rm", "-f", "/tmp/greedy.out"], check=False)
+
+
 # --- a change that would leave the router or a front dark (H4, H5) -------------------------
 
 LIT = 30395
