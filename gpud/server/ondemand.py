@@ -59,7 +59,9 @@ from gpud.core.queue import (
     MEASURED,
     WEIGHT,
     Arrival,
+    Ask,
     EvictionCandidate,
+    Freeing,
     Held,
     Histogram,
     Protected,
@@ -68,7 +70,9 @@ from gpud.core.queue import (
     Ticket,
     after_refusal,
     arrive,
+    backfill,
     could_fit,
+    evictable,
     expected_wait_s,
     figures_text,
     forget,
@@ -390,10 +394,12 @@ class OnDemand:
                 task = self.sup.bringup(name)
                 if task is not None and task.done():
                     task = None  # ended; its callback, which forgets it, has not run yet
-                if not queued and arrive(queue_on=self._queues(), bringing_up=task is not None,
-                                         others_waiting=any(self.queued.get(o)
-                                                            for o in self.queued if o != name)
-                                         ) == Arrival.JOIN:
+                others = any(self.queued.get(o) for o in self.queued if o != name)
+                if not queued and arrive(
+                        queue_on=self._queues(), bringing_up=task is not None,
+                        others_waiting=others,
+                        backfills=others and self._queues() and self._swapping is None
+                        and name in self.backfills(also=name)) == Arrival.JOIN:
                     return Arrival.JOIN
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
@@ -566,14 +572,58 @@ class OnDemand:
                 if outcome is None:
                     continue
                 wait_s = outcome.wait_s
-            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
-                # memory freed otherwise (a stop, an idle sleep): try again without evicting
+            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None \
+                    and name in self.backfills():
+                # memory freed otherwise (a stop, an idle sleep), and none the head of the
+                # queue needs at its earliest start: try again without evicting (backfill)
                 tried = self.clock()
                 if await self._try_up(name, spec, cause):
                     return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if math.isinf(wait_s) else wait_s):
                     await self.changes.next()
+
+    def backfills(self, also: str | None = None) -> list[str]:
+        """The waiting serves that may come up now without evicting anything and without taking
+        memory the head of the queue needs at its earliest start (gpud.core.queue.backfill),
+        the queue in its fair order; ALSO: a serve a request arrives for, after them."""
+        serves = self.svc.config.serves
+        names = [t.serve for t in self.ordered() if not t.running]
+        if also is not None:
+            names.append(also)
+        names = [n for n in dict.fromkeys(names) if n in serves]
+        asks = [self._ask(n, serves[n]) for n in names]
+        roles = {r for n in names for r in serves[n].all_roles}
+        # each role's free MiB before any of them is brought up: what an admission of each
+        # could get, less what it holds already (the least of them: the strict bound's)
+        free = {r: min(self.svc.free_for(n, r) - self._holds(n, r) for n in names
+                       if r in serves[n].all_roles) for r in roles}
+        return backfill(asks, free)
+
+    def _holds(self, name: str, role: str) -> int:
+        res = self.svc.ledger.reservations.get(name)
+        return res.mib if res is not None and role in res.all_roles else 0
+
+    def _ask(self, name: str, spec: ServeConfig) -> Ask:
+        """NAME as the backfill sees it: what its bring-up adds on each of its roles (a sleeping
+        serve wakes to its awake reservation), and what each serve it may evict would free on
+        each role, once it may evict it (router.min_awake_s, the idle time)."""
+        router = self.svc.config.router
+        min_awake_s = router.min_awake_s if router is not None else 0.0
+        need = self.sup.sleeps.awake_mib(name, spec) \
+            if self.svc.state_of(name) == SLEEPING else spec.vram_mib
+        takes = {r: need - self._holds(name, r) for r in spec.all_roles}
+        frees = []
+        for h in self._running_beside(name, spec):
+            in_s = evictable(h, spec.priority, min_awake_s)
+            res = self.svc.ledger.reservations.get(h.serve)
+            if res is None or math.isinf(in_s):
+                continue
+            o = self.svc.config.serves[h.serve]
+            keeps = self.sup.sleeps.sleep_mib(h.serve, o) if o.sleep_level else 0
+            mib = res.mib - (res.mib if keeps is None else min(keeps, res.mib))
+            frees += [Freeing(r, mib, in_s) for r in res.all_roles if r in takes]
+        return Ask(name, takes, tuple(frees))
 
     def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
         if self._swapping is task:
