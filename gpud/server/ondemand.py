@@ -168,6 +168,8 @@ class OnDemand:
         # Set when gpud stops: every request still waiting is answered (GPUD_STOPPING).
         self._stopping: asyncio.Future[None] | None = None
         self._swapping: asyncio.Task[Protected | None] | None = None
+        # Each waiting serve's turn: the one task that brings it up for its waiting requests.
+        self._turns: dict[str, asyncio.Task[None]] = {}
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
         self.evictions: dict[str, int] = {}
@@ -494,7 +496,8 @@ class OnDemand:
         went = False
         try:
             async with asyncio.timeout(router.queue_timeout_s):
-                await self._wait_turn(name, spec, cause, router.min_awake_s)
+                # shielded: one waiter's timeout or hang-up leaves the serve's turn to the others
+                await asyncio.shield(self._turn(name, spec, cause, router.min_awake_s))
             went = True
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
@@ -506,6 +509,9 @@ class OnDemand:
             waiting.remove(ticket)
             if not waiting:
                 self.queued.pop(name, None)
+                turn = self._turns.pop(name, None)
+                if turn is not None and not turn.done():
+                    turn.cancel()  # nobody waits for it any more (a swap under way goes on)
             if went:
                 self.shares = let_through(self.shares, ticket)
             self.shares = forget(self.shares, (t.requester for w in self.queued.values()
@@ -513,6 +519,18 @@ class OnDemand:
             self.queue_waits.setdefault(name, Histogram.empty()).observe(
                 self.clock() - ticket.arrived)
             self.changed()
+
+    def _turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
+              min_awake_s: float) -> asyncio.Task[None]:
+        """The one task that brings NAME up for all the requests waiting for it (`_wait_turn`):
+        a change is looked at once per waiting serve, not once per waiting request."""
+        turn = self._turns.get(name)
+        if turn is None or turn.done():
+            turn = asyncio.get_running_loop().create_task(
+                self._wait_turn(name, spec, cause, min_awake_s))
+            turn.add_done_callback(_retrieve)
+            self._turns[name] = turn
+        return turn
 
     def tickets(self) -> list[Ticket]:
         """The waiting requests as the queue ranks them: each serve's priority and whether it
@@ -540,14 +558,17 @@ class OnDemand:
 
     async def _wait_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
-        """Wait for NAME to run, on changes (a state stored, a life's step, a drain's end, a
-        count of requests in flight read, the queue's own), never on a timer: the queue's
-        decision says how long at most (Protected.wait_s: a min_awake_s or an idle time to
-        come)."""
-        tried = self.clock()
+        """Wait for NAME to run, for every request waiting for it: at its turn (the head of
+        the queue) it tries and evicts as the queue allows; before it only when it backfills.
+        Each wait ends on the next change (a state stored, a life's step, a drain's end, a
+        count of requests in flight read, the queue's own) or the next deadline, whichever is
+        first: a retry that the last try's QUEUE_RETRY_S held off, or what the queue's decision
+        names (Protected.wait_s: a victim's min_awake_s ending, an idle time to come). A change
+        that comes while a try is held off is tried at the hold's end, never lost."""
+        tried = self.clock()  # the refusal that made the first request wait was a try
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
             task = self.sup.bringup(name)
-            if task is not None and not task.done():  # under way: this request shares it
+            if task is not None and not task.done():  # under way: the waiters share it
                 try:
                     await asyncio.shield(task)
                 except GpudError as exc:
@@ -558,27 +579,31 @@ class OnDemand:
                 await asyncio.sleep(0)
                 continue
             wait_s = math.inf
-            if next_up(self.tickets(), self.shares) == name and self._swapping is None:
-                again = self.clock() - tried >= QUEUE_RETRY_S
-                if again:
+            held_s = tried + QUEUE_RETRY_S - self.clock()  # > 0: the last try was just now
+            if self._swapping is not None:
+                pass  # another serve's swap: its end is a change
+            elif next_up(self.tickets(), self.shares) == name:
+                if held_s <= 0:
                     tried = self.clock()
                 # One swap at a time, in a task of its own: a request that goes away (its
                 # client gone, its queue_timeout_s over) does not cut an eviction short.
                 swap = asyncio.get_running_loop().create_task(
-                    self._swap_in(name, spec, cause, min_awake_s, try_first=again))
+                    self._swap_in(name, spec, cause, min_awake_s, try_first=held_s <= 0))
                 self._swapping = swap
                 swap.add_done_callback(self._swapped)
                 outcome = await asyncio.shield(swap)
                 if outcome is None:
                     continue
-                wait_s = outcome.wait_s
-            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None \
-                    and name in self.backfills():
+                wait_s = outcome.wait_s if held_s <= 0 else min(outcome.wait_s, held_s)
+            elif name in self.backfills():
                 # memory freed otherwise (a stop, an idle sleep), and none the head of the
                 # queue needs at its earliest start: try again without evicting (backfill)
-                tried = self.clock()
-                if await self._try_up(name, spec, cause):
-                    return
+                if held_s > 0:
+                    wait_s = held_s
+                else:
+                    tried = self.clock()
+                    if await self._try_up(name, spec, cause):
+                        return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if math.isinf(wait_s) else wait_s):
                     await self.changes.next()
