@@ -203,11 +203,7 @@ class OnDemand:
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
         self._requested(name)
         try:
-            if not self.svc.ready and self.svc.state_of(name) != RUNNING:
-                # Before reconciliation a start could race the adoption of running units.
-                raise Unavailable("gpud is starting (reconciling running serves)",
-                                  {"serve": name, "retry": True})
-            if not await self._unless_ended(self.up(name, spec, cause), gone):
+            if not await self._unless_ended(self._when_ready_up(name, spec, cause), gone):
                 log.info("on-demand %s: the request waiting for it went away (%s)", name,
                          "on-demand request" if cause is None else cause.text)
                 return web.Response(status=503)  # nobody reads it
@@ -216,6 +212,27 @@ class OnDemand:
         except GpudError as exc:
             return self._refusal(name, exc)
         return web.Response(status=204)
+
+    async def _when_ready_up(self, name: str, spec: ServeConfig,
+                             cause: RouterRequest | None) -> None:
+        """`up`, once gpud has reconciled the running serves (before that a start could race
+        the adoption of running units): a request that comes while gpud starts waits for it,
+        at most the serve's start_timeout_s."""
+        if not self.svc.ready and self.svc.state_of(name) != RUNNING:
+            try:
+                async with asyncio.timeout(spec.start_timeout_s):
+                    await self.changes.until(lambda: self.svc.ready)
+            except TimeoutError:
+                raise Unavailable("gpud is starting (reconciling running serves)",
+                                  {"serve": name, "retry": True}) from None
+        await self.up(name, spec, cause)
+
+    def start_under_way(self, name: str) -> bool:
+        """A start of NAME that is not a request's is under way: its state is starting, or its
+        launch (a boot's, an operator's) or the health wait of its restart after a crash runs.
+        A request waits for it rather than start it again or be refused."""
+        life = self.sup.life(name)
+        return self.svc.state_of(name) == STARTING or life.launching or life.watching
 
     async def _unless_ended(self, up: Coroutine[Any, Any, None],
                             gone: asyncio.Future[None] | None) -> bool:
@@ -381,8 +398,8 @@ class OnDemand:
         """None once NAME is up; Arrival.JOIN: the queue says this request waits its turn."""
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return None
-        if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
-                and not self.settling(name):
+        if not spec.on_demand and self.svc.state_of(name) != SLEEPING \
+                and not self.start_under_way(name) and not self.settling(name):
             # A serve the router only wakes (or waits for while it starts): started by its
             # operator, not by a request.
             raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
@@ -405,7 +422,8 @@ class OnDemand:
                     return Arrival.JOIN
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
-                    hold = None if queued else self._held(name)
+                    # (nor held while someone else's start of it is under way: it is waited for)
+                    hold = None if queued or self.start_under_way(name) else self._held(name)
                     if hold is not None:
                         raise Unavailable(
                             f"serve {name!r} not brought up again for {hold.retry_after_s} s "
@@ -453,12 +471,14 @@ class OnDemand:
             # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
             # gets its GPU back from lower ones that started in the room it left asleep.
             await self.sup.sleeps.wake(name, None, by=by, preempt=spec.preempt)
-        elif state not in LIVE_STATES:
+        elif state not in LIVE_STATES and not self.start_under_way(name):
             log.info("on-demand %s: starting (%s)", name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
-        # A start or wake of someone else's, still under way: its end is a stored state.
-        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING))
+        # A start or wake of someone else's (a boot's, an operator's, a restart's after a
+        # crash), still under way: its end is a stored state, its failure answered at once.
+        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING)
+                                 and not self.start_under_way(name))
         state = self.svc.state_of(name)
         if state != RUNNING:
             rec = self.svc.records.get(name)
