@@ -348,7 +348,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
     answered the queue-timeout class after router.queue_timeout_s; one more than max_queued is
     answered the queue-full class at once. Both 403 with Retry-After: the front's 503."""
     spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
-                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+                           all_roles=("r",), sleep_level=0, preemptible="sleep", vram_mib=16000)
     svc = FakeService(Clock())
     svc.config = SimpleNamespace(
         router=SimpleNamespace(max_queued=1, queue_timeout_s=1, min_awake_s=10.0),
@@ -400,7 +400,7 @@ async def test_a_serve_no_eviction_could_make_room_for_is_refused_at_once() -> N
     """Nothing the queue may evict would free enough (the running serve is more important):
     the refusal for memory is answered at once, as without a queue, not after a wait."""
     spec = SimpleNamespace(on_demand=True, preempt=False, start_timeout_s=30.0, priority=5,
-                           all_roles=("r",), sleep_level=0, preemptible="sleep")
+                           all_roles=("r",), sleep_level=0, preemptible="sleep", vram_mib=16000)
     vital = SimpleNamespace(on_demand=True, priority=1, all_roles=("r",), sleep_level=0,
                             preemptible="sleep")
     svc = FakeService(Clock())
@@ -568,3 +568,20 @@ def test_fairness_among_those_that_wait_is_unchanged_by_a_backfill(
             # requesters without a backfill the order is the same; one that had a request
             # backfilled gains no place by it)
             assert after_rank[id(y)] <= after_rank[id(x)], (x, y, went)
+
+
+def test_waiting_for_says_what_and_until_when() -> None:
+    from gpud.core.queue import Waiting, waiting_for
+    b = Ask("b", {"r": 20000}, (Freeing("r", 20000, 286.4, "a", "min_awake_s"),))
+    assert waiting_for(b, {"r": 11607}, requests=16, head="b").text() == \
+        "16 requests; a may be evicted in 287 s (min_awake_s)"
+    assert waiting_for(b, {"r": 11607}, requests=16, head="b").in_s == 286.4
+    assert waiting_for(b, {"r": 11607}, requests=1, head="c") == \
+        Waiting(1, "behind c in the queue", None)
+    assert waiting_for(Ask("b", {"r": 99999}, b.frees), {"r": 11607}, requests=2,
+                       head="b").in_s is None
+    assert waiting_for(b, {"r": 20000}, requests=2, head="b").reason == "fits now: coming up"
+    two = Ask("b", {"r": 30000}, (Freeing("r", 9000, 3.0, "c", "idle time"),
+                                  Freeing("r", 20000, 3.0, "a", "min_awake_s")))
+    assert waiting_for(two, {"r": 1000}, requests=1, head=None).reason == \
+        "a, c may be evicted in 3 s (idle time, min_awake_s)"

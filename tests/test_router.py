@@ -1507,3 +1507,17 @@ def test_the_router_sets_priority_on_a_vllm_serve_unless_its_policy_is_another()
     assert tool.vllm is None and not priority_scheduling(tool)
     assert priority_scheduling(tool.model_copy(update={
         "command": [*(tool.command or ()), "--scheduling-policy", "priority"]}))
+
+
+def test_gpuctl_shows_a_serve_with_requests_waiting_as_waiting_with_what_for() -> None:
+    from gpud.ctl.format import format_serves
+    serve = {"name": "b", "role": "r", "state": "denied", "reason": "ledger bound: need 20000",
+             "port": 30002, "front": True, "models": ["b"], "in_flight": None, "queued": 16,
+             "vram_mib": 20000, "waiting": {"requests": 16, "in_s": 286.4,
+                                            "reason": "a may be evicted in 287 s (min_awake_s)"}}
+    models = format_models({"serves": [serve]}).splitlines()  # type: ignore[list-item]
+    assert models[1].split()[:3] == ["b", "b", "waiting"], models
+    assert "b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)" in models
+    serves = format_serves({"serves": [serve]}).splitlines()  # type: ignore[list-item]
+    assert "waiting" in serves[1].split() and "denied" not in serves[1], serves
+    assert serves[-1] == "b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)"

@@ -173,6 +173,9 @@ class Freeing:
     role: str
     mib: int
     in_s: float
+    # which serve, and what keeps it until then ("min_awake_s", "idle time"): what is shown
+    serve: str = ""
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,40 @@ def backfill(asks: Sequence[Ask], free_mib: Mapping[str, int]) -> list[str]:
             # a head that can never start keeps nothing from the others
             spare = {} if math.isinf(at) else spare_at(ask, free, at)
     return go
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """What a serve with requests waiting for memory waits for, as gpuctl and GET /v1/serves
+    say it: `16 requests; a may be evicted in 287 s (min_awake_s)`. IN_S: how long until
+    then (None: until some change, not a time)."""
+
+    requests: int
+    reason: str
+    in_s: float | None
+
+    def text(self) -> str:
+        return f"{self.requests} request{'s' if self.requests != 1 else ''}; {self.reason}"
+
+
+def waiting_for(ask: Ask, free_mib: Mapping[str, int], *, requests: int,
+                head: str | None) -> Waiting:
+    """What ASK's serve, with REQUESTS waiting, waits for: its turn behind HEAD (the serve
+    that goes first, when it is another), else the eviction that lets it fit at its earliest
+    start (`earliest_start`), else nothing it may evict frees enough."""
+    if head is not None and head != ask.serve:
+        return Waiting(requests, f"behind {head} in the queue", None)
+    at = earliest_start(ask, free_mib)
+    if math.isinf(at):
+        return Waiting(requests, "no serve it may evict frees enough now; waiting for memory "
+                       "to be freed", None)
+    if at == 0.0:
+        return Waiting(requests, "fits now: coming up", 0.0)
+    serves = sorted({f.serve for f in ask.frees if f.in_s == at})
+    whys = sorted({f.why for f in ask.frees if f.in_s == at and f.why})
+    because = f" ({', '.join(whys)})" if whys else ""
+    return Waiting(requests, f"{', '.join(serves)} may be evicted in {math.ceil(at)} s{because}",
+                   at)
 
 
 class Arrival(StrEnum):

@@ -68,6 +68,7 @@ from gpud.core.queue import (
     QueueRefusal,
     Shares,
     Ticket,
+    Waiting,
     after_refusal,
     arrive,
     backfill,
@@ -76,6 +77,7 @@ from gpud.core.queue import (
     expected_wait_s,
     figures_text,
     forget,
+    idle_in,
     joined,
     let_through,
     may_evict,
@@ -85,6 +87,7 @@ from gpud.core.queue import (
     places,
     refusal_figures,
     victims,
+    waiting_for,
 )
 from gpud.core.router import ANONYMOUS, RouterRequest
 from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from, settling
@@ -434,7 +437,7 @@ class OnDemand:
                                 "retry_after_s": hold.retry_after_s, "failures": hold.failures,
                                 "last_reason": hold.reason, "held": True})
                     task = asyncio.get_running_loop().create_task(
-                        self._bring_up(name, spec, cause))
+                        self._bring_up(name, spec, cause, quiet=queued))
                     self.sup.hold_bringup(name, task)
                     task.add_done_callback(_retrieve)
                 await asyncio.shield(task)
@@ -445,13 +448,13 @@ class OnDemand:
                               ) from None
 
     async def _bring_up(self, name: str, spec: ServeConfig,
-                        cause: RouterRequest | None = None) -> None:
+                        cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
         self.svc.records.note_demand(name, demand.began)
         try:
-            await self._bring_up_once(name, spec, cause)
+            await self._bring_up_once(name, spec, cause, quiet=quiet)
         except GpudError as exc:
             self._tried(name, exc)
             raise
@@ -459,7 +462,8 @@ class OnDemand:
         self.svc.records.note_demand(name, lambda d: demand.came_up(d, now))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
-                             cause: RouterRequest | None = None) -> None:
+                             cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
+        """QUIET: a try of the queue's (its waiting is told once, `_told_turn`, not each try)."""
         state = self.svc.state_of(name)
         # a request through the router names its model and key (printable: they are logged)
         by = "on-demand request" if cause is None else cause.text
@@ -472,7 +476,8 @@ class OnDemand:
             # gets its GPU back from lower ones that started in the room it left asleep.
             await self.sup.sleeps.wake(name, None, by=by, preempt=spec.preempt)
         elif state not in LIVE_STATES and not self.start_under_way(name):
-            log.info("on-demand %s: starting (%s)", name, by)
+            log.log(logging.DEBUG if quiet else logging.INFO, "on-demand %s: starting (%s)",
+                    name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
         # A start or wake of someone else's (a boot's, an operator's, a restart's after a
@@ -547,7 +552,7 @@ class OnDemand:
         turn = self._turns.get(name)
         if turn is None or turn.done():
             turn = asyncio.get_running_loop().create_task(
-                self._wait_turn(name, spec, cause, min_awake_s))
+                self._told_turn(name, spec, cause, min_awake_s))
             turn.add_done_callback(_retrieve)
             self._turns[name] = turn
         return turn
@@ -560,21 +565,52 @@ class OnDemand:
                         running=self.svc.state_of(n) == RUNNING)
                 for n, w in self.queued.items() if n in serves for t in w]
 
-    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None] | None:
-        """Who waits for NAME, in the order they go, and the wait to expect from the measured
-        bring-ups ahead (gpud.core.queue.places, expected_wait_s); None: nobody waits."""
+    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None,
+                                           answers.ServeWaiting | None] | None:
+        """Who waits for NAME, in the order they go, the wait to expect from the measured
+        bring-ups ahead (gpud.core.queue.places, expected_wait_s), and what it waits for
+        (`waiting`); None: nobody waits."""
         tickets = self.tickets()
         mine = places(tickets, self.shares).get(name)
         if mine is None:
             return None
         serves = self.svc.config.serves
         costs = {n: self.cost_s(n, serves[n]) for n in {t.serve for t in tickets}}
+        w = self.waiting(name)
         return ([{"requester": p.requester, "waiting": p.waiting, "position": p.position}
-                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name))
+                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name),
+                None if w is None else {"requests": w.requests, "reason": w.reason,
+                                        "in_s": None if w.in_s is None else round(w.in_s, 1)})
 
     def ordered(self) -> list[Ticket]:
         """The waiting requests in the order they go (gpud.core.queue.order)."""
         return order(self.tickets(), self.shares)
+
+    async def _told_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
+                         min_awake_s: float) -> None:
+        """`_wait_turn`, with one journal line when NAME begins to wait and one when it is up,
+        its requests are refused, or none waits any more; never one per try."""
+        began = self.clock()
+        said = self.waiting(name)
+        fields = {"journal": {"GPUD_SERVE": name, "GPUD_EVENT": "queue"}}
+        log.info("on-demand %s: waiting for memory: %s", name,
+                 said.text() if said is not None else "its requests wait", extra=fields)
+
+        def count() -> str:
+            n = len(self.queued.get(name, ()))
+            return f"{n} request{'s' if n != 1 else ''}"
+        try:
+            await self._wait_turn(name, spec, cause, min_awake_s)
+        except asyncio.CancelledError:
+            log.info("on-demand %s: no request waits for it any more (after %.1f s)", name,
+                     self.clock() - began, extra=fields)
+            raise
+        except GpudError as exc:
+            log.warning("on-demand %s: the %s waiting for it refused after %.1f s: %s", name,
+                        count(), self.clock() - began, exc.message, extra=fields)
+            raise
+        log.info("on-demand %s: up after %.1f s waiting for memory (%s)", name,
+                 self.clock() - began, count(), extra=fields)
 
     async def _wait_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
@@ -660,15 +696,29 @@ class OnDemand:
         takes = {r: need - self._holds(name, r) for r in spec.all_roles}
         frees = []
         for h in self._running_beside(name, spec):
-            in_s = evictable(h, spec.priority, min_awake_s)
+            # as `victims` takes them: evictable at its min_awake_s, or once idle if sooner
+            awake_s = evictable(h, spec.priority, min_awake_s)
+            in_s = min(awake_s, idle_in(h))
             res = self.svc.ledger.reservations.get(h.serve)
-            if res is None or math.isinf(in_s):
+            if res is None or math.isinf(awake_s):
                 continue
             o = self.svc.config.serves[h.serve]
             keeps = self.sup.sleeps.sleep_mib(h.serve, o) if o.sleep_level else 0
             mib = res.mib - (res.mib if keeps is None else min(keeps, res.mib))
-            frees += [Freeing(r, mib, in_s) for r in res.all_roles if r in takes]
+            why = "min_awake_s" if in_s == awake_s and awake_s > 0 else "idle time"
+            frees += [Freeing(r, mib, in_s, h.serve, why) for r in res.all_roles if r in takes]
         return Ask(name, takes, tuple(frees))
+
+    def waiting(self, name: str) -> Waiting | None:
+        """What NAME, with requests waiting for memory, waits for and until when
+        (gpud.core.queue.waiting_for); None: no request waits for it."""
+        tickets = self.queued.get(name)
+        spec = self.svc.config.serves.get(name)
+        if not tickets or spec is None:
+            return None
+        free = {r: self.svc.free_for(name, r) - self._holds(name, r) for r in spec.all_roles}
+        return waiting_for(self._ask(name, spec), free, requests=len(tickets),
+                           head=next_up(self.tickets(), self.shares))
 
     def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
         if self._swapping is task:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
 from tests.waiting import wait_until
 
+REPO = Path(__file__).resolve().parents[2]
 ROUTER = 30500
 PORT = 30501
 U1, U2 = "gpud-backfill-u1", "gpud-backfill-u2"
@@ -98,4 +101,58 @@ def test_a_request_that_fits_now_goes_past_a_head_that_waits(layout: SandboxGpud
     finally:
         for proc in (waiting, streaming):
             if proc.poll() is None:
+                gpud.sb.kill(proc)
+
+
+def gpuctl(gpud: SandboxGpud, *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
+                           *args], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          check=False).stdout
+
+
+def test_a_serve_with_requests_waiting_is_shown_waiting_and_told_once(
+        layout: SandboxGpud) -> None:
+    """b, with u1's requests waiting for a's memory, is shown as waiting (not denied), with
+    what it waits for and until when, in GET /v1/serves, gpuctl serves and gpuctl models; the
+    journal says once that b waits, not once per try."""
+    gpud = layout
+    # the sandbox's journal outlives a test's gpud: count from here
+    told, tried = (gpud.journal_tail(2000).count(line) for line in (
+        "on-demand b: waiting for memory", "on-demand b: starting"))
+    stream = json.dumps({"model": "a", "prompt": "a b", "max_tokens": 3000, "stream": True})
+    streaming = gpud.sb.popen(
+        f"curl -sN --max-time 90 -H 'Authorization: Bearer {TOKENS[U1]}' -d '{stream}' "
+        f"http://127.0.0.1:{ROUTER}/v1/completions", user=U1, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, text=True)
+    waiting = None
+    try:
+        wait_until(lambda: gpud.serve("a")["state"] == "running" and gpud.serve("a")["in_flight"],
+                   timeout=60, what="a up and streaming")
+        waiting = gpud.sb.popen(" ".join(f"( {shlex.join(curl(U1, 'b', 50))} ; echo ) &"
+                                         for _ in range(WAITING)) + " wait",
+                                user=U1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                text=True)
+        wait_until(lambda: gpud.serve("b")["queued"] == WAITING, timeout=20,
+                   what=f"{WAITING} requests of u1's waiting for b")
+        time.sleep(3)  # three retries' worth: each would have been a journal line before
+        b = gpud.serve("b")
+        said = b.get("waiting")
+        assert said is not None, b
+        assert said["requests"] == WAITING and said["reason"].startswith("a may be evicted in "), b
+        assert said["reason"].endswith(" s (min_awake_s)"), b
+        assert 0 < said["in_s"] <= MIN_AWAKE_S, b
+        serves = gpuctl(gpud, "serves")
+        row = next(line.split() for line in serves.splitlines() if line.split()[:1] == ["b"])
+        assert "waiting" in row and "denied" not in row, serves
+        assert f"b (waiting): {WAITING} requests; a may be evicted in " in serves, serves
+        models = gpuctl(gpud, "models")
+        assert any(line.split()[:3] == ["b", "b", "waiting"] for line in models.splitlines()), \
+            models
+        journal = gpud.journal_tail(2000)
+        assert journal.count("on-demand b: waiting for memory") == told + 1, journal
+        # the first request's own try, before it waited; none of the queue's tries since
+        assert journal.count("on-demand b: starting") <= tried + 1, journal
+    finally:
+        for proc in (waiting, streaming):
+            if proc is not None and proc.poll() is None:
                 gpud.sb.kill(proc)
