@@ -12,10 +12,11 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
+from gpud.core.lifecycle import IDLE_LIFE
 from gpud.core.vocab import DECLARED, RUNNING
 from gpud.errors import Denied
 from gpud.server.ondemand import QUEUE_RETRY_S, OnDemand
-from tests.test_bringup import IDLE_LIFE, BringUps, Clock, FakeService
+from tests.test_bringup import BringUps, Clock, FakeService
 
 CAPACITY = 31607
 MIN_AWAKE_S = 100.0

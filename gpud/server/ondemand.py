@@ -82,7 +82,6 @@ from gpud.core.queue import (
     let_through,
     may_evict,
     median_s,
-    next_up,
     order,
     places,
     refusal_figures,
@@ -173,6 +172,8 @@ class OnDemand:
         self._swapping: asyncio.Task[Protected | None] | None = None
         # Each waiting serve's turn: the one task that brings it up for its waiting requests.
         self._turns: dict[str, asyncio.Task[None]] = {}
+        # The waiting requests in the order they go, as last sorted (None: since changed).
+        self._looked: list[Ticket] | None = None
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
         self.evictions: dict[str, int] = {}
@@ -271,6 +272,7 @@ class OnDemand:
 
     def changed(self) -> None:
         """A serve's state, life or drain changed: the requests waiting on one look again."""
+        self._looked = None
         self.changes.fire()
 
     def settling(self, name: str) -> bool:
@@ -583,8 +585,17 @@ class OnDemand:
                                         "in_s": None if w.in_s is None else round(w.in_s, 1)})
 
     def ordered(self) -> list[Ticket]:
-        """The waiting requests in the order they go (gpud.core.queue.order)."""
-        return order(self.tickets(), self.shares)
+        """The waiting requests in the order they go (gpud.core.queue.order), sorted once per
+        change (every change of what it reads fires `changed`: a stored state, the queue's
+        own), not once per waiting serve that looks."""
+        if self._looked is None:
+            self._looked = order(self.tickets(), self.shares)
+        return self._looked
+
+    def _head(self) -> str | None:
+        """The serve whose turn it is (gpud.core.queue.next_up: the first in `ordered`)."""
+        first = self.ordered()
+        return first[0].serve if first else None
 
     async def _told_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
@@ -638,7 +649,7 @@ class OnDemand:
             held_s = tried + QUEUE_RETRY_S - self.clock()  # > 0: the last try was just now
             if self._swapping is not None:
                 pass  # another serve's swap: its end is a change
-            elif next_up(self.tickets(), self.shares) == name:
+            elif self._head() == name:
                 if held_s <= 0:
                     tried = self.clock()
                 # One swap at a time, in a task of its own: a request that goes away (its
@@ -718,7 +729,7 @@ class OnDemand:
             return None
         free = {r: self.svc.free_for(name, r) - self._holds(name, r) for r in spec.all_roles}
         return waiting_for(self._ask(name, spec), free, requests=len(tickets),
-                           head=next_up(self.tickets(), self.shares))
+                           head=self._head())
 
     def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
         if self._swapping is task:
