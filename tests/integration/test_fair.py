@@ -119,12 +119,24 @@ def test_a_queued_request_whose_client_hung_up_leaves_the_queue_at_once(
     queue_timeout_s (30 s)."""
     gpud = shared
     _bring_up_a(gpud)
-    began = time.monotonic()
-    body = json.dumps({"model": "b", "prompt": "a", "max_tokens": 1})
-    gone = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time",
-                        "1.5", "-H", f"Authorization: Bearer {TOKENS[POLITE]}", "-d", body,
-                        f"http://127.0.0.1:{ROUTER}/v1/completions"], user=POLITE,
-                       check=False, timeout=30).stdout
+    # a kept busy with a stream: idle (nothing in flight for 1 s) it could be evicted at once,
+    # whatever its min_awake_s, and b served before its client gives up
+    stream = json.dumps({"model": "a", "prompt": "a b", "max_tokens": 1000, "stream": True})
+    streaming = gpud.sb.popen(
+        f"curl -sN --max-time 60 -H 'Authorization: Bearer {TOKENS[GREEDY]}' -d '{stream}' "
+        f"http://127.0.0.1:{ROUTER}/v1/completions", user=GREEDY, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, text=True)
+    try:
+        wait_until(lambda: gpud.serve("a")["in_flight"], timeout=20, what="a streaming")
+        began = time.monotonic()
+        body = json.dumps({"model": "b", "prompt": "a", "max_tokens": 1})
+        gone = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time",
+                            "1.5", "-H", f"Authorization: Bearer {TOKENS[POLITE]}", "-d", body,
+                            f"http://127.0.0.1:{ROUTER}/v1/completions"], user=POLITE,
+                           check=False, timeout=30).stdout
+    finally:
+        if streaming.poll() is None:
+            gpud.sb.kill(streaming)
     assert gone == "000"  # curl gave up: no answer
     wait_until(lambda: gpud.serve("b")["queued"] == 0, timeout=2,
                what="the hung-up request gone from b's queue")
