@@ -958,6 +958,5 @@ class OnDemand:
 
 
 def _why(exc: GpudError) -> Why:
-    """The class of a refusal: the one its details name, else by its code and details."""
-    named = exc.details.get("class")
-    return Why(named) if isinstance(named, str) else bringup.classify(exc.code, exc.details)
+    """The class of a refusal (gpud.core.bringup.refusal_class)."""
+    return bringup.refusal_class(exc.code, exc.details)
