@@ -277,6 +277,7 @@ class Daemon:
             if observer.latest is not None:
                 await alerts(observer.latest)
             svc.ready = True
+            on_demand.changed()  # the requests that came while gpud reconciled go on
             self.ready.set()
             self.notify(f"READY=1\nSTATUS={svc.summary()}")
             log.info("gpud %s ready: %s", __version__, svc.summary())

@@ -306,3 +306,16 @@ async def test_a_failure_written_twice_is_counted_once() -> None:
     assert reply.headers["Retry-After"] == "10", reply.headers  # 9.5 s left, rounded up
     assert od.tries["od"].failures == 1
     assert sup.starts == ["od"]
+
+
+@pytest.mark.parametrize(("code", "details", "why"), [
+    ("unavailable", {"class": "queue-full"}, Why.QUEUE_FULL),
+    ("unavailable", {"class": "gpud-stopping"}, Why.GPUD_STOPPING),
+    ("denied", {"bound": "ledger"}, Why.NO_MEMORY),
+    ("unavailable", {"state": "failed"}, Why.FAILED),
+    ("unavailable", {"timeout": True}, Why.STARTING),
+])
+def test_a_refusals_class_is_the_one_it_names_else_its_code_and_details(
+        code: str, details: dict[str, object], why: Why) -> None:
+    from gpud.core.bringup import refusal_class
+    assert refusal_class(code, details) == why

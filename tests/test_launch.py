@@ -552,3 +552,41 @@ def test_check_config_refuses_a_user_the_host_lacks(tmp_path) -> None:  # type: 
     assert default.returncode == 0, default.stderr
     assert ("warning: daemon.serve_user: no user 'gpud-no-such-user' on this host: the serves "
             "without their own `user` cannot start") in default.stdout
+
+
+def test_a_vllm_serve_behind_the_router_runs_the_priority_policy() -> None:
+    """Behind the router a vllm serve gets --scheduling-policy priority (the body's priority,
+    a key's and each requester's first request first, is ordered by only under it), before
+    its extra_args; an operator's choice of a policy in extra_args stands, in either form."""
+    fast = example_serves()["fast"]
+    argv = serve_argv(fast, total_mib=32607, device_index=0,
+                      vllm_executable="/opt/vllm/bin/vllm", behind_router=True)
+    assert argv == [
+        "/opt/vllm/bin/vllm", "serve", "leon-se/gemma-4-E4B-it-FP8-Dynamic",
+        "--host", "127.0.0.1", "--port", "30001", "--gpu-memory-utilization", "0.4396",
+        "--max-model-len", "32768", "--shutdown-timeout", "20",
+        "--scheduling-policy", "priority",
+    ]
+    assert _passes_the_flag_table(argv) == []
+    for chosen in (["--scheduling-policy", "fcfs"], ["--scheduling-policy=fcfs"],
+                   ["--scheduling-policy", "priority"]):
+        own = fast.model_copy(update={"vllm": fast.vllm.model_copy(  # type: ignore[union-attr]
+            update={"extra_args": chosen})})
+        argv = serve_argv(own, total_mib=32607, device_index=0, vllm_executable="vllm",
+                          behind_router=True)
+        assert argv.count("--scheduling-policy") + sum(
+            a.startswith("--scheduling-policy=") for a in argv) == 1, argv
+        assert argv[-len(chosen):] == chosen
+    # not behind the router: as it was
+    assert "--scheduling-policy" not in serve_argv(fast, total_mib=32607, device_index=0,
+                                                   vllm_executable="vllm")
+
+
+@pytest.mark.parametrize(("args", "policy"), [
+    ([], None), (["--scheduling-policy", "fcfs"], "fcfs"), (["--scheduling-policy=priority"],
+                                                            "priority"),
+    (["--enforce-eager", "--scheduling-policy", "priority", "-tp", "2"], "priority"),
+])
+def test_scheduling_policy_read_from_args(args: list[str], policy: str | None) -> None:
+    from gpud.core.launch import scheduling_policy
+    assert scheduling_policy(args) == policy

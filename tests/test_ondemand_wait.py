@@ -35,7 +35,7 @@ class NoStarts(BringUps):
         self.phase = Phase.IDLE
 
     def life(self, serve: str) -> Any:
-        return SimpleNamespace(phase=self.phase)
+        return SimpleNamespace(phase=self.phase, launching=False, watching=False)
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("a serve starting already is not started again")

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from gpud.core.queue import (
     IDLE_AFTER_S,
     Arrival,
+    Ask,
     EvictionCandidate,
+    Freeing,
     Held,
     Place,
     Protected,
@@ -27,7 +29,9 @@ from gpud.core.queue import (
     Ticket,
     after_refusal,
     arrive,
+    backfill,
     could_fit,
+    earliest_start,
     evictable,
     expected_wait_s,
     forget,
@@ -166,6 +170,8 @@ def test_the_storm_of_the_issue_gives_the_other_user_turns() -> None:
     (dict(queue_on=False, others_waiting=True, bringing_up=False), Arrival.TRY),
     (dict(queue_on=True, others_waiting=False, bringing_up=False), Arrival.TRY),
     (dict(queue_on=True, others_waiting=True, bringing_up=True), Arrival.TRY),
+    # backfill: it fits now and delays the head of the queue in nothing
+    (dict(queue_on=True, others_waiting=True, bringing_up=False, backfills=True), Arrival.TRY),
 ])
 def test_arrive(kw: dict[str, bool], decision: Arrival) -> None:
     assert arrive(**kw) == decision
@@ -434,3 +440,150 @@ def test_expected_wait_sums_the_bring_ups_ahead() -> None:
     # a serve running already costs nothing
     assert expected_wait_s([T("a", "u", 0.0, running=True), T("b", "v", 1.0)], Shares(),
                            {"b": 2.0}) == {"a": 0.0, "b": 2.0}
+
+
+# ---- backfill (EASY, as Slurm's backfill scheduler) -----------------------------------------
+
+ROLES = ("r", "s")
+
+
+def _takes(asks_from: dict[str, int], go: list[str], asks: list[Ask], upto: int,
+           free: dict[str, int]) -> dict[str, int]:
+    """FREE less what the asks before index UPTO that went take."""
+    left = dict(free)
+    for a in asks[:upto]:
+        if a.serve in go:
+            for r, need in a.takes_mib.items():
+                left[r] = left.get(r, 0) - need
+    return left
+
+
+def _less(free: dict[str, int], ask: Ask) -> dict[str, int]:
+    return {r: free.get(r, 0) - ask.takes_mib.get(r, 0) for r in set(free) | set(ask.takes_mib)}
+
+
+freeings = st.builds(Freeing, st.sampled_from(ROLES), st.integers(0, 30000),
+                     st.sampled_from([0.0, 0.5, 3.0, 287.0]))
+ask_lists = st.lists(st.tuples(
+    st.dictionaries(st.sampled_from(ROLES), st.integers(0, 30000), min_size=1),
+    st.lists(freeings, max_size=4)), max_size=6).map(
+    lambda xs: [Ask(f"s{i}", takes, tuple(frees)) for i, (takes, frees) in enumerate(xs)])
+frees_now = st.fixed_dictionaries({r: st.integers(0, 40000) for r in ROLES})
+
+
+def test_backfill_the_issue_layout() -> None:
+    """a (20000 MiB) is up for min_awake_s, 287 s more; b heads the queue (20000 MiB, needs a
+    gone); chat wakes with 5200 of the 11607 free: it goes at once, b's start is not delayed.
+    A serve that would take what b needs then (10000) waits."""
+    b = Ask("b", {"r": 20000}, (Freeing("r", 20000, 287.0),))
+    chat = Ask("chat", {"r": 5200})
+    greedy = Ask("big", {"r": 10000})
+    assert earliest_start(b, {"r": 11607}) == 287.0
+    assert backfill([b, chat], {"r": 11607}) == ["chat"]
+    # b needing 25000 leaves 6607 spare at its start: chat goes, big would delay b
+    b25 = Ask("b", {"r": 25000}, (Freeing("r", 20000, 287.0),))
+    assert backfill([b25, greedy], {"r": 11607}) == []
+    assert backfill([b25, chat, greedy], {"r": 11607}) == ["chat"]
+    assert backfill([b25, greedy, chat], {"r": 11607}) == ["chat"]
+    assert backfill([b25, chat, chat], {"r": 11607}) == ["chat"]
+    # before the head, in the queue's order, each that fits goes (it is next anyway)
+    assert backfill([chat, b, greedy], {"r": 11607}) == ["chat"]
+    assert backfill([greedy, b, chat], {"r": 11607}) == ["big"]
+    # the head can never start by evictions: it keeps nothing from the others
+    assert backfill([Ask("huge", {"r": 99999}), greedy], {"r": 11607}) == ["big"]
+    # on another role than the head's, only the fit now counts
+    assert backfill([b25, Ask("o", {"s": 9000})], {"r": 11607, "s": 9000}) == ["o"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ask_lists, frees_now)
+def test_a_backfilled_request_never_delays_the_heads_earliest_start(
+        asks: list[Ask], free: dict[str, int]) -> None:
+    go = backfill(asks, free)
+    heads = [i for i, a in enumerate(asks) if a.serve not in go]
+    if not heads:
+        return
+    h = heads[0]
+    assert all(a.serve in go for a in asks[:h])  # before the head, all went
+    before = _takes({}, go, asks, h, free)   # what the head would see without the backfills
+    after = _takes({}, go, asks, len(asks), free)
+    assert earliest_start(asks[h], after) == earliest_start(asks[h], before)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ask_lists, frees_now)
+def test_a_request_that_fits_now_and_delays_nobody_never_waits(
+        asks: list[Ask], free: dict[str, int]) -> None:
+    go = backfill(asks, free)
+    heads = [i for i, a in enumerate(asks) if a.serve not in go]
+    if not heads:
+        return
+    h = heads[0]
+    head = asks[h]
+    for i in heads[1:]:
+        seen = _takes({}, go, asks, i, free)
+        fits = all(seen.get(r, 0) >= need for r, need in asks[i].takes_mib.items())
+        # it waits only when it does not fit now, or would delay the head's earliest start
+        assert not fits or earliest_start(head, _less(seen, asks[i])) > \
+            earliest_start(head, seen), (asks[i], head, seen)
+
+
+weights = st.sampled_from([0.5, 1.0, 2.0, 4.0])  # dyadic: the virtual times add exactly
+tickets_st = st.lists(st.builds(
+    Ticket, st.sampled_from(["a", "b", "chat", "d"]), st.sampled_from(["u1", "u2", "u3"]),
+    st.integers(0, 20).map(float), st.integers(0, 2), st.just(False), st.integers(-1, 1), weights),
+    max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tickets_st, ask_lists.map(lambda xs: xs), frees_now)
+def test_fairness_among_those_that_wait_is_unchanged_by_a_backfill(
+        tickets: list[Ticket], _asks: list[Ask], free: dict[str, int]) -> None:
+    # one key's weight and priority for all its tickets, as the router gives them
+    first = {}
+    for t in tickets:
+        first.setdefault(t.requester, t)
+    tickets = [replace(t, weight=first[t.requester].weight,
+                       key_priority=first[t.requester].key_priority) for t in tickets]
+    shares = Shares()
+    for t in tickets:
+        shares = joined(shares, t.requester)
+    serves = list(dict.fromkeys(t.serve for t in order(tickets, shares)))
+    sizes = {"a": 20000, "b": 20000, "chat": 5200, "d": 9000}
+    asks = [Ask(s, {"r": sizes[s]}, (Freeing("r", 20000, 287.0),)) for s in serves]
+    go = set(backfill(asks, free))
+    went = [t for t in tickets if t.serve in go]
+    left = [t for t in tickets if t.serve not in go]
+    # each backfilled request is charged to its requester as any request let through
+    after = shares
+    for t in went:
+        after = let_through(after, t)
+    after = forget(after, (t.requester for t in left))
+    before_rank = {id(t): i for i, t in enumerate(order(tickets, shares))}
+    after_rank = {id(t): i for i, t in enumerate(order(left, after))}
+    served = {t.requester for t in went}
+    for x in left:
+        for y in left:
+            if y.requester in served or before_rank[id(y)] > before_rank[id(x)]:
+                continue
+            # y went before x and its requester had nothing backfilled: it still does (among
+            # requesters without a backfill the order is the same; one that had a request
+            # backfilled gains no place by it)
+            assert after_rank[id(y)] <= after_rank[id(x)], (x, y, went)
+
+
+def test_waiting_for_says_what_and_until_when() -> None:
+    from gpud.core.queue import Waiting, waiting_for
+    b = Ask("b", {"r": 20000}, (Freeing("r", 20000, 286.4, "a", "min_awake_s"),))
+    assert waiting_for(b, {"r": 11607}, requests=16, head="b").text() == \
+        "16 requests; a may be evicted in 287 s (min_awake_s)"
+    assert waiting_for(b, {"r": 11607}, requests=16, head="b").in_s == 286.4
+    assert waiting_for(b, {"r": 11607}, requests=1, head="c") == \
+        Waiting(1, "behind c in the queue", None)
+    assert waiting_for(Ask("b", {"r": 99999}, b.frees), {"r": 11607}, requests=2,
+                       head="b").in_s is None
+    assert waiting_for(b, {"r": 20000}, requests=2, head="b").reason == "fits now: coming up"
+    two = Ask("b", {"r": 30000}, (Freeing("r", 9000, 3.0, "c", "idle time"),
+                                  Freeing("r", 20000, 3.0, "a", "min_awake_s")))
+    assert waiting_for(two, {"r": 1000}, requests=1, head=None).reason == \
+        "a, c may be evicted in 3 s (idle time, min_awake_s)"

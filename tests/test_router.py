@@ -1493,3 +1493,38 @@ def test_a_model_named_like_an_object_method_breaks_nothing(fed: Fed) -> None:
     assert status == 404 and "model_not_found" not in body.decode(), body
     status, _h, body = _req(fed.port, "GET", "/v1/models")
     assert status == 200 and "hasOwnProperty" in body.decode(), body
+
+
+def test_the_router_sets_priority_on_a_vllm_serve_unless_its_policy_is_another() -> None:
+    """A vllm serve the router reaches is launched with the priority policy (gpud.core.launch):
+    the router sets the body's priority on it unless its extra_args chose another policy; a
+    command serve only when its own argv says so."""
+    from gpud.nginx.router import priority_scheduling
+    cfg = parse_config(TOML, "t")
+    chat = cfg.serves["chat"]
+    assert chat.vllm is not None and priority_scheduling(chat)
+
+    def with_args(*args: str) -> bool:
+        return priority_scheduling(chat.model_copy(update={
+            "vllm": chat.vllm.model_copy(update={"extra_args": list(args)})}))  # type: ignore[union-attr]
+    assert not with_args("--scheduling-policy", "fcfs")
+    assert not with_args("--scheduling-policy=fcfs")
+    assert with_args("--scheduling-policy=priority")
+    tool = cfg.serves["tool"]
+    assert tool.vllm is None and not priority_scheduling(tool)
+    assert priority_scheduling(tool.model_copy(update={
+        "command": [*(tool.command or ()), "--scheduling-policy", "priority"]}))
+
+
+def test_gpuctl_shows_a_serve_with_requests_waiting_as_waiting_with_what_for() -> None:
+    from gpud.ctl.format import format_serves
+    serve = {"name": "b", "role": "r", "state": "denied", "reason": "ledger bound: need 20000",
+             "port": 30002, "front": True, "models": ["b"], "in_flight": None, "queued": 16,
+             "vram_mib": 20000, "waiting": {"requests": 16, "in_s": 286.4,
+                                            "reason": "a may be evicted in 287 s (min_awake_s)"}}
+    models = format_models({"serves": [serve]}).splitlines()  # type: ignore[list-item]
+    assert models[1].split()[:3] == ["b", "b", "waiting"], models
+    assert "b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)" in models
+    serves = format_serves({"serves": [serve]}).splitlines()  # type: ignore[list-item]
+    assert "waiting" in serves[1].split() and "denied" not in serves[1], serves
+    assert serves[-1] == "b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)"

@@ -1064,3 +1064,51 @@ async def test_the_health_restart_holds_the_serves_lock_and_a_stop_ends_it(check
     await asyncio.wait_for(r.sup.stop("a", None), 5)
     assert r.state("a") == DECLARED and r.held() == {}
     assert not r.sup.serve_lock("a").locked() and not r.sup.device_locks("a").locked()
+
+
+ROUTED = """
+[daemon]
+admission = "ledger"
+state_dir = "{tmp}"
+health_interval_s = {health}
+
+[roles.r]
+device = "GPU-sim-0"
+capacity_mib = 1000
+
+[serves.chat]
+role = "r"
+vram_mib = 300
+port = 30601
+[serves.chat.vllm]
+model = "org/chat"
+executable = "/bin/true"
+
+[serves.own]
+role = "r"
+vram_mib = 300
+port = 30602
+[serves.own.vllm]
+model = "org/own"
+executable = "/bin/true"
+extra_args = ["--scheduling-policy", "fcfs"]
+"""
+
+
+async def test_a_vllm_serve_behind_the_router_is_launched_with_the_priority_policy(
+        tmp_path: Path) -> None:
+    """The unit's argv: --scheduling-policy priority on a vllm serve the router reaches, the
+    operator's own choice where extra_args make one, and nothing without a [router]."""
+    for i, (router, chat) in enumerate((
+            ('[router]\nlisten = "127.0.0.1:30600"\n', ["--scheduling-policy", "priority"]),
+            ("", []))):
+        (tmp_path / str(i)).mkdir()
+        r = await make_rig(tmp_path / str(i), ROUTED + router)
+        async for _ in entered(r):
+            def tail(name: str, r: Rig = r) -> list[str]:
+                """The argv from the shutdown timeout's value on."""
+                spec = r.sup.launch_job.unit_spec(name, r.svc.config.serves[name])
+                argv = list(spec.argv)
+                return argv[argv.index("--shutdown-timeout") + 2:]
+            assert tail("chat") == chat
+            assert tail("own") == ["--scheduling-policy", "fcfs"]

@@ -151,6 +151,9 @@ class Serve(TypedDict):
     # asking"), and the wait to expect from the measured bring-ups ahead (None: unmeasured)
     queue: NotRequired[list[QueuePlace]]
     expected_wait_s: NotRequired[float | None]
+    # While requests wait for memory (its state then says why the last try was refused): what
+    # it waits for and until when (gpud.core.queue.waiting_for)
+    waiting: NotRequired[ServeWaiting]
     # With a [router]: the names it routes to this serve (docs/router.md)
     models: NotRequired[list[str]]
 
@@ -239,6 +242,15 @@ class Woken(Serve):
     """POST /v1/serves/{name}/wake."""
 
     wake: WakeDone
+
+
+class ServeWaiting(TypedDict):
+    """What a serve with requests waiting for memory waits for (gpud.core.queue.Waiting):
+    `16 requests; a may be evicted in 287 s (min_awake_s)`."""
+
+    requests: int
+    reason: str  # "a may be evicted in 287 s (min_awake_s)", "behind b in the queue", ...
+    in_s: float | None  # seconds until then; None: until some change
 
 
 class QueuePlace(TypedDict):

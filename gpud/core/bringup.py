@@ -151,6 +151,13 @@ def held(tries: Tries | None, now: float) -> Hold | None:
                 tries.failures)
 
 
+def refusal_class(code: str, details: Mapping[str, Any]) -> Why:
+    """The class of a refusal answered to a request: the one its details name (a refusal of the
+    queue's, a hold, gpud stopping), else by its code and details (`classify`)."""
+    named = details.get("class")
+    return Why(named) if isinstance(named, str) else classify(code, details)
+
+
 def classify(code: str, details: Mapping[str, Any]) -> Why:
     """The class of an error met bringing a serve up (its code and details, gpud.errors)."""
     if code == Denied.code:

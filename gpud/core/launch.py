@@ -13,7 +13,7 @@ import posixpath
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from gpud.core.argv64 import encode
 from gpud.core.config import Config, DaemonConfig, ServeConfig
@@ -104,14 +104,33 @@ def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:
     return serve.restart
 
 
+SCHEDULING_POLICY: Final = "--scheduling-policy"
+
+
+def scheduling_policy(args: Sequence[str]) -> str | None:
+    """The vLLM scheduling policy ARGS choose (`--scheduling-policy P` or
+    `--scheduling-policy=P`), None when they choose none."""
+    for i, arg in enumerate(args):
+        if arg.startswith(SCHEDULING_POLICY + "="):
+            return arg.partition("=")[2]
+        if arg == SCHEDULING_POLICY:
+            return args[i + 1] if i + 1 < len(args) else ""
+    return None
+
+
 def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
                    host: str | None = None, socket: str | None = None,
-                   vllm_version: str = DEFAULT_VERSION) -> list[tuple[str, str]]:
+                   vllm_version: str = DEFAULT_VERSION,
+                   behind_router: bool = False) -> list[tuple[str, str]]:
     """The argv of a vllm serve, each argument with the key (under `serves.NAME.`) it comes
     from: `vllm serve MODEL [--revision R] --host H [--port P] --gpu-memory-utilization U
     [--max-model-len N] [--quantization Q] [--kv-cache-memory-bytes B] --shutdown-timeout D
-    [--enable-sleep-mode] [--no-enable-extensible-kv-cache] [extra_args...]` (pinned by a
-    golden test and checked against the flag table of `vllm_version`). On vLLM 0.34 the
+    [--enable-sleep-mode] [--no-enable-extensible-kv-cache] [--served-model-name NAMES]
+    [--scheduling-policy priority] [extra_args...]` (pinned by a golden test and checked
+    against the flag table of `vllm_version`). BEHIND_ROUTER: the router reaches the serve; it
+    runs with the priority policy (a key's priority and each requester's first request first
+    are the body's `priority`, which vLLM orders by only under that policy: docs/router.md),
+    unless its extra_args choose a policy. On vLLM 0.34 the
     extensible KV cache is turned off (gpud.core.vllm_versions; docs/vllm.md says why): the
     KV cache is then profiled and the start refused on a short device, as 0.33 does
     (vllm/v1/worker/utils.py:783-797 of 0.34.0)."""
@@ -154,16 +173,19 @@ def vllm_arg_parts(serve: ServeConfig, *, executable: str, util: str,
         # body): vllm/engine/arg_utils.py:1006 --served-model-name (nargs "+"; the first
         # name is the one its answers carry).
         parts += [("--served-model-name", "models"), *((m, "models") for m in serve.models)]
+    if behind_router and scheduling_policy(v.extra_args) is None:
+        parts += [(SCHEDULING_POLICY, "router"), ("priority", "router")]
     parts += [(arg, f"vllm.extra_args[{i}]") for i, arg in enumerate(v.extra_args)]
     return parts
 
 
 def vllm_argv(serve: ServeConfig, *, executable: str, util: str,
               host: str | None = None, socket: str | None = None,
-              vllm_version: str = DEFAULT_VERSION) -> list[str]:
+              vllm_version: str = DEFAULT_VERSION, behind_router: bool = False) -> list[str]:
     return [arg for arg, _key in vllm_arg_parts(serve, executable=executable, util=util,
                                                 host=host, socket=socket,
-                                                vllm_version=vllm_version)]
+                                                vllm_version=vllm_version,
+                                                behind_router=behind_router)]
 
 
 def _fill(args: Sequence[str], serve: ServeConfig, *, util: str, device_index: int,
@@ -416,8 +438,10 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                vllm_executable: str, vram_mib: int | None = None, name: str = "?",
                device_indexes: Sequence[int] | None = None,
                cdi_devices: Sequence[str] = (), forward_env: Iterable[str] = (),
-               socket: str | None = None, vllm_version: str = DEFAULT_VERSION) -> list[str]:
+               socket: str | None = None, vllm_version: str = DEFAULT_VERSION,
+               behind_router: bool = False) -> list[str]:
     """The argv of a serve. `vram_mib` is its current reservation (default: the config's).
+    BEHIND_ROUTER: the router reaches it (a vllm serve then runs the priority policy).
     A serve on several devices gives `total_mib` as the smallest of their totals and
     `device_indexes` in the order of its roles. For a container serve, `cdi_devices` and
     `forward_env` as container_argv takes them. `socket`: where a fronted serve listens."""
@@ -434,9 +458,10 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
     util = utilization(name, mib, total_mib, needed=uses_utilization(serve))
     if serve.container is not None:
         if serve.vllm is not None:
+            # [2:]: the image's entrypoint is vllm serve
             inner = vllm_argv(serve, executable=vllm_executable, util=util,
                               host=None if socket else CONTAINER_LISTEN, socket=socket,
-                              vllm_version=vllm_version)[2:]  # the image's entrypoint: vllm serve
+                              vllm_version=vllm_version, behind_router=behind_router)[2:]
         else:
             # Inside, the serve's devices are numbered from 0 (CDI injected only them).
             inside = range(len(device_indexes)) if device_indexes else None
@@ -446,7 +471,7 @@ def serve_argv(serve: ServeConfig, *, total_mib: int | None, device_index: int,
                               socket=socket)
     if serve.vllm is not None:
         return vllm_argv(serve, executable=vllm_executable, util=util, socket=socket,
-                         vllm_version=vllm_version)
+                         vllm_version=vllm_version, behind_router=behind_router)
     return command_argv(serve, util=util, device_index=device_index,
                         device_indexes=device_indexes, socket=socket or "")
 

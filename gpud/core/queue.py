@@ -165,6 +165,119 @@ def expected_wait_s(tickets: Iterable[Ticket], shares: Shares,
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Freeing:
+    """What evicting one running serve would give a waiting serve on one ROLE: MIB, once it may
+    be evicted, IN_S from now (0: now; its min_awake_s or idle time to come, `evictable`)."""
+
+    role: str
+    mib: int
+    in_s: float
+    # which serve, and what keeps it until then ("min_awake_s", "idle time"): what is shown
+    serve: str = ""
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A waiting serve as the backfill sees it: what bringing it up adds to what is committed
+    on each of its roles (its need less what it holds already: a sleeping serve's kept MiB),
+    and what each eviction it may make would free, and when."""
+
+    serve: str
+    takes_mib: Mapping[str, int]
+    frees: tuple[Freeing, ...] = ()
+
+
+def earliest_start(ask: Ask, free_mib: Mapping[str, int]) -> float:
+    """How long until ASK fits, were it to evict every serve it may as soon as it may (0: it
+    fits now without evicting; math.inf: never, by evictions alone). FREE_MIB: each role's
+    free MiB now."""
+    at = 0.0
+    for role, need in ask.takes_mib.items():
+        room = free_mib.get(role, 0)
+        if room >= need:
+            continue
+        for f in sorted((f for f in ask.frees if f.role == role), key=lambda f: f.in_s):
+            room += f.mib
+            if room >= need:
+                at = max(at, f.in_s)
+                break
+        else:
+            return math.inf
+    return at
+
+
+def spare_at(ask: Ask, free_mib: Mapping[str, int], at_s: float) -> dict[str, int]:
+    """What is left on each of ASK's roles once it is up AT_S from now, having evicted every
+    serve it may evict by then (the memory a backfill may take without delaying it)."""
+    return {role: free_mib.get(role, 0) - need
+            + sum(f.mib for f in ask.frees if f.role == role and f.in_s <= at_s)
+            for role, need in ask.takes_mib.items()}
+
+
+def backfill(asks: Sequence[Ask], free_mib: Mapping[str, int]) -> list[str]:
+    """Which waiting serves may come up now (EASY backfilling, as Slurm's backfill scheduler
+    does for jobs). ASKS in the queue's fair order (`order`, one per serve); FREE_MIB each
+    role's free MiB now. Each in turn that fits now without evicting anything goes, until the
+    first that does not: the head, whose earliest start (`earliest_start`: when its victims
+    become evictable) is kept. After it, one that fits now goes only when it takes none of the
+    memory the head needs at that start (`spare_at`). So a serve that fits and delays nobody
+    never waits, the head is never delayed by one that went, and the order among those that
+    must wait is the queue's."""
+    free = dict(free_mib)
+    go: list[str] = []
+    spare: dict[str, int] | None = None
+    for ask in asks:
+        fits = all(free.get(r, 0) >= need for r, need in ask.takes_mib.items())
+        if fits and (spare is None or all(spare.get(r, need) >= need
+                                          for r, need in ask.takes_mib.items())):
+            go.append(ask.serve)
+            for r, need in ask.takes_mib.items():
+                free[r] = free.get(r, 0) - need
+                if spare is not None and r in spare:
+                    spare[r] -= need
+        elif spare is None:
+            at = earliest_start(ask, free)
+            # a head that can never start keeps nothing from the others
+            spare = {} if math.isinf(at) else spare_at(ask, free, at)
+    return go
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """What a serve with requests waiting for memory waits for, as gpuctl and GET /v1/serves
+    say it: `16 requests; a may be evicted in 287 s (min_awake_s)`. IN_S: how long until
+    then (None: until some change, not a time)."""
+
+    requests: int
+    reason: str
+    in_s: float | None
+
+    def text(self) -> str:
+        return f"{self.requests} request{'s' if self.requests != 1 else ''}; {self.reason}"
+
+
+def waiting_for(ask: Ask, free_mib: Mapping[str, int], *, requests: int,
+                head: str | None) -> Waiting:
+    """What ASK's serve, with REQUESTS waiting, waits for: its turn behind HEAD (the serve
+    that goes first, when it is another), else the eviction that lets it fit at its earliest
+    start (`earliest_start`), else nothing it may evict frees enough."""
+    if head is not None and head != ask.serve:
+        return Waiting(requests, f"behind {head} in the queue", None)
+    at = earliest_start(ask, free_mib)
+    if math.isinf(at):
+        return Waiting(requests, "no serve it may evict frees enough now; waiting for memory "
+                       "to be freed", None)
+    if at == 0.0:
+        return Waiting(requests, "fits now: coming up", 0.0)
+    serves = sorted({f.serve for f in ask.frees if f.in_s == at})
+    whys = sorted({f.why for f in ask.frees if f.in_s == at and f.why})
+    because = f" ({', '.join(whys)})" if whys else ""
+    return Waiting(requests, f"{', '.join(serves)} may be evicted in {math.ceil(at)} s{because}",
+                   at)
+
+
 class Arrival(StrEnum):
     """What a request for a serve that is not running does first."""
 
@@ -172,11 +285,15 @@ class Arrival(StrEnum):
     JOIN = "join"    # wait in the queue, behind the requests waiting already
 
 
-def arrive(*, queue_on: bool, others_waiting: bool, bringing_up: bool) -> Arrival:
+def arrive(*, queue_on: bool, others_waiting: bool, bringing_up: bool,
+           backfills: bool = False) -> Arrival:
     """A request that finds its serve down: with the queue on and requests for other serves
     waiting for memory already, it waits its turn behind them (JOIN) rather than take the
-    memory they wait for; else (or when its serve is being brought up: it shares that) TRY."""
-    return Arrival.JOIN if queue_on and others_waiting and not bringing_up else Arrival.TRY
+    memory they wait for, unless `backfill` lets it go now (BACKFILLS: it fits now and takes
+    nothing the head needs at its earliest start); else (or when its serve is being brought
+    up: it shares that) TRY."""
+    return Arrival.JOIN if queue_on and others_waiting and not bringing_up and not backfills \
+        else Arrival.TRY
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,6 +244,8 @@ def format_serves(doc: answers.Serves) -> str:
             row[1] = ",".join(s["roles"])
         if s.get("device_lost"):
             row[2] += " (DEVICE LOST)"
+        if s.get("waiting"):
+            row[2] = WAITING  # for memory, with requests: not its last refusal
     columns = list(_SERVE_COLUMNS)
     if any(s.get("wake_s") is not None or s.get("start_s") is not None for s in serves):
         # the medians of its measured wakes and starts: its cost to bring back (the router's
@@ -256,10 +258,11 @@ def format_serves(doc: answers.Serves) -> str:
         for row, s in zip(rows, serves, strict=True):
             row.append(ago(s.get("last_activity_s_ago")) if s.get("front") else "-")
     text = format_table([h for h, _, _ in columns], rows, [r for _, _, r in columns])
-    reasons = [f"{s.get('name')} ({s.get('state')}): {s['reason']}"
+    reasons = [waiting_line(s) if s.get("waiting") else
+               f"{s.get('name')} ({s.get('state')}): {s['reason']}"
                + (f"; {s['parked_host_mib']} MiB parked in host RAM"
                   if s.get("parked_host_mib") else "")
-               for s in serves if s.get("reason")]
+               for s in serves if s.get("reason") or s.get("waiting")]
     reasons += [f"{s.get('name')}: {s['device_lost']}" for s in serves if s.get("device_lost")]
     if reasons:
         text += "\n\n" + "\n".join(reasons)
@@ -268,9 +271,25 @@ def format_serves(doc: answers.Serves) -> str:
     return text
 
 
+# What gpuctl shows as the state of a serve with requests waiting for memory (its stored state
+# is that of its last refused try: the queue's answer is that it waits).
+WAITING = "waiting"
+
+
+def waiting_line(s: answers.Serve) -> str:
+    """`b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)`."""
+    w = s.get("waiting")
+    if not w:
+        return ""
+    n = w.get("requests")
+    return (f"{s.get('name')} ({WAITING}): {n} request{'s' if n != 1 else ''}; "
+            f"{w.get('reason')}")
+
+
 def format_models(doc: answers.Serves) -> str:
     """``GET /v1/serves``, by the names the router routes (docs/router.md): one row each."""
-    rows = [[model, str(s.get("name")), str(s.get("state")), _dash(s.get("port")),
+    rows = [[model, str(s.get("name")), WAITING if s.get("waiting") else str(s.get("state")),
+             _dash(s.get("port")),
              "yes" if s.get("front") else "no", _dash(s.get("in_flight")),
              _dash(s.get("queued"))]
             for s in doc.get("serves") or [] for model in s.get("models") or []]
@@ -279,7 +298,8 @@ def format_models(doc: answers.Serves) -> str:
     rows.sort()
     table = format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
                          rows, [False, False, False, True, False, True, True])
-    return "\n".join([table, *_queues(doc)])
+    waits = [waiting_line(s) for s in doc.get("serves") or [] if s.get("waiting")]
+    return "\n".join([table, *waits, *_queues(doc)])
 
 
 def _queues(doc: answers.Serves) -> list[str]:

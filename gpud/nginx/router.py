@@ -19,6 +19,7 @@ from typing import Final
 
 from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
+from gpud.core.launch import scheduling_policy
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.router import (
     Answered,
@@ -151,14 +152,12 @@ class KeyShares:
 
 
 def priority_scheduling(spec: ServeConfig) -> bool:
-    """Whether the serve runs vLLM with --scheduling-policy priority (its vllm extra_args, or
-    a command serve's own argv: vLLM's and the stand-in's flag)."""
-    argv = list(spec.vllm.extra_args) if spec.vllm is not None else list(spec.command or ())
-    for i, arg in enumerate(argv):
-        if arg == "--scheduling-policy=priority" or (
-                arg == "--scheduling-policy" and argv[i + 1:i + 2] == ["priority"]):
-            return True
-    return False
+    """Whether the serve runs vLLM with --scheduling-policy priority: a vllm serve behind the
+    router does unless its extra_args choose another policy (gpud.core.launch.vllm_arg_parts);
+    a command serve when its own argv says so (vLLM's flag and the stand-in's)."""
+    if spec.vllm is not None:
+        return scheduling_policy(spec.vllm.extra_args) in (None, "priority")
+    return scheduling_policy(spec.command or ()) == "priority"
 
 
 def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterFront | None:

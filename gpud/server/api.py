@@ -385,7 +385,8 @@ class Api:
     def _activity(self, serve: str) -> float | None:
         return self.on_demand.activity_s_ago(serve) if self.on_demand is not None else None
 
-    def _queue(self, serve: str) -> tuple[list[answers.QueuePlace], float | None] | None:
+    def _queue(self, serve: str) -> tuple[list[answers.QueuePlace], float | None,
+                                          answers.ServeWaiting | None] | None:
         """Who waits for SERVE in the router's queue, and the wait to expect (None: nobody)."""
         return self.on_demand.queue_of(serve) if self.on_demand is not None else None
 

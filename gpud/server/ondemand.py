@@ -59,28 +59,34 @@ from gpud.core.queue import (
     MEASURED,
     WEIGHT,
     Arrival,
+    Ask,
     EvictionCandidate,
+    Freeing,
     Held,
     Histogram,
     Protected,
     QueueRefusal,
     Shares,
     Ticket,
+    Waiting,
     after_refusal,
     arrive,
+    backfill,
     could_fit,
+    evictable,
     expected_wait_s,
     figures_text,
     forget,
+    idle_in,
     joined,
     let_through,
     may_evict,
     median_s,
-    next_up,
     order,
     places,
     refusal_figures,
     victims,
+    waiting_for,
 )
 from gpud.core.router import ANONYMOUS, RouterRequest
 from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from, settling
@@ -164,6 +170,10 @@ class OnDemand:
         # Set when gpud stops: every request still waiting is answered (GPUD_STOPPING).
         self._stopping: asyncio.Future[None] | None = None
         self._swapping: asyncio.Task[Protected | None] | None = None
+        # Each waiting serve's turn: the one task that brings it up for its waiting requests.
+        self._turns: dict[str, asyncio.Task[None]] = {}
+        # The waiting requests in the order they go, as last sorted (None: since changed).
+        self._looked: list[Ticket] | None = None
         self.took: dict[str, dict[StepKind, deque[float]]] = {}
         # Evictions for a queued request, by serve (the metrics').
         self.evictions: dict[str, int] = {}
@@ -197,11 +207,7 @@ class OnDemand:
             raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
         self._requested(name)
         try:
-            if not self.svc.ready and self.svc.state_of(name) != RUNNING:
-                # Before reconciliation a start could race the adoption of running units.
-                raise Unavailable("gpud is starting (reconciling running serves)",
-                                  {"serve": name, "retry": True})
-            if not await self._unless_ended(self.up(name, spec, cause), gone):
+            if not await self._unless_ended(self._when_ready_up(name, spec, cause), gone):
                 log.info("on-demand %s: the request waiting for it went away (%s)", name,
                          "on-demand request" if cause is None else cause.text)
                 return web.Response(status=503)  # nobody reads it
@@ -210,6 +216,27 @@ class OnDemand:
         except GpudError as exc:
             return self._refusal(name, exc)
         return web.Response(status=204)
+
+    async def _when_ready_up(self, name: str, spec: ServeConfig,
+                             cause: RouterRequest | None) -> None:
+        """`up`, once gpud has reconciled the running serves (before that a start could race
+        the adoption of running units): a request that comes while gpud starts waits for it,
+        at most the serve's start_timeout_s."""
+        if not self.svc.ready and self.svc.state_of(name) != RUNNING:
+            try:
+                async with asyncio.timeout(spec.start_timeout_s):
+                    await self.changes.until(lambda: self.svc.ready)
+            except TimeoutError:
+                raise Unavailable("gpud is starting (reconciling running serves)",
+                                  {"serve": name, "retry": True}) from None
+        await self.up(name, spec, cause)
+
+    def start_under_way(self, name: str) -> bool:
+        """A start of NAME that is not a request's is under way: its state is starting, or its
+        launch (a boot's, an operator's) or the health wait of its restart after a crash runs.
+        A request waits for it rather than start it again or be refused."""
+        life = self.sup.life(name)
+        return self.svc.state_of(name) == STARTING or life.launching or life.watching
 
     async def _unless_ended(self, up: Coroutine[Any, Any, None],
                             gone: asyncio.Future[None] | None) -> bool:
@@ -245,6 +272,7 @@ class OnDemand:
 
     def changed(self) -> None:
         """A serve's state, life or drain changed: the requests waiting on one look again."""
+        self._looked = None
         self.changes.fire()
 
     def settling(self, name: str) -> bool:
@@ -390,8 +418,8 @@ class OnDemand:
         """None once NAME is up; Arrival.JOIN: the queue says this request waits its turn."""
         if self.svc.state_of(name) == RUNNING and not self.settling(name):
             return None
-        if not spec.on_demand and self.svc.state_of(name) not in (SLEEPING, STARTING) \
-                and not self.settling(name):
+        if not spec.on_demand and self.svc.state_of(name) != SLEEPING \
+                and not self.start_under_way(name) and not self.settling(name):
             # A serve the router only wakes (or waits for while it starts): started by its
             # operator, not by a request.
             raise Unavailable(f"serve {name!r} is {self.svc.state_of(name)} (not on_demand: "
@@ -405,14 +433,17 @@ class OnDemand:
                 task = self.sup.bringup(name)
                 if task is not None and task.done():
                     task = None  # ended; its callback, which forgets it, has not run yet
-                if not queued and arrive(queue_on=self._queues(), bringing_up=task is not None,
-                                         others_waiting=any(self.queued.get(o)
-                                                            for o in self.queued if o != name)
-                                         ) == Arrival.JOIN:
+                others = any(self.queued.get(o) for o in self.queued if o != name)
+                if not queued and arrive(
+                        queue_on=self._queues(), bringing_up=task is not None,
+                        others_waiting=others,
+                        backfills=others and self._queues() and self._swapping is None
+                        and name in self.backfills(also=name)) == Arrival.JOIN:
                     return Arrival.JOIN
                 if task is None:
                     # Not tried again before its time (gpud.core.bringup): answered at once.
-                    hold = None if queued else self._held(name)
+                    # (nor held while someone else's start of it is under way: it is waited for)
+                    hold = None if queued or self.start_under_way(name) else self._held(name)
                     if hold is not None:
                         raise Unavailable(
                             f"serve {name!r} not brought up again for {hold.retry_after_s} s "
@@ -423,7 +454,7 @@ class OnDemand:
                                 "retry_after_s": hold.retry_after_s, "failures": hold.failures,
                                 "last_reason": hold.reason, "held": True})
                     task = asyncio.get_running_loop().create_task(
-                        self._bring_up(name, spec, cause))
+                        self._bring_up(name, spec, cause, quiet=queued))
                     self.sup.hold_bringup(name, task)
                     task.add_done_callback(_retrieve)
                 await asyncio.shield(task)
@@ -434,13 +465,13 @@ class OnDemand:
                               ) from None
 
     async def _bring_up(self, name: str, spec: ServeConfig,
-                        cause: RouterRequest | None = None) -> None:
+                        cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
         self.svc.records.note_demand(name, demand.began)
         try:
-            await self._bring_up_once(name, spec, cause)
+            await self._bring_up_once(name, spec, cause, quiet=quiet)
         except GpudError as exc:
             self._tried(name, exc)
             raise
@@ -448,7 +479,8 @@ class OnDemand:
         self.svc.records.note_demand(name, lambda d: demand.came_up(d, now))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
-                             cause: RouterRequest | None = None) -> None:
+                             cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
+        """QUIET: a try of the queue's (its waiting is told once, `_told_turn`, not each try)."""
         state = self.svc.state_of(name)
         # a request through the router names its model and key (printable: they are logged)
         by = "on-demand request" if cause is None else cause.text
@@ -460,12 +492,15 @@ class OnDemand:
             # A wake preempts as a start does (serves.NAME.preempt): a serve of higher priority
             # gets its GPU back from lower ones that started in the room it left asleep.
             await self.sup.sleeps.wake(name, None, by=by, preempt=spec.preempt)
-        elif state not in LIVE_STATES:
-            log.info("on-demand %s: starting (%s)", name, by)
+        elif state not in LIVE_STATES and not self.start_under_way(name):
+            log.log(logging.DEBUG if quiet else logging.INFO, "on-demand %s: starting (%s)",
+                    name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
             await self.sup.start(name, None, wait=True, preempt=spec.preempt)
-        # A start or wake of someone else's, still under way: its end is a stored state.
-        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING))
+        # A start or wake of someone else's (a boot's, an operator's, a restart's after a
+        # crash), still under way: its end is a stored state, its failure answered at once.
+        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING)
+                                 and not self.start_under_way(name))
         state = self.svc.state_of(name)
         if state != RUNNING:
             rec = self.svc.records.get(name)
@@ -503,7 +538,8 @@ class OnDemand:
         went = False
         try:
             async with asyncio.timeout(router.queue_timeout_s):
-                await self._wait_turn(name, spec, cause, router.min_awake_s)
+                # shielded: one waiter's timeout or hang-up leaves the serve's turn to the others
+                await asyncio.shield(self._turn(name, spec, cause, router.min_awake_s))
             went = True
         except TimeoutError:
             raise Unavailable(f"serve {name!r} not brought up within router.queue_timeout_s "
@@ -515,6 +551,9 @@ class OnDemand:
             waiting.remove(ticket)
             if not waiting:
                 self.queued.pop(name, None)
+                turn = self._turns.pop(name, None)
+                if turn is not None and not turn.done():
+                    turn.cancel()  # nobody waits for it any more (a swap under way goes on)
             if went:
                 self.shares = let_through(self.shares, ticket)
             self.shares = forget(self.shares, (t.requester for w in self.queued.values()
@@ -522,6 +561,18 @@ class OnDemand:
             self.queue_waits.setdefault(name, Histogram.empty()).observe(
                 self.clock() - ticket.arrived)
             self.changed()
+
+    def _turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
+              min_awake_s: float) -> asyncio.Task[None]:
+        """The one task that brings NAME up for all the requests waiting for it (`_wait_turn`):
+        a change is looked at once per waiting serve, not once per waiting request."""
+        turn = self._turns.get(name)
+        if turn is None or turn.done():
+            turn = asyncio.get_running_loop().create_task(
+                self._told_turn(name, spec, cause, min_awake_s))
+            turn.add_done_callback(_retrieve)
+            self._turns[name] = turn
+        return turn
 
     def tickets(self) -> list[Ticket]:
         """The waiting requests as the queue ranks them: each serve's priority and whether it
@@ -531,32 +582,75 @@ class OnDemand:
                         running=self.svc.state_of(n) == RUNNING)
                 for n, w in self.queued.items() if n in serves for t in w]
 
-    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None] | None:
-        """Who waits for NAME, in the order they go, and the wait to expect from the measured
-        bring-ups ahead (gpud.core.queue.places, expected_wait_s); None: nobody waits."""
+    def queue_of(self, name: str) -> tuple[list[answers.QueuePlace], float | None,
+                                           answers.ServeWaiting | None] | None:
+        """Who waits for NAME, in the order they go, the wait to expect from the measured
+        bring-ups ahead (gpud.core.queue.places, expected_wait_s), and what it waits for
+        (`waiting`); None: nobody waits."""
         tickets = self.tickets()
         mine = places(tickets, self.shares).get(name)
         if mine is None:
             return None
         serves = self.svc.config.serves
         costs = {n: self.cost_s(n, serves[n]) for n in {t.serve for t in tickets}}
+        w = self.waiting(name)
         return ([{"requester": p.requester, "waiting": p.waiting, "position": p.position}
-                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name))
+                 for p in mine], expected_wait_s(tickets, self.shares, costs).get(name),
+                None if w is None else {"requests": w.requests, "reason": w.reason,
+                                        "in_s": None if w.in_s is None else round(w.in_s, 1)})
 
     def ordered(self) -> list[Ticket]:
-        """The waiting requests in the order they go (gpud.core.queue.order)."""
-        return order(self.tickets(), self.shares)
+        """The waiting requests in the order they go (gpud.core.queue.order), sorted once per
+        change (every change of what it reads fires `changed`: a stored state, the queue's
+        own), not once per waiting serve that looks."""
+        if self._looked is None:
+            self._looked = order(self.tickets(), self.shares)
+        return self._looked
+
+    def _head(self) -> str | None:
+        """The serve whose turn it is (gpud.core.queue.next_up: the first in `ordered`)."""
+        first = self.ordered()
+        return first[0].serve if first else None
+
+    async def _told_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
+                         min_awake_s: float) -> None:
+        """`_wait_turn`, with one journal line when NAME begins to wait and one when it is up,
+        its requests are refused, or none waits any more; never one per try."""
+        began = self.clock()
+        said = self.waiting(name)
+        fields = {"journal": {"GPUD_SERVE": name, "GPUD_EVENT": "queue"}}
+        log.info("on-demand %s: waiting for memory: %s", name,
+                 said.text() if said is not None else "its requests wait", extra=fields)
+
+        def count() -> str:
+            n = len(self.queued.get(name, ()))
+            return f"{n} request{'s' if n != 1 else ''}"
+        try:
+            await self._wait_turn(name, spec, cause, min_awake_s)
+        except asyncio.CancelledError:
+            log.info("on-demand %s: no request waits for it any more (after %.1f s)", name,
+                     self.clock() - began, extra=fields)
+            raise
+        except GpudError as exc:
+            log.warning("on-demand %s: the %s waiting for it refused after %.1f s: %s", name,
+                        count(), self.clock() - began, exc.message, extra=fields)
+            raise
+        log.info("on-demand %s: up after %.1f s waiting for memory (%s)", name,
+                 self.clock() - began, count(), extra=fields)
 
     async def _wait_turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                          min_awake_s: float) -> None:
-        """Wait for NAME to run, on changes (a state stored, a life's step, a drain's end, a
-        count of requests in flight read, the queue's own), never on a timer: the queue's
-        decision says how long at most (Protected.wait_s: a min_awake_s or an idle time to
-        come)."""
-        tried = self.clock()
+        """Wait for NAME to run, for every request waiting for it: at its turn (the head of
+        the queue) it tries and evicts as the queue allows; before it only when it backfills.
+        Each wait ends on the next change (a state stored, a life's step, a drain's end, a
+        count of requests in flight read, the queue's own) or the next deadline, whichever is
+        first: a retry that the last try's QUEUE_RETRY_S held off, or what the queue's decision
+        names (Protected.wait_s: a victim's min_awake_s ending, an idle time to come). A change
+        that comes while a try is held off is tried at the hold's end, never lost."""
+        tried = self.clock()  # the refusal that made the first request wait was a try
         while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
             task = self.sup.bringup(name)
-            if task is not None and not task.done():  # under way: this request shares it
+            if task is not None and not task.done():  # under way: the waiters share it
                 try:
                     await asyncio.shield(task)
                 except GpudError as exc:
@@ -567,28 +661,90 @@ class OnDemand:
                 await asyncio.sleep(0)
                 continue
             wait_s = math.inf
-            if next_up(self.tickets(), self.shares) == name and self._swapping is None:
-                again = self.clock() - tried >= QUEUE_RETRY_S
-                if again:
+            held_s = tried + QUEUE_RETRY_S - self.clock()  # > 0: the last try was just now
+            if self._swapping is not None:
+                pass  # another serve's swap: its end is a change
+            elif self._head() == name:
+                if held_s <= 0:
                     tried = self.clock()
                 # One swap at a time, in a task of its own: a request that goes away (its
                 # client gone, its queue_timeout_s over) does not cut an eviction short.
                 swap = asyncio.get_running_loop().create_task(
-                    self._swap_in(name, spec, cause, min_awake_s, try_first=again))
+                    self._swap_in(name, spec, cause, min_awake_s, try_first=held_s <= 0))
                 self._swapping = swap
                 swap.add_done_callback(self._swapped)
                 outcome = await asyncio.shield(swap)
                 if outcome is None:
                     continue
-                wait_s = outcome.wait_s
-            elif self.clock() - tried >= QUEUE_RETRY_S and self._swapping is None:
-                # memory freed otherwise (a stop, an idle sleep): try again without evicting
-                tried = self.clock()
-                if await self._try_up(name, spec, cause):
-                    return
+                wait_s = outcome.wait_s if held_s <= 0 else min(outcome.wait_s, held_s)
+            elif name in self.backfills():
+                # memory freed otherwise (a stop, an idle sleep), and none the head of the
+                # queue needs at its earliest start: try again without evicting (backfill)
+                if held_s > 0:
+                    wait_s = held_s
+                else:
+                    tried = self.clock()
+                    if await self._try_up(name, spec, cause):
+                        return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if math.isinf(wait_s) else wait_s):
                     await self.changes.next()
+
+    def backfills(self, also: str | None = None) -> list[str]:
+        """The waiting serves that may come up now without evicting anything and without taking
+        memory the head of the queue needs at its earliest start (gpud.core.queue.backfill),
+        the queue in its fair order; ALSO: a serve a request arrives for, after them."""
+        serves = self.svc.config.serves
+        names = [t.serve for t in self.ordered() if not t.running]
+        if also is not None:
+            names.append(also)
+        names = [n for n in dict.fromkeys(names) if n in serves]
+        asks = [self._ask(n, serves[n]) for n in names]
+        roles = {r for n in names for r in serves[n].all_roles}
+        # each role's free MiB before any of them is brought up: what an admission of each
+        # could get, less what it holds already (the least of them: the strict bound's)
+        free = {r: min(self.svc.free_for(n, r) - self._holds(n, r) for n in names
+                       if r in serves[n].all_roles) for r in roles}
+        return backfill(asks, free)
+
+    def _holds(self, name: str, role: str) -> int:
+        res = self.svc.ledger.reservations.get(name)
+        return res.mib if res is not None and role in res.all_roles else 0
+
+    def _ask(self, name: str, spec: ServeConfig) -> Ask:
+        """NAME as the backfill sees it: what its bring-up adds on each of its roles (a sleeping
+        serve wakes to its awake reservation), and what each serve it may evict would free on
+        each role, once it may evict it (router.min_awake_s, the idle time)."""
+        router = self.svc.config.router
+        min_awake_s = router.min_awake_s if router is not None else 0.0
+        need = self.sup.sleeps.awake_mib(name, spec) \
+            if self.svc.state_of(name) == SLEEPING else spec.vram_mib
+        takes = {r: need - self._holds(name, r) for r in spec.all_roles}
+        frees = []
+        for h in self._running_beside(name, spec):
+            # as `victims` takes them: evictable at its min_awake_s, or once idle if sooner
+            awake_s = evictable(h, spec.priority, min_awake_s)
+            in_s = min(awake_s, idle_in(h))
+            res = self.svc.ledger.reservations.get(h.serve)
+            if res is None or math.isinf(awake_s):
+                continue
+            o = self.svc.config.serves[h.serve]
+            keeps = self.sup.sleeps.sleep_mib(h.serve, o) if o.sleep_level else 0
+            mib = res.mib - (res.mib if keeps is None else min(keeps, res.mib))
+            why = "min_awake_s" if in_s == awake_s and awake_s > 0 else "idle time"
+            frees += [Freeing(r, mib, in_s, h.serve, why) for r in res.all_roles if r in takes]
+        return Ask(name, takes, tuple(frees))
+
+    def waiting(self, name: str) -> Waiting | None:
+        """What NAME, with requests waiting for memory, waits for and until when
+        (gpud.core.queue.waiting_for); None: no request waits for it."""
+        tickets = self.queued.get(name)
+        spec = self.svc.config.serves.get(name)
+        if not tickets or spec is None:
+            return None
+        free = {r: self.svc.free_for(name, r) - self._holds(name, r) for r in spec.all_roles}
+        return waiting_for(self._ask(name, spec), free, requests=len(tickets),
+                           head=self._head())
 
     def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
         if self._swapping is task:
@@ -817,6 +973,5 @@ class OnDemand:
 
 
 def _why(exc: GpudError) -> Why:
-    """The class of a refusal: the one its details name, else by its code and details."""
-    named = exc.details.get("class")
-    return Why(named) if isinstance(named, str) else bringup.classify(exc.code, exc.details)
+    """The class of a refusal (gpud.core.bringup.refusal_class)."""
+    return bringup.refusal_class(exc.code, exc.details)

@@ -98,7 +98,8 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
                bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
                    None, None),
                queued: Callable[[str], int] = lambda _serve: 0,
-               queue: Callable[[str], tuple[list[answers.QueuePlace], float | None] | None]
+               queue: Callable[[str], tuple[list[answers.QueuePlace], float | None,
+                                           answers.ServeWaiting | None] | None]
                = lambda _serve: None) -> answers.Serve:
     spec = svc.serve_spec(name)
     res = svc.ledger.reservations.get(name)
@@ -156,7 +157,9 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         out["models"] = list(names)
     waits = queue(name)
     if waits is not None:
-        out["queue"], out["expected_wait_s"] = waits
+        out["queue"], out["expected_wait_s"], waiting = waits
+        if waiting is not None:
+            out["waiting"] = waiting
     if len(roles) > 1:
         out["roles"] = list(roles)
         out["observed_by_role"] = _observed_by_role(svc, name, roles, draws)
@@ -189,7 +192,8 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
                 bringups: Callable[[str], tuple[float | None, float | None]] = lambda _serve: (
                     None, None),
                 queued: Callable[[str], int] = lambda _serve: 0,
-                queue: Callable[[str], tuple[list[answers.QueuePlace], float | None] | None]
+                queue: Callable[[str], tuple[list[answers.QueuePlace], float | None,
+                                           answers.ServeWaiting | None] | None]
                 = lambda _serve: None) -> answers.Serves:
     cal = calibrations or {}
     brief = summaries or {}

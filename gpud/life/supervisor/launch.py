@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpud.config import ServeConfig
+from gpud.config import ServeConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.launch import (
     serve_argv,
@@ -222,7 +222,8 @@ class LaunchJob:
                           vram_mib=res.mib if res else None, name=serve,
                           device_indexes=indexes,
                           cdi_devices=cdi, forward_env=[*env, *spec.environment], socket=sock,
-                          vllm_version=self.svc.config.daemon.vllm_version)
+                          vllm_version=self.svc.config.daemon.vllm_version,
+                          behind_router=serve in routed(self.svc.config))
         if not argv[0].startswith("/"):
             found = shutil.which(argv[0])
             if found is None:
