@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import grp
 import hashlib
@@ -35,7 +36,8 @@ import re
 import signal
 import socket
 import stat
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -54,6 +56,7 @@ from gpud.core.front import (
     render,
     socket_path,
 )
+from gpud.core.quota import Over
 from gpud.core.router import ApiKey, RouterFront, front_policy
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
@@ -439,6 +442,35 @@ class Front:
         # the last sync left dark (GET /v1/status: front.degraded).
         self._router: RouterFront | None = None
         self.degraded: tuple[str, ...] = ()
+        # The keys past a token budget (gpud.nginx.router.RouterLog.over_budget; None: no
+        # budgets checked), rendered into the router's script at each sync.
+        self.over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None
+
+    def _over(self, router: RouterFront | None) -> tuple[Over, ...]:
+        """ROUTER's keys past a budget now; what was rendered last when the store cannot
+        be read (said)."""
+        if router is None or not router.keys or self.over_budget is None:
+            return ()
+        try:
+            return self.over_budget(router.keys)
+        except GpudError as exc:
+            log.warning("router: budgets not checked: %s", exc.message)
+            return self._router.over_budget if self._router is not None else ()
+
+    async def budgets_changed(self, cfg: Config) -> None:
+        """Sync the front when the keys past a token budget are not those its router was
+        told (a key crossed its budget, a period ended): after usage is stored. A rare event:
+        nothing is rendered otherwise."""
+        router = self._router
+        if router is None or not router.keys:
+            return
+        over = await asyncio.to_thread(self._over, router)
+        if over != router.over_budget:
+            for o in sorted(set(over) - set(router.over_budget)):
+                log.warning("router: key %s has used its tokens_per_%s (%d of %d tokens): "
+                            "refused until %s", o.key, o.period, o.used, o.limit,
+                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(o.until)))
+            await self.sync_logged(cfg)
 
     def write(self, cfg: Config, router: RouterFront | None, text: str) -> bool:
         """Write nginx.conf (TEXT), ROUTER's script and the front's own directories; whether
@@ -540,6 +572,8 @@ class Front:
         for message in self.degraded:
             log.error("front degraded: %s", message)
         router = check.router
+        if router is not None and router.keys:
+            router = dataclasses.replace(router, over_budget=self._over(router))
         if router is None and cfg.router is not None:
             cfg = cfg.model_copy(update={"router": None})
         prepare_socket_dir(cfg.daemon)

@@ -12,7 +12,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Final
@@ -20,6 +20,7 @@ from typing import Final
 from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
+from gpud.core.quota import Budget, Over, month_bounds, over_budget
 from gpud.core.router import (
     Answered,
     ApiKey,
@@ -323,6 +324,21 @@ class RouterLog:
         self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
                            counts)
 
+    def over_budget(self, keys: Sequence[ApiKey]) -> tuple[Over, ...]:
+        """The KEYS past a token budget now, and until when (gpud.core.quota): from the
+        stored rows of this UTC month and those read but not stored yet. None past any when
+        no key has a budget, or without a store (nothing durable to go by), or when the store
+        cannot be read (kept as it was: the caller keeps what it rendered)."""
+        budgets = {k.name: Budget(k.tokens_per_day, k.tokens_per_month) for k in keys
+                   if k.tokens_per_day is not None or k.tokens_per_month is not None}
+        if not budgets or self.store is None:
+            return ()
+        now = self.clock()
+        with self._lock:
+            rows = self.store.usage(month_bounds(now)[0])
+            pending = list(self.pending.items())
+        return over_budget([*rows, *pending], budgets, now)
+
     def flush(self) -> None:
         """The usage read since the last flush into the store's hourly rows, with the
         position in the log they were read up to, in one transaction; pruned to
@@ -354,12 +370,16 @@ class RouterLog:
             if gone:
                 log.info("pruned %d old usage rows", gone)
 
-    async def loop(self) -> None:
+    async def loop(self, stored: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Read and store each LOG_READ_S; then STORED (the front's budget check:
+        gpud.nginx.front.Front.budgets_changed)."""
         try:
             while True:
                 await asyncio.sleep(LOG_READ_S)
                 self.read()
                 await asyncio.to_thread(self.flush)
+                if stored is not None:
+                    await stored()
         finally:
             # gpud stops: what was read is stored
             self.read()
