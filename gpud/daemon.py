@@ -265,6 +265,8 @@ class Daemon:
             self.front = Front(supervisor.units, states=svc.states)
             # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
             self.front.over_budget = router_log.over_budget
+            front = self.front
+            self.api.budgets = lambda: router_log.budget_states(front.keys())
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
             self.api.front_degraded = self._front_degraded
@@ -288,7 +290,6 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
-            front = self.front
             stack.push_async_callback(_cancel, loop.create_task(router_log.loop(
                 stored=lambda: front.budgets_changed(self.config))))
             stack.push_async_callback(_cancel, loop.create_task(peers.run()))

@@ -457,6 +457,10 @@ class Front:
             log.warning("router: budgets not checked: %s", exc.message)
             return self._router.over_budget if self._router is not None else ()
 
+    def keys(self) -> tuple[ApiKey, ...]:
+        """The router's keys as last synced (none: no router, or keys off)."""
+        return self._router.keys or () if self._router is not None else ()
+
     async def budgets_changed(self, cfg: Config) -> None:
         """Sync the front when the keys past a token budget are not those its router was
         told (a key crossed its budget, a period ended): after usage is stored. A rare event:

@@ -20,7 +20,7 @@ from typing import Final
 from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
-from gpud.core.quota import Budget, Over, month_bounds, over_budget
+from gpud.core.quota import Budget, BudgetState, Over, budget_states, month_bounds
 from gpud.core.router import (
     Answered,
     ApiKey,
@@ -324,20 +324,25 @@ class RouterLog:
         self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
                            counts)
 
+    def budget_states(self, keys: Sequence[ApiKey]) -> list[BudgetState]:
+        """Each of KEYS with a token budget: what it used of it this UTC day and month, from
+        the stored rows and those read but not stored yet (gpud.core.quota)."""
+        budgets = {k.name: Budget(k.tokens_per_day, k.tokens_per_month) for k in keys
+                   if k.tokens_per_day is not None or k.tokens_per_month is not None}
+        if not budgets or self.store is None:
+            return []
+        now = self.clock()
+        with self._lock:
+            rows = self.store.usage(month_bounds(now)[0])
+            pending = list(self.pending.items())
+        return budget_states([*rows, *pending], budgets, now)
+
     def over_budget(self, keys: Sequence[ApiKey]) -> tuple[Over, ...]:
         """The KEYS past a token budget now, and until when (gpud.core.quota): from the
         stored rows of this UTC month and those read but not stored yet. None past any when
         no key has a budget, or without a store (nothing durable to go by), or when the store
         cannot be read (kept as it was: the caller keeps what it rendered)."""
-        budgets = {k.name: Budget(k.tokens_per_day, k.tokens_per_month) for k in keys
-                   if k.tokens_per_day is not None or k.tokens_per_month is not None}
-        if not budgets or self.store is None:
-            return ()
-        now = self.clock()
-        with self._lock:
-            rows = self.store.usage(month_bounds(now)[0])
-            pending = list(self.pending.items())
-        return over_budget([*rows, *pending], budgets, now)
+        return tuple(o for s in self.budget_states(keys) for o in [s.over()] if o is not None)
 
     def flush(self) -> None:
         """The usage read since the last flush into the store's hourly rows, with the
