@@ -165,3 +165,16 @@ def test_the_script_is_told_who_is_over_until_when() -> None:
     assert config["over_budget"] == {"alice": {"until": until, "period": "day", "limit": 1000}}
     text = render_script(_router(), "")
     assert json.loads(text.split("var CONFIG = ", 1)[1].rsplit(";", 1)[0])["over_budget"] == {}
+
+
+def test_gpuctl_usage_shows_each_budget_and_what_is_left() -> None:
+    from gpud.ctl.format import format_usage
+
+    rows = [row("2026-02-27T09:00:00", "alice", 60, 40), row("2026-02-03T09:00:00", "alice", 500, 0)]
+    states = budget_states(rows, {"alice": Budget(100, 2000)}, NOW)
+    text = format_usage({"since": 0, "rows": [], "budgets": [
+        s.to_json() for s in states]})  # type: ignore[misc]
+    assert text.splitlines()[-3:] == [
+        "KEY    BUDGET            TOKENS  USED  LEFT  RESETS",
+        "alice  tokens_per_day       100   100     0  2026-02-28 00:00 UTC (refused until then)",
+        "alice  tokens_per_month    2000   600  1400  2026-03-01 00:00 UTC"]

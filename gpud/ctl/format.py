@@ -324,9 +324,11 @@ def format_budgets(budgets: list[answers.UsageBudget]) -> str:
                  b.get("left_month"), b.get("month_ends"))):
             if limit is None:
                 continue
-            until = datetime.datetime.fromtimestamp(int(ends or 0), datetime.UTC)
+            # the time module, as local_time: importing datetime costs startup time
+            import time
+
             rows.append([str(b.get("key")), name, str(limit), str(used), str(left),
-                         until.strftime("%Y-%m-%d %H:%M UTC")
+                         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(int(ends or 0)))
                          + (" (refused until then)" if left == 0 else "")])
     if not rows:
         return ""
