@@ -291,7 +291,7 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
             stack.push_async_callback(_cancel, loop.create_task(router_log.loop(
-                stored=lambda: front.budgets_changed(self.config))))
+                stored=front.budgets_changed)))
             stack.push_async_callback(_cancel, loop.create_task(peers.run()))
             await self.stopping.wait()
             self.notify("STOPPING=1")

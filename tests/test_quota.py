@@ -178,3 +178,10 @@ def test_gpuctl_usage_shows_each_budget_and_what_is_left() -> None:
         "KEY    BUDGET            TOKENS  USED  LEFT  RESETS",
         "alice  tokens_per_day       100   100     0  2026-02-28 00:00 UTC (refused until then)",
         "alice  tokens_per_month    2000   600  1400  2026-03-01 00:00 UTC"]
+
+
+def test_what_the_router_is_told_does_not_change_as_an_over_key_spends_more() -> None:
+    budgets = {"alice": Budget(tokens_per_day=100)}
+    once = over_budget([row("2026-02-27T09:00:00", "alice", 100, 0)], budgets, NOW)
+    more = over_budget([row("2026-02-27T09:00:00", "alice", 100, 50)], budgets, NOW)
+    assert once == more and (once[0].used, more[0].used) == (100, 150)

@@ -9,7 +9,7 @@ alone, so a key is let in again at its period's end even before gpud looks again
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from gpud.core.usage import Counts, UsageKey
@@ -76,13 +76,14 @@ class BudgetState:
 
 @dataclass(frozen=True, slots=True, order=True)
 class Over:
-    """A key past its budget: refused until UNTIL (a Unix time, its period's end)."""
+    """A key past its budget: refused until UNTIL (a Unix time, its period's end). Its USED
+    tokens are said, not compared: what the router is told does not change as they grow."""
 
     key: str
     until: int
     period: str  # "day" or "month"
     limit: int
-    used: int
+    used: int = field(compare=False)
 
 
 def budget_states(rows: Iterable[tuple[UsageKey, Counts]], budgets: Mapping[str, Budget],
