@@ -263,6 +263,10 @@ class Daemon:
             stack.push_async_callback(on_demand.stopping)
             await supervisor.reconcile()
             self.front = Front(supervisor.units, states=svc.states)
+            # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
+            self.front.over_budget = router_log.over_budget
+            front = self.front
+            self.api.budgets = lambda: router_log.budget_states(front.keys())
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
             self.api.front_degraded = self._front_degraded
@@ -287,7 +291,8 @@ class Daemon:
             stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
             stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
             stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
-            stack.push_async_callback(_cancel, loop.create_task(router_log.loop()))
+            stack.push_async_callback(_cancel, loop.create_task(router_log.loop(
+                stored=front.budgets_changed)))
             stack.push_async_callback(_cancel, loop.create_task(peers.run()))
             await self.stopping.wait()
             self.notify("STOPPING=1")

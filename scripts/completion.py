@@ -53,6 +53,8 @@ COMPLETERS = {
     "models": "none",
     "max_concurrent": "none",
     "requests_per_minute": "none",
+    "tokens_per_day": "none",
+    "tokens_per_month": "none",
     "priority": "none",
     "weight": "none",
     "lines": "none",  # gpuctl logs --lines N

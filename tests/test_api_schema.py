@@ -200,7 +200,7 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
                                                                  events["events"]}
     check("GET", "/v1/events", "/v1/events?limit=0", status=400)
     usage = check("GET", "/v1/usage", "/v1/usage?since=3700&key=alice")
-    assert usage == {"since": 3600, "rows": []}, usage
+    assert usage == {"since": 3600, "rows": [], "budgets": []}, usage
     check("GET", "/v1/usage", "/v1/usage?colour=blue", status=400)
     assert check("GET", "/v1/peers") == {"peers": []}
     check("GET", "/v1/status")

@@ -131,7 +131,8 @@ def test_add_rotate_revoke_through_gpuctl(host: tuple[MemoryTransport, Path, Pat
                                           capsys: pytest.CaptureFixture[str]) -> None:
     memory, _config, keys = host
     assert keys_cmd(memory, "add", "carol", "--models", "chat", "ocr",
-                    "--requests-per-minute", "60", "--priority", "-5") == EXIT_OK
+                    "--requests-per-minute", "60", "--priority", "-5",
+                    "--tokens-per-day", "5000", "--tokens-per-month", "0") == EXIT_OK
     out = capsys.readouterr().out.splitlines()
     token = out[1].removeprefix("token: ")
     assert out[0] == f"key carol added in {keys}; gpud reloaded" and token.startswith("sk-gpud-")
@@ -142,6 +143,7 @@ def test_add_rotate_revoke_through_gpuctl(host: tuple[MemoryTransport, Path, Pat
     carol = {k.name: k for k in load_keys(str(keys), ["chat", "ocr"])}["carol"]
     assert (carol.sha256, carol.models, carol.requests_per_minute, carol.priority) == (
         hashlib.sha256(token.encode()).hexdigest(), ("chat", "ocr"), 60, -5)
+    assert (carol.tokens_per_day, carol.tokens_per_month) == (5000, 0)
     assert text.startswith(FILE)  # the rest as written
 
     assert keys_cmd(memory, "--json", "rotate", "carol") == EXIT_OK
@@ -149,16 +151,17 @@ def test_add_rotate_revoke_through_gpuctl(host: tuple[MemoryTransport, Path, Pat
     assert doc["token"] != token and doc["action"] == "rotate"
     rotated = {k.name: k for k in load_keys(str(keys), ["chat", "ocr"])}["carol"]
     assert rotated.sha256 == hashlib.sha256(doc["token"].encode()).hexdigest()
-    assert (rotated.models, rotated.requests_per_minute, rotated.priority) == (
-        ("chat", "ocr"), 60, -5)
+    assert (rotated.models, rotated.requests_per_minute, rotated.priority,
+            rotated.tokens_per_day, rotated.tokens_per_month) == (("chat", "ocr"), 60, -5, 5000, 0)
 
     assert keys_cmd(memory, "revoke", "carol") == EXIT_OK
     assert keys.read_text() == FILE and reloads(memory) == 3
     assert keys_cmd(memory, "list") == EXIT_OK
     listed = capsys.readouterr().out.splitlines()
-    assert listed[-3:] == ["KEY     MODELS  STORED  MAX_CONC  RPM  PRIORITY  WEIGHT",
-                           "alice   chat    token   2         -    -         -",
-                           "bob@ci  *       token   -         -    -         -"]
+    assert listed[-3:] == [
+        "KEY     MODELS  STORED  MAX_CONC  RPM  PRIORITY  WEIGHT  TOKENS/DAY  TOKENS/MONTH",
+        "alice   chat    token   2         -    -         -       -           -",
+        "bob@ci  *       token   -         -    -         -       -           -"]
     assert "sk-" not in "\n".join(listed)  # no token shown
 
 
@@ -169,6 +172,9 @@ def test_a_change_gpud_would_refuse_changes_nothing(host: tuple[MemoryTransport,
     assert "keys.carol.models: no serve answers to 'nope'" in capsys.readouterr().err
     assert keys_cmd(memory, "add", "carol", "--max-concurrent", "70000") == EXIT_USAGE
     assert "keys.carol.max_concurrent: an integer from 1 to 65535" in capsys.readouterr().err
+    assert keys_cmd(memory, "add", "carol", "--tokens-per-month", "-1") == EXIT_USAGE
+    assert ("keys.carol.tokens_per_month: an integer from 0 to 1000000000000000 (got -1)"
+            in capsys.readouterr().err)
     assert keys_cmd(memory, "add", "alice") == EXIT_REFUSED
     assert "key 'alice' exists" in capsys.readouterr().err
     assert keys_cmd(memory, "rotate", "carol") == EXIT_USAGE

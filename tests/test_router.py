@@ -32,6 +32,7 @@ import pytest
 from gpud.config import model_names, parse_config, routed
 from gpud.core.front import FrontConfig, render
 from gpud.core.launch import vllm_argv
+from gpud.core.quota import Over
 from gpud.core.router import (
     DEFAULT_LARGE_BODIES_PER_REQUESTER,
     ROUTED_PATHS,
@@ -249,8 +250,10 @@ def rig() -> Iterator[Rig]:
 @contextlib.contextmanager
 def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, ...] = (),
                access_log: bool = False, priority_scheduling: bool = False,
-               large_bodies: int = DEFAULT_LARGE_BODIES_PER_REQUESTER) -> Iterator[Rig]:
-    """The rig, with KEYS (their limits in nginx's config) and more stand-in arguments."""
+               large_bodies: int = DEFAULT_LARGE_BODIES_PER_REQUESTER,
+               over_budget: tuple[Over, ...] = ()) -> Iterator[Rig]:
+    """The rig, with KEYS (their limits in nginx's config), the keys past a token budget and
+    more stand-in arguments."""
     for path in (NGINX, NJS):
         if not path.exists():
             pytest.fail(f"{path} missing: run scripts/setup")
@@ -268,7 +271,8 @@ def router_rig(keys: tuple[ApiKey, ...] | None = None, standin_args: tuple[str, 
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=1,
                          body_timeout_s=1, keys=keys, large_bodies_per_requester=large_bodies,
-                         access_log=str(tmp / "access.log") if access_log else None)
+                         access_log=str(tmp / "access.log") if access_log else None,
+                         over_budget=over_budget)
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),

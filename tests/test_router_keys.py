@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
+from gpud.core.quota import Over
 from gpud.core.router import (
     KEY_SECRETS,
     KEY_SHARES,
@@ -763,3 +764,32 @@ def test_without_keys_all_of_loopback_is_one_requester_of_large_bodies() -> None
             assert err is not None and err["gpud"]["limit"] == (  # type: ignore[index]
                 "large_bodies_per_requester"), err
             assert str(err["message"]).startswith("client loopback has 2 requests"), err
+
+
+BUDGETED = KEYS.replace("priority = -1\n", "priority = -1\ntokens_per_day = 10\n").replace(
+    "weight = 2.5\n", "weight = 2.5\ntokens_per_month = 10\n")
+
+
+def test_a_key_past_its_budget_is_refused_until_the_periods_end_by_the_time_alone() -> None:
+    """What gpud renders (gpud.core.quota.Over) is all the data path goes by: alice, past her
+    day until an hour from now, is answered 429 insufficient_quota on every routed path, with
+    Retry-After the seconds left and x-should-retry false; bob's month, past until a moment
+    ago, has ended: let in, with no word from gpud; the probe has no budget."""
+    keys, problems = parse_keys(BUDGETED, ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    now = int(time.time())
+    over = (Over("alice", now + 3600, "day", 10, 12), Over("bob", now - 1, "month", 10, 10))
+    with router_rig(tuple(keys), over_budget=over) as rig:
+        for path in ROUTED_PATHS:
+            status, headers, body = _req(rig.port, "POST", path, b'{"model": "a"}',
+                                         {"Authorization": "Bearer sk-alice-0123456789",
+                                          "Content-Type": "application/json"})
+            assert status == 429, (path, status, body)
+            err = json.loads(body)["error"]
+            assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota")
+            assert err["gpud"]["until"] == now + 3600 and err["gpud"]["limit"] == "tokens_per_day"
+            assert 3590 <= int(headers["Retry-After"]) <= 3600, headers
+            assert err["gpud"]["retry_after_s"] == int(headers["Retry-After"])
+            assert headers["x-should-retry"] == "false", headers
+        assert _ask(rig.port, "sk-bob-01234567890", "b")[0] == 200
+        assert _ask(rig.port, RIG_TOKEN)[0] == 200

@@ -300,12 +300,29 @@ class UsageRow(TypedDict):
     statuses: dict[str, int]  # requests by HTTP status
 
 
+class UsageBudget(TypedDict):
+    """A key's token budgets (docs/router.md, "Budgets": prompt + completion tokens, the day and
+    the month in UTC) and what is used and left of each now (gpud.core.quota.BudgetState;
+    None: no such budget)."""
+
+    key: str
+    tokens_per_day: int | None
+    used_day: int
+    left_day: int | None
+    day_ends: int  # Unix time
+    tokens_per_month: int | None
+    used_month: int
+    left_month: int | None
+    month_ends: int  # Unix time
+
+
 class Usage(TypedDict):
     """GET /v1/usage: usage per key and model through the router, from `since` (the start of
-    its hour, Unix time)."""
+    its hour, Unix time); and each budgeted key's budgets, whatever `since`."""
 
     since: int
     rows: list[UsageRow]
+    budgets: list[UsageBudget]
 
 
 class Launching(TypedDict):

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
 from gpud.core.queue import Histogram
+from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
 from gpud.core.usage import tokens
 
@@ -182,6 +183,9 @@ class ApiKey:
     requests_per_minute: int | None = None
     priority: int = 0
     weight: float = 1.0
+    # docs/router.md, "Budgets": prompt + completion tokens a UTC day and month (gpud.core.quota)
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
 
 
 def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
@@ -247,8 +251,14 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
                            max_concurrent=None if mc is None else int(mc),
                            requests_per_minute=None if rpm is None else int(rpm),
                            priority=int(shares.get("priority", 0)),
-                           weight=float(shares.get("weight", 1.0))))
+                           weight=float(shares.get("weight", 1.0)),
+                           tokens_per_day=_whole(shares.get("tokens_per_day")),
+                           tokens_per_month=_whole(shares.get("tokens_per_month"))))
     return keys, problems
+
+
+def _whole(value: int | float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 # How a key's table gives its token: the token itself, or its SHA-256 (what the router compares:
@@ -284,6 +294,9 @@ KEY_SHARES: Final[Mapping[str, tuple[float, float]]] = {
     "requests_per_minute": (1, 1_000_000),
     "priority": (-1000, 1000),
     "weight": (0.01, 1000.0),
+    # budgets (gpud.core.quota): 0 lets no request in
+    "tokens_per_day": (0, 10**15),
+    "tokens_per_month": (0, 10**15),
 }
 
 
@@ -410,6 +423,21 @@ COUNTED_PAGE: Final = ("        location @router_counted {",
 LIMITED_PAGE: Final = ("        location @router_limited {",
                        "            js_content router.limited;",
                        "        }")
+# A key past a token budget (gpud.core.quota; router.js quota): refused in the rewrite phase,
+# before the body is read, on every way in, through this status of nginx's own (an error page
+# makes it the 429 of @router_quota: code insufficient_quota, Retry-After at the period's end).
+QUOTA_STATUS: Final = 432
+QUOTA_CHECK: Final = ('if ($router_quota != "") {', f"    return {QUOTA_STATUS};", "}")
+QUOTA_PAGE: Final = ("        location @router_quota {",
+                     "            set $router_key $router_key_name;",
+                     "            default_type application/json;",
+                     "            add_header Retry-After $router_quota always;",
+                     # OpenAI's Python client retries a 429 unless told not to (its
+                     # _base_client.py _should_retry reads x-should-retry first): a used-up
+                     # budget is not worth the retries
+                     "            add_header x-should-retry false always;",
+                     "            return 429 $router_quota_text;",
+                     "        }")
 
 
 @dataclass(frozen=True)
@@ -443,6 +471,9 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         server += ["        error_page 429 = @router_counted;", *COUNTED_PAGE]
     if rates:
         server += [f"        error_page {FRONT_RATE_STATUS} = @router_limited;", *LIMITED_PAGE]
+    if any(k.tokens_per_day is not None or k.tokens_per_month is not None for k in keys):
+        server += [*(f"        {line}" for line in QUOTA_CHECK),
+                   f"        error_page {QUOTA_STATUS} = @router_quota;", *QUOTA_PAGE]
     return FrontPolicy(tuple(server), (*counted, *rates, METER))
 
 
@@ -508,6 +539,9 @@ class RouterFront:
     # Where gpud keeps a file per fronted serve that is running and awake (gpud.nginx.front.awake_dir):
     # what the router goes by when gpud does not answer, as the fronts do. None: no check.
     awake_dir: str | None = None
+    # the keys past a token budget, and until when (gpud.core.quota: gpud decides it as it
+    # stores usage; the script compares the time)
+    over_budget: tuple[Over, ...] = ()
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
@@ -769,6 +803,10 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_set $router_counted_text router.countedText;",
            # the fronted ports' key check and requester (gpud.core.front, FrontConfig.keys)
            "    js_set $router_key_ok router.keyOk;",
+           # a key past a token budget: the seconds to its period's end, "" none (router.js
+           # quota), and its 429's document (QUOTA_PAGE)
+           "    js_set $router_quota router.quota;",
+           "    js_set $router_quota_text router.quotaText;",
            "    js_set $router_requester_of router.requesterOf;",
            *[f"    js_set $router_error_{status} router.error{status};"
              for status in ERROR_PAGES]]
@@ -793,13 +831,19 @@ def http_lines(router: RouterFront) -> list[str]:
     # ngx_http_discard_request_body), so a client without one holds no body buffer. `return`
     # is one of the two directives safe inside a location's `if`.
     auth = ""
+    budgets = any(k.tokens_per_day is not None or k.tokens_per_month is not None
+                  for k in router.keys or ())
     if router.keys is not None:
         auth = ('            if ($router_key_name = "") {\n'
                 "                return 401;\n"
                 "            }\n")
+    if budgets:
+        # past a token budget: after the key's check, before the body is read
+        auth += "".join(f"            {line}\n" for line in QUOTA_CHECK)
     error_pages = [*[f"error_page {status} {ERROR_PREFIX}{status};" for status in ERROR_PAGES],
                    *(["error_page 401 = @router_unauthorized;"]
                      if router.keys is not None else []),
+                   *([f"error_page {QUOTA_STATUS} = @router_quota;"] if budgets else []),
                    "error_page 502 504 = @router_down;"]
     # the counts of requests open at once (a key's max_concurrent, a requester's large
     # bodies), after the key's check, before the body is read
@@ -866,6 +910,7 @@ def http_lines(router: RouterFront) -> list[str]:
            "        }"] if router.keys is not None else []),
         # past a count of the routed locations (conn_lines): 429 before the body is read
         *(COUNTED_PAGE if counted else ()),
+        *(QUOTA_PAGE if budgets else ()),
         "        location @router_refused {",
         "            js_content router.refused;",
         "        }",
@@ -914,6 +959,8 @@ def render_script(router: RouterFront, code: str) -> str:
     limits = {k.name: {"max_concurrent": k.max_concurrent,
                        "requests_per_minute": k.requests_per_minute}
               for k in router.keys or () if k.max_concurrent or k.requests_per_minute}
+    over = {o.key: {"until": o.until, "period": o.period, "limit": o.limit}
+            for o in router.over_budget}
     # a key's digest by its name (router.js lookUp: the name is $router_key_name's)
     digests = None if router.keys is None else {k.name: k.sha256 for k in router.keys}
     head = {"models": table, "keys": keys, "key_digests": digests,
@@ -921,7 +968,7 @@ def render_script(router: RouterFront, code: str) -> str:
             "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
             "loading_suffix": LOADING_SUFFIX,
-            "stream_prefix": STREAM_PREFIX, "limits": limits,
+            "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
             "priority_routes": list(PRIORITY_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"

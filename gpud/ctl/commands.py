@@ -645,7 +645,10 @@ COMMANDS: tuple[Command, ...] = (
         "neither sum; one whose client hung up before the whole answer was sent in HUNG UP "
         "too. Requests through a serve's own fronted port are counted alike. KEY \"\" "
         "(shown -): requests without a key (keys off). The newest requests appear within "
-        "5 s; those answered while gpud was down once it is back.",
+        "5 s; those answered while gpud was down once it is back. Then each key's token "
+        "budgets (keys.NAME.tokens_per_day, tokens_per_month: prompt + completion tokens, the "
+        "day and the month in UTC, docs/router.md \"Budgets\"): used, left, and when the "
+        "period resets; a key with none left is answered 429 insufficient_quota until then.",
         "  gpuctl usage --since 24h\n"
         "      KEY    MODEL  REQUESTS  PROMPT  COMPLETION  TOTAL  UNMETERED  HUNG UP  STATUSES\n"
         "      alice  chat        120   48211       20113  68324          2        1  "

@@ -324,11 +324,36 @@ def format_usage(doc: answers.Usage) -> str:
              str(r.get("total_tokens")), str(r.get("unmetered")), str(r.get("hung_up", 0)),
              " ".join(f"{k}:{v}" for k, v in (r.get("statuses") or {}).items())]
             for r in doc.get("rows") or []]
+    out = format_table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
+                        "UNMETERED", "HUNG UP", "STATUSES"], rows,
+                       [False, False, True, True, True, True, True, True, False]) if rows else (
+        "no usage recorded (the router counts requests per key once it has answered some)")
+    budgets = format_budgets(doc.get("budgets") or [])
+    return out + ("\n\n" + budgets if budgets else "")
+
+
+def format_budgets(budgets: list[answers.UsageBudget]) -> str:
+    """Each key's token budgets (docs/router.md, "Budgets"): used and left this UTC day and
+    month, and when the period ends; "" when no key has one."""
+    rows = []
+    for b in budgets:
+        for name, limit, used, left, ends in (
+                ("tokens_per_day", b.get("tokens_per_day"), b.get("used_day"),
+                 b.get("left_day"), b.get("day_ends")),
+                ("tokens_per_month", b.get("tokens_per_month"), b.get("used_month"),
+                 b.get("left_month"), b.get("month_ends"))):
+            if limit is None:
+                continue
+            # the time module, as local_time: importing datetime costs startup time
+            import time
+
+            rows.append([str(b.get("key")), name, str(limit), str(used), str(left),
+                         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(int(ends or 0)))
+                         + (" (refused until then)" if left == 0 else "")])
     if not rows:
-        return "no usage recorded (the router counts requests per key once it has answered some)"
-    return format_table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
-                         "UNMETERED", "HUNG UP", "STATUSES"], rows,
-                        [False, False, True, True, True, True, True, True, False])
+        return ""
+    return format_table(["KEY", "BUDGET", "TOKENS", "USED", "LEFT", "RESETS"], rows,
+                        [False, False, True, True, True, False])
 
 
 def format_peers(doc: answers.Peers, tz: datetime.tzinfo | None = None) -> str:

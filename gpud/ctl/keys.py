@@ -57,12 +57,18 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(smaller first, -1000 to 1000)")
     p.add_argument("--weight", type=float, metavar="W",
                    help="with add: the key's share among those waiting (0.01 to 1000)")
+    p.add_argument("--tokens-per-day", type=int, metavar="N",
+                   help="with add: the key's prompt + completion tokens a UTC day; past them "
+                        "its requests are answered 429 insufficient_quota until the day ends")
+    p.add_argument("--tokens-per-month", type=int, metavar="N",
+                   help="with add: the key's prompt + completion tokens a UTC month, alike")
 
 
 def _shares(args: argparse.Namespace) -> dict[str, int | float]:
     given = {"max_concurrent": args.max_concurrent,
              "requests_per_minute": args.requests_per_minute,
-             "priority": args.priority, "weight": args.weight}
+             "priority": args.priority, "weight": args.weight,
+             "tokens_per_day": args.tokens_per_day, "tokens_per_month": args.tokens_per_month}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -265,11 +271,13 @@ def _list(ctl: Ctl, path: str) -> int:
 def _format_list(doc: dict[str, Any]) -> str:
     if not doc["keys"]:
         return f"no keys in {doc['file']}" + ("" if doc["exists"] else " (no such file yet)")
-    head = ["KEY", "MODELS", "STORED", "MAX_CONC", "RPM", "PRIORITY", "WEIGHT"]
+    head = ["KEY", "MODELS", "STORED", "MAX_CONC", "RPM", "PRIORITY", "WEIGHT", "TOKENS/DAY",
+            "TOKENS/MONTH"]
     table = [head] + [
         [k["name"], ",".join(map(str, k["models"])), k["stored"],
          *("-" if k[f] is None else str(k[f])
-           for f in ("max_concurrent", "requests_per_minute", "priority", "weight"))]
+           for f in ("max_concurrent", "requests_per_minute", "priority", "weight",
+                     "tokens_per_day", "tokens_per_month"))]
         for k in doc["keys"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()

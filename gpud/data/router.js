@@ -1173,6 +1173,39 @@ function loadingStream(r) {
     loading(r, model, CONFIG.models[model]);
 }
 
+// A key past a token budget (gpud.core.quota, CONFIG.over_budget: gpud's decision as it stores
+// usage): the whole seconds to the period's end (js_set $router_quota, Retry-After), "" when the
+// request's key is past none, or the period it was past has ended (the time alone decides:
+// the key is let in again then, before gpud looks again).
+function overOf(r) {
+    var name = r.variables.router_key_name || '';
+    var over = name && has(CONFIG.over_budget, name) ? CONFIG.over_budget[name] : null;
+    var left = over ? over.until - Math.floor(Date.now() / 1000) : 0;
+    return left > 0 ? {name: name, over: over, left: left} : null;
+}
+
+function quota(r) {
+    var o = overOf(r);
+    return o ? String(o.left) : '';
+}
+
+// Its 429's document (@router_quota's `return`: no body read), in OpenAI's shape for a quota
+// used up: type and code insufficient_quota.
+function quotaText(r) {
+    var o = overOf(r);
+    if (!o) {
+        return '';
+    }
+    var p = o.over.period;
+    return JSON.stringify({error: {
+        message: 'key ' + o.name + ' has used its tokens_per_' + p + ' of ' + o.over.limit +
+                 ' tokens (prompt + completion) this ' + p + ' (UTC); retry after ' + o.left +
+                 ' s, when the ' + p + ' ends',
+        type: 'insufficient_quota', param: null, code: 'insufficient_quota',
+        gpud: {key: o.name, limit: 'tokens_per_' + p, value: o.over.limit, until: o.over.until,
+               retry_after_s: o.left}}});
+}
+
 // Past a key's requests_per_minute (nginx's limit_req where the router sent the request: the
 // serve's location, or @router_loading): 429 in OpenAI's shape (code rate_limit_exceeded),
 // the limit and its figure, and Retry-After: a minute's share of it. (Past a count of requests
@@ -1189,7 +1222,7 @@ function limited(r) {
     r.return(answer.status, JSON.stringify(answer.doc));
 }
 
-export default {route, keyName, countedText, unauthorizedText, keyOk, requesterOf, models, model,
+export default {route, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import grp
 import hashlib
@@ -35,7 +36,8 @@ import re
 import signal
 import socket
 import stat
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -54,6 +56,7 @@ from gpud.core.front import (
     render,
     socket_path,
 )
+from gpud.core.quota import Over
 from gpud.core.router import ApiKey, RouterFront, front_policy
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
@@ -439,6 +442,46 @@ class Front:
         # the last sync left dark (GET /v1/status: front.degraded).
         self._router: RouterFront | None = None
         self.degraded: tuple[str, ...] = ()
+        # The keys past a token budget (gpud.nginx.router.RouterLog.over_budget; None: no
+        # budgets checked), rendered into the router's script at each sync.
+        self.over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None
+        self._syncing = asyncio.Lock()
+
+    def _over(self, router: RouterFront | None) -> tuple[Over, ...]:
+        """ROUTER's keys past a budget now; what was rendered last when the store cannot
+        be read (said)."""
+        if router is None or not router.keys or self.over_budget is None:
+            return ()
+        try:
+            return self.over_budget(router.keys)
+        except GpudError as exc:
+            log.warning("router: budgets not checked: %s", exc.message)
+            return self._router.over_budget if self._router is not None else ()
+
+    def keys(self) -> tuple[ApiKey, ...]:
+        """The router's keys as last synced (none: no router, or keys off)."""
+        return self._router.keys or () if self._router is not None else ()
+
+    async def budgets_changed(self) -> None:
+        """Sync the front when the keys past a token budget are not those its router was
+        told (a key crossed its budget, a period ended): after usage is stored. A rare event:
+        nothing is rendered otherwise. Under the config last synced (a reload's sync, which
+        checks budgets itself, is not raced)."""
+        async with self._syncing:
+            router, cfg = self._router, self._config
+            if router is None or not router.keys or cfg is None:
+                return
+            over = await asyncio.to_thread(self._over, router)
+            if over == router.over_budget:
+                return
+            for o in sorted(set(over) - set(router.over_budget)):
+                log.warning("router: key %s has used its tokens_per_%s (%d of %d tokens): "
+                            "refused until %s", o.key, o.period, o.used, o.limit,
+                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(o.until)))
+            try:
+                await self._sync(cfg)
+            except GpudError as exc:
+                log.error("front not in line with the config: %s", exc.message)
 
     def write(self, cfg: Config, router: RouterFront | None, text: str) -> bool:
         """Write nginx.conf (TEXT), ROUTER's script and the front's own directories; whether
@@ -528,7 +571,12 @@ class Front:
         not running, reloaded when its config changed. What would be dark (the router's keys
         refused, its module missing, a port another process holds) is left out and said
         (``degraded``, GET /v1/status); the keys last read are kept while the keys file is
-        refused. The router's part is computed once, its keys file read once."""
+        refused. The router's part is computed once, its keys file read once. One sync at a
+        time (a reload's and a budget's: budgets_changed)."""
+        async with self._syncing:
+            await self._sync(cfg)
+
+    async def _sync(self, cfg: Config) -> None:
         if not fronted(cfg) and cfg.router is None and self.text is None:
             # Nothing to front, and no front started by this gpud: no D-Bus traffic (a
             # front left from before keeps its config until a fronted serve comes back).
@@ -540,6 +588,8 @@ class Front:
         for message in self.degraded:
             log.error("front degraded: %s", message)
         router = check.router
+        if router is not None and router.keys:
+            router = dataclasses.replace(router, over_budget=self._over(router))
         if router is None and cfg.router is not None:
             cfg = cfg.model_copy(update={"router": None})
         prepare_socket_dir(cfg.daemon)

@@ -12,7 +12,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Final
@@ -21,6 +21,7 @@ from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
 from gpud.core.launch import scheduling_policy
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
+from gpud.core.quota import Budget, BudgetState, Over, budget_states, month_bounds
 from gpud.core.router import (
     Answered,
     ApiKey,
@@ -322,6 +323,26 @@ class RouterLog:
         self.pending = add(self.pending, UsageKey(hour_of(ts), a.key, a.model, a.status),
                            counts)
 
+    def budget_states(self, keys: Sequence[ApiKey]) -> list[BudgetState]:
+        """Each of KEYS with a token budget: what it used of it this UTC day and month, from
+        the stored rows and those read but not stored yet (gpud.core.quota)."""
+        budgets = {k.name: Budget(k.tokens_per_day, k.tokens_per_month) for k in keys
+                   if k.tokens_per_day is not None or k.tokens_per_month is not None}
+        if not budgets or self.store is None:
+            return []
+        now = self.clock()
+        with self._lock:
+            rows = self.store.usage(month_bounds(now)[0])
+            pending = list(self.pending.items())
+        return budget_states([*rows, *pending], budgets, now)
+
+    def over_budget(self, keys: Sequence[ApiKey]) -> tuple[Over, ...]:
+        """The KEYS past a token budget now, and until when (gpud.core.quota): from the
+        stored rows of this UTC month and those read but not stored yet. None past any when
+        no key has a budget, or without a store (nothing durable to go by), or when the store
+        cannot be read (kept as it was: the caller keeps what it rendered)."""
+        return tuple(o for s in self.budget_states(keys) for o in [s.over()] if o is not None)
+
     def flush(self) -> None:
         """The usage read since the last flush into the store's hourly rows, with the
         position in the log they were read up to, in one transaction; pruned to
@@ -353,12 +374,16 @@ class RouterLog:
             if gone:
                 log.info("pruned %d old usage rows", gone)
 
-    async def loop(self) -> None:
+    async def loop(self, stored: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Read and store each LOG_READ_S; then STORED (the front's budget check:
+        gpud.nginx.front.Front.budgets_changed)."""
         try:
             while True:
                 await asyncio.sleep(LOG_READ_S)
                 self.read()
                 await asyncio.to_thread(self.flush)
+                if stored is not None:
+                    await stored()
         finally:
             # gpud stops: what was read is stored
             self.read()

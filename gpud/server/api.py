@@ -20,7 +20,7 @@ import pwd
 import re
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -45,6 +45,7 @@ from gpud.core.bodies import (
     StartBody,
 )
 from gpud.core.ledger import Reservation, RoleFigures
+from gpud.core.quota import BudgetState
 from gpud.core.router import ANONYMOUS, Crowded, EnsureBound, router_request
 from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, ServeState, StepKind
@@ -173,6 +174,8 @@ class Api:
         self.front_degraded: Callable[[], tuple[str, ...]] | None = None
         # what this host knows of its peers (gpud.host.peers.PeerPoller.answer), once polled
         self.peers: Callable[[], answers.Peers] = lambda: {"peers": []}
+        # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread)
+        self.budgets: Callable[[], Sequence[BudgetState]] | None = None
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
         # so that a reload's new bounds hold at once)
         self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,
@@ -445,8 +448,11 @@ class Api:
             raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
         since = hour_of(parse_since(q["since"])) if "since" in q else 0
         rows = await asyncio.to_thread(self.svc.store.usage, since, q.get("key"))
+        states = await asyncio.to_thread(self.budgets) if self.budgets is not None else []
         answer: answers.Usage = {"since": since, "rows": [
-            cast(answers.UsageRow, s.to_json()) for s in summarize(rows)]}
+            cast(answers.UsageRow, s.to_json()) for s in summarize(rows)], "budgets": [
+            cast(answers.UsageBudget, b.to_json()) for b in states
+            if q.get("key") in (None, b.key)]}
         return json_response(answer)
 
     async def _follow(self, request: web.Request, query: EventQuery) -> web.StreamResponse:
