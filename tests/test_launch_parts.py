@@ -21,7 +21,7 @@ from gpud.core.launch import (
     vllm_arg_parts,
     with_kv_cache,
 )
-from gpud.core.vllm_versions import EXTENSIBLE_KV_OFF, V034
+from gpud.core.vllm_versions import EXTENSIBLE_KV_OFF, NEWEST_KNOWN, V034
 
 
 def vllm_serve(*, port: int | None = 8000, roles: list[str] | None = None,
@@ -106,12 +106,14 @@ def test_vllm_arg_parts(serve: ServeConfig, kw: dict[str, Any],
     assert parts(serve, **kw) == expected
 
 
-def test_a_release_gpud_does_not_know_is_never_launched_as_another() -> None:
-    """The config check refuses such a daemon.vllm_version (tests/test_vllm034.py); were one to
-    reach the argv, it raises naming the releases gpud knows instead of launching as 0.33 (the
-    silent fallback this replaced)."""
-    with pytest.raises(KeyError, match=r"gpud knows vLLM 0\.33\.0, 0\.34\.0, not '0\.99\.0'"):
-        parts(vllm_serve(), vllm_version="0.99.0")
+def test_a_release_gpud_has_no_rules_for_is_launched_by_the_newest_rules_and_a_non_version_never() -> None:
+    """A release with no rules of its own borrows the newest known release's (issue 54: never
+    refused for that alone, and said where gpud speaks: tests/test_vllm_tables.py); a string that
+    is not a vLLM version raises instead of launching as some release."""
+    assert parts(vllm_serve(), vllm_version="0.99.0") == parts(vllm_serve(),
+                                                               vllm_version=NEWEST_KNOWN)
+    with pytest.raises(KeyError, match=r"'latest' is not a vLLM version"):
+        parts(vllm_serve(), vllm_version="latest")
 
 
 def test_vllm_arg_parts_of_a_command_serve_is_an_error() -> None:

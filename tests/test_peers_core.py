@@ -22,8 +22,8 @@ from gpud.core.peers import (
     CircuitState,
     ModelsProblem,
     Offer,
-    Outcome,
     PeerModel,
+    PeerOutcome,
     choose_host,
     classify,
     gpud_error_code,
@@ -75,26 +75,26 @@ def gpud_doc(code: str) -> bytes:
 
 
 @pytest.mark.parametrize(("status", "body", "outcome"), [
-    (200, b'{"object": "list", "data": []}', Outcome.OK),
+    (200, b'{"object": "list", "data": []}', PeerOutcome.OK),
     # the peer's gpud refused (no memory, queue full, rate limited, model not found): answers
-    (503, gpud_doc("model_unavailable"), Outcome.ANSWER),
-    (429, gpud_doc("rate_limit_exceeded"), Outcome.ANSWER),
-    (404, gpud_doc("model_not_found"), Outcome.ANSWER),
-    (503, gpud_doc("model_not_running"), Outcome.ANSWER),
+    (503, gpud_doc("model_unavailable"), PeerOutcome.ANSWER),
+    (429, gpud_doc("rate_limit_exceeded"), PeerOutcome.ANSWER),
+    (404, gpud_doc("model_not_found"), PeerOutcome.ANSWER),
+    (503, gpud_doc("model_not_running"), PeerOutcome.ANSWER),
     # gpud's own API error shape (gpud.core.answers.Error), passed on by the router
     (503, json.dumps({"error": {"code": "too-many-requests", "message": "m",
-                                "details": {}}}).encode(), Outcome.ANSWER),
+                                "details": {}}}).encode(), PeerOutcome.ANSWER),
     # a 5xx the peer's gpud did not write: a proxy's page, vLLM's integer code, nothing
-    (502, b"<html><body>502 Bad Gateway</body></html>", Outcome.FAILURE),
+    (502, b"<html><body>502 Bad Gateway</body></html>", PeerOutcome.FAILURE),
     (500, json.dumps({"error": {"message": "m", "type": "x", "code": 500}}).encode(),
-     Outcome.FAILURE),
-    (504, b"", Outcome.FAILURE),
-    (503, b'{"error": "down"}', Outcome.FAILURE),
-    (503, b'{"error": {"code": "x"}}', Outcome.FAILURE),
-    (302, b"", Outcome.FAILURE),
-    (400, b"bad", Outcome.ANSWER),
+     PeerOutcome.FAILURE),
+    (504, b"", PeerOutcome.FAILURE),
+    (503, b'{"error": "down"}', PeerOutcome.FAILURE),
+    (503, b'{"error": {"code": "x"}}', PeerOutcome.FAILURE),
+    (302, b"", PeerOutcome.FAILURE),
+    (400, b"bad", PeerOutcome.ANSWER),
 ])
-def test_classify(status: int, body: bytes, outcome: Outcome) -> None:
+def test_classify(status: int, body: bytes, outcome: PeerOutcome) -> None:
     assert classify(status, body) == outcome
 
 
@@ -108,12 +108,12 @@ def test_every_code_the_router_writes_is_known_as_gpuds_shape() -> None:
     assert {"rate_limit_exceeded", "model_unavailable", "model_not_running"} <= codes
     for code in codes:
         assert gpud_error_code(gpud_doc(code)) == code
-        assert classify(503, gpud_doc(code)) == Outcome.ANSWER
+        assert classify(503, gpud_doc(code)) == PeerOutcome.ANSWER
 
 
 @given(st.integers(500, 599), st.binary(max_size=200))
 def test_a_5xx_is_a_failure_unless_it_is_a_gpud_error_document(status: int, body: bytes) -> None:
-    assert (classify(status, body) == Outcome.FAILURE) == (gpud_error_code(body) is None)
+    assert (classify(status, body) == PeerOutcome.FAILURE) == (gpud_error_code(body) is None)
 
 
 # --- the circuit ---------------------------------------------------------------------------

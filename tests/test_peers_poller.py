@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from gpud.config import Config, parse_config
-from gpud.core.peers import MAX_MODELS_BYTES, CircuitState, Outcome, PeerModel
+from gpud.core.peers import MAX_MODELS_BYTES, CircuitState, PeerModel, PeerOutcome
 from gpud.host.peers import PeerPoller, check_peers, fetch_models
 from gpud.server.metrics import _Family, _peer_families
 from gpud.server.openapi import document
@@ -115,7 +115,7 @@ async def test_a_good_answer_lists_the_models_it_serves(peer: Peer, tmp_path: Pa
     cfg = config(tmp_path, peer.port)
     async with aiohttp.ClientSession() as session:
         got = await fetch_models(session, cfg.peers["node2"], KEY)
-    assert got.outcome == Outcome.OK and got.error is None and got.rtt_s is not None
+    assert got.outcome == PeerOutcome.OK and got.error is None and got.rtt_s is not None
     # what node2 only offers from node3 (the hop marker) is not offered again
     assert got.models == (PeerModel("ocr", "sleeping"), PeerModel("chat", "stopped", 12.0, 2))
     assert peer.asked == ["/v1/models"]
@@ -129,17 +129,17 @@ async def test_the_models_setting_picks_among_the_peers(peer: Peer, tmp_path: Pa
 
 
 @pytest.mark.parametrize(("mode", "key", "outcome", "error"), [
-    ("good", "sk-wrong", Outcome.ANSWER, "the key was refused (401 invalid_api_key)"),
-    ("garbage", KEY, Outcome.FAILURE, "garbage: answer not JSON"),
-    ("redirect", KEY, Outcome.FAILURE, "redirected (302) to http://127.0.0.1:1/v1/models"),
-    ("huge", KEY, Outcome.FAILURE, f"answer over {MAX_MODELS_BYTES} bytes"),
-    ("endless", KEY, Outcome.FAILURE, f"answer over {MAX_MODELS_BYTES} bytes"),
-    ("drip", KEY, Outcome.FAILURE, "no whole answer within 0.3 s"),
-    ("bad-gateway", KEY, Outcome.FAILURE, "answered 502 (not gpud's)"),
-    ("gpud-503", KEY, Outcome.ANSWER, "answered 503 (model_unavailable)"),
+    ("good", "sk-wrong", PeerOutcome.ANSWER, "the key was refused (401 invalid_api_key)"),
+    ("garbage", KEY, PeerOutcome.FAILURE, "garbage: answer not JSON"),
+    ("redirect", KEY, PeerOutcome.FAILURE, "redirected (302) to http://127.0.0.1:1/v1/models"),
+    ("huge", KEY, PeerOutcome.FAILURE, f"answer over {MAX_MODELS_BYTES} bytes"),
+    ("endless", KEY, PeerOutcome.FAILURE, f"answer over {MAX_MODELS_BYTES} bytes"),
+    ("drip", KEY, PeerOutcome.FAILURE, "no whole answer within 0.3 s"),
+    ("bad-gateway", KEY, PeerOutcome.FAILURE, "answered 502 (not gpud's)"),
+    ("gpud-503", KEY, PeerOutcome.ANSWER, "answered 503 (model_unavailable)"),
 ])
 async def test_each_fault_is_bounded_and_named(peer: Peer, tmp_path: Path, mode: str, key: str,
-                                               outcome: Outcome, error: str) -> None:
+                                               outcome: PeerOutcome, error: str) -> None:
     peer.mode = mode
     cfg = config(tmp_path, peer.port)
     async with aiohttp.ClientSession() as session:
@@ -152,7 +152,7 @@ async def test_a_peer_not_listening_is_a_connect_failure(tmp_path: Path) -> None
     cfg = config(tmp_path, 9)
     async with aiohttp.ClientSession() as session:
         got = await fetch_models(session, cfg.peers["node2"], KEY)
-    assert got.outcome == Outcome.FAILURE and got.error is not None
+    assert got.outcome == PeerOutcome.FAILURE and got.error is not None
     assert got.error.startswith("cannot connect"), got.error
 
 

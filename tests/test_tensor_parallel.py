@@ -233,7 +233,7 @@ def test_schema_4_rows_migrate_to_position_0(tmp_path: Path) -> None:
     db.commit()
     db.close()
     store = Store(path)
-    assert schema_version(path) == SCHEMA_VERSION == 6
+    assert schema_version(path) == SCHEMA_VERSION == 7
     assert store.reservations() == [Reservation("a", "r", 5, 1.0, 7, False),
                                     Reservation("e", "r", 9, 2.0, None, True)]
 

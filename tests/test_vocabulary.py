@@ -34,6 +34,8 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "gpud/ctl/format.py": (frozenset({"external", "over-committed", "denied", "forbidden"}),
                            "column headings and error codes (gpud.errors)"),
     "gpud/errors.py": (frozenset({"denied", "forbidden"}), "error codes"),
+    "gpud/ctl/keys.py": (frozenset({"forbidden"}), "an error code (gpud.errors)"),
+    "gpud/ctl/logs.py": (frozenset({"forbidden"}), "an error code (gpud.errors)"),
     "gpud/host/containers.py": (frozenset({"stop", "pull"}), "systemctl's and podman's verbs"),
     "gpud/host/units.py": (frozenset({"stopping"}), "systemd's Manager.SystemState"),
     "gpud/core/unitstate.py": (frozenset({"failed"}), "systemd's ActiveState"),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Final
 
+from gpud.core.vocab import ServeState
+
 # The only route a peer is asked while its circuit is not closed: listing models never loads
 # one (a request for a model would start or wake it on the peer).
 PROBE_PATH: Final = "/v1/models"
@@ -23,9 +25,10 @@ VIA_FIELD: Final = "via"
 # The bounds of one /v1/models answer (gpud.host.peers): larger, slower or deeper is a fault.
 MAX_MODELS_BYTES: Final = 1 << 20
 MAX_MODELS: Final = 4096
-PEER_STATES: Final = ("running", "sleeping", "stopped", "starting", "admitted", "stopping",
-                      "failed", "unknown")
-AWAKE: Final = "running"
+# A state a peer reports for a model: one of gpud's own serve states (the peer is a gpud, whose
+# router lists its serves' states), "stopped", or "unknown" for anything else it says.
+PEER_STATES: Final = (*(s.value for s in ServeState), "stopped", "unknown")
+AWAKE: Final = ServeState.RUNNING.value
 
 _HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*\.?")
@@ -78,7 +81,7 @@ def base_url(url: str) -> str:
 
 
 # What one exchange with a peer says of its health.
-class Outcome(StrEnum):
+class PeerOutcome(StrEnum):
     OK = "ok"              # the answer wanted
     ANSWER = "answer"      # a typed answer of the peer's gpud (a refusal): alive, not a failure
     FAILURE = "failure"    # a connect failure, a timeout, a 5xx the peer's gpud did not write
@@ -102,18 +105,18 @@ def gpud_error_code(body: bytes) -> str | None:
     return None
 
 
-def classify(status: int, body: bytes) -> Outcome:
+def classify(status: int, body: bytes) -> PeerOutcome:
     """What an HTTP answer of a peer says of its health: a 5xx counts against it only when its
     gpud did not write it (a typed refusal, no memory or queue full, is an answer); below 500
     the peer answered."""
     if status >= 500:
-        return Outcome.ANSWER if gpud_error_code(body) is not None else Outcome.FAILURE
+        return PeerOutcome.ANSWER if gpud_error_code(body) is not None else PeerOutcome.FAILURE
     if 200 <= status < 300:
-        return Outcome.OK
+        return PeerOutcome.OK
     if 300 <= status < 400:
         # a peer's router never redirects: something else answers at that address
-        return Outcome.FAILURE
-    return Outcome.ANSWER
+        return PeerOutcome.FAILURE
+    return PeerOutcome.ANSWER
 
 
 class CircuitState(StrEnum):
@@ -142,11 +145,11 @@ class Circuit:
     reason: str | None = None          # what opened it
 
 
-_EVENT_OF: Final = {Outcome.OK: CircuitEvent.OK, Outcome.ANSWER: CircuitEvent.ANSWER,
-                    Outcome.FAILURE: CircuitEvent.FAILURE}
+_EVENT_OF: Final = {PeerOutcome.OK: CircuitEvent.OK, PeerOutcome.ANSWER: CircuitEvent.ANSWER,
+                    PeerOutcome.FAILURE: CircuitEvent.FAILURE}
 
 
-def event_of(outcome: Outcome) -> CircuitEvent:
+def event_of(outcome: PeerOutcome) -> CircuitEvent:
     return _EVENT_OF[outcome]
 
 

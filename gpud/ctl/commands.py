@@ -757,7 +757,7 @@ COMMANDS: tuple[Command, ...] = (
         "the members of group systemd-journal (or adm) may read the system journal; anyone "
         "else is told so (exit 1). Works while gpud is down.",
         "  gpuctl logs ocr\n  gpuctl logs ocr -f\n  gpuctl logs ocr --since 1h --lines 50\n"
-        "  journalctl -u gpud-serve-ocr.service -b        # the same, by hand",
+        f"  journalctl -u {serve_unit('ocr')} -b        # the same, by hand",
         configure_logs, run_logs),
     Command(
         "plan", "what a new serves.toml would do to the ledger",

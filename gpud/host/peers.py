@@ -26,8 +26,8 @@ from gpud.core.peers import (
     CircuitEvent,
     CircuitState,
     ModelsProblem,
-    Outcome,
     PeerModel,
+    PeerOutcome,
     base_url,
     classify,
     event_of,
@@ -50,7 +50,7 @@ class Fetched:
     """One ask of a peer's PROBE_PATH: what it says of its health, the models it lists (None
     unless it answered them), the round trip and, when not OK, what went wrong."""
 
-    outcome: Outcome
+    outcome: PeerOutcome
     models: tuple[PeerModel, ...] | None
     rtt_s: float | None
     error: str | None
@@ -90,15 +90,15 @@ async def fetch_models(session: aiohttp.ClientSession, peer: PeerConfig, key: st
                 body = await _read_bounded(resp.content, max_bytes)
                 status, location = resp.status, resp.headers.get("Location")
     except TimeoutError:
-        return Fetched(Outcome.FAILURE, None, None, f"no whole answer within {timeout_s:g} s")
+        return Fetched(PeerOutcome.FAILURE, None, None, f"no whole answer within {timeout_s:g} s")
     except aiohttp.ClientConnectorError as exc:
-        return Fetched(Outcome.FAILURE, None, None, f"cannot connect: {exc.os_error or exc}")
+        return Fetched(PeerOutcome.FAILURE, None, None, f"cannot connect: {exc.os_error or exc}")
     except (aiohttp.ClientError, OSError, ValueError) as exc:
-        return Fetched(Outcome.FAILURE, None, None,
+        return Fetched(PeerOutcome.FAILURE, None, None,
                        f"{type(exc).__name__}: {exc}".rstrip(": "))
     rtt = clock() - started
     if len(body) > max_bytes:
-        return Fetched(Outcome.FAILURE, None, rtt, f"answer over {max_bytes} bytes")
+        return Fetched(PeerOutcome.FAILURE, None, rtt, f"answer over {max_bytes} bytes")
     outcome = classify(status, body)
     if 300 <= status < 400:
         return Fetched(outcome, None, rtt, f"redirected ({status}) to {location or '?'}: a "
@@ -114,8 +114,8 @@ async def fetch_models(session: aiohttp.ClientSession, peer: PeerConfig, key: st
     try:
         models = parse_models(body)
     except ModelsProblem as exc:
-        return Fetched(Outcome.FAILURE, None, rtt, f"garbage: {exc}")
-    return Fetched(Outcome.OK, offered(models, peer.models), rtt, None)
+        return Fetched(PeerOutcome.FAILURE, None, rtt, f"garbage: {exc}")
+    return Fetched(PeerOutcome.OK, offered(models, peer.models), rtt, None)
 
 
 @dataclass
@@ -183,12 +183,12 @@ class PeerPoller:
         try:
             key = self.read_key(peer.key_file)
         except ValueError as exc:
-            fetched = Fetched(Outcome.FAILURE, None, None, f"key_file: {exc}")
+            fetched = Fetched(PeerOutcome.FAILURE, None, None, f"key_file: {exc}")
         else:
             fetched = await fetch_models(session, peer, key, timeout_s=self.timeout_s)
         v = self.view(name)
         now = self.clock()
-        reachable = fetched.outcome != Outcome.FAILURE
+        reachable = fetched.outcome != PeerOutcome.FAILURE
         if reachable != v.reachable:
             v.reachable, v.reachable_since = reachable, now
         v.checked_at, v.last_error = now, fetched.error

@@ -86,14 +86,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True)
-class Peer:
+class Credentials:
     pid: int
     uid: int
     gid: int
     groups: frozenset[int]
 
 
-def peer_of(request: web.Request) -> Peer | None:
+def peer_of(request: web.Request) -> Credentials | None:
     """The credentials of the process at the other end of a Unix socket; None over TCP."""
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport else None
@@ -107,7 +107,7 @@ def peer_of(request: web.Request) -> Peer | None:
         groups.update(struct.unpack(f"{len(data) // 4}I", data))
     except OSError:
         pass
-    return Peer(pid, uid, gid, frozenset(groups))
+    return Credentials(pid, uid, gid, frozenset(groups))
 
 
 def admin_gid(group: str) -> int | None:
@@ -117,7 +117,7 @@ def admin_gid(group: str) -> int | None:
         return None
 
 
-def may_mutate(peer: Peer | None, admin_group_gid: int | None) -> bool:
+def may_mutate(peer: Credentials | None, admin_group_gid: int | None) -> bool:
     if peer is None:
         return False
     return peer.uid == 0 or (admin_group_gid is not None and admin_group_gid in peer.groups)
@@ -304,7 +304,7 @@ class Api:
             )
         return await handler(request)
 
-    def _front_only(self, peer: Peer | None) -> None:
+    def _front_only(self, peer: Credentials | None) -> None:
         user = self.svc.config.daemon.front_user
         if peer is None or peer.uid not in (0, _uid_of(user)):
             uid = peer.uid if peer else None
@@ -501,7 +501,7 @@ class Api:
 
     @staticmethod
     def _uid(request: web.Request) -> int | None:
-        peer: Peer | None = request.get("peer")
+        peer: Credentials | None = request.get("peer")
         return peer.uid if peer else None
 
     async def admit(self, request: web.Request) -> web.Response:
