@@ -40,9 +40,14 @@ class Room(FakeService):
 
     @property
     def ledger(self) -> Any:
-        return SimpleNamespace(reservations={
-            n: SimpleNamespace(mib=self.config.serves[n].vram_mib, all_roles=("r",))
-            for n, st in self.states.items() if st == RUNNING})
+        return SimpleNamespace(
+            roles={"r": SimpleNamespace(capacity_mib=CAPACITY, reserve_mib=0)},
+            reservations={n: SimpleNamespace(mib=self.config.serves[n].vram_mib, all_roles=("r",))
+                          for n, st in self.states.items() if st == RUNNING})
+
+    @ledger.setter
+    def ledger(self, _default: Any) -> None:
+        """FakeService's default figures: this room's are the ones above."""
 
 
 class Admits(BringUps):
