@@ -26,27 +26,39 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from gpud.core import answers
-from gpud.core.vocab import EXIT_CODES
+from typing_extensions import TypedDict
+
+# The bottom floor: standard library and typing_extensions only, no other module of gpud (the
+# pure core raises from here, so an import of the core here would be an arrow pointing up).
+
+
+class ErrorBody(TypedDict):
+    code: str
+    message: str
+    details: dict[str, Any]
+
+
+class Error(TypedDict):
+    """Every error: one shape (gpud.core.answers names it among the API's answers)."""
+
+    error: ErrorBody
 
 
 class GpudError(Exception):
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
-    # From the one table gpuctl reads too (gpud.core.vocab.EXIT_CODES); a code of the daemon's
-    # own that never crosses the API keeps its parent's.
-    exit_code: ClassVar[int] = EXIT_CODES["internal"]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.exit_code = EXIT_CODES.get(cls.code, cls.exit_code)
+    # The exit code gpuctl uses for this code: the same as gpuctl's own table
+    # (gpud.core.vocab.EXIT_CODES, which gpuctl reads without importing this tree;
+    # tests/test_errors.py holds the two equal). A code of the daemon's own that never crosses
+    # the API keeps its parent's.
+    exit_code: ClassVar[int] = 1
 
     def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.details: dict[str, Any] = details or {}
 
-    def to_json(self) -> answers.Error:
+    def to_json(self) -> Error:
         return {"error": {"code": self.code, "message": self.message, "details": self.details}}
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -64,6 +76,7 @@ def _rebuilt(cls: type[GpudError], message: str, state: dict[str, Any]) -> GpudE
 
 class BadRequest(GpudError):
     code = "bad-request"
+    exit_code = 2
     http_status = 400
 
 
@@ -71,6 +84,7 @@ class ConfigError(BadRequest):
     """A config that cannot be used. ``problems`` holds one "key.path: reason" line each."""
 
     code = "config-invalid"
+    exit_code = 2
 
     def __init__(self, source: str, problems: list[str]) -> None:
         lines = "\n".join(f"  {p}" for p in problems)
@@ -86,11 +100,13 @@ class Forbidden(GpudError):
 
 class NotFound(GpudError):
     code = "not-found"
+    exit_code = 2
     http_status = 404
 
 
 class PayloadTooLarge(GpudError):
     code = "payload-too-large"
+    exit_code = 2
     http_status = 413
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, NotRequired
 from typing_extensions import TypedDict
 
 from gpud.core.vocab import ApplyOutcome, SleepAction, StepKind
+from gpud.errors import Error, ErrorBody  # the error shape, defined with the error tree
 
 Admission = Literal["strict", "ledger"]
 CalibrationStatus = Literal["calibrated", "stale", "uncalibrated"]
@@ -682,18 +683,6 @@ class Peer(TypedDict):
 
 class Peers(TypedDict):
     peers: list[Peer]
-
-
-class ErrorBody(TypedDict):
-    code: str
-    message: str
-    details: dict[str, Any]
-
-
-class Error(TypedDict):
-    """Every error: one shape."""
-
-    error: ErrorBody
 
 
 # The component schemas of the served document, by name.

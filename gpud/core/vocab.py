@@ -205,7 +205,8 @@ def serve_of_unit(unit: str) -> str | None:
 
 
 # gpuctl's exit code for each error.code the daemon answers with (docs/api.md): 2 for bad input,
-# 1 for a refusal or a fault. The error tree (gpud.errors) takes its exit codes from here.
+# 1 for a refusal or a fault. The error tree (gpud.errors, the floor below) states each class's
+# exit code itself; tests/test_errors.py holds it equal to this table.
 EXIT_CODES: dict[str, int] = {
     "internal": 1,
     "bad-request": 2,
