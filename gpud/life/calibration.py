@@ -31,6 +31,7 @@ from gpud.core.vocab import RUNNING, EventKind, serve_unit
 from gpud.durable.store import Calibration, Changes
 from gpud.errors import Conflict, GpudError, NotFound, Unavailable
 from gpud.host.observer import Observer
+from gpud.host.unit_journal import read_unit_journal
 from gpud.life.service import LedgerService
 from gpud.vllm.model_size import Sized, kv_at_reservation, size_serve
 from gpud.vllm.vllm_log import budget_mib, context_mib, parse_memory_lines
@@ -72,19 +73,6 @@ class Run:
 
 
 JournalReader = Callable[[str], Awaitable[list[str]]]
-
-
-async def read_unit_journal(unit: str) -> list[str]:
-    """The messages of `unit` in this boot, oldest first ([] when journalctl cannot say)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "20000", "-u", unit,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        out, _ = await asyncio.wait_for(proc.communicate(), 30)
-    except (OSError, TimeoutError) as exc:
-        log.warning("cannot read the journal of %s: %s", unit, exc)
-        return []
-    return out.decode("utf-8", "replace").splitlines()
 
 
 class Calibrator:

@@ -32,6 +32,7 @@ from gpud.core.traffic import Drain
 from gpud.core.unitstate import UnitState
 from gpud.host.hostmem import host_memory
 from gpud.host.observer import Observer
+from gpud.host.unit_journal import read_exit_lines
 from gpud.host.unit_properties import host_home
 from gpud.host.units import SystemdUnits
 from gpud.life.locks import Locks, Taken
@@ -46,7 +47,6 @@ from gpud.life.supervisor.base import (
     Handles,
     Prober,
     Runtime,
-    read_exit_lines,
 )
 from gpud.life.supervisor.boot import BootJob
 from gpud.life.supervisor.health import HealthJob, HttpProbe
@@ -55,7 +55,7 @@ from gpud.life.supervisor.stop import MemoryReturn, StopJob
 from gpud.life.supervisor.watch import UnitWatch
 
 __all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "Handles",
-           "Supervisor", "make_supervisor", "read_exit_lines"]
+           "Supervisor", "make_supervisor"]
 
 
 class Supervisor:

@@ -52,28 +52,6 @@ HEALTH_CONCURRENCY = 64
 OUTSIDE_STOP = "stopped (outside gpud)"
 
 
-async def read_exit_lines(unit: str, invocation: str | None) -> list[str]:
-    """The last lines of `unit` (of its `invocation`, when known) in the journal, oldest first
-    ([] when journalctl cannot say).
-    `--sync` first: a serve's last words may still be on their way to journald when systemd
-    reports its exit."""
-    try:
-        sync = await asyncio.create_subprocess_exec(
-            "journalctl", "--sync", stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL)
-        await asyncio.wait_for(sync.wait(), 5)
-        # what the serve's process wrote in this run of the unit alone, where it is known
-        match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
-        proc = await asyncio.create_subprocess_exec(
-            "journalctl", "--no-pager", "-b", "-o", "cat", "-n", "60", *match,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        out, _ = await asyncio.wait_for(proc.communicate(), 10)
-    except (OSError, TimeoutError) as exc:
-        log.warning("cannot read the journal of %s: %s", unit, exc)
-        return []
-    return out.decode("utf-8", "replace").splitlines()
-
-
 def pid_text(main_pid: int) -> str:
     # MainPID is 0 between a unit's processes (a restart on its way): no PID to name yet.
     return f"MainPID {main_pid}" if main_pid else "no MainPID yet"
