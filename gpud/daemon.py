@@ -256,21 +256,20 @@ class Daemon:
                                                  reload=self._apply_reload,
                                                  offload=self.offload,
                                                  overrides=self.overrides),
-                           offload=self.offload, on_demand=on_demand)
+                           offload=self.offload, on_demand=on_demand,
+                           front_degraded=self._front_degraded, peers=peers.answer)
             await self._listen(stack, self.api.app)
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             # the requests waiting for a serve are answered (typed: gpud stopping), not cut
             stack.push_async_callback(on_demand.stopping)
             await supervisor.reconcile()
-            self.front = Front(supervisor.units, states=svc.states)
             # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
-            self.front.over_budget = router_log.over_budget
+            self.front = Front(supervisor.units, states=svc.states,
+                               over_budget=router_log.over_budget)
             front = self.front
             self.api.budgets = lambda: router_log.budget_states(front.keys())
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
-            self.api.front_degraded = self._front_degraded
-            self.api.peers = peers.answer
             svc.watch_states(self.front.mark_awake)
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)

@@ -428,7 +428,8 @@ class Front:
 
     def __init__(self, units: SystemdUnits,
                  states: Callable[[], Mapping[str, ServeState]] = dict,
-                 listening: Callable[[frozenset[str]], Awaitable[list[str]]] = not_listening
+                 listening: Callable[[frozenset[str]], Awaitable[list[str]]] = not_listening,
+                 over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None
                  ) -> None:
         self.units = units
         self.states = states
@@ -444,7 +445,7 @@ class Front:
         self.degraded: tuple[str, ...] = ()
         # The keys past a token budget (gpud.nginx.router.RouterLog.over_budget; None: no
         # budgets checked), rendered into the router's script at each sync.
-        self.over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None
+        self.over_budget = over_budget
         self._syncing = asyncio.Lock()
 
     def _over(self, router: RouterFront | None) -> tuple[Over, ...]:

@@ -161,7 +161,9 @@ class Api:
                  rebalancer: Rebalancer | None = None,
                  extra_routes: Callable[[Api], None] | None = None,
                  offload: Offload | None = None,
-                 on_demand: OnDemand | None = None) -> None:
+                 on_demand: OnDemand | None = None,
+                 front_degraded: Callable[[], tuple[str, ...]] | None = None,
+                 peers: Callable[[], answers.Peers] | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -170,10 +172,10 @@ class Api:
         self.reload_hook = reload
         self.rebalancer = rebalancer
         self.on_demand = on_demand
-        # what the front's last sync left dark (gpud.nginx.front.Front.degraded), once there is one
-        self.front_degraded: Callable[[], tuple[str, ...]] | None = None
-        # what this host knows of its peers (gpud.host.peers.PeerPoller.answer), once polled
-        self.peers: Callable[[], answers.Peers] = lambda: {"peers": []}
+        # what the front's last sync left dark (gpud.nginx.front.Front.degraded; None: no front)
+        self.front_degraded = front_degraded
+        # what this host knows of its peers (gpud.host.peers.PeerPoller.answer; None: no peers)
+        self.peers: Callable[[], answers.Peers] = peers or (lambda: {"peers": []})
         # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread)
         self.budgets: Callable[[], Sequence[BudgetState]] | None = None
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
