@@ -26,7 +26,15 @@ from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
-from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.ledger import (
+    Admission,
+    Check,
+    Denial,
+    Ledger,
+    PhysicalView,
+    Reservation,
+    shrink_reservation,
+)
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
 from gpud.core.states import StateRefusal
 from gpud.core.transition import Refusal, Transition, transition, violated
@@ -750,14 +758,10 @@ class LedgerService:
             serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
-        holding = self._decided.reservations.get(serve)
-        if shrink and isinstance(outcome, Denial) and holding is not None and mib <= holding.mib:
-            # A shrink makes no role fuller: on a role over-committed by adopted units it is
-            # made all the same (the ledger bound would refuse any size there).
-            res = Reservation(serve, role_name, mib, holding.since, uid, external, roles[1:])
-            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
-            shrunk = tuple(after.figures(name) for name in roles)
-            outcome = after, Admission(res, holding.mib, shrunk[0], "ledger", note, shrunk[1:])
+        if shrink and isinstance(outcome, Denial):
+            # A shrink makes no role fuller: made even where the ledger bound refuses any size.
+            outcome = shrink_reservation(self._decided, serve, roles, mib, by_uid=uid,
+                                         external=external, note=note) or outcome
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
