@@ -218,3 +218,21 @@ async def test_adoption_of_a_serve_recorded_running(
     sleeps = Answering.make(service, said)
     assert await sleeps.adopt("lo", service.config.serves["lo"], "running") == state
     assert service.ledger.reservations["lo"].mib == mib
+
+
+async def test_a_shrink_is_made_where_the_ledger_bound_refuses_any_size(
+        service: LedgerService) -> None:
+    """Adopted units over-commit the role past what lo gives back: without lo's own 6000 MiB
+    the role still has -1000 MiB free, so the ledger bound refuses lo any size; its shrink
+    (gpud.core.ledger.shrink_reservation) is made all the same."""
+    await service.adopt("lo", "r", 6000)
+    await service.adopt("hi", "r", 11000)
+    await service.store_event(service.event("adopt", "lo found running", serve="lo"),
+                              report=service.report("lo", Happened.FOUND_ACTIVE))
+    with pytest.raises(Denied):
+        await service.admit("lo", 500)
+    admission = await service.admit("lo", 500, happened=Happened.ASLEEP, shrink=True)
+    assert admission.reservation.mib == 500 and admission.replaced_mib == 6000
+    assert admission.check == "ledger"
+    assert service.ledger.figures("r").free_mib == -1500
+    assert service.state_of("lo") == "sleeping"
