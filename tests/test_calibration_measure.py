@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
-from gpud.core.vocab import RUNNING, STOPPING
+from gpud.core.serverecord import Happened
 from gpud.durable.store import EventQuery, Store
 from gpud.life.calibration import Calibrator
 from gpud.life.service import LedgerService
@@ -59,7 +59,7 @@ class Observer:
         self.samples += 1
         if self.stop_after is not None and self.samples > self.stop_after:
             await self.svc.store_event(self.svc.event("stop", "s stopping"),
-                                  state=self.svc.state_row("s", STOPPING))
+                                       report=self.svc.report("s", Happened.STOP_BEGUN))
 
     def observed_mib(self, serve: str) -> int | None:
         if self.fail_with is not None:
@@ -82,7 +82,8 @@ def svc(tmp_path: Path) -> Iterator[LedgerService]:
 
 async def running(svc: LedgerService) -> None:
     await svc.admit("s", 3200)
-    await svc.store_event(svc.event("healthy", "s healthy"), state=svc.state_row("s", RUNNING))
+    await svc.store_event(svc.event("start", "s started"), report=svc.report("s", Happened.LAUNCHED))
+    await svc.store_event(svc.event("healthy", "s healthy"), report=svc.report("s", Happened.HEALTHY))
 
 
 async def calibrate_events(svc: LedgerService) -> list[dict[str, object]]:

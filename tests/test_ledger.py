@@ -17,6 +17,7 @@ from gpud.core.ledger import (
     estimated_draws,
     gpu_memory_utilization,
     serve_draws,
+    shrink_reservation,
     sleep_reservation,
 )
 
@@ -560,3 +561,44 @@ def test_a_start_under_an_estimate_is_no_excess_and_a_real_one_still_is() -> Non
     assert draw(6000, 0, "starting").reserve_excess_mib < 0  # ocr may yet draw 5120 of it
     assert draw(6000, 5120, "running").reserve_excess_mib == 6000 - 4608
     assert draw(11200, 0, "starting").reserve_excess_mib == 11200 - 5120 - 4608
+
+
+def test_a_shrink_is_made_on_a_role_the_ledger_bound_refuses_any_size() -> None:
+    """Adopted units over-commit the role (free -7000, -1000 without lo's own): decide refuses
+    even 500 MiB there, a serve's own reservation shrinking to it is made, keeping its place,
+    and the role shows what the shrink gave back."""
+    ledger = Ledger.build([RoleBudget("r", "0", 13000, 3000)],
+                          [Reservation("lo", "r", 6000, 5.0), Reservation("hi", "r", 11000, 6.0)])
+    assert isinstance(ledger.decide("lo", "r", 500, since=9.0, by_uid=3), Denial)
+    shrunk = shrink_reservation(ledger, "lo", ("r",), 500, by_uid=3, note="why")
+    assert shrunk is not None
+    after, admission = shrunk
+    assert after.reservations["lo"] == Reservation("lo", "r", 500, 5.0, 3, False)
+    assert after.reservations["hi"] == ledger.reservations["hi"]
+    assert after.roles == ledger.roles
+    assert ledger.reservations["lo"].mib == 6000  # the ledger shrunk from is left as it was
+    assert (admission.reservation, admission.replaced_mib) == (after.reservations["lo"], 6000)
+    assert (admission.check, admission.note, admission.more_figures) == ("ledger", "why", ())
+    assert admission.figures.free_mib == -1500 and admission.figures.committed_mib == 11500
+    assert [r.serve for r in after.on_role("r")] == ["lo", "hi"]
+
+
+def test_a_shrink_to_the_same_size_is_made_and_a_growth_or_nothing_held_is_no_shrink() -> None:
+    ledger = Ledger.build([DARK_FAST], [Reservation("lo", "dark-fast", 6000, 1.0)])
+    same = shrink_reservation(ledger, "lo", ("dark-fast",), 6000, by_uid=None, external=True)
+    assert same is not None
+    assert same[0].reservations["lo"] == Reservation("lo", "dark-fast", 6000, 1.0, None, True)
+    assert (same[1].replaced_mib, same[1].note) == (6000, None)
+    assert shrink_reservation(ledger, "lo", ("dark-fast",), 6001, by_uid=None) is None
+    assert shrink_reservation(ledger, "other", ("dark-fast",), 100, by_uid=None) is None
+
+
+def test_a_shrink_on_two_roles_shrinks_on_both_with_the_figures_of_each() -> None:
+    ledger = two_devices(Reservation("big", "left", 30000, 2.0, None, False, ("right",)))
+    shrunk = shrink_reservation(ledger, "big", ("left", "right"), 1000, by_uid=7)
+    assert shrunk is not None
+    after, admission = shrunk
+    assert after.reservations["big"] == Reservation("big", "left", 1000, 2.0, 7, False,
+                                                    ("right",))
+    assert [(f.role, f.free_mib) for f in admission.all_figures] == [
+        ("left", 38000), ("right", 35000)]

@@ -18,6 +18,7 @@ import pytest
 
 from gpud.config import Config, parse_config
 from gpud.core.ledger import Reservation
+from gpud.core.serverecord import Happened
 from gpud.core.states import Cause
 from gpud.core.transition import Refusal, Transition
 from gpud.core.vocab import (
@@ -27,9 +28,7 @@ from gpud.core.vocab import (
     EXTERNAL,
     FAILED,
     RUNNING,
-    SLEEPING,
     STARTING,
-    STOPPING,
     EventKind,
 )
 from gpud.durable.store import Changes, Event, EventQuery, ServeStateRow, Store
@@ -37,6 +36,7 @@ from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, No
 from gpud.host.observer import Observer
 from gpud.host.simulation import SimulatedBackend, SimulatedDevice
 from gpud.life.service import LedgerService, StateRefused, prune_batch, resolve_budgets
+from tests.reach import admitted_to
 
 ROLES = """
 [daemon]
@@ -433,8 +433,10 @@ async def test_admit_commits_reservation_state_and_event_together(world: World) 
 async def test_a_readmission_replaces_and_keeps_a_live_state(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300)
+    await svc.store_event(svc.event("start", "a: started", serve="a"),
+                          report=svc.report("a", Happened.LAUNCHED))
     await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
-                     state=svc.state_row("a", RUNNING))
+                          report=svc.report("a", Happened.HEALTHY))
     admission = await svc.admit("a", 400)
     assert admission.replaced_mib == 300
     assert svc.state_of("a") == RUNNING
@@ -444,7 +446,7 @@ async def test_a_readmission_replaces_and_keeps_a_live_state(world: World) -> No
 
 async def test_an_explicit_state_is_taken(world: World) -> None:
     svc = world.service()
-    await svc.admit("a", 300, state=STARTING)
+    await admitted_to(svc, "a", 300, STARTING)
     assert stored_states(svc) == {"a": STARTING}
 
 
@@ -458,7 +460,7 @@ async def test_a_state_change_the_rule_refuses_fails_the_whole_change(
     await svc.admit("a", 300)
     with caplog.at_level(logging.WARNING, logger="gpud"), pytest.raises(StateRefused) as err:
         await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
-                         state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
+                              report=svc.report("a", Happened.HEALTHY))
     assert err.value.details == {"serve": "a", "state": ADMITTED, "next": RUNNING,
                                  "cause": Cause.HEALTHY}
     assert await svc.events(EventQuery(kinds=["healthy"])) == []
@@ -469,9 +471,9 @@ async def test_a_state_change_the_rule_refuses_fails_the_whole_change(
                     "not apply to a serve that is admitted")
     # the same change for a cause that allows it is stored
     await svc.store_event(svc.event("start", "a: started", serve="a"),
-                     state=svc.state_row("a", STARTING), cause=Cause.LAUNCH)
+                          report=svc.report("a", Happened.LAUNCHED))
     await svc.store_event(svc.event("healthy", "a: healthy", serve="a"),
-                     state=svc.state_row("a", RUNNING), cause=Cause.HEALTHY)
+                          report=svc.report("a", Happened.HEALTHY))
     assert stored_states(svc) == {"a": RUNNING}
 
 
@@ -482,12 +484,12 @@ async def test_a_refused_state_fails_the_reservation_change_beside_it(world: Wor
     state alone not stored, leaving a serve released but shown admitted: issue 45's bug.)"""
     svc = world.service()
     with pytest.raises(StateRefused):
-        await svc.admit("a", 300, state=SLEEPING, cause=Cause.SLEEP)
+        await svc.admit("a", 300, happened=Happened.ASLEEP)
     assert held(svc) == {}
     assert stored_states(svc) == {}
     await svc.admit("b", 200)
     with pytest.raises(StateRefused):
-        await svc.release("b", next_state=RUNNING, cause=Cause.RELEASE)
+        await svc.release("b", happened=Happened.WOKEN)
     assert held(svc) == {"b": 200}
     assert stored_states(svc) == {"b": ADMITTED}
     assert [e.kind for e in await svc.events(EventQuery(serves=["b"]))] == ["admit"]
@@ -521,7 +523,10 @@ async def test_a_denied_running_serve_keeps_running(world: World) -> None:
     svc = world.service()
     await svc.admit("b", 500)
     await svc.admit("a", 300)
-    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", RUNNING))
+    await svc.store_event(svc.event(EventKind.START, "a: started", serve="a"),
+                          report=svc.report("a", Happened.LAUNCHED))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"),
+                          report=svc.report("a", Happened.HEALTHY))
     with pytest.raises(Denied) as err:
         await svc.admit("a", 401)
     assert err.value.details["bound"] == "ledger"
@@ -688,14 +693,14 @@ async def test_release_commits_deletion_state_and_event(world: World) -> None:
 async def test_release_to_a_given_state_with_its_reason(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300)
-    await svc.release("a", next_state=FAILED, state_reason="why")
+    await svc.release("a", happened=Happened.FAILED, state_reason="why")
     assert svc.records["a"].state == FAILED and svc.records["a"].reason == "why"
 
 
 @pytest.mark.parametrize("state", [STARTING, RUNNING])
 async def test_releasing_a_live_serve_is_refused_unless_allowed(world: World, state: str) -> None:
     svc = world.service()
-    await svc.admit("a", 300, state=state)
+    await admitted_to(svc, "a", 300, state)
     with pytest.raises(Conflict, match=f"serve 'a' is {state}: its process may still hold"):
         await svc.release("a")
     assert held(svc) == {"a": 300}
@@ -738,7 +743,7 @@ async def test_releasing_what_is_not_held(world: World) -> None:
     with pytest.raises(BadRequest):
         await svc.release("../x")
     await svc.store_event(svc.event("exit", "gone failed", serve="gone"),
-                     state=svc.state_row("gone", FAILED))
+                          report=svc.report("gone", Happened.FAILED))
     with pytest.raises(Conflict):
         await svc.release("gone")
 
@@ -964,7 +969,7 @@ async def test_reload_releases_serves_that_left_and_swaps_the_config(world: Worl
 
 async def test_reload_refused_changes_nothing(world: World) -> None:
     svc = world.service()
-    await svc.admit("b", 500, state=RUNNING)
+    await admitted_to(svc, "b", 500, RUNNING)
     svc.config_refused = "earlier"
     new_text = ROLES.split("[serves.b]")[0]
     with pytest.raises(Conflict) as err:
@@ -1007,7 +1012,7 @@ async def test_decide_asks_the_core(world: World) -> None:
     svc = world.service()
     same = svc.decide(svc.config, may_stop=False)
     assert isinstance(same, Transition) and same.released == ()
-    await svc.admit("b", 500, state=RUNNING)
+    await admitted_to(svc, "b", 500, RUNNING)
     without_b = cfg(ROLES.split("[serves.b]")[0])
     assert isinstance(svc.decide(without_b, may_stop=False), Refusal)
     stop = svc.decide(without_b, may_stop=True)
@@ -1073,11 +1078,12 @@ def test_without_config_text_the_file_never_differs(world: World) -> None:
 
 async def test_known_serves_leave_out_declared_leftovers(world: World) -> None:
     svc = world.service()
-    await svc.store_event(svc.event(EventKind.CALIBRATE, "old", serve="old"), state=svc.state_row("old", DECLARED))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "old", serve="old"),
+                          report=svc.report("old", Happened.CONFIG_DROPPED))
     await svc.store_event(svc.event(EventKind.CALIBRATE, "broken", serve="broken"),
-                     state=svc.state_row("broken", FAILED))
+                          report=svc.report("broken", Happened.FAILED))
     await svc.store_event(svc.event(EventKind.CALIBRATE, "leaving", serve="leaving"),
-                     state=svc.state_row("leaving", STOPPING))
+                          report=svc.report("leaving", Happened.STOP_BEGUN))
     # not configured, holding nothing: listed only while its unit may still run
     assert svc.known_serves() == ["a", "b", "leaving"]
 
@@ -1105,7 +1111,8 @@ async def test_the_invariant_is_evaluated_after_every_commit(world: World,
     assert svc.violations == [] and svc.invariant_violations == 0
     # a bug elsewhere: a serve recorded starting without a reservation
     with caplog.at_level(logging.ERROR, logger="gpud"):
-        await svc.store_event(svc.event("start", "a: started"), state=svc.state_row("a", STARTING))
+        await svc.store_event(svc.event("start", "a: started"),
+                              report=svc.report("a", Happened.LAUNCHED))
         await svc.drain()
     assert svc.violations == ["a: starting without a reservation"]
     assert svc.invariant_violations == 1
@@ -1120,7 +1127,7 @@ async def test_the_invariant_is_evaluated_after_every_commit(world: World,
     assert "the invariant does not hold: a: starting without a reservation" in err.value.message
     await svc.release("b", allow_live=True)  # what gives memory back still goes
     # put right: admissions are granted again, and it is said
-    await svc.store_event(svc.event("exit", "a: gone"), state=svc.state_row("a", DECLARED))
+    await svc.store_event(svc.event("exit", "a: gone"), report=svc.report("a", Happened.STOPPED))
     await svc.drain()
     assert svc.violations == [] and svc.invariant_violations == 1
     evs = await svc.events(EventQuery(kinds=["invariant"]))
@@ -1143,7 +1150,8 @@ async def test_a_serve_removed_from_the_config_is_no_longer_listed(world: World)
     svc = world.service()
     with pytest.raises(Denied):
         await svc.admit("b", 5000)  # denied: its state says so, with the reason
-    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"), state=svc.state_row("a", FAILED, "boom"))
+    await svc.store_event(svc.event(EventKind.CALIBRATE, "x", serve="a"),
+                          report=svc.report("a", Happened.FAILED, "boom"))
     assert svc.known_serves() == ["a", "b"]
     new_text = ROLES.split("[serves.a]")[0]
     await svc.reload(cfg(new_text), new_text, source="test.toml")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
+from gpud.core.serverecord import Happened
 from gpud.durable.store import Store
 from gpud.life.records import ServeRecord
 from gpud.life.service import LedgerService
@@ -124,7 +125,7 @@ async def test_pid_and_restart_count_through_the_service_kept_across_a_state_cha
     svc.records.set_main_pid("a", 4242)
     svc.records.set_restart_count("a", 3)
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (4242, 3)
-    await svc.store_event(svc.event("start", "a started"), state=svc.state_row("a", "starting"))
+    await svc.store_event(svc.event("start", "a started"), report=svc.report("a", Happened.LAUNCHED))
     rec = svc.records["a"]
     assert (rec.state, rec.main_pid, rec.n_restarts) == ("starting", 4242, 3)
     svc.records.set_main_pid("a", None)

@@ -11,10 +11,13 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.core.ledger import Reservation
+from gpud.core.serverecord import Happened
+from gpud.core.vocab import RUNNING
 from gpud.durable.store import Changes, EventQuery
 from gpud.errors import Denied
 from gpud.life.service import LedgerService
 from tests.conftest import loaded_service
+from tests.reach import admitted_to
 
 CONFIG = """
 [daemon]
@@ -62,11 +65,11 @@ async def test_shrink_with_its_state_event_and_note_in_one_transaction(
     told = Told()
     freed = told.freed_on
     service.supervise(told)
-    await service.admit("lo", 6000, state="running")
+    await admitted_to(service, "lo", 6000, RUNNING)
     with pytest.raises(Denied):
         await service.admit("hi", 7000)
     before = service.commits
-    await service.admit("lo", 500, state="sleeping", shrink=True,
+    await service.admit("lo", 500, happened=Happened.ASLEEP, shrink=True,
                         state_reason="asleep (level 1, put to sleep)",
                         event=("sleep", "lo asleep", {"from_mib": 6000}),
                         meta={"sleep:lo": json.dumps({"level": 1})})
@@ -88,10 +91,12 @@ async def test_a_shrink_is_made_on_an_over_committed_role(service: LedgerService
     # adopted units over-commit the role: any admission there is refused, a shrink is not
     await service.adopt("lo", "r", 6000)
     await service.adopt("hi", "r", 7000)
+    await service.store_event(service.event("adopt", "lo found running", serve="lo"),
+                              report=service.report("lo", Happened.FOUND_ACTIVE))
     assert service.ledger.figures("r").free_mib == -3000
     with pytest.raises(Denied):
         await service.admit("lo", 6000)
-    admission = await service.admit("lo", 500, state="sleeping", shrink=True)
+    admission = await service.admit("lo", 500, happened=Happened.ASLEEP, shrink=True)
     assert admission.reservation.mib == 500 and admission.replaced_mib == 6000
     assert service.ledger.figures("r").free_mib == 2500
 
@@ -164,8 +169,8 @@ class Answering:
 
 
 async def _asleep(service: LedgerService, *, neighbour_mib: int | None) -> None:
-    await service.admit("lo", 6000, state="running")
-    await service.admit("lo", 500, state="sleeping", shrink=True,
+    await admitted_to(service, "lo", 6000, RUNNING)
+    await service.admit("lo", 500, happened=Happened.ASLEEP, shrink=True,
                         meta={"sleep:lo": json.dumps({"level": 1, "awake_mib": 6000})})
     if neighbour_mib is not None:
         await service.adopt("hi", "r", neighbour_mib)
@@ -208,8 +213,26 @@ async def test_adoption_of_a_serve_recorded_asleep(
 ])
 async def test_adoption_of_a_serve_recorded_running(
         service: LedgerService, said: bool | None, state: str, mib: int) -> None:
-    await service.admit("lo", 6000, state="running")
+    await admitted_to(service, "lo", 6000, RUNNING)
     await service.adopt("hi", "r", 7000)  # over-committed already: nothing is re-admitted
     sleeps = Answering.make(service, said)
     assert await sleeps.adopt("lo", service.config.serves["lo"], "running") == state
     assert service.ledger.reservations["lo"].mib == mib
+
+
+async def test_a_shrink_is_made_where_the_ledger_bound_refuses_any_size(
+        service: LedgerService) -> None:
+    """Adopted units over-commit the role past what lo gives back: without lo's own 6000 MiB
+    the role still has -1000 MiB free, so the ledger bound refuses lo any size; its shrink
+    (gpud.core.ledger.shrink_reservation) is made all the same."""
+    await service.adopt("lo", "r", 6000)
+    await service.adopt("hi", "r", 11000)
+    await service.store_event(service.event("adopt", "lo found running", serve="lo"),
+                              report=service.report("lo", Happened.FOUND_ACTIVE))
+    with pytest.raises(Denied):
+        await service.admit("lo", 500)
+    admission = await service.admit("lo", 500, happened=Happened.ASLEEP, shrink=True)
+    assert admission.reservation.mib == 500 and admission.replaced_mib == 6000
+    assert admission.check == "ledger"
+    assert service.ledger.figures("r").free_mib == -1500
+    assert service.state_of("lo") == "sleeping"

@@ -73,14 +73,6 @@ def test_every_state_and_cause(prev: ServeState | None, nxt: ServeState, cause: 
         assert str(prev or "unrecorded") in got.message
 
 
-@pytest.mark.parametrize(("prev", "nxt"), list(itertools.product(EVERY, tuple(S))))
-def test_no_cause_named_allows_what_some_cause_allows(prev: ServeState | None,
-                                                      nxt: ServeState) -> None:
-    some = any(prev in _states(TABLE[c][0]) and nxt in _states(TABLE[c][1]) for c in Cause)
-    got = check_change(prev, nxt, None)
-    assert got == (nxt if some else StateRefusal(prev, nxt, None))
-
-
 # What gpud's writers do today (the site, then the transition): each one allowed.
 WRITERS = [
     (None, ADMITTED, Cause.ADMIT),  # gpuctl admit of a configured serve

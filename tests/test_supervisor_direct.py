@@ -19,11 +19,13 @@ from aiohttp import web
 from gpud.config import parse_config
 from gpud.core.health import Answer, Probe
 from gpud.core.lifecycle import Phase, StartAsked
+from gpud.core.serverecord import Happened
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import ADMITTED, DECLARED, DENIED, FAILED, ORPHAN, RUNNING, STARTING, STOPPING
 from gpud.errors import BadRequest, Conflict, Denied, JobFailed, NotFound, Unavailable
 from gpud.life.supervisor import OUTSIDE_STOP, Handles
 from gpud.life.supervisor.health import HttpProbe
+from tests.reach import admitted_to
 from tests.rig import Clock, Rig, entered, make_rig, unit
 from tests.waiting import until, waiters
 
@@ -376,7 +378,7 @@ async def test_stop_keeping_the_reservation(rig: Rig) -> None:
 
 async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
     await rig.svc.store_event(rig.svc.event("exit", "b failed", serve="b"),
-                         state=rig.svc.state_row("b", FAILED))
+                              report=rig.svc.report("b", Happened.FAILED))
     rig.units.available = False  # not live: no unit to stop, no bus needed
     await rig.sup.stop("b", None)
     assert rig.units.stopped == []
@@ -445,7 +447,7 @@ async def test_stopping_a_live_serve_needs_the_bus(rig: Rig) -> None:
 
 async def orphan(rig: Rig, serve: str) -> None:
     await rig.svc.store_event(rig.svc.event("adopt", f"{serve}: an orphan", serve=serve),
-                         state=rig.svc.state_row(serve, ORPHAN))
+                              report=rig.svc.report(serve, Happened.FOUND_ORPHAN))
 
 
 async def test_stop_of_an_orphan(rig: Rig) -> None:
@@ -515,7 +517,7 @@ async def test_reconcile_without_the_bus_is_skipped(rig: Rig,
 
 
 async def test_reconcile_adopts_running_units(rig: Rig) -> None:
-    await rig.svc.admit("a", 300, state=RUNNING)
+    await admitted_to(rig.svc, "a", 300, RUNNING)
     rig.units.live = {"a": unit("a", pid=11, restarts=2), "c": unit("c", pid=12),
                       "stray": unit("stray", pid=13), "gone": unit("gone", "inactive", "dead")}
     await rig.sup.reconcile()
@@ -533,8 +535,8 @@ async def test_reconcile_adopts_running_units(rig: Rig) -> None:
 
 
 async def test_reconcile_marks_serves_whose_units_ended_while_away(rig: Rig) -> None:
-    await rig.svc.admit("a", 300, state=RUNNING)
-    await rig.svc.admit("b", 400, state=STARTING)
+    await admitted_to(rig.svc, "a", 300, RUNNING)
+    await admitted_to(rig.svc, "b", 400, STARTING)
     await rig.sup.reconcile()
     assert rig.state("a") == FAILED and rig.state("b") == FAILED
     assert rig.reason("b") == "its unit ended while gpud was not running"
@@ -554,8 +556,8 @@ async def test_boot_admits_by_priority_then_starts(rig: Rig) -> None:
 
 async def test_boot_leaves_alone_what_runs_or_was_stopped_by_hand(rig: Rig) -> None:
     await rig.svc.store_event(rig.svc.event("exit", "by hand", serve="a"),
-                         state=rig.svc.state_row("a", DECLARED, OUTSIDE_STOP))
-    await rig.svc.admit("big", 900, state=RUNNING)
+                              report=rig.svc.report("a", Happened.STOPPED, OUTSIDE_STOP))
+    await admitted_to(rig.svc, "big", 900, RUNNING)
     await rig.sup.boot()
     assert rig.units.started == []
     assert rig.state("a") == DECLARED
@@ -1039,7 +1041,7 @@ async def test_a_sleep_answered_by_a_process_since_replaced_is_not_committed(
             # running under its unit (the port is this test's: no start, which would see it
             # held by another process)
             r.units.live["s"] = unit("s", pid=4242, invocation="inv-1")
-            await r.svc.admit("s", 500, state=RUNNING)
+            await admitted_to(r.svc, "s", 500, RUNNING)
             with pytest.raises(Conflict, match="restarted while it was put to sleep"):
                 await r.sup.sleeps.sleep("s", None)
             assert r.held() == {"s": 500}

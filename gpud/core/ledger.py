@@ -317,6 +317,23 @@ class Ledger:
         return replace(self, reservations=held), reservation
 
 
+def shrink_reservation(ledger: Ledger, serve: str, roles: Sequence[str], mib: int, *,
+                       by_uid: int | None, external: bool = False,
+                       note: str | None = None) -> tuple[Ledger, Admission] | None:
+    """`serve`'s own reservation made `mib` (a serve put to sleep), whatever the ledger bound
+    says: a shrink makes no role fuller, so it is made even on a role over-committed by adopted
+    units (where the bound refuses any size). The reservation keeps its place (its since);
+    decided on the ledger alone. None when it is no shrink: the serve holds nothing, or `mib`
+    is more than it holds."""
+    holding = ledger.reservations.get(serve)
+    if holding is None or mib > holding.mib:
+        return None
+    res = Reservation(serve, roles[0], mib, holding.since, by_uid, external, tuple(roles[1:]))
+    after = replace(ledger, reservations={**ledger.reservations, serve: res})
+    figures = tuple(after.figures(name) for name in roles)
+    return after, Admission(res, holding.mib, figures[0], "ledger", note, figures[1:])
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceDraw:
     """One device's observed memory split by who draws it. All MiB."""

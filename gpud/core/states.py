@@ -122,11 +122,9 @@ class StateRefusal:
 
 
 def check_change(prev: ServeState | None, next: ServeState,
-                 cause: Cause | None) -> ServeState | StateRefusal:
+                 cause: Cause) -> ServeState | StateRefusal:
     """The state to store when a serve that is `prev` (None: no record) is to become `next`
-    because of `cause`, or why it may not. A writer that names no cause (None: a caller outside
-    gpud's own writers, which all name theirs) may make any change some cause allows."""
-    causes = tuple(Cause) if cause is None else (cause,)
-    if any(next in TARGETS[c] and prev in SOURCES[c] for c in causes):
+    because of `cause`, or why it may not. Every change names its cause."""
+    if next in TARGETS[cause] and prev in SOURCES[cause]:
         return next
     return StateRefusal(prev, next, cause)

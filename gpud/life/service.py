@@ -26,9 +26,17 @@ from gpud.config import Config, ServeConfig, check_name, parse_config
 from gpud.core import answers
 from gpud.core.budgets import resolve_budgets as resolve_budgets  # re-exported: its old home
 from gpud.core.coalesce import Coalescer, Summary, Verdict
-from gpud.core.ledger import Admission, Check, Denial, Ledger, PhysicalView, Reservation
+from gpud.core.ledger import (
+    Admission,
+    Check,
+    Denial,
+    Ledger,
+    PhysicalView,
+    Reservation,
+    shrink_reservation,
+)
 from gpud.core.serverecord import Happened, Record, Report, StoreState, step
-from gpud.core.states import Cause, StateRefusal, check_change
+from gpud.core.states import StateRefusal
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
     ADMITTED,
@@ -578,27 +586,22 @@ class LedgerService:
             done = self.submit(Changes(meta={key: value}))
         await done
 
-    async def store_event(self, ev: Event, *, report: Reported | None = None,
-                     state: ServeStateRow | None = None, cause: Cause | None = None) -> Event:
+    async def store_event(self, ev: Event, *, report: Reported | None = None) -> Event:
         """Store one event, with what happened to its serve (`report`: the state it leads to is
-        decided by gpud.core.serverecord) outside any ledger change. `state` names a state
-        outright, changed because of `cause` (tests and tools; gpud's own adapters report).
-        A change the rule refuses raises StateRefused and stores nothing, the event neither."""
+        decided by gpud.core.serverecord) outside any ledger change. A change the rule refuses
+        raises StateRefused and stores nothing, the event neither."""
         async with self._lock:
             changes = Changes(events=[ev])
             if report is not None:
                 self._store_state(changes, report)
-            if state is not None:
-                self._store_state(changes, state, cause)
             done = self.submit(changes)
         return (await done)[0]
 
-    def _store_state(self, changes: Changes, row: ServeStateRow | Reported,
-                     cause: Cause | None = None, *, after: Ledger | None = None) -> None:
+    def _store_state(self, changes: Changes, row: Reported, *,
+                     after: Ledger | None = None) -> None:
         """The one writer of a serve's recorded state. A report (`Reported`) is stepped on the
         serve's record (gpud.core.serverecord.step: its state decided, with the reservation it
-        holds once `after`, the ledger the change makes, is committed); a row names its state
-        outright, changed because of `cause` (None: what some cause allows). The state goes into
+        holds once `after`, the ledger the change makes, is committed). The state goes into
         `changes`, committed with the reservation change and the event beside it in one
         transaction. A change the rule refuses is logged and raises StateRefused: the caller
         submits nothing of `changes`. Callers hold the lock."""
@@ -606,22 +609,16 @@ class LedgerService:
         prev = self._decided_states.get(serve)
         if prev is None and serve in self._records:
             prev = self._records[serve].state
-        if isinstance(row, Reported):
-            res = (after or self._decided).reservations.get(serve)
-            record = Record(prev, holds=res is not None, external=bool(res and res.external),
-                            configured=serve in self.config.serves,
-                            life=self._records.life(serve))
-            stepped = step(record, row.report)
-            if isinstance(stepped, StateRefusal):
-                self._refuse_state(serve, stepped)
-            stores = [e.state for e in stepped.effects if isinstance(e, StoreState)]
-            if stores:
-                changes.states.append(self.state_row(serve, stores[-1], row.reason))
-            return
-        decided = check_change(prev, row.state, cause)
-        if isinstance(decided, StateRefusal):
-            self._refuse_state(serve, decided)
-        changes.states.append(row)
+        res = (after or self._decided).reservations.get(serve)
+        record = Record(prev, holds=res is not None, external=bool(res and res.external),
+                        configured=serve in self.config.serves,
+                        life=self._records.life(serve))
+        stepped = step(record, row.report)
+        if isinstance(stepped, StateRefusal):
+            self._refuse_state(serve, stepped)
+        stores = [e.state for e in stepped.effects if isinstance(e, StoreState)]
+        if stores:
+            changes.states.append(self.state_row(serve, stores[-1], row.reason))
 
     def _refuse_state(self, serve: str, refusal: StateRefusal) -> NoReturn:
         log.warning("%s: change refused: %s", serve, refusal.message, extra={
@@ -718,22 +715,20 @@ class LedgerService:
         return views, "strict", None
 
     async def admit(self, serve: str, mib: int, *, role: str | None = None,
-                    uid: int | None = None, state: ServeState | None = None,
+                    uid: int | None = None,
                     event: tuple[EventKind, str, dict[str, Any]] | None = None,
                     shrink: bool = False, state_reason: str | None = None,
                     meta: dict[str, str | None] | None = None,
-                    cause: Cause = Cause.ADMIT,
                     happened: Happened = Happened.ADMITTED) -> Admission:
         """Reserve `mib` for `serve` (its own reservation replaced), with its new state (what
-        `happened` leads to: gpud.core.serverecord; or `state`, named outright because of
-        `cause`: tests and tools) and the event in the same transaction. `shrink` (a serve put to
-        sleep) is decided on the ledger bound alone and never refused for a smaller reservation;
-        `event` replaces the "admit" event (kind, message, details)."""
+        `happened` leads to: gpud.core.serverecord) and the event in the same transaction.
+        `shrink` (a serve put to sleep) is decided on the ledger bound alone and never refused
+        for a smaller reservation; `event` replaces the "admit" event (kind, message, details)."""
         check_serve_name(serve)
         async with self._lock:
-            decided = self._admit_locked(serve, mib, role=role, uid=uid, state=state,
+            decided = self._admit_locked(serve, mib, role=role, uid=uid,
                                          event=event, shrink=shrink,
-                                         state_reason=state_reason, meta=meta, cause=cause,
+                                         state_reason=state_reason, meta=meta,
                                          happened=happened)
         admission, done = decided
         await done  # durable; a denial is answered only once what it was decided on is, too
@@ -742,11 +737,9 @@ class LedgerService:
         return admission
 
     def _admit_locked(self, serve: str, mib: int, *, role: str | None, uid: int | None,
-                      state: ServeState | None,
                       event: tuple[EventKind, str, dict[str, Any]] | None = None,
                       shrink: bool = False, state_reason: str | None = None,
                       meta: dict[str, str | None] | None = None,
-                      cause: Cause = Cause.ADMIT,
                       happened: Happened = Happened.ADMITTED) -> tuple[Admission | Denied,
                                                      asyncio.Future[list[Event]]]:
         roles, external = self.serve_roles(serve, role)
@@ -765,14 +758,10 @@ class LedgerService:
             serve, roles, mib, since=self.clock(), by_uid=uid, external=external,
             physical=physical, check=check, note=note,
         )
-        holding = self._decided.reservations.get(serve)
-        if shrink and isinstance(outcome, Denial) and holding is not None and mib <= holding.mib:
-            # A shrink makes no role fuller: on a role over-committed by adopted units it is
-            # made all the same (the ledger bound would refuse any size there).
-            res = Reservation(serve, role_name, mib, holding.since, uid, external, roles[1:])
-            after = Ledger(self._decided.roles, {**self._decided.reservations, serve: res})
-            shrunk = tuple(after.figures(name) for name in roles)
-            outcome = after, Admission(res, holding.mib, shrunk[0], "ledger", note, shrunk[1:])
+        if shrink and isinstance(outcome, Denial):
+            # A shrink makes no role fuller: made even where the ledger bound refuses any size.
+            outcome = shrink_reservation(self._decided, serve, roles, mib, by_uid=uid,
+                                         external=external, note=note) or outcome
         if isinstance(outcome, Denial):
             done = self._deny(outcome, uid, check, note, roles)
             return Denied(outcome.message, {**outcome.details(), "check": check,
@@ -792,10 +781,7 @@ class LedgerService:
             **details,
         )
         changes = Changes(put=[admission.reservation], events=[ev], meta=dict(meta or {}))
-        if state is not None:
-            self._store_state(changes, self.state_row(serve, state, state_reason), cause)
-        else:
-            self._store_state(changes, self.report(serve, happened, state_reason), after=ledger)
+        self._store_state(changes, self.report(serve, happened, state_reason), after=ledger)
         done = self.submit(changes, ledger)
         return admission, done
 
@@ -846,19 +832,18 @@ class LedgerService:
         return self.submit(changes)
 
     async def release(self, serve: str, *, uid: int | None = None, reason: str = "released",
-                      next_state: ServeState | None = None, state_reason: str | None = None,
-                      allow_live: bool = False, cause: Cause = Cause.RELEASE,
+                      state_reason: str | None = None,
+                      allow_live: bool = False,
                       happened: Happened = Happened.RELEASED,
                       back_to: ServeState | None = None) -> Reservation:
         """Release a reservation, the serve's state what `happened` leads to (gpud.core.
-        serverecord; `back_to` for a rollback; or `next_state` named outright because of
-        `cause`: tests and tools). A serve whose process may still hold the memory is refused
+        serverecord; `back_to` for a rollback). A serve whose process may still hold the memory is refused
         unless the caller (the supervisor, after stopping it) says otherwise."""
         check_serve_name(serve)
         async with self._lock:
             res, done = self._release_locked(serve, uid=uid, reason=reason,
-                                             next_state=next_state, state_reason=state_reason,
-                                             allow_live=allow_live, cause=cause,
+                                             state_reason=state_reason,
+                                             allow_live=allow_live,
                                              happened=happened, back_to=back_to)
         await done
         return res
@@ -886,8 +871,8 @@ class LedgerService:
         return res
 
     def _release_locked(self, serve: str, *, uid: int | None, reason: str,
-                        next_state: ServeState | None, state_reason: str | None,
-                        allow_live: bool, cause: Cause = Cause.RELEASE,
+                        state_reason: str | None,
+                        allow_live: bool,
                         happened: Happened = Happened.RELEASED,
                         back_to: ServeState | None = None
                         ) -> tuple[Reservation, asyncio.Future[list[Event]]]:
@@ -912,11 +897,8 @@ class LedgerService:
                         serve=serve, role=res.role, mib=res.mib, uid=uid,
                         free_mib=figures.free_mib, **roles_detail(res))
         changes = Changes(delete=[serve], events=[ev])
-        if next_state is not None:
-            self._store_state(changes, self.state_row(serve, next_state, state_reason), cause)
-        else:
-            self._store_state(changes, self.report(serve, happened, state_reason,
-                                                   back_to=back_to), after=ledger)
+        self._store_state(changes, self.report(serve, happened, state_reason,
+                                               back_to=back_to), after=ledger)
         done = self.submit(changes, ledger)
         return res, done
 
