@@ -611,6 +611,30 @@ def test_v1_models_shows_the_requesters_own_place_and_only_counts_of_others(
         assert b"batch" not in body and b"192.0.2.7" not in body
 
 
+def test_v1_models_says_what_a_waiting_serve_waits_for_and_until_when(
+        fed: Fed) -> None:  # noqa: F811
+    """Issue 51 item 4: a serve with requests waiting for memory carries gpud's `waiting`
+    (GET /v1/serves: how many, what for, in how long) on /v1/models and /v1/models/ID, and
+    still no other requester's name; a serve nobody waits for has none."""
+    waiting = {"requests": 16, "reason": "a may be evicted in 287 s (min_awake_s)",
+               "in_s": 286.4}
+    fed.gpud.serves = [{"name": "a", "state": "declared", "expected_wait_s": 12.4,
+                        "waiting": waiting, "queue": [
+                            {"requester": "batch", "waiting": 15, "position": 1},
+                            {"requester": "addr:loopback", "waiting": 1, "position": 2}]}]
+    for path in ("/v1/models", "/v1/models/a"):
+        status, _h, body = _req(fed.port, "GET", path)
+        assert status == 200, body
+        doc = json.loads(body)
+        (a,) = [m for m in doc["data"] if m["id"] == "a"] if "data" in doc else [doc]
+        assert a["gpud"]["waiting"] == waiting, a
+        assert a["gpud"]["queue"][0] == {"requester": None, "waiting": 15, "position": 1}, a
+        assert b"batch" not in body
+    fed.gpud.serves = [{"name": "a", "state": "running"}]
+    _s, _h, body = _req(fed.port, "GET", "/v1/models/a")
+    assert json.loads(body)["gpud"] == {"serve": "a", "state": "running"}, body
+
+
 # --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------
 
 TWO_KEYS = f"""

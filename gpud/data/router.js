@@ -724,7 +724,9 @@ function states(r) {
 
 // A model of /v1/models as ME (the request's requester) sees it: who waits for its serve, in
 // the order they go, each requester's count and place, but only ME's name: the others' are
-// null (a key's name is its holder's business; `gpuctl models` shows them to the operator).
+// null (a key's name is its holder's business; `gpuctl models` shows them to the operator);
+// and, while requests wait for memory, what they wait for and until when (gpud's `waiting`:
+// requests, reason, in_s; gpud.core.queue.waiting_for), which names serves, no requester.
 function entry(name, by, created, me) {
     var serve = CONFIG.models[name].serve;
     var s = has(by, serve) ? by[serve] : null;
@@ -735,6 +737,10 @@ function entry(name, by, created, me) {
                     position: p.position};
         });
         ext.expected_wait_s = s.expected_wait_s;
+    }
+    if (s && s.waiting) {
+        ext.waiting = {requests: s.waiting.requests, reason: s.waiting.reason,
+                       in_s: s.waiting.in_s};
     }
     return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
 }
