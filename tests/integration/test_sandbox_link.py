@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tests.waiting import wait_until
 from tools.sandbox import Sandbox
 
 
@@ -56,8 +57,11 @@ def test_two_sandboxes_linked_reach_each_other() -> None:
             assert a.run(["curl", "-sS", "--max-time", "5", "http://127.0.0.1:8080/"],
                          check=False).returncode != 0
         b.poweroff()
-        # the pair went with B's namespace: A's end is gone too
-        assert a.run(["ip", "link", "show", "gpl0a"], check=False).returncode != 0
+        # the pair went with B's namespace: A's end is gone too. The kernel tears a network
+        # namespace down after its last process is gone, in a work queue of its own
+        # (net/core/net_namespace.c cleanup_net): A's end goes a moment after B's poweroff.
+        wait_until(lambda: a.run(["ip", "link", "show", "gpl0a"], check=False).returncode != 0,
+                   timeout=30, what="A's end of the link gone with B's namespace")
 
 
 def test_three_sandboxes_each_link_its_own_network() -> None:
