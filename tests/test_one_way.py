@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_one_writer import _name
+
 ROOT = Path(__file__).resolve().parents[1]
 TREES = ("gpud", "tests", "tools", "bench", "scripts")
 # LedgerService's ways in to a state change, and the one writer behind them.
@@ -33,14 +35,6 @@ class Way:
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.what}"
-
-
-def _name(func: ast.expr) -> str | None:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return None
 
 
 def _is_none(node: ast.expr) -> bool:
