@@ -28,8 +28,8 @@ PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/?)*")
 # Generations run for minutes and stream tokens with pauses in between: nginx's default read
 # timeout of 60 s would cut a long one.
 READ_TIMEOUT_S: Final = 3600
-# Idle keepalive connections to each serve: a new connect per request would add its cost to
-# every request's latency.
+# Idle keepalive connections to each serve (the front's and the router's upstreams): a new
+# connect per request would add its cost to every request's latency.
 KEEPALIVE: Final = 32
 
 # What one local user may hold of the front (docs/front.md, "Holding connections"). nginx
@@ -175,7 +175,8 @@ GPUD_REQUEST_HEADERS: Final = ("X-Gpud-Model", "X-Gpud-Key", "X-Gpud-Requester")
 # `internal`), and gpud's upstream.
 ENSURE_LOCATION: Final = "/.gpud-ensure"
 GPUD_UPSTREAM: Final = "gpud_api"
-# A denied admission's answer, when gpud gives no Retry-After.
+# Retry-After of a refusal when gpud gives none, and of a serve that is not running (the
+# front's and the router's).
 RETRY_AFTER_S: Final = 30
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
+from gpud.core.front import KEEPALIVE, PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, RETRY_AFTER_S
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
@@ -103,10 +103,6 @@ USAGE_FIELDS: Final = (
     ("completion_tokens", "$router_completion_tokens"),
     ("complete", "$request_completion"),
 )
-# Idle keepalive connections to each serve (as the front's).
-KEEPALIVE: Final = 32
-# Retry-After of a refusal when gpud gives none, and of a serve that is not running.
-RETRY_AFTER_S: Final = 30
 # The routes whose body vLLM reads a `priority` from (an int, lower first, under
 # --scheduling-policy priority; vllm 0.32 vllm/config/scheduler.py `policy`, and the field in
 # entrypoints/openai/{chat_completion,completion,responses}/protocol.py and

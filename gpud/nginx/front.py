@@ -29,7 +29,6 @@ import grp
 import hashlib
 import json
 import logging
-import math
 import os
 import pwd
 import re
@@ -68,9 +67,9 @@ from gpud.host.units import SystemdUnits
 from gpud.nginx.router import (
     SCRIPT_NAME,
     awake_dir,
+    ensure_timeout_s,
     log_dir,
     log_path,
-    queue_wait_s,
     router_front,
     script_text,
 )
@@ -85,7 +84,6 @@ SOCKET_MODE: Final = 0o660
 # A fronted serve's mask: its socket (bound 0777 & ~umask) is then writable by the group.
 SERVE_UMASK: Final = 0o007
 START_TIMEOUT_S: Final = 30.0
-ENSURE_MARGIN_S: Final = 5
 
 
 def fronted(cfg: Config) -> dict[str, int]:
@@ -107,9 +105,7 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
     assert router is None or isinstance(router, RouterFront)
     return FrontConfig(
         serves=tuple(FrontServe(name, port, socket_path(d.serve_socket_dir, name),
-                                # the front waits a little longer than gpud does
-                                ensure_timeout_s=(math.ceil(cfg.serves[name].start_timeout_s)
-                                                  + queue_wait_s(cfg) + ENSURE_MARGIN_S
+                                ensure_timeout_s=(ensure_timeout_s(cfg, name)
                                                   if cfg.serves[name].on_demand else None))
                      for name, port in sorted(fronted(cfg).items()) if name not in leave_out),
         paths=tuple(d.front_paths), run_dir=f"{d.front_dir.rstrip('/')}/run",

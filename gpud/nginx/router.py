@@ -41,7 +41,7 @@ log = logging.getLogger("gpud.router")
 
 SCRIPT_SOURCE: Final = Path(__file__).parents[1] / "data" / "router.js"
 SCRIPT_NAME: Final = "router.js"
-# The router waits for gpud's ensure a little longer than gpud does (as the front).
+# nginx waits for gpud's ensure a little longer than gpud does (ensure_timeout_s).
 ENSURE_MARGIN_S: Final = 5
 # The router's access log (gpud.core.router.LOG_FIELDS), in a directory of the front's that
 # gpud keeps (root's, the front's group may enter): gpud makes the file (root's, the front's
@@ -96,6 +96,16 @@ def queue_wait_s(cfg: Config) -> int:
     ensure is that much longer (docs/router.md, "Queue instead of thrash")."""
     r = cfg.router
     return r.queue_timeout_s if r is not None and r.max_queued > 0 else 0
+
+
+def ensure_timeout_s(cfg: Config, name: str) -> int:
+    """How long nginx (the router, a fronted port) waits for gpud's answer to an ensure of
+    serve NAME: its start bound (the longer of it and the wake bound when it can sleep), the
+    queue's wait, and ENSURE_MARGIN_S (nginx waits a little longer than gpud does, so that
+    gpud's own answer comes first)."""
+    s = cfg.serves[name]
+    bound_s = max(s.start_timeout_s, cfg.daemon.wake_timeout_s if s.sleep_level else 0.0)
+    return math.ceil(bound_s) + queue_wait_s(cfg) + ENSURE_MARGIN_S
 
 
 def load_keys(path: str, known: list[str], *, require_root: bool | None = None
@@ -175,9 +185,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
             name, names, priority_scheduling=priority_scheduling(s),
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
-            ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
-                              + queue_wait_s(cfg) + ENSURE_MARGIN_S
-                              if asks_gpud(cfg, name) else None)))
+            ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None))
     if r.api_keys_file is None:
         keys = None
     elif keys is None:
