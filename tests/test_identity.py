@@ -224,8 +224,9 @@ def test_the_router_request_of_an_ensures_headers() -> None:
     # an older front's ensure: the key's name, else anonymous
     assert RouterRequest("chat", "ci").requester == "ci"
     assert RouterRequest("chat").requester == ANONYMOUS
+    # kept to a key's name, "/" and a peer's forwarded requester (PEER/NAME): 64 + 1 + 64
     long = router_request({"X-Gpud-Requester": "x" * 500})
-    assert long is not None and len(long.requester) == 64
+    assert long is not None and len(long.requester) == 129
 
 
 def test_ensures_are_bounded_per_requester_and_in_all() -> None:

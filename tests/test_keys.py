@@ -159,10 +159,42 @@ def test_add_rotate_revoke_through_gpuctl(host: tuple[MemoryTransport, Path, Pat
     assert keys_cmd(memory, "list") == EXIT_OK
     listed = capsys.readouterr().out.splitlines()
     assert listed[-3:] == [
-        "KEY     MODELS  STORED  MAX_CONC  RPM  PRIORITY  WEIGHT  TOKENS/DAY  TOKENS/MONTH",
-        "alice   chat    token   2         -    -         -       -           -",
-        "bob@ci  *       token   -         -    -         -       -           -"]
+        "KEY     MODELS  STORED  MAX_CONC  RPM  PRIORITY  WEIGHT  TOKENS/DAY  TOKENS/MONTH  PEER",
+        "alice   chat    token   2         -    -         -       -           -             -",
+        "bob@ci  *       token   -         -    -         -       -           -             -"]
     assert "sk-" not in "\n".join(listed)  # no token shown
+
+
+def test_a_peer_key_is_added_marked_and_keeps_its_mark_when_rotated(
+        host: tuple[MemoryTransport, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuctl keys add NAME --peer`: the key another gpud host presents (docs/peers.md)."""
+    memory, _config, keys = host
+    assert keys_cmd(memory, "add", "front-ws", "--peer", "--max-concurrent", "8") == EXIT_OK
+    capsys.readouterr()
+    assert keys.read_text().endswith('models = ["*"]\nmax_concurrent = 8\npeer = true\n')
+    got = {k.name: k for k in load_keys(str(keys), ["chat", "ocr"])}
+    assert got["front-ws"].peer and not got["alice"].peer
+    assert keys_cmd(memory, "rotate", "front-ws") == EXIT_OK
+    capsys.readouterr()
+    assert {k.name: k for k in load_keys(str(keys), ["chat", "ocr"])}["front-ws"].peer
+    assert keys_cmd(memory, "--json", "list") == EXIT_OK
+    rows = {k["name"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert (rows["front-ws"]["peer"], rows["alice"]["peer"]) == (True, False)
+    # --peer goes with add only
+    assert keys_cmd(memory, "rotate", "alice", "--peer") == EXIT_USAGE
+    assert "--peer" in capsys.readouterr().err
+
+
+def test_peer_is_a_boolean_and_anything_else_is_refused_with_the_key_named() -> None:
+    base = '[keys.front-ws]\ntoken = "sk-front-0123456789"\nmodels = ["*"]\n'
+    keys, problems = parse_keys(base + "peer = true\n", [])
+    assert problems == [] and keys[0].peer is True
+    assert parse_keys(base + "peer = false\n", [])[0][0].peer is False
+    assert parse_keys(base, [])[0][0].peer is False  # the default: an ordinary key
+    for wrong in ('"yes"', "1", "[true]"):
+        _, problems = parse_keys(base + f"peer = {wrong}\n", [])
+        assert len(problems) == 1 and problems[0].startswith(
+            "keys.front-ws.peer: true or false (got "), problems
 
 
 def test_a_change_gpud_would_refuse_changes_nothing(host: tuple[MemoryTransport, Path, Path],

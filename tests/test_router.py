@@ -1249,7 +1249,7 @@ def test_the_journal_names_the_request_and_its_key_escaped() -> None:
     # the ensure carries both, and gpud's share is kept apart from the router's own
     lines = "\n".join(http_lines(router))
     assert "proxy_set_header X-Gpud-Model $router_model;" in lines
-    assert "proxy_set_header X-Gpud-Key $router_key;" in lines
+    assert "proxy_set_header X-Gpud-Key $router_key_name;" in lines
     assert "auth_request_set $router_ensure_s $upstream_response_time;" in lines
 
 

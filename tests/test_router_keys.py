@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpud.config import parse_config
-from gpud.core.quota import Over
+from gpud.core.quota import Budget, Over, over_budget
 from gpud.core.router import (
+    FORWARDED_REQUESTER_RE,
     KEY_SECRETS,
     KEY_SHARES,
     ROUTED_PATHS,
@@ -31,9 +33,10 @@ from gpud.core.router import (
     http_lines,
     parse_keys,
     parse_log_line,
+    router_request,
 )
 from gpud.core.usage import Counts, UsageKey, add, one
-from gpud.nginx.router import KeyShares
+from gpud.nginx.router import KeyShares, script_text
 from tests.test_router import (  # noqa: F401 (fed: a fixture)
     RIG_TOKEN,
     TOML,
@@ -80,7 +83,7 @@ def test_limits_and_shares_are_parsed_and_checked() -> None:
         "keys.alice.priority: an integer from -1000 to 1000 (got 1.5)",
         "keys.bob.weight: a number from 0.01 to 1000 (got 'x')"]
     _, problems = parse_keys(KEYS.replace("priority = -1", "budget = 5"), ["a", "b"])
-    allowed = ", ".join((*KEY_SECRETS, "models", *KEY_SHARES))
+    allowed = ", ".join((*KEY_SECRETS, "models", *KEY_SHARES, "peer"))
     assert problems == [f"keys.alice.budget: unknown key (a key's table has {allowed})"]
     # a mistyped key is named with the key it was meant to be
     _, problems = parse_keys(KEYS.replace("max_concurrent = 1", "mx_concurrent = 1"),
@@ -817,3 +820,129 @@ def test_a_key_past_its_budget_is_refused_until_the_periods_end_by_the_time_alon
             assert headers["x-should-retry"] == "false", headers
         assert _ask(rig.port, "sk-bob-01234567890", "b")[0] == 200
         assert _ask(rig.port, RIG_TOKEN)[0] == 200
+
+
+# --- who is asking, across hosts: a peer key's forwarded requester (docs/peers.md) -----------
+
+PEER_KEYS = KEYS + """\
+[keys.front-ws]
+token = "sk-front-ws-0123456789"
+models = ["*"]
+max_concurrent = 4
+priority = 3
+weight = 2.0
+tokens_per_day = 100
+peer = true
+"""
+
+
+def test_the_script_knows_the_peer_keys_and_what_they_may_forward() -> None:
+    keys, problems = parse_keys(PEER_KEYS, ["a", "b"])
+    assert problems == []
+    router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),), keys=tuple(keys))
+    def config_of(router: RouterFront) -> dict[str, Any]:
+        return dict(json.loads(script_text(router).split("var CONFIG = ", 1)[1]
+                               .split(";\n\n", 1)[0]))
+
+    config = config_of(router)
+    peers = [k["name"] for k in config["keys"].values() if k.get("peer")]
+    assert peers == ["front-ws"]
+    assert config["forwarded_requester"] == FORWARDED_REQUESTER_RE.pattern
+    # without a peer key the script is as it was: nothing forwarded is ever read
+    plain = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),),
+                        keys=tuple(k for k in keys if not k.peer))
+    assert "forwarded_requester" not in config_of(plain)
+    # gpud's ensure is told the key's own name; the access log's key is the usage name
+    text = "\n".join(http_lines(RouterFront(
+        "127.0.0.1:8000", (RoutedServe("b", ("b",), port=2, ensure_timeout_s=30),),
+        keys=tuple(keys))))
+    assert "proxy_set_header X-Gpud-Key $router_key_name;" in text
+
+
+def test_what_a_peer_may_forward_is_a_requester_of_its_own_and_nothing_more() -> None:
+    ok = ["alice", "bob@ci", "addr:loopback", "addr:10.0.0.7", "addr:fd00::1:2", "a" * 64]
+    bad = ["", "-alice", "a/b", "al ice", "alice,mallory", "a" * 65, "é", "alice\n",
+           'x"y', "front-ws/alice"]
+    assert [FORWARDED_REQUESTER_RE.fullmatch(s) is not None for s in ok] == [True] * len(ok)
+    assert [FORWARDED_REQUESTER_RE.fullmatch(s) is not None for s in bad] == [False] * len(bad)
+    # PEER/NAME at its longest is kept whole by gpud (its bounds, its journal) and in usage
+    longest = "k" * 64 + "/" + "a" * 64
+    assert router_request({"X-Gpud-Requester": longest}).requester == longest  # type: ignore[union-attr]
+    assert parse_log_line(json.dumps({**dict.fromkeys(
+        ("model", "serve", "upstream_s", "request_s", "ensure_s", "sse"), ""),
+        "status": "200", "key": longest}), {}).key == longest  # type: ignore[union-attr]
+
+
+def test_a_peers_forwarded_requester_weighs_what_the_peer_key_weighs(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(PEER_KEYS.replace('models = ["a"]', 'models = ["chat"]'))
+    keys.chmod(0o600)
+    cfg = parse_config(TOML.replace('listen = "127.0.0.1:8000"\n',
+                                    f'listen = "127.0.0.1:8000"\napi_keys_file = "{keys}"\n'),
+                       "t")
+    shares = KeyShares(lambda: cfg)
+    # this host's word on the peer's requests: the peer key's priority and weight, whoever
+    # the peer names (a forwarded "alice" is not this host's key alice)
+    assert shares("front-ws/alice") == shares("front-ws") == (3, 2.0)
+    assert shares("front-ws/addr:10.0.0.7") == (3, 2.0)
+    assert shares("alice") == (-1, 1.0)
+
+
+def test_a_peers_forwarded_requesters_tokens_are_the_peer_keys_budget() -> None:
+    hour = 1_700_000_000 // 3600 * 3600
+    rows = [(UsageKey(hour, "front-ws/alice", "a", 200), Counts(1, 40, 20)),
+            (UsageKey(hour, "front-ws/bob", "a", 200), Counts(1, 30, 20)),
+            (UsageKey(hour, "alice", "a", 200), Counts(1, 500, 500))]
+    over = over_budget(rows, {"front-ws": Budget(100, None), "alice": Budget(None, None)},
+                       hour + 60)
+    assert [(o.key, o.used) for o in over] == [("front-ws", 110)]
+
+
+@pytest.fixture
+def peered() -> Iterator[Rig]:
+    keys, problems = parse_keys(PEER_KEYS.replace("tokens_per_day = 100\n", ""),
+                                ["a", "a-fast", "b", "org/b-model"])
+    assert problems == []
+    with router_rig(tuple(keys), access_log=True) as rig:
+        yield rig
+
+
+def _as(rig: Rig, token: str, requester: str | None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    if requester is not None:
+        headers["X-Gpud-Requester"] = requester
+    status, _h, body = _req(rig.port, "POST", "/v1/completions", json.dumps(
+        {"model": "b", "prompt": "x", "max_tokens": 1}).encode(), headers)
+    return status, body
+
+
+def test_only_a_peer_keys_forwarded_requester_is_taken(peered: Rig) -> None:
+    before = len(_logged(peered, 0))
+    # a client's own header: ignored, its usage its key's
+    assert _as(peered, "sk-bob-01234567890", "alice")[0] == 200
+    # a peer key's: counted as PEER/NAME; without the header, as the peer key itself
+    assert _as(peered, "sk-front-ws-0123456789", "alice")[0] == 200
+    assert _as(peered, "sk-front-ws-0123456789", None)[0] == 200
+    got = _logged(peered, before + 3)[before:]
+    assert [a.key for a in got] == ["bob", "front-ws/alice", "front-ws"]
+    # a value that is no requester: refused, the header named, nothing sent on
+    for wrong in ("x/y", "al ice", "a" * 65):
+        status, body = _as(peered, "sk-front-ws-0123456789", wrong)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["code"] == "invalid_requester", body
+        assert error["param"] == "X-Gpud-Requester" and "peer key front-ws" in error["message"]
+    # the header given twice reaches the script joined: refused too, never the first taken
+    conn = http.client.HTTPConnection("127.0.0.1", peered.port, timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        body = json.dumps({"model": "b", "prompt": "x", "max_tokens": 1}).encode()
+        for name, value in (("Authorization", "Bearer sk-front-ws-0123456789"),
+                            ("Content-Type", "application/json"),
+                            ("X-Gpud-Requester", "alice"), ("X-Gpud-Requester", "mallory"),
+                            ("Content-Length", str(len(body)))):
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        assert resp.status == 400, resp.read()
+    finally:
+        conn.close()

@@ -39,7 +39,7 @@ _gpuctl_options() {
         apply) echo "-h --help --socket --json --timeout" ;;
         calibrate) echo "-h --help --window --no-wait --status --socket --json --timeout" ;;
         size) echo "-h --help --serve --max-model-len --quantization --kv-cache-dtype --dtype --revision --hf-home --context-mib --devices --vram-mib --concurrency --vllm-version --device-mib --socket --json --timeout" ;;
-        keys) echo "-h --help --models --max-concurrent --requests-per-minute --priority --weight --tokens-per-day --tokens-per-month --socket --json --timeout" ;;
+        keys) echo "-h --help --models --max-concurrent --requests-per-minute --priority --weight --tokens-per-day --tokens-per-month --peer --socket --json --timeout" ;;
         reload) echo "-h --help --socket --json --timeout" ;;
     esac
 }

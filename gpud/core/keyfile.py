@@ -37,6 +37,8 @@ class KeyEntry:
     sha256: str
     models: tuple[str, ...]
     shares: Mapping[str, int | float]
+    # another gpud host's key (`peer = true`; docs/peers.md): its forwarded requester is taken
+    peer: bool = False
 
 
 def toml_string(text: str) -> str:
@@ -57,6 +59,8 @@ def render_entry(name: str, entry: KeyEntry) -> str:
         value = entry.shares.get(field)
         if value is not None:
             lines.append(f"{field} = {value!r}")
+    if entry.peer:
+        lines.append("peer = true")
     return "\n".join(lines) + "\n"
 
 
@@ -153,4 +157,5 @@ def entry_of(table: Mapping[str, Any], digest: str) -> KeyEntry:
     """An existing key's table with the token digest DIGEST instead of its token (a rotation)."""
     models = table.get("models")
     return KeyEntry(digest, tuple(models) if isinstance(models, list) else (),
-                    {f: table[f] for f in KEY_SHARES if f in table})
+                    {f: table[f] for f in KEY_SHARES if f in table},
+                    peer=table.get("peer") is True)

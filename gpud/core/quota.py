@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from gpud.core.usage import Counts, UsageKey
+from gpud.core.usage import Counts, UsageKey, charged_to
 
 DAY_S = 86_400
 
@@ -96,12 +96,14 @@ def budget_states(rows: Iterable[tuple[UsageKey, Counts]], budgets: Mapping[str,
     day: dict[str, int] = {}
     month: dict[str, int] = {}
     for k, c in rows:
-        if k.key not in budgets or not month_start <= k.hour < month_end:
+        # a peer's forwarded requester's row (PEER/NAME) is the peer key's use
+        key = charged_to(k.key)
+        if key not in budgets or not month_start <= k.hour < month_end:
             continue
         used = c.prompt_tokens + c.completion_tokens
-        month[k.key] = month.get(k.key, 0) + used
+        month[key] = month.get(key, 0) + used
         if day_start <= k.hour < day_end:
-            day[k.key] = day.get(k.key, 0) + used
+            day[key] = day.get(key, 0) + used
     return [BudgetState(name, b, day.get(name, 0), month.get(name, 0), day_end, month_end)
             for name, b in sorted(budgets.items())
             if b.tokens_per_day is not None or b.tokens_per_month is not None]

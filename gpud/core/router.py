@@ -111,8 +111,14 @@ PRIORITY_ROUTES: Final = ("/v1/chat/completions", "/v1/completions", "/v1/respon
                           "/v1/embeddings")
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
-# A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
-MAX_REQUESTER: Final = 64
+# What a peer key's request may forward as its requester (X-Gpud-Requester; docs/peers.md,
+# "Who is asking, across hosts"): the peer's own requester, a key's name or "addr:" and an
+# address (an IPv6 one has colons), at most 64. No "/": a forwarded requester is never forwarded
+# on. The router refuses anything else (400 invalid_requester, the header named).
+FORWARDED_REQUESTER_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}")
+# A requester as gpud keeps it: a key's name (at most 64), "addr:" and an address (an IPv6 one:
+# 46), or a peer's forwarded requester, PEER/NAME (64 + 1 + 64).
+MAX_REQUESTER: Final = 129
 
 
 def model_name_problem(name: str) -> str | None:
@@ -182,6 +188,9 @@ class ApiKey:
     # docs/router.md, "Budgets": prompt + completion tokens a UTC day and month (gpud.core.quota)
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
+    # docs/peers.md, "Who is asking, across hosts": the key another gpud host presents, whose
+    # forwarded requester (X-Gpud-Requester) the router takes, as PEER/NAME (forwarded_requester)
+    peer: bool = False
 
 
 def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]]:
@@ -192,7 +201,8 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         models = ["chat", "ocr"]    # or ["*"]: every model
 
     or, instead of the token, its SHA-256 (64 hex digits: the file then holds no token;
-    `gpuctl keys add` writes it so): sha256 = "9f86d0..."
+    `gpuctl keys add` writes it so): sha256 = "9f86d0..."; and `peer = true` on the key another
+    gpud host presents (docs/peers.md).
     """
     try:
         doc = tomllib.loads(text)
@@ -210,10 +220,10 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         if not KEY_NAME_RE.fullmatch(name):
             problems.append(f"{where}: not a key name (letters, digits, . _ @ -)")
             continue
-        allowed = (*KEY_SECRETS, "models", *KEY_SHARES)
+        allowed = (*KEY_SECRETS, "models", *KEY_SHARES, "peer")
         if not isinstance(entry, dict):
-            problems.append(f"{where}: a table of token (or sha256), models and "
-                            f"{', '.join(KEY_SHARES)} only")
+            problems.append(f"{where}: a table of token (or sha256), models, "
+                            f"{', '.join(KEY_SHARES)} and peer only")
             continue
         unknown_keys = sorted(set(entry) - set(allowed))
         if unknown_keys:
@@ -227,6 +237,11 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
         digest, wrong = key_digest(entry, where)
         if digest is None:
             problems += wrong
+            continue
+        peer = entry.get("peer", False)
+        if not isinstance(peer, bool):
+            problems.append(f"{where}.peer: true or false (got {peer!r}): true marks the key "
+                            "another gpud host presents, whose forwarded requester is taken")
             continue
         models = entry.get("models")
         if not isinstance(models, list) or not models or \
@@ -249,7 +264,8 @@ def parse_keys(text: str, known: Iterable[str]) -> tuple[list[ApiKey], list[str]
                            priority=int(shares.get("priority", 0)),
                            weight=float(shares.get("weight", 1.0)),
                            tokens_per_day=_whole(shares.get("tokens_per_day")),
-                           tokens_per_month=_whole(shares.get("tokens_per_month"))))
+                           tokens_per_month=_whole(shares.get("tokens_per_month")),
+                           peer=peer))
     return keys, problems
 
 
@@ -723,7 +739,8 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            proxy_pass_request_headers off;",
                   '            proxy_set_header Content-Length "";',
                   "            proxy_set_header X-Gpud-Model $router_model;",
-                  "            proxy_set_header X-Gpud-Key $router_key;",
+                  # the key's own name ($router_key is the name usage is counted under)
+                  "            proxy_set_header X-Gpud-Key $router_key_name;",
                   "            proxy_set_header X-Gpud-Requester $router_requester;",
                   f"            proxy_read_timeout {serve.ensure_timeout_s}s;"]
         lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
@@ -950,7 +967,8 @@ def render_script(router: RouterFront, code: str) -> str:
                     **({"priority": True} if by_name[serve].priority_scheduling else {})}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
-        k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority}
+        k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority,
+                   **({"peer": True} if k.peer else {})}
         for k in router.keys}
     limits = {k.name: {"max_concurrent": k.max_concurrent,
                        "requests_per_minute": k.requests_per_minute}
@@ -966,7 +984,10 @@ def render_script(router: RouterFront, code: str) -> str:
             "loading_suffix": LOADING_SUFFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
-            "priority_routes": list(PRIORITY_ROUTES)}
+            "priority_routes": list(PRIORITY_ROUTES),
+            # what a peer key may forward as its requester (router.js whoOf)
+            **({"forwarded_requester": FORWARDED_REQUESTER_RE.pattern}
+               if any(k.peer for k in router.keys or ()) else {})}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

@@ -16,6 +16,11 @@ include_usage, an error) is counted in `requests` and in `unmetered`, its tokens
 sum: never invented. A request whose client hung up before the whole answer was sent (nginx's
 $request_completion is not "OK") is counted in `hung_up` too, with what the serve reported
 before it, if anything.
+
+A request a peer host forwarded with its requester (docs/peers.md, "Who is asking, across
+hosts") is counted under PEER/NAME: the peer key's name, "/", the requester the peer named. A
+key's name has no "/", so such a row is never a local key's, and it is charged to the peer key
+(`charged_to`: its budgets, gpud.core.quota).
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ from dataclasses import dataclass
 from typing import Final
 
 HOUR_S: Final = 3600
+# Between a peer key's name and the requester it forwarded (PEER/NAME).
+FORWARDED_SEP: Final = "/"
+
+
+def charged_to(name: str) -> str:
+    """The key a usage row's (or a requester's) NAME is charged to: the name itself, or for a
+    peer's forwarded requester (PEER/NAME) the peer key's."""
+    return name.partition(FORWARDED_SEP)[0]
 
 
 def hour_of(ts: float) -> int:

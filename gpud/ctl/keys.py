@@ -62,6 +62,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "its requests are answered 429 insufficient_quota until the day ends")
     p.add_argument("--tokens-per-month", type=int, metavar="N",
                    help="with add: the key's prompt + completion tokens a UTC month, alike")
+    p.add_argument("--peer", action="store_true",
+                   help="with add: the key another gpud host presents (peer = true): the "
+                        "requester it forwards is taken, counted as NAME/REQUESTER")
 
 
 def _shares(args: argparse.Namespace) -> dict[str, int | float]:
@@ -83,9 +86,9 @@ def _check_args(args: argparse.Namespace) -> None:
     elif not KEY_NAME_RE.fullmatch(args.key_name):
         raise usage_error(f"{args.key_name!r} is not a key name (letters, digits, . _ @ -, up "
                           "to 64)", key=args.key_name)
-    if args.action != "add" and (args.models is not None or _shares(args)):
-        raise usage_error("--models and the limits go with add (rotate keeps the key's own; "
-                          "to change them, revoke and add it again)")
+    if args.action != "add" and (args.models is not None or _shares(args) or args.peer):
+        raise usage_error("--models, --peer and the limits go with add (rotate keeps the "
+                          "key's own; to change them, revoke and add it again)")
 
 
 def _where(ctl: Ctl, mutating: bool) -> str:
@@ -235,7 +238,7 @@ def _entry(args: argparse.Namespace, token: str) -> KeyEntry:
     from gpud.core.router import token_digest
 
     models = tuple(dict.fromkeys(args.models)) if args.models else ("*",)
-    return KeyEntry(token_digest(token), models, _shares(args))
+    return KeyEntry(token_digest(token), models, _shares(args), peer=args.peer)
 
 
 def _human(doc: dict[str, Any]) -> str:
@@ -263,7 +266,8 @@ def _list(ctl: Ctl, path: str) -> int:
         rows.append({"name": name,
                      "models": models if isinstance(models, list) else [],
                      "stored": "sha256" if "sha256" in table else "token",
-                     **{f: table.get(f) for f in KEY_SHARES}})
+                     **{f: table.get(f) for f in KEY_SHARES},
+                     "peer": table.get("peer") is True})
     ctl.emit({"file": path, "exists": text is not None, "keys": rows}, _format_list)
     return EXIT_OK
 
@@ -272,12 +276,13 @@ def _format_list(doc: dict[str, Any]) -> str:
     if not doc["keys"]:
         return f"no keys in {doc['file']}" + ("" if doc["exists"] else " (no such file yet)")
     head = ["KEY", "MODELS", "STORED", "MAX_CONC", "RPM", "PRIORITY", "WEIGHT", "TOKENS/DAY",
-            "TOKENS/MONTH"]
+            "TOKENS/MONTH", "PEER"]
     table = [head] + [
         [k["name"], ",".join(map(str, k["models"])), k["stored"],
          *("-" if k[f] is None else str(k[f])
            for f in ("max_concurrent", "requests_per_minute", "priority", "weight",
-                     "tokens_per_day", "tokens_per_month"))]
+                     "tokens_per_day", "tokens_per_month")),
+         "yes" if k.get("peer") else "-"]
         for k in doc["keys"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()

@@ -406,6 +406,31 @@ function requesterOf(r, key) {
     return key && key.name ? key.name : 'addr:' + r.variables.gpud_requester_addr;
 }
 
+// Who asks through the router, and the name its usage is counted under (the access log's
+// key): {requester, usage}, or {error} for a forwarded requester refused (docs/peers.md, "Who is
+// asking, across hosts"). A key the keys file marks `peer = true` is another gpud host's, which
+// forwards its own client's requester in X-Gpud-Requester: that one is taken, as PEER/NAME (a
+// key's name has no "/", so it is never a local key's). From any other key, or none, the header
+// is ignored: a client cannot name itself someone else. A duplicate header reaches here joined
+// by commas (njs r.headersIn), which the pattern refuses.
+function whoOf(r, key) {
+    var own = {requester: requesterOf(r, key), usage: key.name || ''};
+    if (!key.peer) {
+        return own;
+    }
+    var sent = r.headersIn['X-Gpud-Requester'];
+    if (sent === undefined || sent === '') {
+        return own;
+    }
+    if (!new RegExp('^(?:' + CONFIG.forwarded_requester + ')$').test(sent)) {
+        return {error: 'X-Gpud-Requester ' + JSON.stringify(sent.slice(0, 80)) + ' from peer key ' +
+                key.name + ' is not a requester (a letter or digit, then letters, digits and ' +
+                '. _ @ : -; at most 64)'};
+    }
+    var name = key.name + '/' + sent;
+    return {requester: name, usage: name};
+}
+
 // "1" when the request may pass a fronted port's key check (js_set $router_key_ok): keys
 // off, or a key that may use one of the names of the port's serve ($gpud_serve, set by its
 // server).
@@ -485,10 +510,16 @@ function route(r) {
              ' (GET /v1/models lists them)', 'model_not_found', 'model');
         return;
     }
+    var who = whoOf(r, key);
+    if (who.error) {
+        fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
+        return;
+    }
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
-    r.variables.router_key = key.name || '';
-    r.variables.router_requester = requesterOf(r, key);
+    // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
+    r.variables.router_key = who.usage;
+    r.variables.router_requester = who.requester;
     if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
         // the top-level "priority" members of the body (a parsed one is walked only when it
         // has one)
@@ -777,12 +808,14 @@ function models(r) {
              'method_not_allowed');
         return;
     }
+    // ME: who sees the queue (a peer's forwarded requester when it is one; else the key's)
+    var me = whoOf(r, key).requester || requesterOf(r, key);
     states(r).then(function (by) {
         var created = Math.floor(Date.now() / 1000);
         var data = Object.keys(CONFIG.models).sort().filter(function (name) {
             return allows(key, name);
         }).map(function (name) {
-            return entry(name, by, created, requesterOf(r, key));
+            return entry(name, by, created, me);
         });
         r.headersOut['Content-Type'] = 'application/json';
         r.return(200, JSON.stringify({object: 'list', data: data}));
@@ -1217,7 +1250,7 @@ function quotaText(r) {
 // the limit and its figure, and Retry-After: a minute's share of it. (Past a count of requests
 // open at once, max_concurrent or large bodies, the 429 is countedText's.)
 function limited(r) {
-    var name = r.variables.router_key || '';
+    var name = r.variables.router_key_name || '';
     var lim = has(CONFIG.limits, name) ? CONFIG.limits[name] : {};
     var value = lim.requests_per_minute;
     var answer = rateLimited('key ' + name + ' is past its limit of ' + value +

@@ -33,7 +33,7 @@ from gpud.core.router import (
     render_script,
     routing_table,
 )
-from gpud.core.usage import Counts, UsageKey, add, hour_of, one
+from gpud.core.usage import Counts, UsageKey, add, charged_to, hour_of, one
 from gpud.durable.store import Store
 from gpud.errors import ConfigError, GpudError
 
@@ -143,6 +143,9 @@ class KeyShares:
         self._shares: dict[str, tuple[int, float]] = {}
 
     def __call__(self, requester: str) -> tuple[int, float]:
+        # a peer's forwarded requester (PEER/NAME) waits with the peer key's priority and
+        # weight: this host's word on what that peer's requests weigh, never the peer's
+        requester = charged_to(requester)
         cfg = self.config()
         path = cfg.router.api_keys_file if cfg.router is not None else None
         if path is None:
