@@ -115,3 +115,10 @@ def test_the_access_log_names_the_peer_and_its_model() -> None:
     del old["peer"]
     answered = parse_log_line(json.dumps(old), {"chat": "chat"})
     assert answered is not None and answered.peer == "" and answered.model == ""
+
+
+def test_an_https_peer_names_the_ca_its_certificate_is_checked_against() -> None:
+    with pytest.raises(ValueError, match="peer b: https needs the CA file"):
+        RoutedPeer("b", "https", "node2.tailnet", 443, KEY)
+    with pytest.raises(ValueError, match="peer b: https needs the CA file"):
+        RoutedPeer("b", "https", "node2.tailnet", 443, KEY, tls_ca="/etc/my ca.pem")

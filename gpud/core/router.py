@@ -565,6 +565,10 @@ class RoutedPeer:
             raise ValueError(f"router: peer {self.name}: {problem}")
         if self.scheme not in ("http", "https"):
             raise ValueError(f"router: peer {self.name}: scheme {self.scheme!r}")
+        if self.scheme == "https" and (self.tls_ca is None or not PATH_RE.fullmatch(self.tls_ca)):
+            raise ValueError(f"router: peer {self.name}: https needs the CA file nginx checks "
+                             f"its certificate against, a plain absolute path (got "
+                             f"{self.tls_ca!r})")
         if not re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]", self.host):
             raise ValueError(f"router: peer {self.name}: host {self.host!r}")
         for model in self.models:
@@ -897,8 +901,7 @@ def _peer_location(peer: RoutedPeer, host: str, limits: Sequence[str]) -> list[s
                "            proxy_ssl_verify on;",
                "            proxy_ssl_verify_depth 4;",
                *([f"            proxy_ssl_trusted_certificate {peer.tls_ca};"]
-                 if peer.tls_ca is not None else
-                 ["            proxy_ssl_trusted_certificate /etc/ssl/certs/ca-certificates.crt;"])]
+                 if peer.tls_ca is not None else [])]
     out: list[str] = []
     for stream in (False, True):
         out += [f"        location {peer.location}{'_stream' if stream else ''} {{",

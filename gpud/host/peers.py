@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +40,10 @@ from gpud.core.peers import (
 from gpud.core.router import RoutedPeer, peer_address
 
 log = logging.getLogger("gpud.peers")
+
+# The CAs an https peer's certificate is checked against without its tls_ca (Debian's
+# ca-certificates bundle).
+SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 DEFAULT_INTERVAL_S = 5.0
 # One /v1/models answer, whole, within this long: a peer that drips its answer byte by byte, or
@@ -230,9 +235,17 @@ class PeerPoller:
             peer, v = self.peers()[name], self.view(name)
             try:
                 scheme, host, port = peer_address(peer.url)
+                ca = peer.tls_ca
+                if scheme == "https" and ca is None:
+                    # nginx verifies against the system's CAs then: a file it must find, or
+                    # the whole front's config would be refused
+                    if not os.path.isfile(SYSTEM_CA):
+                        raise ValueError(f"https without tls_ca, and no system CA bundle at "
+                                         f"{SYSTEM_CA}")
+                    ca = SYSTEM_CA
                 out.append(RoutedPeer(
                     name, scheme, host, port, self.read_key(peer.key_file), models,
-                    tls_ca=peer.tls_ca,
+                    tls_ca=ca,
                     open_reason=None if closed else (v.circuit.reason or "failure"),
                     open_since=None if closed else (v.reachable_since or v.circuit.since)))
             except ValueError as exc:
