@@ -297,3 +297,18 @@ def test_models_lists_the_peers_models_with_their_host_and_state(rig: Rig) -> No
         conn.request("GET", "/v1/models", headers={"X-Gpud-Via": "hostb"})
         hopped = json.loads(conn.getresponse().read())
     assert [m["id"] for m in hopped["data"]] == ["t"]
+
+
+def test_models_id_of_a_peers_model_names_its_host(rig: Rig) -> None:
+    def get(path: str, headers: dict[str, str] | None = None) -> tuple[int, object]:
+        conn = http.client.HTTPConnection("127.0.0.1", rig.port, timeout=20)
+        with contextlib.closing(conn):
+            conn.request("GET", path, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+    status, doc = get("/v1/models/echo")
+    assert status == 200 and isinstance(doc, dict), doc
+    assert doc["id"] == "echo" and doc["gpud"]["host"] == "b", doc
+    # a peer asking: not offered on
+    status, doc = get("/v1/models/echo", {"X-Gpud-Via": "hostb"})
+    assert status == 404, doc

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
+from gpud.core.peers import PeerModel, merge
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
@@ -610,14 +611,13 @@ def peer_address(url: str) -> tuple[str, str, int]:
 
 def peer_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, list[str]]:
     """Model name -> the peers (by name) a request for it may go to, in the order tried: a
-    model no serve of this host answers to (a local serve's name stays here)."""
-    mine = set(local)
-    table: dict[str, list[str]] = {}
-    for peer in sorted(peers, key=lambda p: p.name):
-        for model in peer.models:
-            if model not in mine:
-                table.setdefault(model, []).append(peer.name)
-    return table
+    model no serve of this host answers to (a local serve's name stays here), from the one
+    list of every host's models (gpud.core.peers.merge: this host first, then the peers by
+    name)."""
+    merged = merge([PeerModel(m) for m in local],
+                   {p.name: [PeerModel(m) for m in p.models] for p in peers})
+    return {m.id: [h.host for h in m.hosts if h.host is not None]
+            for m in merged if m.hosts[0].host is not None}
 
 
 @dataclass(frozen=True)
