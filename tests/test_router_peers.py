@@ -23,12 +23,14 @@ import pytest
 
 from gpud.core.front import FrontConfig, render
 from gpud.core.router import (
+    ApiKey,
     RoutedPeer,
     RoutedServe,
     RouterFront,
     http_lines,
     main_lines,
     parse_log_line,
+    token_digest,
 )
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
@@ -128,6 +130,12 @@ class Rig:
 
 @pytest.fixture
 def rig() -> Iterator[Rig]:
+    with _rig(None) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def _rig(keys: tuple[ApiKey, ...] | None) -> Iterator[Rig]:
     for path in (NGINX, NJS):
         if not path.exists():
             pytest.fail(f"{path} missing: run scripts/setup-test")
@@ -149,7 +157,7 @@ def rig() -> Iterator[Rig]:
         f"127.0.0.1:{port}",
         (RoutedServe("t", ("t",), socket=str(tmp / "t.sock")),),
         njs_module=str(NJS), script=str(tmp / "router.js"), gpud_socket=str(tmp / "gpud.sock"),
-        access_log=str(tmp / "access.log"), host="hosta",
+        access_log=str(tmp / "access.log"), host="hosta", keys=keys,
         peers=(RoutedPeer("b", "http", "127.0.0.1", peer.server_address[1], KEY, models),
                # nobody listens there
                RoutedPeer("c", "http", "127.0.0.1", nobody, KEY, ("nowhere",)),
@@ -168,7 +176,10 @@ def rig() -> Iterator[Rig]:
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=log)
     try:
-        wait_until(lambda: connects(port), what="the router listening")
+        try:
+            wait_until(lambda: connects(port), what="the router listening")
+        except AssertionError:
+            raise AssertionError((tmp / "nginx.log").read_text()) from None
         yield Rig(port, tmp / "nginx.log", tmp / "access.log")
     finally:
         nginx.terminate()
@@ -312,3 +323,31 @@ def test_models_id_of_a_peers_model_names_its_host(rig: Rig) -> None:
     # a peer asking: not offered on
     status, doc = get("/v1/models/echo", {"X-Gpud-Via": "hostb"})
     assert status == 404, doc
+
+
+def test_a_keys_limits_hold_for_a_forwarded_request_and_its_key_stays_here() -> None:
+    """The client's key is checked here (its requests_per_minute too: 429 from this router, in
+    OpenAI's shape), and the peer sees this host's key and the key's name as requester."""
+    token = "sk-alice-0123456789abcdef"
+    with _rig((ApiKey("alice", token_digest(token), ("*",), requests_per_minute=2),)) as rig:
+        auth = {"Authorization": f"Bearer {token}"}
+        assert _post(rig.port, "echo")[0] == 401
+        for _ in range(2):   # a minute's worth at once (burst), then at the rate
+            status, _, body = _post(rig.port, "echo", headers=auth)
+            assert status == 200, body
+        h = json.loads(body)["headers"]
+        assert h["authorization"] == f"Bearer {KEY}" and h["x-gpud-requester"] == "alice", h
+        status, headers, body = _post(rig.port, "echo", headers=auth)
+        assert status == 429, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["gpud"]["key"] == "alice"
+        assert headers["retry-after"] == "30"
+
+
+def test_a_key_of_one_request_a_minute_loads() -> None:
+    """nginx refused the whole config with "burst=0" (a key's requests_per_minute = 1)."""
+    token = "sk-bob-0123456789abcdef0"
+    with _rig((ApiKey("bob", token_digest(token), ("*",), requests_per_minute=1),)) as rig:
+        auth = {"Authorization": f"Bearer {token}"}
+        assert _post(rig.port, "echo", headers=auth)[0] == 200
+        assert _post(rig.port, "echo", headers=auth)[0] == 429

@@ -404,8 +404,11 @@ def limit_lines(keys: Sequence[ApiKey], indent: str = "            ",
     out = []
     for i, k in enumerate(keys):
         if k.requests_per_minute is not None:
-            burst = max(0, k.requests_per_minute - 1)
-            out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
+            # nginx refuses "burst=0" (ngx_http_limit_req: a burst must be positive): one a
+            # minute is no burst at all
+            burst = k.requests_per_minute - 1
+            out.append(f"{indent}limit_req zone=router_rpm_{i}"
+                       f"{f' burst={burst}' if burst > 0 else ''} nodelay;")
     if out:
         out.append(f"{indent}limit_req_status {status};")
     return out
