@@ -321,12 +321,15 @@ def test_forwarded_requests_are_counted_by_peer_and_class(tmp_path: Path) -> Non
     poller = PeerPoller(lambda: cfg)
     poller.count("node2", "2xx")
     poller.count("node2", "2xx")
-    poller.count("node2", "5xx")
+    poller.count("node2", "5xx", 503)   # a peer's answer: nothing more
+    assert not poller._kick.is_set()
+    poller.count("node2", "5xx", 502)   # the router's own: the peer did not answer
+    assert poller._kick.is_set()        # asked at once
     poller.count("gone", "2xx")   # a peer no longer in the config: not counted
     fams: dict[str, _Family] = {}
     _peer_families(fams, poller)
     samples = {tuple(sorted(s.labels.items())): s.value
                for s in fams["gpud_peer_requests_total"].metric.samples}
     assert samples[(("code", "2xx"), ("peer", "node2"))] == 2
-    assert samples[(("code", "5xx"), ("peer", "node2"))] == 1
+    assert samples[(("code", "5xx"), ("peer", "node2"))] == 2
     assert all(("peer", "gone") not in k for k in samples)

@@ -41,6 +41,8 @@ from gpud.core.router import RoutedPeer, peer_address
 
 log = logging.getLogger("gpud.peers")
 
+# The status the router answers for a forwarded request the peer did not take.
+PEER_DOWN_STATUS = 502
 # The CAs an https peer's certificate is checked against without its tls_ca (Debian's
 # ca-certificates bundle).
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
@@ -208,11 +210,15 @@ class PeerPoller:
             v.offered = tuple(m.id for m in fetched.models)
         return self.feed(name, event_of(fetched.outcome), fetched.error)
 
-    def count(self, name: str, status_class: str) -> None:
-        """One request the router forwarded to NAME, by the class of its answer's status."""
+    def count(self, name: str, status_class: str, status: int = 0) -> None:
+        """One request the router forwarded to NAME, by the class of its answer's status. A
+        502 is the router's own for a peer that did not answer (router.js peerDown): NAME is
+        asked at once, not at the next interval, so that its circuit opens now."""
         if name in self.peers():
             v = self.view(name)
             v.requests[status_class] = v.requests.get(status_class, 0) + 1
+            if status == PEER_DOWN_STATUS:
+                self.kick()
 
     def routing(self) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
         """What of the peers the router is made of (docs/peers.md): each peer's models offered

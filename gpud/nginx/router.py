@@ -224,10 +224,10 @@ class RouterLog:
 
     def __init__(self, config: Callable[[], Config], store: Store | None = None,
                  clock: Callable[[], float] = time.time,
-                 peer: Callable[[str, str], None] | None = None) -> None:
+                 peer: Callable[[str, str, int], None] | None = None) -> None:
         self.config = config
-        # each request forwarded to a peer: its name and the class of the answer's status
-        # (gpud.host.peers.PeerPoller.count: gpud_peer_requests_total)
+        # each request forwarded to a peer: its name, the class of the answer's status and the
+        # status (gpud.host.peers.PeerPoller.count: gpud_peer_requests_total)
         self.peer = peer
         self.stats = RouterStats.empty()
         # usage per key (gpud.core.usage): since gpud started (the metrics'), and the hourly
@@ -321,7 +321,7 @@ class RouterLog:
                 self.stats.add(answered)
                 self._count(answered)
                 if answered.peer and self.peer is not None:
-                    self.peer(answered.peer, answered.status_class)
+                    self.peer(answered.peer, answered.status_class, answered.status)
         if self._offset >= LOG_MAX_BYTES and not self._partial:
             # what was read of it stored first (with the position at its end): else kept
             self._flush()
