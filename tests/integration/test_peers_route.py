@@ -1,6 +1,7 @@
 """Two gpud hosts behind one URL (docs/peers.md): a model that lives only on host B, on demand,
 started by a request that arrives at host A's router, streamed through the openai client with
-B's loading feedback passing through; B's gpud and router stopped: A answers 503 at once with
+B's loading feedback passing through; each host the other's peer, and no loop; B's gpud and
+router stopped: A answers 503 at once with
 Retry-After once the circuit is open, and serves again once B is back. Real systemd, nginx and
 gpud in each of two sandboxes joined by a veth pair."""
 
@@ -19,15 +20,19 @@ TOKEN = "sk-host-a-presents-this-to-b-0123"
 KEYS = "/etc/gpud/keys.toml"
 PEER_KEY = "/etc/gpud/peer-b.key"
 ROLE = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+# A's router listens on its end of the link (B asks it for its models), as clients reach it
+A_ADDRESS = "198.18.0.1"
 
 
-def b_config(address: str) -> str:
+def b_config(address: str, a: Host) -> str:
     serves = (
         f'[serves.ocr]\nrole = "r"\nvram_mib = 8000\nport = {ROUTER + 1}\non_demand = true\n'
         'start_timeout_s = 90\nmodels = ["ocr"]\n'
         f"command = {standin_uds('--startup-delay', '3', '--token-interval-s', '0.05', '--served-model-name', 'ocr')}\n")
-    return sim_config(ROLE, serves) + (f'[router]\nlisten = "{address}:{ROUTER}"\n'
-                                       f'api_keys_file = "{KEYS}"\nloading_feedback_s = 1\n')
+    # and A is B's peer too: the two list each other's models, and never loop
+    return (sim_config(ROLE, serves) + f'[router]\nlisten = "{address}:{ROUTER}"\n'
+            f'api_keys_file = "{KEYS}"\nloading_feedback_s = 1\n'
+            + peer_table("a", f"http://{a.address}:{ROUTER}", "/etc/gpud/peer-a.key"))
 
 
 def a_config(b: Host) -> str:
@@ -36,7 +41,7 @@ def a_config(b: Host) -> str:
         f'[serves.chat]\nrole = "r"\nvram_mib = 8000\nport = {ROUTER + 1}\non_demand = true\n'
         'start_timeout_s = 90\nmodels = ["chat"]\n'
         f"command = {standin_uds('--served-model-name', 'chat')}\n")
-    return (sim_config(ROLE, serves) + f'[router]\nlisten = "127.0.0.1:{ROUTER}"\n'
+    return (sim_config(ROLE, serves) + f'[router]\nlisten = "{A_ADDRESS}:{ROUTER}"\n'
             + peer_table("b", f"http://{b.address}:{ROUTER}", PEER_KEY))
 
 
@@ -44,7 +49,7 @@ def a_config(b: Host) -> str:
 # loading comments, then the chunks, then [DONE].
 CLIENT = f'''
 import json, openai
-o = openai.OpenAI(base_url="http://127.0.0.1:{ROUTER}/v1", api_key="unused", max_retries=0,
+o = openai.OpenAI(base_url="http://{A_ADDRESS}:{ROUTER}/v1", api_key="unused", max_retries=0,
                   timeout=120)
 with o.chat.completions.with_streaming_response.create(
         model="ocr", messages=[{{"role": "user", "content": "read it"}}], max_tokens=3,
@@ -65,7 +70,7 @@ def post(host: Host, model: str) -> tuple[int, dict[str, str], Any, float]:
     started = time.monotonic()
     out = host.sb.run(["curl", "-s", "-i", "--max-time", "60", "-d", body,
                        "-H", "Content-Type: application/json",
-                       f"http://127.0.0.1:{ROUTER}/v1/chat/completions"],
+                       f"http://{A_ADDRESS}:{ROUTER}/v1/chat/completions"],
                       timeout=90).stdout.replace("\r\n", "\n")
     took = time.monotonic() - started
     head, _, text = out.partition("\n\n")
@@ -76,14 +81,17 @@ def post(host: Host, model: str) -> tuple[int, dict[str, str], Any, float]:
 
 
 def models(host: Host) -> dict[str, Any]:
-    out = host.sb.run(["curl", "-s", f"http://127.0.0.1:{ROUTER}/v1/models"]).stdout
+    out = host.sb.run(["curl", "-s", f"http://{A_ADDRESS}:{ROUTER}/v1/models"]).stdout
     return {m["id"]: m["gpud"] for m in json.loads(out)["data"]}
 
 
 def test_a_model_only_on_b_is_started_by_a_request_at_a_and_b_down_is_503_at_once() -> None:
     with linked_hosts(2) as (a, b):
+        assert a.address == A_ADDRESS
         install_secret(b, KEYS, f'[keys.front-a]\ntoken = "{TOKEN}"\nmodels = ["*"]\n')
-        with fronted_gpud(b.gpud, b_config(b.address)):
+        # A's router takes no keys: B presents one anyway
+        install_secret(b, "/etc/gpud/peer-a.key", "sk-b-presents-this-to-a-000\n")
+        with fronted_gpud(b.gpud, b_config(b.address, a)):
             install_secret(a, PEER_KEY, TOKEN + "\n")
             with fronted_gpud(a.gpud, a_config(b)):
                 # A's router lists B's model, with its host, once its poller has B's list
@@ -97,6 +105,10 @@ def test_a_model_only_on_b_is_started_by_a_request_at_a_and_b_down_is_503_at_onc
                 assert listed["host"] == "b" and listed["via"] == "b", listed
                 assert listed["state"] == "declared", listed   # as B reports it: not started
                 assert models(a)["chat"]["host"] != "b"
+                # B offers A's own model, never its own back through A (the hop marker)
+                offered = wait_until(lambda: (p := b.gpud.get("/v1/peers")["peers"][0])[
+                    "reachable"] and p, timeout=30, what="B's poller reaching A")
+                assert [m["id"] for m in offered["models"]] == ["chat"], offered
                 # the key is in A's nginx.conf, which is root's and the front's group's only
                 mode = a.sb.run(["stat", "-c", "%a %U", "/run/gpud/front/nginx.conf"]).stdout
                 assert mode.split() == ["640", "root"], mode
