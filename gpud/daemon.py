@@ -240,8 +240,8 @@ class Daemon:
             supervisor.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
             # counting from now (before the front); usage per key into the store
-            router_log = RouterLog(lambda: svc.config, svc.store)
             peers = PeerPoller(lambda: svc.config)
+            router_log = RouterLog(lambda: svc.config, svc.store, peer=peers.count)
 
             def metrics() -> str:
                 router_log.read()
@@ -265,8 +265,11 @@ class Daemon:
             await supervisor.reconcile()
             # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
             self.front = Front(supervisor.units, states=svc.states,
-                               over_budget=router_log.over_budget)
+                               over_budget=router_log.over_budget, peers=peers.routed)
             front = self.front
+            # the router forwards to the peers (docs/peers.md): rendered again when a peer's
+            # models or circuit change, never on a poll that changed nothing of them
+            peers.watch(front.peers_changed)
             self.api.budgets = lambda: router_log.budget_states(front.keys())
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening

@@ -262,3 +262,74 @@ def test_check_config_names_a_refused_key(tmp_path: Path) -> None:
     [warning] = asyncio.run(serve())
     assert "the key was refused (401 invalid_api_key)" in warning, warning
     assert json.dumps(warning)
+
+
+async def test_the_router_is_told_of_a_change_of_models_or_circuit_only(
+        peer: Peer, tmp_path: Path) -> None:
+    """What the router is made of (routing) changes when the peer's models or its circuit do,
+    never with a state: the models it last listed are kept while it is down (listed
+    unreachable, answered 503 at once), with the key and the reason it opened."""
+    cfg = config(tmp_path, peer.port)
+    poller = PeerPoller(lambda: cfg, timeout_s=2.0)
+    assert poller.routing() == (("node2", (), True),)
+    async with aiohttp.ClientSession() as session:
+        await poller.poll_all(session)
+        up = poller.routing()
+        assert up == (("node2", ("ocr", "chat"), True),)
+        MODELS["data"][0]["gpud"]["state"] = "running"   # a state: nothing to render
+        try:
+            await poller.poll_all(session)
+        finally:
+            MODELS["data"][0]["gpud"]["state"] = "sleeping"
+        assert poller.routing() == up
+        (routed,) = poller.routed()
+        assert (routed.name, routed.host, routed.port, routed.key, routed.models,
+                routed.closed) == ("node2", "127.0.0.1", peer.port, KEY, ("ocr", "chat"), True)
+
+        await peer.stop()
+        await poller.poll_all(session)
+        assert poller.routing() == (("node2", ("ocr", "chat"), False),)
+        (routed,) = poller.routed()
+        assert routed.open_reason is not None and routed.open_reason.startswith("cannot connect")
+        await peer.start()
+        await poller.poll_all(session)
+        assert poller.routing() == up
+
+
+async def test_run_renders_again_only_when_routing_changes(peer: Peer, tmp_path: Path) -> None:
+    cfg = config(tmp_path, peer.port)
+    poller = PeerPoller(lambda: cfg, timeout_s=2.0, interval_s=0.01)
+    seen: list[tuple[tuple[str, tuple[str, ...], bool], ...]] = []
+
+    async def changed() -> None:
+        seen.append(poller.routing())
+
+    poller.watch(changed)
+    task = asyncio.create_task(poller.run())
+    try:
+        while len(peer.asked) < 5:   # five rounds, one change among them
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert seen == [(("node2", ("ocr", "chat"), True),)]
+
+
+def test_forwarded_requests_are_counted_by_peer_and_class(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 1)
+    poller = PeerPoller(lambda: cfg)
+    poller.count("node2", "2xx")
+    poller.count("node2", "2xx")
+    poller.count("node2", "5xx", 503)   # a peer's answer: nothing more
+    assert not poller._kick.is_set()
+    poller.count("node2", "5xx", 502)   # the router's own: the peer did not answer
+    assert poller._kick.is_set()        # asked at once
+    poller.count("gone", "2xx")   # a peer no longer in the config: not counted
+    fams: dict[str, _Family] = {}
+    _peer_families(fams, poller)
+    samples = {tuple(sorted(s.labels.items())): s.value
+               for s in fams["gpud_peer_requests_total"].metric.samples}
+    assert samples[(("code", "2xx"), ("peer", "node2"))] == 2
+    assert samples[(("code", "5xx"), ("peer", "node2"))] == 2
+    assert all(("peer", "gone") not in k for k in samples)

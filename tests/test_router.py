@@ -784,10 +784,24 @@ def test_gpuctl_models_lists_each_name_with_its_serve() -> None:
          "in_flight": 2, "queued": 0},
     ]}
     assert format_models(doc).splitlines() == [  # type: ignore[arg-type]
-        "MODEL      SERVE  STATE      PORT  FRONT  IN FLIGHT  QUEUED",
-        "chat       chat   sleeping  30001  yes            -       3",
-        "chat-fast  chat   sleeping  30001  yes            -       3",
-        "code       code   running   30002  yes            2       0"]
+        "MODEL      HOST   SERVE  STATE      PORT  FRONT  IN FLIGHT  QUEUED",
+        "chat       local  chat   sleeping  30001  yes            -       3",
+        "chat-fast  local  chat   sleeping  30001  yes            -       3",
+        "code       local  code   running   30002  yes            2       0"]
+    # the peers' models, each with its host (docs/peers.md); one whose circuit is open named
+    peers = {"peers": [
+        {"name": "node2", "circuit": "closed", "models": [
+            {"id": "ocr", "state": "sleeping", "expected_wait_s": None, "queued": 2}]},
+        {"name": "node3", "circuit": "open", "circuit_reason": "cannot connect: refused",
+         "models": []}]}
+    assert format_models(doc, peers).splitlines() == [  # type: ignore[arg-type]
+        "MODEL      HOST   SERVE  STATE      PORT  FRONT  IN FLIGHT  QUEUED",
+        "chat       local  chat   sleeping  30001  yes            -       3",
+        "chat-fast  local  chat   sleeping  30001  yes            -       3",
+        "code       local  code   running   30002  yes            2       0",
+        "ocr        node2  -      sleeping      -  -              -       2",
+        "host node3 unreachable (cannot connect: refused): its models are answered 503 until "
+        "it answers again"]
     assert format_models({"serves": []}).startswith("no models")  # type: ignore[typeddict-item]
     doc["serves"][0].update(queue=[{"requester": "alice", "waiting": 2, "position": 1},
                                    {"requester": "addr:127.0.0.1", "waiting": 1,
@@ -1527,7 +1541,7 @@ def test_gpuctl_shows_a_serve_with_requests_waiting_as_waiting_with_what_for() -
              "vram_mib": 20000, "waiting": {"requests": 16, "in_s": 286.4,
                                             "reason": "a may be evicted in 287 s (min_awake_s)"}}
     models = format_models({"serves": [serve]}).splitlines()  # type: ignore[list-item]
-    assert models[1].split()[:3] == ["b", "b", "waiting"], models
+    assert models[1].split()[:4] == ["b", "local", "b", "waiting"], models
     assert "b (waiting): 16 requests; a may be evicted in 287 s (min_awake_s)" in models
     serves = format_serves({"serves": [serve]}).splitlines()  # type: ignore[list-item]
     assert "waiting" in serves[1].split() and "denied" not in serves[1], serves

@@ -635,7 +635,7 @@ def test_v1_models_says_what_a_waiting_serve_waits_for_and_until_when(
         assert b"batch" not in body
     fed.gpud.serves = [{"name": "a", "state": "running"}]
     _s, _h, body = _req(fed.port, "GET", "/v1/models/a")
-    assert json.loads(body)["gpud"] == {"serve": "a", "state": "running"}, body
+    assert json.loads(body)["gpud"] == {"host": "localhost", "serve": "a", "state": "running"}, body
 
 
 # --- a requester's large bodies (router.large_bodies_per_requester) ------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpud.core.front import KEEPALIVE, PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, RETRY_AFTER_S
+from gpud.core.peers import PeerModel, merge
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
@@ -103,6 +104,8 @@ USAGE_FIELDS: Final = (
     ("completion_tokens", "$router_completion_tokens"),
     ("complete", "$request_completion"),
 )
+# The access log's field of forwarding (docs/peers.md): the peer a request went to, "" none.
+PEER_FIELDS: Final = (("peer", "$router_peer"),)
 # The routes whose body vLLM reads a `priority` from (an int, lower first, under
 # --scheduling-policy priority; vllm 0.32 vllm/config/scheduler.py `policy`, and the field in
 # entrypoints/openai/{chat_completion,completion,responses}/protocol.py and
@@ -413,8 +416,11 @@ def limit_lines(keys: Sequence[ApiKey], indent: str = "            ",
     out = []
     for i, k in enumerate(keys):
         if k.requests_per_minute is not None:
-            burst = max(0, k.requests_per_minute - 1)
-            out.append(f"{indent}limit_req zone=router_rpm_{i} burst={burst} nodelay;")
+            # nginx refuses "burst=0" (ngx_http_limit_req: a burst must be positive): one a
+            # minute is no burst at all
+            burst = k.requests_per_minute - 1
+            out.append(f"{indent}limit_req zone=router_rpm_{i}"
+                       f"{f' burst={burst}' if burst > 0 else ''} nodelay;")
     if out:
         out.append(f"{indent}limit_req_status {status};")
     return out
@@ -528,6 +534,107 @@ class RoutedServe:
         return f"unix:{self.socket}" if self.socket is not None else f"127.0.0.1:{self.port}"
 
 
+# Forwarding to a peer (docs/peers.md): the hop header (a request that carries it came from a
+# host's router and is never forwarded again), the requester forwarded with it, the named
+# location of each peer, and the seconds of Retry-After while a peer's circuit is open (its
+# next probe: gpud.host.peers polls every 5 s).
+VIA_HEADER: Final = "X-Gpud-Via"
+REQUESTER_HEADER: Final = "X-Gpud-Requester"
+PEER_PREFIX: Final = "router_peer_"
+PEER_RETRY_AFTER_S: Final = 5
+# A peer that does not take the connection within this long is down (its circuit's failure).
+PEER_CONNECT_TIMEOUT_S: Final = 3
+PEERS_LOCATION: Final = "/.gpud-router-peers"
+# A peer's key as nginx.conf carries it (proxy_set_header): no quote, backslash, `$` (nginx
+# reads a variable there), `;`, brace or space.
+PEER_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~+/=:@%!*,^|-]{1,512}")
+HOST_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
+
+
+def peer_key_problem(key: str) -> str | None:
+    if not PEER_KEY_RE.fullmatch(key):
+        return ("the key holds a character the router cannot send as it is (a quote, a "
+                "backslash, `$`, `;`, a brace or a space)")
+    return None
+
+
+@dataclass(frozen=True)
+class RoutedPeer:
+    """A peer the router forwards requests to (docs/peers.md): its router's address (SCHEME,
+    HOST, PORT), the key this host presents there, the models it offers here that no serve of
+    this host answers to, its CA for https, and, while its circuit is not closed, why and since
+    when (requests for its models are then answered 503 at once)."""
+
+    name: str
+    scheme: str
+    host: str
+    port: int
+    key: str
+    models: tuple[str, ...] = ()
+    tls_ca: str | None = None
+    open_reason: str | None = None
+    open_since: float | None = None
+
+    def __post_init__(self) -> None:
+        problem = peer_key_problem(self.key)
+        if problem:
+            raise ValueError(f"router: peer {self.name}: {problem}")
+        if self.scheme not in ("http", "https"):
+            raise ValueError(f"router: peer {self.name}: scheme {self.scheme!r}")
+        if self.scheme == "https" and (self.tls_ca is None or not PATH_RE.fullmatch(self.tls_ca)):
+            raise ValueError(f"router: peer {self.name}: https needs the CA file nginx checks "
+                             f"its certificate against, a plain absolute path (got "
+                             f"{self.tls_ca!r})")
+        if not re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]", self.host):
+            raise ValueError(f"router: peer {self.name}: host {self.host!r}")
+        for model in self.models:
+            problem = model_name_problem(model)
+            if problem:
+                raise ValueError(f"router: peer {self.name}: {problem}")
+
+    @property
+    def upstream(self) -> str:
+        return f"{PEER_PREFIX}{self.name.replace('-', '_')}"
+
+    @property
+    def location(self) -> str:
+        return f"@{self.upstream}"
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def closed(self) -> bool:
+        return self.open_reason is None
+
+
+def peer_address(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a peer's router URL (gpud.core.peers.url_problem's shape; the
+    port the scheme's when not given)."""
+    scheme, _, rest = url.partition("://")
+    authority = rest.split("/", 1)[0]
+    if authority.startswith("["):
+        host, _, after = authority.partition("]")
+        host += "]"
+        port_text = after[1:]
+    else:
+        host, _, port_text = authority.partition(":")
+    scheme = scheme.lower()
+    return scheme, host, int(port_text) if port_text else 443 if scheme == "https" else 80
+
+
+def peer_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, list[str]]:
+    """Model name -> the peers (by name) a request for it may go to, in the order tried: a
+    model no serve of this host answers to (a local serve's name stays here), from the one
+    list of every host's models (gpud.core.peers.merge: this host first, then the peers by
+    name)."""
+    merged = merge([PeerModel(m) for m in local],
+                   {p.name: [PeerModel(m) for m in p.models] for p in peers})
+    return {m.id: [h.host for h in m.hosts if h.host is not None]
+            for m in merged if m.hosts[0].host is not None}
+
+
 @dataclass(frozen=True)
 class RouterFront:
     """The router's part of the front's nginx.conf."""
@@ -554,6 +661,10 @@ class RouterFront:
     # the keys past a token budget, and until when (gpud.core.quota: gpud decides it as it
     # stores usage; the script compares the time)
     over_budget: tuple[Over, ...] = ()
+    # the peers whose models a request may be forwarded to (docs/peers.md), and this host's
+    # name as it tells them (X-Gpud-Via, the hop header) and lists itself (gpud.host)
+    peers: tuple[RoutedPeer, ...] = ()
+    host: str = "localhost"
 
     def __post_init__(self) -> None:
         problem = listen_problem(self.listen)
@@ -565,6 +676,11 @@ class RouterFront:
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve
+        if not HOST_NAME_RE.fullmatch(self.host):
+            raise ValueError(f"router: host name {self.host!r} is not letters, digits, . and -")
+        names = [p.name for p in self.peers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"router: a peer named twice in {names}")
 
     @property
     def table(self) -> dict[str, str]:
@@ -786,6 +902,63 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
     return lines
 
 
+def _peer_location(peer: RoutedPeer, host: str, limits: Sequence[str]) -> list[str]:
+    """The named location a request for PEER's model is sent to (router.js route): proxied to
+    the peer's router as it came (route, body, the client's other headers), with this host's
+    key there in place of the client's, the requester and the hop header set by the router
+    alone, and the answer streamed back as it comes. Only a connect failure, a timeout, or a
+    proxy's 502/504 between the hosts (a gpud router answers neither: its own are 503s) is
+    answered here, by @router_peer_down; any other answer of the peer passes as it came. No
+    retry anywhere once the request went (proxy_next_upstream off)."""
+    ssl = []
+    if peer.scheme == "https":
+        ssl = ["            proxy_ssl_server_name on;",
+               f"            proxy_ssl_name {peer.host.strip('[]')};",
+               "            proxy_ssl_verify on;",
+               "            proxy_ssl_verify_depth 4;",
+               *([f"            proxy_ssl_trusted_certificate {peer.tls_ca};"]
+                 if peer.tls_ca is not None else [])]
+    out: list[str] = []
+    for stream in (False, True):
+        out += [f"        location {peer.location}{'_stream' if stream else ''} {{",
+                # a key's requests_per_minute counts here too (its own status: a peer's 429
+                # is the peer's answer, passed on)
+                *limits,
+                *([f"            error_page {FRONT_RATE_STATUS} = @router_limited;"]
+                  if limits else []),
+                f"            proxy_pass {peer.scheme}://{peer.upstream};",
+                # A stream is asked in HTTP/1.0, its end the connection's: a peer gone
+                # mid-stream then ends the answer as a whole one (nginx finalizes an answer
+                # of unknown length at the upstream's EOF with its last buffer, where a
+                # chunked one cut short is an error that closes the client's connection with
+                # no last buffer: ngx_http_upstream_process_non_buffered_request), which
+                # router.peerStreamed sees and ends with an error event. Other requests keep
+                # their connections (HTTP/1.1, keepalive).
+                *(["            proxy_http_version 1.0;"] if stream else
+                  ["            proxy_http_version 1.1;",
+                   '            proxy_set_header Connection "";']),
+                *_peer_common(peer, host, ssl)]
+    return out
+
+
+def _peer_common(peer: RoutedPeer, host: str, ssl: Sequence[str]) -> list[str]:
+    return [f'            proxy_set_header Host "{peer.authority}";',
+            f'            proxy_set_header Authorization "Bearer {peer.key}";',
+            '            proxy_set_header X-Api-Key "";',
+            f"            proxy_set_header {REQUESTER_HEADER} $router_requester;",
+            f'            proxy_set_header {VIA_HEADER} "{host}";',
+            *ssl,
+            "            proxy_buffering off;",
+            f"            proxy_connect_timeout {PEER_CONNECT_TIMEOUT_S}s;",
+            f"            proxy_read_timeout {READ_TIMEOUT_S}s;",
+            f"            proxy_send_timeout {READ_TIMEOUT_S}s;",
+            "            proxy_next_upstream off;",
+            "            proxy_intercept_errors on;",
+            "            error_page 502 504 = @router_peer_down;",
+            "            js_body_filter router.peerStreamed buffer_type=buffer;",
+            "        }"]
+
+
 def http_lines(router: RouterFront) -> list[str]:
     """The router's lines in the `http` block: the script, the upstreams, its server."""
     mib = router.max_body_mib
@@ -807,6 +980,8 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_prio;",
            "    js_var $router_prio_over;",
            "    js_var $router_completion_tokens;",
+           # the peer a request was forwarded to (docs/peers.md), "" none
+           "    js_var $router_peer;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
            # the name of the request's key, "" none (router.js keyName: one SHA-256 a request,
@@ -824,7 +999,8 @@ def http_lines(router: RouterFront) -> list[str]:
            *[f"    js_set $router_error_{status} router.error{status};"
              for status in ERROR_PAGES]]
     if router.access_log is not None:
-        fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
+        fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS,
+                                                             *PEER_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
     out += limit_zones(router.keys or (), router.large_bodies_per_requester)
     if any(s.priority_scheduling for s in router.serves):
@@ -835,6 +1011,11 @@ def http_lines(router: RouterFront) -> list[str]:
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += [f"    upstream {serve.upstream} {{",
                 f"        server {serve.server};",
+                f"        keepalive {KEEPALIVE};",
+                "    }"]
+    for peer in sorted(router.peers, key=lambda p: p.name):
+        out += [f"    upstream {peer.upstream} {{",
+                f"        server {peer.authority};",
                 f"        keepalive {KEEPALIVE};",
                 "    }"]
     # With keys, the key is checked in the rewrite phase, before the body is read (a
@@ -916,6 +1097,23 @@ def http_lines(router: RouterFront) -> list[str]:
     limits = limit_lines(router.keys or ())
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += _serve_locations(serve, router.awake_dir, limits)
+    if router.peers:
+        out += [f"        location = {PEERS_LOCATION} {{",
+                "            internal;",
+                f"            proxy_pass http://{GPUD_UPSTREAM}/v1/peers;",
+                "            proxy_method GET;",
+                "            proxy_pass_request_body off;",
+                "            proxy_pass_request_headers off;",
+                '            proxy_set_header Content-Length "";',
+                "            proxy_read_timeout 5s;",
+                "            subrequest_output_buffer_size 1m;",
+                "        }",
+                "        location @router_peer_down {",
+                "            js_content router.peerDown;",
+                "        }"]
+    peer_limits = limit_lines(router.keys or (), status=FRONT_RATE_STATUS)
+    for peer in sorted(router.peers, key=lambda p: p.name):
+        out += _peer_location(peer, router.host, peer_limits)
     out += [
         *(["        location @router_unauthorized {",
            "            add_header WWW-Authenticate Bearer always;",
@@ -985,6 +1183,13 @@ def render_script(router: RouterFront, code: str) -> str:
             "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
             "priority_routes": list(PRIORITY_ROUTES),
+            "host": router.host, "peers_location": PEERS_LOCATION,
+            "peer_retry_after_s": PEER_RETRY_AFTER_S,
+            "peer_models": peer_table(router.table, router.peers),
+            "peers": {p.name: {"location": p.location,
+                               "open": None if p.closed else
+                               {"reason": p.open_reason, "since": p.open_since}}
+                      for p in sorted(router.peers, key=lambda p: p.name)},
             # what a peer key may forward as its requester (router.js whoOf)
             **({"forwarded_requester": FORWARDED_REQUESTER_RE.pattern}
                if any(k.peer for k in router.keys or ()) else {})}
@@ -1031,6 +1236,8 @@ class Answered:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     hung_up: bool = False
+    # the peer the request was forwarded to ("" none: answered here)
+    peer: str = ""
 
 
 def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
@@ -1048,7 +1255,10 @@ def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
         return None
     if not isinstance(doc, dict) or not all(isinstance(doc.get(k), str) for k, _ in LOG_FIELDS):
         return None
-    model = doc["model"] if doc["model"] in table else ""
+    peer = doc.get("peer")
+    peer = peer[:MAX_REQUESTER] if isinstance(peer, str) else ""
+    # a model forwarded to a peer is one of the peers' (the script sets it only for those)
+    model = doc["model"] if doc["model"] in table or peer else ""
     sse = doc["sse"]
     status = 503 if sse == "refused" else int(doc["status"]) if doc["status"].isdigit() else 0
     if not 100 <= status <= 599:
@@ -1058,8 +1268,8 @@ def parse_log_line(line: str, table: Mapping[str, str]) -> Answered | None:
     if upstream is not None and request is not None and not sse:
         # nginx times at millisecond resolution: so is the difference
         overhead = max(0.0, round(request - upstream - (_seconds(doc["ensure_s"]) or 0.0), 3))
-    return Answered(model, table.get(model, ""), f"{status // 100}xx", overhead,
-                    **_usage_fields(doc, status))
+    return Answered(model, "" if peer else table.get(model, ""), f"{status // 100}xx",
+                    overhead, **_usage_fields(doc, status), peer=peer)
 
 
 def _usage_fields(doc: Mapping[str, object], status: int) -> dict[str, Any]:

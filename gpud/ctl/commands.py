@@ -234,7 +234,12 @@ def configure_models(p: argparse.ArgumentParser) -> None:
 
 
 def run_models(ctl: Ctl, args: argparse.Namespace) -> int:
-    ctl.emit(ctl.client.call("GET", "/v1/serves"), format_models)
+    serves = ctl.client.call("GET", "/v1/serves")
+    if ctl.as_json:
+        ctl.emit(serves, format_models)
+        return EXIT_OK
+    peers = ctl.client.call("GET", "/v1/peers")
+    ctl.emit(serves, lambda doc: format_models(doc, peers))
     return EXIT_OK
 
 
@@ -627,12 +632,17 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "models", "the names the router routes, and their serves",
         "With a [router] table (docs/router.md): every name a request's model may give, with "
-        "the serve it goes to, that serve's state, its port and whether it is fronted. The "
-        "names come from serves.NAME.models (unset: what the serve answers to by default).",
+        "the host that serves it (local, or the peer's name: docs/peers.md), the serve it goes "
+        "to, that serve's state, its port and whether it is fronted. The names come from "
+        "serves.NAME.models (unset: what the serve answers to by default) and from each "
+        "peer's own /v1/models, its state and queue as the peer reported them; a peer whose "
+        "circuit is open is named below the table. --json is GET /v1/serves (the peers: "
+        "gpuctl --json peers).",
         "  gpuctl models\n"
-        "      MODEL      SERVE  STATE     PORT  FRONT\n"
-        "      chat       chat   running  30001  yes\n"
-        "      chat-fast  chat   running  30001  yes\n"
+        "      MODEL      HOST   SERVE  STATE     PORT  FRONT\n"
+        "      chat       local  chat   running  30001  yes\n"
+        "      chat-fast  local  chat   running  30001  yes\n"
+        "      ocr        node2  -      sleeping     -  -\n"
         "  gpuctl models --json",
         configure_models, run_models),
     Command(

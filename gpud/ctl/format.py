@@ -286,20 +286,35 @@ def waiting_line(s: answers.Serve) -> str:
             f"{w.get('reason')}")
 
 
-def format_models(doc: answers.Serves) -> str:
-    """``GET /v1/serves``, by the names the router routes (docs/router.md): one row each."""
-    rows = [[model, str(s.get("name")), WAITING if s.get("waiting") else str(s.get("state")),
-             _dash(s.get("port")),
+# The HOST of a model this host serves (gpuctl models): a peer's is its [peers.NAME] name.
+LOCAL_HOST = "local"
+
+
+def format_models(doc: answers.Serves, peers: answers.Peers | None = None) -> str:
+    """``GET /v1/serves``, by the names the router routes (docs/router.md): one row each; then,
+    with PEERS (``GET /v1/peers``, docs/peers.md), each model a peer offers here, its HOST the
+    peer's name, its state and queue as the peer reported them."""
+    rows = [[model, LOCAL_HOST, str(s.get("name")),
+             WAITING if s.get("waiting") else str(s.get("state")), _dash(s.get("port")),
              "yes" if s.get("front") else "no", _dash(s.get("in_flight")),
              _dash(s.get("queued"))]
             for s in doc.get("serves") or [] for model in s.get("models") or []]
+    down = []
+    for p in (peers or {"peers": []}).get("peers") or []:
+        if p.get("circuit") != "closed":
+            down.append(f"host {p.get('name')} unreachable ({p.get('circuit_reason') or '?'}): "
+                        "its models are answered 503 until it answers again")
+            continue
+        rows += [[str(m.get("id")), str(p.get("name")), "-", str(m.get("state")), "-", "-",
+                  "-", _dash(m.get("queued"))] for m in p.get("models") or []]
     if not rows:
-        return "no models: the router is off (no [router] table) or no serve has a port"
+        return "\n".join(["no models: the router is off (no [router] table) or no serve has a "
+                          "port", *down])
     rows.sort()
-    table = format_table(["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT", "QUEUED"],
-                         rows, [False, False, False, True, False, True, True])
+    table = format_table(["MODEL", "HOST", "SERVE", "STATE", "PORT", "FRONT", "IN FLIGHT",
+                          "QUEUED"], rows, [False, False, False, False, True, False, True, True])
     waits = [waiting_line(s) for s in doc.get("serves") or [] if s.get("waiting")]
-    return "\n".join([table, *waits, *_queues(doc)])
+    return "\n".join([table, *waits, *_queues(doc), *down])
 
 
 def _queues(doc: answers.Serves) -> list[str]:

@@ -501,6 +501,9 @@ function route(r) {
         return;
     }
     var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
+    if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
+        return;
+    }
     // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
     if (entry === undefined || !allows(key, model)) {
         var close = closeNames(model, key);
@@ -544,6 +547,93 @@ function route(r) {
         return;
     }
     r.internalRedirect(entry.location);
+}
+
+// Whether the request came from another host's router (its hop header, docs/peers.md): it is
+// never forwarded again, so that two hosts listing each other's models never loop.
+function hopped(r) {
+    return r.headersIn['X-Gpud-Via'] !== undefined;
+}
+
+// A model that lives only on peers (CONFIG.peer_models, in the order tried): the request goes
+// to the first whose circuit is closed, to its named location (gpud.core.router
+// _peer_location: the peer's router, this host's key there, the requester and the hop header
+// set there). Every peer's circuit open: 503 at once, Retry-After, the hosts and why. False:
+// no peer has it (or the request came from a peer): the caller answers as for any unknown
+// model.
+function forward(r, model, key, stream) {
+    if (!has(CONFIG.peer_models, model) || hopped(r)) {
+        return false;
+    }
+    var names = CONFIG.peer_models[model], i, peer;
+    for (i = 0; i < names.length; i++) {
+        peer = CONFIG.peers[names[i]];
+        if (peer.open === null) {
+            r.variables.router_model = model;
+            r.variables.router_peer = names[i];
+            r.variables.router_key = key.name || '';
+            r.variables.router_requester = requesterOf(r, key);
+            r.internalRedirect(peer.location + (stream ? '_stream' : ''));
+            return true;
+        }
+    }
+    r.variables.router_model = model;
+    r.variables.router_peer = names[0];
+    r.variables.router_key = key.name || '';
+    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    fail(r, 503, 'model ' + JSON.stringify(model) + ' is served by ' + names.map(function (n) {
+        return 'host ' + n + ' (unreachable: ' + (CONFIG.peers[n].open.reason || 'failure') +
+            ')';
+    }).join(', ') + '; retry after ' + CONFIG.peer_retry_after_s + ' s', 'peer_unreachable');
+    return true;
+}
+
+// A forwarded request the peer did not take (nginx's 502/504 of the peer's location: no
+// connection, no answer in time, or a proxy between the hosts answering for it): 502 in
+// OpenAI's shape, naming the host. Nothing had gone to the client yet (an error page is
+// never taken once the answer began).
+function peerDown(r) {
+    var name = r.variables.router_peer || '?';
+    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    fail(r, 502, 'model ' + JSON.stringify(r.variables.router_model || '') + ': host ' + name +
+         ' did not answer (' + (r.variables.upstream_status === '504' ? 'timed out' :
+         'no connection, or a proxy between the hosts failed') + ')', 'peer_unreachable');
+}
+
+// A peer's answer as it passes (a body filter of its location, each buffer on at once): the
+// usage meter as a serve's, and, for a stream, whether it ended as streams end (OpenAI's
+// `data: [DONE]`; Anthropic's message_stop; the Responses API's last event). A stream that
+// stops short (the peer gone mid-stream) ends with an error event, not silence. The filter's
+// VM is the request's own: the globals are this answer's.
+var pTail = '', pSse = null;
+function peerStreamed(r, data, flags) {
+    if (pSse === null) {
+        pSse = r.status === 200 && (r.headersOut['Content-Type'] || '')
+            .indexOf('text/event-stream') === 0;
+    }
+    if (!pSse) {
+        meter(r, data, flags);
+        return;
+    }
+    if (data.length > 0) {
+        pTail = (pTail + data.toString()).slice(-256);
+        meterScan(r, data, false);
+    }
+    if (!flags.last) {
+        r.sendBuffer(data, flags);
+        return;
+    }
+    meterScan(r, '', true);
+    if (/data: \[DONE\]\s*$|message_stop|event: error|response\.(completed|failed|incomplete)/
+            .test(pTail)) {
+        r.sendBuffer(data, flags);
+        return;
+    }
+    r.sendBuffer(data, {last: false});
+    r.sendBuffer(errorEvent(r, 502, {error: {
+        message: 'model ' + JSON.stringify(r.variables.router_model || '') + ': host ' +
+                 (r.variables.router_peer || '?') + ' ended the stream before its end',
+        type: 'server_error', param: null, code: 'peer_unreachable'}}), flags);
 }
 
 // gpud's code of an ensure refused because its requester (or everyone) has as many
@@ -761,7 +851,7 @@ function states(r) {
 function entry(name, by, created, me) {
     var serve = CONFIG.models[name].serve;
     var s = has(by, serve) ? by[serve] : null;
-    var ext = {serve: serve, state: s ? s.state : 'unknown'};
+    var ext = {host: CONFIG.host, serve: serve, state: s ? s.state : 'unknown'};
     if (s && s.queue) {
         ext.queue = s.queue.map(function (p) {
             return {requester: p.requester === me ? me : null, waiting: p.waiting,
@@ -798,6 +888,65 @@ function queueNote(r, serve) {
     });
 }
 
+// What this host's gpud last heard from each peer (GET /v1/peers: name -> its view), {} when
+// there are no peers or gpud does not answer.
+function peerViews(r) {
+    if (Object.keys(CONFIG.peer_models).length === 0) {
+        return Promise.resolve({});
+    }
+    return r.subrequest(CONFIG.peers_location, {method: 'GET'}).then(function (reply) {
+        var by = {};
+        if (reply.status === 200) {
+            try {
+                JSON.parse(reply.responseText).peers.forEach(function (p) {
+                    by[p.name] = p;
+                });
+            } catch (e) {
+                // gpud's answer unreadable: every peer's state unknown
+            }
+        }
+        return by;
+    }, function () { return {}; });
+}
+
+// A model served on peers only, as this host lists it: the host that takes its requests
+// (gpud.host: the first whose circuit is closed), every host that has it, its state and queue
+// as that host reported them ("unreachable" while every one's circuit is open), and the hop
+// marker (gpud.via: a host reading this list never offers it again; gpud.core.peers).
+function peerEntry(name, views, created) {
+    var hosts = CONFIG.peer_models[name], host = null, i, ext, v, m;
+    for (i = 0; i < hosts.length && host === null; i++) {
+        if (CONFIG.peers[hosts[i]].open === null) {
+            host = hosts[i];
+        }
+    }
+    ext = {host: host === null ? hosts[0] : host, hosts: hosts, via: host === null ? hosts[0] :
+           host, state: host === null ? 'unreachable' : 'unknown'};
+    v = has(views, ext.host) ? views[ext.host] : null;
+    if (v && host !== null) {
+        ext.state = v.circuit === 'closed' ? 'unknown' : 'unreachable';
+        m = (v.models || []).filter(function (x) { return x.id === name; })[0];
+        if (m && v.circuit === 'closed') {
+            ext.state = m.state;
+            ext.expected_wait_s = m.expected_wait_s;
+            ext.queued = m.queued;
+        }
+    }
+    if (ext.state === 'unreachable') {
+        v = CONFIG.peers[ext.host].open;
+        ext.reason = v ? v.reason : null;
+    }
+    return {id: name, object: 'model', created: created, owned_by: 'gpud', gpud: ext};
+}
+
+// The peers' models listed to this request: none to a request that came from a peer (a host
+// never offers on what it offers from its peers).
+function peerNames(r, key) {
+    return hopped(r) ? [] : Object.keys(CONFIG.peer_models).filter(function (name) {
+        return allows(key, name);
+    });
+}
+
 function models(r) {
     var key = keyOf(r);
     if (key === null) {
@@ -811,14 +960,18 @@ function models(r) {
     // ME: who sees the queue (a peer's forwarded requester when it is one; else the key's)
     var me = whoOf(r, key).requester || requesterOf(r, key);
     states(r).then(function (by) {
-        var created = Math.floor(Date.now() / 1000);
-        var data = Object.keys(CONFIG.models).sort().filter(function (name) {
-            return allows(key, name);
-        }).map(function (name) {
-            return entry(name, by, created, me);
+        return peerViews(r).then(function (views) {
+            var created = Math.floor(Date.now() / 1000);
+            var data = Object.keys(CONFIG.models).sort().filter(function (name) {
+                return allows(key, name);
+            }).map(function (name) {
+                return entry(name, by, created, me);
+            }).concat(peerNames(r, key).sort().map(function (name) {
+                return peerEntry(name, views, created);
+            }));
+            r.headersOut['Content-Type'] = 'application/json';
+            r.return(200, JSON.stringify({object: 'list', data: data}));
         });
-        r.headersOut['Content-Type'] = 'application/json';
-        r.return(200, JSON.stringify({object: 'list', data: data}));
     });
 }
 
@@ -834,6 +987,13 @@ function model(r) {
         return;
     }
     var name = r.uri.slice('/v1/models/'.length);
+    if (!has(CONFIG.models, name) && peerNames(r, key).indexOf(name) >= 0) {
+        peerViews(r).then(function (views) {
+            r.headersOut['Content-Type'] = 'application/json';
+            r.return(200, JSON.stringify(peerEntry(name, views, Math.floor(Date.now() / 1000))));
+        });
+        return;
+    }
     if (!has(CONFIG.models, name) || !allows(key, name)) {
         var close = closeNames(name, key);
         fail(r, 404, 'The model ' + JSON.stringify(name) + ' does not exist on this endpoint' +
@@ -1262,7 +1422,7 @@ function limited(r) {
 }
 
 export default {route, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
-                refused, down, streamed, streamDown,
+                refused, down, streamed, streamDown, peerDown, peerStreamed,
                 error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
                 error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),

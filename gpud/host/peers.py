@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,8 +37,15 @@ from gpud.core.peers import (
     parse_models,
     step,
 )
+from gpud.core.router import RoutedPeer, peer_address
 
 log = logging.getLogger("gpud.peers")
+
+# The status the router answers for a forwarded request the peer did not take.
+PEER_DOWN_STATUS = 502
+# The CAs an https peer's certificate is checked against without its tls_ca (Debian's
+# ca-certificates bundle).
+SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 DEFAULT_INTERVAL_S = 5.0
 # One /v1/models answer, whole, within this long: a peer that drips its answer byte by byte, or
@@ -132,6 +140,9 @@ class PeerView:
     last_error: str | None = None
     checked_at: float | None = None
     requests: dict[str, int] = field(default_factory=dict)  # by status class (the data path)
+    # the models it last listed, kept while it does not answer: the router lists them
+    # unreachable and answers their requests 503 at once (None: never listed any)
+    offered: tuple[str, ...] | None = None
 
 
 class PeerPoller:
@@ -149,6 +160,7 @@ class PeerPoller:
         self.clock, self.read_key = clock, read_key
         self.views: dict[str, PeerView] = {}
         self._kick = asyncio.Event()
+        self._changed: Callable[[], Awaitable[None]] | None = None
 
     def peers(self) -> Mapping[str, PeerConfig]:
         return self.config().peers
@@ -194,7 +206,61 @@ class PeerPoller:
         v.checked_at, v.last_error = now, fetched.error
         v.rtt_s = fetched.rtt_s if fetched.rtt_s is not None else v.rtt_s
         v.models = fetched.models or ()
+        if fetched.models is not None:
+            v.offered = tuple(m.id for m in fetched.models)
         return self.feed(name, event_of(fetched.outcome), fetched.error)
+
+    def count(self, name: str, status_class: str, status: int = 0) -> None:
+        """One request the router forwarded to NAME, by the class of its answer's status. A
+        502 is the router's own for a peer that did not answer (router.js peerDown): NAME is
+        asked at once, not at the next interval, so that its circuit opens now."""
+        if name in self.peers():
+            v = self.view(name)
+            v.requests[status_class] = v.requests.get(status_class, 0) + 1
+            if status == PEER_DOWN_STATUS:
+                self.kick()
+
+    def routing(self) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+        """What of the peers the router is made of (docs/peers.md): each peer's models offered
+        here and whether its circuit is closed. It changes rarely (a model added or gone, a
+        circuit opened or closed), never with a state or a queue: the router is rendered again
+        only when this changes (watch)."""
+        out = []
+        for name, peer in sorted(self.peers().items()):
+            v = self.view(name)
+            models = v.offered if v.offered is not None else tuple(peer.models or ())
+            out.append((name, models, v.circuit.state == CircuitState.CLOSED))
+        return tuple(out)
+
+    def routed(self) -> tuple[RoutedPeer, ...]:
+        """The peers as the router forwards to them: address, key (read from key_file now),
+        models and circuit. A peer whose key cannot be read or sent is left out (said: its
+        models are then not offered; gpuctl peers names the key file's problem)."""
+        out = []
+        for (name, models, closed) in self.routing():
+            peer, v = self.peers()[name], self.view(name)
+            try:
+                scheme, host, port = peer_address(peer.url)
+                ca = peer.tls_ca
+                if scheme == "https" and ca is None:
+                    # nginx verifies against the system's CAs then: a file it must find, or
+                    # the whole front's config would be refused
+                    if not os.path.isfile(SYSTEM_CA):
+                        raise ValueError(f"https without tls_ca, and no system CA bundle at "
+                                         f"{SYSTEM_CA}")
+                    ca = SYSTEM_CA
+                out.append(RoutedPeer(
+                    name, scheme, host, port, self.read_key(peer.key_file), models,
+                    tls_ca=ca,
+                    open_reason=None if closed else (v.circuit.reason or "failure"),
+                    open_since=None if closed else (v.reachable_since or v.circuit.since)))
+            except ValueError as exc:
+                log.error("peer %s: not offered through the router: %s", name, exc)
+        return tuple(out)
+
+    def watch(self, changed: Callable[[], Awaitable[None]]) -> None:
+        """CHANGED is awaited after a round of polls that changed `routing`."""
+        self._changed = changed
 
     def answer(self) -> answers.Peers:
         """GET /v1/peers: every peer of the config in force, asked or not yet."""
@@ -236,9 +302,14 @@ class PeerPoller:
         async with aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit_per_host=4),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+            routing = self.routing()
             while True:
                 await self.poll_all(session)
                 self._kick.clear()
+                now = self.routing()
+                if now != routing and self._changed is not None:
+                    routing = now
+                    await self._changed()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.interval_s):
                         await self._kick.wait()

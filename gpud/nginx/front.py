@@ -56,7 +56,7 @@ from gpud.core.front import (
     socket_path,
 )
 from gpud.core.quota import Over
-from gpud.core.router import ApiKey, RouterFront, front_policy
+from gpud.core.router import ApiKey, RoutedPeer, RouterFront, front_policy
 from gpud.core.router import http_lines as router_http_lines
 from gpud.core.router import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
@@ -68,6 +68,7 @@ from gpud.nginx.router import (
     SCRIPT_NAME,
     awake_dir,
     ensure_timeout_s,
+    host_name,
     log_dir,
     log_path,
     router_front,
@@ -425,8 +426,8 @@ class Front:
     def __init__(self, units: SystemdUnits,
                  states: Callable[[], Mapping[str, ServeState]] = dict,
                  listening: Callable[[frozenset[str]], Awaitable[list[str]]] = not_listening,
-                 over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None
-                 ) -> None:
+                 over_budget: Callable[[Sequence[ApiKey]], tuple[Over, ...]] | None = None,
+                 peers: Callable[[], tuple[RoutedPeer, ...]] | None = None) -> None:
         self.units = units
         self.states = states
         # what of the front's addresses does not listen after a start or reload (not_listening)
@@ -442,6 +443,9 @@ class Front:
         # The keys past a token budget (gpud.nginx.router.RouterLog.over_budget; None: no
         # budgets checked), rendered into the router's script at each sync.
         self.over_budget = over_budget
+        # The peers the router forwards to (gpud.host.peers.PeerPoller.routed; None: none),
+        # rendered at each sync and when they change (peers_changed).
+        self.peers = peers
         self._syncing = asyncio.Lock()
 
     def _over(self, router: RouterFront | None) -> tuple[Over, ...]:
@@ -475,6 +479,21 @@ class Front:
                 log.warning("router: key %s has used its tokens_per_%s (%d of %d tokens): "
                             "refused until %s", o.key, o.period, o.used, o.limit,
                             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(o.until)))
+            try:
+                await self._sync(cfg)
+            except GpudError as exc:
+                log.error("front not in line with the config: %s", exc.message)
+
+    async def peers_changed(self) -> None:
+        """Sync the front when what the router is told of the peers changed (a model offered
+        or gone, a circuit opened or closed: gpud.host.peers.PeerPoller.watch). A rare event,
+        as a budget's; under the config last synced."""
+        async with self._syncing:
+            router, cfg = self._router, self._config
+            if router is None or cfg is None or self.peers is None:
+                return
+            if self.peers() == router.peers:
+                return
             try:
                 await self._sync(cfg)
             except GpudError as exc:
@@ -587,6 +606,8 @@ class Front:
         router = check.router
         if router is not None and router.keys:
             router = dataclasses.replace(router, over_budget=self._over(router))
+        if router is not None and self.peers is not None:
+            router = dataclasses.replace(router, peers=self.peers(), host=host_name())
         if router is None and cfg.router is not None:
             cfg = cfg.model_copy(update={"router": None})
         prepare_socket_dir(cfg.daemon)

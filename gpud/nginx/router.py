@@ -9,6 +9,8 @@ import json
 import logging
 import math
 import os
+import re
+import socket
 import stat
 import threading
 import time
@@ -23,6 +25,7 @@ from gpud.core.launch import scheduling_policy
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.quota import Budget, BudgetState, Over, budget_states, month_bounds
 from gpud.core.router import (
+    HOST_NAME_RE,
     Answered,
     ApiKey,
     RoutedServe,
@@ -66,6 +69,14 @@ def awake_dir(d: DaemonConfig) -> str:
     front and the router to go by while gpud does not answer (root's, readable by the front's
     group; gpud.nginx.front.Front.mark_awake)."""
     return f"{d.front_dir.rstrip('/')}/awake"
+
+
+def host_name() -> str:
+    """This host's name as its router tells its peers (X-Gpud-Via) and lists its own models
+    (gpud.host): the kernel's host name, each character outside letters, digits, . and - made
+    a -."""
+    name = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()).strip(".-")[:253]
+    return name if HOST_NAME_RE.fullmatch(name) else "localhost"
 
 
 def log_path(d: DaemonConfig) -> str:
@@ -192,7 +203,10 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
     if r.api_keys_file is None:
         keys = None
     elif keys is None:
-        keys = load_keys(r.api_keys_file, [m for s in serves for m in s.models])
+        # a key may name a model a peer offers here ([peers.NAME] models)
+        keys = load_keys(r.api_keys_file, [*(m for s in serves for m in s.models),
+                                           *(m for p in cfg.peers.values()
+                                             for m in p.models or ())])
     return RouterFront(listen=r.listen, serves=tuple(serves), njs_module=r.njs_module, keys=keys,
                        script=f"{d.front_dir.rstrip('/')}/{SCRIPT_NAME}", gpud_socket=d.socket,
                        max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
@@ -220,8 +234,12 @@ class RouterLog:
     holds is skipped."""
 
     def __init__(self, config: Callable[[], Config], store: Store | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 peer: Callable[[str, str, int], None] | None = None) -> None:
         self.config = config
+        # each request forwarded to a peer: its name, the class of the answer's status and the
+        # status (gpud.host.peers.PeerPoller.count: gpud_peer_requests_total)
+        self.peer = peer
         self.stats = RouterStats.empty()
         # usage per key (gpud.core.usage): since gpud started (the metrics'), and the hourly
         # rows not yet in the store (`flush`, each LOG_READ_S)
@@ -313,6 +331,8 @@ class RouterLog:
             if answered is not None:
                 self.stats.add(answered)
                 self._count(answered)
+                if answered.peer and self.peer is not None:
+                    self.peer(answered.peer, answered.status_class, answered.status)
         if self._offset >= LOG_MAX_BYTES and not self._partial:
             # what was read of it stored first (with the position at its end): else kept
             self._flush()

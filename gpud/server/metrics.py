@@ -97,8 +97,9 @@ def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator
 
 def _peer_families(fams: dict[str, _Family], peers: PeerPoller) -> None:
     """Each [peers.NAME] (docs/peers.md): whether its router answered its /v1/models when last
-    asked and its circuit is closed, the round trip of that answer, and the requests this host
-    sent it by status class (none yet: the router does not forward to peers)."""
+    asked and its circuit is closed, the round trip of that answer, and the requests this
+    host's router forwarded to it, by the class of the answer's status (from the router's
+    access log: gpud.nginx.router.RouterLog)."""
     up = fams.setdefault("gpud_peer_up", _Family(
         "gpud_peer_up", "gauge", "1 when the peer answered its model list when last asked "
         "and its circuit is closed; 0 otherwise, a refused key included (why in GET "
@@ -107,8 +108,8 @@ def _peer_families(fams: dict[str, _Family], peers: PeerPoller) -> None:
         "gpud_peer_rtt_seconds", "gauge", "The round trip of the peer's last /v1/models "
         "answer, read whole"))
     requests = fams.setdefault("gpud_peer_requests_total", _Family(
-        "gpud_peer_requests_total", "counter", "Requests this host sent the peer since gpud "
-        "started, by the class of the answer's status"))
+        "gpud_peer_requests_total", "counter", "Requests this host's router forwarded to the "
+        "peer since gpud started, by the class of the answer's status"))
     for peer in peers.answer()["peers"]:
         name = peer["name"]
         up.add(1 if peer["reachable"] and peer["circuit"] == "closed"

@@ -146,8 +146,8 @@ def test_a_serve_with_requests_waiting_is_shown_waiting_and_told_once(
         assert "waiting" in row and "denied" not in row, serves
         assert f"b (waiting): {WAITING} requests; a may be evicted in " in serves, serves
         models = gpuctl(gpud, "models")
-        assert any(line.split()[:3] == ["b", "b", "waiting"] for line in models.splitlines()), \
-            models
+        assert any(line.split()[:4] == ["b", "local", "b", "waiting"]
+                   for line in models.splitlines()), models
         journal = gpud.journal_tail(2000)
         assert journal.count("on-demand b: waiting for memory") == told + 1, journal
         # the first request's own try, before it waited; none of the queue's tries since

@@ -84,11 +84,12 @@ def test_one_address_routes_by_model_and_brings_serves_up(routed: SandboxGpud) -
     table = subprocess.run([sys.executable, "-m", "gpud.ctl", "--socket", str(gpud.socket),
                             "models"], capture_output=True, text=True, cwd=REPO, timeout=60,
                            check=True).stdout.splitlines()
-    assert table[0].split() == ["MODEL", "SERVE", "STATE", "PORT", "FRONT", "IN", "FLIGHT",
-                                "QUEUED"], table
-    assert [line.split()[:3] for line in table[1:]] == [
-        ["chat", "chat", "running"], ["chat-fast", "chat", "running"], ["huge", "huge", "declared"],
-        ["ocr", "od", "declared"], ["plain", "plain", "running"]], table
+    assert table[0].split() == ["MODEL", "HOST", "SERVE", "STATE", "PORT", "FRONT", "IN",
+                                "FLIGHT", "QUEUED"], table
+    assert [line.split()[:4] for line in table[1:]] == [
+        ["chat", "local", "chat", "running"], ["chat-fast", "local", "chat", "running"],
+        ["huge", "local", "huge", "declared"], ["ocr", "local", "od", "declared"],
+        ["plain", "local", "plain", "running"]], table
     for model in ("chat", "chat-fast", "plain"):
         status, _h, body = ask(gpud, model)
         assert status == 200 and json.loads(body)["model"] == model, (model, body)
