@@ -25,7 +25,7 @@ from gpud.core.lifecycle import (
     WatchEnded,
     own_listener_trusted,
 )
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     FAILED,
@@ -204,7 +204,7 @@ class HealthJob:
                                    "restart", kind=EventKind.EXIT)
                 return
             self.rt.step(serve, UnitSeen(fresh))
-            self.svc.records.set_main_pid(serve, fresh.main_pid or None)
+            self.svc.records.apply(serve, UnitPid(fresh.main_pid or None))
             await self.svc.store_event(self.svc.event(
                 EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))

@@ -14,7 +14,7 @@ from gpud.core.lifecycle import (
     UnitChanged,
     UnitGone,
 )
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.core.unitstate import (
     ACTIVE,
     AdoptOutsideStart,
@@ -100,7 +100,7 @@ class UnitWatch:
         serve = st.serve
         prev = self.rt.life(serve).unit
         if st.main_pid and not self.rt.life(serve).stopping:
-            self.svc.records.set_main_pid(serve, st.main_pid)
+            self.svc.records.apply(serve, UnitPid(st.main_pid))
         spec = self.svc.serve_spec(serve)
         daemon = self.svc.config.daemon
         changed = UnitChanged(
@@ -121,7 +121,7 @@ class UnitWatch:
         """One action of what the unit's change means."""
         rec = self.svc.records.get(serve)
         if isinstance(action, Restarted):
-            self.svc.records.set_restart_count(serve, st.n_restarts)
+            self.svc.records.apply(serve, UnitRestarts(st.n_restarts))
             await self._restarted(serve, st, action.crash_loop)
         elif isinstance(action, OrphanEnded):
             await self.svc.store_event(self.svc.event(
