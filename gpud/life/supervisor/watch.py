@@ -78,7 +78,7 @@ class UnitWatch:
             await self._on_unit(st)
             rec = self.svc.records.get(st.serve)
             if (rec is not None and rec.state == FAILED and st.active_state in ACTIVE
-                    and not self.rt.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
+                    and not self.svc.records.of(st.serve).stopping and self.svc.serve_spec(st.serve)):
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
                 await self.svc.store_event(self.svc.event(
@@ -89,7 +89,7 @@ class UnitWatch:
                                            "re-read after the bus came back"))
                 self.rt.spawn(self.health.watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
-            if rec.state in LIVE_STATES and serve not in live and not self.rt.life(serve).stopping:
+            if rec.state in LIVE_STATES and serve not in live and not rec.stopping:
                 # systemd has no unit of it: what was last seen of the unit is past.
                 self.rt.step(serve, UnitGone())
                 await self.stops.ended(serve, "its unit is gone (seen after the bus came back)")
@@ -99,7 +99,7 @@ class UnitWatch:
         asks gpud.core.unitstate.on_unit)."""
         serve = st.serve
         prev = self.rt.life(serve).unit
-        if st.main_pid and not self.rt.life(serve).stopping:
+        if st.main_pid and not self.svc.records.of(serve).stopping:
             self.svc.records.apply(serve, UnitPid(st.main_pid))
         spec = self.svc.serve_spec(serve)
         daemon = self.svc.config.daemon
@@ -159,7 +159,7 @@ class UnitWatch:
     async def _confirm_restart(self, serve: str, invocation: str) -> None:
         spec = self.svc.serve_spec(serve)
         await asyncio.sleep((spec.restart_sec if spec else 2.0) + 5.0)
-        if self.svc.state_of(serve) != STARTING or self.rt.life(serve).stopping:
+        if self.svc.state_of(serve) != STARTING or self.svc.records.of(serve).stopping:
             return
         last = self.rt.life(serve).unit
         if last is not None and last.invocation_id != invocation and last.active_state in ACTIVE:
