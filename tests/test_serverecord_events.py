@@ -50,6 +50,7 @@ from gpud.core.serverecord import (
     UnitPid,
     UnitRestarts,
     as_planned,
+    settling,
     step,
 )
 from gpud.core.states import StateRefusal
@@ -267,6 +268,7 @@ def test_settling_is_a_sleep_or_a_stop_under_way_decided_or_drained_for(
     serve = Record(RUNNING, life=IN_PHASE[phase], demand=Demand(idling=idling))
     assert serve.settling(draining) is (idling or draining or phase in SETTLING)
     assert serve.settling() is (idling or phase in SETTLING)
+    assert settling(Demand(idling=idling), phase, draining) is serve.settling(draining)
 
 
 def test_a_fresh_record_is_neither() -> None:

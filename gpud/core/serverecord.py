@@ -52,6 +52,7 @@ from gpud.core.vocab import (
     SLEEPING,
     STARTING,
     STOPPING,
+    Phase,
     ServeState,
 )
 
@@ -176,10 +177,17 @@ class Record:
         return self.state == STOPPING
 
     def settling(self, draining: bool = False) -> bool:
-        """A sleep or a stop of it is under way, or the idle check decided one (`demand.idling`),
-        or the drain before one (DRAINING, the in-flight poller's: gpud.life.traffic): a request
-        must not reach it now, and waits for it to end before it is woken or started again."""
-        return self.demand.idling or draining or self.life.phase in SETTLING_PHASES
+        """A sleep or a stop of it is under way, or decided, or drained for (`settling`)."""
+        return settling(self.demand, self.life.phase, draining)
+
+
+def settling(demand: Demand, phase: Phase, draining: bool) -> bool:
+    """A serve whose on-demand facts are DEMAND and whose life is in PHASE is settling: a sleep
+    or a stop of it is under way (SETTLING_PHASES), or the idle check decided one
+    (`demand.idling`), or the drain before one (DRAINING, the in-flight poller's:
+    gpud.life.traffic). A request must not reach it now, and waits for it to end before it is
+    woken or started again."""
+    return demand.idling or draining or phase in SETTLING_PHASES
 
 
 @dataclass(frozen=True)
