@@ -292,3 +292,9 @@ def test_a_sequence_of_events_changes_only_what_its_events_own(
         serve = got.serve
     for name in ALL - owned:
         assert getattr(serve, name) == getattr(start, name), name
+
+
+def test_a_fresh_record_knows_nothing_of_its_unit() -> None:
+    fresh = Record()
+    assert (fresh.reason, fresh.updated, fresh.main_pid, fresh.n_restarts, fresh.demand) == (
+        None, 0.0, None, 0, NO_DEMAND)
