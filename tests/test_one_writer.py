@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPUD = ROOT / "gpud"
 
 # What may do which kind of writing (module path relative to the repository, function).
-SERVICE, STORE, RECORDS = "gpud/life/service.py", "gpud/durable/store.py", "gpud/life/records.py"
+SERVICE, STORE, STEP = "gpud/life/service.py", "gpud/durable/store.py", "gpud/core/serverecord.py"
 ALLOWED: dict[str, set[tuple[str, str]]] = {
     # a state row built: the adapter's callers get one only from state_row; the store reads back
     "row": {(SERVICE, "LedgerService.state_row"), (STORE, "Store.serve_states")},
@@ -24,10 +24,11 @@ ALLOWED: dict[str, set[tuple[str, str]]] = {
     "change": {(SERVICE, "LedgerService._store_state")},
     # the store's table of states written (its SQL): the store's transaction alone
     "table": {(STORE, "Store._write")},
-    # a record's state set in memory: one method, called only with what was stored
-    "memory": {(RECORDS, "ServeRecords.remember")},
-    "remember": {(SERVICE, "LedgerService.load"), (SERVICE, "LedgerService._moved_on"),
-                 (SERVICE, "LedgerService._commit_loop")},
+    # a record's state set in memory: the record's one step alone (kept by ServeRecords.apply,
+    # with what was stored: gpud.core.serverecord.Stored)
+    "memory": {(STEP, "_fact"), (STEP, "step"), (STEP, "as_planned")},
+    # nothing of gpud's calls the setter kept for tests: the service reports Stored events
+    "remember": set(),
 }
 # Calls that ask for a state (keyword) and must say why (cause=).
 ASKS = {"store_event": "state", "admit": "state", "admit_preempting": "state",

@@ -1,9 +1,9 @@
 """A serve's on-demand facts (gpud.core.demand.Demand) and its runtime life
 (gpud.core.lifecycle.ServeLife) are parts of the serve's one record in memory
-(gpud.life.records.ServeRecord), each changed in one place: `ServeRecords.note_demand` and
-`ServeRecords.set_life` (called by the supervisor's step alone) are the only code in gpud that
-writes them (checked on gpud's syntax trees; planted writers prove the check can fail). A state
-change keeps them, and a change of them keeps the state."""
+(gpud.core.serverecord.Record), changed in one place: the record's one step, kept by
+`ServeRecords.apply` (the supervisor's step reports its inputs there); no adapter writes them
+(checked on gpud's syntax trees; planted writers prove the check can fail). A state change
+keeps them, and a change of them keeps the state."""
 
 from __future__ import annotations
 
@@ -72,20 +72,28 @@ def _adapters() -> list[tuple[Path, ast.AST]]:
             if p.relative_to(GPUD).parts[0] != "core"]
 
 
-@pytest.mark.parametrize(("field", "writer"), [
-    ("demand", "ServeRecords.note_demand"),
-    ("life", "ServeRecords.set_life"),
-])
-def test_each_memory_only_part_of_the_record_has_one_writer(field: str, writer: str) -> None:
+STEP = GPUD / "core" / "serverecord.py"
+
+
+@pytest.mark.parametrize("field", ["demand", "life"])
+def test_each_memory_only_part_of_the_record_has_one_writer(field: str) -> None:
+    """No adapter makes a record with a part changed: the record's one step does
+    (gpud.core.serverecord), kept by ServeRecords.apply."""
     found = {f"{p.relative_to(GPUD)}:{w}" for p, tree in _adapters()
              for w in writers(tree, field)}
-    assert found == {f"life/records.py:{writer}"}
+    assert found == set()
+    in_step = {w.split(".")[-1] for w in writers(ast.parse(STEP.read_text()), field)}
+    assert in_step == {"_fact", "step"}
 
 
 def test_only_the_step_of_a_serves_life_sets_it() -> None:
+    """The supervisor's step reports its input to the record's one writer; nothing of gpud's
+    sets a life whole."""
     found = {f"{p.relative_to(GPUD)}:{c}" for p, tree in _adapters()
              for c in callers(tree, "set_life")}
-    assert found == {"life/supervisor/base.py:Runtime.step"}
+    assert found == set()
+    base = GPUD / "life" / "supervisor" / "base.py"
+    assert "Runtime.step" in callers(ast.parse(base.read_text()), "apply")
 
 
 @pytest.mark.parametrize("planted", [

@@ -1,17 +1,22 @@
-"""Each serve's one record in memory, and the one place each part of it changes.
+"""Each serve's one record in memory, and the one place it changes.
 
-`ServeRecord` is what gpud knows of one serve at a time: its state as last committed (what
-`gpuctl serves` shows), what systemd last said of its unit, its on-demand facts and its runtime
-life. `ServeRecords` holds them, one per serve, and is the one writer of each part:
+A serve's record is gpud.core.serverecord.Record, whole: its state as last committed (what
+`gpuctl serves` shows) with its reason, what it holds, what systemd last said of its unit, its
+on-demand facts and its runtime life. `ServeRecords` holds them, one per serve, and changes one
+only through `apply(serve, event)`: the record's one pure step (gpud.core.serverecord.step)
+sees all of it, and the result is kept, or the refusal returned and nothing kept. The events
+come from:
 
-| part | written by | by whom |
-|---|---|---|
-| state, reason, updated | `remember` | the ledger service, after a commit (or a read-back at start) |
-| main_pid, n_restarts | `set_main_pid`, `set_restart_count` | the supervisor, from systemd |
-| demand (gpud.core.demand) | `note_demand` | gpud.server.ondemand, by the core's rules |
-| life (gpud.core.lifecycle) | `set_life` | the supervisor's one step (Runtime.step) |
+| event | from whom |
+|---|---|
+| `Stored`, `FoundHeld`, `Reserved`, `Dropped` | the ledger service: a commit, its start, a reload |
+| `UnitPid`, `UnitRestarts` | the supervisor, from systemd |
+| gpud.core.demand's events | gpud.server.ondemand |
+| gpud.core.lifecycle's inputs | the supervisor's one step (Runtime.step) |
 
-Everyone else reads them, as a read-only mapping (no item can be set or deleted; each record is
+A report (gpud.core.serverecord.Report) is decided on the record as the change under way will
+leave it (`decide`), and its state kept once the change is committed (`Stored`). Everyone else
+reads the records, as a read-only mapping (no item can be set or deleted; each record is
 frozen, each change a new one). The handles of the work under way for a serve (asyncio tasks
 and events, which a frozen record cannot hold) are the supervisor's
 (gpud.life.supervisor.base.Handles). All but the state are memory only, read again from
@@ -21,41 +26,40 @@ systemd (PID, restarts) or begun anew (demand, life) when gpud starts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
 from typing import Final
 
-from gpud.core.demand import NO_DEMAND, Demand
-from gpud.core.lifecycle import IDLE_LIFE, ServeLife
+from gpud.core.demand import Demand
+from gpud.core.lifecycle import ServeLife
+from gpud.core.serverecord import (
+    Event,
+    Put,
+    Record,
+    Reserved,
+    Stepped,
+    Stored,
+    UnitPid,
+    UnitRestarts,
+    as_planned,
+    step,
+)
+from gpud.core.states import StateRefusal
 from gpud.core.vocab import DECLARED, ServeState
 
-
-@dataclass(frozen=True)
-class ServeRecord:
-    """One serve's record (see the module)."""
-
-    state: ServeState = DECLARED
-    reason: str | None = None
-    updated: float = 0.0
-    main_pid: int | None = None
-    n_restarts: int = 0
-    demand: Demand = NO_DEMAND
-    # Its runtime under the supervisor (gpud.core.lifecycle: gpud's work under way on it, its
-    # pending job, its unit as last seen).
-    life: ServeLife = IDLE_LIFE
-
+# The record of one serve, as gpud keeps it (the name its readers know it by).
+ServeRecord = Record
 
 # The record of a serve of which nothing is known.
-NO_RECORD: Final = ServeRecord()
+NO_RECORD: Final = Record(DECLARED)
 
 
-class ServeRecords(Mapping[str, ServeRecord]):
-    """Every serve's record, by name: read as a mapping, changed only through the methods
-    below (see the module)."""
+class ServeRecords(Mapping[str, Record]):
+    """Every serve's record, by name: read as a mapping, changed only through `apply` (see the
+    module)."""
 
     def __init__(self) -> None:
-        self._records: dict[str, ServeRecord] = {}
+        self._records: dict[str, Record] = {}
 
-    def __getitem__(self, serve: str) -> ServeRecord:
+    def __getitem__(self, serve: str) -> Record:
         return self._records[serve]
 
     def __iter__(self) -> Iterator[str]:
@@ -64,52 +68,67 @@ class ServeRecords(Mapping[str, ServeRecord]):
     def __len__(self) -> int:
         return len(self._records)
 
+    def of(self, serve: str) -> Record:
+        """The serve's record (NO_RECORD: nothing known of it)."""
+        return self._records.get(serve, NO_RECORD)
+
+    def apply(self, serve: str, event: Event) -> Stepped | StateRefusal:
+        """Step the serve's whole record by EVENT and keep the result; or return the refusal,
+        keeping nothing. A serve with no record gets one for a state stored, or for a change
+        that leaves it other than NO_RECORD (nothing known is no record); what systemd says of
+        the unit of a serve with no record makes none."""
+        known = serve in self._records
+        if not known and isinstance(event, UnitPid | UnitRestarts):
+            return Stepped(NO_RECORD)
+        stepped = step(self.of(serve), event)
+        if isinstance(stepped, Stepped) and (known or isinstance(event, Stored)
+                                             or stepped.serve != NO_RECORD):
+            self._records[serve] = stepped.serve
+        return stepped
+
+    def decide(self, serve: str, event: Event, state: ServeState | None,
+               reserved: Reserved) -> Stepped | StateRefusal:
+        """Step the serve's record as the change under way leaves it (its state decided so
+        far, STATE, and its reservation and config, RESERVED: gpud.core.serverecord.as_planned)
+        by EVENT, keeping nothing: the ledger service commits what it decides, then keeps it
+        (`Stored`)."""
+        return step(as_planned(self.of(serve), state, reserved), event)
+
     def state_of(self, serve: str) -> ServeState:
-        return self._records.get(serve, NO_RECORD).state
-
-    def remember(self, serve: str, state: ServeState, reason: str | None,
-                 updated: float) -> None:
-        """A stored state into the serve's record: one committed, or read back from the store
-        at start; the rest of the record stays as it was."""
-        rec = self._records.get(serve, NO_RECORD)
-        self._records[serve] = replace(rec, state=state, reason=reason, updated=updated)
-
-    def set_main_pid(self, serve: str, pid: int | None) -> None:
-        """The main PID of the serve's unit as systemd last said it (None: none, or not one
-        to show). A serve without a record is left alone."""
-        rec = self._records.get(serve)
-        if rec is not None and rec.main_pid != pid:
-            self._records[serve] = replace(rec, main_pid=pid)
-
-    def set_restart_count(self, serve: str, n_restarts: int) -> None:
-        """How often systemd restarted the serve's unit (its NRestarts), 0 after a launch. A
-        serve without a record is left alone."""
-        rec = self._records.get(serve)
-        if rec is not None and rec.n_restarts != n_restarts:
-            self._records[serve] = replace(rec, n_restarts=n_restarts)
+        state = self.of(serve).state
+        return DECLARED if state is None else state
 
     def demand(self, serve: str) -> Demand:
         """The serve's on-demand facts (NO_DEMAND: none known)."""
-        return self._records.get(serve, NO_RECORD).demand
-
-    def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
-        """Change the serve's on-demand facts (gpud.server.ondemand, by the rules of
-        gpud.core.demand)."""
-        now = change(self.demand(serve))
-        self._amend(serve, replace(self._records.get(serve, NO_RECORD), demand=now))
-        return now
+        return self.of(serve).demand
 
     def life(self, serve: str) -> ServeLife:
         """The serve's runtime life (IDLE_LIFE: nothing of gpud's under way on it)."""
-        return self._records.get(serve, NO_RECORD).life
+        return self.of(serve).life
+
+    # ---- the events, by their former names (each one event through `apply`) -----------------
+
+    def remember(self, serve: str, state: ServeState, reason: str | None,
+                 updated: float) -> None:
+        """A stored state into the serve's record (`Stored`)."""
+        self.apply(serve, Stored(state, reason, updated))
+
+    def set_main_pid(self, serve: str, pid: int | None) -> None:
+        """The main PID of the serve's unit as systemd last said it (`UnitPid`)."""
+        self.apply(serve, UnitPid(pid))
+
+    def set_restart_count(self, serve: str, n_restarts: int) -> None:
+        """How often systemd restarted the serve's unit (`UnitRestarts`)."""
+        self.apply(serve, UnitRestarts(n_restarts))
+
+    def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
+        """Set the serve's on-demand facts to CHANGE of them (`Put`: for tests and tools; gpud
+        reports gpud.core.demand's events)."""
+        now = change(self.demand(serve))
+        self.apply(serve, Put(demand=now))
+        return now
 
     def set_life(self, serve: str, life: ServeLife) -> None:
-        """The serve's life after a step of it (the supervisor's Runtime.step, with
-        gpud.core.serverecord.step)."""
-        self._amend(serve, replace(self._records.get(serve, NO_RECORD), life=life))
-
-    def _amend(self, serve: str, rec: ServeRecord) -> None:
-        # A serve with no record gets one only for a change that leaves it other than
-        # NO_RECORD (nothing known is no record).
-        if serve in self._records or rec != NO_RECORD:
-            self._records[serve] = rec
+        """Set the serve's life whole (`Put`: for tests and tools; the supervisor steps it by
+        gpud.core.lifecycle's inputs)."""
+        self.apply(serve, Put(life=life))

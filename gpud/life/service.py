@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -35,14 +35,19 @@ from gpud.core.ledger import (
     Reservation,
     shrink_reservation,
 )
-from gpud.core.serverecord import Happened, Record, Report, StoreState, step
+from gpud.core.serverecord import (
+    Dropped,
+    FoundHeld,
+    Happened,
+    Report,
+    Reserved,
+    Stored,
+    StoreState,
+)
 from gpud.core.states import StateRefusal
 from gpud.core.transition import Refusal, Transition, transition, violated
 from gpud.core.vocab import (
-    ADMITTED,
-    DECLARED,
     DENIED,
-    EXTERNAL,
     LIVE_STATES,
     ORPHAN,
     STARTING,
@@ -223,7 +228,7 @@ class LedgerService:
         and gpud goes on with the config it last ran with, saying why."""
         held = self.store.reservations()
         for row in self.store.serve_states():
-            self._records.remember(row.serve, row.state, row.reason, row.updated)
+            self._records.apply(row.serve, Stored(row.state, row.reason, row.updated))
         stored = self._stored_config()
         try:
             roles = resolve_budgets(stored or self.config, self._device_total, self._devices(),
@@ -239,12 +244,7 @@ class LedgerService:
         self.ledger = self._decided = Ledger.build(roles, held)
         for res in self.ledger.reservations.values():
             # In memory only, as it always was: a held reservation is never shown unreserved.
-            rec = self._records.get(res.serve)
-            if rec is None:
-                self._records.remember(res.serve, ADMITTED, None, 0.0)
-            elif rec.state in (DECLARED, DENIED):
-                self._records.remember(res.serve, EXTERNAL if res.external else ADMITTED,
-                                       rec.reason, rec.updated)
+            self._records.apply(res.serve, FoundHeld(res.external))
         outcome = self._decide(before, self.config)
         if isinstance(outcome, Refusal):
             if stored is not None:
@@ -259,6 +259,7 @@ class LedgerService:
         else:
             self.store.commit(self._transition_changes(outcome, "config loaded at start", None))
             self._moved_on(outcome)
+        self._reserved(self._records)
         for over in self.ledger.over_committed():
             self._adopted_over[over.role] = -over.free_mib  # units found running: allowed
             log.warning(
@@ -313,9 +314,18 @@ class LedgerService:
     def _moved_on(self, t: Transition) -> None:
         self.ledger = self._decided = t.ledger
         for serve in t.released:
-            rec = self._records.get(serve)
-            if rec is not None:
-                self._records.remember(serve, DECLARED, None, rec.updated)
+            if serve in self._records:
+                self._records.apply(serve, Dropped())
+        self._reserved(self._records)
+
+    def _reserved(self, serves: Iterable[str]) -> None:
+        """What the ledger and the config now say of each of SERVES, into its record (one that
+        has a record: a reservation alone makes none)."""
+        for serve in list(serves):
+            if serve in self._records:
+                res = self.ledger.reservations.get(serve)
+                self._records.apply(serve, Reserved(res is not None, bool(res and res.external),
+                                                    serve in self.config.serves))
 
     @property
     def records(self) -> ServeRecords:
@@ -435,7 +445,7 @@ class LedgerService:
             self._store_works()
             for p, events in zip(batch, stored, strict=True):
                 for row in p.changes.states:
-                    self._records.remember(row.serve, row.state, row.reason, row.updated)
+                    self._records.apply(row.serve, Stored(row.state, row.reason, row.updated))
                 if p.ledger is not None:
                     freed = _freed_roles(self.ledger, p.changes)
                     self.ledger = p.ledger
@@ -443,6 +453,8 @@ class LedgerService:
                         self._supervision.freed(role)
                     if freed:
                         self._clear_denials(freed)
+                self._reserved({r.serve for r in p.changes.states}
+                               | {r.serve for r in p.changes.put} | set(p.changes.delete))
                 for ev in events:
                     try:
                         self._announce(ev)
@@ -544,8 +556,7 @@ class LedgerService:
         state = self._decided_states.get(serve)
         if state is not None:
             return state
-        rec = self._records.get(serve)
-        return rec.state if rec else DECLARED
+        return self._records.state_of(serve)
 
     def _prune(self) -> None:
         try:
@@ -610,10 +621,8 @@ class LedgerService:
         if prev is None and serve in self._records:
             prev = self._records[serve].state
         res = (after or self._decided).reservations.get(serve)
-        record = Record(prev, holds=res is not None, external=bool(res and res.external),
-                        configured=serve in self.config.serves,
-                        life=self._records.life(serve))
-        stepped = step(record, row.report)
+        stepped = self._records.decide(serve, row.report, prev, Reserved(
+            res is not None, bool(res and res.external), serve in self.config.serves))
         if isinstance(stepped, StateRefusal):
             self._refuse_state(serve, stepped)
         stores = [e.state for e in stepped.effects if isinstance(e, StoreState)]
@@ -941,7 +950,7 @@ class LedgerService:
     # ---- reads -----------------------------------------------------------------------------
 
     def states(self) -> dict[str, ServeState]:
-        return {name: rec.state for name, rec in self._records.items()}
+        return {name: self._records.state_of(name) for name in self._records}
 
     def state_of(self, serve: str) -> ServeState:
         return self._records.state_of(serve)

@@ -8,7 +8,7 @@ from typing import Protocol
 from gpud.config import routed
 from gpud.core import answers
 from gpud.core.ledger import DeviceDraw, Ledger, Reservation
-from gpud.core.vocab import DECLARED, LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
+from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
 from gpud.life.service import LedgerService
 
 
@@ -106,7 +106,7 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
     rec = svc.records.get(name)
     role = spec.role if spec else (res.role if res else None)
     roles = spec.all_roles if spec else (res.all_roles if res else ())
-    state = rec.state if rec else DECLARED
+    state = svc.records.state_of(name)
     # A PID is shown only while a process of the unit may run: a failed or stopped serve's
     # last PID may belong to another process by now.
     has_unit = state in LIVE_STATES or state == ORPHAN

@@ -26,7 +26,7 @@ from gpud.core.lifecycle import (
     RestartsCounted,
     ServeLife,
 )
-from gpud.core.serverecord import Record, Stepped, StoreState, step
+from gpud.core.serverecord import Stepped, StoreState
 from gpud.core.unitstate import (
     ACTIVE,
     UnitState,
@@ -182,10 +182,10 @@ class Runtime:
 
     def step(self, serve: str, inp: Input) -> list[LifeAction]:
         """Change the serve's life by `inp`: the serve's one step (gpud.core.serverecord.step)
-        on its record (a lifecycle input reads and changes no state); what to do about it."""
-        stepped = step(Record(life=self.svc.records.life(serve)), inp)
+        on its whole record, kept by its one writer (gpud.life.records.ServeRecords.apply; a
+        lifecycle input changes no state); what to do about it."""
+        stepped = self.svc.records.apply(serve, inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
-        self.svc.records.set_life(serve, stepped.serve.life)
         actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
         for listener in self._life_listeners:
             listener()

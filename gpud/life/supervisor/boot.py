@@ -12,7 +12,7 @@ from typing import Any
 
 from gpud.core.launch import start_sharing
 from gpud.core.lifecycle import UnitSeen
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     LIVE_STATES,
@@ -78,7 +78,7 @@ class BootJob:
                     EventKind.ADOPT, f"{serve}: {reason}: adopted as an orphan ({pid_text(st.main_pid)}); "
                     f"gpuctl stop {serve} stops it", serve=serve, main_pid=st.main_pid or None,
                     orphan=True), report=self.svc.report(serve, Happened.FOUND_ORPHAN, reason))
-                self.svc.records.set_main_pid(serve, st.main_pid or None)
+                self.svc.records.apply(serve, UnitPid(st.main_pid or None))
                 continue
             if res is None:
                 await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
@@ -87,8 +87,8 @@ class BootJob:
                 # Asked, not assumed: asleep it keeps its reservation unchanged.
                 found = await self.sleeps.found(serve, spec, rec_state,
                                                 overdrawn=self.reconciler.overdrawn(serve))
-            self.svc.records.set_main_pid(serve, st.main_pid or None)
-            self.svc.records.set_restart_count(serve, st.n_restarts)
+            self.svc.records.apply(serve, UnitPid(st.main_pid or None))
+            self.svc.records.apply(serve, UnitRestarts(st.n_restarts))
             await self.svc.store_event(self.svc.event(
                 EventKind.ADOPT, f"{serve}: adopted running unit {st.unit} ({pid_text(st.main_pid)})",
                 serve=serve, role=spec.role if spec else None,

@@ -25,7 +25,7 @@ from gpud.core.lifecycle import (
     WatchEnded,
     own_listener_trusted,
 )
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     FAILED,
@@ -204,7 +204,7 @@ class HealthJob:
                                    "restart", kind=EventKind.EXIT)
                 return
             self.rt.step(serve, UnitSeen(fresh))
-            self.svc.records.set_main_pid(serve, fresh.main_pid or None)
+            self.svc.records.apply(serve, UnitPid(fresh.main_pid or None))
             await self.svc.store_event(self.svc.event(
                 EventKind.RESTART, f"{serve}: restarted through its unit after failing its health checks "
                 f"(MainPID {fresh.main_pid})", serve=serve, main_pid=fresh.main_pid, by="gpud"))
@@ -240,7 +240,7 @@ class HealthJob:
     async def _after_failed_wake(self, serve: str, spec: ServeConfig, reason: str,
                                  restart: bool) -> None:
         async with self.rt.serve_lock(serve):
-            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or self.rt.life(serve).stopping:
+            if self.svc.state_of(serve) not in (STARTING, SLEEPING) or self.svc.records.of(serve).stopping:
                 return  # stopped or restarted meanwhile
             if restart:
                 await self._unhealthy(serve, spec, reason)
@@ -273,8 +273,8 @@ class HealthJob:
 
     def _begin_check(self, serve: str) -> None:
         spec = self.svc.serve_spec(serve)
-        life = self.rt.life(serve)
-        if self.rt.handles(serve).check is not None or life.stopping or spec is None:
+        if (self.rt.handles(serve).check is not None or self.svc.records.of(serve).stopping
+                or spec is None):
             self.rt.prune(serve)
             return
         task = self.rt.spawn(self._check_one(serve, spec))
@@ -299,7 +299,7 @@ class HealthJob:
             async with self._slots:
                 answer = await self.prober.probe(serve, spec)
             state = self.svc.state_of(serve)
-            if self.rt.life(serve).stopping or self.rt.serve_lock(serve).locked():
+            if self.svc.records.of(serve).stopping or self.rt.serve_lock(serve).locked():
                 return  # a lifecycle action of the serve is under way: it decides, not this
             if state == FAILED:
                 if answer.probe is Probe.OK and self.rt.unit_active(serve):
@@ -319,7 +319,7 @@ class HealthJob:
                 return
             self.rt.step(serve, HealthCounted(0))
             async with self.rt.serve_lock(serve):  # a restart is a lifecycle action like any
-                if self.svc.state_of(serve) != state or self.rt.life(serve).stopping:
+                if self.svc.state_of(serve) != state or self.svc.records.of(serve).stopping:
                     return
                 if state == SLEEPING:
                     # Restarted, it would load at its full size on its sleep reservation.

@@ -31,7 +31,7 @@ from gpud.core.lifecycle import (
     UnitStarted,
     start_refused,
 )
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.core.vocab import (
     LIVE_STATES,
     SLEEPING,
@@ -155,8 +155,8 @@ class LaunchJob:
                     await self.stops.failed(serve, f"launch failed: {exc.message}", kind=EventKind.EXIT)
                     return
                 self.rt.step(serve, UnitStarted(state))
-                self.svc.records.set_main_pid(serve, state.main_pid or None)
-                self.svc.records.set_restart_count(serve, 0)
+                self.svc.records.apply(serve, UnitPid(state.main_pid or None))
+                self.svc.records.apply(serve, UnitRestarts(0))
                 await self.svc.store_event(self.svc.event(
                     EventKind.START, f"{serve}: started {state.unit} ({pid_text(state.main_pid)}): "
                     f"{' '.join(unit_spec.argv)}", serve=serve, role=spec.role,

@@ -28,7 +28,6 @@ from gpud.core.vocab import (
     LIVE_STATES,
     ORPHAN,
     SLEEPING,
-    STOPPING,
     EventKind,
     serve_unit,
 )
@@ -155,7 +154,7 @@ class StopJob:
         if failed is not None:
             # Its unit's end, had it come while the stop was under way, went unheeded: read once
             # more. Later ends complete the stop through the unit's signal (StopEnded).
-            if self.svc.state_of(serve) == STOPPING and await self._unit_ended(serve):
+            if self.svc.records.of(serve).stop_recorded and await self._unit_ended(serve):
                 await self.stopped(serve, uid, keep=False)
             raise failed
 

@@ -14,7 +14,7 @@ from gpud.core.lifecycle import (
     UnitChanged,
     UnitGone,
 )
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.core.unitstate import (
     ACTIVE,
     AdoptOutsideStart,
@@ -78,7 +78,7 @@ class UnitWatch:
             await self._on_unit(st)
             rec = self.svc.records.get(st.serve)
             if (rec is not None and rec.state == FAILED and st.active_state in ACTIVE
-                    and not self.rt.life(st.serve).stopping and self.svc.serve_spec(st.serve)):
+                    and not self.svc.records.of(st.serve).stopping and self.svc.serve_spec(st.serve)):
                 # Marked failed while the bus was down (it could not be stopped or restarted),
                 # and its unit runs: it is starting again until its health says otherwise.
                 await self.svc.store_event(self.svc.event(
@@ -89,7 +89,7 @@ class UnitWatch:
                                            "re-read after the bus came back"))
                 self.rt.spawn(self.health.watch_restart(st.serve))
         for serve, rec in list(self.svc.records.items()):
-            if rec.state in LIVE_STATES and serve not in live and not self.rt.life(serve).stopping:
+            if rec.state in LIVE_STATES and serve not in live and not rec.stopping:
                 # systemd has no unit of it: what was last seen of the unit is past.
                 self.rt.step(serve, UnitGone())
                 await self.stops.ended(serve, "its unit is gone (seen after the bus came back)")
@@ -99,8 +99,8 @@ class UnitWatch:
         asks gpud.core.unitstate.on_unit)."""
         serve = st.serve
         prev = self.rt.life(serve).unit
-        if st.main_pid and not self.rt.life(serve).stopping:
-            self.svc.records.set_main_pid(serve, st.main_pid)
+        if st.main_pid and not self.svc.records.of(serve).stopping:
+            self.svc.records.apply(serve, UnitPid(st.main_pid))
         spec = self.svc.serve_spec(serve)
         daemon = self.svc.config.daemon
         changed = UnitChanged(
@@ -121,7 +121,7 @@ class UnitWatch:
         """One action of what the unit's change means."""
         rec = self.svc.records.get(serve)
         if isinstance(action, Restarted):
-            self.svc.records.set_restart_count(serve, st.n_restarts)
+            self.svc.records.apply(serve, UnitRestarts(st.n_restarts))
             await self._restarted(serve, st, action.crash_loop)
         elif isinstance(action, OrphanEnded):
             await self.svc.store_event(self.svc.event(
@@ -159,7 +159,7 @@ class UnitWatch:
     async def _confirm_restart(self, serve: str, invocation: str) -> None:
         spec = self.svc.serve_spec(serve)
         await asyncio.sleep((spec.restart_sec if spec else 2.0) + 5.0)
-        if self.svc.state_of(serve) != STARTING or self.rt.life(serve).stopping:
+        if self.svc.state_of(serve) != STARTING or self.svc.records.of(serve).stopping:
             return
         last = self.rt.life(serve).unit
         if last is not None and last.invocation_id != invocation and last.active_state in ACTIVE:
