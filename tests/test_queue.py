@@ -40,6 +40,7 @@ from gpud.core.queue import (
     idle_in,
     joined,
     let_through,
+    may_cut,
     may_evict,
     median_s,
     next_up,
@@ -212,6 +213,26 @@ def test_admit_is_a_returned_decision(joined: bool, refused: str | None, never_f
         assert decided.refusal.why == "queue-full" and decided.refusal.max_queued == max_queued
     else:
         assert decided.next == Next.REFUSED and decided.refusal is None
+
+
+@given(evict_busy=st.booleans(), priority=st.integers(0, 100),
+       victim_priority=st.integers(0, 100), aborts=st.booleans())
+def test_an_eviction_ends_requests_in_flight_only_as_allowed(
+        evict_busy: bool, priority: int, victim_priority: int, aborts: bool) -> None:
+    """Past the drain's bound (gpud.core.queue.may_cut): a queued request ends a victim's
+    requests in flight only when router.evict_busy allows it, for a serve of equal or higher
+    priority (a smaller or equal number), and on a victim that ends them with a told end."""
+    cut = may_cut(evict_busy=evict_busy, priority=priority, victim_priority=victim_priority,
+                  aborts=aborts)
+    assert cut == (evict_busy and aborts and priority <= victim_priority)
+
+
+def test_an_eviction_past_the_drain_bound_by_example() -> None:
+    assert may_cut(evict_busy=True, priority=50, victim_priority=50, aborts=True)
+    assert may_cut(evict_busy=True, priority=10, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=True, priority=90, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=False, priority=10, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=True, priority=10, victim_priority=50, aborts=False)
 
 
 def test_a_queue_refusal_names_its_limits_figure_and_no_other() -> None:

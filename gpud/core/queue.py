@@ -403,6 +403,16 @@ def may_evict(priority: int, o: EvictionCandidate) -> bool:
     return o.priority > priority and o.yields
 
 
+def may_cut(*, evict_busy: bool, priority: int, victim_priority: int, aborts: bool) -> bool:
+    """Whether an eviction for a queued request for a serve of PRIORITY may end the requests
+    still in flight on its victim (of VICTIM_PRIORITY) at the drain's bound
+    (daemon.drain_timeout_s), rather than be refused: when the operator allows it
+    (router.evict_busy), the waiting serve is of equal or higher priority (a smaller or equal
+    number), and the victim ends them with a told end (ABORTS: it is put to sleep, and vLLM's
+    abort gives each stream its last chunk; a stop would cut them short without one)."""
+    return evict_busy and aborts and priority <= victim_priority
+
+
 def could_fit(need_mib: int, free_mib: int, freed: Iterable[int]) -> bool:
     """Whether NEED_MIB would fit in FREE_MIB plus what evicting each of the serves the queue
     may evict frees (FREED, each's MiB): else waiting is pointless."""

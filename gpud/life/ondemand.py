@@ -61,6 +61,7 @@ from gpud.core.queue import (
     forget,
     joined,
     let_through,
+    may_cut,
     order,
     places,
     victims,
@@ -635,7 +636,7 @@ class Orchestrator(DemandView):
             chosen = victims(self._running_beside(name, spec), name, spec.priority, min_awake_s)
             if not isinstance(chosen, list):
                 return chosen
-            refused = await self._evict(chosen[0], name, cause)
+            refused = await self._evict(chosen[0], name, cause, spec.priority)
             if refused is not None:
                 return refused
             if await self._try_up(name, spec, cause):
@@ -651,14 +652,15 @@ class Orchestrator(DemandView):
             return False
         return True
 
-    async def _evict(self, victim: str, name: str,
-                     cause: RouterRequest | None) -> Protected | None:
-        """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME;
-        its requests in flight are drained first, new ones wait (settling). A request still in
-        flight at the drain's bound is never cut for another's: the eviction is refused then.
-        None: evicted; else how long the queue waits before it looks again (refused, logged):
-        a busy victim on the next change of its count (or another change), any other refusal
-        QUEUE_RETRY_S."""
+    async def _evict(self, victim: str, name: str, cause: RouterRequest | None,
+                     priority: int) -> Protected | None:
+        """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME (a
+        serve of PRIORITY); its requests in flight are drained first, new ones wait (settling).
+        A request still in flight at the drain's bound is ended only as gpud.core.queue.may_cut
+        allows (router.evict_busy, a victim that sleeps: each stream told), and journaled; else
+        the eviction is refused then. None: evicted; else how long the queue waits before it
+        looks again (refused, logged): a busy victim on the next change of its count (or
+        another change), any other refusal QUEUE_RETRY_S."""
         vspec = self.svc.config.serves[victim]
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
@@ -666,8 +668,12 @@ class Orchestrator(DemandView):
         self.svc.records.note_demand(victim, lambda d: replace(d, idling=True))
         try:
             if vspec.sleep_level:
-                await self.sup.sleeps.sleep(victim, None, preempted_by=name,
-                                            uncut=self.traffic is not None)
+                router = self.svc.config.router
+                cut = may_cut(evict_busy=router is None or router.evict_busy,
+                              priority=priority, victim_priority=vspec.priority, aborts=True)
+                slept = await self.sup.sleeps.sleep(victim, None, evicted_for=name,
+                                                    uncut=self.traffic is not None and not cut)
+                self._cut(victim, name, by, slept.get("in_flight"))
             elif self.traffic is None:
                 await self.sup.stop(victim, None)
             else:
@@ -688,6 +694,17 @@ class Orchestrator(DemandView):
         self.counts.add(self.counts.evictions, victim)
         self.svc.records.note_demand(victim, lambda d: replace(d, up_at=None))
         return None
+
+    def _cut(self, victim: str, name: str, by: str, drained: object) -> None:
+        """The journal's line for requests in flight on VICTIM that its eviction for NAME ended
+        past the drain's bound (DRAINED: the sleep's account of its drain, Drain.details)."""
+        if not isinstance(drained, dict) or drained.get("outcome") != "aborted":
+            return
+        log.warning("on-demand %s: %s request(s) in flight ended for %s past the %g s drain "
+                    "bound (router.evict_busy); each stream was told (finish_reason abort, "
+                    "an error event)", victim, drained.get("after"), by, drained.get("bound_s"),
+                    extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name,
+                                       "GPUD_CUT": drained.get("after")}})
 
     async def idle_loop(self) -> None:
         """The idle check (gpud.life.idle), for as long as gpud runs."""
