@@ -182,6 +182,7 @@ def test_a_long_stream_holds_its_device_only_to_the_drain_bound_unless_told(
         journal = journal[journal.rfind("front started"):]
         got = dict(w.split("=") for w in ran.stdout.split())
         tail = ran.stderr
+        print(f"evict_busy {evict_busy}: {got}")
         assert got["b"] == "200", (got, tail, journal)
         assert got["done"] == "1", (got, tail)  # a clean end either way
         slept = [e for e in gpud.events(kind="sleep", serve="a") if "in_flight" in e["details"]]
