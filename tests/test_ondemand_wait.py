@@ -125,7 +125,8 @@ def test_the_bring_up_path_has_no_timer() -> None:
 def test_the_on_demand_path_has_no_polling_loop() -> None:
     """Issue 45: the on-demand path, the queue and the idle check wait on changes (the Pulse),
     bounded by a deadline the queue or the idle thresholds name; no `asyncio.sleep` of a
-    period anywhere in gpud/server/ondemand.py (a sleep(0) only yields). Planted: a sleep of 0.05 is
+    period anywhere in gpud/server/ondemand.py or the orchestrator it answers for (gpud/life/
+    ondemand.py, idle.py, demandview.py; a sleep(0) only yields). Planted: a sleep of 0.05 is
     found."""
     import ast
     from pathlib import Path
@@ -141,7 +142,9 @@ def test_the_on_demand_path_has_no_polling_loop() -> None:
                 found.append(node.lineno)
         return found
 
-    source = (Path(__file__).parents[1] / "gpud" / "server" / "ondemand.py").read_text()
+    gpud = Path(__file__).parents[1] / "gpud"
+    source = "\n".join((gpud / path).read_text() for path in (
+        "server/ondemand.py", "life/ondemand.py", "life/idle.py", "life/demandview.py"))
     assert periods(source) == []
     assert periods(source + "\nasync def poll():\n    await asyncio.sleep(0.05)\n") != []
     assert periods("async def poll(s):\n    await asyncio.sleep(s)\n") != []

@@ -22,11 +22,13 @@ from gpud.core.queue import (
     EvictionCandidate,
     Freeing,
     Held,
+    Next,
     Place,
     Protected,
     QueueRefusal,
     Shares,
     Ticket,
+    admit,
     after_refusal,
     arrive,
     backfill,
@@ -38,6 +40,7 @@ from gpud.core.queue import (
     idle_in,
     joined,
     let_through,
+    may_cut,
     may_evict,
     median_s,
     next_up,
@@ -185,6 +188,51 @@ def test_after_refusal() -> None:
     full = after_refusal(**{**base, "queued": 2})  # type: ignore[arg-type]
     assert isinstance(full, QueueRefusal) and full.why == "queue-full" and "2 request(s)" in \
         full.message and full.max_queued == 2
+
+
+@given(joined=st.booleans(), refused=st.sampled_from([None, "no-memory", "failed", "stopped"]),
+       never_fits=st.booleans(), queue_on=st.booleans(), could_fit=st.booleans(),
+       queued=st.integers(0, 4), max_queued=st.integers(0, 4))
+def test_admit_is_a_returned_decision(joined: bool, refused: str | None, never_fits: bool,
+                                      queue_on: bool, could_fit: bool, queued: int,
+                                      max_queued: int) -> None:
+    """What follows a request's try (gpud.core.queue.admit): it goes when its serve came up; it
+    waits in the queue only when told to JOIN, or refused for memory with the queue on, room an
+    eviction could make and room in its serve's queue; a refusal of the queue's only when the
+    queue is full; any other refusal, and one that can never fit, stands as it is."""
+    decided = admit(joined=joined, refused=refused, never_fits=never_fits, queue_on=queue_on,
+                    could_fit=could_fit, queued=queued, max_queued=max_queued)
+    if not joined and refused is None:
+        assert decided.next == Next.UP and decided.refusal is None
+        return
+    waits = joined or (refused == "no-memory" and not never_fits and queue_on and could_fit)
+    if waits and queued < max_queued:
+        assert decided.next == Next.WAIT and decided.refusal is None
+    elif waits:
+        assert decided.next == Next.REFUSED and decided.refusal is not None
+        assert decided.refusal.why == "queue-full" and decided.refusal.max_queued == max_queued
+    else:
+        assert decided.next == Next.REFUSED and decided.refusal is None
+
+
+@given(evict_busy=st.booleans(), priority=st.integers(0, 100),
+       victim_priority=st.integers(0, 100), aborts=st.booleans())
+def test_an_eviction_ends_requests_in_flight_only_as_allowed(
+        evict_busy: bool, priority: int, victim_priority: int, aborts: bool) -> None:
+    """Past the drain's bound (gpud.core.queue.may_cut): a queued request ends a victim's
+    requests in flight only when router.evict_busy allows it, for a serve of equal or higher
+    priority (a smaller or equal number), and on a victim that ends them with a told end."""
+    cut = may_cut(evict_busy=evict_busy, priority=priority, victim_priority=victim_priority,
+                  aborts=aborts)
+    assert cut == (evict_busy and aborts and priority <= victim_priority)
+
+
+def test_an_eviction_past_the_drain_bound_by_example() -> None:
+    assert may_cut(evict_busy=True, priority=50, victim_priority=50, aborts=True)
+    assert may_cut(evict_busy=True, priority=10, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=True, priority=90, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=False, priority=10, victim_priority=50, aborts=True)
+    assert not may_cut(evict_busy=True, priority=10, victim_priority=50, aborts=False)
 
 
 def test_a_queue_refusal_names_its_limits_figure_and_no_other() -> None:

@@ -897,6 +897,8 @@ def test_nginx_waits_for_the_ensure_as_long_as_the_queue_and_the_bring_up() -> N
     ("queue_timeout_s = 0", "router.queue_timeout_s"),
     ("max_queued = -1", "router.max_queued"),
     ("min_awake_s = -5", "router.min_awake_s"),
+    ('evict_busy = "no"', "router.evict_busy"),
+    ("evict_busy = 0", "router.evict_busy"),
 ])
 def test_the_queue_keys_are_checked(key: str, error: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -143,7 +143,7 @@ class Serve(TypedDict):
     # 0.5 s; None when unknown (not running, not reachable, or it gives no count).
     in_flight: int | None
     # The median of its last five wakes and starts by a request, in seconds, measured since
-    # gpud started (gpud.server.ondemand; None: none): what evicting it costs (docs/router.md).
+    # gpud started (gpud.life.ondemand; None: none): what evicting it costs (docs/router.md).
     wake_s: float | None
     start_s: float | None
     # requests waiting in the router's queue for it to be brought up (docs/router.md)

@@ -1,6 +1,6 @@
 """On-demand bring-ups, bounded: when a request through the front may make gpud try again to
 bring a serve up, and what a refused request is told. Pure: values in, values out; the caller
-(gpud.server.ondemand) passes the time in.
+(gpud.life.ondemand) passes the time in.
 
 Every request through the front to an on-demand serve that is not running asks gpud to bring it
 up. Unbounded, a serve that cannot be brought up is tried once per request: four clients

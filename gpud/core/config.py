@@ -360,6 +360,12 @@ class RouterConfig(_Model):
     queue_timeout_s: int = Field(default=DEFAULT_QUEUE_TIMEOUT_S, ge=1, le=3600)
     max_queued: int = Field(default=DEFAULT_MAX_QUEUED, ge=0, le=10_000)
     min_awake_s: float = Field(default=DEFAULT_MIN_AWAKE_S, ge=0, le=86_400)
+    # A bound on holding a device (docs/router.md): an eviction for a queued request drains its
+    # victim's requests in flight within daemon.drain_timeout_s; past that bound, true: a victim
+    # that can sleep is put to sleep all the same, ending what is still in flight (each stream
+    # told: vLLM's abort chunk, then the router's error event); false: the eviction is refused
+    # then, and the victim keeps its device for as long as its requests run.
+    evict_busy: bool = True
     # Loading feedback (docs/router.md): a stream (`"stream": true`) waiting on a bring-up is
     # answered 200 text/event-stream and sent an SSE comment every this many seconds, so its
     # client does not time out during a cold start (0: none; the stream waits silently and a

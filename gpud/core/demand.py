@@ -1,4 +1,4 @@
-"""A serve's on-demand facts: what gpud.server.ondemand knows of one serve between requests
+"""A serve's on-demand facts: what gpud.life.ondemand knows of one serve between requests
 through its front, and the rules of how each thing that happens to a bring-up changes them.
 
 `Demand` is pure data, frozen, and part of the serve's one record (gpud.core.serverecord.Record,

@@ -1,6 +1,6 @@
 """The router's queue: which waiting serve comes up next, which requests go first, whether a
 request joins the queue at all, and which running serve makes room. Pure: values in, values out
-(gpud.server.ondemand holds the requests and carries the decisions out).
+(gpud.life.ondemand holds the requests and carries the decisions out).
 
 A request for an on-demand serve that does not fit (a refusal of class no-memory) waits in its
 serve's queue (at most `max_queued` requests per serve, each at most `queue_timeout_s`) instead
@@ -319,8 +319,48 @@ def after_refusal(*, queue_on: bool, no_memory: bool, could_fit: bool, queued: i
     return Arrival.JOIN
 
 
+class Next(StrEnum):
+    """What becomes of a request for a serve once it has tried (or been told to JOIN)."""
+
+    UP = "up"            # its serve runs: it goes now
+    WAIT = "wait"        # it waits in its serve's queue
+    REFUSED = "refused"  # it is answered at once: its try's refusal, or the queue's
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDecision:
+    """NEXT, and when REFUSED by the queue's bound, that refusal (None: the try's own stands)."""
+
+    next: Next
+    refusal: QueueRefusal | None = None
+
+
+def admit(*, joined: bool, refused: str | None, never_fits: bool, queue_on: bool,
+          could_fit: bool, queued: int, max_queued: int) -> QueueDecision:
+    """The decision on a request after its try: JOINED (its arrival was told to JOIN: others
+    wait for memory already), or REFUSED (the class of its try's refusal, gpud.core.bringup.Why's
+    values; None with JOINED false: the serve came up). A refusal for memory waits in the queue
+    when the queue is on, an eviction it may make could make room (COULD_FIT) and the serve's
+    queue has room (`after_refusal`); one that can never fit (NEVER_FITS: nothing would ever make
+    room) and any other refusal stand. An arrival told to JOIN waits unless the queue is
+    full."""
+    if not joined and refused is None:
+        return QueueDecision(Next.UP)
+    if not joined and (refused != "no-memory" or never_fits):
+        return QueueDecision(Next.REFUSED)
+    # told to JOIN, it waits whether or not an eviction could make room for it (its own try
+    # comes at its turn); the queue's bound holds for it as for any
+    entry = after_refusal(queue_on=queue_on or joined, no_memory=True,
+                          could_fit=could_fit or joined, queued=queued, max_queued=max_queued)
+    if isinstance(entry, QueueRefusal):
+        return QueueDecision(Next.REFUSED, entry)
+    if entry is None:  # (not JOINED: no queue, or no eviction could ever make room)
+        return QueueDecision(Next.REFUSED)
+    return QueueDecision(Next.WAIT)
+
+
 # The figure of the router's config each queue refusal is about, as a refusal's details carry
-# it (gpud.server.ondemand): what a client is told beside the class (docs/router.md, "Queue
+# it (gpud.life.ondemand): what a client is told beside the class (docs/router.md, "Queue
 # instead of thrash").
 REFUSAL_FIGURES: Final[Mapping[str, str]] = {"queue-full": "max_queued",
                                             "queue-timeout": "queue_timeout_s"}
@@ -361,6 +401,16 @@ def may_evict(priority: int, o: EvictionCandidate) -> bool:
     if o.on_demand:
         return True
     return o.priority > priority and o.yields
+
+
+def may_cut(*, evict_busy: bool, priority: int, victim_priority: int, aborts: bool) -> bool:
+    """Whether an eviction for a queued request for a serve of PRIORITY may end the requests
+    still in flight on its victim (of VICTIM_PRIORITY) at the drain's bound
+    (daemon.drain_timeout_s), rather than be refused: when the operator allows it
+    (router.evict_busy), the waiting serve is of equal or higher priority (a smaller or equal
+    number), and the victim ends them with a told end (ABORTS: it is put to sleep, and vLLM's
+    abort gives each stream its last chunk; a stop would cut them short without one)."""
+    return evict_busy and aborts and priority <= victim_priority
 
 
 def could_fit(need_mib: int, free_mib: int, freed: Iterable[int]) -> bool:

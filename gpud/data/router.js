@@ -1260,7 +1260,7 @@ function meterScan(r, data, last) {
 }
 
 function meter(r, data, flags) {
-    r.sendBuffer(data, flags);
+    r.sendBuffer(abortEvent(r, data), flags);
     if (data.length > 0 || flags.last) {
         meterScan(r, data, flags.last);
     }
@@ -1294,6 +1294,47 @@ function countedText(r) {
     return JSON.stringify(rateLimited(message, 1, {key: name, limit: which, value: value}).doc);
 }
 
+// A stream the serve ended before its end: vLLM's abort (its last chunk says finish_reason
+// "abort", then [DONE]; vllm/v1/engine/core.py pause_scheduler, mode=abort), when gpud puts the
+// serve to sleep past daemon.drain_timeout_s for a waiting request (router.evict_busy), for a
+// preemption, or for an operator's sleep. The chunk that says so is followed by an error event
+// in OpenAI's shape (errorEvent's, before [DONE]) naming why, so that no client reads a stream
+// that merely stops: openai-python's Stream raises an event whose data has "error" as its
+// APIError. The serve's bytes pass as they came; the event is put in after the abort chunk's
+// end ("\n\n", in a later buffer when that chunk was cut). Not on /v1/messages (Anthropic's
+// stream ends otherwise). The filter's VM is this answer's own: `aborting`, `abortTold` too.
+var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
+var aborting = false, abortTold = false;
+function abortEvent(r, data) {
+    if (abortTold || r.uri === '/v1/messages' || data.length === 0) {
+        return data;
+    }
+    var at = 0;
+    if (!aborting) {
+        at = data.indexOf(ABORTS[0]);
+        at = at < 0 ? data.indexOf(ABORTS[1]) : at;
+        if (at < 0) {
+            return data;
+        }
+        aborting = true;
+    }
+    var end = data.indexOf('\n\n', at);
+    if (end < 0) {
+        return data;
+    }
+    abortTold = true;
+    var serve = r.variables.router_serve || 'its serve';
+    var ev = 'data: ' + JSON.stringify({error: {
+        message: 'serve ' + serve + ' ended this request before its end: gpud put it to ' +
+                 'sleep past its drain bound (daemon.drain_timeout_s) to give its GPU memory ' +
+                 'to another request, or for a preemption or an operator\'s sleep; retry',
+        type: 'server_error', param: null, code: 'request_aborted'}}) + '\n\n';
+    if (typeof data === 'string') {
+        return data.slice(0, end + 2) + ev + data.slice(end + 2);
+    }
+    return Buffer.concat([data.slice(0, end + 2), Buffer.from(ev), data.slice(end + 2)]);
+}
+
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
 // as it comes when the serve took the request; an error answer (vLLM's 4xx: OpenAI's error
 // shape, one JSON document) once whole, as an error event and [DONE], as vLLM ends a
@@ -1301,7 +1342,7 @@ function countedText(r) {
 var held = '', told = false;
 function streamed(r, data, flags) {
     if (r.status < 400 || told) {
-        r.sendBuffer(told ? '' : data, flags);
+        r.sendBuffer(told ? '' : abortEvent(r, data), flags);
         if (!told && data.length > 0) {
             meterScan(r, data, flags.last);
         }

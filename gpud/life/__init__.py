@@ -4,7 +4,9 @@ supervisor's jobs (`supervisor/`: launch, boot,
 health, stop, watch), sleeping and preemption (`sleeping`), what a sleeping serve says it is
 (`reconciling`), the rebalance and its executor (`rebalance`, `steps`, `planning`, `offload`),
 calibration (`calibration`), alerts from observation (`alerts`), what is in flight on each serve
-(`traffic`), and the coordination they share (`locks`, `pulse`).
+(`traffic`), the on-demand orchestrator (`ondemand`: bring-ups for requests through the front,
+the router's queue and its evictions; `idle`: the idle check; `demandview`: what they read;
+`counts`: what they did, for the metrics), and the coordination they share (`locks`, `pulse`).
 
 The decisions are the pure core's (`gpud.core`); these modules carry them out. They may import
 `gpud.core`, the root modules and every floor below (`gpud.vllm`, `gpud.durable`, `gpud.host`,

@@ -333,11 +333,15 @@ class Sleeps:
 
     async def sleep(self, serve: str, uid: int | None, level: int | None = None, *,
                     preempted_by: str | None = None, idle_s: float | None = None,
-                    uncut: bool = False) -> dict[str, Any]:
+                    uncut: bool = False, evicted_for: str | None = None) -> dict[str, Any]:
         """Put SERVE to sleep: by an operator, for a preemption (`preempted_by`), or idle for
         `idle_s` seconds without a request through its front (on demand). UNCUT (the router
-        queue's eviction): refused (Conflict, details.busy) when requests are still in flight
-        at the drain's bound, rather than aborting them."""
+        queue's eviction, router.evict_busy false): refused (Conflict, details.busy) when
+        requests are still in flight at the drain's bound, rather than aborting them. The
+        answer carries the drain's account (`in_flight`) when there was one. EVICTED_FOR: the
+        serve a queued request evicts it for (gpud.life.ondemand): drained like a preemption's
+        victim, but never woken back when memory is released (it comes back by its own next
+        request; woken back, it would take the memory its evictor was to have)."""
         spec = self._sleeper(serve)
         level = level or spec.sleep_level
         if level not in (1, 2):
@@ -359,7 +363,8 @@ class Sleeps:
             # first, within daemon.drain_timeout_s; an operator's sleep is the operator's call.
             drained: Drain | None = None
             mode = "abort"
-            if self.traffic is not None and (preempted_by is not None or idle_s is not None):
+            if self.traffic is not None and (preempted_by is not None or idle_s is not None
+                                             or evicted_for is not None):
                 stack.enter_context(self.traffic.held(serve))
                 drained = await self.traffic.drain(serve, spec,
                                                    self.svc.config.daemon.drain_timeout_s)
@@ -408,11 +413,12 @@ class Sleeps:
                 target = await self._record_sleep(
                     serve, spec, uid, level, res, target=target, awake_seen=awake_seen,
                     seen=seen, parked=parked, timing=timing, preempted_by=preempted_by,
-                    idle_s=idle_s, drained=drained)
+                    idle_s=idle_s, drained=drained, evicted_for=evicted_for)
             except StoreError as exc:
                 raise await self._undo_sleep(serve, spec, level, exc) from exc
         return {"level": level, "from_mib": res.mib, "sleep_mib": target,
-                "parked_host_mib": parked, **timing}
+                "parked_host_mib": parked, **timing,
+                **({"in_flight": drained.details()} if drained is not None else {})}
 
     async def _sleep_target(self, serve: str, spec: ServeConfig) -> tuple[int | None, int | None]:
         """The sleep reservation configured or measured (None: to be measured by this sleep)
@@ -436,7 +442,7 @@ class Sleeps:
                             res: Reservation, *, target: int | None, awake_seen: int | None,
                             seen: int | None, parked: int, timing: dict[str, float],
                             preempted_by: str | None, idle_s: float | None,
-                            drained: Drain | None = None) -> int:
+                            drained: Drain | None = None, evicted_for: str | None = None) -> int:
         """Record a sleep done: the shrink to its sleep reservation (never less than it holds),
         its state, event and note in one transaction, with what became of the requests in
         flight (DRAINED, for gpud's own sleeps). Returns the sleep reservation."""
@@ -448,6 +454,7 @@ class Sleeps:
             await self.svc.put_meta(measured_key(serve), json.dumps(
                 {"fingerprint": fingerprint(spec), "mib": seen}))
         why = (f"preempted by {preempted_by}" if preempted_by
+               else f"evicted for {evicted_for}" if evicted_for
                else f"idle {idle_s:g} s without a request" if idle_s is not None
                else "put to sleep")
         note = {"level": level, "preempted_by": preempted_by, "parked_host_mib": parked,
@@ -463,6 +470,8 @@ class Sleeps:
                                               **timing,
                                               **({"preempted_by": preempted_by}
                                                  if preempted_by else {}),
+                                              **({"evicted_for": evicted_for}
+                                                 if evicted_for else {}),
                                               **({"idle_s": idle_s}
                                                  if idle_s is not None else {}),
                                               **({"in_flight": drained.details()}

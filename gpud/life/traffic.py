@@ -50,7 +50,7 @@ class Traffic:
         self.clock = clock
         self.flights: dict[str, Flight] = {}
         # Serves being drained, then stopped or put to sleep (`held`): the front's ensure
-        # waits until that is over (gpud.server.ondemand).
+        # waits until that is over (gpud.life.ondemand).
         self._held: dict[str, int] = {}
         self._uncounted: set[str] = set()
         # Told when a drain is over (`watch`): the front's ensure waits for that.

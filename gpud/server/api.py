@@ -381,7 +381,7 @@ class Api:
                           self._in_flight, self._bringups, self._queued, self._queue)
 
     def _bringups(self, serve: str) -> tuple[float | None, float | None]:
-        """The medians of SERVE's measured wakes and starts (gpud.server.ondemand)."""
+        """The medians of SERVE's measured wakes and starts (gpud.life.counts)."""
         if self.on_demand is None:
             return None, None
         return (self.on_demand.bringup_s(serve, StepKind.WAKE),
@@ -396,7 +396,7 @@ class Api:
         return self.on_demand.queue_of(serve) if self.on_demand is not None else None
 
     def _queued(self, serve: str) -> int:
-        """Requests waiting in the router's queue for SERVE (gpud.server.ondemand)."""
+        """Requests waiting in the router's queue for SERVE (gpud.life.ondemand)."""
         return len(self.on_demand.queued.get(serve, ())) if self.on_demand is not None else 0
 
     def _in_flight(self, serve: str) -> int | None:
@@ -639,7 +639,7 @@ class Api:
         cause = router_request(request.headers)
         requester = cause.requester if cause is not None else ANONYMOUS
         if self.svc.state_of(name) == ServeState.RUNNING and not self.on_demand.settling(name):
-            # up: answered at once (OnDemand._up), never refused by the bound on the requests
+            # up: answered at once (gpud.life.ondemand), never refused by the bound on the requests
             # that wait for a bring-up, whoever else waits
             return await self.on_demand.ensure(name, cause, gone=_gone(request))
         d, bound = self.svc.config.daemon, self.ensures

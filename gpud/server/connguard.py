@@ -124,7 +124,7 @@ class Guarded(asyncio.Protocol):
 
     def lost(self) -> asyncio.Future[None]:
         """Done once the peer's connection is lost (a handler that waits, the front's ensure in
-        the queue, stops waiting then: gpud.server.ondemand)."""
+        the queue, stops waiting then: gpud.life.ondemand)."""
         if self._lost is None:
             self._lost = asyncio.get_running_loop().create_future()
             if self._transport is None or self._transport.is_closing():

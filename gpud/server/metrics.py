@@ -32,8 +32,8 @@ from gpud.life.service import LedgerService
 
 if TYPE_CHECKING:
     from gpud.host.peers import PeerPoller
+    from gpud.life.ondemand import Orchestrator
     from gpud.nginx.router import RouterLog
-    from gpud.server.ondemand import OnDemand
 
 # Prometheus' text exposition format, version 0.0.4: what its scraper and promtool expect, and
 # what generate_latest writes (prometheus_client's CONTENT_TYPE_PLAIN_0_0_4).
@@ -62,7 +62,7 @@ class GpudCollector:
     """prometheus_client's Collector of gpud's figures, read afresh at each `collect`."""
 
     def __init__(self, svc: LedgerService, observer: Observer | None,
-                 calibrator: Calibrator | None = None, on_demand: OnDemand | None = None,
+                 calibrator: Calibrator | None = None, on_demand: Orchestrator | None = None,
                  router_log: RouterLog | None = None,
                  front_degraded: Callable[[], tuple[str, ...]] | None = None,
                  peers: PeerPoller | None = None) -> None:
@@ -87,7 +87,7 @@ class GpudCollector:
 
 
 def render(svc: LedgerService, observer: Observer | None, calibrator: Calibrator | None = None,
-           on_demand: OnDemand | None = None, router_log: RouterLog | None = None,
+           on_demand: Orchestrator | None = None, router_log: RouterLog | None = None,
            front_degraded: Callable[[], tuple[str, ...]] | None = None,
            peers: PeerPoller | None = None) -> str:
     """The 0.0.4 text exposition of what `GpudCollector` collects now."""
@@ -182,14 +182,17 @@ def _key_families(fams: dict[str, _Family], router_log: RouterLog) -> None:
         unmetered.add(none, key=key, model=model)
 
 
-def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:
+def _idle_families(fams: dict[str, _Family], svc: LedgerService,
+                   on_demand: Orchestrator) -> None:
     """The idle sleeps and stops of on-demand serves, a series for each serve with an idle time
-    from the first scrape (and for any serve that has a count, configured or not any more)."""
+    from the first scrape (and for any serve that has a count, configured or not any more): the
+    orchestrator's counts (gpud.life.counts), read now."""
+    counted = on_demand.counts
     for name, help_text, counts, due in (
         ("gpud_idle_sleeps_total", "On-demand serves put to sleep for want of requests "
-         "(idle_sleep_s) since gpud started", on_demand.idle_sleeps, "idle_sleep_s"),
+         "(idle_sleep_s) since gpud started", counted.idle_sleeps, "idle_sleep_s"),
         ("gpud_idle_stops_total", "On-demand serves stopped for want of requests "
-         "(idle_stop_s) since gpud started", on_demand.idle_stops, "idle_stop_s"),
+         "(idle_stop_s) since gpud started", counted.idle_stops, "idle_stop_s"),
     ):
         family = fams.setdefault(name, _Family(name, "counter", help_text))
         serves = {n for n, spec in svc.config.serves.items()
@@ -206,9 +209,12 @@ def _idle_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDe
             flights.add(count, serve=serve)
 
 
-def _queue_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnDemand) -> None:
+def _queue_families(fams: dict[str, _Family], svc: LedgerService,
+                    on_demand: Orchestrator) -> None:
     """The router's queue and the bring-ups by request, by serve (a serve's model names share
-    its queue: docs/router.md): a series for each on-demand serve from the first scrape."""
+    its queue: docs/router.md): a series for each on-demand serve from the first scrape; the
+    counts are the orchestrator's (gpud.life.counts), read now."""
+    counted = on_demand.counts
     od = sorted(n for n, spec in svc.config.serves.items() if spec.on_demand)
     queued = fams.setdefault("gpud_requests_queued", _Family(
         "gpud_requests_queued", "gauge", "Requests waiting in each serve's queue for it to be "
@@ -218,18 +224,18 @@ def _queue_families(fams: dict[str, _Family], svc: LedgerService, on_demand: OnD
     evicted = fams.setdefault("gpud_evictions_total", _Family(
         "gpud_evictions_total", "counter", "Serves put to sleep or stopped to make room for a "
         "queued request for another serve, since gpud started"))
-    for serve in sorted(set(od) | set(on_demand.evictions)):
-        evicted.add(on_demand.evictions.get(serve, 0), serve=serve)
+    for serve in sorted(set(od) | set(counted.evictions)):
+        evicted.add(counted.evictions.get(serve, 0), serve=serve)
     waits = fams.setdefault("gpud_queue_wait_seconds", _Family(
         "gpud_queue_wait_seconds", "histogram", "How long requests waited in each serve's "
         "queue (brought up, refused or gone), since gpud started"))
-    for serve in sorted(set(od) | set(on_demand.queue_waits)):
-        _histogram(waits, on_demand.queue_waits.get(serve) or Histogram.empty(), serve=serve)
+    for serve in sorted(set(od) | set(counted.queue_waits)):
+        _histogram(waits, counted.queue_waits.get(serve) or Histogram.empty(), serve=serve)
     took = fams.setdefault("gpud_bringup_seconds", _Family(
         "gpud_bringup_seconds", "histogram", "How long each bring-up by a request took (kind "
         "wake or start: from the ensure that began it to the serve running), since gpud "
         "started; its _count is the bring-ups"))
-    for (serve, kind), hist in sorted(on_demand.bringups.items()):
+    for (serve, kind), hist in sorted(counted.bringups.items()):
         _histogram(took, hist, serve=serve, kind=str(kind))
 
 

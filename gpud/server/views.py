@@ -143,13 +143,13 @@ def serve_view(svc: LedgerService, name: str, draws: DrawSource | None,
         # asleep at level 1: the host RAM its weights are parked in (gpud.life.sleeping)
         "parked_host_mib": parked(name) if state == SLEEPING else None,
         "front": bool(spec and spec.front),
-        # seconds since its last request ended (gpud.server.ondemand, gpud.life.traffic)
+        # seconds since its last request ended (gpud.life.ondemand, gpud.life.traffic)
         "last_activity_s_ago": activity(name),
         "in_flight": in_flight(name) if state in LIVE_STATES else None,
-        # the medians of its measured wakes and starts (gpud.server.ondemand): its cost to bring back
+        # the medians of its measured wakes and starts (gpud.life.ondemand): its cost to bring back
         "wake_s": bringups(name)[0],
         "start_s": bringups(name)[1],
-        # requests waiting in the router's queue for it to be brought up (gpud.server.ondemand)
+        # requests waiting in the router's queue for it to be brought up (gpud.life.ondemand)
         "queued": queued(name),
     }
     names = routed(svc.config).get(name)

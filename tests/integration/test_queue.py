@@ -129,3 +129,79 @@ def test_an_eviction_for_a_queued_request_never_cuts_a_stream_in_flight(
         stops = gpud.events(kind="stop", serve="a")
         assert stops and all(e.get("details", {}).get("in_flight", {}).get("outcome")
                              != "aborted" for e in stops), stops
+
+
+def busy_config(evict_busy: bool) -> str:
+    """a (can sleep) and b as above, a brought up by a request evictable after 1 s, a drain
+    bound of 1 s; router.evict_busy as its default (true), or false."""
+    dev = 'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
+    sleeper = ("--enable-sleep-mode", "--context-mib", "200", "--asleep-mib", "800")
+    serves = (f'[serves.a]\nrole = "r"\nvram_mib = 20000\nport = {PORT}\non_demand = true\n'
+              f'start_timeout_s = 30\nmodels = ["a"]\nsleep_level = 1\nsleep_mib = 800\n{dev}'
+              f"command = {standin_uds(*sleeper, '--token-interval-s', '0.02', '--served-model-name', 'a')}\n"
+              f'[serves.b]\nrole = "r"\nvram_mib = 20000\nport = {PORT + 1}\non_demand = true\n'
+              f'start_timeout_s = 30\nmodels = ["b"]\n'
+              f"command = {standin_uds('--served-model-name', 'b')}\n")
+    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 40\nmax_queued = 8\n'
+              "min_awake_s = 1\n" + ("" if evict_busy else "evict_busy = false\n"))
+    return sim_config(role, serves, daemon="drain_timeout_s = 1") + router
+
+
+@pytest.mark.parametrize("evict_busy", [True, False])
+def test_a_long_stream_holds_its_device_only_to_the_drain_bound_unless_told(
+        gpud: SandboxGpud, evict_busy: bool) -> None:
+    """Issue 50 item 6: a 20 s stream on a (it can sleep), then a request for b that needs a's
+    memory. With router.evict_busy (the default), b waits for the drain's bound (1 s), not for
+    the stream: the stream ends with vLLM's abort chunk, then an error event in OpenAI's shape
+    naming why, then [DONE] (never a stream that merely stops), and the journal names a, b and
+    the requests ended. With evict_busy = false the eviction is refused as before: the stream
+    runs to its end and b comes up after it."""
+    with fronted_gpud(gpud, busy_config(evict_busy), [USER]):
+        stream = json.dumps({"model": "a", "prompt": "a b", "max_tokens": 1000,
+                             "stream": True})
+        other = json.dumps({"model": "b", "prompt": "a b", "max_tokens": 2})
+        script = (
+            "rm -f /tmp/m8-stream; "
+            f"curl -sN --max-time 60 -d '{stream}' http://127.0.0.1:{ROUTER}/v1/completions "
+            "> /tmp/m8-stream & "
+            "for i in $(seq 600); do grep -q '^data: {' /tmp/m8-stream 2>/dev/null && break; "
+            "sleep 0.05; done; "
+            "sleep 1.5; began=$(date +%s%N); "
+            f"curl -s -o /dev/null --max-time 60 -w 'b=%{{http_code}}\\n' -d '{other}' "
+            f"http://127.0.0.1:{ROUTER}/v1/completions; "
+            "echo waited_ms=$(( ($(date +%s%N) - began) / 1000000 )); wait; "
+            "echo chunks=$(grep -c '^data: {\"id\"' /tmp/m8-stream) "
+            "done=$(grep -c '^data: \\[DONE\\]' /tmp/m8-stream) "
+            "aborted=$(grep -c '\"finish_reason\": *\"abort\"' /tmp/m8-stream) "
+            "errors=$(grep -c '^data: {\"error\"' /tmp/m8-stream); "
+            "tail -c 900 /tmp/m8-stream >&2")
+        ran = gpud.sb.run(["bash", "-c", script], user=USER, timeout=150)
+        # this gpud's own lines (the sandbox's journal has those of the other case before)
+        journal = gpud.journal_tail(400)
+        journal = journal[journal.rfind("front started"):]
+        got = dict(w.split("=") for w in ran.stdout.split())
+        tail = ran.stderr
+        print(f"evict_busy {evict_busy}: {got}")
+        assert got["b"] == "200", (got, tail, journal)
+        assert got["done"] == "1", (got, tail)  # a clean end either way
+        slept = [e for e in gpud.events(kind="sleep", serve="a") if "in_flight" in e["details"]]
+        if evict_busy:
+            # b came up after about the drain's bound, not after the stream's 20 s
+            assert int(got["waited_ms"]) < 12000, (got, journal)
+            assert int(got["chunks"]) < 1000, got
+            # told, in order: the abort chunk, the error event, [DONE]
+            assert got["aborted"] == "1" and got["errors"] == "1", (got, tail)
+            last = [line for line in tail.splitlines() if line.startswith("data: ")][-3:]
+            assert '"abort"' in last[0] and last[2] == "data: [DONE]", tail
+            error = json.loads(last[1].removeprefix("data: "))["error"]
+            assert error["code"] == "request_aborted" and error["type"] == "server_error", error
+            assert "serve a" in error["message"] and "drain" in error["message"], error
+            assert "on-demand a: 1 request(s) in flight ended for serve b" in journal, journal
+            assert slept and slept[-1]["details"]["in_flight"]["outcome"] == "aborted", slept
+        else:
+            assert int(got["chunks"]) >= 1000 and got["aborted"] == "0", (got, tail)
+            assert got["errors"] == "0", tail
+            assert int(got["waited_ms"]) > 15000, got  # the stream's rest
+            assert "on-demand a: eviction for b refused" in journal, journal
+            assert "request(s) in flight ended for" not in journal, journal

@@ -143,7 +143,7 @@ class Supervisor:
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
         """The bring-up for requests through the serve's front under way, if one is
-        (gpud.server.ondemand): a done one is kept until its callbacks have run."""
+        (gpud.life.ondemand): a done one is kept until its callbacks have run."""
         handles = self.runtime.serves.get(serve)
         return handles.bringup if handles is not None else None
 

@@ -67,7 +67,7 @@ class Handles:
     check: asyncio.Task[None] | None = None  # its health check in flight
     # Set when gpuctl's stop of it is done: a start on its devices waits for that.
     stop_done: asyncio.Event | None = None
-    # A bring-up for requests through its front (gpud.server.ondemand), while it runs.
+    # A bring-up for requests through its front (gpud.life.ondemand), while it runs.
     bringup: asyncio.Task[None] | None = None
 
     def idle(self) -> bool:
