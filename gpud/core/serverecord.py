@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from gpud.core import demand as demand_rules
+from gpud.core import traffic
 from gpud.core.demand import NO_DEMAND, Demand, DemandEvent
 from gpud.core.lifecycle import IDLE_LIFE, Input, LifeAction, ServeLife
 from gpud.core.lifecycle import step as life_step
 from gpud.core.states import Cause, StateRefusal, check_change
-from gpud.core.traffic import SETTLING_PHASES
 from gpud.core.vocab import (
     ADMITTED,
     DECLARED,
@@ -187,7 +187,7 @@ def settling(demand: Demand, phase: Phase, draining: bool) -> bool:
     (`demand.idling`), or the drain before one (DRAINING, the in-flight poller's:
     gpud.life.traffic). A request must not reach it now, and waits for it to end before it is
     woken or started again."""
-    return demand.idling or draining or phase in SETTLING_PHASES
+    return demand.idling or traffic.settling(phase, draining)
 
 
 @dataclass(frozen=True)

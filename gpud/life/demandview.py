@@ -23,7 +23,8 @@ from gpud.core.queue import (
     idle_in,
     may_evict,
 )
-from gpud.core.traffic import Flight, idle_from, settling
+from gpud.core.serverecord import settling
+from gpud.core.traffic import Flight, idle_from
 from gpud.core.vocab import RUNNING, SLEEPING, STARTING, SleepAction, StepKind
 from gpud.life.counts import DemandCounts
 
@@ -56,9 +57,8 @@ class DemandView:
     def settling(self, name: str) -> bool:
         """A sleep or a stop of NAME is under way (or the drain before one, or the idle
         check's decision to): a request must not reach it now."""
-        return self.svc.records.demand(name).idling or settling(
-            self.sup.life(name).phase,
-            self.traffic is not None and self.traffic.draining(name))
+        return settling(self.svc.records.demand(name), self.sup.life(name).phase,
+                        self.traffic is not None and self.traffic.draining(name))
 
     def never_fits(self, name: str) -> str | None:
         """Why serve NAME can never fit as configured (gpud.core.bringup.never_fits)."""

@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from gpud.core.demand import Idling, LastActivity
 from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, ServeState, SleepAction
 from gpud.errors import GpudError
@@ -81,14 +81,14 @@ class IdleCheck:
         now = self.clock()
         if state not in (RUNNING, SLEEPING):
             if state not in LIVE_STATES:
-                self.svc.records.note_demand(name, lambda d: replace(d, last_activity=None))
+                self.svc.records.apply(name, LastActivity(None))
             return
         # A serve running without a request seen (started by hand, or before gpud started)
         # is idle from when it is first seen, or from the end of its last request.
         first = self.svc.records.demand(name).last_activity
         if first is None:
             first = now
-            self.svc.records.note_demand(name, lambda d: replace(d, last_activity=now))
+            self.svc.records.apply(name, LastActivity(now))
         flight = self._flight(name)
         if self.traffic is not None and flight.read_at is None and \
                 self.traffic.reachable(spec):
@@ -104,7 +104,7 @@ class IdleCheck:
         # idle_s saying why.
         log.info("on-demand %s idle for %.1f s without a request through its front: %s",
                  name, idle, action)
-        self.svc.records.note_demand(name, lambda d: replace(d, idling=True))
+        self.svc.records.apply(name, Idling(True))
         try:
             if action == SleepAction.SLEEP:
                 await self.sup.sleeps.sleep(name, None, idle_s=idle)
@@ -119,9 +119,9 @@ class IdleCheck:
                             name, spec, self.svc.config.daemon.drain_timeout_s)
                         await self.sup.stop(name, None, idle_s=idle, drained=drained)
                 self.view.counts.add(self.view.counts.idle_stops, name)
-                self.svc.records.note_demand(name, lambda d: replace(d, last_activity=None))
+                self.svc.records.apply(name, LastActivity(None))
         except GpudError as exc:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
-            self.svc.records.note_demand(name, lambda d: replace(d, idling=False))
+            self.svc.records.apply(name, Idling(False))
             self.changed()

@@ -42,8 +42,19 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from gpud.core import answers, demand
+from gpud.core import answers
 from gpud.core.bringup import Hold, Policy, Tries, Why, classify, held, refusal_class
+from gpud.core.demand import (
+    BringupBegan,
+    CameUp,
+    Idling,
+    NeedMib,
+    OperatorStarted,
+    Requested,
+    SeenFailed,
+    Tried,
+    UpAt,
+)
 from gpud.core.queue import (
     KEY_PRIORITY,
     WEIGHT,
@@ -121,7 +132,8 @@ class Orchestrator(DemandView):
         # Each serve's on-demand facts (gpud.core.demand: its tries, whether the idle check is
         # putting it away, its last activity and request, when a request last brought it up,
         # what it needed) are in the serve's one record (gpud.life.records): read with
-        # `svc.records.demand`, changed only through `svc.records.note_demand`.
+        # `svc.records.demand`, changed only by their events (gpud.core.demand) through
+        # `svc.records.apply`.
         # What a request waits on (a sleep or stop settling, a start or wake of someone else's
         # ending) changes only when a serve's state is stored, its life steps, a drain ends or
         # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon), and
@@ -171,8 +183,7 @@ class Orchestrator(DemandView):
     def _requested(self, name: str) -> None:
         """A request through NAME's front, now: its last activity and its last request."""
         now = self.clock()
-        self.svc.records.note_demand(
-            name, lambda d: replace(d, last_activity=now, last_request=now))
+        self.svc.records.apply(name, Requested(now))
 
     async def bring(self, name: str, cause: RouterRequest | None = None,
                     gone: asyncio.Future[None] | None = None) -> bool:
@@ -246,7 +257,7 @@ class Orchestrator(DemandView):
 
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
-        self.svc.records.note_demand(name, demand.operator_started)
+        self.svc.records.apply(name, OperatorStarted())
 
     def _held(self, name: str) -> Hold | None:
         """Whether a request for `name` may not try to bring it up now (gpud.core.bringup)."""
@@ -260,16 +271,14 @@ class Orchestrator(DemandView):
             # its backoff counted from when it failed
             at = now - max(0.0, self.svc.clock() - rec.updated)
             reason = f"{state}: {rec.reason or ''}"
-            self.svc.records.note_demand(
-                name, lambda d: demand.failed_since(d, at, reason, self.policy))
+            self.svc.records.apply(name, SeenFailed(at, reason, self.policy))
         return held(self.svc.records.demand(name).tries, now)
 
     def _tried(self, name: str, exc: GpudError) -> None:
         """A bring-up of `name` ended without the serve running: when it may be tried next."""
         now = self.clock()
         why = classify(exc.code, exc.details)
-        self.svc.records.note_demand(
-            name, lambda d: demand.tried(d, now, why, exc.message, self.policy))
+        self.svc.records.apply(name, Tried(now, why, exc.message, self.policy))
 
     async def up(self, name: str, spec: ServeConfig,
                  cause: RouterRequest | None = None) -> None:
@@ -286,7 +295,7 @@ class Orchestrator(DemandView):
             need = refusal.details.get("need_mib")
             if isinstance(need, int):
                 mib: int = need
-                self.svc.records.note_demand(name, lambda d: replace(d, need_mib=mib))
+                self.svc.records.apply(name, NeedMib(mib))
         router = self.svc.config.router
         waits = tried == Arrival.JOIN or (why == Why.NO_MEMORY and not never)
         need_mib = self.svc.records.demand(name).need_mib
@@ -375,14 +384,14 @@ class Orchestrator(DemandView):
         # This task's refusals (and its launch's) are a request's, through the front: stored
         # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
-        self.svc.records.note_demand(name, demand.began)
+        self.svc.records.apply(name, BringupBegan())
         try:
             await self._bring_up_once(name, spec, cause, quiet=quiet)
         except GpudError as exc:
             self._tried(name, exc)
             raise
         now = self.clock()
-        self.svc.records.note_demand(name, lambda d: demand.came_up(d, now))
+        self.svc.records.apply(name, CameUp(now))
 
     async def _bring_up_once(self, name: str, spec: ServeConfig,
                              cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
@@ -665,7 +674,7 @@ class Orchestrator(DemandView):
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
                  extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
-        self.svc.records.note_demand(victim, lambda d: replace(d, idling=True))
+        self.svc.records.apply(victim, Idling(True))
         try:
             if vspec.sleep_level:
                 router = self.svc.config.router
@@ -689,10 +698,10 @@ class Orchestrator(DemandView):
                 return Protected(math.inf, exc.message)
             return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
-            self.svc.records.note_demand(victim, lambda d: replace(d, idling=False))
+            self.svc.records.apply(victim, Idling(False))
             self.changed()
         self.counts.add(self.counts.evictions, victim)
-        self.svc.records.note_demand(victim, lambda d: replace(d, up_at=None))
+        self.svc.records.apply(victim, UpAt(None))
         return None
 
     def _cut(self, victim: str, name: str, by: str, drained: object) -> None:
