@@ -113,6 +113,12 @@ RETRY_AFTER_S: Final = 30
 # entrypoints/pooling/base/protocol.py): the router sets it to the key's priority there.
 PRIORITY_ROUTES: Final = ("/v1/chat/completions", "/v1/completions", "/v1/responses",
                           "/v1/embeddings")
+# The routes whose stream carries its usage in a last chunk of its own only when the body asks
+# (`stream_options.include_usage`; vllm 0.32 entrypoints/serve/utils/api_utils.py
+# should_include_usage, and the stream generators of entrypoints/openai/chat_completion/
+# serving.py and completion/serving.py): on a stream-usage serve the router asks for it
+# (router.js askUsage) and the client is sent the stream it would have had.
+STREAM_USAGE_ROUTES: Final = ("/v1/chat/completions", "/v1/completions")
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
 # A requester as gpud keeps it (a key's name is at most 64; "addr:" and an IPv6 address 46).
@@ -491,6 +497,10 @@ class RoutedServe:
     # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
     # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
     priority_scheduling: bool = False
+    # a vLLM serve (it reads stream_options.include_usage): on a streamed chat or completions
+    # request whose client did not ask for usage, the router asks for it, and takes the chunk
+    # that carries it out of the stream (STREAM_USAGE_ROUTES; router.js askUsage)
+    stream_usage: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.port is None):
@@ -695,10 +705,13 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                      limits: Sequence[str] = ()) -> list[str]:
     # a serve under priority scheduling gets the body the script rewrote with the key's
     # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
-    body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
+    # (a stream-usage serve's too: the body the script may have asked for usage in, or the
+    # request's own)
+    body = ([f"            proxy_set_body {PRIORITY_BODY};"]
+            if serve.priority_scheduling or serve.stream_usage else [])
     # where the router sends it, each requester's share first (FAIR_BODY)
     fair = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
-            if serve.priority_scheduling else [])
+            if serve.priority_scheduling else body)
     lines = [f"        location {serve.location} {{", *limits, *fair]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
@@ -767,7 +780,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            proxy_method POST;",
                   *body,
                   f"            proxy_pass http://{serve.upstream};",
-                  "            js_body_filter router.streamed;",
+                  "            js_body_filter router.streamed buffer_type=buffer;",
                   "            error_page 502 504 = @router_stream_down;",
                   "        }"]
     return lines
@@ -794,6 +807,9 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_prio;",
            "    js_var $router_prio_over;",
            "    js_var $router_completion_tokens;",
+           # "1": the script asked the serve for a stream's usage (router.js askUsage), which
+           # the meter takes out of the stream
+           "    js_var $router_usage_asked;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
            # the name of the request's key, "" none (router.js keyName: one SHA-256 a request,
@@ -814,7 +830,7 @@ def http_lines(router: RouterFront) -> list[str]:
         fields = ",".join(f'"{name}":"{var}"' for name, var in (*LOG_FIELDS, *USAGE_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
     out += limit_zones(router.keys or (), router.large_bodies_per_requester)
-    if any(s.priority_scheduling for s in router.serves):
+    if any(s.priority_scheduling or s.stream_usage for s in router.serves):
         out += PRIORITY_MAP
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
@@ -951,7 +967,8 @@ def render_script(router: RouterFront, code: str) -> str:
     by_name = {s.name: s for s in router.serves}
     table = {name: {"serve": serve, "location": by_name[serve].location,
                     "ensure": by_name[serve].ensure_timeout_s is not None,
-                    **({"priority": True} if by_name[serve].priority_scheduling else {})}
+                    **({"priority": True} if by_name[serve].priority_scheduling else {}),
+                    **({"stream_usage": True} if by_name[serve].stream_usage else {})}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
         k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority}
@@ -970,7 +987,8 @@ def render_script(router: RouterFront, code: str) -> str:
             "loading_suffix": LOADING_SUFFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
-            "priority_routes": list(PRIORITY_ROUTES)}
+            "priority_routes": list(PRIORITY_ROUTES),
+            "stream_usage_routes": list(STREAM_USAGE_ROUTES)}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

@@ -173,6 +173,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
         s = cfg.serves[name]
         serves.append(RoutedServe(
             name, names, priority_scheduling=priority_scheduling(s),
+            stream_usage=s.vllm is not None,
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
             ensure_timeout_s=(math.ceil(max(s.start_timeout_s, d.wake_timeout_s))
