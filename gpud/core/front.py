@@ -139,6 +139,11 @@ class FrontConfig:
     # of its server, lines of each of its proxied locations): a key's limits, the usage meter
     # and the access log, the same as the router's.
     policies: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = ()
+    # The routes of a fronted port whose body the router's script rewrites, as the router
+    # does (gpud.core.router.FrontPolicy body_paths, read, send): (serve, paths, lines of each
+    # path's location before the script reads the body, lines of SEND_LOCATION, which sends it
+    # on). A path goes this way only where the allow-list (paths) lets it through.
+    body_routes: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = ()
 
     def policy(self, serve: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         for name, server, location in self.policies:
@@ -179,6 +184,14 @@ GPUD_UPSTREAM: Final = "gpud_api"
 RETRY_AFTER_S: Final = 30
 
 
+# A fronted port's named location that sends on a body the router's script read and rewrote
+# (router.js `fronted`).
+SEND_LOCATION: Final = "@gpud_send"
+ENSURE_LINES: Final = (f"            auth_request {ENSURE_LOCATION};",
+                       "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
+                       "            auth_request_set $gpud_retry $upstream_http_retry_after;")
+
+
 def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
                policy: Sequence[str] = ()) -> list[str]:
     lines = []
@@ -188,12 +201,39 @@ def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
         lines.append(f"        location {match} {{")
         lines += policy
         if on_demand:
-            lines += [f"            auth_request {ENSURE_LOCATION};",
-                      "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
-                      "            auth_request_set $gpud_retry $upstream_http_retry_after;"]
+            lines += ENSURE_LINES
         lines += [f"            proxy_pass http://{upstream};",
                   "        }"]
     return lines
+
+
+def _allowed(path: str, paths: Sequence[str]) -> bool:
+    """Whether the allow-list PATHS lets PATH through (an exact path, or under a prefix)."""
+    return any(path == p or (p.endswith("/") and path.startswith(p)) for p in paths)
+
+
+def _body_routes(cfg: FrontConfig, serve: FrontServe,
+                 upstream: str) -> tuple[list[str], frozenset[str]]:
+    """The locations of SERVE's routes whose body the router's script reads (body_routes),
+    and those routes (no other location of the port may name them exactly)."""
+    for name, paths, read, send in cfg.body_routes:
+        if name != serve.name:
+            continue
+        routes = [p for p in paths if _allowed(p, cfg.paths)]
+        if not routes:
+            break
+        lines = []
+        for path in routes:
+            lines += [f"        location = {path} {{", *read,
+                      "            js_content router.fronted;",
+                      "        }"]
+        lines += [f"        location {SEND_LOCATION} {{",
+                  *(ENSURE_LINES if serve.ensure_timeout_s is not None else ()),
+                  *send,
+                  f"            proxy_pass http://{upstream};",
+                  "        }"]
+        return lines, frozenset(routes)
+    return [], frozenset()
 
 
 def _not_running(serve: str, why: str = "") -> str:
@@ -339,6 +379,7 @@ def render(cfg: FrontConfig) -> str:
                 "    }"]
     for serve in sorted(cfg.serves, key=lambda s: s.port):
         upstream = f"serve_{serve.name.replace('-', '_')}"
+        body_lines, body_paths = _body_routes(cfg, serve, upstream)
         out += [
             "",
             f"    # serve {serve.name}",
@@ -352,8 +393,9 @@ def render(cfg: FrontConfig) -> str:
             "        error_page 502 =503 @down;",
             *(_keyed(serve.name) if cfg.keys else []),
             *cfg.policy(serve.name)[0],
-            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None,
-                        cfg.policy(serve.name)[1]),
+            *body_lines,
+            *_locations(upstream, [p for p in cfg.paths if p not in body_paths],
+                        serve.ensure_timeout_s is not None, cfg.policy(serve.name)[1]),
             *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
               if serve.ensure_timeout_s is not None else []),
             "        location / {",

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR
+from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, SEND_LOCATION
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
@@ -457,13 +457,24 @@ class FrontPolicy:
 
     server: tuple[str, ...]
     location: tuple[str, ...]
+    # The routes whose body the router's script rewrites for this serve (PRIORITY_ROUTES under
+    # priority scheduling, STREAM_USAGE_ROUTES of a stream-usage serve; none when it has
+    # neither), each a location of its own on the fronted port that reads the body in memory
+    # (lines READ, then router.js `fronted`: the key's priority or the share's, the stream's
+    # usage asked, by the same functions as the router's route()), then sends it to the serve
+    # from gpud.core.front.SEND_LOCATION (lines SEND: the body as rewritten, the share's count, METER).
+    body_paths: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    send: tuple[str, ...] = ()
 
 
 def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
-    meter and the access log), its usage counted under the serve's first model name."""
+    meter and the access log, the key's priority and the stream's usage in the body), its
+    usage counted under the serve's first model name."""
     keys = router.keys or ()
-    models = next((s.models for s in router.serves if s.name == serve), ())
+    routed = next((s for s in router.serves if s.name == serve), None)
+    models = routed.models if routed is not None else ()
     counted = conn_lines(keys, router.large_bodies_per_requester)
     rates = limit_lines(keys, status=FRONT_RATE_STATUS)
     server = []
@@ -480,7 +491,23 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     if any(k.tokens_per_day is not None or k.tokens_per_month is not None for k in keys):
         server += [*(f"        {line}" for line in QUOTA_CHECK),
                    f"        error_page {QUOTA_STATUS} = @router_quota;", *QUOTA_PAGE]
-    return FrontPolicy(tuple(server), (*counted, *rates, METER))
+    paths: tuple[str, ...] = ()
+    read: list[str] = []
+    send: list[str] = []
+    if routed is not None and (routed.priority_scheduling or routed.stream_usage):
+        paths = tuple(p for p in ROUTED_PATHS
+                      if (routed.priority_scheduling and p in PRIORITY_ROUTES)
+                      or (routed.stream_usage and p in STREAM_USAGE_ROUTES))
+        # the counts and rates before the body is read (as the router's), then the whole body
+        # in memory, where the script reads it (as the router's server: max_body_mib)
+        read = [*counted, *rates,
+                f"            client_max_body_size {router.max_body_mib}m;",
+                f"            client_body_buffer_size {router.max_body_mib}m;"]
+        # the body as the script rewrote it, each requester's share first (as the router's)
+        send = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
+                if routed.priority_scheduling else
+                [f"            proxy_set_body {PRIORITY_BODY};"]) + [METER]
+    return FrontPolicy(tuple(server), (*counted, *rates, METER), paths, tuple(read), tuple(send))
 
 
 @dataclass(frozen=True)
@@ -988,7 +1015,7 @@ def render_script(router: RouterFront, code: str) -> str:
             "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
             "priority_routes": list(PRIORITY_ROUTES),
-            "stream_usage_routes": list(STREAM_USAGE_ROUTES)}
+            "stream_usage_routes": list(STREAM_USAGE_ROUTES), "front_send": SEND_LOCATION}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

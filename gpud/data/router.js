@@ -492,23 +492,9 @@ function route(r) {
     r.variables.router_key = key.name || '';
     r.variables.router_requester = requesterOf(r, key);
     askUsage(r, body, doc, top, entry, stream);
-    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
-        // the top-level "priority" members of the body (a parsed one is walked only when it
-        // has one)
-        if (top === undefined) {
-            top = has(doc, 'priority') ? topLevel(body) : {priority: []};
-            if (top.error) {
-                fail(r, top.error[0], top.error[1], top.error[2]);
-                return;
-            }
-        }
-        if (top.priority.length > 1) {
-            fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
-                 ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
-                 '), send it once or not at all', 'invalid_priority', 'priority');
-            return;
-        }
-        prioritize(r, body, top.priority, key);
+    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        !keyPriority(r, body, doc, top, key)) {
+        return;
     }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
@@ -1311,6 +1297,79 @@ function askUsage(r, body, doc, top, entry, stream) {
     }
 }
 
+// The key's priority (or the share's) in the body of a request to a serve under priority
+// scheduling, on the router (route) and on a fronted port (fronted): the body's top-level
+// "priority" members (a parsed one, DOC, is walked only when it has one; TOP: the walk's
+// answer when walked), given once at most; false once answered (a 400).
+function keyPriority(r, body, doc, top, key) {
+    if (top === undefined) {
+        top = has(doc, 'priority') ? topLevel(body) : {priority: []};
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return false;
+        }
+    }
+    if (top.priority.length > 1) {
+        fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
+             ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
+             '), send it once or not at all', 'invalid_priority', 'priority');
+        return false;
+    }
+    prioritize(r, body, top.priority, key);
+    return true;
+}
+
+// A request on a serve's own fronted port, on a route whose body the router rewrites
+// (gpud.core.front body_routes: a location that reads the whole body in memory, after the
+// key's check, its counts and rates): the same body as through the router, by the same
+// functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
+// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve; the
+// model is the serve's to check (vLLM answers a name it does not serve 404).
+function fronted(r) {
+    var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
+    Object.keys(CONFIG.models).forEach(function (name) {
+        if (CONFIG.models[name].serve === serve) {
+            entry = CONFIG.models[name];
+        }
+    });
+    var key = CONFIG.keys === null ? {name: null, models: ['*']} : lookUp(r);
+    if (key === undefined) {
+        unauthorized(r);
+        return;
+    }
+    if (entry !== null && r.method === 'POST' && body !== undefined && body.length > 0) {
+        if (body.length >= SCAN_FROM) {
+            top = topLevel(body);
+            if (top.error) {
+                fail(r, top.error[0], top.error[1], top.error[2]);
+                return;
+            }
+            stream = top.stream;
+        } else {
+            try {
+                doc = JSON.parse(body.toString());
+            } catch (e) {
+                fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+                return;
+            }
+            if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
+                fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
+                return;
+            }
+            stream = doc.stream === true;
+        }
+        r.variables.router_serve = serve;
+        r.variables.router_key = key.name || '';
+        r.variables.router_requester = requesterOf(r, key);
+        askUsage(r, body, doc, top, entry, stream);
+        if (entry.priority && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+            !keyPriority(r, body, doc, top, key)) {
+            return;
+        }
+    }
+    r.internalRedirect(CONFIG.front_send);
+}
+
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).
 function loadingStream(r) {
     var model = r.variables.router_model;
@@ -1366,7 +1425,7 @@ function limited(r) {
     r.return(answer.status, JSON.stringify(answer.doc));
 }
 
-export default {route, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
+export default {route, fronted, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown,
                 error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),

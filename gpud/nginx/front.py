@@ -121,7 +121,12 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
         policies=tuple((name, policy.server, policy.location)
                        for name in sorted(fronted(cfg)) if name not in leave_out
                        and router is not None and router.keys is not None
-                       for policy in [front_policy(router, name)]))
+                       for policy in [front_policy(router, name)]),
+        # and the key's priority, or the share's, and a stream's usage, in the body
+        body_routes=tuple((name, policy.body_paths, policy.read, policy.send)
+                          for name in sorted(fronted(cfg)) if name not in leave_out
+                          and router is not None and router.keys is not None
+                          for policy in [front_policy(router, name)] if policy.body_paths))
 
 
 def front_workers() -> int:
