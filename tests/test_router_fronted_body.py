@@ -63,9 +63,11 @@ class _UnixHTTP(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
-def recording_serve(path: str, bodies: list[bytes]) -> _UnixHTTP:
+def recording_serve(path: str, bodies: list[bytes],
+                    release: threading.Event | None = None) -> _UnixHTTP:
     """A serve on the Unix socket PATH that records each body and answers as vLLM 0.32 does:
-    a stream (vllm_stream), else one JSON document with the usage."""
+    a stream (vllm_stream), else one JSON document with the usage. A stream whose body's
+    "user" is "hold" is held after its first event until RELEASE is set."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -79,7 +81,9 @@ def recording_serve(path: str, bodies: list[bytes]) -> _UnixHTTP:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for event in vllm_stream(self.path, doc):
+                for i, event in enumerate(vllm_stream(self.path, doc)):
+                    if i == 1 and doc.get("user") == "hold" and release is not None:
+                        release.wait(timeout=30)
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")

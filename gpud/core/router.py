@@ -498,15 +498,19 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         paths = tuple(p for p in ROUTED_PATHS
                       if (routed.priority_scheduling and p in PRIORITY_ROUTES)
                       or (routed.stream_usage and p in STREAM_USAGE_ROUTES))
-        # the counts and rates before the body is read (as the router's), then the whole body
-        # in memory, where the script reads it (as the router's server: max_body_mib)
-        read = [*counted, *rates,
+        # the counts before the body is read, then the whole body in memory, where the script
+        # reads it (as the router's server: max_body_mib); the rates where it goes on, as the
+        # router's: nginx runs a location's limit_req before its limit_conn (the phase's
+        # handlers in the reverse of the modules' order, ngx_http_init_phase_handlers), so in
+        # one location a request refused by max_concurrent would take one of the key's rate
+        # the router never takes for it
+        read = [*counted,
                 f"            client_max_body_size {router.max_body_mib}m;",
                 f"            client_body_buffer_size {router.max_body_mib}m;"]
         # the body as the script rewrote it, each requester's share first (as the router's)
-        send = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
-                if routed.priority_scheduling else
-                [f"            proxy_set_body {PRIORITY_BODY};"]) + [METER]
+        send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
+                          if routed.priority_scheduling else
+                          [f"            proxy_set_body {PRIORITY_BODY};"]), METER]
     return FrontPolicy(tuple(server), (*counted, *rates, METER), paths, tuple(read), tuple(send))
 
 
