@@ -110,8 +110,7 @@ def front() -> Iterator[Front]:
         serves=tuple(FrontServe(name, p, str(tmp / f"{name}.sock")) for name, p in ports.items()),
         run_dir=str(run), listen="127.0.0.1",
         main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)), keys=True,
-        policies=tuple((name, p.server, p.location) for name, p in policies.items()),
-        body_routes=tuple((name, p.body_paths, p.read, p.send) for name, p in policies.items()))))
+        policies=tuple(policies.items()))))
     try:
         yield Front(tmp, run, port, ports, serves, tmp / "access.log")
     finally:
@@ -123,12 +122,14 @@ def front() -> Iterator[Front]:
 def campaign(seed: int) -> list[tuple[str, str]]:
     """STEPS (requester, kind) drawn from SEED: the greedy key most often; kinds: chat (one
     answer), stream (completions, no usage asked), asked (a chat stream that asks for its
-    usage), hold (a chat stream the serve holds open until a release), release."""
+    usage), embed (embeddings: a route whose body a fronted port reads only under priority
+    scheduling, `a`, and passes on unread on `b`), hold (a chat stream the serve holds open until a release), release."""
     rnd = random.Random(seed)
     steps = []
     for _ in range(STEPS):
         who = rnd.choices(["greedy", "polite", "local"], [6, 3, 1])[0]
-        kind = rnd.choices(["chat", "stream", "asked", "hold", "release"], [3, 3, 2, 3, 1])[0]
+        kind = rnd.choices(["chat", "stream", "asked", "embed", "hold", "release"],
+                           [3, 3, 2, 2, 3, 1])[0]
         steps.append(("", "release") if kind == "release" else (who, kind))
     return steps
 
@@ -138,6 +139,8 @@ def _body(model: str, kind: str) -> bytes:
         return (b'{"model": "%s", "stream": true, "prompt": "\\u00e9 \xf0\x9f\x98\x80",'
                 b' "seed": 123456789012345678901234567890}' % model.encode())
     chat = b'"messages": [{"role": "user", "content": "hi"}]'
+    if kind == "embed":
+        return b'{"model": "%s", "input": "hi"}' % model.encode()
     if kind == "chat":
         return b'{"model": "%s", %s, "priority": -50}' % (model.encode(), chat)
     if kind == "asked":
@@ -181,7 +184,8 @@ def _run_door(front: Front, serve: str, port: int, steps: list[tuple[str, str]])
             token = TOKENS[who]
             headers = {"Content-Type": "application/json",
                        **({"Authorization": f"Bearer {token}"} if token else {})}
-            route = "/v1/completions" if kind == "stream" else "/v1/chat/completions"
+            route = {"stream": "/v1/completions",
+                     "embed": "/v1/embeddings"}.get(kind, "/v1/chat/completions")
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("POST", route, body=_body(serve, kind), headers=headers)
             resp = conn.getresponse()  # a held stream: its header, once the serve has it
@@ -236,3 +240,18 @@ def test_a_campaign_gets_the_same_answers_and_usage_through_every_door(front: Fr
         assert through_port.answers == through_router.answers, (seed, serve)
         assert through_port.bodies == through_router.bodies, (seed, serve)
         assert sorted(through_port.usage) == sorted(through_router.usage), (seed, serve)
+
+
+def test_a_request_refused_by_max_concurrent_takes_none_of_its_keys_rate_on_any_door(
+        front: Front) -> None:
+    # two held streams: the greedy key at its max_concurrent; three requests refused by it,
+    # then as many as its rate lets through: RPM in all, whichever door and route (`b`'s
+    # fronted port passes embeddings on unread, from a location of their own)
+    steps = [("greedy", "hold")] * 2 + [("greedy", "embed")] * 3 + [("", "release")] + \
+        [("greedy", "chat")] * (RPM - 1)
+    for serve, port in front.ports.items():
+        for door in (front.router, port):
+            got = [(kind, status) for _w, kind, status, _b in _run_door(front, serve, door,
+                                                                         steps).answers]
+            assert got == ([("embed", 429)] * 3 + [("hold", 200)] * 2
+                           + [("chat", 200)] * (RPM - 2) + [("chat", 429)]), (serve, door, got)

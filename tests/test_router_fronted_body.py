@@ -129,8 +129,7 @@ def doors() -> Iterator[Doors]:
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(FrontServe("a", fport, str(sock)),), run_dir=str(run), listen="127.0.0.1",
         main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
-        keys=True, policies=(("a", policy.server, policy.location),),
-        body_routes=(("a", policy.body_paths, policy.read, policy.send),))))
+        keys=True, policies=(("a", policy),))))
     errors = (tmp / "nginx.log").open("wb")
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=errors)

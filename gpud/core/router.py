@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, SEND_LOCATION
+from gpud.core.front import PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, SEND_LOCATION, FrontPolicy
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
 from gpud.core.text import did_you_mean, printable
@@ -446,28 +446,6 @@ QUOTA_PAGE: Final = ("        location @router_quota {",
                      "        }")
 
 
-@dataclass(frozen=True)
-class FrontPolicy:
-    """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
-    cover every way in"): lines of its server (SERVER: before its locations) and of each of
-    its proxied locations (LOCATION), made from the same parts as the router's own (conn_lines,
-    limit_lines, METER, the access log), so that a key's limits are one limit (the same nginx
-    zones) and its usage one count (the same log, its rows under MODEL), whichever way its
-    requests come."""
-
-    server: tuple[str, ...]
-    location: tuple[str, ...]
-    # The routes whose body the router's script rewrites for this serve (PRIORITY_ROUTES under
-    # priority scheduling, STREAM_USAGE_ROUTES of a stream-usage serve; none when it has
-    # neither), each a location of its own on the fronted port that reads the body in memory
-    # (lines READ, then router.js `fronted`: the key's priority or the share's, the stream's
-    # usage asked, by the same functions as the router's route()), then sends it to the serve
-    # from gpud.core.front.SEND_LOCATION (lines SEND: the body as rewritten, the share's count, METER).
-    body_paths: tuple[str, ...] = ()
-    read: tuple[str, ...] = ()
-    send: tuple[str, ...] = ()
-
-
 def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
     meter and the access log, the key's priority and the stream's usage in the body), its
@@ -494,16 +472,17 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     paths: tuple[str, ...] = ()
     read: list[str] = []
     send: list[str] = []
+    # each proxied location: the counts before the body, then on to gpud.core.front
+    # PASS_LOCATION for the rates and the meter, after the counts as on the router (a
+    # request refused by max_concurrent takes none of its key's rate)
+    passing = (*rates, METER)
     if routed is not None and (routed.priority_scheduling or routed.stream_usage):
         paths = tuple(p for p in ROUTED_PATHS
                       if (routed.priority_scheduling and p in PRIORITY_ROUTES)
                       or (routed.stream_usage and p in STREAM_USAGE_ROUTES))
         # the counts before the body is read, then the whole body in memory, where the script
-        # reads it (as the router's server: max_body_mib); the rates where it goes on, as the
-        # router's: nginx runs a location's limit_req before its limit_conn (the phase's
-        # handlers in the reverse of the modules' order, ngx_http_init_phase_handlers), so in
-        # one location a request refused by max_concurrent would take one of the key's rate
-        # the router never takes for it
+        # reads it (as the router's server: max_body_mib); the rates where it goes on
+        # (gpud.core.front SEND_LOCATION), as the router's
         read = [*counted,
                 f"            client_max_body_size {router.max_body_mib}m;",
                 f"            client_body_buffer_size {router.max_body_mib}m;"]
@@ -511,7 +490,7 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
                           if routed.priority_scheduling else
                           [f"            proxy_set_body {PRIORITY_BODY};"]), METER]
-    return FrontPolicy(tuple(server), (*counted, *rates, METER), paths, tuple(read), tuple(send))
+    return FrontPolicy(tuple(server), tuple(counted), passing, paths, tuple(read), tuple(send))
 
 
 @dataclass(frozen=True)
