@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.config import parse_config
+from gpud.core.front import SEND_LOCATION, FrontConfig, FrontServe, render
 from gpud.core.router import (
     Answered,
     RoutedServe,
@@ -32,9 +33,10 @@ from gpud.core.router import (
     parse_keys,
     parse_log_line,
 )
-from gpud.nginx.router import script_text
+from gpud.nginx.front import front_config
+from gpud.nginx.router import router_front, script_text
 from tests.ports import connects, free_port
-from tests.test_router import NGINX, NJS
+from tests.test_router import NGINX, NJS, TOML
 from tests.test_router_priority_bytes import TRICKY
 from tests.test_router_stream_usage import WORDS, vllm_stream
 from tests.waiting import wait_until
@@ -209,3 +211,25 @@ def test_a_stream_that_did_not_ask_is_metered_the_same_through_the_fronted_port(
         line = _lines(doors)[-1]
         assert (line.key, line.model, line.prompt_tokens, line.completion_tokens) == (
             "plain", "a", 11, len(WORDS)), (door, line)
+
+
+def test_gpud_gives_a_fronted_vllm_serve_the_routers_body_routes() -> None:
+    text = TOML.replace('listen = "127.0.0.1:8000"\n',
+                        'listen = "127.0.0.1:8000"\napi_keys_file = "/etc/gpud/keys.toml"\n')
+    cfg = parse_config(text, "t")
+    keys, problems = parse_keys('[keys.k]\ntoken = "sk-k-0123456789abcdef"\nmodels = ["*"]\n',
+                                ["chat", "chat-fast", "ocr", "read", "tool"])
+    assert problems == []
+    router = router_front(cfg, tuple(keys))
+    assert router is not None
+    # vLLM serves have their streams' usage asked; a command serve is not known to read it
+    assert {s.name: s.stream_usage for s in router.serves} == {
+        "chat": True, "ocr": True, "tool": False}
+    conf = render(front_config(cfg, router))
+    chat = conf[conf.index("listen 127.0.0.1:30001;"):]
+    chat = chat[:chat.index("\n    }\n")]
+    # chat's own port reads the body of its priority routes through the router's script
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"):
+        assert f"        location = {path} {{" in chat, path
+    assert chat.count("js_content router.fronted;") == 4
+    assert f"location {SEND_LOCATION} {{" in chat and "proxy_set_body $router_fair_body;" in chat
