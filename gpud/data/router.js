@@ -1056,8 +1056,9 @@ function meterScan(r, data, last) {
 }
 
 function meter(r, data, flags) {
-    if (mAsked === null) {
-        mAsked = r.variables.router_usage_asked === '1';
+    if (mAsked === null && data.length > 0) {
+        // a single answer (JSON) is never one the router asked usage for: no variable read
+        mAsked = data[0] !== 0x7b && r.variables.router_usage_asked === '1';
     }
     if (mAsked) {
         meterAsked(r, data, flags);
