@@ -989,7 +989,7 @@ def fed() -> Iterator[Fed]:
     port = free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("a", ("a", "a-fast", "hasOwnProperty"), socket=str(sock),
-                                      ensure_timeout_s=60),),
+                                      ensure_timeout_s=60, stream_usage=True),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(gpud_sock), loading_feedback_s=1,
                          access_log=str(tmp / "router.log"), awake_dir=str(tmp / "awake"))

@@ -76,7 +76,7 @@ def doors() -> Iterator[Doors]:
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=(FrontServe("a", fport, str(sock)),), run_dir=str(run), listen="127.0.0.1",
         main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
-        keys=True, policies=(("a", policy.server, policy.location),))))
+        keys=True, policies=(("a", policy),))))
     serve = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
                               "--token-interval-s", "0.2", "--uds", str(sock),
                               "--served-model-name", "a"],
@@ -113,12 +113,14 @@ def _ask(port: int, token: str, doc: dict[str, object]) -> tuple[int, dict[str, 
 CHAT = {"model": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _logged(doors: Doors, n: int) -> list[Answered]:
+def _logged(doors: Doors, n: int, key: str) -> list[Answered]:
+    """KEY's lines of the access log, once there are N (nginx writes a request's line after
+    its answer is sent: the client can have the answer first)."""
     def lines() -> list[Answered]:
         text = doors.log.read_text() if doors.log.exists() else ""
         got = [parse_log_line(line, {"a": "a"}) for line in text.splitlines()]
-        return [a for a in got if a is not None]
-    wait_until(lambda: len(lines()) >= n, what=f"{n} lines in the access log")
+        return [a for a in got if a is not None and a.key == key]
+    wait_until(lambda: len(lines()) >= n, what=f"{n} lines of {key} in the access log")
     return lines()
 
 
@@ -146,7 +148,7 @@ def test_a_keys_requests_per_minute_is_one_limit_and_its_usage_one_count(doors: 
     refused = answers[3][1]["error"]
     assert refused["gpud"]["limit"] == "requests_per_minute", refused  # type: ignore[index]
     # usage: every request counted under its key and the model, with the serve's usage
-    got = [a for a in _logged(doors, 5) if a.key == "bob"]
+    got = _logged(doors, 5, "bob")
     assert [(a.model, a.status) for a in got] == [("a", s) for s, _ in answers]
     for a, (status, doc) in zip(got, answers, strict=True):
         if status == 200:

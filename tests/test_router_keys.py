@@ -438,6 +438,28 @@ def test_a_stream_that_waited_with_loading_feedback_is_metered(fed: Fed) -> None
         usage["prompt_tokens"], usage["completion_tokens"], False)
 
 
+def test_a_stream_that_waited_and_did_not_ask_is_metered_and_sent_without_usage(
+        fed: Fed) -> None:  # noqa: F811
+    """The same, for a stream whose client did not ask for usage: the router asked the serve
+    (a vLLM serve: stream_usage), meters the usage chunk in the include and takes it out."""
+    fed.gpud.delay_s = 1.5
+    fed.log.write_text("")
+    status, _h, lines = _stream(fed.port, {"model": "a", "prompt": "x y", "max_tokens": 3})
+    events = _events(lines)
+    assert status == 200 and events[0] == ": loading a", lines
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert len(chunks) == 3 and all(c["choices"] and "usage" not in c for c in chunks), events
+    assert events[-1] == "data: [DONE]", events
+
+    def logged() -> list[Answered]:
+        got = [parse_log_line(line, {"a": "a"}) for line in fed.log.read_text().splitlines()]
+        return [a for a in got if a is not None and a.model == "a"]
+    wait_until(lambda: len(logged()) == 1, what="the stream's line")
+    (line,) = logged()
+    assert (line.completion_tokens, line.hung_up) == (3, False), line
+    assert line.prompt_tokens is not None and line.prompt_tokens > 0, line
+
+
 def test_a_stream_the_client_hung_up_on_is_counted_as_such(metered: Rig) -> None:
     before = len(_logged(metered, 0))
     conn = http.client.HTTPConnection("127.0.0.1", metered.port, timeout=10)

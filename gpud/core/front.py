@@ -112,6 +112,30 @@ class FrontServe:
 
 
 @dataclass(frozen=True)
+class FrontPolicy:
+    """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
+    cover every way in"), made by gpud.core.router.front_policy from the same parts as the
+    router's own locations (conn_lines, limit_lines, METER, the access log, the script), so
+    that a key's limits are one limit (the same nginx zones), its usage one count (the same
+    log) and its priority one priority, whichever way its requests come.
+
+    SERVER: lines of its server, before its locations. LOCATION: lines of each proxied location
+    (the counts, before the body), which then goes on to PASS_LOCATION (lines PASSING: the rates,
+    the meter; none: the location proxies itself). BODY_PATHS: the routes whose body the
+    router's script rewrites for the serve, each a location of its own (lines READ, then the
+    script reads the body in memory: router.js `fronted`) that goes on to SEND_LOCATION (lines
+    SEND: the rates, the body as rewritten, the meter); only where the allow-list lets them
+    through."""
+
+    server: tuple[str, ...] = ()
+    location: tuple[str, ...] = ()
+    passing: tuple[str, ...] = ()
+    body_paths: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    send: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FrontConfig:
     """What the front's nginx.conf is made of. ``run_dir``: where nginx keeps its pid file and
     temporary files (written by the front's own user)."""
@@ -135,16 +159,16 @@ class FrontConfig:
     # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.router), so no
     # port is a way around them (docs/security.md).
     keys: bool = False
-    # The router's policy for each fronted port (gpud.core.router.front_policy): (serve, lines
-    # of its server, lines of each of its proxied locations): a key's limits, the usage meter
-    # and the access log, the same as the router's.
-    policies: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = ()
+    # The router's policy for each fronted port (gpud.core.router.front_policy): (serve, its
+    # FrontPolicy): a key's limits, the usage meter and the access log, the key's priority and
+    # a stream's usage in the body, the same as the router's.
+    policies: tuple[tuple[str, FrontPolicy], ...] = ()
 
-    def policy(self, serve: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        for name, server, location in self.policies:
+    def policy(self, serve: str) -> FrontPolicy:
+        for name, policy in self.policies:
             if name == serve:
-                return server, location
-        return (), ()
+                return policy
+        return FrontPolicy()
 
     def __post_init__(self) -> None:
         for path in self.paths:
@@ -180,21 +204,70 @@ GPUD_UPSTREAM: Final = "gpud_api"
 RETRY_AFTER_S: Final = 30
 
 
+# A fronted port's named location that sends on a body the router's script read and rewrote
+# (router.js `fronted`), and the one its other proxied locations go on to after the counts
+# (FrontPolicy.passing). nginx runs a location's limit_req before its limit_conn (the phase's
+# handlers in the reverse of the modules' order: src/http/ngx_http.c
+# ngx_http_init_phase_handlers, auto/modules), so the rates are in a location of their own,
+# after the counts, as on the router: a request refused by max_concurrent takes none of its
+# key's rate. `try_files` with no file that exists is nginx's way on to a named location after
+# the access phase (a `return` would come before the counts).
+SEND_LOCATION: Final = "@gpud_send"
+PASS_LOCATION: Final = "@gpud_pass"
+ENSURE_LINES: Final = (f"            auth_request {ENSURE_LOCATION};",
+                       "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
+                       "            auth_request_set $gpud_retry $upstream_http_retry_after;")
+
+
 def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
-               policy: Sequence[str] = ()) -> list[str]:
+               policy: FrontPolicy = FrontPolicy()) -> list[str]:
     lines = []
     for path in paths:
         # "^~" on a prefix: no regex location can take it over; "=" on an exact path.
         match = f"^~ {path}" if path.endswith("/") else f"= {path}"
         lines.append(f"        location {match} {{")
-        lines += policy
+        lines += policy.location
+        if policy.passing:
+            lines += [f"            try_files /.gpud-none {PASS_LOCATION};",
+                      "        }"]
+            continue
         if on_demand:
-            lines += [f"            auth_request {ENSURE_LOCATION};",
-                      "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
-                      "            auth_request_set $gpud_retry $upstream_http_retry_after;"]
+            lines += ENSURE_LINES
         lines += [f"            proxy_pass http://{upstream};",
                   "        }"]
+    if policy.passing and paths:
+        lines += [f"        location {PASS_LOCATION} {{",
+                  *policy.passing,
+                  *(ENSURE_LINES if on_demand else ()),
+                  f"            proxy_pass http://{upstream};",
+                  "        }"]
     return lines
+
+
+def _allowed(path: str, paths: Sequence[str]) -> bool:
+    """Whether the allow-list PATHS lets PATH through (an exact path, or under a prefix)."""
+    return any(path == p or (p.endswith("/") and path.startswith(p)) for p in paths)
+
+
+def _body_routes(cfg: FrontConfig, serve: FrontServe,
+                 upstream: str) -> tuple[list[str], frozenset[str]]:
+    """The locations of SERVE's routes whose body the router's script reads (its policy's
+    body_paths), and those routes (no other location of the port may name them exactly)."""
+    policy = cfg.policy(serve.name)
+    routes = [p for p in policy.body_paths if _allowed(p, cfg.paths)]
+    if not routes:
+        return [], frozenset()
+    lines = []
+    for path in routes:
+        lines += [f"        location = {path} {{", *policy.read,
+                  "            js_content router.fronted;",
+                  "        }"]
+    lines += [f"        location {SEND_LOCATION} {{",
+              *policy.send,
+              *(ENSURE_LINES if serve.ensure_timeout_s is not None else ()),
+              f"            proxy_pass http://{upstream};",
+              "        }"]
+    return lines, frozenset(routes)
 
 
 def _not_running(serve: str, why: str = "") -> str:
@@ -340,6 +413,7 @@ def render(cfg: FrontConfig) -> str:
                 "    }"]
     for serve in sorted(cfg.serves, key=lambda s: s.port):
         upstream = f"serve_{serve.name.replace('-', '_')}"
+        body_lines, body_paths = _body_routes(cfg, serve, upstream)
         out += [
             "",
             f"    # serve {serve.name}",
@@ -352,9 +426,10 @@ def render(cfg: FrontConfig) -> str:
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
             "        error_page 502 =503 @down;",
             *(_keyed(serve.name) if cfg.keys else []),
-            *cfg.policy(serve.name)[0],
-            *_locations(upstream, cfg.paths, serve.ensure_timeout_s is not None,
-                        cfg.policy(serve.name)[1]),
+            *cfg.policy(serve.name).server,
+            *body_lines,
+            *_locations(upstream, [p for p in cfg.paths if p not in body_paths],
+                        serve.ensure_timeout_s is not None, cfg.policy(serve.name)),
             *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
               if serve.ensure_timeout_s is not None else []),
             "        location / {",

@@ -22,7 +22,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.front import KEEPALIVE, PATH_RE, READ_TIMEOUT_S, REQUESTER_ADDR, RETRY_AFTER_S
+from gpud.core.front import (
+    KEEPALIVE,
+    PATH_RE,
+    READ_TIMEOUT_S,
+    REQUESTER_ADDR,
+    RETRY_AFTER_S,
+    SEND_LOCATION,
+    FrontPolicy,
+)
 from gpud.core.peers import PeerModel, merge
 from gpud.core.queue import Histogram
 from gpud.core.quota import Over
@@ -112,6 +120,12 @@ PEER_FIELDS: Final = (("peer", "$router_peer"),)
 # entrypoints/pooling/base/protocol.py): the router sets it to the key's priority there.
 PRIORITY_ROUTES: Final = ("/v1/chat/completions", "/v1/completions", "/v1/responses",
                           "/v1/embeddings")
+# The routes whose stream carries its usage in a last chunk of its own only when the body asks
+# (`stream_options.include_usage`; vllm 0.32 entrypoints/serve/utils/api_utils.py
+# should_include_usage, and the stream generators of entrypoints/openai/chat_completion/
+# serving.py and completion/serving.py): on a stream-usage serve the router asks for it
+# (router.js askUsage) and the client is sent the stream it would have had.
+STREAM_USAGE_ROUTES: Final = ("/v1/chat/completions", "/v1/completions")
 # The requester of an ensure that names none (root's own call, an older front).
 ANONYMOUS: Final = "anonymous"
 # What a peer key's request may forward as its requester (X-Gpud-Requester; docs/peers.md,
@@ -458,24 +472,13 @@ QUOTA_PAGE: Final = ("        location @router_quota {",
                      "        }")
 
 
-@dataclass(frozen=True)
-class FrontPolicy:
-    """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
-    cover every way in"): lines of its server (SERVER: before its locations) and of each of
-    its proxied locations (LOCATION), made from the same parts as the router's own (conn_lines,
-    limit_lines, METER, the access log), so that a key's limits are one limit (the same nginx
-    zones) and its usage one count (the same log, its rows under MODEL), whichever way its
-    requests come."""
-
-    server: tuple[str, ...]
-    location: tuple[str, ...]
-
-
 def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
-    meter and the access log), its usage counted under the serve's first model name."""
+    meter and the access log, the key's priority and the stream's usage in the body), its
+    usage counted under the serve's first model name."""
     keys = router.keys or ()
-    models = next((s.models for s in router.serves if s.name == serve), ())
+    routed = next((s for s in router.serves if s.name == serve), None)
+    models = routed.models if routed is not None else ()
     counted = conn_lines(keys, router.large_bodies_per_requester)
     rates = limit_lines(keys, status=FRONT_RATE_STATUS)
     server = []
@@ -492,7 +495,28 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     if any(k.tokens_per_day is not None or k.tokens_per_month is not None for k in keys):
         server += [*(f"        {line}" for line in QUOTA_CHECK),
                    f"        error_page {QUOTA_STATUS} = @router_quota;", *QUOTA_PAGE]
-    return FrontPolicy(tuple(server), (*counted, *rates, METER))
+    paths: tuple[str, ...] = ()
+    read: list[str] = []
+    send: list[str] = []
+    # each proxied location: the counts before the body, then on to gpud.core.front
+    # PASS_LOCATION for the rates and the meter, after the counts as on the router (a
+    # request refused by max_concurrent takes none of its key's rate)
+    passing = (*rates, METER)
+    if routed is not None and (routed.priority_scheduling or routed.stream_usage):
+        paths = tuple(p for p in ROUTED_PATHS
+                      if (routed.priority_scheduling and p in PRIORITY_ROUTES)
+                      or (routed.stream_usage and p in STREAM_USAGE_ROUTES))
+        # the counts before the body is read, then the whole body in memory, where the script
+        # reads it (as the router's server: max_body_mib); the rates where it goes on
+        # (gpud.core.front SEND_LOCATION), as the router's
+        read = [*counted,
+                f"            client_max_body_size {router.max_body_mib}m;",
+                f"            client_body_buffer_size {router.max_body_mib}m;"]
+        # the body as the script rewrote it, each requester's share first (as the router's)
+        send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
+                          if routed.priority_scheduling else
+                          [f"            proxy_set_body {PRIORITY_BODY};"]), METER]
+    return FrontPolicy(tuple(server), tuple(counted), passing, paths, tuple(read), tuple(send))
 
 
 @dataclass(frozen=True)
@@ -509,6 +533,10 @@ class RoutedServe:
     # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
     # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
     priority_scheduling: bool = False
+    # a vLLM serve (it reads stream_options.include_usage): on a streamed chat or completions
+    # request whose client did not ask for usage, the router asks for it, and takes the chunk
+    # that carries it out of the stream (STREAM_USAGE_ROUTES; router.js askUsage)
+    stream_usage: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.port is None):
@@ -823,10 +851,13 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                      limits: Sequence[str] = ()) -> list[str]:
     # a serve under priority scheduling gets the body the script rewrote with the key's
     # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
-    body = [f"            proxy_set_body {PRIORITY_BODY};"] if serve.priority_scheduling else []
+    # (a stream-usage serve's too: the body the script may have asked for usage in, or the
+    # request's own)
+    body = ([f"            proxy_set_body {PRIORITY_BODY};"]
+            if serve.priority_scheduling or serve.stream_usage else [])
     # where the router sends it, each requester's share first (FAIR_BODY)
     fair = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
-            if serve.priority_scheduling else [])
+            if serve.priority_scheduling else body)
     lines = [f"        location {serve.location} {{", *limits, *fair]
     if serve.ensure_timeout_s is not None:
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
@@ -896,7 +927,7 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   "            proxy_method POST;",
                   *body,
                   f"            proxy_pass http://{serve.upstream};",
-                  "            js_body_filter router.streamed;",
+                  "            js_body_filter router.streamed buffer_type=buffer;",
                   "            error_page 502 504 = @router_stream_down;",
                   "        }"]
     return lines
@@ -982,6 +1013,9 @@ def http_lines(router: RouterFront) -> list[str]:
            "    js_var $router_completion_tokens;",
            # the peer a request was forwarded to (docs/peers.md), "" none
            "    js_var $router_peer;",
+           # "1": the script asked the serve for a stream's usage (router.js askUsage), which
+           # the meter takes out of the stream
+           "    js_var $router_usage_asked;",
            # the error pages' documents (router.js: the one place of their shape)
            "    js_set $router_unauthorized router.unauthorizedText;",
            # the name of the request's key, "" none (router.js keyName: one SHA-256 a request,
@@ -1003,7 +1037,7 @@ def http_lines(router: RouterFront) -> list[str]:
                                                              *PEER_FIELDS))
         out += [f"    log_format {LOG_FORMAT} escape=json '{{{fields}}}';"]
     out += limit_zones(router.keys or (), router.large_bodies_per_requester)
-    if any(s.priority_scheduling for s in router.serves):
+    if any(s.priority_scheduling or s.stream_usage for s in router.serves):
         out += PRIORITY_MAP
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
@@ -1162,7 +1196,8 @@ def render_script(router: RouterFront, code: str) -> str:
     by_name = {s.name: s for s in router.serves}
     table = {name: {"serve": serve, "location": by_name[serve].location,
                     "ensure": by_name[serve].ensure_timeout_s is not None,
-                    **({"priority": True} if by_name[serve].priority_scheduling else {})}
+                    **({"priority": True} if by_name[serve].priority_scheduling else {}),
+                    **({"stream_usage": True} if by_name[serve].stream_usage else {})}
              for name, serve in sorted(router.table.items())}
     keys = None if router.keys is None else {
         k.sha256: {"name": k.name, "models": list(k.models), "priority": k.priority,
@@ -1192,7 +1227,8 @@ def render_script(router: RouterFront, code: str) -> str:
                       for p in sorted(router.peers, key=lambda p: p.name)},
             # what a peer key may forward as its requester (router.js whoOf)
             **({"forwarded_requester": FORWARDED_REQUESTER_RE.pattern}
-               if any(k.peer for k in router.keys or ()) else {})}
+               if any(k.peer for k in router.keys or ()) else {}),
+            "stream_usage_routes": list(STREAM_USAGE_ROUTES), "front_send": SEND_LOCATION}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
 

@@ -226,6 +226,8 @@ function topLevel(body) {
                 found.stream = body.slice(v, i).toString() === 'true';
             } else if (key === 'priority') {
                 found.priority.push([v, i]);
+            } else if (key === 'stream_options') {
+                found.streamOptions = true;
             }
             ws();
             if (body[i] === 0x2c) {
@@ -523,23 +525,10 @@ function route(r) {
     // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
     r.variables.router_key = who.usage;
     r.variables.router_requester = who.requester;
-    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0) {
-        // the top-level "priority" members of the body (a parsed one is walked only when it
-        // has one)
-        if (top === undefined) {
-            top = has(doc, 'priority') ? topLevel(body) : {priority: []};
-            if (top.error) {
-                fail(r, top.error[0], top.error[1], top.error[2]);
-                return;
-            }
-        }
-        if (top.priority.length > 1) {
-            fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
-                 ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
-                 '), send it once or not at all', 'invalid_priority', 'priority');
-            return;
-        }
-        prioritize(r, body, top.priority, key);
+    askUsage(r, body, doc, top, entry, stream);
+    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        !keyPriority(r, body, doc, top, key)) {
+        return;
     }
     if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
         // through the key's limits first (@router_loading), then loading(): loadingStream
@@ -1260,9 +1249,111 @@ function meterScan(r, data, last) {
 }
 
 function meter(r, data, flags) {
+    if (mAsked === null && data.length > 0) {
+        // a single answer (JSON) is never one the router asked usage for: no variable read
+        mAsked = data[0] !== 0x7b && r.variables.router_usage_asked === '1';
+    }
+    if (mAsked) {
+        meterAsked(r, abortEvent(r, data), flags);
+        return;
+    }
     r.sendBuffer(abortEvent(r, data), flags);
     if (data.length > 0 || flags.last) {
         meterScan(r, data, flags.last);
+    }
+}
+
+// A stream whose usage the router asked for (askUsage): passed on event by event (a buffer's
+// last, unended event waits for its end), the chunk vLLM then adds (`"choices":[]` and the
+// `usage`, after the last chunk with a finish_reason, before [DONE]) metered and taken out,
+// so that the client is sent the stream it would have had. vLLM 0.32 also moves its
+// `system_fingerprint` then: without include_usage it is the last member of each chunk with a
+// finish_reason, with it only on the usage chunk (chat_completion/serving.py
+// chat_completion_stream_generator, completion/serving.py completion_stream_generator: the
+// chunks' model_dump_json(exclude_unset=True), and nothing else about them changes, `usage`
+// unset on them as long as continuous_usage_stats is not asked). So a chunk with a
+// finish_reason is held from there until the usage chunk (vLLM sends it next) and given its
+// fingerprint back, taken byte for byte from the usage chunk; at [DONE] or the answer's end
+// whatever is held goes as it is. Bounded: past USAGE_HELD_MAX held, passed on as it is.
+var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
+var FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
+function meterAsked(r, data, flags) {
+    if (mNames === null && data.length > 0) {
+        meterBegin(r, data);
+    }
+    if (mNames === null || !mStream) {
+        // nothing yet, or not a stream (an error's document): as any answer
+        r.sendBuffer(data, flags);
+        if (data.length > 0 || flags.last) {
+            meterScan(r, data, flags.last);
+        }
+        return;
+    }
+    var buf = aPend === null ? data : Buffer.concat([aPend, data]);
+    var cut = buf.lastIndexOf('\n\n'), out = [], at, end;
+    if (cut < 0) {
+        aPend = buf;
+    } else {
+        aPend = cut + 2 < buf.length ? buf.slice(cut + 2) : null;
+        for (at = 0; at < cut + 2; at = end) {
+            end = buf.indexOf('\n\n', at) + 2;
+            unasked(r, buf.slice(at, end), out);
+        }
+    }
+    if (flags.last || aHeldSize + (aPend === null ? 0 : aPend.length) > USAGE_HELD_MAX) {
+        out = out.concat(aHeld);
+        if (aPend !== null) {
+            out.push(aPend);
+        }
+        aHeld = [];
+        aHeldSize = 0;
+        aPend = null;
+    }
+    r.sendBuffer(out.length === 0 ? '' : out.length === 1 ? out[0] : Buffer.concat(out), flags);
+}
+
+// One whole event of an asked stream (EVENT, its blank line included) into OUT, or held.
+function unasked(r, event, out) {
+    if (event.indexOf('"usage"') >= 0) {
+        var text = event.toString(), doc = eventData(text);
+        if (doc !== null && Array.isArray(doc.choices) && doc.choices.length === 0) {
+            meterTake(r, doc.usage);
+            var fp = text.match(FINGERPRINT);
+            aHeld.forEach(function (held) {
+                var close = held.lastIndexOf('}');
+                out.push(fp !== null && held.indexOf('"finish_reason":"') >= 0 && close > 0 ?
+                         Buffer.concat([held.slice(0, close), Buffer.from(fp[0]),
+                                        held.slice(close)]) : held);
+            });
+            aHeld = [];
+            aHeldSize = 0;
+            return;
+        }
+    }
+    if (event.indexOf('data: [DONE]') === 0) {
+        out.push.apply(out, aHeld);
+        aHeld = [];
+        aHeldSize = 0;
+    } else if (aHeld.length > 0 || event.indexOf('"finish_reason":"') >= 0) {
+        aHeld.push(event);
+        aHeldSize += event.length;
+        return;
+    }
+    out.push(event);
+}
+
+// An event's data (its `data:` lines) parsed: null when it is not a JSON object.
+function eventData(event) {
+    var data = event.split('\n').filter(function (line) {
+        return line.indexOf('data:') === 0;
+    }).map(function (line) {
+        return line.slice(line[5] === ' ' ? 6 : 5);
+    }).join('\n');
+    try {
+        var doc = JSON.parse(data);
+        return doc !== null && typeof doc === 'object' ? doc : null;
+    } catch (e) {
+        return null;
     }
 }
 
@@ -1342,6 +1433,10 @@ function abortEvent(r, data) {
 var held = '', told = false;
 function streamed(r, data, flags) {
     if (r.status < 400 || told) {
+        if (!told && r.variables.router_usage_asked === '1') {
+            meterAsked(r, abortEvent(r, data), flags);
+            return;
+        }
         r.sendBuffer(told ? '' : abortEvent(r, data), flags);
         if (!told && data.length > 0) {
             meterScan(r, data, flags.last);
@@ -1391,20 +1486,123 @@ function streamDown(r) {
 // key's ($router_prio), or one step behind ($router_prio_over) when the requester already has
 // its share of requests in flight on the serve (gpud.core.router FAIR_BODY). SPANS: the
 // [start, end) of the body's top-level "priority" value, none or one.
+// (A stream whose usage the router asks for has askUsage's member put in after the brace too.)
 function prioritize(r, body, spans, key) {
     var base = key.priority !== undefined ? key.priority : 0;
+    var brace = body.indexOf('{'), ask = Buffer.from(asking ? ASK_USAGE : '');
     if (spans.length === 0) {
-        var brace = body.indexOf('{');
-        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1),
+        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1), ask,
                                                       Buffer.from('"priority":')]);
         r.variables.router_body_tail = Buffer.concat([Buffer.from(','),
                                                       body.slice(brace + 1)]);
     } else {
-        r.variables.router_body_head = body.slice(0, spans[0][0]);
+        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1), ask,
+                                                      body.slice(brace + 1, spans[0][0])]);
         r.variables.router_body_tail = body.slice(spans[0][1]);
     }
     r.variables.router_prio = String(base);
     r.variables.router_prio_over = String(base + 1);
+}
+
+// Usage for a stream that did not ask (docs/router.md, "Who is asking"): vLLM sends a chat or
+// completions stream's usage only when the body asks (vllm 0.32 entrypoints/serve/utils/
+// api_utils.py should_include_usage: `stream_options.include_usage`, or the server's
+// --enable-force-include-usage, which puts usage in every chunk as continuous_usage_stats does).
+// So on a streamed request to a stream-usage serve (CONFIG.models[...].stream_usage) on those
+// routes (CONFIG.stream_usage_routes) whose body has no top-level "stream_options", the router
+// puts ASK_USAGE in after the body's opening brace, every other byte as sent (the body is sent
+// as head + priority + tail, gpud.core.router PRIORITY_MAP: without a priority, an empty
+// one), and the meter takes the chunk the client did not ask for out of the stream
+// (meterAsked). A body with its own "stream_options" goes as sent: its usage is there when it
+// asked for it, else the request is counted unmetered.
+var ASK_USAGE = '"stream_options":{"include_usage":true},';
+var asking = false;
+function askUsage(r, body, doc, top, entry, stream) {
+    if (!stream || !entry.stream_usage || CONFIG.stream_usage_routes.indexOf(r.uri) < 0 ||
+        (doc !== undefined ? has(doc, 'stream_options') : top.streamOptions)) {
+        return;
+    }
+    asking = true;
+    r.variables.router_usage_asked = '1';
+    if (!entry.priority) {
+        var brace = body.indexOf('{');
+        r.variables.router_body_head = Buffer.concat([body.slice(0, brace + 1),
+                                                      Buffer.from(ASK_USAGE)]);
+        r.variables.router_body_tail = body.slice(brace + 1);
+    }
+}
+
+// The key's priority (or the share's) in the body of a request to a serve under priority
+// scheduling, on the router (route) and on a fronted port (fronted): the body's top-level
+// "priority" members (a parsed one, DOC, is walked only when it has one; TOP: the walk's
+// answer when walked), given once at most; false once answered (a 400).
+function keyPriority(r, body, doc, top, key) {
+    if (top === undefined) {
+        top = has(doc, 'priority') ? topLevel(body) : {priority: []};
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return false;
+        }
+    }
+    if (top.priority.length > 1) {
+        fail(r, 400, 'the request body gives "priority" ' + top.priority.length +
+             ' times: the router sets it (' + (key.name ? "the key's" : "the share's") +
+             '), send it once or not at all', 'invalid_priority', 'priority');
+        return false;
+    }
+    prioritize(r, body, top.priority, key);
+    return true;
+}
+
+// A request on a serve's own fronted port, on a route whose body the router rewrites
+// (gpud.core.front body_routes: a location that reads the whole body in memory, after the
+// key's check, its counts and rates): the same body as through the router, by the same
+// functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
+// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve; the
+// model is the serve's to check (vLLM answers a name it does not serve 404).
+function fronted(r) {
+    var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
+    Object.keys(CONFIG.models).forEach(function (name) {
+        if (CONFIG.models[name].serve === serve) {
+            entry = CONFIG.models[name];
+        }
+    });
+    var key = CONFIG.keys === null ? {name: null, models: ['*']} : lookUp(r);
+    if (key === undefined) {
+        unauthorized(r);
+        return;
+    }
+    if (entry !== null && r.method === 'POST' && body !== undefined && body.length > 0) {
+        if (body.length >= SCAN_FROM) {
+            top = topLevel(body);
+            if (top.error) {
+                fail(r, top.error[0], top.error[1], top.error[2]);
+                return;
+            }
+            stream = top.stream;
+        } else {
+            try {
+                doc = JSON.parse(body.toString());
+            } catch (e) {
+                fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+                return;
+            }
+            if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
+                fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
+                return;
+            }
+            stream = doc.stream === true;
+        }
+        r.variables.router_serve = serve;
+        r.variables.router_key = key.name || '';
+        r.variables.router_requester = requesterOf(r, key);
+        askUsage(r, body, doc, top, entry, stream);
+        if (entry.priority && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+            !keyPriority(r, body, doc, top, key)) {
+            return;
+        }
+    }
+    r.internalRedirect(CONFIG.front_send);
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).
@@ -1462,7 +1660,7 @@ function limited(r) {
     r.return(answer.status, JSON.stringify(answer.doc));
 }
 
-export default {route, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
+export default {route, fronted, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown, peerDown, peerStreamed,
                 error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
                 error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),

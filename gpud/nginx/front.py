@@ -115,10 +115,9 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
         http_extra=tuple(router_http_lines(router)) if router else (),
         keys=router is not None and router.keys is not None,
         # with keys, each fronted port takes the router's policy (its limits, usage)
-        policies=tuple((name, policy.server, policy.location)
+        policies=tuple((name, front_policy(router, name))
                        for name in sorted(fronted(cfg)) if name not in leave_out
-                       and router is not None and router.keys is not None
-                       for policy in [front_policy(router, name)]))
+                       and router is not None and router.keys is not None))
 
 
 def front_workers() -> int:

@@ -197,6 +197,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
         s = cfg.serves[name]
         serves.append(RoutedServe(
             name, names, priority_scheduling=priority_scheduling(s),
+            stream_usage=s.vllm is not None,
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
             ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None))
