@@ -23,7 +23,10 @@ connection), then at --clients clients (32) the requests answered per second and
 tokens per second (completions of 200 tokens sent without pause). Reported: the median over
 rounds of each, and A->B's difference (latency) or ratio (throughput) to B's. Then, at one
 client and at --clients clients: the time to the 503 for `gone` (peer d's circuit open: no
-connection tried) and, for reference, to A's own 404 for a model nobody offers. A real host
+connection tried) and, for reference, to A's own 404 for a model nobody offers. Beside the
+32 clients' requests: each nginx's CPU per request (its master and workers), what the hop costs
+in CPU where A and B are two machines; here both share this host's CPUs with the clients and
+the stand-in, so at 32 clients A's share is taken from B's throughput. A real host
 pair adds the network between them (a tailnet's round trip), which loopback does not have.
 Not a test: nothing is asserted.
 """
@@ -46,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, standin
+from bench.front import NGINX, free_port, standin, tree_cpu
 from gpud.core.front import MAX_WORKERS, FrontConfig, render
 from gpud.core.router import (
     ApiKey,
@@ -191,6 +194,7 @@ def main() -> int:
                                       open_reason="cannot connect: refused",
                                       open_since=time.time())))
     procs: list[subprocess.Popen[bytes]] = [standin("--uds", str(sock))]
+    nginx: dict[str, int] = {}
     try:
         for name, router in (("a", a), ("b", b)):
             Path(router.script).write_text(script_text(router))
@@ -198,6 +202,7 @@ def main() -> int:
             procs.append(subprocess.Popen([str(NGINX), "-c", str(run / "nginx.conf"),
                                            "-p", f"{run}/"], stdout=subprocess.DEVNULL,
                                           stderr=(tmp / f"{name}-nginx.log").open("wb")))
+            nginx[name] = procs[-1].pid
         while not sock.exists():
             time.sleep(0.01)
         sock.chmod(0o777)
@@ -223,8 +228,12 @@ def main() -> int:
                 lat, _, _ = clients(port, token, 1, args.requests, BODY)
                 keep("p50_ms", side, 1000 * statistics.median(lat))
                 keep("p99_ms", side, 1000 * pct(lat, 0.99))
+                cpu0 = {name: tree_cpu(pid) for name, pid in nginx.items()}
                 lat, _, wall = clients(port, token, n, max(5, 2 * args.requests // n), BODY)
                 keep("requests_per_s", side, len(lat) / wall)
+                for name, pid in nginx.items():
+                    keep(f"nginx_{name}_cpu_us", side, 1e6 * (tree_cpu(pid) - cpu0[name])
+                         / len(lat))
                 _, events, wall = clients(port, token, n, 2, STREAM, stream=True)
                 keep("tokens_per_s", side, events / wall)
             print(f"round {i + 1}: " + "; ".join(
@@ -233,10 +242,11 @@ def main() -> int:
 
         print(f"\n{'figure':<16} {'clients':>7} {'b direct':>10} {'a->b':>10} {'a->b vs b':>12}")
         for figure, count in (("p50_ms", 1), ("p99_ms", 1), ("requests_per_s", n),
-                              ("tokens_per_s", n)):
+                              ("tokens_per_s", n), ("nginx_a_cpu_us", n),
+                              ("nginx_b_cpu_us", n)):
             direct, hop = (statistics.median(got[(figure, side)]) for side in ("b", "a->b"))
             vs = (f"{hop / direct:.3f}x" if figure.endswith("_per_s")
-                  else f"{hop - direct:+.3f} ms")
+                  else f"{hop - direct:+.3f} {figure.rpartition('_')[2]}")
             print(f"{figure:<16} {count:>7} {direct:>10.3f} {hop:>10.3f} {vs:>12}")
 
         print("\nanswered at A without forwarding (its own answer, no connection tried):")
