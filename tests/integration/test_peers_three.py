@@ -7,7 +7,8 @@ keys (alice, bob):
 - a memory denial on b (its gpud's typed 503) reaches the client as it came and leaves a's
   circuit of b closed;
 - an on-demand model on b is started by requests at a that wait in b's queue named by the keys
-  a forwarded (a/alice's forged X-Gpud-Requester ignored), both answered;
+  a forwarded, in its fair order between them (alice's forged X-Gpud-Requester ignored), all
+  answered;
 - b's gpud and router stopped: a lists b's models unreachable, answers a request for them at
   once (503, Retry-After), c's circuit stays closed, and b's closes once b is back.
 
@@ -219,19 +220,29 @@ def test_an_on_demand_model_on_b_started_from_a_queues_fairly_by_as_keys(
     try:
         wait_until(lambda: b.gpud.serve("hog")["in_flight"] == 1, timeout=WITHIN_S,
                    what="a stream of a's in flight on b's hog")
-        # alice forges a requester; a's router sends its own (alice's key name)
-        waiting = [a.sandbox.popen(curl(a, key, "od", headers=headers), stdout=subprocess.PIPE,
+        # alice asks three times, forging a requester each time (a's router sends its own:
+        # her key's name); then bob once
+        def ask(key: str, *headers: str) -> subprocess.Popen[str]:
+            return a.sandbox.popen(curl(a, key, "od", headers=headers), stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL)
-                   for key, headers in ((ALICE, ("X-Gpud-Requester: mallory",)), (BOB, ()))]
-        wait_until(lambda: b.gpud.serve("od")["queued"] == 2, timeout=WITHIN_S,
-                   what="two of a's requests waiting for od on b")
+
+        waiting = [ask(ALICE, "X-Gpud-Requester: mallory") for _ in range(3)]
+        wait_until(lambda: b.gpud.serve("od")["queued"] == 3, timeout=WITHIN_S,
+                   what="alice's three requests waiting for od on b")
+        waiting.append(ask(BOB))
+        wait_until(lambda: b.gpud.serve("od")["queued"] == 4, timeout=WITHIN_S,
+                   what="bob's request waiting for od on b too")
+        # b's queue tells a's two keys apart and is fair between them: bob, come last, goes
+        # second (after alice's first, before her other two), where one requester "front-a"
+        # would have had him fourth
         queue = b.gpud.serve("od")["queue"]
-        assert sorted(p["requester"] for p in queue) == ["front-a/alice", "front-a/bob"], queue
-        shown = b.gpuctl("serves").stdout   # gpuctl says as much
-        assert "front-a/alice" in b.gpuctl("--json", "serves").stdout, shown
+        assert queue == [{"requester": "front-a/alice", "waiting": 3, "position": 1},
+                         {"requester": "front-a/bob", "waiting": 1, "position": 2}], queue
+        assert queue == next(s for s in b.gpuctl_json("serves")["serves"]
+                             if s["name"] == "od")["queue"]
     finally:
         a.sandbox.kill(holder)
-    # hog stopped by b's operator: od is started for the two waiting, and both are answered
+    # hog stopped by b's operator: od is started for the four waiting, and all are answered
     assert b.gpud.call("POST", "/v1/serves/hog/stop", {}).status == 200
     try:
         outs = [proc.communicate(timeout=120)[0] for proc in waiting]
@@ -247,10 +258,11 @@ def test_an_on_demand_model_on_b_started_from_a_queues_fairly_by_as_keys(
     def rows() -> dict[tuple[str, str], Any]:
         return {(r["key"], r["model"]): r for r in b.gpuctl_json("usage")["rows"]}
 
-    wait_until(lambda: {("front-a/alice", "od"), ("front-a/bob", "od")} <= set(rows()),
-               timeout=WITHIN_S, what="b's usage counting a's two keys")
+    wait_until(lambda: (r := rows()).get(("front-a/alice", "od"), {}).get("statuses") == {"200": 3}
+               and ("front-a/bob", "od") in r, timeout=WITHIN_S,
+               what="b's usage counting a's two keys")
     got = rows()
-    assert got[("front-a/alice", "od")]["statuses"] == {"200": 1}, got
+    assert got[("front-a/alice", "od")]["statuses"] == {"200": 3}, got
     assert got[("front-a/bob", "od")]["statuses"] == {"200": 1}, got
     # nobody counted under the forged name
     assert not {k for k, _ in got if "mallory" in k}, got
@@ -270,14 +282,14 @@ def test_b_stopped_is_unreachable_at_a_at_once_and_back_when_b_is(
     # so), a request still goes to b and meets no connection: a 502 of a's own, at once too
     status, headers, doc, took = answer(a.sandbox.run(curl(a, ALICE, "sleepy")).stdout)
     assert status in (502, 503) and doc["error"]["code"] == "peer_unreachable", doc
-    assert headers["retry-after"] == "5" and took < 0.5, (headers, took)
+    assert headers["retry-after"] == "5" and took < 1, (headers, took)
     status, headers, doc, took = wait_until(lambda: (r := answer(a.sandbox.run(
         curl(a, ALICE, "sleepy")).stdout))[0] == 503 and r, timeout=WITHIN_S,
         what="a answering 503 for b's model")
     assert doc["error"]["code"] == "peer_unreachable", doc
     assert headers["retry-after"] == "5", headers
     assert "host b (unreachable: " in doc["error"]["message"], doc
-    assert took < 0.5, took   # curl's own time: no connection tried, no wait
+    assert took < 1, took   # curl's own time: no connection tried, no wait (ms: printed)
     got = peers_of(a)
     assert (got["b"]["circuit"], got["b"]["reachable"]) == ("open", False), got["b"]
     assert (got["c"]["circuit"], got["c"]["reachable"]) == ("closed", True), got["c"]
