@@ -3,6 +3,7 @@ model that lives on host B, against the same request sent to B's router directly
 one run; and what a request for a dead peer's model costs once A's circuit of it is open.
 
     .venv/bin/python bench/peers.py [--rounds N] [--requests N] [--clients N] [--workers N]
+                                    [--pin]
 
 Two routers on loopback, each its own nginx with the config gpud generates
 (gpud.core.front.render, gpud.core.router.http_lines and the script of gpud.nginx.router) and as
@@ -26,7 +27,9 @@ client and at --clients clients: the time to the 503 for `gone` (peer d's circui
 connection tried) and, for reference, to A's own 404 for a model nobody offers. Beside the
 32 clients' requests: each nginx's CPU per request (its master and workers), what the hop costs
 in CPU where A and B are two machines; here both share this host's CPUs with the clients and
-the stand-in, so at 32 clients A's share is taken from B's throughput. A real host
+the stand-in, so at 32 clients A's share is taken from B's throughput. With --pin, A's nginx and
+the clients run on one CPU, B's nginx and the stand-in on another: each host its own CPU, as two
+machines (on a host of two CPUs, still shared with whatever else runs there). A real host
 pair adds the network between them (a tailnet's round trip), which loopback does not have.
 Not a test: nothing is asserted.
 """
@@ -167,6 +170,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--requests", type=int, default=400, help="at one client, per side and round")
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--pin", action="store_true",
+                   help="A's nginx and the clients on the first usable CPU, B's nginx and the "
+                        "stand-in on the second: each host its own CPU, as two machines")
     p.add_argument("--workers", type=int, default=front_workers(),
                    choices=range(1, MAX_WORKERS + 1), metavar="N",
                    help="each nginx's workers (default: what gpud gives the front on this "
@@ -193,13 +199,21 @@ def main() -> int:
                            RoutedPeer("d", "http", "127.0.0.1", nobody, PEER_KEY, ("gone",),
                                       open_reason="cannot connect: refused",
                                       open_since=time.time())))
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        raise SystemExit("--pin: fewer than two usable CPUs")
+    on = ({"a": cpus[0], "b": cpus[1]} if args.pin else {})
     procs: list[subprocess.Popen[bytes]] = [standin("--uds", str(sock))]
+    if args.pin:
+        os.sched_setaffinity(procs[0].pid, {on["b"]})
+        os.sched_setaffinity(0, {on["a"]})
     nginx: dict[str, int] = {}
     try:
         for name, router in (("a", a), ("b", b)):
             Path(router.script).write_text(script_text(router))
             run = nginx_conf(tmp, name, router, args.workers)
-            procs.append(subprocess.Popen([str(NGINX), "-c", str(run / "nginx.conf"),
+            pin = ["taskset", "-c", str(on[name])] if args.pin else []
+            procs.append(subprocess.Popen([*pin, str(NGINX), "-c", str(run / "nginx.conf"),
                                            "-p", f"{run}/"], stdout=subprocess.DEVNULL,
                                           stderr=(tmp / f"{name}-nginx.log").open("wb")))
             nginx[name] = procs[-1].pid
@@ -213,8 +227,9 @@ def main() -> int:
             clients(port, token, 2, 20, BODY)
         sides = {"a->b": (a_port, ALICE), "b": (b_port, CAROL)}
         n = args.clients
-        print(f"nginx: {args.workers} worker(s) each; {args.rounds} rounds; {n} clients",
-              flush=True)
+        print(f"nginx: {args.workers} worker(s) each; {args.rounds} rounds; {n} clients"
+              + (f"; A and the clients on CPU {on['a']}, B and the stand-in on CPU {on['b']}"
+                 if args.pin else ""), flush=True)
         got: dict[tuple[str, str], list[float]] = {}
 
         def keep(figure: str, side: str, value: float) -> None:
