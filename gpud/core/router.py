@@ -530,6 +530,10 @@ class RoutedServe:
     socket: str | None = None
     port: int | None = None
     ensure_timeout_s: int | None = None
+    # a serve gpud does not bring up for a request (always on: its operator's or the boot's to
+    # start): gpud is asked only when it does not answer (nginx's 502: starting, stopped,
+    # restarting after a crash), waiting at most wait_timeout_s for a start under way
+    wait_timeout_s: int | None = None
     # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
     # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
     priority_scheduling: bool = False
@@ -847,6 +851,23 @@ FAIR_LINES: Final = (f"            limit_conn {FAIR_ZONE} {FAIR_SHARE};",
 METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
 
 
+def _ensure_lines(serve: RoutedServe, timeout_s: int) -> list[str]:
+    """The inside of a location that asks gpud to have SERVE up (its ensure), waiting at most
+    TIMEOUT_S."""
+    return ["            internal;",
+            f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
+            "            proxy_method POST;",
+            "            proxy_pass_request_body off;",
+            # none of the client's headers: gpud's X-Gpud-* are the router's alone
+            "            proxy_pass_request_headers off;",
+            '            proxy_set_header Content-Length "";',
+            "            proxy_set_header X-Gpud-Model $router_model;",
+            # the key's own name ($router_key is the name usage is counted under)
+            "            proxy_set_header X-Gpud-Key $router_key_name;",
+            "            proxy_set_header X-Gpud-Requester $router_requester;",
+            f"            proxy_read_timeout {timeout_s}s;"]
+
+
 def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                      limits: Sequence[str] = ()) -> list[str]:
     # a serve under priority scheduling gets the body the script rewrote with the key's
@@ -874,22 +895,33 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   # a location's error pages replace the server's: the serve gone between
                   # gpud's yes and the connect (nginx's 502) is named here too
                   "            error_page 502 504 = @router_down;"]
+    elif serve.wait_timeout_s is not None:
+        # An always-on serve: nothing asked of gpud while it answers; when it does not (no
+        # connection: nginx's 502), the request waits for gpud's ensure (_starting), which is
+        # answered once a start under way ends, or refused with why (stopped, failed)
+        lines += [f"            error_page 502 = {serve.location}_starting;",
+                  *(["            error_page 429 = @router_limited;"] if limits else []),
+                  "            error_page 504 = @router_down;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
               METER,
               "        }"]
+    if serve.ensure_timeout_s is None and serve.wait_timeout_s is not None:
+        lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
+                  *_ensure_lines(serve, serve.wait_timeout_s),
+                  "        }",
+                  f"        location {serve.location}_starting {{",
+                  *fair,
+                  f"            auth_request {ENSURE_PREFIX}{serve.name};",
+                  "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
+                  "            auth_request_set $router_retry $upstream_http_retry_after;",
+                  "            auth_request_set $router_ensure_s $upstream_response_time;",
+                  "            error_page 403 = @router_refused;",
+                  "            error_page 500 502 504 = @router_down;",
+                  f"            proxy_pass http://{serve.upstream};",
+                  METER,
+                  "        }"]
     if serve.ensure_timeout_s is not None:
-        ensure = ["            internal;",
-                  f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
-                  "            proxy_method POST;",
-                  "            proxy_pass_request_body off;",
-                  # none of the client's headers: gpud's X-Gpud-* are the router's alone
-                  "            proxy_pass_request_headers off;",
-                  '            proxy_set_header Content-Length "";',
-                  "            proxy_set_header X-Gpud-Model $router_model;",
-                  # the key's own name ($router_key is the name usage is counted under)
-                  "            proxy_set_header X-Gpud-Key $router_key_name;",
-                  "            proxy_set_header X-Gpud-Requester $router_requester;",
-                  f"            proxy_read_timeout {serve.ensure_timeout_s}s;"]
+        ensure = _ensure_lines(serve, serve.ensure_timeout_s)
         lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
                   *ensure,
                   "        }",

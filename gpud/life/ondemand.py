@@ -42,6 +42,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gpud.config import routed
 from gpud.core import answers
 from gpud.core.bringup import Hold, Policy, Tries, Why, classify, held, refusal_class
 from gpud.core.demand import (
@@ -86,7 +87,6 @@ from gpud.life.idle import IdleCheck
 from gpud.life.pulse import Pulse
 from gpud.life.service import COALESCE_REFUSALS
 from gpud.life.traffic import refuse_cut
-from gpud.nginx.router import wakes_through_router
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -193,8 +193,9 @@ class Orchestrator(DemandView):
         refusal raised (GpudError) otherwise: when gpud stops, a request still waiting is
         refused GPUD_STOPPING, never cut. NotFound: NAME is not a serve a request brings up."""
         spec = self.svc.serve_spec(name)
-        if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
-            raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
+        if spec is None or not (spec.on_demand or name in routed(self.svc.config)):
+            raise NotFound(f"serve {name!r} is neither an on_demand serve nor one the router "
+                           "reaches", {"serve": name})
         self._requested(name)
         if not await self._unless_ended(self._when_ready_up(name, spec, cause), gone):
             log.info("on-demand %s: the request waiting for it went away (%s)", name,

@@ -95,12 +95,6 @@ def asks_gpud(cfg: Config, name: str) -> bool:
     return s.on_demand or (bool(s.front) and bool(s.sleep_level))
 
 
-def wakes_through_router(cfg: Config, name: str) -> bool:
-    """Whether gpud's ensure wakes NAME for the router, though it is not on demand: a routed
-    serve that can sleep (one the router asks gpud about)."""
-    return name in routed(cfg) and name in cfg.serves and asks_gpud(cfg, name)
-
-
 def queue_wait_s(cfg: Config) -> int:
     """How long gpud may hold an ensure in the queue before the bring-up's own wait
     (router.queue_timeout_s; 0 without a router or with max_queued 0): nginx's wait for the
@@ -200,7 +194,8 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
             stream_usage=s.vllm is not None,
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
-            ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None))
+            ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None,
+            wait_timeout_s=None if asks_gpud(cfg, name) else ensure_timeout_s(cfg, name)))
     if r.api_keys_file is None:
         keys = None
     elif keys is None:
