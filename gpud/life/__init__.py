@@ -1,5 +1,6 @@
 """A serve's life under the ledger: each serve's one record in memory (`records`), the ledger
-service that commits every change with its state and event in one transaction (`service`), the
+service that decides admissions, holds and reloads (`service`) on the write path that commits every
+change with its state and event in one transaction, group by group (`writes`), the
 supervisor's jobs (`supervisor/`: launch, boot,
 health, stop, watch), sleeping and preemption (`sleeping`), what a sleeping serve says it is
 (`reconciling`), the rebalance and its executor (`rebalance`, `steps`, `planning`, `offload`),
