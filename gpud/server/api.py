@@ -122,14 +122,19 @@ def may_mutate(peer: Credentials | None, admin_group_gid: int | None) -> bool:
     return peer.uid == 0 or (admin_group_gid is not None and admin_group_gid in peer.groups)
 
 
+class Preempting(Protocol):
+    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
+                               dry_run: bool = False) -> dict[str, Any]: ...
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
+    def preemption_hint(self, serve: str, mib: int) -> contextlib.AbstractContextManager[None]: ...
+
+
 class SleepControl(Protocol):
     async def sleep(self, serve: str, uid: int | None, level: int | None = None) -> dict[str, Any]: ...
     async def wake(self, serve: str, uid: int | None) -> dict[str, Any]: ...
-    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
-                               dry_run: bool = False) -> dict[str, Any]: ...
     def parked_mib(self, serve: str) -> int | None: ...
-    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
-    def preemption_hint(self, serve: str, mib: int) -> contextlib.AbstractContextManager[None]: ...
+    @property
+    def preemption(self) -> Preempting: ...
 
 
 class Supervisor(Protocol):
@@ -512,7 +517,7 @@ class Api:
         if body.preempt:
             return await self._admit_preempting(name, body, self._uid(request))
         hint = (contextlib.nullcontext() if self.supervisor is None
-                else self.supervisor.sleeps.preemption_hint(name, body.mib))
+                else self.supervisor.sleeps.preemption.preemption_hint(name, body.mib))
         with hint:
             admission = await self.svc.admit(name, body.mib, role=body.role,
                                              uid=self._uid(request))
@@ -542,7 +547,7 @@ class Api:
         if body.role is not None:
             self.svc.serve_role(name, body.role)  # the same check as a plain admission
         sup = self._need_supervisor()
-        carried = await sup.sleeps.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
+        carried = await sup.sleeps.preemption.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
         if body.dry_run:
             return json_response({"serve": name, **carried})
         res = self.svc.ledger.reservations[name]
@@ -609,7 +614,7 @@ class Api:
             spec = self.svc.serve_spec(name)
             if spec is None:
                 raise NotFound(f"unknown serve {name!r}: not in the config", {"serve": name})
-            plan = await sup.sleeps.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
+            plan = await sup.sleeps.preemption.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
             return json_response({**self._serve_view(name), **plan})
         if action != "stop" and self.on_demand is not None:
             # An operator's start overrides an on-demand serve's backoff, and starts it over.
