@@ -85,8 +85,8 @@ from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.life.demandview import DemandView
 from gpud.life.idle import IdleCheck
 from gpud.life.pulse import Pulse
-from gpud.life.service import COALESCE_REFUSALS
 from gpud.life.traffic import refuse_cut
+from gpud.life.writes import COALESCE_REFUSALS
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -383,7 +383,7 @@ class Orchestrator(DemandView):
     async def _bring_up(self, name: str, spec: ServeConfig,
                         cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
         # This task's refusals (and its launch's) are a request's, through the front: stored
-        # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
+        # coalesced (gpud.life.writes.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
         self.svc.records.apply(name, BringupBegan())
         try:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from gpud.config import routed
 from gpud.core import answers
-from gpud.core.ledger import DeviceDraw, Ledger, Reservation
+from gpud.core.ledger import DeviceDraw, Ledger, Reservation, RoleFigures
 from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
 from gpud.life.service import LedgerService
 
@@ -203,3 +203,18 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))
     return {"simulated": bool(draws and draws.simulated), "serves": views}
+
+
+def figures_view(f: RoleFigures) -> answers.Figures:
+    return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+            "committed_mib": f.committed_mib, "free_mib": f.free_mib}
+
+
+def figures_of_each_role(answer: answers.Admitted | answers.Released, res: Reservation,
+                          figures_of: Callable[[str], RoleFigures]) -> None:
+    """A serve on several roles (devices): all of them, and the figures of each, in the order
+    of its roles (``figures`` is the first's). An admission, a preempting admission and a
+    release answer alike."""
+    if res.extra_roles:
+        answer["roles"] = list(res.all_roles)
+        answer["figures_by_role"] = {r: figures_view(figures_of(r)) for r in res.all_roles}
