@@ -166,3 +166,19 @@ def test_plan_refuses_a_peer_key_others_may_read_and_reload_takes_a_new_peer(
                            if p["name"] == "node3" and p["checked_at"] is not None])
     assert node3[0]["reachable"] is False and node3[0]["circuit"] == "open"
     assert node3[0]["last_error"].startswith("cannot connect"), node3
+
+
+def test_which_host_takes_a_model_is_gpuds_choice(gp: GpudProcess, peer: Peer) -> None:
+    """GET /v1/route (the router asks it for a model on several hosts): the peer that lists the
+    model while its circuit is closed; no host once its circuit opens; a bad query named."""
+    until(lambda: node2(gp)["reachable"])
+    assert gp.call("GET", "/v1/route?model=ocr").body == {
+        "model": "ocr", "found": True, "peer": "node2", "hosts": ["node2"]}
+    assert gp.call("GET", "/v1/route?model=chat").body == {
+        "model": "chat", "found": False, "peer": None, "hosts": []}
+    bad = gp.call("GET", "/v1/route?model=%20x")
+    assert bad.status == 400 and "not a model name" in bad.body["error"]["message"], bad.body
+    assert gp.call("GET", "/v1/route?model=ocr&host=b").status == 400
+    peer.stop()
+    until(lambda: node2(gp)["circuit"] == "open")
+    assert gp.call("GET", "/v1/route?model=ocr").body["found"] is False

@@ -336,3 +336,28 @@ def choose_host(offers: Sequence[Offer], *, spillover: bool = False) -> Offer | 
     if not pool:
         return min(offers, key=_rank)
     return min(pool, key=_rank)
+
+
+def peer_offer(host: str, model: PeerModel) -> Offer:
+    """What peer HOST's /v1/models entry MODEL says for choose_host: awake when running, saturated
+    when requests wait for it there, its expected wait as it reports it. (A peer does not say
+    whether its queue is full: it answers that itself, as a refusal passed on.)"""
+    awake = model.state == AWAKE
+    return Offer(host, awake=awake, saturated=model.queued > 0,
+                 expected_wait_s=model.expected_wait_s)
+
+
+def local_offer(state: str, queued: int, queue_full: bool, expected_wait_s: float | None
+                ) -> Offer:
+    """What this host says of its serve for choose_host: its STATE, the requests QUEUED for its
+    bring-up, whether its queue takes no more (QUEUE_FULL) and the wait it expects."""
+    return Offer(None, awake=state == AWAKE, saturated=queued > 0 or queue_full,
+                 queue_full=queue_full, expected_wait_s=expected_wait_s)
+
+
+
+def offers_of(local: Offer | None, peers: Mapping[str, PeerModel]) -> list[Offer]:
+    """choose_host's offers: this host's (LOCAL; None when no serve of it answers to the model)
+    and each peer's, from the model as each peer whose circuit is closed lists it (PEERS)."""
+    return ([local] if local is not None else []) + [peer_offer(name, peers[name])
+                                                      for name in sorted(peers)]

@@ -545,6 +545,8 @@ PEER_RETRY_AFTER_S: Final = 5
 # A peer that does not take the connection within this long is down (its circuit's failure).
 PEER_CONNECT_TIMEOUT_S: Final = 3
 PEERS_LOCATION: Final = "/.gpud-router-peers"
+# gpud's answer to which host takes a request for a model on several hosts (GET /v1/route)
+ROUTE_LOCATION: Final = "/.gpud-router-route"
 # A peer's key as nginx.conf carries it (proxy_set_header): no quote, backslash, `$` (nginx
 # reads a variable there), `;`, brace or space.
 PEER_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~+/=:@%!*,^|-]{1,512}")
@@ -633,6 +635,15 @@ def peer_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, l
                    {p.name: [PeerModel(m) for m in p.models] for p in peers})
     return {m.id: [h.host for h in m.hosts if h.host is not None]
             for m in merged if m.hosts[0].host is not None}
+
+
+def shared_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, list[str]]:
+    """Model name -> every host that offers it ("" this host, then the peers by name), for the
+    models on more than one host: a request for one of these asks gpud which host takes it
+    (GET /v1/route, gpud.core.peers.choose_host); one on a single host never does."""
+    merged = merge([PeerModel(m) for m in local],
+                   {p.name: [PeerModel(m) for m in p.models] for p in peers})
+    return {m.id: [h.host or "" for h in m.hosts] for m in merged if len(m.hosts) > 1}
 
 
 @dataclass(frozen=True)
@@ -1108,6 +1119,16 @@ def http_lines(router: RouterFront) -> list[str]:
                 "            proxy_read_timeout 5s;",
                 "            subrequest_output_buffer_size 1m;",
                 "        }",
+                f"        location = {ROUTE_LOCATION} {{",
+                "            internal;",
+                # the subrequest's args (model=NAME) go with it
+                f"            proxy_pass http://{GPUD_UPSTREAM}/v1/route;",
+                "            proxy_method GET;",
+                "            proxy_pass_request_body off;",
+                "            proxy_pass_request_headers off;",
+                '            proxy_set_header Content-Length "";',
+                "            proxy_read_timeout 5s;",
+                "        }",
                 "        location @router_peer_down {",
                 "            js_content router.peerDown;",
                 "        }"]
@@ -1186,6 +1207,8 @@ def render_script(router: RouterFront, code: str) -> str:
             "host": router.host, "peers_location": PEERS_LOCATION,
             "peer_retry_after_s": PEER_RETRY_AFTER_S,
             "peer_models": peer_table(router.table, router.peers),
+            "route_location": ROUTE_LOCATION,
+            "shared": shared_table(router.table, router.peers),
             "peers": {p.name: {"location": p.location,
                                "open": None if p.closed else
                                {"reason": p.open_reason, "since": p.open_since}}
