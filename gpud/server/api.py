@@ -467,8 +467,12 @@ class Api:
         local = None
         if serve is not None:
             waits = self._queue(serve)
-            local = local_offer(str(self.svc.state_of(serve)), self._queued(serve),
-                                self.ensures.waiting >= self.ensures.total,
+            queued = self._queued(serve)
+            # no room for one more: its queue (router.max_queued per serve), or every
+            # requester's bring-ups together (daemon.ensure_waiting_total)
+            full = (cfg.router is not None and 0 < cfg.router.max_queued <= queued) \
+                or self.ensures.waiting >= self.ensures.total
+            local = local_offer(str(self.svc.state_of(serve)), queued, full,
                                 waits[1] if waits is not None else None)
         peers = {p["name"]: PeerModel(m["id"], m["state"], m["expected_wait_s"], m["queued"])
                  for p in self.peers()["peers"] if p["circuit"] == CircuitState.CLOSED
