@@ -547,6 +547,10 @@ PEER_CONNECT_TIMEOUT_S: Final = 3
 PEERS_LOCATION: Final = "/.gpud-router-peers"
 # gpud's answer to which host takes a request for a model on several hosts (GET /v1/route)
 ROUTE_LOCATION: Final = "/.gpud-router-route"
+# its upstream (gpud's socket, connections kept: each worker keeps at most this many idle; gpud
+# keeps the front's uid connections apart, gpud.server.connguard)
+GPUD_ROUTE_UPSTREAM: Final = "router_gpud_route"
+GPUD_ROUTE_KEEPALIVE: Final = 2
 # A peer's key as nginx.conf carries it (proxy_set_header): no quote, backslash, `$` (nginx
 # reads a variable there), `;`, brace or space.
 PEER_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~+/=:@%!*,^|-]{1,512}")
@@ -1019,6 +1023,13 @@ def http_lines(router: RouterFront) -> list[str]:
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
             "    }"]
+    if router.peers:
+        # GET /v1/route, asked at a request for a model on several hosts: its connections kept
+        # (a new one per question was most of its cost)
+        out += [f"    upstream {GPUD_ROUTE_UPSTREAM} {{",
+                f"        server unix:{router.gpud_socket};",
+                f"        keepalive {GPUD_ROUTE_KEEPALIVE};",
+                "    }"]
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += [f"    upstream {serve.upstream} {{",
                 f"        server {serve.server};",
@@ -1122,7 +1133,9 @@ def http_lines(router: RouterFront) -> list[str]:
                 f"        location = {ROUTE_LOCATION} {{",
                 "            internal;",
                 # the subrequest's args (model=NAME) go with it
-                f"            proxy_pass http://{GPUD_UPSTREAM}/v1/route;",
+                f"            proxy_pass http://{GPUD_ROUTE_UPSTREAM}/v1/route;",
+                "            proxy_http_version 1.1;",
+                '            proxy_set_header Connection "";',
                 "            proxy_method GET;",
                 "            proxy_pass_request_body off;",
                 "            proxy_pass_request_headers off;",
