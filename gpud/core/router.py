@@ -577,6 +577,12 @@ PEER_RETRY_AFTER_S: Final = 5
 # A peer that does not take the connection within this long is down (its circuit's failure).
 PEER_CONNECT_TIMEOUT_S: Final = 3
 PEERS_LOCATION: Final = "/.gpud-router-peers"
+# gpud's answer to which host takes a request for a model on several hosts (GET /v1/route)
+ROUTE_LOCATION: Final = "/.gpud-router-route"
+# its upstream (gpud's socket, connections kept: each worker keeps at most this many idle; gpud
+# keeps the front's uid connections apart, gpud.server.connguard)
+GPUD_ROUTE_UPSTREAM: Final = "router_gpud_route"
+GPUD_ROUTE_KEEPALIVE: Final = 2
 # A peer's key as nginx.conf carries it (proxy_set_header): no quote, backslash, `$` (nginx
 # reads a variable there), `;`, brace or space.
 PEER_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~+/=:@%!*,^|-]{1,512}")
@@ -665,6 +671,15 @@ def peer_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, l
                    {p.name: [PeerModel(m) for m in p.models] for p in peers})
     return {m.id: [h.host for h in m.hosts if h.host is not None]
             for m in merged if m.hosts[0].host is not None}
+
+
+def shared_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, list[str]]:
+    """Model name -> every host that offers it ("" this host, then the peers by name), for the
+    models on more than one host: a request for one of these asks gpud which host takes it
+    (GET /v1/route, gpud.core.peers.choose_host); one on a single host never does."""
+    merged = merge([PeerModel(m) for m in local],
+                   {p.name: [PeerModel(m) for m in p.models] for p in peers})
+    return {m.id: [h.host or "" for h in m.hosts] for m in merged if len(m.hosts) > 1}
 
 
 @dataclass(frozen=True)
@@ -1074,6 +1089,13 @@ def http_lines(router: RouterFront) -> list[str]:
     out += [f"    upstream {GPUD_UPSTREAM} {{",
             f"        server unix:{router.gpud_socket};",
             "    }"]
+    if router.peers:
+        # GET /v1/route, asked at a request for a model on several hosts: its connections kept
+        # (a new one per question was most of its cost)
+        out += [f"    upstream {GPUD_ROUTE_UPSTREAM} {{",
+                f"        server unix:{router.gpud_socket};",
+                f"        keepalive {GPUD_ROUTE_KEEPALIVE};",
+                "    }"]
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += [f"    upstream {serve.upstream} {{",
                 f"        server {serve.server};",
@@ -1174,6 +1196,18 @@ def http_lines(router: RouterFront) -> list[str]:
                 "            proxy_read_timeout 5s;",
                 "            subrequest_output_buffer_size 1m;",
                 "        }",
+                f"        location = {ROUTE_LOCATION} {{",
+                "            internal;",
+                # the subrequest's args (model=NAME) go with it
+                f"            proxy_pass http://{GPUD_ROUTE_UPSTREAM}/v1/route;",
+                "            proxy_http_version 1.1;",
+                '            proxy_set_header Connection "";',
+                "            proxy_method GET;",
+                "            proxy_pass_request_body off;",
+                "            proxy_pass_request_headers off;",
+                '            proxy_set_header Content-Length "";',
+                "            proxy_read_timeout 5s;",
+                "        }",
                 "        location @router_peer_down {",
                 "            js_content router.peerDown;",
                 "        }"]
@@ -1253,6 +1287,8 @@ def render_script(router: RouterFront, code: str) -> str:
             "host": router.host, "peers_location": PEERS_LOCATION,
             "peer_retry_after_s": PEER_RETRY_AFTER_S,
             "peer_models": peer_table(router.table, router.peers),
+            "route_location": ROUTE_LOCATION,
+            "shared": shared_table(router.table, router.peers),
             "peers": {p.name: {"location": p.location,
                                "open": None if p.closed else
                                {"reason": p.open_reason, "since": p.open_since}}

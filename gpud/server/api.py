@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from aiohttp import web
 
+from gpud.config import routed
 from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.bodies import (
@@ -39,8 +40,15 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
+from gpud.core.peers import CircuitState, PeerModel, choose_host, local_offer, offers_of
 from gpud.core.quota import BudgetState
-from gpud.core.router import ANONYMOUS, Crowded, EnsureBound, router_request
+from gpud.core.router import (
+    ANONYMOUS,
+    Crowded,
+    EnsureBound,
+    model_name_problem,
+    router_request,
+)
 from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, ServeState, StepKind
 from gpud.durable.store import Event, EventQuery
@@ -199,6 +207,7 @@ class Api:
         self.route("GET", "/v1/events", self.events, "read")
         self.route("GET", "/v1/usage", self.usage, "read")
         self.route("GET", "/v1/peers", self.peer_views, "read")
+        self.route("GET", "/v1/route", self.route_choice, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
         self.route("GET", "/ui", self.page, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
@@ -444,6 +453,42 @@ class Api:
     async def peer_views(self, request: web.Request) -> web.Response:
         """The peers of the config in force, as the poller last found them (docs/peers.md)."""
         return json_response(self.peers())
+
+    async def route_choice(self, request: web.Request) -> web.Response:
+        """Which host takes a request for `model` now (docs/peers.md, "Which host"): this one,
+        a peer whose circuit is closed, or none; gpud.core.peers.choose_host over what this
+        host knows of its serve and what each peer last said of the model. The router asks
+        it only for a model on more than one host."""
+        q = request.query
+        unknown = set(q) - {"model"}
+        if unknown:
+            raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        model = q.get("model", "")
+        problem = model_name_problem(model)
+        if problem:
+            raise BadRequest(f"model: {problem}", {"model": model})
+        cfg = self.svc.config
+        serve = next((name for name, models in routed(cfg).items() if model in models), None)
+        local = None
+        if serve is not None:
+            waits = self._queue(serve)
+            queued = self._queued(serve)
+            # no room for one more: its queue (router.max_queued per serve), or every
+            # requester's bring-ups together (daemon.ensure_waiting_total)
+            full = (cfg.router is not None and 0 < cfg.router.max_queued <= queued) \
+                or self.ensures.waiting >= self.ensures.total
+            local = local_offer(str(self.svc.state_of(serve)), queued, full,
+                                waits[1] if waits is not None else None)
+        peers = {p["name"]: PeerModel(m["id"], m["state"], m["expected_wait_s"], m["queued"])
+                 for p in self.peers()["peers"] if p["circuit"] == CircuitState.CLOSED
+                 for m in p["models"] if m["id"] == model}
+        chosen = choose_host(offers_of(local, peers),
+                             spillover=cfg.router is not None and cfg.router.spillover)
+        answer: answers.RouteChoice = {
+            "model": model, "found": chosen is not None,
+            "peer": chosen.host if chosen is not None else None,
+            "hosts": ([""] if local is not None else []) + sorted(peers)}
+        return json_response(answer)
 
     async def usage(self, request: web.Request) -> web.Response:
         """Usage per key and model through the router (gpud.core.usage), from `since` (epoch
