@@ -9,25 +9,19 @@ something else; nothing is public except on the optional metrics listener.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import grp
-import hashlib
 import json
 import logging
 import pwd
-import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from aiohttp import web
 
-from gpud.config import routed
 from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.bodies import (
@@ -40,11 +34,9 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
-from gpud.core.peers import CircuitState, PeerModel, choose_host, local_offer, offers_of
 from gpud.core.quota import BudgetState
 from gpud.core.router import (
     ANONYMOUS,
-    Crowded,
     EnsureBound,
     model_name_problem,
     router_request,
@@ -60,7 +52,6 @@ from gpud.errors import (
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
-    TooManyRequests,
     Unavailable,
 )
 from gpud.life.offload import Offload
@@ -70,12 +61,13 @@ from gpud.nginx.front import not_listening
 from gpud.server.connguard import Guarded
 from gpud.server.metrics import METRICS_CONTENT_TYPE
 from gpud.server.reading import int_param, parse_since, read_model
-from gpud.server.responses import error_response, json_response
+from gpud.server.responses import error_response, json_response, status_page, too_many_waiting
 from gpud.server.views import (
     DrawSource,
     figures_of_each_role,
     figures_view,
     ledger_view,
+    route_choice,
     serve_view,
     serves_view,
 )
@@ -456,9 +448,8 @@ class Api:
 
     async def route_choice(self, request: web.Request) -> web.Response:
         """Which host takes a request for `model` now (docs/peers.md, "Which host"): this one,
-        a peer whose circuit is closed, or none; gpud.core.peers.choose_host over what this
-        host knows of its serve and what each peer last said of the model. The router asks
-        it only for a model on more than one host."""
+        a peer whose circuit is closed, or none (gpud.server.views.route_choice). The router
+        asks it only for a model on more than one host."""
         q = request.query
         unknown = set(q) - {"model"}
         if unknown:
@@ -467,28 +458,9 @@ class Api:
         problem = model_name_problem(model)
         if problem:
             raise BadRequest(f"model: {problem}", {"model": model})
-        cfg = self.svc.config
-        serve = next((name for name, models in routed(cfg).items() if model in models), None)
-        local = None
-        if serve is not None:
-            waits = self._queue(serve)
-            queued = self._queued(serve)
-            # no room for one more: its queue (router.max_queued per serve), or every
-            # requester's bring-ups together (daemon.ensure_waiting_total)
-            full = (cfg.router is not None and 0 < cfg.router.max_queued <= queued) \
-                or self.ensures.waiting >= self.ensures.total
-            local = local_offer(str(self.svc.state_of(serve)), queued, full,
-                                waits[1] if waits is not None else None)
-        peers = {p["name"]: PeerModel(m["id"], m["state"], m["expected_wait_s"], m["queued"])
-                 for p in self.peers()["peers"] if p["circuit"] == CircuitState.CLOSED
-                 for m in p["models"] if m["id"] == model}
-        chosen = choose_host(offers_of(local, peers),
-                             spillover=cfg.router is not None and cfg.router.spillover)
-        answer: answers.RouteChoice = {
-            "model": model, "found": chosen is not None,
-            "peer": chosen.host if chosen is not None else None,
-            "hosts": ([""] if local is not None else []) + sorted(peers)}
-        return json_response(answer)
+        return json_response(route_choice(
+            self.svc.config, model, self.svc.state_of, self._queue, self._queued,
+            self.ensures.waiting >= self.ensures.total, self.peers()))
 
     async def usage(self, request: web.Request) -> web.Response:
         """Usage per key and model through the router (gpud.core.usage), from `since` (epoch
@@ -696,7 +668,7 @@ class Api:
                                             d.ensure_waiting_total)
         problem = bound.enter(requester)
         if problem is not None:
-            return _too_many_waiting(name, requester, problem)
+            return too_many_waiting(name, requester, problem, BUSY_RETRY_S)
         try:
             return await self.on_demand.ensure(name, cause, gone=_gone(request))
         finally:
@@ -788,21 +760,6 @@ class Api:
 _FRONT_UIDS: dict[str, int] = {}
 
 
-PAGE_SOURCE = Path(__file__).parents[1] / "data" / "status.html"
-
-
-@cache
-def status_page() -> tuple[str, str]:
-    """The status page's text and the SHA-256 (base64) of its one inline script, which its
-    Content-Security-Policy allows by that hash alone."""
-    text = PAGE_SOURCE.read_text()
-    scripts = re.findall(r"<script>(.*?)</script>", text, re.DOTALL)
-    if len(scripts) != 1:
-        raise GpudError(f"{PAGE_SOURCE}: {len(scripts)} inline scripts, one expected")
-    digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
-    return text, digest
-
-
 def _uid_of(user: str) -> int | None:
     """The front user's uid, looked up once per name: every request to an on-demand serve
     asks, and a read of the passwd database each time would add to its latency. A user not
@@ -817,24 +774,6 @@ def _uid_of(user: str) -> int | None:
 
 # Retry-After of an ensure refused for the requests waiting already (daemon.ensure_waiting_*).
 BUSY_RETRY_S = 5
-
-
-def _too_many_waiting(name: str, requester: str, problem: Crowded) -> web.Response:
-    """The 403 the front and the router turn into their refusal (the router's: 429), when
-    REQUESTER (or everyone) has as many ensures waiting as gpud keeps: at once, holding
-    nothing. X-Gpud-Reason carries the class and the bound (its key and figure), as
-    gpud.server.ondemand's refusals."""
-    exc = TooManyRequests(f"serve {name}: {problem.text}; retry in {BUSY_RETRY_S} s",
-                          {"serve": name, "requester": requester})
-    resp = error_response(exc)
-    resp.set_status(403)
-    resp.headers["X-Gpud-Reason"] = json.dumps({"error": {
-        "code": TooManyRequests.code, "message": exc.message,
-        "details": {"serve": name, "class": "too-many-waiting", "requester": requester,
-                    "limit": problem.limit, "value": problem.value,
-                    "retry_after_s": BUSY_RETRY_S}}})
-    resp.headers["Retry-After"] = str(BUSY_RETRY_S)
-    return resp
 
 
 def _gone(request: web.Request) -> asyncio.Future[None] | None:
