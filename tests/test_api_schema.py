@@ -202,6 +202,10 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     usage = check("GET", "/v1/usage", "/v1/usage?since=3700&key=alice")
     assert usage == {"since": 3600, "rows": [], "budgets": []}, usage
     check("GET", "/v1/usage", "/v1/usage?colour=blue", status=400)
+    # past what a time holds (it overflowed the store's integers: a 500)
+    err = check("GET", "/v1/usage", "/v1/usage?since=18446744073709551616", status=400)
+    assert "since" in err["error"]["message"], err
+    check("GET", "/v1/events", "/v1/events?since=-1e300", status=400)
     assert check("GET", "/v1/peers") == {"peers": []}
     assert check("GET", "/v1/route", "/v1/route?model=m") == {
         "model": "m", "found": False, "peer": None, "hosts": []}

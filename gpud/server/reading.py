@@ -104,14 +104,23 @@ def int_param(value: str | None, name: str, default: int, low: int, high: int) -
     return number
 
 
+# The latest time `since` may name, epoch seconds: the end of year 9999, the last a datetime
+# holds (a larger number overflowed the store's 64-bit integers: a 500).
+MAX_SINCE_S = 253402300799
+
+
 def parse_since(value: str) -> float:
     """Epoch seconds or ISO 8601 (a naive time is local time, like journalctl's --since)."""
     try:
         number = float(value)
-        if math.isfinite(number):
-            return number
     except ValueError:
         pass
+    else:
+        if math.isfinite(number):
+            if abs(number) > MAX_SINCE_S:
+                raise BadRequest(f"since: {value[:50]!r} is past the year 9999 (epoch seconds "
+                                 f"from -{MAX_SINCE_S} to {MAX_SINCE_S})")
+            return number
     try:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
