@@ -7,16 +7,9 @@ import json
 
 import pytest
 
-from gpud.core.router import (
-    RoutedPeer,
-    RoutedServe,
-    RouterFront,
-    http_lines,
-    parse_log_line,
-    peer_address,
-    peer_table,
-    render_script,
-)
+from gpud.core.router import RoutedPeer, RoutedServe, RouterFront, peer_address, peer_table
+from gpud.core.routerconf import http_lines, render_script
+from gpud.core.routerlog import parse_log_line
 
 KEY = "sk-node1-presents-this-to-node2"
 
