@@ -173,3 +173,23 @@ def test_a_peer_key_is_marked() -> None:
     keys, problems = parse_keys(key(fields="peer = false\n") + f'[keys.p]\ntoken = "{OTHER}"\n'
                                 'models = ["*"]\npeer = true\n', ["chat"])
     assert problems == [] and [(k.name, k.peer) for k in keys] == [("alice", False), ("p", True)]
+
+
+@pytest.mark.parametrize(("field", "low", "high", "shown"), [
+    # nginx's limit_conn takes less than 65536 (ngx_http_limit_conn_module.c)
+    ("max_concurrent", 1, 65_535, "1 to 65535"),
+    ("requests_per_minute", 1, 1_000_000, "1 to 1000000"),
+    ("priority", -1000, 1000, "-1000 to 1000"),
+    # docs/router.md, "Budgets": a whole number of tokens from 0 (nothing let in) to 10^15
+    ("tokens_per_day", 0, 10**15, "0 to 1000000000000000"),
+    ("tokens_per_month", 0, 10**15, "0 to 1000000000000000"),
+])
+def test_a_keys_whole_shares_and_their_bounds(field: str, low: int, high: int,
+                                              shown: str) -> None:
+    for value in (low, high):
+        keys, problems = parse_keys(key(fields=f"{field} = {value}\n"), ["chat"])
+        assert problems == [] and getattr(keys[0], field) == value
+    for value in (low - 1, high + 1):
+        keys, problems = parse_keys(key(fields=f"{field} = {value}\n"), ["chat"])
+        assert keys == [] and problems == [
+            f"keys.alice.{field}: an integer from {shown} (got {value})"]
