@@ -50,6 +50,8 @@ def test_a_request_to_a_serve_and_the_routers_own_share_of_its_time() -> None:
         "chat", "chat-serve", "2xx", 0.05, status=200)
     assert parse_log_line(line(request_s="0.010"), TABLE) == Answered(
         "chat", "chat-serve", "2xx", 0.0, status=200)
+    assert parse_log_line(line(request_s="0.1234", upstream_s="0.1", ensure_s="-"),
+                          TABLE) == Answered("chat", "chat-serve", "2xx", 0.023, status=200)
 
 
 def test_without_a_serves_time_or_through_the_loading_feedback_no_share_is_measured() -> None:
