@@ -491,16 +491,19 @@ def _unknown_users(cfg: Config) -> list[str]:
     return found
 
 
-def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None) -> list[str]:
+def _warnings(cfg: Config, cdi_dirs: tuple[Path, ...] | None = None,
+              unit_dirs: tuple[Path, ...] | None = None) -> list[str]:
     """What --check-config warns about: images not pinned, container serves on a host whose
-    CDI specs offer no GPU."""
+    CDI specs offer no GPU, peers that do not answer or that gpud's installed unit (found in
+    UNIT_DIRS) does not let it reach."""
     from gpud.host import cdi
 
     found = config_warnings(cfg) + _front_warnings(cfg) + _router_warnings(cfg)
     if cfg.peers:
-        from gpud.host.peers import check_peers
+        from gpud.host.peers import UNIT_DIRS, check_peers, unit_warnings
 
-        found += check_peers(cfg)
+        found += check_peers(cfg) + unit_warnings(cfg, UNIT_DIRS if unit_dirs is None
+                                                  else unit_dirs)
     if cfg.daemon.serve_user not in ("root", "0") and any(
             s.user is None and s.container is None for s in cfg.serves.values()):
         try:

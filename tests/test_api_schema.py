@@ -203,6 +203,9 @@ def test_every_route_answers_as_the_document_says(gp: GpudProcess, tmp_path: Pat
     assert usage == {"since": 3600, "rows": [], "budgets": []}, usage
     check("GET", "/v1/usage", "/v1/usage?colour=blue", status=400)
     assert check("GET", "/v1/peers") == {"peers": []}
+    assert check("GET", "/v1/route", "/v1/route?model=m") == {
+        "model": "m", "found": False, "peer": None, "hosts": []}
+    check("GET", "/v1/route", "/v1/route?model=a%20b", status=400)
     check("GET", "/v1/status")
 
     # every route of the document was asked, and all but those that need a bus answered 200

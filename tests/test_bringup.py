@@ -18,7 +18,7 @@ from gpud.core.lifecycle import IDLE_LIFE, ServeLife
 from gpud.core.vocab import FAILED, RUNNING, ServeState
 from gpud.errors import Denied, Unavailable
 from gpud.life.records import ServeRecords
-from gpud.life.service import COALESCE_REFUSALS
+from gpud.life.writes import COALESCE_REFUSALS
 from gpud.server.ondemand import OnDemand
 
 # ---- the policy -----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from gpud.config import parse_config
 from gpud.core.coalesce import Coalescer, Verdict
 from gpud.durable.store import EventQuery, Store
 from gpud.errors import Denied
-from gpud.life.service import COALESCE_REFUSALS, LedgerService
+from gpud.life.service import LedgerService
+from gpud.life.writes import COALESCE_REFUSALS
 from tests.conftest import loaded_service
 
 # ---- the rule -------------------------------------------------------------------------------

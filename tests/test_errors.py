@@ -11,7 +11,7 @@ import pytest
 from gpud import errors
 from gpud.durable.store import Changes, Event, Store
 from gpud.errors import ALL_ERRORS, GpudError, StoreError
-from gpud.host.units import map_error
+from gpud.host.unitbus import map_error
 
 
 def test_every_error_class_is_listed_and_documented() -> None:

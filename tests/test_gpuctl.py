@@ -32,8 +32,9 @@ from hypothesis import strategies as st
 
 from gpud.ctl import commands
 from gpud.ctl import main as ctl_main
+from gpud.ctl.arguments import parse_mib, parse_since
 from gpud.ctl.client import Client, MemoryTransport, quote_segment
-from gpud.ctl.commands import COMMANDS, Ctl, parse_mib, parse_since
+from gpud.ctl.commands import COMMANDS, Ctl
 from gpud.ctl.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_OK,

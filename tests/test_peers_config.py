@@ -143,3 +143,71 @@ def test_check_config_refuses_a_world_readable_key_file(key: Path, tmp_path: Pat
                          capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
     assert out.returncode == 2
     assert "peers.node2.key_file:" in out.stderr and "mode 0644" in out.stderr
+
+
+UNIT = (REPO / "units" / "gpud.service").read_text()
+
+
+def _units(tmp_path: Path, drop_ins: dict[str, str] | None = None,
+           lib_drop_ins: dict[str, str] | None = None) -> tuple[Path, ...]:
+    """An /etc and a /lib of units: gpud.service installed in /lib (the package's, as
+    units/gpud.service ships it), drop-ins in either."""
+    etc, lib = tmp_path / "etc", tmp_path / "lib"
+    lib.mkdir(parents=True)
+    (lib / "gpud.service").write_text(UNIT)
+    for where, files in ((etc, drop_ins or {}), (lib, lib_drop_ins or {})):
+        (where / "gpud.service.d").mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (where / "gpud.service.d" / name).write_text(text)
+    return etc, lib
+
+
+def test_check_config_warns_when_gpuds_unit_does_not_let_it_reach_a_peer(
+        key: Path, tmp_path: Path) -> None:
+    """The unit as shipped admits loopback only: a peer at 100.64.0.2 is named, with the
+    drop-in that admits it; a drop-in allowing its network, or the peer on loopback, or no
+    unit installed: nothing to say."""
+    from gpud.host.peers import unit_warnings
+
+    cfg = parse_config(peer(key, url="http://100.64.0.2:8000"), "t")
+    dirs = _units(tmp_path)
+    [warning] = unit_warnings(cfg, dirs)
+    assert warning.startswith("peers.node2: gpud.service (")
+    assert "does not let gpud reach 100.64.0.2" in warning
+    assert "IPAddressDeny=any, IPAddressAllow=localhost" in warning
+    assert "/etc/systemd/system/gpud.service.d/peers.conf" in warning
+    assert '"IPAddressAllow=100.64.0.2"' in warning
+    # a name: what it resolves to
+    named = parse_config(peer(key), "t")
+    assert unit_warnings(named, dirs, addresses=lambda host: ["100.64.0.9"]) != []
+    assert unit_warnings(named, dirs, addresses=lambda host: []) == []
+    # the tailnet's drop-in (docs/peers.md) admits it
+    tailnet = _units(tmp_path / "b", {"peers.conf": "[Service]\nIPAddressAllow=100.64.0.0/10\n"})
+    assert unit_warnings(cfg, tailnet) == []
+    # a drop-in in /etc hides the same-named one in /lib; a later one resetting the list
+    # (an empty assignment) takes its allowance back
+    hidden = _units(tmp_path / "c", {"peers.conf": "[Service]\nCPUWeight=50\n"},
+                    {"peers.conf": "[Service]\nIPAddressAllow=100.64.0.0/10\n"})
+    assert len(unit_warnings(cfg, hidden)) == 1
+    reset = _units(tmp_path / "d", {"10-peers.conf": "[Service]\nIPAddressAllow=any\n",
+                                    "20-reset.conf": "[Service]\nIPAddressAllow=\n"})
+    assert len(unit_warnings(cfg, reset)) == 1
+    # an allowance outside [Service] is not one
+    assert len(unit_warnings(cfg, _units(tmp_path / "e", {
+        "peers.conf": "[Unit]\nIPAddressAllow=any\n"}))) == 1
+    # loopback, and no unit installed
+    assert unit_warnings(parse_config(peer(key, url="http://127.0.0.1:9"), "t"), dirs) == []
+    assert unit_warnings(cfg, (tmp_path / "none",)) == []
+
+
+def test_check_configs_warnings_name_the_unit_drop_in(
+        key: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--check-config's warnings (gpud.daemon._warnings) carry the unit's, its dirs given."""
+    import gpud.host.peers
+    from gpud.daemon import _warnings
+
+    monkeypatch.setattr(gpud.host.peers, "check_peers", lambda cfg: [])
+    cfg = parse_config(peer(key, url="http://[fd00::2]:8000"), "t")
+    warned = _warnings(cfg, unit_dirs=_units(tmp_path))
+    assert any("does not let gpud reach fd00::2" in w for w in warned), warned
+    assert not any("gpud.service" in w for w in _warnings(cfg, unit_dirs=()))

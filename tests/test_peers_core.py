@@ -28,10 +28,13 @@ from gpud.core.peers import (
     classify,
     gpud_error_code,
     listing_entry,
+    local_offer,
     may_send,
     merge,
     offered,
+    offers_of,
     parse_models,
+    peer_offer,
     step,
     url_problem,
 )
@@ -275,6 +278,25 @@ def test_spillover_leaves_a_full_queue_here() -> None:
     assert choose_host([here, peer], spillover=True) == peer
     # a full queue everywhere: this host answers (its queue refuses with its reason)
     assert choose_host([here, Offer("p1", True, True, True)], spillover=True) == here
+
+
+def test_the_offers_as_each_host_reports_them() -> None:
+    """What GET /v1/route compares: this host's serve (its state, its queue for a bring-up,
+    whether its queue is full, its expected wait) and each peer's /v1/models entry."""
+    assert local_offer("running", 0, False, None) == Offer(None, awake=True)
+    assert local_offer("running", 0, True, None) == Offer(None, True, True, True)
+    assert local_offer("sleeping", 2, False, 12.0) == Offer(None, False, True, False, 12.0)
+    assert peer_offer("b", PeerModel("m", "running")) == Offer("b", awake=True)
+    assert peer_offer("b", PeerModel("m", "stopped", 40.0, 3)) == Offer("b", False, True,
+                                                                      False, 40.0)
+    here = local_offer("sleeping", 1, False, 30.0)
+    peers = {"c": PeerModel("m", "sleeping", 5.0), "b": PeerModel("m", "running")}
+    assert [o.host for o in offers_of(here, peers)] == [None, "b", "c"]
+    # awake on b beats a bring-up here; with spillover the shorter wait on c beats 30 s here
+    assert choose_host(offers_of(here, peers)).host == "b"
+    assert choose_host(offers_of(here, {"c": peers["c"]}), spillover=True).host == "c"
+    assert choose_host(offers_of(here, {"c": peers["c"]})).host is None
+    assert choose_host(offers_of(None, {})) is None
 
 
 offers = st.builds(Offer, st.sampled_from([None, "p1", "p2", "p3"]), st.booleans(),

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, GpudProcess, start_gpud
+from tests.conftest import REPO, T015, GpudProcess, start_gpud
+from tests.ports import free_port
 
 KEY = "sk-front-node1"
 MODELS = {"object": "list", "data": [
@@ -166,3 +167,50 @@ def test_plan_refuses_a_peer_key_others_may_read_and_reload_takes_a_new_peer(
                            if p["name"] == "node3" and p["checked_at"] is not None])
     assert node3[0]["reachable"] is False and node3[0]["circuit"] == "open"
     assert node3[0]["last_error"].startswith("cannot connect"), node3
+
+
+def test_which_host_takes_a_model_is_gpuds_choice(gp: GpudProcess, peer: Peer) -> None:
+    """GET /v1/route (the router asks it for a model on several hosts): the peer that lists the
+    model while its circuit is closed; no host once its circuit opens; a bad query named."""
+    until(lambda: node2(gp)["reachable"])
+    assert gp.call("GET", "/v1/route?model=ocr").body == {
+        "model": "ocr", "found": True, "peer": "node2", "hosts": ["node2"]}
+    assert gp.call("GET", "/v1/route?model=chat").body == {
+        "model": "chat", "found": False, "peer": None, "hosts": []}
+    bad = gp.call("GET", "/v1/route?model=%20x")
+    assert bad.status == 400 and "not a model name" in bad.body["error"]["message"], bad.body
+    assert gp.call("GET", "/v1/route?model=ocr&host=b").status == 400
+    peer.stop()
+    until(lambda: node2(gp)["circuit"] == "open")
+    assert gp.call("GET", "/v1/route?model=ocr").body["found"] is False
+
+
+def test_a_model_here_and_on_a_peer_goes_where_it_is_awake(tmp_path: Path, peer: Peer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """This host's serve "ocr" (not running: no system bus here) and node2's "ocr": asleep on
+    both, no wait said, this host takes it (a tie); awake on node2, node2 does."""
+    key = tmp_path / "node2.key"
+    key.write_text(KEY + "\n")
+    key.chmod(0o600)
+    gp = start_gpud(tmp_path, T015 + f"""
+[router]
+listen = "127.0.0.1:{free_port()}"
+
+[peers.node2]
+url = "http://127.0.0.1:{peer.port}"
+key_file = "{key}"
+""")
+    try:
+        until(lambda: node2(gp)["reachable"])
+        assert gp.call("GET", "/v1/route?model=ocr").body == {
+            "model": "ocr", "found": True, "peer": None, "hosts": ["", "node2"]}
+        awake = json.loads(json.dumps(MODELS))
+        awake["data"][0]["gpud"]["state"] = "running"
+        monkeypatch.setattr(sys.modules[__name__], "MODELS", awake)
+        until(lambda: node2(gp)["models"][0]["state"] == "running")
+        assert gp.call("GET", "/v1/route?model=ocr").body["peer"] == "node2"
+        # a model of this host's only: here
+        assert gp.call("GET", "/v1/route?model=embeddings").body == {
+            "model": "embeddings", "found": True, "peer": None, "hosts": [""]}
+    finally:
+        gp.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from aiohttp import web
 from gpud.config import Config, parse_config
 from gpud.core.peers import MAX_MODELS_BYTES, CircuitState, PeerModel, PeerOutcome
 from gpud.host.peers import PeerPoller, check_peers, fetch_models
+from gpud.nginx.router import RouterLog
 from gpud.server.metrics import _Family, _peer_families
 from gpud.server.openapi import document
 from tests.schema import schema_errors
@@ -333,3 +335,55 @@ def test_forwarded_requests_are_counted_by_peer_and_class(tmp_path: Path) -> Non
     assert samples[(("code", "2xx"), ("peer", "node2"))] == 2
     assert samples[(("code", "5xx"), ("peer", "node2"))] == 2
     assert all(("peer", "gone") not in k for k in samples)
+
+
+def _forwarded(status: int) -> str:
+    """The router's access-log line of a request forwarded to node2 (gpud.core.router
+    LOG_FIELDS): 502 its own for a peer that took no connection (router.js peerDown)."""
+    return json.dumps({"model": "ocr", "serve": "", "status": str(status), "request_s": "0.001",
+                       "upstream_s": "-", "ensure_s": "", "sse": "", "key": "", "ts": "1.0",
+                       "prompt_tokens": "", "completion_tokens": "", "complete": "OK",
+                       "peer": "node2"}) + "\n"
+
+
+async def test_a_peer_dead_on_the_data_path_opens_its_circuit_within_seconds(
+        peer: Peer, tmp_path: Path) -> None:
+    """The peer's poll interval an hour: only the data path can open its circuit. The peer
+    dies; a forwarded request the peer's gpud answered (its typed 503, passed on) asks
+    nothing; the router's own 502 (the connection refused) is read from its access log within
+    LOG_PEEK_S (1 s) and has the peer asked at once: its circuit opens within 2.5 s."""
+    key = tmp_path / "node2.key"
+    key.write_text(KEY + "\n")
+    key.chmod(0o600)
+    cfg = parse_config(f'[daemon]\nfront_dir = "{tmp_path}"\n[peers.node2]\n'
+                       f'url = "http://127.0.0.1:{peer.port}"\nkey_file = "{key}"\n', "t")
+    (tmp_path / "log").mkdir()
+    log = tmp_path / "log" / "router.log"
+    log.write_text("")
+    poller = PeerPoller(lambda: cfg, interval_s=3600.0)
+    router_log = RouterLog(lambda: cfg, peer=poller.count)
+    polling = asyncio.create_task(poller.run())
+    reading = asyncio.create_task(router_log.loop())
+    try:
+        async def until(what: object, timeout: float) -> float:
+            began = time.monotonic()
+            while not what():  # type: ignore[operator]
+                assert time.monotonic() - began < timeout, "not within the bound"
+                await asyncio.sleep(0.01)
+            return time.monotonic() - began
+
+        await until(lambda: "node2" in poller.views and poller.views["node2"].reachable, 10)
+        v = poller.views["node2"]
+        await peer.stop()
+        with log.open("a") as f:
+            f.write(_forwarded(503))
+        await until(lambda: v.requests.get("5xx") == 1, 10)
+        assert v.circuit.state == CircuitState.CLOSED and v.reachable is True
+        with log.open("a") as f:
+            f.write(_forwarded(502))
+        took = await until(lambda: v.circuit.state == CircuitState.OPEN, 2.5)
+        assert v.last_error is not None and v.last_error.startswith("cannot connect"), took
+    finally:
+        polling.cancel()
+        reading.cancel()
+        await asyncio.gather(polling, reading, return_exceptions=True)

@@ -174,6 +174,29 @@ def test_the_router_reaches_fronted_serves_on_their_socket_others_on_their_port(
     assert script.endswith(script_code())
 
 
+def test_an_always_on_serve_asks_gpud_only_when_it_does_not_answer() -> None:
+    cfg = parse_config(TOML, "t")
+    router = router_front(cfg)
+    assert router is not None
+    by = {s.name: s for s in router.serves}
+    # ocr is always on: no ensure before each request, a wait for gpud's word on a 502
+    assert by["ocr"].ensure_timeout_s is None and by["ocr"].wait_timeout_s is not None
+    assert by["chat"].wait_timeout_s is None
+    text = render(front_config(cfg))
+    ocr = text[text.index("location @router_ocr {"):]
+    ocr = ocr[:ocr.index("        }")]
+    assert "auth_request" not in ocr and "error_page 502 = @router_ocr_starting;" in ocr
+    starting = text[text.index("location @router_ocr_starting {"):]
+    starting = starting[:starting.index("        }")]
+    assert "auth_request /.gpud-router-ensure/ocr;" in starting
+    assert "error_page 403 = @router_refused;" in starting
+    assert "error_page 500 502 504 = @router_down;" in starting
+    ensure = text[text.index("location = /.gpud-router-ensure/ocr {"):]
+    ensure = ensure[:ensure.index("        }")]
+    assert f"proxy_read_timeout {by['ocr'].wait_timeout_s}s;" in ensure
+    assert "@router_chat_starting" not in text
+
+
 def test_every_carried_route_and_nothing_else_runs_the_script() -> None:
     router = RouterFront("127.0.0.1:8000", (RoutedServe("a", ("a",), port=1),))
     lines = "\n".join(http_lines(router))

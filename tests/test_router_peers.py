@@ -15,6 +15,7 @@ import socketserver
 import subprocess
 import tempfile
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +41,30 @@ class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
+class _GpudServer(_Unix):
+    # GET /v1/route's answers by model (a peer's name, "" this host, None none; absent: none;
+    # "garbage": not gpud's answer), and the models it was asked for
+    routes: dict[str, str | None]
+    asked: list[str]
+
+
 class _Gpud(http.server.BaseHTTPRequestHandler):
-    """This host's gpud: no serves, and peer b's view (its models' states)."""
+    """This host's gpud: no serves, peer b's view (its models' states), and which host takes a
+    model on several hosts as the test sets it (GET /v1/route: gpud.core.peers.choose_host's
+    answer, tested against the real gpud in tests/test_peers_daemon.py)."""
+
+    server: _GpudServer
 
     def do_GET(self) -> None:
         if self.path == "/v1/serves":
             body = json.dumps({"serves": []}).encode()
+        elif self.path.startswith("/v1/route?"):
+            [model] = urllib.parse.parse_qs(self.path.partition("?")[2])["model"]
+            self.server.asked.append(model)
+            host = self.server.routes.get(model)
+            body = b"<html>no</html>" if host == "garbage" else json.dumps({
+                "model": model, "found": model in self.server.routes,
+                "peer": host or None, "hosts": []}).encode()
         else:
             body = json.dumps({"peers": [
                 {"name": "b", "circuit": "closed", "models": [
@@ -61,6 +80,24 @@ class _Gpud(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Serve(http.server.BaseHTTPRequestHandler):
+    """This host's serve "t" (its models "t" and "u")."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        data = b'{"served": "hosta"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
 class _Peer(http.server.BaseHTTPRequestHandler):
     """Peer b's router: the model in the body decides the answer."""
 
@@ -69,7 +106,7 @@ class _Peer(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         model = json.loads(body)["model"]
-        if model == "echo":
+        if model in ("echo", "t"):
             self._json(200, {"path": self.path, "length": len(body),
                              "headers": {k.lower(): v for k, v in self.headers.items()}})
         elif model == "typed":
@@ -120,6 +157,7 @@ class Rig:
     port: int
     log: Path
     access: Path
+    gpud: _GpudServer
 
 
 @pytest.fixture
@@ -138,25 +176,30 @@ def _rig(keys: tuple[ApiKey, ...] | None) -> Iterator[Rig]:
     run = tmp / "run"
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
-    gpud = _Unix(str(tmp / "gpud.sock"), _Gpud)
+    gpud = _GpudServer(str(tmp / "gpud.sock"), _Gpud)
+    gpud.routes, gpud.asked = {}, []
     os.chmod(tmp / "gpud.sock", 0o777)
+    serve = _Unix(str(tmp / "t.sock"), _Serve)
+    os.chmod(tmp / "t.sock", 0o777)
     peer = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
     peer.daemon_threads = True
-    servers: list[socketserver.BaseServer] = [gpud, peer]
+    servers: list[socketserver.BaseServer] = [gpud, serve, peer]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     port, nobody = free_port(), free_port()
     models = ("echo", "stream", "dies", "typed", "html")
     router = RouterFront(
         f"127.0.0.1:{port}",
-        (RoutedServe("t", ("t",), socket=str(tmp / "t.sock")),),
+        (RoutedServe("t", ("t", "u"), socket=str(tmp / "t.sock")),),
         njs_module=str(NJS), script=str(tmp / "router.js"), gpud_socket=str(tmp / "gpud.sock"),
         access_log=str(tmp / "access.log"), host="hosta", keys=keys,
-        peers=(RoutedPeer("b", "http", "127.0.0.1", peer.server_address[1], KEY, models),
+        # b also offers "t", this host's model (and f does): gpud says which host takes it
+        peers=(RoutedPeer("b", "http", "127.0.0.1", peer.server_address[1], KEY,
+                          (*models, "t")),
                # nobody listens there
                RoutedPeer("c", "http", "127.0.0.1", nobody, KEY, ("nowhere",)),
                # its circuit open
-               RoutedPeer("d", "http", "127.0.0.1", nobody, KEY, ("closedoff", "both"),
+               RoutedPeer("d", "http", "127.0.0.1", nobody, KEY, ("closedoff", "both", "t"),
                           open_reason="cannot connect: refused", open_since=1.0),
                # "both" on d (open) and e: e takes it
                RoutedPeer("e", "http", "127.0.0.1", peer.server_address[1], KEY, ("both",)),
@@ -174,7 +217,7 @@ def _rig(keys: tuple[ApiKey, ...] | None) -> Iterator[Rig]:
             wait_until(lambda: connects(port), what="the router listening")
         except AssertionError:
             raise AssertionError((tmp / "nginx.log").read_text()) from None
-        yield Rig(port, tmp / "nginx.log", tmp / "access.log")
+        yield Rig(port, tmp / "nginx.log", tmp / "access.log", gpud)
     finally:
         nginx.terminate()
         nginx.wait(timeout=10)
@@ -277,11 +320,57 @@ def test_a_peer_whose_circuit_is_open_is_503_at_once_and_another_host_takes_it(
     assert status == 200, body
 
 
-def test_a_name_this_host_serves_stays_here(rig: Rig) -> None:
-    """Peer f lists "t", this host's serve: the serve takes it (its socket is not there:
-    503 model_not_running, never f's 502)."""
-    status, _, body = _post(rig.port, "t")
-    assert status == 503 and json.loads(body)["error"]["code"] == "model_not_running", body
+def test_a_model_on_one_host_never_asks_gpud_which_host(rig: Rig) -> None:
+    """No added cost for a model on one host: only a model on several asks GET /v1/route."""
+    for model in ("u", "echo", "nowhere"):
+        _post(rig.port, model)
+    assert rig.gpud.asked == []
+    _post(rig.port, "t")
+    _post(rig.port, "both")
+    assert rig.gpud.asked == ["t", "both"]
+
+
+@pytest.mark.parametrize(("choice", "served_by"), [
+    ("b", "b"),          # gpud chose peer b
+    ("", "hosta"),       # this host
+    (None, "hosta"),     # no host can: this host answers as it does (its serve, its refusal)
+    ("d", "hosta"),      # a peer whose circuit the router knows open: never
+    ("garbage", "hosta"),  # gpud's answer unreadable: the model stays here
+    ("absent", "hosta"),   # gpud finds no host
+])
+def test_a_model_on_several_hosts_goes_where_gpud_chooses(
+        rig: Rig, choice: str | None, served_by: str) -> None:
+    if choice != "absent":
+        rig.gpud.routes["t"] = choice
+    status, _, body = _post(rig.port, "t", "/v1/embeddings")
+    assert status == 200, body
+    doc = json.loads(body)
+    if served_by == "b":
+        assert doc["path"] == "/v1/embeddings" and doc["headers"]["x-gpud-via"] == "hosta"
+        assert doc["headers"]["authorization"] == f"Bearer {KEY}"
+        lines = wait_until(lambda: rig.access.read_text().splitlines(), what="a log line")
+        answered = parse_log_line(lines[-1], {"t": "t"})
+        assert answered is not None and answered.peer == "b", lines[-1]
+    else:
+        assert doc == {"served": "hosta"}
+    assert rig.gpud.asked == ["t"]
+
+
+def test_a_model_only_on_peers_goes_to_the_peer_gpud_chooses(rig: Rig) -> None:
+    """"both" on d (its circuit open) and e: gpud choosing e (its view fresher than the
+    router's) sends it there; gpud naming d, known open here, falls to the first closed."""
+    rig.gpud.routes["both"] = "e"
+    assert _post(rig.port, "both")[0] == 200
+    rig.gpud.routes["both"] = "d"
+    status, _, body = _post(rig.port, "both")
+    assert status == 200, body
+
+
+def test_a_request_that_came_from_a_peer_never_asks_which_host(rig: Rig) -> None:
+    rig.gpud.routes["t"] = "b"
+    status, _, body = _post(rig.port, "t", headers={"X-Gpud-Via": "hostb"})
+    assert status == 200 and json.loads(body) == {"served": "hosta"}, body
+    assert rig.gpud.asked == []
 
 
 def test_models_lists_the_peers_models_with_their_host_and_state(rig: Rig) -> None:
@@ -301,7 +390,7 @@ def test_models_lists_the_peers_models_with_their_host_and_state(rig: Rig) -> No
     with contextlib.closing(conn):
         conn.request("GET", "/v1/models", headers={"X-Gpud-Via": "hostb"})
         hopped = json.loads(conn.getresponse().read())
-    assert [m["id"] for m in hopped["data"]] == ["t"]
+    assert [m["id"] for m in hopped["data"]] == ["t", "u"]
 
 
 def test_models_id_of_a_peers_model_names_its_host(rig: Rig) -> None:

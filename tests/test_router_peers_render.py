@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from gpud.core.router import RoutedPeer, RoutedServe, RouterFront, peer_address, peer_table
+from gpud.core.router import (
+    RoutedPeer,
+    RoutedServe,
+    RouterFront,
+    peer_address,
+    peer_table,
+    shared_table,
+)
 from gpud.core.routerconf import http_lines, render_script
 from gpud.core.routerlog import parse_log_line
 
@@ -77,6 +84,27 @@ def test_the_peers_location_sets_its_key_requester_and_hop_and_streams() -> None
 def test_no_peers_no_peer_lines() -> None:
     lines = "\n".join(http_lines(_router()))
     assert "router_peer_" not in lines and "/.gpud-router-peers" not in lines
+    assert "/.gpud-router-route" not in lines and "router_gpud_route" not in lines
+
+
+def test_a_model_on_several_hosts_asks_gpud_on_a_kept_connection() -> None:
+    """CONFIG.shared: the models on more than one host ("" this host), and only those; the
+    question's location reaches gpud's GET /v1/route on connections nginx keeps."""
+    router = _router(RoutedPeer("b", "http", "10.0.0.2", 80, KEY, ("ocr", "chat")),
+                     RoutedPeer("c", "http", "10.0.0.3", 80, KEY, ("ocr", "embed")))
+    assert shared_table(["chat"], router.peers) == {"chat": ["", "b"], "ocr": ["b", "c"]}
+    text = render_script(router, "")
+    config = json.loads(text.split("var CONFIG = ", 1)[1].rsplit(";", 1)[0])
+    assert config["shared"] == {"chat": ["", "b"], "ocr": ["b", "c"]}
+    assert config["route_location"] == "/.gpud-router-route"
+    out = "\n".join(http_lines(router)).split("\n")
+    upstream = out[out.index("    upstream router_gpud_route {"):][:4]
+    assert upstream[2] == "        keepalive 2;", upstream
+    location = _location(out, "= /.gpud-router-route")
+    assert "            internal;" in location
+    assert "            proxy_pass http://router_gpud_route/v1/route;" in location
+    assert "            proxy_http_version 1.1;" in location
+    assert '            proxy_set_header Connection "";' in location
 
 
 def test_the_script_knows_each_peer_its_models_and_open_circuits() -> None:

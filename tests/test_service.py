@@ -35,7 +35,8 @@ from gpud.durable.store import Changes, Event, EventQuery, ServeStateRow, Store
 from gpud.errors import BadRequest, ConfigError, Conflict, Denied, GpudError, NotFound, StoreError
 from gpud.host.observer import Observer
 from gpud.host.simulation import SimulatedBackend, SimulatedDevice
-from gpud.life.service import LedgerService, StateRefused, prune_batch, resolve_budgets
+from gpud.life.service import LedgerService, StateRefused, resolve_budgets
+from gpud.life.writes import prune_batch
 from tests.reach import admitted_to
 
 ROLES = """

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gpud.core.modelconfig import text_config
 from gpud.core.sizing import (
     MIB,
     NotApplicable,
@@ -16,7 +17,6 @@ from gpud.core.sizing import (
     model_dtype,
     need,
     shortfall,
-    text_config,
     weights,
 )
 from gpud.core.vllm_versions import V034, behaviour

@@ -110,7 +110,7 @@ async def test_free_for_counts_the_serves_own_reservation_back(service: LedgerSe
 
 def test_freed_roles_in_the_size_of_the_change() -> None:
     from gpud.core.ledger import Ledger, RoleBudget
-    from gpud.life.service import _freed_roles
+    from gpud.life.writes import _freed_roles
 
     ledger = Ledger.build([RoleBudget("r", "0", 100, 0), RoleBudget("s", "0", 100, 0)],
                           [Reservation("a", "r", 50, 0.0), Reservation("b", "s", 20, 0.0)])

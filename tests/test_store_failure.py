@@ -90,13 +90,13 @@ async def test_a_failing_store_is_reported_and_logged_once_per_interval(
 async def test_a_store_still_failing_is_said_again_after_the_interval(
         svc: LedgerService, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpud.life.service
+    import gpud.life.writes
 
     store = svc.store
     assert isinstance(store, FillingStore)
     store.full = True
     caplog.set_level(logging.INFO, logger="gpud")
-    monkeypatch.setattr(gpud.life.service, "STORE_LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(gpud.life.writes, "STORE_LOG_INTERVAL_S", 0.0)
     for i in range(2):
         with pytest.raises(StoreError):
             await svc.admit(f"b{i}", 100, role="r")

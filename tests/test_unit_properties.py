@@ -21,7 +21,7 @@ from dbus_fast.errors import AuthError, DBusError
 from gpud.core.launch import Hardening
 from gpud.core.unitstate import UnitState
 from gpud.core.vocab import serve_of_unit, serve_unit
-from gpud.errors import BadRequest, Conflict, GpudError, NotFound, Unavailable
+from gpud.errors import BadRequest, Conflict, GpudError, JobFailed, NotFound, Unavailable
 from gpud.host.unit_properties import (
     PROPERTIES,
     USEC_INFINITY,
@@ -31,7 +31,7 @@ from gpud.host.unit_properties import (
     environment_file_text,
     unit_name,
 )
-from gpud.host.units import (
+from gpud.host.unitbus import (
     _DBUS_ERRORS,
     MANAGER_IFACE,
     MANAGER_PATH,
@@ -39,17 +39,14 @@ from gpud.host.units import (
     SERVICE_IFACE,
     UNIT_IFACE,
     UNIT_PATH_PREFIX,
-    JobFailed,
-    SystemdUnits,
-    _JobWatch,
-    _state_from,
-    _Tracked,
     bus_path_escape,
     bus_path_unescape,
     map_error,
     systemd_major,
     unit_of_path,
 )
+from gpud.host.unitbus import state_from as _state_from
+from gpud.host.units import SystemdUnits, _JobWatch, _Tracked
 from tests.waiting import until, waiters
 
 # Quotes, a specifier, spaces, a backslash, a tab: all must reach the process as they are.

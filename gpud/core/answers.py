@@ -685,6 +685,17 @@ class Peers(TypedDict):
     peers: list[Peer]
 
 
+class RouteChoice(TypedDict):
+    """GET /v1/route?model=NAME: which host takes a request for the model now
+    (gpud.core.peers.choose_host; docs/peers.md, "Which host"): `found` false when none can,
+    else `peer` names the peer, null this host; `hosts` are those compared ("" this host)."""
+
+    model: str
+    found: bool
+    peer: str | None
+    hosts: list[str]
+
+
 # The component schemas of the served document, by name.
 COMPONENTS: tuple[type, ...] = (
     Figures, Observed, Reservation, Role, Ledger, Calibrated, QueuePlace, Serve, Serves, Event,
@@ -695,5 +706,5 @@ COMPONENTS: tuple[type, ...] = (
     Launching, Observation, ConfigFile, Status, Admitted, Released, Reloaded, PlanRole,
     PlanServe, Shortage, PlanDenied, Blocker, PlanUndo, PlanStep, Plan, CalibrationRun,
     CalibrationRecord, Calibration, ApplyStep, ApplyResult, ErrorBody, Error,
-    PeerListed, Peer, Peers,
+    PeerListed, Peer, Peers, RouteChoice,
 )

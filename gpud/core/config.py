@@ -73,7 +73,7 @@ class DaemonConfig(_Model):
     backups_keep: int = Field(default=10, ge=1, le=1000,
                               validation_alias=AliasChoices("backups_keep", "config_backups"))
     # Events kept in the store (the newest); older ones are pruned in batches of a twentieth of
-    # it, so the store holds at most about 5% more (service.prune_batch).
+    # it, so the store holds at most about 5% more (gpud.life.writes.prune_batch).
     events_keep: int = Field(default=100_000, ge=100, le=100_000_000)
     metrics_listen: str | None = None
     # Sleeping serves put to sleep by a preemption wake by priority, while they fit, when

@@ -6,6 +6,7 @@ that asks the peers is gpud.host.peers).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -336,3 +337,92 @@ def choose_host(offers: Sequence[Offer], *, spillover: bool = False) -> Offer | 
     if not pool:
         return min(offers, key=_rank)
     return min(pool, key=_rank)
+
+
+def peer_offer(host: str, model: PeerModel) -> Offer:
+    """What peer HOST's /v1/models entry MODEL says for choose_host: awake when running, saturated
+    when requests wait for it there, its expected wait as it reports it. (A peer does not say
+    whether its queue is full: it answers that itself, as a refusal passed on.)"""
+    awake = model.state == AWAKE
+    return Offer(host, awake=awake, saturated=model.queued > 0,
+                 expected_wait_s=model.expected_wait_s)
+
+
+def local_offer(state: str, queued: int, queue_full: bool, expected_wait_s: float | None
+                ) -> Offer:
+    """What this host says of its serve for choose_host: its STATE, the requests QUEUED for its
+    bring-up, whether its queue takes no more (QUEUE_FULL) and the wait it expects."""
+    return Offer(None, awake=state == AWAKE, saturated=queued > 0 or queue_full,
+                 queue_full=queue_full, expected_wait_s=expected_wait_s)
+
+
+
+def offers_of(local: Offer | None, peers: Mapping[str, PeerModel]) -> list[Offer]:
+    """choose_host's offers: this host's (LOCAL; None when no serve of it answers to the model)
+    and each peer's, from the model as each peer whose circuit is closed lists it (PEERS)."""
+    return ([local] if local is not None else []) + [peer_offer(name, peers[name])
+                                                      for name in sorted(peers)]
+
+
+
+# The symbolic names IPAddressAllow= and IPAddressDeny= take (systemd.resource-control(5),
+# "Special address/network names").
+UNIT_NETWORKS: Final = {"any": ("0.0.0.0/0", "::/0"), "localhost": ("127.0.0.0/8", "::1/128"),
+                        "link-local": ("169.254.0.0/16", "fe80::/64"),
+                        "multicast": ("224.0.0.0/4", "ff00::/8")}
+
+
+@dataclass(frozen=True, slots=True)
+class IPAccess:
+    """A unit's IPAddressAllow= and IPAddressDeny= lists, as its files leave them."""
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+
+def ip_access(texts: Iterable[str]) -> IPAccess:
+    """The IP access lists of a service unit whose file and drop-ins (in the order systemd
+    applies them) are TEXTS: the [Service] section's IPAddressAllow= and IPAddressDeny=, each
+    assignment adding to its list, an empty one resetting it (systemd.resource-control(5))."""
+    lists: dict[str, list[str]] = {"IPAddressAllow": [], "IPAddressDeny": []}
+    for text in texts:
+        section = ""
+        for raw in text.splitlines():
+            line = raw.strip()
+            if not line or line[0] in "#;":
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1]
+                continue
+            key, eq, value = line.partition("=")
+            key = key.strip()
+            if section != "Service" or not eq or key not in lists:
+                continue
+            if not value.strip():
+                lists[key].clear()
+            else:
+                lists[key].extend(value.split())
+    return IPAccess(tuple(lists["IPAddressAllow"]), tuple(lists["IPAddressDeny"]))
+
+
+def _matches(entries: Iterable[str], address: ipaddress.IPv4Address | ipaddress.IPv6Address
+             ) -> bool:
+    for entry in entries:
+        for net in UNIT_NETWORKS.get(entry, (entry,)):
+            try:
+                network = ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                continue   # systemd refuses such an entry (logged); it matches nothing
+            if network.version == address.version and address in network:
+                return True
+    return False
+
+
+def admits(access: IPAccess, address: str) -> bool:
+    """Whether a unit with ACCESS may reach ADDRESS (an IP address): granted when it matches
+    IPAddressAllow=, else denied when it matches IPAddressDeny=, else granted (the order
+    systemd.resource-control(5) gives)."""
+    addr = ipaddress.ip_address(address)
+    if _matches(access.allow, addr):
+        return True
+    return not _matches(access.deny, addr)

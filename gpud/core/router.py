@@ -143,6 +143,10 @@ class RoutedServe:
     socket: str | None = None
     port: int | None = None
     ensure_timeout_s: int | None = None
+    # a serve gpud does not bring up for a request (always on: its operator's or the boot's to
+    # start): gpud is asked only when it does not answer (nginx's 502: starting, stopped,
+    # restarting after a crash), waiting at most wait_timeout_s for a start under way
+    wait_timeout_s: int | None = None
     # launched with --scheduling-policy priority (vLLM orders its waiting requests by the
     # body's `priority`, lower first): the router sets it to the key's (PRIORITY_ROUTES)
     priority_scheduling: bool = False
@@ -186,6 +190,12 @@ PEER_RETRY_AFTER_S: Final = 5
 # A peer that does not take the connection within this long is down (its circuit's failure).
 PEER_CONNECT_TIMEOUT_S: Final = 3
 PEERS_LOCATION: Final = "/.gpud-router-peers"
+# gpud's answer to which host takes a request for a model on several hosts (GET /v1/route)
+ROUTE_LOCATION: Final = "/.gpud-router-route"
+# its upstream (gpud's socket, connections kept: each worker keeps at most this many idle; gpud
+# keeps the front's uid connections apart, gpud.server.connguard)
+GPUD_ROUTE_UPSTREAM: Final = "router_gpud_route"
+GPUD_ROUTE_KEEPALIVE: Final = 2
 # A peer's key as nginx.conf carries it (proxy_set_header): no quote, backslash, `$` (nginx
 # reads a variable there), `;`, brace or space.
 PEER_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~+/=:@%!*,^|-]{1,512}")
@@ -274,6 +284,15 @@ def peer_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, l
                    {p.name: [PeerModel(m) for m in p.models] for p in peers})
     return {m.id: [h.host for h in m.hosts if h.host is not None]
             for m in merged if m.hosts[0].host is not None}
+
+
+def shared_table(local: Iterable[str], peers: Sequence[RoutedPeer]) -> dict[str, list[str]]:
+    """Model name -> every host that offers it ("" this host, then the peers by name), for the
+    models on more than one host: a request for one of these asks gpud which host takes it
+    (GET /v1/route, gpud.core.peers.choose_host); one on a single host never does."""
+    merged = merge([PeerModel(m) for m in local],
+                   {p.name: [PeerModel(m) for m in p.models] for p in peers})
+    return {m.id: [h.host or "" for h in m.hosts] for m in merged if len(m.hosts) > 1}
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,14 @@ from gpud.core.limits import (
 )
 from gpud.core.router import (
     FORWARDED_REQUESTER_RE,
+    GPUD_ROUTE_KEEPALIVE,
+    GPUD_ROUTE_UPSTREAM,
     PEER_CONNECT_TIMEOUT_S,
     PEER_RETRY_AFTER_S,
     PEERS_LOCATION,
     PRIORITY_ROUTES,
     REQUESTER_HEADER,
+    ROUTE_LOCATION,
     ROUTED_PATHS,
     STREAM_USAGE_ROUTES,
     VIA_HEADER,
@@ -46,6 +49,7 @@ from gpud.core.router import (
     RoutedServe,
     RouterFront,
     peer_table,
+    shared_table,
 )
 from gpud.core.routerlog import LOG_FIELDS, LOG_FORMAT, PEER_FIELDS, USAGE_FIELDS
 
@@ -188,31 +192,67 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                   # a location's error pages replace the server's: the serve gone between
                   # gpud's yes and the connect (nginx's 502) is named here too
                   "            error_page 502 504 = @router_down;"]
+    elif serve.wait_timeout_s is not None:
+        # An always-on serve: nothing asked of gpud while it answers; when it does not (no
+        # connection: nginx's 502), the request waits for gpud's ensure (_starting), which is
+        # answered once a start under way ends, or refused with why (stopped, failed)
+        lines += [f"            error_page 502 = {serve.location}_starting;",
+                  *(["            error_page 429 = @router_limited;"] if limits else []),
+                  "            error_page 504 = @router_down;"]
     lines += [f"            proxy_pass http://{serve.upstream};",
               METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
-        lines += _ensure_locations(serve, awake_dir, body)
+        lines += _ensure_locations(serve, serve.ensure_timeout_s, awake_dir, body)
+    elif serve.wait_timeout_s is not None:
+        lines += _starting_locations(serve, serve.wait_timeout_s, fair)
     return lines
 
 
-def _ensure_locations(serve: RoutedServe, awake_dir: str | None,
+def _ensure_lines(serve: RoutedServe, timeout_s: int) -> list[str]:
+    """The inside of a location that asks gpud to have SERVE up (its ensure), waiting at most
+    TIMEOUT_S."""
+    return ["            internal;",
+            f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
+            "            proxy_method POST;",
+            "            proxy_pass_request_body off;",
+            # none of the client's headers: gpud's X-Gpud-* are the router's alone
+            "            proxy_pass_request_headers off;",
+            '            proxy_set_header Content-Length "";',
+            "            proxy_set_header X-Gpud-Model $router_model;",
+            # the key's own name ($router_key is the name usage is counted under)
+            "            proxy_set_header X-Gpud-Key $router_key_name;",
+            "            proxy_set_header X-Gpud-Requester $router_requester;",
+            f"            proxy_read_timeout {timeout_s}s;"]
+
+
+def _starting_locations(serve: RoutedServe, timeout_s: int,
+                        fair: Sequence[str]) -> list[str]:
+    """The locations of an always-on serve that did not answer: its ensure (waiting at most
+    TIMEOUT_S for a start under way) and the request sent again once gpud says it is up."""
+    return [f"        location = {ENSURE_PREFIX}{serve.name} {{",
+            *_ensure_lines(serve, timeout_s),
+            "        }",
+            f"        location {serve.location}_starting {{",
+            *fair,
+            f"            auth_request {ENSURE_PREFIX}{serve.name};",
+            "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
+            "            auth_request_set $router_retry $upstream_http_retry_after;",
+            "            auth_request_set $router_ensure_s $upstream_response_time;",
+            "            error_page 403 = @router_refused;",
+            "            error_page 500 502 504 = @router_down;",
+            f"            proxy_pass http://{serve.upstream};",
+            METER,
+            "        }"]
+
+
+def _ensure_locations(serve: RoutedServe, timeout_s: int, awake_dir: str | None,
                       body: Sequence[str]) -> list[str]:
-    """The locations of a serve gpud is asked to have up before a request: its ensure, the
-    same ensure asked by a stream's loading feedback, the serve when gpud does not answer,
-    and the include of a stream that waited with loading feedback."""
-    ensure = ["            internal;",
-              f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
-              "            proxy_method POST;",
-              "            proxy_pass_request_body off;",
-              # none of the client's headers: gpud's X-Gpud-* are the router's alone
-              "            proxy_pass_request_headers off;",
-              '            proxy_set_header Content-Length "";',
-              "            proxy_set_header X-Gpud-Model $router_model;",
-              # the key's own name ($router_key is the name usage is counted under)
-              "            proxy_set_header X-Gpud-Key $router_key_name;",
-              "            proxy_set_header X-Gpud-Requester $router_requester;",
-              f"            proxy_read_timeout {serve.ensure_timeout_s}s;"]
+    """The locations of a serve gpud is asked to have up before a request (waiting at most
+    TIMEOUT_S): its ensure, the same ensure asked by a stream's loading feedback, the serve
+    when gpud does not answer, and the include of a stream that waited with loading
+    feedback."""
+    ensure = _ensure_lines(serve, timeout_s)
     lines: list[str] = []
     lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
               *ensure,
@@ -379,10 +419,18 @@ def _script_variables() -> list[str]:
 
 
 def _upstreams(router: RouterFront) -> list[str]:
-    """The upstreams: gpud's socket, each serve's, each peer's router."""
+    """The upstreams: gpud's socket (and its kept connections for GET /v1/route where there
+    are peers), each serve's, each peer's router."""
     out = [f"    upstream {GPUD_UPSTREAM} {{",
            f"        server unix:{router.gpud_socket};",
            "    }"]
+    if router.peers:
+        # GET /v1/route, asked at a request for a model on several hosts: its connections kept
+        # (a new one per question was most of its cost)
+        out += [f"    upstream {GPUD_ROUTE_UPSTREAM} {{",
+                f"        server unix:{router.gpud_socket};",
+                f"        keepalive {GPUD_ROUTE_KEEPALIVE};",
+                "    }"]
     for serve in sorted(router.serves, key=lambda s: s.name):
         out += [f"    upstream {serve.upstream} {{",
                 f"        server {serve.server};",
@@ -500,11 +548,23 @@ def _gpud_list(location: str, path: str) -> list[str]:
 
 
 def _peers_locations(router: RouterFront) -> list[str]:
-    """The locations of forwarding (docs/peers.md): gpud's list of peers, the answer of a peer
-    gone, each peer's."""
+    """The locations of forwarding (docs/peers.md): gpud's list of peers, its answer to which
+    host takes a request (GET /v1/route), the answer of a peer gone, each peer's."""
     out = []
     if router.peers:
         out += [*_gpud_list(PEERS_LOCATION, "/v1/peers"),
+                f"        location = {ROUTE_LOCATION} {{",
+                "            internal;",
+                # the subrequest's args (model=NAME) go with it
+                f"            proxy_pass http://{GPUD_ROUTE_UPSTREAM}/v1/route;",
+                "            proxy_http_version 1.1;",
+                '            proxy_set_header Connection "";',
+                "            proxy_method GET;",
+                "            proxy_pass_request_body off;",
+                "            proxy_pass_request_headers off;",
+                '            proxy_set_header Content-Length "";',
+                "            proxy_read_timeout 5s;",
+                "        }",
                 "        location @router_peer_down {",
                 "            js_content router.peerDown;",
                 "        }"]
@@ -590,6 +650,8 @@ def render_script(router: RouterFront, code: str) -> str:
             "host": router.host, "peers_location": PEERS_LOCATION,
             "peer_retry_after_s": PEER_RETRY_AFTER_S,
             "peer_models": peer_table(router.table, router.peers),
+            "route_location": ROUTE_LOCATION,
+            "shared": shared_table(router.table, router.peers),
             "peers": {p.name: {"location": p.location,
                                "open": None if p.closed else
                                {"reason": p.open_reason, "since": p.open_since}}

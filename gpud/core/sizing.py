@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from gpud.core.modelconfig import config_int, text_config
 from gpud.core.vllm_versions import DEFAULT_VERSION, KvRules, behaviour
 
 MIB = 1 << 20
@@ -112,24 +113,6 @@ class Tensor:
     @property
     def stored_bytes(self) -> int:
         return (self.numel * SAFETENSORS_BITS[self.dtype] + 7) // 8
-
-
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config: multimodal configs nest it under text_config
-    (Gemma 3/4, Llama 4, Qwen2-VL's newer layout), or llm_config (InternVL)."""
-    for key in ("text_config", "llm_config", "language_config"):
-        inner = config.get(key)
-        if isinstance(inner, Mapping):
-            return inner
-    return config
-
-
-def _int(config: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def config_dtype(config: Mapping[str, Any]) -> str | None:
@@ -242,7 +225,7 @@ def weights(tensors: Sequence[Tensor], config: Mapping[str, Any], *,
     dtype = model_dtype(config, dtype_arg)
     width = DTYPE_BYTES[dtype]
     tc = text_config(config)
-    vocab = _int(tc, "vocab_size") or _int(config, "vocab_size")
+    vocab = config_int(tc, "vocab_size") or config_int(config, "vocab_size")
     tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     stored = quantization_method(config)
     online = None
@@ -311,13 +294,13 @@ def rope_cache_bytes(config: Mapping[str, Any], width: int) -> int:
     (rotary_embedding/__init__.py:29 _ROPE_DICT). rotary_dim: MLA's qk_rope_head_dim, else
     head_dim x partial_rotary_factor."""
     tc = text_config(config)
-    positions = _int(tc, "max_position_embeddings")
-    heads = _int(tc, "num_attention_heads", "n_head")
+    positions = config_int(tc, "max_position_embeddings")
+    heads = config_int(tc, "num_attention_heads", "n_head")
     if positions is None or heads is None:
         return 0
-    rotary = _int(tc, "qk_rope_head_dim")
+    rotary = config_int(tc, "qk_rope_head_dim")
     if rotary is None:
-        head_dim = _int(tc, "head_dim") or (_int(tc, "hidden_size") or 0) // heads
+        head_dim = config_int(tc, "head_dim") or (config_int(tc, "hidden_size") or 0) // heads
         factor = tc.get("partial_rotary_factor", 1.0)
         if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             factor = 1.0
@@ -493,8 +476,8 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
     reuse earlier layers' cache (Gemma 3n). Over `devices` (tensor parallel) each holds
     ceil(kv_heads / devices) heads."""
     tc = text_config(config)
-    layers = _int(tc, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _int(tc, "num_attention_heads", "n_head")
+    layers = config_int(tc, "num_hidden_layers", "n_layer", "num_layers")
+    heads = config_int(tc, "num_attention_heads", "n_head")
     if layers is None or heads is None:
         raise SizingError("config.json: no num_hidden_layers / num_attention_heads to size "
                           "the KV cache by")
@@ -508,17 +491,17 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
     width = KV_CACHE_DTYPE_BYTES[kv_dtype]
     notes: list[str] = []
     full_bytes = 0
-    rank = _int(tc, "kv_lora_rank")
+    rank = config_int(tc, "kv_lora_rank")
     if rank is not None:
-        layer_bytes = (rank + (_int(tc, "qk_rope_head_dim") or 0)) * width
+        layer_bytes = (rank + (config_int(tc, "qk_rope_head_dim") or 0)) * width
         notes.append("MLA latent")
     else:
-        kv_heads = _int(tc, "num_key_value_heads", "num_kv_heads") or heads
+        kv_heads = config_int(tc, "num_key_value_heads", "num_kv_heads") or heads
         if tc.get("multi_query") is True:
             kv_heads = 1
-        head_dim = _int(tc, "head_dim")
+        head_dim = config_int(tc, "head_dim")
         if head_dim is None:
-            hidden = _int(tc, "hidden_size", "n_embd", "d_model")
+            hidden = config_int(tc, "hidden_size", "n_embd", "d_model")
             if hidden is None:
                 raise SizingError("config.json: no head_dim or hidden_size to size the KV "
                                   "cache by")
@@ -537,22 +520,22 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         if isinstance(overrides, Mapping) and overrides and full_at:
             first = overrides.get(str(full_at[0]), overrides.get(full_at[0]))
             if isinstance(first, Mapping):
-                global_dim = _int(first, "head_dim") or head_dim
-                global_heads = _int(first, "num_key_value_heads") or kv_heads
+                global_dim = config_int(first, "head_dim") or head_dim
+                global_heads = config_int(first, "num_key_value_heads") or kv_heads
                 full_bytes = 2 * -(-global_heads // devices) * global_dim * width
         elif str(tc.get("model_type", "")).startswith("gemma4"):
-            global_dim = _int(tc, "global_head_dim") or 512
-            global_heads = (_int(tc, "num_global_key_value_heads")
+            global_dim = config_int(tc, "global_head_dim") or 512
+            global_heads = (config_int(tc, "num_global_key_value_heads")
                             if tc.get("attention_k_eq_v") is True else None) or kv_heads
             full_bytes = 2 * -(-global_heads // devices) * global_dim * width
         if full_bytes and full_bytes != layer_bytes:
             notes.append(f"full-attention layers {full_bytes} bytes a token")
     types = tc.get("layer_types")
-    window = _int(tc, "sliding_window", "attention_window_size")
+    window = config_int(tc, "sliding_window", "attention_window_size")
     full, sliding = layers, 0
     if isinstance(types, list) and len(types) == layers and all(isinstance(x, str)
                                                                  for x in types):
-        shared = _int(tc, "num_kv_shared_layers") or 0
+        shared = config_int(tc, "num_kv_shared_layers") or 0
         own = types[:layers - shared] if shared < layers else []
         full = sum(1 for x in own if x in FULL_KINDS)
         sliding = sum(1 for x in own if x in ("sliding_attention", "chunked_attention",
@@ -563,7 +546,7 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         if shared:
             notes.append(f"{shared} layers share earlier layers' cache")
         if sliding and window is None:
-            window = _int(tc, "attention_chunk_size")
+            window = config_int(tc, "attention_chunk_size")
     elif window is not None and tc.get("use_sliding_window", True) is not False:
         full, sliding = 0, layers
     if sliding and window is None:
@@ -572,54 +555,6 @@ def kv_cache(config: Mapping[str, Any], *, cache_dtype: str | None = None,
         notes.append(f"{sliding} sliding-window layers ({window} tokens)")
     return KvCache(full, sliding, window, layer_bytes, kv_dtype, "; ".join(notes),
                    full_bytes if full_bytes and full_bytes != layer_bytes else None)
-
-
-# The keys a config gives its context length by (vllm/transformers_utils/model_arch_config_
-# convertor.py of 0.33: possible_keys; the smallest one found is the model's).
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                "model_max_length", "max_sequence_length", "max_seq_length", "seq_len")
-# RoPE scalings whose max_position_embeddings is already scaled (vllm/config/model.py:2607-2620
-# of 0.33 _get_and_verify_max_len); any other type multiplies it by its factor.
-ROPE_ALREADY_SCALED = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn",
-                                 "deepseek_llama_scaling"})
-
-
-def model_window(config: Mapping[str, Any]) -> tuple[int, str] | None:
-    """The longest max_model_len vLLM accepts for this model, and the key it comes from: the
-    smallest context length the config gives, times a RoPE scaling's factor unless the type's
-    positions are already scaled or the model is a Gemma 3 (vllm/config/model.py:2545-2690 of
-    0.33 _get_and_verify_max_len: a longer max_model_len is refused unless
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)."""
-    tc = text_config(config)
-    found = [(v, k) for k in CONTEXT_KEYS if (v := _int(tc, k)) is not None]
-    if not found:
-        return None
-    length, key = min(found)
-    rope = tc.get("rope_parameters") or tc.get("rope_scaling")
-    model_type = str(tc.get("model_type", config.get("model_type", "")))
-    if isinstance(rope, Mapping) and "gemma3" not in model_type:
-        kind = rope.get("rope_type", rope.get("type"))
-        factor = rope.get("factor")
-        if kind not in ROPE_ALREADY_SCALED and isinstance(factor, (int, float)) and factor > 0:
-            return int(length * factor), f"{key} x rope factor {factor:g}"
-    return length, key
-
-
-def default_max_model_len(config: Mapping[str, Any]) -> int | None:
-    """The max_model_len vLLM takes when none is given: the model's own context length
-    (model_window; vllm/config/model.py: _get_and_verify_max_len)."""
-    window = model_window(config)
-    return window[0] if window else None
-
-
-def check_max_model_len(config: Mapping[str, Any], max_model_len: int) -> str | None:
-    """Why vLLM refuses this max_model_len for the model, naming what fits, or None."""
-    window = model_window(config)
-    if window is None or max_model_len <= window[0]:
-        return None
-    return (f"max_model_len {max_model_len} is over the model's context length {window[0]} "
-            f"({window[1]} in config.json): vLLM refuses it (vllm/config/model.py "
-            f"_get_and_verify_max_len); use max_model_len <= {window[0]}")
 
 
 def mib_up(n_bytes: int) -> int:
@@ -725,16 +660,16 @@ def estimate_overheads(config: Mapping[str, Any], dtype: str, rules: KvRules, *,
     vLLM measures both at start (its "Available KV cache memory" is what is left); `gpuctl
     calibrate` reads them back and `measured_overheads` replaces this estimate."""
     tc = text_config(config)
-    hidden = _int(tc, "hidden_size", "n_embd", "d_model") or 0
-    inter = _int(tc, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    moe = _int(tc, "moe_intermediate_size")
-    topk = _int(tc, "num_experts_per_tok", "moe_topk")
+    hidden = config_int(tc, "hidden_size", "n_embd", "d_model") or 0
+    inter = config_int(tc, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    moe = config_int(tc, "moe_intermediate_size")
+    topk = config_int(tc, "num_experts_per_tok", "moe_topk")
     if moe and topk:
         inter = max(inter, moe * topk)
-    heads = _int(tc, "num_attention_heads", "n_head") or 1
-    kv_heads = _int(tc, "num_key_value_heads") or heads
-    head_dim = _int(tc, "head_dim") or (hidden // heads if hidden else 0)
-    vocab = _int(tc, "vocab_size") or _int(config, "vocab_size") or 0
+    heads = config_int(tc, "num_attention_heads", "n_head") or 1
+    kv_heads = config_int(tc, "num_key_value_heads") or heads
+    head_dim = config_int(tc, "head_dim") or (hidden // heads if hidden else 0)
+    vocab = config_int(tc, "vocab_size") or config_int(config, "vocab_size") or 0
     width = DTYPE_BYTES[dtype]
     per_token = (2 * inter + (heads + 2 * kv_heads) * head_dim + 2 * hidden) * width
     default_tokens, default_seqs = rules.batch_defaults(device_mib)

@@ -3,14 +3,24 @@ its arguments (``configure``) and what it does (``run``).
 
 The parser (gpud.ctl.main), the man page (scripts/manpage.py) and the shell completion
 (scripts/completion.py) are all built from ``COMMANDS``: a new command is a new row with its
-``configure`` and ``run`` functions, and ``make docs``. ``parse_since`` and ``parse_mib`` are pure.
+``configure`` and ``run`` functions, and ``make docs``. The values of their arguments are read
+by gpud.ctl.arguments (``parse_since``, ``parse_mib``: pure).
 """
 
 from __future__ import annotations
 
 import os
 
-from gpud.ctl.client import LIFECYCLE_TIMEOUT, MUTATION_TIMEOUT, query_string, quote_segment
+from gpud.ctl.arguments import (
+    duration,
+    epoch_text,
+    parse_mib,
+    parse_since,
+    positive_float,
+    positive_int,
+    serve_path,
+)
+from gpud.ctl.client import LIFECYCLE_TIMEOUT, MUTATION_TIMEOUT, query_string
 from gpud.ctl.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, CtlError, usage_error
 from gpud.ctl.format import (
     dump_json,
@@ -55,51 +65,6 @@ from gpud.core.vocab import (  # noqa: E402 - defined once
     serve_unit,
 )
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_since(text: str, now: float) -> float:
-    """``--since``: ISO 8601 (naive is local time), epoch seconds, or an age like 10m, 2h, 1h30m.
-
-    Returns epoch seconds; raises CtlError (exit 2) for anything else.
-    """
-    import re
-
-    value = text.strip()
-    if re.fullmatch(r"(?:\d+(?:\.\d+)?[smhdw])+", value):
-        age = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhdw])", value))
-        return now - age
-    if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        return float(value)
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except (ValueError, OverflowError, OSError):
-        raise usage_error(
-            f"--since {text!r}: use ISO 8601 (2026-07-13T03:00), epoch seconds (1783911600) "
-            "or an age (90s, 10m, 2h, 3d, 1h30m)", since=text) from None
-
-
-def parse_mib(text: str) -> int:
-    """A reservation size: a positive integer number of MiB (the daemon is the authority)."""
-    value = text.strip()
-    if not (value.isascii() and value.isdigit()) or int(value) <= 0:
-        raise usage_error(f"MIB must be a positive integer number of MiB, got {text!r}",
-                          mib=text)
-    return int(value)
-
-
-def serve_path(name: str, action: str = "") -> str:
-    if not name:
-        raise usage_error("the serve name must not be empty")
-    return f"/v1/serves/{quote_segment(name)}" + (f"/{action}" if action else "")
-
-
-def _epoch_text(ts: float) -> str:
-    return f"{ts:.3f}".rstrip("0").rstrip(".")
-
-
 # ---- commands ---------------------------------------------------------------------------------
 
 
@@ -140,26 +105,6 @@ def _no_args(p: argparse.ArgumentParser) -> None:
 
 def _name_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", help="the serve, as named in serves.toml")
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
 
 
 def run_status(ctl: Ctl, args: argparse.Namespace) -> int:
@@ -256,7 +201,7 @@ def run_usage(ctl: Ctl, args: argparse.Namespace) -> int:
 
     params: list[tuple[str, str]] = []
     if args.since is not None:
-        params.append(("since", _epoch_text(parse_since(args.since, time.time()))))
+        params.append(("since", epoch_text(parse_since(args.since, time.time()))))
     if args.key is not None:
         params.append(("key", args.key))
     target = "/v1/usage" + ("?" + query_string(params) if params else "")
@@ -412,7 +357,7 @@ def configure_events(p: argparse.ArgumentParser) -> None:
                    help="only events at or after T: ISO 8601 (2026-07-13T03:00, local time "
                         "unless an offset is given), epoch seconds, or an age such as 90s, 10m, "
                         "2h, 3d or 1h30m")
-    p.add_argument("--limit", type=_positive_int, metavar="N",
+    p.add_argument("--limit", type=positive_int, metavar="N",
                    help="at most the N newest matching events (daemon default 100, max 10000)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="after the matching events, print each new one as it happens, until "
@@ -427,7 +372,7 @@ def events_query(args: argparse.Namespace, now: float) -> list[tuple[str, str]]:
     for group in args.kind or []:
         params += [("kind", k) for k in group.split(",") if k]
     if args.since is not None:
-        params.append(("since", _epoch_text(parse_since(args.since, now))))
+        params.append(("since", epoch_text(parse_since(args.since, now))))
     if args.limit is not None:
         params.append(("limit", str(args.limit)))
     return params
@@ -520,33 +465,18 @@ def configure_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--status", action="store_true", help="show the serve's calibration only")
 
 
-def _duration(text: str) -> float:
-    import math
-
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        seconds = (float(text[:-1]) * units[text[-1]] if text and text[-1] in units
-                   else float(text))
-    except ValueError:
-        raise usage_error(f"--window: not a duration: {text!r} (say 90s, 10m or 1h)") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise usage_error(f"--window: must be a positive, finite duration: {text!r}")
-    return seconds
-
-
-
 def run_calibrate(ctl: Ctl, args: argparse.Namespace) -> int:
     import time
 
     path = serve_path(args.name, "calibration")
     if not args.status:
         ctl.client.call("POST", serve_path(args.name, "calibrate"),
-                        {"window_s": _duration(args.window)}, MUTATION_TIMEOUT)
+                        {"window_s": duration(args.window)}, MUTATION_TIMEOUT)
         if not args.no_wait:
             while (doc := ctl.client.call("GET", path)).get("running"):
                 if not ctl.as_json:
                     print(format_calibration(doc).splitlines()[-1], file=ctl.err, flush=True)
-                time.sleep(min(5.0, max(0.5, _duration(args.window) / 10)))
+                time.sleep(min(5.0, max(0.5, duration(args.window) / 10)))
     ctl.emit(ctl.client.call("GET", path), format_calibration)
     return EXIT_OK
 

@@ -11,8 +11,9 @@ import os
 import sys
 
 from gpud.core.text import printable
+from gpud.ctl.arguments import positive_float
 from gpud.ctl.client import Client, UnixTransport
-from gpud.ctl.commands import COMMANDS, Ctl, positive_float
+from gpud.ctl.commands import COMMANDS, Ctl
 from gpud.ctl.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,

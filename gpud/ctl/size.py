@@ -76,7 +76,7 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     """The figures as JSON, or CtlError (exit 2) for a checkpoint that is not there or not
     readable, or a setting vLLM would refuse."""
 
-    from gpud.core import sizing
+    from gpud.core import modelconfig, sizing
     from gpud.core.vllm_versions import DEFAULT_VERSION, behaviour, borrowed_rules_note
     from gpud.vllm.checkpoint import CheckpointError, NotOnDisk, hub_cache_of, locate, read_checkpoint
 
@@ -105,11 +105,11 @@ def size_doc(args: argparse.Namespace) -> dict[str, Any]:
     except (CheckpointError, sizing.SizingError) as exc:
         raise usage_error(str(exc), model=args.model) from None
     if args.max_model_len is not None:
-        too_long = sizing.check_max_model_len(ckpt.config, args.max_model_len)
+        too_long = modelconfig.check_max_model_len(ckpt.config, args.max_model_len)
         if too_long is not None:
             raise usage_error(too_long.replace("use max_model_len", "use --max-model-len"),
                               model=args.model)
-    length = args.max_model_len or sizing.default_max_model_len(ckpt.config)
+    length = args.max_model_len or modelconfig.default_max_model_len(ckpt.config)
     if length is None:
         raise usage_error("config.json gives no context length: give --max-model-len",
                           model=args.model)

@@ -503,39 +503,51 @@ function route(r) {
         return;
     }
     var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
-    if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
+    // a model on several hosts: gpud says which takes it now (choose), the rest as below
+    if (has(CONFIG.shared, model) && allows(key, model) && !hopped(r)) {
+        choose(r, model).then(function (host) {
+            if (!toChosen(r, host, model, key, stream)) {
+                here();
+            }
+        });
         return;
     }
-    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
-    if (entry === undefined || !allows(key, model)) {
-        var close = closeNames(model, key);
-        fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
-             (close.length ? '; did you mean ' + close.map(function (n) {
-                 return JSON.stringify(n); }).join(', ') + '?' : '') +
-             ' (GET /v1/models lists them)', 'model_not_found', 'model');
-        return;
+    here();
+    function here() {
+        if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
+            return;
+        }
+        // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+        if (entry === undefined || !allows(key, model)) {
+            var close = closeNames(model, key);
+            fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
+                 (close.length ? '; did you mean ' + close.map(function (n) {
+                     return JSON.stringify(n); }).join(', ') + '?' : '') +
+                 ' (GET /v1/models lists them)', 'model_not_found', 'model');
+            return;
+        }
+        var who = whoOf(r, key);
+        if (who.error) {
+            fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
+            return;
+        }
+        r.variables.router_model = model;
+        r.variables.router_serve = entry.serve;
+        // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
+        r.variables.router_key = who.usage;
+        r.variables.router_requester = who.requester;
+        askUsage(r, body, doc, top, entry, stream);
+        if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+            !keyPriority(r, body, doc, top, key)) {
+            return;
+        }
+        if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
+            // through the key's limits first (@router_loading), then loading(): loadingStream
+            r.internalRedirect('@router_loading');
+            return;
+        }
+        r.internalRedirect(entry.location);
     }
-    var who = whoOf(r, key);
-    if (who.error) {
-        fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
-        return;
-    }
-    r.variables.router_model = model;
-    r.variables.router_serve = entry.serve;
-    // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
-    r.variables.router_key = who.usage;
-    r.variables.router_requester = who.requester;
-    askUsage(r, body, doc, top, entry, stream);
-    if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
-        !keyPriority(r, body, doc, top, key)) {
-        return;
-    }
-    if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
-        // through the key's limits first (@router_loading), then loading(): loadingStream
-        r.internalRedirect('@router_loading');
-        return;
-    }
-    r.internalRedirect(entry.location);
 }
 
 // Whether the request came from another host's router (its hop header, docs/peers.md): it is
@@ -558,11 +570,7 @@ function forward(r, model, key, stream) {
     for (i = 0; i < names.length; i++) {
         peer = CONFIG.peers[names[i]];
         if (peer.open === null) {
-            r.variables.router_model = model;
-            r.variables.router_peer = names[i];
-            r.variables.router_key = key.name || '';
-            r.variables.router_requester = requesterOf(r, key);
-            r.internalRedirect(peer.location + (stream ? '_stream' : ''));
+            toPeer(r, names[i], model, key, stream);
             return true;
         }
     }
@@ -575,6 +583,48 @@ function forward(r, model, key, stream) {
             ')';
     }).join(', ') + '; retry after ' + CONFIG.peer_retry_after_s + ' s', 'peer_unreachable');
     return true;
+}
+
+// The request to peer NAME's named location, this router's requester and the access log's
+// fields set.
+function toPeer(r, name, model, key, stream) {
+    r.variables.router_model = model;
+    r.variables.router_peer = name;
+    r.variables.router_key = key.name || '';
+    r.variables.router_requester = requesterOf(r, key);
+    r.internalRedirect(CONFIG.peers[name].location + (stream ? '_stream' : ''));
+}
+
+// Which host takes a request for a model on several hosts (CONFIG.shared): gpud's answer
+// (GET /v1/route: gpud.core.peers.choose_host over this host's state, queue and expected
+// wait and what each peer last said of the model, its circuit closed), one subrequest: ''
+// this host, a peer's name, null none; undefined when gpud does not answer.
+function choose(r, model) {
+    return r.subrequest(CONFIG.route_location, {
+        method: 'GET', args: 'model=' + encodeURIComponent(model)}).then(function (reply) {
+        if (reply.status === 200) {
+            try {
+                var doc = JSON.parse(reply.responseText);
+                return doc.found ? (doc.peer === null ? '' : String(doc.peer)) : null;
+            } catch (e) {
+                // gpud's answer unreadable: as gpud not answering
+            }
+        }
+        return undefined;
+    }, function () { return undefined; });
+}
+
+// Follows gpud's choice HOST (choose): true when the request went to a peer. A peer the
+// script knows as open (its circuit opened since gpud answered) is never sent to. False:
+// the request goes on here, or, when no serve here has it, to forward() (the first peer whose
+// circuit is closed; all open: 503 at once), as without a choice.
+function toChosen(r, host, model, key, stream) {
+    if (typeof host === 'string' && host !== '' && has(CONFIG.peers, host) &&
+            CONFIG.peers[host].open === null) {
+        toPeer(r, host, model, key, stream);
+        return true;
+    }
+    return false;
 }
 
 // A forwarded request the peer did not take (nginx's 502/504 of the peer's location: no

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -29,10 +32,12 @@ from gpud.core.peers import (
     ModelsProblem,
     PeerModel,
     PeerOutcome,
+    admits,
     base_url,
     classify,
     event_of,
     gpud_error_code,
+    ip_access,
     offered,
     parse_models,
     step,
@@ -331,3 +336,73 @@ def check_peers(cfg: Config, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
                 for name, v in sorted(poller.views.items()) if v.last_error]
 
     return asyncio.run(ask())
+
+
+
+# Where systemd finds gpud's unit and its drop-ins, the first the strongest (systemd.unit(5),
+# "Unit File Load Path": /etc, then /run, then the package's).
+UNIT_NAME = "gpud.service"
+UNIT_DIRS: tuple[Path, ...] = (Path("/etc/systemd/system"), Path("/run/systemd/system"),
+                               Path("/usr/local/lib/systemd/system"), Path("/lib/systemd/system"),
+                               Path("/usr/lib/systemd/system"))
+PEERS_DROP_IN = f"/etc/systemd/system/{UNIT_NAME}.d/peers.conf"
+
+
+def unit_files(dirs: Sequence[Path], name: str = UNIT_NAME) -> list[Path]:
+    """NAME's unit file as systemd loads it (the first of DIRS that holds it), then its
+    drop-ins (NAME.d/*.conf of every dir, a file name in a stronger dir hiding the same one in
+    a weaker, applied in the order of their names: systemd.unit(5)); [] when not installed."""
+    unit = next((d / name for d in dirs if (d / name).is_file()), None)
+    if unit is None:
+        return []
+    drop_ins: dict[str, Path] = {}
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            for path in (d / f"{name}.d").glob("*.conf"):
+                drop_ins.setdefault(path.name, path)
+    return [unit, *(drop_ins[n] for n in sorted(drop_ins))]
+
+
+def _addresses(host: str) -> list[str]:
+    """HOST's addresses: itself when it is one, else what the resolver says now ([]: none)."""
+    host = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        return [str(ipaddress.ip_address(host))]
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def unit_warnings(cfg: Config, dirs: Sequence[Path] = UNIT_DIRS,
+                  addresses: Callable[[str], list[str]] = _addresses) -> list[str]:
+    """`gpud --check-config`'s warnings of the peers gpud's installed unit does not let it
+    reach (its IPAddressDeny=any and IPAddressAllow=localhost: docs/peers.md, "The config"),
+    each with the drop-in that admits them. None when the unit is not installed here."""
+    if not cfg.peers:
+        return []
+    files = unit_files(dirs)
+    if not files:
+        return []
+    texts = []
+    for path in files:
+        try:
+            texts.append(path.read_text(errors="replace"))
+        except OSError as exc:
+            return [f"{path}: cannot be read ({exc.strerror}): whether gpud may reach its "
+                    "peers is not checked"]
+    access = ip_access(texts)
+    found = []
+    for name, peer in sorted(cfg.peers.items()):
+        denied = [a for a in addresses(peer_address(peer.url)[1]) if not admits(access, a)]
+        if denied:
+            allow = " ".join(denied)
+            found.append(
+                f"peers.{name}: {UNIT_NAME} ({', '.join(str(p) for p in files)}) does not let "
+                f"gpud reach {allow} (IPAddressDeny={' '.join(access.deny) or '-'}, "
+                f"IPAddressAllow={' '.join(access.allow) or '-'}): its every poll would time "
+                f"out. Add the drop-in {PEERS_DROP_IN} with \"[Service]\" and "
+                f"\"IPAddressAllow={allow}\" (or the peers' network), then systemctl "
+                "daemon-reload && systemctl restart gpud (docs/peers.md, \"The config\")")
+    return found

@@ -1,7 +1,8 @@
 """A serve's life under the ledger: each serve's one record in memory (`records`), the ledger
-service that commits every change with its state and event in one transaction (`service`), the
+service that decides admissions, holds and reloads (`service`) on the write path that commits every
+change with its state and event in one transaction, group by group (`writes`), the
 supervisor's jobs (`supervisor/`: launch, boot,
-health, stop, watch), sleeping and preemption (`sleeping`), what a sleeping serve says it is
+health, stop, watch), sleeping (`sleeping`) and preemption (`preemption`), what a sleeping serve says it is
 (`reconciling`), the rebalance and its executor (`rebalance`, `steps`, `planning`, `offload`),
 calibration (`calibration`), alerts from observation (`alerts`), what is in flight on each serve
 (`traffic`), the on-demand orchestrator (`ondemand`: bring-ups for requests through the front,

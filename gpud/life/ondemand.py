@@ -42,6 +42,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gpud.config import routed
 from gpud.core import answers
 from gpud.core.bringup import Hold, Policy, Tries, Why, classify, held, refusal_class
 from gpud.core.demand import (
@@ -84,9 +85,8 @@ from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.life.demandview import DemandView
 from gpud.life.idle import IdleCheck
 from gpud.life.pulse import Pulse
-from gpud.life.service import COALESCE_REFUSALS
 from gpud.life.traffic import refuse_cut
-from gpud.nginx.router import wakes_through_router
+from gpud.life.writes import COALESCE_REFUSALS
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -193,8 +193,9 @@ class Orchestrator(DemandView):
         refusal raised (GpudError) otherwise: when gpud stops, a request still waiting is
         refused GPUD_STOPPING, never cut. NotFound: NAME is not a serve a request brings up."""
         spec = self.svc.serve_spec(name)
-        if spec is None or not (spec.on_demand or wakes_through_router(self.svc.config, name)):
-            raise NotFound(f"serve {name!r} is not an on_demand serve", {"serve": name})
+        if spec is None or not (spec.on_demand or name in routed(self.svc.config)):
+            raise NotFound(f"serve {name!r} is neither an on_demand serve nor one the router "
+                           "reaches", {"serve": name})
         self._requested(name)
         if not await self._unless_ended(self._when_ready_up(name, spec, cause), gone):
             log.info("on-demand %s: the request waiting for it went away (%s)", name,
@@ -382,7 +383,7 @@ class Orchestrator(DemandView):
     async def _bring_up(self, name: str, spec: ServeConfig,
                         cause: RouterRequest | None = None, *, quiet: bool = False) -> None:
         # This task's refusals (and its launch's) are a request's, through the front: stored
-        # coalesced (gpud.life.service.COALESCE_REFUSALS; the task runs in a copy of the context).
+        # coalesced (gpud.life.writes.COALESCE_REFUSALS; the task runs in a copy of the context).
         COALESCE_REFUSALS.set(True)
         self.svc.records.apply(name, BringupBegan())
         try:

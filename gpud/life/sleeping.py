@@ -8,11 +8,9 @@ vLLM registers them in dev mode: vllm/entrypoints/serve/dev/sleep/api_router.py 
 the `level` query parameter, default 1; `/wake_up`; `/is_sleeping`); vLLM's own FIXME there says
 the answer to /sleep may come before the sleep is done, hence the confirmation.
 
-Preemption (gpud/core/preempt.py plans it) runs under the coordination lock (one for all of
-gpud, taken before any serve's lock: gpud.life.locks): the plan's steps in order
-(as gpud.core.actions steps, through gpud.life.steps, the executor apply uses too), each an event,
-then the admission; when that is still refused, every step done is undone in reverse order and
-the denial says why. Wake-back (after memory is released on a role) takes the same
+Preemption (gpud.life.preemption, planned by gpud/core/preempt.py) runs under the coordination
+lock (one for all of gpud, taken before any serve's lock: gpud.life.locks), its serves put to
+sleep and woken here. Wake-back (after memory is released on a role) takes the same
 lock, so it never wakes a serve a preemption in progress has just put to sleep.
 """
 
@@ -22,17 +20,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import aiohttp
 
 from gpud.config import ServeConfig
-from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.launch import fingerprint
 from gpud.core.ledger import Reservation, sleep_reservation
 from gpud.core.lifecycle import Input, LifeAction, SleepAsked, SlumberEnded, WakeAsked
-from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles
 from gpud.core.reconcile import Reconcile, reconcile
 from gpud.core.serverecord import Happened, Record, Report, next_state
 from gpud.core.traffic import Drain
@@ -44,25 +40,16 @@ from gpud.core.vocab import (
     DenialBound,
     EventKind,
     ServeState,
-    SleepAction,
-    StepKind,
 )
-from gpud.errors import Conflict, Denied, GpudError, Refused, StoreError, Unavailable
+from gpud.errors import Conflict, GpudError, Refused, StoreError, Unavailable
 from gpud.host.observer import Observer
 from gpud.life.locks import Locks, Rank, Taken
+from gpud.life.preemption import Drainer, Preemption
 from gpud.life.service import LedgerService
-from gpud.life.steps import carry_out, undo_all
 from gpud.life.traffic import refuse_cut
 
 log = logging.getLogger("gpud.sleeping")
 
-
-class _NotPreempted(Exception):
-    """A serve of a preemption's steps could not be put to sleep or stopped."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 CONFIRM_TIMEOUT_S = 60.0
 # GET /is_sleeping answers from the API server at once (no engine work): a serve that does not
@@ -109,13 +96,6 @@ class SleepSupervisor(Protocol):
                    keep_reservation: bool = False) -> None: ...
 
 
-class Drainer(Protocol):
-    """The requests in flight on a serve (gpud.life.traffic.Traffic, wired by gpud.daemon)."""
-
-    def held(self, serve: str) -> contextlib.AbstractContextManager[None]: ...
-    async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
-
-
 class Sleeps:
     # What is in flight on a serve: a preemption drains it first (set by gpud.daemon; None in
     # tests that run without it).
@@ -136,6 +116,8 @@ class Sleeps:
         # Every preemption and wake-back holds the supervisor's coordination lock (gpud.life.locks).
         self._wake_back: dict[str, asyncio.Task[None]] = {}
         self._wake_again: set[str] = set()
+        # Admissions that put serves of lower priority to sleep, or stop them, to make room.
+        self.preemption = Preemption(self)
 
     # ---- facts about a serve ---------------------------------------------------------------
 
@@ -223,7 +205,7 @@ class Sleeps:
                            "are HTTP", {})
         return f"http://127.0.0.1:{spec.port}{path}"
 
-    def _role_lock(self, _role: str) -> Taken:
+    def role_lock(self, _role: str) -> Taken:
         """The coordination lock, whatever the role: one for all of gpud (a serve on several
         roles, and wake-backs across roles, are planned under it; gpud.life.locks orders it first)."""
         return self.serves.locks.coordination()
@@ -571,7 +553,7 @@ class Sleeps:
         spec = self._sleeper(serve)
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
-                await stack.enter_async_context(self._role_lock(spec.role))
+                await stack.enter_async_context(self.role_lock(spec.role))
             await stack.enter_async_context(self.serves.serve_lock(serve))
             state = self.svc.state_of(serve)
             if state != SLEEPING:
@@ -586,9 +568,9 @@ class Sleeps:
                        "MiB asleep)", {"waking": True})
             plan: dict[str, Any] | None = None
             if preempt:
-                carried = await self.admit_preempting(serve, awake, uid, locked=True,
-                                                      happened=Happened.WAKE_ADMITTED,
-                                                      event=readmit)
+                carried = await self.preemption.admit_preempting(serve, awake, uid, locked=True,
+                                                                 happened=Happened.WAKE_ADMITTED,
+                                                                 event=readmit)
                 plan = carried.get("preemption")
             else:
                 await self.svc.admit(serve, awake, uid=uid, happened=Happened.WAKE_ADMITTED,
@@ -630,172 +612,6 @@ class Sleeps:
             out["preemption"] = plan
         return out
 
-    # ---- preemption --------------------------------------------------------------------------
-
-    def candidates(self, serve: str, roles: tuple[str, ...]) -> list[Candidate]:
-        """The running serves on any of `roles` that a preemption could put to sleep or stop,
-        each with every role it holds its reservation on (it frees memory on each)."""
-        out: list[Candidate] = []
-        seen: set[str] = set()
-        for role in roles:
-            for res in self.svc.ledger.on_role(role):
-                name = res.serve
-                spec = self.svc.serve_spec(name)
-                if name == serve or name in seen or spec is None or res.external \
-                        or spec.all_roles != res.all_roles:
-                    continue
-                seen.add(name)
-                if self.svc.state_of(name) != RUNNING or self.serves.busy(name):
-                    continue
-                if spec.preemptible == SleepAction.STOP:
-                    out.append(Candidate(name, spec.priority, res.mib, SleepAction.STOP, 0,
-                                         res.all_roles))
-                elif spec.sleep_level:
-                    keeps = self.sleep_mib(name, spec)
-                    if keeps is not None:
-                        out.append(Candidate(name, spec.priority, res.mib, SleepAction.SLEEP, keeps,
-                                             res.all_roles))
-        return out
-
-    def plan(self, serve: str, mib: int) -> PreemptPlan | NoPlan:
-        """The plan on every role of the serve (victims on any of them; one on several frees
-        on each)."""
-        spec = self.serves.spec_of(serve)
-        free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
-        return plan_on_roles(serve, spec.priority, mib, free,
-                             self.candidates(serve, spec.all_roles))
-
-    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]:
-        """For a denial without --preempt: what a preemption would do, when it could."""
-        if self.svc.serve_spec(serve) is None:
-            return "", {}
-        plan = self.plan(serve, mib)
-        if isinstance(plan, NoPlan) or not plan.steps:
-            return "", {}  # nothing a preemption could do: the denial as it always was
-        steps = "; ".join(s.line() for s in plan.steps)
-        return (f"; with --preempt gpud would: {steps}", {"preemption": plan.to_json()})
-
-    @contextlib.contextmanager
-    def preemption_hint(self, serve: str, mib: int) -> Iterator[None]:
-        """A denial of `serve`'s admission (`mib`) inside says what `--preempt` would do, when a
-        preemption could make room; a denial because a device is gone says nothing more. The
-        one place the hint is added: a plain admission and a start without --preempt."""
-        try:
-            yield
-        except Denied as exc:
-            if exc.details.get("bound") == DenialBound.DEVICE:
-                raise
-            would, details = self.what_preemption_would_do(serve, mib)
-            raise Denied(exc.message + would, {**exc.details, **details}) from exc
-
-    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
-                               dry_run: bool = False, locked: bool = False,
-                               happened: Happened = Happened.ADMITTED,
-                               event: tuple[EventKind, str, dict[str, Any]] | None = None,
-                               ) -> dict[str, Any]:
-        """Admit `serve`, putting lower-priority serves to sleep (or stopping them) when it does
-        not fit. Returns the plan carried out (or, with `dry_run`, the plan alone). `locked`:
-        the caller holds `coordination` already. `happened` and `event` are the admission's
-        (LedgerService.admit): a wake's re-admission keeps the serve sleeping until it is
-        awake, its event saying so, with the plan carried out in its details."""
-        spec = self.serves.spec_of(serve)
-
-        async def admit(plan: dict[str, Any] | None = None) -> None:
-            said = event if event is None or plan is None else (
-                event[0], event[1], {**event[2], "preemption": plan})
-            await self.svc.admit(serve, mib, uid=uid, happened=happened, event=said)
-
-        async with contextlib.AsyncExitStack() as stack:
-            if not locked and not dry_run:  # a plan alone changes nothing: it waits on no one
-                await stack.enter_async_context(self._role_lock(spec.role))
-            plan = self.plan(serve, mib)
-            if isinstance(plan, NoPlan):
-                if dry_run:
-                    return {"dry_run": True, "preemption": plan.to_json(), "fits": False}
-                try:
-                    await admit()
-                except Denied as exc:
-                    raise Denied(f"{exc.message}; no preemption can make room: {plan.reason}",
-                                 {**exc.details, "preemption": plan.to_json()}) from exc
-                return {"preemption": None}
-            if dry_run:
-                return {"dry_run": True, "preemption": plan.to_json(), "fits": True}
-            if not plan.steps:
-                try:
-                    await admit()
-                    return {"preemption": None}
-                except Denied:
-                    plan = self.plan(serve, mib)  # decided again below, as any plan
-                    if isinstance(plan, NoPlan) or not plan.steps:
-                        raise
-            for line in plan.lines():
-                log.info("%s", line)
-            steps = {s.serve: s for s in plan.steps}
-
-            async def do(action: Action) -> None:
-                assert action.serve is not None
-                step = steps[action.serve]
-                await self.svc.store_event(self.svc.event(
-                    EventKind.PREEMPT, f"{step.serve} preempted by {serve}: {step.line()}",
-                    serve=step.serve, role=(step.roles or spec.all_roles)[0],
-                    mib=step.frees_mib, uid=uid,
-                    preempted_by=serve, action=step.action, priority=step.priority,
-                    by_priority=spec.priority))
-                try:
-                    if action.kind == StepKind.SLEEP:
-                        await self.sleep(step.serve, uid, preempted_by=serve)
-                    elif self.traffic is None:
-                        await self.serves.stop(step.serve, uid)
-                    else:
-                        # drained first; vLLM's SIGTERM then aborts what is left (its
-                        # --shutdown-timeout defaults to 0: engine/arg_utils.py:842, core.py:1640)
-                        with self.traffic.held(step.serve):
-                            drained = await self.traffic.drain(
-                                step.serve, self.serves.spec_of(step.serve),
-                                self.svc.config.daemon.drain_timeout_s)
-                            await self.serves.stop(step.serve, uid, drained=drained)
-                except GpudError as exc:
-                    raise _NotPreempted(f"{step.serve} could not be preempted: "
-                                        f"{exc.message}") from exc
-
-            done: list[Action] = []
-            failure: str | None = None
-            try:
-                await carry_out(preemption(plan), do, done, count_begun=False)
-            except _NotPreempted as exc:
-                failure = exc.message
-            if failure is None:
-                if any(action.kind == StepKind.STOP for action in done):
-                    # a stopped serve's memory shows as free once its process is gone
-                    await self.serves.memory_back_for(serve)
-                try:
-                    await admit(plan.to_json())
-                    return {"preemption": plan.to_json()}
-                except Denied as exc:
-                    failure = f"still does not fit after the preemption: {exc.message}"
-            undone = await self._undo(done, uid, serve)
-            raise Denied(f"{serve} not admitted: {failure}; undone: {undone or 'nothing'}",
-                         {"serve": serve, "role": spec.role, "need_mib": mib,
-                          "preemption": plan.to_json(), "undone": undone})
-
-    async def _undo(self, done: list[Action], uid: int | None, serve: str) -> str:
-        async def do(undo: Action) -> None:
-            assert undo.serve is not None
-            try:
-                if undo.kind == StepKind.WAKE:
-                    await self.wake(undo.serve, uid, locked=True,
-                                    by=f"undo of the preemption by {serve}")
-                else:
-                    await self.serves.start(undo.serve, uid)
-            except GpudError as exc:
-                log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
-                          exc.message)
-                raise
-
-        tried = await undo_all(undo_in_reverse(done), do)
-        return ", ".join(f"{u.kind} {u.serve}" + (f" FAILED ({exc.message})" if exc else "")
-                         for u, exc in tried)
-
     # ---- wake-back ---------------------------------------------------------------------------
 
     def freed(self, role: str) -> None:
@@ -813,7 +629,7 @@ class Sleeps:
         while True:
             self._wake_again.discard(role)
             try:
-                async with self._role_lock(role):
+                async with self.role_lock(role):
                     await self._wake_fitting(role)
             except asyncio.CancelledError:
                 raise

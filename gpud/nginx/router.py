@@ -44,8 +44,13 @@ ENSURE_MARGIN_S: Final = 5
 LOG_DIR: Final = "log"
 LOG_NAME: Final = "router.log"
 LOG_MAX_BYTES: Final = 4 << 20
-# How often gpud reads the log besides each scrape of /metrics (the log stays small).
+# How often gpud stores what it read of the log, besides each scrape of /metrics (the log
+# stays small).
 LOG_READ_S: Final = 5.0
+# How often gpud reads the log (only the bytes added since): a forwarded request a peer did not
+# take (the router's 502) has the peer asked within this long, so that its circuit opens within
+# a second or two of a peer's death seen on the data path (docs/peers.md).
+LOG_PEEK_S: Final = 1.0
 # The store's meta entry of how far the log is counted (RouterLog), and the bytes before that
 # position kept with it: on a new start, the log's own bytes there say it is the same log.
 LOG_POSITION: Final = "router_log_position"
@@ -85,12 +90,6 @@ def asks_gpud(cfg: Config, name: str) -> bool:
     serve (started or woken) and one that can sleep (woken)."""
     s = cfg.serves[name]
     return s.on_demand or (bool(s.front) and bool(s.sleep_level))
-
-
-def wakes_through_router(cfg: Config, name: str) -> bool:
-    """Whether gpud's ensure wakes NAME for the router, though it is not on demand: a routed
-    serve that can sleep (one the router asks gpud about)."""
-    return name in routed(cfg) and name in cfg.serves and asks_gpud(cfg, name)
 
 
 def queue_wait_s(cfg: Config) -> int:
@@ -192,7 +191,8 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
             stream_usage=s.vllm is not None,
             socket=socket_path(d.serve_socket_dir, name) if s.front else None,
             port=None if s.front else s.port,
-            ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None))
+            ensure_timeout_s=ensure_timeout_s(cfg, name) if asks_gpud(cfg, name) else None,
+            wait_timeout_s=None if asks_gpud(cfg, name) else ensure_timeout_s(cfg, name)))
     if r.api_keys_file is None:
         keys = None
     elif keys is None:
@@ -398,13 +398,19 @@ class RouterLog:
             if gone:
                 log.info("pruned %d old usage rows", gone)
 
-    async def loop(self, stored: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Read and store each LOG_READ_S; then STORED (the front's budget check:
+    async def loop(self, stored: Callable[[], Awaitable[None]] | None = None, *,
+                   peek_s: float = LOG_PEEK_S, read_s: float = LOG_READ_S) -> None:
+        """Read each PEEK_S; store each READ_S, then STORED (the front's budget check:
         gpud.nginx.front.Front.budgets_changed)."""
+        every = max(1, round(read_s / peek_s))
         try:
+            rounds = 0
             while True:
-                await asyncio.sleep(LOG_READ_S)
+                await asyncio.sleep(peek_s)
                 self.read()
+                rounds += 1
+                if rounds % every:
+                    continue
                 await asyncio.to_thread(self.flush)
                 if stored is not None:
                     await stored()

@@ -9,29 +9,19 @@ something else; nothing is public except on the optional metrics listener.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import grp
-import hashlib
 import json
 import logging
-import math
 import pwd
-import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
-from gpud import bounded
-from gpud.config import _reason
 from gpud.core import answers
 from gpud.core.authority import needs_root
 from gpud.core.bodies import (
@@ -44,9 +34,13 @@ from gpud.core.bodies import (
     SleepBody,
     StartBody,
 )
-from gpud.core.ledger import Reservation, RoleFigures
 from gpud.core.quota import BudgetState
-from gpud.core.router import ANONYMOUS, Crowded, EnsureBound, router_request
+from gpud.core.router import (
+    ANONYMOUS,
+    EnsureBound,
+    model_name_problem,
+    router_request,
+)
 from gpud.core.usage import hour_of, summarize
 from gpud.core.vocab import EVENT_KINDS, ApplyOutcome, EventKind, ServeState, StepKind
 from gpud.durable.store import Event, EventQuery
@@ -58,28 +52,33 @@ from gpud.errors import (
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
-    TooManyRequests,
     Unavailable,
 )
 from gpud.life.offload import Offload
 from gpud.life.rebalance import Rebalancer
 from gpud.life.service import LedgerService, check_serve_name
 from gpud.nginx.front import not_listening
-from gpud.server import connguard
 from gpud.server.connguard import Guarded
 from gpud.server.metrics import METRICS_CONTENT_TYPE
-from gpud.server.responses import error_response, json_response
-from gpud.server.views import DrawSource, ledger_view, serve_view, serves_view
+from gpud.server.reading import int_param, parse_since, read_model
+from gpud.server.responses import error_response, json_response, status_page, too_many_waiting
+from gpud.server.views import (
+    DrawSource,
+    figures_of_each_role,
+    figures_view,
+    ledger_view,
+    route_choice,
+    serve_view,
+    serves_view,
+)
 
 if TYPE_CHECKING:
     from gpud.server.ondemand import OnDemand
 
 log = logging.getLogger("gpud.api")
 
-BODY_LIMIT = 64 * 1024
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
-M = TypeVar("M", bound=BaseModel)
 # "front": only uid 0 and daemon.front_user, whatever their groups (the on-demand check)
 Access = Literal["read", "admin", "public", "front"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -123,14 +122,19 @@ def may_mutate(peer: Credentials | None, admin_group_gid: int | None) -> bool:
     return peer.uid == 0 or (admin_group_gid is not None and admin_group_gid in peer.groups)
 
 
+class Preempting(Protocol):
+    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
+                               dry_run: bool = False) -> dict[str, Any]: ...
+    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
+    def preemption_hint(self, serve: str, mib: int) -> contextlib.AbstractContextManager[None]: ...
+
+
 class SleepControl(Protocol):
     async def sleep(self, serve: str, uid: int | None, level: int | None = None) -> dict[str, Any]: ...
     async def wake(self, serve: str, uid: int | None) -> dict[str, Any]: ...
-    async def admit_preempting(self, serve: str, mib: int, uid: int | None, *,
-                               dry_run: bool = False) -> dict[str, Any]: ...
     def parked_mib(self, serve: str) -> int | None: ...
-    def what_preemption_would_do(self, serve: str, mib: int) -> tuple[str, dict[str, Any]]: ...
-    def preemption_hint(self, serve: str, mib: int) -> contextlib.AbstractContextManager[None]: ...
+    @property
+    def preemption(self) -> Preempting: ...
 
 
 class Supervisor(Protocol):
@@ -195,6 +199,7 @@ class Api:
         self.route("GET", "/v1/events", self.events, "read")
         self.route("GET", "/v1/usage", self.usage, "read")
         self.route("GET", "/v1/peers", self.peer_views, "read")
+        self.route("GET", "/v1/route", self.route_choice, "read")
         self.route("GET", "/v1/openapi.json", self.openapi, "read")
         self.route("GET", "/ui", self.page, "read")
         self.route("GET", "/metrics", self.metrics_text, "read")
@@ -425,8 +430,8 @@ class Api:
         if bad_kinds:
             raise BadRequest(f"unknown event kind {bad_kinds[0]!r}",
                              {"kinds": list(EVENT_KINDS)})
-        limit = _int_param(q.get("limit"), "limit", 100, 1, 10000)
-        after = _int_param(q.get("after"), "after", 0, 0, 2**62) if "after" in q else None
+        limit = int_param(q.get("limit"), "limit", 100, 1, 10000)
+        after = int_param(q.get("after"), "after", 0, 0, 2**62) if "after" in q else None
         query = EventQuery(
             serves=q.getall("serve", []), roles=q.getall("role", []), kinds=q.getall("kind", []),
             since=parse_since(q["since"]) if "since" in q else None, after_id=after, limit=limit,
@@ -440,6 +445,22 @@ class Api:
     async def peer_views(self, request: web.Request) -> web.Response:
         """The peers of the config in force, as the poller last found them (docs/peers.md)."""
         return json_response(self.peers())
+
+    async def route_choice(self, request: web.Request) -> web.Response:
+        """Which host takes a request for `model` now (docs/peers.md, "Which host"): this one,
+        a peer whose circuit is closed, or none (gpud.server.views.route_choice). The router
+        asks it only for a model on more than one host."""
+        q = request.query
+        unknown = set(q) - {"model"}
+        if unknown:
+            raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}")
+        model = q.get("model", "")
+        problem = model_name_problem(model)
+        if problem:
+            raise BadRequest(f"model: {problem}", {"model": model})
+        return json_response(route_choice(
+            self.svc.config, model, self.svc.state_of, self._queue, self._queued,
+            self.ensures.waiting >= self.ensures.total, self.peers()))
 
     async def usage(self, request: web.Request) -> web.Response:
         """Usage per key and model through the router (gpud.core.usage), from `since` (epoch
@@ -513,7 +534,7 @@ class Api:
         if body.preempt:
             return await self._admit_preempting(name, body, self._uid(request))
         hint = (contextlib.nullcontext() if self.supervisor is None
-                else self.supervisor.sleeps.preemption_hint(name, body.mib))
+                else self.supervisor.sleeps.preemption.preemption_hint(name, body.mib))
         with hint:
             admission = await self.svc.admit(name, body.mib, role=body.role,
                                              uid=self._uid(request))
@@ -526,10 +547,10 @@ class Api:
             "replaced_mib": admission.replaced_mib,
             "check": admission.check,
             "note": admission.note,
-            "figures": _figures(f),
+            "figures": figures_view(f),
         }
         by_role = {g.role: g for g in admission.all_figures}
-        _figures_of_each_role(answer, res, by_role.__getitem__)
+        figures_of_each_role(answer, res, by_role.__getitem__)
         return json_response(answer)
 
     async def _admit_preempting(self, name: str, body: AdmitBody, uid: int | None) -> web.Response:
@@ -543,17 +564,17 @@ class Api:
         if body.role is not None:
             self.svc.serve_role(name, body.role)  # the same check as a plain admission
         sup = self._need_supervisor()
-        carried = await sup.sleeps.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
+        carried = await sup.sleeps.preemption.admit_preempting(name, body.mib, uid, dry_run=body.dry_run)
         if body.dry_run:
             return json_response({"serve": name, **carried})
         res = self.svc.ledger.reservations[name]
         answer: answers.Admitted = {
             "serve": name, "role": res.role, "mib": res.mib, "replaced_mib": None,
             "check": self.svc.config.daemon.admission, "note": None,
-            "figures": _figures(self.svc.ledger.figures(res.role)),
+            "figures": figures_view(self.svc.ledger.figures(res.role)),
             "preemption": carried.get("preemption"),
         }
-        _figures_of_each_role(answer, res, self.svc.ledger.figures)
+        figures_of_each_role(answer, res, self.svc.ledger.figures)
         return json_response(answer)
 
     async def sleep(self, request: web.Request) -> web.Response:
@@ -588,9 +609,9 @@ class Api:
             res = await self.svc.release(name, uid=uid)
         f = self.svc.ledger.figures(res.role)
         answer: answers.Released = {
-            "serve": name, "role": res.role, "released_mib": res.mib, "figures": _figures(f),
+            "serve": name, "role": res.role, "released_mib": res.mib, "figures": figures_view(f),
         }
-        _figures_of_each_role(answer, res, self.svc.ledger.figures)
+        figures_of_each_role(answer, res, self.svc.ledger.figures)
         return json_response(answer)
 
     def _need_supervisor(self) -> Supervisor:
@@ -610,7 +631,7 @@ class Api:
             spec = self.svc.serve_spec(name)
             if spec is None:
                 raise NotFound(f"unknown serve {name!r}: not in the config", {"serve": name})
-            plan = await sup.sleeps.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
+            plan = await sup.sleeps.preemption.admit_preempting(name, spec.vram_mib, uid, dry_run=True)
             return json_response({**self._serve_view(name), **plan})
         if action != "stop" and self.on_demand is not None:
             # An operator's start overrides an on-demand serve's backoff, and starts it over.
@@ -647,7 +668,7 @@ class Api:
                                             d.ensure_waiting_total)
         problem = bound.enter(requester)
         if problem is not None:
-            return _too_many_waiting(name, requester, problem)
+            return too_many_waiting(name, requester, problem, BUSY_RETRY_S)
         try:
             return await self.on_demand.ensure(name, cause, gone=_gone(request))
         finally:
@@ -739,21 +760,6 @@ class Api:
 _FRONT_UIDS: dict[str, int] = {}
 
 
-PAGE_SOURCE = Path(__file__).parents[1] / "data" / "status.html"
-
-
-@cache
-def status_page() -> tuple[str, str]:
-    """The status page's text and the SHA-256 (base64) of its one inline script, which its
-    Content-Security-Policy allows by that hash alone."""
-    text = PAGE_SOURCE.read_text()
-    scripts = re.findall(r"<script>(.*?)</script>", text, re.DOTALL)
-    if len(scripts) != 1:
-        raise GpudError(f"{PAGE_SOURCE}: {len(scripts)} inline scripts, one expected")
-    digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
-    return text, digest
-
-
 def _uid_of(user: str) -> int | None:
     """The front user's uid, looked up once per name: every request to an on-demand serve
     asks, and a read of the passwd database each time would add to its latency. A user not
@@ -766,134 +772,8 @@ def _uid_of(user: str) -> int | None:
     return _FRONT_UIDS[user]
 
 
-async def read_json(request: web.Request, limit: int = BODY_LIMIT, *, empty_ok: bool = False) -> Any:
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the limit "
-                              f"of {limit} bytes", {"limit": limit})
-    # read(n) gives what has arrived, up to n bytes: a large body comes in several pieces.
-    chunks: list[bytes] = []
-    size = 0
-    deadline: float | None = request.get("deadline")
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            async with asyncio.timeout_at(deadline):
-                while chunk := await request.content.read(limit + 1 - size):
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes",
-                                              {"limit": limit})
-            break
-        except TimeoutError as exc:
-            late = loop.time() - deadline if deadline is not None else 0.0
-            if late < connguard.LATE_S:
-                raise RequestTimeout(
-                    f"the request body did not arrive in time ({size} bytes within "
-                    "daemon.request_read_timeout_s of the start of its handling)",
-                    {"received_bytes": size}) from exc
-            deadline = loop.time() + late  # the loop was busy past it: that time is not the peer's
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if empty_ok:
-            return {}
-        raise BadRequest("request body is empty: a JSON object is required")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"invalid JSON: not UTF-8 (byte {exc.start})") from exc
-    try:
-        return bounded.parse_json(text)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except bounded.SyntaxProblem as exc:
-        raise BadRequest(f"invalid JSON: {exc}") from exc
-    except bounded.OutOfBounds as exc:
-        raise BadRequest(f"{exc.path}: {exc.reason}", {"path": exc.path}) from exc
-
-
-async def read_model(request: web.Request, model: type[M], *,
-                                   empty_ok: bool = False, limit: int = BODY_LIMIT) -> M:
-    data = await read_json(request, limit, empty_ok=empty_ok)
-    if not isinstance(data, dict):
-        raise BadRequest(f"request body must be a JSON object, not {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {_wire_reason(e)}"
-                    for e in exc.errors()]
-        raise BadRequest("; ".join(problems), {"problems": problems}) from exc
-
-
 # Retry-After of an ensure refused for the requests waiting already (daemon.ensure_waiting_*).
 BUSY_RETRY_S = 5
-
-
-def _too_many_waiting(name: str, requester: str, problem: Crowded) -> web.Response:
-    """The 403 the front and the router turn into their refusal (the router's: 429), when
-    REQUESTER (or everyone) has as many ensures waiting as gpud keeps: at once, holding
-    nothing. X-Gpud-Reason carries the class and the bound (its key and figure), as
-    gpud.server.ondemand's refusals."""
-    exc = TooManyRequests(f"serve {name}: {problem.text}; retry in {BUSY_RETRY_S} s",
-                          {"serve": name, "requester": requester})
-    resp = error_response(exc)
-    resp.set_status(403)
-    resp.headers["X-Gpud-Reason"] = json.dumps({"error": {
-        "code": TooManyRequests.code, "message": exc.message,
-        "details": {"serve": name, "class": "too-many-waiting", "requester": requester,
-                    "limit": problem.limit, "value": problem.value,
-                    "retry_after_s": BUSY_RETRY_S}}})
-    resp.headers["Retry-After"] = str(BUSY_RETRY_S)
-    return resp
-
-
-def _wire_reason(err: Any) -> str:
-    if err["type"] == "int_type" and err["loc"] == ("mib",):
-        value = err.get("input")
-        shown = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else value
-        return f"must be a positive integer number of MiB, got {shown}"
-    return _reason(err)
-
-
-def _int_param(value: str | None, name: str, default: int, low: int, high: int) -> int:
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError as exc:
-        raise BadRequest(f"{name}: must be an integer, got {value[:50]!r}") from exc
-    if not low <= number <= high:
-        raise BadRequest(f"{name}: must be between {low} and {high}")
-    return number
-
-
-def parse_since(value: str) -> float:
-    """Epoch seconds or ISO 8601 (a naive time is local time, like journalctl's --since)."""
-    try:
-        number = float(value)
-        if math.isfinite(number):
-            return number
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError as exc:
-        raise BadRequest(f"since: not epoch seconds or ISO 8601: {value[:50]!r}") from exc
-
-
-def _figures(f: RoleFigures) -> answers.Figures:
-    return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
-            "committed_mib": f.committed_mib, "free_mib": f.free_mib}
-
-
-def _figures_of_each_role(answer: answers.Admitted | answers.Released, res: Reservation,
-                          figures_of: Callable[[str], RoleFigures]) -> None:
-    """A serve on several roles (devices): all of them, and the figures of each, in the order
-    of its roles (``figures`` is the first's). An admission, a preempting admission and a
-    release answer alike."""
-    if res.extra_roles:
-        answer["roles"] = list(res.all_roles)
-        answer["figures_by_role"] = {r: _figures(figures_of(r)) for r in res.all_roles}
 
 
 def _gone(request: web.Request) -> asyncio.Future[None] | None:

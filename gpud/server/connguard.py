@@ -10,7 +10,7 @@ The deadline (daemon.request_read_timeout_s) runs from a request's first byte: i
 have arrived by then, or the connection is closed (aiohttp has no such timeout of its own: its
 keep-alive timeout only runs between requests); the API reads its body within as long again
 from the moment its handler begins, and answers 408 `request-timeout` past it
-(gpud.server.api.read_json). For every peer, root included, and on the metrics listener too: one byte
+(gpud.server.reading.read_json). For every peer, root included, and on the metrics listener too: one byte
 a second would otherwise hold a connection, and what it holds, indefinitely.
 """
 

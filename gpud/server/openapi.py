@@ -222,6 +222,12 @@ def document() -> dict[str, Any]:
                 "summary": "The peers ([peers.NAME]): reachable or not, circuit, models, round "
                            "trip, last error",
                 "responses": _answers(_ref("Peers"))}},
+            "/v1/route": {"get": {
+                "summary": "Which host takes a request for a model now: this one, a peer, or "
+                           "none (gpud.core.peers.choose_host)",
+                "parameters": [{"name": "model", "in": "query", "required": True,
+                                "schema": _STR}],
+                "responses": _answers(_ref("RouteChoice"), 400)}},
             "/v1/openapi.json": {"get": {"summary": "This document",
                                          "responses": _answers({"type": "object"})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition", "responses": {

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from gpud.config import routed
+from gpud.config import Config, routed
 from gpud.core import answers
-from gpud.core.ledger import DeviceDraw, Ledger, Reservation
+from gpud.core.ledger import DeviceDraw, Ledger, Reservation, RoleFigures
+from gpud.core.peers import CircuitState, PeerModel, choose_host, local_offer, offers_of
 from gpud.core.vocab import LIVE_STATES, ORPHAN, SLEEPING, ServeState, serve_unit
 from gpud.life.service import LedgerService
 
@@ -203,3 +204,45 @@ def serves_view(svc: LedgerService, draws: DrawSource | None,
     views.sort(key=lambda v: (v["role"] or "", v["priority"] if v["priority"] is not None else 1 << 30,
                               v["name"]))
     return {"simulated": bool(draws and draws.simulated), "serves": views}
+
+
+def figures_view(f: RoleFigures) -> answers.Figures:
+    return {"capacity_mib": f.capacity_mib, "reserve_mib": f.reserve_mib,
+            "committed_mib": f.committed_mib, "free_mib": f.free_mib}
+
+
+def figures_of_each_role(answer: answers.Admitted | answers.Released, res: Reservation,
+                          figures_of: Callable[[str], RoleFigures]) -> None:
+    """A serve on several roles (devices): all of them, and the figures of each, in the order
+    of its roles (``figures`` is the first's). An admission, a preempting admission and a
+    release answer alike."""
+    if res.extra_roles:
+        answer["roles"] = list(res.all_roles)
+        answer["figures_by_role"] = {r: figures_view(figures_of(r)) for r in res.all_roles}
+
+
+def route_choice(cfg: Config, model: str, state_of: Callable[[str], str],
+                 queue: Callable[[str], tuple[object, float | None, object] | None],
+                 queued: Callable[[str], int], crowded: bool,
+                 peers: answers.Peers) -> answers.RouteChoice:
+    """Which host takes a request for MODEL now: gpud.core.peers.choose_host over what this
+    host knows of its serve of it (its state, QUEUED, its expected wait from QUEUE, full at
+    router.max_queued or when every requester's bring-ups together are CROWDED) and what
+    each peer whose circuit is closed last said of the model (PEERS: GET /v1/peers)."""
+    serve = next((name for name, models in routed(cfg).items() if model in models), None)
+    local = None
+    if serve is not None:
+        waits = queue(serve)
+        count = queued(serve)
+        full = (cfg.router is not None and 0 < cfg.router.max_queued <= count) or crowded
+        local = local_offer(str(state_of(serve)), count, full,
+                            waits[1] if waits is not None else None)
+    offered = {p["name"]: PeerModel(m["id"], m["state"], m["expected_wait_s"], m["queued"])
+               for p in peers["peers"] if p["circuit"] == CircuitState.CLOSED
+               for m in p["models"] if m["id"] == model}
+    chosen = choose_host(offers_of(local, offered),
+                         spillover=cfg.router is not None and cfg.router.spillover)
+    return {"model": model, "found": chosen is not None,
+            "peer": chosen.host if chosen is not None else None,
+            "hosts": ([""] if local is not None else []) + sorted(offered)}
+

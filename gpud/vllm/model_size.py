@@ -20,6 +20,7 @@ from typing import Any
 from gpud.core.answers import PredictedKv
 from gpud.core.config import Config, DaemonConfig, ServeConfig
 from gpud.core.launch import SERVE_CACHE_ENVIRONMENT
+from gpud.core.modelconfig import check_max_model_len, default_max_model_len
 from gpud.core.sizing import (
     CONFIGURED,
     ESTIMATED,
@@ -33,8 +34,6 @@ from gpud.core.sizing import (
     Unknown,
     Weights,
     at_reservation,
-    check_max_model_len,
-    default_max_model_len,
     estimate_overheads,
     kv_cache,
     measured_overheads,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.integration.conftest import sandbox_unavailable
 from tests.integration.gpudctl import SandboxGpud
 from tools.sandbox import LINK_NET, Sandbox
 
@@ -64,8 +68,14 @@ class Host:
         return self.addrs[other.name]
 
     def write_root_file(self, path: str, text: str) -> None:
+        """A root-only file (0600) inside this host: a peer's key_file, a keys file."""
         self.sandbox.run(["bash", "-c", f"mkdir -p $(dirname {path}); umask 077; cat > {path}"],
                          input=text)
+
+    def stop_gpud_and_router(self) -> None:
+        """This host gone, as its peers see it: its gpud and its router (the front) stopped."""
+        self.sandbox.run(["systemctl", "stop", "gpud.service", "gpud-front.service"],
+                         timeout=60)
 
     def configure(self, setup: Setup | str, *, wait_front: bool | None = None) -> None:
         """gpud with SETUP started (its files written first); with WAIT_FRONT (default: when
@@ -96,6 +106,11 @@ class Host:
         return json.loads(got.stdout)
 
 
+def peer_table(name: str, url: str, key_file: str, extra: str = "") -> str:
+    """A [peers.NAME] table of serves.toml (EXTRA: its other lines)."""
+    return f'[peers.{name}]\nurl = "{url}"\nkey_file = "{key_file}"\n{extra}\n'
+
+
 Configs = Callable[[list["Host"]], Sequence["Setup | str"]]
 
 
@@ -107,6 +122,11 @@ def hosts(n: int, configs: Configs | None = None) -> Iterator[list[Host]]:
     off at the end, whatever the test did."""
     if not 2 <= n <= len(NAMES):
         raise ValueError(f"hosts: 2 to {len(NAMES)} hosts, not {n}")
+    reason = sandbox_unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the systemd sandbox cannot run in CI: {reason}")
+        pytest.skip(reason)
     names = tuple(NAMES[:n])
     with contextlib.ExitStack() as stack:
         made: list[Host] = []

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.integration.gpudctl import sim_config, standin_uds
-from tests.integration.hosts import Host, Setup, hosts
+from tests.integration.hosts import Host, Setup, hosts, peer_table
 from tests.waiting import wait_until
 
 PORT = 30600
@@ -35,8 +35,8 @@ def token(host: str) -> str:
 def configs(hs: list[Host]) -> list[Setup]:
     a, b, c = hs
     out = [Setup(sim_config(ROLE, serve("a-chat"))
-                 + "".join(f'[peers.{h.name}]\nurl = "http://{h.addr_from(a)}:{ROUTER_PORT}"\n'
-                           f'key_file = "/etc/gpud/peer-{h.name}.key"\n' for h in (b, c)),
+                 + "".join(peer_table(h.name, f"http://{h.addr_from(a)}:{ROUTER_PORT}",
+                                      f"/etc/gpud/peer-{h.name}.key") for h in (b, c)),
                  {f"/etc/gpud/peer-{h.name}.key": token(h.name) + "\n" for h in (b, c)})]
     for h in (b, c):
         keys = (f'[keys.front-a]\ntoken = "{token(h.name)}"\nmodels = ["*"]\npeer = true\n')
@@ -79,7 +79,7 @@ def test_a_front_door_sees_its_two_peers_and_a_peer_that_goes_and_comes_back() -
 
         opened, closed = said("opened"), said("closed")
         # b goes away: its gpud and its router
-        b.sandbox.run(["systemctl", "stop", "gpud.service", "gpud-front.service"], timeout=60)
+        b.stop_gpud_and_router()
         got = until(a, lambda got: got["b"]["circuit"] == "open", "b's circuit open on a")
         assert got["b"]["reachable"] is False and got["b"]["circuit_reason"], got["b"]
         assert "connect" in got["b"]["circuit_reason"], got["b"]

@@ -11,8 +11,8 @@ import json
 import time
 from typing import Any
 
-from tests.integration.gpudctl import PY, fronted_gpud, sim_config, standin_uds
-from tests.integration.linked import Host, install_secret, linked_hosts, peer_table
+from tests.integration.gpudctl import PY, sim_config, standin_uds
+from tests.integration.hosts import Host, Setup, hosts, peer_table
 from tests.waiting import wait_until
 
 ROUTER = 30420
@@ -32,7 +32,16 @@ def b_config(address: str, a: Host) -> str:
     # and A is B's peer too: the two list each other's models, and never loop
     return (sim_config(ROLE, serves) + f'[router]\nlisten = "{address}:{ROUTER}"\n'
             f'api_keys_file = "{KEYS}"\nloading_feedback_s = 1\n'
-            + peer_table("a", f"http://{a.address}:{ROUTER}", "/etc/gpud/peer-a.key"))
+            + peer_table("a", f"http://{a.addr}:{ROUTER}", "/etc/gpud/peer-a.key"))
+
+
+def configs(hs: list[Host]) -> list[Setup]:
+    a, b = hs
+    # A's router takes no keys: B presents one anyway
+    return [Setup(a_config(b), {PEER_KEY: TOKEN + "\n"}),
+            Setup(b_config(b.addr, a),
+                  {KEYS: f'[keys.front-a]\ntoken = "{TOKEN}"\nmodels = ["*"]\n',
+                   "/etc/gpud/peer-a.key": "sk-b-presents-this-to-a-000\n"})]
 
 
 def a_config(b: Host) -> str:
@@ -42,7 +51,7 @@ def a_config(b: Host) -> str:
         'start_timeout_s = 90\nmodels = ["chat"]\n'
         f"command = {standin_uds('--served-model-name', 'chat')}\n")
     return (sim_config(ROLE, serves) + f'[router]\nlisten = "{A_ADDRESS}:{ROUTER}"\n'
-            + peer_table("b", f"http://{b.address}:{ROUTER}", PEER_KEY))
+            + peer_table("b", f"http://{b.addr}:{ROUTER}", PEER_KEY))
 
 
 # Inside A: the openai client streams a chat for "ocr" (cold on B), its raw lines kept: B's
@@ -68,10 +77,10 @@ def post(host: Host, model: str) -> tuple[int, dict[str, str], Any, float]:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}],
                        "max_tokens": 2})
     started = time.monotonic()
-    out = host.sb.run(["curl", "-s", "-i", "--max-time", "60", "-d", body,
-                       "-H", "Content-Type: application/json",
-                       f"http://{A_ADDRESS}:{ROUTER}/v1/chat/completions"],
-                      timeout=90).stdout.replace("\r\n", "\n")
+    out = host.sandbox.run(["curl", "-s", "-i", "--max-time", "60", "-d", body,
+                            "-H", "Content-Type: application/json",
+                            f"http://{A_ADDRESS}:{ROUTER}/v1/chat/completions"],
+                           timeout=90).stdout.replace("\r\n", "\n")
     took = time.monotonic() - started
     head, _, text = out.partition("\n\n")
     lines = head.split("\n")
@@ -81,71 +90,65 @@ def post(host: Host, model: str) -> tuple[int, dict[str, str], Any, float]:
 
 
 def models(host: Host) -> dict[str, Any]:
-    out = host.sb.run(["curl", "-s", f"http://{A_ADDRESS}:{ROUTER}/v1/models"]).stdout
+    out = host.sandbox.run(["curl", "-s", f"http://{A_ADDRESS}:{ROUTER}/v1/models"]).stdout
     return {m["id"]: m["gpud"] for m in json.loads(out)["data"]}
 
 
 def test_a_model_only_on_b_is_started_by_a_request_at_a_and_b_down_is_503_at_once() -> None:
-    with linked_hosts(2) as (a, b):
-        assert a.address == A_ADDRESS
-        install_secret(b, KEYS, f'[keys.front-a]\ntoken = "{TOKEN}"\nmodels = ["*"]\n')
-        # A's router takes no keys: B presents one anyway
-        install_secret(b, "/etc/gpud/peer-a.key", "sk-b-presents-this-to-a-000\n")
-        with fronted_gpud(b.gpud, b_config(b.address, a)):
-            install_secret(a, PEER_KEY, TOKEN + "\n")
-            with fronted_gpud(a.gpud, a_config(b)):
-                # A's router lists B's model, with its host, once its poller has B's list
-                try:
-                    listed = wait_until(lambda: models(a).get("ocr"), timeout=30,
-                                        what="A's router listing B's ocr")
-                except AssertionError:
-                    raise AssertionError(json.dumps(a.gpud.get("/v1/peers")) + "\n"
-                                         + json.dumps(models(a)) + "\n"
-                                         + a.gpud.journal_tail()) from None
-                assert listed["host"] == "b" and listed["via"] == "b", listed
-                assert listed["state"] == "declared", listed   # as B reports it: not started
-                assert models(a)["chat"]["host"] != "b"
-                # B offers A's own model, never its own back through A (the hop marker)
-                offered = wait_until(lambda: (p := b.gpud.get("/v1/peers")["peers"][0])[
-                    "reachable"] and p, timeout=30, what="B's poller reaching A")
-                assert [m["id"] for m in offered["models"]] == ["chat"], offered
-                # the key is in A's nginx.conf, which is root's and the front's group's only
-                mode = a.sb.run(["stat", "-c", "%a %U", "/run/gpud/front/nginx.conf"]).stdout
-                assert mode.split() == ["640", "root"], mode
+    with hosts(2, configs) as (a, b):
+        assert a.addr == A_ADDRESS
+        # A's router lists B's model, with its host, once its poller has B's list
+        try:
+            listed = wait_until(lambda: models(a).get("ocr"), timeout=30,
+                                what="A's router listing B's ocr")
+        except AssertionError:
+            raise AssertionError(json.dumps(a.gpud.get("/v1/peers")) + "\n"
+                                 + json.dumps(models(a)) + "\n"
+                                 + a.gpud.journal_tail()) from None
+        assert listed["host"] == "b" and listed["via"] == "b", listed
+        assert listed["state"] == "declared", listed   # as B reports it: not started
+        assert models(a)["chat"]["host"] != "b"
+        # B offers A's own model, never its own back through A (the hop marker)
+        offered = wait_until(lambda: (p := b.gpud.get("/v1/peers")["peers"][0])[
+            "reachable"] and p, timeout=30, what="B's poller reaching A")
+        assert [m["id"] for m in offered["models"]] == ["chat"], offered
+        # the key is in A's nginx.conf, which is root's and the front's group's only
+        mode = a.sandbox.run(["stat", "-c", "%a %U", "/run/gpud/front/nginx.conf"]).stdout
+        assert mode.split() == ["640", "root"], mode
 
-                got = json.loads(a.sb.run([PY, "-c", CLIENT], timeout=150).stdout)
-                assert got["status"] == 200, got
-                assert got["lines"][0] == ": loading ocr", got["lines"]
-                assert got["lines"][-1] == "data: [DONE]", got["lines"]
-                assert any(line.startswith("data: {") for line in got["lines"]), got
-                assert "".join(got["chunks"]), got
-                # started on B by A's request, through B's router with A's key
-                assert b.gpud.serve("ocr")["state"] == "running"
-                assert b.gpud.wait_journal("MESSAGE=on-demand ocr: starting (request for "
-                                           "model 'ocr' with key 'front-a' through the "
-                                           "router)"), b.gpud.journal_tail()
-                assert a.gpud.serve("chat")["state"] == "declared"   # A started nothing
+        got = json.loads(a.sandbox.run([PY, "-c", CLIENT], timeout=150).stdout)
+        assert got["status"] == 200, got
+        assert got["lines"][0] == ": loading ocr", got["lines"]
+        assert got["lines"][-1] == "data: [DONE]", got["lines"]
+        assert any(line.startswith("data: {") for line in got["lines"]), got
+        assert "".join(got["chunks"]), got
+        # started on B by A's request, through B's router with A's key
+        assert b.gpud.serve("ocr")["state"] == "running"
+        assert b.gpud.wait_journal("MESSAGE=on-demand ocr: starting (request for "
+                                   "model 'ocr' with key 'front-a' through the "
+                                   "router)"), b.gpud.journal_tail()
+        assert a.gpud.serve("chat")["state"] == "declared"   # A started nothing
 
-                def forwarded() -> float:
-                    return sum(v for labels, v in a.gpud.metrics("gpud_peer_requests_total")
-                               if labels == {"peer": "b", "code": "2xx"})
-                wait_until(lambda: forwarded() >= 2, timeout=30,
-                           what="A's forwarded requests counted")
+        def forwarded() -> float:
+            return sum(v for labels, v in a.gpud.metrics("gpud_peer_requests_total")
+                       if labels == {"peer": "b", "code": "2xx"})
+        wait_until(lambda: forwarded() >= 2, timeout=30,
+                   what="A's forwarded requests counted")
 
-                b.stop_gpud_and_router()
-                wait_until(lambda: a.gpud.get("/v1/peers")["peers"][0]["circuit"] == "open",
-                           timeout=30, what="A's circuit of b open")
-                _, headers, doc, took = wait_until(
-                    lambda: (r := post(a, "ocr"))[0] == 503 and r, timeout=30,
-                    what="A answering 503 for b's model")
-                assert took < 2, took      # at once: no connect, no wait
-                assert headers["retry-after"] == "5", headers
-                assert doc["error"]["code"] == "peer_unreachable", doc
-                assert "host b (unreachable: " in doc["error"]["message"], doc
-                assert models(a)["ocr"]["state"] == "unreachable"
+        b.stop_gpud_and_router()
+        wait_until(lambda: a.gpud.get("/v1/peers")["peers"][0]["circuit"] == "open",
+                   timeout=30, what="A's circuit of b open")
+        _, headers, doc, took = wait_until(
+            lambda: (r := post(a, "ocr"))[0] == 503 and r, timeout=30,
+            what="A answering 503 for b's model")
+        assert took < 2, took      # at once: no connect, no wait
+        assert headers["retry-after"] == "5", headers
+        assert doc["error"]["code"] == "peer_unreachable", doc
+        assert "host b (unreachable: " in doc["error"]["message"], doc
+        assert models(a)["ocr"]["state"] == "unreachable"
 
-                b.gpud.start()
-                b.gpud.wait_front()
-                _, _, doc, _ = wait_until(lambda: (r := post(a, "ocr"))[0] == 200 and r,
-                                          timeout=60, what="A serving b's model again")
-                assert doc["choices"], doc
+        b.gpud.start()
+        b.gpud.wait_front()
+        _, _, doc, _ = wait_until(lambda: (r := post(a, "ocr"))[0] == 200 and r,
+                                  timeout=60, what="A serving b's model again")
+        assert doc["choices"], doc

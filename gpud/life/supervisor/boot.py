@@ -130,7 +130,7 @@ class BootJob:
                     continue
                 with contextlib.suppress(Denied):  # recorded with its reason; it stays denied
                     if self.svc.config.daemon.preempt_at_boot:
-                        await self.sleeps.admit_preempting(
+                        await self.sleeps.preemption.admit_preempting(
                             name, self.svc.config.serves[name].vram_mib, None)
                     else:
                         await self.svc.admit(name, self.svc.config.serves[name].vram_mib)

@@ -108,10 +108,10 @@ class LaunchJob:
             await self._port_free(serve, spec)
             await self.memory.back_all(serve)
             if held is None and preempt:
-                carried = await self.sleeps.admit_preempting(serve, spec.vram_mib, uid,
-                                                             locked=True)
+                carried = await self.sleeps.preemption.admit_preempting(serve, spec.vram_mib, uid,
+                                                                        locked=True)
             elif held is None:
-                with self.sleeps.preemption_hint(serve, spec.vram_mib):
+                with self.sleeps.preemption.preemption_hint(serve, spec.vram_mib):
                     await self.svc.admit(serve, spec.vram_mib, uid=uid)
             try:
                 unit_spec = self.unit_spec(serve, self.rt.sized(serve, spec))
