@@ -66,7 +66,12 @@ RENDER = """
 import sys
 from pathlib import Path
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import METER, RoutedServe, RouterFront, http_lines, main_lines, parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+try:
+    from gpud.core.keys import parse_keys
+    from gpud.core.routerconf import METER, http_lines, main_lines
+except ImportError:  # a tree from before gpud.core.routerconf
+    from gpud.core.router import METER, http_lines, main_lines, parse_keys
 from gpud.nginx.router import script_text
 out, port, sock, njs, keys, meter, priority = sys.argv[1:]
 parsed = None

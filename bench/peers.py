@@ -6,9 +6,9 @@ one run; and what a request for a dead peer's model costs once A's circuit of it
                                     [--pin]
 
 Two routers on loopback, each its own nginx with the config gpud generates
-(gpud.core.front.render, gpud.core.router.http_lines and the script of gpud.nginx.router) and as
-many workers as gpud gives the front on this host (gpud.nginx.front.front_workers; --workers to
-compare), each with its access log as gpud's router writes it:
+(gpud.core.front.render, gpud.core.routerconf.http_lines and the script of gpud.nginx.router)
+and as many workers as gpud gives the front on this host (gpud.nginx.front.front_workers;
+--workers to compare), each with its access log as gpud's router writes it:
 
 - B's router: one always-on stand-in serve of model `m` on a Unix socket (the router asks gpud
   nothing for it), and a keys file of two keys: `front-a` (`peer = true`: the key A presents)
@@ -54,15 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.front import NGINX, free_port, standin, tree_cpu
 from gpud.core.front import MAX_WORKERS, FrontConfig, render
-from gpud.core.router import (
-    ApiKey,
-    RoutedPeer,
-    RoutedServe,
-    RouterFront,
-    http_lines,
-    main_lines,
-    token_digest,
-)
+from gpud.core.keys import ApiKey, token_digest
+from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.front import front_workers
 from gpud.nginx.router import script_text
 

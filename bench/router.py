@@ -6,7 +6,7 @@ then the first request to a sleeping model, through the router, against the serv
 
 Latency and throughput (--rounds; 0 skips them): one stand-in on a TCP port (direct) and one of
 the same code on a Unix socket, behind one nginx with the config gpud generates
-(gpud.core.front.render, gpud.core.router.http_lines) and as many workers as gpud gives the
+(gpud.core.front.render, gpud.core.routerconf.http_lines) and as many workers as gpud gives the
 front on this host (gpud.nginx.front.front_workers: the cores it may run on, at most 4; --workers
 to compare): its front server (a plain proxy, as docs/front.md measures) and the router's
 server (njs reads the body's `model`, then the same proxy). The router asks gpud nothing here
@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.front import NGINX, clients, free_port, interleaved, standin, tree_cpu, wait_health
 from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
-from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.front import front_workers
 from gpud.nginx.router import script_text
 

@@ -38,7 +38,11 @@ RENDER = """
 import sys
 from pathlib import Path
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
+from gpud.core.router import RoutedServe, RouterFront
+try:
+    from gpud.core.routerconf import http_lines, main_lines
+except ImportError:  # a tree from before gpud.core.routerconf
+    from gpud.core.router import http_lines, main_lines
 from gpud.nginx.front import front_workers
 from gpud.nginx.router import script_text
 out, port, sock, njs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

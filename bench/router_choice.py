@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import get, start_gpud, temp_dir
 from bench.front import NGINX, free_port
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import RoutedPeer, RoutedServe, RouterFront, http_lines, main_lines
+from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.router import script_text
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpud.core.router import LOG_FIELDS, USAGE_FIELDS
+from gpud.core.routerlog import LOG_FIELDS, USAGE_FIELDS
 from gpud.core.vocab import STATES, WARNING_KINDS, WATCHED_KINDS, EventKind
 from tests.conftest import REPO, GpudProcess, start_gpud
 from tests.test_metrics import free_port, sim_config

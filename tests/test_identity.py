@@ -24,17 +24,9 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import GPUD_REQUEST_HEADERS, FrontConfig, FrontServe, render
-from gpud.core.router import (
-    ANONYMOUS,
-    ApiKey,
-    EnsureBound,
-    RoutedServe,
-    RouterFront,
-    RouterRequest,
-    http_lines,
-    main_lines,
-    router_request,
-)
+from gpud.core.keys import ApiKey
+from gpud.core.router import ANONYMOUS, EnsureBound, RoutedServe, RouterFront, RouterRequest, router_request
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.waiting import wait_until

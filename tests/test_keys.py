@@ -1,5 +1,5 @@
 """Keys from the command line: the keys file's edits (gpud.core.keyfile), a token's SHA-256 in
-place of the token (gpud.core.router.parse_keys), and `gpuctl keys` against an in-memory gpud
+place of the token (gpud.core.keys.parse_keys), and `gpuctl keys` against an in-memory gpud
 with real files (the whole result checked before it replaces the old file, then a reload; the
 old file back when gpud refuses it)."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gpud.core.keyfile import KeyEntry, KeyFileError, keys_in, set_key
-from gpud.core.router import parse_keys
+from gpud.core.keys import parse_keys
 from gpud.ctl.client import MemoryTransport
 from gpud.ctl.errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
 from gpud.ctl.main import main

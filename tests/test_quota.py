@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from gpud.core.keys import parse_keys
+from gpud.core.limits import QUOTA_STATUS
 from gpud.core.quota import (
     Budget,
     Over,
@@ -17,16 +19,8 @@ from gpud.core.quota import (
     month_bounds,
     over_budget,
 )
-from gpud.core.router import (
-    QUOTA_STATUS,
-    ROUTED_PATHS,
-    RoutedServe,
-    RouterFront,
-    front_policy,
-    http_lines,
-    parse_keys,
-    render_script,
-)
+from gpud.core.router import ROUTED_PATHS, RoutedServe, RouterFront
+from gpud.core.routerconf import front_policy, http_lines, render_script
 from gpud.core.usage import Counts, UsageKey
 
 

@@ -31,23 +31,21 @@ import pytest
 
 from gpud.config import model_names, parse_config, routed
 from gpud.core.front import FrontConfig, render
+from gpud.core.keys import ApiKey, parse_keys
 from gpud.core.launch import vllm_argv
 from gpud.core.quota import Over
 from gpud.core.router import (
     DEFAULT_LARGE_BODIES_PER_REQUESTER,
     ROUTED_PATHS,
-    ApiKey,
     RoutedServe,
     RouterFront,
     RouterRequest,
     duplicate_names,
-    http_lines,
     listen_problem,
-    main_lines,
-    parse_keys,
-    parse_log_line,
     routing_table,
 )
+from gpud.core.routerconf import http_lines, main_lines
+from gpud.core.routerlog import parse_log_line
 from gpud.ctl.format import format_models
 from gpud.daemon import check_config
 from gpud.errors import ConfigError

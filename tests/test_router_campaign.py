@@ -24,15 +24,10 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import FrontConfig, FrontServe, render
-from gpud.core.router import (
-    RoutedServe,
-    RouterFront,
-    front_policy,
-    http_lines,
-    main_lines,
-    parse_keys,
-    parse_log_line,
-)
+from gpud.core.keys import parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import front_policy, http_lines, main_lines
+from gpud.core.routerlog import parse_log_line
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.test_router import NGINX, NJS

@@ -1,7 +1,7 @@
 """One policy, every way in (docs/security.md, "Keys cover every way in"): a key's limits and
 its usage are the same through the router and through a serve's own fronted port, one limit
 and one count (the same nginx zones, the same access log), the fronted port's lines made from
-the router's own parts (gpud.core.router.front_policy). The real nginx and njs before a
+the router's own parts (gpud.core.routerconf.front_policy). The real nginx and njs before a
 stand-in, the router and the fronted port in one front."""
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import FrontConfig, FrontServe, render
-from gpud.core.router import (
-    Answered,
-    RoutedServe,
-    RouterFront,
-    front_policy,
-    http_lines,
-    main_lines,
-    parse_keys,
-    parse_log_line,
-)
+from gpud.core.keys import parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import front_policy, http_lines, main_lines
+from gpud.core.routerlog import Answered, parse_log_line
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.test_router import NGINX, NJS, _req

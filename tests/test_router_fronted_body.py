@@ -23,16 +23,10 @@ import pytest
 
 from gpud.config import parse_config
 from gpud.core.front import SEND_LOCATION, FrontConfig, FrontServe, render
-from gpud.core.router import (
-    Answered,
-    RoutedServe,
-    RouterFront,
-    front_policy,
-    http_lines,
-    main_lines,
-    parse_keys,
-    parse_log_line,
-)
+from gpud.core.keys import parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import front_policy, http_lines, main_lines
+from gpud.core.routerlog import Answered, parse_log_line
 from gpud.nginx.front import front_config
 from gpud.nginx.router import router_front, script_text
 from tests.ports import connects, free_port

@@ -20,21 +20,11 @@ from typing import Any
 import pytest
 
 from gpud.config import parse_config
+from gpud.core.keys import KEY_SECRETS, KEY_SHARES, ApiKey, parse_keys
 from gpud.core.quota import Budget, Over, over_budget
-from gpud.core.router import (
-    FORWARDED_REQUESTER_RE,
-    KEY_SECRETS,
-    KEY_SHARES,
-    ROUTED_PATHS,
-    Answered,
-    ApiKey,
-    RoutedServe,
-    RouterFront,
-    http_lines,
-    parse_keys,
-    parse_log_line,
-    router_request,
-)
+from gpud.core.router import FORWARDED_REQUESTER_RE, ROUTED_PATHS, RoutedServe, RouterFront, router_request
+from gpud.core.routerconf import http_lines
+from gpud.core.routerlog import Answered, parse_log_line
 from gpud.core.usage import Counts, UsageKey, add, one
 from gpud.nginx.router import KeyShares, script_text
 from tests.test_router import (  # noqa: F401 (fed: a fixture)
@@ -138,7 +128,7 @@ def test_the_largest_limits_are_valid_for_nginx(tmp_path: Path) -> None:
     """Each limit at the top of its range (nginx refuses a limit_conn of 65536: the whole
     front's config would go with it)."""
     from gpud.core.front import FrontConfig, render
-    from gpud.core.router import main_lines
+    from gpud.core.routerconf import main_lines
     from gpud.nginx.router import script_text
     from tests.test_router import NGINX, NJS
 

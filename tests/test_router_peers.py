@@ -23,16 +23,10 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import (
-    ApiKey,
-    RoutedPeer,
-    RoutedServe,
-    RouterFront,
-    http_lines,
-    main_lines,
-    parse_log_line,
-    token_digest,
-)
+from gpud.core.keys import ApiKey, token_digest
+from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
+from gpud.core.routerlog import parse_log_line
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.waiting import wait_until

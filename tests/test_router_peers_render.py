@@ -11,13 +11,12 @@ from gpud.core.router import (
     RoutedPeer,
     RoutedServe,
     RouterFront,
-    http_lines,
-    parse_log_line,
     peer_address,
     peer_table,
-    render_script,
     shared_table,
 )
+from gpud.core.routerconf import http_lines, render_script
+from gpud.core.routerlog import parse_log_line
 
 KEY = "sk-node1-presents-this-to-node2"
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines, parse_keys
+from gpud.core.keys import parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.test_router import NGINX, NJS, _req

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import RoutedServe, RouterFront, http_lines, main_lines
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.waiting import wait_until

@@ -21,15 +21,10 @@ from typing import Any
 import pytest
 
 from gpud.core.front import FrontConfig, render
-from gpud.core.router import (
-    Answered,
-    RoutedServe,
-    RouterFront,
-    http_lines,
-    main_lines,
-    parse_keys,
-    parse_log_line,
-)
+from gpud.core.keys import parse_keys
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import http_lines, main_lines
+from gpud.core.routerlog import Answered, parse_log_line
 from gpud.nginx.router import script_text
 from tests.ports import connects, free_port
 from tests.test_router import NGINX, NJS

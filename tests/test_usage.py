@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
-from gpud.core.router import LOG_FIELDS, USAGE_FIELDS, parse_log_line
+from gpud.core.routerlog import LOG_FIELDS, USAGE_FIELDS, parse_log_line
 from gpud.core.usage import Counts, UsageKey, add, hour_of, one, summarize, tokens
 from gpud.durable.store import Store
 from gpud.nginx.router import RouterLog, log_path

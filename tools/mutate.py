@@ -44,6 +44,7 @@ MODULES: tuple[str, ...] = (
     "gpud/core/serverecord.py", "gpud/core/states.py", "gpud/core/bringup.py",
     "gpud/core/coalesce.py", "gpud/core/traffic.py",
     "gpud/core/queue.py", "gpud/core/demand.py",
+    "gpud/core/keys.py", "gpud/core/limits.py", "gpud/core/routerlog.py",
 )
 
 

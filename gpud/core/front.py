@@ -114,7 +114,7 @@ class FrontServe:
 @dataclass(frozen=True)
 class FrontPolicy:
     """What a fronted port of a serve takes of the router's policy (docs/security.md, "Keys
-    cover every way in"), made by gpud.core.router.front_policy from the same parts as the
+    cover every way in"), made by gpud.core.routerconf.front_policy from the same parts as the
     router's own locations (conn_lines, limit_lines, METER, the access log, the script), so
     that a key's limits are one limit (the same nginx zones), its usage one count (the same
     log) and its priority one priority, whichever way its requests come.
@@ -150,16 +150,16 @@ class FrontConfig:
     # Where gpud keeps a file per fronted serve that is running and awake (NAME): what the
     # front goes by when gpud does not answer. None: no such check (requests go through).
     awake_dir: str | None = None
-    # Lines of other servers of the same nginx (the router's, gpud.core.router): in the main
+    # Lines of other servers of the same nginx (the router's, gpud.core.routerconf): in the main
     # context (load_module) and in the http block.
     main_extra: tuple[str, ...] = ()
     http_extra: tuple[str, ...] = ()
     # With the router's keys (router.api_keys_file): each fronted port takes the same keys,
     # checked by the router's script before anything else (its js_set variables
-    # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.router), so no
+    # $router_key_ok, $router_unauthorized and $router_requester_of: gpud.core.routerconf), so no
     # port is a way around them (docs/security.md).
     keys: bool = False
-    # The router's policy for each fronted port (gpud.core.router.front_policy): (serve, its
+    # The router's policy for each fronted port (gpud.core.routerconf.front_policy): (serve, its
     # FrontPolicy): a key's limits, the usage meter and the access log, the key's priority and
     # a stream's usage in the body, the same as the router's.
     policies: tuple[tuple[str, FrontPolicy], ...] = ()

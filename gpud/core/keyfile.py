@@ -1,7 +1,7 @@
 """Edits of router.api_keys_file's text (docs/router.md, "Keys from the command line"): one
 ``[keys.NAME]`` table added, replaced or removed, the rest of the file (other keys, comments,
 blank lines) kept byte for byte. Text in, text out: ``gpuctl keys`` reads the file, checks the
-result as gpud's reload does (gpud.core.router.parse_keys) and writes it.
+result as gpud's reload does (gpud.core.keys.parse_keys) and writes it.
 
 A key written by an edit holds its token's SHA-256 (``sha256 = "..."``), never the token: the
 token is shown once, to whoever made it. An edit that cannot be made on the file's own lines
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpud.core.router import KEY_SHARES
+from gpud.core.keys import KEY_SHARES
 
 _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -32,7 +32,7 @@ class KeyFileError(ValueError):
 @dataclass(frozen=True)
 class KeyEntry:
     """What an edit writes of one key: its token's SHA-256, the models it may use and its
-    limits and shares (gpud.core.router.KEY_SHARES: name -> value; unset ones left out)."""
+    limits and shares (gpud.core.keys.KEY_SHARES: name -> value; unset ones left out)."""
 
     sha256: str
     models: tuple[str, ...]

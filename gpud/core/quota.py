@@ -2,7 +2,7 @@
 tokens_per_month, prompt + completion tokens as the durable usage counts them (gpud.core.usage),
 the day and the month in UTC. Pure: usage rows, budgets and a time in; which keys are past their
 budget, and until when, out. gpud decides it when it stores usage rows and renders the answer
-into the router's script (gpud.core.router.render_script); the data path compares the time
+into the router's script (gpud.core.routerconf.render_script); the data path compares the time
 alone, so a key is let in again at its period's end even before gpud looks again.
 """
 

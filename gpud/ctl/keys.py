@@ -5,7 +5,7 @@ The edit is made here, by gpuctl with its user's own rights, not by gpud: the ke
 root's and 0600 (it may hold tokens), so only root can read or change it, and no route of gpud's
 socket hands out a token. The file named by the config in force (GET /v1/status gives its
 path) is edited under a lock (its directory's), the whole result checked as gpud's reload checks
-it (gpud.core.router.parse_keys, with the model names gpud routes now) before it replaces the
+it (gpud.core.keys.parse_keys, with the model names gpud routes now) before it replaces the
 old file (written atomically, 0600), and then gpud reloads, which gives the router its new keys.
 When gpud refuses that reload the old file is put back. A new token comes from ``secrets``, is
 printed once, and only its SHA-256 is written.
@@ -76,7 +76,7 @@ def _shares(args: argparse.Namespace) -> dict[str, int | float]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from gpud.core.router import KEY_NAME_RE
+    from gpud.core.keys import KEY_NAME_RE
 
     if args.action == "list":
         if args.key_name is not None:
@@ -188,7 +188,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
 
 def _edit(ctl: Ctl, args: argparse.Namespace, path: str, known: list[str]) -> int:
     from gpud.core.keyfile import KeyFileError, keys_in, set_key
-    from gpud.core.router import parse_keys
+    from gpud.core.keys import parse_keys
 
     old = _read(path)
     name = args.key_name
@@ -206,7 +206,7 @@ def _edit(ctl: Ctl, args: argparse.Namespace, path: str, known: list[str]) -> in
                            {"key": name, "path": path})
         elif args.action == "rotate":
             from gpud.core.keyfile import entry_of
-            from gpud.core.router import token_digest
+            from gpud.core.keys import token_digest
 
             token = new_token()
             new = set_key(old or "", name, entry_of(tables[name], token_digest(token)))
@@ -235,7 +235,7 @@ def _edit(ctl: Ctl, args: argparse.Namespace, path: str, known: list[str]) -> in
 
 def _entry(args: argparse.Namespace, token: str) -> KeyEntry:
     from gpud.core.keyfile import KeyEntry
-    from gpud.core.router import token_digest
+    from gpud.core.keys import token_digest
 
     models = tuple(dict.fromkeys(args.models)) if args.models else ("*",)
     return KeyEntry(token_digest(token), models, _shares(args), peer=args.peer)
@@ -252,7 +252,7 @@ def _human(doc: dict[str, Any]) -> str:
 
 def _list(ctl: Ctl, path: str) -> int:
     from gpud.core.keyfile import KeyFileError, keys_in
-    from gpud.core.router import KEY_SHARES
+    from gpud.core.keys import KEY_SHARES
 
     text = _read(path)
     try:

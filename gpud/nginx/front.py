@@ -55,10 +55,12 @@ from gpud.core.front import (
     render,
     socket_path,
 )
+from gpud.core.keys import ApiKey
 from gpud.core.quota import Over
-from gpud.core.router import ApiKey, RoutedPeer, RouterFront, front_policy
-from gpud.core.router import http_lines as router_http_lines
-from gpud.core.router import main_lines as router_main_lines
+from gpud.core.router import RoutedPeer, RouterFront
+from gpud.core.routerconf import front_policy
+from gpud.core.routerconf import http_lines as router_http_lines
+from gpud.core.routerconf import main_lines as router_main_lines
 from gpud.core.vocab import ServeState
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.files import write_atomically
@@ -396,7 +398,7 @@ def check_front(cfg: Config, running: frozenset[str] = frozenset()) -> FrontChec
 
 def keys_on_disk(d: DaemonConfig) -> tuple[ApiKey, ...] | None:
     """The keys of the router's script as gpud last wrote it (its CONFIG's digests and
-    models, gpud.core.router.render_script), None when there is none or it has no keys."""
+    models, gpud.core.routerconf.render_script), None when there is none or it has no keys."""
     try:
         head = (Path(d.front_dir) / SCRIPT_NAME).read_text().split("\n\n", 1)[0]
         doc = json.loads(head.split("var CONFIG = ", 1)[1].rstrip().rstrip(";"))

@@ -1,5 +1,5 @@
 """The router's adapter: what of the config in force the router is made of, and its script's
-text (gpud/data/router.js with the table gpud.core.router renders). gpud.nginx.front writes both
+text (gpud/data/router.js with the table gpud.core.routerconf renders). gpud.nginx.front writes both
 beside the front's nginx.conf and reloads the front (docs/router.md)."""
 
 from __future__ import annotations
@@ -21,21 +21,13 @@ from typing import Final
 
 from gpud.config import Config, DaemonConfig, ServeConfig, routed
 from gpud.core.front import socket_path
+from gpud.core.keys import ApiKey, parse_keys
 from gpud.core.launch import scheduling_policy
 from gpud.core.queue import KEY_PRIORITY, WEIGHT
 from gpud.core.quota import Budget, BudgetState, Over, budget_states, month_bounds
-from gpud.core.router import (
-    HOST_NAME_RE,
-    Answered,
-    ApiKey,
-    RoutedServe,
-    RouterFront,
-    RouterStats,
-    parse_keys,
-    parse_log_line,
-    render_script,
-    routing_table,
-)
+from gpud.core.router import HOST_NAME_RE, RoutedServe, RouterFront, routing_table
+from gpud.core.routerconf import render_script
+from gpud.core.routerlog import Answered, RouterStats, parse_log_line
 from gpud.core.usage import Counts, UsageKey, add, charged_to, hour_of, one
 from gpud.durable.store import Store
 from gpud.errors import ConfigError, GpudError
@@ -46,7 +38,7 @@ SCRIPT_SOURCE: Final = Path(__file__).parents[1] / "data" / "router.js"
 SCRIPT_NAME: Final = "router.js"
 # nginx waits for gpud's ensure a little longer than gpud does (ensure_timeout_s).
 ENSURE_MARGIN_S: Final = 5
-# The router's access log (gpud.core.router.LOG_FIELDS), in a directory of the front's that
+# The router's access log (gpud.core.routerlog.LOG_FIELDS), in a directory of the front's that
 # gpud keeps (root's, the front's group may enter): gpud makes the file (root's, the front's
 # group writes it) before nginx opens it, and empties it once it has read past LOG_MAX_BYTES.
 LOG_DIR: Final = "log"

@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import Metric
 
 from gpud.core.ledger import Ledger
 from gpud.core.queue import Histogram
-from gpud.core.router import OVERHEAD_BUCKETS_S, STATUS_CLASSES
+from gpud.core.routerlog import OVERHEAD_BUCKETS_S, STATUS_CLASSES
 from gpud.core.vocab import EVENT_KINDS, STATES, EventKind, ServeState
 from gpud.host.observer import Observer
 from gpud.life.calibration import Calibrator
