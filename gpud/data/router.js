@@ -866,12 +866,14 @@ function loading(r, model, entry) {
     setTimeout(look, wait);
 }
 
-function states(r) {
-    return r.subrequest('/.gpud-router-serves', {method: 'GET'}).then(function (reply) {
+// gpud's list at LOCATION (its FIELD: serves, peers) by name; {} when gpud's answer is
+// unreadable or missing (every state unknown).
+function byName(r, location, field) {
+    return r.subrequest(location, {method: 'GET'}).then(function (reply) {
         var by = {};
         if (reply.status === 200) {
             try {
-                JSON.parse(reply.responseText).serves.forEach(function (s) {
+                JSON.parse(reply.responseText)[field].forEach(function (s) {
                     by[s.name] = s;
                 });
             } catch (e) {
@@ -880,6 +882,10 @@ function states(r) {
         }
         return by;
     }, function () { return {}; });
+}
+
+function states(r) {
+    return byName(r, '/.gpud-router-serves', 'serves');
 }
 
 // A model of /v1/models as ME (the request's requester) sees it: who waits for its serve, in
@@ -933,19 +939,7 @@ function peerViews(r) {
     if (Object.keys(CONFIG.peer_models).length === 0) {
         return Promise.resolve({});
     }
-    return r.subrequest(CONFIG.peers_location, {method: 'GET'}).then(function (reply) {
-        var by = {};
-        if (reply.status === 200) {
-            try {
-                JSON.parse(reply.responseText).peers.forEach(function (p) {
-                    by[p.name] = p;
-                });
-            } catch (e) {
-                // gpud's answer unreadable: every peer's state unknown
-            }
-        }
-        return by;
-    }, function () { return {}; });
+    return byName(r, CONFIG.peers_location, 'peers');
 }
 
 // A model served on peers only, as this host lists it: the host that takes its requests
