@@ -45,10 +45,10 @@ FAST = re.escape("leon-se/gemma-4-E4B-it-FP8-Dynamic")
 # before it, the request answered by fast (its time printed), fast running after it, and the
 # wake's event naming the request, with the serve's own wake time.
 WAKE = re.compile(
-    rf"^{FAST} +fast +sleeping .*"
+    rf"^{FAST} +local +fast +sleeping .*"
     r"^HTTP 200 in [0-9.]+ s\n"
     rf"answered by {FAST} -> .*"
-    rf"^{FAST} +fast +running .*"
+    rf"^{FAST} +local +fast +running .*"
     rf"fast awake \(request for model '{FAST}' through the router\): 14336 MiB; "
     r"the serve took \d+ ms", re.S | re.M)
 
