@@ -439,6 +439,8 @@ def test_stop_or_release_during_launch(gpud: SandboxGpud, action: str) -> None:
 USERS = {"camp-outsider": "", "camp-reader": "gpud", "camp-admin": "gpud,gpud-admin"}
 # POST routes that compute and change nothing (gpud/server/api.py registers them as reads)
 READ_ONLY_POSTS = {"/v1/plan"}
+# the query of a read that needs one
+READ_QUERIES = {"/v1/route": "?model=ocr"}
 
 
 def as_user(gpud: SandboxGpud, user: str, method: str, path: str,
@@ -485,7 +487,9 @@ def test_security_readers_and_admins(gpud: SandboxGpud) -> None:
     before = gpud.get("/v1/ledger")
     events_before = len(gpud.events())
     for path in reads:
-        status, body = as_user(gpud, "camp-reader", "GET", path.replace("{name}", "ocr"))
+        # a read that needs a query gets one (which host takes a model: the model's name)
+        query = READ_QUERIES.get(path, "")
+        status, body = as_user(gpud, "camp-reader", "GET", path.replace("{name}", "ocr") + query)
         assert status == 200, (path, body)
     for path in posts:
         for body in ({}, {"mib": 100, "role": "dark-fast"}, {"stop": True}):
