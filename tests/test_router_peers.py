@@ -380,6 +380,8 @@ def test_models_lists_the_peers_models_with_their_host_and_state(rig: Rig) -> No
         doc = json.loads(conn.getresponse().read())
     by = {m["id"]: m["gpud"] for m in doc["data"]}
     assert by["t"]["host"] == "hosta" and "via" not in by["t"]
+    # a model here and on peers: listed once, with every host that has it
+    assert by["t"]["hosts"] == ["hosta", "b", "d", "f"] and "hosts" not in by["u"]
     assert by["echo"] == {"host": "b", "hosts": ["b"], "via": "b", "state": "sleeping",
                           "expected_wait_s": 7.0, "queued": 2}
     assert by["closedoff"]["state"] == "unreachable"

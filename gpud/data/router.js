@@ -897,6 +897,10 @@ function entry(name, by, created, me) {
     var serve = CONFIG.models[name].serve;
     var s = has(by, serve) ? by[serve] : null;
     var ext = {host: CONFIG.host, serve: serve, state: s ? s.state : 'unknown'};
+    if (CONFIG.shared && has(CONFIG.shared, name)) {
+        // a model on several hosts is listed once, with its hosts ("": this one)
+        ext.hosts = CONFIG.shared[name].map(function (h) { return h || CONFIG.host; });
+    }
     if (s && s.queue) {
         ext.queue = s.queue.map(function (p) {
             return {requester: p.requester === me ? me : null, waiting: p.waiting,
