@@ -348,10 +348,6 @@ def test_a_generator_has_no_pooling_routes(pair: Pair) -> None:
 HOLD = 16000  # tokens the holder may run to (MAIN_MAX_MODEL_LEN less the prompt): far longer
               # than any setup takes, for the test lets it go itself, by hanging up
 SHORT = 40  # tokens of each request that waits for it
-# tokens of each of the two the priority policy orders: the one let in second ends this many
-# engine steps after the first (seconds), far past what a loaded API server can fall behind
-# the engine and then send both streams' ends at once (0.5 ms apart, in either order, with 40)
-ORDERED = 400
 
 
 class Streamed(threading.Thread):
@@ -461,16 +457,16 @@ def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
 def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     port = pair.main.port
     holder, (low, high) = held_while(
-        port, ("priority 5 waiting", lambda: Streamed(port, ORDERED, priority=5), 1),
+        port, ("priority 5 waiting", lambda: Streamed(port, SHORT, priority=5), 1),
         # came later, lower value
-        ("priority -5 waiting too", lambda: Streamed(port, ORDERED, priority=-5), 2))
+        ("priority -5 waiting too", lambda: Streamed(port, SHORT, priority=-5), 2))
     assert holder.done is None, "the holder ended before both waited"
     holder.hang_up()  # one place, two waiting: the policy picks
     for request in (low, high):
         request.join(120)
     assert low.done is not None and high.done is not None
     # v1/request.py Request.__lt__: the lower value runs first, whole, and the other after it:
-    # their ends are ORDERED engine steps apart. (Not their first tokens: on a loaded machine the
+    # their ends are SHORT engine steps apart. (Not their first tokens: on a loaded machine the
     # API server sends a run of steps' chunks at once and the client threads wake in any order;
     # low's first line was once read 18 ms before high's.)
     assert high.done < low.done
