@@ -31,13 +31,13 @@ paths under vllm/):
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import math
 import os
 import signal
-import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -348,44 +348,66 @@ def test_a_generator_has_no_pooling_routes(pair: Pair) -> None:
 HOLD = 16000  # tokens the holder may run to (MAIN_MAX_MODEL_LEN less the prompt): far longer
               # than any setup takes, for the test lets it go itself, by hanging up
 SHORT = 40  # tokens of each request that waits for it
+# tokens of each of the two the priority policy orders: the one let in second ends this many
+# engine steps after the first (about 0.1 s for the tiny model on the CPU, 2 s for the stand-in)
+ORDERED = 400
+
+
+# A streamed completion, read by a client process of its own: it prints when its first token
+# came and when its end came, by CLOCK_MONOTONIC (one clock for every process of the host).
+# Read from the test's own process, an end is when pytest's thread got to read it: in a full
+# run a pause of that process (a garbage collection over a large heap, which holds every
+# thread) let two ends a whole generation apart be read 0.5 ms apart, in either order.
+CLIENT = """
+import http.client, sys, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=120)
+conn.request("POST", "/v1/completions", body=sys.argv[2],
+             headers={"Content-Type": "application/json"})
+resp = conn.getresponse()
+first = None
+while line := resp.readline():
+    if line.startswith(b"data: ") and first is None:
+        first = time.monotonic()
+        print("first", first, flush=True)
+print("done", time.monotonic(), resp.status, flush=True)
+"""
 
 
 class Streamed(threading.Thread):
-    """A streamed completion read in the background: when its first token and its end came.
-    `hang_up()` closes the connection, as a client that leaves does: the engine aborts the request
-    and its place goes to the next in line."""
+    """A streamed completion read by a client process (CLIENT), followed in the background: when
+    its first token and its end came, by the client's clock. `hang_up()` ends the client, which
+    closes the connection as a client that leaves does: the engine aborts the request and its
+    place goes to the next in line."""
 
     def __init__(self, port: int, max_tokens: int, priority: int = 0) -> None:
         super().__init__(daemon=True)
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        self.max_tokens, self.priority = max_tokens, priority
+        body = json.dumps({"model": str(MODEL), "prompt": "Hello", "max_tokens": max_tokens,
+                           "ignore_eos": True, "stream": True, "priority": priority})
+        self.client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port), body],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.first: float | None = None
         self.done: float | None = None
         self.left = False
         self.start()
 
     def run(self) -> None:
-        try:
-            self.conn.request("POST", "/v1/completions", body=json.dumps({
-                "model": str(MODEL), "prompt": "Hello", "max_tokens": self.max_tokens,
-                "ignore_eos": True, "stream": True, "priority": self.priority}),
-                headers={"Content-Type": "application/json"})
-            resp = self.conn.getresponse()
-            while line := resp.readline():
-                if line.startswith(b"data: ") and self.first is None:
-                    self.first = time.monotonic()
-            if not self.left:
-                self.done = time.monotonic()
-        except (OSError, http.client.HTTPException):
-            if not self.left:
-                raise
-        finally:
-            self.conn.close()
+        assert self.client.stdout is not None
+        for line in self.client.stdout:
+            what, at, *status = line.decode().split()
+            if what == "first":
+                self.first = float(at)
+            elif status == ["200"]:
+                self.done = float(at)
+        assert self.client.stderr is not None
+        with self.client.stdout, self.client.stderr:
+            said = self.client.stderr.read()
+        code = self.client.wait()
+        if code != 0 and not self.left:
+            raise AssertionError(f"the client exited {code}: {said!r}")
 
     def hang_up(self) -> None:
         self.left = True
-        if self.conn.sock is not None:
-            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.client.kill()
         self.join(30)
 
 
@@ -457,18 +479,18 @@ def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
 def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     port = pair.main.port
     holder, (low, high) = held_while(
-        port, ("priority 5 waiting", lambda: Streamed(port, SHORT, priority=5), 1),
+        port, ("priority 5 waiting", lambda: Streamed(port, ORDERED, priority=5), 1),
         # came later, lower value
-        ("priority -5 waiting too", lambda: Streamed(port, SHORT, priority=-5), 2))
+        ("priority -5 waiting too", lambda: Streamed(port, ORDERED, priority=-5), 2))
     assert holder.done is None, "the holder ended before both waited"
     holder.hang_up()  # one place, two waiting: the policy picks
     for request in (low, high):
         request.join(120)
     assert low.done is not None and high.done is not None
     # v1/request.py Request.__lt__: the lower value runs first, whole, and the other after it:
-    # their ends are SHORT engine steps apart. (Not their first tokens: on a loaded machine the
-    # API server sends a run of steps' chunks at once and the client threads wake in any order;
-    # low's first line was once read 18 ms before high's.)
+    # their ends are ORDERED engine steps apart, by the clients' clock (CLIENT). (Not their first
+    # tokens: on a loaded machine the API server sends a run of steps' chunks at once and the
+    # clients wake in any order; low's first line was once read 18 ms before high's.)
     assert high.done < low.done
 
 
