@@ -231,13 +231,13 @@ class Daemon:
             stack.push_async_callback(calibrator.close)
             # What is in flight on each serve: idle times count from the last request's end,
             # preemptions drain first (gpud.life.traffic).
-            traffic = Traffic(svc, supervisor.serve_http)
+            traffic = Traffic(svc, supervisor.runtime.serve_http)
             supervisor.sleeps.traffic = traffic
             on_demand = OnDemand(svc, supervisor, traffic=traffic,
                                  share=KeyShares(lambda: svc.config))
             # What a request through the front waits on: a stored state, a serve's life, a drain.
             svc.watch_states(on_demand.changed)
-            supervisor.watch_lives(on_demand.changed)
+            supervisor.runtime.watch_lives(on_demand.changed)
             traffic.watch(on_demand.changed)
             # counting from now (before the front); usage per key into the store
             peers = PeerPoller(lambda: svc.config)
@@ -262,7 +262,7 @@ class Daemon:
             stack.callback(svc.end_streams)  # before the listener waits for open requests
             # the requests waiting for a serve are answered (typed: gpud stopping), not cut
             stack.push_async_callback(on_demand.stopping)
-            await supervisor.reconcile()
+            await supervisor.boot_job.reconcile()
             # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
             self.front = Front(supervisor.units, states=svc.states,
                                over_budget=router_log.over_budget, peers=peers.routed)
@@ -326,8 +326,8 @@ class Daemon:
             log.warning("launching unavailable (%s): the ledger works, starts answer 503", why)
         return supervisor
 
-    async def _boot(self, supervisor: Any) -> None:
-        await supervisor.boot()
+    async def _boot(self, supervisor: Supervisor) -> None:
+        await supervisor.boot_job.boot()
         if self.svc is not None:
             self.notify(f"STATUS={self.svc.summary()}")
 

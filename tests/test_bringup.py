@@ -112,6 +112,8 @@ class BringUps:
 
     def __init__(self) -> None:
         self.bringups: dict[str, asyncio.Task[None]] = {}
+        # OnDemand asks the supervisor's parts (its runtime, its start, its stop): here, one object.
+        self.runtime = self.launch_job = self.stop_job = self
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
         return self.bringups.get(serve)

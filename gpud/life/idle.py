@@ -111,13 +111,13 @@ class IdleCheck:
                 self.view.counts.add(self.view.counts.idle_sleeps, name)
             else:
                 if self.traffic is None:
-                    await self.sup.stop(name, None, idle_s=idle)
+                    await self.sup.stop_job.stop(name, None, idle_s=idle)
                 else:
                     with self.traffic.held(name):
                         # nothing in flight by the idle check's count: the drain confirms it
                         drained = await self.traffic.drain(
                             name, spec, self.svc.config.daemon.drain_timeout_s)
-                        await self.sup.stop(name, None, idle_s=idle, drained=drained)
+                        await self.sup.stop_job.stop(name, None, idle_s=idle, drained=drained)
                 self.view.counts.add(self.view.counts.idle_stops, name)
                 self.svc.records.apply(name, LastActivity(None))
         except GpudError as exc:

@@ -90,7 +90,7 @@ class Traffic:
 
     def _url(self, spec: ServeConfig) -> str:
         if spec.front:
-            return "http://localhost/metrics"  # over the serve's socket (Supervisor.serve_http)
+            return "http://localhost/metrics"  # over the serve's socket (Runtime.serve_http)
         return f"http://127.0.0.1:{spec.port}/metrics"
 
     async def read(self, serve: str, spec: ServeConfig) -> tuple[bool, int | None]:

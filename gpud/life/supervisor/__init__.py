@@ -12,8 +12,11 @@ of `base`): `stop` (stops, failures, memory coming back: StopJob, MemoryReturn),
 (health checks and their verdicts: HealthJob, HttpProbe), `launch` (a start: LaunchJob), `watch`
 (the units' signals: UnitWatch), `boot` (reconciliation, the resident set: BootJob); the sleeps
 are gpud.life.sleeping's. `base` has what they all share (Runtime). `Supervisor` makes each once, in
-that order, and is what the rest of gpud asks: the service (gpud.life.service.Supervision), the sleep
-controller and the reconciler (gpud.life.sleeping.Serves), the API, the daemon.
+that order, and holds them as named parts; the rest of gpud asks the part that does the work
+(`sup.launch_job.start`, `sup.stop_job.stop`, `sup.boot_job.boot`, `sup.runtime.life`,
+`sup.sleeps.wake`; the sleep controller and the reconciler by gpud.life.sleeping.SleepSupervisor).
+What the supervisor itself does is a restart (a stop, then a start), the on-demand bring-up's
+task, and what the service asks of its supervision (gpud.life.service.Supervision).
 """
 
 from __future__ import annotations
@@ -22,20 +25,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
 
 import aiohttp
 
-from gpud.config import Config, ServeConfig
-from gpud.core.lifecycle import Input, LifeAction, ServeLife
-from gpud.core.traffic import Drain
-from gpud.core.unitstate import UnitState
+from gpud.config import Config
 from gpud.host.hostmem import host_memory
 from gpud.host.observer import Observer
 from gpud.host.unit_journal import read_exit_lines
 from gpud.host.unit_properties import host_home
 from gpud.host.units import SystemdUnits
-from gpud.life.locks import Locks, Taken
 from gpud.life.reconciling import Reconciler
 from gpud.life.service import LedgerService
 from gpud.life.sleeping import Sleeps
@@ -109,37 +107,14 @@ class Supervisor:
             await self.runtime.client.close()
         await self.runtime.sockets.close()
 
-    # What the daemon, the API, the rebalancer and the front's on-demand path ask.
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
-                    preempt: bool = False) -> dict[str, Any] | None:
-        return await self.launch_job.start(serve, uid, wait=wait, preempt=preempt)
-
-    async def stop(self, serve: str, uid: int | None, *,
-                   keep_reservation: bool = False, idle_s: float | None = None,
-                   drained: Drain | None = None) -> None:
-        await self.stop_job.stop(serve, uid, keep_reservation=keep_reservation, idle_s=idle_s,
-                                 drained=drained)
-
+    # What the supervisor itself does, beyond making its parts: a restart (a stop that keeps
+    # the reservation, then a start), the on-demand bring-up's task, and what the service asks
+    # of its supervision (gpud.life.service.Supervision). The rest of gpud asks the part that
+    # does the work: `runtime` (the serves' handles, lives, locks, specs), `launch_job`,
+    # `stop_job`, `health_job`, `boot_job`, `memory`, `sleeps`, `reconciler`.
     async def restart(self, serve: str, uid: int | None) -> None:
         await self.stop_job.stop(serve, uid, keep_reservation=True)
         await self.launch_job.start(serve, uid)
-
-    async def reconcile(self) -> None:
-        await self.boot_job.reconcile()
-
-    async def boot(self) -> None:
-        await self.boot_job.boot()
-
-    @property
-    def booted(self) -> asyncio.Event:
-        return self.boot_job.booted
-
-    @property
-    def serves(self) -> dict[str, Handles]:
-        return self.runtime.serves
-
-    def life(self, serve: str) -> ServeLife:
-        return self.runtime.life(serve)
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
         """The bring-up for requests through the serve's front under way, if one is
@@ -159,15 +134,6 @@ class Supervisor:
 
         task.add_done_callback(ended)
 
-    def watch_lives(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change of a serve's life."""
-        self.runtime.watch_lives(listener)
-
-    # What the service asks of its supervision (gpud.life.service.Supervision).
-    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]:
-        """Change the serve's life by `inp` (a sleep or a wake begun or ended)."""
-        return self.runtime.step(serve, inp)
-
     def launch_under_way(self, serve: str) -> bool:
         return self.runtime.life(serve).launching
 
@@ -178,44 +144,6 @@ class Supervisor:
         if self.units.available:
             return True, None
         return False, f"system bus: {self.units.reason}"
-
-    # What gpud.life.sleeping and gpud.life.reconciling ask of the supervisor (gpud.life.sleeping.Serves).
-    @property
-    def locks(self) -> Locks:
-        return self.runtime.locks
-
-    def serve_lock(self, serve: str) -> Taken:
-        return self.runtime.serve_lock(serve)
-
-    def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
-        return self.runtime.device_locks(serve, shared=shared)
-
-    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
-        return self.runtime.serve_http(serve, spec)
-
-    async def unit_state(self, serve: str) -> UnitState | None:
-        return await self.units.state(serve)
-
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        return self.runtime.spawn(coro)
-
-    def spec_of(self, serve: str) -> ServeConfig:
-        return self.runtime.spec(serve)
-
-    async def memory_back_for(self, serve: str) -> None:
-        """Wait (bounded) until the stops in progress on the serve's devices are done and their
-        memory shows as free (as a start does first)."""
-        await self.memory.back_all(serve)
-
-    def busy(self, serve: str) -> bool:
-        return self.runtime.life(serve).busy
-
-    async def watch_restart(self, serve: str) -> None:
-        """Wait for a serve that is starting again to answer."""
-        await self.health_job.watch_restart(serve)
-
-    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None:
-        await self.health_job.wake_failed(serve, spec, reason)
 
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
