@@ -186,6 +186,7 @@ class Daemon:
         # costs about 130 ms, its client and TLS set-up included).
         from gpud.durable.store import Store
         from gpud.host.peers import PeerPoller
+        from gpud.host.traffic import InFlightReader
         from gpud.life.alerts import Alerts
         from gpud.life.calibration import Calibrator
         from gpud.life.rebalance import Rebalancer, Recovery
@@ -231,7 +232,7 @@ class Daemon:
             stack.push_async_callback(calibrator.close)
             # What is in flight on each serve: idle times count from the last request's end,
             # preemptions drain first (gpud.life.traffic).
-            traffic = Traffic(svc, supervisor.runtime.serve_http)
+            traffic = Traffic(svc, InFlightReader(supervisor.runtime.serve_http))
             supervisor.sleeps.traffic = traffic
             on_demand = OnDemand(svc, supervisor, traffic=traffic,
                                  share=KeyShares(lambda: svc.config))
