@@ -84,7 +84,8 @@ def backup(path: Path, keep: int, now: float) -> Path:
 class Rebalancer:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, observer: Observer, *,
                  config_path: Path | None, reload: Reload, offload: Offload = INLINE,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None,
+                 front_listens: Callable[[], frozenset[str] | None] | None = None) -> None:
         self.svc = svc
         self.supervisor = supervisor
         self.observer = observer
@@ -95,9 +96,9 @@ class Rebalancer:
         # worker process applies them itself
         self.overrides = dict(overrides or {})
         self._busy = False
-        # What the front listens on now (gpud.nginx.front.Front.listening), once the daemon has a
-        # front: a plan and an apply are refused for what they would leave dark.
-        self.front_listens: Callable[[], frozenset[str]] | None = None
+        # What the front listens on now (gpud.nginx.front.Front.listening; None: no front, or
+        # not yet): a plan and an apply are refused for what they would leave dark.
+        self.front_listens = front_listens
 
     @property
     def busy(self) -> bool:

@@ -112,15 +112,15 @@ class SleepSupervisor(SupervisorParts, Protocol):
 
 
 class Sleeps:
-    # What is in flight on a serve: a preemption drains it first (set by gpud.daemon; None in
-    # tests that run without it).
-    traffic: Drainer | None = None
-
     def __init__(self, serves: SleepSupervisor, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
-                 graphs: Callable[[str], int | None] = lambda _serve: None) -> None:
+                 graphs: Callable[[str], int | None] = lambda _serve: None,
+                 traffic: Drainer | None = None) -> None:
         self.serves = serves
+        # What is in flight on a serve: a preemption drains it first (gpud.life.traffic, from
+        # gpud.daemon; None in tests that run without it).
+        self.traffic = traffic
         self.svc = svc
         self.observer = observer
         self.host_memory = host_memory

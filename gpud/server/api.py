@@ -180,7 +180,8 @@ class Api:
                  offload: Offload | None = None,
                  on_demand: OnDemand | None = None,
                  front_degraded: Callable[[], tuple[str, ...]] | None = None,
-                 peers: Callable[[], answers.Peers] | None = None) -> None:
+                 peers: Callable[[], answers.Peers] | None = None,
+                 budgets: Callable[[], Sequence[BudgetState]] | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -193,8 +194,9 @@ class Api:
         self.front_degraded = front_degraded
         # what this host knows of its peers (gpud.host.peers.PeerPoller.answer; None: no peers)
         self.peers: Callable[[], answers.Peers] = peers or (lambda: {"peers": []})
-        # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread)
-        self.budgets: Callable[[], Sequence[BudgetState]] | None = None
+        # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread; None:
+        # no budgets known)
+        self.budgets = budgets
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
         # so that a reload's new bounds hold at once)
         self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,

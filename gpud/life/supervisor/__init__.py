@@ -26,14 +26,13 @@ import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-import aiohttp
-
 from gpud.config import Config
 from gpud.host.hostmem import host_memory
 from gpud.host.observer import Observer
 from gpud.host.unit_journal import read_exit_lines
 from gpud.host.unit_properties import host_home
 from gpud.host.units import SystemdUnits
+from gpud.life.preemption import Drainer
 from gpud.life.reconciling import Reconciler
 from gpud.life.service import LedgerService
 from gpud.life.sleeping import Sleeps
@@ -45,6 +44,7 @@ from gpud.life.supervisor.base import (
     Handles,
     Prober,
     Runtime,
+    ServeClients,
 )
 from gpud.life.supervisor.boot import BootJob
 from gpud.life.supervisor.health import HealthJob, HttpProbe
@@ -53,7 +53,7 @@ from gpud.life.supervisor.stop import MemoryReturn, StopJob
 from gpud.life.supervisor.watch import UnitWatch
 
 __all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "Handles",
-           "Supervisor", "make_supervisor"]
+           "ServeClients", "Supervisor", "make_supervisor"]
 
 
 class Supervisor:
@@ -66,15 +66,25 @@ class Supervisor:
                  calibrated: CalibrationSource = UNCALIBRATED,
                  home_of: Callable[[str], str | None] = host_home,
                  prober: Prober | None = None,
+                 clients: ServeClients | None = None,
+                 traffic: Drainer | None = None,
                  ) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
-        self.runtime = rt = Runtime(svc, units, observer, clock=clock, calibrated=calibrated)
-        # The sleep controller and the reconciler ask the supervisor back (gpud.life.sleeping.Serves).
+        # The serves' HTTP clients: the daemon's (which the in-flight reader shares), else the
+        # supervisor's own, opened and closed with it.
+        self._own_clients = clients is None
+        self.clients = clients if clients is not None else ServeClients(
+            lambda: svc.config.daemon.serve_socket_dir)
+        self.runtime = rt = Runtime(svc, units, observer, clients=self.clients, clock=clock,
+                                    calibrated=calibrated)
+        # The sleep controller and the reconciler ask the supervisor's parts
+        # (gpud.life.sleeping.SleepSupervisor); a preemption drains through `traffic` first.
         self.sleeps = Sleeps(self, svc, observer,
                              host_memory=host_memory(getattr(observer, "backend", None)),
-                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib)
+                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib,
+                             traffic=traffic)
         self.reconciler = Reconciler(self, svc, self.sleeps, observer)
         self.memory = MemoryReturn(rt)
         self.stop_job = StopJob(rt, self.memory, journal=journal)
@@ -87,7 +97,8 @@ class Supervisor:
                                 self.sleeps, self.reconciler, notify=notify)
 
     async def __aenter__(self) -> Supervisor:
-        self.runtime.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        if self._own_clients:
+            await self.clients.__aenter__()
         self.units.watch(self.watch_job.heard, self.watch_job.heard)
         await self.units.connect()
         self.svc.supervise(self)
@@ -103,9 +114,8 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.units.close()
-        if self.runtime.client is not None:
-            await self.runtime.client.close()
-        await self.runtime.sockets.close()
+        if self._own_clients:
+            await self.clients.__aexit__(exc_type, exc, tb)
 
     # What the supervisor itself does, beyond making its parts: a restart (a stop that keeps
     # the reservation, then a start), the on-demand bring-up's task, and what the service asks
@@ -148,5 +158,8 @@ class Supervisor:
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None],
-                    calibrated: CalibrationSource = UNCALIBRATED) -> Supervisor:
-    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated)
+                    calibrated: CalibrationSource = UNCALIBRATED,
+                    clients: ServeClients | None = None,
+                    traffic: Drainer | None = None) -> Supervisor:
+    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated,
+                      clients=clients, traffic=traffic)
