@@ -12,6 +12,7 @@ import pytest
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.lifecycle import ServeLife
+from gpud.core.serverecord import Put, Stored
 from gpud.life.records import ServeRecords
 from gpud.life.supervisor import Handles, Supervisor
 from tests.waiting import until, waiters
@@ -39,7 +40,7 @@ def service(config: Config, **more: Any) -> Any:
 
 def returning(sup: Supervisor, serve: str, *devices: str) -> Handles:
     """The serve's memory is on its way back to `devices`; the handles of its work."""
-    sup.svc.records.set_life(serve, ServeLife(returning=frozenset(devices)))
+    sup.svc.records.apply(serve, Put(life=ServeLife(returning=frozenset(devices))))
     return sup.runtime.handles(serve)
 
 
@@ -119,7 +120,7 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
     records = ServeRecords()
     for name in ("hung", "quick"):
-        records.remember(name, RUNNING, None, 0.0)
+        records.apply(name, Stored(RUNNING, None, 0.0))
     svc = service(Config(), records=records, serve_spec=lambda _n: spec,
                   state_of=lambda n: records[n].state)
     probe = CountingProbe(hang={"hung"})
