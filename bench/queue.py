@@ -43,6 +43,7 @@ from dataclasses import replace
 from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
+from gpud.core.serverecord import Put
 from gpud.core.vocab import ServeState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ async def cost_of_a_change(mod: ModuleType, per_serve: int, changes: int) -> flo
     svc.set("a", ServeState.RUNNING)
     od = mod.OnDemand(cast(Any, svc), cast(Any, Admits(svc)), clock=time.monotonic)
     now = time.monotonic()
-    svc.records.note_demand("a", lambda d: replace(d, up_at=now))
+    svc.records.apply("a", Put(demand=replace(svc.records.demand("a"), up_at=now)))
     waiting = [asyncio.ensure_future(od.ensure(f"w{i}"))
                for i in range(10) for _ in range(per_serve)]
     while sum(len(v) for v in od.queued.values()) < 10 * per_serve:

@@ -21,8 +21,9 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,15 +48,37 @@ from gpud.life.service import LedgerService, resolve_budgets
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from gpud.core.quota import BudgetState
     from gpud.host.observer import Observer
+    from gpud.host.peers import PeerPoller
+    from gpud.life.alerts import Alerts
     from gpud.life.calibration import Calibrator
-    from gpud.life.supervisor import Supervisor
+    from gpud.life.rebalance import Recovery
+    from gpud.life.supervisor import ServeClients, Supervisor
+    from gpud.life.traffic import Traffic
     from gpud.nginx.front import Front
+    from gpud.nginx.router import RouterLog
     from gpud.server.api import Api
+    from gpud.server.ondemand import OnDemand
 
 log = logging.getLogger("gpud")
 
 SD_LISTEN_FDS_START = 3
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The components gpud's run makes over its ledger (Daemon._parts), in the order made."""
+
+    svc: LedgerService
+    observer: Observer
+    alerts: Alerts
+    calibrator: Calibrator
+    supervisor: Supervisor
+    traffic: Traffic
+    on_demand: OnDemand
+    peers: PeerPoller
+    router_log: RouterLog
 
 
 class SocketInUse(GpudError):
@@ -182,123 +205,172 @@ class Daemon:
         self._signal_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
-        # costs about 130 ms, its client and TLS set-up included).
-        from gpud.durable.store import Store
-        from gpud.host.peers import PeerPoller
-        from gpud.life.alerts import Alerts
-        from gpud.life.calibration import Calibrator
-        from gpud.life.rebalance import Rebalancer, Recovery
-        from gpud.life.traffic import Traffic
-        from gpud.nginx.front import Front
-        from gpud.nginx.router import KeyShares, RouterLog
-        from gpud.server.api import Api
-        from gpud.server.metrics import render
-        from gpud.server.ondemand import OnDemand
-
+        """gpud's life: each component built with what it needs, in dependency order, and
+        entered on one exit stack (left in reverse); then ready, until SIGTERM or SIGINT."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         async with AsyncExitStack() as stack:
-            cfg = self.config
-            stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
-            stack.callback(self.offload.close)
-            store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
-            stack.callback(store.close)
-            observer = await self._observer(stack)
-            svc = LedgerService(cfg, store, config_path=self.config_path, observer=observer,
-                                config_text=self.config_text,
-                                overrides=lambda c: apply_overrides(c, self.overrides))
-            self.svc = svc
-            stack.callback(svc.close)
-            recovery = Recovery(svc, self.config_path)
-            if recovery.prepare() and recovery.text is not None:
-                # Started under the config in force when the apply was cut short: its rollback
-                # (recovery.finish) goes from there, as a failed apply's would.
-                self.config_text = recovery.text
-                svc.config = apply_overrides(parse_config(self.config_text,
-                                                          str(self.config_path),
-                                                          checkpoints=False), self.overrides)
-                svc.config_text = self.config_text
-            svc.load()
-            self.config = svc.config
-            alerts = Alerts(svc, observer)
-            observer.listen(alerts)
-            calibrator = Calibrator(svc, observer)
-            calibrator.load()
-            supervisor = await self._supervisor(stack, svc, observer, calibrator)
-            stack.push_async_callback(calibrator.close)
-            # What is in flight on each serve: idle times count from the last request's end,
-            # preemptions drain first (gpud.life.traffic).
-            traffic = Traffic(svc, supervisor.serve_http)
-            supervisor.sleeps.traffic = traffic
-            on_demand = OnDemand(svc, supervisor, traffic=traffic,
-                                 share=KeyShares(lambda: svc.config))
-            # What a request through the front waits on: a stored state, a serve's life, a drain.
-            svc.watch_states(on_demand.changed)
-            supervisor.watch_lives(on_demand.changed)
-            traffic.watch(on_demand.changed)
-            # counting from now (before the front); usage per key into the store
-            peers = PeerPoller(lambda: svc.config)
-            router_log = RouterLog(lambda: svc.config, svc.store, peer=peers.count)
-
-            def metrics() -> str:
-                router_log.read()
-                return render(svc, observer, calibrator, on_demand, router_log,
-                              self._front_degraded, peers)
-
-            self.api = Api(svc, draws=observer, supervisor=supervisor, calibrations=calibrator,
-                           metrics=metrics,
-                           reload=self.reload,
-                           rebalancer=Rebalancer(svc, supervisor, observer,
-                                                 config_path=self.config_path,
-                                                 reload=self._apply_reload,
-                                                 offload=self.offload,
-                                                 overrides=self.overrides),
-                           offload=self.offload, on_demand=on_demand,
-                           front_degraded=self._front_degraded, peers=peers.answer)
-            await self._listen(stack, self.api.app)
-            stack.callback(svc.end_streams)  # before the listener waits for open requests
-            # the requests waiting for a serve are answered (typed: gpud stopping), not cut
-            stack.push_async_callback(on_demand.stopping)
-            await supervisor.reconcile()
-            # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
-            self.front = Front(supervisor.units, states=svc.states,
-                               over_budget=router_log.over_budget, peers=peers.routed)
-            front = self.front
-            # the router forwards to the peers (docs/peers.md): rendered again when a peer's
-            # models or circuit change, never on a poll that changed nothing of them
-            peers.watch(front.peers_changed)
-            self.api.budgets = lambda: router_log.budget_states(front.keys())
-            assert self.api.rebalancer is not None
-            self.api.rebalancer.front_listens = self.front.listening
-            svc.watch_states(self.front.mark_awake)
-            await self.front.sync_logged(self.config)
-            await recovery.finish(supervisor, self._apply_reload)
-            if svc.config_refused is not None:
-                # Serves found dead at reconciliation may no longer stand in the way.
-                with contextlib.suppress(GpudError):
-                    await self.reload(None)
-            if observer.latest is not None:
-                await alerts(observer.latest)
-            svc.ready = True
-            on_demand.changed()  # the requests that came while gpud reconciled go on
-            self.ready.set()
-            self.notify(f"READY=1\nSTATUS={svc.summary()}")
-            log.info("gpud %s ready: %s", __version__, svc.summary())
-            interval = watchdog_interval()
-            if interval:
-                stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
-            stack.push_async_callback(_cancel, loop.create_task(self._boot(supervisor)))
-            stack.push_async_callback(_cancel, loop.create_task(traffic.loop()))
-            stack.push_async_callback(_cancel, loop.create_task(on_demand.idle_loop()))
-            stack.push_async_callback(_cancel, loop.create_task(router_log.loop(
-                stored=front.budgets_changed)))
-            stack.push_async_callback(_cancel, loop.create_task(peers.run()))
+            svc, observer, recovery = await self._ledger(stack)
+            parts = await self._parts(stack, svc, observer)
+            await self._serve_api(stack, parts)
+            front = await self._reconcile(parts, recovery)
+            self._ready(parts)
+            self._background(stack, parts, front)
             await self.stopping.wait()
             self.notify("STOPPING=1")
             log.info("gpud stopping; serves keep running")
+
+    async def _ledger(self, stack: AsyncExitStack) -> tuple[LedgerService, Observer, Recovery]:
+        """The state directory's lock, the store, observation and the ledger, loaded (under
+        the config of an apply cut short, when there was one: its recovery goes on later)."""
+        # Imported here, not at the top: `gpud --check-config` needs none of it (aiohttp alone
+        # costs about 130 ms, its client and TLS set-up included).
+        from gpud.durable.store import Store
+        from gpud.life.rebalance import Recovery
+
+        cfg = self.config
+        stack.callback(os.close, lock_state_dir(Path(cfg.daemon.state_dir)))
+        stack.callback(self.offload.close)
+        store = Store(Path(cfg.daemon.state_dir) / "gpud.sqlite3")
+        stack.callback(store.close)
+        observer = await self._observer(stack)
+        svc = LedgerService(cfg, store, config_path=self.config_path, observer=observer,
+                            config_text=self.config_text,
+                            overrides=lambda c: apply_overrides(c, self.overrides))
+        self.svc = svc
+        stack.callback(svc.close)
+        recovery = Recovery(svc, self.config_path)
+        if recovery.prepare() and recovery.text is not None:
+            # Started under the config in force when the apply was cut short: its rollback
+            # (recovery.finish) goes from there, as a failed apply's would.
+            self.config_text = recovery.text
+            svc.config = apply_overrides(parse_config(self.config_text,
+                                                      str(self.config_path),
+                                                      checkpoints=False), self.overrides)
+            svc.config_text = self.config_text
+        svc.load()
+        self.config = svc.config
+        return svc, observer, recovery
+
+    async def _parts(self, stack: AsyncExitStack, svc: LedgerService,
+                     observer: Observer) -> Parts:
+        """The components over the ledger, each made with what it needs: alerts, calibration,
+        the serves' HTTP clients, what is in flight on each serve, the supervisor (its
+        preemptions drain through the traffic), the on-demand orchestrator, the peers and the
+        router's log."""
+        from gpud.host.peers import PeerPoller
+        from gpud.host.traffic import InFlightReader
+        from gpud.life.alerts import Alerts
+        from gpud.life.calibration import Calibrator
+        from gpud.life.supervisor import ServeClients
+        from gpud.life.traffic import Traffic
+        from gpud.nginx.router import KeyShares, RouterLog
+        from gpud.server.ondemand import OnDemand
+
+        alerts = Alerts(svc, observer)
+        observer.listen(alerts)
+        calibrator = Calibrator(svc, observer)
+        calibrator.load()
+        clients = await stack.enter_async_context(
+            ServeClients(lambda: svc.config.daemon.serve_socket_dir))
+        # What is in flight on each serve: idle times count from the last request's end,
+        # preemptions drain first (gpud.life.traffic).
+        traffic = Traffic(svc, InFlightReader(clients.serve_http))
+        supervisor = await self._supervisor(stack, svc, observer, calibrator, clients, traffic)
+        stack.push_async_callback(calibrator.close)
+        on_demand = OnDemand(svc, supervisor, traffic=traffic,
+                             share=KeyShares(lambda: svc.config))
+        # What a request through the front waits on: a stored state, a serve's life, a drain.
+        svc.watch_states(on_demand.changed)
+        supervisor.runtime.watch_lives(on_demand.changed)
+        traffic.watch(on_demand.changed)
+        # counting from now (before the front); usage per key into the store
+        peers = PeerPoller(lambda: svc.config)
+        router_log = RouterLog(lambda: svc.config, svc.store, peer=peers.count)
+        return Parts(svc, observer, alerts, calibrator, supervisor, traffic, on_demand, peers,
+                     router_log)
+
+    async def _serve_api(self, stack: AsyncExitStack, parts: Parts) -> None:
+        """The API and its listeners. What comes later (the front: its budgets, what it
+        listens on, what it left dark) the API and the rebalancer ask the daemon for."""
+        from gpud.life.rebalance import Rebalancer
+        from gpud.server.api import Api
+        from gpud.server.metrics import render
+
+        svc, router_log = parts.svc, parts.router_log
+
+        def metrics() -> str:
+            router_log.read()
+            return render(svc, parts.observer, parts.calibrator, parts.on_demand, router_log,
+                          self._front_degraded, parts.peers)
+
+        def budgets() -> Sequence[BudgetState]:
+            # each key's use of its token budgets (GET /v1/usage): none before the front
+            return router_log.budget_states(self.front.keys()) if self.front is not None else []
+
+        self.api = Api(svc, draws=parts.observer, supervisor=parts.supervisor,
+                       calibrations=parts.calibrator, metrics=metrics, reload=self.reload,
+                       rebalancer=Rebalancer(svc, parts.supervisor, parts.observer,
+                                             config_path=self.config_path,
+                                             reload=self._apply_reload,
+                                             offload=self.offload,
+                                             overrides=self.overrides,
+                                             front_listens=self._front_listens),
+                       offload=self.offload, on_demand=parts.on_demand,
+                       front_degraded=self._front_degraded, peers=parts.peers.answer,
+                       budgets=budgets)
+        await self._listen(stack, self.api.app)
+        stack.callback(svc.end_streams)  # before the listener waits for open requests
+        # the requests waiting for a serve are answered (typed: gpud stopping), not cut
+        stack.push_async_callback(parts.on_demand.stopping)
+
+    async def _reconcile(self, parts: Parts, recovery: Recovery) -> Front:
+        """Reconcile the ledger with systemd, then sync the front, finish the recovery of an
+        apply cut short, and take a refused config again."""
+        from gpud.nginx.front import Front
+
+        svc, supervisor = parts.svc, parts.supervisor
+        await supervisor.boot_job.reconcile()
+        # keys past a token budget, decided as usage is stored (docs/router.md, "Budgets")
+        self.front = front = Front(supervisor.units, states=svc.states,
+                                   over_budget=parts.router_log.over_budget,
+                                   peers=parts.peers.routed)
+        # the router forwards to the peers (docs/peers.md): rendered again when a peer's
+        # models or circuit change, never on a poll that changed nothing of them
+        parts.peers.watch(front.peers_changed)
+        svc.watch_states(front.mark_awake)
+        await front.sync_logged(self.config)
+        await recovery.finish(supervisor, self._apply_reload)
+        if svc.config_refused is not None:
+            # Serves found dead at reconciliation may no longer stand in the way.
+            with contextlib.suppress(GpudError):
+                await self.reload(None)
+        if parts.observer.latest is not None:
+            await parts.alerts(parts.observer.latest)
+        return front
+
+    def _ready(self, parts: Parts) -> None:
+        svc = parts.svc
+        svc.ready = True
+        parts.on_demand.changed()  # the requests that came while gpud reconciled go on
+        self.ready.set()
+        self.notify(f"READY=1\nSTATUS={svc.summary()}")
+        log.info("gpud %s ready: %s", __version__, svc.summary())
+
+    def _background(self, stack: AsyncExitStack, parts: Parts, front: Front) -> None:
+        """The loops that run while gpud does, each cancelled on the way out."""
+        loop = asyncio.get_running_loop()
+        interval = watchdog_interval()
+        if interval:
+            stack.push_async_callback(_cancel, loop.create_task(self._watchdog(interval)))
+        stack.push_async_callback(_cancel, loop.create_task(self._boot(parts.supervisor)))
+        stack.push_async_callback(_cancel, loop.create_task(parts.traffic.loop()))
+        stack.push_async_callback(_cancel, loop.create_task(parts.on_demand.idle_loop()))
+        stack.push_async_callback(_cancel, loop.create_task(parts.router_log.loop(
+            stored=front.budgets_changed)))
+        stack.push_async_callback(_cancel, loop.create_task(parts.peers.run()))
 
     async def _observer(self, stack: AsyncExitStack) -> Observer:
         from gpud.host.observer import make_observer
@@ -315,24 +387,28 @@ class Daemon:
         return observer
 
     async def _supervisor(self, stack: AsyncExitStack, svc: LedgerService,
-                          observer: Observer, calibrator: Calibrator) -> Supervisor:
+                          observer: Observer, calibrator: Calibrator, clients: ServeClients,
+                          traffic: Traffic) -> Supervisor:
         from gpud.life.supervisor import make_supervisor
 
         supervisor = make_supervisor(svc, self.config, observer=observer, notify=self.notify,
-                                     calibrated=calibrator)
+                                     calibrated=calibrator, clients=clients, traffic=traffic)
         await stack.enter_async_context(supervisor)
         available, why = supervisor.launching()
         if not available:
             log.warning("launching unavailable (%s): the ledger works, starts answer 503", why)
         return supervisor
 
-    async def _boot(self, supervisor: Any) -> None:
-        await supervisor.boot()
+    async def _boot(self, supervisor: Supervisor) -> None:
+        await supervisor.boot_job.boot()
         if self.svc is not None:
             self.notify(f"STATUS={self.svc.summary()}")
 
     def _front_degraded(self) -> tuple[str, ...]:
         return self.front.degraded if self.front is not None else ()
+
+    def _front_listens(self) -> frozenset[str] | None:
+        return self.front.listening() if self.front is not None else None
 
     def _front_cap(self, uid: int) -> int | None:
         """The front's uid may hold every ensure gpud lets wait and a reserve for reads

@@ -61,7 +61,7 @@ async def test_four_exactly_sized_serves_on_one_device_start_together(
     r = await booting(tmp_path, spec)
     async for _ in entered(r):
         with caplog.at_level(logging.INFO, "gpud.supervisor"):
-            boot = asyncio.get_running_loop().create_task(r.sup.boot())
+            boot = asyncio.get_running_loop().create_task(r.sup.boot_job.boot())
             # All four are inside their start at once (the gate holds each of them there).
             await until(lambda: len(started(r)) == 4, "four starts at once")
             assert started(r) == ["e1", "e2", "e3", "e4"]  # in priority order
@@ -81,7 +81,7 @@ async def test_a_util_sized_serve_starts_alone_in_its_priority_place(tmp_path: P
     async for _ in entered(r):
         gate = r.units.start_gate
         assert gate is not None
-        boot = asyncio.get_running_loop().create_task(r.sup.boot())
+        boot = asyncio.get_running_loop().create_task(r.sup.boot_job.boot())
         await until(lambda: len(started(r)) == 2, "e1 and e2 together")
         await asyncio.sleep(0.05)
         assert started(r) == ["e1", "e2"]  # u waits for them, e3 waits behind u
@@ -103,7 +103,7 @@ async def test_kv_cache_calibrated_uses_the_calibrations_figure_or_starts_alone(
     r = await make_rig(tmp_path, CONFIG, extra=text)
     r.figures.kv["c1"] = 96  # c2 not calibrated
     async for _ in entered(r):
-        await r.sup.boot()
+        await r.sup.boot_job.boot()
         argv = {s.serve: s.argv for s in r.units.started}
         assert "--kv-cache-memory-bytes" in argv["c1"]
         assert argv["c1"][argv["c1"].index("--kv-cache-memory-bytes") + 1] == str(96 << 20)

@@ -15,6 +15,7 @@ import pytest
 from gpud.core import bringup
 from gpud.core.bringup import Policy, Tries, Why
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
+from gpud.core.serverecord import Stored
 from gpud.core.vocab import FAILED, RUNNING, ServeState
 from gpud.errors import Denied, Unavailable
 from gpud.life.records import ServeRecords
@@ -103,7 +104,7 @@ class FakeService:
 
     def set(self, name: str, state: ServeState, reason: str | None = None) -> None:
         self.states[name] = state
-        self.records.remember(name, state, reason, self.clock())
+        self.records.apply(name, Stored(state, reason, self.clock()))
 
 
 class BringUps:
@@ -112,6 +113,8 @@ class BringUps:
 
     def __init__(self) -> None:
         self.bringups: dict[str, asyncio.Task[None]] = {}
+        # OnDemand asks the supervisor's parts (its runtime, its start, its stop): here, one object.
+        self.runtime = self.launch_job = self.stop_job = self
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
         return self.bringups.get(serve)
@@ -196,7 +199,7 @@ async def test_an_operators_start_resets_the_backoff() -> None:
 async def test_a_failure_long_ago_holds_nothing() -> None:
     od, sup, svc, clock = on_demand()
     svc.set("od", FAILED, "exited")  # found failed, failed an hour ago
-    svc.records.remember("od", FAILED, "exited", clock() - 3600)
+    svc.records.apply("od", Stored(FAILED, "exited", clock() - 3600))
     await od.ensure("od")
     assert sup.starts == ["od"]
 

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[tuple[str, str]]] = {
     # a record's state set in memory: the record's one step alone (kept by ServeRecords.apply,
     # with what was stored: gpud.core.serverecord.Stored)
     "memory": {(STEP, "_fact"), (STEP, "step"), (STEP, "as_planned")},
-    # nothing of gpud's calls the setter kept for tests: the service reports Stored events
+    # no setter of a state in memory (there was one for tests): the service reports Stored events
     "remember": set(),
 }
 # Calls that ask for a state (keyword) and must say why (cause=).

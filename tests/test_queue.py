@@ -49,6 +49,7 @@ from gpud.core.queue import (
     position,
     victims,
 )
+from gpud.core.serverecord import Put
 from gpud.core.vocab import RUNNING
 from gpud.server.ondemand import OnDemand
 from tests.test_bringup import Clock, CrashLooping, FakeService
@@ -412,7 +413,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
         "other": SimpleNamespace(mib=20000, all_roles=("r",))})
     sup = CrashLooping(svc, denied=True)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
-    svc.records.note_demand("other", lambda d: replace(d, up_at=time.monotonic()))
+    svc.records.apply("other", Put(demand=replace(svc.records.demand("other"), up_at=time.monotonic())))
     began = time.monotonic()
     waiting = asyncio.ensure_future(od.ensure("od"))
     await asyncio.sleep(0.2)

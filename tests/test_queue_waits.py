@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from gpud.core.lifecycle import IDLE_LIFE
+from gpud.core.serverecord import Put
 from gpud.core.vocab import DECLARED, RUNNING
 from gpud.errors import Denied
 from gpud.server.ondemand import QUEUE_RETRY_S, OnDemand
@@ -88,7 +89,7 @@ def rig(up_for_s: float) -> tuple[OnDemand, Room, Admits]:
     sup = Admits(svc)
     od = OnDemand(cast(Any, svc), cast(Any, sup), clock=time.monotonic)
     up_at = time.monotonic() - up_for_s
-    svc.records.note_demand("a", lambda d: replace(d, up_at=up_at))
+    svc.records.apply("a", Put(demand=replace(svc.records.demand("a"), up_at=up_at)))
     return od, svc, sup
 
 

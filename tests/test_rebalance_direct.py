@@ -101,7 +101,7 @@ async def ap(tmp_path: Path) -> AsyncIterator[Apply]:
     a = Apply(r, path, old, rb)
     holder.append(a)
     async for _ in entered(r):
-        await r.sup.boot()
+        await r.sup.boot_job.boot()
         assert r.state("a") == RUNNING and r.state("b") == RUNNING
         yield a
 
@@ -241,7 +241,7 @@ async def test_backups_keep_prunes_the_backups_of_applies(ap: Apply) -> None:
 
 async def test_a_live_serve_that_leaves_is_stopped_first(ap: Apply) -> None:
     r = ap.rig
-    await r.sup.start("c", None, wait=True)
+    await r.sup.launch_job.start("c", None, wait=True)
     new = ap.old.split("[serves.c]")[0]
     result = await ap.run(new)
     assert result["result"] == "applied"

@@ -28,7 +28,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(Record))
 OWN_FIELDS = FIELDS - {"reason", "updated"}
 MUTATORS = frozenset({"pop", "popitem", "setdefault", "update", "clear", "__setitem__",
                       "__delitem__"})
-# The setters kept for tests and tools; each is one event through apply. gpud reports events.
+# The setters there were (each one event through apply; now gone): a call of one is still found.
 SETTERS = frozenset({"remember", "set_main_pid", "set_restart_count", "note_demand",
                      "set_life"})
 # The on-demand orchestrator changes its facts by events once it is moved to the life floor

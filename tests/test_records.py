@@ -16,6 +16,7 @@ import pytest
 from gpud.core.bringup import Tries
 from gpud.core.demand import NO_DEMAND, Demand
 from gpud.core.lifecycle import IDLE_LIFE, ServeLife
+from gpud.core.serverecord import Put
 from gpud.core.vocab import DECLARED, EXTERNAL
 from gpud.life.service import LedgerService
 from tests.test_bringup import on_demand
@@ -113,7 +114,7 @@ def test_a_planted_caller_is_found() -> None:
 
 async def test_the_facts_the_life_and_the_state_are_one_record(
         svc: LedgerService) -> None:  # noqa: F811
-    svc.records.note_demand("a", lambda d: replace(d, idling=True, up_at=3.0))
+    svc.records.apply("a", Put(demand=replace(svc.records.demand("a"), idling=True, up_at=3.0)))
     assert svc.records["a"].demand == svc.records.demand("a") == Demand(idling=True, up_at=3.0)
     assert svc.state_of("a") == DECLARED
     # a committed state change keeps the facts...
@@ -122,19 +123,21 @@ async def test_the_facts_the_life_and_the_state_are_one_record(
     assert svc.records.demand("a") == Demand(idling=True, up_at=3.0)
     # ...and a change of the facts keeps the state, its reason and when it was stored
     before = svc.records["a"]
-    svc.records.note_demand("a", lambda d: replace(d, idling=False))
+    svc.records.apply("a", Put(demand=replace(svc.records.demand("a"), idling=False)))
     assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0))
     # its life is the same record's, and changing it keeps the rest
     launching = ServeLife(launching=True)
-    svc.records.set_life("a", launching)
+    svc.records.apply("a", Put(life=launching))
     assert svc.records["a"] == replace(before, demand=Demand(up_at=3.0), life=launching)
     assert svc.records.life("a") == launching
 
 
 def test_nothing_known_of_a_serve_without_a_record_makes_none(
         svc: LedgerService) -> None:  # noqa: F811
-    assert svc.records.note_demand("b", lambda d: replace(d, idling=False)) == NO_DEMAND
-    svc.records.set_life("b", IDLE_LIFE)
+    noted = replace(svc.records.demand("b"), idling=False)
+    svc.records.apply("b", Put(demand=noted))
+    assert noted == NO_DEMAND
+    svc.records.apply("b", Put(life=IDLE_LIFE))
     assert "b" not in svc.records and svc.records.demand("b") == NO_DEMAND
     assert svc.records.life("b") == IDLE_LIFE
 
@@ -142,7 +145,7 @@ def test_nothing_known_of_a_serve_without_a_record_makes_none(
 def test_the_tries_are_read_from_the_records() -> None:
     od, _sup, fake, _clock = on_demand()
     tries = Tries(failures=2, not_before=9.0)
-    fake.records.note_demand("od", lambda d: replace(d, tries=tries))
+    fake.records.apply("od", Put(demand=replace(fake.records.demand("od"), tries=tries)))
     assert od.tries == {"od": tries} and fake.records["od"].demand.tries == tries
 
 

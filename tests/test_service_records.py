@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import parse_config
-from gpud.core.serverecord import Happened
+from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.durable.store import Store
 from gpud.life.records import ServeRecord
 from gpud.life.service import LedgerService
@@ -122,15 +122,15 @@ async def test_the_records_are_read_only_outside(svc: LedgerService) -> None:
 async def test_pid_and_restart_count_through_the_service_kept_across_a_state_change(
         svc: LedgerService) -> None:
     await svc.admit("a", 100, role="r")
-    svc.records.set_main_pid("a", 4242)
-    svc.records.set_restart_count("a", 3)
+    svc.records.apply("a", UnitPid(4242))
+    svc.records.apply("a", UnitRestarts(3))
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (4242, 3)
     await svc.store_event(svc.event("start", "a started"), report=svc.report("a", Happened.LAUNCHED))
     rec = svc.records["a"]
     assert (rec.state, rec.main_pid, rec.n_restarts) == ("starting", 4242, 3)
-    svc.records.set_main_pid("a", None)
-    svc.records.set_restart_count("a", 0)
+    svc.records.apply("a", UnitPid(None))
+    svc.records.apply("a", UnitRestarts(0))
     assert (svc.records["a"].main_pid, svc.records["a"].n_restarts) == (None, 0)
-    svc.records.set_main_pid("nobody", 1)  # a serve without a record gets none
-    svc.records.set_restart_count("nobody", 1)
+    svc.records.apply("nobody", UnitPid(1))  # a serve without a record gets none
+    svc.records.apply("nobody", UnitRestarts(1))
     assert "nobody" not in svc.records

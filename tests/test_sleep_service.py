@@ -137,7 +137,7 @@ def test_wake_back_follows_auto_wake() -> None:
             coro.close()
             return SimpleNamespace(done=lambda: False)
 
-        sup = SimpleNamespace(spawn=spawn)
+        sup = SimpleNamespace(runtime=SimpleNamespace(spawn=spawn))
         sleeps = Sleeps(cast(Any, sup), cast(Any, SimpleNamespace(config=cfg)), cast(Any, None),
                         host_memory=lambda: None)
         sleeps.freed("r")

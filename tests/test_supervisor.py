@@ -12,6 +12,7 @@ import pytest
 
 from gpud.config import Config, DaemonConfig
 from gpud.core.lifecycle import ServeLife
+from gpud.core.serverecord import Put, Stored
 from gpud.life.records import ServeRecords
 from gpud.life.supervisor import Handles, Supervisor
 from tests.waiting import until, waiters
@@ -39,13 +40,13 @@ def service(config: Config, **more: Any) -> Any:
 
 def returning(sup: Supervisor, serve: str, *devices: str) -> Handles:
     """The serve's memory is on its way back to `devices`; the handles of its work."""
-    sup.svc.records.set_life(serve, ServeLife(returning=frozenset(devices)))
+    sup.svc.records.apply(serve, Put(life=ServeLife(returning=frozenset(devices))))
     return sup.runtime.handles(serve)
 
 
 def checking(sup: Supervisor) -> set[str]:
     """The serves whose health check is in flight."""
-    return {name for name, rec in sup.serves.items() if rec.check is not None}
+    return {name for name, rec in sup.runtime.serves.items() if rec.check is not None}
 
 
 def supervisor(timeout_s: float, observer: Any) -> Supervisor:
@@ -65,7 +66,7 @@ async def test_memory_wait_gives_up_when_the_draw_stays(caplog: pytest.LogCaptur
     assert observer.samples >= 2  # it waited on observation, not on a clock alone
     assert "memory of ['old'] on GPU-a not back after 0.4 s; starting anyway" in caplog.text
     # given up on: the next start does not wait again
-    assert "GPU-a" not in sup.life("old").returning
+    assert "GPU-a" not in sup.runtime.life("old").returning
 
 
 async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
@@ -77,10 +78,10 @@ async def test_memory_wait_covers_a_stop_still_in_progress() -> None:
     waiter = asyncio.ensure_future(sup.memory.back("GPU-a"))
     await until(lambda: waiters(done) == 1, what="the start waiting on the stop")
     assert not waiter.done(), "a start went ahead while a stop on its device was in progress"
-    sup.serves["old"].stop_done = None
+    sup.runtime.serves["old"].stop_done = None
     done.set()
     await asyncio.wait_for(waiter, 5)
-    assert "GPU-a" not in sup.life("old").returning
+    assert "GPU-a" not in sup.runtime.life("old").returning
 
 
 async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
@@ -93,7 +94,7 @@ async def test_memory_wait_for_a_stop_that_never_ends_is_bounded(
     assert 0.3 <= time.monotonic() - t0 < 3
     assert "not back after 0.3 s" in caplog.text
     # the stop still in progress stays known: a later start waits for it again
-    assert sup.life("old").returning == {"GPU-a"}
+    assert sup.runtime.life("old").returning == {"GPU-a"}
 
 
 class CountingProbe:
@@ -119,7 +120,7 @@ async def test_a_check_in_flight_is_not_started_twice_and_delays_no_other() -> N
     spec = ServeConfig(role="r", vram_mib=1, port=1, command=["x"])
     records = ServeRecords()
     for name in ("hung", "quick"):
-        records.remember(name, RUNNING, None, 0.0)
+        records.apply(name, Stored(RUNNING, None, 0.0))
     svc = service(Config(), records=records, serve_spec=lambda _n: spec,
                   state_of=lambda n: records[n].state)
     probe = CountingProbe(hang={"hung"})

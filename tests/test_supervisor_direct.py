@@ -103,7 +103,7 @@ async def test_entering_connects_and_sets_the_services_hooks(tmp_path: Path) -> 
 
 
 async def test_start_admits_launches_and_promotes(rig: Rig) -> None:
-    await rig.sup.start("a", 7, wait=True)
+    await rig.sup.launch_job.start("a", 7, wait=True)
     assert rig.state("a") == RUNNING
     assert rig.held() == {"a": 300}
     assert rig.kinds("a") == ["admit", "start", "healthy"]
@@ -124,11 +124,11 @@ async def test_start_admits_launches_and_promotes(rig: Rig) -> None:
 
 async def test_start_without_wait_returns_once_admitted(rig: Rig) -> None:
     rig.units.start_gate = asyncio.Event()
-    await rig.sup.start("a", None)
+    await rig.sup.launch_job.start("a", None)
     assert rig.held() == {"a": 300}
     assert rig.svc.busy("a")  # its launch is under way: a plain release is refused
     with pytest.raises(Conflict, match="is already"):
-        await rig.sup.start("a", None)
+        await rig.sup.launch_job.start("a", None)
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
     assert rig.state("a") == RUNNING
@@ -136,13 +136,13 @@ async def test_start_without_wait_returns_once_admitted(rig: Rig) -> None:
 
 async def test_a_serve_holding_its_reservation_is_started_on_it(rig: Rig) -> None:
     await rig.svc.admit("a", 250)
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     assert rig.held() == {"a": 250}
     assert rig.units.started[0].description == "gpud serve a (r, 250 MiB)"
 
 
 async def test_the_serves_own_environment_goes_to_a_root_only_file(rig: Rig) -> None:
-    await rig.sup.start("c", None, wait=True)
+    await rig.sup.launch_job.start("c", None, wait=True)
     [spec] = rig.units.started
     path = rig.tmp / "env" / "c.env"
     assert spec.environment_file == str(path)
@@ -157,7 +157,7 @@ async def test_the_serves_own_environment_goes_to_a_root_only_file(rig: Rig) -> 
 async def test_an_environment_folder_that_cannot_be_made_fails_the_serve(rig: Rig) -> None:
     (rig.tmp / "env").write_text("a file where the folder goes")
     with pytest.raises(Conflict, match="cannot be launched: serve c: cannot make"):
-        await rig.sup.start("c", None, wait=True)
+        await rig.sup.launch_job.start("c", None, wait=True)
     assert rig.units.started == []
     assert rig.state("c") == FAILED
     assert rig.held() == {}  # not resident: released
@@ -170,28 +170,28 @@ async def test_an_environment_folder_that_cannot_be_made_fails_the_serve(rig: Ri
 async def test_starting_what_is_not_configured(rig: Rig, serve: str, error: type[Exception],
                                                message: str) -> None:
     with pytest.raises(error, match=message):
-        await rig.sup.start(serve, None)
+        await rig.sup.launch_job.start(serve, None)
     assert rig.units.started == []
 
 
 async def test_an_external_reservation_is_not_launched(rig: Rig) -> None:
     await rig.svc.admit("ext", 10, role="r")
     with pytest.raises(Conflict, match="is an external reservation"):
-        await rig.sup.start("ext", None)
+        await rig.sup.launch_job.start("ext", None)
 
 
 async def test_a_start_refused_before_anything_is_touched(rig: Rig) -> None:
     rig.figures.sizing["a"] = "calibrated at 500 MiB, reserved 300"
     with pytest.raises(Conflict, match="not started: calibrated at 500 MiB"):
-        await rig.sup.start("a", None)
+        await rig.sup.launch_job.start("a", None)
     rig.figures.sizing.clear()
     await rig.svc.adopt("b", "other", 100)
     with pytest.raises(Conflict, match="holds 100 MiB on role 'other' but is configured on 'r'"):
-        await rig.sup.start("b", None)
+        await rig.sup.launch_job.start("b", None)
     await rig.svc.release("b", allow_live=True)
     rig.units.available, rig.units.reason = False, "bus gone"
     with pytest.raises(Unavailable, match="launching is unavailable: system bus: bus gone"):
-        await rig.sup.start("b", None)
+        await rig.sup.launch_job.start("b", None)
     assert rig.units.started == []
     assert rig.held() == {}
 
@@ -200,7 +200,7 @@ async def test_a_start_on_a_lost_device_is_denied(rig: Rig) -> None:
     (rig.tmp / "sim.json").write_text(json.dumps({"lost": ["GPU-sim-0"]}))
     await rig.observer.sample()
     with pytest.raises(Denied, match="device 'GPU-sim-0' of role 'r' is lost"):
-        await rig.sup.start("a", None)
+        await rig.sup.launch_job.start("a", None)
     assert rig.held() == {}
 
 
@@ -210,7 +210,7 @@ async def test_an_executable_not_in_path_fails_the_serve_with_the_reason(rig: Ri
         'command = ["/bin/true", "b"]', 'command = ["no-such-program-of-gpud"]'), "t"),
         rig.svc.config_text or "", source="t")
     with pytest.raises(Conflict, match="executable 'no-such-program-of-gpud' not found in PATH"):
-        await rig.sup.start("b", None, wait=True)
+        await rig.sup.launch_job.start("b", None, wait=True)
     assert rig.state("b") == FAILED
     assert rig.held() == {}
     [ev] = rig.events(kinds=["exit"])
@@ -221,7 +221,7 @@ async def test_a_relative_executable_is_found_in_path(rig: Rig) -> None:
     text = rig.svc.config_text or ""
     text = text.replace('command = ["/bin/true", "b"]', 'command = ["true", "b"]')
     await rig.svc.reload(parse_config(text, "t"), text, source="t")
-    await rig.sup.start("b", None, wait=True)
+    await rig.sup.launch_job.start("b", None, wait=True)
     assert rig.units.started[0].argv[0].endswith("/true")
     assert rig.units.started[0].argv[0].startswith("/")
 
@@ -231,7 +231,7 @@ async def test_without_observation_no_device_is_handed_out(tmp_path: Path) -> No
     async for _ in entered(r):
         with pytest.raises(Conflict, match="observation is unavailable, so gpud cannot tell "
                                            "that device 'GPU-sim-0' exists"):
-            await r.sup.start("a", None, wait=True)
+            await r.sup.launch_job.start("a", None, wait=True)
         assert r.units.started == []
         assert r.state("a") == FAILED
         assert r.held() == {"a": 300}  # resident: kept
@@ -241,7 +241,7 @@ async def test_without_observation_no_device_is_handed_out(tmp_path: Path) -> No
 async def test_a_unit_that_systemd_will_not_start_fails_the_serve(rig: Rig, serve: str,
                                                                  kept: dict[str, int]) -> None:
     rig.units.fail_start = JobFailed("job for gpud-serve-x.service ended 'failed'")
-    await rig.sup.start(serve, None, wait=True)
+    await rig.sup.launch_job.start(serve, None, wait=True)
     assert rig.state(serve) == FAILED
     assert rig.reason(serve) == "launch failed: job for gpud-serve-x.service ended 'failed'"
     assert rig.held() == kept  # a resident serve keeps its reservation, another releases it
@@ -260,7 +260,7 @@ async def test_a_serve_that_never_answers_fails_at_its_start_timeout(tmp_path: P
 
     r.sup.answers["b"] = refused
     async for _ in entered(r):
-        await r.sup.start("b", None, wait=True)
+        await r.sup.launch_job.start("b", None, wait=True)
         assert r.state("b") == FAILED
         assert r.reason("b") == "unhealthy: no 200 from /health within 5 s"
         assert r.sup.asked["b"] == 5
@@ -280,7 +280,7 @@ async def test_a_foreign_answer_is_named_when_the_start_times_out(tmp_path: Path
 
     r.sup.answers["b"] = foreign
     async for _ in entered(r):
-        await r.sup.start("b", None, wait=True)
+        await r.sup.launch_job.start("b", None, wait=True)
         assert r.reason("b") == ("unhealthy: no 200 from /health within 2 s; port 1 is held by "
                                  "PID 9 (x), not by the serve's unit")
 
@@ -298,7 +298,7 @@ async def test_a_failed_stop_at_the_start_timeout_keeps_the_reservation(tmp_path
     r.sup.answers["b"] = refused
     r.units.fail_stop = JobFailed("stop job failed")
     async for _ in entered(r):
-        await r.sup.start("b", None, wait=True)
+        await r.sup.launch_job.start("b", None, wait=True)
         assert r.state("b") == FAILED
         assert r.held() == {"b": 400}  # its process may still hold the memory
         [ev] = r.events(kinds=["unhealthy"])
@@ -314,7 +314,7 @@ async def test_a_serve_whose_port_is_held_is_not_started(rig: Rig) -> None:
                                                     f'command = ["/bin/true", "b"]\nport = {port}')
         await rig.svc.reload(parse_config(text, "t"), text, source="t")
         with pytest.raises(Conflict, match=f"serve 'b': port {port} is already held by") as err:
-            await rig.sup.start("b", None)
+            await rig.sup.launch_job.start("b", None)
         assert err.value.details["port"] == port and err.value.details["holders"]
     assert rig.held() == {}
     assert rig.units.started == []
@@ -358,8 +358,8 @@ async def test_a_port_taken_in_the_start_window_is_named_at_the_start_timeout(
 
 
 async def test_stop_stops_the_unit_and_releases(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
-    await rig.sup.stop("a", 3)
+    await rig.sup.launch_job.start("a", None, wait=True)
+    await rig.sup.stop_job.stop("a", 3)
     assert rig.units.stopped == ["a"] and rig.units.reset == ["a"]
     assert rig.held() == {}
     assert rig.state("a") == DECLARED
@@ -369,8 +369,8 @@ async def test_stop_stops_the_unit_and_releases(rig: Rig) -> None:
 
 
 async def test_stop_keeping_the_reservation(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
-    await rig.sup.stop("a", None, keep_reservation=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
+    await rig.sup.stop_job.stop("a", None, keep_reservation=True)
     assert rig.held() == {"a": 300}
     assert rig.state("a") == ADMITTED
     assert rig.events(kinds=["exit"])[-1].message == "a: stopped"
@@ -380,17 +380,17 @@ async def test_stop_of_a_serve_holding_nothing(rig: Rig) -> None:
     await rig.svc.store_event(rig.svc.event("exit", "b failed", serve="b"),
                               report=rig.svc.report("b", Happened.FAILED))
     rig.units.available = False  # not live: no unit to stop, no bus needed
-    await rig.sup.stop("b", None)
+    await rig.sup.stop_job.stop("b", None)
     assert rig.units.stopped == []
     assert rig.state("b") == DECLARED
 
 
 async def test_a_failed_stop_stays_stopping_until_the_unit_ends(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     st = rig.units.live["a"]
     rig.units.fail_stop = JobFailed("stop gpud-serve-a.service: timed out")
     with pytest.raises(JobFailed):
-        await rig.sup.stop("a", 3)
+        await rig.sup.stop_job.stop("a", 3)
     # Its unit still runs: the memory may still be held, so is the reservation.
     assert rig.held() == {"a": 300}
     assert rig.state("a") == STOPPING
@@ -407,10 +407,10 @@ async def test_a_failed_stop_stays_stopping_until_the_unit_ends(rig: Rig) -> Non
 
 
 async def test_a_failed_stop_whose_unit_ended_all_the_same_completes(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     rig.units.fail_stop = JobFailed("stop job finished with result 'canceled'")
     rig.units.live.pop("a")  # systemd says: no such unit any more
-    await rig.sup.stop("a", None)
+    await rig.sup.stop_job.stop("a", None)
     assert rig.held() == {} and rig.state("a") == DECLARED
     assert rig.kinds("a")[-2:] == ["stop", "release"]
 
@@ -418,7 +418,7 @@ async def test_a_failed_stop_whose_unit_ended_all_the_same_completes(rig: Rig) -
 async def test_a_failed_stop_whose_unit_ended_meanwhile_completes(rig: Rig) -> None:
     """The unit's end comes while the stop is under way (its signal unheeded), after the first
     look: the stop's last look finds it."""
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     rig.units.fail_stop = JobFailed("no")
     looks = 0
     real_state = rig.units.state
@@ -432,15 +432,15 @@ async def test_a_failed_stop_whose_unit_ended_meanwhile_completes(rig: Rig) -> N
 
     rig.units.state = state  # type: ignore[method-assign]
     with pytest.raises(JobFailed):
-        await rig.sup.stop("a", None)
+        await rig.sup.stop_job.stop("a", None)
     assert rig.held() == {} and rig.state("a") == DECLARED
 
 
 async def test_stopping_a_live_serve_needs_the_bus(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     rig.units.available, rig.units.reason = False, "gone"
     with pytest.raises(Unavailable):
-        await rig.sup.stop("a", None)
+        await rig.sup.stop_job.stop("a", None)
     assert rig.held() == {"a": 300}
     assert rig.state("a") == RUNNING
 
@@ -452,7 +452,7 @@ async def orphan(rig: Rig, serve: str) -> None:
 
 async def test_stop_of_an_orphan(rig: Rig) -> None:
     await orphan(rig, "stray")
-    await rig.sup.stop("stray", None)
+    await rig.sup.stop_job.stop("stray", None)
     assert rig.units.stopped == ["stray"]
     assert rig.state("stray") == DECLARED
     assert rig.events(kinds=["stop"])[0].message == "stray: orphan unit stopped"
@@ -460,9 +460,9 @@ async def test_stop_of_an_orphan(rig: Rig) -> None:
 
 async def test_a_stop_cancels_a_launch_queued_behind_another(rig: Rig) -> None:
     rig.units.start_gate = asyncio.Event()
-    await rig.sup.start("a", None)  # holds the device: its unit's start does not return yet
-    await rig.sup.start("c", None)  # queued behind it on the same device
-    await rig.sup.stop("c", None)
+    await rig.sup.launch_job.start("a", None)  # holds the device: its unit's start does not return yet
+    await rig.sup.launch_job.start("c", None)  # queued behind it on the same device
+    await rig.sup.stop_job.stop("c", None)
     assert rig.held() == {"a": 300}
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
@@ -475,27 +475,27 @@ async def test_a_stop_cancels_a_launch_queued_behind_another(rig: Rig) -> None:
 async def test_a_serves_record_holds_its_launch_while_it_runs_and_nothing_after(
         rig: Rig) -> None:
     rig.units.start_gate = asyncio.Event()
-    await rig.sup.start("a", None)
-    await rig.sup.start("c", None)  # queued behind a on the device
+    await rig.sup.launch_job.start("a", None)
+    await rig.sup.launch_job.start("c", None)  # queued behind a on the device
     for serve in ("a", "c"):
-        assert rig.sup.life(serve).phase is Phase.LAUNCHING
-        assert rig.sup.serves[serve].launch_task is not None
-    await rig.sup.stop("c", None)
+        assert rig.sup.runtime.life(serve).phase is Phase.LAUNCHING
+        assert rig.sup.runtime.serves[serve].launch_task is not None
+    await rig.sup.stop_job.stop("c", None)
     # the stop cancelled c's launch and is over: what is left of c is where its memory goes
-    c, life = rig.sup.serves.get("c", Handles()), rig.sup.life("c")  # no handles: none kept
+    c, life = rig.sup.runtime.serves.get("c", Handles()), rig.sup.runtime.life("c")  # no handles: none kept
     assert (c.launch_task, c.stop_done, c.check) == (None, None, None)
     assert life.phase is Phase.IDLE and life.unit is None
     assert life.returning == {"GPU-sim-0"}
     rig.units.start_gate.set()
     await rig.wait_for("healthy", "a")
-    await until(lambda: rig.sup.serves.get("a", Handles()).launch_task is None,
+    await until(lambda: rig.sup.runtime.serves.get("a", Handles()).launch_task is None,
                 what="a's launch to end")
-    assert rig.sup.life("a").phase is Phase.IDLE
-    assert rig.sup.life("a").unit is not None  # its unit as last seen
+    assert rig.sup.runtime.life("a").phase is Phase.IDLE
+    assert rig.sup.runtime.life("a").unit is not None  # its unit as last seen
 
 
 async def test_restart_keeps_the_reservation_and_starts_again(rig: Rig) -> None:
-    await rig.sup.start("a", None, wait=True)
+    await rig.sup.launch_job.start("a", None, wait=True)
     await rig.sup.restart("a", None)
     await rig.wait_for("healthy", "a", after=rig.events(kinds=["exit"])[-1].id or 0)
     assert rig.state("a") == RUNNING
@@ -511,7 +511,7 @@ async def test_reconcile_without_the_bus_is_skipped(rig: Rig,
     rig.units.available, rig.units.reason = False, "no bus"
     rig.units.live["a"] = unit("a")
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
-        await rig.sup.reconcile()
+        await rig.sup.boot_job.reconcile()
     assert "reconciliation skipped: system bus unavailable (no bus)" in caplog.text
     assert rig.held() == {}
 
@@ -520,7 +520,7 @@ async def test_reconcile_adopts_running_units(rig: Rig) -> None:
     await admitted_to(rig.svc, "a", 300, RUNNING)
     rig.units.live = {"a": unit("a", pid=11, restarts=2), "c": unit("c", pid=12),
                       "stray": unit("stray", pid=13), "gone": unit("gone", "inactive", "dead")}
-    await rig.sup.reconcile()
+    await rig.sup.boot_job.reconcile()
     assert rig.state("a") == RUNNING  # it was running: it stays so
     assert rig.svc.records["a"].main_pid == 11 and rig.svc.records["a"].n_restarts == 2
     assert rig.held() == {"a": 300, "c": 200}  # c adopted at its vram_mib
@@ -537,15 +537,15 @@ async def test_reconcile_adopts_running_units(rig: Rig) -> None:
 async def test_reconcile_marks_serves_whose_units_ended_while_away(rig: Rig) -> None:
     await admitted_to(rig.svc, "a", 300, RUNNING)
     await admitted_to(rig.svc, "b", 400, STARTING)
-    await rig.sup.reconcile()
+    await rig.sup.boot_job.reconcile()
     assert rig.state("a") == FAILED and rig.state("b") == FAILED
     assert rig.reason("b") == "its unit ended while gpud was not running"
     assert rig.held() == {"a": 300}  # a is resident: kept; b released
 
 
 async def test_boot_admits_by_priority_then_starts(rig: Rig) -> None:
-    await rig.sup.boot()
-    assert rig.sup.booted.is_set()
+    await rig.sup.boot_job.boot()
+    assert rig.sup.boot_job.booted.is_set()
     assert rig.state("a") == RUNNING
     assert rig.state("big") == DENIED  # 300 + 900 > 1000: recorded with its reason, not started
     assert [s.serve for s in rig.units.started] == ["a"]
@@ -558,7 +558,7 @@ async def test_boot_leaves_alone_what_runs_or_was_stopped_by_hand(rig: Rig) -> N
     await rig.svc.store_event(rig.svc.event("exit", "by hand", serve="a"),
                               report=rig.svc.report("a", Happened.STOPPED, OUTSIDE_STOP))
     await admitted_to(rig.svc, "big", 900, RUNNING)
-    await rig.sup.boot()
+    await rig.sup.boot_job.boot()
     assert rig.units.started == []
     assert rig.state("a") == DECLARED
     assert rig.held() == {"big": 900}
@@ -570,15 +570,15 @@ async def test_boot_goes_on_past_a_serve_that_fails_to_start(
     text = (rig.svc.config_text or "").replace("vram_mib = 900", "vram_mib = 600")
     await rig.svc.reload(parse_config(text, "t"), text, source="t")
     with caplog.at_level(logging.WARNING, "gpud.supervisor"):
-        await rig.sup.boot()
+        await rig.sup.boot_job.boot()
     assert "boot: a not started: serve 'a' not started: too small" in caplog.text
     assert rig.state("big") == RUNNING
 
 
 async def test_boot_without_the_bus_starts_nothing_and_is_done(rig: Rig) -> None:
     rig.units.available, rig.units.reason = False, "no bus"
-    await rig.sup.boot()
-    assert rig.sup.booted.is_set()
+    await rig.sup.boot_job.boot()
+    assert rig.sup.boot_job.booted.is_set()
     assert rig.held() == {}
 
 
@@ -586,7 +586,7 @@ async def test_boot_without_the_bus_starts_nothing_and_is_done(rig: Rig) -> None
 
 
 async def running(rig: Rig, serve: str) -> UnitState:
-    await rig.sup.start(serve, None, wait=True)
+    await rig.sup.launch_job.start(serve, None, wait=True)
     assert rig.state(serve) == RUNNING
     return rig.units.live[serve]
 
@@ -684,7 +684,7 @@ async def test_an_operators_stop_is_recorded_as_such(tmp_path: Path, serve: str,
         assert r.held() == after
         assert r.reason(serve) == OUTSIDE_STOP
         assert r.state(serve) == (ADMITTED if keep else DECLARED)
-        await r.sup.boot()  # boot does not start it again until asked
+        await r.sup.boot_job.boot()  # boot does not start it again until asked
         assert [s.serve for s in r.units.started].count(serve) == 1
 
 
@@ -700,7 +700,7 @@ async def test_a_stop_at_host_shutdown_is_not_an_operators_stop(rig: Rig) -> Non
 
 async def test_an_orphan_unit_that_ends(rig: Rig) -> None:
     rig.units.live["stray"] = unit("stray")
-    await rig.sup.reconcile()
+    await rig.sup.boot_job.reconcile()
     mark = rig.last_id()
     rig.units.emit(unit("stray", "inactive", "dead", status=0))
     ev = await rig.wait_for("exit", "stray", after=mark)
@@ -812,7 +812,7 @@ async def test_a_serve_that_never_answers_says_what_it_logged(tmp_path: Path) ->
     r.sup.answers["b"] = refused
     r.sup.stop_job.journal = journal
     async for _ in entered(r):
-        await r.sup.start("b", None, wait=True)
+        await r.sup.launch_job.start("b", None, wait=True)
         assert r.reason("b") == ("unhealthy: no 200 from /health within 2 s; its log: "
                                  "MemoryError: no room for the weights (at /srv/b.py:7 in load)")
 
@@ -994,11 +994,11 @@ async def test_a_start_with_preempt_takes_the_preemption_lock_before_the_serves(
     deadlocked with it (every later request of either kind hung)."""
     coordination = rig.sup.sleeps.coordination
     await coordination.acquire()
-    task = asyncio.ensure_future(rig.sup.start("a", None, preempt=True))
+    task = asyncio.ensure_future(rig.sup.launch_job.start("a", None, preempt=True))
     await until(lambda: waiters(coordination) == 1, what="the start waiting for preemption's lock")
     try:
         assert not task.done()
-        assert not rig.sup.serve_lock("a").locked()  # free for a wake holding the other lock
+        assert not rig.sup.runtime.serve_lock("a").locked()  # free for a wake holding the other lock
     finally:
         coordination.release()
     await asyncio.wait_for(task, 10)
@@ -1062,10 +1062,10 @@ async def test_the_health_restart_holds_the_serves_lock_and_a_stop_ends_it(check
     mark = r.last_id()
     r.sup.answers["a"] = failing()  # never healthy again: the restarted process loads forever
     await r.wait_for("restart", "a", after=mark)
-    assert r.sup.serve_lock("a").locked() and r.sup.device_locks("a").locked()
-    await asyncio.wait_for(r.sup.stop("a", None), 5)
+    assert r.sup.runtime.serve_lock("a").locked() and r.sup.runtime.device_locks("a").locked()
+    await asyncio.wait_for(r.sup.stop_job.stop("a", None), 5)
     assert r.state("a") == DECLARED and r.held() == {}
-    assert not r.sup.serve_lock("a").locked() and not r.sup.device_locks("a").locked()
+    assert not r.sup.runtime.serve_lock("a").locked() and not r.sup.runtime.device_locks("a").locked()
 
 
 ROUTED = """

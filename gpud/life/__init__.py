@@ -5,7 +5,8 @@ supervisor's jobs (`supervisor/`: launch, boot,
 health, stop, watch), sleeping (`sleeping`) and preemption (`preemption`), what a sleeping serve says it is
 (`reconciling`), the rebalance and its executor (`rebalance`, `steps`, `planning`, `offload`),
 calibration (`calibration`), alerts from observation (`alerts`), what is in flight on each serve
-(`traffic`), the on-demand orchestrator (`ondemand`: bring-ups for requests through the front,
+(`traffic`: what a read changes, when a drain is over; the read is gpud.host.traffic's), the
+on-demand orchestrator (`ondemand`: bring-ups for requests through the front,
 the router's queue and its evictions; `idle`: the idle check; `demandview`: what they read;
 `counts`: what they did, for the metrics), and the coordination they share (`locks`, `pulse`).
 

@@ -51,13 +51,13 @@ class DemandView:
         """A start of NAME that is not a request's is under way: its state is starting, or its
         launch (a boot's, an operator's) or the health wait of its restart after a crash runs.
         A request waits for it rather than start it again or be refused."""
-        life = self.sup.life(name)
+        life = self.sup.runtime.life(name)
         return self.svc.state_of(name) == STARTING or life.launching or life.watching
 
     def settling(self, name: str) -> bool:
         """A sleep or a stop of NAME is under way (or the drain before one, or the idle
         check's decision to): a request must not reach it now."""
-        return settling(self.svc.records.demand(name), self.sup.life(name).phase,
+        return settling(self.svc.records.demand(name), self.sup.runtime.life(name).phase,
                         self.traffic is not None and self.traffic.draining(name))
 
     def never_fits(self, name: str) -> str | None:

@@ -17,6 +17,7 @@ from gpud.core.demand import Idling, LastActivity
 from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, ServeState, SleepAction
 from gpud.errors import GpudError
+from gpud.host.traffic import reachable
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -91,7 +92,7 @@ class IdleCheck:
             self.svc.records.apply(name, LastActivity(now))
         flight = self._flight(name)
         if self.traffic is not None and flight.read_at is None and \
-                self.traffic.reachable(spec):
+                reachable(spec):
             return  # its count not read yet (gpud just started): a stream may be running
         last = idle_from(first, flight)
         assert last is not None
@@ -111,13 +112,13 @@ class IdleCheck:
                 self.view.counts.add(self.view.counts.idle_sleeps, name)
             else:
                 if self.traffic is None:
-                    await self.sup.stop(name, None, idle_s=idle)
+                    await self.sup.stop_job.stop(name, None, idle_s=idle)
                 else:
                     with self.traffic.held(name):
                         # nothing in flight by the idle check's count: the drain confirms it
                         drained = await self.traffic.drain(
                             name, spec, self.svc.config.daemon.drain_timeout_s)
-                        await self.sup.stop(name, None, idle_s=idle, drained=drained)
+                        await self.sup.stop_job.stop(name, None, idle_s=idle, drained=drained)
                 self.view.counts.add(self.view.counts.idle_stops, name)
                 self.svc.records.apply(name, LastActivity(None))
         except GpudError as exc:

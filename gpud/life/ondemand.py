@@ -412,7 +412,7 @@ class Orchestrator(DemandView):
             log.log(logging.DEBUG if quiet else logging.INFO, "on-demand %s: starting (%s)",
                     name, by)
             # Returns once the launch is over: healthy, or failed with its reason.
-            await self.sup.start(name, None, wait=True, preempt=spec.preempt)
+            await self.sup.launch_job.start(name, None, wait=True, preempt=spec.preempt)
         # A start or wake of someone else's (a boot's, an operator's, a restart's after a
         # crash), still under way: its end is a stored state, its failure answered at once.
         await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING)
@@ -685,13 +685,13 @@ class Orchestrator(DemandView):
                                                     uncut=self.traffic is not None and not cut)
                 self._cut(victim, name, by, slept.get("in_flight"))
             elif self.traffic is None:
-                await self.sup.stop(victim, None)
+                await self.sup.stop_job.stop(victim, None)
             else:
                 with self.traffic.held(victim):
                     drained = await self.traffic.drain(
                         victim, vspec, self.svc.config.daemon.drain_timeout_s)
                     refuse_cut(victim, drained)
-                    await self.sup.stop(victim, None, drained=drained)
+                    await self.sup.stop_job.stop(victim, None, drained=drained)
         except GpudError as exc:
             log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
                         extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})

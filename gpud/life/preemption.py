@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gpud.config import ServeConfig
 from gpud.core.actions import Action, preemption, undo_in_reverse
+from gpud.core.lifecycle import ServeLife
 from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles
 from gpud.core.serverecord import Happened
 from gpud.core.traffic import Drain
@@ -46,16 +47,44 @@ class Drainer(Protocol):
     async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
 
 
-class _Serves(Protocol):
-    """What a preemption asks of the supervisor (part of gpud.life.sleeping.SleepSupervisor)."""
+class ServesRuntime(Protocol):
+    """What a preemption asks of the serves' runtime (gpud.life.supervisor.base.Runtime)."""
 
-    def busy(self, serve: str) -> bool: ...
-    def spec_of(self, serve: str) -> ServeConfig: ...
-    async def memory_back_for(self, serve: str) -> None: ...
+    def life(self, serve: str) -> ServeLife: ...
+    def spec(self, serve: str) -> ServeConfig: ...
+
+
+class Starting(Protocol):
+    """A start (gpud.life.supervisor.launch.LaunchJob)."""
+
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None: ...
-    async def stop(self, serve: str, uid: int | None, *, drained: Drain | None = None,
-                   keep_reservation: bool = False) -> None: ...
+
+
+class Stopping(Protocol):
+    """A stop (gpud.life.supervisor.stop.StopJob)."""
+
+    async def stop(self, serve: str, uid: int | None, *, keep_reservation: bool = False,
+                   idle_s: float | None = None, drained: Drain | None = None) -> None: ...
+
+
+class Returning(Protocol):
+    """Memory coming back after stops (gpud.life.supervisor.stop.MemoryReturn)."""
+
+    async def back_all(self, serve: str) -> None: ...
+
+
+class SupervisorParts(Protocol):
+    """The supervisor's parts a preemption asks (part of gpud.life.sleeping.SleepSupervisor)."""
+
+    @property
+    def runtime(self) -> ServesRuntime: ...
+    @property
+    def launch_job(self) -> Starting: ...
+    @property
+    def stop_job(self) -> Stopping: ...
+    @property
+    def memory(self) -> Returning: ...
 
 
 class Sleeper(Protocol):
@@ -66,7 +95,7 @@ class Sleeper(Protocol):
     @property
     def svc(self) -> LedgerService: ...
     @property
-    def serves(self) -> _Serves: ...
+    def serves(self) -> SupervisorParts: ...
     @property
     def traffic(self) -> Drainer | None: ...
     def sleep_mib(self, serve: str, spec: ServeConfig) -> int | None: ...
@@ -99,7 +128,7 @@ class Preemption:
                         or spec.all_roles != res.all_roles:
                     continue
                 seen.add(name)
-                if self.svc.state_of(name) != RUNNING or self.serves.busy(name):
+                if self.svc.state_of(name) != RUNNING or self.serves.runtime.life(name).busy:
                     continue
                 if spec.preemptible == SleepAction.STOP:
                     out.append(Candidate(name, spec.priority, res.mib, SleepAction.STOP, 0,
@@ -114,7 +143,7 @@ class Preemption:
     def plan(self, serve: str, mib: int) -> PreemptPlan | NoPlan:
         """The plan on every role of the serve (victims on any of them; one on several frees
         on each)."""
-        spec = self.serves.spec_of(serve)
+        spec = self.serves.runtime.spec(serve)
         free = {r: self.svc.free_for(serve, r) for r in spec.all_roles}
         return plan_on_roles(serve, spec.priority, mib, free,
                              self.candidates(serve, spec.all_roles))
@@ -152,7 +181,7 @@ class Preemption:
         the caller holds `coordination` already. `happened` and `event` are the admission's
         (LedgerService.admit): a wake's re-admission keeps the serve sleeping until it is
         awake, its event saying so, with the plan carried out in its details."""
-        spec = self.serves.spec_of(serve)
+        spec = self.serves.runtime.spec(serve)
 
         async def admit(plan: dict[str, Any] | None = None) -> None:
             said = event if event is None or plan is None else (
@@ -199,15 +228,15 @@ class Preemption:
                     if action.kind == StepKind.SLEEP:
                         await self.sleeps.sleep(step.serve, uid, preempted_by=serve)
                     elif self.sleeps.traffic is None:
-                        await self.serves.stop(step.serve, uid)
+                        await self.serves.stop_job.stop(step.serve, uid)
                     else:
                         # drained first; vLLM's SIGTERM then aborts what is left (its
                         # --shutdown-timeout defaults to 0: engine/arg_utils.py:842, core.py:1640)
                         with self.sleeps.traffic.held(step.serve):
                             drained = await self.sleeps.traffic.drain(
-                                step.serve, self.serves.spec_of(step.serve),
+                                step.serve, self.serves.runtime.spec(step.serve),
                                 self.svc.config.daemon.drain_timeout_s)
-                            await self.serves.stop(step.serve, uid, drained=drained)
+                            await self.serves.stop_job.stop(step.serve, uid, drained=drained)
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "
                                         f"{exc.message}") from exc
@@ -221,7 +250,7 @@ class Preemption:
             if failure is None:
                 if any(action.kind == StepKind.STOP for action in done):
                     # a stopped serve's memory shows as free once its process is gone
-                    await self.serves.memory_back_for(serve)
+                    await self.serves.memory.back_all(serve)
                 try:
                     await admit(plan.to_json())
                     return {"preemption": plan.to_json()}
@@ -240,7 +269,7 @@ class Preemption:
                     await self.sleeps.wake(undo.serve, uid, locked=True,
                                     by=f"undo of the preemption by {serve}")
                 else:
-                    await self.serves.start(undo.serve, uid)
+                    await self.serves.launch_job.start(undo.serve, uid)
             except GpudError as exc:
                 log.error("undoing the preemption of %s by %s failed: %s", undo.serve, serve,
                           exc.message)

@@ -84,7 +84,8 @@ def backup(path: Path, keep: int, now: float) -> Path:
 class Rebalancer:
     def __init__(self, svc: LedgerService, supervisor: Supervisor, observer: Observer, *,
                  config_path: Path | None, reload: Reload, offload: Offload = INLINE,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None,
+                 front_listens: Callable[[], frozenset[str] | None] | None = None) -> None:
         self.svc = svc
         self.supervisor = supervisor
         self.observer = observer
@@ -95,9 +96,9 @@ class Rebalancer:
         # worker process applies them itself
         self.overrides = dict(overrides or {})
         self._busy = False
-        # What the front listens on now (gpud.nginx.front.Front.listening), once the daemon has a
-        # front: a plan and an apply are refused for what they would leave dark.
-        self.front_listens: Callable[[], frozenset[str]] | None = None
+        # What the front listens on now (gpud.nginx.front.Front.listening; None: no front, or
+        # not yet): a plan and an apply are refused for what they would leave dark.
+        self.front_listens = front_listens
 
     @property
     def busy(self) -> bool:
@@ -132,7 +133,7 @@ class Rebalancer:
             raise Conflict("gpud runs without a config file: nothing to apply to")
         if self._busy:
             raise Conflict("another apply is in progress")
-        if not self.supervisor.booted.is_set():
+        if not self.supervisor.boot_job.booted.is_set():
             starting = sorted(n for n in self.svc.known_serves()
                               if self.svc.state_of(n) in (ADMITTED, STARTING))
             raise Conflict("the resident set is still starting: apply when it is done "
@@ -257,7 +258,7 @@ class Rebalancer:
         name = action.serve
         assert name is not None
         if action.kind == StepKind.STOP:
-            await self.supervisor.stop(name, uid)
+            await self.supervisor.stop_job.stop(name, uid)
             return
         if action.kind == StepKind.RELEASE:
             # Not live (a live one is stopped instead): the service refuses it if it started
@@ -272,10 +273,10 @@ class Rebalancer:
             await self.svc.admit(name, action.mib_after, uid=uid)
             return
         if action.kind == StepKind.RESTART:
-            await self.supervisor.stop(name, uid, keep_reservation=True)
+            await self.supervisor.stop_job.stop(name, uid, keep_reservation=True)
             if action.mib_after is not None:
                 await self.svc.admit(name, action.mib_after, uid=uid)
-        await self.supervisor.start(name, uid, wait=True)
+        await self.supervisor.launch_job.start(name, uid, wait=True)
         if self.svc.state_of(name) != RUNNING:
             rec = self.svc.records.get(name)
             raise GpudError(f"{name} did not become healthy: "
@@ -385,7 +386,7 @@ class Undoer:
         assert name is not None
         if self.svc.serve_spec(name) is not None:
             with contextlib.suppress(GpudError):
-                await self.supervisor.stop(name, uid, keep_reservation=True)
+                await self.supervisor.stop_job.stop(name, uid, keep_reservation=True)
         held = self.svc.ledger.reservations.get(name)
         if held is not None and undo.mib_after is None:
             await self.svc.release(name, uid=uid, reason="rollback", allow_live=True,
@@ -409,11 +410,11 @@ class Undoer:
         if self.svc.serve_spec(name) is None:
             return
         with contextlib.suppress(GpudError):
-            await self.supervisor.stop(name, uid, keep_reservation=True)
+            await self.supervisor.stop_job.stop(name, uid, keep_reservation=True)
         if undo.mib_after is not None:
             await self.svc.admit(name, undo.mib_after, uid=uid)
         if undo.state_after in LIVE_STATES:
-            await self.supervisor.start(name, uid, wait=True)
+            await self.supervisor.launch_job.start(name, uid, wait=True)
 
 
 @dataclass

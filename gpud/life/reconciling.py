@@ -67,7 +67,7 @@ class Reconciler:
         prepared = await self.prepared(serve, spec, said)
         if not disagrees(recorded, said, overdrawn=self.overdrawn(serve), prepared=prepared):
             return Reconcile.AGREE
-        lock = self.serves.serve_lock(serve)
+        lock = self.serves.runtime.serve_lock(serve)
         if lock.locked():
             return Reconcile.AGREE  # a sleep, wake or stop is under way: the next check asks
         roles = spec.all_roles
@@ -77,7 +77,7 @@ class Reconciler:
         stop = False
         try:
             async with lock:
-                if self.serves.busy(serve):
+                if self.serves.runtime.life(serve).busy:
                     return Reconcile.AGREE
                 recorded = self.svc.state_of(serve)
                 said = await self.sleeps.is_sleeping(serve, spec)
@@ -120,7 +120,7 @@ class Reconciler:
                 elif decision is Reconcile.SHOW_ASLEEP:
                     await self._show_asleep(serve, spec)
             if stop:
-                await self.serves.stop(serve, None)
+                await self.serves.stop_job.stop(serve, None)
             return decision
         finally:
             self.svc.lift(serve)
@@ -132,7 +132,7 @@ class Reconciler:
         if said is not True or not behaviour(self.svc.config.daemon.vllm_version).checkpoint_routes:
             return False
         try:
-            async with self.serves.serve_http(serve, spec).get(
+            async with self.serves.runtime.serve_http(serve, spec).get(
                     self.sleeps.url(serve, spec, "/checkpoint/status"),
                     timeout=aiohttp.ClientTimeout(total=CHECKPOINT_STATUS_TIMEOUT_S)) as resp:
                 body = await resp.json(content_type=None)

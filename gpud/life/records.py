@@ -25,14 +25,13 @@ systemd (PID, restarts) or begun anew (demand, life) when gpud starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 from gpud.core.demand import Demand
 from gpud.core.lifecycle import ServeLife
 from gpud.core.serverecord import (
     Event,
-    Put,
     Record,
     Reserved,
     Stepped,
@@ -105,30 +104,3 @@ class ServeRecords(Mapping[str, Record]):
     def life(self, serve: str) -> ServeLife:
         """The serve's runtime life (IDLE_LIFE: nothing of gpud's under way on it)."""
         return self.of(serve).life
-
-    # ---- the events, by their former names (each one event through `apply`) -----------------
-
-    def remember(self, serve: str, state: ServeState, reason: str | None,
-                 updated: float) -> None:
-        """A stored state into the serve's record (`Stored`)."""
-        self.apply(serve, Stored(state, reason, updated))
-
-    def set_main_pid(self, serve: str, pid: int | None) -> None:
-        """The main PID of the serve's unit as systemd last said it (`UnitPid`)."""
-        self.apply(serve, UnitPid(pid))
-
-    def set_restart_count(self, serve: str, n_restarts: int) -> None:
-        """How often systemd restarted the serve's unit (`UnitRestarts`)."""
-        self.apply(serve, UnitRestarts(n_restarts))
-
-    def note_demand(self, serve: str, change: Callable[[Demand], Demand]) -> Demand:
-        """Set the serve's on-demand facts to CHANGE of them (`Put`: for tests and tools; gpud
-        reports gpud.core.demand's events)."""
-        now = change(self.demand(serve))
-        self.apply(serve, Put(demand=now))
-        return now
-
-    def set_life(self, serve: str, life: ServeLife) -> None:
-        """Set the serve's life whole (`Put`: for tests and tools; the supervisor steps it by
-        gpud.core.lifecycle's inputs)."""
-        self.apply(serve, Put(life=life))

@@ -44,7 +44,7 @@ from gpud.core.vocab import (
 from gpud.errors import Conflict, GpudError, Refused, StoreError, Unavailable
 from gpud.host.observer import Observer
 from gpud.life.locks import Locks, Rank, Taken
-from gpud.life.preemption import Drainer, Preemption
+from gpud.life.preemption import Drainer, Preemption, ServesRuntime, SupervisorParts
 from gpud.life.service import LedgerService
 from gpud.life.traffic import refuse_cut
 
@@ -71,41 +71,56 @@ def measured_key(serve: str) -> str:
     return f"sleep-measured:{serve}"
 
 
-class SleepSupervisor(Protocol):
-    """What the sleep controller and the reconciler ask of the supervisor: the locks (in
-    their order, gpud.life.locks), whether a lifecycle action of a serve is under way, a change of a
-    serve's life (gpud.core.lifecycle.step: a sleep or a wake begun and ended), the serves' own
-    lifecycle actions, and a serve's HTTP client."""
+class SleepRuntime(ServesRuntime, Protocol):
+    """What the sleeps and the reconciler ask of the serves' runtime
+    (gpud.life.supervisor.base.Runtime): the locks (in their order, gpud.life.locks), a serve's
+    life and a change of it (gpud.core.lifecycle.step: a sleep or a wake begun and ended), its
+    spec, its HTTP client, a task of its own."""
 
     @property
     def locks(self) -> Locks: ...
     def serve_lock(self, serve: str) -> Taken: ...
     def device_locks(self, serve: str, *, shared: bool = False) -> Taken: ...
-    def busy(self, serve: str) -> bool: ...
-    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]: ...
-    def spec_of(self, serve: str) -> ServeConfig: ...
+    def step(self, serve: str, inp: Input) -> list[LifeAction]: ...
     def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession: ...
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
-    async def unit_state(self, serve: str) -> UnitState | None: ...
-    async def memory_back_for(self, serve: str) -> None: ...
+
+
+class UnitStates(Protocol):
+    """A unit as systemd has it now (gpud.host.units.SystemdUnits)."""
+
+    async def state(self, serve: str) -> UnitState | None: ...
+
+
+class Rewatching(Protocol):
+    """The health checks a wake asks for (gpud.life.supervisor.health.HealthJob)."""
+
     async def watch_restart(self, serve: str) -> None: ...
     async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None: ...
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
-                    preempt: bool = False) -> dict[str, Any] | None: ...
-    async def stop(self, serve: str, uid: int | None, *, drained: Drain | None = None,
-                   keep_reservation: bool = False) -> None: ...
+
+
+class SleepSupervisor(SupervisorParts, Protocol):
+    """The supervisor's parts the sleep controller and the reconciler ask (gpud.life.supervisor
+    .Supervisor): its runtime, the units, a start, a stop, memory coming back, health checks."""
+
+    @property
+    def runtime(self) -> SleepRuntime: ...
+    @property
+    def units(self) -> UnitStates: ...
+    @property
+    def health_job(self) -> Rewatching: ...
 
 
 class Sleeps:
-    # What is in flight on a serve: a preemption drains it first (set by gpud.daemon; None in
-    # tests that run without it).
-    traffic: Drainer | None = None
-
     def __init__(self, serves: SleepSupervisor, svc: LedgerService, observer: Observer, *,
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
-                 graphs: Callable[[str], int | None] = lambda _serve: None) -> None:
+                 graphs: Callable[[str], int | None] = lambda _serve: None,
+                 traffic: Drainer | None = None) -> None:
         self.serves = serves
+        # What is in flight on a serve: a preemption drains it first (gpud.life.traffic, from
+        # gpud.daemon; None in tests that run without it).
+        self.traffic = traffic
         self.svc = svc
         self.observer = observer
         self.host_memory = host_memory
@@ -208,13 +223,13 @@ class Sleeps:
     def role_lock(self, _role: str) -> Taken:
         """The coordination lock, whatever the role: one for all of gpud (a serve on several
         roles, and wake-backs across roles, are planned under it; gpud.life.locks orders it first)."""
-        return self.serves.locks.coordination()
+        return self.serves.runtime.locks.coordination()
 
     @property
     def coordination(self) -> asyncio.Lock:
         """The lock of preemptions, sleeps' and wakes' coordination: taken before any serve's
         lock, never after one (gpud.life.locks)."""
-        return self.serves.locks.lock(Rank.COORDINATION)
+        return self.serves.runtime.locks.lock(Rank.COORDINATION)
 
     # ---- HTTP to the serve -----------------------------------------------------------------
 
@@ -222,7 +237,7 @@ class Sleeps:
                     body: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
         """POST to the serve, bounded: daemon.sleep_timeout_s for /sleep, wake_timeout_s for
         everything else (a wake's requests); past it, Unavailable with `no_answer`."""
-        http = self.serves.serve_http(serve, spec)
+        http = self.serves.runtime.serve_http(serve, spec)
         daemon = self.svc.config.daemon
         if timeout_s is None:
             timeout_s = daemon.sleep_timeout_s if path.startswith("/sleep") else \
@@ -246,7 +261,7 @@ class Sleeps:
         """vLLM's GET /is_sleeping, `{"is_sleeping": bool}`; None when it does not answer
         that."""
         try:
-            async with self.serves.serve_http(serve, spec).get(
+            async with self.serves.runtime.serve_http(serve, spec).get(
                     self._url(serve, spec, "/is_sleeping"),
                     timeout=aiohttp.ClientTimeout(total=IS_SLEEPING_TIMEOUT_S)) as resp:
                 if resp.status != 200:
@@ -307,7 +322,7 @@ class Sleeps:
     # ---- sleep and wake ----------------------------------------------------------------------
 
     def _sleeper(self, serve: str) -> ServeConfig:
-        spec = self.serves.spec_of(serve)
+        spec = self.serves.runtime.spec(serve)
         if not spec.sleep_level:
             raise Conflict(f"serve {serve!r} has no sleep_level: it does not sleep "
                            f"(set serves.{serve}.sleep_level = 1 or 2)", {"serve": serve})
@@ -329,13 +344,13 @@ class Sleeps:
         if level not in (1, 2):
             raise Refused(f"sleep level must be 1 or 2, not {level}", {"level": level})
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(self.serves.serve_lock(serve))
+            await stack.enter_async_context(self.serves.runtime.serve_lock(serve))
             state = self.svc.state_of(serve)
             # refused (a Refuse action) while a launch or a job on its unit is under way
-            if state != RUNNING or self.serves.lifecycle(serve, SleepAsked()):
+            if state != RUNNING or self.serves.runtime.step(serve, SleepAsked()):
                 raise Conflict(f"serve {serve!r} is {state}: only a running serve is put to "
                                "sleep", {"serve": serve, "state": state})
-            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
+            stack.callback(self.serves.runtime.step, serve, SlumberEnded())
             res = self.svc.ledger.reservations[serve]
             target, awake_seen = await self._sleep_target(serve, spec)
             parked = self._host_need(serve, level)
@@ -359,7 +374,7 @@ class Sleeps:
                 raise Unavailable(f"serve {serve!r} not put to sleep: systemd names no process "
                                   "of its unit now, so a sleep could not be told apart from a "
                                   "restart", {"serve": serve})
-            async with self.serves.device_locks(serve):  # its memory changes: no start's window
+            async with self.serves.runtime.device_locks(serve):  # its memory changes: no start's window
                 began = loop.time()
                 # After a drain, mode=wait: what is in flight now (a request that came since the
                 # drain's last read) finishes before the memory goes; vLLM's pause_scheduler
@@ -496,7 +511,7 @@ class Sleeps:
         """The serve's process as systemd says now: (MainPID, unit InvocationID); None when it
         has none or it cannot be read."""
         try:
-            st = await self.serves.unit_state(serve)
+            st = await self.serves.units.state(serve)
         except GpudError:
             return None
         if st is None or not st.main_pid or st.gone:
@@ -517,7 +532,7 @@ class Sleeps:
             f"{res.mib if res else 0} MiB kept", serve=serve, role=spec.role,
             mib=res.mib if res else None, main_pid=now[0] if now else None),
             report=self.svc.report(serve, Happened.RESTARTING, reason))
-        self.serves.spawn(self.serves.watch_restart(serve))
+        self.serves.runtime.spawn(self.serves.health_job.watch_restart(serve))
         raise Conflict(f"serve {serve!r} not put to sleep: {reason}", {"serve": serve})
 
     def _check_host_ram(self, serve: str, parked: int, level: int = 1) -> None:
@@ -554,13 +569,13 @@ class Sleeps:
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
                 await stack.enter_async_context(self.role_lock(spec.role))
-            await stack.enter_async_context(self.serves.serve_lock(serve))
+            await stack.enter_async_context(self.serves.runtime.serve_lock(serve))
             state = self.svc.state_of(serve)
             if state != SLEEPING:
                 raise Conflict(f"serve {serve!r} is {state}, not sleeping", {"serve": serve,
                                                                            "state": state})
-            self.serves.lifecycle(serve, WakeAsked())
-            stack.callback(self.serves.lifecycle, serve, SlumberEnded())
+            self.serves.runtime.step(serve, WakeAsked())
+            stack.callback(self.serves.runtime.step, serve, SlumberEnded())
             asleep = self.svc.ledger.reservations[serve].mib
             awake = self.awake_mib(serve, spec)
             # Denied: it stays asleep, the denial recorded with its reason.
@@ -578,7 +593,7 @@ class Sleeps:
             loop = asyncio.get_running_loop()
             began = loop.time()
             try:
-                async with self.serves.device_locks(serve):  # its memory grows: no start's window
+                async with self.serves.runtime.device_locks(serve):  # its memory grows: no start's window
                     await self._wake_up(serve, spec)
                     await self._confirm(serve, spec, asleep=False)
             except GpudError as exc:
@@ -586,7 +601,7 @@ class Sleeps:
                 if said is None:
                     # No answer: it may be waking, or half awake. It keeps its full
                     # reservation and is restarted or stopped, as its restart policy says.
-                    await self.serves.wake_failed(serve, spec, f"the wake failed: {exc.message}")
+                    await self.serves.health_job.wake_failed(serve, spec, f"the wake failed: {exc.message}")
                     raise
                 if said:
                     # Still asleep, as it says: back to its sleep reservation.
@@ -623,7 +638,7 @@ class Sleeps:
         if task is not None and not task.done():
             self._wake_again.add(role)
             return
-        self._wake_back[role] = self.serves.spawn(self._wake_back_role(role))
+        self._wake_back[role] = self.serves.runtime.spawn(self._wake_back_role(role))
 
     async def _wake_back_role(self, role: str) -> None:
         while True:
@@ -645,7 +660,7 @@ class Sleeps:
             and self.note(name).get("preempted_by"))
         if sleepers:
             # what a stop released shows as free on the device only once its process is gone
-            await self.serves.memory_back_for(sleepers[0][1])
+            await self.serves.memory.back_all(sleepers[0][1])
         for _, name in sleepers:
             spec = self.svc.config.serves[name]
             awake = self.awake_mib(name, spec)

@@ -1,11 +1,10 @@
-"""The adapter that reads what is in flight on each serve: its ``GET /metrics``, polled (the
-pure part, what the count means and what follows from it, is gpud.core.traffic, whose
-docstring says why the serve's own count is the source).
+"""What is in flight on each serve, and the drains: which serves are read and how often, what a
+read changes, when a drain is over. The read itself (the serve's ``GET /metrics`` over HTTP) is
+the host's adapter, gpud.host.traffic.InFlightReader; what the count means and what follows
+from it is gpud.core.traffic, whose docstring says why the serve's own count is the source.
 
-Off the data path: these are gpud's own requests to a serve (over its Unix socket when it is
-fronted, as gpud's health checks are), bounded by READ_TIMEOUT_S; a slow or silent serve delays
-nothing but the next read. A read that gets no answer leaves what was known; one that answers
-without vLLM's gauges makes the count unknown (None), said once in the journal.
+A read that gets no answer leaves what was known; one that answers without vLLM's gauges makes
+the count unknown (None), said once in the journal.
 """
 
 from __future__ import annotations
@@ -17,11 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
-import aiohttp
-
-from gpud.core.traffic import Drain, Flight, Outcome, drain_done, in_flight_from_metrics, observe
+from gpud.core.traffic import Drain, Flight, Outcome, drain_done, observe
 from gpud.core.vocab import RUNNING, SLEEPING
-from gpud.errors import Conflict, GpudError
+from gpud.errors import Conflict
+from gpud.host.traffic import InFlightReader, reachable
 from gpud.life.service import LedgerService
 
 if TYPE_CHECKING:
@@ -33,20 +31,16 @@ log = logging.getLogger("gpud.traffic")
 # often during a drain.
 POLL_S: Final = 0.5
 DRAIN_POLL_S: Final = 0.1
-READ_TIMEOUT_S: Final = 2.0
-# A /metrics text larger than this is not read (vLLM's is some tens of KiB).
-MAX_METRICS_BYTES: Final = 8 << 20
 
 
 class Traffic:
     """The requests in flight on each running or sleeping serve that gpud can reach over HTTP
     (fronted, or with a port), and the drains under way."""
 
-    def __init__(self, svc: LedgerService,
-                 http: Callable[[str, ServeConfig], aiohttp.ClientSession], *,
+    def __init__(self, svc: LedgerService, reader: InFlightReader, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.svc = svc
-        self.http = http
+        self.reader = reader
         self.clock = clock
         self.flights: dict[str, Flight] = {}
         # Serves being drained, then stopped or put to sleep (`held`): the front's ensure
@@ -84,29 +78,8 @@ class Traffic:
     def in_flight(self, serve: str) -> int | None:
         return self.flight(serve).in_flight
 
-    @staticmethod
-    def reachable(spec: ServeConfig) -> bool:
-        return spec.front or spec.port is not None
-
-    def _url(self, spec: ServeConfig) -> str:
-        if spec.front:
-            return "http://localhost/metrics"  # over the serve's socket (Supervisor.serve_http)
-        return f"http://127.0.0.1:{spec.port}/metrics"
-
-    async def read(self, serve: str, spec: ServeConfig) -> tuple[bool, int | None]:
-        """(answered, count): the serve's count now; answered False when it did not answer."""
-        try:
-            async with self.http(serve, spec).get(
-                    self._url(spec), timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S)) as resp:
-                if resp.status != 200:
-                    return True, None
-                body = await resp.content.read(MAX_METRICS_BYTES)
-        except (aiohttp.ClientError, TimeoutError, OSError, GpudError):
-            return False, None
-        return True, in_flight_from_metrics(body.decode("utf-8", "replace"))
-
     async def poll(self, serve: str, spec: ServeConfig) -> Flight:
-        answered, count = await self.read(serve, spec)
+        answered, count = await self.reader.read(serve, spec)
         flight = before = self.flight(serve)
         if answered:
             flight = observe(flight, count, self.clock())
@@ -127,7 +100,7 @@ class Traffic:
         """Read every running or sleeping reachable serve's count, every POLL_S."""
         while True:
             watched = {name: spec for name, spec in self.svc.config.serves.items()
-                       if self.reachable(spec) and self.svc.state_of(name) in (RUNNING, SLEEPING)}
+                       if reachable(spec) and self.svc.state_of(name) in (RUNNING, SLEEPING)}
             for name in [n for n in self.flights if n not in watched]:
                 # not running: nothing in flight; when its last request ended is kept
                 self.flights[name] = observe(self.flights[name], 0, self.clock())

@@ -137,12 +137,25 @@ class SleepControl(Protocol):
     def preemption(self) -> Preempting: ...
 
 
-class Supervisor(Protocol):
-    @property
-    def sleeps(self) -> SleepControl: ...
+class StartPart(Protocol):
     async def start(self, serve: str, uid: int | None, *, wait: bool = False,
                     preempt: bool = False) -> dict[str, Any] | None: ...
+
+
+class StopPart(Protocol):
     async def stop(self, serve: str, uid: int | None) -> None: ...
+
+
+class Supervisor(Protocol):
+    """The supervisor's parts the API asks (gpud.life.supervisor.Supervisor): the sleeps, a
+    start, a stop, and its own restart."""
+
+    @property
+    def sleeps(self) -> SleepControl: ...
+    @property
+    def launch_job(self) -> StartPart: ...
+    @property
+    def stop_job(self) -> StopPart: ...
     async def restart(self, serve: str, uid: int | None) -> None: ...
 
 
@@ -167,7 +180,8 @@ class Api:
                  offload: Offload | None = None,
                  on_demand: OnDemand | None = None,
                  front_degraded: Callable[[], tuple[str, ...]] | None = None,
-                 peers: Callable[[], answers.Peers] | None = None) -> None:
+                 peers: Callable[[], answers.Peers] | None = None,
+                 budgets: Callable[[], Sequence[BudgetState]] | None = None) -> None:
         self.svc = svc
         self.draws = draws
         self.supervisor = supervisor
@@ -180,8 +194,9 @@ class Api:
         self.front_degraded = front_degraded
         # what this host knows of its peers (gpud.host.peers.PeerPoller.answer; None: no peers)
         self.peers: Callable[[], answers.Peers] = peers or (lambda: {"peers": []})
-        # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread)
-        self.budgets: Callable[[], Sequence[BudgetState]] | None = None
+        # each budgeted key's use of its token budgets now (GET /v1/usage; in a thread; None:
+        # no budgets known)
+        self.budgets = budgets
         # the ensures under way, by requester (daemon.ensure_waiting_*: set at each ensure,
         # so that a reload's new bounds hold at once)
         self.ensures = EnsureBound.empty(svc.config.daemon.ensure_waiting_per_requester,
@@ -603,7 +618,7 @@ class Api:
             # Checked before the stop: a serve that holds nothing is not stopped by a release.
             if held is None:
                 raise Conflict(f"serve {name!r} holds no reservation", {"serve": name})
-            await self.supervisor.stop(name, uid)
+            await self.supervisor.stop_job.stop(name, uid)
             res = held
         else:  # nothing of gpud's to stop (or no supervisor): the plain, guarded release
             res = await self.svc.release(name, uid=uid)
@@ -637,12 +652,12 @@ class Api:
             # An operator's start overrides an on-demand serve's backoff, and starts it over.
             self.on_demand.operator_started(name)
         if isinstance(body, StartBody):
-            carried = await sup.start(name, uid, preempt=body.preempt)
+            carried = await sup.launch_job.start(name, uid, preempt=body.preempt)
             if body.preempt:
                 return json_response({**self._serve_view(name),
                                       "preemption": (carried or {}).get("preemption")})
         elif action == "stop":
-            await sup.stop(name, uid)
+            await sup.stop_job.stop(name, uid)
         else:
             await sup.restart(name, uid)
         return json_response(self._serve_view(name))

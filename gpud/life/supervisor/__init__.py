@@ -12,8 +12,11 @@ of `base`): `stop` (stops, failures, memory coming back: StopJob, MemoryReturn),
 (health checks and their verdicts: HealthJob, HttpProbe), `launch` (a start: LaunchJob), `watch`
 (the units' signals: UnitWatch), `boot` (reconciliation, the resident set: BootJob); the sleeps
 are gpud.life.sleeping's. `base` has what they all share (Runtime). `Supervisor` makes each once, in
-that order, and is what the rest of gpud asks: the service (gpud.life.service.Supervision), the sleep
-controller and the reconciler (gpud.life.sleeping.Serves), the API, the daemon.
+that order, and holds them as named parts; the rest of gpud asks the part that does the work
+(`sup.launch_job.start`, `sup.stop_job.stop`, `sup.boot_job.boot`, `sup.runtime.life`,
+`sup.sleeps.wake`; the sleep controller and the reconciler by gpud.life.sleeping.SleepSupervisor).
+What the supervisor itself does is a restart (a stop, then a start), the on-demand bring-up's
+task, and what the service asks of its supervision (gpud.life.service.Supervision).
 """
 
 from __future__ import annotations
@@ -22,20 +25,14 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
 
-import aiohttp
-
-from gpud.config import Config, ServeConfig
-from gpud.core.lifecycle import Input, LifeAction, ServeLife
-from gpud.core.traffic import Drain
-from gpud.core.unitstate import UnitState
+from gpud.config import Config
 from gpud.host.hostmem import host_memory
 from gpud.host.observer import Observer
 from gpud.host.unit_journal import read_exit_lines
 from gpud.host.unit_properties import host_home
 from gpud.host.units import SystemdUnits
-from gpud.life.locks import Locks, Taken
+from gpud.life.preemption import Drainer
 from gpud.life.reconciling import Reconciler
 from gpud.life.service import LedgerService
 from gpud.life.sleeping import Sleeps
@@ -47,6 +44,7 @@ from gpud.life.supervisor.base import (
     Handles,
     Prober,
     Runtime,
+    ServeClients,
 )
 from gpud.life.supervisor.boot import BootJob
 from gpud.life.supervisor.health import HealthJob, HttpProbe
@@ -55,7 +53,7 @@ from gpud.life.supervisor.stop import MemoryReturn, StopJob
 from gpud.life.supervisor.watch import UnitWatch
 
 __all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "Handles",
-           "Supervisor", "make_supervisor"]
+           "ServeClients", "Supervisor", "make_supervisor"]
 
 
 class Supervisor:
@@ -68,15 +66,25 @@ class Supervisor:
                  calibrated: CalibrationSource = UNCALIBRATED,
                  home_of: Callable[[str], str | None] = host_home,
                  prober: Prober | None = None,
+                 clients: ServeClients | None = None,
+                 traffic: Drainer | None = None,
                  ) -> None:
         self.svc = svc
         self.units = units
         self.observer = observer
-        self.runtime = rt = Runtime(svc, units, observer, clock=clock, calibrated=calibrated)
-        # The sleep controller and the reconciler ask the supervisor back (gpud.life.sleeping.Serves).
+        # The serves' HTTP clients: the daemon's (which the in-flight reader shares), else the
+        # supervisor's own, opened and closed with it.
+        self._own_clients = clients is None
+        self.clients = clients if clients is not None else ServeClients(
+            lambda: svc.config.daemon.serve_socket_dir)
+        self.runtime = rt = Runtime(svc, units, observer, clients=self.clients, clock=clock,
+                                    calibrated=calibrated)
+        # The sleep controller and the reconciler ask the supervisor's parts
+        # (gpud.life.sleeping.SleepSupervisor); a preemption drains through `traffic` first.
         self.sleeps = Sleeps(self, svc, observer,
                              host_memory=host_memory(getattr(observer, "backend", None)),
-                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib)
+                             weights=calibrated.weights_mib, graphs=calibrated.cudagraph_mib,
+                             traffic=traffic)
         self.reconciler = Reconciler(self, svc, self.sleeps, observer)
         self.memory = MemoryReturn(rt)
         self.stop_job = StopJob(rt, self.memory, journal=journal)
@@ -89,7 +97,8 @@ class Supervisor:
                                 self.sleeps, self.reconciler, notify=notify)
 
     async def __aenter__(self) -> Supervisor:
-        self.runtime.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        if self._own_clients:
+            await self.clients.__aenter__()
         self.units.watch(self.watch_job.heard, self.watch_job.heard)
         await self.units.connect()
         self.svc.supervise(self)
@@ -105,41 +114,17 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.units.close()
-        if self.runtime.client is not None:
-            await self.runtime.client.close()
-        await self.runtime.sockets.close()
+        if self._own_clients:
+            await self.clients.__aexit__(exc_type, exc, tb)
 
-    # What the daemon, the API, the rebalancer and the front's on-demand path ask.
-    async def start(self, serve: str, uid: int | None, *, wait: bool = False,
-                    preempt: bool = False) -> dict[str, Any] | None:
-        return await self.launch_job.start(serve, uid, wait=wait, preempt=preempt)
-
-    async def stop(self, serve: str, uid: int | None, *,
-                   keep_reservation: bool = False, idle_s: float | None = None,
-                   drained: Drain | None = None) -> None:
-        await self.stop_job.stop(serve, uid, keep_reservation=keep_reservation, idle_s=idle_s,
-                                 drained=drained)
-
+    # What the supervisor itself does, beyond making its parts: a restart (a stop that keeps
+    # the reservation, then a start), the on-demand bring-up's task, and what the service asks
+    # of its supervision (gpud.life.service.Supervision). The rest of gpud asks the part that
+    # does the work: `runtime` (the serves' handles, lives, locks, specs), `launch_job`,
+    # `stop_job`, `health_job`, `boot_job`, `memory`, `sleeps`, `reconciler`.
     async def restart(self, serve: str, uid: int | None) -> None:
         await self.stop_job.stop(serve, uid, keep_reservation=True)
         await self.launch_job.start(serve, uid)
-
-    async def reconcile(self) -> None:
-        await self.boot_job.reconcile()
-
-    async def boot(self) -> None:
-        await self.boot_job.boot()
-
-    @property
-    def booted(self) -> asyncio.Event:
-        return self.boot_job.booted
-
-    @property
-    def serves(self) -> dict[str, Handles]:
-        return self.runtime.serves
-
-    def life(self, serve: str) -> ServeLife:
-        return self.runtime.life(serve)
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
         """The bring-up for requests through the serve's front under way, if one is
@@ -159,15 +144,6 @@ class Supervisor:
 
         task.add_done_callback(ended)
 
-    def watch_lives(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change of a serve's life."""
-        self.runtime.watch_lives(listener)
-
-    # What the service asks of its supervision (gpud.life.service.Supervision).
-    def lifecycle(self, serve: str, inp: Input) -> list[LifeAction]:
-        """Change the serve's life by `inp` (a sleep or a wake begun or ended)."""
-        return self.runtime.step(serve, inp)
-
     def launch_under_way(self, serve: str) -> bool:
         return self.runtime.life(serve).launching
 
@@ -179,46 +155,11 @@ class Supervisor:
             return True, None
         return False, f"system bus: {self.units.reason}"
 
-    # What gpud.life.sleeping and gpud.life.reconciling ask of the supervisor (gpud.life.sleeping.Serves).
-    @property
-    def locks(self) -> Locks:
-        return self.runtime.locks
-
-    def serve_lock(self, serve: str) -> Taken:
-        return self.runtime.serve_lock(serve)
-
-    def device_locks(self, serve: str, *, shared: bool = False) -> Taken:
-        return self.runtime.device_locks(serve, shared=shared)
-
-    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
-        return self.runtime.serve_http(serve, spec)
-
-    async def unit_state(self, serve: str) -> UnitState | None:
-        return await self.units.state(serve)
-
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        return self.runtime.spawn(coro)
-
-    def spec_of(self, serve: str) -> ServeConfig:
-        return self.runtime.spec(serve)
-
-    async def memory_back_for(self, serve: str) -> None:
-        """Wait (bounded) until the stops in progress on the serve's devices are done and their
-        memory shows as free (as a start does first)."""
-        await self.memory.back_all(serve)
-
-    def busy(self, serve: str) -> bool:
-        return self.runtime.life(serve).busy
-
-    async def watch_restart(self, serve: str) -> None:
-        """Wait for a serve that is starting again to answer."""
-        await self.health_job.watch_restart(serve)
-
-    async def wake_failed(self, serve: str, spec: ServeConfig, reason: str) -> None:
-        await self.health_job.wake_failed(serve, spec, reason)
-
 
 def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None],
-                    calibrated: CalibrationSource = UNCALIBRATED) -> Supervisor:
-    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated)
+                    calibrated: CalibrationSource = UNCALIBRATED,
+                    clients: ServeClients | None = None,
+                    traffic: Drainer | None = None) -> Supervisor:
+    return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated,
+                      clients=clients, traffic=traffic)

@@ -149,12 +149,42 @@ class Prober(Protocol):
     async def probe(self, serve: str, spec: ServeConfig) -> Answer: ...
 
 
+class ServeClients:
+    """The HTTP clients of the serves' own listeners: one over loopback, and one per fronted
+    serve's Unix socket (its directory as the config in force says). Open between
+    `__aenter__` and `__aexit__`: whoever makes them (the daemon, else the supervisor) enters
+    them before anything asks a serve."""
+
+    def __init__(self, socket_dir: Callable[[], str]) -> None:
+        self.socket_dir = socket_dir
+        self.client: aiohttp.ClientSession | None = None
+        self.sockets = SocketSessions()
+
+    async def __aenter__(self) -> ServeClients:
+        self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if self.client is not None:
+            await self.client.close()
+        await self.sockets.close()
+
+    def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
+        """The client of a serve's own listener: its Unix socket when it is fronted."""
+        if spec.front:
+            return self.sockets.session(socket_path(self.socket_dir(), serve))
+        assert self.client is not None
+        return self.client
+
+
 class Runtime:
     """What every job of the supervisor shares (made once by Supervisor.__init__)."""
 
     def __init__(self, svc: LedgerService, units: SystemdUnits, observer: Observer, *,
-                 clock: Callable[[], float], calibrated: CalibrationSource) -> None:
+                 clients: ServeClients, clock: Callable[[], float],
+                 calibrated: CalibrationSource) -> None:
         self.svc = svc
+        self.clients = clients
         self.units = units
         self.observer = observer
         self.clock = clock
@@ -164,8 +194,6 @@ class Runtime:
         # The handles of the work under way for each serve (none for a serve with none).
         self.serves: dict[str, Handles] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.client: aiohttp.ClientSession | None = None
-        self.sockets = SocketSessions()
         # Told after each step of a serve's life (`watch_lives`).
         self._life_listeners: list[Callable[[], None]] = []
 
@@ -254,17 +282,8 @@ class Runtime:
     async def say(self, serve: str, role: str, kind: EventKind, message: str) -> None:
         await self.svc.store_event(self.svc.event(kind, message, serve=serve, role=role))
 
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        assert self.client is not None
-        return self.client
-
     def serve_http(self, serve: str, spec: ServeConfig) -> aiohttp.ClientSession:
-        """The client of a serve's own listener: its Unix socket when it is fronted."""
-        if spec.front:
-            return self.sockets.session(
-                socket_path(self.svc.config.daemon.serve_socket_dir, serve))
-        return self.http
+        return self.clients.serve_http(serve, spec)
 
     def serve_lock(self, serve: str) -> Taken:
         return self.locks.serve(serve)
