@@ -52,16 +52,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, standin, tree_cpu
-from gpud.core.front import MAX_WORKERS, FrontConfig, render
+from bench.front import free_port, standin, tree_cpu
+from gpud.core.front import MAX_WORKERS, FrontConfig
 from gpud.core.keys import ApiKey, token_digest
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.front import front_workers
-from gpud.nginx.router import script_text
+from tests.routerrig import NJS, need_nginx, start_nginx, write_router
 
-REPO = Path(__file__).resolve().parents[1]
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 PEER_KEY = "sk-a-presents-this-to-b-0123456789"
 ALICE, CAROL = "sk-alice-at-a-0123456789", "sk-carol-at-b-0123456789"
 BODY = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
@@ -150,15 +147,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def nginx_conf(tmp: Path, name: str, router: RouterFront, workers: int) -> Path:
-    run = tmp / f"run-{name}"
-    run.mkdir()
-    (run / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), workers=workers, main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    return run
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -172,9 +160,7 @@ def main() -> int:
                    help="each nginx's workers (default: what gpud gives the front on this "
                         "host, %(default)s)")
     args = p.parse_args()
-    for path in (NGINX, NJS):
-        if not path.exists():
-            raise SystemExit(f"{path} missing: run scripts/setup-test")
+    need_nginx()
     print(f"host: {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpud-peers-bench-"))
@@ -204,12 +190,11 @@ def main() -> int:
     nginx: dict[str, int] = {}
     try:
         for name, router in (("a", a), ("b", b)):
-            Path(router.script).write_text(script_text(router))
-            run = nginx_conf(tmp, name, router, args.workers)
-            pin = ["taskset", "-c", str(on[name])] if args.pin else []
-            procs.append(subprocess.Popen([*pin, str(NGINX), "-c", str(run / "nginx.conf"),
-                                           "-p", f"{run}/"], stdout=subprocess.DEVNULL,
-                                          stderr=(tmp / f"{name}-nginx.log").open("wb")))
+            run = tmp / f"run-{name}"
+            write_router(router, run, run / "nginx.conf",
+                         FrontConfig(serves=(), workers=args.workers))
+            pin = ("taskset", "-c", str(on[name])) if args.pin else ()
+            procs.append(start_nginx(run / "nginx.conf", run, tmp / f"{name}-nginx.log", pin))
             nginx[name] = procs[-1].pid
         while not sock.exists():
             time.sleep(0.01)

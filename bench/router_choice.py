@@ -28,7 +28,6 @@ from bench.front import free_port
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
 from tests.routerrig import (
     NJS,
-    TEMP_DIRS,
     Handler,
     answering,
     key_file,
@@ -82,8 +81,6 @@ def main() -> int:
     args = ap.parse_args()
     tmp = temp_dir("choice")
     tmp.chmod(0o755)
-    for name in TEMP_DIRS:
-        (tmp / "run" / name).mkdir(parents=True, exist_ok=True)
     peer = tcp_server(_Peer)
     serve = unix_server(tmp / "serve.sock", answering(b'{"object": "list", "data": []}'))
     key = key_file(tmp / "node2.key", KEY)

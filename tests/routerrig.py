@@ -44,12 +44,10 @@ def need_nginx() -> None:
 @contextlib.contextmanager
 def router_dir(prefix: str) -> Iterator[Path]:
     """A fresh directory (PREFIX its name's start) that nginx's workers, run as nobody, can
-    read, with nginx's temporary directories under run/; removed afterwards."""
+    read; removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         tmp.chmod(0o755)
-        for name in TEMP_DIRS:
-            (tmp / "run" / name).mkdir(parents=True, exist_ok=True)
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -58,7 +56,10 @@ def router_dir(prefix: str) -> Iterator[Path]:
 def write_router(router: RouterFront, run: Path, conf: Path,
                  front: FrontConfig | None = None) -> None:
     """ROUTER's script (at router.script) and nginx's config at CONF: the router's lines added
-    to FRONT (default: no fronted serves), nginx's prefix RUN."""
+    to FRONT (default: no fronted serves), nginx's prefix RUN (made, with nginx's temporary
+    directories)."""
+    for name in TEMP_DIRS:
+        (run / name).mkdir(parents=True, exist_ok=True)
     Path(router.script).write_text(script_text(router))
     base = front if front is not None else FrontConfig(serves=())
     conf.write_text(render(replace(base, run_dir=str(run),
