@@ -46,13 +46,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import free_port, standin, tree_cpu
+from bench.front import clients, free_port, standin, tree_cpu
 from gpud.core.front import MAX_WORKERS, FrontConfig
 from gpud.core.keys import ApiKey, token_digest
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
@@ -64,60 +63,6 @@ ALICE, CAROL = "sk-alice-at-a-0123456789", "sk-carol-at-b-0123456789"
 BODY = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
 STREAM = json.dumps({"model": "m", "prompt": "a b c d e f g h", "max_tokens": 200,
                      "stream": True}).encode()
-
-
-def clients(port: int, token: str, n: int, requests: int, body: bytes, *, stream: bool = False,
-            status: int = 200) -> tuple[list[float], int, float]:
-    """N threads, each on its own keep-alive connection, REQUESTS each with TOKEN: the
-    latencies (s), the data events read, and the wall time of all of them. Any answer but
-    STATUS ends the run."""
-    latencies: list[float] = []
-    events = 0
-    lock = threading.Lock()
-    start = threading.Barrier(n + 1)
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
-    failed: list[str] = []
-
-    def one() -> None:
-        nonlocal events
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        mine: list[float] = []
-        seen = 0
-        start.wait()
-        for _ in range(requests):
-            t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", body=body, headers=headers)
-            resp = conn.getresponse()
-            if stream:
-                for line in resp:
-                    if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                        seen += 1
-            else:
-                text = resp.read()
-            if resp.status != status:
-                failed.append(f"port {port}: status {resp.status}: {text[:300]!r}"
-                              if not stream else f"port {port}: status {resp.status}")
-                break
-            mine.append(time.perf_counter() - t0)
-            if resp.will_close:
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.close()
-        with lock:
-            latencies.extend(mine)
-            events += seen
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - began
-    if failed:
-        raise SystemExit(failed[0])
-    return latencies, events, wall
 
 
 def until_answered(port: int, token: str, tmp: Path, timeout: float = 20) -> None:
@@ -203,7 +148,7 @@ def main() -> int:
             until_answered(port, token, tmp)
         # the first answers of each side (nginx's workers, the stand-in) before any is timed
         for port, token in ((a_port, ALICE), (b_port, CAROL)):
-            clients(port, token, 2, 20, BODY)
+            clients(port, 2, 20, BODY, token=token)
         sides = {"a->b": (a_port, ALICE), "b": (b_port, CAROL)}
         n = args.clients
         print(f"nginx: {args.workers} worker(s) each; {args.rounds} rounds; {n} clients"
@@ -219,16 +164,16 @@ def main() -> int:
             random.shuffle(order)
             for side in order:
                 port, token = sides[side]
-                lat, _, _ = clients(port, token, 1, args.requests, BODY)
+                lat, _, _ = clients(port, 1, args.requests, BODY, token=token)
                 keep("p50_ms", side, 1000 * statistics.median(lat))
                 keep("p99_ms", side, 1000 * pct(lat, 0.99))
                 cpu0 = {name: tree_cpu(pid) for name, pid in nginx.items()}
-                lat, _, wall = clients(port, token, n, max(5, 2 * args.requests // n), BODY)
+                lat, _, wall = clients(port, n, max(5, 2 * args.requests // n), BODY, token=token)
                 keep("requests_per_s", side, len(lat) / wall)
                 for name, pid in nginx.items():
                     keep(f"nginx_{name}_cpu_us", side, 1e6 * (tree_cpu(pid) - cpu0[name])
                          / len(lat))
-                _, events, wall = clients(port, token, n, 2, STREAM, stream=True)
+                _, events, wall = clients(port, n, 2, STREAM, stream=True, token=token)
                 keep("tokens_per_s", side, events / wall)
             print(f"round {i + 1}: " + "; ".join(
                 f"{side} p50 {got[('p50_ms', side)][-1]:.3f} ms, "
@@ -256,9 +201,8 @@ def main() -> int:
         for what, body, status in (("peer d's circuit open: 503", body_gone, 503),
                                    ("no such model: 404", body_none, 404)):
             for count in (1, n):
-                lat, _, wall = clients(a_port, ALICE, count,
-                                       max(5, args.requests // count) * args.rounds, body,
-                                       status=status)
+                lat, _, wall = clients(a_port, count, max(5, args.requests // count) * args.rounds,
+                                       body, token=ALICE, status=status)
                 print(f"  {what:<28} {count:>3} client(s): p50 "
                       f"{1000 * statistics.median(lat):.3f} ms, p99 {1000 * pct(lat, 0.99):.3f} "
                       f"ms, {len(lat) / wall:.0f} answers/s")
