@@ -14,14 +14,22 @@ from typing import Any
 
 import pytest
 
-from tests.integration.gpudctl import REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import (
+    REPO,
+    ROUTER_KEYS,
+    SandboxGpud,
+    fronted_gpud,
+    router_keys,
+    sim_config,
+    standin_uds,
+)
 from tests.integration.test_page import page_forwarded, shown_page
 from tests.waiting import wait_until
 
 ROUTER = 30390
 PORT = 30391
 GREEDY, POLITE = "gpud-greedy", "gpud-polite"
-KEYS = "/etc/gpud-router-keys.toml"
+KEYS = ROUTER_KEYS
 TOKENS = {GREEDY: "sk-greedy-0123456789abcdef", POLITE: "sk-polite-0123456789abcdef"}
 PER_REQUESTER = 16  # daemon.ensure_waiting_per_requester's default
 
@@ -51,12 +59,9 @@ def shared_config() -> str:
 def shared(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["b"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["chat"]\n')
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, shared_config(), [GREEDY, POLITE]):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS, "/tmp/greedy.out"], check=False)
+    with router_keys(gpud, keys, "/tmp/greedy.out"), \
+            fronted_gpud(gpud, shared_config(), [GREEDY, POLITE]):
+        yield gpud
 
 
 def curl(gpud: SandboxGpud, user: str, *args: str,
@@ -214,14 +219,10 @@ def lit_config(listen: int = LIT, chat: bool = True) -> str:
 
 @pytest.fixture
 def lit(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=KEYS_CI)
-    try:
-        with fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
-            gpud.wait_state("chat", "running")
-            gpud.wait_state("ocr", "running")
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with router_keys(gpud, KEYS_CI), fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
+        gpud.wait_state("chat", "running")
+        gpud.wait_state("ocr", "running")
+        yield gpud
 
 
 def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:
