@@ -16,23 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import (
-    ROLE_R,
-    ROUTER_KEYS,
-    SandboxGpud,
-    fronted_gpud,
-    on_demand,
-    router_answering,
-    router_keys,
-    sim_config,
-)
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = 30500
 PORT = 30501
 U1, U2 = "gpud-backfill-u1", "gpud-backfill-u2"
-KEYS = ROUTER_KEYS
+KEYS = "/etc/gpud-router-keys.toml"
 TOKENS = {U1: "sk-backfill-u1-0123456789abcdef", U2: "sk-backfill-u2-0123456789abcdef"}
 # b may not evict a while the test runs, however slow the machine
 MIN_AWAKE_S = 120
@@ -53,8 +44,8 @@ def config() -> str:
 def layout(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.u1]\ntoken = "{TOKENS[U1]}"\nmodels = ["a", "b"]\n'
             f'[keys.u2]\ntoken = "{TOKENS[U2]}"\nmodels = ["chat"]\n')
-    with router_keys(gpud, keys), fronted_gpud(gpud, config(), [U1, U2]):
-        router_answering(gpud, ROUTER)
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, config(), [U1, U2]):
+        gpud.wait_router(ROUTER)
         yield gpud
 
 

@@ -17,23 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import (
-    ROLE_R,
-    ROUTER_KEYS,
-    SandboxGpud,
-    fronted_gpud,
-    on_demand,
-    router_answering,
-    router_keys,
-    sim_config,
-)
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = 30400
 PORT = 30401
 GREEDY, POLITE = "gpud-fair-greedy", "gpud-fair-polite"
-KEYS = ROUTER_KEYS
+KEYS = "/etc/gpud-router-keys.toml"
 TOKENS = {GREEDY: "sk-greedy-0123456789abcdef", POLITE: "sk-polite-0123456789abcdef"}
 MIN_AWAKE_S = 5
 # The hang-up test's: b must not be able to evict a while its client waits, however slow the
@@ -57,9 +48,9 @@ def shared(gpud: SandboxGpud, request: pytest.FixtureRequest) -> Iterator[Sandbo
     two users' keys, and the router answering."""
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["a", "c"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["b"]\n')
-    with router_keys(gpud, keys), fronted_gpud(
+    with gpud.keys_file(KEYS, keys), fronted_gpud(
             gpud, config(getattr(request, "param", MIN_AWAKE_S)), [GREEDY, POLITE]):
-        router_answering(gpud, ROUTER)
+        gpud.wait_router(ROUTER)
         yield gpud
 
 

@@ -14,21 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import (
-    ROLE_R,
-    ROUTER_KEYS,
-    SandboxGpud,
-    fronted_gpud,
-    on_demand,
-    router_keys,
-    sim_config,
-)
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = 30500
 PORT = 30501
-KEYS = ROUTER_KEYS
+KEYS = "/etc/gpud-router-keys.toml"
 PEER_TOKEN = "sk-front-ws-0123456789abcdef"
 BOB_TOKEN = "sk-bob-0123456789abcdef"
 # b may not evict a busy a before it (the premise of the queue's part, by construction)
@@ -49,7 +41,7 @@ def config() -> str:
 def peered(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.bob]\ntoken = "{BOB_TOKEN}"\nmodels = ["*"]\n'
             f'[keys.front-ws]\ntoken = "{PEER_TOKEN}"\nmodels = ["*"]\npeer = true\n')
-    with router_keys(gpud, keys), fronted_gpud(gpud, config()):
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, config()):
         yield gpud
 
 

@@ -12,14 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import (
-    ROLE_R,
-    SandboxGpud,
-    fronted_gpud,
-    on_demand,
-    sim_config,
-    standin_uds,
-)
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config, standin_uds
 
 ROUTER = 30300
 PORT = 30301

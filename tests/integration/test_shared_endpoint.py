@@ -14,22 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.integration.gpudctl import (
-    REPO,
-    ROUTER_KEYS,
-    SandboxGpud,
-    fronted_gpud,
-    router_keys,
-    sim_config,
-    standin_uds,
-)
+from tests.integration.gpudctl import REPO, SandboxGpud, fronted_gpud, sim_config, standin_uds
 from tests.integration.test_page import page_forwarded, shown_page
 from tests.waiting import wait_until
 
 ROUTER = 30390
 PORT = 30391
 GREEDY, POLITE = "gpud-greedy", "gpud-polite"
-KEYS = ROUTER_KEYS
+KEYS = "/etc/gpud-router-keys.toml"
 TOKENS = {GREEDY: "sk-greedy-0123456789abcdef", POLITE: "sk-polite-0123456789abcdef"}
 PER_REQUESTER = 16  # daemon.ensure_waiting_per_requester's default
 
@@ -59,7 +51,7 @@ def shared_config() -> str:
 def shared(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["b"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["chat"]\n')
-    with router_keys(gpud, keys, "/tmp/greedy.out"), \
+    with gpud.keys_file(KEYS, keys, "/tmp/greedy.out"), \
             fronted_gpud(gpud, shared_config(), [GREEDY, POLITE]):
         yield gpud
 
@@ -219,7 +211,7 @@ def lit_config(listen: int = LIT, chat: bool = True) -> str:
 
 @pytest.fixture
 def lit(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    with router_keys(gpud, KEYS_CI), fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
+    with gpud.keys_file(KEYS, KEYS_CI), fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
         gpud.wait_state("chat", "running")
         gpud.wait_state("ocr", "running")
         yield gpud
