@@ -138,6 +138,15 @@ def clients(port: int, n: int, requests: int, body: bytes, stream: bool = False,
     return latencies, events, wall
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]], tmp: Path) -> None:
+    """PROCS ended (all told first, then each waited for) and TMP removed."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=10)
+    shutil.rmtree(tmp)
+
+
 def proc_stat(pid: int) -> tuple[float, int]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / TICKS
@@ -247,11 +256,7 @@ def main() -> int:
         print(f"front idle: {len(pids)} processes, RSS {rss / 1024:.1f} MiB, "
               f"CPU {100 * cpu / 10:.2f} % of one core over 10 s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
     return 0
 
 

@@ -41,7 +41,6 @@ import http.client
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import clients, free_port, standin, tree_cpu
+from bench.front import clients, free_port, standin, stop_all, tree_cpu
 from gpud.core.front import MAX_WORKERS, FrontConfig
 from gpud.core.keys import ApiKey, token_digest
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
@@ -207,11 +206,7 @@ def main() -> int:
                       f"{1000 * statistics.median(lat):.3f} ms, p99 {1000 * pct(lat, 0.99):.3f} "
                       f"ms, {len(lat) / wall:.0f} answers/s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

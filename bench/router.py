@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import clients, free_port, interleaved, standin, tree_cpu, wait_health
+from bench.front import clients, free_port, interleaved, standin, stop_all, tree_cpu, wait_health
 from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe
 from gpud.core.router import RoutedServe, RouterFront
 from gpud.nginx.front import front_workers
@@ -127,11 +126,7 @@ def latency(rounds: int, requests: int, workers: int) -> None:
                 print(f"{metric:<17} {n:>7} {d:>10.3f} {f:>10.3f} {r:>10.3f} {extra[0]:>14} "
                       f"{extra[1]:>13}")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
 
 
 # Run in the sandbox: the reference stand-in alone, then ROUNDS rounds of both sides.
