@@ -82,12 +82,19 @@ def standin(*listen: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
-def clients(port: int, n: int, requests: int, body: bytes, stream: bool) -> tuple[list[float], int]:
-    """n threads, each on its own keep-alive connection: request latencies (s), data events."""
+def clients(port: int, n: int, requests: int, body: bytes, stream: bool = False, *,
+            token: str | None = None, status: int = 200) -> tuple[list[float], int, float]:
+    """N threads, each on its own keep-alive connection, REQUESTS each (with TOKEN, where
+    given): the latencies (s), the data events read, and the wall time of all of them. Any
+    answer but STATUS ends the run."""
     latencies: list[float] = []
     events = 0
     lock = threading.Lock()
-    start = threading.Barrier(n)
+    start = threading.Barrier(n + 1)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    failed: list[str] = []
 
     def one() -> None:
         nonlocal events
@@ -97,18 +104,22 @@ def clients(port: int, n: int, requests: int, body: bytes, stream: bool) -> tupl
         start.wait()
         for _ in range(requests):
             t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", body=body,
-                         headers={"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", body=body, headers=headers)
             resp = conn.getresponse()
             if stream:
                 for line in resp:
                     if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                         seen += 1
             else:
-                resp.read()
-            if resp.status != 200:
-                raise SystemExit(f"port {port}: status {resp.status}")
+                text = resp.read()
+            if resp.status != status:
+                failed.append(f"port {port}: status {resp.status}: {text[:300]!r}"
+                              if not stream else f"port {port}: status {resp.status}")
+                break
             mine.append(time.perf_counter() - t0)
+            if resp.will_close:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.close()
         with lock:
             latencies.extend(mine)
@@ -117,9 +128,23 @@ def clients(port: int, n: int, requests: int, body: bytes, stream: bool) -> tupl
     threads = [threading.Thread(target=one) for _ in range(n)]
     for t in threads:
         t.start()
+    start.wait()
+    began = time.perf_counter()
     for t in threads:
         t.join()
-    return latencies, events
+    wall = time.perf_counter() - began
+    if failed:
+        raise SystemExit(failed[0])
+    return latencies, events, wall
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], tmp: Path) -> None:
+    """PROCS ended (all told first, then each waited for) and TMP removed."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=10)
+    shutil.rmtree(tmp)
 
 
 def proc_stat(pid: int) -> tuple[float, int]:
@@ -165,7 +190,7 @@ def interleaved(sides: dict[str, int], rounds: int, requests: int, body: bytes =
                 count = max(5, requests // n)
                 busy0, all0 = machine_cpu()
                 cpu0 = tree_cpu(nginx) if nginx is not None else 0.0
-                lat, _ = clients(sides[side], n, count, body, stream=False)
+                lat, _, _ = clients(sides[side], n, count, body, stream=False)
                 busy1, all1 = machine_cpu()
                 results.setdefault(("p50_ms", side, n), []).append(statistics.median(lat) * 1000)
                 results.setdefault(("cpu_busy_pct", side, n), []).append(
@@ -174,7 +199,7 @@ def interleaved(sides: dict[str, int], rounds: int, requests: int, body: bytes =
                     results.setdefault(("nginx_cpu_us", side, n), []).append(
                         1e6 * (tree_cpu(nginx) - cpu0) / (n * count))
                 t0 = time.perf_counter()
-                _, events = clients(sides[side], n, max(2, 20 // n), stream_body, stream=True)
+                _, events, _ = clients(sides[side], n, max(2, 20 // n), stream_body, stream=True)
                 results.setdefault(("tokens_per_s", side, n), []).append(
                     events / (time.perf_counter() - t0))
     return results
@@ -231,11 +256,7 @@ def main() -> int:
         print(f"front idle: {len(pids)} processes, RSS {rss / 1024:.1f} MiB, "
               f"CPU {100 * cpu / 10:.2f} % of one core over 10 s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
     return 0
 
 

@@ -41,86 +41,27 @@ import http.client
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, free_port, standin, tree_cpu
-from gpud.core.front import MAX_WORKERS, FrontConfig, render
+from bench.front import clients, free_port, standin, stop_all, tree_cpu
+from gpud.core.front import MAX_WORKERS, FrontConfig
 from gpud.core.keys import ApiKey, token_digest
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.front import front_workers
-from gpud.nginx.router import script_text
+from tests.routerrig import NJS, need_nginx, start_nginx, write_router
 
-REPO = Path(__file__).resolve().parents[1]
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 PEER_KEY = "sk-a-presents-this-to-b-0123456789"
 ALICE, CAROL = "sk-alice-at-a-0123456789", "sk-carol-at-b-0123456789"
 BODY = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
 STREAM = json.dumps({"model": "m", "prompt": "a b c d e f g h", "max_tokens": 200,
                      "stream": True}).encode()
-
-
-def clients(port: int, token: str, n: int, requests: int, body: bytes, *, stream: bool = False,
-            status: int = 200) -> tuple[list[float], int, float]:
-    """N threads, each on its own keep-alive connection, REQUESTS each with TOKEN: the
-    latencies (s), the data events read, and the wall time of all of them. Any answer but
-    STATUS ends the run."""
-    latencies: list[float] = []
-    events = 0
-    lock = threading.Lock()
-    start = threading.Barrier(n + 1)
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
-    failed: list[str] = []
-
-    def one() -> None:
-        nonlocal events
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        mine: list[float] = []
-        seen = 0
-        start.wait()
-        for _ in range(requests):
-            t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", body=body, headers=headers)
-            resp = conn.getresponse()
-            if stream:
-                for line in resp:
-                    if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                        seen += 1
-            else:
-                text = resp.read()
-            if resp.status != status:
-                failed.append(f"port {port}: status {resp.status}: {text[:300]!r}"
-                              if not stream else f"port {port}: status {resp.status}")
-                break
-            mine.append(time.perf_counter() - t0)
-            if resp.will_close:
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.close()
-        with lock:
-            latencies.extend(mine)
-            events += seen
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - began
-    if failed:
-        raise SystemExit(failed[0])
-    return latencies, events, wall
 
 
 def until_answered(port: int, token: str, tmp: Path, timeout: float = 20) -> None:
@@ -150,15 +91,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def nginx_conf(tmp: Path, name: str, router: RouterFront, workers: int) -> Path:
-    run = tmp / f"run-{name}"
-    run.mkdir()
-    (run / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), workers=workers, main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    return run
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -172,9 +104,7 @@ def main() -> int:
                    help="each nginx's workers (default: what gpud gives the front on this "
                         "host, %(default)s)")
     args = p.parse_args()
-    for path in (NGINX, NJS):
-        if not path.exists():
-            raise SystemExit(f"{path} missing: run scripts/setup-test")
+    need_nginx()
     print(f"host: {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpud-peers-bench-"))
@@ -204,12 +134,11 @@ def main() -> int:
     nginx: dict[str, int] = {}
     try:
         for name, router in (("a", a), ("b", b)):
-            Path(router.script).write_text(script_text(router))
-            run = nginx_conf(tmp, name, router, args.workers)
-            pin = ["taskset", "-c", str(on[name])] if args.pin else []
-            procs.append(subprocess.Popen([*pin, str(NGINX), "-c", str(run / "nginx.conf"),
-                                           "-p", f"{run}/"], stdout=subprocess.DEVNULL,
-                                          stderr=(tmp / f"{name}-nginx.log").open("wb")))
+            run = tmp / f"run-{name}"
+            write_router(router, run, run / "nginx.conf",
+                         FrontConfig(serves=(), workers=args.workers))
+            pin = ("taskset", "-c", str(on[name])) if args.pin else ()
+            procs.append(start_nginx(run / "nginx.conf", run, tmp / f"{name}-nginx.log", pin))
             nginx[name] = procs[-1].pid
         while not sock.exists():
             time.sleep(0.01)
@@ -218,7 +147,7 @@ def main() -> int:
             until_answered(port, token, tmp)
         # the first answers of each side (nginx's workers, the stand-in) before any is timed
         for port, token in ((a_port, ALICE), (b_port, CAROL)):
-            clients(port, token, 2, 20, BODY)
+            clients(port, 2, 20, BODY, token=token)
         sides = {"a->b": (a_port, ALICE), "b": (b_port, CAROL)}
         n = args.clients
         print(f"nginx: {args.workers} worker(s) each; {args.rounds} rounds; {n} clients"
@@ -234,16 +163,16 @@ def main() -> int:
             random.shuffle(order)
             for side in order:
                 port, token = sides[side]
-                lat, _, _ = clients(port, token, 1, args.requests, BODY)
+                lat, _, _ = clients(port, 1, args.requests, BODY, token=token)
                 keep("p50_ms", side, 1000 * statistics.median(lat))
                 keep("p99_ms", side, 1000 * pct(lat, 0.99))
                 cpu0 = {name: tree_cpu(pid) for name, pid in nginx.items()}
-                lat, _, wall = clients(port, token, n, max(5, 2 * args.requests // n), BODY)
+                lat, _, wall = clients(port, n, max(5, 2 * args.requests // n), BODY, token=token)
                 keep("requests_per_s", side, len(lat) / wall)
                 for name, pid in nginx.items():
                     keep(f"nginx_{name}_cpu_us", side, 1e6 * (tree_cpu(pid) - cpu0[name])
                          / len(lat))
-                _, events, wall = clients(port, token, n, 2, STREAM, stream=True)
+                _, events, wall = clients(port, n, 2, STREAM, stream=True, token=token)
                 keep("tokens_per_s", side, events / wall)
             print(f"round {i + 1}: " + "; ".join(
                 f"{side} p50 {got[('p50_ms', side)][-1]:.3f} ms, "
@@ -271,18 +200,13 @@ def main() -> int:
         for what, body, status in (("peer d's circuit open: 503", body_gone, 503),
                                    ("no such model: 404", body_none, 404)):
             for count in (1, n):
-                lat, _, wall = clients(a_port, ALICE, count,
-                                       max(5, args.requests // count) * args.rounds, body,
-                                       status=status)
+                lat, _, wall = clients(a_port, count, max(5, args.requests // count) * args.rounds,
+                                       body, token=ALICE, status=status)
                 print(f"  {what:<28} {count:>3} client(s): p50 "
                       f"{1000 * statistics.median(lat):.3f} ms, p99 {1000 * pct(lat, 0.99):.3f} "
                       f"ms, {len(lat) / wall:.0f} answers/s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,15 +43,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.front import NGINX, clients, free_port, interleaved, standin, tree_cpu, wait_health
-from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe, render
+from bench.front import clients, free_port, interleaved, standin, stop_all, tree_cpu, wait_health
+from gpud.core.front import MAX_WORKERS, FrontConfig, FrontServe
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.front import front_workers
-from gpud.nginx.router import script_text
+from tests.routerrig import NJS, start_nginx, write_router
 
 REPO = Path(__file__).resolve().parents[1]
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 BODY = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
 STREAM = json.dumps({"model": "m", "prompt": "a b c d e f g h", "max_tokens": 200,
                      "stream": True}).encode()
@@ -85,25 +81,20 @@ def main() -> int:
 def latency(rounds: int, requests: int, workers: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="gpud-router-bench-"))
     tmp.chmod(0o755)  # nginx run by root serves from workers that run as nobody
-    run = tmp / "run"
-    run.mkdir()
     sock = tmp / "s.sock"
     direct_port, front_port, router_port = free_port(), free_port(), free_port()
     # with its access log, as gpud's router writes it (docs/router.md, "Seeing it")
     router = RouterFront(f"127.0.0.1:{router_port}", (RoutedServe("s", ("m",), socket=str(sock)),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          access_log=str(tmp / "router.log"))
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(FrontServe("s", front_port, str(sock)),), run_dir=str(run), workers=workers,
-        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)))))
+    write_router(router, tmp / "run", tmp / "nginx.conf",
+                 FrontConfig(serves=(FrontServe("s", front_port, str(sock)),), workers=workers))
     procs = [standin("--port", str(direct_port)), standin("--uds", str(sock))]
     try:
         while not sock.exists():
             time.sleep(0.01)
         sock.chmod(0o777)
-        nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        nginx = start_nginx(tmp / "nginx.conf", tmp / "run", tmp / "nginx.log")
         procs.append(nginx)
         for port in (direct_port, front_port):
             wait_health(port)
@@ -114,7 +105,7 @@ def latency(rounds: int, requests: int, workers: int) -> None:
         for _ in range(rounds):
             for side in sides:
                 cpu0 = tree_cpu(nginx.pid)
-                lat, _ = clients(sides[side], 1, 10, LARGE, stream=False)
+                lat, _, _ = clients(sides[side], 1, 10, LARGE, stream=False)
                 results.setdefault(("p50_ms_900k", side, 1), []).append(
                     statistics.median(lat) * 1000)
                 results.setdefault(("nginx_cpu_us_900k", side, 1), []).append(
@@ -135,11 +126,7 @@ def latency(rounds: int, requests: int, workers: int) -> None:
                 print(f"{metric:<17} {n:>7} {d:>10.3f} {f:>10.3f} {r:>10.3f} {extra[0]:>14} "
                       f"{extra[1]:>13}")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(tmp)
+        stop_all(procs, tmp)
 
 
 # Run in the sandbox: the reference stand-in alone, then ROUNDS rounds of both sides.

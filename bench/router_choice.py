@@ -14,30 +14,29 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import http.server
 import json
-import os
 import shutil
-import socket
-import socketserver
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import get, start_gpud, temp_dir
-from bench.front import NGINX, free_port
-from gpud.core.front import FrontConfig, render
+from bench.front import free_port
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
-from gpud.nginx.router import script_text
+from tests.routerrig import (
+    NJS,
+    Handler,
+    answering,
+    key_file,
+    router_running,
+    serving,
+    tcp_server,
+    unix_server,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 KEY = "sk-bench-peer-0123456789"
 # the peer lists "shared" asleep: no fresher host there than here
 MODELS = json.dumps({"object": "list", "data": [
@@ -71,44 +70,9 @@ total_mib = 32607
 """
 
 
-class _Peer(http.server.BaseHTTPRequestHandler):
+class _Peer(Handler):
     def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(MODELS)))
-        self.end_headers()
-        self.wfile.write(MODELS)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _Serve(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        data = b'{"object": "list", "data": []}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-def _connects(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
+        self.answer(200, MODELS)
 
 
 def main() -> int:
@@ -117,77 +81,64 @@ def main() -> int:
     args = ap.parse_args()
     tmp = temp_dir("choice")
     tmp.chmod(0o755)
-    peer = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
-    serve = _Unix(str(tmp / "serve.sock"), _Serve)
-    (tmp / "serve.sock").chmod(0o777)
-    for server in (peer, serve):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    key = tmp / "node2.key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
+    peer = tcp_server(_Peer)
+    serve = unix_server(tmp / "serve.sock", answering(b'{"object": "list", "data": []}'))
+    key = key_file(tmp / "node2.key", KEY)
     (tmp / "sim.json").write_text('{"external": []}')
-    gpud = start_gpud(tmp, CONFIG.format(serve_port=free_port(), router_port=free_port(),
-                                         peer_port=peer.server_address[1], key=key,
-                                         state=tmp / "sim.json"))
-    nginx: subprocess.Popen[bytes] | None = None
-    try:
-        os.chmod(gpud.socket, 0o777)
-        deadline = time.monotonic() + 30
-        while not all(p.get("reachable") for p in get(gpud.socket, "/v1/peers")["peers"]):
-            if time.monotonic() > deadline:
-                raise SystemExit("the peer was not reached within 30 s")
-            time.sleep(0.1)
-        choice = get(gpud.socket, "/v1/route?model=shared")
-        run = tmp / "run"
-        for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (run / name).mkdir(exist_ok=True)
-        port = free_port()
-        router = RouterFront(
-            f"127.0.0.1:{port}",
-            (RoutedServe("shared", ("shared", "alone"), socket=str(tmp / "serve.sock")),),
-            njs_module=str(NJS), script=str(tmp / "router.js"), gpud_socket=str(gpud.socket),
-            host="node1", peers=(RoutedPeer("node2", "http", "127.0.0.1",
-                                            peer.server_address[1], KEY, ("shared",)),))
-        (tmp / "router.js").write_text(script_text(router))
-        (tmp / "nginx.conf").write_text(render(FrontConfig(
-            serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-            http_extra=tuple(http_lines(router)))))
-        nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while not _connects(port):
-            time.sleep(0.05)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-        bodies = {m: json.dumps({"model": m, "input": "x"}).encode() for m in ("alone", "shared")}
-        took: dict[str, list[float]] = {"alone": [], "shared": []}
-        for i in range(args.requests + args.requests // 10):
-            for model in ("alone", "shared") if i % 2 else ("shared", "alone"):
-                began = time.perf_counter()
-                conn.request("POST", "/v1/embeddings", body=bodies[model],
-                             headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    raise SystemExit(f"{model}: {resp.status}")
-                if i >= args.requests // 10:   # the first tenth warms up
-                    took[model].append(time.perf_counter() - began)
-        print(f"gpud's choice for 'shared': {choice}")
-        for model, what in (("alone", "this host only"), ("shared", "this host and a peer")):
-            xs = sorted(took[model])
-            print(f"{model:7} ({what}): median {statistics.median(xs) * 1e3:.3f} ms, "
-                  f"p90 {xs[int(len(xs) * 0.9)] * 1e3:.3f} ms, n={len(xs)}")
-        print(f"added by the question: "
-              f"{(statistics.median(took['shared']) - statistics.median(took['alone'])) * 1e3:.3f}"
-              " ms (median)")
-    finally:
-        if nginx is not None:
-            nginx.terminate()
-            nginx.wait(10)
-        gpud.stop()
-        for server in (peer, serve):
-            server.shutdown()
-            server.server_close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving(peer, serve):
+        gpud = start_gpud(tmp, CONFIG.format(serve_port=free_port(), router_port=free_port(),
+                                             peer_port=peer.server_address[1], key=key,
+                                             state=tmp / "sim.json"))
+        try:
+            gpud.socket.chmod(0o777)
+            deadline = time.monotonic() + 30
+            while not all(p.get("reachable") for p in get(gpud.socket, "/v1/peers")["peers"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the peer was not reached within 30 s")
+                time.sleep(0.1)
+            choice = get(gpud.socket, "/v1/route?model=shared")
+            port = free_port()
+            router = RouterFront(
+                f"127.0.0.1:{port}",
+                (RoutedServe("shared", ("shared", "alone"), socket=str(tmp / "serve.sock")),),
+                njs_module=str(NJS), script=str(tmp / "router.js"),
+                gpud_socket=str(gpud.socket), host="node1",
+                peers=(RoutedPeer("node2", "http", "127.0.0.1", peer.server_address[1], KEY,
+                                  ("shared",)),))
+            with router_running(tmp, router):
+                took = _timed(port, args.requests)
+            print(f"gpud's choice for 'shared': {choice}")
+            for model, what in (("alone", "this host only"), ("shared", "this host and a peer")):
+                xs = sorted(took[model])
+                print(f"{model:7} ({what}): median {statistics.median(xs) * 1e3:.3f} ms, "
+                      f"p90 {xs[int(len(xs) * 0.9)] * 1e3:.3f} ms, n={len(xs)}")
+            print(f"added by the question: "
+                  f"{(statistics.median(took['shared']) - statistics.median(took['alone'])) * 1e3:.3f}"
+                  " ms (median)")
+        finally:
+            gpud.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _timed(port: int, requests: int) -> dict[str, list[float]]:
+    """REQUESTS of each model (and a tenth more first, to warm up), interleaved on one
+    keep-alive connection: each one's time (s) by model."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    bodies = {m: json.dumps({"model": m, "input": "x"}).encode() for m in ("alone", "shared")}
+    took: dict[str, list[float]] = {"alone": [], "shared": []}
+    for i in range(requests + requests // 10):
+        for model in ("alone", "shared") if i % 2 else ("shared", "alone"):
+            began = time.perf_counter()
+            conn.request("POST", "/v1/embeddings", body=bodies[model],
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 200:
+                raise SystemExit(f"{model}: {resp.status}")
+            if i >= requests // 10:   # the first tenth warms up
+                took[model].append(time.perf_counter() - began)
+    return took
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from gpud.core import demand
-from gpud.core.bringup import Policy, Tries, Why
+from gpud.core.bringup import Tries, Why
 from gpud.core.demand import (
     NO_DEMAND,
     BringupBegan,
@@ -24,10 +24,8 @@ from gpud.core.demand import (
     Tried,
     UpAt,
 )
+from tests.demand_samples import KNOWN, POLICY
 
-POLICY = Policy(refusal_hold_s=5, first_s=2, max_s=60, stable_s=30)
-KNOWN = Demand(tries=Tries(failures=2, not_before=9.0), failure_counted=True, idling=True,
-               last_activity=3.0, last_request=4.0, up_at=5.0, need_mib=700)
 FRESH = Demand(tries=Tries(failures=1, not_before=1.0), failure_counted=False)
 
 

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO, T015, GpudProcess, start_gpud
 from tests.ports import free_port
+from tests.routerrig import Handler, key_file, tcp_server
 
 KEY = "sk-front-node1"
 MODELS = {"object": "list", "data": [
@@ -26,20 +27,12 @@ MODELS = {"object": "list", "data": [
      "gpud": {"serve": "ocr", "state": "sleeping"}}]}
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
+class _Models(Handler):
     def do_GET(self) -> None:
         ok = self.path == "/v1/models" and self.headers.get("Authorization") == f"Bearer {KEY}"
-        body = json.dumps(MODELS if ok else {"error": {
+        self.answer_json(200 if ok else 401, MODELS if ok else {"error": {
             "message": "no", "type": "invalid_request_error", "param": None,
-            "code": "invalid_api_key"}}).encode()
-        self.send_response(200 if ok else 401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+            "code": "invalid_api_key"}})
 
 
 class Peer:
@@ -49,7 +42,7 @@ class Peer:
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = tcp_server(_Models, self.port)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -71,9 +64,7 @@ def peer() -> Iterator[Peer]:
 
 @pytest.fixture
 def gp(tmp_path: Path, peer: Peer) -> Iterator[GpudProcess]:
-    key = tmp_path / "node2.key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
+    key = key_file(tmp_path / "node2.key", KEY)
     state = tmp_path / "sim.json"
     state.write_text('{"external": []}')
     proc = start_gpud(tmp_path, f"""
@@ -189,9 +180,7 @@ def test_a_model_here_and_on_a_peer_goes_where_it_is_awake(tmp_path: Path, peer:
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """This host's serve "ocr" (not running: no system bus here) and node2's "ocr": asleep on
     both, no wait said, this host takes it (a tie); awake on node2, node2 does."""
-    key = tmp_path / "node2.key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
+    key = key_file(tmp_path / "node2.key", KEY)
     gp = start_gpud(tmp_path, T015 + f"""
 [router]
 listen = "127.0.0.1:{free_port()}"

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import http.server
 import json
-import os
-import shutil
 import socket
-import socketserver
-import subprocess
-import tempfile
-import threading
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,33 +15,35 @@ from pathlib import Path
 
 import pytest
 
-from gpud.core.front import FrontConfig, render
 from gpud.core.keys import ApiKey, token_digest
 from gpud.core.router import RoutedPeer, RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
 from gpud.core.routerlog import parse_log_line
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
+from tests.ports import free_port
+from tests.routerrig import (
+    NJS,
+    Handler,
+    UnixServer,
+    answering,
+    need_nginx,
+    router_dir,
+    router_running,
+    serving,
+    tcp_server,
+    unix_server,
+)
 from tests.waiting import wait_until
 
-REPO = Path(__file__).resolve().parents[1]
-NGINX = REPO / ".venv" / "bin" / "nginx"
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
 KEY = "sk-a-presents-this-to-b-0123456789"
 
 
-class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-class _GpudServer(_Unix):
+class _GpudServer(UnixServer):
     # GET /v1/route's answers by model (a peer's name, "" this host, None none; absent: none;
     # "garbage": not gpud's answer), and the models it was asked for
     routes: dict[str, str | None]
     asked: list[str]
 
 
-class _Gpud(http.server.BaseHTTPRequestHandler):
+class _Gpud(Handler):
     """This host's gpud: no serves, peer b's view (its models' states), and which host takes a
     model on several hosts as the test sets it (GET /v1/route: gpud.core.peers.choose_host's
     answer, tested against the real gpud in tests/test_peers_daemon.py)."""
@@ -70,56 +65,30 @@ class _Gpud(http.server.BaseHTTPRequestHandler):
                 {"name": "b", "circuit": "closed", "models": [
                     {"id": "echo", "state": "sleeping", "expected_wait_s": 7.0, "queued": 2}]},
                 {"name": "d", "circuit": "open", "models": []}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.answer(200, body)
 
 
-class _Serve(http.server.BaseHTTPRequestHandler):
-    """This host's serve "t" (its models "t" and "u")."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        data = b'{"served": "hosta"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+# This host's serve "t" (its models "t" and "u").
+_Serve = answering(b'{"served": "hosta"}')
 
 
-class _Peer(http.server.BaseHTTPRequestHandler):
+class _Peer(Handler):
     """Peer b's router: the model in the body decides the answer."""
 
     protocol_version = "HTTP/1.1"
 
     def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.read_body()
         model = json.loads(body)["model"]
         if model in ("echo", "t"):
-            self._json(200, {"path": self.path, "length": len(body),
-                             "headers": {k.lower(): v for k, v in self.headers.items()}})
+            self.answer_json(200, {"path": self.path, "length": len(body),
+                                   "headers": {k.lower(): v for k, v in self.headers.items()}})
         elif model == "typed":
-            self._json(503, {"error": {"message": "no memory for it on b", "type":
-                                       "server_error", "param": None,
-                                       "code": "model_unavailable"}})
+            self.answer_json(503, {"error": {"message": "no memory for it on b", "type":
+                                             "server_error", "param": None,
+                                             "code": "model_unavailable"}})
         elif model == "html":
-            text = b"<html>502 Bad Gateway</html>"
-            self.send_response(502)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text)
+            self.answer(502, b"<html>502 Bad Gateway</html>", "text/html")
         else:  # "stream", "dies": an SSE stream, whole or cut after its first event
             # chunked to an HTTP/1.1 request, else to the connection's end (as nginx answers)
             chunked = self.request_version == "HTTP/1.1"
@@ -140,17 +109,6 @@ class _Peer(http.server.BaseHTTPRequestHandler):
                 return
             self.wfile.write(b"0\r\n\r\n")
 
-    def _json(self, status: int, doc: object) -> None:
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
 
 @dataclass
 class Rig:
@@ -168,64 +126,35 @@ def rig() -> Iterator[Rig]:
 
 @contextlib.contextmanager
 def _rig(keys: tuple[ApiKey, ...] | None) -> Iterator[Rig]:
-    for path in (NGINX, NJS):
-        if not path.exists():
-            pytest.fail(f"{path} missing: run scripts/setup-test")
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-peers-"))
-    tmp.chmod(0o755)
-    run = tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(exist_ok=True)
-    gpud = _GpudServer(str(tmp / "gpud.sock"), _Gpud)
-    gpud.routes, gpud.asked = {}, []
-    os.chmod(tmp / "gpud.sock", 0o777)
-    serve = _Unix(str(tmp / "t.sock"), _Serve)
-    os.chmod(tmp / "t.sock", 0o777)
-    peer = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
-    peer.daemon_threads = True
-    servers: list[socketserver.BaseServer] = [gpud, serve, peer]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    port, nobody = free_port(), free_port()
-    models = ("echo", "stream", "dies", "typed", "html")
-    router = RouterFront(
-        f"127.0.0.1:{port}",
-        (RoutedServe("t", ("t", "u"), socket=str(tmp / "t.sock")),),
-        njs_module=str(NJS), script=str(tmp / "router.js"), gpud_socket=str(tmp / "gpud.sock"),
-        access_log=str(tmp / "access.log"), host="hosta", keys=keys,
-        # b also offers "t", this host's model (and f does): gpud says which host takes it
-        peers=(RoutedPeer("b", "http", "127.0.0.1", peer.server_address[1], KEY,
-                          (*models, "t")),
-               # nobody listens there
-               RoutedPeer("c", "http", "127.0.0.1", nobody, KEY, ("nowhere",)),
-               # its circuit open
-               RoutedPeer("d", "http", "127.0.0.1", nobody, KEY, ("closedoff", "both", "t"),
-                          open_reason="cannot connect: refused", open_since=1.0),
-               # "both" on d (open) and e: e takes it
-               RoutedPeer("e", "http", "127.0.0.1", peer.server_address[1], KEY, ("both",)),
-               # a peer listing this host's own model: this host's serve takes it
-               RoutedPeer("f", "http", "127.0.0.1", nobody, KEY, ("t",))))
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    log = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        try:
-            wait_until(lambda: connects(port), what="the router listening")
-        except AssertionError:
-            raise AssertionError((tmp / "nginx.log").read_text()) from None
-        yield Rig(port, tmp / "nginx.log", tmp / "access.log", gpud)
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        for server in servers:
-            server.shutdown()
-            server.server_close()
-        log.close()
-        shutil.rmtree(tmp)
+    need_nginx()
+    with router_dir("gpud-peers-") as tmp:
+        gpud = _GpudServer(str(tmp / "gpud.sock"), _Gpud)
+        gpud.routes, gpud.asked = {}, []
+        (tmp / "gpud.sock").chmod(0o777)
+        peer = tcp_server(_Peer)
+        port, nobody = free_port(), free_port()
+        models = ("echo", "stream", "dies", "typed", "html")
+        router = RouterFront(
+            f"127.0.0.1:{port}",
+            (RoutedServe("t", ("t", "u"), socket=str(tmp / "t.sock")),),
+            njs_module=str(NJS), script=str(tmp / "router.js"),
+            gpud_socket=str(tmp / "gpud.sock"), access_log=str(tmp / "access.log"),
+            host="hosta", keys=keys,
+            # b also offers "t", this host's model (and f does): gpud says which host takes it
+            peers=(RoutedPeer("b", "http", "127.0.0.1", peer.server_address[1], KEY,
+                              (*models, "t")),
+                   # nobody listens there
+                   RoutedPeer("c", "http", "127.0.0.1", nobody, KEY, ("nowhere",)),
+                   # its circuit open
+                   RoutedPeer("d", "http", "127.0.0.1", nobody, KEY, ("closedoff", "both", "t"),
+                              open_reason="cannot connect: refused", open_since=1.0),
+                   # "both" on d (open) and e: e takes it
+                   RoutedPeer("e", "http", "127.0.0.1", peer.server_address[1], KEY, ("both",)),
+                   # a peer listing this host's own model: this host's serve takes it
+                   RoutedPeer("f", "http", "127.0.0.1", nobody, KEY, ("t",))))
+        with serving(gpud, unix_server(tmp / "t.sock", _Serve), peer), \
+                router_running(tmp, router):
+            yield Rig(port, tmp / "nginx.log", tmp / "access.log", gpud)
 
 
 def _post(port: int, model: str, route: str = "/v1/chat/completions",

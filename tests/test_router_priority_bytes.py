@@ -4,25 +4,17 @@ scheduling that records the bytes it is sent."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import subprocess
-import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from gpud.core.front import FrontConfig, render
 from gpud.core.keys import parse_keys
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
-from tests.test_router import NGINX, NJS, _req
-from tests.waiting import wait_until
+from tests.ports import free_port
+from tests.routerrig import NJS, Handler, router_dir, router_running, serving, tcp_server
+from tests.test_router import _req
 
 KEYS = """\
 [keys.batch]
@@ -51,57 +43,26 @@ class PrioRig:
 def prio_rig() -> Iterator[PrioRig]:
     bodies: list[bytes] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Serve(Handler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:
-            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-            out = b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            bodies.append(self.read_body())
+            self.answer(200, b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}')
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     keys, problems = parse_keys(KEYS, ["m"])
     assert problems == []
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-router-prio-"))
-    tmp.chmod(0o755)
-    run = tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(exist_ok=True)
-    port = free_port()
-    router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("m", ("m",), port=server.server_address[1],
-                                      priority_scheduling=True),),
-                         njs_module=str(NJS), script=str(tmp / "router.js"),
-                         gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=4,
-                         body_timeout_s=5, keys=tuple(keys))
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    log = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        wait_until(lambda: connects(port), what="the router listening")
-        yield PrioRig(port, Recorder(server.server_address[1], bodies))
-    except BaseException:
-        log.flush()
-        print((tmp / "nginx.log").read_text())
-        raise
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        server.shutdown()
-        server.server_close()
-        log.close()
+    server = tcp_server(Serve)
+    with router_dir("gpud-router-prio-") as tmp, serving(server):
+        port = free_port()
+        router = RouterFront(f"127.0.0.1:{port}",
+                             (RoutedServe("m", ("m",), port=server.server_address[1],
+                                          priority_scheduling=True),),
+                             njs_module=str(NJS), script=str(tmp / "router.js"),
+                             gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=4,
+                             body_timeout_s=5, keys=tuple(keys))
+        with router_running(tmp, router):
+            yield PrioRig(port, Recorder(server.server_address[1], bodies))
 
 
 def _send(rig: PrioRig, token: str, body: bytes) -> tuple[int, bytes, bytes | None]:

@@ -7,14 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import http.server
 import json
-import os
-import shutil
-import socketserver
-import subprocess
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,29 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from gpud.core.front import FrontConfig, render
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
-from tests.waiting import wait_until
-
-REPO = Path(__file__).resolve().parents[1]
-NGINX = REPO / ".venv" / "bin" / "nginx"
-NJS = REPO / ".venv" / "lib" / "nginx" / "modules" / "ngx_http_js_module.so"
+from tests.ports import free_port
+from tests.routerrig import NJS, Handler, need_nginx, router_dir, router_running, serving, unix_server
 
 
-class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(Handler):
     """gpud's ensure: 204 after 1.5 s (the stream gets its loading comments first); the serve:
     a 500 in plain text, or (model "big") one of 100 KiB."""
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
+        body = self.read_body()
         if self.path.endswith("/ensure"):
             time.sleep(1.5)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # nginx gone
@@ -53,14 +34,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.end_headers()
             return
         text = b"x" * (100 << 10) if b'"big"' in body else b"upstream exploded"
-        self.send_response(500)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(text)))
-        self.end_headers()
-        self.wfile.write(text)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.answer(500, text, "text/plain")
 
 
 @dataclass
@@ -71,47 +45,20 @@ class Rig:
 
 @pytest.fixture
 def rig() -> Iterator[Rig]:
-    for path in (NGINX, NJS):
-        if not path.exists():
-            pytest.fail(f"{path} missing: run scripts/setup-test")
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-stream-"))
-    tmp.chmod(0o755)
-    run = tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(exist_ok=True)
-    servers = []
-    for sock in (tmp / "gpud.sock", tmp / "t.sock"):
-        server = _Unix(str(sock), _Handler)
-        os.chmod(sock, 0o777)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-    port = free_port()
-    router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("t", ("t", "big"), socket=str(tmp / "t.sock"),
-                                      ensure_timeout_s=30),
-                          # a serve nobody answers for (its socket never made)
-                          RoutedServe("gone", ("gone",), socket=str(tmp / "gone.sock"),
-                                      ensure_timeout_s=30)),
-                         njs_module=str(NJS), script=str(tmp / "router.js"),
-                         gpud_socket=str(tmp / "gpud.sock"), loading_feedback_s=1)
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    log = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        wait_until(lambda: connects(port), what="the router listening")
-        yield Rig(port, tmp / "nginx.log")
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        for server in servers:
-            server.shutdown()
-            server.server_close()
-        log.close()
-        shutil.rmtree(tmp)
+    need_nginx()
+    with router_dir("gpud-stream-") as tmp:
+        port = free_port()
+        router = RouterFront(f"127.0.0.1:{port}",
+                             (RoutedServe("t", ("t", "big"), socket=str(tmp / "t.sock"),
+                                          ensure_timeout_s=30),
+                              # a serve nobody answers for (its socket never made)
+                              RoutedServe("gone", ("gone",), socket=str(tmp / "gone.sock"),
+                                          ensure_timeout_s=30)),
+                             njs_module=str(NJS), script=str(tmp / "router.js"),
+                             gpud_socket=str(tmp / "gpud.sock"), loading_feedback_s=1)
+        with serving(*(unix_server(tmp / sock, _Handler) for sock in ("gpud.sock", "t.sock"))), \
+                router_running(tmp, router):
+            yield Rig(port, tmp / "nginx.log")
 
 
 def _stream(port: int, model: str, route: str = "/v1/completions") -> list[str]:

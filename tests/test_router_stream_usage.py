@@ -8,11 +8,7 @@ and answers them as vLLM 0.32 does."""
 from __future__ import annotations
 
 import http.client
-import http.server
 import json
-import subprocess
-import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +16,11 @@ from typing import Any
 
 import pytest
 
-from gpud.core.front import FrontConfig, render
 from gpud.core.keys import parse_keys
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import http_lines, main_lines
 from gpud.core.routerlog import Answered, parse_log_line
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
-from tests.test_router import NGINX, NJS
+from tests.ports import free_port
+from tests.routerrig import NJS, Handler, router_dir, router_running, serving, tcp_server
 from tests.waiting import wait_until
 
 TOKEN = "sk-alice-0123456789"
@@ -90,11 +83,11 @@ class UsageRig:
 def usage_rig(request: pytest.FixtureRequest) -> Iterator[UsageRig]:
     bodies: list[bytes] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Serve(Handler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
+            body = self.read_body()
             bodies.append(body)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -108,45 +101,21 @@ def usage_rig(request: pytest.FixtureRequest) -> Iterator[UsageRig]:
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     keys, problems = parse_keys(KEYS, ["m"])
     assert problems == []
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-router-usage-"))
-    tmp.chmod(0o755)
-    run = tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(exist_ok=True)
-    port = free_port()
-    router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("m", ("m",), port=server.server_address[1],
-                                      priority_scheduling=request.param, stream_usage=True),),
-                         njs_module=str(NJS), script=str(tmp / "router.js"),
-                         gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=4,
-                         body_timeout_s=5, keys=tuple(keys), access_log=str(tmp / "access.log"))
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
-    log = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        wait_until(lambda: connects(port), what="the router listening")
-        yield UsageRig(port, bodies, tmp / "access.log", request.param)
-    except BaseException:
-        log.flush()
-        print((tmp / "nginx.log").read_text())
-        raise
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        server.shutdown()
-        server.server_close()
-        log.close()
+    server = tcp_server(Serve)
+    with router_dir("gpud-router-usage-") as tmp, serving(server):
+        port = free_port()
+        router = RouterFront(f"127.0.0.1:{port}",
+                             (RoutedServe("m", ("m",), port=server.server_address[1],
+                                          priority_scheduling=request.param,
+                                          stream_usage=True),),
+                             njs_module=str(NJS), script=str(tmp / "router.js"),
+                             gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=4,
+                             body_timeout_s=5, keys=tuple(keys),
+                             access_log=str(tmp / "access.log"))
+        with router_running(tmp, router):
+            yield UsageRig(port, bodies, tmp / "access.log", request.param)
 
 
 def _stream(rig: UsageRig, route: str, body: bytes) -> tuple[bytes, bytes, Answered]:

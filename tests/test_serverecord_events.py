@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpud.core import demand as demand_rules
-from gpud.core.bringup import Policy, Tries, Why
+from gpud.core.bringup import Why
 from gpud.core.demand import (
     NO_DEMAND,
     BringupBegan,
@@ -67,13 +67,11 @@ from gpud.core.vocab import (
     Phase,
     ServeState,
 )
+from tests.demand_samples import KNOWN, POLICY
 from tests.test_lifecycle import IN_PHASE, samples
 
-POLICY = Policy(refusal_hold_s=5, first_s=2, max_s=60, stable_s=30)
 PREVS: tuple[ServeState | None, ...] = (None, *STATES)
-DEMANDS = (NO_DEMAND, Demand(tries=Tries(failures=2, not_before=9.0), failure_counted=True,
-                             idling=True, last_activity=3.0, last_request=4.0, up_at=5.0,
-                             need_mib=700))
+DEMANDS = (NO_DEMAND, KNOWN)
 ALL = frozenset(f.name for f in dataclasses.fields(Record))
 
 # What each kind of event may change of the record; every other part is kept.

@@ -72,6 +72,16 @@ def sim_config(roles: str, serves: str, *, devices: int = 1, daemon: str = "",
             f'[simulation]\nstate_file = "/run/gpud/sim.json"\n{devs}')
 
 
+# A role on the first simulated GPU (32607 MiB) with 1000 MiB kept back.
+ROLE_R = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+def on_demand(name: str, port: int, *args: str, mib: int = 20000) -> str:
+    """[serves.NAME] of role r (ROLE_R): MIB of VRAM, on demand, up within 30 s, its one
+    model NAME, a fronted stand-in (ARGS more of its arguments) on PORT."""
+    return (f'[serves.{name}]\nrole = "r"\nvram_mib = {mib}\nport = {port}\non_demand = true\n'
+            f'start_timeout_s = 30\nmodels = ["{name}"]\n'
+            f"command = {standin_uds(*args, '--served-model-name', name)}\n")
+
+
 # Waits (10 s at most) until every address the front's nginx.conf listens on accepts a
 # connection.
 LISTENING = ("for listen in $(sed -n 's/^ *listen \\([^;]*\\);.*/\\1/p' /run/gpud/front/nginx.conf); do "
@@ -211,6 +221,23 @@ class SandboxGpud:
                 "journalctl -u gpud-front --no-pager | tail -20", check=False).stdout
             ) from None
         self.sb.run(["bash", "-c", LISTENING], timeout=30)
+
+    @contextlib.contextmanager
+    def keys_file(self, path: str, text: str, *also: str) -> Iterator[None]:
+        """TEXT at PATH in the sandbox (a router's api_keys_file), its owner's only, until the
+        end; then PATH is removed (and ALSO, more files the test leaves there)."""
+        self.sb.run(["bash", "-c", f"umask 077; cat > {path}"], input=text)
+        try:
+            yield
+        finally:
+            self.sb.run(["rm", "-f", path, *also], check=False)
+
+    def wait_router(self, port: int) -> None:
+        """Until the router on PORT answers GET /v1/models with keys on (401)."""
+        wait_until(lambda: self.sb.run(
+            ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+             f"http://127.0.0.1:{port}/v1/models"], check=False).stdout == "401",
+            timeout=30, what="the router answering")
 
     def serve_units(self) -> list[str]:
         out = self.sb.run(["systemctl", "list-units", "gpud-serve-*", "--no-legend", "--plain",

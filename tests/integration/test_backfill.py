@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,31 +33,20 @@ WAITING = 8
 def config() -> str:
     # a and b: 20000 MiB each on 32607 (1000 reserved): one at a time; chat: 6000, fits beside
     # either (11607 free)
-    serves = "".join(
-        f'[serves.{name}]\nrole = "r"\nvram_mib = {mib}\nport = {PORT + i}\non_demand = true\n'
-        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
-        f"command = {standin_uds('--token-interval-s', '0.02', '--served-model-name', name)}\n"
-        for i, (name, mib) in enumerate((("a", 20000), ("b", 20000), ("chat", 6000))))
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    serves = "".join(on_demand(name, PORT + i, "--token-interval-s", "0.02", mib=mib)
+                     for i, (name, mib) in enumerate((("a", 20000), ("b", 20000), ("chat", 6000))))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
               f"queue_timeout_s = 60\nmax_queued = 16\nmin_awake_s = {MIN_AWAKE_S}\n")
-    return sim_config(role, serves) + router
+    return sim_config(ROLE_R, serves) + router
 
 
 @pytest.fixture
 def layout(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.u1]\ntoken = "{TOKENS[U1]}"\nmodels = ["a", "b"]\n'
             f'[keys.u2]\ntoken = "{TOKENS[U2]}"\nmodels = ["chat"]\n')
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, config(), [U1, U2]):
-            wait_until(lambda: gpud.sb.run(
-                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                 f"http://127.0.0.1:{ROUTER}/v1/models"], check=False).stdout == "401",
-                timeout=30, what="the router answering")
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, config(), [U1, U2]):
+        gpud.wait_router(ROUTER)
+        yield gpud
 
 
 def curl(user: str, model: str, max_time: float) -> list[str]:

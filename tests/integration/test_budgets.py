@@ -37,15 +37,11 @@ def budget_config() -> str:
 @pytest.fixture
 def budgeted(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     gpud.sb.run(["mkdir", "-p", "/etc/gpud"])
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"],
-                input=f'[keys.ops]\ntoken = "{OPS}"\nmodels = ["*"]\n'
-                      f'[keys.tiny]\ntoken = "{TINY}"\nmodels = ["chat"]\n'
-                      f"tokens_per_day = {BUDGET}\n")
-    try:
-        with fronted_gpud(gpud, budget_config(), [USER]):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    keys = (f'[keys.ops]\ntoken = "{OPS}"\nmodels = ["*"]\n'
+            f'[keys.tiny]\ntoken = "{TINY}"\nmodels = ["chat"]\n'
+            f"tokens_per_day = {BUDGET}\n")
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, budget_config(), [USER]):
+        yield gpud
 
 
 def ask(gpud: SandboxGpud, token: str, port: int = ROUTER) -> tuple[int, dict[str, str], Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,16 +34,12 @@ STORM_S = 45
 
 
 def config(min_awake_s: int = MIN_AWAKE_S) -> str:
-    serves = "".join(
-        # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
-        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
-        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
-        f"command = {standin_uds('--token-interval-s', '0.05', '--served-model-name', name)}\n"
-        for i, name in enumerate(("a", "b", "c")))
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
+    serves = "".join(on_demand(name, PORT + i, "--token-interval-s", "0.05")
+                     for i, name in enumerate(("a", "b", "c")))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
               f"queue_timeout_s = 30\nmax_queued = 64\nmin_awake_s = {min_awake_s}\n")
-    return sim_config(role, serves) + router
+    return sim_config(ROLE_R, serves) + router
 
 
 @pytest.fixture
@@ -52,17 +48,10 @@ def shared(gpud: SandboxGpud, request: pytest.FixtureRequest) -> Iterator[Sandbo
     two users' keys, and the router answering."""
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["a", "c"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["b"]\n')
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, config(getattr(request, "param", MIN_AWAKE_S)),
-                          [GREEDY, POLITE]):
-            wait_until(lambda: gpud.sb.run(
-                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                 f"http://127.0.0.1:{ROUTER}/v1/models"], check=False).stdout == "401",
-                timeout=30, what="the router answering")
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with gpud.keys_file(KEYS, keys), fronted_gpud(
+            gpud, config(getattr(request, "param", MIN_AWAKE_S)), [GREEDY, POLITE]):
+        gpud.wait_router(ROUTER)
+        yield gpud
 
 
 def loop(user: str, model: str, seconds: float) -> str:

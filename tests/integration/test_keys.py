@@ -31,13 +31,9 @@ def keys_config() -> str:
 @pytest.fixture
 def keyed(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     gpud.sb.run(["mkdir", "-p", "/etc/gpud"])
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"],
-                input=f'# operators\n[keys.ops]\ntoken = "{OPS}"\nmodels = ["*"]\n')
-    try:
-        with fronted_gpud(gpud, keys_config(), [USER]):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    keys = f'# operators\n[keys.ops]\ntoken = "{OPS}"\nmodels = ["*"]\n'
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, keys_config(), [USER]):
+        yield gpud
 
 
 def gpuctl(gpud: SandboxGpud, *argv: str, check: bool = True) -> tuple[int, Any, str]:

@@ -68,14 +68,10 @@ def page_config() -> str:
 @pytest.fixture
 def paged(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = f'[keys.ci]\ntoken = "{TOKEN}"\nmodels = ["*"]\n'
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, page_config(), [USER, VIEWER]):
-            gpud.sb.run(["usermod", "-aG", "gpud", VIEWER])
-            gpud.set_external([{"device": "GPU-sim-0", "label": "display", "mib": 3500}])
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS, SHOT], check=False)
+    with gpud.keys_file(KEYS, keys, SHOT), fronted_gpud(gpud, page_config(), [USER, VIEWER]):
+        gpud.sb.run(["usermod", "-aG", "gpud", VIEWER])
+        gpud.set_external([{"device": "GPU-sim-0", "label": "display", "mib": 3500}])
+        yield gpud
 
 
 class Shown(HTMLParser):

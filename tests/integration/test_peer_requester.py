@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,27 +30,19 @@ MIN_AWAKE_S = 300
 def config() -> str:
     # a and b on demand, one at a time (20000 MiB each on 32607, 1000 reserved): while a is up
     # and busy for less than min_awake_s, a request for b waits in gpud's queue
-    serves = "".join(
-        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
-        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
-        f"command = {standin_uds('--token-interval-s', '0.05', '--served-model-name', name)}\n"
-        for i, name in enumerate(("a", "b")))
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    serves = "".join(on_demand(name, PORT + i, "--token-interval-s", "0.05")
+                     for i, name in enumerate(("a", "b")))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\napi_keys_file = "{KEYS}"\n'
               f"queue_timeout_s = 120\nmin_awake_s = {MIN_AWAKE_S}\n")
-    return sim_config(role, serves) + router
+    return sim_config(ROLE_R, serves) + router
 
 
 @pytest.fixture
 def peered(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.bob]\ntoken = "{BOB_TOKEN}"\nmodels = ["*"]\n'
             f'[keys.front-ws]\ntoken = "{PEER_TOKEN}"\nmodels = ["*"]\npeer = true\n')
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, config()):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, config()):
+        yield gpud
 
 
 def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.gpudctl import SandboxGpud, fronted_gpud, sim_config, standin_uds
+from tests.integration.gpudctl import ROLE_R, SandboxGpud, fronted_gpud, on_demand, sim_config, standin_uds
 
 ROUTER = 30300
 PORT = 30301
@@ -22,16 +22,12 @@ STORM_S = 16.0
 
 
 def config() -> str:
-    serves = "".join(
-        # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
-        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
-        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
-        f"command = {standin_uds('--token-interval-s', '0.05', '--served-model-name', name)}\n"
-        for i, name in enumerate(("a", "b")))
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    # 20000 MiB each on 32607 (1000 reserved): one at a time; equal priority, no preempt
+    serves = "".join(on_demand(name, PORT + i, "--token-interval-s", "0.05")
+                     for i, name in enumerate(("a", "b")))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 30\nmax_queued = 64\n'
               f"min_awake_s = {MIN_AWAKE_S}\n")
-    return sim_config(role, serves) + router
+    return sim_config(ROLE_R, serves) + router
 
 
 @pytest.fixture
@@ -82,15 +78,11 @@ def test_an_alternating_storm_swaps_at_most_once_per_min_awake(queued: SandboxGp
 
 def uncut_config() -> str:
     """a and b as above, a brought up by a request evictable after 1 s, a drain bound of 1 s."""
-    serves = "".join(
-        f'[serves.{name}]\nrole = "r"\nvram_mib = 20000\nport = {PORT + i}\non_demand = true\n'
-        f'start_timeout_s = 30\nmodels = ["{name}"]\n'
-        f"command = {standin_uds('--token-interval-s', '0.02', '--served-model-name', name)}\n"
-        for i, name in enumerate(("a", "b")))
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+    serves = "".join(on_demand(name, PORT + i, "--token-interval-s", "0.02")
+                     for i, name in enumerate(("a", "b")))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 30\nmax_queued = 8\n'
               "min_awake_s = 1\n")
-    return sim_config(role, serves, daemon="drain_timeout_s = 1") + router
+    return sim_config(ROLE_R, serves, daemon="drain_timeout_s = 1") + router
 
 
 def test_an_eviction_for_a_queued_request_never_cuts_a_stream_in_flight(
@@ -139,13 +131,10 @@ def busy_config(evict_busy: bool) -> str:
     serves = (f'[serves.a]\nrole = "r"\nvram_mib = 20000\nport = {PORT}\non_demand = true\n'
               f'start_timeout_s = 30\nmodels = ["a"]\nsleep_level = 1\nsleep_mib = 800\n{dev}'
               f"command = {standin_uds(*sleeper, '--token-interval-s', '0.02', '--served-model-name', 'a')}\n"
-              f'[serves.b]\nrole = "r"\nvram_mib = 20000\nport = {PORT + 1}\non_demand = true\n'
-              f'start_timeout_s = 30\nmodels = ["b"]\n'
-              f"command = {standin_uds('--served-model-name', 'b')}\n")
-    role = '[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n'
+              + on_demand("b", PORT + 1))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 40\nmax_queued = 8\n'
               "min_awake_s = 1\n" + ("" if evict_busy else "evict_busy = false\n"))
-    return sim_config(role, serves, daemon="drain_timeout_s = 1") + router
+    return sim_config(ROLE_R, serves, daemon="drain_timeout_s = 1") + router
 
 
 @pytest.mark.parametrize("evict_busy", [True, False])

@@ -191,12 +191,8 @@ def slow_config() -> str:
 @pytest.fixture
 def slow(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = f'[keys.ci]\ntoken = "{TOKEN}"\nmodels = ["*"]\n'
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, slow_config(), [USER]):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with gpud.keys_file(KEYS, keys), fronted_gpud(gpud, slow_config(), [USER]):
+        yield gpud
 
 
 def test_a_cold_start_streams_loading_comments_and_is_journaled_and_measured(

@@ -51,12 +51,9 @@ def shared_config() -> str:
 def shared(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
     keys = (f'[keys.greedy]\ntoken = "{TOKENS[GREEDY]}"\nmodels = ["b"]\n'
             f'[keys.polite]\ntoken = "{TOKENS[POLITE]}"\nmodels = ["chat"]\n')
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=keys)
-    try:
-        with fronted_gpud(gpud, shared_config(), [GREEDY, POLITE]):
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS, "/tmp/greedy.out"], check=False)
+    with gpud.keys_file(KEYS, keys, "/tmp/greedy.out"), \
+            fronted_gpud(gpud, shared_config(), [GREEDY, POLITE]):
+        yield gpud
 
 
 def curl(gpud: SandboxGpud, user: str, *args: str,
@@ -214,14 +211,10 @@ def lit_config(listen: int = LIT, chat: bool = True) -> str:
 
 @pytest.fixture
 def lit(gpud: SandboxGpud) -> Iterator[SandboxGpud]:
-    gpud.sb.run(["bash", "-c", f"umask 077; cat > {KEYS}"], input=KEYS_CI)
-    try:
-        with fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
-            gpud.wait_state("chat", "running")
-            gpud.wait_state("ocr", "running")
-            yield gpud
-    finally:
-        gpud.sb.run(["rm", "-f", KEYS], check=False)
+    with gpud.keys_file(KEYS, KEYS_CI), fronted_gpud(gpud, lit_config(), [GREEDY, POLITE]):
+        gpud.wait_state("chat", "running")
+        gpud.wait_state("ocr", "running")
+        yield gpud
 
 
 def gpuctl(gpud: SandboxGpud, *args: str) -> subprocess.CompletedProcess[str]:

@@ -24,25 +24,14 @@ from gpud.errors import ConfigError
 from gpud.vllm.learn import interpreter_of
 from gpud.vllm.vllm_flags import available_versions
 from tests.integration.conftest import booted_sandbox
+from tests.test_vllm_tables import BASE
 from tests.vllm.servers import REPO, VLLM
 
 # the release the real-vLLM tier installs
 VERSION = re.search(r"^VLLM_VERSION=(\S+)$", (REPO / "scripts" / "setup-vllm").read_text(),
                     flags=re.M).group(1)  # type: ignore[union-attr]
 
-SERVE = """
-[roles.gpu]
-device = "0"
-capacity_mib = 32607
-
-[serves.chat]
-role = "gpu"
-vram_mib = 14336
-port = 30001
-[serves.chat.vllm]
-model = "org/model"
-max_model_len = 512
-"""
+SERVE = BASE + "max_model_len = 512\n"
 # an option of 0.32's parser that 0.33's and 0.34's tables lack, and one the other way round
 ONLY_032 = "--no-disable-sliding-window"
 ONLY_033 = "--disable-chunked-prefill"
