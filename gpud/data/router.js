@@ -450,6 +450,38 @@ function allows(key, model) {
     return key.models.indexOf('*') >= 0 || key.models.indexOf(model) >= 0;
 }
 
+// The request's body read, on the router (route) and on a fronted port (fronted): a form's
+// `model` (multipart/form-data), else the JSON object's, walked from SCAN_FROM bytes on
+// (topLevel), parsed below. {model, stream, form, doc (parsed), top (walked)}; null once
+// answered (a 400).
+function readBody(r, body) {
+    var type = (r.headersIn['Content-Type'] || '').toLowerCase();
+    if (type.indexOf('multipart/form-data') === 0) {
+        return {model: formModel(body, r.headersIn['Content-Type'] || ''), stream: false,
+                form: true};
+    }
+    if (body.length >= SCAN_FROM) {
+        var top = topLevel(body);
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return null;
+        }
+        return {model: top.model, stream: top.stream, form: false, top: top};
+    }
+    var doc;
+    try {
+        doc = JSON.parse(body.toString());
+    } catch (e) {
+        fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+        return null;
+    }
+    if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
+        fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
+        return null;
+    }
+    return {model: doc.model, stream: doc.stream === true, form: false, doc: doc};
+}
+
 function route(r) {
     var key = keyOf(r);
     if (key === null) {
@@ -467,33 +499,12 @@ function route(r) {
              'missing_model', 'model');
         return;
     }
-    var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    var model, stream = false, form = type.indexOf('multipart/form-data') === 0, top;
-    if (form) {
-        model = formModel(body, r.headersIn['Content-Type'] || '');
-    } else if (body.length >= SCAN_FROM) {
-        top = topLevel(body);
-        if (top.error) {
-            fail(r, top.error[0], top.error[1], top.error[2]);
-            return;
-        }
-        model = top.model;
-        stream = top.stream;
-    } else {
-        var doc;
-        try {
-            doc = JSON.parse(body.toString());
-        } catch (e) {
-            fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
-            return;
-        }
-        if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
-            fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
-            return;
-        }
-        model = doc.model;
-        stream = doc.stream === true;
+    var read = readBody(r, body);
+    if (read === null) {
+        return;
     }
+    var model = read.model, stream = read.stream, form = read.form, doc = read.doc;
+    var top = read.top;
     if (model === undefined || model === null) {
         fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
         return;
@@ -1610,6 +1621,7 @@ function keyPriority(r, body, doc, top, key) {
 // model is the serve's to check (vLLM answers a name it does not serve 404).
 function fronted(r) {
     var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
+    var read;
     Object.keys(CONFIG.models).forEach(function (name) {
         if (CONFIG.models[name].serve === serve) {
             entry = CONFIG.models[name];
@@ -1621,31 +1633,18 @@ function fronted(r) {
         return;
     }
     if (entry !== null && r.method === 'POST' && body !== undefined && body.length > 0) {
-        if (body.length >= SCAN_FROM) {
-            top = topLevel(body);
-            if (top.error) {
-                fail(r, top.error[0], top.error[1], top.error[2]);
-                return;
-            }
-            stream = top.stream;
-        } else {
-            try {
-                doc = JSON.parse(body.toString());
-            } catch (e) {
-                fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
-                return;
-            }
-            if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
-                fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
-                return;
-            }
-            stream = doc.stream === true;
+        read = readBody(r, body);
+        if (read === null) {
+            return;
         }
+        doc = read.doc;
+        top = read.top;
+        stream = read.stream;
         r.variables.router_serve = serve;
         r.variables.router_key = key.name || '';
         r.variables.router_requester = requesterOf(r, key);
         askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
             !keyPriority(r, body, doc, top, key)) {
             return;
         }
