@@ -1448,21 +1448,54 @@ function countedText(r) {
 // "abort", then [DONE]; vllm/v1/engine/core.py pause_scheduler, mode=abort), when gpud puts the
 // serve to sleep past daemon.drain_timeout_s for a waiting request (router.evict_busy), for a
 // preemption, or for an operator's sleep. The chunk that says so is followed by an error event
-// in OpenAI's shape (errorEvent's, before [DONE]) naming why, so that no client reads a stream
-// that merely stops: openai-python's Stream raises an event whose data has "error" as its
-// APIError. The serve's bytes pass as they came; the event is put in after the abort chunk's
-// end ("\n\n", in a later buffer when that chunk was cut). Not on /v1/messages (Anthropic's
-// stream ends otherwise). The filter's VM is this answer's own: `aborting`, `abortTold` too.
+// (errorEvent's, before [DONE]) naming why, so that no client reads a stream that merely
+// stops: openai-python's Stream raises an event whose data has "error" as its APIError. The
+// serve's bytes pass as they came; the event is put in after the ending event's "\n\n" (in a
+// later buffer when that event was cut). On /v1/messages (Anthropic's stream) vLLM 0.32 says
+// an abort as a message_delta whose stop_reason is null, then message_stop
+// (vllm/entrypoints/anthropic/serving.py: _to_anthropic_stop_reason maps a finish_reason
+// other than stop, tool_calls and length to None; the usage chunk's message_delta sets it
+// explicitly, so exclude_unset keeps it): Anthropic's `event: error` is put in after that
+// message_delta (anthropic-sdk-python src/anthropic/_streaming.py Stream.__stream__ raises
+// an event named "error" as the status error of its data). The filter's VM is this answer's
+// own: `aborting`, `abortTold` too. (/v1/responses: vLLM 0.32 ends an aborted stream with
+// response.completed, its status "cancelled" only for a Harmony model: not told apart here.)
 var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
-var aborting = false, abortTold = false;
+var MESSAGES_DELTA = 'event: message_delta', MESSAGES_NULL = '"stop_reason":null';
+var aborting = false, abortTold = false, mDelta = null;
+// Where the event that says the stream was cut ends in DATA (its "\n\n"; a finish_reason's
+// place on OpenAI's routes, the search for its end goes on from there), -1 if not in it. A
+// message_delta cut across buffers is kept (mDelta, a few hundred bytes) until its end.
+function abortAt(r, data) {
+    if (r.uri !== '/v1/messages') {
+        var at = data.indexOf(ABORTS[0]);
+        return at < 0 ? data.indexOf(ABORTS[1]) : at;
+    }
+    var from = 0;
+    if (mDelta === null) {
+        from = data.indexOf(MESSAGES_DELTA);
+        if (from < 0) {
+            return -1;
+        }
+        mDelta = '';
+    }
+    var end = data.indexOf('\n\n', from);
+    mDelta += data.slice(from, end < 0 ? data.length : end).toString();
+    if (end < 0) {
+        mDelta = mDelta.length > 65536 ? null : mDelta;
+        return -1;
+    }
+    var cut = mDelta.indexOf(MESSAGES_NULL) >= 0;
+    mDelta = null;
+    return cut ? end : -1;
+}
 function abortEvent(r, data) {
-    if (abortTold || r.uri === '/v1/messages' || data.length === 0) {
+    if (abortTold || data.length === 0) {
         return data;
     }
     var at = 0;
     if (!aborting) {
-        at = data.indexOf(ABORTS[0]);
-        at = at < 0 ? data.indexOf(ABORTS[1]) : at;
+        at = abortAt(r, data);
         if (at < 0) {
             return data;
         }
@@ -1474,11 +1507,14 @@ function abortEvent(r, data) {
     }
     abortTold = true;
     var serve = r.variables.router_serve || 'its serve';
-    var ev = 'data: ' + JSON.stringify({error: {
+    var ev = errorEvent(r, 503, {error: {
         message: 'serve ' + serve + ' ended this request before its end: gpud put it to ' +
                  'sleep past its drain bound (daemon.drain_timeout_s) to give its GPU memory ' +
                  'to another request, or for a preemption or an operator\'s sleep; retry',
-        type: 'server_error', param: null, code: 'request_aborted'}}) + '\n\n';
+        type: 'server_error', param: null, code: 'request_aborted'}});
+    if (r.uri !== '/v1/messages') {
+        ev = ev.slice(0, ev.indexOf('data: [DONE]'));
+    }
     if (typeof data === 'string') {
         return data.slice(0, end + 2) + ev + data.slice(end + 2);
     }
