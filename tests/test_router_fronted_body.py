@@ -227,3 +227,20 @@ def test_gpud_gives_a_fronted_vllm_serve_the_routers_body_routes() -> None:
         assert f"        location = {path} {{" in chat, path
     assert chat.count("js_content router.fronted;") == 4
     assert f"location {SEND_LOCATION} {{" in chat and "proxy_set_body $router_fair_body;" in chat
+
+
+def test_gpud_gives_a_fronted_port_the_routers_policy_without_keys_too() -> None:
+    cfg = parse_config(TOML, "t")
+    router = router_front(cfg, None)
+    assert router is not None and router.keys is None
+    conf = render(front_config(cfg, router))
+    chat = conf[conf.index("listen 127.0.0.1:30001;"):]
+    chat = chat[:chat.index("\n    }\n")]
+    # no key's check, but the port's serve for the script, the body routes it rewrites (the
+    # share's priority, a stream's usage asked), the meter and the access log
+    assert "$router_key_ok" not in chat
+    assert "        set $gpud_serve chat;" in chat
+    assert chat.count("js_content router.fronted;") == 4
+    assert "proxy_set_body $router_fair_body;" in chat
+    assert "js_body_filter router.meter" in chat
+    assert "access_log " in chat

@@ -76,13 +76,17 @@ STREAM_PREFIX: Final = "/.gpud-router-stream/"
 def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
     meter and the access log, the key's priority and the stream's usage in the body), its
-    usage counted under the serve's first model name."""
+    usage counted under the serve's first model name. Without keys, the same: the share's
+    priority of each requester (its address, all of loopback one) and the usage in the
+    router's one bucket without a key ("")."""
     keys = router.keys or ()
     routed = next((s for s in router.serves if s.name == serve), None)
     models = routed.models if routed is not None else ()
     counted = conn_lines(keys, router.large_bodies_per_requester)
     rates = limit_lines(keys, status=FRONT_RATE_STATUS)
-    server = []
+    # the port's serve, which the script reads (router.js fronted; with keys, gpud.core.front
+    # _keyed sets it before the key's check)
+    server = [f"        set $gpud_serve {serve};"] if router.keys is None else []
     if router.access_log is not None:
         server += [f"        access_log {router.access_log} {LOG_FORMAT};",
                    # the log's fields as the router's script sets them (route())
