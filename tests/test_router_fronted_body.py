@@ -35,7 +35,7 @@ from tests.test_router_priority_bytes import TRICKY
 from tests.test_router_stream_usage import WORDS, vllm_stream
 from tests.waiting import wait_until
 
-BATCH, PLAIN = "sk-batch-0123456789", "sk-plain-0123456789"
+BATCH, PLAIN, BOTH = "sk-batch-0123456789", "sk-plain-0123456789", "sk-both-01234567890"
 KEYS = f"""\
 [keys.batch]
 token = "{BATCH}"
@@ -44,6 +44,9 @@ priority = 7
 [keys.plain]
 token = "{PLAIN}"
 models = ["a"]
+[keys.both]
+token = "{BOTH}"
+models = ["a", "a2"]
 """
 
 
@@ -102,7 +105,7 @@ def recording_serve(path: str, bodies: list[bytes],
 
 @pytest.fixture
 def doors() -> Iterator[Doors]:
-    keys, problems = parse_keys(KEYS, ["a"])
+    keys, problems = parse_keys(KEYS, ["a", "a2"])
     assert problems == []
     tmp = Path(tempfile.mkdtemp(prefix="gpud-body-doors-"))
     tmp.chmod(0o755)
@@ -115,8 +118,8 @@ def doors() -> Iterator[Doors]:
     threading.Thread(target=serve.serve_forever, daemon=True).start()
     port, fport = free_port(), free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a",), socket=str(sock), priority_scheduling=True,
-                                      stream_usage=True),),
+                         (RoutedServe("a", ("a", "a2"), socket=str(sock),
+                                      priority_scheduling=True, stream_usage=True),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), keys=tuple(keys),
                          max_body_mib=4, access_log=str(tmp / "access.log"))
@@ -205,6 +208,41 @@ def test_a_stream_that_did_not_ask_is_metered_the_same_through_the_fronted_port(
         line = _lines(doors)[-1]
         assert (line.key, line.model, line.prompt_tokens, line.completion_tokens) == (
             "plain", "a", 11, len(WORDS)), (door, line)
+
+
+def test_a_fronted_port_answers_a_model_it_does_not_serve_as_the_router(doors: Doors) -> None:
+    # a name of no serve; a name of the port's serve the key may not use: the router's 404,
+    # byte for byte, before the serve is reached
+    for token, model in ((PLAIN, "nope"), (PLAIN, "a2"), (BOTH, "a3")):
+        body = b'{"model": "%s", "messages": []}' % model.encode()
+        got = [_send(doors, door, token, body) for door in (doors.router, doors.front)]
+        assert got[0] == got[1], (model, got)
+        status, answer, sent = got[0]
+        assert status == 404 and sent is None, (model, answer)
+        assert json.loads(answer)["error"]["code"] == "model_not_found"
+    # a name of the serve's the key may use, through either door, counted under that name
+    for door in (doors.router, doors.front):
+        n = len(_lines(doors))
+        status, answer, sent = _send(doors, door, BOTH, b'{"model": "a2", "messages": []}')
+        assert status == 200 and sent is not None, answer
+        wait_until(lambda: len(_lines(doors)) > n, what="the log line")  # noqa: B023
+        text = doors.log.read_text().splitlines()[-1]
+        assert json.loads(text)["model"] == "a2", text
+    # no model at all: the router needs one (400); the serve's own port lets vLLM take it as
+    # its first name's (vllm 0.32 _is_model_supported: none named is supported)
+    status, answer, _sent = _send(doors, doors.router, PLAIN, b'{"messages": []}')
+    assert status == 400 and json.loads(answer)["error"]["code"] == "missing_model"
+    status, answer, sent = _send(doors, doors.front, PLAIN, b'{"messages": []}')
+    assert status == 200 and sent == b'{"priority":0,"messages": []}', (answer, sent)
+
+
+def test_a_fronted_port_answers_a_body_over_max_body_mib_as_the_router(doors: Doors) -> None:
+    body = b'{"model": "a", "pad": "' + b"p" * (4 * 1024 * 1024) + b'"}'
+    got = [_send(doors, door, PLAIN, body) for door in (doors.router, doors.front)]
+    assert got[0] == got[1], [g[:2] for g in got]
+    status, answer, sent = got[0]
+    assert status == 413 and sent is None
+    assert json.loads(answer)["error"]["code"] == "request_too_large", answer
 
 
 def test_gpud_gives_a_fronted_vllm_serve_the_routers_body_routes() -> None:

@@ -114,9 +114,15 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         # the counts before the body is read, then the whole body in memory, where the script
         # reads it (as the router's server: max_body_mib); the rates where it goes on
         # (gpud.core.front SEND_LOCATION), as the router's
+        # past it the router's 413 (its error page, in OpenAI's shape); a location's error
+        # pages replace the server's: the counts' 429 said again
         read = [*counted,
                 f"            client_max_body_size {router.max_body_mib}m;",
-                f"            client_body_buffer_size {router.max_body_mib}m;"]
+                f"            client_body_buffer_size {router.max_body_mib}m;",
+                f"            error_page 413 {ERROR_PREFIX}413;",
+                *(["            error_page 429 = @router_counted;"] if counted else [])]
+        server += [f"        location = {ERROR_PREFIX}413 {{", "            internal;",
+                   "            return 413 $router_error_413;", "        }"]
         # the body as the script rewrote it, each requester's share first (as the router's)
         send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
                           if routed.priority_scheduling else

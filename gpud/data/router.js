@@ -530,11 +530,7 @@ function route(r) {
         }
         // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
         if (entry === undefined || !allows(key, model)) {
-            var close = closeNames(model, key);
-            fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
-                 (close.length ? '; did you mean ' + close.map(function (n) {
-                     return JSON.stringify(n); }).join(', ') + '?' : '') +
-                 ' (GET /v1/models lists them)', 'model_not_found', 'model');
+            notFound(r, model, key);
             return;
         }
         var who = whoOf(r, key);
@@ -559,6 +555,17 @@ function route(r) {
         }
         r.internalRedirect(entry.location);
     }
+}
+
+// The 404 of a model that does not exist, or that KEY may not use (route; fronted, where the
+// port's serve has no such name), in OpenAI's shape (code model_not_found), with the names
+// close to it the key may use.
+function notFound(r, model, key) {
+    var close = closeNames(model, key);
+    fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
+         (close.length ? '; did you mean ' + close.map(function (n) {
+             return JSON.stringify(n); }).join(', ') + '?' : '') +
+         ' (GET /v1/models lists them)', 'model_not_found', 'model');
 }
 
 // Whether the request came from another host's router (its hop header, docs/peers.md): it is
@@ -1653,8 +1660,10 @@ function keyPriority(r, body, doc, top, key) {
 // (gpud.core.front body_routes: a location that reads the whole body in memory, after the
 // key's check, its counts and rates): the same body as through the router, by the same
 // functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
-// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve; the
-// model is the serve's to check (vLLM answers a name it does not serve 404).
+// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve. A
+// model that is none of its names, or one the key may not use, is answered as the router
+// answers it (404 model_not_found; vLLM answers such a name 404 too, but only once up, an
+// on-demand serve woken for it, and any of its names to any key the port lets in).
 function fronted(r) {
     var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
     var read;
@@ -1676,6 +1685,22 @@ function fronted(r) {
         doc = read.doc;
         top = read.top;
         stream = read.stream;
+        // the model, as the router checks it, but for none named: vLLM takes a request that
+        // names none as its first served name's (vllm 0.32 entrypoints/serve/engine/serving.py
+        // _is_model_supported), so the serve's own port lets it through
+        var model = read.model;
+        if (model !== undefined && model !== null && model !== '') {
+            if (typeof model !== 'string') {
+                fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
+                return;
+            }
+            if (!has(CONFIG.models, model) || CONFIG.models[model].serve !== serve ||
+                    !allows(key, model)) {
+                notFound(r, model, key);
+                return;
+            }
+            r.variables.router_model = model;
+        }
         r.variables.router_serve = serve;
         r.variables.router_key = key.name || '';
         r.variables.router_requester = requesterOf(r, key);
