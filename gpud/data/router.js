@@ -1338,9 +1338,12 @@ function meter(r, data, flags) {
 // chat_completion_stream_generator, completion/serving.py completion_stream_generator: the
 // chunks' model_dump_json(exclude_unset=True), and nothing else about them changes, `usage`
 // unset on them as long as continuous_usage_stats is not asked). So a chunk with a
-// finish_reason is held from there until the usage chunk (vLLM sends it next) and given its
-// fingerprint back, taken byte for byte from the usage chunk; at [DONE] or the answer's end
-// whatever is held goes as it is. Bounded: past USAGE_HELD_MAX held, passed on as it is.
+// finish_reason (a choice's last) is held until the usage chunk (vLLM sends it after every
+// choice's last) and given its fingerprint back, taken byte for byte from the usage chunk;
+// at [DONE] or the answer's end whatever is held goes as it is. Only those wait: with n > 1,
+// the other choices' chunks go on as they come, ahead of the held last chunks (each choice's
+// chunks in their order, its last one last). Bounded: past USAGE_HELD_MAX held, passed on
+// as it is.
 var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
 var FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
 function meterAsked(r, data, flags) {
@@ -1400,7 +1403,7 @@ function unasked(r, event, out) {
         out.push.apply(out, aHeld);
         aHeld = [];
         aHeldSize = 0;
-    } else if (aHeld.length > 0 || event.indexOf('"finish_reason":"') >= 0) {
+    } else if (event.indexOf('"finish_reason":"') >= 0) {
         aHeld.push(event);
         aHeldSize += event.length;
         return;
