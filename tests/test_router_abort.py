@@ -72,7 +72,7 @@ def anthropic_events(stop_reason: str | None) -> list[bytes]:
 
 
 def _events(route: str, doc: dict[str, Any]) -> list[bytes]:
-    cut = doc.get("user") == "cut"
+    cut = str(doc.get("user")).startswith("cut")
     if route == "/v1/messages":
         return anthropic_events(None if cut else "end_turn")
     return openai_events("abort" if cut else "length")
@@ -101,9 +101,14 @@ def rig() -> Iterator[Rig]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            where = str(doc.get("user")).partition(":")[2]
             for event in _events(self.path, doc):
-                # each event in two writes: the one that says the stream was cut too
+                # each event in two writes: the one that says the stream was cut too, at its
+                # middle, inside the mark the router looks for, or between its blank line's two
+                # newlines
                 half = len(event) // 2
+                if where != "middle" and (b'"abort"' in event or b'"delta":{"stop_reason":null' in event):
+                    half = (event.index(b'_reason') if where == "mark" else len(event) - 1)
                 for part in (event[:half], event[half:]):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
                     self.wfile.flush()
@@ -178,11 +183,12 @@ def _sse(answer: bytes) -> list[tuple[str | None, str]]:
     return out
 
 
+@pytest.mark.parametrize("where", ["middle", "mark", "blank"])
 @pytest.mark.parametrize("door", ["router", "front"])
-def test_an_aborted_anthropic_stream_ends_with_anthropics_error_event(rig: Rig,
-                                                                     door: str) -> None:
+def test_an_aborted_anthropic_stream_ends_with_anthropics_error_event(rig: Rig, door: str,
+                                                                     where: str) -> None:
     port = rig.router if door == "router" else rig.front
-    answer = _stream(port, "/v1/messages", "cut")
+    answer = _stream(port, "/v1/messages", f"cut:{where}")
     sent = b"".join(anthropic_events(None))
     events = _sse(answer)
     # the serve's events as they came, Anthropic's error event after the message_delta that
@@ -199,10 +205,12 @@ def test_an_aborted_anthropic_stream_ends_with_anthropics_error_event(rig: Rig,
     assert b"[DONE]" not in answer
 
 
+@pytest.mark.parametrize("where", ["middle", "mark", "blank"])
 @pytest.mark.parametrize("door", ["router", "front"])
-def test_an_aborted_openai_stream_ends_with_openais_error_event(rig: Rig, door: str) -> None:
+def test_an_aborted_openai_stream_ends_with_openais_error_event(rig: Rig, door: str,
+                                                               where: str) -> None:
     port = rig.router if door == "router" else rig.front
-    answer = _stream(port, "/v1/chat/completions", "cut")
+    answer = _stream(port, "/v1/chat/completions", f"cut:{where}")
     events = _sse(answer)
     assert [json.loads(d)["choices"][0]["finish_reason"] for _, d in events[:2]] == [
         None, "abort"], answer

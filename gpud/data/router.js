@@ -1461,7 +1461,8 @@ function countedText(r) {
 // (errorEvent's, before [DONE]) naming why, so that no client reads a stream that merely
 // stops: openai-python's Stream raises an event whose data has "error" as its APIError. The
 // serve's bytes pass as they came; the event is put in after the ending event's "\n\n" (in a
-// later buffer when that event was cut). On /v1/messages (Anthropic's stream) vLLM 0.32 says
+// later buffer when that event was cut; a mark or a blank line cut between two buffers is
+// found too). On /v1/messages (Anthropic's stream) vLLM 0.32 says
 // an abort as a message_delta whose stop_reason is null, then message_stop
 // (vllm/entrypoints/anthropic/serving.py: _to_anthropic_stop_reason maps a finish_reason
 // other than stop, tool_calls and length to None; the usage chunk's message_delta sets it
@@ -1471,48 +1472,50 @@ function countedText(r) {
 // own: `aborting`, `abortTold` too. (/v1/responses: vLLM 0.32 ends an aborted stream with
 // response.completed, its status "cancelled" only for a Harmony model: not told apart here.)
 var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
-var MESSAGES_DELTA = 'event: message_delta', MESSAGES_NULL = '"stop_reason":null';
-var aborting = false, abortTold = false, mDelta = null;
-// Where the event that says the stream was cut ends in DATA (its "\n\n"; a finish_reason's
-// place on OpenAI's routes, the search for its end goes on from there), -1 if not in it. A
-// message_delta cut across buffers is kept (mDelta, a few hundred bytes) until its end.
+var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+var ABORT_CARRY = 32;
+var aborting = false, abortTold = false, aCarry = '';
+// Where the mark of a cut stream (its route's: ABORTS, MESSAGES_ABORTS, the latter the
+// message_delta's own, as pydantic writes it: its delta's only member set first) begins in
+// DATA, 0 when it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
 function abortAt(r, data) {
-    if (r.uri !== '/v1/messages') {
-        var at = data.indexOf(ABORTS[0]);
-        return at < 0 ? data.indexOf(ABORTS[1]) : at;
-    }
-    var from = 0;
-    if (mDelta === null) {
-        from = data.indexOf(MESSAGES_DELTA);
-        if (from < 0) {
-            return -1;
+    var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS : ABORTS, i, at;
+    for (i = 0; i < marks.length; i++) {
+        at = data.indexOf(marks[i]);
+        if (at >= 0) {
+            return at;
         }
-        mDelta = '';
     }
-    var end = data.indexOf('\n\n', from);
-    mDelta += data.slice(from, end < 0 ? data.length : end).toString();
-    if (end < 0) {
-        mDelta = mDelta.length > 65536 ? null : mDelta;
-        return -1;
+    var seam = aCarry + data.slice(0, ABORT_CARRY).toString();
+    for (i = 0; i < marks.length; i++) {
+        if (seam.indexOf(marks[i]) >= 0) {
+            return 0;
+        }
     }
-    var cut = mDelta.indexOf(MESSAGES_NULL) >= 0;
-    mDelta = null;
-    return cut ? end : -1;
+    return -1;
 }
 function abortEvent(r, data) {
     if (abortTold || data.length === 0) {
         return data;
     }
-    var at = 0;
-    if (!aborting) {
-        at = abortAt(r, data);
-        if (at < 0) {
-            return data;
+    var end;  // the offset just past the blank line that ends the event in DATA; -1 not in it
+    if (aborting && aCarry.slice(-1) === '\n' && data.slice(0, 1).toString() === '\n') {
+        end = 1;  // its blank line cut between the last buffer and this one
+    } else {
+        var at = 0;
+        if (!aborting) {
+            at = abortAt(r, data);
+            if (at < 0) {
+                aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
+                return data;
+            }
+            aborting = true;
         }
-        aborting = true;
+        end = data.indexOf('\n\n', at);
+        end = end < 0 ? -1 : end + 2;
     }
-    var end = data.indexOf('\n\n', at);
     if (end < 0) {
+        aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
         return data;
     }
     abortTold = true;
@@ -1526,9 +1529,9 @@ function abortEvent(r, data) {
         ev = ev.slice(0, ev.indexOf('data: [DONE]'));
     }
     if (typeof data === 'string') {
-        return data.slice(0, end + 2) + ev + data.slice(end + 2);
+        return data.slice(0, end) + ev + data.slice(end);
     }
-    return Buffer.concat([data.slice(0, end + 2), Buffer.from(ev), data.slice(end + 2)]);
+    return Buffer.concat([data.slice(0, end), Buffer.from(ev), data.slice(end)]);
 }
 
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
