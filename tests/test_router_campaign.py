@@ -68,13 +68,17 @@ class Front:
     ports: dict[str, int]  # serve -> its fronted port
     serves: dict[str, Serve]
     log: Path
+    keys: bool  # the keys file set (else no key is known: every requester its address)
 
 
 @pytest.fixture
-def front() -> Iterator[Front]:
+def front(request: pytest.FixtureRequest) -> Iterator[Front]:
     """The config of a front with the router and two fronted serves, `a` (priority scheduling)
-    and `b` (first come, first served), both vLLM (their streams' usage asked); nginx is
-    started for each door (Front.door)."""
+    and `b` (first come, first served), both vLLM (their streams' usage asked), with KEYS
+    (the fixture's param; default with) or without keys, each fronted port with the router's
+    policy (front_policy, which gpud.nginx.front front_config gives every fronted port, with
+    keys or without); nginx is started for each door (_run_door)."""
+    with_keys = getattr(request, "param", True)
     keys, problems = parse_keys(KEYS, ["a", "b"])
     assert problems == []
     tmp = Path(tempfile.mkdtemp(prefix="gpud-campaign-"))
@@ -97,17 +101,17 @@ def front() -> Iterator[Front]:
                      stream_usage=True),
          RoutedServe("b", ("b",), socket=str(tmp / "b.sock"), stream_usage=True)),
         njs_module=str(NJS), script=str(tmp / "router.js"),
-        gpud_socket=str(tmp / "no-gpud.sock"), keys=tuple(keys), max_body_mib=4,
-        access_log=str(tmp / "access.log"))
+        gpud_socket=str(tmp / "no-gpud.sock"), keys=tuple(keys) if with_keys else None,
+        max_body_mib=4, access_log=str(tmp / "access.log"))
     policies = {name: front_policy(router, name) for name in ports}
     (tmp / "router.js").write_text(script_text(router))
     (tmp / "nginx.conf").write_text(render(FrontConfig(
         serves=tuple(FrontServe(name, p, str(tmp / f"{name}.sock")) for name, p in ports.items()),
         run_dir=str(run), listen="127.0.0.1",
-        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)), keys=True,
-        policies=tuple(policies.items()))))
+        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
+        keys=with_keys, policies=tuple(policies.items()))))
     try:
-        yield Front(tmp, run, port, ports, serves, tmp / "access.log")
+        yield Front(tmp, run, port, ports, serves, tmp / "access.log", with_keys)
     finally:
         for server in servers:
             server.shutdown()
@@ -216,6 +220,7 @@ def _run_door(front: Front, serve: str, port: int, steps: list[tuple[str, str]])
         rec.release.clear()
 
 
+@pytest.mark.parametrize("front", [True, False], indirect=True, ids=["keys", "no-keys"])
 def test_a_campaign_gets_the_same_answers_and_usage_through_every_door(front: Front) -> None:
     seed = int(os.environ.get("GPUD_CAMPAIGN_SEED") or random.randrange(1 << 32))
     print(f"campaign seed {seed} (GPUD_CAMPAIGN_SEED={seed} runs it again)")
@@ -225,9 +230,13 @@ def test_a_campaign_gets_the_same_answers_and_usage_through_every_door(front: Fr
         through_port = _run_door(front, serve, port, steps)
         for got in (through_router, through_port):
             # the local user has no key: refused on every way in; the polite key is never
-            # held back; every answer the serve gave is metered, its usage the serve's
-            assert {s for who, _k, s, _b in got.answers if who == "local"} <= {401}, seed
-            assert all(s == 200 for who, _k, s, _b in got.answers if who == "polite"), seed
+            # held back (without keys: no one is, and the usage is the one bucket "");
+            # every answer the serve gave is metered, its usage the serve's
+            if front.keys:
+                assert {s for who, _k, s, _b in got.answers if who == "local"} <= {401}, seed
+            assert all(s == 200 for who, _k, s, _b in got.answers
+                       if who == "polite" or not front.keys), seed
+            assert front.keys or {k for k, *_ in got.usage} == {""}, (seed, got.usage)
             assert all(p is not None and c is not None for _k, s, p, c, _h in got.usage
                        if s == 200), (seed, got.usage)
             assert not any(b'"usage"' in b for _w, k, s, b in got.answers
@@ -250,3 +259,25 @@ def test_a_request_refused_by_max_concurrent_takes_none_of_its_keys_rate_on_any_
                                                                          steps).answers]
             assert got == ([("embed", 429)] * 3 + [("hold", 200)] * 2
                            + [("chat", 200)] * (RPM - 2) + [("chat", 429)]), (serve, door, got)
+
+
+@pytest.mark.parametrize("front", [False], indirect=True, ids=["no-keys"])
+def test_without_keys_a_fronted_port_gives_the_share_and_counts_usage_as_the_router(
+        front: Front) -> None:
+    # one local user (no key: its address, all of loopback one requester): a chat while its
+    # stream is held goes one step behind (the share: priority 1), one after it at 0, and
+    # every request is counted in the one bucket without a key, through either door
+    steps = [("local", "hold"), ("local", "chat"), ("", "release"), ("local", "chat")]
+    chat = _body("a", "chat")
+    brace = chat.index(b"{") + 1
+    hold = _body("a", "hold")
+    for door in (front.router, front.ports["a"]):
+        got = _run_door(front, "a", door, steps)
+        assert [s for _w, _k, s, _b in got.answers] == [200, 200, 200], (door, got.answers)
+        assert got.bodies == [
+            hold[:brace] + b'"stream_options":{"include_usage":true},"priority":0,'
+            + hold[brace:],
+            chat.replace(b'"priority": -50', b'"priority": 1'),
+            chat.replace(b'"priority": -50', b'"priority": 0')], (door, got.bodies)
+        assert sorted(got.usage) == [("", 200, 5, 2, False), ("", 200, 5, 2, False),
+                                     ("", 200, 11, 3, False)], (door, got.usage)

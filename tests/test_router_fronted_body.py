@@ -35,7 +35,7 @@ from tests.test_router_priority_bytes import TRICKY
 from tests.test_router_stream_usage import WORDS, vllm_stream
 from tests.waiting import wait_until
 
-BATCH, PLAIN = "sk-batch-0123456789", "sk-plain-0123456789"
+BATCH, PLAIN, BOTH = "sk-batch-0123456789", "sk-plain-0123456789", "sk-both-01234567890"
 KEYS = f"""\
 [keys.batch]
 token = "{BATCH}"
@@ -44,6 +44,9 @@ priority = 7
 [keys.plain]
 token = "{PLAIN}"
 models = ["a"]
+[keys.both]
+token = "{BOTH}"
+models = ["a", "a2"]
 """
 
 
@@ -102,7 +105,7 @@ def recording_serve(path: str, bodies: list[bytes],
 
 @pytest.fixture
 def doors() -> Iterator[Doors]:
-    keys, problems = parse_keys(KEYS, ["a"])
+    keys, problems = parse_keys(KEYS, ["a", "a2"])
     assert problems == []
     tmp = Path(tempfile.mkdtemp(prefix="gpud-body-doors-"))
     tmp.chmod(0o755)
@@ -115,8 +118,8 @@ def doors() -> Iterator[Doors]:
     threading.Thread(target=serve.serve_forever, daemon=True).start()
     port, fport = free_port(), free_port()
     router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a",), socket=str(sock), priority_scheduling=True,
-                                      stream_usage=True),),
+                         (RoutedServe("a", ("a", "a2"), socket=str(sock),
+                                      priority_scheduling=True, stream_usage=True),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(tmp / "no-gpud.sock"), keys=tuple(keys),
                          max_body_mib=4, access_log=str(tmp / "access.log"))
@@ -207,6 +210,43 @@ def test_a_stream_that_did_not_ask_is_metered_the_same_through_the_fronted_port(
             "plain", "a", 11, len(WORDS)), (door, line)
 
 
+def test_a_fronted_port_answers_a_model_it_does_not_serve_as_the_router(doors: Doors) -> None:
+    # a name of no serve; a name of the port's serve the key may not use: the router's 404,
+    # byte for byte, before the serve is reached
+    for token, model in ((PLAIN, "nope"), (PLAIN, "a2"), (BOTH, "a3")):
+        body = b'{"model": "%s", "messages": []}' % model.encode()
+        got = [_send(doors, door, token, body) for door in (doors.router, doors.front)]
+        assert got[0] == got[1], (model, got)
+        status, answer, sent = got[0]
+        assert status == 404 and sent is None, (model, answer)
+        assert json.loads(answer)["error"]["code"] == "model_not_found"
+    # a name of the serve's the key may use, through either door, counted under that name
+    # (nginx logs a request once its answer is sent: each door's line awaited by its count)
+    def counted() -> int:
+        text = doors.log.read_text() if doors.log.exists() else ""
+        return sum(1 for line in text.splitlines()
+                   if json.loads(line)["model"] == "a2" and json.loads(line)["status"] == "200")
+    for i, door in enumerate((doors.router, doors.front)):
+        status, answer, sent = _send(doors, door, BOTH, b'{"model": "a2", "messages": []}')
+        assert status == 200 and sent is not None, answer
+        wait_until(lambda: counted() == i + 1, what="the request's log line")  # noqa: B023
+    # no model at all: the router needs one (400); the serve's own port lets vLLM take it as
+    # its first name's (vllm 0.32 _is_model_supported: none named is supported)
+    status, answer, _sent = _send(doors, doors.router, PLAIN, b'{"messages": []}')
+    assert status == 400 and json.loads(answer)["error"]["code"] == "missing_model"
+    status, answer, sent = _send(doors, doors.front, PLAIN, b'{"messages": []}')
+    assert status == 200 and sent == b'{"priority":0,"messages": []}', (answer, sent)
+
+
+def test_a_fronted_port_answers_a_body_over_max_body_mib_as_the_router(doors: Doors) -> None:
+    body = b'{"model": "a", "pad": "' + b"p" * (4 * 1024 * 1024) + b'"}'
+    got = [_send(doors, door, PLAIN, body) for door in (doors.router, doors.front)]
+    assert got[0] == got[1], [g[:2] for g in got]
+    status, answer, sent = got[0]
+    assert status == 413 and sent is None
+    assert json.loads(answer)["error"]["code"] == "request_too_large", answer
+
+
 def test_gpud_gives_a_fronted_vllm_serve_the_routers_body_routes() -> None:
     text = TOML.replace('listen = "127.0.0.1:8000"\n',
                         'listen = "127.0.0.1:8000"\napi_keys_file = "/etc/gpud/keys.toml"\n')
@@ -227,3 +267,20 @@ def test_gpud_gives_a_fronted_vllm_serve_the_routers_body_routes() -> None:
         assert f"        location = {path} {{" in chat, path
     assert chat.count("js_content router.fronted;") == 4
     assert f"location {SEND_LOCATION} {{" in chat and "proxy_set_body $router_fair_body;" in chat
+
+
+def test_gpud_gives_a_fronted_port_the_routers_policy_without_keys_too() -> None:
+    cfg = parse_config(TOML, "t")
+    router = router_front(cfg, None)
+    assert router is not None and router.keys is None
+    conf = render(front_config(cfg, router))
+    chat = conf[conf.index("listen 127.0.0.1:30001;"):]
+    chat = chat[:chat.index("\n    }\n")]
+    # no key's check, but the port's serve for the script, the body routes it rewrites (the
+    # share's priority, a stream's usage asked), the meter and the access log
+    assert "$router_key_ok" not in chat
+    assert "        set $gpud_serve chat;" in chat
+    assert chat.count("js_content router.fronted;") == 4
+    assert "proxy_set_body $router_fair_body;" in chat
+    assert "js_body_filter router.meter" in chat
+    assert "access_log " in chat

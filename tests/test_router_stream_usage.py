@@ -7,8 +7,11 @@ and answers them as vLLM 0.32 does."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import http.server
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,21 +104,28 @@ def usage_rig(request: pytest.FixtureRequest) -> Iterator[UsageRig]:
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
 
+    with _router_before(Serve, request.param) as (port, log):
+        yield UsageRig(port, bodies, log, request.param)
+
+
+@contextlib.contextmanager
+def _router_before(handler: type[http.server.BaseHTTPRequestHandler],
+                   priority: bool) -> Iterator[tuple[int, Path]]:
+    """The router's port and its access log, before a serve `m` answered by HANDLER."""
     keys, problems = parse_keys(KEYS, ["m"])
     assert problems == []
-    server = tcp_server(Serve)
+    server = tcp_server(handler)
     with router_dir("gpud-router-usage-") as tmp, serving(server):
         port = free_port()
         router = RouterFront(f"127.0.0.1:{port}",
                              (RoutedServe("m", ("m",), port=server.server_address[1],
-                                          priority_scheduling=request.param,
-                                          stream_usage=True),),
+                                          priority_scheduling=priority, stream_usage=True),),
                              njs_module=str(NJS), script=str(tmp / "router.js"),
                              gpud_socket=str(tmp / "no-gpud.sock"), max_body_mib=4,
                              body_timeout_s=5, keys=tuple(keys),
                              access_log=str(tmp / "access.log"))
         with router_running(tmp, router):
-            yield UsageRig(port, bodies, tmp / "access.log", request.param)
+            yield port, tmp / "access.log"
 
 
 def _stream(rig: UsageRig, route: str, body: bytes) -> tuple[bytes, bytes, Answered]:
@@ -194,3 +204,75 @@ def test_a_request_that_does_not_stream_goes_as_sent(usage_rig: UsageRig) -> Non
     body = b'{"model": "m", "stream": false}'
     _answer, sent, _line = _stream(usage_rig, "/v1/chat/completions", body)
     assert b"stream_options" not in sent, sent
+
+
+def test_with_n_above_one_only_each_choices_last_chunk_waits_for_the_usage() -> None:
+    """n = 2, usage not asked: choice 0 ends first; choice 1's next chunk reaches the client
+    while the serve waits for it to (by construction: the serve sends nothing more until the
+    client has it), and each choice's last chunk comes once the usage chunk is in, with its
+    fingerprint back."""
+    head = {"id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 1700000000,
+            "model": "m"}
+
+    def chunk(index: int, text: str, finish: str | None, fingerprint: bool = False) -> bytes:
+        doc: dict[str, Any] = {**head, "choices": [{"index": index, "delta": {"content": text},
+                                                    "logprobs": None,
+                                                    "finish_reason": finish}]}
+        if fingerprint:
+            doc["system_fingerprint"] = FINGERPRINT
+        return b"data: " + _dumps(doc) + b"\n\n"
+
+    usage = b"data: " + _dumps({**head, "choices": [], "usage": {
+        "prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5},
+        "system_fingerprint": FINGERPRINT}) + b"\n\n"
+    told, waited = threading.Event(), []
+
+    class Serve(Handler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def send(event: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            for event in (chunk(0, "A", None), chunk(1, "B", None), chunk(0, "C", "stop"),
+                          chunk(1, "D", None)):
+                send(event)
+            # nothing more until the client has D (a bound, so that a router that holds D
+            # fails the test instead of hanging it)
+            waited.append(told.wait(timeout=10))
+            for event in (chunk(1, "E", "length"), usage, b"data: [DONE]\n\n"):
+                send(event)
+            self.wfile.write(b"0\r\n\r\n")
+
+    with _router_before(Serve, False) as (port, log):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=b'{"model": "m", "stream": true,'
+                         b' "n": 2}', headers={"Authorization": f"Bearer {TOKEN}",
+                                               "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            got = b""
+            while b'"D"' not in got:
+                line = resp.readline()
+                assert line, got
+                got += line
+            told.set()
+            got += resp.read()
+        finally:
+            told.set()
+            conn.close()
+        assert waited == [True], "choice 1's chunk waited with choice 0's last for the usage"
+        # each choice's chunks in their order, its last one last with its fingerprint; the
+        # usage chunk the client did not ask for taken out
+        assert got == b"".join([chunk(0, "A", None), chunk(1, "B", None), chunk(1, "D", None),
+                                chunk(0, "C", "stop", True), chunk(1, "E", "length", True),
+                                b"data: [DONE]\n\n"]), got
+        wait_until(lambda: log.exists() and '"completion_tokens":"5"' in log.read_text()
+                   .replace(" ", ""), what="the usage in the log")

@@ -76,13 +76,17 @@ STREAM_PREFIX: Final = "/.gpud-router-stream/"
 def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     """The router's policy for SERVE's fronted port (its keys' counts and rates, the usage
     meter and the access log, the key's priority and the stream's usage in the body), its
-    usage counted under the serve's first model name."""
+    usage counted under the serve's first model name. Without keys, the same: the share's
+    priority of each requester (its address, all of loopback one) and the usage in the
+    router's one bucket without a key ("")."""
     keys = router.keys or ()
     routed = next((s for s in router.serves if s.name == serve), None)
     models = routed.models if routed is not None else ()
     counted = conn_lines(keys, router.large_bodies_per_requester)
     rates = limit_lines(keys, status=FRONT_RATE_STATUS)
-    server = []
+    # the port's serve, which the script reads (router.js fronted; with keys, gpud.core.front
+    # _keyed sets it before the key's check)
+    server = [f"        set $gpud_serve {serve};"] if router.keys is None else []
     if router.access_log is not None:
         server += [f"        access_log {router.access_log} {LOG_FORMAT};",
                    # the log's fields as the router's script sets them (route())
@@ -110,9 +114,15 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         # the counts before the body is read, then the whole body in memory, where the script
         # reads it (as the router's server: max_body_mib); the rates where it goes on
         # (gpud.core.front SEND_LOCATION), as the router's
+        # past it the router's 413 (its error page, in OpenAI's shape); a location's error
+        # pages replace the server's: the counts' 429 said again
         read = [*counted,
                 f"            client_max_body_size {router.max_body_mib}m;",
-                f"            client_body_buffer_size {router.max_body_mib}m;"]
+                f"            client_body_buffer_size {router.max_body_mib}m;",
+                f"            error_page 413 {ERROR_PREFIX}413;",
+                *(["            error_page 429 = @router_counted;"] if counted else [])]
+        server += [f"        location = {ERROR_PREFIX}413 {{", "            internal;",
+                   "            return 413 $router_error_413;", "        }"]
         # the body as the script rewrote it, each requester's share first (as the router's)
         send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
                           if routed.priority_scheduling else

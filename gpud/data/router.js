@@ -450,6 +450,38 @@ function allows(key, model) {
     return key.models.indexOf('*') >= 0 || key.models.indexOf(model) >= 0;
 }
 
+// The request's body read, on the router (route) and on a fronted port (fronted): a form's
+// `model` (multipart/form-data), else the JSON object's, walked from SCAN_FROM bytes on
+// (topLevel), parsed below. {model, stream, form, doc (parsed), top (walked)}; null once
+// answered (a 400).
+function readBody(r, body) {
+    var type = (r.headersIn['Content-Type'] || '').toLowerCase();
+    if (type.indexOf('multipart/form-data') === 0) {
+        return {model: formModel(body, r.headersIn['Content-Type'] || ''), stream: false,
+                form: true};
+    }
+    if (body.length >= SCAN_FROM) {
+        var top = topLevel(body);
+        if (top.error) {
+            fail(r, top.error[0], top.error[1], top.error[2]);
+            return null;
+        }
+        return {model: top.model, stream: top.stream, form: false, top: top};
+    }
+    var doc;
+    try {
+        doc = JSON.parse(body.toString());
+    } catch (e) {
+        fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+        return null;
+    }
+    if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
+        fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
+        return null;
+    }
+    return {model: doc.model, stream: doc.stream === true, form: false, doc: doc};
+}
+
 function route(r) {
     var key = keyOf(r);
     if (key === null) {
@@ -467,33 +499,12 @@ function route(r) {
              'missing_model', 'model');
         return;
     }
-    var type = (r.headersIn['Content-Type'] || '').toLowerCase();
-    var model, stream = false, form = type.indexOf('multipart/form-data') === 0, top;
-    if (form) {
-        model = formModel(body, r.headersIn['Content-Type'] || '');
-    } else if (body.length >= SCAN_FROM) {
-        top = topLevel(body);
-        if (top.error) {
-            fail(r, top.error[0], top.error[1], top.error[2]);
-            return;
-        }
-        model = top.model;
-        stream = top.stream;
-    } else {
-        var doc;
-        try {
-            doc = JSON.parse(body.toString());
-        } catch (e) {
-            fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
-            return;
-        }
-        if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
-            fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
-            return;
-        }
-        model = doc.model;
-        stream = doc.stream === true;
+    var read = readBody(r, body);
+    if (read === null) {
+        return;
     }
+    var model = read.model, stream = read.stream, form = read.form, doc = read.doc;
+    var top = read.top;
     if (model === undefined || model === null) {
         fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
         return;
@@ -519,11 +530,7 @@ function route(r) {
         }
         // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
         if (entry === undefined || !allows(key, model)) {
-            var close = closeNames(model, key);
-            fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
-                 (close.length ? '; did you mean ' + close.map(function (n) {
-                     return JSON.stringify(n); }).join(', ') + '?' : '') +
-                 ' (GET /v1/models lists them)', 'model_not_found', 'model');
+            notFound(r, model, key);
             return;
         }
         var who = whoOf(r, key);
@@ -548,6 +555,17 @@ function route(r) {
         }
         r.internalRedirect(entry.location);
     }
+}
+
+// The 404 of a model that does not exist, or that KEY may not use (route; fronted, where the
+// port's serve has no such name), in OpenAI's shape (code model_not_found), with the names
+// close to it the key may use.
+function notFound(r, model, key) {
+    var close = closeNames(model, key);
+    fail(r, 404, 'The model ' + JSON.stringify(model) + ' does not exist on this endpoint' +
+         (close.length ? '; did you mean ' + close.map(function (n) {
+             return JSON.stringify(n); }).join(', ') + '?' : '') +
+         ' (GET /v1/models lists them)', 'model_not_found', 'model');
 }
 
 // Whether the request came from another host's router (its hop header, docs/peers.md): it is
@@ -1320,9 +1338,12 @@ function meter(r, data, flags) {
 // chat_completion_stream_generator, completion/serving.py completion_stream_generator: the
 // chunks' model_dump_json(exclude_unset=True), and nothing else about them changes, `usage`
 // unset on them as long as continuous_usage_stats is not asked). So a chunk with a
-// finish_reason is held from there until the usage chunk (vLLM sends it next) and given its
-// fingerprint back, taken byte for byte from the usage chunk; at [DONE] or the answer's end
-// whatever is held goes as it is. Bounded: past USAGE_HELD_MAX held, passed on as it is.
+// finish_reason (a choice's last) is held until the usage chunk (vLLM sends it after every
+// choice's last) and given its fingerprint back, taken byte for byte from the usage chunk;
+// at [DONE] or the answer's end whatever is held goes as it is. Only those wait: with n > 1,
+// the other choices' chunks go on as they come, ahead of the held last chunks (each choice's
+// chunks in their order, its last one last). Bounded: past USAGE_HELD_MAX held, passed on
+// as it is.
 var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
 var FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
 function meterAsked(r, data, flags) {
@@ -1382,7 +1403,7 @@ function unasked(r, event, out) {
         out.push.apply(out, aHeld);
         aHeld = [];
         aHeldSize = 0;
-    } else if (aHeld.length > 0 || event.indexOf('"finish_reason":"') >= 0) {
+    } else if (event.indexOf('"finish_reason":"') >= 0) {
         aHeld.push(event);
         aHeldSize += event.length;
         return;
@@ -1437,41 +1458,80 @@ function countedText(r) {
 // "abort", then [DONE]; vllm/v1/engine/core.py pause_scheduler, mode=abort), when gpud puts the
 // serve to sleep past daemon.drain_timeout_s for a waiting request (router.evict_busy), for a
 // preemption, or for an operator's sleep. The chunk that says so is followed by an error event
-// in OpenAI's shape (errorEvent's, before [DONE]) naming why, so that no client reads a stream
-// that merely stops: openai-python's Stream raises an event whose data has "error" as its
-// APIError. The serve's bytes pass as they came; the event is put in after the abort chunk's
-// end ("\n\n", in a later buffer when that chunk was cut). Not on /v1/messages (Anthropic's
-// stream ends otherwise). The filter's VM is this answer's own: `aborting`, `abortTold` too.
+// (errorEvent's, before [DONE]) naming why, so that no client reads a stream that merely
+// stops: openai-python's Stream raises an event whose data has "error" as its APIError. The
+// serve's bytes pass as they came; the event is put in after the ending event's "\n\n" (in a
+// later buffer when that event was cut; a mark or a blank line cut between two buffers is
+// found too). On /v1/messages (Anthropic's stream) vLLM 0.32 says
+// an abort as a message_delta whose stop_reason is null, then message_stop
+// (vllm/entrypoints/anthropic/serving.py: _to_anthropic_stop_reason maps a finish_reason
+// other than stop, tool_calls and length to None; the usage chunk's message_delta sets it
+// explicitly, so exclude_unset keeps it): Anthropic's `event: error` is put in after that
+// message_delta (anthropic-sdk-python src/anthropic/_streaming.py Stream.__stream__ raises
+// an event named "error" as the status error of its data). The filter's VM is this answer's
+// own: `aborting`, `abortTold` too. (/v1/responses: vLLM 0.32 ends an aborted stream with
+// response.completed, its status "cancelled" only for a Harmony model: not told apart here.)
 var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
-var aborting = false, abortTold = false;
+var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+var ABORT_CARRY = 32;
+var aborting = false, abortTold = false, aCarry = '';
+// Where the mark of a cut stream (its route's: ABORTS, MESSAGES_ABORTS, the latter the
+// message_delta's own, as pydantic writes it: its delta's only member set first) begins in
+// DATA, 0 when it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
+function abortAt(r, data) {
+    var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS : ABORTS, i, at;
+    for (i = 0; i < marks.length; i++) {
+        at = data.indexOf(marks[i]);
+        if (at >= 0) {
+            return at;
+        }
+    }
+    var seam = aCarry + data.slice(0, ABORT_CARRY).toString();
+    for (i = 0; i < marks.length; i++) {
+        if (seam.indexOf(marks[i]) >= 0) {
+            return 0;
+        }
+    }
+    return -1;
+}
 function abortEvent(r, data) {
-    if (abortTold || r.uri === '/v1/messages' || data.length === 0) {
+    if (abortTold || data.length === 0) {
         return data;
     }
-    var at = 0;
-    if (!aborting) {
-        at = data.indexOf(ABORTS[0]);
-        at = at < 0 ? data.indexOf(ABORTS[1]) : at;
-        if (at < 0) {
-            return data;
+    var end;  // the offset just past the blank line that ends the event in DATA; -1 not in it
+    if (aborting && aCarry.slice(-1) === '\n' && data.slice(0, 1).toString() === '\n') {
+        end = 1;  // its blank line cut between the last buffer and this one
+    } else {
+        var at = 0;
+        if (!aborting) {
+            at = abortAt(r, data);
+            if (at < 0) {
+                aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
+                return data;
+            }
+            aborting = true;
         }
-        aborting = true;
+        end = data.indexOf('\n\n', at);
+        end = end < 0 ? -1 : end + 2;
     }
-    var end = data.indexOf('\n\n', at);
     if (end < 0) {
+        aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
         return data;
     }
     abortTold = true;
     var serve = r.variables.router_serve || 'its serve';
-    var ev = 'data: ' + JSON.stringify({error: {
+    var ev = errorEvent(r, 503, {error: {
         message: 'serve ' + serve + ' ended this request before its end: gpud put it to ' +
                  'sleep past its drain bound (daemon.drain_timeout_s) to give its GPU memory ' +
                  'to another request, or for a preemption or an operator\'s sleep; retry',
-        type: 'server_error', param: null, code: 'request_aborted'}}) + '\n\n';
-    if (typeof data === 'string') {
-        return data.slice(0, end + 2) + ev + data.slice(end + 2);
+        type: 'server_error', param: null, code: 'request_aborted'}});
+    if (r.uri !== '/v1/messages') {
+        ev = ev.slice(0, ev.indexOf('data: [DONE]'));
     }
-    return Buffer.concat([data.slice(0, end + 2), Buffer.from(ev), data.slice(end + 2)]);
+    if (typeof data === 'string') {
+        return data.slice(0, end) + ev + data.slice(end);
+    }
+    return Buffer.concat([data.slice(0, end), Buffer.from(ev), data.slice(end)]);
 }
 
 // The serve's answer to a stream that had loading feedback (a body filter of the include):
@@ -1606,10 +1666,13 @@ function keyPriority(r, body, doc, top, key) {
 // (gpud.core.front body_routes: a location that reads the whole body in memory, after the
 // key's check, its counts and rates): the same body as through the router, by the same
 // functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
-// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve; the
-// model is the serve's to check (vLLM answers a name it does not serve 404).
+// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve. A
+// model that is none of its names, or one the key may not use, is answered as the router
+// answers it (404 model_not_found; vLLM answers such a name 404 too, but only once up, an
+// on-demand serve woken for it, and any of its names to any key the port lets in).
 function fronted(r) {
     var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
+    var read;
     Object.keys(CONFIG.models).forEach(function (name) {
         if (CONFIG.models[name].serve === serve) {
             entry = CONFIG.models[name];
@@ -1621,31 +1684,34 @@ function fronted(r) {
         return;
     }
     if (entry !== null && r.method === 'POST' && body !== undefined && body.length > 0) {
-        if (body.length >= SCAN_FROM) {
-            top = topLevel(body);
-            if (top.error) {
-                fail(r, top.error[0], top.error[1], top.error[2]);
+        read = readBody(r, body);
+        if (read === null) {
+            return;
+        }
+        doc = read.doc;
+        top = read.top;
+        stream = read.stream;
+        // the model, as the router checks it, but for none named: vLLM takes a request that
+        // names none as its first served name's (vllm 0.32 entrypoints/serve/engine/serving.py
+        // _is_model_supported), so the serve's own port lets it through
+        var model = read.model;
+        if (model !== undefined && model !== null && model !== '') {
+            if (typeof model !== 'string') {
+                fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
                 return;
             }
-            stream = top.stream;
-        } else {
-            try {
-                doc = JSON.parse(body.toString());
-            } catch (e) {
-                fail(r, 400, 'the request body is not valid JSON: ' + e.message, 'invalid_json');
+            if (!has(CONFIG.models, model) || CONFIG.models[model].serve !== serve ||
+                    !allows(key, model)) {
+                notFound(r, model, key);
                 return;
             }
-            if (doc === null || typeof doc !== 'object' || Array.isArray(doc)) {
-                fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
-                return;
-            }
-            stream = doc.stream === true;
+            r.variables.router_model = model;
         }
         r.variables.router_serve = serve;
         r.variables.router_key = key.name || '';
         r.variables.router_requester = requesterOf(r, key);
         askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
             !keyPriority(r, body, doc, top, key)) {
             return;
         }

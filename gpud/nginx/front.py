@@ -116,10 +116,11 @@ def front_config(cfg: Config, router: RouterFront | object | None = _COMPUTE,
         main_extra=tuple(router_main_lines(router)) if router else (),
         http_extra=tuple(router_http_lines(router)) if router else (),
         keys=router is not None and router.keys is not None,
-        # with keys, each fronted port takes the router's policy (its limits, usage)
+        # with a router, each fronted port takes its policy (a key's limits, the share's
+        # priority, usage), with keys or without
         policies=tuple((name, front_policy(router, name))
                        for name in sorted(fronted(cfg)) if name not in leave_out
-                       and router is not None and router.keys is not None))
+                       and router is not None))
 
 
 def front_workers() -> int:

@@ -1,0 +1,227 @@
+"""No stream ends silently (docs/router.md, "A bound on holding a device"): a stream the serve
+ends with vLLM's abort (gpud put it to sleep past daemon.drain_timeout_s for a waiting
+request, router.evict_busy) gets an error event in its route's own shape after the event that
+says so: OpenAI's (`data: {"error": {... "code": "request_aborted"}}`, before [DONE]) on
+/v1/chat/completions, Anthropic's (`event: error`, `{"type": "error", "error": {type,
+message}}`) on /v1/messages, through the router and through the serve's own fronted port. The
+real nginx and njs before a serve on a Unix socket that streams as vLLM 0.32 does when a
+request is aborted, each event cut in two writes."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.core.router import RoutedServe, RouterFront
+from gpud.core.routerconf import front_policy, http_lines, main_lines
+from gpud.nginx.router import script_text
+from tests.ports import connects, free_port
+from tests.test_router import NGINX, NJS
+from tests.test_router_fronted_body import _UnixHTTP
+from tests.waiting import wait_until
+
+
+def _dumps(doc: object) -> bytes:
+    # pydantic's model_dump_json: no spaces
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def openai_events(finish: str) -> list[bytes]:
+    """A chat stream as vLLM 0.32 sends it, its last chunk's finish_reason FINISH ("abort":
+    the engine aborted it, vllm/v1/engine/core.py pause_scheduler mode=abort)."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
+            "model": "m"}
+    return [b"data: " + _dumps({**head, "choices": [{"index": 0, "delta": {"content": w},
+                                                      "logprobs": None, "finish_reason": f}]})
+            + b"\n\n" for w, f in (("Hi", None), (" there", finish))] + [b"data: [DONE]\n\n"]
+
+
+def anthropic_events(stop_reason: str | None) -> list[bytes]:
+    """A /v1/messages stream as vLLM 0.32 sends it (vllm/entrypoints/anthropic/serving.py
+    message_stream_converter): an aborted request's message_delta has stop_reason null
+    (_to_anthropic_stop_reason maps a finish_reason "abort" to None), then message_stop."""
+    def event(name: str, doc: dict[str, Any]) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + _dumps(doc) + b"\n\n"
+    return [
+        event("message_start", {"type": "message_start", "message": {
+            "id": "chatcmpl-1", "type": "message", "role": "assistant", "content": [],
+            "model": "m", "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 7, "output_tokens": 0}}}),
+        event("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                      "delta": {"type": "text_delta", "text": "Hi"}}),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event("message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                                "usage": {"input_tokens": 7, "output_tokens": 1}}),
+        event("message_stop", {"type": "message_stop"}),
+    ]
+
+
+def _events(route: str, doc: dict[str, Any]) -> list[bytes]:
+    cut = str(doc.get("user")).startswith("cut")
+    if route == "/v1/messages":
+        return anthropic_events(None if cut else "end_turn")
+    return openai_events("abort" if cut else "length")
+
+
+@dataclass
+class Rig:
+    router: int
+    front: int
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    tmp = Path(tempfile.mkdtemp(prefix="gpud-abort-"))
+    tmp.chmod(0o755)
+    sock, run = tmp / "m.sock", tmp / "run"
+    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / name).mkdir(exist_ok=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            where = str(doc.get("user")).partition(":")[2]
+            for event in _events(self.path, doc):
+                # each event in two writes: the one that says the stream was cut too, at its
+                # middle, inside the mark the router looks for, or between its blank line's two
+                # newlines
+                half = len(event) // 2
+                if where != "middle" and (b'"abort"' in event or b'"delta":{"stop_reason":null' in event):
+                    half = (event.index(b'_reason') if where == "mark" else len(event) - 1)
+                for part in (event[:half], event[half:]):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+
+        def address_string(self) -> str:
+            return "unix"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    serve = _UnixHTTP(str(sock), Handler)
+    os.chmod(sock, 0o777)
+    threading.Thread(target=serve.serve_forever, daemon=True).start()
+    port, fport = free_port(), free_port()
+    router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("m", ("m",), socket=str(sock)),),
+                         njs_module=str(NJS), script=str(tmp / "router.js"),
+                         gpud_socket=str(tmp / "no-gpud.sock"), access_log=str(tmp / "a.log"))
+    (tmp / "router.js").write_text(script_text(router))
+    (tmp / "nginx.conf").write_text(render(FrontConfig(
+        serves=(FrontServe("m", fport, str(sock)),), run_dir=str(run), listen="127.0.0.1",
+        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
+        policies=(("m", front_policy(router, "m")),))))
+    errors = (tmp / "nginx.log").open("wb")
+    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
+                             stdout=subprocess.DEVNULL, stderr=errors)
+    try:
+        wait_until(lambda: connects(port) and connects(fport), what="the front listening")
+        yield Rig(port, fport)
+        errors.flush()
+        assert "js exception" not in (tmp / "nginx.log").read_text()
+    except BaseException:
+        errors.flush()
+        print((tmp / "nginx.log").read_text())
+        raise
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        serve.shutdown()
+        serve.server_close()
+        errors.close()
+
+
+def _stream(port: int, route: str, user: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", route, headers={"Content-Type": "application/json"},
+                     body=json.dumps({"model": "m", "stream": True, "user": user,
+                                      "max_tokens": 2, "messages": []}))
+        resp = conn.getresponse()
+        answer = resp.read()
+        assert resp.status == 200, answer
+        return answer
+    finally:
+        conn.close()
+
+
+def _sse(answer: bytes) -> list[tuple[str | None, str]]:
+    """(event name, data) of each event, as an SSE client reads them."""
+    out = []
+    for block in answer.decode().split("\n\n"):
+        if not block:
+            continue
+        name, data = None, []
+        for line in block.split("\n"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+        out.append((name, "\n".join(data)))
+    return out
+
+
+@pytest.mark.parametrize("where", ["middle", "mark", "blank"])
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_an_aborted_anthropic_stream_ends_with_anthropics_error_event(rig: Rig, door: str,
+                                                                     where: str) -> None:
+    port = rig.router if door == "router" else rig.front
+    answer = _stream(port, "/v1/messages", f"cut:{where}")
+    sent = b"".join(anthropic_events(None))
+    events = _sse(answer)
+    # the serve's events as they came, Anthropic's error event after the message_delta that
+    # said no stop_reason (anthropic-sdk-python raises an event named "error" as its error)
+    names = [name for name, _ in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta",
+                     "content_block_stop", "message_delta", "error", "message_stop"], answer
+    assert answer.replace(answer[answer.index(b"event: error"):
+                                 answer.index(b"event: message_stop")], b"") == sent
+    error = json.loads(events[5][1])
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+    assert error["error"]["type"] == "overloaded_error"
+    assert "daemon.drain_timeout_s" in error["error"]["message"]
+    assert b"[DONE]" not in answer
+
+
+@pytest.mark.parametrize("where", ["middle", "mark", "blank"])
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_an_aborted_openai_stream_ends_with_openais_error_event(rig: Rig, door: str,
+                                                               where: str) -> None:
+    port = rig.router if door == "router" else rig.front
+    answer = _stream(port, "/v1/chat/completions", f"cut:{where}")
+    events = _sse(answer)
+    assert [json.loads(d)["choices"][0]["finish_reason"] for _, d in events[:2]] == [
+        None, "abort"], answer
+    error = json.loads(events[2][1])["error"]
+    assert error["code"] == "request_aborted" and error["type"] == "server_error", error
+    assert events[3:] == [(None, "[DONE]")], answer
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_a_stream_that_ends_as_streams_end_is_passed_as_it_came(rig: Rig, door: str,
+                                                                route: str) -> None:
+    port = rig.router if door == "router" else rig.front
+    assert _stream(port, route, "whole") == b"".join(_events(route, {"user": "whole"}))
