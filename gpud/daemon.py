@@ -235,10 +235,11 @@ class Daemon:
             supervisor.sleeps.traffic = traffic
             on_demand = OnDemand(svc, supervisor, traffic=traffic,
                                  share=KeyShares(lambda: svc.config))
-            # What a request through the front waits on: a stored state, a serve's life, a drain.
+            # What a request through the front waits on: a stored state, a serve's life, a drain;
+            # each change names its serve (the waiters of the serves on its roles look again).
             svc.watch_states(on_demand.changed)
-            supervisor.watch_lives(on_demand.changed)
-            traffic.watch(on_demand.changed)
+            svc.records.watch_lives(lambda serve: on_demand.changed((serve,)))
+            traffic.watch(lambda serve: on_demand.changed((serve,)))
             # counting from now (before the front); usage per key into the store
             peers = PeerPoller(lambda: svc.config)
             router_log = RouterLog(lambda: svc.config, svc.store, peer=peers.count)
@@ -273,7 +274,7 @@ class Daemon:
             self.api.budgets = lambda: router_log.budget_states(front.keys())
             assert self.api.rebalancer is not None
             self.api.rebalancer.front_listens = self.front.listening
-            svc.watch_states(self.front.mark_awake)
+            svc.watch_states(lambda _serves: front.mark_awake())
             await self.front.sync_logged(self.config)
             await recovery.finish(supervisor, self._apply_reload)
             if svc.config_refused is not None:
@@ -423,6 +424,8 @@ class Daemon:
                 await self.front.sync_logged(cfg)
             if self.api is not None:
                 self.api.config_changed()
+                if self.api.on_demand is not None:
+                    self.api.on_demand.changed()  # the serves' roles and priorities: all look
             return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}
         finally:
             self.notify(f"READY=1\nSTATUS={self.svc.summary()}")
