@@ -153,6 +153,8 @@ class Orchestrator(DemandView):
         self._turns: dict[str, asyncio.Task[None]] = {}
         # The waiting requests in the order they go, as last sorted (None: since changed).
         self._looked: list[Ticket] | None = None
+        # ... and the serves not running among them, each once, in that order (with `_looked`).
+        self._to_bring: list[str] = []
         # The waiting serves the queue let go at its last look (its head, those that backfill:
         # `_look_again`), the look due (a change since), and whether it wakes them all (a swap
         # ended: they may go now) but the serve whose swap it was (`_swapper`).
@@ -286,10 +288,11 @@ class Orchestrator(DemandView):
         """The queue changed (a request joined or left: its order; SWAP_ENDED: SWAPPER's swap
         ended, so that the others may go): its head and the serves that backfill are looked
         for again (`_look_again`). Wakes nobody else: the change of no serve."""
-        self._looked = None
         self.changes.any.fire()
         if swap_ended:
-            self._swap_ended = (swapper,)
+            self._swap_ended = (swapper,)  # the order is as it was
+        else:
+            self._looked = None
         self._look_again()
 
     def _look_again(self) -> None:
@@ -571,6 +574,7 @@ class Orchestrator(DemandView):
         own), not once per waiting serve that looks."""
         if self._looked is None:
             self._looked = order(self.tickets(), self.shares)
+            self._to_bring = list(dict.fromkeys(t.serve for t in self._looked if not t.running))
         return self._looked
 
     def _head(self) -> str | None:
@@ -676,7 +680,8 @@ class Orchestrator(DemandView):
         memory the head of the queue needs at its earliest start (gpud.core.queue.backfill),
         the queue in its fair order; ALSO: a serve a request arrives for, after them."""
         serves = self.svc.config.serves
-        names = [t.serve for t in self.ordered() if not t.running]
+        self.ordered()
+        names = list(self._to_bring)  # each once: not one per waiting request
         if also is not None:
             names.append(also)
         names = [n for n in dict.fromkeys(names) if n in serves]
