@@ -20,7 +20,7 @@ import pytest
 
 import gpud.life.ondemand
 from gpud.core.vocab import DECLARED, RUNNING
-from gpud.errors import Denied
+from gpud.errors import Denied, Unavailable
 from gpud.server.ondemand import OnDemand
 from tests.test_bringup import Clock, FakeService
 from tests.test_queue_waits import Admits
@@ -266,3 +266,34 @@ async def test_a_change_that_comes_while_the_head_tries_is_not_lost(
     reply = await asyncio.wait_for(waiter, 5)
     assert reply.status == 204 and svc.state_of("w0") == RUNNING
     assert svc.state_of("a0") == RUNNING
+
+
+class BusyStops(Counted):
+    """Counted, whose stops are refused: the serve is busy (a request in flight at the drain's
+    bound)."""
+
+    def __init__(self, svc: Any) -> None:
+        super().__init__(svc)
+        self.stops = 0
+
+    async def stop(self, serve: str, uid: int | None, **kw: Any) -> None:
+        self.stops += 1
+        raise Unavailable(f"{serve} is busy", {"serve": serve, "busy": True})
+
+
+async def test_a_refused_eviction_is_not_tried_again_on_its_own_change() -> None:
+    """w0, the head, may evict a0, whose stop is refused (busy). The refusal's own change (a0's
+    eviction over) does not make w0 evict a0 again at once: it waits for a0's next change.
+    Then a0's count of requests in flight changes (a change of a0): w0 tries again."""
+    od, svc, _ = rig(1, evictable=(0,))
+    sup = BusyStops(svc)
+    od.sup = cast(Any, sup)
+    waiter = asyncio.ensure_future(od.ensure("w0"))
+    await settle()
+    await settle()
+    assert sup.stops == 1, sup.stops
+    od.changed(("a0",))
+    await settle()
+    assert sup.stops == 2, sup.stops
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gpud.config import routed
@@ -104,6 +104,12 @@ DEFAULT_POLICY = Policy()
 QUEUE_RETRY_S = 1.0
 # Retry-After of a request answered because gpud stops (it is back within seconds: a restart).
 STOPPING_RETRY_S = 5
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRefused(Protected):
+    """A victim's eviction was refused: the changes its attempt made (its drain's end, its
+    life's steps) are its own, not a reason to evict it again at once."""
 
 
 def no_share(_requester: str) -> tuple[int, float]:
@@ -617,7 +623,8 @@ class Orchestrator(DemandView):
         what the queue's decision names (Protected.wait_s: a victim's min_awake_s ending, an
         idle time to come). A change that comes while a try is held off is tried at the hold's
         end, never lost; nor one that comes while it tries, evicts or awaits a bring-up (its
-        pulse's `fired`, read before it looks).
+        pulse's `fired`, read before it looks), but those of an eviction refused (the
+        attempt's own: its victim's drain and life), looked at when the refusal's wait ends.
 
         What it decides on, and the change that wakes it (NAME's pulse, `changed`): NAME's
         state, settling and bring-up: a change naming NAME. The memory free on NAME's roles and
@@ -661,6 +668,8 @@ class Orchestrator(DemandView):
                 outcome = await asyncio.shield(swap)
                 if outcome is None:
                     continue
+                if isinstance(outcome, EvictionRefused):
+                    seen = pulse.fired  # the attempt's own changes: looked at past wait_s
                 wait_s = outcome.wait_s if held_s <= 0 else min(outcome.wait_s, held_s)
             elif name in self.backfills():
                 # memory freed otherwise (a stop, an idle sleep), and none the head of the
@@ -774,8 +783,8 @@ class Orchestrator(DemandView):
             log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
                         extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
             if exc.details.get("busy"):
-                return Protected(math.inf, exc.message)
-            return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
+                return EvictionRefused(math.inf, exc.message)
+            return EvictionRefused(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
             self.svc.records.apply(victim, Idling(False))
             self.changed((victim,))
