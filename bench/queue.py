@@ -86,8 +86,9 @@ def ten_roles(_mod: ModuleType) -> tuple[Any, str]:
 LAYOUTS = {"one role": one_role, "ten roles": ten_roles}
 
 
-async def cost_of_a_change(layout: str, per_serve: int, changes: int) -> float:
-    """CPU seconds per change with PER_SERVE requests waiting for each of 10 serves."""
+async def cost_of_a_change(layout: str, per_serve: int, changes: int) -> tuple[float, float]:
+    """CPU seconds per change with PER_SERVE requests waiting for each of 10 serves, and the
+    waiting serves' looks per change (their waits on `changes` begun again)."""
     import gpud.server.ondemand as mod
     od, changing = LAYOUTS[layout](mod)
     # a change names its serve where the code takes a name (before: it named none)
@@ -102,7 +103,7 @@ async def cost_of_a_change(layout: str, per_serve: int, changes: int) -> float:
         for _ in range(50):
             await asyncio.sleep(0)
     await idle()
-    began = time.process_time()
+    began, looks = time.process_time(), od.changes.looks
     for _ in range(changes):
         if named:
             od.changed((changing,))
@@ -110,19 +111,20 @@ async def cost_of_a_change(layout: str, per_serve: int, changes: int) -> float:
             od.changed()
         await idle()
     cpu = (time.process_time() - began) / changes
+    looked = (od.changes.looks - looks) / changes
     for w in waiting:
         w.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    return cpu
+    return cpu, looked
 
 
 def part2(changes: int, old: str | None, label: str = "now") -> None:
     for layout in LAYOUTS:
-        many = asyncio.run(cost_of_a_change(layout, 100, changes))
-        few = asyncio.run(cost_of_a_change(layout, 1, changes))
+        many, many_looks = asyncio.run(cost_of_a_change(layout, 100, changes))
+        few, few_looks = asyncio.run(cost_of_a_change(layout, 1, changes))
         print(f"cost of a change ({label}, {layout}): 1000 waiting across 10 serves "
-              f"{many * 1e3:.3f} ms CPU, 10 waiting {few * 1e3:.3f} ms CPU, "
-              f"ratio {many / few:.1f}", flush=True)
+              f"{many * 1e3:.3f} ms CPU ({many_looks:g} looks), 10 waiting {few * 1e3:.3f} ms "
+              f"CPU ({few_looks:g} looks), ratio {many / few:.1f}", flush=True)
     if old is not None:
         # REV's gpud, unpacked beside this one, measured by this file in a child process (the
         # fakes, tests/, are this tree's)
