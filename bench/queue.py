@@ -10,11 +10,14 @@
    stopped for the next round. (The layout of tests/integration/test_backfill.py, at the
    issue's scale; chat is started here, not woken.)
 2. The cost of a change in gpud: OnDemand (gpud.server.ondemand) with a fake service and
-   supervisor in this process (no I/O), a running on the role for min_awake_s, and W requests
-   waiting for each of 10 serves that do not fit beside it: 1000 waiting (100 each) against 10
-   (1 each). --changes changes (`OnDemand.changed`, as a stored state fires it), each followed
-   by the event loop running until idle; the process CPU per change, and their ratio. With
-   --old REV, REV's gpud/server/ondemand.py measured the same way beside it.
+   supervisor in this process (no I/O), W requests waiting for each of 10 serves: 1000 waiting
+   (100 each) against 10 (1 each). --changes changes (`OnDemand.changed`, naming a serve as a
+   stored state does where the code takes a name), each followed by the event loop running
+   until idle; the process CPU per change, and their ratio. Two layouts: "one role", the 10
+   serves on one device beside a (running, protected by min_awake_s), the change a's (it
+   concerns every waiting serve); "ten roles", each serve wI on a device of its own beside aI,
+   the change a5's (it concerns w5 alone). With --old REV, REV's gpud (`git archive`) is
+   measured the same way in a child process, beside it.
 
 Not a test: nothing is asserted.
 """
@@ -32,7 +35,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import argparse
 import asyncio
 import importlib
-import importlib.util
+import inspect
 import json
 import shlex
 import statistics
@@ -43,32 +46,17 @@ from dataclasses import replace
 from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
-from gpud.core.serverecord import Put
-from gpud.core.vocab import ServeState
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- 2. the cost of a change ---------------------------------------------------------------
 
-def ondemand_module(rev: str | None) -> ModuleType:
-    """gpud.server.ondemand as it is, or as REV has it (loaded beside it under another name)."""
-    if rev is None:
-        import gpud.server.ondemand as mod
-        return mod
-    text = subprocess.run(["git", "show", f"{rev}:gpud/server/ondemand.py"], cwd=REPO,
-                          check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "ondemand_old.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("ondemand_old", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def one_role(mod: ModuleType) -> tuple[Any, str]:
+    """OnDemand, with a running on role r (protected) and w0..w9 waiting there; the change's
+    serve (a)."""
+    from gpud.core.serverecord import Put
+    from gpud.core.vocab import ServeState
 
-
-async def cost_of_a_change(mod: ModuleType, per_serve: int, changes: int) -> float:
-    """CPU seconds per change with PER_SERVE requests waiting for each of 10 serves."""
     # the fakes of tests/test_queue_waits.py (a role of 31607 MiB, starts that fit or are
     # refused for memory), loaded by name: the tests are no part of what is type-checked here
     fakes = importlib.import_module("tests.test_queue_waits")
@@ -85,6 +73,27 @@ async def cost_of_a_change(mod: ModuleType, per_serve: int, changes: int) -> flo
     od = mod.OnDemand(cast(Any, svc), cast(Any, Admits(svc)), clock=time.monotonic)
     now = time.monotonic()
     svc.records.apply("a", Put(demand=replace(svc.records.demand("a"), up_at=now)))
+    return od, "a"
+
+
+def ten_roles(_mod: ModuleType) -> tuple[Any, str]:
+    """OnDemand, with aI running on role rI (protected) and wI to wait there, I in 0..9 (the
+    rig of tests/test_wakeups.py); the change's serve (a5)."""
+    od, svc, _sup = importlib.import_module("tests.test_wakeups").rig(10)
+    svc.config.router.max_queued, svc.config.router.queue_timeout_s = 10000, 3600
+    return od, "a5"
+
+
+LAYOUTS = {"one role": one_role, "ten roles": ten_roles}
+
+
+async def cost_of_a_change(layout: str, per_serve: int, changes: int) -> tuple[float, float]:
+    """CPU seconds per change with PER_SERVE requests waiting for each of 10 serves, and the
+    waiting serves' looks per change (their waits on `changes` begun again)."""
+    import gpud.server.ondemand as mod
+    od, changing = LAYOUTS[layout](mod)
+    # a change names its serve where the code takes a name (before: it named none)
+    named = len(inspect.signature(od.changed).parameters) > 0
     waiting = [asyncio.ensure_future(od.ensure(f"w{i}"))
                for i in range(10) for _ in range(per_serve)]
     while sum(len(v) for v in od.queued.values()) < 10 * per_serve:
@@ -95,26 +104,36 @@ async def cost_of_a_change(mod: ModuleType, per_serve: int, changes: int) -> flo
         for _ in range(50):
             await asyncio.sleep(0)
     await idle()
-    began = time.process_time()
+    began, looks = time.process_time(), od.changes.looks
     for _ in range(changes):
-        od.changed()
+        if named:
+            od.changed((changing,))
+        else:
+            od.changed()
         await idle()
     cpu = (time.process_time() - began) / changes
+    looked = (od.changes.looks - looks) / changes
     for w in waiting:
         w.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    return cpu
+    return cpu, looked
 
 
-def part2(changes: int, old: str | None) -> None:
-    sides = [("now", None)] + ([(f"{old}", old)] if old else [])
-    for label, rev in sides:
-        mod = ondemand_module(rev)
-        many = asyncio.run(cost_of_a_change(mod, 100, changes))
-        few = asyncio.run(cost_of_a_change(mod, 1, changes))
-        print(f"cost of a change ({label}): 1000 waiting across 10 serves "
-              f"{many * 1e3:.3f} ms CPU, 10 waiting {few * 1e3:.3f} ms CPU, "
-              f"ratio {many / few:.1f}")
+def part2(changes: int, old: str | None, label: str = "now") -> None:
+    for layout in LAYOUTS:
+        many, many_looks = asyncio.run(cost_of_a_change(layout, 100, changes))
+        few, few_looks = asyncio.run(cost_of_a_change(layout, 1, changes))
+        print(f"cost of a change ({label}, {layout}): 1000 waiting across 10 serves "
+              f"{many * 1e3:.3f} ms CPU ({many_looks:g} looks), 10 waiting {few * 1e3:.3f} ms "
+              f"CPU ({few_looks:g} looks), ratio {many / few:.1f}", flush=True)
+    if old is not None:
+        # REV's gpud, unpacked beside this one, measured by this file in a child process (the
+        # fakes, tests/, are this tree's)
+        with tempfile.TemporaryDirectory() as tree:
+            subprocess.run(f"git archive {shlex.quote(old)} gpud | tar -x -C {tree}",
+                           shell=True, cwd=REPO, check=True)
+            subprocess.run([sys.executable, __file__, "--no-sandbox", "--changes", str(changes),
+                            "--gpud-from", tree, "--label", old], check=True)
 
 
 # ---- 1. backfill in the sandbox --------------------------------------------------------------
@@ -181,10 +200,14 @@ def main() -> None:
     p.add_argument("--changes", type=int, default=200)
     p.add_argument("--old", default=None, metavar="REV")
     p.add_argument("--no-sandbox", action="store_true", help="part 2 only")
+    p.add_argument("--gpud-from", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--label", default="now", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.gpud_from is not None:
+        sys.path.insert(0, args.gpud_from)  # gpud from there, the fakes (tests/) from here
     if not args.no_sandbox:
         part1(args.rounds)
-    part2(args.changes, args.old)
+    part2(args.changes, args.old, args.label)
 
 
 if __name__ == "__main__":

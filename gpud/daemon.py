@@ -284,8 +284,8 @@ class Daemon:
                              share=KeyShares(lambda: svc.config))
         # What a request through the front waits on: a stored state, a serve's life, a drain.
         svc.watch_states(on_demand.changed)
-        supervisor.runtime.watch_lives(on_demand.changed)
-        traffic.watch(on_demand.changed)
+        svc.records.watch_lives(lambda serve: on_demand.changed((serve,)))
+        traffic.watch(lambda serve: on_demand.changed((serve,)))
         # counting from now (before the front); usage per key into the store
         peers = PeerPoller(lambda: svc.config)
         router_log = RouterLog(lambda: svc.config, svc.store, peer=peers.count)
@@ -340,7 +340,7 @@ class Daemon:
         # the router forwards to the peers (docs/peers.md): rendered again when a peer's
         # models or circuit change, never on a poll that changed nothing of them
         parts.peers.watch(front.peers_changed)
-        svc.watch_states(front.mark_awake)
+        svc.watch_states(lambda _serves: front.mark_awake())
         await front.sync_logged(self.config)
         await recovery.finish(supervisor, self._apply_reload)
         if svc.config_refused is not None:
@@ -499,6 +499,8 @@ class Daemon:
                 await self.front.sync_logged(cfg)
             if self.api is not None:
                 self.api.config_changed()
+                if self.api.on_demand is not None:
+                    self.api.on_demand.changed()  # the serves' roles and priorities: all look
             return {"reloaded": True, "over_committed": over, "summary": self.svc.summary()}
         finally:
             self.notify(f"READY=1\nSTATUS={self.svc.summary()}")

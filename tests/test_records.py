@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from gpud.core.bringup import Tries
-from gpud.core.demand import NO_DEMAND, Demand
-from gpud.core.lifecycle import IDLE_LIFE, ServeLife
+from gpud.core.demand import NO_DEMAND, Demand, Requested
+from gpud.core.lifecycle import IDLE_LIFE, LaunchEnded, ServeLife, StartAsked
 from gpud.core.serverecord import Put
 from gpud.core.vocab import DECLARED, EXTERNAL
+from gpud.life.records import ServeRecords
 from gpud.life.service import LedgerService
 from tests.test_bringup import on_demand
 from tests.test_service_records import svc  # noqa: F401  (the fixture: a real service)
@@ -156,3 +157,18 @@ async def test_a_request_notes_its_time_in_the_one_record() -> None:
     got = od.svc.records.demand("od")
     assert got.last_request is not None and got.last_activity is not None
     assert got.last_request == got.last_activity == 7.0 and not got.idling
+
+
+def test_a_change_of_a_serves_life_is_told_with_its_name() -> None:
+    """`watch_lives`: each step that changes a serve's life is told with the serve's name (the
+    on-demand orchestrator wakes the requests waiting on that serve's devices, not all); one
+    that leaves the life as it was (a request's time, a refused start) is not."""
+    records = ServeRecords()
+    told: list[str] = []
+    records.watch_lives(told.append)
+    records.apply("a", StartAsked())
+    records.apply("a", Requested(5.0))
+    records.apply("b", StartAsked())
+    records.apply("a", StartAsked())  # refused: a launch is under way, its life unchanged
+    records.apply("a", LaunchEnded())
+    assert told == ["a", "b", "a"]

@@ -431,6 +431,17 @@ async def test_admit_commits_reservation_state_and_event_together(world: World) 
     assert svc.counters == {"admit": 1}
 
 
+async def test_a_commit_of_states_is_told_with_the_serves_it_changed(world: World) -> None:
+    """`watch_states`: each commit that stores a state is told with the serves it changed (the
+    on-demand orchestrator wakes the requests waiting on their devices, not all)."""
+    svc = world.service()
+    told: list[frozenset[str]] = []
+    svc.watch_states(told.append)
+    await svc.admit("a", 300)
+    await svc.admit("b", 200)
+    assert told == [frozenset({"a"}), frozenset({"b"})]
+
+
 async def test_a_readmission_replaces_and_keeps_a_live_state(world: World) -> None:
     svc = world.service()
     await svc.admit("a", 300)

@@ -4,6 +4,8 @@ account."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 
 from gpud.core.lifecycle import Phase
@@ -18,6 +20,7 @@ from gpud.core.traffic import (
     settling,
 )
 from gpud.core.vocab import ServeState, SleepAction
+from gpud.life.traffic import Traffic
 
 # What vLLM 0.32's /metrics says (vllm/v1/metrics/loggers.py:527-545), two engines (data
 # parallel), and a histogram whose name begins like a gauge's.
@@ -111,3 +114,22 @@ def test_a_drain_ends_at_zero_unknown_or_its_bound() -> None:
     assert not drain_done(1, 29.9, 30.0)
     assert drain_done(1, 30.0, 30.0)
     assert drain_done(1, 0.0, 0.0)  # a bound of 0 drains nothing
+
+
+async def test_a_drains_end_and_a_changed_count_are_told_with_the_serves_name() -> None:
+    """`watch`: the end of a serve's drain, and a read of its count of requests in flight that
+    changed it, are told with the serve's name (the on-demand orchestrator wakes the requests
+    waiting on that serve's devices, not all); a read that changes nothing is not told."""
+    counts = iter([2, 2, 0])
+
+    class Reader:
+        async def read(self, serve: str, spec: Any) -> tuple[bool, int | None]:
+            return True, next(counts)
+    traffic = Traffic(cast(Any, None), cast(Any, Reader()), clock=lambda: 100.0)
+    told: list[str] = []
+    traffic.watch(told.append)
+    with traffic.held("a"):
+        assert told == []
+    for _ in range(3):
+        await traffic.poll("b", cast(Any, None))
+    assert told == ["a", "b", "b"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from gpud.core.demand import Idling, LastActivity
@@ -22,7 +22,7 @@ from gpud.host.traffic import reachable
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
     from gpud.life.demandview import DemandView
-    from gpud.life.pulse import Pulse
+    from gpud.life.pulse import Wakeups
 
 log = logging.getLogger("gpud.ondemand")
 
@@ -32,9 +32,11 @@ IDLE_MARGIN_S = 0.05
 
 class IdleCheck:
     """VIEW: the orchestrator's reads (its service, supervisor, traffic, clock and counts);
-    CHANGES: what it waits on; CHANGED: told when a sleep or stop of its ends."""
+    CHANGES: what it waits on (any change); CHANGED: told when a sleep or stop of its ends,
+    with the serve's name."""
 
-    def __init__(self, view: DemandView, changes: Pulse, changed: Callable[[], None]) -> None:
+    def __init__(self, view: DemandView, changes: Wakeups,
+                 changed: Callable[[Collection[str]], None]) -> None:
         self.view = view
         self.svc, self.sup, self.traffic = view.svc, view.sup, view.traffic
         self.clock = view.clock
@@ -125,4 +127,4 @@ class IdleCheck:
             log.warning("on-demand %s: idle %s refused: %s", name, action, exc.message)
         finally:
             self.svc.records.apply(name, Idling(False))
-            self.changed()
+            self.changed((name,))

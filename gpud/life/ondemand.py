@@ -24,8 +24,10 @@ the client's address), evicting serves of equal or lower priority that are idle 
 up router.min_awake_s ago, the cheapest to bring back first (each serve's wakes and starts by a
 request are measured here). Every wait is on `changes` (a state stored, a life's step, a drain's
 end, a count of requests in flight read, the queue itself), bounded by the deadline the queue
-names: no polling. A waiting request whose asker hung up leaves at once; when gpud stops, those
-still waiting are answered (class gpud-stopping), not cut.
+names: no polling. A change names the serves it concerns and wakes only the waiters it can
+concern (`changed`): those of the serves sharing a role with them, and those the queue now
+lets go (its head, the serves that backfill). A waiting request whose asker hung up leaves at
+once; when gpud stops, those still waiting are answered (class gpud-stopping), not cut.
 
 Bounded (gpud.core.bringup): after a refused try the next is REFUSAL_HOLD_S later, after a
 failure an exponential, capped backoff; requests meanwhile are refused at once (details.held).
@@ -38,8 +40,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import replace
+from collections.abc import Callable, Collection, Coroutine
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gpud.config import routed
@@ -84,7 +86,7 @@ from gpud.core.vocab import FAILED, LIVE_STATES, RUNNING, SLEEPING, STARTING, St
 from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.life.demandview import DemandView
 from gpud.life.idle import IdleCheck
-from gpud.life.pulse import Pulse
+from gpud.life.pulse import Wakeups
 from gpud.life.traffic import refuse_cut
 from gpud.life.writes import COALESCE_REFUSALS
 
@@ -102,6 +104,12 @@ DEFAULT_POLICY = Policy()
 QUEUE_RETRY_S = 1.0
 # Retry-After of a request answered because gpud stops (it is back within seconds: a restart).
 STOPPING_RETRY_S = 5
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRefused(Protected):
+    """A victim's eviction was refused: the changes its attempt made (its drain's end, its
+    life's steps) are its own, not a reason to evict it again at once."""
 
 
 def no_share(_requester: str) -> tuple[int, float]:
@@ -136,9 +144,10 @@ class Orchestrator(DemandView):
         # `svc.records.apply`.
         # What a request waits on (a sleep or stop settling, a start or wake of someone else's
         # ending) changes only when a serve's state is stored, its life steps, a drain ends or
-        # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon), and
-        # the waiters look again then, never on a timer.
-        self.changes = Pulse()
+        # the idle check lets go of it: each fires this (`changed`, wired by gpud.daemon, naming
+        # the serve), and the waiters look again then, never on a timer: each serve's waiters
+        # on their own pulse, woken by a change on one of their roles (gpud.life.pulse).
+        self.changes = Wakeups(lambda: self.svc.config.serves)
         # The router's queue (gpud.core.queue): each serve's waiting requests, the waiting
         # requesters' fair shares, one swap at a time.
         self.queued: dict[str, list[Ticket]] = {}
@@ -150,6 +159,15 @@ class Orchestrator(DemandView):
         self._turns: dict[str, asyncio.Task[None]] = {}
         # The waiting requests in the order they go, as last sorted (None: since changed).
         self._looked: list[Ticket] | None = None
+        # ... and the serves not running among them, each once, in that order (with `_looked`).
+        self._to_bring: list[str] = []
+        # The waiting serves the queue let go at its last look (its head, those that backfill:
+        # `_look_again`), the look due (a change since), and whether it wakes them all (a swap
+        # ended: they may go now) but the serve whose swap it was (`_swapper`).
+        self._acting: frozenset[str] = frozenset()
+        self._look: asyncio.Handle | None = None
+        self._swap_ended: tuple[str | None] | None = None
+        self._swapper: str | None = None
         self._idle = IdleCheck(self, self.changes, self.changed)
 
     # The counts (gpud.life.counts), by the names they had here.
@@ -213,7 +231,7 @@ class Orchestrator(DemandView):
         if not self.svc.ready and self.svc.state_of(name) != RUNNING:
             try:
                 async with asyncio.timeout(spec.start_timeout_s):
-                    await self.changes.until(lambda: self.svc.ready)
+                    await self.changes.of(name).until(lambda: self.svc.ready)
             except TimeoutError:
                 raise Unavailable("gpud is starting (reconciling running serves)",
                                   {"serve": name, "retry": True}) from None
@@ -251,10 +269,56 @@ class Orchestrator(DemandView):
             self._stopping.set_result(None)
         await asyncio.sleep(0)  # the waiters' answers begin
 
-    def changed(self) -> None:
-        """A serve's state, life or drain changed: the requests waiting on one look again."""
-        self._looked = None
-        self.changes.fire()
+    def changed(self, serves: Collection[str] | None = None) -> None:
+        """The state, life, drain or count of requests in flight of SERVES changed (None: of
+        anything: gpud became ready, its config was reloaded): the requests waiting on one
+        look again. Woken: the waiters of every serve that shares a role with one of SERVES
+        (its own state, memory freed or taken there, a victim settling: gpud.life.pulse), and,
+        when the change touches the queue (a role a waiting serve holds memory on, or a
+        waiting serve itself), those the queue now lets go that it did not before
+        (`_look_again`). A change that names no serve wakes every waiter."""
+        named = None if serves is None else frozenset(serves)
+        if named is None or not named.isdisjoint(self.queued):
+            self._looked = None  # who runs among the waiting serves: their order
+        self.changes.fire(named)
+        if not self.queued:
+            self._acting = frozenset()
+            return
+        roles = None if named is None else self.changes.roles(named)
+        if roles is None or not roles.isdisjoint(
+                r for n in self.queued if n in self.svc.config.serves
+                for r in self.svc.config.serves[n].all_roles):
+            self._look_again()
+
+    def _queue_changed(self, *, swap_ended: bool = False, swapper: str | None = None) -> None:
+        """The queue changed (a request joined or left: its order; SWAP_ENDED: SWAPPER's swap
+        ended, so that the others may go): its head and the serves that backfill are looked
+        for again (`_look_again`). Wakes nobody else: the change of no serve."""
+        self.changes.any.fire()
+        if swap_ended:
+            self._swap_ended = (swapper,)  # the order is as it was
+        else:
+            self._looked = None
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """Wake the waiting serves the queue lets go now (its head, those that backfill) that
+        it did not at its last look; all of them (but the swapper) after a swap's end. Once,
+        when the change (and any made with it) is done: soon, not in the middle of a commit."""
+        if not self.queued:
+            self._acting = frozenset()
+        elif self._look is None:
+            self._look = asyncio.get_running_loop().call_soon(self._looked_again)
+
+    def _looked_again(self) -> None:
+        self._look = None
+        ended, self._swap_ended = self._swap_ended, None
+        head = self._head()
+        acting = frozenset(([head] if head is not None else []) + self.backfills())
+        woken = acting - self._acting if ended is None else acting - set(ended)
+        self._acting = acting
+        for serve in woken:
+            self.changes.wake(serve)
 
     def operator_started(self, name: str) -> None:
         """An operator started the serve (gpuctl start): its backoff is over and starts over."""
@@ -343,7 +407,7 @@ class Orchestrator(DemandView):
                               {"serve": name, "class": Why.STOPPED})
         try:
             async with asyncio.timeout(spec.start_timeout_s):
-                await self.changes.until(lambda: not self.settling(name))
+                await self.changes.of(name).until(lambda: not self.settling(name))
                 if self.svc.state_of(name) == RUNNING:
                     return None
                 task = self.sup.bringup(name)
@@ -415,8 +479,9 @@ class Orchestrator(DemandView):
             await self.sup.launch_job.start(name, None, wait=True, preempt=spec.preempt)
         # A start or wake of someone else's (a boot's, an operator's, a restart's after a
         # crash), still under way: its end is a stored state, its failure answered at once.
-        await self.changes.until(lambda: self.svc.state_of(name) not in (STARTING, SLEEPING)
-                                 and not self.start_under_way(name))
+        await self.changes.of(name).until(
+            lambda: self.svc.state_of(name) not in (STARTING, SLEEPING)
+            and not self.start_under_way(name))
         state = self.svc.state_of(name)
         if state != RUNNING:
             rec = self.svc.records.get(name)
@@ -445,7 +510,7 @@ class Orchestrator(DemandView):
                         weight=weight)
         self.shares = joined(self.shares, requester)
         self.queued.setdefault(name, []).append(ticket)
-        self.changed()  # the queue's order changed: who is next may be another
+        self._queue_changed()  # the queue's order changed: who is next may be another
         went = False
         try:
             async with asyncio.timeout(router.queue_timeout_s):
@@ -470,7 +535,7 @@ class Orchestrator(DemandView):
             self.shares = forget(self.shares, (t.requester for w in self.queued.values()
                                                for t in w))
             self.counts.waited(name, self.clock() - ticket.arrived)
-            self.changed()
+            self._queue_changed()
 
     def _turn(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
               min_awake_s: float) -> asyncio.Task[None]:
@@ -515,6 +580,7 @@ class Orchestrator(DemandView):
         own), not once per waiting serve that looks."""
         if self._looked is None:
             self._looked = order(self.tickets(), self.shares)
+            self._to_bring = list(dict.fromkeys(t.serve for t in self._looked if not t.running))
         return self._looked
 
     def _head(self) -> str | None:
@@ -552,13 +618,29 @@ class Orchestrator(DemandView):
                          min_awake_s: float) -> None:
         """Wait for NAME to run, for every request waiting for it: at its turn (the head of
         the queue) it tries and evicts as the queue allows; before it only when it backfills.
-        Each wait ends on the next change (a state stored, a life's step, a drain's end, a
-        count of requests in flight read, the queue's own) or the next deadline, whichever is
-        first: a retry that the last try's QUEUE_RETRY_S held off, or what the queue's decision
-        names (Protected.wait_s: a victim's min_awake_s ending, an idle time to come). A change
-        that comes while a try is held off is tried at the hold's end, never lost."""
+        Each wait ends on the next change that can alter what it decides, or the next
+        deadline, whichever is first: a retry that the last try's QUEUE_RETRY_S held off, or
+        what the queue's decision names (Protected.wait_s: a victim's min_awake_s ending, an
+        idle time to come). A change that comes while a try is held off is tried at the hold's
+        end, never lost; nor one that comes while it tries, evicts or awaits a bring-up (its
+        pulse's `fired`, read before it looks), but those of an eviction refused (the
+        attempt's own: its victim's drain and life), looked at when the refusal's wait ends.
+
+        What it decides on, and the change that wakes it (NAME's pulse, `changed`): NAME's
+        state, settling and bring-up: a change naming NAME. The memory free on NAME's roles and
+        the serves there it may evict (their state, settling, bring-up, requests in flight):
+        a change naming a serve on one of its roles. Whether it is the head, and whether it
+        backfills (the queue's order; the memory free on every waiting serve's roles): the
+        queue's look once such a change is done (`_look_again`), which wakes it when it becomes
+        the head or begins to backfill. Another's swap under way: its end wakes the head and
+        the serves that backfill (`_swapped`). Anything else (a reload, gpud ready) names no
+        serve and wakes every waiter."""
+        pulse = self.changes.of(name)
         tried = self.clock()  # the refusal that made the first request wait was a try
-        while not (self.svc.state_of(name) == RUNNING and not self.settling(name)):
+        while True:
+            seen = pulse.fired  # a change from here on is looked at (never lost)
+            if self.svc.state_of(name) == RUNNING and not self.settling(name):
+                return
             task = self.sup.bringup(name)
             if task is not None and not task.done():  # under way: the waiters share it
                 try:
@@ -581,11 +663,13 @@ class Orchestrator(DemandView):
                 # client gone, its queue_timeout_s over) does not cut an eviction short.
                 swap = asyncio.get_running_loop().create_task(
                     self._swap_in(name, spec, cause, min_awake_s, try_first=held_s <= 0))
-                self._swapping = swap
+                self._swapping, self._swapper = swap, name
                 swap.add_done_callback(self._swapped)
                 outcome = await asyncio.shield(swap)
                 if outcome is None:
                     continue
+                if isinstance(outcome, EvictionRefused):
+                    seen = pulse.fired  # the attempt's own changes: looked at past wait_s
                 wait_s = outcome.wait_s if held_s <= 0 else min(outcome.wait_s, held_s)
             elif name in self.backfills():
                 # memory freed otherwise (a stop, an idle sleep), and none the head of the
@@ -598,14 +682,15 @@ class Orchestrator(DemandView):
                         return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if math.isinf(wait_s) else wait_s):
-                    await self.changes.next()
+                    await pulse.next(since=seen)
 
     def backfills(self, also: str | None = None) -> list[str]:
         """The waiting serves that may come up now without evicting anything and without taking
         memory the head of the queue needs at its earliest start (gpud.core.queue.backfill),
         the queue in its fair order; ALSO: a serve a request arrives for, after them."""
         serves = self.svc.config.serves
-        names = [t.serve for t in self.ordered() if not t.running]
+        self.ordered()
+        names = list(self._to_bring)  # each once: not one per waiting request
         if also is not None:
             names.append(also)
         names = [n for n in dict.fromkeys(names) if n in serves]
@@ -629,11 +714,13 @@ class Orchestrator(DemandView):
                            head=self._head())
 
     def _swapped(self, task: asyncio.Task[Protected | None]) -> None:
+        swapper = None
         if self._swapping is task:
-            self._swapping = None
+            self._swapping, swapper = None, self._swapper
         if not task.cancelled():
             task.exception()  # retrieved here: its request may have gone
-        self.changed()  # the next swap may begin
+        # the next swap may begin, and the serves that backfill go (the swapper has its outcome)
+        self._queue_changed(swap_ended=True, swapper=swapper)
 
     async def _swap_in(self, name: str, spec: ServeConfig, cause: RouterRequest | None,
                        min_awake_s: float, *, try_first: bool) -> Protected | None:
@@ -696,11 +783,11 @@ class Orchestrator(DemandView):
             log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
                         extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
             if exc.details.get("busy"):
-                return Protected(math.inf, exc.message)
-            return Protected(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
+                return EvictionRefused(math.inf, exc.message)
+            return EvictionRefused(QUEUE_RETRY_S, f"the eviction of {victim} was refused")
         finally:
             self.svc.records.apply(victim, Idling(False))
-            self.changed()
+            self.changed((victim,))
         self.counts.add(self.counts.evictions, victim)
         self.svc.records.apply(victim, UpAt(None))
         return None

@@ -25,7 +25,7 @@ systemd (PID, restarts) or begun anew (demand, life) when gpud starts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 from gpud.core.demand import Demand
@@ -57,6 +57,8 @@ class ServeRecords(Mapping[str, Record]):
 
     def __init__(self) -> None:
         self._records: dict[str, Record] = {}
+        # Told, with the serve's name, after each change of a serve's life (`watch_lives`).
+        self._life_listeners: list[Callable[[str], None]] = []
 
     def __getitem__(self, serve: str) -> Record:
         return self._records[serve]
@@ -79,11 +81,20 @@ class ServeRecords(Mapping[str, Record]):
         known = serve in self._records
         if not known and isinstance(event, UnitPid | UnitRestarts):
             return Stepped(NO_RECORD)
-        stepped = step(self.of(serve), event)
+        before = self.of(serve)
+        stepped = step(before, event)
         if isinstance(stepped, Stepped) and (known or isinstance(event, Stored)
                                              or stepped.serve != NO_RECORD):
             self._records[serve] = stepped.serve
+            if stepped.serve.life is not before.life:
+                for listener in self._life_listeners:
+                    listener(serve)
         return stepped
+
+    def watch_lives(self, listener: Callable[[str], None]) -> None:
+        """Call `listener` with the serve's name after each change of a serve's life (a step of
+        gpud.core.lifecycle: the supervisor's, Runtime.step)."""
+        self._life_listeners.append(listener)
 
     def decide(self, serve: str, event: Event, state: ServeState | None,
                reserved: Reserved) -> Stepped | StateRefusal:

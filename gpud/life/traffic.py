@@ -48,11 +48,12 @@ class Traffic:
         self._held: dict[str, int] = {}
         self._uncounted: set[str] = set()
         # Told when a drain is over (`watch`): the front's ensure waits for that.
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[str], None]] = []
 
-    def watch(self, listener: Callable[[], None]) -> None:
-        """Call `listener` whenever a serve stops being held (`held`) and whenever a serve's
-        count of requests in flight, as read, changes (the queue's victims wait on both)."""
+    def watch(self, listener: Callable[[str], None]) -> None:
+        """Call `listener` with the serve's name whenever a serve stops being held (`held`) and
+        whenever a serve's count of requests in flight, as read, changes (the queue's victims
+        wait on both)."""
         self._listeners.append(listener)
 
     def draining(self, serve: str) -> bool:
@@ -70,7 +71,7 @@ class Traffic:
             if not self._held[serve]:
                 del self._held[serve]
             for listener in self._listeners:
-                listener()
+                listener(serve)
 
     def flight(self, serve: str) -> Flight:
         return self.flights.get(serve, Flight())
@@ -93,7 +94,7 @@ class Traffic:
             self.flights[serve] = flight
             if flight.in_flight != before.in_flight:
                 for listener in self._listeners:
-                    listener()
+                    listener(serve)
         return flight
 
     async def loop(self) -> None:

@@ -96,8 +96,9 @@ class Writes:
         self.store_failing_since: float | None = None
         self.store_failures = 0
         self._store_logged_at: float | None = None
-        # Called after each commit that stored a serve's state (gpud.nginx.front's awake files).
-        self._state_listeners: list[Callable[[], None]] = []
+        # Called after each commit that stored a serve's state (gpud.nginx.front's awake files),
+        # with the serves it changed.
+        self._state_listeners: list[Callable[[frozenset[str]], None]] = []
         # Repeated refusals: one stored event per window and key (RepeatedRefusals).
         self.refusals = RepeatedRefusals(self.submit, lambda: self.clock(), self.counters)
 
@@ -126,9 +127,10 @@ class Writes:
         service alone, after a commit; the other parts through their one writer each)."""
         return self._records
 
-    def watch_states(self, listener: Callable[[], None]) -> None:
+    def watch_states(self, listener: Callable[[frozenset[str]], None]) -> None:
         """Call `listener` after every commit that stored a serve's state (read them from
-        `states`)."""
+        `states`), with the serves the commit changed: those whose state it stored, and those
+        whose reservation it made or dropped (the memory it took or freed)."""
         self._state_listeners.append(listener)
 
     @property
@@ -234,9 +236,12 @@ class Writes:
                                     for row in p.changes.states}
             self._check_invariant()
             if any(p.changes.states for p in batch):
+                serves = frozenset(s for p in batch for s in (
+                    *(r.serve for r in p.changes.states), *(r.serve for r in p.changes.put),
+                    *p.changes.delete))
                 for listener in self._state_listeners:
                     try:
-                        listener()
+                        listener(serves)
                     except Exception:  # the change is durable: its callers are answered anyway
                         log.exception("a listener of serve states failed")
             if self._since_prune >= prune_batch(self.config.daemon.events_keep):

@@ -194,12 +194,6 @@ class Runtime:
         # The handles of the work under way for each serve (none for a serve with none).
         self.serves: dict[str, Handles] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
-        # Told after each step of a serve's life (`watch_lives`).
-        self._life_listeners: list[Callable[[], None]] = []
-
-    def watch_lives(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change of a serve's life (read it with `life`)."""
-        self._life_listeners.append(listener)
 
     def life(self, serve: str) -> ServeLife:
         return self.svc.records.life(serve)
@@ -214,10 +208,8 @@ class Runtime:
         lifecycle input changes no state); what to do about it."""
         stepped = self.svc.records.apply(serve, inp)
         assert isinstance(stepped, Stepped)  # the supervisor's inputs are never refused
-        actions = [e for e in stepped.effects if not isinstance(e, StoreState)]
-        for listener in self._life_listeners:
-            listener()
-        return actions
+        # (the serve's life told to who listens: gpud.life.records.ServeRecords.watch_lives)
+        return [e for e in stepped.effects if not isinstance(e, StoreState)]
 
     def returning(self, device: str) -> set[str]:
         """The serves whose memory is on its way back to DEVICE."""
