@@ -12,6 +12,7 @@ from gpud.core.traffic import (
     Flight,
     Outcome,
     drain_done,
+    idle_action,
     idle_due,
     idle_from,
     in_flight_from_metrics,
@@ -119,3 +120,20 @@ def test_a_drains_account(before: int | None, after: int | None, outcome: Outcom
 
 def test_the_outcomes_are_their_words() -> None:
     assert [str(o) for o in Outcome] == ["none", "drained", "aborted", "unknown"]
+
+
+@pytest.mark.parametrize(("state", "idle", "sleep_s", "stop_s", "level", "action"), [
+    ("running", 9.9, 10.0, None, 1, None),
+    ("running", 10.0, 10.0, None, 1, "sleep"),
+    ("running", 10.0, 10.0, None, 0, None),  # cannot sleep
+    ("sleeping", 50.0, 10.0, None, 1, None),  # asleep already, no stop configured
+    ("sleeping", 60.0, 10.0, 60.0, 1, "stop"),
+    ("running", 60.0, 10.0, 60.0, 1, "stop"),  # past both: stopped at once
+    ("running", 30.0, None, 60.0, 0, None),
+    ("starting", 99.0, 1.0, 1.0, 1, None),
+    ("declared", 99.0, 1.0, 1.0, 1, None),
+])
+def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: float | None,
+                     level: int, action: str | None) -> None:
+    assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
+                       sleep_level=level) == action

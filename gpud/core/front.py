@@ -30,7 +30,7 @@ from gpud.core.nginxblocks import (
     unauthorized_location,
     upstream,
 )
-from gpud.core.vocab import NAME_RE, ServeState, SleepAction
+from gpud.core.vocab import NAME_RE
 
 # What clients of an OpenAI-compatible server use: a path ending in "/" is a prefix, any other
 # an exact path.
@@ -397,17 +397,3 @@ def render(cfg: FrontConfig) -> str:
     out.append("}")
     return "\n".join(out) + "\n"
 
-
-def idle_action(state: ServeState, idle_for_s: float, *, idle_sleep_s: float | None,
-                idle_stop_s: float | None, sleep_level: int) -> SleepAction | None:
-    """What an on-demand serve idle for `idle_for_s` (no request through its front) is due:
-    "stop" once past idle_stop_s (running or asleep), "sleep" once a running one with a
-    sleep_level is past idle_sleep_s, else None."""
-    if state not in (ServeState.RUNNING, ServeState.SLEEPING):
-        return None
-    if idle_stop_s is not None and idle_for_s >= idle_stop_s:
-        return SleepAction.STOP
-    if state == ServeState.RUNNING and sleep_level and idle_sleep_s is not None \
-            and idle_for_s >= idle_sleep_s:
-        return SleepAction.SLEEP
-    return None
