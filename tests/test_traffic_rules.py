@@ -14,6 +14,7 @@ from gpud.core.traffic import (
     drain_done,
     idle_action,
     idle_due,
+    idle_due_in,
     idle_from,
     in_flight_from_metrics,
     observe,
@@ -137,3 +138,15 @@ def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: flo
                      level: int, action: str | None) -> None:
     assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
                        sleep_level=level) == action
+
+
+@pytest.mark.parametrize(("idle", "sleep_s", "stop_s", "due_in"), [
+    (10.0, 30.0, 100.0, 20.0),  # the nearer threshold: the sleep, 20 s on
+    (40.0, 30.0, 100.0, 60.0),  # past the sleep's: the stop's
+    (10.0, None, 100.0, 90.0),
+    (30.0, 30.0, None, None),  # at a threshold it is due now (idle_due), none is ahead
+    (5.0, None, None, None),
+])
+def test_the_idle_check_waits_until_the_next_threshold_ahead(
+        idle: float, sleep_s: float | None, stop_s: float | None, due_in: float | None) -> None:
+    assert idle_due_in(idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s) == due_in
