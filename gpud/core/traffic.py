@@ -55,7 +55,7 @@ def in_flight_from_metrics(text: str) -> int | None:
                 break
         if line[:name_end] not in GAUGES:
             continue
-        parts = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        parts = line.rpartition("}")[2].split() if "{" in line else line.split()[1:]
         if not parts:
             continue
         try:
