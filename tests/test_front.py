@@ -26,7 +26,6 @@ from gpud.core.front import (
     WORKER_CONNECTIONS,
     FrontConfig,
     FrontServe,
-    idle_action,
     path_problem,
     render,
     socket_path,
@@ -430,23 +429,6 @@ def test_a_serve_that_is_down_answers_503(
     status, body = _get(port, "GET", "/v1/models")
     assert status == 503
     assert "not running" in body.decode()
-
-
-@pytest.mark.parametrize(("state", "idle", "sleep_s", "stop_s", "level", "action"), [
-    ("running", 9.9, 10.0, None, 1, None),
-    ("running", 10.0, 10.0, None, 1, "sleep"),
-    ("running", 10.0, 10.0, None, 0, None),  # cannot sleep
-    ("sleeping", 50.0, 10.0, None, 1, None),  # asleep already, no stop configured
-    ("sleeping", 60.0, 10.0, 60.0, 1, "stop"),
-    ("running", 60.0, 10.0, 60.0, 1, "stop"),  # past both: stopped at once
-    ("running", 30.0, None, 60.0, 0, None),
-    ("starting", 99.0, 1.0, 1.0, 1, None),
-    ("declared", 99.0, 1.0, 1.0, 1, None),
-])
-def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: float | None,
-                     level: int, action: str | None) -> None:
-    assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
-                       sleep_level=level) == action
 
 
 def test_show_commands_shows_a_fronted_serve_on_its_socket() -> None:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from gpud.core.front import GPUD_REQUEST_HEADERS, FrontConfig, FrontServe, render
+from gpud.core.front import FrontConfig, FrontServe, render
 from gpud.core.keys import ApiKey
+from gpud.core.nginxblocks import GPUD_REQUEST_HEADERS
 from gpud.core.router import ANONYMOUS, EnsureBound, RoutedServe, RouterFront, RouterRequest, router_request
 from gpud.core.routerconf import http_lines, main_lines
 from gpud.nginx.router import script_text

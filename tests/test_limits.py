@@ -5,7 +5,6 @@ tests/test_router_keys.py; here, which lines each key and setting makes."""
 
 from __future__ import annotations
 
-from gpud.core.front import REQUESTER_ADDR
 from gpud.core.keys import ApiKey
 from gpud.core.limits import (
     BODIES_ZONE,
@@ -15,6 +14,7 @@ from gpud.core.limits import (
     limit_lines,
     limit_zones,
 )
+from gpud.core.nginxblocks import REQUESTER_ADDR
 
 PLAIN = ApiKey("plain", "0" * 64, ("*",))
 BOTH = ApiKey("alice", "1" * 64, ("*",), max_concurrent=2, requests_per_minute=60)

@@ -12,7 +12,9 @@ from gpud.core.traffic import (
     Flight,
     Outcome,
     drain_done,
+    idle_action,
     idle_due,
+    idle_due_in,
     idle_from,
     in_flight_from_metrics,
     observe,
@@ -119,3 +121,32 @@ def test_a_drains_account(before: int | None, after: int | None, outcome: Outcom
 
 def test_the_outcomes_are_their_words() -> None:
     assert [str(o) for o in Outcome] == ["none", "drained", "aborted", "unknown"]
+
+
+@pytest.mark.parametrize(("state", "idle", "sleep_s", "stop_s", "level", "action"), [
+    ("running", 9.9, 10.0, None, 1, None),
+    ("running", 10.0, 10.0, None, 1, "sleep"),
+    ("running", 10.0, 10.0, None, 0, None),  # cannot sleep
+    ("sleeping", 50.0, 10.0, None, 1, None),  # asleep already, no stop configured
+    ("sleeping", 60.0, 10.0, 60.0, 1, "stop"),
+    ("running", 60.0, 10.0, 60.0, 1, "stop"),  # past both: stopped at once
+    ("running", 30.0, None, 60.0, 0, None),
+    ("starting", 99.0, 1.0, 1.0, 1, None),
+    ("declared", 99.0, 1.0, 1.0, 1, None),
+])
+def test_idle_action(state: str, idle: float, sleep_s: float | None, stop_s: float | None,
+                     level: int, action: str | None) -> None:
+    assert idle_action(state, idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s,
+                       sleep_level=level) == action
+
+
+@pytest.mark.parametrize(("idle", "sleep_s", "stop_s", "due_in"), [
+    (10.0, 30.0, 100.0, 20.0),  # the nearer threshold: the sleep, 20 s on
+    (40.0, 30.0, 100.0, 60.0),  # past the sleep's: the stop's
+    (10.0, None, 100.0, 90.0),
+    (30.0, 30.0, None, None),  # at a threshold it is due now (idle_due), none is ahead
+    (5.0, None, None, None),
+])
+def test_the_idle_check_waits_until_the_next_threshold_ahead(
+        idle: float, sleep_s: float | None, stop_s: float | None, due_in: float | None) -> None:
+    assert idle_due_in(idle, idle_sleep_s=sleep_s, idle_stop_s=stop_s) == due_in

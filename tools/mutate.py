@@ -45,6 +45,7 @@ MODULES: tuple[str, ...] = (
     "gpud/core/coalesce.py", "gpud/core/traffic.py",
     "gpud/core/queue.py", "gpud/core/demand.py",
     "gpud/core/keys.py", "gpud/core/limits.py", "gpud/core/routerlog.py",
+    "gpud/core/nginxblocks.py",
 )
 
 

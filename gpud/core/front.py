@@ -16,7 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from gpud.core.vocab import NAME_RE, ServeState, SleepAction
+from gpud.core.nginxblocks import (
+    GPUD_REQUEST_HEADERS,
+    READ_TIMEOUT_S,
+    REQUESTER_ADDR,
+    REQUESTER_ADDR_MAP,
+    ask_lines,
+    direct_location,
+    ensure_answers,
+    ensure_lines,
+    ensure_location,
+    not_running,
+    unauthorized_location,
+    upstream,
+)
+from gpud.core.vocab import NAME_RE
 
 # What clients of an OpenAI-compatible server use: a path ending in "/" is a prefix, any other
 # an exact path.
@@ -25,12 +39,6 @@ DEFAULT_PATHS: Final = ("/v1/", "/health", "/ping", "/version", "/tokenize", "/d
 # A path on the allow-list: plain URL path characters only, so it can be written into nginx's
 # config unquoted (no spaces, braces, semicolons, quotes or regex operators).
 PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/?)*")
-# Generations run for minutes and stream tokens with pauses in between: nginx's default read
-# timeout of 60 s would cut a long one.
-READ_TIMEOUT_S: Final = 3600
-# Idle keepalive connections to each serve (the front's and the router's upstreams): a new
-# connect per request would add its cost to every request's latency.
-KEEPALIVE: Final = 32
 
 # What one local user may hold of the front (docs/front.md, "Holding connections"). nginx
 # counts every connection against worker_connections (client and upstream alike: a proxied
@@ -188,20 +196,10 @@ class FrontConfig:
             raise ValueError("front: two serves on one port")
 
 
-# The request headers gpud reads from the front's and the router's ensure (gpud.server.api.ensure):
-# set by nginx only. No client header reaches gpud at all (its ensures pass none:
-# proxy_pass_request_headers off); these are dropped on the way to a serve too (the http
-# block's proxy_set_header to "", which nginx does not pass on: nginx has no way to drop
-# headers by prefix, and a serve reads none of gpud's).
-GPUD_REQUEST_HEADERS: Final = ("X-Gpud-Model", "X-Gpud-Key", "X-Gpud-Requester")
-
 # The internal location of an on-demand serve's check with gpud (no client can name it:
 # `internal`), and gpud's upstream.
 ENSURE_LOCATION: Final = "/.gpud-ensure"
 GPUD_UPSTREAM: Final = "gpud_api"
-# Retry-After of a refusal when gpud gives none, and of a serve that is not running (the
-# front's and the router's).
-RETRY_AFTER_S: Final = 30
 
 
 # A fronted port's named location that sends on a body the router's script read and rewrote
@@ -214,9 +212,7 @@ RETRY_AFTER_S: Final = 30
 # the access phase (a `return` would come before the counts).
 SEND_LOCATION: Final = "@gpud_send"
 PASS_LOCATION: Final = "@gpud_pass"
-ENSURE_LINES: Final = (f"            auth_request {ENSURE_LOCATION};",
-                       "            auth_request_set $gpud_reason $upstream_http_x_gpud_reason;",
-                       "            auth_request_set $gpud_retry $upstream_http_retry_after;")
+ENSURE_LINES: Final = tuple(ask_lines(ENSURE_LOCATION, "gpud"))
 
 
 def _locations(upstream: str, paths: Sequence[str], on_demand: bool,
@@ -270,10 +266,6 @@ def _body_routes(cfg: FrontConfig, serve: FrontServe,
     return lines, frozenset(routes)
 
 
-def _not_running(serve: str, why: str = "") -> str:
-    return f'{{"error": "serve {serve} is not running{why}"}}'
-
-
 def _keyed(serve: str) -> list[str]:
     """A fronted server's key check (FrontConfig.keys): in the rewrite phase, so a client
     without a key is answered 401 before its body is read; a key that may use none of the
@@ -283,10 +275,7 @@ def _keyed(serve: str) -> list[str]:
             "            return 401;",
             "        }",
             "        error_page 401 = @unauthorized;",
-            "        location @unauthorized {",
-            "            add_header WWW-Authenticate Bearer always;",
-            "            return 401 $router_unauthorized;",
-            "        }"]
+            *unauthorized_location("@unauthorized")]
 
 
 def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
@@ -298,54 +287,24 @@ def _on_demand(serve: FrontServe, upstream: str, awake_dir: str | None,
     (its file in `awake_dir`), so a serve that is awake answers as before while gpud is down
     and one that is asleep, starting or stopped answers 503 without being reached. (An `if`
     whose block is a `return` is one of the uses nginx documents as safe.)"""
-    timeout = serve.ensure_timeout_s
-    if awake_dir is None:
-        direct: list[str] = []
-    else:
-        direct = [f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
-                  f"                return 503 '{_not_running(serve.name, ' (gpud unreachable)')}';",
-                  "            }"]
+    assert serve.ensure_timeout_s is not None
+    # who asked (gpud bounds each requester): the key's name with keys, else the client's
+    # address, as the router's requester
+    requester = "$router_requester_of" if keys else f"addr:{REQUESTER_ADDR}"
+    asleep = f"503 '{not_running(serve.name, ' (gpud unreachable)')}'"
     return [
-        f"        location = {ENSURE_LOCATION} {{",
-        "            internal;",
-        f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
-        "            proxy_method POST;",
-        "            proxy_pass_request_body off;",
-        "            proxy_pass_request_headers off;",
-        '            proxy_set_header Content-Length "";',
-        # who asked (gpud bounds each requester): the key's name with keys, else the client's
-        # address, as the router's requester
-        "            proxy_set_header X-Gpud-Requester "
-        + ("$router_requester_of;" if keys else f"addr:{REQUESTER_ADDR};"),
-        f"            proxy_read_timeout {timeout}s;",
-        "        }",
-        "        error_page 403 = @refused;",
-        "        error_page 500 = @direct;",
+        *ensure_location(ENSURE_LOCATION, ensure_lines(GPUD_UPSTREAM, serve.name,
+                                                       serve.ensure_timeout_s,
+                                                       requester=requester)),
+        *ensure_answers("@refused", "@direct", "        "),
         # @direct's 502 (the serve not up either) goes on to @down
         "        recursive_error_pages on;",
         "        location @refused {",
         "            add_header Retry-After $gpud_retry always;",
         "            return 503 $gpud_reason;",
         "        }",
-        "        location @direct {",
-        *direct,
-        f"            proxy_pass http://{upstream};",
-        "        }",
+        *direct_location("@direct", upstream, serve.name, awake_dir, asleep),
     ]
-
-
-# A requester without a key is its address (docs/security.md, "Local users"): every loopback
-# address is one, "loopback": any local user may send from any of 127.0.0.0/8 (and ::1), so an
-# address there says nothing of who sends, and a bound per address would be one per address a
-# user cares to use. Used by the router's script too (router.js requesterOf).
-REQUESTER_ADDR: Final = "$gpud_requester_addr"
-REQUESTER_ADDR_MAP: Final = (
-    f"    map $remote_addr {REQUESTER_ADDR} {{",
-    r'        "~^127\." loopback;',
-    '        "::1" loopback;',
-    r'        "~^::ffff:127\." loopback;',
-    "        default $remote_addr;",
-    "    }")
 
 
 def render(cfg: FrontConfig) -> str:
@@ -408,19 +367,14 @@ def render(cfg: FrontConfig) -> str:
     if any(s.ensure_timeout_s is not None for s in cfg.serves):
         out += ["",
                 "    # gpud's API (on-demand serves)",
-                f"    upstream {GPUD_UPSTREAM} {{",
-                f"        server unix:{cfg.gpud_socket};",
-                "    }"]
+                *upstream(GPUD_UPSTREAM, f"unix:{cfg.gpud_socket}", keepalive=None)]
     for serve in sorted(cfg.serves, key=lambda s: s.port):
-        upstream = f"serve_{serve.name.replace('-', '_')}"
-        body_lines, body_paths = _body_routes(cfg, serve, upstream)
+        name = f"serve_{serve.name.replace('-', '_')}"
+        body_lines, body_paths = _body_routes(cfg, serve, name)
         out += [
             "",
             f"    # serve {serve.name}",
-            f"    upstream {upstream} {{",
-            f"        server unix:{serve.socket};",
-            f"        keepalive {KEEPALIVE};",
-            "    }",
+            *upstream(name, f"unix:{serve.socket}"),
             "    server {",
             f"        listen {cfg.listen}:{serve.port};",
             # A serve that is not up (stopped, starting, restarting): 503, not nginx's 502.
@@ -428,32 +382,18 @@ def render(cfg: FrontConfig) -> str:
             *(_keyed(serve.name) if cfg.keys else []),
             *cfg.policy(serve.name).server,
             *body_lines,
-            *_locations(upstream, [p for p in cfg.paths if p not in body_paths],
+            *_locations(name, [p for p in cfg.paths if p not in body_paths],
                         serve.ensure_timeout_s is not None, cfg.policy(serve.name)),
-            *(_on_demand(serve, upstream, cfg.awake_dir, cfg.keys)
+            *(_on_demand(serve, name, cfg.awake_dir, cfg.keys)
               if serve.ensure_timeout_s is not None else []),
             "        location / {",
             "            return 404;",
             "        }",
             "        location @down {",
-            f"            return 503 '{_not_running(serve.name)}';",
+            f"            return 503 '{not_running(serve.name)}';",
             "        }",
             "    }",
         ]
     out.append("}")
     return "\n".join(out) + "\n"
 
-
-def idle_action(state: ServeState, idle_for_s: float, *, idle_sleep_s: float | None,
-                idle_stop_s: float | None, sleep_level: int) -> SleepAction | None:
-    """What an on-demand serve idle for `idle_for_s` (no request through its front) is due:
-    "stop" once past idle_stop_s (running or asleep), "sleep" once a running one with a
-    sleep_level is past idle_sleep_s, else None."""
-    if state not in (ServeState.RUNNING, ServeState.SLEEPING):
-        return None
-    if idle_stop_s is not None and idle_for_s >= idle_stop_s:
-        return SleepAction.STOP
-    if state == ServeState.RUNNING and sleep_level and idle_sleep_s is not None \
-            and idle_for_s >= idle_sleep_s:
-        return SleepAction.SLEEP
-    return None

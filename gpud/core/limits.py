@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Final
 
-from gpud.core.front import REQUESTER_ADDR
 from gpud.core.keys import ApiKey
+from gpud.core.nginxblocks import REQUESTER_ADDR
 
 # A body this large or larger (10^6 bytes), or of a length not given (chunked), is a large
 # body: nginx holds up to max_body_mib of it in memory while it is read (client_body_buffer_size),

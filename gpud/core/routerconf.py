@@ -14,13 +14,7 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-from gpud.core.front import (
-    KEEPALIVE,
-    READ_TIMEOUT_S,
-    RETRY_AFTER_S,
-    SEND_LOCATION,
-    FrontPolicy,
-)
+from gpud.core.front import SEND_LOCATION, FrontPolicy
 from gpud.core.limits import (
     COUNTED_PAGE,
     FRONT_RATE_STATUS,
@@ -31,6 +25,17 @@ from gpud.core.limits import (
     conn_lines,
     limit_lines,
     limit_zones,
+)
+from gpud.core.nginxblocks import (
+    READ_TIMEOUT_S,
+    RETRY_AFTER_S,
+    ask_lines,
+    direct_location,
+    ensure_answers,
+    ensure_lines,
+    ensure_location,
+    unauthorized_location,
+    upstream,
 )
 from gpud.core.router import (
     FORWARDED_REQUESTER_RE,
@@ -191,14 +196,11 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
         # As the front's on-demand check (gpud.core.front._on_demand): 2xx yes, 403 refused
         # (503 with gpud's reason), anything else (gpud down) straight to the serve, which
         # answers if it is up (503 when it is not).
-        lines += [f"            auth_request {ENSURE_PREFIX}{serve.name};",
-                  "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
-                  "            auth_request_set $router_retry $upstream_http_retry_after;",
-                  # gpud's share (the bring-up, the queue): not the router's own latency
-                  "            auth_request_set $router_ensure_s $upstream_response_time;",
-                  "            error_page 403 = @router_refused;",
-                  *(["            error_page 429 = @router_limited;"] if limits else []),
-                  f"            error_page 500 = {serve.location}_direct;",
+        # gpud's share (the bring-up, the queue) timed: not the router's own latency
+        lines += [*ask_lines(f"{ENSURE_PREFIX}{serve.name}", "router", timed=True),
+                  *ensure_answers("@router_refused", f"{serve.location}_direct", " " * 12,
+                                  ["            error_page 429 = @router_limited;"]
+                                  if limits else []),
                   # a location's error pages replace the server's: the serve gone between
                   # gpud's yes and the connect (nginx's 502) is named here too
                   "            error_page 502 504 = @router_down;"]
@@ -221,34 +223,19 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
 
 def _ensure_lines(serve: RoutedServe, timeout_s: int) -> list[str]:
     """The inside of a location that asks gpud to have SERVE up (its ensure), waiting at most
-    TIMEOUT_S."""
-    return ["            internal;",
-            f"            proxy_pass http://{GPUD_UPSTREAM}/v1/serves/{serve.name}/ensure;",
-            "            proxy_method POST;",
-            "            proxy_pass_request_body off;",
-            # none of the client's headers: gpud's X-Gpud-* are the router's alone
-            "            proxy_pass_request_headers off;",
-            '            proxy_set_header Content-Length "";',
-            "            proxy_set_header X-Gpud-Model $router_model;",
-            # the key's own name ($router_key is the name usage is counted under)
-            "            proxy_set_header X-Gpud-Key $router_key_name;",
-            "            proxy_set_header X-Gpud-Requester $router_requester;",
-            f"            proxy_read_timeout {timeout_s}s;"]
+    TIMEOUT_S: the key's own name ($router_key is the name usage is counted under)."""
+    return ensure_lines(GPUD_UPSTREAM, serve.name, timeout_s, requester="$router_requester",
+                        model="$router_model", key="$router_key_name")
 
 
 def _starting_locations(serve: RoutedServe, timeout_s: int,
                         fair: Sequence[str]) -> list[str]:
     """The locations of an always-on serve that did not answer: its ensure (waiting at most
     TIMEOUT_S for a start under way) and the request sent again once gpud says it is up."""
-    return [f"        location = {ENSURE_PREFIX}{serve.name} {{",
-            *_ensure_lines(serve, timeout_s),
-            "        }",
+    return [*ensure_location(f"{ENSURE_PREFIX}{serve.name}", _ensure_lines(serve, timeout_s)),
             f"        location {serve.location}_starting {{",
             *fair,
-            f"            auth_request {ENSURE_PREFIX}{serve.name};",
-            "            auth_request_set $router_reason $upstream_http_x_gpud_reason;",
-            "            auth_request_set $router_retry $upstream_http_retry_after;",
-            "            auth_request_set $router_ensure_s $upstream_response_time;",
+            *ask_lines(f"{ENSURE_PREFIX}{serve.name}", "router", timed=True),
             "            error_page 403 = @router_refused;",
             "            error_page 500 502 504 = @router_down;",
             f"            proxy_pass http://{serve.upstream};",
@@ -264,32 +251,22 @@ def _ensure_locations(serve: RoutedServe, timeout_s: int, awake_dir: str | None,
     feedback."""
     ensure = _ensure_lines(serve, timeout_s)
     lines: list[str] = []
-    lines += [f"        location = {ENSURE_PREFIX}{serve.name} {{",
-              *ensure,
-              "        }",
+    lines += [*ensure_location(f"{ENSURE_PREFIX}{serve.name}", ensure),
               # The same ensure, asked by a stream's loading feedback (router.loading) as a
               # detached subrequest: gpud's answer is left in $router_ensured (its header
               # filter; a subrequest shares its parent's variables), which the script
               # looks at, so that nothing of the script waits on it and a client that hangs
               # up ends its request cleanly (L8). gpud unreachable: @router_ensure_failed.
-              f"        location = {ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX} {{",
-              *ensure,
-              "            js_header_filter router.ensured;",
-              "            error_page 500 502 504 = @router_ensure_failed;",
-              "        }",
-              f"        location {serve.location}_direct {{",
-              *body,
+              *ensure_location(f"{ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX}", ensure,
+                               ["            js_header_filter router.ensured;",
+                                "            error_page 500 502 504 = @router_ensure_failed;"]),
               # gpud did not answer: the serve only when gpud last said it was running
               # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
               # serve asleep, starting or stopped answers 503 at once (the server's
               # error page for 502: router.down) instead of holding the request
-              *([f"            if (!-f {awake_dir.rstrip('/')}/{serve.name}) {{",
-                 "                return 502;",
-                 "            }"] if awake_dir is not None and serve.socket is not None
-                else []),
-              f"            proxy_pass http://{serve.upstream};",
-              METER,
-              "        }",
+              *direct_location(f"{serve.location}_direct", serve.upstream, serve.name,
+                               awake_dir if serve.socket is not None else None, "502",
+                               before=body, after=[METER]),
               # A stream that waited with loading feedback (the script's SSI include,
               # a subrequest: its answer goes into the stream the script began): the
               # route after the prefix, POSTed with the request's body and headers; an
@@ -431,26 +408,15 @@ def _script_variables() -> list[str]:
 def _upstreams(router: RouterFront) -> list[str]:
     """The upstreams: gpud's socket (and its kept connections for GET /v1/route where there
     are peers), each serve's, each peer's router."""
-    out = [f"    upstream {GPUD_UPSTREAM} {{",
-           f"        server unix:{router.gpud_socket};",
-           "    }"]
+    out = upstream(GPUD_UPSTREAM, f"unix:{router.gpud_socket}", keepalive=None)
     if router.peers:
         # GET /v1/route, asked at a request for a model on several hosts: its connections kept
         # (a new one per question was most of its cost)
-        out += [f"    upstream {GPUD_ROUTE_UPSTREAM} {{",
-                f"        server unix:{router.gpud_socket};",
-                f"        keepalive {GPUD_ROUTE_KEEPALIVE};",
-                "    }"]
+        out += upstream(GPUD_ROUTE_UPSTREAM, f"unix:{router.gpud_socket}", GPUD_ROUTE_KEEPALIVE)
     for serve in sorted(router.serves, key=lambda s: s.name):
-        out += [f"    upstream {serve.upstream} {{",
-                f"        server {serve.server};",
-                f"        keepalive {KEEPALIVE};",
-                "    }"]
+        out += upstream(serve.upstream, serve.server)
     for peer in sorted(router.peers, key=lambda p: p.name):
-        out += [f"    upstream {peer.upstream} {{",
-                f"        server {peer.authority};",
-                f"        keepalive {KEEPALIVE};",
-                "    }"]
+        out += upstream(peer.upstream, peer.authority)
     return out
 
 
@@ -589,10 +555,7 @@ def _server_tail(router: RouterFront, limits: Sequence[str]) -> list[str]:
     refusals, the loading feedback, a serve down), the error pages' and the default."""
     counted = conn_lines(router.keys or (), router.large_bodies_per_requester)
     return [
-        *(["        location @router_unauthorized {",
-           "            add_header WWW-Authenticate Bearer always;",
-           "            return 401 $router_unauthorized;",
-           "        }"] if router.keys is not None else []),
+        *(unauthorized_location("@router_unauthorized") if router.keys is not None else []),
         # past a count of the routed locations (conn_lines): 429 before the body is read
         *(COUNTED_PAGE if counted else ()),
         *(QUOTA_PAGE if _budgets(router) else ()),

@@ -1,4 +1,4 @@
-"""What is in flight on a serve and since when it is idle: as data, pure.
+"""What is in flight on a serve, since when it is idle and what it is then due: as data, pure.
 
 The source is the serve's own count, read from its ``GET /metrics`` (gpud.life.traffic polls it):
 vLLM's gauges ``vllm:num_requests_running`` (requests in its model execution batches) and
@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Final
 
-from gpud.core.front import idle_action
 from gpud.core.vocab import Phase, ServeState, SleepAction
 
 RUNNING_GAUGE: Final = "vllm:num_requests_running"
@@ -56,7 +55,7 @@ def in_flight_from_metrics(text: str) -> int | None:
                 break
         if line[:name_end] not in GAUGES:
             continue
-        parts = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        parts = line.rpartition("}")[2].split() if "{" in line else line.split()[1:]
         if not parts:
             continue
         try:
@@ -98,10 +97,25 @@ def idle_from(last_begin: float | None, flight: Flight) -> float | None:
     return max(times) if times else None
 
 
+def idle_action(state: ServeState, idle_for_s: float, *, idle_sleep_s: float | None,
+                idle_stop_s: float | None, sleep_level: int) -> SleepAction | None:
+    """What an on-demand serve idle for `idle_for_s` (no request through its front) is due:
+    "stop" once past idle_stop_s (running or asleep), "sleep" once a running one with a
+    sleep_level is past idle_sleep_s, else None."""
+    if state not in (ServeState.RUNNING, ServeState.SLEEPING):
+        return None
+    if idle_stop_s is not None and idle_for_s >= idle_stop_s:
+        return SleepAction.STOP
+    if state == ServeState.RUNNING and sleep_level and idle_sleep_s is not None \
+            and idle_for_s >= idle_sleep_s:
+        return SleepAction.SLEEP
+    return None
+
+
 def idle_due(state: ServeState, flight: Flight, idle_for_s: float, *,
              idle_sleep_s: float | None, idle_stop_s: float | None,
              sleep_level: int) -> SleepAction | None:
-    """What an on-demand serve idle for `idle_for_s` is due (gpud.core.front.idle_action), and
+    """What an on-demand serve idle for `idle_for_s` is due (idle_action), and
     never while a request is in flight. An unknown count (None) does not hold it: its idle time
     then counts from the front's last ensure alone."""
     if flight.in_flight:
