@@ -114,7 +114,7 @@ http {
             return 404;
         }
         location @down {
-            return 503 '{"error": "serve ocr-2 is not running"}';
+            return 503 '{"error":{"message":"serve ocr-2 is not running","type":"server_error","param":null,"code":"model_not_running"}}';
         }
     }
 }
@@ -289,7 +289,7 @@ def test_with_gpud_unreachable_an_on_demand_serve_goes_by_its_awake_file() -> No
     assert """\
         location @direct {
             if (!-f /run/gpud/front/awake/od) {
-                return 503 '{"error": "serve od is not running (gpud unreachable)"}';
+                return 503 '{"error":{"message":"serve od is not running (gpud unreachable)","type":"server_error","param":null,"code":"model_not_running"}}';
             }
             proxy_pass http://serve_od;
         }

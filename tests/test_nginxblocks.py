@@ -132,9 +132,12 @@ def test_a_refused_key_is_answered_401_with_the_bearer_challenge() -> None:
 
 
 def test_the_not_running_body_is_json_naming_the_serve() -> None:
-    assert json.loads(not_running("ocr-2")) == {"error": "serve ocr-2 is not running"}
-    assert json.loads(not_running("od", " (gpud unreachable)")) == {
-        "error": "serve od is not running (gpud unreachable)"}
+    # OpenAI's error document, as the router's (router.js `down`)
+    assert json.loads(not_running("ocr-2")) == {"error": {
+        "message": "serve ocr-2 is not running", "type": "server_error", "param": None,
+        "code": "model_not_running"}}
+    assert json.loads(not_running("od", " (gpud unreachable)"))["error"]["message"] == (
+        "serve od is not running (gpud unreachable)")
 
 
 def test_every_loopback_address_is_one_requester() -> None:

@@ -14,6 +14,7 @@ Pure: values in, lines of nginx.conf out.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Final
 
@@ -127,5 +128,9 @@ def unauthorized_location(name: str) -> list[str]:
 
 
 def not_running(serve: str, why: str = "") -> str:
-    """The body a fronted port answers for SERVE when it is not running (WHY: more of it)."""
-    return f'{{"error": "serve {serve} is not running{why}"}}'
+    """The body a fronted port answers for SERVE when it is not running (WHY: more of it):
+    OpenAI's error document with the router's code (router.js `down`: `model_not_running`),
+    written as JSON.stringify writes it, so a client reads one shape on every door."""
+    return json.dumps({"error": {"message": f"serve {serve} is not running{why}",
+                                 "type": "server_error", "param": None,
+                                 "code": "model_not_running"}}, separators=(",", ":"))

@@ -399,7 +399,7 @@ function unauthorizedText(r) {
 
 // Who asks (gpud bounds each one, docs/router.md "Who is asking"): the key's name, else the
 // client's address, every loopback address one: addr:loopback (the front's map,
-// gpud.core.front REQUESTER_ADDR; docs/security.md). KEY: the request's, else looked up (a
+// gpud.core.nginxblocks REQUESTER_ADDR; docs/security.md). KEY: the request's, else looked up (a
 // fronted port's ensure: js_set $router_requester_of).
 function requesterOf(r, key) {
     if (key === undefined) {

@@ -122,8 +122,9 @@ def test_with_gpud_stopped_a_sleeping_serve_gets_503_from_the_front(limits: Sand
     gpud.sb.run(["systemctl", "stop", "gpud.service"], timeout=60)
     out = gpud.sb.run(["curl", "-s", "-w", "\n%{http_code}", od], user=OTHER).stdout
     # The front's own answer (the serve, asleep, would have answered 200 from its socket).
-    assert out.splitlines() == ['{"error": "serve od is not running (gpud unreachable)"}',
-                                "503"], out
+    assert out.splitlines() == [
+        '{"error":{"message":"serve od is not running (gpud unreachable)",'
+        '"type":"server_error","param":null,"code":"model_not_running"}}', "503"], out
     assert gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", od2],
                        user=OTHER).stdout == "200"
     awake = gpud.sb.run(["ls", "-A", "/run/gpud/front/awake"]).stdout.split()
