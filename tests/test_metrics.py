@@ -240,8 +240,8 @@ def test_idle_sleeps_and_stops_are_counted_by_serve(tmp_path: Path) -> None:
         svc.load()
         on_demand = OnDemand(svc, None)  # type: ignore[arg-type]  # the counts only
         first = render(svc, None, on_demand=on_demand)
-        on_demand.idle_sleeps["coder"] = 3
-        on_demand.idle_stops["lazy"] = 1
+        on_demand.counts.idle_sleeps["coder"] = 3
+        on_demand.counts.idle_stops["lazy"] = 1
         exposed = render(svc, None, on_demand=on_demand)
     finally:
         svc.close()
@@ -278,11 +278,11 @@ def test_the_queue_and_the_bring_ups_are_measured_by_serve(tmp_path: Path) -> No
         on_demand = OnDemand(svc, None)  # type: ignore[arg-type]  # the counts only
         first = render(svc, None, on_demand=on_demand)
         on_demand.queued["b"] = [1.0, 2.0, 3.0]
-        on_demand.evictions["a"] = 2
-        on_demand.queue_waits["b"] = Histogram.empty()
-        on_demand.queue_waits["b"].observe(4.0)
-        on_demand.bringups[("a", StepKind.START)] = Histogram.empty()
-        on_demand.bringups[("a", StepKind.START)].observe(12.0)
+        on_demand.counts.evictions["a"] = 2
+        on_demand.counts.queue_waits["b"] = Histogram.empty()
+        on_demand.counts.queue_waits["b"].observe(4.0)
+        on_demand.counts.bringups[("a", StepKind.START)] = Histogram.empty()
+        on_demand.counts.bringups[("a", StepKind.START)].observe(12.0)
         exposed = render(svc, None, on_demand=on_demand)
     finally:
         svc.close()

@@ -121,7 +121,7 @@ async def test_a_victims_min_awake_ending_brings_the_head_up_with_no_other_chang
     took = time.monotonic() - began
     assert reply.status == 204 and svc.state_of("b") == RUNNING and svc.state_of("a") == DECLARED
     assert 0.9 <= took < 1.5, took
-    assert od.evictions == {"a": 1}
+    assert od.counts.evictions == {"a": 1}
 
 
 async def test_the_requests_waiting_for_one_serve_share_one_turn() -> None:

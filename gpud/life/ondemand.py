@@ -62,7 +62,6 @@ from gpud.core.queue import (
     KEY_PRIORITY,
     WEIGHT,
     Arrival,
-    Histogram,
     Next,
     Protected,
     Shares,
@@ -169,28 +168,6 @@ class Orchestrator(DemandView):
         self._swap_ended: tuple[str | None] | None = None
         self._swapper: str | None = None
         self._idle = IdleCheck(self, self.changes, self.changed)
-
-    # The counts (gpud.life.counts), by the names they had here.
-    @property
-    def idle_sleeps(self) -> dict[str, int]:
-        return self.counts.idle_sleeps
-
-    @property
-    def idle_stops(self) -> dict[str, int]:
-        return self.counts.idle_stops
-
-    @property
-    def evictions(self) -> dict[str, int]:
-        return self.counts.evictions
-
-    @property
-    def queue_waits(self) -> dict[str, Histogram]:
-        return self.counts.queue_waits
-
-    @property
-    def bringups(self) -> dict[tuple[str, StepKind], Histogram]:
-        return self.counts.bringups
-
 
     @property
     def tries(self) -> dict[str, Tries]:
