@@ -1474,7 +1474,7 @@ function countedText(r) {
 var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
 var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
 var ABORT_CARRY = 32;
-var aborting = false, abortTold = false, aCarry = '';
+var aborting = false, abortTold = false, aCarry = '', aLooked = false;
 // Where the mark of a cut stream (its route's: ABORTS, MESSAGES_ABORTS, the latter the
 // message_delta's own, as pydantic writes it: its delta's only member set first) begins in
 // DATA, 0 when it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
@@ -1497,6 +1497,13 @@ function abortAt(r, data) {
 function abortEvent(r, data) {
     if (abortTold || data.length === 0) {
         return data;
+    }
+    if (!aLooked) {
+        aLooked = true;
+        if (data[0] === 0x7b) {  // a single answer (JSON), not a stream: nothing to tell
+            abortTold = true;
+            return data;
+        }
     }
     var end;  // the offset just past the blank line that ends the event in DATA; -1 not in it
     if (aborting && aCarry.slice(-1) === '\n' && data.slice(0, 1).toString() === '\n') {
