@@ -10,27 +10,18 @@ request is aborted, each event cut in two writes."""
 from __future__ import annotations
 
 import http.client
-import http.server
 import json
-import os
-import subprocess
-import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.core.front import FrontConfig, FrontServe
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import front_policy, http_lines, main_lines
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
-from tests.test_router import NGINX, NJS
-from tests.test_router_fronted_body import _UnixHTTP
-from tests.waiting import wait_until
+from gpud.core.routerconf import front_policy
+from tests.ports import free_port
+from tests.routerrig import NJS, Handler, router_dir, router_running, serving, unix_server
 
 
 def _dumps(doc: object) -> bytes:
@@ -86,13 +77,7 @@ class Rig:
 
 @pytest.fixture
 def rig() -> Iterator[Rig]:
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-abort-"))
-    tmp.chmod(0o755)
-    sock, run = tmp / "m.sock", tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(exist_ok=True)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Serve(Handler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:
@@ -114,42 +99,18 @@ def rig() -> Iterator[Rig]:
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
 
-        def address_string(self) -> str:
-            return "unix"
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    serve = _UnixHTTP(str(sock), Handler)
-    os.chmod(sock, 0o777)
-    threading.Thread(target=serve.serve_forever, daemon=True).start()
-    port, fport = free_port(), free_port()
-    router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("m", ("m",), socket=str(sock)),),
-                         njs_module=str(NJS), script=str(tmp / "router.js"),
-                         gpud_socket=str(tmp / "no-gpud.sock"), access_log=str(tmp / "a.log"))
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(FrontServe("m", fport, str(sock)),), run_dir=str(run), listen="127.0.0.1",
-        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
-        policies=(("m", front_policy(router, "m")),))))
-    errors = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=errors)
-    try:
-        wait_until(lambda: connects(port) and connects(fport), what="the front listening")
-        yield Rig(port, fport)
-        errors.flush()
-        assert "js exception" not in (tmp / "nginx.log").read_text()
-    except BaseException:
-        errors.flush()
-        print((tmp / "nginx.log").read_text())
-        raise
-    finally:
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        serve.shutdown()
-        serve.server_close()
-        errors.close()
+    with router_dir("gpud-abort-") as tmp:
+        sock = tmp / "m.sock"
+        port, fport = free_port(), free_port()
+        router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("m", ("m",), socket=str(sock)),),
+                             njs_module=str(NJS), script=str(tmp / "router.js"),
+                             gpud_socket=str(tmp / "no-gpud.sock"),
+                             access_log=str(tmp / "a.log"))
+        front = FrontConfig(serves=(FrontServe("m", fport, str(sock)),), listen="127.0.0.1",
+                            policies=(("m", front_policy(router, "m")),))
+        with serving(unix_server(sock, Serve)), router_running(tmp, router, fport, front=front):
+            yield Rig(port, fport)
+            assert "js exception" not in (tmp / "nginx.log").read_text()
 
 
 def _stream(port: int, route: str, user: str) -> bytes:
