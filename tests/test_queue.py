@@ -432,7 +432,7 @@ async def test_a_full_queue_and_a_timeout_are_refusals_with_retry_after() -> Non
         assert {k: said["details"][k] for k in figure} == figure, said
         assert text in said["message"], said
         assert "16000" not in reply.headers["X-Gpud-Reason"]  # no memory figures
-    assert od.queued == {} and od.queue_waits["od"].n == 1
+    assert od.queued == {} and od.counts.queue_waits["od"].n == 1
 
 
 def test_histogram_is_cumulative() -> None:
