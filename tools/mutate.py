@@ -45,13 +45,16 @@ MODULES: tuple[str, ...] = (
     "gpud/core/coalesce.py", "gpud/core/traffic.py",
     "gpud/core/queue.py", "gpud/core/demand.py",
     "gpud/core/keys.py", "gpud/core/limits.py", "gpud/core/routerlog.py",
-    "gpud/core/quota.py", "gpud/core/peers.py",
+    "gpud/core/quota.py", "gpud/core/peers.py", "gpud/core/router.py",
 )
 # A module whose tests/test_<module>*.py also names tests that are not its unit tests (a real
 # nginx, a running daemon) is measured by the files named here instead.
 TESTS: dict[str, tuple[str, ...]] = {
     # test_peers_daemon.py and test_peers_poller.py run gpud and peers as real processes
     "gpud/core/peers.py": ("tests/test_peers_core.py",),
+    # test_router*.py: the router in a real nginx; its settings' figures are read in the
+    # config routerconf renders from them (test_routerconf.py: pure)
+    "gpud/core/router.py": ("tests/test_core_router.py", "tests/test_routerconf.py"),
 }
 
 
