@@ -350,6 +350,11 @@ def test_ip_access_reads_the_service_sections_lists_in_order() -> None:
     # a section opened later ends the [Service] one
     assert ip_access(["[Service]\n[Install]\nIPAddressDeny=any\n"]) == IPAccess()
     assert ip_access([]) == IPAccess()
+    # each file starts in no section; a value that ends in "]" opens none
+    assert ip_access(["[Service]\nIPAddressDeny=any\n", "IPAddressDeny=10.0.0.0/8\n"]) == (
+        IPAccess((), ("any",)))
+    assert ip_access(["[Service]\nEnvironment=LIST=[a]\nIPAddressDeny=any\n"]) == (
+        IPAccess((), ("any",)))
 
 
 def test_an_address_is_granted_by_allow_else_denied_by_deny_else_granted() -> None:
