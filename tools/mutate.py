@@ -45,7 +45,7 @@ MODULES: tuple[str, ...] = (
     "gpud/core/coalesce.py", "gpud/core/traffic.py",
     "gpud/core/queue.py", "gpud/core/demand.py",
     "gpud/core/keys.py", "gpud/core/limits.py", "gpud/core/routerlog.py",
-    "gpud/core/quota.py", "gpud/core/peers.py", "gpud/core/router.py",
+    "gpud/core/quota.py", "gpud/core/peers.py", "gpud/core/router.py", "gpud/core/routerconf.py",
 )
 # A module whose tests/test_<module>*.py also names tests that are not its unit tests (a real
 # nginx, a running daemon) is measured by the files named here instead.
