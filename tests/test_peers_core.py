@@ -20,13 +20,19 @@ from gpud.core.peers import (
     CircuitAction,
     CircuitEvent,
     CircuitState,
+    HostModel,
+    IPAccess,
+    MergedModel,
     ModelsProblem,
     Offer,
     PeerModel,
     PeerOutcome,
+    admits,
     choose_host,
     classify,
+    event_of,
     gpud_error_code,
+    ip_access,
     listing_entry,
     local_offer,
     may_send,
@@ -328,3 +334,146 @@ def test_choose_host_properties(given_offers: list[Offer], spillover: bool) -> N
 def test_the_core_module_has_no_io() -> None:
     source = Path(REPO / "gpud" / "core" / "peers.py").read_text()
     assert "import asyncio" not in source and "aiohttp" not in source
+
+
+# --- a unit's IP access lists (systemd.resource-control(5)) ---------------------------------
+
+def test_ip_access_reads_the_service_sections_lists_in_order() -> None:
+    unit = ("# IPAddressAllow=any\n; IPAddressDeny=any\n\n[Unit]\nIPAddressAllow=any\n"
+            "[Service]\nIPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.0/8\n"
+            "  IPAddressAllow = 192.168.1.7\nOther=x\nnot an assignment\n")
+    assert ip_access([unit]) == IPAccess(("localhost", "10.0.0.0/8", "192.168.1.7"), ("any",))
+    # a drop-in's empty assignment resets the list; a later one adds again
+    dropin = "[Service]\nIPAddressAllow=\nIPAddressAllow=100.64.0.0/10\n"
+    assert ip_access([unit, dropin]) == IPAccess(("100.64.0.0/10",), ("any",))
+    assert ip_access([unit, "[Service]\nIPAddressDeny=  \n"]).deny == ()
+    # a section opened later ends the [Service] one
+    assert ip_access(["[Service]\n[Install]\nIPAddressDeny=any\n"]) == IPAccess()
+    assert ip_access([]) == IPAccess()
+    # each file starts in no section; a value that ends in "]" opens none
+    assert ip_access(["[Service]\nIPAddressDeny=any\n", "IPAddressDeny=10.0.0.0/8\n"]) == (
+        IPAccess((), ("any",)))
+    assert ip_access(["[Service]\nEnvironment=LIST=[a]\nIPAddressDeny=any\n"]) == (
+        IPAccess((), ("any",)))
+
+
+def test_an_address_is_granted_by_allow_else_denied_by_deny_else_granted() -> None:
+    shipped = IPAccess(allow=("localhost",), deny=("any",))
+    assert admits(shipped, "127.0.0.1") and admits(shipped, "::1")
+    assert not admits(shipped, "100.64.0.2") and not admits(shipped, "fd00::2")
+    tailnet = IPAccess(allow=("localhost", "100.64.0.0/10"), deny=("any",))
+    assert admits(tailnet, "100.64.0.2") and not admits(tailnet, "100.128.0.1")
+    assert admits(IPAccess(), "203.0.113.9")
+    assert admits(IPAccess(deny=("10.0.0.0/8",)), "203.0.113.9")
+    assert not admits(IPAccess(deny=("10.0.0.0/8",)), "10.1.2.3")
+    # an entry systemd refuses matches nothing; a v4 network never matches a v6 address
+    assert admits(IPAccess(deny=("not-a-network", "0.0.0.0/0")), "::1")
+    assert not admits(IPAccess(allow=("garbage",), deny=("::/0",)), "::1")
+    assert admits(IPAccess(allow=("link-local",), deny=("any",)), "fe80::1")
+    assert not admits(IPAccess(allow=("multicast",), deny=("any",)), "fe80::1")
+    assert admits(IPAccess(allow=("multicast",), deny=("any",)), "224.0.0.1")
+
+
+# --- the edges -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("http://no de:80", "must not contain spaces or control characters"),
+    ("http://node\x00:80", "must not contain spaces or control characters"),
+    ("http://node\x7f:80", "must not contain spaces or control characters"),
+    ("http://node/!", "must have no path beyond '/'"),
+    ("http://user@node:80", "must not carry a user or password"),
+    ("http://[::1]x80", "'[::1]x80' is not HOST:PORT"),
+    ("http://[::1]:0", "the port '0' is not 1-65535"),
+    ("http://[::1]:", "the port '' is not 1-65535"),
+    ("http://:80", "names no host"),
+    ("http://node:65536", "the port '65536' is not 1-65535"),
+    ("http://node/v1", "must have no path beyond '/'"),
+    ("http://node/?q=1", "must have no query or fragment"),
+    ("http://node#f", "must have no query or fragment"),
+])
+def test_each_problem_of_a_url_is_named(url: str, says: str) -> None:
+    problem = url_problem(url)
+    assert problem is not None and says in problem, problem
+
+
+def test_the_edges_of_a_good_url() -> None:
+    for url in ("http://node:65535", "http://node:1", "http://[::1]", "http://[::1]:65535/"):
+        assert url_problem(url) is None, url
+
+
+@pytest.mark.parametrize(("status", "outcome"), [
+    (199, PeerOutcome.ANSWER), (200, PeerOutcome.OK), (299, PeerOutcome.OK),
+    (300, PeerOutcome.FAILURE), (399, PeerOutcome.FAILURE), (400, PeerOutcome.ANSWER),
+    (499, PeerOutcome.ANSWER), (500, PeerOutcome.FAILURE)])
+def test_the_edges_of_each_class_of_status(status: int, outcome: PeerOutcome) -> None:
+    assert classify(status, b"<html>bad gateway</html>") == outcome
+
+
+def test_gpuds_error_code_is_read_from_its_document() -> None:
+    doc = {"error": {"message": "no memory", "type": "x", "code": "no_memory"}}
+    assert gpud_error_code(json.dumps(doc).encode()) == "no_memory"
+
+
+def test_each_outcome_is_its_circuits_event() -> None:
+    assert [event_of(o) for o in PeerOutcome] == [
+        CircuitEvent.OK, CircuitEvent.ANSWER, CircuitEvent.FAILURE]
+
+
+def test_an_open_circuit_keeps_the_latest_failures_reason() -> None:
+    opened, _ = step(Circuit(), CircuitEvent.FAILURE, 10.0, "refused")
+    assert opened == Circuit(OPEN, 10.0, "refused")
+    again, actions = step(opened, CircuitEvent.FAILURE, 20.0, "timed out")
+    assert again == Circuit(OPEN, 10.0, "timed out") and actions == ()
+    # a failure that says nothing keeps what it had; a closed circuit keeps no reason
+    assert step(again, CircuitEvent.FAILURE, 30.0)[0] == again
+    assert step(Circuit(), CircuitEvent.OK, 5.0, "ignored")[0] == Circuit()
+    half, _ = step(again, CircuitEvent.PROBE_DUE, 40.0, "probe")
+    assert step(half, CircuitEvent.PROBE_DUE, 41.0, "other")[0] == half
+
+
+def models_body(n: int, pad_to: int | None = None) -> bytes:
+    body = json.dumps({"data": [{"id": f"m{i}"} for i in range(n)]}).encode()
+    return body if pad_to is None else body + b" " * (pad_to - len(body))
+
+
+def test_the_bounds_of_an_answer_are_inclusive() -> None:
+    mib = 1048576  # 1 MiB, written out: the constant is what a mutant changes
+    assert len(parse_models(models_body(1, pad_to=mib))) == 1
+    with pytest.raises(ModelsProblem, match="answer over"):
+        parse_models(models_body(1, pad_to=mib + 1))
+    assert len(parse_models(models_body(4096))) == 4096
+    with pytest.raises(ModelsProblem, match="lists 4097 models, over"):
+        parse_models(models_body(4097))
+
+
+def test_what_a_model_entry_says_that_is_not_its_shape_is_ignored() -> None:
+    body = json.dumps({"data": [
+        {"id": "a", "gpud": "not an object"},
+        {"id": "b", "gpud": {"state": "sleeping", "expected_wait_s": 0,
+                             "queue": [{"waiting": 2}, {"waiting": "3"}, 5, {"other": 1},
+                                       {"waiting": 1}]}},
+        {"id": "c", "gpud": {"expected_wait_s": 0.5}}]}).encode()
+    assert parse_models(body) == (PeerModel("a"), PeerModel("b", "sleeping", 0.0, 3),
+                                  PeerModel("c", "unknown", 0.5))
+
+
+def test_a_model_only_peers_serve_names_the_first_as_via() -> None:
+    merged = MergedModel("m", (HostModel("a", PeerModel("m")), HostModel("b", PeerModel("m"))))
+    assert listing_entry(merged) == {"hosts": ["a", "b"], VIA_FIELD: "a"}
+
+
+def test_one_request_waiting_makes_a_host_saturated() -> None:
+    assert peer_offer("b", PeerModel("m", "running", None, 1)).saturated
+    assert local_offer("running", 1, False, None).saturated
+
+
+def test_ready_beats_a_wait_of_zero_and_several_ready_peers_go_by_name() -> None:
+    ready_b = Offer("b", awake=True)
+    assert choose_host([Offer("a", awake=False, expected_wait_s=0.0), ready_b],
+                       spillover=True) == ready_b
+    here = Offer(None, awake=False, expected_wait_s=1.0)
+    assert choose_host([here, Offer("c", True), Offer("b", True)]).host == "b"
+    # every peer's queue full and no serve here: the best of them all the same
+    full_a = Offer("a", awake=True, saturated=True, queue_full=True, expected_wait_s=9.0)
+    full_b = Offer("b", awake=True, saturated=True, queue_full=True, expected_wait_s=1.0)
+    assert choose_host([full_a, full_b]) == full_b

@@ -179,3 +179,19 @@ def test_what_the_router_is_told_does_not_change_as_an_over_key_spends_more() ->
     once = over_budget([row("2026-02-27T09:00:00", "alice", 100, 0)], budgets, NOW)
     more = over_budget([row("2026-02-27T09:00:00", "alice", 100, 50)], budgets, NOW)
     assert once == more and (once[0].used, more[0].used) == (100, 150)
+
+
+def test_an_hour_counts_in_the_day_and_month_its_start_falls_in() -> None:
+    budgets = {"alice": Budget(tokens_per_day=10**6, tokens_per_month=10**6)}
+    rows = [row("2026-02-01T00:00:00", "alice", 1, 0),    # the month's first hour
+            row("2026-02-27T00:00:00", "alice", 10, 0),   # the day's first hour
+            row("2026-02-28T00:00:00", "alice", 100, 0),  # tomorrow's: the month's, not the day's
+            row("2026-03-01T00:00:00", "alice", 1000, 0)]  # next month's first hour: neither
+    [state] = budget_states(rows, budgets, NOW)
+    assert (state.used_day, state.used_month) == (10, 111)
+
+
+def test_a_key_past_its_budget_has_nothing_left_not_less() -> None:
+    [state] = budget_states([row("2026-02-27T09:00:00", "alice", 150, 0)],
+                            {"alice": Budget(100, 120)}, NOW)
+    assert (state.left("day"), state.left("month")) == (0, 0)
