@@ -440,8 +440,15 @@ def test_a_fronted_port_under_priority_scheduling_reads_the_body_first() -> None
     prio = front_policy(full(), "prio")
     assert prio.body_paths == ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                           "/v1/responses")
-    assert prio.read[-2:] == ("            client_max_body_size 8m;",
-                              "            client_body_buffer_size 8m;")
+    # the body read whole as the router's server reads it; past its bound the router's 413; a
+    # location's error pages replace the server's: the counts' 429 said again
+    assert prio.read[-4:] == ("            client_max_body_size 8m;",
+                              "            client_body_buffer_size 8m;",
+                              "            error_page 413 /.gpud-router-error/413;",
+                              "            error_page 429 = @router_counted;")
+    assert prio.server[-4:] == ("        location = /.gpud-router-error/413 {",
+                                "            internal;", "            return 413 $router_error_413;",
+                                "        }")
     assert prio.read[0] == "            limit_conn router_conn_0 2;"
     assert prio.send[2:] == ("            proxy_set_body $router_fair_body;",
                              "            limit_conn router_fair 1;",
@@ -456,16 +463,31 @@ def test_a_fronted_port_under_priority_scheduling_reads_the_body_first() -> None
     assert (chat.body_paths, chat.read, chat.send) == ((), (), ())
 
 
-def test_a_fronted_port_without_keys_or_log_has_no_policy_but_the_meter() -> None:
+def test_a_fronted_port_without_keys_or_log_names_its_serve_and_has_the_meter() -> None:
+    # without keys the port's serve is set for the script (with keys the key's check sets it)
     policy = front_policy(plain(large_bodies_per_requester=0), "tool")
-    assert policy.server == () and policy.location == ()
+    assert policy.server == ("        set $gpud_serve tool;",) and policy.location == ()
     assert policy.passing == ("            js_body_filter router.meter buffer_type=buffer;",)
     # a serve the router does not carry: counted under no model
     unknown = front_policy(plain(access_log="/l.log"), "gone")
-    assert unknown.server[1] == '        set $router_model "";'
+    assert unknown.server[:3] == ("        set $gpud_serve gone;",
+                                  "        access_log /l.log gpud_router;",
+                                  '        set $router_model "";')
     assert "        error_page 429 = @router_counted;" in unknown.server
     # a serve of several names: counted under its first
-    assert front_policy(plain(access_log="/l.log"), "chat").server[1] == (
+    assert front_policy(plain(access_log="/l.log"), "chat").server[2] == (
         '        set $router_model "chat";')
     keyed = front_policy(plain(keys=PLAIN_KEY, large_bodies_per_requester=0), "tool")
     assert keyed.server == ()
+
+
+def test_a_keys_limits_are_zones_of_the_http_block() -> None:
+    # alice (key 0) has max_concurrent = 2 and requests_per_minute = 60: a count zone and a
+    # rate zone keyed by her name alone, in the http block the routed locations count in
+    lines = http_lines(full())
+    assert "    limit_conn_zone $router_limit_0 zone=router_conn_0:1m;" in lines
+    assert "    limit_req_zone $router_limit_0 zone=router_rpm_0:1m rate=60r/m;" in lines
+    assert lines.index("    map $router_key_name $router_limit_0 {") < lines.index(
+        "    limit_conn_zone $router_limit_0 zone=router_conn_0:1m;")
+    # bob has no limits: no zone of his
+    assert not any("router_limit_1" in line for line in lines)
