@@ -273,7 +273,7 @@ def check(out: dict[str, Any], *, idle: int, slow: int) -> None:
                 error = json.loads(body)["error"]
             except (ValueError, KeyError, TypeError):
                 error = None
-            if not isinstance(error, dict):
+            if not isinstance(error, dict) or error.get("code") == "model_not_running":
                 continue  # the front's own 503 (a serve not running), not gpud's reason
             if "class" not in error.get("details", {}) or "MiB" in body:
                 problems.append(f"a 503 told the hostile user more than the class: {body}")
