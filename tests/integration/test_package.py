@@ -248,6 +248,11 @@ def test_enable_now_brings_gpud_up_from_the_package(sandbox: Sandbox, installed:
         assert show("gpud.service", "ActiveState") == "inactive"
         status = _wait_status(sandbox)
         assert status.returncode == 0, status.stdout + status.stderr
+        # gpud answers reads from the moment it listens, while it still reconciles: the unit
+        # is "activating" until gpud says READY=1 (Type=notify), which the client did not wait for
+        deadline = time.monotonic() + 30
+        while show("gpud.service", "ActiveState") == "activating" and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert show("gpud.service", "ActiveState") == "active"
         assert show("gpud.socket", "ActiveState") == "active"
         assert "gpud.socket" in show("gpud.service", "TriggeredBy")
