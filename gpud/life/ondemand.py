@@ -257,11 +257,10 @@ class Orchestrator(DemandView):
         named = None if serves is None else frozenset(serves)
         if named is None or not named.isdisjoint(self.queued):
             self._looked = None  # who runs among the waiting serves: their order
-        self.changes.fire(named)
+        roles = self.changes.fire(named)
         if not self.queued:
             self._acting = frozenset()
             return
-        roles = None if named is None else self.changes.roles(named)
         if roles is None or not roles.isdisjoint(
                 r for n in self.queued if n in self.svc.config.serves
                 for r in self.svc.config.serves[n].all_roles):

@@ -106,14 +106,15 @@ class Wakeups:
             out.update(spec.all_roles)
         return frozenset(out)
 
-    def fire(self, named: Collection[str] | None = None) -> None:
-        """A change of the serves NAMED (None: of anything): see the class."""
+    def fire(self, named: Collection[str] | None = None) -> frozenset[str] | None:
+        """A change of the serves NAMED (None: of anything): see the class. The roles it
+        concerned (None: every pulse was fired)."""
         self.any.fire()
         roles = None if named is None else self.roles(named)
         if roles is None:
             for pulse in list(self._pulses.values()):
                 pulse.fire()
-            return
+            return None
         config = self._serves()
         if config is not self._indexed:
             by_role: dict[str, list[str]] = {}
@@ -128,6 +129,7 @@ class Wakeups:
                 if serve not in woken:
                     woken.add(serve)
                     self.wake(serve)
+        return roles
 
     def wake(self, serve: str) -> None:
         """Fire SERVE's pulse alone (a change of the queue that makes it act: its turn)."""
