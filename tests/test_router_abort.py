@@ -69,6 +69,12 @@ def _events(route: str, doc: dict[str, Any]) -> list[bytes]:
     return openai_events("abort" if cut else "length")
 
 
+# A chat answer (not streamed) of a request vLLM aborted, a blank line (JSON's whitespace)
+# after its finish_reason: the marks a cut stream's event is put in after, in a single answer
+SINGLE = (b'{"id":"chatcmpl-1","object":"chat.completion","model":"m","choices":[{"index":0,'
+          b'"message":{"role":"assistant","content":"Hi"},"finish_reason":"abort"\n\n}]}')
+
+
 @dataclass
 class Rig:
     router: int
@@ -82,6 +88,17 @@ def rig() -> Iterator[Rig]:
 
         def do_POST(self) -> None:
             doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if not doc.get("stream"):
+                # a single answer (SINGLE), in two writes (chunked)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for part in (SINGLE[:40], SINGLE[40:]):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -113,11 +130,11 @@ def rig() -> Iterator[Rig]:
             assert "js exception" not in (tmp / "nginx.log").read_text()
 
 
-def _stream(port: int, route: str, user: str) -> bytes:
+def _stream(port: int, route: str, user: str, stream: bool = True) -> bytes:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("POST", route, headers={"Content-Type": "application/json"},
-                     body=json.dumps({"model": "m", "stream": True, "user": user,
+                     body=json.dumps({"model": "m", "stream": stream, "user": user,
                                       "max_tokens": 2, "messages": []}))
         resp = conn.getresponse()
         answer = resp.read()
@@ -186,3 +203,10 @@ def test_a_stream_that_ends_as_streams_end_is_passed_as_it_came(rig: Rig, door: 
                                                                 route: str) -> None:
     port = rig.router if door == "router" else rig.front
     assert _stream(port, route, "whole") == b"".join(_events(route, {"user": "whole"}))
+
+
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_a_single_answer_of_an_aborted_request_is_passed_as_it_came(rig: Rig, door: str) -> None:
+    # the error event is a stream's: a JSON answer gets none, whatever its text holds
+    port = rig.router if door == "router" else rig.front
+    assert _stream(port, "/v1/chat/completions", "cut:middle", stream=False) == SINGLE
