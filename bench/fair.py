@@ -303,6 +303,15 @@ def overhead(rounds: int, requests: int, old: str | None) -> None:
             m50, mcpu = statistics.median(p50[name]), statistics.median(cpu[name])
             print(f"{name:<28} {m50:>8.3f} {mcpu:>21.1f} {m50 - b50:>+17.3f} ms "
                   f"{100 * (mcpu - bcpu) / bcpu:>+18.1f} %")
+        if old is not None:
+            # each round measures both trees one after the other: the median of the rounds'
+            # ratios leaves out the machine's drift between rounds
+            print(f"\nthis tree against {old}, CPU per request, median of the {rounds} rounds' "
+                  "ratios (min-max)")
+            for name in ("keys", "keys+limits", "keys+limits+usage"):
+                ratios = [a / b for a, b in zip(cpu[name], cpu[f"{name} ({old})"], strict=True)]
+                print(f"{name:<28} {statistics.median(ratios):>6.3f}x "
+                      f"({min(ratios):.3f}-{max(ratios):.3f})")
         added = statistics.median(p50["keys+limits+usage"]) - b50
         more = 100 * (statistics.median(cpu["keys+limits+usage"]) - bcpu) / bcpu
         print(f"keys+limits+usage against the router without keys: p50 {added:+.3f} ms "
