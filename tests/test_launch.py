@@ -25,6 +25,7 @@ from gpud.core.launch import (
     serve_identity,
     show_commands,
     stop_budget,
+    tells_abort,
     through_shim,
     unit_restart,
     vllm_argv,
@@ -590,3 +591,22 @@ def test_a_vllm_serve_behind_the_router_runs_the_priority_policy() -> None:
 def test_scheduling_policy_read_from_args(args: list[str], policy: str | None) -> None:
     from gpud.core.launch import scheduling_policy
     assert scheduling_policy(args) == policy
+
+
+def test_a_fronted_vllm_serve_gets_dev_mode_and_is_told_its_end() -> None:
+    """Issue 50 item 6: a fronted vllm serve runs in vLLM's dev mode (its /pause behind the
+    front), so that what is still in flight when gpud stops it past its drain bound can be
+    ended with a told end (tells_abort); a serve reached by nothing, or without dev mode, is
+    not."""
+    fast = example_serves()["fast"]
+    fronted = fast.model_copy(update={"front": True})
+    assert vllm_environment(fronted)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert tells_abort(fronted)
+    assert not fast.front and not tells_abort(fast)  # its own port, no dev mode
+    assert tells_abort(fast.model_copy(update={"sleep_level": 1}))  # dev mode, its port
+    # the serve's own environment, read as vLLM reads it (bool(int(...)))
+    for value, told in (("1", True), ("2", True), ("0", False), ("", False), ("yes", False)):
+        own = fast.model_copy(update={"environment": {"VLLM_SERVER_DEV_MODE": value}})
+        assert tells_abort(own) is told, value
+    # dev mode that gpud cannot reach over HTTP (no port, no front)
+    assert not tells_abort(fronted.model_copy(update={"front": False, "port": None}))

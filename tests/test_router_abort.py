@@ -1,11 +1,11 @@
-"""No stream ends silently (docs/router.md, "A bound on holding a device"): a stream the serve
-ends with vLLM's abort (gpud put it to sleep past daemon.drain_timeout_s for a waiting
-request, router.evict_busy) gets an error event in its route's own shape after the event that
-says so: OpenAI's (`data: {"error": {... "code": "request_aborted"}}`, before [DONE]) on
-/v1/chat/completions, Anthropic's (`event: error`, `{"type": "error", "error": {type,
+"""No stream ends silently (docs/router.md, "A bound on holding a device"): a stream the serve ends
+with vLLM's abort (gpud put it to sleep, or paused it to stop it, past daemon.drain_timeout_s
+for a waiting request, router.evict_busy) gets an error event in its route's own shape after the
+event that says so: OpenAI's (`data: {"error": {... "code": "request_aborted"}}`, before [DONE])
+on /v1/chat/completions, Anthropic's (`event: error`, `{"type": "error", "error": {type,
 message}}`) on /v1/messages, through the router and through the serve's own fronted port. The
-real nginx and njs before a serve on a Unix socket that streams as vLLM 0.32 does when a
-request is aborted, each event cut in two writes."""
+real nginx and njs before a serve on a Unix socket that streams as vLLM 0.32 does when a request
+is aborted, each event cut in two writes."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import pytest
 
+from gpud.config import parse_config
 from gpud.core.lifecycle import Phase
 from gpud.core.traffic import (
     Drain,
@@ -20,7 +21,9 @@ from gpud.core.traffic import (
     settling,
 )
 from gpud.core.vocab import ServeState, SleepAction
-from gpud.life.traffic import Traffic
+from gpud.errors import Conflict, Unavailable
+from gpud.life.traffic import ABORT_PATH, Traffic, drain_to_stop
+from tests.conftest import example_toml
 
 # What vLLM 0.32's /metrics says (vllm/v1/metrics/loggers.py:527-545), two engines (data
 # parallel), and a histogram whose name begins like a gauge's.
@@ -133,3 +136,40 @@ async def test_a_drains_end_and_a_changed_count_are_told_with_the_serves_name() 
     for _ in range(3):
         await traffic.poll("b", cast(Any, None))
     assert told == ["a", "b", "b"]
+
+
+class _Drainer:
+    def __init__(self, drained: Drain) -> None:
+        self.drained = drained
+
+    async def drain(self, serve: str, spec: Any, bound_s: float) -> Drain:
+        return self.drained
+
+
+async def test_drain_to_stop_tells_what_is_left_at_the_bound_or_refuses() -> None:
+    """Issue 50 item 6, the stop's half: what is still in flight at the drain's bound is ended
+    with a told end (POST /pause?mode=abort) on a serve that can be told, refused when the
+    caller may not cut it, and stopped all the same (a journal line) when the pause fails."""
+    fast = parse_config(example_toml(), "etc/serves.toml").serves["fast"]
+    told = fast.model_copy(update={"front": True})  # dev mode, behind its front
+    busy, done = Drain(1, 1, 1.0, 1.0), Drain(1, 0, 0.5, 1.0)
+    asked: list[str] = []
+
+    async def tell(path: str) -> None:
+        asked.append(path)
+
+    assert await drain_to_stop(_Drainer(done), "s", told, 1.0, cut=True, tell=tell) == done
+    assert asked == []  # nothing left: nothing to tell
+    assert await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=True, tell=tell) == busy
+    assert asked == [ABORT_PATH]
+    with pytest.raises(Conflict) as refused:
+        await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=False, tell=tell)
+    assert refused.value.details["busy"] and asked == [ABORT_PATH]
+    # a serve that cannot be told (no dev mode) is stopped as it is: nothing asked of it
+    assert await drain_to_stop(_Drainer(busy), "s", fast, 1.0, cut=True, tell=tell) == busy
+    assert asked == [ABORT_PATH]
+
+    async def fails(path: str) -> None:
+        raise Unavailable("serve 's': POST /pause?mode=abort failed: refused", {})
+
+    assert await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=True, tell=fails) == busy

@@ -85,11 +85,34 @@ def vllm_environment(serve: ServeConfig) -> dict[str, str]:
         "VLLM_ENGINE_READY_TIMEOUT_S": str(math.ceil(serve.start_timeout_s)),
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(worker),
         "VLLM_NO_USAGE_STATS": "1",
-        # vLLM registers /sleep, /wake_up and /is_sleeping only in dev mode (vllm/envs.py;
-        # vllm/entrypoints/serve/__init__.py register_vllm_dev_api_routers); a serve that
-        # sleeps binds 127.0.0.1 (config check), so they never face the network.
-        **({"VLLM_SERVER_DEV_MODE": "1"} if serve.sleep_level else {}),
+        # vLLM registers /sleep, /wake_up and /is_sleeping, and /pause, only in dev mode
+        # (vllm/entrypoints/launchers/api_server/routers.py: register_vllm_dev_api_routers and
+        # register_rl_api_routers under envs.VLLM_SERVER_DEV_MODE, vllm 0.32). A serve that
+        # sleeps needs them; a fronted one gets them for /pause, its told end (`tells_abort`).
+        # Neither faces the network: a sleeper binds 127.0.0.1 (config check), a fronted serve
+        # listens on its socket, and the front forwards no dev route.
+        **({DEV_MODE: "1"} if serve.sleep_level or serve.front else {}),
     }
+
+
+# vllm/envs.py: VLLM_SERVER_DEV_MODE is read as bool(int(value)), default "0"
+DEV_MODE: Final = "VLLM_SERVER_DEV_MODE"
+
+
+def tells_abort(serve: ServeConfig) -> bool:
+    """Requests in flight on SERVE can be ended with a told end (`POST /pause?mode=abort`:
+    vLLM's engine aborts each, a stream's last chunk says finish_reason "abort", and the
+    router follows it with an error event), not merely cut by a stop: its environment, as gpud
+    launches it, has vLLM's dev mode (gpud's for a vllm serve that sleeps or is fronted, or
+    the serve's own `environment`), and gpud reaches it over HTTP (fronted, or a port).
+    vllm/entrypoints/rl/online/api_router.py pause_generation (mode "abort" by default;
+    vllm/v1/engine/async_llm.py pause_generation returns once the aborted requests' last
+    outputs are out), vllm 0.32."""
+    try:
+        dev = bool(int(serve_environment(serve).get(DEV_MODE, "0") or "0"))
+    except ValueError:
+        dev = False
+    return dev and (bool(serve.front) or serve.port is not None)
 
 
 def unit_restart(serve: ServeConfig) -> Literal["no", "on-failure", "always"]:

@@ -1456,8 +1456,8 @@ function countedText(r) {
 
 // A stream the serve ended before its end: vLLM's abort (its last chunk says finish_reason
 // "abort", then [DONE]; vllm/v1/engine/core.py pause_scheduler, mode=abort), when gpud puts the
-// serve to sleep past daemon.drain_timeout_s for a waiting request (router.evict_busy), for a
-// preemption, or for an operator's sleep. The chunk that says so is followed by an error event
+// serve to sleep, or pauses it (/pause?mode=abort) to stop it, past daemon.drain_timeout_s for
+// a waiting request (router.evict_busy), for a preemption, or for an operator's sleep. The chunk that says so is followed by an error event
 // (errorEvent's, before [DONE]) naming why, so that no client reads a stream that merely
 // stops: openai-python's Stream raises an event whose data has "error" as its APIError. The
 // serve's bytes pass as they came; the event is put in after the ending event's "\n\n" (in a
@@ -1529,8 +1529,9 @@ function abortEvent(r, data) {
     var serve = r.variables.router_serve || 'its serve';
     var ev = errorEvent(r, 503, {error: {
         message: 'serve ' + serve + ' ended this request before its end: gpud put it to ' +
-                 'sleep past its drain bound (daemon.drain_timeout_s) to give its GPU memory ' +
-                 'to another request, or for a preemption or an operator\'s sleep; retry',
+                 'sleep or stopped it past its drain bound (daemon.drain_timeout_s) to give ' +
+                 'its GPU memory to another request, or for a preemption or an operator\'s ' +
+                 'sleep; retry',
         type: 'server_error', param: null, code: 'request_aborted'}});
     if (r.uri !== '/v1/messages') {
         ev = ev.slice(0, ev.indexOf('data: [DONE]'));

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, ServeState, SleepAction
 from gpud.errors import GpudError
 from gpud.host.traffic import reachable
+from gpud.life.traffic import drain_to_stop
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -118,8 +120,9 @@ class IdleCheck:
                 else:
                     with self.traffic.held(name):
                         # nothing in flight by the idle check's count: the drain confirms it
-                        drained = await self.traffic.drain(
-                            name, spec, self.svc.config.daemon.drain_timeout_s)
+                        drained = await drain_to_stop(
+                            self.traffic, name, spec, self.svc.config.daemon.drain_timeout_s,
+                            cut=True, tell=functools.partial(self.sup.sleeps.post, name, spec))
                         await self.sup.stop_job.stop(name, None, idle_s=idle, drained=drained)
                 self.view.counts.add(self.view.counts.idle_stops, name)
                 self.svc.records.apply(name, LastActivity(None))

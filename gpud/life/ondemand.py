@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -58,6 +59,7 @@ from gpud.core.demand import (
     Tried,
     UpAt,
 )
+from gpud.core.launch import tells_abort
 from gpud.core.queue import (
     KEY_PRIORITY,
     WEIGHT,
@@ -86,7 +88,7 @@ from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.life.demandview import DemandView
 from gpud.life.idle import IdleCheck
 from gpud.life.pulse import Wakeups
-from gpud.life.traffic import refuse_cut
+from gpud.life.traffic import drain_to_stop
 from gpud.life.writes import COALESCE_REFUSALS
 
 if TYPE_CHECKING:
@@ -730,7 +732,8 @@ class Orchestrator(DemandView):
         """Put VICTIM to sleep (when it can sleep) or stop it, for a queued request for NAME (a
         serve of PRIORITY); its requests in flight are drained first, new ones wait (settling).
         A request still in flight at the drain's bound is ended only as gpud.core.queue.may_cut
-        allows (router.evict_busy, a victim that sleeps: each stream told), and journaled; else
+        allows (router.evict_busy, a victim that sleeps or tells_abort: each stream told), and
+        journaled; else
         the eviction is refused then. None: evicted; else how long the queue waits before it
         looks again (refused, logged): a busy victim on the next change of its count (or
         another change), any other refusal QUEUE_RETRY_S."""
@@ -741,20 +744,22 @@ class Orchestrator(DemandView):
         self.svc.records.apply(victim, Idling(True))
         try:
             if vspec.sleep_level:
-                router = self.svc.config.router
-                cut = may_cut(evict_busy=router is None or router.evict_busy,
-                              priority=priority, victim_priority=vspec.priority, aborts=True)
+                cut = self._may_cut(vspec, priority, aborts=True)
                 slept = await self.sup.sleeps.sleep(victim, None, evicted_for=name,
                                                     uncut=self.traffic is not None and not cut)
                 self._cut(victim, name, by, slept.get("in_flight"))
             elif self.traffic is None:
                 await self.sup.stop_job.stop(victim, None)
             else:
+                # what is left at the drain's bound is told its end before the stop
+                # (/pause?mode=abort: drain_to_stop) where the victim tells_abort
+                cut = self._may_cut(vspec, priority, aborts=tells_abort(vspec))
                 with self.traffic.held(victim):
-                    drained = await self.traffic.drain(
-                        victim, vspec, self.svc.config.daemon.drain_timeout_s)
-                    refuse_cut(victim, drained)
+                    drained = await drain_to_stop(
+                        self.traffic, victim, vspec, self.svc.config.daemon.drain_timeout_s,
+                        cut=cut, tell=functools.partial(self.sup.sleeps.post, victim, vspec))
                     await self.sup.stop_job.stop(victim, None, drained=drained)
+                self._cut(victim, name, by, drained.details())
         except GpudError as exc:
             log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
                         extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})
@@ -767,6 +772,13 @@ class Orchestrator(DemandView):
         self.counts.add(self.counts.evictions, victim)
         self.svc.records.apply(victim, UpAt(None))
         return None
+
+    def _may_cut(self, vspec: ServeConfig, priority: int, *, aborts: bool) -> bool:
+        """Requests in flight on a victim (VSPEC) at the drain's bound may be ended for a
+        request of PRIORITY (gpud.core.queue.may_cut): ABORTS, the victim tells each its end."""
+        router = self.svc.config.router
+        return may_cut(evict_busy=router is None or router.evict_busy, priority=priority,
+                       victim_priority=vspec.priority, aborts=aborts)
 
     def _cut(self, victim: str, name: str, by: str, drained: object) -> None:
         """The journal's line for requests in flight on VICTIM that its eviction for NAME ended

@@ -13,6 +13,7 @@ preempt, a start with --preempt and an admission with --preempt come here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from gpud.errors import Denied, GpudError
 from gpud.life.locks import Taken
 from gpud.life.service import LedgerService
 from gpud.life.steps import carry_out, undo_all
+from gpud.life.traffic import drain_to_stop
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -99,6 +101,7 @@ class Sleeper(Protocol):
     @property
     def traffic(self) -> Drainer | None: ...
     def sleep_mib(self, serve: str, spec: ServeConfig) -> int | None: ...
+    async def post(self, serve: str, spec: ServeConfig, path: str) -> None: ...
     def role_lock(self, _role: str) -> Taken: ...
     async def sleep(self, serve: str, uid: int | None, level: int | None = None, *,
                     preempted_by: str | None = None, idle_s: float | None = None,
@@ -230,12 +233,14 @@ class Preemption:
                     elif self.sleeps.traffic is None:
                         await self.serves.stop_job.stop(step.serve, uid)
                     else:
-                        # drained first; vLLM's SIGTERM then aborts what is left (its
-                        # --shutdown-timeout defaults to 0: engine/arg_utils.py:842, core.py:1640)
+                        # drained first; what is left at the bound is ended, told where the
+                        # serve can be (drain_to_stop), then stopped
+                        vspec = self.serves.runtime.spec(step.serve)
                         with self.sleeps.traffic.held(step.serve):
-                            drained = await self.sleeps.traffic.drain(
-                                step.serve, self.serves.runtime.spec(step.serve),
-                                self.svc.config.daemon.drain_timeout_s)
+                            drained = await drain_to_stop(
+                                self.sleeps.traffic, step.serve, vspec,
+                                self.svc.config.daemon.drain_timeout_s, cut=True,
+                                tell=functools.partial(self.sleeps.post, step.serve, vspec))
                             await self.serves.stop_job.stop(step.serve, uid, drained=drained)
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "

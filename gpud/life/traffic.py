@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Final
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Final, Protocol
 
+from gpud.core.launch import tells_abort
 from gpud.core.traffic import Drain, Flight, Outcome, drain_done, observe
 from gpud.core.vocab import RUNNING, SLEEPING
-from gpud.errors import Conflict
+from gpud.errors import Conflict, GpudError
 from gpud.host.traffic import InFlightReader, reachable
 from gpud.life.service import LedgerService
 
@@ -133,3 +134,37 @@ def refuse_cut(serve: str, drained: Drain) -> None:
                        f"flight after the {drained.bound_s:g} s drain bound, not cut "
                        "(the queue looks again when its count changes)",
                        {"serve": serve, "busy": True, "in_flight": drained.details()})
+
+
+# vLLM's pause with mode=abort: every request in flight ends at once, told (gpud.core.launch
+# .tells_abort); the stop that follows finds nothing in flight.
+ABORT_PATH: Final = "/pause?mode=abort"
+
+
+class Drains(Protocol):
+    """A drain (Traffic.drain)."""
+
+    async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
+
+
+async def drain_to_stop(drainer: Drains, serve: str, spec: ServeConfig, bound_s: float, *,
+                        cut: bool, tell: Callable[[str], Awaitable[None]]) -> Drain:
+    """Drain SERVE for a stop (the caller holds it: Traffic.held), at most BOUND_S, and end
+    what is still in flight at the bound: refused (refuse_cut) unless CUT; else, on a serve
+    that tells_abort, ended by TELL(ABORT_PATH) (a POST to the serve) so that each stream is
+    told (its last chunk says finish_reason "abort", the router adds an error event) before
+    the stop. A stop alone is no told end: vLLM 0.32 on SIGTERM leaves a stream in flight open
+    with no last chunk (vllm/entrypoints/launchers/launcher.py handle_shutdown), and a serve
+    that cannot be told is cut by its stop. Returns the drain's account."""
+    drained = await drainer.drain(serve, spec, bound_s)
+    if drained.outcome != Outcome.ABORTED:
+        return drained
+    if not cut:
+        refuse_cut(serve, drained)
+    if tells_abort(spec):
+        try:
+            await tell(ABORT_PATH)
+        except GpudError as exc:
+            log.warning("serve %s: %s request(s) in flight not told their end (%s): its stop "
+                        "ends them", serve, drained.after, exc.message)
+    return drained

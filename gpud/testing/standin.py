@@ -25,7 +25,8 @@ functions that do it):
   ``--exit-after-engine-death`` seconds (vLLM's watchdog: 5);
 - with ``VLLM_SERVER_DEV_MODE=1`` only: ``POST /sleep?level=0|1|2[&mode=abort|wait|keep]``,
   ``POST /wake_up[?tags=weights|kv_cache]``, ``GET /is_sleeping``, ``POST /collective_rpc``
-  (``reload_weights`` only); level 2 discards the weights: a wake without ``reload_weights``
+  (``reload_weights`` only), ``POST /pause[?mode=abort|wait|keep]`` (default abort),
+  ``POST /resume``, ``GET /is_paused``; level 2 discards the weights: a wake without ``reload_weights``
   leaves them uninitialised (``/standin/state`` says ``"weights": "uninitialised"``, completions
   say their answer is garbage), as real vLLM's would be; asleep, the engine's draw drops to
   the context (``--context-mib``), or to ``--asleep-mib`` when given (what a serve's
@@ -1073,6 +1074,10 @@ class App:
             self._routes["/wake_up"] = (("POST",), self._wake_up)
             self._routes["/is_sleeping"] = (("GET",), self._is_sleeping)
             self._routes["/collective_rpc"] = (("POST",), self._collective_rpc)
+            # vllm/entrypoints/rl/online/api_router.py (register_rl_api_routers, same branch)
+            self._routes["/pause"] = (("POST",), self._pause)
+            self._routes["/resume"] = (("POST",), self._resume)
+            self._routes["/is_paused"] = (("GET",), self._is_paused)
         if opts.vllm_version == V034 and opts.enable_sleep_mode:
             # vllm/entrypoints/launchers/api_server/routers.py:68-73 of 0.34.0: with sleep mode,
             # dev mode or not (entrypoints/serve/checkpoint/api_router.py:39, :60, :80)
@@ -1162,6 +1167,30 @@ class App:
         if self.on_sleep is not None:
             self.on_sleep(level)
         return _json(200, {"status": "sleeping", "level": level})
+
+    def _pause(self, req: Request) -> Response:
+        # vllm/entrypoints/rl/online/api_router.py pause_generation: `mode` a PauseMode, default
+        # "abort" (clear_cache is deprecated there and ignored here); answered once the requests
+        # in flight are aborted (abort) or done (wait), at once for keep
+        # (vllm/v1/engine/async_llm.py pause_generation)
+        mode = "abort"
+        for item in req.query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "mode":
+                mode = value
+        if mode not in PAUSE_MODES:
+            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
+                                           "Input should be 'abort', 'wait' or 'keep'",
+                                           "input": mode}]})
+        self.engine.pause(mode)
+        return _json(200, {"status": "paused"})
+
+    def _resume(self, _req: Request) -> Response:
+        self.engine.resume()
+        return _json(200, {"status": "resumed"})
+
+    def _is_paused(self, _req: Request) -> Response:
+        return _json(200, {"is_paused": self.engine.paused})
 
     def _wake_up(self, req: Request) -> Response:
         # vllm/entrypoints/serve/dev/sleep/api_router.py wake_up: repeated `tags`, none = all;

@@ -43,9 +43,10 @@ def flight_config(daemon: str = "") -> str:
     serves += (f'[serves.lo]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LO}\n'
                f"front = true\nsleep_level = 1\nsleep_mib = 800\n{DEV}"
                f"command = {standin_uds(*sleeper, *tokens)}\n")
-    # a preemption's victim that is stopped, not put to sleep
+    # a preemption's victim that is stopped, not put to sleep (in vLLM's dev mode, as gpud runs
+    # a fronted vllm serve: what outlasts the drain is told its end, /pause?mode=abort)
     serves += (f'[serves.ls]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LS}\n'
-               f'front = true\npreemptible = "stop"\ncommand = {standin_uds(*tokens)}\n')
+               f'front = true\npreemptible = "stop"\n{DEV}command = {standin_uds(*tokens)}\n')
     serves += (f'[serves.hi]\nrole = "r"\nvram_mib = 20000\npriority = 10\nport = {HI}\n'
                f"command = {standin()}\n")
     return sim_config('[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n', serves,
@@ -231,6 +232,27 @@ def test_a_preemption_by_stop_drains_the_stream_in_flight_first(flight: SandboxG
     assert (drained["outcome"], drained["before"], drained["after"]) == ("drained", 1, 0)
     assert "1 request(s) in flight drained in" in stopped[0]["message"], stopped
     assert stopped[0]["ts"] >= stream.ended_at - 1.0
+
+
+@pytest.mark.parametrize("flight", ["drain_timeout_s = 1"], indirect=True)
+def test_a_preemption_by_stop_tells_what_outlasts_the_drain_bound(flight: SandboxGpud) -> None:
+    """Issue 50 item 6: a stream on a victim that can only be stopped, still in flight at the
+    drain's bound, is ended with a told end (/pause?mode=abort: a last chunk with finish_reason
+    "abort", then [DONE]) before the stop, not cut by it (the stand-in exits on SIGTERM with
+    the stream unended; real vLLM 0.32 leaves it open until systemd's SIGKILL)."""
+    gpud = flight
+    assert gpud.call("POST", "/v1/serves/ls/start", {}).status == 200
+    gpud.wait_state("ls", "running")
+    stream = Stream(gpud, LS, 100)  # 20 s
+    wait_until(lambda: gpud.serve("ls")["in_flight"] == 1, timeout=10, what="stream counted")
+    assert gpud.call("POST", "/v1/serves/hi/start", {"preempt": True}).status == 200
+    stream.thread.join(30)
+    assert '"finish_reason": "abort"' in stream.out and "data: [DONE]" in stream.out, stream.out
+    assert stream.out.count("data: {") < 100, stream.out  # not run to its end
+    stopped = [e for e in gpud.events(kind="stop", serve="ls") if "in_flight" in e["details"]]
+    drained = stopped[-1]["details"]["in_flight"]
+    assert (drained["outcome"], drained["before"], drained["after"]) == ("aborted", 1, 1), stopped
+    gpud.wait_state("hi", "running")
 
 
 @pytest.mark.parametrize("flight", ["drain_timeout_s = 1"], indirect=True)

@@ -123,30 +123,35 @@ def test_an_eviction_for_a_queued_request_never_cuts_a_stream_in_flight(
                              != "aborted" for e in stops), stops
 
 
-def busy_config(evict_busy: bool) -> str:
-    """a (can sleep) and b as above, a brought up by a request evictable after 1 s, a drain
-    bound of 1 s; router.evict_busy as its default (true), or false."""
+def busy_config(evict_busy: bool, sleeps: bool = True) -> str:
+    """a (can sleep, or only be stopped) and b as above, a brought up by a request evictable
+    after 1 s, a drain bound of 1 s; router.evict_busy as its default (true), or false. a runs
+    in vLLM's dev mode either way (what gpud gives a fronted vllm serve: its /pause)."""
     dev = 'environment = { VLLM_SERVER_DEV_MODE = "1" }\n'
     sleeper = ("--enable-sleep-mode", "--context-mib", "200", "--asleep-mib", "800")
+    sleep = 'sleep_level = 1\nsleep_mib = 800\n' if sleeps else ""
+    args = (*(sleeper if sleeps else ()), '--token-interval-s', '0.02', '--served-model-name', 'a')
     serves = (f'[serves.a]\nrole = "r"\nvram_mib = 20000\nport = {PORT}\non_demand = true\n'
-              f'start_timeout_s = 30\nmodels = ["a"]\nsleep_level = 1\nsleep_mib = 800\n{dev}'
-              f"command = {standin_uds(*sleeper, '--token-interval-s', '0.02', '--served-model-name', 'a')}\n"
+              f'start_timeout_s = 30\nmodels = ["a"]\n{sleep}{dev}'
+              f"command = {standin_uds(*args)}\n"
               + on_demand("b", PORT + 1))
     router = (f'[router]\nlisten = "127.0.0.1:{ROUTER}"\nqueue_timeout_s = 40\nmax_queued = 8\n'
               "min_awake_s = 1\n" + ("" if evict_busy else "evict_busy = false\n"))
     return sim_config(ROLE_R, serves, daemon="drain_timeout_s = 1") + router
 
 
-@pytest.mark.parametrize("evict_busy", [True, False])
+@pytest.mark.parametrize(("evict_busy", "sleeps"), [(True, True), (False, True), (True, False)],
+                         ids=["sleeps", "sleeps-not-cut", "stops"])
 def test_a_long_stream_holds_its_device_only_to_the_drain_bound_unless_told(
-        gpud: SandboxGpud, evict_busy: bool) -> None:
-    """Issue 50 item 6: a 20 s stream on a (it can sleep), then a request for b that needs a's
-    memory. With router.evict_busy (the default), b waits for the drain's bound (1 s), not for
-    the stream: the stream ends with vLLM's abort chunk, then an error event in OpenAI's shape
-    naming why, then [DONE] (never a stream that merely stops), and the journal names a, b and
-    the requests ended. With evict_busy = false the eviction is refused as before: the stream
-    runs to its end and b comes up after it."""
-    with fronted_gpud(gpud, busy_config(evict_busy), [USER]):
+        gpud: SandboxGpud, evict_busy: bool, sleeps: bool) -> None:
+    """Issue 50 item 6: a 20 s stream on a, then a request for b that needs a's memory. With
+    router.evict_busy (the default), b waits for the drain's bound (1 s), not for the stream:
+    the stream ends with vLLM's abort chunk (a's sleep with mode=abort; or, when a can only be
+    stopped, /pause?mode=abort before its stop), then an error event in OpenAI's shape naming
+    why, then [DONE] (never a stream that merely stops), and the journal names a, b and the
+    requests ended. With evict_busy = false the eviction is refused as before: the stream runs
+    to its end and b comes up after it."""
+    with fronted_gpud(gpud, busy_config(evict_busy, sleeps), [USER]):
         stream = json.dumps({"model": "a", "prompt": "a b", "max_tokens": 1000,
                              "stream": True})
         other = json.dumps({"model": "b", "prompt": "a b", "max_tokens": 2})
@@ -187,7 +192,12 @@ def test_a_long_stream_holds_its_device_only_to_the_drain_bound_unless_told(
             assert error["code"] == "request_aborted" and error["type"] == "server_error", error
             assert "serve a" in error["message"] and "drain" in error["message"], error
             assert "on-demand a: 1 request(s) in flight ended for serve b" in journal, journal
-            assert slept and slept[-1]["details"]["in_flight"]["outcome"] == "aborted", slept
+            if sleeps:
+                assert slept and slept[-1]["details"]["in_flight"]["outcome"] == "aborted", slept
+            else:
+                stops = [e for e in gpud.events(kind="stop", serve="a")
+                         if "in_flight" in e["details"]]
+                assert stops and stops[-1]["details"]["in_flight"]["outcome"] == "aborted", stops
         else:
             assert int(got["chunks"]) >= 1000 and got["aborted"] == "0", (got, tail)
             assert got["errors"] == "0", tail

@@ -148,9 +148,10 @@ class Server:
     seen: list[str] = field(default_factory=list)
 
     @classmethod
-    def launch(cls, impl: Implementation, log: Path, extra: tuple[str, ...] = ()) -> Server:
+    def launch(cls, impl: Implementation, log: Path, extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> Server:
         port = free_port()
-        env = {**os.environ, **impl.env}
+        env = {**os.environ, **impl.env, **(env or {})}
         with open(log, "wb") as out:
             # its own session: the whole tree is ended at teardown by its process group
             proc = subprocess.Popen([*impl.argv(port), *extra], stdout=out, stderr=subprocess.STDOUT,

@@ -31,6 +31,7 @@ paths under vllm/):
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import math
 import os
@@ -93,7 +94,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     needs(impl, request)
     folder: Path = tmp_path_factory.mktemp(impl.name)
     main = SCHEDULER + (STANDIN_PACE if impl is STANDIN else ())
-    servers = [Server.launch(impl, folder / "main.log", main),
+    # main in vLLM's dev mode, as gpud runs a fronted serve (its /pause: test_pause_abort_...)
+    servers = [Server.launch(impl, folder / "main.log", main, env={"VLLM_SERVER_DEV_MODE": "1"}),
                Server.launch(impl, folder / "doomed.log")]
     try:
         wait_ready(*servers)
@@ -492,6 +494,47 @@ def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     # tokens: on a loaded machine the API server sends a run of steps' chunks at once and the
     # clients wake in any order; low's first line was once read 18 ms before high's.)
     assert high.done < low.done
+
+
+def test_pause_abort_ends_each_stream_in_flight_with_an_abort_chunk(pair: Pair) -> None:
+    """gpud's told end of what is still in flight before it stops a serve past its drain bound
+    (gpud.life.traffic.drain_to_stop): in dev mode `POST /pause?mode=abort` (vllm/entrypoints/
+    rl/online/api_router.py pause_generation) ends a stream in flight at once with a last chunk
+    whose finish_reason is "abort", then `data: [DONE]` (what the router follows with its error
+    event), and answers {"status": "paused"}; `/resume` lets requests run again."""
+    port = pair.main.port
+    lines: list[bytes] = []
+    body = json.dumps({"model": str(MODEL), "prompt": "Hello", "max_tokens": HOLD,
+                       "ignore_eos": True, "stream": True}).encode()
+
+    def read() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=body,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while line := resp.readline():
+            if line.startswith(b"data: "):
+                lines.append(line.strip())
+        conn.close()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    until("the stream's first token", lambda: bool(lines))
+    status, answer = get(port, "/pause?mode=abort", method="POST", timeout=60)
+    assert (status, json.loads(answer)) == (200, {"status": "paused"}), answer
+    reader.join(60)
+    assert not reader.is_alive(), "the stream did not end at the pause"
+    assert lines[-1] == b"data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == "abort", last
+    assert len(lines) < HOLD, "the stream ran to its end"
+    assert json.loads(get(port, "/is_paused")[1]) == {"is_paused": True}
+    status, answer = get(port, "/resume", method="POST")
+    assert (status, json.loads(answer)) == (200, {"status": "resumed"}), answer
+    assert json.loads(get(port, "/is_paused")[1]) == {"is_paused": False}
+    status, done = post(port, "/v1/completions", {"model": str(MODEL), "prompt": "Hello",
+                                                  "max_tokens": 2})
+    assert status == 200 and done["choices"][0]["finish_reason"] == "length", done
 
 
 def test_the_engine_is_a_child_titled_engine_core(pair: Pair) -> None:
