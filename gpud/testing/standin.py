@@ -873,8 +873,9 @@ class _Handler(socketserver.StreamRequestHandler):
                     if i and resp.interval_s:
                         time.sleep(resp.interval_s)
                     if resp.flight is not None and resp.flight.aborted():
-                        # the engine aborted it (a sleep's mode=abort): its last chunk says so
-                        event = resp.flight.abort_event
+                        # the engine aborted it (a sleep's or a pause's mode=abort): its last
+                        # events say so, after the I events sent
+                        event = resp.flight.abort_after(i)
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                         event = resp.flight.last
                         if event:
@@ -1001,16 +1002,22 @@ class _Engine:
 class _Flight:
     """One streamed generation in the engine."""
 
-    def __init__(self, engine: _Engine, epoch: int, abort_event: bytes,
+    def __init__(self, engine: _Engine, epoch: int,
+                 abort_event: bytes | Callable[[int], bytes],
                  last: bytes = b"data: [DONE]\n\n") -> None:
         self.engine = engine
         self.epoch = epoch
+        # what the stream's end is when the engine aborts it: the same whenever it comes, or
+        # made from how many events were sent (a route whose end carries what was made)
         self.abort_event = abort_event
         self.last = last  # what follows the abort event (OpenAI's [DONE]; nothing for Anthropic)
         self._ended = False
 
     def aborted(self) -> bool:
         return self.engine.abort_epoch != self.epoch
+
+    def abort_after(self, sent: int) -> bytes:
+        return self.abort_event(sent) if callable(self.abort_event) else self.abort_event
 
     def end(self) -> None:
         if not self._ended:
@@ -1534,16 +1541,34 @@ class App:
             ("response.output_item.done", {"output_index": 0, "item": final["output"][0]}),
             ("response.completed", {"response": final}),
         ]
-        events = tuple(
-            f"event: {kind}\ndata: "
-            f"{json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n".encode()
-            for n, (kind, data) in enumerate(kinds))
-        error = {"type": "error", "sequence_number": len(kinds), "code": "aborted",
-                 "message": "the request was aborted", "param": None}
-        abort = f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+        def numbered(kinds: Sequence[tuple[str, dict[str, Any]]], first: int) -> bytes:
+            return b"".join(
+                f"event: {kind}\ndata: "
+                f"{json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n".encode()
+                for n, (kind, data) in enumerate(kinds, first))
+
+        def aborted(sent: int) -> bytes:
+            # vLLM 0.32 ends an aborted stream (a model without Harmony) as a whole one: the
+            # done events with what was made, then response.completed, its status "completed"
+            # (openai/responses/serving.py: "cancelled" only for Harmony; tests/vllm/
+            # test_contract.py test_an_aborted_responses_stream_ends_as_a_whole_one)
+            made = words[:max(0, min(len(words), sent - 4))]
+            said = "".join(w + " " for w in made)
+            cut_part = {**part, "text": said}
+            doc = self._response_doc(payload, ident, count, prompt.tokens, len(made), False, [{
+                "id": item_id, "content": [cut_part], "role": "assistant",
+                "status": "completed", "type": "message"}])
+            return numbered([
+                ("response.output_text.done", {**place, "text": said, "logprobs": []}),
+                ("response.content_part.done", {**place, "part": {
+                    "type": "output_text", "text": said, "annotations": []}}),
+                ("response.output_item.done", {"output_index": 0, "item": doc["output"][0]}),
+                ("response.completed", {"response": doc})], sent)
+
+        events = tuple(numbered([kind], n) for n, kind in enumerate(kinds))
         return Response(200, content_type="text/event-stream", events=events,
                         interval_s=self.opts.token_interval_s,
-                        flight=_Flight(self.engine, epoch, abort, last=b""))
+                        flight=_Flight(self.engine, epoch, aborted, last=b""))
 
     def _response_doc(self, payload: dict[str, Any], ident: int, count: int, prompt: int,
                       made: int, cut: bool, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1639,11 +1664,21 @@ class App:
                                               "stop_sequence": None}, "usage": usage}),
             event("message_stop", {"type": "message_stop"}),
         ]
-        abort = event("error", {"type": "error", "error": {
-            "type": "InternalServerError", "message": "the request was aborted"}})
+        def aborted(sent: int) -> bytes:
+            # vLLM 0.32: an aborted stream's usual last events, its message_delta's stop_reason
+            # null (anthropic/serving.py _to_anthropic_stop_reason maps "abort" to None; tests/
+            # vllm/test_contract.py test_an_aborted_messages_stream_ends_with_no_stop_reason)
+            made = max(0, min(len(words), sent - 2))
+            return (event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                    + event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": None,
+                                                        "stop_sequence": None},
+                                              "usage": {**usage, "output_tokens": made}})
+                    + event("message_stop", {"type": "message_stop"}))
+
         return Response(200, content_type="text/event-stream", events=tuple(events),
                         interval_s=self.opts.token_interval_s,
-                        flight=_Flight(self.engine, epoch, abort, last=b""))
+                        flight=_Flight(self.engine, epoch, aborted, last=b""))
 
     def _count_tokens(self, req: Request) -> Response:
         """POST /v1/messages/count_tokens (anthropic/api_router.py:89):

@@ -496,38 +496,29 @@ def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     assert high.done < low.done
 
 
-def test_pause_abort_ends_each_stream_in_flight_with_an_abort_chunk(pair: Pair) -> None:
-    """gpud's told end of what is still in flight before it stops a serve past its drain bound
-    (gpud.life.traffic.drain_to_stop): in dev mode `POST /pause?mode=abort` (vllm/entrypoints/
-    rl/online/api_router.py pause_generation) ends a stream in flight at once with a last chunk
-    whose finish_reason is "abort", then `data: [DONE]` (what the router follows with its error
-    event), and answers {"status": "paused"}; `/resume` lets requests run again."""
-    port = pair.main.port
-    lines: list[bytes] = []
-    body = json.dumps({"model": str(MODEL), "prompt": "Hello", "max_tokens": HOLD,
-                       "ignore_eos": True, "stream": True}).encode()
+def paused_midway(port: int, path: str, doc: dict[str, Any]) -> list[tuple[str | None, Any]]:
+    """A stream on PATH ended by `POST /pause?mode=abort` after its first event (in dev mode:
+    vllm/entrypoints/rl/online/api_router.py pause_generation), then `/resume`: the stream's
+    events as `sse` gives them. The pause answers {"status": "paused"}, /is_paused says so, and
+    /resume lets requests run again."""
+    raw: list[bytes] = []
+    body = json.dumps({"model": str(MODEL), **doc, "stream": True}).encode()
 
     def read() -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         while line := resp.readline():
-            if line.startswith(b"data: "):
-                lines.append(line.strip())
+            raw.append(line)
         conn.close()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    until("the stream's first token", lambda: bool(lines))
+    until("the stream's first tokens", lambda: sum(line.startswith(b"data: {") for line in raw) > 6)
     status, answer = get(port, "/pause?mode=abort", method="POST", timeout=60)
     assert (status, json.loads(answer)) == (200, {"status": "paused"}), answer
     reader.join(60)
     assert not reader.is_alive(), "the stream did not end at the pause"
-    assert lines[-1] == b"data: [DONE]", lines[-3:]
-    last = json.loads(lines[-2].removeprefix(b"data: "))
-    assert last["choices"][0]["finish_reason"] == "abort", last
-    assert len(lines) < HOLD, "the stream ran to its end"
     assert json.loads(get(port, "/is_paused")[1]) == {"is_paused": True}
     status, answer = get(port, "/resume", method="POST")
     assert (status, json.loads(answer)) == (200, {"status": "resumed"}), answer
@@ -535,6 +526,62 @@ def test_pause_abort_ends_each_stream_in_flight_with_an_abort_chunk(pair: Pair) 
     status, done = post(port, "/v1/completions", {"model": str(MODEL), "prompt": "Hello",
                                                   "max_tokens": 2})
     assert status == 200 and done["choices"][0]["finish_reason"] == "length", done
+    events = []
+    for block in b"".join(raw).decode().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+        if data is not None:
+            events.append((name, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+def test_pause_abort_ends_a_stream_in_flight_with_an_abort_chunk(pair: Pair) -> None:
+    """gpud's told end of what is still in flight before it stops a serve past its drain bound
+    (gpud.life.traffic.drain_to_stop): the stream's last chunk says finish_reason "abort", then
+    `data: [DONE]` (what the router follows with its error event)."""
+    events = paused_midway(pair.main.port, "/v1/completions", {
+        "prompt": "Hello", "max_tokens": HOLD, "ignore_eos": True})
+    assert events[-1] == (None, "[DONE]"), events[-3:]
+    assert events[-2][1]["choices"][0]["finish_reason"] == "abort", events[-2]
+    assert len(events) < HOLD, "the stream ran to its end"
+
+
+def test_an_aborted_responses_stream_ends_as_a_whole_one(pair: Pair) -> None:
+    """vLLM 0.32 ends an aborted /v1/responses stream (a model without Harmony) as a whole one:
+    the done events, then `response.completed` whose response's status is "completed"
+    (openai/responses/serving.py: "cancelled" only for Harmony), its usage the tokens made; no
+    error event. What the router cannot tell from the stream alone (docs/router.md)."""
+    events = paused_midway(pair.main.port, "/v1/responses", {
+        "input": "Hello", "max_output_tokens": HOLD, "ignore_eos": True})
+    names = [name for name, _ in events]
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"], names[-6:]
+    assert "error" not in names
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    done = events[-1][1]["response"]
+    made = sum(name == "response.output_text.delta" for name in names)
+    assert done["status"] == "completed" and done["incomplete_details"] is None, done
+    assert 0 < done["usage"]["output_tokens"] < HOLD and made < HOLD, done["usage"]
+
+
+def test_an_aborted_messages_stream_ends_with_no_stop_reason(pair: Pair) -> None:
+    """vLLM 0.32 ends an aborted /v1/messages stream with its usual last events, the
+    message_delta's stop_reason null (anthropic/serving.py _to_anthropic_stop_reason maps
+    "abort" to None), then message_stop; no error event. The router's mark of a cut
+    /v1/messages stream (router.js MESSAGES_ABORTS)."""
+    events = paused_midway(pair.main.port, "/v1/messages", {
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": HOLD,
+        "temperature": 0})
+    names = [name for name, _ in events]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"], names[-5:]
+    assert "error" not in names
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] is None, delta
+    assert 0 < delta["usage"]["output_tokens"] < HOLD, delta
 
 
 def test_the_engine_is_a_child_titled_engine_core(pair: Pair) -> None:
