@@ -421,9 +421,12 @@ def test_the_script_is_told_the_table_keys_limits_and_peers() -> None:
 @pytest.mark.parametrize("serve", ["chat", "prio", "su"])
 def test_a_fronted_port_keeps_the_routers_policy(serve: str) -> None:
     policy = front_policy(full(), serve)
-    assert policy.server[:4] == (
+    # the model the script read from the body kept (the ensure's subrequest passes through
+    # the server's rewrite phase too, sharing its request's variables)
+    assert policy.server[:6] == (
         "        access_log /var/log/gpud/router.log gpud_router;",
-        f'        set $router_model "{serve}";', f"        set $router_serve {serve};",
+        '        if ($router_model = "") {', f'            set $router_model "{serve}";',
+        "        }", f"        set $router_serve {serve};",
         "        set $router_key $router_key_name;")
     assert "        error_page 429 = @router_counted;" in policy.server
     assert "        error_page 430 = @router_limited;" in policy.server
@@ -459,8 +462,37 @@ def test_a_fronted_port_under_priority_scheduling_reads_the_body_first() -> None
     assert su.body_paths == ("/v1/chat/completions", "/v1/completions")
     assert su.send[2:] == ("            proxy_set_body $router_send_body;",
                            "            js_body_filter router.meter buffer_type=buffer;")
+    # a serve under neither: no body rewritten; read only for its loading feedback (on
+    # demand), sent as it came
     chat = front_policy(full(), "chat")
-    assert (chat.body_paths, chat.read, chat.send) == ((), (), ())
+    assert chat.body_paths == () and chat.loading_paths == ROUTED_PATHS
+    assert chat.read == prio.read
+    assert chat.send == ("            limit_req zone=router_rpm_0 burst=59 nodelay;",
+                         "            limit_req_status 430;",
+                         "            js_body_filter router.meter buffer_type=buffer;")
+    assert (prio.loading, prio.loading_paths) == ((), ())  # always on: gpud not asked
+    assert not front_policy(full(loading_feedback_s=0), "chat").read
+
+
+def test_a_fronted_port_on_demand_has_the_routers_loading_feedback() -> None:
+    """The locations of the router's loading feedback, from the router's own lines
+    (loading_locations, loading_named), in the fronted port's server: the script's ensure,
+    the serve once gpud answered, the stream's include, the named locations, gpud's list."""
+    router = full()
+    chat = front_policy(router, "chat")
+    lines = "\n".join(chat.loading).split("\n")
+    assert lines[0] == "        set $gpud_loading 1;"
+    http = text(router)
+    for name in ("= /.gpud-router-ensure/chat/loading", "@router_chat_direct",
+                 "^~ /.gpud-router-stream/chat/", "@router_stream_down",
+                 "@router_ensure_failed", "= /.gpud-router-serves",
+                 "= /.gpud-router-error/413"):
+        assert location(lines, name) == location(http, name), name
+    # the stream's location: the port's key rates (its own status) where the router has its
+    loading = location(lines, "@router_loading")
+    assert loading[1:3] == ["            limit_req zone=router_rpm_0 burst=59 nodelay;",
+                            "            limit_req_status 430;"], loading
+    assert loading[3:] == location(http, "@router_loading")[3:], loading
 
 
 def test_a_fronted_port_without_keys_or_log_names_its_serve_and_has_the_meter() -> None:
@@ -470,13 +502,14 @@ def test_a_fronted_port_without_keys_or_log_names_its_serve_and_has_the_meter() 
     assert policy.passing == ("            js_body_filter router.meter buffer_type=buffer;",)
     # a serve the router does not carry: counted under no model
     unknown = front_policy(plain(access_log="/l.log"), "gone")
-    assert unknown.server[:3] == ("        set $gpud_serve gone;",
+    assert unknown.server[:4] == ("        set $gpud_serve gone;",
                                   "        access_log /l.log gpud_router;",
-                                  '        set $router_model "";')
+                                  '        if ($router_model = "") {',
+                                  '            set $router_model "";')
     assert "        error_page 429 = @router_counted;" in unknown.server
     # a serve of several names: counted under its first
-    assert front_policy(plain(access_log="/l.log"), "chat").server[2] == (
-        '        set $router_model "chat";')
+    assert front_policy(plain(access_log="/l.log"), "chat").server[3] == (
+        '            set $router_model "chat";')
     keyed = front_policy(plain(keys=PLAIN_KEY, large_bodies_per_requester=0), "tool")
     assert keyed.server == ()
 

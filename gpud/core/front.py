@@ -133,7 +133,10 @@ class FrontPolicy:
     router's script rewrites for the serve, each a location of its own (lines READ, then the
     script reads the body in memory: router.js `fronted`) that goes on to SEND_LOCATION (lines
     SEND: the rates, the body as rewritten, the meter); only where the allow-list lets them
-    through."""
+    through. LOADING: lines of the server of a port that asks gpud's ensure itself (an
+    on-demand serve's), where a stream gets the router's loading feedback (docs/router.md),
+    by the router's own locations; the script reads the body of LOADING_PATHS there (as
+    BODY_PATHS) to tell a stream."""
 
     server: tuple[str, ...] = ()
     location: tuple[str, ...] = ()
@@ -141,6 +144,8 @@ class FrontPolicy:
     body_paths: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
     send: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()
+    loading_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,10 +255,14 @@ def _body_routes(cfg: FrontConfig, serve: FrontServe,
     """The locations of SERVE's routes whose body the router's script reads (its policy's
     body_paths), and those routes (no other location of the port may name them exactly)."""
     policy = cfg.policy(serve.name)
-    routes = [p for p in policy.body_paths if _allowed(p, cfg.paths)]
+    # a port that asks gpud's ensure itself gives a stream the router's loading feedback
+    loading = serve.ensure_timeout_s is not None and bool(policy.loading)
+    wanted = [*policy.body_paths,
+              *(p for p in policy.loading_paths if loading and p not in policy.body_paths)]
+    routes = [p for p in wanted if _allowed(p, cfg.paths)]
     if not routes:
         return [], frozenset()
-    lines = []
+    lines = [*(policy.loading if loading else ())]
     for path in routes:
         lines += [f"        location = {path} {{", *policy.read,
                   "            js_content router.fronted;",

@@ -94,8 +94,13 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     server = [f"        set $gpud_serve {serve};"] if router.keys is None else []
     if router.access_log is not None:
         server += [f"        access_log {router.access_log} {LOG_FORMAT};",
-                   # the log's fields as the router's script sets them (route())
-                   f'        set $router_model "{models[0] if models else ""}";',
+                   # the log's fields as the router's script sets them (route()); the
+                   # model the script read from the body (router.js fronted) is kept: a
+                   # subrequest (the ensure) passes through the server's rewrite phase too,
+                   # and shares its request's variables
+                   '        if ($router_model = "") {',
+                   f'            set $router_model "{models[0] if models else ""}";',
+                   "        }",
                    f"        set $router_serve {serve};",
                    "        set $router_key $router_key_name;"]
     if counted:
@@ -108,6 +113,8 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
     paths: tuple[str, ...] = ()
     read: list[str] = []
     send: list[str] = []
+    loading: list[str] = []
+    loading_paths: tuple[str, ...] = ()
     # each proxied location: the counts before the body, then on to gpud.core.front
     # PASS_LOCATION for the rates and the meter, after the counts as on the router (a
     # request refused by max_concurrent takes none of its key's rate)
@@ -116,23 +123,46 @@ def front_policy(router: RouterFront, serve: str) -> FrontPolicy:
         paths = tuple(p for p in ROUTED_PATHS
                       if (routed.priority_scheduling and p in PRIORITY_ROUTES)
                       or (routed.stream_usage and p in STREAM_USAGE_ROUTES))
+    # the 413 of a body read whole (below), the router's (its error page, in OpenAI's shape)
+    too_large = [f"        location = {ERROR_PREFIX}413 {{", "            internal;",
+                 "            return 413 $router_error_413;", "        }"]
+    if routed is not None and routed.ensure_timeout_s is not None and \
+            router.loading_feedback_s > 0:
+        # Loading feedback (docs/router.md), where the port asks gpud's ensure itself
+        # (gpud.core.front renders these only for such a port: FrontServe.ensure_timeout_s):
+        # every routed path's body read by the script (router.js fronted), and a stream
+        # sent on to the router's own loading feedback (@router_loading and the locations
+        # it reaches, the router's lines: loading_locations, loading_named), its key's rates
+        # there as where a request goes on (SEND_LOCATION). $gpud_loading tells the script
+        # the port has them.
+        loading_paths = ROUTED_PATHS
+        loading = ["        set $gpud_loading 1;",
+                   *(too_large if not paths else []),
+                   *loading_locations(routed, routed.ensure_timeout_s, router.awake_dir),
+                   *loading_named(rates),
+                   # the queue's note in the comments (router.js queueNote)
+                   *_gpud_list(SERVES_LOCATION, "/v1/serves")]
+    if paths or loading_paths:
         # the counts before the body is read, then the whole body in memory, where the script
         # reads it (as the router's server: max_body_mib); the rates where it goes on
         # (gpud.core.front SEND_LOCATION), as the router's
-        # past it the router's 413 (its error page, in OpenAI's shape); a location's error
+        # past it the router's 413 (too_large); a location's error
         # pages replace the server's: the counts' 429 said again
         read = [*counted,
                 f"            client_max_body_size {router.max_body_mib}m;",
                 f"            client_body_buffer_size {router.max_body_mib}m;",
                 f"            error_page 413 {ERROR_PREFIX}413;",
                 *(["            error_page 429 = @router_counted;"] if counted else [])]
-        server += [f"        location = {ERROR_PREFIX}413 {{", "            internal;",
-                   "            return 413 $router_error_413;", "        }"]
-        # the body as the script rewrote it, each requester's share first (as the router's)
-        send = [*rates, *([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
-                          if routed.priority_scheduling else
-                          [f"            proxy_set_body {PRIORITY_BODY};"]), METER]
-    return FrontPolicy(tuple(server), tuple(counted), passing, paths, tuple(read), tuple(send))
+        server += too_large if paths else []
+        # the body as the script rewrote it, each requester's share first (as the router's);
+        # the request's own where the script rewrites none (a serve read for its loading
+        # feedback only)
+        assert routed is not None
+        body = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
+                if routed.priority_scheduling else _body(routed))
+        send = [*rates, *body, METER]
+    return FrontPolicy(tuple(server), tuple(counted), passing, paths, tuple(read), tuple(send),
+                       tuple(loading), loading_paths)
 
 
 
@@ -180,14 +210,18 @@ FAIR_LINES: Final = (f"            limit_conn {FAIR_ZONE} {FAIR_SHARE};",
 METER: Final = "            js_body_filter router.meter buffer_type=buffer;"
 
 
+def _body(serve: RoutedServe) -> list[str]:
+    """What SERVE is sent as the body: under priority scheduling the body the script rewrote
+    with the key's priority ($router_body), else the request's own (in memory:
+    client_body_buffer_size) (a stream-usage serve's too: the body the script may have asked
+    for usage in, or the request's own)."""
+    return ([f"            proxy_set_body {PRIORITY_BODY};"]
+            if serve.priority_scheduling or serve.stream_usage else [])
+
+
 def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
                      limits: Sequence[str] = ()) -> list[str]:
-    # a serve under priority scheduling gets the body the script rewrote with the key's
-    # priority ($router_body), else the request's own (in memory: client_body_buffer_size)
-    # (a stream-usage serve's too: the body the script may have asked for usage in, or the
-    # request's own)
-    body = ([f"            proxy_set_body {PRIORITY_BODY};"]
-            if serve.priority_scheduling or serve.stream_usage else [])
+    body = _body(serve)
     # where the router sends it, each requester's share first (FAIR_BODY)
     fair = ([f"            proxy_set_body {FAIR_BODY};", *FAIR_LINES]
             if serve.priority_scheduling else body)
@@ -215,7 +249,9 @@ def _serve_locations(serve: RoutedServe, awake_dir: str | None = None,
               METER,
               "        }"]
     if serve.ensure_timeout_s is not None:
-        lines += _ensure_locations(serve, serve.ensure_timeout_s, awake_dir, body)
+        lines += [*ensure_location(f"{ENSURE_PREFIX}{serve.name}",
+                                   _ensure_lines(serve, serve.ensure_timeout_s)),
+                  *loading_locations(serve, serve.ensure_timeout_s, awake_dir)]
     elif serve.wait_timeout_s is not None:
         lines += _starting_locations(serve, serve.wait_timeout_s, fair)
     return lines
@@ -243,45 +279,71 @@ def _starting_locations(serve: RoutedServe, timeout_s: int,
             "        }"]
 
 
-def _ensure_locations(serve: RoutedServe, timeout_s: int, awake_dir: str | None,
-                      body: Sequence[str]) -> list[str]:
-    """The locations of a serve gpud is asked to have up before a request (waiting at most
-    TIMEOUT_S): its ensure, the same ensure asked by a stream's loading feedback, the serve
-    when gpud does not answer, and the include of a stream that waited with loading
-    feedback."""
-    ensure = _ensure_lines(serve, timeout_s)
-    lines: list[str] = []
-    lines += [*ensure_location(f"{ENSURE_PREFIX}{serve.name}", ensure),
-              # The same ensure, asked by a stream's loading feedback (router.loading) as a
-              # detached subrequest: gpud's answer is left in $router_ensured (its header
-              # filter; a subrequest shares its parent's variables), which the script
-              # looks at, so that nothing of the script waits on it and a client that hangs
-              # up ends its request cleanly (L8). gpud unreachable: @router_ensure_failed.
-              *ensure_location(f"{ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX}", ensure,
-                               ["            js_header_filter router.ensured;",
-                                "            error_page 500 502 504 = @router_ensure_failed;"]),
-              # gpud did not answer: the serve only when gpud last said it was running
-              # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
-              # serve asleep, starting or stopped answers 503 at once (the server's
-              # error page for 502: router.down) instead of holding the request
-              *direct_location(f"{serve.location}_direct", serve.upstream, serve.name,
-                               awake_dir if serve.socket is not None else None, "502",
-                               before=body, after=[METER]),
-              # A stream that waited with loading feedback (the script's SSI include,
-              # a subrequest: its answer goes into the stream the script began): the
-              # route after the prefix, POSTed with the request's body and headers; an
-              # error answer made an SSE event (router.streamed), a serve that does not
-              # answer too (router.streamDown).
-              f"        location ^~ {STREAM_PREFIX}{serve.name}/ {{",
-              "            internal;",
-              f"            rewrite ^{re.escape(STREAM_PREFIX + serve.name)}(/.*)$ $1 break;",
-              "            proxy_method POST;",
-              *body,
-              f"            proxy_pass http://{serve.upstream};",
-              "            js_body_filter router.streamed buffer_type=buffer;",
-              "            error_page 502 504 = @router_stream_down;",
-              "        }"]
-    return lines
+def loading_locations(serve: RoutedServe, timeout_s: int, awake_dir: str | None) -> list[str]:
+    """The locations of SERVE's loading feedback (docs/router.md), in the router's server and
+    in the server of SERVE's fronted port alike (front_policy): the ensure the script asks
+    (waiting at most TIMEOUT_S), the serve once gpud answered before anything was sent (or
+    did not answer), and the include of a stream that waited with loading feedback."""
+    body = _body(serve)
+    return [
+        # The serve's ensure, asked by a stream's loading feedback (router.loading) as a
+        # detached subrequest: gpud's answer is left in $router_ensured (its header
+        # filter; a subrequest shares its parent's variables), which the script
+        # looks at, so that nothing of the script waits on it and a client that hangs
+        # up ends its request cleanly (L8). gpud unreachable: @router_ensure_failed.
+        *ensure_location(f"{ENSURE_PREFIX}{serve.name}{LOADING_SUFFIX}",
+                         _ensure_lines(serve, timeout_s),
+                         ["            js_header_filter router.ensured;",
+                          "            error_page 500 502 504 = @router_ensure_failed;"]),
+        # gpud did not answer: the serve only when gpud last said it was running
+        # and awake (its file), as the fronts do (gpud.core.front._on_demand); a
+        # serve asleep, starting or stopped answers 503 at once (the server's
+        # error page for 502: router.down, a fronted port's @down) instead of holding the
+        # request. (The router's own location goes here too when its auth_request finds
+        # gpud unreachable.)
+        *direct_location(f"{serve.location}_direct", serve.upstream, serve.name,
+                         awake_dir if serve.socket is not None else None, "502",
+                         before=body, after=[METER]),
+        # A stream that waited with loading feedback (the script's SSI include,
+        # a subrequest: its answer goes into the stream the script began): the
+        # route after the prefix, POSTed with the request's body and headers; an
+        # error answer made an SSE event (router.streamed), a serve that does not
+        # answer too (router.streamDown).
+        f"        location ^~ {STREAM_PREFIX}{serve.name}/ {{",
+        "            internal;",
+        f"            rewrite ^{re.escape(STREAM_PREFIX + serve.name)}(/.*)$ $1 break;",
+        "            proxy_method POST;",
+        *body,
+        f"            proxy_pass http://{serve.upstream};",
+        "            js_body_filter router.streamed buffer_type=buffer;",
+        "            error_page 502 504 = @router_stream_down;",
+        "        }"]
+
+
+def loading_named(limits: Sequence[str]) -> list[str]:
+    """The named locations of the loading feedback, in the router's server and in a fronted
+    port's alike: the stream itself (router.loadingStream: LIMITS, a key's rates, first),
+    the serve not answering its include, gpud not answering the script's ensure."""
+    return [
+        # a stream for a serve gpud may bring up (router.loading): its key's limits first;
+        # its comments leave at once (nginx holds writes under 1460 bytes otherwise:
+        # ngx_http_write_filter, postpone_output; the include's output is written as the
+        # main request's, under its location's setting)
+        "        location @router_loading {",
+        *limits,
+        "            postpone_output 0;",
+        "            js_content router.loadingStream;",
+        "            ssi on;",
+        "            ssi_types text/event-stream;",
+        "        }",
+        "        location @router_stream_down {",
+        "            js_content router.streamDown;",
+        "        }",
+        # gpud did not answer a loading feedback's ensure: said to the script as a 502
+        "        location @router_ensure_failed {",
+        "            js_header_filter router.ensured;",
+        '            return 502 "gpud unreachable";',
+        "        }"]
 
 
 def _peer_location(peer: RoutedPeer, host: str, limits: Sequence[str]) -> list[str]:
@@ -564,23 +626,9 @@ def _server_tail(router: RouterFront, limits: Sequence[str]) -> list[str]:
         "        }",
         # past a key's limits (limit_lines): 429 in OpenAI's shape, which limit, Retry-After
         *LIMITED_PAGE,
-        # a stream for a serve gpud may bring up (router.loading): its key's limits first
-        "        location @router_loading {",
-        *limits,
-        "            js_content router.loadingStream;",
-        "            ssi on;",
-        "            ssi_types text/event-stream;",
-        "        }",
+        *loading_named(limits),
         "        location @router_down {",
         "            js_content router.down;",
-        "        }",
-        "        location @router_stream_down {",
-        "            js_content router.streamDown;",
-        "        }",
-        # gpud did not answer a loading feedback's ensure: said to the script as a 502
-        "        location @router_ensure_failed {",
-        "            js_header_filter router.ensured;",
-        '            return 502 "gpud unreachable";',
         "        }",
         *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
           f"            return {400 if status == 494 else status} $router_error_{status};"

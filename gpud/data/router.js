@@ -1670,22 +1670,20 @@ function keyPriority(r, body, doc, top, key) {
     return true;
 }
 
-// A request on a serve's own fronted port, on a route whose body the router rewrites
-// (gpud.core.front body_routes: a location that reads the whole body in memory, after the
-// key's check, its counts and rates): the same body as through the router, by the same
-// functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
-// body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve. A
-// model that is none of its names, or one the key may not use, is answered as the router
-// answers it (404 model_not_found; vLLM answers such a name 404 too, but only once up, an
-// on-demand serve woken for it, and any of its names to any key the port lets in).
+// A request on a serve's own fronted port, on a route whose body the router rewrites, or
+// reads for its loading feedback (gpud.core.front body_routes: a location that reads the
+// whole body in memory, after the key's check, its counts and rates): the same body as
+// through the router, by the same functions (keyPriority, askUsage), then on to the serve
+// (CONFIG.front_send, which sends the body as rewritten: gpud.core.router FrontPolicy.send).
+// The port's serve is $gpud_serve. A model that is none of its names, or one the key may not
+// use, is answered as the router answers it (404 model_not_found; vLLM answers such a name
+// 404 too, but only once up, an on-demand serve woken for it, and any of its names to any
+// key the port lets in). A stream on a port that asks gpud's ensure itself (an on-demand
+// serve's: $gpud_loading) goes on to the router's loading feedback (@router_loading,
+// loadingStream), as through the router.
 function fronted(r) {
-    var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = null, doc, top, stream;
-    var read;
-    Object.keys(CONFIG.models).forEach(function (name) {
-        if (CONFIG.models[name].serve === serve) {
-            entry = CONFIG.models[name];
-        }
-    });
+    var body = r.requestBuffer, serve = r.variables.gpud_serve, entry = serveEntry(serve);
+    var read, doc, top, stream;
     var key = CONFIG.keys === null ? {name: null, models: ['*']} : lookUp(r);
     if (key === undefined) {
         unauthorized(r);
@@ -1723,14 +1721,40 @@ function fronted(r) {
             !keyPriority(r, body, doc, top, key)) {
             return;
         }
+        // a stream for a serve gpud may bring up: the router's loading feedback, where the
+        // port asks gpud's ensure itself (its server has the router's locations of it:
+        // gpud.core.routerconf front_policy, $gpud_loading)
+        if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream &&
+                r.variables.gpud_loading === '1') {
+            r.internalRedirect('@router_loading');
+            return;
+        }
     }
     r.internalRedirect(CONFIG.front_send);
 }
 
-// A stream for a serve gpud may bring up, past its key's limits (@router_loading).
+// The table's entry of SERVE (one of its names'), null when the router has none.
+function serveEntry(serve) {
+    var entry = null;
+    Object.keys(CONFIG.models).forEach(function (name) {
+        if (CONFIG.models[name].serve === serve) {
+            entry = CONFIG.models[name];
+        }
+    });
+    return entry;
+}
+
+// A stream for a serve gpud may bring up, past its key's limits (@router_loading): through
+// the router, or on the serve's fronted port (router.fronted), where a request may name no
+// model (its comments then say the serve's name, and gpud is told none, as by the port's
+// own ensure).
 function loadingStream(r) {
-    var model = r.variables.router_model;
-    loading(r, model, CONFIG.models[model]);
+    var model = r.variables.router_model || '', serve = r.variables.router_serve;
+    if (has(CONFIG.models, model)) {
+        loading(r, model, CONFIG.models[model]);
+    } else {
+        loading(r, serve, serveEntry(serve));
+    }
 }
 
 // A key past a token budget (gpud.core.quota, CONFIG.over_budget: gpud's decision as it stores

@@ -237,6 +237,24 @@ def test_a_cold_start_streams_loading_comments_and_is_journaled_and_measured(
     assert overhead == {"slow": 3}, overhead
 
 
+def test_a_cold_start_through_the_serves_own_port_streams_loading_comments(
+        slow: SandboxGpud) -> None:
+    """The same stream on the serve's own fronted port, with the key: the router's loading
+    feedback there too (before, it waited silently for the whole start)."""
+    gpud = slow
+    body = json.dumps({"model": "slow", "prompt": "a b c", "max_tokens": 3, "stream": True})
+    out = gpud.sb.run(["curl", "-sN", "-i", "-H", f"Authorization: Bearer {TOKEN}", "-d", body,
+                       f"http://127.0.0.1:{PORT + 5}/v1/completions"], user=USER,
+                      timeout=150).stdout.replace("\r\n", "\n")
+    head, _, text = out.partition("\n\n")
+    assert head.startswith("HTTP/1.1 200") and "Content-Type: text/event-stream" in head, out
+    events = [e for e in text.split("\n\n") if e.strip()]
+    first = next(i for i, e in enumerate(events) if e.startswith("data: "))
+    assert all(e == ": loading slow" for e in events[:first]) and first >= 2, events
+    assert events[-1] == "data: [DONE]", events
+    assert gpud.serve("slow")["state"] == "running"
+
+
 def ask_keyed(gpud: SandboxGpud, model: str) -> tuple[int, dict[str, str], str]:
     body = json.dumps({"model": model, "prompt": "a", "max_tokens": 1})
     out = gpud.sb.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H",
