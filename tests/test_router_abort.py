@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +64,31 @@ def anthropic_events(stop_reason: str | None) -> list[bytes]:
     ]
 
 
+def responses_events() -> list[bytes]:
+    """A /v1/responses stream as vLLM 0.32 sends it (openai/responses/serving.py,
+    streaming_events.py), whole or aborted alike: an aborted one (a model without Harmony)
+    ends with response.completed, its status "completed" (tests/vllm/test_contract.py
+    test_an_aborted_responses_stream_ends_as_a_whole_one)."""
+    done = {"id": "resp_1", "object": "response", "model": "m", "status": "completed",
+            "output": [{"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Hi"}]}],
+            "usage": {"input_tokens": 7, "output_tokens": 1, "total_tokens": 8}}
+    kinds = [("response.created", {"response": {**done, "status": "in_progress",
+                                                "output": [], "usage": None}}),
+             ("response.output_text.delta", {"delta": "Hi"}),
+             ("response.output_text.done", {"text": "Hi"}),
+             ("response.completed", {"response": done})]
+    return [b"event: " + kind.encode() + b"\ndata: "
+            + _dumps({"type": kind, "sequence_number": n, **data}) + b"\n\n"
+            for n, (kind, data) in enumerate(kinds)]
+
+
 def _events(route: str, doc: dict[str, Any]) -> list[bytes]:
     cut = str(doc.get("user")).startswith("cut")
     if route == "/v1/messages":
         return anthropic_events(None if cut else "end_turn")
+    if route == "/v1/responses":
+        return responses_events()
     return openai_events("abort" if cut else "length")
 
 
@@ -79,6 +102,9 @@ SINGLE = (b'{"id":"chatcmpl-1","object":"chat.completion","model":"m","choices":
 class Rig:
     router: int
     front: int
+    # set by a test once its client has the first event of a /v1/responses stream the serve is
+    # to cut: the serve then writes gpud's note, after the stream's first bytes by construction
+    seen: threading.Event
 
 
 @pytest.fixture
@@ -103,12 +129,22 @@ def rig() -> Iterator[Rig]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            where = str(doc.get("user")).partition(":")[2]
+            user = str(doc.get("user"))
+            where = user.partition(":")[2]
             for event in _events(self.path, doc):
                 # each event in two writes: the one that says the stream was cut too, at its
                 # middle, inside the mark the router looks for, or between its blank line's two
                 # newlines
                 half = len(event) // 2
+                last = event.startswith(b"event: response.completed")
+                if last and user.startswith("cut"):
+                    # gpud's note that it ends what is in flight, written before the abort
+                    assert seen.wait(10), "the client never had the stream's first event"
+                    seen.clear()
+                    cuts.mkdir(exist_ok=True)
+                    (cuts / "m").write_text(str(int(time.time() * 1000)))
+                if where != "middle" and last:
+                    half = (event.index(b'completed') if where == "mark" else len(event) - 1)
                 if where != "middle" and (b'"abort"' in event or b'"delta":{"stop_reason":null' in event):
                     half = (event.index(b'_reason') if where == "mark" else len(event) - 1)
                 for part in (event[:half], event[half:]):
@@ -116,28 +152,38 @@ def rig() -> Iterator[Rig]:
                     self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
 
+    seen = threading.Event()
     with router_dir("gpud-abort-") as tmp:
         sock = tmp / "m.sock"
+        cuts = tmp / "cut"
         port, fport = free_port(), free_port()
         router = RouterFront(f"127.0.0.1:{port}", (RoutedServe("m", ("m",), socket=str(sock)),),
                              njs_module=str(NJS), script=str(tmp / "router.js"),
                              gpud_socket=str(tmp / "no-gpud.sock"),
-                             access_log=str(tmp / "a.log"))
+                             access_log=str(tmp / "a.log"), cut_dir=str(cuts))
         front = FrontConfig(serves=(FrontServe("m", fport, str(sock)),), listen="127.0.0.1",
                             policies=(("m", front_policy(router, "m")),))
         with serving(unix_server(sock, Serve)), router_running(tmp, router, fport, front=front):
-            yield Rig(port, fport)
+            yield Rig(port, fport, seen)
             assert "js exception" not in (tmp / "nginx.log").read_text()
 
 
-def _stream(port: int, route: str, user: str, stream: bool = True) -> bytes:
+def _stream(port: int, route: str, user: str, stream: bool = True,
+            seen: threading.Event | None = None) -> bytes:
+    """The answer, whole; with SEEN, set once its first event came (a cut /v1/responses
+    stream's serve waits for it)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("POST", route, headers={"Content-Type": "application/json"},
                      body=json.dumps({"model": "m", "stream": stream, "user": user,
                                       "max_tokens": 2, "messages": []}))
         resp = conn.getresponse()
-        answer = resp.read()
+        answer = b""
+        if seen is not None:
+            while not answer.endswith(b"\n\n"):
+                answer += resp.readline()
+            seen.set()
+        answer += resp.read()
         assert resp.status == 200, answer
         return answer
     finally:
@@ -197,11 +243,34 @@ def test_an_aborted_openai_stream_ends_with_openais_error_event(rig: Rig, door: 
     assert events[3:] == [(None, "[DONE]")], answer
 
 
-@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])
+@pytest.mark.parametrize("where", ["middle", "mark", "blank"])
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_a_responses_stream_gpud_cut_ends_with_an_error_event(rig: Rig, door: str,
+                                                              where: str) -> None:
+    """vLLM ends an aborted /v1/responses stream as a whole one: gpud's note (written just
+    before its abort, after the stream's first bytes) has the router put an error event after
+    its response.completed: the Responses API's error event, OpenAI's error document under
+    `error` (openai-python raises it as an APIError). The serve's bytes pass as they came."""
+    port = rig.router if door == "router" else rig.front
+    answer = _stream(port, "/v1/responses", f"cut:{where}", seen=rig.seen)
+    sent = b"".join(responses_events())
+    assert answer.startswith(sent), answer
+    events = _sse(answer[len(sent):])
+    assert [name for name, _ in events] == ["error"], answer
+    error = json.loads(events[0][1])
+    assert (error["type"], error["code"], error["param"]) == ("error", "request_aborted", None)
+    assert error["error"]["code"] == "request_aborted" and error["error"]["type"] == "server_error"
+    assert "daemon.drain_timeout_s" in error["message"] == error["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions", "/v1/responses"])
 @pytest.mark.parametrize("door", ["router", "front"])
 def test_a_stream_that_ends_as_streams_end_is_passed_as_it_came(rig: Rig, door: str,
                                                                 route: str) -> None:
+    # a note of gpud's from before the stream began (an earlier cut) says nothing of it
     port = rig.router if door == "router" else rig.front
+    assert _stream(port, route, "cut:middle" if route == "/v1/responses" else "whole",
+                   seen=rig.seen if route == "/v1/responses" else None)
     assert _stream(port, route, "whole") == b"".join(_events(route, {"user": "whole"}))
 
 

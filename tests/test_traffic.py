@@ -139,11 +139,15 @@ async def test_a_drains_end_and_a_changed_count_are_told_with_the_serves_name() 
 
 
 class _Drainer:
-    def __init__(self, drained: Drain) -> None:
+    def __init__(self, drained: Drain, asked: list[str] | None = None) -> None:
         self.drained = drained
+        self.asked = asked if asked is not None else []
 
     async def drain(self, serve: str, spec: Any, bound_s: float) -> Drain:
         return self.drained
+
+    def mark_cut(self, serve: str) -> None:
+        self.asked.append(f"mark {serve}")
 
 
 async def test_drain_to_stop_tells_what_is_left_at_the_bound_or_refuses() -> None:
@@ -160,6 +164,10 @@ async def test_drain_to_stop_tells_what_is_left_at_the_bound_or_refuses() -> Non
 
     assert await drain_to_stop(_Drainer(done), "s", told, 1.0, cut=True, tell=tell) == done
     assert asked == []  # nothing left: nothing to tell
+    assert await drain_to_stop(_Drainer(busy, asked), "s", told, 1.0, cut=True,
+                               tell=tell) == busy
+    assert asked == ["mark s", ABORT_PATH]  # the router's note first, then the abort
+    asked.clear()
     assert await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=True, tell=tell) == busy
     assert asked == [ABORT_PATH]
     with pytest.raises(Conflict) as refused:

@@ -318,6 +318,10 @@ class RouterFront:
     # Where gpud keeps a file per fronted serve that is running and awake (gpud.nginx.front.awake_dir):
     # what the router goes by when gpud does not answer, as the fronts do. None: no check.
     awake_dir: str | None = None
+    # Where gpud keeps, per serve, when it last ended what was in flight on it
+    # (gpud.nginx.router.cut_dir): what the script reads at the end of a /v1/responses stream.
+    # None: no such check.
+    cut_dir: str | None = None
     # the keys past a token budget, and until when (gpud.core.quota: gpud decides it as it
     # stores usage; the script compares the time)
     over_budget: tuple[Over, ...] = ()
@@ -332,7 +336,8 @@ class RouterFront:
             raise ValueError(f"router: listen: {problem}")
         for path in (self.njs_module, self.script, self.gpud_socket,
                      *([self.access_log] if self.access_log is not None else []),
-                     *([self.awake_dir] if self.awake_dir is not None else [])):
+                     *([self.awake_dir] if self.awake_dir is not None else []),
+                     *([self.cut_dir] if self.cut_dir is not None else [])):
             if not path.startswith("/") or not PATH_RE.fullmatch(path):
                 raise ValueError(f"router: {path!r} is not a plain absolute path")
         routing_table({s.name: s.models for s in self.serves})  # one name, one serve

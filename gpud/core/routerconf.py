@@ -680,6 +680,7 @@ def render_script(router: RouterFront, code: str) -> str:
             # what a peer key may forward as its requester (router.js whoOf)
             **({"forwarded_requester": FORWARDED_REQUESTER_RE.pattern}
                if any(k.peer for k in router.keys or ()) else {}),
-            "stream_usage_routes": list(STREAM_USAGE_ROUTES), "front_send": SEND_LOCATION}
+            "stream_usage_routes": list(STREAM_USAGE_ROUTES), "front_send": SEND_LOCATION,
+            "cut_dir": router.cut_dir}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
             f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")

@@ -14,6 +14,7 @@
 // of the script is pending (ngx_http_js_content_finalize), so after a subrequest's answer too.
 
 import crypto from 'crypto';
+import fs from 'fs';
 
 // Whether OBJ has KEY of its own: never OBJ.hasOwnProperty(KEY), which a model (or serve)
 // named "hasOwnProperty" would shadow (L1).
@@ -1468,18 +1469,47 @@ function countedText(r) {
 // other than stop, tool_calls and length to None; the usage chunk's message_delta sets it
 // explicitly, so exclude_unset keeps it): Anthropic's `event: error` is put in after that
 // message_delta (anthropic-sdk-python src/anthropic/_streaming.py Stream.__stream__ raises
-// an event named "error" as the status error of its data). The filter's VM is this answer's
-// own: `aborting`, `abortTold` too. (/v1/responses: vLLM 0.32 ends an aborted stream with
-// response.completed, its status "cancelled" only for a Harmony model: not told apart here.)
+// an event named "error" as the status error of its data). On /v1/responses vLLM 0.32 ends
+// an aborted stream as a whole one (response.completed, its status "cancelled" only for a
+// Harmony model: openai/responses/serving.py), so the stream alone cannot tell: gpud notes
+// when it ends what is in flight on a serve (CONFIG.cut_dir, one file per serve, written just
+// before the abort: gpud.life.traffic.Traffic.mark_cut), and a stream whose first bytes came
+// before that note gets an error event after its response.completed: `event: error`, its data
+// the Responses API's error event (type, code, message, param) with OpenAI's error document
+// under `error` (openai-python's Stream raises an event whose data has "error" as its
+// APIError). The filter's VM is this answer's own: `aborting`, `abortTold`, `aBegan` too.
 var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
 var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+// (the event's own line, after the blank line that ends the one before: never in a JSON)
+var RESPONSES_END = ['\n\nevent: response.completed\n'];
 var ABORT_CARRY = 32;
-var aborting = false, abortTold = false, aCarry = '', aLooked = false;
+var aborting = false, abortTold = false, aCarry = '', aLooked = false, aBegan = 0;
+// Whether gpud ended what was in flight on this answer's serve since the answer's first bytes
+// came (its note in CONFIG.cut_dir, the epoch in milliseconds; none: never).
+function cutSince(r) {
+    var serve = r.variables.router_serve, at;
+    if (!CONFIG.cut_dir || !serve) {
+        return false;
+    }
+    try {
+        at = Number(fs.readFileSync(CONFIG.cut_dir + '/' + serve, 'utf8'));
+    } catch (e) {
+        return false;
+    }
+    return at >= aBegan;
+}
+// The last ABORT_CARRY bytes seen, CARRY's then DATA's (a buffer may be shorter than a mark).
+function carried(carry, data) {
+    return (carry + data.slice(Math.max(0, data.length - ABORT_CARRY)).toString())
+        .slice(-ABORT_CARRY);
+}
 // Where the mark of a cut stream (its route's: ABORTS, MESSAGES_ABORTS, the latter the
-// message_delta's own, as pydantic writes it: its delta's only member set first) begins in
-// DATA, 0 when it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
+// message_delta's own, as pydantic writes it: its delta's only member set first;
+// RESPONSES_END, a stream's last event, a cut only as cutSince says) begins in DATA, 0 when
+// it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
 function abortAt(r, data) {
-    var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS : ABORTS, i, at;
+    var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS :
+        r.uri === '/v1/responses' ? RESPONSES_END : ABORTS, i, at;
     for (i = 0; i < marks.length; i++) {
         at = data.indexOf(marks[i]);
         if (at >= 0) {
@@ -1500,6 +1530,7 @@ function abortEvent(r, data) {
     }
     if (!aLooked) {
         aLooked = true;
+        aBegan = Date.now();
         if (data[0] === 0x7b) {  // a single answer (JSON), not a stream: nothing to tell
             abortTold = true;
             return data;
@@ -1513,8 +1544,17 @@ function abortEvent(r, data) {
         if (!aborting) {
             at = abortAt(r, data);
             if (at < 0) {
-                aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
+                aCarry = carried(aCarry, data);
                 return data;
+            }
+            if (r.uri === '/v1/responses') {
+                if (!cutSince(r)) {
+                    abortTold = true;  // a whole response
+                    return data;
+                }
+                if (data.indexOf(RESPONSES_END[0]) === at) {
+                    at += 2;  // the blank line that ends the event before it
+                }
             }
             aborting = true;
         }
@@ -1522,19 +1562,27 @@ function abortEvent(r, data) {
         end = end < 0 ? -1 : end + 2;
     }
     if (end < 0) {
-        aCarry = data.slice(Math.max(0, data.length - ABORT_CARRY)).toString();
+        aCarry = carried(aCarry, data);
         return data;
     }
     abortTold = true;
     var serve = r.variables.router_serve || 'its serve';
-    var ev = errorEvent(r, 503, {error: {
+    var error = {
         message: 'serve ' + serve + ' ended this request before its end: gpud put it to ' +
                  'sleep or stopped it past its drain bound (daemon.drain_timeout_s) to give ' +
                  'its GPU memory to another request, or for a preemption or an operator\'s ' +
                  'sleep; retry',
-        type: 'server_error', param: null, code: 'request_aborted'}});
-    if (r.uri !== '/v1/messages') {
-        ev = ev.slice(0, ev.indexOf('data: [DONE]'));
+        type: 'server_error', param: null, code: 'request_aborted'};
+    var ev;
+    if (r.uri === '/v1/responses') {
+        ev = 'event: error\ndata: ' + JSON.stringify({
+            type: 'error', code: error.code, message: error.message, param: null,
+            error: error}) + '\n\n';
+    } else {
+        ev = errorEvent(r, 503, {error: error});
+        if (r.uri !== '/v1/messages') {
+            ev = ev.slice(0, ev.indexOf('data: [DONE]'));
+        }
     }
     if (typeof data === 'string') {
         return data.slice(0, end) + ev + data.slice(end);

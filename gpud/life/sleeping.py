@@ -385,6 +385,8 @@ class Sleeps:
                 # sleep (and a preemption's waiting serve) for as long as its longest request,
                 # and "keep" would freeze them until a wake nobody has promised. Requests
                 # arriving while it sleeps queue (all modes).
+                if mode == "abort" and self.traffic is not None:
+                    self.traffic.mark_cut(serve)  # what is in flight ends now: the router's note
                 await self._post(serve, spec, f"/sleep?level={level}&mode={mode}")
                 try:
                     await self._confirm(serve, spec, asleep=True)

@@ -14,14 +14,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
 from gpud.core.launch import tells_abort
 from gpud.core.traffic import Drain, Flight, Outcome, drain_done, observe
 from gpud.core.vocab import RUNNING, SLEEPING
 from gpud.errors import Conflict, GpudError
+from gpud.files import write_atomically
 from gpud.host.traffic import InFlightReader, reachable
 from gpud.life.service import LedgerService
+from gpud.nginx.router import cut_dir
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -73,6 +76,23 @@ class Traffic:
                 del self._held[serve]
             for listener in self._listeners:
                 listener(serve)
+
+    def mark_cut(self, serve: str) -> None:
+        """Note, just before gpud ends what is in flight on SERVE (a sleep's or a pause's
+        mode=abort), when it did so: the wall clock's epoch in milliseconds, in SERVE's file of
+        the cut directory (gpud.nginx.router.cut_dir), which the router's script reads at the
+        end of a /v1/responses stream to tell one that began before it (vLLM 0.32 ends an
+        aborted one as a whole one: router.js cutSince). Only with a router; a file that
+        cannot be written is said in the journal, and the abort goes on."""
+        if self.svc.config.router is None:
+            return
+        where = Path(cut_dir(self.svc.config.daemon)) / serve
+        try:
+            write_atomically(where, str(int(time.time() * 1000)), mode=0o644)
+        except GpudError as exc:
+            log.warning("serve %s: cannot note the end of its requests in flight for the "
+                        "router (%s): a /v1/responses stream among them is not told",
+                        serve, exc.message)
 
     def flight(self, serve: str) -> Flight:
         return self.flights.get(serve, Flight())
@@ -142,9 +162,10 @@ ABORT_PATH: Final = "/pause?mode=abort"
 
 
 class Drains(Protocol):
-    """A drain (Traffic.drain)."""
+    """A drain, and the note of a cut (Traffic.drain, Traffic.mark_cut)."""
 
     async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
+    def mark_cut(self, serve: str) -> None: ...
 
 
 async def drain_to_stop(drainer: Drains, serve: str, spec: ServeConfig, bound_s: float, *,
@@ -162,6 +183,7 @@ async def drain_to_stop(drainer: Drains, serve: str, spec: ServeConfig, bound_s:
     if not cut:
         refuse_cut(serve, drained)
     if tells_abort(spec):
+        drainer.mark_cut(serve)
         try:
             await tell(ABORT_PATH)
         except GpudError as exc:

@@ -69,6 +69,7 @@ from gpud.host.units import SystemdUnits
 from gpud.nginx.router import (
     SCRIPT_NAME,
     awake_dir,
+    cut_dir,
     ensure_timeout_s,
     host_name,
     log_dir,
@@ -513,6 +514,7 @@ class Front:
             # root without CAP_DAC_OVERRIDE, could not enter them to check).
             _directory(front / "run", 0o700, uid, gid)
             _directory(Path(awake_dir(d)), 0o750, 0, gid)
+            _directory(Path(cut_dir(d)), 0o750, 0, gid)
             # The router's access log: gpud's file, written by the front's group (nginx
             # opens it, and gpud reads and empties it, gpud.nginx.router.RouterLog).
             _directory(Path(log_dir(d)), 0o750, 0, gid)

@@ -68,6 +68,14 @@ def awake_dir(d: DaemonConfig) -> str:
     return f"{d.front_dir.rstrip('/')}/awake"
 
 
+def cut_dir(d: DaemonConfig) -> str:
+    """Where gpud keeps, per serve, when it last ended what was in flight on it (the epoch in
+    milliseconds, written just before the abort: gpud.life.traffic.Traffic.mark_cut), for the
+    router's script to tell a /v1/responses stream that vLLM ends as a whole one (router.js
+    cutSince). Root's, readable by the front's group."""
+    return f"{d.front_dir.rstrip('/')}/cut"
+
+
 def host_name() -> str:
     """This host's name as its router tells its peers (X-Gpud-Via) and lists its own models
     (gpud.host): the kernel's host name, each character outside letters, digits, . and - made
@@ -205,7 +213,7 @@ def router_front(cfg: Config, keys: tuple[ApiKey, ...] | None = None) -> RouterF
                        max_body_mib=r.max_body_mib, body_timeout_s=r.body_timeout_s,
                        large_bodies_per_requester=r.large_bodies_per_requester,
                        loading_feedback_s=r.loading_feedback_s, access_log=log_path(d),
-                       awake_dir=awake_dir(d))
+                       awake_dir=awake_dir(d), cut_dir=cut_dir(d))
 
 
 def script_text(router: RouterFront) -> str:

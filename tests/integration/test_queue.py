@@ -204,3 +204,38 @@ def test_a_long_stream_holds_its_device_only_to_the_drain_bound_unless_told(
             assert int(got["waited_ms"]) > 15000, got  # the stream's rest
             assert "on-demand a: eviction for b refused" in journal, journal
             assert "request(s) in flight ended for" not in journal, journal
+
+
+@pytest.mark.parametrize("sleeps", [True, False], ids=["sleeps", "stops"])
+def test_a_responses_stream_cut_past_the_drain_bound_is_told(gpud: SandboxGpud,
+                                                             sleeps: bool) -> None:
+    """Issue 50 item 6 on /v1/responses: vLLM ends an aborted responses stream as a whole one
+    (response.completed, status "completed"; the stand-in too: tests/vllm/test_contract.py),
+    so gpud notes the cut for the router just before its abort (a sleep's mode=abort, or the
+    pause before a stop), and the router sends an error event after response.completed."""
+    with fronted_gpud(gpud, busy_config(True, sleeps), [USER]):
+        stream = json.dumps({"model": "a", "input": "a b", "max_output_tokens": 1000,
+                             "stream": True})
+        other = json.dumps({"model": "b", "prompt": "a b", "max_tokens": 2})
+        script = (
+            "rm -f /tmp/m9-stream; "
+            f"curl -sN --max-time 60 -d '{stream}' http://127.0.0.1:{ROUTER}/v1/responses "
+            "> /tmp/m9-stream & "
+            "for i in $(seq 600); do grep -q '^event: response.output_text.delta' "
+            "/tmp/m9-stream 2>/dev/null && break; sleep 0.05; done; "
+            "sleep 1.5; "
+            f"curl -s -o /dev/null --max-time 60 -w 'b=%{{http_code}}\\n' -d '{other}' "
+            f"http://127.0.0.1:{ROUTER}/v1/completions; wait; "
+            "echo deltas=$(grep -c '^event: response.output_text.delta' /tmp/m9-stream); "
+            "grep '^event: ' /tmp/m9-stream | tail -n 3 >&2; "
+            "grep '^data: ' /tmp/m9-stream | tail -n 1 >&2")
+        ran = gpud.sb.run(["bash", "-c", script], user=USER, timeout=150)
+        got = dict(w.split("=") for w in ran.stdout.split())
+        *names, error_line = ran.stderr.splitlines()
+        assert got["b"] == "200", (got, ran.stderr)
+        assert int(got["deltas"]) < 1000, got  # cut, not run to its end
+        assert names == ["event: response.output_item.done", "event: response.completed",
+                         "event: error"], ran.stderr
+        error = json.loads(error_line.removeprefix("data: "))
+        assert (error["type"], error["code"]) == ("error", "request_aborted"), error
+        assert "serve a" in error["message"] and "drain" in error["message"], error
