@@ -999,6 +999,24 @@ class _Engine:
             return self.running, len(self.queue)
 
 
+def _query_value(query: str, name: str, default: str) -> str:
+    """NAME's value in a query string (its last, as FastAPI reads a scalar), else DEFAULT."""
+    value = default
+    for item in query.split("&"):
+        key, _, given = item.partition("=")
+        if key == name:
+            value = given
+    return value
+
+
+def _mode_refused(mode: str) -> Response | None:
+    """FastAPI's answer to a `mode` that is no PauseMode (vllm/v1/engine/__init__.py)."""
+    if mode in PAUSE_MODES:
+        return None
+    return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
+                                   "Input should be 'abort', 'wait' or 'keep'", "input": mode}]})
+
+
 class _Flight:
     """One streamed generation in the engine."""
 
@@ -1137,21 +1155,14 @@ class App:
         return Response(h.status, headers=(("X-Gpud-Standin-State", h.state),))
 
     def _sleep(self, req: Request) -> Response:
-        level_text, mode = "1", "abort"
-        for item in req.query.split("&"):
-            key, _, value = item.partition("=")
-            if key == "level":
-                level_text = value
-            elif key == "mode":
-                mode = value
+        level_text = _query_value(req.query, "level", "1")
+        mode = _query_value(req.query, "mode", "abort")
         if not (level_text.isascii() and level_text.isdigit() and int(level_text) <= 2):
             # FastAPI's answer to Query(ge=0, le=2)
             return _json(422, {"detail": [{"loc": ["query", "level"], "msg":
                                            "Input should be 0, 1 or 2", "input": level_text}]})
-        if mode not in PAUSE_MODES:
-            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
-                                           "Input should be 'abort', 'wait' or 'keep'",
-                                           "input": mode}]})
+        if (refused := _mode_refused(mode)) is not None:
+            return refused
         if not self.opts.enable_sleep_mode:
             return _openai_error(500, "InternalServerError",
                                  "sleep mode is not enabled: start with --enable-sleep-mode")
@@ -1180,15 +1191,9 @@ class App:
         # "abort" (clear_cache is deprecated there and ignored here); answered once the requests
         # in flight are aborted (abort) or done (wait), at once for keep
         # (vllm/v1/engine/async_llm.py pause_generation)
-        mode = "abort"
-        for item in req.query.split("&"):
-            key, _, value = item.partition("=")
-            if key == "mode":
-                mode = value
-        if mode not in PAUSE_MODES:
-            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
-                                           "Input should be 'abort', 'wait' or 'keep'",
-                                           "input": mode}]})
+        mode = _query_value(req.query, "mode", "abort")
+        if (refused := _mode_refused(mode)) is not None:
+            return refused
         self.engine.pause(mode)
         return _json(200, {"status": "paused"})
 
@@ -1252,15 +1257,9 @@ class App:
     def _checkpoint_prepare(self, req: Request) -> Response:
         # api_router.py:39-57 and core.py:2471-2496 of 0.34.0 (the drain is instant here: no
         # request outlives it, so the state goes straight to prepared, KV cache released)
-        mode = "wait"
-        for item in req.query.split("&"):
-            key, _, value = item.partition("=")
-            if key == "mode":
-                mode = value
-        if mode not in PAUSE_MODES:
-            return _json(422, {"detail": [{"loc": ["query", "mode"], "msg":
-                                           "Input should be 'abort', 'wait' or 'keep'",
-                                           "input": mode}]})
+        mode = _query_value(req.query, "mode", "wait")
+        if (refused := _mode_refused(mode)) is not None:
+            return refused
         if self.checkpoint == CHECKPOINT_RUNNING:
             if self.sleep_level is not None:
                 return _json(400, {"state": self.checkpoint, "error": "Preparing for a "

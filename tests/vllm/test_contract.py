@@ -178,9 +178,14 @@ def count(port: int, doc: dict[str, Any]) -> int:
 
 
 def sse(port: int, path: str, doc: dict[str, Any]) -> list[tuple[str | None, Any]]:
-    """A streamed answer's events: (event name or None, data parsed; "[DONE]" kept as text)."""
+    """A streamed answer's events (`events`)."""
     status, body = get(port, path, method="POST", body=json.dumps(doc).encode(), timeout=60)
     assert status == 200, body
+    return events_of(body)
+
+
+def events_of(body: bytes) -> list[tuple[str | None, Any]]:
+    """A stream's events: (event name or None, data parsed; "[DONE]" kept as text)."""
     events = []
     for block in body.decode().split("\n\n"):
         name, data = None, None
@@ -526,17 +531,7 @@ def paused_midway(port: int, path: str, doc: dict[str, Any]) -> list[tuple[str |
     status, done = post(port, "/v1/completions", {"model": str(MODEL), "prompt": "Hello",
                                                   "max_tokens": 2})
     assert status == 200 and done["choices"][0]["finish_reason"] == "length", done
-    events = []
-    for block in b"".join(raw).decode().split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:]
-        if data is not None:
-            events.append((name, data if data == "[DONE]" else json.loads(data)))
-    return events
+    return events_of(b"".join(raw))
 
 
 def test_pause_abort_ends_a_stream_in_flight_with_an_abort_chunk(pair: Pair) -> None:
