@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from gpud.config import model_names, parse_config, routed
-from gpud.core.front import FrontConfig, render
+from gpud.core.front import FrontConfig, FrontServe, render
 from gpud.core.keys import ApiKey, parse_keys
 from gpud.core.launch import vllm_argv
 from gpud.core.quota import Over
@@ -44,7 +44,7 @@ from gpud.core.router import (
     listen_problem,
     routing_table,
 )
-from gpud.core.routerconf import http_lines, main_lines
+from gpud.core.routerconf import front_policy, http_lines, main_lines
 from gpud.core.routerlog import parse_log_line
 from gpud.ctl.format import format_models
 from gpud.daemon import check_config
@@ -1002,24 +1002,46 @@ def fed() -> Iterator[Fed]:
     the stand-in does not answer to), which the router asks a
     stand-in gpud to have up before each request; loading feedback every second; the
     access log gpud reads."""
+    with fed_rig() as made:
+        yield made
+
+
+def a_front(tmp: Path, sock: Path, gpud_sock: Path, fport: int,
+            router: RouterFront) -> FrontConfig:
+    """The front of `a` (on demand: its port asks gpud's ensure) with ROUTER's lines and
+    policy, as gpud.nginx.front front_config gives it."""
+    return FrontConfig(
+        serves=(FrontServe("a", fport, str(sock), ensure_timeout_s=60),),
+        run_dir=str(tmp / "run"), gpud_socket=str(gpud_sock), awake_dir=str(tmp / "awake"),
+        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
+        policies=(("a", front_policy(router, "a")),))
+
+
+@contextlib.contextmanager
+def fed_rig(*, fronted: bool = False, logged: bool = True) -> Iterator[Fed]:
+    """The `fed` rig. FRONTED: `a` fronted on a port of its own too, its front with the
+    router's lines and policy as gpud.nginx.front front_config gives it (on demand: its port
+    asks gpud's ensure), and that port the one the tests are given; LOGGED: the access log."""
     tmp = Path(tempfile.mkdtemp(prefix="gpud-router-"))
     tmp.chmod(0o755)
     sock, gpud_sock, run = tmp / "a.sock", tmp / "gpud.sock", tmp / "run"
     for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (run / name).mkdir(exist_ok=True)
-    port = free_port()
+    port, fport = free_port(), free_port()
     router = RouterFront(f"127.0.0.1:{port}",
                          (RoutedServe("a", ("a", "a-fast", "hasOwnProperty"), socket=str(sock),
                                       ensure_timeout_s=60, stream_usage=True),),
                          njs_module=str(NJS), script=str(tmp / "router.js"),
                          gpud_socket=str(gpud_sock), loading_feedback_s=1,
-                         access_log=str(tmp / "router.log"), awake_dir=str(tmp / "awake"))
+                         access_log=str(tmp / "router.log") if logged else None,
+                         awake_dir=str(tmp / "awake"))
     (tmp / "awake").mkdir()
     (tmp / "awake" / "a").touch()  # gpud last said it was running and awake
     (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(FrontConfig(
-        serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
-        http_extra=tuple(http_lines(router)))))
+    (tmp / "nginx.conf").write_text(render(
+        a_front(tmp, sock, gpud_sock, fport, router) if fronted else FrontConfig(
+            serves=(), run_dir=str(run), main_extra=tuple(main_lines(router)),
+            http_extra=tuple(http_lines(router)))))
     gpud = _Gpud(str(gpud_sock), _Ensure)
     gpud.seen, gpud.requesters, gpud.gone = [], [], threading.Event()
     os.chmod(gpud_sock, 0o777)
@@ -1031,10 +1053,12 @@ def fed() -> Iterator[Fed]:
     log = (tmp / "nginx.log").open("wb")
     nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
                              stdout=subprocess.DEVNULL, stderr=log)
+    given = fport if fronted else port
     try:
         wait_until(sock.exists, what="a's socket")
         os.chmod(sock, 0o777)
-        wait_until(lambda: connects(port), what="the router listening")
+        wait_until(lambda: connects(port) and (not fronted or connects(fport)),
+                   what="the router listening")
         # nginx writes a request's access-log line once the request is freed, after its
         # answer is sent (ngx_http_free_request calls ngx_http_log_request, nginx
         # src/http/ngx_http_request.c): the client can have the answer before the line is
@@ -1047,15 +1071,16 @@ def fed() -> Iterator[Fed]:
         def answering() -> bool:
             nonlocal warm
             warm += 1
-            return _req(port, "POST", "/v1/completions",
+            return _req(given, "POST", "/v1/completions",
                         b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200
 
         wait_until(answering, what="a answering through the router")
-        wait_until(lambda: len((tmp / "router.log").read_text().splitlines()) == warm,
-                   what="the warm-up requests' access-log lines")
+        if logged:
+            wait_until(lambda: len((tmp / "router.log").read_text().splitlines()) == warm,
+                       what="the warm-up requests' access-log lines")
         gpud.seen.clear()
         gpud.requesters.clear()
-        yield Fed(port, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
+        yield Fed(given, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
         # whatever the test did, the script threw nothing, left nothing pending, and nginx
         # saw nothing it calls an alert (a subrequest finalized twice, a request leaked)
         log.flush()

@@ -8,26 +8,17 @@ serve and a stand-in gpud that takes its time."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from gpud.core.front import FrontConfig, FrontServe, render
+from gpud.core.front import FrontServe, render
 from gpud.core.router import RoutedServe, RouterFront
-from gpud.core.routerconf import front_policy, http_lines, main_lines
+from gpud.core.routerconf import front_policy
 from gpud.core.routerlog import parse_log_line
-from gpud.nginx.router import script_text
-from tests.ports import connects, free_port
 
 # The router's cases (test_*) are collected here again: each takes this module's `fed`,
 # whose port is the fronted port of `a`.
@@ -41,6 +32,8 @@ from tests.test_router import (  # noqa: F401
     _openai_error,
     _req,
     _stream,
+    a_front,
+    fed_rig,
     test_a_client_that_goes_away_while_its_stream_waits_leaves_gpuds_queue,
     test_a_hang_up_during_loading_comments_ends_the_request_cleanly,
     test_a_hang_up_while_the_queue_note_is_asked_ends_the_request_cleanly,
@@ -53,91 +46,9 @@ from tests.test_router import (  # noqa: F401
 from tests.waiting import wait_until
 
 
-def _front(tmp: Path, sock: Path, gpud_sock: Path, fport: int,
-           router: RouterFront) -> FrontConfig:
-    """The front of `a` (on demand: its port asks gpud's ensure) with ROUTER's lines and
-    policy, as gpud.nginx.front front_config gives it."""
-    return FrontConfig(
-        serves=(FrontServe("a", fport, str(sock), ensure_timeout_s=60),),
-        run_dir=str(tmp / "run"), gpud_socket=str(gpud_sock), awake_dir=str(tmp / "awake"),
-        main_extra=tuple(main_lines(router)), http_extra=tuple(http_lines(router)),
-        policies=(("a", front_policy(router, "a")),))
-
-
-@contextlib.contextmanager
-def _fed(logged: bool = True) -> Iterator[Fed]:
-    """The router's rig of tests/test_router.py (`fed`: serve `a`, names a and a-fast, on
-    demand, a stream-usage serve; loading feedback every second; LOGGED: the access log),
-    with `a` fronted on a port of its own, which is the port the tests are given."""
-    tmp = Path(tempfile.mkdtemp(prefix="gpud-fronted-loading-"))
-    tmp.chmod(0o755)
-    sock, gpud_sock, run = tmp / "a.sock", tmp / "gpud.sock", tmp / "run"
-    for name in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (run / name).mkdir(parents=True, exist_ok=True)
-    port, fport = free_port(), free_port()
-    router = RouterFront(f"127.0.0.1:{port}",
-                         (RoutedServe("a", ("a", "a-fast"), socket=str(sock),
-                                      ensure_timeout_s=60, stream_usage=True),),
-                         njs_module=str(NJS), script=str(tmp / "router.js"),
-                         gpud_socket=str(gpud_sock), loading_feedback_s=1,
-                         access_log=str(tmp / "router.log") if logged else None,
-                         awake_dir=str(tmp / "awake"))
-    (tmp / "awake").mkdir()
-    (tmp / "awake" / "a").touch()  # gpud last said it was running and awake
-    (tmp / "router.js").write_text(script_text(router))
-    (tmp / "nginx.conf").write_text(render(_front(tmp, sock, gpud_sock, fport, router)))
-    gpud = _Gpud(str(gpud_sock), _Ensure)
-    gpud.seen, gpud.requesters, gpud.gone = [], [], threading.Event()
-    os.chmod(gpud_sock, 0o777)
-    threading.Thread(target=gpud.serve_forever, daemon=True).start()
-    a = subprocess.Popen([sys.executable, "-m", "gpud.testing.standin", "serve", "m",
-                          "--token-interval-s", "0.1", "--uds", str(sock),
-                          "--served-model-name", "a", "a-fast"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = (tmp / "nginx.log").open("wb")
-    nginx = subprocess.Popen([str(NGINX), "-c", str(tmp / "nginx.conf"), "-p", f"{run}/"],
-                             stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        wait_until(sock.exists, what="a's socket")
-        os.chmod(sock, 0o777)
-        wait_until(lambda: connects(fport) and connects(port), what="the front listening")
-        warm = 0
-
-        def answering() -> bool:
-            nonlocal warm
-            warm += 1
-            return _req(fport, "POST", "/v1/completions",
-                        b'{"model": "a", "prompt": "x", "max_tokens": 1}')[0] == 200
-
-        wait_until(answering, what="a answering through its fronted port")
-        # each warm-up request's line written before a test counts its own (tests/test_router.py)
-        if logged:
-            wait_until(lambda: len((tmp / "router.log").read_text().splitlines()) == warm,
-                       what="the warm-up requests' access-log lines")
-        gpud.seen.clear()
-        gpud.requesters.clear()
-        yield Fed(fport, gpud, tmp / "router.log", tmp / "awake" / "a", tmp / "nginx.log", a)
-        log.flush()
-        errors = (tmp / "nginx.log").read_text()
-        assert not any(bad in errors for bad in ("js exception", "pending events", "[alert]",
-                                                 "[emerg]")), errors
-    except BaseException:
-        log.flush()
-        print((tmp / "nginx.log").read_text())
-        raise
-    finally:
-        for proc in (nginx, a):
-            proc.terminate()
-            proc.wait(timeout=10)
-        gpud.shutdown()
-        gpud.server_close()
-        log.close()
-        shutil.rmtree(tmp)
-
-
 @pytest.fixture
 def fed() -> Iterator[Fed]:
-    with _fed() as made:
+    with fed_rig(fronted=True) as made:
         yield made
 
 
@@ -145,7 +56,7 @@ def fed() -> Iterator[Fed]:
 def unlogged() -> Iterator[Fed]:
     """`fed` without the access log (whose server-level default names the serve's first
     model for a request that names none)."""
-    with _fed(logged=False) as made:
+    with fed_rig(fronted=True, logged=False) as made:
         yield made
 
 
@@ -228,10 +139,10 @@ def test_without_loading_feedback_a_fronted_ports_stream_waits_silently() -> Non
                                                         ensure_timeout_s=60),),
                          loading_feedback_s=0)
     assert front_policy(router, "a").loading == ()
-    text = render(_front(tmp, sock, tmp / "gpud.sock", 9000, router))
+    text = render(a_front(tmp, sock, tmp / "gpud.sock", 9000, router))
     assert "set $gpud_loading 1;" not in text and "js_content router.fronted;" not in text
     on = replace(router, loading_feedback_s=1)
-    cfg = _front(tmp, sock, tmp / "gpud.sock", 9000, on)
+    cfg = a_front(tmp, sock, tmp / "gpud.sock", 9000, on)
     server = render(cfg).split("    # serve a\n")[1]
     assert "set $gpud_loading 1;" in server and "location @router_loading {" in server
     assert "location = /v1/completions {" in server
