@@ -292,31 +292,63 @@ function errorText(status, message, code) {
 // nginx's own errors, as the router answers them: status -> [the status answered, message,
 // code] (494: nginx's own code for a header too large, answered 400; 405: a TRACE, refused by
 // nginx before any location; 412: nginx's not_modified filter, on an answer of the script's
-// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1).
-var ERRORS = {
-    400: [400, 'the request is not valid HTTP', 'invalid_request'],
-    404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
-          '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
-    413: [413, 'request body over router.max_body_mib', 'request_too_large'],
-    405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
-          'the routes)', 'method_not_allowed'],
-    412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
-          "router's answers carry no ETag", 'precondition_failed'],
-    414: [414, 'the request URI is too long', 'invalid_request'],
-    494: [400, 'a request header is too large', 'invalid_request'],
-    500: [500, 'internal error of the router', 'internal_error'],
-    501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
-          'not_implemented'],
-    505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
-          'http_version_not_supported'],
-};
-
+// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1). The table
+// is made only when an error page asks (each request runs the script's top level again: njs
+// 0.7.9 clones the VM and runs its global code per request, ngx_http_js_init_vm
+// njs_vm_clone/njs_vm_start, so a table there would be built for every request).
 function nginxError(status) {
-    return function (r) {
-        var e = ERRORS[status];
-        return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' :
-                         e[1], e[2]);
-    };
+    var e = {
+        400: [400, 'the request is not valid HTTP', 'invalid_request'],
+        404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
+                  '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
+        413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+        405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
+                  'the routes)', 'method_not_allowed'],
+        412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
+                  "router's answers carry no ETag", 'precondition_failed'],
+        414: [414, 'the request URI is too long', 'invalid_request'],
+        494: [400, 'a request header is too large', 'invalid_request'],
+        500: [500, 'internal error of the router', 'internal_error'],
+        501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
+                  'not_implemented'],
+        505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
+                  'http_version_not_supported'],
+    }[status];
+    return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' : e[1],
+                     e[2]);
+}
+
+// The error pages' js_set handlers (gpud.core.routerconf ERROR_PAGES): declared functions, not
+// closures made by a call for each request.
+function error400(r) {
+    return nginxError(400);
+}
+function error404(r) {
+    return nginxError(404);
+}
+function error405(r) {
+    return nginxError(405);
+}
+function error412(r) {
+    return nginxError(412);
+}
+function error413(r) {
+    return nginxError(413);
+}
+function error414(r) {
+    return nginxError(414);
+}
+function error494(r) {
+    return nginxError(494);
+}
+function error500(r) {
+    return nginxError(500);
+}
+function error501(r) {
+    return nginxError(501);
+}
+function error505(r) {
+    return nginxError(505);
 }
 
 // With router.api_keys_file: the request's key (its name and models), or null once answered
@@ -503,8 +535,7 @@ function route(r) {
     if (read === null) {
         return;
     }
-    var model = read.model, stream = read.stream, form = read.form, doc = read.doc;
-    var top = read.top;
+    var model = read.model, stream = read.stream;
     if (model === undefined || model === null) {
         fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
         return;
@@ -513,48 +544,52 @@ function route(r) {
         fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
         return;
     }
-    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
     // a model on several hosts: gpud says which takes it now (choose), the rest as below
     if (has(CONFIG.shared, model) && allows(key, model) && !hopped(r)) {
         choose(r, model).then(function (host) {
             if (!toChosen(r, host, model, key, stream)) {
-                here();
+                routeHere(r, key, body, read);
             }
         });
         return;
     }
-    here();
-    function here() {
-        if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
-            return;
-        }
-        // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
-        if (entry === undefined || !allows(key, model)) {
-            notFound(r, model, key);
-            return;
-        }
-        var who = whoOf(r, key);
-        if (who.error) {
-            fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
-            return;
-        }
-        r.variables.router_model = model;
-        r.variables.router_serve = entry.serve;
-        // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
-        r.variables.router_key = who.usage;
-        r.variables.router_requester = who.requester;
-        askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
-            !keyPriority(r, body, doc, top, key)) {
-            return;
-        }
-        if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
-            // through the key's limits first (@router_loading), then loading(): loadingStream
-            r.internalRedirect('@router_loading');
-            return;
-        }
-        r.internalRedirect(entry.location);
+    routeHere(r, key, body, read);
+}
+
+// The rest of route() once the request stays on this host: to a peer that has its model, or
+// to its serve here (a top-level function, not a closure made on each request).
+function routeHere(r, key, body, read) {
+    var model = read.model, stream = read.stream;
+    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
+    if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
+        return;
     }
+    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+    if (entry === undefined || !allows(key, model)) {
+        notFound(r, model, key);
+        return;
+    }
+    var who = whoOf(r, key);
+    if (who.error) {
+        fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
+        return;
+    }
+    r.variables.router_model = model;
+    r.variables.router_serve = entry.serve;
+    // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
+    r.variables.router_key = who.usage;
+    r.variables.router_requester = who.requester;
+    askUsage(r, body, read.doc, read.top, entry, stream);
+    if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        !keyPriority(r, body, read.doc, read.top, key)) {
+        return;
+    }
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
+        // through the key's limits first (@router_loading), then loading(): loadingStream
+        r.internalRedirect('@router_loading');
+        return;
+    }
+    r.internalRedirect(entry.location);
 }
 
 // The 404 of a model that does not exist, or that KEY may not use (route; fronted, where the
@@ -735,13 +770,6 @@ function refusal(r, reason, retry) {
         type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
 }
 
-// Anthropic's error types (the `type` of its error object, anthropic-sdk-python
-// src/anthropic/types/*_error_object.py; docs.anthropic.com/en/api/errors) by HTTP status.
-var ANTHROPIC_TYPES = {400: 'invalid_request_error', 401: 'authentication_error',
-                       402: 'billing_error', 403: 'permission_error', 404: 'not_found_error',
-                       429: 'rate_limit_error', 503: 'overloaded_error', 504: 'timeout_error',
-                       529: 'overloaded_error'};
-
 // The SSE bytes that end a stream with an error (DOC: OpenAI's error document, or already
 // Anthropic's; STATUS: the answer's). OpenAI's clients read an event whose data is the error
 // document, then [DONE], as vLLM ends a stream that failed. Anthropic's (route /v1/messages)
@@ -755,8 +783,14 @@ function errorEvent(r, status, doc) {
     }
     var err = doc && doc.error ? doc.error : {};
     if (!(doc && doc.type === 'error' && typeof err.type === 'string')) {
+        // Anthropic's error types (the `type` of its error object, anthropic-sdk-python
+        // src/anthropic/types/*_error_object.py; docs.anthropic.com/en/api/errors) by status
+        var types = {400: 'invalid_request_error', 401: 'authentication_error',
+                     402: 'billing_error', 403: 'permission_error', 404: 'not_found_error',
+                     429: 'rate_limit_error', 503: 'overloaded_error', 504: 'timeout_error',
+                     529: 'overloaded_error'};
         doc = {type: 'error', error: {
-            type: has(ANTHROPIC_TYPES, status) ? ANTHROPIC_TYPES[status] :
+            type: has(types, status) ? types[status] :
                 status >= 500 ? 'api_error' : 'invalid_request_error',
             message: typeof err.message === 'string' ? err.message : JSON.stringify(doc)}};
     }
@@ -1345,7 +1379,7 @@ function meter(r, data, flags) {
 // chunks in their order, its last one last). Bounded: past USAGE_HELD_MAX held, passed on
 // as it is.
 var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
-var FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
+var FINGERPRINT = null;
 function meterAsked(r, data, flags) {
     if (mNames === null && data.length > 0) {
         meterBegin(r, data);
@@ -1387,6 +1421,9 @@ function unasked(r, event, out) {
         var text = event.toString(), doc = eventData(text);
         if (doc !== null && Array.isArray(doc.choices) && doc.choices.length === 0) {
             meterTake(r, doc.usage);
+            if (FINGERPRINT === null) {
+                FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
+            }
             var fp = text.match(FINGERPRINT);
             aHeld.forEach(function (held) {
                 var close = held.lastIndexOf('}');
@@ -1471,14 +1508,17 @@ function countedText(r) {
 // an event named "error" as the status error of its data). The filter's VM is this answer's
 // own: `aborting`, `abortTold` too. (/v1/responses: vLLM 0.32 ends an aborted stream with
 // response.completed, its status "cancelled" only for a Harmony model: not told apart here.)
-var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
-var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+var ABORTS = null, MESSAGES_ABORTS = null;
 var ABORT_CARRY = 32;
 var aborting = false, abortTold = false, aCarry = '', aLooked = false;
 // Where the mark of a cut stream (its route's: ABORTS, MESSAGES_ABORTS, the latter the
 // message_delta's own, as pydantic writes it: its delta's only member set first) begins in
 // DATA, 0 when it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
 function abortAt(r, data) {
+    if (ABORTS === null) {
+        ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
+        MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+    }
     var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS : ABORTS, i, at;
     for (i = 0; i < marks.length; i++) {
         at = data.indexOf(marks[i]);
@@ -1783,8 +1823,8 @@ function limited(r) {
 
 export default {route, fronted, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown, peerDown, peerStreamed,
-                error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
-                error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
-                error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),
-                error505: nginxError(505),
+                error400, error404, error405,
+                error412, error413, error414,
+                error494, error500, error501,
+                error505,
                 loadingStream, limited, meter, ensured};
