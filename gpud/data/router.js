@@ -313,42 +313,17 @@ function nginxError(status) {
                   'not_implemented'],
         505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
                   'http_version_not_supported'],
-    }[status];
+    }[status] || [500, 'internal error of the router', 'internal_error'];
     return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' : e[1],
                      e[2]);
 }
 
-// The error pages' js_set handlers (gpud.core.routerconf ERROR_PAGES): declared functions, not
-// closures made by a call for each request.
-function error400(r) {
-    return nginxError(400);
-}
-function error404(r) {
-    return nginxError(404);
-}
-function error405(r) {
-    return nginxError(405);
-}
-function error412(r) {
-    return nginxError(412);
-}
-function error413(r) {
-    return nginxError(413);
-}
-function error414(r) {
-    return nginxError(414);
-}
-function error494(r) {
-    return nginxError(494);
-}
-function error500(r) {
-    return nginxError(500);
-}
-function error501(r) {
-    return nginxError(501);
-}
-function error505(r) {
-    return nginxError(505);
+// The text of an error page (js_set $router_error_STATUS, gpud.core.routerconf ERROR_PAGES: one
+// handler for all, as each handler is a member of the script's default export, made again for
+// every request): STATUS is the last segment of the error page's URI (ERROR_PREFIX + STATUS,
+// where each variable is asked).
+function errorPage(r) {
+    return nginxError(Number(r.uri.slice(r.uri.lastIndexOf('/') + 1)));
 }
 
 // With router.api_keys_file: the request's key (its name and models), or null once answered
@@ -484,8 +459,8 @@ function allows(key, model) {
 
 // The request's body read, on the router (route) and on a fronted port (fronted): a form's
 // `model` (multipart/form-data), else the JSON object's, walked from SCAN_FROM bytes on
-// (topLevel), parsed below. {model, stream, form, doc (parsed), top (walked)}; null once
-// answered (a 400).
+// (topLevel), parsed below. {model, stream, form (true, else absent), doc (parsed), top
+// (walked)}; null once answered (a 400).
 function readBody(r, body) {
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
     if (type.indexOf('multipart/form-data') === 0) {
@@ -498,7 +473,7 @@ function readBody(r, body) {
             fail(r, top.error[0], top.error[1], top.error[2]);
             return null;
         }
-        return {model: top.model, stream: top.stream, form: false, top: top};
+        return {model: top.model, stream: top.stream, top: top};
     }
     var doc;
     try {
@@ -511,7 +486,7 @@ function readBody(r, body) {
         fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
         return null;
     }
-    return {model: doc.model, stream: doc.stream === true, form: false, doc: doc};
+    return {model: doc.model, stream: doc.stream === true, doc: doc};
 }
 
 function route(r) {
@@ -569,18 +544,22 @@ function routeHere(r, key, body, read) {
         notFound(r, model, key);
         return;
     }
-    var who = whoOf(r, key);
-    if (who.error) {
+    // a peer key's forwarded requester (whoOf); any other key, or none, is its own
+    var who = key.peer ? whoOf(r, key) : null;
+    if (who !== null && who.error) {
         fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
         return;
     }
     r.variables.router_model = model;
     r.variables.router_serve = entry.serve;
     // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
-    r.variables.router_key = who.usage;
-    r.variables.router_requester = who.requester;
-    askUsage(r, body, read.doc, read.top, entry, stream);
-    if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+    r.variables.router_key = who !== null ? who.usage : key.name || '';
+    r.variables.router_requester = who !== null ? who.requester :
+        key.name || requesterOf(r, key);
+    if (stream && entry.stream_usage) {
+        askUsage(r, body, read.doc, read.top, entry, stream);
+    }
+    if (entry.priority && !read.form && PRIORITY_ROUTES.indexOf(r.uri) >= 0 &&
         !keyPriority(r, body, read.doc, read.top, key)) {
         return;
     }
@@ -630,11 +609,11 @@ function forward(r, model, key, stream) {
     r.variables.router_model = model;
     r.variables.router_peer = names[0];
     r.variables.router_key = key.name || '';
-    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    r.headersOut['Retry-After'] = String(PEER_RETRY_AFTER_S);
     fail(r, 503, 'model ' + JSON.stringify(model) + ' is served by ' + names.map(function (n) {
         return 'host ' + n + ' (unreachable: ' + (CONFIG.peers[n].open.reason || 'failure') +
             ')';
-    }).join(', ') + '; retry after ' + CONFIG.peer_retry_after_s + ' s', 'peer_unreachable');
+    }).join(', ') + '; retry after ' + PEER_RETRY_AFTER_S + ' s', 'peer_unreachable');
     return true;
 }
 
@@ -653,7 +632,7 @@ function toPeer(r, name, model, key, stream) {
 // wait and what each peer last said of the model, its circuit closed), one subrequest: ''
 // this host, a peer's name, null none; undefined when gpud does not answer.
 function choose(r, model) {
-    return r.subrequest(CONFIG.route_location, {
+    return r.subrequest(ROUTE_LOCATION, {
         method: 'GET', args: 'model=' + encodeURIComponent(model)}).then(function (reply) {
         if (reply.status === 200) {
             try {
@@ -686,7 +665,7 @@ function toChosen(r, host, model, key, stream) {
 // never taken once the answer began).
 function peerDown(r) {
     var name = r.variables.router_peer || '?';
-    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    r.headersOut['Retry-After'] = String(PEER_RETRY_AFTER_S);
     fail(r, 502, 'model ' + JSON.stringify(r.variables.router_model || '') + ': host ' + name +
          ' did not answer (' + (r.variables.upstream_status === '504' ? 'timed out' :
          'no connection, or a proxy between the hosts failed') + ')', 'peer_unreachable');
@@ -995,7 +974,7 @@ function peerViews(r) {
     if (Object.keys(CONFIG.peer_models).length === 0) {
         return Promise.resolve({});
     }
-    return byName(r, CONFIG.peers_location, 'peers');
+    return byName(r, PEERS_LOCATION, 'peers');
 }
 
 // A model served on peers only, as this host lists it: the host that takes its requests
@@ -1133,7 +1112,7 @@ var mParts = null, mSize = 0, mWalking = false;
 // the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
 // last string ended at the current depth (a key when a bracket follows), the keys of the
 // open objects, and the usage object's text while it passes
-var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = [];
+var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = null;
 var jCap = null, jCapDepth = 0, J_OUT = null, J_IN = null;
 
 // The answer's route and kind, from its first buffer: a single answer is one JSON document
@@ -1255,6 +1234,7 @@ function meterWalk(r, text) {
     if (J_OUT === null) {
         J_OUT = /["{}\[\]]/g;
         J_IN = /[\\"]/g;
+        jKeys = [];
     }
     var n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
     if (jEsc) {
@@ -1378,9 +1358,12 @@ function meter(r, data, flags) {
 // the other choices' chunks go on as they come, ahead of the held last chunks (each choice's
 // chunks in their order, its last one last). Bounded: past USAGE_HELD_MAX held, passed on
 // as it is.
-var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
+var mAsked = null, aPend = null, aHeld = null, aHeldSize = 0;
 var FINGERPRINT = null;
 function meterAsked(r, data, flags) {
+    if (aHeld === null) {
+        aHeld = [];
+    }
     if (mNames === null && data.length > 0) {
         meterBegin(r, data);
     }
@@ -1664,7 +1647,7 @@ function prioritize(r, body, spans, key) {
 // api_utils.py should_include_usage: `stream_options.include_usage`, or the server's
 // --enable-force-include-usage, which puts usage in every chunk as continuous_usage_stats does).
 // So on a streamed request to a stream-usage serve (CONFIG.models[...].stream_usage) on those
-// routes (CONFIG.stream_usage_routes) whose body has no top-level "stream_options", the router
+// routes (STREAM_USAGE_ROUTES) whose body has no top-level "stream_options", the router
 // puts ASK_USAGE in after the body's opening brace, every other byte as sent (the body is sent
 // as head + priority + tail, gpud.core.router PRIORITY_MAP: without a priority, an empty
 // one), and the meter takes the chunk the client did not ask for out of the stream
@@ -1673,7 +1656,7 @@ function prioritize(r, body, spans, key) {
 var ASK_USAGE = '"stream_options":{"include_usage":true},';
 var asking = false;
 function askUsage(r, body, doc, top, entry, stream) {
-    if (!stream || !entry.stream_usage || CONFIG.stream_usage_routes.indexOf(r.uri) < 0 ||
+    if (!stream || !entry.stream_usage || STREAM_USAGE_ROUTES.indexOf(r.uri) < 0 ||
         (doc !== undefined ? has(doc, 'stream_options') : top.streamOptions)) {
         return;
     }
@@ -1712,7 +1695,7 @@ function keyPriority(r, body, doc, top, key) {
 // A request on a serve's own fronted port, on a route whose body the router rewrites
 // (gpud.core.front body_routes: a location that reads the whole body in memory, after the
 // key's check, its counts and rates): the same body as through the router, by the same
-// functions (keyPriority, askUsage), then on to the serve (CONFIG.front_send, which sends the
+// functions (keyPriority, askUsage), then on to the serve (FRONT_SEND, which sends the
 // body as rewritten: gpud.core.router FrontPolicy.send). The port's serve is $gpud_serve. A
 // model that is none of its names, or one the key may not use, is answered as the router
 // answers it (404 model_not_found; vLLM answers such a name 404 too, but only once up, an
@@ -1758,12 +1741,12 @@ function fronted(r) {
         r.variables.router_key = key.name || '';
         r.variables.router_requester = requesterOf(r, key);
         askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        if (entry.priority && !read.form && PRIORITY_ROUTES.indexOf(r.uri) >= 0 &&
             !keyPriority(r, body, doc, top, key)) {
             return;
         }
     }
-    r.internalRedirect(CONFIG.front_send);
+    r.internalRedirect(FRONT_SEND);
 }
 
 // A stream for a serve gpud may bring up, past its key's limits (@router_loading).
@@ -1823,8 +1806,5 @@ function limited(r) {
 
 export default {route, fronted, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown, peerDown, peerStreamed,
-                error400, error404, error405,
-                error412, error413, error414,
-                error494, error500, error501,
-                error505,
+                errorPage,
                 loadingStream, limited, meter, ensured};
