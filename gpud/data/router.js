@@ -1197,7 +1197,7 @@ function meterSingle(r, data, last) {
     }
     if (mParts === null && last) {
         if (data.indexOf('"usage"') >= 0) {
-            meterParse(r, data.toString());
+            meterParse(r, data);
         }
         return;
     }
@@ -1211,17 +1211,40 @@ function meterSingle(r, data, last) {
         return;
     }
     if (last) {
-        var whole = Buffer.concat(mParts);
+        var whole = mParts.length === 1 ? mParts[0] : Buffer.concat(mParts);
         if (whole.indexOf('"usage"') >= 0) {
-            meterParse(r, whole.toString());
+            meterParse(r, whole);
         }
     }
 }
 
-function meterParse(r, text) {
-    var doc;
+// A single answer (BUF, whole) that carries a bare "usage": the usage of its top level. An
+// answer ends with it and a few members after (vLLM's chat: usage, prompt_logprobs,
+// prompt_token_ids, kv_transfer_params), so its last "usage" is tried first, as a member of
+// the answer's own object: '{' and the text from it on make one JSON object only when the key
+// is one (a key deeper in, an echoed schema's or a client's object after the usage, leaves
+// that text closing more than one object) and its quote is no escaped one (a key that ends in
+// \"usage). Its value then is what parsing the whole answer gives (the last of a key given
+// twice, as JSON.parse takes), without the rest of the answer made into objects and strings.
+// Else the whole answer is parsed.
+function meterParse(r, buf) {
+    var at = buf.lastIndexOf('"usage"'), from = at, doc;
+    while (from > 0 && buf[from - 1] === 0x5c) {
+        from--;
+    }
+    if (at > 0 && (at - from) % 2 === 0) {
+        try {
+            doc = JSON.parse('{' + buf.slice(at).toString());
+        } catch (e) {
+            doc = null;
+        }
+        if (doc !== null) {
+            meterTake(r, doc.usage);
+            return;
+        }
+    }
     try {
-        doc = JSON.parse(text);
+        doc = JSON.parse(buf.toString());
     } catch (e) {
         return;
     }
