@@ -12,6 +12,15 @@
 // detached one's answer is dropped): it cannot carry a stream. r.sendHeader(), r.send() and
 // r.finish() answer from the script itself; r.internalRedirect() takes effect once nothing
 // of the script is pending (ngx_http_js_content_finalize), so after a subrequest's answer too.
+//
+// What runs at the top level runs again for every request, and for a serve's answer again:
+// njs 0.7.9 gives each request a clone of the VM and runs the script's global code in it
+// (nginx/ngx_http_js_module.c ngx_http_js_init_vm: njs_vm_clone, then njs_vm_start), and an
+// internal redirect (route() to its serve's location, where the meter reads the answer)
+// starts a new one. Each function declared here, each member of the default export and of
+// CONFIG, each table, array or pattern made at the top level costs every request; so the
+// tables of error paths are made where they are used, and a helper of one rarely taken path
+// is declared inside its one caller.
 
 import crypto from 'crypto';
 
@@ -36,6 +45,20 @@ function fail(r, status, message, code, param) {
 // whose ImmutableMultiDict keeps a name's last value: starlette/datastructures.py). A part's
 // content (an audio file) is skipped natively, never looked into.
 function formModel(body, type) {
+    // Whether a part's headers say it is the form field "model" (name="model" or name=model).
+    function namesModel(head) {
+        return head.split('\r\n').some(function (line) {
+            var low = line.toLowerCase();
+            if (low.indexOf('content-disposition:') !== 0) {
+                return false;
+            }
+            return low.slice(20).split(';').slice(1).some(function (param) {
+                var kv = param.trim().split('=');
+                return kv.length === 2 && kv[0].trim() === 'name' &&
+                    kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
+            });
+        });
+    }
     var m = type.match(/boundary=(?:"([^"]+)"|([^;\s]+))/i);
     if (!m) {
         return undefined;
@@ -65,21 +88,6 @@ function formModel(body, type) {
     return found;
 }
 
-// Whether a part's headers say it is the form field "model" (name="model" or name=model).
-function namesModel(head) {
-    return head.split('\r\n').some(function (line) {
-        var low = line.toLowerCase();
-        if (low.indexOf('content-disposition:') !== 0) {
-            return false;
-        }
-        return low.slice(20).split(';').slice(1).some(function (param) {
-            var kv = param.trim().split('=');
-            return kv.length === 2 && kv[0].trim() === 'name' &&
-                kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
-        });
-    });
-}
-
 // Bodies from this size on are walked for their top-level keys instead of parsed: njs's
 // JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
 // small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
@@ -91,34 +99,32 @@ var SCAN_FROM = 65536;
 // thousand messages takes about 100000 steps, an image in base64 one.
 var SCAN_STEPS = 262144;
 
-function space(c) {
-    return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
-}
-
-// The index after the string whose opening quote is at i (-1: unterminated).
-function skipString(body, i) {
-    var j = i + 1, k, slashes;
-    for (;;) {
-        j = body.indexOf('"', j);
-        if (j < 0) {
-            return -1;
-        }
-        for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
-            slashes++;
-        }
-        if (slashes % 2 === 0) {
-            return j + 1;
-        }
-        j++;
-    }
-}
-
 // The top-level keys `model` and `stream` of a JSON object in BODY, read as the serve's
 // json.loads reads them (Starlette's Request.json: escapes decoded, a key given twice is its
 // last value), without parsing the rest: {model, stream} (model undefined when the body
 // has none), or {error: [status, message, code]}. Nested values are walked by their
 // brackets (a key inside them is not the body's), strings skipped whole.
 function topLevel(body) {
+    // The index after the string whose opening quote is at i (-1: unterminated).
+    function skipString(body, i) {
+        var j = i + 1, k, slashes;
+        for (;;) {
+            j = body.indexOf('"', j);
+            if (j < 0) {
+                return -1;
+            }
+            for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
+                slashes++;
+            }
+            if (slashes % 2 === 0) {
+                return j + 1;
+            }
+            j++;
+        }
+    }
+    function space(c) {
+        return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
+    }
     var n = body.length, i = 0, steps = 0;
     var found = {model: undefined, stream: false, priority: []};
     var key, end, c, depth, v;
@@ -248,24 +254,23 @@ function topLevel(body) {
     return found;
 }
 
-function levenshtein(a, b) {
-    var prev = [], cur, i, j;
-    for (j = 0; j <= b.length; j++) {
-        prev.push(j);
-    }
-    for (i = 1; i <= a.length; i++) {
-        cur = [i];
-        for (j = 1; j <= b.length; j++) {
-            cur.push(Math.min(prev[j] + 1, cur[j - 1] + 1,
-                              prev[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1)));
-        }
-        prev = cur;
-    }
-    return prev[b.length];
-}
-
 // Up to three names KEY may use close to NAME: one contains the other, or a few edits away.
 function closeNames(name, key) {
+    function levenshtein(a, b) {
+        var prev = [], cur, i, j;
+        for (j = 0; j <= b.length; j++) {
+            prev.push(j);
+        }
+        for (i = 1; i <= a.length; i++) {
+            cur = [i];
+            for (j = 1; j <= b.length; j++) {
+                cur.push(Math.min(prev[j] + 1, cur[j - 1] + 1,
+                                  prev[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1)));
+            }
+            prev = cur;
+        }
+        return prev[b.length];
+    }
     var low = name.toLowerCase().slice(0, 256), found = [];
     Object.keys(CONFIG.models).filter(function (known) {
         return allows(key, known);
@@ -376,13 +381,12 @@ function tokenOf(r) {
     return null;
 }
 
-// Whether the request sent a key at all (a 401's message: incorrect, or none given).
-function gaveKey(r) {
-    return Boolean(r.headersIn['Authorization'] ||
-                   (anthropic(r) && r.headersIn['X-Api-Key']));
-}
-
 function noKeyMessage(r) {
+    // Whether the request sent a key at all (a 401's message: incorrect, or none given).
+    function gaveKey(r) {
+        return Boolean(r.headersIn['Authorization'] ||
+                       (anthropic(r) && r.headersIn['X-Api-Key']));
+    }
     return gaveKey(r) ? 'Incorrect API key provided' :
         'No API key provided (Authorization: Bearer KEY' +
         (anthropic(r) ? ', or x-api-key: KEY' : '') + ')';
