@@ -390,6 +390,22 @@ def test_usage_is_the_answers_top_level_usage_by_each_routes_names(metered: Rig)
     assert not any(a.hung_up for a in got)
 
 
+def test_a_single_answer_held_whole_is_read_to_its_top_level_usage(metered: Rig) -> None:
+    # an answer the meter holds whole (under 256 KiB), whose last "usage" key is a client's
+    # object echoed after the answer's own (the stand-in echoes `user` last): the answer's own
+    # is taken, not the client's
+    before = len(_logged(metered, 0))
+    status, body = _post_route(metered, "/v1/responses", {
+        "model": "b", "input": "hi", "max_output_tokens": 2, "tools": [SCHEMA_TOOL],
+        "user": {"usage": {"input_tokens": 999999999999, "output_tokens": 999999999999}}})
+    assert status == 200, body[:300]
+    assert len(body) < 256 * 1024 and body.rindex(b'"usage"') > body.index(b'"user"')
+    usage = json.loads(body)["usage"]
+    (got,) = _logged(metered, before + 1)[before:]
+    assert (got.prompt_tokens, got.completion_tokens) == (usage["input_tokens"],
+                                                          usage["output_tokens"])
+
+
 def test_a_large_single_answer_is_walked_to_its_top_level_usage(metered: Rig) -> None:
     # an answer past what the meter holds whole (256 KiB): walked by its brackets as it
     # passes, through escapes, non-ASCII text and the echoed schema's usage-shaped keys

@@ -96,7 +96,7 @@ def test_a_model_on_several_hosts_asks_gpud_on_a_kept_connection() -> None:
     text = render_script(router, "")
     config = json.loads(text.split("var CONFIG = ", 1)[1].rsplit(";", 1)[0])
     assert config["shared"] == {"chat": ["", "b"], "ocr": ["b", "c"]}
-    assert config["route_location"] == "/.gpud-router-route"
+    assert '\nvar ROUTE_LOCATION = "/.gpud-router-route";\n' in text
     out = "\n".join(http_lines(router)).split("\n")
     upstream = out[out.index("    upstream router_gpud_route {"):][:4]
     assert upstream[2] == "        keepalive 2;", upstream

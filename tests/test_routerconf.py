@@ -322,7 +322,9 @@ def test_the_named_locations_of_refusals_and_errors() -> None:
         assert location(lines, f"= /.gpud-router-error/{s}") == [
             f"        location = /.gpud-router-error/{s} {{", "            internal;",
             f"            return {400 if s == 494 else s} $router_error_{s};", "        }"]
-    assert location(lines, "/")[1] == "            return 404 $router_error_404;"
+    # a route it does not carry: the 404 page above, whose handler reads its status in its URI
+    assert location(lines, "/")[1] == "            return 404;"
+    assert has(lines, "        error_page 404 /.gpud-router-error/404;")
     assert lines[-1] == "    }"
     # no counts (no max_concurrent, no bound on large bodies): no @router_counted
     assert not has(text(plain(large_bodies_per_requester=0)), "        location @router_counted {")
@@ -404,8 +406,10 @@ def test_the_script_is_told_the_table_keys_limits_and_peers() -> None:
                "open": {"reason": "connect refused", "since": 12.5}},
         "n2": {"location": "@router_peer_n2", "open": None}}
     assert isinstance(doc["forwarded_requester"], str)
-    # a peer's circuit open: Retry-After its next probe (docs/peers.md)
-    assert doc["peer_retry_after_s"] == 5
+    # a peer's circuit open: Retry-After its next probe (docs/peers.md); gpud's own figures and
+    # names are plain variables before CONFIG, not members of it
+    assert "\nvar PEER_RETRY_AFTER_S = 5;\n" in render_script(full(), "")
+    assert "peer_retry_after_s" not in doc
     bare = script_config(plain())
     assert bare["keys"] is None and bare["key_digests"] is None
     assert bare["limits"] == {} and bare["over_budget"] == {} and bare["peers"] == {}

@@ -463,8 +463,9 @@ def _script_variables() -> list[str]:
             "    js_set $router_quota router.quota;",
             "    js_set $router_quota_text router.quotaText;",
             "    js_set $router_requester_of router.requesterOf;",
-            *[f"    js_set $router_error_{status} router.error{status};"
-              for status in ERROR_PAGES]]
+            # one handler, which reads the status in the URI of the error page's location
+            # (ERROR_PREFIX + status), the one place each variable is asked
+            *[f"    js_set $router_error_{status} router.errorPage;" for status in ERROR_PAGES]]
 
 
 def _upstreams(router: RouterFront) -> list[str]:
@@ -633,8 +634,9 @@ def _server_tail(router: RouterFront, limits: Sequence[str]) -> list[str]:
         *[f"        location = {ERROR_PREFIX}{status} {{\n            internal;\n"
           f"            return {400 if status == 494 else status} $router_error_{status};"
           "\n        }" for status in ERROR_PAGES],
+        # a route the router does not carry: its 404 page (ERROR_PREFIX + 404), as nginx's own
         "        location / {",
-        "            return 404 $router_error_404;",
+        "            return 404;",
         "        }",
         "    }",
     ]
@@ -662,16 +664,13 @@ def render_script(router: RouterFront, code: str) -> str:
     digests = None if router.keys is None else {k.name: k.sha256 for k in router.keys}
     head = {"models": table, "keys": keys, "key_digests": digests,
             "max_body_mib": router.max_body_mib,
-            "retry_after_s": RETRY_AFTER_S, "read_timeout_s": READ_TIMEOUT_S,
+            "retry_after_s": RETRY_AFTER_S,
             "loading_feedback_s": router.loading_feedback_s, "ensure_prefix": ENSURE_PREFIX,
             "loading_suffix": LOADING_SUFFIX,
             "stream_prefix": STREAM_PREFIX, "limits": limits, "over_budget": over,
             "large_bodies_per_requester": router.large_bodies_per_requester,
-            "priority_routes": list(PRIORITY_ROUTES),
-            "host": router.host, "peers_location": PEERS_LOCATION,
-            "peer_retry_after_s": PEER_RETRY_AFTER_S,
+            "host": router.host,
             "peer_models": peer_table(router.table, router.peers),
-            "route_location": ROUTE_LOCATION,
             "shared": shared_table(router.table, router.peers),
             "peers": {p.name: {"location": p.location,
                                "open": None if p.closed else
@@ -679,8 +678,15 @@ def render_script(router: RouterFront, code: str) -> str:
                       for p in sorted(router.peers, key=lambda p: p.name)},
             # what a peer key may forward as its requester (router.js whoOf)
             **({"forwarded_requester": FORWARDED_REQUESTER_RE.pattern}
-               if any(k.peer for k in router.keys or ()) else {}),
-            "stream_usage_routes": list(STREAM_USAGE_ROUTES), "front_send": SEND_LOCATION,
-            "cut_dir": router.cut_dir}
+               if any(k.peer for k in router.keys or ()) else {})}
+    # gpud's own names and figures, the same for every config: plain variables, not members
+    # of CONFIG (njs 0.7.9 runs the script's top level again for every request: ngx_http_js_
+    # init_vm, njs_vm_clone then njs_vm_start; each member of an object literal is made again,
+    # a variable with a plain value costs next to nothing)
+    consts = {"FRONT_SEND": SEND_LOCATION, "PEERS_LOCATION": PEERS_LOCATION,
+              "PEER_RETRY_AFTER_S": PEER_RETRY_AFTER_S, "PRIORITY_ROUTES": list(PRIORITY_ROUTES),
+              "ROUTE_LOCATION": ROUTE_LOCATION, "STREAM_USAGE_ROUTES": list(STREAM_USAGE_ROUTES),
+              "CUT_DIR": router.cut_dir}
     return ("// Written by gpud (gpud/core/router.py); rewritten whenever the serves change.\n"
-            f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")
+            + "".join(f"var {name} = {json.dumps(value)};\n" for name, value in consts.items())
+            + f"var CONFIG = {json.dumps(head, sort_keys=True, indent=1)};\n\n{code}")

@@ -12,6 +12,15 @@
 // detached one's answer is dropped): it cannot carry a stream. r.sendHeader(), r.send() and
 // r.finish() answer from the script itself; r.internalRedirect() takes effect once nothing
 // of the script is pending (ngx_http_js_content_finalize), so after a subrequest's answer too.
+//
+// What runs at the top level runs again for every request, and for a serve's answer again:
+// njs 0.7.9 gives each request a clone of the VM and runs the script's global code in it
+// (nginx/ngx_http_js_module.c ngx_http_js_init_vm: njs_vm_clone, then njs_vm_start), and an
+// internal redirect (route() to its serve's location, where the meter reads the answer)
+// starts a new one. Each function declared here, each member of the default export and of
+// CONFIG, each table, array or pattern made at the top level costs every request; so the
+// tables of error paths are made where they are used, and a helper of one rarely taken path
+// is declared inside its one caller.
 
 import crypto from 'crypto';
 import fs from 'fs';
@@ -37,6 +46,20 @@ function fail(r, status, message, code, param) {
 // whose ImmutableMultiDict keeps a name's last value: starlette/datastructures.py). A part's
 // content (an audio file) is skipped natively, never looked into.
 function formModel(body, type) {
+    // Whether a part's headers say it is the form field "model" (name="model" or name=model).
+    function namesModel(head) {
+        return head.split('\r\n').some(function (line) {
+            var low = line.toLowerCase();
+            if (low.indexOf('content-disposition:') !== 0) {
+                return false;
+            }
+            return low.slice(20).split(';').slice(1).some(function (param) {
+                var kv = param.trim().split('=');
+                return kv.length === 2 && kv[0].trim() === 'name' &&
+                    kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
+            });
+        });
+    }
     var m = type.match(/boundary=(?:"([^"]+)"|([^;\s]+))/i);
     if (!m) {
         return undefined;
@@ -66,21 +89,6 @@ function formModel(body, type) {
     return found;
 }
 
-// Whether a part's headers say it is the form field "model" (name="model" or name=model).
-function namesModel(head) {
-    return head.split('\r\n').some(function (line) {
-        var low = line.toLowerCase();
-        if (low.indexOf('content-disposition:') !== 0) {
-            return false;
-        }
-        return low.slice(20).split(';').slice(1).some(function (param) {
-            var kv = param.trim().split('=');
-            return kv.length === 2 && kv[0].trim() === 'name' &&
-                kv[1].trim().replace(/^"(.*)"$/, '$1') === 'model';
-        });
-    });
-}
-
 // Bodies from this size on are walked for their top-level keys instead of parsed: njs's
 // JSON.parse of a large body (an image in base64) costs tens of milliseconds, and of many
 // small objects seconds (64 MiB of them: 7.6 s at 2.5 GB).
@@ -92,34 +100,32 @@ var SCAN_FROM = 65536;
 // thousand messages takes about 100000 steps, an image in base64 one.
 var SCAN_STEPS = 262144;
 
-function space(c) {
-    return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
-}
-
-// The index after the string whose opening quote is at i (-1: unterminated).
-function skipString(body, i) {
-    var j = i + 1, k, slashes;
-    for (;;) {
-        j = body.indexOf('"', j);
-        if (j < 0) {
-            return -1;
-        }
-        for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
-            slashes++;
-        }
-        if (slashes % 2 === 0) {
-            return j + 1;
-        }
-        j++;
-    }
-}
-
 // The top-level keys `model` and `stream` of a JSON object in BODY, read as the serve's
 // json.loads reads them (Starlette's Request.json: escapes decoded, a key given twice is its
 // last value), without parsing the rest: {model, stream} (model undefined when the body
 // has none), or {error: [status, message, code]}. Nested values are walked by their
 // brackets (a key inside them is not the body's), strings skipped whole.
 function topLevel(body) {
+    // The index after the string whose opening quote is at i (-1: unterminated).
+    function skipString(body, i) {
+        var j = i + 1, k, slashes;
+        for (;;) {
+            j = body.indexOf('"', j);
+            if (j < 0) {
+                return -1;
+            }
+            for (k = j - 1, slashes = 0; body[k] === 0x5c; k--) {
+                slashes++;
+            }
+            if (slashes % 2 === 0) {
+                return j + 1;
+            }
+            j++;
+        }
+    }
+    function space(c) {
+        return c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09;
+    }
     var n = body.length, i = 0, steps = 0;
     var found = {model: undefined, stream: false, priority: []};
     var key, end, c, depth, v;
@@ -249,24 +255,23 @@ function topLevel(body) {
     return found;
 }
 
-function levenshtein(a, b) {
-    var prev = [], cur, i, j;
-    for (j = 0; j <= b.length; j++) {
-        prev.push(j);
-    }
-    for (i = 1; i <= a.length; i++) {
-        cur = [i];
-        for (j = 1; j <= b.length; j++) {
-            cur.push(Math.min(prev[j] + 1, cur[j - 1] + 1,
-                              prev[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1)));
-        }
-        prev = cur;
-    }
-    return prev[b.length];
-}
-
 // Up to three names KEY may use close to NAME: one contains the other, or a few edits away.
 function closeNames(name, key) {
+    function levenshtein(a, b) {
+        var prev = [], cur, i, j;
+        for (j = 0; j <= b.length; j++) {
+            prev.push(j);
+        }
+        for (i = 1; i <= a.length; i++) {
+            cur = [i];
+            for (j = 1; j <= b.length; j++) {
+                cur.push(Math.min(prev[j] + 1, cur[j - 1] + 1,
+                                  prev[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1)));
+            }
+            prev = cur;
+        }
+        return prev[b.length];
+    }
     var low = name.toLowerCase().slice(0, 256), found = [];
     Object.keys(CONFIG.models).filter(function (known) {
         return allows(key, known);
@@ -293,31 +298,38 @@ function errorText(status, message, code) {
 // nginx's own errors, as the router answers them: status -> [the status answered, message,
 // code] (494: nginx's own code for a header too large, answered 400; 405: a TRACE, refused by
 // nginx before any location; 412: nginx's not_modified filter, on an answer of the script's
-// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1).
-var ERRORS = {
-    400: [400, 'the request is not valid HTTP', 'invalid_request'],
-    404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
-          '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
-    413: [413, 'request body over router.max_body_mib', 'request_too_large'],
-    405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
-          'the routes)', 'method_not_allowed'],
-    412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
-          "router's answers carry no ETag", 'precondition_failed'],
-    414: [414, 'the request URI is too long', 'invalid_request'],
-    494: [400, 'a request header is too large', 'invalid_request'],
-    500: [500, 'internal error of the router', 'internal_error'],
-    501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
-          'not_implemented'],
-    505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
-          'http_version_not_supported'],
-};
-
+// own; 501: a Transfer-Encoding other than chunked; 505: an HTTP version past 1.1). The table
+// is made only when an error page asks (each request runs the script's top level again: njs
+// 0.7.9 clones the VM and runs its global code per request, ngx_http_js_init_vm
+// njs_vm_clone/njs_vm_start, so a table there would be built for every request).
 function nginxError(status) {
-    return function (r) {
-        var e = ERRORS[status];
-        return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' :
-                         e[1], e[2]);
-    };
+    var e = {
+        400: [400, 'the request is not valid HTTP', 'invalid_request'],
+        404: [404, 'no such route on this endpoint (the router carries the OpenAI routes: ' +
+                  '/v1/models, /v1/chat/completions, ...)', 'route_not_found'],
+        413: [413, 'request body over router.max_body_mib', 'request_too_large'],
+        405: [405, 'the method is not allowed on this endpoint (GET for /v1/models, POST for ' +
+                  'the routes)', 'method_not_allowed'],
+        412: [412, 'a precondition of the request (If-Match, If-Unmodified-Since) failed: the ' +
+                  "router's answers carry no ETag", 'precondition_failed'],
+        414: [414, 'the request URI is too long', 'invalid_request'],
+        494: [400, 'a request header is too large', 'invalid_request'],
+        500: [500, 'internal error of the router', 'internal_error'],
+        501: [501, 'the request\'s Transfer-Encoding is not one the router reads (chunked)',
+                  'not_implemented'],
+        505: [505, 'the HTTP version is not supported (HTTP/1.0 and HTTP/1.1)',
+                  'http_version_not_supported'],
+    }[status] || [500, 'internal error of the router', 'internal_error'];
+    return errorText(e[0], status === 413 ? e[1] + ' (' + CONFIG.max_body_mib + ' MiB)' : e[1],
+                     e[2]);
+}
+
+// The text of an error page (js_set $router_error_STATUS, gpud.core.routerconf ERROR_PAGES: one
+// handler for all, as each handler is a member of the script's default export, made again for
+// every request): STATUS is the last segment of the error page's URI (ERROR_PREFIX + STATUS,
+// where each variable is asked).
+function errorPage(r) {
+    return nginxError(Number(r.uri.slice(r.uri.lastIndexOf('/') + 1)));
 }
 
 // With router.api_keys_file: the request's key (its name and models), or null once answered
@@ -370,13 +382,12 @@ function tokenOf(r) {
     return null;
 }
 
-// Whether the request sent a key at all (a 401's message: incorrect, or none given).
-function gaveKey(r) {
-    return Boolean(r.headersIn['Authorization'] ||
-                   (anthropic(r) && r.headersIn['X-Api-Key']));
-}
-
 function noKeyMessage(r) {
+    // Whether the request sent a key at all (a 401's message: incorrect, or none given).
+    function gaveKey(r) {
+        return Boolean(r.headersIn['Authorization'] ||
+                       (anthropic(r) && r.headersIn['X-Api-Key']));
+    }
     return gaveKey(r) ? 'Incorrect API key provided' :
         'No API key provided (Authorization: Bearer KEY' +
         (anthropic(r) ? ', or x-api-key: KEY' : '') + ')';
@@ -453,8 +464,8 @@ function allows(key, model) {
 
 // The request's body read, on the router (route) and on a fronted port (fronted): a form's
 // `model` (multipart/form-data), else the JSON object's, walked from SCAN_FROM bytes on
-// (topLevel), parsed below. {model, stream, form, doc (parsed), top (walked)}; null once
-// answered (a 400).
+// (topLevel), parsed below. {model, stream, form (true, else absent), doc (parsed), top
+// (walked)}; null once answered (a 400).
 function readBody(r, body) {
     var type = (r.headersIn['Content-Type'] || '').toLowerCase();
     if (type.indexOf('multipart/form-data') === 0) {
@@ -467,7 +478,7 @@ function readBody(r, body) {
             fail(r, top.error[0], top.error[1], top.error[2]);
             return null;
         }
-        return {model: top.model, stream: top.stream, form: false, top: top};
+        return {model: top.model, stream: top.stream, top: top};
     }
     var doc;
     try {
@@ -480,7 +491,7 @@ function readBody(r, body) {
         fail(r, 400, 'the request body is not a JSON object', 'invalid_json');
         return null;
     }
-    return {model: doc.model, stream: doc.stream === true, form: false, doc: doc};
+    return {model: doc.model, stream: doc.stream === true, doc: doc};
 }
 
 function route(r) {
@@ -504,8 +515,7 @@ function route(r) {
     if (read === null) {
         return;
     }
-    var model = read.model, stream = read.stream, form = read.form, doc = read.doc;
-    var top = read.top;
+    var model = read.model, stream = read.stream;
     if (model === undefined || model === null) {
         fail(r, 400, 'the request names no "model"', 'missing_model', 'model');
         return;
@@ -514,48 +524,56 @@ function route(r) {
         fail(r, 400, '"model" must be a string', 'invalid_model', 'model');
         return;
     }
-    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
     // a model on several hosts: gpud says which takes it now (choose), the rest as below
     if (has(CONFIG.shared, model) && allows(key, model) && !hopped(r)) {
         choose(r, model).then(function (host) {
             if (!toChosen(r, host, model, key, stream)) {
-                here();
+                routeHere(r, key, body, read);
             }
         });
         return;
     }
-    here();
-    function here() {
-        if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
-            return;
-        }
-        // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
-        if (entry === undefined || !allows(key, model)) {
-            notFound(r, model, key);
-            return;
-        }
-        var who = whoOf(r, key);
-        if (who.error) {
-            fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
-            return;
-        }
-        r.variables.router_model = model;
-        r.variables.router_serve = entry.serve;
-        // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
-        r.variables.router_key = who.usage;
-        r.variables.router_requester = who.requester;
-        askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && !form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
-            !keyPriority(r, body, doc, top, key)) {
-            return;
-        }
-        if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
-            // through the key's limits first (@router_loading), then loading(): loadingStream
-            r.internalRedirect('@router_loading');
-            return;
-        }
-        r.internalRedirect(entry.location);
+    routeHere(r, key, body, read);
+}
+
+// The rest of route() once the request stays on this host: to a peer that has its model, or
+// to its serve here (a top-level function, not a closure made on each request).
+function routeHere(r, key, body, read) {
+    var model = read.model, stream = read.stream;
+    var entry = has(CONFIG.models, model) ? CONFIG.models[model] : undefined;
+    if (entry === undefined && allows(key, model) && forward(r, model, key, stream)) {
+        return;
     }
+    // a model the key may not use answers as one that does not exist (as GET /v1/models/ID)
+    if (entry === undefined || !allows(key, model)) {
+        notFound(r, model, key);
+        return;
+    }
+    // a peer key's forwarded requester (whoOf); any other key, or none, is its own
+    var who = key.peer ? whoOf(r, key) : null;
+    if (who !== null && who.error) {
+        fail(r, 400, who.error, 'invalid_requester', 'X-Gpud-Requester');
+        return;
+    }
+    r.variables.router_model = model;
+    r.variables.router_serve = entry.serve;
+    // the access log's key: usage is counted under it (a peer's forwarded requester: PEER/NAME)
+    r.variables.router_key = who !== null ? who.usage : key.name || '';
+    r.variables.router_requester = who !== null ? who.requester :
+        key.name || requesterOf(r, key);
+    if (stream && entry.stream_usage) {
+        askUsage(r, body, read.doc, read.top, entry, stream);
+    }
+    if (entry.priority && !read.form && PRIORITY_ROUTES.indexOf(r.uri) >= 0 &&
+        !keyPriority(r, body, read.doc, read.top, key)) {
+        return;
+    }
+    if (entry.ensure && CONFIG.loading_feedback_s > 0 && stream) {
+        // through the key's limits first (@router_loading), then loading(): loadingStream
+        r.internalRedirect('@router_loading');
+        return;
+    }
+    r.internalRedirect(entry.location);
 }
 
 // The 404 of a model that does not exist, or that KEY may not use (route; fronted, where the
@@ -596,11 +614,11 @@ function forward(r, model, key, stream) {
     r.variables.router_model = model;
     r.variables.router_peer = names[0];
     r.variables.router_key = key.name || '';
-    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    r.headersOut['Retry-After'] = String(PEER_RETRY_AFTER_S);
     fail(r, 503, 'model ' + JSON.stringify(model) + ' is served by ' + names.map(function (n) {
         return 'host ' + n + ' (unreachable: ' + (CONFIG.peers[n].open.reason || 'failure') +
             ')';
-    }).join(', ') + '; retry after ' + CONFIG.peer_retry_after_s + ' s', 'peer_unreachable');
+    }).join(', ') + '; retry after ' + PEER_RETRY_AFTER_S + ' s', 'peer_unreachable');
     return true;
 }
 
@@ -619,7 +637,7 @@ function toPeer(r, name, model, key, stream) {
 // wait and what each peer last said of the model, its circuit closed), one subrequest: ''
 // this host, a peer's name, null none; undefined when gpud does not answer.
 function choose(r, model) {
-    return r.subrequest(CONFIG.route_location, {
+    return r.subrequest(ROUTE_LOCATION, {
         method: 'GET', args: 'model=' + encodeURIComponent(model)}).then(function (reply) {
         if (reply.status === 200) {
             try {
@@ -652,7 +670,7 @@ function toChosen(r, host, model, key, stream) {
 // never taken once the answer began).
 function peerDown(r) {
     var name = r.variables.router_peer || '?';
-    r.headersOut['Retry-After'] = String(CONFIG.peer_retry_after_s);
+    r.headersOut['Retry-After'] = String(PEER_RETRY_AFTER_S);
     fail(r, 502, 'model ' + JSON.stringify(r.variables.router_model || '') + ': host ' + name +
          ' did not answer (' + (r.variables.upstream_status === '504' ? 'timed out' :
          'no connection, or a proxy between the hosts failed') + ')', 'peer_unreachable');
@@ -736,13 +754,6 @@ function refusal(r, reason, retry) {
         type: 'server_error', param: null, code: 'model_unavailable', gpud: details}}};
 }
 
-// Anthropic's error types (the `type` of its error object, anthropic-sdk-python
-// src/anthropic/types/*_error_object.py; docs.anthropic.com/en/api/errors) by HTTP status.
-var ANTHROPIC_TYPES = {400: 'invalid_request_error', 401: 'authentication_error',
-                       402: 'billing_error', 403: 'permission_error', 404: 'not_found_error',
-                       429: 'rate_limit_error', 503: 'overloaded_error', 504: 'timeout_error',
-                       529: 'overloaded_error'};
-
 // The SSE bytes that end a stream with an error (DOC: OpenAI's error document, or already
 // Anthropic's; STATUS: the answer's). OpenAI's clients read an event whose data is the error
 // document, then [DONE], as vLLM ends a stream that failed. Anthropic's (route /v1/messages)
@@ -756,8 +767,14 @@ function errorEvent(r, status, doc) {
     }
     var err = doc && doc.error ? doc.error : {};
     if (!(doc && doc.type === 'error' && typeof err.type === 'string')) {
+        // Anthropic's error types (the `type` of its error object, anthropic-sdk-python
+        // src/anthropic/types/*_error_object.py; docs.anthropic.com/en/api/errors) by status
+        var types = {400: 'invalid_request_error', 401: 'authentication_error',
+                     402: 'billing_error', 403: 'permission_error', 404: 'not_found_error',
+                     429: 'rate_limit_error', 503: 'overloaded_error', 504: 'timeout_error',
+                     529: 'overloaded_error'};
         doc = {type: 'error', error: {
-            type: has(ANTHROPIC_TYPES, status) ? ANTHROPIC_TYPES[status] :
+            type: has(types, status) ? types[status] :
                 status >= 500 ? 'api_error' : 'invalid_request_error',
             message: typeof err.message === 'string' ? err.message : JSON.stringify(doc)}};
     }
@@ -962,7 +979,7 @@ function peerViews(r) {
     if (Object.keys(CONFIG.peer_models).length === 0) {
         return Promise.resolve({});
     }
-    return byName(r, CONFIG.peers_location, 'peers');
+    return byName(r, PEERS_LOCATION, 'peers');
 }
 
 // A model served on peers only, as this host lists it: the host that takes its requests
@@ -1100,7 +1117,7 @@ var mParts = null, mSize = 0, mWalking = false;
 // the walk of a single answer: depth, inside a string, an escape cut by a buffer's end, the
 // last string ended at the current depth (a key when a bracket follows), the keys of the
 // open objects, and the usage object's text while it passes
-var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = [];
+var jDepth = 0, jInStr = false, jEsc = false, jStr = null, jLast = null, jKeys = null;
 var jCap = null, jCapDepth = 0, J_OUT = null, J_IN = null;
 
 // The answer's route and kind, from its first buffer: a single answer is one JSON document
@@ -1185,7 +1202,7 @@ function meterSingle(r, data, last) {
     }
     if (mParts === null && last) {
         if (data.indexOf('"usage"') >= 0) {
-            meterParse(r, data.toString());
+            meterParse(r, data);
         }
         return;
     }
@@ -1199,17 +1216,40 @@ function meterSingle(r, data, last) {
         return;
     }
     if (last) {
-        var whole = Buffer.concat(mParts);
+        var whole = mParts.length === 1 ? mParts[0] : Buffer.concat(mParts);
         if (whole.indexOf('"usage"') >= 0) {
-            meterParse(r, whole.toString());
+            meterParse(r, whole);
         }
     }
 }
 
-function meterParse(r, text) {
-    var doc;
+// A single answer (BUF, whole) that carries a bare "usage": the usage of its top level. An
+// answer ends with it and a few members after (vLLM's chat: usage, prompt_logprobs,
+// prompt_token_ids, kv_transfer_params), so its last "usage" is tried first, as a member of
+// the answer's own object: '{' and the text from it on make one JSON object only when the key
+// is one (a key deeper in, an echoed schema's or a client's object after the usage, leaves
+// that text closing more than one object) and its quote is no escaped one (a key that ends in
+// \"usage). Its value then is what parsing the whole answer gives (the last of a key given
+// twice, as JSON.parse takes), without the rest of the answer made into objects and strings.
+// Else the whole answer is parsed.
+function meterParse(r, buf) {
+    var at = buf.lastIndexOf('"usage"'), from = at, doc;
+    while (from > 0 && buf[from - 1] === 0x5c) {
+        from--;
+    }
+    if (at > 0 && (at - from) % 2 === 0) {
+        try {
+            doc = JSON.parse('{' + buf.slice(at).toString());
+        } catch (e) {
+            doc = null;
+        }
+        if (doc !== null) {
+            meterTake(r, doc.usage);
+            return;
+        }
+    }
     try {
-        doc = JSON.parse(text);
+        doc = JSON.parse(buf.toString());
     } catch (e) {
         return;
     }
@@ -1222,6 +1262,7 @@ function meterWalk(r, text) {
     if (J_OUT === null) {
         J_OUT = /["{}\[\]]/g;
         J_IN = /[\\"]/g;
+        jKeys = [];
     }
     var n = text.length, i = 0, m, c, from = jCap !== null ? 0 : -1;
     if (jEsc) {
@@ -1345,9 +1386,12 @@ function meter(r, data, flags) {
 // the other choices' chunks go on as they come, ahead of the held last chunks (each choice's
 // chunks in their order, its last one last). Bounded: past USAGE_HELD_MAX held, passed on
 // as it is.
-var mAsked = null, aPend = null, aHeld = [], aHeldSize = 0;
-var FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
+var mAsked = null, aPend = null, aHeld = null, aHeldSize = 0;
+var FINGERPRINT = null;
 function meterAsked(r, data, flags) {
+    if (aHeld === null) {
+        aHeld = [];
+    }
     if (mNames === null && data.length > 0) {
         meterBegin(r, data);
     }
@@ -1388,6 +1432,9 @@ function unasked(r, event, out) {
         var text = event.toString(), doc = eventData(text);
         if (doc !== null && Array.isArray(doc.choices) && doc.choices.length === 0) {
             meterTake(r, doc.usage);
+            if (FINGERPRINT === null) {
+                FINGERPRINT = /,"system_fingerprint":"(?:[^"\\]|\\.)*"/;
+            }
             var fp = text.match(FINGERPRINT);
             aHeld.forEach(function (held) {
                 var close = held.lastIndexOf('}');
@@ -1472,27 +1519,24 @@ function countedText(r) {
 // an event named "error" as the status error of its data). On /v1/responses vLLM 0.32 ends
 // an aborted stream as a whole one (response.completed, its status "cancelled" only for a
 // Harmony model: openai/responses/serving.py), so the stream alone cannot tell: gpud notes
-// when it ends what is in flight on a serve (CONFIG.cut_dir, one file per serve, written just
-// before the abort: gpud.life.traffic.Traffic.mark_cut), and a stream whose first bytes came
+// when it ends what is in flight on a serve (CUT_DIR, one file per serve, written just before
+// the abort: gpud.life.traffic.Traffic.mark_cut), and a stream whose first bytes came
 // before that note gets an error event after its response.completed: `event: error`, its data
 // the Responses API's error event (type, code, message, param) with OpenAI's error document
 // under `error` (openai-python's Stream raises an event whose data has "error" as its
 // APIError). The filter's VM is this answer's own: `aborting`, `abortTold`, `aBegan` too.
-var ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
-var MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
-// (the event's own line, after the blank line that ends the one before: never in a JSON)
-var RESPONSES_END = ['\n\nevent: response.completed\n'];
+var ABORTS = null, MESSAGES_ABORTS = null, RESPONSES_END = null;
 var ABORT_CARRY = 32;
 var aborting = false, abortTold = false, aCarry = '', aLooked = false, aBegan = 0;
 // Whether gpud ended what was in flight on this answer's serve since the answer's first bytes
-// came (its note in CONFIG.cut_dir, the epoch in milliseconds; none: never).
+// came (its note in CUT_DIR, the epoch in milliseconds; none: never).
 function cutSince(r) {
     var serve = r.variables.router_serve, at;
-    if (!CONFIG.cut_dir || !serve) {
+    if (!CUT_DIR || !serve) {
         return false;
     }
     try {
-        at = Number(fs.readFileSync(CONFIG.cut_dir + '/' + serve, 'utf8'));
+        at = Number(fs.readFileSync(CUT_DIR + '/' + serve, 'utf8'));
     } catch (e) {
         return false;
     }
@@ -1508,6 +1552,12 @@ function carried(carry, data) {
 // RESPONSES_END, a stream's last event, a cut only as cutSince says) begins in DATA, 0 when
 // it began in the last buffer (aCarry: that buffer's last bytes), -1 if none.
 function abortAt(r, data) {
+    if (ABORTS === null) {
+        ABORTS = ['"finish_reason":"abort"', '"finish_reason": "abort"'];
+        MESSAGES_ABORTS = ['"delta":{"stop_reason":null', '"delta": {"stop_reason": null'];
+        // the event's own line, after the blank line that ends the one before: never in a JSON
+        RESPONSES_END = ['\n\nevent: response.completed\n'];
+    }
     var marks = r.uri === '/v1/messages' ? MESSAGES_ABORTS :
         r.uri === '/v1/responses' ? RESPONSES_END : ABORTS, i, at;
     for (i = 0; i < marks.length; i++) {
@@ -1673,7 +1723,7 @@ function prioritize(r, body, spans, key) {
 // api_utils.py should_include_usage: `stream_options.include_usage`, or the server's
 // --enable-force-include-usage, which puts usage in every chunk as continuous_usage_stats does).
 // So on a streamed request to a stream-usage serve (CONFIG.models[...].stream_usage) on those
-// routes (CONFIG.stream_usage_routes) whose body has no top-level "stream_options", the router
+// routes (STREAM_USAGE_ROUTES) whose body has no top-level "stream_options", the router
 // puts ASK_USAGE in after the body's opening brace, every other byte as sent (the body is sent
 // as head + priority + tail, gpud.core.router PRIORITY_MAP: without a priority, an empty
 // one), and the meter takes the chunk the client did not ask for out of the stream
@@ -1682,7 +1732,7 @@ function prioritize(r, body, spans, key) {
 var ASK_USAGE = '"stream_options":{"include_usage":true},';
 var asking = false;
 function askUsage(r, body, doc, top, entry, stream) {
-    if (!stream || !entry.stream_usage || CONFIG.stream_usage_routes.indexOf(r.uri) < 0 ||
+    if (!stream || !entry.stream_usage || STREAM_USAGE_ROUTES.indexOf(r.uri) < 0 ||
         (doc !== undefined ? has(doc, 'stream_options') : top.streamOptions)) {
         return;
     }
@@ -1722,7 +1772,7 @@ function keyPriority(r, body, doc, top, key) {
 // reads for its loading feedback (gpud.core.front body_routes: a location that reads the
 // whole body in memory, after the key's check, its counts and rates): the same body as
 // through the router, by the same functions (keyPriority, askUsage), then on to the serve
-// (CONFIG.front_send, which sends the body as rewritten: gpud.core.router FrontPolicy.send).
+// (FRONT_SEND, which sends the body as rewritten: gpud.core.router FrontPolicy.send).
 // The port's serve is $gpud_serve. A model that is none of its names, or one the key may not
 // use, is answered as the router answers it (404 model_not_found; vLLM answers such a name
 // 404 too, but only once up, an on-demand serve woken for it, and any of its names to any
@@ -1765,7 +1815,7 @@ function fronted(r) {
         r.variables.router_key = key.name || '';
         r.variables.router_requester = requesterOf(r, key);
         askUsage(r, body, doc, top, entry, stream);
-        if (entry.priority && !read.form && CONFIG.priority_routes.indexOf(r.uri) >= 0 &&
+        if (entry.priority && !read.form && PRIORITY_ROUTES.indexOf(r.uri) >= 0 &&
             !keyPriority(r, body, doc, top, key)) {
             return;
         }
@@ -1778,7 +1828,7 @@ function fronted(r) {
             return;
         }
     }
-    r.internalRedirect(CONFIG.front_send);
+    r.internalRedirect(FRONT_SEND);
 }
 
 // The table's entry of SERVE (one of its names'), null when the router has none.
@@ -1856,8 +1906,5 @@ function limited(r) {
 
 export default {route, fronted, keyName, countedText, unauthorizedText, keyOk, quota, quotaText, requesterOf, models, model,
                 refused, down, streamed, streamDown, peerDown, peerStreamed,
-                error400: nginxError(400), error404: nginxError(404), error405: nginxError(405),
-                error412: nginxError(412), error413: nginxError(413), error414: nginxError(414),
-                error494: nginxError(494), error500: nginxError(500), error501: nginxError(501),
-                error505: nginxError(505),
+                errorPage,
                 loadingStream, limited, meter, ensured};
