@@ -164,13 +164,17 @@ class Reconciler:
                            awake: int) -> None:
         asleep = self.svc.ledger.reservations[serve].mib
         why = f"{serve} was woken outside gpud ({_said(said)}, {self._seen(serve)})"
-        # An admission like any (its own event), then the wake, as gpud's own wake says both.
-        await self.svc.admit(serve, awake, happened=Happened.WOKEN, event=(
+        # An admission like any (its own event), then the wake, as gpud's own wake says both:
+        # admitted at its awake size it is still recorded asleep, and awake only with the wake's
+        # event, in one commit (a gpud killed between the two finds it asleep at its awake size
+        # and looks again; it never finds it running with no wake recorded)
+        await self.svc.admit(serve, awake, happened=Happened.WAKE_ADMITTED, event=(
             EventKind.ADMIT, f"{why}: re-admitted awake at {awake} MiB (was {asleep} MiB asleep)",
             {"outside": True, "waking": True}))
         await self.svc.store_event(self.svc.event(
             EventKind.WAKE, f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
-            role=spec.role, mib=awake, outside=True, from_mib=asleep))
+            role=spec.role, mib=awake, outside=True, from_mib=asleep),
+            report=self.svc.report(serve, Happened.WOKEN))
         await self.svc.put_meta(meta_key(serve), None)
 
     async def _sleep_again(self, serve: str, spec: ServeConfig, said: bool | None,
