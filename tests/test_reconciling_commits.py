@@ -6,7 +6,6 @@ one: `u2 put to sleep again, asleep since event 57`). Real SQLite, the real ledg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -42,11 +41,6 @@ class Killed(Exception):
     """gpud killed at this point: nothing after it is committed."""
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "gpud.sqlite3"
-
-
 def _service(db: Path) -> tuple[LedgerService, Store]:
     store = Store(db)
     svc = LedgerService(parse_config(CONFIG, "test"), store)
@@ -54,7 +48,9 @@ def _service(db: Path) -> tuple[LedgerService, Store]:
     return svc, store
 
 
-async def test_a_kill_between_the_readmission_and_the_wake_leaves_it_asleep(db: Path) -> None:
+async def test_a_kill_between_the_readmission_and_the_wake_leaves_it_asleep(
+        tmp_path: Path) -> None:
+    db = tmp_path / "gpud.sqlite3"
     svc, store = _service(db)
     await svc.admit("u", 4000, role="r", happened=Happened.ADMITTED)
     await svc.admit("u", 500, happened=Happened.ASLEEP, shrink=True,

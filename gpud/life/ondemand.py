@@ -733,10 +733,9 @@ class Orchestrator(DemandView):
         serve of PRIORITY); its requests in flight are drained first, new ones wait (settling).
         A request still in flight at the drain's bound is ended only as gpud.core.queue.may_cut
         allows (router.evict_busy, a victim that sleeps or tells_abort: each stream told), and
-        journaled; else
-        the eviction is refused then. None: evicted; else how long the queue waits before it
-        looks again (refused, logged): a busy victim on the next change of its count (or
-        another change), any other refusal QUEUE_RETRY_S."""
+        journaled; else the eviction is refused then. None: evicted; else how long the queue
+        waits before it looks again (refused, logged): a busy victim on the next change of its
+        count (or another change), any other refusal QUEUE_RETRY_S."""
         vspec = self.svc.config.serves[victim]
         by = f"serve {name}" if cause is None else f"serve {name} ({cause.text})"
         log.info("on-demand %s: evicted for %s", victim, by,
