@@ -65,8 +65,9 @@ print(json.dumps({
         "reservations ORDER BY serve, position) GROUP BY serve")},
     "states": dict(db.execute("SELECT serve, state FROM serve_states").fetchall()),
     "events": [{"id": r[0], "ts": r[1], "kind": r[2], "serve": r[3], "role": r[4], "mib": r[5],
-                "uid": r[6], "details": json.loads(r[7])}
-               for r in db.execute("SELECT id, ts, kind, serve, role, mib, uid, details FROM events ORDER BY id")],
+                "uid": r[6], "details": json.loads(r[7]), "message": r[8]}
+               for r in db.execute("SELECT id, ts, kind, serve, role, mib, uid, details, message "
+                                   "FROM events ORDER BY id")],
 }))
 """
 
@@ -166,6 +167,15 @@ def sleep_problems(events: list[dict[str, Any]]) -> list[str]:
                                                    and ev["details"].get("adopted")):
             asleep.pop(serve, None)
     return problems
+
+
+def events_named(events: list[dict[str, Any]], problems: str) -> str:
+    """The stored events of every serve PROBLEMS names, a line each: what a failed campaign
+    prints, so that the sequence that broke a rule can be read without the store."""
+    named = {ev["serve"] for ev in events if ev["serve"] and f"{ev['serve']} " in problems}
+    return "\n".join(f"event {ev['id']} {ev['kind']} {ev['serve']}: {ev['message'][:200]} "
+                     f"{json.dumps(ev['details'], sort_keys=True)[:300]}"
+                     for ev in events if ev["serve"] in named)
 
 
 def settle(client: Client, serve: str, timeout: float = 30) -> None:
@@ -774,7 +784,9 @@ def run_sandbox_crash(gpud: SandboxGpud, kills: int, clients: int) -> dict[str, 
                "slept": sum(op.kind == "sleep" and op.status == 200 for op in ops),
                "adopted": sum(e["kind"] == "adopt" for e in sandbox_store(gpud)["events"]),
                "seconds": round(time.monotonic() - t0, 1), "violations": len(problems)}
-    assert not problems, "\n".join(problems) + "\n" + seed_note() + "\n" + gpud.journal_tail(40)
+    assert not problems, ("\n".join(problems) + "\n" + seed_note() + "\n"
+                          + events_named(sandbox_store(gpud)["events"], "\n".join(problems))
+                          + "\n" + gpud.journal_tail(40))
     print(f"sandbox crash campaign: {summary} {seed_note()}")
     return summary
 
