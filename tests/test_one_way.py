@@ -153,9 +153,9 @@ PLANTED_SIGNATURES = [
     ("async def release(self, serve: str, *, uid: int | None = None,",
      "async def release(self, serve: str, *, next_state: str | None = None, "
      "uid: int | None = None,"),
-    ("async def store_event(self, ev: Event, *, report: Reported | None = None)",
+    ("async def store_event(self, ev: Event, *, report: Reported | None = None,",
      "async def store_event(self, ev: Event, *, report: Reported | None = None, "
-     "cause: object = None)"),
+     "cause: object = None,"),
     ("def _store_state(self, changes: Changes, row: Reported, *,",
      "def _store_state(self, changes: Changes, row: Reported, cause: object = None, *,"),
 ]

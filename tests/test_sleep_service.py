@@ -12,7 +12,7 @@ import pytest
 from gpud.config import parse_config
 from gpud.core.ledger import Reservation
 from gpud.core.serverecord import Happened
-from gpud.core.vocab import RUNNING
+from gpud.core.vocab import RUNNING, SLEEPING, STOPPING
 from gpud.durable.store import Changes, EventQuery
 from gpud.errors import Denied
 from gpud.life.service import LedgerService
@@ -218,6 +218,49 @@ async def test_adoption_of_a_serve_recorded_running(
     sleeps = Answering.make(service, said)
     assert await sleeps.adopt("lo", service.config.serves["lo"], "running") == state
     assert service.ledger.reservations["lo"].mib == mib
+
+
+@pytest.mark.parametrize(("said", "state", "mib"), [
+    (True, "sleeping", 500),  # still asleep: adopted asleep, its sleep reservation unchanged
+    (None, "sleeping", 500),  # no answer, no draw seen: asleep, as recorded
+    (False, "starting", 6000),  # awake: re-admitted at its awake size, watched until healthy
+])
+async def test_adoption_of_a_serve_whose_stop_began_while_it_slept(
+        service: LedgerService, said: bool | None, state: str, mib: int) -> None:
+    """A gpud killed while it stopped a sleeping serve finds it recorded stopping at its sleep
+    reservation, its unit still running: it is asked what it is as a serve recorded asleep is
+    (last_said: its sleep's note is kept until the stop ends), never taken as running at its
+    sleep reservation, which a later sleep would read as a second one and a later wake as its
+    awake size (the sandbox crash campaign, GPUD_CAMPAIGN_SEED=1079562660: 'u2 put to sleep
+    again', then awake at 300 MiB drawing 1998)."""
+    await _asleep(service, neighbour_mib=None)
+    await service.store_event(service.event("stop", "lo: stopping (was sleeping)", serve="lo"),
+                              report=service.report("lo", Happened.STOP_BEGUN))
+    assert service.state_of("lo") == STOPPING
+    sleeps = Answering.make(service, said)
+    spec = service.config.serves["lo"]
+    asked = sleeps.last_said("lo", spec, STOPPING)
+    assert asked == SLEEPING
+    found = await sleeps.found("lo", spec, asked)
+    await service.store_event(service.event("adopt", "lo: adopted running unit", serve="lo"),
+                              report=service.report("lo", found))
+    assert service.state_of("lo") == state
+    assert service.ledger.reservations["lo"].mib == mib
+    assert sleeps.awake_mib("lo", spec) == 6000
+
+
+async def test_last_said_asks_only_what_a_sleep_left(service: LedgerService) -> None:
+    """A serve stopping or starting with no sleep's note (its stop began while it ran) is found
+    active, as before: its health says when it is up."""
+    await admitted_to(service, "lo", 6000, RUNNING)
+    sleeps = Answering.make(service, True)
+    spec = service.config.serves["lo"]
+    assert sleeps.last_said("lo", spec, RUNNING) == RUNNING  # it can sleep: asked
+    await service.store_event(service.event("stop", "lo: stopping (was running)", serve="lo"),
+                              report=service.report("lo", Happened.STOP_BEGUN))
+    assert sleeps.last_said("lo", spec, STOPPING) is None
+    await service.put_meta("sleep:lo", json.dumps({"level": 1, "awake_mib": 6000}))
+    assert sleeps.last_said("lo", spec, STOPPING) == SLEEPING
 
 
 async def test_a_shrink_is_made_where_the_ledger_bound_refuses_any_size(

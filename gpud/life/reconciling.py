@@ -174,8 +174,7 @@ class Reconciler:
         await self.svc.store_event(self.svc.event(
             EventKind.WAKE, f"{why}: awake at {awake} MiB (was {asleep} MiB asleep)", serve=serve,
             role=spec.role, mib=awake, outside=True, from_mib=asleep),
-            report=self.svc.report(serve, Happened.WOKEN))
-        await self.svc.put_meta(meta_key(serve), None)
+            report=self.svc.report(serve, Happened.WOKEN), meta={meta_key(serve): None})
 
     async def _sleep_again(self, serve: str, spec: ServeConfig, said: bool | None,
                            awake: int) -> bool:

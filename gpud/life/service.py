@@ -335,12 +335,14 @@ class LedgerService(Writes):
 
     # ---- a serve's state, into the change that commits it ------------------------------------
 
-    async def store_event(self, ev: Event, *, report: Reported | None = None) -> Event:
+    async def store_event(self, ev: Event, *, report: Reported | None = None,
+                          meta: dict[str, str | None] | None = None) -> Event:
         """Store one event, with what happened to its serve (`report`: the state it leads to is
-        decided by gpud.core.serverecord) outside any ledger change. A change the rule refuses
-        raises StateRefused and stores nothing, the event neither."""
+        decided by gpud.core.serverecord) and named values (`meta`, None deleting one) in its
+        commit, outside any ledger change. A change the rule refuses raises StateRefused and
+        stores nothing, the event neither."""
         async with self._lock:
-            changes = Changes(events=[ev])
+            changes = Changes(events=[ev], meta=dict(meta or {}))
             if report is not None:
                 self._store_state(changes, report)
             done = self.submit(changes)

@@ -622,8 +622,8 @@ class Sleeps:
                 serve=serve, role=spec.role, mib=awake, uid=uid,
                 by=by, serve_ms=round(took * 1000, 1),
                 **({"preemption": plan} if plan else {})),
-                report=self.svc.report(serve, Happened.WOKEN))
-            await self.svc.put_meta(meta_key(serve), None)
+                # awake, and its sleep's note gone, in one commit (last_said reads the note)
+                report=self.svc.report(serve, Happened.WOKEN), meta={meta_key(serve): None})
         out: dict[str, Any] = {"mib": awake, "serve_ms": round(took * 1000, 1)}
         if preempt:
             out["preemption"] = plan
@@ -684,6 +684,19 @@ class Sleeps:
             await self.found(serve, spec, recorded, overdrawn=overdrawn)))
         assert state is not None  # a found-* report always leads to a state
         return state
+
+    def last_said(self, serve: str, spec: ServeConfig, recorded: ServeState) -> ServeState | None:
+        """What a serve found running after a restart was last known to be, to ask it about
+        (`found`): asleep when recorded so, or when a stop or start gpud began while it slept
+        was cut short (recorded stopping or starting, its sleep's note still kept: only the
+        wake's commit and a stop's end drop it), though its reservation is then still its
+        sleep reservation; running when recorded so and it can sleep; None when there is no
+        sleep to ask about (it is found active, its health asked)."""
+        if recorded == SLEEPING or (recorded != RUNNING and self.note(serve)):
+            return SLEEPING
+        if recorded == RUNNING and spec.sleep_level:
+            return RUNNING
+        return None
 
     async def found(self, serve: str, spec: ServeConfig, recorded: ServeState, *,
                     overdrawn: bool = False) -> Happened:

@@ -16,7 +16,6 @@ from gpud.core.serverecord import Happened, UnitPid, UnitRestarts
 from gpud.core.unitstate import ACTIVE
 from gpud.core.vocab import (
     LIVE_STATES,
-    RUNNING,
     SLEEPING,
     STARTING,
     EventKind,
@@ -83,9 +82,10 @@ class BootJob:
             if res is None:
                 await self.svc.adopt(serve, spec.all_roles, spec.vram_mib)
             found = Happened.FOUND_ACTIVE
-            if rec_state == SLEEPING or (rec_state == RUNNING and spec.sleep_level):
+            asked = self.sleeps.last_said(serve, spec, rec_state)
+            if asked is not None:
                 # Asked, not assumed: asleep it keeps its reservation unchanged.
-                found = await self.sleeps.found(serve, spec, rec_state,
+                found = await self.sleeps.found(serve, spec, asked,
                                                 overdrawn=self.reconciler.overdrawn(serve))
             self.svc.records.apply(serve, UnitPid(st.main_pid or None))
             self.svc.records.apply(serve, UnitRestarts(st.n_restarts))
