@@ -4,6 +4,8 @@ account."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
@@ -22,7 +24,7 @@ from gpud.core.traffic import (
 )
 from gpud.core.vocab import ServeState, SleepAction
 from gpud.errors import Conflict, Unavailable
-from gpud.life.traffic import ABORT_PATH, Traffic, drain_to_stop
+from gpud.life.traffic import ABORT_PATH, Traffic, drain_and_stop, drain_to_stop
 from tests.conftest import example_toml
 
 # What vLLM 0.32's /metrics says (vllm/v1/metrics/loggers.py:527-545), two engines (data
@@ -142,8 +144,19 @@ class _Drainer:
     def __init__(self, drained: Drain, asked: list[str] | None = None) -> None:
         self.drained = drained
         self.asked = asked if asked is not None else []
+        self.holding: set[str] = set()
+
+    @contextlib.contextmanager
+    def held(self, serve: str) -> Iterator[None]:
+        self.holding.add(serve)
+        try:
+            yield
+        finally:
+            self.holding.discard(serve)
 
     async def drain(self, serve: str, spec: Any, bound_s: float) -> Drain:
+        held = " held" if serve in self.holding else ""  # the front lets nothing new in
+        self.asked.append(f"drain {serve} {bound_s:g}{held}")
         return self.drained
 
     def mark_cut(self, serve: str) -> None:
@@ -166,7 +179,7 @@ async def test_drain_to_stop_tells_what_is_left_at_the_bound_or_refuses() -> Non
     assert asked == []  # nothing left: nothing to tell
     assert await drain_to_stop(_Drainer(busy, asked), "s", told, 1.0, cut=True,
                                tell=tell) == busy
-    assert asked == ["mark s", ABORT_PATH]  # the router's note first, then the abort
+    assert asked == ["drain s 1", "mark s", ABORT_PATH]  # the note first, then the abort
     asked.clear()
     assert await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=True, tell=tell) == busy
     assert asked == [ABORT_PATH]
@@ -181,3 +194,37 @@ async def test_drain_to_stop_tells_what_is_left_at_the_bound_or_refuses() -> Non
         raise Unavailable("serve 's': POST /pause?mode=abort failed: refused", {})
 
     assert await drain_to_stop(_Drainer(busy), "s", told, 1.0, cut=True, tell=fails) == busy
+
+
+async def test_drain_and_stop_stops_after_the_drain_while_the_serve_is_held() -> None:
+    """The one way gpud stops a serve that may have requests in flight (an eviction, a
+    preemption, an idle stop, an operator's stop): held while it is drained, told, and
+    stopped, the drain's account given to the stop; without a drainer, the stop alone."""
+    told = parse_config(example_toml(), "etc/serves.toml").serves["fast"].model_copy(
+        update={"front": True})
+    busy = Drain(1, 1, 2.0, 2.0)
+    asked: list[str] = []
+    drainer = _Drainer(busy, asked)
+
+    class Stopper:
+        async def stop(self, serve: str, uid: int | None, *, keep_reservation: bool = False,
+                       idle_s: float | None = None, drained: Drain | None = None) -> None:
+            asked.append(f"stop {serve} uid={uid} keep={keep_reservation} idle={idle_s} "
+                         f"held={serve in drainer.holding} drained={drained == busy}")
+
+    async def tell(path: str) -> None:
+        asked.append(path)
+
+    assert await drain_and_stop(drainer, Stopper(), "s", told, 7, 2.0, cut=True, tell=tell,
+                                keep_reservation=True) == busy
+    assert asked == ["drain s 2 held", "mark s", ABORT_PATH,
+                     "stop s uid=7 keep=True idle=None held=True drained=True"]
+    assert drainer.holding == set()  # let go after the stop
+    asked.clear()
+    assert await drain_and_stop(None, Stopper(), "s", told, None, 2.0, cut=True, tell=tell,
+                                idle_s=3.0) is None
+    assert asked == ["stop s uid=None keep=False idle=3.0 held=False drained=False"]
+    asked.clear()
+    with pytest.raises(Conflict):  # may not cut: refused, and not stopped
+        await drain_and_stop(drainer, Stopper(), "s", told, None, 2.0, cut=False, tell=tell)
+    assert asked == ["drain s 2 held"] and drainer.holding == set()

@@ -19,7 +19,7 @@ from gpud.core.traffic import Flight, idle_due, idle_due_in, idle_from
 from gpud.core.vocab import LIVE_STATES, RUNNING, SLEEPING, ServeState, SleepAction
 from gpud.errors import GpudError
 from gpud.host.traffic import reachable
-from gpud.life.traffic import drain_to_stop
+from gpud.life.traffic import drain_and_stop
 
 if TYPE_CHECKING:
     from gpud.config import ServeConfig
@@ -115,15 +115,11 @@ class IdleCheck:
                 await self.sup.sleeps.sleep(name, None, idle_s=idle)
                 self.view.counts.add(self.view.counts.idle_sleeps, name)
             else:
-                if self.traffic is None:
-                    await self.sup.stop_job.stop(name, None, idle_s=idle)
-                else:
-                    with self.traffic.held(name):
-                        # nothing in flight by the idle check's count: the drain confirms it
-                        drained = await drain_to_stop(
-                            self.traffic, name, spec, self.svc.config.daemon.drain_timeout_s,
-                            cut=True, tell=functools.partial(self.sup.sleeps.post, name, spec))
-                        await self.sup.stop_job.stop(name, None, idle_s=idle, drained=drained)
+                # nothing in flight by the idle check's count: the drain confirms it
+                await drain_and_stop(
+                    self.traffic, self.sup.stop_job, name, spec, None,
+                    self.svc.config.daemon.drain_timeout_s, cut=True,
+                    tell=functools.partial(self.sup.sleeps.post, name, spec), idle_s=idle)
                 self.view.counts.add(self.view.counts.idle_stops, name)
                 self.svc.records.apply(name, LastActivity(None))
         except GpudError as exc:

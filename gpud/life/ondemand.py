@@ -88,7 +88,7 @@ from gpud.errors import GpudError, NotFound, Unavailable
 from gpud.life.demandview import DemandView
 from gpud.life.idle import IdleCheck
 from gpud.life.pulse import Wakeups
-from gpud.life.traffic import drain_to_stop
+from gpud.life.traffic import drain_and_stop
 from gpud.life.writes import COALESCE_REFUSALS
 
 if TYPE_CHECKING:
@@ -752,13 +752,13 @@ class Orchestrator(DemandView):
             else:
                 # what is left at the drain's bound is told its end before the stop
                 # (/pause?mode=abort: drain_to_stop) where the victim tells_abort
-                cut = self._may_cut(vspec, priority, aborts=tells_abort(vspec))
-                with self.traffic.held(victim):
-                    drained = await drain_to_stop(
-                        self.traffic, victim, vspec, self.svc.config.daemon.drain_timeout_s,
-                        cut=cut, tell=functools.partial(self.sup.sleeps.post, victim, vspec))
-                    await self.sup.stop_job.stop(victim, None, drained=drained)
-                self._cut(victim, name, by, drained.details())
+                drained = await drain_and_stop(
+                    self.traffic, self.sup.stop_job, victim, vspec, None,
+                    self.svc.config.daemon.drain_timeout_s,
+                    cut=self._may_cut(vspec, priority, aborts=tells_abort(vspec)),
+                    tell=functools.partial(self.sup.sleeps.post, victim, vspec))
+                if drained is not None:
+                    self._cut(victim, name, by, drained.details())
         except GpudError as exc:
             log.warning("on-demand %s: eviction for %s refused: %s", victim, name, exc.message,
                         extra={"journal": {"GPUD_SERVE": victim, "GPUD_FOR": name}})

@@ -23,13 +23,12 @@ from gpud.core.actions import Action, preemption, undo_in_reverse
 from gpud.core.lifecycle import ServeLife
 from gpud.core.preempt import Candidate, NoPlan, PreemptPlan, plan_on_roles
 from gpud.core.serverecord import Happened
-from gpud.core.traffic import Drain
 from gpud.core.vocab import RUNNING, DenialBound, EventKind, SleepAction, StepKind
 from gpud.errors import Denied, GpudError
 from gpud.life.locks import Taken
 from gpud.life.service import LedgerService
 from gpud.life.steps import carry_out, undo_all
-from gpud.life.traffic import drain_to_stop
+from gpud.life.traffic import Drains, Stops, drain_and_stop
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -40,14 +39,6 @@ class _NotPreempted(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-
-class Drainer(Protocol):
-    """The requests in flight on a serve (gpud.life.traffic.Traffic, wired by gpud.daemon)."""
-
-    def held(self, serve: str) -> contextlib.AbstractContextManager[None]: ...
-    async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
-    def mark_cut(self, serve: str) -> None: ...
 
 
 class ServesRuntime(Protocol):
@@ -64,13 +55,6 @@ class Starting(Protocol):
                     preempt: bool = False) -> dict[str, Any] | None: ...
 
 
-class Stopping(Protocol):
-    """A stop (gpud.life.supervisor.stop.StopJob)."""
-
-    async def stop(self, serve: str, uid: int | None, *, keep_reservation: bool = False,
-                   idle_s: float | None = None, drained: Drain | None = None) -> None: ...
-
-
 class Returning(Protocol):
     """Memory coming back after stops (gpud.life.supervisor.stop.MemoryReturn)."""
 
@@ -85,7 +69,7 @@ class SupervisorParts(Protocol):
     @property
     def launch_job(self) -> Starting: ...
     @property
-    def stop_job(self) -> Stopping: ...
+    def stop_job(self) -> Stops: ...
     @property
     def memory(self) -> Returning: ...
 
@@ -100,7 +84,7 @@ class Sleeper(Protocol):
     @property
     def serves(self) -> SupervisorParts: ...
     @property
-    def traffic(self) -> Drainer | None: ...
+    def traffic(self) -> Drains | None: ...
     def sleep_mib(self, serve: str, spec: ServeConfig) -> int | None: ...
     async def post(self, serve: str, spec: ServeConfig, path: str) -> None: ...
     def role_lock(self, _role: str) -> Taken: ...
@@ -231,18 +215,14 @@ class Preemption:
                 try:
                     if action.kind == StepKind.SLEEP:
                         await self.sleeps.sleep(step.serve, uid, preempted_by=serve)
-                    elif self.sleeps.traffic is None:
-                        await self.serves.stop_job.stop(step.serve, uid)
                     else:
                         # drained first; what is left at the bound is ended, told where the
                         # serve can be (drain_to_stop), then stopped
                         vspec = self.serves.runtime.spec(step.serve)
-                        with self.sleeps.traffic.held(step.serve):
-                            drained = await drain_to_stop(
-                                self.sleeps.traffic, step.serve, vspec,
-                                self.svc.config.daemon.drain_timeout_s, cut=True,
-                                tell=functools.partial(self.sleeps.post, step.serve, vspec))
-                            await self.serves.stop_job.stop(step.serve, uid, drained=drained)
+                        await drain_and_stop(
+                            self.sleeps.traffic, self.serves.stop_job, step.serve, vspec, uid,
+                            self.svc.config.daemon.drain_timeout_s, cut=True,
+                            tell=functools.partial(self.sleeps.post, step.serve, vspec))
                 except GpudError as exc:
                     raise _NotPreempted(f"{step.serve} could not be preempted: "
                                         f"{exc.message}") from exc

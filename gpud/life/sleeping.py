@@ -44,9 +44,9 @@ from gpud.core.vocab import (
 from gpud.errors import Conflict, GpudError, Refused, StoreError, Unavailable
 from gpud.host.observer import Observer
 from gpud.life.locks import Locks, Rank, Taken
-from gpud.life.preemption import Drainer, Preemption, ServesRuntime, SupervisorParts
+from gpud.life.preemption import Preemption, ServesRuntime, SupervisorParts
 from gpud.life.service import LedgerService
-from gpud.life.traffic import refuse_cut
+from gpud.life.traffic import Drains, refuse_cut
 
 log = logging.getLogger("gpud.sleeping")
 
@@ -116,7 +116,7 @@ class Sleeps:
                  host_memory: Callable[[], int | None],
                  weights: Callable[[str], int | None] = lambda _serve: None,
                  graphs: Callable[[str], int | None] = lambda _serve: None,
-                 traffic: Drainer | None = None) -> None:
+                 traffic: Drains | None = None) -> None:
         self.serves = serves
         # What is in flight on a serve: a preemption drains it first (gpud.life.traffic, from
         # gpud.daemon; None in tests that run without it).

@@ -162,10 +162,18 @@ ABORT_PATH: Final = "/pause?mode=abort"
 
 
 class Drains(Protocol):
-    """A drain, and the note of a cut (Traffic.drain, Traffic.mark_cut)."""
+    """A hold, a drain, and the note of a cut (Traffic.held, Traffic.drain, Traffic.mark_cut)."""
 
+    def held(self, serve: str) -> contextlib.AbstractContextManager[None]: ...
     async def drain(self, serve: str, spec: ServeConfig, bound_s: float) -> Drain: ...
     def mark_cut(self, serve: str) -> None: ...
+
+
+class Stops(Protocol):
+    """A stop (gpud.life.supervisor.stop.StopJob)."""
+
+    async def stop(self, serve: str, uid: int | None, *, keep_reservation: bool = False,
+                   idle_s: float | None = None, drained: Drain | None = None) -> None: ...
 
 
 async def drain_to_stop(drainer: Drains, serve: str, spec: ServeConfig, bound_s: float, *,
@@ -189,4 +197,23 @@ async def drain_to_stop(drainer: Drains, serve: str, spec: ServeConfig, bound_s:
         except GpudError as exc:
             log.warning("serve %s: %s request(s) in flight not told their end (%s): its stop "
                         "ends them", serve, drained.after, exc.message)
+    return drained
+
+
+async def drain_and_stop(drainer: Drains | None, stopper: Stops, serve: str, spec: ServeConfig,
+                         uid: int | None, bound_s: float, *, cut: bool,
+                         tell: Callable[[str], Awaitable[None]], idle_s: float | None = None,
+                         keep_reservation: bool = False) -> Drain | None:
+    """Stop SERVE after its drain (drain_to_stop), held all the while so that the front lets
+    nothing new through to it: the one way gpud stops a serve that may have requests in flight
+    (a queue's eviction, a preemption, an idle stop, an operator's stop). Without a drainer
+    (gpud runs without the in-flight reader), the stop alone. Returns the drain's account, said
+    in the stop's event."""
+    if drainer is None:
+        await stopper.stop(serve, uid, keep_reservation=keep_reservation, idle_s=idle_s)
+        return None
+    with drainer.held(serve):
+        drained = await drain_to_stop(drainer, serve, spec, bound_s, cut=cut, tell=tell)
+        await stopper.stop(serve, uid, keep_reservation=keep_reservation, idle_s=idle_s,
+                           drained=drained)
     return drained

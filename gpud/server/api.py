@@ -142,20 +142,15 @@ class StartPart(Protocol):
                     preempt: bool = False) -> dict[str, Any] | None: ...
 
 
-class StopPart(Protocol):
-    async def stop(self, serve: str, uid: int | None) -> None: ...
-
-
 class Supervisor(Protocol):
     """The supervisor's parts the API asks (gpud.life.supervisor.Supervisor): the sleeps, a
-    start, a stop, and its own restart."""
+    start, and its own stop and restart (an operator's)."""
 
     @property
     def sleeps(self) -> SleepControl: ...
     @property
     def launch_job(self) -> StartPart: ...
-    @property
-    def stop_job(self) -> StopPart: ...
+    async def stop(self, serve: str, uid: int | None) -> None: ...
     async def restart(self, serve: str, uid: int | None) -> None: ...
 
 
@@ -618,7 +613,7 @@ class Api:
             # Checked before the stop: a serve that holds nothing is not stopped by a release.
             if held is None:
                 raise Conflict(f"serve {name!r} holds no reservation", {"serve": name})
-            await self.supervisor.stop_job.stop(name, uid)
+            await self.supervisor.stop(name, uid)
             res = held
         else:  # nothing of gpud's to stop (or no supervisor): the plain, guarded release
             res = await self.svc.release(name, uid=uid)
@@ -657,7 +652,7 @@ class Api:
                 return json_response({**self._serve_view(name),
                                       "preemption": (carried or {}).get("preemption")})
         elif action == "stop":
-            await sup.stop_job.stop(name, uid)
+            await sup.stop(name, uid)
         else:
             await sup.restart(name, uid)
         return json_response(self._serve_view(name))

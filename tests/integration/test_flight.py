@@ -44,9 +44,11 @@ def flight_config(daemon: str = "") -> str:
                f"front = true\nsleep_level = 1\nsleep_mib = 800\n{DEV}"
                f"command = {standin_uds(*sleeper, *tokens)}\n")
     # a preemption's victim that is stopped, not put to sleep (in vLLM's dev mode, as gpud runs
-    # a fronted vllm serve: what outlasts the drain is told its end, /pause?mode=abort)
+    # a fronted vllm serve: what outlasts the drain is told its end, /pause?mode=abort); an
+    # operator's stop gives what is in flight 2 s (launch.stop_budget of its stop_timeout_s)
     serves += (f'[serves.ls]\nrole = "r"\nvram_mib = 12000\npriority = 50\nport = {LS}\n'
-               f'front = true\npreemptible = "stop"\n{DEV}command = {standin_uds(*tokens)}\n')
+               f'front = true\npreemptible = "stop"\nstop_timeout_s = 6\n{DEV}'
+               f"command = {standin_uds(*tokens)}\n")
     serves += (f'[serves.hi]\nrole = "r"\nvram_mib = 20000\npriority = 10\nport = {HI}\n'
                f"command = {standin()}\n")
     return sim_config('[roles.r]\ndevice = "GPU-sim-0"\nreserve_mib = 1000\n', serves,
@@ -253,6 +255,35 @@ def test_a_preemption_by_stop_tells_what_outlasts_the_drain_bound(flight: Sandbo
     drained = stopped[-1]["details"]["in_flight"]
     assert (drained["outcome"], drained["before"], drained["after"]) == ("aborted", 1, 1), stopped
     gpud.wait_state("hi", "running")
+
+
+def test_an_operators_stop_tells_what_outlasts_the_serves_shutdown_bound(
+        flight: SandboxGpud) -> None:
+    """`gpuctl stop` of a serve that can be told (dev mode, behind its front): what is in flight
+    has the serve's own shutdown bound to finish (launch.stop_budget: 2 s of ls's 6 s
+    stop_timeout_s), then is told its end (/pause?mode=abort: a last chunk with finish_reason
+    "abort", then [DONE]) before SIGTERM, not cut by the stop (the stand-in exits on SIGTERM
+    with the stream unended; vLLM 0.32 leaves it open with no last chunk)."""
+    gpud = flight
+    assert gpud.call("POST", "/v1/serves/ls/start", {}).status == 200
+    gpud.wait_state("ls", "running")
+    stream = Stream(gpud, LS, 100)  # 20 s
+    wait_until(lambda: gpud.serve("ls")["in_flight"] == 1, timeout=10, what="stream counted")
+    began = time.monotonic()
+    reply = gpud.call("POST", "/v1/serves/ls/stop", {})
+    took = time.monotonic() - began
+    assert reply.status == 200, reply.raw
+    stream.thread.join(30)
+    assert '"finish_reason": "abort"' in stream.out and "data: [DONE]" in stream.out, stream.out
+    assert stream.out.rstrip().endswith("curl-exit=0"), stream.out
+    assert stream.out.count("data: {") < 100, stream.out  # not run to its end
+    stopped = [e for e in gpud.events(kind="stop", serve="ls") if "in_flight" in e["details"]]
+    assert len(stopped) == 1, gpud.events(kind="stop", serve="ls")
+    drained = stopped[0]["details"]["in_flight"]
+    assert (drained["outcome"], drained["before"], drained["after"], drained["bound_s"]) == \
+        ("aborted", 1, 1, 2), stopped
+    assert took >= 2, took  # the stream had its bound first
+    assert gpud.serve("ls")["state"] == "declared"  # stopped, its reservation released
 
 
 @pytest.mark.parametrize("flight", ["drain_timeout_s = 1"], indirect=True)

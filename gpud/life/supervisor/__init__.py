@@ -22,17 +22,19 @@ task, and what the service asks of its supervision (gpud.life.service.Supervisio
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 from gpud.config import Config
+from gpud.core.launch import stop_budget, tells_abort
+from gpud.core.vocab import RUNNING
 from gpud.host.hostmem import host_memory
 from gpud.host.observer import Observer
 from gpud.host.unit_journal import read_exit_lines
 from gpud.host.unit_properties import host_home
 from gpud.host.units import SystemdUnits
-from gpud.life.preemption import Drainer
 from gpud.life.reconciling import Reconciler
 from gpud.life.service import LedgerService
 from gpud.life.sleeping import Sleeps
@@ -51,6 +53,7 @@ from gpud.life.supervisor.health import HealthJob, HttpProbe
 from gpud.life.supervisor.launch import LaunchJob
 from gpud.life.supervisor.stop import MemoryReturn, StopJob
 from gpud.life.supervisor.watch import UnitWatch
+from gpud.life.traffic import Drains, drain_and_stop
 
 __all__ = ["OUTSIDE_STOP", "UNCALIBRATED", "UNIT_JOB_TIMEOUT_S", "CalibrationSource", "Handles",
            "ServeClients", "Supervisor", "make_supervisor"]
@@ -67,7 +70,7 @@ class Supervisor:
                  home_of: Callable[[str], str | None] = host_home,
                  prober: Prober | None = None,
                  clients: ServeClients | None = None,
-                 traffic: Drainer | None = None,
+                 traffic: Drains | None = None,
                  ) -> None:
         self.svc = svc
         self.units = units
@@ -122,8 +125,24 @@ class Supervisor:
     # of its supervision (gpud.life.service.Supervision). The rest of gpud asks the part that
     # does the work: `runtime` (the serves' handles, lives, locks, specs), `launch_job`,
     # `stop_job`, `health_job`, `boot_job`, `memory`, `sleeps`, `reconciler`.
+    async def stop(self, serve: str, uid: int | None, *, keep_reservation: bool = False) -> None:
+        """An operator's stop (`gpuctl stop`, a release that stops, a restart). A running serve
+        that can be told the end of its requests (gpud.core.launch.tells_abort) is drained
+        first for as long as its own shutdown would let them finish (`--shutdown-timeout`:
+        stop_budget), and what is still in flight then is told its end (drain_to_stop) rather
+        than cut by the stop: vLLM 0.32 on SIGTERM leaves a stream open with no last chunk.
+        Any other serve is stopped at once, its own shutdown draining what it can."""
+        spec = self.svc.serve_spec(serve)
+        if spec is None or not tells_abort(spec) or self.svc.state_of(serve) != RUNNING:
+            await self.stop_job.stop(serve, uid, keep_reservation=keep_reservation)
+            return
+        drain_s, _worker_s = stop_budget(spec.stop_timeout_s)
+        await drain_and_stop(self.sleeps.traffic, self.stop_job, serve, spec, uid, drain_s,
+                             cut=True, tell=functools.partial(self.sleeps.post, serve, spec),
+                             keep_reservation=keep_reservation)
+
     async def restart(self, serve: str, uid: int | None) -> None:
-        await self.stop_job.stop(serve, uid, keep_reservation=True)
+        await self.stop(serve, uid, keep_reservation=True)
         await self.launch_job.start(serve, uid)
 
     def bringup(self, serve: str) -> asyncio.Task[None] | None:
@@ -160,6 +179,6 @@ def make_supervisor(svc: LedgerService, cfg: Config, *, observer: Observer,
                     notify: Callable[[str], None],
                     calibrated: CalibrationSource = UNCALIBRATED,
                     clients: ServeClients | None = None,
-                    traffic: Drainer | None = None) -> Supervisor:
+                    traffic: Drains | None = None) -> Supervisor:
     return Supervisor(svc, SystemdUnits(), observer, notify=notify, calibrated=calibrated,
                       clients=clients, traffic=traffic)
