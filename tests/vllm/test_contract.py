@@ -425,11 +425,18 @@ def waiting(port: int) -> int:
     return requests(port, "waiting")
 
 
-def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+def seen(check: Callable[[], bool], timeout: float = 60) -> bool:
+    """Whether CHECK came true within TIMEOUT seconds."""
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, what
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.01)
+    return True
+
+
+def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    assert seen(check, timeout), what
 
 
 def holding(port: int) -> Streamed:
@@ -448,23 +455,27 @@ def held_while(port: int, *stages: tuple[str, Callable[[], Streamed], int]
     requests at the stage's figure) while the holder still runs: the test's premise, checked.
     The holder's HOLD tokens outlast any setup on an idle machine, but a loaded one has let it
     run to its end before the next request reached the engine (a 60 s wait for a count that
-    could no longer come): then the try is drained and made again, at most TRIES times, and the
-    wait for a count ends as soon as the holder does."""
+    could no longer come), and a full run once saw no count for 60 s while the holder ran:
+    then the try is ended (every request of it hung up, the engine left empty) and made again,
+    at most TRIES times, and the wait for a count ends as soon as the holder does."""
+    missed: list[str] = []
     for _ in range(TRIES):
         holder = holding(port)
         made: list[Streamed] = []
         for what, make, count in stages:
             made.append(make())
-            until(what, lambda count=count, holder=holder: waiting(port) == count
-                  or holder.done is not None)
-            if holder.done is not None:
+            if not seen(lambda count=count, holder=holder: waiting(port) == count
+                        or holder.done is not None) or holder.done is not None:
+                missed.append(what if holder.done is None else f"{what} (the holder ended)")
                 break
-        if holder.done is None:
+        else:
             return holder, made
-        for request in made:
-            request.join(120)
-    pytest.fail(f"the holder of the one place ran to its end before the others waited, "
-                f"{TRIES} times in a row")
+        for request in (*made, holder):
+            request.hang_up()
+        until("the engine empty again", lambda: waiting(port) == 0
+              and requests(port, "running") == 0)
+    pytest.fail(f"the others never all waited while the holder of the one place ran, {TRIES} "
+                f"times in a row: {missed}")
 
 
 def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
