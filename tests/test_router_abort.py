@@ -131,6 +131,10 @@ def rig() -> Iterator[Rig]:
             self.end_headers()
             user = str(doc.get("user"))
             where = user.partition(":")[2]
+            if "note" in doc and not user.startswith("cut"):
+                # gpud's note of a cut before this stream began, whatever it holds
+                cuts.mkdir(exist_ok=True)
+                (cuts / "m").write_text(doc["note"])
             for event in _events(self.path, doc):
                 # each event in two writes: the one that says the stream was cut too, at its
                 # middle, inside the mark the router looks for, or between its blank line's two
@@ -142,7 +146,7 @@ def rig() -> Iterator[Rig]:
                     assert seen.wait(10), "the client never had the stream's first event"
                     seen.clear()
                     cuts.mkdir(exist_ok=True)
-                    (cuts / "m").write_text(str(int(time.time() * 1000)))
+                    (cuts / "m").write_text(doc.get("note", str(time.time_ns())))
                 if where != "middle" and last:
                     half = (event.index(b'completed') if where == "mark" else len(event) - 1)
                 if where != "middle" and (b'"abort"' in event or b'"delta":{"stop_reason":null' in event):
@@ -169,14 +173,16 @@ def rig() -> Iterator[Rig]:
 
 
 def _stream(port: int, route: str, user: str, stream: bool = True,
-            seen: threading.Event | None = None) -> bytes:
+            seen: threading.Event | None = None, note: str | None = None) -> bytes:
     """The answer, whole; with SEEN, set once its first event came (a cut /v1/responses
-    stream's serve waits for it)."""
+    stream's serve waits for it); with NOTE, what the serve writes as gpud's note of a cut
+    (before the stream's first bytes unless the stream is cut)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("POST", route, headers={"Content-Type": "application/json"},
                      body=json.dumps({"model": "m", "stream": stream, "user": user,
-                                      "max_tokens": 2, "messages": []}))
+                                      "max_tokens": 2, "messages": [],
+                                      **({} if note is None else {"note": note})}))
         resp = conn.getresponse()
         answer = b""
         if seen is not None:
@@ -272,6 +278,24 @@ def test_a_stream_that_ends_as_streams_end_is_passed_as_it_came(rig: Rig, door: 
     assert _stream(port, route, "cut:middle" if route == "/v1/responses" else "whole",
                    seen=rig.seen if route == "/v1/responses" else None)
     assert _stream(port, route, "whole") == b"".join(_events(route, {"user": "whole"}))
+
+
+@pytest.mark.parametrize("door", ["router", "front"])
+def test_a_responses_stream_is_told_by_the_order_of_the_notes_not_by_a_clock(rig: Rig,
+                                                                            door: str) -> None:
+    """A note is told apart from an earlier one by being new, not by the time it holds: a note
+    written just before a stream began, in the same millisecond or by a clock ahead of the
+    router's, says nothing of it (a full CI run once saw a whole stream told, its note and its
+    first bytes in one millisecond); one written during a stream, by a clock set back since,
+    tells it."""
+    port = rig.router if door == "router" else rig.front
+    whole = b"".join(responses_events())
+    ahead = str(time.time_ns() + 3600 * 10**9)
+    assert _stream(port, "/v1/responses", "whole", note=ahead) == whole
+    assert _stream(port, "/v1/responses", "whole",
+                   note=str((time.time_ns() + 10**6) // 10**6)) == whole
+    answer = _stream(port, "/v1/responses", "cut:middle", seen=rig.seen, note="1")
+    assert answer.startswith(whole) and [n for n, _ in _sse(answer[len(whole):])] == ["error"]
 
 
 @pytest.mark.parametrize("door", ["router", "front"])

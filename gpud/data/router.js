@@ -1519,28 +1519,34 @@ function countedText(r) {
 // an event named "error" as the status error of its data). On /v1/responses vLLM 0.32 ends
 // an aborted stream as a whole one (response.completed, its status "cancelled" only for a
 // Harmony model: openai/responses/serving.py), so the stream alone cannot tell: gpud notes
-// when it ends what is in flight on a serve (CUT_DIR, one file per serve, written just before
-// the abort: gpud.life.traffic.Traffic.mark_cut), and a stream whose first bytes came
-// before that note gets an error event after its response.completed: `event: error`, its data
+// when it ends what is in flight on a serve (CUT_DIR, one file per serve, written anew just
+// before each abort: gpud.life.traffic.Traffic.mark_cut), and a stream whose note changed
+// between its first bytes and its end (read at both: an order, never two clocks' readings
+// compared, which a tie in the same millisecond or a clock set back would turn) gets an error
+// event after its response.completed: `event: error`, its data
 // the Responses API's error event (type, code, message, param) with OpenAI's error document
 // under `error` (openai-python's Stream raises an event whose data has "error" as its
-// APIError). The filter's VM is this answer's own: `aborting`, `abortTold`, `aBegan` too.
+// APIError). The filter's VM is this answer's own: `aborting`, `abortTold`, `aNote` too.
 var ABORTS = null, MESSAGES_ABORTS = null, RESPONSES_END = null;
 var ABORT_CARRY = 32;
-var aborting = false, abortTold = false, aCarry = '', aLooked = false, aBegan = 0;
-// Whether gpud ended what was in flight on this answer's serve since the answer's first bytes
-// came (its note in CUT_DIR, the epoch in milliseconds; none: never).
-function cutSince(r) {
-    var serve = r.variables.router_serve, at;
+var aborting = false, abortTold = false, aCarry = '', aLooked = false, aNote = '';
+// gpud's note of the last time it ended what was in flight on this answer's serve (its file
+// in CUT_DIR, new at each cut), '' for none.
+function cutNote(r) {
+    var serve = r.variables.router_serve;
     if (!CUT_DIR || !serve) {
-        return false;
+        return '';
     }
     try {
-        at = Number(fs.readFileSync(CUT_DIR + '/' + serve, 'utf8'));
+        return fs.readFileSync(CUT_DIR + '/' + serve, 'utf8');
     } catch (e) {
-        return false;
+        return '';
     }
-    return at >= aBegan;
+}
+// Whether gpud ended what was in flight on this answer's serve since the answer's first bytes
+// came (its note then, aNote, is not its note now).
+function cutSince(r) {
+    return cutNote(r) !== aNote;
 }
 // The last ABORT_CARRY bytes seen, CARRY's then DATA's (a buffer may be shorter than a mark).
 function carried(carry, data) {
@@ -1580,7 +1586,9 @@ function abortEvent(r, data) {
     }
     if (!aLooked) {
         aLooked = true;
-        aBegan = Date.now();
+        if (r.uri === '/v1/responses') {
+            aNote = cutNote(r);
+        }
         if (data[0] === 0x7b) {  // a single answer (JSON), not a stream: nothing to tell
             abortTold = true;
             return data;

@@ -79,16 +79,18 @@ class Traffic:
 
     def mark_cut(self, serve: str) -> None:
         """Note, just before gpud ends what is in flight on SERVE (a sleep's or a pause's
-        mode=abort), when it did so: the wall clock's epoch in milliseconds, in SERVE's file of
-        the cut directory (gpud.nginx.router.cut_dir), which the router's script reads at the
-        end of a /v1/responses stream to tell one that began before it (vLLM 0.32 ends an
-        aborted one as a whole one: router.js cutSince). Only with a router; a file that
-        cannot be written is said in the journal, and the abort goes on."""
+        mode=abort), that it does so: SERVE's file of the cut directory
+        (gpud.nginx.router.cut_dir) written anew, the wall clock's epoch in nanoseconds, so
+        that no two notes are the same. The router's script reads it at the first bytes and
+        at the end of a /v1/responses stream, and tells one whose note changed between them
+        (vLLM 0.32 ends an aborted one as a whole one: router.js cutSince): an order, which no
+        tie and no clock set back can turn. Only with a router; a file that cannot be written
+        is said in the journal, and the abort goes on."""
         if self.svc.config.router is None:
             return
         where = Path(cut_dir(self.svc.config.daemon)) / serve
         try:
-            write_atomically(where, str(int(time.time() * 1000)), mode=0o644)
+            write_atomically(where, str(time.time_ns()), mode=0o644)
         except GpudError as exc:
             log.warning("serve %s: cannot note the end of its requests in flight for the "
                         "router (%s): a /v1/responses stream among them is not told",

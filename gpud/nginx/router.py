@@ -69,10 +69,11 @@ def awake_dir(d: DaemonConfig) -> str:
 
 
 def cut_dir(d: DaemonConfig) -> str:
-    """Where gpud keeps, per serve, when it last ended what was in flight on it (the epoch in
-    milliseconds, written just before the abort: gpud.life.traffic.Traffic.mark_cut), for the
-    router's script to tell a /v1/responses stream that vLLM ends as a whole one (router.js
-    cutSince). Root's, readable by the front's group."""
+    """Where gpud keeps, per serve, a note written anew each time it ends what is in flight on
+    it (the epoch in nanoseconds, just before the abort: gpud.life.traffic.Traffic.mark_cut),
+    for the router's script to tell a /v1/responses stream that vLLM ends as a whole one: one
+    whose note changed between its first bytes and its end (router.js cutSince). Root's,
+    readable by the front's group."""
     return f"{d.front_dir.rstrip('/')}/cut"
 
 
