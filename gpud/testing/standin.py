@@ -254,6 +254,9 @@ class Options(NamedTuple):
     # order (vllm/config/scheduler.py: max_num_seqs, policy "fcfs" | "priority")
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
+    # --enable-log-requests: "Added request ID." once a request is in the engine's queue, as
+    # vllm/v1/engine/async_llm.py (0.32) logs it once it sent the request to its engine core
+    log_requests: bool = False
     # vLLM's --runner ("generate" or "pooling"; "auto" is generate: the stand-in's model is
     # a generator unless told) and --convert ("embed" or "classify" for a pooling serve)
     runner: str = "generate"
@@ -516,6 +519,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS,
                    metavar="N")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--runner", choices=RUNNERS, default="auto")
     p.add_argument("--convert", choices=CONVERTS, default="auto")
     p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
@@ -628,6 +632,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         vllm_version=version,
         max_num_seqs=ns.max_num_seqs,
         scheduling_policy=ns.scheduling_policy,
+        log_requests=ns.enable_log_requests,
         runner="pooling" if ns.runner == "pooling" or ns.convert in ("embed", "classify")
         else "generate",
         convert="classify" if ns.convert == "classify" else "embed",
@@ -948,8 +953,9 @@ class _Engine:
     kept to the request's end."""
 
     def __init__(self, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", log_requests: bool = False) -> None:
         self.cond = threading.Condition()
+        self.log_requests = log_requests
         self.max_num_seqs = max_num_seqs
         self.policy = policy
         self.running = 0
@@ -965,6 +971,9 @@ class _Engine:
         with self.cond:
             ticket = (priority if self.policy == "priority" else 0, next(self._arrivals))
             heapq.heappush(self.queue, ticket)
+            if self.log_requests:
+                print(f"(APIServer pid={os.getpid()}) INFO Added request req-{ticket[1]}.",
+                      file=sys.stdout, flush=True)
             while self.paused or self.running >= self.max_num_seqs or self.queue[0] != ticket:
                 self.cond.wait()
             heapq.heappop(self.queue)
@@ -1074,7 +1083,7 @@ class App:
         self.weights = "loaded"
         # Set by the main process: tells the engine child to sleep (level) or wake (None).
         self.on_sleep: Callable[[int | None], None] | None = None
-        self.engine = _Engine(opts.max_num_seqs, opts.scheduling_policy)
+        self.engine = _Engine(opts.max_num_seqs, opts.scheduling_policy, opts.log_requests)
         self._ids = itertools.count(1)
         Route = tuple[tuple[str, ...], Callable[[Request], Response]]
         self._routes: dict[str, Route] = {

@@ -71,8 +71,10 @@ from tests.vllm.servers import (
 # the tiny model's max_position_embeddings: at 2048, a loaded machine let the holder's 2000
 # tokens (under 8 s on the CPU here) end before the next request reached the engine
 MAIN_MAX_MODEL_LEN = 16384
+# --enable-log-requests: each request's "Added request ID." once it is in the engine's queue
+# (queued reads them)
 SCHEDULER = ("--max-num-seqs", "1", "--scheduling-policy", "priority",
-             "--max-model-len", str(MAIN_MAX_MODEL_LEN))
+             "--max-model-len", str(MAIN_MAX_MODEL_LEN), "--enable-log-requests")
 STANDIN_PACE = ("--token-interval-s", "0.005")
 
 
@@ -439,51 +441,51 @@ def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
     assert seen(check, timeout), what
 
 
-def holding(port: int) -> Streamed:
-    """A request that holds the engine's one place until the test hangs it up."""
-    holder = Streamed(port, HOLD)
-    until("the holder's first token", lambda: holder.first is not None)
-    return holder
+def added(server: Server) -> int:
+    """How many requests SERVER's API server sent to its engine: its "Added request ID."
+    lines (--enable-log-requests; vllm/v1/engine/async_llm.py AsyncLLM.add_request, once
+    the request is sent to the engine core)."""
+    return server.output().count("Added request ")
 
 
-TRIES = 3
-
-
-def held_while(port: int, *stages: tuple[str, Callable[[], Streamed], int]
-               ) -> tuple[Streamed, list[Streamed]]:
-    """A holder, then each stage's request, each seen waiting (the engine's count of waiting
-    requests at the stage's figure) while the holder still runs: the test's premise, checked.
-    The holder's HOLD tokens outlast any setup on an idle machine, but a loaded one has let it
-    run to its end before the next request reached the engine (a 60 s wait for a count that
-    could no longer come), and a full run once saw no count for 60 s while the holder ran:
-    then the try is ended (every request of it hung up, the engine left empty) and made again,
-    at most TRIES times, and the wait for a count ends as soon as the holder does."""
-    missed: list[str] = []
-    for _ in range(TRIES):
-        holder = holding(port)
-        made: list[Streamed] = []
-        for what, make, count in stages:
+def queued(server: Server, *makes: Callable[[], Streamed]) -> list[Streamed]:
+    """Each of MAKES' requests made in turn, each in the engine's queue before the next is
+    made, while the engine is held paused (`POST /pause?mode=keep`, dev mode: new requests
+    are not scheduled until `/resume`, vllm/v1/engine/async_llm.py pause_generation), then
+    let go: the scheduler gives its one place by its policy, the others counted waiting. Made
+    so and not behind a running holder: a full run saw a request take 60 s to be counted
+    waiting behind a holder streaming thousands of tokens (its API server took 4 to 30 s to
+    receive a request, measured on an idle 2-core machine), where an idle engine takes it at
+    once. Known added by the log, not by the waiting count: a paused engine makes no step, so
+    its counts (sent with a step's outputs) stay as they were."""
+    port, made = server.port, []
+    before = added(server)
+    status, answer = get(port, "/pause?mode=keep", method="POST", timeout=60)
+    assert status == 200, answer
+    try:
+        for make in makes:
             made.append(make())
-            if not seen(lambda count=count, holder=holder: waiting(port) == count
-                        or holder.done is not None) or holder.done is not None:
-                missed.append(what if holder.done is None else f"{what} (the holder ended)")
-                break
-        else:
-            return holder, made
-        for request in (*made, holder):
+            until(f"request {len(made)} in the engine's queue",
+                  lambda: added(server) == before + len(made))
+    except BaseException:
+        for request in made:
             request.hang_up()
-        until("the engine empty again", lambda: waiting(port) == 0
-              and requests(port, "running") == 0)
-    pytest.fail(f"the others never all waited while the holder of the one place ran, {TRIES} "
-                f"times in a row: {missed}")
+        raise
+    finally:
+        status, answer = get(port, "/resume", method="POST", timeout=60)
+        assert status == 200, answer
+    return made
 
 
 def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
     port = pair.main.port
-    # the engine has one place: the second waits (counted waiting) while the holder runs
-    holder, (second,) = held_while(
-        port, ("the second request waiting", lambda: Streamed(port, 2), 1))
-    assert holder.done is None and second.first is None
+    # the engine has one place: the first in line runs (HOLD tokens, ended by the test), the
+    # second waits (counted waiting, not one token) while it runs
+    holder, second = queued(pair.main, lambda: Streamed(port, HOLD),
+                            lambda: Streamed(port, 2))
+    until("the holder's first token", lambda: holder.first is not None)
+    until("the second counted waiting", lambda: waiting(port) == 1)
+    assert second.first is None and holder.done is None
     hung = time.monotonic()
     holder.hang_up()  # the engine aborts it: its place goes to the second
     second.join(120)
@@ -497,14 +499,11 @@ def test_past_max_num_seqs_a_request_waits_for_a_place(pair: Pair) -> None:
 
 def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     port = pair.main.port
-    # each of the two asks for HOLD tokens: the one let in holds the place for as long as the
-    # test needs, and the other gets no token meanwhile
-    holder, (low, high) = held_while(
-        port, ("priority 5 waiting", lambda: Streamed(port, HOLD, priority=5), 1),
-        # came later, lower value
-        ("priority -5 waiting too", lambda: Streamed(port, HOLD, priority=-5), 2))
-    assert holder.done is None, "the holder ended before both waited"
-    holder.hang_up()  # one place, two waiting: the policy picks
+    # two in line for the one place, the later with the lower value; each asks for HOLD
+    # tokens, so the one let in runs for as long as the test needs and the other gets no
+    # token meanwhile
+    low, high = queued(pair.main, lambda: Streamed(port, HOLD, priority=5),
+                       lambda: Streamed(port, HOLD, priority=-5))
     until("one of the two let in", lambda: low.first is not None or high.first is not None)
     # v1/request.py Request.__lt__ (the lower value first) over v1/core/sched/request_queue.py
     # PriorityRequestQueue: the lower value is let in and the other has not one token while it
@@ -514,7 +513,8 @@ def test_the_priority_policy_lets_the_lower_value_in_first(pair: Pair) -> None:
     # machine it fell hundreds of engine steps behind and sent two ends 400 steps apart within
     # 4 ms, in either order.
     assert high.first is not None and low.first is None, "priority 5 was let in before -5"
-    assert waiting(port) == 1 and high.done is None
+    until("the other counted waiting", lambda: waiting(port) == 1)
+    assert low.first is None and high.done is None
     for request in (low, high):  # the waiting one, then the runner: the engine left empty
         request.hang_up()
     until("the engine empty again", lambda: waiting(port) == 0
