@@ -14,6 +14,7 @@ import os
 import shutil
 import socketserver
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -160,6 +161,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+    # What a request line does not say is said on stderr, where a failing test shows it: an
+    # error (a request it could not read, a timeout: http.server closes such a connection with
+    # no answer, which nginx logs as "upstream prematurely closed connection"), and a
+    # connection that ended before its first request line.
+    def log_error(self, format: str, *args: object) -> None:
+        sys.stderr.write(f"{type(self).__name__} {self.client_address}: {format % args}\n")
+
+    def handle(self) -> None:
+        super().handle()
+        if not getattr(self, "requestline", ""):
+            self.log_error("the connection ended before its first request line")
 
 
 def answering(body: bytes) -> type[Handler]:

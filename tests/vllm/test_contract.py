@@ -454,7 +454,7 @@ def queued(server: Server, *makes: Callable[[], Streamed]) -> list[Streamed]:
     are not scheduled until `/resume`, vllm/v1/engine/async_llm.py pause_generation), then
     let go: the scheduler gives its one place by its policy, the others counted waiting. Made
     so and not behind a running holder: a full run saw a request take 60 s to be counted
-    waiting behind a holder streaming thousands of tokens (its API server took 4 to 30 s to
+    waiting behind a holder streaming thousands of tokens (its API server took 4 to 33 s to
     receive a request, measured on an idle 2-core machine), where an idle engine takes it at
     once. Known added by the log, not by the waiting count: a paused engine makes no step, so
     its counts (sent with a step's outputs) stay as they were."""
