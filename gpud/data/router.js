@@ -1586,12 +1586,12 @@ function abortEvent(r, data) {
     }
     if (!aLooked) {
         aLooked = true;
-        if (r.uri === '/v1/responses') {
-            aNote = cutNote(r);
-        }
         if (data[0] === 0x7b) {  // a single answer (JSON), not a stream: nothing to tell
             abortTold = true;
             return data;
+        }
+        if (r.uri === '/v1/responses') {
+            aNote = cutNote(r);
         }
     }
     var end;  // the offset just past the blank line that ends the event in DATA; -1 not in it

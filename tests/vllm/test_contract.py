@@ -427,18 +427,11 @@ def waiting(port: int) -> int:
     return requests(port, "waiting")
 
 
-def seen(check: Callable[[], bool], timeout: float = 60) -> bool:
-    """Whether CHECK came true within TIMEOUT seconds."""
+def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        if time.monotonic() >= deadline:
-            return False
+        assert time.monotonic() < deadline, what
         time.sleep(0.01)
-    return True
-
-
-def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-    assert seen(check, timeout), what
 
 
 def added(server: Server) -> int:
